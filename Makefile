@@ -1,0 +1,36 @@
+# Thin wrapper over CMake. The two commands a new user needs:
+#   make run    build, then run a representative benchmark on the best backend present
+#   make test   build, then run every test (C tests through ctest, Python tests through pytest)
+
+BUILD_DIR ?= build
+PYTHON ?= python3
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+CMAKE_FLAGS ?=
+
+.PHONY: all build run test test-c test-python python-deps clean
+
+all: build
+
+build:
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+	ln -sf $(abspath $(BUILD_DIR))/libflashattn.so python/flashattn/libflashattn.so
+
+run: build
+	$(BUILD_DIR)/flashattn bench --batch 1 --heads 16 --seqlen 2048 --head-dim 128 --dtype fp32
+
+test: build test-c test-python
+
+test-c: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
+
+# The Python tests need numpy, pytest and torch (CPU is enough); install them when missing.
+python-deps:
+	@$(PYTHON) -c "import numpy, pytest, torch" 2>/dev/null || \
+		$(PYTHON) -m pip install -q -r tests/python/requirements.txt
+
+test-python: build python-deps
+	PYTHONPATH=python $(PYTHON) -m pytest -q tests/python
+
+clean:
+	rm -rf $(BUILD_DIR) python/flashattn/libflashattn.so
