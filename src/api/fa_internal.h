@@ -1,0 +1,129 @@
+/*
+ * What every part of the library shares: the export macro, error reporting, and the validated
+ * parameter record that the API layer builds once and every backend reads.
+ */
+#ifndef FA_INTERNAL_H
+#define FA_INTERNAL_H
+
+#include <stdint.h>
+
+#include "flashattn.h"
+
+#define FA_API __attribute__((visibility("default")))
+
+#if defined(__GNUC__)
+#define FA_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define FA_PRINTF(a, b)
+#endif
+
+/* Records the message for fa_last_error() on this thread and returns status. */
+fa_status fa_error_set(fa_status status, const char *fmt, ...) FA_PRINTF(2, 3);
+void fa_error_clear(void);
+
+/*
+ * The forward problem after validation. Strides are in elements. In the dense form every
+ * sequence has max_sq queries and max_sk keys; in the varlen form the batch stride is unused
+ * and rows are token indices offset by cu_seqlens.
+ */
+typedef struct fa_params {
+    fa_dtype dtype;
+    int is_varlen;
+    int64_t b, h, hk, d, dv;
+    int64_t max_sq, max_sk;
+    int64_t total_q; /* rows of q: b * max_sq (dense) or q->shape[0] (varlen) */
+
+    /* q: [b, sq, h, d] or [total_q, h, d] */
+    const void *q;
+    int64_t q_bstride, q_rstride, q_hstride;
+    /* k: [b, sk, hk, d] or [total_k, hk, d] */
+    const void *k;
+    int64_t k_bstride, k_rstride, k_hstride;
+    /* v: [b, sk, hk, dv] or [total_k, hk, dv] */
+    const void *v;
+    int64_t v_bstride, v_rstride, v_hstride;
+    /* out: [b, sq, h, dv] or [total_q, h, dv] */
+    void *out;
+    int64_t o_bstride, o_rstride, o_hstride;
+    /* lse (optional): fp32 [b, h, sq] or [h, total_q] */
+    float *lse;
+    int64_t lse_bstride, lse_hstride, lse_rstride;
+
+    const int32_t *cu_seqlens_q; /* [b+1] */
+    const int32_t *cu_seqlens_k; /* [b+1] */
+    const int32_t *seqused_k;    /* [b] */
+
+    const float *alibi_slopes; /* [h] or [b, h] */
+    int64_t alibi_bstride;     /* 0 for [h] */
+    int64_t alibi_hstride;
+    const float *sinks; /* [h] */
+    int64_t sinks_stride;
+
+    /* probs (optional): [b, h, probs_sq, probs_sk] */
+    void *probs;
+    int64_t p_bstride, p_hstride, p_rstride;
+    int64_t probs_sq, probs_sk;
+    int probs_block_n;
+
+    double scale;
+    double softcap; /* 0: off */
+    int causal;
+    int window_left;  /* -1 unbounded, after folding causal in */
+    int window_right; /* -1 unbounded */
+
+    double dropout_p;
+    uint32_t keep_threshold; /* keep iff the 16-bit number < keep_threshold */
+    double dropout_scale;    /* 1 / (1 - p) */
+    uint64_t seed, offset;
+
+    int num_threads;
+} fa_params;
+
+/* Validates args (naming the argument in the error) and fills p. */
+fa_status fa_params_from_fwd_args(const fa_fwd_args *args, fa_params *p);
+
+/* The rows and keys of sequence i. */
+typedef struct fa_seq {
+    int64_t q_start, k_start; /* first row of q / k */
+    int64_t sq, sk;           /* queries, and keys in use */
+} fa_seq;
+
+static inline fa_seq fa_params_seq(const fa_params *p, int64_t i)
+{
+    fa_seq s;
+    if (p->is_varlen) {
+        s.q_start = p->cu_seqlens_q[i];
+        s.k_start = p->cu_seqlens_k[i];
+        s.sq = p->cu_seqlens_q[i + 1] - p->cu_seqlens_q[i];
+        s.sk = p->seqused_k ? p->seqused_k[i] : p->cu_seqlens_k[i + 1] - p->cu_seqlens_k[i];
+    } else {
+        s.q_start = 0;
+        s.k_start = 0;
+        s.sq = p->max_sq;
+        s.sk = p->max_sk;
+    }
+    return s;
+}
+
+/* The visible keys [*lo, *hi) of query row i in a sequence of sq queries and sk keys. */
+static inline void fa_params_key_range(const fa_params *p, int64_t i, int64_t sq, int64_t sk,
+                                       int64_t *lo, int64_t *hi)
+{
+    int64_t diag = i + sk - sq;
+    int64_t l = p->window_left >= 0 ? diag - p->window_left : 0;
+    int64_t r = p->window_right >= 0 ? diag + p->window_right + 1 : sk;
+    if (l < 0)
+        l = 0;
+    if (r > sk)
+        r = sk;
+    if (r < l)
+        r = l;
+    *lo = l;
+    *hi = r;
+}
+
+/* CPU backend entry points. */
+fa_status fa_cpu_forward(const fa_params *p);
+fa_status fa_cpu_probs(const fa_params *p);
+
+#endif /* FA_INTERNAL_H */

@@ -1,0 +1,351 @@
+/*
+ * Validation: every rule a caller can break is checked here, once, with a message that names the
+ * argument. Backends receive an fa_params they can trust.
+ */
+#include <math.h>
+
+#include "api/fa_internal.h"
+#include "util/fa_philox.h"
+
+#define FA_BAD(...) fa_error_set(FA_STATUS_INVALID_ARGUMENT, __VA_ARGS__)
+
+static int64_t fa_tensor_numel(const fa_tensor *t)
+{
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++)
+        n *= t->shape[i];
+    return n;
+}
+
+static int fa_dtype_is_float(fa_dtype dt)
+{
+    return dt == FA_DTYPE_F32 || dt == FA_DTYPE_F16 || dt == FA_DTYPE_BF16 || dt == FA_DTYPE_F64;
+}
+
+/* Structural checks shared by every tensor argument: present, known dtype, rank, sizes, data. */
+static fa_status fa_check_tensor(const fa_tensor *t, const char *name, int ndim)
+{
+    if (!t)
+        return FA_BAD("%s: tensor is NULL", name);
+    if (t->ndim != ndim)
+        return FA_BAD("%s: expected %d dimensions, got %d", name, ndim, (int)t->ndim);
+    if (t->dtype != FA_DTYPE_F32 && t->dtype != FA_DTYPE_F16 && t->dtype != FA_DTYPE_BF16 &&
+        t->dtype != FA_DTYPE_F64 && t->dtype != FA_DTYPE_I32)
+        return FA_BAD("%s: unknown dtype %d", name, (int)t->dtype);
+    for (int i = 0; i < ndim; i++) {
+        if (t->shape[i] < 0)
+            return FA_BAD("%s: dimension %d has negative size %lld", name, i,
+                          (long long)t->shape[i]);
+        if (t->shape[i] > ((int64_t)1 << 40))
+            return FA_BAD("%s: dimension %d size %lld is too large", name, i,
+                          (long long)t->shape[i]);
+    }
+    if (t->shape[ndim - 1] > 1 && t->stride[ndim - 1] != 1)
+        return FA_BAD("%s: last dimension must be contiguous (stride 1), got stride %lld", name,
+                      (long long)t->stride[ndim - 1]);
+    if (!t->data && fa_tensor_numel(t) > 0)
+        return FA_BAD("%s: data pointer is NULL", name);
+    return FA_STATUS_OK;
+}
+
+static fa_status fa_check_dtype(const fa_tensor *t, const char *name, fa_dtype want,
+                                const char *why)
+{
+    if (t->dtype != want)
+        return FA_BAD("%s: dtype must be %s (%s), got %s", name, fa_dtype_name(want), why,
+                      fa_dtype_name(t->dtype));
+    return FA_STATUS_OK;
+}
+
+static fa_status fa_check_dim(const fa_tensor *t, const char *name, int dim, int64_t want,
+                              const char *what)
+{
+    if (t->shape[dim] != want)
+        return FA_BAD("%s: dimension %d (%s) must be %lld, got %lld", name, dim, what,
+                      (long long)want, (long long)t->shape[dim]);
+    return FA_STATUS_OK;
+}
+
+#define FA_TRY(expr)                                                                             \
+    do {                                                                                         \
+        fa_status fa_try_status_ = (expr);                                                       \
+        if (fa_try_status_ != FA_STATUS_OK)                                                      \
+            return fa_try_status_;                                                               \
+    } while (0)
+
+/* cu_seqlens: int32 [b+1], non-negative, non-decreasing, within total rows and max_seqlen. */
+static fa_status fa_check_cu_seqlens(const fa_tensor *t, const char *name, int64_t b,
+                                     int64_t total, int64_t max_seqlen, const char *max_name)
+{
+    FA_TRY(fa_check_tensor(t, name, 1));
+    FA_TRY(fa_check_dtype(t, name, FA_DTYPE_I32, "sequence offsets"));
+    FA_TRY(fa_check_dim(t, name, 0, b + 1, "batch + 1"));
+    const int32_t *cu = (const int32_t *)t->data;
+    if (cu[0] < 0)
+        return FA_BAD("%s: first offset is negative (%d)", name, cu[0]);
+    for (int64_t i = 0; i < b; i++) {
+        int64_t len = (int64_t)cu[i + 1] - cu[i];
+        if (len < 0)
+            return FA_BAD("%s: offsets must be non-decreasing, but [%lld]=%d > [%lld]=%d", name,
+                          (long long)i, cu[i], (long long)(i + 1), cu[i + 1]);
+        if (len > max_seqlen)
+            return FA_BAD("%s: sequence %lld has length %lld > %s=%lld", name, (long long)i,
+                          (long long)len, max_name, (long long)max_seqlen);
+    }
+    if (cu[b] > total)
+        return FA_BAD("%s: last offset %d is past the tensor's %lld rows", name, cu[b],
+                      (long long)total);
+    return FA_STATUS_OK;
+}
+
+static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
+{
+    const fa_tensor *q = a->q, *k = a->k, *v = a->v, *o = a->out;
+    p->is_varlen = a->cu_seqlens_q != NULL || a->cu_seqlens_k != NULL;
+    if (p->is_varlen && (!a->cu_seqlens_q || !a->cu_seqlens_k))
+        return FA_BAD("%s: the varlen form needs both cu_seqlens_q and cu_seqlens_k",
+                      a->cu_seqlens_q ? "cu_seqlens_k" : "cu_seqlens_q");
+    if (!p->is_varlen && a->seqused_k)
+        return FA_BAD("seqused_k: only allowed in the varlen form (with cu_seqlens_q/k)");
+
+    int nd = p->is_varlen ? 3 : 4;
+    int hd = nd - 2; /* index of the heads dimension */
+    FA_TRY(fa_check_tensor(q, "q", nd));
+    FA_TRY(fa_check_tensor(k, "k", nd));
+    FA_TRY(fa_check_tensor(v, "v", nd));
+    FA_TRY(fa_check_tensor(o, "out", nd));
+
+    if (!fa_dtype_is_float(q->dtype))
+        return FA_BAD("q: dtype must be fp32, fp16, bf16 or fp64, got %s",
+                      fa_dtype_name(q->dtype));
+    if (k->dtype != q->dtype)
+        return FA_BAD("k: dtype %s does not match q's %s", fa_dtype_name(k->dtype),
+                      fa_dtype_name(q->dtype));
+    if (v->dtype != q->dtype)
+        return FA_BAD("v: dtype %s does not match q's %s", fa_dtype_name(v->dtype),
+                      fa_dtype_name(q->dtype));
+    if (o->dtype != q->dtype)
+        return FA_BAD("out: dtype %s does not match q's %s", fa_dtype_name(o->dtype),
+                      fa_dtype_name(q->dtype));
+    p->dtype = q->dtype;
+
+    p->h = q->shape[hd];
+    p->d = q->shape[hd + 1];
+    p->hk = k->shape[hd];
+    p->dv = v->shape[hd + 1];
+    if (p->d < 1 || p->d > FA_MAX_HEAD_DIM)
+        return FA_BAD("q: head_dim must be in [1, %d], got %lld", FA_MAX_HEAD_DIM,
+                      (long long)p->d);
+    if (p->dv < 1 || p->dv > FA_MAX_HEAD_DIM)
+        return FA_BAD("v: head_dim must be in [1, %d], got %lld", FA_MAX_HEAD_DIM,
+                      (long long)p->dv);
+    FA_TRY(fa_check_dim(k, "k", hd + 1, p->d, "head_dim, as q"));
+    if (p->h < 1)
+        return FA_BAD("q: number of heads must be positive, got %lld", (long long)p->h);
+    if (p->hk < 1)
+        return FA_BAD("k: number of heads must be positive, got %lld", (long long)p->hk);
+    if (p->h % p->hk != 0)
+        return FA_BAD("k: number of kv heads (%lld) must divide the number of query heads in q "
+                      "(%lld)",
+                      (long long)p->hk, (long long)p->h);
+    FA_TRY(fa_check_dim(v, "v", hd, p->hk, "kv heads, as k"));
+    FA_TRY(fa_check_dim(o, "out", hd, p->h, "heads, as q"));
+    FA_TRY(fa_check_dim(o, "out", hd + 1, p->dv, "head_dim, as v"));
+
+    if (!p->is_varlen) {
+        p->b = q->shape[0];
+        p->max_sq = q->shape[1];
+        p->max_sk = k->shape[1];
+        if (p->b < 1)
+            return FA_BAD("q: batch size must be positive, got %lld", (long long)p->b);
+        FA_TRY(fa_check_dim(k, "k", 0, p->b, "batch, as q"));
+        FA_TRY(fa_check_dim(v, "v", 0, p->b, "batch, as q"));
+        FA_TRY(fa_check_dim(v, "v", 1, p->max_sk, "seqlen_k, as k"));
+        FA_TRY(fa_check_dim(o, "out", 0, p->b, "batch, as q"));
+        FA_TRY(fa_check_dim(o, "out", 1, p->max_sq, "seqlen_q, as q"));
+        p->total_q = p->b * p->max_sq;
+        p->q_bstride = q->stride[0];
+        p->k_bstride = k->stride[0];
+        p->v_bstride = v->stride[0];
+        p->o_bstride = o->stride[0];
+    } else {
+        FA_TRY(fa_check_tensor(a->cu_seqlens_q, "cu_seqlens_q", 1));
+        p->b = a->cu_seqlens_q->shape[0] - 1;
+        if (p->b < 1)
+            return FA_BAD("cu_seqlens_q: batch size must be positive (needs at least 2 entries, "
+                          "got %lld)",
+                          (long long)a->cu_seqlens_q->shape[0]);
+        if (a->max_seqlen_q < 0)
+            return FA_BAD("max_seqlen_q: must be non-negative, got %lld",
+                          (long long)a->max_seqlen_q);
+        if (a->max_seqlen_k < 0)
+            return FA_BAD("max_seqlen_k: must be non-negative, got %lld",
+                          (long long)a->max_seqlen_k);
+        p->max_sq = a->max_seqlen_q;
+        p->max_sk = a->max_seqlen_k;
+        FA_TRY(fa_check_dim(v, "v", 0, k->shape[0], "total_k, as k"));
+        FA_TRY(fa_check_dim(o, "out", 0, q->shape[0], "total_q, as q"));
+        FA_TRY(fa_check_cu_seqlens(a->cu_seqlens_q, "cu_seqlens_q", p->b, q->shape[0], p->max_sq,
+                                   "max_seqlen_q"));
+        FA_TRY(fa_check_cu_seqlens(a->cu_seqlens_k, "cu_seqlens_k", p->b, k->shape[0], p->max_sk,
+                                   "max_seqlen_k"));
+        p->cu_seqlens_q = (const int32_t *)a->cu_seqlens_q->data;
+        p->cu_seqlens_k = (const int32_t *)a->cu_seqlens_k->data;
+        if (a->seqused_k) {
+            const fa_tensor *u = a->seqused_k;
+            FA_TRY(fa_check_tensor(u, "seqused_k", 1));
+            FA_TRY(fa_check_dtype(u, "seqused_k", FA_DTYPE_I32, "keys used per sequence"));
+            FA_TRY(fa_check_dim(u, "seqused_k", 0, p->b, "batch"));
+            const int32_t *used = (const int32_t *)u->data;
+            for (int64_t i = 0; i < p->b; i++) {
+                int64_t len = p->cu_seqlens_k[i + 1] - p->cu_seqlens_k[i];
+                if (used[i] < 0 || used[i] > len)
+                    return FA_BAD("seqused_k: entry %lld is %d, outside [0, %lld] (the length "
+                                  "of that sequence in cu_seqlens_k)",
+                                  (long long)i, used[i], (long long)len);
+            }
+            p->seqused_k = used;
+        }
+        p->total_q = q->shape[0];
+        p->q_bstride = p->k_bstride = p->v_bstride = p->o_bstride = 0;
+    }
+    p->q = q->data;
+    p->k = k->data;
+    p->v = v->data;
+    p->out = o->data;
+    p->q_rstride = q->stride[hd - 1];
+    p->q_hstride = q->stride[hd];
+    p->k_rstride = k->stride[hd - 1];
+    p->k_hstride = k->stride[hd];
+    p->v_rstride = v->stride[hd - 1];
+    p->v_hstride = v->stride[hd];
+    p->o_rstride = o->stride[hd - 1];
+    p->o_hstride = o->stride[hd];
+    return FA_STATUS_OK;
+}
+
+static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
+{
+    if (a->lse) {
+        const fa_tensor *t = a->lse;
+        if (p->is_varlen) {
+            FA_TRY(fa_check_tensor(t, "lse", 2));
+            FA_TRY(fa_check_dtype(t, "lse", FA_DTYPE_F32, "log-sum-exp is fp32"));
+            FA_TRY(fa_check_dim(t, "lse", 0, p->h, "heads"));
+            FA_TRY(fa_check_dim(t, "lse", 1, p->total_q, "total_q"));
+            p->lse_bstride = 0;
+            p->lse_hstride = t->stride[0];
+            p->lse_rstride = t->stride[1];
+        } else {
+            FA_TRY(fa_check_tensor(t, "lse", 3));
+            FA_TRY(fa_check_dtype(t, "lse", FA_DTYPE_F32, "log-sum-exp is fp32"));
+            FA_TRY(fa_check_dim(t, "lse", 0, p->b, "batch"));
+            FA_TRY(fa_check_dim(t, "lse", 1, p->h, "heads"));
+            FA_TRY(fa_check_dim(t, "lse", 2, p->max_sq, "seqlen_q"));
+            p->lse_bstride = t->stride[0];
+            p->lse_hstride = t->stride[1];
+            p->lse_rstride = t->stride[2];
+        }
+        p->lse = (float *)t->data;
+    }
+    if (a->alibi_slopes) {
+        const fa_tensor *t = a->alibi_slopes;
+        if (!t || (t->ndim != 1 && t->ndim != 2))
+            return FA_BAD("alibi_slopes: must have shape [h] or [b, h], got %d dimensions",
+                          t ? (int)t->ndim : 0);
+        FA_TRY(fa_check_tensor(t, "alibi_slopes", t->ndim));
+        FA_TRY(fa_check_dtype(t, "alibi_slopes", FA_DTYPE_F32, "one slope per head"));
+        if (t->ndim == 1) {
+            FA_TRY(fa_check_dim(t, "alibi_slopes", 0, p->h, "heads"));
+            p->alibi_bstride = 0;
+            p->alibi_hstride = t->stride[0];
+        } else {
+            FA_TRY(fa_check_dim(t, "alibi_slopes", 0, p->b, "batch"));
+            FA_TRY(fa_check_dim(t, "alibi_slopes", 1, p->h, "heads"));
+            p->alibi_bstride = t->stride[0];
+            p->alibi_hstride = t->stride[1];
+        }
+        p->alibi_slopes = (const float *)t->data;
+    }
+    if (a->sinks) {
+        FA_TRY(fa_check_tensor(a->sinks, "sinks", 1));
+        FA_TRY(fa_check_dtype(a->sinks, "sinks", FA_DTYPE_F32, "one logit per head"));
+        FA_TRY(fa_check_dim(a->sinks, "sinks", 0, p->h, "heads"));
+        p->sinks = (const float *)a->sinks->data;
+        p->sinks_stride = a->sinks->stride[0];
+    }
+    if (a->probs) {
+        const fa_tensor *t = a->probs;
+        FA_TRY(fa_check_tensor(t, "probs", 4));
+        if (t->dtype != p->dtype)
+            return FA_BAD("probs: dtype %s does not match q's %s", fa_dtype_name(t->dtype),
+                          fa_dtype_name(p->dtype));
+        FA_TRY(fa_check_dim(t, "probs", 0, p->b, "batch"));
+        FA_TRY(fa_check_dim(t, "probs", 1, p->h, "heads"));
+        if (t->shape[2] < p->max_sq || t->shape[3] < p->max_sk)
+            return FA_BAD("probs: must be at least [%lld, %lld, %lld, %lld], got [.., .., %lld, "
+                          "%lld]",
+                          (long long)p->b, (long long)p->h, (long long)p->max_sq,
+                          (long long)p->max_sk, (long long)t->shape[2], (long long)t->shape[3]);
+        p->probs = t->data;
+        p->p_bstride = t->stride[0];
+        p->p_hstride = t->stride[1];
+        p->p_rstride = t->stride[2];
+        p->probs_sq = t->shape[2];
+        p->probs_sk = t->shape[3];
+    }
+    return FA_STATUS_OK;
+}
+
+static fa_status fa_check_options(const fa_fwd_args *a, fa_params *p)
+{
+    if (isnan(a->softmax_scale))
+        p->scale = 1.0 / sqrt((double)p->d);
+    else if (!isfinite(a->softmax_scale))
+        return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
+    else
+        p->scale = a->softmax_scale;
+
+    if (isnan(a->softcap) || isinf(a->softcap))
+        return FA_BAD("softcap: must be a finite number (<= 0 disables it)");
+    p->softcap = a->softcap > 0 ? a->softcap : 0.0;
+
+    if (a->window_left < -1)
+        return FA_BAD("window_left: must be -1 (unbounded) or >= 0, got %d", a->window_left);
+    if (a->window_right < -1)
+        return FA_BAD("window_right: must be -1 (unbounded) or >= 0, got %d", a->window_right);
+    p->causal = a->causal != 0;
+    p->window_left = a->window_left;
+    p->window_right = p->causal ? 0 : a->window_right;
+
+    if (!(a->dropout_p >= 0.0 && a->dropout_p < 1.0))
+        return FA_BAD("dropout_p: must be in [0, 1), got %g", a->dropout_p);
+    if (a->dropout_p > 0.0 && p->softcap > 0.0)
+        return FA_BAD("dropout_p: dropout cannot be combined with softcap (softcap=%g)",
+                      a->softcap);
+    p->dropout_p = a->dropout_p;
+    p->keep_threshold = fa_dropout_threshold(a->dropout_p);
+    p->dropout_scale = 1.0 / (1.0 - a->dropout_p);
+    p->seed = a->seed;
+    p->offset = a->offset;
+
+    if (a->num_threads < 0)
+        return FA_BAD("num_threads: must be >= 0 (0 = default), got %d", a->num_threads);
+    p->num_threads = a->num_threads > 0 ? a->num_threads : fa_cpu_default_threads();
+    return FA_STATUS_OK;
+}
+
+fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
+{
+    *p = (fa_params){0};
+    if (!a)
+        return FA_BAD("args: NULL");
+    if (a->device < FA_DEVICE_CPU)
+        return FA_BAD("device: must be FA_DEVICE_CPU (-1) or a CUDA ordinal, got %d", a->device);
+    FA_TRY(fa_check_inputs(a, p));
+    FA_TRY(fa_check_options(a, p));
+    FA_TRY(fa_check_extras(a, p));
+    if (p->probs)
+        p->probs_block_n = fa_probs_block_n((int)p->d, p->dropout_p > 0.0, p->causal);
+    return FA_STATUS_OK;
+}

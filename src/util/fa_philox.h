@@ -1,0 +1,53 @@
+/*
+ * Counter-based Philox4x32-10: the dropout keep bit of an element is a pure function of
+ * (seed, offset, batch, head, row, col), so every backend and every tile size draws the same mask.
+ * The mapping is documented with fa_dropout_keep() in flashattn.h.
+ */
+#ifndef FA_PHILOX_H
+#define FA_PHILOX_H
+
+#include <stdint.h>
+
+typedef struct fa_philox4 {
+    uint32_t w[4];
+} fa_philox4;
+
+static inline fa_philox4 fa_philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                          uint32_t k0, uint32_t k1)
+{
+    for (int round = 0; round < 10; round++) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * c0;
+        uint64_t p1 = (uint64_t)0xCD9E8D57u * c2;
+        uint32_t hi0 = (uint32_t)(p0 >> 32), lo0 = (uint32_t)p0;
+        uint32_t hi1 = (uint32_t)(p1 >> 32), lo1 = (uint32_t)p1;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    fa_philox4 r = {{c0, c1, c2, c3}};
+    return r;
+}
+
+/* The eight 16-bit numbers of columns col8*8 .. col8*8+7 of one (batch, head, row). */
+static inline fa_philox4 fa_dropout_block(uint64_t seed, uint64_t stream, int64_t row,
+                                          int64_t col8)
+{
+    return fa_philox4x32_10((uint32_t)col8, (uint32_t)row, (uint32_t)stream,
+                            (uint32_t)(stream >> 32), (uint32_t)seed, (uint32_t)(seed >> 32));
+}
+
+static inline uint32_t fa_dropout_number(const fa_philox4 *block, int64_t col)
+{
+    return (block->w[(col & 7) >> 1] >> (16 * (col & 1))) & 0xffffu;
+}
+
+/* keep iff number < threshold; threshold = floor((1 - p) * 65536). */
+static inline uint32_t fa_dropout_threshold(double p)
+{
+    return (uint32_t)((1.0 - p) * 65536.0);
+}
+
+#endif /* FA_PHILOX_H */
