@@ -1,0 +1,67 @@
+/* The `flashattn` command: what this build offers (info) and how fast it is (bench). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fa_bench.h"
+
+static void usage_print(FILE *f)
+{
+    fputs("usage: flashattn <command> [options]\n"
+          "\n"
+          "commands:\n"
+          "  info      version, backends, the CPU and the default thread count\n"
+          "  bench     time and check fa_attention_forward (flashattn bench --help)\n"
+          "  help      this text\n"
+          "\n"
+          "environment:\n"
+          "  FLASHATTN_NUM_THREADS   CPU threads when a call asks for 0 (default: every CPU\n"
+          "                          this process may run on)\n",
+          f);
+}
+
+static int info_main(void)
+{
+    const char *env_threads = getenv("FLASHATTN_NUM_THREADS");
+    printf("flashattn %s\n", fa_version());
+    printf("backends:\n");
+    printf("  %-8s%s\n", "cpu", "available");
+    printf("  %-8s%s\n", "cuda", "not available in this build");
+    printf("cpu:      %s\n", fa_cpu_description());
+    if (env_threads && *env_threads)
+        printf("threads:  %d by default (FLASHATTN_NUM_THREADS=%s)\n", fa_cpu_default_threads(),
+               env_threads);
+    else
+        printf("threads:  %d by default (the CPUs this process may run on)\n",
+               fa_cpu_default_threads());
+    return FA_EXIT_OK;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage_print(stderr);
+        return FA_EXIT_USAGE;
+    }
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0) {
+        usage_print(stdout);
+        return FA_EXIT_OK;
+    }
+    if (strcmp(cmd, "--version") == 0) {
+        printf("flashattn %s\n", fa_version());
+        return FA_EXIT_OK;
+    }
+    if (strcmp(cmd, "info") == 0) {
+        if (argc > 2) {
+            fprintf(stderr, "flashattn info: unexpected argument '%s'\n", argv[2]);
+            return FA_EXIT_USAGE;
+        }
+        return info_main();
+    }
+    if (strcmp(cmd, "bench") == 0)
+        return fa_bench_main(argc - 2, argv + 2);
+    fprintf(stderr, "flashattn: unknown command '%s'\n\n", cmd);
+    usage_print(stderr);
+    return FA_EXIT_USAGE;
+}
