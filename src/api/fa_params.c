@@ -40,7 +40,7 @@ static fa_status fa_check_tensor(const fa_tensor *t, const char *name, int ndim)
             return FA_BAD("%s: dimension %d size %lld is too large", name, i,
                           (long long)t->shape[i]);
     }
-    if (t->shape[ndim - 1] > 1 && t->stride[ndim - 1] != 1)
+    if (t->shape[ndim - 1] > 1 && t->stride[ndim - 1] != 1 && fa_tensor_numel(t) > 0)
         return FA_BAD("%s: last dimension must be contiguous (stride 1), got stride %lld", name,
                       (long long)t->stride[ndim - 1]);
     if (!t->data && fa_tensor_numel(t) > 0)
@@ -250,9 +250,9 @@ static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
     }
     if (a->alibi_slopes) {
         const fa_tensor *t = a->alibi_slopes;
-        if (!t || (t->ndim != 1 && t->ndim != 2))
+        if (t->ndim != 1 && t->ndim != 2)
             return FA_BAD("alibi_slopes: must have shape [h] or [b, h], got %d dimensions",
-                          t ? (int)t->ndim : 0);
+                          (int)t->ndim);
         FA_TRY(fa_check_tensor(t, "alibi_slopes", t->ndim));
         FA_TRY(fa_check_dtype(t, "alibi_slopes", FA_DTYPE_F32, "one slope per head"));
         if (t->ndim == 1) {

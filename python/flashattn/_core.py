@@ -1,0 +1,461 @@
+"""Array plumbing between torch / NumPy and the C library.
+
+Everything here is framework-neutral: an argument is either a torch tensor (CPU) or a NumPy
+array, never both in one call. torch and NumPy are imported lazily: a framework that is not
+imported yet cannot have produced the arrays we are given, so ``sys.modules`` is enough to
+recognise them.
+
+``forward`` is the one entry point the public functions (and, later, the autograd functions)
+use: it validates what only Python can know (array kinds, devices, dtypes that have no C
+counterpart, ranks needed to allocate outputs), allocates the outputs, fills an fa_fwd_args and
+calls ``fa_attention_forward``. Every other rule is checked by the C library, whose message
+names the argument; ``forward`` renames the C argument names to the caller's.
+"""
+
+import ctypes
+import operator
+import re
+import sys
+
+from . import _lib
+from ._lib import FlashAttnError
+
+TORCH = "torch"
+NUMPY = "numpy"
+
+_BF16_NUMPY = None  # ml_dtypes.bfloat16 as a NumPy dtype, when ml_dtypes is importable
+
+
+def _numpy_bf16():
+    global _BF16_NUMPY
+    if _BF16_NUMPY is None:
+        try:
+            import ml_dtypes  # noqa: F401  (optional)
+            import numpy as np
+
+            _BF16_NUMPY = np.dtype(ml_dtypes.bfloat16)
+        except Exception:  # pragma: no cover - depends on the environment
+            _BF16_NUMPY = False
+    return _BF16_NUMPY or None
+
+
+def kind_of(x, name):
+    """'torch', 'numpy' or None (x is None); TypeError for anything else."""
+    if x is None:
+        return None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return TORCH
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.ndarray):
+        return NUMPY
+    raise TypeError(
+        "%s: expected a torch.Tensor or a numpy.ndarray, got %s" % (name, type(x).__name__)
+    )
+
+
+def common_kind(named, required):
+    """The one array kind shared by every non-None argument in ``named`` ((name, value)
+    pairs; the first ``required`` of them may not be None)."""
+    kind, first = None, None
+    for name, x in named[:required]:
+        if x is None:
+            raise TypeError("%s: expected a torch.Tensor or a numpy.ndarray, got None" % name)
+    for name, x in named:
+        k = kind_of(x, name)
+        if k is None:
+            continue
+        if kind is None:
+            kind, first = k, name
+        elif k != kind:
+            raise TypeError(
+                "%s is a %s but %s is a %s: pass all arrays as torch tensors or all as NumPy "
+                "arrays" % (name, _kind_desc(k), first, _kind_desc(kind))
+            )
+    return kind
+
+
+def _kind_desc(kind):
+    return "torch.Tensor" if kind == TORCH else "numpy.ndarray"
+
+
+# --------------------------------------------------------------------------------------------
+# dtypes
+
+
+def _torch_dtype_code(t):
+    torch = sys.modules["torch"]
+    return {
+        torch.float32: _lib.DTYPE_F32,
+        torch.float16: _lib.DTYPE_F16,
+        torch.bfloat16: _lib.DTYPE_BF16,
+        torch.float64: _lib.DTYPE_F64,
+        torch.int32: _lib.DTYPE_I32,
+    }.get(t)
+
+
+def _numpy_dtype_code(dt):
+    np = sys.modules["numpy"]
+    dt = np.dtype(dt)
+    if dt.byteorder not in ("=", "|") and dt.byteorder != _native_order():
+        return None
+    if dt.kind == "f":
+        return {2: _lib.DTYPE_F16, 4: _lib.DTYPE_F32, 8: _lib.DTYPE_F64}.get(dt.itemsize)
+    if dt.kind == "i" and dt.itemsize == 4:
+        return _lib.DTYPE_I32
+    bf16 = _numpy_bf16()
+    if bf16 is not None and dt == bf16:
+        return _lib.DTYPE_BF16
+    return None
+
+
+def _native_order():
+    return "<" if sys.byteorder == "little" else ">"
+
+
+_SUPPORTED_FLOATS = {
+    TORCH: "torch.float16, torch.bfloat16, torch.float32 or torch.float64",
+    NUMPY: "float16, float32, float64 (or ml_dtypes.bfloat16 when ml_dtypes is installed)",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Views
+
+
+def check_device(x, name):
+    """Only CPU tensors for now; the message for CUDA tensors says that the GPU comes later."""
+    dev = x.device.type
+    if dev == "cpu":
+        return
+    if dev == "cuda":
+        raise FlashAttnError(
+            "%s: CUDA tensors are not supported yet by this build (CPU tensors and NumPy arrays "
+            "only)" % name
+        )
+    raise FlashAttnError("%s: tensors on device '%s' are not supported (CPU only)" % (name, dev))
+
+
+def prepare(x, name, kind):
+    """Returns x ready for C: on the CPU, strided, with a contiguous last dimension.
+
+    Like upstream's maybe_contiguous, copies only when the last dimension is not contiguous, so
+    slices of packed buffers reach the library without copies.
+    """
+    if x is None:
+        return None
+    if kind == TORCH:
+        torch = sys.modules["torch"]
+        check_device(x, name)
+        if x.layout != torch.strided:
+            raise FlashAttnError("%s: only dense (strided) tensors are supported, got %s"
+                                 % (name, x.layout))
+        if x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
+            x = x.contiguous()
+        if x.is_conj() or x.is_neg():
+            x = x.resolve_conj().resolve_neg()
+        return x
+    np = sys.modules["numpy"]
+    dt = x.dtype
+    if dt.byteorder not in ("=", "|") and dt.byteorder != _native_order():
+        x = x.astype(dt.newbyteorder("="))
+    item = x.dtype.itemsize
+    if x.ndim > 0 and (
+        any(s % item for s in x.strides) or (x.shape[-1] > 1 and x.strides[-1] != item)
+    ):
+        x = np.ascontiguousarray(x)
+    return x
+
+
+def dtype_code(x, name, kind, expected=None):
+    """The fa_dtype of x. A dtype the C library has no code for is rejected here (naming the
+    argument and what it should be); any other dtype rule is the C library's to check."""
+    code = _torch_dtype_code(x.dtype) if kind == TORCH else _numpy_dtype_code(x.dtype)
+    if code is None:
+        raise FlashAttnError("%s: dtype %s is not supported (expected %s)"
+                             % (name, x.dtype, expected or _SUPPORTED_FLOATS[kind]))
+    return code
+
+
+def make_tensor(x, name, kind, code=None, expected=None):
+    """An FaTensor describing x (which must already have gone through ``prepare``)."""
+    if code is None:
+        code = dtype_code(x, name, kind, expected)
+    t = _lib.FaTensor()
+    if kind == TORCH:
+        shape, strides, ptr = tuple(x.shape), tuple(x.stride()), x.data_ptr()
+    else:
+        item = x.dtype.itemsize
+        shape = x.shape
+        strides = tuple(s // item for s in x.strides)
+        ptr = x.__array_interface__["data"][0]
+    if len(shape) > _lib.FA_MAX_DIMS:
+        raise FlashAttnError("%s: expected at most %d dimensions, got %d (shape %s)"
+                             % (name, _lib.FA_MAX_DIMS, len(shape), tuple(shape)))
+    if any(n == 0 for n in shape):
+        # An empty array's strides are arbitrary (torch and NumPy may report 0): describe it
+        # as row-major, which is what it would be if it held anything.
+        strides, acc = [0] * len(shape), 1
+        for i in reversed(range(len(shape))):
+            strides[i] = acc
+            acc *= max(int(shape[i]), 1)
+    t.data = ptr or None
+    t.dtype = code
+    t.ndim = len(shape)
+    for i, (n, s) in enumerate(zip(shape, strides)):
+        t.shape[i] = n
+        # A dimension of size <= 1 is never stepped over; report stride 1 for the last one so
+        # that a (legal) odd stride on a size-1 dimension is not mistaken for a strided one.
+        t.stride[i] = 1 if (i == len(shape) - 1 and n <= 1) else s
+    return t
+
+
+def empty(kind, shape, like):
+    """A new uninitialised array of ``like``'s kind and dtype."""
+    if kind == TORCH:
+        torch = sys.modules["torch"]
+        return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+    np = sys.modules["numpy"]
+    return np.empty(tuple(shape), dtype=like.dtype)
+
+
+def empty_f32(kind, shape, like):
+    if kind == TORCH:
+        torch = sys.modules["torch"]
+        return torch.empty(tuple(shape), dtype=torch.float32, device=like.device)
+    np = sys.modules["numpy"]
+    return np.empty(tuple(shape), dtype=np.float32)
+
+
+def to_float32(x, name, kind):
+    """learnable_sink accepts any float dtype (FA4 takes fp16/bf16/fp32); C reads fp32."""
+    if x is None:
+        return None
+    if kind == TORCH:
+        if x.is_floating_point() and x.dtype != sys.modules["torch"].float32:
+            return x.float()
+        return x
+    np = sys.modules["numpy"]
+    code = _numpy_dtype_code(x.dtype)
+    if code in (_lib.DTYPE_F16, _lib.DTYPE_BF16, _lib.DTYPE_F64):
+        return x.astype(np.float32)
+    return x
+
+
+def rng_state_array(kind, seed, offset, like):
+    if kind == TORCH:
+        torch = sys.modules["torch"]
+        return torch.tensor([seed, offset], dtype=torch.int64, device=like.device)
+    np = sys.modules["numpy"]
+    return np.array([seed, offset], dtype=np.int64)
+
+
+def draw_seed(kind):
+    """A fresh dropout seed from the framework's global RNG (offset is then 0).
+
+    torch: one ``torch.randint`` on the default CPU generator, so ``torch.manual_seed``
+    reproduces a call and consecutive calls differ. NumPy: ``np.random.randint`` on the legacy
+    global state, so ``np.random.seed`` reproduces it. Seeds are in [0, 2**63 - 1) so that the
+    rng_state fits an int64 array.
+    """
+    if kind == TORCH:
+        torch = sys.modules["torch"]
+        return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
+    np = sys.modules["numpy"]
+    return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
+
+
+# --------------------------------------------------------------------------------------------
+# Argument helpers
+
+
+def fill_uncovered_rows(lse, cu_seqlens, kind, value):
+    """lse (h, total_q): set the columns that belong to no sequence to value."""
+    total = int(lse.shape[1])
+    if kind == TORCH:
+        torch = sys.modules["torch"]
+        cu = cu_seqlens.detach().cpu().to(torch.int64)
+        rows = torch.arange(total, device=cu.device)
+        covered = ((rows[None, :] >= cu[:-1, None]) & (rows[None, :] < cu[1:, None])).any(0)
+    else:
+        np = sys.modules["numpy"]
+        cu = np.asarray(cu_seqlens, dtype=np.int64)
+        rows = np.arange(total)
+        covered = ((rows[None, :] >= cu[:-1, None]) & (rows[None, :] < cu[1:, None])).any(0)
+    lse[:, ~covered] = value
+
+
+def round_multiple(x, m):
+    return (x + m - 1) // m * m
+
+
+def as_int(x, name):
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError("%s: expected an int, got %s" % (name, type(x).__name__)) from None
+
+
+def as_float(x, name):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError("%s: expected a float, got %s" % (name, type(x).__name__)) from None
+
+
+_INT_MAX = 2**31 - 1
+
+
+def window_pair(window_size):
+    """(left, right) as C ints. Any negative value (or None, FA4's spelling) means unbounded,
+    as upstream; a bound that does not fit an int is wider than any sequence, so unbounded too."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError("window_size: expected a pair (left, right), got %r"
+                        % (window_size,)) from None
+
+    def one(w, side):
+        if w is None:
+            return -1
+        w = as_int(w, "window_size[%d] (%s)" % (side, "left" if side == 0 else "right"))
+        if w < 0 or w > _INT_MAX:
+            return -1
+        return w
+
+    return one(left, 0), one(right, 1)
+
+
+def _require_ndim(x, name, ndim, layout):
+    if x.ndim != ndim:
+        raise FlashAttnError("%s: expected %d dimensions %s, got shape %s"
+                             % (name, ndim, layout, tuple(x.shape)))
+
+
+def _rename(msg, names):
+    """The C message starts with the C argument name; say it as the caller named it. Longer
+    names (max_seqlen_q, cu_seqlens_k, ...) are renamed in the rest of the message too."""
+    head, sep, rest = msg.partition(": ")
+    if not sep:
+        return msg
+    for c_name, py_name in names.items():
+        if len(c_name) > 1 and c_name != py_name:
+            rest = re.sub(r"\b%s\b" % re.escape(c_name), py_name, rest)
+    return names.get(head, head) + ": " + rest
+
+
+def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
+            max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0, softmax_scale=None, causal=False,
+            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+            return_softmax=False, seed=0, offset=0, out=None, lse=None, probs=None,
+            names=None, num_threads=0):
+    """One call of fa_attention_forward. Returns (out, lse, probs).
+
+    q, k, v: arrays of ``kind`` (already checked to share it). In the varlen form
+    (cu_seqlens_q given) lse is (h, total_q), otherwise (b, h, sq). probs is allocated as
+    upstream's S_dmask, [b, h, round_up(sq, 128), round_up(sk, 128)] in q's dtype, when
+    return_softmax is true, else None. out / lse / probs may be passed in (written in place).
+    ``names`` maps the C argument names to the caller's names for error messages.
+    """
+    names = dict(names or {})
+    names.setdefault("sinks", "learnable_sink")
+    names.setdefault("window_left", "window_size[0] (left)")
+    names.setdefault("window_right", "window_size[1] (right)")
+
+    def nm(c_name):
+        return names.get(c_name, c_name)
+
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    q = prepare(q, nm("q"), kind)
+    k = prepare(k, nm("k"), kind)
+    v = prepare(v, nm("v"), kind)
+    qc = dtype_code(q, nm("q"), kind)
+    kc = dtype_code(k, nm("k"), kind)
+    vc = dtype_code(v, nm("v"), kind)
+
+    # Ranks needed to allocate the outputs (C checks everything else).
+    nd = 3 if varlen else 4
+    layout = ("[total_q, h, d]", "[total_k, hk, d]", "[total_k, hk, dv]") if varlen else (
+        "[b, sq, h, d]", "[b, sk, hk, d]", "[b, sk, hk, dv]")
+    _require_ndim(q, nm("q"), nd, layout[0])
+    _require_ndim(k, nm("k"), nd, layout[1])
+    _require_ndim(v, nm("v"), nd, layout[2])
+
+    cu_q = prepare(cu_seqlens_q, nm("cu_seqlens_q"), kind)
+    cu_k = prepare(cu_seqlens_k, nm("cu_seqlens_k"), kind)
+    used_k = prepare(seqused_k, nm("seqused_k"), kind)
+    alibi = prepare(alibi_slopes, nm("alibi_slopes"), kind)
+    sinks = prepare(to_float32(sinks, nm("sinks"), kind), nm("sinks"), kind)
+
+    if varlen:
+        if cu_q is None or cu_k is None:
+            missing = "cu_seqlens_k" if cu_q is not None else "cu_seqlens_q"
+            raise FlashAttnError("%s: the varlen form needs both cu_seqlens_q and cu_seqlens_k"
+                                 % nm(missing))
+        _require_ndim(cu_q, nm("cu_seqlens_q"), 1, "[b + 1]")
+        max_seqlen_q = as_int(max_seqlen_q, nm("max_seqlen_q"))
+        max_seqlen_k = as_int(max_seqlen_k, nm("max_seqlen_k"))
+        b = max(int(cu_q.shape[0]) - 1, 0)
+        total_q, h = int(q.shape[0]), int(q.shape[1])
+        out_shape = (total_q, h, int(v.shape[2]))
+        lse_shape = (h, total_q)
+        sq, sk = max(max_seqlen_q, 0), max(max_seqlen_k, 0)
+    else:
+        b, sq, h = int(q.shape[0]), int(q.shape[1]), int(q.shape[2])
+        sk = int(k.shape[1])
+        out_shape = (b, sq, h, int(v.shape[3]))
+        lse_shape = (b, h, sq)
+
+    if out is None:
+        out = empty(kind, out_shape, q)
+    if lse is None:
+        lse = empty_f32(kind, lse_shape, q)
+    if return_softmax and probs is None:
+        probs = empty(kind, (b, h, round_multiple(sq, 128), round_multiple(sk, 128)), q)
+
+    left, right = window_pair(window_size)
+    dropout_p = as_float(dropout_p, "dropout_p")
+    softcap = as_float(softcap, "softcap")
+    scale = float("nan") if softmax_scale is None else as_float(softmax_scale, "softmax_scale")
+
+    keep = []  # FaTensor objects must outlive the call
+
+    def ptr(x, c_name, code=None, expected=None):
+        if x is None:
+            return None
+        t = make_tensor(x, nm(c_name), kind, code, expected)
+        keep.append(t)
+        return ctypes.pointer(t)
+
+    args = _lib.new_fwd_args()
+    args.q = ptr(q, "q", qc)
+    args.k = ptr(k, "k", kc)
+    args.v = ptr(v, "v", vc)
+    args.out = ptr(out, "out")
+    args.lse = ptr(lse, "lse")
+    args.cu_seqlens_q = ptr(cu_q, "cu_seqlens_q", expected="int32")
+    args.cu_seqlens_k = ptr(cu_k, "cu_seqlens_k", expected="int32")
+    args.seqused_k = ptr(used_k, "seqused_k", expected="int32")
+    args.max_seqlen_q = max_seqlen_q if varlen else 0
+    args.max_seqlen_k = max_seqlen_k if varlen else 0
+    args.alibi_slopes = ptr(alibi, "alibi_slopes", expected="float32")
+    args.sinks = ptr(sinks, "sinks", expected="float32")
+    args.probs = ptr(probs, "probs") if return_softmax else None
+    args.softmax_scale = scale
+    args.causal = 1 if causal else 0
+    args.window_left = left
+    args.window_right = right
+    args.softcap = softcap
+    args.dropout_p = dropout_p
+    args.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    args.offset = int(offset) & 0xFFFFFFFFFFFFFFFF
+    args.device = _lib.FA_DEVICE_CPU
+    args.stream = None
+    args.num_threads = int(num_threads)
+
+    try:
+        _lib.forward(args)
+    except FlashAttnError as e:
+        raise FlashAttnError(_rename(str(e), names), e.status) from None
+    return out, lse, (probs if return_softmax else None)
+

@@ -1,0 +1,365 @@
+"""flash_attn-compatible functions (upstream ``flash_attn/flash_attn_interface.py``).
+
+The six public functions keep upstream's exact signatures and defaults and add one
+keyword-only argument, ``learnable_sink`` (FA4's name: a per-head sink logit, shape ``(h,)``).
+They take torch CPU tensors (and return torch tensors) or NumPy arrays (and return NumPy
+arrays), all arguments of one call being of one kind.
+
+Return value: ``out``; with ``return_attn_probs=True`` the 3-tuple ``(out, softmax_lse,
+S_dmask)``. ``softmax_lse`` is fp32 ``(b, h, seqlen_q)`` (varlen: ``(h, total_q)``).
+``S_dmask`` is an empty ``(0,)`` array unless ``dropout_p > 0``; then it is upstream's
+debugging encoding ``(b, h, round_up(seqlen_q, 128), round_up(seqlen_k, 128))`` in q's dtype
+(unnormalised probabilities, negative where dropout dropped the element).
+
+Dropout RNG: each call with ``dropout_p > 0`` draws a fresh 63-bit Philox seed (offset 0) from
+the framework's global generator: ``torch.randint`` on torch's default CPU generator for
+tensors (so ``torch.manual_seed`` reproduces a run), ``np.random.randint`` on NumPy's legacy
+global state for arrays (so ``np.random.seed`` does). Calls without dropout draw nothing.
+
+Layering: the public functions -> (torch with autograd: ``_autograd``'s Function classes) ->
+``_flash_attn_forward`` / ``_flash_attn_varlen_forward`` (upstream's internal names and return
+values) -> ``_core.forward`` -> the C library.
+"""
+
+import sys
+
+from . import _core
+from ._lib import FlashAttnError
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]
+
+
+def maybe_contiguous(x):
+    """Upstream's helper: a copy only when the last dimension is not contiguous."""
+    if x is None:
+        return None
+    if hasattr(x, "stride") and callable(x.stride):  # torch
+        return x.contiguous() if x.stride(-1) != 1 else x
+    return _core.prepare(x, "x", _core.NUMPY)
+
+
+def round_multiple(x, m):
+    return (x + m - 1) // m * m
+
+
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """Column block width of the S_dmask encoding (upstream's helper of the same name).
+
+    There is no second table to keep in sync: the C library answers (fa_probs_block_n)."""
+    from . import _lib
+
+    assert head_dim <= 256
+    return _lib.probs_block_n(head_dim, is_dropout, is_causal)
+
+
+def _default_scale(x, softmax_scale):
+    """None -> head_dim ** -0.5 from the caller's own tensor (as upstream, qkv.shape[-1] for
+    the qkv-packed forms). A rank-0 input is left to the rank check."""
+    if softmax_scale is not None:
+        return softmax_scale
+    if len(x.shape) == 0:
+        return None
+    return x.shape[-1] ** (-0.5)
+
+
+def _window(window_size):
+    return _core.window_pair(window_size)
+
+
+def _empty_dmask(kind, q):
+    return _core.empty(kind, (0,), q)
+
+
+def _seed_for(kind, dropout_p):
+    try:
+        p = float(dropout_p)
+    except (TypeError, ValueError):
+        return 0  # _core reports the bad dropout_p
+    return _core.draw_seed(kind) if p > 0.0 else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Upstream's internal forward functions (framework-neutral; no autograd).
+
+
+def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                        window_size_right, softcap, alibi_slopes, return_softmax,
+                        learnable_sink=None, *, _kind=None, _names=None):
+    """Returns (out, softmax_lse, S_dmask, rng_state), as upstream.
+
+    S_dmask is (0,) unless return_softmax; rng_state is int64 [seed, offset]."""
+    kind = _kind or _core.common_kind(
+        [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
+         ("learnable_sink", learnable_sink)], 3)
+    seed = _seed_for(kind, dropout_p)
+    out, lse, probs = _core.forward(
+        q, k, v, kind=kind, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=(window_size_left, window_size_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
+        seed=seed, offset=0, names=_names)
+    S_dmask = probs if return_softmax else _empty_dmask(kind, q)
+    return out, lse, S_dmask, _core.rng_state_array(kind, seed, 0, q)
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p, softmax_scale, causal, window_size_left=-1,
+                               window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                               return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False, num_splits=0,
+                               learnable_sink=None, *, _kind=None, _names=None):
+    """Returns (out, softmax_lse, S_dmask, rng_state), as upstream."""
+    if block_table is not None:
+        raise NotImplementedError(
+            "flashattn: block_table (paged KV cache) is not supported yet by this build")
+    if leftpad_k is not None:
+        raise NotImplementedError("flashattn: leftpad_k is not supported yet by this build")
+    kind = _kind or _core.common_kind(
+        [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+         ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
+         ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)], 5)
+    seed = _seed_for(kind, dropout_p)
+    out, lse, probs = _core.forward(
+        q, k, v, kind=kind, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=(window_size_left, window_size_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
+        seed=seed, offset=0, names=_names)
+    if zero_tensors:
+        # Upstream pre-fills lse with -inf (and out with 0) when zero_tensors; rows outside every
+        # sequence keep those values. The C library writes 0 / +inf there: patch lse.
+        _core.fill_uncovered_rows(lse, cu_seqlens_q, kind, float("-inf"))
+    S_dmask = probs if return_softmax else _empty_dmask(kind, q)
+    return out, lse, S_dmask, _core.rng_state_array(kind, seed, 0, q)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch: torch tensors that need a graph go through autograd Functions.
+
+
+def _needs_autograd(kind, tensors):
+    if kind != _core.TORCH:
+        return False
+    torch = sys.modules["torch"]
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors)
+
+
+def _finish(out, lse, S_dmask, return_attn_probs):
+    return (out, lse, S_dmask) if return_attn_probs else out
+
+
+def _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               deterministic, return_attn_probs, learnable_sink, kind, names):
+    left, right = _window(window_size)
+    return_softmax = bool(return_attn_probs) and _positive(dropout_p)
+    if _needs_autograd(kind, (q, k, v, learnable_sink)):
+        from . import _autograd
+
+        res = _autograd.FlashAttnFunc.apply(
+            q, k, v, dropout_p, softmax_scale, causal, (left, right), softcap, alibi_slopes,
+            deterministic, return_softmax, learnable_sink, names)
+        out, lse, S_dmask = res
+    else:
+        out, lse, S_dmask, _ = _flash_attn_forward(
+            q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes,
+            return_softmax, learnable_sink, _kind=kind, _names=names)
+    return _finish(out, lse, S_dmask, return_attn_probs)
+
+
+def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_attn_probs, learnable_sink, kind, names):
+    left, right = _window(window_size)
+    return_softmax = bool(return_attn_probs) and _positive(dropout_p)
+    if _needs_autograd(kind, (q, k, v, learnable_sink)):
+        from . import _autograd
+
+        res = _autograd.FlashAttnVarlenFunc.apply(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, (left, right), softcap, alibi_slopes, deterministic,
+            return_softmax, learnable_sink, names)
+        out, lse, S_dmask = res
+    else:
+        out, lse, S_dmask, _ = _flash_attn_varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, left, right, softcap, alibi_slopes, return_softmax,
+            learnable_sink=learnable_sink, _kind=kind, _names=names)
+    return _finish(out, lse, S_dmask, return_attn_probs)
+
+
+def _positive(dropout_p):
+    try:
+        return float(dropout_p) > 0.0
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_packed(x, name, ndim, slot, count, layout):
+    if len(x.shape) != ndim or x.shape[slot] != count:
+        raise FlashAttnError("%s: expected shape %s, got %s" % (name, layout, tuple(x.shape)))
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, *,
+                              learnable_sink=None):
+    """Attention over a packed qkv of shape (batch, seqlen, 3, nheads, headdim).
+
+    Equivalent to flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...) without
+    copying the slices. See flash_attn_func for the arguments and the return value.
+    """
+    kind = _core.common_kind([("qkv", qkv), ("alibi_slopes", alibi_slopes),
+                              ("learnable_sink", learnable_sink)], 1)
+    _check_packed(qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
+    softmax_scale = _default_scale(qkv, softmax_scale)
+    names = {"q": "qkv[:, :, 0] (q)", "k": "qkv[:, :, 1] (k)", "v": "qkv[:, :, 2] (v)"}
+    return _run_dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                      causal, window_size, softcap, alibi_slopes, deterministic,
+                      return_attn_probs, learnable_sink, kind, names)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, *,
+                             learnable_sink=None):
+    """Attention with a packed kv of shape (batch, seqlen_k, 2, nheads_k, headdim).
+
+    Equivalent to flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], ...) without copying the
+    slices. See flash_attn_func for the arguments and the return value.
+    """
+    kind = _core.common_kind([("q", q), ("kv", kv), ("alibi_slopes", alibi_slopes),
+                              ("learnable_sink", learnable_sink)], 2)
+    _check_packed(kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    softmax_scale = _default_scale(q, softmax_scale)
+    names = {"k": "kv[:, :, 0] (k)", "v": "kv[:, :, 1] (v)"}
+    return _run_dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                      learnable_sink, kind, names)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, learnable_sink=None):
+    """Exact attention, tiled with an online softmax.
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim)
+        k: (batch_size, seqlen_k, nheads_k, headdim)
+        v: (batch_size, seqlen_k, nheads_k, headdim_v)
+            nheads % nheads_k == 0 (MQA/GQA: query head i uses kv head i // (nheads/nheads_k)).
+            dtype float16, bfloat16, float32 or float64; any headdim in 1..256.
+        dropout_p: float, dropout probability in [0, 1).
+        softmax_scale: float; default 1 / sqrt(headdim).
+        causal: bool; the mask is aligned to the bottom-right corner of the score matrix
+            (query i sees keys j <= i + seqlen_k - seqlen_q).
+        window_size: (left, right); -1 is unbounded. Query i sees keys in
+            [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right].
+        softcap: float > 0 applies softcap * tanh(score / softcap); cannot be used with dropout.
+        alibi_slopes: float32 (nheads,) or (batch_size, nheads); adds
+            -slope * |i + seqlen_k - seqlen_q - j| to the score.
+        deterministic: accepted for compatibility (the forward pass is deterministic).
+        return_attn_probs: also return softmax_lse and S_dmask (testing only).
+        learnable_sink (keyword only): float (nheads,) sink logit per head; it adds
+            exp(sink) to each row's softmax denominator.
+    Return:
+        out: (batch_size, seqlen_q, nheads, headdim_v).
+        softmax_lse [optional]: float32 (batch_size, nheads, seqlen_q); +inf for a row that
+            sees no key (and has no sink).
+        S_dmask [optional]: (0,) when dropout_p == 0, otherwise
+            (batch_size, nheads, round_up(seqlen_q, 128), round_up(seqlen_k, 128)).
+    """
+    kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
+                              ("learnable_sink", learnable_sink)], 3)
+    softmax_scale = _default_scale(q, softmax_scale)
+    return _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind, None)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, learnable_sink=None):
+    """Variable-length attention over a packed qkv of shape (total, 3, nheads, headdim).
+
+    cu_seqlens: int32 (batch_size + 1,), the offsets of the sequences in the total dimension;
+    max_seqlen: int, the longest sequence. See flash_attn_varlen_func.
+    """
+    kind = _core.common_kind([("qkv", qkv), ("cu_seqlens", cu_seqlens),
+                              ("alibi_slopes", alibi_slopes),
+                              ("learnable_sink", learnable_sink)], 2)
+    _check_packed(qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
+    softmax_scale = _default_scale(qkv, softmax_scale)
+    names = {"q": "qkv[:, 0] (q)", "k": "qkv[:, 1] (k)", "v": "qkv[:, 2] (v)",
+             "cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens",
+             "max_seqlen_q": "max_seqlen", "max_seqlen_k": "max_seqlen"}
+    return _run_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                       max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind,
+                       names)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False, *, learnable_sink=None):
+    """Variable-length attention with a packed kv of shape (total_k, 2, nheads_k, headdim).
+
+    See flash_attn_varlen_func.
+    """
+    kind = _core.common_kind([("q", q), ("kv", kv), ("cu_seqlens_q", cu_seqlens_q),
+                              ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
+                              ("learnable_sink", learnable_sink)], 4)
+    _check_packed(kv, "kv", 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
+    softmax_scale = _default_scale(q, softmax_scale)
+    names = {"k": "kv[:, 0] (k)", "v": "kv[:, 1] (v)"}
+    return _run_varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind,
+                       names)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *,
+                           learnable_sink=None):
+    """Variable-length (unpadded) attention.
+
+    Arguments:
+        q: (total_q, nheads, headdim), the sequences concatenated.
+        k: (total_k, nheads_k, headdim); v: (total_k, nheads_k, headdim_v).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch_size + 1,), non-decreasing offsets of the
+            sequences in q and k (sequences may be empty).
+        max_seqlen_q, max_seqlen_k: int, at least the longest sequence.
+        block_table: paged KV cache; not supported yet by this build (must be None).
+        The other arguments are as in flash_attn_func.
+    Return:
+        out: (total_q, nheads, headdim_v); rows outside every sequence get 0.
+        softmax_lse [optional]: float32 (nheads, total_q).
+        S_dmask [optional]: (0,) when dropout_p == 0, otherwise
+            (batch_size, nheads, round_up(max_seqlen_q, 128), round_up(max_seqlen_k, 128)).
+    """
+    if block_table is not None:
+        raise NotImplementedError(
+            "flash_attn_varlen_func: block_table (paged KV cache) is not supported yet by this "
+            "build; pass block_table=None")
+    kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                              ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
+                              ("learnable_sink", learnable_sink)], 5)
+    softmax_scale = _default_scale(q, softmax_scale)
+    return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       deterministic, return_attn_probs, learnable_sink, kind, None)

@@ -1,0 +1,57 @@
+"""pytest setup for the flashattn Python tests.
+
+The package is imported from <repo>/python unless flashattn is already importable from
+elsewhere (an installed copy) and FLASHATTN_TEST_INSTALLED=1 is set. The C library is found as
+the package finds it ($FLASHATTN_LIBRARY, the package directory, <repo>/build/).
+
+Random inputs: every test gets its own numpy Generator, seeded from the test's id and
+$FLASHATTN_TEST_SEED (default 0); set FLASHATTN_TEST_SEED to draw fresh inputs.
+"""
+
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+if os.environ.get("FLASHATTN_TEST_INSTALLED") != "1":
+    sys.path.insert(0, os.path.join(REPO, "python"))
+sys.path.insert(0, HERE)
+
+BASE_SEED = int(os.environ.get("FLASHATTN_TEST_SEED", "0"))
+
+
+def _test_seed(request):
+    return zlib.crc32(request.node.nodeid.encode()) ^ BASE_SEED
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(_test_seed(request))
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_rngs(request):
+    """Dropout seeds come from torch's / NumPy's global generators: seed them per test so that
+    a run is reproducible (and varies with FLASHATTN_TEST_SEED)."""
+    import torch
+
+    seed = _test_seed(request)
+    torch.manual_seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+
+
+def pytest_report_header(config):
+    try:
+        import flashattn
+        from flashattn import _lib
+
+        return "flashattn %s from %s, library %s (%s)" % (
+            flashattn.__version__, os.path.dirname(flashattn.__file__), _lib.library_path(),
+            _lib.cpu_description())
+    except Exception as e:  # the tests will report it properly
+        return "flashattn: %s" % e
