@@ -101,7 +101,7 @@ typedef struct fa_fwd_args {
     const fa_tensor *k;            /* [b, sk, hk, d] or [total_k, hk, d] */
     const fa_tensor *v;            /* [b, sk, hk, dv] or [total_k, hk, dv] */
     const fa_tensor *out;          /* [b, sq, h, dv] or [total_q, h, dv], written */
-    const fa_tensor *lse;          /* optional, fp32 [b, h, sq] or [h, total_q], written */
+    const fa_tensor *lse;          /* optional, fp32 (or fp64 if q is) [b, h, sq] / [h, total_q] */
     const fa_tensor *cu_seqlens_q; /* optional, int32 [b+1]: selects the varlen form */
     const fa_tensor *cu_seqlens_k; /* int32 [b+1], with cu_seqlens_q */
     const fa_tensor *seqused_k;    /* optional, int32 [b], varlen only */
@@ -128,6 +128,31 @@ void fa_fwd_args_init(fa_fwd_args *args);
 
 /* Validates every argument, then computes out (and lse, probs when given). */
 fa_status fa_attention_forward(const fa_fwd_args *args);
+
+/*
+ * Backward attention: given the forward's arguments (with its out and lse filled by the forward)
+ * and dout, computes dq, dk, dv (and dsinks when the forward used sinks). Tiles of the score
+ * matrix are recomputed from q, k and lse; nothing of size sq x sk is stored. Dropout replays the
+ * forward's mask from its seed and offset.
+ *   dout, dq: as q/out, [b, sq, h, dv] / [b, sq, h, d] (varlen: [total_q, h, ...])
+ *   dk, dv:   as k, v:  [b, sk, hk, d] / [b, sk, hk, dv]; with GQA summed over the query heads
+ *             that share a kv head
+ *   dsinks:   fp32 [h], written (not accumulated)
+ * fwd->lse is required and fwd->probs is ignored. On the CPU the result is bitwise reproducible
+ * across runs and thread counts whatever `deterministic` says; the flag exists for the GPU.
+ */
+typedef struct fa_bwd_args {
+    const fa_fwd_args *fwd;  /* q, k, v, out, lse and every option of the forward call */
+    const fa_tensor *dout;   /* [b, sq, h, dv] or [total_q, h, dv] */
+    const fa_tensor *dq;     /* [b, sq, h, d] or [total_q, h, d], written */
+    const fa_tensor *dk;     /* [b, sk, hk, d] or [total_k, hk, d], written */
+    const fa_tensor *dv;     /* [b, sk, hk, dv] or [total_k, hk, dv], written */
+    const fa_tensor *dsinks; /* fp32 [h], written; required when fwd->sinks is given */
+    int deterministic;
+} fa_bwd_args;
+
+void fa_bwd_args_init(fa_bwd_args *args);
+fa_status fa_attention_backward(const fa_bwd_args *args);
 
 /*
  * The dropout keep bit of element (batch, head, row, col), as every backend computes it.

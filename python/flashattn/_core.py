@@ -344,6 +344,53 @@ def _rename(msg, names):
     return names.get(head, head) + ": " + rest
 
 
+def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes, kind, nm,
+              varlen, max_seqlen_q, max_seqlen_k, window_size, dropout_p, softcap,
+              softmax_scale, causal, seed, offset, num_threads):
+    """An FaFwdArgs for prepared arrays, and the FaTensor objects that must outlive the call."""
+    left, right = window_pair(window_size)
+    dropout_p = as_float(dropout_p, "dropout_p")
+    softcap = as_float(softcap, "softcap")
+    scale = float("nan") if softmax_scale is None else as_float(softmax_scale, "softmax_scale")
+
+    keep = []  # FaTensor objects must outlive the call
+
+    def ptr(x, c_name, code=None, expected=None):
+        if x is None:
+            return None
+        t = make_tensor(x, nm(c_name), kind, code, expected)
+        keep.append(t)
+        return ctypes.pointer(t)
+
+    args = _lib.new_fwd_args()
+    args.q = ptr(q, "q", codes[0])
+    args.k = ptr(k, "k", codes[1])
+    args.v = ptr(v, "v", codes[2])
+    args.out = ptr(out, "out")
+    args.lse = ptr(lse, "lse")
+    args.cu_seqlens_q = ptr(cu_q, "cu_seqlens_q", expected="int32")
+    args.cu_seqlens_k = ptr(cu_k, "cu_seqlens_k", expected="int32")
+    args.seqused_k = ptr(used_k, "seqused_k", expected="int32")
+    args.max_seqlen_q = max_seqlen_q if varlen else 0
+    args.max_seqlen_k = max_seqlen_k if varlen else 0
+    args.alibi_slopes = ptr(alibi, "alibi_slopes", expected="float32")
+    args.sinks = ptr(sinks, "sinks", expected="float32")
+    args.probs = ptr(probs, "probs")
+    args.softmax_scale = scale
+    args.causal = 1 if causal else 0
+    args.window_left = left
+    args.window_right = right
+    args.softcap = softcap
+    args.dropout_p = dropout_p
+    args.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    args.offset = int(offset) & 0xFFFFFFFFFFFFFFFF
+    args.device = _lib.FA_DEVICE_CPU
+    args.stream = None
+    args.num_threads = int(num_threads)
+
+    return args, keep
+
+
 def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
             max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0, softmax_scale=None, causal=False,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
@@ -413,49 +460,66 @@ def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=No
     if return_softmax and probs is None:
         probs = empty(kind, (b, h, round_multiple(sq, 128), round_multiple(sk, 128)), q)
 
-    left, right = window_pair(window_size)
-    dropout_p = as_float(dropout_p, "dropout_p")
-    softcap = as_float(softcap, "softcap")
-    scale = float("nan") if softmax_scale is None else as_float(softmax_scale, "softmax_scale")
-
-    keep = []  # FaTensor objects must outlive the call
-
-    def ptr(x, c_name, code=None, expected=None):
-        if x is None:
-            return None
-        t = make_tensor(x, nm(c_name), kind, code, expected)
-        keep.append(t)
-        return ctypes.pointer(t)
-
-    args = _lib.new_fwd_args()
-    args.q = ptr(q, "q", qc)
-    args.k = ptr(k, "k", kc)
-    args.v = ptr(v, "v", vc)
-    args.out = ptr(out, "out")
-    args.lse = ptr(lse, "lse")
-    args.cu_seqlens_q = ptr(cu_q, "cu_seqlens_q", expected="int32")
-    args.cu_seqlens_k = ptr(cu_k, "cu_seqlens_k", expected="int32")
-    args.seqused_k = ptr(used_k, "seqused_k", expected="int32")
-    args.max_seqlen_q = max_seqlen_q if varlen else 0
-    args.max_seqlen_k = max_seqlen_k if varlen else 0
-    args.alibi_slopes = ptr(alibi, "alibi_slopes", expected="float32")
-    args.sinks = ptr(sinks, "sinks", expected="float32")
-    args.probs = ptr(probs, "probs") if return_softmax else None
-    args.softmax_scale = scale
-    args.causal = 1 if causal else 0
-    args.window_left = left
-    args.window_right = right
-    args.softcap = softcap
-    args.dropout_p = dropout_p
-    args.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    args.offset = int(offset) & 0xFFFFFFFFFFFFFFFF
-    args.device = _lib.FA_DEVICE_CPU
-    args.stream = None
-    args.num_threads = int(num_threads)
-
+    args, keep = _fwd_args(q, k, v, out, lse, probs if return_softmax else None, cu_q, cu_k,
+                           used_k, alibi, sinks, (qc, kc, vc), kind, nm, varlen, max_seqlen_q,
+                           max_seqlen_k, window_size, dropout_p, softcap, softmax_scale, causal,
+                           seed, offset, num_threads)
     try:
         _lib.forward(args)
     except FlashAttnError as e:
         raise FlashAttnError(_rename(str(e), names), e.status) from None
     return out, lse, (probs if return_softmax else None)
 
+
+
+def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=None,
+             seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0, softmax_scale=None,
+             causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+             seed=0, offset=0, deterministic=False, names=None, num_threads=0):
+    """One call of fa_attention_backward with the forward's inputs, out and lse.
+
+    Returns (dq, dk, dv, dsinks): new arrays shaped like q, k, v, and fp32 [h] for the sinks
+    (None without sinks). The CPU result is bitwise reproducible whatever ``deterministic`` says.
+    """
+    names = dict(names or {})
+    names.setdefault("sinks", "learnable_sink")
+
+    def nm(c_name):
+        return names.get(c_name, c_name)
+
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    q = prepare(q, nm("q"), kind)
+    k = prepare(k, nm("k"), kind)
+    v = prepare(v, nm("v"), kind)
+    out = prepare(out, nm("out"), kind)
+    dout = prepare(dout, nm("dout"), kind)
+    codes = (dtype_code(q, nm("q"), kind), dtype_code(k, nm("k"), kind),
+             dtype_code(v, nm("v"), kind))
+    cu_q = prepare(cu_seqlens_q, nm("cu_seqlens_q"), kind)
+    cu_k = prepare(cu_seqlens_k, nm("cu_seqlens_k"), kind)
+    used_k = prepare(seqused_k, nm("seqused_k"), kind)
+    alibi = prepare(alibi_slopes, nm("alibi_slopes"), kind)
+    sinks = prepare(to_float32(sinks, nm("sinks"), kind), nm("sinks"), kind)
+
+    dq = empty(kind, tuple(q.shape), q)
+    dk = empty(kind, tuple(k.shape), k)
+    dv = empty(kind, tuple(v.shape), v)
+    dsinks = empty_f32(kind, (int(q.shape[-2]),), q) if sinks is not None else None
+
+    args, keep = _fwd_args(q, k, v, out, lse, None, cu_q, cu_k, used_k, alibi, sinks, codes,
+                           kind, nm, varlen, max_seqlen_q, max_seqlen_k, window_size, dropout_p,
+                           softcap, softmax_scale, causal, seed, offset, num_threads)
+    bwd = _lib.new_bwd_args()
+    grads = [make_tensor(x, nm(n), kind) if x is not None else None
+             for x, n in ((dout, "dout"), (dq, "dq"), (dk, "dk"), (dv, "dv"),
+                          (dsinks, "dsinks"))]
+    keep.extend(grads)
+    bwd.fwd = ctypes.pointer(args)
+    bwd.dout, bwd.dq, bwd.dk, bwd.dv, bwd.dsinks = (
+        ctypes.pointer(g) if g is not None else None for g in grads)
+    bwd.deterministic = 1 if deterministic else 0
+    try:
+        _lib.backward(bwd)
+    except FlashAttnError as e:
+        raise FlashAttnError(_rename(str(e), names), e.status) from None
+    return dq, dk, dv, dsinks

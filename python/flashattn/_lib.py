@@ -129,6 +129,20 @@ class FaFwdArgs(ctypes.Structure):
     ]
 
 
+class FaBwdArgs(ctypes.Structure):
+    """struct fa_bwd_args."""
+
+    _fields_ = [
+        ("fwd", ctypes.POINTER(FaFwdArgs)),
+        ("dout", _PT),
+        ("dq", _PT),
+        ("dk", _PT),
+        ("dv", _PT),
+        ("dsinks", _PT),
+        ("deterministic", ctypes.c_int),
+    ]
+
+
 _LIB = None
 _LIB_PATH = None
 _LOCK = threading.Lock()
@@ -163,6 +177,10 @@ def _declare(lib):
     lib.fa_fwd_args_init.restype = None
     lib.fa_attention_forward.argtypes = [c.POINTER(FaFwdArgs)]
     lib.fa_attention_forward.restype = c.c_int
+    lib.fa_bwd_args_init.argtypes = [c.POINTER(FaBwdArgs)]
+    lib.fa_bwd_args_init.restype = None
+    lib.fa_attention_backward.argtypes = [c.POINTER(FaBwdArgs)]
+    lib.fa_attention_backward.restype = c.c_int
     lib.fa_dropout_keep.argtypes = [c.c_uint64, c.c_uint64, c.c_int64, c.c_int64, c.c_int64,
                                     c.c_int64, c.c_int64, c.c_double]
     lib.fa_dropout_keep.restype = c.c_int
@@ -254,6 +272,18 @@ def forward(args, context=None):
     ctypes releases the GIL for the duration of the call.
     """
     status = get_lib().fa_attention_forward(ctypes.byref(args))
+    check(status, context)
+
+
+def new_bwd_args():
+    args = FaBwdArgs()
+    get_lib().fa_bwd_args_init(ctypes.byref(args))
+    return args
+
+
+def backward(args, context=None):
+    """fa_attention_backward(&args); raises FlashAttnError on failure."""
+    status = get_lib().fa_attention_backward(ctypes.byref(args))
     check(status, context)
 
 

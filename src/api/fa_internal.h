@@ -32,6 +32,7 @@ typedef struct fa_params {
     int64_t b, h, hk, d, dv;
     int64_t max_sq, max_sk;
     int64_t total_q; /* rows of q: b * max_sq (dense) or q->shape[0] (varlen) */
+    int64_t total_k; /* rows of k: b * max_sk (dense) or k->shape[0] (varlen) */
 
     /* q: [b, sq, h, d] or [total_q, h, d] */
     const void *q;
@@ -45,8 +46,9 @@ typedef struct fa_params {
     /* out: [b, sq, h, dv] or [total_q, h, dv] */
     void *out;
     int64_t o_bstride, o_rstride, o_hstride;
-    /* lse (optional): fp32 [b, h, sq] or [h, total_q] */
-    float *lse;
+    /* lse (optional): fp32 (or fp64 with fp64 inputs) [b, h, sq] or [h, total_q] */
+    void *lse;
+    fa_dtype lse_dtype;
     int64_t lse_bstride, lse_hstride, lse_rstride;
 
     const int32_t *cu_seqlens_q; /* [b+1] */
@@ -77,10 +79,39 @@ typedef struct fa_params {
     uint64_t seed, offset;
 
     int num_threads;
+
+    /* Backward only. dout: as out; dq: as q; dk: as k; dv: as v (strides in elements). */
+    const void *dout_data;
+    int64_t do_bstride, do_rstride, do_hstride;
+    void *dq_data;
+    int64_t dq_bstride, dq_rstride, dq_hstride;
+    void *dk_data;
+    int64_t dk_bstride, dk_rstride, dk_hstride;
+    void *dv_data;
+    int64_t dv_bstride, dv_rstride, dv_hstride;
+    float *dsinks; /* [h] */
+    int64_t dsinks_stride;
 } fa_params;
+
+static inline void fa_params_lse_store(const fa_params *p, int64_t at, double value)
+{
+    if (p->lse_dtype == FA_DTYPE_F64)
+        ((double *)p->lse)[at] = value;
+    else
+        ((float *)p->lse)[at] = (float)value;
+}
+
+static inline double fa_params_lse_load(const fa_params *p, int64_t at)
+{
+    return p->lse_dtype == FA_DTYPE_F64 ? ((const double *)p->lse)[at]
+                                        : (double)((const float *)p->lse)[at];
+}
 
 /* Validates args (naming the argument in the error) and fills p. */
 fa_status fa_params_from_fwd_args(const fa_fwd_args *args, fa_params *p);
+
+/* Validates the forward's arguments (lse required) and the gradient tensors. */
+fa_status fa_params_from_bwd_args(const fa_bwd_args *args, fa_params *p);
 
 /* The rows and keys of sequence i. */
 typedef struct fa_seq {
@@ -125,5 +156,6 @@ static inline void fa_params_key_range(const fa_params *p, int64_t i, int64_t sq
 /* CPU backend entry points. */
 fa_status fa_cpu_forward(const fa_params *p);
 fa_status fa_cpu_probs(const fa_params *p);
+fa_status fa_cpu_backward(const fa_params *p);
 
 #endif /* FA_INTERNAL_H */

@@ -164,6 +164,7 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
         FA_TRY(fa_check_dim(o, "out", 0, p->b, "batch, as q"));
         FA_TRY(fa_check_dim(o, "out", 1, p->max_sq, "seqlen_q, as q"));
         p->total_q = p->b * p->max_sq;
+        p->total_k = p->b * p->max_sk;
         p->q_bstride = q->stride[0];
         p->k_bstride = k->stride[0];
         p->v_bstride = v->stride[0];
@@ -207,6 +208,7 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
             p->seqused_k = used;
         }
         p->total_q = q->shape[0];
+        p->total_k = k->shape[0];
         p->q_bstride = p->k_bstride = p->v_bstride = p->o_bstride = 0;
     }
     p->q = q->data;
@@ -224,13 +226,22 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
     return FA_STATUS_OK;
 }
 
+/* fp32 as upstream; fp64 inputs may keep it in fp64 so their gradients stay exact. */
+static fa_status fa_check_lse_dtype(const fa_tensor *t, const fa_params *p)
+{
+    if (t->dtype == FA_DTYPE_F32 || (t->dtype == FA_DTYPE_F64 && p->dtype == FA_DTYPE_F64))
+        return FA_STATUS_OK;
+    return FA_BAD("lse: dtype must be fp32 (or fp64 when q is fp64), got %s",
+                  fa_dtype_name(t->dtype));
+}
+
 static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
 {
     if (a->lse) {
         const fa_tensor *t = a->lse;
         if (p->is_varlen) {
             FA_TRY(fa_check_tensor(t, "lse", 2));
-            FA_TRY(fa_check_dtype(t, "lse", FA_DTYPE_F32, "log-sum-exp is fp32"));
+            FA_TRY(fa_check_lse_dtype(t, p));
             FA_TRY(fa_check_dim(t, "lse", 0, p->h, "heads"));
             FA_TRY(fa_check_dim(t, "lse", 1, p->total_q, "total_q"));
             p->lse_bstride = 0;
@@ -238,7 +249,7 @@ static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
             p->lse_rstride = t->stride[1];
         } else {
             FA_TRY(fa_check_tensor(t, "lse", 3));
-            FA_TRY(fa_check_dtype(t, "lse", FA_DTYPE_F32, "log-sum-exp is fp32"));
+            FA_TRY(fa_check_lse_dtype(t, p));
             FA_TRY(fa_check_dim(t, "lse", 0, p->b, "batch"));
             FA_TRY(fa_check_dim(t, "lse", 1, p->h, "heads"));
             FA_TRY(fa_check_dim(t, "lse", 2, p->max_sq, "seqlen_q"));
@@ -246,7 +257,8 @@ static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
             p->lse_hstride = t->stride[1];
             p->lse_rstride = t->stride[2];
         }
-        p->lse = (float *)t->data;
+        p->lse = t->data;
+        p->lse_dtype = t->dtype;
     }
     if (a->alibi_slopes) {
         const fa_tensor *t = a->alibi_slopes;
@@ -347,5 +359,69 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
     FA_TRY(fa_check_extras(a, p));
     if (p->probs)
         p->probs_block_n = fa_probs_block_n((int)p->d, p->dropout_p > 0.0, p->causal);
+    return FA_STATUS_OK;
+}
+
+/* A gradient tensor has exactly the shape, dtype and layout rules of the tensor it differentiates. */
+static fa_status fa_check_like(const fa_tensor *t, const char *name, const fa_tensor *like,
+                               const char *like_name)
+{
+    FA_TRY(fa_check_tensor(t, name, like->ndim));
+    if (t->dtype != like->dtype)
+        return FA_BAD("%s: dtype %s does not match %s's %s", name, fa_dtype_name(t->dtype),
+                      like_name, fa_dtype_name(like->dtype));
+    for (int i = 0; i < like->ndim; i++)
+        if (t->shape[i] != like->shape[i])
+            return FA_BAD("%s: dimension %d must be %lld as in %s, got %lld", name, i,
+                          (long long)like->shape[i], like_name, (long long)t->shape[i]);
+    return FA_STATUS_OK;
+}
+
+fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
+{
+    *p = (fa_params){0};
+    if (!a)
+        return FA_BAD("args: NULL");
+    if (!a->fwd)
+        return FA_BAD("fwd: the forward's arguments are required");
+    fa_fwd_args fwd = *a->fwd;
+    fwd.probs = NULL; /* a forward-only debugging output */
+    if (!fwd.lse)
+        return FA_BAD("lse: the backward needs the forward's lse (fwd->lse)");
+    FA_TRY(fa_params_from_fwd_args(&fwd, p));
+
+    int hd = p->is_varlen ? 1 : 2; /* index of the heads dimension */
+    FA_TRY(fa_check_like(a->dout, "dout", fwd.out, "out"));
+    FA_TRY(fa_check_like(a->dq, "dq", fwd.q, "q"));
+    FA_TRY(fa_check_like(a->dk, "dk", fwd.k, "k"));
+    FA_TRY(fa_check_like(a->dv, "dv", fwd.v, "v"));
+    p->dout_data = a->dout->data;
+    p->dq_data = a->dq->data;
+    p->dk_data = a->dk->data;
+    p->dv_data = a->dv->data;
+    p->do_bstride = p->is_varlen ? 0 : a->dout->stride[0];
+    p->dq_bstride = p->is_varlen ? 0 : a->dq->stride[0];
+    p->dk_bstride = p->is_varlen ? 0 : a->dk->stride[0];
+    p->dv_bstride = p->is_varlen ? 0 : a->dv->stride[0];
+    p->do_rstride = a->dout->stride[hd - 1];
+    p->dq_rstride = a->dq->stride[hd - 1];
+    p->dk_rstride = a->dk->stride[hd - 1];
+    p->dv_rstride = a->dv->stride[hd - 1];
+    p->do_hstride = a->dout->stride[hd];
+    p->dq_hstride = a->dq->stride[hd];
+    p->dk_hstride = a->dk->stride[hd];
+    p->dv_hstride = a->dv->stride[hd];
+
+    if (p->sinks && !a->dsinks)
+        return FA_BAD("dsinks: required when the forward used sinks (fp32 [h])");
+    if (a->dsinks) {
+        if (!p->sinks)
+            return FA_BAD("dsinks: given, but the forward used no sinks");
+        FA_TRY(fa_check_tensor(a->dsinks, "dsinks", 1));
+        FA_TRY(fa_check_dtype(a->dsinks, "dsinks", FA_DTYPE_F32, "as sinks"));
+        FA_TRY(fa_check_dim(a->dsinks, "dsinks", 0, p->h, "heads"));
+        p->dsinks = (float *)a->dsinks->data;
+        p->dsinks_stride = a->dsinks->stride[0];
+    }
     return FA_STATUS_OK;
 }

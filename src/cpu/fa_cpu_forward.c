@@ -7,25 +7,15 @@
 #include <stdlib.h>
 
 #include "api/fa_internal.h"
-#include "util/fa_half.h"
-#include "util/fa_philox.h"
+#include "cpu/fa_cpu_kernel.h"
 #include "util/fa_threadpool.h"
-
-#define FA_CPU_BM 64 /* query rows per tile */
-#define FA_CPU_BN 64 /* keys per block */
-
-/* Compile the kernel for AVX-512 and AVX2+FMA machines too, picked at load time. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#define FA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FA_CPU_CLONES
-#endif
 
 #define FA_REAL float
 #define FA_FN(name) name##_f32
 #define FA_EXP expf
 #define FA_TANH tanhf
 #define FA_LOG logf
+#include "cpu/fa_cpu_rows.h"
 #include "cpu/fa_cpu_fwd_body.h"
 #undef FA_REAL
 #undef FA_FN
@@ -38,6 +28,7 @@
 #define FA_EXP exp
 #define FA_TANH tanh
 #define FA_LOG log
+#include "cpu/fa_cpu_rows.h"
 #include "cpu/fa_cpu_fwd_body.h"
 #undef FA_REAL
 #undef FA_FN
@@ -126,7 +117,7 @@ static void fa_cpu_fill_uncovered(const fa_params *p)
             for (int64_t c = 0; c < p->dv * (int64_t)esize; c++)
                 o[c] = 0;
             if (p->lse)
-                p->lse[h * p->lse_hstride + r * p->lse_rstride] = INFINITY;
+                fa_params_lse_store(p, h * p->lse_hstride + r * p->lse_rstride, INFINITY);
         }
     }
 }

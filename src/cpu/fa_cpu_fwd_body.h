@@ -3,7 +3,8 @@
  * with FA_REAL float (fp32, fp16, bf16 inputs) and with FA_REAL double (fp64 inputs), so both
  * share one implementation of the masking and softmax rules.
  *
- * Needs: FA_REAL, FA_FN(name) (adds a precision suffix), FA_EXP, FA_TANH, FA_LOG.
+ * Needs: FA_REAL, FA_FN(name) (adds a precision suffix), FA_EXP, FA_TANH, FA_LOG, and
+ * fa_cpu_rows.h included before it with the same FA_REAL.
  */
 
 /* One query tile of one head: rows [r0, r0 + m) of sequence seq_index. Scratch is per thread. */
@@ -16,72 +17,6 @@ typedef struct FA_FN(fa_tile) {
     FA_REAL *m;  /* [FA_CPU_BM] running maximum */
     FA_REAL *l;  /* [FA_CPU_BM] running sum of exp(s - m) */
 } FA_FN(fa_tile);
-
-static inline void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t offset, int64_t n,
-                                      fa_dtype dtype)
-{
-    switch (dtype) {
-    case FA_DTYPE_F32: {
-        const float *src = (const float *)base + offset;
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = (FA_REAL)src[i];
-        break;
-    }
-    case FA_DTYPE_F16: {
-        const uint16_t *src = (const uint16_t *)base + offset;
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = (FA_REAL)fa_f16_to_f32(src[i]);
-        break;
-    }
-    case FA_DTYPE_BF16: {
-        const uint16_t *src = (const uint16_t *)base + offset;
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = (FA_REAL)fa_bf16_to_f32(src[i]);
-        break;
-    }
-    case FA_DTYPE_F64: {
-        const double *src = (const double *)base + offset;
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = (FA_REAL)src[i];
-        break;
-    }
-    default:
-        break;
-    }
-}
-
-static inline void FA_FN(fa_store_row)(void *base, int64_t offset, const FA_REAL *src,
-                                       FA_REAL scale, int64_t n, fa_dtype dtype)
-{
-    switch (dtype) {
-    case FA_DTYPE_F32: {
-        float *dst = (float *)base + offset;
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = (float)(src[i] * scale);
-        break;
-    }
-    case FA_DTYPE_F16: {
-        uint16_t *dst = (uint16_t *)base + offset;
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = fa_f32_to_f16((float)(src[i] * scale));
-        break;
-    }
-    case FA_DTYPE_BF16: {
-        uint16_t *dst = (uint16_t *)base + offset;
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = fa_f32_to_bf16((float)(src[i] * scale));
-        break;
-    }
-    case FA_DTYPE_F64: {
-        double *dst = (double *)base + offset;
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = (double)(src[i] * scale);
-        break;
-    }
-    default:
-        break;
-    }
-}
 
 /* s[i][0..n) = q[i] . kt[:, 0..n) for the m rows of the tile. */
 static inline void FA_FN(fa_tile_scores)(FA_FN(fa_tile) * t, int64_t m, int64_t n, int64_t d)
@@ -255,7 +190,7 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
         if (p->lse) {
             int64_t at = seq_index * p->lse_bstride + h * p->lse_hstride +
                          (p->is_varlen ? seq.q_start + row : row) * p->lse_rstride;
-            p->lse[at] = (float)lse;
+            fa_params_lse_store(p, at, (double)lse);
         }
     }
 }

@@ -1,0 +1,262 @@
+/*
+ * CPU backward. Three parallel phases over the thread pool:
+ *   1. D = rowsum(dout * out) per (row, head) into a workspace of b*sq*h reals, and dsinks;
+ *   2. the key pass (dK, dV), one item per (sequence, kv head, key block);
+ *   3. the query pass (dQ), one item per (sequence, head, query tile).
+ * Every output element is written by exactly one item in a fixed order, so the result is the
+ * same bits for any thread count; parallelism comes from key blocks and query tiles, not only
+ * from batch x heads. Memory beyond the workspace is O(tile) per thread.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "api/fa_internal.h"
+#include "cpu/fa_cpu_kernel.h"
+#include "util/fa_threadpool.h"
+
+/* Index of a query row among all q rows (the workspace's and lse's varlen column). */
+static inline int64_t fa_bwd_token(const fa_params *p, int64_t seq_index, const fa_seq *seq,
+                                   int64_t row)
+{
+    return p->is_varlen ? seq->q_start + row : seq_index * p->max_sq + row;
+}
+
+static inline int64_t fa_bwd_lse_index(const fa_params *p, int64_t seq_index, int64_t h,
+                                       int64_t token, int64_t row)
+{
+    return seq_index * p->lse_bstride + h * p->lse_hstride +
+           (p->is_varlen ? token : row) * p->lse_rstride;
+}
+
+/* Query rows [*lo, *hi) that can see any key of [j0, j1). */
+static inline void fa_bwd_row_range(const fa_params *p, const fa_seq *seq, int64_t j0, int64_t j1,
+                                    int64_t *lo, int64_t *hi)
+{
+    const int64_t shift = seq->sk - seq->sq; /* key j is on the diagonal of row j - shift */
+    int64_t l = 0, h = seq->sq;
+    if (j0 >= seq->sk)
+        h = 0;
+    if (p->window_right >= 0 && j0 - shift - p->window_right > l)
+        l = j0 - shift - p->window_right;
+    if (p->window_left >= 0 && j1 - shift + p->window_left < h)
+        h = j1 - shift + p->window_left;
+    *lo = l;
+    *hi = h > l ? h : l;
+}
+
+#define FA_REAL float
+#define FA_FN(name) name##_f32
+#define FA_EXP expf
+#define FA_TANH tanhf
+#include "cpu/fa_cpu_rows.h"
+#include "cpu/fa_cpu_bwd_body.h"
+#undef FA_REAL
+#undef FA_FN
+#undef FA_EXP
+#undef FA_TANH
+
+#define FA_REAL double
+#define FA_FN(name) name##_f64
+#define FA_EXP exp
+#define FA_TANH tanh
+#include "cpu/fa_cpu_rows.h"
+#include "cpu/fa_cpu_bwd_body.h"
+#undef FA_REAL
+#undef FA_FN
+#undef FA_EXP
+#undef FA_TANH
+
+/* A block of rows (query pass) or keys (key pass) of one sequence. */
+typedef struct fa_bwd_chunk {
+    int64_t seq, start, len;
+} fa_bwd_chunk;
+
+typedef struct fa_bwd_job {
+    const fa_params *p;
+    void *dsum;            /* reals [h][total_q] */
+    double *dsink_partial; /* [b][h] */
+    fa_bwd_chunk *chunks;
+    int64_t heads_per_chunk; /* h (query pass) or hk (key pass) */
+    char *scratch;
+    size_t scratch_size; /* bytes per thread */
+} fa_bwd_job;
+
+static size_t fa_bwd_scratch_size(const fa_params *p, size_t real_size)
+{
+    const size_t bm = FA_CPU_BM, bn = FA_CPU_BN, d = (size_t)p->d, dv = (size_t)p->dv;
+    size_t n = bm * d + bm * dv + 2 * bm + bn * d + d * bn + dv * bn + 2 * bm * bn + bn * d +
+               bn * dv + bm * d;
+    return (n * real_size + 63) & ~(size_t)63;
+}
+
+#define FA_BWD_CARVE(REAL, t, base, p)                                                           \
+    do {                                                                                         \
+        REAL *cur_ = (REAL *)(base);                                                             \
+        const int64_t bm_ = FA_CPU_BM, bn_ = FA_CPU_BN, d_ = (p)->d, dv_ = (p)->dv;              \
+        (t).q = cur_, cur_ += bm_ * d_;                                                          \
+        (t).dout = cur_, cur_ += bm_ * dv_;                                                      \
+        (t).lse = cur_, cur_ += bm_;                                                             \
+        (t).dsum = cur_, cur_ += bm_;                                                            \
+        (t).k = cur_, cur_ += bn_ * d_;                                                          \
+        (t).kt = cur_, cur_ += d_ * bn_;                                                         \
+        (t).vt = cur_, cur_ += dv_ * bn_;                                                        \
+        (t).pz = cur_, cur_ += bm_ * bn_;                                                        \
+        (t).dx = cur_, cur_ += bm_ * bn_;                                                        \
+        (t).acc_k = cur_, cur_ += bn_ * d_;                                                      \
+        (t).acc_v = cur_, cur_ += bn_ * dv_;                                                     \
+        (t).acc_q = cur_;                                                                        \
+    } while (0)
+
+static void fa_bwd_dsum_task(void *ctx, int64_t item, int thread)
+{
+    const fa_bwd_job *job = ctx;
+    const fa_params *p = job->p;
+    const int64_t bi = item / p->h, h = item % p->h;
+    char *base = job->scratch + (size_t)thread * job->scratch_size;
+    if (p->dtype == FA_DTYPE_F64) {
+        double *rows = (double *)base;
+        job->dsink_partial[item] =
+            fa_bwd_dsum_f64(p, job->dsum, rows, rows + p->dv, bi, h);
+    } else {
+        float *rows = (float *)base;
+        job->dsink_partial[item] =
+            fa_bwd_dsum_f32(p, job->dsum, rows, rows + p->dv, bi, h);
+    }
+}
+
+static void fa_bwd_keys_task(void *ctx, int64_t item, int thread)
+{
+    const fa_bwd_job *job = ctx;
+    const fa_params *p = job->p;
+    const fa_bwd_chunk *c = &job->chunks[item / p->hk];
+    const int64_t hk = item % p->hk;
+    char *base = job->scratch + (size_t)thread * job->scratch_size;
+    if (p->dtype == FA_DTYPE_F64) {
+        fa_bwd_tile_f64 t;
+        FA_BWD_CARVE(double, t, base, p);
+        fa_bwd_keys_f64(p, &t, job->dsum, c->seq, hk, c->start, c->len);
+    } else {
+        fa_bwd_tile_f32 t;
+        FA_BWD_CARVE(float, t, base, p);
+        fa_bwd_keys_f32(p, &t, job->dsum, c->seq, hk, c->start, c->len);
+    }
+}
+
+static void fa_bwd_queries_task(void *ctx, int64_t item, int thread)
+{
+    const fa_bwd_job *job = ctx;
+    const fa_params *p = job->p;
+    const fa_bwd_chunk *c = &job->chunks[item / p->h];
+    const int64_t h = item % p->h;
+    char *base = job->scratch + (size_t)thread * job->scratch_size;
+    if (p->dtype == FA_DTYPE_F64) {
+        fa_bwd_tile_f64 t;
+        FA_BWD_CARVE(double, t, base, p);
+        fa_bwd_queries_f64(p, &t, job->dsum, c->seq, h, c->start, c->len);
+    } else {
+        fa_bwd_tile_f32 t;
+        FA_BWD_CARVE(float, t, base, p);
+        fa_bwd_queries_f32(p, &t, job->dsum, c->seq, h, c->start, c->len);
+    }
+}
+
+/* Cuts every sequence's rows (or keys, by_keys) into blocks of `block`. */
+static int64_t fa_bwd_chunks_make(const fa_params *p, int by_keys, int64_t block,
+                                  fa_bwd_chunk *out)
+{
+    int64_t n = 0;
+    for (int64_t i = 0; i < p->b; i++) {
+        fa_seq s = fa_params_seq(p, i);
+        /* dK/dV cover every key row of the sequence, the unused ones (seqused_k) too. */
+        int64_t len = s.sq;
+        if (by_keys)
+            len = p->is_varlen ? p->cu_seqlens_k[i + 1] - p->cu_seqlens_k[i] : p->max_sk;
+        for (int64_t start = 0; start < len; start += block) {
+            if (out)
+                out[n] = (fa_bwd_chunk){i, start, len - start < block ? len - start : block};
+            n++;
+        }
+    }
+    return n;
+}
+
+/* Rows of q / k that belong to no varlen sequence get zero gradients. */
+static void fa_bwd_zero_uncovered(const fa_params *p)
+{
+    if (!p->is_varlen)
+        return;
+    const size_t es = fa_dtype_size(p->dtype);
+    const int32_t *cus[2] = {p->cu_seqlens_q, p->cu_seqlens_k};
+    for (int which = 0; which < 2; which++) {
+        const int32_t *cu = cus[which];
+        char *data = which ? (char *)p->dk_data : (char *)p->dq_data;
+        int64_t rs = which ? p->dk_rstride : p->dq_rstride;
+        int64_t hs = which ? p->dk_hstride : p->dq_hstride;
+        int64_t heads = which ? p->hk : p->h;
+        int64_t rows = which ? p->total_k : p->total_q;
+        for (int64_t r = 0; r < rows; r++) {
+            if (r >= cu[0] && r < cu[p->b])
+                continue;
+            for (int64_t h = 0; h < heads; h++) {
+                char *row = data + (size_t)(r * rs + h * hs) * es;
+                for (size_t c = 0; c < (size_t)p->d * es; c++)
+                    row[c] = 0;
+                if (which) {
+                    char *vrow = (char *)p->dv_data +
+                                 (size_t)(r * p->dv_rstride + h * p->dv_hstride) * es;
+                    for (size_t c = 0; c < (size_t)p->dv * es; c++)
+                        vrow[c] = 0;
+                }
+            }
+        }
+    }
+}
+
+fa_status fa_cpu_backward(const fa_params *p)
+{
+    const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
+    fa_bwd_zero_uncovered(p);
+
+    int64_t n_q = fa_bwd_chunks_make(p, 0, FA_CPU_BM, NULL);
+    int64_t n_k = fa_bwd_chunks_make(p, 1, FA_CPU_BN, NULL);
+    int64_t n_max = n_q > n_k ? n_q : n_k;
+    int threads = p->num_threads > 0 ? p->num_threads : 1;
+
+    fa_bwd_job job = {p, NULL, NULL, NULL, 0, NULL, fa_bwd_scratch_size(p, real_size)};
+    job.dsum = malloc((size_t)(p->total_q * p->h + 1) * real_size);
+    job.dsink_partial = malloc((size_t)(p->b * p->h) * sizeof(double));
+    job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);
+    job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
+    fa_status st = FA_STATUS_OK;
+    if (!job.dsum || !job.dsink_partial || !job.chunks || !job.scratch) {
+        st = fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for the backward workspace");
+        goto done;
+    }
+
+    st = fa_parallel_for(threads, p->b * p->h, fa_bwd_dsum_task, &job);
+    if (st != FA_STATUS_OK)
+        goto done;
+    if (p->dsinks) {
+        for (int64_t h = 0; h < p->h; h++) {
+            double sum = 0;
+            for (int64_t bi = 0; bi < p->b; bi++)
+                sum += job.dsink_partial[bi * p->h + h];
+            p->dsinks[h * p->dsinks_stride] = (float)sum;
+        }
+    }
+
+    fa_bwd_chunks_make(p, 1, FA_CPU_BN, job.chunks);
+    st = fa_parallel_for(threads, n_k * p->hk, fa_bwd_keys_task, &job);
+    if (st != FA_STATUS_OK)
+        goto done;
+
+    fa_bwd_chunks_make(p, 0, FA_CPU_BM, job.chunks);
+    st = fa_parallel_for(threads, n_q * p->h, fa_bwd_queries_task, &job);
+
+done:
+    free(job.dsum);
+    free(job.dsink_partial);
+    free(job.chunks);
+    free(job.scratch);
+    return st;
+}

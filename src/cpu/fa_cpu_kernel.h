@@ -1,0 +1,18 @@
+/* What the CPU kernels share: tile sizes, the multiversioning attribute, the helpers they use. */
+#ifndef FA_CPU_KERNEL_H
+#define FA_CPU_KERNEL_H
+
+#include "util/fa_half.h"
+#include "util/fa_philox.h"
+
+#define FA_CPU_BM 64 /* query rows per tile */
+#define FA_CPU_BN 64 /* keys per block */
+
+/* Compile the kernels for AVX-512 and AVX2+FMA machines too, picked at load time. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FA_CPU_CLONES
+#endif
+
+#endif /* FA_CPU_KERNEL_H */

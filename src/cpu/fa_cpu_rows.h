@@ -1,0 +1,70 @@
+/*
+ * Row loads and stores between a tensor of any dtype and the kernels' compute precision.
+ * Included once per precision, with FA_REAL and FA_FN(name) defined (see fa_cpu_kernel.h).
+ */
+
+static inline void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t offset, int64_t n,
+                                      fa_dtype dtype)
+{
+    switch (dtype) {
+    case FA_DTYPE_F32: {
+        const float *src = (const float *)base + offset;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (FA_REAL)src[i];
+        break;
+    }
+    case FA_DTYPE_F16: {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (FA_REAL)fa_f16_to_f32(src[i]);
+        break;
+    }
+    case FA_DTYPE_BF16: {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (FA_REAL)fa_bf16_to_f32(src[i]);
+        break;
+    }
+    case FA_DTYPE_F64: {
+        const double *src = (const double *)base + offset;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (FA_REAL)src[i];
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+static inline void FA_FN(fa_store_row)(void *base, int64_t offset, const FA_REAL *src,
+                                       FA_REAL scale, int64_t n, fa_dtype dtype)
+{
+    switch (dtype) {
+    case FA_DTYPE_F32: {
+        float *dst = (float *)base + offset;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (float)(src[i] * scale);
+        break;
+    }
+    case FA_DTYPE_F16: {
+        uint16_t *dst = (uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = fa_f32_to_f16((float)(src[i] * scale));
+        break;
+    }
+    case FA_DTYPE_BF16: {
+        uint16_t *dst = (uint16_t *)base + offset;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = fa_f32_to_bf16((float)(src[i] * scale));
+        break;
+    }
+    case FA_DTYPE_F64: {
+        double *dst = (double *)base + offset;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (double)(src[i] * scale);
+        break;
+    }
+    default:
+        break;
+    }
+}
