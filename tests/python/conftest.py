@@ -4,8 +4,9 @@ The package is imported from <repo>/python unless flashattn is already importabl
 elsewhere (an installed copy) and FLASHATTN_TEST_INSTALLED=1 is set. The C library is found as
 the package finds it ($FLASHATTN_LIBRARY, the package directory, <repo>/build/).
 
-Random inputs: every test gets its own numpy Generator, seeded from the test's id and
-$FLASHATTN_TEST_SEED (default 0); set FLASHATTN_TEST_SEED to draw fresh inputs.
+Random inputs: every test gets its own numpy Generator, seeded from the test's id and a base
+seed that is fresh on every run (printed in the report header); set $FLASHATTN_TEST_SEED to that
+value to reproduce a run.
 """
 
 import os
@@ -22,7 +23,7 @@ if os.environ.get("FLASHATTN_TEST_INSTALLED") != "1":
     sys.path.insert(0, os.path.join(REPO, "python"))
 sys.path.insert(0, HERE)
 
-BASE_SEED = int(os.environ.get("FLASHATTN_TEST_SEED", "0"))
+BASE_SEED = int(os.environ.get("FLASHATTN_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 
 
 def _test_seed(request):
@@ -50,8 +51,8 @@ def pytest_report_header(config):
         import flashattn
         from flashattn import _lib
 
-        return "flashattn %s from %s, library %s (%s)" % (
-            flashattn.__version__, os.path.dirname(flashattn.__file__), _lib.library_path(),
+        return "FLASHATTN_TEST_SEED=%d; flashattn %s from %s, library %s (%s)" % (
+            BASE_SEED, flashattn.__version__, os.path.dirname(flashattn.__file__), _lib.library_path(),
             _lib.cpu_description())
     except Exception as e:  # the tests will report it properly
         return "flashattn: %s" % e

@@ -1,0 +1,1026 @@
+/*
+ * test_forward: fa_attention_forward against the double-precision reference (ref/fa_ref.c).
+ *
+ * Every case draws fresh random inputs (never zeros), poisons every output buffer with a NaN
+ * pattern (including gaps between rows of strided views and guard zones around them), runs the
+ * library twice with two different thread counts, and checks:
+ *   - status OK; every element of out / lse / probs written, nothing outside the views touched,
+ *     the inputs untouched;
+ *   - the two runs are bitwise identical (determinism across num_threads);
+ *   - out against fa_ref_forward:
+ *       F64:      max|ours - ref| <= 1e-12 * max(1, max|ref|)
+ *       F32:      max|ours - ref| <= 1e-5  * max(1, max|ref|)
+ *       F16/BF16: upstream's criterion  max|ours - ref| <= 2 * max|lowp - ref| + floor, with lowp
+ *                 = fa_ref_forward_lowp (naive attention with every stage rounded to the dtype) and
+ *                 floor = half an ulp of max|ref| in the dtype (the rounding of the output alone);
+ *   - lse (fp32) against the reference: +inf exactly where the reference has +inf, otherwise
+ *     |ours - ref| <= 1e-5 * max(1, |ref|) (1e-12 for an fp64 lse, allowed when q is fp64);
+ *   - probs against fa_ref_probs: F64 1e-12, F32 1e-5, F16 1e-3, BF16 8e-3 absolute (entries are
+ *     in [-1, 1]; 2 ulp at 1 for the half types), and the sign (dropped) matches wherever the
+ *     reference is non-zero; padding is 0.
+ *
+ * FA_TEST_SEED=<n> reruns a whole run; FA_TEST_ONLY=<case> runs a single case of it.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "fa_ref.h"
+#include "flashattn.h"
+#include "test_util.h"
+
+typedef struct fcase {
+    fa_dtype dt;
+    int varlen;
+    int64_t b, sq, sk, h, hk, d, dv; /* varlen: sq/sk are the largest generated lengths */
+    int causal, wl, wr;
+    double softcap;
+    int alibi; /* 0 none, 1 [h], 2 [b, h] */
+    int sinks;
+    double dropout_p;
+    double scale; /* NaN: default */
+    int layout;   /* -1: random per tensor, else a tu_layout for every tensor */
+    int packed;   /* 0 separate, 1 qkv in one buffer, 2 kv in one buffer */
+    int with_lse, with_probs;
+    int threads_a, threads_b;
+    double amp; /* q and k uniform in [-amp, amp] */
+    int vl_zero; /* 1: some sequences empty; 2: also every other one */
+    int vl_offset, vl_seqused;
+    int64_t row_step;
+} fcase;
+
+static int g_case_index = 0;
+static int g_only = -1;
+static char g_where[512];
+static int g_checked_cases = 0;
+
+static const char *dt_name(fa_dtype dt)
+{
+    switch (dt) {
+    case FA_DTYPE_F32:
+        return "f32";
+    case FA_DTYPE_F16:
+        return "f16";
+    case FA_DTYPE_BF16:
+        return "bf16";
+    case FA_DTYPE_F64:
+        return "f64";
+    default:
+        return "?";
+    }
+}
+
+/* A hang (e.g. a thread-pool deadlock) reports the case it happened in. */
+static void on_alarm(int sig)
+{
+    (void)sig;
+    static const char head[] = "\nFAIL: TIMEOUT (no progress for 60 s) in ";
+    ssize_t rc = write(STDOUT_FILENO, head, sizeof head - 1);
+    rc = write(STDOUT_FILENO, g_where, strlen(g_where));
+    rc = write(STDOUT_FILENO, "\n", 1);
+    (void)rc;
+    _exit(3);
+}
+
+static void describe(const fcase *c, const char *name)
+{
+    char scale[32];
+    if (isnan(c->scale)) {
+        snprintf(scale, sizeof scale, "default");
+    } else {
+        snprintf(scale, sizeof scale, "%.4g", c->scale);
+    }
+    snprintf(g_where, sizeof g_where,
+             "case %d (%s): %s %s b=%lld sq=%lld sk=%lld h=%lld hk=%lld d=%lld dv=%lld causal=%d "
+             "window=(%d,%d) softcap=%g alibi=%d sinks=%d dropout=%g scale=%s layout=%d packed=%d "
+             "lse=%d probs=%d threads=%d/%d amp=%g%s",
+             g_case_index, name, dt_name(c->dt), c->varlen ? "varlen" : "dense", (long long)c->b,
+             (long long)c->sq, (long long)c->sk, (long long)c->h, (long long)c->hk,
+             (long long)c->d, (long long)c->dv, c->causal, c->wl, c->wr, c->softcap, c->alibi,
+             c->sinks, c->dropout_p, scale, c->layout, c->packed, c->with_lse, c->with_probs,
+             c->threads_a, c->threads_b, c->amp,
+             c->varlen ? (c->vl_seqused ? " seqused_k" : "") : "");
+    tu_where = g_where;
+}
+
+static int pick_layout(const fcase *c, tu_rng *r)
+{
+    return c->layout >= 0 ? c->layout : (int)tu_rng_int(r, 0, TU_NUM_LAYOUTS - 1);
+}
+
+static double half_ulp_rel(fa_dtype dt)
+{
+    switch (dt) {
+    case FA_DTYPE_F16:
+        return ldexp(1.0, -11);
+    case FA_DTYPE_BF16:
+        return ldexp(1.0, -8);
+    case FA_DTYPE_F32:
+        return ldexp(1.0, -24);
+    default:
+        return ldexp(1.0, -53);
+    }
+}
+
+static double probs_tol(fa_dtype dt)
+{
+    switch (dt) {
+    case FA_DTYPE_F16:
+        return 1e-3;
+    case FA_DTYPE_BF16:
+        return 8e-3;
+    case FA_DTYPE_F32:
+        return 1e-5;
+    default:
+        return 1e-12;
+    }
+}
+
+static void *dup_bytes(const void *p, size_t n)
+{
+    void *q = malloc(n ? n : 1);
+    if (!q) {
+        exit(2);
+    }
+    memcpy(q, p, n);
+    return q;
+}
+
+static void run_case(const fcase *c0, const char *name, tu_rng *rng)
+{
+    int idx = g_case_index++;
+    if (g_only >= 0 && idx != g_only) {
+        /* keep the random stream identical to a full run */
+        (void)tu_rng_u64(rng);
+        return;
+    }
+    tu_rng rr = {tu_rng_u64(rng)};
+    tu_rng *r = &rr;
+    fcase C = *c0;
+    fcase *c = &C;
+    if (c->packed == 1) { /* q, k, v are parts of one buffer: same shapes */
+        c->sk = c->sq;
+        c->hk = c->h;
+        c->dv = c->d;
+    } else if (c->packed == 2) {
+        c->dv = c->d;
+    }
+    describe(c, name);
+    if (getenv("FA_TEST_VERBOSE")) {
+        printf("%s\n", g_where);
+    }
+    alarm(60);
+    int fails_before = tu_failures;
+
+    const fa_dtype dt = c->dt;
+    const int64_t b = c->b, h = c->h, hk = c->hk, d = c->d, dv = c->dv;
+
+    /* ---- sequence structure ---- */
+    int64_t tokens_q, tokens_k, max_sq, max_sk;
+    int32_t *cu_q = NULL, *cu_k = NULL, *used_k = NULL;
+    tu_tensor t_cuq = {0}, t_cuk = {0}, t_used = {0};
+    if (c->varlen) {
+        cu_q = calloc((size_t)b + 1, sizeof(int32_t));
+        cu_k = calloc((size_t)b + 1, sizeof(int32_t));
+        used_k = calloc((size_t)b + 1, sizeof(int32_t));
+        int same_k = (c->packed == 1); /* qkv packed: k tokens are the q tokens */
+        cu_q[0] = c->vl_offset ? (int32_t)tu_rng_int(r, 1, 3) : 0;
+        cu_k[0] = c->vl_offset ? (int32_t)tu_rng_int(r, 1, 3) : 0;
+        if (same_k) {
+            cu_k[0] = cu_q[0];
+        }
+        max_sq = 0;
+        max_sk = 0;
+        for (int64_t i = 0; i < b; i++) {
+            int64_t lq = (c->vl_zero && tu_rng_chance(r, 0.35)) ? 0 : tu_rng_int(r, 0, c->sq);
+            if (c->vl_zero == 2 && i % 2 == 0) {
+                lq = 0; /* every other sequence empty: total tokens < batch when sq is 1 */
+            }
+            int64_t lk = (c->vl_zero && tu_rng_chance(r, 0.35)) ? 0 : tu_rng_int(r, 0, c->sk);
+            if (same_k) {
+                lk = lq;
+            }
+            cu_q[i + 1] = cu_q[i] + (int32_t)lq;
+            cu_k[i + 1] = cu_k[i] + (int32_t)lk;
+            used_k[i] = (int32_t)tu_rng_int(r, 0, lk);
+            max_sq = lq > max_sq ? lq : max_sq;
+            max_sk = lk > max_sk ? lk : max_sk;
+        }
+        tokens_q = cu_q[b] + (c->vl_offset ? tu_rng_int(r, 0, 3) : 0);
+        tokens_k = cu_k[b] + (c->vl_offset ? tu_rng_int(r, 0, 3) : 0);
+        if (same_k) {
+            tokens_k = tokens_q;
+        }
+        max_sq += tu_rng_int(r, 0, 1);
+        max_sk += tu_rng_int(r, 0, 1);
+        int64_t s1[1] = {b + 1}, s0[1] = {b};
+        t_cuq = tu_tensor_new(FA_DTYPE_I32, 1, s1, TU_CONTIGUOUS, r);
+        t_cuk = tu_tensor_new(FA_DTYPE_I32, 1, s1, TU_CONTIGUOUS, r);
+        t_used = tu_tensor_new(FA_DTYPE_I32, 1, s0, TU_CONTIGUOUS, r);
+        memcpy(t_cuq.t.data, cu_q, sizeof(int32_t) * (size_t)(b + 1));
+        memcpy(t_cuk.t.data, cu_k, sizeof(int32_t) * (size_t)(b + 1));
+        memcpy(t_used.t.data, used_k, sizeof(int32_t) * (size_t)b);
+    } else {
+        tokens_q = b * c->sq;
+        tokens_k = b * c->sk;
+        max_sq = c->sq;
+        max_sk = c->sk;
+    }
+
+    /* ---- inputs ---- */
+    tu_tensor tq, tk, tv;
+    int64_t shq[4], shk[4], shv[4], sho[4], shl[3], shp[4];
+    int nd = c->varlen ? 3 : 4;
+    if (c->varlen) {
+        int64_t a[3] = {tokens_q, h, d}, bb[3] = {tokens_k, hk, d}, cc[3] = {tokens_k, hk, dv},
+                o[3] = {tokens_q, h, dv};
+        memcpy(shq, a, sizeof a);
+        memcpy(shk, bb, sizeof bb);
+        memcpy(shv, cc, sizeof cc);
+        memcpy(sho, o, sizeof o);
+        shl[0] = h;
+        shl[1] = tokens_q;
+    } else {
+        int64_t a[4] = {b, c->sq, h, d}, bb[4] = {b, c->sk, hk, d}, cc[4] = {b, c->sk, hk, dv},
+                o[4] = {b, c->sq, h, dv};
+        memcpy(shq, a, sizeof a);
+        memcpy(shk, bb, sizeof bb);
+        memcpy(shv, cc, sizeof cc);
+        memcpy(sho, o, sizeof o);
+        shl[0] = b;
+        shl[1] = h;
+        shl[2] = c->sq;
+    }
+    if (c->packed == 1) {
+        tu_tensor parts[3];
+        tu_tensor_packed(dt, nd, shq, 3, pick_layout(c, r), r, parts);
+        tq = parts[0];
+        tk = parts[1];
+        tv = parts[2];
+    } else if (c->packed == 2) {
+        tu_tensor parts[2];
+        tq = tu_tensor_new(dt, nd, shq, pick_layout(c, r), r);
+        tu_tensor_packed(dt, nd, shk, 2, pick_layout(c, r), r, parts);
+        tk = parts[0];
+        tv = parts[1];
+    } else {
+        tq = tu_tensor_new(dt, nd, shq, pick_layout(c, r), r);
+        tk = tu_tensor_new(dt, nd, shk, pick_layout(c, r), r);
+        tv = tu_tensor_new(dt, nd, shv, pick_layout(c, r), r);
+    }
+    tu_fill_uniform(&tq, r, -c->amp, c->amp);
+    tu_fill_uniform(&tk, r, -c->amp, c->amp);
+    tu_fill_uniform(&tv, r, -2.0, 2.0);
+
+    tu_tensor talibi = {0}, tsinks = {0};
+    if (c->alibi) {
+        int64_t sa[2] = {b, h};
+        if (c->alibi == 1) {
+            sa[0] = h;
+        }
+        talibi = tu_tensor_new(FA_DTYPE_F32, c->alibi, sa, pick_layout(c, r), r);
+        tu_fill_uniform(&talibi, r, 0.01, 1.0);
+    }
+    if (c->sinks) {
+        int64_t ss[1] = {h};
+        tsinks = tu_tensor_new(FA_DTYPE_F32, 1, ss, TU_CONTIGUOUS, r);
+        tu_fill_uniform(&tsinks, r, -3.0, 3.0);
+    }
+
+    /* ---- outputs ---- */
+    tu_tensor tout = tu_tensor_new(dt, nd, sho, pick_layout(c, r), r);
+    tu_tensor tlse = {0}, tprobs = {0};
+    if (c->with_lse) {
+        /* fp64 lse is accepted when q is fp64 (then it is compared at fp64 precision) */
+        fa_dtype lse_dt =
+            (dt == FA_DTYPE_F64 && tu_rng_chance(r, 0.5)) ? FA_DTYPE_F64 : FA_DTYPE_F32;
+        tlse = tu_tensor_new(lse_dt, c->varlen ? 2 : 3, shl, pick_layout(c, r), r);
+    }
+    if (c->with_probs) {
+        shp[0] = b;
+        shp[1] = h;
+        shp[2] = max_sq + (tu_rng_chance(r, 0.5) ? tu_rng_int(r, 1, 5) : 0);
+        shp[3] = max_sk + (tu_rng_chance(r, 0.5) ? tu_rng_int(r, 1, 5) : 0);
+        tprobs = tu_tensor_new(dt, 4, shp, pick_layout(c, r), r);
+    }
+
+    fa_fwd_args args;
+    fa_fwd_args_init(&args);
+    args.q = &tq.t;
+    args.k = &tk.t;
+    args.v = &tv.t;
+    args.out = &tout.t;
+    args.lse = c->with_lse ? &tlse.t : NULL;
+    args.probs = c->with_probs ? &tprobs.t : NULL;
+    if (c->varlen) {
+        args.cu_seqlens_q = &t_cuq.t;
+        args.cu_seqlens_k = &t_cuk.t;
+        args.seqused_k = c->vl_seqused ? &t_used.t : NULL;
+        args.max_seqlen_q = max_sq;
+        args.max_seqlen_k = max_sk;
+    }
+    args.alibi_slopes = c->alibi ? &talibi.t : NULL;
+    args.sinks = c->sinks ? &tsinks.t : NULL;
+    args.softmax_scale = c->scale;
+    args.causal = c->causal;
+    args.window_left = c->wl;
+    args.window_right = c->wr;
+    args.softcap = c->softcap;
+    args.dropout_p = c->dropout_p;
+    args.seed = tu_rng_u64(r);
+    args.offset = tu_rng_chance(r, 0.5) ? tu_rng_u64(r) : (uint64_t)tu_rng_int(r, 0, 1000);
+    args.device = FA_DEVICE_CPU;
+    args.num_threads = c->threads_a;
+
+    /* inputs must not be written */
+    void *q_copy = dup_bytes(tq.base, tq.nbytes);
+    void *k_copy = c->packed == 1 ? NULL : dup_bytes(tk.base, tk.nbytes);
+    void *v_copy = c->packed ? NULL : dup_bytes(tv.base, tv.nbytes);
+
+    tu_poison(&tout);
+    if (c->with_lse) {
+        tu_poison(&tlse);
+    }
+    if (c->with_probs) {
+        tu_poison(&tprobs);
+    }
+
+    fa_status st = fa_attention_forward(&args);
+    TU_CHECK(st == FA_STATUS_OK, "fa_attention_forward returned %d (%s): %s", (int)st,
+             fa_status_string(st), fa_last_error());
+    if (st != FA_STATUS_OK) {
+        goto cleanup;
+    }
+
+    /* ---- every element written, nothing else ---- */
+    {
+        int64_t n;
+        n = tu_count_poisoned_in_view(&tout);
+        TU_CHECK(n == 0, "%lld elements of out not written", (long long)n);
+        n = tu_count_clobbered(&tout);
+        TU_CHECK(n == 0, "%lld elements around/between the out view were written", (long long)n);
+        if (c->with_lse) {
+            n = tu_count_poisoned_in_view(&tlse);
+            TU_CHECK(n == 0, "%lld elements of lse not written", (long long)n);
+            n = tu_count_clobbered(&tlse);
+            TU_CHECK(n == 0, "%lld elements around/between the lse view were written",
+                     (long long)n);
+        }
+        if (c->with_probs) {
+            n = tu_count_poisoned_in_view(&tprobs);
+            TU_CHECK(n == 0, "%lld elements of probs not written", (long long)n);
+            n = tu_count_clobbered(&tprobs);
+            TU_CHECK(n == 0, "%lld elements around/between the probs view were written",
+                     (long long)n);
+        }
+        TU_CHECK(memcmp(q_copy, tq.base, tq.nbytes) == 0, "q buffer was modified");
+        if (k_copy) {
+            TU_CHECK(memcmp(k_copy, tk.base, tk.nbytes) == 0, "k buffer was modified");
+        }
+        if (v_copy) {
+            TU_CHECK(memcmp(v_copy, tv.base, tv.nbytes) == 0, "v buffer was modified");
+        }
+    }
+
+    /* ---- determinism: a second run with another thread count, bitwise equal ---- */
+    {
+        void *o1 = dup_bytes(tout.base, tout.nbytes);
+        void *l1 = c->with_lse ? dup_bytes(tlse.base, tlse.nbytes) : NULL;
+        void *p1 = c->with_probs ? dup_bytes(tprobs.base, tprobs.nbytes) : NULL;
+        tu_poison(&tout);
+        if (c->with_lse) {
+            tu_poison(&tlse);
+        }
+        if (c->with_probs) {
+            tu_poison(&tprobs);
+        }
+        args.num_threads = c->threads_b;
+        fa_status st2 = fa_attention_forward(&args);
+        TU_CHECK(st2 == FA_STATUS_OK, "second run (num_threads=%d) returned %d: %s", c->threads_b,
+                 (int)st2, fa_last_error());
+        TU_CHECK(memcmp(o1, tout.base, tout.nbytes) == 0,
+                 "out differs between num_threads=%d and %d", c->threads_a, c->threads_b);
+        if (l1) {
+            TU_CHECK(memcmp(l1, tlse.base, tlse.nbytes) == 0,
+                     "lse differs between num_threads=%d and %d", c->threads_a, c->threads_b);
+        }
+        if (p1) {
+            TU_CHECK(memcmp(p1, tprobs.base, tprobs.nbytes) == 0,
+                     "probs differ between num_threads=%d and %d", c->threads_a, c->threads_b);
+        }
+        free(o1);
+        free(l1);
+        free(p1);
+    }
+
+    /* ---- values against the reference ---- */
+    {
+        size_t nout = (size_t)(tokens_q * h * dv), nlse = (size_t)(tokens_q * h);
+        double *ref = malloc(sizeof(double) * (nout ? nout : 1));
+        double *ref_lse = malloc(sizeof(double) * (nlse ? nlse : 1));
+        double *lowp = NULL;
+        int64_t step = c->row_step > 0 ? c->row_step : 1;
+        int rc = fa_ref_forward(&args, step, ref, ref_lse);
+        TU_CHECK(rc == 0, "fa_ref_forward failed");
+        int is_half = (dt == FA_DTYPE_F16 || dt == FA_DTYPE_BF16);
+        if (is_half) {
+            lowp = malloc(sizeof(double) * (nout ? nout : 1));
+            rc = fa_ref_forward_lowp(&args, lowp);
+            TU_CHECK(rc == 0, "fa_ref_forward_lowp failed");
+        }
+        double maxref = 0, maxerr = 0, maxlowp = 0;
+        int64_t worst_t = -1, worst_h = -1, worst_x = -1;
+        double worst_ours = 0, worst_ref = 0;
+        double lse_worst = 0;
+        int64_t lse_bad = 0;
+        char lse_msg[256] = "";
+        for (int64_t t = 0; t < tokens_q; t += step) {
+            for (int64_t hh = 0; hh < h; hh++) {
+                for (int64_t x = 0; x < dv; x++) {
+                    int64_t ix[4];
+                    if (c->varlen) {
+                        ix[0] = t;
+                        ix[1] = hh;
+                        ix[2] = x;
+                    } else {
+                        ix[0] = t / c->sq;
+                        ix[1] = t % c->sq;
+                        ix[2] = hh;
+                        ix[3] = x;
+                    }
+                    double ours = fa_ref_load(&tout.t, ix);
+                    double want = ref[(t * h + hh) * dv + x];
+                    double err = fabs(ours - want);
+                    if (isnan(ours)) {
+                        err = INFINITY;
+                    }
+                    if (fabs(want) > maxref) {
+                        maxref = fabs(want);
+                    }
+                    if (err > maxerr || (worst_t < 0 && err >= maxerr)) {
+                        maxerr = err;
+                        worst_t = t;
+                        worst_h = hh;
+                        worst_x = x;
+                        worst_ours = ours;
+                        worst_ref = want;
+                    }
+                    if (lowp) {
+                        double le = fabs(lowp[(t * h + hh) * dv + x] - want);
+                        if (le > maxlowp) {
+                            maxlowp = le;
+                        }
+                    }
+                }
+                if (c->with_lse) {
+                    int64_t il[3];
+                    if (c->varlen) {
+                        il[0] = hh;
+                        il[1] = t;
+                    } else {
+                        il[0] = t / c->sq;
+                        il[1] = hh;
+                        il[2] = t % c->sq;
+                    }
+                    double ours = fa_ref_load(&tlse.t, il);
+                    double want = ref_lse[t * h + hh];
+                    int ok;
+                    double err = 0;
+                    if (isinf(want)) {
+                        ok = (ours == want);
+                    } else {
+                        err = fabs(ours - want);
+                        double rel = tlse.t.dtype == FA_DTYPE_F64 ? 1e-12 : 1e-5;
+                        ok = err <= rel * fmax(1.0, fabs(want));
+                    }
+                    if (!ok) {
+                        lse_bad++;
+                        if (!(err <= lse_worst) || lse_bad == 1) {
+                            lse_worst = err;
+                            snprintf(lse_msg, sizeof lse_msg,
+                                     "token %lld head %lld: ours %.9g ref %.9g", (long long)t,
+                                     (long long)hh, ours, want);
+                        }
+                    }
+                }
+            }
+        }
+        /* ALiBi makes scores as large as slope * distance; a score s carries an absolute rounding
+           error ~eps*|s| in the compute precision, which moves the output by up to ~2*eps*|s|*
+           max|v|. That is inherent to computing in fp32, so it is added to the budget. */
+        double bias_term = 0.0;
+        if (c->alibi) {
+            double max_slope = 0.0;
+            int64_t ia[2] = {0, 0};
+            do {
+                max_slope = fmax(max_slope, fa_ref_load(&talibi.t, ia));
+            } while (tu_next_index(&talibi.t, ia));
+            double vmax = 2.0 / (1.0 - c->dropout_p);
+            bias_term = 4.0 * max_slope * (double)(max_sq + max_sk) * vmax;
+        }
+        double tol;
+        const char *crit;
+        if (dt == FA_DTYPE_F64) {
+            tol = 1e-12 * fmax(1.0, maxref) + ldexp(bias_term, -53);
+            crit = "1e-12*max(1,max|ref|) + 4*2^-53*alibi_max*vmax";
+        } else if (dt == FA_DTYPE_F32) {
+            tol = 1e-5 * fmax(1.0, maxref) + ldexp(bias_term, -24);
+            crit = "1e-5*max(1,max|ref|) + 4*2^-24*alibi_max*vmax";
+        } else {
+            tol = 2.0 * maxlowp + half_ulp_rel(dt) * maxref;
+            crit = "2*max|lowp-ref| + half ulp(max|ref|)";
+        }
+        TU_CHECK(maxerr <= tol,
+                 "out: max err %.3g > tol %.3g (%s; max|ref| %.3g, max|lowp-ref| %.3g) worst at "
+                 "token %lld head %lld col %lld: ours %.9g ref %.9g",
+                 maxerr, tol, crit, maxref, maxlowp, (long long)worst_t, (long long)worst_h,
+                 (long long)worst_x, worst_ours, worst_ref);
+        TU_CHECK(lse_bad == 0, "lse: %lld rows wrong, e.g. %s", (long long)lse_bad, lse_msg);
+        free(ref);
+        free(ref_lse);
+        free(lowp);
+    }
+
+    if (c->with_probs) {
+        size_t np = (size_t)(b * h * max_sq * max_sk);
+        double *rp = malloc(sizeof(double) * (np ? np : 1));
+        int rc = fa_ref_probs(&args, rp);
+        TU_CHECK(rc == 0, "fa_ref_probs failed");
+        double tol = probs_tol(dt);
+        int64_t bad = 0, badsign = 0;
+        char msg[256] = "";
+        int64_t ix[4] = {0};
+        if (tu_numel(&tprobs.t) > 0) {
+            do {
+                double ours = fa_ref_load(&tprobs.t, ix);
+                double want = 0.0;
+                if (ix[2] < max_sq && ix[3] < max_sk) {
+                    want = rp[((ix[0] * h + ix[1]) * max_sq + ix[2]) * max_sk + ix[3]];
+                }
+                int ok = fabs(ours - want) <= tol;
+                if (!ok) {
+                    if (bad++ == 0) {
+                        snprintf(msg, sizeof msg, "[%lld,%lld,%lld,%lld] ours %.6g ref %.6g",
+                                 (long long)ix[0], (long long)ix[1], (long long)ix[2],
+                                 (long long)ix[3], ours, want);
+                    }
+                } else if (want != 0.0 && !!signbit(ours) != !!signbit(want)) {
+                    if (badsign++ == 0 && bad == 0) {
+                        snprintf(msg, sizeof msg,
+                                 "sign at [%lld,%lld,%lld,%lld]: ours %.6g ref %.6g",
+                                 (long long)ix[0], (long long)ix[1], (long long)ix[2],
+                                 (long long)ix[3], ours, want);
+                    }
+                }
+            } while (tu_next_index(&tprobs.t, ix));
+        }
+        TU_CHECK(bad == 0 && badsign == 0,
+                 "probs: %lld values beyond %g, %lld sign (dropout) mismatches (block_n %d): %s",
+                 (long long)bad, tol, (long long)badsign,
+                 fa_ref_probs_block_n((int)d, c->dropout_p > 0, c->causal), msg);
+        free(rp);
+    }
+
+cleanup:
+    free(q_copy);
+    free(k_copy);
+    free(v_copy);
+    tu_tensor_free(&tq);
+    tu_tensor_free(&tk);
+    tu_tensor_free(&tv);
+    tu_tensor_free(&tout);
+    tu_tensor_free(&tlse);
+    tu_tensor_free(&tprobs);
+    tu_tensor_free(&talibi);
+    tu_tensor_free(&tsinks);
+    tu_tensor_free(&t_cuq);
+    tu_tensor_free(&t_cuk);
+    tu_tensor_free(&t_used);
+    free(cu_q);
+    free(cu_k);
+    free(used_k);
+    g_checked_cases++;
+    if (tu_failures != fails_before) {
+        printf("  ^ failing %s\n", g_where);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Case generation                                                                             */
+
+static const fa_dtype k_dtypes[4] = {FA_DTYPE_F32, FA_DTYPE_F16, FA_DTYPE_BF16, FA_DTYPE_F64};
+
+static void base_case(fcase *c, fa_dtype dt, tu_rng *r)
+{
+    memset(c, 0, sizeof *c);
+    c->dt = dt;
+    c->b = tu_rng_int(r, 1, 3);
+    c->hk = tu_rng_int(r, 1, 2);
+    c->h = c->hk * (tu_rng_chance(r, 0.5) ? 1 : 2);
+    c->sq = tu_rng_int(r, 1, 40);
+    c->sk = tu_rng_int(r, 1, 40);
+    c->d = 32;
+    c->dv = 32;
+    c->wl = -1;
+    c->wr = -1;
+    c->scale = NAN;
+    c->layout = -1;
+    c->with_lse = 1;
+    c->threads_a = (int)tu_rng_int(r, 1, 3);
+    c->threads_b = 1 + (c->threads_a % 3); /* a different one of 1, 2, 3 */
+    c->amp = tu_rng_chance(r, 0.5) ? 1.0 : 3.0;
+    c->row_step = 1;
+}
+
+/* shrink the sequence lengths until the reference work stays modest */
+static void cap_cost(fcase *c, double budget)
+{
+    for (;;) {
+        double cost = (double)c->b * (double)c->h * (double)(c->sq + 1) * (double)(c->sk + 1) *
+                      (double)(c->d + c->dv) / (double)(c->row_step > 0 ? c->row_step : 1);
+        if (c->dt == FA_DTYPE_F16 || c->dt == FA_DTYPE_BF16) {
+            cost *= 2.0;
+        }
+        if (c->with_probs) {
+            cost *= 1.5;
+        }
+        if (cost <= budget || (c->sq <= 8 && c->sk <= 8)) {
+            return;
+        }
+        if (c->sq >= c->sk) {
+            c->sq = c->sq * 3 / 4;
+        } else {
+            c->sk = c->sk * 3 / 4;
+        }
+    }
+}
+
+static int64_t rand_len(tu_rng *r)
+{
+    double u = tu_rng_uniform(r, 0.0, 1.0);
+    if (u < 0.05) {
+        return 0;
+    }
+    if (u < 0.15) {
+        return 1;
+    }
+    if (u < 0.55) {
+        return tu_rng_int(r, 2, 24);
+    }
+    if (u < 0.9) {
+        return tu_rng_int(r, 25, 160);
+    }
+    return tu_rng_int(r, 161, 400);
+}
+
+static int64_t rand_head_dim(tu_rng *r)
+{
+    static const int64_t dims[] = {1, 7, 8, 16, 33, 64, 80, 96, 128, 160, 192, 256};
+    if (tu_rng_chance(r, 0.2)) {
+        return tu_rng_int(r, 1, 256);
+    }
+    return dims[tu_rng_int(r, 0, (int64_t)(sizeof dims / sizeof dims[0]) - 1)];
+}
+
+static int rand_window_side(tu_rng *r, int64_t sk)
+{
+    double u = tu_rng_uniform(r, 0.0, 1.0);
+    if (u < 0.25) {
+        return -1;
+    }
+    if (u < 0.4) {
+        return 0;
+    }
+    if (u < 0.85) {
+        return (int)tu_rng_int(r, 1, sk + 4);
+    }
+    return (int)tu_rng_int(r, sk + 5, 100000); /* wider than the sequence */
+}
+
+static void random_case(fcase *c, tu_rng *r)
+{
+    base_case(c, k_dtypes[tu_rng_int(r, 0, 3)], r);
+    c->varlen = tu_rng_chance(r, 0.35);
+    c->b = tu_rng_int(r, 1, c->varlen ? 6 : 3);
+    c->hk = tu_rng_int(r, 1, 3);
+    static const int64_t ratios[] = {1, 1, 2, 3, 8};
+    c->h = c->hk * ratios[tu_rng_int(r, 0, 4)];
+    c->d = rand_head_dim(r);
+    c->dv = tu_rng_chance(r, 0.7) ? c->d : rand_head_dim(r);
+    c->sq = rand_len(r);
+    c->sk = rand_len(r);
+    c->causal = tu_rng_chance(r, 0.3);
+    if (tu_rng_chance(r, 0.35)) {
+        c->wl = rand_window_side(r, c->sk);
+        c->wr = rand_window_side(r, c->sk);
+    }
+    c->dropout_p = tu_rng_chance(r, 0.25) ? tu_rng_uniform(r, 0.05, 0.9) : 0.0;
+    if (c->dropout_p == 0.0 && tu_rng_chance(r, 0.25)) {
+        c->softcap = tu_rng_uniform(r, 0.5, 20.0);
+    }
+    c->alibi = tu_rng_chance(r, 0.25) ? (int)tu_rng_int(r, 1, 2) : 0;
+    c->sinks = tu_rng_chance(r, 0.25);
+    if (tu_rng_chance(r, 0.3)) {
+        c->scale = tu_rng_uniform(r, 0.3, 3.0) / sqrt((double)c->d);
+    }
+    c->with_lse = tu_rng_chance(r, 0.85);
+    c->with_probs = tu_rng_chance(r, c->dropout_p > 0 ? 0.5 : 0.2);
+    if (tu_rng_chance(r, 0.2)) {
+        /* packed layouts */
+        if (tu_rng_chance(r, 0.5)) {
+            c->packed = 1;
+            c->sk = c->sq;
+            c->hk = c->h;
+            c->dv = c->d;
+        } else {
+            c->packed = 2;
+            c->dv = c->d;
+        }
+    }
+    if (c->varlen) {
+        c->vl_zero = tu_rng_chance(r, 0.5);
+        c->vl_offset = tu_rng_chance(r, 0.5);
+        c->vl_seqused = tu_rng_chance(r, 0.4);
+    }
+    if (tu_rng_chance(r, 0.1)) {
+        c->threads_a = 0; /* the default thread count */
+    }
+    cap_cost(c, 6e6);
+}
+
+static void run_random(tu_rng *rng, int n)
+{
+    for (int i = 0; i < n; i++) {
+        fcase c;
+        random_case(&c, rng);
+        run_case(&c, "random", rng);
+    }
+}
+
+/* Each feature on its own and in the combinations the edge-case list names. */
+static void run_directed(tu_rng *rng)
+{
+    fcase c;
+    static const int64_t head_dims[] = {1, 7, 33, 64, 96, 128, 256};
+
+    /* head_dim sweep, every dtype; dv sometimes different */
+    for (int di = 0; di < 4; di++) {
+        for (size_t hi = 0; hi < sizeof head_dims / sizeof head_dims[0]; hi++) {
+            base_case(&c, k_dtypes[di], rng);
+            c.d = head_dims[hi];
+            c.dv = (hi % 3 == 1) ? head_dims[(hi + 3) % 7] : c.d;
+            c.sq = tu_rng_int(rng, 1, 70);
+            c.sk = tu_rng_int(rng, 1, 150);
+            c.causal = (int)(hi & 1);
+            cap_cost(&c, 3e6);
+            run_case(&c, "head_dim sweep", rng);
+        }
+    }
+
+    for (int di = 0; di < 4; di++) {
+        fa_dtype dt = k_dtypes[di];
+        /* seqlen 0 and 1 */
+        int64_t lens[][2] = {{0, 5}, {5, 0}, {0, 0}, {1, 1}, {1, 17}, {17, 1}, {1, 0}};
+        for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
+            base_case(&c, dt, rng);
+            c.sq = lens[i][0];
+            c.sk = lens[i][1];
+            c.causal = (int)(i & 1);
+            c.sinks = (i % 3 == 2);
+            c.with_probs = (i % 2 == 0);
+            run_case(&c, "seqlen 0/1", rng);
+        }
+        /* causal, sq > sk (fully masked first rows) and sq < sk */
+        base_case(&c, dt, rng);
+        c.causal = 1;
+        c.sq = 37;
+        c.sk = 11;
+        c.with_probs = 1;
+        run_case(&c, "causal sq>sk", rng);
+        base_case(&c, dt, rng);
+        c.causal = 1;
+        c.sq = 13;
+        c.sk = 150;
+        run_case(&c, "causal sq<sk", rng);
+        base_case(&c, dt, rng);
+        c.causal = 1;
+        c.sinks = 1;
+        c.sq = 40;
+        c.sk = 9;
+        run_case(&c, "causal sq>sk with sinks", rng);
+        /* causal with a left window */
+        base_case(&c, dt, rng);
+        c.causal = 1;
+        c.wl = 5;
+        c.wr = 9; /* ignored: causal sets right = 0 */
+        c.sq = 60;
+        c.sk = 60;
+        run_case(&c, "causal + window_left", rng);
+        /* narrow windows, fully masked rows */
+        int wins[][2] = {{0, 0}, {2, 1}, {1, -1}, {-1, 2}, {0, -1}, {-1, 0}, {3, 0}};
+        for (size_t i = 0; i < sizeof wins / sizeof wins[0]; i++) {
+            base_case(&c, dt, rng);
+            c.wl = wins[i][0];
+            c.wr = wins[i][1];
+            c.sq = tu_rng_int(rng, 30, 90);
+            c.sk = tu_rng_int(rng, 3, 20);
+            if (i & 1) {
+                int64_t t = c.sq;
+                c.sq = c.sk;
+                c.sk = t;
+            }
+            c.with_probs = (i % 3 == 0);
+            run_case(&c, "narrow window", rng);
+        }
+        /* windows wider than the sequence */
+        base_case(&c, dt, rng);
+        c.wl = 1000;
+        c.wr = 1000;
+        c.sq = 31;
+        c.sk = 47;
+        run_case(&c, "window wider than sequence", rng);
+        base_case(&c, dt, rng);
+        c.wl = 100000;
+        c.wr = 0;
+        c.sq = 50;
+        c.sk = 20;
+        run_case(&c, "left window wider than sequence", rng);
+        /* GQA ratios */
+        int64_t ratios[] = {1, 2, 8};
+        for (int i = 0; i < 3; i++) {
+            base_case(&c, dt, rng);
+            c.hk = tu_rng_int(rng, 1, 2);
+            c.h = c.hk * ratios[i];
+            c.causal = i == 1;
+            run_case(&c, "GQA", rng);
+        }
+        /* alibi [h] and [b, h] */
+        for (int a = 1; a <= 2; a++) {
+            base_case(&c, dt, rng);
+            c.alibi = a;
+            c.causal = a == 1;
+            c.sq = tu_rng_int(rng, 1, 60);
+            c.sk = tu_rng_int(rng, 1, 60);
+            c.with_probs = 1;
+            run_case(&c, "alibi", rng);
+        }
+        /* softcap, with and without causal */
+        for (int k = 0; k < 2; k++) {
+            base_case(&c, dt, rng);
+            c.softcap = k ? 0.7 : 15.0;
+            c.causal = k;
+            c.amp = 3.0;
+            c.with_probs = k;
+            run_case(&c, "softcap", rng);
+        }
+        /* sinks */
+        base_case(&c, dt, rng);
+        c.sinks = 1;
+        c.wl = 2;
+        c.wr = 0;
+        c.sq = 50;
+        c.sk = 12;
+        run_case(&c, "sinks + window", rng);
+        /* dropout, with probs */
+        double ps[] = {0.1, 0.5, 0.85};
+        for (int i = 0; i < 3; i++) {
+            base_case(&c, dt, rng);
+            c.dropout_p = ps[i];
+            c.causal = i == 2;
+            c.with_probs = 1;
+            c.sq = tu_rng_int(rng, 1, 60);
+            c.sk = tu_rng_int(rng, 60, 200);
+            c.d = i == 0 ? 64 : (i == 1 ? 128 : 40);
+            c.dv = c.d;
+            run_case(&c, "dropout", rng);
+        }
+        /* probs over several key blocks, every block width */
+        int64_t pd[] = {32, 64, 96, 128, 256};
+        for (int i = 0; i < 5; i++) {
+            base_case(&c, dt, rng);
+            c.d = pd[i];
+            c.dv = pd[i];
+            c.sq = tu_rng_int(rng, 1, 20);
+            c.sk = tu_rng_int(rng, 130, 300);
+            c.with_probs = 1;
+            c.causal = i & 1;
+            c.dropout_p = (i % 2 == 0) ? 0.3 : 0.0;
+            c.amp = 3.0;
+            run_case(&c, "probs blocks", rng);
+        }
+        /* custom scale */
+        base_case(&c, dt, rng);
+        c.scale = 0.37;
+        run_case(&c, "custom scale", rng);
+        /* varlen */
+        for (int k = 0; k < 4; k++) {
+            base_case(&c, dt, rng);
+            c.varlen = 1;
+            c.b = tu_rng_int(rng, 2, 7);
+            c.sq = tu_rng_int(rng, 1, 40);
+            c.sk = tu_rng_int(rng, 1, 40);
+            c.vl_zero = (k != 3);
+            c.vl_offset = (k >= 1);
+            c.vl_seqused = (k >= 2);
+            c.causal = k & 1;
+            c.with_probs = (k == 2);
+            run_case(&c, "varlen", rng);
+        }
+        /* varlen: total tokens < batch */
+        base_case(&c, dt, rng);
+        c.varlen = 1;
+        c.b = 8;
+        c.sq = 1;
+        c.sk = 2;
+        c.vl_zero = 2;
+        c.sinks = 1;
+        c.causal = 1;
+        run_case(&c, "varlen total < batch", rng);
+        /* strided views: packed qkv, packed kv, padded, permuted */
+        for (int k = 0; k < 4; k++) {
+            base_case(&c, dt, rng);
+            c.varlen = k >= 2;
+            c.b = tu_rng_int(rng, 1, 3);
+            if (k % 2 == 0) {
+                c.packed = 1;
+                c.sk = c.sq;
+                c.hk = c.h;
+            } else {
+                c.packed = 2;
+                c.layout = TU_PERMUTED;
+            }
+            c.d = c.dv = 24;
+            c.with_probs = k == 1;
+            run_case(&c, "packed", rng);
+        }
+        for (int l = 0; l < TU_NUM_LAYOUTS; l++) {
+            base_case(&c, dt, rng);
+            c.layout = l;
+            c.with_probs = 1;
+            c.varlen = l == 2;
+            run_case(&c, "layout", rng);
+        }
+    }
+
+    /* Long sequences (many tiles), reference on every 7th / 5th row */
+    base_case(&c, FA_DTYPE_F32, rng);
+    c.b = 1;
+    c.h = 2;
+    c.hk = 1;
+    c.sq = 700;
+    c.sk = 900;
+    c.d = c.dv = 64;
+    c.causal = 1;
+    c.row_step = 7;
+    run_case(&c, "long causal", rng);
+    base_case(&c, FA_DTYPE_F64, rng);
+    c.b = 1;
+    c.h = 1;
+    c.hk = 1;
+    c.sq = 400;
+    c.sk = 1000;
+    c.d = c.dv = 128;
+    c.wl = 100;
+    c.wr = 30;
+    c.row_step = 5;
+    run_case(&c, "long window", rng);
+    base_case(&c, FA_DTYPE_F16, rng);
+    c.b = 1;
+    c.h = 2;
+    c.hk = 2;
+    c.sq = 256;
+    c.sk = 513;
+    c.d = c.dv = 64;
+    c.dropout_p = 0.2;
+    c.alibi = 1;
+    c.row_step = 3;
+    run_case(&c, "long dropout alibi", rng);
+}
+
+int main(void)
+{
+    uint64_t seed = tu_master_seed("test_forward");
+    const char *only = getenv("FA_TEST_ONLY");
+    if (only && *only) {
+        g_only = atoi(only);
+    }
+    tu_rng rng = {seed};
+    signal(SIGALRM, on_alarm);
+    double t0 = tu_now();
+    run_directed(&rng);
+    double t1 = tu_now();
+    int n_random = 1500;
+    const char *nr = getenv("FA_TEST_RANDOM_CASES");
+    if (nr && *nr) {
+        n_random = atoi(nr);
+    }
+    run_random(&rng, n_random);
+    double t2 = tu_now();
+    printf("test_forward: %d cases (directed %.1fs, random %.1fs)\n", g_checked_cases, t1 - t0,
+           t2 - t1);
+    return tu_finish("test_forward");
+}

@@ -1,0 +1,99 @@
+/*
+ * Shared helpers of the C tests: a seeded RNG, failure reporting, strided test tensors with guard
+ * zones and NaN poison.
+ */
+#ifndef FA_TEST_UTIL_H
+#define FA_TEST_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "flashattn.h"
+
+/* ---- RNG (splitmix64) -------------------------------------------------------------------- */
+typedef struct tu_rng {
+    uint64_t state;
+} tu_rng;
+
+uint64_t tu_rng_u64(tu_rng *r);
+double tu_rng_uniform(tu_rng *r, double lo, double hi); /* [lo, hi) */
+int64_t tu_rng_int(tu_rng *r, int64_t lo, int64_t hi);  /* [lo, hi] inclusive */
+int tu_rng_chance(tu_rng *r, double p);                 /* 1 with probability p */
+
+/* The run's master seed: $FA_TEST_SEED if set, else time ^ pid. Printed once at start. */
+uint64_t tu_master_seed(const char *test_name);
+
+/* ---- failure reporting ------------------------------------------------------------------- */
+extern int tu_failures;
+extern uint64_t tu_seed;     /* master seed, printed with every failure */
+extern const char *tu_where; /* current case description, printed with every failure */
+
+void tu_fail(const char *file, int line, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+#define TU_CHECK(cond, ...)                                                                        \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            tu_fail(__FILE__, __LINE__, __VA_ARGS__);                                              \
+        }                                                                                          \
+    } while (0)
+
+/* 0 if no failure, 1 otherwise; prints a summary line. */
+int tu_finish(const char *test_name);
+
+/* ---- test tensors ------------------------------------------------------------------------ */
+enum tu_layout {
+    TU_CONTIGUOUS = 0,
+    TU_PADDED = 1,   /* row-major with random gaps between rows at every level */
+    TU_PERMUTED = 2, /* the leading dims stored in a random order, with gaps */
+    TU_NUM_LAYOUTS = 3,
+};
+
+#define TU_GUARD 7 /* elements of poison before and after every view's span (odd: misaligns) */
+
+typedef struct tu_tensor {
+    fa_tensor t;      /* the view passed to the library */
+    void *base;       /* allocation (owned unless shared) */
+    size_t nbytes;    /* bytes of the allocation */
+    size_t elem_size; /* element size of the buffer */
+    int owner;
+} tu_tensor;
+
+/* A view of a fresh buffer with the given layout; shape entries may be 0. */
+tu_tensor tu_tensor_new(fa_dtype dtype, int ndim, const int64_t *shape, int layout, tu_rng *r);
+
+/* nparts views of one packed buffer: shape [..., nparts, heads, dim] where the parts dim sits
+   just before the head dim (e.g. qkv [b, s, 3, h, d] or [total, 3, h, d]); views[p] is part p. */
+void tu_tensor_packed(fa_dtype dtype, int ndim, const int64_t *shape, int nparts, int layout,
+                      tu_rng *r, tu_tensor *views);
+
+void tu_tensor_free(tu_tensor *t);
+
+/* Fill every element of the view with uniform(lo, hi), rounded to the dtype; never exactly 0. */
+void tu_fill_uniform(tu_tensor *t, tu_rng *r, double lo, double hi);
+
+/* Fill the whole allocation with the poison pattern (a NaN with a payload for float dtypes). */
+void tu_poison(tu_tensor *t);
+
+/* Number of elements of the allocation outside the view that no longer hold the poison. */
+int64_t tu_count_clobbered(const tu_tensor *t);
+
+/* Number of elements of the view (all of them) that still hold the poison. */
+int64_t tu_count_poisoned_in_view(const tu_tensor *t);
+
+/* Element count of the view. */
+int64_t tu_numel(const fa_tensor *t);
+
+/* Next multi-index of the view in row-major order; returns 0 after the last one. */
+int tu_next_index(const fa_tensor *t, int64_t *idx);
+
+/* Does msg contain name as a whole identifier (neighbours not [A-Za-z0-9_])? */
+int tu_names(const char *msg, const char *name);
+
+/* Wall clock seconds. */
+double tu_now(void);
+
+#endif /* FA_TEST_UTIL_H */
