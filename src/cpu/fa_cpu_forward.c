@@ -10,30 +10,45 @@
 #include "cpu/fa_cpu_kernel.h"
 #include "util/fa_threadpool.h"
 
+/* Tiles are shortened until the problem has this many work items (or they reach 64 rows). */
+#define FA_CPU_MIN_ITEMS 64
+
 #define FA_REAL float
 #define FA_FN(name) name##_f32
+#define FA_NATIVE FA_DTYPE_F32
+#define FA_GEMM fa_cpu_gemm_f32
+#define FA_EXPV fa_expf
+#define FA_TANHV fa_tanhf
 #define FA_EXP expf
-#define FA_TANH tanhf
 #define FA_LOG logf
 #include "cpu/fa_cpu_rows.h"
 #include "cpu/fa_cpu_fwd_body.h"
 #undef FA_REAL
 #undef FA_FN
+#undef FA_NATIVE
+#undef FA_GEMM
+#undef FA_EXPV
+#undef FA_TANHV
 #undef FA_EXP
-#undef FA_TANH
 #undef FA_LOG
 
 #define FA_REAL double
 #define FA_FN(name) name##_f64
+#define FA_NATIVE FA_DTYPE_F64
+#define FA_GEMM fa_cpu_gemm_f64
+#define FA_EXPV exp
+#define FA_TANHV tanh
 #define FA_EXP exp
-#define FA_TANH tanh
 #define FA_LOG log
 #include "cpu/fa_cpu_rows.h"
 #include "cpu/fa_cpu_fwd_body.h"
 #undef FA_REAL
 #undef FA_FN
+#undef FA_NATIVE
+#undef FA_GEMM
+#undef FA_EXPV
+#undef FA_TANHV
 #undef FA_EXP
-#undef FA_TANH
 #undef FA_LOG
 
 /* A query tile of one sequence; every head of it is a separate work item. */
@@ -61,27 +76,28 @@ static int fa_cpu_chunk_cmp(const void *a, const void *b)
 
 static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size)
 {
-    size_t n = (size_t)(FA_CPU_BM * p->d + p->d * FA_CPU_BN + FA_CPU_BN * p->dv +
-                        FA_CPU_BM * FA_CPU_BN + FA_CPU_BM * p->dv + 2 * FA_CPU_BM);
+    const size_t bm = FA_CPU_FWD_BM_MAX, bn = FA_CPU_BN, d = (size_t)p->d;
+    const size_t dvp = (size_t)fa_cpu_gemm_pad(p->dv);
+    size_t n = d * bm + bn * d + bn * dvp + bn * bm + bm * dvp + 6 * bm;
     return (n * real_size + 63) & ~(size_t)63;
 }
 
 #define FA_TILE_CARVE(REAL, t, base, p)                                                          \
     do {                                                                                         \
         REAL *cur_ = (REAL *)(base);                                                             \
-        (t).q = cur_;                                                                            \
-        cur_ += FA_CPU_BM * (p)->d;                                                              \
-        (t).kt = cur_;                                                                           \
-        cur_ += (p)->d * FA_CPU_BN;                                                              \
-        (t).v = cur_;                                                                            \
-        cur_ += FA_CPU_BN * (p)->dv;                                                             \
-        (t).s = cur_;                                                                            \
-        cur_ += FA_CPU_BM * FA_CPU_BN;                                                           \
-        (t).o = cur_;                                                                            \
-        cur_ += FA_CPU_BM * (p)->dv;                                                             \
-        (t).m = cur_;                                                                            \
-        cur_ += FA_CPU_BM;                                                                       \
-        (t).l = cur_;                                                                            \
+        const int64_t bm_ = FA_CPU_FWD_BM_MAX, bn_ = FA_CPU_BN;                                  \
+        const int64_t d_ = (p)->d, dvp_ = fa_cpu_gemm_pad((p)->dv);                              \
+        (t).qt = cur_, cur_ += d_ * bm_;                                                         \
+        (t).kbuf = cur_, cur_ += bn_ * d_;                                                       \
+        (t).vbuf = cur_, cur_ += bn_ * dvp_;                                                     \
+        (t).st = cur_, cur_ += bn_ * bm_;                                                        \
+        (t).o = cur_, cur_ += bm_ * dvp_;                                                        \
+        (t).m = cur_, cur_ += bm_;                                                               \
+        (t).l = cur_, cur_ += bm_;                                                               \
+        (t).lo = cur_, cur_ += bm_;                                                              \
+        (t).hi = cur_, cur_ += bm_;                                                              \
+        (t).diag = cur_, cur_ += bm_;                                                            \
+        (t).bmax = cur_;                                                                         \
     } while (0)
 
 static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
@@ -100,6 +116,26 @@ static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
         FA_TILE_CARVE(float, t, base, p);
         fa_cpu_tile_f32(p, &t, c->seq, h, c->r0, c->m);
     }
+}
+
+/*
+ * Query rows per work item. Each K/V block is converted and packed once per item, so taller
+ * tiles read K/V less often; they are kept shorter when the problem has few of them, and for
+ * masks with a diagonal (causal, windows), where a tall tile computes more masked scores. The
+ * choice depends on the shape only, never on the thread count: tile edges fix the order of the
+ * online softmax, and results must not change with the number of threads.
+ */
+static int64_t fa_cpu_forward_tile_rows(const fa_params *p)
+{
+    int64_t bm = (p->window_left >= 0 || p->window_right >= 0) ? 128 : FA_CPU_FWD_BM_MAX;
+    for (; bm > 64; bm /= 2) {
+        int64_t items = 0;
+        for (int64_t i = 0; i < p->b; i++)
+            items += (fa_params_seq(p, i).sq + bm - 1) / bm;
+        if (items * p->h >= FA_CPU_MIN_ITEMS)
+            break;
+    }
+    return bm;
 }
 
 /* Varlen rows that belong to no sequence still get defined values: out 0, lse +inf. */
@@ -126,10 +162,11 @@ fa_status fa_cpu_forward(const fa_params *p)
 {
     fa_cpu_fill_uncovered(p);
 
+    const int64_t bm = fa_cpu_forward_tile_rows(p);
     int64_t n_chunks = 0;
     for (int64_t i = 0; i < p->b; i++) {
         fa_seq s = fa_params_seq(p, i);
-        n_chunks += (s.sq + FA_CPU_BM - 1) / FA_CPU_BM;
+        n_chunks += (s.sq + bm - 1) / bm;
     }
     if (n_chunks == 0)
         return FA_STATUS_OK;
@@ -141,8 +178,8 @@ fa_status fa_cpu_forward(const fa_params *p)
     int64_t at = 0;
     for (int64_t i = 0; i < p->b; i++) {
         fa_seq s = fa_params_seq(p, i);
-        for (int64_t r0 = 0; r0 < s.sq; r0 += FA_CPU_BM) {
-            int64_t m = s.sq - r0 < FA_CPU_BM ? s.sq - r0 : FA_CPU_BM;
+        for (int64_t r0 = 0; r0 < s.sq; r0 += bm) {
+            int64_t m = s.sq - r0 < bm ? s.sq - r0 : bm;
             int64_t lo, hi, lo2, hi2;
             fa_params_key_range(p, r0, s.sq, s.sk, &lo, &hi);
             fa_params_key_range(p, r0 + m - 1, s.sq, s.sk, &lo2, &hi2);

@@ -3,52 +3,108 @@
  * with FA_REAL float (fp32, fp16, bf16 inputs) and with FA_REAL double (fp64 inputs), so both
  * share one implementation of the masking and softmax rules.
  *
- * Needs: FA_REAL, FA_FN(name) (adds a precision suffix), FA_EXP, FA_TANH, FA_LOG, and
- * fa_cpu_rows.h included before it with the same FA_REAL.
+ * Needs: FA_REAL, FA_FN(name) (adds a precision suffix), FA_NATIVE (the fa_dtype that is
+ * FA_REAL), FA_GEMM (fa_cpu_gemm_f32's signature for FA_REAL), FA_EXPV / FA_TANHV (elementwise,
+ * vectorisable), FA_EXP / FA_LOG (scalar), and fa_cpu_rows.h included before it.
+ *
+ * The tile works on transposed scores: S^T = K Q^T puts keys on rows and queries on columns, so
+ *  - Q^T is packed once per tile and K is read in place (no per-block transpose);
+ *  - the online softmax runs down the key rows with the query index as the vector lane;
+ *  - O += P V reads P^T through swapped strides and V in place when its rows fit the kernel.
+ * Inputs already in FA_REAL are not copied at all; fp16/bf16 K/V blocks are converted once per
+ * tile.
  */
 
 /* One query tile of one head: rows [r0, r0 + m) of sequence seq_index. Scratch is per thread. */
 typedef struct FA_FN(fa_tile) {
-    FA_REAL *q;  /* [FA_CPU_BM][d], pre-multiplied by the softmax scale */
-    FA_REAL *kt; /* [d][FA_CPU_BN], K transposed so the score loop runs along keys */
-    FA_REAL *v;  /* [FA_CPU_BN][dv] */
-    FA_REAL *s;  /* [FA_CPU_BM][FA_CPU_BN] */
-    FA_REAL *o;  /* [FA_CPU_BM][dv] */
-    FA_REAL *m;  /* [FA_CPU_BM] running maximum */
-    FA_REAL *l;  /* [FA_CPU_BM] running sum of exp(s - m) */
+    FA_REAL *qt;   /* [d][mp], Q^T pre-multiplied by the softmax scale, mp = pad(m) */
+    FA_REAL *kbuf; /* [FA_CPU_BN][d], converted K rows when K is not FA_REAL */
+    FA_REAL *vbuf; /* [FA_CPU_BN][dvp], converted/padded V rows when V cannot be read in place */
+    FA_REAL *st;   /* [FA_CPU_BN][mp], S^T, then P^T */
+    FA_REAL *o;    /* [FA_CPU_FWD_BM_MAX][dvp], unnormalised output */
+    FA_REAL *m;    /* [FA_CPU_FWD_BM_MAX] running maximum */
+    FA_REAL *l;    /* [FA_CPU_FWD_BM_MAX] running sum of exp(s - m) */
+    FA_REAL *lo;   /* [FA_CPU_FWD_BM_MAX] first visible key of each row */
+    FA_REAL *hi;   /* [FA_CPU_FWD_BM_MAX] one past the last visible key */
+    FA_REAL *diag; /* [FA_CPU_FWD_BM_MAX] the key on each row's diagonal, i + sk - sq */
+    FA_REAL *bmax; /* [FA_CPU_FWD_BM_MAX] block maximum, then the maximum used for exp */
 } FA_FN(fa_tile);
 
-/* s[i][0..n) = q[i] . kt[:, 0..n) for the m rows of the tile. */
-static inline void FA_FN(fa_tile_scores)(FA_FN(fa_tile) * t, int64_t m, int64_t n, int64_t d)
+/*
+ * One key block of the online softmax, on st = S^T [n][mp]: softcap, ALiBi and the mask, the
+ * running maximum and sum, the rescale of O, then st = P^T. Columns (queries) are the vector
+ * lanes; keys and positions are FA_REAL (exact below 2^24) so every lane has one type.
+ */
+static inline void FA_FN(fa_tile_softmax)(const fa_params *p, FA_FN(fa_tile) * t, int64_t n,
+                                          int64_t mp, int64_t dvp, int64_t j0, FA_REAL slope)
 {
-    for (int64_t i = 0; i < m; i++) {
-        FA_REAL *restrict s = t->s + i * FA_CPU_BN;
-        const FA_REAL *restrict q = t->q + i * d;
-        for (int64_t j = 0; j < FA_CPU_BN; j++)
-            s[j] = 0;
-        for (int64_t c = 0; c < d; c++) {
-            const FA_REAL qc = q[c];
-            const FA_REAL *restrict kt = t->kt + c * FA_CPU_BN;
-            for (int64_t j = 0; j < FA_CPU_BN; j++)
-                s[j] += qc * kt[j];
+    FA_REAL *restrict st = t->st;
+    FA_REAL *restrict bmax = t->bmax;
+    const FA_REAL *restrict lo = t->lo;
+    const FA_REAL *restrict hi = t->hi;
+    const FA_REAL *restrict diag = t->diag;
+    if (p->softcap > 0) {
+        const FA_REAL cap = (FA_REAL)p->softcap, inv = (FA_REAL)(1.0 / p->softcap);
+        for (int64_t x = 0; x < n * mp; x++)
+            st[x] = cap * FA_TANHV(st[x] * inv);
+    }
+    for (int64_t i = 0; i < mp; i++)
+        bmax[i] = -(FA_REAL)INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        FA_REAL *restrict row = st + j * mp;
+        const FA_REAL key = (FA_REAL)(j0 + j);
+        for (int64_t i = 0; i < mp; i++) {
+            const FA_REAL dist = diag[i] - key;
+            FA_REAL v = row[i] - slope * (dist < 0 ? -dist : dist);
+            v = (key >= lo[i] && key < hi[i]) ? v : -(FA_REAL)INFINITY;
+            row[i] = v;
+            bmax[i] = v > bmax[i] ? v : bmax[i];
         }
     }
-    (void)n;
+    /* New maxima; rows whose maximum grew rescale what they accumulated. */
+    for (int64_t i = 0; i < mp; i++) {
+        if (bmax[i] > t->m[i]) {
+            if (t->l[i] > 0) {
+                const FA_REAL alpha = FA_EXP(t->m[i] - bmax[i]);
+                t->l[i] *= alpha;
+                FA_REAL *restrict o = t->o + i * dvp;
+                for (int64_t c = 0; c < dvp; c++)
+                    o[c] *= alpha;
+            }
+            t->m[i] = bmax[i];
+        }
+        /* A row with nothing visible yet subtracts 0, so exp(-inf - 0) = 0 and not NaN. */
+        bmax[i] = t->m[i] == -(FA_REAL)INFINITY ? 0 : t->m[i];
+    }
+    for (int64_t j = 0; j < n; j++) {
+        FA_REAL *restrict row = st + j * mp;
+        FA_REAL *restrict l = t->l;
+        for (int64_t i = 0; i < mp; i++) {
+            const FA_REAL e = FA_EXPV(row[i] - bmax[i]);
+            row[i] = e;
+            l[i] += e;
+        }
+    }
 }
 
-/* o[i] += sum_j p[i][j] * v[j] over the n keys of the block. */
-static inline void FA_FN(fa_tile_pv)(FA_FN(fa_tile) * t, int64_t i, int64_t j0, int64_t j1,
-                                     int64_t dv)
+/* Zeroes the dropped entries of P^T for rows [r0, r0+m) of head h. */
+static inline void FA_FN(fa_tile_dropout)(const fa_params *p, FA_FN(fa_tile) * t, int64_t seq_index,
+                                          int64_t h, int64_t r0, int64_t m, int64_t mp,
+                                          int64_t j0, int64_t n)
 {
-    FA_REAL *restrict o = t->o + i * dv;
-    const FA_REAL *restrict p = t->s + i * FA_CPU_BN;
-    for (int64_t j = j0; j < j1; j++) {
-        const FA_REAL pj = p[j];
-        if (pj == 0)
-            continue;
-        const FA_REAL *restrict v = t->v + j * dv;
-        for (int64_t c = 0; c < dv; c++)
-            o[c] += pj * v[c];
+    const uint64_t stream = p->offset + (uint64_t)seq_index * (uint64_t)p->h + (uint64_t)h;
+    for (int64_t i = 0; i < m; i++) {
+        int64_t col8 = -1;
+        fa_philox4 bits = {{0, 0, 0, 0}};
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t col = j0 + j;
+            if ((col >> 3) != col8) {
+                col8 = col >> 3;
+                bits = fa_dropout_block(p->seed, stream, r0 + i, col8);
+            }
+            if (fa_dropout_number(&bits, col) >= p->keep_threshold)
+                t->st[j * mp + i] = 0;
+        }
     }
 }
 
@@ -56,21 +112,19 @@ static inline void FA_FN(fa_tile_pv)(FA_FN(fa_tile) * t, int64_t i, int64_t j0, 
  * Attention for rows [r0, r0+m) of head h in sequence seq_index: loops over the visible key
  * blocks with an online softmax, then writes out and lse.
  */
-FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) * t, int64_t seq_index,
-                               int64_t h, int64_t r0, int64_t m)
+FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) * t,
+                                             int64_t seq_index, int64_t h, int64_t r0, int64_t m)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
-    const int64_t d = p->d, dv = p->dv;
+    const int64_t d = p->d, dv = p->dv, dvp = fa_cpu_gemm_pad(p->dv), mp = fa_cpu_gemm_pad(m);
     const int64_t hk = h / (p->h / p->hk);
     const FA_REAL scale = (FA_REAL)p->scale;
-    const FA_REAL softcap = (FA_REAL)p->softcap;
-    const FA_REAL inv_softcap = p->softcap > 0 ? (FA_REAL)(1.0 / p->softcap) : 0;
     const FA_REAL slope =
         p->alibi_slopes ? (FA_REAL)p->alibi_slopes[seq_index * p->alibi_bstride +
                                                    h * p->alibi_hstride]
                         : 0;
-    const int dropout = p->dropout_p > 0.0;
-    const uint64_t stream = p->offset + (uint64_t)seq_index * (uint64_t)p->h + (uint64_t)h;
+    const int native = p->dtype == FA_NATIVE;
+    const int v_in_place = native && dvp == dv;
 
     const int64_t q_base = seq_index * p->q_bstride + seq.q_start * p->q_rstride + h * p->q_hstride;
     const int64_t k_base =
@@ -78,94 +132,67 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
     const int64_t v_base =
         seq_index * p->v_bstride + seq.k_start * p->v_rstride + hk * p->v_hstride;
 
-    for (int64_t i = 0; i < m; i++) {
-        FA_REAL *q = t->q + i * d;
-        FA_FN(fa_load_row)(q, p->q, q_base + (r0 + i) * p->q_rstride, d, p->dtype);
+    FA_REAL row_buf[FA_MAX_HEAD_DIM];
+    for (int64_t i = 0; i < mp; i++) {
+        if (i < m) {
+            FA_FN(fa_load_row)(row_buf, p->q, q_base + (r0 + i) * p->q_rstride, d, p->dtype);
+            int64_t lo, hi;
+            fa_params_key_range(p, r0 + i, seq.sq, seq.sk, &lo, &hi);
+            t->lo[i] = (FA_REAL)lo;
+            t->hi[i] = (FA_REAL)hi;
+        } else {
+            for (int64_t c = 0; c < d; c++)
+                row_buf[c] = 0;
+            t->lo[i] = t->hi[i] = 0; /* padding rows see nothing */
+        }
         for (int64_t c = 0; c < d; c++)
-            q[c] *= scale;
+            t->qt[c * mp + i] = row_buf[c] * scale;
+        t->diag[i] = (FA_REAL)(r0 + i + seq.sk - seq.sq);
         t->m[i] = -(FA_REAL)INFINITY;
         t->l[i] = 0;
-        for (int64_t c = 0; c < dv; c++)
-            t->o[i * dv + c] = 0;
+        for (int64_t c = 0; c < dvp; c++)
+            t->o[i * dvp + c] = 0;
     }
+    if (!v_in_place)
+        for (int64_t j = 0; j < FA_CPU_BN; j++)
+            for (int64_t c = dv; c < dvp; c++)
+                t->vbuf[j * dvp + c] = 0;
 
     /* Both window edges grow with the row, so the tile's keys lie between these two. */
     int64_t lo_first, hi_first, lo_last, hi_last;
     fa_params_key_range(p, r0, seq.sq, seq.sk, &lo_first, &hi_first);
     fa_params_key_range(p, r0 + m - 1, seq.sq, seq.sk, &lo_last, &hi_last);
-    const int64_t k_lo = lo_first, k_hi = hi_last;
 
-    for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BN) {
-        const int64_t n = k_hi - j0 < FA_CPU_BN ? k_hi - j0 : FA_CPU_BN;
-        FA_REAL row_buf[FA_MAX_HEAD_DIM];
-        for (int64_t j = 0; j < n; j++) {
-            FA_FN(fa_load_row)(row_buf, p->k, k_base + (j0 + j) * p->k_rstride, d, p->dtype);
-            for (int64_t c = 0; c < d; c++)
-                t->kt[c * FA_CPU_BN + j] = row_buf[c];
-            FA_FN(fa_load_row)(t->v + j * dv, p->v, v_base + (j0 + j) * p->v_rstride, dv,
-                               p->dtype);
+    for (int64_t j0 = lo_first; j0 < hi_last; j0 += FA_CPU_BN) {
+        const int64_t n = hi_last - j0 < FA_CPU_BN ? hi_last - j0 : FA_CPU_BN;
+        const FA_REAL *kp, *vp;
+        int64_t k_ld, v_ld;
+        if (native) {
+            kp = (const FA_REAL *)p->k + k_base + j0 * p->k_rstride;
+            k_ld = p->k_rstride;
+        } else {
+            for (int64_t j = 0; j < n; j++)
+                FA_FN(fa_load_row)(t->kbuf + j * d, p->k, k_base + (j0 + j) * p->k_rstride, d,
+                                   p->dtype);
+            kp = t->kbuf;
+            k_ld = d;
         }
-        for (int64_t j = n; j < FA_CPU_BN; j++)
-            for (int64_t c = 0; c < d; c++)
-                t->kt[c * FA_CPU_BN + j] = 0;
-
-        FA_FN(fa_tile_scores)(t, m, n, d);
-
-        for (int64_t i = 0; i < m; i++) {
-            const int64_t row = r0 + i;
-            int64_t lo, hi;
-            fa_params_key_range(p, row, seq.sq, seq.sk, &lo, &hi);
-            int64_t a = lo - j0 > 0 ? lo - j0 : 0;
-            int64_t b = hi - j0 < n ? hi - j0 : n;
-            if (a >= b)
-                continue;
-            FA_REAL *s = t->s + i * FA_CPU_BN;
-            const int64_t diag = row + seq.sk - seq.sq;
-            FA_REAL mx = t->m[i];
-            for (int64_t j = a; j < b; j++) {
-                FA_REAL x = s[j];
-                if (softcap > 0)
-                    x = softcap * FA_TANH(x * inv_softcap);
-                if (slope != 0) {
-                    int64_t dist = diag - (j0 + j);
-                    x -= slope * (FA_REAL)(dist < 0 ? -dist : dist);
-                }
-                s[j] = x;
-                if (x > mx)
-                    mx = x;
-            }
-            /* Rescale what was accumulated under the old maximum. */
-            if (mx > t->m[i]) {
-                if (t->l[i] > 0) {
-                    FA_REAL alpha = FA_EXP(t->m[i] - mx);
-                    t->l[i] *= alpha;
-                    for (int64_t c = 0; c < dv; c++)
-                        t->o[i * dv + c] *= alpha;
-                }
-                t->m[i] = mx;
-            }
-            FA_REAL sum = 0;
-            for (int64_t j = a; j < b; j++) {
-                FA_REAL e = FA_EXP(s[j] - mx);
-                sum += e;
-                s[j] = e;
-            }
-            t->l[i] += sum;
-            if (dropout) {
-                int64_t col8 = -1;
-                fa_philox4 bits = {{0, 0, 0, 0}};
-                for (int64_t j = a; j < b; j++) {
-                    int64_t col = j0 + j;
-                    if ((col >> 3) != col8) {
-                        col8 = col >> 3;
-                        bits = fa_dropout_block(p->seed, stream, row, col8);
-                    }
-                    if (fa_dropout_number(&bits, col) >= p->keep_threshold)
-                        s[j] = 0;
-                }
-            }
-            FA_FN(fa_tile_pv)(t, i, a, b, dv);
+        if (v_in_place) {
+            vp = (const FA_REAL *)p->v + v_base + j0 * p->v_rstride;
+            v_ld = p->v_rstride;
+        } else {
+            for (int64_t j = 0; j < n; j++)
+                FA_FN(fa_load_row)(t->vbuf + j * dvp, p->v, v_base + (j0 + j) * p->v_rstride, dv,
+                                   p->dtype);
+            vp = t->vbuf;
+            v_ld = dvp;
         }
+
+        FA_GEMM(t->st, mp, kp, k_ld, 1, t->qt, mp, n, mp, d, 0);
+        FA_FN(fa_tile_softmax)(p, t, n, mp, dvp, j0, slope);
+        if (p->dropout_p > 0)
+            FA_FN(fa_tile_dropout)(p, t, seq_index, h, r0, m, mp, j0, n);
+        FA_GEMM(t->o, dvp, t->st, 1, mp, vp, v_ld, m, dvp, n, 1);
     }
 
     const FA_REAL sink =
@@ -185,7 +212,7 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
             lse = big + FA_LOG(total);
             out_scale = l > 0 ? FA_EXP(mx - big) / total * (FA_REAL)p->dropout_scale : 0;
         }
-        FA_FN(fa_store_row)(p->out, o_base + row * p->o_rstride, t->o + i * dv, out_scale, dv,
+        FA_FN(fa_store_row)(p->out, o_base + row * p->o_rstride, t->o + i * dvp, out_scale, dv,
                             p->dtype);
         if (p->lse) {
             int64_t at = seq_index * p->lse_bstride + h * p->lse_hstride +

@@ -2,11 +2,15 @@
 #ifndef FA_CPU_KERNEL_H
 #define FA_CPU_KERNEL_H
 
+#include "cpu/fa_cpu_gemm.h"
+#include "cpu/fa_cpu_math.h"
 #include "util/fa_half.h"
 #include "util/fa_philox.h"
 
-#define FA_CPU_BM 64 /* query rows per tile */
+#define FA_CPU_BM 64 /* query rows per tile (backward) */
+#define FA_CPU_FWD_BM_MAX 256 /* largest forward tile: K/V blocks are packed once per tile */
 #define FA_CPU_BN 64 /* keys per block */
+#define FA_CPU_LANES 16 /* chunk of a score row that the softmax loops vectorise over */
 
 /* Compile the kernels for AVX-512 and AVX2+FMA machines too, picked at load time. */
 #if defined(__x86_64__) && defined(__GNUC__)

@@ -1,0 +1,104 @@
+/* Instantiates the micro-kernel families and picks one for this CPU, once. */
+#include <pthread.h>
+#include <string.h>
+
+#include "cpu/fa_cpu_gemm.h"
+#include "cpu/fa_cpu_info.h"
+
+/* Unaligned vector loads and stores; macros, so no vector crosses a function boundary. */
+#define FA_VLOAD(v, p) memcpy(&(v), (p), sizeof(v))
+#define FA_VSTORE(p, v) memcpy((p), &(v), sizeof(v))
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FA_GEMM_FN(name) name##_avx512
+#define FA_GEMM_TARGET __attribute__((target("avx512f,avx512vl,avx2,fma")))
+#define FA_GEMM_VL 16
+#define FA_GEMM_MR 4
+#define FA_GEMM_NRV 4
+#include "cpu/fa_cpu_gemm_body.h"
+#undef FA_GEMM_FN
+#undef FA_GEMM_TARGET
+#undef FA_GEMM_VL
+#undef FA_GEMM_MR
+#undef FA_GEMM_NRV
+
+#define FA_GEMM_FN(name) name##_avx2
+#define FA_GEMM_TARGET __attribute__((target("avx2,fma")))
+#define FA_GEMM_VL 8
+#define FA_GEMM_MR 4
+#define FA_GEMM_NRV 2
+#include "cpu/fa_cpu_gemm_body.h"
+#undef FA_GEMM_FN
+#undef FA_GEMM_TARGET
+#undef FA_GEMM_VL
+#undef FA_GEMM_MR
+#undef FA_GEMM_NRV
+#endif
+
+/* Portable: 4-wide vectors, which every 64-bit target lowers to its own SIMD or to scalars. */
+#define FA_GEMM_FN(name) name##_generic
+#define FA_GEMM_TARGET
+#define FA_GEMM_VL 4
+#define FA_GEMM_MR 4
+#define FA_GEMM_NRV 2
+#include "cpu/fa_cpu_gemm_body.h"
+#undef FA_GEMM_FN
+#undef FA_GEMM_TARGET
+#undef FA_GEMM_VL
+#undef FA_GEMM_MR
+#undef FA_GEMM_NRV
+
+typedef void (*fa_gemm_fn)(float *, int64_t, const float *, int64_t, int64_t, const float *,
+                           int64_t, int64_t, int64_t, int64_t, int);
+
+static fa_gemm_fn fa_gemm_selected;
+static const char *fa_gemm_selected_name;
+static pthread_once_t fa_gemm_once = PTHREAD_ONCE_INIT;
+
+static void fa_gemm_select(void)
+{
+    fa_gemm_selected = fa_gemm_generic;
+    fa_gemm_selected_name = "generic";
+#if defined(__x86_64__) && defined(__GNUC__)
+    const fa_cpu_info *cpu = fa_cpu_info_get();
+    if (cpu->avx512f && cpu->avx512vl && cpu->avx2 && cpu->fma) {
+        fa_gemm_selected = fa_gemm_avx512;
+        fa_gemm_selected_name = "avx512";
+    } else if (cpu->avx2 && cpu->fma) {
+        fa_gemm_selected = fa_gemm_avx2;
+        fa_gemm_selected_name = "avx2";
+    }
+#endif
+}
+
+void fa_cpu_gemm_f32(float *c, int64_t ldc, const float *a, int64_t a_rs, int64_t a_cs,
+                     const float *b, int64_t ldb, int64_t m, int64_t n, int64_t k,
+                     int accumulate)
+{
+    pthread_once(&fa_gemm_once, fa_gemm_select);
+    fa_gemm_selected(c, ldc, a, a_rs, a_cs, b, ldb, m, n, k, accumulate);
+}
+
+const char *fa_cpu_gemm_name(void)
+{
+    pthread_once(&fa_gemm_once, fa_gemm_select);
+    return fa_gemm_selected_name;
+}
+
+void fa_cpu_gemm_f64(double *c, int64_t ldc, const double *a, int64_t a_rs, int64_t a_cs,
+                     const double *b, int64_t ldb, int64_t m, int64_t n, int64_t k,
+                     int accumulate)
+{
+    for (int64_t i = 0; i < m; i++) {
+        double *restrict ci = c + i * ldc;
+        if (!accumulate)
+            for (int64_t j = 0; j < n; j++)
+                ci[j] = 0;
+        for (int64_t x = 0; x < k; x++) {
+            const double ax = a[i * a_rs + x * a_cs];
+            const double *restrict bx = b + x * ldb;
+            for (int64_t j = 0; j < n; j++)
+                ci[j] += ax * bx[j];
+        }
+    }
+}

@@ -1,0 +1,34 @@
+/*
+ * The small fp32 matrix products every CPU attention kernel is made of:
+ *   C[M][N] (+)= A[M][K] * B[K][N]
+ * A is read through any strides (a_rs between rows, a_cs between columns: a transposed tile is
+ * just swapped strides); B and C are row-major with leading dimensions ldb and ldc. N must be a
+ * multiple of FA_CPU_GEMM_NPAD (callers pad their B and C rows with zero columns); M and K are
+ * free. Register-blocked micro-kernels for AVX-512, AVX2+FMA and plain SSE2/portable C, picked
+ * once from the CPU's features.
+ */
+#ifndef FA_CPU_GEMM_H
+#define FA_CPU_GEMM_H
+
+#include <stdint.h>
+
+#define FA_CPU_GEMM_NPAD 16 /* widest vector, in floats */
+
+void fa_cpu_gemm_f32(float *c, int64_t ldc, const float *a, int64_t a_rs, int64_t a_cs,
+                     const float *b, int64_t ldb, int64_t m, int64_t n, int64_t k,
+                     int accumulate);
+
+/* The same product in double, plain loops: the fp64 path exists for accuracy, not speed. */
+void fa_cpu_gemm_f64(double *c, int64_t ldc, const double *a, int64_t a_rs, int64_t a_cs,
+                     const double *b, int64_t ldb, int64_t m, int64_t n, int64_t k,
+                     int accumulate);
+
+/* The micro-kernel family in use ("avx512", "avx2", "generic"), for reports. */
+const char *fa_cpu_gemm_name(void);
+
+static inline int64_t fa_cpu_gemm_pad(int64_t n)
+{
+    return (n + FA_CPU_GEMM_NPAD - 1) / FA_CPU_GEMM_NPAD * FA_CPU_GEMM_NPAD;
+}
+
+#endif /* FA_CPU_GEMM_H */

@@ -1,0 +1,86 @@
+/*
+ * One micro-kernel family, instantiated by fa_cpu_gemm.c per instruction set with:
+ *   FA_GEMM_FN(name)  adds the family's suffix
+ *   FA_GEMM_TARGET    function attribute selecting the instruction set
+ *   FA_GEMM_VL        floats per vector
+ *   FA_GEMM_MR        rows of C held in registers
+ *   FA_GEMM_NRV       vectors of C per row held in registers
+ * MR x NRV accumulators stay in registers across the whole K loop: per k, NRV loads of B and MR
+ * broadcasts of A feed MR * NRV fused multiply-adds.
+ */
+
+typedef float FA_GEMM_FN(fa_vec) __attribute__((vector_size(FA_GEMM_VL * 4)));
+
+/* A full MR x (NRV vectors) block of C. */
+FA_GEMM_TARGET static inline void FA_GEMM_FN(fa_gemm_tile)(float *c, int64_t ldc, const float *a,
+                                                            int64_t a_rs, int64_t a_cs,
+                                                            const float *b, int64_t ldb, int64_t k,
+                                                            int accumulate)
+{
+    FA_GEMM_FN(fa_vec) acc[FA_GEMM_MR][FA_GEMM_NRV];
+    for (int r = 0; r < FA_GEMM_MR; r++)
+        for (int v = 0; v < FA_GEMM_NRV; v++)
+            if (accumulate)
+                FA_VLOAD(acc[r][v], c + r * ldc + v * FA_GEMM_VL);
+            else
+                acc[r][v] = (FA_GEMM_FN(fa_vec)){0};
+    for (int64_t x = 0; x < k; x++) {
+        FA_GEMM_FN(fa_vec) bv[FA_GEMM_NRV];
+        for (int v = 0; v < FA_GEMM_NRV; v++)
+            FA_VLOAD(bv[v], b + x * ldb + v * FA_GEMM_VL);
+        for (int r = 0; r < FA_GEMM_MR; r++) {
+            const float ar = a[r * a_rs + x * a_cs];
+            for (int v = 0; v < FA_GEMM_NRV; v++)
+                acc[r][v] += ar * bv[v];
+        }
+    }
+    for (int r = 0; r < FA_GEMM_MR; r++)
+        for (int v = 0; v < FA_GEMM_NRV; v++)
+            FA_VSTORE(c + r * ldc + v * FA_GEMM_VL, acc[r][v]);
+}
+
+/* Edges: mr <= MR rows and one vector of columns at a time. */
+FA_GEMM_TARGET static inline void FA_GEMM_FN(fa_gemm_edge)(float *c, int64_t ldc, const float *a,
+                                                            int64_t a_rs, int64_t a_cs,
+                                                            const float *b, int64_t ldb,
+                                                            int64_t mr, int64_t k, int accumulate)
+{
+    FA_GEMM_FN(fa_vec) acc[FA_GEMM_MR];
+    if (mr > FA_GEMM_MR)
+        mr = FA_GEMM_MR;
+    for (int64_t r = 0; r < mr; r++)
+        if (accumulate)
+            FA_VLOAD(acc[r], c + r * ldc);
+        else
+            acc[r] = (FA_GEMM_FN(fa_vec)){0};
+    for (int64_t x = 0; x < k; x++) {
+        FA_GEMM_FN(fa_vec) bv;
+        FA_VLOAD(bv, b + x * ldb);
+        for (int64_t r = 0; r < mr; r++)
+            acc[r] += a[r * a_rs + x * a_cs] * bv;
+    }
+    for (int64_t r = 0; r < mr; r++)
+        FA_VSTORE(c + r * ldc, acc[r]);
+}
+
+FA_GEMM_TARGET static void FA_GEMM_FN(fa_gemm)(float *c, int64_t ldc, const float *a,
+                                               int64_t a_rs, int64_t a_cs, const float *b,
+                                               int64_t ldb, int64_t m, int64_t n, int64_t k,
+                                               int accumulate)
+{
+    const int64_t nr = FA_GEMM_VL * FA_GEMM_NRV;
+    int64_t i = 0;
+    for (; i + FA_GEMM_MR <= m; i += FA_GEMM_MR) {
+        int64_t j = 0;
+        for (; j + nr <= n; j += nr)
+            FA_GEMM_FN(fa_gemm_tile)(c + i * ldc + j, ldc, a + i * a_rs, a_rs, a_cs, b + j, ldb,
+                                     k, accumulate);
+        for (; j < n; j += FA_GEMM_VL)
+            FA_GEMM_FN(fa_gemm_edge)(c + i * ldc + j, ldc, a + i * a_rs, a_rs, a_cs, b + j, ldb,
+                                     FA_GEMM_MR, k, accumulate);
+    }
+    if (i < m)
+        for (int64_t j = 0; j < n; j += FA_GEMM_VL)
+            FA_GEMM_FN(fa_gemm_edge)(c + i * ldc + j, ldc, a + i * a_rs, a_rs, a_cs, b + j, ldb,
+                                     m - i, k, accumulate);
+}
