@@ -46,25 +46,33 @@ static inline void fa_bwd_row_range(const fa_params *p, const fa_seq *seq, int64
 
 #define FA_REAL float
 #define FA_FN(name) name##_f32
-#define FA_EXP expf
-#define FA_TANH tanhf
+#define FA_NATIVE FA_DTYPE_F32
+#define FA_GEMM fa_cpu_gemm_f32
+#define FA_EXPV fa_expf
+#define FA_TANHV fa_tanhf
 #include "cpu/fa_cpu_rows.h"
 #include "cpu/fa_cpu_bwd_body.h"
 #undef FA_REAL
 #undef FA_FN
-#undef FA_EXP
-#undef FA_TANH
+#undef FA_NATIVE
+#undef FA_GEMM
+#undef FA_EXPV
+#undef FA_TANHV
 
 #define FA_REAL double
 #define FA_FN(name) name##_f64
-#define FA_EXP exp
-#define FA_TANH tanh
+#define FA_NATIVE FA_DTYPE_F64
+#define FA_GEMM fa_cpu_gemm_f64
+#define FA_EXPV exp
+#define FA_TANHV tanh
 #include "cpu/fa_cpu_rows.h"
 #include "cpu/fa_cpu_bwd_body.h"
 #undef FA_REAL
 #undef FA_FN
-#undef FA_EXP
-#undef FA_TANH
+#undef FA_NATIVE
+#undef FA_GEMM
+#undef FA_EXPV
+#undef FA_TANHV
 
 /* A block of rows (query pass) or keys (key pass) of one sequence. */
 typedef struct fa_bwd_chunk {
@@ -84,8 +92,9 @@ typedef struct fa_bwd_job {
 static size_t fa_bwd_scratch_size(const fa_params *p, size_t real_size)
 {
     const size_t bm = FA_CPU_BM, bn = FA_CPU_BN, d = (size_t)p->d, dv = (size_t)p->dv;
-    size_t n = bm * d + bm * dv + 2 * bm + bn * d + d * bn + dv * bn + 2 * bm * bn + bn * d +
-               bn * dv + bm * d;
+    const size_t dp = (size_t)fa_cpu_gemm_pad(p->d), dvp = (size_t)fa_cpu_gemm_pad(p->dv);
+    size_t n = d * bm + bm * dp + dv * bm + bm * dvp + 5 * bm + bn * dp + bn * dv + 3 * bn * bm +
+               bn * dp + bn * dvp + bm * dp;
     return (n * real_size + 63) & ~(size_t)63;
 }
 
@@ -93,17 +102,23 @@ static size_t fa_bwd_scratch_size(const fa_params *p, size_t real_size)
     do {                                                                                         \
         REAL *cur_ = (REAL *)(base);                                                             \
         const int64_t bm_ = FA_CPU_BM, bn_ = FA_CPU_BN, d_ = (p)->d, dv_ = (p)->dv;              \
-        (t).q = cur_, cur_ += bm_ * d_;                                                          \
-        (t).dout = cur_, cur_ += bm_ * dv_;                                                      \
+        const int64_t dp_ = fa_cpu_gemm_pad(d_), dvp_ = fa_cpu_gemm_pad(dv_);                    \
+        (t).qt = cur_, cur_ += d_ * bm_;                                                         \
+        (t).qr = cur_, cur_ += bm_ * dp_;                                                        \
+        (t).dot = cur_, cur_ += dv_ * bm_;                                                       \
+        (t).dor = cur_, cur_ += bm_ * dvp_;                                                      \
         (t).lse = cur_, cur_ += bm_;                                                             \
         (t).dsum = cur_, cur_ += bm_;                                                            \
-        (t).k = cur_, cur_ += bn_ * d_;                                                          \
-        (t).kt = cur_, cur_ += d_ * bn_;                                                         \
-        (t).vt = cur_, cur_ += dv_ * bn_;                                                        \
-        (t).pz = cur_, cur_ += bm_ * bn_;                                                        \
-        (t).dx = cur_, cur_ += bm_ * bn_;                                                        \
-        (t).acc_k = cur_, cur_ += bn_ * d_;                                                      \
-        (t).acc_v = cur_, cur_ += bn_ * dv_;                                                     \
+        (t).lo = cur_, cur_ += bm_;                                                              \
+        (t).hi = cur_, cur_ += bm_;                                                              \
+        (t).diag = cur_, cur_ += bm_;                                                            \
+        (t).kbuf = cur_, cur_ += bn_ * dp_;                                                      \
+        (t).vbuf = cur_, cur_ += bn_ * dv_;                                                      \
+        (t).pt = cur_, cur_ += bn_ * bm_;                                                        \
+        (t).dxt = cur_, cur_ += bn_ * bm_;                                                       \
+        (t).zt = cur_, cur_ += bn_ * bm_;                                                        \
+        (t).acc_k = cur_, cur_ += bn_ * dp_;                                                     \
+        (t).acc_v = cur_, cur_ += bn_ * dvp_;                                                    \
         (t).acc_q = cur_;                                                                        \
     } while (0)
 

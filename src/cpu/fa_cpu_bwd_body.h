@@ -1,155 +1,184 @@
 /*
  * The CPU backward kernels for one compute precision; fa_cpu_backward.c includes this file with
- * FA_REAL float and with FA_REAL double. Needs FA_REAL, FA_FN(name), FA_EXP, FA_TANH and the
- * load/store helpers of fa_cpu_fwd_body.h (included before this file).
+ * FA_REAL float and with FA_REAL double. Needs FA_REAL, FA_FN(name), FA_NATIVE, FA_GEMM,
+ * FA_EXPV, FA_TANHV and the row helpers of fa_cpu_rows.h (included before this file).
  *
  * Two passes, each owning what it writes, so no two threads ever add into the same element and
  * the result does not depend on the thread count:
  *   key pass:   one item per (sequence, kv head, key block): dK and dV of those keys, summed over
  *               every query head of the group and every query row that sees them;
  *   query pass: one item per (sequence, head, query tile): dQ of those rows.
- * Both recompute the probabilities of a (query tile, key block) pair from q, k and lse.
+ * Both recompute a (query tile, key block) pair transposed, keys on rows and queries on columns
+ * as the forward does: S^T = K Q^T and dP^T = V dO^T with K and V read in place when they are
+ * FA_REAL, then P^T and dS^T elementwise with the query index as the vector lane, then
+ * dV += P^T dO, dK += dS^T Q (key pass) or dQ += dS K (query pass) on the same micro-kernels.
  */
 
 typedef struct FA_FN(fa_bwd_tile) {
-    FA_REAL *q;     /* [FA_CPU_BM][d] */
-    FA_REAL *dout;  /* [FA_CPU_BM][dv] */
+    FA_REAL *qt;    /* [d][FA_CPU_BM], Q^T times the softmax scale */
+    FA_REAL *qr;    /* [FA_CPU_BM][dp], Q rows, zero-padded */
+    FA_REAL *dot;   /* [dv][FA_CPU_BM], dO^T */
+    FA_REAL *dor;   /* [FA_CPU_BM][dvp], dO rows, zero-padded */
     FA_REAL *lse;   /* [FA_CPU_BM] */
     FA_REAL *dsum;  /* [FA_CPU_BM] D = rowsum(dout * out) */
-    FA_REAL *k;     /* [FA_CPU_BN][d] */
-    FA_REAL *kt;    /* [d][FA_CPU_BN] */
-    FA_REAL *vt;    /* [dv][FA_CPU_BN] */
-    FA_REAL *pz;    /* [FA_CPU_BM][FA_CPU_BN] probabilities after dropout */
-    FA_REAL *dx;    /* [FA_CPU_BM][FA_CPU_BN] gradient of the scaled dot product q.k*scale */
-    FA_REAL *acc_k; /* [FA_CPU_BN][d] */
-    FA_REAL *acc_v; /* [FA_CPU_BN][dv] */
-    FA_REAL *acc_q; /* [FA_CPU_BM][d] */
+    FA_REAL *lo;    /* [FA_CPU_BM] first visible key of each row */
+    FA_REAL *hi;    /* [FA_CPU_BM] one past the last visible key */
+    FA_REAL *diag;  /* [FA_CPU_BM] i + sk - sq */
+    FA_REAL *kbuf;  /* [FA_CPU_BN][dp], K rows converted/padded when not usable in place */
+    FA_REAL *vbuf;  /* [FA_CPU_BN][dv], V rows converted when not FA_REAL */
+    FA_REAL *pt;    /* [FA_CPU_BN][FA_CPU_BM], S^T then P^T after dropout */
+    FA_REAL *dxt;   /* [FA_CPU_BN][FA_CPU_BM], dP^T then dS^T (gradient of q.k) */
+    FA_REAL *zt;    /* [FA_CPU_BN][FA_CPU_BM], dropout scale Z^T: 1/(1-p) kept, 0 dropped */
+    FA_REAL *acc_k; /* [FA_CPU_BN][dp] */
+    FA_REAL *acc_v; /* [FA_CPU_BN][dvp] */
+    FA_REAL *acc_q; /* [FA_CPU_BM][dp] */
 } FA_FN(fa_bwd_tile);
 
-/* c[i][0..BN) = sum_x a[i][x] * bt[x][0..BN) for m rows: the shape of both S and dP. */
-static inline void FA_FN(fa_bwd_gemm_nt)(FA_REAL *restrict c, const FA_REAL *restrict a,
-                                         const FA_REAL *restrict bt, int64_t m, int64_t kdim)
-{
-    for (int64_t i = 0; i < m; i++) {
-        FA_REAL *restrict ci = c + i * FA_CPU_BN;
-        const FA_REAL *restrict ai = a + i * kdim;
-        for (int64_t j = 0; j < FA_CPU_BN; j++)
-            ci[j] = 0;
-        for (int64_t x = 0; x < kdim; x++) {
-            const FA_REAL ax = ai[x];
-            const FA_REAL *restrict bx = bt + x * FA_CPU_BN;
-            for (int64_t j = 0; j < FA_CPU_BN; j++)
-                ci[j] += ax * bx[j];
-        }
-    }
-}
-
-/* Loads keys [j0, j0+n) of one kv head: k as rows and transposed, v transposed. */
-static inline void FA_FN(fa_bwd_load_kv)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
-                                         int64_t k_base, int64_t v_base, int64_t j0, int64_t n)
-{
-    const int64_t d = p->d, dv = p->dv;
-    FA_REAL row[FA_MAX_HEAD_DIM];
-    for (int64_t j = 0; j < n; j++) {
-        FA_FN(fa_load_row)(t->k + j * d, p->k, k_base + (j0 + j) * p->k_rstride, d, p->dtype);
-        for (int64_t c = 0; c < d; c++)
-            t->kt[c * FA_CPU_BN + j] = t->k[j * d + c];
-        FA_FN(fa_load_row)(row, p->v, v_base + (j0 + j) * p->v_rstride, dv, p->dtype);
-        for (int64_t c = 0; c < dv; c++)
-            t->vt[c * FA_CPU_BN + j] = row[c];
-    }
-    for (int64_t j = n; j < FA_CPU_BN; j++) {
-        for (int64_t c = 0; c < d; c++)
-            t->kt[c * FA_CPU_BN + j] = 0;
-        for (int64_t c = 0; c < dv; c++)
-            t->vt[c * FA_CPU_BN + j] = 0;
-    }
-}
-
-/* Loads rows [r0, r0+m) of head h: q, dout, lse and D. */
-static inline void FA_FN(fa_bwd_load_rows)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+/* Packs rows [r0, r0+m) of head h (padding rows up to mp are zero and see no key). */
+static inline void FA_FN(fa_bwd_pack_rows)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                            const FA_REAL *dsum_ws, int64_t seq_index,
-                                           const fa_seq *seq, int64_t h, int64_t r0, int64_t m)
+                                           const fa_seq *seq, int64_t h, int64_t r0, int64_t m,
+                                           int64_t mp)
 {
+    const int64_t d = p->d, dv = p->dv, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(dv);
+    const FA_REAL scale = (FA_REAL)p->scale;
     const int64_t q_base =
         seq_index * p->q_bstride + seq->q_start * p->q_rstride + h * p->q_hstride;
     const int64_t do_base =
         seq_index * p->do_bstride + seq->q_start * p->do_rstride + h * p->do_hstride;
-    for (int64_t i = 0; i < m; i++) {
-        const int64_t row = r0 + i;
-        const int64_t token = fa_bwd_token(p, seq_index, seq, row);
-        FA_FN(fa_load_row)(t->q + i * p->d, p->q, q_base + row * p->q_rstride, p->d, p->dtype);
-        FA_FN(fa_load_row)(t->dout + i * p->dv, p->dout_data, do_base + row * p->do_rstride, p->dv,
-                           p->dtype);
-        t->lse[i] = (FA_REAL)fa_params_lse_load(p, fa_bwd_lse_index(p, seq_index, h, token, row));
-        t->dsum[i] = dsum_ws[h * p->total_q + token];
+    for (int64_t i = 0; i < mp; i++) {
+        FA_REAL *q = t->qr + i * dp, *dout = t->dor + i * dvp;
+        for (int64_t c = 0; c < dp; c++)
+            q[c] = 0;
+        for (int64_t c = 0; c < dvp; c++)
+            dout[c] = 0;
+        t->lo[i] = t->hi[i] = 0;
+        t->lse[i] = (FA_REAL)INFINITY;
+        t->dsum[i] = 0;
+        t->diag[i] = (FA_REAL)(r0 + i + seq->sk - seq->sq);
+        if (i < m) {
+            const int64_t row = r0 + i;
+            const int64_t token = fa_bwd_token(p, seq_index, seq, row);
+            FA_FN(fa_load_row)(q, p->q, q_base + row * p->q_rstride, d, p->dtype);
+            FA_FN(fa_load_row)(dout, p->dout_data, do_base + row * p->do_rstride, dv, p->dtype);
+            t->lse[i] =
+                (FA_REAL)fa_params_lse_load(p, fa_bwd_lse_index(p, seq_index, h, token, row));
+            t->dsum[i] = dsum_ws[h * p->total_q + token];
+            int64_t lo, hi;
+            fa_params_key_range(p, row, seq->sq, seq->sk, &lo, &hi);
+            t->lo[i] = (FA_REAL)lo;
+            t->hi[i] = (FA_REAL)hi;
+        }
+        for (int64_t c = 0; c < d; c++)
+            t->qt[c * mp + i] = q[c] * scale;
+        for (int64_t c = 0; c < dv; c++)
+            t->dot[c * mp + i] = dout[c];
     }
 }
 
+/* K and V rows [j0, j0+n) of one kv head as micro-kernel operands, in place when possible. */
+typedef struct FA_FN(fa_bwd_kv) {
+    const FA_REAL *k; /* [n][d] rows, stride k_ld (also the dQ operand when k_padded) */
+    const FA_REAL *v; /* [n][dv] rows, stride v_ld */
+    int64_t k_ld, v_ld;
+} FA_FN(fa_bwd_kv);
+
+static inline FA_FN(fa_bwd_kv) FA_FN(fa_bwd_load_kv)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+                                                     int64_t k_base, int64_t v_base, int64_t j0,
+                                                     int64_t n)
+{
+    const int64_t d = p->d, dv = p->dv, dp = fa_cpu_gemm_pad(d);
+    FA_FN(fa_bwd_kv) kv;
+    /* dQ += dS K reads K as the B operand, whose rows must hold dp columns. */
+    if (p->dtype == FA_NATIVE && dp == d) {
+        kv.k = (const FA_REAL *)p->k + k_base + j0 * p->k_rstride;
+        kv.k_ld = p->k_rstride;
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            FA_FN(fa_load_row)(t->kbuf + j * dp, p->k, k_base + (j0 + j) * p->k_rstride, d,
+                               p->dtype);
+            for (int64_t c = d; c < dp; c++)
+                t->kbuf[j * dp + c] = 0;
+        }
+        kv.k = t->kbuf;
+        kv.k_ld = dp;
+    }
+    if (p->dtype == FA_NATIVE) {
+        kv.v = (const FA_REAL *)p->v + v_base + j0 * p->v_rstride;
+        kv.v_ld = p->v_rstride;
+    } else {
+        for (int64_t j = 0; j < n; j++)
+            FA_FN(fa_load_row)(t->vbuf + j * dv, p->v, v_base + (j0 + j) * p->v_rstride, dv,
+                               p->dtype);
+        kv.v = t->vbuf;
+        kv.v_ld = dv;
+    }
+    return kv;
+}
+
 /*
- * For a loaded (query tile, key block) pair: pz = P * Z (Z the dropout scale or 0) and
- * dx = dL/d(q.k * scale) * scale, both zero for invisible keys.
+ * For packed rows and a loaded key block: pt = P^T * Z (Z the dropout scale or 0) and
+ * dxt = dL/d(q.k) transposed, both zero for invisible keys and padding rows.
  */
 static inline void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
-                                       int64_t seq_index, const fa_seq *seq, int64_t h,
-                                       int64_t r0, int64_t m, int64_t j0, int64_t n)
+                                       const FA_FN(fa_bwd_kv) * kv, int64_t seq_index, int64_t h,
+                                       int64_t r0, int64_t m, int64_t mp, int64_t j0, int64_t n)
 {
     const FA_REAL scale = (FA_REAL)p->scale;
-    const FA_REAL softcap = (FA_REAL)p->softcap;
-    const FA_REAL inv_softcap = p->softcap > 0 ? (FA_REAL)(1.0 / p->softcap) : 0;
     const FA_REAL slope =
         p->alibi_slopes
             ? (FA_REAL)p->alibi_slopes[seq_index * p->alibi_bstride + h * p->alibi_hstride]
             : 0;
-    const int dropout = p->dropout_p > 0.0;
-    const FA_REAL zscale = (FA_REAL)p->dropout_scale;
-    const uint64_t stream = p->offset + (uint64_t)seq_index * (uint64_t)p->h + (uint64_t)h;
 
-    FA_FN(fa_bwd_gemm_nt)(t->pz, t->q, t->kt, m, p->d);
-    FA_FN(fa_bwd_gemm_nt)(t->dx, t->dout, t->vt, m, p->dv);
+    FA_GEMM(t->pt, mp, kv->k, kv->k_ld, 1, t->qt, mp, n, mp, p->d, 0);
+    FA_GEMM(t->dxt, mp, kv->v, kv->v_ld, 1, t->dot, mp, n, mp, p->dv, 0);
 
-    for (int64_t i = 0; i < m; i++) {
-        const int64_t row = r0 + i;
-        FA_REAL *pz = t->pz + i * FA_CPU_BN;
-        FA_REAL *dx = t->dx + i * FA_CPU_BN;
-        int64_t lo, hi;
-        fa_params_key_range(p, row, seq->sq, seq->sk, &lo, &hi);
-        int64_t a = lo - j0 > 0 ? lo - j0 : 0;
-        int64_t b = hi - j0 < n ? hi - j0 : n;
-        if (b < a)
-            b = a;
-        const int64_t diag = row + seq->sk - seq->sq;
-        const FA_REAL lse = t->lse[i], dsum = t->dsum[i];
-        int64_t col8 = -1;
-        fa_philox4 bits = {{0, 0, 0, 0}};
-        for (int64_t j = 0; j < a; j++)
-            pz[j] = dx[j] = 0;
-        for (int64_t j = a; j < b; j++) {
-            FA_REAL x = pz[j] * scale, deriv = 1;
-            if (softcap > 0) {
-                FA_REAL th = FA_TANH(x * inv_softcap);
-                x = softcap * th;
-                deriv = 1 - th * th;
-            }
-            if (slope != 0) {
-                int64_t dist = diag - (j0 + j);
-                x -= slope * (FA_REAL)(dist < 0 ? -dist : dist);
-            }
-            FA_REAL prob = FA_EXP(x - lse);
-            FA_REAL z = 1;
-            if (dropout) {
-                int64_t col = j0 + j;
+    const int dropout = p->dropout_p > 0;
+    if (dropout) {
+        /* The forward's mask, replayed: Z scales both P (for dV) and dP (for dS). */
+        const uint64_t stream = p->offset + (uint64_t)seq_index * (uint64_t)p->h + (uint64_t)h;
+        const FA_REAL zscale = (FA_REAL)p->dropout_scale;
+        for (int64_t x = 0; x < n * mp; x++)
+            t->zt[x] = 0;
+        for (int64_t i = 0; i < m; i++) {
+            int64_t col8 = -1;
+            fa_philox4 bits = {{0, 0, 0, 0}};
+            for (int64_t j = 0; j < n; j++) {
+                const int64_t col = j0 + j;
                 if ((col >> 3) != col8) {
                     col8 = col >> 3;
-                    bits = fa_dropout_block(p->seed, stream, row, col8);
+                    bits = fa_dropout_block(p->seed, stream, r0 + i, col8);
                 }
-                z = fa_dropout_number(&bits, col) < p->keep_threshold ? zscale : 0;
+                if (fa_dropout_number(&bits, col) < p->keep_threshold)
+                    t->zt[j * mp + i] = zscale;
             }
-            pz[j] = prob * z;
-            dx[j] = prob * (dx[j] * z - dsum) * deriv * scale;
         }
-        for (int64_t j = b; j < FA_CPU_BN; j++)
-            pz[j] = dx[j] = 0;
+    }
+
+    const int softcap = p->softcap > 0;
+    const FA_REAL cap = (FA_REAL)p->softcap, inv_cap = softcap ? (FA_REAL)(1.0 / p->softcap) : 0;
+    const FA_REAL *restrict lo = t->lo, *restrict hi = t->hi, *restrict diag = t->diag;
+    const FA_REAL *restrict lse = t->lse, *restrict dsum = t->dsum;
+    for (int64_t j = 0; j < n; j++) {
+        FA_REAL *restrict pt = t->pt + j * mp;
+        FA_REAL *restrict dxt = t->dxt + j * mp;
+        const FA_REAL *restrict zt = t->zt + j * mp;
+        const FA_REAL key = (FA_REAL)(j0 + j);
+        for (int64_t i = 0; i < mp; i++) {
+            const FA_REAL z = dropout ? zt[i] : 1;
+            FA_REAL x = pt[i], deriv = 1;
+            if (softcap) {
+                const FA_REAL th = FA_TANHV(x * inv_cap);
+                x = cap * th;
+                deriv = 1 - th * th;
+            }
+            const FA_REAL dist = diag[i] - key;
+            x -= slope * (dist < 0 ? -dist : dist);
+            const int visible = key >= lo[i] && key < hi[i];
+            const FA_REAL prob = visible ? FA_EXPV(x - lse[i]) : 0;
+            pt[i] = prob * z;
+            dxt[i] = prob * (dxt[i] * z - dsum[i]) * deriv * scale;
+        }
     }
 }
 
@@ -159,41 +188,29 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
                                              int64_t hk, int64_t j0, int64_t n)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
-    const int64_t d = p->d, dv = p->dv, group = p->h / p->hk;
+    const int64_t d = p->d, dv = p->dv, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(dv);
+    const int64_t group = p->h / p->hk;
     const int64_t k_base =
         seq_index * p->k_bstride + seq.k_start * p->k_rstride + hk * p->k_hstride;
     const int64_t v_base =
         seq_index * p->v_bstride + seq.k_start * p->v_rstride + hk * p->v_hstride;
-    for (int64_t x = 0; x < FA_CPU_BN * d; x++)
+    for (int64_t x = 0; x < FA_CPU_BN * dp; x++)
         t->acc_k[x] = 0;
-    for (int64_t x = 0; x < FA_CPU_BN * dv; x++)
+    for (int64_t x = 0; x < FA_CPU_BN * dvp; x++)
         t->acc_v[x] = 0;
 
     int64_t i_lo, i_hi;
     fa_bwd_row_range(p, &seq, j0, j0 + n, &i_lo, &i_hi);
     if (i_lo < i_hi) {
-        FA_FN(fa_bwd_load_kv)(p, t, k_base, v_base, j0, n);
+        const FA_FN(fa_bwd_kv) kv = FA_FN(fa_bwd_load_kv)(p, t, k_base, v_base, j0, n);
         for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
             for (int64_t r0 = i_lo; r0 < i_hi; r0 += FA_CPU_BM) {
                 const int64_t m = i_hi - r0 < FA_CPU_BM ? i_hi - r0 : FA_CPU_BM;
-                FA_FN(fa_bwd_load_rows)(p, t, dsum_ws, seq_index, &seq, h, r0, m);
-                FA_FN(fa_bwd_block)(p, t, seq_index, &seq, h, r0, m, j0, n);
-                for (int64_t i = 0; i < m; i++) {
-                    const FA_REAL *restrict dout = t->dout + i * dv;
-                    const FA_REAL *restrict q = t->q + i * d;
-                    for (int64_t j = 0; j < n; j++) {
-                        const FA_REAL pz = t->pz[i * FA_CPU_BN + j];
-                        const FA_REAL dx = t->dx[i * FA_CPU_BN + j];
-                        FA_REAL *restrict av = t->acc_v + j * dv;
-                        FA_REAL *restrict ak = t->acc_k + j * d;
-                        if (pz != 0)
-                            for (int64_t c = 0; c < dv; c++)
-                                av[c] += pz * dout[c];
-                        if (dx != 0)
-                            for (int64_t c = 0; c < d; c++)
-                                ak[c] += dx * q[c];
-                    }
-                }
+                const int64_t mp = fa_cpu_gemm_pad(m);
+                FA_FN(fa_bwd_pack_rows)(p, t, dsum_ws, seq_index, &seq, h, r0, m, mp);
+                FA_FN(fa_bwd_block)(p, t, &kv, seq_index, h, r0, m, mp, j0, n);
+                FA_GEMM(t->acc_v, dvp, t->pt, mp, 1, t->dor, dvp, n, dvp, mp, 1);
+                FA_GEMM(t->acc_k, dp, t->dxt, mp, 1, t->qr, dp, n, dp, mp, 1);
             }
         }
     }
@@ -203,10 +220,10 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
     const int64_t dv_base =
         seq_index * p->dv_bstride + seq.k_start * p->dv_rstride + hk * p->dv_hstride;
     for (int64_t j = 0; j < n; j++) {
-        FA_FN(fa_store_row)(p->dk_data, dk_base + (j0 + j) * p->dk_rstride, t->acc_k + j * d, 1, d,
-                            p->dtype);
-        FA_FN(fa_store_row)(p->dv_data, dv_base + (j0 + j) * p->dv_rstride, t->acc_v + j * dv, 1, dv,
-                            p->dtype);
+        FA_FN(fa_store_row)(p->dk_data, dk_base + (j0 + j) * p->dk_rstride, t->acc_k + j * dp, 1,
+                            d, p->dtype);
+        FA_FN(fa_store_row)(p->dv_data, dv_base + (j0 + j) * p->dv_rstride, t->acc_v + j * dvp,
+                            1, dv, p->dtype);
     }
 }
 
@@ -216,40 +233,31 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_queries)(const fa_params *p, FA_FN(fa_bwd
                                                 int64_t h, int64_t r0, int64_t m)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
-    const int64_t d = p->d, hk = h / (p->h / p->hk);
+    const int64_t d = p->d, dp = fa_cpu_gemm_pad(d), mp = fa_cpu_gemm_pad(m);
+    const int64_t hk = h / (p->h / p->hk);
     const int64_t k_base =
         seq_index * p->k_bstride + seq.k_start * p->k_rstride + hk * p->k_hstride;
     const int64_t v_base =
         seq_index * p->v_bstride + seq.k_start * p->v_rstride + hk * p->v_hstride;
-    for (int64_t x = 0; x < FA_CPU_BM * d; x++)
+    for (int64_t x = 0; x < FA_CPU_BM * dp; x++)
         t->acc_q[x] = 0;
-    FA_FN(fa_bwd_load_rows)(p, t, dsum_ws, seq_index, &seq, h, r0, m);
+    FA_FN(fa_bwd_pack_rows)(p, t, dsum_ws, seq_index, &seq, h, r0, m, mp);
 
     int64_t lo_first, hi_first, lo_last, hi_last;
     fa_params_key_range(p, r0, seq.sq, seq.sk, &lo_first, &hi_first);
     fa_params_key_range(p, r0 + m - 1, seq.sq, seq.sk, &lo_last, &hi_last);
     for (int64_t j0 = lo_first; j0 < hi_last; j0 += FA_CPU_BN) {
         const int64_t n = hi_last - j0 < FA_CPU_BN ? hi_last - j0 : FA_CPU_BN;
-        FA_FN(fa_bwd_load_kv)(p, t, k_base, v_base, j0, n);
-        FA_FN(fa_bwd_block)(p, t, seq_index, &seq, h, r0, m, j0, n);
-        for (int64_t i = 0; i < m; i++) {
-            FA_REAL *restrict aq = t->acc_q + i * d;
-            for (int64_t j = 0; j < n; j++) {
-                const FA_REAL dx = t->dx[i * FA_CPU_BN + j];
-                if (dx == 0)
-                    continue;
-                const FA_REAL *restrict k = t->k + j * d;
-                for (int64_t c = 0; c < d; c++)
-                    aq[c] += dx * k[c];
-            }
-        }
+        const FA_FN(fa_bwd_kv) kv = FA_FN(fa_bwd_load_kv)(p, t, k_base, v_base, j0, n);
+        FA_FN(fa_bwd_block)(p, t, &kv, seq_index, h, r0, m, mp, j0, n);
+        FA_GEMM(t->acc_q, dp, t->dxt, 1, mp, kv.k, kv.k_ld, m, dp, n, 1);
     }
 
     const int64_t dq_base =
         seq_index * p->dq_bstride + seq.q_start * p->dq_rstride + h * p->dq_hstride;
     for (int64_t i = 0; i < m; i++)
-        FA_FN(fa_store_row)(p->dq_data, dq_base + (r0 + i) * p->dq_rstride, t->acc_q + i * d, 1, d,
-                            p->dtype);
+        FA_FN(fa_store_row)(p->dq_data, dq_base + (r0 + i) * p->dq_rstride, t->acc_q + i * dp, 1,
+                            d, p->dtype);
 }
 
 /*
