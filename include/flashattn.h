@@ -168,12 +168,165 @@ int fa_dropout_keep(uint64_t seed, uint64_t offset, int64_t num_heads, int64_t b
 /* Column block width of the probs encoding (upstream's kBlockN for sm80). */
 int fa_probs_block_n(int head_dim, int dropout, int causal);
 
+/*
+ * Attention against a KV cache (upstream's flash_attn_with_kvcache), for decoding and chunked
+ * prefill: optionally appends new keys/values to the cache in place (with rotary embedding),
+ * then attends q to the cache.
+ *
+ *   q        [b, sq, h, d]                      out [b, sq, h, dv]
+ *   k_cache  [b_cache, s_cache, hk, d]          v_cache [b_cache, s_cache, hk, dv]  contiguous
+ *            [num_blocks, page_size, hk, d]     v_cache [num_blocks, page_size, hk, dv]  paged
+ *   lse      fp32 (or fp64 if q is) [b, h, sq]
+ *
+ * Where sequence i lives: contiguous, in cache row cache_batch_idx[i] (default i; b_cache >= b),
+ * position t at [row, t]; paged (block_table given, int32 [b, max_blocks]), position t is row
+ * t % page_size of block block_table[i, t / page_size]. Any page_size >= 1. A sequence holds at
+ * most s_cache (paged: max_blocks * page_size) positions.
+ *
+ * Which keys: sequence i attends to the cache positions [start_i, end_i), with
+ *   start_i = cache_leftpad[i] (0 without cache_leftpad),
+ *   end_i   = cache_seqlens[i] + s_new (without cache_seqlens: every position, s_cache or
+ *             max_blocks * page_size; s_new is 0 without k).
+ * Then the attention is fa_attention_forward's on q and these n_i = end_i - start_i keys: causal
+ * and windows aligned to the bottom-right corner (query row r sees key j iff
+ * r + n_i - sq - left <= j <= r + n_i - sq + right), ALiBi, softcap, sinks, GQA/MQA; rows that
+ * see no key get out 0 and lse +inf (lse = sink with sinks). No dropout.
+ *
+ * Append (k and v given; cache_seqlens required): k [b, s_new, hk, d] and v [b, s_new, hk, dv]
+ * are written into the caches at positions cache_seqlens[i] .. cache_seqlens[i] + s_new - 1 of
+ * each sequence before the attention, which reads them from there. When two sequences write the
+ * same cache rows (repeated cache_batch_idx, shared blocks) the later sequence's values stay.
+ *
+ * Rotary embedding (rotary_cos and rotary_sin, [seqlen_ro, rotary_dim / 2], dtype of q; only
+ * with k): the first rotary_dim features of the new keys and of q are rotated by the angles of
+ * row `pos` of cos/sin. Interleaved (GPT-J) rotates the pairs (2t, 2t + 1), otherwise (GPT-NeoX)
+ * the pairs (t, t + rotary_dim / 2): x' = x cos - y sin, y' = x sin + y cos. New key s of
+ * sequence i is at pos cache_seqlens[i] + s. Query row r is at pos cache_seqlens[i] + r when
+ * the attention is causal or local (a window side >= 0 and below the capacity), else every row
+ * is at pos cache_seqlens[i] (upstream's rules). Keys are stored rotated (rounded to the cache's
+ * dtype); q is rotated on the fly in the compute precision, the caller's q is left as it is.
+ * seqlen_ro must cover every position rotated.
+ *
+ * num_splits: each (sequence, kv head) cuts its keys into this many chunks, computed in
+ * parallel and merged as fa_attention_combine does; 0 lets the library choose from the problem
+ * and the thread count, 1 never splits, at most FA_MAX_SPLITS. Any count gives the same result
+ * within rounding; a fixed count gives bitwise the same result for every thread count.
+ *
+ * Every argument is checked before anything is written (block ids of the blocks a sequence
+ * uses, capacity for cache_seqlens + s_new, index ranges, rotary coverage, ...).
+ */
+typedef struct fa_kvcache_args {
+    const fa_tensor *q;               /* [b, sq, h, d] */
+    const fa_tensor *k_cache;         /* [b_cache, s_cache, hk, d] or [blocks, page_size, hk, d] */
+    const fa_tensor *v_cache;         /* [.., .., hk, dv], as k_cache */
+    const fa_tensor *k;               /* optional [b, s_new, hk, d]: appended in place */
+    const fa_tensor *v;               /* [b, s_new, hk, dv]: appended with k */
+    const fa_tensor *rotary_cos;      /* optional [seqlen_ro, rotary_dim / 2], dtype of q */
+    const fa_tensor *rotary_sin;      /* [seqlen_ro, rotary_dim / 2], with rotary_cos */
+    const fa_tensor *cache_seqlens;   /* optional int32 [b]: positions already in the cache */
+    const fa_tensor *cache_batch_idx; /* optional int32 [b]: cache row of each sequence */
+    const fa_tensor *cache_leftpad;   /* optional int32 [b]: first position of each sequence */
+    const fa_tensor *block_table;     /* optional int32 [b, max_blocks]: selects the paged form */
+    const fa_tensor *alibi_slopes;    /* optional fp32 [h] or [b, h] */
+    const fa_tensor *sinks;           /* optional fp32 [h] */
+    const fa_tensor *out;             /* [b, sq, h, dv], written */
+    const fa_tensor *lse;             /* optional fp32 (or fp64 if q is) [b, h, sq], written */
+    double softmax_scale;             /* NaN (the default) means d^-0.5 */
+    int causal;
+    int window_left;        /* -1: unbounded */
+    int window_right;       /* -1: unbounded */
+    double softcap;         /* <= 0: off */
+    int rotary_interleaved; /* default 1, as upstream */
+    int num_splits;         /* 0 (default): chosen by the library */
+    int device;             /* FA_DEVICE_CPU or a CUDA ordinal */
+    void *stream;           /* CUDA stream for device >= 0; ignored on the CPU */
+    int num_threads;        /* CPU threads; 0: $FLASHATTN_NUM_THREADS or every available core */
+} fa_kvcache_args;
+
+/* Defaults: no optional tensors, scale NaN, window (-1, -1), rotary_interleaved 1, CPU. */
+void fa_kvcache_args_init(fa_kvcache_args *args);
+
+/* Validates every argument, appends k/v (when given), then computes out (and lse). */
+fa_status fa_attention_kvcache(const fa_kvcache_args *args);
+
+#define FA_MAX_SPLITS 256
+
+/*
+ * Merges attention computed over disjoint parts of the keys (split-KV, sequence parallelism,
+ * ring attention), in FA3's layout:
+ *   out_partial fp32 [splits, b, sq, h, dv]   lse_partial fp32 [splits, b, sq, h]
+ *   out         [b, sq, h, dv], fp32, fp16, bf16 or fp64     lse fp32 [b, sq, h] (optional)
+ * (out_partial and lse_partial may instead both be fp64, and lse then fp64 too.) Each part s holds its normalised
+ * output o_s and log-sum-exp l_s; then lse = log(sum_s exp(l_s)), out = sum_s exp(l_s - lse) o_s.
+ * A part with l_s = -inf (or +inf, what fa_attention_forward writes for a row that saw no key)
+ * is empty: its o_s is not read. A row whose parts are all empty gets out 0 and lse -inf (as
+ * FA3). 1 <= splits <= FA_MAX_SPLITS. out_partial and out need a contiguous last dimension;
+ * lse_partial and lse may have any strides (FA3 passes transposed [.., h, sq] buffers).
+ */
+typedef struct fa_combine_args {
+    const fa_tensor *out_partial; /* fp32 [splits, b, sq, h, dv] */
+    const fa_tensor *lse_partial; /* fp32 [splits, b, sq, h] */
+    const fa_tensor *out;         /* [b, sq, h, dv], written */
+    const fa_tensor *lse;         /* optional fp32 [b, sq, h] (fp64 with fp64 parts), written */
+    int device;                   /* FA_DEVICE_CPU or a CUDA ordinal */
+    void *stream;                 /* CUDA stream for device >= 0; ignored on the CPU */
+    int num_threads;              /* CPU threads; 0: the default */
+} fa_combine_args;
+
+/* Defaults: no tensors, CPU, default threads. */
+void fa_combine_args_init(fa_combine_args *args);
+
+/* Validates every argument, then writes out (and lse). */
+fa_status fa_attention_combine(const fa_combine_args *args);
+
 /* Message of the last failed call on this thread ("" if none). */
 const char *fa_last_error(void);
 const char *fa_status_string(fa_status status);
 const char *fa_dtype_name(fa_dtype dtype);
 size_t fa_dtype_size(fa_dtype dtype);
 const char *fa_version(void);
+
+/*
+ * CUDA backend. The driver (libcuda.so.1) and NVRTC (libnvrtc.so.13/.12) are found with dlopen at
+ * run time; without them the CPU backend still works and these calls say what is missing.
+ * A forward call with args->device >= 0 takes device pointers and launches on args->stream (a
+ * CUstream; NULL is the legacy default stream) of that device, in the caller's current context
+ * when it belongs to the device, else in the device's primary context. It returns as soon as the
+ * work is queued: no synchronisation, no device allocation. fp16 and bf16 only.
+ * Kernels are compiled at first use and cached: in memory, and on disk under
+ * $FLASHATTN_CACHE_DIR (default $XDG_CACHE_HOME/flashattn or ~/.cache/flashattn; "" turns the
+ * disk cache off). FLASHATTN_LOG=1 prints each compile (with its time) and cache hit to stderr.
+ */
+typedef struct fa_cuda_device_info {
+    char name[128];
+    int arch;               /* compute capability as 10 * major + minor: 80, 86, 89, 90, ... */
+    int multiprocessors;
+    int max_smem_per_block; /* bytes, the opt-in maximum */
+    size_t total_memory;    /* bytes */
+} fa_cuda_device_info;
+
+/* CUDA devices the library can use: 0 when the driver, NVRTC or a GPU is missing. */
+int fa_cuda_device_count(void);
+fa_status fa_cuda_device_info_get(int device, fa_cuda_device_info *info);
+
+/* What the CUDA backend found, as a few lines of text: driver, NVRTC, and whether it is usable
+ * (and why not). */
+const char *fa_cuda_status(void);
+
+/* Features of a kernel configuration, for fa_cuda_precompile. */
+enum {
+    FA_FEATURE_VARLEN = 1u << 0,
+    FA_FEATURE_ALIBI = 1u << 1,
+    FA_FEATURE_SOFTCAP = 1u << 2,
+    FA_FEATURE_DROPOUT = 1u << 3,
+    FA_FEATURE_UNALIGNED = 1u << 4, /* rows not 16-byte aligned, or d, dv not multiples of 8 */
+};
+
+/* Compiles the forward kernels of one configuration into the cache with NVRTC alone (no GPU or
+ * driver needed). arch as in fa_cuda_device_info; *cached (may be NULL) is set to 1 when the
+ * kernel was already cached. Safe to call from several threads at once. */
+fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int head_dim_v,
+                             unsigned features, int *cached);
 
 /* Threads the CPU backend uses when num_threads is 0. */
 int fa_cpu_default_threads(void);

@@ -96,6 +96,9 @@ static void check_print(const fa_bench_check_result *r, int64_t tokens)
 
 int fa_bench_main(int argc, char **argv)
 {
+    for (int i = 0; i < argc; i++)
+        if (strcmp(argv[i], "--decode") == 0)
+            return fa_bench_decode_main(argc, argv);
     fa_bench_config cfg;
     int rc = fa_bench_config_parse(argc, argv, &cfg);
     if (rc < 0) {
@@ -142,10 +145,17 @@ int fa_bench_main(int argc, char **argv)
         rc = check.pass ? FA_EXIT_OK : FA_EXIT_FAIL;
     }
 
+    fa_bench_bwd_result bwd;
+    int rc_bwd = FA_EXIT_OK;
+    if (cfg.bwd)
+        rc_bwd = fa_bench_bwd_run(&prob, &cfg, &bwd, flop);
+
     char shape[160];
     shape_format(&cfg, shape, sizeof shape);
     printf("fwd %s %s [%s]: %.3f ms, %.3f TFLOP/s, check %s\n", fa_dtype_name(cfg.dtype), shape,
            features, timing.mean_s * 1e3, tflops_mean, verdict);
+    if (cfg.bwd && bwd.verdict) /* NULL when the backward could not run */
+        fa_bench_bwd_summary(&cfg, shape, features, timing.mean_s, flop, &bwd);
     fa_bench_problem_free(&prob);
-    return rc;
+    return rc_bwd > rc ? rc_bwd : rc;
 }

@@ -16,6 +16,9 @@ enum { FA_EXIT_OK = 0, FA_EXIT_FAIL = 1, FA_EXIT_USAGE = 2 };
 /* `flashattn bench ARGS...`: argv holds the words after "bench". Returns the exit status. */
 int fa_bench_main(int argc, char **argv);
 
+/* `flashattn bench --decode ARGS...` (fa_bench_decode.c): times fa_attention_kvcache. */
+int fa_bench_decode_main(int argc, char **argv);
+
 typedef struct fa_bench_config {
     int64_t batch, heads, kv_heads;
     int64_t seqlen_q, seqlen_k;
@@ -31,6 +34,7 @@ typedef struct fa_bench_config {
     uint64_t seed;
     int check;
     int device; /* FA_DEVICE_CPU or a CUDA ordinal */
+    int bwd;    /* --bwd: time (and check) fa_attention_backward too */
 } fa_bench_config;
 
 /* Fills cfg from argv (the words after "bench"). Returns FA_EXIT_OK, FA_EXIT_USAGE after printing
@@ -76,6 +80,19 @@ typedef struct fa_bench_check_result {
 /* Compares out and lse against the oracle; FA_EXIT_OK when the oracle ran, else FA_EXIT_FAIL. */
 int fa_bench_check(const fa_bench_problem *p, const fa_bench_config *cfg,
                    fa_bench_check_result *r);
+
+/* --bwd (fa_bench_bwd.c): times fa_attention_backward on the problem after its forward ran (out,
+ * lse) and checks dq, dk, dv (dsinks) against fa_ref_backward when the problem is small enough;
+ * prints the details. bwd FLOPs are 2.5 x fwd_flop (FlashAttention's convention). */
+typedef struct fa_bench_bwd_result {
+    double mean_s, min_s;
+    const char *verdict; /* "PASS", "FAIL" or "skipped" */
+} fa_bench_bwd_result;
+int fa_bench_bwd_run(const fa_bench_problem *p, const fa_bench_config *cfg,
+                     fa_bench_bwd_result *r, double fwd_flop);
+/* The "bwd ..." and "fwd+bwd ..." summary lines. */
+void fa_bench_bwd_summary(const fa_bench_config *cfg, const char *shape, const char *features,
+                          double fwd_s, double fwd_flop, const fa_bench_bwd_result *r);
 
 /* Walks a tensor's elements in row-major order: idx starts at zeros and is advanced in place. */
 void fa_bench_index_next(const fa_tensor *t, int64_t *idx);

@@ -39,7 +39,11 @@ void fa_bench_usage(FILE *f)
           "  --iters N             timed calls (default 3)\n"
           "  --seed N              seed of the inputs and of dropout (default 0)\n"
           "  --no-check            skip the comparison with the oracle\n"
+          "  --bwd                 also time fa_attention_backward (2.5x the forward's FLOPs, as\n"
+          "                        FlashAttention counts) and fwd+bwd; checks the gradients\n"
           "  -h, --help            this text\n"
+          "  --decode              time fa_attention_kvcache on a decoding step instead, with\n"
+          "                        its own options (flashattn bench --decode --help)\n"
           "\n"
           "FLOPs follow FlashAttention's benchmarks: 2 * h * (visible query-key pairs) * (d + dv),\n"
           "the pairs counted exactly from the mask. Exit status: 0 ok, 1 check failed or the\n"
@@ -296,6 +300,8 @@ static int option_parse(opt_cursor *c, fa_bench_config *cfg, int *seqlen_q_set,
     }
     if (opt_is(c, "--device", NULL))
         return device_take(c, &cfg->device);
+    if (opt_is(c, "--bwd", NULL))
+        return flag_take(c, &cfg->bwd);
     fprintf(stderr, "flashattn bench: unknown option '%s' (flashattn bench --help lists them)\n",
             c->argv[c->i]);
     return FA_EXIT_USAGE;

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "fa_bench.h"
+#include "fa_precompile.h"
 
 static void usage_print(FILE *f)
 {
@@ -12,11 +13,16 @@ static void usage_print(FILE *f)
           "commands:\n"
           "  info      version, backends, the CPU and the default thread count\n"
           "  bench     time and check fa_attention_forward (flashattn bench --help)\n"
+          "  precompile  compile CUDA kernels into the cache, no GPU needed\n"
+          "            (flashattn precompile --help)\n"
           "  help      this text\n"
           "\n"
           "environment:\n"
           "  FLASHATTN_NUM_THREADS   CPU threads when a call asks for 0 (default: every CPU\n"
-          "                          this process may run on)\n",
+          "                          this process may run on)\n"
+          "  FLASHATTN_CACHE_DIR     compiled CUDA kernels (default $XDG_CACHE_HOME/flashattn\n"
+          "                          or ~/.cache/flashattn; empty: no disk cache)\n"
+          "  FLASHATTN_LOG=1         log each kernel compile and cache hit to stderr\n",
           f);
 }
 
@@ -26,7 +32,16 @@ static int info_main(void)
     printf("flashattn %s\n", fa_version());
     printf("backends:\n");
     printf("  %-8s%s\n", "cpu", "available");
-    printf("  %-8s%s\n", "cuda", "not available in this build");
+    int n_gpu = fa_cuda_device_count();
+    printf("  %-8s%s\n", "cuda", n_gpu > 0 ? "available" : "not available");
+    /* The driver and NVRTC lines say what was found, or why the GPU is not used. */
+    printf("%s\n", fa_cuda_status());
+    for (int i = 0; i < n_gpu; i++) {
+        fa_cuda_device_info di;
+        if (fa_cuda_device_info_get(i, &di) == FA_STATUS_OK)
+            printf("gpu %d:    %s, sm_%d, %d SMs, %.1f GiB\n", i, di.name, di.arch,
+                   di.multiprocessors, (double)di.total_memory / (1 << 30));
+    }
     printf("cpu:      %s\n", fa_cpu_description());
     if (env_threads && *env_threads)
         printf("threads:  %d by default (FLASHATTN_NUM_THREADS=%s)\n", fa_cpu_default_threads(),
@@ -61,6 +76,8 @@ int main(int argc, char **argv)
     }
     if (strcmp(cmd, "bench") == 0)
         return fa_bench_main(argc - 2, argv + 2);
+    if (strcmp(cmd, "precompile") == 0)
+        return fa_precompile_main(argc - 2, argv + 2);
     fprintf(stderr, "flashattn: unknown command '%s'\n\n", cmd);
     usage_print(stderr);
     return FA_EXIT_USAGE;

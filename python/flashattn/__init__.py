@@ -5,8 +5,19 @@
 
 torch and NumPy are optional and imported only when their arrays are passed in. The C library
 (libflashattn) is loaded on the first call; see ``flashattn._lib`` for where it is looked for.
+
+Beyond the functions: ``flashattn.bert_padding``, ``flashattn.layers.rotary``,
+``flashattn.modules.mha`` and ``flashattn.utils.generation`` mirror upstream's modules;
+``install_alias()`` (or ``FLASHATTN_ALIAS=1``) lets ``import flash_attn`` resolve here when
+upstream is not installed; with torch >= 2.11 imported first, "flashattn" is registered as a
+flash attention implementation for ``torch.nn.attention.activate_flash_attention_impl``
+(``register_sdpa_impl()`` registers it later if torch was imported after flashattn).
 """
 
+import os as _os
+import sys as _sys
+
+from ._alias import install_alias
 from ._lib import VERSION as _VERSION
 from ._lib import FlashAttnError
 from .flash_attn_interface import (
@@ -16,6 +27,8 @@ from .flash_attn_interface import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+    flash_attn_combine,
 )
 
 # Kept equal to the C library's fa_version() (FA_VERSION_* in include/flashattn.h); the loader
@@ -25,10 +38,31 @@ __version__ = _VERSION
 __all__ = [
     "__version__",
     "FlashAttnError",
+    "install_alias",
+    "register_sdpa_impl",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "flash_attn_combine",
 ]
+
+
+def register_sdpa_impl():
+    """Registers "flashattn" with ``torch.nn.attention.register_flash_attention_impl`` (never
+    activates it). Returns False when this torch has no such registry."""
+    from . import _sdpa
+
+    return _sdpa.register()
+
+
+# Without importing torch: a process that has not imported it cannot be using its registry.
+if _sys.modules.get("torch") is not None:
+    register_sdpa_impl()
+
+if _os.environ.get("FLASHATTN_ALIAS") == "1":
+    install_alias()
+

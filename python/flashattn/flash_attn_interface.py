@@ -3,7 +3,8 @@
 The six public functions keep upstream's exact signatures and defaults and add one
 keyword-only argument, ``learnable_sink`` (FA4's name: a per-head sink logit, shape ``(h,)``).
 They take torch CPU tensors (and return torch tensors) or NumPy arrays (and return NumPy
-arrays), all arguments of one call being of one kind.
+arrays), all arguments of one call being of one kind; any other array with ``__dlpack__`` is
+taken as well and answered in its own kind (``_dlpack``).
 
 Return value: ``out``; with ``return_attn_probs=True`` the 3-tuple ``(out, softmax_lse,
 S_dmask)``. ``softmax_lse`` is fp32 ``(b, h, seqlen_q)`` (varlen: ``(h, total_q)``).
@@ -16,15 +17,16 @@ the framework's global generator: ``torch.randint`` on torch's default CPU gener
 tensors (so ``torch.manual_seed`` reproduces a run), ``np.random.randint`` on NumPy's legacy
 global state for arrays (so ``np.random.seed`` does). Calls without dropout draw nothing.
 
-Layering: the public functions -> (torch with autograd: ``_autograd``'s Function classes) ->
-``_flash_attn_forward`` / ``_flash_attn_varlen_forward`` (upstream's internal names and return
-values) -> ``_core.forward`` -> the C library.
+Layering: the public functions -> ``_flash_attn_forward`` / ``_flash_attn_varlen_forward``
+(upstream's internal names and return values) -> torch tensors: the custom ops of ``_torch_ops``
+(``torch.ops.flashattn.*``, with autograd and fake implementations, so that ``torch.compile``
+traces them); NumPy arrays: ``_core.forward`` -> the C library.
 """
 
-import sys
-
 from . import _core
+from ._dlpack import accepts_dlpack
 from ._lib import FlashAttnError
+from ._kvcache import flash_attn_combine, flash_attn_with_kvcache  # noqa: F401
 
 __all__ = [
     "flash_attn_func",
@@ -33,6 +35,8 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "flash_attn_combine",
 ]
 
 
@@ -91,13 +95,21 @@ def _seed_for(kind, dropout_p):
 
 def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
                         window_size_right, softcap, alibi_slopes, return_softmax,
-                        learnable_sink=None, *, _kind=None, _names=None):
+                        learnable_sink=None, *, _kind=None, _names=None, _deterministic=False):
     """Returns (out, softmax_lse, S_dmask, rng_state), as upstream.
 
-    S_dmask is (0,) unless return_softmax; rng_state is int64 [seed, offset]."""
+    S_dmask is (0,) unless return_softmax; rng_state is int64 [seed, offset]. Torch tensors go
+    through the differentiable op ``torch.ops.flashattn.fwd``."""
     kind = _kind or _core.common_kind(
         [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
          ("learnable_sink", learnable_sink)], 3)
+    if kind == _core.TORCH:
+        from . import _torch_ops
+
+        return _torch_ops.dense(q, k, v, dropout_p, softmax_scale, causal,
+                                _window((window_size_left, window_size_right)), softcap,
+                                alibi_slopes, _deterministic, return_softmax, learnable_sink,
+                                _names)
     seed = _seed_for(kind, dropout_p)
     out, lse, probs = _core.forward(
         q, k, v, kind=kind, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -113,8 +125,10 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                window_size_right=-1, softcap=0.0, alibi_slopes=None,
                                return_softmax=False, block_table=None, leftpad_k=None,
                                seqused_k=None, zero_tensors=False, num_splits=0,
-                               learnable_sink=None, *, _kind=None, _names=None):
-    """Returns (out, softmax_lse, S_dmask, rng_state), as upstream."""
+                               learnable_sink=None, *, _kind=None, _names=None,
+                               _deterministic=False):
+    """Returns (out, softmax_lse, S_dmask, rng_state), as upstream; torch tensors go through
+    ``torch.ops.flashattn.varlen_fwd``."""
     if block_table is not None:
         raise NotImplementedError(
             "flashattn: block_table (paged KV cache) is not supported yet by this build")
@@ -124,32 +138,33 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
          ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
          ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)], 5)
-    seed = _seed_for(kind, dropout_p)
-    out, lse, probs = _core.forward(
-        q, k, v, kind=kind, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=(window_size_left, window_size_right), softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
-        seed=seed, offset=0, names=_names)
+    if kind == _core.TORCH:
+        from . import _torch_ops
+
+        out, lse, S_dmask, rng_state = _torch_ops.varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, _window((window_size_left, window_size_right)), softcap,
+            alibi_slopes, _deterministic, return_softmax, learnable_sink, seqused_k, _names)
+    else:
+        seed = _seed_for(kind, dropout_p)
+        out, lse, probs = _core.forward(
+            q, k, v, kind=kind, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+            window_size=(window_size_left, window_size_right), softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
+            seed=seed, offset=0, names=_names)
+        S_dmask = probs if return_softmax else _empty_dmask(kind, q)
+        rng_state = _core.rng_state_array(kind, seed, 0, q)
     if zero_tensors:
         # Upstream pre-fills lse with -inf (and out with 0) when zero_tensors; rows outside every
         # sequence keep those values. The C library writes 0 / +inf there: patch lse.
         _core.fill_uncovered_rows(lse, cu_seqlens_q, kind, float("-inf"))
-    S_dmask = probs if return_softmax else _empty_dmask(kind, q)
-    return out, lse, S_dmask, _core.rng_state_array(kind, seed, 0, q)
+    return out, lse, S_dmask, rng_state
 
 
 # --------------------------------------------------------------------------------------------
-# Dispatch: torch tensors that need a graph go through autograd Functions.
-
-
-def _needs_autograd(kind, tensors):
-    if kind != _core.TORCH:
-        return False
-    torch = sys.modules["torch"]
-    return torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in tensors)
+# Dispatch
 
 
 def _finish(out, lse, S_dmask, return_attn_probs):
@@ -160,17 +175,9 @@ def _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                deterministic, return_attn_probs, learnable_sink, kind, names):
     left, right = _window(window_size)
     return_softmax = bool(return_attn_probs) and _positive(dropout_p)
-    if _needs_autograd(kind, (q, k, v, learnable_sink)):
-        from . import _autograd
-
-        res = _autograd.FlashAttnFunc.apply(
-            q, k, v, dropout_p, softmax_scale, causal, (left, right), softcap, alibi_slopes,
-            deterministic, return_softmax, learnable_sink, names)
-        out, lse, S_dmask = res
-    else:
-        out, lse, S_dmask, _ = _flash_attn_forward(
-            q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes,
-            return_softmax, learnable_sink, _kind=kind, _names=names)
+    out, lse, S_dmask, _ = _flash_attn_forward(
+        q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes,
+        return_softmax, learnable_sink, _kind=kind, _names=names, _deterministic=deterministic)
     return _finish(out, lse, S_dmask, return_attn_probs)
 
 
@@ -179,19 +186,10 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 return_attn_probs, learnable_sink, kind, names):
     left, right = _window(window_size)
     return_softmax = bool(return_attn_probs) and _positive(dropout_p)
-    if _needs_autograd(kind, (q, k, v, learnable_sink)):
-        from . import _autograd
-
-        res = _autograd.FlashAttnVarlenFunc.apply(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, (left, right), softcap, alibi_slopes, deterministic,
-            return_softmax, learnable_sink, names)
-        out, lse, S_dmask = res
-    else:
-        out, lse, S_dmask, _ = _flash_attn_varlen_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, left, right, softcap, alibi_slopes, return_softmax,
-            learnable_sink=learnable_sink, _kind=kind, _names=names)
+    out, lse, S_dmask, _ = _flash_attn_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, left, right, softcap, alibi_slopes, return_softmax,
+        learnable_sink=learnable_sink, _kind=kind, _names=names, _deterministic=deterministic)
     return _finish(out, lse, S_dmask, return_attn_probs)
 
 
@@ -211,6 +209,7 @@ def _check_packed(x, name, ndim, slot, count, layout):
 # Public API
 
 
+@accepts_dlpack
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *,
@@ -230,6 +229,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                       return_attn_probs, learnable_sink, kind, names)
 
 
+@accepts_dlpack
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, *,
@@ -249,6 +249,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                       learnable_sink, kind, names)
 
 
+@accepts_dlpack
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, learnable_sink=None):
@@ -287,6 +288,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind, None)
 
 
+@accepts_dlpack
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softmax_scale=None, causal=False, window_size=(-1, -1),
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -310,6 +312,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                        names)
 
 
+@accepts_dlpack
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, dropout_p=0.0, softmax_scale=None,
                                     causal=False, window_size=(-1, -1), softcap=0.0,
@@ -331,6 +334,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                        names)
 
 
+@accepts_dlpack
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "api/fa_internal.h"
+#include "cuda/fa_cuda.h"
 
 FA_API void fa_fwd_args_init(fa_fwd_args *args)
 {
@@ -34,10 +35,12 @@ FA_API fa_status fa_attention_forward(const fa_fwd_args *args)
     fa_status st = fa_params_from_fwd_args(args, &p);
     if (st != FA_STATUS_OK)
         return st;
-    if (args->device != FA_DEVICE_CPU)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "device: CUDA device %d requested, but this build has no CUDA backend",
-                            args->device);
+    if (args->device != FA_DEVICE_CPU) {
+        st = fa_cuda_forward(&p, args);
+        if (st == FA_STATUS_OK)
+            fa_error_clear();
+        return st;
+    }
     st = fa_cpu_forward(&p);
     if (st == FA_STATUS_OK && p.probs)
         st = fa_cpu_probs(&p);

@@ -73,13 +73,18 @@ static fa_status fa_check_dim(const fa_tensor *t, const char *name, int dim, int
             return fa_try_status_;                                                               \
     } while (0)
 
-/* cu_seqlens: int32 [b+1], non-negative, non-decreasing, within total rows and max_seqlen. */
+/* cu_seqlens: int32 [b+1], non-negative, non-decreasing, within total rows and max_seqlen.
+ * The values are checked only when they live in host memory (on_host): device offsets are never
+ * read here, and the CUDA kernels clamp them into the tensors instead. */
 static fa_status fa_check_cu_seqlens(const fa_tensor *t, const char *name, int64_t b,
-                                     int64_t total, int64_t max_seqlen, const char *max_name)
+                                     int64_t total, int64_t max_seqlen, const char *max_name,
+                                     int on_host)
 {
     FA_TRY(fa_check_tensor(t, name, 1));
     FA_TRY(fa_check_dtype(t, name, FA_DTYPE_I32, "sequence offsets"));
     FA_TRY(fa_check_dim(t, name, 0, b + 1, "batch + 1"));
+    if (!on_host)
+        return FA_STATUS_OK;
     const int32_t *cu = (const int32_t *)t->data;
     if (cu[0] < 0)
         return FA_BAD("%s: first offset is negative (%d)", name, cu[0]);
@@ -186,10 +191,11 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
         p->max_sk = a->max_seqlen_k;
         FA_TRY(fa_check_dim(v, "v", 0, k->shape[0], "total_k, as k"));
         FA_TRY(fa_check_dim(o, "out", 0, q->shape[0], "total_q, as q"));
+        const int on_host = a->device == FA_DEVICE_CPU;
         FA_TRY(fa_check_cu_seqlens(a->cu_seqlens_q, "cu_seqlens_q", p->b, q->shape[0], p->max_sq,
-                                   "max_seqlen_q"));
+                                   "max_seqlen_q", on_host));
         FA_TRY(fa_check_cu_seqlens(a->cu_seqlens_k, "cu_seqlens_k", p->b, k->shape[0], p->max_sk,
-                                   "max_seqlen_k"));
+                                   "max_seqlen_k", on_host));
         p->cu_seqlens_q = (const int32_t *)a->cu_seqlens_q->data;
         p->cu_seqlens_k = (const int32_t *)a->cu_seqlens_k->data;
         if (a->seqused_k) {
@@ -198,7 +204,7 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
             FA_TRY(fa_check_dtype(u, "seqused_k", FA_DTYPE_I32, "keys used per sequence"));
             FA_TRY(fa_check_dim(u, "seqused_k", 0, p->b, "batch"));
             const int32_t *used = (const int32_t *)u->data;
-            for (int64_t i = 0; i < p->b; i++) {
+            for (int64_t i = 0; on_host && i < p->b; i++) {
                 int64_t len = p->cu_seqlens_k[i + 1] - p->cu_seqlens_k[i];
                 if (used[i] < 0 || used[i] > len)
                     return FA_BAD("seqused_k: entry %lld is %d, outside [0, %lld] (the length "

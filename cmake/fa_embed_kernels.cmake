@@ -1,0 +1,20 @@
+# Writes OUT, a C file holding every kernel source in FILES as a byte array, plus the table
+# fa_kernel_files[] that src/cuda/fa_jit.c reads. Run at build time (cmake -P), so kernels are
+# embedded without nvcc and a change to a kernel rebuilds only this file.
+set(body "/* Generated from kernels/ by cmake/fa_embed_kernels.cmake; do not edit. */\n")
+string(APPEND body "#include \"cuda/fa_jit.h\"\n\n")
+set(table "")
+set(i 0)
+foreach(f ${FILES})
+  get_filename_component(name "${f}" NAME)
+  file(READ "${f}" hex HEX)
+  string(REGEX REPLACE "([0-9a-f][0-9a-f])" "0x\\1," hex "${hex}")
+  string(REGEX REPLACE "(0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,0x..,)" "\\1\n" hex "${hex}")
+  string(APPEND body "static const char fa_kernel_text_${i}[] = {\n${hex}0x00};\n")
+  string(APPEND table "    {\"${name}\", fa_kernel_text_${i}},\n")
+  math(EXPR i "${i} + 1")
+endforeach()
+string(APPEND body "\nconst fa_kernel_file fa_kernel_files[] = {\n${table}};\n")
+string(APPEND body "const int fa_kernel_file_count = ${i};\n")
+file(WRITE "${OUT}.tmp" "${body}")
+execute_process(COMMAND ${CMAKE_COMMAND} -E copy_if_different "${OUT}.tmp" "${OUT}")

@@ -1,0 +1,214 @@
+/*
+ * Device helpers every kernel family shares: small types, fp16/bf16 conversions, the PTX wrappers
+ * of the sm80 tensor-core path (cp.async, ldmatrix, mma.sync) and counter-based Philox.
+ * CUDA C compiled by NVRTC with no headers: everything here is builtins and inline PTX.
+ *
+ * Needs FA_BF16 (0: fp16 data, 1: bf16 data).
+ */
+#ifndef FA_COMMON_CUH
+#define FA_COMMON_CUH
+
+#include "fa_kparams.h"
+
+typedef unsigned short fa_u16;
+
+#define FA_DEV static __device__ __forceinline__
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
+#define FA_INF __int_as_float(0x7f800000)
+
+FA_DEV int fa_min(int a, int b) { return a < b ? a : b; }
+FA_DEV int fa_max(int a, int b) { return a > b ? a : b; }
+
+/* The 32-bit .shared window address of a generic pointer into shared memory. */
+FA_DEV fa_u32 fa_smem_addr(const void *p)
+{
+    fa_u32 a;
+    /* cvta.to.shared.u64: generic -> shared window; cvt.u32.u64: shared addresses fit 32 bits */
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+/* Element conversions; the bf16 path widens by a shift since bf16 is fp32's top half. */
+FA_DEV float fa_to_float(fa_u16 x)
+{
+#if FA_BF16
+    return __uint_as_float((fa_u32)x << 16);
+#else
+    float f;
+    /* cvt.f32.f16: exact widening of one fp16 */
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+#endif
+}
+
+FA_DEV fa_u16 fa_from_float(float f)
+{
+    fa_u16 x;
+#if FA_BF16
+    /* cvt.rn.bf16.f32: round to nearest even (sm_80+) */
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x) : "f"(f));
+#else
+    /* cvt.rn.f16.f32: round to nearest even */
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x) : "f"(f));
+#endif
+    return x;
+}
+
+/* Two floats as one 32-bit register of two 16-bit values, lo in bits 0..15 (the operand order of
+ * the f16x2/bf16x2 fragments of mma.sync: the lower column in the lower half). */
+FA_DEV fa_u32 fa_pack2(float lo, float hi)
+{
+    fa_u32 r;
+#if FA_BF16
+    /* cvt.rn.bf16x2.f32 d, a, b: d.hi = bf16(a), d.lo = bf16(b) */
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    /* cvt.rn.f16x2.f32 d, a, b: d.hi = f16(a), d.lo = f16(b) */
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+/* 2^x on the special-function unit; -inf gives 0, which the online softmax relies on. */
+FA_DEV float fa_exp2(float x)
+{
+    float y;
+    /* ex2.approx.ftz.f32: about 2 ulp, denormals flushed */
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* cp.async.cg.shared.global: 16-byte copy global -> shared that skips L1 and does not block;
+ * bytes past src_bytes are zero-filled, so src_bytes = 0 writes a zero chunk and reads nothing. */
+FA_DEV void fa_cp_async16(fa_u32 dst, const void *src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+/* cp.async.commit_group: closes the group of copies issued so far by this thread. */
+FA_DEV void fa_cp_async_commit(void) { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+/* cp.async.wait_group 0: waits until every committed group of this thread has landed. */
+FA_DEV void fa_cp_async_wait_all(void) { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+/* ldmatrix.sync.aligned.m8n8.x4.shared.b16: four 8x8 matrices of 16-bit values. Lanes 8i..8i+7
+ * give the addresses of the 8 rows (16 bytes each) of matrix i; lane l receives, in r[i], row l/4,
+ * elements 2(l%4) and 2(l%4)+1 of matrix i: the A/B fragment layout of mma.m16n8k16. */
+FA_DEV void fa_ldmatrix_x4(fa_u32 r[4], fa_u32 addr)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+/* The same with .trans: lane l receives column l/4, rows 2(l%4) and 2(l%4)+1 of matrix i, so a
+ * row-major [k][n] tile serves as the column-major B operand. */
+FA_DEV void fa_ldmatrix_x4_trans(fa_u32 r[4], fa_u32 addr)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+/* c += a * b with mma.sync.aligned.m16n8k16.row.col, fp32 accumulate. With g = lane/4 and
+ * t = lane%4, the fragments are:
+ *   a[0]: A[g][2t..2t+1]  a[1]: A[g+8][2t..2t+1]  a[2]: A[g][2t+8..]  a[3]: A[g+8][2t+8..]
+ *   b[0]: B[2t..2t+1][g]  b[1]: B[2t+8..2t+9][g]
+ *   c[0..1]: C[g][2t..2t+1]  c[2..3]: C[g+8][2t..2t+1] */
+FA_DEV void fa_mma16816(float c[4], const fa_u32 a[4], fa_u32 b0, fa_u32 b1)
+{
+#if FA_BF16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+/* Philox4x32-10 exactly as src/util/fa_philox.h computes it on the CPU (the dropout mask must be
+ * bit-identical). Returns word `word` (0..3) of the block, chosen without a run-time array index
+ * so that the block stays in registers. */
+FA_DEV fa_u32 fa_philox_word(fa_u32 c0, fa_u32 c1, fa_u32 c2, fa_u32 c3, fa_u32 k0, fa_u32 k1,
+                             int word)
+{
+#pragma unroll
+    for (int round = 0; round < 10; round++) {
+        fa_u32 lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
+        fa_u32 lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
+}
+
+/* The 32-bit word holding the 16-bit numbers of columns col (even) and col+1 of one row. */
+FA_DEV fa_u32 fa_dropout_pair(const fa_kparams *kp, int batch, int head, int row, int col)
+{
+    fa_u64 stream = kp->offset + (fa_u64)batch * (fa_u64)kp->h + (fa_u64)head;
+    return fa_philox_word((fa_u32)(col >> 3), (fa_u32)row, (fa_u32)stream,
+                          (fa_u32)(stream >> 32), (fa_u32)kp->seed, (fa_u32)(kp->seed >> 32),
+                          (col & 7) >> 1);
+}
+
+/* The visible keys [lo, hi) of row `row` of a sequence of sq queries and sk keys (the rule of
+ * fa_params_key_range on the host). */
+FA_DEV void fa_key_range(const fa_kparams *kp, int row, int sq, int sk, int *lo, int *hi)
+{
+    fa_i64 diag = (fa_i64)row + sk - sq;
+    fa_i64 l = kp->window_left >= 0 ? diag - kp->window_left : 0;
+    fa_i64 r = kp->window_right >= 0 ? diag + kp->window_right + 1 : sk;
+    l = l < 0 ? 0 : l;
+    r = r > sk ? sk : r;
+    r = r < l ? l : r;
+    *lo = (int)l;
+    *hi = (int)r;
+}
+
+/* Where sequence `bi` lives. Varlen offsets come from device memory the host never checked, so
+ * every value is clamped into the tensors: bad offsets give wrong rows, never a wild access. */
+typedef struct fa_seq {
+    fa_i64 q_start, k_start;
+    int sq, sk;
+} fa_seq;
+
+FA_DEV fa_seq fa_seq_get(const fa_kparams *kp, int bi, int varlen)
+{
+    fa_seq s;
+    if (!varlen) {
+        s.q_start = 0;
+        s.k_start = 0;
+        s.sq = (int)kp->max_sq;
+        s.sk = (int)kp->max_sk;
+        return s;
+    }
+    fa_i64 qa = kp->cu_seqlens_q[bi], qb = kp->cu_seqlens_q[bi + 1];
+    fa_i64 ka = kp->cu_seqlens_k[bi], kb = kp->cu_seqlens_k[bi + 1];
+    qa = qa < 0 ? 0 : qa > kp->total_q ? kp->total_q : qa;
+    qb = qb < qa ? qa : qb > kp->total_q ? kp->total_q : qb;
+    ka = ka < 0 ? 0 : ka > kp->total_k ? kp->total_k : ka;
+    kb = kb < ka ? ka : kb > kp->total_k ? kp->total_k : kb;
+    fa_i64 sk = kb - ka;
+    if (kp->seqused_k) {
+        fa_i64 used = kp->seqused_k[bi];
+        sk = used < 0 ? 0 : used > sk ? sk : used;
+    }
+    s.q_start = qa;
+    s.k_start = ka;
+    s.sq = (int)(qb - qa < kp->max_sq ? qb - qa : kp->max_sq);
+    s.sk = (int)sk;
+    return s;
+}
+
+#endif /* FA_COMMON_CUH */

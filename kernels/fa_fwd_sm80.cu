@@ -1,0 +1,419 @@
+/*
+ * Forward attention for sm80 and later (runs on Hopper too): FlashAttention-2's algorithm on
+ * mma.sync m16n8k16 tensor-core instructions with fp32 accumulation.
+ *
+ * One CTA computes a tile of FA_BM query rows of one (sequence, head). Its warps split the rows
+ * (FA_MT m-tiles of 16 rows each); keys are visited in blocks of FA_BN from the last visible block
+ * to the first, with an online softmax in base 2 (the softmax scale and log2(e) are folded into
+ * one multiply). Q, K and V live in shared memory in 16-byte chunks whose column is XOR-swizzled
+ * by the row, so that the 8 row addresses of every ldmatrix hit 8 different bank groups.
+ * Copies are cp.async: V of block n loads while S = Q K^T runs, K of block n-1 while the softmax
+ * and O += P V run, so a copy is always in flight behind the tensor cores.
+ *
+ * Defines from the plan (src/plan/fa_plan.c):
+ *   FA_BF16           data type (0: fp16, 1: bf16)
+ *   FA_DP, FA_DVP     head dims of q/k and of v, padded to 32 or a multiple of 64
+ *   FA_BM, FA_BN      query rows per CTA, keys per block
+ *   FA_NWARPS         warps per CTA (FA_BM = 16 * FA_NWARPS * m-tiles per warp)
+ *   FA_VEC            1: every row is 16-byte aligned with d, dv % 8 == 0, so cp.async is used
+ *   FA_VARLEN, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT   features compiled in (0/1)
+ * Entry points: fa_fwd (the attention), fa_fwd_fill (varlen rows outside every sequence) and
+ * fa_fwd_probs (the debugging probs output).
+ */
+#include "fa_common.cuh"
+
+#define FA_THREADS (FA_NWARPS * 32)
+#define FA_MT (FA_BM / (16 * FA_NWARPS)) /* 16-row m-tiles per warp */
+#define FA_NT (FA_BN / 8)                /* 8-key n-tiles of S */
+#define FA_OT (FA_DVP / 8)               /* 8-column n-tiles of O */
+#define FA_KS (FA_DP / 16)               /* k-steps of Q K^T */
+#define FA_CPR_K (FA_DP / 8)             /* 16-byte chunks per row of Q and K */
+#define FA_CPR_V (FA_DVP / 8)
+
+#if FA_BM % (16 * FA_NWARPS) != 0 || FA_BN % 16 != 0 || FA_DP % 16 != 0 || FA_DVP % 16 != 0
+#error "tile sizes must be multiples of the mma shape"
+#endif
+
+/* Offset in elements of chunk c of row r in a swizzled tile of cpr chunks per row. With 8 or
+ * more chunks per row the chunk index is XORed with r % 8; with 4 (64-byte rows, two rows per
+ * 128-byte line) with (r / 2) % 4. */
+FA_DEV int fa_swz(int r, int c, int cpr)
+{
+    int x = cpr >= 8 ? (r & 7) : ((r >> 1) & 3);
+    return r * cpr * 8 + ((c ^ x) << 3);
+}
+
+/* Copies rows [0, rows) x columns [0, R*cpr*8) of a row-major global slice (row stride rs) into
+ * a swizzled [R][cpr*8] tile, zero-filling rows >= nrows and columns >= ncols. `safe` is any
+ * valid address, given to zero-length copies. */
+FA_DEV void fa_tile_load(fa_u16 *tile, const fa_u16 *g, fa_i64 rs, int nrows, int ncols, int rows,
+                         int cpr, const void *safe)
+{
+    for (int i = threadIdx.x; i < rows * cpr; i += FA_THREADS) {
+        int r = i / cpr, c = i - r * cpr;
+        fa_u16 *dst = tile + fa_swz(r, c, cpr);
+#if FA_VEC
+        int ok = r < nrows && (c << 3) < ncols;
+        fa_cp_async16(fa_smem_addr(dst), ok ? (const void *)(g + r * rs + (c << 3)) : safe,
+                      ok ? 16 : 0);
+#else
+        (void)safe;
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            int col = (c << 3) + e;
+            dst[e] = (r < nrows && col < ncols) ? g[r * rs + col] : (fa_u16)0;
+        }
+#endif
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams kp)
+{
+    extern __shared__ __align__(128) fa_u16 fa_smem[];
+    fa_u16 *sq = fa_smem;               /* [FA_BM][FA_DP] */
+    fa_u16 *sk = sq + FA_BM * FA_DP;    /* [FA_BN][FA_DP] */
+    fa_u16 *sv = sk + FA_BN * FA_DP;    /* [FA_BN][FA_DVP] */
+
+    /* Heavy (late, under causal) query tiles first, so they do not end the launch alone. */
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, bi = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const fa_seq seq = fa_seq_get(&kp, bi, FA_VARLEN);
+    const int m0 = m_block * FA_BM;
+    if (m0 >= seq.sq)
+        return;
+    const int hk = h / (kp.h / kp.hk);
+    const int wrow = warp * FA_MT * 16; /* this warp's first row in the tile */
+
+    const fa_u16 *qg = (const fa_u16 *)kp.q + bi * kp.q_bstride + (seq.q_start + m0) * kp.q_rstride +
+                       h * kp.q_hstride;
+    const fa_u16 *kg = (const fa_u16 *)kp.k + bi * kp.k_bstride + seq.k_start * kp.k_rstride +
+                       hk * kp.k_hstride;
+    const fa_u16 *vg = (const fa_u16 *)kp.v + bi * kp.v_bstride + seq.k_start * kp.v_rstride +
+                       hk * kp.v_hstride;
+
+    /* The keys any row of the tile sees: both window edges grow with the row. */
+    const int m_last = fa_min(m0 + FA_BM, seq.sq) - 1;
+    int lo_first, hi_first, lo_last, hi_last;
+    fa_key_range(&kp, m0, seq.sq, seq.sk, &lo_first, &hi_first);
+    fa_key_range(&kp, m_last, seq.sq, seq.sk, &lo_last, &hi_last);
+    const int n_min = lo_first / FA_BN;
+    const int n_max = hi_last > lo_first ? (hi_last + FA_BN - 1) / FA_BN : n_min;
+
+    /* Per row this thread owns (rows g and g+8 of each m-tile): running max (base 2) and this
+     * thread's share of the running sum. */
+    float row_max[FA_MT][2], row_sum[FA_MT][2];
+    float o[FA_MT][FA_OT][4];
+#pragma unroll
+    for (int mt = 0; mt < FA_MT; mt++) {
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            row_max[mt][hf] = -FA_INF;
+            row_sum[mt][hf] = 0.f;
+        }
+#pragma unroll
+        for (int ot = 0; ot < FA_OT; ot++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                o[mt][ot][e] = 0.f;
+    }
+#if FA_ALIBI
+    const float slope_log2 = kp.alibi_slopes[bi * kp.alibi_bstride + h * kp.alibi_hstride] * FA_LOG2E;
+#endif
+
+    if (n_max > n_min) {
+        fa_tile_load(sq, qg, kp.q_rstride, seq.sq - m0, kp.d, FA_BM, FA_CPR_K, kp.q);
+        fa_tile_load(sk, kg + (fa_i64)(n_max - 1) * FA_BN * kp.k_rstride, kp.k_rstride,
+                     seq.sk - (n_max - 1) * FA_BN, kp.d, FA_BN, FA_CPR_K, kp.k);
+        fa_cp_async_commit();
+    }
+
+    for (int nb = n_max - 1; nb >= n_min; nb--) {
+        const int n0 = nb * FA_BN;
+        /* K of this block (and Q) landed; every warp is done with the previous V. */
+        fa_cp_async_wait_all();
+        __syncthreads();
+        fa_tile_load(sv, vg + (fa_i64)n0 * kp.v_rstride, kp.v_rstride, seq.sk - n0, kp.dv, FA_BN,
+                     FA_CPR_V, kp.v);
+        fa_cp_async_commit();
+
+        /* S = Q K^T: Q fragments by ldmatrix per m-tile, K fragments for two n-tiles at a time. */
+        float s[FA_MT][FA_NT][4];
+#pragma unroll
+        for (int mt = 0; mt < FA_MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < FA_NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    s[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < FA_KS; ks++) {
+            fa_u32 qa[FA_MT][4];
+#pragma unroll
+            for (int mt = 0; mt < FA_MT; mt++)
+                fa_ldmatrix_x4(qa[mt], fa_smem_addr(sq + fa_swz(wrow + mt * 16 + (lane & 15),
+                                                                ks * 2 + (lane >> 4), FA_CPR_K)));
+#pragma unroll
+            for (int np = 0; np < FA_NT / 2; np++) {
+                fa_u32 kb[4];
+                fa_ldmatrix_x4(kb, fa_smem_addr(sk + fa_swz(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                            ks * 2 + ((lane >> 3) & 1), FA_CPR_K)));
+#pragma unroll
+                for (int mt = 0; mt < FA_MT; mt++) {
+                    fa_mma16816(s[mt][2 * np], qa[mt], kb[0], kb[1]);
+                    fa_mma16816(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
+                }
+            }
+        }
+
+        /* Scores in base-2 units. */
+#pragma unroll
+        for (int mt = 0; mt < FA_MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < FA_NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float x = s[mt][nt][e];
+#if FA_SOFTCAP
+                    x = tanhf(x * kp.softcap_pre) * kp.scale_log2;
+#else
+                    x *= kp.scale_log2;
+#endif
+#if FA_ALIBI
+                    int dist = m0 + wrow + mt * 16 + g + 8 * (e >> 1) + seq.sk - seq.sq -
+                               (n0 + nt * 8 + 2 * t + (e & 1));
+                    x -= slope_log2 * (float)(dist < 0 ? -dist : dist);
+#endif
+                    s[mt][nt][e] = x;
+                }
+        /* The mask, only where the block is not wholly visible to every row of the tile (window
+         * edges, the end of the keys). */
+        if (!(lo_last <= n0 && hi_first >= n0 + FA_BN)) {
+#pragma unroll
+            for (int mt = 0; mt < FA_MT; mt++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    int lo, hi;
+                    fa_key_range(&kp, m0 + wrow + mt * 16 + g + 8 * hf, seq.sq, seq.sk, &lo, &hi);
+#pragma unroll
+                    for (int nt = 0; nt < FA_NT; nt++)
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            const int col = n0 + nt * 8 + 2 * t + e;
+                            if (col < lo || col >= hi)
+                                s[mt][nt][2 * hf + e] = -FA_INF;
+                        }
+                }
+        }
+
+        /* V landed; every warp is done with K, so the next K may overwrite it. */
+        fa_cp_async_wait_all();
+        __syncthreads();
+        if (nb > n_min) {
+            fa_tile_load(sk, kg + (fa_i64)(n0 - FA_BN) * kp.k_rstride, kp.k_rstride,
+                         seq.sk - (n0 - FA_BN), kp.d, FA_BN, FA_CPR_K, kp.k);
+            fa_cp_async_commit();
+        }
+
+        /* Online softmax: a row's values sit in the 4 lanes of a quad, hence the two shuffles. */
+#pragma unroll
+        for (int mt = 0; mt < FA_MT; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float mx = row_max[mt][hf];
+#pragma unroll
+                for (int nt = 0; nt < FA_NT; nt++)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                /* A row with nothing visible yet keeps max -inf; subtract 0 then, not -inf. */
+                const float base = mx == -FA_INF ? 0.f : mx;
+                const float alpha = fa_exp2(row_max[mt][hf] - base);
+                row_max[mt][hf] = mx;
+                row_sum[mt][hf] *= alpha;
+#pragma unroll
+                for (int ot = 0; ot < FA_OT; ot++) {
+                    o[mt][ot][2 * hf] *= alpha;
+                    o[mt][ot][2 * hf + 1] *= alpha;
+                }
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < FA_NT; nt++) {
+                    float p0 = fa_exp2(s[mt][nt][2 * hf] - base);
+                    float p1 = fa_exp2(s[mt][nt][2 * hf + 1] - base);
+                    sum += p0 + p1;
+#if FA_DROPOUT
+                    /* The sum counts dropped keys too: dropout acts after the softmax. */
+                    const int row = m0 + wrow + mt * 16 + g + 8 * hf;
+                    const fa_u32 w = fa_dropout_pair(&kp, bi, h, row, n0 + nt * 8 + 2 * t);
+                    p0 = (w & 0xffffu) < kp.keep_threshold ? p0 : 0.f;
+                    p1 = (w >> 16) < kp.keep_threshold ? p1 : 0.f;
+#endif
+                    s[mt][nt][2 * hf] = p0;
+                    s[mt][nt][2 * hf + 1] = p1;
+                }
+                row_sum[mt][hf] += sum;
+            }
+
+        /* O += P V. The S accumulators of n-tiles 2kk and 2kk+1 are exactly the A fragment of
+         * k-step kk, so P never leaves registers; V fragments come from ldmatrix.trans. */
+#pragma unroll
+        for (int kk = 0; kk < FA_BN / 16; kk++) {
+            fa_u32 pa[FA_MT][4];
+#pragma unroll
+            for (int mt = 0; mt < FA_MT; mt++) {
+                pa[mt][0] = fa_pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = fa_pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = fa_pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = fa_pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < FA_OT / 2; dp++) {
+                fa_u32 vb[4];
+                fa_ldmatrix_x4_trans(vb, fa_smem_addr(sv + fa_swz(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                                                  dp * 2 + (lane >> 4), FA_CPR_V)));
+#pragma unroll
+                for (int mt = 0; mt < FA_MT; mt++) {
+                    fa_mma16816(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+                    fa_mma16816(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                }
+            }
+        }
+    }
+
+    /* Epilogue: the sink joins the denominator; rows with no visible key and no sink give 0 and
+     * lse +inf. */
+    const float sink2 = kp.sinks ? kp.sinks[h * kp.sinks_stride] * FA_LOG2E : -FA_INF;
+#pragma unroll
+    for (int mt = 0; mt < FA_MT; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int row = m0 + wrow + mt * 16 + g + 8 * hf;
+            float l = row_sum[mt][hf];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float mx = row_max[mt][hf];
+            const float big = fmaxf(mx, sink2);
+            float lse, scale;
+            if (big == -FA_INF) {
+                lse = FA_INF;
+                scale = 0.f;
+            } else {
+                const float lm = l > 0.f ? fa_exp2(mx - big) : 0.f;
+                const float total = l * lm + (kp.sinks ? fa_exp2(sink2 - big) : 0.f);
+                lse = (big + log2f(total)) * FA_LN2;
+                scale = l > 0.f ? lm / total * kp.dropout_scale : 0.f;
+            }
+            if (row >= seq.sq)
+                continue;
+            fa_u16 *og = (fa_u16 *)kp.out + bi * kp.o_bstride + (seq.q_start + row) * kp.o_rstride +
+                         h * kp.o_hstride;
+#pragma unroll
+            for (int ot = 0; ot < FA_OT; ot++) {
+                const int col = ot * 8 + 2 * t;
+                const float v0 = o[mt][ot][2 * hf] * scale, v1 = o[mt][ot][2 * hf + 1] * scale;
+#if FA_VEC
+                if (col < kp.dv)
+                    *(fa_u32 *)(og + col) = fa_pack2(v0, v1);
+#else
+                if (col < kp.dv)
+                    og[col] = fa_from_float(v0);
+                if (col + 1 < kp.dv)
+                    og[col + 1] = fa_from_float(v1);
+#endif
+            }
+            if (kp.lse && t == 0)
+                kp.lse[bi * kp.lse_bstride + h * kp.lse_hstride +
+                       (FA_VARLEN ? seq.q_start + row : row) * kp.lse_rstride] = lse;
+        }
+}
+
+/* Varlen only: rows of out/lse before the first sequence or after the last get 0 / +inf. One
+ * thread per (row, head). */
+extern "C" __global__ void fa_fwd_fill(const fa_kparams kp)
+{
+    const fa_i64 i = (fa_i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= kp.total_q * kp.h)
+        return;
+    const fa_i64 r = i / kp.h;
+    const int h = (int)(i - r * kp.h);
+    if (r >= kp.cu_seqlens_q[0] && r < kp.cu_seqlens_q[kp.b])
+        return;
+    fa_u16 *og = (fa_u16 *)kp.out + r * kp.o_rstride + h * kp.o_hstride;
+    for (int c = 0; c < kp.dv; c++)
+        og[c] = 0;
+    if (kp.lse)
+        kp.lse[h * kp.lse_hstride + r * kp.lse_rstride] = FA_INF;
+}
+
+/* The probs (S_dmask) encoding: one warp per (sequence, head, row); key blocks of
+ * kp.probs_block_n (<= 128, so 4 keys per lane) from the last to the first, each entry
+ * exp(s - running max), negated when dropout drops it. For testing only: plain fp32 loads. */
+extern "C" __global__ void fa_fwd_probs(const fa_kparams kp)
+{
+    const int lane = threadIdx.x & 31;
+    const fa_i64 row = (fa_i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int h = blockIdx.y, bi = blockIdx.z;
+    if (row >= kp.probs_sq)
+        return;
+    const fa_seq seq = fa_seq_get(&kp, bi, FA_VARLEN);
+    const int hk = h / (kp.h / kp.hk);
+    fa_u16 *pr = (fa_u16 *)kp.probs + bi * kp.p_bstride + h * kp.p_hstride + row * kp.p_rstride;
+    int lo = 0, hi = 0;
+    if (row < seq.sq)
+        fa_key_range(&kp, (int)row, seq.sq, seq.sk, &lo, &hi);
+    for (fa_i64 j = lane; j < kp.probs_sk; j += 32)
+        if (j < lo || j >= hi)
+            pr[j] = 0;
+    if (lo >= hi)
+        return;
+    const fa_u16 *qr = (const fa_u16 *)kp.q + bi * kp.q_bstride + (seq.q_start + row) * kp.q_rstride +
+                       h * kp.q_hstride;
+    const fa_u16 *kr = (const fa_u16 *)kp.k + bi * kp.k_bstride + seq.k_start * kp.k_rstride +
+                       hk * kp.k_hstride;
+    const float slope =
+        kp.alibi_slopes ? kp.alibi_slopes[bi * kp.alibi_bstride + h * kp.alibi_hstride] : 0.f;
+    const int bn = kp.probs_block_n;
+    float mx = -FA_INF;
+    for (int blk = (seq.sk + bn - 1) / bn - 1; blk >= 0; blk--) {
+        const int a = fa_max(blk * bn, lo), b = fa_min((blk + 1) * bn, hi);
+        if (a >= b)
+            continue;
+        float x[4];
+        float bmax = -FA_INF;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int j = a + lane + 32 * u;
+            x[u] = -FA_INF;
+            if (j >= b)
+                continue;
+            float dot = 0.f;
+            for (int c = 0; c < kp.d; c++)
+                dot += fa_to_float(qr[c]) * fa_to_float(kr[(fa_i64)j * kp.k_rstride + c]);
+            float y = dot * kp.scale;
+            if (kp.softcap > 0.f)
+                y = kp.softcap * tanhf(y / kp.softcap);
+            y -= slope * fabsf((float)(row + seq.sk - seq.sq - j));
+            x[u] = y;
+            bmax = fmaxf(bmax, y);
+        }
+#pragma unroll
+        for (int sh = 16; sh > 0; sh >>= 1)
+            bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, sh));
+        mx = fmaxf(mx, bmax);
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int j = a + lane + 32 * u;
+            if (j >= b)
+                continue;
+            float e = expf(x[u] - mx);
+            if (kp.keep_threshold < 65536u) {
+                fa_u32 w = fa_dropout_pair(&kp, bi, h, (int)row, j & ~1);
+                if (((j & 1) ? (w >> 16) : (w & 0xffffu)) >= kp.keep_threshold)
+                    e = -e;
+            }
+            pr[j] = fa_from_float(e);
+        }
+    }
+}

@@ -1,0 +1,58 @@
+/*
+ * The forward kernels' parameter block, passed by value to every entry point of a forward module.
+ * The same file is compiled by the host (C11) and by NVRTC (CUDA C), so the two sides cannot
+ * disagree on the layout: every field is 8 bytes or packed in pairs of 4.
+ */
+#ifndef FA_KPARAMS_H
+#define FA_KPARAMS_H
+
+#if defined(__CUDACC__)
+typedef long long fa_i64;
+typedef unsigned long long fa_u64;
+typedef unsigned int fa_u32;
+#else
+#include <stdint.h>
+typedef int64_t fa_i64;
+typedef uint64_t fa_u64;
+typedef uint32_t fa_u32;
+#endif
+
+typedef struct fa_kparams {
+    const void *q;              /* [b, sq, h, d] or [total_q, h, d] */
+    const void *k;              /* [b, sk, hk, d] or [total_k, hk, d] */
+    const void *v;              /* [b, sk, hk, dv] or [total_k, hk, dv] */
+    void *out;                  /* [b, sq, h, dv] or [total_q, h, dv] */
+    float *lse;                 /* NULL or [b, h, sq] / [h, total_q] */
+    const int *cu_seqlens_q;    /* varlen: [b+1] */
+    const int *cu_seqlens_k;    /* varlen: [b+1] */
+    const int *seqused_k;       /* NULL or [b] */
+    const float *alibi_slopes;  /* NULL or [h] / [b, h] */
+    const float *sinks;         /* NULL or [h] */
+    void *probs;                /* NULL or [b, h, probs_sq, probs_sk] */
+
+    fa_i64 q_bstride, q_rstride, q_hstride;
+    fa_i64 k_bstride, k_rstride, k_hstride;
+    fa_i64 v_bstride, v_rstride, v_hstride;
+    fa_i64 o_bstride, o_rstride, o_hstride;
+    fa_i64 lse_bstride, lse_hstride, lse_rstride;
+    fa_i64 alibi_bstride, alibi_hstride, sinks_stride;
+    fa_i64 p_bstride, p_hstride, p_rstride;
+    fa_i64 probs_sq, probs_sk;
+    fa_i64 total_q, total_k; /* rows of q and of k (varlen bounds checks) */
+    fa_i64 max_sq, max_sk;
+
+    fa_u64 seed, offset; /* dropout */
+
+    int b, h;
+    int hk, d;
+    int dv, window_left; /* window: -1 unbounded, causal already folded in */
+    int window_right, probs_block_n;
+    fa_u32 keep_threshold; /* keep iff the 16-bit number < keep_threshold */
+    float dropout_scale;   /* 1 / (1 - p) */
+    float scale;           /* softmax scale */
+    float scale_log2;      /* scale * log2(e), or softcap * log2(e) with softcap */
+    float softcap_pre;     /* scale / softcap (softcap only) */
+    float softcap;
+} fa_kparams;
+
+#endif /* FA_KPARAMS_H */

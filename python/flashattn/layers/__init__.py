@@ -1,0 +1,1 @@
+"""Layers mirroring upstream's ``flash_attn.layers`` (``rotary``)."""

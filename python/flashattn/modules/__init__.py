@@ -1,0 +1,1 @@
+"""Modules mirroring upstream's ``flash_attn.modules`` (``mha``)."""

@@ -1,0 +1,1 @@
+"""Utilities mirroring upstream's ``flash_attn.utils`` (``generation.InferenceParams``)."""

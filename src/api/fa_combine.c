@@ -1,0 +1,114 @@
+/* fa_attention_combine: validation and entry point of the public split-KV merge. */
+#include <math.h>
+#include <string.h>
+
+#include "api/fa_kvcache.h"
+
+#define FA_BAD(...) fa_error_set(FA_STATUS_INVALID_ARGUMENT, __VA_ARGS__)
+
+#define FA_TRY(expr)                                                                             \
+    do {                                                                                         \
+        fa_status fa_try_status_ = (expr);                                                       \
+        if (fa_try_status_ != FA_STATUS_OK)                                                      \
+            return fa_try_status_;                                                               \
+    } while (0)
+
+static fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combine_params *c)
+{
+    *c = (fa_combine_params){0};
+    if (!a)
+        return FA_BAD("args: NULL");
+    if (a->device < FA_DEVICE_CPU)
+        return FA_BAD("device: must be FA_DEVICE_CPU (-1) or a CUDA ordinal, got %d", a->device);
+    const fa_tensor *op = a->out_partial, *lp = a->lse_partial, *o = a->out;
+    FA_TRY(fa_kv_check_tensor(op, "out_partial", 5));
+    FA_TRY(fa_kv_check_strided(lp, "lse_partial", 4));
+    FA_TRY(fa_kv_check_tensor(o, "out", 4));
+    if (op->dtype != FA_DTYPE_F32 && op->dtype != FA_DTYPE_F64)
+        return FA_BAD("out_partial: dtype must be fp32 (or fp64), got %s",
+                      fa_dtype_name(op->dtype));
+    if (lp->dtype != op->dtype)
+        return FA_BAD("lse_partial: dtype %s does not match out_partial's %s",
+                      fa_dtype_name(lp->dtype), fa_dtype_name(op->dtype));
+    if (o->dtype == FA_DTYPE_I32)
+        return FA_BAD("out: dtype must be fp32, fp16, bf16 or fp64, got %s",
+                      fa_dtype_name(o->dtype));
+
+    c->splits = op->shape[0];
+    c->b = op->shape[1];
+    c->sq = op->shape[2];
+    c->h = op->shape[3];
+    c->dv = op->shape[4];
+    if (c->splits < 1 || c->splits > FA_MAX_SPLITS)
+        return FA_BAD("out_partial: dimension 0 (splits) must be in [1, %d], got %lld",
+                      FA_MAX_SPLITS, (long long)c->splits);
+    FA_TRY(fa_kv_check_dim(lp, "lse_partial", 0, c->splits, "splits, as out_partial"));
+    FA_TRY(fa_kv_check_dim(lp, "lse_partial", 1, c->b, "batch, as out_partial"));
+    FA_TRY(fa_kv_check_dim(lp, "lse_partial", 2, c->sq, "seqlen, as out_partial"));
+    FA_TRY(fa_kv_check_dim(lp, "lse_partial", 3, c->h, "heads, as out_partial"));
+    FA_TRY(fa_kv_check_dim(o, "out", 0, c->b, "batch, as out_partial"));
+    FA_TRY(fa_kv_check_dim(o, "out", 1, c->sq, "seqlen, as out_partial"));
+    FA_TRY(fa_kv_check_dim(o, "out", 2, c->h, "heads, as out_partial"));
+    FA_TRY(fa_kv_check_dim(o, "out", 3, c->dv, "head_dim, as out_partial"));
+
+    c->part_dtype = op->dtype;
+    c->o_part = op->data;
+    c->op_sstride = op->stride[0];
+    c->op_bstride = op->stride[1];
+    c->op_rstride = op->stride[2];
+    c->op_hstride = op->stride[3];
+    c->lse_part = lp->data;
+    c->lp_sstride = lp->stride[0];
+    c->lp_bstride = lp->stride[1];
+    c->lp_rstride = lp->stride[2];
+    c->lp_hstride = lp->stride[3];
+    c->out_dtype = o->dtype;
+    c->out = o->data;
+    c->o_bstride = o->stride[0];
+    c->o_rstride = o->stride[1];
+    c->o_hstride = o->stride[2];
+
+    if (a->lse) {
+        const fa_tensor *t = a->lse;
+        FA_TRY(fa_kv_check_strided(t, "lse", 3));
+        if (t->dtype != FA_DTYPE_F32 &&
+            !(t->dtype == FA_DTYPE_F64 && c->part_dtype == FA_DTYPE_F64))
+            return FA_BAD("lse: dtype must be fp32 (or fp64 with fp64 partials), got %s",
+                          fa_dtype_name(t->dtype));
+        FA_TRY(fa_kv_check_dim(t, "lse", 0, c->b, "batch"));
+        FA_TRY(fa_kv_check_dim(t, "lse", 1, c->sq, "seqlen"));
+        FA_TRY(fa_kv_check_dim(t, "lse", 2, c->h, "heads"));
+        c->lse = t->data;
+        c->lse_dtype = t->dtype;
+        c->lse_bstride = t->stride[0];
+        c->lse_rstride = t->stride[1];
+        c->lse_hstride = t->stride[2];
+    }
+    c->empty_lse = -INFINITY;
+    if (a->num_threads < 0)
+        return FA_BAD("num_threads: must be >= 0 (0 = default), got %d", a->num_threads);
+    c->num_threads = a->num_threads > 0 ? a->num_threads : fa_cpu_default_threads();
+    return FA_STATUS_OK;
+}
+
+FA_API void fa_combine_args_init(fa_combine_args *args)
+{
+    memset(args, 0, sizeof *args);
+    args->device = FA_DEVICE_CPU;
+}
+
+FA_API fa_status fa_attention_combine(const fa_combine_args *args)
+{
+    fa_combine_params c;
+    fa_status st = fa_combine_params_from_args(args, &c);
+    if (st != FA_STATUS_OK)
+        return st;
+    if (args->device != FA_DEVICE_CPU)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "device: CUDA device %d requested, but this build has no CUDA backend",
+                            args->device);
+    st = fa_cpu_combine(&c);
+    if (st == FA_STATUS_OK)
+        fa_error_clear();
+    return st;
+}

@@ -1,0 +1,466 @@
+/*
+ * fa_attention_kvcache: validation and entry point. Every rule is checked here, before the
+ * backend writes anything: a bad call must leave the caller's cache exactly as it was, and no
+ * index taken from the caller (block ids, batch indices, lengths) may reach memory unchecked.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "api/fa_kvcache.h"
+
+#define FA_BAD(...) fa_error_set(FA_STATUS_INVALID_ARGUMENT, __VA_ARGS__)
+
+#define FA_TRY(expr)                                                                             \
+    do {                                                                                         \
+        fa_status fa_try_status_ = (expr);                                                       \
+        if (fa_try_status_ != FA_STATUS_OK)                                                      \
+            return fa_try_status_;                                                               \
+    } while (0)
+
+static int64_t fa_kv_numel(const fa_tensor *t)
+{
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++)
+        n *= t->shape[i];
+    return n;
+}
+
+static int fa_kv_is_float(fa_dtype dt)
+{
+    return dt == FA_DTYPE_F32 || dt == FA_DTYPE_F16 || dt == FA_DTYPE_BF16 || dt == FA_DTYPE_F64;
+}
+
+/* Structural checks; contiguous: the last dimension must have stride 1. */
+static fa_status fa_kv_check_view(const fa_tensor *t, const char *name, int ndim, int contiguous)
+{
+    if (!t)
+        return FA_BAD("%s: tensor is NULL", name);
+    if (t->ndim != ndim)
+        return FA_BAD("%s: expected %d dimensions, got %d", name, ndim, (int)t->ndim);
+    if (!fa_kv_is_float(t->dtype) && t->dtype != FA_DTYPE_I32)
+        return FA_BAD("%s: unknown dtype %d", name, (int)t->dtype);
+    for (int i = 0; i < ndim; i++) {
+        if (t->shape[i] < 0)
+            return FA_BAD("%s: dimension %d has negative size %lld", name, i,
+                          (long long)t->shape[i]);
+        if (t->shape[i] > ((int64_t)1 << 40))
+            return FA_BAD("%s: dimension %d size %lld is too large", name, i,
+                          (long long)t->shape[i]);
+    }
+    if (contiguous && t->shape[ndim - 1] > 1 && t->stride[ndim - 1] != 1 && fa_kv_numel(t) > 0)
+        return FA_BAD("%s: last dimension must be contiguous (stride 1), got stride %lld", name,
+                      (long long)t->stride[ndim - 1]);
+    if (!t->data && fa_kv_numel(t) > 0)
+        return FA_BAD("%s: data pointer is NULL", name);
+    return FA_STATUS_OK;
+}
+
+fa_status fa_kv_check_tensor(const fa_tensor *t, const char *name, int ndim)
+{
+    return fa_kv_check_view(t, name, ndim, 1);
+}
+
+fa_status fa_kv_check_strided(const fa_tensor *t, const char *name, int ndim)
+{
+    return fa_kv_check_view(t, name, ndim, 0);
+}
+
+fa_status fa_kv_check_dtype(const fa_tensor *t, const char *name, fa_dtype want, const char *why)
+{
+    if (t->dtype != want)
+        return FA_BAD("%s: dtype must be %s (%s), got %s", name, fa_dtype_name(want), why,
+                      fa_dtype_name(t->dtype));
+    return FA_STATUS_OK;
+}
+
+fa_status fa_kv_check_dim(const fa_tensor *t, const char *name, int dim, int64_t want,
+                          const char *what)
+{
+    if (t->shape[dim] != want)
+        return FA_BAD("%s: dimension %d (%s) must be %lld, got %lld", name, dim, what,
+                      (long long)want, (long long)t->shape[dim]);
+    return FA_STATUS_OK;
+}
+
+static fa_status fa_kv_check_same_dtype(const fa_tensor *t, const char *name, fa_dtype dt)
+{
+    if (t->dtype != dt)
+        return FA_BAD("%s: dtype %s does not match q's %s", name, fa_dtype_name(t->dtype),
+                      fa_dtype_name(dt));
+    return FA_STATUS_OK;
+}
+
+/* An int32 [b] tensor of per-sequence values; returns its data. */
+static fa_status fa_kv_check_index(const fa_tensor *t, const char *name, int64_t b,
+                                   const char *what, const int32_t **dst)
+{
+    FA_TRY(fa_kv_check_tensor(t, name, 1));
+    FA_TRY(fa_kv_check_dtype(t, name, FA_DTYPE_I32, what));
+    FA_TRY(fa_kv_check_dim(t, name, 0, b, "batch, as q"));
+    if (t->stride[0] != 1 && b > 1)
+        return FA_BAD("%s: must be contiguous (stride 1), got stride %lld", name,
+                      (long long)t->stride[0]);
+    *dst = (const int32_t *)t->data;
+    return FA_STATUS_OK;
+}
+
+/* q, out, the caches and the new keys: ranks, dtypes, shapes; fills sizes and strides. */
+static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_kv_params *p)
+{
+    const fa_tensor *q = a->q, *kc = a->k_cache, *vc = a->v_cache, *o = a->out;
+    FA_TRY(fa_kv_check_tensor(q, "q", 4));
+    FA_TRY(fa_kv_check_tensor(kc, "k_cache", 4));
+    FA_TRY(fa_kv_check_tensor(vc, "v_cache", 4));
+    FA_TRY(fa_kv_check_tensor(o, "out", 4));
+    if (!fa_kv_is_float(q->dtype))
+        return FA_BAD("q: dtype must be fp32, fp16, bf16 or fp64, got %s",
+                      fa_dtype_name(q->dtype));
+    p->dtype = q->dtype;
+    FA_TRY(fa_kv_check_same_dtype(kc, "k_cache", p->dtype));
+    FA_TRY(fa_kv_check_same_dtype(vc, "v_cache", p->dtype));
+    FA_TRY(fa_kv_check_same_dtype(o, "out", p->dtype));
+
+    p->b = q->shape[0];
+    p->sq = q->shape[1];
+    p->h = q->shape[2];
+    p->d = q->shape[3];
+    p->hk = kc->shape[2];
+    p->dv = vc->shape[3];
+    if (p->b < 1)
+        return FA_BAD("q: batch size must be positive, got %lld", (long long)p->b);
+    if (p->h < 1)
+        return FA_BAD("q: number of heads must be positive, got %lld", (long long)p->h);
+    if (p->d < 1 || p->d > FA_MAX_HEAD_DIM)
+        return FA_BAD("q: head_dim must be in [1, %d], got %lld", FA_MAX_HEAD_DIM,
+                      (long long)p->d);
+    if (p->dv < 1 || p->dv > FA_MAX_HEAD_DIM)
+        return FA_BAD("v_cache: head_dim must be in [1, %d], got %lld", FA_MAX_HEAD_DIM,
+                      (long long)p->dv);
+    FA_TRY(fa_kv_check_dim(kc, "k_cache", 3, p->d, "head_dim, as q"));
+    if (p->hk < 1)
+        return FA_BAD("k_cache: number of kv heads must be positive, got %lld",
+                      (long long)p->hk);
+    if (p->h % p->hk != 0)
+        return FA_BAD("k_cache: number of kv heads (%lld) must divide the number of query "
+                      "heads in q (%lld)",
+                      (long long)p->hk, (long long)p->h);
+    FA_TRY(fa_kv_check_dim(vc, "v_cache", 0, kc->shape[0], "blocks or batch, as k_cache"));
+    FA_TRY(fa_kv_check_dim(vc, "v_cache", 1, kc->shape[1], "page size or seqlen, as k_cache"));
+    FA_TRY(fa_kv_check_dim(vc, "v_cache", 2, p->hk, "kv heads, as k_cache"));
+    FA_TRY(fa_kv_check_dim(o, "out", 0, p->b, "batch, as q"));
+    FA_TRY(fa_kv_check_dim(o, "out", 1, p->sq, "seqlen_q, as q"));
+    FA_TRY(fa_kv_check_dim(o, "out", 2, p->h, "heads, as q"));
+    FA_TRY(fa_kv_check_dim(o, "out", 3, p->dv, "head_dim, as v_cache"));
+
+    p->q = q->data;
+    p->q_bstride = q->stride[0];
+    p->q_rstride = q->stride[1];
+    p->q_hstride = q->stride[2];
+    p->out = o->data;
+    p->o_bstride = o->stride[0];
+    p->o_rstride = o->stride[1];
+    p->o_hstride = o->stride[2];
+    p->k_cache = kc->data;
+    p->kc_bstride = kc->stride[0];
+    p->kc_rstride = kc->stride[1];
+    p->kc_hstride = kc->stride[2];
+    p->v_cache = vc->data;
+    p->vc_bstride = vc->stride[0];
+    p->vc_rstride = vc->stride[1];
+    p->vc_hstride = vc->stride[2];
+
+    if (!a->k != !a->v)
+        return FA_BAD("%s: new keys and values are appended together; %s is NULL",
+                      a->k ? "k" : "v", a->k ? "v" : "k");
+    if (a->k) {
+        const fa_tensor *k = a->k, *v = a->v;
+        FA_TRY(fa_kv_check_tensor(k, "k", 4));
+        FA_TRY(fa_kv_check_tensor(v, "v", 4));
+        FA_TRY(fa_kv_check_same_dtype(k, "k", p->dtype));
+        FA_TRY(fa_kv_check_same_dtype(v, "v", p->dtype));
+        p->s_new = k->shape[1];
+        FA_TRY(fa_kv_check_dim(k, "k", 0, p->b, "batch, as q"));
+        FA_TRY(fa_kv_check_dim(k, "k", 2, p->hk, "kv heads, as k_cache"));
+        FA_TRY(fa_kv_check_dim(k, "k", 3, p->d, "head_dim, as q"));
+        FA_TRY(fa_kv_check_dim(v, "v", 0, p->b, "batch, as q"));
+        FA_TRY(fa_kv_check_dim(v, "v", 1, p->s_new, "new keys, as k"));
+        FA_TRY(fa_kv_check_dim(v, "v", 2, p->hk, "kv heads, as k_cache"));
+        FA_TRY(fa_kv_check_dim(v, "v", 3, p->dv, "head_dim, as v_cache"));
+        p->k_new = k->data;
+        p->kn_bstride = k->stride[0];
+        p->kn_rstride = k->stride[1];
+        p->kn_hstride = k->stride[2];
+        p->v_new = v->data;
+        p->vn_bstride = v->stride[0];
+        p->vn_rstride = v->stride[1];
+        p->vn_hstride = v->stride[2];
+    }
+    return FA_STATUS_OK;
+}
+
+/* The layout of the cache: paged through block_table, or one row per sequence. */
+static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_kv_params *p)
+{
+    const fa_tensor *kc = a->k_cache;
+    p->paged = a->block_table != NULL;
+    p->num_blocks = kc->shape[0];
+    p->page_size = kc->shape[1];
+    if (p->paged) {
+        const fa_tensor *bt = a->block_table;
+        FA_TRY(fa_kv_check_tensor(bt, "block_table", 2));
+        FA_TRY(fa_kv_check_dtype(bt, "block_table", FA_DTYPE_I32, "block ids"));
+        FA_TRY(fa_kv_check_dim(bt, "block_table", 0, p->b, "batch, as q"));
+        if (p->page_size < 1)
+            return FA_BAD("k_cache: page size (dimension 1 of a paged cache) must be >= 1, got "
+                          "%lld",
+                          (long long)p->page_size);
+        if (a->cache_batch_idx)
+            return FA_BAD("cache_batch_idx: not supported with a paged cache (block_table "
+                          "already maps sequences to blocks)");
+        p->block_table = (const int32_t *)bt->data;
+        p->bt_bstride = bt->stride[0];
+        p->capacity = bt->shape[1] * p->page_size;
+    } else {
+        p->capacity = p->page_size;
+        if (a->cache_batch_idx) {
+            FA_TRY(fa_kv_check_index(a->cache_batch_idx, "cache_batch_idx", p->b,
+                                     "cache row of each sequence", &p->batch_idx));
+            for (int64_t i = 0; i < p->b; i++) {
+                if (p->batch_idx[i] < 0 || p->batch_idx[i] >= p->num_blocks)
+                    return FA_BAD("cache_batch_idx: entry %lld is %d, outside [0, %lld) (the "
+                                  "batch size of k_cache)",
+                                  (long long)i, p->batch_idx[i], (long long)p->num_blocks);
+            }
+        } else if (p->num_blocks < p->b) {
+            return FA_BAD("k_cache: dimension 0 (batch) is %lld, fewer than q's batch %lld "
+                          "(pass cache_batch_idx to pick cache rows)",
+                          (long long)p->num_blocks, (long long)p->b);
+        }
+    }
+    return FA_STATUS_OK;
+}
+
+/* cache_seqlens and cache_leftpad, then the blocks each sequence reaches. */
+static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_kv_params *p)
+{
+    if (a->cache_seqlens)
+        FA_TRY(fa_kv_check_index(a->cache_seqlens, "cache_seqlens", p->b,
+                                 "positions already in the cache", &p->cache_seqlens));
+    else if (a->k)
+        return FA_BAD("cache_seqlens: required when new keys k/v are appended (they are "
+                      "written at cache_seqlens)");
+    if (a->cache_leftpad)
+        FA_TRY(fa_kv_check_index(a->cache_leftpad, "cache_leftpad", p->b,
+                                 "first position of each sequence", &p->leftpad));
+
+    for (int64_t i = 0; i < p->b; i++) {
+        if (p->cache_seqlens) {
+            int64_t len = p->cache_seqlens[i];
+            if (len < 0)
+                return FA_BAD("cache_seqlens: entry %lld is negative (%lld)", (long long)i,
+                              (long long)len);
+            if (len + p->s_new > p->capacity) {
+                if (p->paged)
+                    return FA_BAD("block_table: sequence %lld needs %lld positions "
+                                  "(cache_seqlens %lld + %lld new keys) but its %lld blocks of "
+                                  "%lld hold %lld",
+                                  (long long)i, (long long)(len + p->s_new), (long long)len,
+                                  (long long)p->s_new, (long long)(p->capacity / p->page_size),
+                                  (long long)p->page_size, (long long)p->capacity);
+                return FA_BAD("cache_seqlens: sequence %lld needs %lld positions "
+                              "(cache_seqlens %lld + %lld new keys), more than the cache's "
+                              "%lld",
+                              (long long)i, (long long)(len + p->s_new), (long long)len,
+                              (long long)p->s_new, (long long)p->capacity);
+            }
+        }
+        if (p->leftpad) {
+            int64_t lp = p->leftpad[i];
+            int64_t limit = p->cache_seqlens ? p->cache_seqlens[i] : p->capacity;
+            if (lp < 0 || lp > limit)
+                return FA_BAD("cache_leftpad: entry %lld is %lld, outside [0, %lld] (%s)",
+                              (long long)i, (long long)lp, (long long)limit,
+                              p->cache_seqlens ? "its cache_seqlens" : "the cache capacity");
+        }
+    }
+
+    if (!p->paged)
+        return FA_STATUS_OK;
+    /* Only the blocks a sequence reads or writes must exist: later columns may be padding. */
+    for (int64_t i = 0; i < p->b; i++) {
+        int64_t first = fa_kv_seq_start(p, i) / p->page_size;
+        int64_t end = fa_kv_seq_end(p, i);
+        int64_t last = (end + p->page_size - 1) / p->page_size;
+        if (end <= fa_kv_seq_start(p, i))
+            continue;
+        for (int64_t j = first; j < last; j++) {
+            int32_t id = p->block_table[i * p->bt_bstride + j];
+            if (id < 0 || id >= p->num_blocks)
+                return FA_BAD("block_table: entry [%lld, %lld] is %d, outside [0, %lld) (the "
+                              "blocks of k_cache); sequence %lld uses positions [%lld, %lld)",
+                              (long long)i, (long long)j, id, (long long)p->num_blocks,
+                              (long long)i, (long long)fa_kv_seq_start(p, i), (long long)end);
+        }
+    }
+    return FA_STATUS_OK;
+}
+
+static fa_status fa_kv_check_rotary(const fa_kvcache_args *a, fa_kv_params *p)
+{
+    const fa_tensor *c = a->rotary_cos, *s = a->rotary_sin;
+    if (!c && !s)
+        return FA_STATUS_OK;
+    if (!c || !s)
+        return FA_BAD("%s: rotary_cos and rotary_sin go together; %s is NULL",
+                      c ? "rotary_sin" : "rotary_cos", c ? "rotary_sin" : "rotary_cos");
+    if (!a->k)
+        return FA_BAD("rotary_cos: rotary embedding needs new keys k/v to append (it rotates "
+                      "them and q)");
+    FA_TRY(fa_kv_check_tensor(c, "rotary_cos", 2));
+    FA_TRY(fa_kv_check_tensor(s, "rotary_sin", 2));
+    FA_TRY(fa_kv_check_same_dtype(c, "rotary_cos", p->dtype));
+    FA_TRY(fa_kv_check_same_dtype(s, "rotary_sin", p->dtype));
+    FA_TRY(fa_kv_check_dim(s, "rotary_sin", 0, c->shape[0], "seqlen_ro, as rotary_cos"));
+    FA_TRY(fa_kv_check_dim(s, "rotary_sin", 1, c->shape[1], "rotary_dim / 2, as rotary_cos"));
+    if (c->shape[1] < 1)
+        return FA_BAD("rotary_cos: dimension 1 (rotary_dim / 2) must be >= 1, got 0");
+    p->rotary_dim = 2 * c->shape[1];
+    if (p->rotary_dim > p->d)
+        return FA_BAD("rotary_cos: rotary_dim (2 * dimension 1 = %lld) must be <= head_dim "
+                      "(%lld)",
+                      (long long)p->rotary_dim, (long long)p->d);
+
+    /* FA2 decides "local" after mapping a window side that spans the cache to unbounded. */
+    int local = (a->window_left >= 0 && a->window_left < p->capacity) ||
+                (a->window_right >= 0 && a->window_right < p->capacity);
+    p->rotary_per_row = a->causal || local;
+    p->rotary_interleaved = a->rotary_interleaved != 0;
+
+    const int64_t seqlen_ro = c->shape[0];
+    const int64_t q_span = p->rotary_per_row ? p->sq : (p->sq > 0 ? 1 : 0);
+    const int64_t span = q_span > p->s_new ? q_span : p->s_new;
+    for (int64_t i = 0; i < p->b; i++) {
+        int64_t last = (int64_t)p->cache_seqlens[i] + span;
+        if (last > seqlen_ro)
+            return FA_BAD("rotary_cos: seqlen_ro (dimension 0) is %lld, but sequence %lld "
+                          "rotates positions up to %lld",
+                          (long long)seqlen_ro, (long long)i, (long long)(last - 1));
+    }
+    p->rot_cos = c->data;
+    p->rot_sin = s->data;
+    p->cos_rstride = c->stride[0];
+    p->sin_rstride = s->stride[0];
+    return FA_STATUS_OK;
+}
+
+/* lse, ALiBi, sinks and the scalar options (the forward's rules). */
+static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
+{
+    if (a->lse) {
+        const fa_tensor *t = a->lse;
+        FA_TRY(fa_kv_check_tensor(t, "lse", 3));
+        if (t->dtype != FA_DTYPE_F32 && !(t->dtype == FA_DTYPE_F64 && p->dtype == FA_DTYPE_F64))
+            return FA_BAD("lse: dtype must be fp32 (or fp64 when q is fp64), got %s",
+                          fa_dtype_name(t->dtype));
+        FA_TRY(fa_kv_check_dim(t, "lse", 0, p->b, "batch"));
+        FA_TRY(fa_kv_check_dim(t, "lse", 1, p->h, "heads"));
+        FA_TRY(fa_kv_check_dim(t, "lse", 2, p->sq, "seqlen_q"));
+        p->lse = t->data;
+        p->lse_dtype = t->dtype;
+        p->lse_bstride = t->stride[0];
+        p->lse_hstride = t->stride[1];
+        p->lse_rstride = t->stride[2];
+    }
+    if (a->alibi_slopes) {
+        const fa_tensor *t = a->alibi_slopes;
+        if (t->ndim != 1 && t->ndim != 2)
+            return FA_BAD("alibi_slopes: must have shape [h] or [b, h], got %d dimensions",
+                          (int)t->ndim);
+        FA_TRY(fa_kv_check_tensor(t, "alibi_slopes", t->ndim));
+        FA_TRY(fa_kv_check_dtype(t, "alibi_slopes", FA_DTYPE_F32, "one slope per head"));
+        if (t->ndim == 1) {
+            FA_TRY(fa_kv_check_dim(t, "alibi_slopes", 0, p->h, "heads"));
+            p->alibi_bstride = 0;
+            p->alibi_hstride = t->stride[0];
+        } else {
+            FA_TRY(fa_kv_check_dim(t, "alibi_slopes", 0, p->b, "batch"));
+            FA_TRY(fa_kv_check_dim(t, "alibi_slopes", 1, p->h, "heads"));
+            p->alibi_bstride = t->stride[0];
+            p->alibi_hstride = t->stride[1];
+        }
+        p->alibi_slopes = (const float *)t->data;
+    }
+    if (a->sinks) {
+        FA_TRY(fa_kv_check_tensor(a->sinks, "sinks", 1));
+        FA_TRY(fa_kv_check_dtype(a->sinks, "sinks", FA_DTYPE_F32, "one logit per head"));
+        FA_TRY(fa_kv_check_dim(a->sinks, "sinks", 0, p->h, "heads"));
+        p->sinks = (const float *)a->sinks->data;
+        p->sinks_stride = a->sinks->stride[0];
+    }
+
+    if (isnan(a->softmax_scale))
+        p->scale = 1.0 / sqrt((double)p->d);
+    else if (!isfinite(a->softmax_scale))
+        return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
+    else
+        p->scale = a->softmax_scale;
+    if (isnan(a->softcap) || isinf(a->softcap))
+        return FA_BAD("softcap: must be a finite number (<= 0 disables it)");
+    p->softcap = a->softcap > 0 ? a->softcap : 0.0;
+    if (a->window_left < -1)
+        return FA_BAD("window_left: must be -1 (unbounded) or >= 0, got %d", a->window_left);
+    if (a->window_right < -1)
+        return FA_BAD("window_right: must be -1 (unbounded) or >= 0, got %d", a->window_right);
+    p->window_left = a->window_left;
+    p->window_right = a->causal ? 0 : a->window_right;
+
+    if (a->num_splits < 0 || a->num_splits > FA_MAX_SPLITS)
+        return FA_BAD("num_splits: must be in [0, %d] (0 = chosen by the library), got %d",
+                      FA_MAX_SPLITS, a->num_splits);
+    p->num_splits = a->num_splits;
+    if (a->num_threads < 0)
+        return FA_BAD("num_threads: must be >= 0 (0 = default), got %d", a->num_threads);
+    p->num_threads = a->num_threads > 0 ? a->num_threads : fa_cpu_default_threads();
+    return FA_STATUS_OK;
+}
+
+fa_status fa_kv_params_from_args(const fa_kvcache_args *a, fa_kv_params *p)
+{
+    *p = (fa_kv_params){0};
+    if (!a)
+        return FA_BAD("args: NULL");
+    if (a->device < FA_DEVICE_CPU)
+        return FA_BAD("device: must be FA_DEVICE_CPU (-1) or a CUDA ordinal, got %d", a->device);
+    FA_TRY(fa_kv_check_tensors(a, p));
+    FA_TRY(fa_kv_check_layout(a, p));
+    FA_TRY(fa_kv_check_lengths(a, p));
+    FA_TRY(fa_kv_check_options(a, p));
+    FA_TRY(fa_kv_check_rotary(a, p));
+    return FA_STATUS_OK;
+}
+
+FA_API void fa_kvcache_args_init(fa_kvcache_args *args)
+{
+    memset(args, 0, sizeof *args);
+    args->softmax_scale = NAN;
+    args->window_left = -1;
+    args->window_right = -1;
+    args->rotary_interleaved = 1;
+    args->device = FA_DEVICE_CPU;
+}
+
+FA_API fa_status fa_attention_kvcache(const fa_kvcache_args *args)
+{
+    fa_kv_params p;
+    fa_status st = fa_kv_params_from_args(args, &p);
+    if (st != FA_STATUS_OK)
+        return st;
+    if (args->device != FA_DEVICE_CPU)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "device: CUDA device %d requested, but this build has no CUDA backend",
+                            args->device);
+    st = fa_cpu_kvcache(&p);
+    if (st == FA_STATUS_OK)
+        fa_error_clear();
+    return st;
+}

@@ -1,0 +1,330 @@
+/*
+ * CPU attention against a KV cache (fa_attention_kvcache): append, then attend, then (with
+ * split-KV) combine.
+ *
+ * Work items are (sequence, kv head, tile of packed rows, key chunk). Packing the g = h / hk
+ * query heads of a kv head into the rows of one tile reads each K/V row once for all of them;
+ * cutting the keys into chunks (split-KV) gives every core work when b * hk is small, as in
+ * decoding a few sequences. Each item runs start to finish on one thread in a fixed order and
+ * the chunks are merged in split order, so for a given split count the result does not depend
+ * on the thread count.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "api/fa_kvcache.h"
+#include "cpu/fa_cpu_kernel.h"
+#include "util/fa_threadpool.h"
+
+/* Tunables; -D overrides them for experiments. */
+#ifndef FA_KV_BM
+#define FA_KV_BM 64 /* packed (query row, head) rows per tile */
+#endif
+#ifndef FA_KV_BN
+#define FA_KV_BN 64 /* key rows (keys x kv heads of the item) per block */
+#endif
+#ifndef FA_KV_PREFETCH
+#define FA_KV_PREFETCH 8 /* positions loaded ahead of use */
+#endif
+#ifndef FA_KV_LANES_F32
+#define FA_KV_LANES_F32 16 /* partial sums of an fp32 dot product */
+#endif
+/* Fewest keys per chunk the heuristic makes: below this the merge costs more than it gains. */
+#define FA_KV_MIN_CHUNK 256
+
+typedef struct fa_kv_item {
+    int64_t seq;      /* sequence */
+    int64_t kh0, nkh; /* kv heads [kh0, kh0 + nkh) */
+    int64_t p0, m;    /* packed rows [p0, p0 + m) */
+    int64_t split;   /* chunk index, for the workspace */
+    int64_t j0, j1;  /* the chunk: keys [j0, j1) of the sequence */
+    int64_t cost;    /* key-row products, to schedule the longest first */
+} fa_kv_item;
+
+/*
+ * exp(x) for x <= 0 in fp32 within 1.3 ulp, written so that a loop of it vectorises (libm's
+ * expf is a call per element). exp(x) = 2^n exp(r), r = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 in
+ * two parts so that n ln 2 is exact), exp(r) by its Taylor series to r^7. Below -87 the result
+ * would leave the normal range; it is clamped there (exp(-87) ~ 1.6e-38, nothing next to the
+ * row maximum's 1).
+ */
+static inline float fa_kv_expf(float x)
+{
+    x = x > -87.0f ? x : -87.0f;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    float q = 1.0f / 5040.0f;
+    q = q * r + 1.0f / 720.0f;
+    q = q * r + 1.0f / 120.0f;
+    q = q * r + 1.0f / 24.0f;
+    q = q * r + 1.0f / 6.0f;
+    q = q * r + 0.5f;
+    q = q * r + 1.0f;
+    q = q * r + 1.0f;
+    return q * fa_bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
+}
+
+#define FA_REAL float
+#define FA_FN(name) name##_f32
+#define FA_EXP expf
+#define FA_EXP_LOOP fa_kv_expf
+#define FA_TANH tanhf
+#define FA_LOG logf
+#define FA_LANES FA_KV_LANES_F32
+#include "cpu/fa_cpu_rows.h"
+#include "cpu/fa_cpu_decode_body.h"
+#undef FA_REAL
+#undef FA_FN
+#undef FA_EXP
+#undef FA_EXP_LOOP
+#undef FA_TANH
+#undef FA_LOG
+#undef FA_LANES
+
+#define FA_REAL double
+#define FA_FN(name) name##_f64
+#define FA_EXP exp
+#define FA_EXP_LOOP exp
+#define FA_TANH tanh
+#define FA_LOG log
+#define FA_LANES 8
+#include "cpu/fa_cpu_rows.h"
+#include "cpu/fa_cpu_decode_body.h"
+#undef FA_REAL
+#undef FA_FN
+#undef FA_EXP
+#undef FA_TANH
+#undef FA_LOG
+#undef FA_LANES
+#undef FA_EXP_LOOP
+
+typedef struct fa_kv_job {
+    const fa_kv_params *p;
+    fa_kv_item *items;
+    char *scratch;       /* one region per thread */
+    size_t scratch_size; /* bytes per thread */
+    void *ws_o;          /* split workspace [splits, b, sq, h, dv], or NULL */
+    void *ws_lse;        /* [splits, b, sq, h] */
+} fa_kv_job;
+
+/* A head dimension rounded up to the kernel's partial-sum lanes. */
+static int64_t fa_kv_padded(const fa_kv_params *p, int64_t dim)
+{
+    const int64_t lanes = p->dtype == FA_DTYPE_F64 ? 8 : FA_KV_LANES_F32;
+    return (dim + lanes - 1) / lanes * lanes;
+}
+
+static size_t fa_kv_scratch_size(const fa_kv_params *p, size_t real_size)
+{
+    const int64_t dp = fa_kv_padded(p, p->d), dvp = fa_kv_padded(p, p->dv);
+    size_t n = (size_t)(FA_KV_BM * dp + FA_KV_BN * dp + FA_KV_BN * dvp + FA_KV_BM * FA_KV_BN +
+                        FA_KV_BM * dvp + 3 * FA_KV_BM);
+    return (n * real_size + 63) & ~(size_t)63;
+}
+
+#define FA_KV_CARVE(REAL, t, base, dp, dvp)                                                      \
+    do {                                                                                         \
+        REAL *cur_ = (REAL *)(base);                                                             \
+        (t).q = cur_;                                                                            \
+        cur_ += FA_KV_BM * (dp);                                                                 \
+        (t).k = cur_;                                                                            \
+        cur_ += FA_KV_BN * (dp);                                                                 \
+        (t).v = cur_;                                                                            \
+        cur_ += FA_KV_BN * (dvp);                                                                \
+        (t).s = cur_;                                                                            \
+        cur_ += FA_KV_BM * FA_KV_BN;                                                             \
+        (t).o = cur_;                                                                            \
+        cur_ += FA_KV_BM * (dvp);                                                                \
+        (t).m = cur_;                                                                            \
+        cur_ += FA_KV_BM;                                                                        \
+        (t).l = cur_;                                                                            \
+        cur_ += FA_KV_BM;                                                                        \
+        (t).slope = cur_;                                                                        \
+    } while (0)
+
+static void fa_kv_attend_task(void *ctx, int64_t item, int thread)
+{
+    const fa_kv_job *job = ctx;
+    const fa_kv_params *p = job->p;
+    const int64_t dp = fa_kv_padded(p, p->d), dvp = fa_kv_padded(p, p->dv);
+    char *base = job->scratch + (size_t)thread * job->scratch_size;
+    if (p->dtype == FA_DTYPE_F64) {
+        fa_kv_tile_f64 t;
+        FA_KV_CARVE(double, t, base, dp, dvp);
+        fa_kv_attend_f64(p, &t, &job->items[item], job->ws_o, job->ws_lse);
+    } else {
+        fa_kv_tile_f32 t;
+        FA_KV_CARVE(float, t, base, dp, dvp);
+        fa_kv_attend_f32(p, &t, &job->items[item], job->ws_o, job->ws_lse);
+    }
+}
+
+static void fa_kv_append_task(void *ctx, int64_t item, int thread)
+{
+    const fa_kv_params *p = ctx;
+    (void)thread;
+    if (p->dtype == FA_DTYPE_F64)
+        fa_kv_append_head_f64(p, item);
+    else
+        fa_kv_append_head_f32(p, item);
+}
+
+static int fa_kv_item_cmp(const void *a, const void *b)
+{
+    const fa_kv_item *x = a, *y = b;
+    if (x->cost != y->cost)
+        return x->cost > y->cost ? -1 : 1;
+    if (x->seq != y->seq)
+        return x->seq < y->seq ? -1 : 1;
+    if (x->kh0 != y->kh0)
+        return x->kh0 < y->kh0 ? -1 : 1;
+    if (x->p0 != y->p0)
+        return x->p0 < y->p0 ? -1 : 1;
+    return x->split < y->split ? -1 : (x->split > y->split);
+}
+
+/*
+ * Upstream's rule with threads in place of SMs: no split when the items already fill the
+ * threads; otherwise the fewest chunks whose waves fill the threads to within 85% of the best
+ * count, chunks keeping at least FA_KV_MIN_CHUNK keys.
+ */
+static int fa_kv_splits_choose(const fa_kv_params *p, int64_t base_items, int64_t max_keys)
+{
+    const int64_t threads = p->num_threads;
+    if (base_items == 0 || base_items * 5 >= threads * 4)
+        return 1;
+    int64_t max_splits = (max_keys + FA_KV_MIN_CHUNK - 1) / FA_KV_MIN_CHUNK;
+    if (max_splits > FA_MAX_SPLITS)
+        max_splits = FA_MAX_SPLITS;
+    if (max_splits <= 1)
+        return 1;
+    double eff[FA_MAX_SPLITS + 1], best = 0.0;
+    for (int64_t s = 1; s <= max_splits; s++) {
+        double work = (double)(base_items * s) / (double)threads;
+        eff[s] = work / ceil(work);
+        if (eff[s] > best)
+            best = eff[s];
+    }
+    for (int64_t s = 1; s <= max_splits; s++)
+        if (eff[s] >= 0.85 * best)
+            return (int)s;
+    return 1;
+}
+
+fa_status fa_cpu_kvcache(const fa_kv_params *p)
+{
+    fa_status st = FA_STATUS_OK;
+    if (p->s_new > 0) {
+        int threads = p->num_threads < p->hk ? p->num_threads : (int)p->hk;
+        st = fa_parallel_for(threads, p->hk, fa_kv_append_task, (void *)p);
+        if (st != FA_STATUS_OK)
+            return st;
+    }
+    /* kv heads per item: as many as fill a tile's rows with one query row each. */
+    const int64_t g = p->h / p->hk;
+    const int64_t group = FA_KV_BM / g > 1 ? (FA_KV_BM / g < p->hk ? FA_KV_BM / g : p->hk) : 1;
+    int64_t base_items = 0;
+    for (int64_t kh0 = 0; kh0 < p->hk; kh0 += group) {
+        int64_t nkh = p->hk - kh0 < group ? p->hk - kh0 : group;
+        base_items += p->b * ((p->sq * nkh * g + FA_KV_BM - 1) / FA_KV_BM);
+    }
+    if (base_items == 0)
+        return FA_STATUS_OK;
+
+    int64_t max_keys = 0;
+    for (int64_t i = 0; i < p->b; i++) {
+        int64_t n = fa_kv_seq_end(p, i) - fa_kv_seq_start(p, i);
+        max_keys = n > max_keys ? n : max_keys;
+    }
+    const int64_t splits =
+        p->num_splits > 0 ? p->num_splits : fa_kv_splits_choose(p, base_items, max_keys);
+
+    const int64_t n_items = base_items * splits;
+    fa_kv_item *items = malloc((size_t)n_items * sizeof *items);
+    if (!items)
+        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %lld work items",
+                            (long long)n_items);
+    int64_t at = 0;
+    for (int64_t i = 0; i < p->b; i++) {
+        const int64_t n = fa_kv_seq_end(p, i) - fa_kv_seq_start(p, i);
+        for (int64_t kh0 = 0; kh0 < p->hk; kh0 += group) {
+            const int64_t nkh = p->hk - kh0 < group ? p->hk - kh0 : group;
+            const int64_t rows = p->sq * nkh * g, per_row = nkh * g;
+            for (int64_t p0 = 0; p0 < rows; p0 += FA_KV_BM) {
+                const int64_t m = rows - p0 < FA_KV_BM ? rows - p0 : FA_KV_BM;
+                int64_t lo, hi, unused;
+                fa_kv_key_range(p, p0 / per_row, p->sq, n, &lo, &unused);
+                fa_kv_key_range(p, (p0 + m - 1) / per_row, p->sq, n, &unused, &hi);
+                /* Chunks of whole key blocks, so that a split never adds a ragged block. */
+                const int64_t bn = FA_KV_BN / nkh > 0 ? FA_KV_BN / nkh : 1;
+                int64_t chunk = (hi - lo + splits - 1) / splits;
+                chunk = (chunk + bn - 1) / bn * bn;
+                for (int64_t s = 0; s < splits; s++) {
+                    int64_t j0 = lo + s * chunk < hi ? lo + s * chunk : hi;
+                    int64_t j1 = j0 + chunk < hi ? j0 + chunk : hi;
+                    items[at++] =
+                        (fa_kv_item){i, kh0, nkh, p0, m, s, j0, j1, (j1 - j0) * m};
+                }
+            }
+        }
+    }
+    qsort(items, (size_t)n_items, sizeof *items, fa_kv_item_cmp);
+
+    const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
+    const int threads = p->num_threads < n_items ? p->num_threads : (int)n_items;
+    fa_kv_job job = {p, items, NULL, fa_kv_scratch_size(p, real_size), NULL, NULL};
+    job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
+    const size_t rows = (size_t)(p->b * p->sq * p->h);
+    if (splits > 1) {
+        job.ws_o = malloc((size_t)splits * rows * (size_t)p->dv * real_size);
+        job.ws_lse = malloc((size_t)splits * rows * real_size);
+    }
+    if (!job.scratch || (splits > 1 && (!job.ws_o || !job.ws_lse))) {
+        st = fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for the attention buffers");
+        goto done;
+    }
+    st = fa_parallel_for(threads, n_items, fa_kv_attend_task, &job);
+    if (st != FA_STATUS_OK || splits == 1)
+        goto done;
+
+    fa_combine_params c = {0};
+    c.splits = splits;
+    c.b = p->b;
+    c.sq = p->sq;
+    c.h = p->h;
+    c.dv = p->dv;
+    c.part_dtype = p->dtype == FA_DTYPE_F64 ? FA_DTYPE_F64 : FA_DTYPE_F32;
+    c.o_part = job.ws_o;
+    c.op_hstride = p->dv;
+    c.op_rstride = p->h * c.op_hstride;
+    c.op_bstride = p->sq * c.op_rstride;
+    c.op_sstride = p->b * c.op_bstride;
+    c.lse_part = job.ws_lse;
+    c.lp_hstride = 1;
+    c.lp_rstride = p->h;
+    c.lp_bstride = p->sq * p->h;
+    c.lp_sstride = p->b * c.lp_bstride;
+    c.out_dtype = p->dtype;
+    c.out = p->out;
+    c.o_bstride = p->o_bstride;
+    c.o_rstride = p->o_rstride;
+    c.o_hstride = p->o_hstride;
+    c.lse = p->lse;
+    c.lse_dtype = p->lse_dtype;
+    c.lse_bstride = p->lse_bstride;
+    c.lse_rstride = p->lse_rstride;
+    c.lse_hstride = p->lse_hstride;
+    c.sinks = p->sinks;
+    c.sinks_stride = p->sinks_stride;
+    c.empty_lse = INFINITY; /* the forward's convention for a row that sees no key */
+    c.num_threads = p->num_threads;
+    st = fa_cpu_combine(&c);
+done:
+    free(job.ws_lse);
+    free(job.ws_o);
+    free(job.scratch);
+    free(items);
+    return st;
+}

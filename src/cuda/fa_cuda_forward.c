@@ -1,0 +1,167 @@
+/*
+ * The forward on a CUDA device: plan the kernel, fetch it from the JIT, fill the kernel's
+ * parameter block from the validated fa_params, launch on the caller's stream.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "fa_kparams.h"
+#include "cuda/fa_cuda.h"
+#include "cuda/fa_jit.h"
+
+#define FA_PROBS_WARPS 4
+
+/* cp.async moves 16-byte chunks: every row start must be 16-byte aligned and d, dv whole chunks. */
+static int fa_cuda_aligned(const fa_params *p)
+{
+    const int64_t strides[] = {p->q_bstride, p->q_rstride, p->q_hstride, p->k_bstride,
+                               p->k_rstride, p->k_hstride, p->v_bstride, p->v_rstride,
+                               p->v_hstride, p->o_bstride, p->o_rstride, p->o_hstride};
+    const void *ptrs[] = {p->q, p->k, p->v, p->out};
+    if (p->d % 8 != 0 || p->dv % 8 != 0)
+        return 0;
+    for (size_t i = 0; i < sizeof strides / sizeof strides[0]; i++)
+        if (strides[i] % 8 != 0)
+            return 0;
+    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
+        if ((uintptr_t)ptrs[i] % 16 != 0)
+            return 0;
+    return 1;
+}
+
+static void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
+{
+    *kp = (fa_kparams){0};
+    kp->q = p->q;
+    kp->k = p->k;
+    kp->v = p->v;
+    kp->out = p->out;
+    kp->lse = p->lse;
+    kp->cu_seqlens_q = p->cu_seqlens_q;
+    kp->cu_seqlens_k = p->cu_seqlens_k;
+    kp->seqused_k = p->seqused_k;
+    kp->alibi_slopes = p->alibi_slopes;
+    kp->sinks = p->sinks;
+    kp->probs = p->probs;
+    kp->q_bstride = p->q_bstride, kp->q_rstride = p->q_rstride, kp->q_hstride = p->q_hstride;
+    kp->k_bstride = p->k_bstride, kp->k_rstride = p->k_rstride, kp->k_hstride = p->k_hstride;
+    kp->v_bstride = p->v_bstride, kp->v_rstride = p->v_rstride, kp->v_hstride = p->v_hstride;
+    kp->o_bstride = p->o_bstride, kp->o_rstride = p->o_rstride, kp->o_hstride = p->o_hstride;
+    kp->lse_bstride = p->lse_bstride, kp->lse_hstride = p->lse_hstride;
+    kp->lse_rstride = p->lse_rstride;
+    kp->alibi_bstride = p->alibi_bstride, kp->alibi_hstride = p->alibi_hstride;
+    kp->sinks_stride = p->sinks_stride;
+    kp->p_bstride = p->p_bstride, kp->p_hstride = p->p_hstride, kp->p_rstride = p->p_rstride;
+    kp->probs_sq = p->probs_sq, kp->probs_sk = p->probs_sk;
+    kp->total_q = p->total_q;
+    kp->total_k = p->total_k;
+    kp->max_sq = p->max_sq, kp->max_sk = p->max_sk;
+    kp->seed = p->seed, kp->offset = p->offset;
+    kp->b = (int)p->b, kp->h = (int)p->h, kp->hk = (int)p->hk;
+    kp->d = (int)p->d, kp->dv = (int)p->dv;
+    kp->window_left = p->window_left, kp->window_right = p->window_right;
+    kp->probs_block_n = p->probs_block_n;
+    kp->keep_threshold = p->keep_threshold;
+    kp->dropout_scale = (float)p->dropout_scale;
+    kp->scale = (float)p->scale;
+    kp->softcap = (float)p->softcap;
+    if (p->softcap > 0) {
+        kp->softcap_pre = (float)(p->scale / p->softcap);
+        kp->scale_log2 = (float)(p->softcap * M_LOG2E);
+    } else {
+        kp->scale_log2 = (float)(p->scale * M_LOG2E);
+    }
+}
+
+static fa_status fa_cuda_launch(const fa_cuda_driver *d, fa_cu_function fn, unsigned gx,
+                                unsigned gy, unsigned gz, unsigned threads, unsigned smem,
+                                fa_cu_stream stream, fa_kparams *kp, const char *what)
+{
+    void *params[] = {kp};
+    fa_cu_result r = d->launch_kernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, NULL);
+    return r == 0 ? FA_STATUS_OK : fa_cuda_error(r, what);
+}
+
+fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
+{
+    int arch = 0, smem_optin = 0;
+    fa_status st = fa_cuda_device_arch(args->device, &arch, &smem_optin);
+    if (st != FA_STATUS_OK)
+        return st;
+    if (p->b > 65535 || p->h > 65535 || p->max_sq > INT32_MAX / 2 || p->max_sk > INT32_MAX / 2 ||
+        p->probs_sq > INT32_MAX / 2)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: the CUDA backend takes at most 65535 sequences and heads and "
+                            "2^30 rows per sequence");
+    if (p->probs && p->probs_block_n > 128)
+        return fa_error_set(FA_STATUS_INTERNAL, "probs block width %d over 128",
+                            p->probs_block_n);
+
+    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0};
+    key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
+    key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
+    key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
+    key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
+    key.features |= fa_cuda_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
+    fa_plan plan;
+    st = fa_plan_forward(&key, &plan);
+    if (st != FA_STATUS_OK)
+        return st;
+    if ((int)plan.smem > smem_optin)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "head_dim %lld: the kernel needs %u bytes of shared memory, the device "
+                            "gives %d",
+                            (long long)p->d, plan.smem, smem_optin);
+
+    fa_cu_context ctx;
+    int pushed;
+    st = fa_cuda_context_enter(args->device, &ctx, &pushed);
+    if (st != FA_STATUS_OK)
+        return st;
+    const fa_cuda_driver *d = fa_cuda_driver_get();
+    fa_cu_stream stream = (fa_cu_stream)args->stream;
+    fa_kparams kp;
+    fa_kparams_fill(p, &kp);
+    fa_cu_function fn;
+
+    if (p->is_varlen && p->total_q > 0) {
+        st = fa_jit_function(&plan, ctx, "fa_fwd_fill", &fn);
+        int64_t n = p->total_q * p->h;
+        if (st == FA_STATUS_OK)
+            st = fa_cuda_launch(d, fn, (unsigned)((n + 255) / 256), 1, 1, 256, 0, stream, &kp,
+                                "launching fa_fwd_fill");
+    }
+    unsigned m_blocks = (unsigned)((p->max_sq + plan.bm - 1) / plan.bm);
+    if (st == FA_STATUS_OK && m_blocks > 0) {
+        st = fa_jit_function(&plan, ctx, "fa_fwd", &fn);
+        if (st == FA_STATUS_OK)
+            st = fa_cuda_launch(d, fn, m_blocks, (unsigned)p->h, (unsigned)p->b, plan.threads,
+                                plan.smem, stream, &kp, "launching fa_fwd");
+    }
+    if (st == FA_STATUS_OK && p->probs && p->probs_sq > 0) {
+        st = fa_jit_function(&plan, ctx, "fa_fwd_probs", &fn);
+        unsigned rows = (unsigned)((p->probs_sq + FA_PROBS_WARPS - 1) / FA_PROBS_WARPS);
+        if (st == FA_STATUS_OK)
+            st = fa_cuda_launch(d, fn, rows, (unsigned)p->h, (unsigned)p->b, 32 * FA_PROBS_WARPS,
+                                0, stream, &kp, "launching fa_fwd_probs");
+    }
+    fa_cuda_context_leave(pushed);
+    return st;
+}
+
+FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int head_dim_v,
+                                    unsigned features, int *cached)
+{
+    fa_plan_key key = {arch, dtype, head_dim, head_dim_v, features};
+    fa_plan plan;
+    fa_status st = fa_plan_forward(&key, &plan);
+    if (st != FA_STATUS_OK)
+        return st;
+    fa_jit_origin origin;
+    st = fa_jit_build(&plan, &origin);
+    if (cached)
+        *cached = st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+    if (st == FA_STATUS_OK)
+        fa_error_clear();
+    return st;
+}

@@ -1,0 +1,269 @@
+/*
+ * The in-process side of the JIT: one entry per distinct (source, defines, arch, NVRTC) key,
+ * holding the cubin and the modules loaded from it. A thread that finds an entry being built by
+ * another waits for it, so a kernel is compiled once per process however many threads ask.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "api/fa_internal.h"
+#include "cuda/fa_jit.h"
+
+#define FA_JIT_MAX_FNS 16 /* (context, entry point) pairs per module */
+
+typedef struct fa_jit_fn {
+    fa_cu_context ctx;
+    const char *entry;
+    fa_cu_function fn;
+} fa_jit_fn;
+
+typedef struct fa_jit_entry {
+    struct fa_jit_entry *next;
+    char *key;
+    int ready; /* 0 while a thread builds it */
+    void *cubin;
+    size_t size;
+    int num_mods;
+    fa_cu_context mod_ctx[FA_JIT_MAX_FNS];
+    fa_cu_module mods[FA_JIT_MAX_FNS];
+    int num_fns;
+    fa_jit_fn fns[FA_JIT_MAX_FNS];
+} fa_jit_entry;
+
+static pthread_mutex_t fa_jit_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t fa_jit_built = PTHREAD_COND_INITIALIZER;
+static fa_jit_entry *fa_jit_entries;
+
+int fa_jit_logging(void)
+{
+    const char *v = getenv("FLASHATTN_LOG");
+    return v && *v && strcmp(v, "0") != 0;
+}
+
+static double fa_jit_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+/* The hash of every embedded kernel file, computed once: it is in every key, and hashing
+ * the sources on each call would dominate the host cost of a cached call. */
+static pthread_once_t fa_jit_src_once = PTHREAD_ONCE_INIT;
+static uint64_t fa_jit_src_hash;
+
+static void fa_jit_src_hash_init(void)
+{
+    uint64_t h = 0x5ca1ab1e;
+    for (int i = 0; i < fa_kernel_file_count; i++) {
+        h = fa_jit_hash(fa_kernel_files[i].name, strlen(fa_kernel_files[i].name), h);
+        h = fa_jit_hash(fa_kernel_files[i].text, strlen(fa_kernel_files[i].text), h);
+    }
+    fa_jit_src_hash = h;
+}
+
+/* Everything the cubin depends on, as text: the key of both caches. */
+static void fa_jit_key(const fa_plan *plan, const fa_nvrtc *nv, char *key, size_t size)
+{
+    pthread_once(&fa_jit_src_once, fa_jit_src_hash_init);
+    int n = snprintf(key, size, "flashattn-jit-1 %s %s nvrtc-%d.%d src-%016llx", plan->family,
+                     plan->target, nv->major, nv->minor, (unsigned long long)fa_jit_src_hash);
+    for (int i = 0; i < plan->num_defines && n > 0 && (size_t)n < size; i++)
+        n += snprintf(key + n, size - (size_t)n, " %s", plan->defines[i]);
+}
+
+static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **cubin,
+                                size_t *size)
+{
+    const char *main_text = NULL;
+    const char *headers[8], *names[8];
+    int num_headers = 0;
+    for (int i = 0; i < fa_kernel_file_count; i++) {
+        if (strcmp(fa_kernel_files[i].name, plan->family) == 0)
+            main_text = fa_kernel_files[i].text;
+        else if (num_headers < 8) {
+            headers[num_headers] = fa_kernel_files[i].text;
+            names[num_headers++] = fa_kernel_files[i].name;
+        }
+    }
+    if (!main_text)
+        return fa_error_set(FA_STATUS_INTERNAL, "kernel source %s is not embedded", plan->family);
+
+    char arch_opt[48];
+    snprintf(arch_opt, sizeof arch_opt, "--gpu-architecture=%s", plan->target);
+    const char *opts[FA_PLAN_MAX_DEFINES + 2];
+    int num_opts = 0;
+    opts[num_opts++] = arch_opt;
+    opts[num_opts++] = "--std=c++17";
+    for (int i = 0; i < plan->num_defines; i++)
+        opts[num_opts++] = plan->defines[i];
+
+    fa_nvrtc_program prog;
+    fa_nvrtc_result r =
+        nv->create_program(&prog, main_text, plan->family, num_headers, headers, names);
+    if (r != 0)
+        return fa_error_set(FA_STATUS_INTERNAL, "nvrtcCreateProgram(%s): %s", plan->family,
+                            nv->get_error_string(r));
+    r = nv->compile_program(prog, num_opts, opts);
+    if (r != 0) {
+        size_t log_size = 0;
+        char *log = NULL;
+        if (nv->get_program_log_size(prog, &log_size) == 0 && (log = malloc(log_size + 1)))
+            nv->get_program_log(prog, log);
+        if (log && fa_jit_logging())
+            fprintf(stderr, "flashattn: NVRTC log for %s (%s):\n%s\n", plan->family,
+                    plan->target, log);
+        fa_status st = fa_error_set(FA_STATUS_INTERNAL, "NVRTC could not compile %s for %s: %s: %.360s",
+                                    plan->family, plan->target, nv->get_error_string(r),
+                                    log ? log : "");
+        free(log);
+        nv->destroy_program(&prog);
+        return st;
+    }
+    *cubin = NULL;
+    if (nv->get_cubin_size(prog, size) == 0 && (*cubin = malloc(*size)) &&
+        nv->get_cubin(prog, *cubin) == 0) {
+        nv->destroy_program(&prog);
+        return FA_STATUS_OK;
+    }
+    free(*cubin);
+    *cubin = NULL;
+    nv->destroy_program(&prog);
+    return fa_error_set(FA_STATUS_INTERNAL, "NVRTC produced no cubin for %s (%s)", plan->family,
+                        plan->target);
+}
+
+/* The ready entry of plan, compiling it (or reading it from disk) when this process has not. */
+static fa_status fa_jit_entry_get(const fa_plan *plan, fa_jit_entry **out, fa_jit_origin *origin)
+{
+    const fa_nvrtc *nv = fa_nvrtc_get();
+    if (!nv)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "cannot compile CUDA kernels: %s",
+                            fa_cuda_status());
+    char key[512];
+    fa_jit_key(plan, nv, key, sizeof key);
+
+    pthread_mutex_lock(&fa_jit_lock);
+    for (;;) {
+        fa_jit_entry *e = fa_jit_entries;
+        while (e && strcmp(e->key, key) != 0)
+            e = e->next;
+        if (!e)
+            break;
+        if (e->ready) {
+            pthread_mutex_unlock(&fa_jit_lock);
+            if (fa_jit_logging())
+                fprintf(stderr, "flashattn: cache hit (memory) %s\n", key);
+            *out = e;
+            *origin = FA_JIT_MEMORY;
+            return FA_STATUS_OK;
+        }
+        pthread_cond_wait(&fa_jit_built, &fa_jit_lock);
+    }
+    fa_jit_entry *e = calloc(1, sizeof *e);
+    if (!e || !(e->key = strdup(key))) {
+        free(e);
+        pthread_mutex_unlock(&fa_jit_lock);
+        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for a JIT cache entry");
+    }
+    e->next = fa_jit_entries;
+    fa_jit_entries = e;
+    pthread_mutex_unlock(&fa_jit_lock);
+
+    /* Built outside the lock: other kernels compile in parallel meanwhile. */
+    fa_status st = FA_STATUS_OK;
+    double t0 = fa_jit_now_ms();
+    e->cubin = fa_jit_disk_load(key, &e->size);
+    if (e->cubin) {
+        *origin = FA_JIT_DISK;
+        if (fa_jit_logging())
+            fprintf(stderr, "flashattn: cache hit (disk, %.1f ms) %s\n", fa_jit_now_ms() - t0, key);
+    } else {
+        *origin = FA_JIT_COMPILED;
+        st = fa_jit_compile(plan, nv, &e->cubin, &e->size);
+        if (st == FA_STATUS_OK) {
+            if (fa_jit_logging())
+                fprintf(stderr, "flashattn: compiled in %.1f ms (%zu bytes) %s\n",
+                        fa_jit_now_ms() - t0, e->size, key);
+            fa_jit_disk_store(key, e->cubin, e->size);
+        }
+    }
+
+    pthread_mutex_lock(&fa_jit_lock);
+    if (st == FA_STATUS_OK) {
+        e->ready = 1;
+    } else {
+        /* Unlink the failed entry, so a later call tries again. */
+        fa_jit_entry **link = &fa_jit_entries;
+        while (*link != e)
+            link = &(*link)->next;
+        *link = e->next;
+        free(e->key);
+        free(e);
+        e = NULL;
+    }
+    pthread_cond_broadcast(&fa_jit_built);
+    pthread_mutex_unlock(&fa_jit_lock);
+    *out = e;
+    return st;
+}
+
+fa_status fa_jit_build(const fa_plan *plan, fa_jit_origin *origin)
+{
+    fa_jit_entry *e;
+    return fa_jit_entry_get(plan, &e, origin);
+}
+
+fa_status fa_jit_function(const fa_plan *plan, fa_cu_context ctx, const char *entry,
+                          fa_cu_function *fn)
+{
+    fa_jit_entry *e;
+    fa_jit_origin origin;
+    fa_status st = fa_jit_entry_get(plan, &e, &origin);
+    if (st != FA_STATUS_OK)
+        return st;
+    const fa_cuda_driver *d = fa_cuda_driver_get();
+    if (!d)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "no CUDA driver: %s", fa_cuda_status());
+
+    /* Module loads are rare and cheap next to a compile: one lock covers the lookups and them. */
+    pthread_mutex_lock(&fa_jit_lock);
+    for (int i = 0; i < e->num_fns; i++)
+        if (e->fns[i].ctx == ctx && strcmp(e->fns[i].entry, entry) == 0) {
+            *fn = e->fns[i].fn;
+            pthread_mutex_unlock(&fa_jit_lock);
+            return FA_STATUS_OK;
+        }
+    fa_cu_result r = 0;
+    fa_cu_module mod = NULL;
+    for (int i = 0; i < e->num_mods; i++)
+        if (e->mod_ctx[i] == ctx)
+            mod = e->mods[i];
+    if (!mod && e->num_mods == FA_JIT_MAX_FNS)
+        st = fa_error_set(FA_STATUS_UNSUPPORTED, "kernel loaded in too many CUDA contexts");
+    if (st == FA_STATUS_OK && !mod) {
+        r = d->module_load_data(&mod, e->cubin);
+        if (r == 0) {
+            e->mod_ctx[e->num_mods] = ctx;
+            e->mods[e->num_mods++] = mod;
+        } else {
+            st = fa_cuda_error(r, "cuModuleLoadData (the JIT-compiled kernel)");
+        }
+    }
+    if (st == FA_STATUS_OK && e->num_fns == FA_JIT_MAX_FNS)
+        st = fa_error_set(FA_STATUS_UNSUPPORTED, "too many kernels loaded from one module");
+    if (st == FA_STATUS_OK) {
+        r = d->module_get_function(fn, mod, entry);
+        if (r == 0 && plan->smem > 48 * 1024)
+            r = d->func_set_attribute(*fn, FA_CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, (int)plan->smem);
+        if (r == 0)
+            e->fns[e->num_fns++] = (fa_jit_fn){ctx, entry, *fn};
+        else
+            st = fa_cuda_error(r, "loading a kernel from the JIT-compiled module");
+    }
+    pthread_mutex_unlock(&fa_jit_lock);
+    return st;
+}

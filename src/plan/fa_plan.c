@@ -1,0 +1,110 @@
+/* The plan table (see fa_plan.h). */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "api/fa_internal.h"
+#include "plan/fa_plan.h"
+
+/*
+ * sm80 family, one row per padded head dim (the larger of d and dv). Tiles follow
+ * FlashAttention-2's sm80 choices: 4 warps with two 16-row m-tiles each where the O and S
+ * accumulators fit in 255 registers, fewer keys per block under dropout (its mask costs
+ * registers), and 8 warps or 64-row tiles for the widest heads.
+ */
+typedef struct fa_plan_row {
+    int dmax;
+    int bm, bn, nwarps;    /* without dropout */
+    int bm_d, bn_d, nw_d;  /* with dropout */
+} fa_plan_row;
+
+static const fa_plan_row fa_sm80_rows[] = {
+    {32, 128, 128, 4, 128, 128, 4},
+    {64, 128, 128, 4, 128, 64, 4},
+    {128, 128, 64, 4, 128, 32, 4},
+    {192, 128, 64, 8, 64, 64, 4},
+    {256, 128, 64, 8, 64, 64, 4},
+};
+
+/* Without dropout, d 256 takes 128 KB of shared memory: sm80 and sm90 have it (measured on the
+ * H200: 202 TFLOP/s against 174 for 64x64, 4 warps); sm86/89 (99 KB) take the smaller tile. */
+static const fa_plan_row fa_sm8x_row_256 = {256, 64, 64, 4, 64, 64, 4};
+
+/* 32, or a multiple of 64: the granularities the kernel's shared-memory swizzle supports. */
+static int fa_plan_pad(int d)
+{
+    if (d <= 32)
+        return 32;
+    return (d + 63) / 64 * 64;
+}
+
+/* FLASHATTN_TILE=BM,BN,WARPS replaces the table's tile (for tuning with the benchmark); a value
+ * the kernel cannot take is ignored. */
+static void fa_plan_tile_override(fa_plan *plan)
+{
+    const char *env = getenv("FLASHATTN_TILE");
+    int bm, bn, nw;
+    if (!env || sscanf(env, "%d,%d,%d", &bm, &bn, &nw) != 3)
+        return;
+    if (nw < 1 || nw > 8 || bm < 16 * nw || bm % (16 * nw) != 0 || bm > 256 || bn < 16 ||
+        bn % 16 != 0 || bn > 256)
+        return;
+    plan->bm = bm;
+    plan->bn = bn;
+    plan->nwarps = nw;
+}
+
+static void fa_plan_define(fa_plan *plan, const char *name, int value)
+{
+    snprintf(plan->defines[plan->num_defines++], sizeof plan->defines[0], "-D%s=%d", name, value);
+}
+
+fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
+{
+    if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: the CUDA backend computes fp16 and bf16, got %s",
+                            fa_dtype_name(key->dtype));
+    if (key->arch < 80)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "device: compute capability %d.%d is below 8.0, the oldest the CUDA "
+                            "kernels support",
+                            key->arch / 10, key->arch % 10);
+    if (key->d < 1 || key->d > FA_MAX_HEAD_DIM || key->dv < 1 || key->dv > FA_MAX_HEAD_DIM)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
+                            key->dv, FA_MAX_HEAD_DIM);
+    *plan = (fa_plan){0};
+    plan->family = "fa_fwd_sm80.cu";
+    /* sm_90a: the arch-specific target, so later Hopper families share the same cache layout. */
+    snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
+    plan->dp = fa_plan_pad(key->d);
+    plan->dvp = fa_plan_pad(key->dv);
+    int dmax = plan->dp > plan->dvp ? plan->dp : plan->dvp;
+    const fa_plan_row *row = &fa_sm80_rows[0];
+    for (size_t i = 0; i < sizeof fa_sm80_rows / sizeof fa_sm80_rows[0]; i++) {
+        row = &fa_sm80_rows[i];
+        if (dmax <= row->dmax)
+            break;
+    }
+    if (row->dmax == 256 && key->arch != 80 && key->arch != 90)
+        row = &fa_sm8x_row_256;
+    int dropout = (key->features & FA_FEATURE_DROPOUT) != 0;
+    plan->bm = dropout ? row->bm_d : row->bm;
+    plan->bn = dropout ? row->bn_d : row->bn;
+    plan->nwarps = dropout ? row->nw_d : row->nwarps;
+    fa_plan_tile_override(plan);
+    plan->threads = (unsigned)plan->nwarps * 32;
+    plan->smem = (unsigned)(2 * (plan->bm * plan->dp + plan->bn * (plan->dp + plan->dvp)));
+
+    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_DP", plan->dp);
+    fa_plan_define(plan, "FA_DVP", plan->dvp);
+    fa_plan_define(plan, "FA_BM", plan->bm);
+    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define(plan, "FA_NWARPS", plan->nwarps);
+    fa_plan_define(plan, "FA_VEC", (key->features & FA_FEATURE_UNALIGNED) == 0);
+    fa_plan_define(plan, "FA_VARLEN", (key->features & FA_FEATURE_VARLEN) != 0);
+    fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
+    fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
+    fa_plan_define(plan, "FA_DROPOUT", dropout);
+    return FA_STATUS_OK;
+}

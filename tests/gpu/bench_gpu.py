@@ -1,0 +1,181 @@
+"""flashattn's CUDA forward beside PyTorch's SDPA backends, measured in the same process.
+
+Run by `make gpu-check` on a CUDA machine (needs torch with CUDA):
+    PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so python3 tests/gpu/bench_gpu.py
+Shapes are upstream's benchmark grid: 16k tokens (batch = 16384 / seqlen), hidden 2048
+(heads = 2048 / hdim), bf16. TFLOP/s by FlashAttention's convention: 4*b*h*s*s*d, halved when
+causal. Also reports the first call's time (JIT compile, or a disk-cache hit, plus module load)
+and the host cost of a cached call. Prints a short table last; --json PATH keeps every number.
+"""
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashattn import _lib
+
+DTYPE = torch.bfloat16
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+def fa_view(t):
+    """An FaTensor over a CUDA tensor (device pointer, element strides)."""
+    ft = _lib.FaTensor()
+    ft.data = t.data_ptr()
+    ft.dtype = _lib.DTYPE_BF16 if t.dtype == torch.bfloat16 else _lib.DTYPE_F16
+    ft.ndim = t.dim()
+    for i in range(t.dim()):
+        ft.shape[i] = t.shape[i]
+        ft.stride[i] = t.stride(i)
+    return ft
+
+
+class Call:
+    """One prepared fa_attention_forward call on the current torch stream."""
+
+    def __init__(self, q, k, v, out, causal):
+        self.lib = _lib.get_lib()
+        self.views = [fa_view(x) for x in (q, k, v, out)]
+        self.args = _lib.FaFwdArgs()
+        self.lib.fa_fwd_args_init(ctypes.byref(self.args))
+        a = self.args
+        a.q, a.k, a.v, a.out = [ctypes.pointer(x) for x in self.views]
+        a.causal = int(causal)
+        a.device = q.device.index or 0
+        a.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+    def __call__(self):
+        st = self.lib.fa_attention_forward(ctypes.byref(self.args))
+        if st != 0:
+            raise RuntimeError(self.lib.fa_last_error().decode())
+
+
+def bench(fn, reps=20, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    ts.sort()
+    return ts[len(ts) // 2] / 1e3
+
+
+def first_call_ms(d, causal=False):
+    """Wall time of the first call in this process (compile or disk hit + load + run)."""
+    q = torch.randn(1, 128, 2, d, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    call = Call(q, q, q, out, causal)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def call_overhead_us():
+    """Host time of one cached call on a tiny problem (no synchronisation inside the loop)."""
+    q = torch.randn(1, 64, 1, 64, device="cuda", dtype=DTYPE)
+    out = torch.empty_like(q)
+    call = Call(q, q, q, out, False)
+    call()
+    torch.cuda.synchronize()
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hdims", default="64,128,256")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--backends", default="flash,cudnn,efficient",
+                    help="PyTorch SDPA backends to time beside ours ('none' for ours alone)")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_gpu.json"))
+    ap.add_argument("--first-call", type=int, default=0, help=argparse.SUPPRESS)
+    opts = ap.parse_args()
+    if opts.first_call:
+        print(json.dumps({"ms": first_call_ms(opts.first_call)}))
+        return
+
+    # JIT: compile in a fresh cache, then a new process that finds it on disk.
+    cache = tempfile.mkdtemp(prefix="fa-cache-")
+    os.environ["FLASHATTN_CACHE_DIR"] = cache
+    jit = []
+    for d in (64, 128, 256):
+        compiled = first_call_ms(d)
+        r = subprocess.run([sys.executable, __file__, "--first-call", str(d)], env=os.environ,
+                           capture_output=True, text=True, check=True)
+        disk = json.loads(r.stdout.strip().splitlines()[-1])["ms"]
+        jit.append(dict(hdim=d, compile_ms=compiled, disk_hit_ms=disk))
+    overhead = call_overhead_us()
+
+    rows = []
+    for d in [int(x) for x in opts.hdims.split(",")]:
+        h = 2048 // d
+        for s in [int(x) for x in opts.seqlens.split(",")]:
+            b = max(1, 16384 // s)
+            for causal in (False, True):
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DTYPE) for _ in range(3))
+                out = torch.empty_like(q)
+                row = dict(hdim=d, seqlen=s, batch=b, heads=h, causal=causal)
+                row["ours"] = flops / bench(Call(q, k, v, out, causal)) / 1e12
+                qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                for name, be in BACKENDS.items():
+                    if name not in opts.backends.split(","):
+                        continue
+                    try:
+                        with sdpa_kernel([be]):
+                            f = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                            row[name] = flops / bench(f) / 1e12
+                            if name == "flash":
+                                ref = f().transpose(1, 2)
+                                row["maxdiff_vs_flash"] = (out.float() - ref.float()).abs().max().item()
+                    except RuntimeError as ex:
+                        row[name] = None
+                        row[name + "_error"] = str(ex).splitlines()[0][:100]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del q, k, v, out, qt, kt, vt
+
+    with open(opts.json, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), jit=jit, call_overhead_us=overhead,
+                       rows=rows), f, indent=1)
+    print("\nJIT first call (ms): " + ", ".join(
+        f"hdim {j['hdim']}: compile {j['compile_ms']:.0f}, disk hit {j['disk_hit_ms']:.0f}" for j in jit))
+    print(f"cached call, host time: {overhead:.1f} us")
+    fmt = lambda x: f"{x:6.0f}" if x else "     -"
+    print(f"\nTFLOP/s fwd, bf16, {torch.cuda.get_device_name()}")
+    print("hdim seqlen causal |   ours  flash  cudnn    eff | ours/flash maxdiff")
+    for r in rows:
+        ratio = r["ours"] / r["flash"] if r.get("flash") else float("nan")
+        print(f"{r['hdim']:4d} {r['seqlen']:6d} {str(r['causal']):6s} | {fmt(r['ours'])} "
+              f"{fmt(r.get('flash'))} {fmt(r.get('cudnn'))} {fmt(r.get('efficient'))} | "
+              f"{ratio:10.2f} {r.get('maxdiff_vs_flash', float('nan')):.1e}")
+
+
+if __name__ == "__main__":
+    main()

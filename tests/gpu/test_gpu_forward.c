@@ -1,0 +1,396 @@
+/*
+ * GPU forward against the CPU backend and the double oracle, on the same random inputs:
+ *   out:   max|gpu - ref| <= 2 * max|naive same-dtype - ref| + floor   (upstream's criterion)
+ *   lse:   within 2e-3 of the oracle, +inf exactly where the oracle has it
+ *   probs: within one rounding of the CPU's, with the same signs (the same dropout mask)
+ *   every output element written, nothing written outside the views, and a second run bitwise
+ *   identical to the first.
+ * Exits 77 (skipped) when no CUDA device is usable.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/fa_cuda_driver.h"
+#include "fa_ref.h"
+#include "util/fa_half.h"
+
+typedef struct gpu_case {
+    const char *name;
+    int b, h, hk, sq, sk, d, dv;
+    int causal, wl, wr;
+    double softcap;
+    int alibi, sinks;
+    double dropout;
+    int varlen, seqused, probs, pad;
+} gpu_case;
+
+static const gpu_case gpu_cases[] = {
+    {"dense d64", 2, 4, 4, 257, 257, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"causal d128 sq<sk", 2, 4, 4, 300, 517, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"gqa window d96 padded", 1, 8, 2, 333, 290, 96, 96, 0, 32, 16, 0, 0, 0, 0, 0, 0, 0, 8},
+    {"mqa unaligned d37 dv24", 2, 6, 1, 70, 150, 37, 24, 0, 50, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"softcap alibi sinks d128", 1, 4, 2, 200, 200, 128, 128, 1, -1, -1, 30, 1, 1, 0, 0, 0, 0, 0},
+    {"dropout probs causal d64", 2, 3, 3, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0.17, 0, 0, 1, 0},
+    {"varlen seqused alibi causal", 4, 4, 2, 190, 260, 128, 128, 1, -1, -1, 0, 1, 0, 0, 1, 1, 0, 0},
+    {"varlen dropout probs d256", 3, 2, 2, 90, 140, 256, 256, 0, 40, 40, 0, 0, 1, 0.3, 1, 0, 1, 0},
+    {"decode sq1 gqa", 3, 8, 2, 1, 1000, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"sq>sk causal empty rows d32", 2, 2, 2, 200, 60, 32, 32, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"empty rows with sinks", 1, 3, 3, 150, 40, 64, 64, 1, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0},
+    {"d192 dv128 window-left", 1, 4, 4, 400, 700, 192, 128, 0, 100, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"d256 long", 1, 2, 2, 1024, 1024, 256, 256, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"d80 softcap dropout-free probs", 1, 2, 1, 100, 333, 80, 80, 0, -1, -1, 20, 0, 0, 0, 0, 0, 1, 0},
+};
+
+static int failures;
+static const fa_cuda_driver *drv;
+
+#define CHECK_CU(expr)                                                                           \
+    do {                                                                                         \
+        fa_cu_result r_ = (expr);                                                                \
+        if (r_ != 0) {                                                                           \
+            fprintf(stderr, "FATAL %s:%d: %s -> %d\n", __FILE__, __LINE__, #expr, r_);           \
+            exit(1);                                                                             \
+        }                                                                                        \
+    } while (0)
+
+static uint64_t rng_state = 0x1234567887654321ull;
+static double rng_uniform(double lo, double hi)
+{
+    rng_state += 0x9e3779b97f4a7c15ull;
+    uint64_t z = rng_state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return lo + (hi - lo) * (double)(z >> 11) / 9007199254740992.0;
+}
+
+/* A host buffer and its device copy, viewed as the same tensor. */
+typedef struct gpu_buf {
+    fa_tensor host, dev;
+    size_t bytes;
+} gpu_buf;
+
+/* [n0, n1, n2, n3] (ndim 4) or [n1, n2, n3] (ndim 3) with the head rows padded by `pad`. */
+static gpu_buf buf_new(fa_dtype dt, int ndim, const int64_t *shape, int pad)
+{
+    gpu_buf g;
+    int64_t stride[4];
+    stride[ndim - 1] = 1;
+    for (int i = ndim - 2; i >= 0; i--)
+        stride[i] = stride[i + 1] * shape[i + 1] + (i == ndim - 2 ? pad : 0);
+    g.bytes = (size_t)(shape[0] * stride[0]) * fa_dtype_size(dt);
+    if (g.bytes == 0)
+        g.bytes = 16;
+    void *h = malloc(g.bytes);
+    memset(h, 0xff, g.bytes); /* NaN in every float dtype: padding must never be read */
+    fa_cu_deviceptr d;
+    CHECK_CU(drv->mem_alloc(&d, g.bytes));
+    g.host = fa_tensor_make(h, dt, ndim, shape, stride);
+    g.dev = fa_tensor_make((void *)(uintptr_t)d, dt, ndim, shape, stride);
+    return g;
+}
+
+static void buf_free(gpu_buf *g)
+{
+    free(g->host.data);
+    drv->mem_free((fa_cu_deviceptr)(uintptr_t)g->dev.data);
+}
+
+static void buf_upload(gpu_buf *g)
+{
+    CHECK_CU(drv->memcpy_htod((fa_cu_deviceptr)(uintptr_t)g->dev.data, g->host.data, g->bytes));
+}
+
+static void buf_poison_device(gpu_buf *g)
+{
+    void *nan = malloc(g->bytes);
+    memset(nan, 0xff, g->bytes);
+    CHECK_CU(drv->memcpy_htod((fa_cu_deviceptr)(uintptr_t)g->dev.data, nan, g->bytes));
+    free(nan);
+}
+
+static void *buf_download(const gpu_buf *g)
+{
+    void *h = malloc(g->bytes);
+    CHECK_CU(drv->memcpy_dtoh(h, (fa_cu_deviceptr)(uintptr_t)g->dev.data, g->bytes));
+    return h;
+}
+
+static double elem_load(const void *base, fa_dtype dt, int64_t at)
+{
+    switch (dt) {
+    case FA_DTYPE_F16:
+        return fa_f16_to_f32(((const uint16_t *)base)[at]);
+    case FA_DTYPE_BF16:
+        return fa_bf16_to_f32(((const uint16_t *)base)[at]);
+    case FA_DTYPE_F32:
+        return ((const float *)base)[at];
+    default:
+        return ((const int32_t *)base)[at];
+    }
+}
+
+static void fill_uniform(gpu_buf *g, double lo, double hi)
+{
+    fa_tensor *t = &g->host;
+    int64_t idx[4] = {0, 0, 0, 0};
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++)
+        n *= t->shape[i];
+    for (int64_t e = 0; e < n; e++) {
+        int64_t rem = e, at = 0;
+        for (int i = t->ndim - 1; i >= 0; i--) {
+            idx[i] = rem % t->shape[i];
+            rem /= t->shape[i];
+            at += idx[i] * t->stride[i];
+        }
+        float x = (float)rng_uniform(lo, hi);
+        if (t->dtype == FA_DTYPE_F16)
+            ((uint16_t *)t->data)[at] = fa_f32_to_f16(x);
+        else if (t->dtype == FA_DTYPE_BF16)
+            ((uint16_t *)t->data)[at] = fa_f32_to_bf16(x);
+        else
+            ((float *)t->data)[at] = x;
+    }
+}
+
+#define FAIL(...)                                                                                \
+    do {                                                                                         \
+        fprintf(stderr, "FAIL [%s %s] ", c->name, fa_dtype_name(dt));                            \
+        fprintf(stderr, __VA_ARGS__);                                                            \
+        fputc('\n', stderr);                                                                     \
+        failures++;                                                                              \
+    } while (0)
+
+static void run_case(const gpu_case *c, fa_dtype dt)
+{
+    const int vl = c->varlen;
+    int32_t cu_q[9], cu_k[9], used[8];
+    int64_t total_q = (int64_t)c->b * c->sq, total_k = (int64_t)c->b * c->sk;
+    int64_t max_q = c->sq, max_k = c->sk;
+    if (vl) {
+        /* Random lengths with an empty sequence, and rows outside every sequence at both ends. */
+        cu_q[0] = 3;
+        cu_k[0] = 5;
+        max_q = max_k = 1;
+        for (int i = 0; i < c->b; i++) {
+            int lq = i == 1 ? 0 : (int)rng_uniform(1, c->sq + 1);
+            int lk = (int)rng_uniform(1, c->sk + 1);
+            cu_q[i + 1] = cu_q[i] + lq;
+            cu_k[i + 1] = cu_k[i] + lk;
+            used[i] = c->seqused ? (int)rng_uniform(0, lk + 1) : lk;
+            max_q = lq > max_q ? lq : max_q;
+            max_k = lk > max_k ? lk : max_k;
+        }
+        total_q = cu_q[c->b] + 4;
+        total_k = cu_k[c->b] + 2;
+    }
+    int64_t sq_shape[4] = {c->b, c->sq, c->h, c->d}, sk_shape[4] = {c->b, c->sk, c->hk, c->d};
+    int64_t sv_shape[4] = {c->b, c->sk, c->hk, c->dv}, so_shape[4] = {c->b, c->sq, c->h, c->dv};
+    if (vl) {
+        int64_t q3[3] = {total_q, c->h, c->d}, k3[3] = {total_k, c->hk, c->d};
+        int64_t v3[3] = {total_k, c->hk, c->dv}, o3[3] = {total_q, c->h, c->dv};
+        memcpy(sq_shape, q3, sizeof q3);
+        memcpy(sk_shape, k3, sizeof k3);
+        memcpy(sv_shape, v3, sizeof v3);
+        memcpy(so_shape, o3, sizeof o3);
+    }
+    int nd = vl ? 3 : 4;
+    gpu_buf q = buf_new(dt, nd, sq_shape, c->pad), k = buf_new(dt, nd, sk_shape, c->pad);
+    gpu_buf v = buf_new(dt, nd, sv_shape, c->pad), o = buf_new(dt, nd, so_shape, c->pad);
+    int64_t lse_shape[3] = {c->b, c->h, c->sq}, lse_v[2] = {c->h, total_q};
+    gpu_buf lse = vl ? buf_new(FA_DTYPE_F32, 2, lse_v, 0) : buf_new(FA_DTYPE_F32, 3, lse_shape, 0);
+    int64_t pshape[4] = {c->b, c->h, max_q + 3, max_k + 5};
+    gpu_buf pr = buf_new(dt, 4, c->probs ? pshape : (int64_t[4]){1, 1, 1, 1}, 0);
+    int64_t hs[1] = {c->h}, bs[1] = {c->b + 1}, us[1] = {c->b};
+    gpu_buf al = buf_new(FA_DTYPE_F32, 1, hs, 0), sk = buf_new(FA_DTYPE_F32, 1, hs, 0);
+    gpu_buf cq = buf_new(FA_DTYPE_I32, 1, bs, 0), ck = buf_new(FA_DTYPE_I32, 1, bs, 0);
+    gpu_buf su = buf_new(FA_DTYPE_I32, 1, us, 0);
+    fill_uniform(&q, -1, 1);
+    fill_uniform(&k, -1, 1);
+    fill_uniform(&v, -1, 1);
+    fill_uniform(&al, 0.01, 0.3);
+    fill_uniform(&sk, -1, 2);
+    memcpy(cq.host.data, cu_q, sizeof(int32_t) * (size_t)(c->b + 1));
+    memcpy(ck.host.data, cu_k, sizeof(int32_t) * (size_t)(c->b + 1));
+    memcpy(su.host.data, used, sizeof(int32_t) * (size_t)c->b);
+    gpu_buf *inputs[] = {&q, &k, &v, &al, &sk, &cq, &ck, &su};
+    for (size_t i = 0; i < sizeof inputs / sizeof inputs[0]; i++)
+        buf_upload(inputs[i]);
+
+    fa_fwd_args a;
+    fa_fwd_args_init(&a);
+    a.causal = c->causal;
+    a.window_left = c->wl;
+    a.window_right = c->wr;
+    a.softcap = c->softcap;
+    a.dropout_p = c->dropout;
+    a.seed = 0x5eed0000ull + (uint64_t)c->b;
+    a.offset = 77;
+    a.max_seqlen_q = max_q;
+    a.max_seqlen_k = max_k;
+    fa_fwd_args host = a, dev = a;
+    host.q = &q.host, host.k = &k.host, host.v = &v.host, host.out = &o.host, host.lse = &lse.host;
+    dev.q = &q.dev, dev.k = &k.dev, dev.v = &v.dev, dev.out = &o.dev, dev.lse = &lse.dev;
+    if (vl) {
+        host.cu_seqlens_q = &cq.host, host.cu_seqlens_k = &ck.host;
+        dev.cu_seqlens_q = &cq.dev, dev.cu_seqlens_k = &ck.dev;
+        if (c->seqused)
+            host.seqused_k = &su.host, dev.seqused_k = &su.dev;
+    }
+    if (c->alibi)
+        host.alibi_slopes = &al.host, dev.alibi_slopes = &al.dev;
+    if (c->sinks)
+        host.sinks = &sk.host, dev.sinks = &sk.dev;
+    if (c->probs)
+        host.probs = &pr.host, dev.probs = &pr.dev;
+    dev.device = 0;
+
+    /* The oracle and the naive same-dtype baseline, then the CPU backend (for probs). */
+    size_t n_out = (size_t)(vl ? total_q : total_q) * (size_t)c->h * (size_t)c->dv;
+    double *ref = malloc(n_out * sizeof(double)), *naive = malloc(n_out * sizeof(double));
+    double *ref_lse = malloc((size_t)total_q * (size_t)c->h * sizeof(double));
+    if (fa_ref_forward(&host, 1, ref, ref_lse) != 0 || fa_ref_forward_lowp(&host, naive) != 0)
+        FAIL("oracle refused the case");
+    if (fa_attention_forward(&host) != FA_STATUS_OK)
+        FAIL("CPU forward: %s", fa_last_error());
+    void *probs_cpu = c->probs ? malloc(pr.bytes) : NULL;
+    if (probs_cpu)
+        memcpy(probs_cpu, pr.host.data, pr.bytes);
+
+    void *first_out = NULL, *first_lse = NULL, *first_probs = NULL;
+    for (int run = 0; run < 2; run++) {
+        buf_poison_device(&o);
+        buf_poison_device(&lse);
+        buf_poison_device(&pr);
+        fa_status st = fa_attention_forward(&dev);
+        if (st != FA_STATUS_OK) {
+            FAIL("GPU forward: %s", fa_last_error());
+            break;
+        }
+        CHECK_CU(drv->ctx_synchronize());
+        void *go = buf_download(&o), *gl = buf_download(&lse), *gp = buf_download(&pr);
+        if (run == 1) {
+            if (memcmp(go, first_out, o.bytes) || memcmp(gl, first_lse, lse.bytes) ||
+                memcmp(gp, first_probs, pr.bytes))
+                FAIL("second run differs from the first (not bitwise reproducible)");
+            free(go);
+            free(gl);
+            free(gp);
+            break;
+        }
+        first_out = go, first_lse = gl, first_probs = gp;
+    }
+    if (first_out) {
+        /* out: the criterion, every element written, padding untouched. */
+        double err = 0, err_naive = 0;
+        int64_t unwritten = 0, lse_bad = 0, clobbered = 0;
+        for (int64_t t = 0; t < total_q; t++) {
+            int64_t bi = vl ? 0 : t / c->sq, r = vl ? t : t % c->sq;
+            for (int hh = 0; hh < c->h; hh++) {
+                for (int col = 0; col < c->dv; col++) {
+                    int64_t at = (vl ? 0 : bi * o.host.stride[0]) + r * o.host.stride[nd - 3] +
+                                 hh * o.host.stride[nd - 2] + col;
+                    double g = elem_load(first_out, dt, at);
+                    size_t ri = ((size_t)t * (size_t)c->h + (size_t)hh) * (size_t)c->dv + (size_t)col;
+                    if (isnan(g)) {
+                        unwritten++;
+                        continue;
+                    }
+                    err = fmax(err, fabs(g - ref[ri]));
+                    err_naive = fmax(err_naive, fabs(naive[ri] - ref[ri]));
+                }
+                int64_t la = vl ? hh * lse.host.stride[0] + t * lse.host.stride[1]
+                                : bi * lse.host.stride[0] + hh * lse.host.stride[1] + r;
+                double gl = ((const float *)first_lse)[la], rl = ref_lse[t * c->h + hh];
+                if (isinf(rl) ? gl != rl : !(fabs(gl - rl) <= 2e-3 * fmax(1.0, fabs(rl))))
+                    lse_bad++;
+            }
+        }
+        if (c->pad) {
+            const uint16_t *w = first_out;
+            for (size_t i = 0; i < o.bytes / 2; i++)
+                clobbered += w[i] == 0xffff ? 0 : 1;
+            clobbered -= (int64_t)n_out;
+        }
+        double floor = dt == FA_DTYPE_BF16 ? 4e-3 : 5e-4;
+        if (unwritten)
+            FAIL("%lld output elements unwritten (still poison)", (long long)unwritten);
+        if (!(err <= 2 * err_naive + floor))
+            FAIL("max |gpu - ref| = %.3g > 2 * naive %.3g + %.1g", err, err_naive, floor);
+        if (lse_bad)
+            FAIL("%lld lse values off", (long long)lse_bad);
+        if (clobbered)
+            FAIL("%lld elements written outside the output view", (long long)clobbered);
+        /* probs: same encoding as the CPU, same signs where the CPU's entry is not tiny. */
+        int64_t p_bad = 0, sign_bad = 0;
+        if (c->probs)
+            for (size_t i = 0; i < pr.bytes / 2; i++) {
+                double g = elem_load(first_probs, dt, (int64_t)i);
+                double cp = elem_load(probs_cpu, dt, (int64_t)i);
+                if (!(fabs(g - cp) <= 1e-2 * fmax(1.0, fabs(cp))))
+                    p_bad++;
+                if (fabs(cp) > 1e-3 && signbit(g) != signbit(cp))
+                    sign_bad++;
+            }
+        if (p_bad || sign_bad)
+            FAIL("probs: %lld values off, %lld dropout signs differ", (long long)p_bad,
+                 (long long)sign_bad);
+        printf("%-32s %-5s max|gpu-ref| %.2e  naive %.2e\n", c->name, fa_dtype_name(dt), err,
+               err_naive);
+    }
+    free(first_out);
+    free(first_lse);
+    free(first_probs);
+    free(probs_cpu);
+    free(ref);
+    free(naive);
+    free(ref_lse);
+    gpu_buf *all[] = {&q, &k, &v, &o, &lse, &pr, &al, &sk, &cq, &ck, &su};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        buf_free(all[i]);
+}
+
+/* Errors reach the caller with their text. */
+static void run_error_checks(void)
+{
+    fa_tensor t = fa_tensor_make((void *)16, FA_DTYPE_F32, 4, (int64_t[4]){1, 8, 2, 64}, NULL);
+    fa_fwd_args a;
+    fa_fwd_args_init(&a);
+    a.q = a.k = a.v = a.out = &t;
+    a.device = 0;
+    if (fa_attention_forward(&a) != FA_STATUS_UNSUPPORTED || !strstr(fa_last_error(), "fp16")) {
+        fprintf(stderr, "FAIL fp32 on the GPU: %s\n", fa_last_error());
+        failures++;
+    }
+    a.device = 999;
+    if (fa_attention_forward(&a) != FA_STATUS_UNSUPPORTED || !strstr(fa_last_error(), "device")) {
+        fprintf(stderr, "FAIL device 999: %s\n", fa_last_error());
+        failures++;
+    }
+}
+
+int main(void)
+{
+    if (fa_cuda_device_count() == 0) {
+        printf("test_gpu_forward: skipped, no usable CUDA device\n%s\n", fa_cuda_status());
+        return 77;
+    }
+    drv = fa_cuda_driver_get();
+    fa_cu_context ctx;
+    int pushed;
+    if (fa_cuda_context_enter(0, &ctx, &pushed) != FA_STATUS_OK) {
+        fprintf(stderr, "no context: %s\n", fa_last_error());
+        return 1;
+    }
+    for (size_t i = 0; i < sizeof gpu_cases / sizeof gpu_cases[0]; i++) {
+        run_case(&gpu_cases[i], FA_DTYPE_F16);
+        run_case(&gpu_cases[i], FA_DTYPE_BF16);
+    }
+    run_error_checks();
+    printf("test_gpu_forward: %s (%d failure%s)\n", failures ? "FAILED" : "passed", failures,
+           failures == 1 ? "" : "s");
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,248 @@
+/*
+ * `flashattn precompile [--arch LIST] [--hdim LIST] [--dtype LIST] [--features LIST] [--jobs N]`
+ * compiles every configuration of the matrix with NVRTC into the disk cache, in parallel. It needs
+ * no GPU, so CI runs it to catch a kernel that stops compiling. Without NVRTC it fails under CI
+ * (CI=true), where the toolkit is expected, and skips elsewhere.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fa_bench.h"
+#include "fa_precompile.h"
+
+#define FA_PC_MAX 16 /* entries per list */
+
+typedef struct fa_pc_job {
+    int arch;
+    fa_dtype dtype;
+    int hdim;
+    unsigned features;
+    fa_status status;
+    int cached;
+    char error[512];
+} fa_pc_job;
+
+typedef struct fa_pc_queue {
+    fa_pc_job *jobs;
+    int count;
+    int next;
+    pthread_mutex_t lock;
+} fa_pc_queue;
+
+static const struct {
+    const char *name;
+    unsigned bit;
+} fa_pc_feature_names[] = {
+    {"varlen", FA_FEATURE_VARLEN},   {"alibi", FA_FEATURE_ALIBI},
+    {"softcap", FA_FEATURE_SOFTCAP}, {"dropout", FA_FEATURE_DROPOUT},
+    {"unaligned", FA_FEATURE_UNALIGNED},
+};
+
+static void fa_pc_usage(FILE *f)
+{
+    fputs("usage: flashattn precompile [options]\n"
+          "  --arch LIST      sm_80,sm_86,sm_89,sm_90a,... (default sm_80,sm_90a)\n"
+          "  --hdim LIST      head dims (default 32,64,96,128,192,256)\n"
+          "  --dtype LIST     fp16,bf16 (default both)\n"
+          "  --features LIST  feature sets, each none or names joined by '+' from varlen, alibi,\n"
+          "                   softcap, dropout, unaligned (default\n"
+          "                   none,varlen,varlen+alibi+dropout,softcap+unaligned)\n"
+          "  --jobs N         parallel compiles (default: the number of CPUs)\n"
+          "  -v               one line per configuration\n"
+          "Compiles into the kernel cache ($FLASHATTN_CACHE_DIR, default\n"
+          "$XDG_CACHE_HOME/flashattn or ~/.cache/flashattn). Needs NVRTC, not a GPU.\n",
+          f);
+}
+
+static int fa_pc_arch(const char *s)
+{
+    if (strncmp(s, "sm_", 3) == 0)
+        s += 3;
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (end == s || (*end && strcmp(end, "a") != 0) || v < 10 || v > 200)
+        return -1;
+    return (int)v;
+}
+
+static int fa_pc_features(const char *s, unsigned *out)
+{
+    *out = 0;
+    if (strcmp(s, "none") == 0)
+        return 0;
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", s);
+    for (char *save = NULL, *tok = strtok_r(buf, "+", &save); tok; tok = strtok_r(NULL, "+", &save)) {
+        size_t i = 0, n = sizeof fa_pc_feature_names / sizeof fa_pc_feature_names[0];
+        while (i < n && strcmp(tok, fa_pc_feature_names[i].name) != 0)
+            i++;
+        if (i == n)
+            return -1;
+        *out |= fa_pc_feature_names[i].bit;
+    }
+    return 0;
+}
+
+/* Splits a comma list and parses each item; returns the count or -1 after printing why. */
+static int fa_pc_list(const char *opt, const char *arg, int *ints, unsigned *bits, fa_dtype *dts)
+{
+    char buf[256];
+    int n = 0;
+    snprintf(buf, sizeof buf, "%s", arg);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        int ok = n < FA_PC_MAX;
+        if (ok && strcmp(opt, "--arch") == 0)
+            ok = (ints[n] = fa_pc_arch(tok)) > 0;
+        else if (ok && strcmp(opt, "--hdim") == 0)
+            ok = (ints[n] = atoi(tok)) >= 1 && ints[n] <= FA_MAX_HEAD_DIM;
+        else if (ok && strcmp(opt, "--features") == 0)
+            ok = fa_pc_features(tok, &bits[n]) == 0;
+        else if (ok && strcmp(opt, "--dtype") == 0) {
+            ok = strcmp(tok, "fp16") == 0 || strcmp(tok, "bf16") == 0;
+            dts[n] = strcmp(tok, "bf16") == 0 ? FA_DTYPE_BF16 : FA_DTYPE_F16;
+        }
+        if (!ok) {
+            fprintf(stderr, "flashattn precompile: bad %s entry '%s'\n", opt, tok);
+            return -1;
+        }
+        n++;
+    }
+    if (n == 0)
+        fprintf(stderr, "flashattn precompile: %s needs a list\n", opt);
+    return n > 0 ? n : -1;
+}
+
+static void *fa_pc_worker(void *arg)
+{
+    fa_pc_queue *q = arg;
+    for (;;) {
+        pthread_mutex_lock(&q->lock);
+        int i = q->next++;
+        pthread_mutex_unlock(&q->lock);
+        if (i >= q->count)
+            return NULL;
+        fa_pc_job *j = &q->jobs[i];
+        j->status = fa_cuda_precompile(j->arch, j->dtype, j->hdim, j->hdim, j->features, &j->cached);
+        if (j->status != FA_STATUS_OK)
+            snprintf(j->error, sizeof j->error, "%s", fa_last_error());
+    }
+}
+
+static void fa_pc_describe(const fa_pc_job *j, char *dst, size_t size)
+{
+    int n = snprintf(dst, size, "sm_%d%s %s hdim %d", j->arch, j->arch == 90 ? "a" : "",
+                     fa_dtype_name(j->dtype), j->hdim);
+    for (size_t i = 0; i < sizeof fa_pc_feature_names / sizeof fa_pc_feature_names[0]; i++)
+        if (j->features & fa_pc_feature_names[i].bit && n > 0 && (size_t)n < size)
+            n += snprintf(dst + n, size - (size_t)n, " %s", fa_pc_feature_names[i].name);
+}
+
+int fa_precompile_main(int argc, char **argv)
+{
+    int archs[FA_PC_MAX] = {80, 90}, hdims[FA_PC_MAX] = {32, 64, 96, 128, 192, 256};
+    fa_dtype dtypes[FA_PC_MAX] = {FA_DTYPE_F16, FA_DTYPE_BF16};
+    unsigned feats[FA_PC_MAX] = {0, FA_FEATURE_VARLEN,
+                                 FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_DROPOUT,
+                                 FA_FEATURE_SOFTCAP | FA_FEATURE_UNALIGNED};
+    int n_arch = 2, n_hdim = 6, n_dtype = 2, n_feat = 4, jobs = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    int verbose = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *o = argv[i];
+        if (strcmp(o, "--help") == 0 || strcmp(o, "-h") == 0) {
+            fa_pc_usage(stdout);
+            return FA_EXIT_OK;
+        }
+        if (strcmp(o, "-v") == 0) {
+            verbose = 1;
+            continue;
+        }
+        int known = strcmp(o, "--arch") == 0 || strcmp(o, "--hdim") == 0 ||
+                    strcmp(o, "--dtype") == 0 || strcmp(o, "--features") == 0 ||
+                    strcmp(o, "--jobs") == 0;
+        if (!known || i + 1 >= argc) {
+            fprintf(stderr, "flashattn precompile: %s '%s'\n\n",
+                    known ? "missing value for" : "unknown option", o);
+            fa_pc_usage(stderr);
+            return FA_EXIT_USAGE;
+        }
+        const char *v = argv[++i];
+        int n = 0;
+        if (strcmp(o, "--jobs") == 0)
+            n = (jobs = atoi(v)) >= 1 ? 1 : -1;
+        else if (strcmp(o, "--arch") == 0)
+            n = n_arch = fa_pc_list(o, v, archs, NULL, NULL);
+        else if (strcmp(o, "--hdim") == 0)
+            n = n_hdim = fa_pc_list(o, v, hdims, NULL, NULL);
+        else if (strcmp(o, "--dtype") == 0)
+            n = n_dtype = fa_pc_list(o, v, NULL, NULL, dtypes);
+        else
+            n = n_feat = fa_pc_list(o, v, NULL, feats, NULL);
+        if (n < 0)
+            return FA_EXIT_USAGE;
+    }
+
+    const char *status = fa_cuda_status();
+    if (strstr(status, "nvrtc:  libnvrtc not found") || strstr(status, "lacks")) {
+        const char *ci = getenv("CI");
+        int in_ci = ci && (strcmp(ci, "true") == 0 || strcmp(ci, "1") == 0);
+        fprintf(stderr, "flashattn precompile: %s: NVRTC is missing\n%s\n",
+                in_ci ? "FAILED (CI=true expects the CUDA toolkit)" : "skipped", status);
+        return in_ci ? FA_EXIT_FAIL : FA_EXIT_OK;
+    }
+
+    int count = n_arch * n_hdim * n_dtype * n_feat;
+    fa_pc_queue q = {calloc((size_t)count, sizeof(fa_pc_job)), count, 0,
+                     PTHREAD_MUTEX_INITIALIZER};
+    if (!q.jobs)
+        return FA_EXIT_FAIL;
+    int at = 0;
+    for (int a = 0; a < n_arch; a++)
+        for (int h = 0; h < n_hdim; h++)
+            for (int t = 0; t < n_dtype; t++)
+                for (int f = 0; f < n_feat; f++)
+                    q.jobs[at++] = (fa_pc_job){archs[a], dtypes[t], hdims[h], feats[f],
+                                               FA_STATUS_OK, 0, ""};
+    if (jobs > count)
+        jobs = count;
+    if (jobs > 64)
+        jobs = 64;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    pthread_t threads[64];
+    int started = 0;
+    while (started < jobs && pthread_create(&threads[started], NULL, fa_pc_worker, &q) == 0)
+        started++;
+    if (started == 0)
+        fa_pc_worker(&q);
+    for (int i = 0; i < started; i++)
+        pthread_join(threads[i], NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+
+    int compiled = 0, cached = 0, failed = 0;
+    for (int i = 0; i < count; i++) {
+        const fa_pc_job *j = &q.jobs[i];
+        char what[160];
+        fa_pc_describe(j, what, sizeof what);
+        if (j->status != FA_STATUS_OK) {
+            failed++;
+            fprintf(stderr, "FAILED %s: %s\n", what, j->error);
+        } else {
+            compiled += !j->cached;
+            cached += j->cached;
+            if (verbose)
+                printf("%-8s %s\n", j->cached ? "cached" : "compiled", what);
+        }
+    }
+    printf("precompile: %d configurations, %d compiled, %d already cached, %d failed, %.1f s "
+           "with %d threads\n",
+           count, compiled, cached, failed,
+           (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec),
+           started > 0 ? started : 1);
+    free(q.jobs);
+    return failed ? FA_EXIT_FAIL : FA_EXIT_OK;
+}
