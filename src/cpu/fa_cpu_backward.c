@@ -93,15 +93,17 @@ static size_t fa_bwd_scratch_size(const fa_params *p, size_t real_size)
 {
     const size_t bm = FA_CPU_BM, bn = FA_CPU_BN, d = (size_t)p->d, dv = (size_t)p->dv;
     const size_t dp = (size_t)fa_cpu_gemm_pad(p->d), dvp = (size_t)fa_cpu_gemm_pad(p->dv);
-    size_t n = d * bm + bm * dp + dv * bm + bm * dvp + 5 * bm + bn * dp + bn * dv + 3 * bn * bm +
-               bn * dp + bn * dvp + bm * dp;
+    const size_t nk = FA_CPU_BWD_NK;
+    size_t n = d * bm + bm * dp + dv * bm + bm * dvp + 5 * bm + nk * dp + nk * dv + 3 * bn * bm +
+               nk * dp + nk * dvp + bm * dp;
     return (n * real_size + 63) & ~(size_t)63;
 }
 
 #define FA_BWD_CARVE(REAL, t, base, p)                                                           \
     do {                                                                                         \
         REAL *cur_ = (REAL *)(base);                                                             \
-        const int64_t bm_ = FA_CPU_BM, bn_ = FA_CPU_BN, d_ = (p)->d, dv_ = (p)->dv;              \
+        const int64_t bm_ = FA_CPU_BM, bn_ = FA_CPU_BN, nk_ = FA_CPU_BWD_NK;                      \
+        const int64_t d_ = (p)->d, dv_ = (p)->dv;                                                \
         const int64_t dp_ = fa_cpu_gemm_pad(d_), dvp_ = fa_cpu_gemm_pad(dv_);                    \
         (t).qt = cur_, cur_ += d_ * bm_;                                                         \
         (t).qr = cur_, cur_ += bm_ * dp_;                                                        \
@@ -112,13 +114,13 @@ static size_t fa_bwd_scratch_size(const fa_params *p, size_t real_size)
         (t).lo = cur_, cur_ += bm_;                                                              \
         (t).hi = cur_, cur_ += bm_;                                                              \
         (t).diag = cur_, cur_ += bm_;                                                            \
-        (t).kbuf = cur_, cur_ += bn_ * dp_;                                                      \
-        (t).vbuf = cur_, cur_ += bn_ * dv_;                                                      \
+        (t).kbuf = cur_, cur_ += nk_ * dp_;                                                      \
+        (t).vbuf = cur_, cur_ += nk_ * dv_;                                                      \
         (t).pt = cur_, cur_ += bn_ * bm_;                                                        \
         (t).dxt = cur_, cur_ += bn_ * bm_;                                                       \
         (t).zt = cur_, cur_ += bn_ * bm_;                                                        \
-        (t).acc_k = cur_, cur_ += bn_ * dp_;                                                     \
-        (t).acc_v = cur_, cur_ += bn_ * dvp_;                                                    \
+        (t).acc_k = cur_, cur_ += nk_ * dp_;                                                     \
+        (t).acc_v = cur_, cur_ += nk_ * dvp_;                                                    \
         (t).acc_q = cur_;                                                                        \
     } while (0)
 
@@ -233,7 +235,7 @@ fa_status fa_cpu_backward(const fa_params *p)
     fa_bwd_zero_uncovered(p);
 
     int64_t n_q = fa_bwd_chunks_make(p, 0, FA_CPU_BM, NULL);
-    int64_t n_k = fa_bwd_chunks_make(p, 1, FA_CPU_BN, NULL);
+    int64_t n_k = fa_bwd_chunks_make(p, 1, FA_CPU_BWD_NK, NULL);
     int64_t n_max = n_q > n_k ? n_q : n_k;
     int threads = p->num_threads > 0 ? p->num_threads : 1;
 
@@ -260,7 +262,7 @@ fa_status fa_cpu_backward(const fa_params *p)
         }
     }
 
-    fa_bwd_chunks_make(p, 1, FA_CPU_BN, job.chunks);
+    fa_bwd_chunks_make(p, 1, FA_CPU_BWD_NK, job.chunks);
     st = fa_parallel_for(threads, n_k * p->hk, fa_bwd_keys_task, &job);
     if (st != FA_STATUS_OK)
         goto done;

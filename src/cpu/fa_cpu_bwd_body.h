@@ -24,18 +24,18 @@ typedef struct FA_FN(fa_bwd_tile) {
     FA_REAL *lo;    /* [FA_CPU_BM] first visible key of each row */
     FA_REAL *hi;    /* [FA_CPU_BM] one past the last visible key */
     FA_REAL *diag;  /* [FA_CPU_BM] i + sk - sq */
-    FA_REAL *kbuf;  /* [FA_CPU_BN][dp], K rows converted/padded when not usable in place */
-    FA_REAL *vbuf;  /* [FA_CPU_BN][dv], V rows converted when not FA_REAL */
+    FA_REAL *kbuf;  /* [FA_CPU_BWD_NK][dp], K rows converted/padded when not usable in place */
+    FA_REAL *vbuf;  /* [FA_CPU_BWD_NK][dv], V rows converted when not FA_REAL */
     FA_REAL *pt;    /* [FA_CPU_BN][FA_CPU_BM], S^T then P^T after dropout */
     FA_REAL *dxt;   /* [FA_CPU_BN][FA_CPU_BM], dP^T then dS^T (gradient of q.k) */
     FA_REAL *zt;    /* [FA_CPU_BN][FA_CPU_BM], dropout scale Z^T: 1/(1-p) kept, 0 dropped */
-    FA_REAL *acc_k; /* [FA_CPU_BN][dp] */
-    FA_REAL *acc_v; /* [FA_CPU_BN][dvp] */
+    FA_REAL *acc_k; /* [FA_CPU_BWD_NK][dp] */
+    FA_REAL *acc_v; /* [FA_CPU_BWD_NK][dvp] */
     FA_REAL *acc_q; /* [FA_CPU_BM][dp] */
 } FA_FN(fa_bwd_tile);
 
 /* Packs rows [r0, r0+m) of head h (padding rows up to mp are zero and see no key). */
-static inline void FA_FN(fa_bwd_pack_rows)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+FA_CPU_CLONES static void FA_FN(fa_bwd_pack_rows)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                            const FA_REAL *dsum_ws, int64_t seq_index,
                                            const fa_seq *seq, int64_t h, int64_t r0, int64_t m,
                                            int64_t mp)
@@ -120,7 +120,7 @@ static inline FA_FN(fa_bwd_kv) FA_FN(fa_bwd_load_kv)(const fa_params *p, FA_FN(f
  * For packed rows and a loaded key block: pt = P^T * Z (Z the dropout scale or 0) and
  * dxt = dL/d(q.k) transposed, both zero for invisible keys and padding rows.
  */
-static inline void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+FA_CPU_CLONES static void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                        const FA_FN(fa_bwd_kv) * kv, int64_t seq_index, int64_t h,
                                        int64_t r0, int64_t m, int64_t mp, int64_t j0, int64_t n)
 {
@@ -182,7 +182,11 @@ static inline void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_tile) * 
     }
 }
 
-/* Key pass item: dK, dV of keys [j0, j0+n) of kv head hk in sequence seq_index. */
+/*
+ * Key pass item: dK, dV of keys [j0, j0+n) (n <= FA_CPU_BWD_NK) of kv head hk in sequence
+ * seq_index. Each query tile is packed once and used for every FA_CPU_BN block of the item's keys
+ * that it sees, which is why the item is several blocks long.
+ */
 FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                              const FA_REAL *dsum_ws, int64_t seq_index,
                                              int64_t hk, int64_t j0, int64_t n)
@@ -194,9 +198,9 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
         seq_index * p->k_bstride + seq.k_start * p->k_rstride + hk * p->k_hstride;
     const int64_t v_base =
         seq_index * p->v_bstride + seq.k_start * p->v_rstride + hk * p->v_hstride;
-    for (int64_t x = 0; x < FA_CPU_BN * dp; x++)
+    for (int64_t x = 0; x < n * dp; x++)
         t->acc_k[x] = 0;
-    for (int64_t x = 0; x < FA_CPU_BN * dvp; x++)
+    for (int64_t x = 0; x < n * dvp; x++)
         t->acc_v[x] = 0;
 
     int64_t i_lo, i_hi;
@@ -208,9 +212,18 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
                 const int64_t m = i_hi - r0 < FA_CPU_BM ? i_hi - r0 : FA_CPU_BM;
                 const int64_t mp = fa_cpu_gemm_pad(m);
                 FA_FN(fa_bwd_pack_rows)(p, t, dsum_ws, seq_index, &seq, h, r0, m, mp);
-                FA_FN(fa_bwd_block)(p, t, &kv, seq_index, h, r0, m, mp, j0, n);
-                FA_GEMM(t->acc_v, dvp, t->pt, mp, 1, t->dor, dvp, n, dvp, mp, 1);
-                FA_GEMM(t->acc_k, dp, t->dxt, mp, 1, t->qr, dp, n, dp, mp, 1);
+                for (int64_t b0 = 0; b0 < n; b0 += FA_CPU_BN) {
+                    const int64_t nb = n - b0 < FA_CPU_BN ? n - b0 : FA_CPU_BN;
+                    int64_t s_lo, s_hi;
+                    fa_bwd_row_range(p, &seq, j0 + b0, j0 + b0 + nb, &s_lo, &s_hi);
+                    if (s_hi <= r0 || s_lo >= r0 + m)
+                        continue;
+                    const FA_FN(fa_bwd_kv) sub = {kv.k + b0 * kv.k_ld, kv.v + b0 * kv.v_ld,
+                                                  kv.k_ld, kv.v_ld};
+                    FA_FN(fa_bwd_block)(p, t, &sub, seq_index, h, r0, m, mp, j0 + b0, nb);
+                    FA_GEMM(t->acc_v + b0 * dvp, dvp, t->pt, mp, 1, t->dor, dvp, nb, dvp, mp, 1);
+                    FA_GEMM(t->acc_k + b0 * dp, dp, t->dxt, mp, 1, t->qr, dp, nb, dp, mp, 1);
+                }
             }
         }
     }
