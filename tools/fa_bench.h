@@ -16,6 +16,9 @@ enum { FA_EXIT_OK = 0, FA_EXIT_FAIL = 1, FA_EXIT_USAGE = 2 };
 /* `flashattn bench ARGS...`: argv holds the words after "bench". Returns the exit status. */
 int fa_bench_main(int argc, char **argv);
 
+/* `flashattn peak`: the fp32 FMA rate of the cores (argv: the words after "peak"). */
+int fa_peak_main(int argc, char **argv);
+
 /* `flashattn bench --decode ARGS...` (fa_bench_decode.c): times fa_attention_kvcache. */
 int fa_bench_decode_main(int argc, char **argv);
 

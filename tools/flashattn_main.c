@@ -13,6 +13,7 @@ static void usage_print(FILE *f)
           "commands:\n"
           "  info      version, backends, the CPU and the default thread count\n"
           "  bench     time and check fa_attention_forward (flashattn bench --help)\n"
+          "  peak      the cores' fp32 FMA rate, to quote CPU figures against\n"
           "  precompile  compile CUDA kernels into the cache, no GPU needed\n"
           "            (flashattn precompile --help)\n"
           "  help      this text\n"
@@ -76,6 +77,8 @@ int main(int argc, char **argv)
     }
     if (strcmp(cmd, "bench") == 0)
         return fa_bench_main(argc - 2, argv + 2);
+    if (strcmp(cmd, "peak") == 0)
+        return fa_peak_main(argc - 2, argv + 2);
     if (strcmp(cmd, "precompile") == 0)
         return fa_precompile_main(argc - 2, argv + 2);
     fprintf(stderr, "flashattn: unknown command '%s'\n\n", cmd);
