@@ -140,7 +140,7 @@ except ImportError:
 
 setup(
     version=read_version(),
-    packages=["flashattn"],
+    packages=["flashattn", "flashattn.layers", "flashattn.modules", "flashattn.utils"],
     package_dir={"": "python"},
     distclass=BinaryDistribution,
     cmdclass=cmdclass,

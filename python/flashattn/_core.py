@@ -5,8 +5,8 @@ array, never both in one call. torch and NumPy are imported lazily: a framework 
 imported yet cannot have produced the arrays we are given, so ``sys.modules`` is enough to
 recognise them.
 
-``forward`` is the one entry point the public functions (and, later, the autograd functions)
-use: it validates what only Python can know (array kinds, devices, dtypes that have no C
+``forward`` is the one entry point the public functions (and the torch custom ops) use: it
+validates what only Python can know (array kinds, devices, dtypes that have no C
 counterpart, ranks needed to allocate outputs), allocates the outputs, fills an fa_fwd_args and
 calls ``fa_attention_forward``. Every other rule is checked by the C library, whose message
 names the argument; ``forward`` renames the C argument names to the caller's.
@@ -123,21 +123,66 @@ _SUPPORTED_FLOATS = {
 # Views
 
 
-def check_device(x, name):
-    """Only CPU tensors for now; the message for CUDA tensors says that the GPU comes later."""
+def check_device(x, name, cuda=False):
+    """CPU tensors, and CUDA tensors where ``cuda`` (the forward functions: the CUDA backend
+    has no backward yet, so a CUDA tensor that will need a gradient is refused up front rather
+    than at ``loss.backward()``)."""
     dev = x.device.type
     if dev == "cpu":
         return
     if dev == "cuda":
-        raise FlashAttnError(
-            "%s: CUDA tensors are not supported yet by this build (CPU tensors and NumPy arrays "
-            "only)" % name
-        )
+        if not cuda:
+            raise FlashAttnError(
+                "%s: CUDA tensors are not supported yet by this build (CPU tensors and NumPy "
+                "arrays only)" % name
+            )
+        if x.requires_grad and sys.modules["torch"].is_grad_enabled():
+            raise FlashAttnError(
+                "%s: requires grad, but the backward pass on CUDA tensors is not implemented "
+                "yet (the CUDA backend runs the forward only); call under torch.no_grad() or "
+                "pass detached tensors" % name
+            )
+        return
     raise FlashAttnError("%s: tensors on device '%s' are not supported (CPU only)" % (name, dev))
 
 
-def prepare(x, name, kind):
-    """Returns x ready for C: on the CPU, strided, with a contiguous last dimension.
+def cuda_target(named):
+    """(device index, stream handle) for a call whose torch tensors (``named``: (name, tensor)
+    pairs, the first being q) live on one CUDA device, or None when q is on the CPU: the
+    caller's current torch stream on that device, so the call orders with the caller's work.
+    Every tensor must be on q's device (the kernel reads them all, cu_seqlens included)."""
+    q = named[0][1]
+    if q.device.type != "cuda":
+        return None
+    torch = sys.modules["torch"]
+    for name, x in named[1:]:
+        if x is not None and x.device != q.device:
+            raise FlashAttnError("%s: expected a tensor on %s like %s, got one on %s"
+                                 % (name, q.device, named[0][0], x.device))
+    return q.device.index, torch.cuda.current_stream(q.device).cuda_stream
+
+
+def draw_seed_cuda(device):
+    """A fresh dropout seed for a call on CUDA ``device`` (offset is then 0), from torch's
+    default CUDA generator of that device: its seed and Philox offset, the offset advanced by 4
+    (the generator's unit) so that the next call differs, mixed into one 63-bit seed by
+    splitmix64. ``torch.manual_seed`` (or ``torch.cuda.manual_seed``) resets both, so it
+    reproduces a run, as it does for torch's own CUDA dropout."""
+    torch = sys.modules["torch"]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gen = torch.cuda.default_generators[index]
+    seed, offset = gen.initial_seed(), gen.get_offset()
+    gen.set_offset(offset + 4)
+    mask = 0xFFFFFFFFFFFFFFFF
+    z = (seed ^ (offset * 0x9E3779B97F4A7C15)) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) % (2**63 - 1)
+
+
+def prepare(x, name, kind, cuda=False):
+    """Returns x ready for C: on the CPU (or a CUDA device, where ``cuda``), strided, with a
+    contiguous last dimension.
 
     Like upstream's maybe_contiguous, copies only when the last dimension is not contiguous, so
     slices of packed buffers reach the library without copies.
@@ -146,7 +191,7 @@ def prepare(x, name, kind):
         return None
     if kind == TORCH:
         torch = sys.modules["torch"]
-        check_device(x, name)
+        check_device(x, name, cuda)
         if x.layout != torch.strided:
             raise FlashAttnError("%s: only dense (strided) tensors are supported, got %s"
                                  % (name, x.layout))
@@ -242,25 +287,17 @@ def to_float32(x, name, kind):
     return x
 
 
-def rng_state_array(kind, seed, offset, like):
-    if kind == TORCH:
-        torch = sys.modules["torch"]
-        return torch.tensor([seed, offset], dtype=torch.int64, device=like.device)
+def rng_state_array(seed, offset):
+    """NumPy int64 [seed, offset]: upstream's rng_state (the torch ops make their own)."""
     np = sys.modules["numpy"]
     return np.array([seed, offset], dtype=np.int64)
 
 
-def draw_seed(kind):
-    """A fresh dropout seed from the framework's global RNG (offset is then 0).
-
-    torch: one ``torch.randint`` on the default CPU generator, so ``torch.manual_seed``
-    reproduces a call and consecutive calls differ. NumPy: ``np.random.randint`` on the legacy
-    global state, so ``np.random.seed`` reproduces it. Seeds are in [0, 2**63 - 1) so that the
-    rng_state fits an int64 array.
+def draw_seed():
+    """A fresh dropout seed for a NumPy call (offset is then 0): ``np.random.randint`` on the
+    legacy global state, so ``np.random.seed`` reproduces it. Seeds are in [0, 2**63 - 1) so
+    that the rng_state fits int64. Torch calls draw theirs in ``_torch_ops.draw_seed``.
     """
-    if kind == TORCH:
-        torch = sys.modules["torch"]
-        return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
     np = sys.modules["numpy"]
     return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
 
@@ -346,8 +383,9 @@ def _rename(msg, names):
 
 def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes, kind, nm,
               varlen, max_seqlen_q, max_seqlen_k, window_size, dropout_p, softcap,
-              softmax_scale, causal, seed, offset, num_threads):
-    """An FaFwdArgs for prepared arrays, and the FaTensor objects that must outlive the call."""
+              softmax_scale, causal, seed, offset, num_threads, target=None):
+    """An FaFwdArgs for prepared arrays, and the FaTensor objects that must outlive the call.
+    ``target``: (CUDA device, stream) from ``cuda_target``, or None for the CPU."""
     left, right = window_pair(window_size)
     dropout_p = as_float(dropout_p, "dropout_p")
     softcap = as_float(softcap, "softcap")
@@ -384,8 +422,8 @@ def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes,
     args.dropout_p = dropout_p
     args.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     args.offset = int(offset) & 0xFFFFFFFFFFFFFFFF
-    args.device = _lib.FA_DEVICE_CPU
-    args.stream = None
+    args.device = _lib.FA_DEVICE_CPU if target is None else target[0]
+    args.stream = None if target is None else target[1]
     args.num_threads = int(num_threads)
 
     return args, keep
@@ -413,9 +451,9 @@ def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=No
         return names.get(c_name, c_name)
 
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    q = prepare(q, nm("q"), kind)
-    k = prepare(k, nm("k"), kind)
-    v = prepare(v, nm("v"), kind)
+    q = prepare(q, nm("q"), kind, cuda=True)
+    k = prepare(k, nm("k"), kind, cuda=True)
+    v = prepare(v, nm("v"), kind, cuda=True)
     qc = dtype_code(q, nm("q"), kind)
     kc = dtype_code(k, nm("k"), kind)
     vc = dtype_code(v, nm("v"), kind)
@@ -428,11 +466,11 @@ def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=No
     _require_ndim(k, nm("k"), nd, layout[1])
     _require_ndim(v, nm("v"), nd, layout[2])
 
-    cu_q = prepare(cu_seqlens_q, nm("cu_seqlens_q"), kind)
-    cu_k = prepare(cu_seqlens_k, nm("cu_seqlens_k"), kind)
-    used_k = prepare(seqused_k, nm("seqused_k"), kind)
-    alibi = prepare(alibi_slopes, nm("alibi_slopes"), kind)
-    sinks = prepare(to_float32(sinks, nm("sinks"), kind), nm("sinks"), kind)
+    cu_q = prepare(cu_seqlens_q, nm("cu_seqlens_q"), kind, cuda=True)
+    cu_k = prepare(cu_seqlens_k, nm("cu_seqlens_k"), kind, cuda=True)
+    used_k = prepare(seqused_k, nm("seqused_k"), kind, cuda=True)
+    alibi = prepare(alibi_slopes, nm("alibi_slopes"), kind, cuda=True)
+    sinks = prepare(to_float32(sinks, nm("sinks"), kind), nm("sinks"), kind, cuda=True)
 
     if varlen:
         if cu_q is None or cu_k is None:
@@ -453,6 +491,13 @@ def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=No
         out_shape = (b, sq, h, int(v.shape[3]))
         lse_shape = (b, h, sq)
 
+    target = None
+    if kind == TORCH:
+        target = cuda_target([(nm("q"), q), (nm("k"), k), (nm("v"), v),
+                              (nm("cu_seqlens_q"), cu_q), (nm("cu_seqlens_k"), cu_k),
+                              (nm("seqused_k"), used_k), (nm("alibi_slopes"), alibi),
+                              (nm("sinks"), sinks), ("out", out), ("lse", lse),
+                              ("probs", probs)])
     if out is None:
         out = empty(kind, out_shape, q)
     if lse is None:
@@ -463,7 +508,7 @@ def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=No
     args, keep = _fwd_args(q, k, v, out, lse, probs if return_softmax else None, cu_q, cu_k,
                            used_k, alibi, sinks, (qc, kc, vc), kind, nm, varlen, max_seqlen_q,
                            max_seqlen_k, window_size, dropout_p, softcap, softmax_scale, causal,
-                           seed, offset, num_threads)
+                           seed, offset, num_threads, target)
     try:
         _lib.forward(args)
     except FlashAttnError as e:
@@ -488,6 +533,9 @@ def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=N
         return names.get(c_name, c_name)
 
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if kind == TORCH and q.device.type == "cuda":
+        raise FlashAttnError("%s: the backward pass on CUDA tensors is not implemented yet (the "
+                             "CUDA backend runs the forward only)" % nm("q"))
     q = prepare(q, nm("q"), kind)
     k = prepare(k, nm("k"), kind)
     v = prepare(v, nm("v"), kind)

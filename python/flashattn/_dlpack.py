@@ -3,13 +3,14 @@ accepted where a torch tensor or a NumPy array is, and the results come back as 
 
 How a call routes:
 1. Each argument that is neither a torch tensor nor a NumPy array but has ``__dlpack__`` is
-   imported without copying: with ``torch.from_dlpack`` when torch is already imported (it
-   reads every dtype, bf16 included, and every device torch knows), else ``numpy.from_dlpack``
-   (CPU arrays of NumPy dtypes).
+   imported without copying, as the kind of the call's other arrays if it has some, else with
+   ``torch.from_dlpack`` when torch is already imported (it reads every dtype, bf16 included,
+   and every device torch knows), else ``numpy.from_dlpack`` (CPU arrays of NumPy dtypes).
 2. The call runs on those tensors / arrays like any other.
-3. Each array result is handed back through the DLPack consumer of the first foreign argument's
-   array namespace (``x.__array_namespace__().from_dlpack``: NumPy, CuPy, JAX and other array
-   API libraries); an object that names no namespace gets NumPy arrays.
+3. When the first array argument (q, or qkv) is such an object, each array result is handed
+   back through the DLPack consumer of its array namespace
+   (``x.__array_namespace__().from_dlpack``: NumPy, CuPy, JAX and other array API libraries);
+   an object that names no namespace gets NumPy arrays.
 
 On the GPU (when flashattn takes CUDA tensors), the same steps route a CuPy or JAX device array
 through ``torch.from_dlpack`` (the CUDA stream is negotiated by the ``stream`` argument of
@@ -23,27 +24,34 @@ import sys
 _SCALARS = (bool, int, float, str, bytes, tuple, list, dict)
 
 
-def _is_foreign(x):
-    if x is None or isinstance(x, _SCALARS):
-        return False
+def _native(x):
+    """'torch' or 'numpy' for the arrays flashattn takes directly, else None."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        return False
+        return "torch"
     np = sys.modules.get("numpy")
     if np is not None and isinstance(x, np.ndarray):
+        return "numpy"
+    return None
+
+
+def _is_foreign(x):
+    if x is None or isinstance(x, _SCALARS) or _native(x) is not None:
         return False
     return hasattr(x, "__dlpack__")
 
 
-def _import(x):
-    if not _is_foreign(x):
-        return x
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return torch.from_dlpack(x)
+def _importer(values):
+    """The consumer for the foreign arguments: the kind of the call's native arrays if it has
+    some (a call takes one kind), else torch when it is imported, else NumPy."""
+    kind = next((k for k in map(_native, values) if k is not None), None)
+    if kind is None:
+        kind = "torch" if sys.modules.get("torch") is not None else "numpy"
+    if kind == "torch":
+        return sys.modules["torch"].from_dlpack
     import numpy as np
 
-    return np.from_dlpack(x)
+    return np.from_dlpack
 
 
 def _exporter(first):
@@ -56,17 +64,21 @@ def _exporter(first):
 
 
 def accepts_dlpack(fn):
-    """Wraps a forward function so that DLPack arrays go in and come out (see the module)."""
+    """Wraps a forward function so that DLPack arrays go in and come out (see the module).
+    The results take the kind of the call's first array argument (q, or qkv)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        first = next((x for x in args if _is_foreign(x)), None)
-        if first is None:
-            first = next((x for x in kwargs.values() if _is_foreign(x)), None)
-        if first is None:
+        values = args + tuple(kwargs.values())
+        if not any(_is_foreign(x) for x in values):
             return fn(*args, **kwargs)
-        result = fn(*(_import(x) for x in args), **{k: _import(x) for k, x in kwargs.items()})
-        export = _exporter(first)
+        load = _importer(values)
+        conv = lambda x: load(x) if _is_foreign(x) else x  # noqa: E731
+        result = fn(*map(conv, args), **{k: conv(x) for k, x in kwargs.items()})
+        lead = next(x for x in values if _is_foreign(x) or _native(x) is not None)
+        if not _is_foreign(lead):
+            return result
+        export = _exporter(lead)
         if isinstance(result, tuple):
             return tuple(export(r) for r in result)
         return export(result)

@@ -1,9 +1,9 @@
 """PyTorch custom ops over the C library, and the torch side of the public functions.
 
-    torch.ops.flashattn.fwd         (q, k, v, ...)                     -> out, lse, S_dmask, rng_state
-    torch.ops.flashattn.varlen_fwd  (q, k, v, cu_seqlens_q, ...)       -> out, lse, S_dmask, rng_state
-    torch.ops.flashattn.bwd         (dout, q, k, v, out, lse, ...)     -> dq, dk, dv, dsink
-    torch.ops.flashattn.varlen_bwd  (dout, q, k, v, out, lse, cu...)   -> dq, dk, dv, dsink
+    torch.ops.flashattn.fwd         (q, k, v, ...)                  -> out, lse, S_dmask, rng_state
+    torch.ops.flashattn.varlen_fwd  (q, k, v, cu_seqlens_q, ...)    -> out, lse, S_dmask, rng_state
+    torch.ops.flashattn.bwd         (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
+    torch.ops.flashattn.varlen_bwd  (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
 
 Imported on the first torch call (``import flashattn`` does not import torch). Every torch call
 of a public function goes through these ops, with or without gradients, so one path serves
@@ -13,8 +13,9 @@ compiled model keeps them as opaque nodes and traces without graph breaks. The o
 functional (they allocate their outputs), which is what AOT autograd wants.
 
 The kernels are Python functions over ``_core``, registered for the device types in
-``DEVICE_TYPES``; a CUDA build registers the same kernels for "cuda" by adding it there, once
-``_core`` passes CUDA tensors, their device and the current stream to the C library.
+``DEVICE_TYPES``: "cuda" runs the same kernels, ``_core`` passing CUDA tensors' device pointers,
+their device and the current stream to the C library (forward only: a CUDA tensor that requires
+grad is refused by ``_core.check_device``).
 
 Outputs, as upstream's ops (``flash_attn::_flash_attn_forward`` and friends): ``out`` (b, sq, h,
 dv) / (total_q, h, dv); ``lse`` (b, h, sq) / (h, total_q), fp32, except fp64 for fp64 inputs so
@@ -38,7 +39,7 @@ import torch
 from . import _core
 from ._lib import FlashAttnError
 
-DEVICE_TYPES = ("cpu",)
+DEVICE_TYPES = ("cpu", "cuda")
 
 _T = torch.Tensor
 _OptT = Optional[torch.Tensor]
@@ -255,10 +256,13 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 # The torch side of the public functions
 
 
-def draw_seed(dropout_p):
-    """The dropout seed as an int64 (1,) tensor from the default generator, or None without
-    dropout (so calls without dropout leave the generator alone). Seeds are in [0, 2**63 - 1)
-    so that rng_state fits int64."""
+def draw_seed(dropout_p, device=None):
+    """The dropout seed as an int64 (1,) tensor from the default generator (for CUDA tensors,
+    ``device``'s CUDA generator: ``_core.draw_seed_cuda``), or None without dropout (so calls
+    without dropout leave the generator alone). Seeds are in [0, 2**63 - 1) so that rng_state
+    fits int64."""
+    if dropout_p > 0.0 and device is not None and device.type == "cuda":
+        return torch.tensor([_core.draw_seed_cuda(device)], dtype=torch.int64)
     if dropout_p > 0.0:
         return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64)
     return None
@@ -278,7 +282,7 @@ def _check_devices(named):
     # the dispatcher with a message that does not name the argument.
     for name, x in named:
         if x is not None:
-            _core.check_device(x, name)
+            _core.check_device(x, name, cuda=True)
 
 
 def _renamed(e, names):
@@ -296,7 +300,7 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
     dropout_p, softmax_scale, softcap = _scalars(dropout_p, softmax_scale, softcap)
     try:
         out, lse, S, rng_state = torch.ops.flashattn.fwd(
-            q, k, v, alibi_slopes, learnable_sink, draw_seed(dropout_p), dropout_p,
+            q, k, v, alibi_slopes, learnable_sink, draw_seed(dropout_p, q.device), dropout_p,
             softmax_scale, bool(causal), window[0], window[1], softcap, bool(return_softmax),
             bool(deterministic))
     except FlashAttnError as e:
@@ -320,7 +324,7 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     try:
         out, lse, S, rng_state = torch.ops.flashattn.varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink,
-            draw_seed(dropout_p), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+            draw_seed(dropout_p, q.device), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
             bool(causal), window[0], window[1], softcap, bool(return_softmax),
             bool(deterministic))
     except FlashAttnError as e:

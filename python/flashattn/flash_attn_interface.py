@@ -81,12 +81,13 @@ def _empty_dmask(kind, q):
     return _core.empty(kind, (0,), q)
 
 
-def _seed_for(kind, dropout_p):
+def _seed_for(dropout_p):
+    """The seed of a NumPy call (torch calls draw theirs inside ``_torch_ops``)."""
     try:
         p = float(dropout_p)
     except (TypeError, ValueError):
         return 0  # _core reports the bad dropout_p
-    return _core.draw_seed(kind) if p > 0.0 else 0
+    return _core.draw_seed() if p > 0.0 else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,14 +111,14 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
                                 _window((window_size_left, window_size_right)), softcap,
                                 alibi_slopes, _deterministic, return_softmax, learnable_sink,
                                 _names)
-    seed = _seed_for(kind, dropout_p)
+    seed = _seed_for(dropout_p)
     out, lse, probs = _core.forward(
         q, k, v, kind=kind, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_size_left, window_size_right), softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
         seed=seed, offset=0, names=_names)
     S_dmask = probs if return_softmax else _empty_dmask(kind, q)
-    return out, lse, S_dmask, _core.rng_state_array(kind, seed, 0, q)
+    return out, lse, S_dmask, _core.rng_state_array(seed, 0)
 
 
 def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -146,7 +147,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             softmax_scale, causal, _window((window_size_left, window_size_right)), softcap,
             alibi_slopes, _deterministic, return_softmax, learnable_sink, seqused_k, _names)
     else:
-        seed = _seed_for(kind, dropout_p)
+        seed = _seed_for(dropout_p)
         out, lse, probs = _core.forward(
             q, k, v, kind=kind, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -155,7 +156,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
             seed=seed, offset=0, names=_names)
         S_dmask = probs if return_softmax else _empty_dmask(kind, q)
-        rng_state = _core.rng_state_array(kind, seed, 0, q)
+        rng_state = _core.rng_state_array(seed, 0)
     if zero_tensors:
         # Upstream pre-fills lse with -inf (and out with 0) when zero_tensors; rows outside every
         # sequence keep those values. The C library writes 0 / +inf there: patch lse.

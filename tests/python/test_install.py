@@ -39,6 +39,9 @@ def test_pip_install_target(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     lib = target / "flashattn" / "libflashattn.so"
     assert lib.is_file() and not lib.is_symlink()
+    for module in ("bert_padding.py", "layers/rotary.py", "modules/mha.py",
+                   "utils/generation.py"):
+        assert (target / "flashattn" / module).is_file(), module
     code = (
         "import sys\n"
         "sys.modules['torch'] = None\n"

@@ -9,7 +9,8 @@ Conventions (upstream's):
 - Token t of sequence b sits at position t + seqlen_offsets (an int, or a (batch,) tensor for
   sequences at different offsets, as in decoding with a KV cache). A position past the end of
   the tables is left unrotated (cos 1, sin 0), as upstream's kernel does.
-- The rotation is computed in fp32 and rounded to x's dtype.
+- The rotation is computed in fp32 (fp64 for fp64 inputs, where upstream drops to fp32) and
+  rounded to x's dtype.
 
 Gradients flow through ordinary torch ops, in place or not (the in-place forms write through
 ``copy_``, which autograd tracks), so the functions also trace under ``torch.compile``.
@@ -91,19 +92,21 @@ def _positions(x, seqlen_offsets, cu_seqlens, max_seqlen, seqlen_ro):
 
 
 def _rotated(x, cos, sin, interleaved, conjugate, pos):
-    """The first rotary_dim features of x rotated by the angles at ``pos`` (computed in fp32,
-    returned in x's dtype); rows whose position is past the tables are unchanged."""
+    """The first rotary_dim features of x rotated by the angles at ``pos`` (computed in fp32, or
+    fp64 for fp64 x; returned in x's dtype); rows whose position is past the tables are
+    unchanged."""
     seqlen_ro, half = cos.shape
     rd = 2 * half
+    compute = torch.promote_types(x.dtype, torch.float32)
     inside = (pos >= 0) & (pos < seqlen_ro)
     idx = torch.where(inside, pos, torch.zeros_like(pos))
-    c = torch.where(inside[..., None], cos.float()[idx], torch.ones((), device=x.device))
-    s = torch.where(inside[..., None], sin.float()[idx], torch.zeros((), device=x.device))
+    c = torch.where(inside[..., None], cos.to(compute)[idx], torch.ones((), device=x.device))
+    s = torch.where(inside[..., None], sin.to(compute)[idx], torch.zeros((), device=x.device))
     if conjugate:
         s = -s
     # One row of angles per token, broadcast over heads.
     c, s = _expand_table(c, interleaved).unsqueeze(-2), _expand_table(s, interleaved).unsqueeze(-2)
-    xr = x[..., :rd].float()
+    xr = x[..., :rd].to(compute)
     return (xr * c + rotate_half(xr, interleaved) * s).to(x.dtype)
 
 

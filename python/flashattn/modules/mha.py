@@ -14,9 +14,9 @@ Inference (``inference_params``, an ``InferenceParams`` from ``flashattn.utils.g
 the first call (``seqlen_offset == 0``, the prompt) writes the keys and values into the cache
 and attends over them; later calls (decoding) append and attend in one
 ``flash_attn_with_kvcache`` call, which also applies the rotary embedding to q and the new
-keys. Two differences from upstream, both fixes: the decoding call passes the sliding
-window (upstream drops it there), and xPos rotary (``rotary_emb_scale_base``) decodes through
-the unfused path instead of failing an assertion.
+keys. Differences from upstream, all fixes: the decoding call passes the sliding window
+(upstream drops it there), xPos rotary (``rotary_emb_scale_base``) decodes through the unfused
+path instead of failing an assertion, and the dwconv layers follow ``device`` / ``dtype``.
 
 ``ParallelMHA`` (tensor parallel, needs upstream's fused dense ops) is not provided.
 """
@@ -287,15 +287,14 @@ class MHA(nn.Module):
             self.Wkv = nn.Linear(embed_dim, kv_dim, bias=qkv_proj_bias, **factory_kwargs)
         if self.dwconv:
             # Depthwise causal convolutions over the sequence (kernel 3, padded by 2 and
-            # trimmed at the end); parameter names as upstream's.
+            # trimmed at the end); parameter names as upstream's, which creates them without
+            # the device and dtype (so dwconv fails with dtype=...); here they follow them.
+            conv = partial(nn.Conv1d, kernel_size=3, padding=2, **factory_kwargs)
             if self.num_heads_kv == self.num_heads:
-                self.dwconv_qkv = nn.Conv1d(qkv_dim, qkv_dim, kernel_size=3, padding=2,
-                                            groups=qkv_dim)
+                self.dwconv_qkv = conv(qkv_dim, qkv_dim, groups=qkv_dim)
             else:
-                self.dwconv_q = nn.Conv1d(embed_dim, embed_dim, kernel_size=3, padding=2,
-                                          groups=embed_dim)
-                self.dwconv_kv = nn.Conv1d(kv_dim, kv_dim, kernel_size=3, padding=2,
-                                           groups=kv_dim)
+                self.dwconv_q = conv(embed_dim, embed_dim, groups=embed_dim)
+                self.dwconv_kv = conv(kv_dim, kv_dim, groups=kv_dim)
         self.inner_attn = inner_attn_cls(causal=causal, softmax_scale=softmax_scale,
                                          attention_dropout=dropout)
         self.inner_cross_attn = inner_cross_attn_cls(causal=causal, softmax_scale=softmax_scale,
