@@ -32,15 +32,17 @@ python-deps:
 test-python: build python-deps
 	PYTHONPATH=python $(PYTHON) -m pytest -q tests/python
 
-# On a CUDA machine: build in build-cuda, run the GPU tests (GPU vs CPU on every feature), then
-# benchmark beside PyTorch's SDPA backends. Exits with the tests' status.
+# On a CUDA machine: build in build-cuda, run the GPU tests (GPU vs CPU on every feature, in C
+# and through the Python functions on CUDA tensors), then benchmark beside PyTorch's SDPA
+# backends. Exits with the tests' status.
 gpu-check:
 	cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
 	cmake --build build-cuda -j $(JOBS)
 	build-cuda/flashattn info
 	build-cuda/tests/gpu/test_gpu_forward; rc=$$?; \
-	PYTHONPATH=python FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so \
-		$(PYTHON) tests/gpu/bench_gpu.py || rc=1; exit $$rc
+	export PYTHONPATH=python FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so; \
+	$(PYTHON) -m pytest -q tests/gpu/test_python_cuda.py || rc=1; \
+	$(PYTHON) tests/gpu/bench_gpu.py || rc=1; exit $$rc
 
 clean:
 	rm -rf $(BUILD_DIR) python/flashattn/libflashattn.so

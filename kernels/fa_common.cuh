@@ -134,10 +134,9 @@ FA_DEV void fa_mma16816(float c[4], const fa_u32 a[4], fa_u32 b0, fa_u32 b1)
 }
 
 /* Philox4x32-10 exactly as src/util/fa_philox.h computes it on the CPU (the dropout mask must be
- * bit-identical). Returns word `word` (0..3) of the block, chosen without a run-time array index
- * so that the block stays in registers. */
-FA_DEV fa_u32 fa_philox_word(fa_u32 c0, fa_u32 c1, fa_u32 c2, fa_u32 c3, fa_u32 k0, fa_u32 k1,
-                             int word)
+ * bit-identical): the four words of block (c0, c1, c2, c3) under key (k0, k1), in w[0..3]. */
+FA_DEV void fa_philox4(fa_u32 c0, fa_u32 c1, fa_u32 c2, fa_u32 c3, fa_u32 k0, fa_u32 k1,
+                       fa_u32 w[4])
 {
 #pragma unroll
     for (int round = 0; round < 10; round++) {
@@ -150,16 +149,56 @@ FA_DEV fa_u32 fa_philox_word(fa_u32 c0, fa_u32 c1, fa_u32 c2, fa_u32 c3, fa_u32 
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
     }
-    return word == 0 ? c0 : word == 1 ? c1 : word == 2 ? c2 : c3;
+    w[0] = c0;
+    w[1] = c1;
+    w[2] = c2;
+    w[3] = c3;
 }
 
-/* The 32-bit word holding the 16-bit numbers of columns col (even) and col+1 of one row. */
+/* w[i] for a run-time i in 0..3, as selects: an indexed local array would go to local memory. */
+FA_DEV fa_u32 fa_pick4(const fa_u32 w[4], int i)
+{
+    const fa_u32 lo = (i & 1) ? w[1] : w[0], hi = (i & 1) ? w[3] : w[2];
+    return (i & 2) ? hi : lo;
+}
+
+/* The dropout stream of (sequence, head): Philox's counter words 2 and 3. */
+FA_DEV fa_u64 fa_dropout_stream(const fa_kparams *kp, int batch, int head)
+{
+    return kp->offset + (fa_u64)batch * (fa_u64)kp->h + (fa_u64)head;
+}
+
+/* The 32-bit word holding the 16-bit numbers of columns col (even) and col+1 of one row: word
+ * (col % 8) / 2 of the block whose counter is (col / 8, row, stream). */
 FA_DEV fa_u32 fa_dropout_pair(const fa_kparams *kp, int batch, int head, int row, int col)
 {
-    fa_u64 stream = kp->offset + (fa_u64)batch * (fa_u64)kp->h + (fa_u64)head;
-    return fa_philox_word((fa_u32)(col >> 3), (fa_u32)row, (fa_u32)stream,
-                          (fa_u32)(stream >> 32), (fa_u32)kp->seed, (fa_u32)(kp->seed >> 32),
-                          (col & 7) >> 1);
+    const fa_u64 stream = fa_dropout_stream(kp, batch, head);
+    fa_u32 w[4];
+    fa_philox4((fa_u32)(col >> 3), (fa_u32)row, (fa_u32)stream, (fa_u32)(stream >> 32),
+               (fa_u32)kp->seed, (fa_u32)(kp->seed >> 32), w);
+    return fa_pick4(w, (col & 7) >> 1);
+}
+
+/* Dropout words for the 4 lanes of a quad (lanes 4g..4g+3, t = lane % 4), which hold columns
+ * 8j + 2t, 8j + 2t + 1 of the same row for 4 consecutive 8-column blocks j = 0..3 (block
+ * counters blk0 + j): lane t needs word t of every block. Instead of each lane running all four
+ * Philox blocks, lane t runs block j = t and the quad transposes the 4x4 words with 3 shuffles:
+ * in round r lane t reads lane t ^ r, which sends word t of its block t ^ r. out[j] gets word t
+ * of block j. Every lane of the warp must call this together. */
+FA_DEV void fa_dropout_quad(fa_u32 blk0, fa_u32 row, fa_u64 stream, fa_u64 seed, int t,
+                            fa_u32 out[4])
+{
+    fa_u32 w[4], got[4];
+    fa_philox4(blk0 + (fa_u32)t, row, (fa_u32)stream, (fa_u32)(stream >> 32), (fa_u32)seed,
+               (fa_u32)(seed >> 32), w);
+    got[0] = fa_pick4(w, t);
+#pragma unroll
+    for (int r = 1; r < 4; r++)
+        got[r] = __shfl_xor_sync(0xffffffffu, fa_pick4(w, t ^ r), r);
+    /* got[r] is word t of block t ^ r, so block j arrived in round t ^ j. */
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        out[j] = fa_pick4(got, t ^ j);
 }
 
 /* The visible keys [lo, hi) of row `row` of a sequence of sq queries and sk keys (the rule of

@@ -5,8 +5,10 @@
  * One CTA computes a tile of FA_BM query rows of one (sequence, head). Its warps split the rows
  * (FA_MT m-tiles of 16 rows each); keys are visited in blocks of FA_BN from the last visible block
  * to the first, with an online softmax in base 2 (the softmax scale and log2(e) are folded into
- * one multiply). Q, K and V live in shared memory in 16-byte chunks whose column is XOR-swizzled
- * by the row, so that the 8 row addresses of every ldmatrix hit 8 different bank groups.
+ * the one FFMA in front of each exp2). Q, K and V live in shared memory in 16-byte chunks whose
+ * column is XOR-swizzled by the row, so that the 8 row addresses of every ldmatrix hit 8
+ * different bank groups; each thread computes its shared and global addresses once and steps
+ * them by constants.
  * Copies are cp.async: V of block n loads while S = Q K^T runs, K of block n-1 while the softmax
  * and O += P V run, so a copy is always in flight behind the tensor cores.
  *
@@ -14,7 +16,7 @@
  *   FA_BF16           data type (0: fp16, 1: bf16)
  *   FA_DP, FA_DVP     head dims of q/k and of v, padded to 32 or a multiple of 64
  *   FA_BM, FA_BN      query rows per CTA, keys per block
- *   FA_NWARPS         warps per CTA (FA_BM = 16 * FA_NWARPS * m-tiles per warp)
+ *   FA_NWARPS         warps per CTA, a power of two (FA_BM = 16 * FA_NWARPS * m-tiles per warp)
  *   FA_VEC            1: every row is 16-byte aligned with d, dv % 8 == 0, so cp.async is used
  *   FA_VARLEN, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT   features compiled in (0/1)
  * Entry points: fa_fwd (the attention), fa_fwd_fill (varlen rows outside every sequence) and
@@ -34,45 +36,118 @@
 #error "tile sizes must be multiples of the mma shape"
 #endif
 
-/* Offset in elements of chunk c of row r in a swizzled tile of cpr chunks per row. With 8 or
- * more chunks per row the chunk index is XORed with r % 8; with 4 (64-byte rows, two rows per
- * 128-byte line) with (r / 2) % 4. */
-FA_DEV int fa_swz(int r, int c, int cpr)
+/* The swizzle key of row r: the value XORed into its chunk index. With 8 or more chunks per row
+ * it is r % 8; with 4 (64-byte rows, two rows per 128-byte line) it is (r / 2) % 4. */
+FA_DEV int fa_swz_key(int r, int cpr) { return cpr >= 8 ? (r & 7) : ((r >> 1) & 3); }
+
+/* Byte offset of chunk c of row r in a swizzled tile of cpr 16-byte chunks per row. */
+FA_DEV int fa_swz(int r, int c, int cpr) { return r * cpr * 16 + ((c ^ fa_swz_key(r, cpr)) << 4); }
+
+/* The address of chunk c0 + h of a row, from `a`, the address of chunk h (0 or 1) of the same
+ * row, for an even compile-time c0. Since c0 is even, (c0 + h) ^ key = c0 ^ (h ^ key): the
+ * low three bits of c0 flip bits 4..6 of `a` (which hold (h ^ key) and are zero in the row's
+ * start, the tiles being 128-byte aligned), the rest is a plain offset. So a thread computes one
+ * address per operand once and each ldmatrix costs a LOP3 and an immediate offset. The same
+ * holds with any row added whose key is 0 (multiples of 8 rows, or of 16 with cpr 4). */
+FA_DEV fa_u32 fa_swz_at(fa_u32 a, int c0) { return (a ^ ((c0 & 7) << 4)) + ((c0 & ~7) << 4); }
+
+/* The copies give each thread one fixed column chunk when the thread count is a multiple of the
+ * chunks per row (all but the 24 chunks of d 192): chunk c of rows r0, r0 + rpp, r0 + 2 rpp, ...
+ * with rpp = FA_THREADS / cpr. Both are powers of two, so r0 < rpp shares no bit with j * rpp
+ * and the key of row r0 + j * rpp is key(r0) ^ key(j * rpp): one address per thread, stepped
+ * by constants. Otherwise chunk i of the tile goes to thread i % FA_THREADS, its row and column
+ * computed per chunk. */
+#define FA_FIXED_CHUNK(cpr) (FA_THREADS % (cpr) == 0)
+
+#if FA_THREADS & (FA_THREADS - 1)
+#error "the copy scheme needs a power-of-two thread count"
+#endif
+
+typedef struct fa_copy {
+    fa_u32 tile;      /* shared address of the tile */
+    fa_u32 dst;       /* fixed chunk: shared address of chunk ch of row r0 */
+    fa_i64 src;       /* fixed chunk: element offset of chunk ch of row r0 in the slice */
+    int r0, ch;
+    int ncols;
+} fa_copy;
+
+FA_DEV fa_copy fa_copy_make(fa_u32 tile, fa_i64 rs, int ncols, int cpr)
 {
-    int x = cpr >= 8 ? (r & 7) : ((r >> 1) & 3);
-    return r * cpr * 8 + ((c ^ x) << 3);
+    fa_copy c;
+    const int fixed = FA_FIXED_CHUNK(cpr);
+    c.r0 = fixed ? (int)threadIdx.x / cpr : 0;
+    c.ch = fixed ? (int)threadIdx.x % cpr : 0;
+    c.tile = tile;
+    c.dst = tile + fa_swz(c.r0, c.ch, cpr);
+    c.src = c.r0 * rs + c.ch * 8;
+    c.ncols = ncols;
+    return c;
 }
 
-/* Copies rows [0, rows) x columns [0, R*cpr*8) of a row-major global slice (row stride rs) into
- * a swizzled [R][cpr*8] tile, zero-filling rows >= nrows and columns >= ncols. `safe` is any
- * valid address, given to zero-length copies. */
-FA_DEV void fa_tile_load(fa_u16 *tile, const fa_u16 *g, fa_i64 rs, int nrows, int ncols, int rows,
+#if FA_VEC
+/* Copies rows [0, rows) of a global slice (row stride rs) into the tile with cp.async,
+ * zero-filling rows >= nrows and chunks beyond the columns. `src` is the slice plus cp->src,
+ * kept by the caller and stepped block to block, so that the loop carries one 64-bit pointer
+ * rather than recomputing it from the parameters; `safe` is a valid address given to
+ * zero-length copies. */
+FA_DEV void fa_tile_load(const fa_copy *cp, const fa_u16 *src, fa_i64 rs, int nrows, int rows,
                          int cpr, const void *safe)
 {
-    for (int i = threadIdx.x; i < rows * cpr; i += FA_THREADS) {
-        int r = i / cpr, c = i - r * cpr;
-        fa_u16 *dst = tile + fa_swz(r, c, cpr);
-#if FA_VEC
-        int ok = r < nrows && (c << 3) < ncols;
-        fa_cp_async16(fa_smem_addr(dst), ok ? (const void *)(g + r * rs + (c << 3)) : safe,
-                      ok ? 16 : 0);
-#else
-        (void)safe;
+    if (FA_FIXED_CHUNK(cpr)) {
+        const int rpp = FA_THREADS / cpr;
+        const int col_ok = cp->ch * 8 < cp->ncols;
 #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            int col = (c << 3) + e;
-            dst[e] = (r < nrows && col < ncols) ? g[r * rs + col] : (fa_u16)0;
+        for (int j = 0; j * rpp < rows; j++) {
+            const int r = cp->r0 + j * rpp;
+            if (rows % rpp == 0 || r < rows) {
+                const int ok = col_ok && r < nrows;
+                const fa_u32 dst =
+                    (cp->dst ^ (fa_swz_key(j * rpp, cpr) << 4)) + j * rpp * cpr * 16;
+                fa_cp_async16(dst, ok ? (const void *)(src + j * rpp * rs) : safe, ok ? 16 : 0);
+            }
         }
-#endif
+    } else {
+#pragma unroll
+        for (int i0 = 0; i0 < rows * cpr; i0 += FA_THREADS) {
+            const int i = i0 + (int)threadIdx.x;
+            const int r = i / cpr, c = i - r * cpr;
+            const int ok = i < rows * cpr && r < nrows && c * 8 < cp->ncols;
+            if (i < rows * cpr)
+                fa_cp_async16(cp->tile + fa_swz(r, c, cpr),
+                              ok ? (const void *)(src + r * rs + c * 8) : safe, ok ? 16 : 0);
+        }
     }
 }
+#else
+/* Unaligned rows: element by element through registers, into the tile at generic address
+ * `tile`, zero-filling rows >= nrows and columns >= ncols. */
+FA_DEV void fa_tile_load_scalar(fa_u16 *tile, const fa_u16 *g, fa_i64 rs, int nrows, int ncols,
+                                int rows, int cpr)
+{
+    for (int i = threadIdx.x; i < rows * cpr; i += FA_THREADS) {
+        const int r = i / cpr, c = i - r * cpr;
+        fa_u16 *dst = tile + (fa_swz(r, c, cpr) >> 1);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const int col = (c << 3) + e;
+            dst[e] = (r < nrows && col < ncols) ? g[r * rs + col] : (fa_u16)0;
+        }
+    }
+}
+#endif
+
+/* Whether the scores are turned into base-2 units element by element before the softmax
+ * (softcap and ALiBi transform them anyway); otherwise scale * log2(e) is folded into the one
+ * FFMA in front of each exp2: p = 2^(s * c - m * c). */
+#define FA_PRESCALE (FA_SOFTCAP || FA_ALIBI)
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams kp)
 {
     extern __shared__ __align__(128) fa_u16 fa_smem[];
-    fa_u16 *sq = fa_smem;               /* [FA_BM][FA_DP] */
-    fa_u16 *sk = sq + FA_BM * FA_DP;    /* [FA_BN][FA_DP] */
-    fa_u16 *sv = sk + FA_BN * FA_DP;    /* [FA_BN][FA_DVP] */
+    /* Shared addresses of the tiles Q [FA_BM][FA_DP], K [FA_BN][FA_DP], V [FA_BN][FA_DVP]. */
+    const fa_u32 sq_a = fa_smem_addr(fa_smem);
+    const fa_u32 sk_a = sq_a + FA_BM * FA_DP * 2;
+    const fa_u32 sv_a = sk_a + FA_BN * FA_DP * 2;
 
     /* Heavy (late, under causal) query tiles first, so they do not end the launch alone. */
     const int m_block = gridDim.x - 1 - blockIdx.x;
@@ -92,6 +167,22 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                        hk * kp.k_hstride;
     const fa_u16 *vg = (const fa_u16 *)kp.v + bi * kp.v_bstride + seq.k_start * kp.v_rstride +
                        hk * kp.v_hstride;
+#if FA_VEC
+    const fa_copy cq = fa_copy_make(sq_a, kp.q_rstride, kp.d, FA_CPR_K);
+    const fa_copy ck = fa_copy_make(sk_a, kp.k_rstride, kp.d, FA_CPR_K);
+    const fa_copy cv = fa_copy_make(sv_a, kp.v_rstride, kp.dv, FA_CPR_V);
+#else
+    fa_u16 *const sq_p = fa_smem, *const sk_p = sq_p + FA_BM * FA_DP;
+    fa_u16 *const sv_p = sk_p + FA_BN * FA_DP;
+#endif
+
+    /* This thread's ldmatrix addresses at k-step / n-pair / d-pair 0 (see fa_swz_at):
+     * Q (A operand): lanes 0-15 rows 0-15 at chunk 0, lanes 16-31 the same rows at chunk 1;
+     * K (B operand, two n-tiles): matrices (keys 0-7, chunk 0), (0-7, 1), (8-15, 0), (8-15, 1);
+     * V (B operand by .trans, two d-tiles): (keys 0-7, chunk 0), (8-15, 0), (0-7, 1), (8-15, 1). */
+    const fa_u32 q_ld = sq_a + fa_swz(wrow + (lane & 15), lane >> 4, FA_CPR_K);
+    const fa_u32 k_ld = sk_a + fa_swz((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, FA_CPR_K);
+    const fa_u32 v_ld = sv_a + fa_swz((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4, FA_CPR_V);
 
     /* The keys any row of the tile sees: both window edges grow with the row. */
     const int m_last = fa_min(m0 + FA_BM, seq.sq) - 1;
@@ -101,8 +192,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     const int n_min = lo_first / FA_BN;
     const int n_max = hi_last > lo_first ? (hi_last + FA_BN - 1) / FA_BN : n_min;
 
-    /* Per row this thread owns (rows g and g+8 of each m-tile): running max (base 2) and this
-     * thread's share of the running sum. */
+    /* The factor in front of exp2. A scale <= 0 would turn the running max into a min and the
+     * masked -inf into +inf or NaN, so then (never in practice) the scores are prescaled too. */
+    const int prescale = FA_PRESCALE || !(kp.scale_log2 > 0.f);
+    const float sm = prescale ? 1.f : kp.scale_log2;
+
+    /* Per row this thread owns (rows g and g+8 of each m-tile): running max of the scores (in
+     * units of 1/sm) and this thread's share of the running sum. */
     float row_max[FA_MT][2], row_sum[FA_MT][2];
     float o[FA_MT][FA_OT][4];
 #pragma unroll
@@ -121,11 +217,25 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #if FA_ALIBI
     const float slope_log2 = kp.alibi_slopes[bi * kp.alibi_bstride + h * kp.alibi_hstride] * FA_LOG2E;
 #endif
+#if FA_DROPOUT
+    const fa_u64 stream = fa_dropout_stream(&kp, bi, h);
+#endif
 
+#if FA_VEC
+    /* This thread's first chunk of the next K and V blocks to load (the last block first). */
+    const fa_u16 *k_src = kg + ck.src + (fa_i64)(n_max - 1) * FA_BN * kp.k_rstride;
+    const fa_u16 *v_src = vg + cv.src + (fa_i64)(n_max - 1) * FA_BN * kp.v_rstride;
+#endif
     if (n_max > n_min) {
-        fa_tile_load(sq, qg, kp.q_rstride, seq.sq - m0, kp.d, FA_BM, FA_CPR_K, kp.q);
-        fa_tile_load(sk, kg + (fa_i64)(n_max - 1) * FA_BN * kp.k_rstride, kp.k_rstride,
-                     seq.sk - (n_max - 1) * FA_BN, kp.d, FA_BN, FA_CPR_K, kp.k);
+#if FA_VEC
+        fa_tile_load(&cq, qg + cq.src, kp.q_rstride, seq.sq - m0, FA_BM, FA_CPR_K, kp.q);
+        fa_tile_load(&ck, k_src, kp.k_rstride, seq.sk - (n_max - 1) * FA_BN, FA_BN, FA_CPR_K,
+                     kp.k);
+#else
+        fa_tile_load_scalar(sq_p, qg, kp.q_rstride, seq.sq - m0, kp.d, FA_BM, FA_CPR_K);
+        fa_tile_load_scalar(sk_p, kg + (fa_i64)(n_max - 1) * FA_BN * kp.k_rstride, kp.k_rstride,
+                            seq.sk - (n_max - 1) * FA_BN, kp.d, FA_BN, FA_CPR_K);
+#endif
         fa_cp_async_commit();
     }
 
@@ -134,8 +244,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         /* K of this block (and Q) landed; every warp is done with the previous V. */
         fa_cp_async_wait_all();
         __syncthreads();
-        fa_tile_load(sv, vg + (fa_i64)n0 * kp.v_rstride, kp.v_rstride, seq.sk - n0, kp.dv, FA_BN,
-                     FA_CPR_V, kp.v);
+#if FA_VEC
+        fa_tile_load(&cv, v_src, kp.v_rstride, seq.sk - n0, FA_BN, FA_CPR_V, kp.v);
+        v_src -= FA_BN * kp.v_rstride;
+#else
+        fa_tile_load_scalar(sv_p, vg + (fa_i64)n0 * kp.v_rstride, kp.v_rstride, seq.sk - n0,
+                            kp.dv, FA_BN, FA_CPR_V);
+#endif
         fa_cp_async_commit();
 
         /* S = Q K^T: Q fragments by ldmatrix per m-tile, K fragments for two n-tiles at a time. */
@@ -152,13 +267,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
             fa_u32 qa[FA_MT][4];
 #pragma unroll
             for (int mt = 0; mt < FA_MT; mt++)
-                fa_ldmatrix_x4(qa[mt], fa_smem_addr(sq + fa_swz(wrow + mt * 16 + (lane & 15),
-                                                                ks * 2 + (lane >> 4), FA_CPR_K)));
+                fa_ldmatrix_x4(qa[mt], fa_swz_at(q_ld, 2 * ks) + mt * 16 * FA_CPR_K * 16);
 #pragma unroll
             for (int np = 0; np < FA_NT / 2; np++) {
                 fa_u32 kb[4];
-                fa_ldmatrix_x4(kb, fa_smem_addr(sk + fa_swz(np * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                                            ks * 2 + ((lane >> 3) & 1), FA_CPR_K)));
+                fa_ldmatrix_x4(kb, fa_swz_at(k_ld, 2 * ks) + np * 16 * FA_CPR_K * 16);
 #pragma unroll
                 for (int mt = 0; mt < FA_MT; mt++) {
                     fa_mma16816(s[mt][2 * np], qa[mt], kb[0], kb[1]);
@@ -167,26 +280,28 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
             }
         }
 
-        /* Scores in base-2 units. */
+        /* Scores in base-2 units where the features need it (or the scale is not positive). */
+        if (prescale) {
 #pragma unroll
-        for (int mt = 0; mt < FA_MT; mt++)
+            for (int mt = 0; mt < FA_MT; mt++)
 #pragma unroll
-            for (int nt = 0; nt < FA_NT; nt++)
+                for (int nt = 0; nt < FA_NT; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float x = s[mt][nt][e];
+                    for (int e = 0; e < 4; e++) {
+                        float x = s[mt][nt][e];
 #if FA_SOFTCAP
-                    x = tanhf(x * kp.softcap_pre) * kp.scale_log2;
+                        x = tanhf(x * kp.softcap_pre) * kp.scale_log2;
 #else
-                    x *= kp.scale_log2;
+                        x *= kp.scale_log2;
 #endif
 #if FA_ALIBI
-                    int dist = m0 + wrow + mt * 16 + g + 8 * (e >> 1) + seq.sk - seq.sq -
-                               (n0 + nt * 8 + 2 * t + (e & 1));
-                    x -= slope_log2 * (float)(dist < 0 ? -dist : dist);
+                        int dist = m0 + wrow + mt * 16 + g + 8 * (e >> 1) + seq.sk - seq.sq -
+                                   (n0 + nt * 8 + 2 * t + (e & 1));
+                        x -= slope_log2 * (float)(dist < 0 ? -dist : dist);
 #endif
-                    s[mt][nt][e] = x;
-                }
+                        s[mt][nt][e] = x;
+                    }
+        }
         /* The mask, only where the block is not wholly visible to every row of the tile (window
          * edges, the end of the keys). */
         if (!(lo_last <= n0 && hi_first >= n0 + FA_BN)) {
@@ -196,11 +311,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                 for (int hf = 0; hf < 2; hf++) {
                     int lo, hi;
                     fa_key_range(&kp, m0 + wrow + mt * 16 + g + 8 * hf, seq.sq, seq.sk, &lo, &hi);
+                    lo -= n0 + 2 * t;
+                    hi -= n0 + 2 * t;
 #pragma unroll
                     for (int nt = 0; nt < FA_NT; nt++)
 #pragma unroll
                         for (int e = 0; e < 2; e++) {
-                            const int col = n0 + nt * 8 + 2 * t + e;
+                            const int col = nt * 8 + e; /* minus the thread's 2t */
                             if (col < lo || col >= hi)
                                 s[mt][nt][2 * hf + e] = -FA_INF;
                         }
@@ -211,8 +328,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         fa_cp_async_wait_all();
         __syncthreads();
         if (nb > n_min) {
-            fa_tile_load(sk, kg + (fa_i64)(n0 - FA_BN) * kp.k_rstride, kp.k_rstride,
-                         seq.sk - (n0 - FA_BN), kp.d, FA_BN, FA_CPR_K, kp.k);
+#if FA_VEC
+            k_src -= FA_BN * kp.k_rstride;
+            /* Only the last block can be partial, and it is the first one visited. */
+            fa_tile_load(&ck, k_src, kp.k_rstride, FA_BN, FA_BN, FA_CPR_K, kp.k);
+#else
+            fa_tile_load_scalar(sk_p, kg + (fa_i64)(n0 - FA_BN) * kp.k_rstride, kp.k_rstride,
+                                seq.sk - (n0 - FA_BN), kp.d, FA_BN, FA_CPR_K);
+#endif
             fa_cp_async_commit();
         }
 
@@ -228,8 +351,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 /* A row with nothing visible yet keeps max -inf; subtract 0 then, not -inf. */
-                const float base = mx == -FA_INF ? 0.f : mx;
-                const float alpha = fa_exp2(row_max[mt][hf] - base);
+                const float base = mx == -FA_INF ? 0.f : mx * sm;
+                const float alpha = fa_exp2(row_max[mt][hf] * sm - base);
                 row_max[mt][hf] = mx;
                 row_sum[mt][hf] *= alpha;
 #pragma unroll
@@ -237,18 +360,27 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                     o[mt][ot][2 * hf] *= alpha;
                     o[mt][ot][2 * hf + 1] *= alpha;
                 }
+#if FA_DROPOUT
+                /* Dropout words for this row: Philox once per 4 n-tiles per lane, shared across
+                 * the quad (the row's blocks are n-tiles, counter (col / 8, row, stream)). */
+                fa_u32 dw[(FA_NT + 3) / 4 * 4];
+                const int row = m0 + wrow + mt * 16 + g + 8 * hf;
+#pragma unroll
+                for (int q4 = 0; q4 < (FA_NT + 3) / 4; q4++)
+                    fa_dropout_quad((fa_u32)(n0 >> 3) + 4 * q4, (fa_u32)row, stream, kp.seed, t,
+                                    dw + 4 * q4);
+#endif
                 float sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < FA_NT; nt++) {
-                    float p0 = fa_exp2(s[mt][nt][2 * hf] - base);
-                    float p1 = fa_exp2(s[mt][nt][2 * hf + 1] - base);
+                    /* One FFMA and one MUFU per probability. */
+                    float p0 = fa_exp2(fmaf(s[mt][nt][2 * hf], sm, -base));
+                    float p1 = fa_exp2(fmaf(s[mt][nt][2 * hf + 1], sm, -base));
                     sum += p0 + p1;
 #if FA_DROPOUT
                     /* The sum counts dropped keys too: dropout acts after the softmax. */
-                    const int row = m0 + wrow + mt * 16 + g + 8 * hf;
-                    const fa_u32 w = fa_dropout_pair(&kp, bi, h, row, n0 + nt * 8 + 2 * t);
-                    p0 = (w & 0xffffu) < kp.keep_threshold ? p0 : 0.f;
-                    p1 = (w >> 16) < kp.keep_threshold ? p1 : 0.f;
+                    p0 = (dw[nt] & 0xffffu) < kp.keep_threshold ? p0 : 0.f;
+                    p1 = (dw[nt] >> 16) < kp.keep_threshold ? p1 : 0.f;
 #endif
                     s[mt][nt][2 * hf] = p0;
                     s[mt][nt][2 * hf + 1] = p1;
@@ -271,8 +403,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #pragma unroll
             for (int dp = 0; dp < FA_OT / 2; dp++) {
                 fa_u32 vb[4];
-                fa_ldmatrix_x4_trans(vb, fa_smem_addr(sv + fa_swz(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
-                                                                  dp * 2 + (lane >> 4), FA_CPR_V)));
+                fa_ldmatrix_x4_trans(vb, fa_swz_at(v_ld, 2 * dp) + kk * 16 * FA_CPR_V * 16);
 #pragma unroll
                 for (int mt = 0; mt < FA_MT; mt++) {
                     fa_mma16816(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
@@ -293,7 +424,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
             float l = row_sum[mt][hf];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float mx = row_max[mt][hf];
+            const float mx = row_max[mt][hf] * sm; /* base 2 */
             const float big = fmaxf(mx, sink2);
             float lse, scale;
             if (big == -FA_INF) {

@@ -25,8 +25,10 @@ static const fa_plan_row fa_sm80_rows[] = {
     {256, 128, 64, 8, 64, 64, 4},
 };
 
-/* Without dropout, d 256 takes 128 KB of shared memory: sm80 and sm90 have it (measured on the
- * H200: 202 TFLOP/s against 174 for 64x64, 4 warps); sm86/89 (99 KB) take the smaller tile. */
+/* d 256 without dropout: 128x64 with 8 warps (128 KB of shared memory) on sm80, FA2's A100
+ * choice; 64x64 with 4 warps (96 KB, two CTAs per SM on the H200's 228 KB) elsewhere: sm86/89
+ * have 99 KB, and on the H200 the sm80 family measured 319-324 TFLOP/s with it against 246-316
+ * for 128x64x8 at seqlen 4k/16k (bench/NOTES.md, 2026-11-29, second entry). */
 static const fa_plan_row fa_sm8x_row_256 = {256, 64, 64, 4, 64, 64, 4};
 
 /* 32, or a multiple of 64: the granularities the kernel's shared-memory swizzle supports. */
@@ -45,8 +47,9 @@ static void fa_plan_tile_override(fa_plan *plan)
     int bm, bn, nw;
     if (!env || sscanf(env, "%d,%d,%d", &bm, &bn, &nw) != 3)
         return;
-    if (nw < 1 || nw > 8 || bm < 16 * nw || bm % (16 * nw) != 0 || bm > 256 || bn < 16 ||
-        bn % 16 != 0 || bn > 256)
+    /* Warps a power of two: the copies give each thread one column chunk (fa_fwd_sm80.cu). */
+    if (nw < 1 || nw > 8 || (nw & (nw - 1)) != 0 || bm < 16 * nw || bm % (16 * nw) != 0 ||
+        bm > 256 || bn < 16 || bn % 16 != 0 || bn > 256)
         return;
     plan->bm = bm;
     plan->bn = bn;
@@ -85,7 +88,7 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
         if (dmax <= row->dmax)
             break;
     }
-    if (row->dmax == 256 && key->arch != 80 && key->arch != 90)
+    if (row->dmax == 256 && key->arch != 80)
         row = &fa_sm8x_row_256;
     int dropout = (key->features & FA_FEATURE_DROPOUT) != 0;
     plan->bm = dropout ? row->bm_d : row->bm;

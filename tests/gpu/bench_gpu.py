@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--backends", default="flash,cudnn,efficient",
                     help="PyTorch SDPA backends to time beside ours ('none' for ours alone)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_gpu.json"))
+    ap.add_argument("--no-jit", action="store_true",
+                    help="skip the first-call and host-overhead timings (tile sweeps)")
     ap.add_argument("--first-call", type=int, default=0, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.first_call:
@@ -124,13 +126,13 @@ def main():
     cache = tempfile.mkdtemp(prefix="fa-cache-")
     os.environ["FLASHATTN_CACHE_DIR"] = cache
     jit = []
-    for d in (64, 128, 256):
+    for d in () if opts.no_jit else (64, 128, 256):
         compiled = first_call_ms(d)
         r = subprocess.run([sys.executable, __file__, "--first-call", str(d)], env=os.environ,
                            capture_output=True, text=True, check=True)
         disk = json.loads(r.stdout.strip().splitlines()[-1])["ms"]
         jit.append(dict(hdim=d, compile_ms=compiled, disk_hit_ms=disk))
-    overhead = call_overhead_us()
+    overhead = float("nan") if opts.no_jit else call_overhead_us()
 
     rows = []
     for d in [int(x) for x in opts.hdims.split(",")]:

@@ -41,6 +41,22 @@ static const gpu_case gpu_cases[] = {
     {"d192 dv128 window-left", 1, 4, 4, 400, 700, 192, 128, 0, 100, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"d256 long", 1, 2, 2, 1024, 1024, 256, 256, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"d80 softcap dropout-free probs", 1, 2, 1, 100, 333, 80, 80, 0, -1, -1, 20, 0, 0, 0, 0, 0, 1, 0},
+    /* The quad-shared Philox with 4 and 8 n-tiles per block (d128: 32 keys, d32: 128 keys). */
+    {"dropout probs d128 window", 2, 2, 2, 140, 333, 128, 128, 0, 60, 30, 0, 0, 0, .25, 0, 0, 1, 0},
+    {"dropout probs d32 sq>sk", 1, 3, 1, 300, 200, 32, 32, 1, -1, -1, 0, 0, 1, 0.4, 0, 0, 1, 0},
+    /* d192: 24 chunks per row, the per-chunk copy path; several full K/V blocks. */
+    {"d192 long causal", 1, 2, 1, 700, 900, 192, 192, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+};
+
+/* A softmax scale <= 0 takes the prescaled softmax (the max of scale * s is not scale * max s,
+ * and a masked -inf times the scale is not -inf). */
+static const struct {
+    gpu_case c;
+    double scale;
+} scale_cases[] = {
+    {{"negative scale causal d64", 2, 2, 2, 150, 190, 64, 64, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+     -0.1},
+    {{"zero scale d128 sinks", 1, 2, 2, 70, 90, 128, 128, 0, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0}, 0.0},
 };
 
 static int failures;
@@ -164,7 +180,8 @@ static void fill_uniform(gpu_buf *g, double lo, double hi)
         failures++;                                                                              \
     } while (0)
 
-static void run_case(const gpu_case *c, fa_dtype dt)
+/* scale: NULL for the default softmax scale. */
+static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
 {
     const int vl = c->varlen;
     int32_t cu_q[9], cu_k[9], used[8];
@@ -226,6 +243,8 @@ static void run_case(const gpu_case *c, fa_dtype dt)
     a.window_left = c->wl;
     a.window_right = c->wr;
     a.softcap = c->softcap;
+    if (scale)
+        a.softmax_scale = *scale;
     a.dropout_p = c->dropout;
     a.seed = 0x5eed0000ull + (uint64_t)c->b;
     a.offset = 77;
@@ -386,8 +405,12 @@ int main(void)
         return 1;
     }
     for (size_t i = 0; i < sizeof gpu_cases / sizeof gpu_cases[0]; i++) {
-        run_case(&gpu_cases[i], FA_DTYPE_F16);
-        run_case(&gpu_cases[i], FA_DTYPE_BF16);
+        run_case(&gpu_cases[i], FA_DTYPE_F16, NULL);
+        run_case(&gpu_cases[i], FA_DTYPE_BF16, NULL);
+    }
+    for (size_t i = 0; i < sizeof scale_cases / sizeof scale_cases[0]; i++) {
+        run_case(&scale_cases[i].c, FA_DTYPE_F16, &scale_cases[i].scale);
+        run_case(&scale_cases[i].c, FA_DTYPE_BF16, &scale_cases[i].scale);
     }
     run_error_checks();
     printf("test_gpu_forward: %s (%d failure%s)\n", failures ? "FAILED" : "passed", failures,
