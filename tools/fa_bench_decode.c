@@ -370,7 +370,8 @@ int fa_bench_decode_main(int argc, char **argv)
     }
     const long long threads = c.threads ? c.threads : fa_cpu_default_threads();
     char shape[200], cache[120], splits[64];
-    snprintf(shape, sizeof shape, "b=%lld h=%lld hk=%lld sq=%lld context=%lld new=%lld d=%lld dv=%lld",
+    snprintf(shape, sizeof shape,
+             "b=%lld h=%lld hk=%lld sq=%lld context=%lld new=%lld d=%lld dv=%lld",
              (long long)c.batch, (long long)c.heads, (long long)c.kv_heads, (long long)c.seqlen_q,
              (long long)c.context, (long long)c.new_keys, (long long)c.head_dim,
              (long long)c.head_dim_v);
@@ -410,8 +411,8 @@ int fa_bench_decode_main(int argc, char **argv)
         }
     }
     const double mean = total / (double)c.iters;
-    const double bytes = (double)(c.batch * c.kv_heads * P.positions * (c.head_dim + c.head_dim_v)) *
-                         (double)fa_dtype_size(c.dtype);
+    const double bytes = (double)(c.batch * c.kv_heads * P.positions) *
+                         (double)(c.head_dim + c.head_dim_v) * (double)fa_dtype_size(c.dtype);
     printf(LABEL "%.3f ms mean, %.3f ms min over %lld calls (%lld warmup)\n", "time", mean * 1e3,
            best * 1e3, (long long)c.iters, (long long)c.warmup);
     printf(LABEL "%.2f MiB of K and V per call (%lld keys x %lld kv heads x %lld sequences)\n",

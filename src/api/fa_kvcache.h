@@ -59,7 +59,7 @@ typedef struct fa_kv_params {
     int64_t cos_rstride, sin_rstride;
     int64_t rotary_dim;
     int rotary_interleaved;
-    int rotary_per_row; /* q row r at position cache_seqlens + r (else every row at cache_seqlens) */
+    int rotary_per_row; /* q row r at cache_seqlens + r (else every row at cache_seqlens) */
 
     const float *alibi_slopes; /* [h] or [b, h] */
     int64_t alibi_bstride, alibi_hstride;

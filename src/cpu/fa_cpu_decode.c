@@ -2,12 +2,13 @@
  * CPU attention against a KV cache (fa_attention_kvcache): append, then attend, then (with
  * split-KV) combine.
  *
- * Work items are (sequence, kv head, tile of packed rows, key chunk). Packing the g = h / hk
- * query heads of a kv head into the rows of one tile reads each K/V row once for all of them;
- * cutting the keys into chunks (split-KV) gives every core work when b * hk is small, as in
- * decoding a few sequences. Each item runs start to finish on one thread in a fixed order and
- * the chunks are merged in split order, so for a given split count the result does not depend
- * on the thread count.
+ * Work items are (sequence, group of kv heads, tile of packed rows, key chunk). Packing the
+ * g = h / hk query heads of each kv head into the rows of one tile reads each K/V row once for
+ * all of them, and a group of kv heads is contiguous in the usual [pos, hk, d] layout, so a
+ * thread streams through memory. Cutting the keys into chunks (split-KV) gives every core work
+ * when b * hk is small, as in decoding a few sequences. Each item runs start to finish on one
+ * thread in a fixed order and the chunks are merged in split order, so for a given split count
+ * the result does not depend on the thread count.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -22,7 +23,7 @@
 #define FA_KV_BM 64 /* packed (query row, head) rows per tile */
 #endif
 #ifndef FA_KV_BN
-#define FA_KV_BN 64 /* key rows (keys x kv heads of the item) per block */
+#define FA_KV_BN 128 /* key rows (keys x kv heads of the item) per block */
 #endif
 #ifndef FA_KV_PREFETCH
 #define FA_KV_PREFETCH 8 /* positions loaded ahead of use */
@@ -37,39 +38,15 @@ typedef struct fa_kv_item {
     int64_t seq;      /* sequence */
     int64_t kh0, nkh; /* kv heads [kh0, kh0 + nkh) */
     int64_t p0, m;    /* packed rows [p0, p0 + m) */
-    int64_t split;   /* chunk index, for the workspace */
-    int64_t j0, j1;  /* the chunk: keys [j0, j1) of the sequence */
-    int64_t cost;    /* key-row products, to schedule the longest first */
+    int64_t split;    /* chunk index, for the workspace */
+    int64_t j0, j1;   /* the chunk: keys [j0, j1) of the sequence */
+    int64_t cost;     /* key-row products, to schedule the longest first */
 } fa_kv_item;
-
-/*
- * exp(x) for x <= 0 in fp32 within 1.3 ulp, written so that a loop of it vectorises (libm's
- * expf is a call per element). exp(x) = 2^n exp(r), r = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 in
- * two parts so that n ln 2 is exact), exp(r) by its Taylor series to r^7. Below -87 the result
- * would leave the normal range; it is clamped there (exp(-87) ~ 1.6e-38, nothing next to the
- * row maximum's 1).
- */
-static inline float fa_kv_expf(float x)
-{
-    x = x > -87.0f ? x : -87.0f;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693145751953125f;
-    r = r - n * 1.428606765330187045e-06f;
-    float q = 1.0f / 5040.0f;
-    q = q * r + 1.0f / 720.0f;
-    q = q * r + 1.0f / 120.0f;
-    q = q * r + 1.0f / 24.0f;
-    q = q * r + 1.0f / 6.0f;
-    q = q * r + 0.5f;
-    q = q * r + 1.0f;
-    q = q * r + 1.0f;
-    return q * fa_bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
-}
 
 #define FA_REAL float
 #define FA_FN(name) name##_f32
 #define FA_EXP expf
-#define FA_EXP_LOOP fa_kv_expf
+#define FA_EXP_LOOP fa_expf /* fa_cpu_math.h: vectorises, unlike libm's expf */
 #define FA_TANH tanhf
 #define FA_LOG logf
 #define FA_LANES FA_KV_LANES_F32
@@ -222,9 +199,10 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
         if (st != FA_STATUS_OK)
             return st;
     }
-    /* kv heads per item: as many as fill a tile's rows with one query row each. */
+    /* kv heads per item: as many as one query row's heads fill a tile with. */
     const int64_t g = p->h / p->hk;
-    const int64_t group = FA_KV_BM / g > 1 ? (FA_KV_BM / g < p->hk ? FA_KV_BM / g : p->hk) : 1;
+    int64_t group = FA_KV_BM / g;
+    group = group < 1 ? 1 : (group > p->hk ? p->hk : group);
     int64_t base_items = 0;
     for (int64_t kh0 = 0; kh0 < p->hk; kh0 += group) {
         int64_t nkh = p->hk - kh0 < group ? p->hk - kh0 : group;

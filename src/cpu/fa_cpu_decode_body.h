@@ -4,17 +4,16 @@
  * (fp32, fp16, bf16 caches) and double (fp64).
  *
  * Needs: FA_REAL, FA_FN(name), FA_EXP, FA_EXP_LOOP (an exp the compiler vectorises in a loop,
- * for x <= 0), FA_TANH, FA_LOG, FA_LANES (the partial sums of a dot
- * product: a multiple of the SIMD width, so that the dot loop vectorises without reassociating
- * a sum), FA_KV_BM, FA_KV_BN, FA_KV_PREFETCH, fa_kv_item, and fa_cpu_rows.h included for
- * this precision.
+ * for x <= 0), FA_TANH, FA_LOG, FA_LANES (8 or 16 partial sums of a dot product, a multiple of
+ * the SIMD width, so that the dot loop vectorises without reassociating a sum), FA_KV_BM,
+ * FA_KV_BN, FA_KV_PREFETCH, fa_kv_item, and fa_cpu_rows.h included for this precision.
  */
 
-/* One thread's buffers. dp is d rounded up to FA_LANES; the padding stays zero. */
+/* One thread's buffers. dp and dvp are d and dv rounded up to FA_LANES; padding stays zero. */
 typedef struct FA_FN(fa_kv_tile) {
     FA_REAL *q;     /* [FA_KV_BM][dp]: scale * rotary(q) of each packed row */
     FA_REAL *k;     /* [FA_KV_BN][dp]: the block's key rows */
-    FA_REAL *v;     /* [FA_KV_BN][dvp]: the block's value rows (dvp: dv rounded up likewise) */
+    FA_REAL *v;     /* [FA_KV_BN][dvp]: the block's value rows */
     FA_REAL *s;     /* [FA_KV_BM][FA_KV_BN]: scores, then probabilities */
     FA_REAL *o;     /* [FA_KV_BM][dvp]: unnormalised output */
     FA_REAL *m;     /* [FA_KV_BM]: running maximum */
@@ -109,10 +108,10 @@ static inline void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int
     const int64_t blk = fa_kv_block(p, seq, pos / p->page_size), row = pos % p->page_size;
     const size_t es = fa_dtype_size(p->dtype);
     for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
-        const char *k = (const char *)p->k_cache +
-                        (size_t)(blk * p->kc_bstride + row * p->kc_rstride + kh * p->kc_hstride) * es;
-        const char *v = (const char *)p->v_cache +
-                        (size_t)(blk * p->vc_bstride + row * p->vc_rstride + kh * p->vc_hstride) * es;
+        const int64_t ko = blk * p->kc_bstride + row * p->kc_rstride + kh * p->kc_hstride;
+        const int64_t vo = blk * p->vc_bstride + row * p->vc_rstride + kh * p->vc_hstride;
+        const char *k = (const char *)p->k_cache + (size_t)ko * es;
+        const char *v = (const char *)p->v_cache + (size_t)vo * es;
         for (size_t off = 0; off < (size_t)p->d * es; off += 64)
             __builtin_prefetch(k + off);
         for (size_t off = 0; off < (size_t)p->dv * es; off += 64)

@@ -195,7 +195,8 @@ static void prob_build(kprob *P, const kcase *c, tu_rng *r)
         P->page = cap;
         P->nblocks = b + (c->batch_idx ? tu_rng_int(r, 1, 3) : 0);
         for (int64_t i = 0; i < b; i++) /* distinct rows when appending, else any */
-            P->bidx[i] = (int32_t)(c->s_new ? (P->nblocks - 1 - i) : tu_rng_int(r, 0, P->nblocks - 1));
+            P->bidx[i] = (int32_t)(c->s_new ? P->nblocks - 1 - i
+                                            : tu_rng_int(r, 0, P->nblocks - 1));
     }
 
     const fa_dtype dt = c->dt;
@@ -508,7 +509,8 @@ static void check_against(const kprob *P, const kref *R, const char *what)
         for (int64_t hh = 0; hh < c->h; hh++)
             for (int64_t r = 0; r < c->sq; r++) {
                 int64_t idx[3] = {i, hh, r};
-                double got = fa_ref_load(&P->lse.t, idx), want = R->lse[(i * c->sq + r) * c->h + hh];
+                double got = fa_ref_load(&P->lse.t, idx);
+                double want = R->lse[(i * c->sq + r) * c->h + hh];
                 int ok = isinf(want) ? got == want
                                      : fabs(got - want) <= R->lse_tol * fmax(1.0, fabs(want));
                 TU_CHECK(ok, "%s: lse[%lld, %lld, %lld] = %.9g, oracle %.9g", what, (long long)i,
@@ -618,7 +620,9 @@ static void run_directed(tu_rng *r)
         for (int pi = 0; pi < 5; pi++) {
             kcase c = base_case(dts[di]);
             c.page_size = pages[pi];
-            c.capacity = pages[pi] == 256 ? 512 : (pages[pi] ? pages[pi] * (130 / pages[pi] + 1) : 150);
+            c.capacity = pages[pi] == 256 ? 512
+                         : pages[pi]      ? pages[pi] * (130 / pages[pi] + 1)
+                                          : 150;
             c.s_new = 1;
             c.rotary = 1 + (pi % 2);
             c.rotary_dim = 16;
@@ -686,6 +690,26 @@ static void run_directed(tu_rng *r)
         c.d = 40;
         c.dv = 24;
         run_case(&c, "prefill chunk with every option", r);
+    }
+    /* Several groups of kv heads per sequence, the last one smaller (g = 32, 3 kv heads), and
+       more query heads per kv head than a tile has rows (g = 66). */
+    {
+        kcase c = base_case(FA_DTYPE_F32);
+        c.h = 96;
+        c.hk = 3;
+        c.sq = 2;
+        c.s_new = 2;
+        c.d = 8;
+        c.dv = 8;
+        c.causal = 1;
+        c.page_size = 5;
+        c.capacity = 300;
+        c.alibi = 1;
+        run_case(&c, "kv head groups", r);
+        c.h = 132;
+        c.hk = 2;
+        c.sinks = 1;
+        run_case(&c, "more query heads than tile rows", r);
     }
     /* Empty sequences: cache_seqlens 0 with no append; rows with no key get 0 / +inf. */
     {
