@@ -117,6 +117,45 @@ static inline FA_FN(fa_bwd_kv) FA_FN(fa_bwd_load_kv)(const fa_params *p, FA_FN(f
 }
 
 /*
+ * pt = P^T * Z and dxt = dS^T * scale (the gradient of q.k) from S^T and dP^T, element by
+ * element with the query index as the vector lane. Always inlined with constant flags, so each
+ * combination compiles to its own branch-free, vectorised loop.
+ */
+__attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
+    const fa_params *p, FA_FN(fa_bwd_tile) * t, int64_t mp, int64_t j0, int64_t n, FA_REAL slope,
+    const int softcap, const int dropout, const int masked)
+{
+    const FA_REAL scale = (FA_REAL)p->scale;
+    const FA_REAL cap = (FA_REAL)p->softcap, inv_cap = softcap ? (FA_REAL)(1.0 / p->softcap) : 0;
+    const FA_REAL *restrict lo = t->lo, *restrict hi = t->hi, *restrict diag = t->diag;
+    const FA_REAL *restrict lse = t->lse, *restrict dsum = t->dsum;
+    for (int64_t j = 0; j < n; j++) {
+        FA_REAL *restrict pt = t->pt + j * mp;
+        FA_REAL *restrict dxt = t->dxt + j * mp;
+        const FA_REAL *restrict zt = t->zt + j * mp;
+        const FA_REAL key = (FA_REAL)(j0 + j);
+        for (int64_t i = 0; i < mp; i++) {
+            FA_REAL x = pt[i], deriv = 1;
+            if (softcap) {
+                const FA_REAL th = FA_TANHV(x * inv_cap);
+                x = cap * th;
+                deriv = 1 - th * th;
+            }
+            if (masked) {
+                const FA_REAL dist = diag[i] - key;
+                x -= slope * (dist < 0 ? -dist : dist);
+            }
+            FA_REAL prob = FA_EXPV(x - lse[i]);
+            if (masked)
+                prob = (key >= lo[i] && key < hi[i]) ? prob : 0;
+            const FA_REAL z = dropout ? zt[i] : 1;
+            pt[i] = prob * z;
+            dxt[i] = prob * (dxt[i] * z - dsum[i]) * deriv * scale;
+        }
+    }
+}
+
+/*
  * For packed rows and a loaded key block: pt = P^T * Z (Z the dropout scale or 0) and
  * dxt = dL/d(q.k) transposed, both zero for invisible keys and padding rows.
  */
@@ -124,7 +163,6 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_t
                                        const FA_FN(fa_bwd_kv) * kv, int64_t seq_index, int64_t h,
                                        int64_t r0, int64_t m, int64_t mp, int64_t j0, int64_t n)
 {
-    const FA_REAL scale = (FA_REAL)p->scale;
     const FA_REAL slope =
         p->alibi_slopes
             ? (FA_REAL)p->alibi_slopes[seq_index * p->alibi_bstride + h * p->alibi_hstride]
@@ -155,31 +193,18 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_t
         }
     }
 
-    const int softcap = p->softcap > 0;
-    const FA_REAL cap = (FA_REAL)p->softcap, inv_cap = softcap ? (FA_REAL)(1.0 / p->softcap) : 0;
-    const FA_REAL *restrict lo = t->lo, *restrict hi = t->hi, *restrict diag = t->diag;
-    const FA_REAL *restrict lse = t->lse, *restrict dsum = t->dsum;
-    for (int64_t j = 0; j < n; j++) {
-        FA_REAL *restrict pt = t->pt + j * mp;
-        FA_REAL *restrict dxt = t->dxt + j * mp;
-        const FA_REAL *restrict zt = t->zt + j * mp;
-        const FA_REAL key = (FA_REAL)(j0 + j);
-        for (int64_t i = 0; i < mp; i++) {
-            const FA_REAL z = dropout ? zt[i] : 1;
-            FA_REAL x = pt[i], deriv = 1;
-            if (softcap) {
-                const FA_REAL th = FA_TANHV(x * inv_cap);
-                x = cap * th;
-                deriv = 1 - th * th;
-            }
-            const FA_REAL dist = diag[i] - key;
-            x -= slope * (dist < 0 ? -dist : dist);
-            const int visible = key >= lo[i] && key < hi[i];
-            const FA_REAL prob = visible ? FA_EXPV(x - lse[i]) : 0;
-            pt[i] = prob * z;
-            dxt[i] = prob * (dxt[i] * z - dsum[i]) * deriv * scale;
-        }
-    }
+    /* Interior blocks of plain attention skip the mask and bias arithmetic entirely. */
+    int plain = p->softcap <= 0 && slope == 0;
+    for (int64_t i = 0; plain && i < m; i++)
+        plain = t->lo[i] <= (FA_REAL)j0 && t->hi[i] >= (FA_REAL)(j0 + n);
+    if (plain && !dropout)
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 0, 0, 0);
+    else if (plain)
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 0, 1, 0);
+    else if (p->softcap > 0)
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 1, dropout, 1);
+    else
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 0, dropout, 1);
 }
 
 /*
