@@ -35,8 +35,9 @@ typedef struct FA_FN(fa_tile) {
  * running maximum and sum, the rescale of O, then st = P^T. Columns (queries) are the vector
  * lanes; keys and positions are FA_REAL (exact below 2^24) so every lane has one type.
  */
-static inline void FA_FN(fa_tile_softmax)(const fa_params *p, FA_FN(fa_tile) * t, int64_t n,
-                                          int64_t mp, int64_t dvp, int64_t j0, FA_REAL slope)
+static inline void FA_FN(fa_tile_softmax)(const fa_params *p, FA_FN(fa_tile) * t, int64_t m,
+                                          int64_t n, int64_t mp, int64_t dvp, int64_t j0,
+                                          FA_REAL slope)
 {
     FA_REAL *restrict st = t->st;
     FA_REAL *restrict bmax = t->bmax;
@@ -50,9 +51,19 @@ static inline void FA_FN(fa_tile_softmax)(const fa_params *p, FA_FN(fa_tile) * t
     }
     for (int64_t i = 0; i < mp; i++)
         bmax[i] = -(FA_REAL)INFINITY;
+    /* Interior blocks without ALiBi (every row sees every key, padding rows excepted) only need
+     * the maxima; padding rows then hold zeros, harmless since their output is never stored. */
+    int plain = slope == 0;
+    for (int64_t i = 0; plain && i < m; i++)
+        plain = lo[i] <= (FA_REAL)j0 && hi[i] >= (FA_REAL)(j0 + n);
     for (int64_t j = 0; j < n; j++) {
         FA_REAL *restrict row = st + j * mp;
         const FA_REAL key = (FA_REAL)(j0 + j);
+        if (plain) {
+            for (int64_t i = 0; i < mp; i++)
+                bmax[i] = row[i] > bmax[i] ? row[i] : bmax[i];
+            continue;
+        }
         for (int64_t i = 0; i < mp; i++) {
             const FA_REAL dist = diag[i] - key;
             FA_REAL v = row[i] - slope * (dist < 0 ? -dist : dist);
@@ -189,7 +200,7 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
         }
 
         FA_GEMM(t->st, mp, kp, k_ld, 1, t->qt, mp, n, mp, d, 0);
-        FA_FN(fa_tile_softmax)(p, t, n, mp, dvp, j0, slope);
+        FA_FN(fa_tile_softmax)(p, t, m, n, mp, dvp, j0, slope);
         if (p->dropout_p > 0)
             FA_FN(fa_tile_dropout)(p, t, seq_index, h, r0, m, mp, j0, n);
         FA_GEMM(t->o, dvp, t->st, 1, mp, vp, v_ld, m, dvp, n, 1);
