@@ -68,6 +68,10 @@ static int fa_driver_bind(void *libcuda)
     FA_SYM(libcuda, *d, event_synchronize, "cuEventSynchronize", fa_driver_note);
     FA_SYM(libcuda, *d, event_elapsed_time, "cuEventElapsedTime", fa_driver_note);
     FA_SYM(libcuda, *d, event_destroy, "cuEventDestroy_v2", fa_driver_note);
+    /* Optional: without it the plan keeps every case on the sm80 family. */
+    void *tmap = dlsym(libcuda, "cuTensorMapEncodeTiled");
+    if (tmap)
+        memcpy(&d->tensor_map_encode_tiled, &tmap, sizeof tmap);
     return 1;
 }
 

@@ -19,6 +19,10 @@ typedef struct fa_cu_stream_st *fa_cu_stream;
 typedef struct fa_cu_event_st *fa_cu_event;
 typedef unsigned long long fa_cu_deviceptr;
 typedef int fa_nvrtc_result; /* nvrtcResult; 0 is success */
+/* CUtensorMap: 128 opaque bytes, 64-byte aligned. */
+typedef struct fa_cu_tensor_map {
+    _Alignas(64) unsigned long long opaque[16];
+} fa_cu_tensor_map;
 typedef struct fa_nvrtc_prog_st *fa_nvrtc_program;
 
 /* Driver enum values the library passes (from the driver API's stable ABI). */
@@ -27,6 +31,10 @@ typedef struct fa_nvrtc_prog_st *fa_nvrtc_program;
 #define FA_CU_ATTR_CC_MINOR 76
 #define FA_CU_ATTR_MAX_SMEM_PER_BLOCK_OPTIN 97
 #define FA_CU_FUNC_ATTR_MAX_DYNAMIC_SMEM 8
+#define FA_CU_TENSOR_MAP_FLOAT16 6
+#define FA_CU_TENSOR_MAP_BFLOAT16 9
+#define FA_CU_TENSOR_MAP_SWIZZLE_128B 3
+#define FA_CU_TENSOR_MAP_L2_PROMOTION_128B 2
 
 typedef struct fa_cuda_driver {
     fa_cu_result (*init)(unsigned flags);
@@ -60,6 +68,15 @@ typedef struct fa_cuda_driver {
     fa_cu_result (*event_synchronize)(fa_cu_event ev);
     fa_cu_result (*event_elapsed_time)(float *ms, fa_cu_event start, fa_cu_event end);
     fa_cu_result (*event_destroy)(fa_cu_event ev);
+    /* cuTensorMapEncodeTiled (CUDA 12+); NULL on older drivers, which then never get the sm90
+     * family. Arguments: map, data type, rank, address, dims, byte strides (rank - 1), box,
+     * element strides, interleave, swizzle, L2 promotion, OOB fill. */
+    fa_cu_result (*tensor_map_encode_tiled)(fa_cu_tensor_map *map, int dtype, unsigned rank,
+                                            void *addr, const unsigned long long *dims,
+                                            const unsigned long long *strides,
+                                            const unsigned *box, const unsigned *elem_strides,
+                                            int interleave, int swizzle, int l2_promotion,
+                                            int oob_fill);
 } fa_cuda_driver;
 
 typedef struct fa_nvrtc {

@@ -4,6 +4,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "fa_kparams.h"
 #include "cuda/fa_cuda.h"
@@ -73,6 +74,56 @@ static void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
     }
 }
 
+/* The sm90 kernel's second parameter (fa_tmaps in kernels/fa_fwd_sm90.cu): Q, K, V maps. */
+typedef struct fa_cuda_tmaps {
+    fa_cu_tensor_map q, k, v;
+} fa_cuda_tmaps;
+
+/* A rank-4 tensor map {d, rows, heads, batch} over a [b, rows, heads, d] view with element
+ * strides (bstride, rstride, hstride): 128B swizzle, box {64, box_rows, 1, 1}, zero fill out of
+ * bounds. Nonzero when the driver refuses it (strides TMA cannot take). */
+static int fa_cuda_tmap(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype dt,
+                        const void *ptr, int64_t dim, int64_t rows, int64_t heads, int64_t batch,
+                        int64_t rstride, int64_t hstride, int64_t bstride, int box_rows)
+{
+    unsigned long long dims[4] = {(unsigned long long)dim, (unsigned long long)rows,
+                                  (unsigned long long)heads, (unsigned long long)batch};
+    /* A dimension of extent 1 never steps: any legal stride will do for it. */
+    int64_t st[3] = {rows > 1 ? rstride : dim, heads > 1 ? hstride : dim,
+                     batch > 1 ? bstride : dim};
+    unsigned long long strides[3];
+    for (int i = 0; i < 3; i++) {
+        if (st[i] <= 0)
+            return 1;
+        strides[i] = (unsigned long long)st[i] * 2;
+    }
+    unsigned box[4] = {64, (unsigned)box_rows, 1, 1}, es[4] = {1, 1, 1, 1};
+    return d->tensor_map_encode_tiled(map,
+                                      dt == FA_DTYPE_BF16 ? FA_CU_TENSOR_MAP_BFLOAT16
+                                                          : FA_CU_TENSOR_MAP_FLOAT16,
+                                      4, (void *)ptr, dims, strides, box, es, 0,
+                                      FA_CU_TENSOR_MAP_SWIZZLE_128B,
+                                      FA_CU_TENSOR_MAP_L2_PROMOTION_128B, 0) != 0;
+}
+
+static int fa_cuda_tmaps_make(const fa_cuda_driver *d, const fa_params *p, const fa_plan *plan,
+                              fa_cuda_tmaps *tm)
+{
+    if (!d || !d->tensor_map_encode_tiled)
+        return 1;
+    return fa_cuda_tmap(d, &tm->q, p->dtype, p->q, p->d, p->max_sq, p->h, p->b, p->q_rstride,
+                        p->q_hstride, p->q_bstride, plan->bm) ||
+           fa_cuda_tmap(d, &tm->k, p->dtype, p->k, p->d, p->max_sk, p->hk, p->b, p->k_rstride,
+                        p->k_hstride, p->k_bstride, plan->bn) ||
+           fa_cuda_tmap(d, &tm->v, p->dtype, p->v, p->dv, p->max_sk, p->hk, p->b, p->v_rstride,
+                        p->v_hstride, p->v_bstride, plan->bn);
+}
+
+/* The family the calling thread's last forward launched ("" before any). */
+static _Thread_local const char *fa_cuda_family_used = "";
+
+const char *fa_cuda_last_family(void) { return fa_cuda_family_used; }
+
 static fa_status fa_cuda_launch(const fa_cuda_driver *d, fa_cu_function fn, unsigned gx,
                                 unsigned gy, unsigned gz, unsigned threads, unsigned smem,
                                 fa_cu_stream stream, fa_kparams *kp, const char *what)
@@ -81,6 +132,10 @@ static fa_status fa_cuda_launch(const fa_cuda_driver *d, fa_cu_function fn, unsi
     fa_cu_result r = d->launch_kernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, NULL);
     return r == 0 ? FA_STATUS_OK : fa_cuda_error(r, what);
 }
+
+static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *args,
+                                         const fa_plan *planp, fa_cuda_tmaps *tmaps,
+                                         int smem_optin);
 
 fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
 {
@@ -103,10 +158,32 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
     key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
     key.features |= fa_cuda_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
+    key.features |= p->probs ? FA_PLAN_PROBS : 0;
     fa_plan plan;
     st = fa_plan_forward(&key, &plan);
     if (st != FA_STATUS_OK)
         return st;
+    /* The sm90 family reads through TMA tensor maps; tensors the driver cannot describe go to
+     * the sm80 family (never a wrong answer). */
+    const int sm90 = strcmp(plan.family, "fa_fwd_sm90.cu") == 0;
+    fa_cuda_tmaps tmaps;
+    if (sm90 && fa_cuda_tmaps_make(fa_cuda_driver_get(), p, &plan, &tmaps) != 0) {
+        key.features |= FA_PLAN_NO_SM90;
+        st = fa_plan_forward(&key, &plan);
+        if (st != FA_STATUS_OK)
+            return st;
+        return fa_cuda_forward_planned(p, args, &plan, NULL, smem_optin);
+    }
+    return fa_cuda_forward_planned(p, args, &plan, sm90 ? &tmaps : NULL, smem_optin);
+}
+
+/* Launches plan (tmaps: the sm90 family's tensor maps, else NULL). */
+static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *args,
+                                         const fa_plan *planp, fa_cuda_tmaps *tmaps,
+                                         int smem_optin)
+{
+    fa_status st = FA_STATUS_OK;
+    fa_plan plan = *planp;
     if ((int)plan.smem > smem_optin)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "head_dim %lld: the kernel needs %u bytes of shared memory, the device "
@@ -134,9 +211,17 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     unsigned m_blocks = (unsigned)((p->max_sq + plan.bm - 1) / plan.bm);
     if (st == FA_STATUS_OK && m_blocks > 0) {
         st = fa_jit_function(&plan, ctx, "fa_fwd", &fn);
-        if (st == FA_STATUS_OK)
+        if (st == FA_STATUS_OK && tmaps) {
+            void *params[] = {&kp, tmaps};
+            fa_cu_result r = d->launch_kernel(fn, m_blocks, (unsigned)p->h, (unsigned)p->b,
+                                              plan.threads, 1, 1, plan.smem, stream, params, NULL);
+            st = r == 0 ? FA_STATUS_OK : fa_cuda_error(r, "launching fa_fwd (sm90)");
+        } else if (st == FA_STATUS_OK) {
             st = fa_cuda_launch(d, fn, m_blocks, (unsigned)p->h, (unsigned)p->b, plan.threads,
                                 plan.smem, stream, &kp, "launching fa_fwd");
+        }
+        if (st == FA_STATUS_OK)
+            fa_cuda_family_used = plan.family;
     }
     if (st == FA_STATUS_OK && p->probs && p->probs_sq > 0) {
         st = fa_jit_function(&plan, ctx, "fa_fwd_probs", &fn);
@@ -161,6 +246,15 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
     st = fa_jit_build(&plan, &origin);
     if (cached)
         *cached = st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+    /* On sm_90 also the sm90 family's kernel for the cases it supports (opt-in or not), so CI
+     * compiles it. */
+    fa_plan plan90;
+    if (st == FA_STATUS_OK && fa_plan_forward_sm90(&key, &plan90) == FA_STATUS_OK &&
+        strcmp(plan.family, plan90.family) != 0) {
+        st = fa_jit_build(&plan90, &origin);
+        if (cached)
+            *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+    }
     if (st == FA_STATUS_OK)
         fa_error_clear();
     return st;

@@ -1,6 +1,7 @@
 /* The plan table (see fa_plan.h). */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "api/fa_internal.h"
 #include "plan/fa_plan.h"
@@ -61,6 +62,65 @@ static void fa_plan_define(fa_plan *plan, const char *name, int value)
     snprintf(plan->defines[plan->num_defines++], sizeof plan->defines[0], "-D%s=%d", name, value);
 }
 
+/*
+ * sm90 family (sm_90a: TMA, wgmma, warp specialisation), first increment of issue 6: one row per
+ * head dim (d = dv), 128x128 tiles (FA3's causal hdim-128 tile; the non-causal 128x176 and the
+ * 3-warpgroup 192-row hdim-64 tiles come with the later steps), 1 producer + 2 consumer
+ * warpgroups. Stages: as many as fit beside Q in 227 KB, at most 4.
+ */
+typedef struct fa_plan_row90 {
+    int d, bm, bn, stages;
+} fa_plan_row90;
+
+static const fa_plan_row90 fa_sm90_rows[] = {
+    {64, 128, 128, 4},  /* Q 16 KB + 4 x (K 16 + V 16) KB = 144 KB */
+    {128, 128, 128, 2}, /* Q 32 KB + 2 x (K 32 + V 32) KB = 160 KB */
+};
+
+/* What the sm90 kernel compiles: everything else goes to the sm80 family. */
+#define FA_SM90_UNSUPPORTED                                                                     \
+    (FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP | FA_FEATURE_DROPOUT |           \
+     FA_FEATURE_UNALIGNED | FA_PLAN_PROBS | FA_PLAN_NO_SM90)
+
+int fa_plan_sm90_enabled(void)
+{
+    const char *env = getenv("FLASHATTN_SM90");
+    return env && strcmp(env, "1") == 0;
+}
+
+fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
+{
+    if (key->arch != 90 || (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16) ||
+        key->d != key->dv || (key->features & FA_SM90_UNSUPPORTED))
+        return FA_STATUS_UNSUPPORTED;
+    const fa_plan_row90 *row = NULL;
+    for (size_t i = 0; i < sizeof fa_sm90_rows / sizeof fa_sm90_rows[0]; i++)
+        if (fa_sm90_rows[i].d == key->d)
+            row = &fa_sm90_rows[i];
+    if (!row)
+        return FA_STATUS_UNSUPPORTED;
+    *plan = (fa_plan){0};
+    plan->family = "fa_fwd_sm90.cu";
+    snprintf(plan->target, sizeof plan->target, "sm_90a");
+    plan->bm = row->bm;
+    plan->bn = row->bn;
+    plan->nwarps = 12;
+    plan->dp = plan->dvp = row->d;
+    plan->stages = row->stages;
+    plan->threads = 384;
+    /* Tiles, then the mbarriers (q, and k_full, v_full, empty per stage), plus 1 KB so the
+     * kernel can round its base up to the 1024-byte swizzle atom. */
+    plan->smem = (unsigned)(2 * (plan->bm * plan->dp + plan->stages * plan->bn * (plan->dp + plan->dvp)) +
+                            8 * (1 + 3 * plan->stages) + 1024);
+    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_DP", plan->dp);
+    fa_plan_define(plan, "FA_DVP", plan->dvp);
+    fa_plan_define(plan, "FA_BM", plan->bm);
+    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define(plan, "FA_STAGES", plan->stages);
+    return FA_STATUS_OK;
+}
+
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
@@ -75,6 +135,8 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     if (key->d < 1 || key->d > FA_MAX_HEAD_DIM || key->dv < 1 || key->dv > FA_MAX_HEAD_DIM)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
                             key->dv, FA_MAX_HEAD_DIM);
+    if (key->arch == 90 && fa_plan_sm90_enabled() && fa_plan_forward_sm90(key, plan) == FA_STATUS_OK)
+        return FA_STATUS_OK;
     *plan = (fa_plan){0};
     plan->family = "fa_fwd_sm80.cu";
     /* sm_90a: the arch-specific target, so later Hopper families share the same cache layout. */

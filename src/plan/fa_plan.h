@@ -12,6 +12,10 @@
 
 #define FA_PLAN_MAX_DEFINES 12
 
+/* Plan-internal feature bits, above the public FA_FEATURE_* ones. */
+#define FA_PLAN_PROBS (1u << 24)   /* the probs output is asked for */
+#define FA_PLAN_NO_SM90 (1u << 26) /* the tensors cannot be TMA-described: sm80 family */
+
 typedef struct fa_plan_key {
     int arch; /* compute capability, 10 * major + minor */
     fa_dtype dtype;
@@ -26,11 +30,22 @@ typedef struct fa_plan {
     int dp, dvp;        /* head dims padded to the kernel's granularity */
     unsigned threads;
     unsigned smem; /* dynamic shared memory per CTA, bytes */
+    int stages;    /* sm90 family: K/V shared-memory stages (0 for sm80) */
     int num_defines;
     char defines[FA_PLAN_MAX_DEFINES][24]; /* "-DFA_BN=64", ... */
 } fa_plan;
 
-/* The forward plan for key; FA_STATUS_UNSUPPORTED (with a message) when no family fits. */
+/* The forward plan for key; FA_STATUS_UNSUPPORTED (with a message) when no family fits.
+ * On sm_90 devices the sm90 family (fa_fwd_sm90.cu) is taken for the cases it supports only
+ * when FLASHATTN_SM90=1 (opt-in until it has passed the GPU tests on the device); every other
+ * case, and every case without the opt-in, gets the sm80 family. */
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan);
+
+/* The sm90 family's plan for key, whatever the opt-in says (precompile, tests); returns
+ * FA_STATUS_UNSUPPORTED, without setting an error, when the family cannot do the case. */
+fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan);
+
+/* Nonzero when the plan routes supported cases to the sm90 family (FLASHATTN_SM90=1). */
+int fa_plan_sm90_enabled(void);
 
 #endif /* FA_PLAN_H */

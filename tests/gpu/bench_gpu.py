@@ -6,6 +6,8 @@ Shapes are upstream's benchmark grid: 16k tokens (batch = 16384 / seqlen), hidde
 (heads = 2048 / hdim), bf16. TFLOP/s by FlashAttention's convention: 4*b*h*s*s*d, halved when
 causal. Also reports the first call's time (JIT compile, or a disk-cache hit, plus module load)
 and the host cost of a cached call. Prints a short table last; --json PATH keeps every number.
+"ours" is the default plan (the sm80 family); "sm90" is the same call with FLASHATTN_SM90=1
+(the sm_90a family where it supports the case, else the same sm80 kernel), on Hopper only.
 """
 import argparse
 import ctypes
@@ -116,6 +118,7 @@ def main():
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_gpu.json"))
     ap.add_argument("--no-jit", action="store_true",
                     help="skip the first-call and host-overhead timings (tile sweeps)")
+    ap.add_argument("--no-sm90", action="store_true", help="skip the FLASHATTN_SM90=1 column")
     ap.add_argument("--first-call", type=int, default=0, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.first_call:
@@ -144,7 +147,17 @@ def main():
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DTYPE) for _ in range(3))
                 out = torch.empty_like(q)
                 row = dict(hdim=d, seqlen=s, batch=b, heads=h, causal=causal)
+                os.environ.pop("FLASHATTN_SM90", None)
                 row["ours"] = flops / bench(Call(q, k, v, out, causal)) / 1e12
+                if torch.cuda.get_device_capability() == (9, 0) and not opts.no_sm90:
+                    out90 = torch.empty_like(q)
+                    os.environ["FLASHATTN_SM90"] = "1"
+                    try:
+                        row["sm90"] = flops / bench(Call(q, k, v, out90, causal)) / 1e12
+                        row["maxdiff_sm90_vs_ours"] = (out90.float() - out.float()).abs().max().item()
+                    finally:
+                        os.environ.pop("FLASHATTN_SM90", None)
+                    del out90
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 for name, be in BACKENDS.items():
                     if name not in opts.backends.split(","):
@@ -171,12 +184,14 @@ def main():
     print(f"cached call, host time: {overhead:.1f} us")
     fmt = lambda x: f"{x:6.0f}" if x else "     -"
     print(f"\nTFLOP/s fwd, bf16, {torch.cuda.get_device_name()}")
-    print("hdim seqlen causal |   ours  flash  cudnn    eff | ours/flash maxdiff")
+    print("hdim seqlen causal |   ours   sm90  flash  cudnn    eff | ours/flash sm90/cudnn maxdiff")
     for r in rows:
         ratio = r["ours"] / r["flash"] if r.get("flash") else float("nan")
+        r90 = r["sm90"] / r["cudnn"] if r.get("sm90") and r.get("cudnn") else float("nan")
         print(f"{r['hdim']:4d} {r['seqlen']:6d} {str(r['causal']):6s} | {fmt(r['ours'])} "
-              f"{fmt(r.get('flash'))} {fmt(r.get('cudnn'))} {fmt(r.get('efficient'))} | "
-              f"{ratio:10.2f} {r.get('maxdiff_vs_flash', float('nan')):.1e}")
+              f"{fmt(r.get('sm90'))} {fmt(r.get('flash'))} {fmt(r.get('cudnn'))} "
+              f"{fmt(r.get('efficient'))} | {ratio:10.2f} {r90:10.2f} "
+              f"{r.get('maxdiff_vs_flash', float('nan')):.1e}")
 
 
 if __name__ == "__main__":

@@ -6,12 +6,18 @@
  *   every output element written, nothing written outside the views, and a second run bitwise
  *   identical to the first.
  * Exits 77 (skipped) when no CUDA device is usable.
+ *
+ * Built a second time with FA_TEST_SM90 as test_gpu_sm90: FLASHATTN_SM90=1, the cases the sm90
+ * family (kernels/fa_fwd_sm90.cu) supports, each checked to have run on that family, plus cases
+ * it does not support, checked to have gone to the sm80 family (on sm_90 devices; elsewhere
+ * every case must take the sm80 family).
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda/fa_cuda.h"
 #include "cuda/fa_cuda_driver.h"
 #include "fa_ref.h"
 #include "util/fa_half.h"
@@ -26,6 +32,10 @@ typedef struct gpu_case {
     int varlen, seqused, probs, pad;
 } gpu_case;
 
+#ifdef FA_TEST_SM90
+#define FA_TEST_NAME "test_gpu_sm90"
+#else
+#define FA_TEST_NAME "test_gpu_forward"
 static const gpu_case gpu_cases[] = {
     {"dense d64", 2, 4, 4, 257, 257, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"causal d128 sq<sk", 2, 4, 4, 300, 517, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
@@ -58,9 +68,44 @@ static const struct {
      -0.1},
     {{"zero scale d128 sinks", 1, 2, 2, 70, 90, 128, 128, 0, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0}, 0.0},
 };
+#endif
+
+#ifdef FA_TEST_SM90
+/* d 64 and 128, dense, causal or not, windows, GQA/MQA, sinks, empty rows, padded rows, several
+ * wraps of the stage ring; sm90 = 1 where the sm90 family must run the case on sm_90. */
+static const struct {
+    gpu_case c;
+    int sm90;
+} sm90_cases[] = {
+    {{"sm90 dense d64", 2, 4, 4, 257, 257, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 causal d128 sq<sk", 2, 4, 4, 300, 517, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 gqa window d128 padded", 1, 8, 2, 333, 290, 128, 128, 0, 32, 16, 0, 0, 0, 0, 0, 0, 0, 8}, 1},
+    {{"sm90 decode sq1 gqa d128", 3, 8, 2, 1, 1000, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 sq>sk causal empty d64", 2, 2, 2, 200, 60, 64, 64, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 empty rows sinks d64", 1, 3, 3, 150, 40, 64, 64, 1, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 long causal mqa d128", 1, 4, 1, 1000, 1100, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 long d64 ring wraps", 2, 2, 2, 700, 1300, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 window-left d128", 1, 4, 4, 400, 700, 128, 128, 0, 100, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    /* Routed to sm80: another head dim, softcap, probs, varlen. */
+    {{"sm90->sm80 d96", 1, 4, 2, 200, 300, 96, 96, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
+    {{"sm90->sm80 softcap d128", 1, 4, 2, 200, 200, 128, 128, 1, -1, -1, 30, 0, 0, 0, 0, 0, 0, 0}, 0},
+    {{"sm90->sm80 probs d64", 1, 2, 2, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0, 0, 0, 1, 0}, 0},
+    {{"sm90->sm80 varlen d128", 3, 4, 2, 190, 260, 128, 128, 1, -1, -1, 0, 0, 0, 0, 1, 0, 0, 0}, 0},
+};
+static const struct {
+    gpu_case c;
+    double scale;
+} sm90_scale_cases[] = {
+    {{"sm90 negative scale causal d64", 2, 2, 2, 150, 190, 64, 64, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+     -0.1},
+    {{"sm90 zero scale d128 sinks", 1, 2, 2, 70, 90, 128, 128, 0, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0}, 0.0},
+};
+#endif
 
 static int failures;
 static const fa_cuda_driver *drv;
+/* The family each GPU run must have taken (NULL: not checked). */
+static const char *expect_family;
 
 #define CHECK_CU(expr)                                                                           \
     do {                                                                                         \
@@ -290,6 +335,8 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
             break;
         }
         CHECK_CU(drv->ctx_synchronize());
+        if (expect_family && strcmp(fa_cuda_last_family(), expect_family) != 0)
+            FAIL("ran on %s, expected %s", fa_cuda_last_family(), expect_family);
         void *go = buf_download(&o), *gl = buf_download(&lse), *gp = buf_download(&pr);
         if (run == 1) {
             if (memcmp(go, first_out, o.bytes) || memcmp(gl, first_lse, lse.bytes) ||
@@ -357,8 +404,8 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
         if (p_bad || sign_bad)
             FAIL("probs: %lld values off, %lld dropout signs differ", (long long)p_bad,
                  (long long)sign_bad);
-        printf("%-32s %-5s max|gpu-ref| %.2e  naive %.2e\n", c->name, fa_dtype_name(dt), err,
-               err_naive);
+        printf("%-32s %-5s max|gpu-ref| %.2e  naive %.2e  %s\n", c->name, fa_dtype_name(dt), err,
+               err_naive, fa_cuda_last_family());
     }
     free(first_out);
     free(first_lse);
@@ -372,6 +419,7 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
         buf_free(all[i]);
 }
 
+#ifndef FA_TEST_SM90
 /* Errors reach the caller with their text. */
 static void run_error_checks(void)
 {
@@ -390,11 +438,12 @@ static void run_error_checks(void)
         failures++;
     }
 }
+#endif
 
 int main(void)
 {
     if (fa_cuda_device_count() == 0) {
-        printf("test_gpu_forward: skipped, no usable CUDA device\n%s\n", fa_cuda_status());
+        printf(FA_TEST_NAME ": skipped, no usable CUDA device\n%s\n", fa_cuda_status());
         return 77;
     }
     drv = fa_cuda_driver_get();
@@ -404,6 +453,25 @@ int main(void)
         fprintf(stderr, "no context: %s\n", fa_last_error());
         return 1;
     }
+#ifdef FA_TEST_SM90
+    setenv("FLASHATTN_SM90", "1", 1);
+    int arch = 0, smem = 0;
+    if (fa_cuda_device_arch(0, &arch, &smem) != FA_STATUS_OK) {
+        fprintf(stderr, "no arch: %s\n", fa_last_error());
+        return 1;
+    }
+    printf("test_gpu_sm90: device sm_%d, FLASHATTN_SM90=1\n", arch);
+    for (size_t i = 0; i < sizeof sm90_cases / sizeof sm90_cases[0]; i++) {
+        expect_family = sm90_cases[i].sm90 && arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
+        run_case(&sm90_cases[i].c, FA_DTYPE_F16, NULL);
+        run_case(&sm90_cases[i].c, FA_DTYPE_BF16, NULL);
+    }
+    expect_family = arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
+    for (size_t i = 0; i < sizeof sm90_scale_cases / sizeof sm90_scale_cases[0]; i++) {
+        run_case(&sm90_scale_cases[i].c, FA_DTYPE_F16, &sm90_scale_cases[i].scale);
+        run_case(&sm90_scale_cases[i].c, FA_DTYPE_BF16, &sm90_scale_cases[i].scale);
+    }
+#else
     for (size_t i = 0; i < sizeof gpu_cases / sizeof gpu_cases[0]; i++) {
         run_case(&gpu_cases[i], FA_DTYPE_F16, NULL);
         run_case(&gpu_cases[i], FA_DTYPE_BF16, NULL);
@@ -413,7 +481,8 @@ int main(void)
         run_case(&scale_cases[i].c, FA_DTYPE_BF16, &scale_cases[i].scale);
     }
     run_error_checks();
-    printf("test_gpu_forward: %s (%d failure%s)\n", failures ? "FAILED" : "passed", failures,
+#endif
+    printf("%s: %s (%d failure%s)\n", FA_TEST_NAME, failures ? "FAILED" : "passed", failures,
            failures == 1 ? "" : "s");
     return failures ? 1 : 0;
 }
