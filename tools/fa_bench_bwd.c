@@ -14,8 +14,9 @@
 #include "fa_ref_bwd.h"
 
 #define LABEL "  %-10s"
-/* The oracle's loops cost about 3 * h * (every query-key pair) * (d + dv) multiply-adds (the
- * gradients, their magnitudes, the naive baseline for fp16/bf16): a few seconds at this budget.
+/* The oracle's loops cost a few times h * (every query-key pair) * (d + dv) multiply-adds (the
+ * gradients and their magnitudes; for fp16/bf16 also the naive baseline and the gradients with
+ * the stored out's D): a few seconds at this budget.
  * Unlike the forward's out, dk and dv need every query row, so bigger problems are not checked
  * on a sample but skipped. */
 #define BWD_ORACLE_BUDGET 1e8
@@ -155,17 +156,18 @@ static double all_pairs(const fa_fwd_args *a)
 }
 
 /*
- * One gradient against the oracle's: G the gradient, M its magnitude (sum of |terms|), N the
- * naive same-dtype baseline (fp16/bf16 only). The criteria are test_backward's: with m = max|G|
- * and mm = max|M|, fp64 (fp64 lse) 1e-10 m + 1e-13 mm, fp32 1e-4 m + 1e-6 mm (fp64 with the
- * bench's fp32 lse too), fp16/bf16 3 max|N - G| + u (2 m + mm) with u the dtype's half ulp;
- * plus extra_rel * mm (ALiBi's large scores, dsinks' fp32 rounding).
+ * One gradient against the oracle's: G the gradient, M its magnitude (sum of |terms|), and for
+ * fp16/bf16 N the naive same-dtype baseline and S the gradient with D from out as stored in the
+ * dtype. The criteria are test_backward's: with m = max|G| and mm = max|M|, fp64 (fp64 lse)
+ * 1e-10 m + 1e-13 mm, fp32 1e-4 m + 1e-6 mm (fp64 with the bench's fp32 lse too), fp16/bf16
+ * 3 max|N - G| + 3 max|S - G| + 2 u m + 1e-6 mm with u the dtype's half ulp; plus
+ * extra_rel * mm (the lse's and ALiBi's magnitudes, dsinks' fp32 rounding).
  */
 static int grad_check(const char *name, const fa_tensor *t, int64_t n, const double *g,
-                      const double *m, const double *naive, const fa_bench_problem *p,
-                      double extra_rel)
+                      const double *m, const double *naive, const double *stored,
+                      const fa_bench_problem *p, double extra_rel)
 {
-    double err = 0.0, maxg = 0.0, maxm = 0.0, naive_err = 0.0;
+    double err = 0.0, maxg = 0.0, maxm = 0.0, naive_err = 0.0, stored_err = 0.0;
     int64_t unwritten = 0;
     for (int64_t e = 0; e < n; e++) {
         double got = flat_load(t, e);
@@ -173,12 +175,14 @@ static int grad_check(const char *name, const fa_tensor *t, int64_t n, const dou
         err = fmax(err, isnan(got) ? INFINITY : fabs(got - g[e]));
         maxg = fmax(maxg, fabs(g[e]));
         maxm = fmax(maxm, m[e]);
-        if (naive)
+        if (naive) {
             naive_err = fmax(naive_err, fabs(naive[e] - g[e]));
+            stored_err = fmax(stored_err, fabs(stored[e] - g[e]));
+        }
     }
     const fa_dtype dt = p->q.dtype;
     double tol;
-    char crit[96];
+    char crit[128];
     if (dt == FA_DTYPE_F64 && p->lse.dtype == FA_DTYPE_F64) {
         tol = 1e-10 * maxg + 1e-13 * maxm;
         snprintf(crit, sizeof crit, "1e-10 max|ref| + 1e-13 max|terms|");
@@ -187,10 +191,10 @@ static int grad_check(const char *name, const fa_tensor *t, int64_t n, const dou
         snprintf(crit, sizeof crit, "1e-4 max|ref| + 1e-6 max|terms|");
     } else {
         const double u = dt == FA_DTYPE_F16 ? 0x1p-11 : 0x1p-8;
-        tol = 3.0 * naive_err + u * (2.0 * maxg + maxm);
+        tol = 3.0 * naive_err + 3.0 * stored_err + 2.0 * u * maxg + 1e-6 * maxm;
         snprintf(crit, sizeof crit,
-                 "3 * naive %s error %.3g + half ulp * (2 max|ref| + max|terms|)",
-                 fa_dtype_name(dt), naive_err);
+                 "3 (naive %s err %.3g + stored-out err %.3g) + 2 u max|ref| + 1e-6 max|terms|",
+                 fa_dtype_name(dt), naive_err, stored_err);
     }
     tol += extra_rel * maxm;
     const int pass = err <= tol && unwritten == 0;
@@ -206,39 +210,50 @@ static int grads_check(const bwd_tensors *b, const fa_bench_problem *p, const fa
     const int64_t n[4] = {fa_bench_numel(&b->dq), fa_bench_numel(&b->dk), fa_bench_numel(&b->dv),
                           cfg->sinks ? cfg->heads : 1};
     const int lowp = cfg->dtype == FA_DTYPE_F16 || cfg->dtype == FA_DTYPE_BF16;
-    double *g[4], *m[4], *naive[4] = {NULL, NULL, NULL, NULL};
+    double *g[4], *m[4], *naive[4] = {NULL, NULL, NULL, NULL}, *st[4] = {NULL, NULL, NULL, NULL};
     int ok = 1, rc = FA_EXIT_FAIL;
     for (int i = 0; i < 4; i++) {
-        g[i] = malloc(sizeof(double) * (size_t)(n[i] + 1));
-        m[i] = malloc(sizeof(double) * (size_t)(n[i] + 1));
-        naive[i] = lowp ? malloc(sizeof(double) * (size_t)(n[i] + 1)) : NULL;
-        ok = ok && g[i] && m[i] && (!lowp || naive[i]);
+        const size_t bytes = sizeof(double) * (size_t)(n[i] + 1);
+        g[i] = malloc(bytes);
+        m[i] = malloc(bytes);
+        naive[i] = lowp ? malloc(bytes) : NULL;
+        st[i] = lowp ? malloc(bytes) : NULL;
+        ok = ok && g[i] && m[i] && (!lowp || (naive[i] && st[i]));
     }
     if (!ok || fa_ref_backward_mag(&b->args, g[0], g[1], g[2], g[3], m[0], m[1], m[2], m[3]) ||
-        (lowp && fa_ref_backward_lowp(&b->args, naive[0], naive[1], naive[2], naive[3]))) {
+        (lowp && fa_ref_backward_lowp(&b->args, naive[0], naive[1], naive[2], naive[3])) ||
+        (lowp && fa_ref_backward_stored_out(&b->args, st[0], st[1], st[2], st[3]))) {
         fprintf(stderr, "flashattn bench: the gradient oracle failed (memory or arguments)\n");
         goto done;
     }
-    /* ALiBi scores reach slope * distance; fp32's relative error on them moves every term. */
-    double alibi_rel = 0.0;
+    /* P = exp(s - lse) from the stored lse: errors ~eps |lse| (and ~eps |s|, up to slope *
+     * distance with ALiBi, slopes <= 1 here) in the exponent move every term by that much. */
+    const double eps = p->lse.dtype == FA_DTYPE_F64 ? 0x1p-53 : 0x1p-24;
+    double lse_max = 0.0;
+    for (int64_t e = 0; e < fa_bench_numel(&p->lse); e++) {
+        const double x = fabs(flat_load(&p->lse, e));
+        lse_max = isfinite(x) ? fmax(lse_max, x) : lse_max;
+    }
+    double extra_rel = 4.0 * eps * lse_max;
     if (cfg->alibi) {
         const int64_t longest = p->args.cu_seqlens_q
                                     ? p->args.max_seqlen_q + p->args.max_seqlen_k
                                     : cfg->seqlen_q + cfg->seqlen_k;
-        alibi_rel = 4.0 * (double)longest * (p->lse.dtype == FA_DTYPE_F64 ? 0x1p-53 : 0x1p-24);
+        extra_rel += 4.0 * eps * (double)longest;
     }
     const char *names[4] = {"dq", "dk", "dv", "dsinks"};
     const fa_tensor *views[4] = {&b->dq, &b->dk, &b->dv, &b->dsinks};
     *pass = 1;
     for (int i = 0; i < (cfg->sinks ? 4 : 3); i++)
-        *pass &= grad_check(names[i], views[i], n[i], g[i], m[i], naive[i], p,
-                            alibi_rel + (i == 3 ? 0x1p-23 : 0.0));
+        *pass &= grad_check(names[i], views[i], n[i], g[i], m[i], naive[i], st[i], p,
+                            extra_rel + (i == 3 ? 0x1p-23 : 0.0));
     rc = FA_EXIT_OK;
 done:
     for (int i = 0; i < 4; i++) {
         free(g[i]);
         free(m[i]);
         free(naive[i]);
+        free(st[i]);
     }
     return rc;
 }
