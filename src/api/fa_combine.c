@@ -4,15 +4,6 @@
 
 #include "api/fa_kvcache.h"
 
-#define FA_BAD(...) fa_error_set(FA_STATUS_INVALID_ARGUMENT, __VA_ARGS__)
-
-#define FA_TRY(expr)                                                                             \
-    do {                                                                                         \
-        fa_status fa_try_status_ = (expr);                                                       \
-        if (fa_try_status_ != FA_STATUS_OK)                                                      \
-            return fa_try_status_;                                                               \
-    } while (0)
-
 static fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combine_params *c)
 {
     *c = (fa_combine_params){0};
@@ -21,9 +12,9 @@ static fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combin
     if (a->device < FA_DEVICE_CPU)
         return FA_BAD("device: must be FA_DEVICE_CPU (-1) or a CUDA ordinal, got %d", a->device);
     const fa_tensor *op = a->out_partial, *lp = a->lse_partial, *o = a->out;
-    FA_TRY(fa_kv_check_tensor(op, "out_partial", 5));
-    FA_TRY(fa_kv_check_strided(lp, "lse_partial", 4));
-    FA_TRY(fa_kv_check_tensor(o, "out", 4));
+    FA_TRY(fa_check_tensor(op, "out_partial", 5));
+    FA_TRY(fa_check_strided(lp, "lse_partial", 4));
+    FA_TRY(fa_check_tensor(o, "out", 4));
     if (op->dtype != FA_DTYPE_F32 && op->dtype != FA_DTYPE_F64)
         return FA_BAD("out_partial: dtype must be fp32 (or fp64), got %s",
                       fa_dtype_name(op->dtype));
@@ -42,14 +33,14 @@ static fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combin
     if (c->splits < 1 || c->splits > FA_MAX_SPLITS)
         return FA_BAD("out_partial: dimension 0 (splits) must be in [1, %d], got %lld",
                       FA_MAX_SPLITS, (long long)c->splits);
-    FA_TRY(fa_kv_check_dim(lp, "lse_partial", 0, c->splits, "splits, as out_partial"));
-    FA_TRY(fa_kv_check_dim(lp, "lse_partial", 1, c->b, "batch, as out_partial"));
-    FA_TRY(fa_kv_check_dim(lp, "lse_partial", 2, c->sq, "seqlen, as out_partial"));
-    FA_TRY(fa_kv_check_dim(lp, "lse_partial", 3, c->h, "heads, as out_partial"));
-    FA_TRY(fa_kv_check_dim(o, "out", 0, c->b, "batch, as out_partial"));
-    FA_TRY(fa_kv_check_dim(o, "out", 1, c->sq, "seqlen, as out_partial"));
-    FA_TRY(fa_kv_check_dim(o, "out", 2, c->h, "heads, as out_partial"));
-    FA_TRY(fa_kv_check_dim(o, "out", 3, c->dv, "head_dim, as out_partial"));
+    FA_TRY(fa_check_dim(lp, "lse_partial", 0, c->splits, "splits, as out_partial"));
+    FA_TRY(fa_check_dim(lp, "lse_partial", 1, c->b, "batch, as out_partial"));
+    FA_TRY(fa_check_dim(lp, "lse_partial", 2, c->sq, "seqlen, as out_partial"));
+    FA_TRY(fa_check_dim(lp, "lse_partial", 3, c->h, "heads, as out_partial"));
+    FA_TRY(fa_check_dim(o, "out", 0, c->b, "batch, as out_partial"));
+    FA_TRY(fa_check_dim(o, "out", 1, c->sq, "seqlen, as out_partial"));
+    FA_TRY(fa_check_dim(o, "out", 2, c->h, "heads, as out_partial"));
+    FA_TRY(fa_check_dim(o, "out", 3, c->dv, "head_dim, as out_partial"));
 
     c->part_dtype = op->dtype;
     c->o_part = op->data;
@@ -70,14 +61,14 @@ static fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combin
 
     if (a->lse) {
         const fa_tensor *t = a->lse;
-        FA_TRY(fa_kv_check_strided(t, "lse", 3));
+        FA_TRY(fa_check_strided(t, "lse", 3));
         if (t->dtype != FA_DTYPE_F32 &&
             !(t->dtype == FA_DTYPE_F64 && c->part_dtype == FA_DTYPE_F64))
             return FA_BAD("lse: dtype must be fp32 (or fp64 with fp64 partials), got %s",
                           fa_dtype_name(t->dtype));
-        FA_TRY(fa_kv_check_dim(t, "lse", 0, c->b, "batch"));
-        FA_TRY(fa_kv_check_dim(t, "lse", 1, c->sq, "seqlen"));
-        FA_TRY(fa_kv_check_dim(t, "lse", 2, c->h, "heads"));
+        FA_TRY(fa_check_dim(t, "lse", 0, c->b, "batch"));
+        FA_TRY(fa_check_dim(t, "lse", 1, c->sq, "seqlen"));
+        FA_TRY(fa_check_dim(t, "lse", 2, c->h, "heads"));
         c->lse = t->data;
         c->lse_dtype = t->dtype;
         c->lse_bstride = t->stride[0];

@@ -21,6 +21,24 @@
 fa_status fa_error_set(fa_status status, const char *fmt, ...) FA_PRINTF(2, 3);
 void fa_error_clear(void);
 
+#define FA_BAD(...) fa_error_set(FA_STATUS_INVALID_ARGUMENT, __VA_ARGS__)
+
+#define FA_TRY(expr)                                                                             \
+    do {                                                                                         \
+        fa_status fa_try_status_ = (expr);                                                       \
+        if (fa_try_status_ != FA_STATUS_OK)                                                      \
+            return fa_try_status_;                                                               \
+    } while (0)
+
+/* Tensor argument checks (fa_check.c); each names the argument in its error. */
+int64_t fa_tensor_numel(const fa_tensor *t);
+int fa_dtype_is_float(fa_dtype dt);
+fa_status fa_check_tensor(const fa_tensor *t, const char *name, int ndim); /* last dim stride 1 */
+fa_status fa_check_strided(const fa_tensor *t, const char *name, int ndim);
+fa_status fa_check_dtype(const fa_tensor *t, const char *name, fa_dtype want, const char *why);
+fa_status fa_check_dim(const fa_tensor *t, const char *name, int dim, int64_t want,
+                       const char *what);
+
 /*
  * The forward problem after validation. Strides are in elements. In the dense form every
  * sequence has max_sq queries and max_sk keys; in the varlen form the batch stride is unused

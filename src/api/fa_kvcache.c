@@ -8,80 +8,6 @@
 
 #include "api/fa_kvcache.h"
 
-#define FA_BAD(...) fa_error_set(FA_STATUS_INVALID_ARGUMENT, __VA_ARGS__)
-
-#define FA_TRY(expr)                                                                             \
-    do {                                                                                         \
-        fa_status fa_try_status_ = (expr);                                                       \
-        if (fa_try_status_ != FA_STATUS_OK)                                                      \
-            return fa_try_status_;                                                               \
-    } while (0)
-
-static int64_t fa_kv_numel(const fa_tensor *t)
-{
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++)
-        n *= t->shape[i];
-    return n;
-}
-
-static int fa_kv_is_float(fa_dtype dt)
-{
-    return dt == FA_DTYPE_F32 || dt == FA_DTYPE_F16 || dt == FA_DTYPE_BF16 || dt == FA_DTYPE_F64;
-}
-
-/* Structural checks; contiguous: the last dimension must have stride 1. */
-static fa_status fa_kv_check_view(const fa_tensor *t, const char *name, int ndim, int contiguous)
-{
-    if (!t)
-        return FA_BAD("%s: tensor is NULL", name);
-    if (t->ndim != ndim)
-        return FA_BAD("%s: expected %d dimensions, got %d", name, ndim, (int)t->ndim);
-    if (!fa_kv_is_float(t->dtype) && t->dtype != FA_DTYPE_I32)
-        return FA_BAD("%s: unknown dtype %d", name, (int)t->dtype);
-    for (int i = 0; i < ndim; i++) {
-        if (t->shape[i] < 0)
-            return FA_BAD("%s: dimension %d has negative size %lld", name, i,
-                          (long long)t->shape[i]);
-        if (t->shape[i] > ((int64_t)1 << 40))
-            return FA_BAD("%s: dimension %d size %lld is too large", name, i,
-                          (long long)t->shape[i]);
-    }
-    if (contiguous && t->shape[ndim - 1] > 1 && t->stride[ndim - 1] != 1 && fa_kv_numel(t) > 0)
-        return FA_BAD("%s: last dimension must be contiguous (stride 1), got stride %lld", name,
-                      (long long)t->stride[ndim - 1]);
-    if (!t->data && fa_kv_numel(t) > 0)
-        return FA_BAD("%s: data pointer is NULL", name);
-    return FA_STATUS_OK;
-}
-
-fa_status fa_kv_check_tensor(const fa_tensor *t, const char *name, int ndim)
-{
-    return fa_kv_check_view(t, name, ndim, 1);
-}
-
-fa_status fa_kv_check_strided(const fa_tensor *t, const char *name, int ndim)
-{
-    return fa_kv_check_view(t, name, ndim, 0);
-}
-
-fa_status fa_kv_check_dtype(const fa_tensor *t, const char *name, fa_dtype want, const char *why)
-{
-    if (t->dtype != want)
-        return FA_BAD("%s: dtype must be %s (%s), got %s", name, fa_dtype_name(want), why,
-                      fa_dtype_name(t->dtype));
-    return FA_STATUS_OK;
-}
-
-fa_status fa_kv_check_dim(const fa_tensor *t, const char *name, int dim, int64_t want,
-                          const char *what)
-{
-    if (t->shape[dim] != want)
-        return FA_BAD("%s: dimension %d (%s) must be %lld, got %lld", name, dim, what,
-                      (long long)want, (long long)t->shape[dim]);
-    return FA_STATUS_OK;
-}
-
 static fa_status fa_kv_check_same_dtype(const fa_tensor *t, const char *name, fa_dtype dt)
 {
     if (t->dtype != dt)
@@ -94,9 +20,9 @@ static fa_status fa_kv_check_same_dtype(const fa_tensor *t, const char *name, fa
 static fa_status fa_kv_check_index(const fa_tensor *t, const char *name, int64_t b,
                                    const char *what, const int32_t **dst)
 {
-    FA_TRY(fa_kv_check_tensor(t, name, 1));
-    FA_TRY(fa_kv_check_dtype(t, name, FA_DTYPE_I32, what));
-    FA_TRY(fa_kv_check_dim(t, name, 0, b, "batch, as q"));
+    FA_TRY(fa_check_tensor(t, name, 1));
+    FA_TRY(fa_check_dtype(t, name, FA_DTYPE_I32, what));
+    FA_TRY(fa_check_dim(t, name, 0, b, "batch, as q"));
     if (t->stride[0] != 1 && b > 1)
         return FA_BAD("%s: must be contiguous (stride 1), got stride %lld", name,
                       (long long)t->stride[0]);
@@ -108,11 +34,11 @@ static fa_status fa_kv_check_index(const fa_tensor *t, const char *name, int64_t
 static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_kv_params *p)
 {
     const fa_tensor *q = a->q, *kc = a->k_cache, *vc = a->v_cache, *o = a->out;
-    FA_TRY(fa_kv_check_tensor(q, "q", 4));
-    FA_TRY(fa_kv_check_tensor(kc, "k_cache", 4));
-    FA_TRY(fa_kv_check_tensor(vc, "v_cache", 4));
-    FA_TRY(fa_kv_check_tensor(o, "out", 4));
-    if (!fa_kv_is_float(q->dtype))
+    FA_TRY(fa_check_tensor(q, "q", 4));
+    FA_TRY(fa_check_tensor(kc, "k_cache", 4));
+    FA_TRY(fa_check_tensor(vc, "v_cache", 4));
+    FA_TRY(fa_check_tensor(o, "out", 4));
+    if (!fa_dtype_is_float(q->dtype))
         return FA_BAD("q: dtype must be fp32, fp16, bf16 or fp64, got %s",
                       fa_dtype_name(q->dtype));
     p->dtype = q->dtype;
@@ -136,7 +62,7 @@ static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_kv_params *p)
     if (p->dv < 1 || p->dv > FA_MAX_HEAD_DIM)
         return FA_BAD("v_cache: head_dim must be in [1, %d], got %lld", FA_MAX_HEAD_DIM,
                       (long long)p->dv);
-    FA_TRY(fa_kv_check_dim(kc, "k_cache", 3, p->d, "head_dim, as q"));
+    FA_TRY(fa_check_dim(kc, "k_cache", 3, p->d, "head_dim, as q"));
     if (p->hk < 1)
         return FA_BAD("k_cache: number of kv heads must be positive, got %lld",
                       (long long)p->hk);
@@ -144,13 +70,13 @@ static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_kv_params *p)
         return FA_BAD("k_cache: number of kv heads (%lld) must divide the number of query "
                       "heads in q (%lld)",
                       (long long)p->hk, (long long)p->h);
-    FA_TRY(fa_kv_check_dim(vc, "v_cache", 0, kc->shape[0], "blocks or batch, as k_cache"));
-    FA_TRY(fa_kv_check_dim(vc, "v_cache", 1, kc->shape[1], "page size or seqlen, as k_cache"));
-    FA_TRY(fa_kv_check_dim(vc, "v_cache", 2, p->hk, "kv heads, as k_cache"));
-    FA_TRY(fa_kv_check_dim(o, "out", 0, p->b, "batch, as q"));
-    FA_TRY(fa_kv_check_dim(o, "out", 1, p->sq, "seqlen_q, as q"));
-    FA_TRY(fa_kv_check_dim(o, "out", 2, p->h, "heads, as q"));
-    FA_TRY(fa_kv_check_dim(o, "out", 3, p->dv, "head_dim, as v_cache"));
+    FA_TRY(fa_check_dim(vc, "v_cache", 0, kc->shape[0], "blocks or batch, as k_cache"));
+    FA_TRY(fa_check_dim(vc, "v_cache", 1, kc->shape[1], "page size or seqlen, as k_cache"));
+    FA_TRY(fa_check_dim(vc, "v_cache", 2, p->hk, "kv heads, as k_cache"));
+    FA_TRY(fa_check_dim(o, "out", 0, p->b, "batch, as q"));
+    FA_TRY(fa_check_dim(o, "out", 1, p->sq, "seqlen_q, as q"));
+    FA_TRY(fa_check_dim(o, "out", 2, p->h, "heads, as q"));
+    FA_TRY(fa_check_dim(o, "out", 3, p->dv, "head_dim, as v_cache"));
 
     p->q = q->data;
     p->q_bstride = q->stride[0];
@@ -174,18 +100,18 @@ static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_kv_params *p)
                       a->k ? "k" : "v", a->k ? "v" : "k");
     if (a->k) {
         const fa_tensor *k = a->k, *v = a->v;
-        FA_TRY(fa_kv_check_tensor(k, "k", 4));
-        FA_TRY(fa_kv_check_tensor(v, "v", 4));
+        FA_TRY(fa_check_tensor(k, "k", 4));
+        FA_TRY(fa_check_tensor(v, "v", 4));
         FA_TRY(fa_kv_check_same_dtype(k, "k", p->dtype));
         FA_TRY(fa_kv_check_same_dtype(v, "v", p->dtype));
         p->s_new = k->shape[1];
-        FA_TRY(fa_kv_check_dim(k, "k", 0, p->b, "batch, as q"));
-        FA_TRY(fa_kv_check_dim(k, "k", 2, p->hk, "kv heads, as k_cache"));
-        FA_TRY(fa_kv_check_dim(k, "k", 3, p->d, "head_dim, as q"));
-        FA_TRY(fa_kv_check_dim(v, "v", 0, p->b, "batch, as q"));
-        FA_TRY(fa_kv_check_dim(v, "v", 1, p->s_new, "new keys, as k"));
-        FA_TRY(fa_kv_check_dim(v, "v", 2, p->hk, "kv heads, as k_cache"));
-        FA_TRY(fa_kv_check_dim(v, "v", 3, p->dv, "head_dim, as v_cache"));
+        FA_TRY(fa_check_dim(k, "k", 0, p->b, "batch, as q"));
+        FA_TRY(fa_check_dim(k, "k", 2, p->hk, "kv heads, as k_cache"));
+        FA_TRY(fa_check_dim(k, "k", 3, p->d, "head_dim, as q"));
+        FA_TRY(fa_check_dim(v, "v", 0, p->b, "batch, as q"));
+        FA_TRY(fa_check_dim(v, "v", 1, p->s_new, "new keys, as k"));
+        FA_TRY(fa_check_dim(v, "v", 2, p->hk, "kv heads, as k_cache"));
+        FA_TRY(fa_check_dim(v, "v", 3, p->dv, "head_dim, as v_cache"));
         p->k_new = k->data;
         p->kn_bstride = k->stride[0];
         p->kn_rstride = k->stride[1];
@@ -207,9 +133,9 @@ static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_kv_params *p)
     p->page_size = kc->shape[1];
     if (p->paged) {
         const fa_tensor *bt = a->block_table;
-        FA_TRY(fa_kv_check_tensor(bt, "block_table", 2));
-        FA_TRY(fa_kv_check_dtype(bt, "block_table", FA_DTYPE_I32, "block ids"));
-        FA_TRY(fa_kv_check_dim(bt, "block_table", 0, p->b, "batch, as q"));
+        FA_TRY(fa_check_tensor(bt, "block_table", 2));
+        FA_TRY(fa_check_dtype(bt, "block_table", FA_DTYPE_I32, "block ids"));
+        FA_TRY(fa_check_dim(bt, "block_table", 0, p->b, "batch, as q"));
         if (p->page_size < 1)
             return FA_BAD("k_cache: page size (dimension 1 of a paged cache) must be >= 1, got "
                           "%lld",
@@ -316,12 +242,12 @@ static fa_status fa_kv_check_rotary(const fa_kvcache_args *a, fa_kv_params *p)
     if (!a->k)
         return FA_BAD("rotary_cos: rotary embedding needs new keys k/v to append (it rotates "
                       "them and q)");
-    FA_TRY(fa_kv_check_tensor(c, "rotary_cos", 2));
-    FA_TRY(fa_kv_check_tensor(s, "rotary_sin", 2));
+    FA_TRY(fa_check_tensor(c, "rotary_cos", 2));
+    FA_TRY(fa_check_tensor(s, "rotary_sin", 2));
     FA_TRY(fa_kv_check_same_dtype(c, "rotary_cos", p->dtype));
     FA_TRY(fa_kv_check_same_dtype(s, "rotary_sin", p->dtype));
-    FA_TRY(fa_kv_check_dim(s, "rotary_sin", 0, c->shape[0], "seqlen_ro, as rotary_cos"));
-    FA_TRY(fa_kv_check_dim(s, "rotary_sin", 1, c->shape[1], "rotary_dim / 2, as rotary_cos"));
+    FA_TRY(fa_check_dim(s, "rotary_sin", 0, c->shape[0], "seqlen_ro, as rotary_cos"));
+    FA_TRY(fa_check_dim(s, "rotary_sin", 1, c->shape[1], "rotary_dim / 2, as rotary_cos"));
     if (c->shape[1] < 1)
         return FA_BAD("rotary_cos: dimension 1 (rotary_dim / 2) must be >= 1, got 0");
     p->rotary_dim = 2 * c->shape[1];
@@ -358,13 +284,13 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
 {
     if (a->lse) {
         const fa_tensor *t = a->lse;
-        FA_TRY(fa_kv_check_tensor(t, "lse", 3));
+        FA_TRY(fa_check_tensor(t, "lse", 3));
         if (t->dtype != FA_DTYPE_F32 && !(t->dtype == FA_DTYPE_F64 && p->dtype == FA_DTYPE_F64))
             return FA_BAD("lse: dtype must be fp32 (or fp64 when q is fp64), got %s",
                           fa_dtype_name(t->dtype));
-        FA_TRY(fa_kv_check_dim(t, "lse", 0, p->b, "batch"));
-        FA_TRY(fa_kv_check_dim(t, "lse", 1, p->h, "heads"));
-        FA_TRY(fa_kv_check_dim(t, "lse", 2, p->sq, "seqlen_q"));
+        FA_TRY(fa_check_dim(t, "lse", 0, p->b, "batch"));
+        FA_TRY(fa_check_dim(t, "lse", 1, p->h, "heads"));
+        FA_TRY(fa_check_dim(t, "lse", 2, p->sq, "seqlen_q"));
         p->lse = t->data;
         p->lse_dtype = t->dtype;
         p->lse_bstride = t->stride[0];
@@ -376,24 +302,24 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
         if (t->ndim != 1 && t->ndim != 2)
             return FA_BAD("alibi_slopes: must have shape [h] or [b, h], got %d dimensions",
                           (int)t->ndim);
-        FA_TRY(fa_kv_check_tensor(t, "alibi_slopes", t->ndim));
-        FA_TRY(fa_kv_check_dtype(t, "alibi_slopes", FA_DTYPE_F32, "one slope per head"));
+        FA_TRY(fa_check_tensor(t, "alibi_slopes", t->ndim));
+        FA_TRY(fa_check_dtype(t, "alibi_slopes", FA_DTYPE_F32, "one slope per head"));
         if (t->ndim == 1) {
-            FA_TRY(fa_kv_check_dim(t, "alibi_slopes", 0, p->h, "heads"));
+            FA_TRY(fa_check_dim(t, "alibi_slopes", 0, p->h, "heads"));
             p->alibi_bstride = 0;
             p->alibi_hstride = t->stride[0];
         } else {
-            FA_TRY(fa_kv_check_dim(t, "alibi_slopes", 0, p->b, "batch"));
-            FA_TRY(fa_kv_check_dim(t, "alibi_slopes", 1, p->h, "heads"));
+            FA_TRY(fa_check_dim(t, "alibi_slopes", 0, p->b, "batch"));
+            FA_TRY(fa_check_dim(t, "alibi_slopes", 1, p->h, "heads"));
             p->alibi_bstride = t->stride[0];
             p->alibi_hstride = t->stride[1];
         }
         p->alibi_slopes = (const float *)t->data;
     }
     if (a->sinks) {
-        FA_TRY(fa_kv_check_tensor(a->sinks, "sinks", 1));
-        FA_TRY(fa_kv_check_dtype(a->sinks, "sinks", FA_DTYPE_F32, "one logit per head"));
-        FA_TRY(fa_kv_check_dim(a->sinks, "sinks", 0, p->h, "heads"));
+        FA_TRY(fa_check_tensor(a->sinks, "sinks", 1));
+        FA_TRY(fa_check_dtype(a->sinks, "sinks", FA_DTYPE_F32, "one logit per head"));
+        FA_TRY(fa_check_dim(a->sinks, "sinks", 0, p->h, "heads"));
         p->sinks = (const float *)a->sinks->data;
         p->sinks_stride = a->sinks->stride[0];
     }

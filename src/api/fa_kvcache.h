@@ -142,16 +142,6 @@ typedef struct fa_combine_params {
     int num_threads;
 } fa_combine_params;
 
-/* Shared argument checks (fa_kvcache.c); each names the argument in its message. */
-fa_status fa_kv_check_tensor(const fa_tensor *t, const char *name, int ndim);
-/* The same without the contiguous last dimension (tensors read or written one element at a
-   time, such as FA3's transposed lse views). */
-fa_status fa_kv_check_strided(const fa_tensor *t, const char *name, int ndim);
-fa_status fa_kv_check_dtype(const fa_tensor *t, const char *name, fa_dtype want,
-                            const char *why);
-fa_status fa_kv_check_dim(const fa_tensor *t, const char *name, int dim, int64_t want,
-                          const char *what);
-
 /* CPU backend. */
 fa_status fa_cpu_kvcache(const fa_kv_params *p);
 fa_status fa_cpu_combine(const fa_combine_params *c);
