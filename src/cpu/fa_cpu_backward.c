@@ -82,6 +82,7 @@ typedef struct fa_bwd_chunk {
 typedef struct fa_bwd_job {
     const fa_params *p;
     void *dsum;            /* reals [h][total_q] */
+    void *dq_ws;           /* fused schedule: reals [total_q][h][pad(d)] */
     double *dsink_partial; /* [b][h] */
     fa_bwd_chunk *chunks;
     int64_t heads_per_chunk; /* h (query pass) or hk (key pass) */
@@ -151,11 +152,28 @@ static void fa_bwd_keys_task(void *ctx, int64_t item, int thread)
     if (p->dtype == FA_DTYPE_F64) {
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
-        fa_bwd_keys_f64(p, &t, job->dsum, c->seq, hk, c->start, c->len);
+        fa_bwd_keys_f64(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len);
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
-        fa_bwd_keys_f32(p, &t, job->dsum, c->seq, hk, c->start, c->len);
+        fa_bwd_keys_f32(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len);
+    }
+}
+
+static void fa_bwd_fused_task(void *ctx, int64_t item, int thread)
+{
+    const fa_bwd_job *job = ctx;
+    const fa_params *p = job->p;
+    const int64_t bi = item / p->hk, hk = item % p->hk;
+    char *base = job->scratch + (size_t)thread * job->scratch_size;
+    if (p->dtype == FA_DTYPE_F64) {
+        fa_bwd_tile_f64 t;
+        FA_BWD_CARVE(double, t, base, p);
+        fa_bwd_fused_f64(p, &t, job->dsum, job->dq_ws, bi, hk);
+    } else {
+        fa_bwd_tile_f32 t;
+        FA_BWD_CARVE(float, t, base, p);
+        fa_bwd_fused_f32(p, &t, job->dsum, job->dq_ws, bi, hk);
     }
 }
 
@@ -239,13 +257,17 @@ fa_status fa_cpu_backward(const fa_params *p)
     int64_t n_max = n_q > n_k ? n_q : n_k;
     int threads = p->num_threads > 0 ? p->num_threads : 1;
 
-    fa_bwd_job job = {p, NULL, NULL, NULL, 0, NULL, fa_bwd_scratch_size(p, real_size)};
+    /* The schedule depends on the shape only, so results never depend on the thread count. */
+    const int fused = p->b * p->hk >= FA_CPU_BWD_FUSED_ITEMS;
+    fa_bwd_job job = {p, NULL, NULL, NULL, NULL, 0, NULL, fa_bwd_scratch_size(p, real_size)};
     job.dsum = malloc((size_t)(p->total_q * p->h + 1) * real_size);
     job.dsink_partial = malloc((size_t)(p->b * p->h) * sizeof(double));
     job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);
     job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
+    if (fused)
+        job.dq_ws = malloc((size_t)(p->total_q * p->h * fa_cpu_gemm_pad(p->d) + 1) * real_size);
     fa_status st = FA_STATUS_OK;
-    if (!job.dsum || !job.dsink_partial || !job.chunks || !job.scratch) {
+    if (!job.dsum || !job.dsink_partial || !job.chunks || !job.scratch || (fused && !job.dq_ws)) {
         st = fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for the backward workspace");
         goto done;
     }
@@ -262,6 +284,11 @@ fa_status fa_cpu_backward(const fa_params *p)
         }
     }
 
+    if (fused) {
+        st = fa_parallel_for(threads, p->b * p->hk, fa_bwd_fused_task, &job);
+        goto done;
+    }
+
     fa_bwd_chunks_make(p, 1, FA_CPU_BWD_NK, job.chunks);
     st = fa_parallel_for(threads, n_k * p->hk, fa_bwd_keys_task, &job);
     if (st != FA_STATUS_OK)
@@ -272,6 +299,7 @@ fa_status fa_cpu_backward(const fa_params *p)
 
 done:
     free(job.dsum);
+    free(job.dq_ws);
     free(job.dsink_partial);
     free(job.chunks);
     free(job.scratch);

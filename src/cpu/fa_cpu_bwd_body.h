@@ -210,11 +210,14 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_t
 /*
  * Key pass item: dK, dV of keys [j0, j0+n) (n <= FA_CPU_BWD_NK) of kv head hk in sequence
  * seq_index. Each query tile is packed once and used for every FA_CPU_BN block of the item's keys
- * that it sees, which is why the item is several blocks long.
+ * that it sees, which is why the item is several blocks long. With dq_ws (the fused schedule, one
+ * thread owning the whole (sequence, kv head)) it also adds dS K into the fp32 dQ workspace
+ * [total_q][h][dp], so no query pass is needed.
  */
 FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
-                                             const FA_REAL *dsum_ws, int64_t seq_index,
-                                             int64_t hk, int64_t j0, int64_t n)
+                                             const FA_REAL *dsum_ws, FA_REAL *dq_ws,
+                                             int64_t seq_index, int64_t hk, int64_t j0,
+                                             int64_t n)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
     const int64_t d = p->d, dv = p->dv, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(dv);
@@ -248,6 +251,11 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
                     FA_FN(fa_bwd_block)(p, t, &sub, seq_index, h, r0, m, mp, j0 + b0, nb);
                     FA_GEMM(t->acc_v + b0 * dvp, dvp, t->pt, mp, 1, t->dor, dvp, nb, dvp, mp, 1);
                     FA_GEMM(t->acc_k + b0 * dp, dp, t->dxt, mp, 1, t->qr, dp, nb, dp, mp, 1);
+                    if (dq_ws) {
+                        const int64_t row0 = fa_bwd_token(p, seq_index, &seq, r0);
+                        FA_GEMM(dq_ws + (row0 * p->h + h) * dp, p->h * dp, t->dxt, 1, mp, sub.k,
+                                sub.k_ld, m, dp, nb, 1);
+                    }
                 }
             }
         }
@@ -262,6 +270,37 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
                             d, p->dtype);
         FA_FN(fa_store_row)(p->dv_data, dv_base + (j0 + j) * p->dv_rstride, t->acc_v + j * dvp,
                             1, dv, p->dtype);
+    }
+}
+
+/*
+ * Fused item: everything of kv head hk in sequence seq_index, serially in a fixed order: dK and
+ * dV key chunk by key chunk, dQ of every query head of the group accumulated in dq_ws and
+ * converted at the end. Used when there are enough (sequence, kv head) pairs to keep the threads
+ * busy: it does five products per (query tile, key block) instead of seven.
+ */
+static void FA_FN(fa_bwd_fused)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+                                const FA_REAL *dsum_ws, FA_REAL *dq_ws, int64_t seq_index,
+                                int64_t hk)
+{
+    const fa_seq seq = fa_params_seq(p, seq_index);
+    const int64_t d = p->d, dp = fa_cpu_gemm_pad(d), group = p->h / p->hk;
+    const int64_t row0 = fa_bwd_token(p, seq_index, &seq, 0);
+    for (int64_t r = 0; r < seq.sq; r++)
+        for (int64_t h = hk * group; h < (hk + 1) * group; h++)
+            for (int64_t c = 0; c < dp; c++)
+                dq_ws[((row0 + r) * p->h + h) * dp + c] = 0;
+    const int64_t klen =
+        p->is_varlen ? p->cu_seqlens_k[seq_index + 1] - p->cu_seqlens_k[seq_index] : p->max_sk;
+    for (int64_t j0 = 0; j0 < klen; j0 += FA_CPU_BWD_NK)
+        FA_FN(fa_bwd_keys)(p, t, dsum_ws, dq_ws, seq_index, hk, j0,
+                           klen - j0 < FA_CPU_BWD_NK ? klen - j0 : FA_CPU_BWD_NK);
+    for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
+        const int64_t dq_base =
+            seq_index * p->dq_bstride + seq.q_start * p->dq_rstride + h * p->dq_hstride;
+        for (int64_t r = 0; r < seq.sq; r++)
+            FA_FN(fa_store_row)(p->dq_data, dq_base + r * p->dq_rstride,
+                                dq_ws + ((row0 + r) * p->h + h) * dp, 1, d, p->dtype);
     }
 }
 

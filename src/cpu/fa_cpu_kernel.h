@@ -8,6 +8,7 @@
 #include "util/fa_philox.h"
 
 #define FA_CPU_BM 64 /* query rows per tile (backward) */
+#define FA_CPU_BWD_FUSED_ITEMS 32 /* (sequence, kv head) pairs from which the backward runs fused */
 #define FA_CPU_BWD_NK 256 /* keys per backward key-pass item: query tiles are packed once per item */
 #define FA_CPU_FWD_BM_MAX 256 /* largest forward tile: K/V blocks are packed once per tile */
 #define FA_CPU_BN 64 /* keys per block */
