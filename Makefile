@@ -41,6 +41,7 @@ gpu-check:
 	build-cuda/flashattn info
 	build-cuda/tests/gpu/test_gpu_forward; rc=$$?; \
 	build-cuda/tests/gpu/test_gpu_sm90 || rc=1; \
+	build-cuda/tests/gpu/test_gpu_backward || rc=1; \
 	export PYTHONPATH=python FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so; \
 	$(PYTHON) -m pytest -q tests/gpu/test_python_cuda.py || rc=1; \
 	$(PYTHON) tests/gpu/bench_gpu.py || rc=1; exit $$rc

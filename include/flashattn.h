@@ -139,7 +139,14 @@ fa_status fa_attention_forward(const fa_fwd_args *args);
  *             that share a kv head
  *   dsinks:   fp32 [h], written (not accumulated)
  * fwd->lse is required and fwd->probs is ignored. On the CPU the result is bitwise reproducible
- * across runs and thread counts whatever `deterministic` says; the flag exists for the GPU.
+ * across runs and thread counts whatever `deterministic` says. On a CUDA device dk, dv and
+ * dsinks are always bitwise reproducible, and dq too with deterministic = 1 (otherwise its fp32
+ * accumulation uses atomics, whose order varies).
+ *
+ * Workspace (CUDA only; the CPU allocates its own): the call allocates no device memory. The
+ * caller passes device memory of at least fa_attention_backward_workspace_size(args) bytes,
+ * 256-byte aligned, on fwd->device, as workspace / workspace_size; its contents on entry do not
+ * matter and it must not be used by anything else until the stream has run the backward.
  */
 typedef struct fa_bwd_args {
     const fa_fwd_args *fwd;  /* q, k, v, out, lse and every option of the forward call */
@@ -149,10 +156,17 @@ typedef struct fa_bwd_args {
     const fa_tensor *dv;     /* [b, sk, hk, dv] or [total_k, hk, dv], written */
     const fa_tensor *dsinks; /* fp32 [h], written; required when fwd->sinks is given */
     int deterministic;
+    void *workspace;       /* CUDA: device memory, see fa_attention_backward_workspace_size */
+    size_t workspace_size; /* bytes at workspace */
 } fa_bwd_args;
 
 void fa_bwd_args_init(fa_bwd_args *args);
 fa_status fa_attention_backward(const fa_bwd_args *args);
+
+/* Bytes of workspace fa_attention_backward needs for args (every field but workspace and
+ * workspace_size is read): 0 on the CPU, and 0 when the arguments are invalid (fa_last_error()
+ * then says why; the backward would refuse them too). */
+size_t fa_attention_backward_workspace_size(const fa_bwd_args *args);
 
 /*
  * The dropout keep bit of element (batch, head, row, col), as every backend computes it.

@@ -140,6 +140,8 @@ class FaBwdArgs(ctypes.Structure):
         ("dv", _PT),
         ("dsinks", _PT),
         ("deterministic", ctypes.c_int),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_size", ctypes.c_size_t),
     ]
 
 
@@ -181,6 +183,8 @@ def _declare(lib):
     lib.fa_bwd_args_init.restype = None
     lib.fa_attention_backward.argtypes = [c.POINTER(FaBwdArgs)]
     lib.fa_attention_backward.restype = c.c_int
+    lib.fa_attention_backward_workspace_size.argtypes = [c.POINTER(FaBwdArgs)]
+    lib.fa_attention_backward_workspace_size.restype = c.c_size_t
     lib.fa_dropout_keep.argtypes = [c.c_uint64, c.c_uint64, c.c_int64, c.c_int64, c.c_int64,
                                     c.c_int64, c.c_int64, c.c_double]
     lib.fa_dropout_keep.restype = c.c_int

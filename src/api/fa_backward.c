@@ -2,6 +2,7 @@
 #include <string.h>
 
 #include "api/fa_internal.h"
+#include "cuda/fa_cuda.h"
 
 FA_API void fa_bwd_args_init(fa_bwd_args *args)
 {
@@ -15,11 +16,19 @@ FA_API fa_status fa_attention_backward(const fa_bwd_args *args)
     if (st != FA_STATUS_OK)
         return st;
     if (args->fwd->device != FA_DEVICE_CPU)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "device: the backward runs on the CPU only in this build (device %d)",
-                            args->fwd->device);
-    st = fa_cpu_backward(&p);
+        st = fa_cuda_backward(&p, args);
+    else
+        st = fa_cpu_backward(&p);
     if (st == FA_STATUS_OK)
         fa_error_clear();
     return st;
+}
+
+FA_API size_t fa_attention_backward_workspace_size(const fa_bwd_args *args)
+{
+    fa_params p;
+    if (fa_params_from_bwd_args(args, &p) != FA_STATUS_OK)
+        return 0;
+    fa_error_clear();
+    return args->fwd->device == FA_DEVICE_CPU ? 0 : fa_cuda_backward_workspace_size(&p);
 }

@@ -12,4 +12,15 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args);
  * launched, "" before any: lets the GPU tests check which path ran. */
 const char *fa_cuda_last_family(void);
 
+/* The kernels' parameter block (kernels/fa_kparams.h) for the validated problem p. */
+struct fa_kparams;
+void fa_kparams_fill(const fa_params *p, struct fa_kparams *kp);
+
+/* The backward on args->fwd->device (kernels/fa_bwd_sm80.cu): asynchronous on the caller's
+ * stream, no allocation (the workspace comes from args), no synchronisation. */
+fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args);
+
+/* Bytes of workspace the CUDA backward needs for p. */
+size_t fa_cuda_backward_workspace_size(const fa_params *p);
+
 #endif /* FA_CUDA_H */

@@ -30,7 +30,7 @@ static int fa_cuda_aligned(const fa_params *p)
     return 1;
 }
 
-static void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
+void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
 {
     *kp = (fa_kparams){0};
     kp->q = p->q;
@@ -252,6 +252,16 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
     if (st == FA_STATUS_OK && fa_plan_forward_sm90(&key, &plan90) == FA_STATUS_OK &&
         strcmp(plan.family, plan90.family) != 0) {
         st = fa_jit_build(&plan90, &origin);
+        if (cached)
+            *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+    }
+    /* The backward's kernels of the same configuration where the backward family takes it
+     * (its varlen form is not there yet: the dense one is compiled instead). */
+    fa_plan planb;
+    key.features &= ~(unsigned)FA_FEATURE_VARLEN;
+    if (st == FA_STATUS_OK && key.d <= FA_BWD_MAX_HEAD_DIM && key.dv <= FA_BWD_MAX_HEAD_DIM &&
+        fa_plan_backward(&key, &planb) == FA_STATUS_OK) {
+        st = fa_jit_build(&planb, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }

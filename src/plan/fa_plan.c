@@ -173,3 +173,54 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_DROPOUT", dropout);
     return FA_STATUS_OK;
 }
+
+/*
+ * Backward, first increment (issue 7): one 64 x 64 tile with 4 warps for every head dim up to
+ * 128 (each warp owns 16 keys of the block and 16 rows of a query tile). Shared memory: Q, dO,
+ * K, V and dS^T tiles with rows padded by 16 bytes, lse and D of the query tile.
+ */
+fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
+{
+    if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: the CUDA backward computes fp16 and bf16, got %s",
+                            fa_dtype_name(key->dtype));
+    if (key->arch < 80)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "device: compute capability %d.%d is below 8.0, the oldest the CUDA "
+                            "kernels support",
+                            key->arch / 10, key->arch % 10);
+    if (key->d < 1 || key->d > FA_BWD_MAX_HEAD_DIM || key->dv < 1 ||
+        key->dv > FA_BWD_MAX_HEAD_DIM)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "head_dim: the CUDA backward supports head dims up to %d so far, got "
+                            "d %d, dv %d (use the CPU backward)",
+                            FA_BWD_MAX_HEAD_DIM, key->d, key->dv);
+    if (key->features & FA_FEATURE_VARLEN)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "cu_seqlens_q: the CUDA backward supports the dense form only so far "
+                            "(use the CPU backward for varlen)");
+    *plan = (fa_plan){0};
+    plan->family = "fa_bwd_sm80.cu";
+    snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
+    plan->dp = fa_plan_pad(key->d);
+    plan->dvp = fa_plan_pad(key->dv);
+    plan->bm = FA_BWD_BM;
+    plan->bn = FA_BWD_BN;
+    plan->nwarps = 4;
+    plan->threads = 128;
+    plan->smem = (unsigned)(2 * ((plan->bm + plan->bn) * (plan->dp + 8 + plan->dvp + 8) +
+                                 plan->bn * (plan->bm + 8)) +
+                            2 * 4 * plan->bm);
+    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_DP", plan->dp);
+    fa_plan_define(plan, "FA_DVP", plan->dvp);
+    fa_plan_define(plan, "FA_BM", plan->bm);
+    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define(plan, "FA_NWARPS", plan->nwarps);
+    fa_plan_define(plan, "FA_VEC", (key->features & FA_FEATURE_UNALIGNED) == 0);
+    fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
+    fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
+    fa_plan_define(plan, "FA_DROPOUT", (key->features & FA_FEATURE_DROPOUT) != 0);
+    return FA_STATUS_OK;
+}

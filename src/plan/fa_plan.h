@@ -48,4 +48,14 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan);
 /* Nonzero when the plan routes supported cases to the sm90 family (FLASHATTN_SM90=1). */
 int fa_plan_sm90_enabled(void);
 
+/* The backward's tiles (kernels/fa_bwd_sm80.cu): query rows per tile and keys per CTA. The
+ * workspace size (fa_attention_backward_workspace_size) depends on FA_BWD_BM. */
+#define FA_BWD_BM 64
+#define FA_BWD_BN 64
+#define FA_BWD_MAX_HEAD_DIM 128
+
+/* The backward plan for key (fa_bwd_sm80.cu, sm_80 and later, fp16/bf16, d and dv <= 128, dense
+ * layouts); FA_STATUS_UNSUPPORTED with a message for anything else. */
+fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
+
 #endif /* FA_PLAN_H */

@@ -1,0 +1,31 @@
+/*
+ * The backward kernels' parameter block (kernels/fa_bwd_sm80.cu): the forward's block (so the
+ * shared helpers of fa_common.cuh take &bp->f) followed by the gradients and the workspace.
+ * Compiled by the host (C11) and by NVRTC, like fa_kparams.h; every field is 8 bytes or packed
+ * in pairs of 4.
+ */
+#ifndef FA_BKPARAMS_H
+#define FA_BKPARAMS_H
+
+#include "fa_kparams.h"
+
+typedef struct fa_bkparams {
+    fa_kparams f;          /* q, k, v, out, lse and every option of the forward */
+    const void *dout;      /* as out */
+    void *dq;              /* as q */
+    void *dk;              /* as k */
+    void *dv;              /* as v */
+    float *dsinks;         /* NULL or [h] */
+    float *dq_accum;       /* workspace: fp32 [h][total_q][d] */
+    float *dsum;           /* workspace: fp32 [h][total_q], D = rowsum(dout * out) */
+    int *sem;              /* workspace: int32 [b][h][m_tiles], deterministic dQ order */
+    fa_i64 do_bstride, do_rstride, do_hstride;
+    fa_i64 dq_bstride, dq_rstride, dq_hstride;
+    fa_i64 dk_bstride, dk_rstride, dk_hstride;
+    fa_i64 dv_bstride, dv_rstride, dv_hstride;
+    fa_i64 dsinks_stride;
+    int m_tiles, n_tiles; /* query tiles of FA_BM rows, key blocks of FA_BN keys */
+    int deterministic, pad_;
+} fa_bkparams;
+
+#endif /* FA_BKPARAMS_H */

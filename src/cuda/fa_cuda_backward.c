@@ -1,0 +1,167 @@
+/*
+ * The backward on a CUDA device (kernels/fa_bwd_sm80.cu): plan, check the caller's workspace,
+ * fill the parameter block, launch the four kernels on the caller's stream.
+ *
+ * Workspace layout (each part 256-byte aligned):
+ *   dq_accum fp32 [h][total_q][d]    dQ accumulated over the key blocks
+ *   dsum     fp32 [h][total_q]       D = rowsum(dout * out)
+ *   sem      int32 [b][h][m_tiles]   deterministic mode: key blocks added so far per query tile
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "fa_bkparams.h"
+#include "cuda/fa_cuda.h"
+#include "cuda/fa_jit.h"
+
+#define FA_WS_ALIGN 256
+
+static size_t fa_ws_round(size_t x) { return (x + FA_WS_ALIGN - 1) / FA_WS_ALIGN * FA_WS_ALIGN; }
+
+typedef struct fa_bwd_ws {
+    size_t accum, dsum, sem, total; /* byte offsets, and the size */
+} fa_bwd_ws;
+
+static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p)
+{
+    fa_bwd_ws w;
+    const size_t rows = (size_t)p->h * (size_t)p->total_q;
+    const size_t m_tiles = (size_t)((p->max_sq + FA_BWD_BM - 1) / FA_BWD_BM);
+    w.accum = 0;
+    w.dsum = fa_ws_round(w.accum + 4 * rows * (size_t)p->d);
+    w.sem = fa_ws_round(w.dsum + 4 * rows);
+    w.total = fa_ws_round(w.sem + 4 * (size_t)p->b * (size_t)p->h * m_tiles);
+    return w;
+}
+
+size_t fa_cuda_backward_workspace_size(const fa_params *p) { return fa_bwd_ws_layout(p).total; }
+
+/* cp.async and paired stores need 16-byte aligned rows and d, dv multiples of 8, in every
+ * tensor the main kernel touches. */
+static int fa_bwd_aligned(const fa_params *p)
+{
+    const int64_t strides[] = {p->q_bstride,  p->q_rstride,  p->q_hstride,  p->k_bstride,
+                               p->k_rstride,  p->k_hstride,  p->v_bstride,  p->v_rstride,
+                               p->v_hstride,  p->do_bstride, p->do_rstride, p->do_hstride,
+                               p->dk_bstride, p->dk_rstride, p->dk_hstride, p->dv_bstride,
+                               p->dv_rstride, p->dv_hstride};
+    const void *ptrs[] = {p->q, p->k, p->v, p->dout_data, p->dk_data, p->dv_data};
+    if (p->d % 8 != 0 || p->dv % 8 != 0)
+        return 0;
+    for (size_t i = 0; i < sizeof strides / sizeof strides[0]; i++)
+        if (strides[i] % 8 != 0)
+            return 0;
+    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
+        if ((uintptr_t)ptrs[i] % 16 != 0)
+            return 0;
+    return 1;
+}
+
+static fa_status fa_bwd_launch(const fa_cuda_driver *d, const fa_plan *plan, fa_cu_context ctx,
+                               const char *entry, unsigned gx, unsigned gy, unsigned gz,
+                               unsigned threads, unsigned smem, fa_cu_stream stream,
+                               fa_bkparams *bp)
+{
+    fa_cu_function fn;
+    fa_status st = fa_jit_function(plan, ctx, entry, &fn);
+    if (st != FA_STATUS_OK)
+        return st;
+    void *params[] = {bp};
+    fa_cu_result r = d->launch_kernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, NULL);
+    if (r != 0) {
+        char what[64];
+        snprintf(what, sizeof what, "launching %s", entry);
+        return fa_cuda_error(r, what);
+    }
+    return FA_STATUS_OK;
+}
+
+fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
+{
+    const fa_fwd_args *fwd = args->fwd;
+    int arch = 0, smem_optin = 0;
+    fa_status st = fa_cuda_device_arch(fwd->device, &arch, &smem_optin);
+    if (st != FA_STATUS_OK)
+        return st;
+    if (p->b > 65535 || p->h > 65535 || p->max_sq > INT32_MAX / 2 || p->max_sk > INT32_MAX / 2)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: the CUDA backend takes at most 65535 sequences and heads and "
+                            "2^30 rows per sequence");
+    if (p->lse_dtype != FA_DTYPE_F32)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "lse: the CUDA backward reads fp32 lse");
+
+    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0};
+    key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
+    key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
+    key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
+    key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
+    key.features |= fa_bwd_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
+    fa_plan plan;
+    st = fa_plan_backward(&key, &plan);
+    if (st != FA_STATUS_OK)
+        return st;
+    if ((int)plan.smem > smem_optin)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "head_dim %lld: the backward needs %u bytes of shared memory, the "
+                            "device gives %d",
+                            (long long)p->d, plan.smem, smem_optin);
+
+    const fa_bwd_ws ws = fa_bwd_ws_layout(p);
+    if (args->workspace_size < ws.total || (ws.total > 0 && !args->workspace))
+        return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
+                            "workspace: the CUDA backward needs %zu bytes of device memory "
+                            "(fa_attention_backward_workspace_size), got %zu at %p",
+                            ws.total, args->workspace_size, args->workspace);
+    if ((uintptr_t)args->workspace % FA_WS_ALIGN != 0)
+        return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
+                            "workspace: must be %d-byte aligned, got %p", FA_WS_ALIGN,
+                            args->workspace);
+
+    fa_bkparams bp;
+    memset(&bp, 0, sizeof bp);
+    fa_kparams_fill(p, &bp.f);
+    bp.dout = p->dout_data;
+    bp.dq = p->dq_data;
+    bp.dk = p->dk_data;
+    bp.dv = p->dv_data;
+    bp.dsinks = p->dsinks;
+    char *base = (char *)args->workspace;
+    bp.dq_accum = (float *)(base + ws.accum);
+    bp.dsum = (float *)(base + ws.dsum);
+    bp.sem = (int *)(base + ws.sem);
+    bp.do_bstride = p->do_bstride, bp.do_rstride = p->do_rstride, bp.do_hstride = p->do_hstride;
+    bp.dq_bstride = p->dq_bstride, bp.dq_rstride = p->dq_rstride, bp.dq_hstride = p->dq_hstride;
+    bp.dk_bstride = p->dk_bstride, bp.dk_rstride = p->dk_rstride, bp.dk_hstride = p->dk_hstride;
+    bp.dv_bstride = p->dv_bstride, bp.dv_rstride = p->dv_rstride, bp.dv_hstride = p->dv_hstride;
+    bp.dsinks_stride = p->dsinks_stride;
+    bp.m_tiles = (int)((p->max_sq + plan.bm - 1) / plan.bm);
+    bp.n_tiles = (int)((p->max_sk + plan.bn - 1) / plan.bn);
+    bp.deterministic = args->deterministic != 0;
+
+    fa_cu_context ctx;
+    int pushed;
+    st = fa_cuda_context_enter(fwd->device, &ctx, &pushed);
+    if (st != FA_STATUS_OK)
+        return st;
+    const fa_cuda_driver *d = fa_cuda_driver_get();
+    fa_cu_stream stream = (fa_cu_stream)fwd->stream;
+    const unsigned b = (unsigned)p->b, h = (unsigned)p->h, hk = (unsigned)p->hk;
+    if (bp.m_tiles > 0)
+        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_pre", (unsigned)bp.m_tiles, h, b, plan.threads,
+                           0, stream, &bp);
+    if (st == FA_STATUS_OK && bp.n_tiles > 0)
+        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd", (unsigned)bp.n_tiles, hk, b, plan.threads,
+                           plan.smem, stream, &bp);
+    if (st == FA_STATUS_OK && p->dsinks)
+        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_dsinks", h, 1, 1, 256, 0, stream, &bp);
+    const int64_t n = p->h * p->total_q * p->d;
+    if (st == FA_STATUS_OK && n > 0) {
+        int64_t blocks = (n + 255) / 256;
+        blocks = blocks > 8192 ? 8192 : blocks;
+        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_convert", (unsigned)blocks, 1, 1, 256, 0,
+                           stream, &bp);
+    }
+    fa_cuda_context_leave(pushed);
+    return st;
+}

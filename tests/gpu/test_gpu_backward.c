@@ -1,0 +1,465 @@
+/*
+ * GPU backward (kernels/fa_bwd_sm80.cu) against the double oracle and the CPU backward, on the
+ * same inputs (q, k, v, dout random; out and lse from the CPU forward, as the GPU backward reads
+ * them):
+ *   dq, dk, dv, dsinks: max|gpu - ref| <= 3 max|naive - ref| + 3 max|stored - ref| + 4 u max|ref|
+ *     + 1e-5 (upstream's criterion: naive = autograd through same-dtype naive attention,
+ *     fa_ref_backward_lowp; stored = the oracle with D taken from out rounded to the dtype, the
+ *     share of the error that reading the stored out causes; u the dtype's unit roundoff)
+ *   every output element written (outputs are poisoned with NaN first);
+ *   deterministic = 1: two runs bitwise identical in dq, dk, dv, dsinks; deterministic = 0: dk, dv,
+ *   dsinks bitwise identical to the deterministic run's;
+ *   unsupported cases (head dim > 128, varlen) and a short workspace refused with a message.
+ * `test_gpu_backward --bench` times the backward (hdim 128, seqlen 4k, bf16, causal and not).
+ * Exits 77 (skipped) when no CUDA device is usable.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cuda/fa_cuda.h"
+#include "cuda/fa_cuda_driver.h"
+#include "fa_ref.h"
+#include "fa_ref_bwd.h"
+#include "util/fa_half.h"
+
+typedef struct bcase {
+    const char *name;
+    int b, h, hk, sq, sk, d, dv;
+    int causal, wl, wr;
+    double softcap;
+    int alibi, sinks;
+    double dropout;
+    int pad;
+} bcase;
+
+static const bcase cases[] = {
+    {"dense d64", 2, 4, 4, 257, 257, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0},
+    {"causal d128 sq<sk", 2, 4, 4, 300, 517, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0},
+    {"gqa window d96 padded", 1, 8, 2, 333, 290, 96, 96, 0, 32, 16, 0, 0, 0, 0, 8},
+    {"mqa unaligned d37 dv24", 2, 6, 1, 70, 150, 37, 24, 0, 50, -1, 0, 0, 0, 0, 0},
+    {"softcap alibi sinks d128", 1, 4, 2, 200, 200, 128, 128, 1, -1, -1, 30, 1, 1, 0, 0},
+    {"dropout causal d64", 2, 3, 3, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0.17, 0},
+    {"dropout alibi window d128", 2, 2, 2, 140, 333, 128, 128, 0, 60, 30, 0, 1, 0, 0.25, 0},
+    {"sq>sk causal empty rows d32", 2, 2, 2, 200, 60, 32, 32, 1, -1, -1, 0, 0, 0, 0, 0},
+    {"empty rows with sinks d64", 1, 3, 3, 150, 40, 64, 64, 1, -1, -1, 0, 0, 1, 0, 0},
+    {"long causal gqa d128", 1, 4, 2, 1000, 1100, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0},
+    {"decode sq1 gqa d128", 3, 8, 2, 1, 1000, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0},
+    {"d64 dv128 softcap window", 1, 4, 4, 190, 260, 64, 128, 0, 70, 0, 20, 0, 0, 0, 0},
+};
+
+static int failures;
+static const fa_cuda_driver *drv;
+
+#define CHECK_CU(expr)                                                                           \
+    do {                                                                                         \
+        fa_cu_result r_ = (expr);                                                                \
+        if (r_ != 0) {                                                                           \
+            fprintf(stderr, "FATAL %s:%d: %s -> %d\n", __FILE__, __LINE__, #expr, r_);           \
+            exit(1);                                                                             \
+        }                                                                                        \
+    } while (0)
+
+static uint64_t rng_state = 0x2468ace013579bdfull;
+static double rng_uniform(double lo, double hi)
+{
+    rng_state += 0x9e3779b97f4a7c15ull;
+    uint64_t z = rng_state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return lo + (hi - lo) * (double)(z >> 11) / 9007199254740992.0;
+}
+
+/* A host buffer and a device buffer of the same layout, viewed as the same tensor. */
+typedef struct dbuf {
+    fa_tensor host, dev;
+    size_t bytes;
+} dbuf;
+
+/* [n0, n1, n2, n3] (ndim 4) or 1-3 dims, the rows of the last dimension padded by pad. */
+static dbuf dbuf_new(fa_dtype dt, int ndim, const int64_t *shape, int pad)
+{
+    dbuf g;
+    int64_t stride[4];
+    stride[ndim - 1] = 1;
+    for (int i = ndim - 2; i >= 0; i--)
+        stride[i] = stride[i + 1] * shape[i + 1] + (i == ndim - 2 ? pad : 0);
+    g.bytes = (size_t)(shape[0] * stride[0]) * fa_dtype_size(dt);
+    if (g.bytes == 0)
+        g.bytes = 16;
+    void *h = malloc(g.bytes);
+    memset(h, 0xff, g.bytes);
+    fa_cu_deviceptr d;
+    CHECK_CU(drv->mem_alloc(&d, g.bytes));
+    g.host = fa_tensor_make(h, dt, ndim, shape, stride);
+    g.dev = fa_tensor_make((void *)(uintptr_t)d, dt, ndim, shape, stride);
+    return g;
+}
+
+static void dbuf_free(dbuf *g)
+{
+    free(g->host.data);
+    drv->mem_free((fa_cu_deviceptr)(uintptr_t)g->dev.data);
+}
+
+static void dbuf_upload(dbuf *g)
+{
+    CHECK_CU(drv->memcpy_htod((fa_cu_deviceptr)(uintptr_t)g->dev.data, g->host.data, g->bytes));
+}
+
+static void dbuf_poison(dbuf *g)
+{
+    void *nan = malloc(g->bytes);
+    memset(nan, 0xff, g->bytes);
+    CHECK_CU(drv->memcpy_htod((fa_cu_deviceptr)(uintptr_t)g->dev.data, nan, g->bytes));
+    free(nan);
+}
+
+static void *dbuf_download(const dbuf *g)
+{
+    void *h = malloc(g->bytes);
+    CHECK_CU(drv->memcpy_dtoh(h, (fa_cu_deviceptr)(uintptr_t)g->dev.data, g->bytes));
+    return h;
+}
+
+static double load_elem(const void *base, fa_dtype dt, int64_t at)
+{
+    if (dt == FA_DTYPE_F16)
+        return fa_f16_to_f32(((const uint16_t *)base)[at]);
+    if (dt == FA_DTYPE_BF16)
+        return fa_bf16_to_f32(((const uint16_t *)base)[at]);
+    return ((const float *)base)[at];
+}
+
+static void fill(dbuf *g, double lo, double hi)
+{
+    fa_tensor *t = &g->host;
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++)
+        n *= t->shape[i];
+    for (int64_t e = 0; e < n; e++) {
+        int64_t rem = e, at = 0;
+        for (int i = t->ndim - 1; i >= 0; i--) {
+            at += (rem % t->shape[i]) * t->stride[i];
+            rem /= t->shape[i];
+        }
+        float x = (float)rng_uniform(lo, hi);
+        if (t->dtype == FA_DTYPE_F16)
+            ((uint16_t *)t->data)[at] = fa_f32_to_f16(x);
+        else if (t->dtype == FA_DTYPE_BF16)
+            ((uint16_t *)t->data)[at] = fa_f32_to_bf16(x);
+        else
+            ((float *)t->data)[at] = x;
+    }
+}
+
+#define FAIL(...)                                                                                \
+    do {                                                                                         \
+        fprintf(stderr, "FAIL [%s %s] ", c->name, fa_dtype_name(dt));                            \
+        fprintf(stderr, __VA_ARGS__);                                                            \
+        fputc('\n', stderr);                                                                     \
+        failures++;                                                                              \
+    } while (0)
+
+/* One gradient's comparison: the raw downloaded data `got` (layout of view t, [b, s, heads, w]
+ * dense, or fp32 [h] for dsinks when ndim is 1) against the oracle arrays [tokens, heads, w]. */
+typedef struct grad_err {
+    double err, naive, stored, maxref, cpu;
+    long long unwritten;
+} grad_err;
+
+static grad_err compare(const void *got, const void *cpu, const fa_tensor *t, const double *ref,
+                        const double *lowp, const double *stored)
+{
+    grad_err r = {0, 0, 0, 0, 0, 0};
+    const int one = t->ndim == 1;
+    const int64_t nb = one ? 1 : t->shape[0], ns = one ? 1 : t->shape[1];
+    const int64_t nh = one ? t->shape[0] : t->shape[2], w = one ? 1 : t->shape[3];
+    for (int64_t bi = 0; bi < nb; bi++)
+        for (int64_t s = 0; s < ns; s++)
+            for (int64_t hh = 0; hh < nh; hh++)
+                for (int64_t col = 0; col < w; col++) {
+                    const int64_t at = one ? hh * t->stride[0]
+                                           : bi * t->stride[0] + s * t->stride[1] +
+                                                 hh * t->stride[2] + col;
+                    const size_t ri = (size_t)(((bi * ns + s) * nh + hh) * w + col);
+                    const double g = load_elem(got, t->dtype, at);
+                    if (isnan(g)) {
+                        r.unwritten++;
+                        continue;
+                    }
+                    r.err = fmax(r.err, fabs(g - ref[ri]));
+                    r.naive = fmax(r.naive, fabs(lowp[ri] - ref[ri]));
+                    r.stored = fmax(r.stored, fabs(stored[ri] - ref[ri]));
+                    r.maxref = fmax(r.maxref, fabs(ref[ri]));
+                    r.cpu = fmax(r.cpu, fabs(load_elem(cpu, t->dtype, at) - ref[ri]));
+                }
+    return r;
+}
+
+static void run_case(const bcase *c, fa_dtype dt)
+{
+    int64_t qs[4] = {c->b, c->sq, c->h, c->d}, ks[4] = {c->b, c->sk, c->hk, c->d};
+    int64_t vs[4] = {c->b, c->sk, c->hk, c->dv}, os[4] = {c->b, c->sq, c->h, c->dv};
+    int64_t ls[3] = {c->b, c->h, c->sq}, hs[1] = {c->h};
+    dbuf q = dbuf_new(dt, 4, qs, c->pad), k = dbuf_new(dt, 4, ks, c->pad);
+    dbuf v = dbuf_new(dt, 4, vs, c->pad), o = dbuf_new(dt, 4, os, c->pad);
+    dbuf dout = dbuf_new(dt, 4, os, c->pad), dq = dbuf_new(dt, 4, qs, c->pad);
+    dbuf dk = dbuf_new(dt, 4, ks, c->pad), dv = dbuf_new(dt, 4, vs, c->pad);
+    dbuf lse = dbuf_new(FA_DTYPE_F32, 3, ls, 0);
+    dbuf al = dbuf_new(FA_DTYPE_F32, 1, hs, 0), snk = dbuf_new(FA_DTYPE_F32, 1, hs, 0);
+    dbuf dsk = dbuf_new(FA_DTYPE_F32, 1, hs, 0);
+    fill(&q, -1, 1);
+    fill(&k, -1, 1);
+    fill(&v, -1, 1);
+    fill(&dout, -1, 1);
+    fill(&al, 0.01, 0.3);
+    fill(&snk, -1, 2);
+
+    fa_fwd_args a;
+    fa_fwd_args_init(&a);
+    a.causal = c->causal;
+    a.window_left = c->wl;
+    a.window_right = c->wr;
+    a.softcap = c->softcap;
+    a.dropout_p = c->dropout;
+    a.seed = 0xbadc0ffee0ddf00dull;
+    a.offset = 1234;
+    fa_fwd_args host = a, dev = a;
+    host.q = &q.host, host.k = &k.host, host.v = &v.host, host.out = &o.host, host.lse = &lse.host;
+    dev.q = &q.dev, dev.k = &k.dev, dev.v = &v.dev, dev.out = &o.dev, dev.lse = &lse.dev;
+    if (c->alibi)
+        host.alibi_slopes = &al.host, dev.alibi_slopes = &al.dev;
+    if (c->sinks)
+        host.sinks = &snk.host, dev.sinks = &snk.dev;
+    dev.device = 0;
+    fprintf(stderr, "... %s %s\n", c->name, fa_dtype_name(dt));
+    if (fa_attention_forward(&host) != FA_STATUS_OK) {
+        FAIL("CPU forward: %s", fa_last_error());
+        return;
+    }
+    dbuf *ins[] = {&q, &k, &v, &o, &lse, &dout, &al, &snk};
+    for (size_t i = 0; i < sizeof ins / sizeof ins[0]; i++)
+        dbuf_upload(ins[i]);
+
+    /* Oracle, naive same-dtype baseline, D-from-stored-out oracle, CPU backward. */
+    fa_bwd_args hb;
+    fa_bwd_args_init(&hb);
+    hb.fwd = &host, hb.dout = &dout.host, hb.dq = &dq.host, hb.dk = &dk.host, hb.dv = &dv.host;
+    hb.dsinks = c->sinks ? &dsk.host : NULL;
+    const size_t nq = (size_t)c->b * c->sq * c->h * c->d, nk = (size_t)c->b * c->sk * c->hk * c->d;
+    const size_t nv = (size_t)c->b * c->sk * c->hk * c->dv, ns = (size_t)c->h;
+    double *r[3][4];
+    for (int i = 0; i < 3; i++) {
+        r[i][0] = malloc(nq * sizeof(double));
+        r[i][1] = malloc(nk * sizeof(double));
+        r[i][2] = malloc(nv * sizeof(double));
+        r[i][3] = malloc(ns * sizeof(double));
+    }
+    if (fa_ref_backward(&hb, r[0][0], r[0][1], r[0][2], r[0][3]) != 0 ||
+        fa_ref_backward_lowp(&hb, r[1][0], r[1][1], r[1][2], r[1][3]) != 0 ||
+        fa_ref_backward_stored_out(&hb, r[2][0], r[2][1], r[2][2], r[2][3]) != 0)
+        FAIL("oracle refused the case");
+    if (fa_attention_backward(&hb) != FA_STATUS_OK)
+        FAIL("CPU backward: %s", fa_last_error());
+    const void *cpu[4] = {dq.host.data, dk.host.data, dv.host.data, dsk.host.data};
+
+    fa_bwd_args gb = hb;
+    gb.fwd = &dev, gb.dout = &dout.dev, gb.dq = &dq.dev, gb.dk = &dk.dev, gb.dv = &dv.dev;
+    gb.dsinks = c->sinks ? &dsk.dev : NULL;
+    size_t wsz = fa_attention_backward_workspace_size(&gb);
+    fa_cu_deviceptr ws = 0;
+    if (wsz == 0)
+        FAIL("workspace size 0: %s", fa_last_error());
+    else
+        CHECK_CU(drv->mem_alloc(&ws, wsz));
+    gb.workspace = (void *)(uintptr_t)ws;
+    gb.workspace_size = wsz;
+
+    /* Runs: deterministic twice, then atomics. */
+    dbuf *outs[4] = {&dq, &dk, &dv, &dsk};
+    void *got[3][4] = {{NULL}};
+    const int det[3] = {1, 1, 0};
+    int ok = wsz > 0;
+    for (int run = 0; ok && run < 3; run++) {
+        for (int i = 0; i < 4; i++)
+            dbuf_poison(outs[i]);
+        gb.deterministic = det[run];
+        fa_status st = fa_attention_backward(&gb);
+        if (st != FA_STATUS_OK) {
+            FAIL("GPU backward (deterministic %d): %s", det[run], fa_last_error());
+            ok = 0;
+            break;
+        }
+        CHECK_CU(drv->ctx_synchronize());
+        for (int i = 0; i < 4; i++)
+            got[run][i] = dbuf_download(outs[i]);
+    }
+    if (ok) {
+        const char *names[4] = {"dq", "dk", "dv", "dsinks"};
+        const fa_tensor *views[4] = {&dq.host, &dk.host, &dv.host, &dsk.host};
+        const double u = dt == FA_DTYPE_BF16 ? ldexp(1.0, -8) : ldexp(1.0, -11);
+        printf("%-28s %-5s", c->name, fa_dtype_name(dt));
+        for (int i = 0; i < (c->sinks ? 4 : 3); i++) {
+            grad_err e = compare(got[0][i], cpu[i], views[i], r[0][i], r[1][i], r[2][i]);
+            const double tol = 3 * e.naive + 3 * e.stored + 4 * u * e.maxref + 1e-5;
+            if (e.unwritten)
+                FAIL("%s: %lld elements unwritten (still poison)", names[i], e.unwritten);
+            if (!(e.err <= tol))
+                FAIL("%s: max|gpu - ref| %.3g > tol %.3g (naive %.3g, stored %.3g, max|ref| %.3g, "
+                     "cpu %.3g)",
+                     names[i], e.err, tol, e.naive, e.stored, e.maxref, e.cpu);
+            printf("  %s %.2e (tol %.1e, cpu %.1e)", names[i], e.err, tol, e.cpu);
+        }
+        printf("\n");
+        for (int i = 0; i < 4; i++) {
+            if (memcmp(got[0][i], got[1][i], outs[i]->bytes) != 0)
+                FAIL("%s: deterministic runs differ", names[i]);
+            if (i > 0 && memcmp(got[0][i], got[2][i], outs[i]->bytes) != 0)
+                FAIL("%s: differs between deterministic and atomic modes", names[i]);
+        }
+    }
+    for (int run = 0; run < 3; run++)
+        for (int i = 0; i < 4; i++)
+            free(got[run][i]);
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 4; j++)
+            free(r[i][j]);
+    if (ws)
+        drv->mem_free(ws);
+    dbuf *all[] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &lse, &al, &snk, &dsk};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        dbuf_free(all[i]);
+}
+
+/* Refusals: head dim over 128, varlen, a workspace too small; each with a message. */
+static void run_refusals(void)
+{
+    const bcase cc = {"refusals", 1, 2, 2, 64, 64, 192, 192, 0, -1, -1, 0, 0, 0, 0, 0};
+    const bcase *c = &cc;
+    const fa_dtype dt = FA_DTYPE_F16;
+    int64_t qs[4] = {1, 64, 2, 192}, ls[3] = {1, 2, 64};
+    dbuf q = dbuf_new(dt, 4, qs, 0), g = dbuf_new(dt, 4, qs, 0);
+    dbuf lse = dbuf_new(FA_DTYPE_F32, 3, ls, 0);
+    fa_fwd_args a;
+    fa_fwd_args_init(&a);
+    a.q = a.k = a.v = a.out = &q.dev;
+    a.lse = &lse.dev;
+    a.device = 0;
+    fa_bwd_args b;
+    fa_bwd_args_init(&b);
+    b.fwd = &a, b.dout = &g.dev, b.dq = b.dk = b.dv = &g.dev;
+    b.workspace = (void *)(uintptr_t)4096; /* never touched: refused first */
+    b.workspace_size = (size_t)1 << 40;
+    if (fa_attention_backward(&b) != FA_STATUS_UNSUPPORTED || !strstr(fa_last_error(), "head_dim"))
+        FAIL("d 192: %s", fa_last_error());
+    /* d 64 view of the same memory: a short workspace. */
+    fa_tensor q64 = fa_tensor_make(q.dev.data, dt, 4, (int64_t[4]){1, 64, 2, 64}, NULL);
+    a.q = a.k = a.v = a.out = &q64;
+    b.dout = b.dq = b.dk = b.dv = &q64;
+    size_t need = fa_attention_backward_workspace_size(&b);
+    b.workspace_size = need - 1;
+    if (need == 0 || fa_attention_backward(&b) != FA_STATUS_INVALID_ARGUMENT ||
+        !strstr(fa_last_error(), "workspace"))
+        FAIL("short workspace (need %zu): %s", need, fa_last_error());
+    dbuf_free(&q);
+    dbuf_free(&g);
+    dbuf_free(&lse);
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Backward time at b 4, h 16, seqlen 4096, hdim 128, bf16 (the shapes of bench/NOTES.md), each
+ * mode; FLOPs counted as upstream's benchmark: 2.5 x the forward's 4 b h s^2 d (halved causal). */
+static int run_bench(void)
+{
+    const int b = 4, h = 16, s = 4096, d = 128;
+    const fa_dtype dt = FA_DTYPE_BF16;
+    int64_t qs[4] = {b, s, h, d}, ls[3] = {b, h, s};
+    dbuf q = dbuf_new(dt, 4, qs, 0), k = dbuf_new(dt, 4, qs, 0), v = dbuf_new(dt, 4, qs, 0);
+    dbuf o = dbuf_new(dt, 4, qs, 0), dout = dbuf_new(dt, 4, qs, 0), dq = dbuf_new(dt, 4, qs, 0);
+    dbuf dk = dbuf_new(dt, 4, qs, 0), dv = dbuf_new(dt, 4, qs, 0);
+    dbuf lse = dbuf_new(FA_DTYPE_F32, 3, ls, 0);
+    fill(&q, -1, 1);
+    fill(&k, -1, 1);
+    fill(&v, -1, 1);
+    fill(&dout, -1, 1);
+    dbuf *ins[] = {&q, &k, &v, &dout};
+    for (int i = 0; i < 4; i++)
+        dbuf_upload(ins[i]);
+    for (int causal = 0; causal < 2; causal++)
+        for (int det = 0; det < 2; det++) {
+            fa_fwd_args a;
+            fa_fwd_args_init(&a);
+            a.q = &q.dev, a.k = &k.dev, a.v = &v.dev, a.out = &o.dev, a.lse = &lse.dev;
+            a.causal = causal;
+            a.device = 0;
+            if (fa_attention_forward(&a) != FA_STATUS_OK) {
+                fprintf(stderr, "bench forward: %s\n", fa_last_error());
+                return 1;
+            }
+            fa_bwd_args g;
+            fa_bwd_args_init(&g);
+            g.fwd = &a, g.dout = &dout.dev, g.dq = &dq.dev, g.dk = &dk.dev, g.dv = &dv.dev;
+            g.deterministic = det;
+            size_t wsz = fa_attention_backward_workspace_size(&g);
+            fa_cu_deviceptr ws;
+            CHECK_CU(drv->mem_alloc(&ws, wsz));
+            g.workspace = (void *)(uintptr_t)ws, g.workspace_size = wsz;
+            double best = 1e30;
+            for (int it = 0; it < 6; it++) {
+                CHECK_CU(drv->ctx_synchronize());
+                double t0 = now_s();
+                if (fa_attention_backward(&g) != FA_STATUS_OK) {
+                    fprintf(stderr, "bench backward: %s\n", fa_last_error());
+                    return 1;
+                }
+                CHECK_CU(drv->ctx_synchronize());
+                double t = now_s() - t0;
+                best = it > 0 && t < best ? t : best; /* the first run compiles */
+            }
+            drv->mem_free(ws);
+            double flops = 2.5 * 4.0 * b * h * (double)s * s * d / (causal ? 2 : 1);
+            printf("bench bwd b%d h%d s%d d%d bf16 causal=%d deterministic=%d: %.3f ms, %.1f "
+                   "TFLOP/s\n",
+                   b, h, s, d, causal, det, best * 1e3, flops / best * 1e-12);
+        }
+    dbuf *all[] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &lse};
+    for (int i = 0; i < 9; i++)
+        dbuf_free(all[i]);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0); /* progress survives a timeout */
+    if (fa_cuda_device_count() == 0) {
+        printf("test_gpu_backward: skipped, no usable CUDA device\n%s\n", fa_cuda_status());
+        return 77;
+    }
+    drv = fa_cuda_driver_get();
+    fa_cu_context ctx;
+    int pushed;
+    if (fa_cuda_context_enter(0, &ctx, &pushed) != FA_STATUS_OK) {
+        fprintf(stderr, "no context: %s\n", fa_last_error());
+        return 1;
+    }
+    if (argc > 1 && strcmp(argv[1], "--bench") == 0)
+        return run_bench();
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        run_case(&cases[i], FA_DTYPE_F16);
+        run_case(&cases[i], FA_DTYPE_BF16);
+    }
+    run_refusals();
+    printf("test_gpu_backward: %s (%d failure%s)\n", failures ? "FAILED" : "passed", failures,
+           failures == 1 ? "" : "s");
+    return failures ? 1 : 0;
+}
