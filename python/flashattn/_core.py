@@ -124,23 +124,15 @@ _SUPPORTED_FLOATS = {
 
 
 def check_device(x, name, cuda=False):
-    """CPU tensors, and CUDA tensors where ``cuda`` (the forward functions: the CUDA backend
-    has no backward yet, so a CUDA tensor that will need a gradient is refused up front rather
-    than at ``loss.backward()``)."""
+    """CPU tensors, and CUDA tensors where ``cuda`` (the functions with a CUDA path)."""
     dev = x.device.type
     if dev == "cpu":
         return
     if dev == "cuda":
         if not cuda:
             raise FlashAttnError(
-                "%s: CUDA tensors are not supported yet by this build (CPU tensors and NumPy "
-                "arrays only)" % name
-            )
-        if x.requires_grad and sys.modules["torch"].is_grad_enabled():
-            raise FlashAttnError(
-                "%s: requires grad, but the backward pass on CUDA tensors is not implemented "
-                "yet (the CUDA backend runs the forward only); call under torch.no_grad() or "
-                "pass detached tensors" % name
+                "%s: CUDA tensors are not supported yet by this function (CPU tensors and "
+                "NumPy arrays only)" % name
             )
         return
     raise FlashAttnError("%s: tensors on device '%s' are not supported (CPU only)" % (name, dev))
@@ -533,21 +525,24 @@ def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=N
         return names.get(c_name, c_name)
 
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if kind == TORCH and q.device.type == "cuda":
-        raise FlashAttnError("%s: the backward pass on CUDA tensors is not implemented yet (the "
-                             "CUDA backend runs the forward only)" % nm("q"))
-    q = prepare(q, nm("q"), kind)
-    k = prepare(k, nm("k"), kind)
-    v = prepare(v, nm("v"), kind)
-    out = prepare(out, nm("out"), kind)
-    dout = prepare(dout, nm("dout"), kind)
+    q = prepare(q, nm("q"), kind, cuda=True)
+    k = prepare(k, nm("k"), kind, cuda=True)
+    v = prepare(v, nm("v"), kind, cuda=True)
+    out = prepare(out, nm("out"), kind, cuda=True)
+    dout = prepare(dout, nm("dout"), kind, cuda=True)
     codes = (dtype_code(q, nm("q"), kind), dtype_code(k, nm("k"), kind),
              dtype_code(v, nm("v"), kind))
-    cu_q = prepare(cu_seqlens_q, nm("cu_seqlens_q"), kind)
-    cu_k = prepare(cu_seqlens_k, nm("cu_seqlens_k"), kind)
-    used_k = prepare(seqused_k, nm("seqused_k"), kind)
-    alibi = prepare(alibi_slopes, nm("alibi_slopes"), kind)
-    sinks = prepare(to_float32(sinks, nm("sinks"), kind), nm("sinks"), kind)
+    cu_q = prepare(cu_seqlens_q, nm("cu_seqlens_q"), kind, cuda=True)
+    cu_k = prepare(cu_seqlens_k, nm("cu_seqlens_k"), kind, cuda=True)
+    used_k = prepare(seqused_k, nm("seqused_k"), kind, cuda=True)
+    alibi = prepare(alibi_slopes, nm("alibi_slopes"), kind, cuda=True)
+    sinks = prepare(to_float32(sinks, nm("sinks"), kind), nm("sinks"), kind, cuda=True)
+    target = None
+    if kind == TORCH:
+        target = cuda_target([(nm("q"), q), (nm("k"), k), (nm("v"), v), ("out", out),
+                              ("dout", dout), ("lse", lse), (nm("cu_seqlens_q"), cu_q),
+                              (nm("cu_seqlens_k"), cu_k), (nm("seqused_k"), used_k),
+                              (nm("alibi_slopes"), alibi), (nm("sinks"), sinks)])
 
     dq = empty(kind, tuple(q.shape), q)
     dk = empty(kind, tuple(k.shape), k)
@@ -556,7 +551,7 @@ def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=N
 
     args, keep = _fwd_args(q, k, v, out, lse, None, cu_q, cu_k, used_k, alibi, sinks, codes,
                            kind, nm, varlen, max_seqlen_q, max_seqlen_k, window_size, dropout_p,
-                           softcap, softmax_scale, causal, seed, offset, num_threads)
+                           softcap, softmax_scale, causal, seed, offset, num_threads, target)
     bwd = _lib.new_bwd_args()
     grads = [make_tensor(x, nm(n), kind) if x is not None else None
              for x, n in ((dout, "dout"), (dq, "dq"), (dk, "dk"), (dv, "dv"),
@@ -566,6 +561,14 @@ def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=N
     bwd.dout, bwd.dq, bwd.dk, bwd.dv, bwd.dsinks = (
         ctypes.pointer(g) if g is not None else None for g in grads)
     bwd.deterministic = 1 if deterministic else 0
+    if target is not None:
+        # The CUDA backward allocates nothing itself: its dQ accumulator comes from torch's
+        # allocator (aligned to 512 bytes, and stream-ordered with the caller's work).
+        size = _lib.backward_workspace_size(bwd)
+        workspace = sys.modules["torch"].empty(max(size, 1), dtype=sys.modules["torch"].uint8,
+                                               device=q.device)
+        bwd.workspace = workspace.data_ptr()
+        bwd.workspace_size = size
     try:
         _lib.backward(bwd)
     except FlashAttnError as e:

@@ -285,6 +285,11 @@ def new_bwd_args():
     return args
 
 
+def backward_workspace_size(args):
+    """fa_attention_backward_workspace_size(&args): bytes of device workspace (0 on the CPU)."""
+    return int(get_lib().fa_attention_backward_workspace_size(ctypes.byref(args)))
+
+
 def backward(args, context=None):
     """fa_attention_backward(&args); raises FlashAttnError on failure."""
     status = get_lib().fa_attention_backward(ctypes.byref(args))

@@ -208,10 +208,10 @@ def test_mixed_kinds_and_non_arrays(rng):
 
 
 def test_devices():
-    # Where CUDA is not allowed (the KV cache, the backward), a CUDA tensor is refused with a
-    # clear message. No GPU is needed to check it: the device test only reads x.device.type.
+    # Where CUDA is not allowed (the KV cache), a CUDA tensor is refused with a clear message.
+    # No GPU is needed to check it: the device test only reads x.device.type.
     fake = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
-    with raises(r"^q: CUDA tensors are not supported yet by this build"):
+    with raises(r"^q: CUDA tensors are not supported yet by this function"):
         _core.check_device(fake, "q")
     m = torch.empty(1, 4, 2, 8, device="meta")
     with raises(r"^q: tensors on device 'meta' are not supported"):
