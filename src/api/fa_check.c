@@ -69,3 +69,35 @@ fa_status fa_check_dim(const fa_tensor *t, const char *name, int dim, int64_t wa
                       (long long)want, (long long)t->shape[dim]);
     return FA_STATUS_OK;
 }
+
+fa_status fa_check_alibi(const fa_tensor *t, int64_t b, int64_t h, const float **data,
+                         int64_t *bstride, int64_t *hstride)
+{
+    if (t->ndim != 1 && t->ndim != 2)
+        return FA_BAD("alibi_slopes: must have shape [h] or [b, h], got %d dimensions",
+                      (int)t->ndim);
+    FA_TRY(fa_check_tensor(t, "alibi_slopes", t->ndim));
+    FA_TRY(fa_check_dtype(t, "alibi_slopes", FA_DTYPE_F32, "one slope per head"));
+    if (t->ndim == 1) {
+        FA_TRY(fa_check_dim(t, "alibi_slopes", 0, h, "heads"));
+        *bstride = 0;
+        *hstride = t->stride[0];
+    } else {
+        FA_TRY(fa_check_dim(t, "alibi_slopes", 0, b, "batch"));
+        FA_TRY(fa_check_dim(t, "alibi_slopes", 1, h, "heads"));
+        *bstride = t->stride[0];
+        *hstride = t->stride[1];
+    }
+    *data = (const float *)t->data;
+    return FA_STATUS_OK;
+}
+
+fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int64_t *stride)
+{
+    FA_TRY(fa_check_tensor(t, "sinks", 1));
+    FA_TRY(fa_check_dtype(t, "sinks", FA_DTYPE_F32, "one logit per head"));
+    FA_TRY(fa_check_dim(t, "sinks", 0, h, "heads"));
+    *data = (const float *)t->data;
+    *stride = t->stride[0];
+    return FA_STATUS_OK;
+}

@@ -200,32 +200,11 @@ static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
         p->lse = t->data;
         p->lse_dtype = t->dtype;
     }
-    if (a->alibi_slopes) {
-        const fa_tensor *t = a->alibi_slopes;
-        if (t->ndim != 1 && t->ndim != 2)
-            return FA_BAD("alibi_slopes: must have shape [h] or [b, h], got %d dimensions",
-                          (int)t->ndim);
-        FA_TRY(fa_check_tensor(t, "alibi_slopes", t->ndim));
-        FA_TRY(fa_check_dtype(t, "alibi_slopes", FA_DTYPE_F32, "one slope per head"));
-        if (t->ndim == 1) {
-            FA_TRY(fa_check_dim(t, "alibi_slopes", 0, p->h, "heads"));
-            p->alibi_bstride = 0;
-            p->alibi_hstride = t->stride[0];
-        } else {
-            FA_TRY(fa_check_dim(t, "alibi_slopes", 0, p->b, "batch"));
-            FA_TRY(fa_check_dim(t, "alibi_slopes", 1, p->h, "heads"));
-            p->alibi_bstride = t->stride[0];
-            p->alibi_hstride = t->stride[1];
-        }
-        p->alibi_slopes = (const float *)t->data;
-    }
-    if (a->sinks) {
-        FA_TRY(fa_check_tensor(a->sinks, "sinks", 1));
-        FA_TRY(fa_check_dtype(a->sinks, "sinks", FA_DTYPE_F32, "one logit per head"));
-        FA_TRY(fa_check_dim(a->sinks, "sinks", 0, p->h, "heads"));
-        p->sinks = (const float *)a->sinks->data;
-        p->sinks_stride = a->sinks->stride[0];
-    }
+    if (a->alibi_slopes)
+        FA_TRY(fa_check_alibi(a->alibi_slopes, p->b, p->h, &p->alibi_slopes, &p->alibi_bstride,
+                              &p->alibi_hstride));
+    if (a->sinks)
+        FA_TRY(fa_check_sinks(a->sinks, p->h, &p->sinks, &p->sinks_stride));
     if (a->probs) {
         const fa_tensor *t = a->probs;
         FA_TRY(fa_check_tensor(t, "probs", 4));
