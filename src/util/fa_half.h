@@ -33,6 +33,27 @@ static inline uint16_t fa_f32_to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
+#if defined(__FLT16_MAX__) && defined(__x86_64__)
+/*
+ * The compiler's own fp16 type: its conversions become F16C instructions in code compiled for
+ * AVX2/AVX-512 (the CPU kernels' clones, where whole rows convert as vectors) and correctly
+ * rounded library code elsewhere, with the same results as the portable version below.
+ */
+static inline float fa_f16_to_f32(uint16_t h)
+{
+    _Float16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f;
+}
+
+static inline uint16_t fa_f32_to_f16(float x)
+{
+    _Float16 f = (_Float16)x;
+    uint16_t h;
+    memcpy(&h, &f, sizeof h);
+    return h;
+}
+#else
 static inline float fa_f16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -65,5 +86,6 @@ static inline uint16_t fa_f32_to_f16(float f)
     a += 0xc8000fffu + odd; /* rebias exponent (-112 << 23) and round to nearest even */
     return (uint16_t)(sign | (uint16_t)(a >> 13));
 }
+#endif
 
 #endif /* FA_HALF_H */
