@@ -189,6 +189,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
          ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
          ("block_table", block_table), ("alibi_slopes", alibi_slopes),
          ("learnable_sink", learnable_sink)], 3)
+    if kind == _core.TORCH:
+        # torch calls go through the custom op flashattn::kvcache, so torch.compile keeps the
+        # call (and its in-place append) as one node instead of breaking the graph.
+        from . import _torch_ops
+
+        out, lse = _torch_ops.kvcache_call(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
+            window_size, softcap, rotary_interleaved, num_splits)
+    else:
+        out, lse = kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                               cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                               alibi_slopes, learnable_sink, softmax_scale, causal, window_size,
+                               softcap, rotary_interleaved, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+def kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
+                softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
+    """One fa_attention_kvcache call on arrays of ``kind``; returns (out, lse)."""
     written = k is not None or v is not None
     k_cache = _in_place(k_cache, "k_cache", kind, written)
     v_cache = _in_place(v_cache, "v_cache", kind, written)
@@ -251,7 +272,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     args.device = _lib.FA_DEVICE_CPU
     args.num_threads = 0
     _call(lib.fa_attention_kvcache, args, _NAMES)
-    return (out, lse) if return_softmax_lse else out
+    return out, lse
 
 
 def _out_dtype(kind, out_dtype, out, out_partial):

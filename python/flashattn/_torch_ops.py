@@ -4,6 +4,7 @@
     torch.ops.flashattn.varlen_fwd  (q, k, v, cu_seqlens_q, ...)    -> out, lse, S_dmask, rng_state
     torch.ops.flashattn.bwd         (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
     torch.ops.flashattn.varlen_bwd  (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
+    torch.ops.flashattn.kvcache     (q, k_cache!, v_cache!, ...)    -> out, lse   (CPU)
 
 Imported on the first torch call (``import flashattn`` does not import torch). Every torch call
 of a public function goes through these ops, with or without gradients, so one path serves
@@ -254,6 +255,55 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 # --------------------------------------------------------------------------------------------
 # The torch side of the public functions
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache: appends k/v into the caches in place (hence mutates_args), then attends
+
+
+@torch.library.custom_op("flashattn::kvcache", mutates_args=("k_cache", "v_cache"),
+                         device_types=("cpu",))
+def kvcache(q: _T, k_cache: _T, v_cache: _T, k: _OptT, v: _OptT, rotary_cos: _OptT,
+            rotary_sin: _OptT, cache_seqlens: _OptT, cache_batch_idx: _OptT,
+            cache_leftpad: _OptT, block_table: _OptT, alibi_slopes: _OptT,
+            learnable_sink: _OptT, softmax_scale: Optional[float], causal: bool,
+            window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+            num_splits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    from . import _kvcache
+
+    return _kvcache.kvcache_run(
+        _core.TORCH, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
+        softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
+        num_splits)
+
+
+@kvcache.register_fake
+def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
+                  softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                  num_splits):
+    b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+    out = q.new_empty((b, sq, h, v_cache.shape[-1]))
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
+                 softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
+    """flash_attn_with_kvcache for torch tensors: the op, with an int cache_seqlens turned into
+    the int32 (b,) tensor the op takes, as upstream does."""
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens"),
+                                   dtype=torch.int32, device=q.device)
+    left, right = _core.window_pair(window_size)
+    if softmax_scale is not None:
+        softmax_scale = _core.as_float(softmax_scale, "softmax_scale")
+    return kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
+                   softmax_scale, bool(causal), left, right, _core.as_float(softcap, "softcap"),
+                   bool(rotary_interleaved), _core.as_int(num_splits, "num_splits"))
 
 
 def draw_seed(dropout_p, device=None):

@@ -175,3 +175,43 @@ def test_compile_dropout_seed_comes_from_default_generator(rng):
     e = model(x, 0.3)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert torch.equal(a, e)
+
+
+def test_opcheck_kvcache(rng):
+    """flashattn::kvcache mutates the caches (the append) and returns (out, lse)."""
+    b, s_cache, h, hk, d = 2, 20, 4, 2, 8
+    q = _t(rng, b, 3, h, d)
+    k_cache, v_cache = _t(rng, b, s_cache, hk, d), _t(rng, b, s_cache, hk, d)
+    k_new, v_new = _t(rng, b, 3, hk, d), _t(rng, b, 3, hk, d)
+    seqlens = torch.tensor([5, 11], dtype=torch.int32)
+    cos = torch.cos(_t(rng, s_cache, d // 2))
+    sin = torch.sin(_t(rng, s_cache, d // 2))
+    sink = _t(rng, h)
+    args = (q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, None, None, None, None, sink,
+            None, True, -1, -1, 0.0, False, 0)
+    torch.library.opcheck(torch.ops.flashattn.kvcache.default, args)
+
+
+def test_compile_fullgraph_kvcache_decode_step(rng):
+    """A decoding step (append with rotary, attend) compiles without graph breaks, matches eager
+    and appends to the caller's cache in both."""
+    b, s_cache, h, hk, d = 2, 16, 4, 2, 8
+    q = _t(rng, b, 1, h, d)
+    k_new, v_new = _t(rng, b, 1, hk, d), _t(rng, b, 1, hk, d)
+    cos = torch.cos(_t(rng, s_cache, d // 2))
+    sin = torch.sin(_t(rng, s_cache, d // 2))
+    caches = [(_t(rng, b, s_cache, hk, d), _t(rng, b, s_cache, hk, d))]
+    caches.append(tuple(c.clone() for c in caches[0]))
+
+    def step(q, kc, vc, k, v):
+        return flashattn.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos,
+                                                 rotary_sin=sin, cache_seqlens=7, causal=True)
+
+    eager = step(q, *caches[0], k_new, v_new)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(
+        q, *caches[1], k_new, v_new)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for a, c in zip(caches[0], caches[1]):
+        assert torch.equal(a, c)
+    assert not torch.equal(caches[0][1][:, 7], torch.zeros_like(caches[0][1][:, 7]))
+    torch.testing.assert_close(caches[0][1][:, 7], v_new[:, 0], rtol=0, atol=0)
