@@ -54,48 +54,6 @@ static void cap_cost(bcase *c, double budget)
     }
 }
 
-static int64_t rand_len(tu_rng *r)
-{
-    double u = tu_rng_uniform(r, 0.0, 1.0);
-    if (u < 0.05) {
-        return 0;
-    }
-    if (u < 0.15) {
-        return 1;
-    }
-    if (u < 0.55) {
-        return tu_rng_int(r, 2, 24);
-    }
-    if (u < 0.9) {
-        return tu_rng_int(r, 25, 160);
-    }
-    return tu_rng_int(r, 161, 400);
-}
-
-static int64_t rand_head_dim(tu_rng *r)
-{
-    static const int64_t dims[] = {1, 7, 8, 16, 33, 64, 80, 96, 128, 160, 192, 256};
-    if (tu_rng_chance(r, 0.2)) {
-        return tu_rng_int(r, 1, 256);
-    }
-    return dims[tu_rng_int(r, 0, (int64_t)(sizeof dims / sizeof dims[0]) - 1)];
-}
-
-static int rand_window_side(tu_rng *r, int64_t sk)
-{
-    double u = tu_rng_uniform(r, 0.0, 1.0);
-    if (u < 0.25) {
-        return -1;
-    }
-    if (u < 0.4) {
-        return 0;
-    }
-    if (u < 0.85) {
-        return (int)tu_rng_int(r, 1, sk + 4);
-    }
-    return (int)tu_rng_int(r, sk + 5, 100000); /* wider than the sequence */
-}
-
 static void random_case(bcase *c, tu_rng *r)
 {
     tb_base_case(c, k_dtypes[tu_rng_int(r, 0, 3)], r);
@@ -104,14 +62,14 @@ static void random_case(bcase *c, tu_rng *r)
     c->hk = tu_rng_int(r, 1, 3);
     static const int64_t ratios[] = {1, 1, 2, 3, 8};
     c->h = c->hk * ratios[tu_rng_int(r, 0, 4)];
-    c->d = rand_head_dim(r);
-    c->dv = tu_rng_chance(r, 0.7) ? c->d : rand_head_dim(r);
-    c->sq = rand_len(r);
-    c->sk = rand_len(r);
+    c->d = tu_rand_head_dim(r);
+    c->dv = tu_rng_chance(r, 0.7) ? c->d : tu_rand_head_dim(r);
+    c->sq = tu_rand_len(r);
+    c->sk = tu_rand_len(r);
     c->causal = tu_rng_chance(r, 0.3);
     if (tu_rng_chance(r, 0.35)) {
-        c->wl = rand_window_side(r, c->sk);
-        c->wr = rand_window_side(r, c->sk);
+        c->wl = tu_rand_window_side(r, c->sk);
+        c->wr = tu_rand_window_side(r, c->sk);
     }
     c->dropout_p = tu_rng_chance(r, 0.25) ? tu_rng_uniform(r, 0.05, 0.9) : 0.0;
     if (c->dropout_p == 0.0 && tu_rng_chance(r, 0.25)) {

@@ -388,3 +388,46 @@ int tu_names(const char *msg, const char *name)
     }
     return 0;
 }
+
+/* Random problem sizes for the sweeps: the edge values (0, 1, wider than the sequence) often. */
+int64_t tu_rand_len(tu_rng *r)
+{
+    double u = tu_rng_uniform(r, 0.0, 1.0);
+    if (u < 0.05) {
+        return 0;
+    }
+    if (u < 0.15) {
+        return 1;
+    }
+    if (u < 0.55) {
+        return tu_rng_int(r, 2, 24);
+    }
+    if (u < 0.9) {
+        return tu_rng_int(r, 25, 160);
+    }
+    return tu_rng_int(r, 161, 400);
+}
+
+int64_t tu_rand_head_dim(tu_rng *r)
+{
+    static const int64_t dims[] = {1, 7, 8, 16, 33, 64, 80, 96, 128, 160, 192, 256};
+    if (tu_rng_chance(r, 0.2)) {
+        return tu_rng_int(r, 1, 256);
+    }
+    return dims[tu_rng_int(r, 0, (int64_t)(sizeof dims / sizeof dims[0]) - 1)];
+}
+
+int tu_rand_window_side(tu_rng *r, int64_t sk)
+{
+    double u = tu_rng_uniform(r, 0.0, 1.0);
+    if (u < 0.25) {
+        return -1;
+    }
+    if (u < 0.4) {
+        return 0;
+    }
+    if (u < 0.85) {
+        return (int)tu_rng_int(r, 1, sk + 4);
+    }
+    return (int)tu_rng_int(r, sk + 5, 100000); /* wider than the sequence */
+}

@@ -19,6 +19,9 @@ uint64_t tu_rng_u64(tu_rng *r);
 double tu_rng_uniform(tu_rng *r, double lo, double hi); /* [lo, hi) */
 int64_t tu_rng_int(tu_rng *r, int64_t lo, int64_t hi);  /* [lo, hi] inclusive */
 int tu_rng_chance(tu_rng *r, double p);                 /* 1 with probability p */
+int64_t tu_rand_len(tu_rng *r);                         /* a sequence length, 0 and 1 often */
+int64_t tu_rand_head_dim(tu_rng *r);                    /* a head dim in [1, 256] */
+int tu_rand_window_side(tu_rng *r, int64_t sk);         /* -1, 0, or up to past sk */
 
 /* The run's master seed: $FA_TEST_SEED if set, else time ^ pid. Printed once at start. */
 uint64_t tu_master_seed(const char *test_name);
