@@ -175,6 +175,16 @@ static inline void fa_params_key_range(const fa_params *p, int64_t i, int64_t sq
     *hi = r;
 }
 
+/* The keys [*lo, *hi) that any of the rows [r0, r0+m) sees: both window edges grow with the row,
+   so they lie between the first row's first key and the last row's last one. */
+static inline void fa_params_tile_keys(const fa_params *p, int64_t r0, int64_t m, int64_t sq,
+                                       int64_t sk, int64_t *lo, int64_t *hi)
+{
+    int64_t unused_hi, unused_lo;
+    fa_params_key_range(p, r0, sq, sk, lo, &unused_hi);
+    fa_params_key_range(p, r0 + m - 1, sq, sk, &unused_lo, hi);
+}
+
 /* CPU backend entry points. */
 fa_status fa_cpu_forward(const fa_params *p);
 fa_status fa_cpu_probs(const fa_params *p);

@@ -85,7 +85,6 @@ typedef struct fa_bwd_job {
     void *dq_ws;           /* fused schedule: reals [total_q][h][pad(d)] */
     double *dsink_partial; /* [b][h] */
     fa_bwd_chunk *chunks;
-    int64_t heads_per_chunk; /* h (query pass) or hk (key pass) */
     char *scratch;
     size_t scratch_size; /* bytes per thread */
 } fa_bwd_job;
@@ -259,7 +258,7 @@ fa_status fa_cpu_backward(const fa_params *p)
 
     /* The schedule depends on the shape only, so results never depend on the thread count. */
     const int fused = p->b * p->hk >= FA_CPU_BWD_FUSED_ITEMS;
-    fa_bwd_job job = {p, NULL, NULL, NULL, NULL, 0, NULL, fa_bwd_scratch_size(p, real_size)};
+    fa_bwd_job job = {p, NULL, NULL, NULL, NULL, NULL, fa_bwd_scratch_size(p, real_size)};
     job.dsum = malloc((size_t)(p->total_q * p->h + 1) * real_size);
     job.dsink_partial = malloc((size_t)(p->b * p->h) * sizeof(double));
     job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);

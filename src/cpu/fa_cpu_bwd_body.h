@@ -320,11 +320,10 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_queries)(const fa_params *p, FA_FN(fa_bwd
         t->acc_q[x] = 0;
     FA_FN(fa_bwd_pack_rows)(p, t, dsum_ws, seq_index, &seq, h, r0, m, mp);
 
-    int64_t lo_first, hi_first, lo_last, hi_last;
-    fa_params_key_range(p, r0, seq.sq, seq.sk, &lo_first, &hi_first);
-    fa_params_key_range(p, r0 + m - 1, seq.sq, seq.sk, &lo_last, &hi_last);
-    for (int64_t j0 = lo_first; j0 < hi_last; j0 += FA_CPU_BN) {
-        const int64_t n = hi_last - j0 < FA_CPU_BN ? hi_last - j0 : FA_CPU_BN;
+    int64_t k_lo, k_hi;
+    fa_params_tile_keys(p, r0, m, seq.sq, seq.sk, &k_lo, &k_hi);
+    for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BN) {
+        const int64_t n = k_hi - j0 < FA_CPU_BN ? k_hi - j0 : FA_CPU_BN;
         const FA_FN(fa_bwd_kv) kv = FA_FN(fa_bwd_load_kv)(p, t, k_base, v_base, j0, n);
         FA_FN(fa_bwd_block)(p, t, &kv, seq_index, h, r0, m, mp, j0, n);
         FA_GEMM(t->acc_q, dp, t->dxt, 1, mp, kv.k, kv.k_ld, m, dp, n, 1);

@@ -180,10 +180,9 @@ fa_status fa_cpu_forward(const fa_params *p)
         fa_seq s = fa_params_seq(p, i);
         for (int64_t r0 = 0; r0 < s.sq; r0 += bm) {
             int64_t m = s.sq - r0 < bm ? s.sq - r0 : bm;
-            int64_t lo, hi, lo2, hi2;
-            fa_params_key_range(p, r0, s.sq, s.sk, &lo, &hi);
-            fa_params_key_range(p, r0 + m - 1, s.sq, s.sk, &lo2, &hi2);
-            chunks[at++] = (fa_cpu_chunk){i, r0, m, (hi2 - lo + 1) * m};
+            int64_t lo, hi;
+            fa_params_tile_keys(p, r0, m, s.sq, s.sk, &lo, &hi);
+            chunks[at++] = (fa_cpu_chunk){i, r0, m, (hi - lo + 1) * m};
         }
     }
     qsort(chunks, (size_t)n_chunks, sizeof *chunks, fa_cpu_chunk_cmp);

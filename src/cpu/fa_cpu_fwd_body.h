@@ -169,13 +169,11 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
             for (int64_t c = dv; c < dvp; c++)
                 t->vbuf[j * dvp + c] = 0;
 
-    /* Both window edges grow with the row, so the tile's keys lie between these two. */
-    int64_t lo_first, hi_first, lo_last, hi_last;
-    fa_params_key_range(p, r0, seq.sq, seq.sk, &lo_first, &hi_first);
-    fa_params_key_range(p, r0 + m - 1, seq.sq, seq.sk, &lo_last, &hi_last);
+    int64_t k_lo, k_hi;
+    fa_params_tile_keys(p, r0, m, seq.sq, seq.sk, &k_lo, &k_hi);
 
-    for (int64_t j0 = lo_first; j0 < hi_last; j0 += FA_CPU_BN) {
-        const int64_t n = hi_last - j0 < FA_CPU_BN ? hi_last - j0 : FA_CPU_BN;
+    for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BN) {
+        const int64_t n = k_hi - j0 < FA_CPU_BN ? k_hi - j0 : FA_CPU_BN;
         const FA_REAL *kp, *vp;
         int64_t k_ld, v_ld;
         if (native) {

@@ -38,7 +38,6 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,18 +60,6 @@ static const char *dt_name(fa_dtype dt)
 {
     static const char *names[] = {"f32", "f16", "bf16", "f64"};
     return (int)dt >= 0 && (int)dt < 4 ? names[dt] : "?";
-}
-
-/* A hang (e.g. a thread-pool deadlock) reports the case it happened in. */
-static void on_alarm(int sig)
-{
-    (void)sig;
-    static const char head[] = "\nFAIL: TIMEOUT (no progress for 60 s) in ";
-    ssize_t rc = write(STDOUT_FILENO, head, sizeof head - 1);
-    rc = write(STDOUT_FILENO, g_where, strlen(g_where));
-    rc = write(STDOUT_FILENO, "\n", 1);
-    (void)rc;
-    _exit(3);
 }
 
 static void describe(const bcase *c, const char *name)
@@ -799,7 +786,7 @@ int main(void)
         g_only = atoi(only);
     }
     tu_rng rng = {seed};
-    signal(SIGALRM, on_alarm);
+    tu_watchdog_install(g_where);
     double t0 = tu_now();
     run_errors(&rng);
     run_fd(&rng);

@@ -23,7 +23,6 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,18 +71,6 @@ static const char *dt_name(fa_dtype dt)
     default:
         return "?";
     }
-}
-
-/* A hang (e.g. a thread-pool deadlock) reports the case it happened in. */
-static void on_alarm(int sig)
-{
-    (void)sig;
-    static const char head[] = "\nFAIL: TIMEOUT (no progress for 60 s) in ";
-    ssize_t rc = write(STDOUT_FILENO, head, sizeof head - 1);
-    rc = write(STDOUT_FILENO, g_where, strlen(g_where));
-    rc = write(STDOUT_FILENO, "\n", 1);
-    (void)rc;
-    _exit(3);
 }
 
 static void describe(const fcase *c, const char *name)
@@ -967,7 +954,7 @@ int main(void)
         g_only = atoi(only);
     }
     tu_rng rng = {seed};
-    signal(SIGALRM, on_alarm);
+    tu_watchdog_install(g_where);
     double t0 = tu_now();
     run_directed(&rng);
     double t1 = tu_now();

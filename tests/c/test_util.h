@@ -19,6 +19,9 @@ uint64_t tu_rng_u64(tu_rng *r);
 double tu_rng_uniform(tu_rng *r, double lo, double hi); /* [lo, hi) */
 int64_t tu_rng_int(tu_rng *r, int64_t lo, int64_t hi);  /* [lo, hi] inclusive */
 int tu_rng_chance(tu_rng *r, double p);                 /* 1 with probability p */
+/* On SIGALRM (the tests arm alarm(60) per case) print `where`, the description of the case in
+   progress, and exit: a hang reports where it happened. */
+void tu_watchdog_install(const char *where);
 int64_t tu_rand_len(tu_rng *r);                         /* a sequence length, 0 and 1 often */
 int64_t tu_rand_head_dim(tu_rng *r);                    /* a head dim in [1, 256] */
 int tu_rand_window_side(tu_rng *r, int64_t sk);         /* -1, 0, or up to past sk */
