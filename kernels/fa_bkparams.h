@@ -16,8 +16,10 @@ typedef struct fa_bkparams {
     void *dk;              /* as k */
     void *dv;              /* as v */
     float *dsinks;         /* NULL or [h] */
-    float *dq_accum;       /* workspace: fp32 [h][total_q][d] */
-    float *dsum;           /* workspace: fp32 [h][total_q], D = rowsum(dout * out) */
+    float *dq_accum;       /* workspace: fp32 [h][b][m_tiles * bm][dp], in mma C-fragment
+                              order (kernels/fa_bwd_sm80.cu) */
+    float *dsum;           /* workspace: fp32 [h][b][m_tiles * bm], D = rowsum(dout * out) */
+    float *lse2;           /* workspace: fp32 [h][b][m_tiles * bm], lse * log2(e) */
     int *sem;              /* workspace: int32 [b][h][m_tiles], deterministic dQ order */
     fa_i64 do_bstride, do_rstride, do_hstride;
     fa_i64 dq_bstride, dq_rstride, dq_hstride;

@@ -1,27 +1,44 @@
 /*
- * Backward attention for sm80 and later (runs on Hopper too), first increment: FlashAttention-2's
- * algorithm on mma.sync m16n8k16 with fp32 accumulation, on a simple 64 x 64 tile (4 warps).
+ * Backward attention for sm80 and later (runs on Hopper too): FlashAttention-2's algorithm on
+ * mma.sync m16n8k16 with fp32 accumulation.
  *
  * Four entry points, launched in this order on the caller's stream (src/cuda/fa_cuda_backward.c):
- *   fa_bwd_pre      D = rowsum(dout * out) in fp32 for every (sequence, head, row) into the
- *                   workspace; zeroes the fp32 dQ accumulator and the dQ ordering counters.
+ *   fa_bwd_pre      per query tile: D = rowsum(dout * out) and lse * log2(e) in fp32 into the
+ *                   workspace; zeroes the tile's fp32 dQ accumulator and its dQ ordering counter.
  *   fa_bwd          one CTA per (key block of FA_BN keys, kv head, sequence). dK and dV of the
  *                   block stay in registers over every query tile of every query head of the GQA
  *                   group that sees the block, in a fixed order, so they are summed
  *                   deterministically; dQ of each query tile is added to the fp32 accumulator
- *                   with atomicAdd. With bp.deterministic the adds to one query tile are made in
- *                   key-block order: the CTA of key block n waits until the tile's counter says
- *                   that every earlier key block meeting the tile has added (blocks are dispatched
- *                   in index order, so the wait only ever targets a CTA already running or done).
+ *                   with atomic reductions. With bp.deterministic the adds to one query tile are
+ *                   made in decreasing key-block order: the CTA of key block n waits until the
+ *                   tile's counter says that every later key block meeting the tile has added.
+ *                   CTAs are then dispatched in decreasing key-block order, so the wait only
+ *                   ever targets a CTA already running or done; and since each CTA visits its
+ *                   tiles in increasing order from its first visible one, the CTA of a later
+ *                   key block (whose first visible tile is no earlier) reaches every shared tile
+ *                   first: under a causal mask the key blocks of a column do not serialise.
  *   fa_bwd_dsinks   d_sink[h] = -sum over rows of exp(sink - lse) * D, one CTA per head, a fixed
  *                   reduction tree.
- *   fa_bwd_convert  dQ fp32 -> the dtype, into the caller's dq.
+ *   fa_bwd_convert  dQ = softmax scale * the fp32 accumulator, in the dtype, into the caller's dq.
  *
  * The main kernel works in the transposed frame (FA3's): each warp owns 16 keys of the block and
  * computes S^T = K Q^T and dP^T = V dO^T for them, so that P^T and dS^T come out of the mma as
  * C fragments that are directly the A fragments of dV += P^T dO and dK += dS^T Q (no trip through
- * shared memory). dS^T goes to shared memory once, for dQ = dS K, which each warp computes for 16
- * query rows.
+ * shared memory). dS^T goes to shared memory once, for dQ = dS K, which the warps split into
+ * FA_QRW x FA_QCOLS pieces. dS here lacks the softmax scale: dK gets it once at the end, dQ in
+ * fa_bwd_convert (one multiply per element of the tile saved).
+ *
+ * Pipeline: with FA_QSTAGES 2 the Q, dO, lse and D of the next query tile are copied (cp.async)
+ * into the other stage while this one is computed; with 1 they are copied once the tile's last
+ * reader of them is done (before dQ), overlapping only the dQ step.
+ *
+ * dQ accumulator layout (workspace, fp32): per (head, sequence) m_tiles * FA_BM rows (the last
+ * tile padded) of FA_DP columns, cut into blocks of 16 rows x 8 columns stored in the order of
+ * the mma C fragment, block (r16, c8) at (r16 * FA_DP / 8 + c8) * 128 floats: on sm_90 lane l's
+ * four values at 4 l .. 4 l + 3 (one red.global.add.v4.f32 per lane, a warp covers 512 contiguous
+ * bytes), on sm_80 value e of lane l at 32 e + l (a warp's scalar reduction covers 128 contiguous
+ * bytes). Padded rows and columns receive zeros (their dS and K are zero) and are never read
+ * back into dq, so the adds need no bounds checks.
  *
  * Shared-memory tiles are row-major with rows padded by 8 elements (16 bytes): a row stride of
  * 16 (mod 128) bytes puts the 8 row addresses of every ldmatrix in 8 different bank groups.
@@ -29,8 +46,9 @@
  * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward):
  *   FA_BF16           data type (0: fp16, 1: bf16)
  *   FA_DP, FA_DVP     head dims of q/k and of v, padded to 32 or a multiple of 64 (<= 128)
- *   FA_BM, FA_BN      query rows per tile, keys per CTA (both 16 * FA_NWARPS)
- *   FA_NWARPS         warps per CTA
+ *   FA_BM             query rows per tile (a multiple of 16)
+ *   FA_BN, FA_NWARPS  keys per CTA = 16 * warps per CTA
+ *   FA_QSTAGES        1 or 2 shared-memory stages of the query tile (Q, dO, lse, D)
  *   FA_VEC            1: rows 16-byte aligned, d, dv % 8 == 0: cp.async and paired stores
  *   FA_ALIBI, FA_SOFTCAP, FA_DROPOUT   features compiled in (0/1)
  * Dense layouts only (the plan refuses varlen for now).
@@ -42,29 +60,83 @@
 #define FA_LDK (FA_DP + 8)  /* row stride, in elements, of the Q and K tiles */
 #define FA_LDV (FA_DVP + 8) /* of the dO and V tiles */
 #define FA_LDS (FA_BM + 8)  /* of the dS^T tile [FA_BN][FA_BM] */
-#define FA_QC (FA_DP < 64 ? FA_DP : 64) /* dQ columns computed at a time (bounds registers) */
 
-#if FA_BN != 16 * FA_NWARPS || FA_BM != 16 * FA_NWARPS
-#error "each warp owns 16 keys of the block and 16 rows of the query tile"
+/* dQ = dS K: each warp computes FA_QRW rows x FA_QCOLS columns of the FA_BM x FA_DP tile, FA_QC
+ * columns at a time (at most 32 accumulators per thread: the dQ step runs beside dK and dV's
+ * 128 at d 128). 32 rows (two m-tiles sharing every K fragment) read less shared memory than 16
+ * where the columns still split evenly into 16-column pieces. */
+#if FA_BM % 32 == 0 && FA_NWARPS % (FA_BM / 32) == 0 &&                                        \
+    FA_DP % (16 * (FA_NWARPS / (FA_BM / 32))) == 0
+#define FA_QRW 32
+#else
+#define FA_QRW 16
 #endif
-#if FA_DP % 16 != 0 || FA_DVP % 16 != 0 || FA_DP % FA_QC != 0 || FA_QC % 16 != 0
+#define FA_QWM (FA_BM / FA_QRW) /* warps along the rows of dQ */
+#define FA_QCOLS (FA_DP / (FA_NWARPS / FA_QWM))
+#define FA_QC (FA_QCOLS < 1024 / FA_QRW ? FA_QCOLS : 1024 / FA_QRW)
+
+/* sm_90 has vector reductions (red.global.add.v4.f32): the accumulator layout follows. */
+#if __CUDA_ARCH__ >= 900
+#define FA_RED_V4 1
+#else
+#define FA_RED_V4 0
+#endif
+
+#if FA_BN != 16 * FA_NWARPS || FA_BM % 16 != 0 || FA_NWARPS % FA_QWM != 0
+#error "each warp owns 16 keys of the block; the query tile is a multiple of 16 rows"
+#endif
+#if FA_DP % 16 != 0 || FA_DVP % 16 != 0 || FA_QCOLS % FA_QC != 0 || FA_QC % 16 != 0
 #error "head dims must be multiples of the mma shape"
 #endif
+#if FA_QSTAGES != 1 && FA_QSTAGES != 2
+#error "FA_QSTAGES is 1 or 2"
+#endif
+#if FA_BM / 2 > FA_THREADS
+#error "the lse and D copies take one thread per 4 rows each"
+#endif
+#if FA_THREADS % (FA_DP / 8) != 0 || FA_THREADS % (FA_DVP / 8) != 0 ||                        \
+    FA_BM % (FA_THREADS / (FA_DP / 8)) != 0 || FA_BM % (FA_THREADS / (FA_DVP / 8)) != 0
+#error "tile copies: a thread owns one column chunk of whole row steps (fa_bwd_tile_load)"
+#endif
 
-/* Copies rows [0, rows) x columns [0, ncols) of a global slice (row stride rs) into a shared
- * tile of row stride ld (elements) at `tile`, zero-filling rows >= nrows and columns past ncols
- * up to cols (the padded width). */
+#if FA_RED_V4
+/* red.global.add.v4.f32 (sm_90): adds four consecutive floats at the 16-byte aligned p, each
+ * element atomically, returning nothing (the L2 performs the adds). */
+FA_DEV void fa_red_add_v4(float *p, float a, float b, float c, float d)
+{
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b),
+                 "f"(c), "f"(d)
+                 : "memory");
+}
+#else
+/* red.global.add.f32: one atomic add to global memory, returning nothing. */
+FA_DEV void fa_red_add(float *p, float a)
+{
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
+}
+#endif
+
+/* Copies rows [0, rows) x columns [0, ncols) of a global slice (row stride rs; row 0 must
+ * exist) into a shared tile of row stride ld (elements) at `tile`, zero-filling rows >= nrows
+ * and columns past ncols up to cols (the padded width). With FA_VEC the copies are cp.async in
+ * 16-byte chunks (committed by the caller): a thread owns one column chunk and rows r0, r0 +
+ * step, ... (cols / 8 divides FA_THREADS, and step = FA_THREADS / (cols / 8) divides rows), so
+ * its addresses are one base plus constants. A zero-length copy writes a zero chunk and reads
+ * nothing (its source is the slice's first element, which exists). Without FA_VEC, plain loads
+ * and stores. */
 FA_DEV void fa_bwd_tile_load(fa_u16 *tile, int ld, const fa_u16 *src, fa_i64 rs, int nrows,
                              int ncols, int rows, int cols)
 {
 #if FA_VEC
-    /* cp.async in 16-byte chunks; a zero-length copy writes a zero chunk and reads nothing. */
-    const int cpr = cols / 8;
-    const fa_u32 base = fa_smem_addr(tile);
-    for (int i = threadIdx.x; i < rows * cpr; i += FA_THREADS) {
-        const int r = i / cpr, c = i - r * cpr;
-        const int ok = r < nrows && c * 8 < ncols;
-        fa_cp_async16(base + (r * ld + c * 8) * 2, ok ? (const void *)(src + r * rs + c * 8) : src,
+    const int cpr = cols / 8, step = FA_THREADS / cpr;
+    const int c = threadIdx.x % cpr, r0 = threadIdx.x / cpr;
+    const int col_ok = c * 8 < ncols;
+    const fa_u32 dst = fa_smem_addr(tile) + (r0 * ld + c * 8) * 2;
+    const fa_u16 *from = src + r0 * rs + c * 8;
+#pragma unroll
+    for (int j = 0; j < rows / step; j++) {
+        const int ok = col_ok && r0 + j * step < nrows;
+        fa_cp_async16(dst + j * step * ld * 2, ok ? (const void *)(from + j * step * rs) : src,
                       ok ? 16 : 0);
     }
 #else
@@ -77,8 +149,8 @@ FA_DEV void fa_bwd_tile_load(fa_u16 *tile, int ld, const fa_u16 *src, fa_i64 rs,
 
 /* Whether query tile mb and key block nb of a sequence may share a visible pair: the tile's rows
  * see keys [lo(first row), hi(last row)) at most, both edges growing with the row. The same
- * predicate decides which tiles a CTA visits and, in deterministic mode, how many earlier key
- * blocks add to a tile before this one, so the two always agree. */
+ * predicate decides which tiles a CTA visits and, in deterministic mode, how many other key
+ * blocks add to a tile before this one (fa_bwd_later), so the two always agree. */
 FA_DEV int fa_bwd_meets(const fa_kparams *kp, const fa_seq *s, int mb, int nb)
 {
     const int m0 = mb * FA_BM;
@@ -92,6 +164,35 @@ FA_DEV int fa_bwd_meets(const fa_kparams *kp, const fa_seq *s, int mb, int nb)
     return lo_first < hi_last && n0 < hi_last && n0 + FA_BN > lo_first;
 }
 
+/* The number of key blocks after nb that meet query tile mb, which nb meets. By fa_bwd_meets, n
+ * meets the tile iff n0 < hi_last and n0 + FA_BN > lo_first (the tile being nonempty): for n > nb
+ * the second holds since it holds for nb, so they are nb + 1 .. (hi_last - 1) / FA_BN (hi_last
+ * <= sk keeps them inside the sequence). */
+FA_DEV int fa_bwd_later(const fa_kparams *kp, const fa_seq *s, int mb, int nb)
+{
+    int lo, hi;
+    fa_key_range(kp, fa_min(mb * FA_BM + FA_BM, s->sq) - 1, s->sq, s->sk, &lo, &hi);
+    return (hi - 1) / FA_BN - nb;
+}
+
+/* Moves (h, mb) to the first query tile at or after it, in visiting order (the heads of the
+ * group in turn, each head's tiles in increasing order), that meets key block nb; h becomes
+ * h_end when none is left. Whether a tile meets the block does not depend on the head, so a head
+ * scanned from tile 0 without a meeting tile ends the search. */
+FA_DEV void fa_bwd_next(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
+                        int *mb)
+{
+    while (*h < h_end) {
+        const int from = *mb;
+        while (*mb < bp->m_tiles && !fa_bwd_meets(&bp->f, s, *mb, nb))
+            (*mb)++;
+        if (*mb < bp->m_tiles)
+            return;
+        *h = from == 0 ? h_end : *h + 1;
+        *mb = 0;
+    }
+}
+
 /* ld.acquire.gpu: a load that orders this thread's later accesses after it (the counter read
  * before the dQ adds of deterministic mode). */
 FA_DEV int fa_load_acquire(const int *p)
@@ -101,61 +202,189 @@ FA_DEV int fa_load_acquire(const int *p)
     return v;
 }
 
-/* Token index (row of the [h][total_q] workspace arrays) of row `row` of dense sequence bi. */
-FA_DEV fa_i64 fa_bwd_token(const fa_kparams *kp, int bi, int row)
+/* First row of (head h, sequence bi) in the workspace's per-row arrays (lse * log2 e, D) and,
+ * times FA_DP, its first element of the dQ accumulator: m_tiles * FA_BM rows per sequence. */
+FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
 {
-    return (fa_i64)bi * kp->max_sq + row;
+    return ((fa_i64)h * bp->f.b + bi) * bp->m_tiles * FA_BM;
 }
 
-/* Grid (m_tiles, h, b), FA_THREADS threads: D for FA_BM rows, one warp per row at a time; zeroes
- * the tile's rows of the dQ accumulator and its ordering counter. */
+/* Starts the copies of query tile mb of head h, sequence bi: Q, dO (zero-filled past the
+ * sequence and the head dims) and the tile's lse * log2 e and D rows of the workspace (padded to
+ * whole tiles, so always in bounds) into one stage's buffers. */
+FA_DEV void fa_bwd_load_q(const fa_bkparams *bp, const fa_seq *s, int bi, int h, int mb,
+                          fa_u16 *s_q, fa_u16 *s_do, float *s_lse, float *s_dsum)
+{
+    const fa_kparams *kp = &bp->f;
+    const int m0 = mb * FA_BM;
+    const fa_u16 *qg = (const fa_u16 *)kp->q + bi * kp->q_bstride + m0 * kp->q_rstride +
+                       h * kp->q_hstride;
+    const fa_u16 *dog = (const fa_u16 *)bp->dout + bi * bp->do_bstride + m0 * bp->do_rstride +
+                        h * bp->do_hstride;
+    fa_bwd_tile_load(s_q, FA_LDK, qg, kp->q_rstride, s->sq - m0, kp->d, FA_BM, FA_DP);
+    fa_bwd_tile_load(s_do, FA_LDV, dog, bp->do_rstride, s->sq - m0, kp->dv, FA_BM, FA_DVP);
+    const fa_i64 r0 = fa_bwd_row0(bp, h, bi) + m0;
+    const int i = threadIdx.x;
+    if (i < FA_BM / 4)
+        fa_cp_async16(fa_smem_addr(s_lse + 4 * i), bp->lse2 + r0 + 4 * i, 16);
+    else if (i < FA_BM / 2)
+        fa_cp_async16(fa_smem_addr(s_dsum + 4 * (i - FA_BM / 4)), bp->dsum + r0 + 4 * (i - FA_BM / 4),
+                      16);
+}
+
+/* Grid (m_tiles, h, b), FA_THREADS threads: for the FA_BM rows of query tile mb, D and
+ * lse * log2(e) (0 and +inf on padded rows), one warp per row at a time; zeroes the tile's
+ * block of the dQ accumulator and its ordering counter. */
 extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_bwd_pre(const fa_bkparams bp)
 {
     const fa_kparams *kp = &bp.f;
     const int mb = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int m0 = mb * FA_BM;
-    const int rows = fa_min(FA_BM, (int)kp->max_sq - m0);
+    const int sq = (int)kp->max_sq;
+    const fa_i64 r0 = fa_bwd_row0(&bp, h, bi) + m0;
     if (threadIdx.x == 0)
         bp.sem[((fa_i64)bi * kp->h + h) * bp.m_tiles + mb] = 0;
-    float *acc = bp.dq_accum + ((fa_i64)h * kp->total_q + fa_bwd_token(kp, bi, m0)) * kp->d;
-    for (int i = threadIdx.x; i < rows * kp->d; i += FA_THREADS)
-        acc[i] = 0.f;
-    for (int r = warp; r < rows; r += FA_NWARPS) {
+    float4 *acc = (float4 *)(bp.dq_accum + r0 * FA_DP);
+    for (int i = threadIdx.x; i < FA_BM * FA_DP / 4; i += FA_THREADS)
+        acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int r = warp; r < FA_BM; r += FA_NWARPS) {
         const int row = m0 + r;
-        const fa_u16 *dor = (const fa_u16 *)bp.dout + bi * bp.do_bstride + row * bp.do_rstride +
-                            h * bp.do_hstride;
-        const fa_u16 *orow = (const fa_u16 *)kp->out + bi * kp->o_bstride + row * kp->o_rstride +
-                             h * kp->o_hstride;
-        float s = 0.f;
-        for (int c = lane; c < kp->dv; c += 32)
-            s += fa_to_float(dor[c]) * fa_to_float(orow[c]);
+        float s = 0.f, lse2 = FA_INF;
+        if (row < sq) {
+            const fa_u16 *dor = (const fa_u16 *)bp.dout + bi * bp.do_bstride +
+                                row * bp.do_rstride + h * bp.do_hstride;
+            const fa_u16 *orow = (const fa_u16 *)kp->out + bi * kp->o_bstride +
+                                 row * kp->o_rstride + h * kp->o_hstride;
+            for (int c = lane; c < kp->dv; c += 32)
+                s += fa_to_float(dor[c]) * fa_to_float(orow[c]);
 #pragma unroll
-        for (int sh = 16; sh > 0; sh >>= 1)
-            s += __shfl_xor_sync(0xffffffffu, s, sh);
-        if (lane == 0)
-            bp.dsum[(fa_i64)h * kp->total_q + fa_bwd_token(kp, bi, row)] = s;
+            for (int sh = 16; sh > 0; sh >>= 1)
+                s += __shfl_xor_sync(0xffffffffu, s, sh);
+            lse2 = kp->lse[bi * kp->lse_bstride + h * kp->lse_hstride + row * kp->lse_rstride] *
+                   FA_LOG2E;
+        }
+        if (lane == 0) {
+            bp.dsum[r0 + r] = s;
+            bp.lse2[r0 + r] = lse2;
+        }
+    }
+}
+
+/* The per-tile inputs of the probabilities step, shared by its masked and unmasked forms. */
+typedef struct fa_bwd_tile {
+    const float *lse2, *dsum; /* this stage's rows: lse * log2(e), D */
+    int dg0;                  /* i - j + sk - sq for query m0 + 2t and this lane's first key */
+    int rows, keys;           /* queries m0 + 2t + x exist for x < rows, keys key0 + y for y < keys */
+    int wlo, whi;             /* visible iff whi <= i - j + sk - sq <= wlo */
+    int m0, key0;
+#if FA_ALIBI
+    float slope_log2;
+#endif
+#if FA_DROPOUT
+    fa_u64 stream;
+#endif
+} fa_bwd_tile;
+
+#if FA_DROPOUT
+/* The dropout words of one n-tile for lane (g, t) of the transposed frame, which holds keys
+ * key0, key0 + 8 (key0 % 8 = g: Philox blocks kb = key0 / 8 and kb + 1) for queries i0, i0 + 1:
+ * it needs word k = g / 2 of the four blocks (kb + hi, i0 + lo), b = 2 hi + lo, and so do the
+ * other 7 lanes with this t. Instead of 4 Philox runs per lane, the two lanes of pair k run
+ * block b = k and the pairs transpose the 4x4 words with 3 shuffles: in round r lane ^ 8r (pair
+ * k ^ r) sends word k of its block k ^ r. out[b] = word k of block b, which is C-fragment element
+ * e = b. Every lane of the warp must call this together. */
+FA_DEV void fa_bwd_dropout_words(fa_u32 kb, fa_u32 i0, fa_u64 stream, fa_u64 seed, int k,
+                                 fa_u32 out[4])
+{
+    fa_u32 w[4], got[4];
+    fa_philox4(kb + (fa_u32)(k >> 1), i0 + (fa_u32)(k & 1), (fa_u32)stream,
+               (fa_u32)(stream >> 32), (fa_u32)seed, (fa_u32)(seed >> 32), w);
+    got[0] = fa_pick4(w, k);
+#pragma unroll
+    for (int r = 1; r < 4; r++)
+        got[r] = __shfl_xor_sync(0xffffffffu, fa_pick4(w, k ^ r), 8 * r);
+    /* got[r] is word k of block k ^ r, so block b arrived in round k ^ b. */
+#pragma unroll
+    for (int b = 0; b < 4; b++)
+        out[b] = fa_pick4(got, k ^ b);
+}
+#endif
+
+/* Element by element on this warp's 16 keys x FA_BM queries: P = 2^(s scale log2 e - lse log2 e)
+ * (0 where invisible when masked), then st <- P Z (Z: 1 / (1 - p) kept, 0 dropped) and
+ * dpt <- dS / scale = P (dP Z - D) s', s' the softcap's derivative 1 - tanh^2 (1 without
+ * softcap). C layout: st[nt][e] is key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2).
+ * `masked` is a constant at each call: the unmasked form, for tiles whose every pair is visible,
+ * skips the predicate. Invisible scores are selected away, never multiplied, so an infinite
+ * or NaN exponent there does no harm. */
+FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
+                         float st[FA_BM / 8][4], float dpt[FA_BM / 8][4], int masked)
+{
+#if FA_DROPOUT
+    const int g = tl->key0 & 7; /* key0 = n0 + 16 warp + g */
+#endif
+#pragma unroll
+    for (int nt = 0; nt < FA_BM / 8; nt++) {
+#if FA_DROPOUT
+        fa_u32 drop[4];
+        fa_bwd_dropout_words((fa_u32)(tl->key0 >> 3), (fa_u32)(tl->m0 + nt * 8 + 2 * t),
+                             tl->stream, kp->seed, g >> 1, drop);
+#endif
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int il = nt * 8 + 2 * t + (e & 1); /* query within the tile */
+            const int x_off = nt * 8 + (e & 1), y_off = 8 * (e >> 1);
+            const int dg = tl->dg0 + x_off - y_off;
+            float x = st[nt][e], deriv = 1.f, bias = tl->lse2[il];
+#if FA_SOFTCAP
+            x = tanhf(x * kp->softcap_pre);
+            deriv = 1.f - x * x;
+#endif
+#if FA_ALIBI
+            bias = fmaf(tl->slope_log2, (float)(dg < 0 ? -dg : dg), bias);
+#endif
+            float p = fa_exp2(fmaf(x, kp->scale_log2, -bias));
+            if (masked) {
+                const int vis = x_off < tl->rows && y_off < tl->keys && dg <= tl->wlo &&
+                                dg >= tl->whi;
+                p = vis ? p : 0.f;
+            }
+            float z = 1.f;
+#if FA_DROPOUT
+            /* Query i, key j: Philox block (j / 8, i, stream), word (j % 8) / 2 = g / 2, half
+             * j % 2 = g % 2. */
+            const fa_u32 r16 = (g & 1) ? (drop[e] >> 16) : (drop[e] & 0xffffu);
+            z = r16 < kp->keep_threshold ? kp->dropout_scale : 0.f;
+#endif
+            dpt[nt][e] = p * (dpt[nt][e] * z - tl->dsum[il]) * deriv;
+            st[nt][e] = p * z;
+        }
     }
 }
 
 /* Grid (n_tiles, hk, b), FA_THREADS threads, dynamic shared memory:
- *   Q [FA_BM][FA_LDK], dO [FA_BM][FA_LDV], K [FA_BN][FA_LDK], V [FA_BN][FA_LDV] (16-bit),
- *   dS^T [FA_BN][FA_LDS] (16-bit), lse * log2(e) [FA_BM], D [FA_BM] (fp32). */
+ *   Q [FA_QSTAGES][FA_BM][FA_LDK], dO [FA_QSTAGES][FA_BM][FA_LDV], K [FA_BN][FA_LDK],
+ *   V [FA_BN][FA_LDV], dS^T [FA_BN][FA_LDS] (16-bit), lse * log2(e) [FA_QSTAGES][FA_BM],
+ *   D [FA_QSTAGES][FA_BM] (fp32). */
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkparams bp)
 {
     const fa_kparams *kp = &bp.f;
     extern __shared__ __align__(128) fa_u16 fa_smem[];
     fa_u16 *const s_q = fa_smem;
-    fa_u16 *const s_do = s_q + FA_BM * FA_LDK;
-    fa_u16 *const s_k = s_do + FA_BM * FA_LDV;
+    fa_u16 *const s_do = s_q + FA_QSTAGES * FA_BM * FA_LDK;
+    fa_u16 *const s_k = s_do + FA_QSTAGES * FA_BM * FA_LDV;
     fa_u16 *const s_v = s_k + FA_BN * FA_LDK;
     fa_u16 *const s_ds = s_v + FA_BN * FA_LDV;
     float *const s_lse = (float *)(s_ds + FA_BN * FA_LDS);
-    float *const s_dsum = s_lse + FA_BM;
+    float *const s_dsum = s_lse + FA_QSTAGES * FA_BM;
     const fa_u32 q_a = fa_smem_addr(s_q), do_a = fa_smem_addr(s_do), k_a = fa_smem_addr(s_k);
     const fa_u32 v_a = fa_smem_addr(s_v), ds_a = fa_smem_addr(s_ds);
 
-    const int nb = blockIdx.x, hk = blockIdx.y, bi = blockIdx.z;
+    /* Deterministic mode dispatches the key blocks last to first (see the top of the file);
+     * otherwise first to last, so that under a causal mask the longest CTAs start first. */
+    const int nb = bp.deterministic ? bp.n_tiles - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int hk = blockIdx.y, bi = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const fa_seq seq = fa_seq_get(kp, bi, 0);
@@ -168,9 +397,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
                        hk * kp->v_hstride;
     fa_bwd_tile_load(s_k, FA_LDK, kg, kp->k_rstride, seq.sk - n0, kp->d, FA_BN, FA_DP);
     fa_bwd_tile_load(s_v, FA_LDV, vg, kp->v_rstride, seq.sk - n0, kp->dv, FA_BN, FA_DVP);
+
+    /* The first query tile goes into stage 0 in the same copy group as K and V. */
+    const int h_end = (hk + 1) * group;
+    int h = hk * group, mb = 0, stage = 0;
+    fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
+    if (h < h_end)
+        fa_bwd_load_q(&bp, &seq, bi, h, mb, s_q, s_do, s_lse, s_dsum);
     fa_cp_async_commit();
 
-    /* This thread's ldmatrix row addresses (bytes, shared window) at k-step / n-pair 0.
+    /* This thread's ldmatrix row addresses (bytes, shared window) at k-step / n-pair 0, stage 0.
      * A operand, row-major [m][k] (K and V rows of this warp's 16 keys): matrices (rows 0-7,
      * k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) = a[0..3]; lane l gives row l % 16 at
      * column 8 * (l / 16). */
@@ -188,11 +424,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     const int kn_row = (lane & 7) + (((lane >> 3) & 1) << 3), kn_col = (lane >> 4) * 8;
     const fa_u32 dot_ld = do_a + (kn_row * FA_LDV + kn_col) * 2;
     const fa_u32 qt_ld = q_a + (kn_row * FA_LDK + kn_col) * 2;
-    const fa_u32 kt_ld = k_a + (kn_row * FA_LDK + kn_col) * 2;
+    /* dQ: this warp's FA_QRW rows and FA_QCOLS columns. */
+    const int qwm = warp % FA_QWM, qwn = warp / FA_QWM;
+    const fa_u32 kt_ld = k_a + (kn_row * FA_LDK + kn_col + qwn * FA_QCOLS) * 2;
     /* A operand of dQ = dS K from dS^T stored [k = key][m = query], with .trans: matrices
      * (k 0-7, m 0-7) = a[0], (k 0-7, m 8-15) = a[1], (k 8-15, m 0-7) = a[2], (k 8-15, m 8-15) =
      * a[3] (lane receives column g = row g of A, rows 2t, 2t+1 = columns 2t, 2t+1 of A). */
-    const fa_u32 dsa_ld = ds_a + (bn_row * FA_LDS + 16 * warp + bn_col) * 2;
+    const fa_u32 dsa_ld = ds_a + (bn_row * FA_LDS + FA_QRW * qwm + bn_col) * 2;
 
     float dk[FA_DP / 8][4], dv[FA_DVP / 8][4];
 #pragma unroll
@@ -206,220 +444,208 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         for (int e = 0; e < 4; e++)
             dv[nt][e] = 0.f;
 
-    const fa_i64 diag0 = (fa_i64)seq.sk - seq.sq; /* key j is on row i's diagonal at j = i + diag0 */
+    /* Masking constants of this lane: its first key, and the window as bounds on i - j + sk - sq. */
+    const int key0 = n0 + 16 * warp + g;
+    const int wlo = kp->window_left < 0 ? 0x7fffffff : kp->window_left;
+    const int whi = kp->window_right < 0 ? -0x7fffffff : -kp->window_right;
 
 #pragma unroll 1
-    for (int h = hk * group; h < (hk + 1) * group; h++) {
+    while (h < h_end) {
+        int hn = h, mbn = mb + 1;
+        fa_bwd_next(&bp, &seq, nb, h_end, &hn, &mbn);
+        const int m0 = mb * FA_BM;
+        /* This tile's copies have landed, every thread's (wait, then barrier), and every warp is
+         * done with the previous tile: its dS^T and, with two stages, the other stage. */
+        fa_cp_async_wait_all();
+        __syncthreads();
+#if FA_QSTAGES == 2
+        if (hn < h_end)
+            fa_bwd_load_q(&bp, &seq, bi, hn, mbn, s_q + (stage ^ 1) * FA_BM * FA_LDK,
+                          s_do + (stage ^ 1) * FA_BM * FA_LDV, s_lse + (stage ^ 1) * FA_BM,
+                          s_dsum + (stage ^ 1) * FA_BM);
+        fa_cp_async_commit();
+#endif
+        const fa_u32 qoff = stage * (FA_BM * FA_LDK * 2), dooff = stage * (FA_BM * FA_LDV * 2);
+
+        /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x FA_BM queries. C layout:
+         * st[nt][e] is key 16 warp + g + 8 (e / 2), query 8 nt + 2t + (e % 2). */
+        float st[FA_BM / 8][4], dpt[FA_BM / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_BM / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                st[nt][e] = 0.f;
+                dpt[nt][e] = 0.f;
+            }
+#pragma unroll
+        for (int ks = 0; ks < FA_DP / 16; ks++) {
+            fa_u32 a[4];
+            fa_ldmatrix_x4(a, ka_ld + ks * 32);
+#pragma unroll
+            for (int np = 0; np < FA_BM / 16; np++) {
+                fa_u32 b[4];
+                fa_ldmatrix_x4(b, qb_ld + qoff + np * 16 * FA_LDK * 2 + ks * 32);
+                fa_mma16816(st[2 * np], a, b[0], b[1]);
+                fa_mma16816(st[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int ks = 0; ks < FA_DVP / 16; ks++) {
+            fa_u32 a[4];
+            fa_ldmatrix_x4(a, va_ld + ks * 32);
+#pragma unroll
+            for (int np = 0; np < FA_BM / 16; np++) {
+                fa_u32 b[4];
+                fa_ldmatrix_x4(b, dob_ld + dooff + np * 16 * FA_LDV * 2 + ks * 32);
+                fa_mma16816(dpt[2 * np], a, b[0], b[1]);
+                fa_mma16816(dpt[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+
+        fa_bwd_tile tl;
+        tl.lse2 = s_lse + stage * FA_BM;
+        tl.dsum = s_dsum + stage * FA_BM;
+        tl.dg0 = m0 + 2 * t + (seq.sk - seq.sq) - key0;
+        tl.rows = seq.sq - m0 - 2 * t;
+        tl.keys = seq.sk - key0;
+        tl.wlo = wlo;
+        tl.whi = whi;
+        tl.m0 = m0;
+        tl.key0 = key0;
 #if FA_ALIBI
-        const float slope_log2 =
-            kp->alibi_slopes[bi * kp->alibi_bstride + h * kp->alibi_hstride] * FA_LOG2E;
+        tl.slope_log2 = kp->alibi_slopes[bi * kp->alibi_bstride + h * kp->alibi_hstride] * FA_LOG2E;
 #endif
 #if FA_DROPOUT
-        const fa_u64 stream = fa_dropout_stream(kp, bi, h);
+        tl.stream = fa_dropout_stream(kp, bi, h);
 #endif
-        const fa_u16 *qg = (const fa_u16 *)kp->q + bi * kp->q_bstride + h * kp->q_hstride;
-        const fa_u16 *dog = (const fa_u16 *)bp.dout + bi * bp.do_bstride + h * bp.do_hstride;
-        const float *lse_g = kp->lse + bi * kp->lse_bstride + h * kp->lse_hstride;
-        const float *dsum_g = bp.dsum + (fa_i64)h * kp->total_q + fa_bwd_token(kp, bi, 0);
-        float *acc_g = bp.dq_accum + ((fa_i64)h * kp->total_q + fa_bwd_token(kp, bi, 0)) * kp->d;
+        /* Every pair of the tile visible: the tile lies inside both sequences and inside the
+         * window, whose edges i - j + sk - sq are extreme at the tile's corners. */
+        const int full = m0 + FA_BM <= seq.sq && n0 + FA_BN <= seq.sk &&
+                         m0 + FA_BM - 1 + (seq.sk - seq.sq) - n0 <= wlo &&
+                         m0 + (seq.sk - seq.sq) - (n0 + FA_BN - 1) >= whi;
+        if (full)
+            fa_bwd_probs(kp, &tl, t, st, dpt, 0);
+        else
+            fa_bwd_probs(kp, &tl, t, st, dpt, 1);
 
+        /* dV += (P Z)^T dO and dK += dS^T Q: the C fragments of n-tiles 2kk, 2kk + 1 (queries
+         * 16kk .. 16kk + 15) are the A fragment of k-step kk. */
+#pragma unroll
+        for (int kk = 0; kk < FA_BM / 16; kk++) {
+            fa_u32 pa[4], da[4];
+            pa[0] = fa_pack2(st[2 * kk][0], st[2 * kk][1]);
+            pa[1] = fa_pack2(st[2 * kk][2], st[2 * kk][3]);
+            pa[2] = fa_pack2(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+            pa[3] = fa_pack2(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+            da[0] = fa_pack2(dpt[2 * kk][0], dpt[2 * kk][1]);
+            da[1] = fa_pack2(dpt[2 * kk][2], dpt[2 * kk][3]);
+            da[2] = fa_pack2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+            da[3] = fa_pack2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+#pragma unroll
+            for (int np = 0; np < FA_DVP / 16; np++) {
+                fa_u32 b[4];
+                fa_ldmatrix_x4_trans(b, dot_ld + dooff + kk * 16 * FA_LDV * 2 + np * 32);
+                fa_mma16816(dv[2 * np], pa, b[0], b[1]);
+                fa_mma16816(dv[2 * np + 1], pa, b[2], b[3]);
+            }
+#pragma unroll
+            for (int np = 0; np < FA_DP / 16; np++) {
+                fa_u32 b[4];
+                fa_ldmatrix_x4_trans(b, qt_ld + qoff + kk * 16 * FA_LDK * 2 + np * 32);
+                fa_mma16816(dk[2 * np], da, b[0], b[1]);
+                fa_mma16816(dk[2 * np + 1], da, b[2], b[3]);
+            }
+            /* dS^T to shared memory for dQ: row key, pairs of adjacent queries. */
+            fa_u32 *d0 = (fa_u32 *)(s_ds + (16 * warp + g) * FA_LDS + kk * 16 + 2 * t);
+            d0[0] = da[0];
+            d0[4 * FA_LDS] = da[1]; /* 8 rows down: 8 * FA_LDS / 2 words */
+            d0[4] = da[2];          /* 8 columns right */
+            d0[4 * FA_LDS + 4] = da[3];
+        }
+        /* dS^T complete; every read of this stage's Q, dO, lse and D is done. */
+        __syncthreads();
+#if FA_QSTAGES == 1
+        if (hn < h_end)
+            fa_bwd_load_q(&bp, &seq, bi, hn, mbn, s_q, s_do, s_lse, s_dsum);
+        fa_cp_async_commit();
+#endif
+
+        /* dQ of this warp's FA_QRW rows x FA_QCOLS columns, FA_QC columns at a time, added to
+         * the accumulator. Deterministic mode: wait for the tile's turn (every later key block
+         * that meets the tile has added), add, then pass the turn on. */
+        int *sem = bp.sem + ((fa_i64)bi * kp->h + h) * bp.m_tiles + mb;
+        if (bp.deterministic) {
+            if (threadIdx.x == 0) {
+                const int later = fa_bwd_later(kp, &seq, mb, nb);
+                while (fa_load_acquire(sem) != later)
+                    __nanosleep(64);
+            }
+            __syncthreads();
+        }
+        /* Block (r16, c8) of this warp's first rows and columns, this lane's place in it. */
+        float *acc = bp.dq_accum + (fa_bwd_row0(&bp, h, bi) + m0 + FA_QRW * qwm) * FA_DP +
+                     qwn * FA_QCOLS * 16 + (FA_RED_V4 ? 4 * lane : lane);
 #pragma unroll 1
-        for (int mb = 0; mb < bp.m_tiles; mb++) {
-            if (!fa_bwd_meets(kp, &seq, mb, nb))
-                continue;
-            const int m0 = mb * FA_BM;
-            /* Every warp is done with the previous tile's Q, dO, dS^T. */
-            __syncthreads();
-            fa_bwd_tile_load(s_q, FA_LDK, qg + (fa_i64)m0 * kp->q_rstride, kp->q_rstride,
-                             seq.sq - m0, kp->d, FA_BM, FA_DP);
-            fa_bwd_tile_load(s_do, FA_LDV, dog + (fa_i64)m0 * bp.do_rstride, bp.do_rstride,
-                             seq.sq - m0, kp->dv, FA_BM, FA_DVP);
-            fa_cp_async_commit();
-            for (int i = threadIdx.x; i < FA_BM; i += FA_THREADS) {
-                const int row = m0 + i;
-                const int in = row < seq.sq;
-                /* Rows past the end: lse +inf makes every P 0 there. */
-                s_lse[i] = in ? lse_g[row * kp->lse_rstride] * FA_LOG2E : FA_INF;
-                s_dsum[i] = in ? dsum_g[row] : 0.f;
-            }
-            fa_cp_async_wait_all();
-            __syncthreads();
-
-            /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x FA_BM queries. C layout:
-             * st[nt][e] is key 16 warp + g + 8 (e / 2), query 8 nt + 2t + (e % 2). */
-            float st[FA_BM / 8][4], dpt[FA_BM / 8][4];
+        for (int c0 = 0; c0 < FA_QCOLS; c0 += FA_QC) {
+            float dq[FA_QRW / 16][FA_QC / 8][4];
 #pragma unroll
-            for (int nt = 0; nt < FA_BM / 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    st[nt][e] = 0.f;
-                    dpt[nt][e] = 0.f;
-                }
-#pragma unroll
-            for (int ks = 0; ks < FA_DP / 16; ks++) {
-                fa_u32 a[4];
-                fa_ldmatrix_x4(a, ka_ld + ks * 32);
-#pragma unroll
-                for (int np = 0; np < FA_BM / 16; np++) {
-                    fa_u32 b[4];
-                    fa_ldmatrix_x4(b, qb_ld + np * 16 * FA_LDK * 2 + ks * 32);
-                    fa_mma16816(st[2 * np], a, b[0], b[1]);
-                    fa_mma16816(st[2 * np + 1], a, b[2], b[3]);
-                }
-            }
-#pragma unroll
-            for (int ks = 0; ks < FA_DVP / 16; ks++) {
-                fa_u32 a[4];
-                fa_ldmatrix_x4(a, va_ld + ks * 32);
-#pragma unroll
-                for (int np = 0; np < FA_BM / 16; np++) {
-                    fa_u32 b[4];
-                    fa_ldmatrix_x4(b, dob_ld + np * 16 * FA_LDV * 2 + ks * 32);
-                    fa_mma16816(dpt[2 * np], a, b[0], b[1]);
-                    fa_mma16816(dpt[2 * np + 1], a, b[2], b[3]);
-                }
-            }
-
-            /* Element by element: P = 2^(s * log2 e - lse * log2 e) (0 where invisible), then
-             * st <- P Z (Z: 1 / (1 - p) kept, 0 dropped) and dpt <- dS = P (dP Z - D) s' scale,
-             * s' the softcap's derivative 1 - tanh^2 (1 without softcap). */
-#pragma unroll
-            for (int nt = 0; nt < FA_BM / 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int il = nt * 8 + 2 * t + (e & 1);
-                    const int i = m0 + il;
-                    const int j = n0 + 16 * warp + g + 8 * (e >> 1);
-                    float x = st[nt][e], deriv = 1.f;
-#if FA_SOFTCAP
-                    const float th = tanhf(x * kp->softcap_pre);
-                    x = th * kp->scale_log2;
-                    deriv = 1.f - th * th;
-#else
-                    x *= kp->scale_log2;
-#endif
-                    const fa_i64 dg = (fa_i64)i + diag0 - j; /* i + sk - sq - j */
-#if FA_ALIBI
-                    x -= slope_log2 * (float)(dg < 0 ? -dg : dg);
-#endif
-                    /* visible iff i + sk - sq - left <= j <= i + sk - sq + right */
-                    const int vis = i < seq.sq && j < seq.sk &&
-                                    (kp->window_left < 0 || dg <= kp->window_left) &&
-                                    (kp->window_right < 0 || dg >= -(fa_i64)kp->window_right);
-                    const float p = vis ? fa_exp2(x - s_lse[il]) : 0.f;
-                    float z = 1.f;
-#if FA_DROPOUT
-                    {
-                        /* Philox block (j / 8, i, stream): word (j % 8) / 2, half j % 2. */
-                        fa_u32 w[4];
-                        fa_philox4((fa_u32)(j >> 3), (fa_u32)i, (fa_u32)stream,
-                                   (fa_u32)(stream >> 32), (fa_u32)kp->seed,
-                                   (fa_u32)(kp->seed >> 32), w);
-                        const fa_u32 word = fa_pick4(w, (j & 7) >> 1);
-                        const fa_u32 r16 = (j & 1) ? (word >> 16) : (word & 0xffffu);
-                        z = r16 < kp->keep_threshold ? kp->dropout_scale : 0.f;
-                    }
-#endif
-                    dpt[nt][e] = p * (dpt[nt][e] * z - s_dsum[il]) * deriv * kp->scale;
-                    st[nt][e] = p * z;
-                }
-
-            /* dV += (P Z)^T dO and dK += dS^T Q: the C fragments of n-tiles 2kk, 2kk + 1 (queries
-             * 16kk .. 16kk + 15) are the A fragment of k-step kk. */
-#pragma unroll
-            for (int kk = 0; kk < FA_BM / 16; kk++) {
-                fa_u32 pa[4], da[4];
-                pa[0] = fa_pack2(st[2 * kk][0], st[2 * kk][1]);
-                pa[1] = fa_pack2(st[2 * kk][2], st[2 * kk][3]);
-                pa[2] = fa_pack2(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-                pa[3] = fa_pack2(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-                da[0] = fa_pack2(dpt[2 * kk][0], dpt[2 * kk][1]);
-                da[1] = fa_pack2(dpt[2 * kk][2], dpt[2 * kk][3]);
-                da[2] = fa_pack2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-                da[3] = fa_pack2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
-#pragma unroll
-                for (int np = 0; np < FA_DVP / 16; np++) {
-                    fa_u32 b[4];
-                    fa_ldmatrix_x4_trans(b, dot_ld + kk * 16 * FA_LDV * 2 + np * 32);
-                    fa_mma16816(dv[2 * np], pa, b[0], b[1]);
-                    fa_mma16816(dv[2 * np + 1], pa, b[2], b[3]);
-                }
-#pragma unroll
-                for (int np = 0; np < FA_DP / 16; np++) {
-                    fa_u32 b[4];
-                    fa_ldmatrix_x4_trans(b, qt_ld + kk * 16 * FA_LDK * 2 + np * 32);
-                    fa_mma16816(dk[2 * np], da, b[0], b[1]);
-                    fa_mma16816(dk[2 * np + 1], da, b[2], b[3]);
-                }
-                /* dS^T to shared memory for dQ: row key, pairs of adjacent queries. */
-                fa_u32 *d0 = (fa_u32 *)(s_ds + (16 * warp + g) * FA_LDS + kk * 16 + 2 * t);
-                d0[0] = da[0];
-                d0[4 * FA_LDS] = da[1]; /* 8 rows down: 8 * FA_LDS / 2 words */
-                d0[4] = da[2];          /* 8 columns right */
-                d0[4 * FA_LDS + 4] = da[3];
-            }
-            __syncthreads();
-
-            /* dQ of this warp's 16 query rows, FA_QC columns at a time, added to the accumulator.
-             * Deterministic mode: wait for the tile's turn (every earlier key block that meets
-             * the tile has added), add, then pass the turn on. */
-            int *sem = bp.sem + ((fa_i64)bi * kp->h + h) * bp.m_tiles + mb;
-            if (bp.deterministic) {
-                if (threadIdx.x == 0) {
-                    int before = 0;
-                    for (int n = 0; n < nb; n++)
-                        before += fa_bwd_meets(kp, &seq, mb, n);
-                    while (fa_load_acquire(sem) != before)
-                        __nanosleep(64);
-                }
-                __syncthreads();
-            }
-#pragma unroll 1
-            for (int c0 = 0; c0 < FA_DP; c0 += FA_QC) {
-                float dq[FA_QC / 8][4];
+            for (int mi = 0; mi < FA_QRW / 16; mi++)
 #pragma unroll
                 for (int nt = 0; nt < FA_QC / 8; nt++)
 #pragma unroll
                     for (int e = 0; e < 4; e++)
-                        dq[nt][e] = 0.f;
+                        dq[mi][nt][e] = 0.f;
 #pragma unroll
-                for (int ks = 0; ks < FA_BN / 16; ks++) {
-                    fa_u32 a[4];
-                    fa_ldmatrix_x4_trans(a, dsa_ld + ks * 16 * FA_LDS * 2);
+            for (int ks = 0; ks < FA_BN / 16; ks++) {
+                fa_u32 a[FA_QRW / 16][4];
 #pragma unroll
-                    for (int np = 0; np < FA_QC / 16; np++) {
-                        fa_u32 b[4];
-                        fa_ldmatrix_x4_trans(b, kt_ld + ks * 16 * FA_LDK * 2 + (c0 + np * 16) * 2);
-                        fa_mma16816(dq[2 * np], a, b[0], b[1]);
-                        fa_mma16816(dq[2 * np + 1], a, b[2], b[3]);
+                for (int mi = 0; mi < FA_QRW / 16; mi++)
+                    fa_ldmatrix_x4_trans(a[mi], dsa_ld + ks * 16 * FA_LDS * 2 + mi * 32);
+#pragma unroll
+                for (int np = 0; np < FA_QC / 16; np++) {
+                    fa_u32 b[4];
+                    fa_ldmatrix_x4_trans(b, kt_ld + ks * 16 * FA_LDK * 2 + (c0 + np * 16) * 2);
+#pragma unroll
+                    for (int mi = 0; mi < FA_QRW / 16; mi++) {
+                        fa_mma16816(dq[mi][2 * np], a[mi], b[0], b[1]);
+                        fa_mma16816(dq[mi][2 * np + 1], a[mi], b[2], b[3]);
                     }
                 }
-#pragma unroll
-                for (int nt = 0; nt < FA_QC / 8; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int row = m0 + 16 * warp + g + 8 * (e >> 1);
-                        const int col = c0 + nt * 8 + 2 * t + (e & 1);
-                        if (row < seq.sq && col < kp->d)
-                            atomicAdd(acc_g + (fa_i64)row * kp->d + col, dq[nt][e]);
-                    }
             }
-            if (bp.deterministic) {
-                __threadfence();
-                __syncthreads();
-                if (threadIdx.x == 0)
-                    atomicAdd(sem, 1);
-            }
+#pragma unroll
+            for (int mi = 0; mi < FA_QRW / 16; mi++)
+#pragma unroll
+                for (int nt = 0; nt < FA_QC / 8; nt++) {
+                    float *p = acc + mi * 16 * FA_DP + (c0 + nt * 8) * 16;
+#if FA_RED_V4
+                    fa_red_add_v4(p, dq[mi][nt][0], dq[mi][nt][1], dq[mi][nt][2], dq[mi][nt][3]);
+#else
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        fa_red_add(p + 32 * e, dq[mi][nt][e]);
+#endif
+                }
         }
+        if (bp.deterministic) {
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0)
+                atomicAdd(sem, 1);
+        }
+        h = hn;
+        mb = mbn;
+#if FA_QSTAGES == 2
+        stage ^= 1;
+#endif
     }
 
     /* K and V copies still in flight when no query tile met the block. */
     fa_cp_async_wait_all();
-    /* dK, dV of the block's keys (zero for keys no query sees). C layout: dk[nt][e] is key
-     * 16 warp + g + 8 (e / 2), column 8 nt + 2t + (e % 2). */
+    /* dK (times the softmax scale dS lacked), dV of the block's keys (zero for keys no query
+     * sees). C layout: dk[nt][e] is key 16 warp + g + 8 (e / 2), column 8 nt + 2t + (e % 2). */
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
-        const int key = n0 + 16 * warp + g + 8 * hf;
+        const int key = key0 + 8 * hf;
         if (key >= seq.sk)
             continue;
         fa_u16 *dkr = (fa_u16 *)bp.dk + bi * bp.dk_bstride + (fa_i64)key * bp.dk_rstride +
@@ -429,14 +655,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 #pragma unroll
         for (int nt = 0; nt < FA_DP / 8; nt++) {
             const int col = nt * 8 + 2 * t;
+            const float k0 = dk[nt][2 * hf] * kp->scale, k1 = dk[nt][2 * hf + 1] * kp->scale;
 #if FA_VEC
             if (col < kp->d)
-                *(fa_u32 *)(dkr + col) = fa_pack2(dk[nt][2 * hf], dk[nt][2 * hf + 1]);
+                *(fa_u32 *)(dkr + col) = fa_pack2(k0, k1);
 #else
             if (col < kp->d)
-                dkr[col] = fa_from_float(dk[nt][2 * hf]);
+                dkr[col] = fa_from_float(k0);
             if (col + 1 < kp->d)
-                dkr[col + 1] = fa_from_float(dk[nt][2 * hf + 1]);
+                dkr[col + 1] = fa_from_float(k1);
 #endif
         }
 #pragma unroll
@@ -468,7 +695,7 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_dsinks(const fa_bkparam
     for (fa_i64 x = threadIdx.x; x < n; x += 256) {
         const int bi = (int)(x / kp->max_sq), row = (int)(x - (fa_i64)bi * kp->max_sq);
         const float lse = kp->lse[bi * kp->lse_bstride + h * kp->lse_hstride + row * kp->lse_rstride];
-        s -= expf(sink - lse) * bp.dsum[(fa_i64)h * kp->total_q + fa_bwd_token(kp, bi, row)];
+        s -= expf(sink - lse) * bp.dsum[fa_bwd_row0(&bp, h, bi) + row];
     }
     part[threadIdx.x] = s;
     __syncthreads();
@@ -481,19 +708,46 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_dsinks(const fa_bkparam
         bp.dsinks[h * bp.dsinks_stride] = part[0];
 }
 
-/* dq = dtype(dq_accum), grid-stride over [h][total_q][d]. */
+/* Grid (x, h, b), 256 threads: dq = dtype(scale * accumulator) for one (head, sequence), each
+ * warp one 16 x 8 block of the accumulator at a time (a lane's four values: rows g, g + 8,
+ * columns 2t, 2t + 1 of the block), rows past the sequence and columns past d skipped. */
 extern "C" __global__ void __launch_bounds__(256) fa_bwd_convert(const fa_bkparams bp)
 {
     const fa_kparams *kp = &bp.f;
-    const fa_i64 n = (fa_i64)kp->h * kp->total_q * kp->d;
-    for (fa_i64 x = (fa_i64)blockIdx.x * blockDim.x + threadIdx.x; x < n;
-         x += (fa_i64)gridDim.x * blockDim.x) {
-        const fa_i64 r = x / kp->d;
-        const int col = (int)(x - r * kp->d);
-        const int h = (int)(r / kp->total_q);
-        const fa_i64 token = r - (fa_i64)h * kp->total_q;
-        const int bi = (int)(token / kp->max_sq), row = (int)(token - (fa_i64)bi * kp->max_sq);
-        fa_u16 *dqr = (fa_u16 *)bp.dq + bi * bp.dq_bstride + row * bp.dq_rstride + h * bp.dq_hstride;
-        dqr[col] = fa_from_float(bp.dq_accum[x]);
+    const int h = blockIdx.y, bi = blockIdx.z;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int blocks = bp.m_tiles * (FA_BM / 16) * (FA_DP / 8);
+    const float *acc = bp.dq_accum + fa_bwd_row0(&bp, h, bi) * FA_DP;
+    fa_u16 *dqb = (fa_u16 *)bp.dq + bi * bp.dq_bstride + h * bp.dq_hstride;
+    for (int blk = blockIdx.x * 8 + (threadIdx.x >> 5); blk < blocks; blk += gridDim.x * 8) {
+        const int r16 = blk / (FA_DP / 8), c8 = blk - r16 * (FA_DP / 8);
+        const float *src = acc + (fa_i64)blk * 128;
+        float v[4];
+#if FA_RED_V4
+        const float4 x = *(const float4 *)(src + 4 * lane);
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+#else
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            v[e] = src[32 * e + lane];
+#endif
+        const int col = c8 * 8 + 2 * t;
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int row = r16 * 16 + g + 8 * hf;
+            if (row >= kp->max_sq)
+                continue;
+            fa_u16 *dqr = dqb + (fa_i64)row * bp.dq_rstride;
+            const float a = v[2 * hf] * kp->scale, b = v[2 * hf + 1] * kp->scale;
+#if FA_VEC
+            if (col < kp->d)
+                *(fa_u32 *)(dqr + col) = fa_pack2(a, b);
+#else
+            if (col < kp->d)
+                dqr[col] = fa_from_float(a);
+            if (col + 1 < kp->d)
+                dqr[col + 1] = fa_from_float(b);
+#endif
+        }
     }
 }

@@ -2,9 +2,11 @@
  * The backward on a CUDA device (kernels/fa_bwd_sm80.cu): plan, check the caller's workspace,
  * fill the parameter block, launch the four kernels on the caller's stream.
  *
- * Workspace layout (each part 256-byte aligned):
- *   dq_accum fp32 [h][total_q][d]    dQ accumulated over the key blocks
- *   dsum     fp32 [h][total_q]       D = rowsum(dout * out)
+ * Workspace layout (each part 256-byte aligned; rows = m_tiles * bm, whole query tiles):
+ *   dq_accum fp32 [h][b][rows][dp]   dQ accumulated over the key blocks, in the kernel's
+ *                                    mma-fragment order (kernels/fa_bwd_sm80.cu)
+ *   dsum     fp32 [h][b][rows]       D = rowsum(dout * out)
+ *   lse2     fp32 [h][b][rows]       lse * log2(e)
  *   sem      int32 [b][h][m_tiles]   deterministic mode: key blocks added so far per query tile
  */
 #include <stdint.h>
@@ -20,33 +22,46 @@
 static size_t fa_ws_round(size_t x) { return (x + FA_WS_ALIGN - 1) / FA_WS_ALIGN * FA_WS_ALIGN; }
 
 typedef struct fa_bwd_ws {
-    size_t accum, dsum, sem, total; /* byte offsets, and the size */
+    size_t accum, dsum, lse2, sem, total; /* byte offsets, and the size */
 } fa_bwd_ws;
 
-static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p)
+/* The layout for plan's query tile (bm rows) and padded head dim (dp). */
+static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p, const fa_plan *plan)
 {
     fa_bwd_ws w;
-    const size_t rows = (size_t)p->h * (size_t)p->total_q;
-    const size_t m_tiles = (size_t)((p->max_sq + FA_BWD_BM - 1) / FA_BWD_BM);
+    const size_t m_tiles = (size_t)((p->max_sq + plan->bm - 1) / plan->bm);
+    const size_t rows = (size_t)p->h * (size_t)p->b * m_tiles * (size_t)plan->bm;
     w.accum = 0;
-    w.dsum = fa_ws_round(w.accum + 4 * rows * (size_t)p->d);
-    w.sem = fa_ws_round(w.dsum + 4 * rows);
+    w.dsum = fa_ws_round(w.accum + 4 * rows * (size_t)plan->dp);
+    w.lse2 = fa_ws_round(w.dsum + 4 * rows);
+    w.sem = fa_ws_round(w.lse2 + 4 * rows);
     w.total = fa_ws_round(w.sem + 4 * (size_t)p->b * (size_t)p->h * m_tiles);
     return w;
 }
 
-size_t fa_cuda_backward_workspace_size(const fa_params *p) { return fa_bwd_ws_layout(p).total; }
+/* Asked for without a device: the plan at arch 80, whose query tile and padded head dims are
+ * those of every arch (fa_plan_backward). 0 where the backward cannot run the case, with the
+ * plan's reason in fa_last_error() (the backward refuses it the same way). */
+size_t fa_cuda_backward_workspace_size(const fa_params *p)
+{
+    fa_plan_key key = {80, p->dtype, (int)p->d, (int)p->dv, p->is_varlen ? FA_FEATURE_VARLEN : 0};
+    fa_plan plan;
+    if (fa_plan_backward(&key, &plan) != FA_STATUS_OK)
+        return 0;
+    return fa_bwd_ws_layout(p, &plan).total;
+}
 
 /* cp.async and paired stores need 16-byte aligned rows and d, dv multiples of 8, in every
- * tensor the main kernel touches. */
+ * tensor the kernels read with cp.async or write in pairs. */
 static int fa_bwd_aligned(const fa_params *p)
 {
     const int64_t strides[] = {p->q_bstride,  p->q_rstride,  p->q_hstride,  p->k_bstride,
                                p->k_rstride,  p->k_hstride,  p->v_bstride,  p->v_rstride,
                                p->v_hstride,  p->do_bstride, p->do_rstride, p->do_hstride,
                                p->dk_bstride, p->dk_rstride, p->dk_hstride, p->dv_bstride,
-                               p->dv_rstride, p->dv_hstride};
-    const void *ptrs[] = {p->q, p->k, p->v, p->dout_data, p->dk_data, p->dv_data};
+                               p->dv_rstride, p->dv_hstride, p->dq_bstride, p->dq_rstride,
+                               p->dq_hstride};
+    const void *ptrs[] = {p->q, p->k, p->v, p->dout_data, p->dq_data, p->dk_data, p->dv_data};
     if (p->d % 8 != 0 || p->dv % 8 != 0)
         return 0;
     for (size_t i = 0; i < sizeof strides / sizeof strides[0]; i++)
@@ -107,7 +122,7 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
                             "device gives %d",
                             (long long)p->d, plan.smem, smem_optin);
 
-    const fa_bwd_ws ws = fa_bwd_ws_layout(p);
+    const fa_bwd_ws ws = fa_bwd_ws_layout(p, &plan);
     if (args->workspace_size < ws.total || (ws.total > 0 && !args->workspace))
         return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
                             "workspace: the CUDA backward needs %zu bytes of device memory "
@@ -129,6 +144,7 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     char *base = (char *)args->workspace;
     bp.dq_accum = (float *)(base + ws.accum);
     bp.dsum = (float *)(base + ws.dsum);
+    bp.lse2 = (float *)(base + ws.lse2);
     bp.sem = (int *)(base + ws.sem);
     bp.do_bstride = p->do_bstride, bp.do_rstride = p->do_rstride, bp.do_hstride = p->do_hstride;
     bp.dq_bstride = p->dq_bstride, bp.dq_rstride = p->dq_rstride, bp.dq_hstride = p->dq_hstride;
@@ -155,12 +171,13 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
                            plan.smem, stream, &bp);
     if (st == FA_STATUS_OK && p->dsinks)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_dsinks", h, 1, 1, 256, 0, stream, &bp);
-    const int64_t n = p->h * p->total_q * p->d;
-    if (st == FA_STATUS_OK && n > 0) {
-        int64_t blocks = (n + 255) / 256;
-        blocks = blocks > 8192 ? 8192 : blocks;
-        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_convert", (unsigned)blocks, 1, 1, 256, 0,
-                           stream, &bp);
+    /* fa_bwd_convert: per (head, sequence), 8 warps per CTA, one 16 x 8 accumulator block per
+     * warp at a time. */
+    const int64_t blocks = (int64_t)bp.m_tiles * (plan.bm / 16) * (plan.dp / 8);
+    if (st == FA_STATUS_OK && blocks > 0) {
+        const int64_t gx = (blocks + 7) / 8;
+        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_convert", (unsigned)(gx > 65535 ? 65535 : gx),
+                           h, b, 256, 0, stream, &bp);
     }
     fa_cuda_context_leave(pushed);
     return st;

@@ -175,10 +175,41 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
 }
 
 /*
- * Backward, first increment (issue 7): one 64 x 64 tile with 4 warps for every head dim up to
- * 128 (each warp owns 16 keys of the block and 16 rows of a query tile). Shared memory: Q, dO,
- * K, V and dS^T tiles with rows padded by 16 bytes, lse and D of the query tile.
+ * Backward (kernels/fa_bwd_sm80.cu), one row per largest padded head dim: warps per CTA (each
+ * warp owns 16 keys of the key block, so the block is 16 x warps keys) and shared-memory stages
+ * of the query tile (2: the next tile's Q and dO load during this one). Query tiles are
+ * FA_BWD_BM rows on every arch: the workspace size is asked for without a device, so its layout
+ * (fa_cuda_backward.c, from this plan at arch 80) may depend on the head dims only.
  */
+typedef struct fa_bwd_row {
+    int dmax, nwarps, qstages;
+} fa_bwd_row;
+
+/* sm80, sm87, sm90, sm100 (>= 163 KB of shared memory per block): 128-key blocks with 8 warps
+ * (FA2's hdim-128 choice on these parts), two query stages; d 128 takes 155 KB. The first
+ * increment's configuration, should this one need to be backed out, is {128, 4, 1}. */
+static const fa_bwd_row fa_bwd_rows_big[] = {{128, 8, 2}};
+
+/* The 99 KB parts (sm86, sm89, sm120): d <= 64 as above (91 KB); wider heads the 64-key block
+ * with 4 warps and one stage (78 KB). */
+static const fa_bwd_row fa_bwd_rows_small[] = {{64, 8, 2}, {128, 4, 1}};
+
+/* FLASHATTN_BWD_TILE=WARPS,STAGES replaces the row's choice (for tuning with the benchmark;
+ * the workspace layout does not depend on it); values the kernel cannot take are ignored, and
+ * shared memory the device lacks is refused at launch. */
+static fa_bwd_row fa_plan_bwd_override(fa_bwd_row row)
+{
+    const char *env = getenv("FLASHATTN_BWD_TILE");
+    int nwarps, qstages;
+    if (!env || sscanf(env, "%d,%d", &nwarps, &qstages) != 2)
+        return row;
+    if ((nwarps != 2 && nwarps != 4 && nwarps != 8) || (qstages != 1 && qstages != 2))
+        return row;
+    row.nwarps = nwarps;
+    row.qstages = qstages;
+    return row;
+}
+
 fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
@@ -205,19 +236,31 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
     plan->dp = fa_plan_pad(key->d);
     plan->dvp = fa_plan_pad(key->dv);
+    const int big = key->arch == 80 || key->arch == 87 || key->arch == 90 || key->arch == 100;
+    const fa_bwd_row *rows = big ? fa_bwd_rows_big : fa_bwd_rows_small;
+    const size_t nrows = big ? sizeof fa_bwd_rows_big / sizeof fa_bwd_rows_big[0]
+                             : sizeof fa_bwd_rows_small / sizeof fa_bwd_rows_small[0];
+    const int dmax = plan->dp > plan->dvp ? plan->dp : plan->dvp;
+    size_t ri = 0;
+    while (ri + 1 < nrows && dmax > rows[ri].dmax)
+        ri++;
+    const fa_bwd_row row = fa_plan_bwd_override(rows[ri]);
     plan->bm = FA_BWD_BM;
-    plan->bn = FA_BWD_BN;
-    plan->nwarps = 4;
-    plan->threads = 128;
-    plan->smem = (unsigned)(2 * ((plan->bm + plan->bn) * (plan->dp + 8 + plan->dvp + 8) +
+    plan->nwarps = row.nwarps;
+    plan->bn = 16 * row.nwarps;
+    plan->threads = (unsigned)(32 * row.nwarps);
+    /* Q and dO per stage, K, V, dS^T (16-bit, rows padded by 8 elements), lse and D per stage. */
+    plan->smem = (unsigned)(2 * (row.qstages * plan->bm * (plan->dp + 8 + plan->dvp + 8) +
+                                 plan->bn * (plan->dp + 8 + plan->dvp + 8) +
                                  plan->bn * (plan->bm + 8)) +
-                            2 * 4 * plan->bm);
+                            4 * 2 * row.qstages * plan->bm);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
     fa_plan_define(plan, "FA_BM", plan->bm);
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_NWARPS", plan->nwarps);
+    fa_plan_define(plan, "FA_QSTAGES", row.qstages);
     fa_plan_define(plan, "FA_VEC", (key->features & FA_FEATURE_UNALIGNED) == 0);
     fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
     fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
