@@ -250,4 +250,22 @@ FA_DEV fa_seq fa_seq_get(const fa_kparams *kp, int bi, int varlen)
     return s;
 }
 
+/* Varlen rows outside every sequence (before cu_seqlens_q[0] or from cu_seqlens_q[b] on): out 0
+ * and lse +inf, one thread per (row, head) over [total_q, h]. Both forward families' fa_fwd_fill. */
+FA_DEV void fa_fill_outside(const fa_kparams *kp)
+{
+    const fa_i64 i = (fa_i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= kp->total_q * kp->h)
+        return;
+    const fa_i64 r = i / kp->h;
+    const int h = (int)(i - r * kp->h);
+    if (r >= kp->cu_seqlens_q[0] && r < kp->cu_seqlens_q[kp->b])
+        return;
+    fa_u16 *og = (fa_u16 *)kp->out + r * kp->o_rstride + h * kp->o_hstride;
+    for (int c = 0; c < kp->dv; c++)
+        og[c] = 0;
+    if (kp->lse)
+        kp->lse[h * kp->lse_hstride + r * kp->lse_rstride] = FA_INF;
+}
+
 #endif /* FA_COMMON_CUH */

@@ -462,21 +462,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 
 /* Varlen only: rows of out/lse before the first sequence or after the last get 0 / +inf. One
  * thread per (row, head). */
-extern "C" __global__ void fa_fwd_fill(const fa_kparams kp)
-{
-    const fa_i64 i = (fa_i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= kp.total_q * kp.h)
-        return;
-    const fa_i64 r = i / kp.h;
-    const int h = (int)(i - r * kp.h);
-    if (r >= kp.cu_seqlens_q[0] && r < kp.cu_seqlens_q[kp.b])
-        return;
-    fa_u16 *og = (fa_u16 *)kp.out + r * kp.o_rstride + h * kp.o_hstride;
-    for (int c = 0; c < kp.dv; c++)
-        og[c] = 0;
-    if (kp.lse)
-        kp.lse[h * kp.lse_hstride + r * kp.lse_rstride] = FA_INF;
-}
+extern "C" __global__ void fa_fwd_fill(const fa_kparams kp) { fa_fill_outside(&kp); }
 
 /* The probs (S_dmask) encoding: one warp per (sequence, head, row); key blocks of
  * kp.probs_block_n (<= 128, so 4 keys per lane) from the last to the first, each entry

@@ -1,6 +1,6 @@
 /*
  * Forward attention for sm_90a (Hopper): FlashAttention-3's building blocks in CUDA C with inline
- * PTX. First increment of issue 6: warp-specialised, TMA-fed, wgmma-computed, not yet overlapped.
+ * PTX: warp-specialised, TMA-fed, wgmma-computed, softmax overlapped with the GEMMs.
  *
  * One CTA computes FA_BM = 128 query rows of one (sequence, head) with 3 warpgroups:
  *   warpgroup 0, the producer: gives its registers back (setmaxnreg.dec 24); one thread issues
@@ -10,7 +10,12 @@
  *     S = Q K^T with wgmma.mma_async (both operands in shared memory, by descriptor), mask, online
  *     softmax in base 2 with scale * log2(e) folded into the FFMA in front of each exp2, P converted
  *     in registers to the A fragment, O += P V with the register-A form of wgmma (V by descriptor,
- *     MN-major), then the stage is released to the producer on its "empty" mbarrier.
+ *     MN-major). K and V of a stage are released to the producer separately, each on its own
+ *     "empty" mbarrier as soon as the GEMM reading it has finished: K right after S, so the next
+ *     K can land while this block's P V still runs.
+ *     The softmax of block i runs while the tensor cores compute P_(i-1) V_(i-1) (intra-warpgroup
+ *     pipelining), and with FA_PINGPONG the two consumers take turns issuing GEMMs (named
+ *     barriers), so one's softmax also hides under the other's GEMMs.
  * Keys are visited from the last visible block to the first (masked blocks first), as in sm80.
  * Epilogue: O / l and lse straight from the accumulator registers; rows with no visible key and no
  * sink give 0 and lse +inf (the sm80 family's rule).
@@ -19,20 +24,23 @@
  *   Q [FA_DP/64 column blocks][FA_BM rows][128 B]
  *   K [FA_STAGES][FA_DP/64][FA_BN rows][128 B]
  *   V [FA_STAGES][FA_DVP/64][FA_BN rows][128 B]
- *   mbarriers: q_full, k_full[S], v_full[S], empty[S]
+ *   mbarriers: q_full, q_empty, k_full[S], v_full[S], k_empty[S], v_empty[S]
  * Each [rows][128 B] block is the canonical 128B-swizzled layout: 16-byte chunk c of row r sits at
  * chunk c ^ (r % 8). TMA with CU_TENSOR_MAP_SWIZZLE_128B and a 64-element inner box writes exactly
  * that, and the wgmma descriptors with layout type 1 (128B swizzle) read exactly that.
  *
  * Tensor maps (built on the host by cuTensorMapEncodeTiled, src/cuda/fa_cuda_forward.c): rank 4,
  * dims {d, rows, heads, batch} innermost first, box {64, FA_BM or FA_BN, 1, 1}, bf16/fp16, 128B
- * swizzle, out-of-bounds rows zero-filled (so a partial last block reads zeros, never the next
- * head); passed by value as a __grid_constant__ parameter.
+ * swizzle, out-of-bounds elements zero-filled (so a partial last block reads zeros, never the next
+ * head, and a head dim short of a multiple of 64 is padded with zero columns); passed by value as
+ * a __grid_constant__ parameter.
  *
- * Defines from the plan (src/plan/fa_plan.c): FA_BF16, FA_DP = FA_DVP (64 or 128), FA_BM (128),
- * FA_BN (128), FA_STAGES. Features not compiled here (varlen, ALiBi, softcap, dropout, probs,
- * unaligned rows, other head dims) are routed to the sm80 family by the plan.
- * Entry point: fa_fwd(kp, tensor maps).
+ * Defines from the plan (src/plan/fa_plan.c): FA_BF16, FA_D (head dim), FA_DP = FA_DVP (FA_D
+ * rounded up to 64: 64, 128, 192 or 256), FA_BM (128), FA_BN (16 k 64..192), FA_STAGES (>= 2),
+ * FA_SOFTCAP, FA_ALIBI, FA_VARLEN, FA_PINGPONG. Varlen maps span the packed rows ({d, total, heads,
+ * 1}) and tiles take their sequence's offsets from cu_seqlens. Features not compiled here
+ * (dropout, probs, unaligned rows, d != dv) are routed to the sm80 family by the plan.
+ * Entry points: fa_fwd(kp, tensor maps) and fa_fwd_fill (varlen rows outside every sequence).
  */
 #include "fa_common.cuh"
 
@@ -46,8 +54,8 @@
 #define FA_SACC (FA_BN / 2)  /* S accumulator registers per thread (m64 x FA_BN fp32) */
 #define FA_OACC (FA_DVP / 2) /* O accumulator registers per thread */
 
-#if FA_BM != 128 || FA_BN != 128 || (FA_DP != 64 && FA_DP != 128) || FA_DVP != FA_DP
-#error "fa_fwd_sm90.cu: this increment compiles BM = BN = 128 and d = dv in {64, 128}"
+#if FA_BM != 128 || FA_DP % 64 != 0 || FA_DP > 256 || FA_DVP != FA_DP || FA_STAGES < 2
+#error "fa_fwd_sm90.cu: BM = 128, d = dv padded to 64, 128, 192 or 256, at least 2 stages"
 #endif
 
 /* The kernel's second parameter: three CUtensorMap images (128 bytes, 64-byte aligned each), the
@@ -155,6 +163,7 @@ FA_DEV void fa_wg_wait0(void) { asm volatile("wgmma.wait_group.sync.aligned 0;" 
 /* Pins a register across the asynchronous window: the compiler may not move its reads or writes
  * over this point (the wgmma asm blocks do not name the in-flight registers after the issue). */
 #define FA_PIN(x) asm volatile("" : "+f"(x)::"memory")
+#define FA_PINU(x) asm volatile("" : "+r"(x)::"memory")
 
 #if FA_BF16
 #define FA_WG_TYPES ".f32.bf16.bf16"
@@ -162,299 +171,586 @@ FA_DEV void fa_wg_wait0(void) { asm volatile("wgmma.wait_group.sync.aligned 0;" 
 #define FA_WG_TYPES ".f32.f16.f16"
 #endif
 
-#define FA_R32                                                                                   \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
-    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define FA_R64                                                                                   \
-    FA_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
-           "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+/* Operand lists of the wgmma asm blocks: the accumulator registers come first (%0 ..), 8 at a
+ * time; the operands after them are named by their index in each instruction's definition. */
+#define FA_RC0 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define FA_RC1 "%8, %9, %10, %11, %12, %13, %14, %15"
+#define FA_RC2 "%16, %17, %18, %19, %20, %21, %22, %23"
+#define FA_RC3 "%24, %25, %26, %27, %28, %29, %30, %31"
+#define FA_RC4 "%32, %33, %34, %35, %36, %37, %38, %39"
+#define FA_RC5 "%40, %41, %42, %43, %44, %45, %46, %47"
+#define FA_RC6 "%48, %49, %50, %51, %52, %53, %54, %55"
+#define FA_RC7 "%56, %57, %58, %59, %60, %61, %62, %63"
+#define FA_RC8 "%64, %65, %66, %67, %68, %69, %70, %71"
+#define FA_RC9 "%72, %73, %74, %75, %76, %77, %78, %79"
+#define FA_RC10 "%80, %81, %82, %83, %84, %85, %86, %87"
+#define FA_RC11 "%88, %89, %90, %91, %92, %93, %94, %95"
+#define FA_RC12 "%96, %97, %98, %99, %100, %101, %102, %103"
+#define FA_RC13 "%104, %105, %106, %107, %108, %109, %110, %111"
+#define FA_RC14 "%112, %113, %114, %115, %116, %117, %118, %119"
+#define FA_RC15 "%120, %121, %122, %123, %124, %125, %126, %127"
+#define FA_RL32 FA_RC0 ", " FA_RC1 ", " FA_RC2 ", " FA_RC3
+#define FA_RL40 FA_RL32 ", " FA_RC4
+#define FA_RL48 FA_RL40 ", " FA_RC5
+#define FA_RL56 FA_RL48 ", " FA_RC6
+#define FA_RL64 FA_RL56 ", " FA_RC7
+#define FA_RL72 FA_RL64 ", " FA_RC8
+#define FA_RL80 FA_RL72 ", " FA_RC9
+#define FA_RL88 FA_RL80 ", " FA_RC10
+#define FA_RL96 FA_RL88 ", " FA_RC11
 #define FA_F8(a, i)                                                                              \
     "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), "+f"(a[i + 4]), "+f"(a[i + 5]),  \
         "+f"(a[i + 6]), "+f"(a[i + 7])
-#define FA_F32(a) FA_F8(a, 0), FA_F8(a, 8), FA_F8(a, 16), FA_F8(a, 24)
-#define FA_F64(a) FA_F32(a), FA_F8(a, 32), FA_F8(a, 40), FA_F8(a, 48), FA_F8(a, 56)
+#define FA_FL32(a) FA_F8(a, 0), FA_F8(a, 8), FA_F8(a, 16), FA_F8(a, 24)
+#define FA_FL40(a) FA_FL32(a), FA_F8(a, 32)
+#define FA_FL48(a) FA_FL40(a), FA_F8(a, 40)
+#define FA_FL56(a) FA_FL48(a), FA_F8(a, 48)
+#define FA_FL64(a) FA_FL56(a), FA_F8(a, 56)
+#define FA_FL72(a) FA_FL64(a), FA_F8(a, 64)
+#define FA_FL80(a) FA_FL72(a), FA_F8(a, 72)
+#define FA_FL88(a) FA_FL80(a), FA_F8(a, 80)
+#define FA_FL96(a) FA_FL88(a), FA_F8(a, 88)
 
 /*
- * d (+)= A B, m64n128k16, both operands in shared memory (SS form):
- *   wgmma.mma_async.sync.aligned.m64n128k16.f32.{bf16,f16}x2 {d0..d63}, descA, descB, p, 1, 1, 0, 0
+ * S (+)= Q K^T, m64nNk16 with both operands in shared memory (SS form), N = FA_BN:
+ *   wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}x2 {d..}, descA, descB, p, 1, 1, 0, 0
  * p = scale-d (0: d = A B, 1: d += A B); scale-a = scale-b = 1; transpose-a = transpose-b = 0 (both
- * K-major). d is the m64n128 fp32 accumulator: thread t (warp w = t/32, lane l) holds in d[j] the
+ * K-major). d is the m64nN fp32 accumulator: thread t (warp w = t/32, lane l) holds in d[j] the
  * element (row 16w + l/4 + 8((j>>1)&1), col 8(j>>2) + 2(l%4) + (j&1)).
  */
-FA_DEV void fa_wgmma_ss_n128(float d[64], fa_u64 da, fa_u64 db, int accumulate)
-{
-    asm volatile("{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16" FA_WG_TYPES " {" FA_R64 "}, %64, %65, "
-                 "p, 1, 1, 0, 0; }"
-                 : FA_F64(d)
-                 : "l"(da), "l"(db), "r"(accumulate));
-}
+#define FA_DEF_WGMMA_SS(N, RL, FL, IA, IB, IP)                                                  \
+    FA_DEV void fa_wgmma_s(float *d, fa_u64 da, fa_u64 db, int accumulate)                     \
+    {                                                                                          \
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, " IP ", 0;\n"                             \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16" FA_WG_TYPES " {" RL "}, " IA \
+                     ", " IB ", p, 1, 1, 0, 0; }"                                              \
+                     : FL(d)                                                                   \
+                     : "l"(da), "l"(db), "r"(accumulate));                                     \
+    }
+#if FA_BN == 64
+FA_DEF_WGMMA_SS(64, FA_RL32, FA_FL32, "%32", "%33", "%34")
+#elif FA_BN == 80
+FA_DEF_WGMMA_SS(80, FA_RL40, FA_FL40, "%40", "%41", "%42")
+#elif FA_BN == 96
+FA_DEF_WGMMA_SS(96, FA_RL48, FA_FL48, "%48", "%49", "%50")
+#elif FA_BN == 112
+FA_DEF_WGMMA_SS(112, FA_RL56, FA_FL56, "%56", "%57", "%58")
+#elif FA_BN == 128
+FA_DEF_WGMMA_SS(128, FA_RL64, FA_FL64, "%64", "%65", "%66")
+#elif FA_BN == 144
+FA_DEF_WGMMA_SS(144, FA_RL72, FA_FL72, "%72", "%73", "%74")
+#elif FA_BN == 160
+FA_DEF_WGMMA_SS(160, FA_RL80, FA_FL80, "%80", "%81", "%82")
+#elif FA_BN == 176
+FA_DEF_WGMMA_SS(176, FA_RL88, FA_FL88, "%88", "%89", "%90")
+#elif FA_BN == 192
+FA_DEF_WGMMA_SS(192, FA_RL96, FA_FL96, "%96", "%97", "%98")
+#else
+#error "fa_fwd_sm90.cu: FA_BN must be a multiple of 16 from 64 to 192"
+#endif
 
 /*
- * d += A B, m64nNk16 with A from registers (RS form):
- *   wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}x2 {d..}, {a0, a1, a2, a3}, descB, p, 1, 1, 1
+ * O += P V for one 64-column block of V, m64n64k16 with A from registers (RS form):
+ *   wgmma.mma_async.sync.aligned.m64n64k16.f32.{bf16,f16}x2 {d..}, {a0, a1, a2, a3}, descB, p, 1, 1, 1
  * A fragment (K-major, 16-bit pairs, lower column in the low half): with r = 16w + l/4, q = l%4:
  * a0 = (row r, cols 2q, 2q+1), a1 = (row r+8, same cols), a2 = (row r, cols 8+2q, 9+2q),
- * a3 = (row r+8, cols 8+2q, 9+2q) - the accumulator's own pattern, so P needs no shuffle.
- * The last immediate, transpose-b = 1: B (V) is MN-major in shared memory.
+ * a3 = (row r+8, cols 8+2q, 9+2q) - the S accumulator's own pattern, so P needs no shuffle.
+ * The last immediate, transpose-b = 1: B (V) is MN-major in shared memory. The m64n128 form
+ * covers two 64-column blocks at once (the descriptor's LBO steps between them).
  */
-#if FA_DVP == 128
-FA_DEV void fa_wgmma_rs_n128(float d[64], const fa_u32 a[4], fa_u64 db)
+FA_DEV void fa_wgmma_pv64(float *d, const fa_u32 a[4], fa_u64 db)
 {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16" FA_WG_TYPES " {" FA_R64 "}, "
-                 "{%64, %65, %66, %67}, %68, p, 1, 1, 1; }"
-                 : FA_F64(d)
+                 "wgmma.mma_async.sync.aligned.m64n64k16" FA_WG_TYPES " {" FA_RL32 "}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
+                 : FA_FL32(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-#else
-FA_DEV void fa_wgmma_rs_n64(float d[32], const fa_u32 a[4], fa_u64 db)
+FA_DEV void fa_wgmma_pv128(float *d, const fa_u32 a[4], fa_u64 db)
 {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16" FA_WG_TYPES " {" FA_R32 "}, "
-                 "{%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
-                 : FA_F32(d)
+                 "wgmma.mma_async.sync.aligned.m64n128k16" FA_WG_TYPES " {" FA_RL64 "}, "
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 1; }"
+                 : FA_FL64(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
-#endif
 
 /* setmaxnreg.{dec,inc}.sync.aligned.u32 N: the warpgroup's per-thread register budget becomes N
  * (dec returns registers to the CTA's pool, inc waits for them). */
 FA_DEV void fa_regs_producer(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;"); }
 FA_DEV void fa_regs_consumer(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 240;"); }
 
+/* Named barriers 1 and 2 order the two consumer warpgroups' GEMMs (pingpong):
+ * bar.sync id, 256 waits for the other warpgroup's bar.arrive id, 256 (128 threads each). */
+FA_DEV void fa_named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+FA_DEV void fa_named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+
+/* Whether the scores become base-2 units element by element (softcap and ALiBi transform them
+ * anyway, and a scale <= 0 needs it); otherwise scale * log2(e) rides in the FFMA before exp2. */
+#define FA_PRESCALE_ALWAYS (FA_SOFTCAP || FA_ALIBI)
+
+/* One consumer thread's view of its two rows (r and r + 8 of its warp's 16). */
+typedef struct fa_rows {
+    int row0;          /* the first of the two rows (sequence coordinates) */
+    int q4;            /* lane % 4: which column pairs of each 8-column group */
+    int lo[2], hi[2];  /* visible keys [lo, hi) of each row */
+    int lo_max, hi_min;
+    float sm;          /* the factor in front of exp2 (1 when prescaled) */
+    int prescale;
+    float slope_log2;  /* ALiBi slope in base-2 units */
+    int diag;          /* sk - sq: key column of a row's diagonal minus the row */
+} fa_rows;
+
+/* S of key block n (scores in sacc) -> exp2 of the scaled, masked scores relative to the new row
+ * maxima, in place; row_max, row_sum updated; alpha[hf] = the factor O must be rescaled by. */
+FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc, int n,
+                             float row_max[2], float row_sum[2], float alpha[2])
+{
+    const int kb0 = n * FA_BN;
+    if (r->prescale) {
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++) {
+            float x = sacc[j];
+#if FA_SOFTCAP
+            x = tanhf(x * kp->softcap_pre) * kp->scale_log2;
+#else
+            x *= kp->scale_log2;
+#endif
+#if FA_ALIBI
+            const int dist = r->row0 + 8 * ((j >> 1) & 1) + r->diag -
+                             (kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1));
+            x -= r->slope_log2 * (float)(dist < 0 ? -dist : dist);
+#endif
+            sacc[j] = x;
+        }
+    }
+    /* Mask keys outside each row's visible range (only blocks that cross an edge). */
+    if (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min) {
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++) {
+            const int col = kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1);
+            const int hf = (j >> 1) & 1;
+            if (col < r->lo[hf] || col >= r->hi[hf])
+                sacc[j] = -FA_INF;
+        }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float mx = row_max[hf];
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++)
+            if (((j >> 1) & 1) == hf)
+                mx = fmaxf(mx, sacc[j]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        /* A row with nothing visible yet keeps max -inf: exponentiate against 0. */
+        const float m_use = mx == -FA_INF ? 0.f : mx;
+        alpha[hf] = fa_exp2((row_max[hf] - m_use) * r->sm);
+        row_max[hf] = mx;
+        const float neg = -m_use * r->sm;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++)
+            if (((j >> 1) & 1) == hf) {
+                sacc[j] = fa_exp2(fmaf(sacc[j], r->sm, neg));
+                sum += sacc[j];
+            }
+        row_sum[hf] = row_sum[hf] * alpha[hf] + sum;
+    }
+}
+
+/* Issues S = Q K^T for one key block (FA_DP / 16 k-steps) as one wgmma group. */
+FA_DEV void fa_gemm_s(float *sacc, fa_u32 q_base, fa_u32 k_base)
+{
+#pragma unroll
+    for (int kk = 0; kk < FA_DP / 16; kk++) {
+        const fa_u32 koff = (kk & 3) * 32;
+        fa_wgmma_s(sacc, fa_desc(q_base + (kk >> 2) * FA_BM * 128 + koff, 16, 1024),
+                   fa_desc(k_base + (kk >> 2) * FA_BN * 128 + koff, 16, 1024), kk > 0);
+    }
+    fa_wg_commit();
+}
+
+/* Issues O += P V for one key block as one wgmma group: FA_BN / 16 k-slices, each over the
+ * 64-column blocks of V in n128 (then n64) steps. */
+FA_DEV void fa_gemm_pv(float *o, fa_u32 pa[][4], fa_u32 v_base)
+{
+#pragma unroll
+    for (int kk = 0; kk < FA_BN / 16; kk++) {
+#pragma unroll
+        for (int c = 0; c + 1 < FA_VB; c += 2)
+            fa_wgmma_pv128(o + 32 * c, pa[kk],
+                           fa_desc(v_base + c * FA_BN * 128 + kk * 2048, FA_BN * 128, 1024));
+#if FA_VB % 2
+        fa_wgmma_pv64(o + 32 * (FA_VB - 1), pa[kk],
+                      fa_desc(v_base + (FA_VB - 1) * FA_BN * 128 + kk * 2048, FA_BN * 128, 1024));
+#endif
+    }
+    fa_wg_commit();
+}
+
+/* P (probabilities in sacc) as the A fragments of FA_BN / 16 k-slices: slice kk is sacc[8kk ..]. */
+FA_DEV void fa_p_pack(const float *sacc, fa_u32 pa[][4])
+{
+#pragma unroll
+    for (int kk = 0; kk < FA_BN / 16; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            pa[kk][r] = fa_pack2(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
+}
+
+/* Pins O and the A fragments of P: before a GEMM group is issued, so that the rescale and the
+ * packing are finished before the wgmma.fence (else ptxas inserts its own fence between the
+ * wgmma and serialises them); after its wait, so that nothing reads O or reuses P's registers
+ * while the wgmma may still be running. */
+FA_DEV void fa_gemm_operands_pin(float *o, fa_u32 pa[][4])
+{
+#pragma unroll
+    for (int j = 0; j < FA_OACC; j++)
+        FA_PIN(o[j]);
+#pragma unroll
+    for (int kk = 0; kk < FA_BN / 16; kk++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            FA_PINU(pa[kk][e]);
+}
+
+/* This warp is done with a stage's K or V (the wgmma reading it finished): one arrival per warp. */
+FA_DEV void fa_stage_release(fa_u32 bar, int lane)
+{
+    __syncwarp();
+    if (lane == 0)
+        fa_mbar_arrive(bar);
+}
+
+FA_DEV void fa_o_rescale(float *o, const float alpha[2])
+{
+#pragma unroll
+    for (int j = 0; j < FA_OACC; j++)
+        o[j] *= alpha[(j >> 1) & 1];
+}
+
+/* ---- tiles ---------------------------------------------------------------------------------- */
+
+/* One work tile: FA_BM query rows of one (sequence, head) and the key blocks they see. */
+typedef struct fa_tile {
+    int m0, h, bi, hk;
+    int n_max, n_blocks; /* key blocks n_max - n_blocks .. n_max - 1, visited last first */
+    int sq, sk;          /* the sequence's queries and keys */
+    int q_start, k_start; /* its first rows in q and k (varlen; 0 otherwise) */
+} fa_tile;
+
+/* Tile t of m_blocks * h * b, head-major (the CTAs running at once share a head's K and V in L2)
+ * and, within a head, the heavy (late, under causal) query tiles first. */
+FA_DEV fa_tile fa_tile_get(const fa_kparams *kp, int t, int m_blocks)
+{
+    fa_tile w;
+    const int hb = t / m_blocks;
+    w.m0 = (m_blocks - 1 - (t - hb * m_blocks)) * FA_BM;
+    w.h = hb % kp->h;
+    w.bi = hb / kp->h;
+    w.hk = w.h / (kp->h / kp->hk);
+    /* The host checked that total_q and total_k fit TMA's int coordinates. */
+    const fa_seq seq = fa_seq_get(kp, w.bi, FA_VARLEN);
+    w.sq = seq.sq;
+    w.sk = seq.sk;
+    w.q_start = (int)seq.q_start;
+    w.k_start = (int)seq.k_start;
+    w.n_max = w.n_blocks = 0;
+    if (w.m0 >= w.sq)
+        return w; /* past this sequence's queries (varlen): nothing to compute or write */
+    /* The key blocks any row of the tile sees (both window edges grow with the row). */
+    int lo_first, hi_first, lo_last, hi_last;
+    fa_key_range(kp, w.m0, w.sq, w.sk, &lo_first, &hi_first);
+    fa_key_range(kp, fa_min(w.m0 + FA_BM, w.sq) - 1, w.sq, w.sk, &lo_last, &hi_last);
+    const int n_min = lo_first / FA_BN;
+    w.n_max = hi_last > lo_first ? (hi_last + FA_BN - 1) / FA_BN : n_min;
+    w.n_blocks = w.n_max - n_min;
+    return w;
+}
+
+/* Shared-memory addresses of the tiles and barriers. */
+typedef struct fa_smem_map {
+    fa_u32 q, k, v;      /* Q, K[stage], V[stage] */
+    fa_u32 q_full, q_empty;
+    fa_u32 k_full, v_full, k_empty, v_empty; /* + 8 * stage */
+} fa_smem_map;
+
+/* The producer's thread: Q of the tile, then K and V of each key block into the ring (kv counts
+ * the blocks this CTA has loaded so far, q_round the tiles). */
+FA_DEV void fa_produce_tile(const fa_smem_map *m, const fa_tmaps *tm, const fa_tile *w, int *kv,
+                            int *q_round)
+{
+    /* Q is overwritten only once both consumers' last S = Q K^T of the previous tile finished. */
+    fa_mbar_wait(m->q_empty, (*q_round & 1) ^ 1);
+    fa_mbar_expect_tx(m->q_full, FA_Q_BYTES);
+#pragma unroll
+    for (int c = 0; c < FA_KB; c++)
+        fa_tma_load4(m->q + c * FA_BM * 128, &tm->q, 64 * c, w->q_start + w->m0, w->h,
+                     FA_VARLEN ? 0 : w->bi, m->q_full);
+    ++*q_round;
+    for (int it = 0; it < w->n_blocks; it++, ++*kv) {
+        const int n = w->n_max - 1 - it, s = *kv % FA_STAGES, ph = (*kv / FA_STAGES) & 1;
+        /* Each of K and V waits until both consumers released the stage's previous use. */
+        fa_mbar_wait(m->k_empty + 8 * s, ph ^ 1);
+        fa_mbar_expect_tx(m->k_full + 8 * s, FA_K_BYTES);
+#pragma unroll
+        for (int c = 0; c < FA_KB; c++)
+            fa_tma_load4(m->k + s * FA_K_BYTES + c * FA_BN * 128, &tm->k, 64 * c,
+                         w->k_start + n * FA_BN, w->hk, FA_VARLEN ? 0 : w->bi, m->k_full + 8 * s);
+        fa_mbar_wait(m->v_empty + 8 * s, ph ^ 1);
+        fa_mbar_expect_tx(m->v_full + 8 * s, FA_V_BYTES);
+#pragma unroll
+        for (int c = 0; c < FA_VB; c++)
+            fa_tma_load4(m->v + s * FA_V_BYTES + c * FA_BN * 128, &tm->v, 64 * c,
+                         w->k_start + n * FA_BN, w->hk, FA_VARLEN ? 0 : w->bi, m->v_full + 8 * s);
+    }
+}
+
+#if FA_VARLEN
+/* fence.proxy.async.shared::cta: orders this thread's generic-proxy writes to shared memory before
+ * later reads by the async proxy (the wgmma that reads V by descriptor). */
+FA_DEV void fa_fence_proxy_async(void) { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+/* Varlen: the tensor maps span all sequences, so the rows of the first visited key block past
+ * the sequence's end are the next sequence's (out-of-bounds zero fill happens only at the end of
+ * the packed tensor). Their scores are masked, but P V would still multiply 0 by those V rows, and
+ * 0 * inf is NaN: the 256 consumer threads zero them (whole 128-byte rows, so the swizzle does not
+ * matter) before the first P V, then meet at named barrier 3. Called by both consumer warpgroups
+ * between their first and second GEMM units, where pingpong cannot hold either of them. */
+FA_DEV void fa_v_tail_zero(const fa_smem_map *m, const fa_tile *w, int kv0)
+{
+    const int valid = w->sk - (w->n_max - 1) * FA_BN;
+    if (valid >= FA_BN)
+        return;
+    const int s = kv0 % FA_STAGES;
+    fa_mbar_wait(m->v_full + 8 * s, (kv0 / FA_STAGES) & 1);
+    const int chunks = (FA_BN - valid) * 8; /* 16-byte chunks per 64-column block */
+    for (int i = threadIdx.x - FA_WG_THREADS; i < FA_VB * chunks; i += 2 * FA_WG_THREADS) {
+        const int c = i / chunks, rest = i - c * chunks;
+        const fa_u32 a = m->v + s * FA_V_BYTES + c * FA_BN * 128 + valid * 128 + rest * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(a), "r"(0) : "memory");
+    }
+    fa_fence_proxy_async();
+    asm volatile("bar.sync 3, 256;" ::: "memory");
+}
+#endif
+
+/*
+ * A consumer warpgroup's share of a tile (rows 64 cw .. 64 cw + 63): the main loop, then the
+ * epilogue. Software pipeline within the warpgroup: while the tensor cores run
+ * O += P_(i-1) V_(i-1), this warpgroup's softmax turns S_i into P_i. Per step i >= 1: issue
+ * S_i = Q K_i^T and O += P_(i-1) V_(i-1) as two groups, wait for the first (wait_group 1), release
+ * K_i, softmax S_i, wait for the second, release V_(i-1), rescale O by alpha_i, pack P_i.
+ * With FA_PINGPONG the two consumer warpgroups also take turns issuing their GEMMs (named barriers
+ * 1 and 2, each "unit" of GEMMs between a sync on its own and an arrive on the other's), so one's
+ * softmax runs under the other's GEMMs; per tile each side syncs and is arrived at n_blocks + 1
+ * times, so nothing is left pending between tiles.
+ */
+FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa_tile *w, int cw,
+                            int *kv, int *q_round)
+{
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int sq = w->sq, sk = w->sk;
+    fa_rows r;
+    r.q4 = lane & 3;
+    r.row0 = w->m0 + 64 * cw + 16 * warp + (lane >> 2);
+    fa_key_range(kp, r.row0, sq, sk, &r.lo[0], &r.hi[0]);
+    fa_key_range(kp, r.row0 + 8, sq, sk, &r.lo[1], &r.hi[1]);
+    r.lo_max = fa_max(r.lo[0], r.lo[1]);
+    r.hi_min = fa_min(r.hi[0], r.hi[1]);
+    r.prescale = FA_PRESCALE_ALWAYS || !(kp->scale_log2 > 0.f);
+    r.sm = r.prescale ? 1.f : kp->scale_log2;
+    r.diag = sk - sq;
+#if FA_ALIBI
+    r.slope_log2 = kp->alibi_slopes[w->bi * kp->alibi_bstride + w->h * kp->alibi_hstride] * FA_LOG2E;
+#else
+    r.slope_log2 = 0.f;
+#endif
+
+    float o[FA_OACC];
+    float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < FA_OACC; j++)
+        o[j] = 0.f;
+
+    const int nb = w->n_blocks;
+    if (nb > 0) {
+        const fa_u32 q_base = m->q + cw * 64 * 128;
+        const int kv0 = *kv;
+        float sacc[FA_SACC], alpha[2];
+        fa_u32 pa[FA_BN / 16][4];
+#if FA_PINGPONG
+        const int bar_mine = 1 + cw, bar_other = 2 - cw;
+        if (cw == 1)
+            fa_named_arrive(bar_other);
+        fa_named_sync(bar_mine);
+#endif
+        fa_mbar_wait(m->q_full, *q_round & 1);
+        fa_mbar_wait(m->k_full + 8 * (kv0 % FA_STAGES), (kv0 / FA_STAGES) & 1);
+        fa_wg_fence();
+        fa_gemm_s(sacc, q_base, m->k + (kv0 % FA_STAGES) * FA_K_BYTES);
+#if FA_PINGPONG
+        fa_named_arrive(bar_other);
+#endif
+        fa_wg_wait0();
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++)
+            FA_PIN(sacc[j]);
+        fa_stage_release(m->k_empty + 8 * (kv0 % FA_STAGES), lane);
+        if (nb == 1)
+            fa_stage_release(m->q_empty, lane);
+        fa_softmax_block(kp, &r, sacc, w->n_max - 1, row_max, row_sum, alpha);
+        fa_p_pack(sacc, pa);
+#if FA_VARLEN
+        fa_v_tail_zero(m, w, kv0);
+#endif
+
+        for (int it = 1; it < nb; it++) {
+            const int sp = (kv0 + it - 1) % FA_STAGES, php = ((kv0 + it - 1) / FA_STAGES) & 1;
+            const int s = (kv0 + it) % FA_STAGES, ph = ((kv0 + it) / FA_STAGES) & 1;
+#if FA_PINGPONG
+            fa_named_sync(bar_mine);
+#endif
+            fa_mbar_wait(m->k_full + 8 * s, ph);
+            fa_mbar_wait(m->v_full + 8 * sp, php);
+            fa_gemm_operands_pin(o, pa);
+            fa_wg_fence();
+            fa_gemm_s(sacc, q_base, m->k + s * FA_K_BYTES);
+            fa_gemm_pv(o, pa, m->v + sp * FA_V_BYTES);
+#if FA_PINGPONG
+            fa_named_arrive(bar_other);
+#endif
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+#pragma unroll
+            for (int j = 0; j < FA_SACC; j++)
+                FA_PIN(sacc[j]);
+            fa_stage_release(m->k_empty + 8 * s, lane);
+            if (it == nb - 1)
+                fa_stage_release(m->q_empty, lane);
+            fa_softmax_block(kp, &r, sacc, w->n_max - 1 - it, row_max, row_sum, alpha);
+            fa_wg_wait0();
+            fa_gemm_operands_pin(o, pa);
+            fa_stage_release(m->v_empty + 8 * sp, lane);
+            fa_o_rescale(o, alpha);
+            fa_p_pack(sacc, pa);
+        }
+
+        /* The last block's O += P V. */
+        const int sp = (kv0 + nb - 1) % FA_STAGES, php = ((kv0 + nb - 1) / FA_STAGES) & 1;
+#if FA_PINGPONG
+        fa_named_sync(bar_mine);
+#endif
+        fa_mbar_wait(m->v_full + 8 * sp, php);
+        fa_gemm_operands_pin(o, pa);
+        fa_wg_fence();
+        fa_gemm_pv(o, pa, m->v + sp * FA_V_BYTES);
+#if FA_PINGPONG
+        /* Only the first warpgroup still has a partner waiting for its turn in this tile. */
+        if (cw == 0)
+            fa_named_arrive(bar_other);
+#endif
+        fa_wg_wait0();
+        fa_gemm_operands_pin(o, pa);
+        fa_stage_release(m->v_empty + 8 * sp, lane);
+        *kv = kv0 + nb;
+        ++*q_round;
+    }
+
+    /* Epilogue: the sink joins the denominator; empty rows give 0 and lse +inf. */
+    const float sink2 = kp->sinks ? kp->sinks[w->h * kp->sinks_stride] * FA_LOG2E : -FA_INF;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int row = r.row0 + 8 * hf;
+        float l = row_sum[hf];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float mx = row_max[hf] * r.sm; /* base 2 */
+        const float big = fmaxf(mx, sink2);
+        float lse, scale;
+        if (big == -FA_INF) {
+            lse = FA_INF;
+            scale = 0.f;
+        } else {
+            const float lm = l > 0.f ? fa_exp2(mx - big) : 0.f;
+            const float total = l * lm + (kp->sinks ? fa_exp2(sink2 - big) : 0.f);
+            lse = (big + log2f(total)) * FA_LN2;
+            scale = l > 0.f ? lm / total : 0.f;
+        }
+        if (row >= sq)
+            continue;
+        fa_u16 *og = (fa_u16 *)kp->out + w->bi * kp->o_bstride +
+                     (fa_i64)(w->q_start + row) * kp->o_rstride + w->h * kp->o_hstride;
+#pragma unroll
+        for (int j = 0; j < FA_OACC; j += 2) {
+            const int col = 8 * (j >> 2) + 2 * r.q4;
+            /* Columns past dv are the zero padding of a head dim rounded up to 64. */
+            if (((j >> 1) & 1) == hf && (FA_DVP == FA_D || col < kp->dv))
+                *(fa_u32 *)(og + col) = fa_pack2(o[j] * scale, o[j + 1] * scale);
+        }
+        if (kp->lse && r.q4 == 0)
+            kp->lse[w->bi * kp->lse_bstride + w->h * kp->lse_hstride +
+                    (fa_i64)(w->q_start + row) * kp->lse_rstride] = lse;
+    }
+}
+
 /* ---- the kernel ----------------------------------------------------------------------------- */
 
+/* The grid is 1-D: one CTA per tile, or (persistent) fewer CTAs that stride over the tiles, the
+ * producer loading the next tile's Q, K and V while the consumers finish the current one. */
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     fa_fwd(const fa_kparams kp, const __grid_constant__ fa_tmaps tm)
 {
     extern __shared__ __align__(1024) unsigned char fa_smem[];
     /* The plan adds 1024 bytes so the base can be rounded up to the swizzle atom. */
-    const fa_u32 base = (fa_smem_addr(fa_smem) + 1023u) & ~1023u;
-    const fa_u32 sq_a = base;
-    const fa_u32 sk_a = sq_a + FA_Q_BYTES;
-    const fa_u32 sv_a = sk_a + FA_STAGES * FA_K_BYTES;
-    const fa_u32 bar_q = sv_a + FA_STAGES * FA_V_BYTES;
-    const fa_u32 bar_k = bar_q + 8;                  /* k_full[s] = bar_k + 8 s */
-    const fa_u32 bar_v = bar_k + 8 * FA_STAGES;      /* v_full[s] */
-    const fa_u32 bar_e = bar_v + 8 * FA_STAGES;      /* empty[s]: 8 arrivals, lane 0 of each
-                                                        consumer warp */
-
-    /* Heavy (late, under causal) query tiles first. */
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, bi = blockIdx.z;
-    const int sq = (int)kp.max_sq, sk = (int)kp.max_sk;
-    const int m0 = m_block * FA_BM;
-    const int hk = h / (kp.h / kp.hk);
-
-    /* The key blocks any row of the tile sees (both window edges grow with the row). */
-    const int m_last = fa_min(m0 + FA_BM, sq) - 1;
-    int lo_first, hi_first, lo_last, hi_last;
-    fa_key_range(&kp, m0, sq, sk, &lo_first, &hi_first);
-    fa_key_range(&kp, m_last, sq, sk, &lo_last, &hi_last);
-    const int n_min = lo_first / FA_BN;
-    const int n_max = hi_last > lo_first ? (hi_last + FA_BN - 1) / FA_BN : n_min;
-    const int n_blocks = n_max - n_min;
+    fa_smem_map m;
+    m.q = (fa_smem_addr(fa_smem) + 1023u) & ~1023u;
+    m.k = m.q + FA_Q_BYTES;
+    m.v = m.k + FA_STAGES * FA_K_BYTES;
+    m.q_full = m.v + FA_STAGES * FA_V_BYTES;
+    m.q_empty = m.q_full + 8;          /* 8 arrivals: lane 0 of each consumer warp */
+    m.k_full = m.q_empty + 8;
+    m.v_full = m.k_full + 8 * FA_STAGES;
+    m.k_empty = m.v_full + 8 * FA_STAGES; /* 8 arrivals each */
+    m.v_empty = m.k_empty + 8 * FA_STAGES;
 
     if (threadIdx.x == 0) {
-        fa_mbar_init(bar_q, 1);
+        fa_mbar_init(m.q_full, 1);
+        fa_mbar_init(m.q_empty, 8);
         for (int s = 0; s < FA_STAGES; s++) {
-            fa_mbar_init(bar_k + 8 * s, 1);
-            fa_mbar_init(bar_v + 8 * s, 1);
-            fa_mbar_init(bar_e + 8 * s, 8);
+            fa_mbar_init(m.k_full + 8 * s, 1);
+            fa_mbar_init(m.v_full + 8 * s, 1);
+            fa_mbar_init(m.k_empty + 8 * s, 8);
+            fa_mbar_init(m.v_empty + 8 * s, 8);
         }
         fa_mbar_init_fence();
     }
     __syncthreads();
 
+    const int m_blocks = (int)((kp.max_sq + FA_BM - 1) / FA_BM);
+    const int n_tiles = m_blocks * kp.h * kp.b;
+    int kv = 0, q_round = 0;
     const int wg = threadIdx.x / FA_WG_THREADS;
     if (wg == 0) {
-        /* Producer. */
         fa_regs_producer();
-        if (threadIdx.x == 0 && n_blocks > 0) {
-            fa_tma_prefetch(&tm.q);
-            fa_tma_prefetch(&tm.k);
-            fa_tma_prefetch(&tm.v);
-            fa_mbar_expect_tx(bar_q, FA_Q_BYTES);
-#pragma unroll
-            for (int c = 0; c < FA_KB; c++)
-                fa_tma_load4(sq_a + c * FA_BM * 128, &tm.q, 64 * c, m0, h, bi, bar_q);
-            for (int it = 0; it < n_blocks; it++) {
-                const int n = n_max - 1 - it, s = it % FA_STAGES, ph = (it / FA_STAGES) & 1;
-                /* Wait until both consumers released this stage's previous use. */
-                fa_mbar_wait(bar_e + 8 * s, ph ^ 1);
-                fa_mbar_expect_tx(bar_k + 8 * s, FA_K_BYTES);
-#pragma unroll
-                for (int c = 0; c < FA_KB; c++)
-                    fa_tma_load4(sk_a + s * FA_K_BYTES + c * FA_BN * 128, &tm.k, 64 * c, n * FA_BN,
-                                 hk, bi, bar_k + 8 * s);
-                fa_mbar_expect_tx(bar_v + 8 * s, FA_V_BYTES);
-#pragma unroll
-                for (int c = 0; c < FA_VB; c++)
-                    fa_tma_load4(sv_a + s * FA_V_BYTES + c * FA_BN * 128, &tm.v, 64 * c, n * FA_BN,
-                                 hk, bi, bar_v + 8 * s);
-            }
+        if (threadIdx.x != 0)
+            return;
+        fa_tma_prefetch(&tm.q);
+        fa_tma_prefetch(&tm.k);
+        fa_tma_prefetch(&tm.v);
+        for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+            const fa_tile w = fa_tile_get(&kp, t, m_blocks);
+            if (w.n_blocks > 0)
+                fa_produce_tile(&m, &tm, &w, &kv, &q_round);
         }
-    } else {
-        /* Consumer warpgroup cw owns tile rows 64 cw .. 64 cw + 63. */
-        fa_regs_consumer();
-        const int cw = wg - 1;
-        const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-        const int q4 = lane & 3;
-        const int row0 = m0 + 64 * cw + 16 * warp + (lane >> 2); /* rows row0, row0 + 8 */
-        int lo[2], hi[2];
-        fa_key_range(&kp, row0, sq, sk, &lo[0], &hi[0]);
-        fa_key_range(&kp, row0 + 8, sq, sk, &lo[1], &hi[1]);
-        const int lo_max = fa_max(lo[0], lo[1]), hi_min = fa_min(hi[0], hi[1]);
-
-        /* The factor in front of exp2; a scale <= 0 (never in practice) prescales the scores. */
-        const int prescale = !(kp.scale_log2 > 0.f);
-        const float sm = prescale ? 1.f : kp.scale_log2;
-
-        float o[FA_OACC];
-        float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < FA_OACC; j++)
-            o[j] = 0.f;
-
-        if (n_blocks > 0) {
-            fa_mbar_wait(bar_q, 0);
-            const fa_u32 q_base = sq_a + cw * 64 * 128;
-            for (int it = 0; it < n_blocks; it++) {
-                const int n = n_max - 1 - it, s = it % FA_STAGES, ph = (it / FA_STAGES) & 1;
-                const fa_u32 k_base = sk_a + s * FA_K_BYTES, v_base = sv_a + s * FA_V_BYTES;
-
-                /* S = Q K^T over FA_DP / 16 k-steps. */
-                float sacc[FA_SACC];
-                fa_mbar_wait(bar_k + 8 * s, ph);
-                fa_wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < FA_DP / 16; kk++) {
-                    const fa_u32 koff = (kk & 3) * 32;
-                    fa_wgmma_ss_n128(sacc,
-                                     fa_desc(q_base + (kk >> 2) * FA_BM * 128 + koff, 16, 1024),
-                                     fa_desc(k_base + (kk >> 2) * FA_BN * 128 + koff, 16, 1024),
-                                     kk > 0);
-                }
-                fa_wg_commit();
-                fa_wg_wait0();
-#pragma unroll
-                for (int j = 0; j < FA_SACC; j++)
-                    FA_PIN(sacc[j]);
-
-                if (prescale) {
-#pragma unroll
-                    for (int j = 0; j < FA_SACC; j++)
-                        sacc[j] *= kp.scale_log2;
-                }
-                /* Mask keys outside each row's visible range (only blocks that cross an edge). */
-                const int kb0 = n * FA_BN;
-                if (kb0 < lo_max || kb0 + FA_BN > hi_min) {
-#pragma unroll
-                    for (int j = 0; j < FA_SACC; j++) {
-                        const int col = kb0 + 8 * (j >> 2) + 2 * q4 + (j & 1);
-                        const int hf = (j >> 1) & 1;
-                        if (col < lo[hf] || col >= hi[hf])
-                            sacc[j] = -FA_INF;
-                    }
-                }
-
-                /* Online softmax: per row, the block max over the quad, the rescale of O and l. */
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    float mx = row_max[hf];
-#pragma unroll
-                    for (int j = 0; j < FA_SACC; j++)
-                        if (((j >> 1) & 1) == hf)
-                            mx = fmaxf(mx, sacc[j]);
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    /* A row with nothing visible yet keeps max -inf: exponentiate against 0. */
-                    const float m_use = mx == -FA_INF ? 0.f : mx;
-                    const float alpha = fa_exp2((row_max[hf] - m_use) * sm);
-                    row_max[hf] = mx;
-                    row_sum[hf] *= alpha;
-#pragma unroll
-                    for (int j = 0; j < FA_OACC; j++)
-                        if (((j >> 1) & 1) == hf)
-                            o[j] *= alpha;
-                    const float neg = -m_use * sm;
-                    float sum = 0.f;
-#pragma unroll
-                    for (int j = 0; j < FA_SACC; j++)
-                        if (((j >> 1) & 1) == hf) {
-                            sacc[j] = fa_exp2(fmaf(sacc[j], sm, neg));
-                            sum += sacc[j];
-                        }
-                    row_sum[hf] += sum;
-                }
-
-                /* P as the A fragments of FA_BN / 16 k-slices: slice kk holds d[8kk .. 8kk+7]. */
-                fa_u32 pa[FA_BN / 16][4];
-#pragma unroll
-                for (int kk = 0; kk < FA_BN / 16; kk++)
-#pragma unroll
-                    for (int r = 0; r < 4; r++)
-                        pa[kk][r] = fa_pack2(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
-
-                /* O += P V. */
-                fa_mbar_wait(bar_v + 8 * s, ph);
-#pragma unroll
-                for (int j = 0; j < FA_OACC; j++)
-                    FA_PIN(o[j]);
-                fa_wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < FA_BN / 16; kk++) {
-                    const fa_u64 dv = fa_desc(v_base + kk * 2048, FA_BN * 128, 1024);
-#if FA_DVP == 128
-                    fa_wgmma_rs_n128(o, pa[kk], dv);
-#else
-                    fa_wgmma_rs_n64(o, pa[kk], dv);
-#endif
-                }
-                fa_wg_commit();
-                fa_wg_wait0();
-#pragma unroll
-                for (int j = 0; j < FA_OACC; j++)
-                    FA_PIN(o[j]);
-                /* This warp is done with the stage (its wgmma finished reading K and V). */
-                __syncwarp();
-                if (lane == 0)
-                    fa_mbar_arrive(bar_e + 8 * s);
-            }
-        }
-
-        /* Epilogue: the sink joins the denominator; empty rows give 0 and lse +inf. */
-        const float sink2 = kp.sinks ? kp.sinks[h * kp.sinks_stride] * FA_LOG2E : -FA_INF;
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            const int row = row0 + 8 * hf;
-            float l = row_sum[hf];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float mx = row_max[hf] * sm; /* base 2 */
-            const float big = fmaxf(mx, sink2);
-            float lse, scale;
-            if (big == -FA_INF) {
-                lse = FA_INF;
-                scale = 0.f;
-            } else {
-                const float lm = l > 0.f ? fa_exp2(mx - big) : 0.f;
-                const float total = l * lm + (kp.sinks ? fa_exp2(sink2 - big) : 0.f);
-                lse = (big + log2f(total)) * FA_LN2;
-                scale = l > 0.f ? lm / total : 0.f;
-            }
-            if (row >= sq)
-                continue;
-            fa_u16 *og = (fa_u16 *)kp.out + bi * kp.o_bstride + (fa_i64)row * kp.o_rstride +
-                         h * kp.o_hstride;
-#pragma unroll
-            for (int j = 0; j < FA_OACC; j += 2)
-                if (((j >> 1) & 1) == hf)
-                    *(fa_u32 *)(og + 8 * (j >> 2) + 2 * q4) = fa_pack2(o[j] * scale, o[j + 1] * scale);
-            if (kp.lse && q4 == 0)
-                kp.lse[bi * kp.lse_bstride + h * kp.lse_hstride + (fa_i64)row * kp.lse_rstride] = lse;
-        }
+        return;
+    }
+    fa_regs_consumer();
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        const fa_tile w = fa_tile_get(&kp, t, m_blocks);
+        fa_consume_tile(&kp, &m, &w, wg - 1, &kv, &q_round);
     }
 }
+
+extern "C" __global__ void fa_fwd_fill(const fa_kparams kp) { fa_fill_outside(&kp); }

@@ -25,6 +25,7 @@ static char fa_nvrtc_note[256];
 static pthread_mutex_t fa_arch_lock = PTHREAD_MUTEX_INITIALIZER;
 static int fa_arch_cache[FA_CUDA_MAX_DEVICES];
 static int fa_smem_cache[FA_CUDA_MAX_DEVICES];
+static int fa_sms_cache[FA_CUDA_MAX_DEVICES];
 
 /* dlsym into a function-pointer field; a missing symbol names itself in the note. */
 #define FA_SYM(lib, table, field, name, note)                                                    \
@@ -225,10 +226,12 @@ fa_status fa_cuda_device_arch(int device, int *arch, int *smem_optin)
     if (!fa_arch_cache[device]) {
         const fa_cuda_driver *d = &fa_driver_table;
         fa_cu_device dev;
-        int major = 0, minor = 0, smem = 0;
+        int major = 0, minor = 0, smem = 0, sms = 0;
         fa_cu_result r = d->device_get(&dev, device);
         if (r == 0)
             r = d->device_get_attribute(&major, FA_CU_ATTR_CC_MAJOR, dev);
+        if (r == 0)
+            r = d->device_get_attribute(&sms, FA_CU_ATTR_MULTIPROCESSOR_COUNT, dev);
         if (r == 0)
             r = d->device_get_attribute(&minor, FA_CU_ATTR_CC_MINOR, dev);
         if (r == 0)
@@ -238,12 +241,24 @@ fa_status fa_cuda_device_arch(int device, int *arch, int *smem_optin)
             return fa_cuda_error(r, "reading the device's compute capability");
         }
         fa_smem_cache[device] = smem;
+        fa_sms_cache[device] = sms;
         fa_arch_cache[device] = major * 10 + minor;
     }
     *arch = fa_arch_cache[device];
     *smem_optin = fa_smem_cache[device];
     pthread_mutex_unlock(&fa_arch_lock);
     return FA_STATUS_OK;
+}
+
+int fa_cuda_device_sms(int device)
+{
+    int arch, smem;
+    if (fa_cuda_device_arch(device, &arch, &smem) != FA_STATUS_OK)
+        return 0;
+    pthread_mutex_lock(&fa_arch_lock);
+    int sms = fa_sms_cache[device];
+    pthread_mutex_unlock(&fa_arch_lock);
+    return sms;
 }
 
 /* The public face: device count, device facts, and what was found. */

@@ -116,4 +116,7 @@ void fa_cuda_context_leave(int pushed);
 /* The compute capability of device as 10 * major + minor (cached per device). */
 fa_status fa_cuda_device_arch(int device, int *arch, int *smem_optin);
 
+/* The device's multiprocessor count (cached with the arch), 0 where it cannot be read. */
+int fa_cuda_device_sms(int device);
+
 #endif /* FA_CUDA_DRIVER_H */

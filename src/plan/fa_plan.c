@@ -63,61 +63,86 @@ static void fa_plan_define(fa_plan *plan, const char *name, int value)
 }
 
 /*
- * sm90 family (sm_90a: TMA, wgmma, warp specialisation), first increment of issue 6: one row per
- * head dim (d = dv), 128x128 tiles (FA3's causal hdim-128 tile; the non-causal 128x176 and the
- * 3-warpgroup 192-row hdim-64 tiles come with the later steps), 1 producer + 2 consumer
- * warpgroups. Stages: as many as fit beside Q in 227 KB, at most 4.
+ * sm90 family (sm_90a: TMA, wgmma, warp specialisation), one row per head dim rounded up to 64
+ * (d = dv): 128-row query tiles, 1 producer + 2 consumer warpgroups. Key block and stages: as
+ * many stages as fit beside Q in the 227 KB of shared memory, and for the wide heads the key block
+ * shrunk until two stages fit (FA3's hdim-192/256 tiles). Pingpong between the consumers on or off
+ * per row, by measurement (bench/NOTES.md).
  */
 typedef struct fa_plan_row90 {
-    int d, bm, bn, stages;
+    int dp, bn, stages, pingpong, persistent;
 } fa_plan_row90;
 
 static const fa_plan_row90 fa_sm90_rows[] = {
-    {64, 128, 128, 4},  /* Q 16 KB + 4 x (K 16 + V 16) KB = 144 KB */
-    {128, 128, 128, 2}, /* Q 32 KB + 2 x (K 32 + V 32) KB = 160 KB */
+    {64, 128, 4, 0, 1},  /* Q 16 KB + 4 x (K 16 + V 16) KB = 144 KB */
+    {128, 128, 2, 1, 1}, /* Q 32 KB + 2 x (K 32 + V 32) KB = 160 KB */
+    {192, 112, 2, 1, 1}, /* Q 48 KB + 2 x (K 42 + V 42) KB = 216 KB */
+    {256, 80, 2, 1, 1},  /* Q 64 KB + 2 x (K 40 + V 40) KB = 224 KB */
 };
 
 /* What the sm90 kernel compiles: everything else goes to the sm80 family. */
 #define FA_SM90_UNSUPPORTED                                                                     \
-    (FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP | FA_FEATURE_DROPOUT |           \
-     FA_FEATURE_UNALIGNED | FA_PLAN_PROBS | FA_PLAN_NO_SM90)
+    (FA_FEATURE_DROPOUT | FA_FEATURE_UNALIGNED | FA_PLAN_PROBS | FA_PLAN_NO_SM90)
 
+/* On unless FLASHATTN_SM90=0 (which keeps every case on the sm80 family, for comparison). */
 int fa_plan_sm90_enabled(void)
 {
     const char *env = getenv("FLASHATTN_SM90");
-    return env && strcmp(env, "1") == 0;
+    return !(env && strcmp(env, "0") == 0);
+}
+
+/* FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG[,PERSISTENT] replaces the row's choice (for tuning
+ * with the benchmark); a combination the kernel cannot take or shared memory cannot hold is
+ * ignored. */
+static void fa_plan_sm90_override(fa_plan_row90 *row)
+{
+    const char *env = getenv("FLASHATTN_SM90_TILE");
+    int bn, stages, pingpong, persistent = row->persistent;
+    if (!env || sscanf(env, "%d,%d,%d,%d", &bn, &stages, &pingpong, &persistent) < 3)
+        return;
+    if (bn < 64 || bn > 192 || bn % 16 != 0 || stages < 2 || stages > 8 ||
+        (pingpong != 0 && pingpong != 1) || (persistent != 0 && persistent != 1) ||
+        2 * (128 * row->dp + stages * bn * 2 * row->dp) + 8 * (2 + 4 * stages) + 1024 > 232448)
+        return;
+    row->bn = bn;
+    row->stages = stages;
+    row->pingpong = pingpong;
+    row->persistent = persistent;
 }
 
 fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->arch != 90 || (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16) ||
-        key->d != key->dv || (key->features & FA_SM90_UNSUPPORTED))
+        key->d != key->dv || key->d > 256 || (key->features & FA_SM90_UNSUPPORTED))
         return FA_STATUS_UNSUPPORTED;
-    const fa_plan_row90 *row = NULL;
-    for (size_t i = 0; i < sizeof fa_sm90_rows / sizeof fa_sm90_rows[0]; i++)
-        if (fa_sm90_rows[i].d == key->d)
-            row = &fa_sm90_rows[i];
-    if (!row)
-        return FA_STATUS_UNSUPPORTED;
+    const int dp = (key->d + 63) / 64 * 64;
+    fa_plan_row90 row = fa_sm90_rows[dp / 64 - 1];
+    fa_plan_sm90_override(&row);
     *plan = (fa_plan){0};
     plan->family = "fa_fwd_sm90.cu";
     snprintf(plan->target, sizeof plan->target, "sm_90a");
-    plan->bm = row->bm;
-    plan->bn = row->bn;
+    plan->bm = 128;
+    plan->bn = row.bn;
     plan->nwarps = 12;
-    plan->dp = plan->dvp = row->d;
-    plan->stages = row->stages;
+    plan->dp = plan->dvp = dp;
+    plan->stages = row.stages;
+    plan->persistent = row.persistent;
     plan->threads = 384;
-    /* Tiles, then the mbarriers (q, and k_full, v_full, empty per stage), plus 1 KB so the
-     * kernel can round its base up to the 1024-byte swizzle atom. */
+    /* Tiles, then the mbarriers (q_full, q_empty, and k_full, v_full, k_empty, v_empty per
+     * stage), plus 1 KB so the kernel can round its base up to the 1024-byte swizzle atom. */
     plan->smem = (unsigned)(2 * (plan->bm * plan->dp + plan->stages * plan->bn * (plan->dp + plan->dvp)) +
-                            8 * (1 + 3 * plan->stages) + 1024);
+                            8 * (2 + 4 * plan->stages) + 1024);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_D", key->d);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
     fa_plan_define(plan, "FA_BM", plan->bm);
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_STAGES", plan->stages);
+    fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
+    fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
+    fa_plan_define(plan, "FA_VARLEN", (key->features & FA_FEATURE_VARLEN) != 0);
+    fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
     return FA_STATUS_OK;
 }
 

@@ -31,27 +31,26 @@ typedef struct fa_plan {
     unsigned threads;
     unsigned smem; /* dynamic shared memory per CTA, bytes */
     int stages;    /* sm90 family: K/V shared-memory stages (0 for sm80) */
+    int persistent; /* sm90 family: one CTA per SM striding over the tiles (else one per tile) */
     int num_defines;
     char defines[FA_PLAN_MAX_DEFINES][24]; /* "-DFA_BN=64", ... */
 } fa_plan;
 
 /* The forward plan for key; FA_STATUS_UNSUPPORTED (with a message) when no family fits.
- * On sm_90 devices the sm90 family (fa_fwd_sm90.cu) is taken for the cases it supports only
- * when FLASHATTN_SM90=1 (opt-in until it has passed the GPU tests on the device); every other
- * case, and every case without the opt-in, gets the sm80 family. */
+ * On sm_90 devices the sm90 family (fa_fwd_sm90.cu) takes the cases it supports (unless
+ * FLASHATTN_SM90=0); every other case gets the sm80 family. */
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan);
 
-/* The sm90 family's plan for key, whatever the opt-in says (precompile, tests); returns
+/* The sm90 family's plan for key, whatever FLASHATTN_SM90 says (precompile, tests); returns
  * FA_STATUS_UNSUPPORTED, without setting an error, when the family cannot do the case. */
 fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan);
 
-/* Nonzero when the plan routes supported cases to the sm90 family (FLASHATTN_SM90=1). */
+/* Nonzero when the plan routes supported cases to the sm90 family (not FLASHATTN_SM90=0). */
 int fa_plan_sm90_enabled(void);
 
-/* The backward's tiles (kernels/fa_bwd_sm80.cu): query rows per tile and keys per CTA. The
- * workspace size (fa_attention_backward_workspace_size) depends on FA_BWD_BM. */
+/* The backward's query rows per tile (kernels/fa_bwd_sm80.cu; keys per CTA come from the plan).
+ * The workspace size (fa_attention_backward_workspace_size) depends on FA_BWD_BM. */
 #define FA_BWD_BM 64
-#define FA_BWD_BN 64
 #define FA_BWD_MAX_HEAD_DIM 128
 
 /* The backward plan for key (fa_bwd_sm80.cu, sm_80 and later, fp16/bf16, d and dv <= 128, dense

@@ -6,8 +6,9 @@ Shapes are upstream's benchmark grid: 16k tokens (batch = 16384 / seqlen), hidde
 (heads = 2048 / hdim), bf16. TFLOP/s by FlashAttention's convention: 4*b*h*s*s*d, halved when
 causal. Also reports the first call's time (JIT compile, or a disk-cache hit, plus module load)
 and the host cost of a cached call. Prints a short table last; --json PATH keeps every number.
-"ours" is the default plan (the sm80 family); "sm90" is the same call with FLASHATTN_SM90=1
-(the sm_90a family where it supports the case, else the same sm80 kernel), on Hopper only.
+"ours" is the default plan (on Hopper the sm_90a family where it supports the case); "sm80" is
+the same call with FLASHATTN_SM90=0 (the sm80 family), on Hopper only. --variants times more
+plans of the sm_90a family (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG each) beside them.
 """
 import argparse
 import ctypes
@@ -113,12 +114,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hdims", default="64,128,256")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
-    ap.add_argument("--backends", default="flash,cudnn,efficient",
+    ap.add_argument("--backends", default="flash,cudnn",
                     help="PyTorch SDPA backends to time beside ours ('none' for ours alone)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_gpu.json"))
     ap.add_argument("--no-jit", action="store_true",
                     help="skip the first-call and host-overhead timings (tile sweeps)")
-    ap.add_argument("--no-sm90", action="store_true", help="skip the FLASHATTN_SM90=1 column")
+    ap.add_argument("--no-sm80", action="store_true", help="skip the FLASHATTN_SM90=0 column")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated FLASHATTN_SM90_TILE values to time as extra columns")
     ap.add_argument("--first-call", type=int, default=0, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.first_call:
@@ -147,17 +150,20 @@ def main():
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DTYPE) for _ in range(3))
                 out = torch.empty_like(q)
                 row = dict(hdim=d, seqlen=s, batch=b, heads=h, causal=causal)
-                os.environ.pop("FLASHATTN_SM90", None)
                 row["ours"] = flops / bench(Call(q, k, v, out, causal)) / 1e12
-                if torch.cuda.get_device_capability() == (9, 0) and not opts.no_sm90:
-                    out90 = torch.empty_like(q)
-                    os.environ["FLASHATTN_SM90"] = "1"
+                hopper = torch.cuda.get_device_capability() == (9, 0)
+                others = [] if not hopper or opts.no_sm80 else [("sm80", "FLASHATTN_SM90", "0")]
+                others += [(f"tile {t}", "FLASHATTN_SM90_TILE", t)
+                           for t in opts.variants.split(";") if t and hopper]
+                for name, var, value in others:
+                    out2 = torch.empty_like(q)
+                    os.environ[var] = value
                     try:
-                        row["sm90"] = flops / bench(Call(q, k, v, out90, causal)) / 1e12
-                        row["maxdiff_sm90_vs_ours"] = (out90.float() - out.float()).abs().max().item()
+                        row[name] = flops / bench(Call(q, k, v, out2, causal)) / 1e12
+                        row["maxdiff_" + name] = (out2.float() - out.float()).abs().max().item()
                     finally:
-                        os.environ.pop("FLASHATTN_SM90", None)
-                    del out90
+                        os.environ.pop(var, None)
+                    del out2
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 for name, be in BACKENDS.items():
                     if name not in opts.backends.split(","):
@@ -183,14 +189,17 @@ def main():
         f"hdim {j['hdim']}: compile {j['compile_ms']:.0f}, disk hit {j['disk_hit_ms']:.0f}" for j in jit))
     print(f"cached call, host time: {overhead:.1f} us")
     fmt = lambda x: f"{x:6.0f}" if x else "     -"
-    print(f"\nTFLOP/s fwd, bf16, {torch.cuda.get_device_name()}")
-    print("hdim seqlen causal |   ours   sm90  flash  cudnn    eff | ours/flash sm90/cudnn maxdiff")
+    extra = [f"tile {t}" for t in opts.variants.split(";") if t]
+    print(f"\nTFLOP/s fwd, bf16, {torch.cuda.get_device_name()}" +
+          "".join(f"; t{i} = FLASHATTN_SM90_TILE={t[5:]}" for i, t in enumerate(extra)))
+    print("hdim seqlen causal |   ours   sm80" + "".join(f"    t{i}" for i in range(len(extra))) +
+          "  flash  cudnn | ours/cudnn ours/flash maxdiff")
+    ratio = lambda a, b: a / b if a and b else float("nan")
     for r in rows:
-        ratio = r["ours"] / r["flash"] if r.get("flash") else float("nan")
-        r90 = r["sm90"] / r["cudnn"] if r.get("sm90") and r.get("cudnn") else float("nan")
         print(f"{r['hdim']:4d} {r['seqlen']:6d} {str(r['causal']):6s} | {fmt(r['ours'])} "
-              f"{fmt(r.get('sm90'))} {fmt(r.get('flash'))} {fmt(r.get('cudnn'))} "
-              f"{fmt(r.get('efficient'))} | {ratio:10.2f} {r90:10.2f} "
+              f"{fmt(r.get('sm80'))}" + "".join(f" {fmt(r.get(t))}" for t in extra) +
+              f" {fmt(r.get('flash'))} {fmt(r.get('cudnn'))} | "
+              f"{ratio(r['ours'], r.get('cudnn')):10.2f} {ratio(r['ours'], r.get('flash')):10.2f} "
               f"{r.get('maxdiff_vs_flash', float('nan')):.1e}")
 
 

@@ -7,10 +7,11 @@
  *   identical to the first.
  * Exits 77 (skipped) when no CUDA device is usable.
  *
- * Built a second time with FA_TEST_SM90 as test_gpu_sm90: FLASHATTN_SM90=1, the cases the sm90
- * family (kernels/fa_fwd_sm90.cu) supports, each checked to have run on that family, plus cases
- * it does not support, checked to have gone to the sm80 family (on sm_90 devices; elsewhere
- * every case must take the sm80 family).
+ * test_gpu_forward runs the sm80 family on every device (FLASHATTN_SM90=0). Built a second time
+ * with FA_TEST_SM90 as test_gpu_sm90: the default plan on the cases the sm90 family
+ * (kernels/fa_fwd_sm90.cu) supports, each checked to have run on that family, plus cases it does
+ * not support, checked to have gone to the sm80 family (on sm_90 devices; elsewhere every case
+ * must take the sm80 family).
  */
 #include <math.h>
 #include <stdio.h>
@@ -71,8 +72,9 @@ static const struct {
 #endif
 
 #ifdef FA_TEST_SM90
-/* d 64 and 128, dense, causal or not, windows, GQA/MQA, sinks, empty rows, padded rows, several
- * wraps of the stage ring; sm90 = 1 where the sm90 family must run the case on sm_90. */
+/* Every head dim row (32 and 80/96 padded up to 64/128, 192, 256), causal or not, windows, GQA/MQA,
+ * softcap, ALiBi, sinks, empty rows, padded rows, several wraps of the stage ring; sm90 = 1 where
+ * the sm90 family must run the case on sm_90. */
 static const struct {
     gpu_case c;
     int sm90;
@@ -87,10 +89,30 @@ static const struct {
     {{"sm90 long d64 ring wraps", 2, 2, 2, 700, 1300, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
     {{"sm90 window-left d128", 1, 4, 4, 400, 700, 128, 128, 0, 100, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
     /* Routed to sm80: another head dim, softcap, probs, varlen. */
-    {{"sm90->sm80 d96", 1, 4, 2, 200, 300, 96, 96, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
-    {{"sm90->sm80 softcap d128", 1, 4, 2, 200, 200, 128, 128, 1, -1, -1, 30, 0, 0, 0, 0, 0, 0, 0}, 0},
+    {{"sm90 d96 padded causal", 1, 4, 2, 200, 300, 96, 96, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 softcap d128", 1, 4, 2, 200, 200, 128, 128, 1, -1, -1, 30, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 alibi sinks gqa d64", 2, 6, 2, 230, 410, 64, 64, 1, -1, -1, 0, 1, 1, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 softcap alibi window d256", 1, 4, 2, 333, 517, 256, 256, 0, 90, 40, 25, 1, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 d192 long causal ring", 1, 2, 1, 700, 900, 192, 192, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 d256 long wraps", 1, 2, 2, 1024, 1100, 256, 256, 0, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 d32 padded sq>sk", 2, 2, 2, 200, 60, 32, 32, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 d80 decode", 4, 8, 1, 1, 777, 80, 80, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    /* More tiles than the H200's 132 SMs without causal or window: persistent CTAs take several
+     * tiles each. */
+    {{"sm90 persistent gqa d64", 3, 24, 6, 300, 170, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 persistent sinks d128", 1, 70, 10, 250, 90, 128, 128, 0, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 persistent d256", 1, 140, 140, 64, 100, 256, 256, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    /* Varlen: random lengths with an empty sequence, rows outside every sequence, key blocks
+     * that end inside the next sequence (its V rows must not reach P V). */
+    {{"sm90 varlen causal d128", 3, 4, 2, 190, 260, 128, 128, 1, -1, -1, 0, 0, 0, 0, 1, 0, 0, 0}, 1},
+    {{"sm90 varlen seqused alibi d64", 4, 4, 2, 400, 520, 64, 64, 0, -1, -1, 0, 1, 0, 0, 1, 1, 0, 0}, 1},
+    {{"sm90 varlen window sinks d256", 3, 2, 1, 300, 333, 256, 256, 0, 70, 20, 0, 0, 1, 0, 1, 0, 0, 0}, 1},
+    {{"sm90 varlen softcap gqa d192", 4, 6, 3, 260, 700, 192, 192, 1, -1, -1, 15, 0, 0, 0, 1, 0, 0, 0}, 1},
+    /* Cases the family does not take: the sm80 family runs them. */
     {{"sm90->sm80 probs d64", 1, 2, 2, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0, 0, 0, 1, 0}, 0},
-    {{"sm90->sm80 varlen d128", 3, 4, 2, 190, 260, 128, 128, 1, -1, -1, 0, 0, 0, 0, 1, 0, 0, 0}, 0},
+    {{"sm90->sm80 dropout d128", 1, 2, 2, 100, 180, 128, 128, 0, -1, -1, 0, 0, 0, 0.2, 0, 0, 0, 0}, 0},
+    {{"sm90->sm80 d128 dv64", 1, 2, 2, 100, 180, 128, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
+    {{"sm90->sm80 unaligned d37", 1, 2, 1, 70, 150, 37, 37, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
 };
 static const struct {
     gpu_case c;
@@ -226,8 +248,25 @@ static void fill_uniform(gpu_buf *g, double lo, double hi)
     } while (0)
 
 /* scale: NULL for the default softmax scale. */
+/* FA_TEST_ONLY=a|b|... runs only the cases whose names contain one of the '|'-separated parts
+ * (for compute-sanitizer, whose slowdown the long cases cannot afford). */
+static int case_selected(const char *name)
+{
+    const char *only = getenv("FA_TEST_ONLY");
+    if (!only || !*only)
+        return 1;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", only);
+    for (char *part = strtok(buf, "|"); part; part = strtok(NULL, "|"))
+        if (strstr(name, part))
+            return 1;
+    return 0;
+}
+
 static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
 {
+    if (!case_selected(c->name))
+        return;
     const int vl = c->varlen;
     int32_t cu_q[9], cu_k[9], used[8];
     int64_t total_q = (int64_t)c->b * c->sq, total_k = (int64_t)c->b * c->sk;
@@ -454,13 +493,13 @@ int main(void)
         return 1;
     }
 #ifdef FA_TEST_SM90
-    setenv("FLASHATTN_SM90", "1", 1);
+    unsetenv("FLASHATTN_SM90");
     int arch = 0, smem = 0;
     if (fa_cuda_device_arch(0, &arch, &smem) != FA_STATUS_OK) {
         fprintf(stderr, "no arch: %s\n", fa_last_error());
         return 1;
     }
-    printf("test_gpu_sm90: device sm_%d, FLASHATTN_SM90=1\n", arch);
+    printf("test_gpu_sm90: device sm_%d, default plan\n", arch);
     for (size_t i = 0; i < sizeof sm90_cases / sizeof sm90_cases[0]; i++) {
         expect_family = sm90_cases[i].sm90 && arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
         run_case(&sm90_cases[i].c, FA_DTYPE_F16, NULL);
@@ -472,6 +511,9 @@ int main(void)
         run_case(&sm90_scale_cases[i].c, FA_DTYPE_BF16, &sm90_scale_cases[i].scale);
     }
 #else
+    /* The sm80 family on every device: on sm_90 the default plan would take the sm90 family. */
+    setenv("FLASHATTN_SM90", "0", 1);
+    expect_family = "fa_fwd_sm80.cu";
     for (size_t i = 0; i < sizeof gpu_cases / sizeof gpu_cases[0]; i++) {
         run_case(&gpu_cases[i], FA_DTYPE_F16, NULL);
         run_case(&gpu_cases[i], FA_DTYPE_BF16, NULL);
