@@ -5,6 +5,11 @@ FlashAttention's convention and its fraction of the cores' FMA peak measured in 
 (`flashattn peak`).
 
     PYTHONPATH=python python3 bench/cpu_vs_torch.py [--threads N] [--reps R] [--quick]
+                                                    [--only REGEX]
+
+The CPU description printed with the table names the kernels in use (fp32 micro-kernels, bf16
+products on AMX, AVX512-BF16 or converted to fp32); FLASHATTN_CPU_AMX=0 and FLASHATTN_CPU_BF16=0
+turn the bf16 kernels off for a comparison run.
 """
 
 import argparse
@@ -106,6 +111,7 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="smaller shapes (s=1024, h=8)")
+    ap.add_argument("--only", default="", help="run the cases whose name matches this regex")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     os.environ["FLASHATTN_NUM_THREADS"] = str(a.threads)
@@ -124,6 +130,7 @@ def main():
         prefill_case("fp32 fwd+bwd", 1, h, s, 128, f32, backward=True),
         prefill_case("fp32 fwd+bwd causal", 1, h, s, 128, f32, causal=True, backward=True),
     ]
+    cases = [(name, run) for name, run in cases if re.search(a.only, name)]
     peak = peak_gflops(a.threads)
     rows = []
     for name, run in cases:

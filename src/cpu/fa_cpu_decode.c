@@ -45,6 +45,8 @@ typedef struct fa_kv_item {
 
 #define FA_REAL float
 #define FA_FN(name) name##_f32
+#define FA_NATIVE FA_DTYPE_F32
+#define FA_GEMM fa_cpu_gemm_f32
 #define FA_EXP expf
 #define FA_EXP_LOOP fa_expf /* fa_cpu_math.h: vectorises, unlike libm's expf */
 #define FA_TANH tanhf
@@ -54,6 +56,8 @@ typedef struct fa_kv_item {
 #include "cpu/fa_cpu_decode_body.h"
 #undef FA_REAL
 #undef FA_FN
+#undef FA_GEMM
+#undef FA_NATIVE
 #undef FA_EXP
 #undef FA_EXP_LOOP
 #undef FA_TANH
@@ -62,6 +66,8 @@ typedef struct fa_kv_item {
 
 #define FA_REAL double
 #define FA_FN(name) name##_f64
+#define FA_NATIVE FA_DTYPE_F64
+#define FA_GEMM fa_cpu_gemm_f64
 #define FA_EXP exp
 #define FA_EXP_LOOP exp
 #define FA_TANH tanh
@@ -71,6 +77,8 @@ typedef struct fa_kv_item {
 #include "cpu/fa_cpu_decode_body.h"
 #undef FA_REAL
 #undef FA_FN
+#undef FA_GEMM
+#undef FA_NATIVE
 #undef FA_EXP
 #undef FA_TANH
 #undef FA_LOG

@@ -3,10 +3,12 @@
  * attention of one work item. fa_cpu_decode.c includes this file twice, with FA_REAL float
  * (fp32, fp16, bf16 caches) and double (fp64).
  *
- * Needs: FA_REAL, FA_FN(name), FA_EXP, FA_EXP_LOOP (an exp the compiler vectorises in a loop,
- * for x <= 0), FA_TANH, FA_LOG, FA_LANES (8 or 16 partial sums of a dot product, a multiple of
- * the SIMD width, so that the dot loop vectorises without reassociating a sum), FA_KV_BM,
- * FA_KV_BN, FA_KV_PREFETCH, fa_kv_item, and fa_cpu_rows.h included for this precision.
+ * Needs: FA_REAL, FA_FN(name), FA_NATIVE (the fa_dtype that is FA_REAL), FA_GEMM
+ * (fa_cpu_gemm_f32's signature for FA_REAL), FA_EXP, FA_EXP_LOOP (an exp the compiler
+ * vectorises in a loop, for x <= 0), FA_TANH, FA_LOG, FA_LANES (8 or 16 partial sums of a dot
+ * product, a multiple of the SIMD width, so that the dot loop vectorises without reassociating
+ * a sum), FA_KV_BM, FA_KV_BN, FA_KV_PREFETCH, fa_kv_item, and fa_cpu_rows.h included for this
+ * precision.
  */
 
 /* One thread's buffers. dp and dvp are d and dv rounded up to FA_LANES; padding stays zero. */
@@ -25,7 +27,7 @@ typedef struct FA_FN(fa_kv_tile) {
  * Rotates the first rotary_dim features of x by the angles of row pos of cos/sin: pairs
  * (2t, 2t+1) interleaved (GPT-J), (t, t + rotary_dim/2) otherwise (GPT-NeoX).
  */
-static inline void FA_FN(fa_kv_rotate)(const fa_kv_params *p, FA_REAL *x, int64_t pos)
+FA_CPU_INLINE void FA_FN(fa_kv_rotate)(const fa_kv_params *p, FA_REAL *x, int64_t pos)
 {
     FA_REAL c[FA_MAX_HEAD_DIM / 2], s[FA_MAX_HEAD_DIM / 2];
     const int64_t half = p->rotary_dim / 2;
@@ -78,30 +80,43 @@ static void FA_FN(fa_kv_append_head)(const fa_kv_params *p, int64_t kh)
     }
 }
 
-/* a . b over dp features (a multiple of FA_LANES, 8 or 16), summed in a fixed order. */
-static inline FA_REAL FA_FN(fa_kv_dot)(const FA_REAL *restrict a, const FA_REAL *restrict b,
+typedef FA_REAL FA_FN(fa_kv_vec) __attribute__((vector_size(FA_LANES * sizeof(FA_REAL))));
+typedef FA_REAL FA_FN(fa_kv_half) __attribute__((vector_size(FA_LANES / 2 * sizeof(FA_REAL))));
+typedef FA_REAL FA_FN(fa_kv_quarter) __attribute__((vector_size(FA_LANES / 4 * sizeof(FA_REAL))));
+
+/*
+ * a . b over dp features (a multiple of FA_LANES, 8 or 16), summed in a fixed order. The lanes
+ * are folded in halves as vectors: written as array loops, compilers reduced them one scalar
+ * at a time, which cost more than the products.
+ */
+FA_CPU_INLINE FA_REAL FA_FN(fa_kv_dot)(const FA_REAL *restrict a, const FA_REAL *restrict b,
                                        int64_t dp)
 {
-    FA_REAL acc[FA_LANES];
-    for (int l = 0; l < FA_LANES; l++)
-        acc[l] = a[l] * b[l];
-    for (int64_t c = FA_LANES; c < dp; c += FA_LANES)
-        for (int l = 0; l < FA_LANES; l++)
-            acc[l] += a[c + l] * b[c + l];
-    /* Halving steps with constant bounds, which compilers turn into a few vector adds. */
-#if FA_LANES >= 16
-    for (int l = 0; l < 8; l++)
-        acc[l] += acc[l + 8];
-#endif
-    for (int l = 0; l < 4; l++)
-        acc[l] += acc[l + 4];
-    for (int l = 0; l < 2; l++)
-        acc[l] += acc[l + 2];
-    return acc[0] + acc[1];
+    FA_FN(fa_kv_vec) acc, x, y;
+    memcpy(&x, a, sizeof x);
+    memcpy(&y, b, sizeof y);
+    acc = x * y;
+    for (int64_t c = FA_LANES; c < dp; c += FA_LANES) {
+        memcpy(&x, a + c, sizeof x);
+        memcpy(&y, b + c, sizeof y);
+        acc += x * y;
+    }
+    FA_FN(fa_kv_half) h0, h1;
+    memcpy(&h0, &acc, sizeof h0);
+    memcpy(&h1, (const char *)&acc + sizeof h0, sizeof h1);
+    h0 += h1;
+    FA_FN(fa_kv_quarter) q0, q1;
+    memcpy(&q0, &h0, sizeof q0);
+    memcpy(&q1, (const char *)&h0 + sizeof q0, sizeof q1);
+    q0 += q1;
+    FA_REAL sum = q0[0];
+    for (int l = 1; l < FA_LANES / 4; l++)
+        sum += q0[l];
+    return sum;
 }
 
 /* Asks for the cache lines of the key and value rows of heads [kh0, kh0 + nkh) at pos. */
-static inline void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int64_t kh0,
+FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int64_t kh0,
                                          int64_t nkh, int64_t pos)
 {
 #if defined(__GNUC__)
@@ -129,9 +144,10 @@ static inline void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int
  * anywhere, so the rows FA_KV_PREFETCH positions ahead are requested early when they lie in
  * another page (and below pos_end).
  */
-static inline void FA_FN(fa_kv_block_load)(const fa_kv_params *p, FA_FN(fa_kv_tile) * t,
+FA_CPU_INLINE void FA_FN(fa_kv_block_load)(const fa_kv_params *p, FA_FN(fa_kv_tile) * t,
                                            int64_t seq, int64_t kh0, int64_t nkh, int64_t pos0,
-                                           int64_t n, int64_t pos_end, int64_t dp, int64_t dvp)
+                                           int64_t n, int64_t pos_end, int64_t dp, int64_t dvp,
+                                           int load_k, int load_v)
 {
     int64_t page = pos0 / p->page_size, row = pos0 % p->page_size;
     int64_t blk = fa_kv_block(p, seq, page);
@@ -143,8 +159,10 @@ static inline void FA_FN(fa_kv_block_load)(const fa_kv_params *p, FA_FN(fa_kv_ti
             const int64_t kh = kh0 + e;
             const int64_t ko = blk * p->kc_bstride + row * p->kc_rstride + kh * p->kc_hstride;
             const int64_t vo = blk * p->vc_bstride + row * p->vc_rstride + kh * p->vc_hstride;
-            FA_FN(fa_load_row)(t->k + (j * nkh + e) * dp, p->k_cache, ko, p->d, p->dtype);
-            FA_FN(fa_load_row)(t->v + (j * nkh + e) * dvp, p->v_cache, vo, p->dv, p->dtype);
+            if (load_k)
+                FA_FN(fa_load_row)(t->k + (j * nkh + e) * dp, p->k_cache, ko, p->d, p->dtype);
+            if (load_v)
+                FA_FN(fa_load_row)(t->v + (j * nkh + e) * dvp, p->v_cache, vo, p->dv, p->dtype);
         }
         if (++row == p->page_size && j + 1 < n) {
             row = 0;
@@ -211,9 +229,33 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
     lo = lo > it->j0 ? lo : it->j0;
     hi = hi < it->j1 ? hi : it->j1;
 
+    /* Cache rows already in FA_REAL without padding are read in place when a block lies in one
+     * page: key j of kv head kh0 + e is at kb + j * k_js + e * k_es, likewise for values. */
+    const int native = p->dtype == FA_NATIVE;
+    const int k_native = native && d == dp, v_native = native && dv == dvp;
     for (int64_t j0 = lo; j0 < hi; j0 += bn) {
         const int64_t nb = hi - j0 < bn ? hi - j0 : bn;
-        FA_FN(fa_kv_block_load)(p, t, seq, kh0, nkh, start + j0, nb, start + hi, dp, dvp);
+        const int64_t pos0 = start + j0, page = pos0 / p->page_size;
+        const int one_page = page == (pos0 + nb - 1) / p->page_size;
+        const int64_t blk = fa_kv_block(p, seq, page), row = pos0 % p->page_size;
+        const FA_REAL *kb = t->k, *vb = t->v;
+        int64_t k_js = nkh * dp, k_es = dp, v_js = nkh * dvp, v_es = dvp;
+        const int k_in_place = k_native && one_page, v_in_place = v_native && one_page;
+        if (k_in_place) {
+            kb = (const FA_REAL *)p->k_cache + blk * p->kc_bstride + row * p->kc_rstride +
+                 kh0 * p->kc_hstride;
+            k_js = p->kc_rstride;
+            k_es = p->kc_hstride;
+        }
+        if (v_in_place) {
+            vb = (const FA_REAL *)p->v_cache + blk * p->vc_bstride + row * p->vc_rstride +
+                 kh0 * p->vc_hstride;
+            v_js = p->vc_rstride;
+            v_es = p->vc_hstride;
+        }
+        if (!k_in_place || !v_in_place)
+            FA_FN(fa_kv_block_load)(p, t, seq, kh0, nkh, pos0, nb, start + hi, dp, dvp,
+                                    !k_in_place, !v_in_place);
         for (int64_t i = 0; i < m; i++) {
             const int64_t r = (p0 + i) / per_row;
             const int64_t e = ((p0 + i) % per_row) / g; /* kv head kh0 + e */
@@ -229,7 +271,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
             const FA_REAL slope = t->slope[i];
             FA_REAL mx = t->m[i];
             for (int64_t j = a; j < b; j++) {
-                FA_REAL x = FA_FN(fa_kv_dot)(q, t->k + (j * nkh + e) * dp, dp);
+                FA_REAL x = FA_FN(fa_kv_dot)(q, kb + j * k_js + e * k_es, dp);
                 if (softcap > 0)
                     x = softcap * FA_TANH(x * inv_softcap);
                 if (slope != 0) {
@@ -240,8 +282,8 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
                 if (x > mx)
                     mx = x;
             }
-            FA_REAL *o = t->o + i * dvp;
             if (mx > t->m[i]) {
+                FA_REAL *o = t->o + i * dvp;
                 if (t->l[i] > 0) {
                     FA_REAL alpha = FA_EXP(t->m[i] - mx);
                     t->l[i] *= alpha;
@@ -255,25 +297,23 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
             FA_REAL sum = 0;
             for (int64_t j = a; j < b; j++)
                 sum += s[j];
-            /* Four keys per pass over o: a quarter of its loads and stores, same order. */
-            const int64_t vstep = nkh * dvp;
-            int64_t j = a;
-            for (; j + 4 <= b; j += 4) {
-                const FA_REAL w0 = s[j], w1 = s[j + 1], w2 = s[j + 2], w3 = s[j + 3];
-                const FA_REAL *restrict v0 = t->v + (j * nkh + e) * dvp;
-                const FA_REAL *restrict v1 = v0 + vstep;
-                const FA_REAL *restrict v2 = v1 + vstep;
-                const FA_REAL *restrict v3 = v2 + vstep;
-                for (int64_t c = 0; c < dvp; c++)
-                    o[c] = o[c] + w0 * v0[c] + w1 * v1[c] + w2 * v2[c] + w3 * v3[c];
-            }
-            for (; j < b; j++) {
-                const FA_REAL pj = s[j];
-                const FA_REAL *restrict vj = t->v + (j * nkh + e) * dvp;
-                for (int64_t c = 0; c < dvp; c++)
-                    o[c] += pj * vj[c];
-            }
             t->l[i] += sum;
+        }
+        /* O += P V on the micro-kernels, for each run of packed rows that share a query row and
+         * a kv head (the g heads of one kv head: the same keys, the same V rows). */
+        for (int64_t i = 0, i1; i < m; i = i1) {
+            const int64_t r = (p0 + i) / per_row;
+            const int64_t e = ((p0 + i) % per_row) / g;
+            i1 = i + 1;
+            while (i1 < m && (p0 + i1) / per_row == r && ((p0 + i1) % per_row) / g == e)
+                i1++;
+            int64_t a, b;
+            fa_kv_key_range(p, r, sq, n, &a, &b);
+            a = a - j0 > 0 ? a - j0 : 0;
+            b = b - j0 < nb ? b - j0 : nb;
+            if (a < b)
+                FA_GEMM(t->o + i * dvp, dvp, t->s + i * FA_KV_BN + a, FA_KV_BN, 1,
+                        vb + a * v_js + e * v_es, v_js, i1 - i, dvp, b - a, 1);
         }
     }
 

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "api/fa_internal.h"
+#include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_kernel.h"
 #include "util/fa_threadpool.h"
 
@@ -31,6 +32,10 @@
 #undef FA_TANHV
 #undef FA_EXP
 #undef FA_LOG
+
+#if defined(FA_CPU_HAS_BF16)
+#include "cpu/fa_cpu_fwd_bf16.h"
+#endif
 
 #define FA_REAL double
 #define FA_FN(name) name##_f64
@@ -59,6 +64,7 @@ typedef struct fa_cpu_chunk {
 
 typedef struct fa_cpu_job {
     const fa_params *p;
+    const fa_cpu_bf16_kernel *bf16; /* bf16 inputs on bf16 products; NULL: the fp32 path */
     fa_cpu_chunk *chunks;
     char *scratch;       /* one region per thread */
     size_t scratch_size; /* bytes per thread */
@@ -107,6 +113,14 @@ static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
     const fa_cpu_chunk *c = &job->chunks[item / p->h];
     const int64_t h = item % p->h;
     char *base = job->scratch + (size_t)thread * job->scratch_size;
+#if defined(FA_CPU_HAS_BF16)
+    if (job->bf16) {
+        fa_tile_bf16 t;
+        fa_bf16_carve(p, base, &t);
+        fa_cpu_tile_bf16(p, job->bf16, &t, c->seq, h, c->r0, c->m);
+        return;
+    }
+#endif
     if (p->dtype == FA_DTYPE_F64) {
         fa_tile_f64 t;
         FA_TILE_CARVE(double, t, base, p);
@@ -190,7 +204,11 @@ fa_status fa_cpu_forward(const fa_params *p)
     int64_t n_items = n_chunks * p->h;
     int threads = p->num_threads < n_items ? p->num_threads : (int)n_items;
     size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
-    fa_cpu_job job = {p, chunks, NULL, fa_cpu_scratch_size(p, real_size)};
+    fa_cpu_job job = {p, NULL, chunks, NULL, fa_cpu_scratch_size(p, real_size)};
+#if defined(FA_CPU_HAS_BF16)
+    if (p->dtype == FA_DTYPE_BF16 && (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
+        job.scratch_size = fa_bf16_scratch_size(p);
+#endif
     job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
     if (!job.scratch) {
         free(chunks);

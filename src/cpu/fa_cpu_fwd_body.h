@@ -1,7 +1,8 @@
 /*
  * The CPU forward kernel for one compute precision. fa_cpu_forward.c includes this file twice:
  * with FA_REAL float (fp32, fp16, bf16 inputs) and with FA_REAL double (fp64 inputs), so both
- * share one implementation of the masking and softmax rules.
+ * share one implementation of the masking and softmax rules; bf16 inputs on CPUs with bf16
+ * products take fa_cpu_fwd_bf16.h's tile, which reuses the float instance's softmax.
  *
  * Needs: FA_REAL, FA_FN(name) (adds a precision suffix), FA_NATIVE (the fa_dtype that is
  * FA_REAL), FA_GEMM (fa_cpu_gemm_f32's signature for FA_REAL), FA_EXPV / FA_TANHV (elementwise,
@@ -31,80 +32,130 @@ typedef struct FA_FN(fa_tile) {
 } FA_FN(fa_tile);
 
 /*
- * One key block of the online softmax, on st = S^T [n][mp]: softcap, ALiBi and the mask, the
- * running maximum and sum, the rescale of O, then st = P^T. Columns (queries) are the vector
- * lanes; keys and positions are FA_REAL (exact below 2^24) so every lane has one type.
+ * The columns (queries) [*c0, *c1) of a tile that see some key of [j0, j0 + n), rounded out to
+ * whole vectors (FA_CPU_GEMM_NPAD): both edges of a row's keys grow with the row, so the rows
+ * that see the block are contiguous. The others are left alone, which is what computing them
+ * fully masked would do (an unchanged maximum, exponentials 0): causal and local tiles skip the
+ * products of their rows that end before, or start after, a block.
  */
-static inline void FA_FN(fa_tile_softmax)(const fa_params *p, FA_FN(fa_tile) * t, int64_t m,
-                                          int64_t n, int64_t mp, int64_t dvp, int64_t j0,
-                                          FA_REAL slope)
+FA_CPU_INLINE void FA_FN(fa_tile_cols)(const FA_FN(fa_tile) * t, int64_t m, int64_t j0,
+                                       int64_t n, int64_t *c0, int64_t *c1)
+{
+    int64_t a = 0, b = m;
+    while (a < m && t->hi[a] <= (FA_REAL)j0)
+        a++;
+    while (b > a && t->lo[b - 1] >= (FA_REAL)(j0 + n))
+        b--;
+    *c0 = a / FA_CPU_GEMM_NPAD * FA_CPU_GEMM_NPAD;
+    *c1 = b > a ? fa_cpu_gemm_pad(b) : *c0;
+}
+
+/*
+ * One key block of the online softmax, first half, on columns [c0, c1) of st = S^T [n][mp]
+ * times sscale: softcap, ALiBi and the mask, the running maximum, the rescale of O and of the
+ * running sum. Columns (queries) are the vector lanes; keys and positions are FA_REAL (exact
+ * below 2^24) so every lane has one type. sscale is 1 where Q^T came pre-scaled (a constant,
+ * so it folds away) and the softmax scale where it could not be (bf16 products take Q exactly
+ * as given). With alpha NULL, rows of O ([m][dvp]) are rescaled here; otherwise alpha[i]
+ * receives each query's factor (1 when its maximum stayed) and the caller rescales its own
+ * layout of O. slack lets the running maximum lag behind by that much before a row is rescaled
+ * (exponentials up to e^slack), for layouts where rescaling costs more than the rows that
+ * changed. Leaves in bmax what the exponentials subtract, and returns what st must still be
+ * multiplied by before they are taken.
+ */
+FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_tile) * t,
+                                                 int64_t m, int64_t c0, int64_t c1, int64_t n,
+                                                 int64_t mp, int64_t dvp, int64_t j0,
+                                                 FA_REAL slope, FA_REAL sscale, FA_REAL *alpha,
+                                                 FA_REAL slack)
 {
     FA_REAL *restrict st = t->st;
     FA_REAL *restrict bmax = t->bmax;
     const FA_REAL *restrict lo = t->lo;
     const FA_REAL *restrict hi = t->hi;
     const FA_REAL *restrict diag = t->diag;
+    FA_REAL mul = sscale; /* what st still has to be multiplied by */
     if (p->softcap > 0) {
-        const FA_REAL cap = (FA_REAL)p->softcap, inv = (FA_REAL)(1.0 / p->softcap);
-        for (int64_t x = 0; x < n * mp; x++)
-            st[x] = cap * FA_TANHV(st[x] * inv);
+        const FA_REAL cap = (FA_REAL)p->softcap, inv = sscale * (FA_REAL)(1.0 / p->softcap);
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = c0; i < c1; i++)
+                st[j * mp + i] = cap * FA_TANHV(st[j * mp + i] * inv);
+        mul = 1;
     }
-    for (int64_t i = 0; i < mp; i++)
+    for (int64_t i = c0; i < c1; i++)
         bmax[i] = -(FA_REAL)INFINITY;
     /* Interior blocks without ALiBi (every row sees every key, padding rows excepted) only need
-     * the maxima; padding rows then hold zeros, harmless since their output is never stored. */
-    int plain = slope == 0;
-    for (int64_t i = 0; plain && i < m; i++)
+     * the maxima, of the unscaled scores when the scale is positive (it then keeps the order);
+     * padding rows hold zeros, harmless since their output is never stored. */
+    int plain = slope == 0 && mul > 0;
+    for (int64_t i = c0; plain && i < c1 && i < m; i++)
         plain = lo[i] <= (FA_REAL)j0 && hi[i] >= (FA_REAL)(j0 + n);
     for (int64_t j = 0; j < n; j++) {
         FA_REAL *restrict row = st + j * mp;
         const FA_REAL key = (FA_REAL)(j0 + j);
         if (plain) {
-            for (int64_t i = 0; i < mp; i++)
+            for (int64_t i = c0; i < c1; i++)
                 bmax[i] = row[i] > bmax[i] ? row[i] : bmax[i];
             continue;
         }
-        for (int64_t i = 0; i < mp; i++) {
+        for (int64_t i = c0; i < c1; i++) {
             const FA_REAL dist = diag[i] - key;
-            FA_REAL v = row[i] - slope * (dist < 0 ? -dist : dist);
+            FA_REAL v = row[i] * mul - slope * (dist < 0 ? -dist : dist);
             v = (key >= lo[i] && key < hi[i]) ? v : -(FA_REAL)INFINITY;
             row[i] = v;
             bmax[i] = v > bmax[i] ? v : bmax[i];
         }
     }
+    const FA_REAL emul = plain ? mul : 1; /* the masked pass stored scaled scores */
     /* New maxima; rows whose maximum grew rescale what they accumulated. */
-    for (int64_t i = 0; i < mp; i++) {
-        if (bmax[i] > t->m[i]) {
+    for (int64_t i = c0; i < c1; i++) {
+        if (plain)
+            bmax[i] *= mul;
+        if (alpha)
+            alpha[i] = 1;
+        if (bmax[i] > t->m[i] + slack) {
             if (t->l[i] > 0) {
-                const FA_REAL alpha = FA_EXP(t->m[i] - bmax[i]);
-                t->l[i] *= alpha;
-                FA_REAL *restrict o = t->o + i * dvp;
-                for (int64_t c = 0; c < dvp; c++)
-                    o[c] *= alpha;
+                const FA_REAL a = FA_EXP(t->m[i] - bmax[i]);
+                t->l[i] *= a;
+                if (alpha) {
+                    alpha[i] = a;
+                } else {
+                    FA_REAL *restrict o = t->o + i * dvp;
+                    for (int64_t c = 0; c < dvp; c++)
+                        o[c] *= a;
+                }
             }
             t->m[i] = bmax[i];
         }
         /* A row with nothing visible yet subtracts 0, so exp(-inf - 0) = 0 and not NaN. */
         bmax[i] = t->m[i] == -(FA_REAL)INFINITY ? 0 : t->m[i];
     }
+    return emul;
+}
+
+/* Second half, on columns [c0, c1): st = P^T = exp(st * emul - bmax), summed into l. */
+FA_CPU_INLINE void FA_FN(fa_tile_softmax_exp)(FA_FN(fa_tile) * t, int64_t c0, int64_t c1,
+                                              int64_t n, int64_t mp, FA_REAL emul)
+{
+    const FA_REAL *restrict bmax = t->bmax;
     for (int64_t j = 0; j < n; j++) {
-        FA_REAL *restrict row = st + j * mp;
+        FA_REAL *restrict row = t->st + j * mp;
         FA_REAL *restrict l = t->l;
-        for (int64_t i = 0; i < mp; i++) {
-            const FA_REAL e = FA_EXPV(row[i] - bmax[i]);
+        for (int64_t i = c0; i < c1; i++) {
+            const FA_REAL e = FA_EXPV(row[i] * emul - bmax[i]);
             row[i] = e;
             l[i] += e;
         }
     }
 }
 
-/* Zeroes the dropped entries of P^T for rows [r0, r0+m) of head h. */
-static inline void FA_FN(fa_tile_dropout)(const fa_params *p, FA_FN(fa_tile) * t, int64_t seq_index,
-                                          int64_t h, int64_t r0, int64_t m, int64_t mp,
-                                          int64_t j0, int64_t n)
+/* Zeroes the dropped entries of P^T for rows [r0 + c0, r0 + c1) of head h. */
+FA_CPU_INLINE void FA_FN(fa_tile_dropout)(const fa_params *p, FA_FN(fa_tile) * t, int64_t seq_index,
+                                          int64_t h, int64_t r0, int64_t c0, int64_t c1,
+                                          int64_t mp, int64_t j0, int64_t n)
 {
     const uint64_t stream = p->offset + (uint64_t)seq_index * (uint64_t)p->h + (uint64_t)h;
-    for (int64_t i = 0; i < m; i++) {
+    for (int64_t i = c0; i < c1; i++) {
         int64_t col8 = -1;
         fa_philox4 bits = {{0, 0, 0, 0}};
         for (int64_t j = 0; j < n; j++) {
@@ -115,6 +166,39 @@ static inline void FA_FN(fa_tile_dropout)(const fa_params *p, FA_FN(fa_tile) * t
             }
             if (fa_dropout_number(&bits, col) >= p->keep_threshold)
                 t->st[j * mp + i] = 0;
+        }
+    }
+}
+
+/* Writes out (and lse) for rows [r0, r0+m) of head h from their running maxima mx[i], sums l[i]
+ * and unnormalised outputs o + i * ldo. */
+FA_CPU_INLINE void FA_FN(fa_tile_store)(const fa_params *p, const FA_REAL *mx, const FA_REAL *l,
+                                        const FA_REAL *o, int64_t ldo, int64_t seq_index,
+                                        int64_t h, int64_t r0, int64_t m)
+{
+    const fa_seq seq = fa_params_seq(p, seq_index);
+    const FA_REAL sink =
+        p->sinks ? (FA_REAL)p->sinks[h * p->sinks_stride] : -(FA_REAL)INFINITY;
+    const int64_t o_base = seq_index * p->o_bstride + seq.q_start * p->o_rstride + h * p->o_hstride;
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t row = r0 + i;
+        const FA_REAL big = mx[i] > sink ? mx[i] : sink;
+        FA_REAL lse, out_scale;
+        if (big == -(FA_REAL)INFINITY) {
+            lse = (FA_REAL)INFINITY; /* no visible key and no sink: upstream's empty row */
+            out_scale = 0;
+        } else {
+            FA_REAL lscaled = (l[i] > 0 ? l[i] * FA_EXP(mx[i] - big) : 0);
+            FA_REAL total = lscaled + (p->sinks ? FA_EXP(sink - big) : 0);
+            lse = big + FA_LOG(total);
+            out_scale = l[i] > 0 ? FA_EXP(mx[i] - big) / total * (FA_REAL)p->dropout_scale : 0;
+        }
+        FA_FN(fa_store_row)(p->out, o_base + row * p->o_rstride, o + i * ldo, out_scale, p->dv,
+                            p->dtype);
+        if (p->lse) {
+            int64_t at = seq_index * p->lse_bstride + h * p->lse_hstride +
+                         (p->is_varlen ? seq.q_start + row : row) * p->lse_rstride;
+            fa_params_lse_store(p, at, (double)lse);
         }
     }
 }
@@ -174,6 +258,11 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
 
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BN) {
         const int64_t n = k_hi - j0 < FA_CPU_BN ? k_hi - j0 : FA_CPU_BN;
+        int64_t c0, c1;
+        FA_FN(fa_tile_cols)(t, m, j0, n, &c0, &c1);
+        const int64_t mr = (c1 < m ? c1 : m) - c0; /* real rows among the columns */
+        if (mr <= 0)
+            continue;
         const FA_REAL *kp, *vp;
         int64_t k_ld, v_ld;
         if (native) {
@@ -197,36 +286,13 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
             v_ld = dvp;
         }
 
-        FA_GEMM(t->st, mp, kp, k_ld, 1, t->qt, mp, n, mp, d, 0);
-        FA_FN(fa_tile_softmax)(p, t, m, n, mp, dvp, j0, slope);
+        FA_GEMM(t->st + c0, mp, kp, k_ld, 1, t->qt + c0, mp, n, c1 - c0, d, 0);
+        const FA_REAL emul =
+            FA_FN(fa_tile_softmax_max)(p, t, m, c0, c1, n, mp, dvp, j0, slope, 1, NULL, 0);
+        FA_FN(fa_tile_softmax_exp)(t, c0, c1, n, mp, emul);
         if (p->dropout_p > 0)
-            FA_FN(fa_tile_dropout)(p, t, seq_index, h, r0, m, mp, j0, n);
-        FA_GEMM(t->o, dvp, t->st, 1, mp, vp, v_ld, m, dvp, n, 1);
+            FA_FN(fa_tile_dropout)(p, t, seq_index, h, r0, c0, c0 + mr, mp, j0, n);
+        FA_GEMM(t->o + c0 * dvp, dvp, t->st + c0, 1, mp, vp, v_ld, mr, dvp, n, 1);
     }
-
-    const FA_REAL sink =
-        p->sinks ? (FA_REAL)p->sinks[h * p->sinks_stride] : -(FA_REAL)INFINITY;
-    const int64_t o_base = seq_index * p->o_bstride + seq.q_start * p->o_rstride + h * p->o_hstride;
-    for (int64_t i = 0; i < m; i++) {
-        const int64_t row = r0 + i;
-        FA_REAL mx = t->m[i], l = t->l[i];
-        FA_REAL big = mx > sink ? mx : sink;
-        FA_REAL lse, out_scale;
-        if (big == -(FA_REAL)INFINITY) {
-            lse = (FA_REAL)INFINITY; /* no visible key and no sink: upstream's empty row */
-            out_scale = 0;
-        } else {
-            FA_REAL lscaled = (l > 0 ? l * FA_EXP(mx - big) : 0);
-            FA_REAL total = lscaled + (p->sinks ? FA_EXP(sink - big) : 0);
-            lse = big + FA_LOG(total);
-            out_scale = l > 0 ? FA_EXP(mx - big) / total * (FA_REAL)p->dropout_scale : 0;
-        }
-        FA_FN(fa_store_row)(p->out, o_base + row * p->o_rstride, t->o + i * dvp, out_scale, dv,
-                            p->dtype);
-        if (p->lse) {
-            int64_t at = seq_index * p->lse_bstride + h * p->lse_hstride +
-                         (p->is_varlen ? seq.q_start + row : row) * p->lse_rstride;
-            fa_params_lse_store(p, at, (double)lse);
-        }
-    }
+    FA_FN(fa_tile_store)(p, t->m, t->l, t->o, dvp, seq_index, h, r0, m);
 }

@@ -16,9 +16,13 @@
 #endif
 
 #include "api/fa_internal.h"
+#include "cpu/fa_cpu_bf16.h"
+#include "cpu/fa_cpu_gemm.h"
 
 static fa_cpu_info g_info;
 static char g_description[256];
+static char g_report[320]; /* g_description and the kernels picked from it */
+static pthread_once_t g_report_once = PTHREAD_ONCE_INIT;
 static int g_affinity_cpus;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -207,10 +211,19 @@ const fa_cpu_info *fa_cpu_info_get(void)
     return &g_info;
 }
 
+/* A separate once: choosing the kernels reads fa_cpu_info_get(), whose once must be done. */
+static void report_build(void)
+{
+    const fa_cpu_bf16_kernel *bf16 = fa_cpu_bf16_kernel_get();
+    snprintf(g_report, sizeof g_report, "%s; kernels: fp32 %s, bf16 %s", g_description,
+             fa_cpu_gemm_name(), bf16 ? bf16->name : "as fp32");
+}
+
 FA_API const char *fa_cpu_description(void)
 {
     pthread_once(&g_once, cpu_info_detect);
-    return g_description;
+    pthread_once(&g_report_once, report_build);
+    return g_report;
 }
 
 FA_API int fa_cpu_default_threads(void)

@@ -14,9 +14,20 @@
 #define FA_CPU_BN 64 /* keys per block */
 #define FA_CPU_LANES 16 /* chunk of a score row that the softmax loops vectorise over */
 
+/* Helpers of the kernels: always inlined, so that each clone below gets its own vectorised copy
+ * (an out-of-line helper would be compiled for the baseline ISA, without FMA, and change the
+ * results bitwise). */
+#if defined(__GNUC__)
+#define FA_CPU_INLINE static inline __attribute__((always_inline))
+#else
+#define FA_CPU_INLINE static inline
+#endif
+
 /* Compile the kernels for AVX-512 and AVX2+FMA machines too, picked at load time. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define FA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+/* Code that only runs where AVX-512 exists (the bf16 paths). */
+#define FA_CPU_AVX512 __attribute__((target("arch=x86-64-v4")))
 #else
 #define FA_CPU_CLONES
 #endif

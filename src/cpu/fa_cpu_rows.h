@@ -3,7 +3,7 @@
  * Included once per precision, with FA_REAL and FA_FN(name) defined (see fa_cpu_kernel.h).
  */
 
-static inline void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t offset, int64_t n,
+FA_CPU_INLINE void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t offset, int64_t n,
                                       fa_dtype dtype)
 {
     switch (dtype) {
@@ -36,7 +36,7 @@ static inline void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t of
     }
 }
 
-static inline void FA_FN(fa_store_row)(void *base, int64_t offset, const FA_REAL *src,
+FA_CPU_INLINE void FA_FN(fa_store_row)(void *base, int64_t offset, const FA_REAL *src,
                                        FA_REAL scale, int64_t n, fa_dtype dtype)
 {
     switch (dtype) {

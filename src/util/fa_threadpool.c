@@ -1,32 +1,42 @@
 /*
  * Workers are created on first use and kept; each call publishes a job under a generation number
  * and the workers it needs join in. The pool is sized up to the largest thread count asked for.
+ *
+ * Between jobs a worker spins for FA_POOL_SPIN_NS before it sleeps, and so does the caller while
+ * it waits for the workers: waking a sleeping thread takes tens of microseconds (more in a VM),
+ * which is the whole cost of a decoding step, and back-to-back calls (decoding, the passes of
+ * the backward) find the workers awake. OpenMP runtimes spin the same way.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "api/fa_internal.h"
 #include "util/fa_threadpool.h"
 
 #define FA_POOL_MAX_THREADS 1024
+#define FA_POOL_SPIN_NS 100000
 
 typedef struct fa_pool {
     pthread_mutex_t call_lock; /* one job at a time */
-    pthread_mutex_t lock;
+    pthread_mutex_t lock;      /* guards sleeping and the wait on the condition variables */
     pthread_cond_t wake;
     pthread_cond_t done;
     pthread_t workers[FA_POOL_MAX_THREADS];
-    uint64_t born[FA_POOL_MAX_THREADS]; /* generation when worker i was created */
+    uint64_t born[FA_POOL_MAX_THREADS]; /* the job word when worker i was created */
     int n_workers;
-    uint64_t generation;
-    /* the current job */
+    int sleepers; /* workers waiting on wake */
+    /* The job word: generation << 16 | thread count, published (release) after the fields
+     * below. A worker the job does not need reads nothing else, so it never races with the
+     * next call rewriting them; the workers it needs finish before that call can start. */
+    atomic_uint_fast64_t job;
     fa_task_fn fn;
     void *ctx;
     int64_t n_items;
-    int n_threads;
     atomic_llong next;
-    int pending; /* workers of this job still running */
+    atomic_int pending; /* workers of this job still running */
 } fa_pool;
 
 static fa_pool fa_the_pool = {
@@ -46,6 +56,43 @@ static void fa_pool_drain(fa_pool *pool, int thread)
     }
 }
 
+static int64_t fa_pool_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Yielding rather than pausing: where other threads wait for the core (more threads than
+ * cores, other processes), the spin gives way to them at once. */
+static void fa_pool_relax(void)
+{
+    sched_yield();
+}
+
+/* Spins until *x != value or FA_POOL_SPIN_NS pass; returns the last value read. */
+static uint64_t fa_pool_spin_job(atomic_uint_fast64_t *x, uint64_t value)
+{
+    const int64_t until = fa_pool_now_ns() + FA_POOL_SPIN_NS;
+    for (unsigned i = 1;; i++) {
+        uint64_t now = atomic_load_explicit(x, memory_order_acquire);
+        if (now != value || (i % 8 == 0 && fa_pool_now_ns() > until))
+            return now;
+        fa_pool_relax();
+    }
+}
+
+static int fa_pool_spin_pending(atomic_int *x)
+{
+    const int64_t until = fa_pool_now_ns() + FA_POOL_SPIN_NS;
+    for (unsigned i = 1;; i++) {
+        int now = atomic_load_explicit(x, memory_order_acquire);
+        if (now == 0 || (i % 8 == 0 && fa_pool_now_ns() > until))
+            return now;
+        fa_pool_relax();
+    }
+}
+
 static void *fa_pool_worker(void *arg)
 {
     fa_pool *pool = &fa_the_pool;
@@ -53,17 +100,28 @@ static void *fa_pool_worker(void *arg)
     pthread_mutex_lock(&pool->lock);
     /* Created under the lock just before a job was published: that job counts on it. */
     uint64_t seen = pool->born[index];
+    pthread_mutex_unlock(&pool->lock);
     for (;;) {
-        while (pool->generation == seen)
-            pthread_cond_wait(&pool->wake, &pool->lock);
-        seen = pool->generation;
-        if (index + 1 >= pool->n_threads)
+        uint64_t job = fa_pool_spin_job(&pool->job, seen);
+        if (job == seen) {
+            /* The caller publishes, then broadcasts under the lock if anyone sleeps: checking
+             * again under the lock cannot miss a job. */
+            pthread_mutex_lock(&pool->lock);
+            pool->sleepers++;
+            while ((job = atomic_load_explicit(&pool->job, memory_order_acquire)) == seen)
+                pthread_cond_wait(&pool->wake, &pool->lock);
+            pool->sleepers--;
+            pthread_mutex_unlock(&pool->lock);
+        }
+        seen = job;
+        if (index + 1 >= (int)(job & 0xffff))
             continue;
-        pthread_mutex_unlock(&pool->lock);
         fa_pool_drain(pool, index + 1);
-        pthread_mutex_lock(&pool->lock);
-        if (--pool->pending == 0)
+        if (atomic_fetch_sub_explicit(&pool->pending, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&pool->lock);
             pthread_cond_signal(&pool->done);
+            pthread_mutex_unlock(&pool->lock);
+        }
     }
     return NULL;
 }
@@ -74,7 +132,7 @@ static int fa_pool_grow(fa_pool *pool, int n_workers)
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pool->born[pool->n_workers] = pool->generation;
+        pool->born[pool->n_workers] = atomic_load_explicit(&pool->job, memory_order_relaxed);
         int rc = pthread_create(&pool->workers[pool->n_workers], &attr, fa_pool_worker,
                                 (void *)(intptr_t)pool->n_workers);
         pthread_attr_destroy(&attr);
@@ -109,19 +167,22 @@ fa_status fa_parallel_for(int num_threads, int64_t n_items, fa_task_fn fn, void 
     pool->fn = fn;
     pool->ctx = ctx;
     pool->n_items = n_items;
-    pool->n_threads = num_threads;
     atomic_store_explicit(&pool->next, 0, memory_order_relaxed);
-    pool->pending = num_threads - 1;
-    pool->generation++;
-    pthread_cond_broadcast(&pool->wake);
+    atomic_store_explicit(&pool->pending, num_threads - 1, memory_order_relaxed);
+    const uint64_t gen = (atomic_load_explicit(&pool->job, memory_order_relaxed) >> 16) + 1;
+    atomic_store_explicit(&pool->job, gen << 16 | (uint64_t)num_threads, memory_order_release);
+    if (pool->sleepers > 0)
+        pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->lock);
 
     fa_pool_drain(pool, 0);
 
-    pthread_mutex_lock(&pool->lock);
-    while (pool->pending > 0)
-        pthread_cond_wait(&pool->done, &pool->lock);
-    pthread_mutex_unlock(&pool->lock);
+    if (fa_pool_spin_pending(&pool->pending) != 0) {
+        pthread_mutex_lock(&pool->lock);
+        while (atomic_load_explicit(&pool->pending, memory_order_acquire) > 0)
+            pthread_cond_wait(&pool->done, &pool->lock);
+        pthread_mutex_unlock(&pool->lock);
+    }
     pthread_mutex_unlock(&pool->call_lock);
     return FA_STATUS_OK;
 }

@@ -933,6 +933,26 @@ static void run_directed(tu_rng *rng)
     c.wr = 30;
     c.row_step = 5;
     run_case(&c, "long window", rng);
+    /* bf16 over several tiles and key blocks of its own kernels (AMX or AVX512-BF16) */
+    base_case(&c, FA_DTYPE_BF16, rng);
+    c.b = 1;
+    c.h = 4;
+    c.hk = 2;
+    c.sq = 520;
+    c.sk = 700;
+    c.d = c.dv = 64;
+    c.row_step = 5;
+    run_case(&c, "long bf16", rng);
+    base_case(&c, FA_DTYPE_BF16, rng);
+    c.b = 1;
+    c.h = 2;
+    c.hk = 1;
+    c.sq = 600;
+    c.sk = 600;
+    c.d = c.dv = 128;
+    c.causal = 1;
+    c.row_step = 7;
+    run_case(&c, "long bf16 causal", rng);
     base_case(&c, FA_DTYPE_F16, rng);
     c.b = 1;
     c.h = 2;

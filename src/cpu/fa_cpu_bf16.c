@@ -1,0 +1,277 @@
+/*
+ * bf16 kernels of the CPU forward (fa_cpu_bf16.h): AMX tiles where the CPU and the OS allow
+ * them, AVX512-BF16 dot products otherwise, and the AVX-512 packing both read.
+ */
+#include "cpu/fa_cpu_bf16.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/fa_cpu_info.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/* The AMX kernel on the real instructions. The compiler barriers keep earlier stores to the
+ * operands ahead of the tile loads, which GCC's intrinsics do not declare as memory reads, and
+ * the saved configuration ahead of the C that reads it (GCC declares 8 of its 64 bytes). */
+#define FA_AMX_FN(name) name##_hw
+#define FA_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define FA_AMX_CONFIG(cfg)                                                                     \
+    do {                                                                                       \
+        __asm__ volatile("" ::: "memory");                                                     \
+        _tile_loadconfig(cfg);                                                                 \
+    } while (0)
+#define FA_AMX_SAVE(cfg)                                                                       \
+    do {                                                                                       \
+        _tile_storeconfig(cfg);                                                                \
+        __asm__ volatile("" ::: "memory");                                                     \
+    } while (0)
+#define FA_AMX_RELEASE() _tile_release()
+#define FA_AMX_ZERO(t) _tile_zero(t)
+#define FA_AMX_LOAD(t, p, s) _tile_loadd(t, p, s)
+#define FA_AMX_STORE(t, p, s) _tile_stored(t, p, s)
+#define FA_AMX_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#include "cpu/fa_cpu_amx_body.h"
+
+#define FA_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/*
+ * 4 rows x nv vectors (16 floats) of C in registers: per pair of k, nv loads of B and 4
+ * broadcasts of an A pair feed 4 * nv vdpbf16ps. Always inlined, so that nv is a constant and
+ * the accumulators stay in registers.
+ */
+FA_BF16_TARGET static inline __attribute__((always_inline)) void
+fa_bf16_tile(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint32_t *b, int64_t ldb,
+             int64_t k, int accumulate, int nv)
+{
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < nv; v++)
+            acc[r][v] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
+    for (int64_t x = 0; x < k / 2; x++) {
+        __m512i bv[4];
+        for (int v = 0; v < nv; v++)
+            bv[v] = _mm512_loadu_si512(b + x * ldb + 16 * v);
+        for (int r = 0; r < 4; r++) {
+            uint32_t pair;
+            memcpy(&pair, a + r * lda + 2 * x, sizeof pair);
+            const __m512i ar = _mm512_set1_epi32((int)pair);
+            for (int v = 0; v < nv; v++)
+                acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)ar, (__m512bh)bv[v]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < nv; v++)
+            _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+}
+
+FA_BF16_TARGET static void fa_bf16_gemm_avx512(float *c, int64_t ldc, const uint16_t *a,
+                                               int64_t lda, const uint32_t *b, int64_t ldb,
+                                               int64_t m, int64_t n, int64_t k, int accumulate)
+{
+    for (int64_t i = 0; i < m; i += 4) {
+        int64_t j = 0;
+        for (; j + 64 <= n; j += 64)
+            fa_bf16_tile(c + i * ldc + j, ldc, a + i * lda, lda, b + j, ldb, k, accumulate, 4);
+        for (; j < n; j += 16)
+            fa_bf16_tile(c + i * ldc + j, ldc, a + i * lda, lda, b + j, ldb, k, accumulate, 1);
+    }
+}
+
+/* Transposes 16x16 32-bit elements held in r[0..15] (rows) in place. */
+FA_BF16_TARGET static inline void fa_bf16_transpose16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* u[4g + q], 128-bit lane L: column 4L + q of rows 4g .. 4g+3 */
+    __m512i u[16];
+    for (int g = 0; g < 16; g += 4) {
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    /* row 4L + q of the result = lane L of u[q], u[4 + q], u[8 + q], u[12 + q] */
+    for (int q = 0; q < 4; q++) {
+        const __m512i s0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xee);
+        const __m512i s2 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x44);
+        const __m512i s3 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xee);
+        r[q] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        r[4 + q] = _mm512_shuffle_i32x4(s0, s2, 0xdd);
+        r[8 + q] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        r[12 + q] = _mm512_shuffle_i32x4(s1, s3, 0xdd);
+    }
+}
+
+/* 16 columns of one V row, zero past dv (masked loads never touch memory they skip). */
+FA_BF16_TARGET static inline __m512i fa_bf16_vrow(const uint16_t *v, int64_t ldv, int64_t j,
+                                                  int64_t n, int64_t c0, __mmask16 cmask)
+{
+    if (j >= n)
+        return _mm512_setzero_si512();
+    if (cmask == 0xffff)
+        return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + j * ldv + c0)));
+    return _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cmask, v + j * ldv + c0));
+}
+
+/* Pairs of key rows become 32-bit elements (key 2x low, 2x+1 high), then 16x16 transposes turn
+ * [key pair][column] into [column][key pair], which is V^T with pairs of keys adjacent. */
+FA_BF16_TARGET void fa_cpu_bf16_pack_vt(uint16_t *vt, int64_t ldvt, const uint16_t *v,
+                                        int64_t ldv, int64_t n, int64_t kp, int64_t dv,
+                                        int64_t dvp)
+{
+    uint32_t *vt32 = (uint32_t *)vt;
+    const int64_t ld32 = ldvt / 2;
+    for (int64_t c0 = 0; c0 < dvp; c0 += 16) {
+        const int64_t left = dv - c0;
+        const __mmask16 cmask = left >= 16 ? (__mmask16)0xffff
+                                           : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        for (int64_t x0 = 0; x0 < kp / 2; x0 += 16) {
+            __m512i w[16];
+            for (int t = 0; t < 16; t++) {
+                const int64_t j = 2 * (x0 + t);
+                const __m512i lo = fa_bf16_vrow(v, ldv, j, n, c0, cmask);
+                const __m512i hi = fa_bf16_vrow(v, ldv, j + 1, n, c0, cmask);
+                w[t] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+            }
+            fa_bf16_transpose16(w);
+            for (int t = 0; t < 16; t++)
+                _mm512_storeu_si512(vt32 + (c0 + t) * ld32 + x0, w[t]);
+        }
+    }
+}
+
+FA_BF16_TARGET void fa_cpu_bf16_pack_q(uint32_t *qv, int64_t ldqv, const uint16_t *q, int64_t ldq,
+                                       int64_t m, int64_t mp, int64_t d, int64_t dk)
+{
+    for (int64_t x0 = 0; x0 < dk / 2; x0 += 16) {
+        const int64_t left = d - 2 * x0;
+        const __mmask32 emask = left >= 32 ? (__mmask32)0xffffffffu
+                                           : left > 0 ? (__mmask32)((1u << left) - 1) : 0;
+        for (int64_t i0 = 0; i0 < mp; i0 += 16) {
+            __m512i w[16];
+            for (int t = 0; t < 16; t++)
+                w[t] = i0 + t < m ? _mm512_maskz_loadu_epi16(emask, q + (i0 + t) * ldq + 2 * x0)
+                                  : _mm512_setzero_si512();
+            fa_bf16_transpose16(w);
+            for (int t = 0; t < 16; t++)
+                _mm512_storeu_si512(qv + (x0 + t) * ldqv + i0, w[t]);
+        }
+    }
+}
+
+FA_BF16_TARGET void fa_cpu_bf16_transpose_f32(float *dst, int64_t ldd, const float *src,
+                                              int64_t lds, int64_t rows)
+{
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        __m512i w[16];
+        for (int t = 0; t < 16; t++)
+            w[t] = _mm512_castps_si512(_mm512_loadu_ps(src + (r0 + t) * lds));
+        fa_bf16_transpose16(w);
+        for (int t = 0; t < 16; t++)
+            _mm512_storeu_ps(dst + t * ldd + r0, _mm512_castsi512_ps(w[t]));
+    }
+}
+
+FA_BF16_TARGET void fa_cpu_bf16_pack_p(uint32_t *pv, int64_t ldpv, const float *st,
+                                       int64_t ldst, int64_t n, int64_t kp, int64_t cols)
+{
+    /* word 2t <- word t (row 2x), word 2t+1 <- word 16+t (row 2x+1) */
+    static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                       21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i idx = _mm512_loadu_si512(order);
+    for (int64_t x = 0; x < kp / 2; x++) {
+        uint32_t *dst = pv + x * ldpv;
+        const float *r0 = st + 2 * x * ldst, *r1 = r0 + ldst;
+        for (int64_t i = 0; i < cols; i += 16) {
+            const __m512 lo = 2 * x < n ? _mm512_loadu_ps(r0 + i) : _mm512_setzero_ps();
+            const __m512 hi = 2 * x + 1 < n ? _mm512_loadu_ps(r1 + i) : _mm512_setzero_ps();
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            _mm512_storeu_si512(dst + i, _mm512_permutexvar_epi16(idx, both));
+        }
+    }
+}
+
+static void fa_bf16_nothing(void)
+{
+}
+
+static const fa_cpu_bf16_kernel fa_bf16_amx = {fa_amx_begin_hw, fa_amx_gemm_hw, fa_amx_end_hw,
+                                               "amx"};
+static const fa_cpu_bf16_kernel fa_bf16_avx512 = {fa_bf16_nothing, fa_bf16_gemm_avx512,
+                                                  fa_bf16_nothing, "avx512bf16"};
+
+/* Linux hands out the 8 KiB of tile state only to processes that ask (once per process;
+ * threads created later inherit it). */
+static int fa_amx_permitted(void)
+{
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    enum { arch_get_xcomp_perm = 0x1022, arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18 };
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) != 0)
+        return 0;
+    if (syscall(SYS_arch_prctl, arch_get_xcomp_perm, &granted) != 0)
+        return 0;
+    return (int)((granted >> xfeature_xtiledata) & 1u);
+#else
+    return 0;
+#endif
+}
+
+static int fa_env_off(const char *name)
+{
+    const char *e = getenv(name);
+    return e && strcmp(e, "0") == 0;
+}
+#endif /* x86-64 */
+
+static const fa_cpu_bf16_kernel *fa_bf16_usable[2]; /* slower first */
+static int fa_bf16_num_usable;
+static const fa_cpu_bf16_kernel *fa_bf16_selected;
+static pthread_once_t fa_bf16_once = PTHREAD_ONCE_INIT;
+
+static void fa_bf16_select(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    const fa_cpu_info *cpu = fa_cpu_info_get();
+    if (!cpu->avx512bf16 || !cpu->avx512bw || !cpu->avx512vl)
+        return;
+    fa_bf16_usable[fa_bf16_num_usable++] = &fa_bf16_avx512;
+    if (cpu->amx_bf16 && fa_amx_permitted())
+        fa_bf16_usable[fa_bf16_num_usable++] = &fa_bf16_amx;
+    const int fastest = fa_env_off("FLASHATTN_CPU_AMX") ? 0 : fa_bf16_num_usable - 1;
+    if (!fa_env_off("FLASHATTN_CPU_BF16"))
+        fa_bf16_selected = fa_bf16_usable[fastest];
+#endif
+}
+
+const fa_cpu_bf16_kernel *fa_cpu_bf16_kernel_get(void)
+{
+    pthread_once(&fa_bf16_once, fa_bf16_select);
+    return fa_bf16_selected;
+}
+
+int fa_cpu_bf16_kernels(const fa_cpu_bf16_kernel *usable[2])
+{
+    pthread_once(&fa_bf16_once, fa_bf16_select);
+    for (int i = 0; i < fa_bf16_num_usable; i++)
+        usable[i] = fa_bf16_usable[i];
+    return fa_bf16_num_usable;
+}
+
+void fa_cpu_bf16_kernel_override(const fa_cpu_bf16_kernel *kernel)
+{
+    pthread_once(&fa_bf16_once, fa_bf16_select);
+    fa_bf16_selected = kernel;
+}

@@ -1,0 +1,84 @@
+/*
+ * bf16 products for the CPU forward, on AMX tiles (tdpbf16ps) or AVX512-BF16 (vdpbf16ps):
+ *   C[m][n] (+)= A[m][k] * B[k][n]
+ * with C fp32 row-major (leading dimension ldc floats), A bf16 row-major (lda elements, read in
+ * place, so it may be a K or V^T tensor view), and B in the VNNI pair layout both instruction
+ * sets read: b[x][j] (uint32, ldb per row) holds B[2x][j] in its low half and B[2x+1][j] in its
+ * high half. Products are exact in fp32 and summed in fp32.
+ *
+ * One contract for every kernel, so that the forward builds the same operands whichever one runs
+ * (and this machine's tests cover what an AMX machine executes): m and n multiples of 16 (a
+ * tile's rows and columns), k a multiple of 32 (a tile's depth), every A row readable for k
+ * elements and every C row writable for n.
+ */
+#ifndef FA_CPU_BF16_H
+#define FA_CPU_BF16_H
+
+#include <stdint.h>
+
+#define FA_CPU_BF16_MALIGN 16
+#define FA_CPU_BF16_KALIGN 32
+
+typedef void (*fa_cpu_bf16_gemm_fn)(float *c, int64_t ldc, const uint16_t *a, int64_t lda,
+                                    const uint32_t *b, int64_t ldb, int64_t m, int64_t n,
+                                    int64_t k, int accumulate);
+
+typedef struct fa_cpu_bf16_kernel {
+    void (*begin)(void); /* before a thread's first product of a work item (AMX: tile config) */
+    fa_cpu_bf16_gemm_fn gemm;
+    void (*end)(void); /* after its last one, before any other code may use the tiles */
+    const char *name;  /* "amx", "avx512bf16" */
+} fa_cpu_bf16_kernel;
+
+/*
+ * The kernel for this process, or NULL when the CPU has neither AMX-BF16 (with the OS's
+ * permission to use tile data) nor AVX512-BF16; bf16 inputs then take the fp32 path. Chosen once:
+ * FLASHATTN_CPU_AMX=0 skips AMX and FLASHATTN_CPU_BF16=0 turns the whole bf16 path off, to
+ * compare the paths and to test the fallbacks on AMX machines.
+ */
+const fa_cpu_bf16_kernel *fa_cpu_bf16_kernel_get(void);
+
+/* Every kernel this CPU can run, whatever the environment says (for the tests and benchmarks);
+ * returns how many, AVX512-BF16 first. */
+int fa_cpu_bf16_kernels(const fa_cpu_bf16_kernel *usable[2]);
+
+/* Makes fa_cpu_bf16_kernel_get return kernel (NULL: the fp32 path) from now on. For the tests,
+ * which run the forward on a software model of AMX; not thread-safe against running forwards. */
+void fa_cpu_bf16_kernel_override(const fa_cpu_bf16_kernel *kernel);
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FA_CPU_HAS_BF16 1 /* the kernels exist in this build (x86-64, GCC or Clang) */
+
+/*
+ * Operand packing, AVX-512 (only called when fa_cpu_bf16_kernel_get() is not NULL).
+ *
+ * V^T of a key block: vt[c][j] (ldvt elements per row, a multiple of 2) = v[j][c] (rows of the
+ * bf16 tensor, ldv elements apart) for c < dv, j < n; zero for n <= j < kp and dv <= c < dvp.
+ * kp is a multiple of 32 and dvp of 16.
+ */
+void fa_cpu_bf16_pack_vt(uint16_t *vt, int64_t ldvt, const uint16_t *v, int64_t ldv, int64_t n,
+                         int64_t kp, int64_t dv, int64_t dvp);
+
+/*
+ * Q^T of a query tile in VNNI pairs: qv[x][i] (ldqv per row) = q[i][2x] | q[i][2x+1] << 16 for
+ * i < m (rows of the bf16 tensor, ldq elements apart), zero for elements past d, for rows
+ * m <= i < mp and for pairs up to dk/2. mp is a multiple of 16 and dk of 32.
+ */
+void fa_cpu_bf16_pack_q(uint32_t *qv, int64_t ldqv, const uint16_t *q, int64_t ldq, int64_t m,
+                        int64_t mp, int64_t d, int64_t dk);
+
+/* dst[j][r] = src[r][j] for j < 16 and r < rows, a multiple of 16: 16 columns of a matrix whose
+ * rows are lds floats apart become 16 rows, ldd apart. */
+void fa_cpu_bf16_transpose_f32(float *dst, int64_t ldd, const float *src, int64_t lds,
+                               int64_t rows);
+
+/*
+ * P^T to VNNI pairs: pv[x][i] (ldpv per row) = bf16(st[2x][i]) | bf16(st[2x+1][i]) << 16 for
+ * rows below n, zero halves from row n on, for x < kp/2 and i < cols (a multiple of 16).
+ * Rounds to nearest even.
+ */
+void fa_cpu_bf16_pack_p(uint32_t *pv, int64_t ldpv, const float *st, int64_t ldst, int64_t n,
+                        int64_t kp, int64_t cols);
+#endif
+
+#endif /* FA_CPU_BF16_H */

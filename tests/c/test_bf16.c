@@ -1,0 +1,465 @@
+/*
+ * test_bf16: the bf16 kernels of the CPU forward (src/cpu/fa_cpu_bf16.h).
+ *
+ *   - The AMX kernel's source (fa_cpu_amx_body.h) compiled against a software model of the tile
+ *     instructions written from the SDM's pseudo-code, so that it runs on any x86-64 machine;
+ *     where the CPU has AMX, the real kernel too, and whether it matches the model bitwise is
+ *     printed. AVX512-BF16 where the CPU has it. Each against exact products summed in double,
+ *     within the fp32 summation bound (k+1) 2^-24 sum|terms|, over the contract's shapes (m, n
+ *     multiples of 16, k of 32), with gaps between rows, accumulating or not, and nothing
+ *     outside C written.
+ *   - The packing helpers against scalar loops, exactly.
+ *   - Whole forward passes on the model of AMX (the code path AMX machines run) against the
+ *     double oracle with test_forward's bf16 criterion: max|ours - ref| <= 2 max|lowp - ref| +
+ *     half an ulp of max|ref|.
+ *
+ * FA_TEST_SEED=<n> reruns a run.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fa_ref.h"
+#include "flashattn.h"
+#include "test_util.h"
+
+#include "cpu/fa_cpu_bf16.h"
+#include "util/fa_half.h"
+
+#if defined(FA_CPU_HAS_BF16)
+
+/* ---- a software model of the AMX tile registers ------------------------------------------ */
+
+typedef struct emu_tile {
+    int rows, colsb;
+    uint8_t data[16][64];
+} emu_tile;
+
+/* Per thread, like the registers: the forward runs the kernel on several threads. */
+static _Thread_local emu_tile g_tmm[8];
+static _Thread_local int g_configured;
+static int g_emu_errors;
+
+static void emu_config(const void *cfg)
+{
+    const uint8_t *c = cfg;
+    TU_CHECK(c[0] == 1, "tile config palette %d", c[0]);
+    for (int t = 0; t < 8; t++) {
+        g_tmm[t].colsb = c[16 + 2 * t] | c[17 + 2 * t] << 8;
+        g_tmm[t].rows = c[48 + t];
+        memset(g_tmm[t].data, 0, sizeof g_tmm[t].data);
+    }
+    g_configured = 1;
+}
+
+static void emu_save(void *cfg)
+{
+    uint8_t *c = cfg;
+    memset(c, 0, 64);
+    if (!g_configured)
+        return;
+    c[0] = 1;
+    for (int t = 0; t < 8; t++) {
+        c[16 + 2 * t] = (uint8_t)(g_tmm[t].colsb & 0xff);
+        c[17 + 2 * t] = (uint8_t)(g_tmm[t].colsb >> 8);
+        c[48 + t] = (uint8_t)g_tmm[t].rows;
+    }
+}
+
+static void emu_release(void)
+{
+    g_configured = 0;
+}
+
+static emu_tile *emu_get(int t)
+{
+    if (!g_configured)
+        g_emu_errors++;
+    return &g_tmm[t];
+}
+
+static void emu_zero(int t)
+{
+    memset(emu_get(t)->data, 0, sizeof g_tmm[t].data);
+}
+
+static void emu_load(int t, const void *p, long stride)
+{
+    emu_tile *x = emu_get(t);
+    for (int r = 0; r < x->rows; r++)
+        memcpy(x->data[r], (const uint8_t *)p + r * stride, (size_t)x->colsb);
+}
+
+static void emu_store(int t, void *p, long stride)
+{
+    emu_tile *x = emu_get(t);
+    for (int r = 0; r < x->rows; r++)
+        memcpy((uint8_t *)p + r * stride, x->data[r], (size_t)x->colsb);
+}
+
+static float emu_bf16(const uint8_t *row, int i)
+{
+    uint16_t h;
+    memcpy(&h, row + 2 * i, 2);
+    return fa_bf16_to_f32(h);
+}
+
+/* TDPBF16PS: for each row m, pair k, column n, in that order, the even then the odd product
+ * added to the fp32 accumulator (products of bf16 values are exact in fp32). */
+static void emu_dp(int c, int a, int b)
+{
+    emu_tile *tc = emu_get(c), *ta = emu_get(a), *tb = emu_get(b);
+    if (ta->colsb / 4 != tb->rows || tc->colsb != tb->colsb || tc->rows != ta->rows)
+        g_emu_errors++;
+    for (int m = 0; m < tc->rows; m++) {
+        float acc[16];
+        memcpy(acc, tc->data[m], sizeof acc);
+        for (int k = 0; k < ta->colsb / 4; k++)
+            for (int n = 0; n < tc->colsb / 4; n++) {
+                acc[n] += emu_bf16(ta->data[m], 2 * k) * emu_bf16(tb->data[k], 2 * n);
+                acc[n] += emu_bf16(ta->data[m], 2 * k + 1) * emu_bf16(tb->data[k], 2 * n + 1);
+            }
+        memcpy(tc->data[m], acc, sizeof acc);
+    }
+}
+
+#define FA_AMX_FN(name) name##_emu
+#define FA_AMX_TARGET
+#define FA_AMX_CONFIG(cfg) emu_config(cfg)
+#define FA_AMX_SAVE(cfg) emu_save(cfg)
+#define FA_AMX_RELEASE() emu_release()
+#define FA_AMX_ZERO(t) emu_zero(t)
+#define FA_AMX_LOAD(t, p, s) emu_load(t, p, s)
+#define FA_AMX_STORE(t, p, s) emu_store(t, p, s)
+#define FA_AMX_DP(c, a, b) emu_dp(c, a, b)
+#include "cpu/fa_cpu_amx_body.h"
+
+static const fa_cpu_bf16_kernel k_amx_model = {fa_amx_begin_emu, fa_amx_gemm_emu, fa_amx_end_emu,
+                                                "amx (software model)"};
+
+/* ---- the products ------------------------------------------------------------------------ */
+
+static uint16_t rand_bf16(tu_rng *r, double amp)
+{
+    return fa_f32_to_bf16((float)tu_rng_uniform(r, -amp, amp));
+}
+
+/* C (m x n, ldc) against exact products; returns the number of bad elements, counts writes
+ * outside C into *clobbered. */
+static int64_t check_gemm(const fa_cpu_bf16_kernel *kern, tu_rng *r, int64_t m, int64_t n,
+                          int64_t k, int accumulate, float *out_c, size_t c_size)
+{
+    const int64_t lda = k + tu_rng_int(r, 0, 9), ldb = n + 16 * tu_rng_int(r, 0, 1);
+    const int64_t ldc = n + tu_rng_int(r, 0, 5);
+    uint16_t *a = malloc(sizeof *a * (size_t)(m * lda));
+    uint32_t *b = malloc(sizeof *b * (size_t)(k / 2 * ldb));
+    float *c = out_c;
+    for (int64_t i = 0; i < m * lda; i++)
+        a[i] = rand_bf16(r, 2.0);
+    for (int64_t i = 0; i < k / 2 * ldb; i++)
+        b[i] = (uint32_t)rand_bf16(r, 2.0) | (uint32_t)rand_bf16(r, 2.0) << 16;
+    for (size_t i = 0; i < c_size; i++)
+        c[i] = (float)tu_rng_uniform(r, -4, 4);
+    float *c0 = malloc(sizeof *c0 * c_size);
+    memcpy(c0, c, sizeof *c0 * c_size);
+
+    kern->begin();
+    kern->gemm(c, ldc, a, lda, b, ldb, m, n, k, accumulate);
+    kern->end();
+
+    int64_t bad = 0;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++) {
+            double want = accumulate ? c0[i * ldc + j] : 0, mag = fabs(want);
+            for (int64_t x = 0; x < k; x++) {
+                const uint32_t pair = b[x / 2 * ldb + j];
+                const double t = (double)fa_bf16_to_f32(a[i * lda + x]) *
+                                 (double)fa_bf16_to_f32((uint16_t)(x & 1 ? pair >> 16 : pair));
+                want += t;
+                mag += fabs(t);
+            }
+            const double err = fabs((double)c[i * ldc + j] - want);
+            if (!(err <= (double)(k + 1) * ldexp(mag, -24) * 1.01 + 1e-30)) {
+                if (bad++ == 0)
+                    TU_CHECK(0, "%s m=%lld n=%lld k=%lld acc=%d: C[%lld][%lld] = %.9g, want %.9g",
+                             kern->name, (long long)m, (long long)n, (long long)k, accumulate,
+                             (long long)i, (long long)j, c[i * ldc + j], want);
+            }
+        }
+    int64_t clobbered = 0;
+    for (int64_t i = 0; i < (int64_t)c_size; i++)
+        if ((i % ldc >= n || i / ldc >= m) && memcmp(&c[i], &c0[i], sizeof *c) != 0)
+            clobbered++;
+    TU_CHECK(clobbered == 0, "%s m=%lld n=%lld k=%lld: %lld elements written outside C",
+             kern->name, (long long)m, (long long)n, (long long)k, (long long)clobbered);
+    free(a);
+    free(b);
+    free(c0);
+    return bad;
+}
+
+/* Runs kern on random shapes; with model, the model too on the same operands, and counts the
+ * products where the two agree bitwise. */
+static void test_gemm(const fa_cpu_bf16_kernel *kern, const fa_cpu_bf16_kernel *model,
+                      tu_rng *rng, int cases)
+{
+    int64_t differ = 0, compared = 0;
+    for (int i = 0; i < cases; i++) {
+        const int64_t m = 16 * tu_rng_int(rng, 1, 6), n = 16 * tu_rng_int(rng, 1, 6);
+        const int64_t k = 32 * tu_rng_int(rng, 1, 8);
+        const int accumulate = (int)tu_rng_int(rng, 0, 1);
+        const size_t c_size = (size_t)((m + 1) * (n + 6));
+        float *c1 = malloc(sizeof *c1 * c_size), *c2 = malloc(sizeof *c2 * c_size);
+        const tu_rng start = *rng;
+        check_gemm(kern, rng, m, n, k, accumulate, c1, c_size);
+        if (model) {
+            tu_rng again = start;
+            check_gemm(model, &again, m, n, k, accumulate, c2, c_size);
+            compared++;
+            differ += memcmp(c1, c2, sizeof *c1 * c_size) != 0;
+        }
+        free(c1);
+        free(c2);
+    }
+    if (model)
+        printf("test_bf16: %s against %s: %lld of %lld products bitwise equal\n", kern->name,
+               model->name, (long long)(compared - differ), (long long)compared);
+}
+
+/* ---- packing ----------------------------------------------------------------------------- */
+
+static void test_packing(tu_rng *rng)
+{
+    for (int it = 0; it < 40; it++) {
+        const int64_t m = tu_rng_int(rng, 1, 64), mp = (m + 15) / 16 * 16;
+        const int64_t d = tu_rng_int(rng, 1, 130), dk = (d + 31) / 32 * 32;
+        const int64_t ldq = d + tu_rng_int(rng, 0, 7);
+        uint16_t *q = malloc(sizeof *q * (size_t)(m * ldq));
+        for (int64_t i = 0; i < m * ldq; i++)
+            q[i] = rand_bf16(rng, 3.0);
+        uint32_t *qv = malloc(sizeof *qv * (size_t)(dk / 2 * mp));
+        fa_cpu_bf16_pack_q(qv, mp, q, ldq, m, mp, d, dk);
+        int64_t bad = 0;
+        for (int64_t x = 0; x < dk / 2; x++)
+            for (int64_t i = 0; i < mp; i++) {
+                const uint32_t lo = i < m && 2 * x < d ? q[i * ldq + 2 * x] : 0;
+                const uint32_t hi = i < m && 2 * x + 1 < d ? q[i * ldq + 2 * x + 1] : 0;
+                bad += qv[x * mp + i] != (lo | hi << 16);
+            }
+        TU_CHECK(bad == 0, "pack_q m=%lld d=%lld: %lld wrong", (long long)m, (long long)d,
+                 (long long)bad);
+        free(q);
+        free(qv);
+
+        /* V^T of a block of n keys, dv columns */
+        const int64_t n = tu_rng_int(rng, 1, 64), kp = (n + 31) / 32 * 32;
+        const int64_t dv = tu_rng_int(rng, 1, 130), dvp = (dv + 15) / 16 * 16;
+        const int64_t ldv = dv + tu_rng_int(rng, 0, 7), ldvt = 64;
+        uint16_t *v = malloc(sizeof *v * (size_t)(n * ldv));
+        for (int64_t i = 0; i < n * ldv; i++)
+            v[i] = rand_bf16(rng, 3.0);
+        uint16_t *vt = malloc(sizeof *vt * (size_t)(dvp * ldvt));
+        fa_cpu_bf16_pack_vt(vt, ldvt, v, ldv, n, kp, dv, dvp);
+        bad = 0;
+        for (int64_t c = 0; c < dvp; c++)
+            for (int64_t j = 0; j < kp; j++)
+                bad += vt[c * ldvt + j] != (c < dv && j < n ? v[j * ldv + c] : 0);
+        TU_CHECK(bad == 0, "pack_vt n=%lld dv=%lld: %lld wrong", (long long)n, (long long)dv,
+                 (long long)bad);
+        free(v);
+        free(vt);
+
+        /* P^T rows to pairs, rounded to nearest even */
+        float *st = malloc(sizeof *st * (size_t)(kp * mp));
+        for (int64_t i = 0; i < kp * mp; i++)
+            st[i] = (float)tu_rng_uniform(rng, 0, 1);
+        uint32_t *pv = malloc(sizeof *pv * (size_t)(kp / 2 * mp));
+        fa_cpu_bf16_pack_p(pv, mp, st, mp, n, kp, mp);
+        bad = 0;
+        for (int64_t x = 0; x < kp / 2; x++)
+            for (int64_t i = 0; i < mp; i++) {
+                const uint32_t lo = 2 * x < n ? fa_f32_to_bf16(st[2 * x * mp + i]) : 0;
+                const uint32_t hi = 2 * x + 1 < n ? fa_f32_to_bf16(st[(2 * x + 1) * mp + i]) : 0;
+                bad += pv[x * mp + i] != (lo | hi << 16);
+            }
+        TU_CHECK(bad == 0, "pack_p n=%lld cols=%lld: %lld wrong", (long long)n, (long long)mp,
+                 (long long)bad);
+
+        /* 16 columns of O^T (dvp rows, mp + 16 apart) back to 16 rows of dvp */
+        const int64_t lds = mp + 16;
+        float *ot = malloc(sizeof *ot * (size_t)(dvp * lds));
+        for (int64_t i = 0; i < dvp * lds; i++)
+            ot[i] = (float)tu_rng_uniform(rng, -1, 1);
+        float *rows = malloc(sizeof *rows * (size_t)(16 * dvp));
+        fa_cpu_bf16_transpose_f32(rows, dvp, ot + 16, lds, dvp);
+        bad = 0;
+        for (int64_t j = 0; j < 16; j++)
+            for (int64_t c = 0; c < dvp; c++)
+                bad += rows[j * dvp + c] != ot[c * lds + 16 + j];
+        TU_CHECK(bad == 0, "transpose_f32 rows=%lld: %lld wrong", (long long)dvp,
+                 (long long)bad);
+        free(ot);
+        free(rows);
+        free(st);
+        free(pv);
+    }
+}
+
+/* ---- whole forward passes on the model of AMX -------------------------------------------- */
+
+typedef struct fwd_case {
+    int64_t b, sq, sk, h, hk, d, dv;
+    int causal, wl, wr, alibi, sinks, layout;
+    double softcap, dropout_p;
+} fwd_case;
+
+static void run_forward(const fwd_case *c, tu_rng *rng)
+{
+    char where[256];
+    snprintf(where, sizeof where,
+             "forward on the AMX model: b=%lld sq=%lld sk=%lld h=%lld hk=%lld d=%lld dv=%lld "
+             "causal=%d window=(%d,%d) softcap=%g alibi=%d sinks=%d dropout=%g layout=%d",
+             (long long)c->b, (long long)c->sq, (long long)c->sk, (long long)c->h,
+             (long long)c->hk, (long long)c->d, (long long)c->dv, c->causal, c->wl, c->wr,
+             c->softcap, c->alibi, c->sinks, c->dropout_p, c->layout);
+    tu_where = where;
+    const fa_dtype dt = FA_DTYPE_BF16;
+    tu_tensor q = tu_tensor_new(dt, 4, (int64_t[]){c->b, c->sq, c->h, c->d}, c->layout, rng);
+    tu_tensor k = tu_tensor_new(dt, 4, (int64_t[]){c->b, c->sk, c->hk, c->d}, c->layout, rng);
+    tu_tensor v = tu_tensor_new(dt, 4, (int64_t[]){c->b, c->sk, c->hk, c->dv}, c->layout, rng);
+    tu_tensor o = tu_tensor_new(dt, 4, (int64_t[]){c->b, c->sq, c->h, c->dv}, TU_CONTIGUOUS, rng);
+    tu_tensor al = tu_tensor_new(FA_DTYPE_F32, 1, (int64_t[]){c->h}, TU_CONTIGUOUS, rng);
+    tu_tensor sk = tu_tensor_new(FA_DTYPE_F32, 1, (int64_t[]){c->h}, TU_CONTIGUOUS, rng);
+    tu_fill_uniform(&q, rng, -2, 2);
+    tu_fill_uniform(&k, rng, -2, 2);
+    tu_fill_uniform(&v, rng, -1, 1);
+    tu_fill_uniform(&al, rng, 0.01, 0.3);
+    tu_fill_uniform(&sk, rng, -1, 2);
+    tu_poison(&o);
+
+    fa_fwd_args args;
+    fa_fwd_args_init(&args);
+    args.q = &q.t;
+    args.k = &k.t;
+    args.v = &v.t;
+    args.out = &o.t;
+    args.causal = c->causal;
+    args.window_left = c->wl;
+    args.window_right = c->wr;
+    args.softcap = c->softcap;
+    args.alibi_slopes = c->alibi ? &al.t : NULL;
+    args.sinks = c->sinks ? &sk.t : NULL;
+    args.dropout_p = c->dropout_p;
+    args.seed = 42;
+    args.num_threads = 2;
+    fa_status st = fa_attention_forward(&args);
+    TU_CHECK(st == FA_STATUS_OK, "forward: %s", fa_last_error());
+
+    const size_t nout = (size_t)(c->b * c->sq * c->h * c->dv);
+    double *ref = malloc(sizeof *ref * (nout ? nout : 1));
+    double *lowp = malloc(sizeof *lowp * (nout ? nout : 1));
+    TU_CHECK(fa_ref_forward(&args, 1, ref, NULL) == 0, "fa_ref_forward failed");
+    TU_CHECK(fa_ref_forward_lowp(&args, lowp) == 0, "fa_ref_forward_lowp failed");
+    double maxref = 0, maxerr = 0, maxlowp = 0;
+    int64_t ix[4] = {0, 0, 0, 0};
+    size_t at = 0;
+    do {
+        const double ours = fa_ref_load(&o.t, ix), want = ref[at];
+        maxref = fmax(maxref, fabs(want));
+        maxerr = isnan(ours) ? INFINITY : fmax(maxerr, fabs(ours - want));
+        maxlowp = fmax(maxlowp, fabs(lowp[at] - want));
+        at++;
+    } while (nout && tu_next_index(&o.t, ix));
+    const double tol = 2 * maxlowp + ldexp(maxref, -8);
+    TU_CHECK(maxerr <= tol, "out: max err %.3g > tol %.3g (max|lowp-ref| %.3g)", maxerr, tol,
+             maxlowp);
+    free(ref);
+    free(lowp);
+    tu_tensor_free(&q);
+    tu_tensor_free(&k);
+    tu_tensor_free(&v);
+    tu_tensor_free(&o);
+    tu_tensor_free(&al);
+    tu_tensor_free(&sk);
+}
+
+static void test_forward_on_model(tu_rng *rng)
+{
+    static const int64_t dims[] = {32, 40, 64, 96, 128, 200};
+    for (int i = 0; i < 24; i++) {
+        fwd_case c = {0};
+        c.b = tu_rng_int(rng, 1, 2);
+        c.hk = tu_rng_int(rng, 1, 2);
+        c.h = c.hk * tu_rng_int(rng, 1, 2);
+        c.sq = tu_rng_int(rng, 1, 150);
+        c.sk = tu_rng_int(rng, 1, 150);
+        c.d = dims[i % 6];
+        c.dv = i % 4 == 3 ? dims[(i + 2) % 6] : c.d;
+        c.causal = i % 3 == 1;
+        c.wl = c.wr = -1;
+        if (i % 5 == 2) {
+            c.wl = (int)tu_rng_int(rng, 0, 40);
+            c.wr = (int)tu_rng_int(rng, -1, 10);
+        }
+        c.softcap = i % 7 == 3 ? 5.0 : 0;
+        c.alibi = i % 4 == 1;
+        c.sinks = i % 6 == 5;
+        c.dropout_p = i % 5 == 4 ? 0.2 : 0;
+        c.layout = (int)tu_rng_int(rng, 0, TU_NUM_LAYOUTS - 1);
+        run_forward(&c, rng);
+    }
+}
+
+int main(void)
+{
+    tu_rng rng = {tu_master_seed("test_bf16")};
+
+    tu_where = "products on the AMX model";
+    test_gemm(&k_amx_model, NULL, &rng, 60);
+
+    /* A configuration the thread had (oneDNN's, say) is back after a work item's products. */
+    tu_where = "AMX configuration of the caller";
+    static const uint8_t theirs[64] = {1, [16] = 32, [48] = 8};
+    emu_config(theirs);
+    k_amx_model.begin();
+    TU_CHECK(g_tmm[0].colsb == 64 && g_tmm[0].rows == 16, "begin did not configure the tiles");
+    k_amx_model.end();
+    TU_CHECK(g_configured && g_tmm[0].colsb == 32 && g_tmm[0].rows == 8,
+             "end did not restore the previous configuration");
+    emu_release();
+
+    const fa_cpu_bf16_kernel *usable[2];
+    const int n = fa_cpu_bf16_kernels(usable);
+    if (n == 0) {
+        /* the packing and the forward's bf16 tile need AVX512-BF16 */
+        printf("test_bf16: no AVX512-BF16 on this CPU: the AMX model's products only\n");
+        return tu_finish("test_bf16");
+    }
+    for (int i = 0; i < n; i++) {
+        tu_where = usable[i]->name;
+        test_gemm(usable[i], &k_amx_model, &rng, 60);
+    }
+
+    tu_where = "packing";
+    test_packing(&rng);
+
+    const fa_cpu_bf16_kernel *saved = fa_cpu_bf16_kernel_get();
+    fa_cpu_bf16_kernel_override(&k_amx_model);
+    test_forward_on_model(&rng);
+    fa_cpu_bf16_kernel_override(saved);
+    tu_where = "AMX model";
+    TU_CHECK(g_emu_errors == 0,
+             "%d tile operations without a configuration or with shapes that do not fit",
+             g_emu_errors);
+    return tu_finish("test_bf16");
+}
+
+#else
+int main(void)
+{
+    printf("test_bf16: no bf16 kernels in this build (x86-64 only)\n");
+    return 0;
+}
+#endif
