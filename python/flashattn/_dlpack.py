@@ -9,19 +9,23 @@ How a call routes:
 2. The call runs on those tensors / arrays like any other.
 3. When the first array argument (q, or qkv) is such an object, each array result is handed
    back through the DLPack consumer of its array namespace
-   (``x.__array_namespace__().from_dlpack``: NumPy, CuPy, JAX and other array API libraries);
-   an object that names no namespace gets NumPy arrays.
+   (``x.__array_namespace__().from_dlpack``: NumPy, JAX and other array API libraries), else
+   through the ``from_dlpack`` of the package that defines its type (CuPy), else as NumPy
+   arrays.
 
-On the GPU (when flashattn takes CUDA tensors), the same steps route a CuPy or JAX device array
-through ``torch.from_dlpack`` (the CUDA stream is negotiated by the ``stream`` argument of
-``__dlpack__``) and back through ``cupy.from_dlpack`` / ``jax.numpy.from_dlpack``, still without
-copies. Only the forward functions convert: gradients need torch tensors.
+On the GPU the same steps route a CuPy or JAX device array through ``torch.from_dlpack`` (torch
+must be imported; the CUDA stream is negotiated by the ``stream`` argument of ``__dlpack__``)
+into the CUDA path and back through ``cupy.from_dlpack`` / ``jax.numpy.from_dlpack``, still
+without copies. Only the forward functions convert: gradients need torch tensors.
 """
 
 import functools
 import sys
 
 _SCALARS = (bool, int, float, str, bytes, tuple, list, dict)
+# Types that are never converted: scalars and containers, and the native array types once seen
+# (a call with native arrays then costs a set lookup per argument).
+_NOT_FOREIGN = set(_SCALARS) | {type(None)}
 
 
 def _native(x):
@@ -36,9 +40,13 @@ def _native(x):
 
 
 def _is_foreign(x):
-    if x is None or isinstance(x, _SCALARS) or _native(x) is not None:
+    t = type(x)
+    if t in _NOT_FOREIGN:
         return False
-    return hasattr(x, "__dlpack__")
+    if _native(x) is not None:
+        _NOT_FOREIGN.add(t)
+        return False
+    return not isinstance(x, _SCALARS) and hasattr(x, "__dlpack__")
 
 
 def _importer(values):
@@ -55,9 +63,16 @@ def _importer(values):
 
 
 def _exporter(first):
+    """The DLPack consumer of ``first``'s kind: its array namespace's; else the one of the
+    package that defines its type (CuPy arrays name no namespace, ``cupy.from_dlpack``
+    exists); else NumPy's."""
     namespace = getattr(first, "__array_namespace__", None)
     if namespace is not None:
         return namespace().from_dlpack
+    package = sys.modules.get(type(first).__module__.partition(".")[0])
+    from_dlpack = getattr(package, "from_dlpack", None)
+    if callable(from_dlpack):
+        return from_dlpack
     import numpy as np
 
     return np.from_dlpack
@@ -69,9 +84,9 @@ def accepts_dlpack(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        values = args + tuple(kwargs.values())
-        if not any(_is_foreign(x) for x in values):
+        if not any(map(_is_foreign, args)) and not any(map(_is_foreign, kwargs.values())):
             return fn(*args, **kwargs)
+        values = args + tuple(kwargs.values())
         load = _importer(values)
         conv = lambda x: load(x) if _is_foreign(x) else x  # noqa: E731
         result = fn(*map(conv, args), **{k: conv(x) for k, x in kwargs.items()})

@@ -3,7 +3,8 @@
 ``flash_attn_with_kvcache`` has upstream FA2's signature (plus the keyword-only
 ``learnable_sink``) and calls ``fa_attention_kvcache``; ``flash_attn_combine`` has FA3's and
 calls ``fa_attention_combine``. Both take torch CPU tensors or NumPy arrays and return the same
-kind. Neither has a backward pass (upstream's have none either).
+kind; ``flash_attn_combine`` also takes CUDA tensors. Neither has a backward pass (upstream's
+have none either).
 
 The caches are updated in place when new keys are given, through the caller's own memory:
 they are never copied, so they must already have a contiguous last dimension (and, for NumPy,
@@ -99,10 +100,11 @@ _NAMES = {
 }
 
 
-def _in_place(x, name, kind, written):
-    """A cache is used through the caller's memory, never a copy: it must be usable as is."""
+def _in_place(x, name, kind, written, cuda=False):
+    """A cache is used through the caller's memory, never a copy: it must be usable as is.
+    ``cuda``: a CUDA tensor is accepted (the combine's out)."""
     if kind == _core.TORCH:
-        _core.check_device(x, name)
+        _core.check_device(x, name, cuda)
         if x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
             raise FlashAttnError("%s: the last dimension must be contiguous (stride 1); the cache "
                                  "is used in place, so it is not copied" % name)
@@ -298,11 +300,17 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
         (out, lse): out (batch_size, seqlen, nheads, headdim) in out_dtype; lse float32
         (batch_size, seqlen, nheads), a transposed view of a (batch_size, nheads, seqlen)
         array as FA3 returns it. A row whose chunks are all empty gets out 0, lse -inf.
+
+    Torch tensors go through the custom op ``torch.ops.flashattn.combine`` (CPU and CUDA).
     """
     kind = _core.common_kind([("out_partial", out_partial), ("lse_partial", lse_partial),
                               ("out", out)], 2)
-    out_partial = _core.prepare(out_partial, "out_partial", kind)
-    lse_partial = _core.prepare(lse_partial, "lse_partial", kind)
+    if kind == _core.TORCH:
+        # Checked here, the rest inside the op (so that torch.compile traces no more than this).
+        _core.check_device(out_partial, "out_partial", cuda=True)
+        _core.check_device(lse_partial, "lse_partial", cuda=True)
+    else:
+        out_partial = _core.prepare(out_partial, "out_partial", kind)
     if len(out_partial.shape) != 5:
         raise FlashAttnError("out_partial: expected 5 dimensions (num_splits, batch_size, "
                              "seqlen, nheads, headdim), got shape %s" % (tuple(out_partial.shape),))
@@ -311,15 +319,34 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     if out is not None:
         if out.dtype != dtype:
             raise FlashAttnError("out: dtype %s does not match out_dtype %s" % (out.dtype, dtype))
-        out = _in_place(out, "out", kind, True)
+        out = _in_place(out, "out", kind, True, cuda=True)
     elif kind == _core.TORCH:
         out = sys.modules["torch"].empty((b, sq, h, dv), dtype=dtype, device=out_partial.device)
     else:
         out = sys.modules["numpy"].empty((b, sq, h, dv), dtype=dtype)
     if kind == _core.TORCH:
-        lse = sys.modules["torch"].empty((b, h, sq), dtype=lse_partial.dtype,
-                                         device=out_partial.device).transpose(1, 2)
+        from . import _torch_ops
+
+        return out, _torch_ops.combine_call(out_partial, lse_partial, out)
+    return out, combine_run(kind, out_partial, lse_partial, out)
+
+
+def combine_run(kind, out_partial, lse_partial, out):
+    """One fa_attention_combine call writing ``out``; returns the lse it allocates. CUDA
+    tensors the library refuses (its combine has no CUDA backend yet) are merged by
+    ``_combine_torch`` after the library has validated them."""
+    out_partial = _core.prepare(out_partial, "out_partial", kind, cuda=True)
+    lse_partial = _core.prepare(lse_partial, "lse_partial", kind, cuda=True)
+    if kind == _core.TORCH:
+        torch = sys.modules["torch"]
+        target = _core.cuda_target([("out_partial", out_partial), ("lse_partial", lse_partial),
+                                    ("out", out)])
+        b, sq, h = (int(n) for n in out_partial.shape[1:4])
+        lse = torch.empty_strided((b, sq, h), (h * sq, 1, sq), dtype=lse_partial.dtype,
+                                  device=out_partial.device)
     else:
+        target = None
+        b, sq, h = out_partial.shape[1:4]
         lse = sys.modules["numpy"].empty((b, h, sq), dtype=lse_partial.dtype).transpose(0, 2, 1)
 
     keep = []
@@ -336,6 +363,30 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     args.lse_partial = ptr(lse_partial, "lse_partial")
     args.out = ptr(out, "out")
     args.lse = ptr(lse, "lse")
-    args.device = _lib.FA_DEVICE_CPU
-    _call(lib.fa_attention_combine, args, {})
-    return out, lse
+    if target is not None:
+        args.device, args.stream = target
+    status = lib.fa_attention_combine(ctypes.byref(args))
+    if (target is not None and status == _lib.STATUS_UNSUPPORTED
+            and _lib.last_error().startswith("device:")):
+        _combine_torch(out_partial, lse_partial, out, lse)
+        return lse
+    _lib.check(status)
+    return lse
+
+
+def _combine_torch(out_partial, lse_partial, out, lse):
+    """fa_attention_combine's merge in torch ops, in float64 as the C library computes it: no
+    host synchronisation, so it runs inside CUDA graphs too. An infinite part lse marks an
+    empty part (its output is never read, even if it holds NaN); a NaN lse makes its row NaN;
+    a row with no part gets out 0 and lse -inf."""
+    torch = sys.modules["torch"]
+    part = lse_partial.double()
+    empty = torch.isinf(part)
+    part = part.masked_fill(empty, float("-inf"))
+    top = part.amax(0)
+    top = top.masked_fill(top == float("-inf"), 0.0)
+    total = top + torch.log(torch.exp(part - top).sum(0))
+    weight = torch.exp(part - total).masked_fill(empty, 0.0)
+    merged = torch.where(empty.unsqueeze(-1), 0.0, out_partial.double() * weight.unsqueeze(-1))
+    out.copy_(merged.sum(0))
+    lse.copy_(total)

@@ -5,32 +5,44 @@
     torch.ops.flashattn.bwd         (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
     torch.ops.flashattn.varlen_bwd  (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
     torch.ops.flashattn.kvcache     (q, k_cache!, v_cache!, ...)    -> out, lse   (CPU)
+    torch.ops.flashattn.combine     (out_partial, lse_partial, merged!) -> lse
 
-Imported on the first torch call (``import flashattn`` does not import torch). Every torch call
-of a public function goes through these ops, with or without gradients, so one path serves
-eager mode, autograd and ``torch.compile``: each op has a fake implementation for tracing and the
-forward ops carry an autograd formula (``register_autograd``) that calls the backward op, so a
-compiled model keeps them as opaque nodes and traces without graph breaks. The ops are
-functional (they allocate their outputs), which is what AOT autograd wants.
+Imported on the first torch call (``import flashattn`` does not import torch). Each op has a
+fake implementation for tracing and the forward ops carry an autograd formula
+(``register_autograd``) that calls the backward op, so a compiled model keeps them as opaque
+nodes and traces without graph breaks. The ops are functional (they allocate their outputs),
+which is what AOT autograd wants; kvcache and combine declare what they write.
+
+The public functions call the ops whenever torch could observe the difference: under
+torch.compile, a dispatch or function mode, functorch transforms, or with tensor subclasses.
+Otherwise (plain eager tensors) they run the same kernel functions and the same autograd
+formula directly (``_eager``): the dispatcher's Python round trips through a custom op cost
+tens of microseconds per call, more than the kernel launch itself on small inputs.
 
 The kernels are Python functions over ``_core``, registered for the device types in
 ``DEVICE_TYPES``: "cuda" runs the same kernels, ``_core`` passing CUDA tensors' device pointers,
-their device and the current stream to the C library (forward only: a CUDA tensor that requires
-grad is refused by ``_core.check_device``).
+their device and the current stream to the C library.
 
 Outputs, as upstream's ops (``flash_attn::_flash_attn_forward`` and friends): ``out`` (b, sq, h,
 dv) / (total_q, h, dv); ``lse`` (b, h, sq) / (h, total_q), fp32, except fp64 for fp64 inputs so
 that fp64 gradients stay exact (the public functions hand the caller an fp32 copy, as
 upstream); ``S_dmask`` (b, h, round128(sq), round128(sk)) in q's dtype, or (0,) unless
-``return_softmax``; ``rng_state`` int64 (2,) = [seed, offset]. The backward ops return new
-gradients (upstream's write into caller buffers, which AOT autograd would have to
-functionalise) and ``dsink``: fp32 (h,), or (0,) without a sink.
+``return_softmax``; ``rng_state`` int64 (2,) = [seed, offset] on q's device, as upstream. The
+backward ops read their rng_state on the host, and only with dropout; the autograd formulas
+hand them one built from the forward's seed input (a CPU tensor), so no backward reads device
+memory on the host. The backward ops return new gradients (upstream's write into caller
+buffers, which AOT autograd would have to functionalise) and ``dsink``: fp32 (h,), or (0,)
+without a sink.
 
-Dropout: the seed is an input, an int64 tensor that ``draw_seed`` takes from torch's default
-generator with ``torch.randint`` outside the op. Eager calls consume the generator exactly as
-one ``torch.randint`` does, so ``torch.manual_seed`` reproduces a run; under ``torch.compile``
-the draw is an ordinary random op of the graph (Inductor's RNG, itself seeded from the default
-generator, unless ``torch._inductor.config.fallback_random``).
+Dropout: the seed is an input, an int64 tensor that ``draw_seed`` takes outside the op from
+torch's default generator (``torch.randint``; for CUDA tensors in eager mode the device's CUDA
+generator, ``_core.draw_seed_cuda``). Eager calls consume the generator as one draw does, so
+``torch.manual_seed`` reproduces a run; under ``torch.compile`` the draw is an ordinary random op
+of the graph, ``torch.randint`` on the CPU for every device (Inductor's RNG, itself seeded from
+the default generator, unless ``torch._inductor.config.fallback_random``). Dropout cannot be
+captured in a CUDA graph: the kernel takes the seed by value, so every replay would repeat one
+mask; the forward kernels refuse it (``_refuse_capture``), and so does ``draw_seed`` before it
+touches the CUDA generator.
 """
 
 from typing import Optional, Tuple
@@ -60,7 +72,29 @@ def _seed_value(seed):
 
 
 def _rng_state(seed, q):
-    return torch.tensor([seed, 0], dtype=torch.int64, device=q.device)
+    """[seed, 0] on q's device, written by fills rather than copied from the host: no
+    synchronisation, and nothing a CUDA graph could not capture."""
+    state = torch.zeros((2,), dtype=torch.int64, device=q.device)
+    if seed:
+        state[0] = seed
+    return state
+
+
+def _host_rng_state(rng_state, seed):
+    """The rng_state the backward op gets: [seed, 0] on the CPU from the forward's seed input
+    (itself a CPU tensor), so that replaying dropout does not read device memory; the
+    forward's own rng_state without dropout (then never read)."""
+    if seed is None:
+        return rng_state
+    return torch.cat([seed, torch.zeros_like(seed)])
+
+
+def _seed_offset(rng_state, dropout_p):
+    """(seed, offset) for the backward, read only when there is dropout to replay."""
+    if dropout_p > 0.0:
+        seed, offset = rng_state.tolist()
+        return seed, offset
+    return 0, 0
 
 
 def _dsink_or_empty(dsinks, q):
@@ -69,29 +103,62 @@ def _dsink_or_empty(dsinks, q):
     return dsinks
 
 
+def _refuse_capture(device, dropout_p):
+    """Dropout on a stream being captured into a CUDA graph: the seed would be frozen into the
+    graph and every replay would drop the same elements, so the call is refused instead."""
+    if dropout_p > 0.0 and device.type == "cuda":
+        with torch.cuda.device(device):
+            capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            raise FlashAttnError(
+                "dropout_p: %g under CUDA graph capture is not supported: the kernel takes the "
+                "dropout seed by value, so every replay of the graph would apply the same "
+                "dropout mask; capture with dropout_p=0 or call it outside the graph"
+                % dropout_p)
+
+
 # --------------------------------------------------------------------------------------------
 # Forward ops
 
 
-@torch.library.custom_op("flashattn::fwd", mutates_args=(), device_types=DEVICE_TYPES)
-def fwd(q: _T, k: _T, v: _T, alibi_slopes: _OptT, learnable_sink: _OptT, seed: _OptT,
-        dropout_p: float, softmax_scale: Optional[float], causal: bool, window_size_left: int,
-        window_size_right: int, softcap: float, return_softmax: bool,
-        deterministic: bool) -> _Result:
+def _fwd_impl(q: _T, k: _T, v: _T, alibi_slopes: _OptT, learnable_sink: _OptT, seed: _OptT,
+              dropout_p: float, softmax_scale: Optional[float], causal: bool,
+              window_size_left: int, window_size_right: int, softcap: float,
+              return_softmax: bool, deterministic: bool) -> _Result:
     """Dense attention. ``deterministic`` is the backward's option, carried here so that the
     autograd formula sees it; the forward ignores it."""
-    s = _seed_value(seed)
-    lse = None
-    if q.dtype == torch.float64 and q.dim() == 4:
-        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float64,
-                          device=q.device)
-    out, lse, probs = _core.forward(
-        q, k, v, kind=_core.TORCH, dropout_p=dropout_p, softmax_scale=softmax_scale,
-        causal=causal, window_size=(window_size_left, window_size_right), softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
-        seed=s, offset=0, lse=lse)
+    out, lse, probs, s = _fwd_outputs(q, k, v, alibi_slopes, learnable_sink, seed, dropout_p,
+                                      softmax_scale, causal, window_size_left,
+                                      window_size_right, softcap, return_softmax)
     S = probs if return_softmax else q.new_empty((0,))
     return out, lse, S, _rng_state(s, q)
+
+
+def _fwd_outputs(q, k, v, alibi_slopes, learnable_sink, seed, dropout_p, softmax_scale, causal,
+                 window_size_left, window_size_right, softcap, return_softmax):
+    """The dense forward's work: (out, lse, probs or None, the seed value)."""
+    _refuse_capture(q.device, dropout_p)
+    s = _seed_value(seed)
+    window = (window_size_left, window_size_right)
+    if q.dtype == torch.float64 or alibi_slopes is not None or learnable_sink is not None or (
+            return_softmax):
+        lse = None
+        if q.dtype == torch.float64 and q.dim() == 4:
+            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float64,
+                              device=q.device)
+        out, lse, probs = _core.forward(
+            q, k, v, kind=_core.TORCH, dropout_p=dropout_p, softmax_scale=softmax_scale,
+            causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            sinks=learnable_sink, return_softmax=return_softmax, seed=s, offset=0, lse=lse)
+    else:
+        out, lse = _core.forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window,
+                                             softcap, s)
+        probs = None
+    return out, lse, probs, s
+
+
+fwd = torch.library.custom_op("flashattn::fwd", _fwd_impl, mutates_args=(),
+                              device_types=DEVICE_TYPES)
 
 
 @fwd.register_fake
@@ -107,13 +174,14 @@ def _fwd_fake(q, k, v, alibi_slopes, learnable_sink, seed, dropout_p, softmax_sc
     return out, lse, S, q.new_empty((2,), dtype=torch.int64)
 
 
-@torch.library.custom_op("flashattn::varlen_fwd", mutates_args=(), device_types=DEVICE_TYPES)
-def varlen_fwd(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T, seqused_k: _OptT,
-               alibi_slopes: _OptT, learnable_sink: _OptT, seed: _OptT, max_seqlen_q: int,
-               max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float], causal: bool,
-               window_size_left: int, window_size_right: int, softcap: float,
-               return_softmax: bool, deterministic: bool) -> _Result:
+def _varlen_fwd_impl(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T,
+                     seqused_k: _OptT, alibi_slopes: _OptT, learnable_sink: _OptT, seed: _OptT,
+                     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                     softmax_scale: Optional[float], causal: bool, window_size_left: int,
+                     window_size_right: int, softcap: float, return_softmax: bool,
+                     deterministic: bool) -> _Result:
     """Variable-length attention; ``deterministic`` as in ``fwd``."""
+    _refuse_capture(q.device, dropout_p)
     s = _seed_value(seed)
     lse = None
     if q.dtype == torch.float64 and q.dim() == 3:
@@ -127,6 +195,10 @@ def varlen_fwd(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T, seqused_
         seed=s, offset=0, lse=lse)
     S = probs if return_softmax else q.new_empty((0,))
     return out, lse, S, _rng_state(s, q)
+
+
+varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", _varlen_fwd_impl, mutates_args=(),
+                                     device_types=DEVICE_TYPES)
 
 
 @varlen_fwd.register_fake
@@ -149,12 +221,11 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slope
 # Backward ops
 
 
-@torch.library.custom_op("flashattn::bwd", mutates_args=(), device_types=DEVICE_TYPES)
-def bwd(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, alibi_slopes: _OptT,
-        learnable_sink: _OptT, rng_state: _T, dropout_p: float, softmax_scale: Optional[float],
-        causal: bool, window_size_left: int, window_size_right: int, softcap: float,
-        deterministic: bool) -> _Result:
-    seed, offset = (int(x) for x in rng_state.tolist())
+def _bwd_impl(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, alibi_slopes: _OptT,
+              learnable_sink: _OptT, rng_state: _T, dropout_p: float,
+              softmax_scale: Optional[float], causal: bool, window_size_left: int,
+              window_size_right: int, softcap: float, deterministic: bool) -> _Result:
+    seed, offset = _seed_offset(rng_state, dropout_p)
     dq, dk, dv, dsinks = _core.backward(
         dout, q, k, v, out, lse, kind=_core.TORCH, dropout_p=dropout_p,
         softmax_scale=softmax_scale, causal=causal,
@@ -162,6 +233,10 @@ def bwd(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, alibi_slopes: _OptT,
         alibi_slopes=alibi_slopes, sinks=learnable_sink, seed=seed, offset=offset,
         deterministic=deterministic)
     return dq, dk, dv, _dsink_or_empty(dsinks, q)
+
+
+bwd = torch.library.custom_op("flashattn::bwd", _bwd_impl, mutates_args=(),
+                              device_types=DEVICE_TYPES)
 
 
 def _grads_fake(q, k, v, learnable_sink):
@@ -177,13 +252,13 @@ def _bwd_fake(dout, q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state, 
     return _grads_fake(q, k, v, learnable_sink)
 
 
-@torch.library.custom_op("flashattn::varlen_bwd", mutates_args=(), device_types=DEVICE_TYPES)
-def varlen_bwd(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, cu_seqlens_q: _T,
-               cu_seqlens_k: _T, seqused_k: _OptT, alibi_slopes: _OptT, learnable_sink: _OptT,
-               rng_state: _T, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-               softmax_scale: Optional[float], causal: bool, window_size_left: int,
-               window_size_right: int, softcap: float, deterministic: bool) -> _Result:
-    seed, offset = (int(x) for x in rng_state.tolist())
+def _varlen_bwd_impl(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, cu_seqlens_q: _T,
+                     cu_seqlens_k: _T, seqused_k: _OptT, alibi_slopes: _OptT,
+                     learnable_sink: _OptT, rng_state: _T, max_seqlen_q: int,
+                     max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float],
+                     causal: bool, window_size_left: int, window_size_right: int,
+                     softcap: float, deterministic: bool) -> _Result:
+    seed, offset = _seed_offset(rng_state, dropout_p)
     dq, dk, dv, dsinks = _core.backward(
         dout, q, k, v, out, lse, kind=_core.TORCH, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
@@ -194,12 +269,61 @@ def varlen_bwd(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, cu_seqlens_q: _T
     return dq, dk, dv, _dsink_or_empty(dsinks, q)
 
 
+varlen_bwd = torch.library.custom_op("flashattn::varlen_bwd", _varlen_bwd_impl, mutates_args=(),
+                                     device_types=DEVICE_TYPES)
+
+
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                      alibi_slopes, learnable_sink, rng_state, max_seqlen_q, max_seqlen_k,
                      dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                      softcap, deterministic):
     return _grads_fake(q, k, v, learnable_sink)
+
+
+# --------------------------------------------------------------------------------------------
+# Calling an op: through the dispatcher, or its kernel and formula directly
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager(tensors):
+    """Whether running an op's kernel (and autograd formula) directly is indistinguishable from
+    calling the op: nothing is tracing or compiling, no mode or functorch transform intercepts
+    ops, and every tensor is a plain one (a subclass may override any op)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state()):
+        return False
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN:
+            return False
+    return True
+
+
+def _needs_grad(tensors):
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+def _run(op, impl, function, tensors, args, eager):
+    """op(*args), or where ``eager`` (``_eager(tensors)``) the same through ``impl`` (the op's
+    kernel) and ``function`` (an autograd.Function with the op's formula, applied to the
+    tensor arguments, which come first in ``args``, and a tuple of the others; None for an op
+    without a formula, which then goes through the dispatcher whenever gradients are
+    recorded)."""
+    if eager:
+        if not _needs_grad(tensors):
+            return impl(*args)
+        if function is not None:
+            n = len(tensors)
+            return function.apply(*args[:n], args[n:])
+    return op(*args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,19 +337,22 @@ def _sink_grad(ctx, index, dsink):
 
 
 def _fwd_setup(ctx, inputs, output):
-    (q, k, v, alibi, sink, _seed, dropout_p, scale, causal, left, right, softcap, _ret,
+    (q, k, v, alibi, sink, seed, dropout_p, scale, causal, left, right, softcap, _ret,
      deterministic) = inputs
     out, lse, S, rng_state = output
     ctx.mark_non_differentiable(lse, S, rng_state)
-    ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi, sink)
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, seed, alibi, sink)
     ctx.options = (dropout_p, scale, causal, left, right, softcap, deterministic)
     ctx.sink_dtype = sink.dtype if sink is not None else None
 
 
 def _fwd_backward(ctx, dout, _dlse, _dS, _drng):
-    q, k, v, out, lse, rng_state, alibi, sink = ctx.saved_tensors
-    dq, dk, dv, dsink = torch.ops.flashattn.bwd(dout, q, k, v, out, lse, alibi, sink, rng_state,
-                                                *ctx.options)
+    q, k, v, out, lse, rng_state, seed, alibi, sink = ctx.saved_tensors
+    args = (dout, q, k, v, out, lse, alibi, sink,
+            _host_rng_state(rng_state, seed)) + ctx.options
+    tensors = (dout, q, k, v, out, lse, alibi, sink)
+    dq, dk, dv, dsink = _run(torch.ops.flashattn.bwd, _bwd_impl, None, tensors, args,
+                             _eager(tensors))
     return (dq, dk, dv, None, _sink_grad(ctx, 4, dsink)) + (None,) * 9
 
 
@@ -233,28 +360,58 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 
 
 def _varlen_setup(ctx, inputs, output):
-    (q, k, v, cu_q, cu_k, used_k, alibi, sink, _seed, max_q, max_k, dropout_p, scale, causal,
+    (q, k, v, cu_q, cu_k, used_k, alibi, sink, seed, max_q, max_k, dropout_p, scale, causal,
      left, right, softcap, _ret, deterministic) = inputs
     out, lse, S, rng_state = output
     ctx.mark_non_differentiable(lse, S, rng_state)
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink, rng_state, seed)
     ctx.options = (max_q, max_k, dropout_p, scale, causal, left, right, softcap, deterministic)
     ctx.sink_dtype = sink.dtype if sink is not None else None
 
 
 def _varlen_backward(ctx, dout, _dlse, _dS, _drng):
-    q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink, rng_state = ctx.saved_tensors
-    dq, dk, dv, dsink = torch.ops.flashattn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k,
-                                                       used_k, alibi, sink, rng_state,
-                                                       *ctx.options)
+    q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink, rng_state, seed = ctx.saved_tensors
+    args = (dout, q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink,
+            _host_rng_state(rng_state, seed)) + ctx.options
+    tensors = (dout, q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink)
+    dq, dk, dv, dsink = _run(torch.ops.flashattn.varlen_bwd, _varlen_bwd_impl, None, tensors,
+                             args, _eager(tensors))
     return (dq, dk, dv, None, None, None, None, _sink_grad(ctx, 7, dsink)) + (None,) * 11
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 
-# --------------------------------------------------------------------------------------------
-# The torch side of the public functions
+class _DenseFn(torch.autograd.Function):
+    """flashattn::fwd with its registered formula, for ``_run``: (q, k, v, alibi_slopes,
+    learnable_sink, the other arguments as a tuple), since every argument of apply costs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi, sink, rest):
+        inputs = (q, k, v, alibi, sink) + rest
+        output = _fwd_impl(*inputs)
+        _fwd_setup(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _fwd_backward(ctx, *grads)[:5] + (None,)
+
+
+class _VarlenFn(torch.autograd.Function):
+    """flashattn::varlen_fwd with its registered formula, for ``_run``: the eight tensor
+    arguments, then the others as a tuple."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, used_k, alibi, sink, rest):
+        inputs = (q, k, v, cu_q, cu_k, used_k, alibi, sink) + rest
+        output = _varlen_fwd_impl(*inputs)
+        _varlen_setup(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _varlen_backward(ctx, *grads)[:8] + (None,)
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,6 +451,15 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                  softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
     """flash_attn_with_kvcache for torch tensors: the op, with an int cache_seqlens turned into
     the int32 (b,) tensor the op takes, as upstream does."""
+    # The C library's KV-cache entry point has no CUDA backend yet: say so by argument name
+    # rather than let the dispatcher report a missing kernel.
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                    ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                    ("cache_leftpad", cache_leftpad), ("block_table", block_table),
+                    ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
+        if isinstance(x, torch.Tensor):
+            _core.check_device(x, name)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens"),
                                    dtype=torch.int32, device=q.device)
@@ -306,16 +472,52 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                    bool(rotary_interleaved), _core.as_int(num_splits, "num_splits"))
 
 
-def draw_seed(dropout_p, device=None):
-    """The dropout seed as an int64 (1,) tensor from the default generator (for CUDA tensors,
-    ``device``'s CUDA generator: ``_core.draw_seed_cuda``), or None without dropout (so calls
-    without dropout leave the generator alone). Seeds are in [0, 2**63 - 1) so that rng_state
-    fits int64."""
-    if dropout_p > 0.0 and device is not None and device.type == "cuda":
+# --------------------------------------------------------------------------------------------
+# Combine: merges split results into the caller's (or a new) out, returns lse
+
+
+def _combine_impl(out_partial: _T, lse_partial: _T, merged: _T) -> _T:
+    from . import _kvcache
+
+    return _kvcache.combine_run(_core.TORCH, out_partial, lse_partial, merged)
+
+
+combine = torch.library.custom_op("flashattn::combine", _combine_impl, mutates_args=("merged",),
+                                  device_types=DEVICE_TYPES)
+
+
+@combine.register_fake
+def _combine_fake(out_partial, lse_partial, merged):
+    b, sq, h = out_partial.shape[1], out_partial.shape[2], out_partial.shape[3]
+    return torch.empty_strided((b, sq, h), (h * sq, 1, sq), dtype=lse_partial.dtype,
+                               device=out_partial.device)
+
+
+def combine_call(out_partial, lse_partial, merged):
+    """flash_attn_combine for torch tensors: lse, with ``merged`` written."""
+    tensors = (out_partial, lse_partial, merged)
+    return _run(torch.ops.flashattn.combine, _combine_impl, None, tensors, tensors,
+                _eager(tensors))
+
+
+# --------------------------------------------------------------------------------------------
+# The torch side of the public functions
+
+
+def draw_seed(dropout_p, q):
+    """The dropout seed of a call on ``q``'s device as an int64 (1,) CPU tensor, or None without
+    dropout (so calls without dropout leave the generators alone). Seeds are in
+    [0, 2**63 - 1) so that rng_state fits int64. Eager CUDA calls draw from the device's CUDA
+    generator (``_core.draw_seed_cuda``); everything else, compiled CUDA calls included, with
+    ``torch.randint`` from the default CPU generator, a random op that a compiled graph
+    keeps."""
+    if not dropout_p > 0.0:
+        return None
+    device = q.device
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        _refuse_capture(device, dropout_p)
         return torch.tensor([_core.draw_seed_cuda(device)], dtype=torch.int64)
-    if dropout_p > 0.0:
-        return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64)
-    return None
+    return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64)
 
 
 def _scalars(dropout_p, softmax_scale, softcap):
@@ -328,8 +530,9 @@ def _scalars(dropout_p, softmax_scale, softcap):
 
 
 def _check_devices(named):
-    # A tensor on a device without a kernel would otherwise reach the fake (meta) or fail in
-    # the dispatcher with a message that does not name the argument.
+    # Before an op: a tensor on a device without a kernel would otherwise reach the fake (meta)
+    # or fail in the dispatcher with a message that does not name the argument. (The kernels
+    # check devices themselves, so a direct call needs no check here.)
     for name, x in named:
         if x is not None:
             _core.check_device(x, name, cuda=True)
@@ -340,19 +543,29 @@ def _renamed(e, names):
 
 
 def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-          deterministic, return_softmax, learnable_sink, names=None):
+          deterministic, return_softmax, learnable_sink, names=None, aux=True):
     """One dense call: (out, fp32 lse, S_dmask, rng_state). ``window`` is already a pair of C
-    ints; ``names`` maps C argument names to the caller's, for error messages."""
+    ints; ``names`` maps C argument names to the caller's, for error messages. Without
+    ``aux`` (callers that drop them), S_dmask is None unless ``return_softmax`` and rng_state
+    may be None: an eager call without gradients then allocates neither."""
     names = names or {}
-    nm = lambda n: names.get(n, n)  # noqa: E731
-    _check_devices([(nm("q"), q), (nm("k"), k), (nm("v"), v), ("alibi_slopes", alibi_slopes),
-                    ("learnable_sink", learnable_sink)])
+    tensors = (q, k, v, alibi_slopes, learnable_sink)
+    eager = _eager(tensors)
+    if not eager:
+        nm = lambda n: names.get(n, n)  # noqa: E731
+        _check_devices([(nm("q"), q), (nm("k"), k), (nm("v"), v),
+                        ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)])
     dropout_p, softmax_scale, softcap = _scalars(dropout_p, softmax_scale, softcap)
-    try:
-        out, lse, S, rng_state = torch.ops.flashattn.fwd(
-            q, k, v, alibi_slopes, learnable_sink, draw_seed(dropout_p, q.device), dropout_p,
+    args = (q, k, v, alibi_slopes, learnable_sink, draw_seed(dropout_p, q), dropout_p,
             softmax_scale, bool(causal), window[0], window[1], softcap, bool(return_softmax),
             bool(deterministic))
+    try:
+        if eager and not aux and not _needs_grad(tensors):
+            out, lse, S, _ = _fwd_outputs(*args[:-1])
+            rng_state = None
+        else:
+            out, lse, S, rng_state = _run(torch.ops.flashattn.fwd, _fwd_impl, _DenseFn,
+                                          tensors, args, eager)
     except FlashAttnError as e:
         raise _renamed(e, names) from None
     return out, lse.float(), S, rng_state
@@ -364,19 +577,23 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     """One varlen call: (out, fp32 lse, S_dmask, rng_state); arguments as in ``dense``."""
     names = names or {}
     nm = lambda n: names.get(n, n)  # noqa: E731
-    _check_devices([(nm("q"), q), (nm("k"), k), (nm("v"), v),
-                    (nm("cu_seqlens_q"), cu_seqlens_q), (nm("cu_seqlens_k"), cu_seqlens_k),
-                    ("seqused_k", seqused_k), ("alibi_slopes", alibi_slopes),
-                    ("learnable_sink", learnable_sink)])
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink)
+    eager = _eager(tensors)
+    if not eager:
+        _check_devices([(nm("q"), q), (nm("k"), k), (nm("v"), v),
+                        (nm("cu_seqlens_q"), cu_seqlens_q), (nm("cu_seqlens_k"), cu_seqlens_k),
+                        ("seqused_k", seqused_k), ("alibi_slopes", alibi_slopes),
+                        ("learnable_sink", learnable_sink)])
     dropout_p, softmax_scale, softcap = _scalars(dropout_p, softmax_scale, softcap)
     max_seqlen_q = _core.as_int(max_seqlen_q, nm("max_seqlen_q"))
     max_seqlen_k = _core.as_int(max_seqlen_k, nm("max_seqlen_k"))
-    try:
-        out, lse, S, rng_state = torch.ops.flashattn.varlen_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink,
-            draw_seed(dropout_p, q.device), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink,
+            draw_seed(dropout_p, q), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
             bool(causal), window[0], window[1], softcap, bool(return_softmax),
             bool(deterministic))
+    try:
+        out, lse, S, rng_state = _run(torch.ops.flashattn.varlen_fwd, _varlen_fwd_impl,
+                                      _VarlenFn, tensors, args, eager)
     except FlashAttnError as e:
         raise _renamed(e, names) from None
     return out, lse.float(), S, rng_state

@@ -31,10 +31,14 @@ visible block of the global mask is cut out (rows and keys that see nothing are 
 expressed to the library as a bottom-right aligned window: pairs that see nothing cost nothing,
 fully visible pairs run unmasked.
 
-Devices. The code is device-neutral: CPU tensors with the gloo backend, CUDA tensors with NCCL.
-On CUDA tensors the backward is the library's CUDA backward (with its limits: dense sm80
-family, fp16/bf16, head dims up to 128); the ring has not been run on GPUs yet (no multi-GPU
-machine was available), only the gloo/CPU path is tested.
+Devices. The code is device-neutral: CPU tensors with the gloo backend, CUDA tensors with NCCL
+(one GPU per rank, selected with ``torch.cuda.set_device`` before the first call, as NCCL's
+batched point-to-point operations require). On CUDA tensors the backward is the library's CUDA
+backward (with its limits: dense sm80 family, fp16/bf16, head dims up to 128). A group of one
+rank never communicates: there is no transfer at the last step, and a one-rank ring has only
+that step, so the send to oneself that torch.distributed refuses never happens.
+tests/gpu/test_ring_cuda.py runs the CUDA path (one NCCL rank, several ranks as threads on one
+GPU, NCCL across GPUs where there are several).
 
 Not supported: dropout and ALiBi (they raise NotImplementedError); learnable sinks and varlen
 are not parameters yet.
@@ -305,8 +309,8 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
             s_local), fp32 (fp64 for fp64 inputs).
     Return:
         out (batch_size, s_local, nheads, headdim_v) for this rank's queries; with
-        ``return_lse``, (out, lse). Differentiable on CPU tensors (q, k, v get the gradients
-        of their shards); on CUDA tensors as far as the library's CUDA backward goes (untested).
+        ``return_lse``, (out, lse). Differentiable (q, k, v get the gradients of their
+        shards); on CUDA tensors as far as the library's CUDA backward goes.
     """
     if float(dropout_p) != 0.0:
         raise NotImplementedError("ring_flash_attn_func: dropout is not supported")

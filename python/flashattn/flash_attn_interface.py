@@ -40,6 +40,17 @@ __all__ = [
 ]
 
 
+_TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and torch)
+
+
+def _ops():
+    if not _TORCH_OPS:
+        from . import _torch_ops as module
+
+        _TORCH_OPS.append(module)
+    return _TORCH_OPS[0]
+
+
 def maybe_contiguous(x):
     """Upstream's helper: a copy only when the last dimension is not contiguous."""
     if x is None:
@@ -105,9 +116,7 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
         [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
          ("learnable_sink", learnable_sink)], 3)
     if kind == _core.TORCH:
-        from . import _torch_ops
-
-        return _torch_ops.dense(q, k, v, dropout_p, softmax_scale, causal,
+        return _ops().dense(q, k, v, dropout_p, softmax_scale, causal,
                                 _window((window_size_left, window_size_right)), softcap,
                                 alibi_slopes, _deterministic, return_softmax, learnable_sink,
                                 _names)
@@ -140,9 +149,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
          ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
          ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)], 5)
     if kind == _core.TORCH:
-        from . import _torch_ops
-
-        out, lse, S_dmask, rng_state = _torch_ops.varlen(
+        out, lse, S_dmask, rng_state = _ops().varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, _window((window_size_left, window_size_right)), softcap,
             alibi_slopes, _deterministic, return_softmax, learnable_sink, seqused_k, _names)
@@ -174,11 +181,19 @@ def _finish(out, lse, S_dmask, return_attn_probs):
 
 def _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, learnable_sink, kind, names):
-    left, right = _window(window_size)
+    window = _window(window_size)
     return_softmax = bool(return_attn_probs) and _positive(dropout_p)
-    out, lse, S_dmask, _ = _flash_attn_forward(
-        q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, alibi_slopes,
-        return_softmax, learnable_sink, _kind=kind, _names=names, _deterministic=deterministic)
+    if kind == _core.TORCH:
+        out, lse, S_dmask, _ = _ops().dense(q, k, v, dropout_p, softmax_scale, causal,
+                                                window, softcap, alibi_slopes, deterministic,
+                                                return_softmax, learnable_sink, names,
+                                                aux=False)
+        if S_dmask is None and return_attn_probs:
+            S_dmask = _empty_dmask(kind, q)
+    else:
+        out, lse, S_dmask, _ = _flash_attn_forward(
+            q, k, v, dropout_p, softmax_scale, causal, window[0], window[1], softcap,
+            alibi_slopes, return_softmax, learnable_sink, _kind=kind, _names=names)
     return _finish(out, lse, S_dmask, return_attn_probs)
 
 

@@ -1,4 +1,6 @@
-"""The Python forward functions on torch CUDA tensors, against the CPU path on the same inputs.
+"""The Python package on torch CUDA tensors: the functions against the CPU path on the same
+inputs, autograd, the custom ops (opcheck), torch.compile, CUDA graph capture, the SDPA
+registration, the combine, DLPack with CuPy and JAX, and the absence of host synchronisation.
 
 Run by `make gpu-check` on a CUDA machine:
     PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so python3 -m pytest tests/gpu
@@ -20,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import flashattn  # noqa: E402
 from flashattn import (FlashAttnError, flash_attn_func, flash_attn_kvpacked_func,  # noqa: E402
                        flash_attn_qkvpacked_func, flash_attn_varlen_func)
-from flashattn import _torch_ops  # noqa: E402,F401  (registers torch.ops.flashattn)
+from flashattn import _lib, _torch_ops  # noqa: E402,F401  (registers torch.ops.flashattn)
 
 DTYPES = [torch.float16, torch.bfloat16]
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
@@ -179,6 +181,11 @@ def test_refusals():
         torch.testing.assert_close(flash_attn_func(qg, k, v), flash_attn_func(q, k, v))
     with pytest.raises(FlashAttnError, match=r"^k: expected a tensor on cuda:0 like q"):
         flash_attn_func(q, k.cpu(), v)
+    with pytest.raises(FlashAttnError, match=r"^k: expected a tensor on cpu like q"):
+        flash_attn_func(q.cpu(), k, v.cpu())
+    with pytest.raises(FlashAttnError, match=r"^out: expected a tensor on cpu like out_partial"):
+        flashattn.flash_attn_combine(torch.randn(2, 1, 3, 2, 8), torch.randn(2, 1, 3, 2),
+                                     out=torch.empty(1, 3, 2, 8, device="cuda"))
     cu = torch.tensor([0, 64], dtype=torch.int32)
     with pytest.raises(FlashAttnError, match=r"^cu_seqlens_q: expected a tensor on cuda:0"):
         flash_attn_varlen_func(q[0], k[0], v[0], cu, cu.cuda(), 64, 64)
@@ -214,3 +221,466 @@ def test_autograd_on_cuda_matches_cpu(dtype, deterministic):
             runs.append(torch.autograd.grad(out, (qd, kd, vd), dout.cuda()))
         for a, b in zip(*runs):
             assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# The custom ops on CUDA tensors
+
+
+def _randn(gen, *shape, dtype=torch.float16, grad=False, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to("cuda", dtype).requires_grad_(grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("p", [0.0, 0.15])
+def test_opcheck_fwd_bwd_cuda(gen, dtype, p):
+    """opcheck (schema, fake tensors, autograd registration, AOT dispatch) on CUDA tensors: GQA,
+    causal, ALiBi, a learnable sink with its gradient; with dropout the probs output too."""
+    from torch.library import opcheck
+
+    q = _randn(gen, 2, 70, 4, 64, dtype=dtype, grad=True)
+    k = _randn(gen, 2, 90, 2, 64, dtype=dtype, grad=True)
+    v = _randn(gen, 2, 90, 2, 64, dtype=dtype, grad=True)
+    alibi = (torch.rand(4, generator=gen) * 0.3).cuda()
+    sink = _randn(gen, 4, dtype=torch.float32, grad=True)
+    seed = torch.randint(0, 2**62, (1,), generator=gen) if p > 0 else None
+    args = (q, k, v, alibi, sink, seed, p, None, True, -1, -1, 0.0, p > 0, False)
+    opcheck(torch.ops.flashattn.fwd.default, args)
+    out, lse, S, rng_state = torch.ops.flashattn.fwd(*args)
+    assert out.is_cuda and lse.is_cuda and rng_state.is_cuda
+    assert rng_state.tolist() == [int(seed) if p > 0 else 0, 0]
+    assert tuple(S.shape) == ((2, 4, 128, 128) if p > 0 else (0,))
+    dout = torch.randn_like(out)
+    bargs = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, alibi,
+             sink.detach(), rng_state, p, None, True, -1, -1, 0.0, False)
+    opcheck(torch.ops.flashattn.bwd.default, bargs)
+    dq, dk, dv, dsink = torch.ops.flashattn.bwd(*bargs)
+    assert dq.is_cuda and dsink.shape == (4,) and torch.isfinite(dq.float()).all()
+
+
+def test_opcheck_varlen_cuda(gen):
+    from torch.library import opcheck
+
+    cu_q = torch.tensor([0, 40, 40, 101], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 64, 70, 150], dtype=torch.int32, device="cuda")
+    q = _randn(gen, 101, 4, 64)
+    k, v = _randn(gen, 150, 2, 64), _randn(gen, 150, 2, 64)
+    args = (q, k, v, cu_q, cu_k, None, None, None, None, 61, 80, 0.0, 0.3, True, -1, -1, 0.0,
+            False, False)
+    opcheck(torch.ops.flashattn.varlen_fwd.default, args)
+    out, lse, S, rng_state = torch.ops.flashattn.varlen_fwd(*args)
+    want = flash_attn_varlen_func(q.cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), 61, 80,
+                                  softmax_scale=0.3, causal=True)
+    _close(out, want, torch.float16, "varlen op")
+    bargs = (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, None, None, None, rng_state,
+             61, 80, 0.0, 0.3, True, -1, -1, 0.0, False)
+    try:
+        torch.ops.flashattn.varlen_bwd(*bargs)
+    except FlashAttnError as e:
+        assert e.status == _lib.STATUS_UNSUPPORTED and str(e).startswith("cu_seqlens_q"), e
+        pytest.skip("the CUDA backward has no varlen form yet (%s)" % e)
+    opcheck(torch.ops.flashattn.varlen_bwd.default, bargs)
+
+
+def test_kvcache_cuda_is_refused_by_name(gen):
+    """The C library's KV-cache entry point has no CUDA backend yet: a clear error naming the
+    argument, before anything is written."""
+    q = _randn(gen, 2, 1, 4, 64)
+    kc, vc = _randn(gen, 2, 32, 2, 64), _randn(gen, 2, 32, 2, 64)
+    before = kc.clone()
+    with pytest.raises(FlashAttnError, match=r"^q: CUDA tensors are not supported yet"):
+        flashattn.flash_attn_with_kvcache(q, kc, vc, _randn(gen, 2, 1, 2, 64),
+                                          _randn(gen, 2, 1, 2, 64), cache_seqlens=5)
+    assert torch.equal(kc, before)
+
+
+def test_combine_cuda(gen):
+    """flash_attn_combine on CUDA tensors (the library validates, torch ops merge: its combine
+    has no CUDA kernel yet) against the CPU library, as the op (opcheck) and into out."""
+    from torch.library import opcheck
+
+    op = torch.randn(5, 2, 33, 4, 64, generator=gen)
+    lp = torch.randn(5, 2, 33, 4, generator=gen) * 4
+    lp[torch.rand(5, 2, 33, 4, generator=gen) < 0.3] = float("-inf")
+    lp[:, 1, 7, 2] = float("-inf")
+    lp[0, 0, 3, 1] = float("inf")
+    for out_dtype in (None, torch.bfloat16):
+        want, want_lse = flashattn.flash_attn_combine(op, lp, out_dtype=out_dtype)
+        got, got_lse = flashattn.flash_attn_combine(op.cuda(), lp.cuda(), out_dtype=out_dtype)
+        assert got.is_cuda and got.dtype == want.dtype and got_lse.stride() == want_lse.stride()
+        tol = 1e-6 if out_dtype is None else 8e-3
+        torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(got_lse.cpu(), want_lse, rtol=1e-6, atol=0)
+    out = torch.empty(2, 33, 4, 64, device="cuda")
+    merged, _ = flashattn.flash_attn_combine(op.cuda(), lp.cuda(), out=out)
+    assert merged is out
+    torch.testing.assert_close(out.cpu(), flashattn.flash_attn_combine(op, lp)[0])
+    opcheck(torch.ops.flashattn.combine.default, (op.cuda(), lp.cuda(), out))
+    with pytest.raises(FlashAttnError, match=r"^lse_partial: dimension 3"):
+        flashattn.flash_attn_combine(op.cuda(), lp[..., :3].cuda())
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile
+
+
+class _Block(torch.nn.Module):
+    """Projections, GQA flash attention (causal, a window, a learnable sink), output
+    projection."""
+
+    def __init__(self, dim=256, heads=4, heads_kv=2):
+        super().__init__()
+        self.h, self.hk, self.d = heads, heads_kv, dim // heads
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * heads_kv) * self.d)
+        self.out = torch.nn.Linear(dim, dim)
+        self.sink = torch.nn.Parameter(torch.randn(heads))
+
+    def forward(self, x, dropout_p=0.0):
+        b, n, _ = x.shape
+        qkv = self.qkv(x).view(b, n, self.h + 2 * self.hk, self.d)
+        q, k, v = qkv.split([self.h, self.hk, self.hk], dim=2)
+        y = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True, window_size=(40, -1),
+                            learnable_sink=self.sink)
+        return self.out(y.reshape(b, n, -1))
+
+
+def _block(gen, dtype):
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    return _Block().to("cuda", dtype)
+
+
+def _max_rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-3)).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_compile_fullgraph_cuda(gen, dtype):
+    """Inductor, fullgraph, forward and backward: the flashattn ops stay opaque nodes between
+    generated kernels; output and parameter gradients match eager (Inductor's own kernels round
+    differently, hence the tolerance)."""
+    torch._dynamo.reset()
+    model = _block(gen, dtype)
+    compiled = torch.compile(model, fullgraph=True)
+    for _ in range(2):
+        x = _randn(gen, 2, 96, 256, dtype=dtype)
+        dy = _randn(gen, 2, 96, 256, dtype=dtype)
+        ye, yc = model(x), compiled(x)
+        ge = torch.autograd.grad((ye * dy).sum(), list(model.parameters()))
+        gc = torch.autograd.grad((yc * dy).sum(), list(model.parameters()))
+        assert _max_rel(yc, ye) < 3e-2
+        for a, b in zip(gc, ge):
+            assert _max_rel(a, b) < 5e-2
+
+
+def test_compile_dropout_cuda_reproducible(gen):
+    """Under compile the seed is a random op of the graph (torch.randint on the CPU): a
+    reseeded run repeats, the next call draws a new mask."""
+    torch._dynamo.reset()
+    model = _block(gen, torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = _randn(gen, 2, 64, 256, dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    a = compiled(x, 0.3)
+    torch.manual_seed(3)
+    b = compiled(x, 0.3)
+    c = compiled(x, 0.3)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_compile_reduce_overhead_uses_cuda_graphs(gen):
+    """mode="reduce-overhead" (Inductor's CUDA graph trees) runs a model with flashattn inside
+    its graphs, nothing skipped, and replays match eager on fresh inputs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _block(gen, torch.float16).eval()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(4):
+            x = _randn(gen, 2, 80, 256)
+            got = compiled(x).clone()
+            assert _max_rel(got, model(x)) < 3e-2
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA graphs and host synchronisation
+
+
+def _warm(fn):
+    """Runs fn on a side stream, as capture requires (kernels compiled and loaded, allocator
+    pools warm)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_cuda_graph_forward(gen, dtype):
+    """A captured forward replays on new data copied into the static inputs, exactly as eager
+    computes it, dense and varlen."""
+    q, k, v = (_randn(gen, 2, 200, 4, 64, dtype=dtype) for _ in range(3))
+    cu = torch.tensor([0, 57, 200], dtype=torch.int32, device="cuda")
+    qv = _randn(gen, 200, 4, 64, dtype=dtype)
+
+    def step():
+        return (flash_attn_func(q, k, v, causal=True, window_size=(64, 0)),
+                flash_attn_varlen_func(qv, k[0], v[0], cu, cu, 143, 143, causal=True))
+
+    _warm(step)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, outv = step()
+    previous = None
+    for _ in range(3):
+        for x in (q, k, v, qv):
+            x.copy_(torch.randn(x.shape, generator=gen).to(dtype))
+        g.replay()
+        torch.cuda.synchronize()
+        want, wantv = (flash_attn_func(q.clone(), k.clone(), v.clone(), causal=True,
+                                       window_size=(64, 0)),
+                       flash_attn_varlen_func(qv.clone(), k[0].clone(), v[0].clone(), cu, cu,
+                                              143, 143, causal=True))
+        assert torch.equal(out, want) and torch.equal(outv, wantv)
+        assert previous is None or not torch.equal(out, previous)
+        previous = out.clone()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_cuda_graph_forward_backward(gen, dtype):
+    """Forward and backward captured together (the backward's dQ workspace from the graph's
+    pool): replays on fresh inputs give eager's output and gradients bitwise (deterministic
+    dQ), a learnable sink's gradient included."""
+    q = _randn(gen, 2, 150, 8, 64, dtype=dtype, grad=True)
+    k = _randn(gen, 2, 170, 2, 64, dtype=dtype, grad=True)
+    v = _randn(gen, 2, 170, 2, 64, dtype=dtype, grad=True)
+    sink = _randn(gen, 8, dtype=torch.float32, grad=True)
+    dout = _randn(gen, 2, 150, 8, 64, dtype=dtype)
+    leaves = (q, k, v, sink)
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        out = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, deterministic=True)
+        out.backward(dout)
+        return out
+
+    _warm(step)
+    for x in leaves:
+        x.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = flash_attn_func(q, k, v, causal=True, learnable_sink=sink, deterministic=True)
+        out.backward(dout)
+    grads = [x.grad for x in leaves]
+    for _ in range(3):
+        with torch.no_grad():
+            for x in leaves + (dout,):
+                x.copy_(torch.randn(x.shape, generator=gen).to(x.dtype))
+        g.replay()
+        torch.cuda.synchronize()
+        fresh = [x.detach().clone().requires_grad_() for x in leaves]
+        want = flash_attn_func(*fresh[:3], causal=True, learnable_sink=fresh[3],
+                               deterministic=True)
+        want_grads = torch.autograd.grad(want, fresh, dout)
+        assert torch.equal(out, want)
+        for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, want_grads):
+            assert torch.equal(a, b), name
+
+
+def test_dropout_under_capture_is_refused(gen):
+    """Dropout cannot be captured (the seed would be frozen into the graph, every replay the
+    same mask): the public function and the op both refuse it by name."""
+    q, k, v = (_randn(gen, 1, 64, 2, 64) for _ in range(3))
+    _warm(lambda: flash_attn_func(q, k, v))
+    seed = torch.tensor([5], dtype=torch.int64)
+    calls = (lambda: flash_attn_func(q, k, v, dropout_p=0.1),
+             lambda: torch.ops.flashattn.fwd(q, k, v, None, None, seed, 0.1, None, False, -1,
+                                             -1, 0.0, False, False))
+    for call in calls:
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(FlashAttnError, match=r"^dropout_p: 0\.1 under CUDA graph capture"):
+            with torch.cuda.graph(g):
+                call()
+    out = flash_attn_func(q, k, v, dropout_p=0.1)  # outside capture: fine
+    assert torch.isfinite(out.float()).all() and not torch.equal(out, flash_attn_func(q, k, v))
+
+
+def test_no_host_synchronisation(gen):
+    """torch's sync debug mode turns every synchronising call into an error: none in the forward
+    and backward without dropout, varlen (zero_tensors included), the combine, the ops."""
+    from flashattn.flash_attn_interface import _flash_attn_varlen_forward
+
+    q = _randn(gen, 2, 130, 4, 64, grad=True)
+    k, v = _randn(gen, 2, 160, 2, 64, grad=True), _randn(gen, 2, 160, 2, 64, grad=True)
+    sink = _randn(gen, 4, dtype=torch.float32, grad=True)
+    cu = torch.tensor([0, 100, 260], dtype=torch.int32, device="cuda")
+    qv, kv = _randn(gen, 300, 4, 64), _randn(gen, 260, 2, 64)
+    op = torch.randn(3, 2, 10, 4, 64, device="cuda")
+    lp = torch.randn(3, 2, 10, 4, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+        out.backward(torch.randn_like(out))
+        outv = flash_attn_varlen_func(qv, kv, kv, cu, cu, 160, 160, causal=True)
+        _, lse, _, _ = _flash_attn_varlen_forward(qv, kv, kv, cu, cu, 160, 160, 0.0, None,
+                                                  True, zero_tensors=True)
+        flashattn.flash_attn_combine(op, lp)
+        torch.ops.flashattn.fwd(q.detach(), k.detach(), v.detach(), None, None, None, 0.0,
+                                None, False, -1, -1, 0.0, False, False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(q.grad.float()).all() and torch.isfinite(sink.grad).all()
+    assert torch.isinf(lse[:, 260:]).all() and torch.isfinite(lse[:, :260]).all()
+    assert torch.isfinite(outv[:260].float()).all()
+
+
+# --------------------------------------------------------------------------------------------
+# F.scaled_dot_product_attention through torch's registry
+
+
+def _sdpa_spy(monkeypatch):
+    from flashattn import _core
+
+    calls = {"fwd": 0, "bwd": 0}
+    fwd, bwd = _core.forward, _core.backward
+
+    def counting_fwd(*a, **kw):
+        calls["fwd"] += 1
+        return fwd(*a, **kw)
+
+    def counting_bwd(*a, **kw):
+        calls["bwd"] += 1
+        return bwd(*a, **kw)
+
+    monkeypatch.setattr(_core, "forward", counting_fwd)
+    monkeypatch.setattr(_core, "backward", counting_bwd)
+    return calls
+
+
+def _sdpa_grads(q, k, v, dout, **kw):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+        return out, torch.autograd.grad(out, (q, k, v), dout)
+
+
+SDPA_CASES = [
+    dict(shape=(2, 4, 4, 256, 256, 64), kw=dict()),
+    dict(shape=(2, 8, 8, 300, 300, 128), kw=dict(is_causal=True)),
+    dict(shape=(1, 8, 2, 200, 200, 64), kw=dict(is_causal=True, enable_gqa=True)),
+    dict(shape=(2, 2, 2, 100, 180, 64), kw=dict(scale=0.2)),
+    dict(shape=(1, 4, 4, 128, 128, 256), kw=dict(is_causal=True)),  # backward: torch's
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", SDPA_CASES, ids=["plain", "causal", "gqa", "scale", "d256"])
+def test_sdpa_activation_routes_cuda_to_flashattn(gen, monkeypatch, dtype, case):
+    """Registered, never active on import; activated, F.scaled_dot_product_attention on CUDA
+    tensors runs flashattn (the spy counts its calls) and matches torch's own flash kernels,
+    layouts included; restored, torch's kernels again. At head dim 256 the backward is
+    torch's (the CUDA backward stops at 128 so far), on flashattn's out and logsumexp."""
+    from flashattn import _sdpa
+    import torch.nn.attention as attention
+
+    if not _sdpa.available():
+        pytest.skip("torch %s has no register_flash_attention_impl / get_kernel"
+                    % torch.__version__)
+    b, h, hk, sq, sk, d = case["shape"]
+    q = _randn(gen, b, h, sq, d, dtype=dtype, grad=True)
+    k = _randn(gen, b, hk, sk, d, dtype=dtype, grad=True)
+    v = _randn(gen, b, hk, sk, d, dtype=dtype, grad=True)
+    dout = _randn(gen, b, h, sq, d, dtype=dtype)
+    calls = _sdpa_spy(monkeypatch)
+    assert "flashattn" in attention.list_flash_attention_impls()
+    assert attention.current_flash_attention_impl() is None
+    try:
+        want, want_grads = _sdpa_grads(q, k, v, dout, **case["kw"])
+    except RuntimeError as e:  # this torch's flash backend does not take the case
+        pytest.skip("torch's flash backend: %s" % str(e).splitlines()[0])
+    assert calls == {"fwd": 0, "bwd": 0}
+    attention.activate_flash_attention_impl("flashattn")
+    try:
+        assert attention.current_flash_attention_impl() == "flashattn"
+        got, grads = _sdpa_grads(q, k, v, dout, **case["kw"])
+    finally:
+        attention.restore_flash_attention_impl()
+    assert calls["fwd"] == 1 and calls["bwd"] == 1, calls
+    assert got.stride() == want.stride()
+    tol = TOL[dtype]
+    assert _max_rel(got, want) < tol * 2
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert g.stride() == w.stride(), name
+        assert _max_rel(g, w) < tol * 4, name
+    assert attention.current_flash_attention_impl() is None
+    _sdpa_grads(q, k, v, dout, **case["kw"])
+    assert calls == {"fwd": 1, "bwd": 1}
+
+
+def test_sdpa_dropout_goes_to_torch(gen, monkeypatch):
+    from flashattn import _sdpa
+    import torch.nn.attention as attention
+
+    if not _sdpa.available():
+        pytest.skip("torch %s has no register_flash_attention_impl" % torch.__version__)
+    q, k, v = (_randn(gen, 2, 4, 128, 64, grad=True) for _ in range(3))
+    calls = _sdpa_spy(monkeypatch)
+    attention.activate_flash_attention_impl("flashattn")
+    try:
+        out, grads = _sdpa_grads(q, k, v, torch.randn_like(q), dropout_p=0.2)
+    finally:
+        attention.restore_flash_attention_impl()
+    assert calls == {"fwd": 0, "bwd": 0}
+    assert torch.isfinite(out.float()).all() and all(torch.isfinite(g.float()).all()
+                                                     for g in grads)
+
+
+# --------------------------------------------------------------------------------------------
+# DLPack: CuPy and JAX device arrays in, the same kind out
+
+
+def _torch_qkv(gen, dtype):
+    return (_randn(gen, 2, 150, 4, 64, dtype=dtype), _randn(gen, 2, 170, 2, 64, dtype=dtype),
+            _randn(gen, 2, 170, 2, 64, dtype=dtype))
+
+
+def test_dlpack_cupy(gen):
+    cupy = pytest.importorskip("cupy")
+    q, k, v = _torch_qkv(gen, torch.float16)  # CuPy has no bf16
+    cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+    out = flash_attn_func(cq, ck, cv, causal=True)
+    assert isinstance(out, cupy.ndarray) and out.shape == (2, 150, 4, 64)
+    assert out.dtype == cupy.float16 and out.device.id == q.device.index
+    assert torch.equal(torch.from_dlpack(out), flash_attn_func(q, k, v, causal=True))
+    out, lse, S = flash_attn_func(cq, ck, cv, return_attn_probs=True)
+    assert isinstance(lse, cupy.ndarray) and lse.dtype == cupy.float32
+    assert torch.equal(torch.from_dlpack(lse),
+                       flash_attn_func(q, k, v, return_attn_probs=True)[1])
+    assert cupy.isfinite(out).all() and S.size == 0
+
+
+def test_dlpack_jax(gen):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("JAX sees no GPU (%s)" % jax.devices())
+    q, k, v = _torch_qkv(gen, torch.bfloat16)
+    jq, jk, jv = (jax.device_put(jnp.asarray(x.float().cpu().numpy()).astype(jnp.bfloat16),
+                                 gpus[0]) for x in (q, k, v))
+    out = flash_attn_func(jq, jk, jv, causal=True, window_size=(50, 0))
+    assert isinstance(out, jax.Array) and out.dtype == jnp.bfloat16
+    assert out.shape == (2, 150, 4, 64) and list(out.devices())[0].platform == "gpu"
+    want = flash_attn_func(q, k, v, causal=True, window_size=(50, 0))
+    got = torch.from_dlpack(out)
+    assert got.is_cuda and torch.equal(got, want)

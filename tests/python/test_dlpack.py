@@ -75,9 +75,9 @@ def test_inputs_are_not_copied(rng, monkeypatch):
     q, k = _arrays(rng, (1, 4, 2, 8), (1, 6, 2, 8))
     seen = []
 
-    def spy(q_, k_, v_, *args):
+    def spy(q_, k_, v_, *args, **kwargs):
         seen.extend(x.data_ptr() for x in (q_, k_, v_))
-        return dense(q_, k_, v_, *args)
+        return dense(q_, k_, v_, *args, **kwargs)
 
     dense = _torch_ops.dense
     monkeypatch.setattr(_torch_ops, "dense", spy)

@@ -215,3 +215,193 @@ def test_compile_fullgraph_kvcache_decode_step(rng):
         assert torch.equal(a, c)
     assert not torch.equal(caches[0][1][:, 7], torch.zeros_like(caches[0][1][:, 7]))
     torch.testing.assert_close(caches[0][1][:, 7], v_new[:, 0], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Eager calls run the ops' kernels and formulas directly; anything that could observe the
+# difference gets the ops.
+
+
+def _dense_case(rng, dtype=torch.float32):
+    q = _t(rng, 2, 9, 4, 8, dtype=dtype, grad=True)
+    k = _t(rng, 2, 13, 2, 8, dtype=dtype, grad=True)
+    v = _t(rng, 2, 13, 2, 6, dtype=dtype, grad=True)
+    sink = _t(rng, 4, grad=True)
+    return q, k, v, sink
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_eager_path_equals_the_ops(rng, monkeypatch, p):
+    """Outputs and every gradient bitwise equal through the ops (forced) and directly, dense and
+    varlen, with dropout replayed from the same seed."""
+    q, k, v, sink = _dense_case(rng)
+    dout = torch.randn(2, 9, 4, 6)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32)
+    qv, kv, vv = (_t(rng, *s, grad=True) for s in ((9, 4, 8), (13, 2, 8), (13, 2, 6)))
+
+    def run():
+        torch.manual_seed(7)
+        out = flash_attn_func(q, k, v, dropout_p=p, causal=True, learnable_sink=sink)
+        outv = flash_attn_varlen_func(qv, kv, vv, cu, cu_k, 5, 7, dropout_p=p,
+                                      window_size=(3, 1), learnable_sink=sink)
+        loss = (out * dout).sum() + (outv * outv).sum()
+        return [out, outv] + list(torch.autograd.grad(loss, (q, k, v, sink, qv, kv, vv)))
+
+    direct = run()
+    monkeypatch.setattr(_torch_ops, "_eager", lambda tensors: False)
+    via_ops = run()
+    assert not torch.equal(direct[0], torch.zeros_like(direct[0]))
+    for a, b in zip(direct, via_ops):
+        assert torch.equal(a, b)
+
+
+def test_modes_and_subclasses_see_the_ops(rng):
+    """A dispatch mode (what tracing, FlopCounter and the like rely on) sees flashattn::fwd and
+    flashattn::bwd, and a tensor subclass's __torch_function__ sees the op call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, _ = _dense_case(rng)
+    with Record():
+        out = flash_attn_func(q, k, v, causal=True)
+        out.sum().backward()
+    assert "flashattn.fwd.default" in seen and "flashattn.bwd.default" in seen
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+    calls = []
+
+    class Spy(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    qs = q.detach().as_subclass(Spy)
+    got = flash_attn_func(qs, k.detach(), v.detach(), causal=True)
+    assert torch.ops.flashattn.fwd in calls
+    assert torch.equal(got.as_subclass(torch.Tensor), out.detach())
+
+
+def test_double_backward_is_refused_not_silently_zero(rng):
+    """The backward has no formula of its own: with create_graph, differentiating the gradients
+    raises (through the op) instead of treating them as constants."""
+    q, k, v, _ = _dense_case(rng)
+    out = flash_attn_func(q, k, v)
+    (gq,) = torch.autograd.grad(out.sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="flashattn"):
+        torch.autograd.grad(gq.sum(), (k,))
+
+
+def test_signature_cache_swaps_data_not_results(rng):
+    """Calls that share a signature reuse one prepared call: every result is still its own
+    inputs' (against the uncached path), also after a call whose input needed a copy, and with
+    threads sharing signatures (the library runs without the GIL)."""
+    import threading
+
+    from flashattn import _core
+
+    def inputs():
+        return [_t(rng, 1, 7, 2, 16) for _ in range(3)]
+
+    def uncached(q, k, v):
+        out, lse, _ = _core.forward(q, k, v, kind=_core.TORCH, causal=True, out=None,
+                                    lse=torch.empty(1, 2, 7))
+        return out, lse
+
+    sets = [inputs() for _ in range(6)]
+    for q, k, v in sets:
+        out, lse = _core.forward_dense_torch(q, k, v, 0.0, None, True, (-1, -1), 0.0, 0)
+        want_out, want_lse = uncached(q, k, v)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    q, k, v = sets[0]
+    strided = torch.randn(1, 7, 2, 32)[..., ::2]  # last dim not contiguous: copied
+    out, _ = _core.forward_dense_torch(strided, k, v, 0.0, None, True, (-1, -1), 0.0, 0)
+    assert torch.equal(out, uncached(strided.contiguous(), k, v)[0])
+    out, _ = _core.forward_dense_torch(q, k, v, 0.0, None, True, (-1, -1), 0.0, 0)
+    assert torch.equal(out, uncached(q, k, v)[0])
+
+    want = [uncached(*s)[0] for s in sets]
+    errors = []
+
+    def worker(order):
+        try:
+            for _ in range(20):
+                for i in order:
+                    got = flash_attn_func(*sets[i], causal=True)
+                    if not torch.equal(got, want[i]):
+                        errors.append(i)
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(list(range(6))[::step],))
+               for step in (1, -1, 2, -2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+# --------------------------------------------------------------------------------------------
+# flashattn::combine
+
+
+def _combine_inputs(rng, s=4, b=2, sq=3, h=2, d=8, dtype=torch.float32):
+    op = _t(rng, s, b, sq, h, d, dtype=dtype)
+    lp = _t(rng, s, b, sq, h, dtype=dtype) * 3
+    lp[0, 0, 0, 0] = float("inf")      # empty part (a row that saw no key)
+    lp[1, 0, 1, 1] = float("-inf")     # empty part
+    lp[:, 1, 2, 0] = float("-inf")     # a row with no part at all
+    op[0, 0, 0, 0] = float("nan")      # an empty part's output is never read
+    return op, lp
+
+
+def test_opcheck_combine(rng):
+    op, lp = _combine_inputs(rng)
+    merged = torch.empty(2, 3, 2, 8, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.flashattn.combine.default, (op, lp, merged))
+    lse = torch.ops.flashattn.combine(op, lp, merged)
+    assert lse.shape == (2, 3, 2) and lse.stride() == (6, 1, 3)
+    out, want_lse = flashattn.flash_attn_combine(op, lp, out_dtype=torch.float16)
+    assert torch.equal(merged, out) and torch.equal(lse, want_lse)
+
+
+def test_compile_fullgraph_combine(rng):
+    op, lp = _combine_inputs(rng)
+
+    def f(op, lp):
+        out, lse = flashattn.flash_attn_combine(op * 2, lp)
+        return out.sum(-1) + lse
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(op, lp)
+    assert torch.equal(got, f(op, lp))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_combine_torch_merge_matches_the_library(rng, dtype):
+    """The torch merge CUDA tensors fall back to (the library's combine has no CUDA backend
+    yet), on CPU tensors against the library: empty parts of either sign, a row with no part,
+    a NaN lse (its row is NaN), fp16 output."""
+    from flashattn import _kvcache
+
+    op, lp = _combine_inputs(rng, s=5, b=3, sq=4, h=3, d=16, dtype=dtype)
+    lp[2, 2, 3, 1] = float("nan")
+    for out_dtype in (dtype, torch.float16):
+        want, want_lse = flashattn.flash_attn_combine(op, lp, out_dtype=out_dtype)
+        out = torch.empty_like(want)
+        lse = torch.empty_strided(want_lse.shape, want_lse.stride(), dtype=dtype)
+        _kvcache._combine_torch(op, lp, out, lse)
+        nan = torch.isnan(want)
+        assert nan.any() and torch.equal(nan, torch.isnan(out))
+        tol = 1e-3 if out_dtype == torch.float16 else 1e-6
+        torch.testing.assert_close(out[~nan], want[~nan], rtol=tol, atol=tol)
+        assert torch.equal(out[1, 2, 0], torch.zeros_like(out[1, 2, 0]))
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=0, equal_nan=True)
+        assert lse[1, 2, 0] == float("-inf")

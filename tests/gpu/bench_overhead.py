@@ -1,0 +1,164 @@
+"""Host overhead of one attention call on tiny CUDA inputs: flashattn's flash_attn_func beside
+F.scaled_dot_product_attention on each of PyTorch's SDPA backends, measured side by side in one
+process.
+
+    PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so \\
+        python3 tests/gpu/bench_overhead.py [--json PATH] [--profile]
+
+b=1, h=4, d=64, bf16, seqlen 16..128: the kernels take a few microseconds, so a loop of calls
+is bound by the CPU and its wall time per call is the host cost of a call (launch included).
+Each figure is the best of several loops of many calls; "gpu busy" is the GPU time of the
+loop (CUDA events) over its wall time, well below 100% when the GPU is not what limits it.
+Rows: the public function without and with inputs that require grad (the forward records
+the autograd node), the same through the custom op (torch.ops.flashattn.fwd, what compiled
+graphs call), the bare C call with prepared arguments (the library's own host cost), and SDPA
+per backend. --profile prints where flashattn's Python time goes (cProfile).
+"""
+import argparse
+import cProfile
+import ctypes
+import json
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashattn import _core, _lib, flash_attn_func
+
+B, H, D = 1, 4, 64
+SEQLENS = (16, 32, 64, 128)
+DTYPE = torch.bfloat16
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def measure(fn, calls, repeats):
+    """(best wall microseconds per call, GPU busy fraction of that loop)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    best, busy = float("inf"), 0.0
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        wall = time.perf_counter() - t0
+        end.record()
+        torch.cuda.synchronize()
+        if wall < best:
+            best, busy = wall, start.elapsed_time(end) * 1e-3 / wall
+    return best / calls * 1e6, busy
+
+
+def inputs(seqlen, grad):
+    g = torch.Generator(device="cuda").manual_seed(seqlen)
+    q, k, v = (torch.randn(B, seqlen, H, D, device="cuda", generator=g).to(DTYPE)
+               .requires_grad_(grad) for _ in range(3))
+    return q, k, v
+
+
+def c_call(q, k, v):
+    """fa_attention_forward with arguments prepared once (outputs reused): the library's host
+    cost alone."""
+    args, keep, arrays, out, lse, _, _ = _core._prepare_forward(
+        q, k, v, _core.TORCH, None, None, None, 0, 0, 0.0, None, False, (-1, -1), 0.0, None,
+        None, False, 0, 0, None, None, None, None, 0)
+    fn = _lib.get_lib().fa_attention_forward
+    ref = ctypes.byref(args)
+
+    def call():
+        if fn(ref) != 0:
+            raise RuntimeError(_lib.last_error())
+
+    call.keep = (args, keep, arrays, out, lse)
+    return call
+
+
+def rows(seqlen):
+    """(name, callable, context manager or None) per measured row."""
+    q, k, v = inputs(seqlen, False)
+    qg, kg, vg = inputs(seqlen, True)
+    sd = [x.transpose(1, 2) for x in (q, k, v)]   # SDPA's (b, h, s, d) views of the same data
+    sdg = [x.transpose(1, 2) for x in (qg, kg, vg)]
+    out = [
+        ("flashattn", lambda: flash_attn_func(q, k, v), None),
+        ("flashattn, requires_grad", lambda: flash_attn_func(qg, kg, vg), None),
+        ("torch.ops.flashattn.fwd", lambda: torch.ops.flashattn.fwd(
+            q, k, v, None, None, None, 0.0, None, False, -1, -1, 0.0, False, False), None),
+        ("fa_attention_forward (C only)", c_call(q, k, v), None),
+    ]
+    for name, backend in BACKENDS.items():
+        out.append(("sdpa %s" % name, lambda: F.scaled_dot_product_attention(*sd),
+                    sdpa_kernel([backend])))
+        out.append(("sdpa %s, requires_grad" % name,
+                    lambda: F.scaled_dot_product_attention(*sdg), sdpa_kernel([backend])))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", help="write every number to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile flash_attn_func's Python path (seqlen 64)")
+    a = ap.parse_args()
+
+    torch.cuda.init()
+    flash_attn_func(*inputs(16, False))  # compile/load the kernels before timing
+    results = {}
+    for s in SEQLENS:
+        for name, fn, ctx in rows(s):
+            try:
+                if ctx is None:
+                    results[(name, s)] = measure(fn, a.calls, a.repeats)
+                else:
+                    with ctx:
+                        results[(name, s)] = measure(fn, a.calls, a.repeats)
+            except RuntimeError as e:  # a backend this torch build or GPU does not have
+                results[(name, s)] = None
+                print("%s, seqlen %d: unavailable (%s)" % (name, s, str(e).splitlines()[0]))
+
+    names = list(dict.fromkeys(n for n, _ in results))
+    print("\nhost time per call, microseconds (b=%d, h=%d, d=%d, bf16; gpu busy in %%)"
+          % (B, H, D))
+    print("%-32s" % "" + "".join("%16s" % ("seqlen %d" % s) for s in SEQLENS))
+    for n in names:
+        cells = []
+        for s in SEQLENS:
+            r = results[(n, s)]
+            cells.append("%16s" % ("-" if r is None else "%7.1f (%3.0f%%)" % (r[0], 100 * r[1])))
+        print("%-32s" % n + "".join(cells))
+    for grad, suffix in ((False, ""), (True, ", requires_grad")):
+        ours = [results[("flashattn" + suffix, s)][0] for s in SEQLENS]
+        fastest = [min(r[0] for (n, s2), r in results.items() if r is not None and s2 == s
+                       and n.startswith("sdpa") and n.endswith("grad") == grad)
+                   for s in SEQLENS]
+        print("flashattn%s / fastest SDPA backend: %s" % (
+            suffix, "  ".join("%.2fx" % (o / f) for o, f in zip(ours, fastest))))
+
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"%s|%d" % k: v for k, v in results.items()}, f, indent=1)
+    if a.profile:
+        q, k, v = inputs(64, False)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.calls):
+            flash_attn_func(q, k, v)
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
+if __name__ == "__main__":
+    main()
