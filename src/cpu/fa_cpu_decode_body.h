@@ -84,6 +84,23 @@ typedef FA_REAL FA_FN(fa_kv_vec) __attribute__((vector_size(FA_LANES * sizeof(FA
 typedef FA_REAL FA_FN(fa_kv_half) __attribute__((vector_size(FA_LANES / 2 * sizeof(FA_REAL))));
 typedef FA_REAL FA_FN(fa_kv_quarter) __attribute__((vector_size(FA_LANES / 4 * sizeof(FA_REAL))));
 
+/* The lanes of acc folded to one sum, in the order fa_kv_dot folds them. */
+FA_CPU_INLINE FA_REAL FA_FN(fa_kv_fold)(FA_FN(fa_kv_vec) acc)
+{
+    FA_FN(fa_kv_half) h0, h1;
+    memcpy(&h0, &acc, sizeof h0);
+    memcpy(&h1, (const char *)&acc + sizeof h0, sizeof h1);
+    h0 += h1;
+    FA_FN(fa_kv_quarter) q0, q1;
+    memcpy(&q0, &h0, sizeof q0);
+    memcpy(&q1, (const char *)&h0 + sizeof q0, sizeof q1);
+    q0 += q1;
+    FA_REAL sum = q0[0];
+    for (int l = 1; l < FA_LANES / 4; l++)
+        sum += q0[l];
+    return sum;
+}
+
 /*
  * a . b over dp features (a multiple of FA_LANES, 8 or 16), summed in a fixed order. The lanes
  * are folded in halves as vectors: written as array loops, compilers reduced them one scalar
@@ -101,18 +118,42 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_kv_dot)(const FA_REAL *restrict a, const FA_REAL 
         memcpy(&y, b + c, sizeof y);
         acc += x * y;
     }
-    FA_FN(fa_kv_half) h0, h1;
-    memcpy(&h0, &acc, sizeof h0);
-    memcpy(&h1, (const char *)&acc + sizeof h0, sizeof h1);
-    h0 += h1;
-    FA_FN(fa_kv_quarter) q0, q1;
-    memcpy(&q0, &h0, sizeof q0);
-    memcpy(&q1, (const char *)&h0 + sizeof q0, sizeof q1);
-    q0 += q1;
-    FA_REAL sum = q0[0];
-    for (int l = 1; l < FA_LANES / 4; l++)
-        sum += q0[l];
-    return sum;
+    return FA_FN(fa_kv_fold)(acc);
+}
+
+/*
+ * Scores of 4 query heads that share a kv head (q: 4 rows of dp, row stride dp) against keys
+ * [a, b) (key j at k + j * k_js), into s (row stride FA_KV_BN): each key row is read once for the
+ * 4 heads, two keys at a time, instead of once per head. Per (key, head) the products are summed
+ * lane-wise in feature order and folded as fa_kv_dot does.
+ */
+FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const FA_REAL *restrict k,
+                                      int64_t k_js, int64_t a, int64_t b, int64_t dp,
+                                      FA_REAL *restrict s)
+{
+    int64_t j = a;
+    for (; j + 1 < b; j += 2) {
+        FA_FN(fa_kv_vec) acc[2][4], x0, x1, y;
+        for (int h = 0; h < 4; h++)
+            for (int t = 0; t < 2; t++)
+                acc[t][h] = (FA_FN(fa_kv_vec)){0};
+        for (int64_t c = 0; c < dp; c += FA_LANES) {
+            memcpy(&x0, k + j * k_js + c, sizeof x0);
+            memcpy(&x1, k + (j + 1) * k_js + c, sizeof x1);
+            for (int h = 0; h < 4; h++) {
+                memcpy(&y, q + h * dp + c, sizeof y);
+                acc[0][h] += x0 * y;
+                acc[1][h] += x1 * y;
+            }
+        }
+        for (int h = 0; h < 4; h++) {
+            s[h * FA_KV_BN + j] = FA_FN(fa_kv_fold)(acc[0][h]);
+            s[h * FA_KV_BN + j + 1] = FA_FN(fa_kv_fold)(acc[1][h]);
+        }
+    }
+    for (; j < b; j++)
+        for (int h = 0; h < 4; h++)
+            s[h * FA_KV_BN + j] = FA_FN(fa_kv_dot)(q + h * dp, k + j * k_js, dp);
 }
 
 /* Asks for the cache lines of the key and value rows of heads [kh0, kh0 + nkh) at pos. */
@@ -256,9 +297,28 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
         if (!k_in_place || !v_in_place)
             FA_FN(fa_kv_block_load)(p, t, seq, kh0, nkh, pos0, nb, start + hi, dp, dvp,
                                     !k_in_place, !v_in_place);
-        for (int64_t i = 0; i < m; i++) {
+        /* Raw scores, per run of packed rows that share a query row and a kv head (the same
+         * keys): 4 heads at a time read each key row once. */
+        for (int64_t i = 0, i1; i < m; i = i1) {
             const int64_t r = (p0 + i) / per_row;
             const int64_t e = ((p0 + i) % per_row) / g; /* kv head kh0 + e */
+            i1 = i + 1;
+            while (i1 < m && (p0 + i1) / per_row == r && ((p0 + i1) % per_row) / g == e)
+                i1++;
+            int64_t a, b;
+            fa_kv_key_range(p, r, sq, n, &a, &b);
+            a = a - j0 > 0 ? a - j0 : 0;
+            b = b - j0 < nb ? b - j0 : nb;
+            const FA_REAL *krow = kb + e * k_es;
+            int64_t x = i;
+            for (; x + 4 <= i1; x += 4)
+                FA_FN(fa_kv_dots4)(t->q + x * dp, krow, k_js, a, b, dp, t->s + x * FA_KV_BN);
+            for (; x < i1; x++)
+                for (int64_t j = a; j < b; j++)
+                    t->s[x * FA_KV_BN + j] = FA_FN(fa_kv_dot)(t->q + x * dp, krow + j * k_js, dp);
+        }
+        for (int64_t i = 0; i < m; i++) {
+            const int64_t r = (p0 + i) / per_row;
             int64_t a, b;
             fa_kv_key_range(p, r, sq, n, &a, &b);
             a = a - j0 > 0 ? a - j0 : 0;
@@ -266,12 +326,11 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
             if (a >= b)
                 continue;
             FA_REAL *s = t->s + i * FA_KV_BN;
-            const FA_REAL *q = t->q + i * dp;
             const int64_t diag = r + n - sq;
             const FA_REAL slope = t->slope[i];
             FA_REAL mx = t->m[i];
             for (int64_t j = a; j < b; j++) {
-                FA_REAL x = FA_FN(fa_kv_dot)(q, kb + j * k_js + e * k_es, dp);
+                FA_REAL x = s[j];
                 if (softcap > 0)
                     x = softcap * FA_TANH(x * inv_softcap);
                 if (slope != 0) {
