@@ -43,6 +43,27 @@ typedef struct fa_kv_item {
     int64_t cost;     /* key-row products, to schedule the longest first */
 } fa_kv_item;
 
+/*
+ * The run of packed rows from row i that share a query row and a kv head (the same keys, the
+ * same K and V rows) in an item of m packed rows from p0, per_row = nkh * g of them per query
+ * row: returns its end, with its kv head (from the item's first) and its keys [a, b) among the
+ * nb keys of the block from j0, of a sequence of n keys.
+ */
+static inline int64_t fa_kv_run(const fa_kv_params *p, int64_t p0, int64_t per_row, int64_t g,
+                                int64_t m, int64_t i, int64_t n, int64_t j0, int64_t nb,
+                                int64_t *e, int64_t *a, int64_t *b)
+{
+    const int64_t r = (p0 + i) / per_row;
+    *e = ((p0 + i) % per_row) / g;
+    int64_t i1 = i + 1;
+    while (i1 < m && (p0 + i1) / per_row == r && ((p0 + i1) % per_row) / g == *e)
+        i1++;
+    fa_kv_key_range(p, r, p->sq, n, a, b);
+    *a = *a - j0 > 0 ? *a - j0 : 0;
+    *b = *b - j0 < nb ? *b - j0 : nb;
+    return i1;
+}
+
 #define FA_REAL float
 #define FA_FN(name) name##_f32
 #define FA_NATIVE FA_DTYPE_F32

@@ -300,15 +300,8 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
         /* Raw scores, per run of packed rows that share a query row and a kv head (the same
          * keys): 4 heads at a time read each key row once. */
         for (int64_t i = 0, i1; i < m; i = i1) {
-            const int64_t r = (p0 + i) / per_row;
-            const int64_t e = ((p0 + i) % per_row) / g; /* kv head kh0 + e */
-            i1 = i + 1;
-            while (i1 < m && (p0 + i1) / per_row == r && ((p0 + i1) % per_row) / g == e)
-                i1++;
-            int64_t a, b;
-            fa_kv_key_range(p, r, sq, n, &a, &b);
-            a = a - j0 > 0 ? a - j0 : 0;
-            b = b - j0 < nb ? b - j0 : nb;
+            int64_t e, a, b; /* kv head kh0 + e, keys [a, b) of the block */
+            i1 = fa_kv_run(p, p0, per_row, g, m, i, n, j0, nb, &e, &a, &b);
             const FA_REAL *krow = kb + e * k_es;
             int64_t x = i;
             for (; x + 4 <= i1; x += 4)
@@ -361,15 +354,8 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
         /* O += P V on the micro-kernels, for each run of packed rows that share a query row and
          * a kv head (the g heads of one kv head: the same keys, the same V rows). */
         for (int64_t i = 0, i1; i < m; i = i1) {
-            const int64_t r = (p0 + i) / per_row;
-            const int64_t e = ((p0 + i) % per_row) / g;
-            i1 = i + 1;
-            while (i1 < m && (p0 + i1) / per_row == r && ((p0 + i1) % per_row) / g == e)
-                i1++;
-            int64_t a, b;
-            fa_kv_key_range(p, r, sq, n, &a, &b);
-            a = a - j0 > 0 ? a - j0 : 0;
-            b = b - j0 < nb ? b - j0 : nb;
+            int64_t e, a, b;
+            i1 = fa_kv_run(p, p0, per_row, g, m, i, n, j0, nb, &e, &a, &b);
             if (a < b)
                 FA_GEMM(t->o + i * dvp, dvp, t->s + i * FA_KV_BN + a, FA_KV_BN, 1,
                         vb + a * v_js + e * v_es, v_js, i1 - i, dvp, b - a, 1);
