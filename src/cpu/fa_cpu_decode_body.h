@@ -85,11 +85,11 @@ typedef FA_REAL FA_FN(fa_kv_half) __attribute__((vector_size(FA_LANES / 2 * size
 typedef FA_REAL FA_FN(fa_kv_quarter) __attribute__((vector_size(FA_LANES / 4 * sizeof(FA_REAL))));
 
 /* The lanes of acc folded to one sum, in the order fa_kv_dot folds them. */
-FA_CPU_INLINE FA_REAL FA_FN(fa_kv_fold)(FA_FN(fa_kv_vec) acc)
+FA_CPU_INLINE FA_REAL FA_FN(fa_kv_fold)(const FA_FN(fa_kv_vec) * acc)
 {
     FA_FN(fa_kv_half) h0, h1;
-    memcpy(&h0, &acc, sizeof h0);
-    memcpy(&h1, (const char *)&acc + sizeof h0, sizeof h1);
+    memcpy(&h0, acc, sizeof h0);
+    memcpy(&h1, (const char *)acc + sizeof h0, sizeof h1);
     h0 += h1;
     FA_FN(fa_kv_quarter) q0, q1;
     memcpy(&q0, &h0, sizeof q0);
@@ -118,7 +118,7 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_kv_dot)(const FA_REAL *restrict a, const FA_REAL 
         memcpy(&y, b + c, sizeof y);
         acc += x * y;
     }
-    return FA_FN(fa_kv_fold)(acc);
+    return FA_FN(fa_kv_fold)(&acc);
 }
 
 /*
@@ -147,8 +147,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const FA_REAL *
             }
         }
         for (int h = 0; h < 4; h++) {
-            s[h * FA_KV_BN + j] = FA_FN(fa_kv_fold)(acc[0][h]);
-            s[h * FA_KV_BN + j + 1] = FA_FN(fa_kv_fold)(acc[1][h]);
+            s[h * FA_KV_BN + j] = FA_FN(fa_kv_fold)(&acc[0][h]);
+            s[h * FA_KV_BN + j + 1] = FA_FN(fa_kv_fold)(&acc[1][h]);
         }
     }
     for (; j < b; j++)
