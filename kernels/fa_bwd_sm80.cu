@@ -2,7 +2,9 @@
  * Backward attention for sm80 and later (runs on Hopper too): FlashAttention-2's algorithm on
  * mma.sync m16n8k16 with fp32 accumulation.
  *
- * Four entry points, launched in this order on the caller's stream (src/cuda/fa_cuda_backward.c):
+ * Entry points, launched in this order on the caller's stream (src/cuda/fa_cuda_backward.c):
+ *   fa_bwd_fill     varlen: zero dq, dk, dv on the rows outside every sequence (as the CPU
+ *                   backward writes them); the other kernels never touch those rows.
  *   fa_bwd_pre      per query tile: D = rowsum(dout * out) and lse * log2(e) in fp32 into the
  *                   workspace; zeroes the tile's fp32 dQ accumulator and its dQ ordering counter.
  *   fa_bwd          one CTA per (key block of FA_BN keys, kv head, sequence). dK and dV of the
@@ -33,7 +35,8 @@
  * reader of them is done (before dQ), overlapping only the dQ step.
  *
  * dQ accumulator layout (workspace, fp32): per (head, sequence) m_tiles * FA_BM rows (the last
- * tile padded) of FA_DP columns, cut into blocks of 16 rows x 8 columns stored in the order of
+ * tile padded; m_tiles from max_sq, so a varlen sequence shorter than that uses fewer) of FA_DP
+ * columns, cut into blocks of 16 rows x 8 columns stored in the order of
  * the mma C fragment, block (r16, c8) at (r16 * FA_DP / 8 + c8) * 128 floats: on sm_90 lane l's
  * four values at 4 l .. 4 l + 3 (one red.global.add.v4.f32 per lane, a warp covers 512 contiguous
  * bytes), on sm_80 value e of lane l at 32 e + l (a warp's scalar reduction covers 128 contiguous
@@ -50,8 +53,16 @@
  *   FA_BN, FA_NWARPS  keys per CTA = 16 * warps per CTA
  *   FA_QSTAGES        1 or 2 shared-memory stages of the query tile (Q, dO, lse, D)
  *   FA_VEC            1: rows 16-byte aligned, d, dv % 8 == 0: cp.async and paired stores
+ *   FA_VARLEN         1: packed [total, heads, dim] rows with cu_seqlens_q/k and optional
+ *                     seqused_k (fa_seq_get), lse [h, total_q]; 0 compiles the dense form's
+ *                     arithmetic unchanged
  *   FA_ALIBI, FA_SOFTCAP, FA_DROPOUT   features compiled in (0/1)
- * Dense layouts only (the plan refuses varlen for now).
+ *
+ * Varlen: every index is sequence-relative (masks, dropout counters, the workspace's rows) except
+ * the row of a global tensor, which adds q_start / k_start. Grids are sized from max_sq / max_sk;
+ * tiles and key blocks past a shorter sequence do nothing but what the CPU backward's semantics
+ * need: dK and dV cover every key of the sequence in k, zero past seqused_k. The plan takes the
+ * varlen form only with FLASHATTN_BWD_VARLEN=1 until it has passed test_gpu_backward on a GPU.
  */
 #include "fa_bkparams.h"
 #include "fa_common.cuh"
@@ -147,6 +158,41 @@ FA_DEV void fa_bwd_tile_load(fa_u16 *tile, int ld, const fa_u16 *src, fa_i64 rs,
 #endif
 }
 
+/* Sequence bi as the backward sees it: fa_seq_get's, with the keys in use also clamped to max_sk
+ * in the varlen form. Valid offsets never exceed it; bad ones must not make a key block beyond the
+ * grid (n_tiles from max_sk) one that a query tile waits for in deterministic mode. */
+FA_DEV fa_seq fa_bwd_seq(const fa_kparams *kp, int bi)
+{
+    fa_seq s = fa_seq_get(kp, bi, FA_VARLEN);
+#if FA_VARLEN
+    s.sk = fa_min(s.sk, (int)kp->max_sk);
+#endif
+    return s;
+}
+
+#if FA_VARLEN
+/* The keys of sequence bi in k, which dK and dV cover (past seqused_k with zeros, as the CPU
+ * backward writes them): cu_seqlens_k's length, clamped as fa_seq_get clamps and to max_sk as
+ * fa_bwd_seq, so that k_start + klen stays inside the tensor and inside the grid. */
+FA_DEV int fa_bwd_klen(const fa_kparams *kp, int bi)
+{
+    fa_i64 ka = kp->cu_seqlens_k[bi], kb = kp->cu_seqlens_k[bi + 1];
+    ka = ka < 0 ? 0 : ka > kp->total_k ? kp->total_k : ka;
+    kb = kb < ka ? ka : kb > kp->total_k ? kp->total_k : kb;
+    return (int)(kb - ka < kp->max_sk ? kb - ka : kp->max_sk);
+}
+
+/* Zeroes columns [0, cols) of rows [0, rows) (row stride rs, elements) at p, element i of the
+ * rows x cols by the thread whose index is i modulo nthreads (tid of nthreads). */
+FA_DEV void fa_bwd_zero(fa_u16 *p, fa_i64 rs, int rows, int cols, int tid, int nthreads)
+{
+    for (int i = tid; i < rows * cols; i += nthreads) {
+        const int r = i / cols;
+        p[r * rs + (i - r * cols)] = 0;
+    }
+}
+#endif
+
 /* Whether query tile mb and key block nb of a sequence may share a visible pair: the tile's rows
  * see keys [lo(first row), hi(last row)) at most, both edges growing with the row. The same
  * predicate decides which tiles a CTA visits and, in deterministic mode, how many other key
@@ -209,18 +255,19 @@ FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
     return ((fa_i64)h * bp->f.b + bi) * bp->m_tiles * FA_BM;
 }
 
-/* Starts the copies of query tile mb of head h, sequence bi: Q, dO (zero-filled past the
- * sequence and the head dims) and the tile's lse * log2 e and D rows of the workspace (padded to
- * whole tiles, so always in bounds) into one stage's buffers. */
+/* Starts the copies of query tile mb of head h, sequence bi (a tile that meets a key block, so
+ * its row m0 exists): Q, dO (zero-filled past the sequence and the head dims) and the tile's
+ * lse * log2 e and D rows of the workspace (padded to whole tiles, so always in bounds) into one
+ * stage's buffers. */
 FA_DEV void fa_bwd_load_q(const fa_bkparams *bp, const fa_seq *s, int bi, int h, int mb,
                           fa_u16 *s_q, fa_u16 *s_do, float *s_lse, float *s_dsum)
 {
     const fa_kparams *kp = &bp->f;
     const int m0 = mb * FA_BM;
-    const fa_u16 *qg = (const fa_u16 *)kp->q + bi * kp->q_bstride + m0 * kp->q_rstride +
-                       h * kp->q_hstride;
-    const fa_u16 *dog = (const fa_u16 *)bp->dout + bi * bp->do_bstride + m0 * bp->do_rstride +
-                        h * bp->do_hstride;
+    const fa_u16 *qg = (const fa_u16 *)kp->q + bi * kp->q_bstride +
+                       (s->q_start + m0) * kp->q_rstride + h * kp->q_hstride;
+    const fa_u16 *dog = (const fa_u16 *)bp->dout + bi * bp->do_bstride +
+                        (s->q_start + m0) * bp->do_rstride + h * bp->do_hstride;
     fa_bwd_tile_load(s_q, FA_LDK, qg, kp->q_rstride, s->sq - m0, kp->d, FA_BM, FA_DP);
     fa_bwd_tile_load(s_do, FA_LDV, dog, bp->do_rstride, s->sq - m0, kp->dv, FA_BM, FA_DVP);
     const fa_i64 r0 = fa_bwd_row0(bp, h, bi) + m0;
@@ -234,14 +281,21 @@ FA_DEV void fa_bwd_load_q(const fa_bkparams *bp, const fa_seq *s, int bi, int h,
 
 /* Grid (m_tiles, h, b), FA_THREADS threads: for the FA_BM rows of query tile mb, D and
  * lse * log2(e) (0 and +inf on padded rows), one warp per row at a time; zeroes the tile's
- * block of the dQ accumulator and its ordering counter. */
+ * block of the dQ accumulator and its ordering counter. A varlen tile past its sequence is left
+ * alone: no later kernel reads it (fa_bwd visits only tiles that meet a key block, fa_bwd_dsinks
+ * and fa_bwd_convert only the sequence's rows and tiles). */
 extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_bwd_pre(const fa_bkparams bp)
 {
     const fa_kparams *kp = &bp.f;
     const int mb = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int m0 = mb * FA_BM;
-    const int sq = (int)kp->max_sq;
+    const fa_seq seq = fa_bwd_seq(kp, bi);
+    const int sq = seq.sq;
+#if FA_VARLEN
+    if (m0 >= sq)
+        return;
+#endif
     const fa_i64 r0 = fa_bwd_row0(&bp, h, bi) + m0;
     if (threadIdx.x == 0)
         bp.sem[((fa_i64)bi * kp->h + h) * bp.m_tiles + mb] = 0;
@@ -253,15 +307,17 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_bwd_pre(const fa_bkp
         float s = 0.f, lse2 = FA_INF;
         if (row < sq) {
             const fa_u16 *dor = (const fa_u16 *)bp.dout + bi * bp.do_bstride +
-                                row * bp.do_rstride + h * bp.do_hstride;
+                                (seq.q_start + row) * bp.do_rstride + h * bp.do_hstride;
             const fa_u16 *orow = (const fa_u16 *)kp->out + bi * kp->o_bstride +
-                                 row * kp->o_rstride + h * kp->o_hstride;
+                                 (seq.q_start + row) * kp->o_rstride + h * kp->o_hstride;
             for (int c = lane; c < kp->dv; c += 32)
                 s += fa_to_float(dor[c]) * fa_to_float(orow[c]);
 #pragma unroll
             for (int sh = 16; sh > 0; sh >>= 1)
                 s += __shfl_xor_sync(0xffffffffu, s, sh);
-            lse2 = kp->lse[bi * kp->lse_bstride + h * kp->lse_hstride + row * kp->lse_rstride] *
+            /* lse is [b, h, sq] dense, [h, total_q] varlen (lse_bstride 0), as the forward. */
+            lse2 = kp->lse[bi * kp->lse_bstride + h * kp->lse_hstride +
+                           (FA_VARLEN ? seq.q_start + row : row) * kp->lse_rstride] *
                    FA_LOG2E;
         }
         if (lane == 0) {
@@ -387,14 +443,27 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     const int hk = blockIdx.y, bi = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const fa_seq seq = fa_seq_get(kp, bi, 0);
+    const fa_seq seq = fa_bwd_seq(kp, bi);
     const int n0 = nb * FA_BN;
     const int group = kp->h / kp->hk;
+#if FA_VARLEN
+    /* A key block at or past the sequence's keys in use meets no query tile (nor does any tile
+     * wait for it): its keys of the sequence get zero dK and dV, and nothing is loaded (its first
+     * row may lie past the tensor). */
+    if (n0 >= seq.sk) {
+        const int keys = fa_min(fa_bwd_klen(kp, bi) - n0, FA_BN);
+        fa_bwd_zero((fa_u16 *)bp.dk + (seq.k_start + n0) * bp.dk_rstride + hk * bp.dk_hstride,
+                    bp.dk_rstride, keys, kp->d, threadIdx.x, FA_THREADS);
+        fa_bwd_zero((fa_u16 *)bp.dv + (seq.k_start + n0) * bp.dv_rstride + hk * bp.dv_hstride,
+                    bp.dv_rstride, keys, kp->dv, threadIdx.x, FA_THREADS);
+        return;
+    }
+#endif
 
-    const fa_u16 *kg = (const fa_u16 *)kp->k + bi * kp->k_bstride + (fa_i64)n0 * kp->k_rstride +
-                       hk * kp->k_hstride;
-    const fa_u16 *vg = (const fa_u16 *)kp->v + bi * kp->v_bstride + (fa_i64)n0 * kp->v_rstride +
-                       hk * kp->v_hstride;
+    const fa_u16 *kg = (const fa_u16 *)kp->k + bi * kp->k_bstride +
+                       (seq.k_start + n0) * kp->k_rstride + hk * kp->k_hstride;
+    const fa_u16 *vg = (const fa_u16 *)kp->v + bi * kp->v_bstride +
+                       (seq.k_start + n0) * kp->v_rstride + hk * kp->v_hstride;
     fa_bwd_tile_load(s_k, FA_LDK, kg, kp->k_rstride, seq.sk - n0, kp->d, FA_BN, FA_DP);
     fa_bwd_tile_load(s_v, FA_LDV, vg, kp->v_rstride, seq.sk - n0, kp->dv, FA_BN, FA_DVP);
 
@@ -451,8 +520,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 
 #pragma unroll 1
     while (h < h_end) {
+        /* Varlen: the sequence read again each tile, since its lengths and offsets held in
+         * registers over the loop made ptxas spill (fa_bwd runs at the register limit). Dense:
+         * they are kernel parameters, used as they always were. */
+#if FA_VARLEN
+        const fa_seq cur = fa_bwd_seq(kp, bi);
+#else
+        const fa_seq cur = seq;
+#endif
         int hn = h, mbn = mb + 1;
-        fa_bwd_next(&bp, &seq, nb, h_end, &hn, &mbn);
+        fa_bwd_next(&bp, &cur, nb, h_end, &hn, &mbn);
         const int m0 = mb * FA_BM;
         /* This tile's copies have landed, every thread's (wait, then barrier), and every warp is
          * done with the previous tile: its dS^T and, with two stages, the other stage. */
@@ -460,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         __syncthreads();
 #if FA_QSTAGES == 2
         if (hn < h_end)
-            fa_bwd_load_q(&bp, &seq, bi, hn, mbn, s_q + (stage ^ 1) * FA_BM * FA_LDK,
+            fa_bwd_load_q(&bp, &cur, bi, hn, mbn, s_q + (stage ^ 1) * FA_BM * FA_LDK,
                           s_do + (stage ^ 1) * FA_BM * FA_LDV, s_lse + (stage ^ 1) * FA_BM,
                           s_dsum + (stage ^ 1) * FA_BM);
         fa_cp_async_commit();
@@ -505,9 +582,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         fa_bwd_tile tl;
         tl.lse2 = s_lse + stage * FA_BM;
         tl.dsum = s_dsum + stage * FA_BM;
-        tl.dg0 = m0 + 2 * t + (seq.sk - seq.sq) - key0;
-        tl.rows = seq.sq - m0 - 2 * t;
-        tl.keys = seq.sk - key0;
+        tl.dg0 = m0 + 2 * t + (cur.sk - cur.sq) - key0;
+        tl.rows = cur.sq - m0 - 2 * t;
+        tl.keys = cur.sk - key0;
         tl.wlo = wlo;
         tl.whi = whi;
         tl.m0 = m0;
@@ -520,9 +597,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 #endif
         /* Every pair of the tile visible: the tile lies inside both sequences and inside the
          * window, whose edges i - j + sk - sq are extreme at the tile's corners. */
-        const int full = m0 + FA_BM <= seq.sq && n0 + FA_BN <= seq.sk &&
-                         m0 + FA_BM - 1 + (seq.sk - seq.sq) - n0 <= wlo &&
-                         m0 + (seq.sk - seq.sq) - (n0 + FA_BN - 1) >= whi;
+        const int full = m0 + FA_BM <= cur.sq && n0 + FA_BN <= cur.sk &&
+                         m0 + FA_BM - 1 + (cur.sk - cur.sq) - n0 <= wlo &&
+                         m0 + (cur.sk - cur.sq) - (n0 + FA_BN - 1) >= whi;
         if (full)
             fa_bwd_probs(kp, &tl, t, st, dpt, 0);
         else
@@ -566,7 +643,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         __syncthreads();
 #if FA_QSTAGES == 1
         if (hn < h_end)
-            fa_bwd_load_q(&bp, &seq, bi, hn, mbn, s_q, s_do, s_lse, s_dsum);
+            fa_bwd_load_q(&bp, &cur, bi, hn, mbn, s_q, s_do, s_lse, s_dsum);
         fa_cp_async_commit();
 #endif
 
@@ -576,7 +653,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         int *sem = bp.sem + ((fa_i64)bi * kp->h + h) * bp.m_tiles + mb;
         if (bp.deterministic) {
             if (threadIdx.x == 0) {
-                const int later = fa_bwd_later(kp, &seq, mb, nb);
+                const int later = fa_bwd_later(kp, &cur, mb, nb);
                 while (fa_load_acquire(sem) != later)
                     __nanosleep(64);
             }
@@ -642,15 +719,25 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     /* K and V copies still in flight when no query tile met the block. */
     fa_cp_async_wait_all();
     /* dK (times the softmax scale dS lacked), dV of the block's keys (zero for keys no query
-     * sees). C layout: dk[nt][e] is key 16 warp + g + 8 (e / 2), column 8 nt + 2t + (e % 2). */
+     * sees; varlen: up to the sequence's end in k, zero past seqused_k, whose K and V rows were
+     * zero-filled and masked). C layout: dk[nt][e] is key 16 warp + g + 8 (e / 2), column
+     * 8 nt + 2t + (e % 2). */
+#if FA_VARLEN
+    /* Read again rather than held over the main loop. */
+    const fa_i64 k_start = fa_bwd_seq(kp, bi).k_start;
+    const int key_end = fa_bwd_klen(kp, bi);
+#else
+    const fa_i64 k_start = 0;
+    const int key_end = seq.sk;
+#endif
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const int key = key0 + 8 * hf;
-        if (key >= seq.sk)
+        if (key >= key_end)
             continue;
-        fa_u16 *dkr = (fa_u16 *)bp.dk + bi * bp.dk_bstride + (fa_i64)key * bp.dk_rstride +
+        fa_u16 *dkr = (fa_u16 *)bp.dk + bi * bp.dk_bstride + (k_start + key) * bp.dk_rstride +
                       hk * bp.dk_hstride;
-        fa_u16 *dvr = (fa_u16 *)bp.dv + bi * bp.dv_bstride + (fa_i64)key * bp.dv_rstride +
+        fa_u16 *dvr = (fa_u16 *)bp.dv + bi * bp.dv_bstride + (k_start + key) * bp.dv_rstride +
                       hk * bp.dv_hstride;
 #pragma unroll
         for (int nt = 0; nt < FA_DP / 8; nt++) {
@@ -683,20 +770,32 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 }
 
 /* Grid (h), 256 threads: d_sink[h] = -sum over (sequence, row) of exp(sink - lse) * D, each
- * thread a fixed stride of the rows, then a fixed tree: bitwise reproducible. */
+ * thread a fixed stride of the rows (varlen: of each sequence's rows in turn), then a fixed tree:
+ * bitwise reproducible. */
 extern "C" __global__ void __launch_bounds__(256) fa_bwd_dsinks(const fa_bkparams bp)
 {
     const fa_kparams *kp = &bp.f;
     __shared__ float part[256];
     const int h = blockIdx.x;
     const float sink = kp->sinks[h * kp->sinks_stride];
-    const fa_i64 n = (fa_i64)kp->b * kp->max_sq;
     float s = 0.f;
+#if FA_VARLEN
+    for (int bi = 0; bi < kp->b; bi++) {
+        const fa_seq seq = fa_bwd_seq(kp, bi);
+        const float *dsum = bp.dsum + fa_bwd_row0(&bp, h, bi);
+        for (int row = threadIdx.x; row < seq.sq; row += 256) {
+            const float lse = kp->lse[h * kp->lse_hstride + (seq.q_start + row) * kp->lse_rstride];
+            s -= expf(sink - lse) * dsum[row];
+        }
+    }
+#else
+    const fa_i64 n = (fa_i64)kp->b * kp->max_sq;
     for (fa_i64 x = threadIdx.x; x < n; x += 256) {
         const int bi = (int)(x / kp->max_sq), row = (int)(x - (fa_i64)bi * kp->max_sq);
         const float lse = kp->lse[bi * kp->lse_bstride + h * kp->lse_hstride + row * kp->lse_rstride];
         s -= expf(sink - lse) * bp.dsum[fa_bwd_row0(&bp, h, bi) + row];
     }
+#endif
     part[threadIdx.x] = s;
     __syncthreads();
     for (int w = 128; w > 0; w >>= 1) {
@@ -710,15 +809,19 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_dsinks(const fa_bkparam
 
 /* Grid (x, h, b), 256 threads: dq = dtype(scale * accumulator) for one (head, sequence), each
  * warp one 16 x 8 block of the accumulator at a time (a lane's four values: rows g, g + 8,
- * columns 2t, 2t + 1 of the block), rows past the sequence and columns past d skipped. */
+ * columns 2t, 2t + 1 of the block), rows past the sequence and columns past d skipped (varlen:
+ * only the sequence's own tiles, the rest of its m_tiles were never written). */
 extern "C" __global__ void __launch_bounds__(256) fa_bwd_convert(const fa_bkparams bp)
 {
     const fa_kparams *kp = &bp.f;
     const int h = blockIdx.y, bi = blockIdx.z;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int blocks = bp.m_tiles * (FA_BM / 16) * (FA_DP / 8);
+    const fa_seq seq = fa_bwd_seq(kp, bi);
+    const int tiles = FA_VARLEN ? (seq.sq + FA_BM - 1) / FA_BM : bp.m_tiles;
+    const int blocks = tiles * (FA_BM / 16) * (FA_DP / 8);
     const float *acc = bp.dq_accum + fa_bwd_row0(&bp, h, bi) * FA_DP;
-    fa_u16 *dqb = (fa_u16 *)bp.dq + bi * bp.dq_bstride + h * bp.dq_hstride;
+    fa_u16 *dqb = (fa_u16 *)bp.dq + bi * bp.dq_bstride + seq.q_start * bp.dq_rstride +
+                  h * bp.dq_hstride;
     for (int blk = blockIdx.x * 8 + (threadIdx.x >> 5); blk < blocks; blk += gridDim.x * 8) {
         const int r16 = blk / (FA_DP / 8), c8 = blk - r16 * (FA_DP / 8);
         const float *src = acc + (fa_i64)blk * 128;
@@ -735,7 +838,7 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_convert(const fa_bkpara
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const int row = r16 * 16 + g + 8 * hf;
-            if (row >= kp->max_sq)
+            if (row >= (FA_VARLEN ? seq.sq : kp->max_sq))
                 continue;
             fa_u16 *dqr = dqb + (fa_i64)row * bp.dq_rstride;
             const float a = v[2 * hf] * kp->scale, b = v[2 * hf + 1] * kp->scale;
@@ -751,3 +854,35 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_convert(const fa_bkpara
         }
     }
 }
+
+#if FA_VARLEN
+/* Grid (x), 256 threads, each a stride of the (row, head) pairs: zero dq on the rows of q, and
+ * dk, dv on those of k, outside every sequence (before cu_seqlens[0] or from cu_seqlens[b] on:
+ * the CPU backward's rule, and fa_fill_outside's for the forward). The grid may be capped below
+ * the pairs' count, hence the stride. */
+extern "C" __global__ void __launch_bounds__(256) fa_bwd_fill(const fa_bkparams bp)
+{
+    const fa_kparams *kp = &bp.f;
+    const fa_i64 nq = kp->total_q * kp->h, nk = kp->total_k * kp->hk;
+    const fa_i64 n = nq > nk ? nq : nk;
+    for (fa_i64 i = (fa_i64)blockIdx.x * 256 + threadIdx.x; i < n; i += (fa_i64)gridDim.x * 256) {
+        if (i < nq) {
+            const fa_i64 r = i / kp->h;
+            const int h = (int)(i - r * kp->h);
+            if (r < kp->cu_seqlens_q[0] || r >= kp->cu_seqlens_q[kp->b])
+                fa_bwd_zero((fa_u16 *)bp.dq + r * bp.dq_rstride + h * bp.dq_hstride, 0, 1, kp->d,
+                            0, 1);
+        }
+        if (i < nk) {
+            const fa_i64 r = i / kp->hk;
+            const int h = (int)(i - r * kp->hk);
+            if (r < kp->cu_seqlens_k[0] || r >= kp->cu_seqlens_k[kp->b]) {
+                fa_bwd_zero((fa_u16 *)bp.dk + r * bp.dk_rstride + h * bp.dk_hstride, 0, 1, kp->d,
+                            0, 1);
+                fa_bwd_zero((fa_u16 *)bp.dv + r * bp.dv_rstride + h * bp.dv_hstride, 0, 1, kp->dv,
+                            0, 1);
+            }
+        }
+    }
+}
+#endif

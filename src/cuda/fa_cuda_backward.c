@@ -1,8 +1,10 @@
 /*
  * The backward on a CUDA device (kernels/fa_bwd_sm80.cu): plan, check the caller's workspace,
- * fill the parameter block, launch the four kernels on the caller's stream.
+ * fill the parameter block, launch the kernels on the caller's stream (four, and fa_bwd_fill
+ * first in the varlen form, which the plan takes only with FLASHATTN_BWD_VARLEN=1 for now).
  *
- * Workspace layout (each part 256-byte aligned; rows = m_tiles * bm, whole query tiles):
+ * Workspace layout (each part 256-byte aligned; rows = m_tiles * bm, whole query tiles, m_tiles
+ * from max_sq in the dense and the varlen form alike: b is the number of sequences):
  *   dq_accum fp32 [h][b][rows][dp]   dQ accumulated over the key blocks, in the kernel's
  *                                    mma-fragment order (kernels/fa_bwd_sm80.cu)
  *   dsum     fp32 [h][b][rows]       D = rowsum(dout * out)
@@ -163,7 +165,14 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     const fa_cuda_driver *d = fa_cuda_driver_get();
     fa_cu_stream stream = (fa_cu_stream)fwd->stream;
     const unsigned b = (unsigned)p->b, h = (unsigned)p->h, hk = (unsigned)p->hk;
-    if (bp.m_tiles > 0)
+    /* fa_bwd_fill: one thread per (row, head) of q and of k, a grid-stride loop past 2^20 CTAs. */
+    const int64_t pairs_q = p->total_q * p->h, pairs_k = p->total_k * p->hk;
+    const int64_t fill_ctas = ((pairs_q > pairs_k ? pairs_q : pairs_k) + 255) / 256;
+    if (p->is_varlen && fill_ctas > 0)
+        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_fill",
+                           (unsigned)(fill_ctas < (1 << 20) ? fill_ctas : 1 << 20), 1, 1, 256, 0,
+                           stream, &bp);
+    if (st == FA_STATUS_OK && bp.m_tiles > 0)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_pre", (unsigned)bp.m_tiles, h, b, plan.threads,
                            0, stream, &bp);
     if (st == FA_STATUS_OK && bp.n_tiles > 0)

@@ -269,12 +269,11 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }
-    /* The backward's kernels of the same configuration where the backward family takes it
-     * (its varlen form is not there yet: the dense one is compiled instead). */
+    /* The backward's kernels of the same configuration where the backward family takes it (its
+     * varlen form too, opt-in at run time until it has passed test_gpu_backward on a GPU). */
     fa_plan planb;
-    key.features &= ~(unsigned)FA_FEATURE_VARLEN;
     if (st == FA_STATUS_OK && key.d <= FA_BWD_MAX_HEAD_DIM && key.dv <= FA_BWD_MAX_HEAD_DIM &&
-        fa_plan_backward(&key, &planb) == FA_STATUS_OK) {
+        fa_plan_backward_ungated(&key, &planb) == FA_STATUS_OK) {
         st = fa_jit_build(&planb, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;

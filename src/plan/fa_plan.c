@@ -235,7 +235,8 @@ static fa_bwd_row fa_plan_bwd_override(fa_bwd_row row)
     return row;
 }
 
-fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
+/* The backward plan; varlen_gate: refuse varlen unless FLASHATTN_BWD_VARLEN=1. */
+static fa_status fa_plan_backward_make(const fa_plan_key *key, fa_plan *plan, int varlen_gate)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
@@ -252,7 +253,11 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
                             "head_dim: the CUDA backward supports head dims up to %d so far, got "
                             "d %d, dv %d (use the CPU backward)",
                             FA_BWD_MAX_HEAD_DIM, key->d, key->dv);
-    if (key->features & FA_FEATURE_VARLEN)
+    /* The varlen form (FA_VARLEN) is opt-in with FLASHATTN_BWD_VARLEN=1 until it has passed
+     * test_gpu_backward on a GPU; fa_cuda_precompile compiles it regardless. */
+    const char *varlen_env = getenv("FLASHATTN_BWD_VARLEN");
+    const int varlen = (key->features & FA_FEATURE_VARLEN) != 0;
+    if (varlen && varlen_gate && !(varlen_env && strcmp(varlen_env, "1") == 0))
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "cu_seqlens_q: the CUDA backward supports the dense form only so far "
                             "(use the CPU backward for varlen)");
@@ -290,5 +295,16 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
     fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
     fa_plan_define(plan, "FA_DROPOUT", (key->features & FA_FEATURE_DROPOUT) != 0);
+    fa_plan_define(plan, "FA_VARLEN", varlen);
     return FA_STATUS_OK;
+}
+
+fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
+{
+    return fa_plan_backward_make(key, plan, 1);
+}
+
+fa_status fa_plan_backward_ungated(const fa_plan_key *key, fa_plan *plan)
+{
+    return fa_plan_backward_make(key, plan, 0);
 }

@@ -10,7 +10,7 @@
 
 #include "flashattn.h"
 
-#define FA_PLAN_MAX_DEFINES 12
+#define FA_PLAN_MAX_DEFINES 16
 
 /* Plan-internal feature bits, above the public FA_FEATURE_* ones. */
 #define FA_PLAN_PROBS (1u << 24)   /* the probs output is asked for */
@@ -56,5 +56,8 @@ int fa_plan_sm90_enabled(void);
 /* The backward plan for key (fa_bwd_sm80.cu, sm_80 and later, fp16/bf16, d and dv <= 128, dense
  * layouts); FA_STATUS_UNSUPPORTED with a message for anything else. */
 fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
+
+/* The same without the varlen opt-in (precompile compiles the varlen form ahead). */
+fa_status fa_plan_backward_ungated(const fa_plan_key *key, fa_plan *plan);
 
 #endif /* FA_PLAN_H */

@@ -9,7 +9,12 @@
  *   every output element written (outputs are poisoned with NaN first);
  *   deterministic = 1: two runs bitwise identical in dq, dk, dv, dsinks; deterministic = 0: dk, dv,
  *   dsinks bitwise identical to the deterministic run's;
- *   unsupported cases (head dim > 128, varlen) and a short workspace refused with a message.
+ *   varlen (random lengths with an empty sequence, rows of q and k outside every sequence,
+ *   seqused_k, max_seqlen above the longest sequence): the same, and exact zeros on the rows
+ *   outside every sequence and the keys past seqused_k, as the CPU backward writes them. The
+ *   CUDA varlen backward is opt-in until it passes here: these cases set FLASHATTN_BWD_VARLEN=1;
+ *   unsupported cases (head dim > 128, varlen without that variable) and a short workspace
+ *   refused with a message.
  * `test_gpu_backward --bench` times the backward (hdim 128, seqlen 4k, bf16, causal and not);
  * `test_gpu_backward --case TEXT` runs only the cases whose name contains TEXT (a short run for
  * compute-sanitizer).
@@ -35,25 +40,40 @@ typedef struct bcase {
     int alibi, sinks;
     double dropout;
     int pad;
+    int varlen, seqused, slack; /* slack: max_seqlen_q/k above the longest sequence */
 } bcase;
 
 static const bcase cases[] = {
-    {"dense d64", 2, 4, 4, 257, 257, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0},
-    {"causal d128 sq<sk", 2, 4, 4, 300, 517, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0},
-    {"gqa window d96 padded", 1, 8, 2, 333, 290, 96, 96, 0, 32, 16, 0, 0, 0, 0, 8},
-    {"mqa unaligned d37 dv24", 2, 6, 1, 70, 150, 37, 24, 0, 50, -1, 0, 0, 0, 0, 0},
-    {"softcap alibi sinks d128", 1, 4, 2, 200, 200, 128, 128, 1, -1, -1, 30, 1, 1, 0, 0},
-    {"dropout causal d64", 2, 3, 3, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0.17, 0},
-    {"dropout alibi window d128", 2, 2, 2, 140, 333, 128, 128, 0, 60, 30, 0, 1, 0, 0.25, 0},
-    {"sq>sk causal empty rows d32", 2, 2, 2, 200, 60, 32, 32, 1, -1, -1, 0, 0, 0, 0, 0},
-    {"empty rows with sinks d64", 1, 3, 3, 150, 40, 64, 64, 1, -1, -1, 0, 0, 1, 0, 0},
-    {"long causal gqa d128", 1, 4, 2, 1000, 1100, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0},
-    {"decode sq1 gqa d128", 3, 8, 2, 1, 1000, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0},
-    {"d64 dv128 softcap window", 1, 4, 4, 190, 260, 64, 128, 0, 70, 0, 20, 0, 0, 0, 0},
+    {"dense d64", 2, 4, 4, 257, 257, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"causal d128 sq<sk", 2, 4, 4, 300, 517, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"gqa window d96 padded", 1, 8, 2, 333, 290, 96, 96, 0, 32, 16, 0, 0, 0, 0, 8, 0, 0, 0},
+    {"mqa unaligned d37 dv24", 2, 6, 1, 70, 150, 37, 24, 0, 50, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"softcap alibi sinks d128", 1, 4, 2, 200, 200, 128, 128, 1, -1, -1, 30, 1, 1, 0, 0, 0, 0, 0},
+    {"dropout causal d64", 2, 3, 3, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0.17, 0, 0, 0, 0},
+    {"dropout alibi window d128", 2, 2, 2, 140, 333, 128, 128, 0, 60, 30, 0, 1, 0, 0.25, 0, 0, 0,
+     0},
+    {"sq>sk causal empty rows d32", 2, 2, 2, 200, 60, 32, 32, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"empty rows with sinks d64", 1, 3, 3, 150, 40, 64, 64, 1, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0},
+    {"long causal gqa d128", 1, 4, 2, 1000, 1100, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"decode sq1 gqa d128", 3, 8, 2, 1, 1000, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"d64 dv128 softcap window", 1, 4, 4, 190, 260, 64, 128, 0, 70, 0, 20, 0, 0, 0, 0, 0, 0, 0},
     /* Key blocks whose query tiles are partly whole (the unmasked path) and partly cut by a
      * window wider than a tile, over several heads of a group (both query stages in turn). */
-    {"wide window gqa d128", 2, 4, 2, 600, 650, 128, 128, 0, 300, 150, 0, 0, 0, 0, 0},
-    {"dropout causal mqa d64 long", 1, 4, 1, 520, 700, 64, 64, 1, -1, -1, 0, 0, 0, 0.1, 0},
+    {"wide window gqa d128", 2, 4, 2, 600, 650, 128, 128, 0, 300, 150, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"dropout causal mqa d64 long", 1, 4, 1, 520, 700, 64, 64, 1, -1, -1, 0, 0, 0, 0.1, 0, 0, 0, 0},
+    /* Varlen (see run_case): key blocks past seqused_k and past shorter sequences, query tiles
+     * of the workspace a sequence leaves unused, with GQA/MQA and every feature. */
+    {"varlen causal gqa d128", 4, 4, 2, 190, 260, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 1, 0, 0},
+    {"varlen seqused alibi d64 slack", 5, 4, 2, 300, 420, 64, 64, 0, -1, -1, 0, 1, 0, 0, 0, 1, 1,
+     1},
+    {"varlen window sinks dropout d96 padded", 3, 4, 1, 200, 333, 96, 96, 0, 70, 20, 0, 0, 1, 0.2,
+     8, 1, 0, 1},
+    {"varlen softcap mqa unaligned d37 dv24", 5, 6, 1, 90, 150, 37, 24, 0, -1, -1, 20, 0, 0, 0, 0,
+     1, 1, 0},
+    {"varlen sq>sk causal seqused sinks d32", 4, 2, 2, 200, 60, 32, 32, 1, -1, -1, 0, 0, 1, 0, 0,
+     1, 1, 1},
+    {"varlen long dropout causal gqa d64", 3, 4, 2, 700, 900, 64, 64, 1, -1, -1, 0, 0, 0, 0.1, 0,
+     1, 1, 0},
 };
 
 static int failures;
@@ -171,7 +191,8 @@ static void fill(dbuf *g, double lo, double hi)
     } while (0)
 
 /* One gradient's comparison: the raw downloaded data `got` (layout of view t, [b, s, heads, w]
- * dense, or fp32 [h] for dsinks when ndim is 1) against the oracle arrays [tokens, heads, w]. */
+ * dense, [total, heads, w] varlen, or fp32 [h] for dsinks when ndim is 1) against the oracle
+ * arrays [tokens, heads, w]. */
 typedef struct grad_err {
     double err, naive, stored, maxref, cpu;
     long long unwritten;
@@ -181,16 +202,17 @@ static grad_err compare(const void *got, const void *cpu, const fa_tensor *t, co
                         const double *lowp, const double *stored)
 {
     grad_err r = {0, 0, 0, 0, 0, 0};
-    const int one = t->ndim == 1;
-    const int64_t nb = one ? 1 : t->shape[0], ns = one ? 1 : t->shape[1];
-    const int64_t nh = one ? t->shape[0] : t->shape[2], w = one ? 1 : t->shape[3];
+    const int one = t->ndim == 1, nd = t->ndim;
+    /* As [nb, ns, nh, w] with strides (sb, ss, sh, 1): nb = 1 unless dense. */
+    const int64_t nb = nd == 4 ? t->shape[0] : 1, ns = one ? 1 : t->shape[nd - 3];
+    const int64_t nh = t->shape[one ? 0 : nd - 2], w = one ? 1 : t->shape[nd - 1];
+    const int64_t sb = nd == 4 ? t->stride[0] : 0, ss = one ? 0 : t->stride[nd - 3];
+    const int64_t sh = t->stride[one ? 0 : nd - 2];
     for (int64_t bi = 0; bi < nb; bi++)
         for (int64_t s = 0; s < ns; s++)
             for (int64_t hh = 0; hh < nh; hh++)
                 for (int64_t col = 0; col < w; col++) {
-                    const int64_t at = one ? hh * t->stride[0]
-                                           : bi * t->stride[0] + s * t->stride[1] +
-                                                 hh * t->stride[2] + col;
+                    const int64_t at = bi * sb + s * ss + hh * sh + col;
                     const size_t ri = (size_t)(((bi * ns + s) * nh + hh) * w + col);
                     const double g = load_elem(got, t->dtype, at);
                     if (isnan(g)) {
@@ -206,18 +228,72 @@ static grad_err compare(const void *got, const void *cpu, const fa_tensor *t, co
     return r;
 }
 
+/* Elements of rows [r0, r1) of a [total, heads, w] view that are not exactly zero (NaN too). */
+static long long nonzero_rows(const void *got, const fa_tensor *t, int64_t r0, int64_t r1)
+{
+    long long n = 0;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t hh = 0; hh < t->shape[1]; hh++)
+            for (int64_t col = 0; col < t->shape[2]; col++)
+                n += load_elem(got, t->dtype, r * t->stride[0] + hh * t->stride[1] + col) != 0;
+    return n;
+}
+
 static void run_case(const bcase *c, fa_dtype dt)
 {
+    /* Varlen: random lengths with an empty sequence (the second), rows of q and k outside every
+     * sequence at both ends, seqused_k anywhere in [0, length], as the forward's GPU test. */
+    int32_t cu_q[9] = {0}, cu_k[9] = {0}, used[8] = {0};
+    int64_t total_q = (int64_t)c->b * c->sq, total_k = (int64_t)c->b * c->sk;
+    int64_t max_q = 1, max_k = 1;
+    if (c->varlen) {
+        cu_q[0] = 3;
+        cu_k[0] = 5;
+        for (int i = 0; i < c->b; i++) {
+            const int lq = i == 1 ? 0 : (int)rng_uniform(1, c->sq + 1);
+            const int lk = (int)rng_uniform(1, c->sk + 1);
+            cu_q[i + 1] = cu_q[i] + lq;
+            cu_k[i + 1] = cu_k[i] + lk;
+            used[i] = c->seqused ? (int)rng_uniform(0, lk + 1) : lk;
+            max_q = lq > max_q ? lq : max_q;
+            max_k = lk > max_k ? lk : max_k;
+        }
+        total_q = cu_q[c->b] + 4;
+        total_k = cu_k[c->b] + 2;
+        /* More than a query tile and a key block of slack: tiles and key blocks that meet no
+         * sequence at all. */
+        if (c->slack)
+            max_q += 70, max_k += 150;
+        /* The CUDA varlen backward is opt-in until it passes this test (fa_plan_backward). */
+        setenv("FLASHATTN_BWD_VARLEN", "1", 1);
+    }
+    const int nd = c->varlen ? 3 : 4;
     int64_t qs[4] = {c->b, c->sq, c->h, c->d}, ks[4] = {c->b, c->sk, c->hk, c->d};
     int64_t vs[4] = {c->b, c->sk, c->hk, c->dv}, os[4] = {c->b, c->sq, c->h, c->dv};
     int64_t ls[3] = {c->b, c->h, c->sq}, hs[1] = {c->h};
-    dbuf q = dbuf_new(dt, 4, qs, c->pad), k = dbuf_new(dt, 4, ks, c->pad);
-    dbuf v = dbuf_new(dt, 4, vs, c->pad), o = dbuf_new(dt, 4, os, c->pad);
-    dbuf dout = dbuf_new(dt, 4, os, c->pad), dq = dbuf_new(dt, 4, qs, c->pad);
-    dbuf dk = dbuf_new(dt, 4, ks, c->pad), dv = dbuf_new(dt, 4, vs, c->pad);
-    dbuf lse = dbuf_new(FA_DTYPE_F32, 3, ls, 0);
+    if (c->varlen) {
+        const int64_t q3[3] = {total_q, c->h, c->d}, k3[3] = {total_k, c->hk, c->d};
+        const int64_t v3[3] = {total_k, c->hk, c->dv}, o3[3] = {total_q, c->h, c->dv};
+        const int64_t l2[2] = {c->h, total_q};
+        memcpy(qs, q3, sizeof q3);
+        memcpy(ks, k3, sizeof k3);
+        memcpy(vs, v3, sizeof v3);
+        memcpy(os, o3, sizeof o3);
+        memcpy(ls, l2, sizeof l2);
+    }
+    int64_t bs[1] = {c->b + 1}, us[1] = {c->b};
+    dbuf q = dbuf_new(dt, nd, qs, c->pad), k = dbuf_new(dt, nd, ks, c->pad);
+    dbuf v = dbuf_new(dt, nd, vs, c->pad), o = dbuf_new(dt, nd, os, c->pad);
+    dbuf dout = dbuf_new(dt, nd, os, c->pad), dq = dbuf_new(dt, nd, qs, c->pad);
+    dbuf dk = dbuf_new(dt, nd, ks, c->pad), dv = dbuf_new(dt, nd, vs, c->pad);
+    dbuf lse = dbuf_new(FA_DTYPE_F32, nd - 1, ls, 0);
     dbuf al = dbuf_new(FA_DTYPE_F32, 1, hs, 0), snk = dbuf_new(FA_DTYPE_F32, 1, hs, 0);
     dbuf dsk = dbuf_new(FA_DTYPE_F32, 1, hs, 0);
+    dbuf cq = dbuf_new(FA_DTYPE_I32, 1, bs, 0), ck = dbuf_new(FA_DTYPE_I32, 1, bs, 0);
+    dbuf su = dbuf_new(FA_DTYPE_I32, 1, us, 0);
+    memcpy(cq.host.data, cu_q, sizeof(int32_t) * (size_t)(c->b + 1));
+    memcpy(ck.host.data, cu_k, sizeof(int32_t) * (size_t)(c->b + 1));
+    memcpy(su.host.data, used, sizeof(int32_t) * (size_t)c->b);
     fill(&q, -1, 1);
     fill(&k, -1, 1);
     fill(&v, -1, 1);
@@ -237,6 +313,14 @@ static void run_case(const bcase *c, fa_dtype dt)
     fa_fwd_args host = a, dev = a;
     host.q = &q.host, host.k = &k.host, host.v = &v.host, host.out = &o.host, host.lse = &lse.host;
     dev.q = &q.dev, dev.k = &k.dev, dev.v = &v.dev, dev.out = &o.dev, dev.lse = &lse.dev;
+    if (c->varlen) {
+        host.max_seqlen_q = dev.max_seqlen_q = max_q;
+        host.max_seqlen_k = dev.max_seqlen_k = max_k;
+        host.cu_seqlens_q = &cq.host, host.cu_seqlens_k = &ck.host;
+        dev.cu_seqlens_q = &cq.dev, dev.cu_seqlens_k = &ck.dev;
+        if (c->seqused)
+            host.seqused_k = &su.host, dev.seqused_k = &su.dev;
+    }
     if (c->alibi)
         host.alibi_slopes = &al.host, dev.alibi_slopes = &al.dev;
     if (c->sinks)
@@ -247,7 +331,7 @@ static void run_case(const bcase *c, fa_dtype dt)
         FAIL("CPU forward: %s", fa_last_error());
         return;
     }
-    dbuf *ins[] = {&q, &k, &v, &o, &lse, &dout, &al, &snk};
+    dbuf *ins[] = {&q, &k, &v, &o, &lse, &dout, &al, &snk, &cq, &ck, &su};
     for (size_t i = 0; i < sizeof ins / sizeof ins[0]; i++)
         dbuf_upload(ins[i]);
 
@@ -256,8 +340,8 @@ static void run_case(const bcase *c, fa_dtype dt)
     fa_bwd_args_init(&hb);
     hb.fwd = &host, hb.dout = &dout.host, hb.dq = &dq.host, hb.dk = &dk.host, hb.dv = &dv.host;
     hb.dsinks = c->sinks ? &dsk.host : NULL;
-    const size_t nq = (size_t)c->b * c->sq * c->h * c->d, nk = (size_t)c->b * c->sk * c->hk * c->d;
-    const size_t nv = (size_t)c->b * c->sk * c->hk * c->dv, ns = (size_t)c->h;
+    const size_t nq = (size_t)total_q * c->h * c->d, nk = (size_t)total_k * c->hk * c->d;
+    const size_t nv = (size_t)total_k * c->hk * c->dv, ns = (size_t)c->h;
     double *r[3][4];
     for (int i = 0; i < 3; i++) {
         r[i][0] = malloc(nq * sizeof(double));
@@ -321,6 +405,19 @@ static void run_case(const bcase *c, fa_dtype dt)
             printf("  %s %.2e (tol %.1e, cpu %.1e)", names[i], e.err, tol, e.cpu);
         }
         printf("\n");
+        /* Varlen: exact zeros where the CPU backward writes them (the tolerance above allows
+         * small values): rows outside every sequence, keys past seqused_k. */
+        for (int i = 0; c->varlen && i < 3; i++) {
+            const int of_k = i > 0;
+            const int32_t *cu = of_k ? cu_k : cu_q;
+            long long bad = nonzero_rows(got[0][i], views[i], 0, cu[0]) +
+                            nonzero_rows(got[0][i], views[i], cu[c->b], of_k ? total_k : total_q);
+            for (int s = 0; of_k && s < c->b; s++)
+                bad += nonzero_rows(got[0][i], views[i], cu[s] + used[s], cu[s + 1]);
+            if (bad)
+                FAIL("%s: %lld elements not zero outside the sequences or past seqused_k",
+                     names[i], bad);
+        }
         for (int i = 0; i < 4; i++) {
             if (memcmp(got[0][i], got[1][i], outs[i]->bytes) != 0)
                 FAIL("%s: deterministic runs differ", names[i]);
@@ -336,15 +433,16 @@ static void run_case(const bcase *c, fa_dtype dt)
             free(r[i][j]);
     if (ws)
         drv->mem_free(ws);
-    dbuf *all[] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &lse, &al, &snk, &dsk};
+    dbuf *all[] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &lse, &al, &snk, &dsk, &cq, &ck, &su};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         dbuf_free(all[i]);
 }
 
-/* Refusals: head dim over 128, varlen, a workspace too small; each with a message. */
+/* Refusals: head dim over 128, varlen without FLASHATTN_BWD_VARLEN=1, a workspace too small;
+ * each with a message. */
 static void run_refusals(void)
 {
-    const bcase cc = {"refusals", 1, 2, 2, 64, 64, 192, 192, 0, -1, -1, 0, 0, 0, 0, 0};
+    const bcase cc = {"refusals", 1, 2, 2, 64, 64, 192, 192, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
     const bcase *c = &cc;
     const fa_dtype dt = FA_DTYPE_F16;
     int64_t qs[4] = {1, 64, 2, 192}, ls[3] = {1, 2, 64};
@@ -371,6 +469,30 @@ static void run_refusals(void)
     if (need == 0 || fa_attention_backward(&b) != FA_STATUS_INVALID_ARGUMENT ||
         !strstr(fa_last_error(), "workspace"))
         FAIL("short workspace (need %zu): %s", need, fa_last_error());
+    /* The same memory as one varlen sequence of 64 rows, the opt-in variable unset (the varlen
+     * cases set it; restored after). */
+    const char *env = getenv("FLASHATTN_BWD_VARLEN");
+    char saved[16] = "";
+    if (env)
+        snprintf(saved, sizeof saved, "%s", env);
+    unsetenv("FLASHATTN_BWD_VARLEN");
+    int64_t bs[1] = {2}, l2[2] = {2, 64};
+    dbuf cu = dbuf_new(FA_DTYPE_I32, 1, bs, 0);
+    fa_tensor q3 = fa_tensor_make(q.dev.data, dt, 3, (int64_t[3]){64, 2, 64}, NULL);
+    fa_tensor lse2 = fa_tensor_make(lse.dev.data, FA_DTYPE_F32, 2, l2, NULL);
+    a.q = a.k = a.v = a.out = &q3;
+    a.lse = &lse2;
+    a.cu_seqlens_q = a.cu_seqlens_k = &cu.dev;
+    a.max_seqlen_q = a.max_seqlen_k = 64;
+    b.dout = b.dq = b.dk = b.dv = &q3;
+    b.workspace_size = (size_t)1 << 40;
+    if (fa_attention_backward_workspace_size(&b) != 0 ||
+        fa_attention_backward(&b) != FA_STATUS_UNSUPPORTED ||
+        !strstr(fa_last_error(), "cu_seqlens_q"))
+        FAIL("varlen without FLASHATTN_BWD_VARLEN=1: %s", fa_last_error());
+    if (saved[0])
+        setenv("FLASHATTN_BWD_VARLEN", saved, 1);
+    dbuf_free(&cu);
     dbuf_free(&q);
     dbuf_free(&g);
     dbuf_free(&lse);
