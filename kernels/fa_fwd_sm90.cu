@@ -65,6 +65,7 @@ typedef struct __align__(64) fa_tmap {
 } fa_tmap;
 typedef struct fa_tmaps {
     fa_tmap q, k, v;
+    int paired; /* the grid's work units are mirrored pairs of query tiles (fa_unit_tile) */
 } fa_tmaps;
 
 /* ---- mbarriers ------------------------------------------------------------------------------ */
@@ -441,13 +442,36 @@ typedef struct fa_tile {
     int q_start, k_start; /* its first rows in q and k (varlen; 0 otherwise) */
 } fa_tile;
 
-/* Tile t of m_blocks * h * b, head-major (the CTAs running at once share a head's K and V in L2)
- * and, within a head, the heavy (late, under causal) query tiles first. */
-FA_DEV fa_tile fa_tile_get(const fa_kparams *kp, int t, int m_blocks)
+/*
+ * The work units of the grid, head-major (the CTAs running at once share a head's K and V in L2):
+ *   unpaired: unit t is query tile m_blocks - 1 - t % m_blocks of (head, sequence) t / m_blocks,
+ *     the heavy (late, under causal) tiles of a head first;
+ *   paired: unit t is the mirrored pair of tiles m_blocks - 1 - j and j, j = t % ceil(m_blocks /
+ *     2), of (head, sequence) t / ceil(m_blocks / 2): under causal or a window their work adds to
+ *     about the same for every pair, so persistent CTAs striding over the units stay balanced.
+ * fa_unit_tile gives part `half` (0, 1) of unit t: its (head, sequence) and query tile, or -1 when
+ * the unit has no such part (unpaired units have one; the middle of an odd m_blocks is alone).
+ */
+FA_DEV int fa_units(int paired, int m_blocks, const fa_kparams *kp)
+{
+    return (paired ? (m_blocks + 1) / 2 : m_blocks) * kp->h * kp->b;
+}
+
+FA_DEV int fa_unit_tile(int paired, int m_blocks, int t, int half, int *hb)
+{
+    const int per = paired ? (m_blocks + 1) / 2 : m_blocks;
+    *hb = t / per;
+    const int j = t - *hb * per;
+    if (half == 0)
+        return m_blocks - 1 - j;
+    return paired && j != m_blocks - 1 - j ? j : -1;
+}
+
+/* Query tile m_block of (head, sequence) hb. */
+FA_DEV fa_tile fa_tile_get(const fa_kparams *kp, int hb, int m_block)
 {
     fa_tile w;
-    const int hb = t / m_blocks;
-    w.m0 = (m_blocks - 1 - (t - hb * m_blocks)) * FA_BM;
+    w.m0 = m_block * FA_BM;
     w.h = hb % kp->h;
     w.bi = hb / kp->h;
     w.hk = w.h / (kp->h / kp->hk);
@@ -697,8 +721,8 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
 
 /* ---- the kernel ----------------------------------------------------------------------------- */
 
-/* The grid is 1-D: one CTA per tile, or (persistent) fewer CTAs that stride over the tiles, the
- * producer loading the next tile's Q, K and V while the consumers finish the current one. */
+/* The grid is 1-D: one CTA per work unit, or (persistent) fewer CTAs that stride over the units,
+ * the producer loading the next tile's Q, K and V while the consumers finish the current one. */
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     fa_fwd(const fa_kparams kp, const __grid_constant__ fa_tmaps tm)
 {
@@ -729,7 +753,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     __syncthreads();
 
     const int m_blocks = (int)((kp.max_sq + FA_BM - 1) / FA_BM);
-    const int n_tiles = m_blocks * kp.h * kp.b;
+    const int n_units = fa_units(tm.paired, m_blocks, &kp);
     int kv = 0, q_round = 0;
     const int wg = threadIdx.x / FA_WG_THREADS;
     if (wg == 0) {
@@ -739,18 +763,22 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         fa_tma_prefetch(&tm.q);
         fa_tma_prefetch(&tm.k);
         fa_tma_prefetch(&tm.v);
-        for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-            const fa_tile w = fa_tile_get(&kp, t, m_blocks);
-            if (w.n_blocks > 0)
-                fa_produce_tile(&m, &tm, &w, &kv, &q_round);
-        }
+        for (int t = blockIdx.x; t < n_units; t += gridDim.x)
+            for (int half = 0, hb, mb; half < 2; half++)
+                if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
+                    const fa_tile w = fa_tile_get(&kp, hb, mb);
+                    if (w.n_blocks > 0)
+                        fa_produce_tile(&m, &tm, &w, &kv, &q_round);
+                }
         return;
     }
     fa_regs_consumer();
-    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-        const fa_tile w = fa_tile_get(&kp, t, m_blocks);
-        fa_consume_tile(&kp, &m, &w, wg - 1, &kv, &q_round);
-    }
+    for (int t = blockIdx.x; t < n_units; t += gridDim.x)
+        for (int half = 0, hb, mb; half < 2; half++)
+            if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
+                const fa_tile w = fa_tile_get(&kp, hb, mb);
+                fa_consume_tile(&kp, &m, &w, wg - 1, &kv, &q_round);
+            }
 }
 
 extern "C" __global__ void fa_fwd_fill(const fa_kparams kp) { fa_fill_outside(&kp); }

@@ -74,9 +74,11 @@ void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
     }
 }
 
-/* The sm90 kernel's second parameter (fa_tmaps in kernels/fa_fwd_sm90.cu): Q, K, V maps. */
+/* The sm90 kernel's second parameter (fa_tmaps in kernels/fa_fwd_sm90.cu): Q, K, V maps and
+ * whether the grid's work units are mirrored pairs of query tiles. */
 typedef struct fa_cuda_tmaps {
     fa_cu_tensor_map q, k, v;
+    int paired;
 } fa_cuda_tmaps;
 
 /* A rank-4 tensor map {d, rows, heads, batch} over a [b, rows, heads, d] view with element
@@ -218,14 +220,20 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
     if (st == FA_STATUS_OK && m_blocks > 0) {
         st = fa_jit_function(&plan, ctx, "fa_fwd", &fn);
         if (st == FA_STATUS_OK && tmaps) {
-            /* A 1-D grid over the tiles (fa_cuda_forward checked their count fits an int).
-             * Persistent CTAs stride over the tiles statically, which balances only tiles of
-             * equal work: under causal, a window or varlen the hardware's own dispatch of one
-             * CTA per tile balances better (measured: d256 causal 8k 444 against 615 TFLOP/s). */
-            int64_t tiles = (int64_t)m_blocks * p->h * p->b, sms = fa_cuda_device_sms(args->device);
-            int uniform = p->window_left < 0 && p->window_right < 0 && !p->is_varlen;
-            unsigned grid =
-                (unsigned)(plan.persistent && uniform && sms > 0 && sms < tiles ? sms : tiles);
+            /* A 1-D grid over the work units (fa_cuda_forward checked the tiles fit an int).
+             * Persistent CTAs stride over the units statically, which balances only units of
+             * equal work: tiles without causal, window or varlen (plan.persistent 1), or, with
+             * plan.persistent 2, the mirrored tile pairs of causal and windowed calls, whose
+             * work adds up to about the same. Otherwise one CTA per tile and the hardware's own
+             * dispatch (measured: d256 causal 8k, 444 TFLOP/s with tiles striding statically
+             * against 615 with one CTA per tile). */
+            const int64_t sms = fa_cuda_device_sms(args->device);
+            const int uniform = p->window_left < 0 && p->window_right < 0 && !p->is_varlen;
+            tmaps->paired = plan.persistent == 2 && !uniform && !p->is_varlen;
+            const int persistent = uniform ? plan.persistent >= 1 : tmaps->paired;
+            const int64_t units =
+                (tmaps->paired ? (m_blocks + 1) / 2 : m_blocks) * (int64_t)p->h * p->b;
+            unsigned grid = (unsigned)(persistent && sms > 0 && sms < units ? sms : units);
             void *params[] = {&kp, tmaps};
             fa_cu_result r = d->launch_kernel(fn, grid, 1, 1, plan.threads, 1, 1, plan.smem,
                                               stream, params, NULL);

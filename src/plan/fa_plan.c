@@ -93,7 +93,9 @@ int fa_plan_sm90_enabled(void)
 
 /* FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG[,PERSISTENT] replaces the row's choice (for tuning
  * with the benchmark); a combination the kernel cannot take or shared memory cannot hold is
- * ignored. */
+ * ignored. PERSISTENT: 0 one CTA per query tile; 1 persistent CTAs for calls without causal,
+ * window or varlen (the rows' choice); 2 also for causal and windowed calls, over mirrored pairs
+ * of query tiles (not yet measured, hence not a row's choice). */
 static void fa_plan_sm90_override(fa_plan_row90 *row)
 {
     const char *env = getenv("FLASHATTN_SM90_TILE");
@@ -101,7 +103,7 @@ static void fa_plan_sm90_override(fa_plan_row90 *row)
     if (!env || sscanf(env, "%d,%d,%d,%d", &bn, &stages, &pingpong, &persistent) < 3)
         return;
     if (bn < 64 || bn > 192 || bn % 16 != 0 || stages < 2 || stages > 8 ||
-        (pingpong != 0 && pingpong != 1) || (persistent != 0 && persistent != 1) ||
+        (pingpong != 0 && pingpong != 1) || persistent < 0 || persistent > 2 ||
         2 * (128 * row->dp + stages * bn * 2 * row->dp) + 8 * (2 + 4 * stages) + 1024 > 232448)
         return;
     row->bn = bn;

@@ -31,7 +31,9 @@ typedef struct fa_plan {
     unsigned threads;
     unsigned smem; /* dynamic shared memory per CTA, bytes */
     int stages;    /* sm90 family: K/V shared-memory stages (0 for sm80) */
-    int persistent; /* sm90 family: one CTA per SM striding over the tiles (else one per tile) */
+    int persistent; /* sm90 family: 0 one CTA per tile; 1 one per SM striding over the tiles of
+                       calls without causal/window/varlen; 2 also over causal/windowed calls'
+                       mirrored tile pairs */
     int num_defines;
     char defines[FA_PLAN_MAX_DEFINES][24]; /* "-DFA_BN=64", ... */
 } fa_plan;
