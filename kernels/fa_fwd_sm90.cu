@@ -2,11 +2,13 @@
  * Forward attention for sm_90a (Hopper): FlashAttention-3's building blocks in CUDA C with inline
  * PTX: warp-specialised, TMA-fed, wgmma-computed, softmax overlapped with the GEMMs.
  *
- * One CTA computes FA_BM = 128 query rows of one (sequence, head) with 3 warpgroups:
+ * One CTA computes FA_BM = 64 FA_NCW query rows of one (sequence, head) with FA_NCW + 1 warpgroups
+ * (FA_NCW = 2, or 3 at head dim 64, FA3's 192-row tile there):
  *   warpgroup 0, the producer: gives its registers back (setmaxnreg.dec 24); one thread issues
  *     every TMA copy (cp.async.bulk.tensor) - Q once, then K and V of each key block into a ring
  *     of FA_STAGES shared-memory stages - each completing on an mbarrier with a byte count;
- *   warpgroups 1 and 2, the consumers (setmaxnreg.inc 240): 64 query rows each. Per key block:
+ *   warpgroups 1 .. FA_NCW, the consumers (setmaxnreg.inc 240 for two, 160 for three): 64 query
+ *     rows each. Per key block:
  *     S = Q K^T with wgmma.mma_async (both operands in shared memory, by descriptor), mask, online
  *     softmax in base 2 with scale * log2(e) folded into the FFMA in front of each exp2, P converted
  *     in registers to the A fragment, O += P V with the register-A form of wgmma (V by descriptor,
@@ -36,7 +38,7 @@
  * a __grid_constant__ parameter.
  *
  * Defines from the plan (src/plan/fa_plan.c): FA_BF16, FA_D (head dim), FA_DP = FA_DVP (FA_D
- * rounded up to 64: 64, 128, 192 or 256), FA_BM (128), FA_BN (16 k 64..192), FA_STAGES (>= 2),
+ * rounded up to 64: 64, 128, 192 or 256), FA_NCW, FA_BM (64 FA_NCW), FA_BN (16 k 64..192), FA_STAGES,
  * FA_SOFTCAP, FA_ALIBI, FA_VARLEN, FA_PINGPONG. Varlen maps span the packed rows ({d, total, heads,
  * 1}) and tiles take their sequence's offsets from cu_seqlens. Features not compiled here
  * (dropout, probs, unaligned rows, d != dv) are routed to the sm80 family by the plan.
@@ -45,7 +47,8 @@
 #include "fa_common.cuh"
 
 #define FA_WG_THREADS 128
-#define FA_THREADS (3 * FA_WG_THREADS)
+#define FA_THREADS ((FA_NCW + 1) * FA_WG_THREADS)
+#define FA_CONSUMER_WARPS (4 * FA_NCW) /* arrivals on each "empty" mbarrier */
 #define FA_KB (FA_DP / 64)  /* 64-column (128-byte) blocks of a Q or K row */
 #define FA_VB (FA_DVP / 64) /* of a V row */
 #define FA_Q_BYTES (FA_BM * FA_DP * 2)
@@ -54,8 +57,11 @@
 #define FA_SACC (FA_BN / 2)  /* S accumulator registers per thread (m64 x FA_BN fp32) */
 #define FA_OACC (FA_DVP / 2) /* O accumulator registers per thread */
 
-#if FA_BM != 128 || FA_DP % 64 != 0 || FA_DP > 256 || FA_DVP != FA_DP || FA_STAGES < 2
-#error "fa_fwd_sm90.cu: BM = 128, d = dv padded to 64, 128, 192 or 256, at least 2 stages"
+#if FA_BM != 64 * FA_NCW || FA_DP % 64 != 0 || FA_DP > 256 || FA_DVP != FA_DP || FA_STAGES < 2
+#error "fa_fwd_sm90.cu: BM = 64 x consumers, d = dv padded to 64, 128, 192 or 256, >= 2 stages"
+#endif
+#if (FA_NCW != 2 && FA_NCW != 3) || (FA_NCW == 3 && (FA_PINGPONG || FA_DP != 64))
+#error "fa_fwd_sm90.cu: 2 consumer warpgroups, or 3 (d 64, no pingpong: 160 registers each)"
 #endif
 
 /* The kernel's second parameter: three CUtensorMap images (128 bytes, 64-byte aligned each), the
@@ -279,8 +285,14 @@ FA_DEV void fa_wgmma_pv128(float *d, const fa_u32 a[4], fa_u64 db)
 
 /* setmaxnreg.{dec,inc}.sync.aligned.u32 N: the warpgroup's per-thread register budget becomes N
  * (dec returns registers to the CTA's pool, inc waits for them). */
+#if FA_NCW == 3
+/* 128 x 32 + 384 x 160 = 65536: the register file split over four warpgroups. */
+FA_DEV void fa_regs_producer(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 32;"); }
+FA_DEV void fa_regs_consumer(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 160;"); }
+#else
 FA_DEV void fa_regs_producer(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;"); }
 FA_DEV void fa_regs_consumer(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 240;"); }
+#endif
 
 /* Named barriers 1 and 2 order the two consumer warpgroups' GEMMs (pingpong):
  * bar.sync id, 256 waits for the other warpgroup's bar.arrive id, 256 (128 threads each). */
@@ -506,7 +518,7 @@ typedef struct fa_smem_map {
 FA_DEV void fa_produce_tile(const fa_smem_map *m, const fa_tmaps *tm, const fa_tile *w, int *kv,
                             int *q_round)
 {
-    /* Q is overwritten only once both consumers' last S = Q K^T of the previous tile finished. */
+    /* Q is overwritten only once every consumer's last S = Q K^T of the previous tile finished. */
     fa_mbar_wait(m->q_empty, (*q_round & 1) ^ 1);
     fa_mbar_expect_tx(m->q_full, FA_Q_BYTES);
 #pragma unroll
@@ -516,7 +528,7 @@ FA_DEV void fa_produce_tile(const fa_smem_map *m, const fa_tmaps *tm, const fa_t
     ++*q_round;
     for (int it = 0; it < w->n_blocks; it++, ++*kv) {
         const int n = w->n_max - 1 - it, s = *kv % FA_STAGES, ph = (*kv / FA_STAGES) & 1;
-        /* Each of K and V waits until both consumers released the stage's previous use. */
+        /* Each of K and V waits until every consumer released the stage's previous use. */
         fa_mbar_wait(m->k_empty + 8 * s, ph ^ 1);
         fa_mbar_expect_tx(m->k_full + 8 * s, FA_K_BYTES);
 #pragma unroll
@@ -540,8 +552,8 @@ FA_DEV void fa_fence_proxy_async(void) { asm volatile("fence.proxy.async.shared:
 /* Varlen: the tensor maps span all sequences, so the rows of the first visited key block past
  * the sequence's end are the next sequence's (out-of-bounds zero fill happens only at the end of
  * the packed tensor). Their scores are masked, but P V would still multiply 0 by those V rows, and
- * 0 * inf is NaN: the 256 consumer threads zero them (whole 128-byte rows, so the swizzle does not
- * matter) before the first P V, then meet at named barrier 3. Called by both consumer warpgroups
+ * 0 * inf is NaN: the consumer threads zero them (whole 128-byte rows, so the swizzle does not
+ * matter) before the first P V, then meet at named barrier 3. Called by every consumer warpgroup
  * between their first and second GEMM units, where pingpong cannot hold either of them. */
 FA_DEV void fa_v_tail_zero(const fa_smem_map *m, const fa_tile *w, int kv0)
 {
@@ -551,13 +563,13 @@ FA_DEV void fa_v_tail_zero(const fa_smem_map *m, const fa_tile *w, int kv0)
     const int s = kv0 % FA_STAGES;
     fa_mbar_wait(m->v_full + 8 * s, (kv0 / FA_STAGES) & 1);
     const int chunks = (FA_BN - valid) * 8; /* 16-byte chunks per 64-column block */
-    for (int i = threadIdx.x - FA_WG_THREADS; i < FA_VB * chunks; i += 2 * FA_WG_THREADS) {
+    for (int i = threadIdx.x - FA_WG_THREADS; i < FA_VB * chunks; i += FA_NCW * FA_WG_THREADS) {
         const int c = i / chunks, rest = i - c * chunks;
         const fa_u32 a = m->v + s * FA_V_BYTES + c * FA_BN * 128 + valid * 128 + rest * 16;
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(a), "r"(0) : "memory");
     }
     fa_fence_proxy_async();
-    asm volatile("bar.sync 3, 256;" ::: "memory");
+    asm volatile("bar.sync 3, %0;" ::"n"(FA_NCW * FA_WG_THREADS) : "memory");
 }
 #endif
 
@@ -733,20 +745,20 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     m.k = m.q + FA_Q_BYTES;
     m.v = m.k + FA_STAGES * FA_K_BYTES;
     m.q_full = m.v + FA_STAGES * FA_V_BYTES;
-    m.q_empty = m.q_full + 8;          /* 8 arrivals: lane 0 of each consumer warp */
+    m.q_empty = m.q_full + 8;          /* FA_CONSUMER_WARPS arrivals: lane 0 of each */
     m.k_full = m.q_empty + 8;
     m.v_full = m.k_full + 8 * FA_STAGES;
-    m.k_empty = m.v_full + 8 * FA_STAGES; /* 8 arrivals each */
+    m.k_empty = m.v_full + 8 * FA_STAGES; /* FA_CONSUMER_WARPS arrivals each */
     m.v_empty = m.k_empty + 8 * FA_STAGES;
 
     if (threadIdx.x == 0) {
         fa_mbar_init(m.q_full, 1);
-        fa_mbar_init(m.q_empty, 8);
+        fa_mbar_init(m.q_empty, FA_CONSUMER_WARPS);
         for (int s = 0; s < FA_STAGES; s++) {
             fa_mbar_init(m.k_full + 8 * s, 1);
             fa_mbar_init(m.v_full + 8 * s, 1);
-            fa_mbar_init(m.k_empty + 8 * s, 8);
-            fa_mbar_init(m.v_empty + 8 * s, 8);
+            fa_mbar_init(m.k_empty + 8 * s, FA_CONSUMER_WARPS);
+            fa_mbar_init(m.v_empty + 8 * s, FA_CONSUMER_WARPS);
         }
         fa_mbar_init_fence();
     }

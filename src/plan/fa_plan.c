@@ -71,13 +71,14 @@ static void fa_plan_define(fa_plan *plan, const char *name, int value)
  */
 typedef struct fa_plan_row90 {
     int dp, bn, stages, pingpong, persistent;
+    int consumers; /* consumer warpgroups of 64 query rows each */
 } fa_plan_row90;
 
 static const fa_plan_row90 fa_sm90_rows[] = {
-    {64, 128, 4, 0, 1},  /* Q 16 KB + 4 x (K 16 + V 16) KB = 144 KB */
-    {128, 128, 2, 1, 1}, /* Q 32 KB + 2 x (K 32 + V 32) KB = 160 KB */
-    {192, 112, 2, 1, 1}, /* Q 48 KB + 2 x (K 42 + V 42) KB = 216 KB */
-    {256, 80, 2, 1, 1},  /* Q 64 KB + 2 x (K 40 + V 40) KB = 224 KB */
+    {64, 128, 4, 0, 1, 2},  /* Q 16 KB + 4 x (K 16 + V 16) KB = 144 KB */
+    {128, 128, 2, 1, 1, 2}, /* Q 32 KB + 2 x (K 32 + V 32) KB = 160 KB */
+    {192, 112, 2, 1, 1, 2}, /* Q 48 KB + 2 x (K 42 + V 42) KB = 216 KB */
+    {256, 80, 2, 1, 1, 2},  /* Q 64 KB + 2 x (K 40 + V 40) KB = 224 KB */
 };
 
 /* What the sm90 kernel compiles: everything else goes to the sm80 family. */
@@ -91,25 +92,31 @@ int fa_plan_sm90_enabled(void)
     return !(env && strcmp(env, "0") == 0);
 }
 
-/* FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG[,PERSISTENT] replaces the row's choice (for tuning
- * with the benchmark); a combination the kernel cannot take or shared memory cannot hold is
- * ignored. PERSISTENT: 0 one CTA per query tile; 1 persistent CTAs for calls without causal,
- * window or varlen (the rows' choice); 2 also for causal and windowed calls, over mirrored pairs
- * of query tiles (not yet measured, hence not a row's choice). */
+/* FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG[,PERSISTENT[,CONSUMERS]] replaces the row's choice
+ * (for tuning with the benchmark); a combination the kernel cannot take or shared memory cannot
+ * hold is ignored. PERSISTENT: 0 one CTA per query tile; 1 persistent CTAs for calls without
+ * causal, window or varlen (the rows' choice); 2 also for causal and windowed calls, over mirrored
+ * pairs of query tiles. CONSUMERS: 2, or 3 at head dim 64 without pingpong (192-row tiles, FA3's
+ * hdim-64 choice). Neither 2 nor 3 is measured yet, hence not a row's choice. */
 static void fa_plan_sm90_override(fa_plan_row90 *row)
 {
     const char *env = getenv("FLASHATTN_SM90_TILE");
-    int bn, stages, pingpong, persistent = row->persistent;
-    if (!env || sscanf(env, "%d,%d,%d,%d", &bn, &stages, &pingpong, &persistent) < 3)
+    int bn, stages, pingpong, persistent = row->persistent, consumers = row->consumers;
+    if (!env || sscanf(env, "%d,%d,%d,%d,%d", &bn, &stages, &pingpong, &persistent,
+                       &consumers) < 3)
         return;
     if (bn < 64 || bn > 192 || bn % 16 != 0 || stages < 2 || stages > 8 ||
         (pingpong != 0 && pingpong != 1) || persistent < 0 || persistent > 2 ||
-        2 * (128 * row->dp + stages * bn * 2 * row->dp) + 8 * (2 + 4 * stages) + 1024 > 232448)
+        (consumers != 2 && consumers != 3) ||
+        (consumers == 3 && (row->dp != 64 || pingpong)) ||
+        2 * (64 * consumers * row->dp + stages * bn * 2 * row->dp) + 8 * (2 + 4 * stages) + 1024 >
+            232448)
         return;
     row->bn = bn;
     row->stages = stages;
     row->pingpong = pingpong;
     row->persistent = persistent;
+    row->consumers = consumers;
 }
 
 fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
@@ -123,13 +130,13 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     *plan = (fa_plan){0};
     plan->family = "fa_fwd_sm90.cu";
     snprintf(plan->target, sizeof plan->target, "sm_90a");
-    plan->bm = 128;
+    plan->bm = 64 * row.consumers;
     plan->bn = row.bn;
-    plan->nwarps = 12;
+    plan->nwarps = 4 * (row.consumers + 1);
     plan->dp = plan->dvp = dp;
     plan->stages = row.stages;
     plan->persistent = row.persistent;
-    plan->threads = 384;
+    plan->threads = (unsigned)(128 * (row.consumers + 1));
     /* Tiles, then the mbarriers (q_full, q_empty, and k_full, v_full, k_empty, v_empty per
      * stage), plus 1 KB so the kernel can round its base up to the 1024-byte swizzle atom. */
     plan->smem = (unsigned)(2 * (plan->bm * plan->dp + plan->stages * plan->bn * (plan->dp + plan->dvp)) +
@@ -138,6 +145,7 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_D", key->d);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
+    fa_plan_define(plan, "FA_NCW", row.consumers);
     fa_plan_define(plan, "FA_BM", plan->bm);
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_STAGES", plan->stages);

@@ -114,16 +114,24 @@ static const struct {
     {{"sm90->sm80 d128 dv64", 1, 2, 2, 100, 180, 128, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
     {{"sm90->sm80 unaligned d37", 1, 2, 1, 70, 150, 37, 37, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
 };
-/* Persistent CTAs over mirrored pairs of query tiles (FLASHATTN_SM90_TILE's PERSISTENT 2), under
- * causal and a window, with more pairs than SMs and an odd tile count (a lone middle tile). */
+/* Plans not yet any row's choice, under FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG,PERSISTENT,
+ * CONSUMERS: persistent CTAs over mirrored pairs of query tiles (PERSISTENT 2) under causal and a
+ * window, with more pairs than SMs and an odd tile count (a lone middle tile); three consumer
+ * warpgroups (192-row tiles) at head dim 64, dense persistent, causal paired, and varlen. */
 static const struct {
     gpu_case c;
     const char *tile;
-} sm90_paired_cases[] = {
+} sm90_tile_cases[] = {
     {{"sm90 paired causal gqa d128", 2, 40, 8, 640, 640, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
-     "128,2,1,2"},
+     "128,2,1,2,2"},
     {{"sm90 paired window odd d64", 1, 64, 16, 600, 650, 64, 64, 0, 100, 20, 0, 0, 1, 0, 0, 0, 0, 0},
-     "128,4,0,2"},
+     "128,4,0,2,2"},
+    {{"sm90 3 consumers persistent d64", 2, 48, 12, 500, 530, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+     "128,4,0,1,3"},
+    {{"sm90 3 consumers paired causal d64", 1, 96, 8, 700, 760, 64, 64, 1, -1, -1, 0, 1, 1, 0, 0, 0, 0, 0},
+     "128,4,0,2,3"},
+    {{"sm90 3 consumers varlen softcap d64", 4, 4, 2, 400, 520, 64, 64, 1, -1, -1, 20, 0, 0, 0, 1, 1, 0, 0},
+     "128,4,0,1,3"},
 };
 static const struct {
     gpu_case c;
@@ -529,10 +537,10 @@ int main(void)
         run_case(&sm90_scale_cases[i].c, FA_DTYPE_F16, &sm90_scale_cases[i].scale);
         run_case(&sm90_scale_cases[i].c, FA_DTYPE_BF16, &sm90_scale_cases[i].scale);
     }
-    for (size_t i = 0; i < sizeof sm90_paired_cases / sizeof sm90_paired_cases[0]; i++) {
-        setenv("FLASHATTN_SM90_TILE", sm90_paired_cases[i].tile, 1);
-        run_case(&sm90_paired_cases[i].c, FA_DTYPE_F16, NULL);
-        run_case(&sm90_paired_cases[i].c, FA_DTYPE_BF16, NULL);
+    for (size_t i = 0; i < sizeof sm90_tile_cases / sizeof sm90_tile_cases[0]; i++) {
+        setenv("FLASHATTN_SM90_TILE", sm90_tile_cases[i].tile, 1);
+        run_case(&sm90_tile_cases[i].c, FA_DTYPE_F16, NULL);
+        run_case(&sm90_tile_cases[i].c, FA_DTYPE_BF16, NULL);
         unsetenv("FLASHATTN_SM90_TILE");
     }
 #else
