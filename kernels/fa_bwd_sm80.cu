@@ -2,7 +2,8 @@
  * Backward attention for sm80 and later (runs on Hopper too): FlashAttention-2's algorithm on
  * mma.sync m16n8k16 with fp32 accumulation.
  *
- * Entry points, launched in this order on the caller's stream (src/cuda/fa_cuda_backward.c):
+ * Entry points, launched in this order on the caller's stream (src/cuda/fa_cuda_backward.c);
+ * all but fa_bwd live in fa_bwd_sm80_rows.cuh, included at the end:
  *   fa_bwd_fill     varlen: zero dq, dk, dv on the rows outside every sequence (as the CPU
  *                   backward writes them); the other kernels never touch those rows.
  *   fa_bwd_pre      per query tile: D = rowsum(dout * out) and lse * log2(e) in fp32 into the
@@ -277,54 +278,6 @@ FA_DEV void fa_bwd_load_q(const fa_bkparams *bp, const fa_seq *s, int bi, int h,
     else if (i < FA_BM / 2)
         fa_cp_async16(fa_smem_addr(s_dsum + 4 * (i - FA_BM / 4)), bp->dsum + r0 + 4 * (i - FA_BM / 4),
                       16);
-}
-
-/* Grid (m_tiles, h, b), FA_THREADS threads: for the FA_BM rows of query tile mb, D and
- * lse * log2(e) (0 and +inf on padded rows), one warp per row at a time; zeroes the tile's
- * block of the dQ accumulator and its ordering counter. A varlen tile past its sequence is left
- * alone: no later kernel reads it (fa_bwd visits only tiles that meet a key block, fa_bwd_dsinks
- * and fa_bwd_convert only the sequence's rows and tiles). */
-extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_bwd_pre(const fa_bkparams bp)
-{
-    const fa_kparams *kp = &bp.f;
-    const int mb = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int m0 = mb * FA_BM;
-    const fa_seq seq = fa_bwd_seq(kp, bi);
-    const int sq = seq.sq;
-#if FA_VARLEN
-    if (m0 >= sq)
-        return;
-#endif
-    const fa_i64 r0 = fa_bwd_row0(&bp, h, bi) + m0;
-    if (threadIdx.x == 0)
-        bp.sem[((fa_i64)bi * kp->h + h) * bp.m_tiles + mb] = 0;
-    float4 *acc = (float4 *)(bp.dq_accum + r0 * FA_DP);
-    for (int i = threadIdx.x; i < FA_BM * FA_DP / 4; i += FA_THREADS)
-        acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int r = warp; r < FA_BM; r += FA_NWARPS) {
-        const int row = m0 + r;
-        float s = 0.f, lse2 = FA_INF;
-        if (row < sq) {
-            const fa_u16 *dor = (const fa_u16 *)bp.dout + bi * bp.do_bstride +
-                                (seq.q_start + row) * bp.do_rstride + h * bp.do_hstride;
-            const fa_u16 *orow = (const fa_u16 *)kp->out + bi * kp->o_bstride +
-                                 (seq.q_start + row) * kp->o_rstride + h * kp->o_hstride;
-            for (int c = lane; c < kp->dv; c += 32)
-                s += fa_to_float(dor[c]) * fa_to_float(orow[c]);
-#pragma unroll
-            for (int sh = 16; sh > 0; sh >>= 1)
-                s += __shfl_xor_sync(0xffffffffu, s, sh);
-            /* lse is [b, h, sq] dense, [h, total_q] varlen (lse_bstride 0), as the forward. */
-            lse2 = kp->lse[bi * kp->lse_bstride + h * kp->lse_hstride +
-                           (FA_VARLEN ? seq.q_start + row : row) * kp->lse_rstride] *
-                   FA_LOG2E;
-        }
-        if (lane == 0) {
-            bp.dsum[r0 + r] = s;
-            bp.lse2[r0 + r] = lse2;
-        }
-    }
 }
 
 /* The per-tile inputs of the probabilities step, shared by its masked and unmasked forms. */
@@ -769,120 +722,4 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     }
 }
 
-/* Grid (h), 256 threads: d_sink[h] = -sum over (sequence, row) of exp(sink - lse) * D, each
- * thread a fixed stride of the rows (varlen: of each sequence's rows in turn), then a fixed tree:
- * bitwise reproducible. */
-extern "C" __global__ void __launch_bounds__(256) fa_bwd_dsinks(const fa_bkparams bp)
-{
-    const fa_kparams *kp = &bp.f;
-    __shared__ float part[256];
-    const int h = blockIdx.x;
-    const float sink = kp->sinks[h * kp->sinks_stride];
-    float s = 0.f;
-#if FA_VARLEN
-    for (int bi = 0; bi < kp->b; bi++) {
-        const fa_seq seq = fa_bwd_seq(kp, bi);
-        const float *dsum = bp.dsum + fa_bwd_row0(&bp, h, bi);
-        for (int row = threadIdx.x; row < seq.sq; row += 256) {
-            const float lse = kp->lse[h * kp->lse_hstride + (seq.q_start + row) * kp->lse_rstride];
-            s -= expf(sink - lse) * dsum[row];
-        }
-    }
-#else
-    const fa_i64 n = (fa_i64)kp->b * kp->max_sq;
-    for (fa_i64 x = threadIdx.x; x < n; x += 256) {
-        const int bi = (int)(x / kp->max_sq), row = (int)(x - (fa_i64)bi * kp->max_sq);
-        const float lse = kp->lse[bi * kp->lse_bstride + h * kp->lse_hstride + row * kp->lse_rstride];
-        s -= expf(sink - lse) * bp.dsum[fa_bwd_row0(&bp, h, bi) + row];
-    }
-#endif
-    part[threadIdx.x] = s;
-    __syncthreads();
-    for (int w = 128; w > 0; w >>= 1) {
-        if ((int)threadIdx.x < w)
-            part[threadIdx.x] += part[threadIdx.x + w];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0)
-        bp.dsinks[h * bp.dsinks_stride] = part[0];
-}
-
-/* Grid (x, h, b), 256 threads: dq = dtype(scale * accumulator) for one (head, sequence), each
- * warp one 16 x 8 block of the accumulator at a time (a lane's four values: rows g, g + 8,
- * columns 2t, 2t + 1 of the block), rows past the sequence and columns past d skipped (varlen:
- * only the sequence's own tiles, the rest of its m_tiles were never written). */
-extern "C" __global__ void __launch_bounds__(256) fa_bwd_convert(const fa_bkparams bp)
-{
-    const fa_kparams *kp = &bp.f;
-    const int h = blockIdx.y, bi = blockIdx.z;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const fa_seq seq = fa_bwd_seq(kp, bi);
-    const int tiles = FA_VARLEN ? (seq.sq + FA_BM - 1) / FA_BM : bp.m_tiles;
-    const int blocks = tiles * (FA_BM / 16) * (FA_DP / 8);
-    const float *acc = bp.dq_accum + fa_bwd_row0(&bp, h, bi) * FA_DP;
-    fa_u16 *dqb = (fa_u16 *)bp.dq + bi * bp.dq_bstride + seq.q_start * bp.dq_rstride +
-                  h * bp.dq_hstride;
-    for (int blk = blockIdx.x * 8 + (threadIdx.x >> 5); blk < blocks; blk += gridDim.x * 8) {
-        const int r16 = blk / (FA_DP / 8), c8 = blk - r16 * (FA_DP / 8);
-        const float *src = acc + (fa_i64)blk * 128;
-        float v[4];
-#if FA_RED_V4
-        const float4 x = *(const float4 *)(src + 4 * lane);
-        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
-#else
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            v[e] = src[32 * e + lane];
-#endif
-        const int col = c8 * 8 + 2 * t;
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            const int row = r16 * 16 + g + 8 * hf;
-            if (row >= (FA_VARLEN ? seq.sq : kp->max_sq))
-                continue;
-            fa_u16 *dqr = dqb + (fa_i64)row * bp.dq_rstride;
-            const float a = v[2 * hf] * kp->scale, b = v[2 * hf + 1] * kp->scale;
-#if FA_VEC
-            if (col < kp->d)
-                *(fa_u32 *)(dqr + col) = fa_pack2(a, b);
-#else
-            if (col < kp->d)
-                dqr[col] = fa_from_float(a);
-            if (col + 1 < kp->d)
-                dqr[col + 1] = fa_from_float(b);
-#endif
-        }
-    }
-}
-
-#if FA_VARLEN
-/* Grid (x), 256 threads, each a stride of the (row, head) pairs: zero dq on the rows of q, and
- * dk, dv on those of k, outside every sequence (before cu_seqlens[0] or from cu_seqlens[b] on:
- * the CPU backward's rule, and fa_fill_outside's for the forward). The grid may be capped below
- * the pairs' count, hence the stride. */
-extern "C" __global__ void __launch_bounds__(256) fa_bwd_fill(const fa_bkparams bp)
-{
-    const fa_kparams *kp = &bp.f;
-    const fa_i64 nq = kp->total_q * kp->h, nk = kp->total_k * kp->hk;
-    const fa_i64 n = nq > nk ? nq : nk;
-    for (fa_i64 i = (fa_i64)blockIdx.x * 256 + threadIdx.x; i < n; i += (fa_i64)gridDim.x * 256) {
-        if (i < nq) {
-            const fa_i64 r = i / kp->h;
-            const int h = (int)(i - r * kp->h);
-            if (r < kp->cu_seqlens_q[0] || r >= kp->cu_seqlens_q[kp->b])
-                fa_bwd_zero((fa_u16 *)bp.dq + r * bp.dq_rstride + h * bp.dq_hstride, 0, 1, kp->d,
-                            0, 1);
-        }
-        if (i < nk) {
-            const fa_i64 r = i / kp->hk;
-            const int h = (int)(i - r * kp->hk);
-            if (r < kp->cu_seqlens_k[0] || r >= kp->cu_seqlens_k[kp->b]) {
-                fa_bwd_zero((fa_u16 *)bp.dk + r * bp.dk_rstride + h * bp.dk_hstride, 0, 1, kp->d,
-                            0, 1);
-                fa_bwd_zero((fa_u16 *)bp.dv + r * bp.dv_rstride + h * bp.dv_hstride, 0, 1, kp->dv,
-                            0, 1);
-            }
-        }
-    }
-}
-#endif
+#include "fa_bwd_sm80_rows.cuh"
