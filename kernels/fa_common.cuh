@@ -250,6 +250,27 @@ FA_DEV fa_seq fa_seq_get(const fa_kparams *kp, int bi, int varlen)
     return s;
 }
 
+/* The end of a row's online softmax, called by all four lanes of the row's quad: l, this lane's
+ * part of the sum of exp2 (summed over the quad here), mx the row's maximum in base-2 units (-inf
+ * when no key was visible), sink2 the sink logit in base 2 (-inf without). *lse gets the natural
+ * log-sum-exp, +inf for a row with no visible key and no sink (upstream's empty row), *scale the
+ * factor of the unnormalised O: 0 for such a row. */
+FA_DEV void fa_row_finish(float l, float mx, float sink2, float *lse, float *scale)
+{
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float big = fmaxf(mx, sink2);
+    if (big == -FA_INF) {
+        *lse = FA_INF;
+        *scale = 0.f;
+        return;
+    }
+    const float lm = l > 0.f ? fa_exp2(mx - big) : 0.f;
+    const float total = l * lm + (sink2 > -FA_INF ? fa_exp2(sink2 - big) : 0.f);
+    *lse = (big + log2f(total)) * FA_LN2;
+    *scale = l > 0.f ? lm / total : 0.f;
+}
+
 /* Varlen rows outside every sequence (before cu_seqlens_q[0] or from cu_seqlens_q[b] on): out 0
  * and lse +inf, one thread per (row, head) over [total_q, h]. Both forward families' fa_fwd_fill. */
 FA_DEV void fa_fill_outside(const fa_kparams *kp)

@@ -421,21 +421,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const int row = m0 + wrow + mt * 16 + g + 8 * hf;
-            float l = row_sum[mt][hf];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float mx = row_max[mt][hf] * sm; /* base 2 */
-            const float big = fmaxf(mx, sink2);
             float lse, scale;
-            if (big == -FA_INF) {
-                lse = FA_INF;
-                scale = 0.f;
-            } else {
-                const float lm = l > 0.f ? fa_exp2(mx - big) : 0.f;
-                const float total = l * lm + (kp.sinks ? fa_exp2(sink2 - big) : 0.f);
-                lse = (big + log2f(total)) * FA_LN2;
-                scale = l > 0.f ? lm / total * kp.dropout_scale : 0.f;
-            }
+            fa_row_finish(row_sum[mt][hf], row_max[mt][hf] * sm, sink2, &lse, &scale);
+            scale *= kp.dropout_scale;
             if (row >= seq.sq)
                 continue;
             fa_u16 *og = (fa_u16 *)kp.out + bi * kp.o_bstride + (seq.q_start + row) * kp.o_rstride +

@@ -526,21 +526,8 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const int row = r.row0 + 8 * hf;
-        float l = row_sum[hf];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float mx = row_max[hf] * r.sm; /* base 2 */
-        const float big = fmaxf(mx, sink2);
         float lse, scale;
-        if (big == -FA_INF) {
-            lse = FA_INF;
-            scale = 0.f;
-        } else {
-            const float lm = l > 0.f ? fa_exp2(mx - big) : 0.f;
-            const float total = l * lm + (kp->sinks ? fa_exp2(sink2 - big) : 0.f);
-            lse = (big + log2f(total)) * FA_LN2;
-            scale = l > 0.f ? lm / total : 0.f;
-        }
+        fa_row_finish(row_sum[hf], row_max[hf] * r.sm, sink2, &lse, &scale);
         if (row >= sq)
             continue;
         fa_u16 *og = (fa_u16 *)kp->out + w->bi * kp->o_bstride +
