@@ -101,3 +101,13 @@ fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int6
     *stride = t->stride[0];
     return FA_STATUS_OK;
 }
+
+fa_status fa_check_cpu_only(int device, const char *entry)
+{
+    if (device == FA_DEVICE_CPU)
+        return FA_STATUS_OK;
+    return fa_error_set(FA_STATUS_UNSUPPORTED,
+                        "device: %s runs on the CPU only so far, got CUDA device %d (pass "
+                        "FA_DEVICE_CPU with host pointers)",
+                        entry, device);
+}

@@ -94,10 +94,9 @@ FA_API fa_status fa_attention_combine(const fa_combine_args *args)
     fa_status st = fa_combine_params_from_args(args, &c);
     if (st != FA_STATUS_OK)
         return st;
-    if (args->device != FA_DEVICE_CPU)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "device: CUDA device %d requested, but this build has no CUDA backend",
-                            args->device);
+    st = fa_check_cpu_only(args->device, "fa_attention_combine");
+    if (st != FA_STATUS_OK)
+        return st;
     st = fa_cpu_combine(&c);
     if (st == FA_STATUS_OK)
         fa_error_clear();

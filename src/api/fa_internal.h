@@ -42,6 +42,9 @@ fa_status fa_check_dim(const fa_tensor *t, const char *name, int dim, int64_t wa
 fa_status fa_check_alibi(const fa_tensor *t, int64_t b, int64_t h, const float **data,
                          int64_t *bstride, int64_t *hstride);
 fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int64_t *stride);
+/* Entry points with a CPU implementation only: FA_STATUS_UNSUPPORTED, naming the entry point,
+ * for a CUDA ordinal (whether or not the build has the CUDA backend). */
+fa_status fa_check_cpu_only(int device, const char *entry);
 
 /*
  * The forward problem after validation. Strides are in elements. In the dense form every

@@ -360,10 +360,9 @@ FA_API fa_status fa_attention_kvcache(const fa_kvcache_args *args)
     fa_status st = fa_kv_params_from_args(args, &p);
     if (st != FA_STATUS_OK)
         return st;
-    if (args->device != FA_DEVICE_CPU)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "device: CUDA device %d requested, but this build has no CUDA backend",
-                            args->device);
+    st = fa_check_cpu_only(args->device, "fa_attention_kvcache");
+    if (st != FA_STATUS_OK)
+        return st;
     st = fa_cpu_kvcache(&p);
     if (st == FA_STATUS_OK)
         fa_error_clear();
