@@ -30,6 +30,7 @@
 #include "cuda/fa_cuda_driver.h"
 #include "fa_ref.h"
 #include "fa_ref_bwd.h"
+#include "gpu_test_util.h"
 #include "util/fa_half.h"
 
 typedef struct bcase {
@@ -77,110 +78,6 @@ static const bcase cases[] = {
 };
 
 static int failures;
-static const fa_cuda_driver *drv;
-
-#define CHECK_CU(expr)                                                                           \
-    do {                                                                                         \
-        fa_cu_result r_ = (expr);                                                                \
-        if (r_ != 0) {                                                                           \
-            fprintf(stderr, "FATAL %s:%d: %s -> %d\n", __FILE__, __LINE__, #expr, r_);           \
-            exit(1);                                                                             \
-        }                                                                                        \
-    } while (0)
-
-static uint64_t rng_state = 0x2468ace013579bdfull;
-static double rng_uniform(double lo, double hi)
-{
-    rng_state += 0x9e3779b97f4a7c15ull;
-    uint64_t z = rng_state;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return lo + (hi - lo) * (double)(z >> 11) / 9007199254740992.0;
-}
-
-/* A host buffer and a device buffer of the same layout, viewed as the same tensor. */
-typedef struct dbuf {
-    fa_tensor host, dev;
-    size_t bytes;
-} dbuf;
-
-/* [n0, n1, n2, n3] (ndim 4) or 1-3 dims, the rows of the last dimension padded by pad. */
-static dbuf dbuf_new(fa_dtype dt, int ndim, const int64_t *shape, int pad)
-{
-    dbuf g;
-    int64_t stride[4];
-    stride[ndim - 1] = 1;
-    for (int i = ndim - 2; i >= 0; i--)
-        stride[i] = stride[i + 1] * shape[i + 1] + (i == ndim - 2 ? pad : 0);
-    g.bytes = (size_t)(shape[0] * stride[0]) * fa_dtype_size(dt);
-    if (g.bytes == 0)
-        g.bytes = 16;
-    void *h = malloc(g.bytes);
-    memset(h, 0xff, g.bytes);
-    fa_cu_deviceptr d;
-    CHECK_CU(drv->mem_alloc(&d, g.bytes));
-    g.host = fa_tensor_make(h, dt, ndim, shape, stride);
-    g.dev = fa_tensor_make((void *)(uintptr_t)d, dt, ndim, shape, stride);
-    return g;
-}
-
-static void dbuf_free(dbuf *g)
-{
-    free(g->host.data);
-    drv->mem_free((fa_cu_deviceptr)(uintptr_t)g->dev.data);
-}
-
-static void dbuf_upload(dbuf *g)
-{
-    CHECK_CU(drv->memcpy_htod((fa_cu_deviceptr)(uintptr_t)g->dev.data, g->host.data, g->bytes));
-}
-
-static void dbuf_poison(dbuf *g)
-{
-    void *nan = malloc(g->bytes);
-    memset(nan, 0xff, g->bytes);
-    CHECK_CU(drv->memcpy_htod((fa_cu_deviceptr)(uintptr_t)g->dev.data, nan, g->bytes));
-    free(nan);
-}
-
-static void *dbuf_download(const dbuf *g)
-{
-    void *h = malloc(g->bytes);
-    CHECK_CU(drv->memcpy_dtoh(h, (fa_cu_deviceptr)(uintptr_t)g->dev.data, g->bytes));
-    return h;
-}
-
-static double load_elem(const void *base, fa_dtype dt, int64_t at)
-{
-    if (dt == FA_DTYPE_F16)
-        return fa_f16_to_f32(((const uint16_t *)base)[at]);
-    if (dt == FA_DTYPE_BF16)
-        return fa_bf16_to_f32(((const uint16_t *)base)[at]);
-    return ((const float *)base)[at];
-}
-
-static void fill(dbuf *g, double lo, double hi)
-{
-    fa_tensor *t = &g->host;
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++)
-        n *= t->shape[i];
-    for (int64_t e = 0; e < n; e++) {
-        int64_t rem = e, at = 0;
-        for (int i = t->ndim - 1; i >= 0; i--) {
-            at += (rem % t->shape[i]) * t->stride[i];
-            rem /= t->shape[i];
-        }
-        float x = (float)rng_uniform(lo, hi);
-        if (t->dtype == FA_DTYPE_F16)
-            ((uint16_t *)t->data)[at] = fa_f32_to_f16(x);
-        else if (t->dtype == FA_DTYPE_BF16)
-            ((uint16_t *)t->data)[at] = fa_f32_to_bf16(x);
-        else
-            ((float *)t->data)[at] = x;
-    }
-}
 
 #define FAIL(...)                                                                                \
     do {                                                                                         \
@@ -214,7 +111,7 @@ static grad_err compare(const void *got, const void *cpu, const fa_tensor *t, co
                 for (int64_t col = 0; col < w; col++) {
                     const int64_t at = bi * sb + s * ss + hh * sh + col;
                     const size_t ri = (size_t)(((bi * ns + s) * nh + hh) * w + col);
-                    const double g = load_elem(got, t->dtype, at);
+                    const double g = gu_elem_load(got, t->dtype, at);
                     if (isnan(g)) {
                         r.unwritten++;
                         continue;
@@ -223,7 +120,7 @@ static grad_err compare(const void *got, const void *cpu, const fa_tensor *t, co
                     r.naive = fmax(r.naive, fabs(lowp[ri] - ref[ri]));
                     r.stored = fmax(r.stored, fabs(stored[ri] - ref[ri]));
                     r.maxref = fmax(r.maxref, fabs(ref[ri]));
-                    r.cpu = fmax(r.cpu, fabs(load_elem(cpu, t->dtype, at) - ref[ri]));
+                    r.cpu = fmax(r.cpu, fabs(gu_elem_load(cpu, t->dtype, at) - ref[ri]));
                 }
     return r;
 }
@@ -235,7 +132,7 @@ static long long nonzero_rows(const void *got, const fa_tensor *t, int64_t r0, i
     for (int64_t r = r0; r < r1; r++)
         for (int64_t hh = 0; hh < t->shape[1]; hh++)
             for (int64_t col = 0; col < t->shape[2]; col++)
-                n += load_elem(got, t->dtype, r * t->stride[0] + hh * t->stride[1] + col) != 0;
+                n += gu_elem_load(got, t->dtype, r * t->stride[0] + hh * t->stride[1] + col) != 0;
     return n;
 }
 
@@ -250,11 +147,11 @@ static void run_case(const bcase *c, fa_dtype dt)
         cu_q[0] = 3;
         cu_k[0] = 5;
         for (int i = 0; i < c->b; i++) {
-            const int lq = i == 1 ? 0 : (int)rng_uniform(1, c->sq + 1);
-            const int lk = (int)rng_uniform(1, c->sk + 1);
+            const int lq = i == 1 ? 0 : (int)gu_uniform(1, c->sq + 1);
+            const int lk = (int)gu_uniform(1, c->sk + 1);
             cu_q[i + 1] = cu_q[i] + lq;
             cu_k[i + 1] = cu_k[i] + lk;
-            used[i] = c->seqused ? (int)rng_uniform(0, lk + 1) : lk;
+            used[i] = c->seqused ? (int)gu_uniform(0, lk + 1) : lk;
             max_q = lq > max_q ? lq : max_q;
             max_k = lk > max_k ? lk : max_k;
         }
@@ -282,24 +179,24 @@ static void run_case(const bcase *c, fa_dtype dt)
         memcpy(ls, l2, sizeof l2);
     }
     int64_t bs[1] = {c->b + 1}, us[1] = {c->b};
-    dbuf q = dbuf_new(dt, nd, qs, c->pad), k = dbuf_new(dt, nd, ks, c->pad);
-    dbuf v = dbuf_new(dt, nd, vs, c->pad), o = dbuf_new(dt, nd, os, c->pad);
-    dbuf dout = dbuf_new(dt, nd, os, c->pad), dq = dbuf_new(dt, nd, qs, c->pad);
-    dbuf dk = dbuf_new(dt, nd, ks, c->pad), dv = dbuf_new(dt, nd, vs, c->pad);
-    dbuf lse = dbuf_new(FA_DTYPE_F32, nd - 1, ls, 0);
-    dbuf al = dbuf_new(FA_DTYPE_F32, 1, hs, 0), snk = dbuf_new(FA_DTYPE_F32, 1, hs, 0);
-    dbuf dsk = dbuf_new(FA_DTYPE_F32, 1, hs, 0);
-    dbuf cq = dbuf_new(FA_DTYPE_I32, 1, bs, 0), ck = dbuf_new(FA_DTYPE_I32, 1, bs, 0);
-    dbuf su = dbuf_new(FA_DTYPE_I32, 1, us, 0);
+    gpu_buf q = gu_buf_new(dt, nd, qs, c->pad), k = gu_buf_new(dt, nd, ks, c->pad);
+    gpu_buf v = gu_buf_new(dt, nd, vs, c->pad), o = gu_buf_new(dt, nd, os, c->pad);
+    gpu_buf dout = gu_buf_new(dt, nd, os, c->pad), dq = gu_buf_new(dt, nd, qs, c->pad);
+    gpu_buf dk = gu_buf_new(dt, nd, ks, c->pad), dv = gu_buf_new(dt, nd, vs, c->pad);
+    gpu_buf lse = gu_buf_new(FA_DTYPE_F32, nd - 1, ls, 0);
+    gpu_buf al = gu_buf_new(FA_DTYPE_F32, 1, hs, 0), snk = gu_buf_new(FA_DTYPE_F32, 1, hs, 0);
+    gpu_buf dsk = gu_buf_new(FA_DTYPE_F32, 1, hs, 0);
+    gpu_buf cq = gu_buf_new(FA_DTYPE_I32, 1, bs, 0), ck = gu_buf_new(FA_DTYPE_I32, 1, bs, 0);
+    gpu_buf su = gu_buf_new(FA_DTYPE_I32, 1, us, 0);
     memcpy(cq.host.data, cu_q, sizeof(int32_t) * (size_t)(c->b + 1));
     memcpy(ck.host.data, cu_k, sizeof(int32_t) * (size_t)(c->b + 1));
     memcpy(su.host.data, used, sizeof(int32_t) * (size_t)c->b);
-    fill(&q, -1, 1);
-    fill(&k, -1, 1);
-    fill(&v, -1, 1);
-    fill(&dout, -1, 1);
-    fill(&al, 0.01, 0.3);
-    fill(&snk, -1, 2);
+    gu_fill_uniform(&q, -1, 1);
+    gu_fill_uniform(&k, -1, 1);
+    gu_fill_uniform(&v, -1, 1);
+    gu_fill_uniform(&dout, -1, 1);
+    gu_fill_uniform(&al, 0.01, 0.3);
+    gu_fill_uniform(&snk, -1, 2);
 
     fa_fwd_args a;
     fa_fwd_args_init(&a);
@@ -331,9 +228,9 @@ static void run_case(const bcase *c, fa_dtype dt)
         FAIL("CPU forward: %s", fa_last_error());
         return;
     }
-    dbuf *ins[] = {&q, &k, &v, &o, &lse, &dout, &al, &snk, &cq, &ck, &su};
+    gpu_buf *ins[] = {&q, &k, &v, &o, &lse, &dout, &al, &snk, &cq, &ck, &su};
     for (size_t i = 0; i < sizeof ins / sizeof ins[0]; i++)
-        dbuf_upload(ins[i]);
+        gu_buf_upload(ins[i]);
 
     /* Oracle, naive same-dtype baseline, D-from-stored-out oracle, CPU backward. */
     fa_bwd_args hb;
@@ -365,18 +262,18 @@ static void run_case(const bcase *c, fa_dtype dt)
     if (wsz == 0)
         FAIL("workspace size 0: %s", fa_last_error());
     else
-        CHECK_CU(drv->mem_alloc(&ws, wsz));
+        CHECK_CU(gu_drv->mem_alloc(&ws, wsz));
     gb.workspace = (void *)(uintptr_t)ws;
     gb.workspace_size = wsz;
 
     /* Runs: deterministic twice, then atomics. */
-    dbuf *outs[4] = {&dq, &dk, &dv, &dsk};
+    gpu_buf *outs[4] = {&dq, &dk, &dv, &dsk};
     void *got[3][4] = {{NULL}};
     const int det[3] = {1, 1, 0};
     int ok = wsz > 0;
     for (int run = 0; ok && run < 3; run++) {
         for (int i = 0; i < 4; i++)
-            dbuf_poison(outs[i]);
+            gu_buf_poison_device(outs[i]);
         gb.deterministic = det[run];
         fa_status st = fa_attention_backward(&gb);
         if (st != FA_STATUS_OK) {
@@ -384,9 +281,9 @@ static void run_case(const bcase *c, fa_dtype dt)
             ok = 0;
             break;
         }
-        CHECK_CU(drv->ctx_synchronize());
+        CHECK_CU(gu_drv->ctx_synchronize());
         for (int i = 0; i < 4; i++)
-            got[run][i] = dbuf_download(outs[i]);
+            got[run][i] = gu_buf_download(outs[i]);
     }
     if (ok) {
         const char *names[4] = {"dq", "dk", "dv", "dsinks"};
@@ -432,10 +329,10 @@ static void run_case(const bcase *c, fa_dtype dt)
         for (int j = 0; j < 4; j++)
             free(r[i][j]);
     if (ws)
-        drv->mem_free(ws);
-    dbuf *all[] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &lse, &al, &snk, &dsk, &cq, &ck, &su};
+        gu_drv->mem_free(ws);
+    gpu_buf *all[] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &lse, &al, &snk, &dsk, &cq, &ck, &su};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-        dbuf_free(all[i]);
+        gu_buf_free(all[i]);
 }
 
 /* Refusals: head dim over 128, varlen without FLASHATTN_BWD_VARLEN=1, a workspace too small;
@@ -446,8 +343,8 @@ static void run_refusals(void)
     const bcase *c = &cc;
     const fa_dtype dt = FA_DTYPE_F16;
     int64_t qs[4] = {1, 64, 2, 192}, ls[3] = {1, 2, 64};
-    dbuf q = dbuf_new(dt, 4, qs, 0), g = dbuf_new(dt, 4, qs, 0);
-    dbuf lse = dbuf_new(FA_DTYPE_F32, 3, ls, 0);
+    gpu_buf q = gu_buf_new(dt, 4, qs, 0), g = gu_buf_new(dt, 4, qs, 0);
+    gpu_buf lse = gu_buf_new(FA_DTYPE_F32, 3, ls, 0);
     fa_fwd_args a;
     fa_fwd_args_init(&a);
     a.q = a.k = a.v = a.out = &q.dev;
@@ -477,7 +374,7 @@ static void run_refusals(void)
         snprintf(saved, sizeof saved, "%s", env);
     unsetenv("FLASHATTN_BWD_VARLEN");
     int64_t bs[1] = {2}, l2[2] = {2, 64};
-    dbuf cu = dbuf_new(FA_DTYPE_I32, 1, bs, 0);
+    gpu_buf cu = gu_buf_new(FA_DTYPE_I32, 1, bs, 0);
     fa_tensor q3 = fa_tensor_make(q.dev.data, dt, 3, (int64_t[3]){64, 2, 64}, NULL);
     fa_tensor lse2 = fa_tensor_make(lse.dev.data, FA_DTYPE_F32, 2, l2, NULL);
     a.q = a.k = a.v = a.out = &q3;
@@ -492,10 +389,10 @@ static void run_refusals(void)
         FAIL("varlen without FLASHATTN_BWD_VARLEN=1: %s", fa_last_error());
     if (saved[0])
         setenv("FLASHATTN_BWD_VARLEN", saved, 1);
-    dbuf_free(&cu);
-    dbuf_free(&q);
-    dbuf_free(&g);
-    dbuf_free(&lse);
+    gu_buf_free(&cu);
+    gu_buf_free(&q);
+    gu_buf_free(&g);
+    gu_buf_free(&lse);
 }
 
 static double now_s(void)
@@ -512,17 +409,18 @@ static int run_bench(void)
     const int b = 4, h = 16, s = 4096, d = 128;
     const fa_dtype dt = FA_DTYPE_BF16;
     int64_t qs[4] = {b, s, h, d}, ls[3] = {b, h, s};
-    dbuf q = dbuf_new(dt, 4, qs, 0), k = dbuf_new(dt, 4, qs, 0), v = dbuf_new(dt, 4, qs, 0);
-    dbuf o = dbuf_new(dt, 4, qs, 0), dout = dbuf_new(dt, 4, qs, 0), dq = dbuf_new(dt, 4, qs, 0);
-    dbuf dk = dbuf_new(dt, 4, qs, 0), dv = dbuf_new(dt, 4, qs, 0);
-    dbuf lse = dbuf_new(FA_DTYPE_F32, 3, ls, 0);
-    fill(&q, -1, 1);
-    fill(&k, -1, 1);
-    fill(&v, -1, 1);
-    fill(&dout, -1, 1);
-    dbuf *ins[] = {&q, &k, &v, &dout};
+    gpu_buf q = gu_buf_new(dt, 4, qs, 0), k = gu_buf_new(dt, 4, qs, 0);
+    gpu_buf v = gu_buf_new(dt, 4, qs, 0), o = gu_buf_new(dt, 4, qs, 0);
+    gpu_buf dout = gu_buf_new(dt, 4, qs, 0), dq = gu_buf_new(dt, 4, qs, 0);
+    gpu_buf dk = gu_buf_new(dt, 4, qs, 0), dv = gu_buf_new(dt, 4, qs, 0);
+    gpu_buf lse = gu_buf_new(FA_DTYPE_F32, 3, ls, 0);
+    gu_fill_uniform(&q, -1, 1);
+    gu_fill_uniform(&k, -1, 1);
+    gu_fill_uniform(&v, -1, 1);
+    gu_fill_uniform(&dout, -1, 1);
+    gpu_buf *ins[] = {&q, &k, &v, &dout};
     for (int i = 0; i < 4; i++)
-        dbuf_upload(ins[i]);
+        gu_buf_upload(ins[i]);
     for (int causal = 0; causal < 2; causal++)
         for (int det = 0; det < 2; det++) {
             fa_fwd_args a;
@@ -540,29 +438,29 @@ static int run_bench(void)
             g.deterministic = det;
             size_t wsz = fa_attention_backward_workspace_size(&g);
             fa_cu_deviceptr ws;
-            CHECK_CU(drv->mem_alloc(&ws, wsz));
+            CHECK_CU(gu_drv->mem_alloc(&ws, wsz));
             g.workspace = (void *)(uintptr_t)ws, g.workspace_size = wsz;
             double best = 1e30;
             for (int it = 0; it < 6; it++) {
-                CHECK_CU(drv->ctx_synchronize());
+                CHECK_CU(gu_drv->ctx_synchronize());
                 double t0 = now_s();
                 if (fa_attention_backward(&g) != FA_STATUS_OK) {
                     fprintf(stderr, "bench backward: %s\n", fa_last_error());
                     return 1;
                 }
-                CHECK_CU(drv->ctx_synchronize());
+                CHECK_CU(gu_drv->ctx_synchronize());
                 double t = now_s() - t0;
                 best = it > 0 && t < best ? t : best; /* the first run compiles */
             }
-            drv->mem_free(ws);
+            gu_drv->mem_free(ws);
             double flops = 2.5 * 4.0 * b * h * (double)s * s * d / (causal ? 2 : 1);
             printf("bench bwd b%d h%d s%d d%d bf16 causal=%d deterministic=%d: %.3f ms, %.1f "
                    "TFLOP/s\n",
                    b, h, s, d, causal, det, best * 1e3, flops / best * 1e-12);
         }
-    dbuf *all[] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &lse};
+    gpu_buf *all[] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &lse};
     for (int i = 0; i < 9; i++)
-        dbuf_free(all[i]);
+        gu_buf_free(all[i]);
     return 0;
 }
 
@@ -573,7 +471,8 @@ int main(int argc, char **argv)
         printf("test_gpu_backward: skipped, no usable CUDA device\n%s\n", fa_cuda_status());
         return 77;
     }
-    drv = fa_cuda_driver_get();
+    gu_drv = fa_cuda_driver_get();
+    gu_seed(0x2468ace013579bdfull);
     fa_cu_context ctx;
     int pushed;
     if (fa_cuda_context_enter(0, &ctx, &pushed) != FA_STATUS_OK) {

@@ -21,6 +21,7 @@
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_cuda_driver.h"
 #include "fa_ref.h"
+#include "gpu_test_util.h"
 #include "util/fa_half.h"
 
 typedef struct gpu_case {
@@ -144,119 +145,8 @@ static const struct {
 #endif
 
 static int failures;
-static const fa_cuda_driver *drv;
 /* The family each GPU run must have taken (NULL: not checked). */
 static const char *expect_family;
-
-#define CHECK_CU(expr)                                                                           \
-    do {                                                                                         \
-        fa_cu_result r_ = (expr);                                                                \
-        if (r_ != 0) {                                                                           \
-            fprintf(stderr, "FATAL %s:%d: %s -> %d\n", __FILE__, __LINE__, #expr, r_);           \
-            exit(1);                                                                             \
-        }                                                                                        \
-    } while (0)
-
-static uint64_t rng_state = 0x1234567887654321ull;
-static double rng_uniform(double lo, double hi)
-{
-    rng_state += 0x9e3779b97f4a7c15ull;
-    uint64_t z = rng_state;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return lo + (hi - lo) * (double)(z >> 11) / 9007199254740992.0;
-}
-
-/* A host buffer and its device copy, viewed as the same tensor. */
-typedef struct gpu_buf {
-    fa_tensor host, dev;
-    size_t bytes;
-} gpu_buf;
-
-/* [n0, n1, n2, n3] (ndim 4) or [n1, n2, n3] (ndim 3) with the head rows padded by `pad`. */
-static gpu_buf buf_new(fa_dtype dt, int ndim, const int64_t *shape, int pad)
-{
-    gpu_buf g;
-    int64_t stride[4];
-    stride[ndim - 1] = 1;
-    for (int i = ndim - 2; i >= 0; i--)
-        stride[i] = stride[i + 1] * shape[i + 1] + (i == ndim - 2 ? pad : 0);
-    g.bytes = (size_t)(shape[0] * stride[0]) * fa_dtype_size(dt);
-    if (g.bytes == 0)
-        g.bytes = 16;
-    void *h = malloc(g.bytes);
-    memset(h, 0xff, g.bytes); /* NaN in every float dtype: padding must never be read */
-    fa_cu_deviceptr d;
-    CHECK_CU(drv->mem_alloc(&d, g.bytes));
-    g.host = fa_tensor_make(h, dt, ndim, shape, stride);
-    g.dev = fa_tensor_make((void *)(uintptr_t)d, dt, ndim, shape, stride);
-    return g;
-}
-
-static void buf_free(gpu_buf *g)
-{
-    free(g->host.data);
-    drv->mem_free((fa_cu_deviceptr)(uintptr_t)g->dev.data);
-}
-
-static void buf_upload(gpu_buf *g)
-{
-    CHECK_CU(drv->memcpy_htod((fa_cu_deviceptr)(uintptr_t)g->dev.data, g->host.data, g->bytes));
-}
-
-static void buf_poison_device(gpu_buf *g)
-{
-    void *nan = malloc(g->bytes);
-    memset(nan, 0xff, g->bytes);
-    CHECK_CU(drv->memcpy_htod((fa_cu_deviceptr)(uintptr_t)g->dev.data, nan, g->bytes));
-    free(nan);
-}
-
-static void *buf_download(const gpu_buf *g)
-{
-    void *h = malloc(g->bytes);
-    CHECK_CU(drv->memcpy_dtoh(h, (fa_cu_deviceptr)(uintptr_t)g->dev.data, g->bytes));
-    return h;
-}
-
-static double elem_load(const void *base, fa_dtype dt, int64_t at)
-{
-    switch (dt) {
-    case FA_DTYPE_F16:
-        return fa_f16_to_f32(((const uint16_t *)base)[at]);
-    case FA_DTYPE_BF16:
-        return fa_bf16_to_f32(((const uint16_t *)base)[at]);
-    case FA_DTYPE_F32:
-        return ((const float *)base)[at];
-    default:
-        return ((const int32_t *)base)[at];
-    }
-}
-
-static void fill_uniform(gpu_buf *g, double lo, double hi)
-{
-    fa_tensor *t = &g->host;
-    int64_t idx[4] = {0, 0, 0, 0};
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++)
-        n *= t->shape[i];
-    for (int64_t e = 0; e < n; e++) {
-        int64_t rem = e, at = 0;
-        for (int i = t->ndim - 1; i >= 0; i--) {
-            idx[i] = rem % t->shape[i];
-            rem /= t->shape[i];
-            at += idx[i] * t->stride[i];
-        }
-        float x = (float)rng_uniform(lo, hi);
-        if (t->dtype == FA_DTYPE_F16)
-            ((uint16_t *)t->data)[at] = fa_f32_to_f16(x);
-        else if (t->dtype == FA_DTYPE_BF16)
-            ((uint16_t *)t->data)[at] = fa_f32_to_bf16(x);
-        else
-            ((float *)t->data)[at] = x;
-    }
-}
 
 #define FAIL(...)                                                                                \
     do {                                                                                         \
@@ -304,11 +194,11 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
         cu_k[0] = 5;
         max_q = max_k = 1;
         for (int i = 0; i < c->b; i++) {
-            int lq = i == 1 ? 0 : (int)rng_uniform(1, c->sq + 1);
-            int lk = (int)rng_uniform(1, c->sk + 1);
+            int lq = i == 1 ? 0 : (int)gu_uniform(1, c->sq + 1);
+            int lk = (int)gu_uniform(1, c->sk + 1);
             cu_q[i + 1] = cu_q[i] + lq;
             cu_k[i + 1] = cu_k[i] + lk;
-            used[i] = c->seqused ? (int)rng_uniform(0, lk + 1) : lk;
+            used[i] = c->seqused ? (int)gu_uniform(0, lk + 1) : lk;
             max_q = lq > max_q ? lq : max_q;
             max_k = lk > max_k ? lk : max_k;
         }
@@ -326,27 +216,28 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
         memcpy(so_shape, o3, sizeof o3);
     }
     int nd = vl ? 3 : 4;
-    gpu_buf q = buf_new(dt, nd, sq_shape, c->pad), k = buf_new(dt, nd, sk_shape, c->pad);
-    gpu_buf v = buf_new(dt, nd, sv_shape, c->pad), o = buf_new(dt, nd, so_shape, c->pad);
+    gpu_buf q = gu_buf_new(dt, nd, sq_shape, c->pad), k = gu_buf_new(dt, nd, sk_shape, c->pad);
+    gpu_buf v = gu_buf_new(dt, nd, sv_shape, c->pad), o = gu_buf_new(dt, nd, so_shape, c->pad);
     int64_t lse_shape[3] = {c->b, c->h, c->sq}, lse_v[2] = {c->h, total_q};
-    gpu_buf lse = vl ? buf_new(FA_DTYPE_F32, 2, lse_v, 0) : buf_new(FA_DTYPE_F32, 3, lse_shape, 0);
+    gpu_buf lse = vl ? gu_buf_new(FA_DTYPE_F32, 2, lse_v, 0)
+                     : gu_buf_new(FA_DTYPE_F32, 3, lse_shape, 0);
     int64_t pshape[4] = {c->b, c->h, max_q + 3, max_k + 5};
-    gpu_buf pr = buf_new(dt, 4, c->probs ? pshape : (int64_t[4]){1, 1, 1, 1}, 0);
+    gpu_buf pr = gu_buf_new(dt, 4, c->probs ? pshape : (int64_t[4]){1, 1, 1, 1}, 0);
     int64_t hs[1] = {c->h}, bs[1] = {c->b + 1}, us[1] = {c->b};
-    gpu_buf al = buf_new(FA_DTYPE_F32, 1, hs, 0), sk = buf_new(FA_DTYPE_F32, 1, hs, 0);
-    gpu_buf cq = buf_new(FA_DTYPE_I32, 1, bs, 0), ck = buf_new(FA_DTYPE_I32, 1, bs, 0);
-    gpu_buf su = buf_new(FA_DTYPE_I32, 1, us, 0);
-    fill_uniform(&q, -1, 1);
-    fill_uniform(&k, -1, 1);
-    fill_uniform(&v, -1, 1);
-    fill_uniform(&al, 0.01, 0.3);
-    fill_uniform(&sk, -1, 2);
+    gpu_buf al = gu_buf_new(FA_DTYPE_F32, 1, hs, 0), sk = gu_buf_new(FA_DTYPE_F32, 1, hs, 0);
+    gpu_buf cq = gu_buf_new(FA_DTYPE_I32, 1, bs, 0), ck = gu_buf_new(FA_DTYPE_I32, 1, bs, 0);
+    gpu_buf su = gu_buf_new(FA_DTYPE_I32, 1, us, 0);
+    gu_fill_uniform(&q, -1, 1);
+    gu_fill_uniform(&k, -1, 1);
+    gu_fill_uniform(&v, -1, 1);
+    gu_fill_uniform(&al, 0.01, 0.3);
+    gu_fill_uniform(&sk, -1, 2);
     memcpy(cq.host.data, cu_q, sizeof(int32_t) * (size_t)(c->b + 1));
     memcpy(ck.host.data, cu_k, sizeof(int32_t) * (size_t)(c->b + 1));
     memcpy(su.host.data, used, sizeof(int32_t) * (size_t)c->b);
     gpu_buf *inputs[] = {&q, &k, &v, &al, &sk, &cq, &ck, &su};
     for (size_t i = 0; i < sizeof inputs / sizeof inputs[0]; i++)
-        buf_upload(inputs[i]);
+        gu_buf_upload(inputs[i]);
 
     fa_fwd_args a;
     fa_fwd_args_init(&a);
@@ -392,18 +283,18 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
 
     void *first_out = NULL, *first_lse = NULL, *first_probs = NULL;
     for (int run = 0; run < 2; run++) {
-        buf_poison_device(&o);
-        buf_poison_device(&lse);
-        buf_poison_device(&pr);
+        gu_buf_poison_device(&o);
+        gu_buf_poison_device(&lse);
+        gu_buf_poison_device(&pr);
         fa_status st = fa_attention_forward(&dev);
         if (st != FA_STATUS_OK) {
             FAIL("GPU forward: %s", fa_last_error());
             break;
         }
-        CHECK_CU(drv->ctx_synchronize());
+        CHECK_CU(gu_drv->ctx_synchronize());
         if (expect_family && strcmp(fa_cuda_last_family(), expect_family) != 0)
             FAIL("ran on %s, expected %s", fa_cuda_last_family(), expect_family);
-        void *go = buf_download(&o), *gl = buf_download(&lse), *gp = buf_download(&pr);
+        void *go = gu_buf_download(&o), *gl = gu_buf_download(&lse), *gp = gu_buf_download(&pr);
         if (run == 1) {
             if (memcmp(go, first_out, o.bytes) || memcmp(gl, first_lse, lse.bytes) ||
                 memcmp(gp, first_probs, pr.bytes))
@@ -425,7 +316,7 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
                 for (int col = 0; col < c->dv; col++) {
                     int64_t at = (vl ? 0 : bi * o.host.stride[0]) + r * o.host.stride[nd - 3] +
                                  hh * o.host.stride[nd - 2] + col;
-                    double g = elem_load(first_out, dt, at);
+                    double g = gu_elem_load(first_out, dt, at);
                     size_t ri = ((size_t)t * (size_t)c->h + (size_t)hh) * (size_t)c->dv + (size_t)col;
                     if (isnan(g)) {
                         unwritten++;
@@ -460,8 +351,8 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
         int64_t p_bad = 0, sign_bad = 0;
         if (c->probs)
             for (size_t i = 0; i < pr.bytes / 2; i++) {
-                double g = elem_load(first_probs, dt, (int64_t)i);
-                double cp = elem_load(probs_cpu, dt, (int64_t)i);
+                double g = gu_elem_load(first_probs, dt, (int64_t)i);
+                double cp = gu_elem_load(probs_cpu, dt, (int64_t)i);
                 if (!(fabs(g - cp) <= 1e-2 * fmax(1.0, fabs(cp))))
                     p_bad++;
                 if (fabs(cp) > 1e-3 && signbit(g) != signbit(cp))
@@ -482,7 +373,7 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
     free(ref_lse);
     gpu_buf *all[] = {&q, &k, &v, &o, &lse, &pr, &al, &sk, &cq, &ck, &su};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-        buf_free(all[i]);
+        gu_buf_free(all[i]);
 }
 
 #ifndef FA_TEST_SM90
@@ -512,7 +403,8 @@ int main(void)
         printf(FA_TEST_NAME ": skipped, no usable CUDA device\n%s\n", fa_cuda_status());
         return 77;
     }
-    drv = fa_cuda_driver_get();
+    gu_drv = fa_cuda_driver_get();
+    gu_seed(0x1234567887654321ull);
     fa_cu_context ctx;
     int pushed;
     if (fa_cuda_context_enter(0, &ctx, &pushed) != FA_STATUS_OK) {

@@ -1,0 +1,52 @@
+/*
+ * What the GPU tests share: the driver, a seeded generator, and tensors that live both on the host
+ * (inputs filled there, references computed there) and on the device, with the same strides.
+ */
+#ifndef GPU_TEST_UTIL_H
+#define GPU_TEST_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "cuda/fa_cuda_driver.h"
+#include "flashattn.h"
+
+/* The driver table: each test's main sets it once a device is known to be usable. */
+extern const fa_cuda_driver *gu_drv;
+
+#define CHECK_CU(expr)                                                                           \
+    do {                                                                                         \
+        fa_cu_result r_ = (expr);                                                                \
+        if (r_ != 0) {                                                                           \
+            fprintf(stderr, "FATAL %s:%d: %s -> %d\n", __FILE__, __LINE__, #expr, r_);           \
+            exit(1);                                                                             \
+        }                                                                                        \
+    } while (0)
+
+/* Uniform in [lo, hi) from a splitmix64 stream; gu_seed restarts it. */
+void gu_seed(uint64_t seed);
+double gu_uniform(double lo, double hi);
+
+/* A host buffer and a device buffer of the same layout, viewed as the same tensor. */
+typedef struct gpu_buf {
+    fa_tensor host, dev;
+    size_t bytes;
+} gpu_buf;
+
+/* shape[0 .. ndim) (ndim 1-4), the rows of the last dimension padded by pad elements; the host
+ * copy starts as NaN (0xff bytes) in every float dtype, so padding must never be read. */
+gpu_buf gu_buf_new(fa_dtype dt, int ndim, const int64_t *shape, int pad);
+void gu_buf_free(gpu_buf *g);
+void gu_buf_upload(gpu_buf *g);
+void gu_buf_poison_device(gpu_buf *g); /* the device copy to 0xff bytes */
+void *gu_buf_download(const gpu_buf *g); /* a malloc'd copy of the device buffer */
+
+/* Element at of a buffer of dtype dt (fp16, bf16, fp32; anything else read as int32). */
+double gu_elem_load(const void *base, fa_dtype dt, int64_t at);
+
+/* Every element of the host copy uniform in [lo, hi). */
+void gu_fill_uniform(gpu_buf *g, double lo, double hi);
+
+#endif /* GPU_TEST_UTIL_H */
