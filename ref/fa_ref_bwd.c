@@ -31,7 +31,7 @@ typedef struct rb_problem {
     int varlen;
     int lowp;       /* round every stage to dt (the naive same-dtype baseline) */
     int mag;        /* also the sums of |terms| */
-    int stored_out; /* D from out rounded to dt, as the caller stores it */
+    int stored_out; /* D from the out the arguments carry (what the forward stored) */
     fa_dtype dt;
     int64_t b, h, hk, d, dv;
     int64_t sq, sk; /* dense only */
@@ -333,7 +333,7 @@ static void rb_row(const rb_problem *P, const rb_seq *S, int64_t hh, int64_t i, 
         }
         if (P->stored_out) {
             for (int64_t x = 0; x < dv; x++) {
-                W->out[x] = fa_ref_round(W->out[x], P->dt);
+                W->out[x] = rb_load(P, a->out, S, S->q0, i, hh, x);
             }
         }
         dsum = rb_dot(W->g, W->out, dv);

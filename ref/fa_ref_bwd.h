@@ -38,9 +38,9 @@ int fa_ref_backward_mag(const fa_bwd_args *args, double *dq, double *dk, double 
                         double *dsinks, double *mq, double *mk, double *mv, double *msinks);
 
 /*
- * fa_ref_backward, except that D = dout . out uses the oracle's out rounded to q's dtype, as the
- * fused backward takes D from the out the caller stores in that dtype. Its difference to
- * fa_ref_backward is the share of a low-precision result's error that storing out causes
+ * fa_ref_backward, except that D = dout . out uses the out the arguments carry (what the forward
+ * stored, rounding and all), as the fused backward takes D from it. Its difference to
+ * fa_ref_backward is the share of a low-precision result's error that the stored out causes
  * (the naive baseline below has no such share: it takes D from its own P and dP).
  */
 int fa_ref_backward_stored_out(const fa_bwd_args *args, double *dq, double *dk, double *dv,
