@@ -1,7 +1,7 @@
 /*
  * The backward on a CUDA device (kernels/fa_bwd_sm80.cu): plan, check the caller's workspace,
  * fill the parameter block, launch the kernels on the caller's stream (four, and fa_bwd_fill
- * first in the varlen form, which the plan takes only with FLASHATTN_BWD_VARLEN=1 for now).
+ * first in the varlen form).
  *
  * Workspace layout (each part 256-byte aligned; rows = m_tiles * bm, whole query tiles, m_tiles
  * from max_sq in the dense and the varlen form alike: b is the number of sequences):

@@ -165,6 +165,7 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
     key.features |= fa_cuda_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
     key.features |= p->probs ? FA_PLAN_PROBS : 0;
+    key.features |= p->max_sq >= FA_PLAN_LONG_ROWS ? FA_PLAN_LONG : 0;
     fa_plan plan;
     st = fa_plan_forward(&key, &plan);
     if (st != FA_STATUS_OK)
@@ -224,12 +225,14 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
              * Persistent CTAs stride over the units statically, which balances only units of
              * equal work: tiles without causal, window or varlen (plan.persistent 1), or, with
              * plan.persistent 2, the mirrored tile pairs of causal and windowed calls, whose
-             * work adds up to about the same. Otherwise one CTA per tile and the hardware's own
-             * dispatch (measured: d256 causal 8k, 444 TFLOP/s with tiles striding statically
-             * against 615 with one CTA per tile). */
+             * work adds up to about the same, up to FA_SM90_PAIRED_MAX_TILES tiles (beyond, the
+             * static stride's last round costs more than the pairs save). Otherwise one CTA per
+             * tile and the hardware's own dispatch (measured: d256 causal 8k, 444 TFLOP/s with
+             * single tiles striding statically against 615 with one CTA per tile). */
             const int64_t sms = fa_cuda_device_sms(args->device);
             const int uniform = p->window_left < 0 && p->window_right < 0 && !p->is_varlen;
-            tmaps->paired = plan.persistent == 2 && !uniform && !p->is_varlen;
+            tmaps->paired = plan.persistent == 2 && !uniform && !p->is_varlen &&
+                            m_blocks <= FA_SM90_PAIRED_MAX_TILES;
             const int persistent = uniform ? plan.persistent >= 1 : tmaps->paired;
             const int64_t units =
                 (tmaps->paired ? (m_blocks + 1) / 2 : m_blocks) * (int64_t)p->h * p->b;
@@ -277,11 +280,18 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }
-    /* The backward's kernels of the same configuration where the backward family takes it (its
-     * varlen form too, opt-in at run time until it has passed test_gpu_backward on a GPU). */
+    /* and its plan for long calls where that differs (fa_jit_build finds it cached if not). */
+    fa_plan_key long_key = key;
+    long_key.features |= FA_PLAN_LONG;
+    if (st == FA_STATUS_OK && fa_plan_forward_sm90(&long_key, &plan90) == FA_STATUS_OK) {
+        st = fa_jit_build(&plan90, &origin);
+        if (cached)
+            *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+    }
+    /* The backward's kernels of the same configuration where the backward family takes it. */
     fa_plan planb;
     if (st == FA_STATUS_OK && key.d <= FA_BWD_MAX_HEAD_DIM && key.dv <= FA_BWD_MAX_HEAD_DIM &&
-        fa_plan_backward_ungated(&key, &planb) == FA_STATUS_OK) {
+        fa_plan_backward(&key, &planb) == FA_STATUS_OK) {
         st = fa_jit_build(&planb, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;

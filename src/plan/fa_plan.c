@@ -67,7 +67,10 @@ static void fa_plan_define(fa_plan *plan, const char *name, int value)
  * (d = dv): 128-row query tiles, 1 producer + 2 consumer warpgroups. Key block and stages: as
  * many stages as fit beside Q in the 227 KB of shared memory, and for the wide heads the key block
  * shrunk until two stages fit (FA3's hdim-192/256 tiles). Pingpong between the consumers on or off
- * per row, by measurement (bench/NOTES.md).
+ * per row, persistent CTAs over mirrored tile pairs for causal calls, by measurement
+ * (bench/NOTES.md). Long calls (FA_PLAN_LONG) at head dim 64 take three consumer warpgroups,
+ * 192-row tiles: measured 5-8% faster from 8k rows on, slower below (fewer, longer tiles leave
+ * SMs idle at the end).
  */
 typedef struct fa_plan_row90 {
     int dp, bn, stages, pingpong, persistent;
@@ -75,10 +78,10 @@ typedef struct fa_plan_row90 {
 } fa_plan_row90;
 
 static const fa_plan_row90 fa_sm90_rows[] = {
-    {64, 128, 4, 0, 1, 2},  /* Q 16 KB + 4 x (K 16 + V 16) KB = 144 KB */
-    {128, 128, 2, 1, 1, 2}, /* Q 32 KB + 2 x (K 32 + V 32) KB = 160 KB */
-    {192, 112, 2, 1, 1, 2}, /* Q 48 KB + 2 x (K 42 + V 42) KB = 216 KB */
-    {256, 80, 2, 1, 1, 2},  /* Q 64 KB + 2 x (K 40 + V 40) KB = 224 KB */
+    {64, 128, 4, 0, 2, 2},  /* Q 16 KB + 4 x (K 16 + V 16) KB = 144 KB */
+    {128, 128, 2, 1, 2, 2}, /* Q 32 KB + 2 x (K 32 + V 32) KB = 160 KB */
+    {192, 112, 2, 1, 2, 2}, /* Q 48 KB + 2 x (K 42 + V 42) KB = 216 KB */
+    {256, 80, 2, 1, 2, 2},  /* Q 64 KB + 2 x (K 40 + V 40) KB = 224 KB */
 };
 
 /* What the sm90 kernel compiles: everything else goes to the sm80 family. */
@@ -95,9 +98,9 @@ int fa_plan_sm90_enabled(void)
 /* FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG[,PERSISTENT[,CONSUMERS]] replaces the row's choice
  * (for tuning with the benchmark); a combination the kernel cannot take or shared memory cannot
  * hold is ignored. PERSISTENT: 0 one CTA per query tile; 1 persistent CTAs for calls without
- * causal, window or varlen (the rows' choice); 2 also for causal and windowed calls, over mirrored
- * pairs of query tiles. CONSUMERS: 2, or 3 at head dim 64 without pingpong (192-row tiles, FA3's
- * hdim-64 choice). Neither 2 nor 3 is measured yet, hence not a row's choice. */
+ * causal, window or varlen; 2 (the rows' choice) also for causal and windowed calls of at most
+ * FA_SM90_PAIRED_MAX_TILES query tiles, over mirrored pairs of tiles. CONSUMERS: 2, or 3 at head
+ * dim 64 without pingpong (192-row tiles). */
 static void fa_plan_sm90_override(fa_plan_row90 *row)
 {
     const char *env = getenv("FLASHATTN_SM90_TILE");
@@ -126,6 +129,8 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
         return FA_STATUS_UNSUPPORTED;
     const int dp = (key->d + 63) / 64 * 64;
     fa_plan_row90 row = fa_sm90_rows[dp / 64 - 1];
+    if (dp == 64 && (key->features & FA_PLAN_LONG))
+        row.consumers = 3;
     fa_plan_sm90_override(&row);
     *plan = (fa_plan){0};
     plan->family = "fa_fwd_sm90.cu";
@@ -245,8 +250,7 @@ static fa_bwd_row fa_plan_bwd_override(fa_bwd_row row)
     return row;
 }
 
-/* The backward plan; varlen_gate: refuse varlen unless FLASHATTN_BWD_VARLEN=1. */
-static fa_status fa_plan_backward_make(const fa_plan_key *key, fa_plan *plan, int varlen_gate)
+fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
@@ -263,14 +267,6 @@ static fa_status fa_plan_backward_make(const fa_plan_key *key, fa_plan *plan, in
                             "head_dim: the CUDA backward supports head dims up to %d so far, got "
                             "d %d, dv %d (use the CPU backward)",
                             FA_BWD_MAX_HEAD_DIM, key->d, key->dv);
-    /* The varlen form (FA_VARLEN) is opt-in with FLASHATTN_BWD_VARLEN=1 until it has passed
-     * test_gpu_backward on a GPU; fa_cuda_precompile compiles it regardless. */
-    const char *varlen_env = getenv("FLASHATTN_BWD_VARLEN");
-    const int varlen = (key->features & FA_FEATURE_VARLEN) != 0;
-    if (varlen && varlen_gate && !(varlen_env && strcmp(varlen_env, "1") == 0))
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "cu_seqlens_q: the CUDA backward supports the dense form only so far "
-                            "(use the CPU backward for varlen)");
     *plan = (fa_plan){0};
     plan->family = "fa_bwd_sm80.cu";
     snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
@@ -305,16 +301,6 @@ static fa_status fa_plan_backward_make(const fa_plan_key *key, fa_plan *plan, in
     fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
     fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
     fa_plan_define(plan, "FA_DROPOUT", (key->features & FA_FEATURE_DROPOUT) != 0);
-    fa_plan_define(plan, "FA_VARLEN", varlen);
+    fa_plan_define(plan, "FA_VARLEN", (key->features & FA_FEATURE_VARLEN) != 0);
     return FA_STATUS_OK;
-}
-
-fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
-{
-    return fa_plan_backward_make(key, plan, 1);
-}
-
-fa_status fa_plan_backward_ungated(const fa_plan_key *key, fa_plan *plan)
-{
-    return fa_plan_backward_make(key, plan, 0);
 }

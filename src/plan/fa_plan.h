@@ -11,9 +11,14 @@
 #include "flashattn.h"
 
 #define FA_PLAN_MAX_DEFINES 16
+#define FA_PLAN_LONG_ROWS 8192
+/* The sm90 family pairs causal/windowed tiles on persistent CTAs up to this many query tiles
+ * per (sequence, head); above it one CTA per tile balances better (bench/NOTES.md). */
+#define FA_SM90_PAIRED_MAX_TILES 64
 
 /* Plan-internal feature bits, above the public FA_FEATURE_* ones. */
 #define FA_PLAN_PROBS (1u << 24)   /* the probs output is asked for */
+#define FA_PLAN_LONG (1u << 25)    /* at least FA_PLAN_LONG_ROWS query rows (max_seqlen_q) */
 #define FA_PLAN_NO_SM90 (1u << 26) /* the tensors cannot be TMA-described: sm80 family */
 
 typedef struct fa_plan_key {
@@ -56,10 +61,7 @@ int fa_plan_sm90_enabled(void);
 #define FA_BWD_MAX_HEAD_DIM 128
 
 /* The backward plan for key (fa_bwd_sm80.cu, sm_80 and later, fp16/bf16, d and dv <= 128, dense
- * layouts); FA_STATUS_UNSUPPORTED with a message for anything else. */
+ * and varlen layouts); FA_STATUS_UNSUPPORTED with a message for anything else. */
 fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
-
-/* The same without the varlen opt-in (precompile compiles the varlen form ahead). */
-fa_status fa_plan_backward_ungated(const fa_plan_key *key, fa_plan *plan);
 
 #endif /* FA_PLAN_H */

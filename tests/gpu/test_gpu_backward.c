@@ -11,10 +11,8 @@
  *   dsinks bitwise identical to the deterministic run's;
  *   varlen (random lengths with an empty sequence, rows of q and k outside every sequence,
  *   seqused_k, max_seqlen above the longest sequence): the same, and exact zeros on the rows
- *   outside every sequence and the keys past seqused_k, as the CPU backward writes them. The
- *   CUDA varlen backward is opt-in until it passes here: these cases set FLASHATTN_BWD_VARLEN=1;
- *   unsupported cases (head dim > 128, varlen without that variable) and a short workspace
- *   refused with a message.
+ *   outside every sequence and the keys past seqused_k, as the CPU backward writes them;
+ *   an unsupported case (head dim > 128) and a short workspace refused with a message.
  * `test_gpu_backward --bench` times the backward (hdim 128, seqlen 4k, bf16, causal and not);
  * `test_gpu_backward --case TEXT` runs only the cases whose name contains TEXT (a short run for
  * compute-sanitizer).
@@ -161,8 +159,6 @@ static void run_case(const bcase *c, fa_dtype dt)
          * sequence at all. */
         if (c->slack)
             max_q += 70, max_k += 150;
-        /* The CUDA varlen backward is opt-in until it passes this test (fa_plan_backward). */
-        setenv("FLASHATTN_BWD_VARLEN", "1", 1);
     }
     const int nd = c->varlen ? 3 : 4;
     int64_t qs[4] = {c->b, c->sq, c->h, c->d}, ks[4] = {c->b, c->sk, c->hk, c->d};
@@ -335,8 +331,7 @@ static void run_case(const bcase *c, fa_dtype dt)
         gu_buf_free(all[i]);
 }
 
-/* Refusals: head dim over 128, varlen without FLASHATTN_BWD_VARLEN=1, a workspace too small;
- * each with a message. */
+/* Refusals: head dim over 128, a workspace too small; each with a message. */
 static void run_refusals(void)
 {
     const bcase cc = {"refusals", 1, 2, 2, 64, 64, 192, 192, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -366,30 +361,6 @@ static void run_refusals(void)
     if (need == 0 || fa_attention_backward(&b) != FA_STATUS_INVALID_ARGUMENT ||
         !strstr(fa_last_error(), "workspace"))
         FAIL("short workspace (need %zu): %s", need, fa_last_error());
-    /* The same memory as one varlen sequence of 64 rows, the opt-in variable unset (the varlen
-     * cases set it; restored after). */
-    const char *env = getenv("FLASHATTN_BWD_VARLEN");
-    char saved[16] = "";
-    if (env)
-        snprintf(saved, sizeof saved, "%s", env);
-    unsetenv("FLASHATTN_BWD_VARLEN");
-    int64_t bs[1] = {2}, l2[2] = {2, 64};
-    gpu_buf cu = gu_buf_new(FA_DTYPE_I32, 1, bs, 0);
-    fa_tensor q3 = fa_tensor_make(q.dev.data, dt, 3, (int64_t[3]){64, 2, 64}, NULL);
-    fa_tensor lse2 = fa_tensor_make(lse.dev.data, FA_DTYPE_F32, 2, l2, NULL);
-    a.q = a.k = a.v = a.out = &q3;
-    a.lse = &lse2;
-    a.cu_seqlens_q = a.cu_seqlens_k = &cu.dev;
-    a.max_seqlen_q = a.max_seqlen_k = 64;
-    b.dout = b.dq = b.dk = b.dv = &q3;
-    b.workspace_size = (size_t)1 << 40;
-    if (fa_attention_backward_workspace_size(&b) != 0 ||
-        fa_attention_backward(&b) != FA_STATUS_UNSUPPORTED ||
-        !strstr(fa_last_error(), "cu_seqlens_q"))
-        FAIL("varlen without FLASHATTN_BWD_VARLEN=1: %s", fa_last_error());
-    if (saved[0])
-        setenv("FLASHATTN_BWD_VARLEN", saved, 1);
-    gu_buf_free(&cu);
     gu_buf_free(&q);
     gu_buf_free(&g);
     gu_buf_free(&lse);

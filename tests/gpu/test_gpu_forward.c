@@ -115,10 +115,12 @@ static const struct {
     {{"sm90->sm80 d128 dv64", 1, 2, 2, 100, 180, 128, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
     {{"sm90->sm80 unaligned d37", 1, 2, 1, 70, 150, 37, 37, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
 };
-/* Plans not yet any row's choice, under FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG,PERSISTENT,
- * CONSUMERS: persistent CTAs over mirrored pairs of query tiles (PERSISTENT 2) under causal and a
- * window, with more pairs than SMs and an odd tile count (a lone middle tile); three consumer
- * warpgroups (192-row tiles) at head dim 64, dense persistent, causal paired, and varlen. */
+/* Plans the rows take only for some shapes, forced with FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG,
+ * PERSISTENT,CONSUMERS on sizes the CPU reference affords: persistent CTAs over mirrored pairs of
+ * query tiles (PERSISTENT 2) under causal and a window, with more pairs than SMs and an odd tile
+ * count (a lone middle tile); one CTA per causal tile (the choice above
+ * FA_SM90_PAIRED_MAX_TILES); three consumer warpgroups (192-row tiles, head dim 64 from
+ * FA_PLAN_LONG_ROWS on), dense persistent, causal paired, and varlen. */
 static const struct {
     gpu_case c;
     const char *tile;
@@ -127,6 +129,8 @@ static const struct {
      "128,2,1,2,2"},
     {{"sm90 paired window odd d64", 1, 64, 16, 600, 650, 64, 64, 0, 100, 20, 0, 0, 1, 0, 0, 0, 0, 0},
      "128,4,0,2,2"},
+    {{"sm90 per-tile causal gqa d128", 2, 40, 8, 640, 640, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+     "128,2,1,1,2"},
     {{"sm90 3 consumers persistent d64", 2, 48, 12, 500, 530, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
      "128,4,0,1,3"},
     {{"sm90 3 consumers paired causal d64", 1, 96, 8, 700, 760, 64, 64, 1, -1, -1, 0, 1, 1, 0, 0, 0, 0, 0},
