@@ -588,7 +588,7 @@ class _DenseCall:
         self.args = args
         self.tensors = keep[:5]
         self.out_shape = out.shape
-        self.lse_shape = lse.shape
+        self.lse_shape = lse.shape if lse is not None else None
         self.dtype = out.dtype
         self.device = out.device
         self.cuda = out.device.index if out.device.type == "cuda" else None
@@ -598,9 +598,11 @@ _LOCAL = threading.local()  # per-thread _DenseCall caches: the C call runs with
 _DENSE_CACHE_SIZE = 64
 
 
-def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, seed):
+def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, seed,
+                        want_lse=True):
     """``forward`` for the commonest torch call, (out, lse): dense, no ALiBi, sinks or probs,
-    new fp32-lse outputs; the floats already floats and ``window_size`` a pair of ints.
+    new fp32-lse outputs; the floats already floats and ``window_size`` a pair of ints. Without
+    ``want_lse`` the library writes no lse and lse is None.
 
     Everything Python checks and builds depends only on the tensors' metadata and the
     options, so it is done once per signature and cached (per thread, a bounded number of
@@ -611,11 +613,12 @@ def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, 
         key = (q.shape, q.stride(), q.dtype, q.device, q.is_neg(),
                k.shape, k.stride(), k.dtype, k.device, k.is_neg(),
                v.shape, v.stride(), v.dtype, v.device, v.is_neg(),
-               dropout_p, softmax_scale, causal, window_size, softcap)
+               dropout_p, softmax_scale, causal, window_size, softcap, want_lse)
     except RuntimeError:  # no strides (sparse and other layouts): forward says why
-        return forward(q, k, v, kind=TORCH, dropout_p=dropout_p, softmax_scale=softmax_scale,
-                       causal=causal, window_size=window_size, softcap=softcap,
-                       seed=seed)[:2]
+        out, lse = forward(q, k, v, kind=TORCH, dropout_p=dropout_p,
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           softcap=softcap, seed=seed)[:2]
+        return out, lse if want_lse else None
     cache = getattr(_LOCAL, "dense", None)
     if cache is None:
         cache = _LOCAL.dense = {}
@@ -624,6 +627,9 @@ def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, 
         args, keep, arrays, out, lse, _, names = _prepare_forward(
             q, k, v, TORCH, None, None, None, 0, 0, dropout_p, softmax_scale, causal,
             window_size, softcap, None, None, False, seed, 0, None, None, None, None, 0)
+        if not want_lse:
+            args.lse = None
+            lse = None
         _call_forward(args, names)
         if arrays[0] is q and arrays[1] is k and arrays[2] is v:
             # Inputs used as they are (no contiguous copy), so the signature says it all.
@@ -633,13 +639,15 @@ def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, 
         return out, lse
     torch = sys.modules["torch"]
     out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
-    lse = torch.empty(call.lse_shape, dtype=torch.float32, device=call.device)
     tq, tk, tv, to, tl = call.tensors
     tq.data = q.data_ptr()
     tk.data = k.data_ptr()
     tv.data = v.data_ptr()
     to.data = out.data_ptr()
-    tl.data = lse.data_ptr()
+    lse = None
+    if want_lse:
+        lse = torch.empty(call.lse_shape, dtype=torch.float32, device=call.device)
+        tl.data = lse.data_ptr()
     args = call.args
     if call.cuda is not None:
         args.stream = _raw_stream(call.cuda)

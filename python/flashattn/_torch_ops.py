@@ -571,6 +571,34 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
     return out, lse.float(), S, rng_state
 
 
+_FAST_SCALARS = (float, int)
+
+
+def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               return_attn_probs, learnable_sink):
+    """``flash_attn_func``'s commonest call in one step, or None where it does not apply: plain
+    fp16/bf16/fp32 tensors, no dropout, ALiBi, sinks, probs or gradients, plain Python scalars,
+    outside any compile, trace or mode. Such a call reaches ``_core.forward_dense_torch`` with
+    the values the general path would give it (which validates in C and caches per signature);
+    anything else returns None, for the general path to convert, check and name."""
+    T = torch.Tensor
+    if (type(q) is not T or type(k) is not T or type(v) is not T or alibi_slopes is not None
+            or learnable_sink is not None or return_attn_probs is not False
+            or type(causal) is not bool or type(dropout_p) not in _FAST_SCALARS or dropout_p
+            or type(softcap) not in _FAST_SCALARS or q.dtype is torch.float64 or q.dim() != 4):
+        return None
+    if softmax_scale is None:
+        softmax_scale = q.shape[3] ** -0.5
+    elif type(softmax_scale) not in _FAST_SCALARS:
+        return None
+    tensors = (q, k, v)
+    if _needs_grad(tensors) or not _eager(tensors):
+        return None
+    window = _core.window_pair(window_size)
+    return _core.forward_dense_torch(q, k, v, 0.0, float(softmax_scale), causal, window,
+                                     float(softcap), 0, want_lse=False)[0]
+
+
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
            softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_softmax,
            learnable_sink, seqused_k=None, names=None):

@@ -265,7 +265,6 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                       learnable_sink, kind, names)
 
 
-@accepts_dlpack
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, learnable_sink=None):
@@ -297,6 +296,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         S_dmask [optional]: (0,) when dropout_p == 0, otherwise
             (batch_size, nheads, round_up(seqlen_q, 128), round_up(seqlen_k, 128)).
     """
+    # The host cost of small calls is mostly Python: the commonest torch call skips the layers
+    # below (once torch calls have loaded _torch_ops).
+    if _TORCH_OPS:
+        out = _TORCH_OPS[0].dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size,
+                                       softcap, alibi_slopes, return_attn_probs,
+                                       learnable_sink)
+        if out is not None:
+            return out
+    return _flash_attn_func_any(q, k, v, dropout_p, softmax_scale, causal, window_size,
+                                softcap, alibi_slopes, deterministic, return_attn_probs,
+                                learnable_sink)
+
+
+@accepts_dlpack
+def _flash_attn_func_any(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                         alibi_slopes, deterministic, return_attn_probs, learnable_sink):
     kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 3)
     softmax_scale = _default_scale(q, softmax_scale)

@@ -2,6 +2,7 @@
 torch.compile(fullgraph=True) of models using the public functions (forward and backward)
 against eager, the dropout seed under compile, the ops' outputs and fake shapes."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -347,6 +348,43 @@ def test_signature_cache_swaps_data_not_results(rng):
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
+    """flash_attn_func's one-step path (plain tensors, no dropout, ALiBi, sinks, probs or
+    gradients) gives bitwise the general path's out over the options it takes (Python ints
+    and floats alike), writes no lse, and leaves every other call to the general path."""
+    from flashattn import _core
+
+    taken = []
+    real = _core.forward_dense_torch
+
+    def spy(*args, **kwargs):
+        taken.append(kwargs.get("want_lse", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_core, "forward_dense_torch", spy)
+    q, k, v = (_t(rng, 2, s, h, 16, dtype=dtype) for s, h in ((11, 4), (19, 2), (19, 2)))
+    options = [dict(), dict(causal=True), dict(window_size=(4, 2), softmax_scale=0.3),
+               dict(softcap=3, dropout_p=0, softmax_scale=1), dict(window_size=(-5, 7)),
+               dict(causal=True, softcap=2.5, window_size=(2**40, 3))]
+    for kw in options:
+        taken.clear()
+        fast = flash_attn_func(q, k, v, **kw)
+        assert taken == [False], kw
+        general, _, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+        assert taken == [False, True], kw
+        assert not torch.equal(fast, torch.zeros_like(fast)) and torch.equal(fast, general), kw
+    taken.clear()
+    flash_attn_func(q, k, v, causal=1)
+    flash_attn_func(q, k, v, softmax_scale=np.float32(0.2))
+    flash_attn_func(q.requires_grad_(), k, v)
+    with torch.no_grad():
+        flash_attn_func(q, k, v)
+    assert taken == [True, True, True, False]
+    with pytest.raises(TypeError, match="window_size"):
+        flash_attn_func(q, k, v, window_size=(1, "a"))
 
 
 # --------------------------------------------------------------------------------------------
