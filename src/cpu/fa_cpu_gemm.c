@@ -1,5 +1,6 @@
 /* Instantiates the micro-kernel families and picks one for this CPU, once. */
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu/fa_cpu_gemm.h"
@@ -10,29 +11,50 @@
 #define FA_VSTORE(p, v) memcpy((p), &(v), sizeof(v))
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define FA_GEMM_FN(name) name##_avx512
 #define FA_GEMM_TARGET __attribute__((target("avx512f,avx512vl,avx2,fma")))
 #define FA_GEMM_VL 16
+#define FA_GEMM_FN(name) name##_avx512
 #define FA_GEMM_MR 4
 #define FA_GEMM_NRV 4
+#define FA_GEMM_COLS_OUTER 0
+#include "cpu/fa_cpu_gemm_body.h"
+#undef FA_GEMM_FN
+#undef FA_GEMM_COLS_OUTER
+#define FA_GEMM_FN(name) name##_avx512_cols
+#define FA_GEMM_COLS_OUTER 1
+#include "cpu/fa_cpu_gemm_body.h"
+#undef FA_GEMM_FN
+#undef FA_GEMM_MR
+#undef FA_GEMM_COLS_OUTER
+#define FA_GEMM_FN(name) name##_avx512_6x4
+#define FA_GEMM_MR 6
+#define FA_GEMM_COLS_OUTER 0
+#include "cpu/fa_cpu_gemm_body.h"
+#undef FA_GEMM_FN
+#undef FA_GEMM_COLS_OUTER
+#define FA_GEMM_FN(name) name##_avx512_6x4_cols
+#define FA_GEMM_COLS_OUTER 1
 #include "cpu/fa_cpu_gemm_body.h"
 #undef FA_GEMM_FN
 #undef FA_GEMM_TARGET
 #undef FA_GEMM_VL
 #undef FA_GEMM_MR
 #undef FA_GEMM_NRV
+#undef FA_GEMM_COLS_OUTER
 
 #define FA_GEMM_FN(name) name##_avx2
 #define FA_GEMM_TARGET __attribute__((target("avx2,fma")))
 #define FA_GEMM_VL 8
 #define FA_GEMM_MR 4
 #define FA_GEMM_NRV 2
+#define FA_GEMM_COLS_OUTER 0
 #include "cpu/fa_cpu_gemm_body.h"
 #undef FA_GEMM_FN
 #undef FA_GEMM_TARGET
 #undef FA_GEMM_VL
 #undef FA_GEMM_MR
 #undef FA_GEMM_NRV
+#undef FA_GEMM_COLS_OUTER
 #endif
 
 /* Portable: 4-wide vectors, which every 64-bit target lowers to its own SIMD or to scalars. */
@@ -41,12 +63,14 @@
 #define FA_GEMM_VL 4
 #define FA_GEMM_MR 4
 #define FA_GEMM_NRV 2
+#define FA_GEMM_COLS_OUTER 0
 #include "cpu/fa_cpu_gemm_body.h"
 #undef FA_GEMM_FN
 #undef FA_GEMM_TARGET
 #undef FA_GEMM_VL
 #undef FA_GEMM_MR
 #undef FA_GEMM_NRV
+#undef FA_GEMM_COLS_OUTER
 
 typedef void (*fa_gemm_fn)(float *, int64_t, const float *, int64_t, int64_t, const float *,
                            int64_t, int64_t, int64_t, int64_t, int);
@@ -62,8 +86,23 @@ static void fa_gemm_select(void)
 #if defined(__x86_64__) && defined(__GNUC__)
     const fa_cpu_info *cpu = fa_cpu_info_get();
     if (cpu->avx512f && cpu->avx512vl && cpu->avx2 && cpu->fma) {
-        fa_gemm_selected = fa_gemm_avx512;
-        fa_gemm_selected_name = "avx512";
+        /* 6x64 register tiles, column panels outermost: on the device host's Xeon (two 512-bit
+         * FMA units per core) 18% faster than 4x64 row-major order at 16 threads, 3% at one;
+         * the same speed on an AMD EPYC dev VM (bench/NOTES.md). FLASHATTN_CPU_GEMM=4x4,
+         * 4x4-cols or 6x4 picks one of the others, for measuring them on a CPU. */
+        fa_gemm_selected = fa_gemm_avx512_6x4_cols;
+        fa_gemm_selected_name = "avx512 6x64 cols";
+        const char *env = getenv("FLASHATTN_CPU_GEMM");
+        if (env && strcmp(env, "4x4") == 0) {
+            fa_gemm_selected = fa_gemm_avx512;
+            fa_gemm_selected_name = "avx512 4x64";
+        } else if (env && strcmp(env, "4x4-cols") == 0) {
+            fa_gemm_selected = fa_gemm_avx512_cols;
+            fa_gemm_selected_name = "avx512 4x64 cols";
+        } else if (env && strcmp(env, "6x4") == 0) {
+            fa_gemm_selected = fa_gemm_avx512_6x4;
+            fa_gemm_selected_name = "avx512 6x64";
+        }
     } else if (cpu->avx2 && cpu->fma) {
         fa_gemm_selected = fa_gemm_avx2;
         fa_gemm_selected_name = "avx2";

@@ -23,7 +23,7 @@ void fa_cpu_gemm_f64(double *c, int64_t ldc, const double *a, int64_t a_rs, int6
                      const double *b, int64_t ldb, int64_t m, int64_t n, int64_t k,
                      int accumulate);
 
-/* The micro-kernel family in use ("avx512", "avx2", "generic"), for reports. */
+/* The micro-kernel family in use ("avx512 6x64 cols", "avx2", "generic", ...), for reports. */
 const char *fa_cpu_gemm_name(void);
 
 static inline int64_t fa_cpu_gemm_pad(int64_t n)

@@ -5,6 +5,7 @@
  *   FA_GEMM_VL        floats per vector
  *   FA_GEMM_MR        rows of C held in registers
  *   FA_GEMM_NRV       vectors of C per row held in registers
+ *   FA_GEMM_COLS_OUTER 1: column panels of C outermost, 0: row blocks outermost
  * MR x NRV accumulators stay in registers across the whole K loop: per k, NRV loads of B and MR
  * broadcasts of A feed MR * NRV fused multiply-adds.
  */
@@ -70,6 +71,21 @@ FA_GEMM_TARGET static void FA_GEMM_FN(fa_gemm)(float *c, int64_t ldc, const floa
 {
     const int64_t nr = FA_GEMM_VL * FA_GEMM_NRV;
     int64_t i = 0;
+#if FA_GEMM_COLS_OUTER
+    /* Column panels outermost: one k x nr panel of B stays in L1 while every row block of A
+     * passes over it, instead of B streaming from L2 once per row block. */
+    const int64_t m_full = m / FA_GEMM_MR * FA_GEMM_MR;
+    int64_t j = 0;
+    for (; j + nr <= n; j += nr)
+        for (i = 0; i < m_full; i += FA_GEMM_MR)
+            FA_GEMM_FN(fa_gemm_tile)(c + i * ldc + j, ldc, a + i * a_rs, a_rs, a_cs, b + j, ldb,
+                                     k, accumulate);
+    for (; j < n; j += FA_GEMM_VL)
+        for (i = 0; i < m_full; i += FA_GEMM_MR)
+            FA_GEMM_FN(fa_gemm_edge)(c + i * ldc + j, ldc, a + i * a_rs, a_rs, a_cs, b + j, ldb,
+                                     FA_GEMM_MR, k, accumulate);
+    i = m_full;
+#else
     for (; i + FA_GEMM_MR <= m; i += FA_GEMM_MR) {
         int64_t j = 0;
         for (; j + nr <= n; j += nr)
@@ -79,8 +95,9 @@ FA_GEMM_TARGET static void FA_GEMM_FN(fa_gemm)(float *c, int64_t ldc, const floa
             FA_GEMM_FN(fa_gemm_edge)(c + i * ldc + j, ldc, a + i * a_rs, a_rs, a_cs, b + j, ldb,
                                      FA_GEMM_MR, k, accumulate);
     }
+#endif
     if (i < m)
-        for (int64_t j = 0; j < n; j += FA_GEMM_VL)
-            FA_GEMM_FN(fa_gemm_edge)(c + i * ldc + j, ldc, a + i * a_rs, a_rs, a_cs, b + j, ldb,
-                                     m - i, k, accumulate);
+        for (int64_t jj = 0; jj < n; jj += FA_GEMM_VL)
+            FA_GEMM_FN(fa_gemm_edge)(c + i * ldc + jj, ldc, a + i * a_rs, a_rs, a_cs, b + jj,
+                                     ldb, m - i, k, accumulate);
 }
