@@ -575,12 +575,13 @@ _FAST_SCALARS = (float, int)
 
 
 def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               return_attn_probs, learnable_sink):
+               deterministic, return_attn_probs, learnable_sink):
     """``flash_attn_func``'s commonest call in one step, or None where it does not apply: plain
-    fp16/bf16/fp32 tensors, no dropout, ALiBi, sinks, probs or gradients, plain Python scalars,
-    outside any compile, trace or mode. Such a call reaches ``_core.forward_dense_torch`` with
-    the values the general path would give it (which validates in C and caches per signature);
-    anything else returns None, for the general path to convert, check and name."""
+    fp16/bf16/fp32 tensors, no dropout, ALiBi, sinks or probs, plain Python scalars, outside
+    any compile, trace or mode. Without gradients such a call goes straight to
+    ``_core.forward_dense_torch`` (which validates in C and caches per signature) and asks for
+    no lse; with them, straight to ``_DenseFn``; both with the values the general path would
+    give them. Anything else returns None, for the general path to convert, check and name."""
     T = torch.Tensor
     if (type(q) is not T or type(k) is not T or type(v) is not T or alibi_slopes is not None
             or learnable_sink is not None or return_attn_probs is not False
@@ -592,10 +593,14 @@ def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     elif type(softmax_scale) not in _FAST_SCALARS:
         return None
     tensors = (q, k, v)
-    if _needs_grad(tensors) or not _eager(tensors):
+    if not _eager(tensors):
         return None
-    window = _core.window_pair(window_size)
-    return _core.forward_dense_torch(q, k, v, 0.0, float(softmax_scale), causal, window,
+    left, right = _core.window_pair(window_size)
+    if _needs_grad(tensors):
+        rest = (None, 0.0, float(softmax_scale), causal, left, right, float(softcap), False,
+                bool(deterministic))
+        return _DenseFn.apply(q, k, v, None, None, rest)[0]
+    return _core.forward_dense_torch(q, k, v, 0.0, float(softmax_scale), causal, (left, right),
                                      float(softcap), 0, want_lse=False)[0]
 
 

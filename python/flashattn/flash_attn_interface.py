@@ -300,7 +300,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     # below (once torch calls have loaded _torch_ops).
     if _TORCH_OPS:
         out = _TORCH_OPS[0].dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                       softcap, alibi_slopes, return_attn_probs,
+                                       softcap, alibi_slopes, deterministic, return_attn_probs,
                                        learnable_sink)
         if out is not None:
             return out

@@ -352,9 +352,10 @@ def test_signature_cache_swaps_data_not_results(rng):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
-    """flash_attn_func's one-step path (plain tensors, no dropout, ALiBi, sinks, probs or
-    gradients) gives bitwise the general path's out over the options it takes (Python ints
-    and floats alike), writes no lse, and leaves every other call to the general path."""
+    """flash_attn_func's one-step path (plain tensors, no dropout, ALiBi, sinks or probs)
+    gives bitwise the general path's out over the options it takes (Python ints and floats
+    alike), without gradients writes no lse, with them gives the general path's gradients, and
+    leaves every other call to the general path."""
     from flashattn import _core
 
     taken = []
@@ -365,10 +366,20 @@ def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_core, "forward_dense_torch", spy)
+    fast_calls = []
+    real_fast = _torch_ops.dense_fast
+
+    def fast_spy(*args):
+        out = real_fast(*args)
+        fast_calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_torch_ops, "dense_fast", fast_spy)
     q, k, v = (_t(rng, 2, s, h, 16, dtype=dtype) for s, h in ((11, 4), (19, 2), (19, 2)))
     options = [dict(), dict(causal=True), dict(window_size=(4, 2), softmax_scale=0.3),
                dict(softcap=3, dropout_p=0, softmax_scale=1), dict(window_size=(-5, 7)),
                dict(causal=True, softcap=2.5, window_size=(2**40, 3))]
+    flash_attn_func(q, k, v)  # the first torch call of a process loads the ops
     for kw in options:
         taken.clear()
         fast = flash_attn_func(q, k, v, **kw)
@@ -379,10 +390,23 @@ def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
     taken.clear()
     flash_attn_func(q, k, v, causal=1)
     flash_attn_func(q, k, v, softmax_scale=np.float32(0.2))
-    flash_attn_func(q.requires_grad_(), k, v)
+    assert taken == [True, True]
+    q.requires_grad_(), v.requires_grad_()
+    kw = dict(causal=True, window_size=(6, 1), softcap=4.0, deterministic=True)
+    dout = torch.randn(2, 11, 4, 16).to(dtype)
+    grads = []
+    for probs in (False, True):
+        fast_calls.clear()
+        out = flash_attn_func(q, k, v, return_attn_probs=probs, **kw)
+        assert fast_calls == [not probs]
+        out = out[0] if probs else out
+        grads.append([out] + list(torch.autograd.grad(out, (q, v), dout)))
+    for fast, general in zip(*grads):
+        assert not torch.equal(fast, torch.zeros_like(fast)) and torch.equal(fast, general)
+    taken.clear()
     with torch.no_grad():
         flash_attn_func(q, k, v)
-    assert taken == [True, True, True, False]
+    assert taken == [False]
     with pytest.raises(TypeError, match="window_size"):
         flash_attn_func(q, k, v, window_size=(1, "a"))
 
