@@ -378,7 +378,10 @@ static void rb_row(const rb_problem *P, const rb_seq *S, int64_t hh, int64_t i, 
             hvj[x] += pz * W->g[x];
         }
         if (mag) {
-            const double cabs = W->pr[j] * (W->dpabs[j] + dsum_abs) * deriv * P->scale;
+            /* softcap: the derivative 1 - t^2 is a difference, its |terms| are 1 + t^2 (a t
+               rounded near 1 moves it by ~2 eps however small it is) */
+            const double dabs = cap > 0 ? 1.0 + W->t[j] * W->t[j] : 1.0;
+            const double cabs = W->pr[j] * (W->dpabs[j] + dsum_abs) * dabs * P->scale;
             const double *kaj = W->kabs + j * d;
             double *mkj = W->mhk + j * d, *mvj = W->mhv + j * dv;
             for (int64_t x = 0; x < d; x++) {

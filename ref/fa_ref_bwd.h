@@ -30,7 +30,8 @@ int fa_ref_backward(const fa_bwd_args *args, double *dq, double *dk, double *dv,
 /*
  * fa_ref_backward, plus the magnitude of every gradient element (same layouts): the sum of the
  * absolute values of the terms it is made of, each |dS_j| counted as P_j (|dP_j| + |D|) with |dP_j|
- * and |D| themselves sums of |terms|. Rounding errors of any evaluation order are proportional
+ * and |D| themselves sums of |terms| (times 1 + t_j^2 with softcap, the |terms| of the tanh
+ * derivative 1 - t_j^2). Rounding errors of any evaluation order are proportional
  * to it, so it is the scale that tolerances for gradients that cancel (e.g. dq of a row that
  * sees a single key, which is 0) are relative to.
  */
