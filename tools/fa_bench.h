@@ -19,6 +19,14 @@ int fa_bench_main(int argc, char **argv);
 /* `flashattn peak`: the fp32 FMA rate of the cores (argv: the words after "peak"). */
 int fa_peak_main(int argc, char **argv);
 
+/* The fp32 FMA rate of `threads` threads with `lanes`-wide vectors, GFLOP/s (0 on failure), and
+ * the widest vectors the CPU has (16, 8, or 0 without AVX2). */
+double fa_peak_gflops(int threads, int lanes);
+int fa_peak_lanes(void);
+
+/* `flashattn gemm`: the forward's fp32 micro-kernel products timed alone, one thread. */
+int fa_gemm_bench_main(int argc, char **argv);
+
 /* `flashattn bench --decode ARGS...` (fa_bench_decode.c): times fa_attention_kvcache. */
 int fa_bench_decode_main(int argc, char **argv);
 

@@ -76,6 +76,34 @@ static double fa_peak_seconds(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+double fa_peak_gflops(int threads, int lanes)
+{
+    fa_peak_job *jobs = calloc((size_t)threads, sizeof *jobs);
+    pthread_t *tids = calloc((size_t)threads, sizeof *tids);
+    if (!jobs || !tids) {
+        free(jobs);
+        free(tids);
+        return 0.0;
+    }
+    for (int t = 0; t < threads; t++)
+        jobs[t] = (fa_peak_job){lanes, FA_PEAK_ITERS / 4, 0};
+    double t0 = fa_peak_seconds();
+    for (int t = 0; t < threads; t++)
+        pthread_create(&tids[t], NULL, fa_peak_thread, &jobs[t]);
+    for (int t = 0; t < threads; t++)
+        pthread_join(tids[t], NULL);
+    double sec = fa_peak_seconds() - t0;
+    free(jobs);
+    free(tids);
+    return 2.0 * FA_PEAK_CHAINS * lanes * (double)(FA_PEAK_ITERS / 4) * threads / sec * 1e-9;
+}
+
+int fa_peak_lanes(void)
+{
+    const char *desc = fa_cpu_description();
+    return strstr(desc, "avx512f") ? 16 : (strstr(desc, "avx2") ? 8 : 0);
+}
+
 int fa_peak_main(int argc, char **argv)
 {
     int threads = fa_cpu_default_threads();
@@ -91,31 +119,15 @@ int fa_peak_main(int argc, char **argv)
         fprintf(stderr, "flashattn peak: --threads must be >= 1\n");
         return FA_EXIT_USAGE;
     }
-    const char *desc = fa_cpu_description();
-    int lanes = strstr(desc, "avx512f") ? 16 : (strstr(desc, "avx2") ? 8 : 0);
+    const int lanes = fa_peak_lanes();
     if (lanes == 0) {
-        fprintf(stderr, "flashattn peak: needs AVX2 or AVX-512 (%s)\n", desc);
+        fprintf(stderr, "flashattn peak: needs AVX2 or AVX-512 (%s)\n", fa_cpu_description());
         return FA_EXIT_FAIL;
     }
-    fa_peak_job *jobs = calloc((size_t)threads, sizeof *jobs);
-    pthread_t *tids = calloc((size_t)threads, sizeof *tids);
-    if (!jobs || !tids) {
-        free(jobs);
-        free(tids);
+    const double gflops = fa_peak_gflops(threads, lanes);
+    if (gflops == 0.0)
         return FA_EXIT_FAIL;
-    }
-    for (int t = 0; t < threads; t++)
-        jobs[t] = (fa_peak_job){lanes, FA_PEAK_ITERS / 4, 0};
-    double t0 = fa_peak_seconds();
-    for (int t = 0; t < threads; t++)
-        pthread_create(&tids[t], NULL, fa_peak_thread, &jobs[t]);
-    for (int t = 0; t < threads; t++)
-        pthread_join(tids[t], NULL);
-    double sec = fa_peak_seconds() - t0;
-    double flops = 2.0 * FA_PEAK_CHAINS * lanes * (double)(FA_PEAK_ITERS / 4) * threads;
     printf("peak fp32 FMA: %.1f GFLOP/s with %d threads (%d-lane vectors), %.1f per thread\n",
-           flops / sec * 1e-9, threads, lanes, flops / sec * 1e-9 / threads);
-    free(jobs);
-    free(tids);
+           gflops, threads, lanes, gflops / threads);
     return FA_EXIT_OK;
 }

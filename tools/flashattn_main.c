@@ -14,6 +14,7 @@ static void usage_print(FILE *f)
           "  info      version, backends, the CPU and the default thread count\n"
           "  bench     time and check fa_attention_forward (flashattn bench --help)\n"
           "  peak      the cores' fp32 FMA rate, to quote CPU figures against\n"
+          "  gemm      the CPU forward's fp32 micro-kernel products alone, one thread\n"
           "  precompile  compile CUDA kernels into the cache, no GPU needed\n"
           "            (flashattn precompile --help)\n"
           "  help      this text\n"
@@ -79,6 +80,8 @@ int main(int argc, char **argv)
         return fa_bench_main(argc - 2, argv + 2);
     if (strcmp(cmd, "peak") == 0)
         return fa_peak_main(argc - 2, argv + 2);
+    if (strcmp(cmd, "gemm") == 0)
+        return fa_gemm_bench_main(argc - 2, argv + 2);
     if (strcmp(cmd, "precompile") == 0)
         return fa_precompile_main(argc - 2, argv + 2);
     fprintf(stderr, "flashattn: unknown command '%s'\n\n", cmd);
