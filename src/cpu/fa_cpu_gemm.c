@@ -34,7 +34,9 @@
 #undef FA_GEMM_COLS_OUTER
 #define FA_GEMM_FN(name) name##_avx512_6x4_cols
 #define FA_GEMM_COLS_OUTER 1
+#define FA_GEMM_TILE4 fa_gemm_tile_avx512
 #include "cpu/fa_cpu_gemm_body.h"
+#undef FA_GEMM_TILE4
 #undef FA_GEMM_FN
 #undef FA_GEMM_TARGET
 #undef FA_GEMM_VL

@@ -6,6 +6,7 @@
  *   FA_GEMM_MR        rows of C held in registers
  *   FA_GEMM_NRV       vectors of C per row held in registers
  *   FA_GEMM_COLS_OUTER 1: column panels of C outermost, 0: row blocks outermost
+ *   FA_GEMM_TILE4     (optional, column order) a 4-row tile of the same width for leftover rows
  * MR x NRV accumulators stay in registers across the whole K loop: per k, NRV loads of B and MR
  * broadcasts of A feed MR * NRV fused multiply-adds.
  */
@@ -75,16 +76,29 @@ FA_GEMM_TARGET static void FA_GEMM_FN(fa_gemm)(float *c, int64_t ldc, const floa
     /* Column panels outermost: one k x nr panel of B stays in L1 while every row block of A
      * passes over it, instead of B streaming from L2 once per row block. */
     const int64_t m_full = m / FA_GEMM_MR * FA_GEMM_MR;
+#ifdef FA_GEMM_TILE4
+    /* Four leftover rows (64 keys in 6-row tiles) take a full-width 4-row tile rather than the
+     * one-vector edge kernel (measured 3.5% of the forward on the edge kernel without it). */
+    const int64_t m_tiled = m - m_full >= 4 ? m_full + 4 : m_full;
+#else
+    const int64_t m_tiled = m_full;
+#endif
     int64_t j = 0;
-    for (; j + nr <= n; j += nr)
+    for (; j + nr <= n; j += nr) {
         for (i = 0; i < m_full; i += FA_GEMM_MR)
             FA_GEMM_FN(fa_gemm_tile)(c + i * ldc + j, ldc, a + i * a_rs, a_rs, a_cs, b + j, ldb,
                                      k, accumulate);
+#ifdef FA_GEMM_TILE4
+        if (m_tiled > m_full)
+            FA_GEMM_TILE4(c + m_full * ldc + j, ldc, a + m_full * a_rs, a_rs, a_cs, b + j, ldb, k,
+                          accumulate);
+#endif
+    }
     for (; j < n; j += FA_GEMM_VL)
-        for (i = 0; i < m_full; i += FA_GEMM_MR)
+        for (i = 0; i < m_tiled; i += FA_GEMM_MR)
             FA_GEMM_FN(fa_gemm_edge)(c + i * ldc + j, ldc, a + i * a_rs, a_rs, a_cs, b + j, ldb,
-                                     FA_GEMM_MR, k, accumulate);
-    i = m_full;
+                                     m_tiled - i, k, accumulate);
+    i = m_tiled;
 #else
     for (; i + FA_GEMM_MR <= m; i += FA_GEMM_MR) {
         int64_t j = 0;
