@@ -398,6 +398,31 @@ class _DenseFn(torch.autograd.Function):
         return _fwd_backward(ctx, *grads)[:5] + (None,)
 
 
+class _DenseFastFn(torch.autograd.Function):
+    """``dense_fast``'s calls that record gradients: flashattn::fwd's formula for a call without
+    dropout, ALiBi, sinks or probs, whose only output is out (no S or rng_state to make), for
+    (q, k, v, (scale, causal, left, right, softcap, deterministic))."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, options):
+        scale, causal, left, right, softcap, _ = options
+        out, lse = _core.forward_dense_torch(q, k, v, 0.0, scale, causal, (left, right), softcap,
+                                             0)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (0.0,) + options
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        rng_state = torch.zeros((2,), dtype=torch.int64, device=q.device)  # never read
+        args = (dout, q, k, v, out, lse, None, None, rng_state) + ctx.options
+        tensors = (dout, q, k, v, out, lse)
+        dq, dk, dv, _ = _run(torch.ops.flashattn.bwd, _bwd_impl, None, tensors, args,
+                             _eager(tensors))
+        return dq, dk, dv, None
+
+
 class _VarlenFn(torch.autograd.Function):
     """flashattn::varlen_fwd with its registered formula, for ``_run``: the eight tensor
     arguments, then the others as a tuple."""
@@ -580,8 +605,8 @@ def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     fp16/bf16/fp32 tensors, no dropout, ALiBi, sinks or probs, plain Python scalars, outside
     any compile, trace or mode. Without gradients such a call goes straight to
     ``_core.forward_dense_torch`` (which validates in C and caches per signature) and asks for
-    no lse; with them, straight to ``_DenseFn``; both with the values the general path would
-    give them. Anything else returns None, for the general path to convert, check and name."""
+    no lse; with them, to ``_DenseFastFn``; both with the values the general path would give
+    them. Anything else returns None, for the general path to convert, check and name."""
     T = torch.Tensor
     if (type(q) is not T or type(k) is not T or type(v) is not T or alibi_slopes is not None
             or learnable_sink is not None or return_attn_probs is not False
@@ -597,9 +622,8 @@ def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         return None
     left, right = _core.window_pair(window_size)
     if _needs_grad(tensors):
-        rest = (None, 0.0, float(softmax_scale), causal, left, right, float(softcap), False,
-                bool(deterministic))
-        return _DenseFn.apply(q, k, v, None, None, rest)[0]
+        return _DenseFastFn.apply(q, k, v, (float(softmax_scale), causal, left, right,
+                                            float(softcap), bool(deterministic)))
     return _core.forward_dense_torch(q, k, v, 0.0, float(softmax_scale), causal, (left, right),
                                      float(softcap), 0, want_lse=False)[0]
 
