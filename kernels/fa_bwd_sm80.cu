@@ -62,8 +62,7 @@
  * Varlen: every index is sequence-relative (masks, dropout counters, the workspace's rows) except
  * the row of a global tensor, which adds q_start / k_start. Grids are sized from max_sq / max_sk;
  * tiles and key blocks past a shorter sequence do nothing but what the CPU backward's semantics
- * need: dK and dV cover every key of the sequence in k, zero past seqused_k. The plan takes the
- * varlen form only with FLASHATTN_BWD_VARLEN=1 until it has passed test_gpu_backward on a GPU.
+ * need: dK and dV cover every key of the sequence in k, zero past seqused_k.
  */
 #include "fa_bkparams.h"
 #include "fa_common.cuh"
