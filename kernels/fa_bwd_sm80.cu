@@ -3,7 +3,7 @@
  * mma.sync m16n8k16 with fp32 accumulation.
  *
  * Entry points, launched in this order on the caller's stream (src/cuda/fa_cuda_backward.c);
- * all but fa_bwd live in fa_bwd_sm80_rows.cuh, included at the end:
+ * all but fa_bwd live in fa_bwd_rows.cuh, included at the end:
  *   fa_bwd_fill     varlen: zero dq, dk, dv on the rows outside every sequence (as the CPU
  *                   backward writes them); the other kernels never touch those rows.
  *   fa_bwd_pre      per query tile: D = rowsum(dout * out) and lse * log2(e) in fp32 into the
@@ -86,13 +86,6 @@
 #define FA_QCOLS (FA_DP / (FA_NWARPS / FA_QWM))
 #define FA_QC (FA_QCOLS < 1024 / FA_QRW ? FA_QCOLS : 1024 / FA_QRW)
 
-/* sm_90 has vector reductions (red.global.add.v4.f32): the accumulator layout follows. */
-#if __CUDA_ARCH__ >= 900
-#define FA_RED_V4 1
-#else
-#define FA_RED_V4 0
-#endif
-
 #if FA_BN != 16 * FA_NWARPS || FA_BM % 16 != 0 || FA_NWARPS % FA_QWM != 0
 #error "each warp owns 16 keys of the block; the query tile is a multiple of 16 rows"
 #endif
@@ -110,22 +103,7 @@
 #error "tile copies: a thread owns one column chunk of whole row steps (fa_bwd_tile_load)"
 #endif
 
-#if FA_RED_V4
-/* red.global.add.v4.f32 (sm_90): adds four consecutive floats at the 16-byte aligned p, each
- * element atomically, returning nothing (the L2 performs the adds). */
-FA_DEV void fa_red_add_v4(float *p, float a, float b, float c, float d)
-{
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b),
-                 "f"(c), "f"(d)
-                 : "memory");
-}
-#else
-/* red.global.add.f32: one atomic add to global memory, returning nothing. */
-FA_DEV void fa_red_add(float *p, float a)
-{
-    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
-}
-#endif
+#include "fa_bwd_common.cuh"
 
 /* Copies rows [0, rows) x columns [0, ncols) of a global slice (row stride rs; row 0 must
  * exist) into a shared tile of row stride ld (elements) at `tile`, zero-filling rows >= nrows
@@ -157,104 +135,6 @@ FA_DEV void fa_bwd_tile_load(fa_u16 *tile, int ld, const fa_u16 *src, fa_i64 rs,
     }
 #endif
 }
-
-/* Sequence bi as the backward sees it: fa_seq_get's, with the keys in use also clamped to max_sk
- * in the varlen form. Valid offsets never exceed it; bad ones must not make a key block beyond the
- * grid (n_tiles from max_sk) one that a query tile waits for in deterministic mode. */
-FA_DEV fa_seq fa_bwd_seq(const fa_kparams *kp, int bi)
-{
-    fa_seq s = fa_seq_get(kp, bi, FA_VARLEN);
-#if FA_VARLEN
-    s.sk = fa_min(s.sk, (int)kp->max_sk);
-#endif
-    return s;
-}
-
-#if FA_VARLEN
-/* The keys of sequence bi in k, which dK and dV cover (past seqused_k with zeros, as the CPU
- * backward writes them): cu_seqlens_k's length, clamped as fa_seq_get clamps and to max_sk as
- * fa_bwd_seq, so that k_start + klen stays inside the tensor and inside the grid. */
-FA_DEV int fa_bwd_klen(const fa_kparams *kp, int bi)
-{
-    fa_i64 ka = kp->cu_seqlens_k[bi], kb = kp->cu_seqlens_k[bi + 1];
-    ka = ka < 0 ? 0 : ka > kp->total_k ? kp->total_k : ka;
-    kb = kb < ka ? ka : kb > kp->total_k ? kp->total_k : kb;
-    return (int)(kb - ka < kp->max_sk ? kb - ka : kp->max_sk);
-}
-
-/* Zeroes columns [0, cols) of rows [0, rows) (row stride rs, elements) at p, element i of the
- * rows x cols by the thread whose index is i modulo nthreads (tid of nthreads). */
-FA_DEV void fa_bwd_zero(fa_u16 *p, fa_i64 rs, int rows, int cols, int tid, int nthreads)
-{
-    for (int i = tid; i < rows * cols; i += nthreads) {
-        const int r = i / cols;
-        p[r * rs + (i - r * cols)] = 0;
-    }
-}
-#endif
-
-/* Whether query tile mb and key block nb of a sequence may share a visible pair: the tile's rows
- * see keys [lo(first row), hi(last row)) at most, both edges growing with the row. The same
- * predicate decides which tiles a CTA visits and, in deterministic mode, how many other key
- * blocks add to a tile before this one (fa_bwd_later), so the two always agree. */
-FA_DEV int fa_bwd_meets(const fa_kparams *kp, const fa_seq *s, int mb, int nb)
-{
-    const int m0 = mb * FA_BM;
-    if (m0 >= s->sq || nb * FA_BN >= s->sk)
-        return 0;
-    const int m_last = fa_min(m0 + FA_BM, s->sq) - 1;
-    int lo_first, hi_first, lo_last, hi_last;
-    fa_key_range(kp, m0, s->sq, s->sk, &lo_first, &hi_first);
-    fa_key_range(kp, m_last, s->sq, s->sk, &lo_last, &hi_last);
-    const int n0 = nb * FA_BN;
-    return lo_first < hi_last && n0 < hi_last && n0 + FA_BN > lo_first;
-}
-
-/* The number of key blocks after nb that meet query tile mb, which nb meets. By fa_bwd_meets, n
- * meets the tile iff n0 < hi_last and n0 + FA_BN > lo_first (the tile being nonempty): for n > nb
- * the second holds since it holds for nb, so they are nb + 1 .. (hi_last - 1) / FA_BN (hi_last
- * <= sk keeps them inside the sequence). */
-FA_DEV int fa_bwd_later(const fa_kparams *kp, const fa_seq *s, int mb, int nb)
-{
-    int lo, hi;
-    fa_key_range(kp, fa_min(mb * FA_BM + FA_BM, s->sq) - 1, s->sq, s->sk, &lo, &hi);
-    return (hi - 1) / FA_BN - nb;
-}
-
-/* Moves (h, mb) to the first query tile at or after it, in visiting order (the heads of the
- * group in turn, each head's tiles in increasing order), that meets key block nb; h becomes
- * h_end when none is left. Whether a tile meets the block does not depend on the head, so a head
- * scanned from tile 0 without a meeting tile ends the search. */
-FA_DEV void fa_bwd_next(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
-                        int *mb)
-{
-    while (*h < h_end) {
-        const int from = *mb;
-        while (*mb < bp->m_tiles && !fa_bwd_meets(&bp->f, s, *mb, nb))
-            (*mb)++;
-        if (*mb < bp->m_tiles)
-            return;
-        *h = from == 0 ? h_end : *h + 1;
-        *mb = 0;
-    }
-}
-
-/* ld.acquire.gpu: a load that orders this thread's later accesses after it (the counter read
- * before the dQ adds of deterministic mode). */
-FA_DEV int fa_load_acquire(const int *p)
-{
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-/* First row of (head h, sequence bi) in the workspace's per-row arrays (lse * log2 e, D) and,
- * times FA_DP, its first element of the dQ accumulator: m_tiles * FA_BM rows per sequence. */
-FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
-{
-    return ((fa_i64)h * bp->f.b + bi) * bp->m_tiles * FA_BM;
-}
-
 /* Starts the copies of query tile mb of head h, sequence bi (a tile that meets a key block, so
  * its row m0 exists): Q, dO (zero-filled past the sequence and the head dims) and the tile's
  * lse * log2 e and D rows of the workspace (padded to whole tiles, so always in bounds) into one
@@ -280,97 +160,6 @@ FA_DEV void fa_bwd_load_q(const fa_bkparams *bp, const fa_seq *s, int bi, int h,
 }
 
 /* The per-tile inputs of the probabilities step, shared by its masked and unmasked forms. */
-typedef struct fa_bwd_tile {
-    const float *lse2, *dsum; /* this stage's rows: lse * log2(e), D */
-    int dg0;                  /* i - j + sk - sq for query m0 + 2t and this lane's first key */
-    int rows, keys;           /* queries m0 + 2t + x exist for x < rows, keys key0 + y for y < keys */
-    int wlo, whi;             /* visible iff whi <= i - j + sk - sq <= wlo */
-    int m0, key0;
-#if FA_ALIBI
-    float slope_log2;
-#endif
-#if FA_DROPOUT
-    fa_u64 stream;
-#endif
-} fa_bwd_tile;
-
-#if FA_DROPOUT
-/* The dropout words of one n-tile for lane (g, t) of the transposed frame, which holds keys
- * key0, key0 + 8 (key0 % 8 = g: Philox blocks kb = key0 / 8 and kb + 1) for queries i0, i0 + 1:
- * it needs word k = g / 2 of the four blocks (kb + hi, i0 + lo), b = 2 hi + lo, and so do the
- * other 7 lanes with this t. Instead of 4 Philox runs per lane, the two lanes of pair k run
- * block b = k and the pairs transpose the 4x4 words with 3 shuffles: in round r lane ^ 8r (pair
- * k ^ r) sends word k of its block k ^ r. out[b] = word k of block b, which is C-fragment element
- * e = b. Every lane of the warp must call this together. */
-FA_DEV void fa_bwd_dropout_words(fa_u32 kb, fa_u32 i0, fa_u64 stream, fa_u64 seed, int k,
-                                 fa_u32 out[4])
-{
-    fa_u32 w[4], got[4];
-    fa_philox4(kb + (fa_u32)(k >> 1), i0 + (fa_u32)(k & 1), (fa_u32)stream,
-               (fa_u32)(stream >> 32), (fa_u32)seed, (fa_u32)(seed >> 32), w);
-    got[0] = fa_pick4(w, k);
-#pragma unroll
-    for (int r = 1; r < 4; r++)
-        got[r] = __shfl_xor_sync(0xffffffffu, fa_pick4(w, k ^ r), 8 * r);
-    /* got[r] is word k of block k ^ r, so block b arrived in round k ^ b. */
-#pragma unroll
-    for (int b = 0; b < 4; b++)
-        out[b] = fa_pick4(got, k ^ b);
-}
-#endif
-
-/* Element by element on this warp's 16 keys x FA_BM queries: P = 2^(s scale log2 e - lse log2 e)
- * (0 where invisible when masked), then st <- P Z (Z: 1 / (1 - p) kept, 0 dropped) and
- * dpt <- dS / scale = P (dP Z - D) s', s' the softcap's derivative 1 - tanh^2 (1 without
- * softcap). C layout: st[nt][e] is key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2).
- * `masked` is a constant at each call: the unmasked form, for tiles whose every pair is visible,
- * skips the predicate. Invisible scores are selected away, never multiplied, so an infinite
- * or NaN exponent there does no harm. */
-FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
-                         float st[FA_BM / 8][4], float dpt[FA_BM / 8][4], int masked)
-{
-#if FA_DROPOUT
-    const int g = tl->key0 & 7; /* key0 = n0 + 16 warp + g */
-#endif
-#pragma unroll
-    for (int nt = 0; nt < FA_BM / 8; nt++) {
-#if FA_DROPOUT
-        fa_u32 drop[4];
-        fa_bwd_dropout_words((fa_u32)(tl->key0 >> 3), (fa_u32)(tl->m0 + nt * 8 + 2 * t),
-                             tl->stream, kp->seed, g >> 1, drop);
-#endif
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int il = nt * 8 + 2 * t + (e & 1); /* query within the tile */
-            const int x_off = nt * 8 + (e & 1), y_off = 8 * (e >> 1);
-            const int dg = tl->dg0 + x_off - y_off;
-            float x = st[nt][e], deriv = 1.f, bias = tl->lse2[il];
-#if FA_SOFTCAP
-            x = tanhf(x * kp->softcap_pre);
-            deriv = 1.f - x * x;
-#endif
-#if FA_ALIBI
-            bias = fmaf(tl->slope_log2, (float)(dg < 0 ? -dg : dg), bias);
-#endif
-            float p = fa_exp2(fmaf(x, kp->scale_log2, -bias));
-            if (masked) {
-                const int vis = x_off < tl->rows && y_off < tl->keys && dg <= tl->wlo &&
-                                dg >= tl->whi;
-                p = vis ? p : 0.f;
-            }
-            float z = 1.f;
-#if FA_DROPOUT
-            /* Query i, key j: Philox block (j / 8, i, stream), word (j % 8) / 2 = g / 2, half
-             * j % 2 = g % 2. */
-            const fa_u32 r16 = (g & 1) ? (drop[e] >> 16) : (drop[e] & 0xffffu);
-            z = r16 < kp->keep_threshold ? kp->dropout_scale : 0.f;
-#endif
-            dpt[nt][e] = p * (dpt[nt][e] * z - tl->dsum[il]) * deriv;
-            st[nt][e] = p * z;
-        }
-    }
-}
-
 /* Grid (n_tiles, hk, b), FA_THREADS threads, dynamic shared memory:
  *   Q [FA_QSTAGES][FA_BM][FA_LDK], dO [FA_QSTAGES][FA_BM][FA_LDV], K [FA_BN][FA_LDK],
  *   V [FA_BN][FA_LDV], dS^T [FA_BN][FA_LDS] (16-bit), lse * log2(e) [FA_QSTAGES][FA_BM],
@@ -721,4 +510,4 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     }
 }
 
-#include "fa_bwd_sm80_rows.cuh"
+#include "fa_bwd_rows.cuh"

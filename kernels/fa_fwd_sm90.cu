@@ -110,17 +110,6 @@ FA_DEF_WGMMA_SS(192, FA_RL96, FA_FL96, "%96", "%97", "%98")
 #error "fa_fwd_sm90.cu: FA_BN must be a multiple of 16 from 64 to 192"
 #endif
 
-/* setmaxnreg.{dec,inc}.sync.aligned.u32 N: the warpgroup's per-thread register budget becomes N
- * (dec returns registers to the CTA's pool, inc waits for them). */
-#if FA_NCW == 3
-/* 128 x 32 + 384 x 160 = 65536: the register file split over four warpgroups. */
-FA_DEV void fa_regs_producer(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 32;"); }
-FA_DEV void fa_regs_consumer(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 160;"); }
-#else
-FA_DEV void fa_regs_producer(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;"); }
-FA_DEV void fa_regs_consumer(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 240;"); }
-#endif
-
 /* Named barriers 1 and 2 order the two consumer warpgroups' GEMMs (pingpong):
  * bar.sync id, 256 waits for the other warpgroup's bar.arrive id, 256 (128 threads each). */
 FA_DEV void fa_named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
@@ -372,10 +361,6 @@ FA_DEV void fa_produce_tile(const fa_smem_map *m, const fa_tmaps *tm, const fa_t
 }
 
 #if FA_VARLEN
-/* fence.proxy.async.shared::cta: orders this thread's generic-proxy writes to shared memory before
- * later reads by the async proxy (the wgmma that reads V by descriptor). */
-FA_DEV void fa_fence_proxy_async(void) { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
 /* Varlen: the tensor maps span all sequences, so the rows of the first visited key block past
  * the sequence's end are the next sequence's (out-of-bounds zero fill happens only at the end of
  * the packed tensor). Their scores are masked, but P V would still multiply 0 by those V rows, and

@@ -2,7 +2,7 @@
  * Hopper (sm_90a) building blocks shared by the sm90 kernels, as inline PTX: mbarriers, TMA
  * copies by tensor map, wgmma (shared-memory descriptors, fences, groups, the register-A form of
  * O += P V), and the operand lists the wgmma asm blocks need. Included after the plan's defines
- * (FA_BF16 picks the wgmma types).
+ * (FA_BF16 picks the wgmma types, FA_NCW the register split).
  */
 #ifndef FA_SM90_CUH
 #define FA_SM90_CUH
@@ -56,6 +56,21 @@ FA_DEV void fa_mbar_wait(fa_u32 bar, int parity)
                      : "memory");
     } while (!done);
 }
+
+/* fence.proxy.async.shared::cta: orders this thread's generic-proxy writes to shared memory before
+ * later reads by the async proxy (a wgmma reading the tile by descriptor). */
+FA_DEV void fa_fence_proxy_async(void) { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+/* setmaxnreg.{dec,inc}.sync.aligned.u32 N: the warpgroup's per-thread register budget becomes N
+ * (dec returns registers to the CTA's pool, inc waits for them); FA_NCW consumer warpgroups. */
+#if FA_NCW == 3
+/* 128 x 32 + 384 x 160 = 65536: the register file split over four warpgroups. */
+FA_DEV void fa_regs_producer(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 32;"); }
+FA_DEV void fa_regs_consumer(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 160;"); }
+#else
+FA_DEV void fa_regs_producer(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;"); }
+FA_DEV void fa_regs_consumer(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 240;"); }
+#endif
 
 /* ---- TMA ------------------------------------------------------------------------------------ */
 

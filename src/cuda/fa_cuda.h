@@ -16,9 +16,23 @@ const char *fa_cuda_last_family(void);
 struct fa_kparams;
 void fa_kparams_fill(const fa_params *p, struct fa_kparams *kp);
 
-/* The backward on args->fwd->device (kernels/fa_bwd_sm80.cu): asynchronous on the caller's
- * stream, no allocation (the workspace comes from args), no synchronisation. */
+/* A rank-4 tensor map {d, rows, heads, batch} over a [b, rows, heads, d] view with element
+ * strides (bstride, rstride, hstride): 128B swizzle, box {64, box_rows, 1, 1}, zero fill out of
+ * bounds. Nonzero when the driver refuses it (strides TMA cannot take). */
+struct fa_cuda_driver;
+struct fa_cu_tensor_map;
+int fa_cuda_tmap(const struct fa_cuda_driver *d, struct fa_cu_tensor_map *map, fa_dtype dt,
+                 const void *ptr, int64_t dim, int64_t rows, int64_t heads, int64_t batch,
+                 int64_t rstride, int64_t hstride, int64_t bstride, int box_rows);
+
+/* The backward on args->fwd->device (kernels/fa_bwd_sm80.cu, or fa_bwd_sm90.cu where the plan
+ * takes it): asynchronous on the caller's stream, no allocation (the workspace comes from args),
+ * no synchronisation. */
 fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args);
+
+/* The backward's family ("fa_bwd_sm80.cu", "fa_bwd_sm90.cu") the calling thread's last backward
+ * launched, "" before any. */
+const char *fa_cuda_last_backward_family(void);
 
 /* Bytes of workspace the CUDA backward needs for p. */
 size_t fa_cuda_backward_workspace_size(const fa_params *p);

@@ -1,7 +1,8 @@
 /*
- * The backward on a CUDA device (kernels/fa_bwd_sm80.cu): plan, check the caller's workspace,
- * fill the parameter block, launch the kernels on the caller's stream (four, and fa_bwd_fill
- * first in the varlen form).
+ * The backward on a CUDA device (kernels/fa_bwd_sm80.cu, or fa_bwd_sm90.cu where the plan takes
+ * it, with the tensor maps of Q, K, V and dO): plan, check the caller's workspace, fill the
+ * parameter block, launch the kernels on the caller's stream (four, and fa_bwd_fill first in the
+ * varlen form). Both families share the workspace layout below.
  *
  * Workspace layout (each part 256-byte aligned; rows = m_tiles * bm, whole query tiles, m_tiles
  * from max_sq in the dense and the varlen form alike: b is the number of sequences):
@@ -17,6 +18,7 @@
 
 #include "fa_bkparams.h"
 #include "cuda/fa_cuda.h"
+#include "cuda/fa_cuda_driver.h"
 #include "cuda/fa_jit.h"
 
 #define FA_WS_ALIGN 256
@@ -75,16 +77,40 @@ static int fa_bwd_aligned(const fa_params *p)
     return 1;
 }
 
+/* The sm90 kernel's second parameter (fa_bwd_tmaps in kernels/fa_bwd_sm90.cu). */
+typedef struct fa_bwd_tmaps {
+    fa_cu_tensor_map q, k, v, dout;
+} fa_bwd_tmaps;
+
+/* The maps of the sm90 family's tiles (plan->bm query rows, plan->bn keys); nonzero when the
+ * driver cannot describe a tensor (the sm80 family takes the call then). */
+static int fa_bwd_tmaps_make(const fa_cuda_driver *d, const fa_params *p, const fa_plan *plan,
+                             fa_bwd_tmaps *tm)
+{
+    if (!d || !d->tensor_map_encode_tiled)
+        return 1;
+    return fa_cuda_tmap(d, &tm->q, p->dtype, p->q, p->d, p->max_sq, p->h, p->b, p->q_rstride,
+                        p->q_hstride, p->q_bstride, plan->bm) ||
+           fa_cuda_tmap(d, &tm->k, p->dtype, p->k, p->d, p->max_sk, p->hk, p->b, p->k_rstride,
+                        p->k_hstride, p->k_bstride, plan->bn) ||
+           fa_cuda_tmap(d, &tm->v, p->dtype, p->v, p->dv, p->max_sk, p->hk, p->b, p->v_rstride,
+                        p->v_hstride, p->v_bstride, plan->bn) ||
+           fa_cuda_tmap(d, &tm->dout, p->dtype, p->dout_data, p->dv, p->max_sq, p->h, p->b,
+                        p->do_rstride, p->do_hstride, p->do_bstride, plan->bm);
+}
+
+/* Launches `entry` of plan's module with the parameter block (and, when tm is not NULL, the
+ * tensor maps after it). */
 static fa_status fa_bwd_launch(const fa_cuda_driver *d, const fa_plan *plan, fa_cu_context ctx,
                                const char *entry, unsigned gx, unsigned gy, unsigned gz,
                                unsigned threads, unsigned smem, fa_cu_stream stream,
-                               fa_bkparams *bp)
+                               fa_bkparams *bp, fa_bwd_tmaps *tm)
 {
     fa_cu_function fn;
     fa_status st = fa_jit_function(plan, ctx, entry, &fn);
     if (st != FA_STATUS_OK)
         return st;
-    void *params[] = {bp};
+    void *params[] = {bp, tm};
     fa_cu_result r = d->launch_kernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, NULL);
     if (r != 0) {
         char what[64];
@@ -93,6 +119,11 @@ static fa_status fa_bwd_launch(const fa_cuda_driver *d, const fa_plan *plan, fa_
     }
     return FA_STATUS_OK;
 }
+
+/* The family the calling thread's last backward launched ("" before any). */
+static _Thread_local const char *fa_cuda_bwd_family_used = "";
+
+const char *fa_cuda_last_backward_family(void) { return fa_cuda_bwd_family_used; }
 
 fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
 {
@@ -114,10 +145,22 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
     key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
     key.features |= fa_bwd_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
+    key.features |= args->deterministic ? FA_PLAN_NO_SM90 : 0;
     fa_plan plan;
     st = fa_plan_backward(&key, &plan);
     if (st != FA_STATUS_OK)
         return st;
+    fa_bwd_tmaps tmaps, *tm = NULL;
+    if (strcmp(plan.family, "fa_bwd_sm90.cu") == 0) {
+        tm = &tmaps;
+        if (fa_bwd_tmaps_make(fa_cuda_driver_get(), p, &plan, tm) != 0) {
+            tm = NULL;
+            key.features |= FA_PLAN_NO_SM90;
+            st = fa_plan_backward(&key, &plan);
+            if (st != FA_STATUS_OK)
+                return st;
+        }
+    }
     if ((int)plan.smem > smem_optin)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "head_dim %lld: the backward needs %u bytes of shared memory, the "
@@ -171,23 +214,25 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     if (p->is_varlen && fill_ctas > 0)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_fill",
                            (unsigned)(fill_ctas < (1 << 20) ? fill_ctas : 1 << 20), 1, 1, 256, 0,
-                           stream, &bp);
+                           stream, &bp, NULL);
     if (st == FA_STATUS_OK && bp.m_tiles > 0)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_pre", (unsigned)bp.m_tiles, h, b, plan.threads,
-                           0, stream, &bp);
+                           0, stream, &bp, NULL);
     if (st == FA_STATUS_OK && bp.n_tiles > 0)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd", (unsigned)bp.n_tiles, hk, b, plan.threads,
-                           plan.smem, stream, &bp);
+                           plan.smem, stream, &bp, tm);
     if (st == FA_STATUS_OK && p->dsinks)
-        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_dsinks", h, 1, 1, 256, 0, stream, &bp);
+        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_dsinks", h, 1, 1, 256, 0, stream, &bp, NULL);
     /* fa_bwd_convert: per (head, sequence), 8 warps per CTA, one 16 x 8 accumulator block per
      * warp at a time. */
     const int64_t blocks = (int64_t)bp.m_tiles * (plan.bm / 16) * (plan.dp / 8);
     if (st == FA_STATUS_OK && blocks > 0) {
         const int64_t gx = (blocks + 7) / 8;
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_convert", (unsigned)(gx > 65535 ? 65535 : gx),
-                           h, b, 256, 0, stream, &bp);
+                           h, b, 256, 0, stream, &bp, NULL);
     }
+    if (st == FA_STATUS_OK)
+        fa_cuda_bwd_family_used = plan.family;
     fa_cuda_context_leave(pushed);
     return st;
 }

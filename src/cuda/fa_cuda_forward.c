@@ -81,12 +81,9 @@ typedef struct fa_cuda_tmaps {
     int paired;
 } fa_cuda_tmaps;
 
-/* A rank-4 tensor map {d, rows, heads, batch} over a [b, rows, heads, d] view with element
- * strides (bstride, rstride, hstride): 128B swizzle, box {64, box_rows, 1, 1}, zero fill out of
- * bounds. Nonzero when the driver refuses it (strides TMA cannot take). */
-static int fa_cuda_tmap(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype dt,
-                        const void *ptr, int64_t dim, int64_t rows, int64_t heads, int64_t batch,
-                        int64_t rstride, int64_t hstride, int64_t bstride, int box_rows)
+int fa_cuda_tmap(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype dt, const void *ptr,
+                 int64_t dim, int64_t rows, int64_t heads, int64_t batch, int64_t rstride,
+                 int64_t hstride, int64_t bstride, int box_rows)
 {
     unsigned long long dims[4] = {(unsigned long long)dim, (unsigned long long)rows,
                                   (unsigned long long)heads, (unsigned long long)batch};
@@ -288,10 +285,16 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }
-    /* The backward's kernels of the same configuration where the backward family takes it. */
+    /* The backward's kernels of the same configuration where the backward families take it
+     * (the sm90 one opt-in or not). */
     fa_plan planb;
     if (st == FA_STATUS_OK && key.d <= FA_BWD_MAX_HEAD_DIM && key.dv <= FA_BWD_MAX_HEAD_DIM &&
         fa_plan_backward(&key, &planb) == FA_STATUS_OK) {
+        st = fa_jit_build(&planb, &origin);
+        if (cached)
+            *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+    }
+    if (st == FA_STATUS_OK && fa_plan_backward_sm90(&key, &planb) == FA_STATUS_OK) {
         st = fa_jit_build(&planb, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;

@@ -250,6 +250,48 @@ static fa_bwd_row fa_plan_bwd_override(fa_bwd_row row)
     return row;
 }
 
+/* On sm_90 with FLASHATTN_BWD_SM90=1 (opt-in until it has passed test_gpu_backward on a GPU). */
+static int fa_plan_bwd_sm90_enabled(void)
+{
+    const char *env = getenv("FLASHATTN_BWD_SM90");
+    return env && strcmp(env, "1") == 0;
+}
+
+/* What the sm90 backward compiles: dense, aligned, d = dv padding to 64 or 128 (the workspace's
+ * padded head dim, which the arch-80 plan sizes, is the same for d > 32), not deterministic
+ * (FA_PLAN_NO_SM90). */
+fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
+{
+    if (key->arch != 90 || (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16) ||
+        key->d != key->dv || key->d <= 32 || key->d > 128 ||
+        (key->features & (FA_FEATURE_VARLEN | FA_FEATURE_UNALIGNED | FA_PLAN_NO_SM90)))
+        return FA_STATUS_UNSUPPORTED;
+    *plan = (fa_plan){0};
+    plan->family = "fa_bwd_sm90.cu";
+    snprintf(plan->target, sizeof plan->target, "sm_90a");
+    plan->dp = plan->dvp = fa_plan_pad(key->d);
+    plan->bm = FA_BWD_BM;
+    plan->bn = 128;
+    plan->nwarps = 12;
+    plan->threads = 384;
+    plan->stages = 2;
+    /* K, V; Q and dO in two stages; two dS^T buffers (16-bit); five mbarriers; 1 KB so the
+     * kernel can round its base up to the swizzle atom. */
+    plan->smem = (unsigned)(2 * (2 * plan->bn * plan->dp + 2 * 2 * plan->bm * plan->dp +
+                                 2 * plan->bn * plan->bm) +
+                            5 * 8 + 1024);
+    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_DP", plan->dp);
+    fa_plan_define(plan, "FA_DVP", plan->dvp);
+    fa_plan_define(plan, "FA_BM", plan->bm);
+    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define(plan, "FA_VARLEN", 0);
+    fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
+    fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
+    fa_plan_define(plan, "FA_DROPOUT", (key->features & FA_FEATURE_DROPOUT) != 0);
+    return FA_STATUS_OK;
+}
+
 fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
@@ -267,6 +309,8 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
                             "head_dim: the CUDA backward supports head dims up to %d so far, got "
                             "d %d, dv %d (use the CPU backward)",
                             FA_BWD_MAX_HEAD_DIM, key->d, key->dv);
+    if (fa_plan_bwd_sm90_enabled() && fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
+        return FA_STATUS_OK;
     *plan = (fa_plan){0};
     plan->family = "fa_bwd_sm80.cu";
     snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);

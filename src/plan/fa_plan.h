@@ -19,7 +19,8 @@
 /* Plan-internal feature bits, above the public FA_FEATURE_* ones. */
 #define FA_PLAN_PROBS (1u << 24)   /* the probs output is asked for */
 #define FA_PLAN_LONG (1u << 25)    /* at least FA_PLAN_LONG_ROWS query rows (max_seqlen_q) */
-#define FA_PLAN_NO_SM90 (1u << 26) /* the tensors cannot be TMA-described: sm80 family */
+#define FA_PLAN_NO_SM90 (1u << 26) /* sm80 family: tensors TMA cannot describe, or (backward)
+                                      deterministic */
 
 typedef struct fa_plan_key {
     int arch; /* compute capability, 10 * major + minor */
@@ -63,5 +64,10 @@ int fa_plan_sm90_enabled(void);
 /* The backward plan for key (fa_bwd_sm80.cu, sm_80 and later, fp16/bf16, d and dv <= 128, dense
  * and varlen layouts); FA_STATUS_UNSUPPORTED with a message for anything else. */
 fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
+
+/* The sm90 backward's plan for key (fa_bwd_sm90.cu), whatever FLASHATTN_BWD_SM90 says
+ * (precompile, tests); FA_STATUS_UNSUPPORTED, without setting an error, when the family cannot
+ * do the case. fa_plan_backward takes it on sm_90 with FLASHATTN_BWD_SM90=1. */
+fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan);
 
 #endif /* FA_PLAN_H */

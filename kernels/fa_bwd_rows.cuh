@@ -1,11 +1,12 @@
 /*
- * The sm80 backward's kernels around the main one (kernels/fa_bwd_sm80.cu includes this file after
- * its helpers, so one module holds them all): fa_bwd_pre before it, per query tile (D, lse in
- * base 2, the dQ accumulator zeroed), and after it fa_bwd_dsinks, fa_bwd_convert, and, for varlen,
- * fa_bwd_fill for the rows outside every sequence. Each works row by row; none uses tensor cores.
+ * The backward's kernels around the main one (each family's module, fa_bwd_sm80.cu and
+ * fa_bwd_sm90.cu, includes this file after its helpers, so one module holds them all):
+ * fa_bwd_pre before it, per query tile (D, lse in base 2, the dQ accumulator zeroed), and after it
+ * fa_bwd_dsinks, fa_bwd_convert, and, for varlen, fa_bwd_fill for the rows outside every
+ * sequence. Each works row by row; none uses tensor cores.
  */
-#ifndef FA_BWD_SM80_ROWS_CUH
-#define FA_BWD_SM80_ROWS_CUH
+#ifndef FA_BWD_ROWS_CUH
+#define FA_BWD_ROWS_CUH
 
 /* Grid (m_tiles, h, b), FA_THREADS threads: for the FA_BM rows of query tile mb, D and
  * lse * log2(e) (0 and +inf on padded rows), one warp per row at a time; zeroes the tile's
@@ -173,4 +174,4 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_fill(const fa_bkparams 
 }
 #endif
 
-#endif /* FA_BWD_SM80_ROWS_CUH */
+#endif /* FA_BWD_ROWS_CUH */

@@ -1,0 +1,342 @@
+/*
+ * Backward attention for sm_90a: the sm80 family's algorithm (FA3's transposed frame, the same
+ * workspace, the same kernels around the main one, kernels/fa_bwd_rows.cuh) with the main
+ * kernel's five products on wgmma and its query tiles brought in by TMA.
+ *
+ * fa_bwd: one CTA per (key block of FA_BN = 128 keys, kv head, sequence), 384 threads: a producer
+ * warpgroup (one thread issues TMA: K and V of the block once, then Q and dO of each query tile
+ * the block meets, FA_BM = 64 rows, into two stages) and two consumer warpgroups, each owning 64
+ * of the block's keys. Per query tile, consumer warpgroup cw:
+ *   S^T = K_cw Q^T, dP^T = V_cw dO^T      SS wgmma m64n64 (both operands K-major, as TMA wrote
+ *                                        them); the accumulators are the sm80 family's C
+ *                                        fragments, so fa_bwd_probs makes P^T and dS^T (no
+ *                                        softmax scale) from them unchanged
+ *   dV_cw += P^T dO, dK_cw += dS^T Q     RS wgmma: P^T and dS^T from registers (the forward's P
+ *                                        packing), dO and Q as MN-major B operands
+ *   dQ += dS K                           dS^T goes to shared memory (swizzled rows of keys) and is
+ *                                        read back as an MN-major A operand, K as MN-major B; at
+ *                                        head dim 128 each warpgroup computes 64 columns of dQ over
+ *                                        all 128 keys (after a barrier of both), at 64 each adds
+ *                                        its own keys' share of all 64 columns; the fp32 result is
+ *                                        added to the workspace accumulator (red.global.add.v4.f32
+ *                                        in the sm80 family's fragment order, which wgmma's
+ *                                        accumulator layout matches) and fa_bwd_convert finishes.
+ * dK, dV stay in registers over every query tile of every query head of the GQA group and are
+ * written at the end (dK times the softmax scale).
+ *
+ * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward_sm90): FA_BF16, FA_DP = FA_DVP
+ * (64 or 128), FA_BM 64, FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT; dense layouts only
+ * (FA_VARLEN 0), not deterministic (the sm80 family takes those).
+ *
+ * Shared memory (1024-byte aligned; every tile in 128-byte swizzled rows of 64 columns, column
+ * blocks one after another, as TMA writes them): K, V [FA_DP / 64][FA_BN][64]; Q, dO
+ * [2 stages][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BN][FA_BM]; mbarriers kv_full, q_full[2],
+ * q_empty[2].
+ */
+#include "fa_bkparams.h"
+
+#define FA_NCW 2 /* consumer warpgroups */
+#define FA_THREADS 384
+#define FA_NWARPS 12
+#define FA_VEC 1
+
+#include "fa_sm90.cuh"
+
+#if FA_BM != 64 || FA_BN != 128 || FA_DP != FA_DVP || (FA_DP != 64 && FA_DP != 128) || FA_VARLEN
+#error "fa_bwd_sm90.cu: 64 x 128 tiles, d = dv of 64 or 128 (padded), dense layouts"
+#endif
+
+#include "fa_bwd_common.cuh"
+
+#define FA_KV_BYTES (FA_BN * FA_DP * 2) /* one of K, V */
+#define FA_QT_BYTES (FA_BM * FA_DP * 2) /* one stage of Q or dO */
+#define FA_DS_BYTES (FA_BN * FA_BM * 2) /* one dS^T buffer */
+/* dQ: the keys each warpgroup's product reduces over. */
+#define FA_DQ_KEYS (FA_DP == 128 ? FA_BN : FA_BN / 2)
+
+/* The kernel's second parameter: tensor maps of Q, K, V, dO (src/cuda/fa_cuda_backward.c). */
+typedef struct fa_bwd_tmaps {
+    fa_tmap q, k, v, dout;
+} fa_bwd_tmaps;
+
+/* wgmma.mma_async m64n64k16, both operands from shared memory, fp32 accumulators d[32]:
+ * D (+)= A B with A [64][16] and B as the descriptors say; the last two immediates pick the
+ * operands' majorness (0: K-major, 1: MN-major; 16-bit types only). `accumulate` 0 starts D. */
+#define FA_DEF_WGMMA_SS64(NAME, TRANS)                                                         \
+    FA_DEV void NAME(float *d, fa_u64 da, fa_u64 db, int accumulate)                           \
+    {                                                                                          \
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"                                \
+                     "wgmma.mma_async.sync.aligned.m64n64k16" FA_WG_TYPES " {" FA_RL32 "}, "   \
+                     "%32, %33, p, 1, 1, " TRANS "; }"                                         \
+                     : FA_FL32(d)                                                              \
+                     : "l"(da), "l"(db), "r"(accumulate));                                     \
+    }
+/* S^T = K Q^T, dP^T = V dO^T: rows of keys and of queries, both with the head dim contiguous. */
+FA_DEF_WGMMA_SS64(fa_wgmma_kk, "0, 0")
+/* dQ = dS K: dS^T rows of keys (queries contiguous) and K rows of keys (columns contiguous). */
+FA_DEF_WGMMA_SS64(fa_wgmma_tt, "1, 1")
+
+/* bar.sync id, n: the n threads of the warpgroups that name barrier id meet. */
+FA_DEV void fa_bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+
+/* st.shared.b32 at a shared-window address. */
+FA_DEV void fa_st_shared_u32(fa_u32 addr, fa_u32 v)
+{
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+/* Byte offset of (row, col) in a tile of 128-byte rows (64 16-bit columns) under the 128-byte
+ * swizzle: the 16-byte chunk index XOR the row's index within its 8-row atom (what TMA writes
+ * and wgmma reads with layout type 1). */
+FA_DEV fa_u32 fa_swz128(int row, int col)
+{
+    const fa_u32 byte = (fa_u32)col * 2;
+    return (fa_u32)row * 128 + ((((byte >> 4) ^ (fa_u32)(row & 7)) << 4) | (byte & 15));
+}
+
+/* Pins an accumulator array over a wgmma's asynchronous window. */
+FA_DEV void fa_pin_acc(float *a, int n)
+{
+#pragma unroll
+    for (int i = 0; i < n; i++)
+        FA_PIN(a[i]);
+}
+
+/* Issues S^T = K_cw Q^T (or dP^T = V_cw dO^T) for one query tile: FA_DP / 16 k-steps over the
+ * head dim, 32 bytes apart inside a 128-byte row, the next 64-column block after four. */
+FA_DEV void fa_gemm_t(float *acc, fa_u32 kv_rows, fa_u32 q_tile)
+{
+#pragma unroll
+    for (int kk = 0; kk < FA_DP / 16; kk++)
+        fa_wgmma_kk(acc, fa_desc(kv_rows + (kk >> 2) * FA_BN * 128 + (kk & 3) * 32, 16, 1024),
+                    fa_desc(q_tile + (kk >> 2) * FA_BM * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
+}
+
+/* Issues acc += A B for A the register fragments a[FA_BM / 16][4] (keys x queries) and B the
+ * stage's Q or dO tile as MN-major (query rows, head dim contiguous): FA_BM / 16 k-steps of 16
+ * rows (2048 bytes); the n128 form spans both 64-column blocks (LBO: one block). */
+FA_DEV void fa_gemm_kv(float *acc, fa_u32 a[][4], fa_u32 tile)
+{
+#pragma unroll
+    for (int kk = 0; kk < FA_BM / 16; kk++)
+#if FA_DP == 128
+        fa_wgmma_pv128(acc, a[kk], fa_desc(tile + kk * 2048, FA_BM * 128, 1024));
+#else
+        fa_wgmma_pv64(acc, a[kk], fa_desc(tile + kk * 2048, FA_BM * 128, 1024));
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
+    fa_bwd(const fa_bkparams bp, const __grid_constant__ fa_bwd_tmaps tm)
+{
+    const fa_kparams *kp = &bp.f;
+    extern __shared__ __align__(1024) unsigned char fa_smem[];
+    /* The plan adds 1024 bytes so the base can be rounded up to the swizzle atom. */
+    const fa_u32 k_s = (fa_smem_addr(fa_smem) + 1023u) & ~1023u;
+    const fa_u32 v_s = k_s + FA_KV_BYTES, q_s = v_s + FA_KV_BYTES;
+    const fa_u32 do_s = q_s + 2 * FA_QT_BYTES, ds_s = do_s + 2 * FA_QT_BYTES;
+    const fa_u32 kv_full = ds_s + 2 * FA_DS_BYTES;
+    const fa_u32 q_full = kv_full + 8, q_empty = q_full + 16; /* [2] each, 8 bytes apart */
+
+    const int nb = blockIdx.x, hk = blockIdx.y, bi = blockIdx.z;
+    const fa_seq seq = fa_bwd_seq(kp, bi);
+    const int n0 = nb * FA_BN;
+    const int group = kp->h / kp->hk, h_end = (hk + 1) * group;
+
+    if (threadIdx.x == 0) {
+        fa_mbar_init(kv_full, 1);
+        for (int s = 0; s < 2; s++) {
+            fa_mbar_init(q_full + 8 * s, 1);
+            fa_mbar_init(q_empty + 8 * s, 4 * FA_NCW); /* lane 0 of each consumer warp */
+        }
+        fa_mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (threadIdx.x < 128) {
+        fa_regs_producer();
+        if (threadIdx.x != 0)
+            return;
+        fa_mbar_expect_tx(kv_full, 2 * FA_KV_BYTES);
+#pragma unroll
+        for (int c = 0; c < FA_DP / 64; c++) {
+            fa_tma_load4(k_s + c * FA_BN * 128, &tm.k, 64 * c, n0, hk, bi, kv_full);
+            fa_tma_load4(v_s + c * FA_BN * 128, &tm.v, 64 * c, n0, hk, bi, kv_full);
+        }
+        int h = hk * group, mb = 0;
+        fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
+        for (int it = 0; h < h_end; it++) {
+            const int s = it & 1;
+            /* Stage s's previous tile released (a fresh barrier's phase "-1" counts as done). */
+            fa_mbar_wait(q_empty + 8 * s, ((it >> 1) & 1) ^ 1);
+            fa_mbar_expect_tx(q_full + 8 * s, 2 * FA_QT_BYTES);
+#pragma unroll
+            for (int c = 0; c < FA_DP / 64; c++) {
+                fa_tma_load4(q_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.q, 64 * c, mb * FA_BM,
+                             h, bi, q_full + 8 * s);
+                fa_tma_load4(do_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.dout, 64 * c,
+                             mb * FA_BM, h, bi, q_full + 8 * s);
+            }
+            mb++;
+            fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
+        }
+        return;
+    }
+
+    fa_regs_consumer();
+    const int ct = threadIdx.x - 128, cw = ct >> 7;
+    const int w = (ct >> 5) & 3, lane = ct & 31, t = lane & 3, g = lane >> 2;
+    /* This thread's first key (C layout: rows 16w + g and + 8 of the warpgroup's 64). */
+    const int key0 = n0 + 64 * cw + 16 * w + g;
+    const int wlo = kp->window_left < 0 ? 0x7fffffff : kp->window_left;
+    const int whi = kp->window_right < 0 ? -0x7fffffff : -kp->window_right;
+    /* dQ: the keys this warpgroup reduces over and its first column. */
+    const int dq_key0 = FA_DP == 128 ? 0 : 64 * cw, dq_col0 = FA_DP == 128 ? 64 * cw : 0;
+
+    /* C layout: dk[nt][e] is key key0 + 8 (e / 2), column 8 nt + 2t + (e % 2). */
+    float dk[FA_DP / 8][4], dv[FA_DP / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < FA_DP / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            dk[nt][e] = 0.f;
+            dv[nt][e] = 0.f;
+        }
+
+    fa_mbar_wait(kv_full, 0);
+    int h = hk * group, mb = 0;
+    fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
+#pragma unroll 1
+    for (int it = 0; h < h_end; it++) {
+        const int s = it & 1;
+        int hn = h, mbn = mb + 1;
+        fa_bwd_next(&bp, &seq, nb, h_end, &hn, &mbn);
+        const int m0 = mb * FA_BM;
+        const fa_u32 q_t = q_s + s * FA_QT_BYTES, do_t = do_s + s * FA_QT_BYTES;
+        const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
+        const fa_i64 row0 = fa_bwd_row0(&bp, h, bi) + m0;
+
+        fa_bwd_tile tl;
+        tl.lse2 = bp.lse2 + row0;
+        tl.dsum = bp.dsum + row0;
+        tl.dg0 = m0 + 2 * t + (seq.sk - seq.sq) - key0;
+        tl.rows = seq.sq - m0 - 2 * t;
+        tl.keys = seq.sk - key0;
+        tl.wlo = wlo;
+        tl.whi = whi;
+        tl.m0 = m0;
+        tl.key0 = key0;
+#if FA_ALIBI
+        tl.slope_log2 = kp->alibi_slopes[bi * kp->alibi_bstride + h * kp->alibi_hstride] * FA_LOG2E;
+#endif
+#if FA_DROPOUT
+        tl.stream = fa_dropout_stream(kp, bi, h);
+#endif
+
+        /* S^T and dP^T of this warpgroup's 64 keys x the tile's 64 queries. C layout: st[nt][e]
+         * is key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
+        float st[FA_BM / 8][4], dpt[FA_BM / 8][4];
+        fa_mbar_wait(q_full + 8 * s, (it >> 1) & 1);
+        fa_wg_fence();
+        fa_gemm_t(&st[0][0], k_s + 64 * cw * 128, q_t);
+        fa_gemm_t(&dpt[0][0], v_s + 64 * cw * 128, do_t);
+        fa_wg_commit();
+        fa_wg_wait0();
+        fa_pin_acc(&st[0][0], FA_BM / 2);
+        fa_pin_acc(&dpt[0][0], FA_BM / 2);
+
+        const int full = m0 + FA_BM <= seq.sq && n0 + FA_BN <= seq.sk &&
+                         m0 + FA_BM - 1 + (seq.sk - seq.sq) - n0 <= wlo &&
+                         m0 + (seq.sk - seq.sq) - (n0 + FA_BN - 1) >= whi;
+        if (full)
+            fa_bwd_probs(kp, &tl, t, st, dpt, 0);
+        else
+            fa_bwd_probs(kp, &tl, t, st, dpt, 1);
+
+        /* P^T and dS^T as A fragments (queries 16 kk .. 16 kk + 15 are k-step kk), and dS^T into
+         * shared memory, row = key of the block, queries contiguous. */
+        fa_u32 pa[FA_BM / 16][4], da[FA_BM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < FA_BM / 16; kk++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                pa[kk][r] = fa_pack2(st[2 * kk + (r >> 1)][2 * (r & 1)],
+                                     st[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
+                da[kk][r] = fa_pack2(dpt[2 * kk + (r >> 1)][2 * (r & 1)],
+                                     dpt[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
+                fa_st_shared_u32(ds_t + fa_swz128(64 * cw + 16 * w + g + 8 * (r & 1),
+                                                  16 * kk + 8 * (r >> 1) + 2 * t),
+                                 da[kk][r]);
+            }
+        fa_fence_proxy_async();
+
+        /* dV += P^T dO and dK += dS^T Q, in flight while dQ waits for the other warpgroup. */
+        fa_pin_acc(&dv[0][0], FA_DP / 2);
+        fa_pin_acc(&dk[0][0], FA_DP / 2);
+        fa_wg_fence();
+        fa_gemm_kv(&dv[0][0], pa, do_t);
+        fa_gemm_kv(&dk[0][0], da, q_t);
+        fa_wg_commit();
+
+        /* Every dS^T row dQ reads is written: both warpgroups at head dim 128, this one at 64. */
+        if (FA_DP == 128)
+            fa_bar_sync(1, 256);
+        else
+            fa_bar_sync(2 + cw, 128);
+        float dq[8][4];
+        fa_wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < FA_DQ_KEYS / 16; kk++)
+            fa_wgmma_tt(&dq[0][0], fa_desc(ds_t + (dq_key0 + 16 * kk) * 128, FA_BN * 128, 1024),
+                        fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 + (dq_key0 + 16 * kk) * 128,
+                                FA_BN * 128, 1024),
+                        kk > 0);
+        fa_wg_commit();
+        fa_wg_wait0();
+        fa_pin_acc(&dv[0][0], FA_DP / 2);
+        fa_pin_acc(&dk[0][0], FA_DP / 2);
+        fa_pin_acc(&dq[0][0], 32);
+#pragma unroll
+        for (int kk = 0; kk < FA_BM / 16; kk++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                FA_PINU(pa[kk][r]);
+                FA_PINU(da[kk][r]);
+            }
+        /* This warp is done with the stage's Q and dO. */
+        if (lane == 0)
+            fa_mbar_arrive(q_empty + 8 * s);
+
+        /* dQ rows m0 + 16w .. + 15, columns dq_col0 .. + 63: 16 x 8 blocks (r16, c8) of the
+         * accumulator, this lane's four values at 4 lane, in the order of dq[c][0..3]. */
+        float *acc = bp.dq_accum + row0 * FA_DP + (fa_i64)w * 16 * FA_DP + dq_col0 * 16 + 4 * lane;
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            fa_red_add_v4(acc + c * 128, dq[c][0], dq[c][1], dq[c][2], dq[c][3]);
+        h = hn;
+        mb = mbn;
+    }
+
+    /* dK (times the softmax scale dS lacked) and dV of this thread's keys, columns below d. */
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int key = key0 + 8 * hf;
+        if (key >= seq.sk)
+            continue;
+        fa_u16 *dkr = (fa_u16 *)bp.dk + bi * bp.dk_bstride + key * bp.dk_rstride +
+                      hk * bp.dk_hstride;
+        fa_u16 *dvr = (fa_u16 *)bp.dv + bi * bp.dv_bstride + key * bp.dv_rstride +
+                      hk * bp.dv_hstride;
+#pragma unroll
+        for (int nt = 0; nt < FA_DP / 8; nt++) {
+            const int col = nt * 8 + 2 * t;
+            if (col < kp->d) {
+                *(fa_u32 *)(dkr + col) =
+                    fa_pack2(dk[nt][2 * hf] * kp->scale, dk[nt][2 * hf + 1] * kp->scale);
+                *(fa_u32 *)(dvr + col) = fa_pack2(dv[nt][2 * hf], dv[nt][2 * hf + 1]);
+            }
+        }
+    }
+}
+
+#include "fa_bwd_rows.cuh"
