@@ -5,6 +5,7 @@
 BUILD_DIR ?= build
 PYTHON ?= python3
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+SHARDS ?= $(JOBS)
 CMAKE_FLAGS ?=
 
 .PHONY: all build run test test-c test-python python-deps clean gpu-check gpu-tune
@@ -33,17 +34,17 @@ python-deps:
 test-python: build python-deps
 	PYTHONPATH=python $(PYTHON) -m pytest -q tests/python
 
-# On a CUDA machine: build in build-cuda, run the GPU tests (GPU vs CPU on every feature, in C
-# (the forward suites in 8 shards side by side: their CPU references take the time) and through
-# the Python functions on CUDA tensors), then benchmark beside PyTorch's SDPA backends. Exits
-# with the tests' status.
+# On a CUDA machine: build in build-cuda, run the GPU tests (GPU vs CPU on every feature, in C,
+# each suite in SHARDS processes side by side, since their single-threaded double-precision
+# references take the time; and through the Python functions on CUDA tensors), then benchmark
+# beside PyTorch's SDPA backends. Exits with the tests' status.
 gpu-check:
 	cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
 	cmake --build build-cuda -j $(JOBS)
 	build-cuda/flashattn info
-	tests/gpu/run_sharded.sh 8 build-cuda/tests/gpu/test_gpu_forward; rc=$$?; \
-	tests/gpu/run_sharded.sh 8 build-cuda/tests/gpu/test_gpu_sm90 || rc=1; \
-	build-cuda/tests/gpu/test_gpu_backward || rc=1; \
+	tests/gpu/run_sharded.sh $(SHARDS) build-cuda/tests/gpu/test_gpu_forward; rc=$$?; \
+	tests/gpu/run_sharded.sh $(SHARDS) build-cuda/tests/gpu/test_gpu_sm90 || rc=1; \
+	tests/gpu/run_sharded.sh $(SHARDS) build-cuda/tests/gpu/test_gpu_backward || rc=1; \
 	export PYTHONPATH=python FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so; \
 	$(PYTHON) -m pytest -q tests/gpu/test_python_cuda.py tests/gpu/test_ring_cuda.py || rc=1; \
 	$(PYTHON) tests/gpu/bench_gpu.py || rc=1; exit $$rc
