@@ -580,12 +580,19 @@ def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_s
 class _DenseCall:
     """The prepared fa_fwd_args of one signature of ``forward_dense_torch``: the FaTensors of
     q, k, v, out and lse (their data pointers are swapped in per call), the outputs' shapes,
-    and the CUDA device index (None on the CPU), whose current stream each call reads."""
+    the CUDA device index (None on the CPU), whose current stream each call reads, and the
+    library call itself. like_q: torch.empty_like(q), the cheapest allocation, gives out's
+    shape and strides (q's strides are part of the signature, so it always will)."""
 
-    __slots__ = ("args", "tensors", "out_shape", "lse_shape", "dtype", "device", "cuda")
+    __slots__ = ("args", "tensors", "out_shape", "lse_shape", "dtype", "device", "cuda", "fn",
+                 "ref", "like_q")
 
-    def __init__(self, args, keep, out, lse):
+    def __init__(self, args, keep, q, out, lse):
         self.args = args
+        self.fn = _lib.get_lib().fa_attention_forward
+        self.ref = ctypes.byref(args)
+        torch = sys.modules["torch"]
+        self.like_q = out.shape == q.shape and torch.empty_like(q).stride() == out.stride()
         self.tensors = keep[:5]
         self.out_shape = out.shape
         self.lse_shape = lse.shape if lse is not None else None
@@ -635,10 +642,13 @@ def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, 
             # Inputs used as they are (no contiguous copy), so the signature says it all.
             if len(cache) >= _DENSE_CACHE_SIZE:
                 cache.clear()
-            cache[key] = _DenseCall(args, keep, out, lse)
+            cache[key] = _DenseCall(args, keep, q, out, lse)
         return out, lse
     torch = sys.modules["torch"]
-    out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
+    if call.like_q:
+        out = torch.empty_like(q)
+    else:
+        out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
     tq, tk, tv, to, tl = call.tensors
     tq.data = q.data_ptr()
     tk.data = k.data_ptr()
@@ -652,7 +662,12 @@ def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, 
     if call.cuda is not None:
         args.stream = _raw_stream(call.cuda)
     args.seed = seed & 0xFFFFFFFFFFFFFFFF
-    _call_forward(args, _FWD_NAMES)
+    status = call.fn(call.ref)
+    if status != _lib.STATUS_OK:
+        try:
+            _lib.check(status)
+        except FlashAttnError as e:
+            raise FlashAttnError(_rename(str(e), _FWD_NAMES), e.status) from None
     return out, lse
 
 

@@ -327,6 +327,14 @@ def test_signature_cache_swaps_data_not_results(rng):
     assert torch.equal(out, uncached(strided.contiguous(), k, v)[0])
     out, _ = _core.forward_dense_torch(q, k, v, 0.0, None, True, (-1, -1), 0.0, 0)
     assert torch.equal(out, uncached(q, k, v)[0])
+    # q dense but permuted (heads outermost): out keeps the library's own [b, s, h, d] layout on
+    # the cached call too (torch.empty_like(q) would copy q's order), with and without lse.
+    for want_lse in (True, False):
+        for _ in range(2):
+            qp = _t(rng, 1, 2, 7, 16).transpose(1, 2)
+            out, _ = _core.forward_dense_torch(qp, k, v, 0.0, None, True, (-1, -1), 0.0, 0,
+                                               want_lse=want_lse)
+            assert out.is_contiguous() and torch.equal(out, uncached(qp, k, v)[0])
 
     want = [uncached(*s)[0] for s in sets]
     errors = []
