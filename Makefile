@@ -8,7 +8,8 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 SHARDS ?= $(JOBS)
 CMAKE_FLAGS ?=
 
-.PHONY: all build run test test-c test-python python-deps clean gpu-check gpu-tune
+.PHONY: all build run test test-c test-python python-deps clean gpu-check gpu-build gpu-tests \
+	gpu-python gpu-tune
 
 all: build
 
@@ -37,16 +38,26 @@ test-python: build python-deps
 # On a CUDA machine: build in build-cuda, run the GPU tests (GPU vs CPU on every feature, in C,
 # each suite in SHARDS processes side by side, since their single-threaded double-precision
 # references take the time; and through the Python functions on CUDA tensors), then benchmark
-# beside PyTorch's SDPA backends. Exits with the tests' status.
-gpu-check:
+# beside PyTorch's SDPA backends. Exits with the tests' status. gpu-build, gpu-tests and
+# gpu-python are its three parts, for machines that limit how long one command may run.
+gpu-check: gpu-build
+	$(MAKE) --no-print-directory gpu-tests; rc=$$?; \
+	$(MAKE) --no-print-directory gpu-python || rc=1; exit $$rc
+
+gpu-build:
 	cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
 	cmake --build build-cuda -j $(JOBS)
 	build-cuda/flashattn info
+
+gpu-tests:
 	tests/gpu/run_sharded.sh $(SHARDS) build-cuda/tests/gpu/test_gpu_forward; rc=$$?; \
 	tests/gpu/run_sharded.sh $(SHARDS) build-cuda/tests/gpu/test_gpu_sm90 || rc=1; \
 	tests/gpu/run_sharded.sh $(SHARDS) build-cuda/tests/gpu/test_gpu_backward || rc=1; \
+	exit $$rc
+
+gpu-python:
 	export PYTHONPATH=python FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so; \
-	$(PYTHON) -m pytest -q tests/gpu/test_python_cuda.py tests/gpu/test_ring_cuda.py || rc=1; \
+	$(PYTHON) -m pytest -q tests/gpu/test_python_cuda.py tests/gpu/test_ring_cuda.py; rc=$$?; \
 	$(PYTHON) tests/gpu/bench_gpu.py || rc=1; exit $$rc
 
 # On a CUDA machine, after gpu-check's build: the Hopper rows' plans timed beside the
