@@ -4,7 +4,7 @@
     torch.ops.flashattn.varlen_fwd  (q, k, v, cu_seqlens_q, ...)    -> out, lse, S_dmask, rng_state
     torch.ops.flashattn.bwd         (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
     torch.ops.flashattn.varlen_bwd  (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
-    torch.ops.flashattn.kvcache     (q, k_cache!, v_cache!, ...)    -> out, lse   (CPU)
+    torch.ops.flashattn.kvcache     (q, k_cache!, v_cache!, ...)    -> out, lse
     torch.ops.flashattn.combine     (out_partial, lse_partial, merged!) -> lse
 
 Imported on the first torch call (``import flashattn`` does not import torch). Each op has a
@@ -460,6 +460,19 @@ def kvcache(q: _T, k_cache: _T, v_cache: _T, k: _OptT, v: _OptT, rotary_cos: _Op
         num_splits)
 
 
+@kvcache.register_kernel("cuda")
+def _kvcache_cuda(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
+                  softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                  num_splits):
+    from . import _kvcache_varlen
+
+    return _kvcache_varlen.kvcache_varlen(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
+        window_left, window_right, softcap, rotary_interleaved, num_splits)
+
+
 @kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
@@ -474,17 +487,20 @@ def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                  softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
-    """flash_attn_with_kvcache for torch tensors: the op, with an int cache_seqlens turned into
-    the int32 (b,) tensor the op takes, as upstream does."""
-    # The C library's KV-cache entry point has no CUDA backend yet: say so by argument name
-    # rather than let the dispatcher report a missing kernel.
+    """flash_attn_with_kvcache for torch tensors: the op (CPU: the C library's KV-cache call;
+    CUDA: _kvcache_varlen's composition), with an int cache_seqlens turned into the int32 (b,)
+    tensor the op takes, as upstream does."""
+    # Devices named by argument, rather than left to the dispatcher's missing-kernel message.
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                     ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                     ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                     ("cache_leftpad", cache_leftpad), ("block_table", block_table),
                     ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
         if isinstance(x, torch.Tensor):
-            _core.check_device(x, name)
+            _core.check_device(x, name, cuda=True)
+            if x.device != q.device:
+                raise FlashAttnError("%s: expected a tensor on %s like q, got %s"
+                                     % (name, q.device, x.device))
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens"),
                                    dtype=torch.int32, device=q.device)

@@ -283,16 +283,98 @@ def test_opcheck_varlen_cuda(gen):
     opcheck(torch.ops.flashattn.varlen_bwd.default, bargs)
 
 
-def test_kvcache_cuda_is_refused_by_name(gen):
-    """The C library's KV-cache entry point has no CUDA backend yet: a clear error naming the
-    argument, before anything is written."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", [
+    dict(causal=True, s_new=1, sq=1),
+    dict(causal=True, s_new=4, sq=4, rotary=True),
+    dict(s_new=2, sq=3, rotary=True, interleaved=False),
+    dict(window=(9, 0), softcap=5.0, alibi=True, sinks=True, s_new=1, sq=2),
+    dict(s_new=0, sq=5, causal=True),
+], ids=["decode", "causal-rotary", "rotary-neox", "window-softcap-alibi-sinks", "no-append"])
+def test_kvcache_cuda_matches_cpu(gen, dtype, case):
+    """flash_attn_with_kvcache on CUDA tensors (rotary and the append in torch ops, then the
+    varlen forward over the caches) against the CPU library's call on copies: the same out and
+    lse, and the caches updated alike in place."""
+    b, h, hk, d, cap = 3, 8, 2, 64, 200
+    s_new, sq = case["s_new"], case["sq"]
+    q = _randn(gen, b, sq, h, d, dtype=dtype)
+    kc, vc = _randn(gen, b, cap, hk, d, dtype=dtype), _randn(gen, b, cap, hk, d, dtype=dtype)
+    k = _randn(gen, b, s_new, hk, d, dtype=dtype) if s_new else None
+    v = _randn(gen, b, s_new, hk, d, dtype=dtype) if s_new else None
+    lens = torch.tensor([0, 57, cap - s_new], dtype=torch.int32, device="cuda")
+    kw = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
+              softcap=case.get("softcap", 0.0), return_softmax_lse=True,
+              cache_seqlens=lens if s_new else None)
+    if case.get("rotary"):
+        th = torch.rand(cap + sq, 16, generator=gen) * 6 - 3
+        kw.update(rotary_cos=th.cos().to("cuda", dtype), rotary_sin=th.sin().to("cuda", dtype),
+                  rotary_interleaved=case.get("interleaved", True))
+    if case.get("alibi"):
+        kw["alibi_slopes"] = (torch.rand(h, generator=gen) * 0.5).cuda()
+    if case.get("sinks"):
+        kw["learnable_sink"] = torch.randn(h, generator=gen).cuda()
+    cpu = {n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    kc_c, vc_c = kc.cpu(), vc.cpu()
+    out_c, lse_c = flashattn.flash_attn_with_kvcache(
+        q.cpu(), kc_c, vc_c, None if k is None else k.cpu(), None if v is None else v.cpu(),
+        **cpu)
+    out, lse = flashattn.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    assert out.is_cuda and out.dtype == dtype and lse.shape == (b, h, sq)
+    _close(out, out_c, dtype, "kvcache out")
+    _lse_close(lse, lse_c)
+    # Rotated keys may differ by an ulp of the dtype (the rotation rounds once either way).
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    torch.testing.assert_close(kc.cpu().float(), kc_c.float(), atol=2 * ulp, rtol=2 * ulp)
+    assert torch.equal(vc.cpu(), vc_c)
+
+
+def test_kvcache_cuda_refusals(gen):
+    """What the CUDA form does not take yet is refused by argument name before anything is
+    written; a cache_seqlens past the cache is a device-side error, not a write out of it."""
     q = _randn(gen, 2, 1, 4, 64)
     kc, vc = _randn(gen, 2, 32, 2, 64), _randn(gen, 2, 32, 2, 64)
+    k, v = _randn(gen, 2, 1, 2, 64), _randn(gen, 2, 1, 2, 64)
     before = kc.clone()
-    with pytest.raises(FlashAttnError, match=r"^q: CUDA tensors are not supported yet"):
-        flashattn.flash_attn_with_kvcache(q, kc, vc, _randn(gen, 2, 1, 2, 64),
-                                          _randn(gen, 2, 1, 2, 64), cache_seqlens=5)
+    idx = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
+    for name, kw in (("block_table", dict(block_table=idx[:, None])),
+                     ("cache_batch_idx", dict(cache_batch_idx=idx)),
+                     ("cache_leftpad", dict(cache_leftpad=idx))):
+        with pytest.raises(FlashAttnError, match=r"^%s: not supported with CUDA" % name):
+            flashattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=5, **kw)
+    with pytest.raises(FlashAttnError, match=r"^k_cache: expected a tensor on cuda:0 like q"):
+        flashattn.flash_attn_with_kvcache(q, kc.cpu(), vc, k, v, cache_seqlens=5)
     assert torch.equal(kc, before)
+
+
+def test_kvcache_cuda_compiles_and_captures(gen):
+    """The CUDA form reads no device value on the host: one op under torch.compile(fullgraph)
+    and a decode step captured in a CUDA graph replays like eager."""
+    q = _randn(gen, 2, 1, 8, 64)
+    kc, vc = _randn(gen, 2, 64, 2, 64), _randn(gen, 2, 64, 2, 64)
+    k, v = _randn(gen, 2, 1, 2, 64), _randn(gen, 2, 1, 2, 64)
+    lens = torch.tensor([3, 40], dtype=torch.int32, device="cuda")
+
+    def step(q, kc, vc, k, v, lens):
+        return flashattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
+                                                 causal=True)
+
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = step(q, kc, vc, k, v, lens)
+    got = torch.compile(step, fullgraph=True)(q, kc2, vc2, k, v, lens)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(kc2, kc)
+    kc3, vc3 = kc.clone(), vc.clone()
+    step(q, kc3, vc3, k, v, lens)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(q, kc3, vc3, k, v, lens)
+    lens.add_(1)
+    kc3.copy_(kc)
+    vc3.copy_(vc)
+    graph.replay()
+    kc4 = kc.clone()
+    torch.testing.assert_close(out, step(q, kc4, vc.clone(), k, v, lens))
+    assert torch.equal(kc3, kc4)
 
 
 def test_combine_cuda(gen):

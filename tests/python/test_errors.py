@@ -208,7 +208,8 @@ def test_mixed_kinds_and_non_arrays(rng):
 
 
 def test_devices():
-    # Where CUDA is not allowed (the KV cache), a CUDA tensor is refused with a clear message.
+    # Where CUDA is not allowed (the C library's KV-cache call), a CUDA tensor is refused with a
+    # clear message.
     # No GPU is needed to check it: the device test only reads x.device.type.
     fake = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
     with raises(r"^q: CUDA tensors are not supported yet by this function"):

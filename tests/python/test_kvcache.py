@@ -49,8 +49,9 @@ def locate(i, pos, page, table, bidx):
 
 def kvcache_ref(q, kc, vc, k, v, cos, sin, seqlens, bidx, leftpad, table, dt, causal=False,
                 window=(-1, -1), softcap=0.0, interleaved=True, alibi=None, sinks=None,
-                scale=None):
-    """float64 arrays in; returns out, lse and the caches after the append."""
+                scale=None, round_q=False):
+    """float64 arrays in; returns out, lse and the caches after the append. round_q: the
+    rotated q rounded to dt (as a GPU kernel that rotates before its 16-bit products does)."""
     kc, vc = kc.copy(), vc.copy()
     b, sq, h, _ = q.shape
     page = kc.shape[1]
@@ -76,6 +77,8 @@ def kvcache_ref(q, kc, vc, k, v, cos, sin, seqlens, bidx, leftpad, table, dt, ca
         if cos is not None:
             pos = seqlens[i] + (np.arange(sq) if per_row else np.zeros(sq, dtype=int))
             qi = rotate(qi, cos[pos][:, None, :], sin[pos][:, None, :], interleaved)
+            if round_q:
+                qi = rounded(qi, dt)
         al = None if alibi is None else (alibi if alibi.ndim == 1 else alibi[i])
         o, l, _ = attention_ref(qi[None], kk[None], vv[None], scale, causal, window, softcap,
                                 al, sinks)
@@ -192,6 +195,67 @@ def test_options(rng, kind, opts):
         call["window_size"] = call.pop("window")
     out, lse = run(P, A, kind, **call, **extra)
     check(P, A, V, "float32", out, lse, alibi=V.get("alibi"), sinks=V.get("sinks"), **kw)
+
+
+@pytest.mark.parametrize("dt", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("opts", [
+    dict(),
+    dict(causal=True, s_new=3, sq=3),
+    dict(rotary=True, causal=True, s_new=2, sq=2),
+    dict(rotary=True, rotary_dim=12, interleaved=False, s_new=2, sq=3),
+    dict(rotary=True, window=(7, 0), sq=5, s_new=5),
+    dict(softcap=2.0, alibi=True, sinks=True, window=(4, 2)),
+    dict(seqlens=False, s_new=0, causal=True, sq=4),
+])
+def test_varlen_composition(rng, dt, opts):
+    """The CUDA form of flash_attn_with_kvcache (_kvcache_varlen: rotary and the append in
+    torch ops, then the varlen forward over the caches), run on CPU tensors against the
+    reference: the same out, lse and in-place cache updates as the library's KV-cache call,
+    except that the rotated q is rounded to the dtype (as upstream's CUDA kernel rounds it)."""
+    from flashattn import _kvcache_varlen
+
+    opts = dict(opts)
+    causal, window = opts.pop("causal", False), opts.pop("window", (-1, -1))
+    softcap, interleaved = opts.pop("softcap", 0.0), opts.pop("interleaved", True)
+    alibi, sinks = opts.pop("alibi", False), opts.pop("sinks", False)
+    P, A, V = setup(rng, "torch", dt, h=6, hk=2, d=24, dv=24, cap=30, **opts)
+    extra = {}
+    if alibi:
+        V["alibi"] = rng.uniform(0.1, 1.0, (2, 6))
+        extra["alibi"] = make(V["alibi"], "float32", "torch")
+    if sinks:
+        V["sinks"] = rng.uniform(-2, 2, 6)
+        extra["sinks"] = make(V["sinks"], "float32", "torch")
+    seqlens = None if P["seqlens"] is None else int32(P["seqlens"], "torch")
+    out, lse = _kvcache_varlen.kvcache_varlen(
+        A["q"], A["kc"], A["vc"], A.get("k"), A.get("v"), A.get("cos"), A.get("sin"), seqlens,
+        None, None, None, extra.get("alibi"), extra.get("sinks"), None, causal, window[0],
+        window[1], softcap, interleaved, 0)
+    assert out.dtype == A["q"].dtype and tuple(lse.shape) == (2, 6, A["q"].shape[1])
+    check(P, A, V, dt, out, lse, interleaved=interleaved, causal=causal, window=window,
+          softcap=softcap, alibi=V.get("alibi"), sinks=V.get("sinks"), round_q=True)
+
+
+def test_varlen_composition_refusals(rng):
+    from flashattn import _kvcache_varlen
+
+    P, A, V = setup(rng, "torch", "float32", cap=12, s_new=2)
+    lens = int32([3, 4], "torch")
+    args = [A["q"], A["kc"], A["vc"], A["k"], A["v"], None, None, lens, None, None, None, None,
+            None, None, False, -1, -1, 0.0, True, 0]
+    for i, name in ((8, "cache_batch_idx"), (9, "cache_leftpad"), (10, "block_table")):
+        bad = list(args)
+        bad[i] = lens
+        with pytest.raises(FlashAttnError, match="^%s: not supported with CUDA" % name):
+            _kvcache_varlen.kvcache_varlen(*bad)
+    bad = list(args)
+    bad[3] = A["k"].double()
+    with pytest.raises(FlashAttnError, match="^k: expected torch.float32"):
+        _kvcache_varlen.kvcache_varlen(*bad)
+    bad = list(args)
+    bad[7] = None
+    with pytest.raises(FlashAttnError, match="^cache_seqlens: required"):
+        _kvcache_varlen.kvcache_varlen(*bad)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
