@@ -25,8 +25,13 @@
  * written at the end (dK times the softmax scale).
  *
  * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward_sm90): FA_BF16, FA_DP = FA_DVP
- * (64 or 128), FA_BM 64, FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT; dense layouts only
- * (FA_VARLEN 0), not deterministic (the sm80 family takes those).
+ * (64 or 128), FA_BM 64, FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT, FA_VARLEN; not
+ * deterministic (the sm80 family takes that).
+ *
+ * Varlen: the tensor maps span all the packed rows (batch extent 1) and tiles add their
+ * sequence's offset, so a tile's rows or a block's keys past the sequence are the next
+ * sequence's: the masks (fa_bwd_probs' rows and keys) give them P = dS = 0. A key block at or
+ * past the sequence's keys in use only zeroes its keys' dK and dV, as the sm80 family's.
  *
  * Shared memory (1024-byte aligned; every tile in 128-byte swizzled rows of 64 columns, column
  * blocks one after another, as TMA writes them): K, V [FA_DP / 64][FA_BN][64]; Q, dO
@@ -42,8 +47,8 @@
 
 #include "fa_sm90.cuh"
 
-#if FA_BM != 64 || FA_BN != 128 || FA_DP != FA_DVP || (FA_DP != 64 && FA_DP != 128) || FA_VARLEN
-#error "fa_bwd_sm90.cu: 64 x 128 tiles, d = dv of 64 or 128 (padded), dense layouts"
+#if FA_BM != 64 || FA_BN != 128 || FA_DP != FA_DVP || (FA_DP != 64 && FA_DP != 128)
+#error "fa_bwd_sm90.cu: 64 x 128 tiles, d = dv of 64 or 128 (padded)"
 #endif
 
 #include "fa_bwd_common.cuh"
@@ -77,7 +82,10 @@ FA_DEF_WGMMA_SS64(fa_wgmma_kk, "0, 0")
 FA_DEF_WGMMA_SS64(fa_wgmma_tt, "1, 1")
 
 /* bar.sync id, n: the n threads of the warpgroups that name barrier id meet. */
-FA_DEV void fa_bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+FA_DEV void fa_bar_sync(int id, int n)
+{
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
 
 /* st.shared.b32 at a shared-window address. */
 FA_DEV void fa_st_shared_u32(fa_u32 addr, fa_u32 v)
@@ -142,6 +150,20 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const fa_seq seq = fa_bwd_seq(kp, bi);
     const int n0 = nb * FA_BN;
     const int group = kp->h / kp->hk, h_end = (hk + 1) * group;
+#if FA_VARLEN
+    if (n0 >= seq.sk) {
+        const int keys = fa_min(fa_bwd_klen(kp, bi) - n0, FA_BN);
+        fa_bwd_zero((fa_u16 *)bp.dk + (seq.k_start + n0) * bp.dk_rstride + hk * bp.dk_hstride,
+                    bp.dk_rstride, keys, kp->d, threadIdx.x, FA_THREADS);
+        fa_bwd_zero((fa_u16 *)bp.dv + (seq.k_start + n0) * bp.dv_rstride + hk * bp.dv_hstride,
+                    bp.dv_rstride, keys, kp->dv, threadIdx.x, FA_THREADS);
+        return;
+    }
+    /* Tensor-map coordinates: packed rows, batch extent 1. */
+    const int k_row0 = (int)seq.k_start + n0, q_row0 = (int)seq.q_start, tma_b = 0;
+#else
+    const int k_row0 = n0, q_row0 = 0, tma_b = bi;
+#endif
 
     if (threadIdx.x == 0) {
         fa_mbar_init(kv_full, 1);
@@ -160,8 +182,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         fa_mbar_expect_tx(kv_full, 2 * FA_KV_BYTES);
 #pragma unroll
         for (int c = 0; c < FA_DP / 64; c++) {
-            fa_tma_load4(k_s + c * FA_BN * 128, &tm.k, 64 * c, n0, hk, bi, kv_full);
-            fa_tma_load4(v_s + c * FA_BN * 128, &tm.v, 64 * c, n0, hk, bi, kv_full);
+            fa_tma_load4(k_s + c * FA_BN * 128, &tm.k, 64 * c, k_row0, hk, tma_b, kv_full);
+            fa_tma_load4(v_s + c * FA_BN * 128, &tm.v, 64 * c, k_row0, hk, tma_b, kv_full);
         }
         int h = hk * group, mb = 0;
         fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
@@ -172,10 +194,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_mbar_expect_tx(q_full + 8 * s, 2 * FA_QT_BYTES);
 #pragma unroll
             for (int c = 0; c < FA_DP / 64; c++) {
-                fa_tma_load4(q_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.q, 64 * c, mb * FA_BM,
-                             h, bi, q_full + 8 * s);
+                fa_tma_load4(q_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.q, 64 * c,
+                             q_row0 + mb * FA_BM, h, tma_b, q_full + 8 * s);
                 fa_tma_load4(do_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.dout, 64 * c,
-                             mb * FA_BM, h, bi, q_full + 8 * s);
+                             q_row0 + mb * FA_BM, h, tma_b, q_full + 8 * s);
             }
             mb++;
             fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
@@ -317,15 +339,22 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         mb = mbn;
     }
 
-    /* dK (times the softmax scale dS lacked) and dV of this thread's keys, columns below d. */
+    /* dK (times the softmax scale dS lacked) and dV of this thread's keys, columns below d
+     * (varlen: up to the sequence's end in k, zero past seqused_k, whose keys were masked). */
+#if FA_VARLEN
+    const int key_end = fa_bwd_klen(kp, bi);
+#else
+    const int key_end = seq.sk;
+#endif
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const int key = key0 + 8 * hf;
-        if (key >= seq.sk)
+        if (key >= key_end)
             continue;
-        fa_u16 *dkr = (fa_u16 *)bp.dk + bi * bp.dk_bstride + key * bp.dk_rstride +
+        const fa_i64 row = seq.k_start + key;
+        fa_u16 *dkr = (fa_u16 *)bp.dk + bi * bp.dk_bstride + row * bp.dk_rstride +
                       hk * bp.dk_hstride;
-        fa_u16 *dvr = (fa_u16 *)bp.dv + bi * bp.dv_bstride + key * bp.dv_rstride +
+        fa_u16 *dvr = (fa_u16 *)bp.dv + bi * bp.dv_bstride + row * bp.dv_rstride +
                       hk * bp.dv_hstride;
 #pragma unroll
         for (int nt = 0; nt < FA_DP / 8; nt++) {

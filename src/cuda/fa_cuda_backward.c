@@ -89,13 +89,17 @@ static int fa_bwd_tmaps_make(const fa_cuda_driver *d, const fa_params *p, const 
 {
     if (!d || !d->tensor_map_encode_tiled)
         return 1;
-    return fa_cuda_tmap(d, &tm->q, p->dtype, p->q, p->d, p->max_sq, p->h, p->b, p->q_rstride,
+    /* Varlen: one "sequence" of all the packed rows; tiles add their sequence's offset. */
+    const int vl = p->is_varlen;
+    const int64_t rows_q = vl ? p->total_q : p->max_sq, rows_k = vl ? p->total_k : p->max_sk;
+    const int64_t b = vl ? 1 : p->b;
+    return fa_cuda_tmap(d, &tm->q, p->dtype, p->q, p->d, rows_q, p->h, b, p->q_rstride,
                         p->q_hstride, p->q_bstride, plan->bm) ||
-           fa_cuda_tmap(d, &tm->k, p->dtype, p->k, p->d, p->max_sk, p->hk, p->b, p->k_rstride,
+           fa_cuda_tmap(d, &tm->k, p->dtype, p->k, p->d, rows_k, p->hk, b, p->k_rstride,
                         p->k_hstride, p->k_bstride, plan->bn) ||
-           fa_cuda_tmap(d, &tm->v, p->dtype, p->v, p->dv, p->max_sk, p->hk, p->b, p->v_rstride,
+           fa_cuda_tmap(d, &tm->v, p->dtype, p->v, p->dv, rows_k, p->hk, b, p->v_rstride,
                         p->v_hstride, p->v_bstride, plan->bn) ||
-           fa_cuda_tmap(d, &tm->dout, p->dtype, p->dout_data, p->dv, p->max_sq, p->h, p->b,
+           fa_cuda_tmap(d, &tm->dout, p->dtype, p->dout_data, p->dv, rows_q, p->h, b,
                         p->do_rstride, p->do_hstride, p->do_bstride, plan->bm);
 }
 

@@ -257,14 +257,14 @@ static int fa_plan_bwd_sm90_enabled(void)
     return env && strcmp(env, "1") == 0;
 }
 
-/* What the sm90 backward compiles: dense, aligned, d = dv padding to 64 or 128 (the workspace's
- * padded head dim, which the arch-80 plan sizes, is the same for d > 32), not deterministic
- * (FA_PLAN_NO_SM90). */
+/* What the sm90 backward compiles: dense or varlen, aligned, d = dv padding to 64 or 128 (the
+ * workspace's padded head dim, which the arch-80 plan sizes, is the same for d > 32), not
+ * deterministic (FA_PLAN_NO_SM90). */
 fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->arch != 90 || (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16) ||
         key->d != key->dv || key->d <= 32 || key->d > 128 ||
-        (key->features & (FA_FEATURE_VARLEN | FA_FEATURE_UNALIGNED | FA_PLAN_NO_SM90)))
+        (key->features & (FA_FEATURE_UNALIGNED | FA_PLAN_NO_SM90)))
         return FA_STATUS_UNSUPPORTED;
     *plan = (fa_plan){0};
     plan->family = "fa_bwd_sm90.cu";
@@ -285,7 +285,7 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_DVP", plan->dvp);
     fa_plan_define(plan, "FA_BM", plan->bm);
     fa_plan_define(plan, "FA_BN", plan->bn);
-    fa_plan_define(plan, "FA_VARLEN", 0);
+    fa_plan_define(plan, "FA_VARLEN", (key->features & FA_FEATURE_VARLEN) != 0);
     fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
     fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
     fa_plan_define(plan, "FA_DROPOUT", (key->features & FA_FEATURE_DROPOUT) != 0);

@@ -85,12 +85,11 @@ static int failures;
  * deterministic runs. sm90_runs counts them. */
 static int sm90_pass, sm90_runs;
 
-/* Whether the sm90 family takes case c (fa_plan_backward_sm90: dense, d = dv in 33..128, rows
- * 16-byte aligned), for the second pass's family check. */
+/* Whether the sm90 family takes case c (fa_plan_backward_sm90: d = dv in 33..128, rows 16-byte
+ * aligned), for the second pass's family check. */
 static int sm90_takes(const bcase *c)
 {
-    return !c->varlen && c->d == c->dv && c->d > 32 && c->d <= 128 && c->d % 8 == 0 &&
-           c->pad % 8 == 0;
+    return c->d == c->dv && c->d > 32 && c->d <= 128 && c->d % 8 == 0 && c->pad % 8 == 0;
 }
 
 /* FA_TEST_SHARD=i/n runs every n-th (case, dtype) run from the i-th (tests/gpu/run_sharded.sh
@@ -498,7 +497,6 @@ int main(int argc, char **argv)
             printf("test_gpu_backward: FLASHATTN_BWD_SM90=1\n");
         }
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-            /* The sm90 family takes dense layouts only. */
             if ((only && !strstr(cases[i].name, only)) || (sm90_pass && !sm90_takes(&cases[i])))
                 continue;
             if (run_selected())
