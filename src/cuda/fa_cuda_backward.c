@@ -156,8 +156,10 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
         return st;
     fa_bwd_tmaps tmaps, *tm = NULL;
     if (strcmp(plan.family, "fa_bwd_sm90.cu") == 0) {
+        /* TMA coordinates are ints: packed rows past them go to the sm80 family. */
         tm = &tmaps;
-        if (fa_bwd_tmaps_make(fa_cuda_driver_get(), p, &plan, tm) != 0) {
+        if ((p->is_varlen && (p->total_q > INT32_MAX / 2 || p->total_k > INT32_MAX / 2)) ||
+            fa_bwd_tmaps_make(fa_cuda_driver_get(), p, &plan, tm) != 0) {
             tm = NULL;
             key.features |= FA_PLAN_NO_SM90;
             st = fa_plan_backward(&key, &plan);
