@@ -70,8 +70,8 @@ gpu-tune:
 		--variants "128,4,0,1,2;128,4,0,2,2;128,4,0,2,3" && \
 	$(PYTHON) tests/gpu/bench_gpu.py --no-jit --no-sm80 --hdims 128 --variants "128,2,1,1" && \
 	$(PYTHON) tests/gpu/bench_gpu.py --no-jit --no-sm80 --hdims 256 --variants "80,2,1,1" && \
-	build-cuda/tests/gpu/test_gpu_backward --bench && \
-	FLASHATTN_BWD_SM90=1 build-cuda/tests/gpu/test_gpu_backward --bench
+	$(PYTHON) tests/gpu/bench_bwd.py && \
+	FLASHATTN_BWD_SM90=1 $(PYTHON) tests/gpu/bench_bwd.py
 
 clean:
 	rm -rf $(BUILD_DIR) python/flashattn/libflashattn.so

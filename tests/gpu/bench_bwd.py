@@ -1,41 +1,105 @@
-"""PyTorch SDPA's flash and cuDNN backward at the shapes of `test_gpu_backward --bench`
-(b 4, h 16, seqlen 4096, hdim 128, bf16, causal and not), for the table in bench/NOTES.md.
-Times out.backward(dout) with CUDA events (best of 10 after 3 warm-ups); TFLOP/s counts the
-backward as upstream's benchmark does: 2.5 x 4 b h s^2 d, halved when causal."""
+"""Forward, backward and forward + backward of flashattn beside PyTorch SDPA's flash and cuDNN
+backends, measured side by side in one process, for the backward's table in bench/NOTES.md.
+
+    PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so \\
+        python3 tests/gpu/bench_bwd.py [--hdims 64,128] [--seqlens 2048,4096,8192,16384]
+        [--json PATH]
+
+bf16, FlashAttention's benchmark shapes (16k tokens: batch 16384 / seqlen; hidden 2048: heads
+2048 / hdim), causal and not. Each figure is the best of 10 timed runs after 3 warm-ups (CUDA
+events). TFLOP/s as upstream counts them: forward 4 b h s^2 d (halved when causal), backward 2.5x
+that, forward + backward 3.5x. FLASHATTN_BWD_SM90=1 measures the Hopper backward (opt-in).
+"""
+import argparse
+import json
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-B, H, S, D = 4, 16, 4096, 128
+from flashattn import flash_attn_func
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
-def bench(backend, causal):
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-    with sdpa_kernel([backend]):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        best = float("inf")
-        for it in range(13):
-            q.grad = k.grad = v.grad = None
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out.backward(dout, retain_graph=True)
-            end.record()
-            torch.cuda.synchronize()
-            if it >= 3:
-                best = min(best, start.elapsed_time(end))
-    flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
-    return best, flops / best * 1e-9
+def best_ms(fn, reps=10, warmup=3):
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
 
 
-for causal in (False, True):
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+def passes(attn, x, dout):
+    """{pass: ms} of attn(*x) (its inputs require grad)."""
+    out = attn(*x)
+    return {
+        "fwd": best_ms(lambda: attn(*x)),
+        "bwd": best_ms(lambda: torch.autograd.grad(out, x, dout, retain_graph=True)),
+        "fwd+bwd": best_ms(lambda: torch.autograd.grad(attn(*x), x, dout)),
+    }
+
+
+def row(d, s, causal):
+    b, h = max(1, 16384 // s), 2048 // d
+    g = torch.Generator(device="cuda").manual_seed(s * 131 + d)
+    x = [torch.randn(b, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
+         .requires_grad_() for _ in range(3)]
+    dout = torch.randn(b, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    fwd_flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    flops = {"fwd": fwd_flops, "bwd": 2.5 * fwd_flops, "fwd+bwd": 3.5 * fwd_flops}
+    r = dict(hdim=d, seqlen=s, batch=b, heads=h, causal=causal)
+    ms = passes(lambda q, k, v: flash_attn_func(q, k, v, causal=causal), x, dout)
+    r["ours"] = {p: flops[p] / ms[p] * 1e-9 for p in PASSES}
+    xt = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in x]
+    dt = dout.transpose(1, 2).contiguous()
+    for name, be in BACKENDS.items():
         try:
-            ms, tf = bench(backend, causal)
-            print(f"torch {name} bwd b{B} h{H} s{S} d{D} bf16 causal={int(causal)}: "
-                  f"{ms:.3f} ms, {tf:.1f} TFLOP/s")
-        except Exception as e:  # a backend missing on this build of torch
-            print(f"torch {name} causal={int(causal)}: unavailable ({e})")
+            with sdpa_kernel([be]):
+                ms = passes(lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
+                                                                           is_causal=causal),
+                            xt, dt)
+            r[name] = {p: flops[p] / ms[p] * 1e-9 for p in PASSES}
+        except RuntimeError as e:  # a backend this build of torch lacks
+            r[name] = None
+            r[name + "_error"] = str(e).splitlines()[0][:100]
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hdims", default="64,128")
+    ap.add_argument("--seqlens", default="2048,4096,8192,16384")
+    ap.add_argument("--json", help="write every number to this file")
+    a = ap.parse_args()
+    rows = []
+    for d in [int(x) for x in a.hdims.split(",")]:
+        for s in [int(x) for x in a.seqlens.split(",")]:
+            for causal in (False, True):
+                rows.append(row(d, s, causal))
+                print(json.dumps(rows[-1]), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    print("\nTFLOP/s, bf16, %s: ours / flash / cudnn, and ours over cudnn"
+          % torch.cuda.get_device_name())
+    print("hdim seqlen causal |        fwd        |        bwd        |      fwd+bwd      | "
+          "bwd/cudnn fwd+bwd/cudnn")
+    fmt = lambda r, p: "%5.0f" % r[p] if r else "    -"  # noqa: E731
+    for r in rows:
+        cells = " | ".join(" ".join(fmt(r[k], p) for k in ("ours", "flash", "cudnn"))
+                           for p in PASSES)
+        ratio = lambda p: (r["ours"][p] / r["cudnn"][p]) if r["cudnn"] else float("nan")  # noqa
+        print("%4d %6d %-6s | %s | %9.2f %13.2f" % (r["hdim"], r["seqlen"], r["causal"], cells,
+                                                     ratio("bwd"), ratio("fwd+bwd")))
+
+
+if __name__ == "__main__":
+    main()
