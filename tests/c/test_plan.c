@@ -1,0 +1,112 @@
+/*
+ * The plan table's choices that no GPU is needed to check (src/plan/fa_plan.c):
+ *   - the sm90 forward rows: persistent 2 everywhere, three consumer warpgroups (192-row tiles)
+ *     at head dim 64 for long calls only, FLASHATTN_SM90_TILE overriding and refusing;
+ *   - the backward: the sm90 family only with FLASHATTN_BWD_SM90=1 on sm_90 and for the cases it
+ *     compiles, and, whenever it is taken, the same query tile and padded head dim as the arch-80
+ *     plan from which fa_attention_backward_workspace_size sizes the workspace (the two families
+ *     share the workspace's layout).
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "plan/fa_plan.h"
+#include "test_util.h"
+
+/* The value of define `name` in plan, or -1. */
+static int plan_define(const fa_plan *plan, const char *name)
+{
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "-D%s=", name);
+    for (int i = 0; i < plan->num_defines; i++)
+        if (strncmp(plan->defines[i], prefix, strlen(prefix)) == 0)
+            return atoi(plan->defines[i] + strlen(prefix));
+    return -1;
+}
+
+static void check_forward_sm90(void)
+{
+    for (int d = 64; d <= 256; d += 64) {
+        fa_plan_key key = {90, FA_DTYPE_BF16, d, d, FA_FEATURE_VARLEN};
+        fa_plan plan;
+        TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK, "d %d: no sm90 plan", d);
+        TU_CHECK(plan.persistent == 2, "d %d: persistent %d, expected 2", d, plan.persistent);
+        TU_CHECK(plan_define(&plan, "FA_NCW") == 2 && plan.bm == 128,
+                 "d %d short: %d consumers, bm %d", d, plan_define(&plan, "FA_NCW"), plan.bm);
+        key.features |= FA_PLAN_LONG;
+        TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK, "d %d long: no plan", d);
+        const int ncw = d == 64 ? 3 : 2;
+        TU_CHECK(plan_define(&plan, "FA_NCW") == ncw && plan.bm == 64 * ncw &&
+                     plan.threads == 128u * (ncw + 1),
+                 "d %d long: %d consumers, bm %d, %u threads", d, plan_define(&plan, "FA_NCW"),
+                 plan.bm, plan.threads);
+    }
+    /* The override: taken when the kernel can, ignored otherwise. */
+    fa_plan_key key = {90, FA_DTYPE_F16, 128, 128, 0};
+    fa_plan plan;
+    setenv("FLASHATTN_SM90_TILE", "64,4,0,1", 1);
+    TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.bn == 64 &&
+                 plan.stages == 4 && plan.persistent == 1,
+             "override 64,4,0,1: bn %d stages %d persistent %d", plan.bn, plan.stages,
+             plan.persistent);
+    setenv("FLASHATTN_SM90_TILE", "128,2,1,2,3", 1); /* 3 consumers need d 64, no pingpong */
+    TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK &&
+                 plan_define(&plan, "FA_NCW") == 2 && plan.bn == 128,
+             "an override the kernel cannot take was not ignored");
+    unsetenv("FLASHATTN_SM90_TILE");
+}
+
+/* The family fa_plan_backward picks for (arch, d, dv, features), "" when it refuses. */
+static const char *bwd_family(int arch, int d, int dv, unsigned features, fa_plan *plan)
+{
+    fa_plan_key key = {arch, FA_DTYPE_BF16, d, dv, features};
+    return fa_plan_backward(&key, plan) == FA_STATUS_OK ? plan->family : "";
+}
+
+static void check_backward(void)
+{
+    const unsigned features[] = {0, FA_FEATURE_VARLEN, FA_FEATURE_DROPOUT | FA_FEATURE_ALIBI,
+                                 FA_FEATURE_SOFTCAP | FA_FEATURE_VARLEN};
+    fa_plan plan, ws_plan;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass)
+            setenv("FLASHATTN_BWD_SM90", "1", 1);
+        for (size_t f = 0; f < sizeof features / sizeof features[0]; f++)
+            for (int d = 1; d <= 128; d++) {
+                const unsigned ft = features[f];
+                const int want90 = pass && d > 32;
+                const char *fam = bwd_family(90, d, d, ft, &plan);
+                TU_CHECK(strcmp(fam, want90 ? "fa_bwd_sm90.cu" : "fa_bwd_sm80.cu") == 0,
+                         "opt-in %d, d %d, features %#x: %s", pass, d, ft, fam);
+                /* The workspace is sized from the arch-80 plan: same tile and padded dims. */
+                bwd_family(80, d, d, ft, &ws_plan);
+                TU_CHECK(plan.bm == ws_plan.bm && plan.dp == ws_plan.dp &&
+                             plan.dvp == ws_plan.dvp,
+                         "d %d features %#x: %s has bm %d dp %d dvp %d, the workspace's plan "
+                         "bm %d dp %d dvp %d",
+                         d, ft, fam, plan.bm, plan.dp, plan.dvp, ws_plan.bm, ws_plan.dp,
+                         ws_plan.dvp);
+                /* Never the sm90 family for what it does not compile, or off sm_90. */
+                TU_CHECK(strcmp(bwd_family(90, d, d, ft | FA_FEATURE_UNALIGNED, &plan),
+                                "fa_bwd_sm80.cu") == 0 &&
+                             strcmp(bwd_family(90, d, d, ft | FA_PLAN_NO_SM90, &plan),
+                                    "fa_bwd_sm80.cu") == 0 &&
+                             strcmp(bwd_family(90, d, d > 8 ? d - 8 : d + 8, ft, &plan),
+                                    "fa_bwd_sm80.cu") == 0 &&
+                             strcmp(bwd_family(80, d, d, ft, &plan), "fa_bwd_sm80.cu") == 0,
+                         "d %d features %#x: an sm90 plan where the family cannot run", d, ft);
+            }
+        unsetenv("FLASHATTN_BWD_SM90");
+    }
+}
+
+int main(void)
+{
+    tu_master_seed("test_plan");
+    check_forward_sm90();
+    check_backward();
+    return tu_finish("test_plan");
+}
