@@ -4,8 +4,8 @@
 ``learnable_sink``) and calls ``fa_attention_kvcache``; ``flash_attn_combine`` has FA3's and
 calls ``fa_attention_combine``. Both take torch CPU tensors or NumPy arrays and return the same
 kind; both also take CUDA tensors (the KV-cache call then runs ``_kvcache_varlen``'s
-composition: no paged caches, cache_batch_idx or cache_leftpad there yet). Neither has a
-backward pass (upstream's have none either).
+composition of torch ops and the varlen forward). Neither has a backward pass (upstream's have
+none either).
 
 The caches are updated in place when new keys are given, through the caller's own memory:
 they are never copied, so they must already have a contiguous last dimension (and, for NumPy,

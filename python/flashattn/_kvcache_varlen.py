@@ -4,16 +4,18 @@ The C library's KV-cache entry point runs on the CPU only; on a GPU the same cal
 steps, none of which reads a device value on the host (so it captures into CUDA graphs):
 1. Rotary (when rotary_cos / rotary_sin are given) on q and on the new k, at the positions
    upstream uses (``flashattn.layers.rotary``).
-2. The new k and v written into the caches in place at cache_seqlens (``index_put_``), after a
-   device-side check that they fit (``torch._assert_async``: an error, not an out-of-bounds
-   write).
-3. The attention as a varlen forward over the caches seen as packed sequences of seqlen_cache
-   rows each, seqused_k = cache_seqlens + seqlen_new: q rows of sequence b are
-   [b * seqlen, (b + 1) * seqlen), its keys [b * seqlen_cache, ...) up to seqused_k, so causal
-   and local masks align to the end of the used keys, as upstream's.
-Paged caches (block_table), cache_batch_idx and cache_leftpad are refused on CUDA, by name.
-num_splits has no effect (the result does not depend on it). Written device-neutral: the CPU
-tests run it against the C library's own KV-cache call.
+2. The new k and v written into the caches in place (``index_put_``) at the cache rows of
+   positions cache_seqlens + i, after device-side checks that every row lies in the cache
+   (``torch._assert_async``: an error, not a write out of it).
+3. The attention as a varlen forward with seqused_k = cache_seqlens + seqlen_new - leftpad, q
+   rows of sequence b at [b * seqlen, (b + 1) * seqlen), so causal and local masks align to the
+   end of the used keys, as upstream's. The keys are read where they are (the caches seen as
+   packed sequences of seqlen_cache rows) when each sequence's rows are its own batch row from
+   position 0; with a block_table (paged), cache_batch_idx or cache_leftpad they are first
+   gathered into a [batch, capacity] copy, in position order.
+Cache position p of sequence b lives at packed row block_table[b, p // page] * page + p % page
+(paged), else cache_batch_idx[b] * seqlen_cache + p. num_splits has no effect (the result does
+not depend on it). Written device-neutral: the CPU tests run it against the reference.
 """
 
 import torch
@@ -22,12 +24,6 @@ from ._lib import FlashAttnError
 from .layers.rotary import apply_rotary_emb
 
 __all__ = ["kvcache_varlen"]
-
-
-def _refuse(x, name, why):
-    if x is not None:
-        raise FlashAttnError("%s: not supported with CUDA tensors yet (%s); use CPU tensors "
-                             "for it" % (name, why))
 
 
 def _packed(cache, name):
@@ -45,23 +41,51 @@ def _packed(cache, name):
     return cache.view(cache.shape[0] * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
+def _rows(pos, b, s_c, page, block_table, cache_batch_idx):
+    """Packed cache rows of cache positions pos ([b, n] long)."""
+    if block_table is not None:
+        blk = block_table.long().gather(1, torch.div(pos, page, rounding_mode="floor"))
+        return blk * page + pos % page
+    if cache_batch_idx is not None:
+        return cache_batch_idx.long()[:, None] * s_c + pos
+    return torch.arange(b, device=pos.device)[:, None] * s_c + pos
+
+
+def _int32(x, name, b):
+    if x is not None and (x.dtype != torch.int32 or tuple(x.shape) != (b,)):
+        raise FlashAttnError("%s: expected int32 of shape (%d,), got %s %s"
+                             % (name, b, x.dtype, tuple(x.shape)))
+    return x
+
+
 def kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                    cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                    softmax_scale, causal, window_left, window_right, softcap,
                    rotary_interleaved, num_splits):
     """flashattn::kvcache's arguments (cache_seqlens an int32 tensor or None); (out, lse)."""
-    _refuse(block_table, "block_table", "paged caches")
-    _refuse(cache_batch_idx, "cache_batch_idx", "the cache rows must be the batch's")
-    _refuse(cache_leftpad, "cache_leftpad", "the keys must start at position 0")
     if q.dim() != 4:
         raise FlashAttnError("q: expected 4 dimensions (batch_size, seqlen, nheads, headdim), "
                              "got shape %s" % (tuple(q.shape),))
     b, sq, h = q.shape[0], q.shape[1], q.shape[2]
     kc, vc = _packed(k_cache, "k_cache"), _packed(v_cache, "v_cache")
-    s_c = k_cache.shape[1]
-    if k_cache.shape[0] != b:
-        raise FlashAttnError("k_cache: dimension 0 (batch) must be %d, as q's, got %d"
-                             % (b, k_cache.shape[0]))
+    n_rows = kc.shape[0]
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise FlashAttnError("cache_batch_idx: not supported with a paged cache (block_table "
+                                 "already picks each sequence's blocks)")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or \
+                block_table.shape[0] != b:
+            raise FlashAttnError("block_table: expected int32 of shape (%d, max_num_blocks), got "
+                                 "%s %s" % (b, block_table.dtype, tuple(block_table.shape)))
+        page = k_cache.shape[1]
+        cap = block_table.shape[1] * page
+    else:
+        page, cap = 0, k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] != b:
+            raise FlashAttnError("k_cache: dimension 0 (batch) must be %d, as q's, got %d"
+                                 % (b, k_cache.shape[0]))
+    _int32(cache_batch_idx, "cache_batch_idx", b)
+    _int32(cache_leftpad, "cache_leftpad", b)
     if (k is None) != (v is None):
         raise FlashAttnError("%s: k and v are given together or not at all"
                              % ("v" if k is not None else "k"))
@@ -76,19 +100,22 @@ def kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     if s_new > 0 and cache_seqlens is None:
         raise FlashAttnError("cache_seqlens: required when k and v are appended")
     if cache_seqlens is None:
-        cache_seqlens = torch.full((b,), s_c, dtype=torch.int32, device=q.device)
-    elif cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (b,):
-        raise FlashAttnError("cache_seqlens: expected int32 of shape (%d,), got %s %s"
-                             % (b, cache_seqlens.dtype, tuple(cache_seqlens.shape)))
+        cache_seqlens = torch.full((b,), cap, dtype=torch.int32, device=q.device)
+    _int32(cache_seqlens, "cache_seqlens", b)
     seqlens = cache_seqlens.long()
-    torch._assert_async(((seqlens >= 0) & (seqlens + s_new <= s_c)).all(),
-                        "flash_attn_with_kvcache: cache_seqlens + seqlen_new must lie in "
-                        "[0, seqlen_cache]")
+    start = cache_leftpad.long() if cache_leftpad is not None else torch.zeros_like(seqlens)
+    ok = (start >= 0) & (start <= seqlens) & (seqlens + s_new <= cap)
+    if block_table is not None:
+        ok = ok & ((block_table >= 0) & (block_table * page < n_rows)).all(1)
+    if cache_batch_idx is not None:
+        ok = ok & (cache_batch_idx >= 0) & (cache_batch_idx.long() * cap < n_rows)
+    torch._assert_async(ok.all(), "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, "
+                        "cache_batch_idx or block_table point outside the cache")
 
     if rotary_cos is not None:
         # Per-row positions when causal or local (a window side below the capacity), as the
         # C library's KV-cache call rotates.
-        local = causal or 0 <= window_left < s_c or 0 <= window_right < s_c
+        local = causal or 0 <= window_left < cap or 0 <= window_right < cap
         if local:
             q = apply_rotary_emb(q, rotary_cos, rotary_sin, rotary_interleaved,
                                  seqlen_offsets=cache_seqlens)
@@ -102,19 +129,28 @@ def kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
             k = apply_rotary_emb(k, rotary_cos, rotary_sin, rotary_interleaved,
                                  seqlen_offsets=cache_seqlens)
     if s_new > 0:
-        rows = (torch.arange(b, device=q.device) * s_c)[:, None] + seqlens[:, None] + \
-            torch.arange(s_new, device=q.device)[None, :]
-        kc.index_put_((rows.reshape(-1),), k.reshape(b * s_new, *k.shape[2:]))
-        vc.index_put_((rows.reshape(-1),), v.reshape(b * s_new, *v.shape[2:]))
+        pos = seqlens[:, None] + torch.arange(s_new, device=q.device)[None, :]
+        rows = _rows(pos, b, cap, page, block_table, cache_batch_idx).reshape(-1)
+        kc.index_put_((rows,), k.reshape(b * s_new, *k.shape[2:]))
+        vc.index_put_((rows,), v.reshape(b * s_new, *v.shape[2:]))
+
+    if block_table is None and cache_batch_idx is None and cache_leftpad is None:
+        k_att, v_att = kc, vc
+    else:
+        # Positions start .. start + cap - 1 of each sequence, clamped into the capacity (the
+        # ones past the used keys are never seen).
+        pos = (start[:, None] + torch.arange(cap, device=q.device)[None, :]).clamp(max=cap - 1)
+        rows = _rows(pos, b, cap, page, block_table, cache_batch_idx).reshape(-1)
+        k_att, v_att = kc.index_select(0, rows), vc.index_select(0, rows)
 
     from . import _torch_ops  # noqa: F401  (registers torch.ops.flashattn)
 
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-    cu_k = torch.arange(0, (b + 1) * s_c, s_c, dtype=torch.int32, device=q.device)
-    used = (cache_seqlens + s_new).to(torch.int32)
+    cu_k = torch.arange(0, (b + 1) * cap, cap, dtype=torch.int32, device=q.device)
+    used = (seqlens + s_new - start).to(torch.int32)
     out, lse, _, _ = torch.ops.flashattn.varlen_fwd(
-        q.reshape(b * sq, h, q.shape[3]), kc, vc, cu_q, cu_k, used, alibi_slopes,
-        learnable_sink, None, sq, s_c, 0.0, softmax_scale, bool(causal), window_left,
+        q.reshape(b * sq, h, q.shape[3]), k_att, v_att, cu_q, cu_k, used, alibi_slopes,
+        learnable_sink, None, sq, cap, 0.0, softmax_scale, bool(causal), window_left,
         window_right, softcap, False, False)
     out = out.view(b, sq, h, out.shape[-1])
     lse = lse.view(h, b, sq).permute(1, 0, 2).contiguous()

@@ -290,21 +290,39 @@ def test_opcheck_varlen_cuda(gen):
     dict(s_new=2, sq=3, rotary=True, interleaved=False),
     dict(window=(9, 0), softcap=5.0, alibi=True, sinks=True, s_new=1, sq=2),
     dict(s_new=0, sq=5, causal=True),
-], ids=["decode", "causal-rotary", "rotary-neox", "window-softcap-alibi-sinks", "no-append"])
+    dict(s_new=2, sq=2, causal=True, page=16, rotary=True),
+    dict(s_new=1, sq=1, causal=True, bidx=True, leftpad=True),
+], ids=["decode", "causal-rotary", "rotary-neox", "window-softcap-alibi-sinks", "no-append",
+        "paged-rotary", "batch-idx-leftpad"])
 def test_kvcache_cuda_matches_cpu(gen, dtype, case):
     """flash_attn_with_kvcache on CUDA tensors (rotary and the append in torch ops, then the
-    varlen forward over the caches) against the CPU library's call on copies: the same out and
-    lse, and the caches updated alike in place."""
+    varlen forward over the caches, gathered for paged caches, cache_batch_idx and
+    cache_leftpad) against the CPU library's call on copies: the same out and lse, and the
+    caches updated alike in place."""
     b, h, hk, d, cap = 3, 8, 2, 64, 200
     s_new, sq = case["s_new"], case["sq"]
     q = _randn(gen, b, sq, h, d, dtype=dtype)
-    kc, vc = _randn(gen, b, cap, hk, d, dtype=dtype), _randn(gen, b, cap, hk, d, dtype=dtype)
+    rows, extra = b, {}
+    if case.get("page"):
+        page = case["page"]
+        blocks = cap // page
+        cap = blocks * page  # the capacity the block table gives
+        rows = b * blocks + 3
+        extra["block_table"] = torch.randperm(rows, generator=gen)[:b * blocks].view(
+            b, blocks).to("cuda", torch.int32)
+    if case.get("bidx"):
+        rows = b + 2
+        extra["cache_batch_idx"] = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+    if case.get("leftpad"):
+        extra["cache_leftpad"] = torch.tensor([0, 20, 5], dtype=torch.int32, device="cuda")
+    size = (rows, case["page"] if case.get("page") else cap, hk, d)
+    kc, vc = _randn(gen, *size, dtype=dtype), _randn(gen, *size, dtype=dtype)
     k = _randn(gen, b, s_new, hk, d, dtype=dtype) if s_new else None
     v = _randn(gen, b, s_new, hk, d, dtype=dtype) if s_new else None
     lens = torch.tensor([0, 57, cap - s_new], dtype=torch.int32, device="cuda")
     kw = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
               softcap=case.get("softcap", 0.0), return_softmax_lse=True,
-              cache_seqlens=lens if s_new else None)
+              cache_seqlens=lens if s_new else None, **extra)
     if case.get("rotary"):
         th = torch.rand(cap + sq, 16, generator=gen) * 6 - 3
         kw.update(rotary_cos=th.cos().to("cuda", dtype), rotary_sin=th.sin().to("cuda", dtype),
@@ -329,18 +347,16 @@ def test_kvcache_cuda_matches_cpu(gen, dtype, case):
 
 
 def test_kvcache_cuda_refusals(gen):
-    """What the CUDA form does not take yet is refused by argument name before anything is
-    written; a cache_seqlens past the cache is a device-side error, not a write out of it."""
+    """Arguments on another device, or a paged cache with cache_batch_idx, are refused by name
+    before anything is written."""
     q = _randn(gen, 2, 1, 4, 64)
     kc, vc = _randn(gen, 2, 32, 2, 64), _randn(gen, 2, 32, 2, 64)
     k, v = _randn(gen, 2, 1, 2, 64), _randn(gen, 2, 1, 2, 64)
     before = kc.clone()
     idx = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
-    for name, kw in (("block_table", dict(block_table=idx[:, None])),
-                     ("cache_batch_idx", dict(cache_batch_idx=idx)),
-                     ("cache_leftpad", dict(cache_leftpad=idx))):
-        with pytest.raises(FlashAttnError, match=r"^%s: not supported with CUDA" % name):
-            flashattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=5, **kw)
+    with pytest.raises(FlashAttnError, match=r"^cache_batch_idx: not supported with a paged"):
+        flashattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=5, cache_batch_idx=idx,
+                                          block_table=idx[:, None])
     with pytest.raises(FlashAttnError, match=r"^k_cache: expected a tensor on cuda:0 like q"):
         flashattn.flash_attn_with_kvcache(q, kc.cpu(), vc, k, v, cache_seqlens=5)
     assert torch.equal(kc, before)

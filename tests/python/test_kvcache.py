@@ -206,6 +206,10 @@ def test_options(rng, kind, opts):
     dict(rotary=True, window=(7, 0), sq=5, s_new=5),
     dict(softcap=2.0, alibi=True, sinks=True, window=(4, 2)),
     dict(seqlens=False, s_new=0, causal=True, sq=4),
+    dict(page=3, rotary=True, causal=True, s_new=2, sq=2),
+    dict(page=16, leftpad=True, causal=True, s_new=3, sq=3),
+    dict(bidx=True, leftpad=True, window=(5, 1), s_new=1),
+    dict(bidx=True, seqlens=False, s_new=0),
 ])
 def test_varlen_composition(rng, dt, opts):
     """The CUDA form of flash_attn_with_kvcache (_kvcache_varlen: rotary and the append in
@@ -219,6 +223,8 @@ def test_varlen_composition(rng, dt, opts):
     softcap, interleaved = opts.pop("softcap", 0.0), opts.pop("interleaved", True)
     alibi, sinks = opts.pop("alibi", False), opts.pop("sinks", False)
     P, A, V = setup(rng, "torch", dt, h=6, hk=2, d=24, dv=24, cap=30, **opts)
+    ints = {n: None if P[n] is None else int32(P[n], "torch")
+            for n in ("seqlens", "bidx", "leftpad", "table")}
     extra = {}
     if alibi:
         V["alibi"] = rng.uniform(0.1, 1.0, (2, 6))
@@ -226,11 +232,10 @@ def test_varlen_composition(rng, dt, opts):
     if sinks:
         V["sinks"] = rng.uniform(-2, 2, 6)
         extra["sinks"] = make(V["sinks"], "float32", "torch")
-    seqlens = None if P["seqlens"] is None else int32(P["seqlens"], "torch")
     out, lse = _kvcache_varlen.kvcache_varlen(
-        A["q"], A["kc"], A["vc"], A.get("k"), A.get("v"), A.get("cos"), A.get("sin"), seqlens,
-        None, None, None, extra.get("alibi"), extra.get("sinks"), None, causal, window[0],
-        window[1], softcap, interleaved, 0)
+        A["q"], A["kc"], A["vc"], A.get("k"), A.get("v"), A.get("cos"), A.get("sin"),
+        ints["seqlens"], ints["bidx"], ints["leftpad"], ints["table"], extra.get("alibi"),
+        extra.get("sinks"), None, causal, window[0], window[1], softcap, interleaved, 0)
     assert out.dtype == A["q"].dtype and tuple(lse.shape) == (2, 6, A["q"].shape[1])
     check(P, A, V, dt, out, lse, interleaved=interleaved, causal=causal, window=window,
           softcap=softcap, alibi=V.get("alibi"), sinks=V.get("sinks"), round_q=True)
@@ -243,19 +248,27 @@ def test_varlen_composition_refusals(rng):
     lens = int32([3, 4], "torch")
     args = [A["q"], A["kc"], A["vc"], A["k"], A["v"], None, None, lens, None, None, None, None,
             None, None, False, -1, -1, 0.0, True, 0]
-    for i, name in ((8, "cache_batch_idx"), (9, "cache_leftpad"), (10, "block_table")):
+    for i, value, pattern in ((3, A["k"].double(), "^k: expected torch.float32"),
+                              (7, None, "^cache_seqlens: required"),
+                              (7, lens.long(), "^cache_seqlens: expected int32"),
+                              (9, lens[:1], "^cache_leftpad: expected int32 of shape"),
+                              (10, lens, "^block_table: expected int32 of shape")):
         bad = list(args)
-        bad[i] = lens
-        with pytest.raises(FlashAttnError, match="^%s: not supported with CUDA" % name):
+        bad[i] = value
+        with pytest.raises(FlashAttnError, match=pattern):
             _kvcache_varlen.kvcache_varlen(*bad)
     bad = list(args)
-    bad[3] = A["k"].double()
-    with pytest.raises(FlashAttnError, match="^k: expected torch.float32"):
+    bad[8], bad[10] = lens, lens[:, None]
+    with pytest.raises(FlashAttnError, match="^cache_batch_idx: not supported with a paged"):
         _kvcache_varlen.kvcache_varlen(*bad)
+    # Positions past the cache: a device-side assertion (on the CPU, a RuntimeError), before
+    # anything is written.
+    before = A["kc"].clone()
     bad = list(args)
-    bad[7] = None
-    with pytest.raises(FlashAttnError, match="^cache_seqlens: required"):
+    bad[7] = int32([3, 11], "torch")
+    with pytest.raises(RuntimeError, match="outside the cache"):
         _kvcache_varlen.kvcache_varlen(*bad)
+    assert torch.equal(A["kc"], before)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
