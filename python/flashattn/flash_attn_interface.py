@@ -139,11 +139,13 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                _deterministic=False):
     """Returns (out, softmax_lse, S_dmask, rng_state), as upstream; torch tensors go through
     ``torch.ops.flashattn.varlen_fwd``."""
-    if block_table is not None:
-        raise NotImplementedError(
-            "flashattn: block_table (paged KV cache) is not supported yet by this build")
     if leftpad_k is not None:
         raise NotImplementedError("flashattn: leftpad_k is not supported yet by this build")
+    if block_table is not None:
+        from . import _paged  # imports torch: only on this path
+
+        k, v, cu_seqlens_k, seqused_k = _paged.paged_kv(k, v, cu_seqlens_k, block_table,
+                                                        max_seqlen_k, seqused_k)
     kind = _kind or _core.common_kind(
         [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
          ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
@@ -199,13 +201,14 @@ def _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                 softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_attn_probs, learnable_sink, kind, names):
+                return_attn_probs, learnable_sink, kind, names, block_table=None):
     left, right = _window(window_size)
     return_softmax = bool(return_attn_probs) and _positive(dropout_p)
     out, lse, S_dmask, _ = _flash_attn_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, left, right, softcap, alibi_slopes, return_softmax,
-        learnable_sink=learnable_sink, _kind=kind, _names=names, _deterministic=deterministic)
+        block_table=block_table, learnable_sink=learnable_sink, _kind=kind, _names=names,
+        _deterministic=deterministic)
     return _finish(out, lse, S_dmask, return_attn_probs)
 
 
@@ -379,7 +382,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: int32 (batch_size + 1,), non-decreasing offsets of the
             sequences in q and k (sequences may be empty).
         max_seqlen_q, max_seqlen_k: int, at least the longest sequence.
-        block_table: paged KV cache; not supported yet by this build (must be None).
+        block_table [optional]: int32 (batch_size, max_num_blocks_per_seq), torch tensors:
+            k and v are then paged caches (num_blocks, page_block_size, nheads_k, headdim), key
+            p of sequence b in block block_table[b, p // page_block_size] (any page size), and
+            cu_seqlens_k gives the sequences' key counts (its offsets are not rows of k).
         The other arguments are as in flash_attn_func.
     Return:
         out: (total_q, nheads, headdim_v); rows outside every sequence get 0.
@@ -387,14 +393,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         S_dmask [optional]: (0,) when dropout_p == 0, otherwise
             (batch_size, nheads, round_up(max_seqlen_q, 128), round_up(max_seqlen_k, 128)).
     """
-    if block_table is not None:
-        raise NotImplementedError(
-            "flash_attn_varlen_func: block_table (paged KV cache) is not supported yet by this "
-            "build; pass block_table=None")
     kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                               ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 5)
     softmax_scale = _default_scale(q, softmax_scale)
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, return_attn_probs, learnable_sink, kind, None)
+                       deterministic, return_attn_probs, learnable_sink, kind, None,
+                       block_table)
