@@ -14,8 +14,13 @@ steps, none of which reads a device value on the host (so it captures into CUDA 
    position 0; with a block_table (paged), cache_batch_idx or cache_leftpad they are first
    gathered into a [batch, capacity] copy, in position order.
 Cache position p of sequence b lives at packed row block_table[b, p // page] * page + p % page
-(paged), else cache_batch_idx[b] * seqlen_cache + p. num_splits has no effect (the result does
-not depend on it). Written device-neutral: the CPU tests run it against the reference.
+(paged), else cache_batch_idx[b] * seqlen_cache + p.
+Split-KV: where a row's keys need no position of their own (one query row, or no causal mask,
+and no window, ALiBi or sinks) the keys may be cut into num_splits chunks, each its own varlen
+sequence, merged by flash_attn_combine (the partial outputs rounded to the dtype on the way: a
+half-ulp more error than upstream's fp32 partials). num_splits 0 chooses: on CUDA, enough chunks
+to give every SM a CTA for a decoding step; 1 never splits. Written device-neutral: the CPU
+tests run it against the reference.
 """
 
 import torch
@@ -49,6 +54,21 @@ def _rows(pos, b, s_c, page, block_table, cache_batch_idx):
     if cache_batch_idx is not None:
         return cache_batch_idx.long()[:, None] * s_c + pos
     return torch.arange(b, device=pos.device)[:, None] * s_c + pos
+
+
+def _splits(num_splits, q, cap, causal, window_left, window_right, alibi_slopes,
+            learnable_sink):
+    """How many chunks to cut each sequence's keys into (1: none)."""
+    b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+    if (causal and sq > 1) or window_left >= 0 or window_right >= 0 or \
+            alibi_slopes is not None or learnable_sink is not None or cap < 2:
+        return 1
+    if num_splits > 0:
+        return min(num_splits, cap)
+    if q.device.type != "cuda" or sq > 1 or cap < 1024:
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return max(1, min(sms // (b * h), cap // 512, 16))
 
 
 def _int32(x, name, b):
@@ -145,13 +165,38 @@ def kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
 
     from . import _torch_ops  # noqa: F401  (registers torch.ops.flashattn)
 
-    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-    cu_k = torch.arange(0, (b + 1) * cap, cap, dtype=torch.int32, device=q.device)
-    used = (seqlens + s_new - start).to(torch.int32)
-    out, lse, _, _ = torch.ops.flashattn.varlen_fwd(
-        q.reshape(b * sq, h, q.shape[3]), k_att, v_att, cu_q, cu_k, used, alibi_slopes,
-        learnable_sink, None, sq, cap, 0.0, softmax_scale, bool(causal), window_left,
-        window_right, softcap, False, False)
-    out = out.view(b, sq, h, out.shape[-1])
-    lse = lse.view(h, b, sq).permute(1, 0, 2).contiguous()
-    return out, lse
+    used = seqlens + s_new - start
+    n = _splits(num_splits, q, cap, causal, window_left, window_right, alibi_slopes,
+                learnable_sink)
+    if n == 1:
+        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+        cu_k = torch.arange(0, (b + 1) * cap, cap, dtype=torch.int32, device=q.device)
+        out, lse, _, _ = torch.ops.flashattn.varlen_fwd(
+            q.reshape(b * sq, h, q.shape[3]), k_att, v_att, cu_q, cu_k, used.to(torch.int32),
+            alibi_slopes, learnable_sink, None, sq, cap, 0.0, softmax_scale, bool(causal),
+            window_left, window_right, softcap, False, False)
+        out = out.view(b, sq, h, out.shape[-1])
+        lse = lse.view(h, b, sq).permute(1, 0, 2).contiguous()
+        return out, lse
+    # Chunk c of sequence i is varlen sequence i * n + c: keys [c * span, (c + 1) * span) of
+    # its row range, as many of them as it uses; q's rows repeated for each chunk.
+    span = -(-cap // n)
+    chunk = torch.arange(n, device=q.device)
+    cu_k = torch.cat([(torch.arange(b, device=q.device)[:, None] * cap +
+                       chunk[None, :] * span).reshape(-1),
+                      torch.full((1,), b * cap, device=q.device, dtype=torch.long)])
+    used_k = (used[:, None] - chunk[None, :] * span).clamp(0, span).reshape(-1)
+    cu_q = torch.arange(0, (b * n + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    q_rep = q.repeat_interleave(n, dim=0).reshape(b * n * sq, h, q.shape[3])
+    out_p, lse_p, _, _ = torch.ops.flashattn.varlen_fwd(
+        q_rep, k_att, v_att, cu_q, cu_k.to(torch.int32), used_k.to(torch.int32), None, None,
+        None, sq, span, 0.0, softmax_scale, bool(causal), -1, -1, softcap, False, False)
+    out_p = out_p.view(b, n, sq, h, out_p.shape[-1]).transpose(0, 1).float()
+    lse_p = lse_p.view(h, b, n, sq).permute(2, 1, 3, 0)
+    from ._kvcache import flash_attn_combine
+
+    out, lse = flash_attn_combine(out_p, lse_p, out_dtype=q.dtype)
+    # A row that sees no key: +inf, the forward's convention (the merge gives -inf).
+    lse = lse.transpose(1, 2)
+    lse = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)
+    return out, lse.contiguous()

@@ -292,13 +292,15 @@ def test_opcheck_varlen_cuda(gen):
     dict(s_new=0, sq=5, causal=True),
     dict(s_new=2, sq=2, causal=True, page=16, rotary=True),
     dict(s_new=1, sq=1, causal=True, bidx=True, leftpad=True),
+    dict(s_new=1, sq=1, causal=True, splits=5, rotary=True),
+    dict(s_new=0, sq=3, splits=3, page=16),
 ], ids=["decode", "causal-rotary", "rotary-neox", "window-softcap-alibi-sinks", "no-append",
-        "paged-rotary", "batch-idx-leftpad"])
+        "paged-rotary", "batch-idx-leftpad", "decode-split", "split-paged"])
 def test_kvcache_cuda_matches_cpu(gen, dtype, case):
     """flash_attn_with_kvcache on CUDA tensors (rotary and the append in torch ops, then the
     varlen forward over the caches, gathered for paged caches, cache_batch_idx and
-    cache_leftpad) against the CPU library's call on copies: the same out and lse, and the
-    caches updated alike in place."""
+    cache_leftpad, split and merged where num_splits asks) against the CPU library's call on
+    copies: the same out and lse, and the caches updated alike in place."""
     b, h, hk, d, cap = 3, 8, 2, 64, 200
     s_new, sq = case["s_new"], case["sq"]
     q = _randn(gen, b, sq, h, d, dtype=dtype)
@@ -322,7 +324,8 @@ def test_kvcache_cuda_matches_cpu(gen, dtype, case):
     lens = torch.tensor([0, 57, cap - s_new], dtype=torch.int32, device="cuda")
     kw = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
               softcap=case.get("softcap", 0.0), return_softmax_lse=True,
-              cache_seqlens=lens if s_new else None, **extra)
+              cache_seqlens=lens if s_new else None, num_splits=case.get("splits", 0),
+              **extra)
     if case.get("rotary"):
         th = torch.rand(cap + sq, 16, generator=gen) * 6 - 3
         kw.update(rotary_cos=th.cos().to("cuda", dtype), rotary_sin=th.sin().to("cuda", dtype),

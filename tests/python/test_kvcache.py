@@ -210,6 +210,9 @@ def test_options(rng, kind, opts):
     dict(page=16, leftpad=True, causal=True, s_new=3, sq=3),
     dict(bidx=True, leftpad=True, window=(5, 1), s_new=1),
     dict(bidx=True, seqlens=False, s_new=0),
+    dict(causal=True, s_new=1, sq=1, splits=3),
+    dict(page=16, rotary=True, s_new=2, sq=3, splits=4, softcap=3.0),
+    dict(seqlens=False, s_new=0, sq=2, splits=7),
 ])
 def test_varlen_composition(rng, dt, opts):
     """The CUDA form of flash_attn_with_kvcache (_kvcache_varlen: rotary and the append in
@@ -222,6 +225,7 @@ def test_varlen_composition(rng, dt, opts):
     causal, window = opts.pop("causal", False), opts.pop("window", (-1, -1))
     softcap, interleaved = opts.pop("softcap", 0.0), opts.pop("interleaved", True)
     alibi, sinks = opts.pop("alibi", False), opts.pop("sinks", False)
+    splits = opts.pop("splits", 0)
     P, A, V = setup(rng, "torch", dt, h=6, hk=2, d=24, dv=24, cap=30, **opts)
     ints = {n: None if P[n] is None else int32(P[n], "torch")
             for n in ("seqlens", "bidx", "leftpad", "table")}
@@ -235,7 +239,7 @@ def test_varlen_composition(rng, dt, opts):
     out, lse = _kvcache_varlen.kvcache_varlen(
         A["q"], A["kc"], A["vc"], A.get("k"), A.get("v"), A.get("cos"), A.get("sin"),
         ints["seqlens"], ints["bidx"], ints["leftpad"], ints["table"], extra.get("alibi"),
-        extra.get("sinks"), None, causal, window[0], window[1], softcap, interleaved, 0)
+        extra.get("sinks"), None, causal, window[0], window[1], softcap, interleaved, splits)
     assert out.dtype == A["q"].dtype and tuple(lse.shape) == (2, 6, A["q"].shape[1])
     check(P, A, V, dt, out, lse, interleaved=interleaved, causal=causal, window=window,
           softcap=softcap, alibi=V.get("alibi"), sinks=V.get("sinks"), round_q=True)
