@@ -1,9 +1,10 @@
 /*
  * What both backward families (fa_bwd_sm80.cu, fa_bwd_sm90.cu) share, included after the plan's
  * defines: the dQ accumulator's atomic adds, the sequence and tile bookkeeping of a CTA's visits
- * (which query tiles meet its key block, in which order), the workspace's row index, and the
- * element-wise step of the transposed frame (P and dS from S^T and dP^T, fa_bwd_probs), whose
- * C-fragment layout mma.sync m16n8 and wgmma m64nN share per warp.
+ * (which query tiles meet its key block, in which order), the workspace's row index, the
+ * element-wise step of the transposed frame (P and dS from S^T and dP^T, fa_bwd_probs, and the
+ * tile view it reads), whose C-fragment layout mma.sync m16n8 and wgmma m64nN share per warp,
+ * and the end of a CTA: dK and dV stored, or zeroed for a key block past a sequence.
  */
 #ifndef FA_BWD_COMMON_CUH
 #define FA_BWD_COMMON_CUH
@@ -217,6 +218,120 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 #endif
             dpt[nt][e] = p * (dpt[nt][e] * z - tl->dsum[il]) * deriv;
             st[nt][e] = p * z;
+        }
+    }
+}
+
+/* The window as bounds on i - j + sk - sq (query i, key j): visible iff whi <= . <= wlo. */
+FA_DEV void fa_bwd_window(const fa_kparams *kp, int *wlo, int *whi)
+{
+    *wlo = kp->window_left < 0 ? 0x7fffffff : kp->window_left;
+    *whi = kp->window_right < 0 ? -0x7fffffff : -kp->window_right;
+}
+
+/* fa_bwd_probs' view of query tile m0 of head h, sequence s (index bi), for the thread whose
+ * first key is key0 and whose lane % 4 is t; lse2 and dsum point to the tile's rows. */
+FA_DEV fa_bwd_tile fa_bwd_tile_make(const fa_kparams *kp, const fa_seq *s, int bi, int h,
+                                    int m0, int key0, int t, int wlo, int whi,
+                                    const float *lse2, const float *dsum)
+{
+    fa_bwd_tile tl;
+    tl.lse2 = lse2;
+    tl.dsum = dsum;
+    tl.dg0 = m0 + 2 * t + (s->sk - s->sq) - key0;
+    tl.rows = s->sq - m0 - 2 * t;
+    tl.keys = s->sk - key0;
+    tl.wlo = wlo;
+    tl.whi = whi;
+    tl.m0 = m0;
+    tl.key0 = key0;
+#if FA_ALIBI
+    tl.slope_log2 = kp->alibi_slopes[bi * kp->alibi_bstride + h * kp->alibi_hstride] * FA_LOG2E;
+#endif
+#if FA_DROPOUT
+    tl.stream = fa_dropout_stream(kp, bi, h);
+#endif
+    (void)kp, (void)bi, (void)h;
+    return tl;
+}
+
+/* Every pair of query tile m0 x key block n0 visible: the tile lies inside both sequences and
+ * inside the window, whose edges i - j + sk - sq are extreme at the tile's corners (the unmasked
+ * form of fa_bwd_probs may run). */
+FA_DEV int fa_bwd_tile_full(const fa_seq *s, int m0, int n0, int wlo, int whi)
+{
+    return m0 + FA_BM <= s->sq && n0 + FA_BN <= s->sk &&
+           m0 + FA_BM - 1 + (s->sk - s->sq) - n0 <= wlo &&
+           m0 + (s->sk - s->sq) - (n0 + FA_BN - 1) >= whi;
+}
+
+#if FA_VARLEN
+/* A key block at or past the sequence's keys in use meets no query tile (nor does any tile wait
+ * for it): its keys of the sequence get zero dK and dV, from all FA_THREADS threads, and nothing
+ * is loaded (its first row may lie past the tensor). */
+FA_DEV void fa_bwd_block_zero(const fa_bkparams *bp, const fa_seq *s, int bi, int hk, int n0)
+{
+    const fa_kparams *kp = &bp->f;
+    const int keys = fa_min(fa_bwd_klen(kp, bi) - n0, FA_BN);
+    fa_bwd_zero((fa_u16 *)bp->dk + (s->k_start + n0) * bp->dk_rstride + hk * bp->dk_hstride,
+                bp->dk_rstride, keys, kp->d, threadIdx.x, FA_THREADS);
+    fa_bwd_zero((fa_u16 *)bp->dv + (s->k_start + n0) * bp->dv_rstride + hk * bp->dv_hstride,
+                bp->dv_rstride, keys, kp->dv, threadIdx.x, FA_THREADS);
+}
+#endif
+
+/* dK (times the softmax scale dS lacked) and dV of this thread's keys key0 and key0 + 8 of kv
+ * head hk, sequence bi, from the C fragments dk[nt][e] (key key0 + 8 (e / 2), column
+ * 8 nt + 2t + (e % 2)), columns below d / dv; keys up to sk (dense) or, varlen, up to the
+ * sequence's end in k (zero past seqused_k, whose K and V rows were masked), its offsets read
+ * again rather than held over the main loop. */
+FA_DEV void fa_bwd_store_dkdv(const fa_bkparams *bp, int bi, int hk, int key0, int t, int sk,
+                              const float dk[][4], const float dv[][4])
+{
+    const fa_kparams *kp = &bp->f;
+#if FA_VARLEN
+    const fa_i64 k_start = fa_bwd_seq(kp, bi).k_start;
+    const int key_end = fa_bwd_klen(kp, bi);
+    (void)sk;
+#else
+    const fa_i64 k_start = 0;
+    const int key_end = sk;
+#endif
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int key = key0 + 8 * hf;
+        if (key >= key_end)
+            continue;
+        fa_u16 *dkr = (fa_u16 *)bp->dk + bi * bp->dk_bstride + (k_start + key) * bp->dk_rstride +
+                      hk * bp->dk_hstride;
+        fa_u16 *dvr = (fa_u16 *)bp->dv + bi * bp->dv_bstride + (k_start + key) * bp->dv_rstride +
+                      hk * bp->dv_hstride;
+#pragma unroll
+        for (int nt = 0; nt < FA_DP / 8; nt++) {
+            const int col = nt * 8 + 2 * t;
+            const float k0 = dk[nt][2 * hf] * kp->scale, k1 = dk[nt][2 * hf + 1] * kp->scale;
+#if FA_VEC
+            if (col < kp->d)
+                *(fa_u32 *)(dkr + col) = fa_pack2(k0, k1);
+#else
+            if (col < kp->d)
+                dkr[col] = fa_from_float(k0);
+            if (col + 1 < kp->d)
+                dkr[col + 1] = fa_from_float(k1);
+#endif
+        }
+#pragma unroll
+        for (int nt = 0; nt < FA_DVP / 8; nt++) {
+            const int col = nt * 8 + 2 * t;
+#if FA_VEC
+            if (col < kp->dv)
+                *(fa_u32 *)(dvr + col) = fa_pack2(dv[nt][2 * hf], dv[nt][2 * hf + 1]);
+#else
+            if (col < kp->dv)
+                dvr[col] = fa_from_float(dv[nt][2 * hf]);
+            if (col + 1 < kp->dv)
+                dvr[col + 1] = fa_from_float(dv[nt][2 * hf + 1]);
+#endif
         }
     }
 }

@@ -188,15 +188,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     const int n0 = nb * FA_BN;
     const int group = kp->h / kp->hk;
 #if FA_VARLEN
-    /* A key block at or past the sequence's keys in use meets no query tile (nor does any tile
-     * wait for it): its keys of the sequence get zero dK and dV, and nothing is loaded (its first
-     * row may lie past the tensor). */
     if (n0 >= seq.sk) {
-        const int keys = fa_min(fa_bwd_klen(kp, bi) - n0, FA_BN);
-        fa_bwd_zero((fa_u16 *)bp.dk + (seq.k_start + n0) * bp.dk_rstride + hk * bp.dk_hstride,
-                    bp.dk_rstride, keys, kp->d, threadIdx.x, FA_THREADS);
-        fa_bwd_zero((fa_u16 *)bp.dv + (seq.k_start + n0) * bp.dv_rstride + hk * bp.dv_hstride,
-                    bp.dv_rstride, keys, kp->dv, threadIdx.x, FA_THREADS);
+        fa_bwd_block_zero(&bp, &seq, bi, hk, n0);
         return;
     }
 #endif
@@ -256,8 +249,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 
     /* Masking constants of this lane: its first key, and the window as bounds on i - j + sk - sq. */
     const int key0 = n0 + 16 * warp + g;
-    const int wlo = kp->window_left < 0 ? 0x7fffffff : kp->window_left;
-    const int whi = kp->window_right < 0 ? -0x7fffffff : -kp->window_right;
+    int wlo, whi;
+    fa_bwd_window(kp, &wlo, &whi);
 
 #pragma unroll 1
     while (h < h_end) {
@@ -320,27 +313,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
             }
         }
 
-        fa_bwd_tile tl;
-        tl.lse2 = s_lse + stage * FA_BM;
-        tl.dsum = s_dsum + stage * FA_BM;
-        tl.dg0 = m0 + 2 * t + (cur.sk - cur.sq) - key0;
-        tl.rows = cur.sq - m0 - 2 * t;
-        tl.keys = cur.sk - key0;
-        tl.wlo = wlo;
-        tl.whi = whi;
-        tl.m0 = m0;
-        tl.key0 = key0;
-#if FA_ALIBI
-        tl.slope_log2 = kp->alibi_slopes[bi * kp->alibi_bstride + h * kp->alibi_hstride] * FA_LOG2E;
-#endif
-#if FA_DROPOUT
-        tl.stream = fa_dropout_stream(kp, bi, h);
-#endif
-        /* Every pair of the tile visible: the tile lies inside both sequences and inside the
-         * window, whose edges i - j + sk - sq are extreme at the tile's corners. */
-        const int full = m0 + FA_BM <= cur.sq && n0 + FA_BN <= cur.sk &&
-                         m0 + FA_BM - 1 + (cur.sk - cur.sq) - n0 <= wlo &&
-                         m0 + (cur.sk - cur.sq) - (n0 + FA_BN - 1) >= whi;
+        const fa_bwd_tile tl = fa_bwd_tile_make(kp, &cur, bi, h, m0, key0, t, wlo, whi,
+                                                s_lse + stage * FA_BM, s_dsum + stage * FA_BM);
+        const int full = fa_bwd_tile_full(&cur, m0, n0, wlo, whi);
         if (full)
             fa_bwd_probs(kp, &tl, t, st, dpt, 0);
         else
@@ -459,55 +434,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 
     /* K and V copies still in flight when no query tile met the block. */
     fa_cp_async_wait_all();
-    /* dK (times the softmax scale dS lacked), dV of the block's keys (zero for keys no query
-     * sees; varlen: up to the sequence's end in k, zero past seqused_k, whose K and V rows were
-     * zero-filled and masked). C layout: dk[nt][e] is key 16 warp + g + 8 (e / 2), column
-     * 8 nt + 2t + (e % 2). */
-#if FA_VARLEN
-    /* Read again rather than held over the main loop. */
-    const fa_i64 k_start = fa_bwd_seq(kp, bi).k_start;
-    const int key_end = fa_bwd_klen(kp, bi);
-#else
-    const fa_i64 k_start = 0;
-    const int key_end = seq.sk;
-#endif
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int key = key0 + 8 * hf;
-        if (key >= key_end)
-            continue;
-        fa_u16 *dkr = (fa_u16 *)bp.dk + bi * bp.dk_bstride + (k_start + key) * bp.dk_rstride +
-                      hk * bp.dk_hstride;
-        fa_u16 *dvr = (fa_u16 *)bp.dv + bi * bp.dv_bstride + (k_start + key) * bp.dv_rstride +
-                      hk * bp.dv_hstride;
-#pragma unroll
-        for (int nt = 0; nt < FA_DP / 8; nt++) {
-            const int col = nt * 8 + 2 * t;
-            const float k0 = dk[nt][2 * hf] * kp->scale, k1 = dk[nt][2 * hf + 1] * kp->scale;
-#if FA_VEC
-            if (col < kp->d)
-                *(fa_u32 *)(dkr + col) = fa_pack2(k0, k1);
-#else
-            if (col < kp->d)
-                dkr[col] = fa_from_float(k0);
-            if (col + 1 < kp->d)
-                dkr[col + 1] = fa_from_float(k1);
-#endif
-        }
-#pragma unroll
-        for (int nt = 0; nt < FA_DVP / 8; nt++) {
-            const int col = nt * 8 + 2 * t;
-#if FA_VEC
-            if (col < kp->dv)
-                *(fa_u32 *)(dvr + col) = fa_pack2(dv[nt][2 * hf], dv[nt][2 * hf + 1]);
-#else
-            if (col < kp->dv)
-                dvr[col] = fa_from_float(dv[nt][2 * hf]);
-            if (col + 1 < kp->dv)
-                dvr[col + 1] = fa_from_float(dv[nt][2 * hf + 1]);
-#endif
-        }
-    }
+    fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, dk, dv);
 }
 
 #include "fa_bwd_rows.cuh"

@@ -152,11 +152,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int group = kp->h / kp->hk, h_end = (hk + 1) * group;
 #if FA_VARLEN
     if (n0 >= seq.sk) {
-        const int keys = fa_min(fa_bwd_klen(kp, bi) - n0, FA_BN);
-        fa_bwd_zero((fa_u16 *)bp.dk + (seq.k_start + n0) * bp.dk_rstride + hk * bp.dk_hstride,
-                    bp.dk_rstride, keys, kp->d, threadIdx.x, FA_THREADS);
-        fa_bwd_zero((fa_u16 *)bp.dv + (seq.k_start + n0) * bp.dv_rstride + hk * bp.dv_hstride,
-                    bp.dv_rstride, keys, kp->dv, threadIdx.x, FA_THREADS);
+        fa_bwd_block_zero(&bp, &seq, bi, hk, n0);
         return;
     }
     /* Tensor-map coordinates: packed rows, batch extent 1. */
@@ -210,8 +206,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int w = (ct >> 5) & 3, lane = ct & 31, t = lane & 3, g = lane >> 2;
     /* This thread's first key (C layout: rows 16w + g and + 8 of the warpgroup's 64). */
     const int key0 = n0 + 64 * cw + 16 * w + g;
-    const int wlo = kp->window_left < 0 ? 0x7fffffff : kp->window_left;
-    const int whi = kp->window_right < 0 ? -0x7fffffff : -kp->window_right;
+    int wlo, whi;
+    fa_bwd_window(kp, &wlo, &whi);
     /* dQ: the keys this warpgroup reduces over and its first column. */
     const int dq_key0 = FA_DP == 128 ? 0 : 64 * cw, dq_col0 = FA_DP == 128 ? 64 * cw : 0;
 
@@ -238,22 +234,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
         const fa_i64 row0 = fa_bwd_row0(&bp, h, bi) + m0;
 
-        fa_bwd_tile tl;
-        tl.lse2 = bp.lse2 + row0;
-        tl.dsum = bp.dsum + row0;
-        tl.dg0 = m0 + 2 * t + (seq.sk - seq.sq) - key0;
-        tl.rows = seq.sq - m0 - 2 * t;
-        tl.keys = seq.sk - key0;
-        tl.wlo = wlo;
-        tl.whi = whi;
-        tl.m0 = m0;
-        tl.key0 = key0;
-#if FA_ALIBI
-        tl.slope_log2 = kp->alibi_slopes[bi * kp->alibi_bstride + h * kp->alibi_hstride] * FA_LOG2E;
-#endif
-#if FA_DROPOUT
-        tl.stream = fa_dropout_stream(kp, bi, h);
-#endif
+        const fa_bwd_tile tl = fa_bwd_tile_make(kp, &seq, bi, h, m0, key0, t, wlo, whi,
+                                                bp.lse2 + row0, bp.dsum + row0);
 
         /* S^T and dP^T of this warpgroup's 64 keys x the tile's 64 queries. C layout: st[nt][e]
          * is key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
@@ -267,9 +249,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         fa_pin_acc(&st[0][0], FA_BM / 2);
         fa_pin_acc(&dpt[0][0], FA_BM / 2);
 
-        const int full = m0 + FA_BM <= seq.sq && n0 + FA_BN <= seq.sk &&
-                         m0 + FA_BM - 1 + (seq.sk - seq.sq) - n0 <= wlo &&
-                         m0 + (seq.sk - seq.sq) - (n0 + FA_BN - 1) >= whi;
+        const int full = fa_bwd_tile_full(&seq, m0, n0, wlo, whi);
         if (full)
             fa_bwd_probs(kp, &tl, t, st, dpt, 0);
         else
@@ -339,33 +319,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         mb = mbn;
     }
 
-    /* dK (times the softmax scale dS lacked) and dV of this thread's keys, columns below d
-     * (varlen: up to the sequence's end in k, zero past seqused_k, whose keys were masked). */
-#if FA_VARLEN
-    const int key_end = fa_bwd_klen(kp, bi);
-#else
-    const int key_end = seq.sk;
-#endif
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int key = key0 + 8 * hf;
-        if (key >= key_end)
-            continue;
-        const fa_i64 row = seq.k_start + key;
-        fa_u16 *dkr = (fa_u16 *)bp.dk + bi * bp.dk_bstride + row * bp.dk_rstride +
-                      hk * bp.dk_hstride;
-        fa_u16 *dvr = (fa_u16 *)bp.dv + bi * bp.dv_bstride + row * bp.dv_rstride +
-                      hk * bp.dv_hstride;
-#pragma unroll
-        for (int nt = 0; nt < FA_DP / 8; nt++) {
-            const int col = nt * 8 + 2 * t;
-            if (col < kp->d) {
-                *(fa_u32 *)(dkr + col) =
-                    fa_pack2(dk[nt][2 * hf] * kp->scale, dk[nt][2 * hf + 1] * kp->scale);
-                *(fa_u32 *)(dvr + col) = fa_pack2(dv[nt][2 * hf], dv[nt][2 * hf + 1]);
-            }
-        }
-    }
+    fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, dk, dv);
 }
 
 #include "fa_bwd_rows.cuh"

@@ -26,6 +26,7 @@ tests run it against the reference.
 import torch
 
 from ._lib import FlashAttnError
+from ._paged import page_rows
 from .layers.rotary import apply_rotary_emb
 
 __all__ = ["kvcache_varlen"]
@@ -49,8 +50,7 @@ def _packed(cache, name):
 def _rows(pos, b, s_c, page, block_table, cache_batch_idx):
     """Packed cache rows of cache positions pos ([b, n] long)."""
     if block_table is not None:
-        blk = block_table.long().gather(1, torch.div(pos, page, rounding_mode="floor"))
-        return blk * page + pos % page
+        return page_rows(block_table, pos, page)
     if cache_batch_idx is not None:
         return cache_batch_idx.long()[:, None] * s_c + pos
     return torch.arange(b, device=pos.device)[:, None] * s_c + pos

@@ -14,7 +14,15 @@ import torch
 
 from ._lib import FlashAttnError
 
-__all__ = ["paged_kv"]
+__all__ = ["page_rows", "paged_kv"]
+
+
+def page_rows(block_table, pos, page):
+    """Rows, in the cache seen as (num_blocks * page, ...), of positions pos ([b, n] long) of
+    each sequence: block block_table[b, pos // page] (the last column past the table), row
+    pos % page."""
+    slot = torch.div(pos, page, rounding_mode="floor").clamp(max=block_table.shape[1] - 1)
+    return block_table.long().gather(1, slot) * page + pos % page
 
 
 def paged_kv(k, v, cu_seqlens_k, block_table, max_seqlen_k, seqused_k=None):
@@ -39,13 +47,12 @@ def paged_kv(k, v, cu_seqlens_k, block_table, max_seqlen_k, seqused_k=None):
         else seqused_k.long()
     pos = torch.arange(width, device=k.device)[None, :]
     used = pos < lens[:, None]
-    slot = torch.div(pos, page, rounding_mode="floor").clamp(max=block_table.shape[1] - 1)
-    blk = block_table.long().gather(1, slot.expand(b, width))
-    torch._assert_async((((blk >= 0) & (blk < nb)) | ~used).all() &
+    rows = page_rows(block_table, pos.expand(b, width), page)
+    torch._assert_async((((rows >= 0) & (rows < nb * page)) | ~used).all() &
                         (lens <= min(width, block_table.shape[1] * page)).all(),
                         "flashattn: block_table points outside the paged cache, or a sequence "
                         "is longer than its blocks or max_seqlen_k")
-    rows = torch.where(used, blk * page + pos % page, torch.zeros_like(blk)).reshape(-1)
+    rows = torch.where(used, rows, torch.zeros_like(rows)).reshape(-1)
     k_pad = k.reshape(nb * page, *k.shape[2:]).index_select(0, rows)
     v_pad = v.reshape(nb * page, *v.shape[2:]).index_select(0, rows)
     cu = torch.arange(0, (b + 1) * width, width, dtype=torch.int32, device=k.device)

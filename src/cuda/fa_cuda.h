@@ -16,14 +16,14 @@ const char *fa_cuda_last_family(void);
 struct fa_kparams;
 void fa_kparams_fill(const fa_params *p, struct fa_kparams *kp);
 
-/* A rank-4 tensor map {d, rows, heads, batch} over a [b, rows, heads, d] view with element
- * strides (bstride, rstride, hstride): 128B swizzle, box {64, box_rows, 1, 1}, zero fill out of
- * bounds. Nonzero when the driver refuses it (strides TMA cannot take). */
+/* The sm90 families' tensor maps of p's q, k, v (and dout when not NULL): 128B swizzle, boxes of
+ * 64 columns by bm query rows (q, dout) or bn keys (k, v), zero fill out of bounds; varlen maps
+ * span all the packed rows. Nonzero when the driver refuses one (strides TMA cannot take). */
 struct fa_cuda_driver;
 struct fa_cu_tensor_map;
-int fa_cuda_tmap(const struct fa_cuda_driver *d, struct fa_cu_tensor_map *map, fa_dtype dt,
-                 const void *ptr, int64_t dim, int64_t rows, int64_t heads, int64_t batch,
-                 int64_t rstride, int64_t hstride, int64_t bstride, int box_rows);
+int fa_cuda_tmaps_encode(const struct fa_cuda_driver *d, const fa_params *p, int bm, int bn,
+                         struct fa_cu_tensor_map *q, struct fa_cu_tensor_map *k,
+                         struct fa_cu_tensor_map *v, struct fa_cu_tensor_map *dout);
 
 /* The backward on args->fwd->device (kernels/fa_bwd_sm80.cu, or fa_bwd_sm90.cu where the plan
  * takes it): asynchronous on the caller's stream, no allocation (the workspace comes from args),

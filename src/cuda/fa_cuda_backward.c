@@ -82,26 +82,6 @@ typedef struct fa_bwd_tmaps {
     fa_cu_tensor_map q, k, v, dout;
 } fa_bwd_tmaps;
 
-/* The maps of the sm90 family's tiles (plan->bm query rows, plan->bn keys); nonzero when the
- * driver cannot describe a tensor (the sm80 family takes the call then). */
-static int fa_bwd_tmaps_make(const fa_cuda_driver *d, const fa_params *p, const fa_plan *plan,
-                             fa_bwd_tmaps *tm)
-{
-    if (!d || !d->tensor_map_encode_tiled)
-        return 1;
-    /* Varlen: one "sequence" of all the packed rows; tiles add their sequence's offset. */
-    const int vl = p->is_varlen;
-    const int64_t rows_q = vl ? p->total_q : p->max_sq, rows_k = vl ? p->total_k : p->max_sk;
-    const int64_t b = vl ? 1 : p->b;
-    return fa_cuda_tmap(d, &tm->q, p->dtype, p->q, p->d, rows_q, p->h, b, p->q_rstride,
-                        p->q_hstride, p->q_bstride, plan->bm) ||
-           fa_cuda_tmap(d, &tm->k, p->dtype, p->k, p->d, rows_k, p->hk, b, p->k_rstride,
-                        p->k_hstride, p->k_bstride, plan->bn) ||
-           fa_cuda_tmap(d, &tm->v, p->dtype, p->v, p->dv, rows_k, p->hk, b, p->v_rstride,
-                        p->v_hstride, p->v_bstride, plan->bn) ||
-           fa_cuda_tmap(d, &tm->dout, p->dtype, p->dout_data, p->dv, rows_q, p->h, b,
-                        p->do_rstride, p->do_hstride, p->do_bstride, plan->bm);
-}
 
 /* Launches `entry` of plan's module with the parameter block (and, when tm is not NULL, the
  * tensor maps after it). */
@@ -159,7 +139,8 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
         /* TMA coordinates are ints: packed rows past them go to the sm80 family. */
         tm = &tmaps;
         if ((p->is_varlen && (p->total_q > INT32_MAX / 2 || p->total_k > INT32_MAX / 2)) ||
-            fa_bwd_tmaps_make(fa_cuda_driver_get(), p, &plan, tm) != 0) {
+            fa_cuda_tmaps_encode(fa_cuda_driver_get(), p, plan.bm, plan.bn, &tm->q, &tm->k,
+                                 &tm->v, &tm->dout) != 0) {
             tm = NULL;
             key.features |= FA_PLAN_NO_SM90;
             st = fa_plan_backward(&key, &plan);

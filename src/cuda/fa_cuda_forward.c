@@ -81,9 +81,12 @@ typedef struct fa_cuda_tmaps {
     int paired;
 } fa_cuda_tmaps;
 
-int fa_cuda_tmap(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype dt, const void *ptr,
-                 int64_t dim, int64_t rows, int64_t heads, int64_t batch, int64_t rstride,
-                 int64_t hstride, int64_t bstride, int box_rows)
+/* A rank-4 tensor map {d, rows, heads, batch} over a [b, rows, heads, d] view with element
+ * strides (bstride, rstride, hstride): 128B swizzle, box {64, box_rows, 1, 1}, zero fill out of
+ * bounds. Nonzero when the driver refuses it (strides TMA cannot take). */
+static int fa_cuda_tmap(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype dt,
+                        const void *ptr, int64_t dim, int64_t rows, int64_t heads, int64_t batch,
+                        int64_t rstride, int64_t hstride, int64_t bstride, int box_rows)
 {
     unsigned long long dims[4] = {(unsigned long long)dim, (unsigned long long)rows,
                                   (unsigned long long)heads, (unsigned long long)batch};
@@ -105,8 +108,9 @@ int fa_cuda_tmap(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype dt, co
                                       FA_CU_TENSOR_MAP_L2_PROMOTION_128B, 0) != 0;
 }
 
-static int fa_cuda_tmaps_make(const fa_cuda_driver *d, const fa_params *p, const fa_plan *plan,
-                              fa_cuda_tmaps *tm)
+int fa_cuda_tmaps_encode(const fa_cuda_driver *d, const fa_params *p, int bm, int bn,
+                         fa_cu_tensor_map *q, fa_cu_tensor_map *k, fa_cu_tensor_map *v,
+                         fa_cu_tensor_map *dout)
 {
     if (!d || !d->tensor_map_encode_tiled)
         return 1;
@@ -114,12 +118,14 @@ static int fa_cuda_tmaps_make(const fa_cuda_driver *d, const fa_params *p, const
     const int vl = p->is_varlen;
     const int64_t rows_q = vl ? p->total_q : p->max_sq, rows_k = vl ? p->total_k : p->max_sk;
     const int64_t b = vl ? 1 : p->b;
-    return fa_cuda_tmap(d, &tm->q, p->dtype, p->q, p->d, rows_q, p->h, b, p->q_rstride,
-                        p->q_hstride, p->q_bstride, plan->bm) ||
-           fa_cuda_tmap(d, &tm->k, p->dtype, p->k, p->d, rows_k, p->hk, b, p->k_rstride,
-                        p->k_hstride, p->k_bstride, plan->bn) ||
-           fa_cuda_tmap(d, &tm->v, p->dtype, p->v, p->dv, rows_k, p->hk, b, p->v_rstride,
-                        p->v_hstride, p->v_bstride, plan->bn);
+    return fa_cuda_tmap(d, q, p->dtype, p->q, p->d, rows_q, p->h, b, p->q_rstride, p->q_hstride,
+                        p->q_bstride, bm) ||
+           fa_cuda_tmap(d, k, p->dtype, p->k, p->d, rows_k, p->hk, b, p->k_rstride,
+                        p->k_hstride, p->k_bstride, bn) ||
+           fa_cuda_tmap(d, v, p->dtype, p->v, p->dv, rows_k, p->hk, b, p->v_rstride,
+                        p->v_hstride, p->v_bstride, bn) ||
+           (dout && fa_cuda_tmap(d, dout, p->dtype, p->dout_data, p->dv, rows_q, p->h, b,
+                                 p->do_rstride, p->do_hstride, p->do_bstride, bm));
 }
 
 /* The family the calling thread's last forward launched ("" before any). */
@@ -173,7 +179,8 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     fa_cuda_tmaps tmaps;
     if (sm90 && ((p->max_sq + plan.bm - 1) / plan.bm * p->h * p->b > INT32_MAX ||
                  (p->is_varlen && (p->total_q > INT32_MAX / 2 || p->total_k > INT32_MAX / 2)) ||
-                 fa_cuda_tmaps_make(fa_cuda_driver_get(), p, &plan, &tmaps) != 0)) {
+                 fa_cuda_tmaps_encode(fa_cuda_driver_get(), p, plan.bm, plan.bn, &tmaps.q,
+                                      &tmaps.k, &tmaps.v, NULL) != 0)) {
         key.features |= FA_PLAN_NO_SM90;
         st = fa_plan_forward(&key, &plan);
         if (st != FA_STATUS_OK)

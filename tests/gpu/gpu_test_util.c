@@ -102,3 +102,12 @@ void gu_fill_uniform(gpu_buf *g, double lo, double hi)
             ((float *)t->data)[at] = x;
     }
 }
+
+int gu_shard_take(void)
+{
+    static int run_index;
+    int shard, shards;
+    const char *sh = getenv("FA_TEST_SHARD");
+    return !(sh && sscanf(sh, "%d/%d", &shard, &shards) == 2 && shards > 0 &&
+             run_index++ % shards != shard);
+}

@@ -49,4 +49,9 @@ double gu_elem_load(const void *base, fa_dtype dt, int64_t at);
 /* Every element of the host copy uniform in [lo, hi). */
 void gu_fill_uniform(gpu_buf *g, double lo, double hi);
 
+/* Whether the next run (a test's runs counted in order) is this process's: FA_TEST_SHARD=i/n
+ * takes every n-th from the i-th (tests/gpu/run_sharded.sh runs the n shards side by side: the
+ * CPU references, not the GPU, take the time); without it, every run. */
+int gu_shard_take(void);
+
 #endif /* GPU_TEST_UTIL_H */

@@ -92,16 +92,6 @@ static int sm90_takes(const bcase *c)
     return c->d == c->dv && c->d > 32 && c->d <= 128 && c->d % 8 == 0 && c->pad % 8 == 0;
 }
 
-/* FA_TEST_SHARD=i/n runs every n-th (case, dtype) run from the i-th (tests/gpu/run_sharded.sh
- * runs the n shards side by side: the CPU oracle, not the GPU, takes the time). */
-static int run_selected(void)
-{
-    static int run_index;
-    int shard, shards;
-    const char *sh = getenv("FA_TEST_SHARD");
-    return !(sh && sscanf(sh, "%d/%d", &shard, &shards) == 2 && shards > 0 &&
-             run_index++ % shards != shard);
-}
 
 #define FAIL(...)                                                                                \
     do {                                                                                         \
@@ -499,9 +489,9 @@ int main(int argc, char **argv)
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             if ((only && !strstr(cases[i].name, only)) || (sm90_pass && !sm90_takes(&cases[i])))
                 continue;
-            if (run_selected())
+            if (gu_shard_take())
                 run_case(&cases[i], FA_DTYPE_F16);
-            if (run_selected())
+            if (gu_shard_take())
                 run_case(&cases[i], FA_DTYPE_BF16);
         }
         unsetenv("FLASHATTN_BWD_SM90");

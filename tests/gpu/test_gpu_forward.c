@@ -162,16 +162,11 @@ static const char *expect_family;
 
 /* scale: NULL for the default softmax scale. */
 /* FA_TEST_ONLY=a|b|... runs only the cases whose names contain one of the '|'-separated parts
- * (for compute-sanitizer, whose slowdown the long cases cannot afford). FA_TEST_SHARD=i/n runs
- * every n-th (case, dtype) run from the i-th (tests/gpu/run_sharded.sh runs the n shards side by
- * side: the CPU references, not the GPU, take the time). */
+ * (for compute-sanitizer, whose slowdown the long cases cannot afford); FA_TEST_SHARD as
+ * gu_shard_take says. */
 static int case_selected(const char *name)
 {
-    static int run_index;
-    int shard, shards;
-    const char *sh = getenv("FA_TEST_SHARD");
-    if (sh && sscanf(sh, "%d/%d", &shard, &shards) == 2 && shards > 0 &&
-        run_index++ % shards != shard)
+    if (!gu_shard_take())
         return 0;
     const char *only = getenv("FA_TEST_ONLY");
     if (!only || !*only)
