@@ -63,15 +63,15 @@ gpu-python:
 # On a CUDA machine, after gpu-check's build: the Hopper rows' plans timed beside the
 # alternatives they were chosen over (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG,PERSISTENT,CONSUMERS:
 # one CTA per causal tile; two consumer warpgroups at head dim 64 on long calls, three on short),
-# then the backward, the sm80 family beside the sm90 one (opt-in, FLASHATTN_BWD_SM90=1).
+# then the backward, the sm80 family (FLASHATTN_BWD_SM90=0) beside the sm90 one (the default).
 gpu-tune:
 	export PYTHONPATH=python FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so; \
 	$(PYTHON) tests/gpu/bench_gpu.py --no-jit --no-sm80 --hdims 64 \
 		--variants "128,4,0,1,2;128,4,0,2,2;128,4,0,2,3" && \
 	$(PYTHON) tests/gpu/bench_gpu.py --no-jit --no-sm80 --hdims 128 --variants "128,2,1,1" && \
 	$(PYTHON) tests/gpu/bench_gpu.py --no-jit --no-sm80 --hdims 256 --variants "80,2,1,1" && \
-	$(PYTHON) tests/gpu/bench_bwd.py && \
-	FLASHATTN_BWD_SM90=1 $(PYTHON) tests/gpu/bench_bwd.py
+	FLASHATTN_BWD_SM90=0 $(PYTHON) tests/gpu/bench_bwd.py && \
+	$(PYTHON) tests/gpu/bench_bwd.py
 
 clean:
 	rm -rf $(BUILD_DIR) python/flashattn/libflashattn.so

@@ -275,8 +275,8 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
     st = fa_jit_build(&plan, &origin);
     if (cached)
         *cached = st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
-    /* On sm_90 also the sm90 family's kernel for the cases it supports (opt-in or not), so CI
-     * compiles it. */
+    /* On sm_90 also the sm90 family's kernel for the cases it supports (FLASHATTN_SM90=0 or not),
+     * so CI compiles it. */
     fa_plan plan90;
     if (st == FA_STATUS_OK && fa_plan_forward_sm90(&key, &plan90) == FA_STATUS_OK &&
         strcmp(plan.family, plan90.family) != 0) {
@@ -292,11 +292,13 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }
-    /* The backward's kernels of the same configuration where the backward families take it
-     * (the sm90 one opt-in or not). */
+    /* The backward's kernels of the same configuration where the backward families take it:
+     * the sm80 one (deterministic calls run it on sm_90 too), then the sm90 one. */
     fa_plan planb;
+    fa_plan_key key80 = key;
+    key80.features |= FA_PLAN_NO_SM90;
     if (st == FA_STATUS_OK && key.d <= FA_BWD_MAX_HEAD_DIM && key.dv <= FA_BWD_MAX_HEAD_DIM &&
-        fa_plan_backward(&key, &planb) == FA_STATUS_OK) {
+        fa_plan_backward(&key80, &planb) == FA_STATUS_OK) {
         st = fa_jit_build(&planb, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;

@@ -67,7 +67,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
 
 /* The sm90 backward's plan for key (fa_bwd_sm90.cu), whatever FLASHATTN_BWD_SM90 says
  * (precompile, tests); FA_STATUS_UNSUPPORTED, without setting an error, when the family cannot
- * do the case. fa_plan_backward takes it on sm_90 with FLASHATTN_BWD_SM90=1. */
+ * do the case. fa_plan_backward takes it on sm_90 unless FLASHATTN_BWD_SM90=0. */
 fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan);
 
 #endif /* FA_PLAN_H */

@@ -2,8 +2,8 @@
  * The plan table's choices that no GPU is needed to check (src/plan/fa_plan.c):
  *   - the sm90 forward rows: persistent 2 everywhere, three consumer warpgroups (192-row tiles)
  *     at head dim 64 for long calls only, FLASHATTN_SM90_TILE overriding and refusing;
- *   - the backward: the sm90 family only with FLASHATTN_BWD_SM90=1 on sm_90 and for the cases it
- *     compiles, and, whenever it is taken, the same query tile and padded head dim as the arch-80
+ *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
+ *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the same query tile and padded head dim as the arch-80
  *     plan from which fa_attention_backward_workspace_size sizes the workspace (the two families
  *     share the workspace's layout).
  */
@@ -72,15 +72,15 @@ static void check_backward(void)
                                  FA_FEATURE_SOFTCAP | FA_FEATURE_VARLEN};
     fa_plan plan, ws_plan;
     for (int pass = 0; pass < 2; pass++) {
-        if (pass)
-            setenv("FLASHATTN_BWD_SM90", "1", 1);
+        if (!pass)
+            setenv("FLASHATTN_BWD_SM90", "0", 1);
         for (size_t f = 0; f < sizeof features / sizeof features[0]; f++)
             for (int d = 1; d <= 128; d++) {
                 const unsigned ft = features[f];
                 const int want90 = pass && d > 32;
                 const char *fam = bwd_family(90, d, d, ft, &plan);
                 TU_CHECK(strcmp(fam, want90 ? "fa_bwd_sm90.cu" : "fa_bwd_sm80.cu") == 0,
-                         "opt-in %d, d %d, features %#x: %s", pass, d, ft, fam);
+                         "default %d, d %d, features %#x: %s", pass, d, ft, fam);
                 /* The workspace is sized from the arch-80 plan: same tile and padded dims. */
                 bwd_family(80, d, d, ft, &ws_plan);
                 TU_CHECK(plan.bm == ws_plan.bm && plan.dp == ws_plan.dp &&

@@ -8,7 +8,8 @@ backends, measured side by side in one process, for the backward's table in benc
 bf16, FlashAttention's benchmark shapes (16k tokens: batch 16384 / seqlen; hidden 2048: heads
 2048 / hdim), causal and not. Each figure is the best of 10 timed runs after 3 warm-ups (CUDA
 events). TFLOP/s as upstream counts them: forward 4 b h s^2 d (halved when causal), backward 2.5x
-that, forward + backward 3.5x. FLASHATTN_BWD_SM90=1 measures the Hopper backward (opt-in).
+that, forward + backward 3.5x. On sm_90 the Hopper backward runs; FLASHATTN_BWD_SM90=0 measures
+the sm80 family instead.
 """
 import argparse
 import json

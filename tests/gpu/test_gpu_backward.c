@@ -13,8 +13,9 @@
  *   seqused_k, max_seqlen above the longest sequence): the same, and exact zeros on the rows
  *   outside every sequence and the keys past seqused_k, as the CPU backward writes them;
  *   an unsupported case (head dim > 128) and a short workspace refused with a message.
- *   On sm_90 the cases the sm90 family takes run again with FLASHATTN_BWD_SM90=1: the atomic run
- *   must take it and is held against the oracle (the deterministic runs stay on sm80).
+ *   On sm_90 every case runs first with FLASHATTN_BWD_SM90=0 (the sm80 family), then the cases
+ *   the sm90 family takes run again with the default plan: the atomic run must take it and is
+ *   held against the oracle (the deterministic runs stay on sm80).
  *   FA_TEST_SHARD=i/n runs a share of the cases (tests/gpu/run_sharded.sh).
  * `test_gpu_backward --bench` times the backward (hdim 128, seqlen 4k, bf16, causal and not);
  * `test_gpu_backward --case TEXT` runs only the cases whose name contains TEXT (a short run for
@@ -79,7 +80,7 @@ static const bcase cases[] = {
 };
 
 static int failures;
-/* The second pass on sm_90 (FLASHATTN_BWD_SM90=1) over the cases the sm90 family takes: their
+/* The second pass on sm_90 (the default plan) over the cases the sm90 family takes: their
  * atomic run must take it (the deterministic runs stay on the sm80 family); its sums run in
  * another order, so it is checked against the oracle on its own instead of bitwise against the
  * deterministic runs. sm90_runs counts them. */
@@ -480,12 +481,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "no arch: %s\n", fa_last_error());
         return 1;
     }
-    /* On sm_90 a second pass with the sm90 family opted in. */
+    /* On sm_90 the sm80 family first (opted out), then the default plan's sm90 family. */
     for (sm90_pass = 0; sm90_pass <= (arch == 90); sm90_pass++) {
-        if (sm90_pass) {
-            setenv("FLASHATTN_BWD_SM90", "1", 1);
-            printf("test_gpu_backward: FLASHATTN_BWD_SM90=1\n");
-        }
+        if (arch == 90 && !sm90_pass)
+            setenv("FLASHATTN_BWD_SM90", "0", 1);
+        if (sm90_pass)
+            printf("test_gpu_backward: the sm90 family (default plan)\n");
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             if ((only && !strstr(cases[i].name, only)) || (sm90_pass && !sm90_takes(&cases[i])))
                 continue;

@@ -33,8 +33,8 @@ def _close(gpu, cpu, dtype, what):
     torch.testing.assert_close(gpu.cpu().float(), cpu.float(), atol=tol, rtol=tol, msg=what)
 
 
-def _lse_close(gpu, cpu):
-    torch.testing.assert_close(gpu.cpu(), cpu, atol=2e-3, rtol=2e-3)
+def _lse_close(gpu, cpu, tol=2e-3):
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=tol, rtol=tol)
 
 
 def _both(f, *tensors, **kw):
@@ -342,9 +342,10 @@ def test_kvcache_cuda_matches_cpu(gen, dtype, case):
     out, lse = flashattn.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
     assert out.is_cuda and out.dtype == dtype and lse.shape == (b, h, sq)
     _close(out, out_c, dtype, "kvcache out")
-    _lse_close(lse, lse_c)
-    # Rotated keys may differ by an ulp of the dtype (the rotation rounds once either way).
+    # Rotated q and keys may differ by an ulp of the dtype (the rotation rounds once either way),
+    # which moves the scores, and the lse with them, by about that much (bf16: 3.6e-3 seen).
     ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    _lse_close(lse, lse_c, tol=2 * ulp if case.get("rotary") else 2e-3)
     torch.testing.assert_close(kc.cpu().float(), kc_c.float(), atol=2 * ulp, rtol=2 * ulp)
     assert torch.equal(vc.cpu(), vc_c)
 
