@@ -200,7 +200,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = _torch_ops.kvcache_call(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
-            window_size, softcap, rotary_interleaved, num_splits)
+            window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse)
     else:
         out, lse = kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                cache_seqlens, cache_batch_idx, cache_leftpad, block_table,

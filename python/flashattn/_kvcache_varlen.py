@@ -25,11 +25,15 @@ tests run it against the reference.
 
 import torch
 
+from . import _core
 from ._lib import FlashAttnError
 from ._paged import page_rows
 from .layers.rotary import apply_rotary_emb
 
 __all__ = ["kvcache_varlen"]
+
+# The C argument names of the varlen call as the KV-cache call's caller knows them.
+_NAMES = {"k": "k_cache", "v": "v_cache", "seqused_k": "cache_seqlens"}
 
 
 def _packed(cache, name):
@@ -78,11 +82,58 @@ def _int32(x, name, b):
     return x
 
 
+_PLAIN_INDEX = {}  # (b, sq, cap, s_new, device) -> (cu_q, cu_k, row offsets of the append)
+
+
+def _plain_index(b, sq, cap, s_new, device):
+    """The index tensors of a plain cache (each sequence its own batch row from position 0),
+    made once per shape and device: cu_seqlens_q and cu_seqlens_k (int32 [b + 1]: q's rows
+    and the cache rows as packed sequences) and the appended keys' row offsets (int64 [b,
+    s_new]: b * cap + i, to which cache_seqlens is added). Kept for the process: a decoding
+    loop calls with the same few shapes, and CUDA graph replays read the same tensors."""
+    key = (b, sq, cap, s_new, device)
+    idx = _PLAIN_INDEX.get(key)
+    if idx is None:
+        # Made during a CUDA graph capture they hold nothing until a replay: not kept then.
+        keep = device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+        if keep and len(_PLAIN_INDEX) >= 64:
+            _PLAIN_INDEX.clear()
+        idx = (
+            torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device),
+            torch.arange(0, (b + 1) * cap, cap, dtype=torch.int32, device=device),
+            torch.arange(b, device=device)[:, None] * cap +
+            torch.arange(s_new, device=device)[None, :])
+        if keep:
+            _PLAIN_INDEX[key] = idx
+    return idx
+
+
+def _plain_forward(q, kc, vc, used, cap, alibi_slopes, learnable_sink, softmax_scale, causal,
+                   window_left, window_right, softcap, want_lse):
+    """The attention of a plain cache without splits: the varlen forward over the caches in
+    place, through the library call cached per signature."""
+    b, sq, h, d = q.shape
+    cu_q, cu_k, _ = _plain_index(b, sq, cap, 0, q.device)
+    sinks = learnable_sink
+    if sinks is not None and sinks.dtype != torch.float32:
+        sinks = sinks.float()
+    out, lse = _core.forward_varlen_torch(
+        q.reshape(b * sq, h, d), kc, vc, cu_q, cu_k, used, sq, cap,
+        None if softmax_scale is None else float(softmax_scale), bool(causal),
+        (int(window_left), int(window_right)), float(softcap), alibi_slopes, sinks, want_lse,
+        _NAMES)
+    out = out.view(b, sq, h, out.shape[-1])
+    if lse is not None:
+        lse = lse.view(h, b, sq).permute(1, 0, 2).contiguous()
+    return out, lse
+
+
 def kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                    cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                    softmax_scale, causal, window_left, window_right, softcap,
-                   rotary_interleaved, num_splits):
-    """flashattn::kvcache's arguments (cache_seqlens an int32 tensor or None); (out, lse)."""
+                   rotary_interleaved, num_splits, want_lse=True):
+    """flashattn::kvcache's arguments (cache_seqlens an int32 tensor or None); (out, lse), lse
+    None where ``want_lse`` is false."""
     if q.dim() != 4:
         raise FlashAttnError("q: expected 4 dimensions (batch_size, seqlen, nheads, headdim), "
                              "got shape %s" % (tuple(q.shape),))
@@ -122,14 +173,21 @@ def kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     if cache_seqlens is None:
         cache_seqlens = torch.full((b,), cap, dtype=torch.int32, device=q.device)
     _int32(cache_seqlens, "cache_seqlens", b)
-    seqlens = cache_seqlens.long()
-    start = cache_leftpad.long() if cache_leftpad is not None else torch.zeros_like(seqlens)
-    ok = (start >= 0) & (start <= seqlens) & (seqlens + s_new <= cap)
-    if block_table is not None:
-        ok = ok & ((block_table >= 0) & (block_table * page < n_rows)).all(1)
-    if cache_batch_idx is not None:
-        ok = ok & (cache_batch_idx >= 0) & (cache_batch_idx.long() * cap < n_rows)
-    torch._assert_async(ok.all(), "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, "
+    plain = block_table is None and cache_batch_idx is None and cache_leftpad is None
+    if plain:
+        # The decoding step's common form: one check in as few kernels as torch allows.
+        ok = cache_seqlens.clamp(0, cap - s_new).eq(cache_seqlens).all()
+        seqlens = start = None
+    else:
+        seqlens = cache_seqlens.long()
+        start = cache_leftpad.long() if cache_leftpad is not None else torch.zeros_like(seqlens)
+        ok = (start >= 0) & (start <= seqlens) & (seqlens + s_new <= cap)
+        if block_table is not None:
+            ok = ok & ((block_table >= 0) & (block_table * page < n_rows)).all(1)
+        if cache_batch_idx is not None:
+            ok = ok & (cache_batch_idx >= 0) & (cache_batch_idx.long() * cap < n_rows)
+        ok = ok.all()
+    torch._assert_async(ok, "flash_attn_with_kvcache: cache_seqlens, cache_leftpad, "
                         "cache_batch_idx or block_table point outside the cache")
 
     if rotary_cos is not None:
@@ -149,12 +207,25 @@ def kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
             k = apply_rotary_emb(k, rotary_cos, rotary_sin, rotary_interleaved,
                                  seqlen_offsets=cache_seqlens)
     if s_new > 0:
-        pos = seqlens[:, None] + torch.arange(s_new, device=q.device)[None, :]
-        rows = _rows(pos, b, cap, page, block_table, cache_batch_idx).reshape(-1)
+        if plain:
+            rows = (cache_seqlens[:, None] + _plain_index(b, sq, cap, s_new, q.device)[2])
+        else:
+            pos = seqlens[:, None] + torch.arange(s_new, device=q.device)[None, :]
+            rows = _rows(pos, b, cap, page, block_table, cache_batch_idx)
+        rows = rows.reshape(-1)
         kc.index_put_((rows,), k.reshape(b * s_new, *k.shape[2:]))
         vc.index_put_((rows,), v.reshape(b * s_new, *v.shape[2:]))
 
-    if block_table is None and cache_batch_idx is None and cache_leftpad is None:
+    n = _splits(num_splits, q, cap, causal, window_left, window_right, alibi_slopes,
+                learnable_sink)
+    if plain and n == 1:
+        return _plain_forward(q, kc, vc, cache_seqlens + s_new if s_new else cache_seqlens, cap,
+                              alibi_slopes, learnable_sink, softmax_scale, causal, window_left,
+                              window_right, softcap, want_lse)
+    if seqlens is None:
+        seqlens = cache_seqlens.long()
+        start = torch.zeros_like(seqlens)
+    if plain:
         k_att, v_att = kc, vc
     else:
         # Positions start .. start + cap - 1 of each sequence, clamped into the capacity (the
@@ -166,8 +237,6 @@ def kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     from . import _torch_ops  # noqa: F401  (registers torch.ops.flashattn)
 
     used = seqlens + s_new - start
-    n = _splits(num_splits, q, cap, causal, window_left, window_right, alibi_slopes,
-                learnable_sink)
     if n == 1:
         cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
         cu_k = torch.arange(0, (b + 1) * cap, cap, dtype=torch.int32, device=q.device)

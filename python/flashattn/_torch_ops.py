@@ -451,6 +451,17 @@ def kvcache(q: _T, k_cache: _T, v_cache: _T, k: _OptT, v: _OptT, rotary_cos: _Op
             learnable_sink: _OptT, softmax_scale: Optional[float], causal: bool,
             window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
             num_splits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _kvcache_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
+                        softmax_scale, causal, window_left, window_right, softcap,
+                        rotary_interleaved, num_splits)
+
+
+def _kvcache_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
+                 softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                 num_splits):
+    """flashattn::kvcache's CPU kernel: the C library's KV-cache call."""
     from . import _kvcache
 
     return _kvcache.kvcache_run(
@@ -486,10 +497,13 @@ def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 
 def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-                 softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
+                 softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+                 want_lse=True):
     """flash_attn_with_kvcache for torch tensors: the op (CPU: the C library's KV-cache call;
     CUDA: _kvcache_varlen's composition), with an int cache_seqlens turned into the int32 (b,)
-    tensor the op takes, as upstream does."""
+    tensor the op takes, as upstream does. Eager calls run the op's kernel directly (the
+    dispatcher costs more than a decoding step's attention), and on CUDA without the lse
+    where ``want_lse`` is false; lse is then None."""
     # Devices named by argument, rather than left to the dispatcher's missing-kernel message.
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                     ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
@@ -507,10 +521,18 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     left, right = _core.window_pair(window_size)
     if softmax_scale is not None:
         softmax_scale = _core.as_float(softmax_scale, "softmax_scale")
-    return kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-                   softmax_scale, bool(causal), left, right, _core.as_float(softcap, "softcap"),
-                   bool(rotary_interleaved), _core.as_int(num_splits, "num_splits"))
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale,
+            bool(causal), left, right, _core.as_float(softcap, "softcap"),
+            bool(rotary_interleaved), _core.as_int(num_splits, "num_splits"))
+    tensors = args[:13]
+    if _eager(tensors) and not _needs_grad(tensors):
+        if q.is_cuda:
+            from . import _kvcache_varlen
+
+            return _kvcache_varlen.kvcache_varlen(*args, want_lse=want_lse)
+        return _kvcache_cpu(*args)
+    return kvcache(*args)
 
 
 # --------------------------------------------------------------------------------------------

@@ -245,6 +245,26 @@ def test_varlen_composition(rng, dt, opts):
           softcap=softcap, alibi=V.get("alibi"), sinks=V.get("sinks"), round_q=True)
 
 
+def test_varlen_composition_repeats(rng):
+    """Decoding steps of one shape on fresh data: the first builds the library call, the
+    others reuse it (data pointers swapped in); each step matches the reference, and without
+    the lse gives the same out and cache updates."""
+    from flashattn import _kvcache_varlen
+
+    for step in range(3):
+        P, A, V = setup(rng, "torch", "float32", h=6, hk=2, d=24, dv=24, cap=30, s_new=1, sq=1)
+        lens = int32(P["seqlens"], "torch")
+        kc2, vc2 = A["kc"].clone(), A["vc"].clone()
+        args = [A["q"], A["kc"], A["vc"], A["k"], A["v"], None, None, lens, None, None, None,
+                None, None, None, True, -1, -1, 0.0, True, 1]
+        out, lse = _kvcache_varlen.kvcache_varlen(*args)
+        check(P, A, V, "float32", out, lse, causal=True)
+        args[1], args[2] = kc2, vc2
+        out2, none = _kvcache_varlen.kvcache_varlen(*args, want_lse=False)
+        assert none is None and torch.equal(out2, out)
+        assert torch.equal(kc2, A["kc"]) and torch.equal(vc2, A["vc"])
+
+
 def test_varlen_composition_refusals(rng):
     from flashattn import _kvcache_varlen
 
