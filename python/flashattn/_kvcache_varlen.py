@@ -18,9 +18,10 @@ Cache position p of sequence b lives at packed row block_table[b, p // page] * p
 Split-KV: where a row's keys need no position of their own (one query row, or no causal mask,
 and no window, ALiBi or sinks) the keys may be cut into num_splits chunks, each its own varlen
 sequence, merged by flash_attn_combine (the partial outputs rounded to the dtype on the way: a
-half-ulp more error than upstream's fp32 partials). num_splits 0 chooses: on CUDA, enough chunks
-to give every SM a CTA for a decoding step; 1 never splits. Written device-neutral: the CPU
-tests run it against the reference.
+half-ulp more error than upstream's fp32 partials). num_splits 0 or 1 never splits: measured on
+the H200 (bench/NOTES.md, tests/gpu/bench_kvcache.py), the chunks' extra torch operations cost
+more host time than the split saves on the GPU at every decoding shape tried. Written
+device-neutral: the CPU tests run it against the reference.
 """
 
 import torch
@@ -63,16 +64,10 @@ def _rows(pos, b, s_c, page, block_table, cache_batch_idx):
 def _splits(num_splits, q, cap, causal, window_left, window_right, alibi_slopes,
             learnable_sink):
     """How many chunks to cut each sequence's keys into (1: none)."""
-    b, sq, h = q.shape[0], q.shape[1], q.shape[2]
-    if (causal and sq > 1) or window_left >= 0 or window_right >= 0 or \
+    if (causal and q.shape[1] > 1) or window_left >= 0 or window_right >= 0 or \
             alibi_slopes is not None or learnable_sink is not None or cap < 2:
         return 1
-    if num_splits > 0:
-        return min(num_splits, cap)
-    if q.device.type != "cuda" or sq > 1 or cap < 1024:
-        return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    return max(1, min(sms // (b * h), cap // 512, 16))
+    return min(max(num_splits, 1), cap)
 
 
 def _int32(x, name, b):
