@@ -17,10 +17,9 @@ Cache position p of sequence b lives at packed row block_table[b, p // page] * p
 (paged), else cache_batch_idx[b] * seqlen_cache + p.
 Split-KV: where a row's keys need no position of their own (one query row, or no causal mask,
 and no window, ALiBi or sinks) the keys may be cut into num_splits chunks, each its own varlen
-sequence, merged by flash_attn_combine (the partial outputs rounded to the dtype on the way: a
-half-ulp more error than upstream's fp32 partials). num_splits 0 or 1 never splits: measured on
-the H200 (bench/NOTES.md, tests/gpu/bench_kvcache.py), the chunks' extra torch operations cost
-more host time than the split saves on the GPU at every decoding shape tried. Written
+sequence with the g query heads of a kv head packed as its rows, merged by a softmax over the
+chunks' lse (the partial outputs rounded to the dtype on the way: a half-ulp more error than
+upstream's fp32 partials). num_splits 0 or 1 never splits (bench/NOTES.md). Written
 device-neutral: the CPU tests run it against the reference.
 """
 
@@ -103,10 +102,11 @@ def _plain_index(b, sq, cap, s_new, device):
     return idx
 
 
-def _plain_forward(q, kc, vc, used, cap, alibi_slopes, learnable_sink, softmax_scale, causal,
-                   window_left, window_right, softcap, want_lse):
-    """The attention of a plain cache without splits: the varlen forward over the caches in
-    place, through the library call cached per signature."""
+def _attend(q, kc, vc, used, cap, alibi_slopes, learnable_sink, softmax_scale, causal,
+            window_left, window_right, softcap, want_lse):
+    """The attention without splits: the varlen forward over the caches (kc, vc: [b * cap, hk,
+    d], sequence i at rows [i * cap, (i + 1) * cap), used[i] of them), through the library call
+    cached per signature."""
     b, sq, h, d = q.shape
     cu_q, cu_k, _ = _plain_index(b, sq, cap, 0, q.device)
     sinks = learnable_sink
@@ -121,6 +121,62 @@ def _plain_forward(q, kc, vc, used, cap, alibi_slopes, learnable_sink, softmax_s
     if lse is not None:
         lse = lse.view(h, b, sq).permute(1, 0, 2).contiguous()
     return out, lse
+
+
+_SPLIT_INDEX = {}  # (b, rows, cap, n, span, device) -> (cu_q, cu_k, chunk offsets)
+
+
+def _split_index(b, rows, cap, n, span, device):
+    """The index tensors of n key chunks of span keys per sequence, made once per shape and
+    device as _plain_index's: cu_seqlens_q (int32 [b n + 1], ``rows`` packed query rows per
+    chunk), cu_seqlens_k (int32 [b n + 1]: chunk c of sequence i starts at row i cap + c span;
+    the last one ends at (i + 1) cap) and the chunks' first keys (int32 [1, n])."""
+    key = (b, rows, cap, n, span, device)
+    idx = _SPLIT_INDEX.get(key)
+    if idx is None:
+        keep = device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+        if keep and len(_SPLIT_INDEX) >= 64:
+            _SPLIT_INDEX.clear()
+        first = torch.arange(n, device=device, dtype=torch.int32)[None, :] * span
+        starts = torch.arange(b, device=device, dtype=torch.int32)[:, None] * cap + first
+        idx = (torch.arange(0, (b * n + 1) * rows, rows, dtype=torch.int32, device=device),
+               torch.cat([starts.reshape(-1),
+                          torch.full((1,), b * cap, dtype=torch.int32, device=device)]),
+               first)
+        if keep:
+            _SPLIT_INDEX[key] = idx
+    return idx
+
+
+def _attend_split(q, kc, vc, used, cap, n, softmax_scale, softcap, want_lse):
+    """The attention of rows whose keys need no position of their own (_splits), the keys cut
+    into chunks of span keys, one varlen sequence each, merged by their lse (a softmax over the
+    chunks). The g query heads of a kv head are packed as rows of one sequence, so each chunk's
+    keys are read by one CTA for all of them: chunk (i, c) holds rows (query row s, head
+    kvh g + e) as row s g + e of kv head kvh. Without a mask every row may sit in any order."""
+    b, sq, h, d = q.shape
+    hk, dv = kc.shape[1], vc.shape[2]
+    g, rows = h // hk, sq * (h // hk)
+    span = -(-cap // n)
+    n = -(-cap // span)  # no chunk past the capacity
+    cu_q, cu_k, first = _split_index(b, rows, cap, n, span, q.device)
+    qp = q.view(b, 1, sq, hk, g, d).transpose(3, 4).expand(b, n, sq, g, hk, d)
+    used_k = (used[:, None] - first).clamp_(0, span).view(-1)
+    out_p, lse_p = _core.forward_varlen_torch(
+        qp.reshape(b * n * rows, hk, d), kc, vc, cu_q, cu_k, used_k, rows, span,
+        None if softmax_scale is None else float(softmax_scale), False, (-1, -1),
+        float(softcap), want_lse=True, names=_NAMES)
+    # A chunk row without keys has lse +inf (the forward's convention): it weighs nothing; a
+    # row of no keys at all (every weight NaN) gets out 0 and lse +inf.
+    lse_p = lse_p.view(hk, b, n, sq, g).nan_to_num(posinf=float("-inf"))
+    w = torch.softmax(lse_p, dim=2).nan_to_num_(0.0).permute(1, 2, 3, 4, 0).unsqueeze(-1)
+    merged = (out_p.view(b, n, sq, g, hk, dv) * w).sum(1)
+    out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
+    out.view(b, sq, hk, g, dv).copy_(merged.transpose(2, 3))
+    if not want_lse:
+        return out, None
+    lse = torch.logsumexp(lse_p, dim=2).nan_to_num(neginf=float("inf"))
+    return out, lse.permute(1, 0, 3, 2).reshape(b, h, sq)
 
 
 def kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
@@ -213,54 +269,17 @@ def kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
 
     n = _splits(num_splits, q, cap, causal, window_left, window_right, alibi_slopes,
                 learnable_sink)
-    if plain and n == 1:
-        return _plain_forward(q, kc, vc, cache_seqlens + s_new if s_new else cache_seqlens, cap,
-                              alibi_slopes, learnable_sink, softmax_scale, causal, window_left,
-                              window_right, softcap, want_lse)
-    if seqlens is None:
-        seqlens = cache_seqlens.long()
-        start = torch.zeros_like(seqlens)
     if plain:
         k_att, v_att = kc, vc
+        used = cache_seqlens + s_new if s_new else cache_seqlens
     else:
         # Positions start .. start + cap - 1 of each sequence, clamped into the capacity (the
         # ones past the used keys are never seen).
         pos = (start[:, None] + torch.arange(cap, device=q.device)[None, :]).clamp(max=cap - 1)
         rows = _rows(pos, b, cap, page, block_table, cache_batch_idx).reshape(-1)
         k_att, v_att = kc.index_select(0, rows), vc.index_select(0, rows)
-
-    from . import _torch_ops  # noqa: F401  (registers torch.ops.flashattn)
-
-    used = seqlens + s_new - start
+        used = (seqlens + s_new - start).to(torch.int32)
     if n == 1:
-        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-        cu_k = torch.arange(0, (b + 1) * cap, cap, dtype=torch.int32, device=q.device)
-        out, lse, _, _ = torch.ops.flashattn.varlen_fwd(
-            q.reshape(b * sq, h, q.shape[3]), k_att, v_att, cu_q, cu_k, used.to(torch.int32),
-            alibi_slopes, learnable_sink, None, sq, cap, 0.0, softmax_scale, bool(causal),
-            window_left, window_right, softcap, False, False)
-        out = out.view(b, sq, h, out.shape[-1])
-        lse = lse.view(h, b, sq).permute(1, 0, 2).contiguous()
-        return out, lse
-    # Chunk c of sequence i is varlen sequence i * n + c: keys [c * span, (c + 1) * span) of
-    # its row range, as many of them as it uses; q's rows repeated for each chunk.
-    span = -(-cap // n)
-    chunk = torch.arange(n, device=q.device)
-    cu_k = torch.cat([(torch.arange(b, device=q.device)[:, None] * cap +
-                       chunk[None, :] * span).reshape(-1),
-                      torch.full((1,), b * cap, device=q.device, dtype=torch.long)])
-    used_k = (used[:, None] - chunk[None, :] * span).clamp(0, span).reshape(-1)
-    cu_q = torch.arange(0, (b * n + 1) * sq, sq, dtype=torch.int32, device=q.device)
-    q_rep = q.repeat_interleave(n, dim=0).reshape(b * n * sq, h, q.shape[3])
-    out_p, lse_p, _, _ = torch.ops.flashattn.varlen_fwd(
-        q_rep, k_att, v_att, cu_q, cu_k.to(torch.int32), used_k.to(torch.int32), None, None,
-        None, sq, span, 0.0, softmax_scale, bool(causal), -1, -1, softcap, False, False)
-    out_p = out_p.view(b, n, sq, h, out_p.shape[-1]).transpose(0, 1).float()
-    lse_p = lse_p.view(h, b, n, sq).permute(2, 1, 3, 0)
-    from ._kvcache import flash_attn_combine
-
-    out, lse = flash_attn_combine(out_p, lse_p, out_dtype=q.dtype)
-    # A row that sees no key: +inf, the forward's convention (the merge gives -inf).
-    lse = lse.transpose(1, 2)
-    lse = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)
-    return out, lse.contiguous()
+        return _attend(q, k_att, v_att, used, cap, alibi_slopes, learnable_sink, softmax_scale,
+                       causal, window_left, window_right, softcap, want_lse)
+    return _attend_split(q, k_att, v_att, used, cap, n, softmax_scale, softcap, want_lse)

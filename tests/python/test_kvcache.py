@@ -265,6 +265,26 @@ def test_varlen_composition_repeats(rng):
         assert torch.equal(kc2, A["kc"]) and torch.equal(vc2, A["vc"])
 
 
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_varlen_composition_empty_sequence(splits):
+    """A sequence with no keys in use (cache_seqlens 0, nothing appended), beside one with keys:
+    out 0 and lse +inf on its rows, split or not, as the library's KV-cache call gives."""
+    from flashattn import _kvcache_varlen
+
+    g = torch.Generator().manual_seed(splits)
+    q = torch.randn(2, 1, 6, 16, generator=g)
+    kc, vc = torch.randn(2, 20, 2, 16, generator=g), torch.randn(2, 20, 2, 16, generator=g)
+    lens = torch.tensor([0, 13], dtype=torch.int32)
+    out, lse = _kvcache_varlen.kvcache_varlen(q, kc, vc, None, None, None, None, lens, None,
+                                              None, None, None, None, None, False, -1, -1, 0.0,
+                                              True, splits)
+    want, want_lse = flashattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                                       return_softmax_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isposinf(lse[0]).all()
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
 def test_varlen_composition_refusals(rng):
     from flashattn import _kvcache_varlen
 
