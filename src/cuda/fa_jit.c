@@ -71,8 +71,17 @@ static void fa_jit_key(const fa_plan *plan, const fa_nvrtc *nv, char *key, size_
     pthread_once(&fa_jit_src_once, fa_jit_src_hash_init);
     int n = snprintf(key, size, "flashattn-jit-1 %s %s nvrtc-%d.%d src-%016llx", plan->family,
                      plan->target, nv->major, nv->minor, (unsigned long long)fa_jit_src_hash);
-    for (int i = 0; i < plan->num_defines && n > 0 && (size_t)n < size; i++)
-        n += snprintf(key + n, size - (size_t)n, " %s", plan->defines[i]);
+    /* The defines appended without snprintf: the key is made on every call. */
+    size_t at = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
+    for (int i = 0; i < plan->num_defines; i++) {
+        const size_t len = strlen(plan->defines[i]);
+        if (at + 1 + len >= size)
+            break;
+        key[at++] = ' ';
+        memcpy(key + at, plan->defines[i], len);
+        at += len;
+    }
+    key[at] = '\0';
 }
 
 static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **cubin,
@@ -150,12 +159,19 @@ static fa_status fa_jit_entry_get(const fa_plan *plan, fa_jit_entry **out, fa_ji
 
     pthread_mutex_lock(&fa_jit_lock);
     for (;;) {
-        fa_jit_entry *e = fa_jit_entries;
-        while (e && strcmp(e->key, key) != 0)
+        fa_jit_entry *e = fa_jit_entries, **link = &fa_jit_entries;
+        while (e && strcmp(e->key, key) != 0) {
+            link = &e->next;
             e = e->next;
+        }
         if (!e)
             break;
         if (e->ready) {
+            /* To the front: a process calls a few kernels over and over, and the keys share
+             * long prefixes, so each comparison on the way costs. */
+            *link = e->next;
+            e->next = fa_jit_entries;
+            fa_jit_entries = e;
             pthread_mutex_unlock(&fa_jit_lock);
             if (fa_jit_logging())
                 fprintf(stderr, "flashattn: cache hit (memory) %s\n", key);

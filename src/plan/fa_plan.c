@@ -57,9 +57,29 @@ static void fa_plan_tile_override(fa_plan *plan)
     plan->nwarps = nw;
 }
 
+/* "-DNAME=value", written by hand: a plan is made on every call, and snprintf was most of its
+ * cost. Too long a name is cut (never: the names are this file's). */
 static void fa_plan_define(fa_plan *plan, const char *name, int value)
 {
-    snprintf(plan->defines[plan->num_defines++], sizeof plan->defines[0], "-D%s=%d", name, value);
+    char *out = plan->defines[plan->num_defines++];
+    char *const last = out + sizeof plan->defines[0] - 1;
+    char digits[12];
+    int n = 0;
+    unsigned u = value < 0 ? 0u - (unsigned)value : (unsigned)value;
+    do
+        digits[n++] = (char)('0' + u % 10);
+    while ((u /= 10) != 0);
+    if (value < 0)
+        digits[n++] = '-';
+    *out++ = '-';
+    *out++ = 'D';
+    while (*name && out < last)
+        *out++ = *name++;
+    if (out < last)
+        *out++ = '=';
+    while (n > 0 && out < last)
+        *out++ = digits[--n];
+    *out = '\0';
 }
 
 /*
