@@ -3,9 +3,10 @@
  *   - the sm90 forward rows: persistent 2 everywhere, three consumer warpgroups (192-row tiles)
  *     at head dim 64 for long calls only, FLASHATTN_SM90_TILE overriding and refusing;
  *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
- *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the same query tile and padded head dim as the arch-80
- *     plan from which fa_attention_backward_workspace_size sizes the workspace (the two families
- *     share the workspace's layout).
+ *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the same query tile and padded head dim
+ *     as the arch-80 plan from which fa_attention_backward_workspace_size sizes the workspace
+ *     (the two families share the workspace's layout);
+ *   - the defines' text, "-DNAME=value" with the plan's numbers.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -103,9 +104,35 @@ static void check_backward(void)
     }
 }
 
+/* Every define of the plans of both families reads "-DNAME=value" with the plan's own numbers
+ * where it carries them (the defines are formatted by hand, without snprintf). */
+static void check_defines(void)
+{
+    for (int arch = 80; arch <= 90; arch += 10)
+        for (int d = 8; d <= 256; d += 40) {
+            fa_plan_key key = {arch, FA_DTYPE_BF16, d, d, FA_FEATURE_SOFTCAP};
+            fa_plan plan;
+            TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK, "arch %d d %d: no plan", arch,
+                     d);
+            for (int i = 0; i < plan.num_defines; i++) {
+                const char *def = plan.defines[i], *eq = strchr(def, '=');
+                TU_CHECK(strncmp(def, "-DFA_", 5) == 0 && eq && eq[1] &&
+                             strspn(eq + 1, "0123456789") == strlen(eq + 1),
+                         "arch %d d %d: define \"%s\"", arch, d, def);
+            }
+            TU_CHECK(plan_define(&plan, "FA_BN") == plan.bn &&
+                         plan_define(&plan, "FA_DP") == plan.dp &&
+                         plan_define(&plan, "FA_SOFTCAP") == 1 &&
+                         plan_define(&plan, "FA_BF16") == 1,
+                     "arch %d d %d: FA_BN %d (bn %d), FA_DP %d (dp %d)", arch, d,
+                     plan_define(&plan, "FA_BN"), plan.bn, plan_define(&plan, "FA_DP"), plan.dp);
+        }
+}
+
 int main(void)
 {
     tu_master_seed("test_plan");
+    check_defines();
     check_forward_sm90();
     check_backward();
     return tu_finish("test_plan");
