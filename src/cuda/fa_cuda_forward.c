@@ -81,12 +81,11 @@ typedef struct fa_cuda_tmaps {
     int paired;
 } fa_cuda_tmaps;
 
-/* A rank-4 tensor map {d, rows, heads, batch} over a [b, rows, heads, d] view with element
- * strides (bstride, rstride, hstride): 128B swizzle, box {64, box_rows, 1, 1}, zero fill out of
- * bounds. Nonzero when the driver refuses it (strides TMA cannot take). */
-static int fa_cuda_tmap(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype dt,
-                        const void *ptr, int64_t dim, int64_t rows, int64_t heads, int64_t batch,
-                        int64_t rstride, int64_t hstride, int64_t bstride, int box_rows)
+/* The driver's encoding of fa_cuda_tmap's map (below). */
+static int fa_cuda_tmap_encode(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype dt,
+                               const void *ptr, int64_t dim, int64_t rows, int64_t heads,
+                               int64_t batch, int64_t rstride, int64_t hstride, int64_t bstride,
+                               int box_rows)
 {
     unsigned long long dims[4] = {(unsigned long long)dim, (unsigned long long)rows,
                                   (unsigned long long)heads, (unsigned long long)batch};
@@ -107,6 +106,50 @@ static int fa_cuda_tmap(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype
                                       FA_CU_TENSOR_MAP_SWIZZLE_128B,
                                       FA_CU_TENSOR_MAP_L2_PROMOTION_128B, 0) != 0;
 }
+
+/* Everything a tensor map of fa_cuda_tmap is made of. The driver's encoding is a pure function
+ * of it, and a call of the library needs three or four maps (host work in the driver each
+ * time), so each thread keeps its last few: a repeated call (same tensors, as in a training or
+ * decoding loop that reuses its buffers) encodes none. */
+typedef struct fa_tmap_key {
+    const void *ptr;
+    int64_t dim, rows, heads, batch, rstride, hstride, bstride;
+    int64_t box_rows, dtype;
+} fa_tmap_key;
+
+#define FA_TMAP_CACHE 8
+static _Thread_local struct {
+    fa_tmap_key key[FA_TMAP_CACHE];
+    fa_cu_tensor_map map[FA_TMAP_CACHE];
+    int used, next;
+} fa_tmap_cache;
+
+/* A rank-4 tensor map {d, rows, heads, batch} over a [b, rows, heads, d] view with element
+ * strides (bstride, rstride, hstride): 128B swizzle, box {64, box_rows, 1, 1}, zero fill out of
+ * bounds. Nonzero when the driver refuses it (strides TMA cannot take). */
+static int fa_cuda_tmap(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype dt,
+                        const void *ptr, int64_t dim, int64_t rows, int64_t heads, int64_t batch,
+                        int64_t rstride, int64_t hstride, int64_t bstride, int box_rows)
+{
+    /* Every field set (no padding: eight-byte members only), so memcmp compares keys. */
+    const fa_tmap_key key = {ptr,     dim,     rows,    heads,    batch,
+                             rstride, hstride, bstride, box_rows, (int64_t)dt};
+    for (int i = 0; i < fa_tmap_cache.used; i++)
+        if (memcmp(&fa_tmap_cache.key[i], &key, sizeof key) == 0) {
+            *map = fa_tmap_cache.map[i];
+            return 0;
+        }
+    if (fa_cuda_tmap_encode(d, map, dt, ptr, dim, rows, heads, batch, rstride, hstride, bstride,
+                            box_rows) != 0)
+        return 1;
+    const int slot = fa_tmap_cache.next;
+    fa_tmap_cache.next = (slot + 1) % FA_TMAP_CACHE;
+    fa_tmap_cache.used += fa_tmap_cache.used < FA_TMAP_CACHE;
+    fa_tmap_cache.key[slot] = key;
+    fa_tmap_cache.map[slot] = *map;
+    return 0;
+}
+
 
 int fa_cuda_tmaps_encode(const fa_cuda_driver *d, const fa_params *p, int bm, int bn,
                          fa_cu_tensor_map *q, fa_cu_tensor_map *k, fa_cu_tensor_map *v,

@@ -529,6 +529,22 @@ static void run_case(const fcase *c0, const char *name, tu_rng *rng)
                1738 of 3000: 0.00725 against 0.00714). */
             tol = 2.0 * maxlowp + 2.0 * half_ulp_rel(dt) * maxref;
             crit = "2*max|lowp-ref| + ulp(max|ref|)";
+            /* Where a row's terms cancel, rounding each P to the dtype moves the output by up to
+               half an ulp of sum_j p_j |v_j| / (1 - dropout_p) <= max|v| / (1 - dropout_p),
+               far more than an ulp of the small output, and the naive reference may err much
+               less (seed 1795959659262906431, case 797: bf16 d 1, ALiBi, dropout 0.44, out
+               0.0065: 3.7e-4 against 3.5e-4). The bound, first-order and rigorous, is taken
+               when it is the larger. */
+            double vmax = 0.0;
+            int64_t iv[4] = {0, 0, 0, 0};
+            do {
+                vmax = fmax(vmax, fabs(fa_ref_load(&tv.t, iv)));
+            } while (tu_next_index(&tv.t, iv));
+            const double p_round = half_ulp_rel(dt) * vmax / (1.0 - c->dropout_p);
+            if (p_round > tol) {
+                tol = p_round;
+                crit = "half an ulp of max|v| / (1 - dropout_p)";
+            }
         }
         TU_CHECK(maxerr <= tol,
                  "out: max err %.3g > tol %.3g (%s; max|ref| %.3g, max|lowp-ref| %.3g) worst at "
