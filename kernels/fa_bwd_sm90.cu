@@ -25,8 +25,9 @@
  * written at the end (dK times the softmax scale).
  *
  * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward_sm90): FA_BF16, FA_DP = FA_DVP
- * (64 or 128), FA_BM 64, FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT, FA_VARLEN; not
- * deterministic (the sm80 family takes that).
+ * (64 or 128), FA_BM 64, FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT, FA_VARLEN.
+ * bp.deterministic orders each query tile's dQ adds by key block, as the sm80 family does (the
+ * host sends deterministic calls here only with FLASHATTN_BWD_SM90_DETERMINISTIC=1 for now).
  *
  * Varlen: the tensor maps span all the packed rows (batch extent 1) and tiles add their
  * sequence's offset, so a tile's rows or a block's keys past the sequence are the next
@@ -134,6 +135,15 @@ FA_DEV void fa_gemm_kv(float *acc, fa_u32 a[][4], fa_u32 tile)
 #endif
 }
 
+/* Adds a warp's dQ piece (the wgmma accumulator dq[8][4], 16 rows x 64 columns) to the fp32
+ * accumulator at acc, whose blocks of 16 rows x 8 columns the accumulator's layout matches. */
+FA_DEV void fa_dq_add(float *acc, float dq[8][4])
+{
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+        fa_red_add_v4(acc + c * 128, dq[c][0], dq[c][1], dq[c][2], dq[c][3]);
+}
+
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     fa_bwd(const fa_bkparams bp, const __grid_constant__ fa_bwd_tmaps tm)
 {
@@ -146,7 +156,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const fa_u32 kv_full = ds_s + 2 * FA_DS_BYTES;
     const fa_u32 q_full = kv_full + 8, q_empty = q_full + 16; /* [2] each, 8 bytes apart */
 
-    const int nb = blockIdx.x, hk = blockIdx.y, bi = blockIdx.z;
+    /* Deterministic mode dispatches the key blocks last to first, as the sm80 family does (the
+     * top of fa_bwd_sm80.cu: a tile's adds wait only for CTAs already running or done). */
+    const int nb = bp.deterministic ? bp.n_tiles - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int hk = blockIdx.y, bi = blockIdx.z;
     const fa_seq seq = fa_bwd_seq(kp, bi);
     const int n0 = nb * FA_BN;
     const int group = kp->h / kp->hk, h_end = (hk + 1) * group;
@@ -312,9 +325,30 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         /* dQ rows m0 + 16w .. + 15, columns dq_col0 .. + 63: 16 x 8 blocks (r16, c8) of the
          * accumulator, this lane's four values at 4 lane, in the order of dq[c][0..3]. */
         float *acc = bp.dq_accum + row0 * FA_DP + (fa_i64)w * 16 * FA_DP + dq_col0 * 16 + 4 * lane;
-#pragma unroll
-        for (int c = 0; c < 8; c++)
-            fa_red_add_v4(acc + c * 128, dq[c][0], dq[c][1], dq[c][2], dq[c][3]);
+        if (!bp.deterministic) {
+            fa_dq_add(acc, dq);
+        } else {
+            /* The tile's turn: every later key block that meets it has added (the sm80
+             * family's counter, in the same workspace). At head dim 64 both warpgroups add to
+             * the same elements, so the first adds before the second; at 128 their columns are
+             * apart and one turn serves both. */
+            int *sem = bp.sem + ((fa_i64)bi * kp->h + h) * bp.m_tiles + mb;
+            if (ct == 0) {
+                const int later = fa_bwd_later(kp, &seq, mb, nb);
+                while (fa_load_acquire(sem) != later)
+                    __nanosleep(64);
+            }
+            fa_bar_sync(4, 256);
+#pragma unroll 1
+            for (int turn = 0; turn < (FA_DP == 128 ? 1 : 2); turn++) {
+                if (FA_DP == 128 || cw == turn)
+                    fa_dq_add(acc, dq);
+                __threadfence();
+                fa_bar_sync(4, 256);
+            }
+            if (ct == 0)
+                atomicAdd(sem, 1);
+        }
         h = hn;
         mb = mbn;
     }

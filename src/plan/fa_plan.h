@@ -70,4 +70,8 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
  * do the case. fa_plan_backward takes it on sm_90 unless FLASHATTN_BWD_SM90=0. */
 fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan);
 
+/* Nonzero when deterministic backward calls may take the sm90 family
+ * (FLASHATTN_BWD_SM90_DETERMINISTIC=1); the sm80 family takes them otherwise. */
+int fa_plan_bwd_sm90_deterministic(void);
+
 #endif /* FA_PLAN_H */

@@ -14,8 +14,9 @@
  *   outside every sequence and the keys past seqused_k, as the CPU backward writes them;
  *   an unsupported case (head dim > 128) and a short workspace refused with a message.
  *   On sm_90 every case runs first with FLASHATTN_BWD_SM90=0 (the sm80 family), then the cases
- *   the sm90 family takes run again with the default plan: the atomic run must take it and is
- *   held against the oracle (the deterministic runs stay on sm80).
+ *   the sm90 family takes run again with the default plan and
+ *   FLASHATTN_BWD_SM90_DETERMINISTIC=1: every run must take the sm90 family, and both a
+ *   deterministic and the atomic run are held against the oracle.
  *   FA_TEST_SHARD=i/n runs a share of the cases (tests/gpu/run_sharded.sh).
  * `test_gpu_backward --bench` times the backward (hdim 128, seqlen 4k, bf16, causal and not);
  * `test_gpu_backward --case TEXT` runs only the cases whose name contains TEXT (a short run for
@@ -80,10 +81,10 @@ static const bcase cases[] = {
 };
 
 static int failures;
-/* The second pass on sm_90 (the default plan) over the cases the sm90 family takes: their
- * atomic run must take it (the deterministic runs stay on the sm80 family); its sums run in
- * another order, so it is checked against the oracle on its own instead of bitwise against the
- * deterministic runs. sm90_runs counts them. */
+/* The second pass on sm_90 (the default plan, deterministic calls opted in) over the cases the
+ * sm90 family takes: every run must take it; its dQ sums run in another order than the sm80
+ * family's, so a deterministic and the atomic run are each checked against the oracle. sm90_runs
+ * counts the runs. */
 static int sm90_pass, sm90_runs;
 
 /* Whether the sm90 family takes case c (fa_plan_backward_sm90: d = dv in 33..128, rows 16-byte
@@ -295,7 +296,7 @@ static void run_case(const bcase *c, fa_dtype dt)
             break;
         }
         const int on_sm90 = strcmp(fa_cuda_last_backward_family(), "fa_bwd_sm90.cu") == 0;
-        if (on_sm90 != (sm90_pass && !det[run] && sm90_takes(c)))
+        if (on_sm90 != (sm90_pass && sm90_takes(c)))
             FAIL("ran on %s (deterministic %d)", fa_cuda_last_backward_family(), det[run]);
         sm90_runs += on_sm90;
         CHECK_CU(gu_drv->ctx_synchronize());
@@ -306,38 +307,42 @@ static void run_case(const bcase *c, fa_dtype dt)
         const char *names[4] = {"dq", "dk", "dv", "dsinks"};
         const fa_tensor *views[4] = {&dq.host, &dk.host, &dv.host, &dsk.host};
         const double u = dt == FA_DTYPE_BF16 ? ldexp(1.0, -8) : ldexp(1.0, -11);
-        const int checked = sm90_pass ? 2 : 0; /* the run held against the oracle */
-        printf("%-28s %-5s %s", c->name, fa_dtype_name(dt), fa_cuda_last_backward_family());
-        for (int i = 0; i < (c->sinks ? 4 : 3); i++) {
-            grad_err e = compare(got[checked][i], cpu[i], views[i], r[0][i], r[1][i], r[2][i]);
-            const double tol = 3 * e.naive + 3 * e.stored + 4 * u * e.maxref + 1e-5;
-            if (e.unwritten)
-                FAIL("%s: %lld elements unwritten (still poison)", names[i], e.unwritten);
-            if (!(e.err <= tol))
-                FAIL("%s: max|gpu - ref| %.3g > tol %.3g (naive %.3g, stored %.3g, max|ref| %.3g, "
-                     "cpu %.3g)",
-                     names[i], e.err, tol, e.naive, e.stored, e.maxref, e.cpu);
-            printf("  %s %.2e (tol %.1e, cpu %.1e)", names[i], e.err, tol, e.cpu);
-        }
-        printf("\n");
-        /* Varlen: exact zeros where the CPU backward writes them (the tolerance above allows
-         * small values): rows outside every sequence, keys past seqused_k. */
-        for (int i = 0; c->varlen && i < 3; i++) {
-            const int of_k = i > 0;
-            const int32_t *cu = of_k ? cu_k : cu_q;
-            long long bad =
-                nonzero_rows(got[checked][i], views[i], 0, cu[0]) +
-                nonzero_rows(got[checked][i], views[i], cu[c->b], of_k ? total_k : total_q);
-            for (int s = 0; of_k && s < c->b; s++)
-                bad += nonzero_rows(got[checked][i], views[i], cu[s] + used[s], cu[s + 1]);
-            if (bad)
-                FAIL("%s: %lld elements not zero outside the sequences or past seqused_k",
-                     names[i], bad);
+        /* The runs held against the oracle: a deterministic one, and on the sm90 pass the
+         * atomic one too. */
+        for (int checked = 0; checked < 3; checked += sm90_pass ? 2 : 3) {
+            printf("%-28s %-5s %s%s", c->name, fa_dtype_name(dt), fa_cuda_last_backward_family(),
+                   det[checked] ? " det" : "");
+            for (int i = 0; i < (c->sinks ? 4 : 3); i++) {
+                grad_err e = compare(got[checked][i], cpu[i], views[i], r[0][i], r[1][i], r[2][i]);
+                const double tol = 3 * e.naive + 3 * e.stored + 4 * u * e.maxref + 1e-5;
+                if (e.unwritten)
+                    FAIL("%s: %lld elements unwritten (still poison)", names[i], e.unwritten);
+                if (!(e.err <= tol))
+                    FAIL("%s: max|gpu - ref| %.3g > tol %.3g (naive %.3g, stored %.3g, "
+                         "max|ref| %.3g, cpu %.3g)",
+                         names[i], e.err, tol, e.naive, e.stored, e.maxref, e.cpu);
+                printf("  %s %.2e (tol %.1e, cpu %.1e)", names[i], e.err, tol, e.cpu);
+            }
+            printf("\n");
+            /* Varlen: exact zeros where the CPU backward writes them (the tolerance above allows
+             * small values): rows outside every sequence, keys past seqused_k. */
+            for (int i = 0; c->varlen && i < 3; i++) {
+                const int of_k = i > 0;
+                const int32_t *cu = of_k ? cu_k : cu_q;
+                long long bad =
+                    nonzero_rows(got[checked][i], views[i], 0, cu[0]) +
+                    nonzero_rows(got[checked][i], views[i], cu[c->b], of_k ? total_k : total_q);
+                for (int s = 0; of_k && s < c->b; s++)
+                    bad += nonzero_rows(got[checked][i], views[i], cu[s] + used[s], cu[s + 1]);
+                if (bad)
+                    FAIL("%s: %lld elements not zero outside the sequences or past seqused_k",
+                         names[i], bad);
+            }
         }
         for (int i = 0; i < 4; i++) {
             if (memcmp(got[0][i], got[1][i], outs[i]->bytes) != 0)
                 FAIL("%s: deterministic runs differ", names[i]);
-            if (i > 0 && (!sm90_pass || i == 3) && memcmp(got[0][i], got[2][i], outs[i]->bytes))
+            if (i > 0 && memcmp(got[0][i], got[2][i], outs[i]->bytes))
                 FAIL("%s: differs between deterministic and atomic modes", names[i]);
         }
     }
@@ -485,8 +490,10 @@ int main(int argc, char **argv)
     for (sm90_pass = 0; sm90_pass <= (arch == 90); sm90_pass++) {
         if (arch == 90 && !sm90_pass)
             setenv("FLASHATTN_BWD_SM90", "0", 1);
-        if (sm90_pass)
-            printf("test_gpu_backward: the sm90 family (default plan)\n");
+        if (sm90_pass) {
+            setenv("FLASHATTN_BWD_SM90_DETERMINISTIC", "1", 1);
+            printf("test_gpu_backward: the sm90 family (default plan, deterministic opted in)\n");
+        }
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             if ((only && !strstr(cases[i].name, only)) || (sm90_pass && !sm90_takes(&cases[i])))
                 continue;
@@ -496,6 +503,7 @@ int main(int argc, char **argv)
                 run_case(&cases[i], FA_DTYPE_BF16);
         }
         unsetenv("FLASHATTN_BWD_SM90");
+        unsetenv("FLASHATTN_BWD_SM90_DETERMINISTIC");
     }
     if (arch == 90)
         printf("test_gpu_backward: %d runs on the sm90 backward\n", sm90_runs);
