@@ -76,30 +76,33 @@ def _int32(x, name, b):
     return x
 
 
-_PLAIN_INDEX = {}  # (b, sq, cap, s_new, device) -> (cu_q, cu_k, row offsets of the append)
+_INDEX = {}  # (kind, shapes..., device) -> index tensors
+
+
+def _index(key, make):
+    """make()'s index tensors, made once per key (its shapes and device, last): a decoding loop
+    calls with the same few shapes, and CUDA graph replays read the same tensors. Made during a
+    CUDA graph capture they hold nothing until a replay, so they are not kept then."""
+    idx = _INDEX.get(key)
+    if idx is None:
+        idx = make()
+        if key[-1].type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            if len(_INDEX) >= 64:
+                _INDEX.clear()
+            _INDEX[key] = idx
+    return idx
 
 
 def _plain_index(b, sq, cap, s_new, device):
-    """The index tensors of a plain cache (each sequence its own batch row from position 0),
-    made once per shape and device: cu_seqlens_q and cu_seqlens_k (int32 [b + 1]: q's rows
-    and the cache rows as packed sequences) and the appended keys' row offsets (int64 [b,
-    s_new]: b * cap + i, to which cache_seqlens is added). Kept for the process: a decoding
-    loop calls with the same few shapes, and CUDA graph replays read the same tensors."""
-    key = (b, sq, cap, s_new, device)
-    idx = _PLAIN_INDEX.get(key)
-    if idx is None:
-        # Made during a CUDA graph capture they hold nothing until a replay: not kept then.
-        keep = device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
-        if keep and len(_PLAIN_INDEX) >= 64:
-            _PLAIN_INDEX.clear()
-        idx = (
-            torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device),
-            torch.arange(0, (b + 1) * cap, cap, dtype=torch.int32, device=device),
-            torch.arange(b, device=device)[:, None] * cap +
-            torch.arange(s_new, device=device)[None, :])
-        if keep:
-            _PLAIN_INDEX[key] = idx
-    return idx
+    """The index tensors of a plain cache (each sequence its own batch row from position 0):
+    cu_seqlens_q and cu_seqlens_k (int32 [b + 1]: q's rows and the cache rows as packed
+    sequences) and the appended keys' row offsets (int64 [b, s_new]: b * cap + i, to which
+    cache_seqlens is added)."""
+    return _index(("plain", b, sq, cap, s_new, device), lambda: (
+        torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device),
+        torch.arange(0, (b + 1) * cap, cap, dtype=torch.int32, device=device),
+        torch.arange(b, device=device)[:, None] * cap +
+        torch.arange(s_new, device=device)[None, :]))
 
 
 def _attend(q, kc, vc, used, cap, alibi_slopes, learnable_sink, softmax_scale, causal,
@@ -123,29 +126,20 @@ def _attend(q, kc, vc, used, cap, alibi_slopes, learnable_sink, softmax_scale, c
     return out, lse
 
 
-_SPLIT_INDEX = {}  # (b, rows, cap, n, span, device) -> (cu_q, cu_k, chunk offsets)
-
-
 def _split_index(b, rows, cap, n, span, device):
-    """The index tensors of n key chunks of span keys per sequence, made once per shape and
-    device as _plain_index's: cu_seqlens_q (int32 [b n + 1], ``rows`` packed query rows per
-    chunk), cu_seqlens_k (int32 [b n + 1]: chunk c of sequence i starts at row i cap + c span;
-    the last one ends at (i + 1) cap) and the chunks' first keys (int32 [1, n])."""
-    key = (b, rows, cap, n, span, device)
-    idx = _SPLIT_INDEX.get(key)
-    if idx is None:
-        keep = device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
-        if keep and len(_SPLIT_INDEX) >= 64:
-            _SPLIT_INDEX.clear()
+    """The index tensors of n key chunks of span keys per sequence: cu_seqlens_q (int32
+    [b n + 1], ``rows`` packed query rows per chunk), cu_seqlens_k (int32 [b n + 1]: chunk c of
+    sequence i starts at row i cap + c span; the last one ends at (i + 1) cap) and the chunks'
+    first keys (int32 [1, n])."""
+    def make():
         first = torch.arange(n, device=device, dtype=torch.int32)[None, :] * span
         starts = torch.arange(b, device=device, dtype=torch.int32)[:, None] * cap + first
-        idx = (torch.arange(0, (b * n + 1) * rows, rows, dtype=torch.int32, device=device),
-               torch.cat([starts.reshape(-1),
-                          torch.full((1,), b * cap, dtype=torch.int32, device=device)]),
-               first)
-        if keep:
-            _SPLIT_INDEX[key] = idx
-    return idx
+        return (torch.arange(0, (b * n + 1) * rows, rows, dtype=torch.int32, device=device),
+                torch.cat([starts.reshape(-1),
+                           torch.full((1,), b * cap, dtype=torch.int32, device=device)]),
+                first)
+
+    return _index(("split", b, rows, cap, n, span, device), make)
 
 
 def _attend_split(q, kc, vc, used, cap, n, softmax_scale, softcap, want_lse):
@@ -160,7 +154,7 @@ def _attend_split(q, kc, vc, used, cap, n, softmax_scale, softcap, want_lse):
     span = -(-cap // n)
     n = -(-cap // span)  # no chunk past the capacity
     cu_q, cu_k, first = _split_index(b, rows, cap, n, span, q.device)
-    qp = q.view(b, 1, sq, hk, g, d).transpose(3, 4).expand(b, n, sq, g, hk, d)
+    qp = q.reshape(b, 1, sq, hk, g, d).transpose(3, 4).expand(b, n, sq, g, hk, d)
     used_k = (used[:, None] - first).clamp_(0, span).view(-1)
     out_p, lse_p = _core.forward_varlen_torch(
         qp.reshape(b * n * rows, hk, d), kc, vc, cu_q, cu_k, used_k, rows, span,
