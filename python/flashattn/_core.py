@@ -623,10 +623,9 @@ def _call_cache():
 
 
 def _keep_call(cache, key, call):
-    if call is not None:
-        if len(cache) >= _CALL_CACHE_SIZE:
-            cache.clear()
-        cache[key] = call
+    if len(cache) >= _CALL_CACHE_SIZE:
+        cache.clear()
+    cache[key] = call
 
 
 def _repeat_call(call, q, k, v, others, want_lse, seed=0):
