@@ -38,7 +38,7 @@ test-python: build python-deps
 # On a CUDA machine: build in build-cuda, run the GPU tests (GPU vs CPU on every feature, in C,
 # each suite in SHARDS processes side by side, since their single-threaded double-precision
 # references take the time; and through the Python functions on CUDA tensors), then benchmark
-# beside PyTorch's SDPA backends. Exits with the tests' status. gpu-build, gpu-tests and
+# beside PyTorch's SDPA backends: host cost per call, a decoding step, the forward's table last. Exits with the tests' status. gpu-build, gpu-tests and
 # gpu-python are its three parts, for machines that limit how long one command may run.
 gpu-check: gpu-build
 	$(MAKE) --no-print-directory gpu-tests; rc=$$?; \
@@ -58,6 +58,8 @@ gpu-tests:
 gpu-python:
 	export PYTHONPATH=python FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so; \
 	$(PYTHON) -m pytest -q tests/gpu/test_python_cuda.py tests/gpu/test_ring_cuda.py; rc=$$?; \
+	$(PYTHON) tests/gpu/bench_overhead.py || rc=1; \
+	$(PYTHON) tests/gpu/bench_kvcache.py || rc=1; \
 	$(PYTHON) tests/gpu/bench_gpu.py || rc=1; exit $$rc
 
 # On a CUDA machine, after gpu-check's build: the Hopper rows' plans timed beside the
