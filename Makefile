@@ -38,8 +38,9 @@ test-python: build python-deps
 # On a CUDA machine: build in build-cuda, run the GPU tests (GPU vs CPU on every feature, in C,
 # each suite in SHARDS processes side by side, since their single-threaded double-precision
 # references take the time; and through the Python functions on CUDA tensors), then benchmark
-# beside PyTorch's SDPA backends: host cost per call, a decoding step, the forward's table last. Exits with the tests' status. gpu-build, gpu-tests and
-# gpu-python are its three parts, for machines that limit how long one command may run.
+# beside PyTorch's SDPA backends: host cost per call, a decoding step, the forward's table last.
+# Exits with the tests' status. gpu-build, gpu-tests and gpu-python are its three parts, for
+# machines that limit how long one command may run.
 gpu-check: gpu-build
 	$(MAKE) --no-print-directory gpu-tests; rc=$$?; \
 	$(MAKE) --no-print-directory gpu-python || rc=1; exit $$rc
