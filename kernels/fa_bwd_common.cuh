@@ -124,6 +124,23 @@ FA_DEV int fa_load_acquire(const int *p)
     return v;
 }
 
+/* Deterministic mode's counter of query tile mb of (head h, sequence bi): the key blocks that
+ * have added their dQ to the tile (fa_bwd_pre zeroes it). */
+FA_DEV int *fa_bwd_sem(const fa_bkparams *bp, int bi, int h, int mb)
+{
+    return bp->sem + ((fa_i64)bi * bp->f.h + h) * bp->m_tiles + mb;
+}
+
+/* Deterministic mode, one thread of the CTA of key block nb: waits for query tile mb's turn,
+ * until every later key block that meets the tile has added its dQ (the counter at sem). */
+FA_DEV void fa_bwd_turn_wait(const fa_kparams *kp, const fa_seq *s, int mb, int nb,
+                             const int *sem)
+{
+    const int later = fa_bwd_later(kp, s, mb, nb);
+    while (fa_load_acquire(sem) != later)
+        __nanosleep(64);
+}
+
 /* First row of (head h, sequence bi) in the workspace's per-row arrays (lse * log2 e, D) and,
  * times FA_DP, its first element of the dQ accumulator: m_tiles * FA_BM rows per sequence. */
 FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)

@@ -27,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_bwd_pre(const fa_bkp
 #endif
     const fa_i64 r0 = fa_bwd_row0(&bp, h, bi) + m0;
     if (threadIdx.x == 0)
-        bp.sem[((fa_i64)bi * kp->h + h) * bp.m_tiles + mb] = 0;
+        *fa_bwd_sem(&bp, bi, h, mb) = 0;
     float4 *acc = (float4 *)(bp.dq_accum + r0 * FA_DP);
     for (int i = threadIdx.x; i < FA_BM * FA_DP / 4; i += FA_THREADS)
         acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -366,13 +366,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         /* dQ of this warp's FA_QRW rows x FA_QCOLS columns, FA_QC columns at a time, added to
          * the accumulator. Deterministic mode: wait for the tile's turn (every later key block
          * that meets the tile has added), add, then pass the turn on. */
-        int *sem = bp.sem + ((fa_i64)bi * kp->h + h) * bp.m_tiles + mb;
+        int *sem = fa_bwd_sem(&bp, bi, h, mb);
         if (bp.deterministic) {
-            if (threadIdx.x == 0) {
-                const int later = fa_bwd_later(kp, &cur, mb, nb);
-                while (fa_load_acquire(sem) != later)
-                    __nanosleep(64);
-            }
+            if (threadIdx.x == 0)
+                fa_bwd_turn_wait(kp, &cur, mb, nb, sem);
             __syncthreads();
         }
         /* Block (r16, c8) of this warp's first rows and columns, this lane's place in it. */

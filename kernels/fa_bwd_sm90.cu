@@ -332,12 +332,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
              * family's counter, in the same workspace). At head dim 64 both warpgroups add to
              * the same elements, so the first adds before the second; at 128 their columns are
              * apart and one turn serves both. */
-            int *sem = bp.sem + ((fa_i64)bi * kp->h + h) * bp.m_tiles + mb;
-            if (ct == 0) {
-                const int later = fa_bwd_later(kp, &seq, mb, nb);
-                while (fa_load_acquire(sem) != later)
-                    __nanosleep(64);
-            }
+            int *sem = fa_bwd_sem(&bp, bi, h, mb);
+            if (ct == 0)
+                fa_bwd_turn_wait(kp, &seq, mb, nb, sem);
             fa_bar_sync(4, 256);
 #pragma unroll 1
             for (int turn = 0; turn < (FA_DP == 128 ? 1 : 2); turn++) {
