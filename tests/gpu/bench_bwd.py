@@ -12,6 +12,7 @@ that, forward + backward 3.5x. On sm_90 the Hopper backward runs; FLASHATTN_BWD_
 the sm80 family instead.
 """
 import argparse
+import functools
 import json
 
 import torch
@@ -20,22 +21,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn import flash_attn_func
 
+import bench_timing  # tests/gpu/bench_timing.py, beside this script
+
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
-def best_ms(fn, reps=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
+best_ms = functools.partial(bench_timing.best_ms, reps=10, warmup=3)
 
 
 def passes(attn, x, dout):

@@ -13,6 +13,7 @@ Each figure is the best of 20 timed runs after 5 warm-ups (CUDA events); GB/s co
 bytes read once.
 """
 import argparse
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -20,21 +21,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn import flash_attn_with_kvcache
 
+import bench_timing  # tests/gpu/bench_timing.py, beside this script
+
 H, HK, D = 32, 8, 128
 
 
-def best_ms(fn, reps=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
+best_ms = functools.partial(bench_timing.best_ms, reps=20, warmup=5)
 
 
 def row(b, ctx):

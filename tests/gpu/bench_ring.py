@@ -21,6 +21,7 @@ b=1, h=16 (GQA: 4 kv heads), d=128, bf16, causal, best of several timed runs (CU
    backward, and the speed-up over one GPU.
 """
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -33,23 +34,13 @@ from flashattn import flash_attn_func
 from flashattn import distributed as ring_module
 from flashattn.distributed import ring_flash_attn_func
 
+import bench_timing  # tests/gpu/bench_timing.py, beside this script
+
 B, H, HK, D = 1, 16, 4, 128
 DTYPE = torch.bfloat16
 
 
-def best_ms(fn, reps=5, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
+best_ms = functools.partial(bench_timing.best_ms, reps=5, warmup=2)
 
 
 def qkv(s, seed, grad=False):
