@@ -26,8 +26,7 @@
  *
  * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward_sm90): FA_BF16, FA_DP = FA_DVP
  * (64 or 128), FA_BM 64, FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT, FA_VARLEN.
- * bp.deterministic orders each query tile's dQ adds by key block, as the sm80 family does (the
- * host sends deterministic calls here only with FLASHATTN_BWD_SM90_DETERMINISTIC=1 for now).
+ * bp.deterministic orders each query tile's dQ adds by key block, as the sm80 family does.
  *
  * Varlen: the tensor maps span all the packed rows (batch extent 1) and tiles add their
  * sequence's offset, so a tile's rows or a block's keys past the sequence are the next

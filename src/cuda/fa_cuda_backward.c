@@ -129,7 +129,6 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
     key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
     key.features |= fa_bwd_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
-    key.features |= args->deterministic && !fa_plan_bwd_sm90_deterministic() ? FA_PLAN_NO_SM90 : 0;
     fa_plan plan;
     st = fa_plan_backward(&key, &plan);
     if (st != FA_STATUS_OK)

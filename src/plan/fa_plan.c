@@ -278,15 +278,6 @@ static int fa_plan_bwd_sm90_enabled(void)
     return !env || strcmp(env, "0") != 0;
 }
 
-/* Deterministic calls run the sm90 backward (its ordered dQ adds) only with
- * FLASHATTN_BWD_SM90_DETERMINISTIC=1, until that mode has passed test_gpu_backward on a GPU;
- * otherwise they take the sm80 family. */
-int fa_plan_bwd_sm90_deterministic(void)
-{
-    const char *env = getenv("FLASHATTN_BWD_SM90_DETERMINISTIC");
-    return env && strcmp(env, "1") == 0;
-}
-
 /* What the sm90 backward compiles: dense or varlen, aligned, d = dv padding to 64 or 128 (the
  * workspace's padded head dim, which the arch-80 plan sizes, is the same for d > 32); never
  * with FA_PLAN_NO_SM90 (the caller's choice of the sm80 family). */

@@ -19,8 +19,7 @@
 /* Plan-internal feature bits, above the public FA_FEATURE_* ones. */
 #define FA_PLAN_PROBS (1u << 24)   /* the probs output is asked for */
 #define FA_PLAN_LONG (1u << 25)    /* at least FA_PLAN_LONG_ROWS query rows (max_seqlen_q) */
-#define FA_PLAN_NO_SM90 (1u << 26) /* sm80 family: tensors TMA cannot describe, or (backward)
-                                      deterministic */
+#define FA_PLAN_NO_SM90 (1u << 26) /* sm80 family: tensors TMA cannot describe */
 
 typedef struct fa_plan_key {
     int arch; /* compute capability, 10 * major + minor */
@@ -69,9 +68,5 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
  * (precompile, tests); FA_STATUS_UNSUPPORTED, without setting an error, when the family cannot
  * do the case. fa_plan_backward takes it on sm_90 unless FLASHATTN_BWD_SM90=0. */
 fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan);
-
-/* Nonzero when deterministic backward calls may take the sm90 family
- * (FLASHATTN_BWD_SM90_DETERMINISTIC=1); the sm80 family takes them otherwise. */
-int fa_plan_bwd_sm90_deterministic(void);
 
 #endif /* FA_PLAN_H */

@@ -14,9 +14,8 @@
  *   outside every sequence and the keys past seqused_k, as the CPU backward writes them;
  *   an unsupported case (head dim > 128) and a short workspace refused with a message.
  *   On sm_90 every case runs first with FLASHATTN_BWD_SM90=0 (the sm80 family), then the cases
- *   the sm90 family takes run again with the default plan and
- *   FLASHATTN_BWD_SM90_DETERMINISTIC=1: every run must take the sm90 family, and both a
- *   deterministic and the atomic run are held against the oracle.
+ *   the sm90 family takes run again with the default plan: every run must take the sm90 family,
+ *   and both a deterministic and the atomic run are held against the oracle.
  *   FA_TEST_SHARD=i/n runs a share of the cases (tests/gpu/run_sharded.sh).
  * `test_gpu_backward --bench` times the backward (hdim 128, seqlen 4k, bf16, causal and not);
  * `test_gpu_backward --case TEXT` runs only the cases whose name contains TEXT (a short run for
@@ -490,10 +489,8 @@ int main(int argc, char **argv)
     for (sm90_pass = 0; sm90_pass <= (arch == 90); sm90_pass++) {
         if (arch == 90 && !sm90_pass)
             setenv("FLASHATTN_BWD_SM90", "0", 1);
-        if (sm90_pass) {
-            setenv("FLASHATTN_BWD_SM90_DETERMINISTIC", "1", 1);
-            printf("test_gpu_backward: the sm90 family (default plan, deterministic opted in)\n");
-        }
+        if (sm90_pass)
+            printf("test_gpu_backward: the sm90 family (default plan)\n");
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             if ((only && !strstr(cases[i].name, only)) || (sm90_pass && !sm90_takes(&cases[i])))
                 continue;
@@ -503,7 +500,6 @@ int main(int argc, char **argv)
                 run_case(&cases[i], FA_DTYPE_BF16);
         }
         unsetenv("FLASHATTN_BWD_SM90");
-        unsetenv("FLASHATTN_BWD_SM90_DETERMINISTIC");
     }
     if (arch == 90)
         printf("test_gpu_backward: %d runs on the sm90 backward\n", sm90_runs);
