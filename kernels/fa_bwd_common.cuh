@@ -149,7 +149,11 @@ FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
 }
 
 typedef struct fa_bwd_tile {
+#if FA_BWD_ROWS_IN_LANES
+    float lse2[2], dsum[2]; /* lse * log2(e) and D of the tile's rows 2 lane and 2 lane + 1 */
+#else
     const float *lse2, *dsum; /* this stage's rows: lse * log2(e), D */
+#endif
     int dg0;                  /* i - j + sk - sq for query m0 + 2t and this lane's first key */
     int rows, keys;           /* queries m0 + 2t + x exist for x < rows, keys key0 + y for y < keys */
     int wlo, whi;             /* visible iff whi <= i - j + sk - sq <= wlo */
@@ -187,6 +191,17 @@ FA_DEV void fa_bwd_dropout_words(fa_u32 kb, fa_u32 i0, fa_u64 stream, fa_u64 see
 }
 #endif
 
+/* Row il of the tile's lse * log2(e) or D: from the lane that holds it (every lane of the warp
+ * calls this together) or from the stage's rows in shared memory. */
+#if FA_BWD_ROWS_IN_LANES
+FA_DEV float fa_bwd_row(const float v[2], int il)
+{
+    return __shfl_sync(0xffffffffu, v[il & 1], il >> 1);
+}
+#else
+FA_DEV float fa_bwd_row(const float *v, int il) { return v[il]; }
+#endif
+
 /* Element by element on this warp's 16 keys x FA_BM queries: P = 2^(s scale log2 e - lse log2 e)
  * (0 where invisible when masked), then st <- P Z (Z: 1 / (1 - p) kept, 0 dropped) and
  * dpt <- dS / scale = P (dP Z - D) s', s' the softcap's derivative 1 - tanh^2 (1 without
@@ -212,7 +227,7 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             const int il = nt * 8 + 2 * t + (e & 1); /* query within the tile */
             const int x_off = nt * 8 + (e & 1), y_off = 8 * (e >> 1);
             const int dg = tl->dg0 + x_off - y_off;
-            float x = st[nt][e], deriv = 1.f, bias = tl->lse2[il];
+            float x = st[nt][e], deriv = 1.f, bias = fa_bwd_row(tl->lse2, il);
 #if FA_SOFTCAP
             x = tanhf(x * kp->softcap_pre);
             deriv = 1.f - x * x;
@@ -233,7 +248,7 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             const fa_u32 r16 = (g & 1) ? (drop[e] >> 16) : (drop[e] & 0xffffu);
             z = r16 < kp->keep_threshold ? kp->dropout_scale : 0.f;
 #endif
-            dpt[nt][e] = p * (dpt[nt][e] * z - tl->dsum[il]) * deriv;
+            dpt[nt][e] = p * (dpt[nt][e] * z - fa_bwd_row(tl->dsum, il)) * deriv;
             st[nt][e] = p * z;
         }
     }
@@ -247,14 +262,22 @@ FA_DEV void fa_bwd_window(const fa_kparams *kp, int *wlo, int *whi)
 }
 
 /* fa_bwd_probs' view of query tile m0 of head h, sequence s (index bi), for the thread whose
- * first key is key0 and whose lane % 4 is t; lse2 and dsum point to the tile's rows. */
+ * first key is key0 and whose lane % 4 is t; lse2 and dsum point to the tile's rows (with
+ * FA_BWD_ROWS_IN_LANES each lane loads its two of them). */
 FA_DEV fa_bwd_tile fa_bwd_tile_make(const fa_kparams *kp, const fa_seq *s, int bi, int h,
                                     int m0, int key0, int t, int wlo, int whi,
                                     const float *lse2, const float *dsum)
 {
     fa_bwd_tile tl;
+#if FA_BWD_ROWS_IN_LANES
+    const int lane = threadIdx.x & 31;
+    const float2 l = *(const float2 *)(lse2 + 2 * lane), d = *(const float2 *)(dsum + 2 * lane);
+    tl.lse2[0] = l.x, tl.lse2[1] = l.y;
+    tl.dsum[0] = d.x, tl.dsum[1] = d.y;
+#else
     tl.lse2 = lse2;
     tl.dsum = dsum;
+#endif
     tl.dg0 = m0 + 2 * t + (s->sk - s->sq) - key0;
     tl.rows = s->sq - m0 - 2 * t;
     tl.keys = s->sk - key0;

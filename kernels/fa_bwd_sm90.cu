@@ -18,9 +18,14 @@
  *                                        head dim 128 each warpgroup computes 64 columns of dQ over
  *                                        all 128 keys (after a barrier of both), at 64 each adds
  *                                        its own keys' share of all 64 columns; the fp32 result is
- *                                        added to the workspace accumulator (red.global.add.v4.f32
- *                                        in the sm80 family's fragment order, which wgmma's
- *                                        accumulator layout matches) and fa_bwd_convert finishes.
+ *                                        added to the workspace accumulator, whose order (the sm80
+ *                                        family's fragment order) wgmma's accumulator layout
+ *                                        matches, and fa_bwd_convert finishes. Each warp's piece
+ *                                        is 4 KB contiguous there: the warp writes it to its own
+ *                                        shared buffer and one lane adds it with one bulk
+ *                                        reduce-add (the registers free at once; per-fragment
+ *                                        red.global held the next tile's start until they drained).
+ *                                        The deterministic mode adds by red.global in turn.
  * dK, dV stay in registers over every query tile of every query head of the GQA group and are
  * written at the end (dK times the softmax scale).
  *
@@ -35,8 +40,8 @@
  *
  * Shared memory (1024-byte aligned; every tile in 128-byte swizzled rows of 64 columns, column
  * blocks one after another, as TMA writes them): K, V [FA_DP / 64][FA_BN][64]; Q, dO
- * [2 stages][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BN][FA_BM]; mbarriers kv_full, q_full[2],
- * q_empty[2].
+ * [2 stages][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BN][FA_BM]; dQ pieces, fp32 [8 warps][1024]
+ * in the accumulator's order; mbarriers kv_full, q_full[2], q_empty[2].
  */
 #include "fa_bkparams.h"
 
@@ -51,11 +56,14 @@
 #error "fa_bwd_sm90.cu: 64 x 128 tiles, d = dv of 64 or 128 (padded)"
 #endif
 
+/* fa_bwd_probs takes the rows of lse and D from the lanes' registers (fa_bwd_common.cuh). */
+#define FA_BWD_ROWS_IN_LANES 1
 #include "fa_bwd_common.cuh"
 
 #define FA_KV_BYTES (FA_BN * FA_DP * 2) /* one of K, V */
 #define FA_QT_BYTES (FA_BM * FA_DP * 2) /* one stage of Q or dO */
 #define FA_DS_BYTES (FA_BN * FA_BM * 2) /* one dS^T buffer */
+#define FA_DQW_BYTES 4096                /* one warp's dQ piece: 16 rows x 64 columns, fp32 */
 /* dQ: the keys each warpgroup's product reduces over. */
 #define FA_DQ_KEYS (FA_DP == 128 ? FA_BN : FA_BN / 2)
 
@@ -135,12 +143,52 @@ FA_DEV void fa_gemm_kv(float *acc, fa_u32 a[][4], fa_u32 tile)
 }
 
 /* Adds a warp's dQ piece (the wgmma accumulator dq[8][4], 16 rows x 64 columns) to the fp32
- * accumulator at acc, whose blocks of 16 rows x 8 columns the accumulator's layout matches. */
+ * accumulator at acc (this lane's first element), whose blocks of 16 rows x 8 columns the
+ * accumulator's layout matches. */
 FA_DEV void fa_dq_add(float *acc, float dq[8][4])
 {
 #pragma unroll
     for (int c = 0; c < 8; c++)
         fa_red_add_v4(acc + c * 128, dq[c][0], dq[c][1], dq[c][2], dq[c][3]);
+}
+
+/* cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: adds `bytes` of fp32 at shared
+ * address src to global dst, element by element, asynchronously (both 16-byte aligned). */
+FA_DEV void fa_bulk_add_f32(float *dst, fa_u32 src, int bytes)
+{
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+
+FA_DEV void fa_bulk_commit(void) { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+/* cp.async.bulk.wait_group.read 0: this thread's bulk operations have read their sources. */
+FA_DEV void fa_bulk_wait_read(void)
+{
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
+/* The same piece added through the warp's shared buffer buf (FA_DQW_BYTES) by one bulk
+ * reduce-add to acc_w (the piece's first element): each lane writes its 16-byte runs where the
+ * accumulator has them. The wait is for lane 0's previous add to have read the buffer (the
+ * other lanes have none to wait for; a branch around it made ptxas spill). */
+FA_DEV void fa_dq_add_bulk(float *acc_w, fa_u32 buf, int lane, float dq[8][4])
+{
+    fa_bulk_wait_read();
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(buf + c * 512 + lane * 16),
+                     "f"(dq[c][0]), "f"(dq[c][1]), "f"(dq[c][2]), "f"(dq[c][3])
+                     : "memory");
+    /* The writes, made by the generic proxy, become visible to the bulk copy's async proxy. */
+    fa_fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) {
+        fa_bulk_add_f32(acc_w, buf, FA_DQW_BYTES);
+        fa_bulk_commit();
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
@@ -152,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const fa_u32 k_s = (fa_smem_addr(fa_smem) + 1023u) & ~1023u;
     const fa_u32 v_s = k_s + FA_KV_BYTES, q_s = v_s + FA_KV_BYTES;
     const fa_u32 do_s = q_s + 2 * FA_QT_BYTES, ds_s = do_s + 2 * FA_QT_BYTES;
-    const fa_u32 kv_full = ds_s + 2 * FA_DS_BYTES;
+    const fa_u32 dq_s = ds_s + 2 * FA_DS_BYTES, kv_full = dq_s + 4 * FA_NCW * FA_DQW_BYTES;
     const fa_u32 q_full = kv_full + 8, q_empty = q_full + 16; /* [2] each, 8 bytes apart */
 
     /* Deterministic mode dispatches the key blocks last to first, as the sm80 family does (the
@@ -246,6 +294,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
         const fa_i64 row0 = fa_bwd_row0(&bp, h, bi) + m0;
 
+        /* The tile's rows of lse and D, two per lane, loaded here so that the products below
+         * hide their latency (read where fa_bwd_probs needs them, they stalled it). */
         const fa_bwd_tile tl = fa_bwd_tile_make(kp, &seq, bi, h, m0, key0, t, wlo, whi,
                                                 bp.lse2 + row0, bp.dsum + row0);
 
@@ -323,9 +373,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 
         /* dQ rows m0 + 16w .. + 15, columns dq_col0 .. + 63: 16 x 8 blocks (r16, c8) of the
          * accumulator, this lane's four values at 4 lane, in the order of dq[c][0..3]. */
-        float *acc = bp.dq_accum + row0 * FA_DP + (fa_i64)w * 16 * FA_DP + dq_col0 * 16 + 4 * lane;
+        float *acc_w = bp.dq_accum + row0 * FA_DP + (fa_i64)w * 16 * FA_DP + dq_col0 * 16;
+        float *acc = acc_w + 4 * lane;
         if (!bp.deterministic) {
-            fa_dq_add(acc, dq);
+            fa_dq_add_bulk(acc_w, dq_s + (ct >> 5) * FA_DQW_BYTES, lane, dq);
         } else {
             /* The tile's turn: every later key block that meets it has added (the sm80
              * family's counter, in the same workspace). At head dim 64 both warpgroups add to
@@ -348,6 +399,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         h = hn;
         mb = mbn;
     }
+    /* The last bulk add has read its buffer before the CTA's shared memory goes. */
+    fa_bulk_wait_read();
 
     fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, dk, dv);
 }
