@@ -19,7 +19,8 @@ Split-KV: where a row's keys need no position of their own (one query row, or no
 and no window, ALiBi or sinks) the keys may be cut into num_splits chunks, each its own varlen
 sequence with the g query heads of a kv head packed as its rows, merged by a softmax over the
 chunks' lse (the partial outputs rounded to the dtype on the way: a half-ulp more error than
-upstream's fp32 partials). num_splits 0 or 1 never splits (bench/NOTES.md). Written
+upstream's fp32 partials). num_splits 1 never splits; 0 splits into 8 where the unsplit
+kernel would take longer than the split path's extra host work (_auto_splits). Written
 device-neutral: the CPU tests run it against the reference.
 """
 
@@ -60,12 +61,38 @@ def _rows(pos, b, s_c, page, block_table, cache_batch_idx):
     return torch.arange(b, device=pos.device)[:, None] * s_c + pos
 
 
+# The model behind num_splits 0, from bench/NOTES.md (H200, bf16, d 128, fifth session): an
+# unsplit CTA spends ~0.36 ms on 32k keys (one 128-row query tile's products per key block
+# whatever the rows in use), the CTAs run in waves of one per SM, and the split path costs ~0.15
+# ms more host time (its merge is torch ops). 8 chunks: the count measured there.
+_MS_PER_KEY = 0.36 / 32768
+_SPLIT_HOST_MS = 0.15
+_AUTO_SPLITS = 8
+_SMS = {}  # device index -> multiprocessor count
+
+
+def _auto_splits(b, sq, h, cap, sms):
+    """num_splits 0: _AUTO_SPLITS where the unsplit call's estimated kernel time (b h query
+    tiles of 128 rows, each over cap keys, in waves of sms) exceeds the split path's extra host
+    time, else 1."""
+    waves = -(-(b * h * -(-sq // 128)) // sms)
+    return _AUTO_SPLITS if waves * cap * _MS_PER_KEY > _SPLIT_HOST_MS else 1
+
+
+def _sm_count(device):
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
 def _splits(num_splits, q, cap, causal, window_left, window_right, alibi_slopes,
             learnable_sink):
     """How many chunks to cut each sequence's keys into (1: none)."""
     if (causal and q.shape[1] > 1) or window_left >= 0 or window_right >= 0 or \
             alibi_slopes is not None or learnable_sink is not None or cap < 2:
         return 1
+    if num_splits == 0 and q.is_cuda:
+        num_splits = _auto_splits(q.shape[0], q.shape[1], q.shape[2], cap, _sm_count(q.device))
     return min(max(num_splits, 1), cap)
 
 
