@@ -11,7 +11,7 @@ counterpart, ranks needed to allocate outputs), allocates the outputs, fills an 
 calls ``fa_attention_forward``. Every other rule is checked by the C library, whose message
 names the argument; ``forward`` renames the C argument names to the caller's.
 ``forward_dense_torch`` is the same for the commonest torch call, with the prepared arguments
-cached per call signature.
+cached per call signature; ``forward_dense_out`` its cached path without the lse, in one step.
 """
 
 import ctypes
@@ -654,11 +654,16 @@ def _repeat_call(call, q, k, v, others, want_lse, seed=0):
     args.seed = seed & 0xFFFFFFFFFFFFFFFF
     status = call.fn(call.ref)
     if status != _lib.STATUS_OK:
-        try:
-            _lib.check(status)
-        except FlashAttnError as e:
-            raise FlashAttnError(_rename(str(e), call.names), e.status) from None
+        _call_failed(call, status)
     return out, lse
+
+
+def _call_failed(call, status):
+    """Raises the library's error for a cached call's status, in the caller's argument names."""
+    try:
+        _lib.check(status)
+    except FlashAttnError as e:
+        raise FlashAttnError(_rename(str(e), call.names), e.status) from None
 
 
 def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, seed,
@@ -697,6 +702,38 @@ def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, 
         # Inputs used as they are (no contiguous copy), so the signature says it all.
         _keep_call(cache, key, _CachedCall(args, keep, q, out, lse, names))
     return out, lse
+
+
+def forward_dense_out(q, k, v, softmax_scale, causal, window_size, softcap):
+    """``forward_dense_torch(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, 0,
+    want_lse=False)[0]``, its cached path written out in one function: a small call's host
+    time is mostly Python calls and attribute reads, and this is the commonest call."""
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, q.is_neg(),
+               k.shape, k.stride(), k.dtype, k.device, k.is_neg(),
+               v.shape, v.stride(), v.dtype, v.device, v.is_neg(),
+               0.0, softmax_scale, causal, window_size, softcap, False)
+    except RuntimeError:
+        key = None
+    calls = getattr(_LOCAL, "calls", None)
+    call = calls.get(key) if calls is not None and key is not None else None
+    if call is None or not call.like_q:
+        return forward_dense_torch(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, 0,
+                                   want_lse=False)[0]
+    out = sys.modules["torch"].empty_like(q)
+    tq, tk, tv, to = call.tensors[:4]
+    tq.data = q.data_ptr()
+    tk.data = k.data_ptr()
+    tv.data = v.data_ptr()
+    to.data = out.data_ptr()
+    args = call.args
+    if call.cuda is not None:
+        args.stream = _raw_stream(call.cuda)
+    args.seed = 0
+    status = call.fn(call.ref)
+    if status != _lib.STATUS_OK:
+        _call_failed(call, status)
+    return out
 
 
 def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,

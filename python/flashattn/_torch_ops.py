@@ -655,15 +655,16 @@ def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         softmax_scale = q.shape[3] ** -0.5
     elif type(softmax_scale) not in _FAST_SCALARS:
         return None
-    tensors = (q, k, v)
-    if not _eager(tensors):
+    # _eager's checks; q, k and v are plain tensors already.
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state()):
         return None
-    left, right = _core.window_pair(window_size)
-    if _needs_grad(tensors):
-        return _DenseFastFn.apply(q, k, v, (float(softmax_scale), causal, left, right,
+    window = _core.window_pair(window_size)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _DenseFastFn.apply(q, k, v, (float(softmax_scale), causal, window[0], window[1],
                                             float(softcap), bool(deterministic)))
-    return _core.forward_dense_torch(q, k, v, 0.0, float(softmax_scale), causal, (left, right),
-                                     float(softcap), 0, want_lse=False)[0]
+    return _core.forward_dense_out(q, k, v, float(softmax_scale), causal, window, float(softcap))
 
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
