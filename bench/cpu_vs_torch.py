@@ -29,10 +29,17 @@ sys.path.insert(0, os.path.join(REPO, "python"))
 import flashattn  # noqa: E402
 
 
+SETTLE_S = 0.02  # --settle-ms
+
+
 def best_times(ours, theirs, reps):
     """Best seconds per call of each, over interleaved rounds (ours, then theirs, in turn, so
     that both see the same machine): at least `reps` rounds, more for short calls (up to ~0.3 s
-    of each, at most 200 rounds), whose best-of-few on a shared machine is mostly noise."""
+    of each, at most 200 rounds), whose best-of-few on a shared machine is mostly noise.
+    Each call starts SETTLE_S after the previous one ends: torch's OpenMP workers spin for about
+    a millisecond after each parallel region (libgomp's default wait policy) and would take the
+    cores from whichever call comes next (measured on the H200 host: our 4k decode 1.58 ms
+    right after torch's call, 0.53 with OMP_WAIT_POLICY=PASSIVE)."""
     fns = (ours, theirs)
     first = []
     for fn in fns:
@@ -43,6 +50,7 @@ def best_times(ours, theirs, reps):
     best = [float("inf"), float("inf")]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
+            time.sleep(SETTLE_S)
             t = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - t)
@@ -128,7 +136,11 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="smaller shapes (s=1024, h=8)")
     ap.add_argument("--only", default="", help="run the cases whose name matches this regex")
+    ap.add_argument("--settle-ms", type=float, default=20.0,
+                    help="idle time before each timed call (0: back to back)")
     a = ap.parse_args()
+    global SETTLE_S
+    SETTLE_S = a.settle_ms * 1e-3
     torch.set_num_threads(a.threads)
     os.environ["FLASHATTN_NUM_THREADS"] = str(a.threads)
     h, s = (8, 1024) if a.quick else (32, 2048)
