@@ -10,15 +10,14 @@ validates what only Python can know (array kinds, devices, dtypes that have no C
 counterpart, ranks needed to allocate outputs), allocates the outputs, fills an fa_fwd_args and
 calls ``fa_attention_forward``. Every other rule is checked by the C library, whose message
 names the argument; ``forward`` renames the C argument names to the caller's.
-``forward_dense_torch`` is the same for the commonest torch call, with the prepared arguments
-cached per call signature; ``forward_dense_out`` its cached path without the lse, in one step.
+``_cached`` holds the commonest torch calls' fast form, their prepared arguments cached per
+call signature.
 """
 
 import ctypes
 import operator
 import re
 import sys
-import threading
 
 from . import _lib
 from ._lib import FlashAttnError
@@ -575,191 +574,6 @@ def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_s
                            window_size, dropout_p, softcap, softmax_scale, causal, seed, offset,
                            num_threads, target)
     return args, keep, (q, k, v, cu_q, cu_k, used_k, alibi, sinks), out, lse, probs, names
-
-
-class _CachedCall:
-    """The prepared fa_fwd_args of one call signature (``forward_dense_torch``,
-    ``forward_varlen_torch``): the FaTensors whose data pointers are swapped in per call (q, k, v,
-    out, lse, then the varlen form's other tensors in ``_fwd_args``' order), the outputs'
-    shapes, the CUDA device index (None on the CPU), whose current stream each call reads, the
-    names for error messages and the library call itself. like_q: torch.empty_like(q), the
-    cheapest allocation, gives out's shape and strides (q's strides are part of the signature,
-    so it always will)."""
-
-    __slots__ = ("args", "tensors", "out_shape", "lse_shape", "dtype", "device", "cuda", "fn",
-                 "ref", "like_q", "names")
-
-    def __init__(self, args, keep, q, out, lse, names):
-        self.args = args
-        self.fn = _lib.get_lib().fa_attention_forward
-        self.ref = ctypes.byref(args)
-        torch = sys.modules["torch"]
-        self.like_q = out.shape == q.shape and torch.empty_like(q).stride() == out.stride()
-        self.tensors = keep
-        self.out_shape = out.shape
-        self.lse_shape = lse.shape if lse is not None else None
-        self.dtype = out.dtype
-        self.device = out.device
-        self.cuda = out.device.index if out.device.type == "cuda" else None
-        self.names = names
-
-
-_LOCAL = threading.local()  # per-thread _CachedCall caches: the C call runs without the GIL
-_CALL_CACHE_SIZE = 64
-
-
-def _signature(*tensors):
-    """What a cached call depends on of each tensor (None stays None); raises RuntimeError for
-    tensors without strides (sparse and other layouts)."""
-    return tuple(None if x is None else
-                 (x.shape, x.stride(), x.dtype, x.device, x.is_neg()) for x in tensors)
-
-
-def _call_cache():
-    cache = getattr(_LOCAL, "calls", None)
-    if cache is None:
-        cache = _LOCAL.calls = {}
-    return cache
-
-
-def _keep_call(cache, key, call):
-    if len(cache) >= _CALL_CACHE_SIZE:
-        cache.clear()
-    cache[key] = call
-
-
-def _repeat_call(call, q, k, v, others, want_lse, seed=0):
-    """One more call of a cached signature on new tensors (q, k, v and the varlen form's
-    others, None left out) with new outputs: (out, lse or None)."""
-    torch = sys.modules["torch"]
-    if call.like_q:
-        out = torch.empty_like(q)
-    else:
-        out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
-    tq, tk, tv, to, tl = call.tensors[:5]
-    tq.data = q.data_ptr()
-    tk.data = k.data_ptr()
-    tv.data = v.data_ptr()
-    to.data = out.data_ptr()
-    lse = None
-    if want_lse:
-        lse = torch.empty(call.lse_shape, dtype=torch.float32, device=call.device)
-        tl.data = lse.data_ptr()
-    if others:
-        for slot, x in zip(call.tensors[5:], others):
-            slot.data = x.data_ptr()
-    args = call.args
-    if call.cuda is not None:
-        args.stream = _raw_stream(call.cuda)
-    args.seed = seed & 0xFFFFFFFFFFFFFFFF
-    status = call.fn(call.ref)
-    if status != _lib.STATUS_OK:
-        _call_failed(call, status)
-    return out, lse
-
-
-def _call_failed(call, status):
-    """Raises the library's error for a cached call's status, in the caller's argument names."""
-    try:
-        _lib.check(status)
-    except FlashAttnError as e:
-        raise FlashAttnError(_rename(str(e), call.names), e.status) from None
-
-
-def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, seed,
-                        want_lse=True):
-    """``forward`` for the commonest torch call, (out, lse): dense, no ALiBi, sinks or probs,
-    new fp32-lse outputs; the floats already floats and ``window_size`` a pair of ints. Without
-    ``want_lse`` the library writes no lse and lse is None.
-
-    Everything Python checks and builds depends only on the tensors' metadata and the
-    options, so it is done once per signature and cached (per thread, a bounded number of
-    signatures): a later call with the same signature only allocates the outputs and swaps
-    in the data pointers, the current stream and the seed before calling the library, which
-    validates every call itself."""
-    try:
-        key = (q.shape, q.stride(), q.dtype, q.device, q.is_neg(),
-               k.shape, k.stride(), k.dtype, k.device, k.is_neg(),
-               v.shape, v.stride(), v.dtype, v.device, v.is_neg(),
-               dropout_p, softmax_scale, causal, window_size, softcap, want_lse)
-    except RuntimeError:  # no strides (sparse and other layouts): forward says why
-        out, lse = forward(q, k, v, kind=TORCH, dropout_p=dropout_p,
-                           softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           softcap=softcap, seed=seed)[:2]
-        return out, lse if want_lse else None
-    cache = _call_cache()
-    call = cache.get(key)
-    if call is not None:
-        return _repeat_call(call, q, k, v, None, want_lse, seed)
-    args, keep, arrays, out, lse, _, names = _prepare_forward(
-        q, k, v, TORCH, None, None, None, 0, 0, dropout_p, softmax_scale, causal,
-        window_size, softcap, None, None, False, seed, 0, None, None, None, None, 0)
-    if not want_lse:
-        args.lse = None
-        lse = None
-    _call_forward(args, names)
-    if arrays[0] is q and arrays[1] is k and arrays[2] is v:
-        # Inputs used as they are (no contiguous copy), so the signature says it all.
-        _keep_call(cache, key, _CachedCall(args, keep, q, out, lse, names))
-    return out, lse
-
-
-def forward_dense_out(q, k, v, softmax_scale, causal, window_size, softcap):
-    """``forward_dense_torch(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, 0,
-    want_lse=False)[0]``, its cached path written out in one function: a small call's host
-    time is mostly Python calls and attribute reads, and this is the commonest call."""
-    try:
-        key = (q.shape, q.stride(), q.dtype, q.device, q.is_neg(),
-               k.shape, k.stride(), k.dtype, k.device, k.is_neg(),
-               v.shape, v.stride(), v.dtype, v.device, v.is_neg(),
-               0.0, softmax_scale, causal, window_size, softcap, False)
-    except RuntimeError:
-        key = None
-    calls = getattr(_LOCAL, "calls", None)
-    call = calls.get(key) if calls is not None and key is not None else None
-    if call is None or not call.like_q:
-        return forward_dense_torch(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, 0,
-                                   want_lse=False)[0]
-    out = sys.modules["torch"].empty_like(q)
-    tq, tk, tv, to = call.tensors[:4]
-    tq.data = q.data_ptr()
-    tk.data = k.data_ptr()
-    tv.data = v.data_ptr()
-    to.data = out.data_ptr()
-    args = call.args
-    if call.cuda is not None:
-        args.stream = _raw_stream(call.cuda)
-    args.seed = 0
-    status = call.fn(call.ref)
-    if status != _lib.STATUS_OK:
-        _call_failed(call, status)
-    return out
-
-
-def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                         max_seqlen_k, softmax_scale, causal, window_size, softcap,
-                         alibi_slopes=None, sinks=None, want_lse=True, names=None):
-    """``forward``'s varlen form for torch tensors, cached per signature as
-    ``forward_dense_torch`` is (no dropout or probs; the ints and floats already Python ints
-    and floats, ``window_size`` a pair): (out, lse or None)."""
-    others = (cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks)
-    key = ("varlen", _signature(q, k, v, *others), max_seqlen_q, max_seqlen_k, softmax_scale,
-           causal, window_size, softcap, want_lse, tuple(sorted(names.items())) if names else ())
-    cache = _call_cache()
-    call = cache.get(key)
-    if call is not None:
-        return _repeat_call(call, q, k, v, [x for x in others if x is not None], want_lse)
-    args, keep, arrays, out, lse, _, nms = _prepare_forward(
-        q, k, v, TORCH, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, 0.0,
-        softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, False, 0, 0, None,
-        None, None, names, 0)
-    if not want_lse:
-        args.lse = None
-        lse = None
-    _call_forward(args, nms)
-    if all(a is b for a, b in zip(arrays, (q, k, v) + others)):
-        _keep_call(cache, key, _CachedCall(args, keep, q, out, lse, nms))
-    return out, lse
 
 
 def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=None,

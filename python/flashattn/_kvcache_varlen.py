@@ -26,7 +26,7 @@ device-neutral: the CPU tests run it against the reference.
 
 import torch
 
-from . import _core
+from . import _cached
 from ._lib import FlashAttnError
 from ._paged import page_rows
 from .layers.rotary import apply_rotary_emb
@@ -143,7 +143,7 @@ def _attend(q, kc, vc, used, cap, alibi_slopes, learnable_sink, softmax_scale, c
     sinks = learnable_sink
     if sinks is not None and sinks.dtype != torch.float32:
         sinks = sinks.float()
-    out, lse = _core.forward_varlen_torch(
+    out, lse = _cached.forward_varlen_torch(
         q.reshape(b * sq, h, d), kc, vc, cu_q, cu_k, used, sq, cap,
         None if softmax_scale is None else float(softmax_scale), bool(causal),
         (int(window_left), int(window_right)), float(softcap), alibi_slopes, sinks, want_lse,
@@ -184,7 +184,7 @@ def _attend_split(q, kc, vc, used, cap, n, softmax_scale, softcap, want_lse):
     cu_q, cu_k, first = _split_index(b, rows, cap, n, span, q.device)
     qp = q.reshape(b, 1, sq, hk, g, d).transpose(3, 4).expand(b, n, sq, g, hk, d)
     used_k = (used[:, None] - first).clamp_(0, span).view(-1)
-    out_p, lse_p = _core.forward_varlen_torch(
+    out_p, lse_p = _cached.forward_varlen_torch(
         qp.reshape(b * n * rows, hk, d), kc, vc, cu_q, cu_k, used_k, rows, span,
         None if softmax_scale is None else float(softmax_scale), False, (-1, -1),
         float(softcap), want_lse=True, names=_NAMES)

@@ -49,7 +49,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _core
+from . import _cached, _core
 from ._lib import FlashAttnError
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -151,7 +151,7 @@ def _fwd_outputs(q, k, v, alibi_slopes, learnable_sink, seed, dropout_p, softmax
             causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
             sinks=learnable_sink, return_softmax=return_softmax, seed=s, offset=0, lse=lse)
     else:
-        out, lse = _core.forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window,
+        out, lse = _cached.forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window,
                                              softcap, s)
         probs = None
     return out, lse, probs, s
@@ -406,7 +406,7 @@ class _DenseFastFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, options):
         scale, causal, left, right, softcap, _ = options
-        out, lse = _core.forward_dense_torch(q, k, v, 0.0, scale, causal, (left, right), softcap,
+        out, lse = _cached.forward_dense_torch(q, k, v, 0.0, scale, causal, (left, right), softcap,
                                              0)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (0.0,) + options
@@ -642,9 +642,9 @@ def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     """``flash_attn_func``'s commonest call in one step, or None where it does not apply: plain
     fp16/bf16/fp32 tensors, no dropout, ALiBi, sinks or probs, plain Python scalars, outside
     any compile, trace or mode. Without gradients such a call goes straight to
-    ``_core.forward_dense_torch`` (which validates in C and caches per signature) and asks for
-    no lse; with them, to ``_DenseFastFn``; both with the values the general path would give
-    them. Anything else returns None, for the general path to convert, check and name."""
+    ``_cached.forward_dense_out`` (the library validates, Python's work is cached per
+    signature), which writes no lse; with them, to ``_DenseFastFn``; both with the values the
+    general path would give them. Anything else returns None, for the general path to convert, check and name."""
     T = torch.Tensor
     if (type(q) is not T or type(k) is not T or type(v) is not T or alibi_slopes is not None
             or learnable_sink is not None or return_attn_probs is not False
@@ -664,7 +664,7 @@ def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _DenseFastFn.apply(q, k, v, (float(softmax_scale), causal, window[0], window[1],
                                             float(softcap), bool(deterministic)))
-    return _core.forward_dense_out(q, k, v, float(softmax_scale), causal, window, float(softcap))
+    return _cached.forward_dense_out(q, k, v, float(softmax_scale), causal, window, float(softcap))
 
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

@@ -306,7 +306,7 @@ def test_signature_cache_swaps_data_not_results(rng):
     threads sharing signatures (the library runs without the GIL)."""
     import threading
 
-    from flashattn import _core
+    from flashattn import _cached, _core
 
     def inputs():
         return [_t(rng, 1, 7, 2, 16) for _ in range(3)]
@@ -318,21 +318,21 @@ def test_signature_cache_swaps_data_not_results(rng):
 
     sets = [inputs() for _ in range(6)]
     for q, k, v in sets:
-        out, lse = _core.forward_dense_torch(q, k, v, 0.0, None, True, (-1, -1), 0.0, 0)
+        out, lse = _cached.forward_dense_torch(q, k, v, 0.0, None, True, (-1, -1), 0.0, 0)
         want_out, want_lse = uncached(q, k, v)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     q, k, v = sets[0]
     strided = torch.randn(1, 7, 2, 32)[..., ::2]  # last dim not contiguous: copied
-    out, _ = _core.forward_dense_torch(strided, k, v, 0.0, None, True, (-1, -1), 0.0, 0)
+    out, _ = _cached.forward_dense_torch(strided, k, v, 0.0, None, True, (-1, -1), 0.0, 0)
     assert torch.equal(out, uncached(strided.contiguous(), k, v)[0])
-    out, _ = _core.forward_dense_torch(q, k, v, 0.0, None, True, (-1, -1), 0.0, 0)
+    out, _ = _cached.forward_dense_torch(q, k, v, 0.0, None, True, (-1, -1), 0.0, 0)
     assert torch.equal(out, uncached(q, k, v)[0])
     # q dense but permuted (heads outermost): out keeps the library's own [b, s, h, d] layout on
     # the cached call too (torch.empty_like(q) would copy q's order), with and without lse.
     for want_lse in (True, False):
         for _ in range(2):
             qp = _t(rng, 1, 2, 7, 16).transpose(1, 2)
-            out, _ = _core.forward_dense_torch(qp, k, v, 0.0, None, True, (-1, -1), 0.0, 0,
+            out, _ = _cached.forward_dense_torch(qp, k, v, 0.0, None, True, (-1, -1), 0.0, 0,
                                                want_lse=want_lse)
             assert out.is_contiguous() and torch.equal(out, uncached(qp, k, v)[0])
 
@@ -364,13 +364,13 @@ def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
     gives bitwise the general path's out over the options it takes (Python ints and floats
     alike), without gradients writes no lse, with them gives the general path's gradients, and
     leaves every other call to the general path."""
-    from flashattn import _core
+    from flashattn import _cached
 
     # The fast path without gradients enters at forward_dense_out ("out"), which falls back on
     # forward_dense_torch (want_lse False) for a signature it has not cached; the general path
     # asks forward_dense_torch for the lse (True).
     taken = []
-    real, real_out = _core.forward_dense_torch, _core.forward_dense_out
+    real, real_out = _cached.forward_dense_torch, _cached.forward_dense_out
 
     def spy(*args, **kwargs):
         taken.append(kwargs.get("want_lse", True))
@@ -383,8 +383,8 @@ def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
     def fast_no_lse():
         return taken[:1] == ["out"] and True not in taken
 
-    monkeypatch.setattr(_core, "forward_dense_torch", spy)
-    monkeypatch.setattr(_core, "forward_dense_out", out_spy)
+    monkeypatch.setattr(_cached, "forward_dense_torch", spy)
+    monkeypatch.setattr(_cached, "forward_dense_out", out_spy)
     fast_calls = []
     real_fast = _torch_ops.dense_fast
 
