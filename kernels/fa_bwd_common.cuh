@@ -347,32 +347,12 @@ FA_DEV void fa_bwd_store_dkdv(const fa_bkparams *bp, int bi, int hk, int key0, i
         fa_u16 *dvr = (fa_u16 *)bp->dv + bi * bp->dv_bstride + (k_start + key) * bp->dv_rstride +
                       hk * bp->dv_hstride;
 #pragma unroll
-        for (int nt = 0; nt < FA_DP / 8; nt++) {
-            const int col = nt * 8 + 2 * t;
-            const float k0 = dk[nt][2 * hf] * kp->scale, k1 = dk[nt][2 * hf + 1] * kp->scale;
-#if FA_VEC
-            if (col < kp->d)
-                *(fa_u32 *)(dkr + col) = fa_pack2(k0, k1);
-#else
-            if (col < kp->d)
-                dkr[col] = fa_from_float(k0);
-            if (col + 1 < kp->d)
-                dkr[col + 1] = fa_from_float(k1);
-#endif
-        }
+        for (int nt = 0; nt < FA_DP / 8; nt++)
+            fa_store_pair(dkr, nt * 8 + 2 * t, kp->d, dk[nt][2 * hf] * kp->scale,
+                          dk[nt][2 * hf + 1] * kp->scale);
 #pragma unroll
-        for (int nt = 0; nt < FA_DVP / 8; nt++) {
-            const int col = nt * 8 + 2 * t;
-#if FA_VEC
-            if (col < kp->dv)
-                *(fa_u32 *)(dvr + col) = fa_pack2(dv[nt][2 * hf], dv[nt][2 * hf + 1]);
-#else
-            if (col < kp->dv)
-                dvr[col] = fa_from_float(dv[nt][2 * hf]);
-            if (col + 1 < kp->dv)
-                dvr[col + 1] = fa_from_float(dv[nt][2 * hf + 1]);
-#endif
-        }
+        for (int nt = 0; nt < FA_DVP / 8; nt++)
+            fa_store_pair(dvr, nt * 8 + 2 * t, kp->dv, dv[nt][2 * hf], dv[nt][2 * hf + 1]);
     }
 }
 

@@ -127,17 +127,8 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_convert(const fa_bkpara
             const int row = r16 * 16 + g + 8 * hf;
             if (row >= (FA_VARLEN ? seq.sq : kp->max_sq))
                 continue;
-            fa_u16 *dqr = dqb + (fa_i64)row * bp.dq_rstride;
-            const float a = v[2 * hf] * kp->scale, b = v[2 * hf + 1] * kp->scale;
-#if FA_VEC
-            if (col < kp->d)
-                *(fa_u32 *)(dqr + col) = fa_pack2(a, b);
-#else
-            if (col < kp->d)
-                dqr[col] = fa_from_float(a);
-            if (col + 1 < kp->d)
-                dqr[col + 1] = fa_from_float(b);
-#endif
+            fa_store_pair(dqb + (fa_i64)row * bp.dq_rstride, col, kp->d, v[2 * hf] * kp->scale,
+                          v[2 * hf + 1] * kp->scale);
         }
     }
 }

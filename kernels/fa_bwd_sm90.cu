@@ -374,7 +374,6 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         /* dQ rows m0 + 16w .. + 15, columns dq_col0 .. + 63: 16 x 8 blocks (r16, c8) of the
          * accumulator, this lane's four values at 4 lane, in the order of dq[c][0..3]. */
         float *acc_w = bp.dq_accum + row0 * FA_DP + (fa_i64)w * 16 * FA_DP + dq_col0 * 16;
-        float *acc = acc_w + 4 * lane;
         if (!bp.deterministic) {
             fa_dq_add_bulk(acc_w, dq_s + (ct >> 5) * FA_DQW_BYTES, lane, dq);
         } else {
@@ -389,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 #pragma unroll 1
             for (int turn = 0; turn < (FA_DP == 128 ? 1 : 2); turn++) {
                 if (FA_DP == 128 || cw == turn)
-                    fa_dq_add(acc, dq);
+                    fa_dq_add(acc_w + 4 * lane, dq);
                 __threadfence();
                 fa_bar_sync(4, 256);
             }

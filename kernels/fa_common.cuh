@@ -70,6 +70,21 @@ FA_DEV fa_u32 fa_pack2(float lo, float hi)
     return r;
 }
 
+/* Columns col and col + 1 of a 16-bit row (lo and hi, a C fragment's pair), those below n: one
+ * 32-bit store where FA_VEC promises aligned rows and an even n, else one element at a time. */
+FA_DEV void fa_store_pair(fa_u16 *row, int col, int n, float lo, float hi)
+{
+#if FA_VEC
+    if (col < n)
+        *(fa_u32 *)(row + col) = fa_pack2(lo, hi);
+#else
+    if (col < n)
+        row[col] = fa_from_float(lo);
+    if (col + 1 < n)
+        row[col + 1] = fa_from_float(hi);
+#endif
+}
+
 /* 2^x on the special-function unit; -inf gives 0, which the online softmax relies on. */
 FA_DEV float fa_exp2(float x)
 {

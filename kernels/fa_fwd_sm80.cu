@@ -431,16 +431,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #pragma unroll
             for (int ot = 0; ot < FA_OT; ot++) {
                 const int col = ot * 8 + 2 * t;
-                const float v0 = o[mt][ot][2 * hf] * scale, v1 = o[mt][ot][2 * hf + 1] * scale;
-#if FA_VEC
-                if (col < kp.dv)
-                    *(fa_u32 *)(og + col) = fa_pack2(v0, v1);
-#else
-                if (col < kp.dv)
-                    og[col] = fa_from_float(v0);
-                if (col + 1 < kp.dv)
-                    og[col + 1] = fa_from_float(v1);
-#endif
+                fa_store_pair(og, col, kp.dv, o[mt][ot][2 * hf] * scale,
+                              o[mt][ot][2 * hf + 1] * scale);
             }
             if (kp.lse && t == 0)
                 kp.lse[bi * kp.lse_bstride + h * kp.lse_hstride +

@@ -18,7 +18,8 @@ void fa_kparams_fill(const fa_params *p, struct fa_kparams *kp);
 
 /* The sm90 families' tensor maps of p's q, k, v (and dout when not NULL): 128B swizzle, boxes of
  * 64 columns by bm query rows (q, dout) or bn keys (k, v), zero fill out of bounds; varlen maps
- * span all the packed rows. Nonzero when the driver refuses one (strides TMA cannot take). */
+ * span all the packed rows. Nonzero when one cannot be made (strides TMA cannot take, or varlen
+ * rows past TMA's int coordinates): the sm80 families take the call then. */
 struct fa_cuda_driver;
 struct fa_cu_tensor_map;
 int fa_cuda_tmaps_encode(const struct fa_cuda_driver *d, const fa_params *p, int bm, int bn,

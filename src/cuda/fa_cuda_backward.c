@@ -82,7 +82,6 @@ typedef struct fa_bwd_tmaps {
     fa_cu_tensor_map q, k, v, dout;
 } fa_bwd_tmaps;
 
-
 /* Launches `entry` of plan's module with the parameter block (and, when tm is not NULL, the
  * tensor maps after it). */
 static fa_status fa_bwd_launch(const fa_cuda_driver *d, const fa_plan *plan, fa_cu_context ctx,
@@ -135,10 +134,8 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
         return st;
     fa_bwd_tmaps tmaps, *tm = NULL;
     if (strcmp(plan.family, "fa_bwd_sm90.cu") == 0) {
-        /* TMA coordinates are ints: packed rows past them go to the sm80 family. */
         tm = &tmaps;
-        if ((p->is_varlen && (p->total_q > INT32_MAX / 2 || p->total_k > INT32_MAX / 2)) ||
-            fa_cuda_tmaps_encode(fa_cuda_driver_get(), p, plan.bm, plan.bn, &tm->q, &tm->k,
+        if (fa_cuda_tmaps_encode(fa_cuda_driver_get(), p, plan.bm, plan.bn, &tm->q, &tm->k,
                                  &tm->v, &tm->dout) != 0) {
             tm = NULL;
             key.features |= FA_PLAN_NO_SM90;

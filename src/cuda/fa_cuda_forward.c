@@ -150,12 +150,13 @@ static int fa_cuda_tmap(const fa_cuda_driver *d, fa_cu_tensor_map *map, fa_dtype
     return 0;
 }
 
-
 int fa_cuda_tmaps_encode(const fa_cuda_driver *d, const fa_params *p, int bm, int bn,
                          fa_cu_tensor_map *q, fa_cu_tensor_map *k, fa_cu_tensor_map *v,
                          fa_cu_tensor_map *dout)
 {
-    if (!d || !d->tensor_map_encode_tiled)
+    /* TMA coordinates are ints: packed varlen rows past them are not described. */
+    if (!d || !d->tensor_map_encode_tiled ||
+        (p->is_varlen && (p->total_q > INT32_MAX / 2 || p->total_k > INT32_MAX / 2)))
         return 1;
     /* Varlen: one "sequence" of all the packed rows; tiles add their sequence's offset. */
     const int vl = p->is_varlen;
@@ -221,7 +222,6 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     const int sm90 = strcmp(plan.family, "fa_fwd_sm90.cu") == 0;
     fa_cuda_tmaps tmaps;
     if (sm90 && ((p->max_sq + plan.bm - 1) / plan.bm * p->h * p->b > INT32_MAX ||
-                 (p->is_varlen && (p->total_q > INT32_MAX / 2 || p->total_k > INT32_MAX / 2)) ||
                  fa_cuda_tmaps_encode(fa_cuda_driver_get(), p, plan.bm, plan.bn, &tmaps.q,
                                       &tmaps.k, &tmaps.v, NULL) != 0)) {
         key.features |= FA_PLAN_NO_SM90;
