@@ -249,6 +249,12 @@ static void fa_bwd_zero_uncovered(const fa_params *p)
 fa_status fa_cpu_backward(const fa_params *p)
 {
     const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
+    fa_cpu_hint_rows(p->dq_data, p, p->max_sq, p->total_q, p->h, p->d, p->dq_bstride,
+                     p->dq_rstride, p->dq_hstride);
+    fa_cpu_hint_rows(p->dk_data, p, p->max_sk, p->total_k, p->hk, p->d, p->dk_bstride,
+                     p->dk_rstride, p->dk_hstride);
+    fa_cpu_hint_rows(p->dv_data, p, p->max_sk, p->total_k, p->hk, p->dv, p->dv_bstride,
+                     p->dv_rstride, p->dv_hstride);
     fa_bwd_zero_uncovered(p);
 
     int64_t n_q = fa_bwd_chunks_make(p, 0, FA_CPU_BM, NULL);
@@ -264,7 +270,8 @@ fa_status fa_cpu_backward(const fa_params *p)
     job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);
     job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
     if (fused)
-        job.dq_ws = malloc((size_t)(p->total_q * p->h * fa_cpu_gemm_pad(p->d) + 1) * real_size);
+        job.dq_ws =
+            fa_memory_alloc((size_t)(p->total_q * p->h * fa_cpu_gemm_pad(p->d) + 1) * real_size);
     fa_status st = FA_STATUS_OK;
     if (!job.dsum || !job.dsink_partial || !job.chunks || !job.scratch || (fused && !job.dq_ws)) {
         st = fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for the backward workspace");

@@ -177,6 +177,8 @@ static void fa_cpu_fill_uncovered(const fa_params *p)
 
 fa_status fa_cpu_forward(const fa_params *p)
 {
+    fa_cpu_hint_rows(p->out, p, p->max_sq, p->total_q, p->h, p->dv, p->o_bstride, p->o_rstride,
+                     p->o_hstride);
     fa_cpu_fill_uncovered(p);
 
     const int64_t bm = fa_cpu_forward_tile_rows(p);

@@ -2,9 +2,11 @@
 #ifndef FA_CPU_KERNEL_H
 #define FA_CPU_KERNEL_H
 
+#include "api/fa_internal.h"
 #include "cpu/fa_cpu_gemm.h"
 #include "cpu/fa_cpu_math.h"
 #include "util/fa_half.h"
+#include "util/fa_memory.h"
 #include "util/fa_philox.h"
 
 #define FA_CPU_BM 64 /* query rows per tile (backward) */
@@ -31,5 +33,23 @@
 #else
 #define FA_CPU_CLONES
 #endif
+
+/* Hints huge pages under an array laid out as q's or k's rows, [b, rows, heads, cols] dense or
+ * [total, heads, cols] varlen (rows: p->max_sq or p->max_sk, total: p->total_q or p->total_k),
+ * in p's dtype, before the kernels write it (util/fa_memory.h says why). */
+static inline void fa_cpu_hint_rows(const void *data, const fa_params *p, int64_t rows,
+                                    int64_t total, int64_t heads, int64_t cols, int64_t bstride,
+                                    int64_t rstride, int64_t hstride)
+{
+    const size_t esize = fa_dtype_size(p->dtype);
+    if (p->is_varlen) {
+        const int64_t sizes[3] = {total, heads, cols}, strides[3] = {rstride, hstride, 1};
+        fa_memory_hint_array(data, 3, sizes, strides, esize);
+    } else {
+        const int64_t sizes[4] = {p->b, rows, heads, cols};
+        const int64_t strides[4] = {bstride, rstride, hstride, 1};
+        fa_memory_hint_array(data, 4, sizes, strides, esize);
+    }
+}
 
 #endif /* FA_CPU_KERNEL_H */

@@ -1,0 +1,57 @@
+/*
+ * Huge-page hints. Linux's transparent huge pages default to "madvise" on common
+ * distributions: a mapping gets 2 MiB pages only where madvise(MADV_HUGEPAGE) asked for them.
+ * The hint covers the 2 MiB-aligned interior of a buffer, so it never reaches memory outside
+ * it; below two huge pages it is not worth the system call.
+ */
+#include <stdlib.h>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "util/fa_memory.h"
+
+#define FA_HUGE_PAGE ((uintptr_t)2 << 20)
+
+static void fa_memory_hint_range(uintptr_t lo, uintptr_t hi)
+{
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t start = (lo + FA_HUGE_PAGE - 1) & ~(FA_HUGE_PAGE - 1);
+    const uintptr_t end = hi & ~(FA_HUGE_PAGE - 1);
+    if (end > start && end - start >= 2 * FA_HUGE_PAGE)
+        (void)madvise((void *)start, end - start, MADV_HUGEPAGE); /* a refusal changes nothing */
+#else
+    (void)lo;
+    (void)hi;
+#endif
+}
+
+void fa_memory_hint_array(const void *base, int ndim, const int64_t *sizes,
+                          const int64_t *strides, size_t esize)
+{
+    int64_t lo = 0, hi = 0; /* element offsets of the first and last elements */
+    for (int i = 0; i < ndim; i++) {
+        if (sizes[i] <= 0)
+            return;
+        const int64_t reach = (sizes[i] - 1) * strides[i];
+        if (reach < 0)
+            lo += reach;
+        else
+            hi += reach;
+    }
+    const uintptr_t at = (uintptr_t)base;
+    fa_memory_hint_range(at + (uintptr_t)(lo * (int64_t)esize),
+                         at + (uintptr_t)((hi + 1) * (int64_t)esize));
+}
+
+void *fa_memory_alloc(size_t bytes)
+{
+    if (bytes < 2 * FA_HUGE_PAGE)
+        return malloc(bytes);
+    const size_t size = (bytes + FA_HUGE_PAGE - 1) & ~(FA_HUGE_PAGE - 1);
+    void *p = aligned_alloc(FA_HUGE_PAGE, size);
+    if (p)
+        fa_memory_hint_range((uintptr_t)p, (uintptr_t)p + size);
+    return p;
+}
