@@ -6,12 +6,24 @@
  * it waits for the workers: waking a sleeping thread takes tens of microseconds (more in a VM),
  * which is the whole cost of a decoding step, and back-to-back calls (decoding, the passes of
  * the backward) find the workers awake. OpenMP runtimes spin the same way.
+ *
+ * Sleeping workers wait on a 32-bit word the caller bumps with each job, on Linux with a futex:
+ * one system call wakes all of them and each runs at once. (Through a condition variable each
+ * woken worker had to take the mutex in turn, and on the 16-core device host a decoding step
+ * after an idle spell cost ~0.9 ms instead of ~0.36 ms.)
  */
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "api/fa_internal.h"
 #include "util/fa_threadpool.h"
@@ -21,13 +33,14 @@
 
 typedef struct fa_pool {
     pthread_mutex_t call_lock; /* one job at a time */
-    pthread_mutex_t lock;      /* guards sleeping and the wait on the condition variables */
-    pthread_cond_t wake;
+    pthread_mutex_t lock;      /* guards worker creation and the waits on the conditions */
+    pthread_cond_t wake;       /* without futexes: signals a change of word */
     pthread_cond_t done;
     pthread_t workers[FA_POOL_MAX_THREADS];
     uint64_t born[FA_POOL_MAX_THREADS]; /* the job word when worker i was created */
     int n_workers;
-    int sleepers; /* workers waiting on wake */
+    atomic_int sleepers; /* workers asleep on word, or about to be */
+    atomic_uint word;    /* bumped after each job is published; sleepers wait on its change */
     /* The job word: generation << 16 | thread count, published (release) after the fields
      * below. A worker the job does not need reads nothing else, so it never races with the
      * next call rewriting them; the workers it needs finish before that call can start. */
@@ -93,6 +106,30 @@ static int fa_pool_spin_pending(atomic_int *x)
     }
 }
 
+/* Sleeps while pool->word == seen (returns at once if it already differs; may return early). */
+static void fa_pool_sleep(fa_pool *pool, unsigned seen)
+{
+#if defined(__linux__)
+    syscall(SYS_futex, &pool->word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+#else
+    pthread_mutex_lock(&pool->lock);
+    while (atomic_load(&pool->word) == seen)
+        pthread_cond_wait(&pool->wake, &pool->lock);
+    pthread_mutex_unlock(&pool->lock);
+#endif
+}
+
+static void fa_pool_wake_all(fa_pool *pool)
+{
+#if defined(__linux__)
+    syscall(SYS_futex, &pool->word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#else
+    pthread_mutex_lock(&pool->lock);
+    pthread_cond_broadcast(&pool->wake);
+    pthread_mutex_unlock(&pool->lock);
+#endif
+}
+
 static void *fa_pool_worker(void *arg)
 {
     fa_pool *pool = &fa_the_pool;
@@ -104,14 +141,17 @@ static void *fa_pool_worker(void *arg)
     for (;;) {
         uint64_t job = fa_pool_spin_job(&pool->job, seen);
         if (job == seen) {
-            /* The caller publishes, then broadcasts under the lock if anyone sleeps: checking
-             * again under the lock cannot miss a job. */
-            pthread_mutex_lock(&pool->lock);
-            pool->sleepers++;
-            while ((job = atomic_load_explicit(&pool->job, memory_order_acquire)) == seen)
-                pthread_cond_wait(&pool->wake, &pool->lock);
-            pool->sleepers--;
-            pthread_mutex_unlock(&pool->lock);
+            /* Sequentially consistent, against the caller's publish-bump-count (there): either
+             * the caller counts this sleeper and wakes it, or the job is seen here, or the word
+             * has moved and the futex returns at once. */
+            atomic_fetch_add(&pool->sleepers, 1);
+            for (;;) {
+                const unsigned w = atomic_load(&pool->word);
+                if ((job = atomic_load(&pool->job)) != seen)
+                    break;
+                fa_pool_sleep(pool, w);
+            }
+            atomic_fetch_sub(&pool->sleepers, 1);
         }
         seen = job;
         if (index + 1 >= (int)(job & 0xffff))
@@ -170,10 +210,11 @@ fa_status fa_parallel_for(int num_threads, int64_t n_items, fa_task_fn fn, void 
     atomic_store_explicit(&pool->next, 0, memory_order_relaxed);
     atomic_store_explicit(&pool->pending, num_threads - 1, memory_order_relaxed);
     const uint64_t gen = (atomic_load_explicit(&pool->job, memory_order_relaxed) >> 16) + 1;
-    atomic_store_explicit(&pool->job, gen << 16 | (uint64_t)num_threads, memory_order_release);
-    if (pool->sleepers > 0)
-        pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->lock);
+    atomic_store(&pool->job, gen << 16 | (uint64_t)num_threads);
+    atomic_fetch_add(&pool->word, 1);
+    if (atomic_load(&pool->sleepers) > 0)
+        fa_pool_wake_all(pool);
 
     fa_pool_drain(pool, 0);
 
