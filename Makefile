@@ -17,6 +17,8 @@ build:
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 	ln -sf $(abspath $(BUILD_DIR))/libflashattn.so python/flashattn/libflashattn.so
+	if [ -f $(BUILD_DIR)/_fastpath.abi3.so ]; then \
+		ln -sf $(abspath $(BUILD_DIR))/_fastpath.abi3.so python/flashattn/_fastpath.abi3.so; fi
 
 run: build
 	$(BUILD_DIR)/flashattn bench --batch 1 --heads 16 --seqlen 2048 --head-dim 128 --dtype fp32
@@ -48,6 +50,8 @@ gpu-check: gpu-build
 gpu-build:
 	cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
 	cmake --build build-cuda -j $(JOBS)
+	if [ -f build-cuda/_fastpath.abi3.so ]; then \
+		ln -sf $(abspath build-cuda)/_fastpath.abi3.so python/flashattn/_fastpath.abi3.so; fi
 	build-cuda/flashattn info
 
 gpu-tests:

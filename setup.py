@@ -8,7 +8,9 @@ Environment knobs:
     FLASHATTN_PREBUILT_LIBRARY copy this libflashattn.so instead of building one
     CMAKE                      the cmake executable (default: cmake on PATH)
 
-The library does not link against Python, so the wheel is tagged py3-none-<platform>.
+The library does not link against Python. Where Python's headers are found the build adds the
+package's C fast path (python/flashattn/_fastpath.c), a limited-API extension, and the wheel is
+tagged cp38-abi3-<platform> (one wheel for CPython >= 3.8); without it, py3-none-<platform>.
 """
 
 import glob
@@ -27,6 +29,8 @@ from setuptools.dist import Distribution
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LIB_NAME = {"darwin": "libflashattn.dylib"}.get(sys.platform, "libflashattn.so")
+FASTPATH_NAME = "_fastpath.abi3.so"
+FASTPATH_BUILT = []  # set once build_library has packaged the C fast path
 
 # What the CMake build needs; shipped in the sdist.
 C_TREE = ["CMakeLists.txt", "Makefile", "include", "src", "ref", "tools", "kernels", "cmake",
@@ -65,7 +69,8 @@ def build_library(out_dir, log=print):
     jobs = os.environ.get("FLASHATTN_BUILD_JOBS") or str(os.cpu_count() or 2)
     with tempfile.TemporaryDirectory(prefix="flashattn-build-") as tmp:
         configure = [cmake, "-S", ROOT, "-B", tmp, "-DCMAKE_BUILD_TYPE=Release",
-                     "-DFA_BUILD_TESTS=OFF", "-DFA_WERROR=OFF"]
+                     "-DFA_BUILD_TESTS=OFF", "-DFA_WERROR=OFF",
+                     "-DPython3_EXECUTABLE=" + sys.executable]
         configure += shlex.split(os.environ.get("FLASHATTN_CMAKE_ARGS", ""))
         log("flashattn: " + " ".join(configure))
         subprocess.check_call(configure)
@@ -78,7 +83,22 @@ def build_library(out_dir, log=print):
             built = found[0]
         shutil.copyfile(os.path.realpath(built), dest)  # the real file, not the symlink chain
         os.chmod(dest, 0o755)
+        build_fastpath(cmake, tmp, jobs, out_dir, log)
     return dest
+
+
+def build_fastpath(cmake, tmp, jobs, out_dir, log):
+    """The C fast path, where CMake found Python's headers; the package works without it."""
+    dest = os.path.join(out_dir, FASTPATH_NAME)
+    if os.path.lexists(dest):
+        os.remove(dest)
+    if subprocess.call([cmake, "--build", tmp, "--target", "flashattn_fastpath", "-j", jobs]):
+        log("flashattn: the C fast path was not built (no Python headers?); the Python path "
+            "serves every call")
+        return
+    shutil.copyfile(os.path.join(tmp, FASTPATH_NAME), dest)
+    os.chmod(dest, 0o755)
+    FASTPATH_BUILT.append(dest)
 
 
 class BuildPy(build_py):
@@ -119,7 +139,7 @@ class SDist(sdist):
 
 cmdclass = {"build_py": BuildPy, "sdist": SDist}
 
-try:  # a wheel that does not depend on the Python ABI: py3-none-<platform>
+try:  # py3-none-<platform>, or cp38-abi3-<platform> with the limited-API fast path
     try:
         from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
     except ImportError:  # setuptools < 70.1
@@ -132,7 +152,7 @@ try:  # a wheel that does not depend on the Python ABI: py3-none-<platform>
 
         def get_tag(self):
             _, _, plat = super().get_tag()
-            return "py3", "none", plat
+            return ("cp38", "abi3", plat) if FASTPATH_BUILT else ("py3", "none", plat)
 
     cmdclass["bdist_wheel"] = BdistWheel
 except ImportError:

@@ -10,12 +10,19 @@ in one function, for ``flash_attn_func``'s commonest call.
 """
 
 import ctypes
+import struct
 import sys
 import threading
 
 from . import _lib
-from ._core import TORCH, _call_forward, _prepare_forward, _raw_stream, _rename, forward
-from ._lib import FlashAttnError
+from ._core import (TORCH, _call_forward, _prepare_forward, _raw_stream, _rename, forward,
+                    window_pair)
+from ._lib import FaTensor, FlashAttnError
+
+try:  # flash_attn_func's commonest call in C (_fastpath.c); absent where it was not built
+    from . import _fastpath
+except ImportError:
+    _fastpath = None
 
 
 class _CachedCall:
@@ -28,7 +35,7 @@ class _CachedCall:
     so it always will)."""
 
     __slots__ = ("args", "tensors", "out_shape", "lse_shape", "dtype", "device", "cuda", "fn",
-                 "ref", "like_q", "names")
+                 "ref", "like_q", "names", "fast")
 
     def __init__(self, args, keep, q, out, lse, names):
         self.args = args
@@ -43,6 +50,18 @@ class _CachedCall:
         self.device = out.device
         self.cuda = out.device.index if out.device.type == "cuda" else None
         self.names = names
+        self.fast = self._fast_fields() if self.like_q else None
+
+    def _fast_fields(self):
+        """What _fastpath.dense writes and calls, eight int64 (its struct fp_fast): the addresses
+        of the library's forward, of the arguments, of the data fields of q, k, v and out and of
+        the stream field (0 on the CPU), then the CUDA device index (-1 on the CPU)."""
+        data = FaTensor.data.offset
+        args = ctypes.addressof(self.args)
+        return struct.pack("=8q", ctypes.cast(self.fn, ctypes.c_void_p).value, args,
+                           *(ctypes.addressof(t) + data for t in self.tensors[:4]),
+                           args + type(self.args).stream.offset if self.cuda is not None else 0,
+                           -1 if self.cuda is None else self.cuda)
 
 
 _LOCAL = threading.local()  # per-thread _CachedCall caches: the C call runs without the GIL
@@ -170,6 +189,22 @@ def forward_dense_out(q, k, v, softmax_scale, causal, window_size, softcap):
     if status != _lib.STATUS_OK:
         _call_failed(call, status)
     return out
+
+
+def bind_fastpath(torch):
+    """``_fastpath.dense`` bound to torch's callables (once torch is imported), or None where
+    the extension was not built. It returns flash_attn_func's out for the calls that
+    ``forward_dense_out`` serves once their signature is cached, None for any other; the
+    caller checks ``torch.compiler.is_compiling()`` first (Dynamo cannot trace C)."""
+    if _fastpath is None:
+        return None
+    C = torch._C
+    raw = getattr(C, "_cuda_getCurrentRawStream", None) or _raw_stream
+    _fastpath.bind(torch.Tensor, torch.float64, torch.empty_like, C._len_torch_dispatch_stack,
+                   C._is_torch_function_mode_enabled, C._are_functorch_transforms_active,
+                   C._get_tracing_state, torch.is_grad_enabled, _LOCAL, window_pair, raw,
+                   _call_failed, 1)
+    return _fastpath.dense
 
 
 def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,

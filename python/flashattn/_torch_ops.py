@@ -637,6 +637,10 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
 _FAST_SCALARS = (float, int)
 
 
+# dense_fast's no-gradient calls in C once their signature is cached (None: not built).
+DENSE_C = _cached.bind_fastpath(torch)
+
+
 def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, learnable_sink):
     """``flash_attn_func``'s commonest call in one step, or None where it does not apply: plain

@@ -41,13 +41,18 @@ __all__ = [
 
 
 _TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and torch)
+_DENSE_C = None  # its DENSE_C: flash_attn_func's commonest call in C, where built
+_IS_COMPILING = None  # torch.compiler.is_compiling, with _DENSE_C
 
 
 def _ops():
+    global _DENSE_C, _IS_COMPILING
     if not _TORCH_OPS:
         from . import _torch_ops as module
 
         _TORCH_OPS.append(module)
+        _IS_COMPILING = module.torch.compiler.is_compiling
+        _DENSE_C = module.DENSE_C
     return _TORCH_OPS[0]
 
 
@@ -300,7 +305,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             (batch_size, nheads, round_up(seqlen_q, 128), round_up(seqlen_k, 128)).
     """
     # The host cost of small calls is mostly Python: the commonest torch call skips the layers
-    # below (once torch calls have loaded _torch_ops).
+    # below (once torch calls have loaded _torch_ops), in C where the extension was built.
+    # Dynamo cannot trace into C: while compiling, the Python path (which it traces) is taken.
+    if _DENSE_C is not None and not _IS_COMPILING():
+        out = _DENSE_C(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, return_attn_probs, learnable_sink)
+        if out is not None:
+            return out
     if _TORCH_OPS:
         out = _TORCH_OPS[0].dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size,
                                        softcap, alibi_slopes, deterministic, return_attn_probs,

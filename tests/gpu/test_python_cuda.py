@@ -152,13 +152,24 @@ def test_dropout_seed_from_cuda_generator():
     assert torch.equal(torch.rand(4), x)
 
 
-def test_current_stream_and_no_sync():
+def test_current_stream_and_no_sync(monkeypatch):
+    """Every call runs on the caller's current stream, the C fast path's too (it serves the
+    calls after the first of a signature), and none synchronises."""
+    from flashattn import _cached
+    from flashattn import flash_attn_interface as fi
+
     q, k, v = (x.cuda() for x in _qkv(4, 1024, 1024, 8, 8, 128, 128, torch.float16, seed=9))
     ref = flash_attn_func(q, k, v, causal=True)
+    assert fi._DENSE_C is not None, "the C fast path (python/flashattn/_fastpath.c) was not built"
+    served, real = [], fi._DENSE_C
+    monkeypatch.setattr(fi, "_DENSE_C", lambda *a: served.append(real(*a)) or served[-1])
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         outs = [flash_attn_func(q, k, v, causal=True) for _ in range(3)]
+    assert served[-1] is not None
+    streams = [c.args.stream for c in _cached._LOCAL.calls.values() if c.fast is not None]
+    assert s.cuda_stream in streams
     s.synchronize()
     for o in outs:
         assert torch.equal(o, ref)

@@ -363,8 +363,10 @@ def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
     """flash_attn_func's one-step path (plain tensors, no dropout, ALiBi, sinks or probs)
     gives bitwise the general path's out over the options it takes (Python ints and floats
     alike), without gradients writes no lse, with them gives the general path's gradients, and
-    leaves every other call to the general path."""
+    leaves every other call to the general path. A signature's first call prepares it in Python,
+    every later one runs in C (_fastpath)."""
     from flashattn import _cached
+    from flashattn import flash_attn_interface as fi
 
     # The fast path without gradients enters at forward_dense_out ("out"), which falls back on
     # forward_dense_torch (want_lse False) for a signature it has not cached; the general path
@@ -380,8 +382,10 @@ def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
         taken.append("out")
         return real_out(*args)
 
-    def fast_no_lse():
-        return taken[:1] == ["out"] and True not in taken
+    in_c = []
+
+    def fast_no_lse():  # served in C (a signature cached earlier) or by forward_dense_out
+        return (taken == [] and in_c[-1:] == [True]) or (taken[:1] == ["out"] and True not in taken)
 
     monkeypatch.setattr(_cached, "forward_dense_torch", spy)
     monkeypatch.setattr(_cached, "forward_dense_out", out_spy)
@@ -399,12 +403,23 @@ def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
                dict(softcap=3, dropout_p=0, softmax_scale=1), dict(window_size=(-5, 7)),
                dict(causal=True, softcap=2.5, window_size=(2**40, 3))]
     flash_attn_func(q, k, v)  # the first torch call of a process loads the ops
+    assert fi._DENSE_C is not None, "the C fast path (python/flashattn/_fastpath.c) was not built"
+    real_c = fi._DENSE_C
+
+    def c_spy(*args):
+        out = real_c(*args)
+        in_c.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fi, "_DENSE_C", c_spy)
     for kw in options:
         taken.clear()
+        in_c.clear()
         fast = flash_attn_func(q, k, v, **kw)
         assert fast_no_lse(), kw
         n = len(taken)
-        assert torch.equal(flash_attn_func(q, k, v, **kw), fast) and taken[n:] == ["out"], kw
+        again = flash_attn_func(q, k, v, **kw)
+        assert torch.equal(again, fast) and taken[n:] == [] and in_c[-1], kw
         taken.clear()
         general, _, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kw)
         assert taken == [True], kw
@@ -426,6 +441,7 @@ def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
     for fast, general in zip(*grads):
         assert not torch.equal(fast, torch.zeros_like(fast)) and torch.equal(fast, general)
     taken.clear()
+    in_c.clear()
     with torch.no_grad():
         flash_attn_func(q, k, v)
     assert fast_no_lse()

@@ -1,0 +1,136 @@
+"""flash_attn_func's C fast path (python/flashattn/_fastpath.c): once a call signature is
+prepared in Python, later calls run in C. Each test checks the C path's answer against the
+Python path's on the same inputs (the C path turned off), bitwise, and that the C path, not
+Python, served the call."""
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from flashattn import FlashAttnError, _cached, flash_attn_func
+from flashattn import flash_attn_interface as fi
+
+
+@pytest.fixture
+def c_path(monkeypatch):
+    """A record of the C path's answers (True: it served the call), the extension required."""
+    flash_attn_func(*(torch.randn(1, 2, 1, 8) for _ in range(3)))  # loads the torch ops
+    real = fi._DENSE_C
+    assert real is not None, "the C fast path (python/flashattn/_fastpath.c) was not built"
+    served = []
+
+    def spy(*args):
+        out = real(*args)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fi, "_DENSE_C", spy)
+    return served
+
+
+def _python_path(monkeypatch, *args, **kwargs):
+    with monkeypatch.context() as m:
+        m.setattr(fi, "_DENSE_C", None)
+        return flash_attn_func(*args, **kwargs)
+
+
+def _randn(rng, *shape, dtype=torch.float32):
+    return torch.tensor(rng.standard_normal(shape), dtype=torch.float32).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_second_call_runs_in_c_and_matches(rng, monkeypatch, c_path, dtype):
+    """Strided views, GQA, d not a multiple of 8, every option the path takes: the second call
+    of each signature is served in C, with the Python path's bits."""
+    base = _randn(rng, 2, 13, 6, 40, dtype=dtype)
+    q = base[:, :, 1:5, 3:23]                      # strided view: (2, 13, 4, 20)
+    k = _randn(rng, 2, 17, 2, 20, dtype=dtype)
+    v = _randn(rng, 17, 2, 3, 24, dtype=dtype).transpose(0, 1)[:, :, 1:3, 2:22]  # (2, 17, 2, 20)
+    options = [dict(), dict(causal=True), dict(window_size=(3, 0), softmax_scale=0.25),
+               dict(softcap=5, softmax_scale=1), dict(window_size=[2, 2])]
+    for kw in options:
+        first = flash_attn_func(q, k, v, **kw)
+        c_path.clear()
+        second = flash_attn_func(q, k, v, **kw)
+        assert c_path == [True], kw
+        expect = _python_path(monkeypatch, q, k, v, **kw)
+        assert torch.isfinite(second).all() and not torch.equal(second, torch.zeros_like(second))
+        assert torch.equal(second, expect) and torch.equal(second, first), kw
+
+
+def test_in_place_changes_of_a_tensor_are_seen(rng, monkeypatch, c_path):
+    """The same tensor objects with new shapes, strides or dtype in place: never the stale
+    prepared call."""
+    q, k, v = (_randn(rng, 1, 12, 2, 16) for _ in range(3))
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v)
+    q.transpose_(1, 2).transpose_(1, 2)  # same layout back: still the prepared call
+    c_path.clear()
+    flash_attn_func(q, k, v)
+    assert c_path == [True]
+    k.resize_(1, 9, 2, 16).normal_()    # fewer keys
+    v.set_(_randn(rng, 1, 9, 2, 16))    # new storage
+    q.data = _randn(rng, 1, 12, 2, 16, dtype=torch.bfloat16)  # new dtype behind the object
+    k.data, v.data = k.data.bfloat16(), v.data.bfloat16()
+    c_path.clear()
+    got = flash_attn_func(q, k, v)
+    assert c_path == [False] and got.dtype == torch.bfloat16 and got.shape == (1, 12, 2, 16)
+    again = flash_attn_func(q, k, v)
+    assert c_path == [False, True]
+    assert torch.equal(got, again) and torch.equal(again, _python_path(monkeypatch, q, k, v))
+
+
+def test_negative_view_takes_the_python_path(rng, monkeypatch, c_path):
+    """A tensor with the negative bit (as the imaginary part of a conjugate view has it), with
+    the strides of a plain twin whose signature is prepared, is never served as its twin."""
+    plain, k, v = (_randn(rng, 1, 8, 2, 16) for _ in range(3))
+    flash_attn_func(plain, k, v)
+    flash_attn_func(plain, k, v)
+    neg = torch._neg_view(plain)
+    assert neg.is_neg() and neg.stride() == plain.stride()
+    got = flash_attn_func(neg, k, v)
+    assert torch.equal(got, _python_path(monkeypatch, -plain, k, v))
+    assert not torch.equal(got, flash_attn_func(plain, k, v))
+
+
+def test_library_failure_is_raised(rng, c_path):
+    """A failing library call through the C path raises FlashAttnError and returns nothing."""
+    q, k, v = (_randn(rng, 1, 8, 2, 16) for _ in range(3))
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v)
+    failing = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda args: 2)
+    calls = [c for c in _cached._LOCAL.calls.values() if c.fast is not None]
+    saved = [c.fast for c in calls]
+    try:
+        for c in calls:
+            c.fast = ctypes.c_int64(ctypes.cast(failing, ctypes.c_void_p).value).value.to_bytes(
+                8, "little", signed=True) + c.fast[8:]
+        c_path.clear()
+        with pytest.raises(FlashAttnError):
+            flash_attn_func(q, k, v)
+        assert c_path == []  # the C path raised: no answer recorded
+    finally:
+        for c, f in zip(calls, saved):
+            c.fast = f
+    assert torch.isfinite(flash_attn_func(q, k, v)).all()
+
+
+def test_other_calls_go_to_python(rng, c_path):
+    """Gradients, dropout, probs, subclasses and NumPy arrays are not the C path's."""
+    q, k, v = (_randn(rng, 1, 8, 2, 16) for _ in range(3))
+    flash_attn_func(q, k, v)
+    qg = q.clone().requires_grad_()
+    for args, kw in (((qg, k, v), {}), ((q, k, v), dict(dropout_p=0.1)),
+                     ((q, k, v), dict(return_attn_probs=True)),
+                     ((torch.nn.Parameter(q), k, v), {})):
+        c_path.clear()
+        flash_attn_func(*args, **kw)
+        assert c_path == [False], kw
+    out = flash_attn_func(qg, k, v)
+    out.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    arrays = [x.numpy() for x in (q, k, v)]
+    c_path.clear()
+    got = flash_attn_func(*arrays)
+    assert isinstance(got, np.ndarray) and c_path in ([], [False])
