@@ -82,18 +82,15 @@ static int fp_key_tensor(PyObject *key, Py_ssize_t at, PyObject *t)
     return 0;
 }
 
-/* t.data_ptr() into *slot; -1 with an exception. */
-static int fp_store_data_ptr(PyObject *t, int64_t slot)
+/* t.data_ptr() into *ptr; -1 with an exception. */
+static int fp_data_ptr(PyObject *t, void **ptr)
 {
     PyObject *p = PyObject_CallMethodObjArgs(t, fp_str_data_ptr, NULL);
     if (!p)
         return -1;
-    void *ptr = PyLong_AsVoidPtr(p);
+    *ptr = PyLong_AsVoidPtr(p);
     Py_DECREF(p);
-    if (!ptr && PyErr_Occurred())
-        return -1;
-    *(void **)(uintptr_t)slot = ptr;
-    return 0;
+    return !*ptr && PyErr_Occurred() ? -1 : 0;
 }
 
 /* The checks of _torch_ops.dense_fast that need no tensor attribute: 1 if they pass, else 0. */
@@ -137,14 +134,16 @@ static int fp_common_call(PyObject *const *a, PyObject *shape, PyObject *dtype)
     return 1;
 }
 
-/* float(x) for the key (a new reference): x itself when it is a float already. */
+/* float(x) for the key (a new reference; NULL with OverflowError as float(x) raises it): x
+ * itself when it is a float already. */
 static PyObject *fp_as_float(PyObject *x)
 {
     if (PyFloat_CheckExact(x)) {
         Py_INCREF(x);
         return x;
     }
-    return PyFloat_FromDouble(PyLong_AsDouble(x));
+    const double value = PyLong_AsDouble(x);
+    return value == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(value);
 }
 
 /* _core.window_pair(w) (a new reference): a tuple of two ints is normalised here (negative or
@@ -244,26 +243,33 @@ static int fp_fast_read(PyObject *call, fp_fast *f)
     return st;
 }
 
-/* The call itself: new out, pointers and stream swapped in, the library run without the GIL. */
+/* The call itself: new out, pointers and stream swapped in, the library run without the GIL.
+ * Every Python call comes before the first write into the prepared arguments: Python code run
+ * in between (a finalizer, say) could make a call of the same signature on this thread, which
+ * would write them too. */
 static PyObject *fp_run(PyObject *const *a, PyObject *call, const fp_fast *f)
 {
     PyObject *out = PyObject_CallFunctionObjArgs(fp.empty_like, a[0], NULL);
     if (!out)
         return NULL;
     PyObject *tensors[4] = {a[0], a[1], a[2], out};
+    void *ptrs[4], *stream = NULL;
     for (int i = 0; i < 4; i++)
-        if (fp_store_data_ptr(tensors[i], f->slots[i]) != 0)
+        if (fp_data_ptr(tensors[i], &ptrs[i]) != 0)
             goto fail;
     if (f->device >= 0) {
         PyObject *s = PyObject_CallFunction(fp.raw_stream, "L", (long long)f->device);
         if (!s)
             goto fail;
-        void *stream = PyLong_AsVoidPtr(s);
+        stream = PyLong_AsVoidPtr(s);
         Py_DECREF(s);
         if (!stream && PyErr_Occurred())
             goto fail;
-        *(void **)(uintptr_t)f->stream = stream;
     }
+    for (int i = 0; i < 4; i++)
+        *(void **)(uintptr_t)f->slots[i] = ptrs[i];
+    if (f->device >= 0)
+        *(void **)(uintptr_t)f->stream = stream;
     fa_forward_fn fn = (fa_forward_fn)(uintptr_t)f->fn;
     PyThreadState *ts = PyEval_SaveThread();
     const int status = fn((void *)(uintptr_t)f->args);

@@ -116,7 +116,7 @@ def test_library_failure_is_raised(rng, c_path):
     assert torch.isfinite(flash_attn_func(q, k, v)).all()
 
 
-def test_other_calls_go_to_python(rng, c_path):
+def test_other_calls_go_to_python(rng, monkeypatch, c_path):
     """Gradients, dropout, probs, subclasses and NumPy arrays are not the C path's."""
     q, k, v = (_randn(rng, 1, 8, 2, 16) for _ in range(3))
     flash_attn_func(q, k, v)
@@ -130,6 +130,12 @@ def test_other_calls_go_to_python(rng, c_path):
     out = flash_attn_func(qg, k, v)
     out.sum().backward()
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    for path in ("c", "python"):  # an int scale beyond a float: float()'s error either way
+        with monkeypatch.context() as m:
+            if path == "python":
+                m.setattr(fi, "_DENSE_C", None)
+            with pytest.raises(OverflowError):
+                flash_attn_func(q, k, v, softmax_scale=10**400)
     arrays = [x.numpy() for x in (q, k, v)]
     c_path.clear()
     got = flash_attn_func(*arrays)
