@@ -105,13 +105,11 @@ static int fp_plain_arguments(PyObject *const *a)
            (softmax_scale == Py_None || fp_is_scalar(softmax_scale));
 }
 
-/* The rest of dense_fast's checks, on q's shape and dtype as the key holds them: 1 if the call
- * is the common one (plain eager, 4-D, not fp64, no dropout, no gradient to record), 0 if not,
- * -1 with an exception. */
-static int fp_common_call(PyObject *const *a, PyObject *shape, PyObject *dtype)
+/* The rest of dense_fast's checks but q's rank and dtype: 1 if the call is plain eager
+ * without dropout or a gradient to record, 0 if not, -1 with an exception. They come before
+ * the key is built, so that a call with gradients loses little here before the Python path. */
+static int fp_eager_no_grad(PyObject *const *a)
 {
-    if (PyTuple_Size(shape) != 4 || dtype == fp.float64)
-        return 0;
     int t = PyObject_IsTrue(a[3]); /* dropout_p */
     if (t != 0)
         return t < 0 ? -1 : 0;
@@ -296,14 +294,22 @@ static PyObject *fp_dense(PyObject *self, PyObject *args)
         return NULL;
     if (!fp.bound || !fp_plain_arguments(a))
         Py_RETURN_NONE;
-    /* _cached.forward_dense_out's key, item for item; its q shape and dtype serve the checks. */
+    int st = fp_eager_no_grad(a);
+    if (st <= 0) {
+        if (st < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    /* _cached.forward_dense_out's key, item for item; its q shape and dtype serve the last
+     * checks (4-D, not fp64). */
     PyObject *key = PyTuple_New(21), *call = NULL, *out = NULL;
     if (!key)
         return NULL;
-    int st = fp_key_tensor(key, 0, a[0]) == 0 && fp_key_tensor(key, 5, a[1]) == 0 &&
-                     fp_key_tensor(key, 10, a[2]) == 0
-                 ? fp_common_call(a, PyTuple_GetItem(key, 0), PyTuple_GetItem(key, 2))
-                 : -1;
+    st = fp_key_tensor(key, 0, a[0]) == 0 && fp_key_tensor(key, 5, a[1]) == 0 &&
+                 fp_key_tensor(key, 10, a[2]) == 0
+             ? PyTuple_Size(PyTuple_GetItem(key, 0)) == 4 &&
+                   PyTuple_GetItem(key, 2) != fp.float64
+             : -1;
     if (st == 1) {
         call = fp_prepared_call(a, key, PyTuple_GetItem(key, 0));
         st = call ? 1 : PyErr_Occurred() ? -1 : 0;
