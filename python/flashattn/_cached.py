@@ -10,6 +10,7 @@ in one function, for ``flash_attn_func``'s commonest call.
 """
 
 import ctypes
+import functools
 import struct
 import sys
 import threading
@@ -35,7 +36,7 @@ class _CachedCall:
     so it always will)."""
 
     __slots__ = ("args", "tensors", "out_shape", "lse_shape", "dtype", "device", "cuda", "fn",
-                 "ref", "like_q", "names", "fast")
+                 "ref", "like_q", "names", "fast", "lse_new")
 
     def __init__(self, args, keep, q, out, lse, names):
         self.args = args
@@ -51,15 +52,19 @@ class _CachedCall:
         self.cuda = out.device.index if out.device.type == "cuda" else None
         self.names = names
         self.fast = self._fast_fields() if self.like_q else None
+        self.lse_new = None if lse is None else functools.partial(
+            torch.empty, lse.shape, dtype=torch.float32, device=lse.device)
 
     def _fast_fields(self):
-        """What _fastpath.dense writes and calls, eight int64 (its struct fp_fast): the addresses
-        of the library's forward, of the arguments, of the data fields of q, k, v and out and of
-        the stream field (0 on the CPU), then the CUDA device index (-1 on the CPU)."""
+        """What _fastpath writes and calls, nine int64 (its struct fp_fast): the addresses of the
+        library's forward, of the arguments, of the data fields of q, k, v, out and lse (0
+        without one) and of the stream field (0 on the CPU), then the CUDA device index (-1 on
+        the CPU)."""
         data = FaTensor.data.offset
         args = ctypes.addressof(self.args)
-        return struct.pack("=8q", ctypes.cast(self.fn, ctypes.c_void_p).value, args,
-                           *(ctypes.addressof(t) + data for t in self.tensors[:4]),
+        slots = [ctypes.addressof(t) + data for t in self.tensors[:4]]
+        slots.append(ctypes.addressof(self.tensors[4]) + data if self.lse_shape else 0)
+        return struct.pack("=9q", ctypes.cast(self.fn, ctypes.c_void_p).value, args, *slots,
                            args + type(self.args).stream.offset if self.cuda is not None else 0,
                            -1 if self.cuda is None else self.cuda)
 
@@ -191,20 +196,22 @@ def forward_dense_out(q, k, v, softmax_scale, causal, window_size, softcap):
     return out
 
 
-def bind_fastpath(torch):
-    """``_fastpath.dense`` bound to torch's callables (once torch is imported), or None where
-    the extension was not built. It returns flash_attn_func's out for the calls that
-    ``forward_dense_out`` serves once their signature is cached, None for any other; the
-    caller checks ``torch.compiler.is_compiling()`` first (Dynamo cannot trace C)."""
+def bind_fastpath(torch, grad_apply):
+    """(``_fastpath.dense``, ``_fastpath.dense_lse``) bound to torch's callables (once torch is
+    imported), or (None, None) where the extension was not built. dense returns
+    flash_attn_func's out for the calls that ``forward_dense_out`` serves once their signature
+    is cached, hands the calls that record gradients to grad_apply (_DenseFastFn.apply), and
+    returns None for any other; its caller checks ``torch.compiler.is_compiling()`` first
+    (Dynamo cannot trace C). dense_lse is ``forward_dense_torch``'s cached path with the lse."""
     if _fastpath is None:
-        return None
+        return None, None
     C = torch._C
     raw = getattr(C, "_cuda_getCurrentRawStream", None) or _raw_stream
     _fastpath.bind(torch.Tensor, torch.float64, torch.empty_like, C._len_torch_dispatch_stack,
                    C._is_torch_function_mode_enabled, C._are_functorch_transforms_active,
                    C._get_tracing_state, torch.is_grad_enabled, _LOCAL, window_pair, raw,
-                   _call_failed, 1)
-    return _fastpath.dense
+                   _call_failed, grad_apply, 2)
+    return _fastpath.dense, _fastpath.dense_lse
 
 
 def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,

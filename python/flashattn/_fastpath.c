@@ -3,13 +3,15 @@
  * time was mostly Python (7.9 of 13.3 µs on the H200 host, the rest the library and the
  * launch); the same steps through the C API cost about 60% of that.
  *
- * dense() takes flash_attn_func's arguments and returns out, or None where the call is not
- * the common one (other types or options, gradients, a compile, trace or mode, a signature
- * not prepared yet): the caller then takes the Python path (_torch_ops.dense_fast, which also
- * prepares the signature for the next call). It repeats _cached.forward_dense_out's steps: the
- * key of the call signature, the prepared call found in _cached's per-thread cache, a new
- * output, the data pointers and the stream written into the prepared arguments, the library
- * called without the GIL (the library validates every call itself).
+ * dense() takes flash_attn_func's arguments and makes _torch_ops.dense_fast's checks. A call
+ * that records gradients goes to _DenseFastFn.apply with its options; any other returns out,
+ * or None where the call is not the common one (other types or options, a compile, trace or
+ * mode, a signature not prepared yet), and the caller takes the Python path (which also
+ * prepares the signature for the next call). The call repeats _cached.forward_dense_out's
+ * steps: the key of the call signature, the prepared call found in _cached's per-thread cache,
+ * a new output, the data pointers and the stream written into the prepared arguments, the
+ * library called without the GIL (the library validates every call itself). dense_lse() is
+ * _DenseFastFn.forward's call, with the lse (_cached.forward_dense_torch's cached path).
  *
  * Built against the limited API (one binary for CPython >= 3.8) and linked with neither torch
  * nor the library: torch is reached through the callables bind() hands over, the library
@@ -40,11 +42,12 @@ static struct {
     PyObject *window_pair;            /* _core.window_pair */
     PyObject *raw_stream;             /* device index -> current CUDA stream handle */
     PyObject *failed;                 /* _cached._call_failed(call, status): raises */
+    PyObject *grad_apply;             /* _torch_ops._DenseFastFn.apply */
     int bound;
 } fp;
 
 static PyObject *fp_str_shape, *fp_str_stride, *fp_str_dtype, *fp_str_device, *fp_str_is_neg,
-    *fp_str_data_ptr, *fp_str_requires_grad, *fp_str_calls, *fp_str_fast;
+    *fp_str_data_ptr, *fp_str_requires_grad, *fp_str_calls, *fp_str_fast, *fp_str_lse_new;
 static PyObject *fp_zero; /* 0.0 */
 
 /* x is a plain Python float or int (not bool), as type(x) in (float, int). */
@@ -105,10 +108,9 @@ static int fp_plain_arguments(PyObject *const *a)
            (softmax_scale == Py_None || fp_is_scalar(softmax_scale));
 }
 
-/* The rest of dense_fast's checks but q's rank and dtype: 1 if the call is plain eager
- * without dropout or a gradient to record, 0 if not, -1 with an exception. They come before
- * the key is built, so that a call with gradients loses little here before the Python path. */
-static int fp_eager_no_grad(PyObject *const *a)
+/* dense_fast's remaining checks but rank, dtype and gradients: 1 if the call is plain eager
+ * without dropout, 0 if not, -1 with an exception. */
+static int fp_eager(PyObject *const *a)
 {
     int t = PyObject_IsTrue(a[3]); /* dropout_p */
     if (t != 0)
@@ -116,20 +118,24 @@ static int fp_eager_no_grad(PyObject *const *a)
     for (int i = 0; i < FP_NUM_MODES; i++)
         if ((t = fp_call_true(fp.modes[i])) != 0)
             return t < 0 ? -1 : 0;
-    if ((t = fp_call_true(fp.grad_enabled)) != 0) {
-        if (t < 0)
-            return -1;
-        for (int i = 0; i < 3; i++) {
-            PyObject *r = PyObject_GetAttr(a[i], fp_str_requires_grad);
-            if (!r)
-                return -1;
-            t = PyObject_IsTrue(r);
-            Py_DECREF(r);
-            if (t != 0)
-                return t < 0 ? -1 : 0;
-        }
-    }
     return 1;
+}
+
+/* 1 if the call records a gradient (grad mode on, q, k or v requiring it), 0 if not, -1. */
+static int fp_wants_grad(PyObject *const *a)
+{
+    int t = fp_call_true(fp.grad_enabled);
+    for (int i = 0; t > 0 && i < 3; i++) {
+        PyObject *r = PyObject_GetAttr(a[i], fp_str_requires_grad);
+        if (!r)
+            return -1;
+        t = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (t != 0)
+            return t;
+        t = 1; /* not this one: ask the next */
+    }
+    return t < 0 ? -1 : 0;
 }
 
 /* float(x) for the key (a new reference; NULL with OverflowError as float(x) raises it): x
@@ -173,62 +179,80 @@ static PyObject *fp_window(PyObject *w)
     return PyObject_CallFunctionObjArgs(fp.window_pair, w, NULL);
 }
 
-/* Sets key[15 ..] (0.0, scale, causal, window, softcap, False) and looks the key up in this
- * thread's cache: the prepared call (a new reference), or NULL, not prepared (no exception) or
- * an error. The default scale is q.shape[3] ** -0.5 as Python computes it (pow). */
-static PyObject *fp_prepared_call(PyObject *const *a, PyObject *key, PyObject *shape)
+/* The options as dense_fast passes them on, new references: o[0] float(softmax_scale) (q.shape[3]
+ * ** -0.5 by default, as Python computes it), o[1] the window pair, o[2] float(softcap); -1 with
+ * an exception. */
+static int fp_options(PyObject *const *a, PyObject *shape, PyObject **o)
 {
-    for (int i = 0; i < 6; i++) {
-        PyObject *item;
-        switch (i) {
-        case 0: item = fp_zero, Py_INCREF(item); break; /* dropout_p */
-        case 1:
-            if (a[4] != Py_None) {
-                item = fp_as_float(a[4]);
-            } else {
-                const double d = PyLong_AsDouble(PyTuple_GetItem(shape, 3));
-                item = d == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(pow(d, -0.5));
-            }
-            break;
-        case 2: item = a[5], Py_INCREF(item); break; /* causal */
-        case 3: item = fp_window(a[6]); break;
-        case 4: item = fp_as_float(a[7]); break; /* softcap */
-        default: item = Py_False, Py_INCREF(item); break; /* want_lse */
-        }
-        if (!item || PyTuple_SetItem(key, 15 + i, item) != 0) /* SetItem steals item */
-            return NULL;
+    if (a[4] != Py_None) {
+        o[0] = fp_as_float(a[4]);
+    } else {
+        const double d = PyLong_AsDouble(PyTuple_GetItem(shape, 3));
+        o[0] = d == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(pow(d, -0.5));
     }
-    PyObject *calls = PyObject_GetAttr(fp.local, fp_str_calls);
-    if (!calls) {
-        if (PyErr_ExceptionMatches(PyExc_AttributeError))
-            PyErr_Clear(); /* this thread has no cache yet */
-        return NULL;
-    }
-    PyObject *call = PyDict_GetItemWithError(calls, key);
-    Py_XINCREF(call);
-    Py_DECREF(calls);
-    return call;
+    o[1] = o[0] ? fp_window(a[6]) : NULL;
+    o[2] = o[1] ? fp_as_float(a[7]) : NULL;
+    if (o[2])
+        return 0;
+    Py_XDECREF(o[0]);
+    Py_XDECREF(o[1]);
+    return -1;
 }
 
-/* The prepared call's C side, _cached._CachedCall.fast: eight int64 in this order. */
+/* _cached's key of a dense call, item for item: (shape, stride(), dtype, device, is_neg()) of q,
+ * k and v, then 0.0 (dropout_p), scale, causal, window, softcap, want_lse. A new tuple or NULL. */
+static PyObject *fp_key(PyObject *const *qkv, PyObject *scale, PyObject *causal,
+                        PyObject *window, PyObject *softcap, PyObject *want_lse)
+{
+    PyObject *key = PyTuple_New(21);
+    if (!key)
+        return NULL;
+    for (int i = 0; i < 3; i++)
+        if (fp_key_tensor(key, 5 * i, qkv[i]) != 0)
+            goto fail;
+    PyObject *tail[6] = {fp_zero, scale, causal, window, softcap, want_lse};
+    for (int i = 0; i < 6; i++) {
+        Py_INCREF(tail[i]);
+        if (PyTuple_SetItem(key, 15 + i, tail[i]) != 0) /* steals tail[i] */
+            goto fail;
+    }
+    return key;
+fail:
+    Py_DECREF(key);
+    return NULL;
+}
+
+/* The prepared call's C side, _cached._CachedCall.fast: nine int64 in this order. */
 typedef struct fp_fast {
     int64_t fn;        /* the library's fa_attention_forward */
     int64_t args;      /* its fa_fwd_args */
-    int64_t slots[4];  /* the data fields of q, k, v, out in args */
+    int64_t slots[5];  /* the data fields of q, k, v, out and lse in args (lse: 0 if none) */
     int64_t stream;    /* the stream field of args, 0 on the CPU */
     int64_t device;    /* CUDA device index, -1 on the CPU */
 } fp_fast;
 
-/* 1 with *f filled, 0 if the call has no C side (fast is None), -1 with an exception. */
-static int fp_fast_read(PyObject *call, fp_fast *f)
+/* The prepared call of key in this thread's cache, with its C side read into *f: 1 with a new
+ * reference in *call, 0 if there is none (not prepared, or no C side, or no lse slot when
+ * want_lse), -1 with an exception. */
+static int fp_prepared_call(PyObject *key, int want_lse, PyObject **call, fp_fast *f)
 {
-    PyObject *fast = PyObject_GetAttr(call, fp_str_fast);
-    if (!fast)
-        return -1;
-    char *bytes = NULL;
-    Py_ssize_t size = 0;
-    int st = 0;
-    if (fast != Py_None) {
+    PyObject *calls = PyObject_GetAttr(fp.local, fp_str_calls);
+    if (!calls) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear(); /* this thread has no cache yet */
+        return 0;
+    }
+    *call = PyDict_GetItemWithError(calls, key);
+    Py_XINCREF(*call);
+    Py_DECREF(calls);
+    if (!*call)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *fast = PyObject_GetAttr(*call, fp_str_fast);
+    int st = fast ? 0 : -1;
+    if (fast && fast != Py_None) {
+        char *bytes = NULL;
+        Py_ssize_t size = 0;
         st = PyBytes_AsStringAndSize(fast, &bytes, &size) == 0 ? 1 : -1;
         if (st == 1 && size != (Py_ssize_t)sizeof *f) {
             PyErr_SetString(PyExc_RuntimeError, "flashattn._fastpath: malformed prepared call");
@@ -236,23 +260,35 @@ static int fp_fast_read(PyObject *call, fp_fast *f)
         }
         if (st == 1)
             memcpy(f, bytes, sizeof *f);
+        if (st == 1 && want_lse && f->slots[4] == 0)
+            st = 0;
     }
-    Py_DECREF(fast);
+    Py_XDECREF(fast);
+    if (st != 1)
+        Py_CLEAR(*call);
     return st;
 }
 
-/* The call itself: new out, pointers and stream swapped in, the library run without the GIL.
- * Every Python call comes before the first write into the prepared arguments: Python code run
- * in between (a finalizer, say) could make a call of the same signature on this thread, which
- * would write them too. */
-static PyObject *fp_run(PyObject *const *a, PyObject *call, const fp_fast *f)
+/* The call itself: new out (and lse), pointers and stream swapped in, the library run without
+ * the GIL; out, or (out, lse). Every Python call comes before the first write into the
+ * prepared arguments: Python code run in between (a finalizer, say) could make a call of the
+ * same signature on this thread, which would write them too. */
+static PyObject *fp_run(PyObject *const *qkv, PyObject *call, const fp_fast *f, int want_lse)
 {
-    PyObject *out = PyObject_CallFunctionObjArgs(fp.empty_like, a[0], NULL);
+    PyObject *out = PyObject_CallFunctionObjArgs(fp.empty_like, qkv[0], NULL), *lse = NULL;
     if (!out)
         return NULL;
-    PyObject *tensors[4] = {a[0], a[1], a[2], out};
-    void *ptrs[4], *stream = NULL;
-    for (int i = 0; i < 4; i++)
+    if (want_lse) {
+        PyObject *make = PyObject_GetAttr(call, fp_str_lse_new);
+        lse = make ? PyObject_CallObject(make, NULL) : NULL;
+        Py_XDECREF(make);
+        if (!lse)
+            goto fail;
+    }
+    PyObject *tensors[5] = {qkv[0], qkv[1], qkv[2], out, lse};
+    void *ptrs[5], *stream = NULL;
+    const int n = want_lse ? 5 : 4;
+    for (int i = 0; i < n; i++)
         if (fp_data_ptr(tensors[i], &ptrs[i]) != 0)
             goto fail;
     if (f->device >= 0) {
@@ -264,7 +300,7 @@ static PyObject *fp_run(PyObject *const *a, PyObject *call, const fp_fast *f)
         if (!stream && PyErr_Occurred())
             goto fail;
     }
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < n; i++)
         *(void **)(uintptr_t)f->slots[i] = ptrs[i];
     if (f->device >= 0)
         *(void **)(uintptr_t)f->stream = stream;
@@ -279,69 +315,117 @@ static PyObject *fp_run(PyObject *const *a, PyObject *call, const fp_fast *f)
             PyErr_Format(PyExc_RuntimeError, "flashattn: the library failed (status %d)", status);
         goto fail;
     }
-    return out;
+    if (!want_lse)
+        return out;
+    PyObject *pair = PyTuple_New(2);
+    if (!pair)
+        goto fail;
+    PyTuple_SetItem(pair, 0, out); /* steals out and lse */
+    PyTuple_SetItem(pair, 1, lse);
+    return pair;
 fail:
     Py_DECREF(out);
+    Py_XDECREF(lse);
     return NULL;
 }
 
-static PyObject *fp_dense(PyObject *self, PyObject *args)
+/* Looks up and runs the prepared call of key: the result of fp_run, or None if there is none. */
+static PyObject *fp_run_prepared(PyObject *const *qkv, PyObject *key, int want_lse)
 {
-    (void)self;
-    PyObject *a[11];
-    if (!PyArg_UnpackTuple(args, "dense", 11, 11, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5],
-                           &a[6], &a[7], &a[8], &a[9], &a[10]))
-        return NULL;
-    if (!fp.bound || !fp_plain_arguments(a))
-        Py_RETURN_NONE;
-    int st = fp_eager_no_grad(a);
+    PyObject *call = NULL;
+    fp_fast f;
+    const int st = fp_prepared_call(key, want_lse, &call, &f);
     if (st <= 0) {
         if (st < 0)
             return NULL;
         Py_RETURN_NONE;
     }
-    /* _cached.forward_dense_out's key, item for item; its q shape and dtype serve the last
-     * checks (4-D, not fp64). */
-    PyObject *key = PyTuple_New(21), *call = NULL, *out = NULL;
+    PyObject *result = fp_run(qkv, call, &f, want_lse);
+    Py_DECREF(call);
+    return result;
+}
+
+static PyObject *fp_dense(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *a[12];
+    if (!PyArg_UnpackTuple(args, "dense", 12, 12, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5],
+                           &a[6], &a[7], &a[8], &a[9], &a[10], &a[11]))
+        return NULL;
+    if (!fp.bound || !fp_plain_arguments(a))
+        Py_RETURN_NONE;
+    PyObject *shape = PyObject_GetAttr(a[0], fp_str_shape);
+    PyObject *dtype = shape ? PyObject_GetAttr(a[0], fp_str_dtype) : NULL;
+    int st = !dtype ? -1 : PyTuple_Size(shape) == 4 && dtype != fp.float64 ? fp_eager(a) : 0;
+    Py_XDECREF(dtype);
+    PyObject *o[3], *result = NULL;
+    if (st == 1)
+        st = fp_options(a, shape, o) == 0 ? 1 : -1;
+    Py_XDECREF(shape);
+    if (st <= 0) {
+        if (st < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    const int grad = fp_wants_grad(a);
+    if (grad == 1) {
+        /* _DenseFastFn's options: (scale, causal, left, right, softcap, deterministic). */
+        const int det = PyObject_IsTrue(a[11]);
+        PyObject *opts = det < 0 ? NULL
+                                 : Py_BuildValue("(OOOOOO)", o[0], a[5],
+                                                 PyTuple_GetItem(o[1], 0),
+                                                 PyTuple_GetItem(o[1], 1), o[2],
+                                                 det ? Py_True : Py_False);
+        if (opts) {
+            result = PyObject_CallFunctionObjArgs(fp.grad_apply, a[0], a[1], a[2], opts, NULL);
+            Py_DECREF(opts);
+        }
+    } else if (grad == 0) {
+        PyObject *key = fp_key(a, o[0], a[5], o[1], o[2], Py_False);
+        if (key) {
+            result = fp_run_prepared(a, key, 0);
+            Py_DECREF(key);
+        }
+    }
+    for (int i = 0; i < 3; i++)
+        Py_DECREF(o[i]);
+    return result;
+}
+
+static PyObject *fp_dense_lse(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *a[7];
+    if (!PyArg_UnpackTuple(args, "dense_lse", 7, 7, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5],
+                           &a[6]))
+        return NULL;
+    for (int i = 0; i < 3; i++)
+        if (!fp.bound || (PyObject *)Py_TYPE(a[i]) != fp.tensor_type)
+            Py_RETURN_NONE;
+    PyObject *key = fp_key(a, a[3], a[4], a[5], a[6], Py_True);
     if (!key)
         return NULL;
-    st = fp_key_tensor(key, 0, a[0]) == 0 && fp_key_tensor(key, 5, a[1]) == 0 &&
-                 fp_key_tensor(key, 10, a[2]) == 0
-             ? PyTuple_Size(PyTuple_GetItem(key, 0)) == 4 &&
-                   PyTuple_GetItem(key, 2) != fp.float64
-             : -1;
-    if (st == 1) {
-        call = fp_prepared_call(a, key, PyTuple_GetItem(key, 0));
-        st = call ? 1 : PyErr_Occurred() ? -1 : 0;
-    }
-    fp_fast f;
-    if (st == 1)
-        st = fp_fast_read(call, &f);
-    if (st == 1)
-        out = fp_run(a, call, &f);
-    Py_XDECREF(call);
+    PyObject *result = fp_run_prepared(a, key, 1);
     Py_DECREF(key);
-    if (st == 0)
-        Py_RETURN_NONE;
-    return out; /* NULL with the exception when st is -1 or the call failed */
+    return result;
 }
 
 static PyObject *fp_bind(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[13];
-    if (!PyArg_UnpackTuple(args, "bind", 13, 13, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6],
-                           &o[7], &o[8], &o[9], &o[10], &o[11], &o[12]))
+    PyObject *o[14];
+    if (!PyArg_UnpackTuple(args, "bind", 14, 14, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6],
+                           &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13]))
         return NULL;
-    /* o[12]: the version of _CachedCall.fast the Python side writes. */
-    if (PyLong_AsLong(o[12]) != 1) {
+    /* o[13]: the version of _CachedCall.fast the Python side writes. */
+    if (PyLong_AsLong(o[13]) != 2) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_RuntimeError, "flashattn._fastpath: layout version mismatch");
         return NULL;
     }
     if (fp.bound)
         Py_RETURN_NONE;
-    for (int i = 0; i < 12; i++)
+    for (int i = 0; i < 13; i++)
         Py_INCREF(o[i]);
     fp.tensor_type = o[0];
     fp.float64 = o[1];
@@ -353,6 +437,7 @@ static PyObject *fp_bind(PyObject *self, PyObject *args)
     fp.window_pair = o[9];
     fp.raw_stream = o[10];
     fp.failed = o[11];
+    fp.grad_apply = o[12];
     fp.bound = 1;
     Py_RETURN_NONE;
 }
@@ -360,10 +445,13 @@ static PyObject *fp_bind(PyObject *self, PyObject *args)
 static PyMethodDef fp_methods[] = {
     {"dense", fp_dense, METH_VARARGS,
      "dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, "
-     "return_attn_probs, learnable_sink) -> out, or None for the Python path"},
+     "return_attn_probs, learnable_sink, deterministic) -> out, or None for the Python path"},
+    {"dense_lse", fp_dense_lse, METH_VARARGS,
+     "dense_lse(q, k, v, scale, causal, window, softcap) -> (out, lse) of a prepared call, or "
+     "None"},
     {"bind", fp_bind, METH_VARARGS,
      "bind(Tensor, float64, empty_like, 4 mode checks, is_grad_enabled, local, window_pair, "
-     "raw_stream, call_failed, version)"},
+     "raw_stream, call_failed, grad_apply, version)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -376,9 +464,9 @@ PyMODINIT_FUNC PyInit__fastpath(void)
 {
     PyObject **names[] = {&fp_str_shape, &fp_str_stride, &fp_str_dtype, &fp_str_device,
                           &fp_str_is_neg, &fp_str_data_ptr, &fp_str_requires_grad,
-                          &fp_str_calls, &fp_str_fast};
+                          &fp_str_calls, &fp_str_fast, &fp_str_lse_new};
     const char *text[] = {"shape", "stride", "dtype", "device", "is_neg", "data_ptr",
-                          "requires_grad", "calls", "fast"};
+                          "requires_grad", "calls", "fast", "lse_new"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i] = PyUnicode_InternFromString(text[i])))
             return NULL;

@@ -406,8 +406,10 @@ class _DenseFastFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, options):
         scale, causal, left, right, softcap, _ = options
-        out, lse = _cached.forward_dense_torch(q, k, v, 0.0, scale, causal, (left, right), softcap,
-                                             0)
+        window = (left, right)
+        res = DENSE_LSE_C(q, k, v, scale, causal, window, softcap) if DENSE_LSE_C else None
+        out, lse = res or _cached.forward_dense_torch(q, k, v, 0.0, scale, causal, window,
+                                                      softcap, 0)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (0.0,) + options
         return out
@@ -637,8 +639,9 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
 _FAST_SCALARS = (float, int)
 
 
-# dense_fast's no-gradient calls in C once their signature is cached (None: not built).
-DENSE_C = _cached.bind_fastpath(torch)
+# dense_fast in C (None: not built): calls without gradients once their signature is cached,
+# and _DenseFastFn's forward with the lse.
+DENSE_C, DENSE_LSE_C = _cached.bind_fastpath(torch, _DenseFastFn.apply)
 
 
 def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,

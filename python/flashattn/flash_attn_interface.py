@@ -309,7 +309,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     # Dynamo cannot trace into C: while compiling, the Python path (which it traces) is taken.
     if _DENSE_C is not None and not _IS_COMPILING():
         out = _DENSE_C(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, learnable_sink)
+                       alibi_slopes, return_attn_probs, learnable_sink, deterministic)
         if out is not None:
             return out
     if _TORCH_OPS:

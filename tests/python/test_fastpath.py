@@ -116,12 +116,40 @@ def test_library_failure_is_raised(rng, c_path):
     assert torch.isfinite(flash_attn_func(q, k, v)).all()
 
 
+def test_gradients_through_c_match_python(rng, monkeypatch, c_path):
+    """A call that records gradients is handed from C to the autograd function, whose forward
+    runs the prepared call with its lse in C too: out and every gradient as the Python path's."""
+    from flashattn import _torch_ops
+
+    q, k, v = (_randn(rng, 2, 9, 4, 24).requires_grad_() for _ in range(3))
+    kv = dict(causal=True, window_size=(5, 0), softcap=3.0)
+    dout = _randn(rng, 2, 9, 4, 24)
+    lse_in_c, real_lse = [], _torch_ops.DENSE_LSE_C
+    monkeypatch.setattr(_torch_ops, "DENSE_LSE_C",
+                        lambda *a: lse_in_c.append(real_lse(*a)) or lse_in_c[-1])
+    results = []
+    for path in ("python", "c", "c"):  # the second C call finds the signature prepared
+        with monkeypatch.context() as m:
+            if path == "python":
+                m.setattr(fi, "_DENSE_C", None)
+                m.setattr(_torch_ops, "DENSE_LSE_C", None)
+            c_path.clear()
+            lse_in_c.clear()
+            out = flash_attn_func(q, k, v, **kv)
+            assert c_path == ([] if path == "python" else [True])
+            results.append([out] + list(torch.autograd.grad(out, (q, k, v), dout)))
+    assert lse_in_c and lse_in_c[-1] is not None  # the last forward ran in C with its lse
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
 def test_other_calls_go_to_python(rng, monkeypatch, c_path):
-    """Gradients, dropout, probs, subclasses and NumPy arrays are not the C path's."""
+    """Dropout, probs, subclasses and NumPy arrays are not the C path's."""
     q, k, v = (_randn(rng, 1, 8, 2, 16) for _ in range(3))
     flash_attn_func(q, k, v)
     qg = q.clone().requires_grad_()
-    for args, kw in (((qg, k, v), {}), ((q, k, v), dict(dropout_p=0.1)),
+    for args, kw in (((q, k, v), dict(dropout_p=0.1)),
                      ((q, k, v), dict(return_attn_probs=True)),
                      ((torch.nn.Parameter(q), k, v), {})):
         c_path.clear()
