@@ -51,7 +51,7 @@ class _CachedCall:
         self.device = out.device
         self.cuda = out.device.index if out.device.type == "cuda" else None
         self.names = names
-        self.fast = self._fast_fields() if self.like_q else None
+        self.fast = self._fast_fields() if self.like_q and _fastpath is not None else None
         self.lse_new = None if lse is None else functools.partial(
             torch.empty, lse.shape, dtype=torch.float32, device=lse.device)
 

@@ -358,6 +358,18 @@ def test_signature_cache_swaps_data_not_results(rng):
     assert errors == []
 
 
+def _record_answers(monkeypatch, owner, name, answered):
+    """Wraps owner.name so that each call appends whether it answered (returned not None)."""
+    real = getattr(owner, name)
+
+    def spy(*args):
+        out = real(*args)
+        answered.append(out is not None)
+        return out
+
+    monkeypatch.setattr(owner, name, spy)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
     """flash_attn_func's one-step path (plain tensors, no dropout, ALiBi, sinks or probs)
@@ -390,28 +402,14 @@ def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
     monkeypatch.setattr(_cached, "forward_dense_torch", spy)
     monkeypatch.setattr(_cached, "forward_dense_out", out_spy)
     fast_calls = []
-    real_fast = _torch_ops.dense_fast
-
-    def fast_spy(*args):
-        out = real_fast(*args)
-        fast_calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(_torch_ops, "dense_fast", fast_spy)
+    _record_answers(monkeypatch, _torch_ops, "dense_fast", fast_calls)
     q, k, v = (_t(rng, 2, s, h, 16, dtype=dtype) for s, h in ((11, 4), (19, 2), (19, 2)))
     options = [dict(), dict(causal=True), dict(window_size=(4, 2), softmax_scale=0.3),
                dict(softcap=3, dropout_p=0, softmax_scale=1), dict(window_size=(-5, 7)),
                dict(causal=True, softcap=2.5, window_size=(2**40, 3))]
     flash_attn_func(q, k, v)  # the first torch call of a process loads the ops
     assert fi._DENSE_C is not None, "the C fast path (python/flashattn/_fastpath.c) was not built"
-    real_c = fi._DENSE_C
-
-    def c_spy(*args):
-        out = real_c(*args)
-        in_c.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fi, "_DENSE_C", c_spy)
+    _record_answers(monkeypatch, fi, "_DENSE_C", in_c)
     for kw in options:
         taken.clear()
         in_c.clear()
