@@ -10,7 +10,6 @@ in one function, for ``flash_attn_func``'s commonest call.
 """
 
 import ctypes
-import functools
 import struct
 import sys
 import threading
@@ -35,8 +34,8 @@ class _CachedCall:
     cheapest allocation, gives out's shape and strides (q's strides are part of the signature,
     so it always will)."""
 
-    __slots__ = ("args", "tensors", "out_shape", "lse_shape", "dtype", "device", "cuda", "fn",
-                 "ref", "like_q", "names", "fast", "lse_new")
+    __slots__ = ("args", "tensors", "out_shape", "dtype", "device", "cuda", "fn",
+                 "ref", "like_q", "names", "fast", "lse_like")
 
     def __init__(self, args, keep, q, out, lse, names):
         self.args = args
@@ -46,14 +45,16 @@ class _CachedCall:
         self.like_q = out.shape == q.shape and torch.empty_like(q).stride() == out.stride()
         self.tensors = keep
         self.out_shape = out.shape
-        self.lse_shape = lse.shape if lse is not None else None
         self.dtype = out.dtype
         self.device = out.device
         self.cuda = out.device.index if out.device.type == "cuda" else None
         self.names = names
+        # lse's allocation is torch.empty_like of this: one float expanded to lse's shape (4
+        # bytes held), as empty_like gives the contiguous lse for stride-0 tensors and takes a
+        # third of torch.empty(shape, dtype=, device=)'s argument parsing.
+        self.lse_like = None if lse is None else torch.empty(
+            (), dtype=torch.float32, device=lse.device).expand(lse.shape)
         self.fast = self._fast_fields() if self.like_q and _fastpath is not None else None
-        self.lse_new = None if lse is None else functools.partial(
-            torch.empty, lse.shape, dtype=torch.float32, device=lse.device)
 
     def _fast_fields(self):
         """What _fastpath writes and calls, nine int64 (its struct fp_fast): the addresses of the
@@ -63,7 +64,7 @@ class _CachedCall:
         data = FaTensor.data.offset
         args = ctypes.addressof(self.args)
         slots = [ctypes.addressof(t) + data for t in self.tensors[:4]]
-        slots.append(ctypes.addressof(self.tensors[4]) + data if self.lse_shape else 0)
+        slots.append(ctypes.addressof(self.tensors[4]) + data if self.lse_like is not None else 0)
         return struct.pack("=9q", ctypes.cast(self.fn, ctypes.c_void_p).value, args, *slots,
                            args + type(self.args).stream.offset if self.cuda is not None else 0,
                            -1 if self.cuda is None else self.cuda)
@@ -108,7 +109,7 @@ def _repeat_call(call, q, k, v, others, want_lse, seed=0):
     to.data = out.data_ptr()
     lse = None
     if want_lse:
-        lse = torch.empty(call.lse_shape, dtype=torch.float32, device=call.device)
+        lse = torch.empty_like(call.lse_like)
         tl.data = lse.data_ptr()
     if others:
         for slot, x in zip(call.tensors[5:], others):

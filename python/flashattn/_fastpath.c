@@ -47,7 +47,7 @@ static struct {
 } fp;
 
 static PyObject *fp_str_shape, *fp_str_stride, *fp_str_dtype, *fp_str_device, *fp_str_is_neg,
-    *fp_str_data_ptr, *fp_str_requires_grad, *fp_str_calls, *fp_str_fast, *fp_str_lse_new;
+    *fp_str_data_ptr, *fp_str_requires_grad, *fp_str_calls, *fp_str_fast, *fp_str_lse_like;
 static PyObject *fp_zero; /* 0.0 */
 
 /* x is a plain Python float or int (not bool), as type(x) in (float, int). */
@@ -279,9 +279,9 @@ static PyObject *fp_run(PyObject *const *qkv, PyObject *call, const fp_fast *f, 
     if (!out)
         return NULL;
     if (want_lse) {
-        PyObject *make = PyObject_GetAttr(call, fp_str_lse_new);
-        lse = make ? PyObject_CallObject(make, NULL) : NULL;
-        Py_XDECREF(make);
+        PyObject *like = PyObject_GetAttr(call, fp_str_lse_like);
+        lse = like ? PyObject_CallFunctionObjArgs(fp.empty_like, like, NULL) : NULL;
+        Py_XDECREF(like);
         if (!lse)
             goto fail;
     }
@@ -464,9 +464,9 @@ PyMODINIT_FUNC PyInit__fastpath(void)
 {
     PyObject **names[] = {&fp_str_shape, &fp_str_stride, &fp_str_dtype, &fp_str_device,
                           &fp_str_is_neg, &fp_str_data_ptr, &fp_str_requires_grad,
-                          &fp_str_calls, &fp_str_fast, &fp_str_lse_new};
+                          &fp_str_calls, &fp_str_fast, &fp_str_lse_like};
     const char *text[] = {"shape", "stride", "dtype", "device", "is_neg", "data_ptr",
-                          "requires_grad", "calls", "fast", "lse_new"};
+                          "requires_grad", "calls", "fast", "lse_like"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i] = PyUnicode_InternFromString(text[i])))
             return NULL;
