@@ -7,8 +7,9 @@ process.
 
 b=1, h=4, d=64, bf16, seqlen 16..128: the kernels take a few microseconds, so a loop of calls
 is bound by the CPU and its wall time per call is the host cost of a call (launch included).
-Each figure is the best of several loops of many calls; "gpu busy" is the GPU time of the
-loop (CUDA events) over its wall time, well below 100% when the GPU is not what limits it.
+Each figure is the best of several loops of many calls, the rows taking turns loop by loop;
+"gpu busy" is the GPU time of the loop (CUDA events) over its wall time, well below 100% when
+the GPU is not what limits it.
 Rows: the public function without and with inputs that require grad (the forward records
 the autograd node), the same through the custom op (torch.ops.flashattn.fwd, what compiled
 graphs call), the bare C call with prepared arguments (the library's own host cost), and SDPA
@@ -38,25 +39,56 @@ BACKENDS = {
 }
 
 
-def measure(fn, calls, repeats):
-    """(best wall microseconds per call, GPU busy fraction of that loop)."""
-    for _ in range(50):
-        fn()
+def timed_loop(fn, calls):
+    """(wall seconds, GPU seconds) of one loop of calls, started on a drained GPU."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    best, busy = float("inf"), 0.0
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    wall = time.perf_counter() - t0
+    end.record()
+    torch.cuda.synchronize()
+    return wall, start.elapsed_time(end) * 1e-3
+
+
+def measure_rows(rows, calls, repeats):
+    """{name: (best wall microseconds per call, GPU busy fraction of that loop) or None}. The
+    rows take turns, one loop each per round, so a noisy stretch of the host falls on all of
+    them alike rather than on whichever row it met."""
+    def enter(ctx):
+        if ctx is not None:
+            ctx.__enter__()
+
+    def leave(ctx):
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    best = {}
+    for name, fn, ctx in rows:
+        enter(ctx)
+        try:
+            for _ in range(50):
+                fn()
+            best[name] = (float("inf"), 0.0)
+        except RuntimeError as e:  # a backend this torch build or GPU does not have
+            best[name] = None
+            print("%s: unavailable (%s)" % (name, str(e).splitlines()[0]))
+        finally:
+            leave(ctx)
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        wall = time.perf_counter() - t0
-        end.record()
-        torch.cuda.synchronize()
-        if wall < best:
-            best, busy = wall, start.elapsed_time(end) * 1e-3 / wall
-    return best / calls * 1e6, busy
+        for name, fn, ctx in rows:
+            if best[name] is None:
+                continue
+            enter(ctx)
+            try:
+                wall, gpu = timed_loop(fn, calls)
+            finally:
+                leave(ctx)
+            if wall < best[name][0]:
+                best[name] = (wall, gpu / wall)
+    return {n: None if r is None else (r[0] / calls * 1e6, r[1]) for n, r in best.items()}
 
 
 def inputs(seqlen, grad):
@@ -117,16 +149,8 @@ def main():
     flash_attn_func(*inputs(16, False))  # compile/load the kernels before timing
     results = {}
     for s in SEQLENS:
-        for name, fn, ctx in rows(s):
-            try:
-                if ctx is None:
-                    results[(name, s)] = measure(fn, a.calls, a.repeats)
-                else:
-                    with ctx:
-                        results[(name, s)] = measure(fn, a.calls, a.repeats)
-            except RuntimeError as e:  # a backend this torch build or GPU does not have
-                results[(name, s)] = None
-                print("%s, seqlen %d: unavailable (%s)" % (name, s, str(e).splitlines()[0]))
+        for name, r in measure_rows(rows(s), a.calls, a.repeats).items():
+            results[(name, s)] = r
 
     names = list(dict.fromkeys(n for n, _ in results))
     print("\nhost time per call, microseconds (b=%d, h=%d, d=%d, bf16; gpu busy in %%)"
