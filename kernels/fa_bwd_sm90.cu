@@ -16,8 +16,9 @@
  *   dQ += dS K                           dS^T goes to shared memory (swizzled rows of keys) and is
  *                                        read back as an MN-major A operand, K as MN-major B; at
  *                                        head dim 128 each warpgroup computes 64 columns of dQ over
- *                                        all 128 keys (after a barrier of both), at 64 each adds
- *                                        its own keys' share of all 64 columns; the fp32 result is
+ *                                        all 128 keys (its own first, the other's after a barrier
+ *                                        of both), at 64 each adds its own keys' share of all 64
+ *                                        columns; the fp32 result is
  *                                        added to the workspace accumulator, whose order (the sm80
  *                                        family's fragment order) wgmma's accumulator layout
  *                                        matches, and fa_bwd_convert finishes. Each warp's piece
@@ -64,8 +65,6 @@
 #define FA_QT_BYTES (FA_BM * FA_DP * 2) /* one stage of Q or dO */
 #define FA_DS_BYTES (FA_BN * FA_BM * 2) /* one dS^T buffer */
 #define FA_DQW_BYTES 4096                /* one warp's dQ piece: 16 rows x 64 columns, fp32 */
-/* dQ: the keys each warpgroup's product reduces over. */
-#define FA_DQ_KEYS (FA_DP == 128 ? FA_BN : FA_BN / 2)
 
 /* The kernel's second parameter: tensor maps of Q, K, V, dO (src/cuda/fa_cuda_backward.c). */
 typedef struct fa_bwd_tmaps {
@@ -268,8 +267,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int key0 = n0 + 64 * cw + 16 * w + g;
     int wlo, whi;
     fa_bwd_window(kp, &wlo, &whi);
-    /* dQ: the keys this warpgroup reduces over and its first column. */
-    const int dq_key0 = FA_DP == 128 ? 0 : 64 * cw, dq_col0 = FA_DP == 128 ? 64 * cw : 0;
+    /* dQ: this warpgroup's first column (at head dim 64 it has every column, its keys only). */
+    const int dq_col0 = FA_DP == 128 ? 64 * cw : 0;
 
     /* C layout: dk[nt][e] is key key0 + 8 (e / 2), column 8 nt + 2t + (e % 2). */
     float dk[FA_DP / 8][4], dv[FA_DP / 8][4];
@@ -342,20 +341,31 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         fa_gemm_kv(&dk[0][0], da, q_t);
         fa_wg_commit();
 
-        /* Every dS^T row dQ reads is written: both warpgroups at head dim 128, this one at 64. */
-        if (FA_DP == 128)
-            fa_bar_sync(1, 256);
-        else
-            fa_bar_sync(2 + cw, 128);
+        /* dQ's product starts on this warpgroup's own dS^T rows, written once its four warps
+         * meet; at head dim 128 it goes on over the other warpgroup's after both meet, so the
+         * first half is in flight while this one waits for the other. */
+        fa_bar_sync(2 + cw, 128);
         float dq[8][4];
         fa_wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < FA_DQ_KEYS / 16; kk++)
-            fa_wgmma_tt(&dq[0][0], fa_desc(ds_t + (dq_key0 + 16 * kk) * 128, FA_BN * 128, 1024),
-                        fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 + (dq_key0 + 16 * kk) * 128,
+        for (int kk = 0; kk < 4; kk++)
+            fa_wgmma_tt(&dq[0][0], fa_desc(ds_t + (64 * cw + 16 * kk) * 128, FA_BN * 128, 1024),
+                        fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 + (64 * cw + 16 * kk) * 128,
                                 FA_BN * 128, 1024),
                         kk > 0);
         fa_wg_commit();
+        if (FA_DP == 128) {
+            fa_bar_sync(1, 256);
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+                fa_wgmma_tt(&dq[0][0],
+                            fa_desc(ds_t + (64 * (1 - cw) + 16 * kk) * 128, FA_BN * 128, 1024),
+                            fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 +
+                                        (64 * (1 - cw) + 16 * kk) * 128,
+                                    FA_BN * 128, 1024),
+                            1);
+            fa_wg_commit();
+        }
         fa_wg_wait0();
         fa_pin_acc(&dv[0][0], FA_DP / 2);
         fa_pin_acc(&dk[0][0], FA_DP / 2);
