@@ -16,8 +16,10 @@ graphs call), the bare C call with prepared arguments (the library's own host co
 per backend. --profile prints where flashattn's Python time goes (cProfile).
 """
 import argparse
+import contextlib
 import cProfile
 import ctypes
+import functools
 import json
 import pstats
 import time
@@ -54,40 +56,30 @@ def timed_loop(fn, calls):
 
 
 def measure_rows(rows, calls, repeats):
-    """{name: (best wall microseconds per call, GPU busy fraction of that loop) or None}. The
-    rows take turns, one loop each per round, so a noisy stretch of the host falls on all of
-    them alike rather than on whichever row it met."""
-    def enter(ctx):
-        if ctx is not None:
-            ctx.__enter__()
-
-    def leave(ctx):
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+    """{name: (best wall microseconds per call, GPU busy fraction of that loop) or None}, for
+    rows of (name, fn, context) where context makes the context manager each loop runs in (or
+    is None). The rows take turns, one loop each per round, so a noisy stretch of the host falls
+    on all of them alike rather than on whichever row it met."""
+    def within(context):
+        return context() if context is not None else contextlib.nullcontext()
 
     best = {}
-    for name, fn, ctx in rows:
-        enter(ctx)
+    for name, fn, context in rows:
         try:
-            for _ in range(50):
-                fn()
+            with within(context):
+                for _ in range(50):
+                    fn()
             best[name] = (float("inf"), 0.0)
         except RuntimeError as e:  # a backend this torch build or GPU does not have
             best[name] = None
             print("%s: unavailable (%s)" % (name, str(e).splitlines()[0]))
-        finally:
-            leave(ctx)
     for _ in range(repeats):
-        for name, fn, ctx in rows:
-            if best[name] is None:
-                continue
-            enter(ctx)
-            try:
-                wall, gpu = timed_loop(fn, calls)
-            finally:
-                leave(ctx)
-            if wall < best[name][0]:
-                best[name] = (wall, gpu / wall)
+        for name, fn, context in rows:
+            if best[name] is not None:
+                with within(context):
+                    wall, gpu = timed_loop(fn, calls)
+                if wall < best[name][0]:
+                    best[name] = (wall, gpu / wall)
     return {n: None if r is None else (r[0] / calls * 1e6, r[1]) for n, r in best.items()}
 
 
@@ -116,7 +108,7 @@ def c_call(q, k, v):
 
 
 def rows(seqlen):
-    """(name, callable, context manager or None) per measured row."""
+    """(name, callable, what makes its context manager or None) per measured row."""
     q, k, v = inputs(seqlen, False)
     qg, kg, vg = inputs(seqlen, True)
     sd = [x.transpose(1, 2) for x in (q, k, v)]   # SDPA's (b, h, s, d) views of the same data
@@ -130,9 +122,10 @@ def rows(seqlen):
     ]
     for name, backend in BACKENDS.items():
         out.append(("sdpa %s" % name, lambda: F.scaled_dot_product_attention(*sd),
-                    sdpa_kernel([backend])))
+                    functools.partial(sdpa_kernel, [backend])))
         out.append(("sdpa %s, requires_grad" % name,
-                    lambda: F.scaled_dot_product_attention(*sdg), sdpa_kernel([backend])))
+                    lambda: F.scaled_dot_product_attention(*sdg),
+                    functools.partial(sdpa_kernel, [backend])))
     return out
 
 
