@@ -1,5 +1,6 @@
-"""The commonest torch calls of the forward with their prepared C arguments cached per call
-signature (``_core.forward``'s work done once per signature, per thread).
+"""The commonest torch calls of the forward and the backward with their prepared C arguments
+cached per call signature (``_core.forward``'s and ``_core.backward``'s work done once per
+signature, per thread).
 
 Everything ``_core._prepare_forward`` checks and builds depends only on the tensors' metadata and
 the options, so a later call with the same signature only allocates the outputs and swaps in
@@ -15,8 +16,8 @@ import sys
 import threading
 
 from . import _lib
-from ._core import (TORCH, _call_forward, _prepare_forward, _raw_stream, _rename, forward,
-                    window_pair)
+from ._core import (TORCH, _call_forward, _prepare_backward, _prepare_forward, _raw_stream,
+                    _rename, call_backward, forward, window_pair)
 from ._lib import FaTensor, FlashAttnError
 
 try:  # flash_attn_func's commonest call in C (_fastpath.c); absent where it was not built
@@ -239,3 +240,75 @@ def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seq
     if all(a is b for a, b in zip(arrays, (q, k, v) + others)):
         _keep_call(cache, key, _CachedCall(args, keep, q, out, lse, nms))
     return out, lse
+
+
+class _CachedBackward:
+    """The prepared fa_bwd_args of one backward signature (``backward_dense_torch``): the
+    FaTensors whose data pointers each call swaps (the forward arguments' q, k, v, out, lse,
+    then dout, dq, dk, dv), one element of each gradient's dtype expanded to its shape (so that
+    torch.empty_like, the cheapest allocation, makes a new contiguous one, as the first call's
+    were), the workspace's size and the CUDA device index (None on the CPU)."""
+
+    __slots__ = ("bwd", "ref", "fwd", "tensors", "likes", "workspace_size", "device", "cuda",
+                 "names", "fn")
+
+    def __init__(self, bwd, keep, grads, names, workspace):
+        torch = sys.modules["torch"]
+        self.bwd = bwd
+        self.ref = ctypes.byref(bwd)
+        self.fwd = bwd.fwd.contents
+        self.tensors = keep[:5] + keep[-5:-1]
+        self.likes = tuple(torch.empty((), dtype=g.dtype, device=g.device).expand(g.shape)
+                           for g in grads[:3])
+        self.workspace_size = bwd.workspace_size if workspace is not None else None
+        self.device = grads[0].device
+        self.cuda = self.device.index if self.device.type == "cuda" else None
+        self.names = names
+        self.fn = _lib.get_lib().fa_attention_backward
+
+    def run(self, tensors, seed, offset):
+        """The call on new (dout, q, k, v, out, lse) of this signature: (dq, dk, dv)."""
+        torch = sys.modules["torch"]
+        grads = tuple(torch.empty_like(x) for x in self.likes)
+        dout, q, k, v, out, lse = tensors
+        for slot, x in zip(self.tensors, (q, k, v, out, lse, dout) + grads):
+            slot.data = x.data_ptr()
+        fwd = self.fwd
+        fwd.seed = seed & 0xFFFFFFFFFFFFFFFF
+        fwd.offset = offset & 0xFFFFFFFFFFFFFFFF
+        workspace = None
+        if self.cuda is not None:
+            fwd.stream = _raw_stream(self.cuda)
+            workspace = torch.empty(max(self.workspace_size, 1), dtype=torch.uint8,
+                                    device=self.device)
+            self.bwd.workspace = workspace.data_ptr()
+        status = self.fn(self.ref)
+        if status != _lib.STATUS_OK:
+            _call_failed(self, status)
+        return grads
+
+
+def backward_dense_torch(dout, q, k, v, out, lse, dropout_p, softmax_scale, causal,
+                         window_size, softcap, seed, offset, deterministic):
+    """``backward`` for the commonest torch call, (dq, dk, dv): dense, no ALiBi or sinks, new
+    gradients; the floats already floats and ``window_size`` a pair of ints. Cached per
+    signature as ``forward_dense_torch`` is: a large backward's host time was mostly this
+    preparation, during which the GPU waits."""
+    tensors = (dout, q, k, v, out, lse)
+    try:
+        key = ("bwd", _signature(*tensors), dropout_p, softmax_scale, causal, window_size,
+               softcap, bool(deterministic))
+    except RuntimeError:  # no strides (sparse and other layouts): backward says why
+        key = None
+    cache = _call_cache()
+    call = cache.get(key) if key is not None else None
+    if call is not None:
+        return call.run(tensors, seed, offset)
+    bwd, keep, arrays, grads, names, workspace = _prepare_backward(
+        dout, q, k, v, out, lse, TORCH, None, None, None, 0, 0, dropout_p, softmax_scale, causal,
+        window_size, softcap, None, None, seed, offset, deterministic, None, 0, None, None, None)
+    call_backward(bwd, names)
+    if key is not None and all(a is b for a, b in zip(arrays[:5], tensors)):
+        # Inputs used as they are (no contiguous copy), so the signature says it all.
+        _keep_call(cache, key, _CachedBackward(bwd, keep, grads, names, workspace))
+    return grads[:3]

@@ -587,6 +587,31 @@ def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=N
     written in place), and fp32 [h] for the sinks (None without sinks). The CPU result is
     bitwise reproducible whatever ``deterministic`` says.
     """
+    # keep, arrays and workspace: what bwd points into, alive until the call returns.
+    bwd, keep, arrays, grads, names, workspace = _prepare_backward(
+        dout, q, k, v, out, lse, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+        max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        sinks, seed, offset, deterministic, names, num_threads, dq, dk, dv)
+    call_backward(bwd, names)
+    return grads
+
+
+def call_backward(bwd, names):
+    try:
+        _lib.backward(bwd)
+    except FlashAttnError as e:
+        raise FlashAttnError(_rename(str(e), names), e.status) from None
+
+
+def _prepare_backward(dout, q, k, v, out, lse, kind, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                      softcap, alibi_slopes, sinks, seed, offset, deterministic, names,
+                      num_threads, dq, dk, dv):
+    """``backward`` up to the call: (bwd args, the FaTensors they point to (the forward's q, k,
+    v, out, lse first, then dout, dq, dk, dv, dsinks), the prepared inputs (dout, q, k, v,
+    out, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks; copies among them),
+    (dq, dk, dv, dsinks), names, the CUDA workspace or None). What it returns must outlive the
+    call: the FaTensors only point into the arrays."""
     nm, names = _namer(names)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     q = prepare(q, nm("q"), kind, cuda=True)
@@ -629,6 +654,7 @@ def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=N
     bwd.dout, bwd.dq, bwd.dk, bwd.dv, bwd.dsinks = (
         ctypes.pointer(g) if g is not None else None for g in grads)
     bwd.deterministic = 1 if deterministic else 0
+    workspace = None
     if target is not None:
         # The CUDA backward allocates nothing itself: its dQ accumulator comes from torch's
         # allocator (aligned to 512 bytes, and stream-ordered with the caller's work).
@@ -637,8 +663,5 @@ def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=N
                                                device=q.device)
         bwd.workspace = workspace.data_ptr()
         bwd.workspace_size = size
-    try:
-        _lib.backward(bwd)
-    except FlashAttnError as e:
-        raise FlashAttnError(_rename(str(e), names), e.status) from None
-    return dq, dk, dv, dsinks
+    return (bwd, keep, (dout, q, k, v, out, cu_q, cu_k, used_k, alibi, sinks),
+            (dq, dk, dv, dsinks), names, workspace)

@@ -226,6 +226,11 @@ def _bwd_impl(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, alibi_slopes: _Op
               softmax_scale: Optional[float], causal: bool, window_size_left: int,
               window_size_right: int, softcap: float, deterministic: bool) -> _Result:
     seed, offset = _seed_offset(rng_state, dropout_p)
+    if alibi_slopes is None and learnable_sink is None:
+        dq, dk, dv = _cached.backward_dense_torch(
+            dout, q, k, v, out, lse, dropout_p, softmax_scale, causal,
+            (window_size_left, window_size_right), softcap, seed, offset, deterministic)
+        return dq, dk, dv, _dsink_or_empty(None, q)
     dq, dk, dv, dsinks = _core.backward(
         dout, q, k, v, out, lse, kind=_core.TORCH, dropout_p=dropout_p,
         softmax_scale=softmax_scale, causal=causal,
@@ -417,11 +422,16 @@ class _DenseFastFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
+        tensors = (dout, q, k, v, out, lse)
+        if _eager(tensors) and not _needs_grad(tensors):
+            _, scale, causal, left, right, softcap, deterministic = ctx.options
+            dq, dk, dv = _cached.backward_dense_torch(dout, q, k, v, out, lse, 0.0, scale,
+                                                      causal, (left, right), softcap, 0, 0,
+                                                      deterministic)
+            return dq, dk, dv, None
         rng_state = torch.zeros((2,), dtype=torch.int64, device=q.device)  # never read
         args = (dout, q, k, v, out, lse, None, None, rng_state) + ctx.options
-        tensors = (dout, q, k, v, out, lse)
-        dq, dk, dv, _ = _run(torch.ops.flashattn.bwd, _bwd_impl, None, tensors, args,
-                             _eager(tensors))
+        dq, dk, dv, _ = torch.ops.flashattn.bwd(*args)
         return dq, dk, dv, None
 
 

@@ -358,6 +358,59 @@ def test_signature_cache_swaps_data_not_results(rng):
     assert errors == []
 
 
+_BWD_CASES = {
+    "plain": dict(),
+    "gqa, strided q, causal, bf16": dict(hk=2, strided=True, causal=True, dtype=torch.bfloat16),
+    "window, softcap, scale, deterministic": dict(window=(3, 1), softcap=4.0, scale=0.3,
+                                                  deterministic=True),
+    "dropout": dict(dropout=0.2),
+}
+
+
+@pytest.mark.parametrize("case", list(_BWD_CASES))
+def test_backward_signature_cache_swaps_data_not_results(rng, monkeypatch, case):
+    """Backward calls that share a signature reuse one prepared call
+    (``_cached.backward_dense_torch``): each call's gradients are its own inputs' (bitwise
+    against the uncached ``_core.backward``), dropout replays each call's own seed, and only
+    the first call of the signature is prepared."""
+    from flashattn import _cached, _core
+
+    o = _BWD_CASES[case]
+    dtype, hk = o.get("dtype", torch.float32), o.get("hk", 4)
+    opts = dict(dropout_p=o.get("dropout", 0.0), softmax_scale=o.get("scale"),
+                causal=o.get("causal", False), window_size=o.get("window", (-1, -1)),
+                softcap=o.get("softcap", 0.0))
+    monkeypatch.setattr(_cached._LOCAL, "calls", {}, raising=False)
+    prepared = []
+    real = _cached._prepare_backward
+
+    def spy(*args):
+        prepared.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(_cached, "_prepare_backward", spy)
+    for call in range(3):
+        seed = 1000 + call if opts["dropout_p"] else 0
+        if o.get("strided"):
+            q = _t(rng, 2, 9, 6, 40).to(dtype)[:, :, 1:5, 4:28]
+        else:
+            q = _t(rng, 2, 9, 4, 24).to(dtype)
+        k, v = (_t(rng, 2, 11, hk, 24).to(dtype) for _ in range(2))
+        out, lse, _ = _core.forward(q, k, v, kind=_core.TORCH, seed=seed, **opts)
+        dout = _t(rng, 2, 9, 4, 24).to(dtype)
+        got = _cached.backward_dense_torch(
+            dout, q, k, v, out, lse, opts["dropout_p"], opts["softmax_scale"], opts["causal"],
+            tuple(opts["window_size"]), opts["softcap"], seed, 0,
+            o.get("deterministic", False))
+        want = _core.backward(dout, q, k, v, out, lse, kind=_core.TORCH, seed=seed,
+                              deterministic=o.get("deterministic", False), **opts)[:3]
+        for g, w, x in zip(got, want, (q, k, v)):
+            assert g.shape == x.shape and g.dtype == x.dtype and g.is_contiguous()
+            assert torch.isfinite(g).all() and g.abs().sum() > 0
+            assert torch.equal(g, w), (case, call)
+    assert len(prepared) == 1
+
+
 def _record_answers(monkeypatch, owner, name, answered):
     """Wraps owner.name so that each call appends whether it answered (returned not None)."""
     real = getattr(owner, name)
