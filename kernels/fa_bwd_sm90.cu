@@ -94,6 +94,33 @@ FA_DEV void fa_bar_sync(int id, int n)
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
+/* bar.arrive id, n: counts this warp toward barrier id's n threads without waiting. */
+FA_DEV void fa_bar_arrive(int id, int n)
+{
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+/* At head dim 64 the two consumer warpgroups take turns issuing products (ping-pong): each
+ * waits on its own barrier before issuing and arrives on the other's after, so their issues
+ * alternate (S/dP of one, then of the other, then dV/dK/dQ of one, ...) and one warpgroup's
+ * element-wise work runs while the other's products keep the tensor cores busy, instead of
+ * both doing theirs at once. At 128 the dQ product needs both warpgroups' dS^T, which puts
+ * them in step anyway. */
+#define FA_PINGPONG (FA_DP == 64)
+#define FA_TURN_BAR 5 /* + warpgroup: 5, 6 */
+
+FA_DEV void fa_turn_wait(int cw)
+{
+    if (FA_PINGPONG)
+        fa_bar_sync(FA_TURN_BAR + cw, 256);
+}
+
+FA_DEV void fa_turn_pass(int cw)
+{
+    if (FA_PINGPONG)
+        fa_bar_arrive(FA_TURN_BAR + (1 - cw), 256);
+}
+
 /* st.shared.b32 at a shared-window address. */
 FA_DEV void fa_st_shared_u32(fa_u32 addr, fa_u32 v)
 {
@@ -281,6 +308,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         }
 
     fa_mbar_wait(kv_full, 0);
+    /* The first turn is the first warpgroup's. */
+    if (cw == 1)
+        fa_turn_pass(cw);
     int h = hk * group, mb = 0;
     fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
 #pragma unroll 1
@@ -302,10 +332,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
          * is key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
         float st[FA_BM / 8][4], dpt[FA_BM / 8][4];
         fa_mbar_wait(q_full + 8 * s, (it >> 1) & 1);
+        fa_turn_wait(cw);
         fa_wg_fence();
         fa_gemm_t(&st[0][0], k_s + 64 * cw * 128, q_t);
         fa_gemm_t(&dpt[0][0], v_s + 64 * cw * 128, do_t);
         fa_wg_commit();
+        fa_turn_pass(cw);
         fa_wg_wait0();
         fa_pin_acc(&st[0][0], FA_BM / 2);
         fa_pin_acc(&dpt[0][0], FA_BM / 2);
@@ -336,6 +368,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         /* dV += P^T dO and dK += dS^T Q, in flight while dQ waits for the other warpgroup. */
         fa_pin_acc(&dv[0][0], FA_DP / 2);
         fa_pin_acc(&dk[0][0], FA_DP / 2);
+        fa_turn_wait(cw);
         fa_wg_fence();
         fa_gemm_kv(&dv[0][0], pa, do_t);
         fa_gemm_kv(&dk[0][0], da, q_t);
@@ -366,6 +399,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                             1);
             fa_wg_commit();
         }
+        fa_turn_pass(cw);
         fa_wg_wait0();
         fa_pin_acc(&dv[0][0], FA_DP / 2);
         fa_pin_acc(&dk[0][0], FA_DP / 2);
@@ -408,6 +442,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         h = hn;
         mb = mbn;
     }
+    /* The second warpgroup's last pass (its first was extra) is the first's to take. */
+    if (cw == 0)
+        fa_turn_wait(cw);
     /* The last bulk add has read its buffer before the CTA's shared memory goes. */
     fa_bulk_wait_read();
 
