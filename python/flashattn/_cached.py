@@ -97,27 +97,24 @@ def _keep_call(cache, key, call):
 
 def _repeat_call(call, q, k, v, others, want_lse, seed=0):
     """One more call of a cached signature on new tensors (q, k, v and the varlen form's
-    others, None left out) with new outputs: (out, lse or None)."""
+    others, None left out) with new outputs: (out, lse or None). As in
+    ``_CachedBackward.run``, every allocation comes before the first write into the prepared
+    arguments."""
     torch = sys.modules["torch"]
     if call.like_q:
         out = torch.empty_like(q)
     else:
         out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
-    tq, tk, tv, to, tl = call.tensors[:5]
-    tq.data = q.data_ptr()
-    tk.data = k.data_ptr()
-    tv.data = v.data_ptr()
-    to.data = out.data_ptr()
-    lse = None
-    if want_lse:
-        lse = torch.empty_like(call.lse_like)
-        tl.data = lse.data_ptr()
-    if others:
-        for slot, x in zip(call.tensors[5:], others):
-            slot.data = x.data_ptr()
+    lse = torch.empty_like(call.lse_like) if want_lse else None
+    stream = _raw_stream(call.cuda) if call.cuda is not None else None
+    arrays = [q, k, v, out] + ([lse] if lse is not None else []) + (others or [])
+    slots = call.tensors[:4] + call.tensors[4:5] * (lse is not None) + call.tensors[5:]
+    writes = [(slot, x.data_ptr()) for slot, x in zip(slots, arrays)]
+    for slot, ptr in writes:
+        slot.data = ptr
     args = call.args
-    if call.cuda is not None:
-        args.stream = _raw_stream(call.cuda)
+    if stream is not None:
+        args.stream = stream
     args.seed = seed & 0xFFFFFFFFFFFFFFFF
     status = call.fn(call.ref)
     if status != _lib.STATUS_OK:
@@ -183,14 +180,15 @@ def forward_dense_out(q, k, v, softmax_scale, causal, window_size, softcap):
         return forward_dense_torch(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, 0,
                                    want_lse=False)[0]
     out = sys.modules["torch"].empty_like(q)
+    stream = _raw_stream(call.cuda) if call.cuda is not None else None  # before any write
     tq, tk, tv, to = call.tensors[:4]
     tq.data = q.data_ptr()
     tk.data = k.data_ptr()
     tv.data = v.data_ptr()
     to.data = out.data_ptr()
     args = call.args
-    if call.cuda is not None:
-        args.stream = _raw_stream(call.cuda)
+    if stream is not None:
+        args.stream = stream
     args.seed = 0
     status = call.fn(call.ref)
     if status != _lib.STATUS_OK:
@@ -267,20 +265,26 @@ class _CachedBackward:
         self.fn = _lib.get_lib().fa_attention_backward
 
     def run(self, tensors, seed, offset):
-        """The call on new (dout, q, k, v, out, lse) of this signature: (dq, dk, dv)."""
+        """The call on new (dout, q, k, v, out, lse) of this signature: (dq, dk, dv). Every
+        allocation comes before the first write into the prepared arguments: Python run in
+        between (a finalizer) could make a call of this signature on this thread, which would
+        write them too."""
         torch = sys.modules["torch"]
         grads = tuple(torch.empty_like(x) for x in self.likes)
+        workspace = stream = None
+        if self.cuda is not None:
+            workspace = torch.empty(max(self.workspace_size, 1), dtype=torch.uint8,
+                                    device=self.device)
+            stream = _raw_stream(self.cuda)
         dout, q, k, v, out, lse = tensors
-        for slot, x in zip(self.tensors, (q, k, v, out, lse, dout) + grads):
-            slot.data = x.data_ptr()
+        ptrs = [x.data_ptr() for x in (q, k, v, out, lse, dout) + grads]
+        for slot, ptr in zip(self.tensors, ptrs):
+            slot.data = ptr
         fwd = self.fwd
         fwd.seed = seed & 0xFFFFFFFFFFFFFFFF
         fwd.offset = offset & 0xFFFFFFFFFFFFFFFF
-        workspace = None
-        if self.cuda is not None:
-            fwd.stream = _raw_stream(self.cuda)
-            workspace = torch.empty(max(self.workspace_size, 1), dtype=torch.uint8,
-                                    device=self.device)
+        if workspace is not None:
+            fwd.stream = stream
             self.bwd.workspace = workspace.data_ptr()
         status = self.fn(self.ref)
         if status != _lib.STATUS_OK:
