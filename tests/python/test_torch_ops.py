@@ -411,6 +411,33 @@ def test_backward_signature_cache_swaps_data_not_results(rng, monkeypatch, case)
     assert len(prepared) == 1
 
 
+def test_cached_call_survives_a_reentrant_call(rng, monkeypatch):
+    """An allocation inside a cached call can run Python (a finalizer) that makes a call of the
+    same signature on the same thread, which writes the same prepared arguments: each call
+    still returns its own inputs' results."""
+    from flashattn import _cached, _core
+
+    monkeypatch.setattr(_cached._LOCAL, "calls", {}, raising=False)
+    a, b = ([_t(rng, 1, 7, 2, 16) for _ in range(3)] for _ in range(2))
+    options = (0.0, None, True, (-1, -1), 0.0, 0)
+    _cached.forward_dense_torch(*a, *options)  # prepares the signature
+    real, nested = torch.empty_like, []
+
+    def empty_like(x, *args, **kwargs):
+        if not nested and all(st == 0 for st in x.stride()):  # the lse template
+            nested.append(None)  # one nested call, not a nested one's nested call
+            nested[0] = _cached.forward_dense_torch(*b, *options)
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    out, lse = _cached.forward_dense_torch(*a, *options)
+    monkeypatch.setattr(torch, "empty_like", real)
+    assert len(nested) == 1
+    for got, inputs in (((out, lse), a), (nested[0], b)):
+        want = _core.forward(*inputs, kind=_core.TORCH, causal=True)[:2]
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def _record_answers(monkeypatch, owner, name, answered):
     """Wraps owner.name so that each call appends whether it answered (returned not None)."""
     real = getattr(owner, name)
