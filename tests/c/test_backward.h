@@ -11,22 +11,9 @@
 #include "test_util.h"
 
 typedef struct bcase {
-    fa_dtype dt;
-    int varlen;
-    int64_t b, sq, sk, h, hk, d, dv; /* varlen: sq/sk are the largest generated lengths */
-    int causal, wl, wr;
-    double softcap;
-    int alibi; /* 0 none, 1 [h], 2 [b, h] */
-    int sinks;
-    double dropout_p;
-    double scale; /* NaN: default */
-    int layout;   /* -1: random per tensor, else a tu_layout for every tensor */
-    int packed;   /* 0 separate, 1 qkv and dqkv in one buffer each, 2 kv and dkv */
-    int lse64;    /* F64: an fp64 lse (else fp32) */
+    TU_ATTN_FIELDS
+    int lse64; /* F64: an fp64 lse (else fp32) */
     int threads[3];
-    double amp;  /* q and k uniform in [-amp, amp] */
-    int vl_zero; /* 1: some sequences empty; 2: also every other one */
-    int vl_offset, vl_seqused;
 } bcase;
 
 /* The tensors of one case. */

@@ -57,29 +57,7 @@ static void cap_cost(bcase *c, double budget)
 static void random_case(bcase *c, tu_rng *r)
 {
     tb_base_case(c, k_dtypes[tu_rng_int(r, 0, 3)], r);
-    c->varlen = tu_rng_chance(r, 0.35);
-    c->b = tu_rng_int(r, 1, c->varlen ? 6 : 3);
-    c->hk = tu_rng_int(r, 1, 3);
-    static const int64_t ratios[] = {1, 1, 2, 3, 8};
-    c->h = c->hk * ratios[tu_rng_int(r, 0, 4)];
-    c->d = tu_rand_head_dim(r);
-    c->dv = tu_rng_chance(r, 0.7) ? c->d : tu_rand_head_dim(r);
-    c->sq = tu_rand_len(r);
-    c->sk = tu_rand_len(r);
-    c->causal = tu_rng_chance(r, 0.3);
-    if (tu_rng_chance(r, 0.35)) {
-        c->wl = tu_rand_window_side(r, c->sk);
-        c->wr = tu_rand_window_side(r, c->sk);
-    }
-    c->dropout_p = tu_rng_chance(r, 0.25) ? tu_rng_uniform(r, 0.05, 0.9) : 0.0;
-    if (c->dropout_p == 0.0 && tu_rng_chance(r, 0.25)) {
-        c->softcap = tu_rng_uniform(r, 0.5, 20.0);
-    }
-    c->alibi = tu_rng_chance(r, 0.25) ? (int)tu_rng_int(r, 1, 2) : 0;
-    c->sinks = tu_rng_chance(r, 0.25);
-    if (tu_rng_chance(r, 0.3)) {
-        c->scale = tu_rng_uniform(r, 0.3, 3.0) / sqrt((double)c->d);
-    }
+    TU_RANDOM_ATTN(c, r);
     c->lse64 = tu_rng_chance(r, 0.85);
     if (tu_rng_chance(r, 0.2)) {
         c->packed = tu_rng_chance(r, 0.5) ? 1 : 2;

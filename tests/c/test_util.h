@@ -29,6 +29,53 @@ int tu_rand_window_side(tu_rng *r, int64_t sk);         /* -1, 0, or up to past 
 /* The run's master seed: $FA_TEST_SEED if set, else time ^ pid. Printed once at start. */
 uint64_t tu_master_seed(const char *test_name);
 
+/* ---- attention cases --------------------------------------------------------------------- */
+/* The fields the forward and backward tests' cases share (fcase, bcase): the problem and every
+ * attention option. */
+#define TU_ATTN_FIELDS                                                                           \
+    fa_dtype dt;                                                                                 \
+    int varlen;                                                                                  \
+    int64_t b, sq, sk, h, hk, d, dv; /* varlen: sq/sk are the largest generated lengths */       \
+    int causal, wl, wr;                                                                          \
+    double softcap;                                                                              \
+    int alibi; /* 0 none, 1 [h], 2 [b, h] */                                                     \
+    int sinks;                                                                                   \
+    double dropout_p;                                                                            \
+    double scale; /* NaN: default */                                                             \
+    int layout;   /* -1: random per tensor, else a tu_layout for every tensor */                 \
+    int packed;   /* 0 separate, 1 qkv (and dqkv) in one buffer, 2 kv (and dkv) */               \
+    double amp;   /* q and k uniform in [-amp, amp] */                                           \
+    int vl_zero;  /* 1: some sequences empty; 2: also every other one */                         \
+    int vl_offset, vl_seqused;
+
+/* The draws random forward and backward cases share, in one order (a seed gives both tests the
+ * same problems), on a case c (a pointer to a struct with TU_ATTN_FIELDS, its base case set)
+ * with the tu_rng pointer r: the shape, the mask, dropout or softcap, ALiBi, sinks, scale. */
+#define TU_RANDOM_ATTN(c, r)                                                                     \
+    do {                                                                                         \
+        static const int64_t tu_ratios_[] = {1, 1, 2, 3, 8};                                     \
+        (c)->varlen = tu_rng_chance(r, 0.35);                                                    \
+        (c)->b = tu_rng_int(r, 1, (c)->varlen ? 6 : 3);                                          \
+        (c)->hk = tu_rng_int(r, 1, 3);                                                           \
+        (c)->h = (c)->hk * tu_ratios_[tu_rng_int(r, 0, 4)];                                      \
+        (c)->d = tu_rand_head_dim(r);                                                            \
+        (c)->dv = tu_rng_chance(r, 0.7) ? (c)->d : tu_rand_head_dim(r);                          \
+        (c)->sq = tu_rand_len(r);                                                                \
+        (c)->sk = tu_rand_len(r);                                                                \
+        (c)->causal = tu_rng_chance(r, 0.3);                                                     \
+        if (tu_rng_chance(r, 0.35)) {                                                            \
+            (c)->wl = tu_rand_window_side(r, (c)->sk);                                           \
+            (c)->wr = tu_rand_window_side(r, (c)->sk);                                           \
+        }                                                                                        \
+        (c)->dropout_p = tu_rng_chance(r, 0.25) ? tu_rng_uniform(r, 0.05, 0.9) : 0.0;            \
+        if ((c)->dropout_p == 0.0 && tu_rng_chance(r, 0.25))                                     \
+            (c)->softcap = tu_rng_uniform(r, 0.5, 20.0);                                         \
+        (c)->alibi = tu_rng_chance(r, 0.25) ? (int)tu_rng_int(r, 1, 2) : 0;                      \
+        (c)->sinks = tu_rng_chance(r, 0.25);                                                     \
+        if (tu_rng_chance(r, 0.3))                                                               \
+            (c)->scale = tu_rng_uniform(r, 0.3, 3.0) / sqrt((double)(c)->d);                     \
+    } while (0)
+
 /* ---- failure reporting ------------------------------------------------------------------- */
 extern int tu_failures;
 extern uint64_t tu_seed;     /* master seed, printed with every failure */

@@ -1,0 +1,356 @@
+/*
+ * test_forward's case generator: the directed sweep (each feature alone and in the combinations
+ * the edge-case list names, for every dtype) and random cases drawn over every option at once.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "test_forward.h"
+
+/* ------------------------------------------------------------------------------------------ */
+/* Case generation                                                                             */
+
+static const fa_dtype k_dtypes[4] = {FA_DTYPE_F32, FA_DTYPE_F16, FA_DTYPE_BF16, FA_DTYPE_F64};
+
+static void base_case(fcase *c, fa_dtype dt, tu_rng *r)
+{
+    memset(c, 0, sizeof *c);
+    c->dt = dt;
+    c->b = tu_rng_int(r, 1, 3);
+    c->hk = tu_rng_int(r, 1, 2);
+    c->h = c->hk * (tu_rng_chance(r, 0.5) ? 1 : 2);
+    c->sq = tu_rng_int(r, 1, 40);
+    c->sk = tu_rng_int(r, 1, 40);
+    c->d = 32;
+    c->dv = 32;
+    c->wl = -1;
+    c->wr = -1;
+    c->scale = NAN;
+    c->layout = -1;
+    c->with_lse = 1;
+    c->threads_a = (int)tu_rng_int(r, 1, 3);
+    c->threads_b = 1 + (c->threads_a % 3); /* a different one of 1, 2, 3 */
+    c->amp = tu_rng_chance(r, 0.5) ? 1.0 : 3.0;
+    c->row_step = 1;
+}
+
+/* shrink the sequence lengths until the reference work stays modest */
+static void cap_cost(fcase *c, double budget)
+{
+    for (;;) {
+        double cost = (double)c->b * (double)c->h * (double)(c->sq + 1) * (double)(c->sk + 1) *
+                      (double)(c->d + c->dv) / (double)(c->row_step > 0 ? c->row_step : 1);
+        if (c->dt == FA_DTYPE_F16 || c->dt == FA_DTYPE_BF16) {
+            cost *= 2.0;
+        }
+        if (c->with_probs) {
+            cost *= 1.5;
+        }
+        if (cost <= budget || (c->sq <= 8 && c->sk <= 8)) {
+            return;
+        }
+        if (c->sq >= c->sk) {
+            c->sq = c->sq * 3 / 4;
+        } else {
+            c->sk = c->sk * 3 / 4;
+        }
+    }
+}
+
+static void random_case(fcase *c, tu_rng *r)
+{
+    base_case(c, k_dtypes[tu_rng_int(r, 0, 3)], r);
+    TU_RANDOM_ATTN(c, r);
+    c->with_lse = tu_rng_chance(r, 0.85);
+    c->with_probs = tu_rng_chance(r, c->dropout_p > 0 ? 0.5 : 0.2);
+    if (tu_rng_chance(r, 0.2)) {
+        /* packed layouts */
+        if (tu_rng_chance(r, 0.5)) {
+            c->packed = 1;
+            c->sk = c->sq;
+            c->hk = c->h;
+            c->dv = c->d;
+        } else {
+            c->packed = 2;
+            c->dv = c->d;
+        }
+    }
+    if (c->varlen) {
+        c->vl_zero = tu_rng_chance(r, 0.5);
+        c->vl_offset = tu_rng_chance(r, 0.5);
+        c->vl_seqused = tu_rng_chance(r, 0.4);
+    }
+    if (tu_rng_chance(r, 0.1)) {
+        c->threads_a = 0; /* the default thread count */
+    }
+    cap_cost(c, 6e6);
+}
+
+void tf_run_random(tu_rng *rng, int n)
+{
+    for (int i = 0; i < n; i++) {
+        fcase c;
+        random_case(&c, rng);
+        tf_run_case(&c, "random", rng);
+    }
+}
+
+/* Each feature on its own and in the combinations the edge-case list names. */
+void tf_run_directed(tu_rng *rng)
+{
+    fcase c;
+    static const int64_t head_dims[] = {1, 7, 33, 64, 96, 128, 256};
+
+    /* head_dim sweep, every dtype; dv sometimes different */
+    for (int di = 0; di < 4; di++) {
+        for (size_t hi = 0; hi < sizeof head_dims / sizeof head_dims[0]; hi++) {
+            base_case(&c, k_dtypes[di], rng);
+            c.d = head_dims[hi];
+            c.dv = (hi % 3 == 1) ? head_dims[(hi + 3) % 7] : c.d;
+            c.sq = tu_rng_int(rng, 1, 70);
+            c.sk = tu_rng_int(rng, 1, 150);
+            c.causal = (int)(hi & 1);
+            cap_cost(&c, 3e6);
+            tf_run_case(&c, "head_dim sweep", rng);
+        }
+    }
+
+    for (int di = 0; di < 4; di++) {
+        fa_dtype dt = k_dtypes[di];
+        /* seqlen 0 and 1 */
+        int64_t lens[][2] = {{0, 5}, {5, 0}, {0, 0}, {1, 1}, {1, 17}, {17, 1}, {1, 0}};
+        for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
+            base_case(&c, dt, rng);
+            c.sq = lens[i][0];
+            c.sk = lens[i][1];
+            c.causal = (int)(i & 1);
+            c.sinks = (i % 3 == 2);
+            c.with_probs = (i % 2 == 0);
+            tf_run_case(&c, "seqlen 0/1", rng);
+        }
+        /* causal, sq > sk (fully masked first rows) and sq < sk */
+        base_case(&c, dt, rng);
+        c.causal = 1;
+        c.sq = 37;
+        c.sk = 11;
+        c.with_probs = 1;
+        tf_run_case(&c, "causal sq>sk", rng);
+        base_case(&c, dt, rng);
+        c.causal = 1;
+        c.sq = 13;
+        c.sk = 150;
+        tf_run_case(&c, "causal sq<sk", rng);
+        base_case(&c, dt, rng);
+        c.causal = 1;
+        c.sinks = 1;
+        c.sq = 40;
+        c.sk = 9;
+        tf_run_case(&c, "causal sq>sk with sinks", rng);
+        /* causal with a left window */
+        base_case(&c, dt, rng);
+        c.causal = 1;
+        c.wl = 5;
+        c.wr = 9; /* ignored: causal sets right = 0 */
+        c.sq = 60;
+        c.sk = 60;
+        tf_run_case(&c, "causal + window_left", rng);
+        /* narrow windows, fully masked rows */
+        int wins[][2] = {{0, 0}, {2, 1}, {1, -1}, {-1, 2}, {0, -1}, {-1, 0}, {3, 0}};
+        for (size_t i = 0; i < sizeof wins / sizeof wins[0]; i++) {
+            base_case(&c, dt, rng);
+            c.wl = wins[i][0];
+            c.wr = wins[i][1];
+            c.sq = tu_rng_int(rng, 30, 90);
+            c.sk = tu_rng_int(rng, 3, 20);
+            if (i & 1) {
+                int64_t t = c.sq;
+                c.sq = c.sk;
+                c.sk = t;
+            }
+            c.with_probs = (i % 3 == 0);
+            tf_run_case(&c, "narrow window", rng);
+        }
+        /* windows wider than the sequence */
+        base_case(&c, dt, rng);
+        c.wl = 1000;
+        c.wr = 1000;
+        c.sq = 31;
+        c.sk = 47;
+        tf_run_case(&c, "window wider than sequence", rng);
+        base_case(&c, dt, rng);
+        c.wl = 100000;
+        c.wr = 0;
+        c.sq = 50;
+        c.sk = 20;
+        tf_run_case(&c, "left window wider than sequence", rng);
+        /* GQA ratios */
+        int64_t ratios[] = {1, 2, 8};
+        for (int i = 0; i < 3; i++) {
+            base_case(&c, dt, rng);
+            c.hk = tu_rng_int(rng, 1, 2);
+            c.h = c.hk * ratios[i];
+            c.causal = i == 1;
+            tf_run_case(&c, "GQA", rng);
+        }
+        /* alibi [h] and [b, h] */
+        for (int a = 1; a <= 2; a++) {
+            base_case(&c, dt, rng);
+            c.alibi = a;
+            c.causal = a == 1;
+            c.sq = tu_rng_int(rng, 1, 60);
+            c.sk = tu_rng_int(rng, 1, 60);
+            c.with_probs = 1;
+            tf_run_case(&c, "alibi", rng);
+        }
+        /* softcap, with and without causal */
+        for (int k = 0; k < 2; k++) {
+            base_case(&c, dt, rng);
+            c.softcap = k ? 0.7 : 15.0;
+            c.causal = k;
+            c.amp = 3.0;
+            c.with_probs = k;
+            tf_run_case(&c, "softcap", rng);
+        }
+        /* sinks */
+        base_case(&c, dt, rng);
+        c.sinks = 1;
+        c.wl = 2;
+        c.wr = 0;
+        c.sq = 50;
+        c.sk = 12;
+        tf_run_case(&c, "sinks + window", rng);
+        /* dropout, with probs */
+        double ps[] = {0.1, 0.5, 0.85};
+        for (int i = 0; i < 3; i++) {
+            base_case(&c, dt, rng);
+            c.dropout_p = ps[i];
+            c.causal = i == 2;
+            c.with_probs = 1;
+            c.sq = tu_rng_int(rng, 1, 60);
+            c.sk = tu_rng_int(rng, 60, 200);
+            c.d = i == 0 ? 64 : (i == 1 ? 128 : 40);
+            c.dv = c.d;
+            tf_run_case(&c, "dropout", rng);
+        }
+        /* probs over several key blocks, every block width */
+        int64_t pd[] = {32, 64, 96, 128, 256};
+        for (int i = 0; i < 5; i++) {
+            base_case(&c, dt, rng);
+            c.d = pd[i];
+            c.dv = pd[i];
+            c.sq = tu_rng_int(rng, 1, 20);
+            c.sk = tu_rng_int(rng, 130, 300);
+            c.with_probs = 1;
+            c.causal = i & 1;
+            c.dropout_p = (i % 2 == 0) ? 0.3 : 0.0;
+            c.amp = 3.0;
+            tf_run_case(&c, "probs blocks", rng);
+        }
+        /* custom scale */
+        base_case(&c, dt, rng);
+        c.scale = 0.37;
+        tf_run_case(&c, "custom scale", rng);
+        /* varlen */
+        for (int k = 0; k < 4; k++) {
+            base_case(&c, dt, rng);
+            c.varlen = 1;
+            c.b = tu_rng_int(rng, 2, 7);
+            c.sq = tu_rng_int(rng, 1, 40);
+            c.sk = tu_rng_int(rng, 1, 40);
+            c.vl_zero = (k != 3);
+            c.vl_offset = (k >= 1);
+            c.vl_seqused = (k >= 2);
+            c.causal = k & 1;
+            c.with_probs = (k == 2);
+            tf_run_case(&c, "varlen", rng);
+        }
+        /* varlen: total tokens < batch */
+        base_case(&c, dt, rng);
+        c.varlen = 1;
+        c.b = 8;
+        c.sq = 1;
+        c.sk = 2;
+        c.vl_zero = 2;
+        c.sinks = 1;
+        c.causal = 1;
+        tf_run_case(&c, "varlen total < batch", rng);
+        /* strided views: packed qkv, packed kv, padded, permuted */
+        for (int k = 0; k < 4; k++) {
+            base_case(&c, dt, rng);
+            c.varlen = k >= 2;
+            c.b = tu_rng_int(rng, 1, 3);
+            if (k % 2 == 0) {
+                c.packed = 1;
+                c.sk = c.sq;
+                c.hk = c.h;
+            } else {
+                c.packed = 2;
+                c.layout = TU_PERMUTED;
+            }
+            c.d = c.dv = 24;
+            c.with_probs = k == 1;
+            tf_run_case(&c, "packed", rng);
+        }
+        for (int l = 0; l < TU_NUM_LAYOUTS; l++) {
+            base_case(&c, dt, rng);
+            c.layout = l;
+            c.with_probs = 1;
+            c.varlen = l == 2;
+            tf_run_case(&c, "layout", rng);
+        }
+    }
+
+    /* Long sequences (many tiles), reference on every 7th / 5th row */
+    base_case(&c, FA_DTYPE_F32, rng);
+    c.b = 1;
+    c.h = 2;
+    c.hk = 1;
+    c.sq = 700;
+    c.sk = 900;
+    c.d = c.dv = 64;
+    c.causal = 1;
+    c.row_step = 7;
+    tf_run_case(&c, "long causal", rng);
+    base_case(&c, FA_DTYPE_F64, rng);
+    c.b = 1;
+    c.h = 1;
+    c.hk = 1;
+    c.sq = 400;
+    c.sk = 1000;
+    c.d = c.dv = 128;
+    c.wl = 100;
+    c.wr = 30;
+    c.row_step = 5;
+    tf_run_case(&c, "long window", rng);
+    /* bf16 over several tiles and key blocks of its own kernels (AMX or AVX512-BF16) */
+    base_case(&c, FA_DTYPE_BF16, rng);
+    c.b = 1;
+    c.h = 4;
+    c.hk = 2;
+    c.sq = 520;
+    c.sk = 700;
+    c.d = c.dv = 64;
+    c.row_step = 5;
+    tf_run_case(&c, "long bf16", rng);
+    base_case(&c, FA_DTYPE_BF16, rng);
+    c.b = 1;
+    c.h = 2;
+    c.hk = 1;
+    c.sq = 600;
+    c.sk = 600;
+    c.d = c.dv = 128;
+    c.causal = 1;
+    c.row_step = 7;
+    tf_run_case(&c, "long bf16 causal", rng);
+    base_case(&c, FA_DTYPE_F16, rng);
+    c.b = 1;
+    c.h = 2;
+    c.hk = 2;
+    c.sq = 256;
+    c.sk = 513;
+    c.d = c.dv = 64;
+    c.dropout_p = 0.2;
+    c.alibi = 1;
+    c.row_step = 3;
+    tf_run_case(&c, "long dropout alibi", rng);
+}
