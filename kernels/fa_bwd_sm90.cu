@@ -381,22 +381,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         float dq[8][4];
         fa_wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-            fa_wgmma_tt(&dq[0][0], fa_desc(ds_t + (64 * cw + 16 * kk) * 128, FA_BN * 128, 1024),
-                        fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 + (64 * cw + 16 * kk) * 128,
-                                FA_BN * 128, 1024),
-                        kk > 0);
-        fa_wg_commit();
-        if (FA_DP == 128) {
-            fa_bar_sync(1, 256);
+        for (int half = 0; half < (FA_DP == 128 ? 2 : 1); half++) {
+            const int keys = 64 * (half ? 1 - cw : cw);
+            if (half)
+                fa_bar_sync(1, 256);
 #pragma unroll
             for (int kk = 0; kk < 4; kk++)
-                fa_wgmma_tt(&dq[0][0],
-                            fa_desc(ds_t + (64 * (1 - cw) + 16 * kk) * 128, FA_BN * 128, 1024),
-                            fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 +
-                                        (64 * (1 - cw) + 16 * kk) * 128,
+                fa_wgmma_tt(&dq[0][0], fa_desc(ds_t + (keys + 16 * kk) * 128, FA_BN * 128, 1024),
+                            fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 + (keys + 16 * kk) * 128,
                                     FA_BN * 128, 1024),
-                            1);
+                            half || kk > 0);
             fa_wg_commit();
         }
         fa_turn_pass(cw);

@@ -50,11 +50,8 @@ class _CachedCall:
         self.device = out.device
         self.cuda = out.device.index if out.device.type == "cuda" else None
         self.names = names
-        # lse's allocation is torch.empty_like of this: one float expanded to lse's shape (4
-        # bytes held), as empty_like gives the contiguous lse for stride-0 tensors and takes a
-        # third of torch.empty(shape, dtype=, device=)'s argument parsing.
-        self.lse_like = None if lse is None else torch.empty(
-            (), dtype=torch.float32, device=lse.device).expand(lse.shape)
+        self.lse_like = None if lse is None else _like(torch, lse.shape, torch.float32,
+                                                        lse.device)
         self.fast = self._fast_fields() if self.like_q and _fastpath is not None else None
 
     def _fast_fields(self):
@@ -69,6 +66,13 @@ class _CachedCall:
         return struct.pack("=9q", ctypes.cast(self.fn, ctypes.c_void_p).value, args, *slots,
                            args + type(self.args).stream.offset if self.cuda is not None else 0,
                            -1 if self.cuda is None else self.cuda)
+
+
+def _like(torch, shape, dtype, device):
+    """One element of dtype expanded to shape: torch.empty_like of it is a new contiguous tensor
+    of that shape (empty_like lays out stride-0 tensors contiguously), the cheapest allocation
+    (a third of torch.empty(shape, dtype=, device=)'s argument parsing), for one element held."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
 
 
 _LOCAL = threading.local()  # per-thread _CachedCall caches: the C call runs without the GIL
@@ -107,9 +111,8 @@ def _repeat_call(call, q, k, v, others, want_lse, seed=0):
         out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
     lse = torch.empty_like(call.lse_like) if want_lse else None
     stream = _raw_stream(call.cuda) if call.cuda is not None else None
-    arrays = [q, k, v, out] + ([lse] if lse is not None else []) + (others or [])
-    slots = call.tensors[:4] + call.tensors[4:5] * (lse is not None) + call.tensors[5:]
-    writes = [(slot, x.data_ptr()) for slot, x in zip(slots, arrays)]
+    arrays = [q, k, v, out, lse] + list(others or ())
+    writes = [(slot, x.data_ptr()) for slot, x in zip(call.tensors, arrays) if x is not None]
     for slot, ptr in writes:
         slot.data = ptr
     args = call.args
@@ -243,8 +246,7 @@ def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seq
 class _CachedBackward:
     """The prepared fa_bwd_args of one backward signature (``backward_dense_torch``): the
     FaTensors whose data pointers each call swaps (the forward arguments' q, k, v, out, lse,
-    then dout, dq, dk, dv), one element of each gradient's dtype expanded to its shape (so that
-    torch.empty_like, the cheapest allocation, makes a new contiguous one, as the first call's
+    then dout, dq, dk, dv), each gradient's ``_like`` (new ones contiguous, as the first call's
     were), the workspace's size and the CUDA device index (None on the CPU)."""
 
     __slots__ = ("bwd", "ref", "fwd", "tensors", "likes", "workspace_size", "device", "cuda",
@@ -256,8 +258,7 @@ class _CachedBackward:
         self.ref = ctypes.byref(bwd)
         self.fwd = bwd.fwd.contents
         self.tensors = keep[:5] + keep[-5:-1]
-        self.likes = tuple(torch.empty((), dtype=g.dtype, device=g.device).expand(g.shape)
-                           for g in grads[:3])
+        self.likes = tuple(_like(torch, g.shape, g.dtype, g.device) for g in grads[:3])
         self.workspace_size = bwd.workspace_size if workspace is not None else None
         self.device = grads[0].device
         self.cuda = self.device.index if self.device.type == "cuda" else None
