@@ -148,9 +148,15 @@ FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
     return ((fa_i64)h * bp->f.b + bi) * bp->m_tiles * FA_BM;
 }
 
+#if FA_BWD_ROWS_IN_LANES
+#define FA_BWD_LANE_ROWS (FA_BM / 32) /* tile rows per lane: 2 or 4 */
+#endif
+
 typedef struct fa_bwd_tile {
 #if FA_BWD_ROWS_IN_LANES
-    float lse2[2], dsum[2]; /* lse * log2(e) and D of the tile's rows 2 lane and 2 lane + 1 */
+    /* lse * log2(e) and D of the tile's rows 2 lane + x for 64-row tiles, lane + 32 x for 128:
+     * wherever fa_bwd_probs asks, x is a constant, so they stay in registers */
+    float lse2[FA_BWD_LANE_ROWS], dsum[FA_BWD_LANE_ROWS];
 #else
     const float *lse2, *dsum; /* this stage's rows: lse * log2(e), D */
 #endif
@@ -194,9 +200,13 @@ FA_DEV void fa_bwd_dropout_words(fa_u32 kb, fa_u32 i0, fa_u64 stream, fa_u64 see
 /* Row il of the tile's lse * log2(e) or D: from the lane that holds it (every lane of the warp
  * calls this together) or from the stage's rows in shared memory. */
 #if FA_BWD_ROWS_IN_LANES
-FA_DEV float fa_bwd_row(const float v[2], int il)
+FA_DEV float fa_bwd_row(const float v[FA_BWD_LANE_ROWS], int il)
 {
+#if FA_BWD_LANE_ROWS == 2
     return __shfl_sync(0xffffffffu, v[il & 1], il >> 1);
+#else
+    return __shfl_sync(0xffffffffu, v[il >> 5], il & 31);
+#endif
 }
 #else
 FA_DEV float fa_bwd_row(const float *v, int il) { return v[il]; }
@@ -271,9 +281,17 @@ FA_DEV fa_bwd_tile fa_bwd_tile_make(const fa_kparams *kp, const fa_seq *s, int b
     fa_bwd_tile tl;
 #if FA_BWD_ROWS_IN_LANES
     const int lane = threadIdx.x & 31;
+#if FA_BWD_LANE_ROWS == 2
     const float2 l = *(const float2 *)(lse2 + 2 * lane), d = *(const float2 *)(dsum + 2 * lane);
     tl.lse2[0] = l.x, tl.lse2[1] = l.y;
     tl.dsum[0] = d.x, tl.dsum[1] = d.y;
+#else
+#pragma unroll
+    for (int x = 0; x < FA_BWD_LANE_ROWS; x++) {
+        tl.lse2[x] = lse2[lane + 32 * x];
+        tl.dsum[x] = dsum[lane + 32 * x];
+    }
+#endif
 #else
     tl.lse2 = lse2;
     tl.dsum = dsum;

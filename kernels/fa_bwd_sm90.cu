@@ -5,9 +5,9 @@
  *
  * fa_bwd: one CTA per (key block of FA_BN = 128 keys, kv head, sequence), 384 threads: a producer
  * warpgroup (one thread issues TMA: K and V of the block once, then Q and dO of each query tile
- * the block meets, FA_BM = 64 rows, into two stages) and two consumer warpgroups, each owning 64
- * of the block's keys. Per query tile, consumer warpgroup cw:
- *   S^T = K_cw Q^T, dP^T = V_cw dO^T      SS wgmma m64n64 (both operands K-major, as TMA wrote
+ * the block meets, FA_BM = 64 rows (128 at head dim 64), into two stages) and two consumer
+ * warpgroups, each owning 64 of the block's keys. Per query tile, consumer warpgroup cw:
+ *   S^T = K_cw Q^T, dP^T = V_cw dO^T      SS wgmma m64nFA_BM (both operands K-major, as TMA wrote
  *                                        them); the accumulators are the sm80 family's C
  *                                        fragments, so fa_bwd_probs makes P^T and dS^T (no
  *                                        softmax scale) from them unchanged
@@ -17,8 +17,9 @@
  *                                        read back as an MN-major A operand, K as MN-major B; at
  *                                        head dim 128 each warpgroup computes 64 columns of dQ over
  *                                        all 128 keys (its own first, the other's after a barrier
- *                                        of both), at 64 each adds its own keys' share of all 64
- *                                        columns; the fp32 result is
+ *                                        of both), at 64 with 128-query tiles 64 of the rows the
+ *                                        same way, with 64-query tiles each adds its own keys'
+ *                                        share of the tile; the fp32 result is
  *                                        added to the workspace accumulator, whose order (the sm80
  *                                        family's fragment order) wgmma's accumulator layout
  *                                        matches, and fa_bwd_convert finishes. Each warp's piece
@@ -31,7 +32,8 @@
  * written at the end (dK times the softmax scale).
  *
  * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward_sm90): FA_BF16, FA_DP = FA_DVP
- * (64 or 128), FA_BM 64, FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT, FA_VARLEN.
+ * (64 or 128), FA_BM (64; 128 at FA_DP 64), FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT,
+ * FA_VARLEN.
  * bp.deterministic orders each query tile's dQ adds by key block, as the sm80 family does.
  *
  * Varlen: the tensor maps span all the packed rows (batch extent 1) and tiles add their
@@ -41,8 +43,8 @@
  *
  * Shared memory (1024-byte aligned; every tile in 128-byte swizzled rows of 64 columns, column
  * blocks one after another, as TMA writes them): K, V [FA_DP / 64][FA_BN][64]; Q, dO
- * [2 stages][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BN][FA_BM]; dQ pieces, fp32 [8 warps][1024]
- * in the accumulator's order; mbarriers kv_full, q_full[2], q_empty[2].
+ * [2 stages][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BM / 64][FA_BN][64]; dQ pieces, fp32
+ * [8 warps][1024] in the accumulator's order; mbarriers kv_full, q_full[2], q_empty[2].
  */
 #include "fa_bkparams.h"
 
@@ -53,8 +55,9 @@
 
 #include "fa_sm90.cuh"
 
-#if FA_BM != 64 || FA_BN != 128 || FA_DP != FA_DVP || (FA_DP != 64 && FA_DP != 128)
-#error "fa_bwd_sm90.cu: 64 x 128 tiles, d = dv of 64 or 128 (padded)"
+#if FA_BN != 128 || FA_DP != FA_DVP || (FA_DP != 64 && FA_DP != 128) ||                      \
+    (FA_BM != 64 && !(FA_BM == 128 && FA_DP == 64))
+#error "fa_bwd_sm90.cu: 64 x 128 tiles (128 x 128 at d 64), d = dv of 64 or 128 (padded)"
 #endif
 
 /* fa_bwd_probs takes the rows of lse and D from the lanes' registers (fa_bwd_common.cuh). */
@@ -65,6 +68,10 @@
 #define FA_QT_BYTES (FA_BM * FA_DP * 2) /* one stage of Q or dO */
 #define FA_DS_BYTES (FA_BN * FA_BM * 2) /* one dS^T buffer */
 #define FA_DQW_BYTES 4096                /* one warp's dQ piece: 16 rows x 64 columns, fp32 */
+/* Each warpgroup's dQ product reads both warpgroups' dS^T (a barrier of both first): at head dim
+ * 128 it has 64 of the columns, with 128-query tiles 64 of the rows; otherwise each adds its own
+ * keys' share of the whole tile. */
+#define FA_DQ_BOTH (FA_DP == 128 || FA_BM == 128)
 
 /* The kernel's second parameter: tensor maps of Q, K, V, dO (src/cuda/fa_cuda_backward.c). */
 typedef struct fa_bwd_tmaps {
@@ -85,6 +92,16 @@ typedef struct fa_bwd_tmaps {
     }
 /* S^T = K Q^T, dP^T = V dO^T: rows of keys and of queries, both with the head dim contiguous. */
 FA_DEF_WGMMA_SS64(fa_wgmma_kk, "0, 0")
+
+/* The same for 128-query tiles: wgmma.mma_async m64n128k16, both operands K-major, d[64]. */
+FA_DEV void fa_wgmma_kk128(float *d, fa_u64 da, fa_u64 db, int accumulate)
+{
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16" FA_WG_TYPES " {" FA_RL64 "}, "
+                 "%64, %65, p, 1, 1, 0, 0; }"
+                 : FA_FL64(d)
+                 : "l"(da), "l"(db), "r"(accumulate));
+}
 /* dQ = dS K: dS^T rows of keys (queries contiguous) and K rows of keys (columns contiguous). */
 FA_DEF_WGMMA_SS64(fa_wgmma_tt, "1, 1")
 
@@ -104,9 +121,9 @@ FA_DEV void fa_bar_arrive(int id, int n)
  * waits on its own barrier before issuing and arrives on the other's after, so their issues
  * alternate (S/dP of one, then of the other, then dV/dK/dQ of one, ...) and one warpgroup's
  * element-wise work runs while the other's products keep the tensor cores busy, instead of
- * both doing theirs at once. At 128 the dQ product needs both warpgroups' dS^T, which puts
- * them in step anyway. */
-#define FA_PINGPONG (FA_DP == 64)
+ * both doing theirs at once. Where the dQ product needs both warpgroups' dS^T (FA_DQ_BOTH),
+ * that barrier puts them in step anyway. */
+#define FA_PINGPONG (!FA_DQ_BOTH)
 #define FA_TURN_BAR 5 /* + warpgroup: 5, 6 */
 
 FA_DEV void fa_turn_wait(int cw)
@@ -149,9 +166,14 @@ FA_DEV void fa_pin_acc(float *a, int n)
 FA_DEV void fa_gemm_t(float *acc, fa_u32 kv_rows, fa_u32 q_tile)
 {
 #pragma unroll
-    for (int kk = 0; kk < FA_DP / 16; kk++)
-        fa_wgmma_kk(acc, fa_desc(kv_rows + (kk >> 2) * FA_BN * 128 + (kk & 3) * 32, 16, 1024),
-                    fa_desc(q_tile + (kk >> 2) * FA_BM * 128 + (kk & 3) * 32, 16, 1024), kk > 0);
+    for (int kk = 0; kk < FA_DP / 16; kk++) {
+        const fa_u64 da = fa_desc(kv_rows + (kk >> 2) * FA_BN * 128 + (kk & 3) * 32, 16, 1024);
+        const fa_u64 db = fa_desc(q_tile + (kk >> 2) * FA_BM * 128 + (kk & 3) * 32, 16, 1024);
+        if (FA_BM == 128)
+            fa_wgmma_kk128(acc, da, db, kk > 0);
+        else
+            fa_wgmma_kk(acc, da, db, kk > 0);
+    }
 }
 
 /* Issues acc += A B for A the register fragments a[FA_BM / 16][4] (keys x queries) and B the
@@ -294,8 +316,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int key0 = n0 + 64 * cw + 16 * w + g;
     int wlo, whi;
     fa_bwd_window(kp, &wlo, &whi);
-    /* dQ: this warpgroup's first column (at head dim 64 it has every column, its keys only). */
-    const int dq_col0 = FA_DP == 128 ? 64 * cw : 0;
+    /* dQ: this warpgroup's first column and first row within the tile, and the block of 64
+     * queries of the dS^T tile those rows are (FA_DQ_BOTH splits the tile between the two). */
+    const int dq_col0 = FA_DP == 128 ? 64 * cw : 0, dq_qblk = FA_BM == 128 ? cw : 0;
 
     /* C layout: dk[nt][e] is key key0 + 8 (e / 2), column 8 nt + 2t + (e % 2). */
     float dk[FA_DP / 8][4], dv[FA_DP / 8][4];
@@ -359,8 +382,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                                      st[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
                 da[kk][r] = fa_pack2(dpt[2 * kk + (r >> 1)][2 * (r & 1)],
                                      dpt[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
-                fa_st_shared_u32(ds_t + fa_swz128(64 * cw + 16 * w + g + 8 * (r & 1),
-                                                  16 * kk + 8 * (r >> 1) + 2 * t),
+                const int query = 16 * kk + 8 * (r >> 1) + 2 * t;
+                fa_st_shared_u32(ds_t + (query >> 6) * FA_BN * 128 +
+                                     fa_swz128(64 * cw + 16 * w + g + 8 * (r & 1), query & 63),
                                  da[kk][r]);
             }
         fa_fence_proxy_async();
@@ -375,19 +399,21 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         fa_wg_commit();
 
         /* dQ's product starts on this warpgroup's own dS^T rows, written once its four warps
-         * meet; at head dim 128 it goes on over the other warpgroup's after both meet, so the
-         * first half is in flight while this one waits for the other. */
+         * meet; where it reads the other warpgroup's too (FA_DQ_BOTH) it goes on over those
+         * after both meet, so the first half is in flight while this one waits for the other. */
         fa_bar_sync(2 + cw, 128);
         float dq[8][4];
         fa_wg_fence();
 #pragma unroll
-        for (int half = 0; half < (FA_DP == 128 ? 2 : 1); half++) {
+        for (int half = 0; half < (FA_DQ_BOTH ? 2 : 1); half++) {
             const int keys = 64 * (half ? 1 - cw : cw);
             if (half)
                 fa_bar_sync(1, 256);
 #pragma unroll
             for (int kk = 0; kk < 4; kk++)
-                fa_wgmma_tt(&dq[0][0], fa_desc(ds_t + (keys + 16 * kk) * 128, FA_BN * 128, 1024),
+                fa_wgmma_tt(&dq[0][0],
+                            fa_desc(ds_t + dq_qblk * FA_BN * 128 + (keys + 16 * kk) * 128,
+                                    FA_BN * 128, 1024),
                             fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 + (keys + 16 * kk) * 128,
                                     FA_BN * 128, 1024),
                             half || kk > 0);
@@ -409,23 +435,24 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         if (lane == 0)
             fa_mbar_arrive(q_empty + 8 * s);
 
-        /* dQ rows m0 + 16w .. + 15, columns dq_col0 .. + 63: 16 x 8 blocks (r16, c8) of the
-         * accumulator, this lane's four values at 4 lane, in the order of dq[c][0..3]. */
-        float *acc_w = bp.dq_accum + row0 * FA_DP + (fa_i64)w * 16 * FA_DP + dq_col0 * 16;
+        /* dQ rows m0 + 64 dq_qblk + 16w .. + 15, columns dq_col0 .. + 63: 16 x 8 blocks (r16,
+         * c8) of the accumulator, this lane's four values at 4 lane, in dq[c][0..3]'s order. */
+        float *acc_w = bp.dq_accum + row0 * FA_DP + (fa_i64)(64 * dq_qblk + 16 * w) * FA_DP +
+                       dq_col0 * 16;
         if (!bp.deterministic) {
             fa_dq_add_bulk(acc_w, dq_s + (ct >> 5) * FA_DQW_BYTES, lane, dq);
         } else {
             /* The tile's turn: every later key block that meets it has added (the sm80
-             * family's counter, in the same workspace). At head dim 64 both warpgroups add to
-             * the same elements, so the first adds before the second; at 128 their columns are
-             * apart and one turn serves both. */
+             * family's counter, in the same workspace). Where both warpgroups add to the same
+             * elements (not FA_DQ_BOTH) the first adds before the second; otherwise their
+             * pieces are apart and one turn serves both. */
             int *sem = fa_bwd_sem(&bp, bi, h, mb);
             if (ct == 0)
                 fa_bwd_turn_wait(kp, &seq, mb, nb, sem);
             fa_bar_sync(4, 256);
 #pragma unroll 1
-            for (int turn = 0; turn < (FA_DP == 128 ? 1 : 2); turn++) {
-                if (FA_DP == 128 || cw == turn)
+            for (int turn = 0; turn < (FA_DQ_BOTH ? 1 : 2); turn++) {
+                if (FA_DQ_BOTH || cw == turn)
                     fa_dq_add(acc_w + 4 * lane, dq);
                 __threadfence();
                 fa_bar_sync(4, 256);

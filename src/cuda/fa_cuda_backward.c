@@ -43,16 +43,23 @@ static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p, const fa_plan *plan)
     return w;
 }
 
-/* Asked for without a device: the plan at arch 80, whose query tile and padded head dims are
- * those of every arch (fa_plan_backward). 0 where the backward cannot run the case, with the
- * plan's reason in fa_last_error() (the backward refuses it the same way). */
+/* Asked for without a device: the larger of the layouts of the plan at arch 80 (the padded head
+ * dims of every arch, FA_BWD_BM-row query tiles) and of the sm90 family's plan, whose query
+ * tiles may be larger. 0 where the backward cannot run the case, with the plan's reason in
+ * fa_last_error() (the backward refuses it the same way). */
 size_t fa_cuda_backward_workspace_size(const fa_params *p)
 {
     fa_plan_key key = {80, p->dtype, (int)p->d, (int)p->dv, p->is_varlen ? FA_FEATURE_VARLEN : 0};
     fa_plan plan;
     if (fa_plan_backward(&key, &plan) != FA_STATUS_OK)
         return 0;
-    return fa_bwd_ws_layout(p, &plan).total;
+    size_t total = fa_bwd_ws_layout(p, &plan).total;
+    key.arch = 90;
+    if (fa_plan_backward_sm90(&key, &plan) == FA_STATUS_OK) {
+        const size_t sm90 = fa_bwd_ws_layout(p, &plan).total;
+        total = sm90 > total ? sm90 : total;
+    }
+    return total;
 }
 
 /* cp.async and paired stores need 16-byte aligned rows and d, dv multiples of 8, in every

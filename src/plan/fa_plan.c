@@ -238,8 +238,8 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
  * Backward (kernels/fa_bwd_sm80.cu), one row per largest padded head dim: warps per CTA (each
  * warp owns 16 keys of the key block, so the block is 16 x warps keys) and shared-memory stages
  * of the query tile (2: the next tile's Q and dO load during this one). Query tiles are
- * FA_BWD_BM rows on every arch: the workspace size is asked for without a device, so its layout
- * (fa_cuda_backward.c, from this plan at arch 80) may depend on the head dims only.
+ * FA_BWD_BM rows here (the sm90 family's are larger at small head dims): the workspace size is
+ * asked for without a device, so fa_cuda_backward.c sizes it for the larger of the two layouts.
  */
 typedef struct fa_bwd_row {
     int dmax, nwarps, qstages;
@@ -279,8 +279,8 @@ static int fa_plan_bwd_sm90_enabled(void)
 }
 
 /* What the sm90 backward compiles: dense or varlen, aligned, d = dv padding to 64 or 128 (the
- * workspace's padded head dim, which the arch-80 plan sizes, is the same for d > 32); never
- * with FA_PLAN_NO_SM90 (the caller's choice of the sm80 family). */
+ * workspace's padded head dim is the arch-80 plan's for d > 32); never with FA_PLAN_NO_SM90
+ * (the caller's choice of the sm80 family). */
 fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->arch != 90 || (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16) ||
@@ -291,7 +291,9 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     plan->family = "fa_bwd_sm90.cu";
     snprintf(plan->target, sizeof plan->target, "sm_90a");
     plan->dp = plan->dvp = fa_plan_pad(key->d);
-    plan->bm = FA_BWD_BM;
+    /* At head dim 64 a 64-query tile made every product m64n64 and every step short; 128
+     * queries (FA3's choice there) still fit the consumers' registers. */
+    plan->bm = plan->dp == 64 ? FA_BWD_BM_SM90_D64 : FA_BWD_BM;
     plan->bn = 128;
     plan->nwarps = 12;
     plan->threads = 384;

@@ -3,9 +3,9 @@
  *   - the sm90 forward rows: persistent 2 everywhere, three consumer warpgroups (192-row tiles)
  *     at head dim 64 for long calls only, FLASHATTN_SM90_TILE overriding and refusing;
  *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
- *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the same query tile and padded head dim
- *     as the arch-80 plan from which fa_attention_backward_workspace_size sizes the workspace
- *     (the two families share the workspace's layout);
+ *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the padded head dims of the arch-80 plan
+ *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
+ *     FA_BWD_BM_SM90_D64 rows, which the workspace size then covers;
  *   - the defines' text, "-DNAME=value" with the plan's numbers.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "api/fa_internal.h"
+#include "cuda/fa_cuda.h"
 #include "plan/fa_plan.h"
 #include "test_util.h"
 
@@ -82,10 +84,12 @@ static void check_backward(void)
                 const char *fam = bwd_family(90, d, d, ft, &plan);
                 TU_CHECK(strcmp(fam, want90 ? "fa_bwd_sm90.cu" : "fa_bwd_sm80.cu") == 0,
                          "default %d, d %d, features %#x: %s", pass, d, ft, fam);
-                /* The workspace is sized from the arch-80 plan: same tile and padded dims. */
+                /* The workspace's layout is the arch-80 plan's: the same padded dims, the same
+                 * query tile but for the sm90 family's larger one at head dim 64. */
                 bwd_family(80, d, d, ft, &ws_plan);
-                TU_CHECK(plan.bm == ws_plan.bm && plan.dp == ws_plan.dp &&
-                             plan.dvp == ws_plan.dvp,
+                const int bm_ok = plan.bm == ws_plan.bm ||
+                                  (want90 && plan.dp == 64 && plan.bm == FA_BWD_BM_SM90_D64);
+                TU_CHECK(bm_ok && plan.dp == ws_plan.dp && plan.dvp == ws_plan.dvp,
                          "d %d features %#x: %s has bm %d dp %d dvp %d, the workspace's plan "
                          "bm %d dp %d dvp %d",
                          d, ft, fam, plan.bm, plan.dp, plan.dvp, ws_plan.bm, ws_plan.dp,
@@ -101,6 +105,16 @@ static void check_backward(void)
                          "d %d features %#x: an sm90 plan where the family cannot run", d, ft);
             }
         unsetenv("FLASHATTN_BWD_SM90");
+    }
+    /* The workspace size covers the larger tile: 64 queries are one 128-row tile there, whose
+     * dQ accumulator alone (fp32, padded head dim) is 128 rows per (sequence, head). */
+    for (int d = 33; d <= 64; d += 31) {
+        fa_params p = {0};
+        p.dtype = FA_DTYPE_BF16;
+        p.b = 3, p.h = 5, p.hk = 5, p.d = p.dv = d, p.max_sq = p.max_sk = 64;
+        const size_t size = fa_cuda_backward_workspace_size(&p);
+        TU_CHECK(size >= (size_t)4 * 3 * 5 * FA_BWD_BM_SM90_D64 * 64,
+                 "d %d: workspace %zu bytes, below the sm90 tile's accumulator", d, size);
     }
 }
 
