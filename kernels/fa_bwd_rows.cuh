@@ -8,19 +8,27 @@
 #ifndef FA_BWD_ROWS_CUH
 #define FA_BWD_ROWS_CUH
 
+/* Lanes that share one row of D's dot product, a power of two: each reads 8 elements (16
+ * bytes) of dO and O at a time, so a warp covers 32 / FA_PRE_LANES rows at once. One row per
+ * warp at two bytes a lane kept too few loads in flight for DRAM's latency (half its bandwidth
+ * at head dim 64). */
+#define FA_PRE_LANES (FA_DVP <= 64 ? 8 : FA_DVP <= 128 ? 16 : 32)
+#define FA_PRE_ROWS (32 / FA_PRE_LANES) /* rows per warp at a time */
+
 /* Grid (m_tiles, h, b), FA_THREADS threads: for the FA_BM rows of query tile mb, D and
- * lse * log2(e) (0 and +inf on padded rows), one warp per row at a time; zeroes the tile's
- * block of the dQ accumulator and its ordering counter. A varlen tile past its sequence is left
- * alone: no later kernel reads it (fa_bwd visits only tiles that meet a key block, fa_bwd_dsinks
- * and fa_bwd_convert only the sequence's rows and tiles). */
+ * lse * log2(e) (0 and +inf on padded rows), FA_PRE_ROWS rows per warp at a time; zeroes the
+ * tile's block of the dQ accumulator and its ordering counter. A varlen tile past its sequence is
+ * left alone: no later kernel reads it (fa_bwd visits only tiles that meet a key block,
+ * fa_bwd_dsinks and fa_bwd_convert only the sequence's rows and tiles). */
 extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_bwd_pre(const fa_bkparams bp)
 {
     const fa_kparams *kp = &bp.f;
     const int mb = blockIdx.x, h = blockIdx.y, bi = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane / FA_PRE_LANES, part = lane % FA_PRE_LANES;
     const int m0 = mb * FA_BM;
     const fa_seq seq = fa_bwd_seq(kp, bi);
-    const int sq = seq.sq;
+    const int sq = seq.sq, dv = kp->dv;
 #if FA_VARLEN
     if (m0 >= sq)
         return;
@@ -31,25 +39,40 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_bwd_pre(const fa_bkp
     float4 *acc = (float4 *)(bp.dq_accum + r0 * FA_DP);
     for (int i = threadIdx.x; i < FA_BM * FA_DP / 4; i += FA_THREADS)
         acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int r = warp; r < FA_BM; r += FA_NWARPS) {
-        const int row = m0 + r;
+    /* Warp-uniform trip count (the shuffles below take the whole warp); FA_BM is a multiple of
+     * FA_PRE_ROWS, so every lane's row r is inside the tile. */
+    for (int rw = warp * FA_PRE_ROWS; rw < FA_BM; rw += FA_NWARPS * FA_PRE_ROWS) {
+        const int r = rw + sub, row = m0 + r;
         float s = 0.f, lse2 = FA_INF;
         if (row < sq) {
             const fa_u16 *dor = (const fa_u16 *)bp.dout + bi * bp.do_bstride +
                                 (seq.q_start + row) * bp.do_rstride + h * bp.do_hstride;
             const fa_u16 *orow = (const fa_u16 *)kp->out + bi * kp->o_bstride +
                                  (seq.q_start + row) * kp->o_rstride + h * kp->o_hstride;
-            for (int c = lane; c < kp->dv; c += 32)
-                s += fa_to_float(dor[c]) * fa_to_float(orow[c]);
+            if (dv % 8 == 0 && (((fa_u64)dor | (fa_u64)orow) & 15) == 0) {
+                for (int c = 8 * part; c < dv; c += 8 * FA_PRE_LANES) {
+                    const uint4 x = *(const uint4 *)(dor + c), y = *(const uint4 *)(orow + c);
+                    const fa_u32 xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
-            for (int sh = 16; sh > 0; sh >>= 1)
-                s += __shfl_xor_sync(0xffffffffu, s, sh);
+                    for (int j = 0; j < 4; j++) {
+                        s += fa_to_float((fa_u16)xs[j]) * fa_to_float((fa_u16)ys[j]);
+                        s += fa_to_float((fa_u16)(xs[j] >> 16)) *
+                             fa_to_float((fa_u16)(ys[j] >> 16));
+                    }
+                }
+            } else {
+                for (int c = part; c < dv; c += FA_PRE_LANES)
+                    s += fa_to_float(dor[c]) * fa_to_float(orow[c]);
+            }
             /* lse is [b, h, sq] dense, [h, total_q] varlen (lse_bstride 0), as the forward. */
             lse2 = kp->lse[bi * kp->lse_bstride + h * kp->lse_hstride +
                            (FA_VARLEN ? seq.q_start + row : row) * kp->lse_rstride] *
                    FA_LOG2E;
         }
-        if (lane == 0) {
+#pragma unroll
+        for (int sh = FA_PRE_LANES / 2; sh > 0; sh >>= 1)
+            s += __shfl_xor_sync(0xffffffffu, s, sh);
+        if (part == 0) {
             bp.dsum[r0 + r] = s;
             bp.lse2[r0 + r] = lse2;
         }
