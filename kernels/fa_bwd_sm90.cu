@@ -14,12 +14,12 @@
  *   dV_cw += P^T dO, dK_cw += dS^T Q     RS wgmma: P^T and dS^T from registers (the forward's P
  *                                        packing), dO and Q as MN-major B operands
  *   dQ += dS K                           dS^T goes to shared memory (swizzled rows of keys) and is
- *                                        read back as an MN-major A operand, K as MN-major B; at
- *                                        head dim 128 each warpgroup computes 64 columns of dQ over
- *                                        all 128 keys (its own first, the other's after a barrier
- *                                        of both), at 64 with 128-query tiles 64 of the rows the
- *                                        same way, with 64-query tiles each adds its own keys'
- *                                        share of the tile; the fp32 result is
+ *                                        read back as an MN-major A operand, K as MN-major B; each
+ *                                        warpgroup computes its share of dQ over all 128 keys (64
+ *                                        columns at head dim 128, 64 rows at 64), one tile later,
+ *                                        beside the next tile's dK and dV products, so the two
+ *                                        warpgroups never wait on each other in step (the named
+ *                                        barriers at FA_BAR_OWN); the fp32 result is
  *                                        added to the workspace accumulator, whose order (the sm80
  *                                        family's fragment order) wgmma's accumulator layout
  *                                        matches, and fa_bwd_convert finishes. Each warp's piece
@@ -56,7 +56,7 @@
 #include "fa_sm90.cuh"
 
 #if FA_BN != 128 || FA_DP != FA_DVP || (FA_DP != 64 && FA_DP != 128) ||                      \
-    (FA_BM != 64 && !(FA_BM == 128 && FA_DP == 64))
+    FA_BM != (FA_DP == 64 ? 128 : 64)
 #error "fa_bwd_sm90.cu: 64 x 128 tiles (128 x 128 at d 64), d = dv of 64 or 128 (padded)"
 #endif
 
@@ -68,11 +68,6 @@
 #define FA_QT_BYTES (FA_BM * FA_DP * 2) /* one stage of Q or dO */
 #define FA_DS_BYTES (FA_BN * FA_BM * 2) /* one dS^T buffer */
 #define FA_DQW_BYTES 4096                /* one warp's dQ piece: 16 rows x 64 columns, fp32 */
-/* Each warpgroup's dQ product reads both warpgroups' dS^T (a barrier of both first): at head dim
- * 128 it has 64 of the columns, with 128-query tiles 64 of the rows; otherwise each adds its own
- * keys' share of the whole tile. */
-#define FA_DQ_BOTH (FA_DP == 128 || FA_BM == 128)
-
 /* The kernel's second parameter: tensor maps of Q, K, V, dO (src/cuda/fa_cuda_backward.c). */
 typedef struct fa_bwd_tmaps {
     fa_tmap q, k, v, dout;
@@ -117,26 +112,25 @@ FA_DEV void fa_bar_arrive(int id, int n)
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
-/* At head dim 64 the two consumer warpgroups take turns issuing products (ping-pong): each
- * waits on its own barrier before issuing and arrives on the other's after, so their issues
- * alternate (S/dP of one, then of the other, then dV/dK/dQ of one, ...) and one warpgroup's
- * element-wise work runs while the other's products keep the tensor cores busy, instead of
- * both doing theirs at once. Where the dQ product needs both warpgroups' dS^T (FA_DQ_BOTH),
- * that barrier puts them in step anyway. */
-#define FA_PINGPONG (!FA_DQ_BOTH)
-#define FA_TURN_BAR 5 /* + warpgroup: 5, 6 */
+/* wgmma.wait_group.sync.aligned 1: every committed group but the newest has finished. */
+FA_DEV void fa_wg_wait1(void) { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 
-FA_DEV void fa_turn_wait(int cw)
-{
-    if (FA_PINGPONG)
-        fa_bar_sync(FA_TURN_BAR + cw, 256);
-}
-
-FA_DEV void fa_turn_pass(int cw)
-{
-    if (FA_PINGPONG)
-        fa_bar_arrive(FA_TURN_BAR + (1 - cw), 256);
-}
+/* Named barriers (0 is __syncthreads'). Each warpgroup's dQ product reads both warpgroups' dS^T
+ * rows, one tile after they were written; the two meet only through the buffers, so neither
+ * waits for the other while it has work of its own (a barrier of both per tile kept them in
+ * step, both element-wise at once with the tensor cores idle):
+ *   FA_BAR_OWN + cw           warpgroup cw's four warps have written their dS^T rows
+ *   FA_BAR_DET                both warpgroups, the deterministic mode's turns
+ *   FA_BAR_WRITTEN + 2cw + p  warpgroup cw has written its rows of dS^T buffer p (it arrives,
+ *                             the other syncs before its dQ product reads them)
+ *   FA_BAR_READ + 2cw + p     warpgroup cw's dQ product has read buffer p (it arrives, the other
+ *                             syncs before writing its rows there again)
+ * Each arrival is consumed before the same barrier is arrived at again: a buffer is rewritten
+ * only after both products read it, and read only after both wrote it. */
+#define FA_BAR_OWN 1
+#define FA_BAR_DET 3
+#define FA_BAR_WRITTEN 4
+#define FA_BAR_READ 8
 
 /* st.shared.b32 at a shared-window address. */
 FA_DEV void fa_st_shared_u32(fa_u32 addr, fa_u32 v)
@@ -239,6 +233,48 @@ FA_DEV void fa_dq_add_bulk(float *acc_w, fa_u32 buf, int lane, float dq[8][4])
     }
 }
 
+/* Issues dQ = dS K for this warpgroup's share of a tile (dq[8][4]: 64 rows x 64 columns) from
+ * dS^T buffer ds_t (block dq_qblk of 64 queries, rows of keys) and K's columns dq_col0 .. + 63,
+ * over the block's 128 keys, as one group. */
+FA_DEV void fa_dq_issue(float *dq, fa_u32 ds_t, fa_u32 k_s, int dq_qblk, int dq_col0)
+{
+    fa_wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < FA_BN / 16; kk++)
+        fa_wgmma_tt(dq, fa_desc(ds_t + dq_qblk * FA_BN * 128 + kk * 16 * 128, FA_BN * 128, 1024),
+                    fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 + kk * 16 * 128, FA_BN * 128, 1024),
+                    kk > 0);
+    fa_wg_commit();
+}
+
+/* Adds warp w's piece of a tile's dQ (rows 64 dq_qblk + 16w .. + 15 of the tile at workspace
+ * row row0, columns dq_col0 .. + 63: 16 x 8 blocks of the accumulator, this lane's four values
+ * at 4 lane, in dq[c][0..3]'s order) to the workspace: by one bulk reduce-add, or in the
+ * deterministic mode in the tile's turn (every later key block that meets it has added: the
+ * sm80 family's counter, in the same workspace), both warpgroups' pieces, which are apart, at
+ * once. */
+FA_DEV void fa_dq_store(const fa_bkparams *bp, int bi, int h, int mb, int nb, const fa_seq *seq,
+                        fa_i64 row0, int dq_qblk, int dq_col0, int w, int ct, fa_u32 dq_s,
+                        float dq[8][4])
+{
+    const int lane = ct & 31;
+    float *acc_w = bp->dq_accum + row0 * FA_DP + (fa_i64)(64 * dq_qblk + 16 * w) * FA_DP +
+                   dq_col0 * 16;
+    if (!bp->deterministic) {
+        fa_dq_add_bulk(acc_w, dq_s + (ct >> 5) * FA_DQW_BYTES, lane, dq);
+        return;
+    }
+    int *sem = fa_bwd_sem(bp, bi, h, mb);
+    if (ct == 0)
+        fa_bwd_turn_wait(&bp->f, seq, mb, nb, sem);
+    fa_bar_sync(FA_BAR_DET, 256);
+    fa_dq_add(acc_w + 4 * lane, dq);
+    __threadfence();
+    fa_bar_sync(FA_BAR_DET, 256);
+    if (ct == 0)
+        atomicAdd(sem, 1);
+}
+
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     fa_bwd(const fa_bkparams bp, const __grid_constant__ fa_bwd_tmaps tm)
 {
@@ -316,8 +352,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int key0 = n0 + 64 * cw + 16 * w + g;
     int wlo, whi;
     fa_bwd_window(kp, &wlo, &whi);
-    /* dQ: this warpgroup's first column and first row within the tile, and the block of 64
-     * queries of the dS^T tile those rows are (FA_DQ_BOTH splits the tile between the two). */
+    /* dQ: each warpgroup's share of the tile, over all 128 keys: at head dim 128, 64 of the
+     * columns (from dq_col0); with 128-query tiles, 64 of the rows (block dq_qblk of dS^T). */
     const int dq_col0 = FA_DP == 128 ? 64 * cw : 0, dq_qblk = FA_BM == 128 ? cw : 0;
 
     /* C layout: dk[nt][e] is key key0 + 8 (e / 2), column 8 nt + 2t + (e % 2). */
@@ -331,13 +367,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         }
 
     fa_mbar_wait(kv_full, 0);
-    /* The first turn is the first warpgroup's. */
-    if (cw == 1)
-        fa_turn_pass(cw);
-    int h = hk * group, mb = 0;
+    /* The previous tile, whose dQ this iteration computes: its head, tile and first row in the
+     * workspace. */
+    int hp = 0, mbp = 0;
+    fa_i64 row0p = 0;
+    float dq[8][4];
+    int h = hk * group, mb = 0, it = 0;
     fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
 #pragma unroll 1
-    for (int it = 0; h < h_end; it++) {
+    for (; h < h_end; it++) {
         const int s = it & 1;
         int hn = h, mbn = mb + 1;
         fa_bwd_next(&bp, &seq, nb, h_end, &hn, &mbn);
@@ -346,21 +384,19 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
         const fa_i64 row0 = fa_bwd_row0(&bp, h, bi) + m0;
 
-        /* The tile's rows of lse and D, two per lane, loaded here so that the products below
-         * hide their latency (read where fa_bwd_probs needs them, they stalled it). */
+        /* The tile's rows of lse and D, loaded here so that the products below hide their
+         * latency (read where fa_bwd_probs needs them, they stalled it). */
         const fa_bwd_tile tl = fa_bwd_tile_make(kp, &seq, bi, h, m0, key0, t, wlo, whi,
                                                 bp.lse2 + row0, bp.dsum + row0);
 
-        /* S^T and dP^T of this warpgroup's 64 keys x the tile's 64 queries. C layout: st[nt][e]
-         * is key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
+        /* S^T and dP^T of this warpgroup's 64 keys x the tile's queries. C layout: st[nt][e] is
+         * key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
         float st[FA_BM / 8][4], dpt[FA_BM / 8][4];
         fa_mbar_wait(q_full + 8 * s, (it >> 1) & 1);
-        fa_turn_wait(cw);
         fa_wg_fence();
         fa_gemm_t(&st[0][0], k_s + 64 * cw * 128, q_t);
         fa_gemm_t(&dpt[0][0], v_s + 64 * cw * 128, do_t);
         fa_wg_commit();
-        fa_turn_pass(cw);
         fa_wg_wait0();
         fa_pin_acc(&st[0][0], FA_BM / 2);
         fa_pin_acc(&dpt[0][0], FA_BM / 2);
@@ -372,7 +408,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_bwd_probs(kp, &tl, t, st, dpt, 1);
 
         /* P^T and dS^T as A fragments (queries 16 kk .. 16 kk + 15 are k-step kk), and dS^T into
-         * shared memory, row = key of the block, queries contiguous. */
+         * shared memory, row = key of the block, queries contiguous, once the other
+         * warpgroup's product has read what this buffer held two tiles ago. */
+        if (it >= 2)
+            fa_bar_sync(FA_BAR_READ + 2 * (1 - cw) + s, 256);
         fa_u32 pa[FA_BM / 16][4], da[FA_BM / 16][4];
 #pragma unroll
         for (int kk = 0; kk < FA_BM / 16; kk++)
@@ -388,42 +427,33 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                                  da[kk][r]);
             }
         fa_fence_proxy_async();
+        fa_bar_sync(FA_BAR_OWN + cw, 128);
+        fa_bar_arrive(FA_BAR_WRITTEN + 2 * cw + s, 256);
 
-        /* dV += P^T dO and dK += dS^T Q, in flight while dQ waits for the other warpgroup. */
+        /* The previous tile's dQ (both warpgroups wrote its dS^T an iteration ago, so this
+         * rarely waits), then dV += P^T dO and dK += dS^T Q, in flight while that dQ is added.
+         * The first iteration has no previous tile: its product reads the K and V tiles
+         * (read-only, so no race) and is discarded; issuing it anyway keeps the wgmma groups
+         * the same on every iteration, which ptxas needs to keep them asynchronous. */
+        if (it > 0)
+            fa_bar_sync(FA_BAR_WRITTEN + 2 * (1 - cw) + (s ^ 1), 256);
+        fa_dq_issue(&dq[0][0], it > 0 ? ds_s + (s ^ 1) * FA_DS_BYTES : k_s, k_s, dq_qblk,
+                    dq_col0);
         fa_pin_acc(&dv[0][0], FA_DP / 2);
         fa_pin_acc(&dk[0][0], FA_DP / 2);
-        fa_turn_wait(cw);
         fa_wg_fence();
         fa_gemm_kv(&dv[0][0], pa, do_t);
         fa_gemm_kv(&dk[0][0], da, q_t);
         fa_wg_commit();
-
-        /* dQ's product starts on this warpgroup's own dS^T rows, written once its four warps
-         * meet; where it reads the other warpgroup's too (FA_DQ_BOTH) it goes on over those
-         * after both meet, so the first half is in flight while this one waits for the other. */
-        fa_bar_sync(2 + cw, 128);
-        float dq[8][4];
-        fa_wg_fence();
-#pragma unroll
-        for (int half = 0; half < (FA_DQ_BOTH ? 2 : 1); half++) {
-            const int keys = 64 * (half ? 1 - cw : cw);
-            if (half)
-                fa_bar_sync(1, 256);
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-                fa_wgmma_tt(&dq[0][0],
-                            fa_desc(ds_t + dq_qblk * FA_BN * 128 + (keys + 16 * kk) * 128,
-                                    FA_BN * 128, 1024),
-                            fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 + (keys + 16 * kk) * 128,
-                                    FA_BN * 128, 1024),
-                            half || kk > 0);
-            fa_wg_commit();
+        fa_wg_wait1();
+        fa_pin_acc(&dq[0][0], 32);
+        if (it > 0) {
+            fa_bar_arrive(FA_BAR_READ + 2 * cw + (s ^ 1), 256);
+            fa_dq_store(&bp, bi, hp, mbp, nb, &seq, row0p, dq_qblk, dq_col0, w, ct, dq_s, dq);
         }
-        fa_turn_pass(cw);
         fa_wg_wait0();
         fa_pin_acc(&dv[0][0], FA_DP / 2);
         fa_pin_acc(&dk[0][0], FA_DP / 2);
-        fa_pin_acc(&dq[0][0], 32);
 #pragma unroll
         for (int kk = 0; kk < FA_BM / 16; kk++)
 #pragma unroll
@@ -434,38 +464,25 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         /* This warp is done with the stage's Q and dO. */
         if (lane == 0)
             fa_mbar_arrive(q_empty + 8 * s);
-
-        /* dQ rows m0 + 64 dq_qblk + 16w .. + 15, columns dq_col0 .. + 63: 16 x 8 blocks (r16,
-         * c8) of the accumulator, this lane's four values at 4 lane, in dq[c][0..3]'s order. */
-        float *acc_w = bp.dq_accum + row0 * FA_DP + (fa_i64)(64 * dq_qblk + 16 * w) * FA_DP +
-                       dq_col0 * 16;
-        if (!bp.deterministic) {
-            fa_dq_add_bulk(acc_w, dq_s + (ct >> 5) * FA_DQW_BYTES, lane, dq);
-        } else {
-            /* The tile's turn: every later key block that meets it has added (the sm80
-             * family's counter, in the same workspace). Where both warpgroups add to the same
-             * elements (not FA_DQ_BOTH) the first adds before the second; otherwise their
-             * pieces are apart and one turn serves both. */
-            int *sem = fa_bwd_sem(&bp, bi, h, mb);
-            if (ct == 0)
-                fa_bwd_turn_wait(kp, &seq, mb, nb, sem);
-            fa_bar_sync(4, 256);
-#pragma unroll 1
-            for (int turn = 0; turn < (FA_DQ_BOTH ? 1 : 2); turn++) {
-                if (FA_DQ_BOTH || cw == turn)
-                    fa_dq_add(acc_w + 4 * lane, dq);
-                __threadfence();
-                fa_bar_sync(4, 256);
-            }
-            if (ct == 0)
-                atomicAdd(sem, 1);
-        }
+        hp = h;
+        mbp = mb;
+        row0p = row0;
         h = hn;
         mb = mbn;
     }
-    /* The second warpgroup's last pass (its first was extra) is the first's to take. */
-    if (cw == 0)
-        fa_turn_wait(cw);
+    /* The last tile's dQ; then the other warpgroup's last two read barriers, which no later
+     * write consumed. */
+    if (it > 0) {
+        const int s = (it - 1) & 1;
+        fa_bar_sync(FA_BAR_WRITTEN + 2 * (1 - cw) + s, 256);
+        fa_dq_issue(&dq[0][0], ds_s + s * FA_DS_BYTES, k_s, dq_qblk, dq_col0);
+        fa_wg_wait0();
+        fa_pin_acc(&dq[0][0], 32);
+        fa_bar_arrive(FA_BAR_READ + 2 * cw + s, 256);
+        fa_dq_store(&bp, bi, hp, mbp, nb, &seq, row0p, dq_qblk, dq_col0, w, ct, dq_s, dq);
+        for (int j = it > 1 ? it - 2 : 0; j < it; j++)
+            fa_bar_sync(FA_BAR_READ + 2 * (1 - cw) + (j & 1), 256);
+    }
     /* The last bulk add has read its buffer before the CTA's shared memory goes. */
     fa_bulk_wait_read();
 
