@@ -51,6 +51,8 @@ static const bcase cases[] = {
     {"causal d128 sq<sk", 2, 4, 4, 300, 517, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"gqa window d96 padded", 1, 8, 2, 333, 290, 96, 96, 0, 32, 16, 0, 0, 0, 0, 8, 0, 0, 0},
     {"mqa unaligned d37 dv24", 2, 6, 1, 70, 150, 37, 24, 0, 50, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    /* dv not a multiple of 8: fa_bwd_pre's element-by-element dot products. */
+    {"unaligned d40 dv20 causal", 2, 4, 2, 90, 120, 40, 20, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"softcap alibi sinks d128", 1, 4, 2, 200, 200, 128, 128, 1, -1, -1, 30, 1, 1, 0, 0, 0, 0, 0},
     {"dropout causal d64", 2, 3, 3, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0.17, 0, 0, 0, 0},
     {"dropout alibi window d128", 2, 2, 2, 140, 333, 128, 128, 0, 60, 30, 0, 1, 0, 0.25, 0, 0, 0,
