@@ -11,8 +11,11 @@
 #     git archive main | tar -x -C .wt/base                  # here
 #     tests/gpu/ab_bwd.sh .wt/base .,.wt/other 64 2048,4096    # on the device
 #
-# A build directory left by another source tree is rebuilt from scratch.
+# A build directory left by another source tree is rebuilt from scratch. AB_TESTS names the test
+# programs each change runs (default test_gpu_backward; add test_gpu_sm90 for a forward change,
+# whose benchmark is bench_bwd's fwd column).
 set -u
+tests=${AB_TESTS:-test_gpu_backward}
 hdims=${3:-64,128}
 seqlens=${4:-2048,4096,8192}
 sides="base"
@@ -44,10 +47,11 @@ for side in $sides; do
 done
 for side in $sides; do
     [ "$side" = base ] && continue
-    FA_SHARD_TIMEOUT=${FA_SHARD_TIMEOUT:-240} tests/gpu/run_sharded.sh 16 \
-        "build-ab-$side/tests/gpu/test_gpu_backward" >"build-ab-$side/tests.log" 2>&1
-    echo "change $side ($(tree "$side")): test_gpu_backward exit status $?" \
-        "(build-ab-$side/tests.log)"
+    for t in $tests; do
+        FA_SHARD_TIMEOUT=${FA_SHARD_TIMEOUT:-240} tests/gpu/run_sharded.sh 16 \
+            "build-ab-$side/tests/gpu/$t" >"build-ab-$side/$t.log" 2>&1
+        echo "change $side ($(tree "$side")): $t exit status $? (build-ab-$side/$t.log)"
+    done
     for case in "dense d64" "long causal gqa d128"; do
         compute-sanitizer --tool racecheck "build-ab-$side/tests/gpu/test_gpu_backward" \
             --case "$case" 2>&1 | grep "RACECHECK SUMMARY" |
