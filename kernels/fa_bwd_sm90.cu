@@ -157,12 +157,12 @@ FA_DEV void fa_pin_acc(float *a, int n)
 
 /* Issues S^T = K_cw Q^T (or dP^T = V_cw dO^T) for one query tile: FA_DP / 16 k-steps over the
  * head dim, 32 bytes apart inside a 128-byte row, the next 64-column block after four. */
-FA_DEV void fa_gemm_t(float *acc, fa_u32 kv_rows, fa_u32 q_tile)
+FA_DEV void fa_gemm_t(float *acc, fa_u64 kv_rows, fa_u64 q_tile)
 {
 #pragma unroll
     for (int kk = 0; kk < FA_DP / 16; kk++) {
-        const fa_u64 da = fa_desc(kv_rows + (kk >> 2) * FA_BN * 128 + (kk & 3) * 32, 16, 1024);
-        const fa_u64 db = fa_desc(q_tile + (kk >> 2) * FA_BM * 128 + (kk & 3) * 32, 16, 1024);
+        const fa_u64 da = fa_desc_at(kv_rows, (kk >> 2) * FA_BN * 128 + (kk & 3) * 32);
+        const fa_u64 db = fa_desc_at(q_tile, (kk >> 2) * FA_BM * 128 + (kk & 3) * 32);
         if (FA_BM == 128)
             fa_wgmma_kk128(acc, da, db, kk > 0);
         else
@@ -173,14 +173,14 @@ FA_DEV void fa_gemm_t(float *acc, fa_u32 kv_rows, fa_u32 q_tile)
 /* Issues acc += A B for A the register fragments a[FA_BM / 16][4] (keys x queries) and B the
  * stage's Q or dO tile as MN-major (query rows, head dim contiguous): FA_BM / 16 k-steps of 16
  * rows (2048 bytes); the n128 form spans both 64-column blocks (LBO: one block). */
-FA_DEV void fa_gemm_kv(float *acc, fa_u32 a[][4], fa_u32 tile)
+FA_DEV void fa_gemm_kv(float *acc, fa_u32 a[][4], fa_u64 tile)
 {
 #pragma unroll
     for (int kk = 0; kk < FA_BM / 16; kk++)
 #if FA_DP == 128
-        fa_wgmma_pv128(acc, a[kk], fa_desc(tile + kk * 2048, FA_BM * 128, 1024));
+        fa_wgmma_pv128(acc, a[kk], fa_desc_at(tile, kk * 2048));
 #else
-        fa_wgmma_pv64(acc, a[kk], fa_desc(tile + kk * 2048, FA_BM * 128, 1024));
+        fa_wgmma_pv64(acc, a[kk], fa_desc_at(tile, kk * 2048));
 #endif
 }
 
@@ -234,15 +234,14 @@ FA_DEV void fa_dq_add_bulk(float *acc_w, fa_u32 buf, int lane, float dq[8][4])
 }
 
 /* Issues dQ = dS K for this warpgroup's share of a tile (dq[8][4]: 64 rows x 64 columns) from
- * dS^T buffer ds_t (block dq_qblk of 64 queries, rows of keys) and K's columns dq_col0 .. + 63,
- * over the block's 128 keys, as one group. */
-FA_DEV void fa_dq_issue(float *dq, fa_u32 ds_t, fa_u32 k_s, int dq_qblk, int dq_col0)
+ * the descriptors of its block of 64 queries of a dS^T buffer (rows of keys) and of K's 64
+ * columns (both MN-major), over the block's 128 keys, as one group. */
+FA_DEV void fa_dq_issue(float *dq, fa_u64 ds_rows, fa_u64 k_cols)
 {
     fa_wg_fence();
 #pragma unroll
     for (int kk = 0; kk < FA_BN / 16; kk++)
-        fa_wgmma_tt(dq, fa_desc(ds_t + dq_qblk * FA_BN * 128 + kk * 16 * 128, FA_BN * 128, 1024),
-                    fa_desc(k_s + (dq_col0 / 64) * FA_BN * 128 + kk * 16 * 128, FA_BN * 128, 1024),
+        fa_wgmma_tt(dq, fa_desc_at(ds_rows, kk * 16 * 128), fa_desc_at(k_cols, kk * 16 * 128),
                     kk > 0);
     fa_wg_commit();
 }
@@ -355,6 +354,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     /* dQ: each warpgroup's share of the tile, over all 128 keys: at head dim 128, 64 of the
      * columns (from dq_col0); with 128-query tiles, 64 of the rows (block dq_qblk of dS^T). */
     const int dq_col0 = FA_DP == 128 ? 64 * cw : 0, dq_qblk = FA_BM == 128 ? cw : 0;
+    /* The operands' descriptors that stay for the whole block: this warpgroup's K and V rows
+     * (K-major, for S^T and dP^T), K's dQ columns (MN-major). The warpgroup index comes from a
+     * broadcast so that the compiler knows it warp-uniform and keeps these in uniform registers
+     * (wgmma takes its descriptors from there). */
+    const int cwu = __shfl_sync(0xffffffffu, cw, 0);
+    const fa_u64 k_rows = fa_desc(k_s + 64 * cwu * 128, 16, 1024);
+    const fa_u64 v_rows = fa_desc(v_s + 64 * cwu * 128, 16, 1024);
+    const fa_u64 k_cols =
+        fa_desc(k_s + (FA_DP == 128 ? cwu : 0) * FA_BN * 128, FA_BN * 128, 1024);
+    const fa_u32 ds_blk = (FA_BM == 128 ? cwu : 0) * FA_BN * 128;
 
     /* C layout: dk[nt][e] is key key0 + 8 (e / 2), column 8 nt + 2t + (e % 2). */
     float dk[FA_DP / 8][4], dv[FA_DP / 8][4];
@@ -394,8 +403,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         float st[FA_BM / 8][4], dpt[FA_BM / 8][4];
         fa_mbar_wait(q_full + 8 * s, (it >> 1) & 1);
         fa_wg_fence();
-        fa_gemm_t(&st[0][0], k_s + 64 * cw * 128, q_t);
-        fa_gemm_t(&dpt[0][0], v_s + 64 * cw * 128, do_t);
+        fa_gemm_t(&st[0][0], k_rows, fa_desc(q_t, 16, 1024));
+        fa_gemm_t(&dpt[0][0], v_rows, fa_desc(do_t, 16, 1024));
         fa_wg_commit();
         fa_wg_wait0();
         fa_pin_acc(&st[0][0], FA_BM / 2);
@@ -437,13 +446,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
          * the same on every iteration, which ptxas needs to keep them asynchronous. */
         if (it > 0)
             fa_bar_sync(FA_BAR_WRITTEN + 2 * (1 - cw) + (s ^ 1), 256);
-        fa_dq_issue(&dq[0][0], it > 0 ? ds_s + (s ^ 1) * FA_DS_BYTES : k_s, k_s, dq_qblk,
-                    dq_col0);
+        fa_dq_issue(&dq[0][0],
+                    fa_desc((it > 0 ? ds_s + (s ^ 1) * FA_DS_BYTES : k_s) + ds_blk, FA_BN * 128,
+                            1024),
+                    k_cols);
         fa_pin_acc(&dv[0][0], FA_DP / 2);
         fa_pin_acc(&dk[0][0], FA_DP / 2);
         fa_wg_fence();
-        fa_gemm_kv(&dv[0][0], pa, do_t);
-        fa_gemm_kv(&dk[0][0], da, q_t);
+        fa_gemm_kv(&dv[0][0], pa, fa_desc(do_t, FA_BM * 128, 1024));
+        fa_gemm_kv(&dk[0][0], da, fa_desc(q_t, FA_BM * 128, 1024));
         fa_wg_commit();
         fa_wg_wait1();
         fa_pin_acc(&dq[0][0], 32);
@@ -475,7 +486,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     if (it > 0) {
         const int s = (it - 1) & 1;
         fa_bar_sync(FA_BAR_WRITTEN + 2 * (1 - cw) + s, 256);
-        fa_dq_issue(&dq[0][0], ds_s + s * FA_DS_BYTES, k_s, dq_qblk, dq_col0);
+        fa_dq_issue(&dq[0][0], fa_desc(ds_s + s * FA_DS_BYTES + ds_blk, FA_BN * 128, 1024),
+                    k_cols);
         fa_wg_wait0();
         fa_pin_acc(&dq[0][0], 32);
         fa_bar_arrive(FA_BAR_READ + 2 * cw + s, 256);

@@ -111,6 +111,11 @@ FA_DEV fa_u64 fa_desc(fa_u32 addr, fa_u32 lbo, fa_u32 sbo)
            ((fa_u64)(sbo >> 4) << 32) | (1ull << 62);
 }
 
+/* The descriptor of the operand `bytes` (a multiple of 16) past desc's: one add to the address
+ * field, which cannot carry into LBO since every operand lies inside shared memory. Built per
+ * k-step with fa_desc, each wgmma cost a dozen instructions of masks and shifts. */
+FA_DEV fa_u64 fa_desc_at(fa_u64 desc, fa_u32 bytes) { return desc + (bytes >> 4); }
+
 /* wgmma.fence.sync.aligned: orders this warpgroup's register writes (accumulators, A fragments)
  * before the wgmma.mma_async that read them. */
 FA_DEV void fa_wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
