@@ -21,13 +21,14 @@ typedef struct fa_bkparams {
     float *dsum;           /* workspace: fp32 [h][b][m_tiles * bm], D = rowsum(dout * out) */
     float *lse2;           /* workspace: fp32 [h][b][m_tiles * bm], lse * log2(e) */
     int *sem;              /* workspace: int32 [b][h][m_tiles], deterministic dQ order */
+    int *sched;            /* workspace: int32, the sm90 persistent grid's next work item */
     fa_i64 do_bstride, do_rstride, do_hstride;
     fa_i64 dq_bstride, dq_rstride, dq_hstride;
     fa_i64 dk_bstride, dk_rstride, dk_hstride;
     fa_i64 dv_bstride, dv_rstride, dv_hstride;
     fa_i64 dsinks_stride;
     int m_tiles, n_tiles; /* query tiles of FA_BM rows, key blocks of FA_BN keys */
-    int deterministic, pad_;
+    int deterministic, persistent; /* persistent: the sm90 kernel's grid claims its items */
 } fa_bkparams;
 
 #endif /* FA_BKPARAMS_H */

@@ -17,7 +17,8 @@
 
 /* Grid (m_tiles, h, b), FA_THREADS threads: for the FA_BM rows of query tile mb, D and
  * lse * log2(e) (0 and +inf on padded rows), FA_PRE_ROWS rows per warp at a time; zeroes the
- * tile's block of the dQ accumulator and its ordering counter. A varlen tile past its sequence is
+ * tile's block of the dQ accumulator and its ordering counter (and the first CTA the
+ * persistent grid's item counter). A varlen tile past its sequence is
  * left alone: no later kernel reads it (fa_bwd visits only tiles that meet a key block,
  * fa_bwd_dsinks and fa_bwd_convert only the sequence's rows and tiles). */
 extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_bwd_pre(const fa_bkparams bp)
@@ -29,6 +30,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_bwd_pre(const fa_bkp
     const int m0 = mb * FA_BM;
     const fa_seq seq = fa_bwd_seq(kp, bi);
     const int sq = seq.sq, dv = kp->dv;
+    if (bp.persistent && mb == 0 && h == 0 && bi == 0 && threadIdx.x == 0)
+        *bp.sched = 0;
 #if FA_VARLEN
     if (m0 >= sq)
         return;

@@ -3,10 +3,12 @@
  * workspace, the same kernels around the main one, kernels/fa_bwd_rows.cuh) with the main
  * kernel's five products on wgmma and its query tiles brought in by TMA.
  *
- * fa_bwd: one CTA per (key block of FA_BN = 128 keys, kv head, sequence), 384 threads: a producer
- * warpgroup (one thread issues TMA: K and V of the block once, then Q and dO of each query tile
- * the block meets, FA_BM = 64 rows (128 at head dim 64), into two stages) and two consumer
- * warpgroups, each owning 64 of the block's keys. Per query tile, consumer warpgroup cw:
+ * fa_bwd: work items of (key block of FA_BN = 128 keys, kv head, sequence), one per CTA or, on a
+ * persistent grid, claimed in turn from a counter (bp.persistent, src/cuda/fa_cuda_backward.c);
+ * 384 threads: a producer warpgroup (one thread issues TMA: K and V of the block once per item,
+ * once the consumers released the previous item's, then Q and dO of each query tile the block
+ * meets, FA_BM = 64 rows (128 at head dim 64), into two stages) and two consumer warpgroups,
+ * each owning 64 of the block's keys. Per query tile, consumer warpgroup cw:
  *   S^T = K_cw Q^T, dP^T = V_cw dO^T      SS wgmma m64nFA_BM (both operands K-major, as TMA wrote
  *                                        them); the accumulators are the sm80 family's C
  *                                        fragments, so fa_bwd_probs makes P^T and dS^T (no
@@ -29,7 +31,7 @@
  *                                        red.global held the next tile's start until they drained).
  *                                        The deterministic mode adds by red.global in turn.
  * dK, dV stay in registers over every query tile of every query head of the GQA group and are
- * written at the end (dK times the softmax scale).
+ * written at the item's end (dK times the softmax scale), after its K and V are released.
  *
  * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward_sm90): FA_BF16, FA_DP = FA_DVP
  * (64 or 128), FA_BM (64; 128 at FA_DP 64), FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT,
@@ -44,7 +46,8 @@
  * Shared memory (1024-byte aligned; every tile in 128-byte swizzled rows of 64 columns, column
  * blocks one after another, as TMA writes them): K, V [FA_DP / 64][FA_BN][64]; Q, dO
  * [2 stages][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BM / 64][FA_BN][64]; dQ pieces, fp32
- * [8 warps][1024] in the accumulator's order; mbarriers kv_full, q_full[2], q_empty[2].
+ * [8 warps][1024] in the accumulator's order; mbarriers kv_full, q_full[2], q_empty[2],
+ * kv_empty; the item slots, int [2].
  */
 #include "fa_bkparams.h"
 
@@ -274,6 +277,37 @@ FA_DEV void fa_dq_store(const fa_bkparams *bp, int bi, int h, int mb, int nb, co
         atomicAdd(sem, 1);
 }
 
+/* A work item: key block nb of kv head hk, sequence bi, from its index in blockIdx order (key
+ * blocks fastest). Deterministic mode takes the key blocks last to first, as the sm80 family
+ * does (the top of fa_bwd_sm80.cu: a tile's adds wait only for CTAs already running or done;
+ * its grid is never persistent). The TMA coordinates: varlen tensor maps span the packed rows
+ * (batch extent 1). */
+typedef struct fa_bwd_item {
+    fa_seq seq;
+    int nb, hk, bi, n0, k_row0, q_row0, tma_b;
+} fa_bwd_item;
+
+FA_DEV fa_bwd_item fa_bwd_item_make(const fa_bkparams *bp, int wi)
+{
+    fa_bwd_item im;
+    const int nx = wi % bp->n_tiles, rest = wi / bp->n_tiles;
+    im.nb = bp->deterministic ? bp->n_tiles - 1 - nx : nx;
+    im.hk = rest % bp->f.hk;
+    im.bi = rest / bp->f.hk;
+    im.seq = fa_bwd_seq(&bp->f, im.bi);
+    im.n0 = im.nb * FA_BN;
+#if FA_VARLEN
+    im.k_row0 = (int)im.seq.k_start + im.n0;
+    im.q_row0 = (int)im.seq.q_start;
+    im.tma_b = 0;
+#else
+    im.k_row0 = im.n0;
+    im.q_row0 = 0;
+    im.tma_b = im.bi;
+#endif
+    return im;
+}
+
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     fa_bwd(const fa_bkparams bp, const __grid_constant__ fa_bwd_tmaps tm)
 {
@@ -286,29 +320,35 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const fa_u32 dq_s = ds_s + 2 * FA_DS_BYTES, kv_full = dq_s + 4 * FA_NCW * FA_DQW_BYTES;
     const fa_u32 q_full = kv_full + 8, q_empty = q_full + 16; /* [2] each, 8 bytes apart */
 
-    /* Deterministic mode dispatches the key blocks last to first, as the sm80 family does (the
-     * top of fa_bwd_sm80.cu: a tile's adds wait only for CTAs already running or done). */
-    const int nb = bp.deterministic ? bp.n_tiles - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int hk = blockIdx.y, bi = blockIdx.z;
-    const fa_seq seq = fa_bwd_seq(kp, bi);
-    const int n0 = nb * FA_BN;
-    const int group = kp->h / kp->hk, h_end = (hk + 1) * group;
+    const fa_u32 kv_empty = q_empty + 16;
+    /* The items in hand, [2] ints: the producer writes item ii's index into slot ii % 2 before
+     * kv_full's phase ii completes, the consumers read it after. */
+    volatile int *slot = (volatile int *)(fa_smem + (kv_empty + 8 - fa_smem_addr(fa_smem)));
+    const int group = kp->h / kp->hk;
+    /* Work items (key block, kv head, sequence), key blocks fastest: one per CTA in blockIdx
+     * order, or claimed in that order by a persistent grid (bp.persistent: the first is the
+     * CTA's own, then the next unclaimed after the grid's). An int counts them: each item's K
+     * rows alone are 16 KB, so 2^31 of them would not fit in any device's memory. */
+    const int n_items = bp.n_tiles * kp->hk * kp->b;
+    const int first = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
 #if FA_VARLEN
-    if (n0 >= seq.sk) {
-        fa_bwd_block_zero(&bp, &seq, bi, hk, n0);
-        return;
+    /* Varlen grids are never persistent: a key block at or past its sequence's keys only
+     * zeroes its dK and dV. */
+    {
+        const fa_bwd_item im = fa_bwd_item_make(&bp, first);
+        if (im.n0 >= im.seq.sk) {
+            fa_bwd_block_zero(&bp, &im.seq, im.bi, im.hk, im.n0);
+            return;
+        }
     }
-    /* Tensor-map coordinates: packed rows, batch extent 1. */
-    const int k_row0 = (int)seq.k_start + n0, q_row0 = (int)seq.q_start, tma_b = 0;
-#else
-    const int k_row0 = n0, q_row0 = 0, tma_b = bi;
 #endif
 
     if (threadIdx.x == 0) {
         fa_mbar_init(kv_full, 1);
+        fa_mbar_init(kv_empty, 4 * FA_NCW); /* lane 0 of each consumer warp */
         for (int s = 0; s < 2; s++) {
             fa_mbar_init(q_full + 8 * s, 1);
-            fa_mbar_init(q_empty + 8 * s, 4 * FA_NCW); /* lane 0 of each consumer warp */
+            fa_mbar_init(q_empty + 8 * s, 4 * FA_NCW);
         }
         fa_mbar_init_fence();
     }
@@ -318,28 +358,44 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         fa_regs_producer();
         if (threadIdx.x != 0)
             return;
-        fa_mbar_expect_tx(kv_full, 2 * FA_KV_BYTES);
-#pragma unroll
-        for (int c = 0; c < FA_DP / 64; c++) {
-            fa_tma_load4(k_s + c * FA_BN * 128, &tm.k, 64 * c, k_row0, hk, tma_b, kv_full);
-            fa_tma_load4(v_s + c * FA_BN * 128, &tm.v, 64 * c, k_row0, hk, tma_b, kv_full);
-        }
-        int h = hk * group, mb = 0;
-        fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
-        for (int it = 0; h < h_end; it++) {
-            const int s = it & 1;
-            /* Stage s's previous tile released (a fresh barrier's phase "-1" counts as done). */
-            fa_mbar_wait(q_empty + 8 * s, ((it >> 1) & 1) ^ 1);
-            fa_mbar_expect_tx(q_full + 8 * s, 2 * FA_QT_BYTES);
+        int it = 0, ii = 0; /* query tiles and items so far */
+        for (int wi = first;; ii++) {
+            /* The previous item's K and V released by every consumer warp (a fresh barrier's
+             * phase "-1" counts as done), so its slot's last reader is done too. */
+            fa_mbar_wait(kv_empty, (ii & 1) ^ 1);
+            slot[ii & 1] = wi;
+            if (wi >= n_items) {
+                fa_mbar_arrive(kv_full); /* no item: the consumers stop */
+                break;
+            }
+            const fa_bwd_item im = fa_bwd_item_make(&bp, wi);
+            const int h_end = (im.hk + 1) * group;
+            fa_mbar_expect_tx(kv_full, 2 * FA_KV_BYTES);
 #pragma unroll
             for (int c = 0; c < FA_DP / 64; c++) {
-                fa_tma_load4(q_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.q, 64 * c,
-                             q_row0 + mb * FA_BM, h, tma_b, q_full + 8 * s);
-                fa_tma_load4(do_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.dout, 64 * c,
-                             q_row0 + mb * FA_BM, h, tma_b, q_full + 8 * s);
+                fa_tma_load4(k_s + c * FA_BN * 128, &tm.k, 64 * c, im.k_row0, im.hk, im.tma_b,
+                             kv_full);
+                fa_tma_load4(v_s + c * FA_BN * 128, &tm.v, 64 * c, im.k_row0, im.hk, im.tma_b,
+                             kv_full);
             }
-            mb++;
-            fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
+            int h = im.hk * group, mb = 0;
+            fa_bwd_next(&bp, &im.seq, im.nb, h_end, &h, &mb);
+            for (; h < h_end; it++) {
+                const int s = it & 1;
+                /* Stage s's previous tile released. */
+                fa_mbar_wait(q_empty + 8 * s, ((it >> 1) & 1) ^ 1);
+                fa_mbar_expect_tx(q_full + 8 * s, 2 * FA_QT_BYTES);
+#pragma unroll
+                for (int c = 0; c < FA_DP / 64; c++) {
+                    fa_tma_load4(q_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.q, 64 * c,
+                                 im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * s);
+                    fa_tma_load4(do_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.dout, 64 * c,
+                                 im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * s);
+                }
+                mb++;
+                fa_bwd_next(&bp, &im.seq, im.nb, h_end, &h, &mb);
+            }
+            wi = bp.persistent ? (int)gridDim.x + atomicAdd(bp.sched, 1) : n_items;
         }
         return;
     }
@@ -347,8 +403,6 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     fa_regs_consumer();
     const int ct = threadIdx.x - 128, cw = ct >> 7;
     const int w = (ct >> 5) & 3, lane = ct & 31, t = lane & 3, g = lane >> 2;
-    /* This thread's first key (C layout: rows 16w + g and + 8 of the warpgroup's 64). */
-    const int key0 = n0 + 64 * cw + 16 * w + g;
     int wlo, whi;
     fa_bwd_window(kp, &wlo, &whi);
     /* dQ: each warpgroup's share of the tile, over all 128 keys: at head dim 128, 64 of the
@@ -364,141 +418,157 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const fa_u64 k_cols =
         fa_desc(k_s + (FA_DP == 128 ? cwu : 0) * FA_BN * 128, FA_BN * 128, 1024);
     const fa_u32 ds_blk = (FA_BM == 128 ? cwu : 0) * FA_BN * 128;
+    /* Query tiles and items so far: the stages, the dS^T buffers and their barriers run on
+     * over the items, in step with the producer. */
+    int it = 0;
+    for (int ii = 0;; ii++) {
+        fa_mbar_wait(kv_full, ii & 1);
+        const int wi = slot[ii & 1];
+        if (wi >= n_items)
+            break;
+        const fa_bwd_item im = fa_bwd_item_make(&bp, wi);
+        const fa_seq seq = im.seq;
+        const int nb = im.nb, hk = im.hk, bi = im.bi, n0 = im.n0;
+        const int h_end = (hk + 1) * group;
+        /* This thread's first key (C layout: rows 16w + g and + 8 of the warpgroup's 64). */
+        const int key0 = n0 + 64 * cw + 16 * w + g;
 
-    /* C layout: dk[nt][e] is key key0 + 8 (e / 2), column 8 nt + 2t + (e % 2). */
-    float dk[FA_DP / 8][4], dv[FA_DP / 8][4];
+        /* C layout: dk[nt][e] is key key0 + 8 (e / 2), column 8 nt + 2t + (e % 2). */
+        float dk[FA_DP / 8][4], dv[FA_DP / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < FA_DP / 8; nt++)
+        for (int nt = 0; nt < FA_DP / 8; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            dk[nt][e] = 0.f;
-            dv[nt][e] = 0.f;
-        }
-
-    fa_mbar_wait(kv_full, 0);
-    /* The previous tile, whose dQ this iteration computes: its head, tile and first row in the
-     * workspace. */
-    int hp = 0, mbp = 0;
-    fa_i64 row0p = 0;
-    float dq[8][4];
-    int h = hk * group, mb = 0, it = 0;
-    fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
-#pragma unroll 1
-    for (; h < h_end; it++) {
-        const int s = it & 1;
-        int hn = h, mbn = mb + 1;
-        fa_bwd_next(&bp, &seq, nb, h_end, &hn, &mbn);
-        const int m0 = mb * FA_BM;
-        const fa_u32 q_t = q_s + s * FA_QT_BYTES, do_t = do_s + s * FA_QT_BYTES;
-        const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
-        const fa_i64 row0 = fa_bwd_row0(&bp, h, bi) + m0;
-
-        /* The tile's rows of lse and D, loaded here so that the products below hide their
-         * latency (read where fa_bwd_probs needs them, they stalled it). */
-        const fa_bwd_tile tl = fa_bwd_tile_make(kp, &seq, bi, h, m0, key0, t, wlo, whi,
-                                                bp.lse2 + row0, bp.dsum + row0);
-
-        /* S^T and dP^T of this warpgroup's 64 keys x the tile's queries. C layout: st[nt][e] is
-         * key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
-        float st[FA_BM / 8][4], dpt[FA_BM / 8][4];
-        fa_mbar_wait(q_full + 8 * s, (it >> 1) & 1);
-        fa_wg_fence();
-        fa_gemm_t(&st[0][0], k_rows, fa_desc(q_t, 16, 1024));
-        fa_gemm_t(&dpt[0][0], v_rows, fa_desc(do_t, 16, 1024));
-        fa_wg_commit();
-        fa_wg_wait0();
-        fa_pin_acc(&st[0][0], FA_BM / 2);
-        fa_pin_acc(&dpt[0][0], FA_BM / 2);
-
-        const int full = fa_bwd_tile_full(&seq, m0, n0, wlo, whi);
-        if (full)
-            fa_bwd_probs(kp, &tl, t, st, dpt, 0);
-        else
-            fa_bwd_probs(kp, &tl, t, st, dpt, 1);
-
-        /* P^T and dS^T as A fragments (queries 16 kk .. 16 kk + 15 are k-step kk), and dS^T into
-         * shared memory, row = key of the block, queries contiguous, once the other
-         * warpgroup's product has read what this buffer held two tiles ago. */
-        if (it >= 2)
-            fa_bar_sync(FA_BAR_READ + 2 * (1 - cw) + s, 256);
-        fa_u32 pa[FA_BM / 16][4], da[FA_BM / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < FA_BM / 16; kk++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                pa[kk][r] = fa_pack2(st[2 * kk + (r >> 1)][2 * (r & 1)],
-                                     st[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
-                da[kk][r] = fa_pack2(dpt[2 * kk + (r >> 1)][2 * (r & 1)],
-                                     dpt[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
-                const int query = 16 * kk + 8 * (r >> 1) + 2 * t;
-                fa_st_shared_u32(ds_t + (query >> 6) * FA_BN * 128 +
-                                     fa_swz128(64 * cw + 16 * w + g + 8 * (r & 1), query & 63),
-                                 da[kk][r]);
+            for (int e = 0; e < 4; e++) {
+                dk[nt][e] = 0.f;
+                dv[nt][e] = 0.f;
             }
-        fa_fence_proxy_async();
-        fa_bar_sync(FA_BAR_OWN + cw, 128);
-        fa_bar_arrive(FA_BAR_WRITTEN + 2 * cw + s, 256);
 
-        /* The previous tile's dQ (both warpgroups wrote its dS^T an iteration ago, so this
-         * rarely waits), then dV += P^T dO and dK += dS^T Q, in flight while that dQ is added.
-         * The first iteration has no previous tile: its product reads the K and V tiles
-         * (read-only, so no race) and is discarded; issuing it anyway keeps the wgmma groups
-         * the same on every iteration, which ptxas needs to keep them asynchronous. */
-        if (it > 0)
-            fa_bar_sync(FA_BAR_WRITTEN + 2 * (1 - cw) + (s ^ 1), 256);
-        fa_dq_issue(&dq[0][0],
-                    fa_desc((it > 0 ? ds_s + (s ^ 1) * FA_DS_BYTES : k_s) + ds_blk, FA_BN * 128,
-                            1024),
-                    k_cols);
-        fa_pin_acc(&dv[0][0], FA_DP / 2);
-        fa_pin_acc(&dk[0][0], FA_DP / 2);
-        fa_wg_fence();
-        fa_gemm_kv(&dv[0][0], pa, fa_desc(do_t, FA_BM * 128, 1024));
-        fa_gemm_kv(&dk[0][0], da, fa_desc(q_t, FA_BM * 128, 1024));
-        fa_wg_commit();
-        fa_wg_wait1();
-        fa_pin_acc(&dq[0][0], 32);
-        if (it > 0) {
-            fa_bar_arrive(FA_BAR_READ + 2 * cw + (s ^ 1), 256);
+        /* The previous tile of this item, whose dQ this iteration computes: its head, tile
+         * and first row in the workspace; tiles, this item's tiles so far. */
+        int hp = 0, mbp = 0, tiles = 0;
+        fa_i64 row0p = 0;
+        float dq[8][4];
+        int h = hk * group, mb = 0;
+        fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
+#pragma unroll 1
+        for (; h < h_end; it++, tiles++) {
+            const int s = it & 1;
+            int hn = h, mbn = mb + 1;
+            fa_bwd_next(&bp, &seq, nb, h_end, &hn, &mbn);
+            const int m0 = mb * FA_BM;
+            const fa_u32 q_t = q_s + s * FA_QT_BYTES, do_t = do_s + s * FA_QT_BYTES;
+            const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
+            const fa_i64 row0 = fa_bwd_row0(&bp, h, bi) + m0;
+
+            /* The tile's rows of lse and D, loaded here so that the products below hide their
+             * latency (read where fa_bwd_probs needs them, they stalled it). */
+            const fa_bwd_tile tl = fa_bwd_tile_make(kp, &seq, bi, h, m0, key0, t, wlo, whi,
+                                                    bp.lse2 + row0, bp.dsum + row0);
+
+            /* S^T and dP^T of this warpgroup's 64 keys x the tile's queries. C layout: st[nt][e] is
+             * key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
+            float st[FA_BM / 8][4], dpt[FA_BM / 8][4];
+            fa_mbar_wait(q_full + 8 * s, (it >> 1) & 1);
+            fa_wg_fence();
+            fa_gemm_t(&st[0][0], k_rows, fa_desc(q_t, 16, 1024));
+            fa_gemm_t(&dpt[0][0], v_rows, fa_desc(do_t, 16, 1024));
+            fa_wg_commit();
+            fa_wg_wait0();
+            fa_pin_acc(&st[0][0], FA_BM / 2);
+            fa_pin_acc(&dpt[0][0], FA_BM / 2);
+
+            const int full = fa_bwd_tile_full(&seq, m0, n0, wlo, whi);
+            if (full)
+                fa_bwd_probs(kp, &tl, t, st, dpt, 0);
+            else
+                fa_bwd_probs(kp, &tl, t, st, dpt, 1);
+
+            /* P^T and dS^T as A fragments (queries 16 kk .. 16 kk + 15 are k-step kk), and dS^T
+             * into shared memory, row = key of the block, queries contiguous, once the other
+             * warpgroup's product has read what this buffer held two tiles ago. */
+            if (it >= 2)
+                fa_bar_sync(FA_BAR_READ + 2 * (1 - cw) + s, 256);
+            fa_u32 pa[FA_BM / 16][4], da[FA_BM / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < FA_BM / 16; kk++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    pa[kk][r] = fa_pack2(st[2 * kk + (r >> 1)][2 * (r & 1)],
+                                         st[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
+                    da[kk][r] = fa_pack2(dpt[2 * kk + (r >> 1)][2 * (r & 1)],
+                                         dpt[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
+                    const int query = 16 * kk + 8 * (r >> 1) + 2 * t;
+                    fa_st_shared_u32(ds_t + (query >> 6) * FA_BN * 128 +
+                                         fa_swz128(64 * cw + 16 * w + g + 8 * (r & 1), query & 63),
+                                     da[kk][r]);
+                }
+            fa_fence_proxy_async();
+            fa_bar_sync(FA_BAR_OWN + cw, 128);
+            fa_bar_arrive(FA_BAR_WRITTEN + 2 * cw + s, 256);
+
+            /* The previous tile's dQ (both warpgroups wrote its dS^T an iteration ago, so this
+             * rarely waits), then dV += P^T dO and dK += dS^T Q, in flight while that dQ is added.
+             * An item's first tile has no previous one: its product reads the K and V tiles
+             * (read-only, so no race) and is discarded; issuing it anyway keeps the wgmma groups
+             * the same on every iteration, which ptxas needs to keep them asynchronous. */
+            if (tiles > 0)
+                fa_bar_sync(FA_BAR_WRITTEN + 2 * (1 - cw) + (s ^ 1), 256);
+            fa_dq_issue(&dq[0][0],
+                        fa_desc((tiles > 0 ? ds_s + (s ^ 1) * FA_DS_BYTES : k_s) + ds_blk,
+                                FA_BN * 128, 1024),
+                        k_cols);
+            fa_pin_acc(&dv[0][0], FA_DP / 2);
+            fa_pin_acc(&dk[0][0], FA_DP / 2);
+            fa_wg_fence();
+            fa_gemm_kv(&dv[0][0], pa, fa_desc(do_t, FA_BM * 128, 1024));
+            fa_gemm_kv(&dk[0][0], da, fa_desc(q_t, FA_BM * 128, 1024));
+            fa_wg_commit();
+            fa_wg_wait1();
+            fa_pin_acc(&dq[0][0], 32);
+            if (tiles > 0) {
+                fa_bar_arrive(FA_BAR_READ + 2 * cw + (s ^ 1), 256);
+                fa_dq_store(&bp, bi, hp, mbp, nb, &seq, row0p, dq_qblk, dq_col0, w, ct, dq_s, dq);
+            }
+            fa_wg_wait0();
+            fa_pin_acc(&dv[0][0], FA_DP / 2);
+            fa_pin_acc(&dk[0][0], FA_DP / 2);
+#pragma unroll
+            for (int kk = 0; kk < FA_BM / 16; kk++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    FA_PINU(pa[kk][r]);
+                    FA_PINU(da[kk][r]);
+                }
+            /* This warp is done with the stage's Q and dO. */
+            if (lane == 0)
+                fa_mbar_arrive(q_empty + 8 * s);
+            hp = h;
+            mbp = mb;
+            row0p = row0;
+            h = hn;
+            mb = mbn;
+        }
+        /* The item's last tile's dQ. */
+        if (tiles > 0) {
+            const int s = (it - 1) & 1;
+            fa_bar_sync(FA_BAR_WRITTEN + 2 * (1 - cw) + s, 256);
+            fa_dq_issue(&dq[0][0], fa_desc(ds_s + s * FA_DS_BYTES + ds_blk, FA_BN * 128, 1024),
+                        k_cols);
+            fa_wg_wait0();
+            fa_pin_acc(&dq[0][0], 32);
+            fa_bar_arrive(FA_BAR_READ + 2 * cw + s, 256);
             fa_dq_store(&bp, bi, hp, mbp, nb, &seq, row0p, dq_qblk, dq_col0, w, ct, dq_s, dq);
         }
-        fa_wg_wait0();
-        fa_pin_acc(&dv[0][0], FA_DP / 2);
-        fa_pin_acc(&dk[0][0], FA_DP / 2);
-#pragma unroll
-        for (int kk = 0; kk < FA_BM / 16; kk++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                FA_PINU(pa[kk][r]);
-                FA_PINU(da[kk][r]);
-            }
-        /* This warp is done with the stage's Q and dO. */
+        /* This warp is done with K and V: the next item's load overlaps the stores below. */
         if (lane == 0)
-            fa_mbar_arrive(q_empty + 8 * s);
-        hp = h;
-        mbp = mb;
-        row0p = row0;
-        h = hn;
-        mb = mbn;
+            fa_mbar_arrive(kv_empty);
+        fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, dk, dv);
     }
-    /* The last tile's dQ; then the other warpgroup's last two read barriers, which no later
-     * write consumed. */
-    if (it > 0) {
-        const int s = (it - 1) & 1;
-        fa_bar_sync(FA_BAR_WRITTEN + 2 * (1 - cw) + s, 256);
-        fa_dq_issue(&dq[0][0], fa_desc(ds_s + s * FA_DS_BYTES + ds_blk, FA_BN * 128, 1024),
-                    k_cols);
-        fa_wg_wait0();
-        fa_pin_acc(&dq[0][0], 32);
-        fa_bar_arrive(FA_BAR_READ + 2 * cw + s, 256);
-        fa_dq_store(&bp, bi, hp, mbp, nb, &seq, row0p, dq_qblk, dq_col0, w, ct, dq_s, dq);
-        for (int j = it > 1 ? it - 2 : 0; j < it; j++)
-            fa_bar_sync(FA_BAR_READ + 2 * (1 - cw) + (j & 1), 256);
-    }
+    /* The other warpgroup's last two read barriers, which no later write consumed. */
+    for (int j = it > 1 ? it - 2 : 0; j < it; j++)
+        fa_bar_sync(FA_BAR_READ + 2 * (1 - cw) + (j & 1), 256);
     /* The last bulk add has read its buffer before the CTA's shared memory goes. */
     fa_bulk_wait_read();
-
-    fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, dk, dv);
 }
 
 #include "fa_bwd_rows.cuh"

@@ -11,6 +11,7 @@
  *   dsum     fp32 [h][b][rows]       D = rowsum(dout * out)
  *   lse2     fp32 [h][b][rows]       lse * log2(e)
  *   sem      int32 [b][h][m_tiles]   deterministic mode: key blocks added so far per query tile
+ *   sched    int32 [1]               the sm90 persistent grid's count of claimed work items
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -26,7 +27,7 @@
 static size_t fa_ws_round(size_t x) { return (x + FA_WS_ALIGN - 1) / FA_WS_ALIGN * FA_WS_ALIGN; }
 
 typedef struct fa_bwd_ws {
-    size_t accum, dsum, lse2, sem, total; /* byte offsets, and the size */
+    size_t accum, dsum, lse2, sem, sched, total; /* byte offsets, and the size */
 } fa_bwd_ws;
 
 /* The layout for plan's query tile (bm rows) and padded head dim (dp). */
@@ -39,7 +40,8 @@ static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p, const fa_plan *plan)
     w.dsum = fa_ws_round(w.accum + 4 * rows * (size_t)plan->dp);
     w.lse2 = fa_ws_round(w.dsum + 4 * rows);
     w.sem = fa_ws_round(w.lse2 + 4 * rows);
-    w.total = fa_ws_round(w.sem + 4 * (size_t)p->b * (size_t)p->h * m_tiles);
+    w.sched = fa_ws_round(w.sem + 4 * (size_t)p->b * (size_t)p->h * m_tiles);
+    w.total = fa_ws_round(w.sched + 4);
     return w;
 }
 
@@ -181,6 +183,7 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     bp.dsum = (float *)(base + ws.dsum);
     bp.lse2 = (float *)(base + ws.lse2);
     bp.sem = (int *)(base + ws.sem);
+    bp.sched = (int *)(base + ws.sched);
     bp.do_bstride = p->do_bstride, bp.do_rstride = p->do_rstride, bp.do_hstride = p->do_hstride;
     bp.dq_bstride = p->dq_bstride, bp.dq_rstride = p->dq_rstride, bp.dq_hstride = p->dq_hstride;
     bp.dk_bstride = p->dk_bstride, bp.dk_rstride = p->dk_rstride, bp.dk_hstride = p->dk_hstride;
@@ -189,6 +192,15 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     bp.m_tiles = (int)((p->max_sq + plan.bm - 1) / plan.bm);
     bp.n_tiles = (int)((p->max_sk + plan.bn - 1) / plan.bn);
     bp.deterministic = args->deterministic != 0;
+    /* The sm90 kernel takes its work items one per CTA in blockIdx order, or, on a grid of one
+     * CTA per multiprocessor, claims them in the same order from a counter (fa_bwd_pre zeroes
+     * it): a CTA's dK/dV stores then overlap its next item's K/V load, and the longest items
+     * still start first. Not in deterministic mode (its ordered adds wait on other CTAs, which
+     * must all be running or done) nor varlen (its items past a sequence take another path). */
+    const int64_t items = (int64_t)bp.n_tiles * p->hk * p->b;
+    const int64_t sms = tm ? fa_cuda_device_sms(fwd->device) : 0;
+    bp.persistent = tm && !bp.deterministic && !p->is_varlen && bp.m_tiles > 0 && sms > 0 &&
+                    sms < items;
 
     fa_cu_context ctx;
     int pushed;
@@ -209,8 +221,10 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_pre", (unsigned)bp.m_tiles, h, b, plan.threads,
                            0, stream, &bp, NULL);
     if (st == FA_STATUS_OK && bp.n_tiles > 0)
-        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd", (unsigned)bp.n_tiles, hk, b, plan.threads,
-                           plan.smem, stream, &bp, tm);
+        st = bp.persistent ? fa_bwd_launch(d, &plan, ctx, "fa_bwd", (unsigned)sms, 1, 1,
+                                           plan.threads, plan.smem, stream, &bp, tm)
+                           : fa_bwd_launch(d, &plan, ctx, "fa_bwd", (unsigned)bp.n_tiles, hk, b,
+                                           plan.threads, plan.smem, stream, &bp, tm);
     if (st == FA_STATUS_OK && p->dsinks)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_dsinks", h, 1, 1, 256, 0, stream, &bp, NULL);
     /* fa_bwd_convert: per (head, sequence), 8 warps per CTA, one 16 x 8 accumulator block per

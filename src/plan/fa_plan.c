@@ -299,11 +299,11 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     plan->threads = 384;
     plan->stages = 2;
     /* K, V; Q and dO in two stages; two dS^T buffers (16-bit); the 8 consumer warps' dQ pieces
-     * (16 x 64, fp32); five mbarriers; 1 KB so the kernel can round its base up to the swizzle
-     * atom. */
+     * (16 x 64, fp32); six mbarriers and two work-item slots; 1 KB so the kernel can round its
+     * base up to the swizzle atom. */
     plan->smem = (unsigned)(2 * (2 * plan->bn * plan->dp + 2 * 2 * plan->bm * plan->dp +
                                  2 * plan->bn * plan->bm) +
-                            8 * 16 * 64 * 4 + 5 * 8 + 1024);
+                            8 * 16 * 64 * 4 + 6 * 8 + 2 * 4 + 1024);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
