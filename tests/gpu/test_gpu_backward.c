@@ -66,6 +66,12 @@ static const bcase cases[] = {
      * window wider than a tile, over several heads of a group (both query stages in turn). */
     {"wide window gqa d128", 2, 4, 2, 600, 650, 128, 128, 0, 300, 150, 0, 0, 0, 0, 0, 0, 0, 0},
     {"dropout causal mqa d64 long", 1, 4, 1, 520, 700, 64, 64, 1, -1, -1, 0, 0, 0, 0.1, 0, 0, 0, 0},
+    /* More key blocks x kv heads x sequences (144) than an H200 has multiprocessors (132): the
+     * sm90 backward's persistent grid claims some items after finishing others. Few queries,
+     * many keys: the items without the reference's cost. */
+    {"persistent grid d64", 2, 8, 8, 300, 1030, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"persistent grid causal gqa d128", 3, 12, 6, 160, 1000, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0,
+     0, 0},
     /* Varlen (see run_case): key blocks past seqused_k and past shorter sequences, query tiles
      * of the workspace a sequence leaves unused, with GQA/MQA and every feature. */
     {"varlen causal gqa d128", 4, 4, 2, 190, 260, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 1, 0, 0},
