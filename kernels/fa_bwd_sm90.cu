@@ -135,10 +135,15 @@ FA_DEV void fa_wg_wait1(void) { asm volatile("wgmma.wait_group.sync.aligned 1;" 
 #define FA_BAR_WRITTEN 4
 #define FA_BAR_READ 8
 
-/* st.shared.b32 at a shared-window address. */
-FA_DEV void fa_st_shared_u32(fa_u32 addr, fa_u32 v)
+/* stmatrix.sync.aligned.m8n8.x4.shared.b16: stores four 8x8 matrices of 16-bit values, the
+ * inverse of fa_ldmatrix_x4: lane l gives, in r[i], row l/4, elements 2(l%4) and 2(l%4)+1 of
+ * matrix i (the A fragment layout), and lanes 8i..8i+7 the addresses of matrix i's 8 rows, 16
+ * bytes each. */
+FA_DEV void fa_stmatrix_x4(fa_u32 addr, const fa_u32 r[4])
 {
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
 }
 
 /* Byte offset of (row, col) in a tile of 128-byte rows (64 16-bit columns) under the 128-byte
@@ -418,6 +423,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const fa_u64 k_cols =
         fa_desc(k_s + (FA_DP == 128 ? cwu : 0) * FA_BN * 128, FA_BN * 128, 1024);
     const fa_u32 ds_blk = (FA_BM == 128 ? cwu : 0) * FA_BN * 128;
+    /* This lane's row address for the dS^T stores: block ds_blk4 of a k-step's four, row
+     * (key) ds_key of the block's rows. */
+    const int ds_blk4 = lane >> 3, ds_key = 64 * cw + 16 * w + (lane & 7) + 8 * (ds_blk4 & 1);
     /* Query tiles and items so far: the stages, the dS^T buffers and their barriers run on
      * over the items, in step with the producer. */
     int it = 0;
@@ -483,25 +491,28 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             else
                 fa_bwd_probs(kp, &tl, t, st, dpt, 1);
 
-            /* P^T and dS^T as A fragments (queries 16 kk .. 16 kk + 15 are k-step kk), and dS^T
-             * into shared memory, row = key of the block, queries contiguous, once the other
-             * warpgroup's product has read what this buffer held two tiles ago. */
+            /* P^T and dS^T as A fragments (queries 16 kk .. 16 kk + 15 are k-step kk; fragment
+             * r is the 8 x 8 block of keys + 8 (r % 2), queries + 8 (r / 2)), and dS^T into
+             * shared memory, row = key of the block, queries contiguous, once the other
+             * warpgroup's product has read what this buffer held two tiles ago: one stmatrix
+             * per k-step, this lane giving row ds_key of block ds_blk4 (16 stores a tile at
+             * head dim 128 were 4). */
             if (it >= 2)
                 fa_bar_sync(FA_BAR_READ + 2 * (1 - cw) + s, 256);
             fa_u32 pa[FA_BM / 16][4], da[FA_BM / 16][4];
 #pragma unroll
-            for (int kk = 0; kk < FA_BM / 16; kk++)
+            for (int kk = 0; kk < FA_BM / 16; kk++) {
 #pragma unroll
                 for (int r = 0; r < 4; r++) {
                     pa[kk][r] = fa_pack2(st[2 * kk + (r >> 1)][2 * (r & 1)],
                                          st[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
                     da[kk][r] = fa_pack2(dpt[2 * kk + (r >> 1)][2 * (r & 1)],
                                          dpt[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
-                    const int query = 16 * kk + 8 * (r >> 1) + 2 * t;
-                    fa_st_shared_u32(ds_t + (query >> 6) * FA_BN * 128 +
-                                         fa_swz128(64 * cw + 16 * w + g + 8 * (r & 1), query & 63),
-                                     da[kk][r]);
                 }
+                const int q0 = 16 * kk + 8 * (ds_blk4 >> 1);
+                fa_stmatrix_x4(ds_t + (q0 >> 6) * FA_BN * 128 + fa_swz128(ds_key, q0 & 63),
+                               da[kk]);
+            }
             fa_fence_proxy_async();
             fa_bar_sync(FA_BAR_OWN + cw, 128);
             fa_bar_arrive(FA_BAR_WRITTEN + 2 * cw + s, 256);
