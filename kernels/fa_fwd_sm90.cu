@@ -189,31 +189,32 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
     }
 }
 
-/* Issues S = Q K^T for one key block (FA_DP / 16 k-steps) as one wgmma group. */
-FA_DEV void fa_gemm_s(float *sacc, fa_u32 q_base, fa_u32 k_base)
+/* Issues S = Q K^T for one key block (FA_DP / 16 k-steps) as one wgmma group, from the
+ * descriptors of the warpgroup's Q rows and of the block's K (both K-major). */
+FA_DEV void fa_gemm_s(float *sacc, fa_u64 q_rows, fa_u64 k_rows)
 {
 #pragma unroll
     for (int kk = 0; kk < FA_DP / 16; kk++) {
         const fa_u32 koff = (kk & 3) * 32;
-        fa_wgmma_s(sacc, fa_desc(q_base + (kk >> 2) * FA_BM * 128 + koff, 16, 1024),
-                   fa_desc(k_base + (kk >> 2) * FA_BN * 128 + koff, 16, 1024), kk > 0);
+        fa_wgmma_s(sacc, fa_desc_at(q_rows, (kk >> 2) * FA_BM * 128 + koff),
+                   fa_desc_at(k_rows, (kk >> 2) * FA_BN * 128 + koff), kk > 0);
     }
     fa_wg_commit();
 }
 
 /* Issues O += P V for one key block as one wgmma group: FA_BN / 16 k-slices, each over the
- * 64-column blocks of V in n128 (then n64) steps. */
-FA_DEV void fa_gemm_pv(float *o, fa_u32 pa[][4], fa_u32 v_base)
+ * 64-column blocks of V in n128 (then n64) steps; v_tile is the block's V descriptor
+ * (MN-major). */
+FA_DEV void fa_gemm_pv(float *o, fa_u32 pa[][4], fa_u64 v_tile)
 {
 #pragma unroll
     for (int kk = 0; kk < FA_BN / 16; kk++) {
 #pragma unroll
         for (int c = 0; c + 1 < FA_VB; c += 2)
-            fa_wgmma_pv128(o + 32 * c, pa[kk],
-                           fa_desc(v_base + c * FA_BN * 128 + kk * 2048, FA_BN * 128, 1024));
+            fa_wgmma_pv128(o + 32 * c, pa[kk], fa_desc_at(v_tile, c * FA_BN * 128 + kk * 2048));
 #if FA_VB % 2
         fa_wgmma_pv64(o + 32 * (FA_VB - 1), pa[kk],
-                      fa_desc(v_base + (FA_VB - 1) * FA_BN * 128 + kk * 2048, FA_BN * 128, 1024));
+                      fa_desc_at(v_tile, (FA_VB - 1) * FA_BN * 128 + kk * 2048));
 #endif
     }
     fa_wg_commit();
@@ -425,7 +426,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
 
     const int nb = w->n_blocks;
     if (nb > 0) {
-        const fa_u32 q_base = m->q + cw * 64 * 128;
+        const fa_u64 q_rows = fa_desc(m->q + cw * 64 * 128, 16, 1024);
         const int kv0 = *kv;
         float sacc[FA_SACC], alpha[2];
         fa_u32 pa[FA_BN / 16][4];
@@ -438,7 +439,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
         fa_mbar_wait(m->q_full, *q_round & 1);
         fa_mbar_wait(m->k_full + 8 * (kv0 % FA_STAGES), (kv0 / FA_STAGES) & 1);
         fa_wg_fence();
-        fa_gemm_s(sacc, q_base, m->k + (kv0 % FA_STAGES) * FA_K_BYTES);
+        fa_gemm_s(sacc, q_rows, fa_desc(m->k + (kv0 % FA_STAGES) * FA_K_BYTES, 16, 1024));
 #if FA_PINGPONG
         fa_named_arrive(bar_other);
 #endif
@@ -465,8 +466,8 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
             fa_mbar_wait(m->v_full + 8 * sp, php);
             fa_gemm_operands_pin(o, pa);
             fa_wg_fence();
-            fa_gemm_s(sacc, q_base, m->k + s * FA_K_BYTES);
-            fa_gemm_pv(o, pa, m->v + sp * FA_V_BYTES);
+            fa_gemm_s(sacc, q_rows, fa_desc(m->k + s * FA_K_BYTES, 16, 1024));
+            fa_gemm_pv(o, pa, fa_desc(m->v + sp * FA_V_BYTES, FA_BN * 128, 1024));
 #if FA_PINGPONG
             fa_named_arrive(bar_other);
 #endif
@@ -493,7 +494,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
         fa_mbar_wait(m->v_full + 8 * sp, php);
         fa_gemm_operands_pin(o, pa);
         fa_wg_fence();
-        fa_gemm_pv(o, pa, m->v + sp * FA_V_BYTES);
+        fa_gemm_pv(o, pa, fa_desc(m->v + sp * FA_V_BYTES, FA_BN * 128, 1024));
 #if FA_PINGPONG
         /* Only the first warpgroup still has a partner waiting for its turn in this tile. */
         if (cw == 0)
@@ -566,7 +567,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int m_blocks = (int)((kp.max_sq + FA_BM - 1) / FA_BM);
     const int n_units = fa_units(tm.paired, m_blocks, &kp);
     int kv = 0, q_round = 0;
-    const int wg = threadIdx.x / FA_WG_THREADS;
+    /* Broadcast, so that the compiler knows it warp-uniform and keeps what derives from it (the
+     * consumers' Q descriptor) in uniform registers, where wgmma takes descriptors. */
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / FA_WG_THREADS, 0);
     if (wg == 0) {
         fa_regs_producer();
         if (threadIdx.x != 0)
