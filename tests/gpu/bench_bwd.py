@@ -5,16 +5,22 @@ backends, measured side by side in one process, for the backward's table in benc
         python3 tests/gpu/bench_bwd.py [--hdims 64,128] [--seqlens 2048,4096,8192,16384]
         [--json PATH] [--calls N]
 
-bf16, FlashAttention's benchmark shapes (16k tokens: batch 16384 / seqlen; hidden 2048: heads
-2048 / hdim), causal and not. Each figure is the best of 10 timed runs after 3 warm-ups (CUDA
-events); a run is one call, or with --calls N, N calls back to back (the host's work per call
-hidden behind the GPU's, as upstream's benchmark and a training loop have it). TFLOP/s as upstream counts them: forward 4 b h s^2 d (halved when causal), backward 2.5x
-that, forward + backward 3.5x. On sm_90 the Hopper backward runs; FLASHATTN_BWD_SM90=0 measures
-the sm80 family instead.
+bf16, FlashAttention's benchmark shapes (16k tokens: batch 16384 / seqlen; hidden 2048: heads 2048
+/ hdim), causal and not. Each figure is the best of 10 timed runs after 3 warm-ups (CUDA events),
+the three implementations' runs taken in turn (bench_timing.best_ms_rotated: timed one
+implementation after another, ours lost 7-10% in a long table that it did not lose alone, so the
+GPU's state drifts; in turn, all see the same state; the SM clock after each row is recorded to see
+whether that state is the clock); a run is one call, or with --calls N, N calls back to back (the
+host's work per call hidden behind the GPU's, as upstream's benchmark and a training loop have it).
+TFLOP/s as upstream counts them: forward 4 b h s^2 d (halved when causal), backward 2.5x that,
+forward + backward 3.5x. On sm_90 the Hopper backward runs; FLASHATTN_BWD_SM90=0 measures the sm80
+family instead.
 """
 import argparse
+import contextlib
 import functools
 import json
+import subprocess
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +34,26 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTEN
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
-def passes(attn, x, dout, calls):
-    """{pass: ms} of attn(*x) (its inputs require grad)."""
-    best_ms = functools.partial(bench_timing.best_ms, reps=10, warmup=3, calls=calls)
-    out = attn(*x)
+def pass_fns(attn, x, dout, ctx):
+    """{pass: (fn, ctx)} running attn(*x) (its inputs require grad) under the context ctx."""
+    with ctx():
+        out = attn(*x)
     return {
-        "fwd": best_ms(lambda: attn(*x)),
-        "bwd": best_ms(lambda: torch.autograd.grad(out, x, dout, retain_graph=True)),
-        "fwd+bwd": best_ms(lambda: torch.autograd.grad(attn(*x), x, dout)),
+        "fwd": (lambda: attn(*x), ctx),
+        "bwd": (lambda: torch.autograd.grad(out, x, dout, retain_graph=True), ctx),
+        "fwd+bwd": (lambda: torch.autograd.grad(attn(*x), x, dout), ctx),
     }
+
+
+def sm_clock_mhz():
+    """The SM clock now (nvidia-smi), or None where it cannot be read."""
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
+                            "-i", str(torch.cuda.current_device())],
+                           capture_output=True, text=True, timeout=10)
+        return int(q.stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
 
 
 def row(d, s, causal, calls):
@@ -48,20 +65,25 @@ def row(d, s, causal, calls):
     fwd_flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
     flops = {"fwd": fwd_flops, "bwd": 2.5 * fwd_flops, "fwd+bwd": 3.5 * fwd_flops}
     r = dict(hdim=d, seqlen=s, batch=b, heads=h, causal=causal)
-    ms = passes(lambda q, k, v: flash_attn_func(q, k, v, causal=causal), x, dout, calls)
-    r["ours"] = {p: flops[p] / ms[p] * 1e-9 for p in PASSES}
+    impls = {"ours": pass_fns(lambda q, k, v: flash_attn_func(q, k, v, causal=causal), x, dout,
+                              contextlib.nullcontext)}
     xt = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in x]
     dt = dout.transpose(1, 2).contiguous()
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa
     for name, be in BACKENDS.items():
         try:
-            with sdpa_kernel([be]):
-                ms = passes(lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
-                                                                           is_causal=causal),
-                            xt, dt, calls)
-            r[name] = {p: flops[p] / ms[p] * 1e-9 for p in PASSES}
+            impls[name] = pass_fns(sdpa, xt, dt, functools.partial(sdpa_kernel, [be]))
         except RuntimeError as e:  # a backend this build of torch lacks
             r[name] = None
             r[name + "_error"] = str(e).splitlines()[0][:100]
+    for name in impls:
+        r[name] = {}
+    for p in PASSES:
+        ms = bench_timing.best_ms_rotated({n: f[p] for n, f in impls.items()}, reps=10,
+                                          warmup=3, calls=calls)
+        for name, t in ms.items():
+            r[name][p] = flops[p] / t * 1e-9
+    r["sm_mhz"] = sm_clock_mhz()
     return r
 
 
@@ -84,14 +106,15 @@ def main():
     print("\nTFLOP/s, bf16, %s, %d call(s) per timed run: ours / flash / cudnn, and ours over "
           "cudnn" % (torch.cuda.get_device_name(), a.calls))
     print("hdim seqlen causal |        fwd        |        bwd        |      fwd+bwd      | "
-          "bwd/cudnn fwd+bwd/cudnn")
+          "bwd/cudnn fwd+bwd/cudnn | SM MHz after")
     fmt = lambda r, p: "%5.0f" % r[p] if r else "    -"  # noqa: E731
     for r in rows:
         cells = " | ".join(" ".join(fmt(r[k], p) for k in ("ours", "flash", "cudnn"))
                            for p in PASSES)
         ratio = lambda p: (r["ours"][p] / r["cudnn"][p]) if r["cudnn"] else float("nan")  # noqa
-        print("%4d %6d %-6s | %s | %9.2f %13.2f" % (r["hdim"], r["seqlen"], r["causal"], cells,
-                                                     ratio("bwd"), ratio("fwd+bwd")))
+        print("%4d %6d %-6s | %s | %9.2f %13.2f | %s" % (
+            r["hdim"], r["seqlen"], r["causal"], cells, ratio("bwd"), ratio("fwd+bwd"),
+            r["sm_mhz"] or "-"))
 
 
 if __name__ == "__main__":
