@@ -346,12 +346,16 @@ def _fwd_setup(ctx, inputs, output):
      deterministic) = inputs
     out, lse, S, rng_state = output
     ctx.mark_non_differentiable(lse, S, rng_state)
+    # Their gradients would be zeros made on every backward call (3 allocations and fills).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, lse, rng_state, seed, alibi, sink)
     ctx.options = (dropout_p, scale, causal, left, right, softcap, deterministic)
     ctx.sink_dtype = sink.dtype if sink is not None else None
 
 
 def _fwd_backward(ctx, dout, _dlse, _dS, _drng):
+    if dout is None:  # out's gradient undefined (gradients are not materialised)
+        return (None,) * 14
     q, k, v, out, lse, rng_state, seed, alibi, sink = ctx.saved_tensors
     args = (dout, q, k, v, out, lse, alibi, sink,
             _host_rng_state(rng_state, seed)) + ctx.options
@@ -369,12 +373,15 @@ def _varlen_setup(ctx, inputs, output):
      left, right, softcap, _ret, deterministic) = inputs
     out, lse, S, rng_state = output
     ctx.mark_non_differentiable(lse, S, rng_state)
+    ctx.set_materialize_grads(False)  # as _fwd_setup's
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink, rng_state, seed)
     ctx.options = (max_q, max_k, dropout_p, scale, causal, left, right, softcap, deterministic)
     ctx.sink_dtype = sink.dtype if sink is not None else None
 
 
 def _varlen_backward(ctx, dout, _dlse, _dS, _drng):
+    if dout is None:  # as _fwd_backward's
+        return (None,) * 19
     q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink, rng_state, seed = ctx.saved_tensors
     args = (dout, q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink,
             _host_rng_state(rng_state, seed)) + ctx.options
