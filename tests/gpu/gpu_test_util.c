@@ -103,11 +103,26 @@ void gu_fill_uniform(gpu_buf *g, double lo, double hi)
     }
 }
 
-int gu_shard_take(void)
+#define GU_MAX_SHARDS 256
+
+int gu_shard_take(double cost)
 {
-    static int run_index;
+    static double load[GU_MAX_SHARDS];
     int shard, shards;
     const char *sh = getenv("FA_TEST_SHARD");
-    return !(sh && sscanf(sh, "%d/%d", &shard, &shards) == 2 && shards > 0 &&
-             run_index++ % shards != shard);
+    if (!sh || sscanf(sh, "%d/%d", &shard, &shards) != 2 || shards <= 0)
+        return 1;
+    if (shards > GU_MAX_SHARDS)
+        shards = GU_MAX_SHARDS;
+    int least = 0;
+    for (int i = 1; i < shards; i++)
+        if (load[i] < load[least])
+            least = i;
+    load[least] += cost;
+    return least == shard;
+}
+
+double gu_attn_cost(int b, int h, int sq, int sk, int d, int dv, int causal)
+{
+    return (double)b * h * sq * sk * (d + dv) * (causal ? 0.5 : 1.0) + 1e8;
 }

@@ -49,9 +49,16 @@ double gu_elem_load(const void *base, fa_dtype dt, int64_t at);
 /* Every element of the host copy uniform in [lo, hi). */
 void gu_fill_uniform(gpu_buf *g, double lo, double hi);
 
-/* Whether the next run (a test's runs counted in order) is this process's: FA_TEST_SHARD=i/n
- * takes every n-th from the i-th (tests/gpu/run_sharded.sh runs the n shards side by side: the
- * CPU references, not the GPU, take the time); without it, every run. */
-int gu_shard_take(void);
+/* Whether the next run (a test's runs in order, each with its estimated cost) is this
+ * process's: with FA_TEST_SHARD=i/n, every process deals the runs out the same way, each to the
+ * shard with the least cost so far, and takes shard i's (tests/gpu/run_sharded.sh runs the n
+ * shards side by side: the CPU references, not the GPU, take the time, so the slowest shard
+ * sets the run's length); without it, every run. */
+int gu_shard_take(double cost);
+
+/* A run's estimated cost for gu_shard_take: the references' work, ~pairs of rows seen times
+ * (d + dv), plus a fixed share for the GPU side. Costs measured for test_gpu_sm90's cases on
+ * one core followed it within ~25% (bench/NOTES.md, ninth session). */
+double gu_attn_cost(int b, int h, int sq, int sk, int d, int dv, int causal);
 
 #endif /* GPU_TEST_UTIL_H */

@@ -502,10 +502,12 @@ int main(int argc, char **argv)
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             if ((only && !strstr(cases[i].name, only)) || (sm90_pass && !sm90_takes(&cases[i])))
                 continue;
-            if (gu_shard_take())
-                run_case(&cases[i], FA_DTYPE_F16);
-            if (gu_shard_take())
-                run_case(&cases[i], FA_DTYPE_BF16);
+            const bcase *c = &cases[i];
+            const double cost = gu_attn_cost(c->b, c->h, c->sq, c->sk, c->d, c->dv, c->causal);
+            if (gu_shard_take(cost))
+                run_case(c, FA_DTYPE_F16);
+            if (gu_shard_take(cost))
+                run_case(c, FA_DTYPE_BF16);
         }
         unsetenv("FLASHATTN_BWD_SM90");
     }

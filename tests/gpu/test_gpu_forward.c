@@ -164,9 +164,10 @@ static const char *expect_family;
 /* FA_TEST_ONLY=a|b|... runs only the cases whose names contain one of the '|'-separated parts
  * (for compute-sanitizer, whose slowdown the long cases cannot afford); FA_TEST_SHARD as
  * gu_shard_take says. */
-static int case_selected(const char *name)
+static int case_selected(const gpu_case *c)
 {
-    if (!gu_shard_take())
+    const char *name = c->name;
+    if (!gu_shard_take(gu_attn_cost(c->b, c->h, c->sq, c->sk, c->d, c->dv, c->causal)))
         return 0;
     const char *only = getenv("FA_TEST_ONLY");
     if (!only || !*only)
@@ -181,7 +182,7 @@ static int case_selected(const char *name)
 
 static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
 {
-    if (!case_selected(c->name))
+    if (!case_selected(c))
         return;
     const int vl = c->varlen;
     int32_t cu_q[9], cu_k[9], used[8];
@@ -418,6 +419,15 @@ int main(void)
         return 1;
     }
     printf("test_gpu_sm90: device sm_%d, default plan\n", arch);
+    /* The forced plans' cases first: the largest, so dealt out first they spread over the
+     * shards (gu_shard_take) and the small ones fill in after. */
+    expect_family = arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
+    for (size_t i = 0; i < sizeof sm90_tile_cases / sizeof sm90_tile_cases[0]; i++) {
+        setenv("FLASHATTN_SM90_TILE", sm90_tile_cases[i].tile, 1);
+        run_case(&sm90_tile_cases[i].c, FA_DTYPE_F16, NULL);
+        run_case(&sm90_tile_cases[i].c, FA_DTYPE_BF16, NULL);
+        unsetenv("FLASHATTN_SM90_TILE");
+    }
     for (size_t i = 0; i < sizeof sm90_cases / sizeof sm90_cases[0]; i++) {
         expect_family = sm90_cases[i].sm90 && arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
         run_case(&sm90_cases[i].c, FA_DTYPE_F16, NULL);
@@ -427,12 +437,6 @@ int main(void)
     for (size_t i = 0; i < sizeof sm90_scale_cases / sizeof sm90_scale_cases[0]; i++) {
         run_case(&sm90_scale_cases[i].c, FA_DTYPE_F16, &sm90_scale_cases[i].scale);
         run_case(&sm90_scale_cases[i].c, FA_DTYPE_BF16, &sm90_scale_cases[i].scale);
-    }
-    for (size_t i = 0; i < sizeof sm90_tile_cases / sizeof sm90_tile_cases[0]; i++) {
-        setenv("FLASHATTN_SM90_TILE", sm90_tile_cases[i].tile, 1);
-        run_case(&sm90_tile_cases[i].c, FA_DTYPE_F16, NULL);
-        run_case(&sm90_tile_cases[i].c, FA_DTYPE_BF16, NULL);
-        unsetenv("FLASHATTN_SM90_TILE");
     }
 #else
     /* The sm80 family on every device: on sm_90 the default plan would take the sm90 family. */
