@@ -57,8 +57,9 @@ FA_CPU_INLINE void FA_FN(fa_tile_cols)(const FA_FN(fa_tile) * t, int64_t m, int6
  * FA_CPU_EDGE_PANEL keys for S^T, each over the columns that see one of its keys
  * (fa_tile_cols), and of as many rows for P V, each over the keys one of its rows sees: what a
  * panel skips is never seen (its scores are masked to -inf before use, its P exactly 0), so
- * the results are the same bits, for a fraction of the edge blocks' products (128-row tiles
- * over 64-key blocks computed ~20% more scores than a 512-key window sees).
+ * the results are the same bits, for a fraction of the edge blocks' products (whole blocks
+ * computed each masked triangle of 64 keys: with 128-row tiles ~12% more products than a
+ * 512-key window sees, ~3% in panels; measured +4-9% on that window, bench/NOTES.md).
  */
 #ifndef FA_CPU_EDGE_PANEL
 #define FA_CPU_EDGE_PANEL 12
