@@ -76,32 +76,13 @@ typedef struct fa_bwd_tmaps {
     fa_tmap q, k, v, dout;
 } fa_bwd_tmaps;
 
-/* wgmma.mma_async m64n64k16, both operands from shared memory, fp32 accumulators d[32]:
- * D (+)= A B with A [64][16] and B as the descriptors say; the last two immediates pick the
- * operands' majorness (0: K-major, 1: MN-major; 16-bit types only). `accumulate` 0 starts D. */
-#define FA_DEF_WGMMA_SS64(NAME, TRANS)                                                         \
-    FA_DEV void NAME(float *d, fa_u64 da, fa_u64 db, int accumulate)                           \
-    {                                                                                          \
-        asm volatile("{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"                                \
-                     "wgmma.mma_async.sync.aligned.m64n64k16" FA_WG_TYPES " {" FA_RL32 "}, "   \
-                     "%32, %33, p, 1, 1, " TRANS "; }"                                         \
-                     : FA_FL32(d)                                                              \
-                     : "l"(da), "l"(db), "r"(accumulate));                                     \
-    }
-/* S^T = K Q^T, dP^T = V dO^T: rows of keys and of queries, both with the head dim contiguous. */
-FA_DEF_WGMMA_SS64(fa_wgmma_kk, "0, 0")
-
-/* The same for 128-query tiles: wgmma.mma_async m64n128k16, both operands K-major, d[64]. */
-FA_DEV void fa_wgmma_kk128(float *d, fa_u64 da, fa_u64 db, int accumulate)
-{
-    asm volatile("{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16" FA_WG_TYPES " {" FA_RL64 "}, "
-                 "%64, %65, p, 1, 1, 0, 0; }"
-                 : FA_FL64(d)
-                 : "l"(da), "l"(db), "r"(accumulate));
-}
-/* dQ = dS K: dS^T rows of keys (queries contiguous) and K rows of keys (columns contiguous). */
-FA_DEF_WGMMA_SS64(fa_wgmma_tt, "1, 1")
+/* S^T = K Q^T, dP^T = V dO^T: rows of keys and of queries, both with the head dim contiguous
+ * (K-major); m64n128 for 128-query tiles. */
+FA_DEF_WGMMA_SS(fa_wgmma_kk, 64, FA_RL32, FA_FL32, "%32", "%33", "%34", "0, 0")
+FA_DEF_WGMMA_SS(fa_wgmma_kk128, 128, FA_RL64, FA_FL64, "%64", "%65", "%66", "0, 0")
+/* dQ = dS K: dS^T rows of keys (queries contiguous) and K rows of keys (columns contiguous),
+ * both MN-major. */
+FA_DEF_WGMMA_SS(fa_wgmma_tt, 64, FA_RL32, FA_FL32, "%32", "%33", "%34", "1, 1")
 
 /* bar.sync id, n: the n threads of the warpgroups that name barrier id meet. */
 FA_DEV void fa_bar_sync(int id, int n)

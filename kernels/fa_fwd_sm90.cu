@@ -72,40 +72,25 @@ typedef struct fa_tmaps {
     int paired; /* the grid's work units are mirrored pairs of query tiles (fa_unit_tile) */
 } fa_tmaps;
 
-/*
- * S (+)= Q K^T, m64nNk16 with both operands in shared memory (SS form), N = FA_BN:
- *   wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}x2 {d..}, descA, descB, p, 1, 1, 0, 0
- * p = scale-d (0: d = A B, 1: d += A B); scale-a = scale-b = 1; transpose-a = transpose-b = 0 (both
- * K-major). d is the m64nN fp32 accumulator: thread t (warp w = t/32, lane l) holds in d[j] the
- * element (row 16w + l/4 + 8((j>>1)&1), col 8(j>>2) + 2(l%4) + (j&1)).
- */
-#define FA_DEF_WGMMA_SS(N, RL, FL, IA, IB, IP)                                                  \
-    FA_DEV void fa_wgmma_s(float *d, fa_u64 da, fa_u64 db, int accumulate)                     \
-    {                                                                                          \
-        asm volatile("{ .reg .pred p; setp.ne.b32 p, " IP ", 0;\n"                             \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k16" FA_WG_TYPES " {" RL "}, " IA \
-                     ", " IB ", p, 1, 1, 0, 0; }"                                              \
-                     : FL(d)                                                                   \
-                     : "l"(da), "l"(db), "r"(accumulate));                                     \
-    }
+/* S (+)= Q K^T for one k-step, both operands K-major in shared memory, N = FA_BN. */
 #if FA_BN == 64
-FA_DEF_WGMMA_SS(64, FA_RL32, FA_FL32, "%32", "%33", "%34")
+FA_DEF_WGMMA_SS(fa_wgmma_s, 64, FA_RL32, FA_FL32, "%32", "%33", "%34", "0, 0")
 #elif FA_BN == 80
-FA_DEF_WGMMA_SS(80, FA_RL40, FA_FL40, "%40", "%41", "%42")
+FA_DEF_WGMMA_SS(fa_wgmma_s, 80, FA_RL40, FA_FL40, "%40", "%41", "%42", "0, 0")
 #elif FA_BN == 96
-FA_DEF_WGMMA_SS(96, FA_RL48, FA_FL48, "%48", "%49", "%50")
+FA_DEF_WGMMA_SS(fa_wgmma_s, 96, FA_RL48, FA_FL48, "%48", "%49", "%50", "0, 0")
 #elif FA_BN == 112
-FA_DEF_WGMMA_SS(112, FA_RL56, FA_FL56, "%56", "%57", "%58")
+FA_DEF_WGMMA_SS(fa_wgmma_s, 112, FA_RL56, FA_FL56, "%56", "%57", "%58", "0, 0")
 #elif FA_BN == 128
-FA_DEF_WGMMA_SS(128, FA_RL64, FA_FL64, "%64", "%65", "%66")
+FA_DEF_WGMMA_SS(fa_wgmma_s, 128, FA_RL64, FA_FL64, "%64", "%65", "%66", "0, 0")
 #elif FA_BN == 144
-FA_DEF_WGMMA_SS(144, FA_RL72, FA_FL72, "%72", "%73", "%74")
+FA_DEF_WGMMA_SS(fa_wgmma_s, 144, FA_RL72, FA_FL72, "%72", "%73", "%74", "0, 0")
 #elif FA_BN == 160
-FA_DEF_WGMMA_SS(160, FA_RL80, FA_FL80, "%80", "%81", "%82")
+FA_DEF_WGMMA_SS(fa_wgmma_s, 160, FA_RL80, FA_FL80, "%80", "%81", "%82", "0, 0")
 #elif FA_BN == 176
-FA_DEF_WGMMA_SS(176, FA_RL88, FA_FL88, "%88", "%89", "%90")
+FA_DEF_WGMMA_SS(fa_wgmma_s, 176, FA_RL88, FA_FL88, "%88", "%89", "%90", "0, 0")
 #elif FA_BN == 192
-FA_DEF_WGMMA_SS(192, FA_RL96, FA_FL96, "%96", "%97", "%98")
+FA_DEF_WGMMA_SS(fa_wgmma_s, 192, FA_RL96, FA_FL96, "%96", "%97", "%98", "0, 0")
 #else
 #error "fa_fwd_sm90.cu: FA_BN must be a multiple of 16 from 64 to 192"
 #endif

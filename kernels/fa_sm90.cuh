@@ -179,6 +179,26 @@ FA_DEV void fa_wg_wait0(void) { asm volatile("wgmma.wait_group.sync.aligned 0;" 
 #define FA_FL96(a) FA_FL88(a), FA_F8(a, 88)
 
 /*
+ * NAME(d, da, db, accumulate): D (+)= A B by wgmma.mma_async m64nNk16 with both operands in
+ * shared memory (SS form):
+ *   wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}x2 {d..}, descA, descB, p, 1, 1, TRANS
+ * p = scale-d (accumulate 0: D = A B); scale-a = scale-b = 1; TRANS the operands' majorness
+ * ("0, 0" both K-major; 1 MN-major, 16-bit types only). d is the m64nN fp32 accumulator: thread
+ * t (warp w = t/32, lane l) holds in d[j] the element (row 16w + l/4 + 8((j>>1)&1), col
+ * 8(j>>2) + 2(l%4) + (j&1)). RL/FL list its N/2 registers, IA, IB, IP the operand numbers
+ * after them ("%32", "%33", "%34" for N 64).
+ */
+#define FA_DEF_WGMMA_SS(NAME, N, RL, FL, IA, IB, IP, TRANS)                                    \
+    FA_DEV void NAME(float *d, fa_u64 da, fa_u64 db, int accumulate)                           \
+    {                                                                                          \
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, " IP ", 0;\n"                             \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16" FA_WG_TYPES " {" RL "}, " IA \
+                     ", " IB ", p, 1, 1, " TRANS "; }"                                         \
+                     : FL(d)                                                                   \
+                     : "l"(da), "l"(db), "r"(accumulate));                                     \
+    }
+
+/*
  * O += P V for one 64-column block of V, m64n64k16 with A from registers (RS form):
  *   wgmma.mma_async.sync.aligned.m64n64k16.f32.{bf16,f16}x2 {d..}, {a0, a1, a2, a3}, descB, p, 1, 1, 1
  * A fragment (K-major, 16-bit pairs, lower column in the low half): with r = 16w + l/4, q = l%4:
