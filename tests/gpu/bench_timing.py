@@ -11,19 +11,7 @@ import torch
 
 
 def best_ms(fn, reps, warmup, calls=1):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return best
+    return best_ms_rotated({None: fn}, reps, warmup, calls)[None]
 
 
 def best_ms_rotated(fns, reps, warmup, calls=1):
