@@ -29,6 +29,10 @@ typedef struct fa_bkparams {
     fa_i64 dsinks_stride;
     int m_tiles, n_tiles; /* query tiles of FA_BM rows, key blocks of FA_BN keys */
     int deterministic, persistent; /* persistent: the sm90 kernel's grid claims its items */
+    /* The persistent grid's claim order when items differ in length (a right window edge):
+     * chunks of lpt_groups (kv head, sequence) pairs, lpt_items = lpt_groups * n_tiles items
+     * each, key blocks slowest within a chunk; 0: key blocks fastest throughout. */
+    int lpt_groups, lpt_items;
 } fa_bkparams;
 
 #endif /* FA_BKPARAMS_H */

@@ -276,10 +276,24 @@ typedef struct fa_bwd_item {
 FA_DEV fa_bwd_item fa_bwd_item_make(const fa_bkparams *bp, int wi)
 {
     fa_bwd_item im;
-    const int nx = wi % bp->n_tiles, rest = wi / bp->n_tiles;
+    int nx, grp; /* key block (in claim order) and (kv head, sequence) pair of item wi */
+    if (bp->lpt_groups > 0) {
+        /* Within a chunk, every pair's key block 0 (the longest under a right window edge)
+         * before any pair's block 1: the long items go out first, so the grid does not end on
+         * one CTA finishing a long item alone, while the pairs in flight, whose queries the
+         * items share, stay few enough for L2. */
+        const int chunk = wi / bp->lpt_items, idx = wi - chunk * bp->lpt_items;
+        const int g0 = chunk * bp->lpt_groups;
+        const int cg = fa_min(bp->lpt_groups, bp->f.hk * bp->f.b - g0);
+        nx = idx / cg;
+        grp = g0 + idx - nx * cg;
+    } else {
+        nx = wi % bp->n_tiles;
+        grp = wi / bp->n_tiles;
+    }
     im.nb = bp->deterministic ? bp->n_tiles - 1 - nx : nx;
-    im.hk = rest % bp->f.hk;
-    im.bi = rest / bp->f.hk;
+    im.hk = grp % bp->f.hk;
+    im.bi = grp / bp->f.hk;
     im.seq = fa_bwd_seq(&bp->f, im.bi);
     im.n0 = im.nb * FA_BN;
 #if FA_VARLEN

@@ -72,6 +72,9 @@ static const bcase cases[] = {
     {"persistent grid d64", 2, 8, 8, 300, 1030, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"persistent grid causal gqa d128", 3, 12, 6, 160, 1000, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0,
      0, 0},
+    /* A right window edge without causal: also claimed longest first, in chunks (16 pairs: 8
+     * and 8). */
+    {"persistent grid window d64", 2, 8, 8, 300, 1030, 64, 64, 0, 90, 30, 0, 0, 0, 0, 0, 0, 0, 0},
     /* Varlen (see run_case): key blocks past seqused_k and past shorter sequences, query tiles
      * of the workspace a sequence leaves unused, with GQA/MQA and every feature. */
     {"varlen causal gqa d128", 4, 4, 2, 190, 260, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 1, 0, 0},
