@@ -120,10 +120,33 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_dsinks(const fa_bkparam
         bp.dsinks[h * bp.dsinks_stride] = part[0];
 }
 
+/* Row g + 8 * hf, columns 0..7, of a 16 x 8 accumulator block from the four float4s lane (g, t)
+ * of fa_bwd_convert read. The main kernels add a C fragment's values (lane (g, t): rows g, g + 8,
+ * columns 2t, 2t + 1) at block offsets 4 * lane + {0..3} with sm_90's vector reductions,
+ * 32 * {0..3} + lane without: float4 j is lane (g, j)'s four values in the first layout, and
+ * element j of lanes (g, 0..3) in the second. */
+FA_DEV void fa_bwd_acc_row(const float4 x[4], int hf, float v[8])
+{
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+#if FA_RED_V4
+        v[2 * j] = hf ? x[j].z : x[j].x;
+        v[2 * j + 1] = hf ? x[j].w : x[j].y;
+#else
+        const float4 lo = x[2 * hf], hi = x[2 * hf + 1];
+        const float a[4] = {lo.x, lo.y, lo.z, lo.w}, b[4] = {hi.x, hi.y, hi.z, hi.w};
+        v[2 * j] = a[j];
+        v[2 * j + 1] = b[j];
+#endif
+    }
+}
+
 /* Grid (x, h, b), 256 threads: dq = dtype(scale * accumulator) for one (head, sequence), each
- * warp one 16 x 8 block of the accumulator at a time (a lane's four values: rows g, g + 8,
- * columns 2t, 2t + 1 of the block), rows past the sequence and columns past d skipped (varlen:
- * only the sequence's own tiles, the rest of its m_tiles were never written). */
+ * warp one 16 x 32 stripe of the accumulator (four consecutive 16 x 8 blocks) at a time, rows past
+ * the sequence and columns past d skipped (varlen: only the sequence's own tiles, the rest of its
+ * m_tiles were never written). Lane (g, t) takes rows g and g + 8 of block t whole: the 64
+ * contiguous bytes that hold them in either accumulator layout (fa_bwd_acc_row), stored as 16
+ * bytes per row. One block per warp, a lane storing 4 bytes per row, took a third longer (H200). */
 extern "C" __global__ void __launch_bounds__(256) fa_bwd_convert(const fa_bkparams bp)
 {
     const fa_kparams *kp = &bp.f;
@@ -131,30 +154,36 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_convert(const fa_bkpara
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const fa_seq seq = fa_bwd_seq(kp, bi);
     const int tiles = FA_VARLEN ? (seq.sq + FA_BM - 1) / FA_BM : bp.m_tiles;
-    const int blocks = tiles * (FA_BM / 16) * (FA_DP / 8);
+    const int stripes = tiles * (FA_BM / 16) * (FA_DP / 32);
+    const int rows = FA_VARLEN ? seq.sq : kp->max_sq;
     const float *acc = bp.dq_accum + fa_bwd_row0(&bp, h, bi) * FA_DP;
     fa_u16 *dqb = (fa_u16 *)bp.dq + bi * bp.dq_bstride + seq.q_start * bp.dq_rstride +
                   h * bp.dq_hstride;
-    for (int blk = blockIdx.x * 8 + (threadIdx.x >> 5); blk < blocks; blk += gridDim.x * 8) {
-        const int r16 = blk / (FA_DP / 8), c8 = blk - r16 * (FA_DP / 8);
-        const float *src = acc + (fa_i64)blk * 128;
-        float v[4];
-#if FA_RED_V4
-        const float4 x = *(const float4 *)(src + 4 * lane);
-        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
-#else
+    for (int sp = blockIdx.x * 8 + (threadIdx.x >> 5); sp < stripes; sp += gridDim.x * 8) {
+        const int r16 = sp / (FA_DP / 32), c8 = (sp - r16 * (FA_DP / 32)) * 4 + t;
+        const float4 *src = (const float4 *)(acc + ((fa_i64)r16 * (FA_DP / 8) + c8) * 128);
+        float4 x[4];
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            v[e] = src[32 * e + lane];
-#endif
-        const int col = c8 * 8 + 2 * t;
+        for (int j = 0; j < 4; j++)
+            x[j] = src[FA_RED_V4 ? 4 * g + j : 8 * j + g];
+        const int col = c8 * 8;
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const int row = r16 * 16 + g + 8 * hf;
-            if (row >= (FA_VARLEN ? seq.sq : kp->max_sq))
+            if (row >= rows || col >= kp->d)
                 continue;
-            fa_store_pair(dqb + (fa_i64)row * bp.dq_rstride, col, kp->d, v[2 * hf] * kp->scale,
-                          v[2 * hf + 1] * kp->scale);
+            float v[8];
+            fa_bwd_acc_row(x, hf, v);
+            fa_u16 *out = dqb + (fa_i64)row * bp.dq_rstride + col;
+#if FA_VEC
+            *(uint4 *)out = make_uint4(fa_pack2(v[0] * kp->scale, v[1] * kp->scale),
+                                       fa_pack2(v[2] * kp->scale, v[3] * kp->scale),
+                                       fa_pack2(v[4] * kp->scale, v[5] * kp->scale),
+                                       fa_pack2(v[6] * kp->scale, v[7] * kp->scale));
+#else
+            for (int c = 0; c < 8 && col + c < kp->d; c++)
+                out[c] = fa_from_float(v[c] * kp->scale);
+#endif
         }
     }
 }

@@ -238,11 +238,11 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
                                            plan.threads, plan.smem, stream, &bp, tm);
     if (st == FA_STATUS_OK && p->dsinks)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_dsinks", h, 1, 1, 256, 0, stream, &bp, NULL);
-    /* fa_bwd_convert: per (head, sequence), 8 warps per CTA, one 16 x 8 accumulator block per
-     * warp at a time. */
-    const int64_t blocks = (int64_t)bp.m_tiles * (plan.bm / 16) * (plan.dp / 8);
-    if (st == FA_STATUS_OK && blocks > 0) {
-        const int64_t gx = (blocks + 7) / 8;
+    /* fa_bwd_convert: per (head, sequence), 8 warps per CTA, one 16 x 32 stripe of the
+     * accumulator per warp at a time. */
+    const int64_t stripes = (int64_t)bp.m_tiles * (plan.bm / 16) * (plan.dp / 32);
+    if (st == FA_STATUS_OK && stripes > 0) {
+        const int64_t gx = (stripes + 7) / 8;
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_convert", (unsigned)(gx > 65535 ? 65535 : gx),
                            h, b, 256, 0, stream, &bp, NULL);
     }
