@@ -7,7 +7,7 @@
  * persistent grid, claimed in turn from a counter (bp.persistent, src/cuda/fa_cuda_backward.c);
  * 384 threads: a producer warpgroup (one thread issues TMA: K and V of the block once per item,
  * once the consumers released the previous item's, then Q and dO of each query tile the block
- * meets, FA_BM = 64 rows (128 at head dim 64), into two stages) and two consumer warpgroups,
+ * meets, FA_BM = 64 rows (128 at head dim 64), into FA_QSTAGES stages) and two consumer warpgroups,
  * each owning 64 of the block's keys. Per query tile, consumer warpgroup cw:
  *   S^T = K_cw Q^T, dP^T = V_cw dO^T      SS wgmma m64nFA_BM (both operands K-major, as TMA wrote
  *                                        them); the accumulators are the sm80 family's C
@@ -45,9 +45,11 @@
  *
  * Shared memory (1024-byte aligned; every tile in 128-byte swizzled rows of 64 columns, column
  * blocks one after another, as TMA writes them): K, V [FA_DP / 64][FA_BN][64]; Q, dO
- * [2 stages][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BM / 64][FA_BN][64]; dQ pieces, fp32
- * [8 warps][1024] in the accumulator's order; mbarriers kv_full, q_full[2], q_empty[2],
- * kv_empty; the item slots, int [2].
+ * [FA_QSTAGES][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BM / 64][FA_BN][64]; dQ pieces, fp32
+ * [8 warps][1024] in the accumulator's order; mbarriers kv_full, q_full[FA_QSTAGES],
+ * q_empty[FA_QSTAGES], kv_empty; the item slots, int [2]. Three stages of Q and dO (the plan's
+ * FA_QSTAGES) fill the 227 KB to within 2 KB; they took 0.7% off d128 at seqlen 4k (with two,
+ * the consumers spent ~4% of the time waiting for Q and dO, most of it not for want of a stage).
  */
 #include "fa_bkparams.h"
 
@@ -59,7 +61,7 @@
 #include "fa_sm90.cuh"
 
 #if FA_BN != 128 || FA_DP != FA_DVP || (FA_DP != 64 && FA_DP != 128) ||                      \
-    FA_BM != (FA_DP == 64 ? 128 : 64)
+    FA_BM != (FA_DP == 64 ? 128 : 64) || FA_QSTAGES < 2 || FA_QSTAGES > 3
 #error "fa_bwd_sm90.cu: 64 x 128 tiles (128 x 128 at d 64), d = dv of 64 or 128 (padded)"
 #endif
 
@@ -316,11 +318,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     /* The plan adds 1024 bytes so the base can be rounded up to the swizzle atom. */
     const fa_u32 k_s = (fa_smem_addr(fa_smem) + 1023u) & ~1023u;
     const fa_u32 v_s = k_s + FA_KV_BYTES, q_s = v_s + FA_KV_BYTES;
-    const fa_u32 do_s = q_s + 2 * FA_QT_BYTES, ds_s = do_s + 2 * FA_QT_BYTES;
+    const fa_u32 do_s = q_s + FA_QSTAGES * FA_QT_BYTES, ds_s = do_s + FA_QSTAGES * FA_QT_BYTES;
     const fa_u32 dq_s = ds_s + 2 * FA_DS_BYTES, kv_full = dq_s + 4 * FA_NCW * FA_DQW_BYTES;
-    const fa_u32 q_full = kv_full + 8, q_empty = q_full + 16; /* [2] each, 8 bytes apart */
-
-    const fa_u32 kv_empty = q_empty + 16;
+    /* [FA_QSTAGES] each, 8 bytes apart */
+    const fa_u32 q_full = kv_full + 8, q_empty = q_full + 8 * FA_QSTAGES;
+    const fa_u32 kv_empty = q_empty + 8 * FA_QSTAGES;
     /* The items in hand, [2] ints: the producer writes item ii's index into slot ii % 2 before
      * kv_full's phase ii completes, the consumers read it after. */
     volatile int *slot = (volatile int *)(fa_smem + (kv_empty + 8 - fa_smem_addr(fa_smem)));
@@ -346,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     if (threadIdx.x == 0) {
         fa_mbar_init(kv_full, 1);
         fa_mbar_init(kv_empty, 4 * FA_NCW); /* lane 0 of each consumer warp */
-        for (int s = 0; s < 2; s++) {
+        for (int s = 0; s < FA_QSTAGES; s++) {
             fa_mbar_init(q_full + 8 * s, 1);
             fa_mbar_init(q_empty + 8 * s, 4 * FA_NCW);
         }
@@ -358,7 +360,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         fa_regs_producer();
         if (threadIdx.x != 0)
             return;
-        int it = 0, ii = 0; /* query tiles and items so far */
+        int ii = 0; /* items so far */
+        int s = 0, ph = 0; /* the next tile's stage and that stage's phase */
         for (int wi = first;; ii++) {
             /* The previous item's K and V released by every consumer warp (a fresh barrier's
              * phase "-1" counts as done), so its slot's last reader is done too. */
@@ -380,10 +383,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             }
             int h = im.hk * group, mb = 0;
             fa_bwd_next(&bp, &im.seq, im.nb, h_end, &h, &mb);
-            for (; h < h_end; it++) {
-                const int s = it & 1;
+            for (; h < h_end;) {
                 /* Stage s's previous tile released. */
-                fa_mbar_wait(q_empty + 8 * s, ((it >> 1) & 1) ^ 1);
+                fa_mbar_wait(q_empty + 8 * s, ph ^ 1);
                 fa_mbar_expect_tx(q_full + 8 * s, 2 * FA_QT_BYTES);
 #pragma unroll
                 for (int c = 0; c < FA_DP / 64; c++) {
@@ -394,6 +396,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                 }
                 mb++;
                 fa_bwd_next(&bp, &im.seq, im.nb, h_end, &h, &mb);
+                if (++s == FA_QSTAGES)
+                    s = 0, ph ^= 1;
             }
             wi = bp.persistent ? (int)gridDim.x + atomicAdd(bp.sched, 1) : n_items;
         }
@@ -421,9 +425,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     /* This lane's row address for the dS^T stores: block ds_blk4 of a k-step's four, row
      * (key) ds_key of the block's rows. */
     const int ds_blk4 = lane >> 3, ds_key = 64 * cw + 16 * w + (lane & 7) + 8 * (ds_blk4 & 1);
-    /* Query tiles and items so far: the stages, the dS^T buffers and their barriers run on
-     * over the items, in step with the producer. */
-    int it = 0;
+    /* Query tiles so far, and the next tile's Q/dO stage and its phase: the stages, the dS^T
+     * buffers (it % 2) and their barriers run on over the items, in step with the producer. */
+    int it = 0, qs = 0, qph = 0;
     for (int ii = 0;; ii++) {
         fa_mbar_wait(kv_full, ii & 1);
         const int wi = slot[ii & 1];
@@ -459,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             int hn = h, mbn = mb + 1;
             fa_bwd_next(&bp, &seq, nb, h_end, &hn, &mbn);
             const int m0 = mb * FA_BM;
-            const fa_u32 q_t = q_s + s * FA_QT_BYTES, do_t = do_s + s * FA_QT_BYTES;
+            const fa_u32 q_t = q_s + qs * FA_QT_BYTES, do_t = do_s + qs * FA_QT_BYTES;
             const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
             const fa_i64 row0 = fa_bwd_row0(&bp, h, bi) + m0;
 
@@ -471,7 +475,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             /* S^T and dP^T of this warpgroup's 64 keys x the tile's queries. C layout: st[nt][e] is
              * key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
             float st[FA_BM / 8][4], dpt[FA_BM / 8][4];
-            fa_mbar_wait(q_full + 8 * s, (it >> 1) & 1);
+            fa_mbar_wait(q_full + 8 * qs, qph);
             fa_wg_fence();
             fa_gemm_t(&st[0][0], k_rows, fa_desc(q_t, 16, 1024));
             fa_gemm_t(&dpt[0][0], v_rows, fa_desc(do_t, 16, 1024));
@@ -547,7 +551,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                 }
             /* This warp is done with the stage's Q and dO. */
             if (lane == 0)
-                fa_mbar_arrive(q_empty + 8 * s);
+                fa_mbar_arrive(q_empty + 8 * qs);
+            if (++qs == FA_QSTAGES)
+                qs = 0, qph ^= 1;
             hp = h;
             mbp = mb;
             row0p = row0;

@@ -297,18 +297,20 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     plan->bn = 128;
     plan->nwarps = 12;
     plan->threads = 384;
-    plan->stages = 2;
-    /* K, V; Q and dO in two stages; two dS^T buffers (16-bit); the 8 consumer warps' dQ pieces
-     * (16 x 64, fp32); six mbarriers and two work-item slots; 1 KB so the kernel can round its
-     * base up to the swizzle atom. */
-    plan->smem = (unsigned)(2 * (2 * plan->bn * plan->dp + 2 * 2 * plan->bm * plan->dp +
+    plan->stages = 3;
+    /* K, V; Q and dO in three stages; two dS^T buffers (16-bit); the 8 consumer warps' dQ
+     * pieces (16 x 64, fp32); the mbarriers (2 + 2 per stage) and two work-item slots; 1 KB so
+     * the kernel can round its base up to the swizzle atom. 230472 bytes at either head dim,
+     * of the 232448 an sm_90 CTA may have. */
+    plan->smem = (unsigned)(2 * (2 * plan->bn * plan->dp + plan->stages * 2 * plan->bm * plan->dp +
                                  2 * plan->bn * plan->bm) +
-                            8 * 16 * 64 * 4 + 6 * 8 + 2 * 4 + 1024);
+                            8 * 16 * 64 * 4 + (2 + 2 * plan->stages) * 8 + 2 * 4 + 1024);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
     fa_plan_define(plan, "FA_BM", plan->bm);
     fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define(plan, "FA_QSTAGES", plan->stages);
     fa_plan_define(plan, "FA_VARLEN", (key->features & FA_FEATURE_VARLEN) != 0);
     fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
     fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
