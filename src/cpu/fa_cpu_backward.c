@@ -51,6 +51,7 @@ static inline void fa_bwd_row_range(const fa_params *p, const fa_seq *seq, int64
 #define FA_EXPV fa_expf
 #define FA_TANHV fa_tanhf
 #include "cpu/fa_cpu_rows.h"
+#include "cpu/fa_cpu_edge.h"
 #include "cpu/fa_cpu_bwd_body.h"
 #undef FA_REAL
 #undef FA_FN
@@ -66,6 +67,7 @@ static inline void fa_bwd_row_range(const fa_params *p, const fa_seq *seq, int64
 #define FA_EXPV exp
 #define FA_TANHV tanh
 #include "cpu/fa_cpu_rows.h"
+#include "cpu/fa_cpu_edge.h"
 #include "cpu/fa_cpu_bwd_body.h"
 #undef FA_REAL
 #undef FA_FN

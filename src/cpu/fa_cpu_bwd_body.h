@@ -119,7 +119,8 @@ static inline FA_FN(fa_bwd_kv) FA_FN(fa_bwd_load_kv)(const fa_params *p, FA_FN(f
 /*
  * pt = P^T * Z and dxt = dS^T * scale (the gradient of q.k) from S^T and dP^T, element by
  * element with the query index as the vector lane. Always inlined with constant flags, so each
- * combination compiles to its own branch-free, vectorised loop.
+ * combination compiles to its own branch-free, vectorised loop. Masked entries are selected to
+ * 0, not multiplied by it: on an edge block the products skip them, so they hold stale values.
  */
 __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
     const fa_params *p, FA_FN(fa_bwd_tile) * t, int64_t mp, int64_t j0, int64_t n, FA_REAL slope,
@@ -145,21 +146,22 @@ __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
                 const FA_REAL dist = diag[i] - key;
                 x -= slope * (dist < 0 ? -dist : dist);
             }
-            FA_REAL prob = FA_EXPV(x - lse[i]);
-            if (masked)
-                prob = (key >= lo[i] && key < hi[i]) ? prob : 0;
+            const FA_REAL prob = FA_EXPV(x - lse[i]);
+            const int seen = !masked || (key >= lo[i] && key < hi[i]);
             const FA_REAL z = dropout ? zt[i] : 1;
-            pt[i] = prob * z;
-            dxt[i] = prob * (dxt[i] * z - dsum[i]) * deriv * scale;
+            pt[i] = seen ? prob * z : 0;
+            dxt[i] = seen ? prob * (dxt[i] * z - dsum[i]) * deriv * scale : 0;
         }
     }
 }
 
 /*
  * For packed rows and a loaded key block: pt = P^T * Z (Z the dropout scale or 0) and
- * dxt = dL/d(q.k) transposed, both zero for invisible keys and padding rows.
+ * dxt = dL/d(q.k) transposed, both zero for invisible keys and padding rows. Returns whether
+ * every real row sees every key (a full block); otherwise S^T and dP^T were computed in panels
+ * of keys over the rows that see them (fa_cpu_edge.h), and fa_bwd_grads goes in panels too.
  */
-FA_CPU_CLONES static void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+FA_CPU_CLONES static int FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                        const FA_FN(fa_bwd_kv) * kv, int64_t seq_index, int64_t h,
                                        int64_t r0, int64_t m, int64_t mp, int64_t j0, int64_t n)
 {
@@ -168,8 +170,22 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_t
             ? (FA_REAL)p->alibi_slopes[seq_index * p->alibi_bstride + h * p->alibi_hstride]
             : 0;
 
-    FA_GEMM(t->pt, mp, kv->k, kv->k_ld, 1, t->qt, mp, n, mp, p->d, 0);
-    FA_GEMM(t->dxt, mp, kv->v, kv->v_ld, 1, t->dot, mp, n, mp, p->dv, 0);
+    const int full = FA_FN(fa_edge_full)(t->lo, t->hi, 0, m, j0, n);
+    if (full) {
+        FA_GEMM(t->pt, mp, kv->k, kv->k_ld, 1, t->qt, mp, n, mp, p->d, 0);
+        FA_GEMM(t->dxt, mp, kv->v, kv->v_ld, 1, t->dot, mp, n, mp, p->dv, 0);
+    }
+    for (int64_t a = 0; !full && a < n; a += FA_CPU_EDGE_PANEL) {
+        const int64_t np = n - a < FA_CPU_EDGE_PANEL ? n - a : FA_CPU_EDGE_PANEL;
+        int64_t c0, c1;
+        FA_FN(fa_edge_cols)(t->lo, t->hi, m, j0 + a, np, &c0, &c1);
+        if (c1 <= c0)
+            continue;
+        FA_GEMM(t->pt + a * mp + c0, mp, kv->k + a * kv->k_ld, kv->k_ld, 1, t->qt + c0, mp, np,
+                c1 - c0, p->d, 0);
+        FA_GEMM(t->dxt + a * mp + c0, mp, kv->v + a * kv->v_ld, kv->v_ld, 1, t->dot + c0, mp, np,
+                c1 - c0, p->dv, 0);
+    }
 
     const int dropout = p->dropout_p > 0;
     if (dropout) {
@@ -194,9 +210,7 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_t
     }
 
     /* Interior blocks of plain attention skip the mask and bias arithmetic entirely. */
-    int plain = p->softcap <= 0 && slope == 0;
-    for (int64_t i = 0; plain && i < m; i++)
-        plain = t->lo[i] <= (FA_REAL)j0 && t->hi[i] >= (FA_REAL)(j0 + n);
+    const int plain = full && p->softcap <= 0 && slope == 0;
     if (plain && !dropout)
         FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 0, 0, 0);
     else if (plain)
@@ -205,6 +219,52 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_t
         FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 1, dropout, 1);
     else
         FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 0, dropout, 1);
+    return full;
+}
+
+/*
+ * The block's gradient products from pt and dxt: dV += P^T dO and dK += dS^T Q into acc_v and
+ * acc_k (the block's key rows; NULL: not wanted), dQ += dS K into dq (the tile's real rows, row
+ * stride ldq; NULL: not wanted). A full block (fa_bwd_block's answer) in one product each; on
+ * an edge in panels of keys over the rows that see them and of rows over the keys they see:
+ * pt and dxt are exactly 0 elsewhere, so the sums are the same bits.
+ */
+FA_CPU_INLINE void FA_FN(fa_bwd_grads)(const fa_params *p, const FA_FN(fa_bwd_tile) * t,
+                                       const FA_FN(fa_bwd_kv) * kv, int64_t m, int64_t mp,
+                                       int64_t j0, int64_t n, int full, FA_REAL *acc_v,
+                                       FA_REAL *acc_k, FA_REAL *dq, int64_t ldq)
+{
+    const int64_t dp = fa_cpu_gemm_pad(p->d), dvp = fa_cpu_gemm_pad(p->dv);
+    if (full) {
+        if (acc_v)
+            FA_GEMM(acc_v, dvp, t->pt, mp, 1, t->dor, dvp, n, dvp, mp, 1);
+        if (acc_k)
+            FA_GEMM(acc_k, dp, t->dxt, mp, 1, t->qr, dp, n, dp, mp, 1);
+        if (dq)
+            FA_GEMM(dq, ldq, t->dxt, 1, mp, kv->k, kv->k_ld, m, dp, n, 1);
+        return;
+    }
+    for (int64_t a = 0; (acc_v || acc_k) && a < n; a += FA_CPU_EDGE_PANEL) {
+        const int64_t np = n - a < FA_CPU_EDGE_PANEL ? n - a : FA_CPU_EDGE_PANEL;
+        int64_t c0, c1;
+        FA_FN(fa_edge_cols)(t->lo, t->hi, m, j0 + a, np, &c0, &c1);
+        if (c1 <= c0)
+            continue;
+        if (acc_v)
+            FA_GEMM(acc_v + a * dvp, dvp, t->pt + a * mp + c0, mp, 1, t->dor + c0 * dvp, dvp, np,
+                    dvp, c1 - c0, 1);
+        if (acc_k)
+            FA_GEMM(acc_k + a * dp, dp, t->dxt + a * mp + c0, mp, 1, t->qr + c0 * dp, dp, np, dp,
+                    c1 - c0, 1);
+    }
+    for (int64_t r = 0; dq && r < m; r += FA_CPU_EDGE_PANEL) {
+        const int64_t rn = m - r < FA_CPU_EDGE_PANEL ? m - r : FA_CPU_EDGE_PANEL;
+        int64_t a, b;
+        FA_FN(fa_edge_keys)(t->lo, t->hi, r, rn, j0, n, &a, &b);
+        if (b > a)
+            FA_GEMM(dq + r * ldq, ldq, t->dxt + a * mp + r, 1, mp, kv->k + a * kv->k_ld, kv->k_ld,
+                    rn, dp, b - a, 1);
+    }
 }
 
 /*
@@ -248,14 +308,13 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
                         continue;
                     const FA_FN(fa_bwd_kv) sub = {kv.k + b0 * kv.k_ld, kv.v + b0 * kv.v_ld,
                                                   kv.k_ld, kv.v_ld};
-                    FA_FN(fa_bwd_block)(p, t, &sub, seq_index, h, r0, m, mp, j0 + b0, nb);
-                    FA_GEMM(t->acc_v + b0 * dvp, dvp, t->pt, mp, 1, t->dor, dvp, nb, dvp, mp, 1);
-                    FA_GEMM(t->acc_k + b0 * dp, dp, t->dxt, mp, 1, t->qr, dp, nb, dp, mp, 1);
-                    if (dq_ws) {
-                        const int64_t row0 = fa_bwd_token(p, seq_index, &seq, r0);
-                        FA_GEMM(dq_ws + (row0 * p->h + h) * dp, p->h * dp, t->dxt, 1, mp, sub.k,
-                                sub.k_ld, m, dp, nb, 1);
-                    }
+                    const int full =
+                        FA_FN(fa_bwd_block)(p, t, &sub, seq_index, h, r0, m, mp, j0 + b0, nb);
+                    FA_REAL *dq = dq_ws ? dq_ws + (fa_bwd_token(p, seq_index, &seq, r0) * p->h +
+                                                   h) * dp
+                                        : NULL;
+                    FA_FN(fa_bwd_grads)(p, t, &sub, m, mp, j0 + b0, nb, full,
+                                        t->acc_v + b0 * dvp, t->acc_k + b0 * dp, dq, p->h * dp);
                 }
             }
         }
@@ -325,8 +384,8 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_queries)(const fa_params *p, FA_FN(fa_bwd
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BN) {
         const int64_t n = k_hi - j0 < FA_CPU_BN ? k_hi - j0 : FA_CPU_BN;
         const FA_FN(fa_bwd_kv) kv = FA_FN(fa_bwd_load_kv)(p, t, k_base, v_base, j0, n);
-        FA_FN(fa_bwd_block)(p, t, &kv, seq_index, h, r0, m, mp, j0, n);
-        FA_GEMM(t->acc_q, dp, t->dxt, 1, mp, kv.k, kv.k_ld, m, dp, n, 1);
+        const int full = FA_FN(fa_bwd_block)(p, t, &kv, seq_index, h, r0, m, mp, j0, n);
+        FA_FN(fa_bwd_grads)(p, t, &kv, m, mp, j0, n, full, NULL, NULL, t->acc_q, dp);
     }
 
     const int64_t dq_base =

@@ -23,6 +23,7 @@
 #define FA_EXP expf
 #define FA_LOG logf
 #include "cpu/fa_cpu_rows.h"
+#include "cpu/fa_cpu_edge.h"
 #include "cpu/fa_cpu_fwd_body.h"
 #undef FA_REAL
 #undef FA_FN
@@ -46,6 +47,7 @@
 #define FA_EXP exp
 #define FA_LOG log
 #include "cpu/fa_cpu_rows.h"
+#include "cpu/fa_cpu_edge.h"
 #include "cpu/fa_cpu_fwd_body.h"
 #undef FA_REAL
 #undef FA_FN

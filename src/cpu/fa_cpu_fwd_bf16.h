@@ -142,7 +142,7 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
         const int64_t nm = fa_bf16_round(n, FA_CPU_BF16_MALIGN);
         const int64_t nk = fa_bf16_round(n, FA_CPU_BF16_KALIGN);
         int64_t c0, c1;
-        fa_tile_cols_f32(f, m, j0, n, &c0, &c1);
+        fa_edge_cols_f32(f->lo, f->hi, m, j0, n, &c0, &c1);
         const int64_t mr = (c1 < m ? c1 : m) - c0; /* real rows among the columns */
         const int64_t next = j0 + n + FA_CPU_BF16_BN < k_hi ? j0 + n + FA_CPU_BF16_BN : k_hi;
         fa_bf16_prefetch(k, p->k_rstride, j0 + n, next, d);

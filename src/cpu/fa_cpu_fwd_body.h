@@ -32,57 +32,25 @@ typedef struct FA_FN(fa_tile) {
 } FA_FN(fa_tile);
 
 /*
- * The columns (queries) [*c0, *c1) of a tile that see some key of [j0, j0 + n), rounded out to
- * whole vectors (FA_CPU_GEMM_NPAD): both edges of a row's keys grow with the row, so the rows
- * that see the block are contiguous. The others are left alone, which is what computing them
- * fully masked would do (an unchanged maximum, exponentials 0): causal and local tiles skip the
- * products of their rows that end before, or start after, a block.
- */
-FA_CPU_INLINE void FA_FN(fa_tile_cols)(const FA_FN(fa_tile) * t, int64_t m, int64_t j0,
-                                       int64_t n, int64_t *c0, int64_t *c1)
-{
-    int64_t a = 0, b = m;
-    while (a < m && t->hi[a] <= (FA_REAL)j0)
-        a++;
-    while (b > a && t->lo[b - 1] >= (FA_REAL)(j0 + n))
-        b--;
-    *c0 = a / FA_CPU_GEMM_NPAD * FA_CPU_GEMM_NPAD;
-    *c1 = b > a ? fa_cpu_gemm_pad(b) : *c0;
-}
-
-/*
  * The two products of key block [j0, j0 + n) on columns (queries) [c0, c0 + mr) of the tile,
  * mr of them real rows. Where every such row sees every key (an interior block), one product
- * each. On a mask's edge (causal's diagonal, a window's two edges) the block goes in panels of
- * FA_CPU_EDGE_PANEL keys for S^T, each over the columns that see one of its keys
- * (fa_tile_cols), and of as many rows for P V, each over the keys one of its rows sees: what a
- * panel skips is never seen (its scores are masked to -inf before use, its P exactly 0), so
- * the results are the same bits, for a fraction of the edge blocks' products (whole blocks
- * computed each masked triangle of 64 keys: with 128-row tiles ~12% more products than a
- * 512-key window sees, ~3% in panels; measured +4-9% on that window, bench/NOTES.md).
+ * each; on a mask's edge, panels (fa_cpu_edge.h): S^T by panels of keys over the columns that
+ * see them, P V by panels of rows over the keys they see (its P is exactly 0 elsewhere). With
+ * 128-row tiles, whole blocks computed ~12% more products than a 512-key window sees, panels
+ * ~3% (measured +4-9% on that window, bench/NOTES.md).
  */
-#ifndef FA_CPU_EDGE_PANEL
-#define FA_CPU_EDGE_PANEL 12
-#endif
-
-FA_CPU_INLINE int FA_FN(fa_tile_block_full)(const FA_FN(fa_tile) * t, int64_t c0, int64_t mr,
-                                            int64_t j0, int64_t n)
-{
-    return t->lo[c0 + mr - 1] <= (FA_REAL)j0 && t->hi[c0] >= (FA_REAL)(j0 + n);
-}
-
 FA_CPU_INLINE void FA_FN(fa_tile_scores)(FA_FN(fa_tile) * t, int64_t m, int64_t mp, int64_t c0,
                                          int64_t c1, int64_t mr, int64_t j0, int64_t n,
                                          const FA_REAL *kp, int64_t k_ld, int64_t d)
 {
-    if (FA_FN(fa_tile_block_full)(t, c0, mr, j0, n)) {
+    if (FA_FN(fa_edge_full)(t->lo, t->hi, c0, mr, j0, n)) {
         FA_GEMM(t->st + c0, mp, kp, k_ld, 1, t->qt + c0, mp, n, c1 - c0, d, 0);
         return;
     }
     for (int64_t a = 0; a < n; a += FA_CPU_EDGE_PANEL) {
         const int64_t np = n - a < FA_CPU_EDGE_PANEL ? n - a : FA_CPU_EDGE_PANEL;
         int64_t p0, p1;
-        FA_FN(fa_tile_cols)(t, m, j0 + a, np, &p0, &p1);
+        FA_FN(fa_edge_cols)(t->lo, t->hi, m, j0 + a, np, &p0, &p1);
         p0 = p0 > c0 ? p0 : c0;
         p1 = p1 < c1 ? p1 : c1;
         if (p1 > p0)
@@ -95,17 +63,14 @@ FA_CPU_INLINE void FA_FN(fa_tile_pv)(FA_FN(fa_tile) * t, int64_t mp, int64_t dvp
                                      int64_t mr, int64_t j0, int64_t n, const FA_REAL *vp,
                                      int64_t v_ld)
 {
-    if (FA_FN(fa_tile_block_full)(t, c0, mr, j0, n)) {
+    if (FA_FN(fa_edge_full)(t->lo, t->hi, c0, mr, j0, n)) {
         FA_GEMM(t->o + c0 * dvp, dvp, t->st + c0, 1, mp, vp, v_ld, mr, dvp, n, 1);
         return;
     }
     for (int64_t r = c0; r < c0 + mr; r += FA_CPU_EDGE_PANEL) {
         const int64_t rn = c0 + mr - r < FA_CPU_EDGE_PANEL ? c0 + mr - r : FA_CPU_EDGE_PANEL;
-        /* Both edges grow with the row: the panel's first row has the lowest left edge, its
-         * last the highest right one. */
-        int64_t a = (int64_t)t->lo[r] - j0, b = (int64_t)t->hi[r + rn - 1] - j0;
-        a = a > 0 ? a : 0;
-        b = b < n ? b : n;
+        int64_t a, b;
+        FA_FN(fa_edge_keys)(t->lo, t->hi, r, rn, j0, n, &a, &b);
         if (b > a)
             FA_GEMM(t->o + r * dvp, dvp, t->st + a * mp + r, 1, mp, vp + a * v_ld, v_ld, rn, dvp,
                     b - a, 1);
@@ -321,7 +286,9 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BN) {
         const int64_t n = k_hi - j0 < FA_CPU_BN ? k_hi - j0 : FA_CPU_BN;
         int64_t c0, c1;
-        FA_FN(fa_tile_cols)(t, m, j0, n, &c0, &c1);
+        /* The rows that see none of the block are left alone, which is what computing them fully
+         * masked would do (an unchanged maximum, exponentials 0). */
+        FA_FN(fa_edge_cols)(t->lo, t->hi, m, j0, n, &c0, &c1);
         const int64_t mr = (c1 < m ? c1 : m) - c0; /* real rows among the columns */
         if (mr <= 0)
             continue;
