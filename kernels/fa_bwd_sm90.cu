@@ -360,8 +360,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         fa_regs_producer();
         if (threadIdx.x != 0)
             return;
-        int ii = 0; /* items so far */
-        int s = 0, ph = 0; /* the next tile's stage and that stage's phase */
+        int ii = 0;          /* items so far */
+        int qs = 0, qph = 0; /* the next tile's Q/dO stage and that stage's phase */
         for (int wi = first;; ii++) {
             /* The previous item's K and V released by every consumer warp (a fresh barrier's
              * phase "-1" counts as done), so its slot's last reader is done too. */
@@ -384,20 +384,20 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             int h = im.hk * group, mb = 0;
             fa_bwd_next(&bp, &im.seq, im.nb, h_end, &h, &mb);
             for (; h < h_end;) {
-                /* Stage s's previous tile released. */
-                fa_mbar_wait(q_empty + 8 * s, ph ^ 1);
-                fa_mbar_expect_tx(q_full + 8 * s, 2 * FA_QT_BYTES);
+                /* Stage qs's previous tile released. */
+                fa_mbar_wait(q_empty + 8 * qs, qph ^ 1);
+                fa_mbar_expect_tx(q_full + 8 * qs, 2 * FA_QT_BYTES);
 #pragma unroll
                 for (int c = 0; c < FA_DP / 64; c++) {
-                    fa_tma_load4(q_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.q, 64 * c,
-                                 im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * s);
-                    fa_tma_load4(do_s + s * FA_QT_BYTES + c * FA_BM * 128, &tm.dout, 64 * c,
-                                 im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * s);
+                    fa_tma_load4(q_s + qs * FA_QT_BYTES + c * FA_BM * 128, &tm.q, 64 * c,
+                                 im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * qs);
+                    fa_tma_load4(do_s + qs * FA_QT_BYTES + c * FA_BM * 128, &tm.dout, 64 * c,
+                                 im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * qs);
                 }
                 mb++;
                 fa_bwd_next(&bp, &im.seq, im.nb, h_end, &h, &mb);
-                if (++s == FA_QSTAGES)
-                    s = 0, ph ^= 1;
+                if (++qs == FA_QSTAGES)
+                    qs = 0, qph ^= 1;
             }
             wi = bp.persistent ? (int)gridDim.x + atomicAdd(bp.sched, 1) : n_items;
         }

@@ -174,17 +174,18 @@ FA_CPU_CLONES static int FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_ti
     if (full) {
         FA_GEMM(t->pt, mp, kv->k, kv->k_ld, 1, t->qt, mp, n, mp, p->d, 0);
         FA_GEMM(t->dxt, mp, kv->v, kv->v_ld, 1, t->dot, mp, n, mp, p->dv, 0);
-    }
-    for (int64_t a = 0; !full && a < n; a += FA_CPU_EDGE_PANEL) {
-        const int64_t np = n - a < FA_CPU_EDGE_PANEL ? n - a : FA_CPU_EDGE_PANEL;
-        int64_t c0, c1;
-        FA_FN(fa_edge_cols)(t->lo, t->hi, m, j0 + a, np, &c0, &c1);
-        if (c1 <= c0)
-            continue;
-        FA_GEMM(t->pt + a * mp + c0, mp, kv->k + a * kv->k_ld, kv->k_ld, 1, t->qt + c0, mp, np,
-                c1 - c0, p->d, 0);
-        FA_GEMM(t->dxt + a * mp + c0, mp, kv->v + a * kv->v_ld, kv->v_ld, 1, t->dot + c0, mp, np,
-                c1 - c0, p->dv, 0);
+    } else {
+        for (int64_t a = 0; a < n; a += FA_CPU_EDGE_PANEL) {
+            const int64_t np = n - a < FA_CPU_EDGE_PANEL ? n - a : FA_CPU_EDGE_PANEL;
+            int64_t c0, c1;
+            FA_FN(fa_edge_cols)(t->lo, t->hi, m, j0 + a, np, &c0, &c1);
+            if (c1 <= c0)
+                continue;
+            FA_GEMM(t->pt + a * mp + c0, mp, kv->k + a * kv->k_ld, kv->k_ld, 1, t->qt + c0, mp,
+                    np, c1 - c0, p->d, 0);
+            FA_GEMM(t->dxt + a * mp + c0, mp, kv->v + a * kv->v_ld, kv->v_ld, 1, t->dot + c0, mp,
+                    np, c1 - c0, p->dv, 0);
+        }
     }
 
     const int dropout = p->dropout_p > 0;
@@ -310,9 +311,8 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
                                                   kv.k_ld, kv.v_ld};
                     const int full =
                         FA_FN(fa_bwd_block)(p, t, &sub, seq_index, h, r0, m, mp, j0 + b0, nb);
-                    FA_REAL *dq = dq_ws ? dq_ws + (fa_bwd_token(p, seq_index, &seq, r0) * p->h +
-                                                   h) * dp
-                                        : NULL;
+                    const int64_t dq_row = fa_bwd_token(p, seq_index, &seq, r0) * p->h + h;
+                    FA_REAL *dq = dq_ws ? dq_ws + dq_row * dp : NULL;
                     FA_FN(fa_bwd_grads)(p, t, &sub, m, mp, j0 + b0, nb, full,
                                         t->acc_v + b0 * dvp, t->acc_k + b0 * dp, dq, p->h * dp);
                 }

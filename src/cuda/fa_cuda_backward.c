@@ -194,8 +194,9 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     bp.deterministic = args->deterministic != 0;
     /* The sm90 kernel takes its work items one per CTA in blockIdx order, or, on a grid of one
      * CTA per multiprocessor, claims them in the same order from a counter (fa_bwd_pre zeroes
-     * it): a CTA's dK/dV stores then overlap its next item's K/V load. Not in deterministic mode (its ordered adds wait on other CTAs, which
-     * must all be running or done) nor varlen (its items past a sequence take another path). */
+     * it): a CTA's dK/dV stores then overlap its next item's K/V load. Not in deterministic
+     * mode (its ordered adds wait on other CTAs, which must all be running or done) nor varlen
+     * (its items past a sequence take another path). */
     const int64_t items = (int64_t)bp.n_tiles * p->hk * p->b;
     const int64_t sms = tm ? fa_cuda_device_sms(fwd->device) : 0;
     bp.persistent = tm && !bp.deterministic && !p->is_varlen && bp.m_tiles > 0 && sms > 0 &&
