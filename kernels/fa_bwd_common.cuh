@@ -338,56 +338,6 @@ FA_DEV void fa_bwd_block_zero(const fa_bkparams *bp, const fa_seq *s, int bi, in
 }
 #endif
 
-#if FA_VEC
-/* The quad's 4 x 4 transpose of 32-bit words: lane t of the quad gives w[i] and ends with lane
- * i's w[t] in w[i]. Two butterfly steps (partner lane t ^ 1, then t ^ 2), each trading the two
- * words whose index differs from the lane's in that bit. Every lane of the warp must call it. */
-FA_DEV void fa_quad_transpose(fa_u32 w[4], int t)
-{
-#pragma unroll
-    for (int m = 1; m <= 2; m <<= 1) {
-        const int up = (t & m) != 0;
-        /* The words this lane gives: index bit m unlike the lane's (m = 1: indices 1, 3 for an
-         * even lane; m = 2: 2, 3 for lanes 0, 1); the partner's arrive in their place. */
-        const fa_u32 s0 = up ? w[0] : w[m], s1 = up ? w[m == 1 ? 2 : 1] : w[3];
-        const fa_u32 r0 = __shfl_xor_sync(0xffffffffu, s0, m);
-        const fa_u32 r1 = __shfl_xor_sync(0xffffffffu, s1, m);
-        if (m == 1) {
-            w[0] = up ? r0 : w[0], w[1] = up ? w[1] : r0;
-            w[2] = up ? r1 : w[2], w[3] = up ? w[3] : r1;
-        } else {
-            w[0] = up ? r0 : w[0], w[1] = up ? r1 : w[1];
-            w[2] = up ? w[2] : r0, w[3] = up ? w[3] : r1;
-        }
-    }
-}
-
-/* One key's row (half hf of the C fragments acc[nt][e]: key + 8 hf, column 8 nt + 2t + (e % 2)),
- * times scale, into row r (16-byte aligned) below column n (a multiple of 8): the quad's four
- * lanes trade their pairs of each 32 columns so that lane t holds columns 8 (4j + t) .. + 7 and
- * stores them as 16 bytes. One 4-byte store per pair took ~5 us an item at head dim 128 (a
- * warp's store touching 8 rows moves 16 bytes of each): 7% of the main kernel at seqlen 2k. */
-FA_DEV void fa_bwd_store_row16(fa_u16 *r, int n, const float acc[][4], int cols, int hf, int t,
-                               float scale, int live)
-{
-#pragma unroll
-    for (int j = 0; j < cols / 32; j++) {
-        fa_u32 w[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++)
-            w[u] = fa_pack2(acc[4 * j + u][2 * hf] * scale, acc[4 * j + u][2 * hf + 1] * scale);
-        fa_quad_transpose(w, t);
-        const int col = 8 * (4 * j + t);
-        /* st.global.v4.b32: one 16-byte store (a plain uint4 store was split into four 4-byte
-         * ones where its registers were not adjacent). */
-        if (live && col < n)
-            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(r + col), "r"(w[0]),
-                         "r"(w[1]), "r"(w[2]), "r"(w[3])
-                         : "memory");
-    }
-}
-#endif
-
 /* dK (times the softmax scale dS lacked) and dV of this thread's keys key0 and key0 + 8 of kv
  * head hk, sequence bi, from the C fragments dk[nt][e] (key key0 + 8 (e / 2), column
  * 8 nt + 2t + (e % 2)), columns below d / dv; keys up to sk (dense) or, varlen, up to the
@@ -418,8 +368,8 @@ FA_DEV void fa_bwd_store_dkdv(const fa_bkparams *bp, int bi, int hk, int key0, i
         fa_u16 *dvr = (fa_u16 *)bp->dv + bi * bp->dv_bstride + (k_start + key) * bp->dv_rstride +
                       hk * bp->dv_hstride;
 #if FA_VEC
-        fa_bwd_store_row16(dkr, kp->d, dk, FA_DP, hf, t, kp->scale, key < key_end);
-        fa_bwd_store_row16(dvr, kp->dv, dv, FA_DVP, hf, t, 1.f, key < key_end);
+        fa_store_row16(dkr, kp->d, dk, FA_DP, hf, t, kp->scale, key < key_end);
+        fa_store_row16(dvr, kp->dv, dv, FA_DVP, hf, t, 1.f, key < key_end);
 #else
 #pragma unroll
         for (int nt = 0; nt < FA_DP / 8; nt++)

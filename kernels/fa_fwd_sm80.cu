@@ -424,16 +424,22 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
             float lse, scale;
             fa_row_finish(row_sum[mt][hf], row_max[mt][hf] * sm, sink2, &lse, &scale);
             scale *= kp.dropout_scale;
-            if (row >= seq.sq)
-                continue;
             fa_u16 *og = (fa_u16 *)kp.out + bi * kp.o_bstride + (seq.q_start + row) * kp.o_rstride +
                          h * kp.o_hstride;
+#if FA_VEC
+            /* 16 bytes a lane through the quad's shuffles, which every lane takes part in. */
+            fa_store_row16(og, kp.dv, o[mt], FA_DVP, hf, t, scale, row < seq.sq);
+#endif
+            if (row >= seq.sq)
+                continue;
+#if !FA_VEC
 #pragma unroll
             for (int ot = 0; ot < FA_OT; ot++) {
                 const int col = ot * 8 + 2 * t;
                 fa_store_pair(og, col, kp.dv, o[mt][ot][2 * hf] * scale,
                               o[mt][ot][2 * hf + 1] * scale);
             }
+#endif
             if (kp.lse && t == 0)
                 kp.lse[bi * kp.lse_bstride + h * kp.lse_hstride +
                        (FA_VARLEN ? seq.q_start + row : row) * kp.lse_rstride] = lse;

@@ -57,6 +57,10 @@
 #define FA_V_BYTES (FA_BN * FA_DVP * 2)
 #define FA_SACC (FA_BN / 2)  /* S accumulator registers per thread (m64 x FA_BN fp32) */
 #define FA_OACC (FA_DVP / 2) /* O accumulator registers per thread */
+/* O leaves in 16-byte stores (fa_store_row16) except in the three-consumer tile: there the
+ * change moved the compiler's schedule of the softmax (MUFU stalls +15% at the same instruction
+ * count) and cost 3.5% at d64 8k, where the epilogue is 1/64 of a tile's time (bench/NOTES.md). */
+#define FA_O16 (FA_NCW != 3)
 
 #if FA_BM != 64 * FA_NCW || FA_DP % 64 != 0 || FA_DP > 256 || FA_DVP != FA_DP || FA_STAGES < 2
 #error "fa_fwd_sm90.cu: BM = 64 x consumers, d = dv padded to 64, 128, 192 or 256, >= 2 stages"
@@ -499,10 +503,18 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
         const int row = r.row0 + 8 * hf;
         float lse, scale;
         fa_row_finish(row_sum[hf], row_max[hf] * r.sm, sink2, &lse, &scale);
-        if (row >= sq)
-            continue;
         fa_u16 *og = (fa_u16 *)kp->out + w->bi * kp->o_bstride +
                      (fa_i64)(w->q_start + row) * kp->o_rstride + w->h * kp->o_hstride;
+#if FA_O16
+        /* The quad trades its columns so each lane stores 16 bytes of the row (fa_store_row16,
+         * which every lane calls); columns past dv are the zero padding of a head dim rounded up
+         * to 64, rows past sq only skip their stores. */
+        fa_store_row16(og, kp->dv, (const float(*)[4])o, FA_DVP, hf, r.q4, scale, row < sq);
+        if (row >= sq)
+            continue;
+#else
+        if (row >= sq)
+            continue;
 #pragma unroll
         for (int j = 0; j < FA_OACC; j += 2) {
             const int col = 8 * (j >> 2) + 2 * r.q4;
@@ -510,6 +522,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
             if (((j >> 1) & 1) == hf && (FA_DVP == FA_D || col < kp->dv))
                 *(fa_u32 *)(og + col) = fa_pack2(o[j] * scale, o[j + 1] * scale);
         }
+#endif
         if (kp->lse && r.q4 == 0)
             kp->lse[w->bi * kp->lse_bstride + w->h * kp->lse_hstride +
                     (fa_i64)(w->q_start + row) * kp->lse_rstride] = lse;
