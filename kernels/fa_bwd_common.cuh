@@ -115,6 +115,22 @@ FA_DEV void fa_bwd_next(const fa_bkparams *bp, const fa_seq *s, int nb, int h_en
     }
 }
 
+/* fa_bwd_next's mirror: (h, mb) to the first query tile at or before it, each head's tiles in
+ * decreasing order, that meets key block nb; h becomes h_end when none is left. */
+FA_DEV void fa_bwd_prev(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
+                        int *mb)
+{
+    while (*h < h_end) {
+        const int from = *mb;
+        while (*mb >= 0 && !fa_bwd_meets(&bp->f, s, *mb, nb))
+            (*mb)--;
+        if (*mb >= 0)
+            return;
+        *h = from == bp->m_tiles - 1 ? h_end : *h + 1;
+        *mb = bp->m_tiles - 1;
+    }
+}
+
 /* ld.acquire.gpu: a load that orders this thread's later accesses after it (the counter read
  * before the dQ adds of deterministic mode). */
 FA_DEV int fa_load_acquire(const int *p)

@@ -7,8 +7,9 @@
  * persistent grid, claimed in turn from a counter (bp.persistent, src/cuda/fa_cuda_backward.c);
  * 384 threads: a producer warpgroup (one thread issues TMA: K and V of the block once per item,
  * once the consumers released the previous item's, then Q and dO of each query tile the block
- * meets, FA_BM = 64 rows (128 at head dim 64), into FA_QSTAGES stages) and two consumer warpgroups,
- * each owning 64 of the block's keys. Per query tile, consumer warpgroup cw:
+ * meets, in its tour's order (fa_bwd_tour), FA_BM = 64 rows (128 at head dim 64), into
+ * FA_QSTAGES stages) and two consumer warpgroups, each owning 64 of the block's keys. Per query
+ * tile, consumer warpgroup cw:
  *   S^T = K_cw Q^T, dP^T = V_cw dO^T      SS wgmma m64nFA_BM (both operands K-major, as TMA wrote
  *                                        them); the accumulators are the sm80 family's C
  *                                        fragments, so fa_bwd_probs makes P^T and dS^T (no
@@ -310,6 +311,23 @@ FA_DEV fa_bwd_item fa_bwd_item_make(const fa_bkparams *bp, int wi)
     return im;
 }
 
+/* Moves (h, mb) to the next query tile of an item's tour that meets key block nb (h = h_end when
+ * none is left): the heads of the group in turn, each head's tiles last to first, or first to
+ * last in deterministic mode. Under a right window edge (causal) block nb meets the tiles from
+ * its diagonal on, so first to last its tour starts there: the items of a kv head in flight read
+ * Q and dO, and add into dQ, over a span as long as the sequence, which at 16k is tens of MB (of
+ * L2's 50). Last to first they start at the same tile and go in step, as without a window edge.
+ * Deterministic mode adds each tile's dQ in key-block order, which the first-to-last tours'
+ * starts at the diagonals stagger by themselves. */
+FA_DEV void fa_bwd_tour(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
+                        int *mb)
+{
+    if (bp->deterministic)
+        fa_bwd_next(bp, s, nb, h_end, h, mb);
+    else
+        fa_bwd_prev(bp, s, nb, h_end, h, mb);
+}
+
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     fa_bwd(const fa_bkparams bp, const __grid_constant__ fa_bwd_tmaps tm)
 {
@@ -327,6 +345,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
      * kv_full's phase ii completes, the consumers read it after. */
     volatile int *slot = (volatile int *)(fa_smem + (kv_empty + 8 - fa_smem_addr(fa_smem)));
     const int group = kp->h / kp->hk;
+    /* An item's tour (fa_bwd_tour): its first query tile to try, and the step. */
+    const int mb_first = bp.deterministic ? 0 : bp.m_tiles - 1;
+    const int mb_step = bp.deterministic ? 1 : -1;
     /* Work items (key block, kv head, sequence), key blocks fastest: one per CTA in blockIdx
      * order, or claimed in that order by a persistent grid (bp.persistent: the first is the
      * CTA's own, then the next unclaimed after the grid's). An int counts them: each item's K
@@ -381,8 +402,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                 fa_tma_load4(v_s + c * FA_BN * 128, &tm.v, 64 * c, im.k_row0, im.hk, im.tma_b,
                              kv_full);
             }
-            int h = im.hk * group, mb = 0;
-            fa_bwd_next(&bp, &im.seq, im.nb, h_end, &h, &mb);
+            int h = im.hk * group, mb = mb_first;
+            fa_bwd_tour(&bp, &im.seq, im.nb, h_end, &h, &mb);
             for (; h < h_end;) {
                 /* Stage qs's previous tile released. */
                 fa_mbar_wait(q_empty + 8 * qs, qph ^ 1);
@@ -394,8 +415,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                     fa_tma_load4(do_s + qs * FA_QT_BYTES + c * FA_BM * 128, &tm.dout, 64 * c,
                                  im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * qs);
                 }
-                mb++;
-                fa_bwd_next(&bp, &im.seq, im.nb, h_end, &h, &mb);
+                mb += mb_step;
+                fa_bwd_tour(&bp, &im.seq, im.nb, h_end, &h, &mb);
                 if (++qs == FA_QSTAGES)
                     qs = 0, qph ^= 1;
             }
@@ -455,13 +476,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         int hp = 0, mbp = 0, tiles = 0;
         fa_i64 row0p = 0;
         float dq[8][4];
-        int h = hk * group, mb = 0;
-        fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
+        int h = hk * group, mb = mb_first;
+        fa_bwd_tour(&bp, &seq, nb, h_end, &h, &mb);
 #pragma unroll 1
         for (; h < h_end; it++, tiles++) {
             const int s = it & 1;
-            int hn = h, mbn = mb + 1;
-            fa_bwd_next(&bp, &seq, nb, h_end, &hn, &mbn);
+            int hn = h, mbn = mb + mb_step;
+            fa_bwd_tour(&bp, &seq, nb, h_end, &hn, &mbn);
             const int m0 = mb * FA_BM;
             const fa_u32 q_t = q_s + qs * FA_QT_BYTES, do_t = do_s + qs * FA_QT_BYTES;
             const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
