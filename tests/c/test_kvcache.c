@@ -162,6 +162,12 @@ static void prob_build(kprob *P, const kcase *c, tu_rng *r)
         P->leftpad[i] = (int32_t)(tu_rng_chance(r, 0.7) ? tu_rng_int(r, 0, limit) : 0);
     }
     if (c->page_size) {
+        /* The lengths above go up to the capacity, which the block table must hold whole. */
+        if (cap % c->page_size != 0) {
+            fprintf(stderr, "test_kvcache: case capacity %lld not a multiple of its page %lld\n",
+                    (long long)cap, (long long)c->page_size);
+            exit(2);
+        }
         P->page = c->page_size;
         P->max_blocks = cap / c->page_size;
         /* Every block a sequence uses is its own, shuffled; unused entries are invalid ids,
@@ -663,7 +669,7 @@ static void run_directed(tu_rng *r)
         c.hk = 1;
         c.d = 64;
         c.dv = 64;
-        c.capacity = 1500;
+        c.capacity = 1504; /* 94 blocks of 16 */
         c.page_size = 16;
         c.s_new = 1;
         c.threads_a = 4;
