@@ -510,11 +510,10 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
          * which every lane calls); columns past dv are the zero padding of a head dim rounded up
          * to 64, rows past sq only skip their stores. */
         fa_store_row16(og, kp->dv, (const float(*)[4])o, FA_DVP, hf, r.q4, scale, row < sq);
+#endif
         if (row >= sq)
             continue;
-#else
-        if (row >= sq)
-            continue;
+#if !FA_O16
 #pragma unroll
         for (int j = 0; j < FA_OACC; j += 2) {
             const int col = 8 * (j >> 2) + 2 * r.q4;
