@@ -14,6 +14,7 @@
  *   sched    int32 [1]               the sm90 persistent grid's count of claimed work items
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -90,6 +91,22 @@ static int fa_bwd_aligned(const fa_params *p)
 typedef struct fa_bwd_tmaps {
     fa_cu_tensor_map q, k, v, dout;
 } fa_bwd_tmaps;
+
+/* The persistent grid's chunk of (kv head, sequence) pairs claimed longest first under a right
+ * window edge: as many pairs (up to 8) as keep their queries' Q and dO within 16 MiB of L2, or
+ * FLASHATTN_BWD_LPT=G (0..64; 0 claims key blocks fastest, without the longest-first order), for
+ * tuning with the benchmark. */
+static int fa_bwd_lpt_groups(const fa_params *p)
+{
+    const char *env = getenv("FLASHATTN_BWD_LPT");
+    char *end;
+    const long g = env ? strtol(env, &end, 10) : -1;
+    if (env && end != env && *end == '\0' && g >= 0 && g <= 64)
+        return (int)g;
+    const int64_t pair_bytes = p->max_sq * (p->d + p->dv) * 2 * (p->h / p->hk);
+    const int64_t groups = pair_bytes > 0 ? ((int64_t)16 << 20) / pair_bytes : 8;
+    return (int)(groups < 1 ? 1 : groups > 8 ? 8 : groups);
+}
 
 /* Launches `entry` of plan's module with the parameter block (and, when tm is not NULL, the
  * tensor maps after it). */
@@ -204,13 +221,10 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     /* With a right window edge (causal) a pair's key block 0 has the most query tiles and the
      * last block the fewest: claimed key blocks fastest, the last pairs' long items start when
      * the grid is nearly drained and run on alone (a model of the claims put the idle share at
-     * 5-7% at seqlen 2k-8k). Longest first over chunks of pairs instead, as many pairs per chunk
-     * (up to 8) as keep their queries' Q and dO within 16 MiB of L2. */
+     * 5-7% at seqlen 2k-8k). Longest first over chunks of pairs instead (fa_bwd_lpt_groups). */
     bp.lpt_groups = bp.lpt_items = 0;
     if (bp.persistent && p->window_right >= 0) {
-        const int64_t pair_bytes = p->max_sq * (p->d + p->dv) * 2 * (p->h / p->hk);
-        const int64_t groups = pair_bytes > 0 ? ((int64_t)16 << 20) / pair_bytes : 8;
-        bp.lpt_groups = (int)(groups < 1 ? 1 : groups > 8 ? 8 : groups);
+        bp.lpt_groups = fa_bwd_lpt_groups(p);
         bp.lpt_items = bp.lpt_groups * bp.n_tiles;
     }
 
