@@ -15,6 +15,7 @@
 # programs each change runs (default test_gpu_backward; add test_gpu_sm90 for a forward change,
 # whose benchmark is bench_bwd's fwd column). AB_PHASES (default "tests bench") splits the work
 # over two device calls when one would pass the call limit; the builds are kept between them.
+# AB_CALLS=N times N calls back to back per bench_bwd run (default 1; 10 steadies the rows).
 set -u
 tests=${AB_TESTS:-test_gpu_backward}
 phases=${AB_PHASES:-tests bench}
@@ -66,7 +67,8 @@ for round in 1 2; do
     for side in $sides; do
         echo "== $side: bench_bwd (TFLOP/s, ours / flash / cudnn)"
         PYTHONPATH=python FLASHATTN_LIBRARY="$PWD/build-ab-$side/libflashattn.so" \
-            python3 tests/gpu/bench_bwd.py --hdims "$hdims" --seqlens "$seqlens" 2>&1 |
+            python3 tests/gpu/bench_bwd.py --hdims "$hdims" --seqlens "$seqlens" \
+            --calls "${AB_CALLS:-1}" 2>&1 |
             grep -E "^ *[0-9]+ +[0-9]+ (True|False)"
     done
 done
