@@ -14,8 +14,8 @@
  *   sched    int32 [1]               the sm90 persistent grid's count of claimed work items
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fa_bkparams.h"
