@@ -312,20 +312,21 @@ FA_DEV fa_bwd_item fa_bwd_item_make(const fa_bkparams *bp, int wi)
 }
 
 /* Moves (h, mb) to the next query tile of an item's tour that meets key block nb (h = h_end when
- * none is left): the heads of the group in turn, each head's tiles last to first, or first to
- * last in deterministic mode. Under a right window edge (causal) block nb meets the tiles from
- * its diagonal on, so first to last its tour starts there: the items of a kv head in flight read
- * Q and dO, and add into dQ, over a span as long as the sequence, which at 16k is tens of MB (of
- * L2's 50). Last to first they start at the same tile and go in step, as without a window edge.
- * Deterministic mode adds each tile's dQ in key-block order, which the first-to-last tours'
- * starts at the diagonals stagger by themselves. */
+ * none is left; in_run: (h, mb) is one step on from a tile that met it): the heads of the group
+ * in turn, each head's tiles last to first, or first to last in deterministic mode. Under a
+ * right window edge (causal) block nb meets the tiles from its diagonal on, so first to last
+ * its tour starts there: the items of a kv head in flight read Q and dO, and add into dQ, over a
+ * span as long as the sequence, which at 16k is tens of MB (of L2's 50). Last to first they
+ * start at the same tile and go in step, as without a window edge. Deterministic mode adds each
+ * tile's dQ in key-block order, which the first-to-last tours' starts at the diagonals stagger
+ * by themselves. */
 FA_DEV void fa_bwd_tour(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
-                        int *mb)
+                        int *mb, int in_run)
 {
     if (bp->deterministic)
         fa_bwd_next(bp, s, nb, h_end, h, mb);
     else
-        fa_bwd_prev(bp, s, nb, h_end, h, mb);
+        fa_bwd_prev(bp, s, nb, h_end, h, mb, in_run);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
@@ -403,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                              kv_full);
             }
             int h = im.hk * group, mb = mb_first;
-            fa_bwd_tour(&bp, &im.seq, im.nb, h_end, &h, &mb);
+            fa_bwd_tour(&bp, &im.seq, im.nb, h_end, &h, &mb, 0);
             for (; h < h_end;) {
                 /* Stage qs's previous tile released. */
                 fa_mbar_wait(q_empty + 8 * qs, qph ^ 1);
@@ -416,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                                  im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * qs);
                 }
                 mb += mb_step;
-                fa_bwd_tour(&bp, &im.seq, im.nb, h_end, &h, &mb);
+                fa_bwd_tour(&bp, &im.seq, im.nb, h_end, &h, &mb, 1);
                 if (++qs == FA_QSTAGES)
                     qs = 0, qph ^= 1;
             }
@@ -477,12 +478,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         fa_i64 row0p = 0;
         float dq[8][4];
         int h = hk * group, mb = mb_first;
-        fa_bwd_tour(&bp, &seq, nb, h_end, &h, &mb);
+        fa_bwd_tour(&bp, &seq, nb, h_end, &h, &mb, 0);
 #pragma unroll 1
         for (; h < h_end; it++, tiles++) {
             const int s = it & 1;
             int hn = h, mbn = mb + mb_step;
-            fa_bwd_tour(&bp, &seq, nb, h_end, &hn, &mbn);
+            fa_bwd_tour(&bp, &seq, nb, h_end, &hn, &mbn, 1);
             const int m0 = mb * FA_BM;
             const fa_u32 q_t = q_s + qs * FA_QT_BYTES, do_t = do_s + qs * FA_QT_BYTES;
             const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
