@@ -53,11 +53,10 @@ static inline int64_t fa_kv_run(const fa_kv_params *p, int64_t p0, int64_t per_r
                                 int64_t m, int64_t i, int64_t n, int64_t j0, int64_t nb,
                                 int64_t *e, int64_t *a, int64_t *b)
 {
-    const int64_t r = (p0 + i) / per_row;
-    *e = ((p0 + i) % per_row) / g;
-    int64_t i1 = i + 1;
-    while (i1 < m && (p0 + i1) / per_row == r && ((p0 + i1) % per_row) / g == *e)
-        i1++;
+    const int64_t r = (p0 + i) / per_row, within = (p0 + i) % per_row;
+    *e = within / g;
+    /* per_row is a multiple of g, so the run ends at the next multiple of g (or at m). */
+    const int64_t i1 = i + g - within % g < m ? i + g - within % g : m;
     fa_kv_key_range(p, r, p->sq, n, a, b);
     *a = *a - j0 > 0 ? *a - j0 : 0;
     *b = *b - j0 < nb ? *b - j0 : nb;

@@ -346,8 +346,16 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
             }
             for (int64_t j = a; j < b; j++)
                 s[j] = FA_EXP_LOOP(s[j] - mx);
-            FA_REAL sum = 0;
-            for (int64_t j = a; j < b; j++)
+            /* Summed in FA_LANES partial sums: a serial chain of adds per row and block was
+             * ~12% of this function's samples (bench/NOTES.md, twelfth session). */
+            FA_FN(fa_kv_vec) part = {0}, x;
+            int64_t j = a;
+            for (; j + FA_LANES <= b; j += FA_LANES) {
+                memcpy(&x, s + j, sizeof x);
+                part += x;
+            }
+            FA_REAL sum = FA_FN(fa_kv_fold)(&part);
+            for (; j < b; j++)
                 sum += s[j];
             t->l[i] += sum;
         }
