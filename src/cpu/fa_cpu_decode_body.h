@@ -134,21 +134,35 @@ FA_CPU_INLINE void FA_FN(fa_kv_fold16)(const FA_FN(fa_kv_vec) * v, FA_FN(fa_kv_v
 }
 #endif
 
+/* Features [at, at + FA_LANES) of the key rows k into x: FA_REAL, or bf16 (fp32 builds only)
+ * widened in registers, which is exact, so a score does not depend on where its key came from. */
+FA_CPU_INLINE void FA_FN(fa_kv_load_key)(FA_FN(fa_kv_vec) * x, const void *k, int64_t at,
+                                         int bf16)
+{
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)k + at;
+        for (int l = 0; l < FA_LANES; l++)
+            (*x)[l] = (FA_REAL)fa_bf16_to_f32(src[l]);
+    } else {
+        memcpy(x, (const FA_REAL *)k + at, sizeof *x);
+    }
+}
+
 /*
- * a . b over dp features (a multiple of FA_LANES, 8 or 16), summed in a fixed order. The lanes
- * are folded in halves as vectors: written as array loops, compilers reduced them one scalar
- * at a time, which cost more than the products.
+ * q . (the key row at element k0 of k) over dp features (a multiple of FA_LANES, 8 or 16),
+ * summed in a fixed order. The lanes are folded in halves as vectors: written as array loops,
+ * compilers reduced them one scalar at a time, which cost more than the products.
  */
-FA_CPU_INLINE FA_REAL FA_FN(fa_kv_dot)(const FA_REAL *restrict a, const FA_REAL *restrict b,
-                                       int64_t dp)
+FA_CPU_INLINE FA_REAL FA_FN(fa_kv_dot)(const FA_REAL *restrict q, const void *k, int64_t k0,
+                                       int64_t dp, int bf16)
 {
     FA_FN(fa_kv_vec) acc, x, y;
-    memcpy(&x, a, sizeof x);
-    memcpy(&y, b, sizeof y);
+    memcpy(&y, q, sizeof y);
+    FA_FN(fa_kv_load_key)(&x, k, k0, bf16);
     acc = x * y;
     for (int64_t c = FA_LANES; c < dp; c += FA_LANES) {
-        memcpy(&x, a + c, sizeof x);
-        memcpy(&y, b + c, sizeof y);
+        memcpy(&y, q + c, sizeof y);
+        FA_FN(fa_kv_load_key)(&x, k, k0 + c, bf16);
         acc += x * y;
     }
     return FA_FN(fa_kv_fold)(&acc);
@@ -156,13 +170,14 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_kv_dot)(const FA_REAL *restrict a, const FA_REAL 
 
 /*
  * Scores of 4 query heads that share a kv head (q: 4 rows of dp, row stride dp) against keys
- * [a, b) (key j at k + j * k_js), into s (row stride FA_KV_BN): each key row is read once for the
- * 4 heads, two keys at a time, instead of once per head. Per (key, head) the products are summed
- * lane-wise in feature order and folded as fa_kv_dot does.
+ * [a, b) (key j at element k0 + j * k_js of k, FA_REAL or bf16), into s (row stride
+ * FA_KV_BN): each key row is read once for the 4 heads, four or two keys at a time, instead of
+ * once per head. Per (key, head) the products are summed lane-wise in feature order and folded
+ * as fa_kv_dot does.
  */
-FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const FA_REAL *restrict k,
+FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const void *k, int64_t k0,
                                       int64_t k_js, int64_t a, int64_t b, int64_t dp,
-                                      FA_REAL *restrict s)
+                                      FA_REAL *restrict s, int bf16)
 {
     int64_t j = a;
 #if FA_LANES == 16
@@ -174,7 +189,7 @@ FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const FA_REAL *
             acc[u] = (FA_FN(fa_kv_vec)){0};
         for (int64_t c = 0; c < dp; c += FA_LANES) {
             for (int t = 0; t < 4; t++)
-                memcpy(&x[t], k + (j + t) * k_js + c, sizeof x[t]);
+                FA_FN(fa_kv_load_key)(&x[t], k, k0 + (j + t) * k_js + c, bf16);
             for (int h = 0; h < 4; h++) {
                 memcpy(&y, q + h * dp + c, sizeof y);
                 for (int t = 0; t < 4; t++)
@@ -193,8 +208,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const FA_REAL *
             for (int t = 0; t < 2; t++)
                 acc[t][h] = (FA_FN(fa_kv_vec)){0};
         for (int64_t c = 0; c < dp; c += FA_LANES) {
-            memcpy(&x0, k + j * k_js + c, sizeof x0);
-            memcpy(&x1, k + (j + 1) * k_js + c, sizeof x1);
+            FA_FN(fa_kv_load_key)(&x0, k, k0 + j * k_js + c, bf16);
+            FA_FN(fa_kv_load_key)(&x1, k, k0 + (j + 1) * k_js + c, bf16);
             for (int h = 0; h < 4; h++) {
                 memcpy(&y, q + h * dp + c, sizeof y);
                 acc[0][h] += x0 * y;
@@ -208,7 +223,22 @@ FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const FA_REAL *
     }
     for (; j < b; j++)
         for (int h = 0; h < 4; h++)
-            s[h * FA_KV_BN + j] = FA_FN(fa_kv_dot)(q + h * dp, k + j * k_js, dp);
+            s[h * FA_KV_BN + j] = FA_FN(fa_kv_dot)(q + h * dp, k, k0 + j * k_js, dp, bf16);
+}
+
+/* The scores of packed rows [i, i1), which share kv head e and keys [a, b) of the block, as
+ * fa_kv_dots4 computes them (bf16 a constant at each call, so that each variant is compiled
+ * without the test). */
+FA_CPU_INLINE void FA_FN(fa_kv_run_scores)(FA_FN(fa_kv_tile) * t, int64_t i, int64_t i1,
+                                           const void *k, int64_t k0, int64_t k_js, int64_t a,
+                                           int64_t b, int64_t dp, int bf16)
+{
+    int64_t x = i;
+    for (; x + 4 <= i1; x += 4)
+        FA_FN(fa_kv_dots4)(t->q + x * dp, k, k0, k_js, a, b, dp, t->s + x * FA_KV_BN, bf16);
+    for (; x < i1; x++)
+        for (int64_t j = a; j < b; j++)
+            t->s[x * FA_KV_BN + j] = FA_FN(fa_kv_dot)(t->q + x * dp, k, k0 + j * k_js, dp, bf16);
 }
 
 /* Asks for the cache lines of the key and value rows of heads [kh0, kh0 + nkh) at pos. */
@@ -326,20 +356,27 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
     hi = hi < it->j1 ? hi : it->j1;
 
     /* Cache rows already in FA_REAL without padding are read in place when a block lies in one
-     * page: key j of kv head kh0 + e is at kb + j * k_js + e * k_es, likewise for values. */
+     * page: key j of kv head kh0 + e is at element j * k_js + e * k_es of kb, likewise for
+     * values. So are bf16 key rows in fp32 builds, widened in registers where the scores read
+     * them: converted into the tile first, they made bf16 decode ~1/3 slower than fp32 per
+     * element with the cache in L3 (bench/NOTES.md, twelfth session). */
     const int native = p->dtype == FA_NATIVE;
     const int k_native = native && d == dp, v_native = native && dv == dvp;
+    const int k_bf16 = FA_LANES == 16 && p->dtype == FA_DTYPE_BF16 && d == dp;
     for (int64_t j0 = lo; j0 < hi; j0 += bn) {
         const int64_t nb = hi - j0 < bn ? hi - j0 : bn;
         const int64_t pos0 = start + j0, page = pos0 / p->page_size;
         const int one_page = page == (pos0 + nb - 1) / p->page_size;
         const int64_t blk = fa_kv_block(p, seq, page), row = pos0 % p->page_size;
-        const FA_REAL *kb = t->k, *vb = t->v;
+        const void *kb = t->k;
+        const FA_REAL *vb = t->v;
         int64_t k_js = nkh * dp, k_es = dp, v_js = nkh * dvp, v_es = dvp;
-        const int k_in_place = k_native && one_page, v_in_place = v_native && one_page;
+        const int k_in_place = (k_native || k_bf16) && one_page, v_in_place = v_native && one_page;
+        const int k16 = k_bf16 && one_page;
         if (k_in_place) {
-            kb = (const FA_REAL *)p->k_cache + blk * p->kc_bstride + row * p->kc_rstride +
-                 kh0 * p->kc_hstride;
+            const int64_t at = blk * p->kc_bstride + row * p->kc_rstride + kh0 * p->kc_hstride;
+            kb = k16 ? (const void *)((const uint16_t *)p->k_cache + at)
+                     : (const void *)((const FA_REAL *)p->k_cache + at);
             k_js = p->kc_rstride;
             k_es = p->kc_hstride;
         }
@@ -357,13 +394,10 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
         for (int64_t i = 0, i1; i < m; i = i1) {
             int64_t e, a, b; /* kv head kh0 + e, keys [a, b) of the block */
             i1 = fa_kv_run(p, p0, per_row, g, m, i, n, j0, nb, &e, &a, &b);
-            const FA_REAL *krow = kb + e * k_es;
-            int64_t x = i;
-            for (; x + 4 <= i1; x += 4)
-                FA_FN(fa_kv_dots4)(t->q + x * dp, krow, k_js, a, b, dp, t->s + x * FA_KV_BN);
-            for (; x < i1; x++)
-                for (int64_t j = a; j < b; j++)
-                    t->s[x * FA_KV_BN + j] = FA_FN(fa_kv_dot)(t->q + x * dp, krow + j * k_js, dp);
+            if (k16)
+                FA_FN(fa_kv_run_scores)(t, i, i1, kb, e * k_es, k_js, a, b, dp, 1);
+            else
+                FA_FN(fa_kv_run_scores)(t, i, i1, kb, e * k_es, k_js, a, b, dp, 0);
         }
         for (int64_t i = 0; i < m; i++) {
             const int64_t r = (p0 + i) / per_row;
