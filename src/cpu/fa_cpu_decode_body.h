@@ -134,10 +134,11 @@ FA_CPU_INLINE void FA_FN(fa_kv_fold16)(const FA_FN(fa_kv_vec) * v, FA_FN(fa_kv_v
 }
 #endif
 
-/* Features [at, at + FA_LANES) of the key rows k into x: FA_REAL, or bf16 (fp32 builds only)
- * widened in registers, which is exact, so a score does not depend on where its key came from. */
-FA_CPU_INLINE void FA_FN(fa_kv_load_key)(FA_FN(fa_kv_vec) * x, const void *k, int64_t at,
-                                         int bf16)
+/* Elements [at, at + FA_LANES) of the rows k into x: FA_REAL, or bf16 (fp32 builds only)
+ * widened in registers, which is exact, so a result does not depend on where its rows came
+ * from. */
+FA_CPU_INLINE void FA_FN(fa_kv_load_chunk)(FA_FN(fa_kv_vec) * x, const void *k, int64_t at,
+                                           int bf16)
 {
     if (bf16) {
         const uint16_t *src = (const uint16_t *)k + at;
@@ -158,11 +159,11 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_kv_dot)(const FA_REAL *restrict q, const void *k,
 {
     FA_FN(fa_kv_vec) acc, x, y;
     memcpy(&y, q, sizeof y);
-    FA_FN(fa_kv_load_key)(&x, k, k0, bf16);
+    FA_FN(fa_kv_load_chunk)(&x, k, k0, bf16);
     acc = x * y;
     for (int64_t c = FA_LANES; c < dp; c += FA_LANES) {
         memcpy(&y, q + c, sizeof y);
-        FA_FN(fa_kv_load_key)(&x, k, k0 + c, bf16);
+        FA_FN(fa_kv_load_chunk)(&x, k, k0 + c, bf16);
         acc += x * y;
     }
     return FA_FN(fa_kv_fold)(&acc);
@@ -189,7 +190,7 @@ FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const void *k, 
             acc[u] = (FA_FN(fa_kv_vec)){0};
         for (int64_t c = 0; c < dp; c += FA_LANES) {
             for (int t = 0; t < 4; t++)
-                FA_FN(fa_kv_load_key)(&x[t], k, k0 + (j + t) * k_js + c, bf16);
+                FA_FN(fa_kv_load_chunk)(&x[t], k, k0 + (j + t) * k_js + c, bf16);
             for (int h = 0; h < 4; h++) {
                 memcpy(&y, q + h * dp + c, sizeof y);
                 for (int t = 0; t < 4; t++)
@@ -208,8 +209,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const void *k, 
             for (int t = 0; t < 2; t++)
                 acc[t][h] = (FA_FN(fa_kv_vec)){0};
         for (int64_t c = 0; c < dp; c += FA_LANES) {
-            FA_FN(fa_kv_load_key)(&x0, k, k0 + j * k_js + c, bf16);
-            FA_FN(fa_kv_load_key)(&x1, k, k0 + (j + 1) * k_js + c, bf16);
+            FA_FN(fa_kv_load_chunk)(&x0, k, k0 + j * k_js + c, bf16);
+            FA_FN(fa_kv_load_chunk)(&x1, k, k0 + (j + 1) * k_js + c, bf16);
             for (int h = 0; h < 4; h++) {
                 memcpy(&y, q + h * dp + c, sizeof y);
                 acc[0][h] += x0 * y;
@@ -239,6 +240,38 @@ FA_CPU_INLINE void FA_FN(fa_kv_run_scores)(FA_FN(fa_kv_tile) * t, int64_t i, int
     for (; x < i1; x++)
         for (int64_t j = a; j < b; j++)
             t->s[x * FA_KV_BN + j] = FA_FN(fa_kv_dot)(t->q + x * dp, k, k0 + j * k_js, dp, bf16);
+}
+
+/*
+ * O += P V for 4 packed rows (o, pr: row strides ldo, ldp) over keys [a, b) of value rows read
+ * in place (key j at element v0 + j * v_js of v, FA_REAL or bf16), dvp a multiple of
+ * 4 * FA_LANES: each stripe of 4 vectors of the 4 rows stays in 16 registers across the keys,
+ * key by key as the P V micro-kernel goes. Inlined here it beat the micro-kernel's call on
+ * these short products (4 rows, 16 keys) by 15% in fp32, and bf16 values are widened in
+ * registers instead of converted into the tile first (bench/NOTES.md, twelfth session).
+ */
+FA_CPU_INLINE void FA_FN(fa_kv_pv4)(FA_REAL *o, int64_t ldo, const FA_REAL *pr, int64_t ldp,
+                                    const void *v, int64_t v0, int64_t v_js, int64_t a, int64_t b,
+                                    int64_t dvp, int bf16)
+{
+    for (int64_t c0 = 0; c0 < dvp; c0 += 4 * FA_LANES) {
+        FA_FN(fa_kv_vec) acc[4][4], x[4];
+        for (int r = 0; r < 4; r++)
+            for (int u = 0; u < 4; u++)
+                memcpy(&acc[r][u], o + r * ldo + c0 + u * FA_LANES, sizeof acc[r][u]);
+        for (int64_t j = a; j < b; j++) {
+            for (int u = 0; u < 4; u++)
+                FA_FN(fa_kv_load_chunk)(&x[u], v, v0 + j * v_js + c0 + u * FA_LANES, bf16);
+            for (int r = 0; r < 4; r++) {
+                const FA_REAL pj = pr[r * ldp + j];
+                for (int u = 0; u < 4; u++)
+                    acc[r][u] += pj * x[u];
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int u = 0; u < 4; u++)
+                memcpy(o + r * ldo + c0 + u * FA_LANES, &acc[r][u], sizeof acc[r][u]);
+    }
 }
 
 /* Asks for the cache lines of the key and value rows of heads [kh0, kh0 + nkh) at pos. */
@@ -363,6 +396,11 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
     const int native = p->dtype == FA_NATIVE;
     const int k_native = native && d == dp, v_native = native && dv == dvp;
     const int k_bf16 = FA_LANES == 16 && p->dtype == FA_DTYPE_BF16 && d == dp;
+    /* Values read in place take fa_kv_pv4 where it applies: runs of packed rows are g long (or
+     * cut at the item's end, a multiple of FA_KV_BM), so g % 4 == 0 makes them fours. bf16
+     * values are read in place only there. */
+    const int pv4 = dvp % (4 * FA_LANES) == 0 && g % 4 == 0;
+    const int v_bf16 = k_bf16 && dv == dvp && pv4;
     for (int64_t j0 = lo; j0 < hi; j0 += bn) {
         const int64_t nb = hi - j0 < bn ? hi - j0 : bn;
         const int64_t pos0 = start + j0, page = pos0 / p->page_size;
@@ -370,9 +408,12 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
         const int64_t blk = fa_kv_block(p, seq, page), row = pos0 % p->page_size;
         const void *kb = t->k;
         const FA_REAL *vb = t->v;
+        const uint16_t *vb16 = NULL;
         int64_t k_js = nkh * dp, k_es = dp, v_js = nkh * dvp, v_es = dvp;
-        const int k_in_place = (k_native || k_bf16) && one_page, v_in_place = v_native && one_page;
-        const int k16 = k_bf16 && one_page;
+        const int k_in_place = (k_native || k_bf16) && one_page;
+        const int v_in_place = (v_native || v_bf16) && one_page;
+        const int k16 = k_bf16 && one_page, v16 = v_bf16 && one_page;
+        const int v_pv4 = v_in_place && pv4;
         if (k_in_place) {
             const int64_t at = blk * p->kc_bstride + row * p->kc_rstride + kh0 * p->kc_hstride;
             kb = k16 ? (const void *)((const uint16_t *)p->k_cache + at)
@@ -381,8 +422,11 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
             k_es = p->kc_hstride;
         }
         if (v_in_place) {
-            vb = (const FA_REAL *)p->v_cache + blk * p->vc_bstride + row * p->vc_rstride +
-                 kh0 * p->vc_hstride;
+            const int64_t at = blk * p->vc_bstride + row * p->vc_rstride + kh0 * p->vc_hstride;
+            if (v16)
+                vb16 = (const uint16_t *)p->v_cache + at;
+            else
+                vb = (const FA_REAL *)p->v_cache + at;
             v_js = p->vc_rstride;
             v_es = p->vc_hstride;
         }
@@ -448,12 +492,23 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
                 sum += s[j];
             t->l[i] += sum;
         }
-        /* O += P V on the micro-kernels, for each run of packed rows that share a query row and
-         * a kv head (the g heads of one kv head: the same keys, the same V rows). */
+        /* O += P V for each run of packed rows that share a query row and a kv head (the g
+         * heads of one kv head: the same keys, the same V rows): fa_kv_pv4 on values read in
+         * place, else the micro-kernels. */
         for (int64_t i = 0, i1; i < m; i = i1) {
             int64_t e, a, b;
             i1 = fa_kv_run(p, p0, per_row, g, m, i, n, j0, nb, &e, &a, &b);
-            if (a < b)
+            if (a >= b)
+                continue;
+            for (int64_t x = i; v_pv4 && x < i1; x += 4) {
+                if (v16)
+                    FA_FN(fa_kv_pv4)(t->o + x * dvp, dvp, t->s + x * FA_KV_BN, FA_KV_BN, vb16,
+                                     e * v_es, v_js, a, b, dvp, 1);
+                else
+                    FA_FN(fa_kv_pv4)(t->o + x * dvp, dvp, t->s + x * FA_KV_BN, FA_KV_BN, vb,
+                                     e * v_es, v_js, a, b, dvp, 0);
+            }
+            if (!v_pv4)
                 FA_GEMM(t->o + i * dvp, dvp, t->s + i * FA_KV_BN + a, FA_KV_BN, 1,
                         vb + a * v_js + e * v_es, v_js, i1 - i, dvp, b - a, 1);
         }
