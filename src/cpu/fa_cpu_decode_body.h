@@ -481,11 +481,11 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
                 s[j] = FA_EXP_LOOP(s[j] - mx);
             /* Summed in FA_LANES partial sums: a serial chain of adds per row and block was
              * ~12% of this function's samples (bench/NOTES.md, twelfth session). */
-            FA_FN(fa_kv_vec) part = {0}, x;
+            FA_FN(fa_kv_vec) part = {0}, chunk;
             int64_t j = a;
             for (; j + FA_LANES <= b; j += FA_LANES) {
-                memcpy(&x, s + j, sizeof x);
-                part += x;
+                memcpy(&chunk, s + j, sizeof chunk);
+                part += chunk;
             }
             FA_REAL sum = FA_FN(fa_kv_fold)(&part);
             for (; j < b; j++)
