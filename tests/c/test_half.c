@@ -81,8 +81,7 @@ int main(void)
     check_loop("baseline", convert, src, N_INPUTS);
 #if HAVE_WIDE
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         check_loop("x86-64-v3", convert_v3, src, N_INPUTS);
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl"))
