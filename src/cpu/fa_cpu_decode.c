@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "api/fa_kvcache.h"
+#include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
 #include "util/fa_threadpool.h"
 
@@ -27,6 +28,9 @@
 #endif
 #ifndef FA_KV_PREFETCH
 #define FA_KV_PREFETCH 8 /* positions loaded ahead of use */
+#endif
+#ifndef FA_KV_PREFETCH_BLOCKS
+#define FA_KV_PREFETCH_BLOCKS 4 /* blocks ahead that a streaming call prefetches */
 #endif
 #ifndef FA_KV_LANES_F32
 #define FA_KV_LANES_F32 16 /* partial sums of an fp32 dot product */
@@ -112,6 +116,7 @@ typedef struct fa_kv_job {
     size_t scratch_size; /* bytes per thread */
     void *ws_o;          /* split workspace [splits, b, sq, h, dv], or NULL */
     void *ws_lse;        /* [splits, b, sq, h] */
+    int stream;          /* the call's K/V outgrow the last-level cache: prefetch them */
 } fa_kv_job;
 
 /* A head dimension rounded up to the kernel's partial-sum lanes. */
@@ -158,11 +163,11 @@ static void fa_kv_attend_task(void *ctx, int64_t item, int thread)
     if (p->dtype == FA_DTYPE_F64) {
         fa_kv_tile_f64 t;
         FA_KV_CARVE(double, t, base, dp, dvp);
-        fa_kv_attend_f64(p, &t, &job->items[item], job->ws_o, job->ws_lse);
+        fa_kv_attend_f64(p, &t, &job->items[item], job->ws_o, job->ws_lse, job->stream);
     } else {
         fa_kv_tile_f32 t;
         FA_KV_CARVE(float, t, base, dp, dvp);
-        fa_kv_attend_f32(p, &t, &job->items[item], job->ws_o, job->ws_lse);
+        fa_kv_attend_f32(p, &t, &job->items[item], job->ws_o, job->ws_lse, job->stream);
     }
 }
 
@@ -280,7 +285,16 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
 
     const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
     const int threads = p->num_threads < n_items ? p->num_threads : (int)n_items;
-    fa_kv_job job = {p, items, NULL, fa_kv_scratch_size(p, real_size), NULL, NULL};
+    fa_kv_job job = {p, items, NULL, fa_kv_scratch_size(p, real_size), NULL, NULL, 0};
+    /* Prefetching ahead pays where the K/V come from DRAM and costs where they sit in the cache
+     * (bench/NOTES.md, twelfth session); what the call reads against the last-level cache (32
+     * MiB when unknown) tells the two apart. */
+    double kv_bytes = 0;
+    for (int64_t i = 0; i < p->b; i++)
+        kv_bytes += (double)(fa_kv_seq_end(p, i) - fa_kv_seq_start(p, i)) * (double)p->hk *
+                    (double)(p->d + p->dv) * (double)fa_dtype_size(p->dtype);
+    const long llc = fa_cpu_info_get()->llc_bytes;
+    job.stream = kv_bytes > (double)(llc > 0 ? llc : 32L << 20);
     job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
     const size_t rows = (size_t)(p->b * p->sq * p->h);
     if (splits > 1) {

@@ -297,6 +297,35 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int
 }
 
 /*
+ * Asks for the key and value rows of kv head kh at rows [row, row + n) of cache block blk,
+ * into L2 (prefetcht1), a line at a time. Each run of a block calls it for its own head, some
+ * blocks ahead, so the requests spread over the block's work: one burst per block at its start
+ * gained less from DRAM, and requests into L1 (prefetcht0) or past the caches (prefetchnta)
+ * lost (bench/NOTES.md, twelfth session).
+ */
+FA_CPU_INLINE void FA_FN(fa_kv_prefetch_run)(const fa_kv_params *p, int64_t blk, int64_t row,
+                                             int64_t kh, int64_t n)
+{
+#if defined(__GNUC__)
+    const size_t es = fa_dtype_size(p->dtype);
+    const char *k = (const char *)p->k_cache +
+                    (size_t)(blk * p->kc_bstride + row * p->kc_rstride + kh * p->kc_hstride) * es;
+    const char *v = (const char *)p->v_cache +
+                    (size_t)(blk * p->vc_bstride + row * p->vc_rstride + kh * p->vc_hstride) * es;
+    const size_t k_span = (size_t)p->d * es, v_span = (size_t)p->dv * es;
+    const size_t k_step = (size_t)p->kc_rstride * es, v_step = (size_t)p->vc_rstride * es;
+    for (int64_t j = 0; j < n; j++, k += k_step, v += v_step) {
+        for (size_t off = 0; off < k_span; off += 64)
+            __builtin_prefetch(k + off, 0, 1);
+        for (size_t off = 0; off < v_span; off += 64)
+            __builtin_prefetch(v + off, 0, 1);
+    }
+#else
+    (void)p, (void)blk, (void)row, (void)kh, (void)n;
+#endif
+}
+
+/*
  * Loads the key and value rows of heads [kh0, kh0 + nkh) at positions [pos0, pos0 + n) of
  * sequence `seq`: key j of head kh0 + e goes to row j * nkh + e of the buffers. Within a page
  * the rows are contiguous and the hardware prefetchers follow them; the next page can be
@@ -340,7 +369,7 @@ FA_CPU_INLINE void FA_FN(fa_kv_block_load)(const fa_kv_params *p, FA_FN(fa_kv_ti
  */
 FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv_tile) * t,
                                               const fa_kv_item *it, FA_REAL *ws_o,
-                                              FA_REAL *ws_lse)
+                                              FA_REAL *ws_lse, int stream)
 {
     const int64_t g = p->h / p->hk, d = p->d, dv = p->dv, sq = p->sq;
     const int64_t dp = (d + FA_LANES - 1) / FA_LANES * FA_LANES;
@@ -438,6 +467,9 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
         for (int64_t i = 0, i1; i < m; i = i1) {
             int64_t e, a, b; /* kv head kh0 + e, keys [a, b) of the block */
             i1 = fa_kv_run(p, p0, per_row, g, m, i, n, j0, nb, &e, &a, &b);
+            if (stream && row + (FA_KV_PREFETCH_BLOCKS + 1) * bn <= p->page_size &&
+                j0 + (FA_KV_PREFETCH_BLOCKS + 1) * bn <= hi)
+                FA_FN(fa_kv_prefetch_run)(p, blk, row + FA_KV_PREFETCH_BLOCKS * bn, kh0 + e, bn);
             if (k16)
                 FA_FN(fa_kv_run_scores)(t, i, i1, kb, e * k_es, k_js, a, b, dp, 1);
             else

@@ -12,6 +12,7 @@ typedef struct fa_cpu_info {
     int amx_tile, amx_bf16; /* Linux also wants ARCH_REQ_XCOMP_PERM before the first tile use */
     int neon;
     int num_cores;  /* online logical CPUs; the affinity mask may allow fewer */
+    long llc_bytes; /* the last-level cache CPU 0 shares (Linux sysfs), 0 when unknown */
     char model[64]; /* "model name" of /proc/cpuinfo, "unknown" when absent */
 } fa_cpu_info;
 
