@@ -3,6 +3,7 @@
 #define FA_CPU_KERNEL_H
 
 #include "api/fa_internal.h"
+#include "cpu/fa_cpu_f16.h"
 #include "cpu/fa_cpu_gemm.h"
 #include "cpu/fa_cpu_math.h"
 #include "util/fa_half.h"

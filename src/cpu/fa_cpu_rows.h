@@ -15,6 +15,10 @@ FA_CPU_INLINE void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t of
     }
     case FA_DTYPE_F16: {
         const uint16_t *src = (const uint16_t *)base + offset;
+        if (sizeof(FA_REAL) == sizeof(float)) {
+            fa_cpu_f16_to_f32_row((float *)dst, src, n);
+            break;
+        }
         for (int64_t i = 0; i < n; i++)
             dst[i] = (FA_REAL)fa_f16_to_f32_lanes(src[i]);
         break;

@@ -1,15 +1,17 @@
 /*
- * The fp16 -> fp32 conversions (src/util/fa_half.h): fa_f16_to_f32_lanes, which the CPU
- * kernels' row loads use because compilers vectorise it, gives the same bits as fa_f16_to_f32
- * for every one of the 65536 inputs, in a scalar loop and in loops compiled for wide vectors
- * (where the CPU has them); known values come out exactly; every non-NaN input survives the
- * round trip through fa_f32_to_f16.
+ * The fp16 -> fp32 conversions (src/util/fa_half.h, src/cpu/fa_cpu_f16.c): the CPU kernels' row
+ * loads (fa_cpu_f16_to_f32_row: F16C where the CPU has it) and fa_f16_to_f32_lanes (compilers
+ * vectorise it) give the same bits as fa_f16_to_f32 for every one of the 65536 inputs, at odd
+ * offsets and every short length, and fa_f16_to_f32_lanes does in loops compiled for wide
+ * vectors too (where the CPU has them); known values come out exactly; every non-NaN input
+ * survives the round trip through fa_f32_to_f16.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "test_util.h"
+#include "cpu/fa_cpu_f16.h"
 #include "util/fa_half.h"
 
 #define N_INPUTS 65536
@@ -87,9 +89,12 @@ int main(void)
         __builtin_cpu_supports("avx512vl"))
         check_loop("x86-64-v4", convert_v4, src, N_INPUTS);
 #endif
+    check_loop("fa_cpu_f16_to_f32_row", fa_cpu_f16_to_f32_row, src, N_INPUTS);
     /* Lengths that leave every remainder of a vector loop. */
-    for (int64_t n = 0; n <= 70; n++)
+    for (int64_t n = 0; n <= 70; n++) {
         check_loop("short", convert, src + tu_rng_int(&rng, 0, 1000), n);
+        check_loop("short row", fa_cpu_f16_to_f32_row, src + tu_rng_int(&rng, 0, 1000), n);
+    }
 
     static const struct {
         uint16_t h;
