@@ -90,6 +90,17 @@ static inline int64_t fa_kv_seq_end(const fa_kv_params *p, int64_t i)
     return p->cache_seqlens ? (int64_t)p->cache_seqlens[i] + p->s_new : p->capacity;
 }
 
+/* Element offsets of kv head kh's key and value rows at row `row` of cache block blk. */
+static inline int64_t fa_kv_k_at(const fa_kv_params *p, int64_t blk, int64_t row, int64_t kh)
+{
+    return blk * p->kc_bstride + row * p->kc_rstride + kh * p->kc_hstride;
+}
+
+static inline int64_t fa_kv_v_at(const fa_kv_params *p, int64_t blk, int64_t row, int64_t kh)
+{
+    return blk * p->vc_bstride + row * p->vc_rstride + kh * p->vc_hstride;
+}
+
 /* The block (paged) or cache row (contiguous) holding page `page` of sequence i. */
 static inline int64_t fa_kv_block(const fa_kv_params *p, int64_t i, int64_t page)
 {

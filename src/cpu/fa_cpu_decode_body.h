@@ -60,7 +60,7 @@ static void FA_FN(fa_kv_append_head)(const fa_kv_params *p, int64_t kh)
             const int64_t pos = (int64_t)p->cache_seqlens[i] + t;
             const int64_t blk = fa_kv_block(p, i, pos / p->page_size);
             const int64_t row = pos % p->page_size;
-            const int64_t kc = blk * p->kc_bstride + row * p->kc_rstride + kh * p->kc_hstride;
+            const int64_t kc = fa_kv_k_at(p, blk, row, kh);
             const int64_t kn = i * p->kn_bstride + t * p->kn_rstride + kh * p->kn_hstride;
             if (p->rot_cos) {
                 FA_REAL x[FA_MAX_HEAD_DIM];
@@ -72,7 +72,7 @@ static void FA_FN(fa_kv_append_head)(const fa_kv_params *p, int64_t kh)
                 memmove((char *)p->k_cache + (size_t)kc * esize,
                         (const char *)p->k_new + (size_t)kn * esize, (size_t)p->d * esize);
             }
-            const int64_t vc = blk * p->vc_bstride + row * p->vc_rstride + kh * p->vc_hstride;
+            const int64_t vc = fa_kv_v_at(p, blk, row, kh);
             const int64_t vn = i * p->vn_bstride + t * p->vn_rstride + kh * p->vn_hstride;
             memmove((char *)p->v_cache + (size_t)vc * esize,
                     (const char *)p->v_new + (size_t)vn * esize, (size_t)p->dv * esize);
@@ -282,8 +282,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int
     const int64_t blk = fa_kv_block(p, seq, pos / p->page_size), row = pos % p->page_size;
     const size_t es = fa_dtype_size(p->dtype);
     for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
-        const int64_t ko = blk * p->kc_bstride + row * p->kc_rstride + kh * p->kc_hstride;
-        const int64_t vo = blk * p->vc_bstride + row * p->vc_rstride + kh * p->vc_hstride;
+        const int64_t ko = fa_kv_k_at(p, blk, row, kh);
+        const int64_t vo = fa_kv_v_at(p, blk, row, kh);
         const char *k = (const char *)p->k_cache + (size_t)ko * es;
         const char *v = (const char *)p->v_cache + (size_t)vo * es;
         for (size_t off = 0; off < (size_t)p->d * es; off += 64)
@@ -308,10 +308,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch_run)(const fa_kv_params *p, int64_t blk,
 {
 #if defined(__GNUC__)
     const size_t es = fa_dtype_size(p->dtype);
-    const char *k = (const char *)p->k_cache +
-                    (size_t)(blk * p->kc_bstride + row * p->kc_rstride + kh * p->kc_hstride) * es;
-    const char *v = (const char *)p->v_cache +
-                    (size_t)(blk * p->vc_bstride + row * p->vc_rstride + kh * p->vc_hstride) * es;
+    const char *k = (const char *)p->k_cache + (size_t)fa_kv_k_at(p, blk, row, kh) * es;
+    const char *v = (const char *)p->v_cache + (size_t)fa_kv_v_at(p, blk, row, kh) * es;
     const size_t k_span = (size_t)p->d * es, v_span = (size_t)p->dv * es;
     const size_t k_step = (size_t)p->kc_rstride * es, v_step = (size_t)p->vc_rstride * es;
     for (int64_t j = 0; j < n; j++, k += k_step, v += v_step) {
@@ -345,8 +343,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_block_load)(const fa_kv_params *p, FA_FN(fa_kv_ti
             FA_FN(fa_kv_prefetch)(p, seq, kh0, nkh, ahead);
         for (int64_t e = 0; e < nkh; e++) {
             const int64_t kh = kh0 + e;
-            const int64_t ko = blk * p->kc_bstride + row * p->kc_rstride + kh * p->kc_hstride;
-            const int64_t vo = blk * p->vc_bstride + row * p->vc_rstride + kh * p->vc_hstride;
+            const int64_t ko = fa_kv_k_at(p, blk, row, kh);
+            const int64_t vo = fa_kv_v_at(p, blk, row, kh);
             if (load_k)
                 FA_FN(fa_load_row)(t->k + (j * nkh + e) * dp, p->k_cache, ko, p->d, p->dtype);
             if (load_v)
@@ -444,14 +442,14 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
         const int k16 = k_bf16 && one_page, v16 = v_bf16 && one_page;
         const int v_pv4 = v_in_place && pv4;
         if (k_in_place) {
-            const int64_t at = blk * p->kc_bstride + row * p->kc_rstride + kh0 * p->kc_hstride;
+            const int64_t at = fa_kv_k_at(p, blk, row, kh0);
             kb = k16 ? (const void *)((const uint16_t *)p->k_cache + at)
                      : (const void *)((const FA_REAL *)p->k_cache + at);
             k_js = p->kc_rstride;
             k_es = p->kc_hstride;
         }
         if (v_in_place) {
-            const int64_t at = blk * p->vc_bstride + row * p->vc_rstride + kh0 * p->vc_hstride;
+            const int64_t at = fa_kv_v_at(p, blk, row, kh0);
             if (v16)
                 vb16 = (const uint16_t *)p->v_cache + at;
             else

@@ -13,6 +13,12 @@
 #include "cpu/fa_cpu_info.h"
 #include "util/fa_half.h"
 
+static void fa_f16_row_lanes(float *dst, const uint16_t *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = fa_f16_to_f32_lanes(src[i]);
+}
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define FA_HAVE_F16C_PATH 1
@@ -23,16 +29,9 @@ __attribute__((target("avx,f16c"))) static void fa_f16_row_f16c(float *dst, cons
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (; i < n; i++)
-        dst[i] = fa_f16_to_f32_lanes(src[i]);
+    fa_f16_row_lanes(dst + i, src + i, n - i);
 }
 #endif
-
-static void fa_f16_row_lanes(float *dst, const uint16_t *src, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++)
-        dst[i] = fa_f16_to_f32_lanes(src[i]);
-}
 
 typedef void (*fa_f16_row_fn)(float *, const uint16_t *, int64_t);
 static fa_f16_row_fn fa_f16_row_selected;

@@ -36,9 +36,9 @@ static inline uint16_t fa_f32_to_bf16(float f)
 /*
  * fp16 -> fp32 without branches, for loops over rows: compilers vectorise it (integer shifts,
  * one int-to-float conversion, selects), where neither the portable conversion below nor
- * _Float16's (one vcvtph2ps per element from gcc 12) vectorised. Exact, with the same results
- * as fa_f16_to_f32: normals rebias the exponent, subnormals are man * 2^-24 computed from the
- * integer, inf and NaN keep their mantissa bits (NaN made quiet).
+ * _Float16's (one vcvtph2ps per element from gcc 12) vectorised. Exact, with F16C's results:
+ * normals rebias the exponent, subnormals are man * 2^-24 computed from the integer, inf and
+ * NaN keep their mantissa bits (NaN made quiet). The portable fa_f16_to_f32 below is this.
  */
 static inline float fa_f16_to_f32_lanes(uint16_t h)
 {
@@ -79,16 +79,7 @@ static inline uint16_t fa_f32_to_f16(float x)
 #else
 static inline float fa_f16_to_f32(uint16_t h)
 {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t man = h & 0x3ffu;
-    if (exp == 0x1f) /* inf, or NaN made quiet as F16C's conversion makes it */
-        return fa_bits_to_f32(sign | 0x7f800000u | (man << 13) | (man ? 0x00400000u : 0));
-    if (exp == 0) { /* zero or subnormal: man * 2^-24 exactly */
-        float f = (float)man * 5.9604644775390625e-08f;
-        return sign ? -f : f;
-    }
-    return fa_bits_to_f32(sign | ((exp + 112u) << 23) | (man << 13));
+    return fa_f16_to_f32_lanes(h);
 }
 
 static inline uint16_t fa_f32_to_f16(float f)
