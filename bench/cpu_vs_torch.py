@@ -157,6 +157,8 @@ def main():
         decode_case("fp32 decode 32k", 32, 8, 32768, 128, f32),
         prefill_case("fp32 fwd+bwd", 1, h, s, 128, f32, backward=True),
         prefill_case("fp32 fwd+bwd causal", 1, h, s, 128, f32, causal=True, backward=True),
+        prefill_case("bf16 fwd+bwd", 1, h, s, 128, bf16, backward=True),
+        prefill_case("bf16 fwd+bwd causal", 1, h, s, 128, bf16, causal=True, backward=True),
     ]
     cases = [(name, run) for name, run in cases if re.search(a.only, name)]
     peak = peak_gflops(a.threads)

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "api/fa_internal.h"
+#include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_kernel.h"
 #include "util/fa_threadpool.h"
 
@@ -26,6 +27,13 @@ static inline int64_t fa_bwd_lse_index(const fa_params *p, int64_t seq_index, in
 {
     return seq_index * p->lse_bstride + h * p->lse_hstride +
            (p->is_varlen ? token : row) * p->lse_rstride;
+}
+
+/* Key rows of a sequence that get gradients: all of them, the unused ones (seqused_k) too. */
+static inline int64_t fa_bwd_key_count(const fa_params *p, int64_t seq_index)
+{
+    return p->is_varlen ? p->cu_seqlens_k[seq_index + 1] - p->cu_seqlens_k[seq_index]
+                        : p->max_sk;
 }
 
 /* Query rows [*lo, *hi) that can see any key of [j0, j1). */
@@ -53,6 +61,7 @@ static inline void fa_bwd_row_range(const fa_params *p, const fa_seq *seq, int64
 #include "cpu/fa_cpu_rows.h"
 #include "cpu/fa_cpu_edge.h"
 #include "cpu/fa_cpu_bwd_body.h"
+#include "cpu/fa_cpu_bwd_bf16.h"
 #undef FA_REAL
 #undef FA_FN
 #undef FA_NATIVE
@@ -87,6 +96,7 @@ typedef struct fa_bwd_job {
     void *dq_ws;           /* fused schedule: reals [total_q][h][pad(d)] */
     double *dsink_partial; /* [b][h] */
     fa_bwd_chunk *chunks;
+    const fa_cpu_bf16_kernel *bf16; /* bf16 inputs on bf16 products; NULL: the fp32 path */
     char *scratch;
     size_t scratch_size; /* bytes per thread */
 } fa_bwd_job;
@@ -154,6 +164,12 @@ static void fa_bwd_keys_task(void *ctx, int64_t item, int thread)
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
         fa_bwd_keys_f64(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len);
+#if defined(FA_CPU_HAS_BF16)
+    } else if (job->bf16) {
+        fa_bwd_tile_bf16 t;
+        fa_bwd_bf16_carve(p, base, &t);
+        fa_bwd_keys_bf16(p, job->bf16, &t, job->dsum, NULL, c->seq, hk, c->start, c->len);
+#endif
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
@@ -171,6 +187,12 @@ static void fa_bwd_fused_task(void *ctx, int64_t item, int thread)
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
         fa_bwd_fused_f64(p, &t, job->dsum, job->dq_ws, bi, hk);
+#if defined(FA_CPU_HAS_BF16)
+    } else if (job->bf16) {
+        fa_bwd_tile_bf16 t;
+        fa_bwd_bf16_carve(p, base, &t);
+        fa_bwd_fused_bf16(p, job->bf16, &t, job->dsum, job->dq_ws, bi, hk);
+#endif
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
@@ -189,6 +211,12 @@ static void fa_bwd_queries_task(void *ctx, int64_t item, int thread)
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
         fa_bwd_queries_f64(p, &t, job->dsum, c->seq, h, c->start, c->len);
+#if defined(FA_CPU_HAS_BF16)
+    } else if (job->bf16) {
+        fa_bwd_tile_bf16 t;
+        fa_bwd_bf16_carve(p, base, &t);
+        fa_bwd_queries_bf16(p, job->bf16, &t, job->dsum, c->seq, h, c->start, c->len);
+#endif
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
@@ -203,10 +231,7 @@ static int64_t fa_bwd_chunks_make(const fa_params *p, int by_keys, int64_t block
     int64_t n = 0;
     for (int64_t i = 0; i < p->b; i++) {
         fa_seq s = fa_params_seq(p, i);
-        /* dK/dV cover every key row of the sequence, the unused ones (seqused_k) too. */
-        int64_t len = s.sq;
-        if (by_keys)
-            len = p->is_varlen ? p->cu_seqlens_k[i + 1] - p->cu_seqlens_k[i] : p->max_sk;
+        const int64_t len = by_keys ? fa_bwd_key_count(p, i) : s.sq;
         for (int64_t start = 0; start < len; start += block) {
             if (out)
                 out[n] = (fa_bwd_chunk){i, start, len - start < block ? len - start : block};
@@ -266,7 +291,11 @@ fa_status fa_cpu_backward(const fa_params *p)
 
     /* The schedule depends on the shape only, so results never depend on the thread count. */
     const int fused = p->b * p->hk >= FA_CPU_BWD_FUSED_ITEMS;
-    fa_bwd_job job = {p, NULL, NULL, NULL, NULL, NULL, fa_bwd_scratch_size(p, real_size)};
+    fa_bwd_job job = {p, NULL, NULL, NULL, NULL, NULL, NULL, fa_bwd_scratch_size(p, real_size)};
+#if defined(FA_CPU_HAS_BF16)
+    if (p->dtype == FA_DTYPE_BF16 && (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
+        job.scratch_size = fa_bwd_bf16_scratch_size(p);
+#endif
     job.dsum = malloc((size_t)(p->total_q * p->h + 1) * real_size);
     job.dsink_partial = malloc((size_t)(p->b * p->h) * sizeof(double));
     job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);

@@ -183,14 +183,16 @@ FA_BF16_TARGET void fa_cpu_bf16_transpose_f32(float *dst, int64_t ldd, const flo
     }
 }
 
+/* Words 2t and 2t+1 of a 32-word vector from words t and 16 + t: two rows of 16 bf16 values
+ * interleaved into 16 pairs (as _mm512_cvtne2ps_pbh(hi, lo) leaves them, lo in words 0-15). */
+static const uint16_t fa_bf16_pair_order[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 FA_BF16_TARGET void fa_cpu_bf16_pack_p(uint32_t *pv, int64_t ldpv, const float *st,
                                        int64_t ldst, int64_t n, int64_t kp, int64_t cols)
 {
-    /* word 2t <- word t (row 2x), word 2t+1 <- word 16+t (row 2x+1) */
-    static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
-                                       21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
-                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i idx = _mm512_loadu_si512(order);
+    const __m512i idx = _mm512_loadu_si512(fa_bf16_pair_order);
     for (int64_t x = 0; x < kp / 2; x++) {
         uint32_t *dst = pv + x * ldpv;
         const float *r0 = st + 2 * x * ldst, *r1 = r0 + ldst;
@@ -201,6 +203,57 @@ FA_BF16_TARGET void fa_cpu_bf16_pack_p(uint32_t *pv, int64_t ldpv, const float *
             _mm512_storeu_si512(dst + i, _mm512_permutexvar_epi16(idx, both));
         }
     }
+}
+
+FA_BF16_TARGET void fa_cpu_bf16_pack_pairs(uint32_t *dst, int64_t ldd, const uint16_t *src,
+                                           int64_t lds, int64_t n, int64_t kp, int64_t cols,
+                                           int64_t colsp)
+{
+    for (int64_t c0 = 0; c0 < colsp; c0 += 16) {
+        const int64_t left = cols - c0;
+        const __mmask16 cmask = left >= 16 ? (__mmask16)0xffff
+                                           : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        for (int64_t x = 0; x < kp / 2; x++) {
+            const __m512i lo = fa_bf16_vrow(src, lds, 2 * x, n, c0, cmask);
+            const __m512i hi = fa_bf16_vrow(src, lds, 2 * x + 1, n, c0, cmask);
+            _mm512_storeu_si512(dst + x * ldd + c0, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+FA_BF16_TARGET void fa_cpu_bf16_round_rows(uint16_t *dst, int64_t ldd, const float *src,
+                                           int64_t lds, int64_t n, int64_t np, int64_t cols)
+{
+    for (int64_t j = 0; j < np; j++)
+        for (int64_t i = 0; i < cols; i += 16) {
+            const __m256i h = j < n ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + j * lds + i))
+                                    : _mm256_setzero_si256();
+            _mm256_storeu_si256((__m256i *)(dst + j * ldd + i), h);
+        }
+}
+
+FA_BF16_TARGET void fa_cpu_bf16_round_t(uint16_t *dst, int64_t ldd, const float *src,
+                                        int64_t lds, int64_t n, int64_t kp, int64_t cols)
+{
+    const __m512i idx = _mm512_loadu_si512(fa_bf16_pair_order);
+    uint32_t *d32 = (uint32_t *)dst;
+    const int64_t ld32 = ldd / 2;
+    for (int64_t i0 = 0; i0 < cols; i0 += 16)
+        for (int64_t x0 = 0; x0 < kp / 2; x0 += 16) {
+            /* w[t]: keys 2(x0+t) and 2(x0+t)+1 of columns i0..i0+15 as pairs, transposed into
+             * column i0+t's 16 pairs of keys */
+            __m512i w[16];
+            for (int t = 0; t < 16; t++) {
+                const int64_t j = 2 * (x0 + t);
+                const __m512 lo = j < n ? _mm512_loadu_ps(src + j * lds + i0) : _mm512_setzero_ps();
+                const __m512 hi =
+                    j + 1 < n ? _mm512_loadu_ps(src + (j + 1) * lds + i0) : _mm512_setzero_ps();
+                w[t] = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+            fa_bf16_transpose16(w);
+            for (int t = 0; t < 16; t++)
+                _mm512_storeu_si512(d32 + (i0 + t) * ld32 + x0, w[t]);
+        }
 }
 
 static void fa_bf16_nothing(void)

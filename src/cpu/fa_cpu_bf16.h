@@ -79,6 +79,27 @@ void fa_cpu_bf16_transpose_f32(float *dst, int64_t ldd, const float *src, int64_
  */
 void fa_cpu_bf16_pack_p(uint32_t *pv, int64_t ldpv, const float *st, int64_t ldst, int64_t n,
                         int64_t kp, int64_t cols);
+
+/* The backward's operands (fa_cpu_bwd_bf16.h). */
+
+/*
+ * Pairs of bf16 rows as VNNI pairs: dst[x][c] (ldd per row) = src[2x][c] | src[2x+1][c] << 16
+ * for rows below n (lds elements apart) and c < cols, zero elsewhere, for x < kp/2 and c < colsp.
+ * kp is a multiple of 2 and colsp of 16. Q or dO rows become B of dK += dS^T Q or dV += P^T dO,
+ * K rows B of dQ += dS K.
+ */
+void fa_cpu_bf16_pack_pairs(uint32_t *dst, int64_t ldd, const uint16_t *src, int64_t lds,
+                            int64_t n, int64_t kp, int64_t cols, int64_t colsp);
+
+/* fp32 rows to bf16 rows: dst[j][i] (ldd per row) = bf16(src[j][i]) for j < n and i < cols (a
+ * multiple of 16), zero rows for n <= j < np. Rounds to nearest even. */
+void fa_cpu_bf16_round_rows(uint16_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t n,
+                            int64_t np, int64_t cols);
+
+/* An fp32 [n][cols] block transposed to bf16 rows: dst[i][j] (ldd per row) = bf16(src[j][i]) for
+ * i < cols (a multiple of 16) and j < n, zero for n <= j < kp (a multiple of 32). */
+void fa_cpu_bf16_round_t(uint16_t *dst, int64_t ldd, const float *src, int64_t lds, int64_t n,
+                         int64_t kp, int64_t cols);
 #endif
 
 #endif /* FA_CPU_BF16_H */

@@ -34,6 +34,32 @@ typedef struct FA_FN(fa_bwd_tile) {
     FA_REAL *acc_q; /* [FA_CPU_BM][dp] */
 } FA_FN(fa_bwd_tile);
 
+/* The per-row data of rows [r0, r0+m) of head h: lse, D, visible keys, diagonal. Padding rows
+ * up to mp see no key (lo = hi = 0, lse = +inf), so every quantity derived from them is 0. */
+FA_CPU_INLINE void FA_FN(fa_bwd_row_info)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+                                          const FA_REAL *dsum_ws, int64_t seq_index,
+                                          const fa_seq *seq, int64_t h, int64_t r0, int64_t m,
+                                          int64_t mp)
+{
+    for (int64_t i = 0; i < mp; i++) {
+        t->lo[i] = t->hi[i] = 0;
+        t->lse[i] = (FA_REAL)INFINITY;
+        t->dsum[i] = 0;
+        t->diag[i] = (FA_REAL)(r0 + i + seq->sk - seq->sq);
+        if (i < m) {
+            const int64_t row = r0 + i;
+            const int64_t token = fa_bwd_token(p, seq_index, seq, row);
+            t->lse[i] =
+                (FA_REAL)fa_params_lse_load(p, fa_bwd_lse_index(p, seq_index, h, token, row));
+            t->dsum[i] = dsum_ws[h * p->total_q + token];
+            int64_t lo, hi;
+            fa_params_key_range(p, row, seq->sq, seq->sk, &lo, &hi);
+            t->lo[i] = (FA_REAL)lo;
+            t->hi[i] = (FA_REAL)hi;
+        }
+    }
+}
+
 /* Packs rows [r0, r0+m) of head h (padding rows up to mp are zero and see no key). */
 FA_CPU_CLONES static void FA_FN(fa_bwd_pack_rows)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                            const FA_REAL *dsum_ws, int64_t seq_index,
@@ -46,28 +72,17 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_pack_rows)(const fa_params *p, FA_FN(fa_b
         seq_index * p->q_bstride + seq->q_start * p->q_rstride + h * p->q_hstride;
     const int64_t do_base =
         seq_index * p->do_bstride + seq->q_start * p->do_rstride + h * p->do_hstride;
+    FA_FN(fa_bwd_row_info)(p, t, dsum_ws, seq_index, seq, h, r0, m, mp);
     for (int64_t i = 0; i < mp; i++) {
         FA_REAL *q = t->qr + i * dp, *dout = t->dor + i * dvp;
         for (int64_t c = 0; c < dp; c++)
             q[c] = 0;
         for (int64_t c = 0; c < dvp; c++)
             dout[c] = 0;
-        t->lo[i] = t->hi[i] = 0;
-        t->lse[i] = (FA_REAL)INFINITY;
-        t->dsum[i] = 0;
-        t->diag[i] = (FA_REAL)(r0 + i + seq->sk - seq->sq);
         if (i < m) {
             const int64_t row = r0 + i;
-            const int64_t token = fa_bwd_token(p, seq_index, seq, row);
             FA_FN(fa_load_row)(q, p->q, q_base + row * p->q_rstride, d, p->dtype);
             FA_FN(fa_load_row)(dout, p->dout_data, do_base + row * p->do_rstride, dv, p->dtype);
-            t->lse[i] =
-                (FA_REAL)fa_params_lse_load(p, fa_bwd_lse_index(p, seq_index, h, token, row));
-            t->dsum[i] = dsum_ws[h * p->total_q + token];
-            int64_t lo, hi;
-            fa_params_key_range(p, row, seq->sq, seq->sk, &lo, &hi);
-            t->lo[i] = (FA_REAL)lo;
-            t->hi[i] = (FA_REAL)hi;
         }
         for (int64_t c = 0; c < d; c++)
             t->qt[c * mp + i] = q[c] * scale;
@@ -117,14 +132,15 @@ static inline FA_FN(fa_bwd_kv) FA_FN(fa_bwd_load_kv)(const fa_params *p, FA_FN(f
 }
 
 /*
- * pt = P^T * Z and dxt = dS^T * scale (the gradient of q.k) from S^T and dP^T, element by
- * element with the query index as the vector lane. Always inlined with constant flags, so each
+ * pt = P^T * Z and dxt = dS^T * scale (the gradient of q.k) from S^T * sscale and dP^T, element
+ * by element with the query index as the vector lane (sscale: 1 where Q was scaled before the
+ * product, the softmax scale where it was not). Always inlined with constant flags, so each
  * combination compiles to its own branch-free, vectorised loop. Masked entries are selected to
  * 0, not multiplied by it: on an edge block the products skip them, so they hold stale values.
  */
 __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
     const fa_params *p, FA_FN(fa_bwd_tile) * t, int64_t mp, int64_t j0, int64_t n, FA_REAL slope,
-    const int softcap, const int dropout, const int masked)
+    FA_REAL sscale, const int softcap, const int dropout, const int masked)
 {
     const FA_REAL scale = (FA_REAL)p->scale;
     const FA_REAL cap = (FA_REAL)p->softcap, inv_cap = softcap ? (FA_REAL)(1.0 / p->softcap) : 0;
@@ -136,7 +152,7 @@ __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
         const FA_REAL *restrict zt = t->zt + j * mp;
         const FA_REAL key = (FA_REAL)(j0 + j);
         for (int64_t i = 0; i < mp; i++) {
-            FA_REAL x = pt[i], deriv = 1;
+            FA_REAL x = pt[i] * sscale, deriv = 1;
             if (softcap) {
                 const FA_REAL th = FA_TANHV(x * inv_cap);
                 x = cap * th;
@@ -156,38 +172,19 @@ __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
 }
 
 /*
- * For packed rows and a loaded key block: pt = P^T * Z (Z the dropout scale or 0) and
- * dxt = dL/d(q.k) transposed, both zero for invisible keys and padding rows. Returns whether
- * every real row sees every key (a full block); otherwise S^T and dP^T were computed in panels
- * of keys over the rows that see them (fa_cpu_edge.h), and fa_bwd_grads goes in panels too.
+ * From S^T (times 1 / sscale) in pt and dP^T in dxt, for rows [r0, r0+m) of head h and keys
+ * [j0, j0+n): pt = P^T * Z (Z the dropout scale or 0) and dxt = dL/d(q.k) transposed, both zero
+ * for invisible keys and padding rows up to mp. full: every real row sees every key.
  */
-FA_CPU_CLONES static int FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
-                                       const FA_FN(fa_bwd_kv) * kv, int64_t seq_index, int64_t h,
-                                       int64_t r0, int64_t m, int64_t mp, int64_t j0, int64_t n)
+FA_CPU_INLINE void FA_FN(fa_bwd_probs)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+                                       int64_t seq_index, int64_t h, int64_t r0, int64_t m,
+                                       int64_t mp, int64_t j0, int64_t n, int full,
+                                       FA_REAL sscale)
 {
     const FA_REAL slope =
         p->alibi_slopes
             ? (FA_REAL)p->alibi_slopes[seq_index * p->alibi_bstride + h * p->alibi_hstride]
             : 0;
-
-    const int full = FA_FN(fa_edge_full)(t->lo, t->hi, 0, m, j0, n);
-    if (full) {
-        FA_GEMM(t->pt, mp, kv->k, kv->k_ld, 1, t->qt, mp, n, mp, p->d, 0);
-        FA_GEMM(t->dxt, mp, kv->v, kv->v_ld, 1, t->dot, mp, n, mp, p->dv, 0);
-    } else {
-        for (int64_t a = 0; a < n; a += FA_CPU_EDGE_PANEL) {
-            const int64_t np = n - a < FA_CPU_EDGE_PANEL ? n - a : FA_CPU_EDGE_PANEL;
-            int64_t c0, c1;
-            FA_FN(fa_edge_cols)(t->lo, t->hi, m, j0 + a, np, &c0, &c1);
-            if (c1 <= c0)
-                continue;
-            FA_GEMM(t->pt + a * mp + c0, mp, kv->k + a * kv->k_ld, kv->k_ld, 1, t->qt + c0, mp,
-                    np, c1 - c0, p->d, 0);
-            FA_GEMM(t->dxt + a * mp + c0, mp, kv->v + a * kv->v_ld, kv->v_ld, 1, t->dot + c0, mp,
-                    np, c1 - c0, p->dv, 0);
-        }
-    }
-
     const int dropout = p->dropout_p > 0;
     if (dropout) {
         /* The forward's mask, replayed: Z scales both P (for dV) and dP (for dS). */
@@ -213,13 +210,43 @@ FA_CPU_CLONES static int FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_ti
     /* Interior blocks of plain attention skip the mask and bias arithmetic entirely. */
     const int plain = full && p->softcap <= 0 && slope == 0;
     if (plain && !dropout)
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 0, 0, 0);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, 0, 0);
     else if (plain)
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 0, 1, 0);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, 1, 0);
     else if (p->softcap > 0)
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 1, dropout, 1);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 1, dropout, 1);
     else
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, 0, dropout, 1);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, dropout, 1);
+}
+
+/*
+ * For packed rows and a loaded key block: pt = P^T * Z and dxt = dL/d(q.k) transposed
+ * (fa_bwd_probs). Returns whether every real row sees every key (a full block); otherwise S^T
+ * and dP^T were computed in panels of keys over the rows that see them (fa_cpu_edge.h), and
+ * fa_bwd_grads goes in panels too.
+ */
+FA_CPU_CLONES static int FA_FN(fa_bwd_block)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+                                       const FA_FN(fa_bwd_kv) * kv, int64_t seq_index, int64_t h,
+                                       int64_t r0, int64_t m, int64_t mp, int64_t j0, int64_t n)
+{
+    const int full = FA_FN(fa_edge_full)(t->lo, t->hi, 0, m, j0, n);
+    if (full) {
+        FA_GEMM(t->pt, mp, kv->k, kv->k_ld, 1, t->qt, mp, n, mp, p->d, 0);
+        FA_GEMM(t->dxt, mp, kv->v, kv->v_ld, 1, t->dot, mp, n, mp, p->dv, 0);
+    } else {
+        for (int64_t a = 0; a < n; a += FA_CPU_EDGE_PANEL) {
+            const int64_t np = n - a < FA_CPU_EDGE_PANEL ? n - a : FA_CPU_EDGE_PANEL;
+            int64_t c0, c1;
+            FA_FN(fa_edge_cols)(t->lo, t->hi, m, j0 + a, np, &c0, &c1);
+            if (c1 <= c0)
+                continue;
+            FA_GEMM(t->pt + a * mp + c0, mp, kv->k + a * kv->k_ld, kv->k_ld, 1, t->qt + c0, mp,
+                    np, c1 - c0, p->d, 0);
+            FA_GEMM(t->dxt + a * mp + c0, mp, kv->v + a * kv->v_ld, kv->v_ld, 1, t->dot + c0, mp,
+                    np, c1 - c0, p->dv, 0);
+        }
+    }
+    FA_FN(fa_bwd_probs)(p, t, seq_index, h, r0, m, mp, j0, n, full, 1);
     return full;
 }
 
@@ -332,6 +359,33 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
     }
 }
 
+/* Zeroes the fp32 dQ workspace rows of every query head of kv head hk in a sequence. */
+static void FA_FN(fa_bwd_dq_ws_zero)(const fa_params *p, FA_REAL *dq_ws, int64_t seq_index,
+                                     const fa_seq *seq, int64_t hk)
+{
+    const int64_t dp = fa_cpu_gemm_pad(p->d), group = p->h / p->hk;
+    const int64_t row0 = fa_bwd_token(p, seq_index, seq, 0);
+    for (int64_t r = 0; r < seq->sq; r++)
+        for (int64_t h = hk * group; h < (hk + 1) * group; h++)
+            for (int64_t c = 0; c < dp; c++)
+                dq_ws[((row0 + r) * p->h + h) * dp + c] = 0;
+}
+
+/* Converts those rows into dq. */
+static void FA_FN(fa_bwd_dq_ws_store)(const fa_params *p, const FA_REAL *dq_ws, int64_t seq_index,
+                                      const fa_seq *seq, int64_t hk)
+{
+    const int64_t dp = fa_cpu_gemm_pad(p->d), group = p->h / p->hk;
+    const int64_t row0 = fa_bwd_token(p, seq_index, seq, 0);
+    for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
+        const int64_t dq_base =
+            seq_index * p->dq_bstride + seq->q_start * p->dq_rstride + h * p->dq_hstride;
+        for (int64_t r = 0; r < seq->sq; r++)
+            FA_FN(fa_store_row)(p->dq_data, dq_base + r * p->dq_rstride,
+                                dq_ws + ((row0 + r) * p->h + h) * dp, 1, p->d, p->dtype);
+    }
+}
+
 /*
  * Fused item: everything of kv head hk in sequence seq_index, serially in a fixed order: dK and
  * dV key chunk by key chunk, dQ of every query head of the group accumulated in dq_ws and
@@ -343,24 +397,12 @@ static void FA_FN(fa_bwd_fused)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                 int64_t hk)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
-    const int64_t d = p->d, dp = fa_cpu_gemm_pad(d), group = p->h / p->hk;
-    const int64_t row0 = fa_bwd_token(p, seq_index, &seq, 0);
-    for (int64_t r = 0; r < seq.sq; r++)
-        for (int64_t h = hk * group; h < (hk + 1) * group; h++)
-            for (int64_t c = 0; c < dp; c++)
-                dq_ws[((row0 + r) * p->h + h) * dp + c] = 0;
-    const int64_t klen =
-        p->is_varlen ? p->cu_seqlens_k[seq_index + 1] - p->cu_seqlens_k[seq_index] : p->max_sk;
+    FA_FN(fa_bwd_dq_ws_zero)(p, dq_ws, seq_index, &seq, hk);
+    const int64_t klen = fa_bwd_key_count(p, seq_index);
     for (int64_t j0 = 0; j0 < klen; j0 += FA_CPU_BWD_NK)
         FA_FN(fa_bwd_keys)(p, t, dsum_ws, dq_ws, seq_index, hk, j0,
                            klen - j0 < FA_CPU_BWD_NK ? klen - j0 : FA_CPU_BWD_NK);
-    for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
-        const int64_t dq_base =
-            seq_index * p->dq_bstride + seq.q_start * p->dq_rstride + h * p->dq_hstride;
-        for (int64_t r = 0; r < seq.sq; r++)
-            FA_FN(fa_store_row)(p->dq_data, dq_base + r * p->dq_rstride,
-                                dq_ws + ((row0 + r) * p->h + h) * dp, 1, d, p->dtype);
-    }
+    FA_FN(fa_bwd_dq_ws_store)(p, dq_ws, seq_index, &seq, hk);
 }
 
 /* Query pass item: dQ of rows [r0, r0+m) of head h in sequence seq_index. */

@@ -33,6 +33,10 @@
  *   - every argument error of fa_attention_backward is FA_STATUS_INVALID_ARGUMENT naming it,
  *     with the gradients untouched.
  *
+ * bf16 cases run on the fastest bf16 kernel the CPU has (or the fp32 path without one);
+ * FA_TEST_BF16_KERNEL=amx-model runs them on the software model of AMX (test_amx_model.h), and
+ * ctest runs the others through FLASHATTN_CPU_AMX / FLASHATTN_CPU_BF16.
+ *
  * FA_TEST_SEED=<n> reruns a whole run; FA_TEST_ONLY=<case> runs one case of it;
  * FA_TEST_RANDOM_CASES=<n> sets the random cases; FA_TEST_VERBOSE prints each case.
  */
@@ -49,6 +53,11 @@
 #include "test_util.h"
 
 #include "test_backward.h"
+
+#include "cpu/fa_cpu_bf16.h"
+#if defined(FA_CPU_HAS_BF16)
+#include "test_amx_model.h"
+#endif
 
 static int g_case_index = 0;
 static int g_only = -1;
@@ -787,6 +796,18 @@ int main(void)
     }
     tu_rng rng = {seed};
     tu_watchdog_install(g_where);
+    const char *kernel = getenv("FA_TEST_BF16_KERNEL");
+    if (kernel && strcmp(kernel, "amx-model") == 0) {
+#if defined(FA_CPU_HAS_BF16)
+        const fa_cpu_bf16_kernel *usable[2];
+        if (fa_cpu_bf16_kernels(usable) > 0) { /* the packing around it needs AVX512-BF16 */
+            fa_cpu_bf16_kernel_override(&k_amx_model);
+            printf("test_backward: bf16 products on %s\n", k_amx_model.name);
+        } else {
+            printf("test_backward: no AVX512-BF16 here, bf16 runs the fp32 path\n");
+        }
+#endif
+    }
     double t0 = tu_now();
     run_errors(&rng);
     run_fd(&rng);
@@ -805,5 +826,10 @@ int main(void)
            "%.1fs); largest err/tol: f32 %.3f, f16 %.3f, bf16 %.3f, f64 %.3f\n",
            g_cases, t1 - t0, t2 - t1, t3 - t2, g_worst[FA_DTYPE_F32], g_worst[FA_DTYPE_F16],
            g_worst[FA_DTYPE_BF16], g_worst[FA_DTYPE_F64]);
+#if defined(FA_CPU_HAS_BF16)
+    TU_CHECK(g_emu_errors == 0,
+             "AMX model: %d tile operations without a configuration or with shapes that do not fit",
+             g_emu_errors);
+#endif
     return tu_finish("test_backward");
 }

@@ -1,17 +1,17 @@
 /*
- * test_bf16: the bf16 kernels of the CPU forward (src/cpu/fa_cpu_bf16.h).
+ * test_bf16: the bf16 kernels of the CPU forward and backward (src/cpu/fa_cpu_bf16.h).
  *
  *   - The AMX kernel's source (fa_cpu_amx_body.h) compiled against a software model of the tile
- *     instructions written from the SDM's pseudo-code, so that it runs on any x86-64 machine;
- *     where the CPU has AMX, the real kernel too, and whether it matches the model bitwise is
- *     printed. AVX512-BF16 where the CPU has it. Each against exact products summed in double,
+ *     instructions written from the SDM's pseudo-code (test_amx_model.h), so that it runs on any
+ *     x86-64 machine; where the CPU has AMX, the real kernel too, and whether it matches the
+ *     model bitwise is printed. AVX512-BF16 where the CPU has it. Each against exact products summed in double,
  *     within the fp32 summation bound (k+1) 2^-24 sum|terms|, over the contract's shapes (m, n
  *     multiples of 16, k of 32), with gaps between rows, accumulating or not, and nothing
  *     outside C written.
  *   - The packing helpers against scalar loops, exactly.
  *   - Whole forward passes on the model of AMX (the code path AMX machines run) against the
  *     double oracle with test_forward's bf16 criterion: max|ours - ref| <= 2 max|lowp - ref| +
- *     half an ulp of max|ref|.
+ *     half an ulp of max|ref|. (Whole backward passes on the model: test_backward_amx_model.)
  *
  * FA_TEST_SEED=<n> reruns a run.
  */
@@ -30,114 +30,7 @@
 
 #if defined(FA_CPU_HAS_BF16)
 
-/* ---- a software model of the AMX tile registers ------------------------------------------ */
-
-typedef struct emu_tile {
-    int rows, colsb;
-    uint8_t data[16][64];
-} emu_tile;
-
-/* Per thread, like the registers: the forward runs the kernel on several threads. */
-static _Thread_local emu_tile g_tmm[8];
-static _Thread_local int g_configured;
-static int g_emu_errors;
-
-static void emu_config(const void *cfg)
-{
-    const uint8_t *c = cfg;
-    TU_CHECK(c[0] == 1, "tile config palette %d", c[0]);
-    for (int t = 0; t < 8; t++) {
-        g_tmm[t].colsb = c[16 + 2 * t] | c[17 + 2 * t] << 8;
-        g_tmm[t].rows = c[48 + t];
-        memset(g_tmm[t].data, 0, sizeof g_tmm[t].data);
-    }
-    g_configured = 1;
-}
-
-static void emu_save(void *cfg)
-{
-    uint8_t *c = cfg;
-    memset(c, 0, 64);
-    if (!g_configured)
-        return;
-    c[0] = 1;
-    for (int t = 0; t < 8; t++) {
-        c[16 + 2 * t] = (uint8_t)(g_tmm[t].colsb & 0xff);
-        c[17 + 2 * t] = (uint8_t)(g_tmm[t].colsb >> 8);
-        c[48 + t] = (uint8_t)g_tmm[t].rows;
-    }
-}
-
-static void emu_release(void)
-{
-    g_configured = 0;
-}
-
-static emu_tile *emu_get(int t)
-{
-    if (!g_configured)
-        g_emu_errors++;
-    return &g_tmm[t];
-}
-
-static void emu_zero(int t)
-{
-    memset(emu_get(t)->data, 0, sizeof g_tmm[t].data);
-}
-
-static void emu_load(int t, const void *p, long stride)
-{
-    emu_tile *x = emu_get(t);
-    for (int r = 0; r < x->rows; r++)
-        memcpy(x->data[r], (const uint8_t *)p + r * stride, (size_t)x->colsb);
-}
-
-static void emu_store(int t, void *p, long stride)
-{
-    emu_tile *x = emu_get(t);
-    for (int r = 0; r < x->rows; r++)
-        memcpy((uint8_t *)p + r * stride, x->data[r], (size_t)x->colsb);
-}
-
-static float emu_bf16(const uint8_t *row, int i)
-{
-    uint16_t h;
-    memcpy(&h, row + 2 * i, 2);
-    return fa_bf16_to_f32(h);
-}
-
-/* TDPBF16PS: for each row m, pair k, column n, in that order, the even then the odd product
- * added to the fp32 accumulator (products of bf16 values are exact in fp32). */
-static void emu_dp(int c, int a, int b)
-{
-    emu_tile *tc = emu_get(c), *ta = emu_get(a), *tb = emu_get(b);
-    if (ta->colsb / 4 != tb->rows || tc->colsb != tb->colsb || tc->rows != ta->rows)
-        g_emu_errors++;
-    for (int m = 0; m < tc->rows; m++) {
-        float acc[16];
-        memcpy(acc, tc->data[m], sizeof acc);
-        for (int k = 0; k < ta->colsb / 4; k++)
-            for (int n = 0; n < tc->colsb / 4; n++) {
-                acc[n] += emu_bf16(ta->data[m], 2 * k) * emu_bf16(tb->data[k], 2 * n);
-                acc[n] += emu_bf16(ta->data[m], 2 * k + 1) * emu_bf16(tb->data[k], 2 * n + 1);
-            }
-        memcpy(tc->data[m], acc, sizeof acc);
-    }
-}
-
-#define FA_AMX_FN(name) name##_emu
-#define FA_AMX_TARGET
-#define FA_AMX_CONFIG(cfg) emu_config(cfg)
-#define FA_AMX_SAVE(cfg) emu_save(cfg)
-#define FA_AMX_RELEASE() emu_release()
-#define FA_AMX_ZERO(t) emu_zero(t)
-#define FA_AMX_LOAD(t, p, s) emu_load(t, p, s)
-#define FA_AMX_STORE(t, p, s) emu_store(t, p, s)
-#define FA_AMX_DP(c, a, b) emu_dp(c, a, b)
-#include "cpu/fa_cpu_amx_body.h"
-
-static const fa_cpu_bf16_kernel k_amx_model = {fa_amx_begin_emu, fa_amx_gemm_emu, fa_amx_end_emu,
-                                                "amx (software model)"};
+#include "test_amx_model.h"
 
 /* ---- the products ------------------------------------------------------------------------ */
 
@@ -230,6 +123,57 @@ static void test_gemm(const fa_cpu_bf16_kernel *kern, const fa_cpu_bf16_kernel *
 
 /* ---- packing ----------------------------------------------------------------------------- */
 
+/* The backward's operands: pairs of rows, rows rounded, a block rounded and transposed. */
+static void test_packing_bwd(tu_rng *rng)
+{
+    const int64_t n = tu_rng_int(rng, 1, 64), kp = (n + 31) / 32 * 32;
+    const int64_t cols = tu_rng_int(rng, 1, 130), colsp = (cols + 15) / 16 * 16;
+    const int64_t lds = cols + tu_rng_int(rng, 0, 7), ldd = colsp + 16 * tu_rng_int(rng, 0, 1);
+    uint16_t *src = malloc(sizeof *src * (size_t)(n * lds));
+    for (int64_t i = 0; i < n * lds; i++)
+        src[i] = rand_bf16(rng, 3.0);
+    uint32_t *pairs = malloc(sizeof *pairs * (size_t)(kp / 2 * ldd));
+    fa_cpu_bf16_pack_pairs(pairs, ldd, src, lds, n, kp, cols, colsp);
+    int64_t bad = 0;
+    for (int64_t x = 0; x < kp / 2; x++)
+        for (int64_t c = 0; c < colsp; c++) {
+            const uint32_t lo = 2 * x < n && c < cols ? src[2 * x * lds + c] : 0;
+            const uint32_t hi = 2 * x + 1 < n && c < cols ? src[(2 * x + 1) * lds + c] : 0;
+            bad += pairs[x * ldd + c] != (lo | hi << 16);
+        }
+    TU_CHECK(bad == 0, "pack_pairs n=%lld cols=%lld: %lld wrong", (long long)n, (long long)cols,
+             (long long)bad);
+
+    /* fp32 [n][colsp] (lds2 apart) with values that round both ways and ties */
+    const int64_t lds2 = colsp + 16;
+    float *f = malloc(sizeof *f * (size_t)(n * lds2));
+    for (int64_t i = 0; i < n * lds2; i++)
+        f[i] = i % 5 == 0 ? fa_bf16_to_f32(rand_bf16(rng, 2.0)) * (1.0f + 0x1p-8f)
+                          : (float)tu_rng_uniform(rng, -2, 2);
+    const int64_t np = (n + 15) / 16 * 16, ldr = colsp + 32;
+    uint16_t *rows = malloc(sizeof *rows * (size_t)(np * ldr));
+    fa_cpu_bf16_round_rows(rows, ldr, f, lds2, n, np, colsp);
+    bad = 0;
+    for (int64_t j = 0; j < np; j++)
+        for (int64_t i = 0; i < colsp; i++)
+            bad += rows[j * ldr + i] != (j < n ? fa_f32_to_bf16(f[j * lds2 + i]) : 0);
+    TU_CHECK(bad == 0, "round_rows n=%lld cols=%lld: %lld wrong", (long long)n,
+             (long long)colsp, (long long)bad);
+    uint16_t *t = malloc(sizeof *t * (size_t)(colsp * (kp + 32)));
+    fa_cpu_bf16_round_t(t, kp + 32, f, lds2, n, kp, colsp);
+    bad = 0;
+    for (int64_t i = 0; i < colsp; i++)
+        for (int64_t j = 0; j < kp; j++)
+            bad += t[i * (kp + 32) + j] != (j < n ? fa_f32_to_bf16(f[j * lds2 + i]) : 0);
+    TU_CHECK(bad == 0, "round_t n=%lld cols=%lld: %lld wrong", (long long)n, (long long)colsp,
+             (long long)bad);
+    free(src);
+    free(pairs);
+    free(f);
+    free(rows);
+    free(t);
+}
+
 static void test_packing(tu_rng *rng)
 {
     for (int it = 0; it < 40; it++) {
@@ -304,6 +248,7 @@ static void test_packing(tu_rng *rng)
         free(rows);
         free(st);
         free(pv);
+        test_packing_bwd(rng);
     }
 }
 

@@ -1,0 +1,349 @@
+/*
+ * The CPU backward for bf16 inputs on bf16 products (fa_cpu_bf16.h: AMX or AVX512-BF16).
+ * fa_cpu_backward.c includes this after the fp32 instance of fa_cpu_bwd_body.h, whose row data,
+ * dropout replay and element-wise pass it shares, so masks, ALiBi, softcap and dropout follow one
+ * code; the schedule (key pass and query pass, or fused) is the fp32 path's.
+ *
+ * The five products of a (query tile, key block), keys on rows and queries on columns:
+ *   S^T  = K Q^T    A: K rows in place          B: Q^T as VNNI pairs, packed once per tile
+ *   dP^T = V dO^T   A: V rows in place          B: dO^T as pairs, once per tile
+ *   dV  += P^T dO   A: P^T rounded to bf16      B: pairs of dO rows, once per tile
+ *   dK  += dS^T Q   A: dS^T rounded             B: pairs of Q rows, once per tile
+ *   dQ  += dS K     A: dS rounded, transposed   B: pairs of K rows, once per key block
+ * S, dP, the softmax and every accumulator are fp32; only P and dS are rounded, to bf16, for the
+ * last three products, as GPU FlashAttention does. Q is not pre-scaled, so the first product is
+ * exact; the element-wise pass applies the scale. A query tile's columns are padded to mq, a
+ * multiple of 32, since the tile is the depth of the dV and dK products.
+ */
+
+#if defined(FA_CPU_HAS_BF16)
+
+#define FA_BWD_BF16_BN 64 /* keys per block */
+
+typedef struct fa_bwd_tile_bf16 {
+    fa_bwd_tile_f32 f; /* lse, dsum, lo, hi, diag [BM]; pt, dxt, zt [BN][mq]; acc_k, acc_v, acc_q */
+    uint32_t *qv;      /* [dk/2][BM] Q^T in VNNI pairs, dk = d rounded up to the kernels' depth */
+    uint32_t *dov;     /* [dvk/2][BM] dO^T in VNNI pairs */
+    uint32_t *qpair;   /* [BM/2][dp] pairs of Q rows */
+    uint32_t *dopair;  /* [BM/2][dvp] pairs of dO rows */
+    uint32_t *kpair;   /* [NK/2][dp] pairs of K rows */
+    uint16_t *kbuf;    /* [NK][dk] K rows that cannot be read in place, zero-padded */
+    uint16_t *vbuf;    /* [NK][dvk] V rows likewise */
+    uint16_t *pb;      /* [BN][BM] P^T in bf16 */
+    uint16_t *dsb;     /* [BN][BM] dS^T in bf16 */
+    uint16_t *ds;      /* [BM][BN] dS in bf16 */
+    float *dqbuf;      /* [BM][dp] a tile's dQ product when the tile has padding rows */
+} fa_bwd_tile_bf16;
+
+static int64_t fa_bwd_bf16_round(int64_t x, int64_t to)
+{
+    return (x + to - 1) / to * to;
+}
+
+enum { FA_BWD_BF16_ROWS, FA_BWD_BF16_PT, FA_BWD_BF16_DXT, FA_BWD_BF16_ZT, FA_BWD_BF16_ACCK,
+       FA_BWD_BF16_ACCV, FA_BWD_BF16_ACCQ, FA_BWD_BF16_QV, FA_BWD_BF16_DOV, FA_BWD_BF16_QPAIR,
+       FA_BWD_BF16_DOPAIR, FA_BWD_BF16_KPAIR, FA_BWD_BF16_KBUF, FA_BWD_BF16_VBUF, FA_BWD_BF16_PB,
+       FA_BWD_BF16_DSB, FA_BWD_BF16_DS, FA_BWD_BF16_DQBUF, FA_BWD_BF16_PARTS };
+
+/* Bytes of each scratch region, each a multiple of 64 so every region stays 64-byte aligned. */
+static void fa_bwd_bf16_part_sizes(const fa_params *p, size_t s[FA_BWD_BF16_PARTS])
+{
+    const size_t bm = FA_CPU_BM, bn = FA_BWD_BF16_BN, nk = FA_CPU_BWD_NK;
+    const size_t dk = (size_t)fa_bwd_bf16_round(p->d, FA_CPU_BF16_KALIGN);
+    const size_t dvk = (size_t)fa_bwd_bf16_round(p->dv, FA_CPU_BF16_KALIGN);
+    const size_t dp = (size_t)fa_cpu_gemm_pad(p->d), dvp = (size_t)fa_cpu_gemm_pad(p->dv);
+    s[FA_BWD_BF16_ROWS] = 5 * bm * 4;
+    s[FA_BWD_BF16_PT] = s[FA_BWD_BF16_DXT] = s[FA_BWD_BF16_ZT] = bn * bm * 4;
+    s[FA_BWD_BF16_ACCK] = nk * dp * 4;
+    s[FA_BWD_BF16_ACCV] = nk * dvp * 4;
+    s[FA_BWD_BF16_ACCQ] = bm * dp * 4;
+    s[FA_BWD_BF16_QV] = dk / 2 * bm * 4;
+    s[FA_BWD_BF16_DOV] = dvk / 2 * bm * 4;
+    s[FA_BWD_BF16_QPAIR] = bm / 2 * dp * 4;
+    s[FA_BWD_BF16_DOPAIR] = bm / 2 * dvp * 4;
+    s[FA_BWD_BF16_KPAIR] = nk / 2 * dp * 4;
+    s[FA_BWD_BF16_KBUF] = nk * dk * 2;
+    s[FA_BWD_BF16_VBUF] = nk * dvk * 2;
+    s[FA_BWD_BF16_PB] = s[FA_BWD_BF16_DSB] = s[FA_BWD_BF16_DS] = bn * bm * 2;
+    s[FA_BWD_BF16_DQBUF] = bm * dp * 4;
+    for (int i = 0; i < FA_BWD_BF16_PARTS; i++)
+        s[i] = (s[i] + 63) & ~(size_t)63;
+}
+
+static size_t fa_bwd_bf16_scratch_size(const fa_params *p)
+{
+    size_t s[FA_BWD_BF16_PARTS], total = 0;
+    fa_bwd_bf16_part_sizes(p, s);
+    for (int i = 0; i < FA_BWD_BF16_PARTS; i++)
+        total += s[i];
+    return total;
+}
+
+static void fa_bwd_bf16_carve(const fa_params *p, char *base, fa_bwd_tile_bf16 *t)
+{
+    size_t s[FA_BWD_BF16_PARTS];
+    char *at[FA_BWD_BF16_PARTS];
+    fa_bwd_bf16_part_sizes(p, s);
+    for (int i = 0; i < FA_BWD_BF16_PARTS; i++) {
+        at[i] = base;
+        base += s[i];
+    }
+    fa_bwd_tile_f32 *f = &t->f;
+    float *rows = (float *)at[FA_BWD_BF16_ROWS];
+    float **parts[5] = {&f->lse, &f->dsum, &f->lo, &f->hi, &f->diag};
+    for (int i = 0; i < 5; i++)
+        *parts[i] = rows + i * FA_CPU_BM;
+    f->qt = f->qr = f->dot = f->dor = f->kbuf = f->vbuf = NULL;
+    f->pt = (float *)at[FA_BWD_BF16_PT];
+    f->dxt = (float *)at[FA_BWD_BF16_DXT];
+    f->zt = (float *)at[FA_BWD_BF16_ZT];
+    f->acc_k = (float *)at[FA_BWD_BF16_ACCK];
+    f->acc_v = (float *)at[FA_BWD_BF16_ACCV];
+    f->acc_q = (float *)at[FA_BWD_BF16_ACCQ];
+    t->qv = (uint32_t *)at[FA_BWD_BF16_QV];
+    t->dov = (uint32_t *)at[FA_BWD_BF16_DOV];
+    t->qpair = (uint32_t *)at[FA_BWD_BF16_QPAIR];
+    t->dopair = (uint32_t *)at[FA_BWD_BF16_DOPAIR];
+    t->kpair = (uint32_t *)at[FA_BWD_BF16_KPAIR];
+    t->kbuf = (uint16_t *)at[FA_BWD_BF16_KBUF];
+    t->vbuf = (uint16_t *)at[FA_BWD_BF16_VBUF];
+    t->pb = (uint16_t *)at[FA_BWD_BF16_PB];
+    t->dsb = (uint16_t *)at[FA_BWD_BF16_DSB];
+    t->ds = (uint16_t *)at[FA_BWD_BF16_DS];
+    t->dqbuf = (float *)at[FA_BWD_BF16_DQBUF];
+}
+
+/* The A operands of keys [j0, j0+n) of one kv head, and with pairs the B operand of dQ. */
+typedef struct fa_bwd_bf16_kv {
+    const uint16_t *k, *v; /* [round(n, 16)][dk] and [..][dvk] rows */
+    int64_t k_ld, v_ld;
+} fa_bwd_bf16_kv;
+
+/* Rows are read in place when whole tiles of them exist (the kernels' row count and depth), else
+ * copied with zero padding: a head dim short of the depth, or a last block short of 16 keys. */
+static inline const uint16_t *fa_bwd_bf16_rows(const uint16_t *x, int64_t ld, int64_t n,
+                                               int64_t cols, int64_t colsk, uint16_t *buf,
+                                               int64_t *ld_out)
+{
+    const int64_t nm = fa_bwd_bf16_round(n, FA_CPU_BF16_MALIGN);
+    *ld_out = ld;
+    if (n == nm && cols == colsk)
+        return x;
+    for (int64_t j = 0; j < nm; j++)
+        for (int64_t c = 0; c < colsk; c++)
+            buf[j * colsk + c] = j < n && c < cols ? x[j * ld + c] : 0;
+    *ld_out = colsk;
+    return buf;
+}
+
+static inline fa_bwd_bf16_kv fa_bwd_bf16_load_kv(const fa_params *p, fa_bwd_tile_bf16 *t,
+                                                 const uint16_t *k, const uint16_t *v, int64_t j0,
+                                                 int64_t n, int pairs)
+{
+    const int64_t d = p->d, dv = p->dv;
+    const int64_t dk = fa_bwd_bf16_round(d, FA_CPU_BF16_KALIGN);
+    const int64_t dvk = fa_bwd_bf16_round(dv, FA_CPU_BF16_KALIGN);
+    fa_bwd_bf16_kv kv;
+    kv.k = fa_bwd_bf16_rows(k + j0 * p->k_rstride, p->k_rstride, n, d, dk, t->kbuf, &kv.k_ld);
+    kv.v = fa_bwd_bf16_rows(v + j0 * p->v_rstride, p->v_rstride, n, dv, dvk, t->vbuf, &kv.v_ld);
+    if (pairs)
+        fa_cpu_bf16_pack_pairs(t->kpair, fa_cpu_gemm_pad(d), k + j0 * p->k_rstride, p->k_rstride,
+                               n, fa_bwd_bf16_round(n, FA_CPU_BF16_KALIGN), d,
+                               fa_cpu_gemm_pad(d));
+    return kv;
+}
+
+/* Row data and the four packed operands of rows [r0, r0+m) of head h (mq columns). */
+static void fa_bwd_bf16_pack_tile(const fa_params *p, fa_bwd_tile_bf16 *t, const float *dsum_ws,
+                                  int64_t seq_index, const fa_seq *seq, int64_t h, int64_t r0,
+                                  int64_t m, int64_t mq)
+{
+    const int64_t d = p->d, dv = p->dv, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(dv);
+    const uint16_t *q = (const uint16_t *)p->q + seq_index * p->q_bstride +
+                        (seq->q_start + r0) * p->q_rstride + h * p->q_hstride;
+    const uint16_t *dout = (const uint16_t *)p->dout_data + seq_index * p->do_bstride +
+                           (seq->q_start + r0) * p->do_rstride + h * p->do_hstride;
+    fa_bwd_row_info_f32(p, &t->f, dsum_ws, seq_index, seq, h, r0, m, mq);
+    fa_cpu_bf16_pack_q(t->qv, mq, q, p->q_rstride, m, mq, d,
+                       fa_bwd_bf16_round(d, FA_CPU_BF16_KALIGN));
+    fa_cpu_bf16_pack_q(t->dov, mq, dout, p->do_rstride, m, mq, dv,
+                       fa_bwd_bf16_round(dv, FA_CPU_BF16_KALIGN));
+    fa_cpu_bf16_pack_pairs(t->qpair, dp, q, p->q_rstride, m, mq, d, dp);
+    fa_cpu_bf16_pack_pairs(t->dopair, dvp, dout, p->do_rstride, m, mq, dv, dvp);
+}
+
+/*
+ * One (query tile, key block): the block is keys [j0, j0+nb), b0 keys into kv's rows. Adds into
+ * acc_v and acc_k (the block's key rows; NULL: not wanted) and dq (the tile's rows, ldq apart;
+ * NULL: not wanted; with dq_direct 0 the tile has padding rows that dq must not see).
+ */
+FA_CPU_AVX512 static void fa_bwd_bf16_block(const fa_params *p, const fa_cpu_bf16_kernel *kern,
+                                            fa_bwd_tile_bf16 *t, const fa_bwd_bf16_kv *kv,
+                                            int64_t seq_index, int64_t h, int64_t r0, int64_t m,
+                                            int64_t mq, int64_t j0, int64_t b0, int64_t nb,
+                                            float *acc_v, float *acc_k, float *dq, int64_t ldq)
+{
+    fa_bwd_tile_f32 *f = &t->f;
+    const int64_t d = p->d, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(p->dv);
+    const int64_t nbm = fa_bwd_bf16_round(nb, FA_CPU_BF16_MALIGN);
+    const int64_t nbk = fa_bwd_bf16_round(nb, FA_CPU_BF16_KALIGN);
+    /* A full block computes every column: padding columns of the operands are zero, so they
+     * come out 0 with no mask. An edge block computes the columns that see one of its keys; the
+     * element-wise pass selects 0 for the rest. */
+    const int full = fa_edge_full_f32(f->lo, f->hi, 0, m, j0, nb);
+    int64_t c0 = 0, c1 = mq;
+    if (!full) {
+        fa_edge_cols_f32(f->lo, f->hi, m, j0, nb, &c0, &c1);
+        if (c1 <= c0)
+            return;
+    }
+    kern->gemm(f->pt + c0, mq, kv->k + b0 * kv->k_ld, kv->k_ld, t->qv + c0, mq, nbm, c1 - c0,
+               fa_bwd_bf16_round(d, FA_CPU_BF16_KALIGN), 0);
+    kern->gemm(f->dxt + c0, mq, kv->v + b0 * kv->v_ld, kv->v_ld, t->dov + c0, mq, nbm, c1 - c0,
+               fa_bwd_bf16_round(p->dv, FA_CPU_BF16_KALIGN), 0);
+    fa_bwd_probs_f32(p, f, seq_index, h, r0, m, mq, j0, nb, full, (float)p->scale);
+
+    /* dV and dK over the queries, in whole steps of the kernels' depth around [c0, c1). */
+    const int64_t k0 = c0 / FA_CPU_BF16_KALIGN * FA_CPU_BF16_KALIGN;
+    const int64_t k1 = fa_bwd_bf16_round(c1, FA_CPU_BF16_KALIGN) < mq
+                           ? fa_bwd_bf16_round(c1, FA_CPU_BF16_KALIGN)
+                           : mq;
+    if (acc_v) {
+        fa_cpu_bf16_round_rows(t->pb + k0, mq, f->pt + k0, mq, nb, nbm, k1 - k0);
+        kern->gemm(acc_v, dvp, t->pb + k0, mq, t->dopair + k0 / 2 * dvp, dvp, nbm, dvp, k1 - k0,
+                   1);
+    }
+    if (acc_k) {
+        fa_cpu_bf16_round_rows(t->dsb + k0, mq, f->dxt + k0, mq, nb, nbm, k1 - k0);
+        kern->gemm(acc_k, dp, t->dsb + k0, mq, t->qpair + k0 / 2 * dp, dp, nbm, dp, k1 - k0, 1);
+    }
+    if (dq) {
+        /* rows [c0, c1) of dS; real rows stop at m */
+        const uint32_t *kp = t->kpair + b0 / 2 * dp;
+        fa_cpu_bf16_round_t(t->ds, nbk, f->dxt + c0, mq, nb, nbk, c1 - c0);
+        if (c1 <= m) {
+            kern->gemm(dq + c0 * ldq, ldq, t->ds, nbk, kp, dp, c1 - c0, dp, nbk, 1);
+        } else {
+            kern->gemm(t->dqbuf, dp, t->ds, nbk, kp, dp, c1 - c0, dp, nbk, 0);
+            for (int64_t i = c0; i < m; i++)
+                for (int64_t c = 0; c < dp; c++)
+                    dq[i * ldq + c] += t->dqbuf[(i - c0) * dp + c];
+        }
+    }
+}
+
+static const uint16_t *fa_bwd_bf16_head(const void *x, int64_t bstride, int64_t rstride,
+                                        int64_t hstride, int64_t seq_index, int64_t start,
+                                        int64_t h)
+{
+    return (const uint16_t *)x + seq_index * bstride + start * rstride + h * hstride;
+}
+
+/* Key pass item (fa_bwd_keys_f32's, on bf16 products); dq_ws as there. */
+FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern,
+                                           fa_bwd_tile_bf16 *t, const float *dsum_ws,
+                                           float *dq_ws, int64_t seq_index, int64_t hk,
+                                           int64_t j0, int64_t n)
+{
+    fa_bwd_tile_f32 *f = &t->f;
+    const fa_seq seq = fa_params_seq(p, seq_index);
+    const int64_t d = p->d, dv = p->dv, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(dv);
+    const int64_t group = p->h / p->hk;
+    const uint16_t *k = fa_bwd_bf16_head(p->k, p->k_bstride, p->k_rstride, p->k_hstride,
+                                         seq_index, seq.k_start, hk);
+    const uint16_t *v = fa_bwd_bf16_head(p->v, p->v_bstride, p->v_rstride, p->v_hstride,
+                                         seq_index, seq.k_start, hk);
+    for (int64_t x = 0; x < n * dp; x++)
+        f->acc_k[x] = 0;
+    for (int64_t x = 0; x < n * dvp; x++)
+        f->acc_v[x] = 0;
+
+    int64_t i_lo, i_hi;
+    fa_bwd_row_range(p, &seq, j0, j0 + n, &i_lo, &i_hi);
+    if (i_lo < i_hi) {
+        kern->begin();
+        const fa_bwd_bf16_kv kv = fa_bwd_bf16_load_kv(p, t, k, v, j0, n, dq_ws != NULL);
+        for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
+            for (int64_t r0 = i_lo; r0 < i_hi; r0 += FA_CPU_BM) {
+                const int64_t m = i_hi - r0 < FA_CPU_BM ? i_hi - r0 : FA_CPU_BM;
+                const int64_t mq = fa_bwd_bf16_round(m, FA_CPU_BF16_KALIGN);
+                fa_bwd_bf16_pack_tile(p, t, dsum_ws, seq_index, &seq, h, r0, m, mq);
+                const int64_t dq_row = fa_bwd_token(p, seq_index, &seq, r0) * p->h + h;
+                float *dq = dq_ws ? dq_ws + dq_row * dp : NULL;
+                for (int64_t b0 = 0; b0 < n; b0 += FA_BWD_BF16_BN) {
+                    const int64_t nb = n - b0 < FA_BWD_BF16_BN ? n - b0 : FA_BWD_BF16_BN;
+                    int64_t s_lo, s_hi;
+                    fa_bwd_row_range(p, &seq, j0 + b0, j0 + b0 + nb, &s_lo, &s_hi);
+                    if (s_hi <= r0 || s_lo >= r0 + m)
+                        continue;
+                    fa_bwd_bf16_block(p, kern, t, &kv, seq_index, h, r0, m, mq, j0 + b0, b0, nb,
+                                      f->acc_v + b0 * dvp, f->acc_k + b0 * dp, dq, p->h * dp);
+                }
+            }
+        }
+        kern->end();
+    }
+
+    const int64_t dk_base =
+        seq_index * p->dk_bstride + seq.k_start * p->dk_rstride + hk * p->dk_hstride;
+    const int64_t dv_base =
+        seq_index * p->dv_bstride + seq.k_start * p->dv_rstride + hk * p->dv_hstride;
+    for (int64_t j = 0; j < n; j++) {
+        fa_store_row_f32(p->dk_data, dk_base + (j0 + j) * p->dk_rstride, f->acc_k + j * dp, 1, d,
+                         p->dtype);
+        fa_store_row_f32(p->dv_data, dv_base + (j0 + j) * p->dv_rstride, f->acc_v + j * dvp, 1,
+                         dv, p->dtype);
+    }
+}
+
+/* Fused item (fa_bwd_fused_f32's, on bf16 products). */
+static void fa_bwd_fused_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern,
+                              fa_bwd_tile_bf16 *t, const float *dsum_ws, float *dq_ws,
+                              int64_t seq_index, int64_t hk)
+{
+    const fa_seq seq = fa_params_seq(p, seq_index);
+    fa_bwd_dq_ws_zero_f32(p, dq_ws, seq_index, &seq, hk);
+    const int64_t klen = fa_bwd_key_count(p, seq_index);
+    for (int64_t j0 = 0; j0 < klen; j0 += FA_CPU_BWD_NK)
+        fa_bwd_keys_bf16(p, kern, t, dsum_ws, dq_ws, seq_index, hk, j0,
+                         klen - j0 < FA_CPU_BWD_NK ? klen - j0 : FA_CPU_BWD_NK);
+    fa_bwd_dq_ws_store_f32(p, dq_ws, seq_index, &seq, hk);
+}
+
+/* Query pass item (fa_bwd_queries_f32's, on bf16 products). */
+FA_CPU_AVX512 static void fa_bwd_queries_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern,
+                                              fa_bwd_tile_bf16 *t, const float *dsum_ws,
+                                              int64_t seq_index, int64_t h, int64_t r0,
+                                              int64_t m)
+{
+    fa_bwd_tile_f32 *f = &t->f;
+    const fa_seq seq = fa_params_seq(p, seq_index);
+    const int64_t d = p->d, dp = fa_cpu_gemm_pad(d);
+    const int64_t mq = fa_bwd_bf16_round(m, FA_CPU_BF16_KALIGN);
+    const int64_t hk = h / (p->h / p->hk);
+    const uint16_t *k = fa_bwd_bf16_head(p->k, p->k_bstride, p->k_rstride, p->k_hstride,
+                                         seq_index, seq.k_start, hk);
+    const uint16_t *v = fa_bwd_bf16_head(p->v, p->v_bstride, p->v_rstride, p->v_hstride,
+                                         seq_index, seq.k_start, hk);
+    for (int64_t x = 0; x < FA_CPU_BM * dp; x++)
+        f->acc_q[x] = 0;
+    kern->begin();
+    fa_bwd_bf16_pack_tile(p, t, dsum_ws, seq_index, &seq, h, r0, m, mq);
+    int64_t k_lo, k_hi;
+    fa_params_tile_keys(p, r0, m, seq.sq, seq.sk, &k_lo, &k_hi);
+    for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_BWD_BF16_BN) {
+        const int64_t n = k_hi - j0 < FA_BWD_BF16_BN ? k_hi - j0 : FA_BWD_BF16_BN;
+        const fa_bwd_bf16_kv kv = fa_bwd_bf16_load_kv(p, t, k, v, j0, n, 1);
+        fa_bwd_bf16_block(p, kern, t, &kv, seq_index, h, r0, m, mq, j0, 0, n, NULL, NULL,
+                          f->acc_q, dp);
+    }
+    kern->end();
+
+    const int64_t dq_base =
+        seq_index * p->dq_bstride + seq.q_start * p->dq_rstride + h * p->dq_hstride;
+    for (int64_t i = 0; i < m; i++)
+        fa_store_row_f32(p->dq_data, dq_base + (r0 + i) * p->dq_rstride, f->acc_q + i * dp, 1, d,
+                         p->dtype);
+}
+
+#endif /* FA_CPU_HAS_BF16 */
