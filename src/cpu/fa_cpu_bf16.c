@@ -226,8 +226,9 @@ FA_BF16_TARGET void fa_cpu_bf16_round_rows(uint16_t *dst, int64_t ldd, const flo
 {
     for (int64_t j = 0; j < np; j++)
         for (int64_t i = 0; i < cols; i += 16) {
-            const __m256i h = j < n ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + j * lds + i))
-                                    : _mm256_setzero_si256();
+            const __m256i h =
+                j < n ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + j * lds + i))
+                      : _mm256_setzero_si256();
             _mm256_storeu_si256((__m256i *)(dst + j * ldd + i), h);
         }
 }

@@ -4,10 +4,10 @@
  *   - The AMX kernel's source (fa_cpu_amx_body.h) compiled against a software model of the tile
  *     instructions written from the SDM's pseudo-code (test_amx_model.h), so that it runs on any
  *     x86-64 machine; where the CPU has AMX, the real kernel too, and whether it matches the
- *     model bitwise is printed. AVX512-BF16 where the CPU has it. Each against exact products summed in double,
- *     within the fp32 summation bound (k+1) 2^-24 sum|terms|, over the contract's shapes (m, n
- *     multiples of 16, k of 32), with gaps between rows, accumulating or not, and nothing
- *     outside C written.
+ *     model bitwise is printed. AVX512-BF16 where the CPU has it. Each against exact products
+ *     summed in double, within the fp32 summation bound (k+1) 2^-24 sum|terms|, over the
+ *     contract's shapes (m, n multiples of 16, k of 32), with gaps between rows, accumulating or
+ *     not, and nothing outside C written.
  *   - The packing helpers against scalar loops, exactly.
  *   - Whole forward passes on the model of AMX (the code path AMX machines run) against the
  *     double oracle with test_forward's bf16 criterion: max|ours - ref| <= 2 max|lowp - ref| +
