@@ -9,6 +9,7 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "api/fa_internal.h"
 #include "cpu/fa_cpu_bf16.h"

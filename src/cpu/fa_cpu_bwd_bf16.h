@@ -18,7 +18,13 @@
 
 #if defined(FA_CPU_HAS_BF16)
 
-#define FA_BWD_BF16_BN 64 /* keys per block */
+/* Keys per block and query rows per tile of the key pass (the query pass's: FA_CPU_BM). They are
+ * the depths of the gradient products, whose fp32 C an AMX kernel loads and stores once per call:
+ * on the H200 host 128 x 128 spends 13-26% fewer cycles than 64 x 64 (bench/NOTES.md). */
+#define FA_BWD_BF16_BN 128
+#define FA_BWD_BF16_BM 128
+_Static_assert(FA_BWD_BF16_BM >= FA_CPU_BM && FA_BWD_BF16_BM % 32 == 0,
+               "the scratch holds the query pass's tiles too; tiles are whole steps of depth");
 
 typedef struct fa_bwd_tile_bf16 {
     fa_bwd_tile_f32 f; /* lse, dsum, lo, hi, diag [BM]; pt, dxt, zt [BN][mq]; acc_k, acc_v, acc_q */
@@ -32,7 +38,6 @@ typedef struct fa_bwd_tile_bf16 {
     uint16_t *pb;      /* [BN][BM] P^T in bf16 */
     uint16_t *dsb;     /* [BN][BM] dS^T in bf16 */
     uint16_t *ds;      /* [BM][BN] dS in bf16 */
-    float *dqbuf;      /* [BM][dp] a tile's dQ product when the tile has padding rows */
 } fa_bwd_tile_bf16;
 
 static int64_t fa_bwd_bf16_round(int64_t x, int64_t to)
@@ -43,12 +48,12 @@ static int64_t fa_bwd_bf16_round(int64_t x, int64_t to)
 enum { FA_BWD_BF16_ROWS, FA_BWD_BF16_PT, FA_BWD_BF16_DXT, FA_BWD_BF16_ZT, FA_BWD_BF16_ACCK,
        FA_BWD_BF16_ACCV, FA_BWD_BF16_ACCQ, FA_BWD_BF16_QV, FA_BWD_BF16_DOV, FA_BWD_BF16_QPAIR,
        FA_BWD_BF16_DOPAIR, FA_BWD_BF16_KPAIR, FA_BWD_BF16_KBUF, FA_BWD_BF16_VBUF, FA_BWD_BF16_PB,
-       FA_BWD_BF16_DSB, FA_BWD_BF16_DS, FA_BWD_BF16_DQBUF, FA_BWD_BF16_PARTS };
+       FA_BWD_BF16_DSB, FA_BWD_BF16_DS, FA_BWD_BF16_PARTS };
 
 /* Bytes of each scratch region, each a multiple of 64 so every region stays 64-byte aligned. */
 static void fa_bwd_bf16_part_sizes(const fa_params *p, size_t s[FA_BWD_BF16_PARTS])
 {
-    const size_t bm = FA_CPU_BM, bn = FA_BWD_BF16_BN, nk = FA_CPU_BWD_NK;
+    const size_t bm = FA_BWD_BF16_BM, bn = FA_BWD_BF16_BN, nk = FA_CPU_BWD_NK;
     const size_t dk = (size_t)fa_bwd_bf16_round(p->d, FA_CPU_BF16_KALIGN);
     const size_t dvk = (size_t)fa_bwd_bf16_round(p->dv, FA_CPU_BF16_KALIGN);
     const size_t dp = (size_t)fa_cpu_gemm_pad(p->d), dvp = (size_t)fa_cpu_gemm_pad(p->dv);
@@ -65,7 +70,6 @@ static void fa_bwd_bf16_part_sizes(const fa_params *p, size_t s[FA_BWD_BF16_PART
     s[FA_BWD_BF16_KBUF] = nk * dk * 2;
     s[FA_BWD_BF16_VBUF] = nk * dvk * 2;
     s[FA_BWD_BF16_PB] = s[FA_BWD_BF16_DSB] = s[FA_BWD_BF16_DS] = bn * bm * 2;
-    s[FA_BWD_BF16_DQBUF] = bm * dp * 4;
     for (int i = 0; i < FA_BWD_BF16_PARTS; i++)
         s[i] = (s[i] + 63) & ~(size_t)63;
 }
@@ -92,7 +96,7 @@ static void fa_bwd_bf16_carve(const fa_params *p, char *base, fa_bwd_tile_bf16 *
     float *rows = (float *)at[FA_BWD_BF16_ROWS];
     float **parts[5] = {&f->lse, &f->dsum, &f->lo, &f->hi, &f->diag};
     for (int i = 0; i < 5; i++)
-        *parts[i] = rows + i * FA_CPU_BM;
+        *parts[i] = rows + i * FA_BWD_BF16_BM;
     f->qt = f->qr = f->dot = f->dor = f->kbuf = f->vbuf = NULL;
     f->pt = (float *)at[FA_BWD_BF16_PT];
     f->dxt = (float *)at[FA_BWD_BF16_DXT];
@@ -110,7 +114,6 @@ static void fa_bwd_bf16_carve(const fa_params *p, char *base, fa_bwd_tile_bf16 *
     t->pb = (uint16_t *)at[FA_BWD_BF16_PB];
     t->dsb = (uint16_t *)at[FA_BWD_BF16_DSB];
     t->ds = (uint16_t *)at[FA_BWD_BF16_DS];
-    t->dqbuf = (float *)at[FA_BWD_BF16_DQBUF];
 }
 
 /* The A operands of keys [j0, j0+n) of one kv head, and with pairs the B operand of dQ. */
@@ -119,20 +122,21 @@ typedef struct fa_bwd_bf16_kv {
     int64_t k_ld, v_ld;
 } fa_bwd_bf16_kv;
 
-/* Rows are read in place when whole tiles of them exist (the kernels' row count and depth), else
- * copied with zero padding: a head dim short of the depth, or a last block short of 16 keys. */
+/* Rows copied to buf, zero-padded to whole tiles (the kernels' row count and depth). Never read
+ * in place: a head's rows are h * d elements apart, 8 KB at h 32, d 128, so the 16 rows of an
+ * AMX tile load would all fall in one L1 set. */
 static inline const uint16_t *fa_bwd_bf16_rows(const uint16_t *x, int64_t ld, int64_t n,
-                                               int64_t cols, int64_t colsk, uint16_t *buf,
-                                               int64_t *ld_out)
+                                               int64_t cols, int64_t colsk, uint16_t *buf)
 {
     const int64_t nm = fa_bwd_bf16_round(n, FA_CPU_BF16_MALIGN);
-    *ld_out = ld;
-    if (n == nm && cols == colsk)
-        return x;
-    for (int64_t j = 0; j < nm; j++)
+    for (int64_t j = 0; j < nm; j++) {
+        if (j < n && cols == colsk) {
+            memcpy(buf + j * colsk, x + j * ld, (size_t)cols * sizeof *buf);
+            continue;
+        }
         for (int64_t c = 0; c < colsk; c++)
             buf[j * colsk + c] = j < n && c < cols ? x[j * ld + c] : 0;
-    *ld_out = colsk;
+    }
     return buf;
 }
 
@@ -144,8 +148,10 @@ static inline fa_bwd_bf16_kv fa_bwd_bf16_load_kv(const fa_params *p, fa_bwd_tile
     const int64_t dk = fa_bwd_bf16_round(d, FA_CPU_BF16_KALIGN);
     const int64_t dvk = fa_bwd_bf16_round(dv, FA_CPU_BF16_KALIGN);
     fa_bwd_bf16_kv kv;
-    kv.k = fa_bwd_bf16_rows(k + j0 * p->k_rstride, p->k_rstride, n, d, dk, t->kbuf, &kv.k_ld);
-    kv.v = fa_bwd_bf16_rows(v + j0 * p->v_rstride, p->v_rstride, n, dv, dvk, t->vbuf, &kv.v_ld);
+    kv.k = fa_bwd_bf16_rows(k + j0 * p->k_rstride, p->k_rstride, n, d, dk, t->kbuf);
+    kv.v = fa_bwd_bf16_rows(v + j0 * p->v_rstride, p->v_rstride, n, dv, dvk, t->vbuf);
+    kv.k_ld = dk;
+    kv.v_ld = dvk;
     if (pairs)
         fa_cpu_bf16_pack_pairs(t->kpair, fa_cpu_gemm_pad(d), k + j0 * p->k_rstride, p->k_rstride,
                                n, fa_bwd_bf16_round(n, FA_CPU_BF16_KALIGN), d,
@@ -174,14 +180,14 @@ static void fa_bwd_bf16_pack_tile(const fa_params *p, fa_bwd_tile_bf16 *t, const
 
 /*
  * One (query tile, key block): the block is keys [j0, j0+nb), b0 keys into kv's rows. Adds into
- * acc_v and acc_k (the block's key rows; NULL: not wanted) and dq (the tile's rows, ldq apart;
- * NULL: not wanted; with dq_direct 0 the tile has padding rows that dq must not see).
+ * acc_v and acc_k (the block's key rows; NULL: not wanted) and dq ([mq][dp], the tile's rows and
+ * its padding rows; NULL: not wanted).
  */
 FA_CPU_AVX512 static void fa_bwd_bf16_block(const fa_params *p, const fa_cpu_bf16_kernel *kern,
                                             fa_bwd_tile_bf16 *t, const fa_bwd_bf16_kv *kv,
                                             int64_t seq_index, int64_t h, int64_t r0, int64_t m,
                                             int64_t mq, int64_t j0, int64_t b0, int64_t nb,
-                                            float *acc_v, float *acc_k, float *dq, int64_t ldq)
+                                            float *acc_v, float *acc_k, float *dq)
 {
     fa_bwd_tile_f32 *f = &t->f;
     const int64_t d = p->d, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(p->dv);
@@ -218,17 +224,8 @@ FA_CPU_AVX512 static void fa_bwd_bf16_block(const fa_params *p, const fa_cpu_bf1
         kern->gemm(acc_k, dp, t->dsb + k0, mq, t->qpair + k0 / 2 * dp, dp, nbm, dp, k1 - k0, 1);
     }
     if (dq) {
-        /* rows [c0, c1) of dS; real rows stop at m */
-        const uint32_t *kp = t->kpair + b0 / 2 * dp;
         fa_cpu_bf16_round_t(t->ds, nbk, f->dxt + c0, mq, nb, nbk, c1 - c0);
-        if (c1 <= m) {
-            kern->gemm(dq + c0 * ldq, ldq, t->ds, nbk, kp, dp, c1 - c0, dp, nbk, 1);
-        } else {
-            kern->gemm(t->dqbuf, dp, t->ds, nbk, kp, dp, c1 - c0, dp, nbk, 0);
-            for (int64_t i = c0; i < m; i++)
-                for (int64_t c = 0; c < dp; c++)
-                    dq[i * ldq + c] += t->dqbuf[(i - c0) * dp + c];
-        }
+        kern->gemm(dq + c0 * dp, dp, t->ds, nbk, t->kpair + b0 / 2 * dp, dp, c1 - c0, dp, nbk, 1);
     }
 }
 
@@ -264,12 +261,15 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
         kern->begin();
         const fa_bwd_bf16_kv kv = fa_bwd_bf16_load_kv(p, t, k, v, j0, n, dq_ws != NULL);
         for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
-            for (int64_t r0 = i_lo; r0 < i_hi; r0 += FA_CPU_BM) {
-                const int64_t m = i_hi - r0 < FA_CPU_BM ? i_hi - r0 : FA_CPU_BM;
+            for (int64_t r0 = i_lo; r0 < i_hi; r0 += FA_BWD_BF16_BM) {
+                const int64_t m = i_hi - r0 < FA_BWD_BF16_BM ? i_hi - r0 : FA_BWD_BF16_BM;
                 const int64_t mq = fa_bwd_bf16_round(m, FA_CPU_BF16_KALIGN);
                 fa_bwd_bf16_pack_tile(p, t, dsum_ws, seq_index, &seq, h, r0, m, mq);
-                const int64_t dq_row = fa_bwd_token(p, seq_index, &seq, r0) * p->h + h;
-                float *dq = dq_ws ? dq_ws + dq_row * dp : NULL;
+                /* dQ of the item's blocks, summed here and then added to the workspace, whose
+                 * rows are h * dp floats apart */
+                float *dq = dq_ws ? f->acc_q : NULL;
+                for (int64_t x = 0; dq && x < mq * dp; x++)
+                    dq[x] = 0;
                 for (int64_t b0 = 0; b0 < n; b0 += FA_BWD_BF16_BN) {
                     const int64_t nb = n - b0 < FA_BWD_BF16_BN ? n - b0 : FA_BWD_BF16_BN;
                     int64_t s_lo, s_hi;
@@ -277,8 +277,13 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
                     if (s_hi <= r0 || s_lo >= r0 + m)
                         continue;
                     fa_bwd_bf16_block(p, kern, t, &kv, seq_index, h, r0, m, mq, j0 + b0, b0, nb,
-                                      f->acc_v + b0 * dvp, f->acc_k + b0 * dp, dq, p->h * dp);
+                                      f->acc_v + b0 * dvp, f->acc_k + b0 * dp, dq);
                 }
+                float *ws = dq ? dq_ws + (fa_bwd_token(p, seq_index, &seq, r0) * p->h + h) * dp
+                               : NULL;
+                for (int64_t i = 0; dq && i < m; i++)
+                    for (int64_t c = 0; c < dp; c++)
+                        ws[i * p->h * dp + c] += dq[i * dp + c];
             }
         }
         kern->end();
@@ -335,7 +340,7 @@ FA_CPU_AVX512 static void fa_bwd_queries_bf16(const fa_params *p, const fa_cpu_b
         const int64_t n = k_hi - j0 < FA_BWD_BF16_BN ? k_hi - j0 : FA_BWD_BF16_BN;
         const fa_bwd_bf16_kv kv = fa_bwd_bf16_load_kv(p, t, k, v, j0, n, 1);
         fa_bwd_bf16_block(p, kern, t, &kv, seq_index, h, r0, m, mq, j0, 0, n, NULL, NULL,
-                          f->acc_q, dp);
+                          f->acc_q);
     }
     kern->end();
 
