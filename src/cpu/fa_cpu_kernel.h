@@ -14,7 +14,8 @@
 #define FA_CPU_BWD_FUSED_ITEMS 32 /* (sequence, kv head) pairs from which the backward runs fused */
 /* Keys per backward key-pass item. Query tiles are packed once per item (their transposes cost
  * ~10% of the backward at 256); at 512 the item's dK/dV accumulators, 512 KB at d128 fp32,
- * still sit in a 2 MB L2 (bench/NOTES.md, 2026-11-30). */
+ * still sit in a 2 MB L2 (bench/NOTES.md, 2026-11-30). The bf16 backward on AMX, measured at
+ * 512, 1024 and 2048 on 16 threads, is fastest at 512 too (thirteenth session). */
 #define FA_CPU_BWD_NK 512
 #define FA_CPU_FWD_BM_MAX 256 /* largest forward tile: K/V blocks are packed once per tile */
 #define FA_CPU_BN 64 /* keys per block */
