@@ -286,13 +286,7 @@ fa_status fa_cpu_backward(const fa_params *p)
     fa_bwd_zero_uncovered(p);
 
     int64_t n_q = fa_bwd_chunks_make(p, 0, FA_CPU_BM, NULL);
-    int64_t key_item = FA_CPU_BWD_NK;
-#if defined(FA_CPU_HAS_BF16)
-    const fa_cpu_bf16_kernel *bf16 = p->dtype == FA_DTYPE_BF16 ? fa_cpu_bf16_kernel_get() : NULL;
-    if (bf16)
-        key_item = FA_BWD_BF16_NK;
-#endif
-    int64_t n_k = fa_bwd_chunks_make(p, 1, key_item, NULL);
+    int64_t n_k = fa_bwd_chunks_make(p, 1, FA_CPU_BWD_NK, NULL);
     int64_t n_max = n_q > n_k ? n_q : n_k;
     int threads = p->num_threads > 0 ? p->num_threads : 1;
 
@@ -300,7 +294,7 @@ fa_status fa_cpu_backward(const fa_params *p)
     const int fused = p->b * p->hk >= FA_CPU_BWD_FUSED_ITEMS;
     fa_bwd_job job = {p, NULL, NULL, NULL, NULL, NULL, NULL, fa_bwd_scratch_size(p, real_size)};
 #if defined(FA_CPU_HAS_BF16)
-    if ((job.bf16 = bf16) != NULL)
+    if (p->dtype == FA_DTYPE_BF16 && (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
         job.scratch_size = fa_bwd_bf16_scratch_size(p);
 #endif
     job.dsum = malloc((size_t)(p->total_q * p->h + 1) * real_size);
@@ -333,7 +327,7 @@ fa_status fa_cpu_backward(const fa_params *p)
         goto done;
     }
 
-    fa_bwd_chunks_make(p, 1, key_item, job.chunks);
+    fa_bwd_chunks_make(p, 1, FA_CPU_BWD_NK, job.chunks);
     st = fa_parallel_for(threads, n_k * p->hk, fa_bwd_keys_task, &job);
     if (st != FA_STATUS_OK)
         goto done;

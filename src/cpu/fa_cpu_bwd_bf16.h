@@ -23,10 +23,6 @@
  * on the H200 host 128 x 128 spends 13-26% fewer cycles than 64 x 64 (bench/NOTES.md). */
 #define FA_BWD_BF16_BN 128
 #define FA_BWD_BF16_BM 128
-/* Keys per key-pass item, each packing its query tiles once: 1024 and 2048 spend 12-15% fewer
- * cycles on one thread, but with 16 threads (their accumulators in every L2) 512 runs 10-25%
- * faster on the H200 host (bench/NOTES.md). */
-#define FA_BWD_BF16_NK 512
 _Static_assert(FA_BWD_BF16_BM >= FA_CPU_BM && FA_BWD_BF16_BM % 32 == 0,
                "the scratch holds the query pass's tiles too; tiles are whole steps of depth");
 
@@ -37,7 +33,7 @@ typedef struct fa_bwd_tile_bf16 {
     uint32_t *qpair;   /* [BM/2][dp] pairs of Q rows */
     uint32_t *dopair;  /* [BM/2][dvp] pairs of dO rows */
     uint32_t *kpair;   /* [NK/2][dp] pairs of K rows */
-    uint16_t *kbuf;    /* [NK][dk] the item's K rows, zero-padded */
+    uint16_t *kbuf;    /* [NK][dk] K rows that cannot be read in place, zero-padded */
     uint16_t *vbuf;    /* [NK][dvk] V rows likewise */
     uint16_t *pb;      /* [BN][BM] P^T in bf16 */
     uint16_t *dsb;     /* [BN][BM] dS^T in bf16 */
@@ -57,7 +53,7 @@ enum { FA_BWD_BF16_ROWS, FA_BWD_BF16_PT, FA_BWD_BF16_DXT, FA_BWD_BF16_ZT, FA_BWD
 /* Bytes of each scratch region, each a multiple of 64 so every region stays 64-byte aligned. */
 static void fa_bwd_bf16_part_sizes(const fa_params *p, size_t s[FA_BWD_BF16_PARTS])
 {
-    const size_t bm = FA_BWD_BF16_BM, bn = FA_BWD_BF16_BN, nk = FA_BWD_BF16_NK;
+    const size_t bm = FA_BWD_BF16_BM, bn = FA_BWD_BF16_BN, nk = FA_CPU_BWD_NK;
     const size_t dk = (size_t)fa_bwd_bf16_round(p->d, FA_CPU_BF16_KALIGN);
     const size_t dvk = (size_t)fa_bwd_bf16_round(p->dv, FA_CPU_BF16_KALIGN);
     const size_t dp = (size_t)fa_cpu_gemm_pad(p->d), dvp = (size_t)fa_cpu_gemm_pad(p->dv);
@@ -313,9 +309,9 @@ static void fa_bwd_fused_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern
     const fa_seq seq = fa_params_seq(p, seq_index);
     fa_bwd_dq_ws_zero_f32(p, dq_ws, seq_index, &seq, hk);
     const int64_t klen = fa_bwd_key_count(p, seq_index);
-    for (int64_t j0 = 0; j0 < klen; j0 += FA_BWD_BF16_NK)
+    for (int64_t j0 = 0; j0 < klen; j0 += FA_CPU_BWD_NK)
         fa_bwd_keys_bf16(p, kern, t, dsum_ws, dq_ws, seq_index, hk, j0,
-                         klen - j0 < FA_BWD_BF16_NK ? klen - j0 : FA_BWD_BF16_NK);
+                         klen - j0 < FA_CPU_BWD_NK ? klen - j0 : FA_CPU_BWD_NK);
     fa_bwd_dq_ws_store_f32(p, dq_ws, seq_index, &seq, hk);
 }
 
