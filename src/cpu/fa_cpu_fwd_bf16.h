@@ -4,9 +4,9 @@
  * dropout and store it shares, so masks, ALiBi, softcap, sinks and dropout follow one code.
  *
  * The tile keeps the fp32 path's orientation (keys on rows, queries on columns):
- *  - S^T = K Q^T with K read in place (A operand) and Q^T packed once per tile as VNNI pairs
- *    (B). Q is not pre-scaled, so the products are those of the inputs exactly; the softmax
- *    applies the scale in fp32.
+ *  - S^T = K Q^T with K read in place where it can be (A operand) and Q^T packed once per tile
+ *    as VNNI pairs (B). Q is not pre-scaled, so the products are those of the inputs exactly;
+ *    the softmax applies the scale in fp32.
  *  - O^T += V^T P^T: V^T is packed per key block (A), P^T rounded to bf16 into VNNI pairs (B),
  *    which is an interleave of two key rows. O^T [dvp][mp] stays fp32 for the whole tile.
  * S, m, l and O are fp32 as in the fp32 path; only P is rounded, to bf16, as GPU
@@ -27,7 +27,7 @@
 typedef struct fa_tile_bf16 {
     fa_tile_f32 f;   /* st, o (holding O^T [dvp][mp]), m, l, lo, hi, diag, bmax */
     uint32_t *qv;    /* [dk/2][mp] Q^T in VNNI pairs, dk = d rounded up to the kernels' depth */
-    uint16_t *kbuf;  /* [FA_CPU_BF16_BN][dk] the block's K rows */
+    uint16_t *kbuf;  /* [FA_CPU_BF16_BN][dk] K rows not read in place */
     uint16_t *vt;    /* [dvp][FA_CPU_BF16_BN] V^T of the block */
     uint32_t *pv;    /* [FA_CPU_BF16_BN / 2][mp] P^T in VNNI pairs */
     float *alpha;    /* [FA_CPU_FWD_BM_MAX] each query's rescale factor in this block */
@@ -149,19 +149,21 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
         fa_bf16_prefetch(v, p->v_rstride, j0 + n, next, dv);
         if (mr <= 0)
             continue;
-        /* K rows are the A operand, copied with zero padding to whole tiles. Never read in
-         * place: a head's rows are h * d elements apart, 8 KB at h 32, d 128, so the 16 rows
-         * of an AMX tile load would all fall in one L1 set. */
+        /* K rows are the A operand: in place when whole tiles of them exist and their stride
+         * is not a multiple of 4 KB, else copied with zero padding (the last block, a head dim
+         * short of the kernels' depth). At a multiple of 4 KB (h * d = 2048 bf16 and up) the
+         * 16 rows of an AMX tile load all fall in one L1 set: copying is 2-20% faster there
+         * and 3-7% slower at 1 KB, on the H200 host (bench/NOTES.md). */
         const uint16_t *kp = k + j0 * p->k_rstride;
-        for (int64_t j = 0; j < nm; j++) {
-            if (j < n && d == dk) {
-                memcpy(t->kbuf + j * dk, kp + j * p->k_rstride, (size_t)dk * sizeof *t->kbuf);
-                continue;
-            }
-            for (int64_t c = 0; c < dk; c++)
-                t->kbuf[j * dk + c] = j < n && c < d ? kp[j * p->k_rstride + c] : 0;
+        int64_t k_ld = p->k_rstride;
+        if (n != nm || d != dk || (p->k_rstride * 2) % 4096 == 0) {
+            for (int64_t j = 0; j < nm; j++)
+                for (int64_t c = 0; c < dk; c++)
+                    t->kbuf[j * dk + c] = j < n && c < d ? kp[j * p->k_rstride + c] : 0;
+            kp = t->kbuf;
+            k_ld = dk;
         }
-        kern->gemm(f->st + c0, mp, t->kbuf, dk, t->qv + c0, mp, nm, c1 - c0, dk, 0);
+        kern->gemm(f->st + c0, mp, kp, k_ld, t->qv + c0, mp, nm, c1 - c0, dk, 0);
 
         const float emul = fa_tile_softmax_max_f32(p, f, m, c0, c1, n, mp, dvp, j0, slope,
                                                    (float)p->scale, t->alpha, FA_BF16_SLACK);
