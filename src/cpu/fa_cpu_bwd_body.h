@@ -359,7 +359,7 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
     }
 }
 
-/* Zeroes the fp32 dQ workspace rows of every query head of kv head hk in a sequence. */
+/* Zeroes a dQ workspace slot's rows of every query head of kv head hk in a sequence. */
 static void FA_FN(fa_bwd_dq_ws_zero)(const fa_params *p, FA_REAL *dq_ws, int64_t seq_index,
                                      const fa_seq *seq, int64_t hk)
 {
@@ -371,38 +371,47 @@ static void FA_FN(fa_bwd_dq_ws_zero)(const fa_params *p, FA_REAL *dq_ws, int64_t
                 dq_ws[((row0 + r) * p->h + h) * dp + c] = 0;
 }
 
-/* Converts those rows into dq. */
-static void FA_FN(fa_bwd_dq_ws_store)(const fa_params *p, const FA_REAL *dq_ws, int64_t seq_index,
-                                      const fa_seq *seq, int64_t hk)
+/*
+ * dQ of head h in sequence seq_index from the fused schedule's workspace: the stripes' partial
+ * sums ([stripes][total_q][h][dp]) added in stripe order, then stored. row: dp reals of scratch.
+ */
+static void FA_FN(fa_bwd_dq_reduce)(const fa_params *p, const FA_REAL *dq_ws, int64_t stripes,
+                                    int64_t seq_index, int64_t h, FA_REAL *row)
 {
-    const int64_t dp = fa_cpu_gemm_pad(p->d), group = p->h / p->hk;
-    const int64_t row0 = fa_bwd_token(p, seq_index, seq, 0);
-    for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
-        const int64_t dq_base =
-            seq_index * p->dq_bstride + seq->q_start * p->dq_rstride + h * p->dq_hstride;
-        for (int64_t r = 0; r < seq->sq; r++)
-            FA_FN(fa_store_row)(p->dq_data, dq_base + r * p->dq_rstride,
-                                dq_ws + ((row0 + r) * p->h + h) * dp, 1, p->d, p->dtype);
+    const fa_seq seq = fa_params_seq(p, seq_index);
+    const int64_t dp = fa_cpu_gemm_pad(p->d), slot = p->total_q * p->h * dp;
+    const int64_t row0 = fa_bwd_token(p, seq_index, &seq, 0);
+    const int64_t dq_base =
+        seq_index * p->dq_bstride + seq.q_start * p->dq_rstride + h * p->dq_hstride;
+    for (int64_t r = 0; r < seq.sq; r++) {
+        const FA_REAL *x = dq_ws + ((row0 + r) * p->h + h) * dp;
+        for (int64_t c = 0; c < dp; c++)
+            row[c] = x[c];
+        for (int64_t s = 1; s < stripes; s++)
+            for (int64_t c = 0; c < dp; c++)
+                row[c] += x[s * slot + c];
+        FA_FN(fa_store_row)(p->dq_data, dq_base + r * p->dq_rstride, row, 1, p->d, p->dtype);
     }
 }
 
 /*
- * Fused item: everything of kv head hk in sequence seq_index, serially in a fixed order: dK and
- * dV key chunk by key chunk, dQ of every query head of the group accumulated in dq_ws and
- * converted at the end. Used when there are enough (sequence, kv head) pairs to keep the threads
- * busy: it does five products per (query tile, key block) instead of seven.
+ * Fused item: kv head hk in sequence seq_index, one stripe of its key chunks (chunks stripe,
+ * stripe + stripes, ...), serially in a fixed order: dK and dV chunk by chunk, and the stripe's
+ * share of dQ for every query head of the group, summed in its slot of the workspace (zeroed
+ * here; fa_bwd_dq_reduce adds the slots up afterwards). Used when there are enough (sequence, kv
+ * head, stripe) items to keep the threads busy: five products per (query tile, key block)
+ * instead of the two passes' seven.
  */
 static void FA_FN(fa_bwd_fused)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
-                                const FA_REAL *dsum_ws, FA_REAL *dq_ws, int64_t seq_index,
-                                int64_t hk)
+                                const FA_REAL *dsum_ws, FA_REAL *dq_slot, int64_t seq_index,
+                                int64_t hk, int64_t stripe, int64_t stripes)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
-    FA_FN(fa_bwd_dq_ws_zero)(p, dq_ws, seq_index, &seq, hk);
+    FA_FN(fa_bwd_dq_ws_zero)(p, dq_slot, seq_index, &seq, hk);
     const int64_t klen = fa_bwd_key_count(p, seq_index);
-    for (int64_t j0 = 0; j0 < klen; j0 += FA_CPU_BWD_NK)
-        FA_FN(fa_bwd_keys)(p, t, dsum_ws, dq_ws, seq_index, hk, j0,
+    for (int64_t j0 = stripe * FA_CPU_BWD_NK; j0 < klen; j0 += stripes * FA_CPU_BWD_NK)
+        FA_FN(fa_bwd_keys)(p, t, dsum_ws, dq_slot, seq_index, hk, j0,
                            klen - j0 < FA_CPU_BWD_NK ? klen - j0 : FA_CPU_BWD_NK);
-    FA_FN(fa_bwd_dq_ws_store)(p, dq_ws, seq_index, &seq, hk);
 }
 
 /* Query pass item: dQ of rows [r0, r0+m) of head h in sequence seq_index. */

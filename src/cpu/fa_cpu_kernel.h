@@ -11,7 +11,9 @@
 #include "util/fa_philox.h"
 
 #define FA_CPU_BM 64 /* query rows per tile (backward) */
-#define FA_CPU_BWD_FUSED_ITEMS 32 /* (sequence, kv head) pairs from which the backward runs fused */
+#define FA_CPU_BWD_FUSED_ITEMS 32 /* work items from which the backward runs fused */
+/* Bound of the fused backward's dQ copies when it stripes key chunks (fa_cpu_backward.c). */
+#define FA_CPU_BWD_STRIPE_BYTES ((size_t)256 << 20)
 /* Keys per backward key-pass item. Query tiles are packed once per item (their transposes cost
  * ~10% of the backward at 256); at 512 the item's dK/dV accumulators, 512 KB at d128 fp32,
  * still sit in a 2 MB L2 (bench/NOTES.md, 2026-11-30). The bf16 backward on AMX, measured at

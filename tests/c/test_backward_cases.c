@@ -249,6 +249,19 @@ void tb_run_directed(tu_rng *rng)
     c.sinks = 1;
     c.causal = 1;
     tb_run_case(&c, "f64 with an fp32 lse", rng);
+    /* 16 (batch, kv head) pairs and two 512-key chunks: the fused schedule in two stripes */
+    for (int di = 0; di < 4; di++) {
+        tb_base_case(&c, k_dtypes[di], rng);
+        c.b = 2;
+        c.h = 8 * (1 + di % 2);
+        c.hk = 8;
+        c.sq = 90 + 7 * di;
+        c.sk = 520 + 50 * di;
+        c.causal = di % 2;
+        c.sinks = di == 2;
+        c.dropout_p = di == 3 ? 0.15 : 0;
+        tb_run_case(&c, "fused in stripes", rng);
+    }
 }
 
 void tb_run_random(tu_rng *rng, int n)
