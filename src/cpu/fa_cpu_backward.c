@@ -331,7 +331,8 @@ fa_status fa_cpu_backward(const fa_params *p)
 
     const int64_t stripes = fa_bwd_stripes(p, real_size);
     const int fused = stripes > 0;
-    fa_bwd_job job = {.p = p, .stripes = stripes, .scratch_size = fa_bwd_scratch_size(p, real_size)};
+    fa_bwd_job job = {
+        .p = p, .stripes = stripes, .scratch_size = fa_bwd_scratch_size(p, real_size)};
 #if defined(FA_CPU_HAS_BF16)
     if (p->dtype == FA_DTYPE_BF16 && (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
         job.scratch_size = fa_bwd_bf16_scratch_size(p);
