@@ -96,6 +96,7 @@ typedef struct fa_bwd_job {
     void *dsum;            /* reals [h][total_q] */
     void *dq_ws;           /* fused schedule: reals [stripes][total_q][h][pad(d)] */
     int64_t stripes;       /* fused schedule: key-chunk stripes per (sequence, kv head) */
+    int64_t chunk;         /* fused schedule: keys per chunk */
     double *dsink_partial; /* [b][h] */
     fa_bwd_chunk *chunks;
     const fa_cpu_bf16_kernel *bf16; /* bf16 inputs on bf16 products; NULL: the fp32 path */
@@ -184,24 +185,27 @@ static void fa_bwd_fused_task(void *ctx, int64_t item, int thread)
     const fa_bwd_job *job = ctx;
     const fa_params *p = job->p;
     const int64_t stripes = job->stripes, stripe = item % stripes, pair = item / stripes;
+    const int64_t chunk = job->chunk;
     const int64_t bi = pair / p->hk, hk = pair % p->hk;
     const size_t slot = (size_t)(stripe * p->total_q * p->h * fa_cpu_gemm_pad(p->d));
     char *base = job->scratch + (size_t)thread * job->scratch_size;
     if (p->dtype == FA_DTYPE_F64) {
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
-        fa_bwd_fused_f64(p, &t, job->dsum, (double *)job->dq_ws + slot, bi, hk, stripe, stripes);
+        fa_bwd_fused_f64(p, &t, job->dsum, (double *)job->dq_ws + slot, bi, hk, stripe, stripes,
+                         chunk);
 #if defined(FA_CPU_HAS_BF16)
     } else if (job->bf16) {
         fa_bwd_tile_bf16 t;
         fa_bwd_bf16_carve(p, base, &t);
         fa_bwd_fused_bf16(p, job->bf16, &t, job->dsum, (float *)job->dq_ws + slot, bi, hk, stripe,
-                          stripes);
+                          stripes, chunk);
 #endif
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
-        fa_bwd_fused_f32(p, &t, job->dsum, (float *)job->dq_ws + slot, bi, hk, stripe, stripes);
+        fa_bwd_fused_f32(p, &t, job->dsum, (float *)job->dq_ws + slot, bi, hk, stripe, stripes,
+                         chunk);
     }
 }
 
@@ -260,25 +264,34 @@ static int64_t fa_bwd_chunks_make(const fa_params *p, int by_keys, int64_t block
 }
 
 /*
- * The fused schedule's stripes (0: the two passes instead), from the shape only, so that results
- * never depend on the thread count. Fused wants FA_CPU_BWD_FUSED_ITEMS items to keep the threads
- * busy: (sequence, kv head) pairs, times stripes of key chunks where the pairs are fewer, each
- * stripe summing its share of dQ in its own fp32 copy of q's size. The copies are bounded by
- * FA_CPU_BWD_STRIPE_BYTES; past it the two passes run.
+ * The fused schedule's stripes (0: the two passes instead) and keys per chunk, from the shape
+ * only, so that results never depend on the thread count. Fused wants FA_CPU_BWD_FUSED_ITEMS
+ * items to keep the threads busy: (sequence, kv head) pairs, times stripes of key chunks where
+ * the pairs are fewer, each stripe summing its share of dQ in its own fp32 copy of q's size.
+ * Chunks are FA_CPU_BWD_NK keys, or half that where it takes that many to make the items (each
+ * chunk packs its query tiles again, a smaller cost than the two passes' extra products). The
+ * copies are bounded by FA_CPU_BWD_STRIPE_BYTES; past it the two passes run.
  */
-static int64_t fa_bwd_stripes(const fa_params *p, size_t real_size)
+static int64_t fa_bwd_stripes(const fa_params *p, size_t real_size, int64_t *chunk)
 {
     const int64_t pairs = p->b * p->hk;
+    *chunk = FA_CPU_BWD_NK;
     if (pairs >= FA_CPU_BWD_FUSED_ITEMS)
         return 1;
-    const int64_t chunks = (p->max_sk + FA_CPU_BWD_NK - 1) / FA_CPU_BWD_NK;
     const double slot = (double)(p->total_q * p->h * fa_cpu_gemm_pad(p->d)) * (double)real_size;
-    int64_t stripes = (FA_CPU_BWD_FUSED_ITEMS + pairs - 1) / pairs;
-    if (stripes > chunks)
-        stripes = chunks;
-    while (stripes > 1 && (double)stripes * slot > (double)FA_CPU_BWD_STRIPE_BYTES)
-        stripes--;
-    return pairs * stripes >= FA_CPU_BWD_FUSED_ITEMS ? stripes : 0;
+    for (int64_t size = FA_CPU_BWD_NK; size >= FA_CPU_BWD_NK / 2; size /= 2) {
+        const int64_t chunks = (p->max_sk + size - 1) / size;
+        int64_t stripes = (FA_CPU_BWD_FUSED_ITEMS + pairs - 1) / pairs;
+        if (stripes > chunks)
+            stripes = chunks;
+        while (stripes > 1 && (double)stripes * slot > (double)FA_CPU_BWD_STRIPE_BYTES)
+            stripes--;
+        if (pairs * stripes >= FA_CPU_BWD_FUSED_ITEMS) {
+            *chunk = size;
+            return stripes;
+        }
+    }
+    return 0;
 }
 
 /* Rows of q / k that belong to no varlen sequence get zero gradients. */
@@ -329,10 +342,13 @@ fa_status fa_cpu_backward(const fa_params *p)
     int64_t n_max = n_q > n_k ? n_q : n_k;
     int threads = p->num_threads > 0 ? p->num_threads : 1;
 
-    const int64_t stripes = fa_bwd_stripes(p, real_size);
+    int64_t chunk;
+    const int64_t stripes = fa_bwd_stripes(p, real_size, &chunk);
     const int fused = stripes > 0;
-    fa_bwd_job job = {
-        .p = p, .stripes = stripes, .scratch_size = fa_bwd_scratch_size(p, real_size)};
+    fa_bwd_job job = {.p = p,
+                      .stripes = stripes,
+                      .chunk = chunk,
+                      .scratch_size = fa_bwd_scratch_size(p, real_size)};
 #if defined(FA_CPU_HAS_BF16)
     if (p->dtype == FA_DTYPE_BF16 && (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
         job.scratch_size = fa_bwd_bf16_scratch_size(p);

@@ -304,14 +304,15 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
 /* Fused item (fa_bwd_fused_f32's, on bf16 products). */
 static void fa_bwd_fused_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern,
                               fa_bwd_tile_bf16 *t, const float *dsum_ws, float *dq_slot,
-                              int64_t seq_index, int64_t hk, int64_t stripe, int64_t stripes)
+                              int64_t seq_index, int64_t hk, int64_t stripe, int64_t stripes,
+                              int64_t chunk)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
     fa_bwd_dq_ws_zero_f32(p, dq_slot, seq_index, &seq, hk);
     const int64_t klen = fa_bwd_key_count(p, seq_index);
-    for (int64_t j0 = stripe * FA_CPU_BWD_NK; j0 < klen; j0 += stripes * FA_CPU_BWD_NK)
+    for (int64_t j0 = stripe * chunk; j0 < klen; j0 += stripes * chunk)
         fa_bwd_keys_bf16(p, kern, t, dsum_ws, dq_slot, seq_index, hk, j0,
-                         klen - j0 < FA_CPU_BWD_NK ? klen - j0 : FA_CPU_BWD_NK);
+                         klen - j0 < chunk ? klen - j0 : chunk);
 }
 
 /* Query pass item (fa_bwd_queries_f32's, on bf16 products). */

@@ -395,23 +395,23 @@ static void FA_FN(fa_bwd_dq_reduce)(const fa_params *p, const FA_REAL *dq_ws, in
 }
 
 /*
- * Fused item: kv head hk in sequence seq_index, one stripe of its key chunks (chunks stripe,
- * stripe + stripes, ...), serially in a fixed order: dK and dV chunk by chunk, and the stripe's
- * share of dQ for every query head of the group, summed in its slot of the workspace (zeroed
- * here; fa_bwd_dq_reduce adds the slots up afterwards). Used when there are enough (sequence, kv
- * head, stripe) items to keep the threads busy: five products per (query tile, key block)
- * instead of the two passes' seven.
+ * Fused item: kv head hk in sequence seq_index, one stripe of its chunks of `chunk` keys
+ * (chunks stripe, stripe + stripes, ...), serially in a fixed order: dK and dV chunk by chunk,
+ * and the stripe's share of dQ for every query head of the group, summed in its slot of the
+ * workspace (zeroed here; fa_bwd_dq_reduce adds the slots up afterwards). Used when there are
+ * enough (sequence, kv head, stripe) items to keep the threads busy: five products per (query
+ * tile, key block) instead of the two passes' seven.
  */
 static void FA_FN(fa_bwd_fused)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                 const FA_REAL *dsum_ws, FA_REAL *dq_slot, int64_t seq_index,
-                                int64_t hk, int64_t stripe, int64_t stripes)
+                                int64_t hk, int64_t stripe, int64_t stripes, int64_t chunk)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
     FA_FN(fa_bwd_dq_ws_zero)(p, dq_slot, seq_index, &seq, hk);
     const int64_t klen = fa_bwd_key_count(p, seq_index);
-    for (int64_t j0 = stripe * FA_CPU_BWD_NK; j0 < klen; j0 += stripes * FA_CPU_BWD_NK)
+    for (int64_t j0 = stripe * chunk; j0 < klen; j0 += stripes * chunk)
         FA_FN(fa_bwd_keys)(p, t, dsum_ws, dq_slot, seq_index, hk, j0,
-                           klen - j0 < FA_CPU_BWD_NK ? klen - j0 : FA_CPU_BWD_NK);
+                           klen - j0 < chunk ? klen - j0 : chunk);
 }
 
 /* Query pass item: dQ of rows [r0, r0+m) of head h in sequence seq_index. */

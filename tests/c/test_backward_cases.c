@@ -262,6 +262,14 @@ void tb_run_directed(tu_rng *rng)
         c.dropout_p = di == 3 ? 0.15 : 0;
         tb_run_case(&c, "fused in stripes", rng);
     }
+    /* 8 pairs and 800 keys: four stripes of one 256-key chunk each */
+    tb_base_case(&c, k_dtypes[tu_rng_int(rng, 0, 3)], rng);
+    c.b = 1;
+    c.h = c.hk = 8;
+    c.sq = 70;
+    c.sk = 800;
+    c.causal = 1;
+    tb_run_case(&c, "fused in stripes of 256-key chunks", rng);
 }
 
 void tb_run_random(tu_rng *rng, int n)
