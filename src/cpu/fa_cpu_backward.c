@@ -380,7 +380,7 @@ fa_status fa_cpu_backward(const fa_params *p)
 
     if (fused) {
         st = fa_parallel_for(threads, p->b * p->hk * stripes, fa_bwd_fused_task, &job);
-        if (st == FA_STATUS_OK)
+        if (st == FA_STATUS_OK && stripes > 1)
             st = fa_parallel_for(threads, p->b * p->h, fa_bwd_dq_reduce_task, &job);
         goto done;
     }

@@ -313,6 +313,9 @@ static void fa_bwd_fused_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern
     for (int64_t j0 = stripe * chunk; j0 < klen; j0 += stripes * chunk)
         fa_bwd_keys_bf16(p, kern, t, dsum_ws, dq_slot, seq_index, hk, j0,
                          klen - j0 < chunk ? klen - j0 : chunk);
+    const int64_t group = p->h / p->hk;
+    for (int64_t h = hk * group; stripes == 1 && h < (hk + 1) * group; h++)
+        fa_bwd_dq_reduce_f32(p, dq_slot, 1, seq_index, h, t->f.acc_q);
 }
 
 /* Query pass item (fa_bwd_queries_f32's, on bf16 products). */

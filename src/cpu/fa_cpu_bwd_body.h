@@ -398,7 +398,8 @@ static void FA_FN(fa_bwd_dq_reduce)(const fa_params *p, const FA_REAL *dq_ws, in
  * Fused item: kv head hk in sequence seq_index, one stripe of its chunks of `chunk` keys
  * (chunks stripe, stripe + stripes, ...), serially in a fixed order: dK and dV chunk by chunk,
  * and the stripe's share of dQ for every query head of the group, summed in its slot of the
- * workspace (zeroed here; fa_bwd_dq_reduce adds the slots up afterwards). Used when there are
+ * workspace (zeroed here; fa_bwd_dq_reduce adds the slots up afterwards, or stores dQ here, while
+ * the rows are still in this core's caches, when there is one stripe). Used when there are
  * enough (sequence, kv head, stripe) items to keep the threads busy: five products per (query
  * tile, key block) instead of the two passes' seven.
  */
@@ -412,6 +413,9 @@ static void FA_FN(fa_bwd_fused)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
     for (int64_t j0 = stripe * chunk; j0 < klen; j0 += stripes * chunk)
         FA_FN(fa_bwd_keys)(p, t, dsum_ws, dq_slot, seq_index, hk, j0,
                            klen - j0 < chunk ? klen - j0 : chunk);
+    const int64_t group = p->h / p->hk;
+    for (int64_t h = hk * group; stripes == 1 && h < (hk + 1) * group; h++)
+        FA_FN(fa_bwd_dq_reduce)(p, dq_slot, 1, seq_index, h, t->acc_q);
 }
 
 /* Query pass item: dQ of rows [r0, r0+m) of head h in sequence seq_index. */
