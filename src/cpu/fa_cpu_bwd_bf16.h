@@ -5,8 +5,8 @@
  * code; the schedule (key pass and query pass, or fused) is the fp32 path's.
  *
  * The five products of a (query tile, key block), keys on rows and queries on columns:
- *   S^T  = K Q^T    A: K rows in place          B: Q^T as VNNI pairs, packed once per tile
- *   dP^T = V dO^T   A: V rows in place          B: dO^T as pairs, once per tile
+ *   S^T  = K Q^T    A: K rows, copied per item  B: Q^T as VNNI pairs, packed once per tile
+ *   dP^T = V dO^T   A: V rows, copied per item  B: dO^T as pairs, once per tile
  *   dV  += P^T dO   A: P^T rounded to bf16      B: pairs of dO rows, once per tile
  *   dK  += dS^T Q   A: dS^T rounded             B: pairs of Q rows, once per tile
  *   dQ  += dS K     A: dS rounded, transposed   B: pairs of K rows, once per key block
@@ -33,8 +33,8 @@ typedef struct fa_bwd_tile_bf16 {
     uint32_t *qpair;   /* [BM/2][dp] pairs of Q rows */
     uint32_t *dopair;  /* [BM/2][dvp] pairs of dO rows */
     uint32_t *kpair;   /* [NK/2][dp] pairs of K rows */
-    uint16_t *kbuf;    /* [NK][dk] K rows that cannot be read in place, zero-padded */
-    uint16_t *vbuf;    /* [NK][dvk] V rows likewise */
+    uint16_t *kbuf;    /* [NK][dk] the item's K rows, zero-padded */
+    uint16_t *vbuf;    /* [NK][dvk] its V rows likewise */
     uint16_t *pb;      /* [BN][BM] P^T in bf16 */
     uint16_t *dsb;     /* [BN][BM] dS^T in bf16 */
     uint16_t *ds;      /* [BM][BN] dS in bf16 */
@@ -125,8 +125,8 @@ typedef struct fa_bwd_bf16_kv {
 /* Rows copied to buf, zero-padded to whole tiles (the kernels' row count and depth). Never read
  * in place: a head's rows are h * d elements apart, 8 KB at h 32, d 128, so the 16 rows of an
  * AMX tile load would all fall in one L1 set. */
-static inline const uint16_t *fa_bwd_bf16_rows(const uint16_t *x, int64_t ld, int64_t n,
-                                               int64_t cols, int64_t colsk, uint16_t *buf)
+static inline void fa_bwd_bf16_rows(const uint16_t *x, int64_t ld, int64_t n, int64_t cols,
+                                    int64_t colsk, uint16_t *buf)
 {
     const int64_t nm = fa_bwd_bf16_round(n, FA_CPU_BF16_MALIGN);
     for (int64_t j = 0; j < nm; j++) {
@@ -137,7 +137,6 @@ static inline const uint16_t *fa_bwd_bf16_rows(const uint16_t *x, int64_t ld, in
         for (int64_t c = 0; c < colsk; c++)
             buf[j * colsk + c] = j < n && c < cols ? x[j * ld + c] : 0;
     }
-    return buf;
 }
 
 static inline fa_bwd_bf16_kv fa_bwd_bf16_load_kv(const fa_params *p, fa_bwd_tile_bf16 *t,
@@ -147,11 +146,9 @@ static inline fa_bwd_bf16_kv fa_bwd_bf16_load_kv(const fa_params *p, fa_bwd_tile
     const int64_t d = p->d, dv = p->dv;
     const int64_t dk = fa_bwd_bf16_round(d, FA_CPU_BF16_KALIGN);
     const int64_t dvk = fa_bwd_bf16_round(dv, FA_CPU_BF16_KALIGN);
-    fa_bwd_bf16_kv kv;
-    kv.k = fa_bwd_bf16_rows(k + j0 * p->k_rstride, p->k_rstride, n, d, dk, t->kbuf);
-    kv.v = fa_bwd_bf16_rows(v + j0 * p->v_rstride, p->v_rstride, n, dv, dvk, t->vbuf);
-    kv.k_ld = dk;
-    kv.v_ld = dvk;
+    fa_bwd_bf16_rows(k + j0 * p->k_rstride, p->k_rstride, n, d, dk, t->kbuf);
+    fa_bwd_bf16_rows(v + j0 * p->v_rstride, p->v_rstride, n, dv, dvk, t->vbuf);
+    const fa_bwd_bf16_kv kv = {t->kbuf, t->vbuf, dk, dvk};
     if (pairs)
         fa_cpu_bf16_pack_pairs(t->kpair, fa_cpu_gemm_pad(d), k + j0 * p->k_rstride, p->k_rstride,
                                n, fa_bwd_bf16_round(n, FA_CPU_BF16_KALIGN), d,
