@@ -270,6 +270,16 @@ void tb_run_directed(tu_rng *rng)
     c.sk = 800;
     c.causal = 1;
     tb_run_case(&c, "fused in stripes of 256-key chunks", rng);
+    /* varlen, 4 x 4 pairs and up to 1000 keys: stripes whose sequences end before their chunks */
+    tb_base_case(&c, k_dtypes[tu_rng_int(rng, 0, 3)], rng);
+    c.varlen = 1;
+    c.vl_zero = c.vl_offset = c.vl_seqused = 1;
+    c.b = 4;
+    c.h = c.hk = 4;
+    c.sq = 30;
+    c.sk = 1000;
+    c.causal = tu_rng_int(rng, 0, 1);
+    tb_run_case(&c, "fused in stripes, varlen", rng);
 }
 
 void tb_run_random(tu_rng *rng, int n)
