@@ -40,22 +40,17 @@ typedef struct fa_bwd_tile_bf16 {
     uint16_t *ds;      /* [BM][BN] dS in bf16 */
 } fa_bwd_tile_bf16;
 
-static int64_t fa_bwd_bf16_round(int64_t x, int64_t to)
-{
-    return (x + to - 1) / to * to;
-}
-
 enum { FA_BWD_BF16_ROWS, FA_BWD_BF16_PT, FA_BWD_BF16_DXT, FA_BWD_BF16_ZT, FA_BWD_BF16_ACCK,
        FA_BWD_BF16_ACCV, FA_BWD_BF16_ACCQ, FA_BWD_BF16_QV, FA_BWD_BF16_DOV, FA_BWD_BF16_QPAIR,
        FA_BWD_BF16_DOPAIR, FA_BWD_BF16_KPAIR, FA_BWD_BF16_KBUF, FA_BWD_BF16_VBUF, FA_BWD_BF16_PB,
        FA_BWD_BF16_DSB, FA_BWD_BF16_DS, FA_BWD_BF16_PARTS };
 
-/* Bytes of each scratch region, each a multiple of 64 so every region stays 64-byte aligned. */
+/* Bytes of each scratch region (fa_cpu_scratch_layout places them). */
 static void fa_bwd_bf16_part_sizes(const fa_params *p, size_t s[FA_BWD_BF16_PARTS])
 {
     const size_t bm = FA_BWD_BF16_BM, bn = FA_BWD_BF16_BN, nk = FA_CPU_BWD_NK;
-    const size_t dk = (size_t)fa_bwd_bf16_round(p->d, FA_CPU_BF16_KALIGN);
-    const size_t dvk = (size_t)fa_bwd_bf16_round(p->dv, FA_CPU_BF16_KALIGN);
+    const size_t dk = (size_t)fa_cpu_round_up(p->d, FA_CPU_BF16_KALIGN);
+    const size_t dvk = (size_t)fa_cpu_round_up(p->dv, FA_CPU_BF16_KALIGN);
     const size_t dp = (size_t)fa_cpu_gemm_pad(p->d), dvp = (size_t)fa_cpu_gemm_pad(p->dv);
     s[FA_BWD_BF16_ROWS] = 5 * bm * 4;
     s[FA_BWD_BF16_PT] = s[FA_BWD_BF16_DXT] = s[FA_BWD_BF16_ZT] = bn * bm * 4;
@@ -70,17 +65,13 @@ static void fa_bwd_bf16_part_sizes(const fa_params *p, size_t s[FA_BWD_BF16_PART
     s[FA_BWD_BF16_KBUF] = nk * dk * 2;
     s[FA_BWD_BF16_VBUF] = nk * dvk * 2;
     s[FA_BWD_BF16_PB] = s[FA_BWD_BF16_DSB] = s[FA_BWD_BF16_DS] = bn * bm * 2;
-    for (int i = 0; i < FA_BWD_BF16_PARTS; i++)
-        s[i] = (s[i] + 63) & ~(size_t)63;
 }
 
 static size_t fa_bwd_bf16_scratch_size(const fa_params *p)
 {
-    size_t s[FA_BWD_BF16_PARTS], total = 0;
+    size_t s[FA_BWD_BF16_PARTS];
     fa_bwd_bf16_part_sizes(p, s);
-    for (int i = 0; i < FA_BWD_BF16_PARTS; i++)
-        total += s[i];
-    return total;
+    return fa_cpu_scratch_layout(s, FA_BWD_BF16_PARTS, NULL, NULL);
 }
 
 static void fa_bwd_bf16_carve(const fa_params *p, char *base, fa_bwd_tile_bf16 *t)
@@ -88,10 +79,7 @@ static void fa_bwd_bf16_carve(const fa_params *p, char *base, fa_bwd_tile_bf16 *
     size_t s[FA_BWD_BF16_PARTS];
     char *at[FA_BWD_BF16_PARTS];
     fa_bwd_bf16_part_sizes(p, s);
-    for (int i = 0; i < FA_BWD_BF16_PARTS; i++) {
-        at[i] = base;
-        base += s[i];
-    }
+    fa_cpu_scratch_layout(s, FA_BWD_BF16_PARTS, base, at);
     fa_bwd_tile_f32 *f = &t->f;
     float *rows = (float *)at[FA_BWD_BF16_ROWS];
     float **parts[5] = {&f->lse, &f->dsum, &f->lo, &f->hi, &f->diag};
@@ -116,19 +104,13 @@ static void fa_bwd_bf16_carve(const fa_params *p, char *base, fa_bwd_tile_bf16 *
     t->ds = (uint16_t *)at[FA_BWD_BF16_DS];
 }
 
-/* The A operands of keys [j0, j0+n) of one kv head, and with pairs the B operand of dQ. */
-typedef struct fa_bwd_bf16_kv {
-    const uint16_t *k, *v; /* [round(n, 16)][dk] and [..][dvk] rows */
-    int64_t k_ld, v_ld;
-} fa_bwd_bf16_kv;
-
 /* Rows copied to buf, zero-padded to whole tiles (the kernels' row count and depth). Never read
  * in place: a head's rows are h * d elements apart, 8 KB at h 32, d 128, so the 16 rows of an
  * AMX tile load would all fall in one L1 set. */
 static inline void fa_bwd_bf16_rows(const uint16_t *x, int64_t ld, int64_t n, int64_t cols,
                                     int64_t colsk, uint16_t *buf)
 {
-    const int64_t nm = fa_bwd_bf16_round(n, FA_CPU_BF16_MALIGN);
+    const int64_t nm = fa_cpu_round_up(n, FA_CPU_BF16_MALIGN);
     for (int64_t j = 0; j < nm; j++) {
         if (j < n && cols == colsk) {
             memcpy(buf + j * colsk, x + j * ld, (size_t)cols * sizeof *buf);
@@ -139,21 +121,25 @@ static inline void fa_bwd_bf16_rows(const uint16_t *x, int64_t ld, int64_t n, in
     }
 }
 
-static inline fa_bwd_bf16_kv fa_bwd_bf16_load_kv(const fa_params *p, fa_bwd_tile_bf16 *t,
-                                                 const uint16_t *k, const uint16_t *v, int64_t j0,
-                                                 int64_t n, int pairs)
+/* K and V rows [j0, j0+n) of kv head hk in a sequence into kbuf and vbuf (the A operands of S^T
+ * and dP^T), with pairs K's pairs into kpair too (the B operand of dQ). */
+static inline void fa_bwd_bf16_load_kv(const fa_params *p, fa_bwd_tile_bf16 *t, int64_t seq_index,
+                                       const fa_seq *seq, int64_t hk, int64_t j0, int64_t n,
+                                       int pairs)
 {
     const int64_t d = p->d, dv = p->dv;
-    const int64_t dk = fa_bwd_bf16_round(d, FA_CPU_BF16_KALIGN);
-    const int64_t dvk = fa_bwd_bf16_round(dv, FA_CPU_BF16_KALIGN);
+    const uint16_t *k = (const uint16_t *)p->k + seq_index * p->k_bstride +
+                        seq->k_start * p->k_rstride + hk * p->k_hstride;
+    const uint16_t *v = (const uint16_t *)p->v + seq_index * p->v_bstride +
+                        seq->k_start * p->v_rstride + hk * p->v_hstride;
+    const int64_t dk = fa_cpu_round_up(d, FA_CPU_BF16_KALIGN);
+    const int64_t dvk = fa_cpu_round_up(dv, FA_CPU_BF16_KALIGN);
     fa_bwd_bf16_rows(k + j0 * p->k_rstride, p->k_rstride, n, d, dk, t->kbuf);
     fa_bwd_bf16_rows(v + j0 * p->v_rstride, p->v_rstride, n, dv, dvk, t->vbuf);
-    const fa_bwd_bf16_kv kv = {t->kbuf, t->vbuf, dk, dvk};
     if (pairs)
         fa_cpu_bf16_pack_pairs(t->kpair, fa_cpu_gemm_pad(d), k + j0 * p->k_rstride, p->k_rstride,
-                               n, fa_bwd_bf16_round(n, FA_CPU_BF16_KALIGN), d,
+                               n, fa_cpu_round_up(n, FA_CPU_BF16_KALIGN), d,
                                fa_cpu_gemm_pad(d));
-    return kv;
 }
 
 /* Row data and the four packed operands of rows [r0, r0+m) of head h (mq columns). */
@@ -168,28 +154,28 @@ static void fa_bwd_bf16_pack_tile(const fa_params *p, fa_bwd_tile_bf16 *t, const
                            (seq->q_start + r0) * p->do_rstride + h * p->do_hstride;
     fa_bwd_row_info_f32(p, &t->f, dsum_ws, seq_index, seq, h, r0, m, mq);
     fa_cpu_bf16_pack_q(t->qv, mq, q, p->q_rstride, m, mq, d,
-                       fa_bwd_bf16_round(d, FA_CPU_BF16_KALIGN));
+                       fa_cpu_round_up(d, FA_CPU_BF16_KALIGN));
     fa_cpu_bf16_pack_q(t->dov, mq, dout, p->do_rstride, m, mq, dv,
-                       fa_bwd_bf16_round(dv, FA_CPU_BF16_KALIGN));
+                       fa_cpu_round_up(dv, FA_CPU_BF16_KALIGN));
     fa_cpu_bf16_pack_pairs(t->qpair, dp, q, p->q_rstride, m, mq, d, dp);
     fa_cpu_bf16_pack_pairs(t->dopair, dvp, dout, p->do_rstride, m, mq, dv, dvp);
 }
 
 /*
- * One (query tile, key block): the block is keys [j0, j0+nb), b0 keys into kv's rows. Adds into
- * acc_v and acc_k (the block's key rows; NULL: not wanted) and dq ([mq][dp], the tile's rows and
- * its padding rows; NULL: not wanted).
+ * One (query tile, key block): the block is keys [j0, j0+nb), b0 keys into kbuf's rows. Adds
+ * into acc_v and acc_k (the block's key rows; NULL: not wanted) and dq ([mq][dp], the tile's rows
+ * and its padding rows; NULL: not wanted).
  */
 FA_CPU_AVX512 static void fa_bwd_bf16_block(const fa_params *p, const fa_cpu_bf16_kernel *kern,
-                                            fa_bwd_tile_bf16 *t, const fa_bwd_bf16_kv *kv,
-                                            int64_t seq_index, int64_t h, int64_t r0, int64_t m,
-                                            int64_t mq, int64_t j0, int64_t b0, int64_t nb,
-                                            float *acc_v, float *acc_k, float *dq)
+                                            fa_bwd_tile_bf16 *t, int64_t seq_index, int64_t h,
+                                            int64_t r0, int64_t m, int64_t mq, int64_t j0,
+                                            int64_t b0, int64_t nb, float *acc_v, float *acc_k,
+                                            float *dq)
 {
     fa_bwd_tile_f32 *f = &t->f;
     const int64_t d = p->d, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(p->dv);
-    const int64_t nbm = fa_bwd_bf16_round(nb, FA_CPU_BF16_MALIGN);
-    const int64_t nbk = fa_bwd_bf16_round(nb, FA_CPU_BF16_KALIGN);
+    const int64_t nbm = fa_cpu_round_up(nb, FA_CPU_BF16_MALIGN);
+    const int64_t nbk = fa_cpu_round_up(nb, FA_CPU_BF16_KALIGN);
     /* A full block computes every column: padding columns of the operands are zero, so they
      * come out 0 with no mask. An edge block computes the columns that see one of its keys; the
      * element-wise pass selects 0 for the rest. */
@@ -200,16 +186,16 @@ FA_CPU_AVX512 static void fa_bwd_bf16_block(const fa_params *p, const fa_cpu_bf1
         if (c1 <= c0)
             return;
     }
-    kern->gemm(f->pt + c0, mq, kv->k + b0 * kv->k_ld, kv->k_ld, t->qv + c0, mq, nbm, c1 - c0,
-               fa_bwd_bf16_round(d, FA_CPU_BF16_KALIGN), 0);
-    kern->gemm(f->dxt + c0, mq, kv->v + b0 * kv->v_ld, kv->v_ld, t->dov + c0, mq, nbm, c1 - c0,
-               fa_bwd_bf16_round(p->dv, FA_CPU_BF16_KALIGN), 0);
+    const int64_t dk = fa_cpu_round_up(d, FA_CPU_BF16_KALIGN);
+    const int64_t dvk = fa_cpu_round_up(p->dv, FA_CPU_BF16_KALIGN);
+    kern->gemm(f->pt + c0, mq, t->kbuf + b0 * dk, dk, t->qv + c0, mq, nbm, c1 - c0, dk, 0);
+    kern->gemm(f->dxt + c0, mq, t->vbuf + b0 * dvk, dvk, t->dov + c0, mq, nbm, c1 - c0, dvk, 0);
     fa_bwd_probs_f32(p, f, seq_index, h, r0, m, mq, j0, nb, full, (float)p->scale);
 
     /* dV and dK over the queries, in whole steps of the kernels' depth around [c0, c1). */
     const int64_t k0 = c0 / FA_CPU_BF16_KALIGN * FA_CPU_BF16_KALIGN;
-    const int64_t k1 = fa_bwd_bf16_round(c1, FA_CPU_BF16_KALIGN) < mq
-                           ? fa_bwd_bf16_round(c1, FA_CPU_BF16_KALIGN)
+    const int64_t k1 = fa_cpu_round_up(c1, FA_CPU_BF16_KALIGN) < mq
+                           ? fa_cpu_round_up(c1, FA_CPU_BF16_KALIGN)
                            : mq;
     if (acc_v) {
         fa_cpu_bf16_round_rows(t->pb + k0, mq, f->pt + k0, mq, nb, nbm, k1 - k0);
@@ -226,13 +212,6 @@ FA_CPU_AVX512 static void fa_bwd_bf16_block(const fa_params *p, const fa_cpu_bf1
     }
 }
 
-static const uint16_t *fa_bwd_bf16_head(const void *x, int64_t bstride, int64_t rstride,
-                                        int64_t hstride, int64_t seq_index, int64_t start,
-                                        int64_t h)
-{
-    return (const uint16_t *)x + seq_index * bstride + start * rstride + h * hstride;
-}
-
 /* Key pass item (fa_bwd_keys_f32's, on bf16 products); dq_ws as there. */
 FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern,
                                            fa_bwd_tile_bf16 *t, const float *dsum_ws,
@@ -243,10 +222,6 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
     const fa_seq seq = fa_params_seq(p, seq_index);
     const int64_t d = p->d, dv = p->dv, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(dv);
     const int64_t group = p->h / p->hk;
-    const uint16_t *k = fa_bwd_bf16_head(p->k, p->k_bstride, p->k_rstride, p->k_hstride,
-                                         seq_index, seq.k_start, hk);
-    const uint16_t *v = fa_bwd_bf16_head(p->v, p->v_bstride, p->v_rstride, p->v_hstride,
-                                         seq_index, seq.k_start, hk);
     for (int64_t x = 0; x < n * dp; x++)
         f->acc_k[x] = 0;
     for (int64_t x = 0; x < n * dvp; x++)
@@ -256,11 +231,11 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
     fa_bwd_row_range(p, &seq, j0, j0 + n, &i_lo, &i_hi);
     if (i_lo < i_hi) {
         kern->begin();
-        const fa_bwd_bf16_kv kv = fa_bwd_bf16_load_kv(p, t, k, v, j0, n, dq_ws != NULL);
+        fa_bwd_bf16_load_kv(p, t, seq_index, &seq, hk, j0, n, dq_ws != NULL);
         for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
             for (int64_t r0 = i_lo; r0 < i_hi; r0 += FA_BWD_BF16_BM) {
                 const int64_t m = i_hi - r0 < FA_BWD_BF16_BM ? i_hi - r0 : FA_BWD_BF16_BM;
-                const int64_t mq = fa_bwd_bf16_round(m, FA_CPU_BF16_KALIGN);
+                const int64_t mq = fa_cpu_round_up(m, FA_CPU_BF16_KALIGN);
                 fa_bwd_bf16_pack_tile(p, t, dsum_ws, seq_index, &seq, h, r0, m, mq);
                 /* dQ of the item's blocks, summed here and then added to the workspace, whose
                  * rows are h * dp floats apart */
@@ -273,7 +248,7 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
                     fa_bwd_row_range(p, &seq, j0 + b0, j0 + b0 + nb, &s_lo, &s_hi);
                     if (s_hi <= r0 || s_lo >= r0 + m)
                         continue;
-                    fa_bwd_bf16_block(p, kern, t, &kv, seq_index, h, r0, m, mq, j0 + b0, b0, nb,
+                    fa_bwd_bf16_block(p, kern, t, seq_index, h, r0, m, mq, j0 + b0, b0, nb,
                                       f->acc_v + b0 * dvp, f->acc_k + b0 * dp, dq);
                 }
                 float *ws = dq ? dq_ws + (fa_bwd_token(p, seq_index, &seq, r0) * p->h + h) * dp
@@ -324,12 +299,8 @@ FA_CPU_AVX512 static void fa_bwd_queries_bf16(const fa_params *p, const fa_cpu_b
     fa_bwd_tile_f32 *f = &t->f;
     const fa_seq seq = fa_params_seq(p, seq_index);
     const int64_t d = p->d, dp = fa_cpu_gemm_pad(d);
-    const int64_t mq = fa_bwd_bf16_round(m, FA_CPU_BF16_KALIGN);
+    const int64_t mq = fa_cpu_round_up(m, FA_CPU_BF16_KALIGN);
     const int64_t hk = h / (p->h / p->hk);
-    const uint16_t *k = fa_bwd_bf16_head(p->k, p->k_bstride, p->k_rstride, p->k_hstride,
-                                         seq_index, seq.k_start, hk);
-    const uint16_t *v = fa_bwd_bf16_head(p->v, p->v_bstride, p->v_rstride, p->v_hstride,
-                                         seq_index, seq.k_start, hk);
     for (int64_t x = 0; x < FA_CPU_BM * dp; x++)
         f->acc_q[x] = 0;
     kern->begin();
@@ -338,8 +309,8 @@ FA_CPU_AVX512 static void fa_bwd_queries_bf16(const fa_params *p, const fa_cpu_b
     fa_params_tile_keys(p, r0, m, seq.sq, seq.sk, &k_lo, &k_hi);
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_BWD_BF16_BN) {
         const int64_t n = k_hi - j0 < FA_BWD_BF16_BN ? k_hi - j0 : FA_BWD_BF16_BN;
-        const fa_bwd_bf16_kv kv = fa_bwd_bf16_load_kv(p, t, k, v, j0, n, 1);
-        fa_bwd_bf16_block(p, kern, t, &kv, seq_index, h, r0, m, mq, j0, 0, n, NULL, NULL,
+        fa_bwd_bf16_load_kv(p, t, seq_index, &seq, hk, j0, n, 1);
+        fa_bwd_bf16_block(p, kern, t, seq_index, h, r0, m, mq, j0, 0, n, NULL, NULL,
                           f->acc_q);
     }
     kern->end();

@@ -33,19 +33,14 @@ typedef struct fa_tile_bf16 {
     float *alpha;    /* [FA_CPU_FWD_BM_MAX] each query's rescale factor in this block */
 } fa_tile_bf16;
 
-static int64_t fa_bf16_round(int64_t x, int64_t to)
-{
-    return (x + to - 1) / to * to;
-}
-
 enum { FA_BF16_QV, FA_BF16_KBUF, FA_BF16_VT, FA_BF16_PV, FA_BF16_ST, FA_BF16_O, FA_BF16_ROWS,
        FA_BF16_PARTS };
 
-/* Bytes of each scratch region, each a multiple of 64 so every region stays 64-byte aligned. */
+/* Bytes of each scratch region (fa_cpu_scratch_layout places them). */
 static void fa_bf16_part_sizes(const fa_params *p, size_t s[FA_BF16_PARTS])
 {
     const size_t bm = FA_CPU_FWD_BM_MAX, bn = FA_CPU_BF16_BN;
-    const size_t dk = (size_t)fa_bf16_round(p->d, FA_CPU_BF16_KALIGN);
+    const size_t dk = (size_t)fa_cpu_round_up(p->d, FA_CPU_BF16_KALIGN);
     const size_t dvp = (size_t)fa_cpu_gemm_pad(p->dv);
     s[FA_BF16_QV] = dk * bm * 2;
     s[FA_BF16_KBUF] = bn * dk * 2;
@@ -54,17 +49,13 @@ static void fa_bf16_part_sizes(const fa_params *p, size_t s[FA_BF16_PARTS])
     s[FA_BF16_ST] = bn * bm * 4;
     s[FA_BF16_O] = bm * dvp * 4;
     s[FA_BF16_ROWS] = 7 * bm * 4;
-    for (int i = 0; i < FA_BF16_PARTS; i++)
-        s[i] = (s[i] + 63) & ~(size_t)63;
 }
 
 static size_t fa_bf16_scratch_size(const fa_params *p)
 {
-    size_t s[FA_BF16_PARTS], total = 0;
+    size_t s[FA_BF16_PARTS];
     fa_bf16_part_sizes(p, s);
-    for (int i = 0; i < FA_BF16_PARTS; i++)
-        total += s[i];
-    return total;
+    return fa_cpu_scratch_layout(s, FA_BF16_PARTS, NULL, NULL);
 }
 
 static void fa_bf16_carve(const fa_params *p, char *base, fa_tile_bf16 *t)
@@ -72,10 +63,7 @@ static void fa_bf16_carve(const fa_params *p, char *base, fa_tile_bf16 *t)
     size_t s[FA_BF16_PARTS];
     char *at[FA_BF16_PARTS];
     fa_bf16_part_sizes(p, s);
-    for (int i = 0; i < FA_BF16_PARTS; i++) {
-        at[i] = base;
-        base += s[i];
-    }
+    fa_cpu_scratch_layout(s, FA_BF16_PARTS, base, at);
     t->qv = (uint32_t *)at[FA_BF16_QV];
     t->kbuf = (uint16_t *)at[FA_BF16_KBUF];
     t->vt = (uint16_t *)at[FA_BF16_VT];
@@ -108,7 +96,7 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
     fa_tile_f32 *f = &t->f;
     const fa_seq seq = fa_params_seq(p, seq_index);
     const int64_t d = p->d, dv = p->dv, dvp = fa_cpu_gemm_pad(dv), mp = fa_cpu_gemm_pad(m);
-    const int64_t dk = fa_bf16_round(d, FA_CPU_BF16_KALIGN);
+    const int64_t dk = fa_cpu_round_up(d, FA_CPU_BF16_KALIGN);
     const int64_t hk = h / (p->h / p->hk);
     const float slope = p->alibi_slopes ? p->alibi_slopes[seq_index * p->alibi_bstride +
                                                           h * p->alibi_hstride]
@@ -139,8 +127,8 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
     kern->begin();
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BF16_BN) {
         const int64_t n = k_hi - j0 < FA_CPU_BF16_BN ? k_hi - j0 : FA_CPU_BF16_BN;
-        const int64_t nm = fa_bf16_round(n, FA_CPU_BF16_MALIGN);
-        const int64_t nk = fa_bf16_round(n, FA_CPU_BF16_KALIGN);
+        const int64_t nm = fa_cpu_round_up(n, FA_CPU_BF16_MALIGN);
+        const int64_t nk = fa_cpu_round_up(n, FA_CPU_BF16_KALIGN);
         int64_t c0, c1;
         fa_edge_cols_f32(f->lo, f->hi, m, j0, n, &c0, &c1);
         const int64_t mr = (c1 < m ? c1 : m) - c0; /* real rows among the columns */

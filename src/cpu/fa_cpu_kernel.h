@@ -41,6 +41,25 @@
 #define FA_CPU_CLONES
 #endif
 
+static inline int64_t fa_cpu_round_up(int64_t x, int64_t to)
+{
+    return (x + to - 1) / to * to;
+}
+
+/* Lays n scratch regions of sizes[i] bytes one after another from base, each rounded up to 64
+ * bytes so that every region stays 64-byte aligned; at[i] gets each one's start (at may be NULL
+ * to size only). Returns the bytes of all of them. */
+static inline size_t fa_cpu_scratch_layout(const size_t *sizes, int n, char *base, char **at)
+{
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        if (at)
+            at[i] = base + total;
+        total += (sizes[i] + 63) & ~(size_t)63;
+    }
+    return total;
+}
+
 /* Hints huge pages under an array laid out as q's or k's rows, [b, rows, heads, cols] dense or
  * [total, heads, cols] varlen (rows: p->max_sq or p->max_sk, total: p->total_q or p->total_k),
  * in p's dtype, before the kernels write it (util/fa_memory.h says why). */
