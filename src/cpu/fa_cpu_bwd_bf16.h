@@ -190,26 +190,39 @@ FA_CPU_AVX512 static void fa_bwd_bf16_block(const fa_params *p, const fa_cpu_bf1
     const int64_t dvk = fa_cpu_round_up(p->dv, FA_CPU_BF16_KALIGN);
     kern->gemm(f->pt + c0, mq, t->kbuf + b0 * dk, dk, t->qv + c0, mq, nbm, c1 - c0, dk, 0);
     kern->gemm(f->dxt + c0, mq, t->vbuf + b0 * dvk, dvk, t->dov + c0, mq, nbm, c1 - c0, dvk, 0);
-    fa_bwd_probs_f32(p, f, seq_index, h, r0, m, mq, j0, nb, full, (float)p->scale);
-
     /* dV and dK over the queries, in whole steps of the kernels' depth around [c0, c1). */
     const int64_t k0 = c0 / FA_CPU_BF16_KALIGN * FA_CPU_BF16_KALIGN;
     const int64_t k1 = fa_cpu_round_up(c1, FA_CPU_BF16_KALIGN) < mq
                            ? fa_cpu_round_up(c1, FA_CPU_BF16_KALIGN)
                            : mq;
-    if (acc_v) {
-        fa_cpu_bf16_round_rows(t->pb + k0, mq, f->pt + k0, mq, nb, nbm, k1 - k0);
+    /* P^T and dS^T, then their bf16 operands, 32 keys at a time: each slice of pt and dxt is
+     * rounded while it is still in L1, where whole-block passes read it back from L2. */
+    for (int64_t jb = 0; jb < nb; jb += FA_CPU_BF16_KALIGN) {
+        const int64_t ns = nb - jb < FA_CPU_BF16_KALIGN ? nb - jb : FA_CPU_BF16_KALIGN;
+        const int64_t nsm = nbm - jb < FA_CPU_BF16_KALIGN ? nbm - jb : FA_CPU_BF16_KALIGN;
+        fa_bwd_tile_f32 slice = *f;
+        slice.pt += jb * mq;
+        slice.dxt += jb * mq;
+        slice.zt += jb * mq;
+        fa_bwd_probs_f32(p, &slice, seq_index, h, r0, m, mq, j0 + jb, ns, full,
+                         (float)p->scale);
+        if (acc_v)
+            fa_cpu_bf16_round_rows(t->pb + jb * mq + k0, mq, slice.pt + k0, mq, ns, nsm,
+                                   k1 - k0);
+        if (acc_k)
+            fa_cpu_bf16_round_rows(t->dsb + jb * mq + k0, mq, slice.dxt + k0, mq, ns, nsm,
+                                   k1 - k0);
+        if (dq)
+            fa_cpu_bf16_round_t(t->ds + jb, nbk, slice.dxt + c0, mq, ns, FA_CPU_BF16_KALIGN,
+                                c1 - c0);
+    }
+    if (acc_v)
         kern->gemm(acc_v, dvp, t->pb + k0, mq, t->dopair + k0 / 2 * dvp, dvp, nbm, dvp, k1 - k0,
                    1);
-    }
-    if (acc_k) {
-        fa_cpu_bf16_round_rows(t->dsb + k0, mq, f->dxt + k0, mq, nb, nbm, k1 - k0);
+    if (acc_k)
         kern->gemm(acc_k, dp, t->dsb + k0, mq, t->qpair + k0 / 2 * dp, dp, nbm, dp, k1 - k0, 1);
-    }
-    if (dq) {
-        fa_cpu_bf16_round_t(t->ds, nbk, f->dxt + c0, mq, nb, nbk, c1 - c0);
+    if (dq)
         kern->gemm(dq + c0 * dp, dp, t->ds, nbk, t->kpair + b0 / 2 * dp, dp, c1 - c0, dp, nbk, 1);
-    }
 }
 
 /* Key pass item (fa_bwd_keys_f32's, on bf16 products); dq_ws as there. */
