@@ -265,9 +265,10 @@ static int64_t fa_bwd_chunks_make(const fa_params *p, int by_keys, int64_t block
 
 /*
  * The fused schedule's stripes (0: the two passes instead) and keys per chunk, from the shape
- * only, so that results never depend on the thread count. Fused wants FA_CPU_BWD_FUSED_ITEMS
- * items to keep the threads busy: (sequence, kv head) pairs, times stripes of key chunks where
- * the pairs are fewer, each stripe summing its share of dQ in its own fp32 copy of q's size.
+ * only, so that results never depend on the thread count. Fused needs FA_CPU_BWD_FUSED_ITEMS
+ * items to keep the threads busy and aims for FA_CPU_BWD_STRIPE_ITEMS: (sequence, kv head)
+ * pairs, times stripes of key chunks where the pairs are fewer, each stripe summing its share
+ * of dQ in its own fp32 copy of q's size.
  * Chunks are FA_CPU_BWD_NK keys, or half that where it takes that many to make the items (each
  * chunk packs its query tiles again, a smaller cost than the two passes' extra products). The
  * copies are bounded by FA_CPU_BWD_STRIPE_BYTES; past it the two passes run.
@@ -276,12 +277,12 @@ static int64_t fa_bwd_stripes(const fa_params *p, size_t real_size, int64_t *chu
 {
     const int64_t pairs = p->b * p->hk;
     *chunk = FA_CPU_BWD_NK;
-    if (pairs >= FA_CPU_BWD_FUSED_ITEMS)
+    if (pairs >= FA_CPU_BWD_STRIPE_ITEMS)
         return 1;
     const double slot = (double)(p->total_q * p->h * fa_cpu_gemm_pad(p->d)) * (double)real_size;
     for (int64_t size = FA_CPU_BWD_NK; size >= FA_CPU_BWD_NK / 2; size /= 2) {
         const int64_t chunks = (p->max_sk + size - 1) / size;
-        int64_t stripes = (FA_CPU_BWD_FUSED_ITEMS + pairs - 1) / pairs;
+        int64_t stripes = (FA_CPU_BWD_STRIPE_ITEMS + pairs - 1) / pairs;
         if (stripes > chunks)
             stripes = chunks;
         while (stripes > 1 && (double)stripes * slot > (double)FA_CPU_BWD_STRIPE_BYTES)

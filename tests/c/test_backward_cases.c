@@ -270,11 +270,11 @@ void tb_run_directed(tu_rng *rng)
     c.sk = 800;
     c.causal = 1;
     tb_run_case(&c, "fused in stripes of 256-key chunks", rng);
-    /* 16 pairs and 1100 keys: two stripes over three 512-key chunks (stripe 0 takes two) */
+    /* 32 pairs and 1100 keys: two stripes over three 512-key chunks (stripe 0 takes two) */
     for (int di = 0; di < 4; di++) {
         tb_base_case(&c, k_dtypes[di], rng);
         c.b = 1;
-        c.h = c.hk = 16;
+        c.h = c.hk = 32;
         c.sq = 40 + 9 * di;
         c.sk = 1100 - 30 * di;
         c.causal = di % 2 == 0;

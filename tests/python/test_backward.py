@@ -313,13 +313,14 @@ def test_no_grad_inputs_and_sink_only(rng):
                                   dict(softcap=2.0, alibi="h")],
                          ids=lambda f: ",".join(map(str, f.items())) or "plain")
 @pytest.mark.parametrize("shape", [(2, 70, 300, 32, 16, 24), (2, 60, 700, 16, 8, 24),
-                                   (1, 50, 800, 8, 8, 24), (1, 40, 1100, 16, 16, 24)],
+                                   (1, 50, 800, 8, 8, 24), (1, 40, 1100, 32, 32, 24)],
                          ids=["pairs", "stripes", "stripes-256", "stripes-of-2"])
 def test_grads_fused_schedule(rng, feat, shape, monkeypatch):
     """Shapes with at least 32 (batch, kv head) pairs take the fused backward schedule, and so do
     16 pairs whose keys make two 512-key chunks (each pair in two stripes of chunks, each with
     its own share of dQ, added up afterwards), 8 pairs whose keys make four 256-key chunks, and
-    16 pairs over 1100 keys (three chunks, two in stripe 0); the gradients must match the reference and stay bitwise identical across thread counts."""
+    32 pairs over 1100 keys (three chunks, two in stripe 0); the gradients must match the
+    reference and stay bitwise identical across thread counts."""
     b, sq, sk, h, hk, d = shape
     q, k, v, alibi, sink = _inputs(rng, b, sq, sk, h, hk, d, d, torch.float64, feat)
     dout = torch.tensor(rng.standard_normal((b, sq, h, d)))
