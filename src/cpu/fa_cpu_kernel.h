@@ -13,7 +13,8 @@
 #define FA_CPU_BM 64 /* query rows per tile (backward) */
 #define FA_CPU_BWD_FUSED_ITEMS 32 /* work items from which the backward runs fused */
 /* Items the fused backward's stripes aim for: on the H200 host's 16 threads, 64 items ran the
- * fp32 backward 10-29% faster than 32 (a slow core holds up one wave of two), bf16 even. */
+ * fp32 backward 6-29% faster than 32 in 12 of 16 alternated runs, even in the others (a slow
+ * core holds up one wave of two, one of four with 64); bf16 even (bench/NOTES.md). */
 #define FA_CPU_BWD_STRIPE_ITEMS 64
 /* Bound of the fused backward's dQ copies when it stripes key chunks (fa_cpu_backward.c). */
 #define FA_CPU_BWD_STRIPE_BYTES ((size_t)256 << 20)
