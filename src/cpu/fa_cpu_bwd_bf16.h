@@ -233,7 +233,7 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
 {
     fa_bwd_tile_f32 *f = &t->f;
     const fa_seq seq = fa_params_seq(p, seq_index);
-    const int64_t d = p->d, dv = p->dv, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(dv);
+    const int64_t dp = fa_cpu_gemm_pad(p->d), dvp = fa_cpu_gemm_pad(p->dv);
     const int64_t group = p->h / p->hk;
     for (int64_t x = 0; x < n * dp; x++)
         f->acc_k[x] = 0;
@@ -274,16 +274,7 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
         kern->end();
     }
 
-    const int64_t dk_base =
-        seq_index * p->dk_bstride + seq.k_start * p->dk_rstride + hk * p->dk_hstride;
-    const int64_t dv_base =
-        seq_index * p->dv_bstride + seq.k_start * p->dv_rstride + hk * p->dv_hstride;
-    for (int64_t j = 0; j < n; j++) {
-        fa_store_row_f32(p->dk_data, dk_base + (j0 + j) * p->dk_rstride, f->acc_k + j * dp, 1, d,
-                         p->dtype);
-        fa_store_row_f32(p->dv_data, dv_base + (j0 + j) * p->dv_rstride, f->acc_v + j * dvp, 1,
-                         dv, p->dtype);
-    }
+    fa_bwd_store_kv_f32(p, seq_index, &seq, hk, j0, n, f->acc_k, f->acc_v);
 }
 
 /* Fused item (fa_bwd_fused_f32's, on bf16 products). */

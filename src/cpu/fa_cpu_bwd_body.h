@@ -295,6 +295,25 @@ FA_CPU_INLINE void FA_FN(fa_bwd_grads)(const fa_params *p, const FA_FN(fa_bwd_ti
     }
 }
 
+/* dK and dV of keys [j0, j0+n) of kv head hk in a sequence, from accumulators of rows pad(d) and
+ * pad(dv) apart, stored in the gradients' dtype. */
+static void FA_FN(fa_bwd_store_kv)(const fa_params *p, int64_t seq_index, const fa_seq *seq,
+                                   int64_t hk, int64_t j0, int64_t n, const FA_REAL *acc_k,
+                                   const FA_REAL *acc_v)
+{
+    const int64_t dp = fa_cpu_gemm_pad(p->d), dvp = fa_cpu_gemm_pad(p->dv);
+    const int64_t dk_base =
+        seq_index * p->dk_bstride + seq->k_start * p->dk_rstride + hk * p->dk_hstride;
+    const int64_t dv_base =
+        seq_index * p->dv_bstride + seq->k_start * p->dv_rstride + hk * p->dv_hstride;
+    for (int64_t j = 0; j < n; j++) {
+        FA_FN(fa_store_row)(p->dk_data, dk_base + (j0 + j) * p->dk_rstride, acc_k + j * dp, 1,
+                            p->d, p->dtype);
+        FA_FN(fa_store_row)(p->dv_data, dv_base + (j0 + j) * p->dv_rstride, acc_v + j * dvp, 1,
+                            p->dv, p->dtype);
+    }
+}
+
 /*
  * Key pass item: dK, dV of keys [j0, j0+n) (n <= FA_CPU_BWD_NK) of kv head hk in sequence
  * seq_index. Each query tile is packed once and used for every FA_CPU_BN block of the item's keys
@@ -308,7 +327,7 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
                                              int64_t n)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
-    const int64_t d = p->d, dv = p->dv, dp = fa_cpu_gemm_pad(d), dvp = fa_cpu_gemm_pad(dv);
+    const int64_t dp = fa_cpu_gemm_pad(p->d), dvp = fa_cpu_gemm_pad(p->dv);
     const int64_t group = p->h / p->hk;
     const int64_t k_base =
         seq_index * p->k_bstride + seq.k_start * p->k_rstride + hk * p->k_hstride;
@@ -347,16 +366,7 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
         }
     }
 
-    const int64_t dk_base =
-        seq_index * p->dk_bstride + seq.k_start * p->dk_rstride + hk * p->dk_hstride;
-    const int64_t dv_base =
-        seq_index * p->dv_bstride + seq.k_start * p->dv_rstride + hk * p->dv_hstride;
-    for (int64_t j = 0; j < n; j++) {
-        FA_FN(fa_store_row)(p->dk_data, dk_base + (j0 + j) * p->dk_rstride, t->acc_k + j * dp, 1,
-                            d, p->dtype);
-        FA_FN(fa_store_row)(p->dv_data, dv_base + (j0 + j) * p->dv_rstride, t->acc_v + j * dvp,
-                            1, dv, p->dtype);
-    }
+    FA_FN(fa_bwd_store_kv)(p, seq_index, &seq, hk, j0, n, t->acc_k, t->acc_v);
 }
 
 /* Zeroes a dQ workspace slot's rows of every query head of kv head hk in a sequence. */
