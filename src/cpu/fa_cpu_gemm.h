@@ -14,6 +14,16 @@
 
 #define FA_CPU_GEMM_NPAD 16 /* widest vector, in floats */
 
+/* Put before each loop over a small array of vector accumulators (and the loops that load and
+ * store it): gcc keeps such an array in registers only where those loops are unrolled early;
+ * otherwise it moves the array through the stack around the loops that walk it (that cost the
+ * fp32 forward ~20% on the H200 host, bench/NOTES.md, fifteenth session). */
+#if defined(__GNUC__)
+#define FA_CPU_UNROLL _Pragma("GCC unroll 16")
+#else
+#define FA_CPU_UNROLL
+#endif
+
 void fa_cpu_gemm_f32(float *c, int64_t ldc, const float *a, int64_t a_rs, int64_t a_cs,
                      const float *b, int64_t ldb, int64_t m, int64_t n, int64_t k,
                      int accumulate);
