@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cpu/fa_cpu_info.h"
+#include "cpu/fa_cpu_transpose16.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -84,35 +85,6 @@ FA_BF16_TARGET static void fa_bf16_gemm_avx512(float *c, int64_t ldc, const uint
     }
 }
 
-/* Transposes 16x16 32-bit elements held in r[0..15] (rows) in place. */
-FA_BF16_TARGET static inline void fa_bf16_transpose16(__m512i r[16])
-{
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    /* u[4g + q], 128-bit lane L: column 4L + q of rows 4g .. 4g+3 */
-    __m512i u[16];
-    for (int g = 0; g < 16; g += 4) {
-        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-    }
-    /* row 4L + q of the result = lane L of u[q], u[4 + q], u[8 + q], u[12 + q] */
-    for (int q = 0; q < 4; q++) {
-        const __m512i s0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x44);
-        const __m512i s1 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xee);
-        const __m512i s2 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x44);
-        const __m512i s3 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xee);
-        r[q] = _mm512_shuffle_i32x4(s0, s2, 0x88);
-        r[4 + q] = _mm512_shuffle_i32x4(s0, s2, 0xdd);
-        r[8 + q] = _mm512_shuffle_i32x4(s1, s3, 0x88);
-        r[12 + q] = _mm512_shuffle_i32x4(s1, s3, 0xdd);
-    }
-}
-
 /* 16 columns of one V row, zero past dv (masked loads never touch memory they skip). */
 FA_BF16_TARGET static inline __m512i fa_bf16_vrow(const uint16_t *v, int64_t ldv, int64_t j,
                                                   int64_t n, int64_t c0, __mmask16 cmask)
@@ -144,7 +116,7 @@ FA_BF16_TARGET void fa_cpu_bf16_pack_vt(uint16_t *vt, int64_t ldvt, const uint16
                 const __m512i hi = fa_bf16_vrow(v, ldv, j + 1, n, c0, cmask);
                 w[t] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
             }
-            fa_bf16_transpose16(w);
+            fa_cpu_transpose16(w);
             for (int t = 0; t < 16; t++)
                 _mm512_storeu_si512(vt32 + (c0 + t) * ld32 + x0, w[t]);
         }
@@ -163,7 +135,7 @@ FA_BF16_TARGET void fa_cpu_bf16_pack_q(uint32_t *qv, int64_t ldqv, const uint16_
             for (int t = 0; t < 16; t++)
                 w[t] = i0 + t < m ? _mm512_maskz_loadu_epi16(emask, q + (i0 + t) * ldq + 2 * x0)
                                   : _mm512_setzero_si512();
-            fa_bf16_transpose16(w);
+            fa_cpu_transpose16(w);
             for (int t = 0; t < 16; t++)
                 _mm512_storeu_si512(qv + (x0 + t) * ldqv + i0, w[t]);
         }
@@ -177,7 +149,7 @@ FA_BF16_TARGET void fa_cpu_bf16_transpose_f32(float *dst, int64_t ldd, const flo
         __m512i w[16];
         for (int t = 0; t < 16; t++)
             w[t] = _mm512_castps_si512(_mm512_loadu_ps(src + (r0 + t) * lds));
-        fa_bf16_transpose16(w);
+        fa_cpu_transpose16(w);
         for (int t = 0; t < 16; t++)
             _mm512_storeu_ps(dst + t * ldd + r0, _mm512_castsi512_ps(w[t]));
     }
@@ -251,7 +223,7 @@ FA_BF16_TARGET void fa_cpu_bf16_round_t(uint16_t *dst, int64_t ldd, const float 
                     j + 1 < n ? _mm512_loadu_ps(src + (j + 1) * lds + i0) : _mm512_setzero_ps();
                 w[t] = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             }
-            fa_bf16_transpose16(w);
+            fa_cpu_transpose16(w);
             for (int t = 0; t < 16; t++)
                 _mm512_storeu_si512(d32 + (i0 + t) * ld32 + x0, w[t]);
         }

@@ -84,10 +84,17 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_pack_rows)(const fa_params *p, FA_FN(fa_b
             FA_FN(fa_load_row)(q, p->q, q_base + row * p->q_rstride, d, p->dtype);
             FA_FN(fa_load_row)(dout, p->dout_data, do_base + row * p->do_rstride, dv, p->dtype);
         }
+    }
+    if (sizeof(FA_REAL) == sizeof(float)) {
+        fa_cpu_transpose_f32((float *)t->qt, mp, (const float *)t->qr, dp, mp, d, (float)scale);
+        fa_cpu_transpose_f32((float *)t->dot, mp, (const float *)t->dor, dvp, mp, dv, 1.0f);
+        return;
+    }
+    for (int64_t i = 0; i < mp; i++) {
         for (int64_t c = 0; c < d; c++)
-            t->qt[c * mp + i] = q[c] * scale;
+            t->qt[c * mp + i] = t->qr[i * dp + c] * scale;
         for (int64_t c = 0; c < dv; c++)
-            t->dot[c * mp + i] = dout[c];
+            t->dot[c * mp + i] = t->dor[i * dvp + c];
     }
 }
 

@@ -254,10 +254,17 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
     const int64_t v_base =
         seq_index * p->v_bstride + seq.k_start * p->v_rstride + hk * p->v_hstride;
 
+    /* fp32 Q is transposed straight from its rows (fa_cpu_transpose_f32, 16x16 blocks); other
+     * inputs row by row through row_buf, as are the padding rows. */
+    const int q_direct = sizeof(FA_REAL) == sizeof(float) && p->dtype == FA_DTYPE_F32;
+    if (q_direct)
+        fa_cpu_transpose_f32((float *)t->qt, mp, (const float *)p->q + q_base + r0 * p->q_rstride,
+                             p->q_rstride, m, d, (float)scale);
     FA_REAL row_buf[FA_MAX_HEAD_DIM];
     for (int64_t i = 0; i < mp; i++) {
         if (i < m) {
-            FA_FN(fa_load_row)(row_buf, p->q, q_base + (r0 + i) * p->q_rstride, d, p->dtype);
+            if (!q_direct)
+                FA_FN(fa_load_row)(row_buf, p->q, q_base + (r0 + i) * p->q_rstride, d, p->dtype);
             int64_t lo, hi;
             fa_params_key_range(p, r0 + i, seq.sq, seq.sk, &lo, &hi);
             t->lo[i] = (FA_REAL)lo;
@@ -267,8 +274,9 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
                 row_buf[c] = 0;
             t->lo[i] = t->hi[i] = 0; /* padding rows see nothing */
         }
-        for (int64_t c = 0; c < d; c++)
-            t->qt[c * mp + i] = row_buf[c] * scale;
+        if (!q_direct || i >= m)
+            for (int64_t c = 0; c < d; c++)
+                t->qt[c * mp + i] = row_buf[c] * scale;
         t->diag[i] = (FA_REAL)(r0 + i + seq.sk - seq.sq);
         t->m[i] = -(FA_REAL)INFINITY;
         t->l[i] = 0;

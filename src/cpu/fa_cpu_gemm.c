@@ -5,6 +5,7 @@
 
 #include "cpu/fa_cpu_gemm.h"
 #include "cpu/fa_cpu_info.h"
+#include "cpu/fa_cpu_transpose16.h"
 
 /* Unaligned vector loads and stores; macros, so no vector crosses a function boundary. */
 #define FA_VLOAD(v, p) memcpy(&(v), (p), sizeof(v))
@@ -74,10 +75,43 @@
 #undef FA_GEMM_NRV
 #undef FA_GEMM_COLS_OUTER
 
+/* The rectangle [r0, r1) x [c0, c1) of fa_cpu_transpose_f32, one element at a time. */
+static void fa_transpose_rect(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t r0,
+                              int64_t r1, int64_t c0, int64_t c1, float scale)
+{
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t c = c0; c < c1; c++)
+            dst[c * ldd + r] = src[r * lds + c] * scale;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"))) static void fa_transpose_avx512(float *dst, int64_t ldd,
+                                                                   const float *src, int64_t lds,
+                                                                   int64_t rows, int64_t cols,
+                                                                   float scale)
+{
+    const __m512 s = _mm512_set1_ps(scale);
+    const int64_t rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
+    for (int64_t r0 = 0; r0 < rows16; r0 += 16)
+        for (int64_t c0 = 0; c0 < cols16; c0 += 16) {
+            __m512i w[16];
+            FA_CPU_UNROLL for (int t = 0; t < 16; t++)
+                w[t] = _mm512_castps_si512(
+                    _mm512_mul_ps(_mm512_loadu_ps(src + (r0 + t) * lds + c0), s));
+            fa_cpu_transpose16(w);
+            FA_CPU_UNROLL for (int t = 0; t < 16; t++)
+                _mm512_storeu_ps(dst + (c0 + t) * ldd + r0, _mm512_castsi512_ps(w[t]));
+        }
+    fa_transpose_rect(dst, ldd, src, lds, 0, rows16, cols16, cols, scale);
+    fa_transpose_rect(dst, ldd, src, lds, rows16, rows, 0, cols, scale);
+}
+#endif
+
 typedef void (*fa_gemm_fn)(float *, int64_t, const float *, int64_t, int64_t, const float *,
                            int64_t, int64_t, int64_t, int64_t, int);
 
 static fa_gemm_fn fa_gemm_selected;
+static int fa_gemm_avx512_ok;
 static const char *fa_gemm_selected_name;
 static pthread_once_t fa_gemm_once = PTHREAD_ONCE_INIT;
 
@@ -88,6 +122,7 @@ static void fa_gemm_select(void)
 #if defined(__x86_64__) && defined(__GNUC__)
     const fa_cpu_info *cpu = fa_cpu_info_get();
     if (cpu->avx512f && cpu->avx512vl && cpu->avx2 && cpu->fma) {
+        fa_gemm_avx512_ok = 1;
         /* 6x64 register tiles, column panels outermost: on the device host's Xeon (two 512-bit
          * FMA units per core) 18% faster than 4x64 row-major order at 16 threads, 3% at one;
          * the same speed on an AMD EPYC dev VM (bench/NOTES.md). FLASHATTN_CPU_GEMM=4x4,
@@ -118,6 +153,19 @@ void fa_cpu_gemm_f32(float *c, int64_t ldc, const float *a, int64_t a_rs, int64_
 {
     pthread_once(&fa_gemm_once, fa_gemm_select);
     fa_gemm_selected(c, ldc, a, a_rs, a_cs, b, ldb, m, n, k, accumulate);
+}
+
+void fa_cpu_transpose_f32(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                          int64_t cols, float scale)
+{
+    pthread_once(&fa_gemm_once, fa_gemm_select);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (fa_gemm_avx512_ok) {
+        fa_transpose_avx512(dst, ldd, src, lds, rows, cols, scale);
+        return;
+    }
+#endif
+    fa_transpose_rect(dst, ldd, src, lds, 0, rows, 0, cols, scale);
 }
 
 const char *fa_cpu_gemm_name(void)

@@ -33,6 +33,12 @@ void fa_cpu_gemm_f64(double *c, int64_t ldc, const double *a, int64_t a_rs, int6
                      const double *b, int64_t ldb, int64_t m, int64_t n, int64_t k,
                      int accumulate);
 
+/* dst[c * ldd + r] = src[r * lds + c] * scale for r < rows, c < cols: the transposed tiles
+ * (Q^T, dO^T) the kernels pack, in 16x16 register blocks where AVX-512 exists (per element
+ * these were scalar strided stores, ~half of the backward's packing time). */
+void fa_cpu_transpose_f32(float *dst, int64_t ldd, const float *src, int64_t lds, int64_t rows,
+                          int64_t cols, float scale);
+
 /* The micro-kernel family in use ("avx512 6x64 cols", "avx2", "generic", ...), for reports. */
 const char *fa_cpu_gemm_name(void);
 
