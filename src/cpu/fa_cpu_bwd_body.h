@@ -98,7 +98,8 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_pack_rows)(const fa_params *p, FA_FN(fa_b
     }
 }
 
-/* K and V rows [j0, j0+n) of one kv head as micro-kernel operands, in place when possible. */
+/* K and V rows [j0, j0+n) of one kv head as micro-kernel operands: in place where their dtype,
+ * padding and stride allow (fa_cpu_rows_alias), else copied into the tile's buffers. */
 typedef struct FA_FN(fa_bwd_kv) {
     const FA_REAL *k; /* [n][d] rows, stride k_ld (also the dQ operand when k_padded) */
     const FA_REAL *v; /* [n][dv] rows, stride v_ld */
@@ -112,7 +113,7 @@ static inline FA_FN(fa_bwd_kv) FA_FN(fa_bwd_load_kv)(const fa_params *p, FA_FN(f
     const int64_t d = p->d, dv = p->dv, dp = fa_cpu_gemm_pad(d);
     FA_FN(fa_bwd_kv) kv;
     /* dQ += dS K reads K as the B operand, whose rows must hold dp columns. */
-    if (p->dtype == FA_NATIVE && dp == d) {
+    if (p->dtype == FA_NATIVE && dp == d && !fa_cpu_rows_alias(p->k_rstride, sizeof(FA_REAL))) {
         kv.k = (const FA_REAL *)p->k + k_base + j0 * p->k_rstride;
         kv.k_ld = p->k_rstride;
     } else {
@@ -125,7 +126,7 @@ static inline FA_FN(fa_bwd_kv) FA_FN(fa_bwd_load_kv)(const fa_params *p, FA_FN(f
         kv.k = t->kbuf;
         kv.k_ld = dp;
     }
-    if (p->dtype == FA_NATIVE) {
+    if (p->dtype == FA_NATIVE && !fa_cpu_rows_alias(p->v_rstride, sizeof(FA_REAL))) {
         kv.v = (const FA_REAL *)p->v + v_base + j0 * p->v_rstride;
         kv.v_ld = p->v_rstride;
     } else {

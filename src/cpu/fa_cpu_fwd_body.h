@@ -12,8 +12,8 @@
  *  - Q^T is packed once per tile and K is read in place (no per-block transpose);
  *  - the online softmax runs down the key rows with the query index as the vector lane;
  *  - O += P V reads P^T through swapped strides and V in place when its rows fit the kernel.
- * Inputs already in FA_REAL are not copied at all; fp16/bf16 K/V blocks are converted once per
- * tile.
+ * Inputs already in FA_REAL are read in place, except K/V rows a multiple of 4 KB apart
+ * (fa_cpu_rows_alias); fp16/bf16 K/V blocks are converted once per tile.
  */
 
 /* One query tile of one head: rows [r0, r0 + m) of sequence seq_index. Scratch is per thread. */
@@ -245,8 +245,10 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
         p->alibi_slopes ? (FA_REAL)p->alibi_slopes[seq_index * p->alibi_bstride +
                                                    h * p->alibi_hstride]
                         : 0;
-    const int native = p->dtype == FA_NATIVE;
-    const int v_in_place = native && dvp == dv;
+    const int k_in_place =
+        p->dtype == FA_NATIVE && !fa_cpu_rows_alias(p->k_rstride, sizeof(FA_REAL));
+    const int v_in_place = p->dtype == FA_NATIVE && dvp == dv &&
+                           !fa_cpu_rows_alias(p->v_rstride, sizeof(FA_REAL));
 
     const int64_t q_base = seq_index * p->q_bstride + seq.q_start * p->q_rstride + h * p->q_hstride;
     const int64_t k_base =
@@ -302,7 +304,7 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
             continue;
         const FA_REAL *kp, *vp;
         int64_t k_ld, v_ld;
-        if (native) {
+        if (k_in_place) {
             kp = (const FA_REAL *)p->k + k_base + j0 * p->k_rstride;
             k_ld = p->k_rstride;
         } else {

@@ -262,6 +262,19 @@ void tb_run_directed(tu_rng *rng)
         c.dropout_p = di == 3 ? 0.15 : 0;
         tb_run_case(&c, "fused in stripes", rng);
     }
+    /* fp32 K/V rows 4 KB apart (8 kv heads x 128, contiguous): copied, not read in place */
+    for (int ci = 0; ci < 2; ci++) {
+        tb_base_case(&c, FA_DTYPE_F32, rng);
+        c.b = 1;
+        c.hk = 8;
+        c.h = 8 * (1 + ci);
+        c.sq = 100 + 30 * ci;
+        c.sk = 200 - 37 * ci;
+        c.d = c.dv = 128;
+        c.layout = TU_CONTIGUOUS;
+        c.causal = ci;
+        tb_run_case(&c, "fp32 K/V rows 4 KB apart", rng);
+    }
     /* 8 pairs and 800 keys: four stripes of one 256-key chunk each */
     tb_base_case(&c, k_dtypes[tu_rng_int(rng, 0, 3)], rng);
     c.b = 1;

@@ -322,6 +322,22 @@ void tf_run_directed(tu_rng *rng)
     c.wr = 30;
     c.row_step = 5;
     tf_run_case(&c, "long window", rng);
+    /* fp32 K/V rows 4 KB apart (8 kv heads x 128, contiguous): the kernels copy K and V blocks
+     * instead of reading them in place (fa_cpu_rows_alias); GQA, a partial last block */
+    for (int ci = 0; ci < 2; ci++) {
+        base_case(&c, FA_DTYPE_F32, rng);
+        c.b = 1;
+        c.hk = 8;
+        c.h = 8 * (1 + ci);
+        c.sq = 150;
+        c.sk = 300 - 37 * ci;
+        c.d = c.dv = 128;
+        c.layout = TU_CONTIGUOUS;
+        c.causal = ci;
+        c.wl = ci ? -1 : 90;
+        c.row_step = 3;
+        tf_run_case(&c, "fp32 K/V rows 4 KB apart", rng);
+    }
     /* bf16 over several tiles and key blocks of its own kernels (AMX or AVX512-BF16) */
     base_case(&c, FA_DTYPE_BF16, rng);
     c.b = 1;
