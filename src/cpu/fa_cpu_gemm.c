@@ -111,7 +111,9 @@ typedef void (*fa_gemm_fn)(float *, int64_t, const float *, int64_t, int64_t, co
                            int64_t, int64_t, int64_t, int64_t, int);
 
 static fa_gemm_fn fa_gemm_selected;
-static int fa_gemm_avx512_ok;
+#if defined(__x86_64__) && defined(__GNUC__)
+static int fa_gemm_avx512_ok; /* fa_cpu_transpose_f32 may use AVX-512 */
+#endif
 static const char *fa_gemm_selected_name;
 static pthread_once_t fa_gemm_once = PTHREAD_ONCE_INIT;
 
