@@ -142,19 +142,6 @@ FA_BF16_TARGET void fa_cpu_bf16_pack_q(uint32_t *qv, int64_t ldqv, const uint16_
     }
 }
 
-FA_BF16_TARGET void fa_cpu_bf16_transpose_f32(float *dst, int64_t ldd, const float *src,
-                                              int64_t lds, int64_t rows)
-{
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        __m512i w[16];
-        for (int t = 0; t < 16; t++)
-            w[t] = _mm512_castps_si512(_mm512_loadu_ps(src + (r0 + t) * lds));
-        fa_cpu_transpose16(w);
-        for (int t = 0; t < 16; t++)
-            _mm512_storeu_ps(dst + t * ldd + r0, _mm512_castsi512_ps(w[t]));
-    }
-}
-
 /* Words 2t and 2t+1 of a 32-word vector from words t and 16 + t: two rows of 16 bf16 values
  * interleaved into 16 pairs (as _mm512_cvtne2ps_pbh(hi, lo) leaves them, lo in words 0-15). */
 static const uint16_t fa_bf16_pair_order[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,

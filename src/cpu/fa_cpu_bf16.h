@@ -67,11 +67,6 @@ void fa_cpu_bf16_pack_vt(uint16_t *vt, int64_t ldvt, const uint16_t *v, int64_t 
 void fa_cpu_bf16_pack_q(uint32_t *qv, int64_t ldqv, const uint16_t *q, int64_t ldq, int64_t m,
                         int64_t mp, int64_t d, int64_t dk);
 
-/* dst[j][r] = src[r][j] for j < 16 and r < rows, a multiple of 16: 16 columns of a matrix whose
- * rows are lds floats apart become 16 rows, ldd apart. */
-void fa_cpu_bf16_transpose_f32(float *dst, int64_t ldd, const float *src, int64_t lds,
-                               int64_t rows);
-
 /*
  * P^T to VNNI pairs: pv[x][i] (ldpv per row) = bf16(st[2x][i]) | bf16(st[2x+1][i]) << 16 for
  * rows below n, zero halves from row n on, for x < kp/2 and i < cols (a multiple of 16).

@@ -180,7 +180,7 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
     kern->end();
     /* O^T to rows, 16 queries at a time, through st (free now; it holds 16 x dvp floats). */
     for (int64_t g = 0; g < m; g += 16) {
-        fa_cpu_bf16_transpose_f32(f->st, dvp, f->o + g, mp, dvp);
+        fa_cpu_transpose_f32(f->st, dvp, f->o + g, mp, dvp, 16, 1.0f);
         fa_tile_store_f32(p, f->m + g, f->l + g, f->st, dvp, seq_index, h, r0 + g,
                           m - g < 16 ? m - g : 16);
     }

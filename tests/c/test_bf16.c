@@ -231,21 +231,6 @@ static void test_packing(tu_rng *rng)
         TU_CHECK(bad == 0, "pack_p n=%lld cols=%lld: %lld wrong", (long long)n, (long long)mp,
                  (long long)bad);
 
-        /* 16 columns of O^T (dvp rows, mp + 16 apart) back to 16 rows of dvp */
-        const int64_t lds = mp + 16;
-        float *ot = malloc(sizeof *ot * (size_t)(dvp * lds));
-        for (int64_t i = 0; i < dvp * lds; i++)
-            ot[i] = (float)tu_rng_uniform(rng, -1, 1);
-        float *rows = malloc(sizeof *rows * (size_t)(16 * dvp));
-        fa_cpu_bf16_transpose_f32(rows, dvp, ot + 16, lds, dvp);
-        bad = 0;
-        for (int64_t j = 0; j < 16; j++)
-            for (int64_t c = 0; c < dvp; c++)
-                bad += rows[j * dvp + c] != ot[c * lds + 16 + j];
-        TU_CHECK(bad == 0, "transpose_f32 rows=%lld: %lld wrong", (long long)dvp,
-                 (long long)bad);
-        free(ot);
-        free(rows);
         free(st);
         free(pv);
         test_packing_bwd(rng);
