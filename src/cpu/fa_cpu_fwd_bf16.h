@@ -144,7 +144,7 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
          * and 3-7% slower at 1 KB, on the H200 host (bench/NOTES.md). */
         const uint16_t *kp = k + j0 * p->k_rstride;
         int64_t k_ld = p->k_rstride;
-        if (n != nm || d != dk || (p->k_rstride * 2) % 4096 == 0) {
+        if (n != nm || d != dk || fa_cpu_rows_alias(p->k_rstride, sizeof *k)) {
             for (int64_t j = 0; j < nm; j++)
                 for (int64_t c = 0; c < dk; c++)
                     t->kbuf[j * dk + c] = j < n && c < d ? kp[j * p->k_rstride + c] : 0;

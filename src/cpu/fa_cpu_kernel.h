@@ -47,9 +47,9 @@
 
 /* Whether rows ld elements of esize bytes apart fall a multiple of 4 KB apart: then every row's
  * element c maps to the same L1 set, and an operand panel of such rows read in place evicts
- * itself (h * d * 4 bytes = 4 KB from h 8 at d 128). The fp32 kernels copy K and V blocks
- * into their buffers there: on the H200 host the backward ran 4-11% faster, the forward even
- * to 10% (bench/NOTES.md, fifteenth session). */
+ * itself (h * d * 4 bytes = 4 KB from h 8 at d 128). The kernels copy K blocks (fp32: V too)
+ * into their buffers there: on the H200 host the fp32 backward ran 4-11% faster, the forward
+ * even to 10%, the bf16 forward 2-20% (bench/NOTES.md). */
 static inline int fa_cpu_rows_alias(int64_t ld, size_t esize)
 {
     return (ld * (int64_t)esize) % 4096 == 0;
