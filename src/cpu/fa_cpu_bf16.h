@@ -75,6 +75,16 @@ void fa_cpu_bf16_pack_q(uint32_t *qv, int64_t ldqv, const uint16_t *q, int64_t l
 void fa_cpu_bf16_pack_p(uint32_t *pv, int64_t ldpv, const float *st, int64_t ldst, int64_t n,
                         int64_t kp, int64_t cols);
 
+/*
+ * The softmax's exponentials straight into P^T's VNNI pairs (fa_cpu_bf16_pack_p's layout), one
+ * pass instead of fa_tile_softmax_exp's and pack_p's two: for rows j < n of st and columns
+ * i < cols (a multiple of 16), e = exp(st[j][i] * emul - bmax[i]) in fp32 (within 1.2e-7
+ * relative, 0 below e^-87.34), l[i] += e in row order, and pv gets bf16(e) rounded to nearest
+ * even; zero halves from row n on, up to kp (even).
+ */
+void fa_cpu_bf16_exp_pack(uint32_t *pv, int64_t ldpv, const float *st, int64_t ldst, int64_t n,
+                          int64_t kp, int64_t cols, float emul, const float *bmax, float *l);
+
 /* The backward's operands (fa_cpu_bwd_bf16.h). */
 
 /*

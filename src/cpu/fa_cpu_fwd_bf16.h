@@ -169,10 +169,14 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
                 memcpy(f->o + c * mp + g, &o, sizeof o);
             }
         }
-        fa_tile_softmax_exp_f32(f, c0, c1, n, mp, emul);
-        if (p->dropout_p > 0)
+        if (p->dropout_p > 0) {
+            fa_tile_softmax_exp_f32(f, c0, c1, n, mp, emul);
             fa_tile_dropout_f32(p, f, seq_index, h, r0, c0, c0 + mr, mp, j0, n);
-        fa_cpu_bf16_pack_p(t->pv + c0, mp, f->st + c0, mp, n, nk, c1 - c0);
+            fa_cpu_bf16_pack_p(t->pv + c0, mp, f->st + c0, mp, n, nk, c1 - c0);
+        } else {
+            fa_cpu_bf16_exp_pack(t->pv + c0, mp, f->st + c0, mp, n, nk, c1 - c0, emul,
+                                 f->bmax + c0, f->l + c0);
+        }
         fa_cpu_bf16_pack_vt(t->vt, FA_CPU_BF16_BN, v + j0 * p->v_rstride, p->v_rstride, n, nk, dv,
                             dvp);
         kern->gemm(f->o + c0, mp, t->vt, FA_CPU_BF16_BN, t->pv + c0, mp, dvp, c1 - c0, nk, 1);

@@ -174,6 +174,65 @@ static void test_packing_bwd(tu_rng *rng)
     free(t);
 }
 
+/*
+ * The softmax's exponentials into P^T pairs, over st [kp][mp] (rows from n on unread). Each
+ * row again alone, into a zeroed sum, gives its fp32 exponentials e: within 1.2e-7 relative
+ * of exp(x) in double, x being the fp32 fused s * emul - bmax, and 0 below e^-87.34 (the
+ * last normal result) and for -inf.
+ * pv must hold bf16(e) rounded to nearest even and 0 in rows n and up, and l its input plus
+ * the e of each row in order, bitwise.
+ */
+static void test_exp_pack(tu_rng *rng, float *st, uint32_t *pv, int64_t n, int64_t kp, int64_t mp)
+{
+    const float emul = (float)tu_rng_uniform(rng, 0.05, 1.0);
+    float *bmax = malloc(sizeof *bmax * (size_t)mp), *l = malloc(sizeof *l * (size_t)mp);
+    float *want = malloc(sizeof *want * (size_t)mp), *e = malloc(sizeof *e * (size_t)mp);
+    uint32_t *one = malloc(sizeof *one * (size_t)mp);
+    for (int64_t i = 0; i < mp; i++) {
+        bmax[i] = (float)tu_rng_uniform(rng, -20, 20);
+        l[i] = want[i] = (float)tu_rng_uniform(rng, 0, 50);
+    }
+    for (int64_t j = 0; j < kp; j++)
+        for (int64_t i = 0; i < mp; i++) {
+            /* up to the forward's slack, 5.5, over bmax: half near it, some far under the
+             * cut-off, some masked */
+            const double u = tu_rng_uniform(rng, 0, 1);
+            const double x = u < 0.05 ? -INFINITY : tu_rng_uniform(rng, u < 0.5 ? -100 : -3, 5.5);
+            st[j * mp + i] = (float)((x + bmax[i]) / emul);
+        }
+    memset(pv, 0xa5, sizeof *pv * (size_t)(kp / 2 * mp));
+    fa_cpu_bf16_exp_pack(pv, mp, st, mp, n, kp, mp, emul, bmax, l);
+    int64_t bad_e = 0, bad_p = 0, bad_l = 0;
+    for (int64_t j = 0; j < kp; j++) {
+        for (int64_t i = 0; i < mp; i++)
+            e[i] = 0;
+        if (j < n)
+            fa_cpu_bf16_exp_pack(one, mp, st + j * mp, mp, 1, 2, mp, emul, bmax, e);
+        for (int64_t i = 0; i < mp; i++) {
+            const uint32_t pair = pv[j / 2 * mp + i];
+            bad_p += (uint16_t)(j % 2 ? pair >> 16 : pair & 0xffff) != fa_f32_to_bf16(e[i]);
+            if (j >= n)
+                continue;
+            want[i] += e[i];
+            const float x = fmaf(st[j * mp + i], emul, -bmax[i]);
+            const double ref = x < -87.34f ? 0 : exp((double)x);
+            const double tol = ref * 1.2e-7;
+            /* 2^-126 = e^-87.3365: either side of it within the argument's rounding */
+            bad_e += !(fabs((double)e[i] - ref) <= tol || (x < -87.33f && e[i] == 0));
+        }
+    }
+    for (int64_t i = 0; i < mp; i++)
+        bad_l += l[i] != want[i];
+    TU_CHECK(bad_e + bad_p + bad_l == 0,
+             "exp_pack n=%lld cols=%lld: %lld exponentials, %lld pairs, %lld sums wrong",
+             (long long)n, (long long)mp, (long long)bad_e, (long long)bad_p, (long long)bad_l);
+    free(bmax);
+    free(l);
+    free(want);
+    free(e);
+    free(one);
+}
+
 static void test_packing(tu_rng *rng)
 {
     for (int it = 0; it < 40; it++) {
@@ -231,6 +290,7 @@ static void test_packing(tu_rng *rng)
         TU_CHECK(bad == 0, "pack_p n=%lld cols=%lld: %lld wrong", (long long)n, (long long)mp,
                  (long long)bad);
 
+        test_exp_pack(rng, st, pv, n, kp, mp);
         free(st);
         free(pv);
         test_packing_bwd(rng);
