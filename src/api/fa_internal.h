@@ -190,6 +190,9 @@ static inline void fa_params_tile_keys(const fa_params *p, int64_t r0, int64_t m
 
 /* CPU backend entry points. */
 fa_status fa_cpu_forward(const fa_params *p);
+/* For the tests: the most bytes of packed K/V one pass of the bf16 forward holds, so that small
+ * problems take several passes (0: the default). Not thread-safe against running forwards. */
+void fa_cpu_forward_set_pack_limit(size_t bytes);
 fa_status fa_cpu_probs(const fa_params *p);
 fa_status fa_cpu_backward(const fa_params *p);
 

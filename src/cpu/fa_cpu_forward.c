@@ -9,6 +9,7 @@
 #include "api/fa_internal.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_kernel.h"
+#include "util/fa_memory.h"
 #include "util/fa_threadpool.h"
 
 /* Tiles are shortened until the problem has this many work items (or they reach 64 rows). */
@@ -64,12 +65,18 @@ typedef struct fa_cpu_chunk {
     int64_t cost; /* keys visited, to order items longest first */
 } fa_cpu_chunk;
 
+/* Items are (chunk, head) for the heads [h0, h0 + nh) of the current pass. */
 typedef struct fa_cpu_job {
     const fa_params *p;
     const fa_cpu_bf16_kernel *bf16; /* bf16 inputs on bf16 products; NULL: the fp32 path */
     fa_cpu_chunk *chunks;
     char *scratch;       /* one region per thread */
     size_t scratch_size; /* bytes per thread */
+    int64_t h0, nh;
+    /* bf16 products: the packed K/V blocks (fa_cpu_fwd_bf16.h) of the pass's kv heads, by
+     * sequence, then kv head, then block (fa_cpu_kv_pair) */
+    uint16_t *kv;
+    int64_t *blocks; /* [b + 1] key blocks of the sequences before each */
 } fa_cpu_job;
 
 static int fa_cpu_chunk_cmp(const void *a, const void *b)
@@ -108,18 +115,50 @@ static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size)
         (t).bmax = cur_;                                                                         \
     } while (0)
 
+#if defined(FA_CPU_HAS_BF16)
+/* The packed blocks of kv head hk (in this pass) of sequence seq. */
+static const uint16_t *fa_cpu_kv_pair(const fa_cpu_job *job, int64_t seq, int64_t hk)
+{
+    const int64_t nkv = job->nh / (job->p->h / job->p->hk), hk0 = job->h0 / (job->p->h / job->p->hk);
+    const int64_t n = job->blocks[seq + 1] - job->blocks[seq];
+    return job->kv + (job->blocks[seq] * nkv + (hk - hk0) * n) * fa_bf16_block_elems(job->p);
+}
+
+/* Item: (key block of all sequences, kv head of this pass). */
+static void fa_cpu_pack_task(void *ctx, int64_t item, int thread)
+{
+    (void)thread;
+    const fa_cpu_job *job = ctx;
+    const fa_params *p = job->p;
+    const int64_t group = p->h / p->hk, nkv = job->nh / group;
+    const int64_t block = item / nkv, hk = job->h0 / group + item % nkv;
+    int64_t lo = 0, hi = p->b; /* the sequence: blocks[lo] <= block < blocks[lo + 1] */
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (job->blocks[mid] <= block)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    const int64_t b = block - job->blocks[lo];
+    uint16_t *dst = (uint16_t *)fa_cpu_kv_pair(job, lo, hk) + b * fa_bf16_block_elems(p);
+    fa_bf16_pack_block(p, dst, lo, hk, b);
+}
+#endif
+
 static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
 {
     const fa_cpu_job *job = ctx;
     const fa_params *p = job->p;
-    const fa_cpu_chunk *c = &job->chunks[item / p->h];
-    const int64_t h = item % p->h;
+    const fa_cpu_chunk *c = &job->chunks[item / job->nh];
+    const int64_t h = job->h0 + item % job->nh;
     char *base = job->scratch + (size_t)thread * job->scratch_size;
 #if defined(FA_CPU_HAS_BF16)
     if (job->bf16) {
         fa_tile_bf16 t;
         fa_bf16_carve(p, base, &t);
-        fa_cpu_tile_bf16(p, job->bf16, &t, c->seq, h, c->r0, c->m);
+        fa_cpu_tile_bf16(p, job->bf16, &t, fa_cpu_kv_pair(job, c->seq, h / (p->h / p->hk)),
+                         c->seq, h, c->r0, c->m);
         return;
     }
 #endif
@@ -156,6 +195,58 @@ static int64_t fa_cpu_forward_tile_rows(const fa_params *p)
     }
     return bm;
 }
+
+#if defined(FA_CPU_HAS_BF16)
+/* The most bytes of packed K/V a pass holds: kv heads are taken in passes (pack, then compute
+ * their tiles) so that the copy never doubles a large K/V. One pass covers h = 32, s = 32768,
+ * d = 128 bf16 (256 MiB of K and V, 64 KiB a block of 128 keys). */
+#define FA_CPU_PACK_MAX ((size_t)256 << 20)
+static size_t fa_cpu_pack_max = FA_CPU_PACK_MAX;
+
+void fa_cpu_forward_set_pack_limit(size_t bytes)
+{
+    fa_cpu_pack_max = bytes ? bytes : FA_CPU_PACK_MAX;
+}
+
+static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int64_t n_chunks, int threads)
+{
+    const fa_params *p = job->p;
+    const int64_t group = p->h / p->hk;
+    job->blocks = malloc((size_t)(p->b + 1) * sizeof *job->blocks);
+    if (!job->blocks)
+        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %lld sequences",
+                            (long long)p->b);
+    job->blocks[0] = 0;
+    for (int64_t i = 0; i < p->b; i++)
+        job->blocks[i + 1] =
+            job->blocks[i] + (fa_params_seq(p, i).sk + FA_CPU_BF16_BN - 1) / FA_CPU_BF16_BN;
+    const int64_t n_blocks = job->blocks[p->b];
+    const size_t head_bytes = (size_t)n_blocks * (size_t)fa_bf16_block_elems(p) * 2;
+    int64_t per_pass = head_bytes ? (int64_t)(fa_cpu_pack_max / head_bytes) : p->hk;
+    per_pass = per_pass < 1 ? 1 : per_pass > p->hk ? p->hk : per_pass;
+    if (head_bytes && !(job->kv = fa_memory_alloc(head_bytes * (size_t)per_pass))) {
+        free(job->blocks);
+        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %zu bytes of packed K/V",
+                            head_bytes * (size_t)per_pass);
+    }
+    fa_status st = FA_STATUS_OK;
+    for (int64_t g0 = 0; g0 < p->hk && st == FA_STATUS_OK; g0 += per_pass) {
+        const int64_t nkv = p->hk - g0 < per_pass ? p->hk - g0 : per_pass;
+        const int64_t n_pack = n_blocks * nkv, n_items = n_chunks * nkv * group;
+        job->h0 = g0 * group;
+        job->nh = nkv * group;
+        if (n_pack > 0)
+            st = fa_parallel_for(threads < n_pack ? threads : (int)n_pack, n_pack,
+                                 fa_cpu_pack_task, job);
+        if (st == FA_STATUS_OK)
+            st = fa_parallel_for(threads < n_items ? threads : (int)n_items, n_items,
+                                 fa_cpu_forward_task, job);
+    }
+    free(job->kv);
+    free(job->blocks);
+    return st;
+}
+#endif
 
 /* Varlen rows that belong to no sequence still get defined values: out 0, lse +inf. */
 static void fa_cpu_fill_uncovered(const fa_params *p)
@@ -211,7 +302,8 @@ fa_status fa_cpu_forward(const fa_params *p)
     int64_t n_items = n_chunks * p->h;
     int threads = p->num_threads < n_items ? p->num_threads : (int)n_items;
     size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
-    fa_cpu_job job = {p, NULL, chunks, NULL, fa_cpu_scratch_size(p, real_size)};
+    fa_cpu_job job = {p, NULL, chunks, NULL, fa_cpu_scratch_size(p, real_size), 0, p->h, NULL,
+                      NULL};
 #if defined(FA_CPU_HAS_BF16)
     if (p->dtype == FA_DTYPE_BF16 && (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
         job.scratch_size = fa_bf16_scratch_size(p);
@@ -222,7 +314,13 @@ fa_status fa_cpu_forward(const fa_params *p)
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %d thread buffers",
                             threads);
     }
-    fa_status st = fa_parallel_for(threads, n_items, fa_cpu_forward_task, &job);
+    fa_status st;
+#if defined(FA_CPU_HAS_BF16)
+    if (job.bf16)
+        st = fa_cpu_forward_bf16(&job, n_chunks, threads);
+    else
+#endif
+        st = fa_parallel_for(threads, n_items, fa_cpu_forward_task, &job);
     free(job.scratch);
     free(chunks);
     return st;

@@ -25,6 +25,7 @@
 #include "flashattn.h"
 #include "test_util.h"
 
+#include "api/fa_internal.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "util/fa_half.h"
 
@@ -381,10 +382,10 @@ static void test_forward_on_model(tu_rng *rng)
     for (int i = 0; i < 24; i++) {
         fwd_case c = {0};
         c.b = tu_rng_int(rng, 1, 2);
-        c.hk = tu_rng_int(rng, 1, 2);
+        c.hk = tu_rng_int(rng, 1, 3);
         c.h = c.hk * tu_rng_int(rng, 1, 2);
         c.sq = tu_rng_int(rng, 1, 150);
-        c.sk = tu_rng_int(rng, 1, 150);
+        c.sk = tu_rng_int(rng, 1, 300);
         c.d = dims[i % 6];
         c.dv = i % 4 == 3 ? dims[(i + 2) % 6] : c.d;
         c.causal = i % 3 == 1;
@@ -398,8 +399,11 @@ static void test_forward_on_model(tu_rng *rng)
         c.sinks = i % 6 == 5;
         c.dropout_p = i % 5 == 4 ? 0.2 : 0;
         c.layout = (int)tu_rng_int(rng, 0, TU_NUM_LAYOUTS - 1);
+        /* every other case packs K/V one kv head per pass */
+        fa_cpu_forward_set_pack_limit(i % 2 ? 1 : 0);
         run_forward(&c, rng);
     }
+    fa_cpu_forward_set_pack_limit(0);
 }
 
 int main(void)
