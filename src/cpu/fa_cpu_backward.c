@@ -359,7 +359,7 @@ fa_status fa_cpu_backward(const fa_params *p)
     job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);
     job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
     if (fused)
-        job.dq_ws = fa_memory_alloc(
+        job.dq_ws = fa_memory_take(
             (size_t)(stripes * p->total_q * p->h * fa_cpu_gemm_pad(p->d) + 1) * real_size);
     fa_status st = FA_STATUS_OK;
     if (!job.dsum || !job.dsink_partial || !job.chunks || !job.scratch || (fused && !job.dq_ws)) {
@@ -396,7 +396,7 @@ fa_status fa_cpu_backward(const fa_params *p)
 
 done:
     free(job.dsum);
-    free(job.dq_ws);
+    fa_memory_give(job.dq_ws);
     free(job.dsink_partial);
     free(job.chunks);
     free(job.scratch);

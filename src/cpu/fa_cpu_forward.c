@@ -224,7 +224,7 @@ static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int64_t n_chunks, int thre
     const size_t head_bytes = (size_t)n_blocks * (size_t)fa_bf16_block_elems(p) * 2;
     int64_t per_pass = head_bytes ? (int64_t)(fa_cpu_pack_max / head_bytes) : p->hk;
     per_pass = per_pass < 1 ? 1 : per_pass > p->hk ? p->hk : per_pass;
-    if (head_bytes && !(job->kv = fa_memory_alloc(head_bytes * (size_t)per_pass))) {
+    if (head_bytes && !(job->kv = fa_memory_take(head_bytes * (size_t)per_pass))) {
         free(job->blocks);
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %zu bytes of packed K/V",
                             head_bytes * (size_t)per_pass);
@@ -242,7 +242,7 @@ static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int64_t n_chunks, int thre
             st = fa_parallel_for(threads < n_items ? threads : (int)n_items, n_items,
                                  fa_cpu_forward_task, job);
     }
-    free(job->kv);
+    fa_memory_give(job->kv);
     free(job->blocks);
     return st;
 }

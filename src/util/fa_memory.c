@@ -4,6 +4,7 @@
  * The hint covers the 2 MiB-aligned interior of a buffer, so it never reaches memory outside
  * it; below two huge pages it is not worth the system call.
  */
+#include <pthread.h>
 #include <stdlib.h>
 
 #if defined(__linux__)
@@ -54,4 +55,40 @@ void *fa_memory_alloc(size_t bytes)
     if (p)
         fa_memory_hint_range((uintptr_t)p, (uintptr_t)p + size);
     return p;
+}
+
+/* The kept buffer: at most one, owned by one call at a time. */
+static pthread_mutex_t fa_kept_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *fa_kept;
+static size_t fa_kept_size;
+static int fa_kept_busy;
+
+void *fa_memory_take(size_t bytes)
+{
+    pthread_mutex_lock(&fa_kept_lock);
+    if (!fa_kept_busy && bytes <= FA_MEMORY_KEEP_MAX) {
+        if (fa_kept_size < bytes) {
+            free(fa_kept);
+            fa_kept = fa_memory_alloc(bytes);
+            fa_kept_size = fa_kept ? bytes : 0;
+        }
+        if (fa_kept) {
+            fa_kept_busy = 1;
+            void *p = fa_kept;
+            pthread_mutex_unlock(&fa_kept_lock);
+            return p;
+        }
+    }
+    pthread_mutex_unlock(&fa_kept_lock);
+    return fa_memory_alloc(bytes);
+}
+
+void fa_memory_give(void *p)
+{
+    pthread_mutex_lock(&fa_kept_lock);
+    if (p && p == fa_kept)
+        fa_kept_busy = 0;
+    else
+        free(p);
+    pthread_mutex_unlock(&fa_kept_lock);
 }

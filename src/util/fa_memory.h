@@ -19,4 +19,15 @@ void fa_memory_hint_array(const void *base, int ndim, const int64_t *sizes,
  * hinted as above. Release with free(). */
 void *fa_memory_alloc(size_t bytes);
 
+/*
+ * A workspace kept between calls, for one that is filled afresh on every call: new pages cost a
+ * fault and a clear each (5% of a bf16 forward on two cores, bench/NOTES.md). take returns the
+ * kept buffer, grown to `bytes`, when no other call holds it and bytes <= FA_MEMORY_KEEP_MAX,
+ * else a buffer of its own (NULL when out of memory); give hands either back. The kept buffer
+ * stays allocated for the life of the process.
+ */
+#define FA_MEMORY_KEEP_MAX ((size_t)256 << 20)
+void *fa_memory_take(size_t bytes);
+void fa_memory_give(void *p);
+
 #endif /* FA_MEMORY_H */
