@@ -117,14 +117,30 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
     int plain = slope == 0 && mul > 0;
     for (int64_t i = c0; plain && i < c1 && i < m; i++)
         plain = lo[i] <= (FA_REAL)j0 && hi[i] >= (FA_REAL)(j0 + n);
-    for (int64_t j = 0; j < n; j++) {
+    /* 64 columns at a time down all the rows keep their maxima in registers (max is exact, so
+     * the order does not matter). */
+    for (int64_t i0 = c0; plain && i0 < c1; i0 += 64) {
+        const int64_t w = c1 - i0 < 64 ? c1 - i0 : 64;
+        FA_REAL acc[64];
+        for (int64_t i = 0; i < 64; i++)
+            acc[i] = -(FA_REAL)INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            const FA_REAL *restrict row = st + j * mp + i0;
+            if (w == 64) {
+                FA_CPU_UNROLL
+                for (int64_t i = 0; i < 64; i++)
+                    acc[i] = row[i] > acc[i] ? row[i] : acc[i];
+            } else {
+                for (int64_t i = 0; i < w; i++)
+                    acc[i] = row[i] > acc[i] ? row[i] : acc[i];
+            }
+        }
+        for (int64_t i = 0; i < w; i++)
+            bmax[i0 + i] = acc[i];
+    }
+    for (int64_t j = 0; j < n && !plain; j++) {
         FA_REAL *restrict row = st + j * mp;
         const FA_REAL key = (FA_REAL)(j0 + j);
-        if (plain) {
-            for (int64_t i = c0; i < c1; i++)
-                bmax[i] = row[i] > bmax[i] ? row[i] : bmax[i];
-            continue;
-        }
         for (int64_t i = c0; i < c1; i++) {
             const FA_REAL dist = diag[i] - key;
             FA_REAL v = row[i] * mul - slope * (dist < 0 ? -dist : dist);
