@@ -208,10 +208,11 @@ void fa_cpu_forward_set_pack_limit(size_t bytes)
     fa_cpu_pack_max = bytes ? bytes : FA_CPU_PACK_MAX;
 }
 
-static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int64_t n_chunks, int threads)
+/* Counts each sequence's key blocks into job->blocks and returns the bytes of packed K/V for
+ * per_pass kv heads, the most that fit FA_CPU_PACK_MAX (at least one). */
+static fa_status fa_cpu_bf16_plan(fa_cpu_job *job, int64_t *per_pass, size_t *bytes)
 {
     const fa_params *p = job->p;
-    const int64_t group = p->h / p->hk;
     job->blocks = malloc((size_t)(p->b + 1) * sizeof *job->blocks);
     if (!job->blocks)
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %lld sequences",
@@ -220,15 +221,19 @@ static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int64_t n_chunks, int thre
     for (int64_t i = 0; i < p->b; i++)
         job->blocks[i + 1] =
             job->blocks[i] + (fa_params_seq(p, i).sk + FA_CPU_BF16_BN - 1) / FA_CPU_BF16_BN;
-    const int64_t n_blocks = job->blocks[p->b];
-    const size_t head_bytes = (size_t)n_blocks * (size_t)fa_bf16_block_elems(p) * 2;
-    int64_t per_pass = head_bytes ? (int64_t)(fa_cpu_pack_max / head_bytes) : p->hk;
-    per_pass = per_pass < 1 ? 1 : per_pass > p->hk ? p->hk : per_pass;
-    if (head_bytes && !(job->kv = fa_memory_take(head_bytes * (size_t)per_pass))) {
-        free(job->blocks);
-        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %zu bytes of packed K/V",
-                            head_bytes * (size_t)per_pass);
-    }
+    const size_t head_bytes = (size_t)job->blocks[p->b] * (size_t)fa_bf16_block_elems(p) * 2;
+    int64_t n = head_bytes ? (int64_t)(fa_cpu_pack_max / head_bytes) : p->hk;
+    *per_pass = n < 1 ? 1 : n > p->hk ? p->hk : n;
+    *bytes = head_bytes * (size_t)*per_pass;
+    return FA_STATUS_OK;
+}
+
+/* Passes over per_pass kv heads at a time: pack their K/V, then compute their tiles. */
+static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int64_t n_chunks, int threads,
+                                     int64_t per_pass)
+{
+    const fa_params *p = job->p;
+    const int64_t group = p->h / p->hk, n_blocks = job->blocks[p->b];
     fa_status st = FA_STATUS_OK;
     for (int64_t g0 = 0; g0 < p->hk && st == FA_STATUS_OK; g0 += per_pass) {
         const int64_t nkv = p->hk - g0 < per_pass ? p->hk - g0 : per_pass;
@@ -242,8 +247,6 @@ static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int64_t n_chunks, int thre
             st = fa_parallel_for(threads < n_items ? threads : (int)n_items, n_items,
                                  fa_cpu_forward_task, job);
     }
-    fa_memory_give(job->kv);
-    free(job->blocks);
     return st;
 }
 #endif
@@ -308,20 +311,29 @@ fa_status fa_cpu_forward(const fa_params *p)
     if (p->dtype == FA_DTYPE_BF16 && (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
         job.scratch_size = fa_bf16_scratch_size(p);
 #endif
-    job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
-    if (!job.scratch) {
-        free(chunks);
-        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %d thread buffers",
-                            threads);
-    }
-    fa_status st;
+    /* Thread tiles and packed K/V in one kept workspace (util/fa_memory.h). */
+    const size_t scratch_bytes = job.scratch_size * (size_t)threads;
+    size_t kv_bytes = 0;
+    int64_t per_pass = 0;
+    fa_status st = FA_STATUS_OK;
 #if defined(FA_CPU_HAS_BF16)
     if (job.bf16)
-        st = fa_cpu_forward_bf16(&job, n_chunks, threads);
-    else
+        st = fa_cpu_bf16_plan(&job, &per_pass, &kv_bytes);
 #endif
-        st = fa_parallel_for(threads, n_items, fa_cpu_forward_task, &job);
-    free(job.scratch);
+    if (st == FA_STATUS_OK && !(job.scratch = fa_memory_take(scratch_bytes + kv_bytes)))
+        st = fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %zu bytes of workspace",
+                          scratch_bytes + kv_bytes);
+    if (st == FA_STATUS_OK) {
+        job.kv = (uint16_t *)(job.scratch + scratch_bytes);
+#if defined(FA_CPU_HAS_BF16)
+        if (job.bf16)
+            st = fa_cpu_forward_bf16(&job, n_chunks, threads, per_pass);
+        else
+#endif
+            st = fa_parallel_for(threads, n_items, fa_cpu_forward_task, &job);
+    }
+    fa_memory_give(job.scratch);
+    free(job.blocks);
     free(chunks);
     return st;
 }

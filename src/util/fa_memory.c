@@ -49,7 +49,7 @@ void fa_memory_hint_array(const void *base, int ndim, const int64_t *sizes,
 void *fa_memory_alloc(size_t bytes)
 {
     if (bytes < 2 * FA_HUGE_PAGE)
-        return malloc(bytes);
+        return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     const size_t size = (bytes + FA_HUGE_PAGE - 1) & ~(FA_HUGE_PAGE - 1);
     void *p = aligned_alloc(FA_HUGE_PAGE, size);
     if (p)

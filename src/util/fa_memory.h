@@ -15,8 +15,8 @@
 void fa_memory_hint_array(const void *base, int ndim, const int64_t *sizes,
                           const int64_t *strides, size_t esize);
 
-/* malloc for a workspace of `bytes` the caller fills at once; when large, 2 MiB-aligned and
- * hinted as above. Release with free(). */
+/* malloc for a workspace of `bytes` the caller fills at once, 64-byte aligned (a cache line);
+ * when large, 2 MiB-aligned and hinted as above. Release with free(). */
 void *fa_memory_alloc(size_t bytes);
 
 /*
