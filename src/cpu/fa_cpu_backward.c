@@ -357,15 +357,12 @@ fa_status fa_cpu_backward(const fa_params *p)
     job.dsum = malloc((size_t)(p->total_q * p->h + 1) * real_size);
     job.dsink_partial = malloc((size_t)(p->b * p->h) * sizeof(double));
     job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);
-    /* Thread tiles and the dQ copies in one kept workspace (util/fa_memory.h). */
-    const size_t scratch_bytes = job.scratch_size * (size_t)threads;
-    const size_t dq_bytes =
-        fused ? (size_t)(stripes * p->total_q * p->h * fa_cpu_gemm_pad(p->d) + 1) * real_size : 0;
-    job.scratch = fa_memory_take(scratch_bytes + dq_bytes);
-    if (job.scratch && fused)
-        job.dq_ws = (void *)(job.scratch + scratch_bytes);
+    job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
+    if (fused)
+        job.dq_ws = fa_memory_take(
+            (size_t)(stripes * p->total_q * p->h * fa_cpu_gemm_pad(p->d) + 1) * real_size);
     fa_status st = FA_STATUS_OK;
-    if (!job.dsum || !job.dsink_partial || !job.chunks || !job.scratch) {
+    if (!job.dsum || !job.dsink_partial || !job.chunks || !job.scratch || (fused && !job.dq_ws)) {
         st = fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for the backward workspace");
         goto done;
     }
@@ -399,8 +396,9 @@ fa_status fa_cpu_backward(const fa_params *p)
 
 done:
     free(job.dsum);
+    fa_memory_give(job.dq_ws);
     free(job.dsink_partial);
     free(job.chunks);
-    fa_memory_give(job.scratch);
+    free(job.scratch);
     return st;
 }
