@@ -1,7 +1,8 @@
 /*
  * CPU forward: the problem is cut into (sequence, head, query tile) items handed to the thread
  * pool, longest first. Each item is computed start to finish by one thread in a fixed order, so
- * results are bitwise identical for any thread count.
+ * results are bitwise identical for any thread count. bf16 on bf16 products first packs K and V
+ * in a parallel pass of its own (fa_cpu_fwd_bf16.h), in passes over the kv heads when large.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -119,7 +120,7 @@ static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size)
 /* The packed blocks of kv head hk (in this pass) of sequence seq. */
 static const uint16_t *fa_cpu_kv_pair(const fa_cpu_job *job, int64_t seq, int64_t hk)
 {
-    const int64_t nkv = job->nh / (job->p->h / job->p->hk), hk0 = job->h0 / (job->p->h / job->p->hk);
+    const int64_t group = job->p->h / job->p->hk, nkv = job->nh / group, hk0 = job->h0 / group;
     const int64_t n = job->blocks[seq + 1] - job->blocks[seq];
     return job->kv + (job->blocks[seq] * nkv + (hk - hk0) * n) * fa_bf16_block_elems(job->p);
 }
@@ -305,8 +306,10 @@ fa_status fa_cpu_forward(const fa_params *p)
     int64_t n_items = n_chunks * p->h;
     int threads = p->num_threads < n_items ? p->num_threads : (int)n_items;
     size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
-    fa_cpu_job job = {p, NULL, chunks, NULL, fa_cpu_scratch_size(p, real_size), 0, p->h, NULL,
-                      NULL};
+    fa_cpu_job job = {.p = p,
+                      .chunks = chunks,
+                      .scratch_size = fa_cpu_scratch_size(p, real_size),
+                      .nh = p->h};
 #if defined(FA_CPU_HAS_BF16)
     if (p->dtype == FA_DTYPE_BF16 && (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
         job.scratch_size = fa_bf16_scratch_size(p);
