@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/fa_cpu_exp512.h"
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_transpose16.h"
 
@@ -164,39 +165,6 @@ FA_BF16_TARGET void fa_cpu_bf16_pack_p(uint32_t *pv, int64_t ldpv, const float *
     }
 }
 
-/*
- * exp(x) within 1.2e-7 relative (about an ulp), 0 below e^-87.34 (and for -inf) so that
- * results stay normal, as fa_expf's do. exp(x) = 2^n 2^r with n = round(x log2 e) and
- * r = x log2 e - n in [-1/2, 1/2], taken with log2 e in two parts so that r carries no error
- * proportional to |x|; 2^r by a degree-6 polynomial fitted for relative error on that interval
- * (7.9e-8 with fp32 rounding); scalef adds n to the exponent. About half of fa_expf's
- * instructions.
- */
-FA_BF16_TARGET static inline __m512 fa_bf16_exp(__m512 x)
-{
-    const __m512 log2e_hi = _mm512_set1_ps(1.44269502e+0f);
-    const __m512 log2e_lo = _mm512_set1_ps(1.92596303e-8f); /* log2 e - log2e_hi */
-    const __m512 t = _mm512_mul_ps(x, log2e_hi);
-    const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(x, log2e_lo, _mm512_fmsub_ps(x, log2e_hi, n));
-    __m512 y = _mm512_set1_ps(1.5345811e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3399931e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(9.6184891e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.5503286e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(2.4022646e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(6.9314718e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(live, y, n);
-}
-
-/* One row's exponentials exp(s * emul - bmax), the difference taken in one rounding as
- * fa_expf's callers do, so that it is exact near the maximum. */
-FA_BF16_TARGET static inline __m512 fa_bf16_exp_row(const float *s, __m512 emul, __m512 bmax)
-{
-    return fa_bf16_exp(_mm512_fmsub_ps(_mm512_loadu_ps(s), emul, bmax));
-}
-
 FA_BF16_TARGET void fa_cpu_bf16_exp_pack(uint32_t *pv, int64_t ldpv, const float *st,
                                          int64_t ldst, int64_t n, int64_t kp, int64_t cols,
                                          float emul, const float *bmax, float *l)
@@ -210,11 +178,11 @@ FA_BF16_TARGET void fa_cpu_bf16_exp_pack(uint32_t *pv, int64_t ldpv, const float
             const float *r0 = st + 2 * x * ldst + i;
             __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
             if (2 * x < n) {
-                lo = fa_bf16_exp_row(r0, em, b);
+                lo = fa_exp512_row(r0, em, b);
                 sum = _mm512_add_ps(sum, lo);
             }
             if (2 * x + 1 < n) {
-                hi = fa_bf16_exp_row(r0 + ldst, em, b);
+                hi = fa_exp512_row(r0 + ldst, em, b);
                 sum = _mm512_add_ps(sum, hi);
             }
             const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);

@@ -21,6 +21,7 @@
 #define FA_NATIVE FA_DTYPE_F32
 #define FA_GEMM fa_cpu_gemm_f32
 #define FA_EXPV fa_expf
+#define FA_EXP_ROWS fa_cpu_exp_rows_f32
 #define FA_TANHV fa_tanhf
 #define FA_EXP expf
 #define FA_LOG logf
@@ -32,6 +33,7 @@
 #undef FA_NATIVE
 #undef FA_GEMM
 #undef FA_EXPV
+#undef FA_EXP_ROWS
 #undef FA_TANHV
 #undef FA_EXP
 #undef FA_LOG

@@ -6,7 +6,8 @@
  *
  * Needs: FA_REAL, FA_FN(name) (adds a precision suffix), FA_NATIVE (the fa_dtype that is
  * FA_REAL), FA_GEMM (fa_cpu_gemm_f32's signature for FA_REAL), FA_EXPV / FA_TANHV (elementwise,
- * vectorisable), FA_EXP / FA_LOG (scalar), and fa_cpu_rows.h included before it.
+ * vectorisable), FA_EXP / FA_LOG (scalar), and fa_cpu_rows.h included before it; optionally
+ * FA_EXP_ROWS (fa_cpu_exp_rows_f32's signature), tried before FA_EXPV on a block's rows.
  *
  * The tile works on transposed scores: S^T = K Q^T puts keys on rows and queries on columns, so
  *  - Q^T is packed once per tile and K is read in place (no per-block transpose);
@@ -181,6 +182,10 @@ FA_CPU_INLINE void FA_FN(fa_tile_softmax_exp)(FA_FN(fa_tile) * t, int64_t c0, in
                                               int64_t n, int64_t mp, FA_REAL emul)
 {
     const FA_REAL *restrict bmax = t->bmax;
+#ifdef FA_EXP_ROWS
+    if (FA_EXP_ROWS(t->st, mp, n, c0, c1, emul, bmax, t->l))
+        return;
+#endif
     for (int64_t j = 0; j < n; j++) {
         FA_REAL *restrict row = t->st + j * mp;
         FA_REAL *restrict l = t->l;

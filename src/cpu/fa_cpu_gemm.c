@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cpu/fa_cpu_gemm.h"
+#include "cpu/fa_cpu_exp512.h"
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_transpose16.h"
 
@@ -112,7 +113,7 @@ typedef void (*fa_gemm_fn)(float *, int64_t, const float *, int64_t, int64_t, co
 
 static fa_gemm_fn fa_gemm_selected;
 #if defined(__x86_64__) && defined(__GNUC__)
-static int fa_gemm_avx512_ok; /* fa_cpu_transpose_f32 may use AVX-512 */
+static int fa_gemm_avx512_ok; /* the transposes and exponentials below may use AVX-512 */
 #endif
 static const char *fa_gemm_selected_name;
 static pthread_once_t fa_gemm_once = PTHREAD_ONCE_INIT;
@@ -168,6 +169,39 @@ void fa_cpu_transpose_f32(float *dst, int64_t ldd, const float *src, int64_t lds
     }
 #endif
     fa_transpose_rect(dst, ldd, src, lds, 0, rows, 0, cols, scale);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+FA_EXP512_TARGET static void fa_exp_rows_avx512(float *st, int64_t ldst, int64_t n, int64_t c0,
+                                                int64_t c1, float emul, const float *bmax,
+                                                float *l)
+{
+    const __m512 em = _mm512_set1_ps(emul);
+    for (int64_t i = c0; i < c1; i += 16) {
+        const __m512 b = _mm512_loadu_ps(bmax + i);
+        __m512 sum = _mm512_loadu_ps(l + i);
+        for (int64_t j = 0; j < n; j++) {
+            const __m512 e = fa_exp512_row(st + j * ldst + i, em, b);
+            sum = _mm512_add_ps(sum, e);
+            _mm512_storeu_ps(st + j * ldst + i, e);
+        }
+        _mm512_storeu_ps(l + i, sum);
+    }
+}
+#endif
+
+int fa_cpu_exp_rows_f32(float *st, int64_t ldst, int64_t n, int64_t c0, int64_t c1, float emul,
+                        const float *bmax, float *l)
+{
+    pthread_once(&fa_gemm_once, fa_gemm_select);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (fa_gemm_avx512_ok) {
+        fa_exp_rows_avx512(st, ldst, n, c0, c1, emul, bmax, l);
+        return 1;
+    }
+#endif
+    (void)st, (void)ldst, (void)n, (void)c0, (void)c1, (void)emul, (void)bmax, (void)l;
+    return 0;
 }
 
 const char *fa_cpu_gemm_name(void)

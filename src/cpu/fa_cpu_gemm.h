@@ -33,6 +33,13 @@ void fa_cpu_gemm_f64(double *c, int64_t ldc, const double *a, int64_t a_rs, int6
                      const double *b, int64_t ldb, int64_t m, int64_t n, int64_t k,
                      int accumulate);
 
+/* The softmax's exponentials in place, st[j][i] = exp(st[j][i] * emul - bmax[i]), and l[i] +=
+ * each in row order, for rows j < n and columns [c0, c1) (multiples of 16), on AVX-512
+ * (fa_cpu_exp512.h: about half of fa_expf's instructions). Returns 0 having done nothing where
+ * the CPU has no AVX-512; the caller then takes fa_expf. */
+int fa_cpu_exp_rows_f32(float *st, int64_t ldst, int64_t n, int64_t c0, int64_t c1, float emul,
+                        const float *bmax, float *l);
+
 /* dst[c * ldd + r] = src[r * lds + c] * scale for r < rows, c < cols: the transposed tiles
  * (Q^T, dO^T) the kernels pack, in 16x16 register blocks where AVX-512 exists (per element
  * these were scalar strided stores, ~half of the backward's packing time). */

@@ -1,0 +1,80 @@
+/*
+ * test_exp_rows: fa_cpu_exp_rows_f32, the fp32 forward's exponentials on AVX-512, against exp in
+ * double of the same fp32 argument s * emul - bmax (fused): within 1.2e-7 relative, 0 below
+ * e^-87.34 and for -inf (masked scores), l grown by the outputs in row order bitwise, columns
+ * outside [c0, c1) untouched. Without AVX-512 it must report so and change nothing.
+ *
+ * FA_TEST_SEED=<n> reruns a run.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/fa_cpu_gemm.h"
+#include "test_util.h"
+
+static void check_case(tu_rng *r)
+{
+    const int64_t n = tu_rng_int(r, 1, 70), cols = 16 * tu_rng_int(r, 1, 6);
+    const int64_t c0 = 16 * tu_rng_int(r, 0, cols / 16 - 1), c1 = cols, ld = cols + 16;
+    const float emul = (float)tu_rng_uniform(r, 0.05, 1.0);
+    float *st = malloc(sizeof *st * (size_t)(n * ld)), *in = malloc(sizeof *in * (size_t)(n * ld));
+    float *bmax = malloc(sizeof *bmax * (size_t)cols), *l = malloc(sizeof *l * (size_t)cols);
+    float *l_in = malloc(sizeof *l_in * (size_t)cols);
+    for (int64_t i = 0; i < cols; i++) {
+        bmax[i] = (float)tu_rng_uniform(r, -20, 20);
+        l[i] = l_in[i] = (float)tu_rng_uniform(r, 0, 50);
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < ld; i++) {
+            /* up to the forward's largest exponent (0 here; 5.5 with bf16's slack), half near
+             * it, some far under the cut-off, some masked */
+            const double u = tu_rng_uniform(r, 0, 1);
+            const double x = u < 0.05 ? -INFINITY : tu_rng_uniform(r, u < 0.5 ? -100 : -3, 5.5);
+            in[j * ld + i] = st[j * ld + i] = (float)((x + bmax[i % cols]) / emul);
+        }
+    if (!fa_cpu_exp_rows_f32(st, ld, n, c0, c1, emul, bmax, l)) {
+        TU_CHECK(memcmp(st, in, sizeof *st * (size_t)(n * ld)) == 0 &&
+                     memcmp(l, l_in, sizeof *l * (size_t)cols) == 0,
+                 "declined, but changed its arguments");
+        goto done;
+    }
+    int64_t bad_e = 0, bad_l = 0, bad_out = 0;
+    for (int64_t i = 0; i < cols; i++) {
+        float want = l_in[i];
+        for (int64_t j = 0; j < n; j++) {
+            const float got = st[j * ld + i], s = in[j * ld + i];
+            if (i < c0) {
+                bad_out += memcmp(&got, &s, sizeof got) != 0;
+                continue;
+            }
+            want += got;
+            const float x = fmaf(s, emul, -bmax[i]);
+            const double ref = x < -87.34f ? 0 : exp((double)x);
+            /* 2^-126 = e^-87.3365: either side of it within the argument's rounding */
+            bad_e += !(fabs((double)got - ref) <= ref * 1.2e-7 || (x < -87.33f && got == 0));
+        }
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t k = c1; k < ld; k++)
+                bad_out += memcmp(&st[j * ld + k], &in[j * ld + k], sizeof(float)) != 0;
+        bad_l += i < c0 ? l[i] != l_in[i] : l[i] != want;
+    }
+    TU_CHECK(bad_e + bad_l + bad_out == 0,
+             "n=%lld cols [%lld, %lld): %lld exponentials, %lld sums, %lld outside wrong",
+             (long long)n, (long long)c0, (long long)c1, (long long)bad_e, (long long)bad_l,
+             (long long)bad_out);
+done:
+    free(st);
+    free(in);
+    free(bmax);
+    free(l);
+    free(l_in);
+}
+
+int main(void)
+{
+    tu_rng rng = {tu_master_seed("test_exp_rows")};
+    for (int it = 0; it < 200; it++)
+        check_case(&rng);
+    return tu_finish("test_exp_rows");
+}
