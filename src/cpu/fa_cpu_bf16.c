@@ -4,6 +4,7 @@
  */
 #include "cpu/fa_cpu_bf16.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -190,6 +191,43 @@ FA_BF16_TARGET void fa_cpu_bf16_exp_pack(uint32_t *pv, int64_t ldpv, const float
         }
         _mm512_storeu_ps(l + i, sum);
     }
+}
+
+FA_BF16_TARGET int fa_cpu_bf16_exp_pack_under(uint32_t *pv, int64_t ldpv, const float *st,
+                                               int64_t ldst, int64_t n, int64_t kp,
+                                               int64_t cols, float emul, const float *m,
+                                               float slack, const float *l, float *lout)
+{
+    const __m512i idx = _mm512_loadu_si512(fa_bf16_pair_order);
+    const __m512 em = _mm512_set1_ps(emul);
+    __mmask16 over = 0;
+    for (int64_t i = 0; i < cols; i += 16) {
+        const __m512 b = _mm512_loadu_ps(m + i);
+        __m512 sum = _mm512_loadu_ps(l + i), top = _mm512_set1_ps(-INFINITY);
+        for (int64_t x = 0; x < kp / 2; x++) {
+            const float *r0 = st + 2 * x * ldst + i;
+            __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+            if (2 * x < n) {
+                const __m512 s0 = _mm512_loadu_ps(r0);
+                top = _mm512_max_ps(top, s0);
+                lo = fa_exp512(_mm512_fmsub_ps(s0, em, b));
+                sum = _mm512_add_ps(sum, lo);
+            }
+            if (2 * x + 1 < n) {
+                const __m512 s1 = _mm512_loadu_ps(r0 + ldst);
+                top = _mm512_max_ps(top, s1);
+                hi = fa_exp512(_mm512_fmsub_ps(s1, em, b));
+                sum = _mm512_add_ps(sum, hi);
+            }
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            _mm512_storeu_si512(pv + x * ldpv + i, _mm512_permutexvar_epi16(idx, both));
+        }
+        /* the softmax's test: a maximum more than slack over m would have moved it */
+        over |= _mm512_cmp_ps_mask(_mm512_mul_ps(top, em),
+                                   _mm512_add_ps(b, _mm512_set1_ps(slack)), _CMP_GT_OQ);
+        _mm512_storeu_ps(lout + i, sum);
+    }
+    return over == 0;
 }
 
 FA_BF16_TARGET void fa_cpu_bf16_pack_pairs(uint32_t *dst, int64_t ldd, const uint16_t *src,

@@ -85,6 +85,16 @@ void fa_cpu_bf16_pack_p(uint32_t *pv, int64_t ldpv, const float *st, int64_t lds
 void fa_cpu_bf16_exp_pack(uint32_t *pv, int64_t ldpv, const float *st, int64_t ldst, int64_t n,
                           int64_t kp, int64_t cols, float emul, const float *bmax, float *l);
 
+/*
+ * fa_cpu_bf16_exp_pack on an interior block against the running maxima m (bmax = m), which
+ * also checks them: returns 1 when no column's block maximum times emul exceeds m + slack (the
+ * softmax would keep m, so pv and lout = l + the row sums are what its max pass and exp_pack
+ * give, bitwise), else 0 (the caller takes that path; lout and pv are then garbage).
+ */
+int fa_cpu_bf16_exp_pack_under(uint32_t *pv, int64_t ldpv, const float *st, int64_t ldst,
+                               int64_t n, int64_t kp, int64_t cols, float emul, const float *m,
+                               float slack, const float *l, float *lout);
+
 /* The backward's operands (fa_cpu_bwd_bf16.h). */
 
 /*

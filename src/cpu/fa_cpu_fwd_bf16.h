@@ -157,6 +157,19 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
             continue;
         kern->gemm(f->st + c0, mp, kp, dk, t->qv + c0, mp, nm, c1 - c0, dk, 0);
 
+        /* Interior blocks once every column has a maximum: try the exponentials against the
+         * running maxima first, which skips the max pass when none of them moves. */
+        int plain = p->softcap == 0 && slope == 0 && p->scale > 0 && p->dropout_p == 0 &&
+                    c1 <= m && f->lo[c1 - 1] <= (float)j0 && f->hi[c0] >= (float)(j0 + n);
+        for (int64_t i = c0; plain && i < c1; i++)
+            plain = f->m[i] != -INFINITY;
+        if (plain && fa_cpu_bf16_exp_pack_under(t->pv + c0, mp, f->st + c0, mp, n, nk, c1 - c0,
+                                                (float)p->scale, f->m + c0, FA_BF16_SLACK,
+                                                f->l + c0, t->alpha + c0)) {
+            memcpy(f->l + c0, t->alpha + c0, (size_t)(c1 - c0) * sizeof *f->l);
+            kern->gemm(f->o + c0, mp, vt, FA_CPU_BF16_BN, t->pv + c0, mp, dvp, c1 - c0, nk, 1);
+            continue;
+        }
         const float emul = fa_tile_softmax_max_f32(p, f, m, c0, c1, n, mp, dvp, j0, slope,
                                                    (float)p->scale, t->alpha, FA_BF16_SLACK);
         for (int64_t g = c0; g < c1; g += 16) {

@@ -227,6 +227,37 @@ static void test_exp_pack(tu_rng *rng, float *st, uint32_t *pv, int64_t n, int64
     TU_CHECK(bad_e + bad_p + bad_l == 0,
              "exp_pack n=%lld cols=%lld: %lld exponentials, %lld pairs, %lld sums wrong",
              (long long)n, (long long)mp, (long long)bad_e, (long long)bad_p, (long long)bad_l);
+
+    /* The same against running maxima (bmax here): accepted, the same bits as exp_pack;
+     * refused exactly when a column's maximum times emul passes bmax + slack. */
+    for (int pass = 0; pass < 2; pass++) {
+        const float slack = pass ? 6.0f : (float)tu_rng_uniform(rng, 0, 5);
+        int over = 0;
+        for (int64_t i = 0; i < mp; i++) {
+            float top = -INFINITY;
+            for (int64_t j = 0; j < n; j++)
+                top = st[j * mp + i] > top ? st[j * mp + i] : top;
+            over |= top * emul > bmax[i] + slack;
+        }
+        float *l0 = malloc(sizeof *l0 * (size_t)mp);
+        for (int64_t i = 0; i < mp; i++)
+            l0[i] = l[i];
+        uint32_t *pu = malloc(sizeof *pu * (size_t)(kp / 2 * mp));
+        memset(pu, 0x5a, sizeof *pu * (size_t)(kp / 2 * mp));
+        const int took =
+            fa_cpu_bf16_exp_pack_under(pu, mp, st, mp, n, kp, mp, emul, bmax, slack, l0, e);
+        fa_cpu_bf16_exp_pack(pv, mp, st, mp, n, kp, mp, emul, bmax, l0);
+        int64_t differ = 0;
+        for (int64_t i = 0; took && i < mp; i++)
+            differ += e[i] != l0[i];
+        if (took)
+            differ += memcmp(pu, pv, sizeof *pu * (size_t)(kp / 2 * mp)) != 0;
+        TU_CHECK(took == !over && differ == 0,
+                 "exp_pack_under n=%lld slack %g: took %d (a maximum over: %d), %lld differ",
+                 (long long)n, (double)slack, took, over, (long long)differ);
+        free(l0);
+        free(pu);
+    }
     free(bmax);
     free(l);
     free(want);
