@@ -166,29 +166,38 @@ FA_BF16_TARGET void fa_cpu_bf16_pack_p(uint32_t *pv, int64_t ldpv, const float *
     }
 }
 
+/* Columns [i, i + 16) of exp_pack: the pairs into pv, the row sums onto *sum; returns the
+ * columns' maxima of st (for exp_pack_under's test). */
+FA_BF16_TARGET static inline __m512 fa_bf16_exp_pack16(uint32_t *pv, int64_t ldpv,
+                                                       const float *st, int64_t ldst, int64_t n,
+                                                       int64_t kp, __m512 em, __m512 b,
+                                                       __m512 *sum)
+{
+    const __m512i idx = _mm512_loadu_si512(fa_bf16_pair_order);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t x = 0; x < kp / 2; x++) {
+        __m512 e[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int r = 0; r < 2 && 2 * x + r < n; r++) {
+            const __m512 s = _mm512_loadu_ps(st + (2 * x + r) * ldst);
+            top = _mm512_max_ps(top, s);
+            e[r] = fa_exp512(_mm512_fmsub_ps(s, em, b));
+            *sum = _mm512_add_ps(*sum, e[r]);
+        }
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);
+        _mm512_storeu_si512(pv + x * ldpv, _mm512_permutexvar_epi16(idx, both));
+    }
+    return top;
+}
+
 FA_BF16_TARGET void fa_cpu_bf16_exp_pack(uint32_t *pv, int64_t ldpv, const float *st,
                                          int64_t ldst, int64_t n, int64_t kp, int64_t cols,
                                          float emul, const float *bmax, float *l)
 {
-    const __m512i idx = _mm512_loadu_si512(fa_bf16_pair_order);
     const __m512 em = _mm512_set1_ps(emul);
     for (int64_t i = 0; i < cols; i += 16) {
-        const __m512 b = _mm512_loadu_ps(bmax + i);
         __m512 sum = _mm512_loadu_ps(l + i);
-        for (int64_t x = 0; x < kp / 2; x++) {
-            const float *r0 = st + 2 * x * ldst + i;
-            __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-            if (2 * x < n) {
-                lo = fa_exp512_row(r0, em, b);
-                sum = _mm512_add_ps(sum, lo);
-            }
-            if (2 * x + 1 < n) {
-                hi = fa_exp512_row(r0 + ldst, em, b);
-                sum = _mm512_add_ps(sum, hi);
-            }
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-            _mm512_storeu_si512(pv + x * ldpv + i, _mm512_permutexvar_epi16(idx, both));
-        }
+        fa_bf16_exp_pack16(pv + i, ldpv, st + i, ldst, n, kp, em, _mm512_loadu_ps(bmax + i),
+                           &sum);
         _mm512_storeu_ps(l + i, sum);
     }
 }
@@ -198,30 +207,12 @@ FA_BF16_TARGET int fa_cpu_bf16_exp_pack_under(uint32_t *pv, int64_t ldpv, const 
                                                int64_t cols, float emul, const float *m,
                                                float slack, const float *l, float *lout)
 {
-    const __m512i idx = _mm512_loadu_si512(fa_bf16_pair_order);
     const __m512 em = _mm512_set1_ps(emul);
     __mmask16 over = 0;
     for (int64_t i = 0; i < cols; i += 16) {
         const __m512 b = _mm512_loadu_ps(m + i);
-        __m512 sum = _mm512_loadu_ps(l + i), top = _mm512_set1_ps(-INFINITY);
-        for (int64_t x = 0; x < kp / 2; x++) {
-            const float *r0 = st + 2 * x * ldst + i;
-            __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-            if (2 * x < n) {
-                const __m512 s0 = _mm512_loadu_ps(r0);
-                top = _mm512_max_ps(top, s0);
-                lo = fa_exp512(_mm512_fmsub_ps(s0, em, b));
-                sum = _mm512_add_ps(sum, lo);
-            }
-            if (2 * x + 1 < n) {
-                const __m512 s1 = _mm512_loadu_ps(r0 + ldst);
-                top = _mm512_max_ps(top, s1);
-                hi = fa_exp512(_mm512_fmsub_ps(s1, em, b));
-                sum = _mm512_add_ps(sum, hi);
-            }
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-            _mm512_storeu_si512(pv + x * ldpv + i, _mm512_permutexvar_epi16(idx, both));
-        }
+        __m512 sum = _mm512_loadu_ps(l + i);
+        const __m512 top = fa_bf16_exp_pack16(pv + i, ldpv, st + i, ldst, n, kp, em, b, &sum);
         /* the softmax's test: a maximum more than slack over m would have moved it */
         over |= _mm512_cmp_ps_mask(_mm512_mul_ps(top, em),
                                    _mm512_add_ps(b, _mm512_set1_ps(slack)), _CMP_GT_OQ);

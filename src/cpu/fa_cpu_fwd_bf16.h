@@ -160,7 +160,7 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
         /* Interior blocks once every column has a maximum: try the exponentials against the
          * running maxima first, which skips the max pass when none of them moves. */
         int plain = p->softcap == 0 && slope == 0 && p->scale > 0 && p->dropout_p == 0 &&
-                    c1 <= m && f->lo[c1 - 1] <= (float)j0 && f->hi[c0] >= (float)(j0 + n);
+                    c1 <= m && fa_edge_full_f32(f->lo, f->hi, c0, c1 - c0, j0, n);
         for (int64_t i = c0; plain && i < c1; i++)
             plain = f->m[i] != -INFINITY;
         if (plain && fa_cpu_bf16_exp_pack_under(t->pv + c0, mp, f->st + c0, mp, n, nk, c1 - c0,

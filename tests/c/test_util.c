@@ -418,6 +418,29 @@ int64_t tu_rand_head_dim(tu_rng *r)
     return dims[tu_rng_int(r, 0, (int64_t)(sizeof dims / sizeof dims[0]) - 1)];
 }
 
+void tu_softmax_args(tu_rng *r, float *st, int64_t ld, int64_t rows, int64_t cols, float emul,
+                     float *bmax, float *l)
+{
+    for (int64_t i = 0; i < cols; i++) {
+        bmax[i] = (float)tu_rng_uniform(r, -20, 20);
+        l[i] = (float)tu_rng_uniform(r, 0, 50);
+    }
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t i = 0; i < ld; i++) {
+            const double u = tu_rng_uniform(r, 0, 1);
+            const double x = u < 0.05 ? -INFINITY : tu_rng_uniform(r, u < 0.5 ? -100 : -3, 5.5);
+            st[j * ld + i] = (float)((x + bmax[i % cols]) / emul);
+        }
+}
+
+int tu_exp_ok(float got, float s, float emul, float bmax)
+{
+    const float x = fmaf(s, emul, -bmax);
+    const double ref = x < -87.34f ? 0 : exp((double)x);
+    /* 2^-126 = e^-87.3365 */
+    return fabs((double)got - ref) <= ref * 1.2e-7 || (x < -87.33f && got == 0);
+}
+
 int tu_rand_window_side(tu_rng *r, int64_t sk)
 {
     double u = tu_rng_uniform(r, 0.0, 1.0);

@@ -26,6 +26,16 @@ int64_t tu_rand_len(tu_rng *r);                         /* a sequence length, 0 
 int64_t tu_rand_head_dim(tu_rng *r);                    /* a head dim in [1, 256] */
 int tu_rand_window_side(tu_rng *r, int64_t sk);         /* -1, 0, or up to past sk */
 
+/* Arguments for the softmax's exponential kernels: bmax[cols] in [-20, 20], l[cols] in [0, 50]
+   and scores st[rows][ld] with x = st * emul - bmax[i % cols] at most 5.5 (bf16's slack): half
+   within 3 of that, some far under exp's cut-off, 5% -inf (masked). */
+void tu_softmax_args(tu_rng *r, float *st, int64_t ld, int64_t rows, int64_t cols, float emul,
+                     float *bmax, float *l);
+/* Whether got is exp(s * emul - bmax), the argument fused in fp32, within 1.2e-7 relative, or
+   0 where the argument is below e^-87.34 (the last normal result; either side of it within the
+   argument's rounding). */
+int tu_exp_ok(float got, float s, float emul, float bmax);
+
 /* The run's master seed: $FA_TEST_SEED if set, else time ^ pid. Printed once at start. */
 uint64_t tu_master_seed(const char *test_name);
 
