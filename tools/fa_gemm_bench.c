@@ -78,11 +78,11 @@ int fa_gemm_bench_main(int argc, char **argv)
                         "--reps >= 1\n");
         return FA_EXIT_USAGE;
     }
-    const int64_t mp = fa_cpu_gemm_pad(m), dvp = fa_cpu_gemm_pad(d);
-    /* k: [n][d] (K rows), qt: [d][mp], st: [n][mp], v: [n][dvp], o: [m][dvp] */
+    const int64_t mp = fa_cpu_gemm_pad(m), ld = fa_cpu_tile_ld(mp), dvp = fa_cpu_gemm_pad(d);
+    /* k: [n][d] (K rows), qt: [d][ld], st: [n][ld], v: [n][dvp], o: [m][dvp] */
     float *k = malloc(sizeof(float) * (size_t)(n * d));
-    float *qt = malloc(sizeof(float) * (size_t)(d * mp));
-    float *st = malloc(sizeof(float) * (size_t)(n * mp));
+    float *qt = malloc(sizeof(float) * (size_t)(d * ld));
+    float *st = malloc(sizeof(float) * (size_t)(n * ld));
     float *v = malloc(sizeof(float) * (size_t)(n * dvp));
     float *o = malloc(sizeof(float) * (size_t)(m * dvp));
     if (!k || !qt || !st || !v || !o) {
@@ -91,13 +91,13 @@ int fa_gemm_bench_main(int argc, char **argv)
         return FA_EXIT_FAIL;
     }
     fa_gemm_bench_fill(k, n * d, 1);
-    fa_gemm_bench_fill(qt, d * mp, 2);
-    fa_gemm_bench_fill(st, n * mp, 3);
+    fa_gemm_bench_fill(qt, d * ld, 2);
+    fa_gemm_bench_fill(st, n * ld, 3);
     fa_gemm_bench_fill(v, n * dvp, 4);
     fa_gemm_bench_fill(o, m * dvp, 5);
 
-    const fa_gemm_case qk = {st, k, qt, mp, d, 1, mp, n, mp, d, 0};
-    const fa_gemm_case pv = {o, st, v, dvp, 1, mp, dvp, m, dvp, n, 1};
+    const fa_gemm_case qk = {st, k, qt, ld, d, 1, ld, n, mp, d, 0};
+    const fa_gemm_case pv = {o, st, v, dvp, 1, ld, dvp, m, dvp, n, 1};
     const double flops_qk = 2.0 * (double)(n * mp * d), flops_pv = 2.0 * (double)(m * dvp * n);
     /* About 0.1 s per timed round. */
     const int calls_qk = (int)(2e9 / flops_qk) + 1, calls_pv = (int)(2e9 / flops_pv) + 1;

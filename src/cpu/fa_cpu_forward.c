@@ -94,21 +94,21 @@ static int fa_cpu_chunk_cmp(const void *a, const void *b)
 
 static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size)
 {
-    const size_t bm = FA_CPU_FWD_BM_MAX, bn = FA_CPU_BN, d = (size_t)p->d;
+    const size_t bm = FA_CPU_FWD_BM_MAX, ld = FA_CPU_FWD_LD_MAX, bn = FA_CPU_BN, d = (size_t)p->d;
     const size_t dvp = (size_t)fa_cpu_gemm_pad(p->dv);
-    size_t n = d * bm + bn * d + bn * dvp + bn * bm + bm * dvp + 6 * bm;
+    size_t n = d * ld + bn * d + bn * dvp + bn * ld + bm * dvp + 6 * bm;
     return (n * real_size + 63) & ~(size_t)63;
 }
 
 #define FA_TILE_CARVE(REAL, t, base, p)                                                          \
     do {                                                                                         \
         REAL *cur_ = (REAL *)(base);                                                             \
-        const int64_t bm_ = FA_CPU_FWD_BM_MAX, bn_ = FA_CPU_BN;                                  \
+        const int64_t bm_ = FA_CPU_FWD_BM_MAX, ld_ = FA_CPU_FWD_LD_MAX, bn_ = FA_CPU_BN;         \
         const int64_t d_ = (p)->d, dvp_ = fa_cpu_gemm_pad((p)->dv);                              \
-        (t).qt = cur_, cur_ += d_ * bm_;                                                         \
+        (t).qt = cur_, cur_ += d_ * ld_;                                                         \
         (t).kbuf = cur_, cur_ += bn_ * d_;                                                       \
         (t).vbuf = cur_, cur_ += bn_ * dvp_;                                                     \
-        (t).st = cur_, cur_ += bn_ * bm_;                                                        \
+        (t).st = cur_, cur_ += bn_ * ld_;                                                        \
         (t).o = cur_, cur_ += bm_ * dvp_;                                                        \
         (t).m = cur_, cur_ += bm_;                                                               \
         (t).l = cur_, cur_ += bm_;                                                               \

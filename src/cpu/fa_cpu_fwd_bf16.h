@@ -8,7 +8,7 @@
  *    tile as VNNI pairs (B). Q is not pre-scaled, so the products are those of the inputs
  *    exactly; the softmax applies the scale in fp32.
  *  - O^T += V^T P^T: V^T (A) from the packed K/V, P^T rounded to bf16 into VNNI pairs (B), which
- *    is an interleave of two key rows. O^T [dvp][mp] stays fp32 for the whole tile.
+ *    is an interleave of two key rows. O^T [dvp][ld] stays fp32 for the whole tile.
  * S, m, l and O are fp32 as in the fp32 path; only P is rounded, to bf16, as GPU
  * FlashAttention does for its P.V product. Like the fp32 tile, a block only computes the
  * queries that see one of its keys.
@@ -25,9 +25,9 @@
 #define FA_BF16_SLACK 5.5f
 
 typedef struct fa_tile_bf16 {
-    fa_tile_f32 f;   /* st, o (holding O^T [dvp][mp]), m, l, lo, hi, diag, bmax */
-    uint32_t *qv;    /* [dk/2][mp] Q^T in VNNI pairs, dk = d rounded up to the kernels' depth */
-    uint32_t *pv;    /* [FA_CPU_BF16_BN / 2][mp] P^T in VNNI pairs */
+    fa_tile_f32 f;   /* st, o (holding O^T [dvp][ld]), m, l, lo, hi, diag, bmax */
+    uint32_t *qv;    /* [dk/2][ld] Q^T in VNNI pairs, dk = d rounded up to the kernels' depth */
+    uint32_t *pv;    /* [FA_CPU_BF16_BN / 2][ld] P^T in VNNI pairs */
     float *alpha;    /* [FA_CPU_FWD_BM_MAX] each query's rescale factor in this block */
 } fa_tile_bf16;
 
@@ -36,13 +36,13 @@ enum { FA_BF16_QV, FA_BF16_PV, FA_BF16_ST, FA_BF16_O, FA_BF16_ROWS, FA_BF16_PART
 /* Bytes of each scratch region (fa_cpu_scratch_layout places them). */
 static void fa_bf16_part_sizes(const fa_params *p, size_t s[FA_BF16_PARTS])
 {
-    const size_t bm = FA_CPU_FWD_BM_MAX, bn = FA_CPU_BF16_BN;
+    const size_t bm = FA_CPU_FWD_BM_MAX, ld = FA_CPU_FWD_LD_MAX, bn = FA_CPU_BF16_BN;
     const size_t dk = (size_t)fa_cpu_round_up(p->d, FA_CPU_BF16_KALIGN);
     const size_t dvp = (size_t)fa_cpu_gemm_pad(p->dv);
-    s[FA_BF16_QV] = dk * bm * 2;
-    s[FA_BF16_PV] = bn * bm * 2;
-    s[FA_BF16_ST] = bn * bm * 4;
-    s[FA_BF16_O] = bm * dvp * 4;
+    s[FA_BF16_QV] = dk * ld * 2;
+    s[FA_BF16_PV] = bn * ld * 2;
+    s[FA_BF16_ST] = bn * ld * 4;
+    s[FA_BF16_O] = ld * dvp * 4;
     s[FA_BF16_ROWS] = 7 * bm * 4;
 }
 
@@ -120,13 +120,14 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
     const fa_seq seq = fa_params_seq(p, seq_index);
     const int64_t d = p->d, dv = p->dv, dvp = fa_cpu_gemm_pad(dv), mp = fa_cpu_gemm_pad(m);
     const int64_t dk = fa_cpu_round_up(d, FA_CPU_BF16_KALIGN);
+    const int64_t ld = fa_cpu_tile_ld(mp); /* of qv, pv, st and O^T */
     const float slope = p->alibi_slopes ? p->alibi_slopes[seq_index * p->alibi_bstride +
                                                           h * p->alibi_hstride]
                                         : 0;
     const uint16_t *q = (const uint16_t *)p->q + seq_index * p->q_bstride +
                         seq.q_start * p->q_rstride + h * p->q_hstride;
 
-    fa_cpu_bf16_pack_q(t->qv, mp, q + r0 * p->q_rstride, p->q_rstride, m, mp, d, dk);
+    fa_cpu_bf16_pack_q(t->qv, ld, q + r0 * p->q_rstride, p->q_rstride, m, mp, d, dk);
     for (int64_t i = 0; i < mp; i++) {
         int64_t lo = 0, hi = 0; /* padding rows see nothing */
         if (i < m)
@@ -137,7 +138,7 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
         f->m[i] = -INFINITY;
         f->l[i] = 0;
     }
-    for (int64_t x = 0; x < dvp * mp; x++)
+    for (int64_t x = 0; x < dvp * ld; x++)
         f->o[x] = 0;
 
     int64_t k_lo, k_hi;
@@ -155,7 +156,7 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
         const int64_t mr = (c1 < m ? c1 : m) - c0; /* real rows among the columns */
         if (mr <= 0)
             continue;
-        kern->gemm(f->st + c0, mp, kp, dk, t->qv + c0, mp, nm, c1 - c0, dk, 0);
+        kern->gemm(f->st + c0, ld, kp, dk, t->qv + c0, ld, nm, c1 - c0, dk, 0);
 
         /* Interior blocks once every column has a maximum: try the exponentials against the
          * running maxima first, which skips the max pass when none of them moves. */
@@ -163,14 +164,14 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
                     c1 <= m && fa_edge_full_f32(f->lo, f->hi, c0, c1 - c0, j0, n);
         for (int64_t i = c0; plain && i < c1; i++)
             plain = f->m[i] != -INFINITY;
-        if (plain && fa_cpu_bf16_exp_pack_under(t->pv + c0, mp, f->st + c0, mp, n, nk, c1 - c0,
+        if (plain && fa_cpu_bf16_exp_pack_under(t->pv + c0, ld, f->st + c0, ld, n, nk, c1 - c0,
                                                 (float)p->scale, f->m + c0, FA_BF16_SLACK,
                                                 f->l + c0, t->alpha + c0)) {
             memcpy(f->l + c0, t->alpha + c0, (size_t)(c1 - c0) * sizeof *f->l);
-            kern->gemm(f->o + c0, mp, vt, FA_CPU_BF16_BN, t->pv + c0, mp, dvp, c1 - c0, nk, 1);
+            kern->gemm(f->o + c0, ld, vt, FA_CPU_BF16_BN, t->pv + c0, ld, dvp, c1 - c0, nk, 1);
             continue;
         }
-        const float emul = fa_tile_softmax_max_f32(p, f, m, c0, c1, n, mp, dvp, j0, slope,
+        const float emul = fa_tile_softmax_max_f32(p, f, m, c0, c1, n, ld, dvp, j0, slope,
                                                    (float)p->scale, t->alpha, FA_BF16_SLACK);
         for (int64_t g = c0; g < c1; g += 16) {
             fa_bf16_v16 a, o;
@@ -181,25 +182,25 @@ FA_CPU_AVX512 static void fa_cpu_tile_bf16(const fa_params *p, const fa_cpu_bf16
             if (same)
                 continue;
             for (int64_t c = 0; c < dvp; c++) {
-                memcpy(&o, f->o + c * mp + g, sizeof o);
+                memcpy(&o, f->o + c * ld + g, sizeof o);
                 o *= a;
-                memcpy(f->o + c * mp + g, &o, sizeof o);
+                memcpy(f->o + c * ld + g, &o, sizeof o);
             }
         }
         if (p->dropout_p > 0) {
-            fa_tile_softmax_exp_f32(f, c0, c1, n, mp, emul);
-            fa_tile_dropout_f32(p, f, seq_index, h, r0, c0, c0 + mr, mp, j0, n);
-            fa_cpu_bf16_pack_p(t->pv + c0, mp, f->st + c0, mp, n, nk, c1 - c0);
+            fa_tile_softmax_exp_f32(f, c0, c1, n, ld, emul);
+            fa_tile_dropout_f32(p, f, seq_index, h, r0, c0, c0 + mr, ld, j0, n);
+            fa_cpu_bf16_pack_p(t->pv + c0, ld, f->st + c0, ld, n, nk, c1 - c0);
         } else {
-            fa_cpu_bf16_exp_pack(t->pv + c0, mp, f->st + c0, mp, n, nk, c1 - c0, emul,
+            fa_cpu_bf16_exp_pack(t->pv + c0, ld, f->st + c0, ld, n, nk, c1 - c0, emul,
                                  f->bmax + c0, f->l + c0);
         }
-        kern->gemm(f->o + c0, mp, vt, FA_CPU_BF16_BN, t->pv + c0, mp, dvp, c1 - c0, nk, 1);
+        kern->gemm(f->o + c0, ld, vt, FA_CPU_BF16_BN, t->pv + c0, ld, dvp, c1 - c0, nk, 1);
     }
     kern->end();
     /* O^T to rows, 16 queries at a time, through st (free now; it holds 16 x dvp floats). */
     for (int64_t g = 0; g < m; g += 16) {
-        fa_cpu_transpose_f32(f->st, dvp, f->o + g, mp, dvp, 16, 1.0f);
+        fa_cpu_transpose_f32(f->st, dvp, f->o + g, ld, dvp, 16, 1.0f);
         fa_tile_store_f32(p, f->m + g, f->l + g, f->st, dvp, seq_index, h, r0 + g,
                           m - g < 16 ? m - g : 16);
     }

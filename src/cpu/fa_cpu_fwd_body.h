@@ -19,10 +19,10 @@
 
 /* One query tile of one head: rows [r0, r0 + m) of sequence seq_index. Scratch is per thread. */
 typedef struct FA_FN(fa_tile) {
-    FA_REAL *qt;   /* [d][mp], Q^T pre-multiplied by the softmax scale, mp = pad(m) */
+    FA_REAL *qt;   /* [d][ld], Q^T times the softmax scale, ld = fa_cpu_tile_ld(pad(m)) */
     FA_REAL *kbuf; /* [FA_CPU_BN][d], converted K rows when K is not FA_REAL */
     FA_REAL *vbuf; /* [FA_CPU_BN][dvp], converted/padded V rows when V cannot be read in place */
-    FA_REAL *st;   /* [FA_CPU_BN][mp], S^T, then P^T */
+    FA_REAL *st;   /* [FA_CPU_BN][ld], S^T, then P^T */
     FA_REAL *o;    /* [FA_CPU_FWD_BM_MAX][dvp], unnormalised output */
     FA_REAL *m;    /* [FA_CPU_FWD_BM_MAX] running maximum */
     FA_REAL *l;    /* [FA_CPU_FWD_BM_MAX] running sum of exp(s - m) */
@@ -40,12 +40,12 @@ typedef struct FA_FN(fa_tile) {
  * 128-row tiles, whole blocks computed ~12% more products than a 512-key window sees, panels
  * ~3% (measured +4-9% on that window, bench/NOTES.md).
  */
-FA_CPU_INLINE void FA_FN(fa_tile_scores)(FA_FN(fa_tile) * t, int64_t m, int64_t mp, int64_t c0,
+FA_CPU_INLINE void FA_FN(fa_tile_scores)(FA_FN(fa_tile) * t, int64_t m, int64_t ld, int64_t c0,
                                          int64_t c1, int64_t mr, int64_t j0, int64_t n,
                                          const FA_REAL *kp, int64_t k_ld, int64_t d)
 {
     if (FA_FN(fa_edge_full)(t->lo, t->hi, c0, mr, j0, n)) {
-        FA_GEMM(t->st + c0, mp, kp, k_ld, 1, t->qt + c0, mp, n, c1 - c0, d, 0);
+        FA_GEMM(t->st + c0, ld, kp, k_ld, 1, t->qt + c0, ld, n, c1 - c0, d, 0);
         return;
     }
     for (int64_t a = 0; a < n; a += FA_CPU_EDGE_PANEL) {
@@ -55,17 +55,17 @@ FA_CPU_INLINE void FA_FN(fa_tile_scores)(FA_FN(fa_tile) * t, int64_t m, int64_t 
         p0 = p0 > c0 ? p0 : c0;
         p1 = p1 < c1 ? p1 : c1;
         if (p1 > p0)
-            FA_GEMM(t->st + a * mp + p0, mp, kp + a * k_ld, k_ld, 1, t->qt + p0, mp, np, p1 - p0,
+            FA_GEMM(t->st + a * ld + p0, ld, kp + a * k_ld, k_ld, 1, t->qt + p0, ld, np, p1 - p0,
                     d, 0);
     }
 }
 
-FA_CPU_INLINE void FA_FN(fa_tile_pv)(FA_FN(fa_tile) * t, int64_t mp, int64_t dvp, int64_t c0,
+FA_CPU_INLINE void FA_FN(fa_tile_pv)(FA_FN(fa_tile) * t, int64_t ld, int64_t dvp, int64_t c0,
                                      int64_t mr, int64_t j0, int64_t n, const FA_REAL *vp,
                                      int64_t v_ld)
 {
     if (FA_FN(fa_edge_full)(t->lo, t->hi, c0, mr, j0, n)) {
-        FA_GEMM(t->o + c0 * dvp, dvp, t->st + c0, 1, mp, vp, v_ld, mr, dvp, n, 1);
+        FA_GEMM(t->o + c0 * dvp, dvp, t->st + c0, 1, ld, vp, v_ld, mr, dvp, n, 1);
         return;
     }
     for (int64_t r = c0; r < c0 + mr; r += FA_CPU_EDGE_PANEL) {
@@ -73,13 +73,13 @@ FA_CPU_INLINE void FA_FN(fa_tile_pv)(FA_FN(fa_tile) * t, int64_t mp, int64_t dvp
         int64_t a, b;
         FA_FN(fa_edge_keys)(t->lo, t->hi, r, rn, j0, n, &a, &b);
         if (b > a)
-            FA_GEMM(t->o + r * dvp, dvp, t->st + a * mp + r, 1, mp, vp + a * v_ld, v_ld, rn, dvp,
+            FA_GEMM(t->o + r * dvp, dvp, t->st + a * ld + r, 1, ld, vp + a * v_ld, v_ld, rn, dvp,
                     b - a, 1);
     }
 }
 
 /*
- * One key block of the online softmax, first half, on columns [c0, c1) of st = S^T [n][mp]
+ * One key block of the online softmax, first half, on columns [c0, c1) of st = S^T [n][ld]
  * times sscale: softcap, ALiBi and the mask, the running maximum, the rescale of O and of the
  * running sum. Columns (queries) are the vector lanes; keys and positions are FA_REAL (exact
  * below 2^24) so every lane has one type. sscale is 1 where Q^T came pre-scaled (a constant,
@@ -93,7 +93,7 @@ FA_CPU_INLINE void FA_FN(fa_tile_pv)(FA_FN(fa_tile) * t, int64_t mp, int64_t dvp
  */
 FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_tile) * t,
                                                  int64_t m, int64_t c0, int64_t c1, int64_t n,
-                                                 int64_t mp, int64_t dvp, int64_t j0,
+                                                 int64_t ld, int64_t dvp, int64_t j0,
                                                  FA_REAL slope, FA_REAL sscale, FA_REAL *alpha,
                                                  FA_REAL slack)
 {
@@ -107,7 +107,7 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
         const FA_REAL cap = (FA_REAL)p->softcap, inv = sscale * (FA_REAL)(1.0 / p->softcap);
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = c0; i < c1; i++)
-                st[j * mp + i] = cap * FA_TANHV(st[j * mp + i] * inv);
+                st[j * ld + i] = cap * FA_TANHV(st[j * ld + i] * inv);
         mul = 1;
     }
     for (int64_t i = c0; i < c1; i++)
@@ -126,7 +126,7 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
         for (int64_t i = 0; i < 64; i++)
             acc[i] = -(FA_REAL)INFINITY;
         for (int64_t j = 0; j < n; j++) {
-            const FA_REAL *restrict row = st + j * mp + i0;
+            const FA_REAL *restrict row = st + j * ld + i0;
             if (w == 64) {
                 FA_CPU_UNROLL
                 for (int64_t i = 0; i < 64; i++)
@@ -140,7 +140,7 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
             bmax[i0 + i] = acc[i];
     }
     for (int64_t j = 0; j < n && !plain; j++) {
-        FA_REAL *restrict row = st + j * mp;
+        FA_REAL *restrict row = st + j * ld;
         const FA_REAL key = (FA_REAL)(j0 + j);
         for (int64_t i = c0; i < c1; i++) {
             const FA_REAL dist = diag[i] - key;
@@ -179,15 +179,15 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
 
 /* Second half, on columns [c0, c1): st = P^T = exp(st * emul - bmax), summed into l. */
 FA_CPU_INLINE void FA_FN(fa_tile_softmax_exp)(FA_FN(fa_tile) * t, int64_t c0, int64_t c1,
-                                              int64_t n, int64_t mp, FA_REAL emul)
+                                              int64_t n, int64_t ld, FA_REAL emul)
 {
     const FA_REAL *restrict bmax = t->bmax;
 #ifdef FA_EXP_ROWS
-    if (FA_EXP_ROWS(t->st, mp, n, c0, c1, emul, bmax, t->l))
+    if (FA_EXP_ROWS(t->st, ld, n, c0, c1, emul, bmax, t->l))
         return;
 #endif
     for (int64_t j = 0; j < n; j++) {
-        FA_REAL *restrict row = t->st + j * mp;
+        FA_REAL *restrict row = t->st + j * ld;
         FA_REAL *restrict l = t->l;
         for (int64_t i = c0; i < c1; i++) {
             const FA_REAL e = FA_EXPV(row[i] * emul - bmax[i]);
@@ -200,7 +200,7 @@ FA_CPU_INLINE void FA_FN(fa_tile_softmax_exp)(FA_FN(fa_tile) * t, int64_t c0, in
 /* Zeroes the dropped entries of P^T for rows [r0 + c0, r0 + c1) of head h. */
 FA_CPU_INLINE void FA_FN(fa_tile_dropout)(const fa_params *p, FA_FN(fa_tile) * t, int64_t seq_index,
                                           int64_t h, int64_t r0, int64_t c0, int64_t c1,
-                                          int64_t mp, int64_t j0, int64_t n)
+                                          int64_t ld, int64_t j0, int64_t n)
 {
     const uint64_t stream = p->offset + (uint64_t)seq_index * (uint64_t)p->h + (uint64_t)h;
     for (int64_t i = c0; i < c1; i++) {
@@ -213,7 +213,7 @@ FA_CPU_INLINE void FA_FN(fa_tile_dropout)(const fa_params *p, FA_FN(fa_tile) * t
                 bits = fa_dropout_block(p->seed, stream, r0 + i, col8);
             }
             if (fa_dropout_number(&bits, col) >= p->keep_threshold)
-                t->st[j * mp + i] = 0;
+                t->st[j * ld + i] = 0;
         }
     }
 }
@@ -260,6 +260,7 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
     const int64_t d = p->d, dv = p->dv, dvp = fa_cpu_gemm_pad(p->dv), mp = fa_cpu_gemm_pad(m);
+    const int64_t ld = fa_cpu_tile_ld(mp); /* of qt and st */
     const int64_t hk = h / (p->h / p->hk);
     const FA_REAL scale = (FA_REAL)p->scale;
     const FA_REAL slope =
@@ -281,7 +282,7 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
      * inputs row by row through row_buf, as are the padding rows. */
     const int q_direct = sizeof(FA_REAL) == sizeof(float) && p->dtype == FA_DTYPE_F32;
     if (q_direct)
-        fa_cpu_transpose_f32((float *)t->qt, mp, (const float *)p->q + q_base + r0 * p->q_rstride,
+        fa_cpu_transpose_f32((float *)t->qt, ld, (const float *)p->q + q_base + r0 * p->q_rstride,
                              p->q_rstride, m, d, (float)scale);
     FA_REAL row_buf[FA_MAX_HEAD_DIM];
     for (int64_t i = 0; i < mp; i++) {
@@ -299,7 +300,7 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
         }
         if (!q_direct || i >= m)
             for (int64_t c = 0; c < d; c++)
-                t->qt[c * mp + i] = row_buf[c] * scale;
+                t->qt[c * ld + i] = row_buf[c] * scale;
         t->diag[i] = (FA_REAL)(r0 + i + seq.sk - seq.sq);
         t->m[i] = -(FA_REAL)INFINITY;
         t->l[i] = 0;
@@ -346,13 +347,13 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
             v_ld = dvp;
         }
 
-        FA_FN(fa_tile_scores)(t, m, mp, c0, c1, mr, j0, n, kp, k_ld, d);
+        FA_FN(fa_tile_scores)(t, m, ld, c0, c1, mr, j0, n, kp, k_ld, d);
         const FA_REAL emul =
-            FA_FN(fa_tile_softmax_max)(p, t, m, c0, c1, n, mp, dvp, j0, slope, 1, NULL, 0);
-        FA_FN(fa_tile_softmax_exp)(t, c0, c1, n, mp, emul);
+            FA_FN(fa_tile_softmax_max)(p, t, m, c0, c1, n, ld, dvp, j0, slope, 1, NULL, 0);
+        FA_FN(fa_tile_softmax_exp)(t, c0, c1, n, ld, emul);
         if (p->dropout_p > 0)
-            FA_FN(fa_tile_dropout)(p, t, seq_index, h, r0, c0, c0 + mr, mp, j0, n);
-        FA_FN(fa_tile_pv)(t, mp, dvp, c0, mr, j0, n, vp, v_ld);
+            FA_FN(fa_tile_dropout)(p, t, seq_index, h, r0, c0, c0 + mr, ld, j0, n);
+        FA_FN(fa_tile_pv)(t, ld, dvp, c0, mr, j0, n, vp, v_ld);
     }
     FA_FN(fa_tile_store)(p, t->m, t->l, t->o, dvp, seq_index, h, r0, m);
 }

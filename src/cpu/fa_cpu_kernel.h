@@ -25,6 +25,9 @@
 #define FA_CPU_BWD_NK 512
 #define FA_CPU_FWD_BM_MAX 256 /* largest forward tile: K/V blocks are packed once per tile */
 #define FA_CPU_BN 64 /* keys per block */
+/* Most columns of a forward tile's query-column buffers (Q^T, S^T, P^T, O^T): see
+ * fa_cpu_tile_ld. */
+#define FA_CPU_FWD_LD_MAX (FA_CPU_FWD_BM_MAX + 16)
 #define FA_CPU_LANES 16 /* chunk of a score row that the softmax loops vectorise over */
 
 /* Helpers of the kernels: always inlined, so that each clone below gets its own vectorised copy
@@ -53,6 +56,15 @@
 static inline int fa_cpu_rows_alias(int64_t ld, size_t esize)
 {
     return (ld * (int64_t)esize) % 4096 == 0;
+}
+
+/* Leading dimension of a forward tile's buffers of mp query columns. The products reuse them in
+ * panels of 32-64 columns down 64-128 rows; with mp 256 (1 KB rows) a panel's rows fall in 16
+ * of the L1's 64 sets (48 KB, 12 ways) and it cannot stay cached. 16 more columns spread the rows
+ * over every set: h 32 on 2 threads ran bf16 8% and fp32 6% faster (bench/NOTES.md). */
+static inline int64_t fa_cpu_tile_ld(int64_t mp)
+{
+    return mp > 64 ? mp + 16 : mp;
 }
 
 static inline int64_t fa_cpu_round_up(int64_t x, int64_t to)
