@@ -369,4 +369,22 @@ void tf_run_directed(tu_rng *rng)
     c.alibi = 1;
     c.row_step = 3;
     tf_run_case(&c, "long dropout alibi", rng);
+    /* Enough heads for the forward's tallest tiles (256 rows, 128 under a window), whose
+     * query-column buffers have a padded leading dimension (fa_cpu_tile_ld), and a short last
+     * tile whose buffers have none */
+    const fa_dtype tall[3] = {FA_DTYPE_F32, FA_DTYPE_BF16, FA_DTYPE_F16};
+    for (int ci = 0; ci < 4; ci++) {
+        base_case(&c, tall[ci % 3], rng);
+        c.b = 1;
+        c.h = 64;
+        c.hk = 8;
+        c.sq = 300;
+        c.sk = 333;
+        c.d = c.dv = 128;
+        c.causal = ci == 1;
+        c.wl = ci == 2 ? 70 : -1;
+        c.softcap = ci == 3 ? 20.0 : 0.0;
+        c.row_step = 11;
+        tf_run_case(&c, "tall tiles", rng);
+    }
 }
