@@ -177,9 +177,10 @@ static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
 }
 
 /*
- * Query rows per work item. Each K/V block is converted and packed once per item, so taller
- * tiles read K/V less often; they are kept shorter when the problem has few of them, and for
- * windows bounded on the left, where a tall tile computes more masked scores at both edges.
+ * Query rows per work item. Each item reads its head's K/V once (fp32 rows in place or copied
+ * per block, bf16 from the call's packed blocks), so taller tiles read K/V less often; they are
+ * kept shorter when the problem has few of them, and for windows bounded on the left, where a
+ * tall tile computes more masked scores at both edges.
  * Causal alone keeps the tall tile: the key blocks skip the queries that see none of their keys,
  * and with 128 rows the K/V traffic cost more than the diagonal saved (h=32, s=2048, d=128, 2
  * threads: 223 ms against 213 ms). The choice depends on the shape only, never on the thread

@@ -23,7 +23,7 @@
  * still sit in a 2 MB L2 (bench/NOTES.md, 2026-11-30). The bf16 backward on AMX, measured at
  * 512, 1024 and 2048 on 16 threads, is fastest at 512 too (thirteenth session). */
 #define FA_CPU_BWD_NK 512
-#define FA_CPU_FWD_BM_MAX 256 /* largest forward tile: K/V blocks are packed once per tile */
+#define FA_CPU_FWD_BM_MAX 256 /* largest forward tile: each tile reads its head's K/V once */
 #define FA_CPU_BN 64 /* keys per block */
 /* Most columns of a forward tile's query-column buffers (Q^T, S^T, P^T, O^T): see
  * fa_cpu_tile_ld. */
