@@ -2,9 +2,11 @@
  * CPU forward: the problem is cut into (sequence, head, query tile) items handed to the thread
  * pool, longest first. Each item is computed start to finish by one thread in a fixed order, so
  * results are bitwise identical for any thread count. bf16 on bf16 products first packs K and V
- * in a parallel pass of its own (fa_cpu_fwd_bf16.h), in passes over the kv heads when large.
+ * in a parallel pass of its own (fa_cpu_fwd_bf16.h), in passes over the kv heads when large, and
+ * gives each thread heads of its own (fa_cpu_forward_owned).
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #include "api/fa_internal.h"
@@ -73,6 +75,9 @@ typedef struct fa_cpu_job {
     const fa_params *p;
     const fa_cpu_bf16_kernel *bf16; /* bf16 inputs on bf16 products; NULL: the fp32 path */
     fa_cpu_chunk *chunks;
+    int64_t n_chunks;
+    _Atomic int64_t *next; /* bf16: [nh] each head's next chunk (fa_cpu_forward_owned) */
+    int workers;           /* bf16: threads of the pass, each owning heads */
     char *scratch;       /* one region per thread */
     size_t scratch_size; /* bytes per thread */
     int64_t h0, nh;
@@ -149,12 +154,10 @@ static void fa_cpu_pack_task(void *ctx, int64_t item, int thread)
 }
 #endif
 
-static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
+static void fa_cpu_forward_item(const fa_cpu_job *job, const fa_cpu_chunk *c, int64_t h,
+                                int thread)
 {
-    const fa_cpu_job *job = ctx;
     const fa_params *p = job->p;
-    const fa_cpu_chunk *c = &job->chunks[item / job->nh];
-    const int64_t h = job->h0 + item % job->nh;
     char *base = job->scratch + (size_t)thread * job->scratch_size;
 #if defined(FA_CPU_HAS_BF16)
     if (job->bf16) {
@@ -174,6 +177,14 @@ static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
         FA_TILE_CARVE(float, t, base, p);
         fa_cpu_tile_f32(p, &t, c->seq, h, c->r0, c->m);
     }
+}
+
+/* Item (chunk, head) with the heads innermost: the threads start on different heads, and a
+ * head's K/V is read again from the shared L3. */
+static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
+{
+    const fa_cpu_job *job = ctx;
+    fa_cpu_forward_item(job, &job->chunks[item / job->nh], job->h0 + item % job->nh, thread);
 }
 
 /*
@@ -218,9 +229,11 @@ static fa_status fa_cpu_bf16_plan(fa_cpu_job *job, int64_t *per_pass, size_t *by
 {
     const fa_params *p = job->p;
     job->blocks = malloc((size_t)(p->b + 1) * sizeof *job->blocks);
-    if (!job->blocks)
-        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %lld sequences",
-                            (long long)p->b);
+    job->next = malloc((size_t)p->h * sizeof *job->next);
+    if (!job->blocks || !job->next)
+        return fa_error_set(FA_STATUS_OUT_OF_MEMORY,
+                            "out of memory for %lld sequences and %lld heads", (long long)p->b,
+                            (long long)p->h);
     job->blocks[0] = 0;
     for (int64_t i = 0; i < p->b; i++)
         job->blocks[i + 1] =
@@ -232,24 +245,45 @@ static fa_status fa_cpu_bf16_plan(fa_cpu_job *job, int64_t *per_pass, size_t *by
     return FA_STATUS_OK;
 }
 
+/*
+ * Worker w runs the chunks of its own heads (w, w + workers, ...) longest first, then takes the
+ * remaining chunks of the other workers' heads. A head's packed K/V (1 MiB at s = 2048, d = 128)
+ * then stays in one core's L2 for all its chunks instead of being read back from L3. The fp32
+ * path reads 2 MiB a head from the caller's rows and was even or slower in this order
+ * (bench/NOTES.md, eighteenth session). Which thread runs a chunk never changes its result.
+ */
+static void fa_cpu_forward_owned(void *ctx, int64_t w, int thread)
+{
+    const fa_cpu_job *job = ctx;
+    for (int64_t s = 0; s < job->workers; s++) {
+        for (int64_t hh = (w + s) % job->workers; hh < job->nh; hh += job->workers) {
+            int64_t c;
+            while ((c = atomic_fetch_add_explicit(&job->next[hh], 1, memory_order_relaxed)) <
+                   job->n_chunks)
+                fa_cpu_forward_item(job, &job->chunks[c], job->h0 + hh, thread);
+        }
+    }
+}
+
 /* Passes over per_pass kv heads at a time: pack their K/V, then compute their tiles. */
-static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int64_t n_chunks, int threads,
-                                     int64_t per_pass)
+static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int threads, int64_t per_pass)
 {
     const fa_params *p = job->p;
     const int64_t group = p->h / p->hk, n_blocks = job->blocks[p->b];
     fa_status st = FA_STATUS_OK;
     for (int64_t g0 = 0; g0 < p->hk && st == FA_STATUS_OK; g0 += per_pass) {
         const int64_t nkv = p->hk - g0 < per_pass ? p->hk - g0 : per_pass;
-        const int64_t n_pack = n_blocks * nkv, n_items = n_chunks * nkv * group;
+        const int64_t n_pack = n_blocks * nkv, n_items = job->n_chunks * nkv * group;
         job->h0 = g0 * group;
         job->nh = nkv * group;
         if (n_pack > 0)
             st = fa_parallel_for(threads < n_pack ? threads : (int)n_pack, n_pack,
                                  fa_cpu_pack_task, job);
+        job->workers = threads < n_items ? threads : (int)n_items;
+        for (int64_t i = 0; i < job->nh; i++)
+            atomic_init(&job->next[i], 0);
         if (st == FA_STATUS_OK)
-            st = fa_parallel_for(threads < n_items ? threads : (int)n_items, n_items,
-                                 fa_cpu_forward_task, job);
+            st = fa_parallel_for(job->workers, job->workers, fa_cpu_forward_owned, job);
     }
     return st;
 }
@@ -311,6 +345,7 @@ fa_status fa_cpu_forward(const fa_params *p)
     size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
     fa_cpu_job job = {.p = p,
                       .chunks = chunks,
+                      .n_chunks = n_chunks,
                       .scratch_size = fa_cpu_scratch_size(p, real_size),
                       .nh = p->h};
 #if defined(FA_CPU_HAS_BF16)
@@ -333,13 +368,14 @@ fa_status fa_cpu_forward(const fa_params *p)
         job.kv = (uint16_t *)(job.scratch + scratch_bytes);
 #if defined(FA_CPU_HAS_BF16)
         if (job.bf16)
-            st = fa_cpu_forward_bf16(&job, n_chunks, threads, per_pass);
+            st = fa_cpu_forward_bf16(&job, threads, per_pass);
         else
 #endif
             st = fa_parallel_for(threads, n_items, fa_cpu_forward_task, &job);
     }
     fa_memory_give(job.scratch);
     free(job.blocks);
+    free((void *)job.next);
     free(chunks);
     return st;
 }
