@@ -345,7 +345,8 @@ fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int head_di
 /* Threads the CPU backend uses when num_threads is 0. */
 int fa_cpu_default_threads(void);
 
-/* The CPU as the library sees it: model name and the SIMD features it detected. */
+/* The CPU as the library sees it: model name, the SIMD features it detected, the kernels it
+ * picked and the L2 per thread its tiles are sized for. */
 const char *fa_cpu_description(void);
 
 #ifdef __cplusplus

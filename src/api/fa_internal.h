@@ -193,6 +193,11 @@ fa_status fa_cpu_forward(const fa_params *p);
 /* For the tests: the most bytes of packed K/V one pass of the bf16 forward holds, so that small
  * problems take several passes (0: the default). Not thread-safe against running forwards. */
 void fa_cpu_forward_set_pack_limit(size_t bytes);
+/* For the tests: the L2 bytes per thread that the CPU tiles are sized for (0: the machine's). Not
+ * thread-safe against running calls. */
+void fa_cpu_set_l2_share(size_t bytes);
+/* Query rows per forward work item (fa_cpu_forward.c), exposed for the tests of its rule. */
+int64_t fa_cpu_forward_tile_rows(const fa_params *p);
 fa_status fa_cpu_probs(const fa_params *p);
 fa_status fa_cpu_backward(const fa_params *p);
 

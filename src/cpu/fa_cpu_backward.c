@@ -13,6 +13,7 @@
 
 #include "api/fa_internal.h"
 #include "cpu/fa_cpu_bf16.h"
+#include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
 #include "util/fa_threadpool.h"
 
@@ -263,24 +264,38 @@ static int64_t fa_bwd_chunks_make(const fa_params *p, int by_keys, int64_t block
     return n;
 }
 
+/* Keys per key-pass chunk: FA_CPU_BWD_NK, halved (to a quarter at most) while the chunk's dK and
+ * dV accumulators would not fit in the thread's share of L2 (on a 2 MB L2, every head dim and
+ * type keeps FA_CPU_BWD_NK). */
+static int64_t fa_bwd_chunk_keys(const fa_params *p, size_t real_size)
+{
+    const size_t l2 = (size_t)fa_cpu_l2_share();
+    const size_t row = (size_t)(fa_cpu_gemm_pad(p->d) + fa_cpu_gemm_pad(p->dv)) * real_size;
+    int64_t nk = FA_CPU_BWD_NK;
+    while (nk > FA_CPU_BWD_NK / 4 && (size_t)nk * row > l2)
+        nk /= 2;
+    return nk;
+}
+
 /*
  * The fused schedule's stripes (0: the two passes instead) and keys per chunk, from the shape
  * only, so that results never depend on the thread count. Fused needs FA_CPU_BWD_FUSED_ITEMS
  * items to keep the threads busy and aims for FA_CPU_BWD_STRIPE_ITEMS: (sequence, kv head)
  * pairs, times stripes of key chunks where the pairs are fewer, each stripe summing its share
  * of dQ in its own fp32 copy of q's size.
- * Chunks are FA_CPU_BWD_NK keys, or half that where it takes that many to make the items (each
+ * Chunks are fa_bwd_chunk_keys, or half that where it takes that many to make the items (each
  * chunk packs its query tiles again, a smaller cost than the two passes' extra products). The
  * copies are bounded by FA_CPU_BWD_STRIPE_BYTES; past it the two passes run.
  */
 static int64_t fa_bwd_stripes(const fa_params *p, size_t real_size, int64_t *chunk)
 {
     const int64_t pairs = p->b * p->hk;
-    *chunk = FA_CPU_BWD_NK;
+    const int64_t keys = fa_bwd_chunk_keys(p, real_size);
+    *chunk = keys;
     if (pairs >= FA_CPU_BWD_STRIPE_ITEMS)
         return 1;
     const double slot = (double)(p->total_q * p->h * fa_cpu_gemm_pad(p->d)) * (double)real_size;
-    for (int64_t size = FA_CPU_BWD_NK; size >= FA_CPU_BWD_NK / 2; size /= 2) {
+    for (int64_t size = keys; size >= keys / 2; size /= 2) {
         const int64_t chunks = (p->max_sk + size - 1) / size;
         int64_t stripes = (FA_CPU_BWD_STRIPE_ITEMS + pairs - 1) / pairs;
         if (stripes > chunks)
@@ -338,13 +353,13 @@ fa_status fa_cpu_backward(const fa_params *p)
                      p->dv_rstride, p->dv_hstride);
     fa_bwd_zero_uncovered(p);
 
+    int64_t chunk;
+    const int64_t stripes = fa_bwd_stripes(p, real_size, &chunk);
     int64_t n_q = fa_bwd_chunks_make(p, 0, FA_CPU_BM, NULL);
-    int64_t n_k = fa_bwd_chunks_make(p, 1, FA_CPU_BWD_NK, NULL);
+    int64_t n_k = fa_bwd_chunks_make(p, 1, chunk, NULL);
     int64_t n_max = n_q > n_k ? n_q : n_k;
     int threads = p->num_threads > 0 ? p->num_threads : 1;
 
-    int64_t chunk;
-    const int64_t stripes = fa_bwd_stripes(p, real_size, &chunk);
     const int fused = stripes > 0;
     fa_bwd_job job = {.p = p,
                       .stripes = stripes,
@@ -386,7 +401,7 @@ fa_status fa_cpu_backward(const fa_params *p)
         goto done;
     }
 
-    fa_bwd_chunks_make(p, 1, FA_CPU_BWD_NK, job.chunks);
+    fa_bwd_chunks_make(p, 1, chunk, job.chunks);
     st = fa_parallel_for(threads, n_k * p->hk, fa_bwd_keys_task, &job);
     if (st != FA_STATUS_OK)
         goto done;

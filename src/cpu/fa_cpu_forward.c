@@ -11,6 +11,7 @@
 
 #include "api/fa_internal.h"
 #include "cpu/fa_cpu_bf16.h"
+#include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
 #include "util/fa_memory.h"
 #include "util/fa_threadpool.h"
@@ -187,21 +188,34 @@ static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
     fa_cpu_forward_item(job, &job->chunks[item / job->nh], job->h0 + item % job->nh, thread);
 }
 
+/* Bytes a forward tile of bm rows keeps in L2 across its key blocks: Q^T, O and one block of
+ * S^T, in the type the products accumulate in; the K/V blocks stream through. */
+static size_t fa_cpu_tile_bytes(const fa_params *p, int64_t bm)
+{
+    const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
+    return (size_t)bm * (size_t)(p->d + p->dv + FA_CPU_BN) * real_size;
+}
+
 /*
  * Query rows per work item. Each item reads its head's K/V once (fp32 rows in place or copied
  * per block, bf16 from the call's packed blocks), so taller tiles read K/V less often; they are
- * kept shorter when the problem has few of them, and for windows bounded on the left, where a
- * tall tile computes more masked scores at both edges.
+ * kept shorter when the problem has few of them, for windows bounded on the left, where a tall
+ * tile computes more masked scores at both edges, and where the tile would not stay in the
+ * thread's share of L2 (fa_cpu_l2_share: on a 2 MB L2 every head dim keeps 256 rows; at d 256
+ * 256 rows measured even with 128 or faster, bench/NOTES.md, eighteenth session).
  * Causal alone keeps the tall tile: the key blocks skip the queries that see none of their keys,
  * and with 128 rows the K/V traffic cost more than the diagonal saved (h=32, s=2048, d=128, 2
- * threads: 223 ms against 213 ms). The choice depends on the shape only, never on the thread
- * count: tile edges fix the order of the online softmax, and results must not change with the
- * number of threads.
+ * threads: 223 ms against 213 ms). The choice depends on the shape and the cache only, never on
+ * the thread count: tile edges fix the order of the online softmax, and results must not change
+ * with the number of threads.
  */
-static int64_t fa_cpu_forward_tile_rows(const fa_params *p)
+int64_t fa_cpu_forward_tile_rows(const fa_params *p)
 {
+    const size_t l2 = (size_t)fa_cpu_l2_share();
     int64_t bm = p->window_left >= 0 ? 128 : FA_CPU_FWD_BM_MAX;
     for (; bm > 64; bm /= 2) {
+        if (fa_cpu_tile_bytes(p, bm) > l2)
+            continue;
         int64_t items = 0;
         for (int64_t i = 0; i < p->b; i++)
             items += (fa_params_seq(p, i).sq + bm - 1) / bm;

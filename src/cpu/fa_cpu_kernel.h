@@ -18,12 +18,15 @@
 #define FA_CPU_BWD_STRIPE_ITEMS 64
 /* Bound of the fused backward's dQ copies when it stripes key chunks (fa_cpu_backward.c). */
 #define FA_CPU_BWD_STRIPE_BYTES ((size_t)256 << 20)
-/* Keys per backward key-pass item. Query tiles are packed once per item (their transposes cost
- * ~10% of the backward at 256); at 512 the item's dK/dV accumulators, 512 KB at d128 fp32,
- * still sit in a 2 MB L2 (bench/NOTES.md, 2026-11-30). The bf16 backward on AMX, measured at
- * 512, 1024 and 2048 on 16 threads, is fastest at 512 too (thirteenth session). */
+/* Keys per backward key-pass item (fewer on a small L2: fa_bwd_chunk_keys). Query tiles are
+ * packed once per item (their transposes cost ~10% of the backward at 256); at 512 the item's
+ * dK/dV accumulators, 512 KB at d128 fp32, still sit in a 2 MB L2 (bench/NOTES.md,
+ * 2026-11-30). The bf16 backward on AMX, measured at 512, 1024 and 2048 on 16 threads, is
+ * fastest at 512 too (thirteenth session). */
 #define FA_CPU_BWD_NK 512
-#define FA_CPU_FWD_BM_MAX 256 /* largest forward tile: each tile reads its head's K/V once */
+/* Largest forward tile: each tile reads its head's K/V once (fewer rows on a small L2:
+ * fa_cpu_forward_tile_rows). */
+#define FA_CPU_FWD_BM_MAX 256
 #define FA_CPU_BN 64 /* keys per block */
 /* Most columns of a forward tile's query-column buffers (Q^T, S^T, P^T, O^T): see
  * fa_cpu_tile_ld. */

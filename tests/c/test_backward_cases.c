@@ -5,6 +5,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "api/fa_internal.h"
 #include "test_backward.h"
 
 /* ------------------------------------------------------------------------------------------ */
@@ -303,6 +304,20 @@ void tb_run_directed(tu_rng *rng)
     c.sk = 1000;
     c.causal = tu_rng_int(rng, 0, 1);
     tb_run_case(&c, "fused in stripes, varlen", rng);
+    /* A 160 KB share of L2 cuts the key chunks to 128 keys (fa_bwd_chunk_keys): 16 pairs take
+     * the fused schedule's stripes of 128-key chunks, 64 pairs one stripe of them */
+    fa_cpu_set_l2_share(160 << 10);
+    for (int di = 0; di < 4; di++) {
+        tb_base_case(&c, k_dtypes[di], rng);
+        c.b = 1 + di % 2;
+        c.h = c.hk = di % 2 ? 32 : 16;
+        c.sq = 60 + 11 * di;
+        c.sk = 300 + 45 * di;
+        c.d = c.dv = 128;
+        c.causal = di % 2;
+        tb_run_case(&c, "128-key chunks of a 160 KB L2", rng);
+    }
+    fa_cpu_set_l2_share(0);
 }
 
 void tb_run_random(tu_rng *rng, int n)

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "api/fa_internal.h"
 #include "test_forward.h"
 
 /* ------------------------------------------------------------------------------------------ */
@@ -96,6 +97,45 @@ void tf_run_random(tu_rng *rng, int n)
 }
 
 /* Each feature on its own and in the combinations the edge-case list names. */
+/* The forward's tile height follows the thread's share of L2 (fa_cpu_forward_tile_rows): the
+ * rule's choices for h 64, s 300, d 128, and the tiles a small share picks computing right. */
+static void tiles_from_l2(tu_rng *rng)
+{
+    fa_params p = {0};
+    p.b = 1, p.h = 64, p.hk = 8, p.max_sq = p.max_sk = 300, p.d = p.dv = 128;
+    p.window_left = p.window_right = -1;
+    static const struct {
+        fa_dtype dt;
+        size_t share;
+        int64_t rows;
+    } rule[] = {{FA_DTYPE_F32, 2 << 20, 256}, {FA_DTYPE_BF16, 2 << 20, 256},
+                {FA_DTYPE_F64, 2 << 20, 256}, {FA_DTYPE_F32, 256 << 10, 128},
+                {FA_DTYPE_F64, 256 << 10, 64},  {FA_DTYPE_F32, 96 << 10, 64}};
+    tu_where = "forward tile rows from the L2 share";
+    for (size_t i = 0; i < sizeof rule / sizeof rule[0]; i++) {
+        p.dtype = rule[i].dt;
+        fa_cpu_set_l2_share(rule[i].share);
+        const int64_t rows = fa_cpu_forward_tile_rows(&p);
+        TU_CHECK(rows == rule[i].rows, "dtype %d, %zu bytes of L2: %lld rows, expected %lld",
+                 (int)rule[i].dt, rule[i].share, (long long)rows, (long long)rule[i].rows);
+    }
+    fcase c;
+    for (int ci = 0; ci < 3; ci++) {
+        base_case(&c, k_dtypes[ci], rng);
+        c.b = 1;
+        c.h = 64;
+        c.hk = 8;
+        c.sq = 300;
+        c.sk = 290;
+        c.d = c.dv = 128;
+        c.causal = ci == 1;
+        c.row_step = 13;
+        fa_cpu_set_l2_share(256 << 10);
+        tf_run_case(&c, "128-row tiles of a 256 KB L2", rng);
+    }
+    fa_cpu_set_l2_share(0);
+}
+
 void tf_run_directed(tu_rng *rng)
 {
     fcase c;
@@ -387,4 +427,5 @@ void tf_run_directed(tu_rng *rng)
         c.row_step = 11;
         tf_run_case(&c, "tall tiles", rng);
     }
+    tiles_from_l2(rng);
 }
