@@ -264,9 +264,9 @@ static int64_t fa_bwd_chunks_make(const fa_params *p, int by_keys, int64_t block
     return n;
 }
 
-/* Keys per key-pass chunk: FA_CPU_BWD_NK, halved (to a quarter at most) while the chunk's dK and
- * dV accumulators would not fit in the thread's share of L2 (on a 2 MB L2, every head dim and
- * type keeps FA_CPU_BWD_NK). */
+/* Keys per key-pass chunk: FA_CPU_BWD_NK, halved (down to a quarter of it) while the chunk's dK
+ * and dV accumulators would not fit in the thread's share of L2 (on a 2 MB L2, every head dim
+ * and type keeps FA_CPU_BWD_NK). */
 static int64_t fa_bwd_chunk_keys(const fa_params *p, size_t real_size)
 {
     const size_t l2 = (size_t)fa_cpu_l2_share();

@@ -201,8 +201,8 @@ static size_t fa_cpu_tile_bytes(const fa_params *p, int64_t bm)
  * per block, bf16 from the call's packed blocks), so taller tiles read K/V less often; they are
  * kept shorter when the problem has few of them, for windows bounded on the left, where a tall
  * tile computes more masked scores at both edges, and where the tile would not stay in the
- * thread's share of L2 (fa_cpu_l2_share: on a 2 MB L2 every head dim keeps 256 rows; at d 256
- * 256 rows measured even with 128 or faster, bench/NOTES.md, eighteenth session).
+ * thread's share of L2 (fa_cpu_l2_share: on a 2 MB L2 every head dim keeps 256 rows, which
+ * at head dim 256 ran as fast as 128 rows or faster, bench/NOTES.md, eighteenth session).
  * Causal alone keeps the tall tile: the key blocks skip the queries that see none of their keys,
  * and with 128 rows the K/V traffic cost more than the diagonal saved (h=32, s=2048, d=128, 2
  * threads: 223 ms against 213 ms). The choice depends on the shape and the cache only, never on
