@@ -24,7 +24,8 @@ static void usage_print(FILE *f)
           "                          this process may run on)\n"
           "  FLASHATTN_CACHE_DIR     compiled CUDA kernels (default $XDG_CACHE_HOME/flashattn\n"
           "                          or ~/.cache/flashattn; empty: no disk cache)\n"
-          "  FLASHATTN_LOG=1         log each kernel compile and cache hit to stderr\n",
+          "  FLASHATTN_LOG=1         log each kernel compile and cache hit, and each CPU\n"
+          "                          forward/backward's schedule and phase times, to stderr\n",
           f);
 }
 

@@ -8,6 +8,7 @@
  * from batch x heads. Memory beyond the workspace is O(tile) per thread.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,6 +16,7 @@
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
+#include "cpu/fa_cpu_log.h"
 #include "util/fa_threadpool.h"
 
 /* Index of a query row among all q rows (the workspace's and lse's varlen column). */
@@ -382,7 +384,9 @@ fa_status fa_cpu_backward(const fa_params *p)
         goto done;
     }
 
-    st = fa_parallel_for(threads, p->b * p->h, fa_bwd_dsum_task, &job);
+    fa_cpu_log log;
+    fa_cpu_log_begin(&log);
+    st = fa_cpu_log_phase(&log, "dsum", threads, p->b * p->h, fa_bwd_dsum_task, &job);
     if (st != FA_STATUS_OK)
         goto done;
     if (p->dsinks) {
@@ -395,19 +399,28 @@ fa_status fa_cpu_backward(const fa_params *p)
     }
 
     if (fused) {
-        st = fa_parallel_for(threads, p->b * p->hk * stripes, fa_bwd_fused_task, &job);
+        st = fa_cpu_log_phase(&log, "fused", threads, p->b * p->hk * stripes,
+                              fa_bwd_fused_task, &job);
         if (st == FA_STATUS_OK && stripes > 1)
-            st = fa_parallel_for(threads, p->b * p->h, fa_bwd_dq_reduce_task, &job);
-        goto done;
+            st = fa_cpu_log_phase(&log, "dq sum", threads, p->b * p->h, fa_bwd_dq_reduce_task,
+                                  &job);
+    } else {
+        fa_bwd_chunks_make(p, 1, chunk, job.chunks);
+        st = fa_cpu_log_phase(&log, "keys", threads, n_k * p->hk, fa_bwd_keys_task, &job);
+        fa_bwd_chunks_make(p, 0, FA_CPU_BM, job.chunks);
+        if (st == FA_STATUS_OK)
+            st = fa_cpu_log_phase(&log, "queries", threads, n_q * p->h, fa_bwd_queries_task,
+                                  &job);
     }
-
-    fa_bwd_chunks_make(p, 1, chunk, job.chunks);
-    st = fa_parallel_for(threads, n_k * p->hk, fa_bwd_keys_task, &job);
-    if (st != FA_STATUS_OK)
-        goto done;
-
-    fa_bwd_chunks_make(p, 0, FA_CPU_BM, job.chunks);
-    st = fa_parallel_for(threads, n_q * p->h, fa_bwd_queries_task, &job);
+    if (st == FA_STATUS_OK && log.on) {
+        char plan[64];
+        if (fused)
+            snprintf(plan, sizeof plan, "fused, %lld stripes of %lld-key chunks",
+                     (long long)stripes, (long long)chunk);
+        else
+            snprintf(plan, sizeof plan, "two passes, %lld-key chunks", (long long)chunk);
+        fa_cpu_log_end(&log, p, "backward", plan);
+    }
 
 done:
     free(job.dsum);

@@ -7,12 +7,14 @@
  */
 #include <math.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "api/fa_internal.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
+#include "cpu/fa_cpu_log.h"
 #include "util/fa_memory.h"
 #include "util/fa_threadpool.h"
 
@@ -280,7 +282,8 @@ static void fa_cpu_forward_owned(void *ctx, int64_t w, int thread)
 }
 
 /* Passes over per_pass kv heads at a time: pack their K/V, then compute their tiles. */
-static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int threads, int64_t per_pass)
+static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int threads, int64_t per_pass,
+                                     fa_cpu_log *log)
 {
     const fa_params *p = job->p;
     const int64_t group = p->h / p->hk, n_blocks = job->blocks[p->b];
@@ -291,13 +294,14 @@ static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int threads, int64_t per_p
         job->h0 = g0 * group;
         job->nh = nkv * group;
         if (n_pack > 0)
-            st = fa_parallel_for(threads < n_pack ? threads : (int)n_pack, n_pack,
-                                 fa_cpu_pack_task, job);
+            st = fa_cpu_log_phase(log, "pack", threads < n_pack ? threads : (int)n_pack, n_pack,
+                                  fa_cpu_pack_task, job);
         job->workers = threads < n_items ? threads : (int)n_items;
         for (int64_t i = 0; i < job->nh; i++)
             atomic_init(&job->next[i], 0);
         if (st == FA_STATUS_OK)
-            st = fa_parallel_for(job->workers, job->workers, fa_cpu_forward_owned, job);
+            st = fa_cpu_log_phase(log, "tiles by owner", job->workers, job->workers,
+                                  fa_cpu_forward_owned, job);
     }
     return st;
 }
@@ -378,14 +382,22 @@ fa_status fa_cpu_forward(const fa_params *p)
     if (st == FA_STATUS_OK && !(job.scratch = fa_memory_take(scratch_bytes + kv_bytes)))
         st = fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for %zu bytes of workspace",
                           scratch_bytes + kv_bytes);
+    fa_cpu_log log;
+    fa_cpu_log_begin(&log);
     if (st == FA_STATUS_OK) {
         job.kv = (uint16_t *)(job.scratch + scratch_bytes);
 #if defined(FA_CPU_HAS_BF16)
         if (job.bf16)
-            st = fa_cpu_forward_bf16(&job, threads, per_pass);
+            st = fa_cpu_forward_bf16(&job, threads, per_pass, &log);
         else
 #endif
-            st = fa_parallel_for(threads, n_items, fa_cpu_forward_task, &job);
+            st = fa_cpu_log_phase(&log, "tiles", threads, n_items, fa_cpu_forward_task, &job);
+    }
+    if (st == FA_STATUS_OK && log.on) {
+        char plan[96];
+        snprintf(plan, sizeof plan, "%lld-row tiles%s", (long long)bm,
+                 job.bf16 ? ", bf16 products, K/V packed" : "");
+        fa_cpu_log_end(&log, p, "forward", plan);
     }
     fa_memory_give(job.scratch);
     free(job.blocks);
