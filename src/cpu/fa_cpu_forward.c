@@ -296,12 +296,13 @@ static fa_status fa_cpu_forward_bf16(fa_cpu_job *job, int threads, int64_t per_p
         if (n_pack > 0)
             st = fa_cpu_log_phase(log, "pack", threads < n_pack ? threads : (int)n_pack, n_pack,
                                   fa_cpu_pack_task, job);
+        if (st != FA_STATUS_OK)
+            break;
         job->workers = threads < n_items ? threads : (int)n_items;
         for (int64_t i = 0; i < job->nh; i++)
             atomic_init(&job->next[i], 0);
-        if (st == FA_STATUS_OK)
-            st = fa_cpu_log_phase(log, "tiles by owner", job->workers, job->workers,
-                                  fa_cpu_forward_owned, job);
+        st = fa_cpu_log_phase(log, "tiles by owner", job->workers, job->workers,
+                              fa_cpu_forward_owned, job);
     }
     return st;
 }

@@ -299,9 +299,12 @@ static void report_build(void)
 {
     const fa_cpu_bf16_kernel *bf16 = fa_cpu_bf16_kernel_get();
     const long l2 = fa_cpu_info_get()->l2_share_bytes;
-    char cache[48] = "L2 unknown (tiles sized for 2048 KB)";
+    char cache[48];
     if (l2 > 0)
         snprintf(cache, sizeof cache, "L2 %ld KB a thread", l2 >> 10);
+    else
+        snprintf(cache, sizeof cache, "L2 unknown (tiles sized for %ld KB)",
+                 FA_CPU_L2_SHARE_DEFAULT >> 10);
     snprintf(g_report, sizeof g_report, "%s; kernels: fp32 %s, bf16 %s; %s", g_description,
              fa_cpu_gemm_name(), bf16 ? bf16->name : "as fp32", cache);
 }
