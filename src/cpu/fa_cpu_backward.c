@@ -413,7 +413,7 @@ fa_status fa_cpu_backward(const fa_params *p)
                                   &job);
     }
     if (st == FA_STATUS_OK && log.on) {
-        char plan[64];
+        char plan[96];
         if (fused)
             snprintf(plan, sizeof plan, "fused, %lld stripes of %lld-key chunks",
                      (long long)stripes, (long long)chunk);
