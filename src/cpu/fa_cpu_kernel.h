@@ -12,10 +12,12 @@
 
 #define FA_CPU_BM 64 /* query rows per tile (backward) */
 #define FA_CPU_BWD_FUSED_ITEMS 32 /* work items from which the backward runs fused */
-/* Items the fused backward's stripes aim for: on the H200 host's 16 threads, 64 items ran the
- * fp32 backward 6-29% faster than 32 in 12 of 16 alternated runs, even in the others (a slow
- * core holds up one wave of two, one of four with 64); bf16 even (bench/NOTES.md). */
-#define FA_CPU_BWD_STRIPE_ITEMS 64
+/* Items the fused backward's stripes aim for: on the H200 host's 16 threads, a slow core holds
+ * up the last wave of equal items. 128 items (8 a thread) kept the threads busy 93% of the fused
+ * phase against 88% for 64, for the same sum of item times: fp32 d128 -7 to -10% (faster in 11
+ * of 14 alternated runs), causal -7%, d64 -3%, bf16 even; summing the dQ copies costs 1.5 ms
+ * more (bench/NOTES.md). */
+#define FA_CPU_BWD_STRIPE_ITEMS 128
 /* Bound of the fused backward's dQ copies when it stripes key chunks (fa_cpu_backward.c). */
 #define FA_CPU_BWD_STRIPE_BYTES ((size_t)256 << 20)
 /* Keys per backward key-pass item (fewer on a small L2: fa_bwd_chunk_keys). Query tiles are
