@@ -1,13 +1,18 @@
 /*
- * CPU backward. Three parallel phases over the thread pool:
+ * CPU backward, in parallel phases over the thread pool:
  *   1. D = rowsum(dout * out) per (row, head) into a workspace of b*sq*h reals, and dsinks;
- *   2. the key pass (dK, dV), one item per (sequence, kv head, key block);
- *   3. the query pass (dQ), one item per (sequence, head, query tile).
- * Every output element is written by exactly one item in a fixed order, so the result is the
- * same bits for any thread count; parallelism comes from key blocks and query tiles, not only
- * from batch x heads. Memory beyond the workspace is O(tile) per thread.
+ *   2. fused (enough (sequence, kv head) pairs, fa_bwd_stripes): one item per pair and stripe of
+ *      its key chunks computes dK, dV and the stripe's share of dQ in a copy of its own (the
+ *      last stripes as two items of half the query rows, below FA_CPU_BWD_HALVES_BELOW items);
+ *      then the copies are summed in stripe order;
+ *   2'. otherwise two passes: the key pass (dK, dV) per (sequence, kv head, key chunk), then the
+ *      query pass (dQ) per (sequence, head, query tile).
+ * Every output element is summed in a fixed order whatever thread computes it, so the result is
+ * the same bits for any thread count; parallelism comes from key chunks and query tiles, not
+ * only from batch x heads.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,6 +61,37 @@ static inline void fa_bwd_row_range(const fa_params *p, const fa_seq *seq, int64
     *hi = h > l ? h : l;
 }
 
+/* The split row of a fused item's halves falls on a multiple of this from the first row it
+ * covers: whole query tiles of both the fp32 (64 rows) and the bf16 (128 rows) kernels. */
+#define FA_BWD_HALF_ROWS 128
+
+/*
+ * One half of a fused item split by query rows (the last stripe of each (sequence, kv head), so
+ * that the items the threads finish on are half as long): rows [r_lo, r_hi) of the sequence.
+ * The halves write disjoint rows of dQ, and meet on each of the stripe's key chunks to add up
+ * dK and dV (fa_bwd_half_meet).
+ */
+typedef struct fa_bwd_half {
+    int64_t r_lo, r_hi;
+    int part;           /* 0: the rows before the split, 1: the rows from it */
+    int64_t chunk_keys; /* rows of a slot's dK (and of its dV) */
+    void *kv_ws;        /* reals [stripe's chunks][2 halves][chunk_keys][pad(d) + pad(dv)] */
+    atomic_int *done;   /* [stripe's chunks]: halves that have put their sums in their slot */
+} fa_bwd_half;
+
+/* Narrows query rows [*lo, *hi) to a half's (half NULL: unchanged). */
+static inline void fa_bwd_half_rows(const fa_bwd_half *half, int64_t *lo, int64_t *hi)
+{
+    if (!half)
+        return;
+    if (*lo < half->r_lo)
+        *lo = half->r_lo;
+    if (*hi > half->r_hi)
+        *hi = half->r_hi;
+    if (*hi < *lo)
+        *hi = *lo;
+}
+
 #define FA_REAL float
 #define FA_FN(name) name##_f32
 #define FA_NATIVE FA_DTYPE_F32
@@ -100,6 +136,9 @@ typedef struct fa_bwd_job {
     void *dq_ws;           /* fused schedule: reals [stripes][total_q][h][pad(d)] */
     int64_t stripes;       /* fused schedule: key-chunk stripes per (sequence, kv head) */
     int64_t chunk;         /* fused schedule: keys per chunk */
+    int64_t last_chunks;   /* fused schedule: key chunks of the last stripe (split in halves) */
+    void *half_ws;         /* reals [b * hk][last_chunks][2][chunk][pad(d) + pad(dv)] */
+    atomic_int *half_done; /* [b * hk][last_chunks] */
     double *dsink_partial; /* [b][h] */
     fa_bwd_chunk *chunks;
     const fa_cpu_bf16_kernel *bf16; /* bf16 inputs on bf16 products; NULL: the fp32 path */
@@ -169,26 +208,76 @@ static void fa_bwd_keys_task(void *ctx, int64_t item, int thread)
     if (p->dtype == FA_DTYPE_F64) {
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
-        fa_bwd_keys_f64(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len);
+        fa_bwd_keys_f64(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len, NULL, 0);
 #if defined(FA_CPU_HAS_BF16)
     } else if (job->bf16) {
         fa_bwd_tile_bf16 t;
         fa_bwd_bf16_carve(p, base, &t);
-        fa_bwd_keys_bf16(p, job->bf16, &t, job->dsum, NULL, c->seq, hk, c->start, c->len);
+        fa_bwd_keys_bf16(p, job->bf16, &t, job->dsum, NULL, c->seq, hk, c->start, c->len,
+                         NULL, 0);
 #endif
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
-        fa_bwd_keys_f32(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len);
+        fa_bwd_keys_f32(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len, NULL, 0);
     }
 }
 
+/* Row where the last stripe of a sequence's kv head splits in halves: the middle of the rows
+ * its chunks see, on a multiple of FA_BWD_HALF_ROWS from the first (whole tiles of either path). */
+static int64_t fa_bwd_half_split(const fa_params *p, const fa_bwd_job *job, int64_t seq_index)
+{
+    const fa_seq seq = fa_params_seq(p, seq_index);
+    const int64_t klen = fa_bwd_key_count(p, seq_index), step = job->stripes * job->chunk;
+    int64_t lo = seq.sq, hi = 0;
+    for (int64_t j0 = (job->stripes - 1) * job->chunk; j0 < klen; j0 += step) {
+        int64_t a, b;
+        fa_bwd_row_range(p, &seq, j0, j0 + job->chunk < klen ? j0 + job->chunk : klen, &a, &b);
+        if (a < b) {
+            lo = a < lo ? a : lo;
+            hi = b > hi ? b : hi;
+        }
+    }
+    if (hi <= lo)
+        return seq.sq;
+    const int64_t tiles = (hi - lo + FA_BWD_HALF_ROWS - 1) / FA_BWD_HALF_ROWS;
+    const int64_t split = lo + (tiles + 1) / 2 * FA_BWD_HALF_ROWS;
+    return split < seq.sq ? split : seq.sq;
+}
+
+/*
+ * Items: every (sequence, kv head)'s stripes, in that order; with job->half_ws, all but the last,
+ * then the last stripes in halves, so that the items the threads finish on are half as long
+ * (pairs x (stripes + 1) items).
+ */
 static void fa_bwd_fused_task(void *ctx, int64_t item, int thread)
 {
     const fa_bwd_job *job = ctx;
     const fa_params *p = job->p;
-    const int64_t stripes = job->stripes, stripe = item % stripes, pair = item / stripes;
-    const int64_t chunk = job->chunk;
+    const int64_t stripes = job->stripes, chunk = job->chunk;
+    const int64_t halved = job->half_ws != NULL, whole = p->b * p->hk * (stripes - halved);
+    int64_t pair, stripe;
+    fa_bwd_half half_store, *half = NULL;
+    if (item < whole) {
+        pair = item / (stripes - halved);
+        stripe = item % (stripes - halved);
+    } else {
+        pair = (item - whole) / 2;
+        stripe = stripes - 1;
+        const int part = (int)((item - whole) % 2);
+        const int64_t seq_index = pair / p->hk;
+        const int64_t split = fa_bwd_half_split(p, job, seq_index);
+        const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
+        const size_t slots = (size_t)(pair * job->last_chunks * 2 * chunk) *
+                             (size_t)(fa_cpu_gemm_pad(p->d) + fa_cpu_gemm_pad(p->dv));
+        half_store = (fa_bwd_half){.r_lo = part ? split : 0,
+                                   .r_hi = part ? fa_params_seq(p, seq_index).sq : split,
+                                   .part = part,
+                                   .chunk_keys = chunk,
+                                   .kv_ws = (char *)job->half_ws + slots * real_size,
+                                   .done = job->half_done + pair * job->last_chunks};
+        half = &half_store;
+    }
     const int64_t bi = pair / p->hk, hk = pair % p->hk;
     const size_t slot = (size_t)(stripe * p->total_q * p->h * fa_cpu_gemm_pad(p->d));
     char *base = job->scratch + (size_t)thread * job->scratch_size;
@@ -196,19 +285,19 @@ static void fa_bwd_fused_task(void *ctx, int64_t item, int thread)
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
         fa_bwd_fused_f64(p, &t, job->dsum, (double *)job->dq_ws + slot, bi, hk, stripe, stripes,
-                         chunk);
+                         chunk, half);
 #if defined(FA_CPU_HAS_BF16)
     } else if (job->bf16) {
         fa_bwd_tile_bf16 t;
         fa_bwd_bf16_carve(p, base, &t);
         fa_bwd_fused_bf16(p, job->bf16, &t, job->dsum, (float *)job->dq_ws + slot, bi, hk, stripe,
-                          stripes, chunk);
+                          stripes, chunk, half);
 #endif
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
         fa_bwd_fused_f32(p, &t, job->dsum, (float *)job->dq_ws + slot, bi, hk, stripe, stripes,
-                         chunk);
+                         chunk, half);
     }
 }
 
@@ -217,11 +306,12 @@ static void fa_bwd_dq_reduce_task(void *ctx, int64_t item, int thread)
     const fa_bwd_job *job = ctx;
     const fa_params *p = job->p;
     char *base = job->scratch + (size_t)thread * job->scratch_size;
+    const int64_t seq_index = item / p->h, sq = fa_params_seq(p, seq_index).sq;
     if (p->dtype == FA_DTYPE_F64)
-        fa_bwd_dq_reduce_f64(p, job->dq_ws, job->stripes, item / p->h, item % p->h,
+        fa_bwd_dq_reduce_f64(p, job->dq_ws, job->stripes, seq_index, item % p->h, 0, sq,
                              (double *)base);
     else
-        fa_bwd_dq_reduce_f32(p, job->dq_ws, job->stripes, item / p->h, item % p->h,
+        fa_bwd_dq_reduce_f32(p, job->dq_ws, job->stripes, seq_index, item % p->h, 0, sq,
                              (float *)base);
 }
 
@@ -375,11 +465,30 @@ fa_status fa_cpu_backward(const fa_params *p)
     job.dsink_partial = malloc((size_t)(p->b * p->h) * sizeof(double));
     job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);
     job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
-    if (fused)
-        job.dq_ws = fa_memory_take(
-            (size_t)(stripes * p->total_q * p->h * fa_cpu_gemm_pad(p->d) + 1) * real_size);
+    /* The dQ copies, then the split items' dK / dV slots, in the one kept workspace. */
+    const int64_t pairs = p->b * p->hk;
+    size_t half_bytes = 0;
+    if (fused) {
+        const size_t dq_bytes =
+            ((size_t)(stripes * p->total_q * p->h * fa_cpu_gemm_pad(p->d)) * real_size + 63) &
+            ~(size_t)63;
+        const int64_t first = (stripes - 1) * chunk, step = stripes * chunk;
+        job.last_chunks = (p->max_sk - first + step - 1) / step;
+        const double bytes =
+            (double)(pairs * job.last_chunks * 2 * chunk) *
+            (double)(fa_cpu_gemm_pad(p->d) + fa_cpu_gemm_pad(p->dv)) * (double)real_size;
+        if (pairs * stripes < FA_CPU_BWD_HALVES_BELOW &&
+            bytes <= (double)FA_CPU_BWD_STRIPE_BYTES)
+            half_bytes = (size_t)bytes;
+        job.dq_ws = fa_memory_take(dq_bytes + half_bytes + real_size);
+        if (job.dq_ws && half_bytes) {
+            job.half_ws = (char *)job.dq_ws + dq_bytes;
+            job.half_done = calloc((size_t)(pairs * job.last_chunks), sizeof *job.half_done);
+        }
+    }
     fa_status st = FA_STATUS_OK;
-    if (!job.dsum || !job.dsink_partial || !job.chunks || !job.scratch || (fused && !job.dq_ws)) {
+    if (!job.dsum || !job.dsink_partial || !job.chunks || !job.scratch || (fused && !job.dq_ws) ||
+        (half_bytes && !job.half_done)) {
         st = fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for the backward workspace");
         goto done;
     }
@@ -399,8 +508,8 @@ fa_status fa_cpu_backward(const fa_params *p)
     }
 
     if (fused) {
-        st = fa_cpu_log_phase(&log, "fused", threads, p->b * p->hk * stripes,
-                              fa_bwd_fused_task, &job);
+        st = fa_cpu_log_phase(&log, "fused", threads,
+                              pairs * (stripes + (job.half_ws != NULL)), fa_bwd_fused_task, &job);
         if (st == FA_STATUS_OK && stripes > 1)
             st = fa_cpu_log_phase(&log, "dq sum", threads, p->b * p->h, fa_bwd_dq_reduce_task,
                                   &job);
@@ -415,8 +524,9 @@ fa_status fa_cpu_backward(const fa_params *p)
     if (st == FA_STATUS_OK && log.on) {
         char plan[96];
         if (fused)
-            snprintf(plan, sizeof plan, "fused, %lld stripes of %lld-key chunks",
-                     (long long)stripes, (long long)chunk);
+            snprintf(plan, sizeof plan, "fused, %lld stripes of %lld-key chunks%s",
+                     (long long)stripes, (long long)chunk,
+                     job.half_ws ? ", the last in halves" : "");
         else
             snprintf(plan, sizeof plan, "two passes, %lld-key chunks", (long long)chunk);
         fa_cpu_log_end(&log, p, "backward", plan);
@@ -425,6 +535,7 @@ fa_status fa_cpu_backward(const fa_params *p)
 done:
     free(job.dsum);
     fa_memory_give(job.dq_ws);
+    free(job.half_done);
     free(job.dsink_partial);
     free(job.chunks);
     free(job.scratch);

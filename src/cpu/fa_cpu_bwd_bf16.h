@@ -229,7 +229,8 @@ FA_CPU_AVX512 static void fa_bwd_bf16_block(const fa_params *p, const fa_cpu_bf1
 FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern,
                                            fa_bwd_tile_bf16 *t, const float *dsum_ws,
                                            float *dq_ws, int64_t seq_index, int64_t hk,
-                                           int64_t j0, int64_t n)
+                                           int64_t j0, int64_t n, const fa_bwd_half *half,
+                                           int64_t ci)
 {
     fa_bwd_tile_f32 *f = &t->f;
     const fa_seq seq = fa_params_seq(p, seq_index);
@@ -242,6 +243,7 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
 
     int64_t i_lo, i_hi;
     fa_bwd_row_range(p, &seq, j0, j0 + n, &i_lo, &i_hi);
+    fa_bwd_half_rows(half, &i_lo, &i_hi);
     if (i_lo < i_hi) {
         kern->begin();
         fa_bwd_bf16_load_kv(p, t, seq_index, &seq, hk, j0, n, dq_ws != NULL);
@@ -274,6 +276,8 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
         kern->end();
     }
 
+    if (half && !fa_bwd_half_meet_f32(p, half, ci, n, f->acc_k, f->acc_v))
+        return;
     fa_bwd_store_kv_f32(p, seq_index, &seq, hk, j0, n, f->acc_k, f->acc_v);
 }
 
@@ -281,17 +285,19 @@ FA_CPU_AVX512 static void fa_bwd_keys_bf16(const fa_params *p, const fa_cpu_bf16
 static void fa_bwd_fused_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern,
                               fa_bwd_tile_bf16 *t, const float *dsum_ws, float *dq_slot,
                               int64_t seq_index, int64_t hk, int64_t stripe, int64_t stripes,
-                              int64_t chunk)
+                              int64_t chunk, const fa_bwd_half *half)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
-    fa_bwd_dq_ws_zero_f32(p, dq_slot, seq_index, &seq, hk);
+    const int64_t r_lo = half ? half->r_lo : 0, r_hi = half ? half->r_hi : seq.sq;
+    fa_bwd_dq_ws_zero_f32(p, dq_slot, seq_index, &seq, hk, r_lo, r_hi);
     const int64_t klen = fa_bwd_key_count(p, seq_index);
-    for (int64_t j0 = stripe * chunk; j0 < klen; j0 += stripes * chunk)
+    int64_t ci = 0;
+    for (int64_t j0 = stripe * chunk; j0 < klen; j0 += stripes * chunk, ci++)
         fa_bwd_keys_bf16(p, kern, t, dsum_ws, dq_slot, seq_index, hk, j0,
-                         klen - j0 < chunk ? klen - j0 : chunk);
+                         klen - j0 < chunk ? klen - j0 : chunk, half, ci);
     const int64_t group = p->h / p->hk;
     for (int64_t h = hk * group; stripes == 1 && h < (hk + 1) * group; h++)
-        fa_bwd_dq_reduce_f32(p, dq_slot, 1, seq_index, h, t->f.acc_q);
+        fa_bwd_dq_reduce_f32(p, dq_slot, 1, seq_index, h, r_lo, r_hi, t->f.acc_q);
 }
 
 /* Query pass item (fa_bwd_queries_f32's, on bf16 products). */

@@ -323,6 +323,30 @@ static void FA_FN(fa_bwd_store_kv)(const fa_params *p, int64_t seq_index, const 
 }
 
 /*
+ * Where the two halves of a split fused item meet on key chunk ci of their stripe: each puts its
+ * dK and dV sums (n rows of acc_k, acc_v) in its own slot, and the second to finish adds the
+ * other's into its accumulators and returns 1 to store them. a + b and b + a are the same bits,
+ * so the result does not depend on which half finishes first.
+ */
+static int FA_FN(fa_bwd_half_meet)(const fa_params *p, const fa_bwd_half *half, int64_t ci,
+                                   int64_t n, FA_REAL *acc_k, FA_REAL *acc_v)
+{
+    const int64_t dp = fa_cpu_gemm_pad(p->d), dvp = fa_cpu_gemm_pad(p->dv);
+    const int64_t slot = half->chunk_keys * (dp + dvp);
+    FA_REAL *mine = (FA_REAL *)half->kv_ws + (ci * 2 + half->part) * slot;
+    const FA_REAL *other = (const FA_REAL *)half->kv_ws + (ci * 2 + 1 - half->part) * slot;
+    memcpy(mine, acc_k, (size_t)(n * dp) * sizeof(FA_REAL));
+    memcpy(mine + n * dp, acc_v, (size_t)(n * dvp) * sizeof(FA_REAL));
+    if (atomic_fetch_add_explicit(&half->done[ci], 1, memory_order_acq_rel) == 0)
+        return 0;
+    for (int64_t x = 0; x < n * dp; x++)
+        acc_k[x] += other[x];
+    for (int64_t x = 0; x < n * dvp; x++)
+        acc_v[x] += other[n * dp + x];
+    return 1;
+}
+
+/*
  * Key pass item: dK, dV of keys [j0, j0+n) (n <= FA_CPU_BWD_NK) of kv head hk in sequence
  * seq_index. Each query tile is packed once and used for every FA_CPU_BN block of the item's keys
  * that it sees, which is why the item is several blocks long. With dq_ws (the fused schedule, one
@@ -332,7 +356,7 @@ static void FA_FN(fa_bwd_store_kv)(const fa_params *p, int64_t seq_index, const 
 FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                              const FA_REAL *dsum_ws, FA_REAL *dq_ws,
                                              int64_t seq_index, int64_t hk, int64_t j0,
-                                             int64_t n)
+                                             int64_t n, const fa_bwd_half *half, int64_t ci)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
     const int64_t dp = fa_cpu_gemm_pad(p->d), dvp = fa_cpu_gemm_pad(p->dv);
@@ -348,6 +372,7 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
 
     int64_t i_lo, i_hi;
     fa_bwd_row_range(p, &seq, j0, j0 + n, &i_lo, &i_hi);
+    fa_bwd_half_rows(half, &i_lo, &i_hi);
     if (i_lo < i_hi) {
         const FA_FN(fa_bwd_kv) kv = FA_FN(fa_bwd_load_kv)(p, t, k_base, v_base, j0, n);
         for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
@@ -374,34 +399,39 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
         }
     }
 
+    if (half && !FA_FN(fa_bwd_half_meet)(p, half, ci, n, t->acc_k, t->acc_v))
+        return;
     FA_FN(fa_bwd_store_kv)(p, seq_index, &seq, hk, j0, n, t->acc_k, t->acc_v);
 }
 
-/* Zeroes a dQ workspace slot's rows of every query head of kv head hk in a sequence. */
+/* Zeroes a dQ workspace slot's rows [r_lo, r_hi) of every query head of kv head hk in a
+ * sequence. */
 static void FA_FN(fa_bwd_dq_ws_zero)(const fa_params *p, FA_REAL *dq_ws, int64_t seq_index,
-                                     const fa_seq *seq, int64_t hk)
+                                     const fa_seq *seq, int64_t hk, int64_t r_lo, int64_t r_hi)
 {
     const int64_t dp = fa_cpu_gemm_pad(p->d), group = p->h / p->hk;
     const int64_t row0 = fa_bwd_token(p, seq_index, seq, 0);
-    for (int64_t r = 0; r < seq->sq; r++)
+    for (int64_t r = r_lo; r < r_hi; r++)
         for (int64_t h = hk * group; h < (hk + 1) * group; h++)
             for (int64_t c = 0; c < dp; c++)
                 dq_ws[((row0 + r) * p->h + h) * dp + c] = 0;
 }
 
 /*
- * dQ of head h in sequence seq_index from the fused schedule's workspace: the stripes' partial
- * sums ([stripes][total_q][h][dp]) added in stripe order, then stored. row: dp reals of scratch.
+ * dQ of rows [r_lo, r_hi) of head h in sequence seq_index from the fused schedule's workspace:
+ * the stripes' partial sums ([stripes][total_q][h][dp]) added in stripe order, then stored.
+ * row: dp reals of scratch.
  */
 static void FA_FN(fa_bwd_dq_reduce)(const fa_params *p, const FA_REAL *dq_ws, int64_t stripes,
-                                    int64_t seq_index, int64_t h, FA_REAL *row)
+                                    int64_t seq_index, int64_t h, int64_t r_lo, int64_t r_hi,
+                                    FA_REAL *row)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
     const int64_t dp = fa_cpu_gemm_pad(p->d), slot = p->total_q * p->h * dp;
     const int64_t row0 = fa_bwd_token(p, seq_index, &seq, 0);
     const int64_t dq_base =
         seq_index * p->dq_bstride + seq.q_start * p->dq_rstride + h * p->dq_hstride;
-    for (int64_t r = 0; r < seq.sq; r++) {
+    for (int64_t r = r_lo; r < r_hi; r++) {
         const FA_REAL *x = dq_ws + ((row0 + r) * p->h + h) * dp;
         for (int64_t c = 0; c < dp; c++)
             row[c] = x[c];
@@ -419,21 +449,25 @@ static void FA_FN(fa_bwd_dq_reduce)(const fa_params *p, const FA_REAL *dq_ws, in
  * workspace (zeroed here; fa_bwd_dq_reduce adds the slots up afterwards, or stores dQ here, while
  * the rows are still in this core's caches, when there is one stripe). Used when there are
  * enough (sequence, kv head, stripe) items to keep the threads busy: five products per (query
- * tile, key block) instead of the two passes' seven.
+ * tile, key block) instead of the two passes' seven. half: the item covers only its query rows,
+ * and meets the other half on each chunk's dK and dV (NULL: every row).
  */
 static void FA_FN(fa_bwd_fused)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                 const FA_REAL *dsum_ws, FA_REAL *dq_slot, int64_t seq_index,
-                                int64_t hk, int64_t stripe, int64_t stripes, int64_t chunk)
+                                int64_t hk, int64_t stripe, int64_t stripes, int64_t chunk,
+                                const fa_bwd_half *half)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
-    FA_FN(fa_bwd_dq_ws_zero)(p, dq_slot, seq_index, &seq, hk);
+    const int64_t r_lo = half ? half->r_lo : 0, r_hi = half ? half->r_hi : seq.sq;
+    FA_FN(fa_bwd_dq_ws_zero)(p, dq_slot, seq_index, &seq, hk, r_lo, r_hi);
     const int64_t klen = fa_bwd_key_count(p, seq_index);
-    for (int64_t j0 = stripe * chunk; j0 < klen; j0 += stripes * chunk)
+    int64_t ci = 0;
+    for (int64_t j0 = stripe * chunk; j0 < klen; j0 += stripes * chunk, ci++)
         FA_FN(fa_bwd_keys)(p, t, dsum_ws, dq_slot, seq_index, hk, j0,
-                           klen - j0 < chunk ? klen - j0 : chunk);
+                           klen - j0 < chunk ? klen - j0 : chunk, half, ci);
     const int64_t group = p->h / p->hk;
     for (int64_t h = hk * group; stripes == 1 && h < (hk + 1) * group; h++)
-        FA_FN(fa_bwd_dq_reduce)(p, dq_slot, 1, seq_index, h, t->acc_q);
+        FA_FN(fa_bwd_dq_reduce)(p, dq_slot, 1, seq_index, h, r_lo, r_hi, t->acc_q);
 }
 
 /* Query pass item: dQ of rows [r0, r0+m) of head h in sequence seq_index. */

@@ -18,6 +18,11 @@
  * of 14 alternated runs), causal -7%, d64 -3%, bf16 even; summing the dQ copies costs 1.5 ms
  * more (bench/NOTES.md). */
 #define FA_CPU_BWD_STRIPE_ITEMS 128
+/* Below this many items, the last stripe of each (sequence, kv head) runs as two items of half
+ * its query rows, queued last, so that the threads finish on items half as long. On the host it
+ * lifted the fused phase's busy share from 92% to 95-97% (fp32 d128 -5%, faster in 7 of 10
+ * alternated runs; causal, d64 and bf16 even); at 16 items a thread the last wave costs ~3%. */
+#define FA_CPU_BWD_HALVES_BELOW (2 * FA_CPU_BWD_STRIPE_ITEMS)
 /* Bound of the fused backward's dQ copies when it stripes key chunks (fa_cpu_backward.c). */
 #define FA_CPU_BWD_STRIPE_BYTES ((size_t)256 << 20)
 /* Keys per backward key-pass item (fewer on a small L2: fa_bwd_chunk_keys). Query tiles are

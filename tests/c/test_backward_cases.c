@@ -284,10 +284,11 @@ void tb_run_directed(tu_rng *rng)
     c.sk = 800;
     c.causal = 1;
     tb_run_case(&c, "fused in stripes of 256-key chunks", rng);
-    /* 32 pairs and 1100 keys: two stripes over three 512-key chunks (stripe 0 takes two) */
+    /* 64 pairs and 1100 keys: two stripes over three 512-key chunks (stripe 0 takes two, the
+     * last runs in query halves that meet on one chunk) */
     for (int di = 0; di < 4; di++) {
         tb_base_case(&c, k_dtypes[di], rng);
-        c.b = 1;
+        c.b = 2;
         c.h = c.hk = 32;
         c.sq = 40 + 9 * di;
         c.sk = 1100 - 30 * di;
@@ -305,11 +306,12 @@ void tb_run_directed(tu_rng *rng)
     c.causal = tu_rng_int(rng, 0, 1);
     tb_run_case(&c, "fused in stripes, varlen", rng);
     /* A 160 KB share of L2 cuts the key chunks to 128 keys (fa_bwd_chunk_keys): 16 pairs take
-     * the fused schedule's stripes of 128-key chunks, 64 pairs one stripe of them */
+     * the fused schedule's stripes of 128-key chunks, 128 pairs one stripe of them (in query
+     * halves: fewer than FA_CPU_BWD_HALVES_BELOW items) */
     fa_cpu_set_l2_share(160 << 10);
     for (int di = 0; di < 4; di++) {
         tb_base_case(&c, k_dtypes[di], rng);
-        c.b = 1 + di % 2;
+        c.b = di % 2 ? 4 : 1;
         c.h = c.hk = di % 2 ? 32 : 16;
         c.sq = 60 + 11 * di;
         c.sk = 300 + 45 * di;
@@ -318,6 +320,17 @@ void tb_run_directed(tu_rng *rng)
         tb_run_case(&c, "128-key chunks of a 160 KB L2", rng);
     }
     fa_cpu_set_l2_share(0);
+    /* 256 pairs: one stripe, whole items (FA_CPU_BWD_HALVES_BELOW items or more) */
+    for (int di = 0; di < 2; di++) {
+        tb_base_case(&c, k_dtypes[tu_rng_int(rng, 0, 3)], rng);
+        c.b = 8;
+        c.h = 32 * (1 + di);
+        c.hk = 32;
+        c.sq = 20 + 13 * di;
+        c.sk = 40 + 7 * di;
+        c.causal = di;
+        tb_run_case(&c, "fused, one stripe of whole items", rng);
+    }
 }
 
 void tb_run_random(tu_rng *rng, int n)
