@@ -245,6 +245,22 @@ static int64_t fa_bwd_half_split(const fa_params *p, const fa_bwd_job *job, int6
     return split < seq.sq ? split : seq.sq;
 }
 
+/* Half `part` of the last stripe of (sequence, kv head) pair `pair`. */
+static fa_bwd_half fa_bwd_half_make(const fa_bwd_job *job, int64_t pair, int part)
+{
+    const fa_params *p = job->p;
+    const int64_t seq_index = pair / p->hk, split = fa_bwd_half_split(p, job, seq_index);
+    const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
+    const size_t slots = (size_t)(pair * job->last_chunks * 2 * job->chunk) *
+                         (size_t)(fa_cpu_gemm_pad(p->d) + fa_cpu_gemm_pad(p->dv));
+    return (fa_bwd_half){.r_lo = part ? split : 0,
+                         .r_hi = part ? fa_params_seq(p, seq_index).sq : split,
+                         .part = part,
+                         .chunk_keys = job->chunk,
+                         .kv_ws = (char *)job->half_ws + slots * real_size,
+                         .done = job->half_done + pair * job->last_chunks};
+}
+
 /*
  * Items: every (sequence, kv head)'s stripes, in that order; with job->half_ws, all but the last,
  * then the last stripes in halves, so that the items the threads finish on are half as long
@@ -264,18 +280,7 @@ static void fa_bwd_fused_task(void *ctx, int64_t item, int thread)
     } else {
         pair = (item - whole) / 2;
         stripe = stripes - 1;
-        const int part = (int)((item - whole) % 2);
-        const int64_t seq_index = pair / p->hk;
-        const int64_t split = fa_bwd_half_split(p, job, seq_index);
-        const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
-        const size_t slots = (size_t)(pair * job->last_chunks * 2 * chunk) *
-                             (size_t)(fa_cpu_gemm_pad(p->d) + fa_cpu_gemm_pad(p->dv));
-        half_store = (fa_bwd_half){.r_lo = part ? split : 0,
-                                   .r_hi = part ? fa_params_seq(p, seq_index).sq : split,
-                                   .part = part,
-                                   .chunk_keys = chunk,
-                                   .kv_ws = (char *)job->half_ws + slots * real_size,
-                                   .done = job->half_done + pair * job->last_chunks};
+        half_store = fa_bwd_half_make(job, pair, (int)((item - whole) % 2));
         half = &half_store;
     }
     const int64_t bi = pair / p->hk, hk = pair % p->hk;
