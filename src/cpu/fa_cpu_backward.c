@@ -482,8 +482,10 @@ fa_status fa_cpu_backward(const fa_params *p)
         const double bytes =
             (double)(pairs * job.last_chunks * 2 * chunk) *
             (double)(fa_cpu_gemm_pad(p->d) + fa_cpu_gemm_pad(p->dv)) * (double)real_size;
+        /* Halves only where their slots fit in the kept workspace beside the copies: a fresh
+         * buffer each call would cost its page faults (~2.4 ms per 32 MiB on two cores). */
         if (pairs * stripes < FA_CPU_BWD_HALVES_BELOW &&
-            bytes <= (double)FA_CPU_BWD_STRIPE_BYTES)
+            (double)dq_bytes + bytes <= (double)FA_MEMORY_KEEP_MAX)
             half_bytes = (size_t)bytes;
         job.dq_ws = fa_memory_take(dq_bytes + half_bytes + real_size);
         if (job.dq_ws && half_bytes) {

@@ -21,7 +21,9 @@
 /* Below this many items, the last stripe of each (sequence, kv head) runs as two items of half
  * its query rows, queued last, so that the threads finish on items half as long. On the host it
  * lifted the fused phase's busy share from 92% to 95-97% (fp32 d128 -5%, faster in 7 of 10
- * alternated runs; causal, d64 and bf16 even); at 16 items a thread the last wave costs ~3%. */
+ * alternated runs; causal, d64 and bf16 even); at 16 items a thread the last wave costs ~3%.
+ * Their dK/dV slots (2 x the last stripe's chunks) must fit in the kept workspace with the dQ
+ * copies (FA_MEMORY_KEEP_MAX). */
 #define FA_CPU_BWD_HALVES_BELOW (2 * FA_CPU_BWD_STRIPE_ITEMS)
 /* Bound of the fused backward's dQ copies when it stripes key chunks (fa_cpu_backward.c). */
 #define FA_CPU_BWD_STRIPE_BYTES ((size_t)256 << 20)
