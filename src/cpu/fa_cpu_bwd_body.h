@@ -349,9 +349,10 @@ static int FA_FN(fa_bwd_half_meet)(const fa_params *p, const fa_bwd_half *half, 
 /*
  * Key pass item: dK, dV of keys [j0, j0+n) (n <= FA_CPU_BWD_NK) of kv head hk in sequence
  * seq_index. Each query tile is packed once and used for every FA_CPU_BN block of the item's keys
- * that it sees, which is why the item is several blocks long. With dq_ws (the fused schedule, one
- * thread owning the whole (sequence, kv head)) it also adds dS K into the fp32 dQ workspace
- * [total_q][h][dp], so no query pass is needed.
+ * that it sees, which is why the item is several blocks long. With dq_ws (the fused schedule,
+ * one thread owning these keys' stripe of the (sequence, kv head)) it also adds dS K into the dQ
+ * workspace slot [total_q][h][dp], so no query pass is needed. With half, only the half's query
+ * rows, and dK, dV meet the other half's on chunk ci of the stripe before they are stored.
  */
 FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                              const FA_REAL *dsum_ws, FA_REAL *dq_ws,
