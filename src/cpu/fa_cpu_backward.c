@@ -74,8 +74,8 @@ static inline void fa_bwd_row_range(const fa_params *p, const fa_seq *seq, int64
 typedef struct fa_bwd_half {
     int64_t r_lo, r_hi;
     int part;           /* 0: the rows before the split, 1: the rows from it */
-    int64_t chunk_keys; /* rows of a slot's dK (and of its dV) */
-    void *kv_ws;        /* reals [stripe's chunks][2 halves][chunk_keys][pad(d) + pad(dv)] */
+    int64_t slot;       /* reals of a slot: keys per chunk x (pad(d) + pad(dv)) */
+    void *kv_ws;        /* reals [stripe's chunks][2 halves][slot] */
     atomic_int *done;   /* [stripe's chunks]: halves that have put their sums in their slot */
 } fa_bwd_half;
 
@@ -136,8 +136,10 @@ typedef struct fa_bwd_job {
     void *dq_ws;           /* fused schedule: reals [stripes][total_q][h][pad(d)] */
     int64_t stripes;       /* fused schedule: key-chunk stripes per (sequence, kv head) */
     int64_t chunk;         /* fused schedule: keys per chunk */
+    size_t real_size;      /* bytes of the accumulators' type */
     int64_t last_chunks;   /* fused schedule: key chunks of the last stripe (split in halves) */
-    void *half_ws;         /* reals [b * hk][last_chunks][2][chunk][pad(d) + pad(dv)] */
+    int64_t half_slot;     /* reals of one half's dK/dV slot: chunk x (pad(d) + pad(dv)) */
+    void *half_ws;         /* reals [b * hk][last_chunks][2][half_slot] */
     atomic_int *half_done; /* [b * hk][last_chunks] */
     double *dsink_partial; /* [b][h] */
     fa_bwd_chunk *chunks;
@@ -250,14 +252,12 @@ static fa_bwd_half fa_bwd_half_make(const fa_bwd_job *job, int64_t pair, int par
 {
     const fa_params *p = job->p;
     const int64_t seq_index = pair / p->hk, split = fa_bwd_half_split(p, job, seq_index);
-    const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
-    const size_t slots = (size_t)(pair * job->last_chunks * 2 * job->chunk) *
-                         (size_t)(fa_cpu_gemm_pad(p->d) + fa_cpu_gemm_pad(p->dv));
+    const size_t offset = (size_t)(pair * job->last_chunks * 2 * job->half_slot) * job->real_size;
     return (fa_bwd_half){.r_lo = part ? split : 0,
                          .r_hi = part ? fa_params_seq(p, seq_index).sq : split,
                          .part = part,
-                         .chunk_keys = job->chunk,
-                         .kv_ws = (char *)job->half_ws + slots * real_size,
+                         .slot = job->half_slot,
+                         .kv_ws = (char *)job->half_ws + offset,
                          .done = job->half_done + pair * job->last_chunks};
 }
 
@@ -459,6 +459,7 @@ fa_status fa_cpu_backward(const fa_params *p)
 
     const int fused = stripes > 0;
     fa_bwd_job job = {.p = p,
+                      .real_size = real_size,
                       .stripes = stripes,
                       .chunk = chunk,
                       .scratch_size = fa_bwd_scratch_size(p, real_size)};
@@ -479,9 +480,9 @@ fa_status fa_cpu_backward(const fa_params *p)
             ~(size_t)63;
         const int64_t first = (stripes - 1) * chunk, step = stripes * chunk;
         job.last_chunks = (p->max_sk - first + step - 1) / step;
+        job.half_slot = chunk * (fa_cpu_gemm_pad(p->d) + fa_cpu_gemm_pad(p->dv));
         const double bytes =
-            (double)(pairs * job.last_chunks * 2 * chunk) *
-            (double)(fa_cpu_gemm_pad(p->d) + fa_cpu_gemm_pad(p->dv)) * (double)real_size;
+            (double)(pairs * job.last_chunks * 2 * job.half_slot) * (double)real_size;
         /* Halves only where their slots fit in the kept workspace beside the copies: a fresh
          * buffer each call would cost its page faults (~2.4 ms per 32 MiB on two cores). */
         if (pairs * stripes < FA_CPU_BWD_HALVES_BELOW &&

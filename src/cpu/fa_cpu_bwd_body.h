@@ -332,9 +332,8 @@ static int FA_FN(fa_bwd_half_meet)(const fa_params *p, const fa_bwd_half *half, 
                                    int64_t n, FA_REAL *acc_k, FA_REAL *acc_v)
 {
     const int64_t dp = fa_cpu_gemm_pad(p->d), dvp = fa_cpu_gemm_pad(p->dv);
-    const int64_t slot = half->chunk_keys * (dp + dvp);
-    FA_REAL *mine = (FA_REAL *)half->kv_ws + (ci * 2 + half->part) * slot;
-    const FA_REAL *other = (const FA_REAL *)half->kv_ws + (ci * 2 + 1 - half->part) * slot;
+    FA_REAL *mine = (FA_REAL *)half->kv_ws + (ci * 2 + half->part) * half->slot;
+    const FA_REAL *other = (const FA_REAL *)half->kv_ws + (ci * 2 + 1 - half->part) * half->slot;
     memcpy(mine, acc_k, (size_t)(n * dp) * sizeof(FA_REAL));
     memcpy(mine + n * dp, acc_v, (size_t)(n * dvp) * sizeof(FA_REAL));
     if (atomic_fetch_add_explicit(&half->done[ci], 1, memory_order_acq_rel) == 0)
