@@ -79,6 +79,7 @@ typedef struct fa_cpu_job {
     const fa_cpu_bf16_kernel *bf16; /* bf16 inputs on bf16 products; NULL: the fp32 path */
     fa_cpu_chunk *chunks;
     int64_t n_chunks;
+    int64_t bm; /* query rows per tile (fa_cpu_forward_tile_rows) */
     _Atomic int64_t *next; /* bf16: [nh] each head's next chunk (fa_cpu_forward_owned) */
     int workers;           /* bf16: threads of the pass, each owning heads */
     char *scratch;       /* one region per thread */
@@ -100,18 +101,19 @@ static int fa_cpu_chunk_cmp(const void *a, const void *b)
     return x->r0 < y->r0 ? -1 : (x->r0 > y->r0);
 }
 
-static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size)
+/* Scratch of one thread's fp32/fp64 tile of up to bm rows (FA_TILE_CARVE lays it out). */
+static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size, int64_t bm_rows)
 {
-    const size_t bm = FA_CPU_FWD_BM_MAX, ld = FA_CPU_FWD_LD_MAX, bn = FA_CPU_BN, d = (size_t)p->d;
-    const size_t dvp = (size_t)fa_cpu_gemm_pad(p->dv);
+    const size_t bm = (size_t)bm_rows, ld = (size_t)fa_cpu_tile_ld(bm_rows), bn = FA_CPU_BN;
+    const size_t d = (size_t)p->d, dvp = (size_t)fa_cpu_gemm_pad(p->dv);
     size_t n = d * ld + bn * d + bn * dvp + bn * ld + bm * dvp + 6 * bm;
     return (n * real_size + 63) & ~(size_t)63;
 }
 
-#define FA_TILE_CARVE(REAL, t, base, p)                                                          \
+#define FA_TILE_CARVE(REAL, t, base, p, bm)                                                      \
     do {                                                                                         \
         REAL *cur_ = (REAL *)(base);                                                             \
-        const int64_t bm_ = FA_CPU_FWD_BM_MAX, ld_ = FA_CPU_FWD_LD_MAX, bn_ = FA_CPU_BN;         \
+        const int64_t bm_ = (bm), ld_ = fa_cpu_tile_ld(bm), bn_ = FA_CPU_BN;                     \
         const int64_t d_ = (p)->d, dvp_ = fa_cpu_gemm_pad((p)->dv);                              \
         (t).qt = cur_, cur_ += d_ * ld_;                                                         \
         (t).kbuf = cur_, cur_ += bn_ * d_;                                                       \
@@ -173,11 +175,11 @@ static void fa_cpu_forward_item(const fa_cpu_job *job, const fa_cpu_chunk *c, in
 #endif
     if (p->dtype == FA_DTYPE_F64) {
         fa_tile_f64 t;
-        FA_TILE_CARVE(double, t, base, p);
+        FA_TILE_CARVE(double, t, base, p, job->bm);
         fa_cpu_tile_f64(p, &t, c->seq, h, c->r0, c->m);
     } else {
         fa_tile_f32 t;
-        FA_TILE_CARVE(float, t, base, p);
+        FA_TILE_CARVE(float, t, base, p, job->bm);
         fa_cpu_tile_f32(p, &t, c->seq, h, c->r0, c->m);
     }
 }
@@ -198,6 +200,18 @@ static size_t fa_cpu_tile_bytes(const fa_params *p, int64_t bm)
     return (size_t)bm * (size_t)(p->d + p->dv + FA_CPU_BN) * real_size;
 }
 
+/* The bf16 product kernels where the inputs are bf16 and the CPU has them; NULL: the fp32 tile
+ * (fa_cpu_fwd_body.h). */
+static const fa_cpu_bf16_kernel *fa_cpu_forward_bf16_kernel(const fa_params *p)
+{
+#if defined(FA_CPU_HAS_BF16)
+    if (p->dtype == FA_DTYPE_BF16)
+        return fa_cpu_bf16_kernel_get();
+#endif
+    (void)p;
+    return NULL;
+}
+
 /*
  * Query rows per work item. Each item reads its head's K/V once (fp32 rows in place or copied
  * per block, bf16 from the call's packed blocks), so taller tiles read K/V less often; they are
@@ -207,21 +221,34 @@ static size_t fa_cpu_tile_bytes(const fa_params *p, int64_t bm)
  * at head dim 256 ran as fast as 128 rows or faster, bench/NOTES.md, eighteenth session).
  * Causal alone keeps the tall tile: the key blocks skip the queries that see none of their keys,
  * and with 128 rows the K/V traffic cost more than the diagonal saved (h=32, s=2048, d=128, 2
- * threads: 223 ms against 213 ms). The choice depends on the shape and the cache only, never on
- * the thread count: tile edges fix the order of the online softmax, and results must not change
- * with the number of threads.
+ * threads: 223 ms against 213 ms).
+ *
+ * Up to 256 rows the choice depends on the shape and the cache only: a window bounded on the
+ * left starts each tile's key blocks at its first row's first key, so there the height fixes
+ * the order of the online softmax. Without one, every tile's blocks start at key 0 and a row's
+ * scores, maxima, sums and products run through the same blocks in the same order whatever
+ * the tile's height, so the fp32/fp64 tile may go to FA_CPU_FWD_BM_TALL rows where every
+ * thread still gets FA_CPU_FWD_TALL_ITEMS of them. At h 32, s 2048 on the 2-core machine 512
+ * rows took fp32 5-11% and d64 9-12% less time (half the K/V rereads), while the H200 host,
+ * whose L3 keeps K/V between tiles, was even at 4 and 8 threads and lost 4-10% at 16 in one of
+ * two sessions: its last wave of 8 long items a thread waits on the slowest core
+ * (bench/NOTES.md). The bf16 products keep 256 (their scratch is laid out for it; bf16 causal
+ * lost 10-24% at 512 on the host).
  */
 int64_t fa_cpu_forward_tile_rows(const fa_params *p)
 {
     const size_t l2 = (size_t)fa_cpu_l2_share();
-    int64_t bm = p->window_left >= 0 ? 128 : FA_CPU_FWD_BM_MAX;
+    const int tall = p->window_left < 0 && !fa_cpu_forward_bf16_kernel(p);
+    int64_t bm = p->window_left >= 0 ? 128 : tall ? FA_CPU_FWD_BM_TALL : FA_CPU_FWD_BM_MAX;
     for (; bm > 64; bm /= 2) {
         if (fa_cpu_tile_bytes(p, bm) > l2)
             continue;
         int64_t items = 0;
         for (int64_t i = 0; i < p->b; i++)
             items += (fa_params_seq(p, i).sq + bm - 1) / bm;
-        if (items * p->h >= FA_CPU_MIN_ITEMS)
+        const int64_t want =
+            bm > FA_CPU_FWD_BM_MAX ? FA_CPU_FWD_TALL_ITEMS * p->num_threads : FA_CPU_MIN_ITEMS;
+        if (items * p->h >= want)
             break;
     }
     return bm;
@@ -365,10 +392,11 @@ fa_status fa_cpu_forward(const fa_params *p)
     fa_cpu_job job = {.p = p,
                       .chunks = chunks,
                       .n_chunks = n_chunks,
-                      .scratch_size = fa_cpu_scratch_size(p, real_size),
+                      .bm = bm,
+                      .scratch_size = fa_cpu_scratch_size(p, real_size, bm),
                       .nh = p->h};
 #if defined(FA_CPU_HAS_BF16)
-    if (p->dtype == FA_DTYPE_BF16 && (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
+    if ((job.bf16 = fa_cpu_forward_bf16_kernel(p)) != NULL)
         job.scratch_size = fa_bf16_scratch_size(p);
 #endif
     /* Thread tiles and packed K/V in one kept workspace (util/fa_memory.h). */

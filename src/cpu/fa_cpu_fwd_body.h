@@ -17,19 +17,20 @@
  * (fa_cpu_rows_alias); fp16/bf16 K/V blocks are converted once per tile.
  */
 
-/* One query tile of one head: rows [r0, r0 + m) of sequence seq_index. Scratch is per thread. */
+/* One query tile of one head: rows [r0, r0 + m) of sequence seq_index, m <= bm (the call's tile
+ * height, fa_cpu_forward_tile_rows). Scratch is per thread. */
 typedef struct FA_FN(fa_tile) {
     FA_REAL *qt;   /* [d][ld], Q^T times the softmax scale, ld = fa_cpu_tile_ld(pad(m)) */
     FA_REAL *kbuf; /* [FA_CPU_BN][d], converted K rows when K is not FA_REAL */
     FA_REAL *vbuf; /* [FA_CPU_BN][dvp], converted/padded V rows when V cannot be read in place */
     FA_REAL *st;   /* [FA_CPU_BN][ld], S^T, then P^T */
-    FA_REAL *o;    /* [FA_CPU_FWD_BM_MAX][dvp], unnormalised output */
-    FA_REAL *m;    /* [FA_CPU_FWD_BM_MAX] running maximum */
-    FA_REAL *l;    /* [FA_CPU_FWD_BM_MAX] running sum of exp(s - m) */
-    FA_REAL *lo;   /* [FA_CPU_FWD_BM_MAX] first visible key of each row */
-    FA_REAL *hi;   /* [FA_CPU_FWD_BM_MAX] one past the last visible key */
-    FA_REAL *diag; /* [FA_CPU_FWD_BM_MAX] the key on each row's diagonal, i + sk - sq */
-    FA_REAL *bmax; /* [FA_CPU_FWD_BM_MAX] block maximum, then the maximum used for exp */
+    FA_REAL *o;    /* [bm][dvp], unnormalised output */
+    FA_REAL *m;    /* [bm] running maximum */
+    FA_REAL *l;    /* [bm] running sum of exp(s - m) */
+    FA_REAL *lo;   /* [bm] first visible key of each row */
+    FA_REAL *hi;   /* [bm] one past the last visible key */
+    FA_REAL *diag; /* [bm] the key on each row's diagonal, i + sk - sq */
+    FA_REAL *bmax; /* [bm] block maximum, then the maximum used for exp */
 } FA_FN(fa_tile);
 
 /*

@@ -104,6 +104,7 @@ static void tiles_from_l2(tu_rng *rng)
     fa_params p = {0};
     p.b = 1, p.h = 64, p.hk = 8, p.max_sq = p.max_sk = 300, p.d = p.dv = 128;
     p.window_left = p.window_right = -1;
+    p.num_threads = 4; /* 64 items are too few for 512-row tiles on 4 threads */
     static const struct {
         fa_dtype dt;
         size_t share;
@@ -134,6 +135,60 @@ static void tiles_from_l2(tu_rng *rng)
         tf_run_case(&c, "128-row tiles of a 256 KB L2", rng);
     }
     fa_cpu_set_l2_share(0);
+}
+
+/* The fp32/fp64 tile grows to 512 rows where every thread gets 32 such items
+ * (fa_cpu_forward_tile_rows) and stays at 256 otherwise. The tile's height never changes a
+ * row's key blocks without a left window, so a run with 512-row tiles (1 thread) and one with
+ * shorter tiles (2 threads) must agree to the bit: tf_run_case compares them. */
+static void tall_tiles(tu_rng *rng)
+{
+    fa_params p = {0};
+    p.b = 1, p.h = 16, p.hk = 4, p.max_sq = 1000, p.max_sk = 1100, p.d = p.dv = 64;
+    p.dtype = FA_DTYPE_F32;
+    p.window_left = p.window_right = -1;
+    static const struct {
+        int threads;
+        int64_t window_left, rows;
+    } rule[] = {{1, -1, 512}, {2, -1, 256}, {1, 600, 128}};
+    tu_where = "forward tile rows against the thread count";
+    for (size_t i = 0; i < sizeof rule / sizeof rule[0]; i++) {
+        p.num_threads = rule[i].threads;
+        p.window_left = rule[i].window_left;
+        const int64_t rows = fa_cpu_forward_tile_rows(&p);
+        TU_CHECK(rows == rule[i].rows, "%d threads, window_left %lld: %lld rows, expected %lld",
+                 rule[i].threads, (long long)rule[i].window_left, (long long)rows,
+                 (long long)rule[i].rows);
+    }
+    /* fp16 takes the same tile after converting K/V per block (its low-precision reference
+     * over every row would take a minute here). */
+    static const fa_dtype dts[] = {FA_DTYPE_F32, FA_DTYPE_F64};
+    for (int di = 0; di < 2; di++) {
+        for (int ci = 0; ci < 4; ci++) {
+            fcase c;
+            base_case(&c, dts[di], rng);
+            c.b = 1;
+            c.h = 16;
+            c.hk = 4;
+            c.sq = 600; /* one 512-row tile and one of 88, against 128-row tiles */
+            c.sk = 700;
+            c.d = c.dv = 64;
+            c.threads_a = 1;
+            c.threads_b = 2;
+            c.causal = ci == 1;
+            if (ci == 2) {
+                c.softcap = 5.0;
+                c.alibi = 1;
+                c.wr = 30;
+            }
+            if (ci == 3) {
+                c.dropout_p = 0.2;
+                c.sinks = 1;
+            }
+            c.row_step = 41;
+            tf_run_case(&c, "512-row tiles against 256", rng);
+        }
+    }
 }
 
 void tf_run_directed(tu_rng *rng)
@@ -428,4 +483,5 @@ void tf_run_directed(tu_rng *rng)
         tf_run_case(&c, "tall tiles", rng);
     }
     tiles_from_l2(rng);
+    tall_tiles(rng);
 }
