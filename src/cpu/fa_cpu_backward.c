@@ -61,6 +61,31 @@ static inline void fa_bwd_row_range(const fa_params *p, const fa_seq *seq, int64
     *hi = h > l ? h : l;
 }
 
+/*
+ * Query rows [*lo, *hi) that see a key of stripe `stripe` of a sequence's klen keys (its chunks
+ * stripe, stripe + stripes, ... of `chunk` keys), as one range: the fused items write their dQ
+ * slot on these rows only, and the sum adds a slot only there. Under a causal mask the first
+ * stripes' keys are seen by every row and the last ones' by the last rows alone, so the slots
+ * are written and read over fewer rows than the sequence's.
+ */
+static void fa_bwd_stripe_rows(const fa_params *p, const fa_seq *seq, int64_t klen,
+                               int64_t stripe, int64_t stripes, int64_t chunk, int64_t *lo,
+                               int64_t *hi)
+{
+    *lo = seq->sq;
+    *hi = 0;
+    for (int64_t j0 = stripe * chunk; j0 < klen; j0 += stripes * chunk) {
+        int64_t a, b;
+        fa_bwd_row_range(p, seq, j0, j0 + chunk < klen ? j0 + chunk : klen, &a, &b);
+        if (a < b) {
+            *lo = a < *lo ? a : *lo;
+            *hi = b > *hi ? b : *hi;
+        }
+    }
+    if (*hi < *lo)
+        *hi = *lo;
+}
+
 /* The split row of a fused item's halves falls on a multiple of this from the first row it
  * covers: whole query tiles of both the fp32 (64 rows) and the bf16 (128 rows) kernels. */
 #define FA_BWD_HALF_ROWS 128
@@ -230,16 +255,9 @@ static void fa_bwd_keys_task(void *ctx, int64_t item, int thread)
 static int64_t fa_bwd_half_split(const fa_params *p, const fa_bwd_job *job, int64_t seq_index)
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
-    const int64_t klen = fa_bwd_key_count(p, seq_index), step = job->stripes * job->chunk;
-    int64_t lo = seq.sq, hi = 0;
-    for (int64_t j0 = (job->stripes - 1) * job->chunk; j0 < klen; j0 += step) {
-        int64_t a, b;
-        fa_bwd_row_range(p, &seq, j0, j0 + job->chunk < klen ? j0 + job->chunk : klen, &a, &b);
-        if (a < b) {
-            lo = a < lo ? a : lo;
-            hi = b > hi ? b : hi;
-        }
-    }
+    int64_t lo, hi;
+    fa_bwd_stripe_rows(p, &seq, fa_bwd_key_count(p, seq_index), job->stripes - 1, job->stripes,
+                       job->chunk, &lo, &hi);
     if (hi <= lo)
         return seq.sq;
     const int64_t tiles = (hi - lo + FA_BWD_HALF_ROWS - 1) / FA_BWD_HALF_ROWS;
@@ -313,11 +331,11 @@ static void fa_bwd_dq_reduce_task(void *ctx, int64_t item, int thread)
     char *base = job->scratch + (size_t)thread * job->scratch_size;
     const int64_t seq_index = item / p->h, sq = fa_params_seq(p, seq_index).sq;
     if (p->dtype == FA_DTYPE_F64)
-        fa_bwd_dq_reduce_f64(p, job->dq_ws, job->stripes, seq_index, item % p->h, 0, sq,
-                             (double *)base);
+        fa_bwd_dq_reduce_f64(p, job->dq_ws, job->stripes, job->chunk, seq_index, item % p->h, 0,
+                             sq, (double *)base);
     else
-        fa_bwd_dq_reduce_f32(p, job->dq_ws, job->stripes, seq_index, item % p->h, 0, sq,
-                             (float *)base);
+        fa_bwd_dq_reduce_f32(p, job->dq_ws, job->stripes, job->chunk, seq_index, item % p->h, 0,
+                             sq, (float *)base);
 }
 
 static void fa_bwd_queries_task(void *ctx, int64_t item, int thread)

@@ -289,7 +289,7 @@ static void fa_bwd_fused_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern
 {
     const fa_seq seq = fa_params_seq(p, seq_index);
     const int64_t r_lo = half ? half->r_lo : 0, r_hi = half ? half->r_hi : seq.sq;
-    fa_bwd_dq_ws_zero_f32(p, dq_slot, seq_index, &seq, hk, r_lo, r_hi);
+    fa_bwd_dq_ws_zero_f32(p, dq_slot, seq_index, &seq, hk, r_lo, r_hi, stripe, stripes, chunk);
     const int64_t klen = fa_bwd_key_count(p, seq_index);
     int64_t ci = 0;
     for (int64_t j0 = stripe * chunk; j0 < klen; j0 += stripes * chunk, ci++)
@@ -297,7 +297,7 @@ static void fa_bwd_fused_bf16(const fa_params *p, const fa_cpu_bf16_kernel *kern
                          klen - j0 < chunk ? klen - j0 : chunk, half, ci);
     const int64_t group = p->h / p->hk;
     for (int64_t h = hk * group; stripes == 1 && h < (hk + 1) * group; h++)
-        fa_bwd_dq_reduce_f32(p, dq_slot, 1, seq_index, h, r_lo, r_hi, t->f.acc_q);
+        fa_bwd_dq_reduce_f32(p, dq_slot, 1, chunk, seq_index, h, r_lo, r_hi, t->f.acc_q);
 }
 
 /* Query pass item (fa_bwd_queries_f32's, on bf16 products). */
