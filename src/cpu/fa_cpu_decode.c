@@ -196,14 +196,16 @@ static int fa_kv_item_cmp(const void *a, const void *b)
 }
 
 /*
- * Upstream's rule with threads in place of SMs: no split when the items already fill the
- * threads; otherwise the fewest chunks whose waves fill the threads to within 85% of the best
- * count, chunks keeping at least FA_KV_MIN_CHUNK keys.
+ * Upstream's wave-efficiency rule, tightened for threads: the fewest chunks whose waves fill
+ * the threads to within 2% of the best count (upstream: 85%, and no split once the items fill
+ * 80% of the SMs), chunks keeping at least FA_KV_MIN_CHUNK keys. A GPU runs many blocks per SM
+ * and hides a short last wave; an idle thread is 1/threads of the machine (14 chunks on 16
+ * threads made the host's decode 5-12% slower than 16, bench/NOTES.md, twenty-first session).
  */
 static int fa_kv_splits_choose(const fa_kv_params *p, int64_t base_items, int64_t max_keys)
 {
     const int64_t threads = p->num_threads;
-    if (base_items == 0 || base_items * 5 >= threads * 4)
+    if (base_items == 0 || base_items % threads == 0)
         return 1;
     int64_t max_splits = (max_keys + FA_KV_MIN_CHUNK - 1) / FA_KV_MIN_CHUNK;
     if (max_splits > FA_MAX_SPLITS)
@@ -218,7 +220,7 @@ static int fa_kv_splits_choose(const fa_kv_params *p, int64_t base_items, int64_
             best = eff[s];
     }
     for (int64_t s = 1; s <= max_splits; s++)
-        if (eff[s] >= 0.85 * best)
+        if (eff[s] >= 0.98 * best)
             return (int)s;
     return 1;
 }
