@@ -7,7 +7,9 @@ the options, so a later call with the same signature only allocates the outputs 
 the data pointers, the current stream and the seed before calling the library, which validates
 every call itself. ``forward_dense_torch`` and ``forward_varlen_torch`` take the dense and
 varlen forms; ``forward_dense_out`` is the dense form's cached path without the lse written out
-in one function, for ``flash_attn_func``'s commonest call.
+in one function, for ``flash_attn_func``'s commonest call. ``kvcache_torch`` does the same for
+the KV-cache call on the CPU, where a decoding step's attention can take less time than the
+Python that prepares it.
 """
 
 import ctypes
@@ -317,3 +319,67 @@ def backward_dense_torch(dout, q, k, v, out, lse, dropout_p, softmax_scale, caus
         # Inputs used as they are (no contiguous copy), so the signature says it all.
         _keep_call(cache, key, _CachedBackward(bwd, keep, grads, names, workspace))
     return grads[:3]
+
+
+class _CachedKvcache:
+    """The prepared fa_kvcache_args of one call signature (``kvcache_torch``): the FaTensor of
+    each of the struct's tensors, q .. lse in its order (None where absent), whose data
+    pointers each call swaps, and the outputs' ``_like``s (new ones contiguous, as the first
+    call's were)."""
+
+    __slots__ = ("args", "ref", "fn", "slots", "keep", "likes", "names")
+
+    def __init__(self, args, keep, slots, out, lse, fn, names):
+        torch = sys.modules["torch"]
+        self.args = args
+        self.ref = ctypes.byref(args)
+        self.fn = fn
+        self.slots = slots
+        self.keep = keep
+        self.likes = (_like(torch, out.shape, out.dtype, out.device),
+                      _like(torch, lse.shape, lse.dtype, lse.device))
+        self.names = names
+
+    def run(self, tensors):
+        """The call on new tensors of this signature (the 13 inputs): (out, lse). Every
+        allocation comes before the first write into the prepared arguments, as in
+        ``_CachedBackward.run``."""
+        torch = sys.modules["torch"]
+        out = torch.empty_like(self.likes[0])
+        lse = torch.empty_like(self.likes[1])
+        ptrs = [(slot, x.data_ptr()) for slot, x in zip(self.slots, tensors + (out, lse))
+                if slot is not None]
+        for slot, ptr in ptrs:
+            slot.data = ptr
+        status = self.fn(self.ref)
+        if status != _lib.STATUS_OK:
+            _call_failed(self, status)
+        return out, lse
+
+
+def kvcache_torch(tensors, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                  num_splits):
+    """``_kvcache.kvcache_run`` for torch CPU tensors, cached per signature as
+    ``forward_dense_torch`` is: tensors are its 13 inputs, q .. learnable_sink, cache_seqlens
+    already a tensor (or None); the floats already floats and ``window_size`` a pair of
+    ints. A call whose inputs reach the library as they are (no copy or conversion) is
+    cached. The library validates every call itself, the values in cache_seqlens included."""
+    from . import _kvcache
+
+    try:
+        key = ("kv", _signature(*tensors), softmax_scale, causal, window_size, softcap,
+               rotary_interleaved, num_splits)
+    except RuntimeError:  # no strides (sparse and other layouts): the preparation says why
+        key = None
+    cache = _call_cache()
+    call = cache.get(key) if key is not None else None
+    if call is not None:
+        return call.run(tensors)
+    args, keep, arrays, slots, out, lse = _kvcache.kvcache_prepare(
+        TORCH, *tensors, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+        num_splits)
+    fn = _kvcache._kv_lib().fa_attention_kvcache
+    _kvcache._call(fn, args, _kvcache._NAMES)
+    if key is not None and all(a is x for a, x in zip(arrays, tensors)):
+        _keep_call(cache, key, _CachedKvcache(args, keep, slots, out, lse, fn, _kvcache._NAMES))
+    return out, lse

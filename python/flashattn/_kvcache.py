@@ -214,6 +214,21 @@ def kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                 softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
     """One fa_attention_kvcache call on arrays of ``kind``; returns (out, lse)."""
+    args, _, _, _, out, lse = kvcache_prepare(
+        kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
+        window_size, softcap, rotary_interleaved, num_splits)
+    _call(_kv_lib().fa_attention_kvcache, args, _NAMES)
+    return out, lse
+
+
+def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                    cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
+                    softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
+    """The checked fa_kvcache_args of a call and its new outputs: (args, keep, arrays, slots,
+    out, lse), where arrays are what the library is given for q .. lse in the struct's order
+    (None where absent; a copy where an input was converted), slots their FaTensors, and keep
+    what must outlive the call."""
     written = k is not None or v is not None
     k_cache = _in_place(k_cache, "k_cache", kind, written)
     v_cache = _in_place(v_cache, "v_cache", kind, written)
@@ -236,21 +251,23 @@ def kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                                                                         "softmax_scale")
     num_splits = _core.as_int(num_splits, "num_splits")
 
-    keep = []  # the FaTensor objects must outlive the call
+    keep, arrays, slots = [], [], []
 
     def ptr(x, name, expected=None, prepared=False):
-        if x is None:
-            return None
-        if not prepared:
+        if x is not None and not prepared:
             x = _core.prepare(x, name, kind)
             keep.append(x)
+        arrays.append(x)
+        if x is None:
+            slots.append(None)
+            return None
         t = _core.make_tensor(x, _NAMES.get(name, name), kind, None, expected)
         keep.append(t)
+        slots.append(t)
         return ctypes.pointer(t)
 
-    lib = _kv_lib()
     args = FaKvcacheArgs()
-    lib.fa_kvcache_args_init(ctypes.byref(args))
+    _kv_lib().fa_kvcache_args_init(ctypes.byref(args))
     args.q = ptr(q, "q", prepared=True)
     args.k_cache = ptr(k_cache, "k_cache", prepared=True)
     args.v_cache = ptr(v_cache, "v_cache", prepared=True)
@@ -275,8 +292,7 @@ def kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     args.num_splits = min(max(num_splits, -2**31), 2**31 - 1)
     args.device = _lib.FA_DEVICE_CPU
     args.num_threads = 0
-    _call(lib.fa_attention_kvcache, args, _NAMES)
-    return out, lse
+    return args, keep, arrays, slots, out, lse
 
 
 def _out_dtype(kind, out_dtype, out, out_partial):

@@ -480,14 +480,12 @@ def _kvcache_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                  softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
                  num_splits):
-    """flashattn::kvcache's CPU kernel: the C library's KV-cache call."""
-    from . import _kvcache
-
-    return _kvcache.kvcache_run(
-        _core.TORCH, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-        softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
-        num_splits)
+    """flashattn::kvcache's CPU kernel: the C library's KV-cache call, its preparation cached
+    per call signature."""
+    return _cached.kvcache_torch(
+        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+         cache_leftpad, block_table, alibi_slopes, learnable_sink), softmax_scale, causal,
+        (window_left, window_right), softcap, rotary_interleaved, num_splits)
 
 
 @kvcache.register_kernel("cuda")

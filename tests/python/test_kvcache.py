@@ -353,6 +353,49 @@ def test_int_cache_seqlens_and_default_return(rng):
     np.testing.assert_array_equal(A["kc"].double().numpy(), rkc)
 
 
+def test_signature_cache_swaps_data_not_results(rng):
+    """Torch CPU calls that share a signature reuse one prepared call (its data pointers
+    swapped): each result, lse and appended cache is still its own inputs' (bitwise against the
+    uncached path, on copies of the caches), with new cache_seqlens values every call; a value
+    the library refuses is still refused by name on the prepared call; an input that needed a
+    copy is not served from a prepared call."""
+    from flashattn import _cached, _core, _kvcache
+
+    def uncached(P, A):
+        kc, vc = A["kc"].clone(), A["vc"].clone()
+        out, lse = _kvcache.kvcache_run(
+            _core.TORCH, A["q"], kc, vc, A["k"], A["v"], A["cos"], A["sin"],
+            int32(P["seqlens"], "torch"), None, None, int32(P["table"], "torch"), None, None,
+            None, False, (-1, -1), 0.0, True, 0)
+        return out, lse, kc, vc
+
+    for _ in range(4):
+        P, A, V = setup(rng, "torch", "float32", b=3, h=4, hk=2, page=4, cap=24, s_new=2,
+                        rotary=True)
+        want = uncached(P, A)
+        out, lse = run(P, A, "torch")
+        check(P, A, V, "float32", out, lse)
+        for got, w in zip((out, lse, A["kc"], A["vc"]), want):
+            assert torch.equal(got, w)
+    assert any(key[0] == "kv" for key in _cached._LOCAL.calls if isinstance(key, tuple))
+
+    bad = P["table"].copy()
+    bad[1, 0] = 10**6
+    with pytest.raises(FlashAttnError, match="block_table"):
+        flash_attn_with_kvcache(A["q"], A["kc"], A["vc"], A["k"], A["v"], A["cos"], A["sin"],
+                                cache_seqlens=int32(P["seqlens"], "torch"),
+                                block_table=int32(bad, "torch"))
+
+    P, A, V = setup(rng, "torch", "float32", b=3, h=4, hk=2, page=4, cap=24, s_new=2,
+                    rotary=True)
+    wide = torch.randn(*A["q"].shape[:-1], 2 * A["q"].shape[-1])
+    wide[..., ::2] = A["q"]
+    A["q"] = wide[..., ::2]  # q's values, its last dimension strided: prepared as a copy
+    for _ in range(2):  # the second append rewrites the same positions with the same rows
+        out, lse = run(P, A, "torch")
+    check(P, A, V, "float32", out, lse)
+
+
 def test_signature_matches_upstream():
     params = inspect.signature(flash_attn_with_kvcache).parameters
     names = ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
