@@ -357,27 +357,44 @@ class _CachedKvcache:
         return out, lse
 
 
-def kvcache_torch(tensors, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                  num_splits):
+def _kvcache_key(tensors, scalars):
+    """A KV-cache call's signature, or None for tensors without strides (sparse and other
+    layouts: the preparation says why)."""
+    try:
+        return ("kv", _signature(*tensors)) + scalars
+    except RuntimeError:
+        return None
+
+
+def kvcache_repeat(tensors, *scalars):
+    """``kvcache_torch``'s call if its signature is already prepared on this thread, else
+    None; the same arguments."""
+    calls = getattr(_LOCAL, "calls", None)
+    if not calls:
+        return None
+    call = calls.get(_kvcache_key(tensors, scalars))
+    return call.run(tensors) if call is not None else None
+
+
+def kvcache_torch(tensors, softmax_scale, causal, window_left, window_right, softcap,
+                  rotary_interleaved, num_splits):
     """``_kvcache.kvcache_run`` for torch CPU tensors, cached per signature as
     ``forward_dense_torch`` is: tensors are its 13 inputs, q .. learnable_sink, cache_seqlens
-    already a tensor (or None); the floats already floats and ``window_size`` a pair of
-    ints. A call whose inputs reach the library as they are (no copy or conversion) is
-    cached. The library validates every call itself, the values in cache_seqlens included."""
+    already a tensor (or None); the floats already floats, the window's ints ints. A call
+    whose inputs reach the library as they are (no copy or conversion) is cached. The library
+    validates every call itself, the values in cache_seqlens included."""
     from . import _kvcache
 
-    try:
-        key = ("kv", _signature(*tensors), softmax_scale, causal, window_size, softcap,
-               rotary_interleaved, num_splits)
-    except RuntimeError:  # no strides (sparse and other layouts): the preparation says why
-        key = None
+    scalars = (softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+               num_splits)
+    key = _kvcache_key(tensors, scalars)
     cache = _call_cache()
     call = cache.get(key) if key is not None else None
     if call is not None:
         return call.run(tensors)
     args, keep, arrays, slots, out, lse = _kvcache.kvcache_prepare(
-        TORCH, *tensors, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-        num_splits)
+        TORCH, *tensors, softmax_scale, causal, (window_left, window_right), softcap,
+        rotary_interleaved, num_splits)
     fn = _kvcache._kv_lib().fa_attention_kvcache
     _kvcache._call(fn, args, _kvcache._NAMES)
     if key is not None and all(a is x for a, x in zip(arrays, tensors)):

@@ -485,7 +485,7 @@ def _kvcache_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     return _cached.kvcache_torch(
         (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
          cache_leftpad, block_table, alibi_slopes, learnable_sink), softmax_scale, causal,
-        (window_left, window_right), softcap, rotary_interleaved, num_splits)
+        window_left, window_right, softcap, rotary_interleaved, num_splits)
 
 
 @kvcache.register_kernel("cuda")
@@ -521,17 +521,6 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     tensor the op takes, as upstream does. Eager calls run the op's kernel directly (the
     dispatcher costs more than a decoding step's attention), and on CUDA without the lse
     where ``want_lse`` is false; lse is then None."""
-    # Devices named by argument, rather than left to the dispatcher's missing-kernel message.
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
-                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                    ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-                    ("cache_leftpad", cache_leftpad), ("block_table", block_table),
-                    ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
-        if isinstance(x, torch.Tensor):
-            _core.check_device(x, name, cuda=True)
-            if x.device != q.device:
-                raise FlashAttnError("%s: expected a tensor on %s like q, got %s"
-                                     % (name, q.device, x.device))
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens"),
                                    dtype=torch.int32, device=q.device)
@@ -543,7 +532,24 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             bool(causal), left, right, _core.as_float(softcap, "softcap"),
             bool(rotary_interleaved), _core.as_int(num_splits, "num_splits"))
     tensors = args[:13]
-    if _eager(tensors) and not _needs_grad(tensors):
+    eager = _eager(tensors) and not _needs_grad(tensors)
+    if eager and not q.is_cuda:
+        # A signature already prepared had every tensor on the CPU: its checks passed.
+        res = _cached.kvcache_repeat(tensors, *args[13:])
+        if res is not None:
+            return res
+    # Devices named by argument, rather than left to the dispatcher's missing-kernel message.
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                    ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                    ("cache_leftpad", cache_leftpad), ("block_table", block_table),
+                    ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
+        if isinstance(x, torch.Tensor):
+            _core.check_device(x, name, cuda=True)
+            if x.device != q.device:
+                raise FlashAttnError("%s: expected a tensor on %s like q, got %s"
+                                     % (name, q.device, x.device))
+    if eager:
         if q.is_cuda:
             from . import _kvcache_varlen
 

@@ -356,9 +356,10 @@ def test_int_cache_seqlens_and_default_return(rng):
 def test_signature_cache_swaps_data_not_results(rng):
     """Torch CPU calls that share a signature reuse one prepared call (its data pointers
     swapped): each result, lse and appended cache is still its own inputs' (bitwise against the
-    uncached path, on copies of the caches), with new cache_seqlens values every call; a value
-    the library refuses is still refused by name on the prepared call; an input that needed a
-    copy is not served from a prepared call."""
+    uncached path, on copies of the caches), with new cache_seqlens values every call (a tensor,
+    or an int); a tensor on another device and a value the library refuses are still refused by
+    name once the signature is prepared; an input that needed a copy is not served from a
+    prepared call."""
     from flashattn import _cached, _core, _kvcache
 
     def uncached(P, A):
@@ -384,7 +385,17 @@ def test_signature_cache_swaps_data_not_results(rng):
     with pytest.raises(FlashAttnError, match="block_table"):
         flash_attn_with_kvcache(A["q"], A["kc"], A["vc"], A["k"], A["v"], A["cos"], A["sin"],
                                 cache_seqlens=int32(P["seqlens"], "torch"),
+                                block_table=int32(P["table"], "torch").to("meta"))
+    with pytest.raises(FlashAttnError, match="block_table"):
+        flash_attn_with_kvcache(A["q"], A["kc"], A["vc"], A["k"], A["v"], A["cos"], A["sin"],
+                                cache_seqlens=int32(P["seqlens"], "torch"),
                                 block_table=int32(bad, "torch"))
+    for n in (5, 9):  # an int cache_seqlens, the same signature each time
+        P, A, V = setup(rng, "torch", "float32", b=3, h=4, hk=2, cap=24, s_new=2)
+        P["seqlens"] = np.full(3, n)
+        out, lse = flash_attn_with_kvcache(A["q"], A["kc"], A["vc"], A["k"], A["v"],
+                                           cache_seqlens=n, return_softmax_lse=True)
+        check(P, A, V, "float32", out, lse)
 
     P, A, V = setup(rng, "torch", "float32", b=3, h=4, hk=2, page=4, cap=24, s_new=2,
                     rotary=True)
