@@ -729,6 +729,51 @@ static void run_directed(tu_rng *r)
     }
 }
 
+/*
+ * The split heuristic fills every thread: one item per sequence (4 query heads on 1 kv head)
+ * over 4096 keys gives 16 chunks on 16 threads and 8 on 8 (upstream's 85% rule gave 14 and
+ * 7). A fixed split count is bitwise reproducible, so num_splits 0 must give the bits of that
+ * count and differ from one chunk fewer. (Chunks are whole 128-key blocks here, so these
+ * counts cut 4096 keys evenly and one fewer cuts them otherwise.) run_case checks values.
+ */
+static void run_split_rule(tu_rng *r)
+{
+    const int threads[2] = {16, 8};
+    for (int t = 0; t < 2; t++) {
+        kcase c = base_case(FA_DTYPE_F32);
+        c.b = 1;
+        c.h = 4;
+        c.hk = 1;
+        c.d = 16;
+        c.dv = 16;
+        c.capacity = 4096;
+        c.seqlens = 0;
+        snprintf(g_where, sizeof g_where, "split rule, %d threads", threads[t]);
+        tu_where = g_where;
+        tu_rng rr = {tu_rng_u64(r)};
+        kprob P;
+        prob_build(&P, &c, &rr);
+        void *out[3];
+        const int splits[3] = {0, threads[t], threads[t] - 1};
+        for (int k = 0; k < 3; k++) {
+            tu_poison(&P.out);
+            P.args.num_splits = splits[k];
+            P.args.num_threads = threads[t];
+            fa_status st = fa_attention_kvcache(&P.args);
+            TU_CHECK(st == FA_STATUS_OK, "num_splits %d: status %d: %s", splits[k], (int)st,
+                     fa_last_error());
+            out[k] = dup_bytes(P.out.base, P.out.nbytes);
+        }
+        TU_CHECK(memcmp(out[0], out[1], P.out.nbytes) == 0,
+                 "num_splits 0 differs bitwise from %d chunks", threads[t]);
+        TU_CHECK(memcmp(out[0], out[2], P.out.nbytes) != 0,
+                 "num_splits 0 gave the bits of %d chunks", threads[t] - 1);
+        for (int k = 0; k < 3; k++)
+            free(out[k]);
+        prob_free(&P);
+    }
+}
+
 static void run_random(tu_rng *r, int n)
 {
     const fa_dtype dts[4] = {FA_DTYPE_F32, FA_DTYPE_BF16, FA_DTYPE_F16, FA_DTYPE_F64};
@@ -781,6 +826,8 @@ int main(void)
     tu_rng rng = {seed};
     double t0 = tu_now();
     run_directed(&rng);
+    if (g_only < 0)
+        run_split_rule(&rng);
     int n_random = 150;
     const char *nr = getenv("FA_TEST_RANDOM_CASES");
     if (nr && *nr)
