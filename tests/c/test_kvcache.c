@@ -13,6 +13,7 @@
  *     error plus half an ulp);
  *   - give the same result within that tolerance for num_splits 1, 3 and 0 (heuristic), and
  *     bitwise the same result for one split count under two thread counts.
+ * And with one item a sequence, num_splits 0 gives the bits of one chunk per thread.
  * The argument checks are test_kvcache_errors.c's.
  *
  * FA_TEST_SEED=<n> reruns a run; FA_TEST_ONLY=<case> runs one case of it.
