@@ -151,6 +151,7 @@ typedef struct fa_combine_params {
     int64_t sinks_stride;
     double empty_lse; /* lse of a row with nothing to merge: -inf (FA3), +inf (the forward) */
     int num_threads;
+    struct fa_cpu_log *log; /* optional: the calling decode's FLASHATTN_LOG record */
 } fa_combine_params;
 
 /* CPU backend. */

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "api/fa_kvcache.h"
+#include "cpu/fa_cpu_log.h"
 #include "util/fa_half.h"
 #include "util/fa_threadpool.h"
 
@@ -144,7 +145,9 @@ fa_status fa_cpu_combine(const fa_combine_params *c)
     fa_combine_job job = {c, malloc(sizeof(double) * (size_t)(c->dv + 1) * (size_t)threads)};
     if (!job.scratch)
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for the combine's buffers");
-    fa_status st = fa_parallel_for(threads, items, fa_combine_task, &job);
+    fa_status st = c->log
+                       ? fa_cpu_log_phase(c->log, "combine", threads, items, fa_combine_task, &job)
+                       : fa_parallel_for(threads, items, fa_combine_task, &job);
     free(job.scratch);
     return st;
 }

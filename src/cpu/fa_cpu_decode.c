@@ -11,12 +11,14 @@
  * the result does not depend on the thread count.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "api/fa_kvcache.h"
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
+#include "cpu/fa_cpu_log.h"
 #include "util/fa_threadpool.h"
 
 /* Tunables; -D overrides them for experiments. */
@@ -228,9 +230,11 @@ static int fa_kv_splits_choose(const fa_kv_params *p, int64_t base_items, int64_
 fa_status fa_cpu_kvcache(const fa_kv_params *p)
 {
     fa_status st = FA_STATUS_OK;
+    fa_cpu_log log;
+    fa_cpu_log_begin(&log);
     if (p->s_new > 0) {
         int threads = p->num_threads < p->hk ? p->num_threads : (int)p->hk;
-        st = fa_parallel_for(threads, p->hk, fa_kv_append_task, (void *)p);
+        st = fa_cpu_log_phase(&log, "append", threads, p->hk, fa_kv_append_task, (void *)p);
         if (st != FA_STATUS_OK)
             return st;
     }
@@ -307,7 +311,7 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
         st = fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for the attention buffers");
         goto done;
     }
-    st = fa_parallel_for(threads, n_items, fa_kv_attend_task, &job);
+    st = fa_cpu_log_phase(&log, "attend", threads, n_items, fa_kv_attend_task, &job);
     if (st != FA_STATUS_OK || splits == 1)
         goto done;
 
@@ -342,8 +346,19 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
     c.sinks_stride = p->sinks_stride;
     c.empty_lse = INFINITY; /* the forward's convention for a row that sees no key */
     c.num_threads = p->num_threads;
+    c.log = &log;
     st = fa_cpu_combine(&c);
 done:
+    if (log.on && st == FA_STATUS_OK) {
+        char head[192];
+        snprintf(head, sizeof head,
+                 "kvcache %s b %lld h %lld/%lld sq %lld keys %lld d %lld/%lld, %d threads, "
+                 "%lld splits%s",
+                 fa_dtype_name(p->dtype), (long long)p->b, (long long)p->h, (long long)p->hk,
+                 (long long)p->sq, (long long)max_keys, (long long)p->d, (long long)p->dv,
+                 p->num_threads, (long long)splits, job.stream ? ", prefetch" : "");
+        fa_cpu_log_print(&log, head);
+    }
     free(job.ws_lse);
     free(job.ws_o);
     free(job.scratch);

@@ -74,13 +74,21 @@ void fa_cpu_log_end(const fa_cpu_log *log, const fa_params *p, const char *what,
 {
     if (!log->on)
         return;
+    char head[256];
+    snprintf(head, sizeof head,
+             "%s %s b %lld h %lld/%lld sq %lld sk %lld d %lld/%lld, %d threads, %s", what,
+             fa_dtype_name(p->dtype), (long long)p->b, (long long)p->h, (long long)p->hk,
+             (long long)p->max_sq, (long long)p->max_sk, (long long)p->d, (long long)p->dv,
+             p->num_threads, plan);
+    fa_cpu_log_print(log, head);
+}
+
+void fa_cpu_log_print(const fa_cpu_log *log, const char *head)
+{
+    if (!log->on)
+        return;
     char line[512];
-    size_t len = (size_t)snprintf(
-        line, sizeof line,
-        "flashattn: cpu %s %s b %lld h %lld/%lld sq %lld sk %lld d %lld/%lld, %d threads, %s:",
-        what, fa_dtype_name(p->dtype), (long long)p->b, (long long)p->h, (long long)p->hk,
-        (long long)p->max_sq, (long long)p->max_sk, (long long)p->d, (long long)p->dv,
-        p->num_threads, plan);
+    size_t len = (size_t)snprintf(line, sizeof line, "flashattn: cpu %s:", head);
     for (int i = 0; i < log->n && len < sizeof line; i++)
         len += (size_t)snprintf(line + len, sizeof line - len,
                                 "%s %s %lld items %.2f ms %.0f%% busy", i ? ";" : "",

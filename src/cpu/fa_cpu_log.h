@@ -1,6 +1,7 @@
 /*
- * FLASHATTN_LOG=1 (the variable that also logs the GPU's kernel compiles): each CPU forward and
- * backward prints one line to stderr saying how it cut the work and, for each parallel phase,
+ * FLASHATTN_LOG=1 (the variable that also logs the GPU's kernel compiles): each CPU forward,
+ * backward and KV-cache call prints one line to stderr saying how it cut the work and, for each
+ * parallel phase,
  * its items, wall time and the share of the threads' time spent inside items. A share well
  * below 100% means threads waited for the last items (too few or uneven items, or a slow core).
  * Off, a phase is a plain fa_parallel_for.
@@ -35,5 +36,9 @@ fa_status fa_cpu_log_phase(fa_cpu_log *log, const char *name, int threads, int64
 /* Prints the record's line: what ("forward"), the problem, how it was cut (plan), the phases. */
 void fa_cpu_log_end(const fa_cpu_log *log, const fa_params *p, const char *what,
                     const char *plan);
+
+/* Prints the record's line after head (the call and how it was cut), for callers that describe
+ * their problem themselves. */
+void fa_cpu_log_print(const fa_cpu_log *log, const char *head);
 
 #endif /* FA_CPU_LOG_H */
