@@ -1,10 +1,9 @@
 /*
  * FLASHATTN_LOG=1 (the variable that also logs the GPU's kernel compiles): each CPU forward,
  * backward and KV-cache call prints one line to stderr saying how it cut the work and, for each
- * parallel phase,
- * its items, wall time and the share of the threads' time spent inside items. A share well
- * below 100% means threads waited for the last items (too few or uneven items, or a slow core).
- * Off, a phase is a plain fa_parallel_for.
+ * parallel phase, its items, wall time and the share of the threads' time spent inside items. A
+ * share well below 100% means threads waited for the last items (too few or uneven items, or a
+ * slow core). Off, a phase is a plain fa_parallel_for.
  */
 #ifndef FA_CPU_LOG_H
 #define FA_CPU_LOG_H
