@@ -207,7 +207,7 @@ static int fa_kv_item_cmp(const void *a, const void *b)
 static int fa_kv_splits_choose(const fa_kv_params *p, int64_t base_items, int64_t max_keys)
 {
     const int64_t threads = p->num_threads;
-    if (base_items == 0 || base_items % threads == 0)
+    if (base_items == 0)
         return 1;
     int64_t max_splits = (max_keys + FA_KV_MIN_CHUNK - 1) / FA_KV_MIN_CHUNK;
     if (max_splits > FA_MAX_SPLITS)
