@@ -11,7 +11,7 @@
 #include "util/fa_half.h"
 #include "util/fa_threadpool.h"
 
-#define FA_COMBINE_ROWS 64 /* rows (batch, seq, head) per work item */
+#define FA_COMBINE_ROWS 64 /* most rows (batch, seq, head) per work item */
 
 static double fa_combine_part_lse(const fa_combine_params *c, int64_t s, int64_t at)
 {
@@ -115,6 +115,7 @@ static void fa_combine_row(const fa_combine_params *c, int64_t bi, int64_t r, in
 
 typedef struct fa_combine_job {
     const fa_combine_params *c;
+    int64_t rows_per_item;
     double *scratch; /* dv doubles per thread */
 } fa_combine_job;
 
@@ -124,8 +125,9 @@ static void fa_combine_task(void *ctx, int64_t item, int thread)
     const fa_combine_params *c = job->c;
     double *acc = job->scratch + (size_t)thread * (size_t)c->dv;
     const int64_t rows = c->b * c->sq * c->h;
-    const int64_t end = (item + 1) * FA_COMBINE_ROWS < rows ? (item + 1) * FA_COMBINE_ROWS : rows;
-    for (int64_t x = item * FA_COMBINE_ROWS; x < end; x++) {
+    const int64_t per = job->rows_per_item;
+    const int64_t end = (item + 1) * per < rows ? (item + 1) * per : rows;
+    for (int64_t x = item * per; x < end; x++) {
         int64_t hh = x % c->h;
         int64_t r = (x / c->h) % c->sq;
         int64_t bi = x / (c->h * c->sq);
@@ -138,11 +140,16 @@ fa_status fa_cpu_combine(const fa_combine_params *c)
     const int64_t rows = c->b * c->sq * c->h;
     if (rows == 0)
         return FA_STATUS_OK;
-    const int64_t items = (rows + FA_COMBINE_ROWS - 1) / FA_COMBINE_ROWS;
+    /* Items small enough that every thread takes one: a decode has few rows but many splits
+     * (the host's 32 rows of 64 splits took one thread 150-500 us, bench/NOTES.md). */
+    const int64_t want = c->num_threads > 1 ? c->num_threads : 1;
+    int64_t per = (rows + want - 1) / want;
+    per = per < FA_COMBINE_ROWS ? per : FA_COMBINE_ROWS;
+    const int64_t items = (rows + per - 1) / per;
     int threads = c->num_threads < items ? c->num_threads : (int)items;
     if (threads < 1)
         threads = 1;
-    fa_combine_job job = {c, malloc(sizeof(double) * (size_t)(c->dv + 1) * (size_t)threads)};
+    fa_combine_job job = {c, per, malloc(sizeof(double) * (size_t)(c->dv + 1) * (size_t)threads)};
     if (!job.scratch)
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for the combine's buffers");
     fa_status st = c->log
