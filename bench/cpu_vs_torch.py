@@ -2,7 +2,8 @@
 with the same thread count, on the shapes the CPU performance issue names. Prints a table last:
 time per call (best of interleaved rounds, --reps at least), the ratio torch/ours (> 1: we are faster), our GFLOP/s by
 FlashAttention's convention and its fraction of the cores' FMA peak measured in the same run
-(`flashattn peak`).
+(`flashattn peak`). The decode rows also time torch reading K and V once (a sum of each), in
+the same rounds: torch's decode time over that read is the most any read-once kernel can gain.
 
     PYTHONPATH=python python3 bench/cpu_vs_torch.py [--threads N] [--reps R] [--quick]
                                                     [--only REGEX]
@@ -32,29 +33,28 @@ import flashattn  # noqa: E402
 SETTLE_S = 0.02  # --settle-ms
 
 
-def best_times(ours, theirs, reps):
-    """Best seconds per call of each, over interleaved rounds (ours, then theirs, in turn, so
-    that both see the same machine): at least `reps` rounds, more for short calls (up to ~0.3 s
+def best_times(fns, reps):
+    """Best seconds per call of each of `fns`, over interleaved rounds (each in turn, so that
+    all see the same machine): at least `reps` rounds, more for short calls (up to ~0.3 s
     of each, at most 200 rounds), whose best-of-few on a shared machine is mostly noise.
     Each call starts SETTLE_S after the previous one ends: torch's OpenMP workers spin for about
     a millisecond after each parallel region (libgomp's default wait policy) and would take the
     cores from whichever call comes next (measured on the H200 host: our 4k decode 1.58 ms
     right after torch's call, 0.53 with OMP_WAIT_POLICY=PASSIVE)."""
-    fns = (ours, theirs)
     first = []
     for fn in fns:
         t = time.perf_counter()
         fn()
         first.append(time.perf_counter() - t)
     rounds = max(reps, min(200, int(0.3 / max(max(first), 1e-6))))
-    best = [float("inf"), float("inf")]
+    best = [float("inf")] * len(fns)
     for _ in range(rounds):
         for i, fn in enumerate(fns):
             time.sleep(SETTLE_S)
             t = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - t)
-    return best[0], best[1]
+    return best
 
 
 def peak_gflops(threads):
@@ -112,7 +112,7 @@ def prefill_case(name, b, h, s, d, dtype, causal=False, window=(-1, -1), dropout
 
             def theirs():
                 F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=causal).backward(doutt)
-        return best_times(ours, theirs, reps) + (flops,)
+        return (*best_times((ours, theirs), reps), flops, None)
     return name, run
 
 
@@ -126,7 +126,11 @@ def decode_case(name, h, hk, ctx, d, dtype):
         kt, vt = (x.transpose(1, 2).contiguous() for x in (kc, vc))
         ours = lambda: flashattn.flash_attn_with_kvcache(q, kc, vc)
         theirs = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-        return best_times(ours, theirs, reps) + (4.0 * b * h * ctx * d,)
+        # What reading K and V once costs here, timed in the same rounds: no kernel that reads
+        # them once can beat torch by more than torch's time over this one.
+        read = lambda: (kc.sum(), vc.sum())
+        t_ours, t_theirs, t_read = best_times((ours, theirs, read), reps)
+        return t_ours, t_theirs, 4.0 * b * h * ctx * d, t_read
     return name, run
 
 
@@ -164,8 +168,8 @@ def main():
     peak = peak_gflops(a.threads)
     rows = []
     for name, run in cases:
-        ours, theirs, flops = run(a.reps)
-        rows.append((name, ours, theirs, flops))
+        ours, theirs, flops, read = run(a.reps)
+        rows.append((name, ours, theirs, flops, read))
         print("%-22s ours %9.2f ms  torch %9.2f ms" % (name, ours * 1e3, theirs * 1e3),
               flush=True)
     print()
@@ -173,10 +177,14 @@ def main():
         a.threads, peak, torch.__version__, flashattn._lib.cpu_description()))
     print("| case | ours ms | torch ms | torch/ours | ours GFLOP/s | % of peak |")
     print("|---|---|---|---|---|---|")
-    for name, ours, theirs, flops in rows:
+    for name, ours, theirs, flops, _ in rows:
         gf = flops / ours * 1e-9
         print("| %s | %.2f | %.2f | %.2fx | %.0f | %.0f%% |" % (
             name, ours * 1e3, theirs * 1e3, theirs / ours, gf, 100 * gf / peak))
+    for name, ours, theirs, _, read in rows:
+        if read is not None:
+            print("%s: reading K and V once (torch's sum of each) takes %.2f ms, so a "
+                  "read-once kernel is at most %.2fx torch" % (name, read * 1e3, theirs / read))
 
 
 if __name__ == "__main__":
