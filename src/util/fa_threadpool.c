@@ -251,8 +251,7 @@ fa_status fa_parallel_for(int num_threads, int64_t n_items, fa_task_fn fn, void 
     fa_pool_drain(pool, 0);
 
     const int joined = (int)(atomic_fetch_or(&pool->entry, FA_POOL_CLOSED) & FA_POOL_JOINED);
-    if (atomic_load(&pool->finished) < joined &&
-        fa_pool_spin_finished(&pool->finished, joined) < joined) {
+    if (fa_pool_spin_finished(&pool->finished, joined) < joined) {
         pthread_mutex_lock(&pool->lock);
         while (atomic_load(&pool->finished) < joined)
             pthread_cond_wait(&pool->done, &pool->lock);
