@@ -1,8 +1,7 @@
 /* The backward entry point: validate the forward's arguments and the gradients, then compute. */
 #include <string.h>
 
-#include "api/fa_internal.h"
-#include "cuda/fa_cuda.h"
+#include "api/fa_dispatch.h"
 
 FA_API void fa_bwd_args_init(fa_bwd_args *args)
 {
@@ -12,16 +11,11 @@ FA_API void fa_bwd_args_init(fa_bwd_args *args)
 FA_API fa_status fa_attention_backward(const fa_bwd_args *args)
 {
     fa_params p;
-    fa_status st = fa_params_from_bwd_args(args, &p);
-    if (st != FA_STATUS_OK)
-        return st;
-    if (args->fwd->device != FA_DEVICE_CPU)
-        st = fa_cuda_backward(&p, args);
-    else
-        st = fa_cpu_backward(&p);
-    if (st == FA_STATUS_OK)
-        fa_error_clear();
-    return st;
+    FA_TRY(fa_params_from_bwd_args(args, &p));
+    const fa_backend *be = fa_backend_of(args->fwd->device);
+    if (!be->backward)
+        return fa_backend_missing(args->fwd->device, "fa_attention_backward");
+    return fa_dispatch_result(be->backward(&p, args));
 }
 
 FA_API size_t fa_attention_backward_workspace_size(const fa_bwd_args *args)
@@ -30,5 +24,6 @@ FA_API size_t fa_attention_backward_workspace_size(const fa_bwd_args *args)
     if (fa_params_from_bwd_args(args, &p) != FA_STATUS_OK)
         return 0;
     fa_error_clear();
-    return args->fwd->device == FA_DEVICE_CPU ? 0 : fa_cuda_backward_workspace_size(&p);
+    const fa_backend *be = fa_backend_of(args->fwd->device);
+    return be->backward_workspace_size ? be->backward_workspace_size(&p) : 0;
 }

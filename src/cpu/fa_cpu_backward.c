@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "api/fa_internal.h"
+#include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"

@@ -6,7 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "api/fa_kvcache.h"
+#include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_log.h"
 #include "util/fa_half.h"
 #include "util/fa_threadpool.h"

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "api/fa_kvcache.h"
+#include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
 #include "cpu/fa_cpu_log.h"

@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "api/fa_internal.h"
+#include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"

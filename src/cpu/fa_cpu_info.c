@@ -15,14 +15,11 @@
 #include <cpuid.h>
 #endif
 
-#include "api/fa_internal.h"
-#include "cpu/fa_cpu_bf16.h"
-#include "cpu/fa_cpu_gemm.h"
+#include "flashattn.h"
+#include "util/fa_export.h"
 
 static fa_cpu_info g_info;
 static char g_description[256];
-static char g_report[384]; /* g_description, the kernels picked from it, the L2 share */
-static pthread_once_t g_report_once = PTHREAD_ONCE_INIT;
 static int g_affinity_cpus;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -276,9 +273,12 @@ const fa_cpu_info *fa_cpu_info_get(void)
     return &g_info;
 }
 
-/* The tiles' constants were tuned where each thread has a 2 MB L2 of its own (both machines of
- * bench/NOTES.md); that is the share assumed when sysfs does not say. */
-#define FA_CPU_L2_SHARE_DEFAULT (2L << 20)
+const char *fa_cpu_info_description(void)
+{
+    pthread_once(&g_once, cpu_info_detect);
+    return g_description;
+}
+
 static long g_l2_share_override;
 
 long fa_cpu_l2_share(void)
@@ -292,28 +292,6 @@ long fa_cpu_l2_share(void)
 void fa_cpu_set_l2_share(size_t bytes)
 {
     g_l2_share_override = bytes > (size_t)LONG_MAX ? LONG_MAX : (long)bytes;
-}
-
-/* A separate once: choosing the kernels reads fa_cpu_info_get(), whose once must be done. */
-static void report_build(void)
-{
-    const fa_cpu_bf16_kernel *bf16 = fa_cpu_bf16_kernel_get();
-    const long l2 = fa_cpu_info_get()->l2_share_bytes;
-    char cache[48];
-    if (l2 > 0)
-        snprintf(cache, sizeof cache, "L2 %ld KB a thread", l2 >> 10);
-    else
-        snprintf(cache, sizeof cache, "L2 unknown (tiles sized for %ld KB)",
-                 FA_CPU_L2_SHARE_DEFAULT >> 10);
-    snprintf(g_report, sizeof g_report, "%s; kernels: fp32 %s, bf16 %s; %s", g_description,
-             fa_cpu_gemm_name(), bf16 ? bf16->name : "as fp32", cache);
-}
-
-FA_API const char *fa_cpu_description(void)
-{
-    pthread_once(&g_once, cpu_info_detect);
-    pthread_once(&g_report_once, report_build);
-    return g_report;
 }
 
 FA_API int fa_cpu_default_threads(void)

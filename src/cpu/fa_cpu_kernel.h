@@ -2,7 +2,7 @@
 #ifndef FA_CPU_KERNEL_H
 #define FA_CPU_KERNEL_H
 
-#include "api/fa_internal.h"
+#include "core/fa_params.h"
 #include "cpu/fa_cpu_f16.h"
 #include "cpu/fa_cpu_gemm.h"
 #include "cpu/fa_cpu_math.h"

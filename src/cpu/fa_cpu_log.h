@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#include "api/fa_internal.h"
+#include "core/fa_params.h"
 #include "util/fa_threadpool.h"
 
 #define FA_CPU_LOG_PHASES 4

@@ -5,7 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "api/fa_internal.h"
+#include "cpu/fa_cpu.h"
 #include "util/fa_half.h"
 #include "util/fa_philox.h"
 #include "util/fa_threadpool.h"

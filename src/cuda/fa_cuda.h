@@ -2,7 +2,10 @@
 #ifndef FA_CUDA_H
 #define FA_CUDA_H
 
-#include "api/fa_internal.h"
+#include "core/fa_backend.h"
+
+/* The table the API layer dispatches calls on a CUDA ordinal through (fa_cuda_backend.c). */
+extern const fa_backend fa_cuda_backend;
 
 /* Launches the forward on args->stream of CUDA device args->device: asynchronous, no
  * allocation, no synchronisation. p is the validated problem (its pointers are device pointers). */

@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "api/fa_internal.h"
+#include "core/fa_error.h"
 #include "cuda/fa_cuda_driver.h"
 
 #define FA_CUDA_MAX_DEVICES 64

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "api/fa_internal.h"
+#include "core/fa_error.h"
 #include "cuda/fa_jit.h"
 
 #define FA_JIT_MAX_FNS 16 /* (context, entry point) pairs per module */
@@ -36,12 +36,6 @@ typedef struct fa_jit_entry {
 static pthread_mutex_t fa_jit_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t fa_jit_built = PTHREAD_COND_INITIALIZER;
 static fa_jit_entry *fa_jit_entries;
-
-int fa_jit_logging(void)
-{
-    const char *v = getenv("FLASHATTN_LOG");
-    return v && *v && strcmp(v, "0") != 0;
-}
 
 static double fa_jit_now_ms(void)
 {

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "cuda/fa_cuda_driver.h"
+#include "cuda/fa_jit_disk.h"
 #include "plan/fa_plan.h"
 
 /* Where the cubin of a plan came from. */
@@ -30,18 +31,5 @@ typedef struct fa_kernel_file {
 } fa_kernel_file;
 extern const fa_kernel_file fa_kernel_files[];
 extern const int fa_kernel_file_count;
-
-/* Disk cache. The key is the full text the cubin depends on; the entry is found by its hash
- * and its header repeats the key, so a collision or a damaged file reads as a miss. */
-void *fa_jit_disk_load(const char *key, size_t *size);
-void fa_jit_disk_store(const char *key, const void *cubin, size_t size);
-/* The cache directory ("" when caching on disk is off). */
-const char *fa_jit_disk_dir(void);
-
-/* 64-bit hashes for keys and checksums. */
-uint64_t fa_jit_hash(const void *data, size_t size, uint64_t seed);
-
-/* Nonzero when FLASHATTN_LOG asks for compile and cache messages on stderr. */
-int fa_jit_logging(void);
 
 #endif /* FA_JIT_H */

@@ -16,7 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "cuda/fa_jit.h"
+#include "cuda/fa_jit_disk.h"
 
 #define FA_JIT_MAGIC "FACUBIN1"
 

@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "api/fa_internal.h"
+#include "core/fa_error.h"
 #include "plan/fa_plan.h"
 
 /*

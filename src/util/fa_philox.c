@@ -1,5 +1,6 @@
 /* The public form of the dropout mask, for callers and tests that need to reproduce it. */
-#include "api/fa_internal.h"
+#include "flashattn.h"
+#include "util/fa_export.h"
 #include "util/fa_philox.h"
 
 FA_API int fa_dropout_keep(uint64_t seed, uint64_t offset, int64_t num_heads, int64_t batch,

@@ -30,7 +30,7 @@
 #include <unistd.h>
 #endif
 
-#include "api/fa_internal.h"
+#include "util/fa_export.h"
 #include "util/fa_threadpool.h"
 
 #define FA_POOL_MAX_THREADS 1024

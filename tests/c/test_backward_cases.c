@@ -5,7 +5,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "api/fa_internal.h"
+#include "cpu/fa_cpu_info.h"
 #include "test_backward.h"
 
 /* ------------------------------------------------------------------------------------------ */

@@ -25,7 +25,8 @@
 #include "flashattn.h"
 #include "test_util.h"
 
-#include "api/fa_internal.h"
+#include "cpu/fa_cpu.h"
+#include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "util/fa_half.h"
 

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "api/fa_internal.h"
+#include "core/fa_params.h"
 #include "cuda/fa_cuda.h"
 #include "plan/fa_plan.h"
 #include "test_util.h"

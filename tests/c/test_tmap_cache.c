@@ -12,7 +12,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "api/fa_internal.h"
+#include "core/fa_params.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_cuda_driver.h"
 #include "test_util.h"

@@ -1,7 +1,7 @@
 /* Tensor views, dtype facts and the version string. */
 #include <string.h>
 
-#include "api/fa_internal.h"
+#include "core/fa_error.h"
 
 #define FA_STR2(x) #x
 #define FA_STR(x) FA_STR2(x)

@@ -1,12 +1,14 @@
 /*
- * fa_attention_kvcache: validation and entry point. Every rule is checked here, before the
+ * fa_attention_kvcache's validation. Every rule is checked here, before the
  * backend writes anything: a bad call must leave the caller's cache exactly as it was, and no
  * index taken from the caller (block ids, batch indices, lengths) may reach memory unchecked.
  */
 #include <math.h>
 #include <string.h>
 
-#include "api/fa_kvcache.h"
+#include "core/fa_check.h"
+#include "core/fa_kvcache.h"
+#include "core/fa_options.h"
 
 static fa_status fa_kv_check_same_dtype(const fa_tensor *t, const char *name, fa_dtype dt)
 {
@@ -284,13 +286,7 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
 {
     if (a->lse) {
         const fa_tensor *t = a->lse;
-        FA_TRY(fa_check_tensor(t, "lse", 3));
-        if (t->dtype != FA_DTYPE_F32 && !(t->dtype == FA_DTYPE_F64 && p->dtype == FA_DTYPE_F64))
-            return FA_BAD("lse: dtype must be fp32 (or fp64 when q is fp64), got %s",
-                          fa_dtype_name(t->dtype));
-        FA_TRY(fa_check_dim(t, "lse", 0, p->b, "batch"));
-        FA_TRY(fa_check_dim(t, "lse", 1, p->h, "heads"));
-        FA_TRY(fa_check_dim(t, "lse", 2, p->sq, "seqlen_q"));
+        FA_TRY(fa_check_lse_dense(t, p->dtype, p->b, p->h, p->sq));
         p->lse = t->data;
         p->lse_dtype = t->dtype;
         p->lse_bstride = t->stride[0];
@@ -303,29 +299,20 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
     if (a->sinks)
         FA_TRY(fa_check_sinks(a->sinks, p->h, &p->sinks, &p->sinks_stride));
 
-    if (isnan(a->softmax_scale))
-        p->scale = 1.0 / sqrt((double)p->d);
-    else if (!isfinite(a->softmax_scale))
-        return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
-    else
-        p->scale = a->softmax_scale;
-    if (isnan(a->softcap) || isinf(a->softcap))
-        return FA_BAD("softcap: must be a finite number (<= 0 disables it)");
-    p->softcap = a->softcap > 0 ? a->softcap : 0.0;
-    if (a->window_left < -1)
-        return FA_BAD("window_left: must be -1 (unbounded) or >= 0, got %d", a->window_left);
-    if (a->window_right < -1)
-        return FA_BAD("window_right: must be -1 (unbounded) or >= 0, got %d", a->window_right);
-    p->window_left = a->window_left;
-    p->window_right = a->causal ? 0 : a->window_right;
+    fa_options o;
+    FA_TRY(fa_options_check(a->softmax_scale, a->softcap, a->causal, a->window_left,
+                            a->window_right, p->d, &o));
+    p->scale = o.scale;
+    p->softcap = o.softcap;
+    p->window_left = o.window_left;
+    p->window_right = o.window_right;
 
     if (a->num_splits < 0 || a->num_splits > FA_MAX_SPLITS)
         return FA_BAD("num_splits: must be in [0, %d] (0 = chosen by the library), got %d",
                       FA_MAX_SPLITS, a->num_splits);
     p->num_splits = a->num_splits;
-    if (a->num_threads < 0)
-        return FA_BAD("num_threads: must be >= 0 (0 = default), got %d", a->num_threads);
-    p->num_threads = a->num_threads > 0 ? a->num_threads : fa_cpu_default_threads();
+    FA_TRY(fa_check_threads(a->num_threads));
+    p->num_threads = a->num_threads;
     return FA_STATUS_OK;
 }
 
@@ -334,37 +321,11 @@ fa_status fa_kv_params_from_args(const fa_kvcache_args *a, fa_kv_params *p)
     *p = (fa_kv_params){0};
     if (!a)
         return FA_BAD("args: NULL");
-    if (a->device < FA_DEVICE_CPU)
-        return FA_BAD("device: must be FA_DEVICE_CPU (-1) or a CUDA ordinal, got %d", a->device);
+    FA_TRY(fa_check_device(a->device));
     FA_TRY(fa_kv_check_tensors(a, p));
     FA_TRY(fa_kv_check_layout(a, p));
     FA_TRY(fa_kv_check_lengths(a, p));
     FA_TRY(fa_kv_check_options(a, p));
     FA_TRY(fa_kv_check_rotary(a, p));
     return FA_STATUS_OK;
-}
-
-FA_API void fa_kvcache_args_init(fa_kvcache_args *args)
-{
-    memset(args, 0, sizeof *args);
-    args->softmax_scale = NAN;
-    args->window_left = -1;
-    args->window_right = -1;
-    args->rotary_interleaved = 1;
-    args->device = FA_DEVICE_CPU;
-}
-
-FA_API fa_status fa_attention_kvcache(const fa_kvcache_args *args)
-{
-    fa_kv_params p;
-    fa_status st = fa_kv_params_from_args(args, &p);
-    if (st != FA_STATUS_OK)
-        return st;
-    st = fa_check_cpu_only(args->device, "fa_attention_kvcache");
-    if (st != FA_STATUS_OK)
-        return st;
-    st = fa_cpu_kvcache(&p);
-    if (st == FA_STATUS_OK)
-        fa_error_clear();
-    return st;
 }

@@ -2,7 +2,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "api/fa_internal.h"
+#include "core/fa_error.h"
 
 static _Thread_local char fa_error_text[512];
 

@@ -2,7 +2,7 @@
  * The structural checks every entry point makes on its tensor arguments, each failing with a
  * message that names the argument.
  */
-#include "api/fa_internal.h"
+#include "core/fa_check.h"
 
 int64_t fa_tensor_numel(const fa_tensor *t)
 {
@@ -100,14 +100,4 @@ fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int6
     *data = (const float *)t->data;
     *stride = t->stride[0];
     return FA_STATUS_OK;
-}
-
-fa_status fa_check_cpu_only(int device, const char *entry)
-{
-    if (device == FA_DEVICE_CPU)
-        return FA_STATUS_OK;
-    return fa_error_set(FA_STATUS_UNSUPPORTED,
-                        "device: %s runs on the CPU only so far, got CUDA device %d (pass "
-                        "FA_DEVICE_CPU with host pointers)",
-                        entry, device);
 }

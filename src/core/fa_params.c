@@ -4,7 +4,9 @@
  */
 #include <math.h>
 
-#include "api/fa_internal.h"
+#include "core/fa_check.h"
+#include "core/fa_options.h"
+#include "core/fa_params.h"
 #include "util/fa_philox.h"
 
 /* cu_seqlens: int32 [b+1], non-negative, non-decreasing, within total rows and max_seqlen.
@@ -167,32 +169,20 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
 }
 
 /* fp32 as upstream; fp64 inputs may keep it in fp64 so their gradients stay exact. */
-static fa_status fa_check_lse_dtype(const fa_tensor *t, const fa_params *p)
-{
-    if (t->dtype == FA_DTYPE_F32 || (t->dtype == FA_DTYPE_F64 && p->dtype == FA_DTYPE_F64))
-        return FA_STATUS_OK;
-    return FA_BAD("lse: dtype must be fp32 (or fp64 when q is fp64), got %s",
-                  fa_dtype_name(t->dtype));
-}
-
 static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
 {
     if (a->lse) {
         const fa_tensor *t = a->lse;
         if (p->is_varlen) {
             FA_TRY(fa_check_tensor(t, "lse", 2));
-            FA_TRY(fa_check_lse_dtype(t, p));
+            FA_TRY(fa_check_lse_dtype(t, p->dtype));
             FA_TRY(fa_check_dim(t, "lse", 0, p->h, "heads"));
             FA_TRY(fa_check_dim(t, "lse", 1, p->total_q, "total_q"));
             p->lse_bstride = 0;
             p->lse_hstride = t->stride[0];
             p->lse_rstride = t->stride[1];
         } else {
-            FA_TRY(fa_check_tensor(t, "lse", 3));
-            FA_TRY(fa_check_lse_dtype(t, p));
-            FA_TRY(fa_check_dim(t, "lse", 0, p->b, "batch"));
-            FA_TRY(fa_check_dim(t, "lse", 1, p->h, "heads"));
-            FA_TRY(fa_check_dim(t, "lse", 2, p->max_sq, "seqlen_q"));
+            FA_TRY(fa_check_lse_dense(t, p->dtype, p->b, p->h, p->max_sq));
             p->lse_bstride = t->stride[0];
             p->lse_hstride = t->stride[1];
             p->lse_rstride = t->stride[2];
@@ -230,24 +220,14 @@ static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
 
 static fa_status fa_check_options(const fa_fwd_args *a, fa_params *p)
 {
-    if (isnan(a->softmax_scale))
-        p->scale = 1.0 / sqrt((double)p->d);
-    else if (!isfinite(a->softmax_scale))
-        return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
-    else
-        p->scale = a->softmax_scale;
-
-    if (isnan(a->softcap) || isinf(a->softcap))
-        return FA_BAD("softcap: must be a finite number (<= 0 disables it)");
-    p->softcap = a->softcap > 0 ? a->softcap : 0.0;
-
-    if (a->window_left < -1)
-        return FA_BAD("window_left: must be -1 (unbounded) or >= 0, got %d", a->window_left);
-    if (a->window_right < -1)
-        return FA_BAD("window_right: must be -1 (unbounded) or >= 0, got %d", a->window_right);
-    p->causal = a->causal != 0;
-    p->window_left = a->window_left;
-    p->window_right = p->causal ? 0 : a->window_right;
+    fa_options o;
+    FA_TRY(fa_options_check(a->softmax_scale, a->softcap, a->causal, a->window_left,
+                            a->window_right, p->d, &o));
+    p->scale = o.scale;
+    p->softcap = o.softcap;
+    p->causal = o.causal;
+    p->window_left = o.window_left;
+    p->window_right = o.window_right;
 
     if (!(a->dropout_p >= 0.0 && a->dropout_p < 1.0))
         return FA_BAD("dropout_p: must be in [0, 1), got %g", a->dropout_p);
@@ -260,10 +240,24 @@ static fa_status fa_check_options(const fa_fwd_args *a, fa_params *p)
     p->seed = a->seed;
     p->offset = a->offset;
 
-    if (a->num_threads < 0)
-        return FA_BAD("num_threads: must be >= 0 (0 = default), got %d", a->num_threads);
-    p->num_threads = a->num_threads > 0 ? a->num_threads : fa_cpu_default_threads();
+    FA_TRY(fa_check_threads(a->num_threads));
+    p->num_threads = a->num_threads;
     return FA_STATUS_OK;
+}
+
+/* Upstream's kBlockN of its sm80 forward kernels, which fixes how S_dmask is blocked. */
+FA_API int fa_probs_block_n(int head_dim, int dropout, int causal)
+{
+    (void)causal;
+    if (head_dim <= 32)
+        return 128;
+    if (head_dim <= 64)
+        return dropout ? 64 : 128;
+    if (head_dim <= 96)
+        return 64;
+    if (head_dim <= 128)
+        return dropout ? 32 : 64;
+    return 64;
 }
 
 fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
@@ -271,8 +265,7 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
     *p = (fa_params){0};
     if (!a)
         return FA_BAD("args: NULL");
-    if (a->device < FA_DEVICE_CPU)
-        return FA_BAD("device: must be FA_DEVICE_CPU (-1) or a CUDA ordinal, got %d", a->device);
+    FA_TRY(fa_check_device(a->device));
     FA_TRY(fa_check_inputs(a, p));
     FA_TRY(fa_check_options(a, p));
     FA_TRY(fa_check_extras(a, p));

@@ -1,15 +1,14 @@
 /*
- * The KV-cache attention and the combine after validation: what the API layer
- * (fa_kvcache.c, fa_combine.c) hands to the CPU backend (fa_cpu_decode.c, fa_cpu_combine.c).
- * Strides are in elements. Kept apart from fa_params because the forward's backends never
- * need any of it.
+ * The KV-cache attention and the combine after validation: what core (fa_kvcache.c,
+ * fa_combine.c) hands to a backend (fa_cpu_decode.c, fa_cpu_combine.c). Strides are in
+ * elements. Kept apart from fa_params because the forward's backends never need any of it.
  */
 #ifndef FA_KVCACHE_H
 #define FA_KVCACHE_H
 
 #include <stdint.h>
 
-#include "api/fa_internal.h"
+#include "core/fa_error.h"
 
 typedef struct fa_kv_params {
     fa_dtype dtype;
@@ -72,7 +71,7 @@ typedef struct fa_kv_params {
     int window_right; /* -1 unbounded */
 
     int num_splits; /* 0: the backend chooses; else 1 .. FA_MAX_SPLITS */
-    int num_threads;
+    int num_threads; /* 0: the backend's default */
 } fa_kv_params;
 
 /* Validates args (naming the argument in the error) and fills p. Writes nothing. */
@@ -150,12 +149,11 @@ typedef struct fa_combine_params {
     const float *sinks; /* optional [h]: one more term exp(sink) in every row's sum */
     int64_t sinks_stride;
     double empty_lse; /* lse of a row with nothing to merge: -inf (FA3), +inf (the forward) */
-    int num_threads;
+    int num_threads; /* 0: the backend's default */
     struct fa_cpu_log *log; /* optional: the calling decode's FLASHATTN_LOG record */
 } fa_combine_params;
 
-/* CPU backend. */
-fa_status fa_cpu_kvcache(const fa_kv_params *p);
-fa_status fa_cpu_combine(const fa_combine_params *c);
+/* Validates args (naming the argument in the error) and fills c. Writes nothing. */
+fa_status fa_combine_params_from_args(const fa_combine_args *args, fa_combine_params *c);
 
 #endif /* FA_KVCACHE_H */

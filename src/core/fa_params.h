@@ -1,50 +1,13 @@
 /*
- * What every part of the library shares: the export macro, error reporting, and the validated
- * parameter record that the API layer builds once and every backend reads.
+ * The validated parameter record of the forward and the backward: core builds it once from the
+ * public arguments and every backend reads it.
  */
-#ifndef FA_INTERNAL_H
-#define FA_INTERNAL_H
+#ifndef FA_PARAMS_H
+#define FA_PARAMS_H
 
 #include <stdint.h>
 
-#include "flashattn.h"
-
-#define FA_API __attribute__((visibility("default")))
-
-#if defined(__GNUC__)
-#define FA_PRINTF(a, b) __attribute__((format(printf, a, b)))
-#else
-#define FA_PRINTF(a, b)
-#endif
-
-/* Records the message for fa_last_error() on this thread and returns status. */
-fa_status fa_error_set(fa_status status, const char *fmt, ...) FA_PRINTF(2, 3);
-void fa_error_clear(void);
-
-#define FA_BAD(...) fa_error_set(FA_STATUS_INVALID_ARGUMENT, __VA_ARGS__)
-
-#define FA_TRY(expr)                                                                             \
-    do {                                                                                         \
-        fa_status fa_try_status_ = (expr);                                                       \
-        if (fa_try_status_ != FA_STATUS_OK)                                                      \
-            return fa_try_status_;                                                               \
-    } while (0)
-
-/* Tensor argument checks (fa_check.c); each names the argument in its error. */
-int64_t fa_tensor_numel(const fa_tensor *t);
-int fa_dtype_is_float(fa_dtype dt);
-fa_status fa_check_tensor(const fa_tensor *t, const char *name, int ndim); /* last dim stride 1 */
-fa_status fa_check_strided(const fa_tensor *t, const char *name, int ndim);
-fa_status fa_check_dtype(const fa_tensor *t, const char *name, fa_dtype want, const char *why);
-fa_status fa_check_dim(const fa_tensor *t, const char *name, int dim, int64_t want,
-                       const char *what);
-/* alibi_slopes, fp32 [h] or [b, h]; sinks, fp32 [h]: data and strides of valid tensors. */
-fa_status fa_check_alibi(const fa_tensor *t, int64_t b, int64_t h, const float **data,
-                         int64_t *bstride, int64_t *hstride);
-fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int64_t *stride);
-/* Entry points with a CPU implementation only: FA_STATUS_UNSUPPORTED, naming the entry point,
- * for a CUDA ordinal (whether or not the build has the CUDA backend). */
-fa_status fa_check_cpu_only(int device, const char *entry);
+#include "core/fa_error.h"
 
 /*
  * The forward problem after validation. Strides are in elements. In the dense form every
@@ -103,7 +66,7 @@ typedef struct fa_params {
     double dropout_scale;    /* 1 / (1 - p) */
     uint64_t seed, offset;
 
-    int num_threads;
+    int num_threads; /* 0: the backend's default */
 
     /* Backward only. dout: as out; dq: as q; dk: as k; dv: as v (strides in elements). */
     const void *dout_data;
@@ -188,17 +151,4 @@ static inline void fa_params_tile_keys(const fa_params *p, int64_t r0, int64_t m
     fa_params_key_range(p, r0 + m - 1, sq, sk, &unused_lo, hi);
 }
 
-/* CPU backend entry points. */
-fa_status fa_cpu_forward(const fa_params *p);
-/* For the tests: the most bytes of packed K/V one pass of the bf16 forward holds, so that small
- * problems take several passes (0: the default). Not thread-safe against running forwards. */
-void fa_cpu_forward_set_pack_limit(size_t bytes);
-/* For the tests: the L2 bytes per thread that the CPU tiles are sized for (0: the machine's). Not
- * thread-safe against running calls. */
-void fa_cpu_set_l2_share(size_t bytes);
-/* Query rows per forward work item (fa_cpu_forward.c), exposed for the tests of its rule. */
-int64_t fa_cpu_forward_tile_rows(const fa_params *p);
-fa_status fa_cpu_probs(const fa_params *p);
-fa_status fa_cpu_backward(const fa_params *p);
-
-#endif /* FA_INTERNAL_H */
+#endif /* FA_PARAMS_H */

@@ -1,16 +1,17 @@
-/* fa_attention_combine: validation and entry point of the public split-KV merge. */
+/* fa_attention_combine's validation: the public split-KV merge. */
 #include <math.h>
 #include <string.h>
 
-#include "api/fa_kvcache.h"
+#include "core/fa_check.h"
+#include "core/fa_kvcache.h"
+#include "core/fa_options.h"
 
-static fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combine_params *c)
+fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combine_params *c)
 {
     *c = (fa_combine_params){0};
     if (!a)
         return FA_BAD("args: NULL");
-    if (a->device < FA_DEVICE_CPU)
-        return FA_BAD("device: must be FA_DEVICE_CPU (-1) or a CUDA ordinal, got %d", a->device);
+    FA_TRY(fa_check_device(a->device));
     const fa_tensor *op = a->out_partial, *lp = a->lse_partial, *o = a->out;
     FA_TRY(fa_check_tensor(op, "out_partial", 5));
     FA_TRY(fa_check_strided(lp, "lse_partial", 4));
@@ -76,29 +77,7 @@ static fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combin
         c->lse_hstride = t->stride[2];
     }
     c->empty_lse = -INFINITY;
-    if (a->num_threads < 0)
-        return FA_BAD("num_threads: must be >= 0 (0 = default), got %d", a->num_threads);
-    c->num_threads = a->num_threads > 0 ? a->num_threads : fa_cpu_default_threads();
+    FA_TRY(fa_check_threads(a->num_threads));
+    c->num_threads = a->num_threads;
     return FA_STATUS_OK;
-}
-
-FA_API void fa_combine_args_init(fa_combine_args *args)
-{
-    memset(args, 0, sizeof *args);
-    args->device = FA_DEVICE_CPU;
-}
-
-FA_API fa_status fa_attention_combine(const fa_combine_args *args)
-{
-    fa_combine_params c;
-    fa_status st = fa_combine_params_from_args(args, &c);
-    if (st != FA_STATUS_OK)
-        return st;
-    st = fa_check_cpu_only(args->device, "fa_attention_combine");
-    if (st != FA_STATUS_OK)
-        return st;
-    st = fa_cpu_combine(&c);
-    if (st == FA_STATUS_OK)
-        fa_error_clear();
-    return st;
 }

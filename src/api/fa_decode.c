@@ -1,0 +1,41 @@
+/* The entry points of decoding: the KV-cache attention and the merge of its split results. */
+#include <math.h>
+#include <string.h>
+
+#include "api/fa_dispatch.h"
+
+FA_API void fa_kvcache_args_init(fa_kvcache_args *args)
+{
+    memset(args, 0, sizeof *args);
+    args->softmax_scale = NAN;
+    args->window_left = -1;
+    args->window_right = -1;
+    args->rotary_interleaved = 1;
+    args->device = FA_DEVICE_CPU;
+}
+
+FA_API fa_status fa_attention_kvcache(const fa_kvcache_args *args)
+{
+    fa_kv_params p;
+    FA_TRY(fa_kv_params_from_args(args, &p));
+    const fa_backend *be = fa_backend_of(args->device);
+    if (!be->kvcache)
+        return fa_backend_missing(args->device, "fa_attention_kvcache");
+    return fa_dispatch_result(be->kvcache(&p, args));
+}
+
+FA_API void fa_combine_args_init(fa_combine_args *args)
+{
+    memset(args, 0, sizeof *args);
+    args->device = FA_DEVICE_CPU;
+}
+
+FA_API fa_status fa_attention_combine(const fa_combine_args *args)
+{
+    fa_combine_params c;
+    FA_TRY(fa_combine_params_from_args(args, &c));
+    const fa_backend *be = fa_backend_of(args->device);
+    if (!be->combine)
+        return fa_backend_missing(args->device, "fa_attention_combine");
+    return fa_dispatch_result(be->combine(&c, args));
+}

@@ -1,0 +1,21 @@
+/* Tensor argument checks; each names the argument in its error. */
+#ifndef FA_CHECK_H
+#define FA_CHECK_H
+
+#include <stdint.h>
+
+#include "core/fa_error.h"
+
+int64_t fa_tensor_numel(const fa_tensor *t);
+int fa_dtype_is_float(fa_dtype dt);
+fa_status fa_check_tensor(const fa_tensor *t, const char *name, int ndim); /* last dim stride 1 */
+fa_status fa_check_strided(const fa_tensor *t, const char *name, int ndim);
+fa_status fa_check_dtype(const fa_tensor *t, const char *name, fa_dtype want, const char *why);
+fa_status fa_check_dim(const fa_tensor *t, const char *name, int dim, int64_t want,
+                       const char *what);
+/* alibi_slopes, fp32 [h] or [b, h]; sinks, fp32 [h]: data and strides of valid tensors. */
+fa_status fa_check_alibi(const fa_tensor *t, int64_t b, int64_t h, const float **data,
+                         int64_t *bstride, int64_t *hstride);
+fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int64_t *stride);
+
+#endif /* FA_CHECK_H */
