@@ -37,8 +37,6 @@
 #ifndef FA_KV_LANES_F32
 #define FA_KV_LANES_F32 16 /* partial sums of an fp32 dot product */
 #endif
-/* Fewest keys per chunk the heuristic makes: below this the merge costs more than it gains. */
-#define FA_KV_MIN_CHUNK 256
 
 typedef struct fa_kv_item {
     int64_t seq;      /* sequence */
@@ -197,36 +195,6 @@ static int fa_kv_item_cmp(const void *a, const void *b)
     return x->split < y->split ? -1 : (x->split > y->split);
 }
 
-/*
- * Upstream's wave-efficiency rule, tightened for threads: the fewest chunks whose waves fill
- * the threads to within 2% of the best count (upstream: 85%, and no split once the items fill
- * 80% of the SMs), chunks keeping at least FA_KV_MIN_CHUNK keys. A GPU runs many blocks per SM
- * and hides a short last wave; an idle thread is 1/threads of the machine (14 chunks on 16
- * threads made the host's decode 5-12% slower than 16, bench/NOTES.md, twenty-first session).
- */
-static int fa_kv_splits_choose(const fa_kv_params *p, int64_t base_items, int64_t max_keys)
-{
-    const int64_t threads = p->num_threads;
-    if (base_items == 0)
-        return 1;
-    int64_t max_splits = (max_keys + FA_KV_MIN_CHUNK - 1) / FA_KV_MIN_CHUNK;
-    if (max_splits > FA_MAX_SPLITS)
-        max_splits = FA_MAX_SPLITS;
-    if (max_splits <= 1)
-        return 1;
-    double eff[FA_MAX_SPLITS + 1], best = 0.0;
-    for (int64_t s = 1; s <= max_splits; s++) {
-        double work = (double)(base_items * s) / (double)threads;
-        eff[s] = work / ceil(work);
-        if (eff[s] > best)
-            best = eff[s];
-    }
-    for (int64_t s = 1; s <= max_splits; s++)
-        if (eff[s] >= 0.98 * best)
-            return (int)s;
-    return 1;
-}
-
 fa_status fa_cpu_kvcache(const fa_kv_params *p)
 {
     fa_status st = FA_STATUS_OK;
@@ -256,7 +224,7 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
         max_keys = n > max_keys ? n : max_keys;
     }
     const int64_t splits =
-        p->num_splits > 0 ? p->num_splits : fa_kv_splits_choose(p, base_items, max_keys);
+        p->num_splits > 0 ? p->num_splits : fa_plan_cpu_splits(p->num_threads, base_items, max_keys);
 
     const int64_t n_items = base_items * splits;
     fa_kv_item *items = malloc((size_t)n_items * sizeof *items);

@@ -6,6 +6,7 @@
 #include "cpu/fa_cpu_f16.h"
 #include "cpu/fa_cpu_gemm.h"
 #include "cpu/fa_cpu_math.h"
+#include "plan/fa_plan_cpu.h"
 #include "util/fa_half.h"
 #include "util/fa_memory.h"
 #include "util/fa_philox.h"
@@ -33,13 +34,6 @@
  * 2026-11-30). The bf16 backward on AMX, measured at 512, 1024 and 2048 on 16 threads, is
  * fastest at 512 too (thirteenth session). */
 #define FA_CPU_BWD_NK 512
-/* Largest forward tile of the shape-only rule: each tile reads its head's K/V once (fewer rows
- * on a small L2: fa_cpu_forward_tile_rows). */
-#define FA_CPU_FWD_BM_MAX 256
-/* The fp32/fp64 tile's height where every thread still gets FA_CPU_FWD_TALL_ITEMS tiles. */
-#define FA_CPU_FWD_BM_TALL 512
-#define FA_CPU_FWD_TALL_ITEMS 32
-#define FA_CPU_BN 64 /* keys per block */
 /* Most columns of a forward tile's query-column buffers (Q^T, S^T, P^T, O^T): see
  * fa_cpu_tile_ld. */
 #define FA_CPU_FWD_LD_MAX (FA_CPU_FWD_BM_MAX + 16)

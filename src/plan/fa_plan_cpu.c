@@ -1,0 +1,82 @@
+/* The CPU backend's size rules (fa_plan_cpu.h). */
+#include <math.h>
+
+#include "plan/fa_plan_cpu.h"
+
+/* Bytes a forward tile of bm rows keeps in L2 across its key blocks: Q^T, O and one block of
+ * S^T, in the type the products accumulate in; the K/V blocks stream through. */
+static size_t fa_plan_cpu_tile_bytes(const fa_params *p, int64_t bm)
+{
+    const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
+    return (size_t)bm * (size_t)(p->d + p->dv + FA_CPU_BN) * real_size;
+}
+
+/*
+ * Query rows per work item. Each item reads its head's K/V once (fp32 rows in place or copied
+ * per block, bf16 from the call's packed blocks), so taller tiles read K/V less often; they are
+ * kept shorter when the problem has few of them, for windows bounded on the left, where a tall
+ * tile computes more masked scores at both edges, and where the tile would not stay in the
+ * thread's share of L2 (fa_cpu_l2_share: on a 2 MB L2 every head dim keeps 256 rows, which
+ * at head dim 256 ran as fast as 128 rows or faster, bench/NOTES.md, eighteenth session).
+ * Causal alone keeps the tall tile: the key blocks skip the queries that see none of their keys,
+ * and with 128 rows the K/V traffic cost more than the diagonal saved (h=32, s=2048, d=128, 2
+ * threads: 223 ms against 213 ms).
+ *
+ * Up to 256 rows the choice depends on the shape and the cache only: a window bounded on the
+ * left starts each tile's key blocks at its first row's first key, so there the height fixes
+ * the order of the online softmax. Without one, every tile's blocks start at key 0 and a row's
+ * scores, maxima, sums and products run through the same blocks in the same order whatever
+ * the tile's height, so the fp32/fp64 tile may go to FA_CPU_FWD_BM_TALL rows where every
+ * thread still gets FA_CPU_FWD_TALL_ITEMS of them. At h 32, s 2048 on the 2-core machine 512
+ * rows took fp32 5-11% and d64 9-12% less time (half the K/V rereads), while the H200 host,
+ * whose L3 keeps K/V between tiles, was even at 4 and 8 threads and lost 4-10% at 16 in one of
+ * two sessions: its last wave of 8 long items a thread waits on the slowest core
+ * (bench/NOTES.md). The bf16 products keep 256 (their scratch is laid out for it; bf16 causal
+ * lost 10-24% at 512 on the host).
+ */
+int64_t fa_plan_cpu_tile_rows(const fa_params *p, size_t l2, int bf16)
+{
+    const int tall = p->window_left < 0 && !bf16;
+    int64_t bm = p->window_left >= 0 ? 128 : tall ? FA_CPU_FWD_BM_TALL : FA_CPU_FWD_BM_MAX;
+    for (; bm > 64; bm /= 2) {
+        if (fa_plan_cpu_tile_bytes(p, bm) > l2)
+            continue;
+        int64_t items = 0;
+        for (int64_t i = 0; i < p->b; i++)
+            items += (fa_params_seq(p, i).sq + bm - 1) / bm;
+        const int64_t want =
+            bm > FA_CPU_FWD_BM_MAX ? FA_CPU_FWD_TALL_ITEMS * p->num_threads : FA_CPU_MIN_ITEMS;
+        if (items * p->h >= want)
+            break;
+    }
+    return bm;
+}
+
+/*
+ * Upstream's wave-efficiency rule, tightened for threads: the fewest chunks whose waves fill
+ * the threads to within 2% of the best count (upstream: 85%, and no split once the items fill
+ * 80% of the SMs), chunks keeping at least FA_KV_MIN_CHUNK keys. A GPU runs many blocks per SM
+ * and hides a short last wave; an idle thread is 1/threads of the machine (14 chunks on 16
+ * threads made the host's decode 5-12% slower than 16, bench/NOTES.md, twenty-first session).
+ */
+int fa_plan_cpu_splits(int64_t threads, int64_t base_items, int64_t max_keys)
+{
+    if (base_items == 0)
+        return 1;
+    int64_t max_splits = (max_keys + FA_KV_MIN_CHUNK - 1) / FA_KV_MIN_CHUNK;
+    if (max_splits > FA_MAX_SPLITS)
+        max_splits = FA_MAX_SPLITS;
+    if (max_splits <= 1)
+        return 1;
+    double eff[FA_MAX_SPLITS + 1], best = 0.0;
+    for (int64_t s = 1; s <= max_splits; s++) {
+        double work = (double)(base_items * s) / (double)threads;
+        eff[s] = work / ceil(work);
+        if (eff[s] > best)
+            best = eff[s];
+    }
+    for (int64_t s = 1; s <= max_splits; s++)
+        if (eff[s] >= 0.98 * best)
+            return (int)s;
+    return 1;
+}
