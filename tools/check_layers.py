@@ -259,6 +259,10 @@ def main(argv):
         for m in sorted(graph, key=lambda m: (RANKS[layer_of(m + ".h") or layer_of(m)], m)):
             deps = " ".join(sorted(graph[m]))
             print(f"{m} -> {deps}" if deps else m)
+        between = sorted({(layer_of(s), layer_of(d)) for s, d, _ in arrows
+                          if layer_of(s) and layer_of(s) != layer_of(d)},
+                         key=lambda e: (RANKS[e[0]], e[0], RANKS[e[1]], e[1]))
+        print("layers: " + ", ".join(f"{a} -> {b}" for a, b in between))
     errors = upward(arrows)
     for comp in cycles(graph):
         inner = [f"{s} {why} {d}" for s, d, why in arrows

@@ -1,6 +1,5 @@
 /* fa_attention_combine's validation: the public split-KV merge. */
 #include <math.h>
-#include <string.h>
 
 #include "core/fa_check.h"
 #include "core/fa_kvcache.h"

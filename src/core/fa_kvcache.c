@@ -1,11 +1,8 @@
 /*
- * fa_attention_kvcache's validation. Every rule is checked here, before the
- * backend writes anything: a bad call must leave the caller's cache exactly as it was, and no
- * index taken from the caller (block ids, batch indices, lengths) may reach memory unchecked.
+ * fa_attention_kvcache's validation. Every rule is checked here, before the backend writes
+ * anything: a bad call must leave the caller's cache exactly as it was, and no index taken from
+ * the caller (block ids, batch indices, lengths) may reach memory unchecked.
  */
-#include <math.h>
-#include <string.h>
-
 #include "core/fa_check.h"
 #include "core/fa_kvcache.h"
 #include "core/fa_options.h"

@@ -2,8 +2,6 @@
  * Validation: every rule a caller can break is checked here, once, with a message that names the
  * argument. Backends receive an fa_params they can trust.
  */
-#include <math.h>
-
 #include "core/fa_check.h"
 #include "core/fa_options.h"
 #include "core/fa_params.h"
