@@ -223,8 +223,9 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
         int64_t n = fa_kv_seq_end(p, i) - fa_kv_seq_start(p, i);
         max_keys = n > max_keys ? n : max_keys;
     }
-    const int64_t splits =
-        p->num_splits > 0 ? p->num_splits : fa_plan_cpu_splits(p->num_threads, base_items, max_keys);
+    const int64_t splits = p->num_splits > 0
+                               ? p->num_splits
+                               : fa_plan_cpu_splits(p->num_threads, base_items, max_keys);
 
     const int64_t n_items = base_items * splits;
     fa_kv_item *items = malloc((size_t)n_items * sizeof *items);

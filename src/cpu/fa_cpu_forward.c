@@ -18,7 +18,6 @@
 #include "util/fa_memory.h"
 #include "util/fa_threadpool.h"
 
-
 #define FA_REAL float
 #define FA_FN(name) name##_f32
 #define FA_NATIVE FA_DTYPE_F32
