@@ -151,6 +151,43 @@ static void run_case(tu_rng *r, int64_t splits, int64_t b, int64_t sq, int64_t h
     g_cases++;
 }
 
+/* Dispatch: a CUDA ordinal reaches the CUDA backend, which has no combine: FA_STATUS_UNSUPPORTED
+ * naming the entry point, out untouched; the same arguments on the CPU with num_threads = 0 (the
+ * CPU backend's default count) succeed. */
+static void dispatch_case(tu_rng *r)
+{
+    tu_where = "dispatch";
+    int64_t ps[5] = {3, 2, 4, 2, 8}, ls[4] = {3, 2, 4, 2}, os[4] = {2, 4, 2, 8};
+    tu_tensor op = tu_tensor_new(FA_DTYPE_F32, 5, ps, 0, r);
+    tu_tensor lp = tu_tensor_new(FA_DTYPE_F32, 4, ls, 0, r);
+    tu_tensor out = tu_tensor_new(FA_DTYPE_F32, 4, os, 0, r);
+    tu_fill_uniform(&op, r, -3.0, 3.0);
+    tu_fill_uniform(&lp, r, -20.0, 20.0);
+    fa_combine_args a;
+    fa_combine_args_init(&a);
+    a.out_partial = &op.t;
+    a.lse_partial = &lp.t;
+    a.out = &out.t;
+    a.device = (int)tu_rng_int(r, 0, 3);
+    tu_poison(&out);
+    fa_status st = fa_attention_combine(&a);
+    const char *msg = fa_last_error();
+    TU_CHECK(st == FA_STATUS_UNSUPPORTED, "device %d: status %d (%s), expected UNSUPPORTED",
+             a.device, (int)st, fa_status_string(st));
+    TU_CHECK(tu_names(msg, "device") && strstr(msg, "fa_attention_combine"),
+             "message names neither the argument nor the entry point: %s", msg);
+    TU_CHECK(tu_count_poisoned_in_view(&out) == tu_numel(&out.t), "out was written");
+    a.device = FA_DEVICE_CPU;
+    a.num_threads = 0;
+    st = fa_attention_combine(&a);
+    TU_CHECK(st == FA_STATUS_OK, "num_threads 0: status %d: %s", (int)st, fa_last_error());
+    TU_CHECK(tu_count_poisoned_in_view(&out) == 0, "num_threads 0: out not fully written");
+    tu_tensor_free(&op);
+    tu_tensor_free(&lp);
+    tu_tensor_free(&out);
+    g_cases++;
+}
+
 int main(void)
 {
     tu_rng rng = {tu_master_seed("test_combine")};
@@ -170,6 +207,7 @@ int main(void)
                  tu_rng_chance(&rng, 0.2) ? FA_DTYPE_F64 : FA_DTYPE_F32,
                  outs[tu_rng_int(&rng, 0, 3)], tu_rng_chance(&rng, 0.7),
                  tu_rng_uniform(&rng, 0.0, 0.6));
+    dispatch_case(&rng);
     printf("test_combine: %lld cases\n", (long long)g_cases);
     return tu_finish("test_combine");
 }
