@@ -194,7 +194,7 @@ static fa_status fa_jit_entry_get(const fa_plan *plan, fa_jit_entry **out, fa_ji
     /* Built outside the lock: other kernels compile in parallel meanwhile. */
     fa_status st = FA_STATUS_OK;
     double t0 = fa_jit_now_ms();
-    e->cubin = fa_jit_disk_load(key, &e->size);
+    e->cubin = fa_jit_disk_load(fa_jit_disk_default(), key, &e->size);
     if (e->cubin) {
         *origin = FA_JIT_DISK;
         if (fa_jit_logging())
@@ -206,7 +206,7 @@ static fa_status fa_jit_entry_get(const fa_plan *plan, fa_jit_entry **out, fa_ji
             if (fa_jit_logging())
                 fprintf(stderr, "flashattn: compiled in %.1f ms (%zu bytes) %s\n",
                         fa_jit_now_ms() - t0, e->size, key);
-            fa_jit_disk_store(key, e->cubin, e->size);
+            fa_jit_disk_store(fa_jit_disk_default(), key, e->cubin, e->size);
         }
     }
 
