@@ -153,12 +153,13 @@ static const char *fa_jit_dir_distrust(const struct stat *st, char *buf, size_t 
 }
 
 /* Opens name in dir for reading when it is a regular file of this user, never following a link
- * or waiting on a FIFO; else -1 (errno ENOENT when absent, EPERM when present but not trusted). */
+ * or waiting on a FIFO; else -1 with errno ENOENT when absent, EPERM when present but not
+ * trusted, another when it could not be opened (no descriptor left, say). */
 static int fa_jit_open_owned(int dir_fd, const char *name, struct stat *st)
 {
     int fd = openat(dir_fd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
     if (fd < 0) {
-        if (errno != ENOENT)
+        if (errno == ELOOP || errno == ENXIO) /* a link; a socket or absent device */
             errno = EPERM;
         return -1;
     }
@@ -272,8 +273,9 @@ static int fa_jit_secret_read(int dir_fd, unsigned char *secret)
     return r;
 }
 
-/* The directory's secret, made when absent or damaged. A new one is linked into place (never
- * replacing one another process has just made), so processes starting together agree on it. */
+/* The directory's secret, made when absent or damaged. A new one is linked into place, never
+ * over one another process has just made, so processes starting together agree on it (two that
+ * replace a damaged one at once may not: that costs misses, not trust). */
 static int fa_jit_secret_get(int dir_fd, unsigned char *secret, char *why, size_t why_size)
 {
     for (int attempt = 0; attempt < 4; attempt++) {
@@ -493,8 +495,8 @@ void *fa_jit_disk_load(fa_jit_disk *disk, const char *key, size_t *size)
     int fd = fa_jit_open_owned(disk->dir_fd, name, &st);
     if (fd < 0) {
         if (errno != ENOENT && fa_jit_logging())
-            fprintf(stderr, "flashattn: cache entry %s/%s is not a regular file of this user; "
-                            "ignored\n", disk->path, name);
+            fprintf(stderr, "flashattn: cache entry %s/%s ignored: %s\n", disk->path, name,
+                    errno == EPERM ? "not a regular file of this user" : strerror(errno));
         return NULL;
     }
     const uint64_t key_size = strlen(key), head = sizeof(fa_jit_header) + key_size;
