@@ -323,10 +323,10 @@ static int fa_jit_secret_get(int dir_fd, unsigned char *secret, char *why, size_
  * *untrusted 1 when the directory exists but is not this user's private one. */
 static int fa_jit_dir_walk(const char *path, int *untrusted, char *why, size_t why_size)
 {
-    int fd = open(path[0] == '/' ? "/" : ".", FA_JIT_DIR_FLAGS);
+    const char *start = path[0] == '/' ? "/" : ".";
+    int fd = open(start, FA_JIT_DIR_FLAGS);
     if (fd < 0) {
-        snprintf(why, why_size, "cannot open %s: %s", path[0] == '/' ? "/" : "the working "
-                 "directory", strerror(errno));
+        snprintf(why, why_size, "cannot open %s: %s", start, strerror(errno));
         return -1;
     }
     const char *p = path;
@@ -349,13 +349,14 @@ static int fa_jit_dir_walk(const char *path, int *untrusted, char *why, size_t w
         int next = openat(fd, name, flags);
         if (next < 0 && errno == ENOENT && (mkdirat(fd, name, 0700) == 0 || errno == EEXIST))
             next = openat(fd, name, flags);
+        const int open_errno = errno;
         struct stat st;
         if (next < 0 && last && fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
             S_ISLNK(st.st_mode)) {
             *untrusted = 1;
             snprintf(why, why_size, "it is a symbolic link");
         } else if (next < 0) {
-            snprintf(why, why_size, "cannot open or create %s: %s", name, strerror(errno));
+            snprintf(why, why_size, "cannot open or create %s: %s", name, strerror(open_errno));
         }
         close(fd);
         if (next < 0)
@@ -364,16 +365,18 @@ static int fa_jit_dir_walk(const char *path, int *untrusted, char *why, size_t w
         p += len;
     }
     struct stat st;
-    const char *distrust = fstat(fd, &st) != 0 ? strerror(errno)
-                                               : fa_jit_dir_distrust(&st, why, why_size);
-    if (distrust) {
+    const char *distrust = NULL;
+    if (fstat(fd, &st) != 0) {
+        snprintf(why, why_size, "cannot inspect it: %s", strerror(errno));
+    } else if ((distrust = fa_jit_dir_distrust(&st, why, why_size))) {
         *untrusted = 1;
         if (distrust != why)
             snprintf(why, why_size, "%s", distrust);
-        close(fd);
-        return -1;
+    } else {
+        return fd;
     }
-    return fd;
+    close(fd);
+    return -1;
 }
 
 fa_jit_disk *fa_jit_disk_open(const char *dir, int *untrusted, char *why, size_t why_size)
