@@ -29,48 +29,40 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cuda/fa_jit.h"
-#include "test_util.h"
+#include "test_jit_disk.h"
 
-#define BLOB_MAX 6000
+char jd_base[256];
+tu_rng jd_rng;
 
-static char base[256]; /* this run's scratch directory */
-static tu_rng rng;
-
-typedef struct blob {
-    unsigned char data[BLOB_MAX];
-    size_t size;
-} blob;
-
-static blob random_blob(void)
+jd_blob jd_random_blob(void)
 {
-    blob b;
-    b.size = (size_t)tu_rng_int(&rng, 1, BLOB_MAX);
+    jd_blob b;
+    b.size = (size_t)tu_rng_int(&jd_rng, 1, JD_BLOB_MAX);
     for (size_t i = 0; i < b.size; i++)
-        b.data[i] = (unsigned char)tu_rng_u64(&rng);
+        b.data[i] = (unsigned char)tu_rng_u64(&jd_rng);
     return b;
 }
 
-static void random_key(char *key, size_t size, const char *what)
+void jd_random_key(char *key, size_t size, const char *what)
 {
     snprintf(key, size, "flashattn-jit-test %s %016llx -DFA_BN=64", what,
-             (unsigned long long)tu_rng_u64(&rng));
+             (unsigned long long)tu_rng_u64(&jd_rng));
 }
 
-static void path_of(char *out, size_t size, const char *dir, const char *name)
+void jd_path_of(char *out, size_t size, const char *dir, const char *name)
 {
     int n = snprintf(out, size, "%s/%s", dir, name);
     TU_CHECK(n > 0 && (size_t)n < size, "the path %s/%s is too long for the test", dir, name);
 }
 
-static void entry_path(char *out, size_t size, const char *dir, const char *key)
+void jd_entry_path(char *out, size_t size, const char *dir, const char *key)
 {
     char name[64];
     fa_jit_disk_entry_name(key, name, sizeof name);
-    path_of(out, size, dir, name);
+    jd_path_of(out, size, dir, name);
 }
 
-static fa_jit_disk *open_ok(const char *dir)
+fa_jit_disk *jd_open_ok(const char *dir)
 {
     int untrusted = -1;
     char why[256] = "";
@@ -79,7 +71,7 @@ static fa_jit_disk *open_ok(const char *dir)
     return d;
 }
 
-static void expect_refused(const char *dir, const char *reason)
+void jd_expect_refused(const char *dir, const char *reason)
 {
     int untrusted = -1;
     char why[256] = "";
@@ -91,7 +83,7 @@ static void expect_refused(const char *dir, const char *reason)
 }
 
 /* Whether load gives exactly b. */
-static int loads(fa_jit_disk *d, const char *key, const blob *b)
+int jd_loads(fa_jit_disk *d, const char *key, const jd_blob *b)
 {
     size_t size = 0;
     void *got = fa_jit_disk_load(d, key, &size);
@@ -100,7 +92,7 @@ static int loads(fa_jit_disk *d, const char *key, const blob *b)
     return same;
 }
 
-static int misses(fa_jit_disk *d, const char *key)
+int jd_misses(fa_jit_disk *d, const char *key)
 {
     size_t size = 0;
     void *got = fa_jit_disk_load(d, key, &size);
@@ -108,7 +100,7 @@ static int misses(fa_jit_disk *d, const char *key)
     return got == NULL;
 }
 
-static unsigned char *read_file(const char *path, size_t *size)
+unsigned char *jd_read_file(const char *path, size_t *size)
 {
     FILE *f = fopen(path, "rb");
     if (!f)
@@ -175,17 +167,17 @@ static void test_mac(void)
     /* Fed in random pieces, a random message under a random key gives the one-shot tag. */
     for (int round = 0; round < 200; round++) {
         unsigned char data[100];
-        size_t len = (size_t)tu_rng_int(&rng, 0, 100);
+        size_t len = (size_t)tu_rng_int(&jd_rng, 0, 100);
         for (size_t i = 0; i < len; i++)
-            data[i] = (unsigned char)tu_rng_u64(&rng);
+            data[i] = (unsigned char)tu_rng_u64(&jd_rng);
         for (int i = 0; i < 16; i++)
-            key[i] = (unsigned char)tu_rng_u64(&rng);
+            key[i] = (unsigned char)tu_rng_u64(&jd_rng);
         fa_jit_mac whole, pieces;
         fa_jit_mac_init(&whole, key);
         fa_jit_mac_update(&whole, data, len);
         fa_jit_mac_init(&pieces, key);
         for (size_t at = 0; at < len;) {
-            size_t n = (size_t)tu_rng_int(&rng, 0, (int64_t)(len - at));
+            size_t n = (size_t)tu_rng_int(&jd_rng, 0, (int64_t)(len - at));
             fa_jit_mac_update(&pieces, data + at, n);
             at += n;
         }
@@ -198,12 +190,12 @@ static void test_round_trip(void)
 {
     tu_where = "round trip";
     char top[PATH_MAX], dir[PATH_MAX], secret[PATH_MAX], key[128], other[128];
-    path_of(top, sizeof top, base, "made");
-    path_of(dir, sizeof dir, top, "cache");
-    random_key(key, sizeof key, "round-trip");
-    random_key(other, sizeof other, "other");
-    blob b = random_blob();
-    fa_jit_disk *d = open_ok(dir);
+    jd_path_of(top, sizeof top, jd_base, "made");
+    jd_path_of(dir, sizeof dir, top, "cache");
+    jd_random_key(key, sizeof key, "round-trip");
+    jd_random_key(other, sizeof other, "other");
+    jd_blob b = jd_random_blob();
+    fa_jit_disk *d = jd_open_ok(dir);
     if (!d)
         return;
     struct stat st;
@@ -211,18 +203,18 @@ static void test_round_trip(void)
              (unsigned)(st.st_mode & 07777));
     TU_CHECK(stat(dir, &st) == 0 && (st.st_mode & 07777) == 0700, "made %s mode %o", dir,
              (unsigned)(st.st_mode & 07777));
-    path_of(secret, sizeof secret, dir, "secret");
+    jd_path_of(secret, sizeof secret, dir, "secret");
     TU_CHECK(lstat(secret, &st) == 0 && S_ISREG(st.st_mode) && (st.st_mode & 07777) == 0600 &&
                  st.st_size == FA_JIT_SECRET_SIZE && st.st_uid == geteuid(),
              "secret file: mode %o size %lld", (unsigned)(st.st_mode & 07777),
              (long long)st.st_size);
-    TU_CHECK(misses(d, key), "an empty cache hits");
+    TU_CHECK(jd_misses(d, key), "an empty cache hits");
     TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0, "store failed");
-    TU_CHECK(loads(d, key, &b), "the stored blob does not load back");
-    TU_CHECK(misses(d, other), "another key hits");
+    TU_CHECK(jd_loads(d, key, &b), "the stored blob does not load back");
+    TU_CHECK(jd_misses(d, other), "another key hits");
     fa_jit_disk_close(d);
-    d = open_ok(dir); /* a later process: the secret is read back, not remade */
-    TU_CHECK(d && loads(d, key, &b), "the blob does not load in a later open");
+    d = jd_open_ok(dir); /* a later process: the secret is read back, not remade */
+    TU_CHECK(d && jd_loads(d, key, &b), "the blob does not load in a later open");
     fa_jit_disk_close(d);
 }
 
@@ -230,31 +222,31 @@ static void test_corrupt_entry(void)
 {
     tu_where = "corrupt entry";
     char dir[PATH_MAX], entry[PATH_MAX], key[128], other[128];
-    path_of(dir, sizeof dir, base, "corrupt");
-    random_key(key, sizeof key, "corrupt");
-    random_key(other, sizeof other, "corrupt-other");
-    fa_jit_disk *d = open_ok(dir);
+    jd_path_of(dir, sizeof dir, jd_base, "corrupt");
+    jd_random_key(key, sizeof key, "corrupt");
+    jd_random_key(other, sizeof other, "corrupt-other");
+    fa_jit_disk *d = jd_open_ok(dir);
     if (!d)
         return;
-    entry_path(entry, sizeof entry, dir, key);
-    blob b = random_blob(), c = random_blob();
+    jd_entry_path(entry, sizeof entry, dir, key);
+    jd_blob b = jd_random_blob(), c = jd_random_blob();
     for (int kind = 0; kind < 5; kind++) {
         TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0, "store failed");
         size_t size = 0;
-        unsigned char *file = read_file(entry, &size);
+        unsigned char *file = jd_read_file(entry, &size);
         TU_CHECK(file && size == sizeof(fa_jit_header) + strlen(key) + b.size, "entry size %zu",
                  size);
         if (!file)
             return;
         const char *what = "";
         if (kind == 0) { /* one bit of the cubin */
-            file[size - 1 - (size_t)tu_rng_int(&rng, 0, (int64_t)b.size - 1)] ^= 0x10;
+            file[size - 1 - (size_t)tu_rng_int(&jd_rng, 0, (int64_t)b.size - 1)] ^= 0x10;
             what = "a flipped cubin bit";
         } else if (kind == 1) { /* one bit of the header */
-            file[(size_t)tu_rng_int(&rng, 0, (int64_t)sizeof(fa_jit_header) - 1)] ^= 0x01;
+            file[(size_t)tu_rng_int(&jd_rng, 0, (int64_t)sizeof(fa_jit_header) - 1)] ^= 0x01;
             what = "a flipped header bit";
         } else if (kind == 2) {
-            size = (size_t)tu_rng_int(&rng, 0, (int64_t)size - 1);
+            size = (size_t)tu_rng_int(&jd_rng, 0, (int64_t)size - 1);
             what = "a truncated file";
         } else if (kind == 3) {
             file[size++] = 0;
@@ -264,15 +256,15 @@ static void test_corrupt_entry(void)
             plant_file(entry, file, size);
         } else { /* another key's whole entry under this key's name: a hash collision */
             char other_entry[PATH_MAX];
-            entry_path(other_entry, sizeof other_entry, dir, other);
+            jd_entry_path(other_entry, sizeof other_entry, dir, other);
             TU_CHECK(fa_jit_disk_store(d, other, c.data, c.size) == 0 &&
                          rename(other_entry, entry) == 0,
                      "cannot move an entry");
             what = "another key's entry";
         }
         free(file);
-        TU_CHECK(misses(d, key), "%s loads as a hit", what);
-        TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0 && loads(d, key, &b),
+        TU_CHECK(jd_misses(d, key), "%s loads as a hit", what);
+        TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0 && jd_loads(d, key, &b),
                  "after %s, the rebuilt entry does not load", what);
     }
     fa_jit_disk_close(d);
@@ -282,27 +274,27 @@ static void test_forged_entry(void)
 {
     tu_where = "forged entry";
     char dir[PATH_MAX], entry[PATH_MAX], secret_path[PATH_MAX], key[128];
-    path_of(dir, sizeof dir, base, "forged");
-    random_key(key, sizeof key, "forged");
-    fa_jit_disk *d = open_ok(dir);
+    jd_path_of(dir, sizeof dir, jd_base, "forged");
+    jd_random_key(key, sizeof key, "forged");
+    fa_jit_disk *d = jd_open_ok(dir);
     if (!d)
         return;
-    entry_path(entry, sizeof entry, dir, key);
-    path_of(secret_path, sizeof secret_path, dir, "secret");
-    blob b = random_blob();
+    jd_entry_path(entry, sizeof entry, dir, key);
+    jd_path_of(secret_path, sizeof secret_path, dir, "secret");
+    jd_blob b = jd_random_blob();
     TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0, "store failed");
     size_t size = 0, secret_size = 0;
-    unsigned char *file = read_file(entry, &size);
-    unsigned char *secret = read_file(secret_path, &secret_size);
+    unsigned char *file = jd_read_file(entry, &size);
+    unsigned char *secret = jd_read_file(secret_path, &secret_size);
     const size_t head = sizeof(fa_jit_header) + strlen(key);
     TU_CHECK(file && size == head + b.size && secret && secret_size == FA_JIT_SECRET_SIZE,
              "cannot read the entry or the secret");
     if (!file || size != head + b.size || !secret || secret_size != FA_JIT_SECRET_SIZE)
         return;
     /* The attacker's code: other bytes, same length, the header's tag recomputed. */
-    blob evil = b;
+    jd_blob evil = b;
     for (size_t i = 0; i < evil.size; i++)
-        evil.data[i] = (unsigned char)tu_rng_u64(&rng);
+        evil.data[i] = (unsigned char)tu_rng_u64(&jd_rng);
     memcpy(file + head, evil.data, evil.size);
     fa_jit_header h;
     memcpy(&h, file, sizeof h);
@@ -316,7 +308,7 @@ static void test_forged_entry(void)
             /* SipHash under an all-zero, a random, and the real secret (the control: the forger
              * who has it is the user; it must be accepted, or the misses prove nothing). */
             for (int i = 0; i < FA_JIT_SECRET_SIZE; i++)
-                guessed[i] = attempt == 1 ? 0 : attempt == 2 ? (unsigned char)tu_rng_u64(&rng)
+                guessed[i] = attempt == 1 ? 0 : attempt == 2 ? (unsigned char)tu_rng_u64(&jd_rng)
                                                              : secret[i];
             fa_jit_mac m;
             fa_jit_mac_init(&m, guessed);
@@ -329,11 +321,11 @@ static void test_forged_entry(void)
         memcpy(file, &h, sizeof h);
         plant_file(entry, file, size);
         if (attempt < 3)
-            TU_CHECK(misses(d, key), "an entry forged with %s loads as a hit", how);
+            TU_CHECK(jd_misses(d, key), "an entry forged with %s loads as a hit", how);
         else
-            TU_CHECK(loads(d, key, &evil), "an entry tagged with the secret does not load");
+            TU_CHECK(jd_loads(d, key, &evil), "an entry tagged with the secret does not load");
     }
-    TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0 && loads(d, key, &b),
+    TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0 && jd_loads(d, key, &b),
              "the rebuilt entry does not load");
     free(file);
     free(secret);
@@ -344,55 +336,32 @@ static void test_symlink_entry(void)
 {
     tu_where = "symbolic link as entry";
     char dir[PATH_MAX], entry[PATH_MAX], target[PATH_MAX], key[128];
-    path_of(dir, sizeof dir, base, "symlink-entry");
-    path_of(target, sizeof target, base, "symlink-target");
-    random_key(key, sizeof key, "symlink");
-    fa_jit_disk *d = open_ok(dir);
+    jd_path_of(dir, sizeof dir, jd_base, "symlink-entry");
+    jd_path_of(target, sizeof target, jd_base, "symlink-target");
+    jd_random_key(key, sizeof key, "symlink");
+    fa_jit_disk *d = jd_open_ok(dir);
     if (!d)
         return;
-    entry_path(entry, sizeof entry, dir, key);
-    blob b = random_blob(), c = random_blob();
+    jd_entry_path(entry, sizeof entry, dir, key);
+    jd_blob b = jd_random_blob(), c = jd_random_blob();
     /* The link's target is a valid entry: only refusing to follow makes the load miss. */
     TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0 && rename(entry, target) == 0 &&
                  symlink(target, entry) == 0,
              "cannot set up the link: %s", strerror(errno));
     size_t before_size = 0, after_size = 0;
-    unsigned char *before = read_file(target, &before_size);
-    TU_CHECK(misses(d, key), "a symbolic link to a valid entry is followed");
+    unsigned char *before = jd_read_file(target, &before_size);
+    TU_CHECK(jd_misses(d, key), "a symbolic link to a valid entry is followed");
     TU_CHECK(fa_jit_disk_store(d, key, c.data, c.size) == 0, "store over the link failed");
-    unsigned char *after = read_file(target, &after_size);
+    unsigned char *after = jd_read_file(target, &after_size);
     TU_CHECK(before && after && before_size == after_size &&
                  memcmp(before, after, before_size) == 0,
              "the link's target was written");
     struct stat st;
     TU_CHECK(lstat(entry, &st) == 0 && S_ISREG(st.st_mode), "the entry is still a link");
-    TU_CHECK(loads(d, key, &c), "the rebuilt entry does not load");
+    TU_CHECK(jd_loads(d, key, &c), "the rebuilt entry does not load");
     free(before);
     free(after);
     fa_jit_disk_close(d);
-}
-
-static void test_symlink_dir(void)
-{
-    tu_where = "symbolic link as directory";
-    char real[PATH_MAX], link[PATH_MAX], slash[PATH_MAX], below[PATH_MAX];
-    char dangling[PATH_MAX], nowhere[PATH_MAX];
-    path_of(real, sizeof real, base, "real-dir");
-    path_of(link, sizeof link, base, "linked-dir");
-    path_of(dangling, sizeof dangling, base, "dangling-dir");
-    path_of(nowhere, sizeof nowhere, base, "nowhere");
-    path_of(slash, sizeof slash, link, "");
-    fa_jit_disk_close(open_ok(real));
-    TU_CHECK(symlink(real, link) == 0 && symlink(nowhere, dangling) == 0, "symlink: %s",
-             strerror(errno));
-    expect_refused(link, "symbolic link");
-    expect_refused(slash, "symbolic link");
-    expect_refused(dangling, "symbolic link");
-    struct stat st;
-    TU_CHECK(lstat(nowhere, &st) != 0, "a dangling link's target was created");
-    /* A link above the directory is the user's own layout (/home -> /usr/home): allowed. */
-    path_of(below, sizeof below, link, "below");
-    fa_jit_disk_close(open_ok(below));
 }
 
 static void on_alarm(int sig)
@@ -408,220 +377,34 @@ static void test_fifo(void)
 {
     tu_where = "FIFO as entry";
     char dir[PATH_MAX], entry[PATH_MAX], secret[PATH_MAX], key[128];
-    path_of(dir, sizeof dir, base, "fifo");
-    random_key(key, sizeof key, "fifo");
-    fa_jit_disk *d = open_ok(dir);
+    jd_path_of(dir, sizeof dir, jd_base, "fifo");
+    jd_random_key(key, sizeof key, "fifo");
+    fa_jit_disk *d = jd_open_ok(dir);
     if (!d)
         return;
-    entry_path(entry, sizeof entry, dir, key);
-    blob b = random_blob();
+    jd_entry_path(entry, sizeof entry, dir, key);
+    jd_blob b = jd_random_blob();
     TU_CHECK(mkfifo(entry, 0600) == 0, "mkfifo: %s", strerror(errno));
     signal(SIGALRM, on_alarm);
     alarm(10);
     double t0 = tu_now();
-    TU_CHECK(misses(d, key), "a FIFO loads as a hit");
+    TU_CHECK(jd_misses(d, key), "a FIFO loads as a hit");
     TU_CHECK(tu_now() - t0 < 2.0, "the load took %.1f s", tu_now() - t0);
-    TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0 && loads(d, key, &b),
+    TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0 && jd_loads(d, key, &b),
              "the entry stored over the FIFO does not load");
     fa_jit_disk_close(d);
 
     /* A FIFO in place of the secret: replaced by a new secret, without blocking. */
     tu_where = "FIFO as secret";
-    path_of(secret, sizeof secret, dir, "secret");
+    jd_path_of(secret, sizeof secret, dir, "secret");
     TU_CHECK(unlink(secret) == 0 && mkfifo(secret, 0600) == 0, "mkfifo: %s", strerror(errno));
-    d = open_ok(dir);
+    d = jd_open_ok(dir);
     struct stat st;
     TU_CHECK(lstat(secret, &st) == 0 && S_ISREG(st.st_mode) && (st.st_mode & 0777) == 0600,
              "the FIFO secret was not replaced by a file");
-    TU_CHECK(d && misses(d, key), "an entry under the old secret hits under the new one");
+    TU_CHECK(d && jd_misses(d, key), "an entry under the old secret hits under the new one");
     alarm(0);
     fa_jit_disk_close(d);
-}
-
-static void test_writable_dir(void)
-{
-    tu_where = "directory writable by others";
-    static const unsigned modes[] = {0770, 0730, 0707, 0703, 0777, 01777, 02770};
-    for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
-        char dir[PATH_MAX], secret[PATH_MAX];
-        snprintf(dir, sizeof dir, "%s/mode-%o", base, modes[i]);
-        TU_CHECK(mkdir(dir, 0700) == 0 && chmod(dir, modes[i]) == 0, "cannot make %s", dir);
-        expect_refused(dir, "writable by its group or others");
-        path_of(secret, sizeof secret, dir, "secret");
-        TU_CHECK(access(secret, F_OK) != 0, "a refused directory got a secret");
-    }
-    char dir[PATH_MAX];
-    path_of(dir, sizeof dir, base, "mode-755");
-    TU_CHECK(mkdir(dir, 0700) == 0 && chmod(dir, 0755) == 0, "cannot make %s", dir);
-    fa_jit_disk_close(open_ok(dir)); /* readable by others is fine: cubins are not secret */
-}
-
-static void test_foreign_owner(void)
-{
-    tu_where = "directory of another user";
-    if (geteuid() != 0) {
-        /* Without root nothing can be given away; a root-owned directory stands in. */
-        printf("test_jit_disk: not root: ownership checked on / (owned by root) only; entries "
-               "and secrets of another user are not exercised\n");
-        struct stat st;
-        if (stat("/", &st) == 0 && st.st_uid == 0 && !(st.st_mode & (S_IWGRP | S_IWOTH)))
-            expect_refused("/", "owned by uid 0");
-        return;
-    }
-    const uid_t nobody = 65534;
-    char dir[PATH_MAX], secret[PATH_MAX], entry[PATH_MAX], key[128];
-    path_of(dir, sizeof dir, base, "foreign");
-    TU_CHECK(mkdir(dir, 0700) == 0 && chown(dir, nobody, nobody) == 0, "cannot give %s away: %s",
-             dir, strerror(errno));
-    expect_refused(dir, "owned by uid 65534");
-
-    tu_where = "entry of another user";
-    path_of(dir, sizeof dir, base, "own");
-    random_key(key, sizeof key, "foreign");
-    fa_jit_disk *d = open_ok(dir);
-    if (!d)
-        return;
-    entry_path(entry, sizeof entry, dir, key);
-    blob b = random_blob();
-    TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0 && loads(d, key, &b), "store failed");
-    TU_CHECK(chown(entry, nobody, nobody) == 0, "chown: %s", strerror(errno));
-    TU_CHECK(misses(d, key), "another user's entry loads as a hit");
-    TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0 && loads(d, key, &b),
-             "the rebuilt entry does not load");
-    fa_jit_disk_close(d);
-
-    tu_where = "secret of another user";
-    path_of(secret, sizeof secret, dir, "secret");
-    TU_CHECK(chown(secret, nobody, nobody) == 0, "chown: %s", strerror(errno));
-    d = open_ok(dir);
-    struct stat st;
-    TU_CHECK(stat(secret, &st) == 0 && st.st_uid == geteuid(), "another user's secret was kept");
-    TU_CHECK(d && misses(d, key), "an entry under another user's secret hits");
-    fa_jit_disk_close(d);
-}
-
-static void test_long_path(void)
-{
-    tu_where = "long path";
-    /* 30 components of 200 bytes: over PATH_MAX, and a cut at 1023 bytes (where paths were once
-     * truncated) falls inside a component. */
-    static char dir[8192];
-    int n = snprintf(dir, sizeof dir, "%s/long", base);
-    for (int i = 0; i < 30; i++) {
-        dir[n++] = '/';
-        for (int j = 0; j < 200; j++)
-            dir[n++] = (char)('a' + (i + j) % 26);
-    }
-    dir[n] = '\0';
-    TU_CHECK(n > PATH_MAX, "the path is only %d bytes", n);
-    char key[128];
-    random_key(key, sizeof key, "long");
-    blob b = random_blob();
-    fa_jit_disk *d = open_ok(dir);
-    TU_CHECK(d && fa_jit_disk_store(d, key, b.data, b.size) == 0 && loads(d, key, &b),
-             "no round trip under a %d-byte path", n);
-    TU_CHECK(d && strcmp(fa_jit_disk_path(d), dir) == 0, "the path was changed");
-    fa_jit_disk_close(d);
-    /* The entry is at the end of the whole path. */
-    int fd = open("/", O_RDONLY | O_DIRECTORY);
-    for (char *p = dir + 1, *slash; fd >= 0 && *p; p = slash ? slash + 1 : p + strlen(p)) {
-        slash = strchr(p, '/');
-        if (slash)
-            *slash = '\0';
-        int next = openat(fd, p, O_RDONLY | O_DIRECTORY);
-        if (slash)
-            *slash = '/';
-        close(fd);
-        fd = next;
-    }
-    char name[64];
-    fa_jit_disk_entry_name(key, name, sizeof name);
-    struct stat st;
-    TU_CHECK(fd >= 0 && fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode),
-             "the entry is not at the end of the path");
-    if (fd >= 0)
-        close(fd);
-    char cut[1024];
-    memcpy(cut, dir, 1023);
-    cut[1023] = '\0';
-    TU_CHECK(dir[1023] != '/' && cut[1022] != '/' && access(cut, F_OK) != 0,
-             "something was made at the path cut at 1023 bytes");
-
-    tu_where = "over-long component";
-    char longname[PATH_MAX];
-    n = snprintf(longname, sizeof longname, "%s/", base);
-    memset(longname + n, 'x', NAME_MAX + 1);
-    longname[n + NAME_MAX + 1] = '\0';
-    int untrusted = -1;
-    char why[256] = "";
-    d = fa_jit_disk_open(longname, &untrusted, why, sizeof why);
-    TU_CHECK(!d && strstr(why, "longer than"), "an over-long component: '%s'", why);
-    fa_jit_disk_close(d);
-}
-
-/* Runs fn in a child (the environment's cache is opened once per process); its failures count. */
-static void in_child(void (*fn)(void))
-{
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        tu_failures = 0; /* the child's own */
-        fn();
-        fflush(stdout);
-        _exit(tu_failures ? 1 : 0);
-    }
-    int status = 0;
-    TU_CHECK(pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
-                 WEXITSTATUS(status) == 0,
-             "%s: the child failed (status %d)", tu_where, status);
-}
-
-static void child_relative(void)
-{
-    char cwd[PATH_MAX], dir[PATH_MAX], entry[PATH_MAX], key[128];
-    path_of(cwd, sizeof cwd, base, "cwd");
-    path_of(dir, sizeof dir, cwd, "rel/cache");
-    random_key(key, sizeof key, "relative");
-    blob b = random_blob();
-    TU_CHECK(mkdir(cwd, 0700) == 0 && chdir(cwd) == 0, "cannot enter %s", cwd);
-    setenv("FLASHATTN_CACHE_DIR", "rel/cache", 1);
-    fa_jit_disk *d = fa_jit_disk_default();
-    TU_CHECK(d && strcmp(fa_jit_disk_path(d), dir) == 0, "the relative path became %s",
-             d ? fa_jit_disk_path(d) : "nothing");
-    TU_CHECK(chdir("/") == 0 && fa_jit_disk_default() == d, "a second call opened again");
-    TU_CHECK(fa_jit_disk_store(d, key, b.data, b.size) == 0 && loads(d, key, &b),
-             "no round trip after chdir");
-    entry_path(entry, sizeof entry, dir, key);
-    TU_CHECK(access(entry, F_OK) == 0, "the entry is not under the first working directory");
-}
-
-static void child_refusal_said_once(void)
-{
-    char dir[PATH_MAX], log[PATH_MAX];
-    path_of(dir, sizeof dir, base, "said-once");
-    path_of(log, sizeof log, base, "said-once.log");
-    TU_CHECK(mkdir(dir, 0700) == 0 && chmod(dir, 0777) == 0, "cannot make %s", dir);
-    setenv("FLASHATTN_CACHE_DIR", dir, 1);
-    unsetenv("FLASHATTN_LOG"); /* said even unasked */
-    int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    TU_CHECK(fd >= 0 && dup2(fd, STDERR_FILENO) == STDERR_FILENO, "cannot redirect stderr");
-    TU_CHECK(fa_jit_disk_default() == NULL && fa_jit_disk_default() == NULL,
-             "a 0777 directory was used");
-    size_t size = 0;
-    unsigned char *text = read_file(log, &size);
-    int count = 0;
-    for (size_t i = 0; text && i < size; i++)
-        count += strncmp((char *)text + i, "not using the kernel cache directory", 36) == 0;
-    TU_CHECK(text && count == 1 && strstr((char *)text, "writable") &&
-                 strstr((char *)text, "memory only"),
-             "said %d times: %.*s", count, (int)size, text ? (char *)text : "");
-    free(text);
-}
-
-static void child_off(void)
-{
-    setenv("FLASHATTN_CACHE_DIR", "", 1);
-    TU_CHECK(fa_jit_disk_default() == NULL, "an empty FLASHATTN_CACHE_DIR did not turn it off");
 }
 
 /* ---- concurrent writers ----------------------------------------------------------------- */
@@ -630,7 +413,7 @@ typedef struct writer {
     const char *dir;
     fa_jit_disk *disk;
     const char *key;
-    const blob *b;
+    const jd_blob *b;
     int failures;
 } writer;
 
@@ -639,7 +422,7 @@ static void *writer_run(void *arg)
     writer *w = arg;
     for (int i = 0; i < 40; i++)
         if (fa_jit_disk_store(w->disk, w->key, w->b->data, w->b->size) != 0 ||
-            !loads(w->disk, w->key, w->b))
+            !jd_loads(w->disk, w->key, w->b))
             w->failures++;
     return NULL;
 }
@@ -648,9 +431,9 @@ static void test_concurrent(void)
 {
     tu_where = "concurrent writers";
     char dir[PATH_MAX], key[128];
-    path_of(dir, sizeof dir, base, "concurrent");
-    random_key(key, sizeof key, "concurrent");
-    blob b = random_blob();
+    jd_path_of(dir, sizeof dir, jd_base, "concurrent");
+    jd_random_key(key, sizeof key, "concurrent");
+    jd_blob b = jd_random_blob();
     enum { PROCS = 4, THREADS = 2 };
     pid_t pids[PROCS];
     fflush(stdout);
@@ -683,8 +466,8 @@ static void test_concurrent(void)
                      WEXITSTATUS(status) == 0,
                  "writer %d: a store failed or a load missed or differed (status %d)", p, status);
     }
-    fa_jit_disk *d = open_ok(dir);
-    TU_CHECK(d && loads(d, key, &b), "the entry does not load after the writers");
+    fa_jit_disk *d = jd_open_ok(dir);
+    TU_CHECK(d && jd_loads(d, key, &b), "the entry does not load after the writers");
     fa_jit_disk_close(d);
     DIR *listing = opendir(dir);
     int files = 0;
@@ -700,10 +483,10 @@ static void test_concurrent(void)
 
 int main(void)
 {
-    rng.state = tu_master_seed("test_jit_disk");
-    snprintf(base, sizeof base, "%s/fa_jit_disk_XXXXXX",
+    jd_rng.state = tu_master_seed("test_jit_disk");
+    snprintf(jd_base, sizeof jd_base, "%s/fa_jit_disk_XXXXXX",
              getenv("TMPDIR") && getenv("TMPDIR")[0] == '/' ? getenv("TMPDIR") : "/tmp");
-    if (!mkdtemp(base)) {
+    if (!mkdtemp(jd_base)) {
         printf("test_jit_disk: mkdtemp: %s\n", strerror(errno));
         return 1;
     }
@@ -713,18 +496,9 @@ int main(void)
     test_corrupt_entry();
     test_forged_entry();
     test_symlink_entry();
-    test_symlink_dir();
     test_fifo();
-    test_writable_dir();
-    test_foreign_owner();
-    test_long_path();
-    tu_where = "relative FLASHATTN_CACHE_DIR";
-    in_child(child_relative);
-    tu_where = "refused directory said once";
-    in_child(child_refusal_said_once);
-    tu_where = "empty FLASHATTN_CACHE_DIR";
-    in_child(child_off);
+    jd_test_dirs();
     test_concurrent();
-    remove_tree(AT_FDCWD, base);
+    remove_tree(AT_FDCWD, jd_base);
     return tu_finish("test_jit_disk");
 }
