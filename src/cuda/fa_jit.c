@@ -59,23 +59,27 @@ static void fa_jit_src_hash_init(void)
     fa_jit_src_hash = h;
 }
 
-/* Everything the cubin depends on, as text: the key of both caches. */
-static void fa_jit_key(const fa_plan *plan, const fa_nvrtc *nv, char *key, size_t size)
+/* Everything the cubin depends on, as text: the key of both caches. -1 when it does not fit:
+ * a cut key would give two plans one cubin. */
+static int fa_jit_key(const fa_plan *plan, const fa_nvrtc *nv, char *key, size_t size)
 {
     pthread_once(&fa_jit_src_once, fa_jit_src_hash_init);
     int n = snprintf(key, size, "flashattn-jit-1 %s %s nvrtc-%d.%d src-%016llx", plan->family,
                      plan->target, nv->major, nv->minor, (unsigned long long)fa_jit_src_hash);
+    if (n < 0 || (size_t)n >= size)
+        return -1;
     /* The defines appended without snprintf: the key is made on every call. */
-    size_t at = n > 0 && (size_t)n < size ? (size_t)n : size - 1;
+    size_t at = (size_t)n;
     for (int i = 0; i < plan->num_defines; i++) {
         const size_t len = strlen(plan->defines[i]);
         if (at + 1 + len >= size)
-            break;
+            return -1;
         key[at++] = ' ';
         memcpy(key + at, plan->defines[i], len);
         at += len;
     }
     key[at] = '\0';
+    return 0;
 }
 
 static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **cubin,
@@ -149,7 +153,9 @@ static fa_status fa_jit_entry_get(const fa_plan *plan, fa_jit_entry **out, fa_ji
         return fa_error_set(FA_STATUS_UNSUPPORTED, "cannot compile CUDA kernels: %s",
                             fa_cuda_status());
     char key[512];
-    fa_jit_key(plan, nv, key, sizeof key);
+    if (fa_jit_key(plan, nv, key, sizeof key) != 0)
+        return fa_error_set(FA_STATUS_INTERNAL, "the JIT cache key of %s (%s) is too long",
+                            plan->family, plan->target);
 
     pthread_mutex_lock(&fa_jit_lock);
     for (;;) {
@@ -188,7 +194,7 @@ static fa_status fa_jit_entry_get(const fa_plan *plan, fa_jit_entry **out, fa_ji
     /* Built outside the lock: other kernels compile in parallel meanwhile. */
     fa_status st = FA_STATUS_OK;
     double t0 = fa_jit_now_ms();
-    e->cubin = fa_jit_disk_load(key, &e->size);
+    e->cubin = fa_jit_disk_load(fa_jit_disk_default(), key, &e->size);
     if (e->cubin) {
         *origin = FA_JIT_DISK;
         if (fa_jit_logging())
@@ -200,7 +206,7 @@ static fa_status fa_jit_entry_get(const fa_plan *plan, fa_jit_entry **out, fa_ji
             if (fa_jit_logging())
                 fprintf(stderr, "flashattn: compiled in %.1f ms (%zu bytes) %s\n",
                         fa_jit_now_ms() - t0, e->size, key);
-            fa_jit_disk_store(key, e->cubin, e->size);
+            fa_jit_disk_store(fa_jit_disk_default(), key, e->cubin, e->size);
         }
     }
 

@@ -7,12 +7,48 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Disk cache. The key is the full text the cubin depends on; the entry is found by its hash
- * and its header repeats the key, so a collision or a damaged file reads as a miss. */
-void *fa_jit_disk_load(const char *key, size_t *size);
-void fa_jit_disk_store(const char *key, const void *cubin, size_t size);
-/* The cache directory ("" when caching on disk is off). */
-const char *fa_jit_disk_dir(void);
+/* Disk cache. The key is the full text the cubin depends on; the entry is found by its hash, and
+ * its header repeats the key and carries a tag keyed by the directory's secret, so a collision, a
+ * damaged file or one written without the secret reads as a miss. */
+typedef struct fa_jit_disk fa_jit_disk;
+
+/* File: this header | key | cubin. The tag is the keyed hash (fa_jit_mac) of the header's bytes
+ * before it, the key and the cubin. */
+typedef struct fa_jit_header {
+    char magic[8];
+    uint64_t key_size;
+    uint64_t cubin_size;
+    uint64_t tag;
+} fa_jit_header;
+
+/* The process's cache, opened at first use from the environment; NULL when caching on disk is
+ * off or the directory was refused (said once on stderr): kernels are then cached in memory. */
+fa_jit_disk *fa_jit_disk_default(void);
+/* Opens dir (creating it 0700 where missing) as a cache. NULL when refused, with the reason in
+ * why and *untrusted 1 when the directory exists but is not this user's private one (owned by
+ * another user, writable by group or others, a symbolic link, not a directory). */
+fa_jit_disk *fa_jit_disk_open(const char *dir, int *untrusted, char *why, size_t why_size);
+void fa_jit_disk_close(fa_jit_disk *disk);
+/* The directory, absolute when it was given relative (resolved once, at the open). */
+const char *fa_jit_disk_path(const fa_jit_disk *disk);
+/* The cubin stored under key (malloc'ed, *size bytes), or NULL: absent, damaged, or not a file
+ * this cache wrote. disk may be NULL (a miss). */
+void *fa_jit_disk_load(fa_jit_disk *disk, const char *key, size_t *size);
+/* Stores cubin under key, replacing any entry; 0 when written. */
+int fa_jit_disk_store(fa_jit_disk *disk, const char *key, const void *cubin, size_t size);
+/* The file name of key's entry in the cache directory (size >= 40). */
+void fa_jit_disk_entry_name(const char *key, char *name, size_t size);
+
+/* SipHash-2-4, fed in pieces: the keyed hash of the disk cache's tags. */
+#define FA_JIT_SECRET_SIZE 16
+typedef struct fa_jit_mac {
+    uint64_t v[4];
+    uint64_t total;        /* bytes fed */
+    unsigned char tail[8]; /* the last total % 8 of them */
+} fa_jit_mac;
+void fa_jit_mac_init(fa_jit_mac *m, const unsigned char key[FA_JIT_SECRET_SIZE]);
+void fa_jit_mac_update(fa_jit_mac *m, const void *data, size_t size);
+uint64_t fa_jit_mac_final(fa_jit_mac *m);
 
 /* 64-bit hashes for keys and checksums. */
 uint64_t fa_jit_hash(const void *data, size_t size, uint64_t seed);
