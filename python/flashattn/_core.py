@@ -230,6 +230,19 @@ def prepare(x, name, kind, cuda=False):
     return x
 
 
+APPENDED = "new keys are written into it"  # what a KV-cache call writes into the caches
+
+
+def refuse_overlap(x, name, written):
+    """x is written in place (``written`` says what is written): elements that share memory
+    (a stride of 0 over more than one element, as expand() and broadcast_to make) are refused,
+    since each write would land on all of them."""
+    strides = x.stride() if hasattr(x, "stride") and callable(x.stride) else x.strides
+    if any(st == 0 and n > 1 for n, st in zip(x.shape, strides)):
+        raise FlashAttnError("%s: elements share memory (a stride of 0, as expand() makes, "
+                             "strides %s), but %s in place" % (name, tuple(strides), written))
+
+
 def dtype_code(x, name, kind, expected=None):
     """The fa_dtype of x. A dtype the C library has no code for is rejected here (naming the
     argument and what it should be); any other dtype rule is the C library's to check."""
@@ -348,18 +361,66 @@ def round_multiple(x, m):
     return (x + m - 1) // m * m
 
 
-def as_int(x, name):
+INT32 = (-2**31, 2**31 - 1)
+INT64 = (-2**63, 2**63 - 1)
+SEED64 = (-2**63, 2**64 - 1)  # int64 (an rng_state element) or uint64, taken modulo 2**64
+
+
+def as_int(x, name, bounds=INT64):
+    """x as a Python int within ``bounds`` (the C field's range: ctypes would wrap it)."""
     try:
-        return operator.index(x)
+        n = operator.index(x)
     except TypeError:
         raise TypeError("%s: expected an int, got %s" % (name, type(x).__name__)) from None
+    if not bounds[0] <= n <= bounds[1]:
+        raise FlashAttnError("%s: %d is out of range [%d, %d]" % (name, n, bounds[0], bounds[1]))
+    return n
 
 
 def as_float(x, name):
+    """x as a Python float; strings are refused (float() would parse them)."""
+    if not isinstance(x, (str, bytes, bytearray)):
+        try:
+            return float(x)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError("%s: expected a float, got %s" % (name, type(x).__name__))
+
+
+def as_bool(x, name):
+    """A flag: bools, ints (0 is False) and NumPy bools, as upstream's bindings take them."""
+    if x is True or x is False:
+        return x
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.bool_):
+        return bool(x)
     try:
-        return float(x)
-    except (TypeError, ValueError):
-        raise TypeError("%s: expected a float, got %s" % (name, type(x).__name__)) from None
+        return operator.index(x) != 0
+    except TypeError:
+        raise TypeError("%s: expected a bool, got %s" % (name, type(x).__name__)) from None
+
+
+def as_scale(softmax_scale):
+    """softmax_scale as a float, or None (the default). NaN is refused: the C library reads a
+    NaN scale as "use the default", which the caller spells None."""
+    if softmax_scale is None:
+        return None
+    scale = as_float(softmax_scale, "softmax_scale")
+    if scale != scale:
+        raise FlashAttnError("softmax_scale: must be finite, got nan (None selects the default, "
+                             "1 / sqrt(head_dim))")
+    return scale
+
+
+def default_scale(x, softmax_scale):
+    """softmax_scale, None -> head_dim ** -0.5 of the caller's own tensor x (q, or qkv for the
+    packed forms, as upstream: the unpadded head dim). Without a head dim (rank 0, or 0) it
+    stays None and the C library's shape checks name the argument."""
+    if softmax_scale is not None:
+        return as_scale(softmax_scale)
+    if len(x.shape) == 0 or not x.shape[-1] > 0:
+        return None
+    return x.shape[-1] ** -0.5
 
 
 _INT_MAX = 2**31 - 1
@@ -426,7 +487,8 @@ def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes,
     left, right = window_pair(window_size)
     dropout_p = as_float(dropout_p, "dropout_p")
     softcap = as_float(softcap, "softcap")
-    scale = float("nan") if softmax_scale is None else as_float(softmax_scale, "softmax_scale")
+    scale = as_scale(softmax_scale)
+    scale = float("nan") if scale is None else scale
 
     keep = []  # FaTensor objects must outlive the call
 
@@ -457,16 +519,16 @@ def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes,
     if probs is not None:
         args.probs = ptr(probs, "probs")
     args.softmax_scale = scale
-    args.causal = 1 if causal else 0
+    args.causal = 1 if as_bool(causal, "causal") else 0
     args.window_left = left
     args.window_right = right
     args.softcap = softcap
     args.dropout_p = dropout_p
-    args.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    args.offset = int(offset) & 0xFFFFFFFFFFFFFFFF
+    args.seed = as_int(seed, "seed", SEED64) & 0xFFFFFFFFFFFFFFFF
+    args.offset = as_int(offset, "offset", SEED64) & 0xFFFFFFFFFFFFFFFF
     if target is not None:
         args.device, args.stream = target
-    args.num_threads = int(num_threads)
+    args.num_threads = as_int(num_threads, "num_threads", INT32)
 
     return args, keep
 
@@ -653,7 +715,7 @@ def _prepare_backward(dout, q, k, v, out, lse, kind, cu_seqlens_q, cu_seqlens_k,
     bwd.fwd = ctypes.pointer(args)
     bwd.dout, bwd.dq, bwd.dk, bwd.dv, bwd.dsinks = (
         ctypes.pointer(g) if g is not None else None for g in grads)
-    bwd.deterministic = 1 if deterministic else 0
+    bwd.deterministic = 1 if as_bool(deterministic, "deterministic") else 0
     workspace = None
     if target is not None:
         # The CUDA backward allocates nothing itself: its dQ accumulator comes from torch's

@@ -104,6 +104,7 @@ static int fp_plain_arguments(PyObject *const *a)
         if ((PyObject *)Py_TYPE(a[i]) != fp.tensor_type)
             return 0;
     return a[8] == Py_None && a[10] == Py_None && a[9] == Py_False && PyBool_Check(causal) &&
+           PyBool_Check(a[11]) &&
            fp_is_scalar(dropout_p) && fp_is_scalar(cap) &&
            (softmax_scale == Py_None || fp_is_scalar(softmax_scale));
 }

@@ -103,7 +103,10 @@ _NAMES = {
 
 def _in_place(x, name, kind, written, cuda=False):
     """A cache is used through the caller's memory, never a copy: it must be usable as is.
-    ``cuda``: a CUDA tensor is accepted (the combine's out)."""
+    ``written``: what the call writes into it (None: nothing). ``cuda``: a CUDA tensor is
+    accepted (the combine's out)."""
+    if written:
+        _core.refuse_overlap(x, name, written)
     if kind == _core.TORCH:
         _core.check_device(x, name, cuda)
         if x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
@@ -119,7 +122,7 @@ def _in_place(x, name, kind, written, cuda=False):
                                                                      "little" else ">"):
         raise FlashAttnError("%s: must be in native byte order (it is used in place)" % name)
     if written and not x.flags.writeable:
-        raise FlashAttnError("%s: the array is read-only, but new keys are written into it" % name)
+        raise FlashAttnError("%s: the array is read-only, but %s" % (name, written))
     return x
 
 
@@ -133,7 +136,7 @@ def _seqlens_array(cache_seqlens, kind, b, like):
     """An int cache_seqlens becomes an int32 array of b copies, as upstream does."""
     if cache_seqlens is None or _is_array(cache_seqlens):
         return cache_seqlens
-    n = _core.as_int(cache_seqlens, "cache_seqlens")
+    n = _core.as_int(cache_seqlens, "cache_seqlens", _core.INT32)
     if kind == _core.TORCH:
         torch = sys.modules["torch"]
         return torch.full((b,), n, dtype=torch.int32, device=like.device)
@@ -229,7 +232,7 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     out, lse), where arrays are what the library is given for q .. lse in the struct's order
     (None where absent; a copy where an input was converted), slots their FaTensors, and keep
     what must outlive the call."""
-    written = k is not None or v is not None
+    written = _core.APPENDED if k is not None or v is not None else None
     k_cache = _in_place(k_cache, "k_cache", kind, written)
     v_cache = _in_place(v_cache, "v_cache", kind, written)
     q = _core.prepare(q, "q", kind)
@@ -247,9 +250,9 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     lse = _core.empty_f32(kind, (b, h, sq), q)
     left, right = _core.window_pair(window_size)
     softcap = _core.as_float(softcap, "softcap")
-    scale = float("nan") if softmax_scale is None else _core.as_float(softmax_scale,
-                                                                        "softmax_scale")
-    num_splits = _core.as_int(num_splits, "num_splits")
+    scale = _core.as_scale(softmax_scale)
+    scale = float("nan") if scale is None else scale
+    num_splits = _core.as_int(num_splits, "num_splits", _core.INT32)
 
     keep, arrays, slots = [], [], []
 
@@ -284,12 +287,12 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     args.out = ptr(out, "out", prepared=True)
     args.lse = ptr(lse, "lse", prepared=True)
     args.softmax_scale = scale
-    args.causal = 1 if causal else 0
+    args.causal = 1 if _core.as_bool(causal, "causal") else 0
     args.window_left = left
     args.window_right = right
     args.softcap = softcap
-    args.rotary_interleaved = 1 if rotary_interleaved else 0
-    args.num_splits = min(max(num_splits, -2**31), 2**31 - 1)
+    args.rotary_interleaved = 1 if _core.as_bool(rotary_interleaved, "rotary_interleaved") else 0
+    args.num_splits = num_splits
     args.device = _lib.FA_DEVICE_CPU
     args.num_threads = 0
     return args, keep, arrays, slots, out, lse
@@ -337,7 +340,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     if out is not None:
         if out.dtype != dtype:
             raise FlashAttnError("out: dtype %s does not match out_dtype %s" % (out.dtype, dtype))
-        out = _in_place(out, "out", kind, True, cuda=True)
+        out = _in_place(out, "out", kind, "the merged output is written into it", cuda=True)
     elif kind == _core.TORCH:
         out = sys.modules["torch"].empty((b, sq, h, dv), dtype=dtype, device=out_partial.device)
     else:

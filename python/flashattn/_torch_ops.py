@@ -522,15 +522,16 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     dispatcher costs more than a decoding step's attention), and on CUDA without the lse
     where ``want_lse`` is false; lse is then None."""
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens"),
+        cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens",
+                                                                _core.INT32),
                                    dtype=torch.int32, device=q.device)
     left, right = _core.window_pair(window_size)
-    if softmax_scale is not None:
-        softmax_scale = _core.as_float(softmax_scale, "softmax_scale")
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale,
-            bool(causal), left, right, _core.as_float(softcap, "softcap"),
-            bool(rotary_interleaved), _core.as_int(num_splits, "num_splits"))
+            cache_leftpad, block_table, alibi_slopes, learnable_sink,
+            _core.as_scale(softmax_scale), _core.as_bool(causal, "causal"), left, right,
+            _core.as_float(softcap, "softcap"),
+            _core.as_bool(rotary_interleaved, "rotary_interleaved"),
+            _core.as_int(num_splits, "num_splits", _core.INT32))
     tensors = args[:13]
     eager = _eager(tensors) and not _needs_grad(tensors)
     if eager and not q.is_cuda:
@@ -549,6 +550,9 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             if x.device != q.device:
                 raise FlashAttnError("%s: expected a tensor on %s like q, got %s"
                                      % (name, q.device, x.device))
+    if k is not None or v is not None:
+        _core.refuse_overlap(k_cache, "k_cache", _core.APPENDED)
+        _core.refuse_overlap(v_cache, "v_cache", _core.APPENDED)
     if eager:
         if q.is_cuda:
             from . import _kvcache_varlen
@@ -610,9 +614,7 @@ def _scalars(dropout_p, softmax_scale, softcap):
     """Python-side checks the op schema would otherwise make with a less helpful message."""
     dropout_p = _core.as_float(dropout_p, "dropout_p")
     softcap = _core.as_float(softcap, "softcap")
-    if softmax_scale is not None:
-        softmax_scale = _core.as_float(softmax_scale, "softmax_scale")
-    return dropout_p, softmax_scale, softcap
+    return dropout_p, _core.as_scale(softmax_scale), softcap
 
 
 def _check_devices(named):
@@ -643,8 +645,8 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
                         ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)])
     dropout_p, softmax_scale, softcap = _scalars(dropout_p, softmax_scale, softcap)
     args = (q, k, v, alibi_slopes, learnable_sink, draw_seed(dropout_p, q), dropout_p,
-            softmax_scale, bool(causal), window[0], window[1], softcap, bool(return_softmax),
-            bool(deterministic))
+            softmax_scale, _core.as_bool(causal, "causal"), window[0], window[1], softcap,
+            bool(return_softmax), _core.as_bool(deterministic, "deterministic"))
     try:
         if eager and not aux and not _needs_grad(tensors):
             out, lse, S, _ = _fwd_outputs(*args[:-1])
@@ -676,12 +678,14 @@ def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     T = torch.Tensor
     if (type(q) is not T or type(k) is not T or type(v) is not T or alibi_slopes is not None
             or learnable_sink is not None or return_attn_probs is not False
-            or type(causal) is not bool or type(dropout_p) not in _FAST_SCALARS or dropout_p
+            or type(causal) is not bool or type(deterministic) is not bool
+            or type(dropout_p) not in _FAST_SCALARS or dropout_p
             or type(softcap) not in _FAST_SCALARS or q.dtype is torch.float64 or q.dim() != 4):
         return None
+    if softmax_scale is not None and type(softmax_scale) not in _FAST_SCALARS:
+        return None
+    softmax_scale = _core.default_scale(q, softmax_scale)
     if softmax_scale is None:
-        softmax_scale = q.shape[3] ** -0.5
-    elif type(softmax_scale) not in _FAST_SCALARS:
         return None
     # _eager's checks; q, k and v are plain tensors already.
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
@@ -691,7 +695,7 @@ def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     window = _core.window_pair(window_size)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _DenseFastFn.apply(q, k, v, (float(softmax_scale), causal, window[0], window[1],
-                                            float(softcap), bool(deterministic)))
+                                            float(softcap), deterministic))
     return _cached.forward_dense_out(q, k, v, float(softmax_scale), causal, window, float(softcap))
 
 
@@ -713,8 +717,8 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     max_seqlen_k = _core.as_int(max_seqlen_k, nm("max_seqlen_k"))
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink,
             draw_seed(dropout_p, q), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-            bool(causal), window[0], window[1], softcap, bool(return_softmax),
-            bool(deterministic))
+            _core.as_bool(causal, "causal"), window[0], window[1], softcap,
+            bool(return_softmax), _core.as_bool(deterministic, "deterministic"))
     try:
         out, lse, S, rng_state = _run(torch.ops.flashattn.varlen_fwd, _varlen_fwd_impl,
                                       _VarlenFn, tensors, args, eager)

@@ -17,13 +17,16 @@ the framework's global generator: ``torch.randint`` on torch's default CPU gener
 tensors (so ``torch.manual_seed`` reproduces a run), ``np.random.randint`` on NumPy's legacy
 global state for arrays (so ``np.random.seed`` does). Calls without dropout draw nothing.
 
+Upstream's module-level names are here too: ``USE_TRITON_ROCM`` (False) and ``flash_attn_gpu``,
+its compiled module's raw entry points with their positional arguments (``_raw``).
+
 Layering: the public functions -> ``_flash_attn_forward`` / ``_flash_attn_varlen_forward``
 (upstream's internal names and return values) -> torch tensors: the custom ops of ``_torch_ops``
 (``torch.ops.flashattn.*``, with autograd and fake implementations, so that ``torch.compile``
 traces them); NumPy arrays: ``_core.forward`` -> the C library.
 """
 
-from . import _core
+from . import _core, _raw
 from ._dlpack import accepts_dlpack
 from ._lib import FlashAttnError
 from ._kvcache import flash_attn_combine, flash_attn_with_kvcache  # noqa: F401
@@ -39,6 +42,9 @@ __all__ = [
     "flash_attn_combine",
 ]
 
+
+# Upstream's flag for its Triton (ROCm) backend, which this package does not have.
+USE_TRITON_ROCM = False
 
 _TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and torch)
 _DENSE_C = None  # its DENSE_C: flash_attn_func's commonest call in C, where built
@@ -79,16 +85,6 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     return _lib.probs_block_n(head_dim, is_dropout, is_causal)
 
 
-def _default_scale(x, softmax_scale):
-    """None -> head_dim ** -0.5 from the caller's own tensor (as upstream, qkv.shape[-1] for
-    the qkv-packed forms). A rank-0 input is left to the rank check."""
-    if softmax_scale is not None:
-        return softmax_scale
-    if len(x.shape) == 0:
-        return None
-    return x.shape[-1] ** (-0.5)
-
-
 def _window(window_size):
     return _core.window_pair(window_size)
 
@@ -99,11 +95,7 @@ def _empty_dmask(kind, q):
 
 def _seed_for(dropout_p):
     """The seed of a NumPy call (torch calls draw theirs inside ``_torch_ops``)."""
-    try:
-        p = float(dropout_p)
-    except (TypeError, ValueError):
-        return 0  # _core reports the bad dropout_p
-    return _core.draw_seed() if p > 0.0 else 0
+    return _core.draw_seed() if _positive(dropout_p) else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,6 +170,10 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return out, lse, S_dmask, rng_state
 
 
+# Upstream's compiled module, called positionally (``_raw``).
+flash_attn_gpu = _raw.RawEntryPoints(_flash_attn_forward, _flash_attn_varlen_forward)
+
+
 # --------------------------------------------------------------------------------------------
 # Dispatch
 
@@ -189,7 +185,9 @@ def _finish(out, lse, S_dmask, return_attn_probs):
 def _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, learnable_sink, kind, names):
     window = _window(window_size)
-    return_softmax = bool(return_attn_probs) and _positive(dropout_p)
+    return_attn_probs = _core.as_bool(return_attn_probs, "return_attn_probs")
+    deterministic = _core.as_bool(deterministic, "deterministic")
+    return_softmax = return_attn_probs and _positive(dropout_p)
     if kind == _core.TORCH:
         out, lse, S_dmask, _ = _ops().dense(q, k, v, dropout_p, softmax_scale, causal,
                                                 window, softcap, alibi_slopes, deterministic,
@@ -208,7 +206,9 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_attn_probs, learnable_sink, kind, names, block_table=None):
     left, right = _window(window_size)
-    return_softmax = bool(return_attn_probs) and _positive(dropout_p)
+    return_attn_probs = _core.as_bool(return_attn_probs, "return_attn_probs")
+    deterministic = _core.as_bool(deterministic, "deterministic")
+    return_softmax = return_attn_probs and _positive(dropout_p)
     out, lse, S_dmask, _ = _flash_attn_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, left, right, softcap, alibi_slopes, return_softmax,
@@ -218,10 +218,7 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
 
 def _positive(dropout_p):
-    try:
-        return float(dropout_p) > 0.0
-    except (TypeError, ValueError):
-        return False
+    return _core.as_float(dropout_p, "dropout_p") > 0.0
 
 
 def _check_packed(x, name, ndim, slot, count, layout):
@@ -246,7 +243,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     kind = _core.common_kind([("qkv", qkv), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 1)
     _check_packed(qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
-    softmax_scale = _default_scale(qkv, softmax_scale)
+    softmax_scale = _core.default_scale(qkv, softmax_scale)
     names = {"q": "qkv[:, :, 0] (q)", "k": "qkv[:, :, 1] (k)", "v": "qkv[:, :, 2] (v)"}
     return _run_dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic,
@@ -266,7 +263,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     kind = _core.common_kind([("q", q), ("kv", kv), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 2)
     _check_packed(kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
-    softmax_scale = _default_scale(q, softmax_scale)
+    softmax_scale = _core.default_scale(q, softmax_scale)
     names = {"k": "kv[:, :, 0] (k)", "v": "kv[:, :, 1] (v)"}
     return _run_dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
                       window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
@@ -328,7 +325,7 @@ def _flash_attn_func_any(q, k, v, dropout_p, softmax_scale, causal, window_size,
                          alibi_slopes, deterministic, return_attn_probs, learnable_sink):
     kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 3)
-    softmax_scale = _default_scale(q, softmax_scale)
+    softmax_scale = _core.default_scale(q, softmax_scale)
     return _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind, None)
 
@@ -347,7 +344,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                               ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 2)
     _check_packed(qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
-    softmax_scale = _default_scale(qkv, softmax_scale)
+    softmax_scale = _core.default_scale(qkv, softmax_scale)
     names = {"q": "qkv[:, 0] (q)", "k": "qkv[:, 1] (k)", "v": "qkv[:, 2] (v)",
              "cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens",
              "max_seqlen_q": "max_seqlen", "max_seqlen_k": "max_seqlen"}
@@ -371,7 +368,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                               ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 4)
     _check_packed(kv, "kv", 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
-    softmax_scale = _default_scale(q, softmax_scale)
+    softmax_scale = _core.default_scale(q, softmax_scale)
     names = {"k": "kv[:, 0] (k)", "v": "kv[:, 1] (v)"}
     return _run_varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                        max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -407,7 +404,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                               ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 5)
-    softmax_scale = _default_scale(q, softmax_scale)
+    softmax_scale = _core.default_scale(q, softmax_scale)
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        deterministic, return_attn_probs, learnable_sink, kind, None,

@@ -138,15 +138,19 @@ def test_falls_back_to_the_previous_kernel(rng, spy, kind):
 
 
 @needs_registry
-def test_registration_follows_import_order():
-    """Imported after torch: registered at import. Imported before: register_sdpa_impl()."""
-    code = ("import flashattn, torch\n"
+@pytest.mark.parametrize("first", ["torch", "flashattn"])
+def test_registration_follows_import_order(first):
+    """Registered whichever of torch and flashattn is imported first (flashattn's import
+    still does not load torch); registering again is harmless."""
+    code = ("import sys, %s\n"
+            "assert ('torch' in sys.modules) == (sys.argv[1] == 'torch')\n"
+            "import flashattn, torch\n"
             "from torch.nn.attention import list_flash_attention_impls as ls\n"
             "before = 'flashattn' in ls()\n"
             "assert flashattn.register_sdpa_impl() is True\n"
-            "print(before, 'flashattn' in ls())\n")
+            "print(before, 'flashattn' in ls())\n" % first)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(flashattn.__file__)))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 0 and r.stdout.split() == ["False", "True"], r.stderr
+    r = subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stderr
