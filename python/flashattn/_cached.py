@@ -17,7 +17,7 @@ import struct
 import sys
 import threading
 
-from . import _lib
+from . import _kvcache, _lib
 from ._core import (TORCH, _call_forward, _prepare_backward, _prepare_forward, _raw_stream,
                     _rename, call_backward, forward, window_pair)
 from ._lib import FaTensor, FlashAttnError
@@ -383,8 +383,6 @@ def kvcache_torch(tensors, softmax_scale, causal, window_left, window_right, sof
     already a tensor (or None); the floats already floats, the window's ints ints. A call
     whose inputs reach the library as they are (no copy or conversion) is cached. The library
     validates every call itself, the values in cache_seqlens included."""
-    from . import _kvcache
-
     scalars = (softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
                num_splits)
     key = _kvcache_key(tensors, scalars)
@@ -395,8 +393,8 @@ def kvcache_torch(tensors, softmax_scale, causal, window_left, window_right, sof
     args, keep, arrays, slots, out, lse = _kvcache.kvcache_prepare(
         TORCH, *tensors, softmax_scale, causal, (window_left, window_right), softcap,
         rotary_interleaved, num_splits)
-    fn = _kvcache._kv_lib().fa_attention_kvcache
-    _kvcache._call(fn, args, _kvcache._NAMES)
+    fn = _kvcache.kv_lib().fa_attention_kvcache
+    _kvcache.call(fn, args, _kvcache.NAMES)
     if key is not None and all(a is x for a, x in zip(arrays, tensors)):
-        _keep_call(cache, key, _CachedKvcache(args, keep, slots, out, lse, fn, _kvcache._NAMES))
+        _keep_call(cache, key, _CachedKvcache(args, keep, slots, out, lse, fn, _kvcache.NAMES))
     return out, lse

@@ -11,7 +11,6 @@ The four attention entry points keep upstream's dead ``generator`` slot, which m
 import sys
 
 from . import _core
-from ._kvcache import flash_attn_with_kvcache
 from ._lib import FlashAttnError
 
 __all__ = ["RawEntryPoints"]
@@ -86,12 +85,14 @@ def _softmax_d(dout, out, kind, cu_seqlens_q=None):
 
 
 class RawEntryPoints:
-    """``flash_attn_gpu``: the five entry points over ``forward`` and ``varlen_forward``
-    (upstream's ``_flash_attn_forward`` and ``_flash_attn_varlen_forward``)."""
+    """``flash_attn_gpu``: the five entry points over ``forward``, ``varlen_forward`` and
+    ``with_kvcache`` (upstream's ``_flash_attn_forward``, ``_flash_attn_varlen_forward`` and
+    ``flash_attn_with_kvcache``); the backward calls are the C library's own."""
 
-    def __init__(self, forward, varlen_forward):
+    def __init__(self, forward, varlen_forward, with_kvcache):
         self._forward = forward
         self._varlen_forward = varlen_forward
+        self._with_kvcache = with_kvcache
 
     def fwd(self, q, k, v, out_, alibi_slopes, p_dropout, softmax_scale, is_causal,
             window_size_left, window_size_right, softcap, return_softmax, generator):
@@ -157,14 +158,13 @@ class RawEntryPoints:
             names={"lse": "softmax_lse"}, dq=dq_, dk=dk_, dv=dv_)
         return [dq, dk, dv, _softmax_d(dout, out, kind, cu_seqlens_q)]
 
-    @staticmethod
-    def fwd_kvcache(q, kcache, vcache, k_, v_, seqlens_k_, rotary_cos_, rotary_sin_,
+    def fwd_kvcache(self, q, kcache, vcache, k_, v_, seqlens_k_, rotary_cos_, rotary_sin_,
                     cache_batch_idx_, leftpad_k_, block_table_, alibi_slopes_, out_,
                     softmax_scale, is_causal, window_size_left, window_size_right, softcap,
                     is_rotary_interleaved, num_splits):
         """mha_fwd_kvcache: [out, softmax_lse]."""
         kind = _kind([("q", q), ("kcache", kcache), ("vcache", vcache), ("out_", out_)], 3)
-        out, lse = flash_attn_with_kvcache(
+        out, lse = self._with_kvcache(
             q, kcache, vcache, k_, v_, rotary_cos_, rotary_sin_, seqlens_k_, cache_batch_idx_,
             leftpad_k_, block_table_, softmax_scale, is_causal,
             (window_size_left, window_size_right), softcap, is_rotary_interleaved,

@@ -49,7 +49,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _cached, _core
+from . import _cached, _core, _kvcache
 from ._lib import FlashAttnError
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -567,8 +567,6 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
 
 
 def _combine_impl(out_partial: _T, lse_partial: _T, merged: _T) -> _T:
-    from . import _kvcache
-
     return _kvcache.combine_run(_core.TORCH, out_partial, lse_partial, merged)
 
 

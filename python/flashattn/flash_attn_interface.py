@@ -23,13 +23,16 @@ its compiled module's raw entry points with their positional arguments (``_raw``
 Layering: the public functions -> ``_flash_attn_forward`` / ``_flash_attn_varlen_forward``
 (upstream's internal names and return values) -> torch tensors: the custom ops of ``_torch_ops``
 (``torch.ops.flashattn.*``, with autograd and fake implementations, so that ``torch.compile``
-traces them); NumPy arrays: ``_core.forward`` -> the C library.
+traces them); NumPy arrays: ``_core.forward`` -> the C library. ``flash_attn_with_kvcache``
+(upstream FA2's signature) and ``flash_attn_combine`` (FA3's) call ``_kvcache``'s C calls,
+through ``_torch_ops``' ops for torch tensors.
 """
 
-from . import _core, _raw
+import sys
+
+from . import _core, _kvcache, _raw
 from ._dlpack import accepts_dlpack
 from ._lib import FlashAttnError
-from ._kvcache import flash_attn_combine, flash_attn_with_kvcache  # noqa: F401
 
 __all__ = [
     "flash_attn_func",
@@ -168,10 +171,6 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         # sequence keep those values. The C library writes 0 / +inf there: patch lse.
         _core.fill_uncovered_rows(lse, cu_seqlens_q, kind, float("-inf"))
     return out, lse, S_dmask, rng_state
-
-
-# Upstream's compiled module, called positionally (``_raw``).
-flash_attn_gpu = _raw.RawEntryPoints(_flash_attn_forward, _flash_attn_varlen_forward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,3 +408,120 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        deterministic, return_attn_probs, learnable_sink, kind, None,
                        block_table)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, *, learnable_sink=None):
+    """Attention of q against a KV cache, appending k and v to the cache in place first.
+
+    If k and v are given they are written into k_cache / v_cache at positions cache_seqlens
+    (rotated first when rotary_cos / rotary_sin are given), and the attention runs over the
+    updated cache, as one call. For decoding: q holds the new tokens' queries.
+
+    Arguments:
+        q: (batch_size, seqlen, nheads, headdim)
+        k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with block_table
+            (num_blocks, page_block_size, nheads_k, headdim): any page size >= 1.
+        v_cache: as k_cache, with headdim_v.
+        k, v [optional]: (batch_size, seqlen_new, nheads_k, headdim / headdim_v), appended
+            at cache_seqlens (which is then required).
+        rotary_cos, rotary_sin [optional]: (seqlen_ro, rotary_dim / 2), q's dtype; any even
+            rotary_dim <= headdim. Rotates k at positions cache_seqlens + i, and q at
+            cache_seqlens + i when causal or local, else at cache_seqlens.
+        cache_seqlens: int or int32 (batch_size,): keys already in each cache row; None:
+            the whole cache.
+        cache_batch_idx [optional]: int32 (batch_size,): the cache row of each sequence.
+        cache_leftpad [optional]: int32 (batch_size,): the first cache position used.
+        block_table [optional]: int32 (batch_size, max_num_blocks_per_seq): paged cache.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func.
+        rotary_interleaved: True pairs dims (0, 1), (2, 3)... (GPT-J); False pairs
+            (i, i + rotary_dim / 2) (GPT-NeoX).
+        num_splits: split-KV chunks; 0 lets the library choose (CUDA tensors: 8 where the
+            unsplit kernel would be long, else none), 1 never splits.
+        return_softmax_lse: also return the float32 lse (batch_size, nheads, seqlen).
+        learnable_sink (keyword only): float (nheads,) sink logit per head.
+    Return:
+        out: (batch_size, seqlen, nheads, headdim_v), and softmax_lse when asked for.
+    """
+    kind = _core.common_kind(
+        [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+         ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+         ("cache_seqlens", cache_seqlens if _kvcache.is_array(cache_seqlens) else None),
+         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+         ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+         ("learnable_sink", learnable_sink)], 3)
+    if kind == _core.TORCH:
+        # torch calls go through the custom op flashattn::kvcache, so torch.compile keeps the
+        # call (and its in-place append) as one node instead of breaking the graph.
+        out, lse = _ops().kvcache_call(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
+            window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse)
+    else:
+        out, lse = _kvcache.kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                               cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                               alibi_slopes, learnable_sink, softmax_scale, causal, window_size,
+                               softcap, rotary_interleaved, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _out_dtype(kind, out_dtype, out, out_partial):
+    if out_dtype is None:
+        return out.dtype if out is not None else out_partial.dtype
+    if kind == _core.TORCH:
+        return out_dtype
+    return sys.modules["numpy"].dtype(out_dtype)
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """Merges attention computed over disjoint chunks of the keys (FA3's function).
+
+    Arguments:
+        out_partial: float32 (num_splits, batch_size, seqlen, nheads, headdim), each chunk's
+            normalised output.
+        lse_partial: float32 (num_splits, batch_size, seqlen, nheads), each chunk's
+            log-sum-exp; -inf (or +inf, what the forward gives a row that sees no key)
+            marks an empty chunk, whose output is not read.
+        out [optional]: (batch_size, seqlen, nheads, headdim), written in place.
+        out_dtype [optional]: float32 (default: out_partial's), float16, bfloat16 or float64.
+    Return:
+        (out, lse): out (batch_size, seqlen, nheads, headdim) in out_dtype; lse float32
+        (batch_size, seqlen, nheads), a transposed view of a (batch_size, nheads, seqlen)
+        array as FA3 returns it. A row whose chunks are all empty gets out 0, lse -inf.
+
+    Torch tensors go through the custom op ``torch.ops.flashattn.combine`` (CPU and CUDA).
+    """
+    kind = _core.common_kind([("out_partial", out_partial), ("lse_partial", lse_partial),
+                              ("out", out)], 2)
+    if kind == _core.TORCH:
+        # Checked here, the rest inside the op (so that torch.compile traces no more than this).
+        _core.check_device(out_partial, "out_partial", cuda=True)
+        _core.check_device(lse_partial, "lse_partial", cuda=True)
+    else:
+        out_partial = _core.prepare(out_partial, "out_partial", kind)
+    if len(out_partial.shape) != 5:
+        raise FlashAttnError("out_partial: expected 5 dimensions (num_splits, batch_size, "
+                             "seqlen, nheads, headdim), got shape %s" % (tuple(out_partial.shape),))
+    _, b, sq, h, dv = (int(n) for n in out_partial.shape)
+    dtype = _out_dtype(kind, out_dtype, out, out_partial)
+    if out is not None:
+        if out.dtype != dtype:
+            raise FlashAttnError("out: dtype %s does not match out_dtype %s" % (out.dtype, dtype))
+        out = _kvcache.in_place(out, "out", kind, "the merged output is written into it",
+                                cuda=True)
+    elif kind == _core.TORCH:
+        out = sys.modules["torch"].empty((b, sq, h, dv), dtype=dtype, device=out_partial.device)
+    else:
+        out = sys.modules["numpy"].empty((b, sq, h, dv), dtype=dtype)
+    if kind == _core.TORCH:
+        return out, _ops().combine_call(out_partial, lse_partial, out)
+    return out, _kvcache.combine_run(kind, out_partial, lse_partial, out)
+
+
+# Upstream's compiled module, called positionally (``_raw``).
+flash_attn_gpu = _raw.RawEntryPoints(_flash_attn_forward, _flash_attn_varlen_forward,
+                                     flash_attn_with_kvcache)
