@@ -487,8 +487,8 @@ def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes,
     left, right = window_pair(window_size)
     dropout_p = as_float(dropout_p, "dropout_p")
     softcap = as_float(softcap, "softcap")
-    scale = as_scale(softmax_scale)
-    scale = float("nan") if scale is None else scale
+    scale = default_scale(q, softmax_scale)
+    scale = float("nan") if scale is None else scale  # no head dim: C names q
 
     keep = []  # FaTensor objects must outlive the call
 
@@ -546,19 +546,31 @@ def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=No
     return_softmax is true, else None. out / lse / probs may be passed in (written in place).
     ``names`` maps the C argument names to the caller's names for error messages.
     """
+    return run_forward(
+        q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
+        return_softmax, seed, offset, out, lse, probs, names, num_threads)[3:6]
+
+
+def run_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                alibi_slopes, sinks, return_softmax, seed, offset, out, lse, probs, names,
+                num_threads, want_lse=True):
+    """``forward``'s call, returning what it prepared for ``_cached`` to keep: (args, the
+    FaTensors it points to (q, k, v, out, lse first), the prepared inputs (copies among
+    them), out, lse (None without ``want_lse``: the library writes none), probs or None,
+    names)."""
     args, keep, arrays, out, lse, probs, names = _prepare_forward(
         q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
         return_softmax, seed, offset, out, lse, probs, names, num_threads)
-    _call_forward(args, names)
-    return out, lse, probs
-
-
-def _call_forward(args, names):
+    if not want_lse:
+        args.lse = lse = None
     try:
         _lib.forward(args)
     except FlashAttnError as e:
         raise FlashAttnError(_rename(str(e), names), e.status) from None
+    return args, keep, arrays, out, lse, probs, names
 
 
 def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -649,20 +661,28 @@ def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=N
     written in place), and fp32 [h] for the sinks (None without sinks). The CPU result is
     bitwise reproducible whatever ``deterministic`` says.
     """
-    # keep, arrays and workspace: what bwd points into, alive until the call returns.
-    bwd, keep, arrays, grads, names, workspace = _prepare_backward(
+    return run_backward(
+        dout, q, k, v, out, lse, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+        max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        sinks, seed, offset, deterministic, names, num_threads, dq, dk, dv)[3]
+
+
+def run_backward(dout, q, k, v, out, lse, kind, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                 max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                 softcap, alibi_slopes, sinks, seed, offset, deterministic, names, num_threads,
+                 dq, dk, dv):
+    """``backward``'s call, returning what it prepared for ``_cached`` to keep: (bwd args,
+    the FaTensors they point to, the prepared inputs, (dq, dk, dv, dsinks), names, the CUDA
+    workspace or None), as ``_prepare_backward`` describes them."""
+    prepared = _prepare_backward(
         dout, q, k, v, out, lse, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
         max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
         sinks, seed, offset, deterministic, names, num_threads, dq, dk, dv)
-    call_backward(bwd, names)
-    return grads
-
-
-def call_backward(bwd, names):
     try:
-        _lib.backward(bwd)
+        _lib.backward(prepared[0])
     except FlashAttnError as e:
-        raise FlashAttnError(_rename(str(e), names), e.status) from None
+        raise FlashAttnError(_rename(str(e), prepared[4]), e.status) from None
+    return prepared
 
 
 def _prepare_backward(dout, q, k, v, out, lse, kind, cu_seqlens_q, cu_seqlens_k, seqused_k,

@@ -411,17 +411,16 @@ class _DenseFn(torch.autograd.Function):
 
 
 class _DenseFastFn(torch.autograd.Function):
-    """``dense_fast``'s calls that record gradients: flashattn::fwd's formula for a call without
-    dropout, ALiBi, sinks or probs, whose only output is out (no S or rng_state to make), for
-    (q, k, v, (scale, causal, left, right, softcap, deterministic))."""
+    """``dense``'s one-step calls that record gradients (and _fastpath's): flashattn::fwd's
+    formula for a call without dropout, ALiBi, sinks or probs, whose only output is out (no S
+    or rng_state to make), for (q, k, v, (scale, causal, left, right, softcap,
+    deterministic)); scale and softcap as the caller gave them (None: the default scale)."""
 
     @staticmethod
     def forward(ctx, q, k, v, options):
         scale, causal, left, right, softcap, _ = options
-        window = (left, right)
-        res = DENSE_LSE_C(q, k, v, scale, causal, window, softcap) if DENSE_LSE_C else None
-        out, lse = res or _cached.forward_dense_torch(q, k, v, 0.0, scale, causal, window,
-                                                      softcap, 0)
+        out, lse = _cached.forward_dense_torch(q, k, v, 0.0, scale, causal, (left, right),
+                                               softcap, 0)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (0.0,) + options
         return out
@@ -629,11 +628,14 @@ def _renamed(e, names):
 
 
 def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-          deterministic, return_softmax, learnable_sink, names=None, aux=True):
-    """One dense call: (out, fp32 lse, S_dmask, rng_state). ``window`` is already a pair of C
-    ints; ``names`` maps C argument names to the caller's, for error messages. Without
-    ``aux`` (callers that drop them), S_dmask is None unless ``return_softmax`` and rng_state
-    may be None: an eager call without gradients then allocates neither."""
+          deterministic, return_softmax, learnable_sink, names=None, want=None):
+    """One dense call. ``window`` is already a pair of C ints; ``names`` maps C argument names
+    to the caller's, for error messages. ``want`` None: upstream's (out, fp32 lse, S_dmask,
+    rng_state). ``want`` a bool (the public functions, which drop rng_state and return the lse
+    only when asked): (out, fp32 lse or None, S_dmask or None unless ``return_softmax``), and
+    a plain eager call without dropout, ALiBi, sinks or probs is made in one step, as
+    _fastpath makes it: with gradients through ``_DenseFastFn``, without them from the prepared
+    call of its signature (``_cached``)."""
     names = names or {}
     tensors = (q, k, v, alibi_slopes, learnable_sink)
     eager = _eager(tensors)
@@ -641,60 +643,44 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
         nm = lambda n: names.get(n, n)  # noqa: E731
         _check_devices([(nm("q"), q), (nm("k"), k), (nm("v"), v),
                         ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)])
-    dropout_p, softmax_scale, softcap = _scalars(dropout_p, softmax_scale, softcap)
-    args = (q, k, v, alibi_slopes, learnable_sink, draw_seed(dropout_p, q), dropout_p,
-            softmax_scale, _core.as_bool(causal, "causal"), window[0], window[1], softcap,
-            bool(return_softmax), _core.as_bool(deterministic, "deterministic"))
+    dropout_p = _core.as_float(dropout_p, "dropout_p")
+    deterministic = _core.as_bool(deterministic, "deterministic")
     try:
-        if eager and not aux and not _needs_grad(tensors):
+        if (want is not None and eager and not dropout_p and alibi_slopes is None
+                and learnable_sink is None and not return_softmax
+                and q.dtype != torch.float64 and q.dim() == 4):
+            # The other scalars as the caller gave them: _core checks and converts them, and
+            # the prepared call's signature holds them as _fastpath sees them.
+            if not _needs_grad(tensors):
+                out, lse = _cached.forward_dense_torch(q, k, v, 0.0, softmax_scale, causal,
+                                                       window, softcap, 0, want_lse=want)
+                return out, lse, None
+            if not want:
+                options = (softmax_scale, _core.as_bool(causal, "causal"), window[0],
+                           window[1], softcap, deterministic)
+                return _DenseFastFn.apply(q, k, v, options), None, None
+        dropout_p, softmax_scale, softcap = _scalars(dropout_p, softmax_scale, softcap)
+        causal = _core.as_bool(causal, "causal")
+        args = (q, k, v, alibi_slopes, learnable_sink, draw_seed(dropout_p, q), dropout_p,
+                softmax_scale, causal, window[0], window[1], softcap, bool(return_softmax),
+                deterministic)
+        if eager and want is not None and not _needs_grad(tensors):
             out, lse, S, _ = _fwd_outputs(*args[:-1])
-            rng_state = None
-        else:
-            out, lse, S, rng_state = _run(torch.ops.flashattn.fwd, _fwd_impl, _DenseFn,
-                                          tensors, args, eager)
+            return out, lse.float(), S
+        out, lse, S, rng_state = _run(torch.ops.flashattn.fwd, _fwd_impl, _DenseFn, tensors,
+                                      args, eager)
     except FlashAttnError as e:
         raise _renamed(e, names) from None
-    return out, lse.float(), S, rng_state
+    if want is None:
+        return out, lse.float(), S, rng_state
+    return out, lse.float(), S
 
 
-_FAST_SCALARS = (float, int)
-
-
-# dense_fast in C (None: not built): calls without gradients once their signature is cached,
-# and _DenseFastFn's forward with the lse.
-DENSE_C, DENSE_LSE_C = _cached.bind_fastpath(torch, _DenseFastFn.apply)
-
-
-def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, learnable_sink):
-    """``flash_attn_func``'s commonest call in one step, or None where it does not apply: plain
-    fp16/bf16/fp32 tensors, no dropout, ALiBi, sinks or probs, plain Python scalars, outside
-    any compile, trace or mode. Without gradients such a call goes straight to
-    ``_cached.forward_dense_out`` (the library validates, Python's work is cached per
-    signature), which writes no lse; with them, to ``_DenseFastFn``; both with the values the
-    general path would give them. Anything else returns None, for the general path to convert, check and name."""
-    T = torch.Tensor
-    if (type(q) is not T or type(k) is not T or type(v) is not T or alibi_slopes is not None
-            or learnable_sink is not None or return_attn_probs is not False
-            or type(causal) is not bool or type(deterministic) is not bool
-            or type(dropout_p) not in _FAST_SCALARS or dropout_p
-            or type(softcap) not in _FAST_SCALARS or q.dtype is torch.float64 or q.dim() != 4):
-        return None
-    if softmax_scale is not None and type(softmax_scale) not in _FAST_SCALARS:
-        return None
-    softmax_scale = _core.default_scale(q, softmax_scale)
-    if softmax_scale is None:
-        return None
-    # _eager's checks; q, k and v are plain tensors already.
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state()):
-        return None
-    window = _core.window_pair(window_size)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _DenseFastFn.apply(q, k, v, (float(softmax_scale), causal, window[0], window[1],
-                                            float(softcap), deterministic))
-    return _cached.forward_dense_out(q, k, v, float(softmax_scale), causal, window, float(softcap))
+def bind_fastpath(fallback, dense_args):
+    """_fastpath.dense in front of ``fallback`` (flash_attn_func's route, its arguments in
+    ``dense_args``' order), handing the calls with gradients to _DenseFastFn; None where the
+    extension was not built."""
+    return _cached.bind_fastpath(torch, _DenseFastFn.apply, fallback, dense_args)
 
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

@@ -20,17 +20,16 @@ global state for arrays (so ``np.random.seed`` does). Calls without dropout draw
 Upstream's module-level names are here too: ``USE_TRITON_ROCM`` (False) and ``flash_attn_gpu``,
 its compiled module's raw entry points with their positional arguments (``_raw``).
 
-Layering: the public functions -> ``_flash_attn_forward`` / ``_flash_attn_varlen_forward``
-(upstream's internal names and return values) -> torch tensors: the custom ops of ``_torch_ops``
-(``torch.ops.flashattn.*``, with autograd and fake implementations, so that ``torch.compile``
-traces them); NumPy arrays: ``_core.forward`` -> the C library. ``flash_attn_with_kvcache``
-(upstream FA2's signature) and ``flash_attn_combine`` (FA3's) call ``_kvcache``'s C calls,
-through ``_torch_ops``' ops for torch tensors.
+Layering: this module holds the signatures; every forward function takes ``_route`` to the C
+library (``_route`` draws the route; upstream's internal ``_flash_attn_forward`` and
+``_flash_attn_varlen_forward`` are its functions). ``flash_attn_with_kvcache`` (upstream FA2's
+signature) and ``flash_attn_combine`` (FA3's) call ``_kvcache``'s C calls, through
+``_torch_ops``' ops for torch tensors.
 """
 
 import sys
 
-from . import _core, _kvcache, _raw
+from . import _core, _kvcache, _raw, _route
 from ._dlpack import accepts_dlpack
 from ._lib import FlashAttnError
 
@@ -48,21 +47,6 @@ __all__ = [
 
 # Upstream's flag for its Triton (ROCm) backend, which this package does not have.
 USE_TRITON_ROCM = False
-
-_TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and torch)
-_DENSE_C = None  # its DENSE_C: flash_attn_func's commonest call in C, where built
-_IS_COMPILING = None  # torch.compiler.is_compiling, with _DENSE_C
-
-
-def _ops():
-    global _DENSE_C, _IS_COMPILING
-    if not _TORCH_OPS:
-        from . import _torch_ops as module
-
-        _TORCH_OPS.append(module)
-        _IS_COMPILING = module.torch.compiler.is_compiling
-        _DENSE_C = module.DENSE_C
-    return _TORCH_OPS[0]
 
 
 def maybe_contiguous(x):
@@ -88,136 +72,9 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     return _lib.probs_block_n(head_dim, is_dropout, is_causal)
 
 
-def _window(window_size):
-    return _core.window_pair(window_size)
-
-
-def _empty_dmask(kind, q):
-    return _core.empty(kind, (0,), q)
-
-
-def _seed_for(dropout_p):
-    """The seed of a NumPy call (torch calls draw theirs inside ``_torch_ops``)."""
-    return _core.draw_seed() if _positive(dropout_p) else 0
-
-
-# --------------------------------------------------------------------------------------------
-# Upstream's internal forward functions (framework-neutral; no autograd).
-
-
-def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                        window_size_right, softcap, alibi_slopes, return_softmax,
-                        learnable_sink=None, *, _kind=None, _names=None, _deterministic=False):
-    """Returns (out, softmax_lse, S_dmask, rng_state), as upstream.
-
-    S_dmask is (0,) unless return_softmax; rng_state is int64 [seed, offset]. Torch tensors go
-    through the differentiable op ``torch.ops.flashattn.fwd``."""
-    kind = _kind or _core.common_kind(
-        [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
-         ("learnable_sink", learnable_sink)], 3)
-    if kind == _core.TORCH:
-        return _ops().dense(q, k, v, dropout_p, softmax_scale, causal,
-                                _window((window_size_left, window_size_right)), softcap,
-                                alibi_slopes, _deterministic, return_softmax, learnable_sink,
-                                _names)
-    seed = _seed_for(dropout_p)
-    out, lse, probs = _core.forward(
-        q, k, v, kind=kind, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=(window_size_left, window_size_right), softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
-        seed=seed, offset=0, names=_names)
-    S_dmask = probs if return_softmax else _empty_dmask(kind, q)
-    return out, lse, S_dmask, _core.rng_state_array(seed, 0)
-
-
-def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               dropout_p, softmax_scale, causal, window_size_left=-1,
-                               window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                               return_softmax=False, block_table=None, leftpad_k=None,
-                               seqused_k=None, zero_tensors=False, num_splits=0,
-                               learnable_sink=None, *, _kind=None, _names=None,
-                               _deterministic=False):
-    """Returns (out, softmax_lse, S_dmask, rng_state), as upstream; torch tensors go through
-    ``torch.ops.flashattn.varlen_fwd``."""
-    if leftpad_k is not None:
-        raise NotImplementedError("flashattn: leftpad_k is not supported yet by this build")
-    if block_table is not None:
-        from . import _paged  # imports torch: only on this path
-
-        k, v, cu_seqlens_k, seqused_k = _paged.paged_kv(k, v, cu_seqlens_k, block_table,
-                                                        max_seqlen_k, seqused_k)
-    kind = _kind or _core.common_kind(
-        [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
-         ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
-         ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)], 5)
-    if kind == _core.TORCH:
-        out, lse, S_dmask, rng_state = _ops().varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, _window((window_size_left, window_size_right)), softcap,
-            alibi_slopes, _deterministic, return_softmax, learnable_sink, seqused_k, _names)
-    else:
-        seed = _seed_for(dropout_p)
-        out, lse, probs = _core.forward(
-            q, k, v, kind=kind, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-            window_size=(window_size_left, window_size_right), softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
-            seed=seed, offset=0, names=_names)
-        S_dmask = probs if return_softmax else _empty_dmask(kind, q)
-        rng_state = _core.rng_state_array(seed, 0)
-    if zero_tensors:
-        # Upstream pre-fills lse with -inf (and out with 0) when zero_tensors; rows outside every
-        # sequence keep those values. The C library writes 0 / +inf there: patch lse.
-        _core.fill_uncovered_rows(lse, cu_seqlens_q, kind, float("-inf"))
-    return out, lse, S_dmask, rng_state
-
-
-# --------------------------------------------------------------------------------------------
-# Dispatch
-
-
-def _finish(out, lse, S_dmask, return_attn_probs):
-    return (out, lse, S_dmask) if return_attn_probs else out
-
-
-def _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, learnable_sink, kind, names):
-    window = _window(window_size)
-    return_attn_probs = _core.as_bool(return_attn_probs, "return_attn_probs")
-    deterministic = _core.as_bool(deterministic, "deterministic")
-    return_softmax = return_attn_probs and _positive(dropout_p)
-    if kind == _core.TORCH:
-        out, lse, S_dmask, _ = _ops().dense(q, k, v, dropout_p, softmax_scale, causal,
-                                                window, softcap, alibi_slopes, deterministic,
-                                                return_softmax, learnable_sink, names,
-                                                aux=False)
-        if S_dmask is None and return_attn_probs:
-            S_dmask = _empty_dmask(kind, q)
-    else:
-        out, lse, S_dmask, _ = _flash_attn_forward(
-            q, k, v, dropout_p, softmax_scale, causal, window[0], window[1], softcap,
-            alibi_slopes, return_softmax, learnable_sink, _kind=kind, _names=names)
-    return _finish(out, lse, S_dmask, return_attn_probs)
-
-
-def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_attn_probs, learnable_sink, kind, names, block_table=None):
-    left, right = _window(window_size)
-    return_attn_probs = _core.as_bool(return_attn_probs, "return_attn_probs")
-    deterministic = _core.as_bool(deterministic, "deterministic")
-    return_softmax = return_attn_probs and _positive(dropout_p)
-    out, lse, S_dmask, _ = _flash_attn_varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, left, right, softcap, alibi_slopes, return_softmax,
-        block_table=block_table, learnable_sink=learnable_sink, _kind=kind, _names=names,
-        _deterministic=deterministic)
-    return _finish(out, lse, S_dmask, return_attn_probs)
-
-
-def _positive(dropout_p):
-    return _core.as_float(dropout_p, "dropout_p") > 0.0
+# Upstream's internal forward functions (their names, arguments and return values).
+_flash_attn_forward = _route.forward
+_flash_attn_varlen_forward = _route.varlen_forward
 
 
 def _check_packed(x, name, ndim, slot, count, layout):
@@ -242,11 +99,10 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     kind = _core.common_kind([("qkv", qkv), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 1)
     _check_packed(qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
-    softmax_scale = _core.default_scale(qkv, softmax_scale)
     names = {"q": "qkv[:, :, 0] (q)", "k": "qkv[:, :, 1] (k)", "v": "qkv[:, :, 2] (v)"}
-    return _run_dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
-                      causal, window_size, softcap, alibi_slopes, deterministic,
-                      return_attn_probs, learnable_sink, kind, names)
+    return _route.dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                        causal, window_size, softcap, alibi_slopes, deterministic,
+                        return_attn_probs, learnable_sink, kind, names)
 
 
 @accepts_dlpack
@@ -262,11 +118,10 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     kind = _core.common_kind([("q", q), ("kv", kv), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 2)
     _check_packed(kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
-    softmax_scale = _core.default_scale(q, softmax_scale)
     names = {"k": "kv[:, :, 0] (k)", "v": "kv[:, :, 1] (v)"}
-    return _run_dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
-                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                      learnable_sink, kind, names)
+    return _route.dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                        learnable_sink, kind, names)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -300,33 +155,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         S_dmask [optional]: (0,) when dropout_p == 0, otherwise
             (batch_size, nheads, round_up(seqlen_q, 128), round_up(seqlen_k, 128)).
     """
-    # The host cost of small calls is mostly Python: the commonest torch call skips the layers
-    # below (once torch calls have loaded _torch_ops), in C where the extension was built.
-    # Dynamo cannot trace into C: while compiling, the Python path (which it traces) is taken.
-    if _DENSE_C is not None and not _IS_COMPILING():
-        out = _DENSE_C(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, learnable_sink, deterministic)
-        if out is not None:
-            return out
-    if _TORCH_OPS:
-        out = _TORCH_OPS[0].dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                       softcap, alibi_slopes, deterministic, return_attn_probs,
-                                       learnable_sink)
-        if out is not None:
-            return out
-    return _flash_attn_func_any(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                softcap, alibi_slopes, deterministic, return_attn_probs,
-                                learnable_sink)
-
-
-@accepts_dlpack
-def _flash_attn_func_any(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                         alibi_slopes, deterministic, return_attn_probs, learnable_sink):
-    kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
-                              ("learnable_sink", learnable_sink)], 3)
-    softmax_scale = _core.default_scale(q, softmax_scale)
-    return _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind, None)
+    # _fastpath (C) serves the commonest torch calls from their prepared signatures and hands
+    # every other call to the same route; Dynamo cannot trace C, so compiling takes the route.
+    entry = _route.DENSE_C
+    if entry is None or _route.IS_COMPILING():
+        entry = _route.dense_any
+    return entry(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                 deterministic, return_attn_probs, learnable_sink)
 
 
 @accepts_dlpack
@@ -343,14 +178,13 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                               ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 2)
     _check_packed(qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
-    softmax_scale = _core.default_scale(qkv, softmax_scale)
     names = {"q": "qkv[:, 0] (q)", "k": "qkv[:, 1] (k)", "v": "qkv[:, 2] (v)",
              "cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens",
              "max_seqlen_q": "max_seqlen", "max_seqlen_k": "max_seqlen"}
-    return _run_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
-                       max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind,
-                       names)
+    return _route.varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                         max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                         alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind,
+                         names)
 
 
 @accepts_dlpack
@@ -367,12 +201,11 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                               ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 4)
     _check_packed(kv, "kv", 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
-    softmax_scale = _core.default_scale(q, softmax_scale)
     names = {"k": "kv[:, 0] (k)", "v": "kv[:, 1] (v)"}
-    return _run_varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                       max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind,
-                       names)
+    return _route.varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                         alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind,
+                         names)
 
 
 @accepts_dlpack
@@ -403,11 +236,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                               ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 5)
-    softmax_scale = _core.default_scale(q, softmax_scale)
-    return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, return_attn_probs, learnable_sink, kind, None,
-                       block_table)
+    return _route.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                         deterministic, return_attn_probs, learnable_sink, kind, None,
+                         block_table)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -457,7 +289,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if kind == _core.TORCH:
         # torch calls go through the custom op flashattn::kvcache, so torch.compile keeps the
         # call (and its in-place append) as one node instead of breaking the graph.
-        out, lse = _ops().kvcache_call(
+        out, lse = _route.torch_ops().kvcache_call(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
             window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse)
@@ -518,7 +350,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     else:
         out = sys.modules["numpy"].empty((b, sq, h, dv), dtype=dtype)
     if kind == _core.TORCH:
-        return out, _ops().combine_call(out_partial, lse_partial, out)
+        return out, _route.torch_ops().combine_call(out_partial, lse_partial, out)
     return out, _kvcache.combine_run(kind, out_partial, lse_partial, out)
 
 
