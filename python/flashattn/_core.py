@@ -5,13 +5,14 @@ NumPy array, never both in one call. torch and NumPy are imported lazily: a fram
 imported yet cannot have produced the arrays we are given, so ``sys.modules`` is enough to
 recognise them.
 
-``forward`` is the one entry point the public functions (and the torch custom ops) use: it
-validates what only Python can know (array kinds, devices, dtypes that have no C
-counterpart, ranks needed to allocate outputs), allocates the outputs, fills an fa_fwd_args and
-calls ``fa_attention_forward``. Every other rule is checked by the C library, whose message
-names the argument; ``forward`` renames the C argument names to the caller's.
-``_cached`` holds the commonest torch calls' fast form, their prepared arguments cached per
-call signature.
+``forward`` (``run_forward``, which also hands back what it prepared) is the last Python step
+of every forward route: it validates what only Python can know (array kinds, devices, dtypes
+that have no C counterpart, ranks needed to allocate outputs), converts and checks the scalars
+(the default softmax scale is resolved here, ``default_scale``), allocates the outputs, fills
+an fa_fwd_args and calls ``fa_attention_forward``. Every other rule is checked by the C
+library, whose message names the argument; ``forward`` renames the C argument names to the
+caller's. ``backward`` / ``run_backward`` do the same for fa_attention_backward. ``_cached``
+keeps what they prepared per call signature for the commonest torch calls.
 """
 
 import ctypes
