@@ -4,10 +4,9 @@ fresh interpreter, whatever the order."""
 
 import ast
 import os
-import subprocess
-import sys
 
 import flashattn
+from helpers import run_python
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(flashattn.__file__))
 ROOT = os.path.dirname(PACKAGE_DIR)
@@ -100,7 +99,5 @@ def test_each_module_imports_first_in_any_order(rng):
     for order in orders:
         code = "import importlib\nfor m in %r:\n    importlib.import_module(m)\nprint('ok')\n" % (
             order,)
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env=env, timeout=300)
+        r = run_python(code)
         assert r.returncode == 0 and r.stdout.strip() == "ok", (order, r.stderr[-2000:])

@@ -5,13 +5,12 @@ fast path's argument layout is the Python signature's."""
 
 import inspect
 import os
-import subprocess
 import sys
 
 import torch
 
-import flashattn
 from flashattn import _route, flash_attn_func, flash_attn_with_kvcache
+from helpers import run_python
 
 
 def _files_receiving(name, fn):
@@ -90,10 +89,7 @@ def test_fast_path_refuses_a_layout_without_a_name():
             "    _cached.bind_fastpath(torch, None, None, _route.DENSE_ARGS[:-1])\n"
             "except ValueError as e:\n"
             "    print(e)\n")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(flashattn.__file__)))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
+    r = run_python(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ("flashattn._fastpath.bind: the layout has no 'learnable_sink'"), (
         r.stdout)

@@ -4,9 +4,6 @@ tensors runs flashattn's forward and backward where it can be exact, and falls b
 kernels it replaced elsewhere; restoring gives them back."""
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ import torch.nn.attention as attention
 
 import flashattn
 from flashattn import _core, _sdpa
+from helpers import run_python
 
 # torch < 2.11 has no registry: there is nothing to register with (test_register_result checks
 # that registering then says so).
@@ -149,8 +147,5 @@ def test_registration_follows_import_order(first):
             "before = 'flashattn' in ls()\n"
             "assert flashattn.register_sdpa_impl() is True\n"
             "print(before, 'flashattn' in ls())\n" % first)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(flashattn.__file__)))
-    r = subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True,
-                       env=env, timeout=120)
+    r = run_python(code, first)
     assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stderr
