@@ -68,7 +68,10 @@ class _RegisterAfterTorch:
     def find_spec(cls, name, path=None, target=None):
         if name != "torch":
             return None
-        _sys.meta_path.remove(cls)
+        try:
+            _sys.meta_path.remove(cls)
+        except ValueError:  # another thread's import of torch took the hook
+            return None
         import importlib.util
 
         spec = importlib.util.find_spec("torch")
