@@ -18,7 +18,8 @@ import sys
 import threading
 
 from . import _kvcache, _lib
-from ._core import TORCH, _raw_stream, _rename, forward, run_backward, run_forward, window_pair
+from ._arrays import TORCH, _raw_stream
+from ._core import _rename, forward, run_backward, run_forward, window_pair
 from ._lib import FaTensor, FlashAttnError
 
 try:  # flash_attn_func's commonest call in C (_fastpath.c); absent where it was not built

@@ -12,7 +12,7 @@ be writeable).
 import ctypes
 import sys
 
-from . import _core, _lib
+from . import _arrays, _core, _lib
 from ._lib import FlashAttnError
 
 __all__ = ["kvcache_run", "kvcache_prepare", "combine_run"]
@@ -103,9 +103,9 @@ def in_place(x, name, kind, written, cuda=False):
     ``written``: what the call writes into it (None: nothing). ``cuda``: a CUDA tensor is
     accepted (the combine's out)."""
     if written:
-        _core.refuse_overlap(x, name, written)
-    if kind == _core.TORCH:
-        _core.check_device(x, name, cuda)
+        _arrays.refuse_overlap(x, name, written)
+    if kind == _arrays.TORCH:
+        _arrays.check_device(x, name, cuda)
         if x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
             raise FlashAttnError("%s: the last dimension must be contiguous (stride 1); the cache "
                                  "is used in place, so it is not copied" % name)
@@ -134,7 +134,7 @@ def seqlens_array(cache_seqlens, kind, b, like):
     if cache_seqlens is None or is_array(cache_seqlens):
         return cache_seqlens
     n = _core.as_int(cache_seqlens, "cache_seqlens", _core.INT32)
-    if kind == _core.TORCH:
+    if kind == _arrays.TORCH:
         torch = sys.modules["torch"]
         return torch.full((b,), n, dtype=torch.int32, device=like.device)
     np = sys.modules["numpy"]
@@ -168,10 +168,10 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     out, lse), where arrays are what the library is given for q .. lse in the struct's order
     (None where absent; a copy where an input was converted), slots their FaTensors, and keep
     what must outlive the call."""
-    written = _core.APPENDED if k is not None or v is not None else None
+    written = _arrays.APPENDED if k is not None or v is not None else None
     k_cache = in_place(k_cache, "k_cache", kind, written)
     v_cache = in_place(v_cache, "v_cache", kind, written)
-    q = _core.prepare(q, "q", kind)
+    q = _arrays.prepare(q, "q", kind)
     for x, name, layout in ((q, "q", "(batch_size, seqlen, nheads, headdim)"),
                             (v_cache, "v_cache", "(batch, seqlen_cache, nheads_k, headdim)")):
         if len(x.shape) != 4:
@@ -180,10 +180,10 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     b, sq, h = int(q.shape[0]), int(q.shape[1]), int(q.shape[2])
     dv = int(v_cache.shape[3])
     cache_seqlens = seqlens_array(cache_seqlens, kind, b, q)
-    sinks = _core.to_float32(learnable_sink, "learnable_sink", kind)
+    sinks = _arrays.to_float32(learnable_sink, "learnable_sink", kind)
 
-    out = _core.empty(kind, (b, sq, h, dv), q)
-    lse = _core.empty_f32(kind, (b, h, sq), q)
+    out = _arrays.empty(kind, (b, sq, h, dv), q)
+    lse = _arrays.empty_f32(kind, (b, h, sq), q)
     left, right = _core.window_pair(window_size)
     softcap = _core.as_float(softcap, "softcap")
     scale = _core.default_scale(q, softmax_scale)
@@ -194,13 +194,13 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
 
     def ptr(x, name, expected=None, prepared=False):
         if x is not None and not prepared:
-            x = _core.prepare(x, name, kind)
+            x = _arrays.prepare(x, name, kind)
             keep.append(x)
         arrays.append(x)
         if x is None:
             slots.append(None)
             return None
-        t = _core.make_tensor(x, NAMES.get(name, name), kind, None, expected)
+        t = _arrays.make_tensor(x, NAMES.get(name, name), kind, None, expected)
         keep.append(t)
         slots.append(t)
         return ctypes.pointer(t)
@@ -238,11 +238,11 @@ def combine_run(kind, out_partial, lse_partial, out):
     """One fa_attention_combine call writing ``out``; returns the lse it allocates. CUDA
     tensors the library refuses (its combine has no CUDA backend yet) are merged by
     ``_combine_torch`` after the library has validated them."""
-    out_partial = _core.prepare(out_partial, "out_partial", kind, cuda=True)
-    lse_partial = _core.prepare(lse_partial, "lse_partial", kind, cuda=True)
-    if kind == _core.TORCH:
+    out_partial = _arrays.prepare(out_partial, "out_partial", kind, cuda=True)
+    lse_partial = _arrays.prepare(lse_partial, "lse_partial", kind, cuda=True)
+    if kind == _arrays.TORCH:
         torch = sys.modules["torch"]
-        target = _core.cuda_target([("out_partial", out_partial), ("lse_partial", lse_partial),
+        target = _arrays.cuda_target([("out_partial", out_partial), ("lse_partial", lse_partial),
                                     ("out", out)])
         b, sq, h = (int(n) for n in out_partial.shape[1:4])
         lse = torch.empty_strided((b, sq, h), (h * sq, 1, sq), dtype=lse_partial.dtype,
@@ -255,7 +255,7 @@ def combine_run(kind, out_partial, lse_partial, out):
     keep = []
 
     def ptr(x, name):
-        t = _core.make_tensor(x, name, kind)
+        t = _arrays.make_tensor(x, name, kind)
         keep.append(t)
         return ctypes.pointer(t)
 

@@ -10,7 +10,7 @@ The four attention entry points keep upstream's dead ``generator`` slot, which m
 
 import sys
 
-from . import _core
+from . import _arrays, _core
 from ._lib import FlashAttnError
 
 __all__ = ["RawEntryPoints"]
@@ -26,14 +26,14 @@ def _no_generator(generator):
 
 
 def _kind(named, required):
-    return _core.common_kind(named, required)
+    return _arrays.common_kind(named, required)
 
 
 def _write(dst, src, kind):
     """dst[...] = src, in place (upstream writes the optional out_ / dq_ buffers)."""
     if dst is None:
         return src
-    if kind == _core.TORCH:
+    if kind == _arrays.TORCH:
         dst.copy_(src)
     else:
         dst[...] = src
@@ -53,12 +53,12 @@ def _seed_offset(rng_state, dropout_p):
 def _softmax_d(dout, out, kind, cu_seqlens_q=None):
     """Upstream's softmax_d, rowsum(dout * out) in fp32: (b, h, round128(sq)); varlen
     (h, total_q + 128 * b), sequence i's rows from cu_seqlens_q[i] + 128 * i. Padding is 0."""
-    if kind == _core.TORCH:
+    if kind == _arrays.TORCH:
         torch = sys.modules["torch"]
         d = (dout.float() * out.float()).sum(-1)  # (b, sq, h) or (total_q, h)
         if cu_seqlens_q is None:
             b, sq, h = d.shape
-            res = torch.zeros((b, h, _core.round_multiple(sq, 128)), dtype=torch.float32,
+            res = torch.zeros((b, h, _arrays.round_multiple(sq, 128)), dtype=torch.float32,
                               device=d.device)
             res[:, :, :sq] = d.transpose(1, 2)
             return res
@@ -73,7 +73,7 @@ def _softmax_d(dout, out, kind, cu_seqlens_q=None):
     d = (np.asarray(dout, np.float32) * np.asarray(out, np.float32)).sum(-1)
     if cu_seqlens_q is None:
         b, sq, h = d.shape
-        res = np.zeros((b, h, _core.round_multiple(sq, 128)), np.float32)
+        res = np.zeros((b, h, _arrays.round_multiple(sq, 128)), np.float32)
         res[:, :, :sq] = d.transpose(0, 2, 1)
         return res
     cu = np.asarray(cu_seqlens_q, np.int64)

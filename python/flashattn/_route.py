@@ -15,7 +15,7 @@ as the caller gave them; ``_core`` converts and checks them where it fills the C
 values.
 """
 
-from . import _core
+from . import _arrays, _core
 from ._dlpack import accepts_dlpack
 
 __all__ = ["DENSE_ARGS", "dense", "dense_any", "forward", "varlen", "varlen_forward"]
@@ -47,12 +47,12 @@ def _positive(dropout_p):
 
 
 def _empty_dmask(kind, q):
-    return _core.empty(kind, (0,), q)
+    return _arrays.empty(kind, (0,), q)
 
 
 def _seed_for(dropout_p):
     """The seed of a NumPy call (torch calls draw theirs inside ``_torch_ops``)."""
-    return _core.draw_seed() if _positive(dropout_p) else 0
+    return _arrays.draw_seed() if _positive(dropout_p) else 0
 
 
 def forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
@@ -62,10 +62,10 @@ def forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_
 
     S_dmask is (0,) unless return_softmax; rng_state is int64 [seed, offset]. Torch tensors go
     through the differentiable op ``torch.ops.flashattn.fwd``."""
-    kind = _kind or _core.common_kind(
+    kind = _kind or _arrays.common_kind(
         [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
          ("learnable_sink", learnable_sink)], 3)
-    if kind == _core.TORCH:
+    if kind == _arrays.TORCH:
         return torch_ops().dense(q, k, v, dropout_p, softmax_scale, causal,
                             _core.window_pair((window_size_left, window_size_right)), softcap,
                             alibi_slopes, _deterministic, return_softmax, learnable_sink,
@@ -77,7 +77,7 @@ def forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_
         alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
         seed=seed, offset=0, names=_names)
     S_dmask = probs if return_softmax else _empty_dmask(kind, q)
-    return out, lse, S_dmask, _core.rng_state_array(seed, 0)
+    return out, lse, S_dmask, _arrays.rng_state_array(seed, 0)
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -94,11 +94,11 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
         k, v, cu_seqlens_k, seqused_k = _paged.paged_kv(k, v, cu_seqlens_k, block_table,
                                                         max_seqlen_k, seqused_k)
-    kind = _kind or _core.common_kind(
+    kind = _kind or _arrays.common_kind(
         [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
          ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
          ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)], 5)
-    if kind == _core.TORCH:
+    if kind == _arrays.TORCH:
         out, lse, S_dmask, rng_state = torch_ops().varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, _core.window_pair((window_size_left, window_size_right)),
@@ -114,11 +114,11 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
             seed=seed, offset=0, names=_names)
         S_dmask = probs if return_softmax else _empty_dmask(kind, q)
-        rng_state = _core.rng_state_array(seed, 0)
+        rng_state = _arrays.rng_state_array(seed, 0)
     if _core.as_bool(zero_tensors, "zero_tensors"):
         # Upstream pre-fills lse with -inf (and out with 0) when zero_tensors; rows outside every
         # sequence keep those values. The C library writes 0 / +inf there: patch lse.
-        _core.fill_uncovered_rows(lse, cu_seqlens_q, kind, float("-inf"))
+        _arrays.fill_uncovered_rows(lse, cu_seqlens_q, kind, float("-inf"))
     return out, lse, S_dmask, rng_state
 
 
@@ -127,13 +127,13 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi
     """flash_attn_func (and the packed forms, which pass their slices, the array ``kind`` and
     the ``names`` of q, k and v): out, or (out, softmax_lse, S_dmask)."""
     if kind is None:
-        kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
+        kind = _arrays.common_kind([("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
                                   ("learnable_sink", learnable_sink)], 3)
     window = _core.window_pair(window_size)
     return_attn_probs = _core.as_bool(return_attn_probs, "return_attn_probs")
     deterministic = _core.as_bool(deterministic, "deterministic")
     return_softmax = return_attn_probs and _positive(dropout_p)
-    if kind == _core.TORCH:
+    if kind == _arrays.TORCH:
         out, lse, S_dmask = torch_ops().dense(q, k, v, dropout_p, softmax_scale, causal, window,
                                          softcap, alibi_slopes, deterministic, return_softmax,
                                          learnable_sink, names, want=return_attn_probs)

@@ -36,7 +36,7 @@ without a sink.
 
 Dropout: the seed is an input, an int64 tensor that ``draw_seed`` takes outside the op from
 torch's default generator (``torch.randint``; for CUDA tensors in eager mode the device's CUDA
-generator, ``_core.draw_seed_cuda``). Eager calls consume the generator as one draw does, so
+generator, ``_arrays.draw_seed_cuda``). Eager calls consume the generator as one draw does, so
 ``torch.manual_seed`` reproduces a run; under ``torch.compile`` the draw is an ordinary random op
 of the graph, ``torch.randint`` on the CPU for every device (Inductor's RNG, itself seeded from
 the default generator, unless ``torch._inductor.config.fallback_random``). Dropout cannot be
@@ -49,7 +49,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _cached, _core, _kvcache
+from . import _arrays, _cached, _core, _kvcache
 from ._lib import FlashAttnError
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -147,7 +147,7 @@ def _fwd_outputs(q, k, v, alibi_slopes, learnable_sink, seed, dropout_p, softmax
             lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float64,
                               device=q.device)
         out, lse, probs = _core.forward(
-            q, k, v, kind=_core.TORCH, dropout_p=dropout_p, softmax_scale=softmax_scale,
+            q, k, v, kind=_arrays.TORCH, dropout_p=dropout_p, softmax_scale=softmax_scale,
             causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
             sinks=learnable_sink, return_softmax=return_softmax, seed=s, offset=0, lse=lse)
     else:
@@ -187,7 +187,7 @@ def _varlen_fwd_impl(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T,
     if q.dtype == torch.float64 and q.dim() == 3:
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float64, device=q.device)
     out, lse, probs = _core.forward(
-        q, k, v, kind=_core.TORCH, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q, k, v, kind=_arrays.TORCH, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_size_left, window_size_right), softcap=softcap,
@@ -232,7 +232,7 @@ def _bwd_impl(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, alibi_slopes: _Op
             (window_size_left, window_size_right), softcap, seed, offset, deterministic)
         return dq, dk, dv, _dsink_or_empty(None, q)
     dq, dk, dv, dsinks = _core.backward(
-        dout, q, k, v, out, lse, kind=_core.TORCH, dropout_p=dropout_p,
+        dout, q, k, v, out, lse, kind=_arrays.TORCH, dropout_p=dropout_p,
         softmax_scale=softmax_scale, causal=causal,
         window_size=(window_size_left, window_size_right), softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=learnable_sink, seed=seed, offset=offset,
@@ -265,7 +265,7 @@ def _varlen_bwd_impl(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, cu_seqlens
                      softcap: float, deterministic: bool) -> _Result:
     seed, offset = _seed_offset(rng_state, dropout_p)
     dq, dk, dv, dsinks = _core.backward(
-        dout, q, k, v, out, lse, kind=_core.TORCH, cu_seqlens_q=cu_seqlens_q,
+        dout, q, k, v, out, lse, kind=_arrays.TORCH, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale,
         causal=causal, window_size=(window_size_left, window_size_right), softcap=softcap,
@@ -545,13 +545,13 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                     ("cache_leftpad", cache_leftpad), ("block_table", block_table),
                     ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
         if isinstance(x, torch.Tensor):
-            _core.check_device(x, name, cuda=True)
+            _arrays.check_device(x, name, cuda=True)
             if x.device != q.device:
                 raise FlashAttnError("%s: expected a tensor on %s like q, got %s"
                                      % (name, q.device, x.device))
     if k is not None or v is not None:
-        _core.refuse_overlap(k_cache, "k_cache", _core.APPENDED)
-        _core.refuse_overlap(v_cache, "v_cache", _core.APPENDED)
+        _arrays.refuse_overlap(k_cache, "k_cache", _arrays.APPENDED)
+        _arrays.refuse_overlap(v_cache, "v_cache", _arrays.APPENDED)
     if eager:
         if q.is_cuda:
             from . import _kvcache_varlen
@@ -566,7 +566,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
 
 
 def _combine_impl(out_partial: _T, lse_partial: _T, merged: _T) -> _T:
-    return _kvcache.combine_run(_core.TORCH, out_partial, lse_partial, merged)
+    return _kvcache.combine_run(_arrays.TORCH, out_partial, lse_partial, merged)
 
 
 combine = torch.library.custom_op("flashattn::combine", _combine_impl, mutates_args=("merged",),
@@ -595,7 +595,7 @@ def draw_seed(dropout_p, q):
     """The dropout seed of a call on ``q``'s device as an int64 (1,) CPU tensor, or None without
     dropout (so calls without dropout leave the generators alone). Seeds are in
     [0, 2**63 - 1) so that rng_state fits int64. Eager CUDA calls draw from the device's CUDA
-    generator (``_core.draw_seed_cuda``); everything else, compiled CUDA calls included, with
+    generator (``_arrays.draw_seed_cuda``); everything else, compiled CUDA calls included, with
     ``torch.randint`` from the default CPU generator, a random op that a compiled graph
     keeps."""
     if not dropout_p > 0.0:
@@ -603,7 +603,7 @@ def draw_seed(dropout_p, q):
     device = q.device
     if device.type == "cuda" and not torch.compiler.is_compiling():
         _refuse_capture(device, dropout_p)
-        return torch.tensor([_core.draw_seed_cuda(device)], dtype=torch.int64)
+        return torch.tensor([_arrays.draw_seed_cuda(device)], dtype=torch.int64)
     return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64)
 
 
@@ -620,7 +620,7 @@ def _check_devices(named):
     # check devices themselves, so a direct call needs no check here.)
     for name, x in named:
         if x is not None:
-            _core.check_device(x, name, cuda=True)
+            _arrays.check_device(x, name, cuda=True)
 
 
 def _renamed(e, names):

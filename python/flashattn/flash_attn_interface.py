@@ -29,7 +29,7 @@ signature) and ``flash_attn_combine`` (FA3's) call ``_kvcache``'s C calls, throu
 
 import sys
 
-from . import _core, _kvcache, _raw, _route
+from . import _arrays, _kvcache, _raw, _route
 from ._dlpack import accepts_dlpack
 from ._lib import FlashAttnError
 
@@ -55,7 +55,7 @@ def maybe_contiguous(x):
         return None
     if hasattr(x, "stride") and callable(x.stride):  # torch
         return x.contiguous() if x.stride(-1) != 1 else x
-    return _core.prepare(x, "x", _core.NUMPY)
+    return _arrays.prepare(x, "x", _arrays.NUMPY)
 
 
 def round_multiple(x, m):
@@ -96,7 +96,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     Equivalent to flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...) without
     copying the slices. See flash_attn_func for the arguments and the return value.
     """
-    kind = _core.common_kind([("qkv", qkv), ("alibi_slopes", alibi_slopes),
+    kind = _arrays.common_kind([("qkv", qkv), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 1)
     _check_packed(qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
     names = {"q": "qkv[:, :, 0] (q)", "k": "qkv[:, :, 1] (k)", "v": "qkv[:, :, 2] (v)"}
@@ -115,7 +115,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     Equivalent to flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], ...) without copying the
     slices. See flash_attn_func for the arguments and the return value.
     """
-    kind = _core.common_kind([("q", q), ("kv", kv), ("alibi_slopes", alibi_slopes),
+    kind = _arrays.common_kind([("q", q), ("kv", kv), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 2)
     _check_packed(kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     names = {"k": "kv[:, :, 0] (k)", "v": "kv[:, :, 1] (v)"}
@@ -174,7 +174,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     cu_seqlens: int32 (batch_size + 1,), the offsets of the sequences in the total dimension;
     max_seqlen: int, the longest sequence. See flash_attn_varlen_func.
     """
-    kind = _core.common_kind([("qkv", qkv), ("cu_seqlens", cu_seqlens),
+    kind = _arrays.common_kind([("qkv", qkv), ("cu_seqlens", cu_seqlens),
                               ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 2)
     _check_packed(qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
@@ -197,7 +197,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
     See flash_attn_varlen_func.
     """
-    kind = _core.common_kind([("q", q), ("kv", kv), ("cu_seqlens_q", cu_seqlens_q),
+    kind = _arrays.common_kind([("q", q), ("kv", kv), ("cu_seqlens_q", cu_seqlens_q),
                               ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 4)
     _check_packed(kv, "kv", 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
@@ -233,7 +233,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         S_dmask [optional]: (0,) when dropout_p == 0, otherwise
             (batch_size, nheads, round_up(max_seqlen_q, 128), round_up(max_seqlen_k, 128)).
     """
-    kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+    kind = _arrays.common_kind([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                               ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 5)
     return _route.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -279,14 +279,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Return:
         out: (batch_size, seqlen, nheads, headdim_v), and softmax_lse when asked for.
     """
-    kind = _core.common_kind(
+    kind = _arrays.common_kind(
         [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
          ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
          ("cache_seqlens", cache_seqlens if _kvcache.is_array(cache_seqlens) else None),
          ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
          ("block_table", block_table), ("alibi_slopes", alibi_slopes),
          ("learnable_sink", learnable_sink)], 3)
-    if kind == _core.TORCH:
+    if kind == _arrays.TORCH:
         # torch calls go through the custom op flashattn::kvcache, so torch.compile keeps the
         # call (and its in-place append) as one node instead of breaking the graph.
         out, lse = _route.torch_ops().kvcache_call(
@@ -304,7 +304,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 def _out_dtype(kind, out_dtype, out, out_partial):
     if out_dtype is None:
         return out.dtype if out is not None else out_partial.dtype
-    if kind == _core.TORCH:
+    if kind == _arrays.TORCH:
         return out_dtype
     return sys.modules["numpy"].dtype(out_dtype)
 
@@ -327,14 +327,14 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
 
     Torch tensors go through the custom op ``torch.ops.flashattn.combine`` (CPU and CUDA).
     """
-    kind = _core.common_kind([("out_partial", out_partial), ("lse_partial", lse_partial),
+    kind = _arrays.common_kind([("out_partial", out_partial), ("lse_partial", lse_partial),
                               ("out", out)], 2)
-    if kind == _core.TORCH:
+    if kind == _arrays.TORCH:
         # Checked here, the rest inside the op (so that torch.compile traces no more than this).
-        _core.check_device(out_partial, "out_partial", cuda=True)
-        _core.check_device(lse_partial, "lse_partial", cuda=True)
+        _arrays.check_device(out_partial, "out_partial", cuda=True)
+        _arrays.check_device(lse_partial, "lse_partial", cuda=True)
     else:
-        out_partial = _core.prepare(out_partial, "out_partial", kind)
+        out_partial = _arrays.prepare(out_partial, "out_partial", kind)
     if len(out_partial.shape) != 5:
         raise FlashAttnError("out_partial: expected 5 dimensions (num_splits, batch_size, "
                              "seqlen, nheads, headdim), got shape %s" % (tuple(out_partial.shape),))
@@ -345,11 +345,11 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
             raise FlashAttnError("out: dtype %s does not match out_dtype %s" % (out.dtype, dtype))
         out = _kvcache.in_place(out, "out", kind, "the merged output is written into it",
                                 cuda=True)
-    elif kind == _core.TORCH:
+    elif kind == _arrays.TORCH:
         out = sys.modules["torch"].empty((b, sq, h, dv), dtype=dtype, device=out_partial.device)
     else:
         out = sys.modules["numpy"].empty((b, sq, h, dv), dtype=dtype)
-    if kind == _core.TORCH:
+    if kind == _arrays.TORCH:
         return out, _route.torch_ops().combine_call(out_partial, lse_partial, out)
     return out, _kvcache.combine_run(kind, out_partial, lse_partial, out)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashattn
+from flashattn import _arrays
 from flashattn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                        flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func)
 from flashattn import _torch_ops  # noqa: F401  (registers the ops)
@@ -312,7 +313,7 @@ def test_signature_cache_swaps_data_not_results(rng):
         return [_t(rng, 1, 7, 2, 16) for _ in range(3)]
 
     def uncached(q, k, v):
-        out, lse, _ = _core.forward(q, k, v, kind=_core.TORCH, causal=True, out=None,
+        out, lse, _ = _core.forward(q, k, v, kind=_arrays.TORCH, causal=True, out=None,
                                     lse=torch.empty(1, 2, 7))
         return out, lse
 
@@ -396,13 +397,13 @@ def test_backward_signature_cache_swaps_data_not_results(rng, monkeypatch, case)
         else:
             q = _t(rng, 2, 9, 4, 24).to(dtype)
         k, v = (_t(rng, 2, 11, hk, 24).to(dtype) for _ in range(2))
-        out, lse, _ = _core.forward(q, k, v, kind=_core.TORCH, seed=seed, **opts)
+        out, lse, _ = _core.forward(q, k, v, kind=_arrays.TORCH, seed=seed, **opts)
         dout = _t(rng, 2, 9, 4, 24).to(dtype)
         got = _cached.backward_dense_torch(
             dout, q, k, v, out, lse, opts["dropout_p"], opts["softmax_scale"], opts["causal"],
             tuple(opts["window_size"]), opts["softcap"], seed, 0,
             o.get("deterministic", False))
-        want = _core.backward(dout, q, k, v, out, lse, kind=_core.TORCH, seed=seed,
+        want = _core.backward(dout, q, k, v, out, lse, kind=_arrays.TORCH, seed=seed,
                               deterministic=o.get("deterministic", False), **opts)[:3]
         for g, w, x in zip(got, want, (q, k, v)):
             assert g.shape == x.shape and g.dtype == x.dtype and g.is_contiguous()
@@ -435,7 +436,7 @@ def test_cached_call_survives_a_reentrant_call(rng, monkeypatch):
     monkeypatch.setattr(torch, "empty_like", real)
     assert len(nested) == 1
     for got, inputs in (((out, lse), a), (nested[0], b)):
-        want = _core.forward(*inputs, kind=_core.TORCH, causal=True)[:2]
+        want = _core.forward(*inputs, kind=_arrays.TORCH, causal=True)[:2]
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
