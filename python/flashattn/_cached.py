@@ -390,11 +390,10 @@ def kvcache_torch(tensors, softmax_scale, causal, window_left, window_right, sof
     call = _lookup(cache, key)
     if call is not None:
         return call.run(tensors)
-    args, keep, arrays, slots, out, lse = _kvcache.kvcache_prepare(
+    args, keep, arrays, slots, out, lse = _kvcache.run_kvcache(
         TORCH, *tensors, softmax_scale, causal, (window_left, window_right), softcap,
         rotary_interleaved, num_splits)
-    fn = _kvcache.kv_lib().fa_attention_kvcache
-    _kvcache.call(fn, args, _kvcache.NAMES)
     if key is not None and all(a is x for a, x in zip(arrays, tensors)):
+        fn = _kvcache.kv_lib().fa_attention_kvcache
         _keep_call(cache, key, _CachedKvcache(args, keep, slots, out, lse, fn, _kvcache.NAMES))
     return out, lse

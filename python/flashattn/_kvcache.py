@@ -15,7 +15,7 @@ import sys
 from . import _arrays, _core, _lib
 from ._lib import FlashAttnError
 
-__all__ = ["kvcache_run", "kvcache_prepare", "combine_run"]
+__all__ = ["kvcache_run", "run_kvcache", "kvcache_prepare", "combine_run"]
 
 _PT = ctypes.POINTER(_lib.FaTensor)
 
@@ -153,12 +153,18 @@ def kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                 softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
     """One fa_attention_kvcache call on arrays of ``kind``; returns (out, lse)."""
-    args, _, _, _, out, lse = kvcache_prepare(
+    return run_kvcache(
         kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
-        window_size, softcap, rotary_interleaved, num_splits)
-    call(kv_lib().fa_attention_kvcache, args, NAMES)
-    return out, lse
+        window_size, softcap, rotary_interleaved, num_splits)[4:6]
+
+
+def run_kvcache(*arguments):
+    """``kvcache_run``'s call (the same arguments), returning what ``kvcache_prepare``
+    prepared, for ``_cached`` to keep: (args, keep, arrays, slots, out, lse)."""
+    prepared = kvcache_prepare(*arguments)
+    call(kv_lib().fa_attention_kvcache, prepared[0], NAMES)
+    return prepared
 
 
 def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
