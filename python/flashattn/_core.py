@@ -28,6 +28,8 @@ SEED64 = (-2**63, 2**64 - 1)  # int64 (an rng_state element) or uint64, taken mo
 
 def as_int(x, name, bounds=INT64):
     """x as a Python int within ``bounds`` (the C field's range: ctypes would wrap it)."""
+    if type(x) is int and bounds[0] <= x <= bounds[1]:
+        return x
     try:
         n = operator.index(x)
     except TypeError:
@@ -39,6 +41,8 @@ def as_int(x, name, bounds=INT64):
 
 def as_float(x, name):
     """x as a Python float; strings are refused (float() would parse them)."""
+    if type(x) is float:
+        return x
     if not isinstance(x, (str, bytes, bytearray)):
         try:
             return float(x)
