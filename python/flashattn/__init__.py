@@ -9,9 +9,9 @@ torch and NumPy are optional and imported only when their arrays are passed in. 
 Beyond the functions: ``flashattn.bert_padding``, ``flashattn.layers.rotary``,
 ``flashattn.modules.mha`` and ``flashattn.utils.generation`` mirror upstream's modules;
 ``install_alias()`` (or ``FLASHATTN_ALIAS=1``) lets ``import flash_attn`` resolve here when
-upstream is not installed; with torch >= 2.11 imported first, "flashattn" is registered as a
-flash attention implementation for ``torch.nn.attention.activate_flash_attention_impl``
-(``register_sdpa_impl()`` registers it later if torch was imported after flashattn).
+upstream is not installed; with torch >= 2.11, "flashattn" is registered as a flash attention
+implementation for ``torch.nn.attention.activate_flash_attention_impl`` whichever of torch and
+flashattn is imported first.
 """
 
 import os as _os
@@ -59,9 +59,44 @@ def register_sdpa_impl():
     return _sdpa.register()
 
 
-# Without importing torch: a process that has not imported it cannot be using its registry.
+class _RegisterAfterTorch:
+    """A one-shot import hook: when torch is imported after flashattn, registers flashattn
+    with its SDPA registry once torch's module has run (importing torch here would make
+    ``import flashattn`` slow for callers that never use torch)."""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "torch":
+            return None
+        try:
+            _sys.meta_path.remove(cls)
+        except ValueError:  # another thread's import of torch took the hook
+            return None
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            try:
+                register_sdpa_impl()
+            except Exception as e:  # never fail the caller's import of torch
+                import warnings
+
+                warnings.warn("flashattn: could not register with torch's SDPA registry: %s"
+                              % e)
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
 if _sys.modules.get("torch") is not None:
     register_sdpa_impl()
+elif _RegisterAfterTorch not in _sys.meta_path:
+    _sys.meta_path.insert(0, _RegisterAfterTorch)
 
 if _os.environ.get("FLASHATTN_ALIAS") == "1":
     install_alias()

@@ -6,8 +6,8 @@ Everything ``_core._prepare_forward`` checks and builds depends only on the tens
 the options, so a later call with the same signature only allocates the outputs and swaps in
 the data pointers, the current stream and the seed before calling the library, which validates
 every call itself. ``forward_dense_torch`` and ``forward_varlen_torch`` take the dense and
-varlen forms; ``forward_dense_out`` is the dense form's cached path without the lse written out
-in one function, for ``flash_attn_func``'s commonest call. ``kvcache_torch`` does the same for
+varlen forms; ``_fastpath`` (C) looks up and runs the dense form's prepared calls for
+``flash_attn_func``'s commonest call. ``kvcache_torch`` does the same for
 the KV-cache call on the CPU, where a decoding step's attention can take less time than the
 Python that prepares it.
 """
@@ -17,9 +17,9 @@ import struct
 import sys
 import threading
 
-from . import _lib
-from ._core import (TORCH, _call_forward, _prepare_backward, _prepare_forward, _raw_stream,
-                    _rename, call_backward, forward, window_pair)
+from . import _kvcache, _lib
+from ._arrays import TORCH, _raw_stream
+from ._core import _rename, forward, run_backward, run_forward, window_pair
 from ._lib import FaTensor, FlashAttnError
 
 try:  # flash_attn_func's commonest call in C (_fastpath.c); absent where it was not built
@@ -57,17 +57,25 @@ class _CachedCall:
         self.fast = self._fast_fields() if self.like_q and _fastpath is not None else None
 
     def _fast_fields(self):
-        """What _fastpath writes and calls, nine int64 (its struct fp_fast): the addresses of the
-        library's forward, of the arguments, of the data fields of q, k, v, out and lse (0
-        without one) and of the stream field (0 on the CPU), then the CUDA device index (-1 on
+        """What _fastpath reads and calls, int64 each in FAST_FIELDS' order: the addresses of
+        the library's forward, of the arguments, of the data fields of q, k, v, out and lse (0
+        without one) and of the stream field (0 on the CPU), and the CUDA device index (-1 on
         the CPU)."""
         data = FaTensor.data.offset
         args = ctypes.addressof(self.args)
-        slots = [ctypes.addressof(t) + data for t in self.tensors[:4]]
-        slots.append(ctypes.addressof(self.tensors[4]) + data if self.lse_like is not None else 0)
-        return struct.pack("=9q", ctypes.cast(self.fn, ctypes.c_void_p).value, args, *slots,
-                           args + type(self.args).stream.offset if self.cuda is not None else 0,
-                           -1 if self.cuda is None else self.cuda)
+        fields = dict(zip(("q", "k", "v", "out"),
+                          (ctypes.addressof(t) + data for t in self.tensors[:4])))
+        fields.update(
+            fn=ctypes.cast(self.fn, ctypes.c_void_p).value, args=args,
+            lse=ctypes.addressof(self.tensors[4]) + data if self.lse_like is not None else 0,
+            stream=args + type(self.args).stream.offset if self.cuda is not None else 0,
+            device=-1 if self.cuda is None else self.cuda)
+        return struct.pack("=%dq" % len(FAST_FIELDS), *(fields[f] for f in FAST_FIELDS))
+
+
+# The layout of _CachedCall.fast and of _fastpath.dense_lse's arguments, handed to _fastpath.
+FAST_FIELDS = ("fn", "args", "q", "k", "v", "out", "lse", "stream", "device")
+LSE_ARGS = ("q", "k", "v", "softmax_scale", "causal", "window_size", "softcap")
 
 
 def _like(torch, shape, dtype, device):
@@ -95,10 +103,25 @@ def _call_cache():
     return cache
 
 
+def _lookup(cache, key):
+    """cache.get(key); None for a key that cannot be looked up (an argument the caller gave
+    unhashable: the preparation says what is wrong with it)."""
+    if key is None:
+        return None
+    try:
+        return cache.get(key)
+    except TypeError:
+        return None
+
+
 def _keep_call(cache, key, call):
+    """Keeps call under key (not when key cannot be hashed: ``_lookup`` never finds it)."""
     if len(cache) >= _CALL_CACHE_SIZE:
         cache.clear()
-    cache[key] = call
+    try:
+        cache[key] = call
+    except TypeError:
+        pass
 
 
 def _repeat_call(call, q, k, v, others, want_lse, seed=0):
@@ -135,88 +158,70 @@ def _call_failed(call, status):
         raise FlashAttnError(_rename(str(e), call.names), e.status) from None
 
 
+def dense_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, want_lse):
+    """The signature of a dense call (_fastpath's fp_key builds the same tuple): each tensor's
+    metadata, then the options as the caller gave them (``softmax_scale`` None for the
+    default), ``window_size`` already a pair. RuntimeError for tensors without strides."""
+    return (q.shape, q.stride(), q.dtype, q.device, q.is_neg(),
+            k.shape, k.stride(), k.dtype, k.device, k.is_neg(),
+            v.shape, v.stride(), v.dtype, v.device, v.is_neg(),
+            dropout_p, softmax_scale, causal, window_size, softcap, want_lse)
+
+
 def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, seed,
                         want_lse=True):
     """``forward`` for the commonest torch call, (out, lse): dense, no ALiBi, sinks or probs,
-    new fp32-lse outputs; the floats already floats and ``window_size`` a pair of ints. Without
-    ``want_lse`` the library writes no lse and lse is None. Cached per signature (the module's
-    text), per thread, a bounded number of signatures."""
+    new fp32-lse outputs; ``window_size`` a pair of ints. Without ``want_lse`` the library
+    writes no lse and lse is None. Cached per signature (``dense_key``), per thread, a bounded
+    number of signatures; a call with the lse and without dropout is looked up in C first."""
+    if _DENSE_LSE and want_lse and not seed:
+        res = _DENSE_LSE(q, k, v, softmax_scale, causal, window_size, softcap)
+        if res is not None:
+            return res
     try:
-        key = (q.shape, q.stride(), q.dtype, q.device, q.is_neg(),
-               k.shape, k.stride(), k.dtype, k.device, k.is_neg(),
-               v.shape, v.stride(), v.dtype, v.device, v.is_neg(),
-               dropout_p, softmax_scale, causal, window_size, softcap, want_lse)
+        key = dense_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                        want_lse)
     except RuntimeError:  # no strides (sparse and other layouts): forward says why
         out, lse = forward(q, k, v, kind=TORCH, dropout_p=dropout_p,
                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, seed=seed)[:2]
         return out, lse if want_lse else None
     cache = _call_cache()
-    call = cache.get(key)
+    call = _lookup(cache, key)
     if call is not None:
         return _repeat_call(call, q, k, v, None, want_lse, seed)
-    args, keep, arrays, out, lse, _, names = _prepare_forward(
+    args, keep, arrays, out, lse, _, names = run_forward(
         q, k, v, TORCH, None, None, None, 0, 0, dropout_p, softmax_scale, causal,
-        window_size, softcap, None, None, False, seed, 0, None, None, None, None, 0)
-    if not want_lse:
-        args.lse = None
-        lse = None
-    _call_forward(args, names)
-    if arrays[0] is q and arrays[1] is k and arrays[2] is v:
+        window_size, softcap, None, None, False, seed, 0, None, None, None, None, 0, want_lse)
+    if key is not None and arrays[0] is q and arrays[1] is k and arrays[2] is v:
         # Inputs used as they are (no contiguous copy), so the signature says it all.
         _keep_call(cache, key, _CachedCall(args, keep, q, out, lse, names))
     return out, lse
 
 
-def forward_dense_out(q, k, v, softmax_scale, causal, window_size, softcap):
-    """``forward_dense_torch(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, 0,
-    want_lse=False)[0]``, its cached path written out in one function: a small call's host
-    time is mostly Python calls and attribute reads, and this is the commonest call."""
-    try:
-        key = (q.shape, q.stride(), q.dtype, q.device, q.is_neg(),
-               k.shape, k.stride(), k.dtype, k.device, k.is_neg(),
-               v.shape, v.stride(), v.dtype, v.device, v.is_neg(),
-               0.0, softmax_scale, causal, window_size, softcap, False)
-    except RuntimeError:
-        key = None
-    calls = getattr(_LOCAL, "calls", None)
-    call = calls.get(key) if calls is not None and key is not None else None
-    if call is None or not call.like_q:
-        return forward_dense_torch(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, 0,
-                                   want_lse=False)[0]
-    out = sys.modules["torch"].empty_like(q)
-    stream = _raw_stream(call.cuda) if call.cuda is not None else None  # before any write
-    tq, tk, tv, to = call.tensors[:4]
-    tq.data = q.data_ptr()
-    tk.data = k.data_ptr()
-    tv.data = v.data_ptr()
-    to.data = out.data_ptr()
-    args = call.args
-    if stream is not None:
-        args.stream = stream
-    args.seed = 0
-    status = call.fn(call.ref)
-    if status != _lib.STATUS_OK:
-        _call_failed(call, status)
-    return out
+_DENSE_LSE = None  # _fastpath.dense_lse once bound
 
 
-def bind_fastpath(torch, grad_apply):
-    """(``_fastpath.dense``, ``_fastpath.dense_lse``) bound to torch's callables (once torch is
-    imported), or (None, None) where the extension was not built. dense returns
-    flash_attn_func's out for the calls that ``forward_dense_out`` serves once their signature
-    is cached, hands the calls that record gradients to grad_apply (_DenseFastFn.apply), and
-    returns None for any other; its caller checks ``torch.compiler.is_compiling()`` first
-    (Dynamo cannot trace C). dense_lse is ``forward_dense_torch``'s cached path with the lse."""
+def bind_fastpath(torch, grad_apply, fallback, dense_args):
+    """``_fastpath.dense`` bound to torch's callables (once torch is imported), or None where
+    the extension was not built. It serves flash_attn_func's commonest calls (arguments in
+    ``dense_args``' order): without gradients once their signature is prepared here, with them
+    through grad_apply (_DenseFastFn.apply); every other call goes to ``fallback``. Its caller
+    checks ``torch.compiler.is_compiling()`` first (Dynamo cannot trace C)."""
+    global _DENSE_LSE
     if _fastpath is None:
-        return None, None
+        return None
     C = torch._C
-    raw = getattr(C, "_cuda_getCurrentRawStream", None) or _raw_stream
-    _fastpath.bind(torch.Tensor, torch.float64, torch.empty_like, C._len_torch_dispatch_stack,
-                   C._is_torch_function_mode_enabled, C._are_functorch_transforms_active,
-                   C._get_tracing_state, torch.is_grad_enabled, _LOCAL, window_pair, raw,
-                   _call_failed, grad_apply, 2)
-    return _fastpath.dense, _fastpath.dense_lse
+    _fastpath.bind(dict(
+        Tensor=torch.Tensor, float64=torch.float64, empty_like=torch.empty_like,
+        modes=(C._len_torch_dispatch_stack, C._is_torch_function_mode_enabled,
+               C._are_functorch_transforms_active, C._get_tracing_state),
+        grad_enabled=torch.is_grad_enabled, local=_LOCAL, window_pair=window_pair,
+        raw_stream=getattr(C, "_cuda_getCurrentRawStream", None) or _raw_stream,
+        call_failed=_call_failed, grad_apply=grad_apply, fallback=fallback,
+        dense_args=tuple(dense_args), lse_args=LSE_ARGS, fast_fields=FAST_FIELDS))
+    _DENSE_LSE = _fastpath.dense_lse
+    return _fastpath.dense
 
 
 def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -229,18 +234,14 @@ def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seq
     key = ("varlen", _signature(q, k, v, *others), max_seqlen_q, max_seqlen_k, softmax_scale,
            causal, window_size, softcap, want_lse, tuple(sorted(names.items())) if names else ())
     cache = _call_cache()
-    call = cache.get(key)
+    call = _lookup(cache, key)
     if call is not None:
         return _repeat_call(call, q, k, v, [x for x in others if x is not None], want_lse)
-    args, keep, arrays, out, lse, _, nms = _prepare_forward(
+    args, keep, arrays, out, lse, _, nms = run_forward(
         q, k, v, TORCH, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, 0.0,
         softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, False, 0, 0, None,
-        None, None, names, 0)
-    if not want_lse:
-        args.lse = None
-        lse = None
-    _call_forward(args, nms)
-    if all(a is b for a, b in zip(arrays, (q, k, v) + others)):
+        None, None, names, 0, want_lse)
+    if key is not None and all(a is b for a, b in zip(arrays, (q, k, v) + others)):
         _keep_call(cache, key, _CachedCall(args, keep, q, out, lse, nms))
     return out, lse
 
@@ -308,13 +309,12 @@ def backward_dense_torch(dout, q, k, v, out, lse, dropout_p, softmax_scale, caus
     except RuntimeError:  # no strides (sparse and other layouts): backward says why
         key = None
     cache = _call_cache()
-    call = cache.get(key) if key is not None else None
+    call = _lookup(cache, key)
     if call is not None:
         return call.run(tensors, seed, offset)
-    bwd, keep, arrays, grads, names, workspace = _prepare_backward(
+    bwd, keep, arrays, grads, names, workspace = run_backward(
         dout, q, k, v, out, lse, TORCH, None, None, None, 0, 0, dropout_p, softmax_scale, causal,
         window_size, softcap, None, None, seed, offset, deterministic, None, 0, None, None, None)
-    call_backward(bwd, names)
     if key is not None and all(a is b for a, b in zip(arrays[:5], tensors)):
         # Inputs used as they are (no contiguous copy), so the signature says it all.
         _keep_call(cache, key, _CachedBackward(bwd, keep, grads, names, workspace))
@@ -383,20 +383,17 @@ def kvcache_torch(tensors, softmax_scale, causal, window_left, window_right, sof
     already a tensor (or None); the floats already floats, the window's ints ints. A call
     whose inputs reach the library as they are (no copy or conversion) is cached. The library
     validates every call itself, the values in cache_seqlens included."""
-    from . import _kvcache
-
     scalars = (softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
                num_splits)
     key = _kvcache_key(tensors, scalars)
     cache = _call_cache()
-    call = cache.get(key) if key is not None else None
+    call = _lookup(cache, key)
     if call is not None:
         return call.run(tensors)
-    args, keep, arrays, slots, out, lse = _kvcache.kvcache_prepare(
+    args, keep, arrays, slots, out, lse = _kvcache.run_kvcache(
         TORCH, *tensors, softmax_scale, causal, (window_left, window_right), softcap,
         rotary_interleaved, num_splits)
-    fn = _kvcache._kv_lib().fa_attention_kvcache
-    _kvcache._call(fn, args, _kvcache._NAMES)
     if key is not None and all(a is x for a, x in zip(arrays, tensors)):
-        _keep_call(cache, key, _CachedKvcache(args, keep, slots, out, lse, fn, _kvcache._NAMES))
+        fn = _kvcache.kv_lib().fa_attention_kvcache
+        _keep_call(cache, key, _CachedKvcache(args, keep, slots, out, lse, fn, _kvcache.NAMES))
     return out, lse

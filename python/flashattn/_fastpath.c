@@ -1,17 +1,20 @@
 /*
- * flashattn._fastpath: flash_attn_func's commonest torch call done in C. A small call's host
- * time was mostly Python (7.9 of 13.3 µs on the H200 host, the rest the library and the
- * launch); the same steps through the C API cost about 60% of that.
+ * flashattn._fastpath: flash_attn_func's commonest torch call done in C, a cache in front of
+ * the Python route (flash_attn_interface -> _route -> _torch_ops -> _cached -> _core -> the
+ * library). A small call's host time is mostly Python; the same steps through the C API cost
+ * a fraction of it.
  *
- * dense() takes flash_attn_func's arguments and makes _torch_ops.dense_fast's checks. A call
- * that records gradients goes to _DenseFastFn.apply with its options; any other returns out,
- * or None where the call is not the common one (other types or options, a compile, trace or
- * mode, a signature not prepared yet), and the caller takes the Python path (which also
- * prepares the signature for the next call). The call repeats _cached.forward_dense_out's
- * steps: the key of the call signature, the prepared call found in _cached's per-thread cache,
- * a new output, the data pointers and the stream written into the prepared arguments, the
- * library called without the GIL (the library validates every call itself). dense_lse() is
- * _DenseFastFn.forward's call, with the lse (_cached.forward_dense_torch's cached path).
+ * dense() takes flash_attn_func's arguments and makes _torch_ops.dense's one-step checks. A call
+ * that records gradients goes to _DenseFastFn.apply with its options, as _torch_ops.dense would
+ * send it; a call without them whose signature _cached has prepared runs here: the key of the
+ * call signature (_cached.dense_key), the prepared call found in _cached's per-thread cache, a
+ * new output, the data pointers and the stream written into the prepared arguments, the
+ * library called without the GIL (the library validates every call itself). Every other call
+ * goes to the fallback, _route.dense_any, which also prepares the signature for the next call.
+ * dense_lse() is _cached.forward_dense_torch's cached path with the lse.
+ *
+ * The argument positions and the prepared call's fields are not written here: bind() receives
+ * their names in order (_route.DENSE_ARGS, _cached.LSE_ARGS, _cached.FAST_FIELDS).
  *
  * Built against the limited API (one binary for CPython >= 3.8) and linked with neither torch
  * nor the library: torch is reached through the callables bind() hands over, the library
@@ -22,13 +25,35 @@
 #include <Python.h>
 
 #include <limits.h>
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 typedef int (*fa_forward_fn)(void *args);
 
 #define FP_NUM_MODES 4
+
+/* The arguments dense() and dense_lse() read, by name: bind() receives each function's
+ * argument names in order (_route.DENSE_ARGS, _cached.LSE_ARGS) and the positions are looked up
+ * there, so that the Python signature is the one description of the layout. */
+enum fp_arg {
+    FP_Q, FP_K, FP_V, FP_DROPOUT, FP_SCALE, FP_CAUSAL, FP_WINDOW, FP_SOFTCAP, FP_ALIBI,
+    FP_DETERMINISTIC, FP_PROBS, FP_SINK, FP_NUM_ARGS
+};
+static const char *const fp_arg_names[FP_NUM_ARGS] = {
+    "q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+    "alibi_slopes", "deterministic", "return_attn_probs", "learnable_sink"};
+
+/* The fields of a prepared call's C side (_cached._CachedCall.fast, int64 each), by name:
+ * bind() receives their order (_cached.FAST_FIELDS). */
+enum fp_field { FF_FN, FF_ARGS, FF_Q, FF_K, FF_V, FF_OUT, FF_LSE, FF_STREAM, FF_DEVICE, FF_NUM };
+static const char *const fp_field_names[FF_NUM] = {"fn", "args", "q", "k", "v", "out", "lse",
+                                                   "stream", "device"};
+
+/* Positions of the arguments of one function: at[i] is where fp_arg i sits (-1: absent). */
+typedef struct fp_layout {
+    Py_ssize_t count;
+    Py_ssize_t at[FP_NUM_ARGS];
+} fp_layout;
 
 /* What bind() was given: borrowed from torch and flashattn's modules, held for good. */
 static struct {
@@ -43,6 +68,10 @@ static struct {
     PyObject *raw_stream;             /* device index -> current CUDA stream handle */
     PyObject *failed;                 /* _cached._call_failed(call, status): raises */
     PyObject *grad_apply;             /* _torch_ops._DenseFastFn.apply */
+    PyObject *fallback;               /* _route.dense_any: every call dense() does not serve */
+    fp_layout dense, lse;             /* dense()'s and dense_lse()'s arguments */
+    Py_ssize_t field_at[FF_NUM];      /* where each fp_field sits in _CachedCall.fast */
+    Py_ssize_t field_count;
     int bound;
 } fp;
 
@@ -96,23 +125,24 @@ static int fp_data_ptr(PyObject *t, void **ptr)
     return !*ptr && PyErr_Occurred() ? -1 : 0;
 }
 
-/* The checks of _torch_ops.dense_fast that need no tensor attribute: 1 if they pass, else 0. */
+/* The checks of _torch_ops.dense's one-step call that need no tensor attribute: 1 if they
+ * pass, else 0. */
 static int fp_plain_arguments(PyObject *const *a)
 {
-    PyObject *dropout_p = a[3], *softmax_scale = a[4], *causal = a[5], *cap = a[7];
-    for (int i = 0; i < 3; i++)
+    for (int i = FP_Q; i <= FP_V; i++)
         if ((PyObject *)Py_TYPE(a[i]) != fp.tensor_type)
             return 0;
-    return a[8] == Py_None && a[10] == Py_None && a[9] == Py_False && PyBool_Check(causal) &&
-           fp_is_scalar(dropout_p) && fp_is_scalar(cap) &&
-           (softmax_scale == Py_None || fp_is_scalar(softmax_scale));
+    return a[FP_ALIBI] == Py_None && a[FP_SINK] == Py_None && a[FP_PROBS] == Py_False &&
+           PyBool_Check(a[FP_CAUSAL]) && PyBool_Check(a[FP_DETERMINISTIC]) &&
+           fp_is_scalar(a[FP_DROPOUT]) && fp_is_scalar(a[FP_SOFTCAP]) &&
+           (a[FP_SCALE] == Py_None || fp_is_scalar(a[FP_SCALE]));
 }
 
-/* dense_fast's remaining checks but rank, dtype and gradients: 1 if the call is plain eager
- * without dropout, 0 if not, -1 with an exception. */
+/* The one-step call's remaining checks but rank, dtype and gradients: 1 if the call is plain
+ * eager without dropout, 0 if not, -1 with an exception. */
 static int fp_eager(PyObject *const *a)
 {
-    int t = PyObject_IsTrue(a[3]); /* dropout_p */
+    int t = PyObject_IsTrue(a[FP_DROPOUT]);
     if (t != 0)
         return t < 0 ? -1 : 0;
     for (int i = 0; i < FP_NUM_MODES; i++)
@@ -125,7 +155,7 @@ static int fp_eager(PyObject *const *a)
 static int fp_wants_grad(PyObject *const *a)
 {
     int t = fp_call_true(fp.grad_enabled);
-    for (int i = 0; t > 0 && i < 3; i++) {
+    for (int i = FP_Q; t > 0 && i <= FP_V; i++) {
         PyObject *r = PyObject_GetAttr(a[i], fp_str_requires_grad);
         if (!r)
             return -1;
@@ -136,18 +166,6 @@ static int fp_wants_grad(PyObject *const *a)
         t = 1; /* not this one: ask the next */
     }
     return t < 0 ? -1 : 0;
-}
-
-/* float(x) for the key (a new reference; NULL with OverflowError as float(x) raises it): x
- * itself when it is a float already. */
-static PyObject *fp_as_float(PyObject *x)
-{
-    if (PyFloat_CheckExact(x)) {
-        Py_INCREF(x);
-        return x;
-    }
-    const double value = PyLong_AsDouble(x);
-    return value == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(value);
 }
 
 /* _core.window_pair(w) (a new reference): a tuple of two ints is normalised here (negative or
@@ -179,38 +197,18 @@ static PyObject *fp_window(PyObject *w)
     return PyObject_CallFunctionObjArgs(fp.window_pair, w, NULL);
 }
 
-/* The options as dense_fast passes them on, new references: o[0] float(softmax_scale) (q.shape[3]
- * ** -0.5 by default, as Python computes it), o[1] the window pair, o[2] float(softcap); -1 with
- * an exception. */
-static int fp_options(PyObject *const *a, PyObject *shape, PyObject **o)
-{
-    if (a[4] != Py_None) {
-        o[0] = fp_as_float(a[4]);
-    } else {
-        const double d = PyLong_AsDouble(PyTuple_GetItem(shape, 3));
-        o[0] = d == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(pow(d, -0.5));
-    }
-    o[1] = o[0] ? fp_window(a[6]) : NULL;
-    o[2] = o[1] ? fp_as_float(a[7]) : NULL;
-    if (o[2])
-        return 0;
-    Py_XDECREF(o[0]);
-    Py_XDECREF(o[1]);
-    return -1;
-}
-
-/* _cached's key of a dense call, item for item: (shape, stride(), dtype, device, is_neg()) of q,
- * k and v, then 0.0 (dropout_p), scale, causal, window, softcap, want_lse. A new tuple or NULL. */
-static PyObject *fp_key(PyObject *const *qkv, PyObject *scale, PyObject *causal,
-                        PyObject *window, PyObject *softcap, PyObject *want_lse)
+/* _cached.dense_key(q, k, v, 0.0, scale, causal, window, softcap, want_lse), item for item:
+ * (shape, stride(), dtype, device, is_neg()) of q, k and v, then the options as the caller gave
+ * them (the window normalised). A new tuple or NULL. */
+static PyObject *fp_key(PyObject *const *a, PyObject *window, PyObject *want_lse)
 {
     PyObject *key = PyTuple_New(21);
     if (!key)
         return NULL;
-    for (int i = 0; i < 3; i++)
-        if (fp_key_tensor(key, 5 * i, qkv[i]) != 0)
+    for (int i = FP_Q; i <= FP_V; i++)
+        if (fp_key_tensor(key, 5 * (i - FP_Q), a[i]) != 0)
             goto fail;
-    PyObject *tail[6] = {fp_zero, scale, causal, window, softcap, want_lse};
+    PyObject *tail[6] = {fp_zero, a[FP_SCALE], a[FP_CAUSAL], window, a[FP_SOFTCAP], want_lse};
     for (int i = 0; i < 6; i++) {
         Py_INCREF(tail[i]);
         if (PyTuple_SetItem(key, 15 + i, tail[i]) != 0) /* steals tail[i] */
@@ -222,7 +220,7 @@ fail:
     return NULL;
 }
 
-/* The prepared call's C side, _cached._CachedCall.fast: nine int64 in this order. */
+/* The prepared call's C side, read from _CachedCall.fast through fp.field_at. */
 typedef struct fp_fast {
     int64_t fn;        /* the library's fa_attention_forward */
     int64_t args;      /* its fa_fwd_args */
@@ -230,6 +228,25 @@ typedef struct fp_fast {
     int64_t stream;    /* the stream field of args, 0 on the CPU */
     int64_t device;    /* CUDA device index, -1 on the CPU */
 } fp_fast;
+
+/* Field i of fast's bytes (int64 each, in the order bind() was given). */
+static int64_t fp_field(const char *bytes, int i)
+{
+    int64_t v;
+    memcpy(&v, bytes + fp.field_at[i] * (Py_ssize_t)sizeof v, sizeof v);
+    return v;
+}
+
+/* *f from fast's bytes. */
+static void fp_fast_read(const char *bytes, fp_fast *f)
+{
+    f->fn = fp_field(bytes, FF_FN);
+    f->args = fp_field(bytes, FF_ARGS);
+    for (int i = 0; i < 5; i++)
+        f->slots[i] = fp_field(bytes, FF_Q + i);
+    f->stream = fp_field(bytes, FF_STREAM);
+    f->device = fp_field(bytes, FF_DEVICE);
+}
 
 /* The prepared call of key in this thread's cache, with its C side read into *f: 1 with a new
  * reference in *call, 0 if there is none (not prepared, or no C side, or no lse slot when
@@ -246,20 +263,26 @@ static int fp_prepared_call(PyObject *key, int want_lse, PyObject **call, fp_fas
     *call = PyDict_GetItemWithError(calls, key);
     Py_XINCREF(*call);
     Py_DECREF(calls);
-    if (!*call)
-        return PyErr_Occurred() ? -1 : 0;
+    if (!*call) {
+        if (!PyErr_Occurred())
+            return 0;
+        if (!PyErr_ExceptionMatches(PyExc_TypeError))
+            return -1;
+        PyErr_Clear(); /* an unhashable argument: never prepared (_cached._lookup) */
+        return 0;
+    }
     PyObject *fast = PyObject_GetAttr(*call, fp_str_fast);
     int st = fast ? 0 : -1;
     if (fast && fast != Py_None) {
         char *bytes = NULL;
         Py_ssize_t size = 0;
         st = PyBytes_AsStringAndSize(fast, &bytes, &size) == 0 ? 1 : -1;
-        if (st == 1 && size != (Py_ssize_t)sizeof *f) {
+        if (st == 1 && size != fp.field_count * (Py_ssize_t)sizeof(int64_t)) {
             PyErr_SetString(PyExc_RuntimeError, "flashattn._fastpath: malformed prepared call");
             st = -1;
         }
         if (st == 1)
-            memcpy(f, bytes, sizeof *f);
+            fp_fast_read(bytes, f);
         if (st == 1 && want_lse && f->slots[4] == 0)
             st = 0;
     }
@@ -345,113 +368,189 @@ static PyObject *fp_run_prepared(PyObject *const *qkv, PyObject *key, int want_l
     return result;
 }
 
-static PyObject *fp_dense(PyObject *self, PyObject *args)
+/* The arguments of args at layout l's positions into a (absent ones NULL): 1, or 0 when args
+ * has another count (a call the layout does not describe). */
+static int fp_unpack(PyObject *args, const fp_layout *l, PyObject **a)
 {
-    (void)self;
-    PyObject *a[12];
-    if (!PyArg_UnpackTuple(args, "dense", 12, 12, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5],
-                           &a[6], &a[7], &a[8], &a[9], &a[10], &a[11]))
-        return NULL;
-    if (!fp.bound || !fp_plain_arguments(a))
-        Py_RETURN_NONE;
-    PyObject *shape = PyObject_GetAttr(a[0], fp_str_shape);
-    PyObject *dtype = shape ? PyObject_GetAttr(a[0], fp_str_dtype) : NULL;
+    if (PyTuple_Size(args) != l->count)
+        return 0;
+    for (int i = 0; i < FP_NUM_ARGS; i++)
+        a[i] = l->at[i] >= 0 ? PyTuple_GetItem(args, l->at[i]) : NULL;
+    return 1;
+}
+
+/* dense() when the call is the common one: 1 with *result set (out, or _DenseFastFn's), 0 when
+ * it is not (or its signature is not prepared), -1 with an exception. */
+static int fp_dense_served(PyObject *const *a, PyObject **result)
+{
+    if (!fp_plain_arguments(a))
+        return 0;
+    PyObject *shape = PyObject_GetAttr(a[FP_Q], fp_str_shape);
+    PyObject *dtype = shape ? PyObject_GetAttr(a[FP_Q], fp_str_dtype) : NULL;
     int st = !dtype ? -1 : PyTuple_Size(shape) == 4 && dtype != fp.float64 ? fp_eager(a) : 0;
     Py_XDECREF(dtype);
-    PyObject *o[3], *result = NULL;
-    if (st == 1)
-        st = fp_options(a, shape, o) == 0 ? 1 : -1;
     Py_XDECREF(shape);
-    if (st <= 0) {
-        if (st < 0)
-            return NULL;
-        Py_RETURN_NONE;
-    }
+    if (st <= 0)
+        return st;
+    PyObject *window = fp_window(a[FP_WINDOW]);
+    if (!window)
+        return -1;
     const int grad = fp_wants_grad(a);
     if (grad == 1) {
         /* _DenseFastFn's options: (scale, causal, left, right, softcap, deterministic). */
-        const int det = PyObject_IsTrue(a[11]);
-        PyObject *opts = det < 0 ? NULL
-                                 : Py_BuildValue("(OOOOOO)", o[0], a[5],
-                                                 PyTuple_GetItem(o[1], 0),
-                                                 PyTuple_GetItem(o[1], 1), o[2],
-                                                 det ? Py_True : Py_False);
+        PyObject *opts = Py_BuildValue("(OOOOOO)", a[FP_SCALE], a[FP_CAUSAL],
+                                       PyTuple_GetItem(window, 0), PyTuple_GetItem(window, 1),
+                                       a[FP_SOFTCAP], a[FP_DETERMINISTIC]);
         if (opts) {
-            result = PyObject_CallFunctionObjArgs(fp.grad_apply, a[0], a[1], a[2], opts, NULL);
+            *result = PyObject_CallFunctionObjArgs(fp.grad_apply, a[FP_Q], a[FP_K], a[FP_V],
+                                                   opts, NULL);
             Py_DECREF(opts);
         }
+        st = *result ? 1 : -1;
     } else if (grad == 0) {
-        PyObject *key = fp_key(a, o[0], a[5], o[1], o[2], Py_False);
-        if (key) {
-            result = fp_run_prepared(a, key, 0);
-            Py_DECREF(key);
-        }
+        PyObject *key = fp_key(a, window, Py_False);
+        *result = key ? fp_run_prepared(a + FP_Q, key, 0) : NULL;
+        Py_XDECREF(key);
+        st = !*result ? -1 : *result != Py_None ? 1 : 0;
+        if (st == 0)
+            Py_CLEAR(*result);
+    } else {
+        st = -1;
     }
-    for (int i = 0; i < 3; i++)
-        Py_DECREF(o[i]);
-    return result;
+    Py_DECREF(window);
+    return st;
+}
+
+static PyObject *fp_dense(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *a[FP_NUM_ARGS], *result = NULL;
+    if (!fp.bound) {
+        PyErr_SetString(PyExc_RuntimeError, "flashattn._fastpath: bind() was not called");
+        return NULL;
+    }
+    const int st = fp_unpack(args, &fp.dense, a) ? fp_dense_served(a, &result) : 0;
+    if (st != 0)
+        return st > 0 ? result : NULL;
+    return PyObject_Call(fp.fallback, args, NULL);
 }
 
 static PyObject *fp_dense_lse(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *a[7];
-    if (!PyArg_UnpackTuple(args, "dense_lse", 7, 7, &a[0], &a[1], &a[2], &a[3], &a[4], &a[5],
-                           &a[6]))
-        return NULL;
-    for (int i = 0; i < 3; i++)
-        if (!fp.bound || (PyObject *)Py_TYPE(a[i]) != fp.tensor_type)
+    PyObject *a[FP_NUM_ARGS];
+    if (!fp.bound || !fp_unpack(args, &fp.lse, a))
+        Py_RETURN_NONE;
+    for (int i = FP_Q; i <= FP_V; i++)
+        if ((PyObject *)Py_TYPE(a[i]) != fp.tensor_type)
             Py_RETURN_NONE;
-    PyObject *key = fp_key(a, a[3], a[4], a[5], a[6], Py_True);
+    PyObject *key = fp_key(a, a[FP_WINDOW], Py_True);
     if (!key)
         return NULL;
-    PyObject *result = fp_run_prepared(a, key, 1);
+    PyObject *result = fp_run_prepared(a + FP_Q, key, 1);
     Py_DECREF(key);
     return result;
 }
 
-static PyObject *fp_bind(PyObject *self, PyObject *args)
+/* table[name] (borrowed), or NULL with an exception naming the entry. */
+static PyObject *fp_entry(PyObject *table, const char *name)
+{
+    PyObject *x = PyDict_GetItemString(table, name);
+    if (!x)
+        PyErr_Format(PyExc_KeyError, "flashattn._fastpath.bind: no entry '%s'", name);
+    return x;
+}
+
+/* Where each of names[0 .. n) sits in the tuple of strings order (-1: absent, or missing if
+ * required); *count: its length. 0, or -1 with an exception. */
+static int fp_positions(PyObject *order, const char *const *names, int n, int required,
+                        Py_ssize_t *at, Py_ssize_t *count)
+{
+    if (!order || !PyTuple_Check(order)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "flashattn._fastpath.bind: a layout is a tuple");
+        return -1;
+    }
+    *count = PyTuple_Size(order);
+    for (int i = 0; i < n; i++) {
+        at[i] = -1;
+        for (Py_ssize_t j = 0; j < *count && at[i] < 0; j++) {
+            PyObject *name = PyUnicode_FromString(names[i]);
+            if (!name)
+                return -1;
+            const int eq = PyObject_RichCompareBool(PyTuple_GetItem(order, j), name, Py_EQ);
+            Py_DECREF(name);
+            if (eq < 0)
+                return -1;
+            if (eq)
+                at[i] = j;
+        }
+        if (at[i] < 0 && (required >> i & 1)) {
+            PyErr_Format(PyExc_ValueError, "flashattn._fastpath.bind: the layout has no '%s'",
+                         names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The names of the objects bind() holds, in fp's order, then the layouts. */
+static const char *const fp_held_names[] = {"Tensor", "float64", "empty_like", "grad_enabled",
+                                            "local", "window_pair", "raw_stream", "call_failed",
+                                            "grad_apply", "fallback"};
+
+static PyObject *fp_bind(PyObject *self, PyObject *table)
 {
     (void)self;
-    PyObject *o[14];
-    if (!PyArg_UnpackTuple(args, "bind", 14, 14, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6],
-                           &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13]))
-        return NULL;
-    /* o[13]: the version of _CachedCall.fast the Python side writes. */
-    if (PyLong_AsLong(o[13]) != 2) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "flashattn._fastpath: layout version mismatch");
+    if (!PyDict_Check(table)) {
+        PyErr_SetString(PyExc_TypeError, "flashattn._fastpath.bind: expected a dict");
         return NULL;
     }
     if (fp.bound)
         Py_RETURN_NONE;
-    for (int i = 0; i < 13; i++)
-        Py_INCREF(o[i]);
-    fp.tensor_type = o[0];
-    fp.float64 = o[1];
-    fp.empty_like = o[2];
-    for (int i = 0; i < FP_NUM_MODES; i++)
-        fp.modes[i] = o[3 + i];
-    fp.grad_enabled = o[7];
-    fp.local = o[8];
-    fp.window_pair = o[9];
-    fp.raw_stream = o[10];
-    fp.failed = o[11];
-    fp.grad_apply = o[12];
+    enum { N_HELD = sizeof fp_held_names / sizeof fp_held_names[0] };
+    PyObject *held[N_HELD], *modes = fp_entry(table, "modes");
+    for (int i = 0; i < N_HELD; i++)
+        if (!(held[i] = fp_entry(table, fp_held_names[i])))
+            return NULL;
+    if (!modes || !PyTuple_Check(modes) || PyTuple_Size(modes) != FP_NUM_MODES) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "flashattn._fastpath.bind: modes: 4 callables");
+        return NULL;
+    }
+    const int dense_needs = (1 << FP_NUM_ARGS) - 1;
+    const int lse_needs = 1 << FP_Q | 1 << FP_K | 1 << FP_V | 1 << FP_SCALE | 1 << FP_CAUSAL |
+                          1 << FP_WINDOW | 1 << FP_SOFTCAP;
+    if (fp_positions(fp_entry(table, "dense_args"), fp_arg_names, FP_NUM_ARGS, dense_needs,
+                     fp.dense.at, &fp.dense.count) != 0 ||
+        fp_positions(fp_entry(table, "lse_args"), fp_arg_names, FP_NUM_ARGS, lse_needs,
+                     fp.lse.at, &fp.lse.count) != 0 ||
+        fp_positions(fp_entry(table, "fast_fields"), fp_field_names, FF_NUM, (1 << FF_NUM) - 1,
+                     fp.field_at, &fp.field_count) != 0)
+        return NULL;
+    PyObject **slots[N_HELD] = {&fp.tensor_type, &fp.float64, &fp.empty_like, &fp.grad_enabled,
+                                &fp.local, &fp.window_pair, &fp.raw_stream, &fp.failed,
+                                &fp.grad_apply, &fp.fallback};
+    for (int i = 0; i < N_HELD; i++) {
+        Py_INCREF(held[i]);
+        *slots[i] = held[i];
+    }
+    for (int i = 0; i < FP_NUM_MODES; i++) {
+        fp.modes[i] = PyTuple_GetItem(modes, i);
+        Py_INCREF(fp.modes[i]);
+    }
     fp.bound = 1;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef fp_methods[] = {
     {"dense", fp_dense, METH_VARARGS,
-     "dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, "
-     "return_attn_probs, learnable_sink, deterministic) -> out, or None for the Python path"},
+     "dense(*args in bind's dense_args order) -> flash_attn_func's result: out of a prepared "
+     "call, _DenseFastFn's for a call with gradients, or the fallback's for any other"},
     {"dense_lse", fp_dense_lse, METH_VARARGS,
-     "dense_lse(q, k, v, scale, causal, window, softcap) -> (out, lse) of a prepared call, or "
-     "None"},
-    {"bind", fp_bind, METH_VARARGS,
-     "bind(Tensor, float64, empty_like, 4 mode checks, is_grad_enabled, local, window_pair, "
-     "raw_stream, call_failed, grad_apply, version)"},
+     "dense_lse(*args in bind's lse_args order) -> (out, lse) of a prepared call, or None"},
+    {"bind", fp_bind, METH_O,
+     "bind(table): the torch and flashattn objects used, and the argument and field layouts"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -32,7 +32,7 @@ What activation overrides, by device:
 
 import torch
 
-from . import _core
+from . import _arrays, _core
 from ._lib import STATUS_UNSUPPORTED, FlashAttnError
 
 IMPL_NAME = "flashattn"
@@ -184,7 +184,7 @@ def _cpu_forward(query, key, value, is_causal, scale):
     out = torch.empty_like(query)
     lse = torch.empty((b, h, sq), dtype=lse_dtype, device=query.device)
     _core.forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                  kind=_core.TORCH, softmax_scale=scale, causal=causal, window_size=window,
+                  kind=_arrays.TORCH, softmax_scale=scale, causal=causal, window_size=window,
                   out=out.transpose(1, 2), lse=lse)
     logsumexp = torch.empty((b, sq, h), dtype=lse_dtype, device=query.device).transpose(1, 2)
     logsumexp.copy_(lse)
@@ -196,7 +196,7 @@ def _cpu_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale)
     causal, window = _mask_options(query.shape[2], key.shape[2], is_causal)
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     dq, dk, dv, _ = _core.backward(t(grad_out), t(query), t(key), t(value), t(out),
-                                   logsumexp.contiguous(), kind=_core.TORCH,
+                                   logsumexp.contiguous(), kind=_arrays.TORCH,
                                    softmax_scale=scale, causal=causal, window_size=window)
     return t(dq), t(dk), t(dv)
 
@@ -210,7 +210,7 @@ def _cuda_forward(query, key, value, is_causal, scale):
     out = torch.empty_like(query)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=query.device)
     _core.forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                  kind=_core.TORCH, softmax_scale=scale, causal=causal, window_size=window,
+                  kind=_arrays.TORCH, softmax_scale=scale, causal=causal, window_size=window,
                   out=out.transpose(1, 2), lse=lse)
     seed = torch.zeros((2,), dtype=torch.uint64, device=query.device)
     offset = torch.zeros((), dtype=torch.uint64, device=query.device)
@@ -224,6 +224,6 @@ def _cuda_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     _core.backward(t(grad_out), t(query), t(key), t(value), t(out), logsumexp.contiguous(),
-                   kind=_core.TORCH, softmax_scale=scale, causal=causal, window_size=window,
+                   kind=_arrays.TORCH, softmax_scale=scale, causal=causal, window_size=window,
                    dq=t(dq), dk=t(dk), dv=t(dv))
     return dq, dk, dv

@@ -36,7 +36,7 @@ without a sink.
 
 Dropout: the seed is an input, an int64 tensor that ``draw_seed`` takes outside the op from
 torch's default generator (``torch.randint``; for CUDA tensors in eager mode the device's CUDA
-generator, ``_core.draw_seed_cuda``). Eager calls consume the generator as one draw does, so
+generator, ``_arrays.draw_seed_cuda``). Eager calls consume the generator as one draw does, so
 ``torch.manual_seed`` reproduces a run; under ``torch.compile`` the draw is an ordinary random op
 of the graph, ``torch.randint`` on the CPU for every device (Inductor's RNG, itself seeded from
 the default generator, unless ``torch._inductor.config.fallback_random``). Dropout cannot be
@@ -49,7 +49,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _cached, _core
+from . import _arrays, _cached, _core, _kvcache
 from ._lib import FlashAttnError
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -147,7 +147,7 @@ def _fwd_outputs(q, k, v, alibi_slopes, learnable_sink, seed, dropout_p, softmax
             lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float64,
                               device=q.device)
         out, lse, probs = _core.forward(
-            q, k, v, kind=_core.TORCH, dropout_p=dropout_p, softmax_scale=softmax_scale,
+            q, k, v, kind=_arrays.TORCH, dropout_p=dropout_p, softmax_scale=softmax_scale,
             causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
             sinks=learnable_sink, return_softmax=return_softmax, seed=s, offset=0, lse=lse)
     else:
@@ -187,7 +187,7 @@ def _varlen_fwd_impl(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T,
     if q.dtype == torch.float64 and q.dim() == 3:
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float64, device=q.device)
     out, lse, probs = _core.forward(
-        q, k, v, kind=_core.TORCH, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q, k, v, kind=_arrays.TORCH, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_size_left, window_size_right), softcap=softcap,
@@ -232,7 +232,7 @@ def _bwd_impl(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, alibi_slopes: _Op
             (window_size_left, window_size_right), softcap, seed, offset, deterministic)
         return dq, dk, dv, _dsink_or_empty(None, q)
     dq, dk, dv, dsinks = _core.backward(
-        dout, q, k, v, out, lse, kind=_core.TORCH, dropout_p=dropout_p,
+        dout, q, k, v, out, lse, kind=_arrays.TORCH, dropout_p=dropout_p,
         softmax_scale=softmax_scale, causal=causal,
         window_size=(window_size_left, window_size_right), softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=learnable_sink, seed=seed, offset=offset,
@@ -265,7 +265,7 @@ def _varlen_bwd_impl(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, cu_seqlens
                      softcap: float, deterministic: bool) -> _Result:
     seed, offset = _seed_offset(rng_state, dropout_p)
     dq, dk, dv, dsinks = _core.backward(
-        dout, q, k, v, out, lse, kind=_core.TORCH, cu_seqlens_q=cu_seqlens_q,
+        dout, q, k, v, out, lse, kind=_arrays.TORCH, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale,
         causal=causal, window_size=(window_size_left, window_size_right), softcap=softcap,
@@ -411,17 +411,16 @@ class _DenseFn(torch.autograd.Function):
 
 
 class _DenseFastFn(torch.autograd.Function):
-    """``dense_fast``'s calls that record gradients: flashattn::fwd's formula for a call without
-    dropout, ALiBi, sinks or probs, whose only output is out (no S or rng_state to make), for
-    (q, k, v, (scale, causal, left, right, softcap, deterministic))."""
+    """``dense``'s one-step calls that record gradients (and _fastpath's): flashattn::fwd's
+    formula for a call without dropout, ALiBi, sinks or probs, whose only output is out (no S
+    or rng_state to make), for (q, k, v, (scale, causal, left, right, softcap,
+    deterministic)); scale and softcap as the caller gave them (None: the default scale)."""
 
     @staticmethod
     def forward(ctx, q, k, v, options):
         scale, causal, left, right, softcap, _ = options
-        window = (left, right)
-        res = DENSE_LSE_C(q, k, v, scale, causal, window, softcap) if DENSE_LSE_C else None
-        out, lse = res or _cached.forward_dense_torch(q, k, v, 0.0, scale, causal, window,
-                                                      softcap, 0)
+        out, lse = _cached.forward_dense_torch(q, k, v, 0.0, scale, causal, (left, right),
+                                               softcap, 0)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (0.0,) + options
         return out
@@ -522,15 +521,16 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     dispatcher costs more than a decoding step's attention), and on CUDA without the lse
     where ``want_lse`` is false; lse is then None."""
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens"),
+        cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens",
+                                                                _core.INT32),
                                    dtype=torch.int32, device=q.device)
     left, right = _core.window_pair(window_size)
-    if softmax_scale is not None:
-        softmax_scale = _core.as_float(softmax_scale, "softmax_scale")
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale,
-            bool(causal), left, right, _core.as_float(softcap, "softcap"),
-            bool(rotary_interleaved), _core.as_int(num_splits, "num_splits"))
+            cache_leftpad, block_table, alibi_slopes, learnable_sink,
+            _core.as_scale(softmax_scale), _core.as_bool(causal, "causal"), left, right,
+            _core.as_float(softcap, "softcap"),
+            _core.as_bool(rotary_interleaved, "rotary_interleaved"),
+            _core.as_int(num_splits, "num_splits", _core.INT32))
     tensors = args[:13]
     eager = _eager(tensors) and not _needs_grad(tensors)
     if eager and not q.is_cuda:
@@ -545,10 +545,13 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                     ("cache_leftpad", cache_leftpad), ("block_table", block_table),
                     ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
         if isinstance(x, torch.Tensor):
-            _core.check_device(x, name, cuda=True)
+            _arrays.check_device(x, name, cuda=True)
             if x.device != q.device:
                 raise FlashAttnError("%s: expected a tensor on %s like q, got %s"
                                      % (name, q.device, x.device))
+    if k is not None or v is not None:
+        _arrays.refuse_overlap(k_cache, "k_cache", _arrays.APPENDED)
+        _arrays.refuse_overlap(v_cache, "v_cache", _arrays.APPENDED)
     if eager:
         if q.is_cuda:
             from . import _kvcache_varlen
@@ -563,9 +566,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
 
 
 def _combine_impl(out_partial: _T, lse_partial: _T, merged: _T) -> _T:
-    from . import _kvcache
-
-    return _kvcache.combine_run(_core.TORCH, out_partial, lse_partial, merged)
+    return _kvcache.combine_run(_arrays.TORCH, out_partial, lse_partial, merged)
 
 
 combine = torch.library.custom_op("flashattn::combine", _combine_impl, mutates_args=("merged",),
@@ -594,7 +595,7 @@ def draw_seed(dropout_p, q):
     """The dropout seed of a call on ``q``'s device as an int64 (1,) CPU tensor, or None without
     dropout (so calls without dropout leave the generators alone). Seeds are in
     [0, 2**63 - 1) so that rng_state fits int64. Eager CUDA calls draw from the device's CUDA
-    generator (``_core.draw_seed_cuda``); everything else, compiled CUDA calls included, with
+    generator (``_arrays.draw_seed_cuda``); everything else, compiled CUDA calls included, with
     ``torch.randint`` from the default CPU generator, a random op that a compiled graph
     keeps."""
     if not dropout_p > 0.0:
@@ -602,7 +603,7 @@ def draw_seed(dropout_p, q):
     device = q.device
     if device.type == "cuda" and not torch.compiler.is_compiling():
         _refuse_capture(device, dropout_p)
-        return torch.tensor([_core.draw_seed_cuda(device)], dtype=torch.int64)
+        return torch.tensor([_arrays.draw_seed_cuda(device)], dtype=torch.int64)
     return torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64)
 
 
@@ -610,9 +611,7 @@ def _scalars(dropout_p, softmax_scale, softcap):
     """Python-side checks the op schema would otherwise make with a less helpful message."""
     dropout_p = _core.as_float(dropout_p, "dropout_p")
     softcap = _core.as_float(softcap, "softcap")
-    if softmax_scale is not None:
-        softmax_scale = _core.as_float(softmax_scale, "softmax_scale")
-    return dropout_p, softmax_scale, softcap
+    return dropout_p, _core.as_scale(softmax_scale), softcap
 
 
 def _check_devices(named):
@@ -621,7 +620,7 @@ def _check_devices(named):
     # check devices themselves, so a direct call needs no check here.)
     for name, x in named:
         if x is not None:
-            _core.check_device(x, name, cuda=True)
+            _arrays.check_device(x, name, cuda=True)
 
 
 def _renamed(e, names):
@@ -629,11 +628,14 @@ def _renamed(e, names):
 
 
 def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-          deterministic, return_softmax, learnable_sink, names=None, aux=True):
-    """One dense call: (out, fp32 lse, S_dmask, rng_state). ``window`` is already a pair of C
-    ints; ``names`` maps C argument names to the caller's, for error messages. Without
-    ``aux`` (callers that drop them), S_dmask is None unless ``return_softmax`` and rng_state
-    may be None: an eager call without gradients then allocates neither."""
+          deterministic, return_softmax, learnable_sink, names=None, want=None):
+    """One dense call. ``window`` is already a pair of C ints; ``names`` maps C argument names
+    to the caller's, for error messages. ``want`` None: upstream's (out, fp32 lse, S_dmask,
+    rng_state). ``want`` a bool (the public functions, which drop rng_state and return the lse
+    only when asked): (out, fp32 lse or None, S_dmask or None unless ``return_softmax``), and
+    a plain eager call without dropout, ALiBi, sinks or probs is made in one step, as
+    _fastpath makes it: with gradients through ``_DenseFastFn``, without them from the prepared
+    call of its signature (``_cached``)."""
     names = names or {}
     tensors = (q, k, v, alibi_slopes, learnable_sink)
     eager = _eager(tensors)
@@ -641,58 +643,44 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
         nm = lambda n: names.get(n, n)  # noqa: E731
         _check_devices([(nm("q"), q), (nm("k"), k), (nm("v"), v),
                         ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)])
-    dropout_p, softmax_scale, softcap = _scalars(dropout_p, softmax_scale, softcap)
-    args = (q, k, v, alibi_slopes, learnable_sink, draw_seed(dropout_p, q), dropout_p,
-            softmax_scale, bool(causal), window[0], window[1], softcap, bool(return_softmax),
-            bool(deterministic))
+    dropout_p = _core.as_float(dropout_p, "dropout_p")
+    deterministic = _core.as_bool(deterministic, "deterministic")
     try:
-        if eager and not aux and not _needs_grad(tensors):
+        if (want is not None and eager and not dropout_p and alibi_slopes is None
+                and learnable_sink is None and not return_softmax
+                and q.dtype != torch.float64 and q.dim() == 4):
+            # The other scalars as the caller gave them: _core checks and converts them, and
+            # the prepared call's signature holds them as _fastpath sees them.
+            if not _needs_grad(tensors):
+                out, lse = _cached.forward_dense_torch(q, k, v, 0.0, softmax_scale, causal,
+                                                       window, softcap, 0, want_lse=want)
+                return out, lse, None
+            if not want:
+                options = (softmax_scale, _core.as_bool(causal, "causal"), window[0],
+                           window[1], softcap, deterministic)
+                return _DenseFastFn.apply(q, k, v, options), None, None
+        dropout_p, softmax_scale, softcap = _scalars(dropout_p, softmax_scale, softcap)
+        causal = _core.as_bool(causal, "causal")
+        args = (q, k, v, alibi_slopes, learnable_sink, draw_seed(dropout_p, q), dropout_p,
+                softmax_scale, causal, window[0], window[1], softcap, bool(return_softmax),
+                deterministic)
+        if eager and want is not None and not _needs_grad(tensors):
             out, lse, S, _ = _fwd_outputs(*args[:-1])
-            rng_state = None
-        else:
-            out, lse, S, rng_state = _run(torch.ops.flashattn.fwd, _fwd_impl, _DenseFn,
-                                          tensors, args, eager)
+            return out, lse.float(), S
+        out, lse, S, rng_state = _run(torch.ops.flashattn.fwd, _fwd_impl, _DenseFn, tensors,
+                                      args, eager)
     except FlashAttnError as e:
         raise _renamed(e, names) from None
-    return out, lse.float(), S, rng_state
+    if want is None:
+        return out, lse.float(), S, rng_state
+    return out, lse.float(), S
 
 
-_FAST_SCALARS = (float, int)
-
-
-# dense_fast in C (None: not built): calls without gradients once their signature is cached,
-# and _DenseFastFn's forward with the lse.
-DENSE_C, DENSE_LSE_C = _cached.bind_fastpath(torch, _DenseFastFn.apply)
-
-
-def dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, learnable_sink):
-    """``flash_attn_func``'s commonest call in one step, or None where it does not apply: plain
-    fp16/bf16/fp32 tensors, no dropout, ALiBi, sinks or probs, plain Python scalars, outside
-    any compile, trace or mode. Without gradients such a call goes straight to
-    ``_cached.forward_dense_out`` (the library validates, Python's work is cached per
-    signature), which writes no lse; with them, to ``_DenseFastFn``; both with the values the
-    general path would give them. Anything else returns None, for the general path to convert, check and name."""
-    T = torch.Tensor
-    if (type(q) is not T or type(k) is not T or type(v) is not T or alibi_slopes is not None
-            or learnable_sink is not None or return_attn_probs is not False
-            or type(causal) is not bool or type(dropout_p) not in _FAST_SCALARS or dropout_p
-            or type(softcap) not in _FAST_SCALARS or q.dtype is torch.float64 or q.dim() != 4):
-        return None
-    if softmax_scale is None:
-        softmax_scale = q.shape[3] ** -0.5
-    elif type(softmax_scale) not in _FAST_SCALARS:
-        return None
-    # _eager's checks; q, k and v are plain tensors already.
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state()):
-        return None
-    window = _core.window_pair(window_size)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _DenseFastFn.apply(q, k, v, (float(softmax_scale), causal, window[0], window[1],
-                                            float(softcap), bool(deterministic)))
-    return _cached.forward_dense_out(q, k, v, float(softmax_scale), causal, window, float(softcap))
+def bind_fastpath(fallback, dense_args):
+    """_fastpath.dense in front of ``fallback`` (flash_attn_func's route, its arguments in
+    ``dense_args``' order), handing the calls with gradients to _DenseFastFn; None where the
+    extension was not built."""
+    return _cached.bind_fastpath(torch, _DenseFastFn.apply, fallback, dense_args)
 
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -713,8 +701,8 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     max_seqlen_k = _core.as_int(max_seqlen_k, nm("max_seqlen_k"))
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink,
             draw_seed(dropout_p, q), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-            bool(causal), window[0], window[1], softcap, bool(return_softmax),
-            bool(deterministic))
+            _core.as_bool(causal, "causal"), window[0], window[1], softcap,
+            bool(return_softmax), _core.as_bool(deterministic, "deterministic"))
     try:
         out, lse, S, rng_state = _run(torch.ops.flashattn.varlen_fwd, _varlen_fwd_impl,
                                       _VarlenFn, tensors, args, eager)

@@ -17,16 +17,21 @@ the framework's global generator: ``torch.randint`` on torch's default CPU gener
 tensors (so ``torch.manual_seed`` reproduces a run), ``np.random.randint`` on NumPy's legacy
 global state for arrays (so ``np.random.seed`` does). Calls without dropout draw nothing.
 
-Layering: the public functions -> ``_flash_attn_forward`` / ``_flash_attn_varlen_forward``
-(upstream's internal names and return values) -> torch tensors: the custom ops of ``_torch_ops``
-(``torch.ops.flashattn.*``, with autograd and fake implementations, so that ``torch.compile``
-traces them); NumPy arrays: ``_core.forward`` -> the C library.
+Upstream's module-level names are here too: ``USE_TRITON_ROCM`` (False) and ``flash_attn_gpu``,
+its compiled module's raw entry points with their positional arguments (``_raw``).
+
+Layering: this module holds the signatures; every forward function takes ``_route`` to the C
+library (``_route`` draws the route; upstream's internal ``_flash_attn_forward`` and
+``_flash_attn_varlen_forward`` are its functions). ``flash_attn_with_kvcache`` (upstream FA2's
+signature) and ``flash_attn_combine`` (FA3's) call ``_kvcache``'s C calls, through
+``_torch_ops``' ops for torch tensors.
 """
 
-from . import _core
+import sys
+
+from . import _arrays, _kvcache, _raw, _route
 from ._dlpack import accepts_dlpack
 from ._lib import FlashAttnError
-from ._kvcache import flash_attn_combine, flash_attn_with_kvcache  # noqa: F401
 
 __all__ = [
     "flash_attn_func",
@@ -40,20 +45,8 @@ __all__ = [
 ]
 
 
-_TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and torch)
-_DENSE_C = None  # its DENSE_C: flash_attn_func's commonest call in C, where built
-_IS_COMPILING = None  # torch.compiler.is_compiling, with _DENSE_C
-
-
-def _ops():
-    global _DENSE_C, _IS_COMPILING
-    if not _TORCH_OPS:
-        from . import _torch_ops as module
-
-        _TORCH_OPS.append(module)
-        _IS_COMPILING = module.torch.compiler.is_compiling
-        _DENSE_C = module.DENSE_C
-    return _TORCH_OPS[0]
+# Upstream's flag for its Triton (ROCm) backend, which this package does not have.
+USE_TRITON_ROCM = False
 
 
 def maybe_contiguous(x):
@@ -62,7 +55,7 @@ def maybe_contiguous(x):
         return None
     if hasattr(x, "stride") and callable(x.stride):  # torch
         return x.contiguous() if x.stride(-1) != 1 else x
-    return _core.prepare(x, "x", _core.NUMPY)
+    return _arrays.prepare(x, "x", _arrays.NUMPY)
 
 
 def round_multiple(x, m):
@@ -79,149 +72,9 @@ def _get_block_size_n(device, head_dim, is_dropout, is_causal):
     return _lib.probs_block_n(head_dim, is_dropout, is_causal)
 
 
-def _default_scale(x, softmax_scale):
-    """None -> head_dim ** -0.5 from the caller's own tensor (as upstream, qkv.shape[-1] for
-    the qkv-packed forms). A rank-0 input is left to the rank check."""
-    if softmax_scale is not None:
-        return softmax_scale
-    if len(x.shape) == 0:
-        return None
-    return x.shape[-1] ** (-0.5)
-
-
-def _window(window_size):
-    return _core.window_pair(window_size)
-
-
-def _empty_dmask(kind, q):
-    return _core.empty(kind, (0,), q)
-
-
-def _seed_for(dropout_p):
-    """The seed of a NumPy call (torch calls draw theirs inside ``_torch_ops``)."""
-    try:
-        p = float(dropout_p)
-    except (TypeError, ValueError):
-        return 0  # _core reports the bad dropout_p
-    return _core.draw_seed() if p > 0.0 else 0
-
-
-# --------------------------------------------------------------------------------------------
-# Upstream's internal forward functions (framework-neutral; no autograd).
-
-
-def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                        window_size_right, softcap, alibi_slopes, return_softmax,
-                        learnable_sink=None, *, _kind=None, _names=None, _deterministic=False):
-    """Returns (out, softmax_lse, S_dmask, rng_state), as upstream.
-
-    S_dmask is (0,) unless return_softmax; rng_state is int64 [seed, offset]. Torch tensors go
-    through the differentiable op ``torch.ops.flashattn.fwd``."""
-    kind = _kind or _core.common_kind(
-        [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
-         ("learnable_sink", learnable_sink)], 3)
-    if kind == _core.TORCH:
-        return _ops().dense(q, k, v, dropout_p, softmax_scale, causal,
-                                _window((window_size_left, window_size_right)), softcap,
-                                alibi_slopes, _deterministic, return_softmax, learnable_sink,
-                                _names)
-    seed = _seed_for(dropout_p)
-    out, lse, probs = _core.forward(
-        q, k, v, kind=kind, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=(window_size_left, window_size_right), softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
-        seed=seed, offset=0, names=_names)
-    S_dmask = probs if return_softmax else _empty_dmask(kind, q)
-    return out, lse, S_dmask, _core.rng_state_array(seed, 0)
-
-
-def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               dropout_p, softmax_scale, causal, window_size_left=-1,
-                               window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                               return_softmax=False, block_table=None, leftpad_k=None,
-                               seqused_k=None, zero_tensors=False, num_splits=0,
-                               learnable_sink=None, *, _kind=None, _names=None,
-                               _deterministic=False):
-    """Returns (out, softmax_lse, S_dmask, rng_state), as upstream; torch tensors go through
-    ``torch.ops.flashattn.varlen_fwd``."""
-    if leftpad_k is not None:
-        raise NotImplementedError("flashattn: leftpad_k is not supported yet by this build")
-    if block_table is not None:
-        from . import _paged  # imports torch: only on this path
-
-        k, v, cu_seqlens_k, seqused_k = _paged.paged_kv(k, v, cu_seqlens_k, block_table,
-                                                        max_seqlen_k, seqused_k)
-    kind = _kind or _core.common_kind(
-        [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
-         ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
-         ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)], 5)
-    if kind == _core.TORCH:
-        out, lse, S_dmask, rng_state = _ops().varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, _window((window_size_left, window_size_right)), softcap,
-            alibi_slopes, _deterministic, return_softmax, learnable_sink, seqused_k, _names)
-    else:
-        seed = _seed_for(dropout_p)
-        out, lse, probs = _core.forward(
-            q, k, v, kind=kind, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-            window_size=(window_size_left, window_size_right), softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
-            seed=seed, offset=0, names=_names)
-        S_dmask = probs if return_softmax else _empty_dmask(kind, q)
-        rng_state = _core.rng_state_array(seed, 0)
-    if zero_tensors:
-        # Upstream pre-fills lse with -inf (and out with 0) when zero_tensors; rows outside every
-        # sequence keep those values. The C library writes 0 / +inf there: patch lse.
-        _core.fill_uncovered_rows(lse, cu_seqlens_q, kind, float("-inf"))
-    return out, lse, S_dmask, rng_state
-
-
-# --------------------------------------------------------------------------------------------
-# Dispatch
-
-
-def _finish(out, lse, S_dmask, return_attn_probs):
-    return (out, lse, S_dmask) if return_attn_probs else out
-
-
-def _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, learnable_sink, kind, names):
-    window = _window(window_size)
-    return_softmax = bool(return_attn_probs) and _positive(dropout_p)
-    if kind == _core.TORCH:
-        out, lse, S_dmask, _ = _ops().dense(q, k, v, dropout_p, softmax_scale, causal,
-                                                window, softcap, alibi_slopes, deterministic,
-                                                return_softmax, learnable_sink, names,
-                                                aux=False)
-        if S_dmask is None and return_attn_probs:
-            S_dmask = _empty_dmask(kind, q)
-    else:
-        out, lse, S_dmask, _ = _flash_attn_forward(
-            q, k, v, dropout_p, softmax_scale, causal, window[0], window[1], softcap,
-            alibi_slopes, return_softmax, learnable_sink, _kind=kind, _names=names)
-    return _finish(out, lse, S_dmask, return_attn_probs)
-
-
-def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_attn_probs, learnable_sink, kind, names, block_table=None):
-    left, right = _window(window_size)
-    return_softmax = bool(return_attn_probs) and _positive(dropout_p)
-    out, lse, S_dmask, _ = _flash_attn_varlen_forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-        softmax_scale, causal, left, right, softcap, alibi_slopes, return_softmax,
-        block_table=block_table, learnable_sink=learnable_sink, _kind=kind, _names=names,
-        _deterministic=deterministic)
-    return _finish(out, lse, S_dmask, return_attn_probs)
-
-
-def _positive(dropout_p):
-    try:
-        return float(dropout_p) > 0.0
-    except (TypeError, ValueError):
-        return False
+# Upstream's internal forward functions (their names, arguments and return values).
+_flash_attn_forward = _route.forward
+_flash_attn_varlen_forward = _route.varlen_forward
 
 
 def _check_packed(x, name, ndim, slot, count, layout):
@@ -243,14 +96,13 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     Equivalent to flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...) without
     copying the slices. See flash_attn_func for the arguments and the return value.
     """
-    kind = _core.common_kind([("qkv", qkv), ("alibi_slopes", alibi_slopes),
+    kind = _arrays.common_kind([("qkv", qkv), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 1)
     _check_packed(qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
-    softmax_scale = _default_scale(qkv, softmax_scale)
     names = {"q": "qkv[:, :, 0] (q)", "k": "qkv[:, :, 1] (k)", "v": "qkv[:, :, 2] (v)"}
-    return _run_dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
-                      causal, window_size, softcap, alibi_slopes, deterministic,
-                      return_attn_probs, learnable_sink, kind, names)
+    return _route.dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                        causal, window_size, softcap, alibi_slopes, deterministic,
+                        return_attn_probs, learnable_sink, kind, names)
 
 
 @accepts_dlpack
@@ -263,14 +115,13 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     Equivalent to flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], ...) without copying the
     slices. See flash_attn_func for the arguments and the return value.
     """
-    kind = _core.common_kind([("q", q), ("kv", kv), ("alibi_slopes", alibi_slopes),
+    kind = _arrays.common_kind([("q", q), ("kv", kv), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 2)
     _check_packed(kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
-    softmax_scale = _default_scale(q, softmax_scale)
     names = {"k": "kv[:, :, 0] (k)", "v": "kv[:, :, 1] (v)"}
-    return _run_dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
-                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                      learnable_sink, kind, names)
+    return _route.dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                        learnable_sink, kind, names)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -304,33 +155,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         S_dmask [optional]: (0,) when dropout_p == 0, otherwise
             (batch_size, nheads, round_up(seqlen_q, 128), round_up(seqlen_k, 128)).
     """
-    # The host cost of small calls is mostly Python: the commonest torch call skips the layers
-    # below (once torch calls have loaded _torch_ops), in C where the extension was built.
-    # Dynamo cannot trace into C: while compiling, the Python path (which it traces) is taken.
-    if _DENSE_C is not None and not _IS_COMPILING():
-        out = _DENSE_C(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, learnable_sink, deterministic)
-        if out is not None:
-            return out
-    if _TORCH_OPS:
-        out = _TORCH_OPS[0].dense_fast(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                       softcap, alibi_slopes, deterministic, return_attn_probs,
-                                       learnable_sink)
-        if out is not None:
-            return out
-    return _flash_attn_func_any(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                softcap, alibi_slopes, deterministic, return_attn_probs,
-                                learnable_sink)
-
-
-@accepts_dlpack
-def _flash_attn_func_any(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                         alibi_slopes, deterministic, return_attn_probs, learnable_sink):
-    kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes),
-                              ("learnable_sink", learnable_sink)], 3)
-    softmax_scale = _default_scale(q, softmax_scale)
-    return _run_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind, None)
+    # _fastpath (C) serves the commonest torch calls from their prepared signatures and hands
+    # every other call to the same route; Dynamo cannot trace C, so compiling takes the route.
+    entry = _route.DENSE_C
+    if entry is None or _route.IS_COMPILING():
+        entry = _route.dense_any
+    return entry(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                 deterministic, return_attn_probs, learnable_sink)
 
 
 @accepts_dlpack
@@ -343,18 +174,17 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     cu_seqlens: int32 (batch_size + 1,), the offsets of the sequences in the total dimension;
     max_seqlen: int, the longest sequence. See flash_attn_varlen_func.
     """
-    kind = _core.common_kind([("qkv", qkv), ("cu_seqlens", cu_seqlens),
+    kind = _arrays.common_kind([("qkv", qkv), ("cu_seqlens", cu_seqlens),
                               ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 2)
     _check_packed(qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
-    softmax_scale = _default_scale(qkv, softmax_scale)
     names = {"q": "qkv[:, 0] (q)", "k": "qkv[:, 1] (k)", "v": "qkv[:, 2] (v)",
              "cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens",
              "max_seqlen_q": "max_seqlen", "max_seqlen_k": "max_seqlen"}
-    return _run_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
-                       max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind,
-                       names)
+    return _route.varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                         max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                         alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind,
+                         names)
 
 
 @accepts_dlpack
@@ -367,16 +197,15 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
     See flash_attn_varlen_func.
     """
-    kind = _core.common_kind([("q", q), ("kv", kv), ("cu_seqlens_q", cu_seqlens_q),
+    kind = _arrays.common_kind([("q", q), ("kv", kv), ("cu_seqlens_q", cu_seqlens_q),
                               ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 4)
     _check_packed(kv, "kv", 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
-    softmax_scale = _default_scale(q, softmax_scale)
     names = {"k": "kv[:, 0] (k)", "v": "kv[:, 1] (v)"}
-    return _run_varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                       max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind,
-                       names)
+    return _route.varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                         alibi_slopes, deterministic, return_attn_probs, learnable_sink, kind,
+                         names)
 
 
 @accepts_dlpack
@@ -404,11 +233,127 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         S_dmask [optional]: (0,) when dropout_p == 0, otherwise
             (batch_size, nheads, round_up(max_seqlen_q, 128), round_up(max_seqlen_k, 128)).
     """
-    kind = _core.common_kind([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+    kind = _arrays.common_kind([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                               ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes),
                               ("learnable_sink", learnable_sink)], 5)
-    softmax_scale = _default_scale(q, softmax_scale)
-    return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, return_attn_probs, learnable_sink, kind, None,
-                       block_table)
+    return _route.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                         deterministic, return_attn_probs, learnable_sink, kind, None,
+                         block_table)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, *, learnable_sink=None):
+    """Attention of q against a KV cache, appending k and v to the cache in place first.
+
+    If k and v are given they are written into k_cache / v_cache at positions cache_seqlens
+    (rotated first when rotary_cos / rotary_sin are given), and the attention runs over the
+    updated cache, as one call. For decoding: q holds the new tokens' queries.
+
+    Arguments:
+        q: (batch_size, seqlen, nheads, headdim)
+        k_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with block_table
+            (num_blocks, page_block_size, nheads_k, headdim): any page size >= 1.
+        v_cache: as k_cache, with headdim_v.
+        k, v [optional]: (batch_size, seqlen_new, nheads_k, headdim / headdim_v), appended
+            at cache_seqlens (which is then required).
+        rotary_cos, rotary_sin [optional]: (seqlen_ro, rotary_dim / 2), q's dtype; any even
+            rotary_dim <= headdim. Rotates k at positions cache_seqlens + i, and q at
+            cache_seqlens + i when causal or local, else at cache_seqlens.
+        cache_seqlens: int or int32 (batch_size,): keys already in each cache row; None:
+            the whole cache.
+        cache_batch_idx [optional]: int32 (batch_size,): the cache row of each sequence.
+        cache_leftpad [optional]: int32 (batch_size,): the first cache position used.
+        block_table [optional]: int32 (batch_size, max_num_blocks_per_seq): paged cache.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func.
+        rotary_interleaved: True pairs dims (0, 1), (2, 3)... (GPT-J); False pairs
+            (i, i + rotary_dim / 2) (GPT-NeoX).
+        num_splits: split-KV chunks; 0 lets the library choose (CUDA tensors: 8 where the
+            unsplit kernel would be long, else none), 1 never splits.
+        return_softmax_lse: also return the float32 lse (batch_size, nheads, seqlen).
+        learnable_sink (keyword only): float (nheads,) sink logit per head.
+    Return:
+        out: (batch_size, seqlen, nheads, headdim_v), and softmax_lse when asked for.
+    """
+    kind = _arrays.common_kind(
+        [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+         ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+         ("cache_seqlens", cache_seqlens if _kvcache.is_array(cache_seqlens) else None),
+         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+         ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+         ("learnable_sink", learnable_sink)], 3)
+    if kind == _arrays.TORCH:
+        # torch calls go through the custom op flashattn::kvcache, so torch.compile keeps the
+        # call (and its in-place append) as one node instead of breaking the graph.
+        out, lse = _route.torch_ops().kvcache_call(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
+            window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse)
+    else:
+        out, lse = _kvcache.kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                               cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                               alibi_slopes, learnable_sink, softmax_scale, causal, window_size,
+                               softcap, rotary_interleaved, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _out_dtype(kind, out_dtype, out, out_partial):
+    if out_dtype is None:
+        return out.dtype if out is not None else out_partial.dtype
+    if kind == _arrays.TORCH:
+        return out_dtype
+    return sys.modules["numpy"].dtype(out_dtype)
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """Merges attention computed over disjoint chunks of the keys (FA3's function).
+
+    Arguments:
+        out_partial: float32 (num_splits, batch_size, seqlen, nheads, headdim), each chunk's
+            normalised output.
+        lse_partial: float32 (num_splits, batch_size, seqlen, nheads), each chunk's
+            log-sum-exp; -inf (or +inf, what the forward gives a row that sees no key)
+            marks an empty chunk, whose output is not read.
+        out [optional]: (batch_size, seqlen, nheads, headdim), written in place.
+        out_dtype [optional]: float32 (default: out_partial's), float16, bfloat16 or float64.
+    Return:
+        (out, lse): out (batch_size, seqlen, nheads, headdim) in out_dtype; lse float32
+        (batch_size, seqlen, nheads), a transposed view of a (batch_size, nheads, seqlen)
+        array as FA3 returns it. A row whose chunks are all empty gets out 0, lse -inf.
+
+    Torch tensors go through the custom op ``torch.ops.flashattn.combine`` (CPU and CUDA).
+    """
+    kind = _arrays.common_kind([("out_partial", out_partial), ("lse_partial", lse_partial),
+                              ("out", out)], 2)
+    if kind == _arrays.TORCH:
+        # Checked here, the rest inside the op (so that torch.compile traces no more than this).
+        _arrays.check_device(out_partial, "out_partial", cuda=True)
+        _arrays.check_device(lse_partial, "lse_partial", cuda=True)
+    else:
+        out_partial = _arrays.prepare(out_partial, "out_partial", kind)
+    if len(out_partial.shape) != 5:
+        raise FlashAttnError("out_partial: expected 5 dimensions (num_splits, batch_size, "
+                             "seqlen, nheads, headdim), got shape %s" % (tuple(out_partial.shape),))
+    _, b, sq, h, dv = (int(n) for n in out_partial.shape)
+    dtype = _out_dtype(kind, out_dtype, out, out_partial)
+    if out is not None:
+        if out.dtype != dtype:
+            raise FlashAttnError("out: dtype %s does not match out_dtype %s" % (out.dtype, dtype))
+        out = _kvcache.in_place(out, "out", kind, "the merged output is written into it",
+                                cuda=True)
+    elif kind == _arrays.TORCH:
+        out = sys.modules["torch"].empty((b, sq, h, dv), dtype=dtype, device=out_partial.device)
+    else:
+        out = sys.modules["numpy"].empty((b, sq, h, dv), dtype=dtype)
+    if kind == _arrays.TORCH:
+        return out, _route.torch_ops().combine_call(out_partial, lse_partial, out)
+    return out, _kvcache.combine_run(kind, out_partial, lse_partial, out)
+
+
+# Upstream's compiled module, called positionally (``_raw``).
+flash_attn_gpu = _raw.RawEntryPoints(_flash_attn_forward, _flash_attn_varlen_forward,
+                                     flash_attn_with_kvcache)

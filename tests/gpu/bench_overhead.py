@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashattn import _core, _lib, flash_attn_func
+from flashattn import _arrays, _core, _lib, flash_attn_func
 
 B, H, D = 1, 4, 64
 SEQLENS = (16, 32, 64, 128)
@@ -94,7 +94,7 @@ def c_call(q, k, v):
     """fa_attention_forward with arguments prepared once (outputs reused): the library's host
     cost alone."""
     args, keep, arrays, out, lse, _, _ = _core._prepare_forward(
-        q, k, v, _core.TORCH, None, None, None, 0, 0, 0.0, None, False, (-1, -1), 0.0, None,
+        q, k, v, _arrays.TORCH, None, None, None, 0, 0, 0.0, None, False, (-1, -1), 0.0, None,
         None, False, 0, 0, None, None, None, None, 0)
     fn = _lib.get_lib().fa_attention_forward
     ref = ctypes.byref(args)

@@ -155,19 +155,21 @@ def test_dropout_seed_from_cuda_generator():
 def test_current_stream_and_no_sync(monkeypatch):
     """Every call runs on the caller's current stream, the C fast path's too (it serves the
     calls after the first of a signature), and none synchronises."""
-    from flashattn import _cached
-    from flashattn import flash_attn_interface as fi
+    from flashattn import _cached, _route, _torch_ops
 
     q, k, v = (x.cuda() for x in _qkv(4, 1024, 1024, 8, 8, 128, 128, torch.float16, seed=9))
     ref = flash_attn_func(q, k, v, causal=True)
-    assert fi._DENSE_C is not None, "the C fast path (python/flashattn/_fastpath.c) was not built"
-    served, real = [], fi._DENSE_C
-    monkeypatch.setattr(fi, "_DENSE_C", lambda *a: served.append(real(*a)) or served[-1])
+    assert _route.DENSE_C is not None, "the C fast path (_fastpath.c) was not built"
+    routed, real = [], _torch_ops.dense  # the Python route: what C does not serve
+    monkeypatch.setattr(_torch_ops, "dense", lambda *a, **kw: routed.append(a) or real(*a, **kw))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
+    outs = []
     with torch.cuda.stream(s):
-        outs = [flash_attn_func(q, k, v, causal=True) for _ in range(3)]
-    assert served[-1] is not None
+        for _ in range(3):
+            routed.clear()
+            outs.append(flash_attn_func(q, k, v, causal=True))
+    assert routed == []  # the last call was served in C
     streams = [c.args.stream for c in _cached._LOCAL.calls.values() if c.fast is not None]
     assert s.cuda_stream in streams
     s.synchronize()

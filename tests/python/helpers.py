@@ -1,5 +1,9 @@
 """Shared helpers: inputs of each kind/dtype, conversions and accuracy criteria."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import torch
 
@@ -132,3 +136,14 @@ def assert_lse(got, ref, dt):
     mag = max(1.0, float(np.abs(ref[fin]).max())) if fin.any() else 1.0
     tol = (2.0 ** -23 if dt == "float64" else 1e-5) * mag
     assert err <= tol, "lse: max error %.3g > %.3g (%s)" % (err, tol, dt)
+
+
+def run_python(code, *argv):
+    """``python -c code *argv`` in a fresh interpreter that imports the flashattn under test:
+    the CompletedProcess, output as text."""
+    import flashattn
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(flashattn.__file__)))
+    return subprocess.run([sys.executable, "-c", code] + list(argv), capture_output=True,
+                          text=True, env=env, timeout=300)

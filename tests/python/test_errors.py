@@ -11,7 +11,7 @@ import flashattn
 from flashattn import (FlashAttnError, flash_attn_func, flash_attn_kvpacked_func,
                        flash_attn_qkvpacked_func, flash_attn_varlen_func,
                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
-from flashattn import _core
+from flashattn import _arrays
 from helpers import make, make_f32, make_int32, randn
 
 KINDS = ["torch", "numpy"]
@@ -220,7 +220,7 @@ def test_devices():
     # No GPU is needed to check it: the device test only reads x.device.type.
     fake = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
     with raises(r"^q: CUDA tensors are not supported yet by this function"):
-        _core.check_device(fake, "q")
+        _arrays.check_device(fake, "q")
     m = torch.empty(1, 4, 2, 8, device="meta")
     with raises(r"^q: tensors on device 'meta' are not supported"):
         flash_attn_func(m, m, m)

@@ -1,37 +1,46 @@
 """flash_attn_func's C fast path (python/flashattn/_fastpath.c): once a call signature is
 prepared in Python, later calls run in C. Each test checks the C path's answer against the
 Python path's on the same inputs (the C path turned off), bitwise, and that the C path, not
-Python, served the call."""
+the Python route (_torch_ops.dense, where C hands the calls it does not serve), served it."""
 import ctypes
 
 import numpy as np
 import pytest
 import torch
 
-from flashattn import FlashAttnError, _cached, flash_attn_func
-from flashattn import flash_attn_interface as fi
+from flashattn import FlashAttnError, _cached, _route, _torch_ops, flash_attn_func
 
 
 @pytest.fixture
 def c_path(monkeypatch):
-    """A record of the C path's answers (True: it served the call), the extension required."""
+    """A record of each flash_attn_func call's path (True: served in C; False: the Python
+    route), the extension required."""
     flash_attn_func(*(torch.randn(1, 2, 1, 8) for _ in range(3)))  # loads the torch ops
-    real = fi._DENSE_C
-    assert real is not None, "the C fast path (python/flashattn/_fastpath.c) was not built"
-    served = []
+    real_c = _route.DENSE_C
+    assert real_c is not None, "the C fast path (python/flashattn/_fastpath.c) was not built"
+    served, in_route = [], []
 
-    def spy(*args):
-        out = real(*args)
-        served.append(out is not None)
+    def route_spy(real):
+        def spy(*args, **kwargs):
+            in_route.append(True)
+            return real(*args, **kwargs)
+        return spy
+
+    def c_spy(*args):
+        in_route.clear()
+        out = real_c(*args)
+        served.append(not in_route)
         return out
 
-    monkeypatch.setattr(fi, "_DENSE_C", spy)
+    monkeypatch.setattr(_torch_ops, "dense", route_spy(_torch_ops.dense))  # torch tensors
+    monkeypatch.setattr(_route, "forward", route_spy(_route.forward))  # NumPy arrays
+    monkeypatch.setattr(_route, "DENSE_C", c_spy)
     return served
 
 
 def _python_path(monkeypatch, *args, **kwargs):
     with monkeypatch.context() as m:
-        m.setattr(fi, "_DENSE_C", None)
+        m.setattr(_route, "DENSE_C", None)
         return flash_attn_func(*args, **kwargs)
 
 
@@ -119,20 +128,18 @@ def test_library_failure_is_raised(rng, c_path):
 def test_gradients_through_c_match_python(rng, monkeypatch, c_path):
     """A call that records gradients is handed from C to the autograd function, whose forward
     runs the prepared call with its lse in C too: out and every gradient as the Python path's."""
-    from flashattn import _torch_ops
-
     q, k, v = (_randn(rng, 2, 9, 4, 24).requires_grad_() for _ in range(3))
     kv = dict(causal=True, window_size=(5, 0), softcap=3.0)
     dout = _randn(rng, 2, 9, 4, 24)
-    lse_in_c, real_lse = [], _torch_ops.DENSE_LSE_C
-    monkeypatch.setattr(_torch_ops, "DENSE_LSE_C",
+    lse_in_c, real_lse = [], _cached._DENSE_LSE
+    monkeypatch.setattr(_cached, "_DENSE_LSE",
                         lambda *a: lse_in_c.append(real_lse(*a)) or lse_in_c[-1])
     results = []
     for path in ("python", "c", "c"):  # the second C call finds the signature prepared
         with monkeypatch.context() as m:
             if path == "python":
-                m.setattr(fi, "_DENSE_C", None)
-                m.setattr(_torch_ops, "DENSE_LSE_C", None)
+                m.setattr(_route, "DENSE_C", None)
+                m.setattr(_cached, "_DENSE_LSE", None)
             c_path.clear()
             lse_in_c.clear()
             out = flash_attn_func(q, k, v, **kv)
@@ -161,7 +168,7 @@ def test_other_calls_go_to_python(rng, monkeypatch, c_path):
     for path in ("c", "python"):  # an int scale beyond a float: float()'s error either way
         with monkeypatch.context() as m:
             if path == "python":
-                m.setattr(fi, "_DENSE_C", None)
+                m.setattr(_route, "DENSE_C", None)
             with pytest.raises(OverflowError):
                 flash_attn_func(q, k, v, softmax_scale=10**400)
     arrays = [x.numpy() for x in (q, k, v)]

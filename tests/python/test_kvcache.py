@@ -360,12 +360,12 @@ def test_signature_cache_swaps_data_not_results(rng):
     or an int); a tensor on another device and a value the library refuses are still refused by
     name once the signature is prepared; an input that needed a copy is not served from a
     prepared call."""
-    from flashattn import _cached, _core, _kvcache
+    from flashattn import _arrays, _cached, _kvcache
 
     def uncached(P, A):
         kc, vc = A["kc"].clone(), A["vc"].clone()
         out, lse = _kvcache.kvcache_run(
-            _core.TORCH, A["q"], kc, vc, A["k"], A["v"], A["cos"], A["sin"],
+            _arrays.TORCH, A["q"], kc, vc, A["k"], A["v"], A["cos"], A["sin"],
             int32(P["seqlens"], "torch"), None, None, int32(P["table"], "torch"), None, None,
             None, False, (-1, -1), 0.0, True, 0)
         return out, lse, kc, vc

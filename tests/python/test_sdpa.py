@@ -4,9 +4,6 @@ tensors runs flashattn's forward and backward where it can be exact, and falls b
 kernels it replaced elsewhere; restoring gives them back."""
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ import torch.nn.attention as attention
 
 import flashattn
 from flashattn import _core, _sdpa
+from helpers import run_python
 
 # torch < 2.11 has no registry: there is nothing to register with (test_register_result checks
 # that registering then says so).
@@ -138,15 +136,16 @@ def test_falls_back_to_the_previous_kernel(rng, spy, kind):
 
 
 @needs_registry
-def test_registration_follows_import_order():
-    """Imported after torch: registered at import. Imported before: register_sdpa_impl()."""
-    code = ("import flashattn, torch\n"
+@pytest.mark.parametrize("first", ["torch", "flashattn"])
+def test_registration_follows_import_order(first):
+    """Registered whichever of torch and flashattn is imported first (flashattn's import
+    still does not load torch); registering again is harmless."""
+    code = ("import sys, %s\n"
+            "assert ('torch' in sys.modules) == (sys.argv[1] == 'torch')\n"
+            "import flashattn, torch\n"
             "from torch.nn.attention import list_flash_attention_impls as ls\n"
             "before = 'flashattn' in ls()\n"
             "assert flashattn.register_sdpa_impl() is True\n"
-            "print(before, 'flashattn' in ls())\n")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(flashattn.__file__)))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 0 and r.stdout.split() == ["False", "True"], r.stderr
+            "print(before, 'flashattn' in ls())\n" % first)
+    r = run_python(code, first)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stderr

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashattn
+from flashattn import _arrays
 from flashattn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                        flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func)
 from flashattn import _torch_ops  # noqa: F401  (registers the ops)
@@ -312,7 +313,7 @@ def test_signature_cache_swaps_data_not_results(rng):
         return [_t(rng, 1, 7, 2, 16) for _ in range(3)]
 
     def uncached(q, k, v):
-        out, lse, _ = _core.forward(q, k, v, kind=_core.TORCH, causal=True, out=None,
+        out, lse, _ = _core.forward(q, k, v, kind=_arrays.TORCH, causal=True, out=None,
                                     lse=torch.empty(1, 2, 7))
         return out, lse
 
@@ -382,13 +383,13 @@ def test_backward_signature_cache_swaps_data_not_results(rng, monkeypatch, case)
                 softcap=o.get("softcap", 0.0))
     monkeypatch.setattr(_cached._LOCAL, "calls", {}, raising=False)
     prepared = []
-    real = _cached._prepare_backward
+    real = _cached.run_backward
 
     def spy(*args):
         prepared.append(1)
         return real(*args)
 
-    monkeypatch.setattr(_cached, "_prepare_backward", spy)
+    monkeypatch.setattr(_cached, "run_backward", spy)
     for call in range(3):
         seed = 1000 + call if opts["dropout_p"] else 0
         if o.get("strided"):
@@ -396,13 +397,13 @@ def test_backward_signature_cache_swaps_data_not_results(rng, monkeypatch, case)
         else:
             q = _t(rng, 2, 9, 4, 24).to(dtype)
         k, v = (_t(rng, 2, 11, hk, 24).to(dtype) for _ in range(2))
-        out, lse, _ = _core.forward(q, k, v, kind=_core.TORCH, seed=seed, **opts)
+        out, lse, _ = _core.forward(q, k, v, kind=_arrays.TORCH, seed=seed, **opts)
         dout = _t(rng, 2, 9, 4, 24).to(dtype)
         got = _cached.backward_dense_torch(
             dout, q, k, v, out, lse, opts["dropout_p"], opts["softmax_scale"], opts["causal"],
             tuple(opts["window_size"]), opts["softcap"], seed, 0,
             o.get("deterministic", False))
-        want = _core.backward(dout, q, k, v, out, lse, kind=_core.TORCH, seed=seed,
+        want = _core.backward(dout, q, k, v, out, lse, kind=_arrays.TORCH, seed=seed,
                               deterministic=o.get("deterministic", False), **opts)[:3]
         for g, w, x in zip(got, want, (q, k, v)):
             assert g.shape == x.shape and g.dtype == x.dtype and g.is_contiguous()
@@ -418,6 +419,7 @@ def test_cached_call_survives_a_reentrant_call(rng, monkeypatch):
     from flashattn import _cached, _core
 
     monkeypatch.setattr(_cached._LOCAL, "calls", {}, raising=False)
+    monkeypatch.setattr(_cached, "_DENSE_LSE", None)  # the Python path (C's does the same)
     a, b = ([_t(rng, 1, 7, 2, 16) for _ in range(3)] for _ in range(2))
     options = (0.0, None, True, (-1, -1), 0.0, 0)
     _cached.forward_dense_torch(*a, *options)  # prepares the signature
@@ -434,20 +436,8 @@ def test_cached_call_survives_a_reentrant_call(rng, monkeypatch):
     monkeypatch.setattr(torch, "empty_like", real)
     assert len(nested) == 1
     for got, inputs in (((out, lse), a), (nested[0], b)):
-        want = _core.forward(*inputs, kind=_core.TORCH, causal=True)[:2]
+        want = _core.forward(*inputs, kind=_arrays.TORCH, causal=True)[:2]
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-def _record_answers(monkeypatch, owner, name, answered):
-    """Wraps owner.name so that each call appends whether it answered (returned not None)."""
-    real = getattr(owner, name)
-
-    def spy(*args):
-        out = real(*args)
-        answered.append(out is not None)
-        return out
-
-    monkeypatch.setattr(owner, name, spy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -455,76 +445,68 @@ def test_fast_path_equals_the_general_path(rng, monkeypatch, dtype):
     """flash_attn_func's one-step path (plain tensors, no dropout, ALiBi, sinks or probs)
     gives bitwise the general path's out over the options it takes (Python ints and floats
     alike), without gradients writes no lse, with them gives the general path's gradients, and
-    leaves every other call to the general path. A signature's first call prepares it in Python,
-    every later one runs in C (_fastpath)."""
-    from flashattn import _cached
-    from flashattn import flash_attn_interface as fi
+    leaves every other call to the general path. A signature's first call prepares it in Python
+    (the route, _torch_ops.dense), every later one runs in C (_fastpath)."""
+    from flashattn import _cached, _route
 
-    # The fast path without gradients enters at forward_dense_out ("out"), which falls back on
-    # forward_dense_torch (want_lse False) for a signature it has not cached; the general path
-    # asks forward_dense_torch for the lse (True).
-    taken = []
-    real, real_out = _cached.forward_dense_torch, _cached.forward_dense_out
+    # Python's preparation: forward_dense_torch, with or without the lse; the route: dense.
+    taken, routed = [], []
+    real, real_dense = _cached.forward_dense_torch, _torch_ops.dense
 
     def spy(*args, **kwargs):
         taken.append(kwargs.get("want_lse", True))
         return real(*args, **kwargs)
 
-    def out_spy(*args):
-        taken.append("out")
-        return real_out(*args)
+    def dense_spy(*args, **kwargs):
+        routed.append(True)
+        return real_dense(*args, **kwargs)
 
-    in_c = []
-
-    def fast_no_lse():  # served in C (a signature cached earlier) or by forward_dense_out
-        return (taken == [] and in_c[-1:] == [True]) or (taken[:1] == ["out"] and True not in taken)
+    def in_c():  # served in C: neither the route nor the preparation ran
+        return taken == [] and routed == []
 
     monkeypatch.setattr(_cached, "forward_dense_torch", spy)
-    monkeypatch.setattr(_cached, "forward_dense_out", out_spy)
-    fast_calls = []
-    _record_answers(monkeypatch, _torch_ops, "dense_fast", fast_calls)
+    monkeypatch.setattr(_torch_ops, "dense", dense_spy)
     q, k, v = (_t(rng, 2, s, h, 16, dtype=dtype) for s, h in ((11, 4), (19, 2), (19, 2)))
     options = [dict(), dict(causal=True), dict(window_size=(4, 2), softmax_scale=0.3),
                dict(softcap=3, dropout_p=0, softmax_scale=1), dict(window_size=(-5, 7)),
                dict(causal=True, softcap=2.5, window_size=(2**40, 3))]
     flash_attn_func(q, k, v)  # the first torch call of a process loads the ops
-    assert fi._DENSE_C is not None, "the C fast path (python/flashattn/_fastpath.c) was not built"
-    _record_answers(monkeypatch, fi, "_DENSE_C", in_c)
+    assert _route.DENSE_C is not None, "the C fast path (_fastpath.c) was not built"
     for kw in options:
         taken.clear()
-        in_c.clear()
+        routed.clear()
         fast = flash_attn_func(q, k, v, **kw)
-        assert fast_no_lse(), kw
-        n = len(taken)
-        again = flash_attn_func(q, k, v, **kw)
-        assert torch.equal(again, fast) and taken[n:] == [] and in_c[-1], kw
+        assert in_c() or taken == [False], kw
         taken.clear()
+        routed.clear()
+        again = flash_attn_func(q, k, v, **kw)
+        assert torch.equal(again, fast) and in_c(), kw
         general, _, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kw)
         assert taken == [True], kw
         assert not torch.equal(fast, torch.zeros_like(fast)) and torch.equal(fast, general), kw
     taken.clear()
-    flash_attn_func(q, k, v, causal=1)
+    flash_attn_func(q, k, v, causal=1)  # not a bool nor a float: the route's one step
     flash_attn_func(q, k, v, softmax_scale=np.float32(0.2))
-    assert taken == [True, True]
+    assert taken == [False, False]
     q.requires_grad_(), v.requires_grad_()
     kw = dict(causal=True, window_size=(6, 1), softcap=4.0, deterministic=True)
     dout = torch.randn(2, 11, 4, 16).to(dtype)
     grads = []
     for probs in (False, True):
-        fast_calls.clear()
-        in_c.clear()
+        routed.clear()
         out = flash_attn_func(q, k, v, return_attn_probs=probs, **kw)
-        # the one-step path: in C (handing the call to _DenseFastFn) or in dense_fast
-        assert (in_c[-1:] == [True] or fast_calls[-1:] == [True]) == (not probs)
+        # the one-step path: C hands the call to _DenseFastFn, the route never runs
+        assert (routed == []) == (not probs)
         out = out[0] if probs else out
         grads.append([out] + list(torch.autograd.grad(out, (q, v), dout)))
     for fast, general in zip(*grads):
         assert not torch.equal(fast, torch.zeros_like(fast)) and torch.equal(fast, general)
-    taken.clear()
-    in_c.clear()
     with torch.no_grad():
+        flash_attn_func(q, k, v)  # prepared (again, if the bounded cache dropped it)
+        taken.clear()
+        routed.clear()
         flash_attn_func(q, k, v)
-    assert fast_no_lse()
+    assert in_c()
     with pytest.raises(TypeError, match="window_size"):
         flash_attn_func(q, k, v, window_size=(1, "a"))
 
