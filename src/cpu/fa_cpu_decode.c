@@ -201,8 +201,7 @@ static int fa_kv_item_cmp(const void *a, const void *b)
  * Upstream's wave-efficiency rule, tightened for threads: the fewest chunks whose waves fill
  * the threads to within 2% of the best count (upstream: 85%, and no split once the items fill
  * 80% of the SMs), chunks keeping at least FA_KV_MIN_CHUNK keys. A GPU runs many blocks per SM
- * and hides a short last wave; an idle thread is 1/threads of the machine (14 chunks on 16
- * threads made the host's decode 5-12% slower than 16, bench/NOTES.md, twenty-first session).
+ * and hides a short last wave; an idle thread is 1/threads of the machine.
  */
 static int fa_kv_splits_choose(const fa_kv_params *p, int64_t base_items, int64_t max_keys)
 {
@@ -292,9 +291,9 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
     const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
     const int threads = p->num_threads < n_items ? p->num_threads : (int)n_items;
     fa_kv_job job = {p, items, NULL, fa_kv_scratch_size(p, real_size), NULL, NULL, 0};
-    /* Prefetching ahead pays where the K/V come from DRAM and costs where they sit in the cache
-     * (bench/NOTES.md, twelfth session); what the call reads against the last-level cache (32
-     * MiB when unknown) tells the two apart. */
+    /* Prefetching ahead pays where the K/V come from DRAM and costs where they sit in the
+     * cache; what the call reads against the last-level cache (32 MiB when unknown) tells the
+     * two apart. */
     double kv_bytes = 0;
     for (int64_t i = 0; i < p->b; i++)
         kv_bytes += (double)(fa_kv_seq_end(p, i) - fa_kv_seq_start(p, i)) * (double)p->hk *

@@ -276,8 +276,8 @@ const fa_cpu_info *fa_cpu_info_get(void)
     return &g_info;
 }
 
-/* The tiles' constants were tuned where each thread has a 2 MB L2 of its own (both machines of
- * bench/NOTES.md); that is the share assumed when sysfs does not say. */
+/* The tiles' constants were tuned where each thread has a 2 MB L2 of its own; that is the
+ * share assumed when sysfs does not say. */
 #define FA_CPU_L2_SHARE_DEFAULT (2L << 20)
 static long g_l2_share_override;
 
