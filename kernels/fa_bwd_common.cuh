@@ -118,9 +118,8 @@ FA_DEV void fa_bwd_next(const fa_bkparams *bp, const fa_seq *s, int nb, int h_en
 /* fa_bwd_next's mirror: (h, mb) to the first query tile at or before it, each head's tiles in
  * decreasing order, that meets key block nb; h becomes h_end when none is left. in_run: the
  * tile above (h, mb) met the block. The tiles that meet a block are one run (both edges of a
- * row's keys grow with the row), so a step out of the run's low end ends the head at once:
- * walking on down to tile 0 cost a causal item ~2nb tests of fa_bwd_meets before its last tile
- * (~40 instructions each, ~1% of the item by a count). */
+ * row's keys grow with the row), so a step out of the run's low end ends the head at once
+ * rather than walking on down to tile 0, ~2nb tests of fa_bwd_meets for a causal item. */
 FA_DEV void fa_bwd_prev(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
                         int *mb, int in_run)
 {

@@ -146,7 +146,7 @@ FA_DEV void fa_bwd_acc_row(const float4 x[4], int hf, float v[8])
  * the sequence and columns past d skipped (varlen: only the sequence's own tiles, the rest of its
  * m_tiles were never written). Lane (g, t) takes rows g and g + 8 of block t whole: the 64
  * contiguous bytes that hold them in either accumulator layout (fa_bwd_acc_row), stored as 16
- * bytes per row. One block per warp, a lane storing 4 bytes per row, took a third longer (H200). */
+ * bytes per row: fewer, wider stores than a lane storing 4 bytes per row. */
 extern "C" __global__ void __launch_bounds__(256) fa_bwd_convert(const fa_bkparams bp)
 {
     const fa_kparams *kp = &bp.f;

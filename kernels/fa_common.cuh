@@ -112,9 +112,8 @@ FA_DEV void fa_quad_transpose(fa_u32 w[4], int t)
  * times scale, in 16-bit into row r (16-byte aligned) below column n (a multiple of 8), when
  * live: the quad's four lanes trade their pairs of each 32 columns so that lane t holds columns
  * 8 (4j + t) .. + 7 and stores them as 16 bytes. Every lane of the warp must call it (live
- * only gates the stores). A 4-byte store per pair, a warp's store touching 8 rows with 16 bytes
- * each, took ~5 us per 128 x 256 block of the backward's dK and dV on the H200 (7% of its main
- * kernel at seqlen 2k, bench/NOTES.md). */
+ * only gates the stores). A 4-byte store per pair would have a warp's store touch 8 rows with
+ * 16 bytes each, several times the memory transactions. */
 FA_DEV void fa_store_row16(fa_u16 *r, int n, const float acc[][4], int cols, int hf, int t,
                            float scale, int live)
 {

@@ -57,9 +57,8 @@
 #define FA_V_BYTES (FA_BN * FA_DVP * 2)
 #define FA_SACC (FA_BN / 2)  /* S accumulator registers per thread (m64 x FA_BN fp32) */
 #define FA_OACC (FA_DVP / 2) /* O accumulator registers per thread */
-/* O leaves in 16-byte stores (fa_store_row16) except in the three-consumer tile: there the
- * change moved the compiler's schedule of the softmax (MUFU stalls +15% at the same instruction
- * count) and cost 3.5% at d64 8k, where the epilogue is 1/64 of a tile's time (bench/NOTES.md). */
+/* O leaves in 16-byte stores (fa_store_row16) except in the three-consumer tile: there they
+ * worsen the compiler's schedule of the softmax, which costs more than the short epilogue saves. */
 #define FA_O16 (FA_NCW != 3)
 
 #if FA_BM != 64 * FA_NCW || FA_DP % 64 != 0 || FA_DP > 256 || FA_DVP != FA_DP || FA_STAGES < 2

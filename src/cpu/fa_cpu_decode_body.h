@@ -107,8 +107,7 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_kv_fold)(const FA_FN(fa_kv_vec) * acc)
 #if FA_LANES == 16
 /* fa_kv_fold of 16 accumulators at once: lane i of the result is v[i]'s sum, in the same
  * order. Each level pairs two vectors and adds their lanes l and l + w with two two-source
- * shuffles and one add, so 16 sums cost 45 vector operations where 16 single folds cost ~130
- * (the folds were ~15% of the decode kernel's samples). */
+ * shuffles and one add, so 16 sums cost 45 vector operations where 16 single folds cost ~130. */
 FA_CPU_INLINE void FA_FN(fa_kv_fold16)(const FA_FN(fa_kv_vec) * v, FA_FN(fa_kv_vec) * out)
 {
     FA_FN(fa_kv_vec) w[8], z[4], y[2];
@@ -246,9 +245,9 @@ FA_CPU_INLINE void FA_FN(fa_kv_run_scores)(FA_FN(fa_kv_tile) * t, int64_t i, int
  * O += P V for 4 packed rows (o, pr: row strides ldo, ldp) over keys [a, b) of value rows read
  * in place (key j at element v0 + j * v_js of v, FA_REAL or bf16), dvp a multiple of
  * 4 * FA_LANES: each stripe of 4 vectors of the 4 rows stays in 16 registers across the keys,
- * key by key as the P V micro-kernel goes. Inlined here it beat the micro-kernel's call on
- * these short products (4 rows, 16 keys) by 15% in fp32, and bf16 values are widened in
- * registers instead of converted into the tile first (bench/NOTES.md, twelfth session).
+ * key by key as the P V micro-kernel goes. Inlined, it beats a call to the micro-kernel on
+ * these short products (4 rows, 16 keys), and bf16 values are widened in registers instead of
+ * converted into the tile first.
  */
 FA_CPU_INLINE void FA_FN(fa_kv_pv4)(FA_REAL *o, int64_t ldo, const FA_REAL *pr, int64_t ldp,
                                     const void *v, int64_t v0, int64_t v_js, int64_t a, int64_t b,
@@ -299,9 +298,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int
 /*
  * Asks for the key and value rows of kv head kh at rows [row, row + n) of cache block blk,
  * into L2 (prefetcht1), a line at a time. Each run of a block calls it for its own head, some
- * blocks ahead, so the requests spread over the block's work: one burst per block at its start
- * gained less from DRAM, and requests into L1 (prefetcht0) or past the caches (prefetchnta)
- * lost (bench/NOTES.md, twelfth session).
+ * blocks ahead, so the requests spread over the block's work rather than coming in one burst
+ * at its start; L2 is the level that paid (L1 and non-temporal requests did not).
  */
 FA_CPU_INLINE void FA_FN(fa_kv_prefetch_run)(const fa_kv_params *p, int64_t blk, int64_t row,
                                              int64_t kh, int64_t n)
@@ -418,8 +416,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
     /* Cache rows already in FA_REAL without padding are read in place when a block lies in one
      * page: key j of kv head kh0 + e is at element j * k_js + e * k_es of kb, likewise for
      * values. So are bf16 key rows in fp32 builds, widened in registers where the scores read
-     * them: converted into the tile first, they made bf16 decode ~1/3 slower than fp32 per
-     * element with the cache in L3 (bench/NOTES.md, twelfth session). */
+     * them: a conversion into the tile first would cost more than the products. */
     const int native = p->dtype == FA_NATIVE;
     const int k_native = native && d == dp, v_native = native && dv == dvp;
     const int k_bf16 = FA_LANES == 16 && p->dtype == FA_DTYPE_BF16 && d == dp;
@@ -509,8 +506,8 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
             }
             for (int64_t j = a; j < b; j++)
                 s[j] = FA_EXP_LOOP(s[j] - mx);
-            /* Summed in FA_LANES partial sums: a serial chain of adds per row and block was
-             * ~12% of this function's samples (bench/NOTES.md, twelfth session). */
+            /* Summed in FA_LANES partial sums, not as one serial chain of adds per row and
+             * block, whose latency would dominate this short loop. */
             FA_FN(fa_kv_vec) part = {0}, chunk;
             int64_t j = a;
             for (; j + FA_LANES <= b; j += FA_LANES) {

@@ -77,9 +77,8 @@ typedef float fa_bf16_v16 __attribute__((vector_size(64)));
  * pass), by key blocks of FA_CPU_BF16_BN keys counted from key 0. A block is
  *   K   [FA_CPU_BF16_BN][dk]   rows, zero past d and past the sequence's last key (A of S^T)
  *   V^T [dvp][FA_CPU_BF16_BN]  zero past dv and past the last key (A of O^T)
- * and a (sequence, kv head)'s blocks follow one another. Each tile used to pack V^T of every
- * block it read, copy K where its rows sat a multiple of 4 KB apart, and prefetch the next
- * block row by row; packing once per call instead measured 10-15% faster (bench/NOTES.md).
+ * and a (sequence, kv head)'s blocks follow one another. Packing once per call costs less than
+ * every tile packing the blocks it reads.
  */
 static int64_t fa_bf16_block_elems(const fa_params *p)
 {

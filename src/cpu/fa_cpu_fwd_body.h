@@ -37,9 +37,8 @@ typedef struct FA_FN(fa_tile) {
  * The two products of key block [j0, j0 + n) on columns (queries) [c0, c0 + mr) of the tile,
  * mr of them real rows. Where every such row sees every key (an interior block), one product
  * each; on a mask's edge, panels (fa_cpu_edge.h): S^T by panels of keys over the columns that
- * see them, P V by panels of rows over the keys they see (its P is exactly 0 elsewhere). With
- * 128-row tiles, whole blocks computed ~12% more products than a 512-key window sees, panels
- * ~3% (measured +4-9% on that window, bench/NOTES.md).
+ * see them, P V by panels of rows over the keys they see (its P is exactly 0 elsewhere), so
+ * a window's edge blocks skip most of the products its mask would zero.
  */
 FA_CPU_INLINE void FA_FN(fa_tile_scores)(FA_FN(fa_tile) * t, int64_t m, int64_t ld, int64_t c0,
                                          int64_t c1, int64_t mr, int64_t j0, int64_t n,

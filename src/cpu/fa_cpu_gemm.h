@@ -16,8 +16,7 @@
 
 /* Put before each loop over a small array of vector accumulators (and the loops that load and
  * store it): gcc keeps such an array in registers only where those loops are unrolled early;
- * otherwise it moves the array through the stack around the loops that walk it (that cost the
- * fp32 forward ~20% on the H200 host, bench/NOTES.md, fifteenth session). */
+ * otherwise it moves the array through the stack around the loops that walk it. */
 #if defined(__GNUC__)
 #define FA_CPU_UNROLL _Pragma("GCC unroll 16")
 #else

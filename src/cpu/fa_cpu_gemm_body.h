@@ -104,7 +104,7 @@ FA_GEMM_TARGET static void FA_GEMM_FN(fa_gemm)(float *c, int64_t ldc, const floa
     const int64_t m_full = m / FA_GEMM_MR * FA_GEMM_MR;
 #ifdef FA_GEMM_TILE4
     /* Four leftover rows (64 keys in 6-row tiles) take a full-width 4-row tile rather than the
-     * one-vector edge kernel (measured 3.5% of the forward on the edge kernel without it). */
+     * much slower one-vector edge kernel. */
     const int64_t m_tiled = m - m_full >= 4 ? m_full + 4 : m_full;
 #else
     const int64_t m_tiled = m_full;

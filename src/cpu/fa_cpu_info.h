@@ -26,8 +26,8 @@ const fa_cpu_info *fa_cpu_info_get(void);
 /* The CPU's description (model and the features the kernels use); thread-safe. */
 const char *fa_cpu_info_description(void);
 
-/* The tiles' constants were tuned where each thread has a 2 MB L2 of its own (both machines of
- * bench/NOTES.md); that is the share assumed when sysfs does not say. */
+/* The tiles' constants were tuned where each thread has a 2 MB L2 of its own; that is the
+ * share assumed when sysfs does not say. */
 #define FA_CPU_L2_SHARE_DEFAULT (2L << 20)
 
 /* Bytes of L2 one thread can count on, for sizing tiles: l2_share_bytes, or

@@ -13,26 +13,20 @@
 
 #define FA_CPU_BM 64 /* query rows per tile (backward) */
 #define FA_CPU_BWD_FUSED_ITEMS 32 /* work items from which the backward runs fused */
-/* Items the fused backward's stripes aim for: on the H200 host's 16 threads, a slow core holds
- * up the last wave of equal items. 128 items (8 a thread) kept the threads busy 93% of the fused
- * phase against 88% for 64, for the same sum of item times: fp32 d128 -7 to -10% (faster in 11
- * of 14 alternated runs), causal -7%, d64 -3%, bf16 even; summing the dQ copies costs 1.5 ms
- * more (bench/NOTES.md). */
+/* Items the fused backward's stripes aim for: with many threads a slow core holds up the last
+ * wave of equal items, and more, smaller items keep the threads busier for the same total
+ * work, at the cost of more dQ copies to sum. */
 #define FA_CPU_BWD_STRIPE_ITEMS 128
 /* Below this many items, the last stripe of each (sequence, kv head) runs as two items of half
- * its query rows, queued last, so that the threads finish on items half as long. On the host it
- * lifted the fused phase's busy share from 92% to 95-97% (fp32 d128 -5%, faster in 7 of 10
- * alternated runs; causal, d64 and bf16 even); at 16 items a thread the last wave costs ~3%.
- * Their dK/dV slots (2 x the last stripe's chunks) must fit in the kept workspace with the dQ
- * copies (FA_MEMORY_KEEP_MAX). */
+ * its query rows, queued last, so that the threads finish on items half as long; with more
+ * items a thread the last wave costs little. Their dK/dV slots (2 x the last stripe's chunks)
+ * must fit in the kept workspace with the dQ copies (FA_MEMORY_KEEP_MAX). */
 #define FA_CPU_BWD_HALVES_BELOW (2 * FA_CPU_BWD_STRIPE_ITEMS)
 /* Bound of the fused backward's dQ copies when it stripes key chunks (fa_cpu_backward.c). */
 #define FA_CPU_BWD_STRIPE_BYTES ((size_t)256 << 20)
 /* Keys per backward key-pass item (fewer on a small L2: fa_bwd_chunk_keys). Query tiles are
- * packed once per item (their transposes cost ~10% of the backward at 256); at 512 the item's
- * dK/dV accumulators, 512 KB at d128 fp32, still sit in a 2 MB L2 (bench/NOTES.md,
- * 2026-11-30). The bf16 backward on AMX, measured at 512, 1024 and 2048 on 16 threads, is
- * fastest at 512 too (thirteenth session). */
+ * packed once per item, so longer items transpose less; at 512 the item's dK/dV accumulators,
+ * 512 KB at d128 fp32, still sit in a 2 MB L2. The bf16 backward on AMX is fastest at 512 too. */
 #define FA_CPU_BWD_NK 512
 /* Most columns of a forward tile's query-column buffers (Q^T, S^T, P^T, O^T): see
  * fa_cpu_tile_ld. */
@@ -60,8 +54,7 @@
 /* Whether rows ld elements of esize bytes apart fall a multiple of 4 KB apart: then every row's
  * element c maps to the same L1 set, and an operand panel of such rows read in place evicts
  * itself (h * d * 4 bytes = 4 KB from h 8 at d 128). The kernels copy K blocks (fp32: V too)
- * into their buffers there: on the H200 host the fp32 backward ran 4-11% faster, the forward
- * even to 10%, the bf16 forward 2-20% (bench/NOTES.md). */
+ * into their buffers there. */
 static inline int fa_cpu_rows_alias(int64_t ld, size_t esize)
 {
     return (ld * (int64_t)esize) % 4096 == 0;
@@ -70,7 +63,7 @@ static inline int fa_cpu_rows_alias(int64_t ld, size_t esize)
 /* Leading dimension of a forward tile's buffers of mp query columns. The products reuse them in
  * panels of 32-64 columns down 64-128 rows; with mp 256 (1 KB rows) a panel's rows fall in 16
  * of the L1's 64 sets (48 KB, 12 ways) and it cannot stay cached. 16 more columns spread the rows
- * over every set: h 32 on 2 threads ran bf16 8% and fp32 6% faster (bench/NOTES.md). */
+ * over every set. */
 static inline int64_t fa_cpu_tile_ld(int64_t mp)
 {
     return mp > 64 ? mp + 16 : mp;

@@ -220,8 +220,8 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
                     sms < items;
     /* With a right window edge (causal) a pair's key block 0 has the most query tiles and the
      * last block the fewest: claimed key blocks fastest, the last pairs' long items start when
-     * the grid is nearly drained and run on alone (a model of the claims put the idle share at
-     * 5-7% at seqlen 2k-8k). Longest first over chunks of pairs instead (fa_bwd_lpt_groups). */
+     * the grid is nearly drained and run on alone. Longest first over chunks of pairs instead
+     * (fa_bwd_lpt_groups). */
     bp.lpt_groups = bp.lpt_items = 0;
     if (bp.persistent && p->window_right >= 0) {
         bp.lpt_groups = fa_bwd_lpt_groups(p);

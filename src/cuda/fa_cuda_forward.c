@@ -274,8 +274,8 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
              * plan.persistent 2, the mirrored tile pairs of causal and windowed calls, whose
              * work adds up to about the same, up to FA_SM90_PAIRED_MAX_TILES tiles (beyond, the
              * static stride's last round costs more than the pairs save). Otherwise one CTA per
-             * tile and the hardware's own dispatch (measured: d256 causal 8k, 444 TFLOP/s with
-             * single tiles striding statically against 615 with one CTA per tile). */
+             * tile and the hardware's own dispatch, which balances unequal tiles far better than
+             * a static stride. */
             const int64_t sms = fa_cuda_device_sms(args->device);
             const int uniform = p->window_left < 0 && p->window_right < 0 && !p->is_varlen;
             tmaps->paired = plan.persistent == 2 && !uniform && !p->is_varlen &&

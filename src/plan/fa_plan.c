@@ -27,9 +27,8 @@ static const fa_plan_row fa_sm80_rows[] = {
 };
 
 /* d 256 without dropout: 128x64 with 8 warps (128 KB of shared memory) on sm80, FA2's A100
- * choice; 64x64 with 4 warps (96 KB, two CTAs per SM on the H200's 228 KB) elsewhere: sm86/89
- * have 99 KB, and on the H200 the sm80 family measured 319-324 TFLOP/s with it against 246-316
- * for 128x64x8 at seqlen 4k/16k (bench/NOTES.md, 2026-11-29, second entry). */
+ * choice; 64x64 with 4 warps (96 KB) elsewhere: sm86/89 have 99 KB, and on Hopper two such
+ * CTAs per SM ran faster than one of 128x64x8. */
 static const fa_plan_row fa_sm8x_row_256 = {256, 64, 64, 4, 64, 64, 4};
 
 /* 32, or a multiple of 64: the granularities the kernel's shared-memory swizzle supports. */
@@ -87,10 +86,9 @@ static void fa_plan_define(fa_plan *plan, const char *name, int value)
  * (d = dv): 128-row query tiles, 1 producer + 2 consumer warpgroups. Key block and stages: as
  * many stages as fit beside Q in the 227 KB of shared memory, and for the wide heads the key block
  * shrunk until two stages fit (FA3's hdim-192/256 tiles). Pingpong between the consumers on or off
- * per row, persistent CTAs over mirrored tile pairs for causal calls, by measurement
- * (bench/NOTES.md). Long calls (FA_PLAN_LONG) at head dim 64 take three consumer warpgroups,
- * 192-row tiles: measured 5-8% faster from 8k rows on, slower below (fewer, longer tiles leave
- * SMs idle at the end).
+ * per row, persistent CTAs over mirrored tile pairs for causal calls, by measurement. Long
+ * calls (FA_PLAN_LONG) at head dim 64 take three consumer warpgroups, 192-row tiles: faster
+ * from 8k rows on, slower below (fewer, longer tiles leave SMs idle at the end).
  */
 typedef struct fa_plan_row90 {
     int dp, bn, stages, pingpong, persistent;

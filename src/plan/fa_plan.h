@@ -13,7 +13,7 @@
 #define FA_PLAN_MAX_DEFINES 16
 #define FA_PLAN_LONG_ROWS 8192
 /* The sm90 family pairs causal/windowed tiles on persistent CTAs up to this many query tiles
- * per (sequence, head); above it one CTA per tile balances better (bench/NOTES.md). */
+ * per (sequence, head); above it one CTA per tile balances better. */
 #define FA_SM90_PAIRED_MAX_TILES 64
 
 /* Plan-internal feature bits, above the public FA_FEATURE_* ones. */

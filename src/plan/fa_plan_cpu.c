@@ -16,23 +16,18 @@ static size_t fa_plan_cpu_tile_bytes(const fa_params *p, int64_t bm)
  * per block, bf16 from the call's packed blocks), so taller tiles read K/V less often; they are
  * kept shorter when the problem has few of them, for windows bounded on the left, where a tall
  * tile computes more masked scores at both edges, and where the tile would not stay in the
- * thread's share of L2 (fa_cpu_l2_share: on a 2 MB L2 every head dim keeps 256 rows, which
- * at head dim 256 ran as fast as 128 rows or faster, bench/NOTES.md, eighteenth session).
+ * thread's share of L2 (fa_cpu_l2_share; a 2 MB L2 keeps 256 rows at every head dim).
  * Causal alone keeps the tall tile: the key blocks skip the queries that see none of their keys,
- * and with 128 rows the K/V traffic cost more than the diagonal saved (h=32, s=2048, d=128, 2
- * threads: 223 ms against 213 ms).
+ * and shorter tiles cost more K/V traffic than the diagonal saves.
  *
  * Up to 256 rows the choice depends on the shape and the cache only: a window bounded on the
  * left starts each tile's key blocks at its first row's first key, so there the height fixes
  * the order of the online softmax. Without one, every tile's blocks start at key 0 and a row's
  * scores, maxima, sums and products run through the same blocks in the same order whatever
  * the tile's height, so the fp32/fp64 tile may go to FA_CPU_FWD_BM_TALL rows where every
- * thread still gets FA_CPU_FWD_TALL_ITEMS of them. At h 32, s 2048 on the 2-core machine 512
- * rows took fp32 5-11% and d64 9-12% less time (half the K/V rereads), while the H200 host,
- * whose L3 keeps K/V between tiles, was even at 4 and 8 threads and lost 4-10% at 16 in one of
- * two sessions: its last wave of 8 long items a thread waits on the slowest core
- * (bench/NOTES.md). The bf16 products keep 256 (their scratch is laid out for it; bf16 causal
- * lost 10-24% at 512 on the host).
+ * thread still gets FA_CPU_FWD_TALL_ITEMS of them: half the K/V rereads, while enough items
+ * remain that the last wave does not wait on one slow core. The bf16 products keep 256 (their
+ * scratch is laid out for it, and taller tiles were slower there).
  */
 int64_t fa_plan_cpu_tile_rows(const fa_params *p, size_t l2, int bf16)
 {
@@ -56,8 +51,7 @@ int64_t fa_plan_cpu_tile_rows(const fa_params *p, size_t l2, int bf16)
  * Upstream's wave-efficiency rule, tightened for threads: the fewest chunks whose waves fill
  * the threads to within 2% of the best count (upstream: 85%, and no split once the items fill
  * 80% of the SMs), chunks keeping at least FA_KV_MIN_CHUNK keys. A GPU runs many blocks per SM
- * and hides a short last wave; an idle thread is 1/threads of the machine (14 chunks on 16
- * threads made the host's decode 5-12% slower than 16, bench/NOTES.md, twenty-first session).
+ * and hides a short last wave; an idle thread is 1/threads of the machine.
  */
 int fa_plan_cpu_splits(int64_t threads, int64_t base_items, int64_t max_keys)
 {

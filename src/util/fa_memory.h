@@ -8,9 +8,9 @@
 /*
  * Asks for huge pages under a strided array [sizes[i]] with strides[i] elements of esize bytes
  * that is about to be written. A fresh buffer (a new torch or NumPy output) is otherwise
- * faulted in 4 KiB at a time while the kernels write it: filling a new 32 MiB output took 9.6
- * ms on two cores, 2.4 ms after this hint. Only a hint: without huge pages (another OS, THP
- * off) nothing changes, and the contents are never touched.
+ * faulted in 4 KiB at a time while the kernels write it, a fault per page. Only a hint:
+ * without huge pages (another OS, THP off) nothing changes, and the contents are never
+ * touched.
  */
 void fa_memory_hint_array(const void *base, int ndim, const int64_t *sizes,
                           const int64_t *strides, size_t esize);
@@ -21,7 +21,7 @@ void *fa_memory_alloc(size_t bytes);
 
 /*
  * A workspace kept between calls, for one that is filled afresh on every call: new pages cost a
- * fault and a clear each (5% of a bf16 forward on two cores, bench/NOTES.md). take returns the
+ * fault and a clear each. take returns the
  * kept buffer, grown to `bytes`, when no other call holds it and bytes <= FA_MEMORY_KEEP_MAX,
  * else a buffer of its own (NULL when out of memory); give hands either back. The kept buffer
  * stays allocated for the life of the process.

@@ -12,10 +12,9 @@
  * woken worker had to take the mutex in turn).
  *
  * A worker joins a job before it takes items, and the caller closes the job once it finds no
- * item left: it then waits only for the workers that joined. A worker still waking (hundreds
- * of microseconds in a VM) finds the job closed and touches nothing of it, so a short job
- * after the workers fell asleep does not wait for them (a decode's combine on the H200 host:
- * 0.24-0.34 ms at 2% busy when it waited, bench/NOTES.md).
+ * item left: it then waits only for the workers that joined. A worker still waking finds the
+ * job closed and touches nothing of it, so a short job after the workers fell asleep does not
+ * wait for them to wake.
  */
 #include <limits.h>
 #include <pthread.h>
