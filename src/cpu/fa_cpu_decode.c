@@ -261,9 +261,9 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
     const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
     const int threads = p->num_threads < n_items ? p->num_threads : (int)n_items;
     fa_kv_job job = {p, items, NULL, fa_kv_scratch_size(p, real_size), NULL, NULL, 0};
-    /* Prefetching ahead pays where the K/V come from DRAM and costs where they sit in the cache
-     * (bench/NOTES.md, twelfth session); what the call reads against the last-level cache (32
-     * MiB when unknown) tells the two apart. */
+    /* Prefetching ahead pays where the K/V come from DRAM and costs where they sit in the
+     * cache; what the call reads against the last-level cache (32 MiB when unknown) tells the
+     * two apart. */
     double kv_bytes = 0;
     for (int64_t i = 0; i < p->b; i++)
         kv_bytes += (double)(fa_kv_seq_end(p, i) - fa_kv_seq_start(p, i)) * (double)p->hk *

@@ -247,8 +247,8 @@ static fa_status fa_cpu_bf16_plan(fa_cpu_job *job, int64_t *per_pass, size_t *by
  * Worker w runs the chunks of its own heads (w, w + workers, ...) longest first, then takes the
  * remaining chunks of the other workers' heads. A head's packed K/V (1 MiB at s = 2048, d = 128)
  * then stays in one core's L2 for all its chunks instead of being read back from L3. The fp32
- * path reads 2 MiB a head from the caller's rows and was even or slower in this order
- * (bench/NOTES.md, eighteenth session). Which thread runs a chunk never changes its result.
+ * path (2 MiB a head, read from the caller's rows) gains nothing from this order and does not
+ * use it. Which thread runs a chunk never changes its result.
  */
 static void fa_cpu_forward_owned(void *ctx, int64_t w, int thread)
 {
