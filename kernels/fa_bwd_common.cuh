@@ -260,11 +260,11 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             const int dg = tl->dg0 + x_off - y_off;
             float x = st[nt][e], deriv = 1.f, bias = fa_bwd_row(tl->lse2, il);
 #if FA_SOFTCAP
-            x = tanhf(x * kp->softcap_pre);
-            deriv = 1.f - x * x;
+            x = FA_RULE_SOFTCAP_TANH(x, kp->softcap_pre, tanhf);
+            deriv = FA_RULE_SOFTCAP_GRAD(x);
 #endif
 #if FA_ALIBI
-            bias = fmaf(tl->slope_log2, (float)(dg < 0 ? -dg : dg), bias);
+            bias = fmaf(tl->slope_log2, (float)FA_RULE_ABS_DIST(dg), bias); /* + ALiBi */
 #endif
             float p = fa_exp2(fmaf(x, kp->scale_log2, -bias));
             if (masked) {

@@ -131,14 +131,14 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
         for (int j = 0; j < FA_SACC; j++) {
             float x = sacc[j];
 #if FA_SOFTCAP
-            x = tanhf(x * kp->softcap_pre) * kp->scale_log2;
+            x = FA_RULE_SOFTCAP(x, kp->softcap_pre, kp->scale_log2, tanhf);
 #else
             x *= kp->scale_log2;
 #endif
 #if FA_ALIBI
             const int dist = r->row0 + 8 * ((j >> 1) & 1) + r->diag -
                              (kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1));
-            x -= r->slope_log2 * (float)(dist < 0 ? -dist : dist);
+            x -= FA_RULE_ALIBI(r->slope_log2, dist);
 #endif
             sacc[j] = x;
         }

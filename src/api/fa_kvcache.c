@@ -304,7 +304,7 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
         FA_TRY(fa_check_sinks(a->sinks, p->h, &p->sinks, &p->sinks_stride));
 
     if (isnan(a->softmax_scale))
-        p->scale = 1.0 / sqrt((double)p->d);
+        p->scale = fa_rule_default_scale(p->d);
     else if (!isfinite(a->softmax_scale))
         return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
     else

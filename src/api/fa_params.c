@@ -231,7 +231,7 @@ static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
 static fa_status fa_check_options(const fa_fwd_args *a, fa_params *p)
 {
     if (isnan(a->softmax_scale))
-        p->scale = 1.0 / sqrt((double)p->d);
+        p->scale = fa_rule_default_scale(p->d);
     else if (!isfinite(a->softmax_scale))
         return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
     else
