@@ -46,15 +46,16 @@
  */
 #include "fa_common.cuh"
 #include "fa_sm90.cuh"
+#include "fa_smem.h"
 
 #define FA_WG_THREADS 128
 #define FA_THREADS ((FA_NCW + 1) * FA_WG_THREADS)
 #define FA_CONSUMER_WARPS (4 * FA_NCW) /* arrivals on each "empty" mbarrier */
 #define FA_KB (FA_DP / 64)  /* 64-column (128-byte) blocks of a Q or K row */
 #define FA_VB (FA_DVP / 64) /* of a V row */
-#define FA_Q_BYTES (FA_BM * FA_DP * 2)
-#define FA_K_BYTES (FA_BN * FA_DP * 2)
-#define FA_V_BYTES (FA_BN * FA_DVP * 2)
+#define FA_Q_BYTES FA_SMEM_FWD90_Q(FA_BM, FA_DP)
+#define FA_K_BYTES FA_SMEM_FWD90_K(FA_BN, FA_DP)
+#define FA_V_BYTES FA_SMEM_FWD90_V(FA_BN, FA_DVP)
 #define FA_SACC (FA_BN / 2)  /* S accumulator registers per thread (m64 x FA_BN fp32) */
 #define FA_OACC (FA_DVP / 2) /* O accumulator registers per thread */
 /* O leaves in 16-byte stores (fa_store_row16) except in the three-consumer tile: there the
