@@ -288,8 +288,8 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 /* The window as bounds on i - j + sk - sq (query i, key j): visible iff whi <= . <= wlo. */
 FA_DEV void fa_bwd_window(const fa_kparams *kp, int *wlo, int *whi)
 {
-    *wlo = kp->window_left < 0 ? 0x7fffffff : kp->window_left;
-    *whi = kp->window_right < 0 ? -0x7fffffff : -kp->window_right;
+    *wlo = FA_RULE_DG_MAX(kp->window_left);
+    *whi = FA_RULE_DG_MIN(kp->window_right);
 }
 
 /* fa_bwd_probs' view of query tile m0 of head h, sequence s (index bi), for the thread whose

@@ -55,6 +55,30 @@
         (void)fa_unused_;                                                                         \
     } while (0)
 
+/* The query rows [lo, hi) among sq that see any key of [j0, j1) (the backward's view from the
+ * keys): row i sees [i + shift - window_left, i + shift + window_right], shift = sk - sq, so it
+ * sees the block iff j0 - shift - window_right <= i < j1 - shift + window_left; keys from sk on
+ * are seen by no row. */
+#define FA_RULE_ROW_RANGE(j0, j1, sq, sk, window_left, window_right, lo, hi)                      \
+    do {                                                                                          \
+        const fa_i64 fa_shift_ = (fa_i64)(sk) - (sq);                                            \
+        fa_i64 fa_l_ = 0, fa_h_ = (sq);                                                           \
+        if ((j0) >= (sk))                                                                         \
+            fa_h_ = 0;                                                                            \
+        if ((window_right) >= 0 && (j0) - fa_shift_ - (window_right) > fa_l_)                     \
+            fa_l_ = (j0) - fa_shift_ - (window_right);                                            \
+        if ((window_left) >= 0 && (j1) - fa_shift_ + (window_left) < fa_h_)                       \
+            fa_h_ = (j1) - fa_shift_ + (window_left);                                             \
+        (lo) = fa_l_;                                                                             \
+        (hi) = fa_h_ > fa_l_ ? fa_h_ : fa_l_;                                                     \
+    } while (0)
+
+/* The window as bounds on dg = i + sk - sq - j, key j's distance behind row i's diagonal: key j
+ * is in row i's window iff FA_RULE_DG_MIN(window_right) <= dg <= FA_RULE_DG_MAX(window_left)
+ * (32-bit, for the kernels' per-element test; an unbounded side gives +-INT_MAX). */
+#define FA_RULE_DG_MAX(window_left) ((window_left) < 0 ? 0x7fffffff : (window_left))
+#define FA_RULE_DG_MIN(window_right) ((window_right) < 0 ? -0x7fffffff : -(window_right))
+
 /* ---- the score of query i and key j ----------------------------------------------------------- */
 
 /*
