@@ -119,8 +119,9 @@ FA_RULE void fa_rule_softcap_fold(double scale, double softcap, float *pre, floa
  * out = sum exp(score - big) v / total. A row with no visible key and no sink gets lse +inf and out
  * 0 (upstream's empty row). EXP is the caller's exp (or exp2 with base-2 logits).
  */
+#define FA_RULE_SINK_TERM(has_sink, sink, big, EXP) ((has_sink) ? EXP((sink) - (big)) : 0)
 #define FA_RULE_SINK_TOTAL(l_scaled, has_sink, sink, big, EXP)                                   \
-    ((l_scaled) + ((has_sink) ? EXP((sink) - (big)) : 0))
+    ((l_scaled) + FA_RULE_SINK_TERM(has_sink, sink, big, EXP))
 /* What one row takes from the sink's gradient: exp(sink - lse) * D, D = rowsum(dO * O). */
 #define FA_RULE_SINK_GRAD(sink, lse, dsum, EXP) (EXP((sink) - (lse)) * (dsum))
 

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "fa_rules.h"
 #include "api/fa_kvcache.h"
 
 static fa_status fa_kv_check_same_dtype(const fa_tensor *t, const char *name, fa_dtype dt)

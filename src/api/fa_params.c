@@ -4,6 +4,7 @@
  */
 #include <math.h>
 
+#include "fa_rules.h"
 #include "api/fa_internal.h"
 #include "util/fa_philox.h"
 

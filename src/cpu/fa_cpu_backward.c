@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fa_rules.h"
 #include "api/fa_internal.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_info.h"

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "fa_rules.h"
 #include "api/fa_internal.h"
 #include "util/fa_half.h"
 #include "util/fa_philox.h"
