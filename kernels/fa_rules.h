@@ -3,10 +3,11 @@
  * each written once. Compiled by the host (C11: the API's validation and the CPU backend) and by
  * NVRTC (CUDA C: the kernels), like fa_kparams.h, so no backend can drift from another.
  *
- * Functions take 64-bit positions (exact for any sequence the API accepts); kernels pass their
- * 32-bit ones, which widen exactly as the kernels' own arithmetic did. Rules applied element by
- * element to float or double scores are macros, so one text serves every element type and the
- * caller's tanh / exp (libm, a vectorisable approximation, or a PTX intrinsic).
+ * Positions are computed in 64 bits (fa_i64: exact for any sequence the API accepts); kernels
+ * pass their 32-bit ones, which widen as the kernels' own arithmetic did. Most rules are macros:
+ * one text serves int64 and int positions, float and double scores and the caller's tanh / exp
+ * (libm, a vectorisable approximation, or a PTX intrinsic), and the window's fields are read
+ * where used, as the code they replaced did, so every compiler emits the same instructions.
  */
 #ifndef FA_RULES_H
 #define FA_RULES_H
@@ -26,9 +27,7 @@
  * The keys [*lo, *hi) that query row i sees in a sequence of sq queries and sk keys (fa_i64 lo,
  * hi). Bottom-right aligned: row i's diagonal is key i + sk - sq (the last query row sees the last
  * key). The window keeps keys [diag - window_left, diag + window_right], -1 unbounded on that
- * side; causal is window_right 0, folded in by validation. An empty range has lo == hi. A macro so
- * that window_left and window_right (usually fields of a parameter record) are read where used,
- * as the compilers schedule best around the callers' loops.
+ * side; causal is window_right 0, folded in by validation. An empty range has lo == hi.
  */
 #define FA_RULE_KEY_RANGE(i, sq, sk, window_left, window_right, lo, hi)                           \
     do {                                                                                          \
