@@ -276,6 +276,15 @@ FA_DEV void fa_key_range(const fa_kparams *kp, int row, int sq, int sk, int *lo,
     *hi = (int)r;
 }
 
+/* The keys [lo, hi) that any of the rows [r0, r0 + m) sees (m >= 1). */
+FA_DEV void fa_tile_keys(const fa_kparams *kp, int r0, int m, int sq, int sk, int *lo, int *hi)
+{
+    fa_i64 l, r;
+    FA_RULE_TILE_KEYS(r0, m, sq, sk, kp->window_left, kp->window_right, l, r);
+    *lo = (int)l;
+    *hi = (int)r;
+}
+
 /* Where sequence `bi` lives. Varlen offsets come from device memory the host never checked, so
  * every value is clamped into the tensors: bad offsets give wrong rows, never a wild access. */
 typedef struct fa_seq {

@@ -184,7 +184,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     const fa_u32 k_ld = sk_a + fa_swz((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, FA_CPR_K);
     const fa_u32 v_ld = sv_a + fa_swz((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4, FA_CPR_V);
 
-    /* The keys any row of the tile sees: both window edges grow with the row. */
+    /* The keys any row of the tile sees: both window edges grow with the row (fa_tile_keys; the
+     * first row's hi and the last row's lo also tell the blocks every row sees whole). */
     const int m_last = fa_min(m0 + FA_BM, seq.sq) - 1;
     int lo_first, hi_first, lo_last, hi_last;
     fa_key_range(&kp, m0, seq.sq, seq.sk, &lo_first, &hi_first);

@@ -303,12 +303,11 @@ FA_DEV fa_tile fa_tile_get(const fa_kparams *kp, int hb, int m_block)
     w.n_max = w.n_blocks = 0;
     if (w.m0 >= w.sq)
         return w; /* past this sequence's queries (varlen): nothing to compute or write */
-    /* The key blocks any row of the tile sees (both window edges grow with the row). */
-    int lo_first, hi_first, lo_last, hi_last;
-    fa_key_range(kp, w.m0, w.sq, w.sk, &lo_first, &hi_first);
-    fa_key_range(kp, fa_min(w.m0 + FA_BM, w.sq) - 1, w.sq, w.sk, &lo_last, &hi_last);
-    const int n_min = lo_first / FA_BN;
-    w.n_max = hi_last > lo_first ? (hi_last + FA_BN - 1) / FA_BN : n_min;
+    /* The key blocks any row of the tile sees. */
+    int k_lo, k_hi;
+    fa_tile_keys(kp, w.m0, fa_min(w.m0 + FA_BM, w.sq) - w.m0, w.sq, w.sk, &k_lo, &k_hi);
+    const int n_min = k_lo / FA_BN;
+    w.n_max = k_hi > k_lo ? (k_hi + FA_BN - 1) / FA_BN : n_min;
     w.n_blocks = w.n_max - n_min;
     return w;
 }

@@ -51,7 +51,7 @@
         fa_i64 fa_unused_;                                                                        \
         FA_RULE_KEY_RANGE(r0, sq, sk, window_left, window_right, lo, fa_unused_);                 \
         FA_RULE_KEY_RANGE((r0) + (m) - 1, sq, sk, window_left, window_right, fa_unused_, hi);     \
-        (void)fa_unused_;                                                                         \
+        (void)&fa_unused_;                                                                        \
     } while (0)
 
 /* The query rows [lo, hi) among sq that see any key of [j0, j1) (the backward's view from the
