@@ -70,7 +70,8 @@ FA_DEV void fa_bwd_zero(fa_u16 *p, fa_i64 rs, int rows, int cols, int tid, int n
 #endif
 
 /* Whether query tile mb and key block nb of a sequence may share a visible pair: the tile's rows
- * see keys [k_lo, k_hi) at most (fa_tile_keys: lo of the first row, hi of the last). The same
+ * see keys [lo(first row), hi(last row)) at most, both edges growing with the row (the rule of
+ * FA_RULE_TILE_KEYS). The same
  * predicate decides which tiles a CTA visits and, in deterministic mode, how many other key
  * blocks add to a tile before this one (fa_bwd_later), so the two always agree. */
 FA_DEV int fa_bwd_meets(const fa_kparams *kp, const fa_seq *s, int mb, int nb)
@@ -78,16 +79,18 @@ FA_DEV int fa_bwd_meets(const fa_kparams *kp, const fa_seq *s, int mb, int nb)
     const int m0 = mb * FA_BM;
     if (m0 >= s->sq || nb * FA_BN >= s->sk)
         return 0;
-    int k_lo, k_hi;
-    fa_tile_keys(kp, m0, fa_min(m0 + FA_BM, s->sq) - m0, s->sq, s->sk, &k_lo, &k_hi);
+    const int m_last = fa_min(m0 + FA_BM, s->sq) - 1;
+    int lo_first, hi_first, lo_last, hi_last;
+    fa_key_range(kp, m0, s->sq, s->sk, &lo_first, &hi_first);
+    fa_key_range(kp, m_last, s->sq, s->sk, &lo_last, &hi_last);
     const int n0 = nb * FA_BN;
-    return k_lo < k_hi && n0 < k_hi && n0 + FA_BN > k_lo;
+    return lo_first < hi_last && n0 < hi_last && n0 + FA_BN > lo_first;
 }
 
 /* The number of key blocks after nb that meet query tile mb, which nb meets. By fa_bwd_meets, n
- * meets the tile iff n0 < k_hi and n0 + FA_BN > k_lo (the tile being nonempty): for n > nb the
- * second holds since it holds for nb, so they are nb + 1 .. (k_hi - 1) / FA_BN, k_hi the last
- * row's hi (<= sk keeps them inside the sequence). */
+ * meets the tile iff n0 < hi_last and n0 + FA_BN > lo_first (the tile being nonempty): for n > nb
+ * the second holds since it holds for nb, so they are nb + 1 .. (hi_last - 1) / FA_BN (hi_last
+ * <= sk keeps them inside the sequence). */
 FA_DEV int fa_bwd_later(const fa_kparams *kp, const fa_seq *s, int mb, int nb)
 {
     int lo, hi;
