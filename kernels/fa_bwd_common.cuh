@@ -70,7 +70,8 @@ FA_DEV void fa_bwd_zero(fa_u16 *p, fa_i64 rs, int rows, int cols, int tid, int n
 #endif
 
 /* Whether query tile mb and key block nb of a sequence may share a visible pair: the tile's rows
- * see keys [lo(first row), hi(last row)) at most, both edges growing with the row. The same
+ * see keys [lo(first row), hi(last row)) at most, both edges growing with the row (the rule of
+ * FA_RULE_TILE_KEYS). The same
  * predicate decides which tiles a CTA visits and, in deterministic mode, how many other key
  * blocks add to a tile before this one (fa_bwd_later), so the two always agree. */
 FA_DEV int fa_bwd_meets(const fa_kparams *kp, const fa_seq *s, int mb, int nb)
@@ -259,11 +260,11 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             const int dg = tl->dg0 + x_off - y_off;
             float x = st[nt][e], deriv = 1.f, bias = fa_bwd_row(tl->lse2, il);
 #if FA_SOFTCAP
-            x = tanhf(x * kp->softcap_pre);
-            deriv = 1.f - x * x;
+            x = FA_RULE_SOFTCAP_TANH(x, kp->softcap_pre, tanhf);
+            deriv = FA_RULE_SOFTCAP_GRAD(x);
 #endif
 #if FA_ALIBI
-            bias = fmaf(tl->slope_log2, (float)(dg < 0 ? -dg : dg), bias);
+            bias = fmaf(tl->slope_log2, (float)FA_RULE_ABS_DIST(dg), bias); /* + ALiBi */
 #endif
             float p = fa_exp2(fmaf(x, kp->scale_log2, -bias));
             if (masked) {
@@ -287,8 +288,8 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 /* The window as bounds on i - j + sk - sq (query i, key j): visible iff whi <= . <= wlo. */
 FA_DEV void fa_bwd_window(const fa_kparams *kp, int *wlo, int *whi)
 {
-    *wlo = kp->window_left < 0 ? 0x7fffffff : kp->window_left;
-    *whi = kp->window_right < 0 ? -0x7fffffff : -kp->window_right;
+    *wlo = FA_RULE_DG_MAX(kp->window_left);
+    *whi = FA_RULE_DG_MIN(kp->window_right);
 }
 
 /* fa_bwd_probs' view of query tile m0 of head h, sequence s (index bi), for the thread whose

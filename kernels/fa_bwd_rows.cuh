@@ -98,7 +98,7 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_dsinks(const fa_bkparam
         const float *dsum = bp.dsum + fa_bwd_row0(&bp, h, bi);
         for (int row = threadIdx.x; row < seq.sq; row += 256) {
             const float lse = kp->lse[h * kp->lse_hstride + (seq.q_start + row) * kp->lse_rstride];
-            s -= expf(sink - lse) * dsum[row];
+            s -= FA_RULE_SINK_GRAD(sink, lse, dsum[row], expf);
         }
     }
 #else
@@ -106,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_dsinks(const fa_bkparam
     for (fa_i64 x = threadIdx.x; x < n; x += 256) {
         const int bi = (int)(x / kp->max_sq), row = (int)(x - (fa_i64)bi * kp->max_sq);
         const float lse = kp->lse[bi * kp->lse_bstride + h * kp->lse_hstride + row * kp->lse_rstride];
-        s -= expf(sink - lse) * bp.dsum[fa_bwd_row0(&bp, h, bi) + row];
+        s -= FA_RULE_SINK_GRAD(sink, lse, bp.dsum[fa_bwd_row0(&bp, h, bi) + row], expf);
     }
 #endif
     part[threadIdx.x] = s;

@@ -66,11 +66,12 @@
  */
 #include "fa_bkparams.h"
 #include "fa_common.cuh"
+#include "fa_smem.h"
 
 #define FA_THREADS (FA_NWARPS * 32)
-#define FA_LDK (FA_DP + 8)  /* row stride, in elements, of the Q and K tiles */
-#define FA_LDV (FA_DVP + 8) /* of the dO and V tiles */
-#define FA_LDS (FA_BM + 8)  /* of the dS^T tile [FA_BN][FA_BM] */
+#define FA_LDK FA_SMEM_BWD80_LD(FA_DP)  /* row stride, in elements, of the Q and K tiles */
+#define FA_LDV FA_SMEM_BWD80_LD(FA_DVP) /* of the dO and V tiles */
+#define FA_LDS FA_SMEM_BWD80_LD(FA_BM)  /* of the dS^T tile [FA_BN][FA_BM] */
 
 /* dQ = dS K: each warp computes FA_QRW rows x FA_QCOLS columns of the FA_BM x FA_DP tile, FA_QC
  * columns at a time (at most 32 accumulators per thread: the dQ step runs beside dK and dV's

@@ -59,6 +59,7 @@
 #define FA_VEC 1
 
 #include "fa_sm90.cuh"
+#include "fa_smem.h"
 
 #if FA_BN != 128 || FA_DP != FA_DVP || (FA_DP != 64 && FA_DP != 128) ||                      \
     FA_BM != (FA_DP == 64 ? 128 : 64) || FA_QSTAGES < 2 || FA_QSTAGES > 3
@@ -69,10 +70,10 @@
 #define FA_BWD_ROWS_IN_LANES 1
 #include "fa_bwd_common.cuh"
 
-#define FA_KV_BYTES (FA_BN * FA_DP * 2) /* one of K, V */
-#define FA_QT_BYTES (FA_BM * FA_DP * 2) /* one stage of Q or dO */
-#define FA_DS_BYTES (FA_BN * FA_BM * 2) /* one dS^T buffer */
-#define FA_DQW_BYTES 4096                /* one warp's dQ piece: 16 rows x 64 columns, fp32 */
+#define FA_KV_BYTES FA_SMEM_BWD90_KV(FA_BN, FA_DP) /* one of K, V */
+#define FA_QT_BYTES FA_SMEM_BWD90_QT(FA_BM, FA_DP) /* one stage of Q or dO */
+#define FA_DS_BYTES FA_SMEM_BWD90_DS(FA_BN, FA_BM) /* one dS^T buffer */
+#define FA_DQW_BYTES FA_SMEM_BWD90_DQW /* one warp's dQ piece: 16 rows x 64 columns, fp32 */
 /* The kernel's second parameter: tensor maps of Q, K, V, dO (src/cuda/fa_cuda_backward.c). */
 typedef struct fa_bwd_tmaps {
     fa_tmap q, k, v, dout;

@@ -9,6 +9,7 @@
 #define FA_COMMON_CUH
 
 #include "fa_kparams.h"
+#include "fa_rules.h"
 
 typedef unsigned short fa_u16;
 
@@ -265,16 +266,20 @@ FA_DEV void fa_dropout_quad(fa_u32 blk0, fa_u32 row, fa_u64 stream, fa_u64 seed,
         out[j] = fa_pick4(got, t ^ j);
 }
 
-/* The visible keys [lo, hi) of row `row` of a sequence of sq queries and sk keys (the rule of
- * fa_params_key_range on the host). */
+/* The visible keys [lo, hi) of row `row` of a sequence of sq queries and sk keys. */
 FA_DEV void fa_key_range(const fa_kparams *kp, int row, int sq, int sk, int *lo, int *hi)
 {
-    fa_i64 diag = (fa_i64)row + sk - sq;
-    fa_i64 l = kp->window_left >= 0 ? diag - kp->window_left : 0;
-    fa_i64 r = kp->window_right >= 0 ? diag + kp->window_right + 1 : sk;
-    l = l < 0 ? 0 : l;
-    r = r > sk ? sk : r;
-    r = r < l ? l : r;
+    fa_i64 l, r;
+    FA_RULE_KEY_RANGE(row, sq, sk, kp->window_left, kp->window_right, l, r);
+    *lo = (int)l;
+    *hi = (int)r;
+}
+
+/* The keys [lo, hi) that any of the rows [r0, r0 + m) sees (m >= 1). */
+FA_DEV void fa_tile_keys(const fa_kparams *kp, int r0, int m, int sq, int sk, int *lo, int *hi)
+{
+    fa_i64 l, r;
+    FA_RULE_TILE_KEYS(r0, m, sq, sk, kp->window_left, kp->window_right, l, r);
     *lo = (int)l;
     *hi = (int)r;
 }
@@ -330,7 +335,7 @@ FA_DEV void fa_row_finish(float l, float mx, float sink2, float *lse, float *sca
         return;
     }
     const float lm = l > 0.f ? fa_exp2(mx - big) : 0.f;
-    const float total = l * lm + (sink2 > -FA_INF ? fa_exp2(sink2 - big) : 0.f);
+    const float total = FA_RULE_SINK_TOTAL(l * lm, sink2 > -FA_INF, sink2, big, fa_exp2);
     *lse = (big + log2f(total)) * FA_LN2;
     *scale = l > 0.f ? lm / total : 0.f;
 }

@@ -184,7 +184,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     const fa_u32 k_ld = sk_a + fa_swz((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, FA_CPR_K);
     const fa_u32 v_ld = sv_a + fa_swz((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4, FA_CPR_V);
 
-    /* The keys any row of the tile sees: both window edges grow with the row. */
+    /* The keys any row of the tile sees: both window edges grow with the row (fa_tile_keys; the
+     * first row's hi and the last row's lo also tell the blocks every row sees whole). */
     const int m_last = fa_min(m0 + FA_BM, seq.sq) - 1;
     int lo_first, hi_first, lo_last, hi_last;
     fa_key_range(&kp, m0, seq.sq, seq.sk, &lo_first, &hi_first);
@@ -290,14 +291,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                     for (int e = 0; e < 4; e++) {
                         float x = s[mt][nt][e];
 #if FA_SOFTCAP
-                        x = tanhf(x * kp.softcap_pre) * kp.scale_log2;
+                        x = FA_RULE_SOFTCAP(x, kp.softcap_pre, kp.scale_log2, tanhf);
 #else
                         x *= kp.scale_log2;
 #endif
 #if FA_ALIBI
                         int dist = m0 + wrow + mt * 16 + g + 8 * (e >> 1) + seq.sk - seq.sq -
                                    (n0 + nt * 8 + 2 * t + (e & 1));
-                        x -= slope_log2 * (float)(dist < 0 ? -dist : dist);
+                        x -= FA_RULE_ALIBI(slope_log2, dist);
 #endif
                         s[mt][nt][e] = x;
                     }
@@ -494,10 +495,9 @@ extern "C" __global__ void fa_fwd_probs(const fa_kparams kp)
             float dot = 0.f;
             for (int c = 0; c < kp.d; c++)
                 dot += fa_to_float(qr[c]) * fa_to_float(kr[(fa_i64)j * kp.k_rstride + c]);
-            float y = dot * kp.scale;
-            if (kp.softcap > 0.f)
-                y = kp.softcap * tanhf(y / kp.softcap);
-            y -= slope * fabsf((float)(row + seq.sk - seq.sq - j));
+            float y = kp.softcap > 0.f ? FA_RULE_SOFTCAP(dot, kp.softcap_pre, kp.softcap, tanhf)
+                                       : dot * kp.scale;
+            y -= FA_RULE_ALIBI(slope, (float)(row + seq.sk - seq.sq - j));
             x[u] = y;
             bmax = fmaxf(bmax, y);
         }

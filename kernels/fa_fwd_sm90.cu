@@ -46,15 +46,16 @@
  */
 #include "fa_common.cuh"
 #include "fa_sm90.cuh"
+#include "fa_smem.h"
 
 #define FA_WG_THREADS 128
 #define FA_THREADS ((FA_NCW + 1) * FA_WG_THREADS)
 #define FA_CONSUMER_WARPS (4 * FA_NCW) /* arrivals on each "empty" mbarrier */
 #define FA_KB (FA_DP / 64)  /* 64-column (128-byte) blocks of a Q or K row */
 #define FA_VB (FA_DVP / 64) /* of a V row */
-#define FA_Q_BYTES (FA_BM * FA_DP * 2)
-#define FA_K_BYTES (FA_BN * FA_DP * 2)
-#define FA_V_BYTES (FA_BN * FA_DVP * 2)
+#define FA_Q_BYTES FA_SMEM_FWD90_Q(FA_BM, FA_DP)
+#define FA_K_BYTES FA_SMEM_FWD90_K(FA_BN, FA_DP)
+#define FA_V_BYTES FA_SMEM_FWD90_V(FA_BN, FA_DVP)
 #define FA_SACC (FA_BN / 2)  /* S accumulator registers per thread (m64 x FA_BN fp32) */
 #define FA_OACC (FA_DVP / 2) /* O accumulator registers per thread */
 /* O leaves in 16-byte stores (fa_store_row16) except in the three-consumer tile: there they
@@ -130,14 +131,14 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
         for (int j = 0; j < FA_SACC; j++) {
             float x = sacc[j];
 #if FA_SOFTCAP
-            x = tanhf(x * kp->softcap_pre) * kp->scale_log2;
+            x = FA_RULE_SOFTCAP(x, kp->softcap_pre, kp->scale_log2, tanhf);
 #else
             x *= kp->scale_log2;
 #endif
 #if FA_ALIBI
             const int dist = r->row0 + 8 * ((j >> 1) & 1) + r->diag -
                              (kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1));
-            x -= r->slope_log2 * (float)(dist < 0 ? -dist : dist);
+            x -= FA_RULE_ALIBI(r->slope_log2, dist);
 #endif
             sacc[j] = x;
         }
@@ -301,12 +302,11 @@ FA_DEV fa_tile fa_tile_get(const fa_kparams *kp, int hb, int m_block)
     w.n_max = w.n_blocks = 0;
     if (w.m0 >= w.sq)
         return w; /* past this sequence's queries (varlen): nothing to compute or write */
-    /* The key blocks any row of the tile sees (both window edges grow with the row). */
-    int lo_first, hi_first, lo_last, hi_last;
-    fa_key_range(kp, w.m0, w.sq, w.sk, &lo_first, &hi_first);
-    fa_key_range(kp, fa_min(w.m0 + FA_BM, w.sq) - 1, w.sq, w.sk, &lo_last, &hi_last);
-    const int n_min = lo_first / FA_BN;
-    w.n_max = hi_last > lo_first ? (hi_last + FA_BN - 1) / FA_BN : n_min;
+    /* The key blocks any row of the tile sees. */
+    int k_lo, k_hi;
+    fa_tile_keys(kp, w.m0, fa_min(w.m0 + FA_BM, w.sq) - w.m0, w.sq, w.sk, &k_lo, &k_hi);
+    const int n_min = k_lo / FA_BN;
+    w.n_max = k_hi > k_lo ? (k_hi + FA_BN - 1) / FA_BN : n_min;
     w.n_blocks = w.n_max - n_min;
     return w;
 }

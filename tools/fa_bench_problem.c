@@ -5,6 +5,7 @@
 
 #include "fa_bench.h"
 #include "fa_ref.h"
+#include "fa_rules.h"
 
 /* splitmix64: tiny, seedable with any value (0 included), good enough for test inputs. */
 typedef struct bench_rng {
@@ -265,10 +266,9 @@ double fa_bench_visible_pairs(const fa_fwd_args *a)
             sk = a->k->shape[1];
         }
         for (int64_t i = 0; i < sq; i++) {
-            int64_t diag = i + sk - sq;
-            int64_t lo = left >= 0 && diag - left > 0 ? diag - left : 0;
-            int64_t hi = right >= 0 && diag + right < sk - 1 ? diag + right : sk - 1;
-            pairs += hi >= lo ? (double)(hi - lo + 1) : 0.0;
+            int64_t lo, hi;
+            FA_RULE_KEY_RANGE(i, sq, sk, left, right, lo, hi);
+            pairs += (double)(hi - lo);
         }
     }
     return pairs;

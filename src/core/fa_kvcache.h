@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "core/fa_error.h"
+#include "fa_rules.h"
 
 typedef struct fa_kv_params {
     fa_dtype dtype;
@@ -112,17 +113,7 @@ static inline int64_t fa_kv_block(const fa_kv_params *p, int64_t i, int64_t page
 static inline void fa_kv_key_range(const fa_kv_params *p, int64_t r, int64_t sq, int64_t n,
                                    int64_t *lo, int64_t *hi)
 {
-    int64_t diag = r + n - sq;
-    int64_t l = p->window_left >= 0 ? diag - p->window_left : 0;
-    int64_t h = p->window_right >= 0 ? diag + p->window_right + 1 : n;
-    if (l < 0)
-        l = 0;
-    if (h > n)
-        h = n;
-    if (h < l)
-        h = l;
-    *lo = l;
-    *hi = h;
+    FA_RULE_KEY_RANGE(r, sq, n, p->window_left, p->window_right, *lo, *hi);
 }
 
 /*

@@ -1,6 +1,7 @@
 /* The checks the forward and the KV-cache attention share (fa_options.h). */
 #include <math.h>
 
+#include "fa_rules.h"
 #include "core/fa_check.h"
 #include "core/fa_options.h"
 
@@ -15,7 +16,7 @@ fa_status fa_options_check(double softmax_scale, double softcap, int causal, int
                            int window_right, int64_t d, fa_options *o)
 {
     if (isnan(softmax_scale))
-        o->scale = 1.0 / sqrt((double)d);
+        o->scale = fa_rule_default_scale(d);
     else if (!isfinite(softmax_scale))
         return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
     else

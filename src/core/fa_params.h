@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "core/fa_error.h"
+#include "fa_rules.h"
 
 /*
  * The forward problem after validation. Strides are in elements. In the dense form every
@@ -128,27 +129,14 @@ static inline fa_seq fa_params_seq(const fa_params *p, int64_t i)
 static inline void fa_params_key_range(const fa_params *p, int64_t i, int64_t sq, int64_t sk,
                                        int64_t *lo, int64_t *hi)
 {
-    int64_t diag = i + sk - sq;
-    int64_t l = p->window_left >= 0 ? diag - p->window_left : 0;
-    int64_t r = p->window_right >= 0 ? diag + p->window_right + 1 : sk;
-    if (l < 0)
-        l = 0;
-    if (r > sk)
-        r = sk;
-    if (r < l)
-        r = l;
-    *lo = l;
-    *hi = r;
+    FA_RULE_KEY_RANGE(i, sq, sk, p->window_left, p->window_right, *lo, *hi);
 }
 
-/* The keys [*lo, *hi) that any of the rows [r0, r0+m) sees: both window edges grow with the row,
-   so they lie between the first row's first key and the last row's last one. */
+/* The keys [*lo, *hi) that any of the rows [r0, r0+m) sees. */
 static inline void fa_params_tile_keys(const fa_params *p, int64_t r0, int64_t m, int64_t sq,
                                        int64_t sk, int64_t *lo, int64_t *hi)
 {
-    int64_t unused_hi, unused_lo;
-    fa_params_key_range(p, r0, sq, sk, lo, &unused_hi);
-    fa_params_key_range(p, r0 + m - 1, sq, sk, &unused_lo, hi);
+    FA_RULE_TILE_KEYS(r0, m, sq, sk, p->window_left, p->window_right, *lo, *hi);
 }
 
 #endif /* FA_PARAMS_H */

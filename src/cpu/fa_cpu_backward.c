@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fa_rules.h"
 #include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_info.h"
@@ -49,16 +50,7 @@ static inline int64_t fa_bwd_key_count(const fa_params *p, int64_t seq_index)
 static inline void fa_bwd_row_range(const fa_params *p, const fa_seq *seq, int64_t j0, int64_t j1,
                                     int64_t *lo, int64_t *hi)
 {
-    const int64_t shift = seq->sk - seq->sq; /* key j is on the diagonal of row j - shift */
-    int64_t l = 0, h = seq->sq;
-    if (j0 >= seq->sk)
-        h = 0;
-    if (p->window_right >= 0 && j0 - shift - p->window_right > l)
-        l = j0 - shift - p->window_right;
-    if (p->window_left >= 0 && j1 - shift + p->window_left < h)
-        h = j1 - shift + p->window_left;
-    *lo = l;
-    *hi = h > l ? h : l;
+    FA_RULE_ROW_RANGE(j0, j1, seq->sq, seq->sk, p->window_left, p->window_right, *lo, *hi);
 }
 
 /*

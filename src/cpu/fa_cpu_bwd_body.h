@@ -162,13 +162,13 @@ __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
         for (int64_t i = 0; i < mp; i++) {
             FA_REAL x = pt[i] * sscale, deriv = 1;
             if (softcap) {
-                const FA_REAL th = FA_TANHV(x * inv_cap);
+                const FA_REAL th = FA_RULE_SOFTCAP_TANH(x, inv_cap, FA_TANHV);
                 x = cap * th;
-                deriv = 1 - th * th;
+                deriv = FA_RULE_SOFTCAP_GRAD(th);
             }
             if (masked) {
                 const FA_REAL dist = diag[i] - key;
-                x -= slope * (dist < 0 ? -dist : dist);
+                x -= FA_RULE_ALIBI(slope, dist);
             }
             const FA_REAL prob = FA_EXPV(x - lse[i]);
             const int seen = !masked || (key >= lo[i] && key < hi[i]);
@@ -554,7 +554,7 @@ FA_CPU_CLONES static double FA_FN(fa_bwd_dsum)(const fa_params *p, FA_REAL *dsum
         dsum_ws[h * p->total_q + token] = dsum;
         if (p->sinks) {
             double lse = fa_params_lse_load(p, fa_bwd_lse_index(p, seq_index, h, token, row));
-            dsink -= exp((double)p->sinks[h * p->sinks_stride] - lse) * (double)dsum;
+            dsink -= FA_RULE_SINK_GRAD((double)p->sinks[h * p->sinks_stride], lse, (double)dsum, exp);
         }
     }
     return dsink;

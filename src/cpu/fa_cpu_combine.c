@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "fa_rules.h"
 #include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_log.h"
 #include "util/fa_half.h"
@@ -79,7 +80,7 @@ static void fa_combine_row(const fa_combine_params *c, int64_t bi, int64_t r, in
     } else if (mx == -INFINITY) {
         lse = c->empty_lse;
     } else {
-        double sum = c->sinks ? exp(sink - mx) : 0.0;
+        double sum = FA_RULE_SINK_TERM(c->sinks, sink, mx, exp);
         for (int64_t s = 0; s < c->splits; s++) {
             double x = fa_combine_part_lse(c, s, lp_at);
             if (x != INFINITY && x != -INFINITY)

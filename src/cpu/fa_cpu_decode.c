@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fa_rules.h"
 #include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"

@@ -485,10 +485,10 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
             for (int64_t j = a; j < b; j++) {
                 FA_REAL x = s[j];
                 if (softcap > 0)
-                    x = softcap * FA_TANH(x * inv_softcap);
+                    x = FA_RULE_SOFTCAP(x, inv_softcap, softcap, FA_TANH);
                 if (slope != 0) {
                     int64_t dist = diag - (j0 + j);
-                    x -= slope * (FA_REAL)(dist < 0 ? -dist : dist);
+                    x -= slope * (FA_REAL)FA_RULE_ABS_DIST(dist); /* ALiBi */
                 }
                 s[j] = x;
                 if (x > mx)
@@ -562,7 +562,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
             out_scale = 0;
         } else {
             FA_REAL lscaled = l > 0 ? l * FA_EXP(mx - big) : 0;
-            FA_REAL total = lscaled + (p->sinks ? FA_EXP(sink - big) : 0);
+            FA_REAL total = FA_RULE_SINK_TOTAL(lscaled, p->sinks, sink, big, FA_EXP);
             lse = big + FA_LOG(total);
             out_scale = l > 0 ? FA_EXP(mx - big) / total : 0;
         }

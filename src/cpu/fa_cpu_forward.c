@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "fa_rules.h"
 #include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_info.h"

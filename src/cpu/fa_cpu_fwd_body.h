@@ -107,7 +107,7 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
         const FA_REAL cap = (FA_REAL)p->softcap, inv = sscale * (FA_REAL)(1.0 / p->softcap);
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = c0; i < c1; i++)
-                st[j * ld + i] = cap * FA_TANHV(st[j * ld + i] * inv);
+                st[j * ld + i] = FA_RULE_SOFTCAP(st[j * ld + i], inv, cap, FA_TANHV);
         mul = 1;
     }
     for (int64_t i = c0; i < c1; i++)
@@ -144,7 +144,7 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
         const FA_REAL key = (FA_REAL)(j0 + j);
         for (int64_t i = c0; i < c1; i++) {
             const FA_REAL dist = diag[i] - key;
-            FA_REAL v = row[i] * mul - slope * (dist < 0 ? -dist : dist);
+            FA_REAL v = row[i] * mul - FA_RULE_ALIBI(slope, dist);
             v = (key >= lo[i] && key < hi[i]) ? v : -(FA_REAL)INFINITY;
             row[i] = v;
             bmax[i] = v > bmax[i] ? v : bmax[i];
@@ -237,7 +237,7 @@ FA_CPU_INLINE void FA_FN(fa_tile_store)(const fa_params *p, const FA_REAL *mx, c
             out_scale = 0;
         } else {
             FA_REAL lscaled = (l[i] > 0 ? l[i] * FA_EXP(mx[i] - big) : 0);
-            FA_REAL total = lscaled + (p->sinks ? FA_EXP(sink - big) : 0);
+            FA_REAL total = FA_RULE_SINK_TOTAL(lscaled, p->sinks, sink, big, FA_EXP);
             lse = big + FA_LOG(total);
             out_scale = l[i] > 0 ? FA_EXP(mx[i] - big) / total * (FA_REAL)p->dropout_scale : 0;
         }

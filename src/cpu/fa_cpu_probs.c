@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "fa_rules.h"
 #include "cpu/fa_cpu.h"
 #include "util/fa_half.h"
 #include "util/fa_philox.h"
@@ -76,10 +77,9 @@ static void fa_probs_task(void *ctx, int64_t item, int thread)
             int64_t ka = bi * p->k_bstride + (seq.k_start + j) * p->k_rstride + hk * p->k_hstride;
             for (int64_t c = 0; c < p->d; c++)
                 dot += fa_probs_load(p->q, qa + c, p->dtype) * fa_probs_load(p->k, ka + c, p->dtype);
-            double x = dot * p->scale;
-            if (p->softcap > 0)
-                x = p->softcap * tanh(x / p->softcap);
-            x -= slope * fabs((double)(i + seq.sk - seq.sq - j));
+            double x = p->softcap > 0 ? FA_RULE_SOFTCAP(dot, p->scale / p->softcap, p->softcap, tanh)
+                                      : dot * p->scale;
+            x -= FA_RULE_ALIBI(slope, (double)(i + seq.sk - seq.sq - j));
             s[j] = x;
         }
         /* Blocks from the last to the first; the maximum runs over the blocks seen so far. */

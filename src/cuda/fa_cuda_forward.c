@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "fa_kparams.h"
+#include "fa_rules.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_jit.h"
 
@@ -66,12 +67,7 @@ void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
     kp->dropout_scale = (float)p->dropout_scale;
     kp->scale = (float)p->scale;
     kp->softcap = (float)p->softcap;
-    if (p->softcap > 0) {
-        kp->softcap_pre = (float)(p->scale / p->softcap);
-        kp->scale_log2 = (float)(p->softcap * M_LOG2E);
-    } else {
-        kp->scale_log2 = (float)(p->scale * M_LOG2E);
-    }
+    fa_rule_softcap_fold(p->scale, p->softcap, &kp->softcap_pre, &kp->scale_log2);
 }
 
 /* The sm90 kernel's second parameter (fa_tmaps in kernels/fa_fwd_sm90.cu): Q, K, V maps and

@@ -5,6 +5,7 @@
 
 #include "core/fa_error.h"
 #include "plan/fa_plan.h"
+#include "fa_smem.h"
 
 /*
  * sm80 family, one row per padded head dim (the larger of d and dv). Tiles follow
@@ -81,6 +82,36 @@ static void fa_plan_define(fa_plan *plan, const char *name, int value)
     *out = '\0';
 }
 
+/* Feature bits and the 0/1 #define each becomes in a kernel: the define is `set` when the bit
+ * is, !set when not (FA_VEC, the 16-byte vector loads, is on for aligned rows). */
+typedef struct fa_plan_feature_define {
+    unsigned feature;
+    const char *name;
+    int set;
+} fa_plan_feature_define;
+
+static const fa_plan_feature_define fa_plan_feature_defines[] = {
+    {FA_FEATURE_UNALIGNED, "FA_VEC", 0},  {FA_FEATURE_VARLEN, "FA_VARLEN", 1},
+    {FA_FEATURE_ALIBI, "FA_ALIBI", 1},    {FA_FEATURE_SOFTCAP, "FA_SOFTCAP", 1},
+    {FA_FEATURE_DROPOUT, "FA_DROPOUT", 1},
+};
+
+#define FA_PLAN_FEATURES                                                                        \
+    (FA_FEATURE_UNALIGNED | FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP |          \
+     FA_FEATURE_DROPOUT)
+
+/* The table's defines for the features a family compiles (`compiled`, FA_FEATURE_* bits): the
+ * others it never sees, since the plan routes them to another family. */
+static void fa_plan_define_features(fa_plan *plan, unsigned features, unsigned compiled)
+{
+    const size_t n = sizeof fa_plan_feature_defines / sizeof fa_plan_feature_defines[0];
+    for (size_t i = 0; i < n; i++) {
+        const fa_plan_feature_define *f = &fa_plan_feature_defines[i];
+        if (compiled & f->feature)
+            fa_plan_define(plan, f->name, (features & f->feature) ? f->set : !f->set);
+    }
+}
+
 /*
  * sm90 family (sm_90a: TMA, wgmma, warp specialisation), one row per head dim rounded up to 64
  * (d = dv): 128-row query tiles, 1 producer + 2 consumer warpgroups. Key block and stages: as
@@ -130,8 +161,7 @@ static void fa_plan_sm90_override(fa_plan_row90 *row)
         (pingpong != 0 && pingpong != 1) || persistent < 0 || persistent > 2 ||
         (consumers != 2 && consumers != 3) ||
         (consumers == 3 && (row->dp != 64 || pingpong)) ||
-        2 * (64 * consumers * row->dp + stages * bn * 2 * row->dp) + 8 * (2 + 4 * stages) + 1024 >
-            232448)
+        FA_SMEM_FWD90(64 * consumers, bn, row->dp, row->dp, stages) > FA_SMEM_SM90_MAX)
         return;
     row->bn = bn;
     row->stages = stages;
@@ -160,10 +190,7 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     plan->stages = row.stages;
     plan->persistent = row.persistent;
     plan->threads = (unsigned)(128 * (row.consumers + 1));
-    /* Tiles, then the mbarriers (q_full, q_empty, and k_full, v_full, k_empty, v_empty per
-     * stage), plus 1 KB so the kernel can round its base up to the 1024-byte swizzle atom. */
-    plan->smem = (unsigned)(2 * (plan->bm * plan->dp + plan->stages * plan->bn * (plan->dp + plan->dvp)) +
-                            8 * (2 + 4 * plan->stages) + 1024);
+    plan->smem = (unsigned)FA_SMEM_FWD90(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_D", key->d);
     fa_plan_define(plan, "FA_DP", plan->dp);
@@ -172,10 +199,8 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_BM", plan->bm);
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_STAGES", plan->stages);
-    fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
-    fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
-    fa_plan_define(plan, "FA_VARLEN", (key->features & FA_FEATURE_VARLEN) != 0);
     fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
+    fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_SM90_UNSUPPORTED);
     return FA_STATUS_OK;
 }
 
@@ -216,7 +241,7 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = dropout ? row->nw_d : row->nwarps;
     fa_plan_tile_override(plan);
     plan->threads = (unsigned)plan->nwarps * 32;
-    plan->smem = (unsigned)(2 * (plan->bm * plan->dp + plan->bn * (plan->dp + plan->dvp)));
+    plan->smem = (unsigned)FA_SMEM_FWD80(plan->bm, plan->bn, plan->dp, plan->dvp);
 
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
@@ -224,11 +249,7 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_BM", plan->bm);
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_NWARPS", plan->nwarps);
-    fa_plan_define(plan, "FA_VEC", (key->features & FA_FEATURE_UNALIGNED) == 0);
-    fa_plan_define(plan, "FA_VARLEN", (key->features & FA_FEATURE_VARLEN) != 0);
-    fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
-    fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
-    fa_plan_define(plan, "FA_DROPOUT", dropout);
+    fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
     return FA_STATUS_OK;
 }
 
@@ -296,23 +317,16 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = 12;
     plan->threads = 384;
     plan->stages = 3;
-    /* K, V; Q and dO in three stages; two dS^T buffers (16-bit); the 8 consumer warps' dQ
-     * pieces (16 x 64, fp32); the mbarriers (2 + 2 per stage) and two work-item slots; 1 KB so
-     * the kernel can round its base up to the swizzle atom. 230472 bytes at either head dim,
-     * of the 232448 an sm_90 CTA may have. */
-    plan->smem = (unsigned)(2 * (2 * plan->bn * plan->dp + plan->stages * 2 * plan->bm * plan->dp +
-                                 2 * plan->bn * plan->bm) +
-                            8 * 16 * 64 * 4 + (2 + 2 * plan->stages) * 8 + 2 * 4 + 1024);
+    /* The 8 consumer warps each add a dQ piece; 230472 bytes at either head dim, of the
+     * FA_SMEM_SM90_MAX an sm_90 CTA may have. */
+    plan->smem = (unsigned)FA_SMEM_BWD90(plan->bm, plan->bn, plan->dp, plan->stages, 8);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
     fa_plan_define(plan, "FA_BM", plan->bm);
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_QSTAGES", plan->stages);
-    fa_plan_define(plan, "FA_VARLEN", (key->features & FA_FEATURE_VARLEN) != 0);
-    fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
-    fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
-    fa_plan_define(plan, "FA_DROPOUT", (key->features & FA_FEATURE_DROPOUT) != 0);
+    fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_FEATURE_UNALIGNED);
     return FA_STATUS_OK;
 }
 
@@ -353,11 +367,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = row.nwarps;
     plan->bn = 16 * row.nwarps;
     plan->threads = (unsigned)(32 * row.nwarps);
-    /* Q and dO per stage, K, V, dS^T (16-bit, rows padded by 8 elements), lse and D per stage. */
-    plan->smem = (unsigned)(2 * (row.qstages * plan->bm * (plan->dp + 8 + plan->dvp + 8) +
-                                 plan->bn * (plan->dp + 8 + plan->dvp + 8) +
-                                 plan->bn * (plan->bm + 8)) +
-                            4 * 2 * row.qstages * plan->bm);
+    plan->smem = (unsigned)FA_SMEM_BWD80(plan->bm, plan->bn, plan->dp, plan->dvp, row.qstages);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
@@ -365,10 +375,6 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_NWARPS", plan->nwarps);
     fa_plan_define(plan, "FA_QSTAGES", row.qstages);
-    fa_plan_define(plan, "FA_VEC", (key->features & FA_FEATURE_UNALIGNED) == 0);
-    fa_plan_define(plan, "FA_ALIBI", (key->features & FA_FEATURE_ALIBI) != 0);
-    fa_plan_define(plan, "FA_SOFTCAP", (key->features & FA_FEATURE_SOFTCAP) != 0);
-    fa_plan_define(plan, "FA_DROPOUT", (key->features & FA_FEATURE_DROPOUT) != 0);
-    fa_plan_define(plan, "FA_VARLEN", (key->features & FA_FEATURE_VARLEN) != 0);
+    fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
     return FA_STATUS_OK;
 }

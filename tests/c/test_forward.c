@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "fa_ref.h"
+#include "fa_rules.h"
 #include "test_forward.h"
 
 
@@ -407,7 +408,7 @@ void tf_run_case(const fcase *c0, const char *name, tu_rng *rng)
            adding up to ~sqrt(d) * scale * amp^2 with q, k in [-amp, amp]; measured: amp 3, d 256
            gave 2.06e-5 against a budget of 2e-5 without this term) and with ALiBi (slope *
            distance). */
-        double score_mag = (isnan(c->scale) ? 1.0 / sqrt((double)c->d) : fabs(c->scale)) *
+        double score_mag = (isnan(c->scale) ? fa_rule_default_scale(c->d) : fabs(c->scale)) *
                            sqrt((double)c->d) * c->amp * c->amp;
         if (c->alibi) {
             double max_slope = 0.0;

@@ -1,0 +1,133 @@
+/*
+ * The scoring rules: which keys a query row sees, softcap, ALiBi, sinks and the default scale,
+ * each written once. Compiled by the host (C11: the API's validation and the CPU backend) and by
+ * NVRTC (CUDA C: the kernels), like fa_kparams.h, so no backend can drift from another.
+ *
+ * Positions are computed in 64 bits (fa_i64: exact for any sequence the API accepts); kernels
+ * pass their 32-bit ones, which widen as the kernels' own arithmetic did. Most rules are macros:
+ * one text serves int64 and int positions, float and double scores and the caller's tanh / exp
+ * (libm, a vectorisable approximation, or a PTX intrinsic), and the window's fields are read
+ * where used, as the code they replaced did, so every compiler emits the same instructions.
+ */
+#ifndef FA_RULES_H
+#define FA_RULES_H
+
+#include "fa_kparams.h"
+
+#if defined(__CUDACC__)
+#define FA_RULE static __device__ __forceinline__
+#else
+#include <math.h>
+#define FA_RULE static inline
+#endif
+
+/* ---- the visible keys ------------------------------------------------------------------------ */
+
+/*
+ * The keys [*lo, *hi) that query row i sees in a sequence of sq queries and sk keys (fa_i64 lo,
+ * hi). Bottom-right aligned: row i's diagonal is key i + sk - sq (the last query row sees the last
+ * key). The window keeps keys [diag - window_left, diag + window_right], -1 unbounded on that
+ * side; causal is window_right 0, folded in by validation. An empty range has lo == hi.
+ */
+#define FA_RULE_KEY_RANGE(i, sq, sk, window_left, window_right, lo, hi)                           \
+    do {                                                                                          \
+        const fa_i64 fa_diag_ = (fa_i64)(i) + (sk) - (sq);                                       \
+        fa_i64 fa_l_ = (window_left) >= 0 ? fa_diag_ - (window_left) : 0;                         \
+        fa_i64 fa_r_ = (window_right) >= 0 ? fa_diag_ + (window_right) + 1 : (sk);                \
+        if (fa_l_ < 0)                                                                            \
+            fa_l_ = 0;                                                                            \
+        if (fa_r_ > (sk))                                                                         \
+            fa_r_ = (sk);                                                                         \
+        if (fa_r_ < fa_l_)                                                                        \
+            fa_r_ = fa_l_;                                                                        \
+        (lo) = fa_l_;                                                                             \
+        (hi) = fa_r_;                                                                             \
+    } while (0)
+
+/* The keys [lo, hi) that any of the rows [r0, r0 + m) sees (m >= 1): both window edges grow with
+ * the row, so they lie between the first row's first key and the last row's last one. */
+#define FA_RULE_TILE_KEYS(r0, m, sq, sk, window_left, window_right, lo, hi)                       \
+    do {                                                                                          \
+        fa_i64 fa_unused_;                                                                        \
+        FA_RULE_KEY_RANGE(r0, sq, sk, window_left, window_right, lo, fa_unused_);                 \
+        FA_RULE_KEY_RANGE((r0) + (m) - 1, sq, sk, window_left, window_right, fa_unused_, hi);     \
+        (void)&fa_unused_;                                                                        \
+    } while (0)
+
+/* The query rows [lo, hi) among sq that see any key of [j0, j1) (the backward's view from the
+ * keys): row i sees [i + shift - window_left, i + shift + window_right], shift = sk - sq, so it
+ * sees the block iff j0 - shift - window_right <= i < j1 - shift + window_left; keys from sk on
+ * are seen by no row. */
+#define FA_RULE_ROW_RANGE(j0, j1, sq, sk, window_left, window_right, lo, hi)                      \
+    do {                                                                                          \
+        const fa_i64 fa_shift_ = (fa_i64)(sk) - (sq);                                            \
+        fa_i64 fa_l_ = 0, fa_h_ = (sq);                                                           \
+        if ((j0) >= (sk))                                                                         \
+            fa_h_ = 0;                                                                            \
+        if ((window_right) >= 0 && (j0) - fa_shift_ - (window_right) > fa_l_)                     \
+            fa_l_ = (j0) - fa_shift_ - (window_right);                                            \
+        if ((window_left) >= 0 && (j1) - fa_shift_ + (window_left) < fa_h_)                       \
+            fa_h_ = (j1) - fa_shift_ + (window_left);                                             \
+        (lo) = fa_l_;                                                                             \
+        (hi) = fa_h_ > fa_l_ ? fa_h_ : fa_l_;                                                     \
+    } while (0)
+
+/* The window as bounds on dg = i + sk - sq - j, key j's distance behind row i's diagonal: key j
+ * is in row i's window iff FA_RULE_DG_MIN(window_right) <= dg <= FA_RULE_DG_MAX(window_left)
+ * (32-bit, for the kernels' per-element test; an unbounded side gives +-INT_MAX). */
+#define FA_RULE_DG_MAX(window_left) ((window_left) < 0 ? 0x7fffffff : (window_left))
+#define FA_RULE_DG_MIN(window_right) ((window_right) < 0 ? -0x7fffffff : -(window_right))
+
+/* ---- the score of query i and key j ----------------------------------------------------------- */
+
+/*
+ * Softcap: a scaled score x becomes softcap * tanh(x / softcap). Written with the softmax scale
+ * folded into tanh's argument, s the raw q.k: pre = scale / softcap and post = softcap, or post =
+ * softcap * log2(e) where scores are kept in base-2 units for exp2 (fa_rule_softcap_fold). TANH is
+ * the caller's tanh for the element type.
+ */
+#define FA_RULE_SOFTCAP_TANH(s, pre, TANH) TANH((s) * (pre))
+#define FA_RULE_SOFTCAP(s, pre, post, TANH) (FA_RULE_SOFTCAP_TANH(s, pre, TANH) * (post))
+/* d(softcapped score) / d(scaled score), from th = FA_RULE_SOFTCAP_TANH(...). */
+#define FA_RULE_SOFTCAP_GRAD(th) (1 - (th) * (th))
+
+/* The kernels' factors for base-2 scores: without softcap, score * scale * log2(e); with softcap,
+ * FA_RULE_SOFTCAP(s, *pre, *scale_log2, tanh). */
+FA_RULE void fa_rule_softcap_fold(double scale, double softcap, float *pre, float *scale_log2)
+{
+    const double log2e = 1.4426950408889634;
+    if (softcap > 0) {
+        *pre = (float)(scale / softcap);
+        *scale_log2 = (float)(softcap * log2e);
+    } else {
+        *scale_log2 = (float)(scale * log2e);
+    }
+}
+
+/* ALiBi: the score of query i and key j loses slope * |dist|, dist = i + sk - sq - j its distance
+ * from the row's (bottom-right aligned) diagonal; slope per head, or per batch and head. */
+#define FA_RULE_ABS_DIST(dist) ((dist) < 0 ? -(dist) : (dist))
+#define FA_RULE_ALIBI(slope, dist) ((slope) * FA_RULE_ABS_DIST(dist))
+
+/* ---- a row's softmax ---------------------------------------------------------------------------- */
+
+/*
+ * Sinks: a head's sink logit joins each row's softmax denominator as one more key with no value.
+ * With big = max(row maximum, sink) and l_scaled the row's sum of exp(score - big), the row's
+ * normaliser is l_scaled + exp(sink - big) (has_sink false: no term), lse = big + log(total), and
+ * out = sum exp(score - big) v / total. A row with no visible key and no sink gets lse +inf and out
+ * 0 (upstream's empty row). EXP is the caller's exp (or exp2 with base-2 logits).
+ */
+#define FA_RULE_SINK_TERM(has_sink, sink, big, EXP) ((has_sink) ? EXP((sink) - (big)) : 0)
+#define FA_RULE_SINK_TOTAL(l_scaled, has_sink, sink, big, EXP)                                   \
+    ((l_scaled) + FA_RULE_SINK_TERM(has_sink, sink, big, EXP))
+/* What one row takes from the sink's gradient: exp(sink - lse) * D, D = rowsum(dO * O). */
+#define FA_RULE_SINK_GRAD(sink, lse, dsum, EXP) (EXP((sink) - (lse)) * (dsum))
+
+/* The softmax scale when the caller gives none (NaN): 1 / sqrt(head_dim). */
+FA_RULE double fa_rule_default_scale(fa_i64 head_dim)
+{
+    return 1.0 / sqrt((double)head_dim);
+}
+
+#endif /* FA_RULES_H */

@@ -1,0 +1,47 @@
+/*
+ * Dynamic shared memory of each kernel family, in bytes, from its tile: the plan
+ * (src/plan/fa_plan.c) sizes launches with these totals and the kernels lay their buffers out with
+ * the same parts. Plain integer macros, compiled by the host (C11) and by NVRTC; 16-bit elements.
+ */
+#ifndef FA_SMEM_H
+#define FA_SMEM_H
+
+/* The most dynamic shared memory an sm_90 CTA may have. */
+#define FA_SMEM_SM90_MAX 232448
+
+/* sm80 forward (fa_fwd_sm80.cu): Q [bm][dp], K [bn][dp], V [bn][dvp]. */
+#define FA_SMEM_FWD80(bm, bn, dp, dvp) (2 * ((bm) * (dp) + (bn) * ((dp) + (dvp))))
+
+/* sm90 forward (fa_fwd_sm90.cu), from a 1024-byte aligned base: Q [bm][dp]; per stage K [bn][dp]
+ * and V [bn][dvp]; the mbarriers (8 bytes each) q_full, q_empty, and k_full, v_full, k_empty,
+ * v_empty per stage; 1 KB more so the kernel can round its base up to the swizzle atom. */
+#define FA_SMEM_FWD90_Q(bm, dp) ((bm) * (dp) * 2)
+#define FA_SMEM_FWD90_K(bn, dp) ((bn) * (dp) * 2)
+#define FA_SMEM_FWD90_V(bn, dvp) ((bn) * (dvp) * 2)
+#define FA_SMEM_FWD90(bm, bn, dp, dvp, stages)                                                    \
+    (FA_SMEM_FWD90_Q(bm, dp) + (stages) * (FA_SMEM_FWD90_K(bn, dp) + FA_SMEM_FWD90_V(bn, dvp)) + \
+     8 * (2 + 4 * (stages)) + 1024)
+
+/* sm80 backward (fa_bwd_sm80.cu): rows padded by 8 elements (bank conflicts); Q [qstages][bm]
+ * [dp+8], dO [qstages][bm][dvp+8], K [bn][dp+8], V [bn][dvp+8], dS^T [bn][bm+8], then fp32
+ * lse * log2(e) and D [qstages][bm] each. */
+#define FA_SMEM_BWD80_LD(cols) ((cols) + 8)
+#define FA_SMEM_BWD80(bm, bn, dp, dvp, qstages)                                                   \
+    (2 * ((qstages) * (bm) * (FA_SMEM_BWD80_LD(dp) + FA_SMEM_BWD80_LD(dvp)) +                     \
+          (bn) * (FA_SMEM_BWD80_LD(dp) + FA_SMEM_BWD80_LD(dvp)) + (bn) * FA_SMEM_BWD80_LD(bm)) +  \
+     4 * 2 * (qstages) * (bm))
+
+/* sm90 backward (fa_bwd_sm90.cu, d = dv), from a 1024-byte aligned base: K and V [bn][dp]; Q and
+ * dO [stages][bm][dp]; two dS^T buffers [bn][bm]; each consumer warp's fp32 dQ piece (16 x 64);
+ * the mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; two int work-item slots; 1 KB
+ * more to round the base up to the swizzle atom. */
+#define FA_SMEM_BWD90_KV(bn, dp) ((bn) * (dp) * 2)
+#define FA_SMEM_BWD90_QT(bm, dp) ((bm) * (dp) * 2)
+#define FA_SMEM_BWD90_DS(bn, bm) ((bn) * (bm) * 2)
+#define FA_SMEM_BWD90_DQW 4096
+#define FA_SMEM_BWD90(bm, bn, dp, stages, dq_warps)                                               \
+    (2 * FA_SMEM_BWD90_KV(bn, dp) + 2 * (stages) * FA_SMEM_BWD90_QT(bm, dp) +                     \
+     2 * FA_SMEM_BWD90_DS(bn, bm) + (dq_warps) * FA_SMEM_BWD90_DQW + (2 + 2 * (stages)) * 8 +      \
+     2 * 4 + 1024)
+
+#endif /* FA_SMEM_H */
