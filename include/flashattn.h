@@ -30,6 +30,25 @@ extern "C" {
 #define FA_MAX_HEAD_DIM 256
 #define FA_DEVICE_CPU (-1)
 
+/*
+ * Limits every entry point checks, far above any real model; past them a call is refused with an
+ * error naming the argument (never an overflow, a wrap or a wrong answer):
+ * - FA_MAX_EXTENT elements (2^40) for each dimension of a tensor, its element count, the span its
+ *   strides reach between its first and last element, and max_seqlen_q / max_seqlen_k: every
+ *   offset then fits int64 with room, and a tensor's bytes must not wrap the address space.
+ * - |softmax_scale| <= FA_MAX_SOFTMAX_SCALE, and softcap, when > 0, in [FA_MIN_SOFTCAP,
+ *   FA_MAX_SOFTCAP]: models use scales near d^-0.5 and caps of 30 to 50; inside these bounds the
+ *   scaled logits, scale / softcap and scale * log2(e) stay normal fp32 numbers.
+ * - num_threads above FA_MAX_THREADS runs FA_MAX_THREADS threads.
+ * - out (written) may not share a byte with the inputs (forward: q, k, v; KV cache: q, k_cache,
+ *   v_cache, k, v; combine: out_partial, lse_partial): such an alias is refused, naming out.
+ */
+#define FA_MAX_EXTENT ((int64_t)1 << 40)
+#define FA_MAX_SOFTMAX_SCALE 1e4
+#define FA_MIN_SOFTCAP 1e-4
+#define FA_MAX_SOFTCAP 1e4
+#define FA_MAX_THREADS 1024
+
 typedef enum fa_dtype {
     FA_DTYPE_F32 = 0,
     FA_DTYPE_F16 = 1,
@@ -55,7 +74,7 @@ typedef struct fa_tensor {
     int64_t stride[FA_MAX_DIMS]; /* in elements, not bytes */
 } fa_tensor;
 
-/* Builds a tensor view; stride NULL means row-major contiguous. */
+/* Builds a tensor view; stride NULL means row-major contiguous; shape NULL gives no dimension. */
 fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *shape,
                          const int64_t *stride);
 

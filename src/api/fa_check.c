@@ -2,13 +2,21 @@
  * The structural checks every entry point makes on its tensor arguments, each failing with a
  * message that names the argument.
  */
+#include <math.h>
+
 #include "api/fa_internal.h"
 
 int64_t fa_tensor_numel(const fa_tensor *t)
 {
+    /* A zero or negative dimension empties the tensor whatever the others are; past int64 the
+     * count saturates, which every check refuses as too large. */
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] <= 0)
+            return 0;
     int64_t n = 1;
     for (int i = 0; i < t->ndim; i++)
-        n *= t->shape[i];
+        if (__builtin_mul_overflow(n, t->shape[i], &n))
+            return INT64_MAX;
     return n;
 }
 
@@ -17,7 +25,10 @@ int fa_dtype_is_float(fa_dtype dt)
     return dt == FA_DTYPE_F32 || dt == FA_DTYPE_F16 || dt == FA_DTYPE_BF16 || dt == FA_DTYPE_F64;
 }
 
-/* Present, known dtype, rank, sizes, data; contiguous: the last dimension has stride 1. */
+static fa_status fa_check_reach(const fa_tensor *t, const char *name);
+
+/* Present, known dtype, rank, sizes, data; contiguous: the last dimension has stride 1. A
+ * tensor with no element is valid whatever its data pointer and strides. */
 static fa_status fa_check_view(const fa_tensor *t, const char *name, int ndim, int contiguous)
 {
     if (!t)
@@ -30,16 +41,23 @@ static fa_status fa_check_view(const fa_tensor *t, const char *name, int ndim, i
         if (t->shape[i] < 0)
             return FA_BAD("%s: dimension %d has negative size %lld", name, i,
                           (long long)t->shape[i]);
-        if (t->shape[i] > ((int64_t)1 << 40))
-            return FA_BAD("%s: dimension %d size %lld is too large", name, i,
-                          (long long)t->shape[i]);
+        if (t->shape[i] > FA_MAX_EXTENT)
+            return FA_BAD("%s: dimension %d size %lld is too large (at most FA_MAX_EXTENT = "
+                          "2^40)",
+                          name, i, (long long)t->shape[i]);
     }
-    if (contiguous && t->shape[ndim - 1] > 1 && t->stride[ndim - 1] != 1 &&
-        fa_tensor_numel(t) > 0)
+    const int64_t numel = fa_tensor_numel(t);
+    if (numel > FA_MAX_EXTENT)
+        return FA_BAD("%s: %lld elements in all is too many (at most FA_MAX_EXTENT = 2^40)",
+                      name, (long long)numel);
+    if (numel == 0)
+        return FA_STATUS_OK; /* nothing is read or written: data and strides are never used */
+    if (contiguous && t->shape[ndim - 1] > 1 && t->stride[ndim - 1] != 1)
         return FA_BAD("%s: last dimension must be contiguous (stride 1), got stride %lld", name,
                       (long long)t->stride[ndim - 1]);
-    if (!t->data && fa_tensor_numel(t) > 0)
+    if (!t->data)
         return FA_BAD("%s: data pointer is NULL", name);
+    return fa_check_reach(t, name);
     return FA_STATUS_OK;
 }
 
@@ -110,4 +128,103 @@ fa_status fa_check_cpu_only(int device, const char *entry)
                         "device: %s runs on the CPU only so far, got CUDA device %d (pass "
                         "FA_DEVICE_CPU with host pointers)",
                         entry, device);
+}
+
+/* ---- Extents, aliasing, scalars and thread counts (overflow-proof validation) ---- */
+
+/* The element offsets [*lo, *hi] (lo <= 0 <= hi) that a non-empty tensor reaches from its data
+ * pointer; 0 when the reach does not fit int64. */
+static int fa_tensor_offsets(const fa_tensor *t, int64_t *lo, int64_t *hi)
+{
+    int64_t l = 0, h = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        int64_t reach;
+        if (t->shape[i] <= 1)
+            continue;
+        if (__builtin_mul_overflow(t->shape[i] - 1, t->stride[i], &reach))
+            return 0;
+        if (reach < 0 ? __builtin_add_overflow(l, reach, &l) : __builtin_add_overflow(h, reach, &h))
+            return 0;
+    }
+    *lo = l;
+    *hi = h;
+    return 1;
+}
+
+/* The strides of a non-empty tensor reach at most FA_MAX_EXTENT elements, so that every offset
+ * a backend computes from them fits int64, and the bytes they reach do not wrap the address
+ * space. */
+static fa_status fa_check_reach(const fa_tensor *t, const char *name)
+{
+    int64_t lo, hi;
+    if (!fa_tensor_offsets(t, &lo, &hi) || lo < -FA_MAX_EXTENT || hi > FA_MAX_EXTENT ||
+        hi - lo >= FA_MAX_EXTENT)
+        return FA_BAD("%s: its strides reach more than FA_MAX_EXTENT = 2^40 elements", name);
+    const uintptr_t at = (uintptr_t)t->data, es = (uintptr_t)fa_dtype_size(t->dtype);
+    if (at < (uintptr_t)(-lo) * es || UINTPTR_MAX - at < (uintptr_t)(hi + 1) * es)
+        return FA_BAD("%s: its strides reach outside the address space from data %p", name,
+                      t->data);
+    return FA_STATUS_OK;
+}
+
+/* The bytes [*first, *end) a valid tensor touches; 0 when it has no element. */
+static int fa_tensor_bytes(const fa_tensor *t, uintptr_t *first, uintptr_t *end)
+{
+    int64_t lo, hi;
+    if (fa_tensor_numel(t) == 0 || !fa_tensor_offsets(t, &lo, &hi))
+        return 0;
+    const uintptr_t at = (uintptr_t)t->data, es = (uintptr_t)fa_dtype_size(t->dtype);
+    *first = at - (uintptr_t)(-lo) * es;
+    *end = at + (uintptr_t)(hi + 1) * es;
+    return 1;
+}
+
+fa_status fa_check_disjoint(const fa_tensor *out, const char *out_name, const fa_tensor *in,
+                            const char *in_name)
+{
+    uintptr_t o0, o1, i0, i1;
+    if (!out || !in || !fa_tensor_bytes(out, &o0, &o1) || !fa_tensor_bytes(in, &i0, &i1))
+        return FA_STATUS_OK;
+    if (o0 < i1 && i0 < o1)
+        return FA_BAD("%s: overlaps %s in memory (an output may not alias an input)", out_name,
+                      in_name);
+    return FA_STATUS_OK;
+}
+
+fa_status fa_check_scalars(double softmax_scale, double softcap, int64_t head_dim,
+                           double *scale, double *cap)
+{
+    if (isnan(softmax_scale))
+        *scale = 1.0 / sqrt((double)head_dim);
+    else if (!isfinite(softmax_scale))
+        return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
+    else if (fabs(softmax_scale) > FA_MAX_SOFTMAX_SCALE)
+        return FA_BAD("softmax_scale: must be within [-%g, %g], got %g", FA_MAX_SOFTMAX_SCALE,
+                      FA_MAX_SOFTMAX_SCALE, softmax_scale);
+    else
+        *scale = softmax_scale;
+    if (!isfinite(softcap))
+        return FA_BAD("softcap: must be a finite number (<= 0 disables it)");
+    if (softcap > 0 && (softcap < FA_MIN_SOFTCAP || softcap > FA_MAX_SOFTCAP))
+        return FA_BAD("softcap: must be <= 0 (off) or within [%g, %g], got %g", FA_MIN_SOFTCAP,
+                      FA_MAX_SOFTCAP, softcap);
+    *cap = softcap > 0 ? softcap : 0.0;
+    return FA_STATUS_OK;
+}
+
+fa_status fa_threads_resolve(int requested, int *threads)
+{
+    if (requested < 0)
+        return FA_BAD("num_threads: must be >= 0 (0 = default), got %d", requested);
+    int n = requested > 0 ? requested : fa_cpu_default_threads();
+    *threads = n < 1 ? 1 : n > FA_MAX_THREADS ? FA_MAX_THREADS : n;
+    return FA_STATUS_OK;
+}
+
+fa_status fa_check_count(int64_t value, const char *name)
+{
+    if (value < 0 || value > FA_MAX_EXTENT)
+        return FA_BAD("%s: must be in [0, FA_MAX_EXTENT = 2^40], got %lld", name,
+                      (long long)value);
+    return FA_STATUS_OK;
 }

@@ -75,10 +75,10 @@ static fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combin
         c->lse_rstride = t->stride[1];
         c->lse_hstride = t->stride[2];
     }
+    FA_TRY(fa_check_disjoint(o, "out", op, "out_partial"));
+    FA_TRY(fa_check_disjoint(o, "out", lp, "lse_partial"));
     c->empty_lse = -INFINITY;
-    if (a->num_threads < 0)
-        return FA_BAD("num_threads: must be >= 0 (0 = default), got %d", a->num_threads);
-    c->num_threads = a->num_threads > 0 ? a->num_threads : fa_cpu_default_threads();
+    FA_TRY(fa_threads_resolve(a->num_threads, &c->num_threads));
     return FA_STATUS_OK;
 }
 

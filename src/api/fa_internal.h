@@ -46,6 +46,21 @@ fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int6
  * for a CUDA ordinal (whether or not the build has the CUDA backend). */
 fa_status fa_check_cpu_only(int device, const char *entry);
 
+/* ---- Overflow-proof validation (fa_check.c) ---- */
+/* Refuses (naming out_name) an output whose bytes overlap those of the input in_name; either
+ * may be NULL or empty. Both must have passed fa_check_tensor/fa_check_strided. */
+fa_status fa_check_disjoint(const fa_tensor *out, const char *out_name, const fa_tensor *in,
+                            const char *in_name);
+/* softmax_scale (NaN: head_dim^-0.5) and softcap (<= 0: off, stored as 0) within the limits of
+ * flashattn.h. */
+fa_status fa_check_scalars(double softmax_scale, double softcap, int64_t head_dim,
+                           double *scale, double *cap);
+/* num_threads as given by the caller (0: the default), clamped once to [1, FA_MAX_THREADS]. */
+fa_status fa_threads_resolve(int requested, int *threads);
+/* A count that sizes work (max_seqlen_q/k) but backs no tensor: [0, FA_MAX_EXTENT]. */
+fa_status fa_check_count(int64_t value, const char *name);
+/* ---- end of overflow-proof validation ---- */
+
 /*
  * The forward problem after validation. Strides are in elements. In the dense form every
  * sequence has max_sq queries and max_sk keys; in the varlen form the batch stride is unused

@@ -145,7 +145,11 @@ static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_kv_params *p)
                           "already maps sequences to blocks)");
         p->block_table = (const int32_t *)bt->data;
         p->bt_bstride = bt->stride[0];
-        p->capacity = bt->shape[1] * p->page_size;
+        if (__builtin_mul_overflow(bt->shape[1], p->page_size, &p->capacity) ||
+            p->capacity > FA_MAX_EXTENT)
+            return FA_BAD("block_table: %lld blocks of %lld positions exceed FA_MAX_EXTENT = "
+                          "2^40 positions",
+                          (long long)bt->shape[1], (long long)p->page_size);
     } else {
         p->capacity = p->page_size;
         if (a->cache_batch_idx) {
@@ -303,15 +307,7 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
     if (a->sinks)
         FA_TRY(fa_check_sinks(a->sinks, p->h, &p->sinks, &p->sinks_stride));
 
-    if (isnan(a->softmax_scale))
-        p->scale = 1.0 / sqrt((double)p->d);
-    else if (!isfinite(a->softmax_scale))
-        return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
-    else
-        p->scale = a->softmax_scale;
-    if (isnan(a->softcap) || isinf(a->softcap))
-        return FA_BAD("softcap: must be a finite number (<= 0 disables it)");
-    p->softcap = a->softcap > 0 ? a->softcap : 0.0;
+    FA_TRY(fa_check_scalars(a->softmax_scale, a->softcap, p->d, &p->scale, &p->softcap));
     if (a->window_left < -1)
         return FA_BAD("window_left: must be -1 (unbounded) or >= 0, got %d", a->window_left);
     if (a->window_right < -1)
@@ -323,9 +319,7 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
         return FA_BAD("num_splits: must be in [0, %d] (0 = chosen by the library), got %d",
                       FA_MAX_SPLITS, a->num_splits);
     p->num_splits = a->num_splits;
-    if (a->num_threads < 0)
-        return FA_BAD("num_threads: must be >= 0 (0 = default), got %d", a->num_threads);
-    p->num_threads = a->num_threads > 0 ? a->num_threads : fa_cpu_default_threads();
+    FA_TRY(fa_threads_resolve(a->num_threads, &p->num_threads));
     return FA_STATUS_OK;
 }
 
@@ -337,6 +331,10 @@ fa_status fa_kv_params_from_args(const fa_kvcache_args *a, fa_kv_params *p)
     if (a->device < FA_DEVICE_CPU)
         return FA_BAD("device: must be FA_DEVICE_CPU (-1) or a CUDA ordinal, got %d", a->device);
     FA_TRY(fa_kv_check_tensors(a, p));
+    const fa_tensor *inputs[5] = {a->q, a->k_cache, a->v_cache, a->k, a->v};
+    const char *names[5] = {"q", "k_cache", "v_cache", "k", "v"};
+    for (int i = 0; i < 5; i++)
+        FA_TRY(fa_check_disjoint(a->out, "out", inputs[i], names[i]));
     FA_TRY(fa_kv_check_layout(a, p));
     FA_TRY(fa_kv_check_lengths(a, p));
     FA_TRY(fa_kv_check_options(a, p));

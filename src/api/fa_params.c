@@ -102,6 +102,7 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
         FA_TRY(fa_check_dim(v, "v", 1, p->max_sk, "seqlen_k, as k"));
         FA_TRY(fa_check_dim(o, "out", 0, p->b, "batch, as q"));
         FA_TRY(fa_check_dim(o, "out", 1, p->max_sq, "seqlen_q, as q"));
+        /* Both are at most an element count of q / k, which fa_check_tensor bounded. */
         p->total_q = p->b * p->max_sq;
         p->total_k = p->b * p->max_sk;
         p->q_bstride = q->stride[0];
@@ -115,12 +116,8 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
             return FA_BAD("cu_seqlens_q: batch size must be positive (needs at least 2 entries, "
                           "got %lld)",
                           (long long)a->cu_seqlens_q->shape[0]);
-        if (a->max_seqlen_q < 0)
-            return FA_BAD("max_seqlen_q: must be non-negative, got %lld",
-                          (long long)a->max_seqlen_q);
-        if (a->max_seqlen_k < 0)
-            return FA_BAD("max_seqlen_k: must be non-negative, got %lld",
-                          (long long)a->max_seqlen_k);
+        FA_TRY(fa_check_count(a->max_seqlen_q, "max_seqlen_q"));
+        FA_TRY(fa_check_count(a->max_seqlen_k, "max_seqlen_k"));
         p->max_sq = a->max_seqlen_q;
         p->max_sk = a->max_seqlen_k;
         FA_TRY(fa_check_dim(v, "v", 0, k->shape[0], "total_k, as k"));
@@ -230,16 +227,7 @@ static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
 
 static fa_status fa_check_options(const fa_fwd_args *a, fa_params *p)
 {
-    if (isnan(a->softmax_scale))
-        p->scale = 1.0 / sqrt((double)p->d);
-    else if (!isfinite(a->softmax_scale))
-        return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
-    else
-        p->scale = a->softmax_scale;
-
-    if (isnan(a->softcap) || isinf(a->softcap))
-        return FA_BAD("softcap: must be a finite number (<= 0 disables it)");
-    p->softcap = a->softcap > 0 ? a->softcap : 0.0;
+    FA_TRY(fa_check_scalars(a->softmax_scale, a->softcap, p->d, &p->scale, &p->softcap));
 
     if (a->window_left < -1)
         return FA_BAD("window_left: must be -1 (unbounded) or >= 0, got %d", a->window_left);
@@ -260,9 +248,7 @@ static fa_status fa_check_options(const fa_fwd_args *a, fa_params *p)
     p->seed = a->seed;
     p->offset = a->offset;
 
-    if (a->num_threads < 0)
-        return FA_BAD("num_threads: must be >= 0 (0 = default), got %d", a->num_threads);
-    p->num_threads = a->num_threads > 0 ? a->num_threads : fa_cpu_default_threads();
+    FA_TRY(fa_threads_resolve(a->num_threads, &p->num_threads));
     return FA_STATUS_OK;
 }
 
@@ -274,6 +260,9 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
     if (a->device < FA_DEVICE_CPU)
         return FA_BAD("device: must be FA_DEVICE_CPU (-1) or a CUDA ordinal, got %d", a->device);
     FA_TRY(fa_check_inputs(a, p));
+    FA_TRY(fa_check_disjoint(a->out, "out", a->q, "q"));
+    FA_TRY(fa_check_disjoint(a->out, "out", a->k, "k"));
+    FA_TRY(fa_check_disjoint(a->out, "out", a->v, "v"));
     FA_TRY(fa_check_options(a, p));
     FA_TRY(fa_check_extras(a, p));
     if (p->probs)
