@@ -34,14 +34,17 @@ extern "C" {
  * Limits every entry point checks, far above any real model; past them a call is refused with an
  * error naming the argument (never an overflow, a wrap or a wrong answer):
  * - FA_MAX_EXTENT elements (2^40) for each dimension of a tensor, its element count, the span its
- *   strides reach between its first and last element, and max_seqlen_q / max_seqlen_k: every
- *   offset then fits int64 with room, and a tensor's bytes must not wrap the address space.
+ *   strides reach over its dimensions longer than 1 (even in an empty tensor), and max_seqlen_q /
+ *   max_seqlen_k: every offset then fits int64 with room, and a tensor's bytes must not wrap the
+ *   address space. An empty tensor's data pointer is never read and may be NULL.
  * - |softmax_scale| <= FA_MAX_SOFTMAX_SCALE, and softcap, when > 0, in [FA_MIN_SOFTCAP,
  *   FA_MAX_SOFTCAP]: models use scales near d^-0.5 and caps of 30 to 50; inside these bounds the
  *   scaled logits, scale / softcap and scale * log2(e) stay normal fp32 numbers.
  * - num_threads above FA_MAX_THREADS runs FA_MAX_THREADS threads.
  * - out (written) may not share a byte with the inputs (forward: q, k, v; KV cache: q, k_cache,
  *   v_cache, k, v; combine: out_partial, lse_partial): such an alias is refused, naming out.
+ * - A tensor the call writes (out, lse, probs, the gradients, the caches an append writes) needs
+ *   its elements at distinct addresses: no zero stride, no strides that interleave.
  */
 #define FA_MAX_EXTENT ((int64_t)1 << 40)
 #define FA_MAX_SOFTMAX_SCALE 1e4

@@ -25,7 +25,8 @@ int fa_dtype_is_float(fa_dtype dt)
     return dt == FA_DTYPE_F32 || dt == FA_DTYPE_F16 || dt == FA_DTYPE_BF16 || dt == FA_DTYPE_F64;
 }
 
-static fa_status fa_check_reach(const fa_tensor *t, const char *name);
+static int fa_tensor_offsets(const fa_tensor *t, int64_t *lo, int64_t *hi);
+static fa_status fa_check_address(const fa_tensor *t, const char *name, int64_t lo, int64_t hi);
 
 /* Present, known dtype, rank, sizes, data; contiguous: the last dimension has stride 1. A
  * tensor with no element is valid whatever its data pointer and strides. */
@@ -50,14 +51,19 @@ static fa_status fa_check_view(const fa_tensor *t, const char *name, int ndim, i
     if (numel > FA_MAX_EXTENT)
         return FA_BAD("%s: %lld elements in all is too many (at most FA_MAX_EXTENT = 2^40)",
                       name, (long long)numel);
+    /* Bounded even without elements: backends compute base offsets from every stride. */
+    int64_t lo, hi;
+    if (!fa_tensor_offsets(t, &lo, &hi) || lo < -FA_MAX_EXTENT || hi > FA_MAX_EXTENT ||
+        hi - lo >= FA_MAX_EXTENT)
+        return FA_BAD("%s: its strides reach more than FA_MAX_EXTENT = 2^40 elements", name);
     if (numel == 0)
-        return FA_STATUS_OK; /* nothing is read or written: data and strides are never used */
+        return FA_STATUS_OK; /* nothing is read or written: data is never used */
     if (contiguous && t->shape[ndim - 1] > 1 && t->stride[ndim - 1] != 1)
         return FA_BAD("%s: last dimension must be contiguous (stride 1), got stride %lld", name,
                       (long long)t->stride[ndim - 1]);
     if (!t->data)
         return FA_BAD("%s: data pointer is NULL", name);
-    return fa_check_reach(t, name);
+    return fa_check_address(t, name, lo, hi);
     return FA_STATUS_OK;
 }
 
@@ -132,8 +138,8 @@ fa_status fa_check_cpu_only(int device, const char *entry)
 
 /* ---- Extents, aliasing, scalars and thread counts (overflow-proof validation) ---- */
 
-/* The element offsets [*lo, *hi] (lo <= 0 <= hi) that a non-empty tensor reaches from its data
- * pointer; 0 when the reach does not fit int64. */
+/* The element offsets [*lo, *hi] (lo <= 0 <= hi) that a tensor reaches from its data pointer
+ * through its dimensions longer than 1; 0 when the reach does not fit int64. */
 static int fa_tensor_offsets(const fa_tensor *t, int64_t *lo, int64_t *hi)
 {
     int64_t l = 0, h = 0;
@@ -151,15 +157,10 @@ static int fa_tensor_offsets(const fa_tensor *t, int64_t *lo, int64_t *hi)
     return 1;
 }
 
-/* The strides of a non-empty tensor reach at most FA_MAX_EXTENT elements, so that every offset
- * a backend computes from them fits int64, and the bytes they reach do not wrap the address
- * space. */
-static fa_status fa_check_reach(const fa_tensor *t, const char *name)
+/* The bytes a non-empty tensor reaches (element offsets [lo, hi], bounded by FA_MAX_EXTENT) do
+ * not wrap the address space. */
+static fa_status fa_check_address(const fa_tensor *t, const char *name, int64_t lo, int64_t hi)
 {
-    int64_t lo, hi;
-    if (!fa_tensor_offsets(t, &lo, &hi) || lo < -FA_MAX_EXTENT || hi > FA_MAX_EXTENT ||
-        hi - lo >= FA_MAX_EXTENT)
-        return FA_BAD("%s: its strides reach more than FA_MAX_EXTENT = 2^40 elements", name);
     const uintptr_t at = (uintptr_t)t->data, es = (uintptr_t)fa_dtype_size(t->dtype);
     if (at < (uintptr_t)(-lo) * es || UINTPTR_MAX - at < (uintptr_t)(hi + 1) * es)
         return FA_BAD("%s: its strides reach outside the address space from data %p", name,
@@ -226,5 +227,36 @@ fa_status fa_check_count(int64_t value, const char *name)
     if (value < 0 || value > FA_MAX_EXTENT)
         return FA_BAD("%s: must be in [0, FA_MAX_EXTENT = 2^40], got %lld", name,
                       (long long)value);
+    return FA_STATUS_OK;
+}
+
+fa_status fa_check_writable(const fa_tensor *t, const char *name)
+{
+    if (!t || fa_tensor_numel(t) == 0)
+        return FA_STATUS_OK;
+    /* Dimensions longer than 1 by increasing |stride|: each stride must step past everything
+     * the inner ones reach (what every layout of sliced, transposed or padded memory does). */
+    int64_t n[FA_MAX_DIMS], s[FA_MAX_DIMS];
+    int k = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] <= 1)
+            continue;
+        int64_t abs_stride = t->stride[i] < 0 ? -t->stride[i] : t->stride[i];
+        int j = k++;
+        for (; j > 0 && s[j - 1] > abs_stride; j--) {
+            s[j] = s[j - 1];
+            n[j] = n[j - 1];
+        }
+        s[j] = abs_stride;
+        n[j] = t->shape[i];
+    }
+    int64_t reach = 0; /* bounded by FA_MAX_EXTENT: fa_check_tensor passed */
+    for (int j = 0; j < k; j++) {
+        if (s[j] <= reach)
+            return FA_BAD("%s: two of its elements share an address (stride %lld); a written "
+                          "tensor needs distinct elements",
+                          name, (long long)s[j]);
+        reach += (n[j] - 1) * s[j];
+    }
     return FA_STATUS_OK;
 }

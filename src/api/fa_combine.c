@@ -77,6 +77,8 @@ static fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combin
     }
     FA_TRY(fa_check_disjoint(o, "out", op, "out_partial"));
     FA_TRY(fa_check_disjoint(o, "out", lp, "lse_partial"));
+    FA_TRY(fa_check_writable(o, "out"));
+    FA_TRY(fa_check_writable(a->lse, "lse"));
     c->empty_lse = -INFINITY;
     FA_TRY(fa_threads_resolve(a->num_threads, &c->num_threads));
     return FA_STATUS_OK;

@@ -51,6 +51,9 @@ fa_status fa_check_cpu_only(int device, const char *entry);
  * may be NULL or empty. Both must have passed fa_check_tensor/fa_check_strided. */
 fa_status fa_check_disjoint(const fa_tensor *out, const char *out_name, const fa_tensor *in,
                             const char *in_name);
+/* Refuses (naming it) a tensor the call writes whose elements are not all at distinct
+ * addresses (a zero stride, or strides that interleave). NULL or empty: OK. */
+fa_status fa_check_writable(const fa_tensor *t, const char *name);
 /* softmax_scale (NaN: head_dim^-0.5) and softcap (<= 0: off, stored as 0) within the limits of
  * flashattn.h. */
 fa_status fa_check_scalars(double softmax_scale, double softcap, int64_t head_dim,

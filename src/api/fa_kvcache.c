@@ -335,9 +335,15 @@ fa_status fa_kv_params_from_args(const fa_kvcache_args *a, fa_kv_params *p)
     const char *names[5] = {"q", "k_cache", "v_cache", "k", "v"};
     for (int i = 0; i < 5; i++)
         FA_TRY(fa_check_disjoint(a->out, "out", inputs[i], names[i]));
+    FA_TRY(fa_check_writable(a->out, "out"));
+    if (a->k) { /* the append writes the caches */
+        FA_TRY(fa_check_writable(a->k_cache, "k_cache"));
+        FA_TRY(fa_check_writable(a->v_cache, "v_cache"));
+    }
     FA_TRY(fa_kv_check_layout(a, p));
     FA_TRY(fa_kv_check_lengths(a, p));
     FA_TRY(fa_kv_check_options(a, p));
+    FA_TRY(fa_check_writable(a->lse, "lse"));
     FA_TRY(fa_kv_check_rotary(a, p));
     return FA_STATUS_OK;
 }

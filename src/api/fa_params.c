@@ -265,6 +265,9 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
     FA_TRY(fa_check_disjoint(a->out, "out", a->v, "v"));
     FA_TRY(fa_check_options(a, p));
     FA_TRY(fa_check_extras(a, p));
+    FA_TRY(fa_check_writable(a->out, "out"));
+    FA_TRY(fa_check_writable(a->lse, "lse"));
+    FA_TRY(fa_check_writable(a->probs, "probs"));
     if (p->probs)
         p->probs_block_n = fa_probs_block_n((int)p->d, p->dropout_p > 0.0, p->causal);
     return FA_STATUS_OK;
@@ -331,5 +334,9 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
         p->dsinks = (float *)a->dsinks->data;
         p->dsinks_stride = a->dsinks->stride[0];
     }
+    FA_TRY(fa_check_writable(a->dq, "dq"));
+    FA_TRY(fa_check_writable(a->dk, "dk"));
+    FA_TRY(fa_check_writable(a->dv, "dv"));
+    FA_TRY(fa_check_writable(a->dsinks, "dsinks"));
     return FA_STATUS_OK;
 }
