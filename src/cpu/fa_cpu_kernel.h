@@ -78,7 +78,9 @@
  * even to 10%, the bf16 forward 2-20% (bench/NOTES.md). */
 static inline int fa_cpu_rows_alias(int64_t ld, size_t esize)
 {
-    return (ld * (int64_t)esize) % 4096 == 0;
+    /* Unsigned: the stride of a dimension of size 1 may be anything, and wrapping modulo 2^64
+     * keeps the product's residue modulo 4096. */
+    return ((uint64_t)ld * (uint64_t)esize) % 4096 == 0;
 }
 
 /* Leading dimension of a forward tile's buffers of mp query columns. The products reuse them in
