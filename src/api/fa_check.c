@@ -28,8 +28,8 @@ int fa_dtype_is_float(fa_dtype dt)
 static int fa_tensor_offsets(const fa_tensor *t, int64_t *lo, int64_t *hi);
 static fa_status fa_check_address(const fa_tensor *t, const char *name, int64_t lo, int64_t hi);
 
-/* Present, known dtype, rank, sizes, data; contiguous: the last dimension has stride 1. A
- * tensor with no element is valid whatever its data pointer and strides. */
+/* Present, known dtype, rank, sizes and strides within FA_MAX_EXTENT, data; contiguous: the
+ * last dimension has stride 1. A tensor with no element may have any data pointer. */
 static fa_status fa_check_view(const fa_tensor *t, const char *name, int ndim, int contiguous)
 {
     if (!t)
@@ -64,7 +64,6 @@ static fa_status fa_check_view(const fa_tensor *t, const char *name, int ndim, i
     if (!t->data)
         return FA_BAD("%s: data pointer is NULL", name);
     return fa_check_address(t, name, lo, hi);
-    return FA_STATUS_OK;
 }
 
 fa_status fa_check_tensor(const fa_tensor *t, const char *name, int ndim)
