@@ -181,7 +181,7 @@ void fz_store(const fa_tensor *t, const int64_t *idx, double value)
         int64_t off = 0;
         for (int i = 0; i < t->ndim; i++)
             off += idx[i] * t->stride[i];
-        ((int32_t *)t->data)[off] = (int32_t)value;
+        ((int32_t *)t->data)[off] = value > INT32_MIN && value < INT32_MAX ? (int32_t)value : 0;
     } else {
         fa_ref_store(t, idx, value);
     }
