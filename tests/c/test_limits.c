@@ -370,6 +370,22 @@ static void check_threads(tu_rng *r)
     prob_free(&P);
 }
 
+/* fa_dropout_keep outside [0, 1): p <= 0 keeps every element, p >= 1 and NaN none (the
+ * conversion of a negative or NaN threshold was undefined). */
+static void check_dropout_keep(tu_rng *r)
+{
+    tu_where = "fa_dropout_keep outside [0, 1)";
+    for (int i = 0; i < 64; i++) {
+        const uint64_t seed = tu_rng_u64(r);
+        const int64_t row = tu_rng_int(r, 0, 100), col = tu_rng_int(r, 0, 100);
+        TU_CHECK(fa_dropout_keep(seed, 0, 4, 1, 2, row, col, -0.5) == 1, "p -0.5 dropped");
+        TU_CHECK(fa_dropout_keep(seed, 0, 4, 1, 2, row, col, 0.0) == 1, "p 0 dropped");
+        TU_CHECK(fa_dropout_keep(seed, 0, 4, 1, 2, row, col, 1.0) == 0, "p 1 kept");
+        TU_CHECK(fa_dropout_keep(seed, 0, 4, 1, 2, row, col, 1.5) == 0, "p 1.5 kept");
+        TU_CHECK(fa_dropout_keep(seed, 0, 4, 1, 2, row, col, NAN) == 0, "p NaN kept");
+    }
+}
+
 int main(void)
 {
     tu_rng rng = {tu_master_seed("test_limits")};
@@ -378,5 +394,6 @@ int main(void)
     check_scalars(&rng);
     check_aliasing(&rng);
     check_threads(&rng);
+    check_dropout_keep(&rng);
     return tu_finish("test_limits");
 }
