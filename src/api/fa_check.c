@@ -223,8 +223,10 @@ fa_status fa_threads_resolve(int requested, int *threads)
 
 fa_status fa_check_count(int64_t value, const char *name)
 {
-    if (value < 0 || value > FA_MAX_EXTENT)
-        return FA_BAD("%s: must be in [0, FA_MAX_EXTENT = 2^40], got %lld", name,
+    if (value < 0)
+        return FA_BAD("%s: must be non-negative, got %lld", name, (long long)value);
+    if (value > FA_MAX_EXTENT)
+        return FA_BAD("%s: must be at most FA_MAX_EXTENT = 2^40, got %lld", name,
                       (long long)value);
     return FA_STATUS_OK;
 }
