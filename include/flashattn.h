@@ -30,6 +30,28 @@ extern "C" {
 #define FA_MAX_HEAD_DIM 256
 #define FA_DEVICE_CPU (-1)
 
+/*
+ * Limits every entry point checks, far above any real model; past them a call is refused with an
+ * error naming the argument (never an overflow, a wrap or a wrong answer):
+ * - FA_MAX_EXTENT elements (2^40) for each dimension of a tensor, its element count, the span its
+ *   strides reach over its dimensions longer than 1 (even in an empty tensor), and max_seqlen_q /
+ *   max_seqlen_k: every offset then fits int64 with room, and a tensor's bytes must not wrap the
+ *   address space. An empty tensor's data pointer is never read and may be NULL.
+ * - |softmax_scale| <= FA_MAX_SOFTMAX_SCALE, and softcap, when > 0, in [FA_MIN_SOFTCAP,
+ *   FA_MAX_SOFTCAP]: models use scales near d^-0.5 and caps of 30 to 50; inside these bounds the
+ *   scaled logits, scale / softcap and scale * log2(e) stay normal fp32 numbers.
+ * - num_threads above FA_MAX_THREADS runs FA_MAX_THREADS threads.
+ * - out (written) may not share a byte with the inputs (forward: q, k, v; KV cache: q, k_cache,
+ *   v_cache, k, v; combine: out_partial, lse_partial): such an alias is refused, naming out.
+ * - A tensor the call writes (out, lse, probs, the gradients, the caches an append writes) needs
+ *   its elements at distinct addresses: no zero stride, no strides that interleave.
+ */
+#define FA_MAX_EXTENT ((int64_t)1 << 40)
+#define FA_MAX_SOFTMAX_SCALE 1e4
+#define FA_MIN_SOFTCAP 1e-4
+#define FA_MAX_SOFTCAP 1e4
+#define FA_MAX_THREADS 1024
+
 typedef enum fa_dtype {
     FA_DTYPE_F32 = 0,
     FA_DTYPE_F16 = 1,
@@ -55,7 +77,7 @@ typedef struct fa_tensor {
     int64_t stride[FA_MAX_DIMS]; /* in elements, not bytes */
 } fa_tensor;
 
-/* Builds a tensor view; stride NULL means row-major contiguous. */
+/* Builds a tensor view; stride NULL means row-major contiguous; shape NULL gives no dimension. */
 fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *shape,
                          const int64_t *stride);
 
@@ -174,7 +196,8 @@ size_t fa_attention_backward_workspace_size(const fa_bwd_args *args);
  * positions inside the sequence. Philox4x32-10 with key (lo32(seed), hi32(seed)) and counter
  * (col >> 3, row, lo32(c), hi32(c)) with c = offset + batch * num_heads + head gives four
  * 32-bit words w0..w3; the element's 16-bit number is r = (w[(col & 7) >> 1] >> (16 * (col & 1)))
- * & 0xffff, and the element is kept iff r < floor((1 - dropout_p) * 65536).
+ * & 0xffff, and the element is kept iff r < floor((1 - dropout_p) * 65536). A dropout_p <= 0
+ * keeps every element; >= 1 or NaN keeps none.
  */
 int fa_dropout_keep(uint64_t seed, uint64_t offset, int64_t num_heads, int64_t batch,
                     int64_t head, int64_t row, int64_t col, double dropout_p);

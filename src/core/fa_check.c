@@ -2,13 +2,21 @@
  * The structural checks every entry point makes on its tensor arguments, each failing with a
  * message that names the argument.
  */
+#include <math.h>
+
 #include "core/fa_check.h"
 
 int64_t fa_tensor_numel(const fa_tensor *t)
 {
+    /* A zero or negative dimension empties the tensor whatever the others are; past int64 the
+     * count saturates, which every check refuses as too large. */
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] <= 0)
+            return 0;
     int64_t n = 1;
     for (int i = 0; i < t->ndim; i++)
-        n *= t->shape[i];
+        if (__builtin_mul_overflow(n, t->shape[i], &n))
+            return INT64_MAX;
     return n;
 }
 
@@ -17,7 +25,11 @@ int fa_dtype_is_float(fa_dtype dt)
     return dt == FA_DTYPE_F32 || dt == FA_DTYPE_F16 || dt == FA_DTYPE_BF16 || dt == FA_DTYPE_F64;
 }
 
-/* Present, known dtype, rank, sizes, data; contiguous: the last dimension has stride 1. */
+static int fa_tensor_offsets(const fa_tensor *t, int64_t *lo, int64_t *hi);
+static fa_status fa_check_address(const fa_tensor *t, const char *name, int64_t lo, int64_t hi);
+
+/* Present, known dtype, rank, sizes and strides within FA_MAX_EXTENT, data; contiguous: the
+ * last dimension has stride 1. A tensor with no element may have any data pointer. */
 static fa_status fa_check_view(const fa_tensor *t, const char *name, int ndim, int contiguous)
 {
     if (!t)
@@ -30,17 +42,28 @@ static fa_status fa_check_view(const fa_tensor *t, const char *name, int ndim, i
         if (t->shape[i] < 0)
             return FA_BAD("%s: dimension %d has negative size %lld", name, i,
                           (long long)t->shape[i]);
-        if (t->shape[i] > ((int64_t)1 << 40))
-            return FA_BAD("%s: dimension %d size %lld is too large", name, i,
-                          (long long)t->shape[i]);
+        if (t->shape[i] > FA_MAX_EXTENT)
+            return FA_BAD("%s: dimension %d size %lld is too large (at most FA_MAX_EXTENT = "
+                          "2^40)",
+                          name, i, (long long)t->shape[i]);
     }
-    if (contiguous && t->shape[ndim - 1] > 1 && t->stride[ndim - 1] != 1 &&
-        fa_tensor_numel(t) > 0)
+    const int64_t numel = fa_tensor_numel(t);
+    if (numel > FA_MAX_EXTENT)
+        return FA_BAD("%s: %lld elements in all is too many (at most FA_MAX_EXTENT = 2^40)",
+                      name, (long long)numel);
+    /* Bounded even without elements: backends compute base offsets from every stride. */
+    int64_t lo, hi;
+    if (!fa_tensor_offsets(t, &lo, &hi) || lo < -FA_MAX_EXTENT || hi > FA_MAX_EXTENT ||
+        hi - lo >= FA_MAX_EXTENT)
+        return FA_BAD("%s: its strides reach more than FA_MAX_EXTENT = 2^40 elements", name);
+    if (numel == 0)
+        return FA_STATUS_OK; /* nothing is read or written: data is never used */
+    if (contiguous && t->shape[ndim - 1] > 1 && t->stride[ndim - 1] != 1)
         return FA_BAD("%s: last dimension must be contiguous (stride 1), got stride %lld", name,
                       (long long)t->stride[ndim - 1]);
-    if (!t->data && fa_tensor_numel(t) > 0)
+    if (!t->data)
         return FA_BAD("%s: data pointer is NULL", name);
-    return FA_STATUS_OK;
+    return fa_check_address(t, name, lo, hi);
 }
 
 fa_status fa_check_tensor(const fa_tensor *t, const char *name, int ndim)
@@ -99,5 +122,105 @@ fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int6
     FA_TRY(fa_check_dim(t, "sinks", 0, h, "heads"));
     *data = (const float *)t->data;
     *stride = t->stride[0];
+    return FA_STATUS_OK;
+}
+
+
+/* ---- Extents, aliasing, scalars and thread counts (overflow-proof validation) ---- */
+
+/* The element offsets [*lo, *hi] (lo <= 0 <= hi) that a tensor reaches from its data pointer
+ * through its dimensions longer than 1; 0 when the reach does not fit int64. */
+static int fa_tensor_offsets(const fa_tensor *t, int64_t *lo, int64_t *hi)
+{
+    int64_t l = 0, h = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        int64_t reach;
+        if (t->shape[i] <= 1)
+            continue;
+        if (__builtin_mul_overflow(t->shape[i] - 1, t->stride[i], &reach))
+            return 0;
+        if (reach < 0 ? __builtin_add_overflow(l, reach, &l) : __builtin_add_overflow(h, reach, &h))
+            return 0;
+    }
+    *lo = l;
+    *hi = h;
+    return 1;
+}
+
+/* The bytes a non-empty tensor reaches (element offsets [lo, hi], bounded by FA_MAX_EXTENT) do
+ * not wrap the address space. */
+static fa_status fa_check_address(const fa_tensor *t, const char *name, int64_t lo, int64_t hi)
+{
+    const uintptr_t at = (uintptr_t)t->data, es = (uintptr_t)fa_dtype_size(t->dtype);
+    if (at < (uintptr_t)(-lo) * es || UINTPTR_MAX - at < (uintptr_t)(hi + 1) * es)
+        return FA_BAD("%s: its strides reach outside the address space from data %p", name,
+                      t->data);
+    return FA_STATUS_OK;
+}
+
+/* The bytes [*first, *end) a valid tensor touches; 0 when it has no element. */
+static int fa_tensor_bytes(const fa_tensor *t, uintptr_t *first, uintptr_t *end)
+{
+    int64_t lo, hi;
+    if (fa_tensor_numel(t) == 0 || !fa_tensor_offsets(t, &lo, &hi))
+        return 0;
+    const uintptr_t at = (uintptr_t)t->data, es = (uintptr_t)fa_dtype_size(t->dtype);
+    *first = at - (uintptr_t)(-lo) * es;
+    *end = at + (uintptr_t)(hi + 1) * es;
+    return 1;
+}
+
+fa_status fa_check_disjoint(const fa_tensor *out, const char *out_name, const fa_tensor *in,
+                            const char *in_name)
+{
+    uintptr_t o0, o1, i0, i1;
+    if (!out || !in || !fa_tensor_bytes(out, &o0, &o1) || !fa_tensor_bytes(in, &i0, &i1))
+        return FA_STATUS_OK;
+    if (o0 < i1 && i0 < o1)
+        return FA_BAD("%s: overlaps %s in memory (an output may not alias an input)", out_name,
+                      in_name);
+    return FA_STATUS_OK;
+}
+
+
+
+fa_status fa_check_count(int64_t value, const char *name)
+{
+    if (value < 0)
+        return FA_BAD("%s: must be non-negative, got %lld", name, (long long)value);
+    if (value > FA_MAX_EXTENT)
+        return FA_BAD("%s: must be at most FA_MAX_EXTENT = 2^40, got %lld", name,
+                      (long long)value);
+    return FA_STATUS_OK;
+}
+
+fa_status fa_check_writable(const fa_tensor *t, const char *name)
+{
+    if (!t || fa_tensor_numel(t) == 0)
+        return FA_STATUS_OK;
+    /* Dimensions longer than 1 by increasing |stride|: each stride must step past everything
+     * the inner ones reach (what every layout of sliced, transposed or padded memory does). */
+    int64_t n[FA_MAX_DIMS], s[FA_MAX_DIMS];
+    int k = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] <= 1)
+            continue;
+        int64_t abs_stride = t->stride[i] < 0 ? -t->stride[i] : t->stride[i];
+        int j = k++;
+        for (; j > 0 && s[j - 1] > abs_stride; j--) {
+            s[j] = s[j - 1];
+            n[j] = n[j - 1];
+        }
+        s[j] = abs_stride;
+        n[j] = t->shape[i];
+    }
+    int64_t reach = 0; /* bounded by FA_MAX_EXTENT: fa_check_tensor passed */
+    for (int j = 0; j < k; j++) {
+        if (s[j] <= reach)
+            return FA_BAD("%s: two of its elements share an address (stride %lld); a written "
+                          "tensor needs distinct elements",
+                          name, (long long)s[j]);
+        reach += (n[j] - 1) * s[j];
+    }
     return FA_STATUS_OK;
 }

@@ -18,4 +18,14 @@ fa_status fa_check_alibi(const fa_tensor *t, int64_t b, int64_t h, const float *
                          int64_t *bstride, int64_t *hstride);
 fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int64_t *stride);
 
+/* Refuses (naming out_name) an output whose bytes overlap those of the input in_name; either
+ * may be NULL or empty. Both must have passed fa_check_tensor/fa_check_strided. */
+fa_status fa_check_disjoint(const fa_tensor *out, const char *out_name, const fa_tensor *in,
+                            const char *in_name);
+/* Refuses (naming it) a tensor the call writes whose elements are not all at distinct
+ * addresses (a zero stride, or strides that interleave). NULL or empty: OK. */
+fa_status fa_check_writable(const fa_tensor *t, const char *name);
+/* A count that sizes work (max_seqlen_q/k) but backs no tensor: [0, FA_MAX_EXTENT]. */
+fa_status fa_check_count(int64_t value, const char *name);
+
 #endif /* FA_CHECK_H */

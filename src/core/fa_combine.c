@@ -75,6 +75,10 @@ fa_status fa_combine_params_from_args(const fa_combine_args *a, fa_combine_param
         c->lse_rstride = t->stride[1];
         c->lse_hstride = t->stride[2];
     }
+    FA_TRY(fa_check_disjoint(o, "out", op, "out_partial"));
+    FA_TRY(fa_check_disjoint(o, "out", lp, "lse_partial"));
+    FA_TRY(fa_check_writable(o, "out"));
+    FA_TRY(fa_check_writable(a->lse, "lse"));
     c->empty_lse = -INFINITY;
     FA_TRY(fa_check_threads(a->num_threads));
     c->num_threads = a->num_threads;

@@ -144,7 +144,11 @@ static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_kv_params *p)
                           "already maps sequences to blocks)");
         p->block_table = (const int32_t *)bt->data;
         p->bt_bstride = bt->stride[0];
-        p->capacity = bt->shape[1] * p->page_size;
+        if (__builtin_mul_overflow(bt->shape[1], p->page_size, &p->capacity) ||
+            p->capacity > FA_MAX_EXTENT)
+            return FA_BAD("block_table: %lld blocks of %lld positions exceed FA_MAX_EXTENT = "
+                          "2^40 positions",
+                          (long long)bt->shape[1], (long long)p->page_size);
     } else {
         p->capacity = p->page_size;
         if (a->cache_batch_idx) {
@@ -320,9 +324,19 @@ fa_status fa_kv_params_from_args(const fa_kvcache_args *a, fa_kv_params *p)
         return FA_BAD("args: NULL");
     FA_TRY(fa_check_device(a->device));
     FA_TRY(fa_kv_check_tensors(a, p));
+    const fa_tensor *inputs[5] = {a->q, a->k_cache, a->v_cache, a->k, a->v};
+    const char *names[5] = {"q", "k_cache", "v_cache", "k", "v"};
+    for (int i = 0; i < 5; i++)
+        FA_TRY(fa_check_disjoint(a->out, "out", inputs[i], names[i]));
+    FA_TRY(fa_check_writable(a->out, "out"));
+    if (a->k) { /* the append writes the caches */
+        FA_TRY(fa_check_writable(a->k_cache, "k_cache"));
+        FA_TRY(fa_check_writable(a->v_cache, "v_cache"));
+    }
     FA_TRY(fa_kv_check_layout(a, p));
     FA_TRY(fa_kv_check_lengths(a, p));
     FA_TRY(fa_kv_check_options(a, p));
+    FA_TRY(fa_check_writable(a->lse, "lse"));
     FA_TRY(fa_kv_check_rotary(a, p));
     return FA_STATUS_OK;
 }

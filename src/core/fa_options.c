@@ -19,11 +19,17 @@ fa_status fa_options_check(double softmax_scale, double softcap, int causal, int
         o->scale = fa_rule_default_scale(d);
     else if (!isfinite(softmax_scale))
         return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
+    else if (fabs(softmax_scale) > FA_MAX_SOFTMAX_SCALE)
+        return FA_BAD("softmax_scale: must be within [-%g, %g], got %g", FA_MAX_SOFTMAX_SCALE,
+                      FA_MAX_SOFTMAX_SCALE, softmax_scale);
     else
         o->scale = softmax_scale;
 
-    if (isnan(softcap) || isinf(softcap))
+    if (!isfinite(softcap))
         return FA_BAD("softcap: must be a finite number (<= 0 disables it)");
+    if (softcap > 0 && (softcap < FA_MIN_SOFTCAP || softcap > FA_MAX_SOFTCAP))
+        return FA_BAD("softcap: must be <= 0 (off) or within [%g, %g], got %g", FA_MIN_SOFTCAP,
+                      FA_MAX_SOFTCAP, softcap);
     o->softcap = softcap > 0 ? softcap : 0.0;
 
     if (window_left < -1)

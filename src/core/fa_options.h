@@ -25,7 +25,7 @@ fa_status fa_check_device(int device);
 fa_status fa_options_check(double softmax_scale, double softcap, int causal, int window_left,
                            int window_right, int64_t d, fa_options *o);
 
-/* num_threads: >= 0, 0 for the backend's default. */
+/* num_threads: >= 0, 0 for the backend's default (the backend clamps the count it uses). */
 fa_status fa_check_threads(int num_threads);
 
 /* lse's dtype: fp32, or fp64 when q is fp64. */

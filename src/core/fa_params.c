@@ -102,6 +102,7 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
         FA_TRY(fa_check_dim(v, "v", 1, p->max_sk, "seqlen_k, as k"));
         FA_TRY(fa_check_dim(o, "out", 0, p->b, "batch, as q"));
         FA_TRY(fa_check_dim(o, "out", 1, p->max_sq, "seqlen_q, as q"));
+        /* Both are at most an element count of q / k, which fa_check_tensor bounded. */
         p->total_q = p->b * p->max_sq;
         p->total_k = p->b * p->max_sk;
         p->q_bstride = q->stride[0];
@@ -115,12 +116,8 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
             return FA_BAD("cu_seqlens_q: batch size must be positive (needs at least 2 entries, "
                           "got %lld)",
                           (long long)a->cu_seqlens_q->shape[0]);
-        if (a->max_seqlen_q < 0)
-            return FA_BAD("max_seqlen_q: must be non-negative, got %lld",
-                          (long long)a->max_seqlen_q);
-        if (a->max_seqlen_k < 0)
-            return FA_BAD("max_seqlen_k: must be non-negative, got %lld",
-                          (long long)a->max_seqlen_k);
+        FA_TRY(fa_check_count(a->max_seqlen_q, "max_seqlen_q"));
+        FA_TRY(fa_check_count(a->max_seqlen_k, "max_seqlen_k"));
         p->max_sq = a->max_seqlen_q;
         p->max_sk = a->max_seqlen_k;
         FA_TRY(fa_check_dim(v, "v", 0, k->shape[0], "total_k, as k"));
@@ -265,8 +262,14 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
         return FA_BAD("args: NULL");
     FA_TRY(fa_check_device(a->device));
     FA_TRY(fa_check_inputs(a, p));
+    FA_TRY(fa_check_disjoint(a->out, "out", a->q, "q"));
+    FA_TRY(fa_check_disjoint(a->out, "out", a->k, "k"));
+    FA_TRY(fa_check_disjoint(a->out, "out", a->v, "v"));
     FA_TRY(fa_check_options(a, p));
     FA_TRY(fa_check_extras(a, p));
+    FA_TRY(fa_check_writable(a->out, "out"));
+    FA_TRY(fa_check_writable(a->lse, "lse"));
+    FA_TRY(fa_check_writable(a->probs, "probs"));
     if (p->probs)
         p->probs_block_n = fa_probs_block_n((int)p->d, p->dropout_p > 0.0, p->causal);
     return FA_STATUS_OK;
@@ -333,5 +336,9 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
         p->dsinks = (float *)a->dsinks->data;
         p->dsinks_stride = a->dsinks->stride[0];
     }
+    FA_TRY(fa_check_writable(a->dq, "dq"));
+    FA_TRY(fa_check_writable(a->dk, "dk"));
+    FA_TRY(fa_check_writable(a->dv, "dv"));
+    FA_TRY(fa_check_writable(a->dsinks, "dsinks"));
     return FA_STATUS_OK;
 }

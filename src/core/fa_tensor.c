@@ -13,12 +13,14 @@ FA_API fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int6
     memset(&t, 0, sizeof t);
     t.data = data;
     t.dtype = dtype;
-    t.ndim = ndim < 0 ? 0 : (ndim > FA_MAX_DIMS ? FA_MAX_DIMS : ndim);
+    t.ndim = !shape || ndim < 0 ? 0 : (ndim > FA_MAX_DIMS ? FA_MAX_DIMS : ndim);
     int64_t running = 1;
     for (int i = t.ndim - 1; i >= 0; i--) {
         t.shape[i] = shape[i];
         t.stride[i] = stride ? stride[i] : running;
-        running *= shape[i] > 0 ? shape[i] : 1;
+        /* Past int64 the stride saturates: validation refuses such a shape as too large. */
+        if (__builtin_mul_overflow(running, shape[i] > 0 ? shape[i] : 1, &running))
+            running = INT64_MAX;
     }
     return t;
 }

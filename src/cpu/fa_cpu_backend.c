@@ -7,10 +7,12 @@
 #include "cpu/fa_cpu_gemm.h"
 #include "cpu/fa_cpu_info.h"
 
-/* num_threads after the default: the caller's count, or fa_cpu_default_threads() for 0. */
+/* num_threads after the default (the caller's count, or fa_cpu_default_threads() for 0),
+ * clamped once, here, to the pool's [1, FA_MAX_THREADS]. */
 static int fa_cpu_threads(int num_threads)
 {
-    return num_threads > 0 ? num_threads : fa_cpu_default_threads();
+    const int n = num_threads > 0 ? num_threads : fa_cpu_default_threads();
+    return n < 1 ? 1 : n > FA_MAX_THREADS ? FA_MAX_THREADS : n;
 }
 
 static fa_status fa_cpu_backend_forward(const fa_params *p, const fa_fwd_args *args)

@@ -435,12 +435,12 @@ static void fa_bwd_zero_uncovered(const fa_params *p)
             if (r >= cu[0] && r < cu[p->b])
                 continue;
             for (int64_t h = 0; h < heads; h++) {
-                char *row = data + (size_t)(r * rs + h * hs) * es;
+                char *row = data + (ptrdiff_t)(r * rs + h * hs) * (ptrdiff_t)es;
                 for (size_t c = 0; c < (size_t)p->d * es; c++)
                     row[c] = 0;
                 if (which) {
                     char *vrow = (char *)p->dv_data +
-                                 (size_t)(r * p->dv_rstride + h * p->dv_hstride) * es;
+                                 (ptrdiff_t)(r * p->dv_rstride + h * p->dv_hstride) * (ptrdiff_t)es;
                     for (size_t c = 0; c < (size_t)p->dv * es; c++)
                         vrow[c] = 0;
                 }

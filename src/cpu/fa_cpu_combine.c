@@ -23,6 +23,8 @@ static double fa_combine_part_lse(const fa_combine_params *c, int64_t s, int64_t
 
 static void fa_combine_out_store(const fa_combine_params *c, int64_t off, const double *acc)
 {
+    if (c->dv == 0)
+        return; /* out is empty, its data pointer perhaps NULL */
     switch (c->out_dtype) {
     case FA_DTYPE_F32: {
         float *o = (float *)c->out + off;
@@ -89,7 +91,7 @@ static void fa_combine_row(const fa_combine_params *c, int64_t bi, int64_t r, in
         lse = mx + log(sum);
         for (int64_t s = 0; s < c->splits; s++) {
             double x = fa_combine_part_lse(c, s, lp_at);
-            if (x == INFINITY || x == -INFINITY)
+            if (x == INFINITY || x == -INFINITY || c->dv == 0) /* dv 0: o_part may be NULL */
                 continue;
             double w = exp(x - lse);
             int64_t off = s * c->op_sstride + op_at;

@@ -69,13 +69,13 @@ static void FA_FN(fa_kv_append_head)(const fa_kv_params *p, int64_t kh)
                 FA_FN(fa_store_row)(p->k_cache, kc, x, (FA_REAL)1, p->d, p->dtype);
             } else {
                 /* memmove: a caller may pass k as a view into the cache itself. */
-                memmove((char *)p->k_cache + (size_t)kc * esize,
-                        (const char *)p->k_new + (size_t)kn * esize, (size_t)p->d * esize);
+                memmove((char *)p->k_cache + (ptrdiff_t)kc * (ptrdiff_t)esize,
+                        (const char *)p->k_new + (ptrdiff_t)kn * (ptrdiff_t)esize, (size_t)p->d * esize);
             }
             const int64_t vc = fa_kv_v_at(p, blk, row, kh);
             const int64_t vn = i * p->vn_bstride + t * p->vn_rstride + kh * p->vn_hstride;
-            memmove((char *)p->v_cache + (size_t)vc * esize,
-                    (const char *)p->v_new + (size_t)vn * esize, (size_t)p->dv * esize);
+            memmove((char *)p->v_cache + (ptrdiff_t)vc * (ptrdiff_t)esize,
+                    (const char *)p->v_new + (ptrdiff_t)vn * (ptrdiff_t)esize, (size_t)p->dv * esize);
         }
     }
 }
@@ -283,8 +283,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int
     for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
         const int64_t ko = fa_kv_k_at(p, blk, row, kh);
         const int64_t vo = fa_kv_v_at(p, blk, row, kh);
-        const char *k = (const char *)p->k_cache + (size_t)ko * es;
-        const char *v = (const char *)p->v_cache + (size_t)vo * es;
+        const char *k = (const char *)p->k_cache + (ptrdiff_t)ko * (ptrdiff_t)es;
+        const char *v = (const char *)p->v_cache + (ptrdiff_t)vo * (ptrdiff_t)es;
         for (size_t off = 0; off < (size_t)p->d * es; off += 64)
             __builtin_prefetch(k + off);
         for (size_t off = 0; off < (size_t)p->dv * es; off += 64)
@@ -306,8 +306,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch_run)(const fa_kv_params *p, int64_t blk,
 {
 #if defined(__GNUC__)
     const size_t es = fa_dtype_size(p->dtype);
-    const char *k = (const char *)p->k_cache + (size_t)fa_kv_k_at(p, blk, row, kh) * es;
-    const char *v = (const char *)p->v_cache + (size_t)fa_kv_v_at(p, blk, row, kh) * es;
+    const char *k = (const char *)p->k_cache + (ptrdiff_t)fa_kv_k_at(p, blk, row, kh) * (ptrdiff_t)es;
+    const char *v = (const char *)p->v_cache + (ptrdiff_t)fa_kv_v_at(p, blk, row, kh) * (ptrdiff_t)es;
     const size_t k_span = (size_t)p->d * es, v_span = (size_t)p->dv * es;
     const size_t k_step = (size_t)p->kc_rstride * es, v_step = (size_t)p->vc_rstride * es;
     for (int64_t j = 0; j < n; j++, k += k_step, v += v_step) {

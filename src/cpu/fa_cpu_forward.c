@@ -302,7 +302,7 @@ static void fa_cpu_fill_uncovered(const fa_params *p)
         if (r >= first && r < last)
             continue;
         for (int64_t h = 0; h < p->h; h++) {
-            char *o = (char *)p->out + (size_t)(r * p->o_rstride + h * p->o_hstride) * esize;
+            char *o = (char *)p->out + (ptrdiff_t)(r * p->o_rstride + h * p->o_hstride) * (ptrdiff_t)esize;
             for (int64_t c = 0; c < p->dv * (int64_t)esize; c++)
                 o[c] = 0;
             if (p->lse)

@@ -42,9 +42,17 @@
 #define FA_CPU_INLINE static inline
 #endif
 
-/* Compile the kernels for AVX-512 and AVX2+FMA machines too, picked at load time. */
+/* Compile the kernels for AVX-512 and AVX2+FMA machines too, picked at load time; not under
+ * ThreadSanitizer, whose runtime is not ready when the clones' resolvers run. */
+#if defined(__SANITIZE_THREAD__) && !defined(FA_CPU_NO_CLONES)
+#define FA_CPU_NO_CLONES
+#endif
 #if defined(__x86_64__) && defined(__GNUC__)
+#if defined(FA_CPU_NO_CLONES)
+#define FA_CPU_CLONES
+#else
 #define FA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
 /* Code that only runs where AVX-512 exists (the bf16 paths). */
 #define FA_CPU_AVX512 __attribute__((target("arch=x86-64-v4")))
 #else
@@ -57,7 +65,9 @@
  * into their buffers there. */
 static inline int fa_cpu_rows_alias(int64_t ld, size_t esize)
 {
-    return (ld * (int64_t)esize) % 4096 == 0;
+    /* Unsigned: the stride of a dimension of size 1 may be anything, and wrapping modulo 2^64
+     * keeps the product's residue modulo 4096. */
+    return ((uint64_t)ld * (uint64_t)esize) % 4096 == 0;
 }
 
 /* Leading dimension of a forward tile's buffers of mp query columns. The products reuse them in

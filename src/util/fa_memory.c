@@ -35,15 +35,18 @@ void fa_memory_hint_array(const void *base, int ndim, const int64_t *sizes,
     for (int i = 0; i < ndim; i++) {
         if (sizes[i] <= 0)
             return;
-        const int64_t reach = (sizes[i] - 1) * strides[i];
-        if (reach < 0)
-            lo += reach;
-        else
-            hi += reach;
+        int64_t reach;
+        /* Only a hint: an extent past int64 is left without one. */
+        if (__builtin_mul_overflow(sizes[i] - 1, strides[i], &reach) ||
+            __builtin_add_overflow(reach < 0 ? lo : hi, reach, reach < 0 ? &lo : &hi))
+            return;
     }
+    int64_t lo_bytes, end_bytes;
+    if (__builtin_mul_overflow(lo, (int64_t)esize, &lo_bytes) ||
+        __builtin_add_overflow(hi, 1, &hi) || __builtin_mul_overflow(hi, (int64_t)esize, &end_bytes))
+        return;
     const uintptr_t at = (uintptr_t)base;
-    fa_memory_hint_range(at + (uintptr_t)(lo * (int64_t)esize),
-                         at + (uintptr_t)((hi + 1) * (int64_t)esize));
+    fa_memory_hint_range(at + (uintptr_t)lo_bytes, at + (uintptr_t)end_bytes);
 }
 
 void *fa_memory_alloc(size_t bytes)

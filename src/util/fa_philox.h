@@ -44,10 +44,13 @@ static inline uint32_t fa_dropout_number(const fa_philox4 *block, int64_t col)
     return (block->w[(col & 7) >> 1] >> (16 * (col & 1))) & 0xffffu;
 }
 
-/* keep iff number < threshold; threshold = floor((1 - p) * 65536). */
+/* keep iff number < threshold; threshold = floor((1 - p) * 65536). A p outside [0, 1] (which
+ * only fa_dropout_keep lets through) is taken at the nearer end; NaN keeps nothing. */
 static inline uint32_t fa_dropout_threshold(double p)
 {
-    return (uint32_t)((1.0 - p) * 65536.0);
+    if (!(p < 1.0))
+        return 0;
+    return p <= 0.0 ? 65536u : (uint32_t)((1.0 - p) * 65536.0);
 }
 
 #endif /* FA_PHILOX_H */

@@ -32,7 +32,7 @@
 #include "util/fa_export.h"
 #include "util/fa_threadpool.h"
 
-#define FA_POOL_MAX_THREADS 1024
+#define FA_POOL_MAX_THREADS FA_MAX_THREADS
 #define FA_POOL_SPIN_NS 100000
 #define FA_POOL_CLOSED (UINT64_C(1) << 31) /* in entry: the caller takes no more workers */
 #define FA_POOL_JOINED 0x7fffffffu           /* in entry: the workers that joined */
