@@ -124,10 +124,11 @@ FA_RULE void fa_rule_softcap_fold(double scale, double softcap, float *pre, floa
 /* What one row takes from the sink's gradient: exp(sink - lse) * D, D = rowsum(dO * O). */
 #define FA_RULE_SINK_GRAD(sink, lse, dsum, EXP) (EXP((sink) - (lse)) * (dsum))
 
-/* The softmax scale when the caller gives none (NaN): 1 / sqrt(head_dim). */
+/* The softmax scale when the caller gives none (NaN): head_dim ** -0.5, computed as upstream's
+ * Python computes it, so that the default is the same double. */
 FA_RULE double fa_rule_default_scale(fa_i64 head_dim)
 {
-    return 1.0 / sqrt((double)head_dim);
+    return pow((double)head_dim, -0.5);
 }
 
 #endif /* FA_RULES_H */

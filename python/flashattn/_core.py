@@ -4,7 +4,7 @@ scalar arguments: their checks and conversions, written once.
 ``forward`` (``run_forward``, which also hands back what it prepared) is the last Python step
 of every forward route: it validates what only Python can know (array kinds, devices, dtypes
 that have no C counterpart, ranks needed to allocate outputs), converts and checks the scalars
-(the default softmax scale is resolved here, ``default_scale``), allocates the outputs, fills
+(a default softmax scale goes to C as NaN, ``c_scale``), allocates the outputs, fills
 an fa_fwd_args and calls ``fa_attention_forward``. Every other rule is checked by the C
 library, whose message names the argument; ``forward`` renames the C argument names to the
 caller's. ``backward`` / ``run_backward`` do the same for fa_attention_backward. ``_cached``
@@ -76,15 +76,11 @@ def as_scale(softmax_scale):
     return scale
 
 
-def default_scale(x, softmax_scale):
-    """softmax_scale, None -> head_dim ** -0.5 of the caller's own tensor x (q, or qkv for the
-    packed forms, as upstream: the unpadded head dim). Without a head dim (rank 0, or 0) it
-    stays None and the C library's shape checks name the argument."""
-    if softmax_scale is not None:
-        return as_scale(softmax_scale)
-    if len(x.shape) == 0 or not x.shape[-1] > 0:
-        return None
-    return x.shape[-1] ** -0.5
+def c_scale(softmax_scale):
+    """softmax_scale as the C library takes it: None (the default) is NaN, which the library
+    resolves with its one rule (kernels/fa_rules.h: head_dim ** -0.5, as upstream)."""
+    scale = as_scale(softmax_scale)
+    return float("nan") if scale is None else scale
 
 
 _INT_MAX = 2**31 - 1
@@ -151,8 +147,7 @@ def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes,
     left, right = window_pair(window_size)
     dropout_p = as_float(dropout_p, "dropout_p")
     softcap = as_float(softcap, "softcap")
-    scale = default_scale(q, softmax_scale)
-    scale = float("nan") if scale is None else scale  # no head dim: C names q
+    scale = c_scale(softmax_scale)
 
     keep = []  # FaTensor objects must outlive the call
 

@@ -192,8 +192,7 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     lse = _arrays.empty_f32(kind, (b, h, sq), q)
     left, right = _core.window_pair(window_size)
     softcap = _core.as_float(softcap, "softcap")
-    scale = _core.default_scale(q, softmax_scale)
-    scale = float("nan") if scale is None else scale  # no head dim: C names q
+    scale = _core.c_scale(softmax_scale)
     num_splits = _core.as_int(num_splits, "num_splits", _core.INT32)
 
     keep, arrays, slots = [], [], []

@@ -335,7 +335,7 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
     left, right = _core.window_pair(window_size)
     if causal:
         right = 0
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = None if softmax_scale is None else float(softmax_scale)  # None: C's default
     ring = _Ring(group)
     out, lse = _RingFlashAttn.apply(q, k, v, ring, scale, left, right, float(softcap),
                                     bool(deterministic), layout)
