@@ -222,11 +222,12 @@ def prepare(x, name, kind, cuda=False):
 APPENDED = "new keys are written into it"  # what a KV-cache call writes into the caches
 
 
-def refuse_overlap(x, name, written):
+def refuse_overlap(x, name, written, kind):
     """x is written in place (``written`` says what is written): elements that share memory
     (a stride of 0 over more than one element, as expand() and broadcast_to make) are refused,
-    since each write would land on all of them."""
-    strides = x.stride() if hasattr(x, "stride") and callable(x.stride) else x.strides
+    since each write would land on all of them. ``kind`` picks the stride accessor (a branch
+    torch.compile can trace)."""
+    strides = x.stride() if kind == TORCH else x.strides
     if any(st == 0 and n > 1 for n, st in zip(x.shape, strides)):
         raise FlashAttnError("%s: elements share memory (a stride of 0, as expand() makes, "
                              "strides %s), but %s in place" % (name, tuple(strides), written))

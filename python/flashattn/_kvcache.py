@@ -103,7 +103,7 @@ def in_place(x, name, kind, written, cuda=False):
     ``written``: what the call writes into it (None: nothing). ``cuda``: a CUDA tensor is
     accepted (the combine's out)."""
     if written:
-        _arrays.refuse_overlap(x, name, written)
+        _arrays.refuse_overlap(x, name, written, kind)
     if kind == _arrays.TORCH:
         _arrays.check_device(x, name, cuda)
         if x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:

@@ -550,8 +550,8 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                 raise FlashAttnError("%s: expected a tensor on %s like q, got %s"
                                      % (name, q.device, x.device))
     if k is not None or v is not None:
-        _arrays.refuse_overlap(k_cache, "k_cache", _arrays.APPENDED)
-        _arrays.refuse_overlap(v_cache, "v_cache", _arrays.APPENDED)
+        _arrays.refuse_overlap(k_cache, "k_cache", _arrays.APPENDED, _arrays.TORCH)
+        _arrays.refuse_overlap(v_cache, "v_cache", _arrays.APPENDED, _arrays.TORCH)
     if eager:
         if q.is_cuda:
             from . import _kvcache_varlen

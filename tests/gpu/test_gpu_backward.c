@@ -380,31 +380,39 @@ static void run_refusals(void)
     const bcase *c = &cc;
     const fa_dtype dt = FA_DTYPE_F16;
     int64_t qs[4] = {1, 64, 2, 192}, ls[3] = {1, 2, 64};
-    gpu_buf q = gu_buf_new(dt, 4, qs, 0), g = gu_buf_new(dt, 4, qs, 0);
+    /* Outputs apart from the inputs and from each other (a call may not alias them); q, k and
+     * v share one input buffer, which inputs may. */
+    gpu_buf q = gu_buf_new(dt, 4, qs, 0), o = gu_buf_new(dt, 4, qs, 0), g = gu_buf_new(dt, 4, qs, 0);
+    gpu_buf dq = gu_buf_new(dt, 4, qs, 0), dk = gu_buf_new(dt, 4, qs, 0), dv = gu_buf_new(dt, 4, qs, 0);
     gpu_buf lse = gu_buf_new(FA_DTYPE_F32, 3, ls, 0);
     fa_fwd_args a;
     fa_fwd_args_init(&a);
-    a.q = a.k = a.v = a.out = &q.dev;
+    a.q = a.k = a.v = &q.dev;
+    a.out = &o.dev;
     a.lse = &lse.dev;
     a.device = 0;
     fa_bwd_args b;
     fa_bwd_args_init(&b);
-    b.fwd = &a, b.dout = &g.dev, b.dq = b.dk = b.dv = &g.dev;
+    b.fwd = &a, b.dout = &g.dev, b.dq = &dq.dev, b.dk = &dk.dev, b.dv = &dv.dev;
     b.workspace = (void *)(uintptr_t)4096; /* never touched: refused first */
     b.workspace_size = (size_t)1 << 40;
     if (fa_attention_backward(&b) != FA_STATUS_UNSUPPORTED || !strstr(fa_last_error(), "head_dim"))
         FAIL("d 192: %s", fa_last_error());
-    /* d 64 view of the same memory: a short workspace. */
-    fa_tensor q64 = fa_tensor_make(q.dev.data, dt, 4, (int64_t[4]){1, 64, 2, 64}, NULL);
-    a.q = a.k = a.v = a.out = &q64;
-    b.dout = b.dq = b.dk = b.dv = &q64;
+    /* d 64 views of the same memory: a short workspace. */
+    gpu_buf *bufs[6] = {&q, &o, &g, &dq, &dk, &dv};
+    fa_tensor v64[6];
+    for (int i = 0; i < 6; i++)
+        v64[i] = fa_tensor_make(bufs[i]->dev.data, dt, 4, (int64_t[4]){1, 64, 2, 64}, NULL);
+    a.q = a.k = a.v = &v64[0];
+    a.out = &v64[1];
+    b.dout = &v64[2], b.dq = &v64[3], b.dk = &v64[4], b.dv = &v64[5];
     size_t need = fa_attention_backward_workspace_size(&b);
     b.workspace_size = need - 1;
     if (need == 0 || fa_attention_backward(&b) != FA_STATUS_INVALID_ARGUMENT ||
         !strstr(fa_last_error(), "workspace"))
         FAIL("short workspace (need %zu): %s", need, fa_last_error());
-    gu_buf_free(&q);
-    gu_buf_free(&g);
+    for (int i = 0; i < 6; i++)
+        gu_buf_free(bufs[i]);
     gu_buf_free(&lse);
 }
 
