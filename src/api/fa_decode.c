@@ -16,8 +16,8 @@ FA_API void fa_kvcache_args_init(fa_kvcache_args *args)
 
 FA_API fa_status fa_attention_kvcache(const fa_kvcache_args *args)
 {
-    fa_kv_params p;
-    FA_TRY(fa_kv_params_from_args(args, &p));
+    fa_params p;
+    FA_TRY(fa_params_from_kvcache_args(args, &p));
     const fa_backend *be = fa_backend_of(args->device);
     if (!be->kvcache)
         return fa_backend_missing(args->device, "fa_attention_kvcache");
@@ -32,10 +32,10 @@ FA_API void fa_combine_args_init(fa_combine_args *args)
 
 FA_API fa_status fa_attention_combine(const fa_combine_args *args)
 {
-    fa_combine_params c;
-    FA_TRY(fa_combine_params_from_args(args, &c));
+    fa_params p;
+    FA_TRY(fa_params_from_combine_args(args, &p));
     const fa_backend *be = fa_backend_of(args->device);
     if (!be->combine)
         return fa_backend_missing(args->device, "fa_attention_combine");
-    return fa_dispatch_result(be->combine(&c, args));
+    return fa_dispatch_result(be->combine(&p, args));
 }

@@ -7,7 +7,6 @@
 
 #include <stddef.h>
 
-#include "core/fa_kvcache.h"
 #include "core/fa_params.h"
 
 typedef struct fa_backend {
@@ -16,8 +15,8 @@ typedef struct fa_backend {
     fa_status (*backward)(const fa_params *p, const fa_bwd_args *args);
     /* Bytes of workspace the backward needs for p; NULL: none. */
     size_t (*backward_workspace_size)(const fa_params *p);
-    fa_status (*kvcache)(const fa_kv_params *p, const fa_kvcache_args *args);
-    fa_status (*combine)(const fa_combine_params *c, const fa_combine_args *args);
+    fa_status (*kvcache)(const fa_params *p, const fa_kvcache_args *args);
+    fa_status (*combine)(const fa_params *p, const fa_combine_args *args);
 } fa_backend;
 
 /* FA_STATUS_UNSUPPORTED naming the entry point, for the backend of device that lacks it. */

@@ -30,7 +30,7 @@ static fa_status fa_kv_check_index(const fa_tensor *t, const char *name, int64_t
 }
 
 /* q, out, the caches and the new keys: ranks, dtypes, shapes; fills sizes and strides. */
-static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_kv_params *p)
+static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_params *p)
 {
     const fa_tensor *q = a->q, *kc = a->k_cache, *vc = a->v_cache, *o = a->out;
     FA_TRY(fa_check_tensor(q, "q", 4));
@@ -46,7 +46,7 @@ static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_kv_params *p)
     FA_TRY(fa_kv_check_same_dtype(o, "out", p->dtype));
 
     p->b = q->shape[0];
-    p->sq = q->shape[1];
+    p->max_sq = q->shape[1];
     p->h = q->shape[2];
     p->d = q->shape[3];
     p->hk = kc->shape[2];
@@ -73,7 +73,7 @@ static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_kv_params *p)
     FA_TRY(fa_check_dim(vc, "v_cache", 1, kc->shape[1], "page size or seqlen, as k_cache"));
     FA_TRY(fa_check_dim(vc, "v_cache", 2, p->hk, "kv heads, as k_cache"));
     FA_TRY(fa_check_dim(o, "out", 0, p->b, "batch, as q"));
-    FA_TRY(fa_check_dim(o, "out", 1, p->sq, "seqlen_q, as q"));
+    FA_TRY(fa_check_dim(o, "out", 1, p->max_sq, "seqlen_q, as q"));
     FA_TRY(fa_check_dim(o, "out", 2, p->h, "heads, as q"));
     FA_TRY(fa_check_dim(o, "out", 3, p->dv, "head_dim, as v_cache"));
 
@@ -85,14 +85,14 @@ static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_kv_params *p)
     p->o_bstride = o->stride[0];
     p->o_rstride = o->stride[1];
     p->o_hstride = o->stride[2];
-    p->k_cache = kc->data;
-    p->kc_bstride = kc->stride[0];
-    p->kc_rstride = kc->stride[1];
-    p->kc_hstride = kc->stride[2];
-    p->v_cache = vc->data;
-    p->vc_bstride = vc->stride[0];
-    p->vc_rstride = vc->stride[1];
-    p->vc_hstride = vc->stride[2];
+    p->k = kc->data;
+    p->k_bstride = kc->stride[0];
+    p->k_rstride = kc->stride[1];
+    p->k_hstride = kc->stride[2];
+    p->v = vc->data;
+    p->v_bstride = vc->stride[0];
+    p->v_rstride = vc->stride[1];
+    p->v_hstride = vc->stride[2];
 
     if (!a->k != !a->v)
         return FA_BAD("%s: new keys and values are appended together; %s is NULL",
@@ -111,20 +111,20 @@ static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_kv_params *p)
         FA_TRY(fa_check_dim(v, "v", 1, p->s_new, "new keys, as k"));
         FA_TRY(fa_check_dim(v, "v", 2, p->hk, "kv heads, as k_cache"));
         FA_TRY(fa_check_dim(v, "v", 3, p->dv, "head_dim, as v_cache"));
-        p->k_new = k->data;
-        p->kn_bstride = k->stride[0];
-        p->kn_rstride = k->stride[1];
-        p->kn_hstride = k->stride[2];
-        p->v_new = v->data;
-        p->vn_bstride = v->stride[0];
-        p->vn_rstride = v->stride[1];
-        p->vn_hstride = v->stride[2];
+        p->knew = k->data;
+        p->knew_bstride = k->stride[0];
+        p->knew_rstride = k->stride[1];
+        p->knew_hstride = k->stride[2];
+        p->vnew = v->data;
+        p->vnew_bstride = v->stride[0];
+        p->vnew_rstride = v->stride[1];
+        p->vnew_hstride = v->stride[2];
     }
     return FA_STATUS_OK;
 }
 
 /* The layout of the cache: paged through block_table, or one row per sequence. */
-static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_kv_params *p)
+static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_params *p)
 {
     const fa_tensor *kc = a->k_cache;
     p->paged = a->block_table != NULL;
@@ -144,13 +144,13 @@ static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_kv_params *p)
                           "already maps sequences to blocks)");
         p->block_table = (const int32_t *)bt->data;
         p->bt_bstride = bt->stride[0];
-        if (__builtin_mul_overflow(bt->shape[1], p->page_size, &p->capacity) ||
-            p->capacity > FA_MAX_EXTENT)
+        if (__builtin_mul_overflow(bt->shape[1], p->page_size, &p->max_sk) ||
+            p->max_sk > FA_MAX_EXTENT)
             return FA_BAD("block_table: %lld blocks of %lld positions exceed FA_MAX_EXTENT = "
                           "2^40 positions",
                           (long long)bt->shape[1], (long long)p->page_size);
     } else {
-        p->capacity = p->page_size;
+        p->max_sk = p->page_size;
         if (a->cache_batch_idx) {
             FA_TRY(fa_kv_check_index(a->cache_batch_idx, "cache_batch_idx", p->b,
                                      "cache row of each sequence", &p->batch_idx));
@@ -170,7 +170,7 @@ static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_kv_params *p)
 }
 
 /* cache_seqlens and cache_leftpad, then the blocks each sequence reaches. */
-static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_kv_params *p)
+static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_params *p)
 {
     if (a->cache_seqlens)
         FA_TRY(fa_kv_check_index(a->cache_seqlens, "cache_seqlens", p->b,
@@ -188,24 +188,24 @@ static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_kv_params *p)
             if (len < 0)
                 return FA_BAD("cache_seqlens: entry %lld is negative (%lld)", (long long)i,
                               (long long)len);
-            if (len + p->s_new > p->capacity) {
+            if (len + p->s_new > p->max_sk) {
                 if (p->paged)
                     return FA_BAD("block_table: sequence %lld needs %lld positions "
                                   "(cache_seqlens %lld + %lld new keys) but its %lld blocks of "
                                   "%lld hold %lld",
                                   (long long)i, (long long)(len + p->s_new), (long long)len,
-                                  (long long)p->s_new, (long long)(p->capacity / p->page_size),
-                                  (long long)p->page_size, (long long)p->capacity);
+                                  (long long)p->s_new, (long long)(p->max_sk / p->page_size),
+                                  (long long)p->page_size, (long long)p->max_sk);
                 return FA_BAD("cache_seqlens: sequence %lld needs %lld positions "
                               "(cache_seqlens %lld + %lld new keys), more than the cache's "
                               "%lld",
                               (long long)i, (long long)(len + p->s_new), (long long)len,
-                              (long long)p->s_new, (long long)p->capacity);
+                              (long long)p->s_new, (long long)p->max_sk);
             }
         }
         if (p->leftpad) {
             int64_t lp = p->leftpad[i];
-            int64_t limit = p->cache_seqlens ? p->cache_seqlens[i] : p->capacity;
+            int64_t limit = p->cache_seqlens ? p->cache_seqlens[i] : p->max_sk;
             if (lp < 0 || lp > limit)
                 return FA_BAD("cache_leftpad: entry %lld is %lld, outside [0, %lld] (%s)",
                               (long long)i, (long long)lp, (long long)limit,
@@ -234,7 +234,7 @@ static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_kv_params *p)
     return FA_STATUS_OK;
 }
 
-static fa_status fa_kv_check_rotary(const fa_kvcache_args *a, fa_kv_params *p)
+static fa_status fa_kv_check_rotary(const fa_kvcache_args *a, fa_params *p)
 {
     const fa_tensor *c = a->rotary_cos, *s = a->rotary_sin;
     if (!c && !s)
@@ -260,13 +260,13 @@ static fa_status fa_kv_check_rotary(const fa_kvcache_args *a, fa_kv_params *p)
                       (long long)p->rotary_dim, (long long)p->d);
 
     /* FA2 decides "local" after mapping a window side that spans the cache to unbounded. */
-    int local = (a->window_left >= 0 && a->window_left < p->capacity) ||
-                (a->window_right >= 0 && a->window_right < p->capacity);
+    int local = (a->window_left >= 0 && a->window_left < p->max_sk) ||
+                (a->window_right >= 0 && a->window_right < p->max_sk);
     p->rotary_per_row = a->causal || local;
     p->rotary_interleaved = a->rotary_interleaved != 0;
 
     const int64_t seqlen_ro = c->shape[0];
-    const int64_t q_span = p->rotary_per_row ? p->sq : (p->sq > 0 ? 1 : 0);
+    const int64_t q_span = p->rotary_per_row ? p->max_sq : (p->max_sq > 0 ? 1 : 0);
     const int64_t span = q_span > p->s_new ? q_span : p->s_new;
     for (int64_t i = 0; i < p->b; i++) {
         int64_t last = (int64_t)p->cache_seqlens[i] + span;
@@ -283,11 +283,11 @@ static fa_status fa_kv_check_rotary(const fa_kvcache_args *a, fa_kv_params *p)
 }
 
 /* lse, ALiBi, sinks and the scalar options (the forward's rules). */
-static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
+static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_params *p)
 {
     if (a->lse) {
         const fa_tensor *t = a->lse;
-        FA_TRY(fa_check_lse_dense(t, p->dtype, p->b, p->h, p->sq));
+        FA_TRY(fa_check_lse_dense(t, p->dtype, p->b, p->h, p->max_sq));
         p->lse = t->data;
         p->lse_dtype = t->dtype;
         p->lse_bstride = t->stride[0];
@@ -305,6 +305,7 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
                             a->window_right, p->d, &o));
     p->scale = o.scale;
     p->softcap = o.softcap;
+    p->causal = o.causal;
     p->window_left = o.window_left;
     p->window_right = o.window_right;
 
@@ -317,9 +318,9 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_kv_params *p)
     return FA_STATUS_OK;
 }
 
-fa_status fa_kv_params_from_args(const fa_kvcache_args *a, fa_kv_params *p)
+fa_status fa_params_from_kvcache_args(const fa_kvcache_args *a, fa_params *p)
 {
-    *p = (fa_kv_params){0};
+    *p = (fa_params){0};
     if (!a)
         return FA_BAD("args: NULL");
     FA_TRY(fa_check_device(a->device));

@@ -1,6 +1,6 @@
 /*
- * The validated parameter record of the forward and the backward: core builds it once from the
- * public arguments and every backend reads it.
+ * The validated parameter record of every call (forward, backward, KV cache, combine): core
+ * builds it once from the public arguments and every backend reads it.
  */
 #ifndef FA_PARAMS_H
 #define FA_PARAMS_H
@@ -11,31 +11,40 @@
 #include "fa_rules.h"
 
 /*
- * The forward problem after validation. Strides are in elements. In the dense form every
- * sequence has max_sq queries and max_sk keys; in the varlen form the batch stride is unused
- * and rows are token indices offset by cu_seqlens.
+ * A call after validation. Strides are in elements. In the dense form every sequence has max_sq
+ * queries and max_sk keys; in the varlen form the batch stride is unused and rows are token
+ * indices offset by cu_seqlens.
+ *
+ * The KV cache (fa_attention_kvcache) is the call's k and v, as in FA3: k_bstride steps from
+ * one cache block (or cache row) to the next, and max_sk is the positions a sequence can hold.
+ * Its own fields (the append, the layout, rotary, the split count) follow the forward's. The
+ * combine (fa_attention_combine) fills only the shape, out, lse, sinks, num_splits and its own
+ * fields (the partials, empty_lse, log).
  */
 typedef struct fa_params {
-    fa_dtype dtype;
+    fa_dtype dtype; /* of q, k, v and out; the combine: of out */
     int is_varlen;
     int64_t b, h, hk, d, dv;
-    int64_t max_sq, max_sk;
+    int64_t max_sq;  /* queries per sequence (dense, KV cache, combine); the longest (varlen) */
+    int64_t max_sk;  /* keys per sequence (dense); the longest (varlen); KV cache: capacity */
     int64_t total_q; /* rows of q: b * max_sq (dense) or q->shape[0] (varlen) */
     int64_t total_k; /* rows of k: b * max_sk (dense) or k->shape[0] (varlen) */
 
     /* q: [b, sq, h, d] or [total_q, h, d] */
     const void *q;
     int64_t q_bstride, q_rstride, q_hstride;
-    /* k: [b, sk, hk, d] or [total_k, hk, d] */
-    const void *k;
+    /* k: [b, sk, hk, d] or [total_k, hk, d]; KV cache: [blocks, page_size, hk, d], which the
+     * append writes (hence not const) */
+    void *k;
     int64_t k_bstride, k_rstride, k_hstride;
-    /* v: [b, sk, hk, dv] or [total_k, hk, dv] */
-    const void *v;
+    /* v: [b, sk, hk, dv] or [total_k, hk, dv]; KV cache: [blocks, page_size, hk, dv] */
+    void *v;
     int64_t v_bstride, v_rstride, v_hstride;
     /* out: [b, sq, h, dv] or [total_q, h, dv] */
     void *out;
     int64_t o_bstride, o_rstride, o_hstride;
-    /* lse (optional): fp32 (or fp64 with fp64 inputs) [b, h, sq] or [h, total_q] */
+    /* lse (optional): fp32 (or fp64 with fp64 inputs) [b, h, sq] or [h, total_q]; the
+     * combine: [b, sq, h], fp64 only with fp64 partials */
     void *lse;
     fa_dtype lse_dtype;
     int64_t lse_bstride, lse_hstride, lse_rstride;
@@ -69,6 +78,49 @@ typedef struct fa_params {
 
     int num_threads; /* 0: the backend's default */
 
+    /*
+     * KV cache only. Position t of sequence i is row t % page_size of block
+     * fa_kv_block(p, i, t / page_size) (fa_kvcache.h). A contiguous cache is the special case
+     * of one block per sequence (page_size = max_sk = s_cache), the block being the cache's
+     * batch row.
+     */
+    int64_t s_new; /* keys appended per sequence (0: no append) */
+    /* knew: [b, s_new, hk, d]; vnew: [b, s_new, hk, dv]: written into k/v at cache_seqlens */
+    const void *knew;
+    int64_t knew_bstride, knew_rstride, knew_hstride;
+    const void *vnew;
+    int64_t vnew_bstride, vnew_rstride, vnew_hstride;
+    int paged;
+    int64_t page_size;          /* paged: rows per block; contiguous: s_cache */
+    int64_t num_blocks;         /* paged: blocks in the cache; contiguous: b_cache */
+    const int32_t *block_table; /* paged: [b, max_blocks] */
+    int64_t bt_bstride;
+    const int32_t *batch_idx;     /* contiguous, optional: [b] */
+    const int32_t *cache_seqlens; /* [b]; NULL: every sequence fills the capacity */
+    const int32_t *leftpad;       /* [b], optional */
+    /* rotary (optional): cos, sin [seqlen_ro, rotary_dim / 2], dtype of q */
+    const void *rot_cos, *rot_sin;
+    int64_t cos_rstride, sin_rstride;
+    int64_t rotary_dim;
+    int rotary_interleaved;
+    int rotary_per_row; /* q row r at cache_seqlens + r (else every row at cache_seqlens) */
+    /* KV cache: 0 = the backend chooses, else 1 .. FA_MAX_SPLITS; combine: the partials */
+    int64_t num_splits;
+
+    /*
+     * Combine only. Row x of split s holds a normalised output o_s and its log-sum-exp l_s;
+     * the merged row is sum_s exp(l_s - L) o_s with L = log(sum_s exp(l_s)). A partial with
+     * l_s = -inf or +inf is empty and its o_s is never read.
+     */
+    fa_dtype accum_dtype; /* F32 or F64, for both partial tensors */
+    /* oaccum: [num_splits, b, sq, h, dv]; lseaccum: [num_splits, b, sq, h] */
+    const void *oaccum;
+    int64_t oaccum_sstride, oaccum_bstride, oaccum_rstride, oaccum_hstride;
+    const void *lseaccum;
+    int64_t lseaccum_sstride, lseaccum_bstride, lseaccum_rstride, lseaccum_hstride;
+    double empty_lse; /* lse of a row with nothing to merge: -inf (FA3), +inf (the forward) */
+    struct fa_cpu_log *log; /* optional: the calling decode's FLASHATTN_LOG record */
+
     /* Backward only. dout: as out; dq: as q; dk: as k; dv: as v (strides in elements). */
     const void *dout_data;
     int64_t do_bstride, do_rstride, do_hstride;
@@ -101,6 +153,12 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *args, fa_params *p);
 
 /* Validates the forward's arguments (lse required) and the gradient tensors. */
 fa_status fa_params_from_bwd_args(const fa_bwd_args *args, fa_params *p);
+
+/* The KV cache's arguments (fa_kvcache.c). Writes nothing. */
+fa_status fa_params_from_kvcache_args(const fa_kvcache_args *args, fa_params *p);
+
+/* The combine's arguments (fa_combine.c). Writes nothing. */
+fa_status fa_params_from_combine_args(const fa_combine_args *args, fa_params *p);
 
 /* The rows and keys of sequence i. */
 typedef struct fa_seq {

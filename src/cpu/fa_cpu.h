@@ -6,7 +6,6 @@
 #include <stdint.h>
 
 #include "core/fa_backend.h"
-#include "core/fa_kvcache.h"
 #include "core/fa_params.h"
 
 /* The table the API layer dispatches FA_DEVICE_CPU calls through (fa_cpu_backend.c). Its entry
@@ -17,8 +16,8 @@ extern const fa_backend fa_cpu_backend;
 fa_status fa_cpu_forward(const fa_params *p);
 fa_status fa_cpu_probs(const fa_params *p);
 fa_status fa_cpu_backward(const fa_params *p);
-fa_status fa_cpu_kvcache(const fa_kv_params *p);
-fa_status fa_cpu_combine(const fa_combine_params *c);
+fa_status fa_cpu_kvcache(const fa_params *p);
+fa_status fa_cpu_combine(const fa_params *c);
 
 /* For the tests: the most bytes of packed K/V one pass of the bf16 forward holds, so that small
  * problems take several passes (0: the default). Not thread-safe against running forwards. */

@@ -34,19 +34,19 @@ static fa_status fa_cpu_backend_backward(const fa_params *p, const fa_bwd_args *
     return fa_cpu_backward(&q);
 }
 
-static fa_status fa_cpu_backend_kvcache(const fa_kv_params *p, const fa_kvcache_args *args)
+static fa_status fa_cpu_backend_kvcache(const fa_params *p, const fa_kvcache_args *args)
 {
     (void)args;
-    fa_kv_params q = *p;
+    fa_params q = *p;
     q.num_threads = fa_cpu_threads(p->num_threads);
     return fa_cpu_kvcache(&q);
 }
 
-static fa_status fa_cpu_backend_combine(const fa_combine_params *c, const fa_combine_args *args)
+static fa_status fa_cpu_backend_combine(const fa_params *p, const fa_combine_args *args)
 {
     (void)args;
-    fa_combine_params q = *c;
-    q.num_threads = fa_cpu_threads(c->num_threads);
+    fa_params q = *p;
+    q.num_threads = fa_cpu_threads(p->num_threads);
     return fa_cpu_combine(&q);
 }
 

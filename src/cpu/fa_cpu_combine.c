@@ -14,18 +14,18 @@
 
 #define FA_COMBINE_ROWS 64 /* most rows (batch, seq, head) per work item */
 
-static double fa_combine_part_lse(const fa_combine_params *c, int64_t s, int64_t at)
+static double fa_combine_part_lse(const fa_params *c, int64_t s, int64_t at)
 {
-    int64_t off = s * c->lp_sstride + at;
-    return c->part_dtype == FA_DTYPE_F64 ? ((const double *)c->lse_part)[off]
-                                         : (double)((const float *)c->lse_part)[off];
+    int64_t off = s * c->lseaccum_sstride + at;
+    return c->accum_dtype == FA_DTYPE_F64 ? ((const double *)c->lseaccum)[off]
+                                         : (double)((const float *)c->lseaccum)[off];
 }
 
-static void fa_combine_out_store(const fa_combine_params *c, int64_t off, const double *acc)
+static void fa_combine_out_store(const fa_params *c, int64_t off, const double *acc)
 {
     if (c->dv == 0)
         return; /* out is empty, its data pointer perhaps NULL */
-    switch (c->out_dtype) {
+    switch (c->dtype) {
     case FA_DTYPE_F32: {
         float *o = (float *)c->out + off;
         for (int64_t k = 0; k < c->dv; k++)
@@ -56,17 +56,17 @@ static void fa_combine_out_store(const fa_combine_params *c, int64_t off, const 
 }
 
 /* One row (batch bi, position r, head hh); acc is dv doubles of scratch. */
-static void fa_combine_row(const fa_combine_params *c, int64_t bi, int64_t r, int64_t hh,
+static void fa_combine_row(const fa_params *c, int64_t bi, int64_t r, int64_t hh,
                            double *acc)
 {
-    const int64_t lp_at = bi * c->lp_bstride + r * c->lp_rstride + hh * c->lp_hstride;
-    const int64_t op_at = bi * c->op_bstride + r * c->op_rstride + hh * c->op_hstride;
+    const int64_t lp_at = bi * c->lseaccum_bstride + r * c->lseaccum_rstride + hh * c->lseaccum_hstride;
+    const int64_t op_at = bi * c->oaccum_bstride + r * c->oaccum_rstride + hh * c->oaccum_hstride;
     const double sink = c->sinks ? (double)c->sinks[hh * c->sinks_stride] : -INFINITY;
 
     /* A NaN lse is not an empty part: it makes the whole row NaN, as a sum with it would. */
     double mx = sink;
     int has_nan = 0;
-    for (int64_t s = 0; s < c->splits; s++) {
+    for (int64_t s = 0; s < c->num_splits; s++) {
         double x = fa_combine_part_lse(c, s, lp_at);
         has_nan |= isnan(x);
         if (x != INFINITY && x > mx)
@@ -83,24 +83,24 @@ static void fa_combine_row(const fa_combine_params *c, int64_t bi, int64_t r, in
         lse = c->empty_lse;
     } else {
         double sum = FA_RULE_SINK_TERM(c->sinks, sink, mx, exp);
-        for (int64_t s = 0; s < c->splits; s++) {
+        for (int64_t s = 0; s < c->num_splits; s++) {
             double x = fa_combine_part_lse(c, s, lp_at);
             if (x != INFINITY && x != -INFINITY)
                 sum += exp(x - mx);
         }
         lse = mx + log(sum);
-        for (int64_t s = 0; s < c->splits; s++) {
+        for (int64_t s = 0; s < c->num_splits; s++) {
             double x = fa_combine_part_lse(c, s, lp_at);
             if (x == INFINITY || x == -INFINITY || c->dv == 0) /* dv 0: o_part may be NULL */
                 continue;
             double w = exp(x - lse);
-            int64_t off = s * c->op_sstride + op_at;
-            if (c->part_dtype == FA_DTYPE_F64) {
-                const double *o = (const double *)c->o_part + off;
+            int64_t off = s * c->oaccum_sstride + op_at;
+            if (c->accum_dtype == FA_DTYPE_F64) {
+                const double *o = (const double *)c->oaccum + off;
                 for (int64_t k = 0; k < c->dv; k++)
                     acc[k] += w * o[k];
             } else {
-                const float *o = (const float *)c->o_part + off;
+                const float *o = (const float *)c->oaccum + off;
                 for (int64_t k = 0; k < c->dv; k++)
                     acc[k] += w * (double)o[k];
             }
@@ -117,7 +117,7 @@ static void fa_combine_row(const fa_combine_params *c, int64_t bi, int64_t r, in
 }
 
 typedef struct fa_combine_job {
-    const fa_combine_params *c;
+    const fa_params *c;
     int64_t rows_per_item;
     double *scratch; /* dv doubles per thread */
 } fa_combine_job;
@@ -125,22 +125,22 @@ typedef struct fa_combine_job {
 static void fa_combine_task(void *ctx, int64_t item, int thread)
 {
     const fa_combine_job *job = ctx;
-    const fa_combine_params *c = job->c;
+    const fa_params *c = job->c;
     double *acc = job->scratch + (size_t)thread * (size_t)c->dv;
-    const int64_t rows = c->b * c->sq * c->h;
+    const int64_t rows = c->b * c->max_sq * c->h;
     const int64_t per = job->rows_per_item;
     const int64_t end = (item + 1) * per < rows ? (item + 1) * per : rows;
     for (int64_t x = item * per; x < end; x++) {
         int64_t hh = x % c->h;
-        int64_t r = (x / c->h) % c->sq;
-        int64_t bi = x / (c->h * c->sq);
+        int64_t r = (x / c->h) % c->max_sq;
+        int64_t bi = x / (c->h * c->max_sq);
         fa_combine_row(c, bi, r, hh, acc);
     }
 }
 
-fa_status fa_cpu_combine(const fa_combine_params *c)
+fa_status fa_cpu_combine(const fa_params *c)
 {
-    const int64_t rows = c->b * c->sq * c->h;
+    const int64_t rows = c->b * c->max_sq * c->h;
     if (rows == 0)
         return FA_STATUS_OK;
     /* Items small enough that every thread takes one: a decode has few rows but many splits,

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "fa_rules.h"
+#include "core/fa_kvcache.h"
 #include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
@@ -54,7 +55,7 @@ typedef struct fa_kv_item {
  * row: returns its end, with its kv head (from the item's first) and its keys [a, b) among the
  * nb keys of the block from j0, of a sequence of n keys.
  */
-static inline int64_t fa_kv_run(const fa_kv_params *p, int64_t p0, int64_t per_row, int64_t g,
+static inline int64_t fa_kv_run(const fa_params *p, int64_t p0, int64_t per_row, int64_t g,
                                 int64_t m, int64_t i, int64_t n, int64_t j0, int64_t nb,
                                 int64_t *e, int64_t *a, int64_t *b)
 {
@@ -62,7 +63,7 @@ static inline int64_t fa_kv_run(const fa_kv_params *p, int64_t p0, int64_t per_r
     *e = within / g;
     /* per_row is a multiple of g, so the run ends at the next multiple of g (or at m). */
     const int64_t i1 = i + g - within % g < m ? i + g - within % g : m;
-    fa_kv_key_range(p, r, p->sq, n, a, b);
+    fa_params_key_range(p, r, p->max_sq, n, a, b);
     *a = *a - j0 > 0 ? *a - j0 : 0;
     *b = *b - j0 < nb ? *b - j0 : nb;
     return i1;
@@ -111,7 +112,7 @@ static inline int64_t fa_kv_run(const fa_kv_params *p, int64_t p0, int64_t per_r
 #undef FA_EXP_LOOP
 
 typedef struct fa_kv_job {
-    const fa_kv_params *p;
+    const fa_params *p;
     fa_kv_item *items;
     char *scratch;       /* one region per thread */
     size_t scratch_size; /* bytes per thread */
@@ -121,13 +122,13 @@ typedef struct fa_kv_job {
 } fa_kv_job;
 
 /* A head dimension rounded up to the kernel's partial-sum lanes. */
-static int64_t fa_kv_padded(const fa_kv_params *p, int64_t dim)
+static int64_t fa_kv_padded(const fa_params *p, int64_t dim)
 {
     const int64_t lanes = p->dtype == FA_DTYPE_F64 ? 8 : FA_KV_LANES_F32;
     return (dim + lanes - 1) / lanes * lanes;
 }
 
-static size_t fa_kv_scratch_size(const fa_kv_params *p, size_t real_size)
+static size_t fa_kv_scratch_size(const fa_params *p, size_t real_size)
 {
     const int64_t dp = fa_kv_padded(p, p->d), dvp = fa_kv_padded(p, p->dv);
     size_t n = (size_t)(FA_KV_BM * dp + FA_KV_BN * dp + FA_KV_BN * dvp + FA_KV_BM * FA_KV_BN +
@@ -158,7 +159,7 @@ static size_t fa_kv_scratch_size(const fa_kv_params *p, size_t real_size)
 static void fa_kv_attend_task(void *ctx, int64_t item, int thread)
 {
     const fa_kv_job *job = ctx;
-    const fa_kv_params *p = job->p;
+    const fa_params *p = job->p;
     const int64_t dp = fa_kv_padded(p, p->d), dvp = fa_kv_padded(p, p->dv);
     char *base = job->scratch + (size_t)thread * job->scratch_size;
     if (p->dtype == FA_DTYPE_F64) {
@@ -174,7 +175,7 @@ static void fa_kv_attend_task(void *ctx, int64_t item, int thread)
 
 static void fa_kv_append_task(void *ctx, int64_t item, int thread)
 {
-    const fa_kv_params *p = ctx;
+    const fa_params *p = ctx;
     (void)thread;
     if (p->dtype == FA_DTYPE_F64)
         fa_kv_append_head_f64(p, item);
@@ -196,7 +197,7 @@ static int fa_kv_item_cmp(const void *a, const void *b)
     return x->split < y->split ? -1 : (x->split > y->split);
 }
 
-fa_status fa_cpu_kvcache(const fa_kv_params *p)
+fa_status fa_cpu_kvcache(const fa_params *p)
 {
     fa_status st = FA_STATUS_OK;
     fa_cpu_log log;
@@ -214,7 +215,7 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
     int64_t base_items = 0;
     for (int64_t kh0 = 0; kh0 < p->hk; kh0 += group) {
         int64_t nkh = p->hk - kh0 < group ? p->hk - kh0 : group;
-        base_items += p->b * ((p->sq * nkh * g + FA_KV_BM - 1) / FA_KV_BM);
+        base_items += p->b * ((p->max_sq * nkh * g + FA_KV_BM - 1) / FA_KV_BM);
     }
     if (base_items == 0)
         return FA_STATUS_OK;
@@ -238,12 +239,12 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
         const int64_t n = fa_kv_seq_end(p, i) - fa_kv_seq_start(p, i);
         for (int64_t kh0 = 0; kh0 < p->hk; kh0 += group) {
             const int64_t nkh = p->hk - kh0 < group ? p->hk - kh0 : group;
-            const int64_t rows = p->sq * nkh * g, per_row = nkh * g;
+            const int64_t rows = p->max_sq * nkh * g, per_row = nkh * g;
             for (int64_t p0 = 0; p0 < rows; p0 += FA_KV_BM) {
                 const int64_t m = rows - p0 < FA_KV_BM ? rows - p0 : FA_KV_BM;
                 int64_t lo, hi, unused;
-                fa_kv_key_range(p, p0 / per_row, p->sq, n, &lo, &unused);
-                fa_kv_key_range(p, (p0 + m - 1) / per_row, p->sq, n, &unused, &hi);
+                fa_params_key_range(p, p0 / per_row, p->max_sq, n, &lo, &unused);
+                fa_params_key_range(p, (p0 + m - 1) / per_row, p->max_sq, n, &unused, &hi);
                 /* Chunks of whole key blocks, so that a split never adds a ragged block. */
                 const int64_t bn = FA_KV_BN / nkh > 0 ? FA_KV_BN / nkh : 1;
                 int64_t chunk = (hi - lo + splits - 1) / splits;
@@ -272,7 +273,7 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
     const long llc = fa_cpu_info_get()->llc_bytes;
     job.stream = kv_bytes > (double)(llc > 0 ? llc : 32L << 20);
     job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
-    const size_t rows = (size_t)(p->b * p->sq * p->h);
+    const size_t rows = (size_t)(p->b * p->max_sq * p->h);
     if (splits > 1) {
         job.ws_o = malloc((size_t)splits * rows * (size_t)p->dv * real_size);
         job.ws_lse = malloc((size_t)splits * rows * real_size);
@@ -285,37 +286,22 @@ fa_status fa_cpu_kvcache(const fa_kv_params *p)
     if (st != FA_STATUS_OK || splits == 1)
         goto done;
 
-    fa_combine_params c = {0};
-    c.splits = splits;
-    c.b = p->b;
-    c.sq = p->sq;
-    c.h = p->h;
-    c.dv = p->dv;
-    c.part_dtype = p->dtype == FA_DTYPE_F64 ? FA_DTYPE_F64 : FA_DTYPE_F32;
-    c.o_part = job.ws_o;
-    c.op_hstride = p->dv;
-    c.op_rstride = p->h * c.op_hstride;
-    c.op_bstride = p->sq * c.op_rstride;
-    c.op_sstride = p->b * c.op_bstride;
-    c.lse_part = job.ws_lse;
-    c.lp_hstride = 1;
-    c.lp_rstride = p->h;
-    c.lp_bstride = p->sq * p->h;
-    c.lp_sstride = p->b * c.lp_bstride;
-    c.out_dtype = p->dtype;
-    c.out = p->out;
-    c.o_bstride = p->o_bstride;
-    c.o_rstride = p->o_rstride;
-    c.o_hstride = p->o_hstride;
-    c.lse = p->lse;
-    c.lse_dtype = p->lse_dtype;
-    c.lse_bstride = p->lse_bstride;
-    c.lse_rstride = p->lse_rstride;
-    c.lse_hstride = p->lse_hstride;
-    c.sinks = p->sinks;
-    c.sinks_stride = p->sinks_stride;
+    /* The chunks merge as a combine call: the record already holds its shape, out, lse, sinks
+     * and threads; the partials are the split workspace. */
+    fa_params c = *p;
+    c.num_splits = splits;
+    c.accum_dtype = p->dtype == FA_DTYPE_F64 ? FA_DTYPE_F64 : FA_DTYPE_F32;
+    c.oaccum = job.ws_o;
+    c.oaccum_hstride = p->dv;
+    c.oaccum_rstride = p->h * c.oaccum_hstride;
+    c.oaccum_bstride = p->max_sq * c.oaccum_rstride;
+    c.oaccum_sstride = p->b * c.oaccum_bstride;
+    c.lseaccum = job.ws_lse;
+    c.lseaccum_hstride = 1;
+    c.lseaccum_rstride = p->h;
+    c.lseaccum_bstride = p->max_sq * p->h;
+    c.lseaccum_sstride = p->b * c.lseaccum_bstride;
     c.empty_lse = INFINITY; /* the forward's convention for a row that sees no key */
-    c.num_threads = p->num_threads;
     c.log = &log;
     st = fa_cpu_combine(&c);
 done:
@@ -325,7 +311,7 @@ done:
                  "kvcache %s b %lld h %lld/%lld sq %lld keys %lld d %lld/%lld, %d threads, "
                  "%lld splits%s",
                  fa_dtype_name(p->dtype), (long long)p->b, (long long)p->h, (long long)p->hk,
-                 (long long)p->sq, (long long)max_keys, (long long)p->d, (long long)p->dv,
+                 (long long)p->max_sq, (long long)max_keys, (long long)p->d, (long long)p->dv,
                  p->num_threads, (long long)splits, job.stream ? ", prefetch" : "");
         fa_cpu_log_print(&log, head);
     }

@@ -27,7 +27,7 @@ typedef struct FA_FN(fa_kv_tile) {
  * Rotates the first rotary_dim features of x by the angles of row pos of cos/sin: pairs
  * (2t, 2t+1) interleaved (GPT-J), (t, t + rotary_dim/2) otherwise (GPT-NeoX).
  */
-FA_CPU_INLINE void FA_FN(fa_kv_rotate)(const fa_kv_params *p, FA_REAL *x, int64_t pos)
+FA_CPU_INLINE void FA_FN(fa_kv_rotate)(const fa_params *p, FA_REAL *x, int64_t pos)
 {
     FA_REAL c[FA_MAX_HEAD_DIM / 2], s[FA_MAX_HEAD_DIM / 2];
     const int64_t half = p->rotary_dim / 2;
@@ -52,7 +52,7 @@ FA_CPU_INLINE void FA_FN(fa_kv_rotate)(const fa_kv_params *p, FA_REAL *x, int64_
  * Appends the new keys and values of kv head kh for every sequence, in batch order, so that
  * when two sequences share cache rows the later one's values stay whatever the thread count.
  */
-static void FA_FN(fa_kv_append_head)(const fa_kv_params *p, int64_t kh)
+static void FA_FN(fa_kv_append_head)(const fa_params *p, int64_t kh)
 {
     const size_t esize = fa_dtype_size(p->dtype);
     for (int64_t i = 0; i < p->b; i++) {
@@ -61,21 +61,21 @@ static void FA_FN(fa_kv_append_head)(const fa_kv_params *p, int64_t kh)
             const int64_t blk = fa_kv_block(p, i, pos / p->page_size);
             const int64_t row = pos % p->page_size;
             const int64_t kc = fa_kv_k_at(p, blk, row, kh);
-            const int64_t kn = i * p->kn_bstride + t * p->kn_rstride + kh * p->kn_hstride;
+            const int64_t kn = i * p->knew_bstride + t * p->knew_rstride + kh * p->knew_hstride;
             if (p->rot_cos) {
                 FA_REAL x[FA_MAX_HEAD_DIM];
-                FA_FN(fa_load_row)(x, p->k_new, kn, p->d, p->dtype);
+                FA_FN(fa_load_row)(x, p->knew, kn, p->d, p->dtype);
                 FA_FN(fa_kv_rotate)(p, x, pos);
-                FA_FN(fa_store_row)(p->k_cache, kc, x, (FA_REAL)1, p->d, p->dtype);
+                FA_FN(fa_store_row)(p->k, kc, x, (FA_REAL)1, p->d, p->dtype);
             } else {
                 /* memmove: a caller may pass k as a view into the cache itself. */
-                memmove((char *)p->k_cache + (ptrdiff_t)kc * (ptrdiff_t)esize,
-                        (const char *)p->k_new + (ptrdiff_t)kn * (ptrdiff_t)esize, (size_t)p->d * esize);
+                memmove((char *)p->k + (ptrdiff_t)kc * (ptrdiff_t)esize,
+                        (const char *)p->knew + (ptrdiff_t)kn * (ptrdiff_t)esize, (size_t)p->d * esize);
             }
             const int64_t vc = fa_kv_v_at(p, blk, row, kh);
-            const int64_t vn = i * p->vn_bstride + t * p->vn_rstride + kh * p->vn_hstride;
-            memmove((char *)p->v_cache + (ptrdiff_t)vc * (ptrdiff_t)esize,
-                    (const char *)p->v_new + (ptrdiff_t)vn * (ptrdiff_t)esize, (size_t)p->dv * esize);
+            const int64_t vn = i * p->vnew_bstride + t * p->vnew_rstride + kh * p->vnew_hstride;
+            memmove((char *)p->v + (ptrdiff_t)vc * (ptrdiff_t)esize,
+                    (const char *)p->vnew + (ptrdiff_t)vn * (ptrdiff_t)esize, (size_t)p->dv * esize);
         }
     }
 }
@@ -274,7 +274,7 @@ FA_CPU_INLINE void FA_FN(fa_kv_pv4)(FA_REAL *o, int64_t ldo, const FA_REAL *pr, 
 }
 
 /* Asks for the cache lines of the key and value rows of heads [kh0, kh0 + nkh) at pos. */
-FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int64_t kh0,
+FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_params *p, int64_t seq, int64_t kh0,
                                          int64_t nkh, int64_t pos)
 {
 #if defined(__GNUC__)
@@ -283,8 +283,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int
     for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
         const int64_t ko = fa_kv_k_at(p, blk, row, kh);
         const int64_t vo = fa_kv_v_at(p, blk, row, kh);
-        const char *k = (const char *)p->k_cache + (ptrdiff_t)ko * (ptrdiff_t)es;
-        const char *v = (const char *)p->v_cache + (ptrdiff_t)vo * (ptrdiff_t)es;
+        const char *k = (const char *)p->k + (ptrdiff_t)ko * (ptrdiff_t)es;
+        const char *v = (const char *)p->v + (ptrdiff_t)vo * (ptrdiff_t)es;
         for (size_t off = 0; off < (size_t)p->d * es; off += 64)
             __builtin_prefetch(k + off);
         for (size_t off = 0; off < (size_t)p->dv * es; off += 64)
@@ -301,15 +301,15 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_kv_params *p, int64_t seq, int
  * blocks ahead, so the requests spread over the block's work rather than coming in one burst
  * at its start; L2 is the level that paid (L1 and non-temporal requests did not).
  */
-FA_CPU_INLINE void FA_FN(fa_kv_prefetch_run)(const fa_kv_params *p, int64_t blk, int64_t row,
+FA_CPU_INLINE void FA_FN(fa_kv_prefetch_run)(const fa_params *p, int64_t blk, int64_t row,
                                              int64_t kh, int64_t n)
 {
 #if defined(__GNUC__)
     const size_t es = fa_dtype_size(p->dtype);
-    const char *k = (const char *)p->k_cache + (ptrdiff_t)fa_kv_k_at(p, blk, row, kh) * (ptrdiff_t)es;
-    const char *v = (const char *)p->v_cache + (ptrdiff_t)fa_kv_v_at(p, blk, row, kh) * (ptrdiff_t)es;
+    const char *k = (const char *)p->k + (ptrdiff_t)fa_kv_k_at(p, blk, row, kh) * (ptrdiff_t)es;
+    const char *v = (const char *)p->v + (ptrdiff_t)fa_kv_v_at(p, blk, row, kh) * (ptrdiff_t)es;
     const size_t k_span = (size_t)p->d * es, v_span = (size_t)p->dv * es;
-    const size_t k_step = (size_t)p->kc_rstride * es, v_step = (size_t)p->vc_rstride * es;
+    const size_t k_step = (size_t)p->k_rstride * es, v_step = (size_t)p->v_rstride * es;
     for (int64_t j = 0; j < n; j++, k += k_step, v += v_step) {
         for (size_t off = 0; off < k_span; off += 64)
             __builtin_prefetch(k + off, 0, 1);
@@ -328,7 +328,7 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch_run)(const fa_kv_params *p, int64_t blk,
  * anywhere, so the rows FA_KV_PREFETCH positions ahead are requested early when they lie in
  * another page (and below pos_end).
  */
-FA_CPU_INLINE void FA_FN(fa_kv_block_load)(const fa_kv_params *p, FA_FN(fa_kv_tile) * t,
+FA_CPU_INLINE void FA_FN(fa_kv_block_load)(const fa_params *p, FA_FN(fa_kv_tile) * t,
                                            int64_t seq, int64_t kh0, int64_t nkh, int64_t pos0,
                                            int64_t n, int64_t pos_end, int64_t dp, int64_t dvp,
                                            int load_k, int load_v)
@@ -344,9 +344,9 @@ FA_CPU_INLINE void FA_FN(fa_kv_block_load)(const fa_kv_params *p, FA_FN(fa_kv_ti
             const int64_t ko = fa_kv_k_at(p, blk, row, kh);
             const int64_t vo = fa_kv_v_at(p, blk, row, kh);
             if (load_k)
-                FA_FN(fa_load_row)(t->k + (j * nkh + e) * dp, p->k_cache, ko, p->d, p->dtype);
+                FA_FN(fa_load_row)(t->k + (j * nkh + e) * dp, p->k, ko, p->d, p->dtype);
             if (load_v)
-                FA_FN(fa_load_row)(t->v + (j * nkh + e) * dvp, p->v_cache, vo, p->dv, p->dtype);
+                FA_FN(fa_load_row)(t->v + (j * nkh + e) * dvp, p->v, vo, p->dv, p->dtype);
         }
         if (++row == p->page_size && j + 1 < n) {
             row = 0;
@@ -363,11 +363,11 @@ FA_CPU_INLINE void FA_FN(fa_kv_block_load)(const fa_kv_params *p, FA_FN(fa_kv_ti
  * through contiguous memory. Writes the final out/lse when ws_o is NULL, else the normalised
  * partial output and its lse into the split workspace.
  */
-FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv_tile) * t,
+FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_tile) * t,
                                               const fa_kv_item *it, FA_REAL *ws_o,
                                               FA_REAL *ws_lse, int stream)
 {
-    const int64_t g = p->h / p->hk, d = p->d, dv = p->dv, sq = p->sq;
+    const int64_t g = p->h / p->hk, d = p->d, dv = p->dv, sq = p->max_sq;
     const int64_t dp = (d + FA_LANES - 1) / FA_LANES * FA_LANES;
     const int64_t dvp = (dv + FA_LANES - 1) / FA_LANES * FA_LANES;
     const int64_t seq = it->seq, kh0 = it->kh0, nkh = it->nkh, p0 = it->p0, m = it->m;
@@ -408,8 +408,8 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
 
     /* Both window edges grow with the row, so the item's keys lie between these two. */
     int64_t lo, hi, unused;
-    fa_kv_key_range(p, p0 / per_row, sq, n, &lo, &unused);
-    fa_kv_key_range(p, (p0 + m - 1) / per_row, sq, n, &unused, &hi);
+    fa_params_key_range(p, p0 / per_row, sq, n, &lo, &unused);
+    fa_params_key_range(p, (p0 + m - 1) / per_row, sq, n, &unused, &hi);
     lo = lo > it->j0 ? lo : it->j0;
     hi = hi < it->j1 ? hi : it->j1;
 
@@ -440,19 +440,19 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
         const int v_pv4 = v_in_place && pv4;
         if (k_in_place) {
             const int64_t at = fa_kv_k_at(p, blk, row, kh0);
-            kb = k16 ? (const void *)((const uint16_t *)p->k_cache + at)
-                     : (const void *)((const FA_REAL *)p->k_cache + at);
-            k_js = p->kc_rstride;
-            k_es = p->kc_hstride;
+            kb = k16 ? (const void *)((const uint16_t *)p->k + at)
+                     : (const void *)((const FA_REAL *)p->k + at);
+            k_js = p->k_rstride;
+            k_es = p->k_hstride;
         }
         if (v_in_place) {
             const int64_t at = fa_kv_v_at(p, blk, row, kh0);
             if (v16)
-                vb16 = (const uint16_t *)p->v_cache + at;
+                vb16 = (const uint16_t *)p->v + at;
             else
-                vb = (const FA_REAL *)p->v_cache + at;
-            v_js = p->vc_rstride;
-            v_es = p->vc_hstride;
+                vb = (const FA_REAL *)p->v + at;
+            v_js = p->v_rstride;
+            v_es = p->v_hstride;
         }
         if (!k_in_place || !v_in_place)
             FA_FN(fa_kv_block_load)(p, t, seq, kh0, nkh, pos0, nb, start + hi, dp, dvp,
@@ -473,7 +473,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
         for (int64_t i = 0; i < m; i++) {
             const int64_t r = (p0 + i) / per_row;
             int64_t a, b;
-            fa_kv_key_range(p, r, sq, n, &a, &b);
+            fa_params_key_range(p, r, sq, n, &a, &b);
             a = a - j0 > 0 ? a - j0 : 0;
             b = b - j0 < nb ? b - j0 : nb;
             if (a >= b)
