@@ -17,9 +17,11 @@
  *
  * The KV cache (fa_attention_kvcache) is the call's k and v, as in FA3: k_bstride steps from
  * one cache block (or cache row) to the next, and max_sk is the positions a sequence can hold.
- * Its own fields (the append, the layout, rotary, the split count) follow the forward's. The
- * combine (fa_attention_combine) fills only the shape, out, lse, sinks, num_splits and its own
- * fields (the partials, empty_lse, log).
+ * Reused rather than given kc_* fields because a cache block plays the forward's batch row: a
+ * key is still at block * k_bstride + row * k_rstride + head * k_hstride. Its own fields (the
+ * append, the layout, rotary, the split count) follow the forward's. The combine
+ * (fa_attention_combine) fills only dtype, b, max_sq, h, dv, out, lse, sinks, num_splits,
+ * num_threads and its own fields (the partials, empty_lse, log).
  */
 typedef struct fa_params {
     fa_dtype dtype; /* of q, k, v and out; the combine: of out */
@@ -27,17 +29,18 @@ typedef struct fa_params {
     int64_t b, h, hk, d, dv;
     int64_t max_sq;  /* queries per sequence (dense, KV cache, combine); the longest (varlen) */
     int64_t max_sk;  /* keys per sequence (dense); the longest (varlen); KV cache: capacity */
+    /* Forward and backward only: */
     int64_t total_q; /* rows of q: b * max_sq (dense) or q->shape[0] (varlen) */
     int64_t total_k; /* rows of k: b * max_sk (dense) or k->shape[0] (varlen) */
 
     /* q: [b, sq, h, d] or [total_q, h, d] */
     const void *q;
     int64_t q_bstride, q_rstride, q_hstride;
-    /* k: [b, sk, hk, d] or [total_k, hk, d]; KV cache: [blocks, page_size, hk, d], which the
-     * append writes (hence not const) */
+    /* k: [b, sk, hk, d] or [total_k, hk, d]; KV cache: [blocks, page_size, hk, d] (paged) or
+     * [b_cache, s_cache, hk, d], which the append writes (hence not const) */
     void *k;
     int64_t k_bstride, k_rstride, k_hstride;
-    /* v: [b, sk, hk, dv] or [total_k, hk, dv]; KV cache: [blocks, page_size, hk, dv] */
+    /* v: [b, sk, hk, dv] or [total_k, hk, dv]; KV cache: as k, with dv */
     void *v;
     int64_t v_bstride, v_rstride, v_hstride;
     /* out: [b, sq, h, dv] or [total_q, h, dv] */
