@@ -1,7 +1,7 @@
 /*
  * CPU backward, in parallel phases over the thread pool:
  *   1. D = rowsum(dout * out) per (row, head) into a workspace of b*sq*h reals, and dsinks;
- *   2. fused (enough (sequence, kv head) pairs, fa_bwd_stripes): one item per pair and stripe of
+ *   2. fused (enough (sequence, kv head) pairs, fa_plan_cpu_bwd_stripes): one item per pair and stripe of
  *      its key chunks computes dK, dV and the stripe's share of dQ in a copy of its own (the
  *      last stripes as two items of half the query rows, below FA_CPU_BWD_HALVES_BELOW items);
  *      then the copies are summed in stripe order;
@@ -371,52 +371,6 @@ static int64_t fa_bwd_chunks_make(const fa_params *p, int by_keys, int64_t block
     return n;
 }
 
-/* Keys per key-pass chunk: FA_CPU_BWD_NK, halved (down to a quarter of it) while the chunk's dK
- * and dV accumulators would not fit in the thread's share of L2 (on a 2 MB L2, every head dim
- * and type keeps FA_CPU_BWD_NK). */
-static int64_t fa_bwd_chunk_keys(const fa_params *p, size_t real_size)
-{
-    const size_t l2 = (size_t)fa_cpu_l2_share();
-    const size_t row = (size_t)(fa_cpu_gemm_pad(p->d) + fa_cpu_gemm_pad(p->dv)) * real_size;
-    int64_t nk = FA_CPU_BWD_NK;
-    while (nk > FA_CPU_BWD_NK / 4 && (size_t)nk * row > l2)
-        nk /= 2;
-    return nk;
-}
-
-/*
- * The fused schedule's stripes (0: the two passes instead) and keys per chunk, from the shape
- * only, so that results never depend on the thread count. Fused needs FA_CPU_BWD_FUSED_ITEMS
- * items to keep the threads busy and aims for FA_CPU_BWD_STRIPE_ITEMS: (sequence, kv head)
- * pairs, times stripes of key chunks where the pairs are fewer, each stripe summing its share
- * of dQ in its own fp32 copy of q's size.
- * Chunks are fa_bwd_chunk_keys, or half that where it takes that many to make the items (each
- * chunk packs its query tiles again, a smaller cost than the two passes' extra products). The
- * copies are bounded by FA_CPU_BWD_STRIPE_BYTES; past it the two passes run.
- */
-static int64_t fa_bwd_stripes(const fa_params *p, size_t real_size, int64_t *chunk)
-{
-    const int64_t pairs = p->b * p->hk;
-    const int64_t keys = fa_bwd_chunk_keys(p, real_size);
-    *chunk = keys;
-    if (pairs >= FA_CPU_BWD_STRIPE_ITEMS)
-        return 1;
-    const double slot = (double)(p->total_q * p->h * fa_cpu_gemm_pad(p->d)) * (double)real_size;
-    for (int64_t size = keys; size >= keys / 2; size /= 2) {
-        const int64_t chunks = (p->max_sk + size - 1) / size;
-        int64_t stripes = (FA_CPU_BWD_STRIPE_ITEMS + pairs - 1) / pairs;
-        if (stripes > chunks)
-            stripes = chunks;
-        while (stripes > 1 && (double)stripes * slot > (double)FA_CPU_BWD_STRIPE_BYTES)
-            stripes--;
-        if (pairs * stripes >= FA_CPU_BWD_FUSED_ITEMS) {
-            *chunk = size;
-            return stripes;
-        }
-    }
-    return 0;
-}
-
 /* Rows of q / k that belong to no varlen sequence get zero gradients. */
 static void fa_bwd_zero_uncovered(const fa_params *p)
 {
@@ -461,7 +415,9 @@ fa_status fa_cpu_backward(const fa_params *p)
     fa_bwd_zero_uncovered(p);
 
     int64_t chunk;
-    const int64_t stripes = fa_bwd_stripes(p, real_size, &chunk);
+    const int64_t stripes =
+        fa_plan_cpu_bwd_stripes(p, (size_t)fa_cpu_l2_share(), real_size, fa_cpu_gemm_pad(p->d),
+                                fa_cpu_gemm_pad(p->dv), &chunk);
     int64_t n_q = fa_bwd_chunks_make(p, 0, FA_CPU_BM, NULL);
     int64_t n_k = fa_bwd_chunks_make(p, 1, chunk, NULL);
     int64_t n_max = n_q > n_k ? n_q : n_k;

@@ -438,7 +438,7 @@ static void FA_FN(fa_bwd_dq_reduce)(const fa_params *p, const FA_REAL *dq_ws, in
     const int64_t dq_base =
         seq_index * p->dq_bstride + seq.q_start * p->dq_rstride + h * p->dq_hstride;
     const int64_t klen = fa_bwd_key_count(p, seq_index);
-    int64_t lo[FA_CPU_BWD_STRIPE_ITEMS], hi[FA_CPU_BWD_STRIPE_ITEMS]; /* fa_bwd_stripes' bound */
+    int64_t lo[FA_CPU_BWD_STRIPE_ITEMS], hi[FA_CPU_BWD_STRIPE_ITEMS]; /* fa_plan_cpu_bwd_stripes' bound */
     for (int64_t s = 0; s < stripes; s++)
         fa_bwd_stripe_rows(p, &seq, klen, s, stripes, chunk, &lo[s], &hi[s]);
     for (int64_t r = r_lo; r < r_hi; r++) {

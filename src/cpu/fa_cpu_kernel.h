@@ -12,22 +12,6 @@
 #include "util/fa_philox.h"
 
 #define FA_CPU_BM 64 /* query rows per tile (backward) */
-#define FA_CPU_BWD_FUSED_ITEMS 32 /* work items from which the backward runs fused */
-/* Items the fused backward's stripes aim for: with many threads a slow core holds up the last
- * wave of equal items, and more, smaller items keep the threads busier for the same total
- * work, at the cost of more dQ copies to sum. */
-#define FA_CPU_BWD_STRIPE_ITEMS 128
-/* Below this many items, the last stripe of each (sequence, kv head) runs as two items of half
- * its query rows, queued last, so that the threads finish on items half as long; with more
- * items a thread the last wave costs little. Their dK/dV slots (2 x the last stripe's chunks)
- * must fit in the kept workspace with the dQ copies (FA_MEMORY_KEEP_MAX). */
-#define FA_CPU_BWD_HALVES_BELOW (2 * FA_CPU_BWD_STRIPE_ITEMS)
-/* Bound of the fused backward's dQ copies when it stripes key chunks (fa_cpu_backward.c). */
-#define FA_CPU_BWD_STRIPE_BYTES ((size_t)256 << 20)
-/* Keys per backward key-pass item (fewer on a small L2: fa_bwd_chunk_keys). Query tiles are
- * packed once per item, so longer items transpose less; at 512 the item's dK/dV accumulators,
- * 512 KB at d128 fp32, still sit in a 2 MB L2. The bf16 backward on AMX is fastest at 512 too. */
-#define FA_CPU_BWD_NK 512
 /* Most columns of a forward tile's query-column buffers (Q^T, S^T, P^T, O^T): see
  * fa_cpu_tile_ld. */
 #define FA_CPU_FWD_LD_MAX (FA_CPU_FWD_BM_MAX + 16)

@@ -74,3 +74,50 @@ int fa_plan_cpu_splits(int64_t threads, int64_t base_items, int64_t max_keys)
             return (int)s;
     return 1;
 }
+
+/* Keys per key-pass chunk: FA_CPU_BWD_NK, halved (down to a quarter of it) while the chunk's dK
+ * and dV accumulators would not fit in the thread's share of L2 (on a 2 MB L2, every head dim
+ * and type keeps FA_CPU_BWD_NK). */
+static int64_t fa_plan_cpu_bwd_chunk_keys(size_t l2, size_t real_size, int64_t d_pad,
+                                          int64_t dv_pad)
+{
+    const size_t row = (size_t)(d_pad + dv_pad) * real_size;
+    int64_t nk = FA_CPU_BWD_NK;
+    while (nk > FA_CPU_BWD_NK / 4 && (size_t)nk * row > l2)
+        nk /= 2;
+    return nk;
+}
+
+/*
+ * The fused schedule's stripes (0: the two passes instead) and keys per chunk, from the shape
+ * only, so that results never depend on the thread count. Fused needs FA_CPU_BWD_FUSED_ITEMS
+ * items to keep the threads busy and aims for FA_CPU_BWD_STRIPE_ITEMS: (sequence, kv head)
+ * pairs, times stripes of key chunks where the pairs are fewer, each stripe summing its share
+ * of dQ in its own fp32 copy of q's size.
+ * Chunks are fa_plan_cpu_bwd_chunk_keys, or half that where it takes that many to make the items (each
+ * chunk packs its query tiles again, a smaller cost than the two passes' extra products). The
+ * copies are bounded by FA_CPU_BWD_STRIPE_BYTES; past it the two passes run.
+ */
+int64_t fa_plan_cpu_bwd_stripes(const fa_params *p, size_t l2, size_t real_size, int64_t d_pad,
+                                int64_t dv_pad, int64_t *chunk)
+{
+    const int64_t pairs = p->b * p->hk;
+    const int64_t keys = fa_plan_cpu_bwd_chunk_keys(l2, real_size, d_pad, dv_pad);
+    *chunk = keys;
+    if (pairs >= FA_CPU_BWD_STRIPE_ITEMS)
+        return 1;
+    const double slot = (double)(p->total_q * p->h * d_pad) * (double)real_size;
+    for (int64_t size = keys; size >= keys / 2; size /= 2) {
+        const int64_t chunks = (p->max_sk + size - 1) / size;
+        int64_t stripes = (FA_CPU_BWD_STRIPE_ITEMS + pairs - 1) / pairs;
+        if (stripes > chunks)
+            stripes = chunks;
+        while (stripes > 1 && (double)stripes * slot > (double)FA_CPU_BWD_STRIPE_BYTES)
+            stripes--;
+        if (pairs * stripes >= FA_CPU_BWD_FUSED_ITEMS) {
+            *chunk = size;
+            return stripes;
+        }
+    }
+    return 0;
+}
