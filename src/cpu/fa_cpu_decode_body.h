@@ -547,17 +547,19 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
         if (ws_o) {
             /* A chunk without visible keys is an empty part (lse -inf) for the combine. */
             const int64_t at = ((it->split * p->b + seq) * sq + r) * p->h + hq;
-            FA_REAL inv = l > 0 ? 1 / l : 0;
+            FA_REAL inv = l > 0 || l != l ? 1 / l : 0; /* NaN: a NaN part, NaN lse below */
             for (int64_t c = 0; c < dv; c++)
                 ws_o[at * dv + c] = t->o[i * dvp + c] * inv;
-            ws_lse[at] = l > 0 ? mx + FA_LOG(l) : -(FA_REAL)INFINITY;
+            ws_lse[at] = l > 0 || l != l ? mx + FA_LOG(l) : -(FA_REAL)INFINITY;
             continue;
         }
         const FA_REAL sink = p->sinks ? (FA_REAL)p->sinks[hq * p->sinks_stride]
                                       : -(FA_REAL)INFINITY;
         const FA_REAL big = mx > sink ? mx : sink;
         FA_REAL lse, out_scale;
-        if (big == -(FA_REAL)INFINITY) {
+        if (l != l) {
+            lse = out_scale = l; /* a NaN score reached the sum: the whole row is NaN */
+        } else if (big == -(FA_REAL)INFINITY) {
             lse = (FA_REAL)INFINITY; /* no visible key and no sink: upstream's empty row */
             out_scale = 0;
         } else {
