@@ -1,8 +1,8 @@
 /*
  * exp on AVX-512 for the softmax's exponentials (fa_cpu_bf16_exp_pack, fa_cpu_exp_rows_f32):
  * within 1.2e-7 relative (about an ulp; 9.05e-8 the worst seen over 2M arguments), 0 below
- * e^-87.34 and for -inf so that results stay normal, as fa_expf's do, NaN for NaN, in about half of
- * fa_expf's instructions. exp(x) = 2^n 2^r with n = round(x log2 e) and r = x log2 e - n in
+ * e^-87.34 and for -inf so that results stay normal, as fa_expf's do, NaN for NaN, in about half
+ * of fa_expf's instructions. exp(x) = 2^n 2^r with n = round(x log2 e) and r = x log2 e - n in
  * [-1/2, 1/2], taken with log2 e in two parts so that r carries no error proportional to |x|;
  * 2^r by a degree-6 polynomial fitted for relative error on that interval (7.9e-8 with fp32
  * rounding); scalef adds n to the exponent.
