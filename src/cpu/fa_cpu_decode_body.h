@@ -504,8 +504,11 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_kv_params *p, FA_FN(fa_kv
                 }
                 t->m[i] = mx;
             }
+            /* Scores all -inf so far (a +-inf in q or k): subtract 0, exp(-inf) = 0, an empty row
+             * as the forward makes it, not exp(-inf - -inf) = NaN. */
+            const FA_REAL base = mx == -(FA_REAL)INFINITY ? 0 : mx;
             for (int64_t j = a; j < b; j++)
-                s[j] = FA_EXP_LOOP(s[j] - mx);
+                s[j] = FA_EXP_LOOP(s[j] - base);
             /* Summed in FA_LANES partial sums, not as one serial chain of adds per row and
              * block, whose latency would dominate this short loop. */
             FA_FN(fa_kv_vec) part = {0}, chunk;

@@ -4,7 +4,8 @@
  * the backward). The expectation is written out here in double precision from the rounded inputs:
  *   a row whose visible scores include a NaN, or whose maximum score is +inf (exp(inf - inf)),
  *   gets out NaN in every element and lse NaN; otherwise lse = log sum exp, out = P V, which is
- *   NaN in column c exactly when a visible key's v has a NaN in column c.
+ *   NaN in column c exactly when a visible key's v has a NaN in column c; a row whose scores are
+ *   all -inf is an empty row (out 0, lse +inf), as one without visible keys.
  * A NaN key outside a row's causal mask leaves that row alone.
  */
 #include <math.h>
@@ -18,9 +19,9 @@
 
 enum { B = 2, S = 70, D = 64, AT = 37, SQ_DECODE = 2 };
 
-typedef enum nan_case { NAN_Q, NAN_K, INF_K, NAN_V, NAN_CASES } nan_case;
+typedef enum nan_case { NAN_Q, NAN_K, INF_K, NAN_V, INF_Q, NAN_CASES } nan_case;
 static const char *const case_names[NAN_CASES] = {"q NaN row", "k NaN row", "k +Inf element",
-                                                  "v NaN element"};
+                                                  "v NaN element", "q +Inf, every score -inf"};
 
 static double tolerance(fa_dtype dt)
 {
@@ -44,6 +45,12 @@ static void plant(nan_case c, tu_tensor *q, tu_tensor *k, tu_tensor *v, int64_t 
         }
         else if (c == NAN_V && e == 5)
             fa_ref_store(&v->t, ki, NAN);
+        else if (c == INF_Q && e == 3)
+            fa_ref_store(&q->t, qi, INFINITY);
+    }
+    for (int64_t j = 0; c == INF_Q && j < k->t.shape[1]; j++) { /* so every score is -inf */
+        int64_t ki[4] = {1, j, 0, 3};
+        fa_ref_store(&k->t, ki, -fabs(fa_ref_load(&k->t, ki)));
     }
 }
 
@@ -69,6 +76,12 @@ static void expect(const tu_tensor *q, const tu_tensor *k, const tu_tensor *v, i
                 mx = s[j] > mx ? s[j] : mx;
             }
             double *o = out + (b * sq + i) * D;
+            if (!nan && mx == -INFINITY) { /* every score -inf: the empty row */
+                lse[b * sq + i] = INFINITY;
+                for (int64_t e = 0; e < D; e++)
+                    o[e] = 0;
+                continue;
+            }
             if (nan || mx == INFINITY) {
                 lse[b * sq + i] = NAN;
                 for (int64_t e = 0; e < D; e++)
@@ -90,13 +103,13 @@ static void expect(const tu_tensor *q, const tu_tensor *k, const tu_tensor *v, i
         }
 }
 
-/* got NaN exactly where want is, within tolerance elsewhere; returns the NaN count. */
+/* got NaN exactly where want is, equal or within tolerance elsewhere; returns the NaN count. */
 static int64_t compare(const char *what, double got, double want, fa_dtype dt)
 {
     TU_CHECK(isnan(got) == isnan(want), "%s: got %g, want %g", what, got, want);
     if (!isnan(want))
-        TU_CHECK(fabs(got - want) <= tolerance(dt) * (1 + fabs(want)), "%s: got %g, want %g",
-                 what, got, want);
+        TU_CHECK(got == want || fabs(got - want) <= tolerance(dt) * (1 + fabs(want)),
+                 "%s: got %g, want %g", what, got, want);
     return isnan(want);
 }
 
@@ -115,8 +128,9 @@ static void check_out(const tu_tensor *out, const tu_tensor *lse, const double *
             int64_t li[3] = {b, 0, i}, fl[2] = {0, b * sq + i};
             double got = fa_ref_load(&lse->t, lse->t.ndim == 3 ? li : fl);
             compare("lse", got, want_l[b * sq + i], dt);
+            nans += want_l[b * sq + i] == INFINITY;
         }
-    TU_CHECK(nans > 0, "no NaN expected: the case plants nothing");
+    TU_CHECK(nans > 0, "neither NaN nor an empty row expected: the case plants nothing");
 }
 
 static tu_tensor tensor4(fa_dtype dt, int64_t b, int64_t s, tu_rng *r)
