@@ -107,7 +107,13 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  *      aligned to the bottom-right corner of the score matrix)
  *   lse_i = log(sum over visible j of exp(s_ij) + exp(sink_h))  (sink term only with sinks)
  *   out_i = sum over visible j of exp(s_ij - lse_i) * keep_ij / (1 - dropout_p) * v_j
- * A row with no visible key and no sink gets out 0 and lse +inf.
+ * A row with no visible key and no sink gets out 0 and lse +inf (so does a row whose scores are
+ * all -inf, as upstream). NaN and Inf follow the arithmetic: a row whose visible scores include
+ * a NaN (from q, k, softcap or ALiBi) or whose largest score is +inf (exp(inf - inf)) gets out
+ * NaN in every element and lse NaN (upstream's kernels give such a row lse +inf, the empty-row
+ * value); a NaN in v makes NaN the out columns of the rows that see its key. Keys outside a
+ * row's mask never reach it, NaN or not. The KV cache and the backward follow the same rule
+ * (gradients of a NaN row are NaN).
  *
  * Dropout: keep_ij is a pure function of (seed, offset, batch, head, i, j); see
  * fa_dropout_keep(). Dropout cannot be combined with softcap (as upstream).

@@ -323,12 +323,19 @@ FA_DEV fa_seq fa_seq_get(const fa_kparams *kp, int bi, int varlen)
  * part of the sum of exp2 (summed over the quad here), mx the row's maximum in base-2 units (-inf
  * when no key was visible), sink2 the sink logit in base 2 (-inf without). *lse gets the natural
  * log-sum-exp, +inf for a row with no visible key and no sink (upstream's empty row), *scale the
- * factor of the unnormalised O: 0 for such a row. */
+ * factor of the unnormalised O: 0 for such a row; both NaN when l is. */
 FA_DEV void fa_row_finish(float l, float mx, float sink2, float *lse, float *scale)
 {
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const float big = fmaxf(mx, sink2);
+    /* A NaN score (or +inf, exp2(inf - inf)) reached the sum, while fmaxf skipped it in mx: the
+     * row is NaN, out and lse, checked before the empty-row test that a NaN-only row would pass. */
+    if (l != l) {
+        *lse = l;
+        *scale = l;
+        return;
+    }
     if (big == -FA_INF) {
         *lse = FA_INF;
         *scale = 0.f;

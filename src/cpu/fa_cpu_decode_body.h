@@ -504,8 +504,11 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
                 }
                 t->m[i] = mx;
             }
+            /* Scores all -inf so far (a +-inf in q or k): subtract 0, exp(-inf) = 0, an empty row
+             * as the forward makes it, not exp(-inf - -inf) = NaN. */
+            const FA_REAL base = mx == -(FA_REAL)INFINITY ? 0 : mx;
             for (int64_t j = a; j < b; j++)
-                s[j] = FA_EXP_LOOP(s[j] - mx);
+                s[j] = FA_EXP_LOOP(s[j] - base);
             /* Summed in FA_LANES partial sums, not as one serial chain of adds per row and
              * block, whose latency would dominate this short loop. */
             FA_FN(fa_kv_vec) part = {0}, chunk;
@@ -547,17 +550,19 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
         if (ws_o) {
             /* A chunk without visible keys is an empty part (lse -inf) for the combine. */
             const int64_t at = ((it->split * p->b + seq) * sq + r) * p->h + hq;
-            FA_REAL inv = l > 0 ? 1 / l : 0;
+            FA_REAL inv = l > 0 || l != l ? 1 / l : 0; /* NaN: a NaN part, NaN lse below */
             for (int64_t c = 0; c < dv; c++)
                 ws_o[at * dv + c] = t->o[i * dvp + c] * inv;
-            ws_lse[at] = l > 0 ? mx + FA_LOG(l) : -(FA_REAL)INFINITY;
+            ws_lse[at] = l > 0 || l != l ? mx + FA_LOG(l) : -(FA_REAL)INFINITY;
             continue;
         }
         const FA_REAL sink = p->sinks ? (FA_REAL)p->sinks[hq * p->sinks_stride]
                                       : -(FA_REAL)INFINITY;
         const FA_REAL big = mx > sink ? mx : sink;
         FA_REAL lse, out_scale;
-        if (big == -(FA_REAL)INFINITY) {
+        if (l != l) {
+            lse = out_scale = l; /* a NaN score reached the sum: the whole row is NaN */
+        } else if (big == -(FA_REAL)INFINITY) {
             lse = (FA_REAL)INFINITY; /* no visible key and no sink: upstream's empty row */
             out_scale = 0;
         } else {

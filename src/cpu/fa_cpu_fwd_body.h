@@ -232,7 +232,9 @@ FA_CPU_INLINE void FA_FN(fa_tile_store)(const fa_params *p, const FA_REAL *mx, c
         const int64_t row = r0 + i;
         const FA_REAL big = mx[i] > sink ? mx[i] : sink;
         FA_REAL lse, out_scale;
-        if (big == -(FA_REAL)INFINITY) {
+        if (l[i] != l[i]) {
+            lse = out_scale = l[i]; /* a NaN score reached the sum: the whole row is NaN */
+        } else if (big == -(FA_REAL)INFINITY) {
             lse = (FA_REAL)INFINITY; /* no visible key and no sink: upstream's empty row */
             out_scale = 0;
         } else {

@@ -23,10 +23,12 @@ static inline float fa_math_float(uint32_t u)
 }
 
 /*
- * exp(x) within ~2 ulp for x <= 88; 0 below -87.3 (so exp(-inf) = 0, as masked scores need).
+ * exp(x) within ~2 ulp for x <= 88; 0 below -87.3 (so exp(-inf) = 0, as masked scores need);
+ * NaN for NaN (a NaN score must reach the row's sum and output).
  * x = n ln2 + r with n = round(x log2 e) taken from the low mantissa bits of x log2 e + 1.5*2^23,
  * ln2 split in two so r is exact, exp(r) by its degree-6 Taylor polynomial on |r| <= ln2/2
- * (truncation 1.2e-7 relative), then 2^n added to the exponent field.
+ * (truncation 1.2e-7 relative), then times 2^n built in an exponent field: a product (exact,
+ * the result is normal) rather than an integer add to p's bits, so that a NaN p stays NaN.
  */
 static inline float fa_expf(float x)
 {
@@ -35,7 +37,7 @@ static inline float fa_expf(float x)
     xc = xc > 88.0f ? 88.0f : xc;
     const float t = xc * 1.44269504088896341f + shift;
     const float n = t - shift;
-    const uint32_t ni = fa_math_bits(t) - fa_math_bits(shift);
+    const uint32_t ni = fa_math_bits(t) - (fa_math_bits(shift) - 127); /* n + 127 */
     float r = xc - n * 0.693145751953125f;
     r = r - n * 1.42860682030941723e-6f;
     float p = 1.0f / 720.0f;
@@ -45,7 +47,7 @@ static inline float fa_expf(float x)
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const float y = fa_math_float(fa_math_bits(p) + (ni << 23));
+    const float y = p * fa_math_float(ni << 23);
     return x < -87.3f ? 0.0f : y;
 }
 

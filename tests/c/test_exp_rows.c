@@ -1,8 +1,10 @@
 /*
  * test_exp_rows: fa_cpu_exp_rows_f32, the fp32 forward's exponentials on AVX-512, against exp in
  * double of the same fp32 argument s * emul - bmax (fused): within 1.2e-7 relative, 0 below
- * e^-87.34 and for -inf (masked scores), l grown by the outputs in row order bitwise, columns
- * outside [c0, c1) untouched. Without AVX-512 it must report so and change nothing.
+ * e^-87.34 and for -inf (masked scores), NaN for NaN scores, l grown by the outputs in row order
+ * bitwise, columns outside [c0, c1) untouched. Without AVX-512 it must report so and change
+ * nothing. fa_expf, the portable exponential, likewise: within 2.5e-7 relative, 0 below -87.3 and
+ * for -inf, NaN for NaN.
  *
  * FA_TEST_SEED=<n> reruns a run.
  */
@@ -11,6 +13,7 @@
 #include <string.h>
 
 #include "cpu/fa_cpu_gemm.h"
+#include "cpu/fa_cpu_math.h"
 #include "test_util.h"
 
 static void check_case(tu_rng *r)
@@ -22,6 +25,8 @@ static void check_case(tu_rng *r)
     float *bmax = malloc(sizeof *bmax * (size_t)cols), *l = malloc(sizeof *l * (size_t)cols);
     float *l_in = malloc(sizeof *l_in * (size_t)cols);
     tu_softmax_args(r, st, ld, n, cols, emul, bmax, l);
+    for (int64_t k = tu_rng_int(r, 0, 3); k > 0; k--) /* NaN scores (q, k or softcap NaN) */
+        st[tu_rng_int(r, 0, n - 1) * ld + tu_rng_int(r, 0, cols - 1)] = NAN;
     memcpy(in, st, sizeof *st * (size_t)(n * ld));
     memcpy(l_in, l, sizeof *l * (size_t)cols);
     if (!fa_cpu_exp_rows_f32(st, ld, n, c0, c1, emul, bmax, l)) {
@@ -45,7 +50,7 @@ static void check_case(tu_rng *r)
         for (int64_t j = 0; j < n; j++)
             for (int64_t k = c1; k < ld; k++)
                 bad_out += memcmp(&st[j * ld + k], &in[j * ld + k], sizeof(float)) != 0;
-        bad_l += i < c0 ? l[i] != l_in[i] : l[i] != want;
+        bad_l += i < c0 ? l[i] != l_in[i] : !(l[i] == want || (isnan(l[i]) && isnan(want)));
     }
     TU_CHECK(bad_e + bad_l + bad_out == 0,
              "n=%lld cols [%lld, %lld): %lld exponentials, %lld sums, %lld outside wrong",
@@ -59,10 +64,25 @@ done:
     free(l_in);
 }
 
+static void check_expf(tu_rng *r)
+{
+    int64_t bad = 0;
+    for (int it = 0; it < 200000; it++) {
+        const float x = (float)tu_rng_uniform(r, -90.0, 88.0);
+        const double ref = x < -87.3f ? 0 : exp((double)x);
+        bad += !(fabs((double)fa_expf(x) - ref) <= ref * 2.5e-7);
+    }
+    TU_CHECK(bad == 0, "fa_expf: %lld of 200000 arguments off", (long long)bad);
+    TU_CHECK(isnan(fa_expf(NAN)) && fa_expf(-INFINITY) == 0 && fa_expf(0) == 1,
+             "fa_expf: NaN %g, -inf %g, 0 %g", (double)fa_expf(NAN), (double)fa_expf(-INFINITY),
+             (double)fa_expf(0));
+}
+
 int main(void)
 {
     tu_rng rng = {tu_master_seed("test_exp_rows")};
     for (int it = 0; it < 200; it++)
         check_case(&rng);
+    check_expf(&rng);
     return tu_finish("test_exp_rows");
 }

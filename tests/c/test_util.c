@@ -436,6 +436,8 @@ void tu_softmax_args(tu_rng *r, float *st, int64_t ld, int64_t rows, int64_t col
 int tu_exp_ok(float got, float s, float emul, float bmax)
 {
     const float x = fmaf(s, emul, -bmax);
+    if (isnan(x))
+        return isnan(got); /* a NaN score must reach the row's sum */
     const double ref = x < -87.34f ? 0 : exp((double)x);
     /* 2^-126 = e^-87.3365 */
     return fabs((double)got - ref) <= ref * 1.2e-7 || (x < -87.33f && got == 0);

@@ -14,7 +14,8 @@
  *   varlen (random lengths with an empty sequence, rows of q and k outside every sequence,
  *   seqused_k, max_seqlen above the longest sequence): the same, and exact zeros on the rows
  *   outside every sequence and the keys past seqused_k, as the CPU backward writes them;
- *   an unsupported case (head dim > 128) and a short workspace refused with a message.
+ *   an unsupported case (head dim > 128) and a short workspace refused with a message;
+ *   gpu_nan.c's NaN and Inf cases (forward and backward) against the CPU, on each family.
  *   On sm_90 every case runs first with FLASHATTN_BWD_SM90=0 (the sm80 family), then the cases
  *   the sm90 family takes run again with the default plan: every run must take the sm90 family,
  *   and both a deterministic and the atomic run are held against the oracle.
@@ -34,6 +35,7 @@
 #include "cuda/fa_cuda_driver.h"
 #include "fa_ref.h"
 #include "fa_ref_bwd.h"
+#include "gpu_nan.h"
 #include "gpu_test_util.h"
 #include "util/fa_half.h"
 
@@ -524,6 +526,8 @@ int main(int argc, char **argv)
             if (gu_shard_take(cost))
                 run_case(c, FA_DTYPE_BF16);
         }
+        if (!only && gu_shard_take(gu_attn_cost(2, 2, 200, 200, 128, 128, 0) * 24))
+            failures += gpu_nan_checks(1);
         unsetenv("FLASHATTN_BWD_SM90");
     }
     if (arch == 90)
