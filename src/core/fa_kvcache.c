@@ -300,14 +300,8 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_params *p)
     if (a->sinks)
         FA_TRY(fa_check_sinks(a->sinks, p->h, &p->sinks, &p->sinks_stride));
 
-    fa_options o;
     FA_TRY(fa_options_check(a->softmax_scale, a->softcap, a->causal, a->window_left,
-                            a->window_right, p->d, &o));
-    p->scale = o.scale;
-    p->softcap = o.softcap;
-    p->causal = o.causal;
-    p->window_left = o.window_left;
-    p->window_right = o.window_right;
+                            a->window_right, p));
 
     if (a->num_splits < 0 || a->num_splits > FA_MAX_SPLITS)
         return FA_BAD("num_splits: must be in [0, %d] (0 = chosen by the library), got %d",

@@ -1,6 +1,7 @@
 /*
- * The arguments every attention call shares (the forward's, the backward's through it, and the
- * KV cache's), checked once here with the same messages.
+ * Checks every attention call shares (the forward's, the backward's through it, and the KV
+ * cache's), written once here with the same messages; the scoring options are fa_options_check
+ * (fa_params.c), which stores them in the record.
  */
 #ifndef FA_OPTIONS_H
 #define FA_OPTIONS_H
@@ -9,21 +10,8 @@
 
 #include "core/fa_error.h"
 
-/* The scoring options after validation. */
-typedef struct fa_options {
-    double scale;
-    double softcap;   /* 0: off */
-    int causal;
-    int window_left;  /* -1 unbounded */
-    int window_right; /* -1 unbounded; 0 under causal */
-} fa_options;
-
 /* device: FA_DEVICE_CPU or a CUDA ordinal. */
 fa_status fa_check_device(int device);
-
-/* softmax_scale (NaN: d^-0.5), softcap (<= 0: off), causal and the window, for head dim d. */
-fa_status fa_options_check(double softmax_scale, double softcap, int causal, int window_left,
-                           int window_right, int64_t d, fa_options *o);
 
 /* num_threads: >= 0, 0 for the backend's default (the backend clamps the count it uses). */
 fa_status fa_check_threads(int num_threads);

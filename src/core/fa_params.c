@@ -2,6 +2,8 @@
  * Validation: every rule a caller can break is checked here, once, with a message that names the
  * argument. Backends receive an fa_params they can trust.
  */
+#include <math.h>
+
 #include "core/fa_check.h"
 #include "core/fa_options.h"
 #include "core/fa_params.h"
@@ -213,16 +215,40 @@ static fa_status fa_check_extras(const fa_fwd_args *a, fa_params *p)
     return FA_STATUS_OK;
 }
 
+fa_status fa_options_check(double softmax_scale, double softcap, int causal, int window_left,
+                           int window_right, fa_params *p)
+{
+    if (isnan(softmax_scale))
+        p->scale = fa_rule_default_scale(p->d);
+    else if (!isfinite(softmax_scale))
+        return FA_BAD("softmax_scale: must be finite (or NaN for the default d^-0.5)");
+    else if (fabs(softmax_scale) > FA_MAX_SOFTMAX_SCALE)
+        return FA_BAD("softmax_scale: must be within [-%g, %g], got %g", FA_MAX_SOFTMAX_SCALE,
+                      FA_MAX_SOFTMAX_SCALE, softmax_scale);
+    else
+        p->scale = softmax_scale;
+
+    if (!isfinite(softcap))
+        return FA_BAD("softcap: must be a finite number (<= 0 disables it)");
+    if (softcap > 0 && (softcap < FA_MIN_SOFTCAP || softcap > FA_MAX_SOFTCAP))
+        return FA_BAD("softcap: must be <= 0 (off) or within [%g, %g], got %g", FA_MIN_SOFTCAP,
+                      FA_MAX_SOFTCAP, softcap);
+    p->softcap = softcap > 0 ? softcap : 0.0;
+
+    if (window_left < -1)
+        return FA_BAD("window_left: must be -1 (unbounded) or >= 0, got %d", window_left);
+    if (window_right < -1)
+        return FA_BAD("window_right: must be -1 (unbounded) or >= 0, got %d", window_right);
+    p->causal = causal != 0;
+    p->window_left = window_left;
+    p->window_right = p->causal ? 0 : window_right;
+    return FA_STATUS_OK;
+}
+
 static fa_status fa_check_options(const fa_fwd_args *a, fa_params *p)
 {
-    fa_options o;
     FA_TRY(fa_options_check(a->softmax_scale, a->softcap, a->causal, a->window_left,
-                            a->window_right, p->d, &o));
-    p->scale = o.scale;
-    p->softcap = o.softcap;
-    p->causal = o.causal;
-    p->window_left = o.window_left;
-    p->window_right = o.window_right;
+                            a->window_right, p));
 
     if (!(a->dropout_p >= 0.0 && a->dropout_p < 1.0))
         return FA_BAD("dropout_p: must be in [0, 1), got %g", a->dropout_p);

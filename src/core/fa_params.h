@@ -151,6 +151,11 @@ static inline double fa_params_lse_load(const fa_params *p, int64_t at)
                                         : (double)((const float *)p->lse)[at];
 }
 
+/* softmax_scale (NaN: the default for p->d), softcap (<= 0: off), causal and the window, checked
+ * and stored in p's scale, softcap, causal (folded into window_right) and window fields. */
+fa_status fa_options_check(double softmax_scale, double softcap, int causal, int window_left,
+                           int window_right, fa_params *p);
+
 /* Validates args (naming the argument in the error) and fills p. */
 fa_status fa_params_from_fwd_args(const fa_fwd_args *args, fa_params *p);
 
