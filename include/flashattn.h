@@ -257,6 +257,18 @@ int fa_probs_block_n(int head_dim, int dropout, int causal);
  *
  * Every argument is checked before anything is written (block ids of the blocks a sequence
  * uses, capacity for cache_seqlens + s_new, index ranges, rotary coverage, ...).
+ *
+ * On a CUDA device (fp16 and bf16) the call is asynchronous on `stream`, allocates nothing and
+ * reads no device value on the host, except as follows. The index tensors (cache_seqlens,
+ * cache_batch_idx, cache_leftpad, block_table) are device memory the host does not check; the
+ * kernels clamp every value into the caches, so a bad one gives a meaningless answer for its
+ * sequence but never reads or writes outside the caller's tensors. With a paged cache, as
+ * upstream does, the call copies cache_seqlens to the host (waiting for the stream) and refuses,
+ * naming block_table, a sequence whose cache_seqlens + s_new exceeds its block_table row; set
+ * skip_capacity_check to skip that copy (required inside CUDA graph capture). Splits need
+ * workspace: fa_attention_kvcache_workspace_size bytes of device memory, 256-byte aligned; with
+ * less (or none) a call with num_splits 0 runs unsplit and one with num_splits > 1 is refused.
+ * When two sequences write the same cache rows the result on a device is either's values.
  */
 typedef struct fa_kvcache_args {
     const fa_tensor *q;               /* [b, sq, h, d] */
@@ -284,6 +296,9 @@ typedef struct fa_kvcache_args {
     int device;             /* FA_DEVICE_CPU or a CUDA ordinal */
     void *stream;           /* CUDA stream for device >= 0; ignored on the CPU */
     int num_threads;        /* CPU threads; 0: $FLASHATTN_NUM_THREADS or every available core */
+    void *workspace;        /* CUDA: device memory for split partials, or NULL */
+    size_t workspace_size;  /* bytes at workspace */
+    int skip_capacity_check; /* CUDA, paged: 1 skips the host check of cache_seqlens (above) */
 } fa_kvcache_args;
 
 /* Defaults: no optional tensors, scale NaN, window (-1, -1), rotary_interleaved 1, CPU. */
@@ -291,6 +306,11 @@ void fa_kvcache_args_init(fa_kvcache_args *args);
 
 /* Validates every argument, appends k/v (when given), then computes out (and lse). */
 fa_status fa_attention_kvcache(const fa_kvcache_args *args);
+
+/* Bytes of workspace fa_attention_kvcache needs for args to split as it would choose (or as
+ * num_splits asks) on args->device: 0 on the CPU, when no split is needed, or when the
+ * arguments are invalid (fa_last_error() says why). */
+size_t fa_attention_kvcache_workspace_size(const fa_kvcache_args *args);
 
 #define FA_MAX_SPLITS 256
 

@@ -30,6 +30,23 @@ FA_DEV fa_u32 fa_smem_addr(const void *p)
     return a;
 }
 
+/* ---- swizzled tiles of 16-byte chunks (the sm80 families' shared-memory layout) ---- */
+
+/* The swizzle key of row r: the value XORed into its chunk index. With 8 or more chunks per row
+ * it is r % 8; with 4 (64-byte rows, two rows per 128-byte line) it is (r / 2) % 4. */
+FA_DEV int fa_swz_key(int r, int cpr) { return cpr >= 8 ? (r & 7) : ((r >> 1) & 3); }
+
+/* Byte offset of chunk c of row r in a swizzled tile of cpr 16-byte chunks per row. */
+FA_DEV int fa_swz(int r, int c, int cpr) { return r * cpr * 16 + ((c ^ fa_swz_key(r, cpr)) << 4); }
+
+/* The address of chunk c0 + h of a row, from `a`, the address of chunk h (0 or 1) of the same
+ * row, for an even compile-time c0. Since c0 is even, (c0 + h) ^ key = c0 ^ (h ^ key): the
+ * low three bits of c0 flip bits 4..6 of `a` (which hold (h ^ key) and are zero in the row's
+ * start, the tiles being 128-byte aligned), the rest is a plain offset. So a thread computes one
+ * address per operand once and each ldmatrix costs a LOP3 and an immediate offset. The same
+ * holds with any row added whose key is 0 (multiples of 8 rows, or of 16 with cpr 4). */
+FA_DEV fa_u32 fa_swz_at(fa_u32 a, int c0) { return (a ^ ((c0 & 7) << 4)) + ((c0 & ~7) << 4); }
+
 /* Element conversions; the bf16 path widens by a shift since bf16 is fp32's top half. */
 FA_DEV float fa_to_float(fa_u16 x)
 {

@@ -1,7 +1,7 @@
 """The C library's KV-cache and combine calls over arrays (``fa_attention_kvcache``,
 ``fa_attention_combine``): their argument structs, the checks only Python can make, the
-preparation and the call. Framework-neutral (torch CPU tensors or NumPy arrays; the combine
-also CUDA tensors), below the public ``flash_attn_with_kvcache`` and ``flash_attn_combine``
+preparation and the call. Framework-neutral (torch tensors on the CPU or a CUDA device, or NumPy
+arrays), below the public ``flash_attn_with_kvcache`` and ``flash_attn_combine``
 (``flash_attn_interface``) and the torch ops and caches that call it.
 
 The caches are updated in place when new keys are given, through the caller's own memory:
@@ -49,6 +49,9 @@ class FaKvcacheArgs(ctypes.Structure):
         ("device", ctypes.c_int),
         ("stream", ctypes.c_void_p),
         ("num_threads", ctypes.c_int),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_size", ctypes.c_size_t),
+        ("skip_capacity_check", ctypes.c_int),
     ]
 
 
@@ -79,6 +82,8 @@ def kv_lib():
             lib.fa_kvcache_args_init.restype = None
             lib.fa_attention_kvcache.argtypes = [ctypes.POINTER(FaKvcacheArgs)]
             lib.fa_attention_kvcache.restype = ctypes.c_int
+            lib.fa_attention_kvcache_workspace_size.argtypes = [ctypes.POINTER(FaKvcacheArgs)]
+            lib.fa_attention_kvcache_workspace_size.restype = ctypes.c_size_t
             lib.fa_combine_args_init.argtypes = [ctypes.POINTER(FaCombineArgs)]
             lib.fa_combine_args_init.restype = None
             lib.fa_attention_combine.argtypes = [ctypes.POINTER(FaCombineArgs)]
@@ -175,9 +180,10 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     (None where absent; a copy where an input was converted), slots their FaTensors, and keep
     what must outlive the call."""
     written = _arrays.APPENDED if k is not None or v is not None else None
-    k_cache = in_place(k_cache, "k_cache", kind, written)
-    v_cache = in_place(v_cache, "v_cache", kind, written)
-    q = _arrays.prepare(q, "q", kind)
+    cuda = kind == _arrays.TORCH and q.is_cuda
+    k_cache = in_place(k_cache, "k_cache", kind, written, cuda)
+    v_cache = in_place(v_cache, "v_cache", kind, written, cuda)
+    q = _arrays.prepare(q, "q", kind, cuda)
     for x, name, layout in ((q, "q", "(batch_size, seqlen, nheads, headdim)"),
                             (v_cache, "v_cache", "(batch, seqlen_cache, nheads_k, headdim)")):
         if len(x.shape) != 4:
@@ -199,7 +205,7 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
 
     def ptr(x, name, expected=None, prepared=False):
         if x is not None and not prepared:
-            x = _arrays.prepare(x, name, kind)
+            x = _arrays.prepare(x, name, kind, cuda)
             keep.append(x)
         arrays.append(x)
         if x is None:
@@ -236,12 +242,36 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     args.num_splits = num_splits
     args.device = _lib.FA_DEVICE_CPU
     args.num_threads = 0
+    if cuda:
+        named = [(name, x) for name, x in zip(_ARG_NAMES, arrays) if x is not None]
+        args.device, args.stream = _arrays.cuda_target(named)
+        _device_workspace(args, keep, q.device)
     return args, keep, arrays, slots, out, lse
+
+
+# The tensors of fa_kvcache_args in the struct's order (kvcache_prepare's ``arrays``).
+_ARG_NAMES = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+              "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
+              "learnable_sink", "out", "lse")
+
+
+def _device_workspace(args, keep, device):
+    """A CUDA call's split workspace (from torch's caching allocator, so nothing is allocated
+    by the library), and, while a CUDA graph is being captured, no host check of
+    cache_seqlens: the copy it makes cannot be captured, and the kernels clamp indices."""
+    torch = sys.modules["torch"]
+    size = kv_lib().fa_attention_kvcache_workspace_size(ctypes.byref(args))
+    if size:
+        ws = torch.empty(size, dtype=torch.uint8, device=device)
+        keep.append(ws)
+        args.workspace = ws.data_ptr()
+        args.workspace_size = size
+    args.skip_capacity_check = 1 if torch.cuda.is_current_stream_capturing() else 0
 
 
 def combine_run(kind, out_partial, lse_partial, out):
     """One fa_attention_combine call writing ``out``; returns the lse it allocates. CUDA
-    tensors the library refuses (its combine has no CUDA backend yet) are merged by
+    tensors the library's device combine does not take (fp64, or no CUDA driver) are merged by
     ``_combine_torch`` after the library has validated them."""
     out_partial = _arrays.prepare(out_partial, "out_partial", kind, cuda=True)
     lse_partial = _arrays.prepare(lse_partial, "lse_partial", kind, cuda=True)
@@ -275,7 +305,7 @@ def combine_run(kind, out_partial, lse_partial, out):
         args.device, args.stream = target
     status = lib.fa_attention_combine(ctypes.byref(args))
     if (target is not None and status == _lib.STATUS_UNSUPPORTED
-            and _lib.last_error().startswith("device:")):
+            and _lib.last_error().startswith(("device:", "out_partial:", "out:"))):
         _combine_torch(out_partial, lse_partial, out, lse)
         return lse
     _lib.check(status)

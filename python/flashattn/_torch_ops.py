@@ -492,12 +492,12 @@ def _kvcache_cuda(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                   softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
                   num_splits):
-    from . import _kvcache_varlen
-
-    return _kvcache_varlen.kvcache_varlen(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-        cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
-        window_left, window_right, softcap, rotary_interleaved, num_splits)
+    """flashattn::kvcache's CUDA kernel: the C library's KV-cache call on q's device and the
+    current stream (append, attention over the cache in place, split merge)."""
+    return _kvcache.kvcache_run(
+        _arrays.TORCH, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale,
+        causal, (window_left, window_right), softcap, rotary_interleaved, num_splits)
 
 
 @kvcache.register_fake
@@ -515,11 +515,11 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                  softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
                  want_lse=True):
-    """flash_attn_with_kvcache for torch tensors: the op (CPU: the C library's KV-cache call;
-    CUDA: _kvcache_varlen's composition), with an int cache_seqlens turned into the int32 (b,)
-    tensor the op takes, as upstream does. Eager calls run the op's kernel directly (the
-    dispatcher costs more than a decoding step's attention), and on CUDA without the lse
-    where ``want_lse`` is false; lse is then None."""
+    """flash_attn_with_kvcache for torch tensors: the op (the C library's KV-cache call on
+    the tensors' device), with an int cache_seqlens turned into the int32 (b,) tensor the op
+    takes, as upstream does. Eager calls run the op's kernel directly (the dispatcher costs more
+    than a decoding step's attention). ``want_lse`` is accepted for the callers' sake; the lse
+    is always computed."""
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens",
                                                                 _core.INT32),
@@ -553,11 +553,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         _arrays.refuse_overlap(k_cache, "k_cache", _arrays.APPENDED, _arrays.TORCH)
         _arrays.refuse_overlap(v_cache, "v_cache", _arrays.APPENDED, _arrays.TORCH)
     if eager:
-        if q.is_cuda:
-            from . import _kvcache_varlen
-
-            return _kvcache_varlen.kvcache_varlen(*args, want_lse=want_lse)
-        return _kvcache_cpu(*args)
+        return (_kvcache_cuda if q.is_cuda else _kvcache_cpu)(*args)
     return kvcache(*args)
 
 

@@ -24,6 +24,16 @@ FA_API fa_status fa_attention_kvcache(const fa_kvcache_args *args)
     return fa_dispatch_result(be->kvcache(&p, args));
 }
 
+FA_API size_t fa_attention_kvcache_workspace_size(const fa_kvcache_args *args)
+{
+    fa_params p;
+    if (fa_params_from_kvcache_args(args, &p) != FA_STATUS_OK)
+        return 0;
+    fa_error_clear();
+    const fa_backend *be = fa_backend_of(args->device);
+    return be->kvcache_workspace_size ? be->kvcache_workspace_size(&p, args) : 0;
+}
+
 FA_API void fa_combine_args_init(fa_combine_args *args)
 {
     memset(args, 0, sizeof *args);

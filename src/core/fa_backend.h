@@ -16,6 +16,8 @@ typedef struct fa_backend {
     /* Bytes of workspace the backward needs for p; NULL: none. */
     size_t (*backward_workspace_size)(const fa_params *p);
     fa_status (*kvcache)(const fa_params *p, const fa_kvcache_args *args);
+    /* Bytes of workspace the KV-cache call needs for p on args->device; NULL: none. */
+    size_t (*kvcache_workspace_size)(const fa_params *p, const fa_kvcache_args *args);
     fa_status (*combine)(const fa_params *p, const fa_combine_args *args);
 } fa_backend;
 

@@ -124,7 +124,7 @@ static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_params *p)
 }
 
 /* The layout of the cache: paged through block_table, or one row per sequence. */
-static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_params *p)
+static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_params *p, int on_host)
 {
     const fa_tensor *kc = a->k_cache;
     p->paged = a->block_table != NULL;
@@ -154,13 +154,14 @@ static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_params *p)
         if (a->cache_batch_idx) {
             FA_TRY(fa_kv_check_index(a->cache_batch_idx, "cache_batch_idx", p->b,
                                      "cache row of each sequence", &p->batch_idx));
-            for (int64_t i = 0; i < p->b; i++) {
+            for (int64_t i = 0; on_host && i < p->b; i++) {
                 if (p->batch_idx[i] < 0 || p->batch_idx[i] >= p->num_blocks)
                     return FA_BAD("cache_batch_idx: entry %lld is %d, outside [0, %lld) (the "
                                   "batch size of k_cache)",
                                   (long long)i, p->batch_idx[i], (long long)p->num_blocks);
             }
-        } else if (p->num_blocks < p->b) {
+        }
+        if (!a->cache_batch_idx && p->num_blocks < p->b) {
             return FA_BAD("k_cache: dimension 0 (batch) is %lld, fewer than q's batch %lld "
                           "(pass cache_batch_idx to pick cache rows)",
                           (long long)p->num_blocks, (long long)p->b);
@@ -169,8 +170,32 @@ static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_params *p)
     return FA_STATUS_OK;
 }
 
-/* cache_seqlens and cache_leftpad, then the blocks each sequence reaches. */
-static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_params *p)
+fa_status fa_kvcache_check_seqlens(const fa_params *p, const int32_t *cache_seqlens)
+{
+    for (int64_t i = 0; i < p->b; i++) {
+        const int64_t len = cache_seqlens[i];
+        if (len < 0)
+            return FA_BAD("cache_seqlens: entry %lld is negative (%lld)", (long long)i,
+                          (long long)len);
+        if (len + p->s_new <= p->max_sk)
+            continue;
+        if (p->paged)
+            return FA_BAD("block_table: sequence %lld needs %lld positions (cache_seqlens %lld + "
+                          "%lld new keys) but its %lld blocks of %lld hold %lld",
+                          (long long)i, (long long)(len + p->s_new), (long long)len,
+                          (long long)p->s_new, (long long)(p->max_sk / p->page_size),
+                          (long long)p->page_size, (long long)p->max_sk);
+        return FA_BAD("cache_seqlens: sequence %lld needs %lld positions (cache_seqlens %lld + "
+                      "%lld new keys), more than the cache's %lld",
+                      (long long)i, (long long)(len + p->s_new), (long long)len,
+                      (long long)p->s_new, (long long)p->max_sk);
+    }
+    return FA_STATUS_OK;
+}
+
+/* cache_seqlens and cache_leftpad, then the blocks each sequence reaches; the values only when
+ * they are host memory (on_host). */
+static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_params *p, int on_host)
 {
     if (a->cache_seqlens)
         FA_TRY(fa_kv_check_index(a->cache_seqlens, "cache_seqlens", p->b,
@@ -181,38 +206,18 @@ static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_params *p)
     if (a->cache_leftpad)
         FA_TRY(fa_kv_check_index(a->cache_leftpad, "cache_leftpad", p->b,
                                  "first position of each sequence", &p->leftpad));
-
-    for (int64_t i = 0; i < p->b; i++) {
-        if (p->cache_seqlens) {
-            int64_t len = p->cache_seqlens[i];
-            if (len < 0)
-                return FA_BAD("cache_seqlens: entry %lld is negative (%lld)", (long long)i,
-                              (long long)len);
-            if (len + p->s_new > p->max_sk) {
-                if (p->paged)
-                    return FA_BAD("block_table: sequence %lld needs %lld positions "
-                                  "(cache_seqlens %lld + %lld new keys) but its %lld blocks of "
-                                  "%lld hold %lld",
-                                  (long long)i, (long long)(len + p->s_new), (long long)len,
-                                  (long long)p->s_new, (long long)(p->max_sk / p->page_size),
-                                  (long long)p->page_size, (long long)p->max_sk);
-                return FA_BAD("cache_seqlens: sequence %lld needs %lld positions "
-                              "(cache_seqlens %lld + %lld new keys), more than the cache's "
-                              "%lld",
-                              (long long)i, (long long)(len + p->s_new), (long long)len,
-                              (long long)p->s_new, (long long)p->max_sk);
-            }
-        }
-        if (p->leftpad) {
-            int64_t lp = p->leftpad[i];
-            int64_t limit = p->cache_seqlens ? p->cache_seqlens[i] : p->max_sk;
-            if (lp < 0 || lp > limit)
-                return FA_BAD("cache_leftpad: entry %lld is %lld, outside [0, %lld] (%s)",
-                              (long long)i, (long long)lp, (long long)limit,
-                              p->cache_seqlens ? "its cache_seqlens" : "the cache capacity");
-        }
+    if (!on_host)
+        return FA_STATUS_OK;
+    if (p->cache_seqlens)
+        FA_TRY(fa_kvcache_check_seqlens(p, p->cache_seqlens));
+    for (int64_t i = 0; p->leftpad && i < p->b; i++) {
+        int64_t lp = p->leftpad[i];
+        int64_t limit = p->cache_seqlens ? p->cache_seqlens[i] : p->max_sk;
+        if (lp < 0 || lp > limit)
+            return FA_BAD("cache_leftpad: entry %lld is %lld, outside [0, %lld] (%s)",
+                          (long long)i, (long long)lp, (long long)limit,
+                          p->cache_seqlens ? "its cache_seqlens" : "the cache capacity");
     }
-
     if (!p->paged)
         return FA_STATUS_OK;
     /* Only the blocks a sequence reads or writes must exist: later columns may be padding. */
@@ -234,7 +239,7 @@ static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_params *p)
     return FA_STATUS_OK;
 }
 
-static fa_status fa_kv_check_rotary(const fa_kvcache_args *a, fa_params *p)
+static fa_status fa_kv_check_rotary(const fa_kvcache_args *a, fa_params *p, int on_host)
 {
     const fa_tensor *c = a->rotary_cos, *s = a->rotary_sin;
     if (!c && !s)
@@ -268,7 +273,8 @@ static fa_status fa_kv_check_rotary(const fa_kvcache_args *a, fa_params *p)
     const int64_t seqlen_ro = c->shape[0];
     const int64_t q_span = p->rotary_per_row ? p->max_sq : (p->max_sq > 0 ? 1 : 0);
     const int64_t span = q_span > p->s_new ? q_span : p->s_new;
-    for (int64_t i = 0; i < p->b; i++) {
+    p->seqlen_ro = seqlen_ro;
+    for (int64_t i = 0; on_host && i < p->b; i++) {
         int64_t last = (int64_t)p->cache_seqlens[i] + span;
         if (last > seqlen_ro)
             return FA_BAD("rotary_cos: seqlen_ro (dimension 0) is %lld, but sequence %lld "
@@ -328,10 +334,12 @@ fa_status fa_params_from_kvcache_args(const fa_kvcache_args *a, fa_params *p)
         FA_TRY(fa_check_writable(a->k_cache, "k_cache"));
         FA_TRY(fa_check_writable(a->v_cache, "v_cache"));
     }
-    FA_TRY(fa_kv_check_layout(a, p));
-    FA_TRY(fa_kv_check_lengths(a, p));
+    /* Index values on a device are clamped by the kernels; the host reads only its own. */
+    const int on_host = a->device == FA_DEVICE_CPU;
+    FA_TRY(fa_kv_check_layout(a, p, on_host));
+    FA_TRY(fa_kv_check_lengths(a, p, on_host));
     FA_TRY(fa_kv_check_options(a, p));
     FA_TRY(fa_check_writable(a->lse, "lse"));
-    FA_TRY(fa_kv_check_rotary(a, p));
+    FA_TRY(fa_kv_check_rotary(a, p, on_host));
     return FA_STATUS_OK;
 }

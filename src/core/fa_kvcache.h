@@ -41,4 +41,9 @@ static inline int64_t fa_kv_block(const fa_params *p, int64_t i, int64_t page)
     return p->batch_idx ? p->batch_idx[i] : i;
 }
 
+/* Every cache_seqlens entry (host memory, [b]) non-negative and, with the s_new new keys, within
+ * the capacity; a paged cache's error names block_table. Core's validation applies it to host
+ * indices, a device backend to its host copy of device ones. */
+fa_status fa_kvcache_check_seqlens(const fa_params *p, const int32_t *cache_seqlens);
+
 #endif /* FA_KVCACHE_H */

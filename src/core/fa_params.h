@@ -104,6 +104,7 @@ typedef struct fa_params {
     /* rotary (optional): cos, sin [seqlen_ro, rotary_dim / 2], dtype of q */
     const void *rot_cos, *rot_sin;
     int64_t cos_rstride, sin_rstride;
+    int64_t seqlen_ro; /* rows of cos and sin */
     int64_t rotary_dim;
     int rotary_interleaved;
     int rotary_per_row; /* q row r at cache_seqlens + r (else every row at cache_seqlens) */

@@ -41,4 +41,15 @@ const char *fa_cuda_last_backward_family(void);
 /* Bytes of workspace the CUDA backward needs for p. */
 size_t fa_cuda_backward_workspace_size(const fa_params *p);
 
+/* fa_attention_kvcache on args->device (fa_cuda_decode.c): the append, the attention over the
+ * cache read in place, and the merge of its splits; asynchronous, no allocation (split partials
+ * in args->workspace). */
+fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args);
+
+/* Bytes of workspace fa_cuda_kvcache needs for p on args->device (0: it will not split). */
+size_t fa_cuda_kvcache_workspace_size(const fa_params *p, const fa_kvcache_args *args);
+
+/* fa_attention_combine on args->device (fp32 partials). */
+fa_status fa_cuda_combine(const fa_params *p, const fa_combine_args *args);
+
 #endif /* FA_CUDA_H */

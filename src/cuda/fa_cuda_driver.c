@@ -57,6 +57,7 @@ static int fa_driver_bind(void *libcuda)
     FA_SYM(libcuda, *d, module_get_function, "cuModuleGetFunction", fa_driver_note);
     FA_SYM(libcuda, *d, func_set_attribute, "cuFuncSetAttribute", fa_driver_note);
     FA_SYM(libcuda, *d, launch_kernel, "cuLaunchKernel", fa_driver_note);
+    FA_SYM(libcuda, *d, stream_synchronize, "cuStreamSynchronize", fa_driver_note);
     FA_SYM(libcuda, *d, get_error_name, "cuGetErrorName", fa_driver_note);
     FA_SYM(libcuda, *d, get_error_string, "cuGetErrorString", fa_driver_note);
     FA_SYM(libcuda, *d, mem_alloc, "cuMemAlloc_v2", fa_driver_note);

@@ -55,6 +55,7 @@ typedef struct fa_cuda_driver {
     fa_cu_result (*launch_kernel)(fa_cu_function fn, unsigned gx, unsigned gy, unsigned gz,
                                   unsigned bx, unsigned by, unsigned bz, unsigned smem,
                                   fa_cu_stream stream, void **params, void **extra);
+    fa_cu_result (*stream_synchronize)(fa_cu_stream stream);
     fa_cu_result (*get_error_name)(fa_cu_result r, const char **s);
     fa_cu_result (*get_error_string)(fa_cu_result r, const char **s);
     /* Used by the tests and benchmarks, not by the library's own calls. */

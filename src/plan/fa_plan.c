@@ -378,3 +378,94 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
     return FA_STATUS_OK;
 }
+
+/*
+ * Decode (kernels/fa_decode.cu): four warps, split over the rows as far as the packed rows fill
+ * them and over each key block otherwise; 64-key blocks, as many stages (2 to 4) as fit about
+ * 96 KB, so two CTAs share an SM up to head dim 128.
+ */
+#define FA_DECODE_BN 64
+#define FA_DECODE_STAGE_BUDGET (96 * 1024)
+#define FA_DECODE_MIN_BLOCKS_PER_SPLIT 4
+
+static int fa_plan_decode_wm(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
+
+fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
+{
+    if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: the CUDA backend computes fp16 and bf16, got %s",
+                            fa_dtype_name(key->dtype));
+    if (key->arch < 80)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "device: compute capability %d.%d is below 8.0, the oldest the CUDA "
+                            "kernels support",
+                            key->arch / 10, key->arch % 10);
+    if (key->d < 1 || key->d > FA_MAX_HEAD_DIM || key->dv < 1 || key->dv > FA_MAX_HEAD_DIM)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
+                            key->dv, FA_MAX_HEAD_DIM);
+    *plan = (fa_plan){0};
+    plan->family = "fa_decode.cu";
+    snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
+    plan->dp = fa_plan_pad(key->d);
+    plan->dvp = fa_plan_pad(key->dv);
+    const int wm = fa_plan_decode_wm(rows);
+    plan->bm = 16 * wm;
+    plan->bn = FA_DECODE_BN;
+    plan->nwarps = 4;
+    plan->threads = 128;
+    const int stage = 2 * plan->bn * (plan->dp + plan->dvp);
+    plan->stages = FA_DECODE_STAGE_BUDGET / stage;
+    plan->stages = plan->stages < 2 ? 2 : plan->stages > 4 ? 4 : plan->stages;
+    plan->smem = (unsigned)FA_SMEM_DECODE(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages,
+                                          plan->nwarps);
+    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_DP", plan->dp);
+    fa_plan_define(plan, "FA_DVP", plan->dvp);
+    fa_plan_define(plan, "FA_WM", wm);
+    fa_plan_define(plan, "FA_WN", 4 / wm);
+    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define(plan, "FA_STAGES", plan->stages);
+    fa_plan_define(plan, "FA_PAGED", (key->features & FA_PLAN_PAGED) != 0);
+    fa_plan_define_features(plan, key->features,
+                            FA_FEATURE_UNALIGNED | FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP);
+    return FA_STATUS_OK;
+}
+
+int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows)
+{
+    return (rows + plan->bm - 1) / plan->bm;
+}
+
+int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, int sms)
+{
+    const int64_t blocks = (max_keys + plan->bn - 1) / plan->bn;
+    int64_t most = blocks / FA_DECODE_MIN_BLOCKS_PER_SPLIT;
+    if (most > FA_MAX_SPLITS)
+        most = FA_MAX_SPLITS;
+    if (tiles < 1 || most <= 1 || sms < 1)
+        return 1;
+    int64_t splits = (2 * (int64_t)sms + tiles - 1) / tiles;
+    return (int)(splits < 1 ? 1 : splits > most ? most : splits);
+}
+
+/* The combine (kernels/fa_combine.cu): one warp per row, nothing to tile. */
+fa_status fa_plan_combine(const fa_plan_key *key, fa_plan *plan)
+{
+    if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16 && key->dtype != FA_DTYPE_F32)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "out: the CUDA combine writes fp32, fp16 or bf16, got %s",
+                            fa_dtype_name(key->dtype));
+    if (key->arch < 80)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "device: compute capability %d.%d is below 8.0, the oldest the CUDA "
+                            "kernels support",
+                            key->arch / 10, key->arch % 10);
+    *plan = (fa_plan){0};
+    plan->family = "fa_combine.cu";
+    snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
+    plan->threads = 128;
+    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_OUT_F32", key->dtype == FA_DTYPE_F32);
+    return FA_STATUS_OK;
+}

@@ -7,6 +7,7 @@
 #define FA_PLAN_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "flashattn.h"
 
@@ -20,6 +21,7 @@
 #define FA_PLAN_PROBS (1u << 24)   /* the probs output is asked for */
 #define FA_PLAN_LONG (1u << 25)    /* at least FA_PLAN_LONG_ROWS query rows (max_seqlen_q) */
 #define FA_PLAN_NO_SM90 (1u << 26) /* sm80 family: tensors TMA cannot describe */
+#define FA_PLAN_PAGED (1u << 27)   /* decode: the cache is paged through a block table */
 
 typedef struct fa_plan_key {
     int arch; /* compute capability, 10 * major + minor */
@@ -70,5 +72,25 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
  * (precompile, tests); FA_STATUS_UNSUPPORTED, without setting an error, when the family cannot
  * do the case. fa_plan_backward takes it on sm_90 unless FLASHATTN_BWD_SM90=0. */
 fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan);
+
+/*
+ * Decoding (kernels/fa_decode.cu): few query rows against a KV cache, read in place, with the g
+ * query heads of a kv head packed as the rows of one tile. rows is the packed rows of a kv head
+ * (query rows times g): it sets how the CTA's four warps split the rows and the keys.
+ * FA_STATUS_UNSUPPORTED with a message when the family cannot take the case.
+ */
+fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan);
+
+/* The decode's row tiles per kv head, for plan and rows packed rows. */
+int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows);
+
+/* The split count of a decode: `tiles` row tiles of (sequence, kv head) pairs over at most
+ * max_keys keys each, on a device of `sms` multiprocessors. Splits the keys until the grid fills
+ * the device about twice, keeping at least four key blocks per split. */
+int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, int sms);
+
+/* The merge of split partials (kernels/fa_combine.cu) into an output of key->dtype (fp16, bf16
+ * or fp32). */
+fa_status fa_plan_combine(const fa_plan_key *key, fa_plan *plan);
 
 #endif /* FA_PLAN_H */

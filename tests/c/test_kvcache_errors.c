@@ -152,7 +152,7 @@ static void m_lse_shape(eprob *E) { E->lse.t.shape[2] = SQ + 1; }
 static void m_q_dim(eprob *E) { E->q.t.shape[3] = FA_MAX_HEAD_DIM + 1; }
 static void m_window(eprob *E) { E->a.window_left = -2; }
 static void m_threads(eprob *E) { E->a.num_threads = -1; }
-static void m_device(eprob *E) { E->a.device = 0; }
+static void m_device(eprob *E) { E->a.device = 4096; /* no such device anywhere */ }
 static void m_contig_overflow(eprob *E)
 {
     E->a.block_table = NULL; /* a contiguous cache of 7 rows of 4 positions */

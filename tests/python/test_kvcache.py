@@ -49,9 +49,8 @@ def locate(i, pos, page, table, bidx):
 
 def kvcache_ref(q, kc, vc, k, v, cos, sin, seqlens, bidx, leftpad, table, dt, causal=False,
                 window=(-1, -1), softcap=0.0, interleaved=True, alibi=None, sinks=None,
-                scale=None, round_q=False):
-    """float64 arrays in; returns out, lse and the caches after the append. round_q: the
-    rotated q rounded to dt (as a GPU kernel that rotates before its 16-bit products does)."""
+                scale=None):
+    """float64 arrays in; returns out, lse and the caches after the append."""
     kc, vc = kc.copy(), vc.copy()
     b, sq, h, _ = q.shape
     page = kc.shape[1]
@@ -77,8 +76,6 @@ def kvcache_ref(q, kc, vc, k, v, cos, sin, seqlens, bidx, leftpad, table, dt, ca
         if cos is not None:
             pos = seqlens[i] + (np.arange(sq) if per_row else np.zeros(sq, dtype=int))
             qi = rotate(qi, cos[pos][:, None, :], sin[pos][:, None, :], interleaved)
-            if round_q:
-                qi = rounded(qi, dt)
         al = None if alibi is None else (alibi if alibi.ndim == 1 else alibi[i])
         o, l, _ = attention_ref(qi[None], kk[None], vv[None], scale, causal, window, softcap,
                                 al, sinks)
@@ -195,140 +192,6 @@ def test_options(rng, kind, opts):
         call["window_size"] = call.pop("window")
     out, lse = run(P, A, kind, **call, **extra)
     check(P, A, V, "float32", out, lse, alibi=V.get("alibi"), sinks=V.get("sinks"), **kw)
-
-
-@pytest.mark.parametrize("dt", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("opts", [
-    dict(),
-    dict(causal=True, s_new=3, sq=3),
-    dict(rotary=True, causal=True, s_new=2, sq=2),
-    dict(rotary=True, rotary_dim=12, interleaved=False, s_new=2, sq=3),
-    dict(rotary=True, window=(7, 0), sq=5, s_new=5),
-    dict(softcap=2.0, alibi=True, sinks=True, window=(4, 2)),
-    dict(seqlens=False, s_new=0, causal=True, sq=4),
-    dict(page=3, rotary=True, causal=True, s_new=2, sq=2),
-    dict(page=16, leftpad=True, causal=True, s_new=3, sq=3),
-    dict(bidx=True, leftpad=True, window=(5, 1), s_new=1),
-    dict(bidx=True, seqlens=False, s_new=0),
-    dict(causal=True, s_new=1, sq=1, splits=3),
-    dict(page=16, rotary=True, s_new=2, sq=3, splits=4, softcap=3.0),
-    dict(seqlens=False, s_new=0, sq=2, splits=7),
-])
-def test_varlen_composition(rng, dt, opts):
-    """The CUDA form of flash_attn_with_kvcache (_kvcache_varlen: rotary and the append in
-    torch ops, then the varlen forward over the caches), run on CPU tensors against the
-    reference: the same out, lse and in-place cache updates as the library's KV-cache call,
-    except that the rotated q is rounded to the dtype (as upstream's CUDA kernel rounds it)."""
-    from flashattn import _kvcache_varlen
-
-    opts = dict(opts)
-    causal, window = opts.pop("causal", False), opts.pop("window", (-1, -1))
-    softcap, interleaved = opts.pop("softcap", 0.0), opts.pop("interleaved", True)
-    alibi, sinks = opts.pop("alibi", False), opts.pop("sinks", False)
-    splits = opts.pop("splits", 0)
-    P, A, V = setup(rng, "torch", dt, h=6, hk=2, d=24, dv=24, cap=30, **opts)
-    ints = {n: None if P[n] is None else int32(P[n], "torch")
-            for n in ("seqlens", "bidx", "leftpad", "table")}
-    extra = {}
-    if alibi:
-        V["alibi"] = rng.uniform(0.1, 1.0, (2, 6))
-        extra["alibi"] = make(V["alibi"], "float32", "torch")
-    if sinks:
-        V["sinks"] = rng.uniform(-2, 2, 6)
-        extra["sinks"] = make(V["sinks"], "float32", "torch")
-    out, lse = _kvcache_varlen.kvcache_varlen(
-        A["q"], A["kc"], A["vc"], A.get("k"), A.get("v"), A.get("cos"), A.get("sin"),
-        ints["seqlens"], ints["bidx"], ints["leftpad"], ints["table"], extra.get("alibi"),
-        extra.get("sinks"), None, causal, window[0], window[1], softcap, interleaved, splits)
-    assert out.dtype == A["q"].dtype and tuple(lse.shape) == (2, 6, A["q"].shape[1])
-    check(P, A, V, dt, out, lse, interleaved=interleaved, causal=causal, window=window,
-          softcap=softcap, alibi=V.get("alibi"), sinks=V.get("sinks"), round_q=True)
-
-
-def test_varlen_composition_repeats(rng):
-    """Decoding steps of one shape on fresh data: the first builds the library call, the
-    others reuse it (data pointers swapped in); each step matches the reference, and without
-    the lse gives the same out and cache updates."""
-    from flashattn import _kvcache_varlen
-
-    for step in range(3):
-        P, A, V = setup(rng, "torch", "float32", h=6, hk=2, d=24, dv=24, cap=30, s_new=1, sq=1)
-        lens = int32(P["seqlens"], "torch")
-        kc2, vc2 = A["kc"].clone(), A["vc"].clone()
-        args = [A["q"], A["kc"], A["vc"], A["k"], A["v"], None, None, lens, None, None, None,
-                None, None, None, True, -1, -1, 0.0, True, 1]
-        out, lse = _kvcache_varlen.kvcache_varlen(*args)
-        check(P, A, V, "float32", out, lse, causal=True)
-        args[1], args[2] = kc2, vc2
-        out2, none = _kvcache_varlen.kvcache_varlen(*args, want_lse=False)
-        assert none is None and torch.equal(out2, out)
-        assert torch.equal(kc2, A["kc"]) and torch.equal(vc2, A["vc"])
-
-
-@pytest.mark.parametrize("splits", [1, 3, 7])
-def test_varlen_composition_empty_sequence(splits):
-    """A sequence with no keys in use (cache_seqlens 0, nothing appended), beside one with keys:
-    out 0 and lse +inf on its rows, split or not, as the library's KV-cache call gives."""
-    from flashattn import _kvcache_varlen
-
-    g = torch.Generator().manual_seed(splits)
-    q = torch.randn(2, 1, 6, 16, generator=g)
-    kc, vc = torch.randn(2, 20, 2, 16, generator=g), torch.randn(2, 20, 2, 16, generator=g)
-    lens = torch.tensor([0, 13], dtype=torch.int32)
-    out, lse = _kvcache_varlen.kvcache_varlen(q, kc, vc, None, None, None, None, lens, None,
-                                              None, None, None, None, None, False, -1, -1, 0.0,
-                                              True, splits)
-    want, want_lse = flashattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
-                                                       return_softmax_lse=True)
-    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isposinf(lse[0]).all()
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
-
-
-def test_varlen_composition_auto_splits():
-    """num_splits 0 on CUDA (_auto_splits, the model of bench/NOTES.md on 132 SMs): no split
-    where the measured unsplit step was faster or even (batch 1 up to 8k keys, batch 8 at 1k and
-    8k), 8 chunks where the split one was (batch 1 and 8 at 32k); more query heads or rows only
-    add waves, so a shape that splits keeps splitting as they grow."""
-    from flashattn._kvcache_varlen import _auto_splits
-
-    for b, cap, want in ((1, 1024, 1), (1, 8192, 1), (8, 1024, 1), (8, 8192, 1),
-                         (1, 32768, 8), (8, 32768, 8)):
-        assert _auto_splits(b, 1, 32, cap, 132) == want, (b, cap)
-    for b, cap in ((1, 32768), (8, 16384)):
-        assert _auto_splits(b, 200, 64, cap, 132) == 8
-    assert _auto_splits(1, 1, 32, 32768, 10**6) == 8  # never fewer than one wave
-    assert _auto_splits(1, 1, 1, 100, 132) == 1
-
-
-def test_varlen_composition_refusals(rng):
-    from flashattn import _kvcache_varlen
-
-    P, A, V = setup(rng, "torch", "float32", cap=12, s_new=2)
-    lens = int32([3, 4], "torch")
-    args = [A["q"], A["kc"], A["vc"], A["k"], A["v"], None, None, lens, None, None, None, None,
-            None, None, False, -1, -1, 0.0, True, 0]
-    for i, value, pattern in ((3, A["k"].double(), "^k: expected torch.float32"),
-                              (7, None, "^cache_seqlens: required"),
-                              (7, lens.long(), "^cache_seqlens: expected int32"),
-                              (9, lens[:1], "^cache_leftpad: expected int32 of shape"),
-                              (10, lens, "^block_table: expected int32 of shape")):
-        bad = list(args)
-        bad[i] = value
-        with pytest.raises(FlashAttnError, match=pattern):
-            _kvcache_varlen.kvcache_varlen(*bad)
-    bad = list(args)
-    bad[8], bad[10] = lens, lens[:, None]
-    with pytest.raises(FlashAttnError, match="^cache_batch_idx: not supported with a paged"):
-        _kvcache_varlen.kvcache_varlen(*bad)
-    # Positions past the cache: a device-side assertion (on the CPU, a RuntimeError), before
-    # anything is written.
-    before = A["kc"].clone()
-    bad = list(args)
-    bad[7] = int32([3, 11], "torch")
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        _kvcache_varlen.kvcache_varlen(*bad)
-    assert torch.equal(A["kc"], before)
 
 
 @pytest.mark.parametrize("kind", ["torch", "numpy"])

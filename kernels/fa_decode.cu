@@ -1,0 +1,528 @@
+/*
+ * Attention for few query rows against many keys (decoding, chunked prefill) on mma.sync
+ * (sm80 and later, Hopper included): the KV cache read in place (paged through block_table, or
+ * one cache row per sequence), packed GQA and the keys split across CTAs.
+ *
+ * Packed GQA: the g = h / hk query heads of a kv head, times the query rows, are the rows of one
+ * tile (row x = query row x / g, head x % g), so each key and value is read once per kv head.
+ * A CTA takes FA_BM = 16 * FA_WM such rows and one chunk (split) of the keys they see; its
+ * FA_WM x FA_WN warps split the rows by 16 and each key block of FA_BN keys by FA_WN, every warp
+ * keeping its own online softmax, merged through shared memory at the end. Key blocks stream
+ * through FA_STAGES cp.async stages; the page of every key row is looked up as it is copied, so
+ * any page size works. With one split the CTA writes out and lse; with several it writes fp32
+ * partials that fa_combine.cu merges.
+ *
+ * Indices come from device memory the host did not read (cache_seqlens, cache_leftpad,
+ * cache_batch_idx, block_table): each is clamped into the cache, so a bad one gives a wrong
+ * answer for its sequence, never an access outside the caller's tensors.
+ *
+ * Defines from the plan (src/plan/fa_plan.c, fa_plan_decode):
+ *   FA_BF16          data type (0: fp16, 1: bf16)
+ *   FA_DP, FA_DVP    head dims of q/k and v padded to 32 or a multiple of 64
+ *   FA_WM, FA_WN     warps over the rows and over each key block (FA_WM * FA_WN = 4)
+ *   FA_BN, FA_STAGES keys per block, blocks in flight
+ *   FA_PAGED         1: block_table maps positions to blocks
+ *   FA_VEC           1: 16-byte aligned rows and d, dv % 8 == 0, so cp.async is used
+ *   FA_ALIBI, FA_SOFTCAP
+ * Entry points: fa_kv_append (the new keys and values written into the cache, rotated) and
+ * fa_decode (the attention).
+ */
+#include "fa_common.cuh"
+#include "fa_dkparams.h"
+
+#define FA_NWARPS (FA_WM * FA_WN)
+#define FA_THREADS (FA_NWARPS * 32)
+#define FA_BM (16 * FA_WM)             /* packed rows per CTA */
+#define FA_WKEYS (FA_BN / FA_WN)       /* keys of a block per warp */
+#define FA_NT (FA_WKEYS / 8)           /* 8-key n-tiles of a warp's S */
+#define FA_OT (FA_DVP / 8)             /* 8-column n-tiles of O */
+#define FA_KS (FA_DP / 16)             /* k-steps of Q K^T */
+#define FA_CPR_K (FA_DP / 8)           /* 16-byte chunks per row of Q and K */
+#define FA_CPR_V (FA_DVP / 8)
+#define FA_STAGE_BYTES (FA_BN * (FA_DP + FA_DVP) * 2)
+
+#if FA_WKEYS % 16 != 0 || FA_DP % 16 != 0 || FA_DVP % 16 != 0 || FA_STAGES < 2
+#error "a warp's keys, d and dv must be multiples of the mma shape; two stages at least"
+#endif
+
+#define FA_PRESCALE (FA_SOFTCAP || FA_ALIBI)
+
+/* Rotary: element c (< rotary_dim) of the row x rotated by the angles in the cos/sin rows:
+ * pairs (2t, 2t + 1) interleaved (GPT-J), (t, t + rotary_dim / 2) otherwise (GPT-NeoX). */
+FA_DEV float fa_rotary_elem(const fa_u16 *x, int c, int rd, int interleaved, const fa_u16 *cr,
+                            const fa_u16 *sr)
+{
+    const int half = rd >> 1;
+    int i0, i1, t;
+    if (interleaved) {
+        t = c >> 1;
+        i0 = 2 * t;
+        i1 = 2 * t + 1;
+    } else {
+        t = c < half ? c : c - half;
+        i0 = t;
+        i1 = t + half;
+    }
+    const float x0 = fa_to_float(x[i0]), x1 = fa_to_float(x[i1]);
+    const float cs = fa_to_float(cr[t]), sn = fa_to_float(sr[t]);
+    return c == i0 ? x0 * cs - x1 * sn : x0 * sn + x1 * cs;
+}
+
+FA_DEV fa_i64 fa_clamp64(fa_i64 x, fa_i64 lo, fa_i64 hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+/* Sequence bi's cache: positions [start, end) are its keys, len0 of them there before the
+ * append; blk the cache row of a contiguous cache. Every value clamped into the cache. */
+typedef struct fa_kvseq {
+    fa_i64 start, end, len0, blk;
+} fa_kvseq;
+
+FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
+{
+    const fa_i64 cap = dp->f.max_sk;
+    fa_kvseq s;
+    if (dp->cache_seqlens) {
+        s.len0 = fa_clamp64(dp->cache_seqlens[bi], 0, cap);
+        s.end = s.len0 + dp->s_new < cap ? s.len0 + dp->s_new : cap;
+    } else {
+        s.len0 = cap;
+        s.end = cap;
+    }
+    s.start = dp->leftpad ? fa_clamp64(dp->leftpad[bi], 0, s.end) : 0;
+    s.blk = dp->batch_idx ? fa_clamp64(dp->batch_idx[bi], 0, dp->num_blocks - 1) : bi;
+    return s;
+}
+
+/* The cache block and row of position pos of sequence bi. */
+FA_DEV void fa_kv_locate(const fa_dkparams *dp, int bi, const fa_kvseq *s, fa_i64 pos,
+                         fa_i64 *blk, fa_i64 *row)
+{
+#if FA_PAGED
+    const fa_i64 page = pos / dp->page_size;
+    *blk = fa_clamp64(dp->block_table[bi * dp->bt_bstride + page], 0, dp->num_blocks - 1);
+    *row = pos - page * dp->page_size;
+#else
+    *blk = s->blk;
+    *row = pos;
+#endif
+}
+
+/* The new keys and values of (sequence blockIdx.z, kv head blockIdx.y, new row blockIdx.x)
+ * written at cache position cache_seqlens + row, the keys rotated when rot_cos is given. */
+extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
+{
+    const int s = blockIdx.x, kh = blockIdx.y, bi = blockIdx.z;
+    const fa_kvseq seq = fa_kvseq_get(&dp, bi);
+    const fa_i64 pos = seq.len0 + s;
+    if (pos >= dp.f.max_sk)
+        return;
+    fa_i64 blk, row;
+    fa_kv_locate(&dp, bi, &seq, pos, &blk, &row);
+    const fa_u16 *kn = (const fa_u16 *)dp.knew + bi * dp.knew_bstride + s * dp.knew_rstride +
+                       kh * dp.knew_hstride;
+    const fa_u16 *vn = (const fa_u16 *)dp.vnew + bi * dp.vnew_bstride + s * dp.vnew_rstride +
+                       kh * dp.vnew_hstride;
+    fa_u16 *kc = (fa_u16 *)dp.f.k + blk * dp.f.k_bstride + row * dp.f.k_rstride +
+                 kh * dp.f.k_hstride;
+    fa_u16 *vc = (fa_u16 *)dp.f.v + blk * dp.f.v_bstride + row * dp.f.v_rstride +
+                 kh * dp.f.v_hstride;
+    const fa_i64 ro = pos < dp.seqlen_ro ? pos : dp.seqlen_ro - 1;
+    const fa_u16 *cr = (const fa_u16 *)dp.rot_cos + ro * dp.cos_rstride;
+    const fa_u16 *sr = (const fa_u16 *)dp.rot_sin + ro * dp.sin_rstride;
+    /* Read the whole row before writing: k may be a view of the cache rows it fills. */
+    fa_u16 kv[FA_DP / 32 > 0 ? FA_DP / 32 : 1], vv[FA_DVP / 32 > 0 ? FA_DVP / 32 : 1];
+#pragma unroll
+    for (int j = 0; j < FA_DP / 32; j++) {
+        const int c = j * 32 + (int)threadIdx.x;
+        if (c < dp.f.d)
+            kv[j] = dp.rot_cos && c < dp.rotary_dim
+                        ? fa_from_float(fa_rotary_elem(kn, c, dp.rotary_dim,
+                                                       dp.rotary_interleaved, cr, sr))
+                        : kn[c];
+    }
+#pragma unroll
+    for (int j = 0; j < FA_DVP / 32; j++) {
+        const int c = j * 32 + (int)threadIdx.x;
+        if (c < dp.f.dv)
+            vv[j] = vn[c];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < FA_DP / 32; j++) {
+        const int c = j * 32 + (int)threadIdx.x;
+        if (c < dp.f.d)
+            kc[c] = kv[j];
+    }
+#pragma unroll
+    for (int j = 0; j < FA_DVP / 32; j++) {
+        const int c = j * 32 + (int)threadIdx.x;
+        if (c < dp.f.dv)
+            vc[c] = vv[j];
+    }
+}
+
+/* cp.async.wait_group N: waits until at most N committed groups of this thread are in flight. */
+#define FA_CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
+
+/* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into the stage
+ * at shared address k_a (K) and v_a (V), in swizzled 16-byte chunks. */
+FA_DEV void fa_decode_load(const fa_dkparams *dp, int bi, int kh, const fa_kvseq *seq, fa_i64 j0,
+                           fa_i64 jend, fa_u32 k_a, fa_u32 v_a, fa_u16 *k_p, fa_u16 *v_p)
+{
+    const fa_kparams *kp = &dp->f;
+    const fa_u16 *kg = (const fa_u16 *)kp->k + kh * kp->k_hstride;
+    const fa_u16 *vg = (const fa_u16 *)kp->v + kh * kp->v_hstride;
+#pragma unroll
+    for (int i0 = 0; i0 < FA_BN * FA_CPR_K; i0 += FA_THREADS) {
+        const int i = i0 + (int)threadIdx.x;
+        const int r = i / FA_CPR_K, c = i - r * FA_CPR_K;
+        if (FA_BN * FA_CPR_K % FA_THREADS != 0 && i >= FA_BN * FA_CPR_K)
+            break;
+        const int ok = j0 + r < jend && c * 8 < kp->d;
+        fa_i64 blk = 0, row = 0;
+        if (ok)
+            fa_kv_locate(dp, bi, seq, seq->start + j0 + r, &blk, &row);
+        const fa_u16 *src = kg + blk * kp->k_bstride + row * kp->k_rstride + c * 8;
+#if FA_VEC
+        fa_cp_async16(k_a + fa_swz(r, c, FA_CPR_K), ok ? (const void *)src : kp->k, ok ? 16 : 0);
+#else
+        fa_u16 *dst = k_p + (fa_swz(r, c, FA_CPR_K) >> 1);
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            dst[e] = ok && c * 8 + e < kp->d ? src[e] : (fa_u16)0;
+#endif
+    }
+#pragma unroll
+    for (int i0 = 0; i0 < FA_BN * FA_CPR_V; i0 += FA_THREADS) {
+        const int i = i0 + (int)threadIdx.x;
+        const int r = i / FA_CPR_V, c = i - r * FA_CPR_V;
+        if (FA_BN * FA_CPR_V % FA_THREADS != 0 && i >= FA_BN * FA_CPR_V)
+            break;
+        const int ok = j0 + r < jend && c * 8 < kp->dv;
+        fa_i64 blk = 0, row = 0;
+        if (ok)
+            fa_kv_locate(dp, bi, seq, seq->start + j0 + r, &blk, &row);
+        const fa_u16 *src = vg + blk * kp->v_bstride + row * kp->v_rstride + c * 8;
+#if FA_VEC
+        fa_cp_async16(v_a + fa_swz(r, c, FA_CPR_V), ok ? (const void *)src : kp->v, ok ? 16 : 0);
+#else
+        fa_u16 *dst = v_p + (fa_swz(r, c, FA_CPR_V) >> 1);
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            dst[e] = ok && c * 8 + e < kp->dv ? src[e] : (fa_u16)0;
+#endif
+    }
+}
+
+/* The Q tile: packed rows [r0, r0 + FA_BM) of kv head kh, rotated where rotary is on, rounded
+ * to the data type, zero past the rows and columns. */
+FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, int kh, const fa_kvseq *seq, int r0,
+                             int rows, int g, fa_u16 *q_p)
+{
+    const fa_kparams *kp = &dp->f;
+    for (int i = threadIdx.x; i < FA_BM * FA_DP; i += FA_THREADS) {
+        const int r = i / FA_DP, c = i - r * FA_DP;
+        float x = 0.f;
+        if (r0 + r < rows && c < kp->d) {
+            const int qi = (r0 + r) / g, hh = kh * g + (r0 + r) - qi * g;
+            const fa_u16 *qrow = (const fa_u16 *)kp->q + bi * kp->q_bstride + qi * kp->q_rstride +
+                                 hh * kp->q_hstride;
+            if (dp->rot_cos && c < dp->rotary_dim) {
+                fa_i64 pos = seq->len0 + (dp->rotary_per_row ? qi : 0);
+                pos = pos < dp->seqlen_ro ? pos : dp->seqlen_ro - 1;
+                x = fa_rotary_elem(qrow, c, dp->rotary_dim, dp->rotary_interleaved,
+                                   (const fa_u16 *)dp->rot_cos + pos * dp->cos_rstride,
+                                   (const fa_u16 *)dp->rot_sin + pos * dp->sin_rstride);
+            } else {
+                x = fa_to_float(qrow[c]);
+            }
+        }
+        q_p[(fa_swz(r, c >> 3, FA_CPR_K) >> 1) + (c & 7)] = fa_from_float(x);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkparams dp)
+{
+    extern __shared__ __align__(128) fa_u16 fa_smem[];
+    const fa_kparams *kp = &dp.f;
+    const fa_u32 base_a = fa_smem_addr(fa_smem);
+    /* Stages of K [FA_BN][FA_DP] then V [FA_BN][FA_DVP]; Q [FA_BM][FA_DP] after them. */
+    const fa_u32 q_a = base_a + FA_STAGES * FA_STAGE_BYTES;
+    fa_u16 *const q_p = fa_smem + FA_STAGES * FA_STAGE_BYTES / 2;
+
+    const int split = blockIdx.x % dp.splits, m_block = blockIdx.x / dp.splits;
+    const int kh = blockIdx.y, bi = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, t = lane & 3;
+    const int wm = warp % FA_WM, wn = warp / FA_WM;
+    const int g = kp->h / kp->hk, sq = (int)kp->max_sq, rows = sq * g;
+    const int r0 = m_block * FA_BM;
+    const fa_kvseq seq = fa_kvseq_get(&dp, bi);
+    const int n = (int)(seq.end - seq.start);
+
+    /* The keys the CTA's rows see, cut into blocks; this split's blocks [nb0, nb1). */
+    const int q_first = r0 / g, q_last = (r0 + FA_BM < rows ? r0 + FA_BM : rows) - 1;
+    int klo, khi;
+    fa_tile_keys(kp, q_first, q_last / g - q_first + 1, sq, n, &klo, &khi);
+    const int nblocks = (khi - klo + FA_BN - 1) / FA_BN;
+    const int per = (nblocks + dp.splits - 1) / dp.splits;
+    const int nb0 = fa_min(split * per, nblocks), nb1 = fa_min(nb0 + per, nblocks);
+
+    fa_decode_load_q(&dp, bi, kh, &seq, r0, rows, g, q_p);
+
+    /* This thread's two rows (g8 and g8 + 8 of its warp's 16): their visible keys, slopes. */
+    int lo[2], hi[2], row_q[2], row_h[2];
+    float slope_log2[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int x = r0 + wm * 16 + g8 + 8 * hf;
+        row_q[hf] = x / g;
+        row_h[hf] = kh * g + x - row_q[hf] * g;
+        if (x < rows)
+            fa_key_range(kp, row_q[hf], sq, n, &lo[hf], &hi[hf]);
+        else
+            lo[hf] = hi[hf] = 0;
+        slope_log2[hf] = 0.f;
+#if FA_ALIBI
+        if (x < rows)
+            slope_log2[hf] =
+                kp->alibi_slopes[bi * kp->alibi_bstride + row_h[hf] * kp->alibi_hstride] *
+                FA_LOG2E;
+#endif
+    }
+
+    const int prescale = FA_PRESCALE || !(kp->scale_log2 > 0.f);
+    const float sm = prescale ? 1.f : kp->scale_log2;
+    float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
+    float o[FA_OT][4];
+#pragma unroll
+    for (int ot = 0; ot < FA_OT; ot++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            o[ot][e] = 0.f;
+
+    /* ldmatrix addresses at k-step / n-pair / d-pair 0, as in fa_fwd_sm80.cu, offset by the
+     * warp's 16 rows (Q) and its FA_WKEYS keys of the block (K, V). */
+    const fa_u32 q_ld = q_a + fa_swz(wm * 16 + (lane & 15), lane >> 4, FA_CPR_K);
+    const fa_u32 k_ld =
+        base_a + fa_swz(wn * FA_WKEYS + (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, FA_CPR_K);
+    const fa_u32 v_ld = base_a + FA_BN * FA_DP * 2 +
+                        fa_swz(wn * FA_WKEYS + (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4,
+                               FA_CPR_V);
+
+#pragma unroll
+    for (int s = 0; s < FA_STAGES - 1; s++) {
+        if (nb0 + s < nb1) {
+            const fa_u32 st = base_a + s * FA_STAGE_BYTES;
+            fa_decode_load(&dp, bi, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, st,
+                           st + FA_BN * FA_DP * 2, fa_smem + s * FA_STAGE_BYTES / 2,
+                           fa_smem + (s * FA_STAGE_BYTES + FA_BN * FA_DP * 2) / 2);
+        }
+        fa_cp_async_commit();
+    }
+
+    for (int nb = nb0; nb < nb1; nb++) {
+        const int slot = (nb - nb0) % FA_STAGES;
+        /* Block nb landed (and Q); every warp is done with block nb - 1, whose stage the next
+         * copy refills. */
+        FA_CP_ASYNC_WAIT(FA_STAGES - 2);
+        __syncthreads();
+        {
+            const int nx = nb + FA_STAGES - 1, sx = (nx - nb0) % FA_STAGES;
+            if (nx < nb1) {
+                const fa_u32 st = base_a + sx * FA_STAGE_BYTES;
+                fa_decode_load(&dp, bi, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, st,
+                               st + FA_BN * FA_DP * 2, fa_smem + sx * FA_STAGE_BYTES / 2,
+                               fa_smem + (sx * FA_STAGE_BYTES + FA_BN * FA_DP * 2) / 2);
+            }
+            fa_cp_async_commit();
+        }
+        const fa_u32 soff = slot * FA_STAGE_BYTES;
+        const int j0 = klo + nb * FA_BN + wn * FA_WKEYS; /* this warp's first key */
+
+        float s[FA_NT][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                s[nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < FA_KS; ks++) {
+            fa_u32 qa[4];
+            fa_ldmatrix_x4(qa, fa_swz_at(q_ld, 2 * ks));
+#pragma unroll
+            for (int np = 0; np < FA_NT / 2; np++) {
+                fa_u32 kb[4];
+                fa_ldmatrix_x4(kb, fa_swz_at(k_ld + soff, 2 * ks) + np * 16 * FA_CPR_K * 16);
+                fa_mma16816(s[2 * np], qa, kb[0], kb[1]);
+                fa_mma16816(s[2 * np + 1], qa, kb[2], kb[3]);
+            }
+        }
+
+        /* Base-2 units where the features need it; the mask of each row's visible keys. */
+#pragma unroll
+        for (int nt = 0; nt < FA_NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int hf = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
+                float x = s[nt][e];
+                if (prescale) {
+#if FA_SOFTCAP
+                    x = FA_RULE_SOFTCAP(x, kp->softcap_pre, kp->scale_log2, tanhf);
+#else
+                    x *= kp->scale_log2;
+#endif
+#if FA_ALIBI
+                    x -= FA_RULE_ALIBI(slope_log2[hf], row_q[hf] + n - sq - j);
+#endif
+                }
+                s[nt][e] = j < lo[hf] || j >= hi[hf] ? -FA_INF : x;
+            }
+
+        /* Online softmax over the warp's keys: a row's values sit in the 4 lanes of a quad. */
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float mx = row_max[hf];
+#pragma unroll
+            for (int nt = 0; nt < FA_NT; nt++)
+                mx = fmaxf(mx, fmaxf(s[nt][2 * hf], s[nt][2 * hf + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float base = mx == -FA_INF ? 0.f : mx * sm;
+            const float alpha = fa_exp2(row_max[hf] * sm - base);
+            row_max[hf] = mx;
+            row_sum[hf] *= alpha;
+#pragma unroll
+            for (int ot = 0; ot < FA_OT; ot++) {
+                o[ot][2 * hf] *= alpha;
+                o[ot][2 * hf + 1] *= alpha;
+            }
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < FA_NT; nt++) {
+                const float p0 = fa_exp2(fmaf(s[nt][2 * hf], sm, -base));
+                const float p1 = fa_exp2(fmaf(s[nt][2 * hf + 1], sm, -base));
+                sum += p0 + p1;
+                s[nt][2 * hf] = p0;
+                s[nt][2 * hf + 1] = p1;
+            }
+            row_sum[hf] += sum;
+        }
+
+        /* O += P V: the S accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk. */
+#pragma unroll
+        for (int kk = 0; kk < FA_WKEYS / 16; kk++) {
+            fa_u32 pa[4];
+            pa[0] = fa_pack2(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = fa_pack2(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = fa_pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = fa_pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dp2 = 0; dp2 < FA_OT / 2; dp2++) {
+                fa_u32 vb[4];
+                fa_ldmatrix_x4_trans(vb, fa_swz_at(v_ld + soff, 2 * dp2) +
+                                             kk * 16 * FA_CPR_V * 16);
+                fa_mma16816(o[2 * dp2], pa, vb[0], vb[1]);
+                fa_mma16816(o[2 * dp2 + 1], pa, vb[2], vb[3]);
+            }
+        }
+    }
+    fa_cp_async_wait_all();
+
+    /* The quad's sum of each row; then the FA_WN warps of the same rows merged into the first. */
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        row_sum[hf] += __shfl_xor_sync(0xffffffffu, row_sum[hf], 1);
+        row_sum[hf] += __shfl_xor_sync(0xffffffffu, row_sum[hf], 2);
+    }
+#if FA_WN > 1
+    {
+        /* Reuses the stages: per warp O fp32 [16][FA_DVP], then max and sum per row [16][2]. */
+        float *ob = (float *)fa_smem;
+        float *ml = ob + FA_NWARPS * 16 * FA_DVP;
+        __syncthreads();
+#pragma unroll
+        for (int ot = 0; ot < FA_OT; ot++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                ob[(warp * 16 + g8 + 8 * (e >> 1)) * FA_DVP + ot * 8 + 2 * t + (e & 1)] = o[ot][e];
+        if (t == 0)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                ml[(warp * 16 + g8 + 8 * hf) * 2] = row_max[hf];
+                ml[(warp * 16 + g8 + 8 * hf) * 2 + 1] = row_sum[hf];
+            }
+        __syncthreads();
+        if (wn != 0)
+            return;
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float m = -FA_INF;
+#pragma unroll
+            for (int k = 0; k < FA_WN; k++)
+                m = fmaxf(m, ml[((wm + k * FA_WM) * 16 + g8 + 8 * hf) * 2]);
+            float l = 0.f, f[FA_WN];
+#pragma unroll
+            for (int k = 0; k < FA_WN; k++) {
+                const int at = ((wm + k * FA_WM) * 16 + g8 + 8 * hf) * 2;
+                f[k] = m == -FA_INF ? 0.f : fa_exp2((ml[at] - m) * sm);
+                l += f[k] * ml[at + 1];
+            }
+            row_max[hf] = m;
+            row_sum[hf] = l;
+#pragma unroll
+            for (int ot = 0; ot < FA_OT; ot++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float acc = 0.f;
+#pragma unroll
+                    for (int k = 0; k < FA_WN; k++)
+                        acc += f[k] * ob[((wm + k * FA_WM) * 16 + g8 + 8 * hf) * FA_DVP + ot * 8 +
+                                         2 * t + e];
+                    o[ot][2 * hf + e] = acc;
+                }
+        }
+    }
+#endif
+
+    /* One split: out and lse, the sink joining the denominator. Several: this split's fp32
+     * partial (normalised O, natural lse; +inf for a row that saw no key) for fa_combine. */
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int x = r0 + wm * 16 + g8 + 8 * hf;
+        const int live = x < rows;
+        const int qi = row_q[hf], hh = row_h[hf];
+        const float sink2 = dp.splits == 1 && kp->sinks && live
+                                ? kp->sinks[hh * kp->sinks_stride] * FA_LOG2E
+                                : -FA_INF;
+        float lse, scale;
+        /* fa_row_finish sums its argument over the quad: the lanes hold the whole sum now. */
+        fa_row_finish(t == 0 ? row_sum[hf] : 0.f, row_max[hf] * sm, sink2, &lse, &scale);
+        if (dp.splits == 1) {
+            fa_u16 *og = (fa_u16 *)kp->out + bi * kp->o_bstride + qi * kp->o_rstride +
+                         hh * kp->o_hstride;
+#if FA_VEC
+            fa_store_row16(og, kp->dv, o, FA_DVP, hf, t, scale, live);
+#else
+            if (live)
+#pragma unroll
+                for (int ot = 0; ot < FA_OT; ot++)
+                    fa_store_pair(og, ot * 8 + 2 * t, kp->dv, o[ot][2 * hf] * scale,
+                                  o[ot][2 * hf + 1] * scale);
+#endif
+            if (live && kp->lse && t == 0)
+                kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qi * kp->lse_rstride] = lse;
+        } else if (live) {
+            float *oa = dp.oaccum + split * dp.oaccum_sstride + bi * dp.oaccum_bstride +
+                        qi * dp.oaccum_rstride + hh * dp.oaccum_hstride;
+#pragma unroll
+            for (int ot = 0; ot < FA_OT; ot++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    if (ot * 8 + 2 * t + e < kp->dv)
+                        oa[ot * 8 + 2 * t + e] = o[ot][2 * hf + e] * scale;
+            if (t == 0)
+                dp.lseaccum[split * dp.lseaccum_sstride + bi * dp.lseaccum_bstride +
+                            qi * dp.lseaccum_rstride + hh * dp.lseaccum_hstride] = lse;
+        }
+    }
+}

@@ -1,0 +1,39 @@
+/*
+ * The decode kernels' parameter block (kernels/fa_decode.cu): the forward's block (the cache is
+ * its k and v, capacity its max_sk) followed by the KV cache's own fields, the split partials and
+ * the combine's. Compiled by the host (C11) and by NVRTC, like fa_kparams.h; every field is 8
+ * bytes or packed in pairs of 4.
+ */
+#ifndef FA_DKPARAMS_H
+#define FA_DKPARAMS_H
+
+#include "fa_kparams.h"
+
+typedef struct fa_dkparams {
+    fa_kparams f; /* q, the caches as k and v ([blocks, page, hk, d]), out, lse, every option */
+    const void *knew;         /* NULL or [b, s_new, hk, d]: appended at cache_seqlens */
+    const void *vnew;         /* [b, s_new, hk, dv] */
+    const int *block_table;   /* paged: [b, max_blocks] */
+    const int *batch_idx;     /* contiguous, NULL or [b]: cache row of each sequence */
+    const int *cache_seqlens; /* NULL or [b]: positions in the cache before the append */
+    const int *leftpad;       /* NULL or [b]: first position of each sequence */
+    const void *rot_cos;      /* NULL or [seqlen_ro, rotary_dim / 2], dtype of q */
+    const void *rot_sin;
+    float *oaccum;   /* split partials: fp32 [splits, b, sq, h, dv] (the combine's input) */
+    float *lseaccum; /* fp32 [splits, b, sq, h] */
+    fa_i64 knew_bstride, knew_rstride, knew_hstride;
+    fa_i64 vnew_bstride, vnew_rstride, vnew_hstride;
+    fa_i64 bt_bstride;
+    fa_i64 cos_rstride, sin_rstride;
+    fa_i64 oaccum_sstride, oaccum_bstride, oaccum_rstride, oaccum_hstride;
+    fa_i64 lseaccum_sstride, lseaccum_bstride, lseaccum_rstride, lseaccum_hstride;
+    fa_i64 num_blocks, page_size; /* contiguous: cache rows and their length (the capacity) */
+    fa_i64 seqlen_ro;
+    int s_new, splits;          /* new keys per sequence; key chunks per (tile, kv head) */
+    int rotary_dim, rotary_interleaved;
+    int rotary_per_row, m_blocks; /* q row r rotated at cache_seqlens + r; row tiles per kv head */
+    float empty_lse;              /* the combine's lse of a row with nothing to merge */
+    int pad_;
+} fa_dkparams;
+
+#endif /* FA_DKPARAMS_H */

@@ -1,0 +1,258 @@
+/*
+ * Decoding on a CUDA device: fa_attention_kvcache (the append, kernels/fa_decode.cu's attention
+ * over the cache read in place, and, when the keys are split, kernels/fa_combine.cu's merge) and
+ * fa_attention_combine. Asynchronous on the caller's stream, no allocation; the one host read of
+ * device memory is the paged capacity check (fa_kvcache_args.skip_capacity_check).
+ *
+ * Workspace layout of a split call (each part 256-byte aligned):
+ *   oaccum   fp32 [splits][b][sq][h][dv]   each split's normalised output
+ *   lseaccum fp32 [splits][b][sq][h]       and its log-sum-exp (+inf: the split saw no key)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "fa_dkparams.h"
+#include "core/fa_kvcache.h"
+#include "cuda/fa_cuda.h"
+#include "cuda/fa_cuda_driver.h"
+#include "cuda/fa_jit.h"
+
+#define FA_WS_ALIGN 256
+#define FA_COMBINE_ROWS_PER_CTA 4 /* kernels/fa_combine.cu: a warp per row */
+
+static size_t fa_decode_round(size_t x) { return (x + FA_WS_ALIGN - 1) / FA_WS_ALIGN * FA_WS_ALIGN; }
+
+/* Bytes of the partials of `splits` splits; *lse_at the offset of lseaccum. */
+static size_t fa_decode_ws_bytes(const fa_params *p, int splits, size_t *lse_at)
+{
+    const size_t rows = (size_t)splits * (size_t)p->b * (size_t)p->max_sq * (size_t)p->h;
+    *lse_at = fa_decode_round(rows * (size_t)p->dv * 4);
+    return fa_decode_round(*lse_at + rows * 4);
+}
+
+/* cp.async reads 16-byte chunks of the caches and the epilogue stores 16 bytes of out: their
+ * rows must be 16-byte aligned and d, dv whole chunks. */
+static int fa_decode_aligned(const fa_params *p)
+{
+    const int64_t strides[] = {p->k_bstride, p->k_rstride, p->k_hstride, p->v_bstride,
+                               p->v_rstride, p->v_hstride, p->o_bstride, p->o_rstride,
+                               p->o_hstride};
+    const void *ptrs[] = {p->k, p->v, p->out};
+    if (p->d % 8 != 0 || p->dv % 8 != 0)
+        return 0;
+    for (size_t i = 0; i < sizeof strides / sizeof strides[0]; i++)
+        if (strides[i] % 8 != 0)
+            return 0;
+    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
+        if ((uintptr_t)ptrs[i] % 16 != 0)
+            return 0;
+    return 1;
+}
+
+/* The call's plan, row tiles per kv head and split count (num_splits, or the plan's choice for
+ * the device). */
+typedef struct fa_decode_setup {
+    fa_plan plan;
+    int arch, smem_optin;
+    int64_t row_tiles;
+    int splits;
+} fa_decode_setup;
+
+static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_setup *s)
+{
+    FA_TRY(fa_cuda_device_arch(device, &s->arch, &s->smem_optin));
+    if (p->b > 65535 || p->hk > 65535 || p->max_sk > INT32_MAX / 2 ||
+        p->max_sq * (p->h / p->hk) > INT32_MAX / 2)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: the CUDA KV-cache call takes at most 65535 sequences and kv heads, "
+                            "2^30 cache positions and 2^30 query rows times heads per kv head");
+    fa_plan_key key = {s->arch, p->dtype, (int)p->d, (int)p->dv, 0};
+    key.features |= p->paged ? FA_PLAN_PAGED : 0;
+    key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
+    key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
+    key.features |= fa_decode_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
+    const int64_t rows = p->max_sq * (p->h / p->hk);
+    FA_TRY(fa_plan_decode(&key, rows, &s->plan));
+    if ((int)s->plan.smem > s->smem_optin)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "head_dim %lld: the kernel needs %u bytes of shared memory, the device "
+                            "gives %d",
+                            (long long)p->d, s->plan.smem, s->smem_optin);
+    s->row_tiles = fa_plan_decode_row_tiles(&s->plan, rows);
+    const int64_t tiles = s->row_tiles * p->b * p->hk;
+    s->splits = p->num_splits > 0 ? (int)p->num_splits
+                                  : fa_plan_decode_splits(&s->plan, tiles, p->max_sk,
+                                                          fa_cuda_device_sms(device));
+    if (s->row_tiles * s->splits > INT32_MAX)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "q: too many row tiles for one launch");
+    return FA_STATUS_OK;
+}
+
+size_t fa_cuda_kvcache_workspace_size(const fa_params *p, const fa_kvcache_args *args)
+{
+    fa_decode_setup s;
+    if (fa_decode_setup_make(p, args->device, &s) != FA_STATUS_OK || s.splits <= 1)
+        return 0;
+    size_t lse_at;
+    return fa_decode_ws_bytes(p, s.splits, &lse_at);
+}
+
+static fa_status fa_decode_launch(fa_cu_function fn, unsigned gx, unsigned gy, unsigned gz,
+                                  unsigned threads, unsigned smem, fa_cu_stream stream,
+                                  fa_dkparams *dk, const char *what)
+{
+    void *params[] = {dk};
+    fa_cu_result r = fa_cuda_driver_get()->launch_kernel(fn, gx, gy, gz, threads, 1, 1, smem,
+                                                         stream, params, NULL);
+    return r == 0 ? FA_STATUS_OK : fa_cuda_error(r, what);
+}
+
+/* The paged capacity check on a host copy of cache_seqlens (waits for the stream). */
+static fa_status fa_decode_check_capacity(const fa_params *p, fa_cu_stream stream)
+{
+    const fa_cuda_driver *d = fa_cuda_driver_get();
+    int32_t *host = malloc((size_t)p->b * sizeof *host);
+    if (!host)
+        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "cache_seqlens: no host memory for its copy");
+    fa_cu_result r = d->stream_synchronize(stream);
+    if (r == 0)
+        r = d->memcpy_dtoh(host, (fa_cu_deviceptr)(uintptr_t)p->cache_seqlens,
+                           (size_t)p->b * sizeof *host);
+    fa_status st = r == 0 ? fa_kvcache_check_seqlens(p, host)
+                          : fa_cuda_error(r, "copying cache_seqlens for the capacity check");
+    free(host);
+    return st;
+}
+
+/* The kernels' block for p, the partials at ws (NULL: one split). */
+static void fa_dkparams_fill(const fa_params *p, int splits, void *ws, fa_dkparams *dk)
+{
+    *dk = (fa_dkparams){0};
+    fa_kparams_fill(p, &dk->f);
+    dk->knew = p->knew, dk->vnew = p->vnew;
+    dk->knew_bstride = p->knew_bstride, dk->knew_rstride = p->knew_rstride;
+    dk->knew_hstride = p->knew_hstride;
+    dk->vnew_bstride = p->vnew_bstride, dk->vnew_rstride = p->vnew_rstride;
+    dk->vnew_hstride = p->vnew_hstride;
+    dk->block_table = p->block_table, dk->bt_bstride = p->bt_bstride;
+    dk->batch_idx = p->batch_idx;
+    dk->cache_seqlens = p->cache_seqlens;
+    dk->leftpad = p->leftpad;
+    dk->rot_cos = p->rot_cos, dk->rot_sin = p->rot_sin;
+    dk->cos_rstride = p->cos_rstride, dk->sin_rstride = p->sin_rstride;
+    dk->seqlen_ro = p->seqlen_ro;
+    dk->rotary_dim = (int)p->rotary_dim;
+    dk->rotary_interleaved = p->rotary_interleaved;
+    dk->rotary_per_row = p->rotary_per_row;
+    dk->num_blocks = p->num_blocks, dk->page_size = p->page_size;
+    dk->s_new = (int)p->s_new;
+    dk->splits = splits;
+    dk->empty_lse = INFINITY;
+    if (splits > 1) {
+        size_t lse_at;
+        fa_decode_ws_bytes(p, splits, &lse_at);
+        const int64_t hs = 1, rs = p->h, bs = p->max_sq * rs, ss = p->b * bs;
+        dk->oaccum = ws;
+        dk->oaccum_hstride = hs * p->dv, dk->oaccum_rstride = rs * p->dv;
+        dk->oaccum_bstride = bs * p->dv, dk->oaccum_sstride = ss * p->dv;
+        dk->lseaccum = (float *)((char *)ws + lse_at);
+        dk->lseaccum_hstride = hs, dk->lseaccum_rstride = rs;
+        dk->lseaccum_bstride = bs, dk->lseaccum_sstride = ss;
+    }
+}
+
+/* Launches fa_combine over every row of dk (its partials, out and lse). */
+static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, int arch,
+                                   fa_cu_context ctx, fa_cu_stream stream)
+{
+    fa_plan_key key = {arch, out_dtype, 0, 0, 0};
+    fa_plan plan;
+    fa_cu_function fn;
+    fa_dkparams dk = *dkc;
+    FA_TRY(fa_plan_combine(&key, &plan));
+    FA_TRY(fa_jit_function(&plan, ctx, "fa_combine", &fn));
+    const int64_t rows = dk.f.b * dk.f.max_sq * dk.f.h;
+    if (rows == 0)
+        return FA_STATUS_OK;
+    const int64_t ctas = (rows + FA_COMBINE_ROWS_PER_CTA - 1) / FA_COMBINE_ROWS_PER_CTA;
+    if (ctas > INT32_MAX)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "out: too many rows for one launch");
+    return fa_decode_launch(fn, (unsigned)ctas, 1, 1, 32 * FA_COMBINE_ROWS_PER_CTA, 0, stream,
+                            &dk, "launching fa_combine");
+}
+
+fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args)
+{
+    fa_decode_setup s;
+    FA_TRY(fa_decode_setup_make(p, args->device, &s));
+    if (s.splits > 1) {
+        size_t lse_at;
+        const size_t need = fa_decode_ws_bytes(p, s.splits, &lse_at);
+        const int fits = args->workspace && args->workspace_size >= need;
+        if (fits && (uintptr_t)args->workspace % FA_WS_ALIGN != 0)
+            return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
+                                "workspace: must be %d-byte aligned", FA_WS_ALIGN);
+        if (!fits && p->num_splits > 1)
+            return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
+                                "workspace: num_splits %d needs %zu bytes "
+                                "(fa_attention_kvcache_workspace_size), got %zu",
+                                s.splits, need, args->workspace ? args->workspace_size : 0);
+        if (!fits)
+            s.splits = 1;
+    }
+
+    fa_cu_context ctx;
+    int pushed;
+    FA_TRY(fa_cuda_context_enter(args->device, &ctx, &pushed));
+    fa_cu_stream stream = (fa_cu_stream)args->stream;
+    fa_status st = FA_STATUS_OK;
+    if (p->paged && p->cache_seqlens && !args->skip_capacity_check)
+        st = fa_decode_check_capacity(p, stream);
+    fa_dkparams dk;
+    fa_dkparams_fill(p, s.splits, args->workspace, &dk);
+    fa_cu_function fn;
+    if (st == FA_STATUS_OK && p->s_new > 0) {
+        st = fa_jit_function(&s.plan, ctx, "fa_kv_append", &fn);
+        if (st == FA_STATUS_OK)
+            st = fa_decode_launch(fn, (unsigned)p->s_new, (unsigned)p->hk, (unsigned)p->b, 32, 0,
+                                  stream, &dk, "launching fa_kv_append");
+    }
+    if (st == FA_STATUS_OK && s.row_tiles > 0) {
+        st = fa_jit_function(&s.plan, ctx, "fa_decode", &fn);
+        if (st == FA_STATUS_OK)
+            st = fa_decode_launch(fn, (unsigned)(s.row_tiles * s.splits), (unsigned)p->hk,
+                                  (unsigned)p->b, s.plan.threads, s.plan.smem, stream, &dk,
+                                  "launching fa_decode");
+        if (st == FA_STATUS_OK && s.splits > 1)
+            st = fa_decode_combine(&dk, p->dtype, s.arch, ctx, stream);
+    }
+    fa_cuda_context_leave(pushed);
+    return st;
+}
+
+fa_status fa_cuda_combine(const fa_params *p, const fa_combine_args *args)
+{
+    if (p->accum_dtype != FA_DTYPE_F32)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "out_partial: the CUDA combine reads fp32 partials, got %s",
+                            fa_dtype_name(p->accum_dtype));
+    int arch = 0, smem_optin = 0;
+    FA_TRY(fa_cuda_device_arch(args->device, &arch, &smem_optin));
+    fa_dkparams dk = {0};
+    fa_kparams_fill(p, &dk.f);
+    dk.oaccum = (float *)p->oaccum;
+    dk.oaccum_sstride = p->oaccum_sstride, dk.oaccum_bstride = p->oaccum_bstride;
+    dk.oaccum_rstride = p->oaccum_rstride, dk.oaccum_hstride = p->oaccum_hstride;
+    dk.lseaccum = (float *)p->lseaccum;
+    dk.lseaccum_sstride = p->lseaccum_sstride, dk.lseaccum_bstride = p->lseaccum_bstride;
+    dk.lseaccum_rstride = p->lseaccum_rstride, dk.lseaccum_hstride = p->lseaccum_hstride;
+    dk.splits = (int)p->num_splits;
+    dk.empty_lse = (float)p->empty_lse;
+    fa_cu_context ctx;
+    int pushed;
+    FA_TRY(fa_cuda_context_enter(args->device, &ctx, &pushed));
+    fa_status st = fa_decode_combine(&dk, p->dtype, arch, ctx, (fa_cu_stream)args->stream);
+    fa_cuda_context_leave(pushed);
+    return st;
+}

@@ -1,0 +1,381 @@
+/*
+ * The KV-cache call and the combine on a CUDA device against the CPU backend, on the same random
+ * inputs and the same cache contents:
+ *   out:    within a bf16/fp16 tolerance of the CPU's (the CPU computes in fp32)
+ *   lse:    within 2e-3 of the CPU's, +inf exactly where the CPU has it
+ *   caches: after the append equal to the CPU's (rotated keys within one rounding)
+ *   every output element written, and a second run bitwise identical to the first.
+ * Then bad indices (clamped in the kernel, never a fault) and the paged capacity check.
+ * Exits 77 (skipped) when no CUDA device is usable.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/fa_cuda.h"
+#include "cuda/fa_cuda_driver.h"
+#include "gpu_test_util.h"
+
+typedef struct kv_case {
+    const char *name;
+    int b, h, hk, sq, d, dv;
+    int cap;     /* positions a sequence can hold */
+    int page;    /* 0: contiguous cache */
+    int s_new;   /* new keys appended */
+    int rotary;  /* 0 none, 1 interleaved, 2 GPT-NeoX */
+    int batch_idx, leftpad, empty;
+    int causal, wl, wr;
+    double softcap;
+    int alibi, sinks;
+    int splits; /* num_splits (0: the library's choice) */
+} kv_case;
+
+static const kv_case cases[] = {
+    {"decode gqa4 contiguous", 3, 32, 8, 1, 128, 128, 1000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0},
+    {"decode paged16 split auto", 4, 8, 2, 1, 128, 128, 2048, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0},
+    {"paged page1 append rotary", 2, 4, 2, 1, 64, 64, 300, 1, 1, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 3},
+    {"paged page3 neox leftpad", 3, 6, 3, 4, 64, 64, 333, 3, 2, 2, 0, 1, 0, 1, -1, -1, 0, 0, 0, 5},
+    {"paged256 chunk16 causal", 2, 16, 2, 16, 128, 128, 1500, 256, 16, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0},
+    {"batch_idx window softcap", 3, 4, 4, 2, 128, 128, 700, 0, 2, 0, 1, 0, 0, 0, 100, 0, 30, 0, 0, 7},
+    {"alibi sinks mqa d256", 2, 8, 1, 3, 256, 256, 900, 0, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 1, 0},
+    {"empty sequences sinks", 3, 4, 2, 2, 64, 64, 200, 16, 0, 0, 0, 0, 1, 0, -1, -1, 0, 0, 1, 4},
+    {"splits 64 d192 dv128", 2, 4, 2, 1, 192, 128, 5000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 64},
+    {"unaligned d36 paged7", 2, 6, 3, 3, 36, 36, 400, 7, 2, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 2},
+    {"unsplit causal gqa8 d128", 2, 16, 2, 5, 128, 128, 3000, 32, 3, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 1},
+    {"prefill 40 rows gqa8", 1, 16, 2, 40, 128, 128, 1200, 64, 40, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0},
+};
+
+static int failures;
+
+#define FAIL(...)                                                                                \
+    do {                                                                                         \
+        fprintf(stderr, "FAIL [%s %s] ", c->name, fa_dtype_name(dt));                            \
+        fprintf(stderr, __VA_ARGS__);                                                            \
+        fputc('\n', stderr);                                                                     \
+        failures++;                                                                              \
+    } while (0)
+
+static int randint(int lo, int hi) { return lo + (int)gu_uniform(0, hi - lo + 1 - 1e-9); }
+
+/* Every element of two 16-bit buffers equal, or within one rounding where `loose` (rotated). */
+static double max_rel_diff(const void *a, const void *b, fa_dtype dt, size_t n)
+{
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double x = gu_elem_load(a, dt, (int64_t)i), y = gu_elem_load(b, dt, (int64_t)i);
+        if (isnan(x) && isnan(y))
+            continue;
+        worst = fmax(worst, fabs(x - y) / fmax(fabs(y), 1e-3));
+    }
+    return worst;
+}
+
+static void run_case(const kv_case *c, fa_dtype dt)
+{
+    if (!gu_shard_take(gu_attn_cost(c->b, c->h, c->sq, c->cap, c->d, c->dv, 0)))
+        return;
+    const int paged = c->page > 0;
+    const int max_blocks = paged ? (c->cap + c->page - 1) / c->page : 0;
+    const int cap = paged ? max_blocks * c->page : c->cap;
+    const int b_cache = c->batch_idx ? c->b + 2 : c->b;
+    const int nblocks = paged ? c->b * max_blocks + 3 : b_cache;
+    const int rows_per = paged ? c->page : cap;
+    int64_t qs[4] = {c->b, c->sq, c->h, c->d}, os[4] = {c->b, c->sq, c->h, c->dv};
+    int64_t ks[4] = {nblocks, rows_per, c->hk, c->d}, vs[4] = {nblocks, rows_per, c->hk, c->dv};
+    int64_t kn[4] = {c->b, c->s_new > 0 ? c->s_new : 1, c->hk, c->d};
+    int64_t vn[4] = {c->b, c->s_new > 0 ? c->s_new : 1, c->hk, c->dv};
+    int64_t ls[3] = {c->b, c->h, c->sq}, bsz[1] = {c->b}, hs[1] = {c->h};
+    int64_t bts[2] = {c->b, max_blocks > 0 ? max_blocks : 1};
+    const int rd = c->d >= 32 ? 32 : c->d / 2 * 2;
+    int64_t ros[2] = {cap + c->sq + 2, rd / 2};
+    gpu_buf q = gu_buf_new(dt, 4, qs, 0), o = gu_buf_new(dt, 4, os, 0);
+    gpu_buf kc = gu_buf_new(dt, 4, ks, 0), vc = gu_buf_new(dt, 4, vs, 0);
+    gpu_buf knew = gu_buf_new(dt, 4, kn, 0), vnew = gu_buf_new(dt, 4, vn, 0);
+    gpu_buf lse = gu_buf_new(FA_DTYPE_F32, 3, ls, 0);
+    gpu_buf seqlens = gu_buf_new(FA_DTYPE_I32, 1, bsz, 0), bidx = gu_buf_new(FA_DTYPE_I32, 1, bsz, 0);
+    gpu_buf lpad = gu_buf_new(FA_DTYPE_I32, 1, bsz, 0), bt = gu_buf_new(FA_DTYPE_I32, 2, bts, 0);
+    gpu_buf al = gu_buf_new(FA_DTYPE_F32, 1, hs, 0), sk = gu_buf_new(FA_DTYPE_F32, 1, hs, 0);
+    gpu_buf cs = gu_buf_new(dt, 2, ros, 0), sn = gu_buf_new(dt, 2, ros, 0);
+    gu_fill_uniform(&q, -1, 1);
+    gu_fill_uniform(&kc, -1, 1);
+    gu_fill_uniform(&vc, -1, 1);
+    gu_fill_uniform(&knew, -1, 1);
+    gu_fill_uniform(&vnew, -1, 1);
+    gu_fill_uniform(&al, 0.01, 0.3);
+    gu_fill_uniform(&sk, -1, 2);
+    gu_fill_uniform(&cs, -1, 1);
+    gu_fill_uniform(&sn, -1, 1);
+    int32_t *sl = seqlens.host.data, *bx = bidx.host.data, *lp = lpad.host.data, *btab = bt.host.data;
+    for (int i = 0; i < c->b; i++) {
+        sl[i] = c->empty && i != 1 ? 0 : randint(c->sq, cap - c->s_new);
+        bx[i] = (i * 7 + 1) % b_cache; /* distinct rows, not in order */
+        lp[i] = c->leftpad ? randint(0, sl[i] / 2) : 0;
+    }
+    /* A random permutation of the blocks, so that no sequence's blocks are adjacent. */
+    int *perm = malloc(sizeof(int) * (size_t)nblocks);
+    for (int i = 0; i < nblocks; i++)
+        perm[i] = i;
+    for (int i = nblocks - 1; i > 0; i--) {
+        int j = randint(0, i), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    for (int i = 0; i < (int)(bts[0] * bts[1]); i++)
+        btab[i] = paged ? perm[i] : 0;
+    free(perm);
+    gpu_buf *inputs[] = {&q, &kc, &vc, &knew, &vnew, &al, &sk, &cs, &sn, &seqlens, &bidx, &lpad, &bt};
+    for (size_t i = 0; i < sizeof inputs / sizeof inputs[0]; i++)
+        gu_buf_upload(inputs[i]);
+
+    fa_kvcache_args a;
+    fa_kvcache_args_init(&a);
+    a.causal = c->causal;
+    a.window_left = c->wl;
+    a.window_right = c->wr;
+    a.softcap = c->softcap;
+    a.num_splits = c->splits;
+    a.rotary_interleaved = c->rotary == 1;
+    fa_kvcache_args host = a, dev = a;
+    host.q = &q.host, dev.q = &q.dev;
+    host.k_cache = &kc.host, dev.k_cache = &kc.dev;
+    host.v_cache = &vc.host, dev.v_cache = &vc.dev;
+    host.out = &o.host, dev.out = &o.dev;
+    host.lse = &lse.host, dev.lse = &lse.dev;
+    host.cache_seqlens = &seqlens.host, dev.cache_seqlens = &seqlens.dev;
+    if (c->s_new > 0)
+        host.k = &knew.host, dev.k = &knew.dev, host.v = &vnew.host, dev.v = &vnew.dev;
+    if (c->rotary)
+        host.rotary_cos = &cs.host, dev.rotary_cos = &cs.dev, host.rotary_sin = &sn.host,
+        dev.rotary_sin = &sn.dev;
+    if (c->batch_idx)
+        host.cache_batch_idx = &bidx.host, dev.cache_batch_idx = &bidx.dev;
+    if (c->leftpad)
+        host.cache_leftpad = &lpad.host, dev.cache_leftpad = &lpad.dev;
+    if (paged)
+        host.block_table = &bt.host, dev.block_table = &bt.dev;
+    if (c->alibi)
+        host.alibi_slopes = &al.host, dev.alibi_slopes = &al.dev;
+    if (c->sinks)
+        host.sinks = &sk.host, dev.sinks = &sk.dev;
+    dev.device = 0;
+
+    fa_cu_deviceptr ws = 0;
+    size_t ws_size = fa_attention_kvcache_workspace_size(&dev);
+    if (ws_size) {
+        CHECK_CU(gu_drv->mem_alloc(&ws, ws_size));
+        dev.workspace = (void *)(uintptr_t)ws, dev.workspace_size = ws_size;
+    } else if (c->splits > 1) {
+        FAIL("no workspace for num_splits %d: %s", c->splits, fa_last_error());
+    }
+    if (fa_attention_kvcache(&host) != FA_STATUS_OK)
+        FAIL("CPU: %s", fa_last_error());
+
+    void *first_out = NULL, *first_lse = NULL;
+    for (int run = 0; run < 2; run++) {
+        gu_buf_poison_device(&o);
+        gu_buf_poison_device(&lse);
+        if (fa_attention_kvcache(&dev) != FA_STATUS_OK) {
+            FAIL("GPU: %s", fa_last_error());
+            break;
+        }
+        CHECK_CU(gu_drv->ctx_synchronize());
+        void *go = gu_buf_download(&o), *gl = gu_buf_download(&lse);
+        if (run == 1) {
+            if (memcmp(go, first_out, o.bytes) || memcmp(gl, first_lse, lse.bytes))
+                FAIL("second run differs from the first (not bitwise reproducible)");
+            free(go);
+            free(gl);
+            break;
+        }
+        first_out = go, first_lse = gl;
+    }
+    if (first_out) {
+        const double tol = dt == FA_DTYPE_BF16 ? 1.6e-2 : 3e-3;
+        double err = 0, scale = 1e-3, lse_err = 0;
+        int64_t unwritten = 0, lse_bad = 0;
+        const size_t n_out = o.bytes / fa_dtype_size(dt);
+        for (size_t i = 0; i < n_out; i++) {
+            double g = gu_elem_load(first_out, dt, (int64_t)i);
+            double r = gu_elem_load(o.host.data, dt, (int64_t)i);
+            if (isnan(g)) {
+                unwritten++;
+                continue;
+            }
+            err = fmax(err, fabs(g - r));
+            scale = fmax(scale, fabs(r));
+        }
+        for (int64_t i = 0; i < (int64_t)c->b * c->h * c->sq; i++) {
+            double g = ((const float *)first_lse)[i], r = ((const float *)lse.host.data)[i];
+            if (isinf(r) || isinf(g)) {
+                lse_bad += g != r;
+                continue;
+            }
+            lse_err = fmax(lse_err, fabs(g - r));
+        }
+        if (unwritten)
+            FAIL("%lld output elements never written", (long long)unwritten);
+        if (err > tol * scale)
+            FAIL("out: max |gpu - cpu| %.3g over %.3g * %.3g", err, tol, scale);
+        if (lse_bad || lse_err > 2e-3)
+            FAIL("lse: max err %.3g, %lld infinities differ", lse_err, (long long)lse_bad);
+        void *gk = gu_buf_download(&kc), *gv = gu_buf_download(&vc);
+        double dk = max_rel_diff(gk, kc.host.data, dt, kc.bytes / 2);
+        double dv = max_rel_diff(gv, vc.host.data, dt, vc.bytes / 2);
+        if (dv != 0 || dk > (c->rotary ? (dt == FA_DTYPE_BF16 ? 1.6e-2 : 2e-3) : 0))
+            FAIL("caches after the append differ from the CPU's: k %.3g, v %.3g", dk, dv);
+        free(gk);
+        free(gv);
+        printf("ok  %-28s %s  out err %.2e (scale %.2f)  lse err %.2e  workspace %zu\n", c->name,
+               fa_dtype_name(dt), err, scale, lse_err, ws_size);
+    }
+    free(first_out);
+    free(first_lse);
+    if (ws)
+        CHECK_CU(gu_drv->mem_free(ws));
+    gpu_buf *all[] = {&q, &o, &kc, &vc, &knew, &vnew, &lse, &seqlens, &bidx, &lpad, &bt, &al, &sk, &cs, &sn};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        gu_buf_free(all[i]);
+}
+
+/* Bad device indices: block ids and batch rows out of range, lengths past the capacity. With
+ * the capacity check the paged call is refused naming block_table; without it, and for the
+ * contiguous cache, the kernels clamp: the call completes and the context stays usable. */
+static void run_bad_indices(void)
+{
+    const kv_case cc = {"bad indices", 2, 4, 2, 1, 64, 64, 256, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0};
+    const kv_case *c = &cc;
+    const fa_dtype dt = FA_DTYPE_BF16;
+    int64_t qs[4] = {2, 1, 4, 64}, ks[4] = {40, 16, 2, 64}, kn[4] = {2, 1, 2, 64};
+    int64_t bsz[1] = {2}, bts[2] = {2, 16};
+    gpu_buf q = gu_buf_new(dt, 4, qs, 0), o = gu_buf_new(dt, 4, qs, 0);
+    gpu_buf kc = gu_buf_new(dt, 4, ks, 0), vc = gu_buf_new(dt, 4, ks, 0);
+    gpu_buf knew = gu_buf_new(dt, 4, kn, 0), vnew = gu_buf_new(dt, 4, kn, 0);
+    gpu_buf sl = gu_buf_new(FA_DTYPE_I32, 1, bsz, 0), bt = gu_buf_new(FA_DTYPE_I32, 2, bts, 0);
+    gu_fill_uniform(&q, -1, 1);
+    gu_fill_uniform(&kc, -1, 1);
+    gu_fill_uniform(&vc, -1, 1);
+    gu_fill_uniform(&knew, -1, 1);
+    gu_fill_uniform(&vnew, -1, 1);
+    int32_t *s = sl.host.data, *t = bt.host.data;
+    s[0] = 300, s[1] = -5; /* past the 256 positions; negative */
+    for (int i = 0; i < 32; i++)
+        t[i] = i % 3 == 0 ? -7 : i % 3 == 1 ? 1 << 30 : i;
+    gpu_buf *in[] = {&q, &kc, &vc, &knew, &vnew, &sl, &bt};
+    for (size_t i = 0; i < sizeof in / sizeof in[0]; i++)
+        gu_buf_upload(in[i]);
+    fa_kvcache_args a;
+    fa_kvcache_args_init(&a);
+    a.q = &q.dev, a.k_cache = &kc.dev, a.v_cache = &vc.dev, a.out = &o.dev;
+    a.k = &knew.dev, a.v = &vnew.dev, a.cache_seqlens = &sl.dev, a.block_table = &bt.dev;
+    a.device = 0;
+    fa_status st = fa_attention_kvcache(&a);
+    if (st == FA_STATUS_OK || !strstr(fa_last_error(), "block_table"))
+        FAIL("paged capacity check: status %d, message \"%s\"", st, fa_last_error());
+    a.skip_capacity_check = 1;
+    if (fa_attention_kvcache(&a) != FA_STATUS_OK)
+        FAIL("unchecked paged call refused: %s", fa_last_error());
+    if (gu_drv->ctx_synchronize() != 0)
+        FAIL("bad paged indices faulted the context");
+    /* Contiguous, with cache rows out of range. */
+    int64_t kcs[4] = {2, 256, 2, 64};
+    gpu_buf kc2 = gu_buf_new(dt, 4, kcs, 0), vc2 = gu_buf_new(dt, 4, kcs, 0);
+    gpu_buf bx = gu_buf_new(FA_DTYPE_I32, 1, bsz, 0);
+    ((int32_t *)bx.host.data)[0] = 99, ((int32_t *)bx.host.data)[1] = -3;
+    gu_fill_uniform(&kc2, -1, 1);
+    gu_fill_uniform(&vc2, -1, 1);
+    gu_buf_upload(&kc2);
+    gu_buf_upload(&vc2);
+    gu_buf_upload(&bx);
+    a.k_cache = &kc2.dev, a.v_cache = &vc2.dev, a.block_table = NULL, a.cache_batch_idx = &bx.dev;
+    a.skip_capacity_check = 0;
+    if (fa_attention_kvcache(&a) != FA_STATUS_OK)
+        FAIL("contiguous call with bad device indices refused: %s", fa_last_error());
+    if (gu_drv->ctx_synchronize() != 0)
+        FAIL("bad contiguous indices faulted the context");
+    printf("ok  bad indices: refused with the check, clamped without it\n");
+    gpu_buf *all[] = {&q, &o, &kc, &vc, &knew, &vnew, &sl, &bt, &kc2, &vc2, &bx};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        gu_buf_free(all[i]);
+}
+
+/* fa_attention_combine on the device against the CPU's, with empty (+-inf) and NaN-free parts. */
+static void run_combine(fa_dtype dt)
+{
+    const kv_case cc = {"combine", 3, 5, 5, 4, 0, 96, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0};
+    const kv_case *c = &cc;
+    const int splits = 37;
+    int64_t ops[5] = {splits, 3, 4, 5, 96}, lps[4] = {splits, 3, 4, 5}, os[4] = {3, 4, 5, 96};
+    int64_t ls[3] = {3, 4, 5}, flat[4] = {splits * 3, 4, 5, 96};
+    /* gpu_buf holds up to 4 dimensions: out_partial is a 5-D view of a 4-D buffer. */
+    gpu_buf op = gu_buf_new(FA_DTYPE_F32, 4, flat, 0), lp = gu_buf_new(FA_DTYPE_F32, 4, lps, 0);
+    op.host = fa_tensor_make(op.host.data, FA_DTYPE_F32, 5, ops, NULL);
+    op.dev = fa_tensor_make(op.dev.data, FA_DTYPE_F32, 5, ops, NULL);
+    gpu_buf o = gu_buf_new(dt, 4, os, 0), lse = gu_buf_new(FA_DTYPE_F32, 3, ls, 0);
+    gu_fill_uniform(&op, -1, 1);
+    gu_fill_uniform(&lp, -3, 3);
+    float *l = lp.host.data;
+    for (int i = 0; i < splits * 60; i += 7)
+        l[i] = i % 2 ? INFINITY : -INFINITY;
+    for (int s = 0; s < splits; s++)
+        l[s * 60 + 13] = -INFINITY; /* a row with every part empty */
+    gu_buf_upload(&op);
+    gu_buf_upload(&lp);
+    fa_combine_args a;
+    fa_combine_args_init(&a);
+    fa_combine_args host = a, dev = a;
+    host.out_partial = &op.host, host.lse_partial = &lp.host, host.out = &o.host, host.lse = &lse.host;
+    dev.out_partial = &op.dev, dev.lse_partial = &lp.dev, dev.out = &o.dev, dev.lse = &lse.dev;
+    dev.device = 0;
+    gu_buf_poison_device(&o);
+    gu_buf_poison_device(&lse);
+    if (fa_attention_combine(&host) != FA_STATUS_OK || fa_attention_combine(&dev) != FA_STATUS_OK)
+        FAIL("combine refused: %s", fa_last_error());
+    CHECK_CU(gu_drv->ctx_synchronize());
+    void *go = gu_buf_download(&o), *gl = gu_buf_download(&lse);
+    double err = max_rel_diff(go, o.host.data, dt, o.bytes / fa_dtype_size(dt)), lerr = 0;
+    int inf_bad = 0;
+    for (int i = 0; i < 60; i++) {
+        double g = ((float *)gl)[i], r = ((float *)lse.host.data)[i];
+        if (isinf(g) || isinf(r) || isnan(g) || isnan(r))
+            inf_bad += !(g == r);
+        else
+            lerr = fmax(lerr, fabs(g - r));
+    }
+    if (err > (dt == FA_DTYPE_BF16 ? 8e-3 : 1e-3) || lerr > 1e-5 || inf_bad)
+        FAIL("combine: out rel err %.3g, lse err %.3g, %d infinities differ", err, lerr, inf_bad);
+    else
+        printf("ok  combine %s: out rel err %.2e, lse err %.2e\n", fa_dtype_name(dt), err, lerr);
+    free(go);
+    free(gl);
+    gpu_buf *all[] = {&op, &lp, &o, &lse};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        gu_buf_free(all[i]);
+}
+
+int main(void)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (fa_cuda_device_count() == 0) {
+        printf("test_gpu_kvcache: skipped, no usable CUDA device\n%s\n", fa_cuda_status());
+        return 77;
+    }
+    gu_drv = fa_cuda_driver_get();
+    gu_seed(0x13572468acebdf01ull);
+    fa_cu_context ctx;
+    int pushed;
+    if (fa_cuda_context_enter(0, &ctx, &pushed) != FA_STATUS_OK) {
+        fprintf(stderr, "no context: %s\n", fa_last_error());
+        return 1;
+    }
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        run_case(&cases[i], FA_DTYPE_BF16);
+        run_case(&cases[i], FA_DTYPE_F16);
+    }
+    if (gu_shard_take(1e6)) {
+        run_bad_indices();
+        run_combine(FA_DTYPE_BF16);
+        run_combine(FA_DTYPE_F32);
+    }
+    printf("test_gpu_kvcache: %d failures\n", failures);
+    return failures ? 1 : 0;
+}
