@@ -2,27 +2,54 @@
  * The merge of split partials (fa_attention_combine on a device, and the second step of a split
  * KV-cache call): row x of split s holds a normalised output o_s and its log-sum-exp l_s; the
  * merged row is sum_s exp(l_s - L) o_s with L = log(sum_s exp(l_s) + exp(sink)). A partial with
- * l_s = +-inf is empty and never read; a NaN l_s makes the row NaN. One warp per row, splits
- * visited in order, so a fixed split count gives bitwise the same result on every run.
+ * l_s = +-inf is empty and its o_s never used; a NaN l_s makes the row NaN. One CTA per row,
+ * parts summed in a fixed order, so a fixed split count gives bitwise the same result on every
+ * run.
  *
- * Defines: FA_BF16 (16-bit out: 0 fp16, 1 bf16), FA_OUT_F32 (1: out is fp32).
- * Entry point: fa_combine, over b * sq * h rows (4 per CTA of 128 threads).
+ * Defines: FA_BF16 (16-bit out: 0 fp16, 1 bf16), FA_OUT_F32 (1: out is fp32), FA_MAX_SPLITS
+ * (flashattn.h's bound on the parts).
+ * Entry point: fa_combine, one CTA of 128 threads per row of the b * sq * h.
  */
 #include "fa_common.cuh"
 #include "fa_dkparams.h"
 
-#define FA_COMBINE_ROWS 4
+#define FA_COMBINE_THREADS 128
+#define FA_COMBINE_GROUPS (FA_COMBINE_THREADS / 32) /* warps, each over every 4th part */
+#define FA_COMBINE_MAX_DV 256
 
 FA_DEV int fa_lse_empty(float x) { return x == FA_INF || x == -FA_INF; }
 
-extern "C" __global__ void __launch_bounds__(32 * FA_COMBINE_ROWS) fa_combine(const fa_dkparams dp)
+/* The CTA's maximum (op 0) or sum (op 1) of one float per thread, through shared memory red. */
+FA_DEV float fa_cta_reduce(float x, int op, float *red)
 {
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) {
+        const float y = __shfl_xor_sync(0xffffffffu, x, m);
+        x = op ? x + y : fmaxf(x, y);
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0)
+        red[threadIdx.x >> 5] = x;
+    __syncthreads();
+    x = red[0];
+#pragma unroll
+    for (int i = 1; i < FA_COMBINE_GROUPS; i++)
+        x = op ? x + red[i] : fmaxf(x, red[i]);
+    return x;
+}
+
+/* One CTA per row (sequence, query row, head): its threads share the parts' weights, then warp
+ * w sums parts w, w + 4, ... of every column (lanes over the columns), and the four sums are
+ * added in shared memory in a fixed order. */
+extern "C" __global__ void __launch_bounds__(FA_COMBINE_THREADS) fa_combine(const fa_dkparams dp)
+{
+    __shared__ float weight[FA_MAX_SPLITS];
+    __shared__ float red[FA_COMBINE_GROUPS];
+    __shared__ float part[FA_COMBINE_GROUPS][FA_COMBINE_MAX_DV];
     const fa_kparams *kp = &dp.f;
-    const fa_i64 x = (fa_i64)blockIdx.x * FA_COMBINE_ROWS + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
+    const fa_i64 x = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, grp = tid >> 5;
     const fa_i64 per_b = kp->max_sq * kp->h;
-    if (x >= kp->b * per_b)
-        return;
     const fa_i64 bi = x / per_b, qi = (x - bi * per_b) / kp->h, hh = x - bi * per_b - qi * kp->h;
     const float *lp = dp.lseaccum + bi * dp.lseaccum_bstride + qi * dp.lseaccum_rstride +
                       hh * dp.lseaccum_hstride;
@@ -30,48 +57,55 @@ extern "C" __global__ void __launch_bounds__(32 * FA_COMBINE_ROWS) fa_combine(co
                       hh * dp.oaccum_hstride;
     const float sink = kp->sinks ? kp->sinks[hh * kp->sinks_stride] : -FA_INF;
 
-    float mx = sink;
-    int nan = 0;
-    for (int s = lane; s < dp.splits; s += 32) {
+    float mx = sink, nan = 0.f;
+    for (int s = tid; s < dp.splits; s += FA_COMBINE_THREADS) {
         const float l = lp[s * dp.lseaccum_sstride];
-        nan |= l != l;
+        weight[s] = l;
+        nan = l != l ? 1.f : nan;
         if (l != FA_INF && l > mx)
             mx = l;
     }
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) {
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
-        nan |= __shfl_xor_sync(0xffffffffu, nan, m);
-    }
+    mx = fa_cta_reduce(mx, 0, red);
+    const int has_nan = fa_cta_reduce(nan, 0, red) != 0.f;
     float lse;
-    if (nan) {
+    if (has_nan) {
         lse = __int_as_float(0x7fc00000);
     } else if (mx == -FA_INF) {
         lse = dp.empty_lse;
     } else {
         float sum = 0.f;
-        for (int s = lane; s < dp.splits; s += 32) {
-            const float l = lp[s * dp.lseaccum_sstride];
-            if (!fa_lse_empty(l))
-                sum += expf(l - mx);
-        }
-#pragma unroll
-        for (int m = 16; m >= 1; m >>= 1)
-            sum += __shfl_xor_sync(0xffffffffu, sum, m);
+        for (int s = tid; s < dp.splits; s += FA_COMBINE_THREADS)
+            sum += fa_lse_empty(weight[s]) ? 0.f : expf(weight[s] - mx);
+        sum = fa_cta_reduce(sum, 1, red);
         sum += FA_RULE_SINK_TERM(kp->sinks != 0, sink, mx, expf);
         lse = mx + logf(sum);
     }
-    for (int c = lane; c < kp->dv; c += 32) {
+    /* Each part's weight (0 for an empty one, whose slot is read but multiplied by nothing). */
+    for (int s = tid; s < dp.splits; s += FA_COMBINE_THREADS) {
+        const float l = weight[s];
+        weight[s] = has_nan || mx == -FA_INF || fa_lse_empty(l) ? 0.f : expf(l - lse);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < FA_COMBINE_MAX_DV / 32; j++) {
+        const int c = j * 32 + lane;
+        if (j * 32 >= kp->dv)
+            break;
         float acc = 0.f;
-        if (nan) {
-            acc = lse;
-        } else if (mx != -FA_INF) {
-            for (int s = 0; s < dp.splits; s++) {
-                const float l = lp[s * dp.lseaccum_sstride];
-                if (!fa_lse_empty(l))
-                    acc += expf(l - lse) * op[s * dp.oaccum_sstride + c];
-            }
+#pragma unroll 4
+        for (int s = grp; s < dp.splits; s += FA_COMBINE_GROUPS) {
+            const float ws = weight[s];
+            const float o = c < kp->dv ? op[s * dp.oaccum_sstride + c] : 0.f;
+            acc += ws != 0.f ? ws * o : 0.f;
         }
+        part[grp][c] = acc;
+    }
+    __syncthreads();
+    for (int c = tid; c < kp->dv; c += FA_COMBINE_THREADS) {
+        float acc = has_nan ? lse : 0.f;
+#pragma unroll
+        for (int g = 0; g < FA_COMBINE_GROUPS; g++)
+            acc += part[g][c];
         const fa_i64 at = bi * kp->o_bstride + qi * kp->o_rstride + hh * kp->o_hstride + c;
 #if FA_OUT_F32
         ((float *)kp->out)[at] = acc;
@@ -79,6 +113,6 @@ extern "C" __global__ void __launch_bounds__(32 * FA_COMBINE_ROWS) fa_combine(co
         ((fa_u16 *)kp->out)[at] = fa_from_float(acc);
 #endif
     }
-    if (kp->lse && lane == 0)
+    if (kp->lse && tid == 0)
         kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qi * kp->lse_rstride] = lse;
 }

@@ -19,10 +19,10 @@
  * Defines from the plan (src/plan/fa_plan.c, fa_plan_decode):
  *   FA_BF16          data type (0: fp16, 1: bf16)
  *   FA_DP, FA_DVP    head dims of q/k and v padded to 32 or a multiple of 64
- *   FA_WM, FA_WN     warps over the rows and over each key block (FA_WM * FA_WN = 4)
+ *   FA_WM, FA_WN     warps over the rows and over each key block
  *   FA_BN, FA_STAGES keys per block, blocks in flight
  *   FA_PAGED         1: block_table maps positions to blocks
- *   FA_VEC           1: 16-byte aligned rows and d, dv % 8 == 0, so cp.async is used
+ *   FA_VEC           1: 16-byte aligned rows (q, caches, out) and d, dv % 8 == 0: 16-byte copies
  *   FA_ALIBI, FA_SOFTCAP
  * Entry points: fa_kv_append (the new keys and values written into the cache, rotated) and
  * fa_decode (the attention).
@@ -219,6 +219,22 @@ FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, int kh, const fa_kvs
                              int rows, int g, fa_u16 *q_p)
 {
     const fa_kparams *kp = &dp->f;
+#if FA_VEC
+    /* Without rotary, 16-byte chunks (q's rows are aligned under FA_VEC). */
+    if (!dp->rot_cos) {
+        for (int i = threadIdx.x; i < FA_BM * FA_CPR_K; i += FA_THREADS) {
+            const int r = i / FA_CPR_K, c = i - r * FA_CPR_K;
+            uint4 x = make_uint4(0, 0, 0, 0);
+            if (r0 + r < rows && c * 8 < kp->d) {
+                const int qi = (r0 + r) / g, hh = kh * g + (r0 + r) - qi * g;
+                x = *(const uint4 *)((const fa_u16 *)kp->q + bi * kp->q_bstride +
+                                     qi * kp->q_rstride + hh * kp->q_hstride + c * 8);
+            }
+            *(uint4 *)((char *)q_p + fa_swz(r, c, FA_CPR_K)) = x;
+        }
+        return;
+    }
+#endif
     for (int i = threadIdx.x; i < FA_BM * FA_DP; i += FA_THREADS) {
         const int r = i / FA_DP, c = i - r * FA_DP;
         float x = 0.f;

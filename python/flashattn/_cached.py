@@ -8,8 +8,8 @@ the data pointers, the current stream and the seed before calling the library, w
 every call itself. ``forward_dense_torch`` and ``forward_varlen_torch`` take the dense and
 varlen forms; ``_fastpath`` (C) looks up and runs the dense form's prepared calls for
 ``flash_attn_func``'s commonest call. ``kvcache_torch`` does the same for
-the KV-cache call on the CPU, where a decoding step's attention can take less time than the
-Python that prepares it.
+the KV-cache call, where a decoding step's attention can take less time than the Python that
+prepares it.
 """
 
 import ctypes
@@ -327,7 +327,8 @@ class _CachedKvcache:
     pointers each call swaps, and the outputs' ``_like``s (new ones contiguous, as the first
     call's were)."""
 
-    __slots__ = ("args", "ref", "fn", "slots", "keep", "likes", "names")
+    __slots__ = ("args", "ref", "fn", "slots", "keep", "likes", "names", "cuda", "ws_like",
+                 "paged")
 
     def __init__(self, args, keep, slots, out, lse, fn, names):
         torch = sys.modules["torch"]
@@ -339,6 +340,12 @@ class _CachedKvcache:
         self.likes = (_like(torch, out.shape, out.dtype, out.device),
                       _like(torch, lse.shape, lse.dtype, lse.device))
         self.names = names
+        # CUDA: the stream, the split workspace (its size fixed by the signature) and, for a
+        # paged cache, whether a graph is being captured, per call (_kvcache._device_workspace).
+        self.cuda = out.device.index if out.device.type == "cuda" else None
+        self.ws_like = (_like(torch, (args.workspace_size,), torch.uint8, out.device)
+                        if self.cuda is not None and args.workspace_size else None)
+        self.paged = slots[10] is not None
 
     def run(self, tensors):
         """The call on new tensors of this signature (the 13 inputs): (out, lse). Every
@@ -347,10 +354,18 @@ class _CachedKvcache:
         torch = sys.modules["torch"]
         out = torch.empty_like(self.likes[0])
         lse = torch.empty_like(self.likes[1])
+        ws = torch.empty_like(self.ws_like) if self.ws_like is not None else None
         ptrs = [(slot, x.data_ptr()) for slot, x in zip(self.slots, tensors + (out, lse))
                 if slot is not None]
         for slot, ptr in ptrs:
             slot.data = ptr
+        if self.cuda is not None:
+            args = self.args
+            args.stream = _raw_stream(self.cuda)
+            if ws is not None:
+                args.workspace = ws.data_ptr()
+            if self.paged:
+                args.skip_capacity_check = int(torch.cuda.is_current_stream_capturing())
         status = self.fn(self.ref)
         if status != _lib.STATUS_OK:
             _call_failed(self, status)
@@ -378,7 +393,7 @@ def kvcache_repeat(tensors, *scalars):
 
 def kvcache_torch(tensors, softmax_scale, causal, window_left, window_right, softcap,
                   rotary_interleaved, num_splits):
-    """``_kvcache.kvcache_run`` for torch CPU tensors, cached per signature as
+    """``_kvcache.kvcache_run`` for torch tensors (CPU or CUDA), cached per signature as
     ``forward_dense_torch`` is: tensors are its 13 inputs, q .. learnable_sink, cache_seqlens
     already a tensor (or None); the floats already floats, the window's ints ints. A call
     whose inputs reach the library as they are (no copy or conversion) is cached. The library

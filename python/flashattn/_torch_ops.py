@@ -469,18 +469,18 @@ def kvcache(q: _T, k_cache: _T, v_cache: _T, k: _OptT, v: _OptT, rotary_cos: _Op
             learnable_sink: _OptT, softmax_scale: Optional[float], causal: bool,
             window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
             num_splits: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _kvcache_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-                        softmax_scale, causal, window_left, window_right, softcap,
-                        rotary_interleaved, num_splits)
+    return _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                         learnable_sink, softmax_scale, causal, window_left, window_right,
+                         softcap, rotary_interleaved, num_splits)
 
 
-def _kvcache_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-                 softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                 num_splits):
-    """flashattn::kvcache's CPU kernel: the C library's KV-cache call, its preparation cached
-    per call signature."""
+def _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
+                  softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                  num_splits):
+    """flashattn::kvcache's kernel on either device: the C library's KV-cache call on q's
+    device, its preparation cached per call signature."""
     return _cached.kvcache_torch(
         (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
          cache_leftpad, block_table, alibi_slopes, learnable_sink), softmax_scale, causal,
@@ -492,12 +492,12 @@ def _kvcache_cuda(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                   softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
                   num_splits):
-    """flashattn::kvcache's CUDA kernel: the C library's KV-cache call on q's device and the
-    current stream (append, attention over the cache in place, split merge)."""
-    return _kvcache.kvcache_run(
-        _arrays.TORCH, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale,
-        causal, (window_left, window_right), softcap, rotary_interleaved, num_splits)
+    """flashattn::kvcache's CUDA kernel: the same call (append, attention over the cache in
+    place, split merge) on the current stream."""
+    return _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                         learnable_sink, softmax_scale, causal, window_left, window_right,
+                         softcap, rotary_interleaved, num_splits)
 
 
 @kvcache.register_fake
@@ -533,8 +533,8 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             _core.as_int(num_splits, "num_splits", _core.INT32))
     tensors = args[:13]
     eager = _eager(tensors) and not _needs_grad(tensors)
-    if eager and not q.is_cuda:
-        # A signature already prepared had every tensor on the CPU: its checks passed.
+    if eager:
+        # A signature already prepared had every tensor on q's device: its checks passed.
         res = _cached.kvcache_repeat(tensors, *args[13:])
         if res is not None:
             return res
@@ -553,7 +553,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         _arrays.refuse_overlap(k_cache, "k_cache", _arrays.APPENDED, _arrays.TORCH)
         _arrays.refuse_overlap(v_cache, "v_cache", _arrays.APPENDED, _arrays.TORCH)
     if eager:
-        return (_kvcache_cuda if q.is_cuda else _kvcache_cpu)(*args)
+        return _kvcache_impl(*args)
     return kvcache(*args)
 
 

@@ -19,7 +19,8 @@
 #include "cuda/fa_jit.h"
 
 #define FA_WS_ALIGN 256
-#define FA_COMBINE_ROWS_PER_CTA 4 /* kernels/fa_combine.cu: a warp per row */
+#define FA_COMBINE_THREADS 128 /* kernels/fa_combine.cu: a CTA per row */
+#define FA_COMBINE_MAX_DV 256  /* and its widest row */
 
 static size_t fa_decode_round(size_t x) { return (x + FA_WS_ALIGN - 1) / FA_WS_ALIGN * FA_WS_ALIGN; }
 
@@ -31,14 +32,14 @@ static size_t fa_decode_ws_bytes(const fa_params *p, int splits, size_t *lse_at)
     return fa_decode_round(*lse_at + rows * 4);
 }
 
-/* cp.async reads 16-byte chunks of the caches and the epilogue stores 16 bytes of out: their
- * rows must be 16-byte aligned and d, dv whole chunks. */
+/* The kernel reads q and the caches and writes out in 16-byte chunks: their rows must be
+ * 16-byte aligned and d, dv whole chunks. */
 static int fa_decode_aligned(const fa_params *p)
 {
-    const int64_t strides[] = {p->k_bstride, p->k_rstride, p->k_hstride, p->v_bstride,
-                               p->v_rstride, p->v_hstride, p->o_bstride, p->o_rstride,
-                               p->o_hstride};
-    const void *ptrs[] = {p->k, p->v, p->out};
+    const int64_t strides[] = {p->q_bstride, p->q_rstride, p->q_hstride, p->k_bstride,
+                               p->k_rstride, p->k_hstride, p->v_bstride, p->v_rstride,
+                               p->v_hstride, p->o_bstride, p->o_rstride, p->o_hstride};
+    const void *ptrs[] = {p->q, p->k, p->v, p->out};
     if (p->d % 8 != 0 || p->dv % 8 != 0)
         return 0;
     for (size_t i = 0; i < sizeof strides / sizeof strides[0]; i++)
@@ -58,6 +59,17 @@ typedef struct fa_decode_setup {
     int64_t row_tiles;
     int splits;
 } fa_decode_setup;
+
+/* CTAs of the plan the device runs at once: as many per SM as shared memory holds (an SM has
+ * about 1 KB more than a CTA may take, and reserves 1 KB per CTA), at most two of 128 threads
+ * (the kernel's registers). */
+static int fa_decode_slots(const fa_plan *plan, const struct fa_decode_setup *s, int device)
+{
+    int per_sm = (s->smem_optin + 1024) / ((int)plan->smem + 1024);
+    const int by_regs = (int)(256 / plan->threads);
+    per_sm = per_sm < by_regs ? per_sm : by_regs;
+    return fa_cuda_device_sms(device) * (per_sm > 1 ? per_sm : 1);
+}
 
 static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_setup *s)
 {
@@ -83,7 +95,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
     const int64_t tiles = s->row_tiles * p->b * p->hk;
     s->splits = p->num_splits > 0 ? (int)p->num_splits
                                   : fa_plan_decode_splits(&s->plan, tiles, p->max_sk,
-                                                          fa_cuda_device_sms(device));
+                                                          fa_decode_slots(&s->plan, s, device));
     if (s->row_tiles * s->splits > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "q: too many row tiles for one launch");
     return FA_STATUS_OK;
@@ -175,11 +187,10 @@ static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, i
     const int64_t rows = dk.f.b * dk.f.max_sq * dk.f.h;
     if (rows == 0)
         return FA_STATUS_OK;
-    const int64_t ctas = (rows + FA_COMBINE_ROWS_PER_CTA - 1) / FA_COMBINE_ROWS_PER_CTA;
-    if (ctas > INT32_MAX)
+    if (rows > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "out: too many rows for one launch");
-    return fa_decode_launch(fn, (unsigned)ctas, 1, 1, 32 * FA_COMBINE_ROWS_PER_CTA, 0, stream,
-                            &dk, "launching fa_combine");
+    return fa_decode_launch(fn, (unsigned)rows, 1, 1, FA_COMBINE_THREADS, 0, stream, &dk,
+                            "launching fa_combine");
 }
 
 fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args)
@@ -237,6 +248,10 @@ fa_status fa_cuda_combine(const fa_params *p, const fa_combine_args *args)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "out_partial: the CUDA combine reads fp32 partials, got %s",
                             fa_dtype_name(p->accum_dtype));
+    if (p->dv > FA_COMBINE_MAX_DV)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "out_partial: the CUDA combine takes head dims up to %d, got %lld",
+                            FA_COMBINE_MAX_DV, (long long)p->dv);
     int arch = 0, smem_optin = 0;
     FA_TRY(fa_cuda_device_arch(args->device, &arch, &smem_optin));
     fa_dkparams dk = {0};

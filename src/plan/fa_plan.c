@@ -1,4 +1,5 @@
 /* The plan table (see fa_plan.h). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -386,9 +387,26 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
  */
 #define FA_DECODE_BN 64
 #define FA_DECODE_STAGE_BUDGET (96 * 1024)
-#define FA_DECODE_MIN_BLOCKS_PER_SPLIT 4
+#define FA_DECODE_MAX_AUTO_SPLITS 128
 
 static int fa_plan_decode_wm(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
+
+/* FLASHATTN_DECODE_TILE=BN,STAGES,WM,WARPS replaces the plan's choice (for tuning with the
+ * benchmark); a combination the kernel cannot take is ignored. */
+static void fa_plan_decode_override(fa_plan *plan, int *wm)
+{
+    const char *env = getenv("FLASHATTN_DECODE_TILE");
+    int bn, stages, w, nw;
+    if (!env || sscanf(env, "%d,%d,%d,%d", &bn, &stages, &w, &nw) != 4)
+        return;
+    if ((nw != 2 && nw != 4 && nw != 8) || w < 1 || nw % w != 0 || stages < 2 || stages > 8 ||
+        bn < 16 || bn > 256 || bn % (16 * (nw / w)) != 0)
+        return;
+    plan->bn = bn;
+    plan->stages = stages;
+    plan->nwarps = nw;
+    *wm = w;
+}
 
 fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
 {
@@ -409,21 +427,22 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
     plan->dp = fa_plan_pad(key->d);
     plan->dvp = fa_plan_pad(key->dv);
-    const int wm = fa_plan_decode_wm(rows);
-    plan->bm = 16 * wm;
+    int wm = fa_plan_decode_wm(rows);
     plan->bn = FA_DECODE_BN;
     plan->nwarps = 4;
-    plan->threads = 128;
     const int stage = 2 * plan->bn * (plan->dp + plan->dvp);
     plan->stages = FA_DECODE_STAGE_BUDGET / stage;
     plan->stages = plan->stages < 2 ? 2 : plan->stages > 4 ? 4 : plan->stages;
+    fa_plan_decode_override(plan, &wm);
+    plan->bm = 16 * wm;
+    plan->threads = (unsigned)(32 * plan->nwarps);
     plan->smem = (unsigned)FA_SMEM_DECODE(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages,
                                           plan->nwarps);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
     fa_plan_define(plan, "FA_WM", wm);
-    fa_plan_define(plan, "FA_WN", 4 / wm);
+    fa_plan_define(plan, "FA_WN", plan->nwarps / wm);
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_STAGES", plan->stages);
     fa_plan_define(plan, "FA_PAGED", (key->features & FA_PLAN_PAGED) != 0);
@@ -437,16 +456,28 @@ int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows)
     return (rows + plan->bm - 1) / plan->bm;
 }
 
-int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, int sms)
+int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, int slots)
 {
+    /* Upstream's rule (FA2's num_splits_heuristic): a grid that fills most of the device stays
+     * whole; otherwise, of the counts that give each split a different number of key blocks,
+     * the smallest whose last wave is at least 85% as full as the best count's. */
     const int64_t blocks = (max_keys + plan->bn - 1) / plan->bn;
-    int64_t most = blocks / FA_DECODE_MIN_BLOCKS_PER_SPLIT;
-    if (most > FA_MAX_SPLITS)
-        most = FA_MAX_SPLITS;
-    if (tiles < 1 || most <= 1 || sms < 1)
+    if (slots < 1 || tiles < 1 || tiles * 5 >= (int64_t)slots * 4 || blocks <= 1)
         return 1;
-    int64_t splits = (2 * (int64_t)sms + tiles - 1) / tiles;
-    return (int)(splits < 1 ? 1 : splits > most ? most : splits);
+    int64_t most = blocks < slots ? blocks : slots;
+    most = most < FA_DECODE_MAX_AUTO_SPLITS ? most : FA_DECODE_MAX_AUTO_SPLITS;
+    double eff[FA_DECODE_MAX_AUTO_SPLITS + 1] = {0}, best = 0;
+    for (int64_t s = 1; s <= most; s++) {
+        const double waves = (double)(tiles * s) / slots;
+        eff[s] = waves / ceil(waves);
+        best = eff[s] > best ? eff[s] : best;
+    }
+    for (int64_t s = 1; s <= most; s++) {
+        const int same = s > 1 && (blocks + s - 1) / s == (blocks + s - 2) / (s - 1);
+        if (!same && eff[s] >= 0.85 * best)
+            return (int)s;
+    }
+    return 1;
 }
 
 /* The combine (kernels/fa_combine.cu): one warp per row, nothing to tile. */
@@ -467,5 +498,6 @@ fa_status fa_plan_combine(const fa_plan_key *key, fa_plan *plan)
     plan->threads = 128;
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_OUT_F32", key->dtype == FA_DTYPE_F32);
+    fa_plan_define(plan, "FA_MAX_SPLITS", FA_MAX_SPLITS);
     return FA_STATUS_OK;
 }

@@ -85,9 +85,8 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan);
 int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows);
 
 /* The split count of a decode: `tiles` row tiles of (sequence, kv head) pairs over at most
- * max_keys keys each, on a device of `sms` multiprocessors. Splits the keys until the grid fills
- * the device about twice, keeping at least four key blocks per split. */
-int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, int sms);
+ * max_keys keys each, on a device that runs `slots` CTAs of the plan at once. */
+int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, int slots);
 
 /* The merge of split partials (kernels/fa_combine.cu) into an output of key->dtype (fp16, bf16
  * or fp32). */
