@@ -30,8 +30,9 @@ with CUDA events, divided by `calls`); TB/s = bytes of the keys and values the s
 (2 * batch * context * kv heads * d * element size) / step time; fa/best = best SDPA time /
 flashattn time (> 1: flashattn is faster); max err = max |flashattn - SDPA| over the backends
 that ran (the fp32 math backend on sequence 0 when none did). Above the dtype's tolerance (bf16
-2e-2) the row says "!! WRONG", its ratio is "WRONG" and the exit status is 2. --host adds the
-wall-clock time per call including the host (N calls, one synchronize after them).
+2e-2) times min(1, 2 max |SDPA's output|) the row says "!! WRONG", its ratio is "WRONG" and the
+exit status is 2. --host adds the wall-clock time per call including the host (N calls, one
+synchronize after them).
 
 Memory: a row whose tensors (flashattn's and SDPA's copies) pass --mem-gb is skipped; the
 library's own workspace comes on top. flashattn's API takes no `out`, so each call allocates
@@ -181,7 +182,7 @@ def time_row(dev, cands, opts):
             for _ in range(opts.warmup):
                 fn()
     sync(dev)
-    step = max(best_per_call(dev, cands, 1, 1, "events").values())
+    step = max(max(best_per_call(dev, cands, 1, 1, "events").values()), 1e-7)
     calls = max(1, min(32, int(200e-6 / step)))  # runs of ~0.2 ms: the host runs ahead
     reps = max(3, min(opts.reps, int(opts.row_s / (len(cands) * calls * step))))
     res = {"calls": calls, "reps": reps,
@@ -215,6 +216,12 @@ class Shape:
     def make(self):
         self.k = self.randn(self.b, self.hk, self.ctx, self.d)  # [b, hk, ctx, d]
         self.v = self.randn(self.b, self.hk, self.ctx, self.d)
+
+    def held_bytes(self):
+        return self.kv_bytes * (1 + (self.h // self.hk if self.k_expanded is not None else 0))
+
+    def drop_expanded(self):
+        self.k_expanded = self.v_expanded = None
 
     def expanded(self, budget_left):
         """K/V [b, h, ctx, d] (query head i on kv head i // g), or None past the budget."""
@@ -312,18 +319,31 @@ def reference_error(shape, q, bias, out):
     with sdpa_kernel([SDPBackend.MATH]):
         ref = F.scaled_dot_product_attention(
             q[:1].float(), k, v, attn_mask=None if bias is None else bias.float())
-    return (out[:1].float() - ref.transpose(1, 2)).abs().max().item()
+    return compare(out[:1], ref)
+
+
+def compare(out, ref):
+    """(max |out - ref|, max |ref|) of out [b, rows, h, d] and ref [b, h, rows, d]."""
+    ref = ref.transpose(1, 2).float()
+    return (out.float() - ref).abs().max().item(), ref.abs().max().item()
 
 
 # ---- one row ---------------------------------------------------------------------------------
 
+def row_key(shape, kind, page, rows):
+    case = kind if kind == "func" else "kvcache " + ("contig" if page == 0 else "paged%d" % page)
+    return dict(case=case, batch=shape.b, context=shape.ctx, rows=rows, d=shape.d,
+                heads=shape.h, kv_heads=shape.hk)
+
+
 def run_case(opts, shape, kind, page, rows):
     s, dev = shape, shape.dev
-    row = dict(case=kind if kind == "func" else "kvcache " + ("contig" if page == 0
-                                                           else "paged%d" % page),
-               batch=s.b, context=s.ctx, rows=rows, d=s.d, heads=s.h, kv_heads=s.hk,
-               dtype=str(s.dt).replace("torch.", ""), gb=s.kv_bytes / 1e9)
-    need = s.kv_bytes + case_bytes(s, kind, page) + 4 * s.b * rows * s.h * s.d * s.esize
+    row = row_key(s, kind, page, rows)
+    row.update(dtype=str(s.dt).replace("torch.", ""), kv_gb=s.kv_bytes / 1e9)
+    need = case_bytes(s, kind, page) + 4 * s.b * rows * s.h * s.d * s.esize
+    if s.held_bytes() + need > opts.mem_gb * 1e9:
+        s.drop_expanded()  # made again below if it fits beside this case
+    need += s.kv_bytes
     if need > opts.mem_gb * 1e9:
         row["note"] = "skipped: needs %.1f GB > --mem-gb %g" % (need / 1e9, opts.mem_gb)
         return row
@@ -351,16 +371,19 @@ def run_case(opts, shape, kind, page, rows):
         modes.append(mode)
         if fn is not None:
             cands[name] = (fn, ctx)
-            errs[name] = (out.float() - ref.transpose(1, 2).float()).abs().max().item()
+            errs[name], scale = compare(out, ref)
             del ref
     row["sdpa_kv"] = ",".join(modes)
     if not errs:
-        errs["math fp32, seq 0"] = reference_error(s, qt, bias, out)
+        errs["math fp32, seq 0"], scale = reference_error(s, qt, bias, out)
     del out
-    row["errs"], row["err"] = errs, max(errs.values())
-    tol = TOLERANCE[s.dt]
-    row["wrong"] = not row["err"] <= tol
-    off = [n for n, e in errs.items() if not e <= tol]
+    # Relative to the output's size where that is small: over long contexts the outputs are
+    # averages of many values, so small that an absolute bound would miss a lost share of the
+    # keys; 2e-2 of twice the largest output is still a few bf16 ulps of it.
+    limit = TOLERANCE[s.dt] * min(1.0, 2 * scale)
+    row.update(errs=errs, err=max(errs.values()), err_limit=limit)
+    row["wrong"] = not row["err"] <= limit
+    off = [n for n, e in errs.items() if not e <= limit]
     if off and len(off) < len(errs):  # one backend disagrees with flashattn and the others
         row["note"] = "off: " + ",".join(off)
     row.update(time_row(dev, cands, opts))
@@ -442,9 +465,8 @@ def main(argv=None):
                 try:
                     r = run_case(opts, shape, kind, page, n)
                 except torch.cuda.OutOfMemoryError as ex:
-                    r = dict(case=kind, batch=shape.b, context=shape.ctx, rows=n, d=shape.d,
-                             heads=shape.h, kv_heads=shape.hk,
-                             note="out of memory: %s" % str(ex).splitlines()[0][:80])
+                    r = row_key(shape, kind, page, n)
+                    r["note"] = "out of memory: %s" % str(ex).splitlines()[0][:80]
                 rows.append(r)
                 print(table_line(opts, r), flush=True)
         del shape  # its K/V, before the next shape's
