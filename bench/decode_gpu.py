@@ -14,12 +14,16 @@ Cases (one table line each):
 - func: flash_attn_func(q, k, v, causal=True) with k, v [batch, context, kv heads, d].
 q has `rows` rows; causal is bottom-right aligned (query row i sees keys j <= i + context -
 rows), so one row sees every key. No new k/v is appended: the step reads the cache only.
+Default axes: d 128, 32 query heads over 8 kv heads (--gqa 4), bf16, batch 1/8/32/128 x context
+1k/8k/32k/128k, contiguous/paged16/paged256, 1 and 16 rows; the flags select others (--gqa mqa:
+one kv head; --page 0 is the contiguous cache).
 
 SDPA gets the same math on [b, h, s, d] tensors of its own (contiguous; the paged rows use the
 contiguous equivalent, SDPA has no paged form): one row without a mask; several rows with the
-bottom-right causal mask, given to the FLASH backend as its own kernel's is_causal (the aten op
-behind SDPA's FLASH backend aligns causal bottom-right; SDPA itself refuses causal with fewer
-queries than keys there) and to the other backends as an additive [rows, context] mask. Grouped
+bottom-right causal mask, given to the FLASH backend as its kernel's is_causal (the aten op
+behind SDPA's FLASH backend aligns causal bottom-right, as torch's causal_lower_right does;
+SDPA's own is_causal is top-left) and to the other backends as an additive [rows, context]
+mask. Grouped
 heads go in with enable_gqa=True; a backend that refuses that gets K/V expanded to every query
 head (column "sdpa kv": g = enable_gqa, x = expanded, n = no grouping, - = refused, one letter per
 backend in column order). A backend that refuses the shape prints "-". On CPU tensors the cuDNN
@@ -345,7 +349,7 @@ def run_case(opts, shape, kind, page, rows):
         s.drop_expanded()  # made again below if it fits beside this case
     need += s.kv_bytes
     if need > opts.mem_gb * 1e9:
-        row["note"] = "skipped: needs %.1f GB > --mem-gb %g" % (need / 1e9, opts.mem_gb)
+        row["note"] = "skipped: needs %.3g GB > --mem-gb %g" % (need / 1e9, opts.mem_gb)
         return row
     if s.k is None:
         s.make()
