@@ -1,0 +1,93 @@
+"""bench/decode_gpu.py on CPU tensors with tiny shapes (--device cpu --smoke), in a subprocess:
+every case prints one table line with numbers where they belong, and a flashattn that answers
+wrong (or reads cache rows past cache_seqlens) is flagged instead of timed as if right.
+
+One thread each for torch and flashattn: on a small shared machine their thread pools take
+the cores from each other and a tiny call can take milliseconds."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import flashattn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(HERE)), "bench", "decode_gpu.py")
+
+# The --smoke axes, as the script documents them.
+BATCHES, CONTEXTS, ROWS = (1, 2), (64, 300), (1, 16)
+CASES = ("kvcache contig", "kvcache paged16", "kvcache paged256", "func")
+HEADS, KV_HEADS, D = 8, 2, 64
+
+
+def run(argv, code=None):
+    """The script (or `code` importing it as decode_gpu) with argv: the CompletedProcess."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", FLASHATTN_NUM_THREADS="1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(flashattn.__file__))))
+    head = [sys.executable, SCRIPT] if code is None else [
+        sys.executable, "-c", "import sys; sys.path.insert(0, %r); import decode_gpu\n%s"
+        % (os.path.dirname(SCRIPT), code)]
+    return subprocess.run(head + list(argv), capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def table(stdout):
+    """[{column: cell}] of the markdown table in stdout."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
+    cols = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert set(lines[1].replace("|", "")) == {"-"}
+    return [dict(zip(cols, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+
+
+def test_smoke_table(tmp_path):
+    path = tmp_path / "rows.json"
+    r = run(["--device", "cpu", "--smoke", "--host", "--json", str(path)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("decode: CPU"), r.stdout
+    rows = table(r.stdout)
+    want = {(case, b, ctx, n) for b, ctx, case, n in
+            itertools.product(BATCHES, CONTEXTS, CASES, ROWS)}
+    got = [(x["case"], int(x["batch"]), int(x["context"]), int(x["rows"])) for x in rows]
+    assert sorted(got) == sorted(want)
+    for x, key in zip(rows, got):
+        _, b, ctx, _ = key
+        assert (x["d"], x["h/hk"], x["note"]) == (str(D), "%d/%d" % (HEADS, KV_HEADS), ""), x
+        # No cuDNN or FLASH backend on the CPU: "-"; the math backend is the reference.
+        assert [x[c] for c in ("cudnn us", "flash us", "cudnn TB/s", "flash TB/s")] == ["-"] * 4
+        assert x["sdpa kv (cudnn,flash,math)"] == "-,-,g"
+        for name in ("fa", "math"):
+            us, tbs = float(x[name + " us"]), float(x[name + " TB/s"])
+            kv_bytes = 2 * b * ctx * KV_HEADS * D * 2  # bf16 keys and values
+            assert 0 < us < 1e6 and float(x[name + " host us"] if name == "fa" else
+                                          x["sdpa host us"]) > 0, x
+            assert abs(tbs - kv_bytes / us / 1e6) <= 0.0005 + 1e-3 * tbs, x
+        assert abs(float(x["fa/best"]) - float(x["math us"]) / float(x["fa us"])) < 0.02 + \
+            0.01 * float(x["fa/best"]), x
+        assert 0 <= float(x["max err"]) <= 2e-2, x
+    kept = json.loads(path.read_text())
+    assert len(kept["rows"]) == len(rows)
+    assert all(set(k["us"]) == {"flashattn", "math"} and not k["wrong"] for k in kept["rows"])
+
+
+def test_wrong_answers_flagged():
+    # A flashattn off by 0.1, and a KV-cache step that reads the whole capacity (the rows past
+    # cache_seqlens): each row says WRONG and the exit status is 2.
+    code = """
+real_func, real_kvcache = decode_gpu.flash_attn_func, decode_gpu.flash_attn_with_kvcache
+decode_gpu.flash_attn_func = lambda *a, **k: real_func(*a, **k) + 0.1
+def whole_cache(*a, **k):
+    k.pop("cache_seqlens")
+    return real_kvcache(*a, **k)
+decode_gpu.flash_attn_with_kvcache = whole_cache
+sys.exit(decode_gpu.main(sys.argv[1:]))
+"""
+    r = run(["--device", "cpu", "--smoke", "--batch", "2", "--context", "300", "--reps", "3"],
+            code)
+    assert r.returncode == 2, r.stdout + r.stderr
+    rows = table(r.stdout)
+    assert len(rows) == len(CASES) * len(ROWS)
+    for x in rows:
+        assert x["fa/best"] == "WRONG" and x["max err"].endswith("!! WRONG"), x
+    assert "!! %d row(s)" % len(rows) in r.stderr
