@@ -149,6 +149,8 @@ typedef struct fa_fwd_args {
     int device;       /* FA_DEVICE_CPU or a CUDA ordinal */
     void *stream;     /* CUDA stream for device >= 0; ignored on the CPU */
     int num_threads;  /* CPU threads; 0: $FLASHATTN_NUM_THREADS or every available core */
+    void *workspace;        /* CUDA: device memory for split partials, or NULL (see below) */
+    size_t workspace_size;  /* bytes at workspace */
 } fa_fwd_args;
 
 /* Sets every field to its default: no optional tensors, scale NaN, window (-1, -1), CPU. */
@@ -156,6 +158,18 @@ void fa_fwd_args_init(fa_fwd_args *args);
 
 /* Validates every argument, then computes out (and lse, probs when given). */
 fa_status fa_attention_forward(const fa_fwd_args *args);
+
+/*
+ * Bytes of workspace fa_attention_forward needs for args on args->device: 0 on the CPU, for
+ * calls that do not split, or for invalid arguments (fa_last_error() says why). On a CUDA
+ * device, calls with few query rows (dense, at most FA_DECODE_MAX_ROWS rows, no dropout or
+ * probs) run the KV-cache call's schedule, which may cut the keys into splits merged in the
+ * same call; the splits' partials need this much device memory, 256-byte aligned, given as
+ * workspace / workspace_size. Without it such a call runs unsplit (the same result, slower when
+ * few (sequence, kv head) pairs cannot fill the device).
+ */
+size_t fa_attention_forward_workspace_size(const fa_fwd_args *args);
+#define FA_DECODE_MAX_ROWS 16
 
 /*
  * Backward attention: given the forward's arguments (with its out and lse filled by the forward)

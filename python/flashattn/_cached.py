@@ -38,7 +38,7 @@ class _CachedCall:
     so it always will)."""
 
     __slots__ = ("args", "tensors", "out_shape", "dtype", "device", "cuda", "fn",
-                 "ref", "like_q", "names", "fast", "lse_like")
+                 "ref", "like_q", "names", "fast", "lse_like", "ws_like")
 
     def __init__(self, args, keep, q, out, lse, names):
         self.args = args
@@ -54,7 +54,11 @@ class _CachedCall:
         self.names = names
         self.lse_like = None if lse is None else _like(torch, lse.shape, torch.float32,
                                                         lse.device)
-        self.fast = self._fast_fields() if self.like_q and _fastpath is not None else None
+        # A split few-row call's workspace, new per call (_fastpath does not take one).
+        self.ws_like = (_like(torch, (args.workspace_size,), torch.uint8, out.device)
+                        if self.cuda is not None and args.workspace_size else None)
+        self.fast = (self._fast_fields()
+                     if self.like_q and _fastpath is not None and self.ws_like is None else None)
 
     def _fast_fields(self):
         """What _fastpath reads and calls, int64 each in FAST_FIELDS' order: the addresses of
@@ -135,6 +139,7 @@ def _repeat_call(call, q, k, v, others, want_lse, seed=0):
     else:
         out = torch.empty(call.out_shape, dtype=call.dtype, device=call.device)
     lse = torch.empty_like(call.lse_like) if want_lse else None
+    ws = torch.empty_like(call.ws_like) if call.ws_like is not None else None
     stream = _raw_stream(call.cuda) if call.cuda is not None else None
     arrays = [q, k, v, out, lse] + list(others or ())
     writes = [(slot, x.data_ptr()) for slot, x in zip(call.tensors, arrays) if x is not None]
@@ -143,6 +148,8 @@ def _repeat_call(call, q, k, v, others, want_lse, seed=0):
     args = call.args
     if stream is not None:
         args.stream = stream
+    if ws is not None:
+        args.workspace = ws.data_ptr()
     args.seed = seed & 0xFFFFFFFFFFFFFFFF
     status = call.fn(call.ref)
     if status != _lib.STATUS_OK:

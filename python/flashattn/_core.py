@@ -225,6 +225,7 @@ def run_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen
         return_softmax, seed, offset, out, lse, probs, names, num_threads)
     if not want_lse:
         args.lse = lse = None
+    _lib.forward_workspace(args, keep)
     try:
         _lib.forward(args)
     except FlashAttnError as e:

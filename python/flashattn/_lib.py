@@ -126,6 +126,8 @@ class FaFwdArgs(ctypes.Structure):
         ("device", ctypes.c_int),
         ("stream", ctypes.c_void_p),
         ("num_threads", ctypes.c_int),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_size", ctypes.c_size_t),
     ]
 
 
@@ -183,6 +185,8 @@ def _declare(lib):
     lib.fa_bwd_args_init.restype = None
     lib.fa_attention_backward.argtypes = [c.POINTER(FaBwdArgs)]
     lib.fa_attention_backward.restype = c.c_int
+    lib.fa_attention_forward_workspace_size.argtypes = [c.POINTER(FaFwdArgs)]
+    lib.fa_attention_forward_workspace_size.restype = c.c_size_t
     lib.fa_attention_backward_workspace_size.argtypes = [c.POINTER(FaBwdArgs)]
     lib.fa_attention_backward_workspace_size.restype = c.c_size_t
     lib.fa_dropout_keep.argtypes = [c.c_uint64, c.c_uint64, c.c_int64, c.c_int64, c.c_int64,
@@ -282,6 +286,20 @@ def forward(args, context=None):
     """
     status = get_lib().fa_attention_forward(ctypes.byref(args))
     check(status, context)
+
+
+def forward_workspace(args, keep):
+    """A CUDA forward's split workspace (fa_attention_forward_workspace_size bytes, from torch's
+    caching allocator; kept in ``keep``) set into args; nothing for calls that need none."""
+    if args.device < 0:
+        return
+    size = int(get_lib().fa_attention_forward_workspace_size(ctypes.byref(args)))
+    if size:
+        torch = sys.modules["torch"]
+        ws = torch.empty(size, dtype=torch.uint8, device="cuda:%d" % args.device)
+        keep.append(ws)
+        args.workspace = ws.data_ptr()
+        args.workspace_size = size
 
 
 def new_bwd_args():

@@ -22,3 +22,13 @@ FA_API fa_status fa_attention_forward(const fa_fwd_args *args)
         return fa_backend_missing(args->device, "fa_attention_forward");
     return fa_dispatch_result(be->forward(&p, args));
 }
+
+FA_API size_t fa_attention_forward_workspace_size(const fa_fwd_args *args)
+{
+    fa_params p;
+    if (fa_params_from_fwd_args(args, &p) != FA_STATUS_OK)
+        return 0;
+    fa_error_clear();
+    const fa_backend *be = fa_backend_of(args->device);
+    return be->forward_workspace_size ? be->forward_workspace_size(&p, args) : 0;
+}

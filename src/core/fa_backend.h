@@ -12,6 +12,8 @@
 typedef struct fa_backend {
     /* The forward, and the probabilities when p->probs is set. */
     fa_status (*forward)(const fa_params *p, const fa_fwd_args *args);
+    /* Bytes of workspace the forward needs for p on args->device; NULL: none. */
+    size_t (*forward_workspace_size)(const fa_params *p, const fa_fwd_args *args);
     fa_status (*backward)(const fa_params *p, const fa_bwd_args *args);
     /* Bytes of workspace the backward needs for p; NULL: none. */
     size_t (*backward_workspace_size)(const fa_params *p);

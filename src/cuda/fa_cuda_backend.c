@@ -3,6 +3,7 @@
 
 const fa_backend fa_cuda_backend = {
     .forward = fa_cuda_forward,
+    .forward_workspace_size = fa_cuda_forward_workspace_size,
     .backward = fa_cuda_backward,
     .backward_workspace_size = fa_cuda_backward_workspace_size,
     .kvcache = fa_cuda_kvcache,

@@ -1,7 +1,7 @@
 /*
  * Decoding on a CUDA device: fa_attention_kvcache (the append, kernels/fa_decode.cu's attention
- * over the cache read in place, and, when the keys are split, kernels/fa_combine.cu's merge) and
- * fa_attention_combine. Asynchronous on the caller's stream, no allocation; the one host read of
+ * over the cache read in place, and, when the keys are split, kernels/fa_combine.cu's merge),
+ * the forward's few-row calls on the same schedule, and fa_attention_combine. Asynchronous on the caller's stream, no allocation; the one host read of
  * device memory is the paged capacity check (fa_kvcache_args.skip_capacity_check).
  *
  * Workspace layout of a split call (each part 256-byte aligned):
@@ -193,35 +193,39 @@ static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, i
                             "launching fa_combine");
 }
 
-fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args)
+/* A decode on device: p a KV-cache call, or a dense forward seen as one (its k and v a
+ * contiguous cache, every sequence full); ws and ws_size the caller's workspace; check_capacity
+ * whether a paged call copies cache_seqlens to check it. */
+static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg, void *ws,
+                               size_t ws_size, int check_capacity)
 {
     fa_decode_setup s;
-    FA_TRY(fa_decode_setup_make(p, args->device, &s));
+    FA_TRY(fa_decode_setup_make(p, device, &s));
     if (s.splits > 1) {
         size_t lse_at;
         const size_t need = fa_decode_ws_bytes(p, s.splits, &lse_at);
-        const int fits = args->workspace && args->workspace_size >= need;
-        if (fits && (uintptr_t)args->workspace % FA_WS_ALIGN != 0)
+        const int fits = ws && ws_size >= need;
+        if (fits && (uintptr_t)ws % FA_WS_ALIGN != 0)
             return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
                                 "workspace: must be %d-byte aligned", FA_WS_ALIGN);
         if (!fits && p->num_splits > 1)
             return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
                                 "workspace: num_splits %d needs %zu bytes "
                                 "(fa_attention_kvcache_workspace_size), got %zu",
-                                s.splits, need, args->workspace ? args->workspace_size : 0);
+                                s.splits, need, ws ? ws_size : 0);
         if (!fits)
             s.splits = 1;
     }
 
     fa_cu_context ctx;
     int pushed;
-    FA_TRY(fa_cuda_context_enter(args->device, &ctx, &pushed));
-    fa_cu_stream stream = (fa_cu_stream)args->stream;
+    FA_TRY(fa_cuda_context_enter(device, &ctx, &pushed));
+    fa_cu_stream stream = (fa_cu_stream)stream_arg;
     fa_status st = FA_STATUS_OK;
-    if (p->paged && p->cache_seqlens && !args->skip_capacity_check)
+    if (p->paged && p->cache_seqlens && check_capacity)
         st = fa_decode_check_capacity(p, stream);
     fa_dkparams dk;
-    fa_dkparams_fill(p, s.splits, args->workspace, &dk);
+    fa_dkparams_fill(p, s.splits, ws, &dk);
     fa_cu_function fn;
     if (st == FA_STATUS_OK && p->s_new > 0) {
         st = fa_jit_function(&s.plan, ctx, "fa_kv_append", &fn);
@@ -240,6 +244,46 @@ fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args)
     }
     fa_cuda_context_leave(pushed);
     return st;
+}
+
+fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args)
+{
+    return fa_decode_run(p, args->device, args->stream, args->workspace, args->workspace_size,
+                         !args->skip_capacity_check);
+}
+
+/* A dense forward as a KV-cache call: its k and v a contiguous cache of max_sk positions per
+ * sequence, each full. */
+static fa_params fa_decode_of_forward(const fa_params *p)
+{
+    fa_params d = *p;
+    d.num_blocks = p->b;
+    d.page_size = p->max_sk;
+    return d;
+}
+
+int fa_cuda_forward_decodes(const fa_params *p)
+{
+    return fa_plan_forward_decodes(p->is_varlen, p->max_sq, p->dropout_p > 0, p->probs != NULL);
+}
+
+fa_status fa_cuda_forward_decode(const fa_params *p, const fa_fwd_args *args)
+{
+    const fa_params d = fa_decode_of_forward(p);
+    return fa_decode_run(&d, args->device, args->stream, args->workspace, args->workspace_size,
+                         0);
+}
+
+size_t fa_cuda_forward_workspace_size(const fa_params *p, const fa_fwd_args *args)
+{
+    if (!fa_cuda_forward_decodes(p))
+        return 0;
+    const fa_params d = fa_decode_of_forward(p);
+    fa_decode_setup s;
+    size_t lse_at;
+    if (fa_decode_setup_make(&d, args->device, &s) != FA_STATUS_OK || s.splits <= 1)
+        return 0;
+    return fa_decode_ws_bytes(&d, s.splits, &lse_at);
 }
 
 fa_status fa_cuda_combine(const fa_params *p, const fa_combine_args *args)

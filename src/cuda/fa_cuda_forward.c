@@ -200,6 +200,12 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     if (p->probs && p->probs_block_n > 128)
         return fa_error_set(FA_STATUS_INTERNAL, "probs block width %d over 128",
                             p->probs_block_n);
+    if (fa_cuda_forward_decodes(p)) {
+        st = fa_cuda_forward_decode(p, args);
+        if (st == FA_STATUS_OK)
+            fa_cuda_family_used = "fa_decode.cu";
+        return st;
+    }
 
     fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0};
     key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;

@@ -451,6 +451,11 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     return FA_STATUS_OK;
 }
 
+int fa_plan_forward_decodes(int varlen, int64_t max_sq, int dropout, int probs)
+{
+    return !varlen && max_sq <= FA_DECODE_MAX_ROWS && !dropout && !probs;
+}
+
 int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows)
 {
     return (rows + plan->bm - 1) / plan->bm;

@@ -81,6 +81,10 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan);
  */
 fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan);
 
+/* Whether a forward takes the decode schedule: dense, at most FA_DECODE_MAX_ROWS query rows,
+ * no dropout and no probs (the decode kernel has neither). */
+int fa_plan_forward_decodes(int varlen, int64_t max_sq, int dropout, int probs);
+
 /* The decode's row tiles per kv head, for plan and rows packed rows. */
 int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows);
 

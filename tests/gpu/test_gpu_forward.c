@@ -49,6 +49,11 @@ static const gpu_case gpu_cases[] = {
     {"varlen seqused alibi causal", 4, 4, 2, 190, 260, 128, 128, 1, -1, -1, 0, 1, 0, 0, 1, 1, 0, 0},
     {"varlen dropout probs d256", 3, 2, 2, 90, 140, 256, 256, 0, 40, 40, 0, 0, 1, 0.3, 1, 0, 1, 0},
     {"decode sq1 gqa", 3, 8, 2, 1, 1000, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    /* Few rows: the decode schedule (packed GQA, split over the keys), every scoring option. */
+    {"few rows sq16 gqa4 causal softcap", 2, 16, 4, 16, 3000, 128, 128, 1, -1, -1, 20, 0, 0, 0, 0, 0, 0, 0},
+    {"few rows sq5 window alibi sinks", 1, 8, 2, 5, 2500, 64, 64, 0, 300, 2, 0, 1, 1, 0, 0, 0, 0, 0},
+    {"few rows sq3 mqa d256 sq>sk", 2, 4, 1, 3, 2, 256, 256, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"few rows sq2 unaligned d40 dv24 padded", 2, 6, 3, 2, 700, 40, 24, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 8},
     {"sq>sk causal empty rows d32", 2, 2, 2, 200, 60, 32, 32, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"empty rows with sinks", 1, 3, 3, 150, 40, 64, 64, 1, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0},
     {"d192 dv128 window-left", 1, 4, 4, 400, 700, 192, 128, 0, 100, -1, 0, 0, 0, 0, 0, 0, 0, 0},
@@ -282,6 +287,13 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
     if (probs_cpu)
         memcpy(probs_cpu, pr.host.data, pr.bytes);
 
+    /* The decode schedule's split partials (other calls need none). */
+    fa_cu_deviceptr ws = 0;
+    const size_t ws_size = fa_attention_forward_workspace_size(&dev);
+    if (ws_size) {
+        CHECK_CU(gu_drv->mem_alloc(&ws, ws_size));
+        dev.workspace = (void *)(uintptr_t)ws, dev.workspace_size = ws_size;
+    }
     void *first_out = NULL, *first_lse = NULL, *first_probs = NULL;
     for (int run = 0; run < 2; run++) {
         gu_buf_poison_device(&o);
@@ -293,8 +305,12 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
             break;
         }
         CHECK_CU(gu_drv->ctx_synchronize());
-        if (expect_family && strcmp(fa_cuda_last_family(), expect_family) != 0)
-            FAIL("ran on %s, expected %s", fa_cuda_last_family(), expect_family);
+        /* Few-row dense calls take the decode schedule, whatever the family under test. */
+        const char *want = !vl && c->sq <= FA_DECODE_MAX_ROWS && c->dropout <= 0 && !c->probs
+                               ? "fa_decode.cu"
+                               : expect_family;
+        if (want && strcmp(fa_cuda_last_family(), want) != 0)
+            FAIL("ran on %s, expected %s", fa_cuda_last_family(), want);
         void *go = gu_buf_download(&o), *gl = gu_buf_download(&lse), *gp = gu_buf_download(&pr);
         if (run == 1) {
             if (memcmp(go, first_out, o.bytes) || memcmp(gl, first_lse, lse.bytes) ||
@@ -369,6 +385,8 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
     free(first_lse);
     free(first_probs);
     free(probs_cpu);
+    if (ws)
+        CHECK_CU(gu_drv->mem_free(ws));
     free(ref);
     free(naive);
     free(ref_lse);

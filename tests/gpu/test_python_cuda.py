@@ -411,8 +411,8 @@ def test_kvcache_cuda_compiles_and_captures(gen):
 
 
 def test_combine_cuda(gen):
-    """flash_attn_combine on CUDA tensors (the library validates, torch ops merge: its combine
-    has no CUDA kernel yet) against the CPU library, as the op (opcheck) and into out."""
+    """flash_attn_combine on CUDA tensors (the library's fp32 kernel) against the CPU library
+    (which merges in double), as the op (opcheck) and into out."""
     from torch.library import opcheck
 
     op = torch.randn(5, 2, 33, 4, 64, generator=gen)
@@ -424,13 +424,14 @@ def test_combine_cuda(gen):
         want, want_lse = flashattn.flash_attn_combine(op, lp, out_dtype=out_dtype)
         got, got_lse = flashattn.flash_attn_combine(op.cuda(), lp.cuda(), out_dtype=out_dtype)
         assert got.is_cuda and got.dtype == want.dtype and got_lse.stride() == want_lse.stride()
-        tol = 1e-6 if out_dtype is None else 8e-3
+        tol = 2e-5 if out_dtype is None else 8e-3
         torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
-        torch.testing.assert_close(got_lse.cpu(), want_lse, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got_lse.cpu(), want_lse, rtol=1e-5, atol=0)
     out = torch.empty(2, 33, 4, 64, device="cuda")
     merged, _ = flashattn.flash_attn_combine(op.cuda(), lp.cuda(), out=out)
     assert merged is out
-    torch.testing.assert_close(out.cpu(), flashattn.flash_attn_combine(op, lp)[0])
+    torch.testing.assert_close(out.cpu(), flashattn.flash_attn_combine(op, lp)[0], rtol=2e-5,
+                               atol=2e-5)
     opcheck(torch.ops.flashattn.combine.default, (op.cuda(), lp.cuda(), out))
     with pytest.raises(FlashAttnError, match=r"^lse_partial: dimension 3"):
         flashattn.flash_attn_combine(op.cuda(), lp[..., :3].cuda())
