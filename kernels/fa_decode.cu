@@ -92,14 +92,16 @@ FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
     return s;
 }
 
-/* The cache block and row of position pos of sequence bi. */
+/* The cache block and row of position pos (< 2^31) of sequence bi; the page by the host's
+ * multiply-and-shift (fa_page_magic), a 64-bit division being a long software routine. */
 FA_DEV void fa_kv_locate(const fa_dkparams *dp, int bi, const fa_kvseq *s, fa_i64 pos,
                          fa_i64 *blk, fa_i64 *row)
 {
 #if FA_PAGED
-    const fa_i64 page = pos / dp->page_size;
+    const fa_u32 p32 = (fa_u32)pos;
+    const fa_u32 page = (__umulhi(p32, dp->page_mul) + p32) >> dp->page_shift;
     *blk = fa_clamp64(dp->block_table[bi * dp->bt_bstride + page], 0, dp->num_blocks - 1);
-    *row = pos - page * dp->page_size;
+    *row = pos - (fa_i64)page * dp->page_size;
 #else
     *blk = s->blk;
     *row = pos;
@@ -163,54 +165,95 @@ extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
 /* cp.async.wait_group N: waits until at most N committed groups of this thread are in flight. */
 #define FA_CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
 
-/* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into the stage
- * at shared address k_a (K) and v_a (V), in swizzled 16-byte chunks. */
+#define FA_CHUNKS_K ((FA_BN * FA_CPR_K + FA_THREADS - 1) / FA_THREADS)
+#define FA_CHUNKS_V ((FA_BN * FA_CPR_V + FA_THREADS - 1) / FA_THREADS)
+
+/* This thread's chunk u of a tile of cpr chunks per row: its row and column chunk. */
+#define FA_CHUNK_ROW(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) / (cpr))
+#define FA_CHUNK_COL(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) % (cpr))
+#define FA_CHUNK_LIVE(u, cpr) ((u) * FA_THREADS + (int)threadIdx.x < FA_BN * (cpr))
+
+/* Paged: the block of each of this thread's chunks of keys [j0, j0 + FA_BN) below jend, all
+ * looked up before any copy is issued so that the loads overlap. */
+FA_DEV void fa_decode_blocks(const fa_dkparams *dp, int bi, const fa_kvseq *seq, fa_i64 j0,
+                             fa_i64 jend, int cpr, int nchunks, int *blk)
+{
+#pragma unroll
+    for (int u = 0; u < FA_CHUNKS_K || u < FA_CHUNKS_V; u++) {
+        if (u >= nchunks)
+            break;
+        const int r = FA_CHUNK_ROW(u, cpr);
+        blk[u] = 0;
+        if (FA_CHUNK_LIVE(u, cpr) && j0 + r < jend) {
+            fa_i64 b, row;
+            fa_kv_locate(dp, bi, seq, seq->start + j0 + r, &b, &row);
+            blk[u] = (int)b;
+        }
+    }
+}
+
+/* Copies this thread's chunks of keys [j0, j0 + FA_BN) of one cache (base g of the kv head,
+ * strides bs and rs, cpr chunks per row, n columns; blk: the chunks' blocks when paged) into
+ * the stage at shared address a (generic p), swizzled, zero-filling rows from jend on. */
+FA_DEV void fa_decode_copy(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0, fa_i64 jend,
+                           const fa_u16 *g, fa_i64 bs, fa_i64 rs, const int *blk, int cpr,
+                           int nchunks, int n, fa_u32 a, fa_u16 *p, const void *safe)
+{
+#pragma unroll
+    for (int u = 0; u < FA_CHUNKS_K || u < FA_CHUNKS_V; u++) {
+        if (u >= nchunks || !FA_CHUNK_LIVE(u, cpr))
+            break;
+        const int r = FA_CHUNK_ROW(u, cpr), c = FA_CHUNK_COL(u, cpr);
+        const int ok = j0 + r < jend && c * 8 < n;
+        const fa_i64 pos = seq->start + j0 + r;
+#if FA_PAGED
+        const fa_u32 p32 = (fa_u32)pos;
+        const fa_i64 page = (__umulhi(p32, dp->page_mul) + p32) >> dp->page_shift;
+        const fa_i64 off = blk[u] * bs + (pos - page * dp->page_size) * rs;
+#else
+        (void)blk;
+        (void)dp;
+        const fa_i64 off = seq->blk * bs + pos * rs;
+#endif
+        const fa_u16 *src = g + (ok ? off : 0) + c * 8;
+#if FA_VEC
+        fa_cp_async16(a + fa_swz(r, c, cpr), ok ? (const void *)src : safe, ok ? 16 : 0);
+#else
+        (void)a;
+        fa_u16 *dst = p + (fa_swz(r, c, cpr) >> 1);
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            dst[e] = ok && c * 8 + e < n ? src[e] : (fa_u16)0;
+#endif
+    }
+}
+
+/* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into stage s,
+ * in swizzled 16-byte chunks; a paged cache's blocks all looked up before the first copy is
+ * issued, so that the lookups overlap. */
 FA_DEV void fa_decode_load(const fa_dkparams *dp, int bi, int kh, const fa_kvseq *seq, fa_i64 j0,
-                           fa_i64 jend, fa_u32 k_a, fa_u32 v_a, fa_u16 *k_p, fa_u16 *v_p)
+                           fa_i64 jend, fa_u32 base_a, fa_u16 *base_p, int s)
 {
     const fa_kparams *kp = &dp->f;
     const fa_u16 *kg = (const fa_u16 *)kp->k + kh * kp->k_hstride;
     const fa_u16 *vg = (const fa_u16 *)kp->v + kh * kp->v_hstride;
-#pragma unroll
-    for (int i0 = 0; i0 < FA_BN * FA_CPR_K; i0 += FA_THREADS) {
-        const int i = i0 + (int)threadIdx.x;
-        const int r = i / FA_CPR_K, c = i - r * FA_CPR_K;
-        if (FA_BN * FA_CPR_K % FA_THREADS != 0 && i >= FA_BN * FA_CPR_K)
-            break;
-        const int ok = j0 + r < jend && c * 8 < kp->d;
-        fa_i64 blk = 0, row = 0;
-        if (ok)
-            fa_kv_locate(dp, bi, seq, seq->start + j0 + r, &blk, &row);
-        const fa_u16 *src = kg + blk * kp->k_bstride + row * kp->k_rstride + c * 8;
-#if FA_VEC
-        fa_cp_async16(k_a + fa_swz(r, c, FA_CPR_K), ok ? (const void *)src : kp->k, ok ? 16 : 0);
-#else
-        fa_u16 *dst = k_p + (fa_swz(r, c, FA_CPR_K) >> 1);
-#pragma unroll
-        for (int e = 0; e < 8; e++)
-            dst[e] = ok && c * 8 + e < kp->d ? src[e] : (fa_u16)0;
-#endif
+    const int k_at = s * FA_STAGE_BYTES, v_at = k_at + FA_BN * FA_DP * 2;
+    int kblk[FA_CHUNKS_K], vblk_own[FA_CHUNKS_V];
+    const int *vblk = kblk;
+#if FA_PAGED
+    fa_decode_blocks(dp, bi, seq, j0, jend, FA_CPR_K, FA_CHUNKS_K, kblk);
+    if (FA_CPR_V != FA_CPR_K) {
+        fa_decode_blocks(dp, bi, seq, j0, jend, FA_CPR_V, FA_CHUNKS_V, vblk_own);
+        vblk = vblk_own;
     }
-#pragma unroll
-    for (int i0 = 0; i0 < FA_BN * FA_CPR_V; i0 += FA_THREADS) {
-        const int i = i0 + (int)threadIdx.x;
-        const int r = i / FA_CPR_V, c = i - r * FA_CPR_V;
-        if (FA_BN * FA_CPR_V % FA_THREADS != 0 && i >= FA_BN * FA_CPR_V)
-            break;
-        const int ok = j0 + r < jend && c * 8 < kp->dv;
-        fa_i64 blk = 0, row = 0;
-        if (ok)
-            fa_kv_locate(dp, bi, seq, seq->start + j0 + r, &blk, &row);
-        const fa_u16 *src = vg + blk * kp->v_bstride + row * kp->v_rstride + c * 8;
-#if FA_VEC
-        fa_cp_async16(v_a + fa_swz(r, c, FA_CPR_V), ok ? (const void *)src : kp->v, ok ? 16 : 0);
 #else
-        fa_u16 *dst = v_p + (fa_swz(r, c, FA_CPR_V) >> 1);
-#pragma unroll
-        for (int e = 0; e < 8; e++)
-            dst[e] = ok && c * 8 + e < kp->dv ? src[e] : (fa_u16)0;
+    (void)bi;
+    (void)vblk_own;
 #endif
-    }
+    fa_decode_copy(dp, seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, kblk, FA_CPR_K,
+                   FA_CHUNKS_K, kp->d, base_a + k_at, base_p + k_at / 2, kp->k);
+    fa_decode_copy(dp, seq, j0, jend, vg, kp->v_bstride, kp->v_rstride, vblk, FA_CPR_V,
+                   FA_CHUNKS_V, kp->dv, base_a + v_at, base_p + v_at / 2, kp->v);
 }
 
 /* The Q tile: packed rows [r0, r0 + FA_BM) of kv head kh, rotated where rotary is on, rounded
@@ -326,13 +369,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
                                FA_CPR_V);
 
 #pragma unroll
+#pragma unroll
     for (int s = 0; s < FA_STAGES - 1; s++) {
-        if (nb0 + s < nb1) {
-            const fa_u32 st = base_a + s * FA_STAGE_BYTES;
-            fa_decode_load(&dp, bi, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, st,
-                           st + FA_BN * FA_DP * 2, fa_smem + s * FA_STAGE_BYTES / 2,
-                           fa_smem + (s * FA_STAGE_BYTES + FA_BN * FA_DP * 2) / 2);
-        }
+        if (nb0 + s < nb1)
+            fa_decode_load(&dp, bi, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
+                           fa_smem, s);
         fa_cp_async_commit();
     }
 
@@ -343,13 +384,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         FA_CP_ASYNC_WAIT(FA_STAGES - 2);
         __syncthreads();
         {
-            const int nx = nb + FA_STAGES - 1, sx = (nx - nb0) % FA_STAGES;
-            if (nx < nb1) {
-                const fa_u32 st = base_a + sx * FA_STAGE_BYTES;
-                fa_decode_load(&dp, bi, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, st,
-                               st + FA_BN * FA_DP * 2, fa_smem + sx * FA_STAGE_BYTES / 2,
-                               fa_smem + (sx * FA_STAGE_BYTES + FA_BN * FA_DP * 2) / 2);
-            }
+            const int nx = nb + FA_STAGES - 1;
+            if (nx < nb1)
+                fa_decode_load(&dp, bi, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a, fa_smem,
+                               (nx - nb0) % FA_STAGES);
             fa_cp_async_commit();
         }
         const fa_u32 soff = slot * FA_STAGE_BYTES;

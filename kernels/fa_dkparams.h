@@ -33,7 +33,22 @@ typedef struct fa_dkparams {
     int rotary_dim, rotary_interleaved;
     int rotary_per_row, m_blocks; /* q row r rotated at cache_seqlens + r; row tiles per kv head */
     float empty_lse;              /* the combine's lse of a row with nothing to merge */
+    fa_u32 page_mul;              /* pos / page_size = (umulhi(pos, page_mul) + pos) >> page_shift */
+    fa_u32 page_shift;            /* for positions below 2^31 (fa_page_magic) */
     int pad_;
 } fa_dkparams;
+
+#if !defined(__CUDACC__)
+/* The multiplier and shift of the division by d (1 <= d <= 2^30) for dividends below 2^31 (the
+ * round-up method: shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1). */
+static inline void fa_page_magic(fa_i64 d, fa_u32 *mul, fa_u32 *shift)
+{
+    fa_u32 s = 0;
+    while (((fa_i64)1 << s) < d)
+        s++;
+    *shift = s;
+    *mul = (fa_u32)((((fa_u64)1 << 32) * (fa_u64)(((fa_i64)1 << s) - d)) / (fa_u64)d + 1);
+}
+#endif
 
 #endif /* FA_DKPARAMS_H */

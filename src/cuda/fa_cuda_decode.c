@@ -158,6 +158,8 @@ static void fa_dkparams_fill(const fa_params *p, int splits, void *ws, fa_dkpara
     dk->rotary_interleaved = p->rotary_interleaved;
     dk->rotary_per_row = p->rotary_per_row;
     dk->num_blocks = p->num_blocks, dk->page_size = p->page_size;
+    if (p->paged)
+        fa_page_magic(p->page_size, &dk->page_mul, &dk->page_shift);
     dk->s_new = (int)p->s_new;
     dk->splits = splits;
     dk->empty_lse = INFINITY;
