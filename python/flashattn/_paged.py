@@ -6,8 +6,8 @@ page_size; cu_seqlens_k gives each sequence's number of keys (its offsets are no
 k). Here the keys are gathered into a padded dense layout, sequence b at rows
 [b * max_seqlen_k, b * max_seqlen_k + len_b), and the call runs as the dense varlen one with
 seqused_k = len_b: the same attention, and, since the gather is a torch op, gradients flow back
-into the pages. No device value is read on the host; block indices outside the cache are a
-device-side assertion. Torch tensors only (CPU and CUDA).
+into the pages. No device value is read on the host; block indices outside the cache and
+lengths past a sequence's blocks are clamped. Torch tensors only (CPU and CUDA).
 """
 
 import torch
@@ -46,12 +46,12 @@ def paged_kv(k, v, cu_seqlens_k, block_table, max_seqlen_k, seqused_k=None):
     lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long() if seqused_k is None \
         else seqused_k.long()
     pos = torch.arange(width, device=k.device)[None, :]
+    # Values the host never reads are clamped into the cache, as the library's kernels clamp
+    # theirs: a bad index gives its sequence wrong keys, never an access outside k and v (nor a
+    # device-side assertion, which would end the process's CUDA context).
+    lens = lens.clamp(0, min(width, block_table.shape[1] * page))
     used = pos < lens[:, None]
-    rows = page_rows(block_table, pos.expand(b, width), page)
-    torch._assert_async((((rows >= 0) & (rows < nb * page)) | ~used).all() &
-                        (lens <= min(width, block_table.shape[1] * page)).all(),
-                        "flashattn: block_table points outside the paged cache, or a sequence "
-                        "is longer than its blocks or max_seqlen_k")
+    rows = page_rows(block_table, pos.expand(b, width), page).clamp(0, nb * page - 1)
     rows = torch.where(used, rows, torch.zeros_like(rows)).reshape(-1)
     k_pad = k.reshape(nb * page, *k.shape[2:]).index_select(0, rows)
     v_pad = v.reshape(nb * page, *v.shape[2:]).index_select(0, rows)

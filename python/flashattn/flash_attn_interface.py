@@ -272,8 +272,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func.
         rotary_interleaved: True pairs dims (0, 1), (2, 3)... (GPT-J); False pairs
             (i, i + rotary_dim / 2) (GPT-NeoX).
-        num_splits: split-KV chunks; 0 lets the library choose (CUDA tensors: 8 where the
-            unsplit kernel would be long, else none), 1 never splits.
+        num_splits: split-KV chunks; 0 lets the library choose from the problem and the
+            device (or the CPU's threads), 1 never splits.
         return_softmax_lse: also return the float32 lse (batch_size, nheads, seqlen).
         learnable_sink (keyword only): float (nheads,) sink logit per head.
     Return:
