@@ -74,6 +74,8 @@ FA_DEV fa_i64 fa_clamp64(fa_i64 x, fa_i64 lo, fa_i64 hi) { return x < lo ? lo : 
  * append; blk the cache row of a contiguous cache. Every value clamped into the cache. */
 typedef struct fa_kvseq {
     fa_i64 start, end, len0, blk;
+    const int *bt;  /* paged: the sequence's row of block_table */
+    int last_block; /* paged: the last block id of the cache, and at most INT_MAX */
 } fa_kvseq;
 
 FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
@@ -89,20 +91,36 @@ FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
     }
     s.start = dp->leftpad ? fa_clamp64(dp->leftpad[bi], 0, s.end) : 0;
     s.blk = dp->batch_idx ? fa_clamp64(dp->batch_idx[bi], 0, dp->num_blocks - 1) : bi;
+    s.bt = dp->block_table ? dp->block_table + bi * dp->bt_bstride : 0;
+    s.last_block = (int)(dp->num_blocks - 1 < 0x7fffffff ? dp->num_blocks - 1 : 0x7fffffff);
     return s;
 }
 
-/* The cache block and row of position pos (< 2^31) of sequence bi; the page by the host's
- * multiply-and-shift (fa_page_magic), a 64-bit division being a long software routine. */
+/* The page of position pos (< 2^31) by the host's multiply-and-shift (fa_page_magic), a
+ * division being a long software routine. */
+FA_DEV fa_u32 fa_kv_page(const fa_dkparams *dp, fa_u32 pos)
+{
+    return (__umulhi(pos, dp->page_mul) + pos) >> dp->page_shift;
+}
+
+/* The cache block of page `page` of a sequence (paged), clamped into the cache. */
+FA_DEV int fa_kv_page_block(const fa_kvseq *s, fa_u32 page)
+{
+    const int b = s->bt[page];
+    return b < 0 ? 0 : b > s->last_block ? s->last_block : b;
+}
+
+/* The cache block and row of position pos (< 2^31) of sequence bi. */
 FA_DEV void fa_kv_locate(const fa_dkparams *dp, int bi, const fa_kvseq *s, fa_i64 pos,
                          fa_i64 *blk, fa_i64 *row)
 {
+    (void)bi;
 #if FA_PAGED
-    const fa_u32 p32 = (fa_u32)pos;
-    const fa_u32 page = (__umulhi(p32, dp->page_mul) + p32) >> dp->page_shift;
-    *blk = fa_clamp64(dp->block_table[bi * dp->bt_bstride + page], 0, dp->num_blocks - 1);
-    *row = pos - (fa_i64)page * dp->page_size;
+    const fa_u32 page = fa_kv_page(dp, (fa_u32)pos);
+    *blk = fa_kv_page_block(s, page);
+    *row = (fa_u32)pos - page * (fa_u32)dp->page_size;
 #else
+    (void)dp;
     *blk = s->blk;
     *row = pos;
 #endif
@@ -168,10 +186,25 @@ extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
 #define FA_CHUNKS_K ((FA_BN * FA_CPR_K + FA_THREADS - 1) / FA_THREADS)
 #define FA_CHUNKS_V ((FA_BN * FA_CPR_V + FA_THREADS - 1) / FA_THREADS)
 
-/* This thread's chunk u of a tile of cpr chunks per row: its row and column chunk. */
+/* This thread's chunk u of a tile of cpr chunks per row: its row and column chunk. Where the
+ * thread count is a multiple of cpr (every padded head dim but 192) a thread keeps one column
+ * chunk, rows r0, r0 + rpp, ... (rpp = FA_THREADS / cpr), so its addresses step by constants
+ * (the scheme of fa_fwd_sm80.cu's copies). */
 #define FA_CHUNK_ROW(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) / (cpr))
 #define FA_CHUNK_COL(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) % (cpr))
 #define FA_CHUNK_LIVE(u, cpr) ((u) * FA_THREADS + (int)threadIdx.x < FA_BN * (cpr))
+#define FA_FIXED_CHUNK(cpr) (FA_THREADS % (cpr) == 0)
+
+/* The shared address of chunk u from the thread's chunk 0 (dst0 = a + fa_swz(r0, c, cpr)):
+ * rows r0 + u rpp, whose swizzle key is key(r0) ^ key(u rpp), both powers of two apart. */
+FA_DEV fa_u32 fa_chunk_dst(fa_u32 a, fa_u32 dst0, int u, int cpr)
+{
+    if (FA_FIXED_CHUNK(cpr)) {
+        const int step = FA_THREADS / cpr * u;
+        return (dst0 ^ (fa_swz_key(step, cpr) << 4)) + step * cpr * 16;
+    }
+    return a + fa_swz(FA_CHUNK_ROW(u, cpr), FA_CHUNK_COL(u, cpr), cpr);
+}
 
 /* Paged: the block of each of this thread's chunks of keys [j0, j0 + FA_BN) below jend, all
  * looked up before any copy is issued so that the loads overlap. */
@@ -184,11 +217,8 @@ FA_DEV void fa_decode_blocks(const fa_dkparams *dp, int bi, const fa_kvseq *seq,
             break;
         const int r = FA_CHUNK_ROW(u, cpr);
         blk[u] = 0;
-        if (FA_CHUNK_LIVE(u, cpr) && j0 + r < jend) {
-            fa_i64 b, row;
-            fa_kv_locate(dp, bi, seq, seq->start + j0 + r, &b, &row);
-            blk[u] = (int)b;
-        }
+        if (FA_CHUNK_LIVE(u, cpr) && j0 + r < jend)
+            blk[u] = fa_kv_page_block(seq, fa_kv_page(dp, (fa_u32)(seq->start + j0 + r)));
     }
 }
 
@@ -199,27 +229,34 @@ FA_DEV void fa_decode_copy(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0
                            const fa_u16 *g, fa_i64 bs, fa_i64 rs, const int *blk, int cpr,
                            int nchunks, int n, fa_u32 a, fa_u16 *p, const void *safe)
 {
+    const int c0 = FA_CHUNK_COL(0, cpr);
+    const fa_u32 dst0 = a + fa_swz(FA_CHUNK_ROW(0, cpr), c0, cpr);
+#if !FA_PAGED
+    /* A contiguous cache: chunk u's source is chunk 0's plus u rows steps. */
+    const fa_u16 *src0 = g + seq->blk * bs + (seq->start + j0 + FA_CHUNK_ROW(0, cpr)) * rs + c0 * 8;
+    const fa_i64 row_step = (fa_i64)(FA_THREADS / cpr) * rs;
+#endif
 #pragma unroll
     for (int u = 0; u < FA_CHUNKS_K || u < FA_CHUNKS_V; u++) {
         if (u >= nchunks || !FA_CHUNK_LIVE(u, cpr))
             break;
         const int r = FA_CHUNK_ROW(u, cpr), c = FA_CHUNK_COL(u, cpr);
         const int ok = j0 + r < jend && c * 8 < n;
-        const fa_i64 pos = seq->start + j0 + r;
 #if FA_PAGED
-        const fa_u32 p32 = (fa_u32)pos;
-        const fa_i64 page = (__umulhi(p32, dp->page_mul) + p32) >> dp->page_shift;
-        const fa_i64 off = blk[u] * bs + (pos - page * dp->page_size) * rs;
+        const fa_u32 pos = (fa_u32)(seq->start + j0 + r);
+        const fa_u32 row = pos - fa_kv_page(dp, pos) * (fa_u32)dp->page_size;
+        const fa_u16 *src = g + (fa_i64)(fa_u32)blk[u] * bs + (fa_i64)row * rs + c * 8;
 #else
         (void)blk;
         (void)dp;
-        const fa_i64 off = seq->blk * bs + pos * rs;
+        const fa_u16 *src = FA_FIXED_CHUNK(cpr)
+                                ? src0 + u * row_step
+                                : g + seq->blk * bs + (seq->start + j0 + r) * rs + c * 8;
 #endif
-        const fa_u16 *src = g + (ok ? off : 0) + c * 8;
 #if FA_VEC
-        fa_cp_async16(a + fa_swz(r, c, cpr), ok ? (const void *)src : safe, ok ? 16 : 0);
+        fa_cp_async16(fa_chunk_dst(a, dst0, u, cpr), ok ? (const void *)src : safe, ok ? 16 : 0);
 #else
-        (void)a;
+        (void)dst0;
         fa_u16 *dst = p + (fa_swz(r, c, cpr) >> 1);
 #pragma unroll
         for (int e = 0; e < 8; e++)
