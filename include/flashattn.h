@@ -339,6 +339,8 @@ size_t fa_attention_kvcache_workspace_size(const fa_kvcache_args *args);
  * is empty: its o_s is not read. A row whose parts are all empty gets out 0 and lse -inf (as
  * FA3). 1 <= splits <= FA_MAX_SPLITS. out_partial and out need a contiguous last dimension;
  * lse_partial and lse may have any strides (FA3 passes transposed [.., h, sq] buffers).
+ * On a CUDA device (asynchronous on `stream`): fp32 partials, dv <= 256, out fp32, fp16 or bf16;
+ * other cases are refused with FA_STATUS_UNSUPPORTED.
  */
 typedef struct fa_combine_args {
     const fa_tensor *out_partial; /* fp32 [splits, b, sq, h, dv] */
