@@ -77,7 +77,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
     if (p->b > 65535 || p->hk > 65535 || p->max_sk > INT32_MAX / 2 ||
         p->max_sq * (p->h / p->hk) > INT32_MAX / 2)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "q: the CUDA KV-cache call takes at most 65535 sequences and kv heads, "
+                            "q: the CUDA decode kernel takes at most 65535 sequences and kv heads, "
                             "2^30 cache positions and 2^30 query rows times heads per kv head");
     fa_plan_key key = {s->arch, p->dtype, (int)p->d, (int)p->dv, 0};
     key.features |= p->paged ? FA_PLAN_PAGED : 0;
