@@ -31,6 +31,9 @@
 #ifndef FA_KV_BN
 #define FA_KV_BN 128 /* key rows (keys x kv heads of the item) per block */
 #endif
+#ifndef FA_KV_RUN_BYTES
+#define FA_KV_RUN_BYTES (32 << 10) /* most bytes of one kv head's key rows in a block */
+#endif
 #ifndef FA_KV_PREFETCH
 #define FA_KV_PREFETCH 8 /* positions loaded ahead of use */
 #endif
@@ -92,6 +95,18 @@ static inline int64_t fa_kv_run(const fa_params *p, int64_t p0, int64_t per_row,
     *a = *a - j0 > 0 ? *a - j0 : 0;
     *b = *b - j0 < nb ? *b - j0 : nb;
     return i1;
+}
+
+/* Keys per block of an item of nkh kv heads: FA_KV_BN key rows, fewer while one head's key
+ * rows would outgrow FA_KV_RUN_BYTES. Each run of packed rows (a query row of a kv head) reads
+ * them again, from L1 only if they stay there. */
+static inline int64_t fa_kv_block_keys(const fa_params *p, int64_t nkh)
+{
+    int64_t bn = FA_KV_BN / nkh > 0 ? FA_KV_BN / nkh : 1;
+    const int64_t row = p->d * (int64_t)fa_dtype_size(p->dtype);
+    while (bn > 16 && bn * row > FA_KV_RUN_BYTES)
+        bn /= 2;
+    return bn;
 }
 
 #define FA_REAL float
@@ -268,7 +283,7 @@ static fa_status fa_kv_attention(const fa_params *p, int few, fa_cpu_log *log, c
                 fa_params_key_range(p, p0 / per_row, sg.sq, sg.n, &lo, &unused);
                 fa_params_key_range(p, (p0 + m - 1) / per_row, sg.sq, sg.n, &unused, &hi);
                 /* Chunks of whole key blocks, so that a split never adds a ragged block. */
-                const int64_t bn = FA_KV_BN / nkh > 0 ? FA_KV_BN / nkh : 1;
+                const int64_t bn = fa_kv_block_keys(p, nkh);
                 int64_t chunk = (hi - lo + splits - 1) / splits;
                 chunk = (chunk + bn - 1) / bn * bn;
                 for (int64_t s = 0; s < splits; s++) {

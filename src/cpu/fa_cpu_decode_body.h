@@ -7,7 +7,7 @@
  * (fa_cpu_gemm_f32's signature for FA_REAL), FA_EXP, FA_EXP_LOOP (an exp the compiler
  * vectorises in a loop, for x <= 0), FA_TANH, FA_LOG, FA_LANES (8 or 16 partial sums of a dot
  * product, a multiple of the SIMD width, so that the dot loop vectorises without reassociating
- * a sum), FA_KV_BM, FA_KV_BN, FA_KV_PREFETCH, fa_kv_item, fa_kv_seq_get, and fa_cpu_rows.h
+ * a sum), FA_KV_BM, FA_KV_BN, FA_KV_PREFETCH, fa_kv_item, fa_kv_seq_get, fa_kv_block_keys, and fa_cpu_rows.h
  * included for this precision.
  */
 
@@ -373,7 +373,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
     const int64_t dvp = (dv + FA_LANES - 1) / FA_LANES * FA_LANES;
     const int64_t seq = it->seq, kh0 = it->kh0, nkh = it->nkh, p0 = it->p0, m = it->m;
     const int64_t per_row = nkh * g; /* packed rows per query row */
-    const int64_t bn = FA_KV_BN / nkh > 0 ? FA_KV_BN / nkh : 1; /* keys per block */
+    const int64_t bn = fa_kv_block_keys(p, nkh);
     const int64_t start = sg.k0, n = sg.n;
     const FA_REAL scale = (FA_REAL)p->scale;
     const FA_REAL softcap = (FA_REAL)p->softcap;
