@@ -359,10 +359,10 @@ done:
         char head[224];
         snprintf(head, sizeof head,
                  "%s %s b %lld h %lld/%lld sq %lld keys %lld d %lld/%lld, %d threads, "
-                 "decode schedule, %lld kv heads an item, %lld splits%s",
+                 "%lld splits%s",
                  what, fa_dtype_name(p->dtype), (long long)p->b, (long long)p->h,
                  (long long)p->hk, (long long)p->max_sq, (long long)max_keys, (long long)p->d,
-                 (long long)p->dv, p->num_threads, (long long)group, (long long)splits,
+                 (long long)p->dv, p->num_threads, (long long)splits,
                  job.stream ? ", prefetch" : "");
         fa_cpu_log_print(log, head);
     }
@@ -408,5 +408,5 @@ fa_status fa_cpu_decode_forward(const fa_params *p)
     d.num_splits = 0;
     fa_cpu_log log;
     fa_cpu_log_begin(&log);
-    return fa_kv_attention(&d, 1, &log, "forward");
+    return fa_kv_attention(&d, 1, &log, "forward (decode schedule)");
 }
