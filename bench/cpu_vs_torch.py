@@ -116,7 +116,8 @@ def prefill_case(name, b, h, s, d, dtype, causal=False, window=(-1, -1), dropout
     return name, run
 
 
-def decode_case(name, h, hk, ctx, d, dtype):
+def decode_case(name, h, hk, ctx, d, dtype, func=False):
+    """One query row against ctx keys: through the KV cache, or (func) flash_attn_func."""
     def run(reps):
         b = 1
         q = torch.randn(b, 1, h, d, dtype=dtype)
@@ -124,7 +125,8 @@ def decode_case(name, h, hk, ctx, d, dtype):
         vc = torch.randn(b, ctx, hk, d, dtype=dtype)
         qt = q.transpose(1, 2).contiguous()
         kt, vt = (x.transpose(1, 2).contiguous() for x in (kc, vc))
-        ours = lambda: flashattn.flash_attn_with_kvcache(q, kc, vc)
+        ours = lambda: (flashattn.flash_attn_func(q, kc, vc) if func
+                        else flashattn.flash_attn_with_kvcache(q, kc, vc))
         theirs = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
         # What reading K and V once costs here, timed in the same rounds: no kernel that reads
         # them once can beat torch by more than torch's time over this one.
@@ -159,6 +161,10 @@ def main():
         prefill_case("fp32 dropout 0.1", 1, h, s, 128, f32, dropout=0.1),
         decode_case("fp32 decode 4k", 32, 8, 4096, 128, f32),
         decode_case("fp32 decode 32k", 32, 8, 32768, 128, f32),
+        decode_case("fp32 func 1 row 4k", 32, 8, 4096, 128, f32, func=True),
+        decode_case("fp32 func 1 row 32k", 32, 8, 32768, 128, f32, func=True),
+        decode_case("bf16 func 1 row 4k", 32, 8, 4096, 128, bf16, func=True),
+        decode_case("bf16 func 1 row 32k", 32, 8, 32768, 128, bf16, func=True),
         prefill_case("fp32 fwd+bwd", 1, h, s, 128, f32, backward=True),
         prefill_case("fp32 fwd+bwd causal", 1, h, s, 128, f32, causal=True, backward=True),
         prefill_case("bf16 fwd+bwd", 1, h, s, 128, bf16, backward=True),

@@ -18,6 +18,8 @@ fa_status fa_cpu_probs(const fa_params *p);
 fa_status fa_cpu_backward(const fa_params *p);
 fa_status fa_cpu_kvcache(const fa_params *p);
 fa_status fa_cpu_combine(const fa_params *c);
+/* The forward on the decode schedule (fa_cpu_decode.c), for fa_cpu_forward's few-row calls. */
+fa_status fa_cpu_decode_forward(const fa_params *p);
 
 /* For the tests: the most bytes of packed K/V one pass of the bf16 forward holds, so that small
  * problems take several passes (0: the default). Not thread-safe against running forwards. */

@@ -1,6 +1,7 @@
 /*
  * CPU attention against a KV cache (fa_attention_kvcache): append, then attend, then (with
- * split-KV) combine.
+ * split-KV) combine. The forward's few-row problems (fa_plan_cpu_few_rows) run the same
+ * schedule, their keys read as a contiguous cache (fa_cpu_decode_forward).
  *
  * Work items are (sequence, group of kv heads, tile of packed rows, key chunk). Packing the
  * g = h / hk query heads of each kv head into the rows of one tile reads each K/V row once for
@@ -25,10 +26,13 @@
 
 /* Tunables; -D overrides them for experiments. */
 #ifndef FA_KV_BM
-#define FA_KV_BM 64 /* packed (query row, head) rows per tile */
+#define FA_KV_BM FA_CPU_DECODE_ROWS /* packed (query row, head) rows per tile */
 #endif
 #ifndef FA_KV_BN
 #define FA_KV_BN 128 /* key rows (keys x kv heads of the item) per block */
+#endif
+#ifndef FA_KV_RUN_BYTES
+#define FA_KV_RUN_BYTES (32 << 10) /* most bytes of one kv head's key rows in a block */
 #endif
 #ifndef FA_KV_PREFETCH
 #define FA_KV_PREFETCH 8 /* positions loaded ahead of use */
@@ -50,23 +54,59 @@ typedef struct fa_kv_item {
 } fa_kv_item;
 
 /*
+ * Sequence i as the decode reads it: query rows [q0, q0 + sq) (of its batch row, or varlen
+ * rows), keys at cache positions [k0, k0 + n), its first row at row ws of a split's workspace.
+ * A forward's record reads as a contiguous cache (fa_cpu_decode_forward): a dense batch row is
+ * a cache row, and varlen keys lie in one block from cu_seqlens_k.
+ */
+typedef struct fa_kv_seq {
+    int64_t q0, sq, k0, n, ws;
+} fa_kv_seq;
+
+static inline fa_kv_seq fa_kv_seq_get(const fa_params *p, int64_t i)
+{
+    const fa_seq s = fa_params_seq(p, i);
+    fa_kv_seq r = {s.q_start, s.sq, s.k_start, s.sk, 0};
+    if (p->is_varlen) {
+        r.ws = s.q_start - p->cu_seqlens_q[0];
+    } else {
+        r.k0 = fa_kv_seq_start(p, i);
+        r.n = fa_kv_seq_end(p, i) - r.k0;
+        r.ws = i * p->max_sq;
+    }
+    return r;
+}
+
+/*
  * The run of packed rows from row i that share a query row and a kv head (the same keys, the
  * same K and V rows) in an item of m packed rows from p0, per_row = nkh * g of them per query
  * row: returns its end, with its kv head (from the item's first) and its keys [a, b) among the
- * nb keys of the block from j0, of a sequence of n keys.
+ * nb keys of the block from j0, of a sequence of sq query rows and n keys.
  */
 static inline int64_t fa_kv_run(const fa_params *p, int64_t p0, int64_t per_row, int64_t g,
-                                int64_t m, int64_t i, int64_t n, int64_t j0, int64_t nb,
-                                int64_t *e, int64_t *a, int64_t *b)
+                                int64_t m, int64_t i, int64_t sq, int64_t n, int64_t j0,
+                                int64_t nb, int64_t *e, int64_t *a, int64_t *b)
 {
     const int64_t r = (p0 + i) / per_row, within = (p0 + i) % per_row;
     *e = within / g;
     /* per_row is a multiple of g, so the run ends at the next multiple of g (or at m). */
     const int64_t i1 = i + g - within % g < m ? i + g - within % g : m;
-    fa_params_key_range(p, r, p->max_sq, n, a, b);
+    fa_params_key_range(p, r, sq, n, a, b);
     *a = *a - j0 > 0 ? *a - j0 : 0;
     *b = *b - j0 < nb ? *b - j0 : nb;
     return i1;
+}
+
+/* Keys per block of an item of nkh kv heads: FA_KV_BN key rows, fewer while one head's key
+ * rows would outgrow FA_KV_RUN_BYTES. Each run of packed rows (a query row of a kv head) reads
+ * them again, from L1 only if they stay there. */
+static inline int64_t fa_kv_block_keys(const fa_params *p, int64_t nkh)
+{
+    int64_t bn = FA_KV_BN / nkh > 0 ? FA_KV_BN / nkh : 1;
+    const int64_t row = p->d * (int64_t)fa_dtype_size(p->dtype);
+    while (bn > 16 && bn * row > FA_KV_RUN_BYTES)
+        bn /= 2;
+    return bn;
 }
 
 #define FA_REAL float
@@ -116,8 +156,9 @@ typedef struct fa_kv_job {
     fa_kv_item *items;
     char *scratch;       /* one region per thread */
     size_t scratch_size; /* bytes per thread */
-    void *ws_o;          /* split workspace [splits, b, sq, h, dv], or NULL */
-    void *ws_lse;        /* [splits, b, sq, h] */
+    void *ws_o;          /* split workspace [splits, ws_rows, h, dv], or NULL */
+    void *ws_lse;        /* [splits, ws_rows, h] */
+    int64_t ws_rows;     /* query rows of the call (fa_kv_seq's ws) */
     int stream;          /* the call's K/V outgrow the last-level cache: prefetch them */
 } fa_kv_job;
 
@@ -165,11 +206,13 @@ static void fa_kv_attend_task(void *ctx, int64_t item, int thread)
     if (p->dtype == FA_DTYPE_F64) {
         fa_kv_tile_f64 t;
         FA_KV_CARVE(double, t, base, dp, dvp);
-        fa_kv_attend_f64(p, &t, &job->items[item], job->ws_o, job->ws_lse, job->stream);
+        fa_kv_attend_f64(p, &t, &job->items[item], job->ws_o, job->ws_lse, job->ws_rows,
+                         job->stream);
     } else {
         fa_kv_tile_f32 t;
         FA_KV_CARVE(float, t, base, dp, dvp);
-        fa_kv_attend_f32(p, &t, &job->items[item], job->ws_o, job->ws_lse, job->stream);
+        fa_kv_attend_f32(p, &t, &job->items[item], job->ws_o, job->ws_lse, job->ws_rows,
+                         job->stream);
     }
 }
 
@@ -197,37 +240,31 @@ static int fa_kv_item_cmp(const void *a, const void *b)
     return x->split < y->split ? -1 : (x->split > y->split);
 }
 
-fa_status fa_cpu_kvcache(const fa_params *p)
+/*
+ * The attention of the decode schedule, with its split-KV merge. The split count is p's
+ * num_splits, else the plan's: from the shape only for a forward (few), whose results are the
+ * same bits for any thread count, from the thread count for the KV cache. what names the call
+ * in its FLASHATTN_LOG line.
+ */
+static fa_status fa_kv_attention(const fa_params *p, int few, fa_cpu_log *log, const char *what)
 {
-    fa_status st = FA_STATUS_OK;
-    fa_cpu_log log;
-    fa_cpu_log_begin(&log);
-    if (p->s_new > 0) {
-        int threads = p->num_threads < p->hk ? p->num_threads : (int)p->hk;
-        st = fa_cpu_log_phase(&log, "append", threads, p->hk, fa_kv_append_task, (void *)p);
-        if (st != FA_STATUS_OK)
-            return st;
-    }
-    /* kv heads per item: as many as one query row's heads fill a tile with. */
-    const int64_t g = p->h / p->hk;
-    int64_t group = FA_KV_BM / g;
-    group = group < 1 ? 1 : (group > p->hk ? p->hk : group);
-    int64_t base_items = 0;
-    for (int64_t kh0 = 0; kh0 < p->hk; kh0 += group) {
-        int64_t nkh = p->hk - kh0 < group ? p->hk - kh0 : group;
-        base_items += p->b * ((p->max_sq * nkh * g + FA_KV_BM - 1) / FA_KV_BM);
+    /* The items, longest first: kv heads grouped by the plan, their packed rows in tiles. */
+    const int64_t g = p->h / p->hk, group = fa_plan_cpu_decode_heads(p, p->max_sq);
+    int64_t base_items = 0, max_keys = 0, ws_rows = 0;
+    for (int64_t i = 0; i < p->b; i++) {
+        const fa_kv_seq sg = fa_kv_seq_get(p, i);
+        for (int64_t kh0 = 0; kh0 < p->hk; kh0 += group) {
+            const int64_t nkh = p->hk - kh0 < group ? p->hk - kh0 : group;
+            base_items += (sg.sq * nkh * g + FA_KV_BM - 1) / FA_KV_BM;
+        }
+        max_keys = sg.n > max_keys ? sg.n : max_keys;
+        ws_rows = sg.ws + sg.sq > ws_rows ? sg.ws + sg.sq : ws_rows;
     }
     if (base_items == 0)
         return FA_STATUS_OK;
-
-    int64_t max_keys = 0;
-    for (int64_t i = 0; i < p->b; i++) {
-        int64_t n = fa_kv_seq_end(p, i) - fa_kv_seq_start(p, i);
-        max_keys = n > max_keys ? n : max_keys;
-    }
-    const int64_t splits = p->num_splits > 0
-                               ? p->num_splits
-                               : fa_plan_cpu_splits(p->num_threads, base_items, max_keys);
+    const int64_t splits = p->num_splits > 0 ? p->num_splits
+                           : few ? fa_plan_cpu_few_splits(base_items, max_keys)
+                                 : fa_plan_cpu_splits(p->num_threads, base_items, max_keys);
 
     const int64_t n_items = base_items * splits;
     fa_kv_item *items = malloc((size_t)n_items * sizeof *items);
@@ -236,17 +273,17 @@ fa_status fa_cpu_kvcache(const fa_params *p)
                             (long long)n_items);
     int64_t at = 0;
     for (int64_t i = 0; i < p->b; i++) {
-        const int64_t n = fa_kv_seq_end(p, i) - fa_kv_seq_start(p, i);
+        const fa_kv_seq sg = fa_kv_seq_get(p, i);
         for (int64_t kh0 = 0; kh0 < p->hk; kh0 += group) {
             const int64_t nkh = p->hk - kh0 < group ? p->hk - kh0 : group;
-            const int64_t rows = p->max_sq * nkh * g, per_row = nkh * g;
+            const int64_t rows = sg.sq * nkh * g, per_row = nkh * g;
             for (int64_t p0 = 0; p0 < rows; p0 += FA_KV_BM) {
                 const int64_t m = rows - p0 < FA_KV_BM ? rows - p0 : FA_KV_BM;
                 int64_t lo, hi, unused;
-                fa_params_key_range(p, p0 / per_row, p->max_sq, n, &lo, &unused);
-                fa_params_key_range(p, (p0 + m - 1) / per_row, p->max_sq, n, &unused, &hi);
+                fa_params_key_range(p, p0 / per_row, sg.sq, sg.n, &lo, &unused);
+                fa_params_key_range(p, (p0 + m - 1) / per_row, sg.sq, sg.n, &unused, &hi);
                 /* Chunks of whole key blocks, so that a split never adds a ragged block. */
-                const int64_t bn = FA_KV_BN / nkh > 0 ? FA_KV_BN / nkh : 1;
+                const int64_t bn = fa_kv_block_keys(p, nkh);
                 int64_t chunk = (hi - lo + splits - 1) / splits;
                 chunk = (chunk + bn - 1) / bn * bn;
                 for (int64_t s = 0; s < splits; s++) {
@@ -260,20 +297,21 @@ fa_status fa_cpu_kvcache(const fa_params *p)
     }
     qsort(items, (size_t)n_items, sizeof *items, fa_kv_item_cmp);
 
+    fa_status st = FA_STATUS_OK;
     const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
     const int threads = p->num_threads < n_items ? p->num_threads : (int)n_items;
-    fa_kv_job job = {p, items, NULL, fa_kv_scratch_size(p, real_size), NULL, NULL, 0};
+    fa_kv_job job = {p, items, NULL, fa_kv_scratch_size(p, real_size), NULL, NULL, ws_rows, 0};
     /* Prefetching ahead pays where the K/V come from DRAM and costs where they sit in the
      * cache; what the call reads against the last-level cache (32 MiB when unknown) tells the
      * two apart. */
     double kv_bytes = 0;
     for (int64_t i = 0; i < p->b; i++)
-        kv_bytes += (double)(fa_kv_seq_end(p, i) - fa_kv_seq_start(p, i)) * (double)p->hk *
-                    (double)(p->d + p->dv) * (double)fa_dtype_size(p->dtype);
+        kv_bytes += (double)fa_kv_seq_get(p, i).n * (double)p->hk * (double)(p->d + p->dv) *
+                    (double)fa_dtype_size(p->dtype);
     const long llc = fa_cpu_info_get()->llc_bytes;
     job.stream = kv_bytes > (double)(llc > 0 ? llc : 32L << 20);
     job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
-    const size_t rows = (size_t)(p->b * p->max_sq * p->h);
+    const size_t rows = (size_t)(ws_rows * p->h);
     if (splits > 1) {
         job.ws_o = malloc((size_t)splits * rows * (size_t)p->dv * real_size);
         job.ws_lse = malloc((size_t)splits * rows * real_size);
@@ -282,42 +320,93 @@ fa_status fa_cpu_kvcache(const fa_params *p)
         st = fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for the attention buffers");
         goto done;
     }
-    st = fa_cpu_log_phase(&log, "attend", threads, n_items, fa_kv_attend_task, &job);
+    st = fa_cpu_log_phase(log, "attend", threads, n_items, fa_kv_attend_task, &job);
     if (st != FA_STATUS_OK || splits == 1)
         goto done;
 
     /* The chunks merge as a combine call: the record already holds its shape, out, lse, sinks
-     * and threads; the partials are the split workspace. */
+     * and threads; the partials are the split workspace. Varlen rows merge as one sequence of
+     * the rows from cu_seqlens_q[0]. */
     fa_params c = *p;
+    if (p->is_varlen) {
+        const int64_t r0 = p->cu_seqlens_q[0];
+        c.b = 1;
+        c.max_sq = ws_rows;
+        c.out = (char *)p->out + (ptrdiff_t)(r0 * p->o_rstride) * (ptrdiff_t)fa_dtype_size(p->dtype);
+        c.o_bstride = 0;
+        if (p->lse)
+            c.lse = (char *)p->lse + (ptrdiff_t)(r0 * p->lse_rstride) *
+                                         (ptrdiff_t)fa_dtype_size(p->lse_dtype);
+        c.lse_bstride = 0;
+    }
     c.num_splits = splits;
     c.accum_dtype = p->dtype == FA_DTYPE_F64 ? FA_DTYPE_F64 : FA_DTYPE_F32;
     c.oaccum = job.ws_o;
     c.oaccum_hstride = p->dv;
     c.oaccum_rstride = p->h * c.oaccum_hstride;
-    c.oaccum_bstride = p->max_sq * c.oaccum_rstride;
-    c.oaccum_sstride = p->b * c.oaccum_bstride;
+    c.oaccum_bstride = c.max_sq * c.oaccum_rstride;
+    c.oaccum_sstride = ws_rows * c.oaccum_rstride;
     c.lseaccum = job.ws_lse;
     c.lseaccum_hstride = 1;
     c.lseaccum_rstride = p->h;
-    c.lseaccum_bstride = p->max_sq * p->h;
-    c.lseaccum_sstride = p->b * c.lseaccum_bstride;
+    c.lseaccum_bstride = c.max_sq * p->h;
+    c.lseaccum_sstride = ws_rows * p->h;
     c.empty_lse = INFINITY; /* the forward's convention for a row that sees no key */
-    c.log = &log;
+    c.log = log;
     st = fa_cpu_combine(&c);
 done:
-    if (log.on && st == FA_STATUS_OK) {
-        char head[192];
+    if (log->on && st == FA_STATUS_OK) {
+        char head[224];
         snprintf(head, sizeof head,
-                 "kvcache %s b %lld h %lld/%lld sq %lld keys %lld d %lld/%lld, %d threads, "
+                 "%s %s b %lld h %lld/%lld sq %lld keys %lld d %lld/%lld, %d threads, "
                  "%lld splits%s",
-                 fa_dtype_name(p->dtype), (long long)p->b, (long long)p->h, (long long)p->hk,
-                 (long long)p->max_sq, (long long)max_keys, (long long)p->d, (long long)p->dv,
-                 p->num_threads, (long long)splits, job.stream ? ", prefetch" : "");
-        fa_cpu_log_print(&log, head);
+                 what, fa_dtype_name(p->dtype), (long long)p->b, (long long)p->h,
+                 (long long)p->hk, (long long)p->max_sq, (long long)max_keys, (long long)p->d,
+                 (long long)p->dv, p->num_threads, (long long)splits,
+                 job.stream ? ", prefetch" : "");
+        fa_cpu_log_print(log, head);
     }
     free(job.ws_lse);
     free(job.ws_o);
     free(job.scratch);
     free(items);
     return st;
+}
+
+fa_status fa_cpu_kvcache(const fa_params *p)
+{
+    fa_cpu_log log;
+    fa_cpu_log_begin(&log);
+    if (p->s_new > 0) {
+        int threads = p->num_threads < p->hk ? p->num_threads : (int)p->hk;
+        fa_status st =
+            fa_cpu_log_phase(&log, "append", threads, p->hk, fa_kv_append_task, (void *)p);
+        if (st != FA_STATUS_OK)
+            return st;
+    }
+    return fa_kv_attention(p, 0, &log, "kvcache");
+}
+
+/* A forward's record as a contiguous cache: each dense batch row one block of max_sk rows; all
+ * varlen keys one block, whose sequences start at cu_seqlens_k (fa_kv_seq_get). Nothing of the
+ * cache's own (append, rotary, pages, indices) applies. */
+fa_status fa_cpu_decode_forward(const fa_params *p)
+{
+    fa_params d = *p;
+    d.paged = 0;
+    d.page_size = p->is_varlen ? p->total_k : p->max_sk;
+    d.page_size = d.page_size > 0 ? d.page_size : 1;
+    d.num_blocks = p->is_varlen ? 1 : p->b;
+    d.k_bstride = p->is_varlen ? 0 : p->k_bstride;
+    d.v_bstride = p->is_varlen ? 0 : p->v_bstride;
+    d.block_table = NULL;
+    d.batch_idx = NULL;
+    d.cache_seqlens = NULL;
+    d.leftpad = NULL;
+    d.s_new = 0;
+    d.rot_cos = d.rot_sin = NULL;
+    d.num_splits = 0;
+    fa_cpu_log log;
+    fa_cpu_log_begin(&log);
+    return fa_kv_attention(&d, 1, &log, "forward (decode schedule)");
 }

@@ -7,8 +7,8 @@
  * (fa_cpu_gemm_f32's signature for FA_REAL), FA_EXP, FA_EXP_LOOP (an exp the compiler
  * vectorises in a loop, for x <= 0), FA_TANH, FA_LOG, FA_LANES (8 or 16 partial sums of a dot
  * product, a multiple of the SIMD width, so that the dot loop vectorises without reassociating
- * a sum), FA_KV_BM, FA_KV_BN, FA_KV_PREFETCH, fa_kv_item, and fa_cpu_rows.h included for this
- * precision.
+ * a sum), FA_KV_BM, FA_KV_BN, FA_KV_PREFETCH, fa_kv_item, fa_kv_seq_get, fa_kv_block_keys, and fa_cpu_rows.h
+ * included for this precision.
  */
 
 /* One thread's buffers. dp and dvp are d and dv rounded up to FA_LANES; padding stays zero. */
@@ -361,20 +361,20 @@ FA_CPU_INLINE void FA_FN(fa_kv_block_load)(const fa_params *p, FA_FN(fa_kv_tile)
  * kh0 * g + x % (nkh * g): each key row is loaded once for all the query heads that share it,
  * and the rows of a group of kv heads sit side by side in the cache, so a thread streams
  * through contiguous memory. Writes the final out/lse when ws_o is NULL, else the normalised
- * partial output and its lse into the split workspace.
+ * partial output and its lse into the split workspace of ws_rows query rows a split.
  */
 FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_tile) * t,
                                               const fa_kv_item *it, FA_REAL *ws_o,
-                                              FA_REAL *ws_lse, int stream)
+                                              FA_REAL *ws_lse, int64_t ws_rows, int stream)
 {
-    const int64_t g = p->h / p->hk, d = p->d, dv = p->dv, sq = p->max_sq;
+    const fa_kv_seq sg = fa_kv_seq_get(p, it->seq);
+    const int64_t g = p->h / p->hk, d = p->d, dv = p->dv, sq = sg.sq;
     const int64_t dp = (d + FA_LANES - 1) / FA_LANES * FA_LANES;
     const int64_t dvp = (dv + FA_LANES - 1) / FA_LANES * FA_LANES;
     const int64_t seq = it->seq, kh0 = it->kh0, nkh = it->nkh, p0 = it->p0, m = it->m;
     const int64_t per_row = nkh * g; /* packed rows per query row */
-    const int64_t bn = FA_KV_BN / nkh > 0 ? FA_KV_BN / nkh : 1; /* keys per block */
-    const int64_t start = fa_kv_seq_start(p, seq);
-    const int64_t n = fa_kv_seq_end(p, seq) - start;
+    const int64_t bn = fa_kv_block_keys(p, nkh);
+    const int64_t start = sg.k0, n = sg.n;
     const FA_REAL scale = (FA_REAL)p->scale;
     const FA_REAL softcap = (FA_REAL)p->softcap;
     const FA_REAL inv_softcap = p->softcap > 0 ? (FA_REAL)(1.0 / p->softcap) : 0;
@@ -382,7 +382,8 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
     for (int64_t i = 0; i < m; i++) {
         const int64_t r = (p0 + i) / per_row, hq = kh0 * g + (p0 + i) % per_row;
         FA_REAL *q = t->q + i * dp;
-        FA_FN(fa_load_row)(q, p->q, seq * p->q_bstride + r * p->q_rstride + hq * p->q_hstride,
+        FA_FN(fa_load_row)(q, p->q,
+                           seq * p->q_bstride + (sg.q0 + r) * p->q_rstride + hq * p->q_hstride,
                            d, p->dtype);
         if (p->rot_cos)
             FA_FN(fa_kv_rotate)(p, q, p->cache_seqlens[seq] + (p->rotary_per_row ? r : 0));
@@ -461,7 +462,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
          * keys): 4 heads at a time read each key row once. */
         for (int64_t i = 0, i1; i < m; i = i1) {
             int64_t e, a, b; /* kv head kh0 + e, keys [a, b) of the block */
-            i1 = fa_kv_run(p, p0, per_row, g, m, i, n, j0, nb, &e, &a, &b);
+            i1 = fa_kv_run(p, p0, per_row, g, m, i, sq, n, j0, nb, &e, &a, &b);
             if (stream && row + (FA_KV_PREFETCH_BLOCKS + 1) * bn <= p->page_size &&
                 j0 + (FA_KV_PREFETCH_BLOCKS + 1) * bn <= hi)
                 FA_FN(fa_kv_prefetch_run)(p, blk, row + FA_KV_PREFETCH_BLOCKS * bn, kh0 + e, bn);
@@ -527,7 +528,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
          * place, else the micro-kernels. */
         for (int64_t i = 0, i1; i < m; i = i1) {
             int64_t e, a, b;
-            i1 = fa_kv_run(p, p0, per_row, g, m, i, n, j0, nb, &e, &a, &b);
+            i1 = fa_kv_run(p, p0, per_row, g, m, i, sq, n, j0, nb, &e, &a, &b);
             if (a >= b)
                 continue;
             for (int64_t x = i; v_pv4 && x < i1; x += 4) {
@@ -549,7 +550,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
         const FA_REAL mx = t->m[i], l = t->l[i];
         if (ws_o) {
             /* A chunk without visible keys is an empty part (lse -inf) for the combine. */
-            const int64_t at = ((it->split * p->b + seq) * sq + r) * p->h + hq;
+            const int64_t at = (it->split * ws_rows + sg.ws + r) * p->h + hq;
             FA_REAL inv = l > 0 || l != l ? 1 / l : 0; /* NaN: a NaN part, NaN lse below */
             for (int64_t c = 0; c < dv; c++)
                 ws_o[at * dv + c] = t->o[i * dvp + c] * inv;
@@ -571,14 +572,13 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
             lse = big + FA_LOG(total);
             out_scale = l > 0 ? FA_EXP(mx - big) / total : 0;
         }
-        FA_FN(fa_store_row)(p->out, seq * p->o_bstride + r * p->o_rstride + hq * p->o_hstride,
+        FA_FN(fa_store_row)(p->out,
+                            seq * p->o_bstride + (sg.q0 + r) * p->o_rstride + hq * p->o_hstride,
                             t->o + i * dvp, out_scale, dv, p->dtype);
-        if (p->lse) {
-            int64_t at = seq * p->lse_bstride + hq * p->lse_hstride + r * p->lse_rstride;
-            if (p->lse_dtype == FA_DTYPE_F64)
-                ((double *)p->lse)[at] = (double)lse;
-            else
-                ((float *)p->lse)[at] = (float)lse;
-        }
+        if (p->lse)
+            fa_params_lse_store(p,
+                                seq * p->lse_bstride + hq * p->lse_hstride +
+                                    (sg.q0 + r) * p->lse_rstride,
+                                (double)lse);
     }
 }

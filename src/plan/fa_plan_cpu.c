@@ -75,6 +75,41 @@ int fa_plan_cpu_splits(int64_t threads, int64_t base_items, int64_t max_keys)
     return 1;
 }
 
+/*
+ * Few query rows: a tile then holds at most FA_CPU_FEW_ROWS rows of one head, so its products
+ * are short and every head reads its kv head's K/V again. The decode schedule packs the g query
+ * heads of a kv head into one tile, reading each K/V row once for all of them, and splits the
+ * keys so that a few sequences still fill the threads.
+ */
+int fa_plan_cpu_few_rows(const fa_params *p)
+{
+    return p->max_sq <= FA_CPU_FEW_ROWS && p->dropout_p == 0 && p->probs == NULL;
+}
+
+/* As many kv heads as fill the tile with the sq * g packed rows of each (at least one): with one
+ * query row a thread streams through the adjacent heads of a key position; with more rows
+ * each kv head's K/V is read once per tile. */
+int64_t fa_plan_cpu_decode_heads(const fa_params *p, int64_t max_sq)
+{
+    const int64_t per_head = (max_sq > 0 ? max_sq : 1) * (p->h / p->hk);
+    const int64_t heads = FA_CPU_DECODE_ROWS / per_head;
+    return heads < 1 ? 1 : heads > p->hk ? p->hk : heads;
+}
+
+/* Enough chunks for FA_CPU_FEW_ITEMS items, chunks keeping at least FA_KV_MIN_CHUNK keys: with
+ * that many equal items the last wave is short on any thread count, and the merge reads
+ * splits x dv values per row, little beside the K/V rows of a chunk. */
+int fa_plan_cpu_few_splits(int64_t base_items, int64_t max_keys)
+{
+    int64_t max_splits = (max_keys + FA_KV_MIN_CHUNK - 1) / FA_KV_MIN_CHUNK;
+    if (max_splits > FA_MAX_SPLITS)
+        max_splits = FA_MAX_SPLITS;
+    if (base_items == 0 || max_splits <= 1)
+        return 1;
+    const int64_t want = (FA_CPU_FEW_ITEMS + base_items - 1) / base_items;
+    return (int)(want < max_splits ? want : max_splits);
+}
+
 /* Keys per key-pass chunk: FA_CPU_BWD_NK, halved (down to a quarter of it) while the chunk's dK
  * and dV accumulators would not fit in the thread's share of L2 (on a 2 MB L2, every head dim
  * and type keeps FA_CPU_BWD_NK). */

@@ -1,6 +1,7 @@
 /*
- * The CPU backend's size rules: the forward's tile height, the backward's key chunks and
- * stripes, and the KV-cache attention's split count. Pure functions of the problem and of the machine facts the backend passes in.
+ * The CPU backend's size rules: the forward's tile height and when it takes the decode schedule,
+ * the backward's key chunks and stripes, and the decode schedule's items and split count. Pure
+ * functions of the problem and of the machine facts the backend passes in.
  */
 #ifndef FA_PLAN_CPU_H
 #define FA_PLAN_CPU_H
@@ -29,6 +30,25 @@ int64_t fa_plan_cpu_tile_rows(const fa_params *p, size_t l2, int bf16);
 /* Key chunks per (sequence, kv head) of a KV-cache call: base_items of them before splitting,
  * max_keys the most keys a sequence attends to, on threads threads. */
 int fa_plan_cpu_splits(int64_t threads, int64_t base_items, int64_t max_keys);
+
+/* Packed (query row, head) rows per work item of the decode schedule (fa_cpu_decode.c). */
+#define FA_CPU_DECODE_ROWS 64
+/* The forward runs the decode schedule up to this many query rows per sequence. */
+#define FA_CPU_FEW_ROWS 16
+/* Work items a forward on the decode schedule aims for by splitting the keys. */
+#define FA_CPU_FEW_ITEMS 128
+
+/* Whether the forward of p takes the decode schedule: few query rows (FA_CPU_FEW_ROWS), no
+ * dropout and no probs output (those two exist on the tiled path only). */
+int fa_plan_cpu_few_rows(const fa_params *p);
+
+/* Kv heads per item of the decode schedule, for sequences of at most max_sq query rows. */
+int64_t fa_plan_cpu_decode_heads(const fa_params *p, int64_t max_sq);
+
+/* Key chunks per item of a forward on the decode schedule, from the shape only (so results
+ * are the same bits for any thread count): base_items before splitting, max_keys the most keys
+ * a sequence attends to. */
+int fa_plan_cpu_few_splits(int64_t base_items, int64_t max_keys);
 
 #define FA_CPU_BWD_FUSED_ITEMS 32 /* work items from which the backward runs fused */
 /* Items the fused backward's stripes aim for: with many threads a slow core holds up the last

@@ -7,6 +7,9 @@
  *   - status OK; every element of out / lse / probs written, nothing outside the views touched,
  *     the inputs untouched;
  *   - the two runs are bitwise identical (determinism across num_threads);
+ *   - each run took the schedule the plan's rule names (FLASHATTN_LOG's line, read from stderr):
+ *     the decode schedule for few query rows without dropout or probs (fa_plan_cpu_few_rows),
+ *     with the split count the case expects where it names one, else the tiles;
  *   - out against fa_ref_forward:
  *       F64:      max|ours - ref| <= 1e-12 * max(1, max|ref|)
  *       F32:      max|ours - ref| <= 1e-5  * max(1, max|ref|)
@@ -32,6 +35,7 @@
 
 #include "fa_ref.h"
 #include "fa_rules.h"
+#include "plan/fa_plan_cpu.h"
 #include "test_forward.h"
 
 
@@ -107,6 +111,51 @@ static double probs_tol(fa_dtype dt)
         return 1e-5;
     default:
         return 1e-12;
+    }
+}
+
+/* The log line of one forward call, which FLASHATTN_LOG (set by main) makes it print to stderr,
+ * captured through a temporary file. */
+static fa_status forward_logged(const fa_fwd_args *args, char *line, size_t size)
+{
+    static FILE *capture;
+    if (!capture && !(capture = tmpfile())) {
+        exit(2);
+    }
+    fflush(stderr);
+    rewind(capture); /* the next writes start at 0, not where the last read ended */
+    const int saved = dup(STDERR_FILENO);
+    if (saved < 0 || ftruncate(fileno(capture), 0) != 0 ||
+        dup2(fileno(capture), STDERR_FILENO) != STDERR_FILENO) {
+        exit(2);
+    }
+    const fa_status st = fa_attention_forward(args);
+    fflush(stderr);
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    rewind(capture);
+    size_t n = fread(line, 1, size - 1, capture);
+    line[n] = 0;
+    return st;
+}
+
+/* Whether the run whose log is line took the schedule the plan names for case c (max_sq the
+ * call's), and the split count the case expects. */
+static void check_route(const fcase *c, int64_t max_sq, const char *line, int threads)
+{
+    const int few = max_sq <= FA_CPU_FEW_ROWS && c->dropout_p == 0 && !c->with_probs;
+    const char *decode = strstr(line, "decode schedule");
+    TU_CHECK(strstr(line, "flashattn: cpu forward") != NULL, "no FLASHATTN_LOG line (%d threads): %s",
+             threads, line);
+    TU_CHECK((decode != NULL) == few, "%d threads: expected the %s, the log says: %s", threads,
+             few ? "decode schedule" : "tiles", line);
+    if (decode && c->expect_splits > 0) {
+        const char *at = strstr(decode, " splits");
+        while (at > decode && at[-1] >= '0' && at[-1] <= '9') {
+            at--;
+        }
+        TU_CHECK(atoi(at) == c->expect_splits, "%d threads: expected %d splits, the log says: %s",
+                 threads, c->expect_splits, line);
     }
 }
 
@@ -319,11 +368,17 @@ void tf_run_case(const fcase *c0, const char *name, tu_rng *rng)
         tu_poison(&tprobs);
     }
 
-    fa_status st = fa_attention_forward(&args);
+    char log_line[1024];
+    fa_status st = forward_logged(&args, log_line, sizeof log_line);
     TU_CHECK(st == FA_STATUS_OK, "fa_attention_forward returned %d (%s): %s", (int)st,
              fa_status_string(st), fa_last_error());
     if (st != FA_STATUS_OK) {
         goto cleanup;
+    }
+    /* A call whose sequences hold no query row returns before any schedule logs. */
+    const int64_t rows_q = c->varlen ? cu_q[b] - cu_q[0] : b * c->sq;
+    if (rows_q > 0) {
+        check_route(c, max_sq, log_line, c->threads_a);
     }
 
     /* ---- every element written, nothing else ---- */
@@ -369,9 +424,12 @@ void tf_run_case(const fcase *c0, const char *name, tu_rng *rng)
             tu_poison(&tprobs);
         }
         args.num_threads = c->threads_b;
-        fa_status st2 = fa_attention_forward(&args);
+        fa_status st2 = forward_logged(&args, log_line, sizeof log_line);
         TU_CHECK(st2 == FA_STATUS_OK, "second run (num_threads=%d) returned %d: %s", c->threads_b,
                  (int)st2, fa_last_error());
+        if (rows_q > 0) {
+            check_route(c, max_sq, log_line, c->threads_b);
+        }
         TU_CHECK(memcmp(o1, tout.base, tout.nbytes) == 0,
                  "out differs between num_threads=%d and %d", c->threads_a, c->threads_b);
         if (l1) {
@@ -612,6 +670,8 @@ cleanup:
 
 int main(void)
 {
+    /* Every call logs its schedule; forward_logged captures the line for check_route. */
+    setenv("FLASHATTN_LOG", "1", 1);
     uint64_t seed = tu_master_seed("test_forward");
     const char *only = getenv("FA_TEST_ONLY");
     if (only && *only) {

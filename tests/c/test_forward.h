@@ -15,6 +15,7 @@ typedef struct fcase {
     int with_lse, with_probs;
     int threads_a, threads_b;
     int64_t row_step;
+    int expect_splits; /* the decode schedule's split count the log must name (0: any) */
 } fcase;
 
 /* Builds, runs and checks one case (test_forward.c). */

@@ -7,6 +7,7 @@
 
 #include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_info.h"
+#include "plan/fa_plan_cpu.h"
 #include "test_forward.h"
 
 /* ------------------------------------------------------------------------------------------ */
@@ -189,6 +190,115 @@ static void tall_tiles(tu_rng *rng)
             c.row_step = 41;
             tf_run_case(&c, "512-row tiles against 256", rng);
         }
+    }
+}
+
+/* The plan's few-row rules (fa_plan_cpu.c) at their edges. */
+static void few_rows_plan(void)
+{
+    fa_params p = {0};
+    p.b = 1, p.h = 32, p.hk = 8, p.max_sq = FA_CPU_FEW_ROWS, p.max_sk = 4096, p.d = p.dv = 128;
+    tu_where = "the forward's few-row rule";
+    TU_CHECK(fa_plan_cpu_few_rows(&p), "%d rows: not few", FA_CPU_FEW_ROWS);
+    p.max_sq = FA_CPU_FEW_ROWS + 1;
+    TU_CHECK(!fa_plan_cpu_few_rows(&p), "%d rows: few", FA_CPU_FEW_ROWS + 1);
+    p.max_sq = 1;
+    p.dropout_p = 0.1;
+    TU_CHECK(!fa_plan_cpu_few_rows(&p), "dropout: few");
+    p.dropout_p = 0;
+    p.probs = &p;
+    TU_CHECK(!fa_plan_cpu_few_rows(&p), "probs: few");
+    /* kv heads an item: the packed rows of as many as fill a tile of FA_CPU_DECODE_ROWS */
+    static const int64_t heads[][4] = {{1, 32, 8, 8},  {2, 32, 8, 8}, {4, 32, 8, 4},
+                                       {16, 32, 8, 1}, {1, 64, 1, 1}, {3, 8, 8, 8}};
+    for (size_t i = 0; i < sizeof heads / sizeof heads[0]; i++) {
+        p.h = heads[i][1], p.hk = heads[i][2];
+        const int64_t got = fa_plan_cpu_decode_heads(&p, heads[i][0]);
+        TU_CHECK(got == heads[i][3], "sq %lld h %lld/%lld: %lld kv heads an item, expected %lld",
+                 (long long)heads[i][0], (long long)p.h, (long long)p.hk, (long long)got,
+                 (long long)heads[i][3]);
+    }
+    /* splits: FA_CPU_FEW_ITEMS items, chunks of at least FA_KV_MIN_CHUNK keys */
+    static const int64_t splits[][3] = {{1, 0, 1},       {1, 256, 1},     {1, 257, 2},
+                                        {1, 4096, 16},   {1, 32768, 128}, {8, 32768, 16},
+                                        {64, 32768, 2},  {128, 32768, 1}, {0, 4096, 1},
+                                        {1, 1 << 20, 128}};
+    for (size_t i = 0; i < sizeof splits / sizeof splits[0]; i++) {
+        const int got = fa_plan_cpu_few_splits(splits[i][0], splits[i][1]);
+        TU_CHECK(got == splits[i][2], "%lld items, %lld keys: %d splits, expected %lld",
+                 (long long)splits[i][0], (long long)splits[i][1], got, (long long)splits[i][2]);
+    }
+}
+
+/*
+ * Few query rows run the decode schedule (fa_plan_cpu_few_rows; tf_run_case checks the route
+ * from the log): rows 1..16 and one past, every dtype, MHA, GQA and MQA, each feature alone and
+ * together, dense and varlen, key counts around the chunk sizes of the split rule and whole key
+ * blocks. One sequence whose packed rows fill at most one tile is one item before splitting, so
+ * its split count is the plan's for one item, which the log must name.
+ */
+static void few_rows(tu_rng *rng)
+{
+    static const int64_t rows[] = {1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 6};
+    static const int64_t keys[] = {1, 17, 255, 256, 257, 511, 512, 513, 1100, 0, 4100};
+    static const int64_t heads[][2] = {{8, 2}, {8, 1}, {4, 4}, {12, 3}, {16, 2}}; /* h, hk */
+    few_rows_plan();
+    for (int i = 0; i < 190; i++) {
+        fcase c;
+        base_case(&c, k_dtypes[i % 4], rng);
+        c.sq = rows[i % 13];
+        c.sk = keys[i % 11];
+        c.h = heads[i % 5][0];
+        c.hk = heads[i % 5][1];
+        c.b = i % 3 == 0 ? 1 : tu_rng_int(rng, 1, 3);
+        c.d = c.dv = i % 7 == 3 ? 128 : 64;
+        if (i % 9 == 4) {
+            c.d = 40; /* padded rows */
+            c.dv = 24;
+        }
+        if (c.sk > 1000 && c.dt != FA_DTYPE_F32) {
+            c.h = c.hk; /* the long sequence's low-precision reference stays short */
+        }
+        switch (i % 7) {
+        case 1:
+            c.causal = 1;
+            break;
+        case 2:
+            c.wl = (int)tu_rng_int(rng, 0, c.sk + 2);
+            c.wr = (int)tu_rng_int(rng, -1, 40);
+            break;
+        case 3:
+            c.alibi = (int)tu_rng_int(rng, 1, 2);
+            break;
+        case 4:
+            c.softcap = tu_rng_uniform(rng, 0.5, 20.0);
+            break;
+        case 5:
+            c.sinks = 1;
+            break;
+        case 6:
+            c.causal = 1;
+            c.wl = (int)tu_rng_int(rng, 0, 300);
+            c.sinks = 1;
+            c.alibi = 1;
+            c.softcap = 8.0;
+            break;
+        default:
+            break;
+        }
+        c.with_lse = i % 11 != 7;
+        c.varlen = i % 4 == 1 || i % 4 == 2;
+        if (c.varlen) {
+            c.b = tu_rng_int(rng, 1, 4);
+            c.vl_zero = tu_rng_chance(rng, 0.3);
+            c.vl_offset = tu_rng_chance(rng, 0.5);
+            c.vl_seqused = tu_rng_chance(rng, 0.4);
+        }
+        if (!c.varlen && c.b == 1 && c.sq <= FA_CPU_FEW_ROWS &&
+            c.sq * c.h <= FA_CPU_DECODE_ROWS) {
+            c.expect_splits = fa_plan_cpu_few_splits(1, c.sk);
+        }
+        tf_run_case(&c, "few rows", rng);
     }
 }
 
@@ -485,4 +595,5 @@ void tf_run_directed(tu_rng *rng)
     }
     tiles_from_l2(rng);
     tall_tiles(rng);
+    few_rows(rng);
 }

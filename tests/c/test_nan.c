@@ -1,7 +1,7 @@
 /*
  * test_nan: NaN and Inf in q, k or v reach exactly the rows whose arithmetic they enter, in every
  * dtype and path (dense and varlen forwards, the KV cache unsplit and split through the combine,
- * the backward). The expectation is written out here in double precision from the rounded inputs:
+ * the backward; few-row forwards, which take the decode schedule, split). The expectation is written out here in double precision from the rounded inputs:
  *   a row whose visible scores include a NaN, or whose maximum score is +inf (exp(inf - inf)),
  *   gets out NaN in every element and lse NaN; otherwise lse = log sum exp, out = P V, which is
  *   NaN in column c exactly when a visible key's v has a NaN in column c; a row whose scores are
@@ -17,7 +17,8 @@
 #include "flashattn.h"
 #include "test_util.h"
 
-enum { B = 2, S = 70, D = 64, AT = 37, SQ_DECODE = 2 };
+/* S_FEW: keys of the few-row forwards, enough for the decode schedule to split them. */
+enum { B = 2, S = 70, D = 64, AT = 37, SQ_DECODE = 2, S_FEW = 600 };
 
 typedef enum nan_case { NAN_Q, NAN_K, INF_K, NAN_V, INF_Q, NAN_CASES } nan_case;
 static const char *const case_names[NAN_CASES] = {"q NaN row", "k NaN row", "k +Inf element",
@@ -54,15 +55,17 @@ static void plant(nan_case c, tu_tensor *q, tu_tensor *k, tu_tensor *v, int64_t 
     }
 }
 
-/* out [B, sq, 1, D] and lse [B, sq] of q [B, sq, 1, D] against k, v [B, S, 1, D] in double. */
+/* out [B, sq, 1, D] and lse [B, sq] of q [B, sq, 1, D] against k, v [B, sk, 1, D] in double
+ * (sk <= S_FEW). */
 static void expect(const tu_tensor *q, const tu_tensor *k, const tu_tensor *v, int64_t sq,
                    int causal, double *out, double *lse)
 {
     const double scale = 1.0 / sqrt((double)D);
-    double s[S];
+    const int64_t sk = k->t.shape[1];
+    double s[S_FEW > S ? S_FEW : S];
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < sq; i++) {
-            const int64_t last = causal ? i + S - sq : S - 1; /* bottom-right causal */
+            const int64_t last = causal ? i + sk - sq : sk - 1; /* bottom-right causal */
             double mx = -INFINITY;
             int nan = 0;
             for (int64_t j = 0; j <= last; j++) {
@@ -148,24 +151,32 @@ static fa_tensor flat(const tu_tensor *t)
     return fa_tensor_make(t->t.data, t->t.dtype, 3, shape, NULL);
 }
 
-static void forward_case(tu_rng *r, fa_dtype dt, nan_case c, int causal, int varlen)
+/* sq query rows against sk keys a sequence: S and S, or SQ_DECODE and S_FEW (the decode
+ * schedule). */
+static void forward_case(tu_rng *r, fa_dtype dt, nan_case c, int causal, int varlen, int64_t sq,
+                         int64_t sk)
 {
     char where[160];
-    snprintf(where, sizeof where, "forward %s dtype=%s %s causal=%d", varlen ? "varlen" : "dense",
-             fa_dtype_name(dt), case_names[c], causal);
+    snprintf(where, sizeof where, "forward %s dtype=%s %s causal=%d sq=%lld sk=%lld",
+             varlen ? "varlen" : "dense", fa_dtype_name(dt), case_names[c], causal,
+             (long long)sq, (long long)sk);
     tu_where = where;
-    tu_tensor q = tensor4(dt, B, S, r), k = tensor4(dt, B, S, r), v = tensor4(dt, B, S, r);
-    tu_tensor out = tensor4(dt, B, S, r);
+    tu_tensor q = tensor4(dt, B, sq, r), k = tensor4(dt, B, sk, r), v = tensor4(dt, B, sk, r);
+    tu_tensor out = tensor4(dt, B, sq, r);
     const fa_dtype lse_dt = dt == FA_DTYPE_F64 ? FA_DTYPE_F64 : FA_DTYPE_F32;
-    int64_t ls[3] = {B, 1, S}, lf[2] = {1, B * S}, cu_shape[1] = {B + 1};
+    int64_t ls[3] = {B, 1, sq}, lf[2] = {1, B * sq}, cu_shape[1] = {B + 1};
     tu_tensor lse = tu_tensor_new(lse_dt, varlen ? 2 : 3, varlen ? lf : ls, TU_CONTIGUOUS, r);
-    plant(c, &q, &k, &v, AT, AT);
-    double *want_o = malloc(sizeof(double) * B * S * D), *want_l = malloc(sizeof(double) * B * S);
-    expect(&q, &k, &v, S, causal, want_o, want_l);
+    /* Few rows, causal: the last key, which only the last row sees (in the last chunk). */
+    plant(c, &q, &k, &v, sq < AT ? sq - 1 : AT, causal && sq < sk ? sk - 1 : AT);
+    double *want_o = malloc(sizeof(double) * (size_t)(B * sq * D));
+    double *want_l = malloc(sizeof(double) * (size_t)(B * sq));
+    expect(&q, &k, &v, sq, causal, want_o, want_l);
 
-    int32_t cu[B + 1] = {0, S, 2 * S};
+    int32_t cu_q[B + 1] = {0, (int32_t)sq, 2 * (int32_t)sq};
+    int32_t cu_k[B + 1] = {0, (int32_t)sk, 2 * (int32_t)sk};
     fa_tensor qf = flat(&q), kf = flat(&k), vf = flat(&v), of = flat(&out);
-    fa_tensor cu_t = fa_tensor_make(cu, FA_DTYPE_I32, 1, cu_shape, NULL);
+    fa_tensor cu_qt = fa_tensor_make(cu_q, FA_DTYPE_I32, 1, cu_shape, NULL);
+    fa_tensor cu_kt = fa_tensor_make(cu_k, FA_DTYPE_I32, 1, cu_shape, NULL);
     fa_fwd_args a;
     fa_fwd_args_init(&a);
     a.q = varlen ? &qf : &q.t;
@@ -174,8 +185,10 @@ static void forward_case(tu_rng *r, fa_dtype dt, nan_case c, int causal, int var
     a.out = varlen ? &of : &out.t;
     a.lse = &lse.t;
     if (varlen) {
-        a.cu_seqlens_q = a.cu_seqlens_k = &cu_t;
-        a.max_seqlen_q = a.max_seqlen_k = S;
+        a.cu_seqlens_q = &cu_qt;
+        a.cu_seqlens_k = &cu_kt;
+        a.max_seqlen_q = sq;
+        a.max_seqlen_k = sk;
     }
     a.causal = causal;
     a.num_threads = 2;
@@ -183,8 +196,8 @@ static void forward_case(tu_rng *r, fa_dtype dt, nan_case c, int causal, int var
     tu_poison(&lse);
     fa_status st = fa_attention_forward(&a);
     TU_CHECK(st == FA_STATUS_OK, "status %d: %s", (int)st, fa_last_error());
-    check_out(&out, &lse, want_o, want_l, S, dt);
-    if (causal && c == NAN_K)
+    check_out(&out, &lse, want_o, want_l, sq, dt);
+    if (causal && c == NAN_K && sq == sk)
         for (int64_t e = 0; e < D; e++) { /* the row before the NaN key does not see it */
             int64_t oi[4] = {1, AT - 1, 0, e};
             TU_CHECK(isfinite(fa_ref_load(&out.t, oi)), "masked NaN key reached row %d", AT - 1);
@@ -318,8 +331,10 @@ int main(void)
             for (int causal = 0; causal < 2; causal++) {
                 if (c == NAN_V && causal)
                     continue; /* a masked key's P is 0 and 0 * NaN is NaN: no rule to test */
-                forward_case(&rng, dts[di], (nan_case)c, causal, 0);
-                forward_case(&rng, dts[di], (nan_case)c, causal, 1);
+                for (int varlen = 0; varlen < 2; varlen++) {
+                    forward_case(&rng, dts[di], (nan_case)c, causal, varlen, S, S);
+                    forward_case(&rng, dts[di], (nan_case)c, causal, varlen, SQ_DECODE, S_FEW);
+                }
                 kvcache_case(&rng, dts[di], (nan_case)c, causal, 1);
                 kvcache_case(&rng, dts[di], (nan_case)c, causal, 3);
             }
