@@ -33,12 +33,10 @@ int fa_plan_cpu_splits(int64_t threads, int64_t base_items, int64_t max_keys);
 
 /* Packed (query row, head) rows per work item of the decode schedule (fa_cpu_decode.c). */
 #define FA_CPU_DECODE_ROWS 64
-/* The forward runs the decode schedule up to this many query rows per sequence. */
-#define FA_CPU_FEW_ROWS 16
 /* Work items a forward on the decode schedule aims for by splitting the keys. */
 #define FA_CPU_FEW_ITEMS 128
 
-/* Whether the forward of p takes the decode schedule: few query rows (FA_CPU_FEW_ROWS), no
+/* Whether the forward of p takes the decode schedule: few query rows (FA_DECODE_MAX_ROWS), no
  * dropout and no probs output (those two exist on the tiled path only). */
 int fa_plan_cpu_few_rows(const fa_params *p);
 

@@ -143,7 +143,7 @@ static fa_status forward_logged(const fa_fwd_args *args, char *line, size_t size
  * call's), and the split count the case expects. */
 static void check_route(const fcase *c, int64_t max_sq, const char *line, int threads)
 {
-    const int few = max_sq <= FA_CPU_FEW_ROWS && c->dropout_p == 0 && !c->with_probs;
+    const int few = max_sq <= FA_DECODE_MAX_ROWS && c->dropout_p == 0 && !c->with_probs;
     const char *decode = strstr(line, "decode schedule");
     TU_CHECK(strstr(line, "flashattn: cpu forward") != NULL, "no FLASHATTN_LOG line (%d threads): %s",
              threads, line);

@@ -197,11 +197,11 @@ static void tall_tiles(tu_rng *rng)
 static void few_rows_plan(void)
 {
     fa_params p = {0};
-    p.b = 1, p.h = 32, p.hk = 8, p.max_sq = FA_CPU_FEW_ROWS, p.max_sk = 4096, p.d = p.dv = 128;
+    p.b = 1, p.h = 32, p.hk = 8, p.max_sq = FA_DECODE_MAX_ROWS, p.max_sk = 4096, p.d = p.dv = 128;
     tu_where = "the forward's few-row rule";
-    TU_CHECK(fa_plan_cpu_few_rows(&p), "%d rows: not few", FA_CPU_FEW_ROWS);
-    p.max_sq = FA_CPU_FEW_ROWS + 1;
-    TU_CHECK(!fa_plan_cpu_few_rows(&p), "%d rows: few", FA_CPU_FEW_ROWS + 1);
+    TU_CHECK(fa_plan_cpu_few_rows(&p), "%d rows: not few", FA_DECODE_MAX_ROWS);
+    p.max_sq = FA_DECODE_MAX_ROWS + 1;
+    TU_CHECK(!fa_plan_cpu_few_rows(&p), "%d rows: few", FA_DECODE_MAX_ROWS + 1);
     p.max_sq = 1;
     p.dropout_p = 0.1;
     TU_CHECK(!fa_plan_cpu_few_rows(&p), "dropout: few");
@@ -294,7 +294,7 @@ static void few_rows(tu_rng *rng)
             c.vl_offset = tu_rng_chance(rng, 0.5);
             c.vl_seqused = tu_rng_chance(rng, 0.4);
         }
-        if (!c.varlen && c.b == 1 && c.sq <= FA_CPU_FEW_ROWS &&
+        if (!c.varlen && c.b == 1 && c.sq <= FA_DECODE_MAX_ROWS &&
             c.sq * c.h <= FA_CPU_DECODE_ROWS) {
             c.expect_splits = fa_plan_cpu_few_splits(1, c.sk);
         }
