@@ -31,45 +31,6 @@ static int fa_cuda_aligned(const fa_params *p)
     return 1;
 }
 
-void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
-{
-    *kp = (fa_kparams){0};
-    kp->q = p->q;
-    kp->k = p->k;
-    kp->v = p->v;
-    kp->out = p->out;
-    kp->lse = p->lse;
-    kp->cu_seqlens_q = p->cu_seqlens_q;
-    kp->cu_seqlens_k = p->cu_seqlens_k;
-    kp->seqused_k = p->seqused_k;
-    kp->alibi_slopes = p->alibi_slopes;
-    kp->sinks = p->sinks;
-    kp->probs = p->probs;
-    kp->q_bstride = p->q_bstride, kp->q_rstride = p->q_rstride, kp->q_hstride = p->q_hstride;
-    kp->k_bstride = p->k_bstride, kp->k_rstride = p->k_rstride, kp->k_hstride = p->k_hstride;
-    kp->v_bstride = p->v_bstride, kp->v_rstride = p->v_rstride, kp->v_hstride = p->v_hstride;
-    kp->o_bstride = p->o_bstride, kp->o_rstride = p->o_rstride, kp->o_hstride = p->o_hstride;
-    kp->lse_bstride = p->lse_bstride, kp->lse_hstride = p->lse_hstride;
-    kp->lse_rstride = p->lse_rstride;
-    kp->alibi_bstride = p->alibi_bstride, kp->alibi_hstride = p->alibi_hstride;
-    kp->sinks_stride = p->sinks_stride;
-    kp->p_bstride = p->p_bstride, kp->p_hstride = p->p_hstride, kp->p_rstride = p->p_rstride;
-    kp->probs_sq = p->probs_sq, kp->probs_sk = p->probs_sk;
-    kp->total_q = p->total_q;
-    kp->total_k = p->total_k;
-    kp->max_sq = p->max_sq, kp->max_sk = p->max_sk;
-    kp->seed = p->seed, kp->offset = p->offset;
-    kp->b = (int)p->b, kp->h = (int)p->h, kp->hk = (int)p->hk;
-    kp->d = (int)p->d, kp->dv = (int)p->dv;
-    kp->window_left = p->window_left, kp->window_right = p->window_right;
-    kp->probs_block_n = p->probs_block_n;
-    kp->keep_threshold = p->keep_threshold;
-    kp->dropout_scale = (float)p->dropout_scale;
-    kp->scale = (float)p->scale;
-    kp->softcap = (float)p->softcap;
-    fa_rule_softcap_fold(p->scale, p->softcap, &kp->softcap_pre, &kp->scale_log2);
-}
-
 /* The sm90 kernel's second parameter (fa_tmaps in kernels/fa_fwd_sm90.cu): Q, K, V maps and
  * whether the grid's work units are mirrored pairs of query tiles. */
 typedef struct fa_cuda_tmaps {
