@@ -335,7 +335,7 @@ class _CachedKvcache:
     call's were)."""
 
     __slots__ = ("args", "ref", "fn", "slots", "keep", "likes", "names", "cuda", "ws_like",
-                 "paged")
+                 "paged", "lse_ref")
 
     def __init__(self, args, keep, slots, out, lse, fn, names):
         torch = sys.modules["torch"]
@@ -353,19 +353,21 @@ class _CachedKvcache:
         self.ws_like = (_like(torch, (args.workspace_size,), torch.uint8, out.device)
                         if self.cuda is not None and args.workspace_size else None)
         self.paged = slots[10] is not None
+        self.lse_ref = args.lse  # the lse's FaTensor pointer, left out of calls without it
 
-    def run(self, tensors):
-        """The call on new tensors of this signature (the 13 inputs): (out, lse). Every
-        allocation comes before the first write into the prepared arguments, as in
-        ``_CachedBackward.run``."""
+    def run(self, tensors, want_lse=True):
+        """The call on new tensors of this signature (the 13 inputs): (out, lse; None without
+        ``want_lse``, the library then writes none). Every allocation comes before the first
+        write into the prepared arguments, as in ``_CachedBackward.run``."""
         torch = sys.modules["torch"]
         out = torch.empty_like(self.likes[0])
-        lse = torch.empty_like(self.likes[1])
+        lse = torch.empty_like(self.likes[1]) if want_lse else None
         ws = torch.empty_like(self.ws_like) if self.ws_like is not None else None
         ptrs = [(slot, x.data_ptr()) for slot, x in zip(self.slots, tensors + (out, lse))
-                if slot is not None]
+                if slot is not None and x is not None]
         for slot, ptr in ptrs:
             slot.data = ptr
+        self.args.lse = self.lse_ref if want_lse else None
         if self.cuda is not None:
             args = self.args
             args.stream = _raw_stream(self.cuda)
@@ -388,30 +390,31 @@ def _kvcache_key(tensors, scalars):
         return None
 
 
-def kvcache_repeat(tensors, *scalars):
+def kvcache_repeat(tensors, *scalars, want_lse=True):
     """``kvcache_torch``'s call if its signature is already prepared on this thread, else
     None; the same arguments."""
     calls = getattr(_LOCAL, "calls", None)
     if not calls:
         return None
     call = calls.get(_kvcache_key(tensors, scalars))
-    return call.run(tensors) if call is not None else None
+    return call.run(tensors, want_lse) if call is not None else None
 
 
 def kvcache_torch(tensors, softmax_scale, causal, window_left, window_right, softcap,
-                  rotary_interleaved, num_splits):
+                  rotary_interleaved, num_splits, want_lse=True):
     """``_kvcache.kvcache_run`` for torch tensors (CPU or CUDA), cached per signature as
     ``forward_dense_torch`` is: tensors are its 13 inputs, q .. learnable_sink, cache_seqlens
     already a tensor (or None); the floats already floats, the window's ints ints. A call
     whose inputs reach the library as they are (no copy or conversion) is cached. The library
-    validates every call itself, the values in cache_seqlens included."""
+    validates every call itself, the values in cache_seqlens included. Without ``want_lse`` a
+    cached call computes no lse (and returns None for it); the first one always does."""
     scalars = (softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
                num_splits)
     key = _kvcache_key(tensors, scalars)
     cache = _call_cache()
     call = _lookup(cache, key)
     if call is not None:
-        return call.run(tensors)
+        return call.run(tensors, want_lse)
     args, keep, arrays, slots, out, lse = _kvcache.run_kvcache(
         TORCH, *tensors, softmax_scale, causal, (window_left, window_right), softcap,
         rotary_interleaved, num_splits)

@@ -518,8 +518,8 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     """flash_attn_with_kvcache for torch tensors: the op (the C library's KV-cache call on
     the tensors' device), with an int cache_seqlens turned into the int32 (b,) tensor the op
     takes, as upstream does. Eager calls run the op's kernel directly (the dispatcher costs more
-    than a decoding step's attention). ``want_lse`` is accepted for the callers' sake; the lse
-    is always computed."""
+    than a decoding step's attention), and without the lse where ``want_lse`` is false (a
+    repeated eager call then returns None for it)."""
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens",
                                                                 _core.INT32),
@@ -535,7 +535,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     eager = _eager(tensors) and not _needs_grad(tensors)
     if eager:
         # A signature already prepared had every tensor on q's device: its checks passed.
-        res = _cached.kvcache_repeat(tensors, *args[13:])
+        res = _cached.kvcache_repeat(tensors, *args[13:], want_lse=want_lse)
         if res is not None:
             return res
     # Devices named by argument, rather than left to the dispatcher's missing-kernel message.
