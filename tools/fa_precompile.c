@@ -2,9 +2,12 @@
  * `flashattn precompile [--arch LIST] [--hdim LIST] [--dtype LIST] [--features LIST] [--jobs N]`
  * compiles every configuration of the matrix with NVRTC into the disk cache, in parallel. It needs
  * no GPU, so CI runs it to catch a kernel that stops compiling. Without NVRTC it fails under CI
- * (CI=true), where the toolkit is expected, and skips elsewhere.
+ * (CI=true), where the toolkit is expected, and skips elsewhere. On a terminal a progress line
+ * (done/total, failures, elapsed) is rewritten in place on stderr; otherwise (a log) there is
+ * none, only the summary, failures and the -v lines.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,11 +30,19 @@ typedef struct fa_pc_job {
     char error[512];
 } fa_pc_job;
 
+/* The jobs, and what the workers report as each finishes (under lock). */
 typedef struct fa_pc_queue {
     fa_pc_job *jobs;
     int count;
     int next;
+    int done;
+    int failed;
+    int verbose;
+    int progress;    /* 1: a progress line on stderr, rewritten in place (a terminal) */
+    int line_width;  /* characters of the progress line now shown, 0 when none */
+    struct timespec start;
     pthread_mutex_t lock;
+    pthread_cond_t finished; /* signalled as each job finishes */
 } fa_pc_queue;
 
 static const struct {
@@ -53,7 +64,7 @@ static void fa_pc_usage(FILE *f)
           "                   softcap, dropout, unaligned (default\n"
           "                   none,varlen,varlen+alibi+dropout,softcap+unaligned)\n"
           "  --jobs N         parallel compiles (default: the number of CPUs)\n"
-          "  -v               one line per configuration\n"
+          "  -v               one line per configuration, as it finishes\n"
           "Compiles into the kernel cache ($FLASHATTN_CACHE_DIR, default\n"
           "$XDG_CACHE_HOME/flashattn or ~/.cache/flashattn). Needs NVRTC, not a GPU.\n",
           f);
@@ -117,6 +128,63 @@ static int fa_pc_list(const char *opt, const char *arg, int *ints, unsigned *bit
     return n > 0 ? n : -1;
 }
 
+static void fa_pc_describe(const fa_pc_job *j, char *dst, size_t size)
+{
+    int n = snprintf(dst, size, "sm_%d%s %s hdim %d", j->arch, j->arch == 90 ? "a" : "",
+                     fa_dtype_name(j->dtype), j->hdim);
+    for (size_t i = 0; i < sizeof fa_pc_feature_names / sizeof fa_pc_feature_names[0]; i++)
+        if (j->features & fa_pc_feature_names[i].bit && n > 0 && (size_t)n < size)
+            n += snprintf(dst + n, size - (size_t)n, " %s", fa_pc_feature_names[i].name);
+}
+
+static double fa_pc_elapsed(const struct timespec *t0)
+{
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0->tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0->tv_nsec);
+}
+
+/* Blanks the progress line so that other output starts on a clean line (lock held). */
+static void fa_pc_clear_progress(fa_pc_queue *q)
+{
+    if (q->line_width > 0)
+        fprintf(stderr, "\r%*s\r", q->line_width, "");
+    q->line_width = 0;
+}
+
+/* Rewrites the progress line in place (lock held). */
+static void fa_pc_show_progress(fa_pc_queue *q)
+{
+    if (!q->progress)
+        return;
+    char line[128];
+    int n = snprintf(line, sizeof line, "precompile: %d/%d done, %d failed, %.0f s", q->done,
+                     q->count, q->failed, fa_pc_elapsed(&q->start));
+    fflush(stdout);
+    fprintf(stderr, "\r%s%*s", line, q->line_width > n ? q->line_width - n : 0, "");
+    fflush(stderr);
+    q->line_width = n > q->line_width ? n : q->line_width;
+}
+
+/* One finished job: its -v line or its failure, as it happens (lock held). */
+static void fa_pc_report(fa_pc_queue *q, const fa_pc_job *j)
+{
+    q->done++;
+    q->failed += j->status != FA_STATUS_OK;
+    if (j->status != FA_STATUS_OK || q->verbose) {
+        char what[160];
+        fa_pc_describe(j, what, sizeof what);
+        fa_pc_clear_progress(q);
+        if (j->status != FA_STATUS_OK)
+            fprintf(stderr, "FAILED %s: %s\n", what, j->error);
+        else
+            printf("%-8s %s\n", j->cached ? "cached" : "compiled", what);
+        fflush(stdout);
+    }
+    fa_pc_show_progress(q);
+    pthread_cond_signal(&q->finished);
+}
+
 static void *fa_pc_worker(void *arg)
 {
     fa_pc_queue *q = arg;
@@ -130,16 +198,25 @@ static void *fa_pc_worker(void *arg)
         j->status = fa_cuda_precompile(j->arch, j->dtype, j->hdim, j->hdim, j->features, &j->cached);
         if (j->status != FA_STATUS_OK)
             snprintf(j->error, sizeof j->error, "%s", fa_last_error());
+        pthread_mutex_lock(&q->lock);
+        fa_pc_report(q, j);
+        pthread_mutex_unlock(&q->lock);
     }
 }
 
-static void fa_pc_describe(const fa_pc_job *j, char *dst, size_t size)
+/* Until every job has finished: the progress line's clock ticks once a second between them. */
+static void fa_pc_wait(fa_pc_queue *q)
 {
-    int n = snprintf(dst, size, "sm_%d%s %s hdim %d", j->arch, j->arch == 90 ? "a" : "",
-                     fa_dtype_name(j->dtype), j->hdim);
-    for (size_t i = 0; i < sizeof fa_pc_feature_names / sizeof fa_pc_feature_names[0]; i++)
-        if (j->features & fa_pc_feature_names[i].bit && n > 0 && (size_t)n < size)
-            n += snprintf(dst + n, size - (size_t)n, " %s", fa_pc_feature_names[i].name);
+    pthread_mutex_lock(&q->lock);
+    while (q->done < q->count) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 1;
+        if (pthread_cond_timedwait(&q->finished, &q->lock, &until) == ETIMEDOUT)
+            fa_pc_show_progress(q); /* a finished job has drawn it already */
+    }
+    fa_pc_clear_progress(q);
+    pthread_mutex_unlock(&q->lock);
 }
 
 int fa_precompile_main(int argc, char **argv)
@@ -196,8 +273,10 @@ int fa_precompile_main(int argc, char **argv)
     }
 
     int count = n_arch * n_hdim * n_dtype * n_feat;
-    fa_pc_queue q = {calloc((size_t)count, sizeof(fa_pc_job)), count, 0,
-                     PTHREAD_MUTEX_INITIALIZER};
+    /* On a terminal a progress line shows; in a log (CI) only the summary and -v lines. */
+    fa_pc_queue q = {.jobs = calloc((size_t)count, sizeof(fa_pc_job)), .count = count,
+                     .verbose = verbose, .progress = isatty(STDERR_FILENO),
+                     .lock = PTHREAD_MUTEX_INITIALIZER, .finished = PTHREAD_COND_INITIALIZER};
     if (!q.jobs)
         return FA_EXIT_FAIL;
     int at = 0;
@@ -211,38 +290,30 @@ int fa_precompile_main(int argc, char **argv)
         jobs = count;
     if (jobs > 64)
         jobs = 64;
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    clock_gettime(CLOCK_MONOTONIC, &q.start);
     pthread_t threads[64];
     int started = 0;
+    pthread_mutex_lock(&q.lock);
+    fa_pc_show_progress(&q);
+    pthread_mutex_unlock(&q.lock);
     while (started < jobs && pthread_create(&threads[started], NULL, fa_pc_worker, &q) == 0)
         started++;
     if (started == 0)
         fa_pc_worker(&q);
+    fa_pc_wait(&q);
     for (int i = 0; i < started; i++)
         pthread_join(threads[i], NULL);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double elapsed = fa_pc_elapsed(&q.start);
 
-    int compiled = 0, cached = 0, failed = 0;
+    int compiled = 0, cached = 0;
     for (int i = 0; i < count; i++) {
         const fa_pc_job *j = &q.jobs[i];
-        char what[160];
-        fa_pc_describe(j, what, sizeof what);
-        if (j->status != FA_STATUS_OK) {
-            failed++;
-            fprintf(stderr, "FAILED %s: %s\n", what, j->error);
-        } else {
-            compiled += !j->cached;
-            cached += j->cached;
-            if (verbose)
-                printf("%-8s %s\n", j->cached ? "cached" : "compiled", what);
-        }
+        compiled += j->status == FA_STATUS_OK && !j->cached;
+        cached += j->status == FA_STATUS_OK && j->cached;
     }
     printf("precompile: %d configurations, %d compiled, %d already cached, %d failed, %.1f s "
            "with %d threads\n",
-           count, compiled, cached, failed,
-           (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec),
-           started > 0 ? started : 1);
+           count, compiled, cached, q.failed, elapsed, started > 0 ? started : 1);
     free(q.jobs);
-    return failed ? FA_EXIT_FAIL : FA_EXIT_OK;
+    return q.failed ? FA_EXIT_FAIL : FA_EXIT_OK;
 }

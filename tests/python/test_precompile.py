@@ -1,0 +1,80 @@
+"""`flashattn precompile`'s output: a progress line rewritten in place on a terminal, none in a
+log; -v lines and failures as they happen; the summary either way.
+
+A configuration for compute capability 1.0 fails at once (below the oldest the kernels
+support), so a two-configuration run exercises a success and a failure in a few seconds."""
+
+import os
+import pty
+import re
+import subprocess
+import tempfile
+
+from conftest import REPO
+
+CLI = os.environ.get("FLASHATTN_CLI", os.path.join(REPO, "build", "flashattn"))
+ARGS = ["precompile", "--arch", "sm_80,sm_10", "--hdim", "32", "--dtype", "fp16",
+        "--features", "none", "--jobs", "1"]
+PROGRESS = re.compile(r"\rprecompile: (\d+)/2 done, (\d+) failed, \d+ s")
+SUMMARY = re.compile(r"precompile: 2 configurations, (\d) compiled, (\d) already cached, "
+                     r"1 failed, [0-9.]+ s with 1 threads")
+
+
+def run(args, tty):
+    """(exit status, stdout, stderr) of the command; with tty, both on one pseudo-terminal."""
+    assert os.path.isfile(CLI), "%s: build the project first (make build)" % CLI
+    env = dict(os.environ, FLASHATTN_CACHE_DIR=tempfile.mkdtemp(), CI="")
+    if not tty:
+        r = subprocess.run([CLI] + args, capture_output=True, text=True, env=env, timeout=300)
+        return r.returncode, r.stdout, r.stderr
+    main, sub = pty.openpty()
+    p = subprocess.Popen([CLI] + args, stdin=sub, stdout=sub, stderr=sub, env=env)
+    os.close(sub)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main, 4096)
+        except OSError:  # the terminal's other end closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(main)
+    return p.wait(timeout=300), b"".join(chunks).decode(), ""
+
+
+def nvrtc_missing(err):
+    return "NVRTC is missing" in err
+
+
+def test_log_has_no_progress_lines():
+    rc, out, err = run(ARGS + ["-v"], tty=False)
+    if nvrtc_missing(err):  # nothing to compile: skipped with rc 0, and nothing but that
+        assert rc == 0 and out == "" and "\r" not in err
+        return
+    assert rc == 1
+    assert "\r" not in out + err and "done," not in out + err
+    assert re.search(r"^compiled sm_80 fp16 hdim 32$", out, re.M), out
+    assert re.search(r"^FAILED sm_10 fp16 hdim 32: .*compute capability 1\.0", err, re.M), err
+    assert SUMMARY.search(out.splitlines()[-1]), out
+    # Without -v: the summary alone on stdout.
+    rc, out, err = run(ARGS, tty=False)
+    assert rc == 1 and len(out.splitlines()) == 1 and SUMMARY.match(out), out
+
+
+def test_terminal_progress_line():
+    rc, text, _ = run(ARGS, tty=True)
+    if nvrtc_missing(text):
+        assert rc == 0 and "done," not in text
+        return
+    assert rc == 1
+    seen = [(int(a), int(b)) for a, b in PROGRESS.findall(text)]
+    # It starts at 0/2, counts both configurations and the failure, never goes back.
+    assert seen[0] == (0, 0) and seen[-1] == (2, 1), seen
+    assert seen == sorted(seen), seen
+    # The failure is printed on a cleared line, and so is the summary, which ends the output.
+    assert re.search(r"\r +\rFAILED sm_10 fp16 hdim 32: ", text), repr(text)
+    last = text.split("\r\n")[-2]
+    assert SUMMARY.search(last) and re.search(r"\r +\rprecompile: 2 configurations", last), \
+        repr(last)
+    assert "compiled sm_80" not in text  # -v lines only under -v
