@@ -8,8 +8,8 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 SHARDS ?= $(JOBS)
 CMAKE_FLAGS ?=
 
-.PHONY: all build run test test-c test-python python-deps clean gpu-check gpu-build gpu-tests \
-	gpu-python gpu-tune
+.PHONY: all build run test test-c test-python test-upstream python-deps clean gpu-check gpu-build \
+	gpu-tests gpu-python gpu-upstream gpu-tune
 
 all: build
 
@@ -23,29 +23,36 @@ build:
 run: build
 	$(BUILD_DIR)/flashattn bench --batch 1 --heads 16 --seqlen 2048 --head-dim 128 --dtype fp32
 
-test: build test-c test-python
+test: build test-c test-python test-upstream
 
 test-c: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 
-# The Python tests need numpy, pytest, torch (CPU is enough) and ml_dtypes; install them when
-# missing.
+# The Python tests need numpy, pytest, torch (CPU is enough), ml_dtypes and einops (upstream's
+# tests import it); install them when missing.
 python-deps:
-	@$(PYTHON) -c "import numpy, pytest, torch, ml_dtypes" 2>/dev/null || \
+	@$(PYTHON) -c "import numpy, pytest, torch, ml_dtypes, einops" 2>/dev/null || \
 		$(PYTHON) -m pip install -q -r tests/python/requirements.txt
 
 test-python: build python-deps
 	PYTHONPATH=python $(PYTHON) -m pytest -q tests/python
 
+# Upstream's tests/test_flash_attn.py through the flash_attn alias, a fixed sample on CPU tensors
+# (tests/upstream/conftest.py; FLASHATTN_UPSTREAM_CASES=all FLASHATTN_UPSTREAM_MAX_WORK=all runs
+# every case). Its own pytest process: the alias must not reach tests/python.
+test-upstream: build python-deps
+	$(PYTHON) -m pytest -q tests/upstream
+
 # On a CUDA machine: build in build-cuda, run the GPU tests (GPU vs CPU on every feature, in C,
 # each suite in SHARDS processes side by side, since their single-threaded double-precision
 # references take the time; and through the Python functions on CUDA tensors), then benchmark
 # beside PyTorch's SDPA backends: host cost per call, a decoding step, the forward's table last.
-# Exits with the tests' status. gpu-build, gpu-tests and gpu-python are its three parts, for
-# machines that limit how long one command may run.
+# Exits with the tests' status. gpu-build, gpu-tests, gpu-python and gpu-upstream are its parts,
+# for machines that limit how long one command may run.
 gpu-check: gpu-build
 	$(MAKE) --no-print-directory gpu-tests; rc=$$?; \
-	$(MAKE) --no-print-directory gpu-python || rc=1; exit $$rc
+	$(MAKE) --no-print-directory gpu-python || rc=1; \
+	$(MAKE) --no-print-directory gpu-upstream || rc=1; exit $$rc
 
 gpu-build:
 	cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
@@ -67,6 +74,12 @@ gpu-python:
 	$(PYTHON) tests/gpu/bench_overhead.py || rc=1; \
 	$(PYTHON) bench/decode_gpu.py --batch 1,8,32 --context 1k,32k || rc=1; \
 	$(PYTHON) tests/gpu/bench_gpu.py || rc=1; exit $$rc
+
+# Upstream's tests/test_flash_attn.py on CUDA tensors, a larger sample than the CPU's
+# (FLASHATTN_UPSTREAM_CASES per test; about two minutes on an H200).
+gpu-upstream:
+	export FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so FLASHATTN_UPSTREAM_DEVICE=cuda; \
+	$(PYTHON) -m pytest -q tests/upstream
 
 # On a CUDA machine, after gpu-check's build: the Hopper rows' plans timed beside the
 # alternatives they were chosen over (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG,PERSISTENT,CONSUMERS:

@@ -89,7 +89,12 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     torch tensors go through ``torch.ops.flashattn.varlen_fwd``."""
     if leftpad_k is not None:
         raise NotImplementedError("flashattn: leftpad_k is not supported yet by this build")
+    num_splits = _core.as_int(num_splits, "num_splits", _core.INT32)
     if block_table is not None:
+        if num_splits > 1:
+            # Upstream's message: the paged varlen forward has no split-KV.
+            raise _core.FlashAttnError("num_splits > 1 is not supported for varlen paged KV "
+                                       "(num_splits=%d)" % num_splits)
         from . import _paged  # imports torch: only on this path
 
         k, v, cu_seqlens_k, seqused_k = _paged.paged_kv(k, v, cu_seqlens_k, block_table,
