@@ -28,10 +28,10 @@ test: build test-c test-python
 test-c: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 
-# The Python tests need numpy, pytest, torch (CPU is enough) and ml_dtypes; install them when
-# missing.
+# The Python tests need numpy, pytest, torch (CPU is enough), ml_dtypes and transformers (for
+# tests/python/test_transformers.py); install them when missing.
 python-deps:
-	@$(PYTHON) -c "import numpy, pytest, torch, ml_dtypes" 2>/dev/null || \
+	@$(PYTHON) -c "import numpy, pytest, torch, ml_dtypes, transformers" 2>/dev/null || \
 		$(PYTHON) -m pip install -q -r tests/python/requirements.txt
 
 test-python: build python-deps
