@@ -128,15 +128,19 @@ def test_forward_left_padding(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_generation_agrees(arch):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generation_agrees(arch, cache):
+    """Eight greedy tokens for a batch whose short row keeps padding inside the window while
+    decoding. The static cache hands the function more key slots than the mask covers."""
     models = _models(arch)
-    ids, mask = _left_padded_batch()
+    ids, mask = _left_padded_batch((SEQ, 3))
     new = 8
     out = {k: m.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, pad_token_id=0)[:, SEQ:]
+                         do_sample=False, pad_token_id=0, cache_implementation=cache)[:, SEQ:]
            for k, m in models.items()}
     assert out[NAME].shape == (2, new)
-    assert torch.equal(out[NAME], out["eager"]), (out[NAME], out["eager"])
+    for k in out:
+        assert torch.equal(out[k], out["eager"]), (k, out[k], out["eager"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -229,20 +233,40 @@ def test_sliding_window_convention(causal):
     i = torch.arange(10)[:, None]
     j = torch.arange(10)[None, :]
     w = 3
-    if causal:
-        allowed = (j <= i) & (j > i - w)
-        from transformers.masking_utils import sliding_window_overlay as overlay
-    else:
-        allowed = (i - j).abs() <= w
-        from transformers.masking_utils import sliding_window_bidirectional_overlay as overlay
-    for a in range(10):
-        for b in range(10):
-            seen = bool(overlay(w)(0, 0, a, b)) and (b <= a or not causal)
-            assert seen == bool(allowed[a, b])
+    allowed = ((j <= i) & (j > i - w)) if causal else (i - j).abs() <= w
+    # transformers' own overlay agrees, where this version has it (the bidirectional one came
+    # after 4.53).
+    from transformers import masking_utils
+
+    overlay = getattr(masking_utils, "sliding_window_overlay" if causal
+                      else "sliding_window_bidirectional_overlay", None)
+    if overlay is not None:
+        seen = [[bool(overlay(w)(0, 0, a, b)) and (b <= a or not causal) for b in range(10)]
+                for a in range(10)]
+        assert torch.equal(torch.tensor(seen), allowed)
     out, weights = fx.attention_forward(_Module(causal), q, k, v, None, scaling=0.25,
                                         sliding_window=w)
     assert weights is None
     ref = _masked_reference(q, k, v, allowed, 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+def test_padding_with_fewer_queries_than_keys(sq):
+    """Decoding (one query) and a chunk of queries after a cached prefix, rows left-padded
+    differently, and two unused cache slots past the mask (as a static cache has): the queries
+    are the mask's last columns, causal from the bottom-right corner."""
+    b, sk, seen = 2, 10, 8
+    q, k, v = torch.randn(b, 4, sq, 16), torch.randn(b, 2, sk, 16), torch.randn(b, 2, sk, 16)
+    k[:, :, seen:] = float("nan")  # unused slots must not be read
+    v[:, :, seen:] = float("nan")
+    mask = torch.ones(b, seen, dtype=torch.bool)
+    mask[1, :3] = False
+    out, _ = fx.attention_forward(_Module(True), q, k, v, mask, scaling=0.25)
+    i = torch.arange(sq)[:, None] + seen - sq
+    j = torch.arange(seen)[None, :]
+    allowed = (j <= i) & mask[:, None, None, :]
+    ref = _masked_reference(q, k[:, :, :seen], v[:, :, :seen], allowed, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
