@@ -1,10 +1,10 @@
 """flashattn inside Hugging Face transformers, through ``flashattn.integrations.transformers``:
 tiny random models built from configs (no downloads), fp32 on the CPU, against transformers'
 own "eager" and "sdpa" on the same weights. Llama (GQA), Mistral (sliding window), Qwen2,
-Gemma 2 (softcap, sliding window) and gpt-oss (sinks, sliding window; eager only, as transformers
-has no sdpa for sinks): forward with left padding, greedy generation, a training step's
-gradients, packed sequences. The error bound is the eager-vs-sdpa difference of the same run
-(a few ulps of fp32) with a floor for the models without sdpa."""
+Gemma 2 (softcap, sliding window) and gpt-oss (sinks, sliding window); the last two against
+eager only, as transformers' sdpa has neither softcap nor sinks. Forward with left padding,
+greedy generation, a training step's gradients, packed sequences. The error bound is four times the eager-vs-sdpa difference of the
+same run (a few ulps of fp32), and at least FLOOR (the bound of the models without sdpa)."""
 
 import copy
 
@@ -20,7 +20,7 @@ NAME = fx.register()
 VOCAB = 96
 SEQ = 12
 WINDOW = 5  # shorter than SEQ, so that the window masks keys
-FLOOR = 2e-5  # fp32: the bound when no sdpa run gives the noise (observed errors are ~1e-6)
+FLOOR = 1e-5  # fp32: the least bound, and the one where no sdpa run gives the noise (~2e-6)
 NOISE_FACTOR = 4.0
 
 
@@ -165,7 +165,7 @@ def test_training_step_gradients(arch):
     assert errs[NAME] <= _bound(errs), errs
     worst = max(_rel(grads[NAME][n], grads["eager"][n]) for n in names
                 if grads["eager"][n].norm() > 0)
-    assert worst <= 100 * _bound(errs), worst
+    assert worst <= 10 * _bound(errs), worst  # per tensor: small gradients, larger ratios
 
 
 @pytest.mark.parametrize("arch", ARCHS)
