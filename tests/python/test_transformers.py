@@ -190,6 +190,31 @@ def test_packed_sequences(arch):
     assert _rel(by_kwargs, alone) <= _bound(errs)
 
 
+def test_bidirectional_encoder_right_padding():
+    """BERT: a bidirectional module (is_causal False), right padding."""
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=96,
+                                  initializer_range=0.3, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    models = {}
+    for impl in ("eager", NAME, "sdpa"):
+        try:
+            m = transformers.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=impl)
+        except KeyError:  # BERT with a class per implementation, before AttentionInterface
+            pytest.skip("this transformers' BERT does not dispatch through AttentionInterface")
+        if models:
+            m.load_state_dict(models["eager"].state_dict())
+        models[impl] = m.eval()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        out = {k: m(ids, attention_mask=mask).last_hidden_state[mask.bool()]
+               for k, m in models.items()}
+    errs = {k: _rel(v, out["eager"]) for k, v in out.items() if k != "eager"}
+    assert errs[NAME] <= _bound(errs), errs
+
+
 def test_dropout_in_training_only():
     cfg = transformers.LlamaConfig(**dict(_common(), attention_dropout=0.5))
     m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
