@@ -313,3 +313,9 @@ def test_unsupported_inputs_are_refused():
         fx.attention_forward(_Module(True), q, k, v, None, position_bias=torch.zeros(1, 2, 4, 4))
     with pytest.raises(ValueError, match="sliding_window"):
         fx.attention_forward(_Module(True), q, k, v, None, sliding_window=0)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seq_lens_k"):
+        fx.attention_forward(_Module(True), q, k, v, None, cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        fx.attention_forward(_Module(True), q, k, v, None, cu_seq_lens_q=cu[:1],
+                             cu_seq_lens_k=cu)

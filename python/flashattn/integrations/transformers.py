@@ -93,9 +93,12 @@ def _packed_offsets(position_ids, batch, seqlen):
     return torch.cat((first, total)).to(torch.int32)
 
 
-def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, opts):
-    """q (total_q, h, d), k/v (total_k, hk, d[v]) -> (total_q, h, dv)."""
-    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **opts)
+def _packed(q, k, v, cu_q, cu_k, max_q, max_k, opts):
+    """Sequences packed in the rows of a batch: q (b, sq, h, d), k/v (b, sk, hk, d[v]) with
+    cu_q / cu_k offsets into the flattened (b * sq) / (b * sk) tokens -> (b, sq, h, dv)."""
+    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                 v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k, **opts)
+    return out.view(q.shape[0], q.shape[1], *out.shape[1:])
 
 
 def _padded(q, k, v, mask, opts):
@@ -120,7 +123,7 @@ def _padded(q, k, v, mask, opts):
         q_unpad = q.reshape(b, *q.shape[2:])
     else:
         q_unpad, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -sq:])
-    out = _varlen(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, opts)
+    out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, **opts)
     return pad_input(out, idx_q, b, sq)
 
 
@@ -150,24 +153,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, s, h, d)
 
     if attention_mask is not None:
-        out = _padded(q, k, v, attention_mask, opts)
-    elif cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        return _padded(q, k, v, attention_mask, opts), None
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         if cu_seq_lens_q is None or cu_seq_lens_k is None:
             raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be given together")
         cu_q = _cu_seqlens(cu_seq_lens_q, "cu_seq_lens_q")
         cu_k = _cu_seqlens(cu_seq_lens_k, "cu_seq_lens_k")
         max_q = _as_int(max_length_q if max_length_q is not None else cu_q.diff().max())
         max_k = _as_int(max_length_k if max_length_k is not None else cu_k.diff().max())
-        out = _varlen(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
-                      v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k, opts)
-        out = out.view(b, sq, *out.shape[1:])
-    else:
-        cu = _packed_offsets(position_ids, b, sq) if k.shape[1] == sq else None
-        if cu is not None:
-            max_len = _as_int(cu.diff().max())
-            out = _varlen(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
-                          v.reshape(-1, *v.shape[2:]), cu, cu, max_len, max_len, opts)
-            out = out.view(b, sq, *out.shape[1:])
-        else:
-            out = flash_attn_func(q, k, v, **opts)
-    return out, None
+        return _packed(q, k, v, cu_q, cu_k, max_q, max_k, opts), None
+    cu = _packed_offsets(position_ids, b, sq) if k.shape[1] == sq else None
+    if cu is not None:
+        longest = _as_int(cu.diff().max())
+        return _packed(q, k, v, cu, cu, longest, longest, opts), None
+    return flash_attn_func(q, k, v, **opts), None
