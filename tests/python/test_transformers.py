@@ -20,7 +20,9 @@ NAME = fx.register()
 VOCAB = 96
 SEQ = 12
 WINDOW = 5  # shorter than SEQ, so that the window masks keys
-FLOOR = 1e-5  # fp32: the least bound, and the one where no sdpa run gives the noise (~2e-6)
+# fp32: the least bound, and the bound where no sdpa run measures the noise. Eager Gemma 2
+# under transformers 4.53 differs from flashattn by up to 1e-5, the other pairs by ~3e-6.
+FLOOR = 3e-5
 NOISE_FACTOR = 4.0
 
 
