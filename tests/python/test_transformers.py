@@ -3,8 +3,9 @@ tiny random models built from configs (no downloads), fp32 on the CPU, against t
 own "eager" and "sdpa" on the same weights. Llama (GQA), Mistral (sliding window), Qwen2,
 Gemma 2 (softcap, sliding window) and gpt-oss (sinks, sliding window); the last two against
 eager only, as transformers' sdpa has neither softcap nor sinks. Forward with left padding,
-greedy generation, a training step's gradients, packed sequences. The error bound is four times the eager-vs-sdpa difference of the
-same run (a few ulps of fp32), and at least FLOOR (the bound of the models without sdpa)."""
+greedy generation, a training step's gradients, packed sequences; BERT (bidirectional) and
+BART (cross-attention). The error bound is four times the eager-vs-sdpa difference of the same
+run (a few ulps of fp32), and at least FLOOR (the bound of the models without sdpa)."""
 
 import copy
 
@@ -217,6 +218,42 @@ def test_bidirectional_encoder_right_padding():
     assert errs[NAME] <= _bound(errs), errs
 
 
+@pytest.mark.parametrize("dec_len", [SEQ, 6])
+def test_encoder_decoder_cross_attention(dec_len):
+    """BART: the decoder's cross-attention takes the encoder's padding mask; its queries are
+    the decoder's tokens, as many as the encoder's or not."""
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1,
+                                  decoder_layers=1, encoder_attention_heads=4,
+                                  decoder_attention_heads=4, encoder_ffn_dim=96,
+                                  decoder_ffn_dim=96, init_std=0.3, dropout=0.0,
+                                  attention_dropout=0.0, max_position_embeddings=64)
+    models = {}
+    for impl in ("eager", NAME, "sdpa"):
+        try:
+            m = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(cfg),
+                                                               attn_implementation=impl)
+        except KeyError:  # BART with a class per implementation, before AttentionInterface
+            pytest.skip("this transformers' BART does not dispatch through AttentionInterface")
+        if models:
+            m.load_state_dict(models["eager"].state_dict())
+        models[impl] = m.eval()
+    ids = torch.randint(3, VOCAB, (2, SEQ))
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, 7:] = 0
+    dec = torch.randint(3, VOCAB, (2, dec_len))
+    out = {}
+    with torch.no_grad():
+        for k, m in models.items():
+            try:
+                out[k] = m(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+            except ValueError as e:  # refused with a clear error, not computed wrong
+                if k == NAME and "2-D padding mask" in str(e):
+                    pytest.skip("this transformers' BART builds 4-D masks itself")
+                raise
+    errs = {k: _rel(v, out["eager"]) for k, v in out.items() if k != "eager"}
+    assert errs[NAME] <= _bound(errs), errs
+
+
 def test_dropout_in_training_only():
     cfg = transformers.LlamaConfig(**dict(_common(), attention_dropout=0.5))
     m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
@@ -305,6 +342,20 @@ def test_register_rejects_reserved_names():
 
     assert fx.register("fattn_test") == "fattn_test"
     assert AttentionInterface()["fattn_test"] is fx.attention_forward
+
+
+def test_mask_builder_refuses_what_it_would_drop():
+    """The registered mask builder passes the padding mask on, and refuses a model's extra
+    mask rules (transformers 5 flags them with use_vmap) and chunked attention."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    build = AttentionMaskInterface()[NAME]
+    with pytest.raises(NotImplementedError, match="mask rules"):
+        build(batch_size=1, q_length=4, kv_length=4, attention_mask=None, use_vmap=True)
+    chunked = transformers.LlamaConfig(**_common())
+    chunked.attention_chunk_size = 8
+    with pytest.raises(NotImplementedError, match="attention_chunk_size"):
+        build(batch_size=1, q_length=4, kv_length=4, attention_mask=None, config=chunked)
 
 
 def test_unsupported_inputs_are_refused():

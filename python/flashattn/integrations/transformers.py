@@ -6,16 +6,17 @@ transformers' ``AttentionInterface`` (no ``flash_attn`` distribution needed):
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
 
 ``register`` adds ``attention_forward`` to ``AttentionInterface`` and transformers' own
-flash-attention mask builder (the 2-D padding mask, or None when nothing is padded) to
-``AttentionMaskInterface`` under the same name. The name must not contain "flash": transformers
-reads any such name as a flash kernel it has to load itself (``is_flash_attention_requested``).
+flash-attention mask builder (the 2-D padding mask, or None when nothing is padded; it refuses
+the mask rules it would drop) to ``AttentionMaskInterface`` under the same name. The name must
+not contain "flash": transformers reads any such name as a flash kernel it has to load itself
+(``is_flash_attention_requested``).
 
 ``attention_forward`` gets transformers' (batch, heads, seqlen, head_dim) tensors and returns
 (out (batch, seqlen, heads, head_dim_v), None). It handles padding (unpadded into the varlen
 call), packed sequences (``cu_seq_lens_*`` kwargs, or position_ids that restart), sliding
-windows, softcap, sinks (``s_aux``), dropout, GQA/MQA (K/V heads are never repeated) and
-causal or bidirectional modules. Written for transformers >= 4.53 (where masking_utils has
-``AttentionMaskInterface``).
+windows, softcap, sinks (``s_aux``), dropout, GQA/MQA (K/V heads are never repeated), causal
+or bidirectional modules and cross-attention. Written for transformers >= 4.53 (where
+masking_utils has ``AttentionMaskInterface``).
 """
 
 import torch
@@ -49,8 +50,27 @@ def register(name=DEFAULT_NAME):
                           "(AttentionInterface and masking_utils.AttentionMaskInterface): %s"
                           % e) from e
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, _mask_builder(flash_attention_mask))
     return name
+
+
+def _mask_builder(flash_attention_mask):
+    """transformers' flash mask builder (the 2-D padding mask, or None), refusing the masks it
+    would silently drop: rules a model adds beyond padding, causality, windows and packing (its
+    or/and mask functions, flagged by use_vmap in transformers 5) and chunked attention."""
+
+    def build(*args, use_vmap=False, config=None, **kwargs):
+        if use_vmap:
+            raise NotImplementedError(
+                "flashattn: this model adds its own mask rules (or/and mask functions, such as "
+                "bidirectional spans); use attn_implementation='sdpa' or 'eager'")
+        if getattr(config, "attention_chunk_size", None) is not None:
+            raise NotImplementedError(
+                "flashattn: chunked attention (config.attention_chunk_size) is not supported; "
+                "use attn_implementation='sdpa' or 'eager'")
+        return flash_attention_mask(*args, config=config, **kwargs)
+
+    return build
 
 
 def _window(sliding_window, causal):
@@ -103,24 +123,32 @@ def _packed(q, k, v, cu_q, cu_k, max_q, max_k, opts):
 
 def _padded(q, k, v, mask, opts):
     """Attention over a padded batch: q (b, sq, h, d), k/v (b, sk, hk, d[v]), mask (b, L) with 1
-    on the keys' valid tokens, L <= sk (a static cache keeps unused slots past L). The valid
-    queries are the last sq columns of the mask (a single query is always valid)."""
+    on the keys' valid tokens, L <= sk (a static cache keeps unused slots past L).
+
+    Causal (self-attention): the queries are the mask's last sq columns (a single query is
+    always valid). Not causal: the queries may be another sequence (cross-attention), so every
+    query row is kept and only the keys are unpadded, except under a window, whose alignment
+    needs the queries unpadded alike (self-attention, sq == L)."""
     if mask.ndim != 2 or mask.shape[0] != q.shape[0] or mask.shape[1] > k.shape[1]:
         raise ValueError("attention_mask: expected the 2-D padding mask (batch=%d, <= %d keys) "
                          "built by the mask function register() installs, got shape %s"
                          % (q.shape[0], k.shape[1], tuple(mask.shape)))
     b, sq = q.shape[0], q.shape[1]
     seen = mask.shape[1]
+    windowed = opts["window_size"] != (-1, -1)
     k_unpad, idx_k, cu_k, max_k, _ = unpad_input(k[:, :seen], mask)
     v_unpad = index_first_axis(v[:, :seen].reshape(b * seen, *v.shape[2:]), idx_k)
-    if sq == seen:
+    if sq == seen and (opts["causal"] or windowed):
         idx_q, cu_q, max_q = idx_k, cu_k, max_k
         q_unpad = index_first_axis(q.reshape(b * sq, *q.shape[2:]), idx_q)
-    elif sq == 1:
-        idx_q = torch.arange(b, device=q.device)
-        cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32)
-        max_q = 1
-        q_unpad = q.reshape(b, *q.shape[2:])
+    elif sq == 1 or not opts["causal"]:
+        if windowed and not opts["causal"]:
+            raise ValueError("attention_mask: a bidirectional sliding window needs as many "
+                             "queries as mask columns (%d), got %d" % (seen, sq))
+        cu_q = torch.arange(0, (b + 1) * sq, sq, device=q.device, dtype=torch.int32)
+        out = flash_attn_varlen_func(q.reshape(b * sq, *q.shape[2:]), k_unpad, v_unpad, cu_q,
+                                     cu_k, sq, max_k, **opts)
+        return out.view(b, sq, *out.shape[1:])
     else:
         q_unpad, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -sq:])
     out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, **opts)
@@ -162,7 +190,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         max_q = _as_int(max_length_q if max_length_q is not None else cu_q.diff().max())
         max_k = _as_int(max_length_k if max_length_k is not None else cu_k.diff().max())
         return _packed(q, k, v, cu_q, cu_k, max_q, max_k, opts), None
-    cu = _packed_offsets(position_ids, b, sq) if k.shape[1] == sq else None
+    # Packing read from position_ids is a causal self-attention matter (transformers' masks
+    # read it only there).
+    cu = _packed_offsets(position_ids, b, sq) if causal and k.shape[1] == sq else None
     if cu is not None:
         longest = _as_int(cu.diff().max())
         return _packed(q, k, v, cu, cu, longest, longest, opts), None
