@@ -76,26 +76,34 @@ if hasattr(transformers, "GptOssConfig"):
 HAS_SDPA = {"llama", "mistral", "qwen2"}  # gemma2: softcap; gpt_oss: sinks
 
 
-def _models(arch):
-    """{"eager", NAME, ["sdpa"]}: the same random weights under each implementation (each model
-    gets its own config: the implementation is a field of the config)."""
-    cfg = _config(arch)
-    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
-                                                        attn_implementation="eager")
-    with torch.no_grad():
-        for mod in ref.modules():
-            if isinstance(getattr(mod, "sinks", None), torch.Tensor):
-                mod.sinks.normal_(0.0, 2.0)  # sinks that matter (the default init is ~0)
-    models = {"eager": ref}
-    for impl in [NAME] + (["sdpa"] if arch in HAS_SDPA else []):
-        m = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
-                                                          attn_implementation=impl)
-        m.load_state_dict(ref.state_dict())
-        models[impl] = m
-    for m in models.values():
-        m.eval()
+def _same_weights(auto_class, cfg, impls):
+    """{impl: model} for "eager" and impls: the same random weights under each implementation
+    (each model gets its own config: the implementation is a field of the config). Skips where
+    this transformers gives the model a class per implementation instead of AttentionInterface.
+    """
+    models = {}
+    for impl in ["eager"] + impls:
+        try:
+            m = auto_class.from_config(copy.deepcopy(cfg), attn_implementation=impl)
+        except KeyError:
+            pytest.skip("this transformers' %s does not dispatch through AttentionInterface"
+                        % cfg.model_type)
+        if not models:
+            with torch.no_grad():
+                for mod in m.modules():
+                    if isinstance(getattr(mod, "sinks", None), torch.Tensor):
+                        mod.sinks.normal_(0.0, 2.0)  # sinks that matter (the init is ~0)
+        else:
+            m.load_state_dict(models["eager"].state_dict())
+        models[impl] = m.eval()
     assert models[NAME].config._attn_implementation == NAME
     return models
+
+
+def _models(arch):
+    """The causal LM of arch under eager, flashattn and (where it has it) sdpa."""
+    return _same_weights(transformers.AutoModelForCausalLM, _config(arch),
+                         [NAME] + (["sdpa"] if arch in HAS_SDPA else []))
 
 
 def _rel(a, b):
@@ -199,15 +207,7 @@ def test_bidirectional_encoder_right_padding():
                                   num_attention_heads=4, intermediate_size=96,
                                   initializer_range=0.3, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0)
-    models = {}
-    for impl in ("eager", NAME, "sdpa"):
-        try:
-            m = transformers.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation=impl)
-        except KeyError:  # BERT with a class per implementation, before AttentionInterface
-            pytest.skip("this transformers' BERT does not dispatch through AttentionInterface")
-        if models:
-            m.load_state_dict(models["eager"].state_dict())
-        models[impl] = m.eval()
+    models = _same_weights(transformers.AutoModel, cfg, [NAME, "sdpa"])
     ids = torch.randint(0, VOCAB, (2, SEQ))
     mask = torch.ones(2, SEQ, dtype=torch.long)
     mask[1, 7:] = 0
@@ -227,16 +227,7 @@ def test_encoder_decoder_cross_attention(dec_len):
                                   decoder_attention_heads=4, encoder_ffn_dim=96,
                                   decoder_ffn_dim=96, init_std=0.3, dropout=0.0,
                                   attention_dropout=0.0, max_position_embeddings=64)
-    models = {}
-    for impl in ("eager", NAME, "sdpa"):
-        try:
-            m = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(cfg),
-                                                               attn_implementation=impl)
-        except KeyError:  # BART with a class per implementation, before AttentionInterface
-            pytest.skip("this transformers' BART does not dispatch through AttentionInterface")
-        if models:
-            m.load_state_dict(models["eager"].state_dict())
-        models[impl] = m.eval()
+    models = _same_weights(transformers.AutoModelForSeq2SeqLM, cfg, [NAME, "sdpa"])
     ids = torch.randint(3, VOCAB, (2, SEQ))
     mask = torch.ones(2, SEQ, dtype=torch.long)
     mask[1, 7:] = 0
