@@ -28,10 +28,11 @@ test: build test-c test-python test-upstream
 test-c: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 
-# The Python tests need numpy, pytest, torch (CPU is enough), ml_dtypes and einops (upstream's
-# tests import it); install them when missing.
+# The Python tests need numpy, pytest, torch (CPU is enough), ml_dtypes, einops (upstream's
+# tests import it) and transformers (tests/python/test_transformers.py); install them when
+# missing.
 python-deps:
-	@$(PYTHON) -c "import numpy, pytest, torch, ml_dtypes, einops" 2>/dev/null || \
+	@$(PYTHON) -c "import numpy, pytest, torch, ml_dtypes, einops, transformers" 2>/dev/null || \
 		$(PYTHON) -m pip install -q -r tests/python/requirements.txt
 
 test-python: build python-deps

@@ -160,7 +160,8 @@ except ImportError:
 
 setup(
     version=read_version(),
-    packages=["flashattn", "flashattn.layers", "flashattn.modules", "flashattn.utils"],
+    packages=["flashattn", "flashattn.integrations", "flashattn.layers", "flashattn.modules",
+              "flashattn.utils"],
     package_dir={"": "python"},
     distclass=BinaryDistribution,
     cmdclass=cmdclass,

@@ -40,7 +40,7 @@ def test_pip_install_target(tmp_path):
     lib = target / "flashattn" / "libflashattn.so"
     assert lib.is_file() and not lib.is_symlink()
     for module in ("bert_padding.py", "layers/rotary.py", "modules/mha.py",
-                   "utils/generation.py"):
+                   "utils/generation.py", "integrations/transformers.py"):
         assert (target / "flashattn" / module).is_file(), module
     code = (
         "import sys\n"

@@ -1,0 +1,199 @@
+"""flashattn as an attention implementation of Hugging Face transformers, registered through
+transformers' ``AttentionInterface`` (no ``flash_attn`` distribution needed):
+
+    import flashattn.integrations.transformers as fx
+    name = fx.register()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+
+``register`` adds ``attention_forward`` to ``AttentionInterface`` and transformers' own
+flash-attention mask builder (the 2-D padding mask, or None when nothing is padded; it refuses
+the mask rules it would drop) to ``AttentionMaskInterface`` under the same name. The name must
+not contain "flash": transformers reads any such name as a flash kernel it has to load itself
+(``is_flash_attention_requested``).
+
+``attention_forward`` gets transformers' (batch, heads, seqlen, head_dim) tensors and returns
+(out (batch, seqlen, heads, head_dim_v), None). It handles padding (unpadded into the varlen
+call), packed sequences (``cu_seq_lens_*`` kwargs, or position_ids that restart), sliding
+windows, softcap, sinks (``s_aux``), dropout, GQA/MQA (K/V heads are never repeated), causal
+or bidirectional modules and cross-attention. Written for transformers >= 4.53 (where
+masking_utils has ``AttentionMaskInterface``).
+"""
+
+import torch
+
+from ..bert_padding import index_first_axis, pad_input, unpad_input
+from ..flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+
+__all__ = ["DEFAULT_NAME", "register", "attention_forward"]
+
+DEFAULT_NAME = "fattn"
+
+# Substrings that make transformers treat a name as one of its own implementations (flash
+# kernels, sdpa, flex, eager, paged), and the characters of a Hub kernel reference.
+_RESERVED = ("flash", "sdpa", "flex", "eager", "paged", "/", ":", "|")
+
+
+def register(name=DEFAULT_NAME):
+    """Registers ``attention_forward`` (and its mask builder) with transformers under ``name``
+    and returns ``name``, the value to pass as ``attn_implementation``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("register: name must be a non-empty string, got %r" % (name,))
+    taken = [s for s in _RESERVED if s in name.lower()]
+    if taken:
+        raise ValueError("register: name %r contains %r, which transformers reserves for its own "
+                         "implementations; choose another name" % (name, taken[0]))
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError as e:
+        raise ImportError("flashattn.integrations.transformers needs transformers >= 4.53 "
+                          "(AttentionInterface and masking_utils.AttentionMaskInterface): %s"
+                          % e) from e
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, _mask_builder(flash_attention_mask))
+    return name
+
+
+def _mask_builder(flash_attention_mask):
+    """transformers' flash mask builder (the 2-D padding mask, or None), refusing the masks it
+    would silently drop: rules a model adds beyond padding, causality, windows and packing (its
+    or/and mask functions, flagged by use_vmap in transformers 5) and chunked attention."""
+
+    def build(*args, use_vmap=False, config=None, **kwargs):
+        if use_vmap:
+            raise NotImplementedError(
+                "flashattn: this model adds its own mask rules (or/and mask functions, such as "
+                "bidirectional spans); use attn_implementation='sdpa' or 'eager'")
+        if getattr(config, "attention_chunk_size", None) is not None:
+            raise NotImplementedError(
+                "flashattn: chunked attention (config.attention_chunk_size) is not supported; "
+                "use attn_implementation='sdpa' or 'eager'")
+        return flash_attention_mask(*args, config=config, **kwargs)
+
+    return build
+
+
+def _window(sliding_window, causal):
+    """transformers' sliding_window W as upstream's (left, right). Causal: query i sees keys
+    i - W < j <= i, so left = W - 1. Bidirectional: |i - j| <= W (transformers'
+    sliding_window_bidirectional_overlay), so (W, W)."""
+    if sliding_window is None:
+        return (-1, -1)
+    w = int(sliding_window)
+    if w < 1:
+        raise ValueError("sliding_window must be >= 1, got %d" % w)
+    return (w - 1, 0) if causal else (w, w)
+
+
+def _as_int(x):
+    return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
+
+
+def _cu_seqlens(cu, name):
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError("%s must be 1-D with at least 2 offsets, got shape %s"
+                         % (name, tuple(cu.shape)))
+    return cu.to(torch.int32)
+
+
+def _packed_offsets(position_ids, batch, seqlen):
+    """cu_seqlens (int32) of the sequences packed in the rows of position_ids, where a sequence
+    starts wherever a position is not its predecessor + 1 (as transformers' masks read packing);
+    None when every row holds one sequence."""
+    if position_ids is None or position_ids.ndim != 2 or position_ids.shape[-1] != seqlen \
+            or seqlen < 2 or position_ids.shape[0] not in (1, batch):
+        return None
+    pos = position_ids.expand(batch, seqlen)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    first = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
+    total = torch.tensor([batch * seqlen], device=first.device, dtype=first.dtype)
+    return torch.cat((first, total)).to(torch.int32)
+
+
+def _packed(q, k, v, cu_q, cu_k, max_q, max_k, opts):
+    """Sequences packed in the rows of a batch: q (b, sq, h, d), k/v (b, sk, hk, d[v]) with
+    cu_q / cu_k offsets into the flattened (b * sq) / (b * sk) tokens -> (b, sq, h, dv)."""
+    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                 v.reshape(-1, *v.shape[2:]), cu_q, cu_k, max_q, max_k, **opts)
+    return out.view(q.shape[0], q.shape[1], *out.shape[1:])
+
+
+def _padded(q, k, v, mask, opts):
+    """Attention over a padded batch: q (b, sq, h, d), k/v (b, sk, hk, d[v]), mask (b, L) with 1
+    on the keys' valid tokens, L <= sk (a static cache keeps unused slots past L).
+
+    Causal (self-attention): the queries are the mask's last sq columns (a single query is
+    always valid). Not causal: the queries may be another sequence (cross-attention), so every
+    query row is kept and only the keys are unpadded, except under a window, whose alignment
+    needs the queries unpadded alike (self-attention, sq == L)."""
+    if mask.ndim != 2 or mask.shape[0] != q.shape[0] or mask.shape[1] > k.shape[1]:
+        raise ValueError("attention_mask: expected the 2-D padding mask (batch=%d, <= %d keys) "
+                         "built by the mask function register() installs, got shape %s"
+                         % (q.shape[0], k.shape[1], tuple(mask.shape)))
+    b, sq = q.shape[0], q.shape[1]
+    seen = mask.shape[1]
+    windowed = opts["window_size"] != (-1, -1)
+    k_unpad, idx_k, cu_k, max_k, _ = unpad_input(k[:, :seen], mask)
+    v_unpad = index_first_axis(v[:, :seen].reshape(b * seen, *v.shape[2:]), idx_k)
+    if sq == seen and (opts["causal"] or windowed):
+        idx_q, cu_q, max_q = idx_k, cu_k, max_k
+        q_unpad = index_first_axis(q.reshape(b * sq, *q.shape[2:]), idx_q)
+    elif sq == 1 or not opts["causal"]:
+        if windowed and not opts["causal"]:
+            raise ValueError("attention_mask: a bidirectional sliding window needs as many "
+                             "queries as mask columns (%d), got %d" % (seen, sq))
+        cu_q = torch.arange(0, (b + 1) * sq, sq, device=q.device, dtype=torch.int32)
+        out = flash_attn_varlen_func(q.reshape(b * sq, *q.shape[2:]), k_unpad, v_unpad, cu_q,
+                                     cu_k, sq, max_k, **opts)
+        return out.view(b, sq, *out.shape[1:])
+    else:
+        q_unpad, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -sq:])
+    out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, **opts)
+    return pad_input(out, idx_q, b, sq)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      sliding_window=None, softcap=None, is_causal=None, s_aux=None,
+                      position_ids=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                      max_length_q=None, max_length_k=None, position_bias=None,
+                      block_table=None, **kwargs):
+    """transformers' attention function signature.
+
+    query: (batch, heads, seqlen_q, head_dim); key, value: (batch, heads_k, seqlen_k, head_dim
+    / head_dim_v), heads % heads_k == 0. attention_mask: None or the 2-D padding mask (batch,
+    <= seqlen_k) of the registered mask builder. s_aux: (heads,) sink logits. Returns
+    (out (batch, seqlen_q, heads, head_dim_v), None): no attention weights are materialised.
+    """
+    if position_bias is not None:
+        raise NotImplementedError("flashattn: position_bias (an additive score bias) is not "
+                                  "supported; use attn_implementation='eager' or 'sdpa'")
+    if block_table is not None:
+        raise NotImplementedError("flashattn: paged attention (block_table) is not supported "
+                                  "through AttentionInterface")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    opts = {"dropout_p": float(dropout or 0.0), "softmax_scale": scaling, "causal": causal,
+            "window_size": _window(sliding_window, causal),
+            "softcap": float(softcap) if softcap else 0.0, "learnable_sink": s_aux}
+    b, sq = query.shape[0], query.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, s, h, d)
+
+    if attention_mask is not None:
+        return _padded(q, k, v, attention_mask, opts), None
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        if cu_seq_lens_q is None or cu_seq_lens_k is None:
+            raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be given together")
+        cu_q = _cu_seqlens(cu_seq_lens_q, "cu_seq_lens_q")
+        cu_k = _cu_seqlens(cu_seq_lens_k, "cu_seq_lens_k")
+        max_q = _as_int(max_length_q if max_length_q is not None else cu_q.diff().max())
+        max_k = _as_int(max_length_k if max_length_k is not None else cu_k.diff().max())
+        return _packed(q, k, v, cu_q, cu_k, max_q, max_k, opts), None
+    # Packing read from position_ids is a causal self-attention matter (transformers' masks
+    # read it only there).
+    cu = _packed_offsets(position_ids, b, sq) if causal and k.shape[1] == sq else None
+    if cu is not None:
+        longest = _as_int(cu.diff().max())
+        return _packed(q, k, v, cu, cu, longest, longest, opts), None
+    return flash_attn_func(q, k, v, **opts), None
