@@ -19,6 +19,14 @@ const char *fa_cuda_last_family(void);
 struct fa_kparams;
 void fa_kparams_fill(const fa_params *p, struct fa_kparams *kp);
 
+/* Whether every stride is a multiple of 8 elements and every pointer 16-byte aligned: what
+ * cp.async and 16-byte stores need of a 16-bit tensor's rows. */
+int fa_cuda_all_aligned(const int64_t *strides, size_t n, const void *const *ptrs, size_t m);
+
+/* The same of q, k, v and out, with d and dv whole 16-byte chunks: the forward's and the
+ * decode's condition for FA_VEC. */
+int fa_cuda_rows_aligned(const fa_params *p);
+
 /* The sm90 families' tensor maps of p's q, k, v (and dout when not NULL): 128B swizzle, boxes of
  * 64 columns by bm query rows (q, dout) or bn keys (k, v), zero fill out of bounds; varlen maps
  * span all the packed rows. Nonzero when one cannot be made (strides TMA cannot take, or varlen

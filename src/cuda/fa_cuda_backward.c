@@ -75,16 +75,11 @@ static int fa_bwd_aligned(const fa_params *p)
                                p->dk_bstride, p->dk_rstride, p->dk_hstride, p->dv_bstride,
                                p->dv_rstride, p->dv_hstride, p->dq_bstride, p->dq_rstride,
                                p->dq_hstride};
-    const void *ptrs[] = {p->q, p->k, p->v, p->dout_data, p->dq_data, p->dk_data, p->dv_data};
-    if (p->d % 8 != 0 || p->dv % 8 != 0)
-        return 0;
-    for (size_t i = 0; i < sizeof strides / sizeof strides[0]; i++)
-        if (strides[i] % 8 != 0)
-            return 0;
-    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
-        if ((uintptr_t)ptrs[i] % 16 != 0)
-            return 0;
-    return 1;
+    const void *const ptrs[] = {p->q,       p->k,       p->v,      p->dout_data,
+                                p->dq_data, p->dk_data, p->dv_data};
+    return p->d % 8 == 0 && p->dv % 8 == 0 &&
+           fa_cuda_all_aligned(strides, sizeof strides / sizeof strides[0], ptrs,
+                               sizeof ptrs / sizeof ptrs[0]);
 }
 
 /* The sm90 kernel's second parameter (fa_bwd_tmaps in kernels/fa_bwd_sm90.cu). */

@@ -32,25 +32,6 @@ static size_t fa_decode_ws_bytes(const fa_params *p, int splits, size_t *lse_at)
     return fa_decode_round(*lse_at + rows * 4);
 }
 
-/* The kernel reads q and the caches and writes out in 16-byte chunks: their rows must be
- * 16-byte aligned and d, dv whole chunks. */
-static int fa_decode_aligned(const fa_params *p)
-{
-    const int64_t strides[] = {p->q_bstride, p->q_rstride, p->q_hstride, p->k_bstride,
-                               p->k_rstride, p->k_hstride, p->v_bstride, p->v_rstride,
-                               p->v_hstride, p->o_bstride, p->o_rstride, p->o_hstride};
-    const void *ptrs[] = {p->q, p->k, p->v, p->out};
-    if (p->d % 8 != 0 || p->dv % 8 != 0)
-        return 0;
-    for (size_t i = 0; i < sizeof strides / sizeof strides[0]; i++)
-        if (strides[i] % 8 != 0)
-            return 0;
-    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
-        if ((uintptr_t)ptrs[i] % 16 != 0)
-            return 0;
-    return 1;
-}
-
 /* The call's plan, row tiles per kv head and split count (num_splits, or the plan's choice for
  * the device). */
 typedef struct fa_decode_setup {
@@ -83,7 +64,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
     key.features |= p->paged ? FA_PLAN_PAGED : 0;
     key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
-    key.features |= fa_decode_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
+    key.features |= fa_cuda_rows_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
     const int64_t rows = p->max_sq * (p->h / p->hk);
     FA_TRY(fa_plan_decode(&key, rows, &s->plan));
     if ((int)s->plan.smem > s->smem_optin)

@@ -13,24 +13,6 @@
 
 #define FA_PROBS_WARPS 4
 
-/* cp.async moves 16-byte chunks: every row start must be 16-byte aligned and d, dv whole chunks. */
-static int fa_cuda_aligned(const fa_params *p)
-{
-    const int64_t strides[] = {p->q_bstride, p->q_rstride, p->q_hstride, p->k_bstride,
-                               p->k_rstride, p->k_hstride, p->v_bstride, p->v_rstride,
-                               p->v_hstride, p->o_bstride, p->o_rstride, p->o_hstride};
-    const void *ptrs[] = {p->q, p->k, p->v, p->out};
-    if (p->d % 8 != 0 || p->dv % 8 != 0)
-        return 0;
-    for (size_t i = 0; i < sizeof strides / sizeof strides[0]; i++)
-        if (strides[i] % 8 != 0)
-            return 0;
-    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
-        if ((uintptr_t)ptrs[i] % 16 != 0)
-            return 0;
-    return 1;
-}
-
 /* The sm90 kernel's second parameter (fa_tmaps in kernels/fa_fwd_sm90.cu): Q, K, V maps and
  * whether the grid's work units are mirrored pairs of query tiles. */
 typedef struct fa_cuda_tmaps {
@@ -173,7 +155,7 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
     key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
-    key.features |= fa_cuda_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
+    key.features |= fa_cuda_rows_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
     key.features |= p->probs ? FA_PLAN_PROBS : 0;
     key.features |= p->max_sq >= FA_PLAN_LONG_ROWS ? FA_PLAN_LONG : 0;
     fa_plan plan;

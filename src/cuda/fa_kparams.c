@@ -1,5 +1,7 @@
 /* The kernels' parameter block (kernels/fa_kparams.h) from the validated record: shared by the
  * forward, the backward and the decode launchers. */
+#include <stdint.h>
+
 #include "fa_kparams.h"
 #include "fa_rules.h"
 #include "cuda/fa_cuda.h"
@@ -41,4 +43,26 @@ void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
     kp->scale = (float)p->scale;
     kp->softcap = (float)p->softcap;
     fa_rule_softcap_fold(p->scale, p->softcap, &kp->softcap_pre, &kp->scale_log2);
+}
+
+int fa_cuda_all_aligned(const int64_t *strides, size_t n, const void *const *ptrs, size_t m)
+{
+    for (size_t i = 0; i < n; i++)
+        if (strides[i] % 8 != 0)
+            return 0;
+    for (size_t i = 0; i < m; i++)
+        if ((uintptr_t)ptrs[i] % 16 != 0)
+            return 0;
+    return 1;
+}
+
+int fa_cuda_rows_aligned(const fa_params *p)
+{
+    const int64_t strides[] = {p->q_bstride, p->q_rstride, p->q_hstride, p->k_bstride,
+                               p->k_rstride, p->k_hstride, p->v_bstride, p->v_rstride,
+                               p->v_hstride, p->o_bstride, p->o_rstride, p->o_hstride};
+    const void *const ptrs[] = {p->q, p->k, p->v, p->out};
+    return p->d % 8 == 0 && p->dv % 8 == 0 &&
+           fa_cuda_all_aligned(strides, sizeof strides / sizeof strides[0], ptrs,
+                               sizeof ptrs / sizeof ptrs[0]);
 }

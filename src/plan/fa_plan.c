@@ -33,6 +33,32 @@ static const fa_plan_row fa_sm80_rows[] = {
  * CTAs per SM ran faster than one of 128x64x8. */
 static const fa_plan_row fa_sm8x_row_256 = {256, 64, 64, 4, 64, 64, 4};
 
+/* Compute capability 8.0 or later, the oldest the kernels support. */
+static fa_status fa_plan_check_arch(int arch)
+{
+    if (arch < 80)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "device: compute capability %d.%d is below 8.0, the oldest the CUDA "
+                            "kernels support",
+                            arch / 10, arch % 10);
+    return FA_STATUS_OK;
+}
+
+/* What every forward family (and the decode) takes: fp16 or bf16, sm_80 or later, head dims
+ * in [1, FA_MAX_HEAD_DIM]. */
+static fa_status fa_plan_check_forward_key(const fa_plan_key *key)
+{
+    if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: the CUDA backend computes fp16 and bf16, got %s",
+                            fa_dtype_name(key->dtype));
+    FA_TRY(fa_plan_check_arch(key->arch));
+    if (key->d < 1 || key->d > FA_MAX_HEAD_DIM || key->dv < 1 || key->dv > FA_MAX_HEAD_DIM)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
+                            key->dv, FA_MAX_HEAD_DIM);
+    return FA_STATUS_OK;
+}
+
 /* 32, or a multiple of 64: the granularities the kernel's shared-memory swizzle supports. */
 static int fa_plan_pad(int d)
 {
@@ -207,18 +233,7 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
 
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
 {
-    if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "q: the CUDA backend computes fp16 and bf16, got %s",
-                            fa_dtype_name(key->dtype));
-    if (key->arch < 80)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "device: compute capability %d.%d is below 8.0, the oldest the CUDA "
-                            "kernels support",
-                            key->arch / 10, key->arch % 10);
-    if (key->d < 1 || key->d > FA_MAX_HEAD_DIM || key->dv < 1 || key->dv > FA_MAX_HEAD_DIM)
-        return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
-                            key->dv, FA_MAX_HEAD_DIM);
+    FA_TRY(fa_plan_check_forward_key(key));
     if (key->arch == 90 && fa_plan_sm90_enabled() && fa_plan_forward_sm90(key, plan) == FA_STATUS_OK)
         return FA_STATUS_OK;
     *plan = (fa_plan){0};
@@ -337,11 +352,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "q: the CUDA backward computes fp16 and bf16, got %s",
                             fa_dtype_name(key->dtype));
-    if (key->arch < 80)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "device: compute capability %d.%d is below 8.0, the oldest the CUDA "
-                            "kernels support",
-                            key->arch / 10, key->arch % 10);
+    FA_TRY(fa_plan_check_arch(key->arch));
     if (key->d < 1 || key->d > FA_BWD_MAX_HEAD_DIM || key->dv < 1 ||
         key->dv > FA_BWD_MAX_HEAD_DIM)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
@@ -410,18 +421,7 @@ static void fa_plan_decode_override(fa_plan *plan, int *wm)
 
 fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
 {
-    if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "q: the CUDA backend computes fp16 and bf16, got %s",
-                            fa_dtype_name(key->dtype));
-    if (key->arch < 80)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "device: compute capability %d.%d is below 8.0, the oldest the CUDA "
-                            "kernels support",
-                            key->arch / 10, key->arch % 10);
-    if (key->d < 1 || key->d > FA_MAX_HEAD_DIM || key->dv < 1 || key->dv > FA_MAX_HEAD_DIM)
-        return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
-                            key->dv, FA_MAX_HEAD_DIM);
+    FA_TRY(fa_plan_check_forward_key(key));
     *plan = (fa_plan){0};
     plan->family = "fa_decode.cu";
     snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
@@ -492,11 +492,7 @@ fa_status fa_plan_combine(const fa_plan_key *key, fa_plan *plan)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "out: the CUDA combine writes fp32, fp16 or bf16, got %s",
                             fa_dtype_name(key->dtype));
-    if (key->arch < 80)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "device: compute capability %d.%d is below 8.0, the oldest the CUDA "
-                            "kernels support",
-                            key->arch / 10, key->arch % 10);
+    FA_TRY(fa_plan_check_arch(key->arch));
     *plan = (fa_plan){0};
     plan->family = "fa_combine.cu";
     snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
