@@ -1,13 +1,15 @@
 """flashattn: FlashAttention as a C library, with upstream flash_attn's Python API.
 
     from flashattn import flash_attn_func
-    out = flash_attn_func(q, k, v, causal=True)   # torch CPU tensors or NumPy arrays
+    out = flash_attn_func(q, k, v, causal=True)   # torch CPU or CUDA tensors, or NumPy arrays
 
 torch and NumPy are optional and imported only when their arrays are passed in. The C library
 (libflashattn) is loaded on the first call; see ``flashattn._lib`` for where it is looked for.
 
 Beyond the functions: ``flashattn.bert_padding``, ``flashattn.layers.rotary``,
 ``flashattn.modules.mha`` and ``flashattn.utils.generation`` mirror upstream's modules;
+``flashattn.fa3`` has FA3's interface; ``flashattn.integrations.transformers.register()`` makes
+the package a Hugging Face transformers attention implementation;
 ``install_alias()`` (or ``FLASHATTN_ALIAS=1``) lets ``import flash_attn`` resolve here when
 upstream is not installed; with torch >= 2.11, "flashattn" is registered as a flash attention
 implementation for ``torch.nn.attention.activate_flash_attention_impl`` whichever of torch and
