@@ -78,7 +78,13 @@ def install_alias():
         return True
     if "flash_attn" in sys.modules or importlib.util.find_spec("flash_attn") is not None:
         return False
+    mirror()
+    return True
+
+
+def mirror():
+    """Binds ``flash_attn`` and its mirrored submodules to flashattn unconditionally. The compat
+    distribution (compat/ in the repository) calls it from its own ``flash_attn`` package."""
     sys.modules["flash_attn"] = importlib.import_module("flashattn")
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
-    return True
