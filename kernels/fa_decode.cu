@@ -103,6 +103,12 @@ FA_DEV fa_u32 fa_kv_page(const fa_dkparams *dp, fa_u32 pos)
     return (__umulhi(pos, dp->page_mul) + pos) >> dp->page_shift;
 }
 
+/* The row of position pos (< 2^31) within its page. */
+FA_DEV fa_u32 fa_kv_page_row(const fa_dkparams *dp, fa_u32 pos)
+{
+    return pos - fa_kv_page(dp, pos) * (fa_u32)dp->page_size;
+}
+
 /* The cache block of page `page` of a sequence (paged), clamped into the cache. */
 FA_DEV int fa_kv_page_block(const fa_kvseq *s, fa_u32 page)
 {
@@ -110,15 +116,13 @@ FA_DEV int fa_kv_page_block(const fa_kvseq *s, fa_u32 page)
     return b < 0 ? 0 : b > s->last_block ? s->last_block : b;
 }
 
-/* The cache block and row of position pos (< 2^31) of sequence bi. */
-FA_DEV void fa_kv_locate(const fa_dkparams *dp, int bi, const fa_kvseq *s, fa_i64 pos,
-                         fa_i64 *blk, fa_i64 *row)
+/* The cache block and row of position pos (< 2^31) of sequence s. */
+FA_DEV void fa_kv_locate(const fa_dkparams *dp, const fa_kvseq *s, fa_i64 pos, fa_i64 *blk,
+                         fa_i64 *row)
 {
-    (void)bi;
 #if FA_PAGED
-    const fa_u32 page = fa_kv_page(dp, (fa_u32)pos);
-    *blk = fa_kv_page_block(s, page);
-    *row = (fa_u32)pos - page * (fa_u32)dp->page_size;
+    *blk = fa_kv_page_block(s, fa_kv_page(dp, (fa_u32)pos));
+    *row = fa_kv_page_row(dp, (fa_u32)pos);
 #else
     (void)dp;
     *blk = s->blk;
@@ -136,7 +140,7 @@ extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
     if (pos >= dp.f.max_sk)
         return;
     fa_i64 blk, row;
-    fa_kv_locate(&dp, bi, &seq, pos, &blk, &row);
+    fa_kv_locate(&dp, &seq, pos, &blk, &row);
     const fa_u16 *kn = (const fa_u16 *)dp.knew + bi * dp.knew_bstride + s * dp.knew_rstride +
                        kh * dp.knew_hstride;
     const fa_u16 *vn = (const fa_u16 *)dp.vnew + bi * dp.vnew_bstride + s * dp.vnew_rstride +
@@ -208,7 +212,7 @@ FA_DEV fa_u32 fa_chunk_dst(fa_u32 a, fa_u32 dst0, int u, int cpr)
 
 /* Paged: the block of each of this thread's chunks of keys [j0, j0 + FA_BN) below jend, all
  * looked up before any copy is issued so that the loads overlap. */
-FA_DEV void fa_decode_blocks(const fa_dkparams *dp, int bi, const fa_kvseq *seq, fa_i64 j0,
+FA_DEV void fa_decode_blocks(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
                              fa_i64 jend, int cpr, int nchunks, int *blk)
 {
 #pragma unroll
@@ -243,8 +247,7 @@ FA_DEV void fa_decode_copy(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0
         const int r = FA_CHUNK_ROW(u, cpr), c = FA_CHUNK_COL(u, cpr);
         const int ok = j0 + r < jend && c * 8 < n;
 #if FA_PAGED
-        const fa_u32 pos = (fa_u32)(seq->start + j0 + r);
-        const fa_u32 row = pos - fa_kv_page(dp, pos) * (fa_u32)dp->page_size;
+        const fa_u32 row = fa_kv_page_row(dp, (fa_u32)(seq->start + j0 + r));
         const fa_u16 *src = g + (fa_i64)(fa_u32)blk[u] * bs + (fa_i64)row * rs + c * 8;
 #else
         (void)blk;
@@ -268,7 +271,7 @@ FA_DEV void fa_decode_copy(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0
 /* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into stage s,
  * in swizzled 16-byte chunks; a paged cache's blocks all looked up before the first copy is
  * issued, so that the lookups overlap. */
-FA_DEV void fa_decode_load(const fa_dkparams *dp, int bi, int kh, const fa_kvseq *seq, fa_i64 j0,
+FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, fa_i64 j0,
                            fa_i64 jend, fa_u32 base_a, fa_u16 *base_p, int s)
 {
     const fa_kparams *kp = &dp->f;
@@ -278,13 +281,12 @@ FA_DEV void fa_decode_load(const fa_dkparams *dp, int bi, int kh, const fa_kvseq
     int kblk[FA_CHUNKS_K], vblk_own[FA_CHUNKS_V];
     const int *vblk = kblk;
 #if FA_PAGED
-    fa_decode_blocks(dp, bi, seq, j0, jend, FA_CPR_K, FA_CHUNKS_K, kblk);
+    fa_decode_blocks(dp, seq, j0, jend, FA_CPR_K, FA_CHUNKS_K, kblk);
     if (FA_CPR_V != FA_CPR_K) {
-        fa_decode_blocks(dp, bi, seq, j0, jend, FA_CPR_V, FA_CHUNKS_V, vblk_own);
+        fa_decode_blocks(dp, seq, j0, jend, FA_CPR_V, FA_CHUNKS_V, vblk_own);
         vblk = vblk_own;
     }
 #else
-    (void)bi;
     (void)vblk_own;
 #endif
     fa_decode_copy(dp, seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, kblk, FA_CPR_K,
@@ -409,7 +411,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
 #pragma unroll
     for (int s = 0; s < FA_STAGES - 1; s++) {
         if (nb0 + s < nb1)
-            fa_decode_load(&dp, bi, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
+            fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
                            fa_smem, s);
         fa_cp_async_commit();
     }
@@ -423,7 +425,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         {
             const int nx = nb + FA_STAGES - 1;
             if (nx < nb1)
-                fa_decode_load(&dp, bi, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a, fa_smem,
+                fa_decode_load(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a, fa_smem,
                                (nx - nb0) % FA_STAGES);
             fa_cp_async_commit();
         }
