@@ -1,6 +1,6 @@
 /*
  * CPU attention against a KV cache (fa_attention_kvcache): append, then attend, then (with
- * split-KV) combine. The forward's few-row problems (fa_plan_cpu_few_rows) run the same
+ * split-KV) combine. The forward's few-row problems (fa_plan_few_rows) run the same
  * schedule, their keys read as a contiguous cache (fa_cpu_decode_forward).
  *
  * Work items are (sequence, group of kv heads, tile of packed rows, key chunk). Packing the

@@ -1,5 +1,5 @@
 /*
- * CPU forward: few query rows run the decode schedule (fa_plan_cpu_few_rows, fa_cpu_decode.c).
+ * CPU forward: few query rows run the decode schedule (fa_plan_few_rows, fa_cpu_decode.c).
  * Otherwise the problem is cut into (sequence, head, query tile) items handed to the thread
  * pool, longest first. Each item is computed start to finish by one thread in a fixed order, so
  * results are bitwise identical for any thread count. bf16 on bf16 products first packs K and V
@@ -17,6 +17,7 @@
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
 #include "cpu/fa_cpu_log.h"
+#include "plan/fa_plan.h"
 #include "util/fa_memory.h"
 #include "util/fa_threadpool.h"
 
@@ -317,7 +318,7 @@ fa_status fa_cpu_forward(const fa_params *p)
     fa_cpu_hint_rows(p->out, p, p->max_sq, p->total_q, p->h, p->dv, p->o_bstride, p->o_rstride,
                      p->o_hstride);
     fa_cpu_fill_uncovered(p);
-    if (fa_plan_cpu_few_rows(p))
+    if (fa_plan_few_rows(p))
         return fa_cpu_decode_forward(p);
 
     const int64_t bm = fa_cpu_forward_tile_rows(p);

@@ -1,8 +1,9 @@
 /*
  * Decoding on a CUDA device: fa_attention_kvcache (the append, kernels/fa_decode.cu's attention
  * over the cache read in place, and, when the keys are split, kernels/fa_combine.cu's merge),
- * the forward's few-row calls on the same schedule, and fa_attention_combine. Asynchronous on the caller's stream, no allocation; the one host read of
- * device memory is the paged capacity check (fa_kvcache_args.skip_capacity_check).
+ * the forward's few-row calls on the same schedule, and fa_attention_combine. Asynchronous on
+ * the caller's stream, no allocation; the one host read of device memory is the paged capacity
+ * check (fa_kvcache_args.skip_capacity_check).
  *
  * Workspace layout of a split call (each part 256-byte aligned):
  *   oaccum   fp32 [splits][b][sq][h][dv]   each split's normalised output
@@ -17,6 +18,7 @@
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_cuda_driver.h"
 #include "cuda/fa_jit.h"
+#include "plan/fa_plan.h"
 
 #define FA_WS_ALIGN 256
 #define FA_COMBINE_THREADS 128 /* kernels/fa_combine.cu: a CTA per row */
@@ -82,13 +84,19 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
     return FA_STATUS_OK;
 }
 
-size_t fa_cuda_kvcache_workspace_size(const fa_params *p, const fa_kvcache_args *args)
+/* Bytes of workspace a decode of p on device needs: 0 where it will not split (or cannot run). */
+static size_t fa_decode_ws_need(const fa_params *p, int device)
 {
     fa_decode_setup s;
-    if (fa_decode_setup_make(p, args->device, &s) != FA_STATUS_OK || s.splits <= 1)
-        return 0;
     size_t lse_at;
+    if (fa_decode_setup_make(p, device, &s) != FA_STATUS_OK || s.splits <= 1)
+        return 0;
     return fa_decode_ws_bytes(p, s.splits, &lse_at);
+}
+
+size_t fa_cuda_kvcache_workspace_size(const fa_params *p, const fa_kvcache_args *args)
+{
+    return fa_decode_ws_need(p, args->device);
 }
 
 static fa_status fa_decode_launch(fa_cu_function fn, unsigned gx, unsigned gy, unsigned gz,
@@ -247,7 +255,7 @@ static fa_params fa_decode_of_forward(const fa_params *p)
 
 int fa_cuda_forward_decodes(const fa_params *p)
 {
-    return fa_plan_forward_decodes(p->is_varlen, p->max_sq, p->dropout_p > 0, p->probs != NULL);
+    return !p->is_varlen && fa_plan_few_rows(p);
 }
 
 fa_status fa_cuda_forward_decode(const fa_params *p, const fa_fwd_args *args)
@@ -262,11 +270,7 @@ size_t fa_cuda_forward_workspace_size(const fa_params *p, const fa_fwd_args *arg
     if (!fa_cuda_forward_decodes(p))
         return 0;
     const fa_params d = fa_decode_of_forward(p);
-    fa_decode_setup s;
-    size_t lse_at;
-    if (fa_decode_setup_make(&d, args->device, &s) != FA_STATUS_OK || s.splits <= 1)
-        return 0;
-    return fa_decode_ws_bytes(&d, s.splits, &lse_at);
+    return fa_decode_ws_need(&d, args->device);
 }
 
 fa_status fa_cuda_combine(const fa_params *p, const fa_combine_args *args)

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/fa_error.h"
+#include "core/fa_params.h"
 #include "plan/fa_plan.h"
 #include "fa_smem.h"
 
@@ -451,9 +452,15 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     return FA_STATUS_OK;
 }
 
-int fa_plan_forward_decodes(int varlen, int64_t max_sq, int dropout, int probs)
+/*
+ * Few query rows: a tile then holds at most FA_DECODE_MAX_ROWS rows of one head, so its products
+ * are short and every head reads its kv head's K/V again. The decode schedule packs the g query
+ * heads of a kv head into one tile, reading each K/V row once for all of them, and splits the
+ * keys so that a few sequences still fill the threads (CPU) or the device (CUDA).
+ */
+int fa_plan_few_rows(const fa_params *p)
 {
-    return !varlen && max_sq <= FA_DECODE_MAX_ROWS && !dropout && !probs;
+    return p->max_sq <= FA_DECODE_MAX_ROWS && p->dropout_p == 0 && p->probs == NULL;
 }
 
 int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows)

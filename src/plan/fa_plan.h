@@ -81,9 +81,11 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan);
  */
 fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan);
 
-/* Whether a forward takes the decode schedule: dense, at most FA_DECODE_MAX_ROWS query rows,
- * no dropout and no probs (the decode kernel has neither). */
-int fa_plan_forward_decodes(int varlen, int64_t max_sq, int dropout, int probs);
+/* Whether the forward of p takes the decode schedule (both backends; CUDA's only for dense
+ * calls): at most FA_DECODE_MAX_ROWS query rows, no dropout and no probs output (those two
+ * exist on the tiled path only). */
+struct fa_params;
+int fa_plan_few_rows(const struct fa_params *p);
 
 /* The decode's row tiles per kv head, for plan and rows packed rows. */
 int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows);

@@ -75,17 +75,6 @@ int fa_plan_cpu_splits(int64_t threads, int64_t base_items, int64_t max_keys)
     return 1;
 }
 
-/*
- * Few query rows: a tile then holds at most FA_DECODE_MAX_ROWS rows of one head, so its products
- * are short and every head reads its kv head's K/V again. The decode schedule packs the g query
- * heads of a kv head into one tile, reading each K/V row once for all of them, and splits the
- * keys so that a few sequences still fill the threads.
- */
-int fa_plan_cpu_few_rows(const fa_params *p)
-{
-    return p->max_sq <= FA_DECODE_MAX_ROWS && p->dropout_p == 0 && p->probs == NULL;
-}
-
 /* As many kv heads as fill the tile with the sq * g packed rows of each (at least one): with one
  * query row a thread streams through the adjacent heads of a key position; with more rows
  * each kv head's K/V is read once per tile. */

@@ -36,10 +36,6 @@ int fa_plan_cpu_splits(int64_t threads, int64_t base_items, int64_t max_keys);
 /* Work items a forward on the decode schedule aims for by splitting the keys. */
 #define FA_CPU_FEW_ITEMS 128
 
-/* Whether the forward of p takes the decode schedule: few query rows (FA_DECODE_MAX_ROWS), no
- * dropout and no probs output (those two exist on the tiled path only). */
-int fa_plan_cpu_few_rows(const fa_params *p);
-
 /* Kv heads per item of the decode schedule, for sequences of at most max_sq query rows. */
 int64_t fa_plan_cpu_decode_heads(const fa_params *p, int64_t max_sq);
 

@@ -8,7 +8,7 @@
  *     the inputs untouched;
  *   - the two runs are bitwise identical (determinism across num_threads);
  *   - each run took the schedule the plan's rule names (FLASHATTN_LOG's line, read from stderr):
- *     the decode schedule for few query rows without dropout or probs (fa_plan_cpu_few_rows),
+ *     the decode schedule for few query rows without dropout or probs (fa_plan_few_rows),
  *     with the split count the case expects where it names one, else the tiles;
  *   - out against fa_ref_forward:
  *       F64:      max|ours - ref| <= 1e-12 * max(1, max|ref|)

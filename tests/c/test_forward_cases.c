@@ -7,6 +7,7 @@
 
 #include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_info.h"
+#include "plan/fa_plan.h"
 #include "plan/fa_plan_cpu.h"
 #include "test_forward.h"
 
@@ -199,15 +200,15 @@ static void few_rows_plan(void)
     fa_params p = {0};
     p.b = 1, p.h = 32, p.hk = 8, p.max_sq = FA_DECODE_MAX_ROWS, p.max_sk = 4096, p.d = p.dv = 128;
     tu_where = "the forward's few-row rule";
-    TU_CHECK(fa_plan_cpu_few_rows(&p), "%d rows: not few", FA_DECODE_MAX_ROWS);
+    TU_CHECK(fa_plan_few_rows(&p), "%d rows: not few", FA_DECODE_MAX_ROWS);
     p.max_sq = FA_DECODE_MAX_ROWS + 1;
-    TU_CHECK(!fa_plan_cpu_few_rows(&p), "%d rows: few", FA_DECODE_MAX_ROWS + 1);
+    TU_CHECK(!fa_plan_few_rows(&p), "%d rows: few", FA_DECODE_MAX_ROWS + 1);
     p.max_sq = 1;
     p.dropout_p = 0.1;
-    TU_CHECK(!fa_plan_cpu_few_rows(&p), "dropout: few");
+    TU_CHECK(!fa_plan_few_rows(&p), "dropout: few");
     p.dropout_p = 0;
     p.probs = &p;
-    TU_CHECK(!fa_plan_cpu_few_rows(&p), "probs: few");
+    TU_CHECK(!fa_plan_few_rows(&p), "probs: few");
     /* kv heads an item: the packed rows of as many as fill a tile of FA_CPU_DECODE_ROWS */
     static const int64_t heads[][4] = {{1, 32, 8, 8},  {2, 32, 8, 8}, {4, 32, 8, 4},
                                        {16, 32, 8, 1}, {1, 64, 1, 1}, {3, 8, 8, 8}};
@@ -231,7 +232,7 @@ static void few_rows_plan(void)
 }
 
 /*
- * Few query rows run the decode schedule (fa_plan_cpu_few_rows; tf_run_case checks the route
+ * Few query rows run the decode schedule (fa_plan_few_rows; tf_run_case checks the route
  * from the log): rows 1..16 and one past, every dtype, MHA, GQA and MQA, each feature alone and
  * together, dense and varlen, key counts around the chunk sizes of the split rule and whole key
  * blocks. One sequence whose packed rows fill at most one tile is one item before splitting, so
