@@ -245,7 +245,7 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     if cuda:
         named = [(name, x) for name, x in zip(_ARG_NAMES, arrays) if x is not None]
         args.device, args.stream = _arrays.cuda_target(named)
-        _device_workspace(args, keep, q.device)
+        _device_workspace(args, keep)
     return args, keep, arrays, slots, out, lse
 
 
@@ -255,17 +255,12 @@ _ARG_NAMES = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "
               "learnable_sink", "out", "lse")
 
 
-def _device_workspace(args, keep, device):
+def _device_workspace(args, keep):
     """A CUDA call's split workspace (from torch's caching allocator, so nothing is allocated
     by the library), and, while a CUDA graph is being captured, no host check of
     cache_seqlens: the copy it makes cannot be captured, and the kernels clamp indices."""
+    _lib.attach_workspace(args, kv_lib().fa_attention_kvcache_workspace_size, keep)
     torch = sys.modules["torch"]
-    size = kv_lib().fa_attention_kvcache_workspace_size(ctypes.byref(args))
-    if size:
-        ws = torch.empty(size, dtype=torch.uint8, device=device)
-        keep.append(ws)
-        args.workspace = ws.data_ptr()
-        args.workspace_size = size
     args.skip_capacity_check = 1 if torch.cuda.is_current_stream_capturing() else 0
 
 

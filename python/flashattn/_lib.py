@@ -288,18 +288,24 @@ def forward(args, context=None):
     check(status, context)
 
 
-def forward_workspace(args, keep):
-    """A CUDA forward's split workspace (fa_attention_forward_workspace_size bytes, from torch's
-    caching allocator; kept in ``keep``) set into args; nothing for calls that need none."""
+def attach_workspace(args, size_fn, keep):
+    """Split workspace for a CUDA call: ``size_fn(byref(args))`` bytes (the library's size
+    query) from torch's caching allocator, kept in ``keep`` and set into args' workspace
+    fields; nothing on the CPU or for calls that need none."""
     if args.device < 0:
         return
-    size = int(get_lib().fa_attention_forward_workspace_size(ctypes.byref(args)))
+    size = int(size_fn(ctypes.byref(args)))
     if size:
         torch = sys.modules["torch"]
         ws = torch.empty(size, dtype=torch.uint8, device="cuda:%d" % args.device)
         keep.append(ws)
         args.workspace = ws.data_ptr()
         args.workspace_size = size
+
+
+def forward_workspace(args, keep):
+    """A CUDA forward's split workspace (fa_attention_forward_workspace_size bytes)."""
+    attach_workspace(args, get_lib().fa_attention_forward_workspace_size, keep)
 
 
 def new_bwd_args():
