@@ -77,7 +77,8 @@ gpu-python:
 	$(PYTHON) tests/gpu/bench_gpu.py || rc=1; exit $$rc
 
 # Upstream's tests/test_flash_attn.py on CUDA tensors, a larger sample than the CPU's
-# (FLASHATTN_UPSTREAM_CASES per test; about two minutes on an H200).
+# (FLASHATTN_UPSTREAM_CASES per test; about six minutes on an H200, most of it compiling each
+# new kernel configuration on first use).
 gpu-upstream:
 	export FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so FLASHATTN_UPSTREAM_DEVICE=cuda; \
 	$(PYTHON) -m pytest -q tests/upstream

@@ -209,15 +209,18 @@ def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, 
 _DENSE_LSE = None  # _fastpath.dense_lse once bound
 
 
-def bind_fastpath(torch, grad_apply, fallback, dense_args):
-    """``_fastpath.dense`` bound to torch's callables (once torch is imported), or None where
-    the extension was not built. It serves flash_attn_func's commonest calls (arguments in
-    ``dense_args``' order): without gradients once their signature is prepared here, with them
-    through grad_apply (_DenseFastFn.apply); every other call goes to ``fallback``. Its caller
-    checks ``torch.compiler.is_compiling()`` first (Dynamo cannot trace C)."""
+def bind_fastpath(torch, grad_apply, fallback, dense_args, kv_fallback, kv_args):
+    """(``_fastpath.dense``, ``_fastpath.kvcache``) bound to torch's callables (once torch is
+    imported), or (None, None) where the extension was not built. dense serves
+    flash_attn_func's commonest calls (arguments in ``dense_args``' order): without gradients
+    once their signature is prepared here, with them through grad_apply (_DenseFastFn.apply);
+    every other call goes to ``fallback``. kvcache serves flash_attn_with_kvcache's prepared
+    calls without gradients (arguments in ``kv_args``' order), the others going to
+    ``kv_fallback``. Their callers check ``torch.compiler.is_compiling()`` first (Dynamo cannot
+    trace C)."""
     global _DENSE_LSE
     if _fastpath is None:
-        return None
+        return None, None
     C = torch._C
     _fastpath.bind(dict(
         Tensor=torch.Tensor, float64=torch.float64, empty_like=torch.empty_like,
@@ -226,9 +229,11 @@ def bind_fastpath(torch, grad_apply, fallback, dense_args):
         grad_enabled=torch.is_grad_enabled, local=_LOCAL, window_pair=window_pair,
         raw_stream=getattr(C, "_cuda_getCurrentRawStream", None) or _raw_stream,
         call_failed=_call_failed, grad_apply=grad_apply, fallback=fallback,
-        dense_args=tuple(dense_args), lse_args=LSE_ARGS, fast_fields=FAST_FIELDS))
+        dense_args=tuple(dense_args), lse_args=LSE_ARGS, fast_fields=FAST_FIELDS,
+        kv_fallback=kv_fallback, kv_args=tuple(kv_args), kv_fields=KV_FIELDS,
+        capturing=torch.cuda.is_current_stream_capturing if torch.cuda.is_available() else None))
     _DENSE_LSE = _fastpath.dense_lse
-    return _fastpath.dense
+    return _fastpath.dense, _fastpath.kvcache
 
 
 def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -335,7 +340,7 @@ class _CachedKvcache:
     call's were)."""
 
     __slots__ = ("args", "ref", "fn", "slots", "keep", "likes", "names", "cuda", "ws_like",
-                 "paged", "lse_ref")
+                 "paged", "lse_ref", "fast")
 
     def __init__(self, args, keep, slots, out, lse, fn, names):
         torch = sys.modules["torch"]
@@ -354,6 +359,25 @@ class _CachedKvcache:
                         if self.cuda is not None and args.workspace_size else None)
         self.paged = slots[10] is not None
         self.lse_ref = args.lse  # the lse's FaTensor pointer, left out of calls without it
+        self.fast = self._fast_fields() if _fastpath is not None else None
+
+    def _fast_fields(self):
+        """What _fastpath.kvcache reads and writes, int64 each in KV_FIELDS' order (see there)."""
+        data = FaTensor.data.offset
+        args = ctypes.addressof(self.args)
+        layout = type(self.args)
+        cuda = self.cuda is not None
+        fields = {name: 0 if slot is None else ctypes.addressof(slot) + data
+                  for name, slot in zip(_kvcache.ARG_NAMES, self.slots)}
+        fields.update(
+            fn=ctypes.cast(self.fn, ctypes.c_void_p).value, args=args,
+            lse_field=args + layout.lse.offset,
+            lse_ref=ctypes.cast(self.lse_ref, ctypes.c_void_p).value,
+            stream=args + layout.stream.offset if cuda else 0,
+            workspace=args + layout.workspace.offset if cuda and self.ws_like is not None else 0,
+            skip_check=args + layout.skip_capacity_check.offset if cuda and self.paged else 0,
+            device=self.cuda if cuda else -1, paged=int(self.paged))
+        return struct.pack("=%dq" % len(KV_FIELDS), *(fields[f] for f in KV_FIELDS))
 
     def run(self, tensors, want_lse=True):
         """The call on new tensors of this signature (the 13 inputs): (out, lse; None without
@@ -379,6 +403,15 @@ class _CachedKvcache:
         if status != _lib.STATUS_OK:
             _call_failed(self, status)
         return out, lse
+
+
+# The layout of _CachedKvcache.fast, handed to _fastpath: the library's fa_attention_kvcache
+# and its arguments; the data field of each tensor's FaTensor (_kvcache.ARG_NAMES, 0 where
+# absent); the arguments' lse field and the lse FaTensor it points to in a call with the lse;
+# the CUDA fields written per call (0 where the call has none); the device (-1: the CPU) and
+# whether the cache is paged.
+KV_FIELDS = (("fn", "args") + _kvcache.ARG_NAMES +
+             ("lse_field", "lse_ref", "stream", "workspace", "skip_check", "device", "paged"))
 
 
 def _kvcache_key(tensors, scalars):

@@ -11,7 +11,8 @@
  * new output, the data pointers and the stream written into the prepared arguments, the
  * library called without the GIL (the library validates every call itself). Every other call
  * goes to the fallback, _route.dense_any, which also prepares the signature for the next call.
- * dense_lse() is _cached.forward_dense_torch's cached path with the lse.
+ * dense_lse() is _cached.forward_dense_torch's cached path with the lse. kvcache()
+ * (_fastpath_kv.c) does the same for flash_attn_with_kvcache.
  *
  * The argument positions and the prepared call's fields are not written here: bind() receives
  * their names in order (_route.DENSE_ARGS, _cached.LSE_ARGS, _cached.FAST_FIELDS).
@@ -20,17 +21,10 @@
  * nor the library: torch is reached through the callables bind() hands over, the library
  * through the function address the prepared call carries (_cached._CachedCall.fast).
  */
-#define Py_LIMITED_API 0x03080000
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_fastpath.h"
 
 #include <limits.h>
-#include <stdint.h>
 #include <string.h>
-
-typedef int (*fa_forward_fn)(void *args);
-
-#define FP_NUM_MODES 4
 
 /* The arguments dense() and dense_lse() read, by name: bind() receives each function's
  * argument names in order (_route.DENSE_ARGS, _cached.LSE_ARGS) and the positions are looked up
@@ -55,38 +49,30 @@ typedef struct fp_layout {
     Py_ssize_t at[FP_NUM_ARGS];
 } fp_layout;
 
-/* What bind() was given: borrowed from torch and flashattn's modules, held for good. */
+fp_torch fp_t;
+
+/* What bind() was given for dense() and dense_lse(). */
 static struct {
-    PyObject *tensor_type;            /* torch.Tensor: subclasses take the Python path */
-    PyObject *float64;                /* torch.float64 */
-    PyObject *empty_like;             /* torch.empty_like */
-    PyObject *modes[FP_NUM_MODES];    /* callables; a true result means not plain eager (the
-                                       * caller checked torch.compiler.is_compiling()) */
-    PyObject *grad_enabled;           /* torch.is_grad_enabled */
-    PyObject *local;                  /* _cached._LOCAL, whose "calls" is the per-thread cache */
-    PyObject *window_pair;            /* _core.window_pair */
-    PyObject *raw_stream;             /* device index -> current CUDA stream handle */
-    PyObject *failed;                 /* _cached._call_failed(call, status): raises */
-    PyObject *grad_apply;             /* _torch_ops._DenseFastFn.apply */
-    PyObject *fallback;               /* _route.dense_any: every call dense() does not serve */
-    fp_layout dense, lse;             /* dense()'s and dense_lse()'s arguments */
-    Py_ssize_t field_at[FF_NUM];      /* where each fp_field sits in _CachedCall.fast */
+    PyObject *float64;           /* torch.float64 */
+    PyObject *grad_apply;        /* _torch_ops._DenseFastFn.apply */
+    PyObject *fallback;          /* _route.dense_any: every call dense() does not serve */
+    fp_layout dense, lse;        /* dense()'s and dense_lse()'s arguments */
+    Py_ssize_t field_at[FF_NUM]; /* where each fp_field sits in _CachedCall.fast */
     Py_ssize_t field_count;
     int bound;
 } fp;
 
-static PyObject *fp_str_shape, *fp_str_stride, *fp_str_dtype, *fp_str_device, *fp_str_is_neg,
-    *fp_str_data_ptr, *fp_str_requires_grad, *fp_str_calls, *fp_str_fast, *fp_str_lse_like;
+PyObject *fp_str_shape, *fp_str_stride, *fp_str_dtype, *fp_str_device, *fp_str_is_neg,
+    *fp_str_data_ptr, *fp_str_requires_grad, *fp_str_calls, *fp_str_fast;
+static PyObject *fp_str_lse_like;
 static PyObject *fp_zero; /* 0.0 */
 
-/* x is a plain Python float or int (not bool), as type(x) in (float, int). */
-static int fp_is_scalar(PyObject *x)
+int fp_is_scalar(PyObject *x)
 {
     return PyFloat_CheckExact(x) || PyLong_CheckExact(x);
 }
 
-/* 1 if fn() is true, 0 if not, -1 with an exception. */
-static int fp_call_true(PyObject *fn)
+int fp_call_true(PyObject *fn)
 {
     PyObject *r = PyObject_CallObject(fn, NULL);
     if (!r)
@@ -96,8 +82,17 @@ static int fp_call_true(PyObject *fn)
     return t;
 }
 
-/* Sets key[at .. at+4] to t's (shape, stride(), dtype, device, is_neg()); -1 with an exception. */
-static int fp_key_tensor(PyObject *key, Py_ssize_t at, PyObject *t)
+int fp_modes_plain(void)
+{
+    for (int i = 0; i < FP_NUM_MODES; i++) {
+        const int t = fp_call_true(fp_t.modes[i]);
+        if (t != 0)
+            return t < 0 ? -1 : 0;
+    }
+    return 1;
+}
+
+int fp_key_tensor(PyObject *key, Py_ssize_t at, PyObject *t)
 {
     for (int i = 0; i < 5; i++) {
         PyObject *item;
@@ -114,8 +109,15 @@ static int fp_key_tensor(PyObject *key, Py_ssize_t at, PyObject *t)
     return 0;
 }
 
-/* t.data_ptr() into *ptr; -1 with an exception. */
-static int fp_data_ptr(PyObject *t, void **ptr)
+PyObject *fp_tensor_signature(PyObject *t)
+{
+    PyObject *sig = PyTuple_New(5);
+    if (sig && fp_key_tensor(sig, 0, t) != 0)
+        Py_CLEAR(sig);
+    return sig;
+}
+
+int fp_data_ptr(PyObject *t, void **ptr)
 {
     PyObject *p = PyObject_CallMethodObjArgs(t, fp_str_data_ptr, NULL);
     if (!p)
@@ -130,7 +132,7 @@ static int fp_data_ptr(PyObject *t, void **ptr)
 static int fp_plain_arguments(PyObject *const *a)
 {
     for (int i = FP_Q; i <= FP_V; i++)
-        if ((PyObject *)Py_TYPE(a[i]) != fp.tensor_type)
+        if ((PyObject *)Py_TYPE(a[i]) != fp_t.tensor_type)
             return 0;
     return a[FP_ALIBI] == Py_None && a[FP_SINK] == Py_None && a[FP_PROBS] == Py_False &&
            PyBool_Check(a[FP_CAUSAL]) && PyBool_Check(a[FP_DETERMINISTIC]) &&
@@ -142,21 +144,19 @@ static int fp_plain_arguments(PyObject *const *a)
  * eager without dropout, 0 if not, -1 with an exception. */
 static int fp_eager(PyObject *const *a)
 {
-    int t = PyObject_IsTrue(a[FP_DROPOUT]);
+    const int t = PyObject_IsTrue(a[FP_DROPOUT]);
     if (t != 0)
         return t < 0 ? -1 : 0;
-    for (int i = 0; i < FP_NUM_MODES; i++)
-        if ((t = fp_call_true(fp.modes[i])) != 0)
-            return t < 0 ? -1 : 0;
-    return 1;
+    return fp_modes_plain();
 }
 
-/* 1 if the call records a gradient (grad mode on, q, k or v requiring it), 0 if not, -1. */
-static int fp_wants_grad(PyObject *const *a)
+int fp_records_grad(PyObject *const *tensors, int n)
 {
-    int t = fp_call_true(fp.grad_enabled);
-    for (int i = FP_Q; t > 0 && i <= FP_V; i++) {
-        PyObject *r = PyObject_GetAttr(a[i], fp_str_requires_grad);
+    int t = fp_call_true(fp_t.grad_enabled);
+    for (int i = 0; t > 0 && i < n; i++) {
+        if (!tensors[i] || tensors[i] == Py_None)
+            continue;
+        PyObject *r = PyObject_GetAttr(tensors[i], fp_str_requires_grad);
         if (!r)
             return -1;
         t = PyObject_IsTrue(r);
@@ -168,9 +168,9 @@ static int fp_wants_grad(PyObject *const *a)
     return t < 0 ? -1 : 0;
 }
 
-/* _core.window_pair(w) (a new reference): a tuple of two ints is normalised here (negative or
- * past INT_MAX: -1, unbounded), anything else by window_pair itself. */
-static PyObject *fp_window(PyObject *w)
+/* A tuple of two ints is normalised here (negative or past INT_MAX: -1, unbounded), anything
+ * else by window_pair itself. */
+PyObject *fp_window(PyObject *w)
 {
     if (PyTuple_CheckExact(w) && PyTuple_Size(w) == 2) {
         PyObject *l = PyTuple_GetItem(w, 0), *r = PyTuple_GetItem(w, 1);
@@ -194,7 +194,7 @@ static PyObject *fp_window(PyObject *w)
             return Py_BuildValue("(ii)", (int)side[0], (int)side[1]);
         }
     }
-    return PyObject_CallFunctionObjArgs(fp.window_pair, w, NULL);
+    return PyObject_CallFunctionObjArgs(fp_t.window_pair, w, NULL);
 }
 
 /* _cached.dense_key(q, k, v, 0.0, scale, causal, window, softcap, want_lse), item for item:
@@ -229,31 +229,9 @@ typedef struct fp_fast {
     int64_t device;    /* CUDA device index, -1 on the CPU */
 } fp_fast;
 
-/* Field i of fast's bytes (int64 each, in the order bind() was given). */
-static int64_t fp_field(const char *bytes, int i)
+int fp_prepared(PyObject *key, Py_ssize_t count, PyObject **call, int64_t *fields)
 {
-    int64_t v;
-    memcpy(&v, bytes + fp.field_at[i] * (Py_ssize_t)sizeof v, sizeof v);
-    return v;
-}
-
-/* *f from fast's bytes. */
-static void fp_fast_read(const char *bytes, fp_fast *f)
-{
-    f->fn = fp_field(bytes, FF_FN);
-    f->args = fp_field(bytes, FF_ARGS);
-    for (int i = 0; i < 5; i++)
-        f->slots[i] = fp_field(bytes, FF_Q + i);
-    f->stream = fp_field(bytes, FF_STREAM);
-    f->device = fp_field(bytes, FF_DEVICE);
-}
-
-/* The prepared call of key in this thread's cache, with its C side read into *f: 1 with a new
- * reference in *call, 0 if there is none (not prepared, or no C side, or no lse slot when
- * want_lse), -1 with an exception. */
-static int fp_prepared_call(PyObject *key, int want_lse, PyObject **call, fp_fast *f)
-{
-    PyObject *calls = PyObject_GetAttr(fp.local, fp_str_calls);
+    PyObject *calls = PyObject_GetAttr(fp_t.local, fp_str_calls);
     if (!calls) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
             return -1;
@@ -277,19 +255,52 @@ static int fp_prepared_call(PyObject *key, int want_lse, PyObject **call, fp_fas
         char *bytes = NULL;
         Py_ssize_t size = 0;
         st = PyBytes_AsStringAndSize(fast, &bytes, &size) == 0 ? 1 : -1;
-        if (st == 1 && size != fp.field_count * (Py_ssize_t)sizeof(int64_t)) {
+        if (st == 1 && size != count * (Py_ssize_t)sizeof(int64_t)) {
             PyErr_SetString(PyExc_RuntimeError, "flashattn._fastpath: malformed prepared call");
             st = -1;
         }
         if (st == 1)
-            fp_fast_read(bytes, f);
-        if (st == 1 && want_lse && f->slots[4] == 0)
-            st = 0;
+            memcpy(fields, bytes, (size_t)size);
     }
     Py_XDECREF(fast);
     if (st != 1)
         Py_CLEAR(*call);
     return st;
+}
+
+int fp_call_library(int64_t fn, int64_t args, PyObject *call)
+{
+    PyThreadState *ts = PyEval_SaveThread();
+    const int status = ((fa_call_fn)(uintptr_t)fn)((void *)(uintptr_t)args);
+    PyEval_RestoreThread(ts);
+    if (status == 0)
+        return 0;
+    PyObject *r = PyObject_CallFunction(fp_t.failed, "Oi", call, status);
+    Py_XDECREF(r);
+    if (!PyErr_Occurred())
+        PyErr_Format(PyExc_RuntimeError, "flashattn: the library failed (status %d)", status);
+    return -1;
+}
+
+/* The prepared call of key with its C side read into *f: fp_prepared's result, 0 also when
+ * want_lse and the call has no lse slot. */
+static int fp_prepared_call(PyObject *key, int want_lse, PyObject **call, fp_fast *f)
+{
+    int64_t fields[FF_NUM] = {0};
+    const int st = fp_prepared(key, fp.field_count, call, fields);
+    if (st != 1)
+        return st;
+    f->fn = fields[fp.field_at[FF_FN]];
+    f->args = fields[fp.field_at[FF_ARGS]];
+    for (int i = 0; i < 5; i++)
+        f->slots[i] = fields[fp.field_at[FF_Q + i]];
+    f->stream = fields[fp.field_at[FF_STREAM]];
+    f->device = fields[fp.field_at[FF_DEVICE]];
+    if (want_lse && f->slots[4] == 0) {
+        Py_CLEAR(*call);
+        return 0;
+    }
+    return 1;
 }
 
 /* The call itself: new out (and lse), pointers and stream swapped in, the library run without
@@ -298,12 +309,12 @@ static int fp_prepared_call(PyObject *key, int want_lse, PyObject **call, fp_fas
  * same signature on this thread, which would write them too. */
 static PyObject *fp_run(PyObject *const *qkv, PyObject *call, const fp_fast *f, int want_lse)
 {
-    PyObject *out = PyObject_CallFunctionObjArgs(fp.empty_like, qkv[0], NULL), *lse = NULL;
+    PyObject *out = PyObject_CallFunctionObjArgs(fp_t.empty_like, qkv[0], NULL), *lse = NULL;
     if (!out)
         return NULL;
     if (want_lse) {
         PyObject *like = PyObject_GetAttr(call, fp_str_lse_like);
-        lse = like ? PyObject_CallFunctionObjArgs(fp.empty_like, like, NULL) : NULL;
+        lse = like ? PyObject_CallFunctionObjArgs(fp_t.empty_like, like, NULL) : NULL;
         Py_XDECREF(like);
         if (!lse)
             goto fail;
@@ -315,7 +326,7 @@ static PyObject *fp_run(PyObject *const *qkv, PyObject *call, const fp_fast *f, 
         if (fp_data_ptr(tensors[i], &ptrs[i]) != 0)
             goto fail;
     if (f->device >= 0) {
-        PyObject *s = PyObject_CallFunction(fp.raw_stream, "L", (long long)f->device);
+        PyObject *s = PyObject_CallFunction(fp_t.raw_stream, "L", (long long)f->device);
         if (!s)
             goto fail;
         stream = PyLong_AsVoidPtr(s);
@@ -327,17 +338,8 @@ static PyObject *fp_run(PyObject *const *qkv, PyObject *call, const fp_fast *f, 
         *(void **)(uintptr_t)f->slots[i] = ptrs[i];
     if (f->device >= 0)
         *(void **)(uintptr_t)f->stream = stream;
-    fa_forward_fn fn = (fa_forward_fn)(uintptr_t)f->fn;
-    PyThreadState *ts = PyEval_SaveThread();
-    const int status = fn((void *)(uintptr_t)f->args);
-    PyEval_RestoreThread(ts);
-    if (status != 0) {
-        PyObject *r = PyObject_CallFunction(fp.failed, "Oi", call, status);
-        Py_XDECREF(r);
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_RuntimeError, "flashattn: the library failed (status %d)", status);
+    if (fp_call_library(f->fn, f->args, call) != 0)
         goto fail;
-    }
     if (!want_lse)
         return out;
     PyObject *pair = PyTuple_New(2);
@@ -356,7 +358,7 @@ fail:
 static PyObject *fp_run_prepared(PyObject *const *qkv, PyObject *key, int want_lse)
 {
     PyObject *call = NULL;
-    fp_fast f;
+    fp_fast f = {0};
     const int st = fp_prepared_call(key, want_lse, &call, &f);
     if (st <= 0) {
         if (st < 0)
@@ -395,7 +397,7 @@ static int fp_dense_served(PyObject *const *a, PyObject **result)
     PyObject *window = fp_window(a[FP_WINDOW]);
     if (!window)
         return -1;
-    const int grad = fp_wants_grad(a);
+    const int grad = fp_records_grad(a + FP_Q, 3);
     if (grad == 1) {
         /* _DenseFastFn's options: (scale, causal, left, right, softcap, deterministic). */
         PyObject *opts = Py_BuildValue("(OOOOOO)", a[FP_SCALE], a[FP_CAUSAL],
@@ -442,7 +444,7 @@ static PyObject *fp_dense_lse(PyObject *self, PyObject *args)
     if (!fp.bound || !fp_unpack(args, &fp.lse, a))
         Py_RETURN_NONE;
     for (int i = FP_Q; i <= FP_V; i++)
-        if ((PyObject *)Py_TYPE(a[i]) != fp.tensor_type)
+        if ((PyObject *)Py_TYPE(a[i]) != fp_t.tensor_type)
             Py_RETURN_NONE;
     PyObject *key = fp_key(a, a[FP_WINDOW], Py_True);
     if (!key)
@@ -452,8 +454,7 @@ static PyObject *fp_dense_lse(PyObject *self, PyObject *args)
     return result;
 }
 
-/* table[name] (borrowed), or NULL with an exception naming the entry. */
-static PyObject *fp_entry(PyObject *table, const char *name)
+PyObject *fp_entry(PyObject *table, const char *name)
 {
     PyObject *x = PyDict_GetItemString(table, name);
     if (!x)
@@ -461,10 +462,8 @@ static PyObject *fp_entry(PyObject *table, const char *name)
     return x;
 }
 
-/* Where each of names[0 .. n) sits in the tuple of strings order (-1: absent, or missing if
- * required); *count: its length. 0, or -1 with an exception. */
-static int fp_positions(PyObject *order, const char *const *names, int n, int required,
-                        Py_ssize_t *at, Py_ssize_t *count)
+int fp_positions(PyObject *order, const char *const *names, int n, int required, Py_ssize_t *at,
+                 Py_ssize_t *count)
 {
     if (!order || !PyTuple_Check(order)) {
         if (!PyErr_Occurred())
@@ -526,18 +525,24 @@ static PyObject *fp_bind(PyObject *self, PyObject *table)
         fp_positions(fp_entry(table, "lse_args"), fp_arg_names, FP_NUM_ARGS, lse_needs,
                      fp.lse.at, &fp.lse.count) != 0 ||
         fp_positions(fp_entry(table, "fast_fields"), fp_field_names, FF_NUM, (1 << FF_NUM) - 1,
-                     fp.field_at, &fp.field_count) != 0)
+                     fp.field_at, &fp.field_count) != 0 ||
+        fp_kv_bind(table) != 0)
         return NULL;
-    PyObject **slots[N_HELD] = {&fp.tensor_type, &fp.float64, &fp.empty_like, &fp.grad_enabled,
-                                &fp.local, &fp.window_pair, &fp.raw_stream, &fp.failed,
-                                &fp.grad_apply, &fp.fallback};
+    if (fp.field_count != FF_NUM) {
+        PyErr_SetString(PyExc_ValueError, "flashattn._fastpath.bind: fast_fields: 9 names");
+        return NULL;
+    }
+    PyObject **slots[N_HELD] = {&fp_t.tensor_type, &fp.float64,       &fp_t.empty_like,
+                                &fp_t.grad_enabled, &fp_t.local,      &fp_t.window_pair,
+                                &fp_t.raw_stream,   &fp_t.failed,     &fp.grad_apply,
+                                &fp.fallback};
     for (int i = 0; i < N_HELD; i++) {
         Py_INCREF(held[i]);
         *slots[i] = held[i];
     }
     for (int i = 0; i < FP_NUM_MODES; i++) {
-        fp.modes[i] = PyTuple_GetItem(modes, i);
-        Py_INCREF(fp.modes[i]);
+        fp_t.modes[i] = PyTuple_GetItem(modes, i);
+        Py_INCREF(fp_t.modes[i]);
     }
     fp.bound = 1;
     Py_RETURN_NONE;
@@ -549,6 +554,9 @@ static PyMethodDef fp_methods[] = {
      "call, _DenseFastFn's for a call with gradients, or the fallback's for any other"},
     {"dense_lse", fp_dense_lse, METH_VARARGS,
      "dense_lse(*args in bind's lse_args order) -> (out, lse) of a prepared call, or None"},
+    {"kvcache", fp_kvcache, METH_VARARGS,
+     "kvcache(*args in bind's kv_args order) -> flash_attn_with_kvcache's result: a prepared "
+     "call's, or the kv_fallback's for any other"},
     {"bind", fp_bind, METH_O,
      "bind(table): the torch and flashattn objects used, and the argument and field layouts"},
     {NULL, NULL, 0, NULL},

@@ -243,14 +243,14 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     args.device = _lib.FA_DEVICE_CPU
     args.num_threads = 0
     if cuda:
-        named = [(name, x) for name, x in zip(_ARG_NAMES, arrays) if x is not None]
+        named = [(name, x) for name, x in zip(ARG_NAMES, arrays) if x is not None]
         args.device, args.stream = _arrays.cuda_target(named)
         _device_workspace(args, keep)
     return args, keep, arrays, slots, out, lse
 
 
 # The tensors of fa_kvcache_args in the struct's order (kvcache_prepare's ``arrays``).
-_ARG_NAMES = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+ARG_NAMES = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
               "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
               "learnable_sink", "out", "lse")
 

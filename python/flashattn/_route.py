@@ -7,38 +7,48 @@
          NumPy:  -> _core.forward
       -> _core (arguments checked and converted into fa_fwd_args) -> _lib -> the library
 
-``_fastpath`` (C) is a cache in front of this route for ``flash_attn_func``'s commonest torch
-call: it looks the call's signature up among _cached's prepared calls and hands every call it
-does not serve to ``dense_any``, so the route is the same whichever serves it. Scalars pass down
+``_fastpath`` (C) is a cache in front of this route for ``flash_attn_func``'s and
+``flash_attn_with_kvcache``'s commonest torch calls: it looks the call's signature up among
+_cached's prepared calls and hands every call it does not serve to ``dense_any`` /
+``kvcache_any``, so the route is the same whichever serves it. Scalars pass down
 as the caller gave them; ``_core`` converts and checks them where it fills the C arguments
 (the default softmax scale included), so that a prepared call's signature holds the caller's
 values.
 """
 
-from . import _arrays, _core
+from . import _arrays, _core, _kvcache
 from ._dlpack import accepts_dlpack
 
-__all__ = ["DENSE_ARGS", "dense", "dense_any", "forward", "varlen", "varlen_forward"]
+__all__ = ["DENSE_ARGS", "KV_ARGS", "dense", "dense_any", "forward", "kvcache_any", "varlen",
+           "varlen_forward"]
 
 # flash_attn_func's arguments in order, as ``dense`` and _fastpath (which reads it) take them.
 DENSE_ARGS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
               "alibi_slopes", "deterministic", "return_attn_probs", "learnable_sink")
 
+# flash_attn_with_kvcache's arguments in order (learnable_sink, keyword-only there, last), as
+# ``kvcache_any`` and _fastpath take them.
+KV_ARGS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+           "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
+           "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
+           "return_softmax_lse", "learnable_sink")
+
 _TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and torch)
 DENSE_C = None  # _fastpath.dense bound to torch (None: not built, or no torch call yet)
+KVCACHE_C = None  # _fastpath.kvcache, with DENSE_C
 IS_COMPILING = None  # torch.compiler.is_compiling, with DENSE_C
 
 
 def torch_ops():
     """_torch_ops, imported on the first torch call (it imports torch), with the C fast path
     bound in front of ``dense_any``."""
-    global DENSE_C, IS_COMPILING
+    global DENSE_C, KVCACHE_C, IS_COMPILING
     if not _TORCH_OPS:
         from . import _torch_ops as module
 
         _TORCH_OPS.append(module)
         IS_COMPILING = module.torch.compiler.is_compiling
-        DENSE_C = module.bind_fastpath(dense_any, DENSE_ARGS)
+        DENSE_C, KVCACHE_C = module.bind_fastpath(dense_any, DENSE_ARGS, kvcache_any, KV_ARGS)
     return _TORCH_OPS[0]
 
 
@@ -169,3 +179,32 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
         block_table=block_table, learnable_sink=learnable_sink, _kind=kind, _names=names,
         _deterministic=deterministic)
     return (out, lse, S_dmask) if return_attn_probs else out
+
+
+def kvcache_any(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
+                softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+                learnable_sink):
+    """flash_attn_with_kvcache (its arguments in ``KV_ARGS``' order), and _fastpath's fallback:
+    out, or (out, softmax_lse)."""
+    kind = _arrays.common_kind(
+        [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+         ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+         ("cache_seqlens", cache_seqlens if _kvcache.is_array(cache_seqlens) else None),
+         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+         ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+         ("learnable_sink", learnable_sink)], 3)
+    if kind == _arrays.TORCH:
+        # torch calls go through the custom op flashattn::kvcache, so torch.compile keeps the
+        # call (and its in-place append) as one node instead of breaking the graph.
+        out, lse = torch_ops().kvcache_call(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
+            window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse)
+    else:
+        out, lse = _kvcache.kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                        cache_seqlens, cache_batch_idx, cache_leftpad,
+                                        block_table, alibi_slopes, learnable_sink, softmax_scale,
+                                        causal, window_size, softcap, rotary_interleaved,
+                                        num_splits)
+    return (out, lse) if return_softmax_lse else out

@@ -672,11 +672,13 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
     return out, lse.float(), S
 
 
-def bind_fastpath(fallback, dense_args):
-    """_fastpath.dense in front of ``fallback`` (flash_attn_func's route, its arguments in
-    ``dense_args``' order), handing the calls with gradients to _DenseFastFn; None where the
-    extension was not built."""
-    return _cached.bind_fastpath(torch, _DenseFastFn.apply, fallback, dense_args)
+def bind_fastpath(fallback, dense_args, kv_fallback, kv_args):
+    """(_fastpath.dense, _fastpath.kvcache) in front of ``fallback`` (flash_attn_func's route,
+    its arguments in ``dense_args``' order, the calls with gradients handed to _DenseFastFn)
+    and ``kv_fallback`` (flash_attn_with_kvcache's, in ``kv_args``' order); (None, None) where
+    the extension was not built."""
+    return _cached.bind_fastpath(torch, _DenseFastFn.apply, fallback, dense_args, kv_fallback,
+                                 kv_args)
 
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

@@ -279,26 +279,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Return:
         out: (batch_size, seqlen, nheads, headdim_v), and softmax_lse when asked for.
     """
-    kind = _arrays.common_kind(
-        [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
-         ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-         ("cache_seqlens", cache_seqlens if _kvcache.is_array(cache_seqlens) else None),
-         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-         ("block_table", block_table), ("alibi_slopes", alibi_slopes),
-         ("learnable_sink", learnable_sink)], 3)
-    if kind == _arrays.TORCH:
-        # torch calls go through the custom op flashattn::kvcache, so torch.compile keeps the
-        # call (and its in-place append) as one node instead of breaking the graph.
-        out, lse = _route.torch_ops().kvcache_call(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
-            window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse)
-    else:
-        out, lse = _kvcache.kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                               cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                               alibi_slopes, learnable_sink, softmax_scale, causal, window_size,
-                               softcap, rotary_interleaved, num_splits)
-    return (out, lse) if return_softmax_lse else out
+    # As in flash_attn_func: _fastpath (C) first, the route for what it does not serve.
+    entry = _route.KVCACHE_C
+    if entry is None or _route.IS_COMPILING():
+        entry = _route.kvcache_any
+    return entry(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
+                 softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+                 learnable_sink)
 
 
 def _out_dtype(kind, out_dtype, out, out_partial):

@@ -7,6 +7,7 @@ import inspect
 import os
 import sys
 
+import pytest
 import torch
 
 from flashattn import _route, flash_attn_func, flash_attn_with_kvcache
@@ -75,21 +76,31 @@ def test_softcap_visits_each_module_once(rng):
 
 
 def test_fast_path_layout_is_the_signature():
-    """_fastpath reads flash_attn_func's arguments by the names bind() gives it."""
+    """_fastpath reads flash_attn_func's and flash_attn_with_kvcache's arguments by the names
+    bind() gives it."""
     params = list(inspect.signature(flash_attn_func).parameters)
     assert tuple(params) == _route.DENSE_ARGS
+    params = list(inspect.signature(flash_attn_with_kvcache).parameters)
+    assert tuple(params) == _route.KV_ARGS
 
 
-def test_fast_path_refuses_a_layout_without_a_name():
+@pytest.mark.parametrize("cut", ["dense", "kv"])
+def test_fast_path_refuses_a_layout_without_a_name(cut):
     """bind() looks every argument up by name: a table that lacks one is refused (a fresh
     interpreter, since a process binds once)."""
+    dense, kv = "_route.DENSE_ARGS", "_route.KV_ARGS"
+    if cut == "dense":
+        dense += "[:-1]"
+    else:
+        kv += "[1:]"
     code = ("import torch, flashattn\n"
             "from flashattn import _cached, _route\n"
             "try:\n"
-            "    _cached.bind_fastpath(torch, None, None, _route.DENSE_ARGS[:-1])\n"
+            "    _cached.bind_fastpath(torch, None, None, %s, None, %s)\n"
             "except ValueError as e:\n"
-            "    print(e)\n")
+            "    print(e)\n" % (dense, kv))
     r = run_python(code)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == ("flashattn._fastpath.bind: the layout has no 'learnable_sink'"), (
+    missing = "learnable_sink" if cut == "dense" else "q"
+    assert r.stdout.strip() == ("flashattn._fastpath.bind: the layout has no '%s'" % missing), (
         r.stdout)

@@ -1,0 +1,177 @@
+"""flash_attn_with_kvcache's C fast path (python/flashattn/_fastpath_kv.c): once a call signature
+is prepared in Python, later calls run in C. Each test checks the C path's answer (out, lse and
+the appended caches) against the Python path's on copies of the same inputs, bitwise, and that
+the C path, not the Python route (_torch_ops.kvcache_call, where C hands the calls it does not
+serve), served it."""
+import ctypes
+
+import pytest
+import torch
+
+from flashattn import FlashAttnError, _cached, _route, _torch_ops, flash_attn_with_kvcache
+
+
+@pytest.fixture
+def c_path(monkeypatch):
+    """A record of each flash_attn_with_kvcache call's path (True: served in C; False: the
+    Python route), the extension required."""
+    q = torch.randn(1, 1, 2, 8)
+    flash_attn_with_kvcache(q, torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8))  # binds C
+    real_c = _route.KVCACHE_C
+    assert real_c is not None, "the C fast path (python/flashattn/_fastpath_kv.c) was not built"
+    served, in_route = [], []
+    real_route = _torch_ops.kvcache_call
+
+    def route_spy(*args, **kwargs):
+        in_route.append(True)
+        return real_route(*args, **kwargs)
+
+    def c_spy(*args):
+        in_route.clear()
+        out = real_c(*args)
+        served.append(not in_route)
+        return out
+
+    monkeypatch.setattr(_torch_ops, "kvcache_call", route_spy)
+    monkeypatch.setattr(_route, "KVCACHE_C", c_spy)
+    return served
+
+
+def _randn(rng, *shape, dtype=torch.float32):
+    return torch.tensor(rng.standard_normal(shape), dtype=torch.float32).to(dtype)
+
+
+def _case(rng, kind, dtype):
+    """(tensors, options) of one call: b 3, 2 new rows, 4 query heads over 2 kv heads, d 16."""
+    b, s_new, h, hk, d = 3, 2, 4, 2, 16
+    t = dict(q=_randn(rng, b, s_new, h, d, dtype=dtype),
+             k=_randn(rng, b, s_new, hk, d, dtype=dtype),
+             v=_randn(rng, b, s_new, hk, d, dtype=dtype),
+             cache_seqlens=torch.tensor([5, 0, 9], dtype=torch.int32))
+    opts = dict(causal=True)
+    if kind == "paged":
+        pages, page = 9, 4
+        t["k_cache"] = _randn(rng, pages, page, hk, d, dtype=dtype)
+        t["v_cache"] = _randn(rng, pages, page, hk, d, dtype=dtype)
+        t["block_table"] = torch.randperm(pages, dtype=torch.int32)[:b * 3].reshape(b, 3)
+    else:
+        cap = 12
+        t["k_cache"] = _randn(rng, b + 1, cap, hk, d, dtype=dtype)
+        t["v_cache"] = _randn(rng, b + 1, cap, hk, d, dtype=dtype)
+    if kind == "rotary":
+        angle = _randn(rng, 16, 4).abs()
+        t["rotary_cos"], t["rotary_sin"] = angle.cos().to(dtype), angle.sin().to(dtype)
+        opts["rotary_interleaved"] = False
+    if kind == "batch_idx":
+        t["cache_batch_idx"] = torch.tensor([3, 0, 1], dtype=torch.int32)
+        t["cache_leftpad"] = torch.tensor([1, 0, 2], dtype=torch.int32)
+        t["cache_seqlens"] = torch.tensor([5, 2, 9], dtype=torch.int32)
+    if kind == "options":
+        t["alibi_slopes"] = _randn(rng, h).abs()
+        t["learnable_sink"] = _randn(rng, h)
+        opts.update(window_size=(3, 0), softcap=4, softmax_scale=0.3, num_splits=2)
+    if kind == "no_append":
+        del t["k"], t["v"]
+        opts = dict(causal=False, window_size=[-1, -1])
+    return t, opts
+
+
+def _run(tensors, opts, lse):
+    """The call on copies of the caches (the append writes them): (out, lse or None, k_cache,
+    v_cache)."""
+    t = dict(tensors, k_cache=tensors["k_cache"].clone(), v_cache=tensors["v_cache"].clone())
+    res = flash_attn_with_kvcache(**t, **opts, return_softmax_lse=lse)
+    out, lse_out = res if lse else (res, None)
+    return out, lse_out, t["k_cache"], t["v_cache"]
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged", "rotary", "batch_idx", "options",
+                                  "no_append"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_second_call_runs_in_c_and_matches(rng, monkeypatch, c_path, kind, dtype):
+    """Every tensor the call takes and every option: the second call of a signature is served
+    in C, with and without the lse, with the Python path's bits (out, lse and the caches)."""
+    tensors, opts = _case(rng, kind, dtype)
+    getattr(_cached._LOCAL, "calls", {}).clear()
+    c_path.clear()
+    first = _run(tensors, opts, True)
+    assert c_path == [False]  # not prepared yet: the route prepares it
+    with monkeypatch.context() as m:
+        m.setattr(_route, "KVCACHE_C", None)
+        expect = _run(tensors, opts, True)
+    assert torch.isfinite(expect[0]).all() and expect[0].abs().sum() > 0
+    for lse in (True, False, True):
+        c_path.clear()
+        got = _run(tensors, opts, lse)
+        assert c_path == [True], lse
+        assert got[1] is None if not lse else torch.equal(got[1], expect[1])
+        for a, b in zip(got[::2] + first[::2], expect[::2] * 2):
+            assert torch.equal(a, b), (kind, lse)
+        assert torch.equal(got[3], expect[3])
+
+
+def test_new_tensors_each_call(rng, c_path):
+    """The prepared call takes each call's tensors: new values give new answers, as the Python
+    path would give them."""
+    tensors, opts = _case(rng, "contiguous", torch.float32)
+    _run(tensors, opts, False)
+    outs = []
+    for _ in range(2):
+        tensors = dict(tensors, q=_randn(rng, *tensors["q"].shape))
+        c_path.clear()
+        outs.append(_run(tensors, opts, False)[0])
+        assert c_path == [True]
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_other_calls_go_to_python(rng, c_path):
+    """An int cache_seqlens, a Parameter, gradients, a non-bool flag: the route's, answered as
+    the route answers them."""
+    tensors, opts = _case(rng, "contiguous", torch.float32)
+    _run(tensors, opts, False)
+    _run(tensors, opts, False)
+    variants = [dict(tensors, cache_seqlens=4), dict(tensors, q=torch.nn.Parameter(tensors["q"])),
+                dict(tensors, q=tensors["q"].clone().requires_grad_())]
+    for t in variants:
+        c_path.clear()
+        _run(t, opts, False)
+        assert c_path == [False]
+    c_path.clear()
+    _run(tensors, dict(opts, causal=1), False)
+    assert c_path == [False]
+
+
+def test_bad_seqlens_are_refused_in_c(rng, c_path):
+    """Values are checked by the library on every call: a prepared signature with cache_seqlens
+    past the cache raises the route's error naming the argument, and writes nothing."""
+    tensors, opts = _case(rng, "contiguous", torch.float32)
+    _run(tensors, opts, False)
+    bad = dict(tensors, cache_seqlens=torch.tensor([5, 11, 9], dtype=torch.int32))
+    k_before = tensors["k_cache"].clone()
+    c_path.clear()
+    with pytest.raises(FlashAttnError, match="cache_seqlens"):
+        flash_attn_with_kvcache(**bad, **opts)
+    assert c_path == []  # the C path raised
+    assert torch.equal(tensors["k_cache"], k_before)
+
+
+def test_library_failure_is_raised(rng, c_path):
+    """A failing library call through the C path raises FlashAttnError and returns nothing."""
+    tensors, opts = _case(rng, "no_append", torch.float32)
+    _run(tensors, opts, False)
+    failing = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda args: 2)
+    calls = [c for c in _cached._LOCAL.calls.values()
+             if isinstance(c, _cached._CachedKvcache) and c.fast is not None]
+    assert calls
+    saved = [c.fast for c in calls]
+    try:
+        for c in calls:
+            c.fast = ctypes.cast(failing, ctypes.c_void_p).value.to_bytes(8, "little") + c.fast[8:]
+        c_path.clear()
+        with pytest.raises(FlashAttnError):
+            _run(tensors, opts, False)
+        assert c_path == []
+    finally:
+        for c, f in zip(calls, saved):
+            c.fast = f
+    assert torch.isfinite(_run(tensors, opts, False)[0]).all()
