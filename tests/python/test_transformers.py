@@ -263,7 +263,7 @@ def test_packed_sequences(arch, device):
     assert _rel(by_kwargs, alone) <= _bound(errs, device)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_continuous_batching_generation(arch, monkeypatch):
     """transformers' continuous batching (generate_batch, its paged cache) under the registered
     name, fp32 on the CPU: three prompts of different lengths, at most 16 tokens per step, so

@@ -20,11 +20,10 @@ masking_utils has ``AttentionMaskInterface``).
 
 Continuous batching (``model.generate_batch``, transformers' paged cache) runs through the same
 function: the tokens of every request in one row with ``cu_seq_lens_*``, and keys either already
-gathered from the paged cache (transformers >= 5.23 updates the cache before the call), or new
-ones this function writes and gathers through the ``cache`` kwarg (earlier transformers, where
-the manager switches the model to ``"paged|" + name``, also registered). A decode batch handed
-with ``block_table`` and the cache's pages (``k_cache`` / ``v_cache``) goes to
-``flash_attn_with_kvcache``.
+gathered from the paged cache (transformers 5.24 updates the cache before the call), or new
+ones this function writes and gathers through the ``cache`` kwarg (transformers 5.17). A
+decode batch handed with ``block_table`` and the cache's pages (``k_cache`` / ``v_cache``) goes
+to ``flash_attn_with_kvcache``.
 """
 
 import functools
@@ -64,7 +63,8 @@ def register(name=DEFAULT_NAME):
                           "(AttentionInterface and masking_utils.AttentionMaskInterface): %s"
                           % e) from e
     mask = _mask_builder(flash_attention_mask)
-    # "paged|" + name: what transformers < 5.23 switches a model to for continuous batching.
+    # "paged|" + name: transformers 5.17's spelling of a paged implementation, which a user may
+    # pass to load a model for continuous batching.
     for key in (name, "paged|" + name):
         AttentionInterface.register(key, attention_forward)
         AttentionMaskInterface.register(key, mask)
@@ -75,7 +75,7 @@ def register(name=DEFAULT_NAME):
 
 def _keep_registered_names():
     """Lets transformers' continuous-batching manager run a model under a name register() gave.
-    transformers >= 5.23 refuses any name but "sdpa", "paged|eager" and flash kernels there,
+    transformers 5.24 refuses any name but "sdpa", "paged|eager" and flash kernels there,
     although the function it calls gets the same arguments as theirs; the manager's switch is
     wrapped once to leave these names as they are and to act as before on every other name."""
     try:
@@ -178,7 +178,7 @@ def _of_layer(x, layer_type, name):
 def _paged_gather(module, key, value, cache, kwargs):
     """Writes the new keys / values (1, heads_k, new, d) into transformers' paged cache and
     returns every request's keys / values as one row (1, total_k, heads_k, d), the request
-    order of cu_seq_lens_k (transformers < 5.23, where the attention function does this)."""
+    order of cu_seq_lens_k (transformers 5.17, where the attention function does this)."""
     if "read_index" not in kwargs or "write_index" not in kwargs:
         raise ValueError("flashattn: a paged cache needs the read_index and write_index of the "
                          "batch")
@@ -199,11 +199,11 @@ def _paged_decode(q, k, v, k_cache, v_cache, block_table, cu_k, opts):
     if opts["dropout_p"] > 0.0:
         raise ValueError("flashattn: dropout is not supported on a paged cache (decoding)")
     r = q.shape[1]
-    if block_table.ndim != 2 or block_table.shape[0] != r or cu_k.shape[0] != r + 1:
-        raise ValueError("block_table: expected (requests=%d, blocks) with cu_seq_lens_k of %d "
-                         "offsets, got %s and %d" % (r, r + 1, tuple(block_table.shape),
-                                                     cu_k.shape[0]))
-    cache_seqlens = (cu_k[1:] - cu_k[:-1] - 1).to(torch.int32)
+    if block_table.ndim != 2 or block_table.shape[0] != r or cu_k.shape[0] < r + 1:
+        raise ValueError("block_table: expected (requests=%d, blocks) with cu_seq_lens_k of at "
+                         "least %d offsets, got %s and %d" % (r, r + 1, tuple(block_table.shape),
+                                                              cu_k.shape[0]))
+    cache_seqlens = (cu_k[1:r + 1] - cu_k[:r] - 1).to(torch.int32)
     out = flash_attn_with_kvcache(
         q.transpose(0, 1), k_cache, v_cache, k.transpose(0, 1), v.transpose(0, 1),
         cache_seqlens=cache_seqlens, block_table=block_table.to(torch.int32),
@@ -260,7 +260,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     (out (batch, seqlen_q, heads, head_dim_v), None): no attention weights are materialised.
 
     Continuous batching (batch 1, every request's tokens in the row): cu_seq_lens_q / _k with
-    max_length_q / _k (max_seqlen_q / _k before transformers 5.23; per layer type dicts where
+    max_length_q / _k (max_seqlen_q / _k in transformers 5.17; per layer type dicts where
     the cache has several); cache: the paged cache that gathers the keys, when transformers
     has not done it itself (read_index / write_index in kwargs); block_table (requests,
     blocks) int32 with k_cache / v_cache (pages, page_size, heads_k, head_dim): a decode batch
@@ -282,7 +282,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         if cu_seq_lens_q is None or cu_seq_lens_k is None:
             raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be given together")
-        # The names before transformers 5.23, and the per-layer-type dicts of a hybrid cache.
+        # transformers 5.17's names, and the per-layer-type dicts of a hybrid cache.
         layer_type = "sliding_attention" if sliding_window is not None else "full_attention"
         max_q = _of_layer(max_length_q if max_length_q is not None
                           else kwargs.get("max_seqlen_q"), layer_type, "max_length_q")
