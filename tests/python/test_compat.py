@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -61,6 +62,62 @@ print("ok", cuda)
 """
 
 
+# With CUDA: transformers' own flash_attention_2 path on a tiny random Llama (bf16, left padding)
+# calls flashattn's functions (counted through wrappers that keep their signatures, which
+# transformers inspects to pick the keywords it passes), and its logits match "sdpa" on the same
+# weights: within four times the eager-vs-sdpa difference, and at least 5e-2 (bf16, as in
+# test_transformers.BF16_FLOOR).
+CUDA_FA2_CODE = """
+import copy, functools, os
+import torch, transformers
+import flashattn, flash_attn
+
+assert flash_attn is flashattn
+calls = {"flash_attn_varlen_func": 0, "flash_attn_func": 0}
+for name in calls:
+    def counting(fn, name=name):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+    setattr(flashattn, name, counting(getattr(flashattn, name)))
+
+torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=64, initializer_range=0.3)
+models = {}
+for impl in ("eager", "sdpa", "flash_attention_2"):
+    m = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                      attn_implementation=impl)
+    if models:
+        m.load_state_dict(models["eager"].state_dict())
+    models[impl] = m
+for m in models.values():
+    m.to("cuda", torch.bfloat16).eval()
+assert models["flash_attention_2"].config._attn_implementation == "flash_attention_2"
+
+ids = torch.randint(1, 96, (2, 12), device="cuda")
+mask = torch.ones(2, 12, dtype=torch.long, device="cuda")
+mask[1, :5] = 0
+valid = mask.bool()
+with torch.no_grad():
+    logits = {k: m(ids, attention_mask=mask).logits[valid].float() for k, m in models.items()}
+    assert calls == {"flash_attn_varlen_func": 2, "flash_attn_func": 0}, calls  # one per layer
+    models["flash_attention_2"](ids, attention_mask=torch.ones_like(mask))
+    assert calls == {"flash_attn_varlen_func": 2, "flash_attn_func": 2}, calls
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+noise = rel(logits["eager"], logits["sdpa"])
+err = rel(logits["flash_attention_2"], logits["sdpa"])
+assert err <= max(4 * noise, 5e-2), (err, noise)
+print("ok", err, noise)
+"""
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     """compat/ and compat/fa3 installed into a fresh target (copied first: no build files in
@@ -77,12 +134,12 @@ def site(tmp_path_factory):
     return target
 
 
-def _run(site, code):
+def _run(site, code, timeout=120):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(site), os.path.join(REPO, "python"), HERE])
     env.pop("FLASHATTN_ALIAS", None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120, cwd=str(site.parent))
+                       timeout=timeout, cwd=str(site.parent))
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -94,6 +151,13 @@ def test_compat_imports_resolve_here(site):
 def test_compat_satisfies_transformers(site):
     pytest.importorskip("transformers")
     assert _run(site, TRANSFORMERS_CODE).startswith("ok")
+
+
+if torch.cuda.is_available():
+    def test_compat_flash_attention_2_runs_flashattn_on_cuda(site):
+        pytest.importorskip("transformers")
+        # The timeout leaves room for compiling the kernels (NVRTC) on a cold cache.
+        assert _run(site, CUDA_FA2_CODE, timeout=600).startswith("ok")
 
 
 def test_compat_needs_flashattn(site):
