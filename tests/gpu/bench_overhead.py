@@ -1,6 +1,6 @@
-"""Host overhead of one attention call on tiny CUDA inputs: flashattn's flash_attn_func beside
-F.scaled_dot_product_attention on each of PyTorch's SDPA backends, measured side by side in one
-process.
+"""Host overhead of one attention call on tiny CUDA inputs: flashattn's flash_attn_func (and a
+decoding step through flash_attn_with_kvcache) beside F.scaled_dot_product_attention on each of
+PyTorch's SDPA backends, measured side by side in one process.
 
     PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so \\
         python3 tests/gpu/bench_overhead.py [--json PATH] [--profile]
@@ -13,7 +13,10 @@ the GPU is not what limits it.
 Rows: the public function without and with inputs that require grad (the forward records
 the autograd node), the same through the custom op (torch.ops.flashattn.fwd, what compiled
 graphs call), the bare C call with prepared arguments (the library's own host cost), and SDPA
-per backend. --profile prints where flashattn's Python time goes (cProfile).
+per backend. The KV-cache rows are one decoding step (one query row, the cache holding seqlen
+keys, 2 kv heads): without and with the append of a new key, and the bare C call; from
+seqlen 128 the step splits its keys, which adds the merge's launch and a workspace.
+--profile prints where flashattn's Python time goes (cProfile).
 """
 import argparse
 import contextlib
@@ -28,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashattn import _arrays, _core, _lib, flash_attn_func
+from flashattn import _arrays, _core, _kvcache, _lib, flash_attn_func, flash_attn_with_kvcache
 
 B, H, D = 1, 4, 64
+HK = 2  # kv heads of the KV-cache rows
 SEQLENS = (16, 32, 64, 128)
 DTYPE = torch.bfloat16
 BACKENDS = {
@@ -107,6 +111,35 @@ def c_call(q, k, v):
     return call
 
 
+def kv_rows(seqlen):
+    """The KV-cache rows: a decoding step on a cache of seqlen keys (capacity one more)."""
+    g = torch.Generator(device="cuda").manual_seed(seqlen + 1)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(DTYPE)
+
+    q, kn, vn = rand(B, 1, H, D), rand(B, 1, HK, D), rand(B, 1, HK, D)
+    kc, vc = rand(B, seqlen + 1, HK, D), rand(B, seqlen + 1, HK, D)
+    lens = torch.full((B,), seqlen, dtype=torch.int32, device="cuda")
+    prepared = _kvcache.kvcache_prepare(_arrays.TORCH, q, kc, vc, None, None, None, None, lens,
+                                        None, None, None, None, None, None, True, (-1, -1), 0.0,
+                                        True, 0)
+    fn, ref = _kvcache.kv_lib().fa_attention_kvcache, ctypes.byref(prepared[0])
+
+    def c_only():
+        if fn(ref) != 0:
+            raise RuntimeError(_lib.last_error())
+
+    c_only.keep = prepared
+    return [
+        ("kvcache step", lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                                         causal=True), None),
+        ("kvcache step, append", lambda: flash_attn_with_kvcache(
+            q, kc, vc, kn, vn, cache_seqlens=lens, causal=True), None),
+        ("fa_attention_kvcache (C only)", c_only, None),
+    ]
+
+
 def rows(seqlen):
     """(name, callable, what makes its context manager or None) per measured row."""
     q, k, v = inputs(seqlen, False)
@@ -126,7 +159,7 @@ def rows(seqlen):
         out.append(("sdpa %s, requires_grad" % name,
                     lambda: F.scaled_dot_product_attention(*sdg),
                     functools.partial(sdpa_kernel, [backend])))
-    return out
+    return out + kv_rows(seqlen)
 
 
 def main():
