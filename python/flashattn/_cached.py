@@ -54,17 +54,16 @@ class _CachedCall:
         self.names = names
         self.lse_like = None if lse is None else _like(torch, lse.shape, torch.float32,
                                                         lse.device)
-        # A split few-row call's workspace, new per call (_fastpath does not take one).
+        # A split few-row call's workspace, new per call.
         self.ws_like = (_like(torch, (args.workspace_size,), torch.uint8, out.device)
                         if self.cuda is not None and args.workspace_size else None)
-        self.fast = (self._fast_fields()
-                     if self.like_q and _fastpath is not None and self.ws_like is None else None)
+        self.fast = self._fast_fields() if self.like_q and _fastpath is not None else None
 
     def _fast_fields(self):
         """What _fastpath reads and calls, int64 each in FAST_FIELDS' order: the addresses of
         the library's forward, of the arguments, of the data fields of q, k, v, out and lse (0
-        without one) and of the stream field (0 on the CPU), and the CUDA device index (-1 on
-        the CPU)."""
+        without one) and of the stream field (0 on the CPU), the CUDA device index (-1 on the
+        CPU) and the address of the workspace field (0 for a call without a workspace)."""
         data = FaTensor.data.offset
         args = ctypes.addressof(self.args)
         fields = dict(zip(("q", "k", "v", "out"),
@@ -73,12 +72,13 @@ class _CachedCall:
             fn=ctypes.cast(self.fn, ctypes.c_void_p).value, args=args,
             lse=ctypes.addressof(self.tensors[4]) + data if self.lse_like is not None else 0,
             stream=args + type(self.args).stream.offset if self.cuda is not None else 0,
-            device=-1 if self.cuda is None else self.cuda)
+            device=-1 if self.cuda is None else self.cuda,
+            workspace=args + type(self.args).workspace.offset if self.ws_like is not None else 0)
         return struct.pack("=%dq" % len(FAST_FIELDS), *(fields[f] for f in FAST_FIELDS))
 
 
 # The layout of _CachedCall.fast and of _fastpath.dense_lse's arguments, handed to _fastpath.
-FAST_FIELDS = ("fn", "args", "q", "k", "v", "out", "lse", "stream", "device")
+FAST_FIELDS = ("fn", "args", "q", "k", "v", "out", "lse", "stream", "device", "workspace")
 LSE_ARGS = ("q", "k", "v", "softmax_scale", "causal", "window_size", "softcap")
 
 
@@ -358,7 +358,9 @@ class _CachedKvcache:
         self.ws_like = (_like(torch, (args.workspace_size,), torch.uint8, out.device)
                         if self.cuda is not None and args.workspace_size else None)
         self.paged = slots[10] is not None
-        self.lse_ref = args.lse  # the lse's FaTensor pointer, left out of calls without it
+        # The lse's FaTensor pointer, left out of calls without it: a pointer of its own (args.lse
+        # read back would share the field's memory and turn NULL with it).
+        self.lse_ref = ctypes.pointer(slots[14])
         self.fast = self._fast_fields() if _fastpath is not None else None
 
     def _fast_fields(self):
@@ -374,7 +376,7 @@ class _CachedKvcache:
             lse_field=args + layout.lse.offset,
             lse_ref=ctypes.cast(self.lse_ref, ctypes.c_void_p).value,
             stream=args + layout.stream.offset if cuda else 0,
-            workspace=args + layout.workspace.offset if cuda and self.ws_like is not None else 0,
+            workspace=args + layout.workspace.offset if self.ws_like is not None else 0,
             skip_check=args + layout.skip_capacity_check.offset if cuda and self.paged else 0,
             device=self.cuda if cuda else -1, paged=int(self.paged))
         return struct.pack("=%dq" % len(KV_FIELDS), *(fields[f] for f in KV_FIELDS))

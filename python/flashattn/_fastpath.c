@@ -39,9 +39,11 @@ static const char *const fp_arg_names[FP_NUM_ARGS] = {
 
 /* The fields of a prepared call's C side (_cached._CachedCall.fast, int64 each), by name:
  * bind() receives their order (_cached.FAST_FIELDS). */
-enum fp_field { FF_FN, FF_ARGS, FF_Q, FF_K, FF_V, FF_OUT, FF_LSE, FF_STREAM, FF_DEVICE, FF_NUM };
+enum fp_field {
+    FF_FN, FF_ARGS, FF_Q, FF_K, FF_V, FF_OUT, FF_LSE, FF_STREAM, FF_DEVICE, FF_WORKSPACE, FF_NUM
+};
 static const char *const fp_field_names[FF_NUM] = {"fn", "args", "q", "k", "v", "out", "lse",
-                                                   "stream", "device"};
+                                                   "stream", "device", "workspace"};
 
 /* Positions of the arguments of one function: at[i] is where fp_arg i sits (-1: absent). */
 typedef struct fp_layout {
@@ -63,7 +65,7 @@ static struct {
 } fp;
 
 PyObject *fp_str_shape, *fp_str_stride, *fp_str_dtype, *fp_str_device, *fp_str_is_neg,
-    *fp_str_data_ptr, *fp_str_requires_grad, *fp_str_calls, *fp_str_fast;
+    *fp_str_data_ptr, *fp_str_requires_grad, *fp_str_calls, *fp_str_fast, *fp_str_ws_like;
 static PyObject *fp_str_lse_like;
 static PyObject *fp_zero; /* 0.0 */
 
@@ -227,6 +229,7 @@ typedef struct fp_fast {
     int64_t slots[5];  /* the data fields of q, k, v, out and lse in args (lse: 0 if none) */
     int64_t stream;    /* the stream field of args, 0 on the CPU */
     int64_t device;    /* CUDA device index, -1 on the CPU */
+    int64_t workspace; /* the workspace field of args where the call splits (CUDA), else 0 */
 } fp_fast;
 
 int fp_prepared(PyObject *key, Py_ssize_t count, PyObject **call, int64_t *fields)
@@ -268,6 +271,19 @@ int fp_prepared(PyObject *key, Py_ssize_t count, PyObject **call, int64_t *field
     return st;
 }
 
+PyObject *fp_new_like(PyObject *obj, PyObject *name, int *made)
+{
+    PyObject *like = PyObject_GetAttr(obj, name);
+    if (!like)
+        return NULL;
+    *made = like != Py_None;
+    if (!*made)
+        return like;
+    PyObject *x = PyObject_CallFunctionObjArgs(fp_t.empty_like, like, NULL);
+    Py_DECREF(like);
+    return x;
+}
+
 int fp_call_library(int64_t fn, int64_t args, PyObject *call)
 {
     PyThreadState *ts = PyEval_SaveThread();
@@ -296,6 +312,7 @@ static int fp_prepared_call(PyObject *key, int want_lse, PyObject **call, fp_fas
         f->slots[i] = fields[fp.field_at[FF_Q + i]];
     f->stream = fields[fp.field_at[FF_STREAM]];
     f->device = fields[fp.field_at[FF_DEVICE]];
+    f->workspace = fields[fp.field_at[FF_WORKSPACE]];
     if (want_lse && f->slots[4] == 0) {
         Py_CLEAR(*call);
         return 0;
@@ -303,15 +320,21 @@ static int fp_prepared_call(PyObject *key, int want_lse, PyObject **call, fp_fas
     return 1;
 }
 
-/* The call itself: new out (and lse), pointers and stream swapped in, the library run without
- * the GIL; out, or (out, lse). Every Python call comes before the first write into the
+/* The call itself: new out (and lse, and a split workspace), pointers and stream swapped in, the
+ * library run without the GIL; out, or (out, lse). Every Python call comes before the first write into the
  * prepared arguments: Python code run in between (a finalizer, say) could make a call of the
  * same signature on this thread, which would write them too. */
 static PyObject *fp_run(PyObject *const *qkv, PyObject *call, const fp_fast *f, int want_lse)
 {
     PyObject *out = PyObject_CallFunctionObjArgs(fp_t.empty_like, qkv[0], NULL), *lse = NULL;
+    PyObject *ws = NULL;
+    void *ws_ptr = NULL;
+    int made = 0;
     if (!out)
         return NULL;
+    if (f->workspace && (!(ws = fp_new_like(call, fp_str_ws_like, &made)) ||
+                         (made && fp_data_ptr(ws, &ws_ptr) != 0)))
+        goto fail;
     if (want_lse) {
         PyObject *like = PyObject_GetAttr(call, fp_str_lse_like);
         lse = like ? PyObject_CallFunctionObjArgs(fp_t.empty_like, like, NULL) : NULL;
@@ -338,8 +361,11 @@ static PyObject *fp_run(PyObject *const *qkv, PyObject *call, const fp_fast *f, 
         *(void **)(uintptr_t)f->slots[i] = ptrs[i];
     if (f->device >= 0)
         *(void **)(uintptr_t)f->stream = stream;
+    if (f->workspace)
+        *(void **)(uintptr_t)f->workspace = ws_ptr;
     if (fp_call_library(f->fn, f->args, call) != 0)
         goto fail;
+    Py_CLEAR(ws); /* freed in stream order after the call, as the Python path's */
     if (!want_lse)
         return out;
     PyObject *pair = PyTuple_New(2);
@@ -351,6 +377,7 @@ static PyObject *fp_run(PyObject *const *qkv, PyObject *call, const fp_fast *f, 
 fail:
     Py_DECREF(out);
     Py_XDECREF(lse);
+    Py_XDECREF(ws);
     return NULL;
 }
 
@@ -529,7 +556,7 @@ static PyObject *fp_bind(PyObject *self, PyObject *table)
         fp_kv_bind(table) != 0)
         return NULL;
     if (fp.field_count != FF_NUM) {
-        PyErr_SetString(PyExc_ValueError, "flashattn._fastpath.bind: fast_fields: 9 names");
+        PyErr_SetString(PyExc_ValueError, "flashattn._fastpath.bind: fast_fields: 10 names");
         return NULL;
     }
     PyObject **slots[N_HELD] = {&fp_t.tensor_type, &fp.float64,       &fp_t.empty_like,
@@ -571,9 +598,9 @@ PyMODINIT_FUNC PyInit__fastpath(void)
 {
     PyObject **names[] = {&fp_str_shape, &fp_str_stride, &fp_str_dtype, &fp_str_device,
                           &fp_str_is_neg, &fp_str_data_ptr, &fp_str_requires_grad,
-                          &fp_str_calls, &fp_str_fast, &fp_str_lse_like};
+                          &fp_str_calls, &fp_str_fast, &fp_str_lse_like, &fp_str_ws_like};
     const char *text[] = {"shape", "stride", "dtype", "device", "is_neg", "data_ptr",
-                          "requires_grad", "calls", "fast", "lse_like"};
+                          "requires_grad", "calls", "fast", "lse_like", "ws_like"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i] = PyUnicode_InternFromString(text[i])))
             return NULL;

@@ -35,7 +35,7 @@ extern fp_torch fp_t;
 
 /* Interned attribute names. */
 extern PyObject *fp_str_shape, *fp_str_stride, *fp_str_dtype, *fp_str_device, *fp_str_is_neg,
-    *fp_str_data_ptr, *fp_str_requires_grad, *fp_str_calls, *fp_str_fast;
+    *fp_str_data_ptr, *fp_str_requires_grad, *fp_str_calls, *fp_str_fast, *fp_str_ws_like;
 
 /* x is a plain Python float or int (not bool), as type(x) in (float, int). */
 int fp_is_scalar(PyObject *x);
@@ -59,6 +59,9 @@ PyObject *fp_window(PyObject *w);
  * int64 fields) is copied into fields: 1 with a new reference in *call, 0 if there is none (or
  * it has no C side), -1 with an exception. */
 int fp_prepared(PyObject *key, Py_ssize_t count, PyObject **call, int64_t *fields);
+/* torch.empty_like(obj.name) (a new tensor, *made 1), or None when obj.name is None (*made 0);
+ * NULL with an exception. */
+PyObject *fp_new_like(PyObject *obj, PyObject *name, int *made);
 /* The library's entry point fn on args, without the GIL; on failure raises through
  * _cached._call_failed(call, status) and returns -1. */
 int fp_call_library(int64_t fn, int64_t args, PyObject *call);

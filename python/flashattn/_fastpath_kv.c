@@ -34,9 +34,9 @@ static const char *const kv_arg_names[KA_NUM] = {
 
 /* The prepared call's C side (_cached._CachedKvcache.fast, int64 each): the entry point and
  * its fa_kvcache_args, the data field of each tensor's FaTensor (the 13 inputs, out and lse;
- * 0 where absent), the args' lse field and the FaTensor it points to with an lse, the CUDA
- * fields (stream, workspace, skip_capacity_check; 0 where unused), the device (-1: CPU) and
- * whether the cache is paged. */
+ * 0 where absent), the args' lse field and the FaTensor it points to with an lse, the fields
+ * written per call (stream and skip_capacity_check on CUDA, workspace where the call splits;
+ * 0 where unused), the device (-1: CPU) and whether the cache is paged. */
 #define KF_SLOTS (KA_TENSORS + 2)
 enum kv_field {
     KF_FN, KF_ARGS, KF_SLOT0, KF_LSE_FIELD = KF_SLOT0 + KF_SLOTS, KF_LSE_REF, KF_STREAM,
@@ -53,7 +53,7 @@ static struct {
     PyObject *capturing;          /* torch.cuda.is_current_stream_capturing, or None */
     Py_ssize_t at[KA_NUM], count; /* kvcache()'s arguments */
     Py_ssize_t field_at[KF_NUM], field_count;
-    PyObject *tag, *str_likes, *str_ws_like; /* "kv", "likes", "ws_like" */
+    PyObject *tag, *str_likes; /* "kv", "likes" */
 } kv;
 
 int fp_kv_bind(PyObject *table)
@@ -71,8 +71,7 @@ int fp_kv_bind(PyObject *table)
         return -1;
     }
     if (!(kv.tag = PyUnicode_InternFromString("kv")) ||
-        !(kv.str_likes = PyUnicode_InternFromString("likes")) ||
-        !(kv.str_ws_like = PyUnicode_InternFromString("ws_like")))
+        !(kv.str_likes = PyUnicode_InternFromString("likes")))
         return -1;
     Py_INCREF(fallback);
     Py_INCREF(capturing);
@@ -128,19 +127,6 @@ done:
     return key;
 }
 
-/* empty_like(obj.name) (a new tensor), None when obj.name is None (*made 0), or NULL. */
-static PyObject *kv_new_like(PyObject *obj, PyObject *name, int *made)
-{
-    PyObject *like = PyObject_GetAttr(obj, name);
-    if (!like)
-        return NULL;
-    *made = like != Py_None;
-    PyObject *x = *made ? PyObject_CallFunctionObjArgs(fp_t.empty_like, like, NULL) : like;
-    if (*made)
-        Py_DECREF(like);
-    return x;
-}
-
 /* The prepared call on a's tensors: new out (and lse, and a split workspace), every pointer and
  * the CUDA fields written, the library run; out, or (out, lse). As in _fastpath.c's fp_run,
  * every Python call comes before the first write into the prepared arguments. */
@@ -161,7 +147,7 @@ static PyObject *kv_run(PyObject *const *a, PyObject *call, const int64_t *f, in
     if (want_lse &&
         !(lse = PyObject_CallFunctionObjArgs(fp_t.empty_like, PyTuple_GetItem(likes, 1), NULL)))
         goto done;
-    if (!(ws = kv_new_like(call, kv.str_ws_like, &made)))
+    if (!(ws = fp_new_like(call, fp_str_ws_like, &made)))
         goto done;
     PyObject *tensors[KF_SLOTS];
     void *ptrs[KF_SLOTS], *stream = NULL, *ws_ptr = NULL;
@@ -199,10 +185,10 @@ static PyObject *kv_run(PyObject *const *a, PyObject *call, const int64_t *f, in
             *(void **)(uintptr_t)KV_F(KF_SLOT0 + i) = ptrs[i];
     *(void **)(uintptr_t)KV_F(KF_LSE_FIELD) = want_lse ? (void *)(uintptr_t)KV_F(KF_LSE_REF)
                                                        : NULL;
+    if (KV_F(KF_WORKSPACE))
+        *(void **)(uintptr_t)KV_F(KF_WORKSPACE) = ws_ptr;
     if (device >= 0) {
         *(void **)(uintptr_t)KV_F(KF_STREAM) = stream;
-        if (KV_F(KF_WORKSPACE))
-            *(void **)(uintptr_t)KV_F(KF_WORKSPACE) = ws_ptr;
         if (KV_F(KF_SKIP_CHECK))
             *(int *)(uintptr_t)KV_F(KF_SKIP_CHECK) = capturing;
     }

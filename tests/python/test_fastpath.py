@@ -175,3 +175,22 @@ def test_other_calls_go_to_python(rng, monkeypatch, c_path):
     c_path.clear()
     got = flash_attn_func(*arrays)
     assert isinstance(got, np.ndarray) and c_path in ([], [False])
+
+
+def test_split_workspace_is_given_per_call(rng, c_path):
+    """A prepared call that splits its keys (a CUDA few-row call) gets a new workspace from
+    torch on every call, written into its arguments before the library runs. On the CPU no
+    call has one, so a prepared call is given one here; the CPU backend ignores it."""
+    q, k, v = (_randn(rng, 1, 3, 2, 16) for _ in range(3))
+    first = flash_attn_func(q, k, v)
+    call = _cached._LOCAL.calls[_cached.dense_key(q, k, v, 0.0, None, False, (-1, -1), 0.0,
+                                                  False)]
+    call.ws_like = _cached._like(torch, (4096,), torch.uint8, q.device)
+    call.fast = call._fast_fields()
+    for _ in range(2):
+        call.args.workspace = None
+        c_path.clear()
+        out = flash_attn_func(q, k, v)
+        assert c_path == [True]
+        assert call.args.workspace, "the C path wrote no workspace into the arguments"
+        assert torch.equal(out, first)

@@ -175,3 +175,47 @@ def test_library_failure_is_raised(rng, c_path):
         for c, f in zip(calls, saved):
             c.fast = f
     assert torch.isfinite(_run(tensors, opts, False)[0]).all()
+
+
+def test_split_workspace_is_given_per_call(rng, c_path):
+    """A prepared call that splits its keys (on CUDA) gets a new workspace from torch on every
+    call, written into its arguments before the library runs. CPU calls have none, so a
+    prepared call is given one here; the CPU backend ignores it."""
+    tensors, opts = _case(rng, "no_append", torch.float32)
+    first = _run(tensors, opts, False)[0]
+    calls = [c for c in _cached._LOCAL.calls.values() if isinstance(c, _cached._CachedKvcache)]
+    for call in calls:
+        call.ws_like = _cached._like(torch, (4096,), torch.uint8, first.device)
+        call.fast = call._fast_fields()
+    for _ in range(2):
+        for call in calls:
+            call.args.workspace = None
+        c_path.clear()
+        out = _run(tensors, opts, False)[0]
+        assert c_path == [True]
+        assert any(call.args.workspace for call in calls), "no workspace written"
+        assert torch.equal(out, first)
+
+
+@pytest.mark.parametrize("c_on", [True, False], ids=["c", "python"])
+def test_lse_after_a_call_without_it(rng, monkeypatch, c_path, c_on):
+    """A call of a signature without the lse, then one with it: the second gets its own lse
+    (each call on new queries, so a stale lse cannot pass), on the C path and on the Python
+    path alike."""
+    tensors, opts = _case(rng, "no_append", torch.float32)
+    getattr(_cached._LOCAL, "calls", {}).clear()
+    if not c_on:
+        monkeypatch.setattr(_route, "KVCACHE_C", None)
+    lses = []
+    for lse in (True, False, True):
+        tensors = dict(tensors, q=_randn(rng, *tensors["q"].shape))
+        got = _run(tensors, opts, lse)
+        if lse:
+            lses.append(got[1])
+            getattr(_cached._LOCAL, "calls", {}).clear()
+            with monkeypatch.context() as m:  # a first call of the signature: prepared anew
+                m.setattr(_route, "KVCACHE_C", None)
+                want = _run(tensors, opts, True)[1]
+            assert torch.equal(got[1], want)  # +inf for the sequence without keys
+            _run(tensors, opts, True)  # prepared again for the next round
+    assert not torch.equal(lses[0], lses[1])
