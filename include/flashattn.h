@@ -253,7 +253,9 @@ int fa_probs_block_n(int head_dim, int dropout, int causal);
  * Append (k and v given; cache_seqlens required): k [b, s_new, hk, d] and v [b, s_new, hk, dv]
  * are written into the caches at positions cache_seqlens[i] .. cache_seqlens[i] + s_new - 1 of
  * each sequence before the attention, which reads them from there. When two sequences write the
- * same cache rows (repeated cache_batch_idx, shared blocks) the later sequence's values stay.
+ * same cache rows (repeated cache_batch_idx, shared blocks) the later sequence's values stay on
+ * the CPU; on a CUDA device which one stays is unspecified (the sequences run in parallel, as
+ * upstream's do).
  *
  * Rotary embedding (rotary_cos and rotary_sin, [seqlen_ro, rotary_dim / 2], dtype of q; only
  * with k): the first rotary_dim features of the new keys and of q are rotated by the angles of
