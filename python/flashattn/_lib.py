@@ -28,6 +28,8 @@ __all__ = [
     "DTYPE_BF16",
     "DTYPE_F64",
     "DTYPE_I32",
+    "DTYPE_F8E4M3",
+    "DTYPE_F8E5M2",
     "get_lib",
     "library_path",
     "forward",
@@ -53,6 +55,8 @@ DTYPE_F16 = 1
 DTYPE_BF16 = 2
 DTYPE_F64 = 3
 DTYPE_I32 = 4
+DTYPE_F8E4M3 = 5
+DTYPE_F8E5M2 = 6
 
 # enum fa_status
 STATUS_OK = 0
@@ -128,6 +132,9 @@ class FaFwdArgs(ctypes.Structure):
         ("num_threads", ctypes.c_int),
         ("workspace", ctypes.c_void_p),
         ("workspace_size", ctypes.c_size_t),
+        ("q_descale", _PT),
+        ("k_descale", _PT),
+        ("v_descale", _PT),
     ]
 
 
