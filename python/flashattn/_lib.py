@@ -209,6 +209,9 @@ def _declare(lib):
     lib.fa_dtype_name.restype = c.c_char_p
     lib.fa_dtype_size.argtypes = [c.c_int]
     lib.fa_dtype_size.restype = c.c_size_t
+    for name in ("fa_fp8_from_f32", "fa_fp8_to_f32"):
+        getattr(lib, name).argtypes = [c.c_int, c.c_void_p, c.c_void_p, c.c_size_t]
+        getattr(lib, name).restype = c.c_int
     lib.fa_version.argtypes = []
     lib.fa_version.restype = c.c_char_p
     lib.fa_cpu_default_threads.argtypes = []
@@ -359,3 +362,9 @@ def dtype_name(dtype):
 
 def dtype_size(dtype):
     return int(get_lib().fa_dtype_size(dtype))
+
+
+def fp8_convert(name, dtype, src, dst, n):
+    """fa_fp8_from_f32 / fa_fp8_to_f32 (``name``) over n elements at the addresses src and dst:
+    the library's fp8 conversions, as torch converts."""
+    check(getattr(get_lib(), name)(dtype, src, dst, n))
