@@ -99,8 +99,8 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  *   max_seqlen_q / max_seqlen_k. Rows of out/lse outside every sequence get 0 / +inf.
  *
  * dtypes: q, k, v, out (and probs) share one of F32, F16, BF16, F64 (fp8: see FP8 below);
- * compute is in fp32 (fp64 for F64). head_dim d and dv: 1 .. FA_MAX_HEAD_DIM on the CPU. h % hk == 0; query head i reads
- * kv head i / (h / hk).
+ * compute is in fp32 (fp64 for F64). head_dim d and dv: 1 .. FA_MAX_HEAD_DIM on the CPU.
+ * h % hk == 0; query head i reads kv head i / (h / hk).
  *
  * For query row i and key j of a sequence with sq queries and sk keys:
  *   s_ij = scale * q_i . k_j                       scale = softmax_scale, default d^-0.5
@@ -135,10 +135,10 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  * entries of its kv head i / (h / hk), as FA3. The scores are the formula above on q * q_descale
  * and k * k_descale. As FA3's kernels, probabilities enter the P V product rounded to e4m3:
  * with m_i the row's largest score (or the sink, if larger), p_ij = 2^8 exp(s_ij - m_i) is rounded
- * to e4m3 (the 2^8 uses e4m3's range: p_ij <= 256 < 448), the row sum l_i takes the unrounded
- * p_ij, and out_i = v_descale * sum_j round(p_ij) v_j / l_i (plus the sink's 2^8 exp(sink - m_i)
- * in l_i). No dropout, probs or backward with fp8 (as FA3). Descales with non-fp8 inputs are
- * refused.
+ * to e4m3 (nearest, ties to even; also for e5m2 inputs; the 2^8 uses e4m3's range: p_ij <= 256 <
+ * 448), the row sum l_i takes the unrounded p_ij (and the sink's 2^8 exp(sink - m_i)), and
+ * out_i = v_descale * sum_j round(p_ij) v_j / l_i; lse_i = m_i + log(l_i / 2^8), the formula's.
+ * No dropout, probs or backward with fp8 (as FA3). Descales with non-fp8 inputs are refused.
  */
 typedef struct fa_fwd_args {
     const fa_tensor *q;            /* [b, sq, h, d] or [total_q, h, d] */
