@@ -72,6 +72,7 @@ static void fa_fp8_row(const fa_fp8_job *job, int64_t seq_index, const fa_seq *s
     for (int64_t x = 0; x < d; x++)
         qf[x] = tab[q[x]];
     float mx = -INFINITY;
+    int nan = 0; /* a NaN score makes the whole row NaN, even when every score is NaN */
     for (int64_t j = lo; j < hi; j++) {
         const uint8_t *kj = k + j * p->k_rstride;
         float dot = 0.0f;
@@ -84,13 +85,16 @@ static void fa_fp8_row(const fa_fp8_job *job, int64_t seq_index, const fa_seq *s
         }
         s[j - lo] = sc;
         mx = sc > mx ? sc : mx;
+        nan |= sc != sc;
     }
 
     const float big = mx > sink ? mx : sink;
     for (int64_t x = 0; x < dv; x++)
         acc[x] = 0.0f;
     float l = 0.0f, lse, out_scale;
-    if (big == -INFINITY) {
+    if (nan) {
+        lse = out_scale = NAN;
+    } else if (big == -INFINITY) {
         lse = INFINITY; /* no visible key and no sink: upstream's empty row */
         out_scale = 0.0f;
     } else {

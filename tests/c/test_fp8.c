@@ -482,6 +482,36 @@ static void test_refusals(tu_rng *r)
     bad_free(&s);
 }
 
+/* NaN follows the arithmetic as for the other dtypes: a NaN code in q makes its row NaN (out
+ * and lse), a NaN in v the out columns of the rows that see its key; other rows stay finite. */
+static void test_nan(tu_rng *r)
+{
+    f8bad s;
+    bad_setup(&s, r, FA_DTYPE_F8E4M3, 32, 32, FA_DTYPE_BF16);
+    const int64_t shl[3] = {2, 4, 5};
+    tu_tensor lse = tu_tensor_new(FA_DTYPE_F32, 3, shl, TU_CONTIGUOUS, r);
+    s.a.lse = &lse.t;
+    s.a.causal = 1; /* row i sees keys 0 .. i + 2 */
+    const int64_t qi[4] = {1, 3, 2, 5}, vi[4] = {0, 6, 1, 9};
+    fa_ref_store(&s.q.t, qi, NAN);
+    fa_ref_store(&s.v.t, vi, NAN);
+    TU_CHECK(fa_attention_forward(&s.a) == FA_STATUS_OK, "NaN inputs: %s", fa_last_error());
+    int64_t idx[4] = {0};
+    do {
+        const double o = fa_ref_load(&s.out.t, idx);
+        const int q_row = idx[0] == 1 && idx[1] == 3 && idx[2] == 2;
+        /* key 6 of sequence 0, kv head 1 (query heads 2, 3): rows 4 on see it */
+        const int v_col = idx[0] == 0 && idx[2] >= 2 && idx[1] >= 4 && idx[3] == 9;
+        TU_CHECK(!isnan(o) == !(q_row || v_col), "out[%lld, %lld, %lld, %lld] = %g",
+                 (long long)idx[0], (long long)idx[1], (long long)idx[2], (long long)idx[3], o);
+    } while (tu_next_index(&s.out.t, idx));
+    const int64_t li[3] = {1, 2, 3}, lj[3] = {0, 2, 4};
+    TU_CHECK(isnan(fa_ref_load(&lse.t, li)) && isfinite(fa_ref_load(&lse.t, lj)),
+             "lse of the NaN row / a v-NaN row");
+    tu_tensor_free(&lse);
+    bad_free(&s);
+}
+
 int main(void)
 {
     uint64_t seed = tu_master_seed("test_fp8");
@@ -491,5 +521,6 @@ int main(void)
     const char *n = getenv("FA_TEST_RANDOM_CASES");
     test_forward(&r, n ? atoi(n) : 120);
     test_refusals(&r);
+    test_nan(&r);
     return tu_finish("test_fp8");
 }
