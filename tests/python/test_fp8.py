@@ -148,9 +148,13 @@ def _check(out, lse, q, k, v, descales, scale, causal, window, softcap, alibi, s
     vmax = v.double().abs().max().item() * vd
     err_rounded = (out.double() - rounded).abs()
     err_exact = (out.double() - exact).abs()
-    # bf16 output (half an ulp of |out| <= vmax), and fp32 scores and sums
+    # bf16 output (half an ulp of |out| <= vmax), and fp32 scores and sums. The library's p is
+    # an fp32 number within ~2e-7 of the reference's: about one key in 3e5 lies that close to
+    # an e4m3 rounding midpoint and rounds the other way, moving its row's outputs by up to an
+    # e4m3 ulp of p / l. Two such rows in a case are allowed.
     tight = 2.0 ** -8 * rounded.abs() + 1e-4 * vmax
-    assert (err_rounded > tight).double().mean().item() <= 1e-3, err_rounded.max()
+    rows_off = (err_rounded > tight).any(-1).sum().item()
+    assert rows_off <= 2, (rows_off, err_rounded.max())
     # Rounding P accounts for the error: rounding as specified leaves little of it.
     assert err_rounded.square().sum() <= 0.1 * err_exact.square().sum() + 1e-12
     # The header's bound: 2^-4 relative for normal p, 2^-10 for subnormal ones, l >= 2^8.
