@@ -512,6 +512,30 @@ static void test_nan(tu_rng *r)
     bad_free(&s);
 }
 
+/* Descales of 1 are the absent ones, bit for bit; the kinds' names and sizes. */
+static void test_descale_one(tu_rng *r)
+{
+    f8bad s;
+    bad_setup(&s, r, FA_DTYPE_F8E4M3, 48, 32, FA_DTYPE_F16);
+    tu_poison(&s.out);
+    TU_CHECK(fa_attention_forward(&s.a) == FA_STATUS_OK, "plain: %s", fa_last_error());
+    void *plain = malloc(s.out.nbytes);
+    memcpy(plain, s.out.base, s.out.nbytes);
+    float *qd = s.qd.t.data;
+    for (int i = 0; i < 4; i++)
+        qd[i] = 1.0f;
+    s.a.q_descale = s.a.k_descale = s.a.v_descale = &s.qd.t;
+    tu_poison(&s.out);
+    TU_CHECK(fa_attention_forward(&s.a) == FA_STATUS_OK, "ones: %s", fa_last_error());
+    TU_CHECK(memcmp(plain, s.out.base, s.out.nbytes) == 0, "descales of 1 change the result");
+    free(plain);
+    bad_free(&s);
+    TU_CHECK(strcmp(fa_dtype_name(FA_DTYPE_F8E4M3), "fp8_e4m3") == 0 &&
+                 strcmp(fa_dtype_name(FA_DTYPE_F8E5M2), "fp8_e5m2") == 0 &&
+                 fa_dtype_size(FA_DTYPE_F8E4M3) == 1 && fa_dtype_size(FA_DTYPE_F8E5M2) == 1,
+             "fp8 dtype names and sizes");
+}
+
 int main(void)
 {
     uint64_t seed = tu_master_seed("test_fp8");
@@ -522,5 +546,6 @@ int main(void)
     test_forward(&r, n ? atoi(n) : 120);
     test_refusals(&r);
     test_nan(&r);
+    test_descale_one(&r);
     return tu_finish("test_fp8");
 }
