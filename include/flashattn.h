@@ -58,6 +58,10 @@ typedef enum fa_dtype {
     FA_DTYPE_BF16 = 2,
     FA_DTYPE_F64 = 3,
     FA_DTYPE_I32 = 4,
+    /* fp8 (forward inputs only; see fa_fwd_args): torch.float8_e4m3fn (bias 7, no infinities,
+     * NaN S.1111.111, largest 448) and torch.float8_e5m2 (bias 15, IEEE-like with infinities). */
+    FA_DTYPE_F8E4M3 = 5,
+    FA_DTYPE_F8E5M2 = 6,
 } fa_dtype;
 
 typedef enum fa_status {
@@ -94,9 +98,9 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  *   count is seqused_k[i] when seqused_k (int32 [b]) is given. No sequence may be longer than
  *   max_seqlen_q / max_seqlen_k. Rows of out/lse outside every sequence get 0 / +inf.
  *
- * dtypes: q, k, v, out (and probs) share one of F32, F16, BF16, F64; compute is in fp32 (fp64
- * for F64). head_dim d and dv: 1 .. FA_MAX_HEAD_DIM on the CPU. h % hk == 0; query head i reads
- * kv head i / (h / hk).
+ * dtypes: q, k, v, out (and probs) share one of F32, F16, BF16, F64 (fp8: see FP8 below);
+ * compute is in fp32 (fp64 for F64). head_dim d and dv: 1 .. FA_MAX_HEAD_DIM on the CPU.
+ * h % hk == 0; query head i reads kv head i / (h / hk).
  *
  * For query row i and key j of a sequence with sq queries and sk keys:
  *   s_ij = scale * q_i . k_j                       scale = softmax_scale, default d^-0.5
@@ -123,6 +127,18 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  * entry for a visible key is exp(s_ij - m_i), m_i being the running maximum of s over the blocks
  * seen so far in that order; its sign is flipped when dropout drops it. Invisible keys and
  * padding get 0.
+ *
+ * FP8 (FA3's forward, on the CPU only for now: a CUDA device refuses fp8 q as unsupported):
+ * q, k and v all FA_DTYPE_F8E4M3 or all FA_DTYPE_F8E5M2, out bf16 or fp16, lse fp32; d and dv
+ * multiples of 16 (upstream's rule). q_descale, k_descale, v_descale (optional, each fp32 [b, hk],
+ * any strides; absent means 1) dequantise per (sequence, kv head); query head i takes the
+ * entries of its kv head i / (h / hk), as FA3. The scores are the formula above on q * q_descale
+ * and k * k_descale. As FA3's kernels, probabilities enter the P V product rounded to e4m3:
+ * with m_i the row's largest score (or the sink, if larger), p_ij = 2^8 exp(s_ij - m_i) is rounded
+ * to e4m3 (nearest, ties to even; also for e5m2 inputs; the 2^8 uses e4m3's range: p_ij <= 256 <
+ * 448), the row sum l_i takes the unrounded p_ij (and the sink's 2^8 exp(sink - m_i)), and
+ * out_i = v_descale * sum_j round(p_ij) v_j / l_i; lse_i = m_i + log(l_i / 2^8), the formula's.
+ * No dropout, probs or backward with fp8 (as FA3). Descales with non-fp8 inputs are refused.
  */
 typedef struct fa_fwd_args {
     const fa_tensor *q;            /* [b, sq, h, d] or [total_q, h, d] */
@@ -151,6 +167,9 @@ typedef struct fa_fwd_args {
     int num_threads;  /* CPU threads; 0: $FLASHATTN_NUM_THREADS or every available core */
     void *workspace;        /* CUDA: device memory for split partials, or NULL (see below) */
     size_t workspace_size;  /* bytes at workspace */
+    const fa_tensor *q_descale; /* optional, fp8 only: fp32 [b, hk], any strides */
+    const fa_tensor *k_descale; /* optional, fp8 only: fp32 [b, hk] */
+    const fa_tensor *v_descale; /* optional, fp8 only: fp32 [b, hk] */
 } fa_fwd_args;
 
 /* Sets every field to its default: no optional tensors, scale NaN, window (-1, -1), CPU. */
@@ -367,6 +386,15 @@ const char *fa_status_string(fa_status status);
 const char *fa_dtype_name(fa_dtype dtype);
 size_t fa_dtype_size(fa_dtype dtype);
 const char *fa_version(void);
+
+/*
+ * fp8 <-> fp32 as torch converts (bit for bit): fp32 -> fp8 rounds to nearest, ties to even,
+ * subnormals kept; e4m3 saturates (finite overflow and +-inf give +-448), e5m2 overflows to
+ * +-inf; NaN gives the kind's NaN with the input's sign. dtype is FA_DTYPE_F8E4M3 or
+ * FA_DTYPE_F8E5M2 (else FA_STATUS_INVALID_ARGUMENT); n elements, src and dst contiguous.
+ */
+fa_status fa_fp8_from_f32(fa_dtype dtype, const float *src, uint8_t *dst, size_t n);
+fa_status fa_fp8_to_f32(fa_dtype dtype, const uint8_t *src, float *dst, size_t n);
 
 /*
  * CUDA backend. The driver (libcuda.so.1) and NVRTC (libnvrtc.so.13/.12) are found with dlopen at

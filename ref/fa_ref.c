@@ -9,152 +9,6 @@
 #include <string.h>
 
 /* ------------------------------------------------------------------------------------------ */
-/* Rounding and element access                                                                 */
-
-/* Round x to a binary format with p significand bits (including the implicit one), minimum
-   normal exponent emin and largest finite value maxv; ties to even, overflow to infinity. */
-static double round_format(double x, int p, int emin, double maxv)
-{
-    if (!isfinite(x) || x == 0.0) {
-        return x;
-    }
-    int e;
-    (void)frexp(x, &e); /* |x| = m * 2^e, m in [0.5, 1): leading bit has exponent e - 1 */
-    int lead = e - 1;
-    if (lead < emin) {
-        lead = emin; /* subnormal range: fixed quantum */
-    }
-    int quantum = lead - (p - 1);
-    double y = ldexp(nearbyint(ldexp(x, -quantum)), quantum);
-    if (fabs(y) > maxv) {
-        return copysign(INFINITY, x);
-    }
-    return y;
-}
-
-double fa_ref_round(double x, fa_dtype dtype)
-{
-    switch (dtype) {
-    case FA_DTYPE_F16:
-        return round_format(x, 11, -14, 65504.0);
-    case FA_DTYPE_BF16:
-        return round_format(x, 8, -126, ldexp(255.0, 120)); /* (2 - 2^-7) * 2^127 */
-    case FA_DTYPE_F32:
-        return round_format(x, 24, -126, ldexp(16777215.0, 104)); /* (2 - 2^-23) * 2^127 */
-    case FA_DTYPE_I32:
-        return nearbyint(x);
-    case FA_DTYPE_F64:
-    default:
-        return x;
-    }
-}
-
-static double half_to_double(uint16_t h)
-{
-    int sign = (h >> 15) & 1;
-    int ex = (h >> 10) & 0x1f;
-    int mant = h & 0x3ff;
-    double v;
-    if (ex == 0) {
-        v = ldexp((double)mant, -24);
-    } else if (ex == 31) {
-        v = mant ? NAN : INFINITY;
-    } else {
-        v = ldexp((double)(mant + 1024), ex - 25);
-    }
-    return sign ? -v : v;
-}
-
-static uint16_t double_to_half(double x)
-{
-    double y = fa_ref_round(x, FA_DTYPE_F16);
-    uint16_t sign = signbit(y) ? 0x8000 : 0;
-    if (isnan(y)) {
-        return (uint16_t)(sign | 0x7e00);
-    }
-    y = fabs(y);
-    if (isinf(y)) {
-        return (uint16_t)(sign | 0x7c00);
-    }
-    if (y < ldexp(1.0, -14)) { /* subnormal or zero: multiple of 2^-24 */
-        return (uint16_t)(sign | (uint16_t)ldexp(y, 24));
-    }
-    int e;
-    (void)frexp(y, &e);
-    int lead = e - 1;                                    /* -14 .. 15 */
-    uint32_t mant = (uint32_t)ldexp(y, 10 - lead) - 1024; /* 10 fraction bits */
-    return (uint16_t)(sign | (uint16_t)((lead + 15) << 10) | (uint16_t)mant);
-}
-
-static double bf16_to_double(uint16_t h)
-{
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return (double)f;
-}
-
-static uint16_t double_to_bf16(double x)
-{
-    if (isnan(x)) {
-        return (uint16_t)(signbit(x) ? 0xffc0 : 0x7fc0);
-    }
-    float f = (float)fa_ref_round(x, FA_DTYPE_BF16); /* exact: a bf16 value is a float */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)(bits >> 16);
-}
-
-static int64_t tensor_offset(const fa_tensor *t, const int64_t *idx)
-{
-    int64_t off = 0;
-    for (int i = 0; i < t->ndim; i++) {
-        off += idx[i] * t->stride[i];
-    }
-    return off;
-}
-
-double fa_ref_load(const fa_tensor *t, const int64_t *idx)
-{
-    int64_t off = tensor_offset(t, idx);
-    switch (t->dtype) {
-    case FA_DTYPE_F32:
-        return (double)((const float *)t->data)[off];
-    case FA_DTYPE_F16:
-        return half_to_double(((const uint16_t *)t->data)[off]);
-    case FA_DTYPE_BF16:
-        return bf16_to_double(((const uint16_t *)t->data)[off]);
-    case FA_DTYPE_F64:
-        return ((const double *)t->data)[off];
-    case FA_DTYPE_I32:
-        return (double)((const int32_t *)t->data)[off];
-    }
-    return NAN;
-}
-
-void fa_ref_store(const fa_tensor *t, const int64_t *idx, double value)
-{
-    int64_t off = tensor_offset(t, idx);
-    switch (t->dtype) {
-    case FA_DTYPE_F32:
-        ((float *)t->data)[off] = (float)fa_ref_round(value, FA_DTYPE_F32);
-        break;
-    case FA_DTYPE_F16:
-        ((uint16_t *)t->data)[off] = double_to_half(value);
-        break;
-    case FA_DTYPE_BF16:
-        ((uint16_t *)t->data)[off] = double_to_bf16(value);
-        break;
-    case FA_DTYPE_F64:
-        ((double *)t->data)[off] = value;
-        break;
-    case FA_DTYPE_I32:
-        ((int32_t *)t->data)[off] = (int32_t)nearbyint(value);
-        break;
-    }
-}
-
-/* ------------------------------------------------------------------------------------------ */
 /* Philox4x32-10 and the dropout keep bit                                                      */
 
 static void mulhilo32(uint32_t a, uint32_t b, uint32_t *hi, uint32_t *lo)
@@ -236,6 +90,8 @@ typedef struct ref_problem {
     int64_t max_sq, max_sk;
     double scale;
     int wl, wr;
+    int fp8;          /* fp8 inputs: loads are dequantised by the descales */
+    int round_inputs; /* lowp fp8: dequantised inputs rounded to the output's dtype */
 } ref_problem;
 
 typedef struct ref_seq {
@@ -308,6 +164,10 @@ static int setup(const fa_fwd_args *a, ref_problem *P)
     case FA_DTYPE_BF16:
     case FA_DTYPE_F64:
         break;
+    case FA_DTYPE_F8E4M3:
+    case FA_DTYPE_F8E5M2:
+        P->fp8 = 1;
+        break;
     default:
         return -1;
     }
@@ -334,8 +194,24 @@ static void get_seq(const ref_problem *P, int64_t bi, ref_seq *S)
     }
 }
 
+/* fp8: the dequantisation scale of sequence bi and kv head kh (1 without the tensor); loads
+   multiply by it and, for the lowp baseline, round the product to the output's dtype as
+   upstream's reference does. */
+static double dequant(const ref_problem *P, const fa_tensor *descale, int64_t bi, int64_t kh,
+                      double x)
+{
+    if (!P->fp8) {
+        return x;
+    }
+    if (descale) {
+        int64_t idx[2] = {bi, kh};
+        x *= fa_ref_load(descale, idx);
+    }
+    return P->round_inputs ? fa_ref_round(x, P->a->out->dtype) : x;
+}
+
 /* element x of query row i / key j of head hh in sequence S */
-static double ld_q(const ref_problem *P, const ref_seq *S, int64_t i, int64_t hh, int64_t x)
+static double ld_q_raw(const ref_problem *P, const ref_seq *S, int64_t i, int64_t hh, int64_t x)
 {
     if (P->varlen) {
         int64_t idx[3] = {S->q0 + i, hh, x};
@@ -345,8 +221,13 @@ static double ld_q(const ref_problem *P, const ref_seq *S, int64_t i, int64_t hh
     return fa_ref_load(P->a->q, idx);
 }
 
-static double ld_kv(const ref_problem *P, const fa_tensor *t, const ref_seq *S, int64_t j,
-                    int64_t hh, int64_t x)
+static double ld_q(const ref_problem *P, const ref_seq *S, int64_t i, int64_t hh, int64_t x)
+{
+    return dequant(P, P->a->q_descale, S->bi, hh / (P->h / P->hk), ld_q_raw(P, S, i, hh, x));
+}
+
+static double ld_kv_raw(const ref_problem *P, const fa_tensor *t, const ref_seq *S, int64_t j,
+                        int64_t hh, int64_t x)
 {
     if (P->varlen) {
         int64_t idx[3] = {S->k0 + j, hh, x};
@@ -354,6 +235,13 @@ static double ld_kv(const ref_problem *P, const fa_tensor *t, const ref_seq *S, 
     }
     int64_t idx[4] = {S->bi, j, hh, x};
     return fa_ref_load(t, idx);
+}
+
+static double ld_kv(const ref_problem *P, const fa_tensor *t, const ref_seq *S, int64_t j,
+                    int64_t hh, int64_t x)
+{
+    const fa_tensor *descale = t == P->a->k ? P->a->k_descale : P->a->v_descale;
+    return dequant(P, descale, S->bi, hh, ld_kv_raw(P, t, S, j, hh, x));
 }
 
 static double alibi_slope(const ref_problem *P, int64_t bi, int64_t hh)
@@ -467,14 +355,19 @@ static void free_buffers(ref_buffers *B)
 /* ------------------------------------------------------------------------------------------ */
 /* Forward                                                                                     */
 
-static int forward_impl(const fa_fwd_args *args, int64_t row_step, int lowp, double *out,
-                        double *lse)
+/* lowp: upstream's same-dtype baseline (fp8: in the output's dtype, P rounded to e4m3 after
+   normalisation, as upstream's intermediate_dtype). round_p (fp8 only): P rounded as the
+   library's fp8 forward, 2^8 exp(s - m) to e4m3 with m = max(scores, sink), everything else
+   exact. */
+static int forward_impl(const fa_fwd_args *args, int64_t row_step, int lowp, int round_p,
+                        double *out, double *lse)
 {
     ref_problem P;
-    if (setup(args, &P) != 0 || row_step < 1 || !out) {
+    if (setup(args, &P) != 0 || row_step < 1 || !out || (round_p && !P.fp8)) {
         return -1;
     }
-    fa_dtype dt = args->q->dtype;
+    fa_dtype dt = P.fp8 ? args->out->dtype : args->q->dtype;
+    P.round_inputs = P.fp8 && lowp;
     ref_buffers B;
     if (alloc_buffers(&P, &B) != 0) {
         return -1;
@@ -537,8 +430,13 @@ static int forward_impl(const fa_fwd_args *args, int64_t row_step, int lowp, dou
                         continue;
                     }
                     double pr;
-                    if (lowp) {
+                    if (lowp && P.fp8) {
+                        pr = fa_ref_round(exp(B.s[j] - m) / sum, FA_DTYPE_F8E4M3);
+                    } else if (lowp) {
                         pr = fa_ref_round(exp(B.s[j] - m) / sum, dt);
+                    } else if (round_p) {
+                        pr = fa_ref_round(256.0 * exp(B.s[j] - m), FA_DTYPE_F8E4M3) /
+                             (256.0 * sum);
                     } else {
                         pr = exp(B.s[j] - l);
                     }
@@ -570,7 +468,7 @@ static int forward_impl(const fa_fwd_args *args, int64_t row_step, int lowp, dou
 
 int fa_ref_forward(const fa_fwd_args *args, int64_t row_step, double *out, double *lse)
 {
-    return forward_impl(args, row_step, 0, out, lse);
+    return forward_impl(args, row_step, 0, 0, out, lse);
 }
 
 int fa_ref_forward_lowp(const fa_fwd_args *args, double *out)
@@ -579,9 +477,14 @@ int fa_ref_forward_lowp(const fa_fwd_args *args, double *out)
         return -1;
     }
     if (args->q->dtype == FA_DTYPE_F64) {
-        return forward_impl(args, 1, 0, out, NULL);
+        return forward_impl(args, 1, 0, 0, out, NULL);
     }
-    return forward_impl(args, 1, 1, out, NULL);
+    return forward_impl(args, 1, 1, 0, out, NULL);
+}
+
+int fa_ref_forward_fp8(const fa_fwd_args *args, double *out, double *lse)
+{
+    return forward_impl(args, 1, 0, 1, out, lse);
 }
 
 /* ------------------------------------------------------------------------------------------ */

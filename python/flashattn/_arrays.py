@@ -96,7 +96,36 @@ def _torch_dtype_code(t):
             torch.float64: _lib.DTYPE_F64,
             torch.int32: _lib.DTYPE_I32,
         })
+        for name, code in _FP8_NAMES:
+            if hasattr(torch, name):
+                _TORCH_CODES[getattr(torch, name)] = code
     return _TORCH_CODES.get(t)
+
+
+# The fp8 kinds, by their torch and ml_dtypes names (forward inputs only; out is bf16).
+_FP8_NAMES = (("float8_e4m3fn", _lib.DTYPE_F8E4M3), ("float8_e5m2", _lib.DTYPE_F8E5M2))
+_FP8_NUMPY = None  # NumPy dtype -> fa_dtype for ml_dtypes' fp8 kinds, when importable
+
+
+def _numpy_fp8():
+    global _FP8_NUMPY
+    if _FP8_NUMPY is None:
+        _FP8_NUMPY = {}
+        try:
+            import ml_dtypes  # (optional)
+            import numpy as np
+
+            _FP8_NUMPY = {np.dtype(getattr(ml_dtypes, n)): c for n, c in _FP8_NAMES}
+        except Exception:  # pragma: no cover - depends on the environment
+            pass
+    return _FP8_NUMPY
+
+
+def is_fp8(x):
+    """Whether array x holds fp8 (torch.float8_e4m3fn / float8_e5m2 or ml_dtypes' kinds)."""
+    dt = getattr(x, "dtype", None)
+    name = str(dt)
+    return name.endswith(("float8_e4m3fn", "float8_e5m2"))
 
 
 def _numpy_dtype_code(dt):
@@ -111,7 +140,7 @@ def _numpy_dtype_code(dt):
     bf16 = _numpy_bf16()
     if bf16 is not None and dt == bf16:
         return _lib.DTYPE_BF16
-    return None
+    return _numpy_fp8().get(dt)
 
 
 def _native_order():
@@ -119,8 +148,10 @@ def _native_order():
 
 
 _SUPPORTED_FLOATS = {
-    TORCH: "torch.float16, torch.bfloat16, torch.float32 or torch.float64",
-    NUMPY: "float16, float32, float64 (or ml_dtypes.bfloat16 when ml_dtypes is installed)",
+    TORCH: "torch.float16, torch.bfloat16, torch.float32, torch.float64, "
+           "torch.float8_e4m3fn or torch.float8_e5m2",
+    NUMPY: "float16, float32, float64 (or ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2 "
+           "when ml_dtypes is installed)",
 }
 
 
@@ -289,6 +320,16 @@ def empty(kind, shape, like, float32=False):
 
 def empty_f32(kind, shape, like):
     return empty(kind, shape, like, float32=True)
+
+
+def empty_out(kind, shape, q):
+    """A new attention output for q: in q's dtype, bf16 for fp8 q (as FA3)."""
+    if not is_fp8(q):
+        return empty(kind, shape, q)
+    if kind == TORCH:
+        torch = sys.modules["torch"]
+        return torch.empty(tuple(shape), dtype=torch.bfloat16, device=q.device)
+    return sys.modules["numpy"].empty(tuple(shape), dtype=_numpy_bf16())
 
 
 def to_float32(x, name, kind):

@@ -17,8 +17,8 @@ import re
 import sys
 
 from . import _lib
-from ._arrays import (TORCH, cuda_target, dtype_code, empty, empty_f32, make_tensor, prepare,
-                      round_multiple, to_float32)
+from ._arrays import (TORCH, cuda_target, dtype_code, empty, empty_f32, empty_out, make_tensor,
+                      prepare, round_multiple, to_float32)
 from ._lib import FlashAttnError
 
 INT32 = (-2**31, 2**31 - 1)
@@ -141,9 +141,10 @@ def _namer(names):
 
 def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes, kind, nm,
               varlen, max_seqlen_q, max_seqlen_k, window_size, dropout_p, softcap,
-              softmax_scale, causal, seed, offset, num_threads, target=None):
+              softmax_scale, causal, seed, offset, num_threads, target=None, descales=()):
     """An FaFwdArgs for prepared arrays, and the FaTensor objects that must outlive the call.
-    ``target``: (CUDA device, stream) from ``cuda_target``, or None for the CPU."""
+    ``target``: (CUDA device, stream) from ``cuda_target``, or None for the CPU; ``descales``:
+    the fp8 (q_descale, k_descale, v_descale), each prepared or None."""
     left, right = window_pair(window_size)
     dropout_p = as_float(dropout_p, "dropout_p")
     softcap = as_float(softcap, "softcap")
@@ -177,6 +178,9 @@ def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes,
         args.sinks = ptr(sinks, "sinks", expected="float32")
     if probs is not None:
         args.probs = ptr(probs, "probs")
+    for name, x in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if x is not None:
+            setattr(args, name, ptr(x, name, expected="float32"))
     args.softmax_scale = scale
     args.causal = 1 if as_bool(causal, "causal") else 0
     args.window_left = left
@@ -196,25 +200,27 @@ def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=No
             max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0, softmax_scale=None, causal=False,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
             return_softmax=False, seed=0, offset=0, out=None, lse=None, probs=None,
-            names=None, num_threads=0):
+            names=None, num_threads=0, q_descale=None, k_descale=None, v_descale=None):
     """One call of fa_attention_forward. Returns (out, lse, probs).
 
     q, k, v: arrays of ``kind`` (already checked to share it). In the varlen form
     (cu_seqlens_q given) lse is (h, total_q), otherwise (b, h, sq). probs is allocated as
     upstream's S_dmask, [b, h, round_up(sq, 128), round_up(sk, 128)] in q's dtype, when
     return_softmax is true, else None. out / lse / probs may be passed in (written in place).
-    ``names`` maps the C argument names to the caller's names for error messages.
+    ``names`` maps the C argument names to the caller's names for error messages. fp8 q, k, v
+    (out bf16 unless given) take the optional fp32 (b, h_k) descales.
     """
     return run_forward(
         q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
-        return_softmax, seed, offset, out, lse, probs, names, num_threads)[3:6]
+        return_softmax, seed, offset, out, lse, probs, names, num_threads,
+        descales=(q_descale, k_descale, v_descale))[3:6]
 
 
 def run_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, sinks, return_softmax, seed, offset, out, lse, probs, names,
-                num_threads, want_lse=True):
+                num_threads, want_lse=True, descales=()):
     """``forward``'s call, returning what it prepared for ``_cached`` to keep: (args, the
     FaTensors it points to (q, k, v, out, lse first), the prepared inputs (copies among
     them), out, lse (None without ``want_lse``: the library writes none), probs or None,
@@ -222,7 +228,7 @@ def run_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen
     args, keep, arrays, out, lse, probs, names = _prepare_forward(
         q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
-        return_softmax, seed, offset, out, lse, probs, names, num_threads)
+        return_softmax, seed, offset, out, lse, probs, names, num_threads, descales)
     if not want_lse:
         args.lse = lse = None
     _lib.forward_workspace(args, keep)
@@ -236,7 +242,7 @@ def run_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen
 def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                      max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                      alibi_slopes, sinks, return_softmax, seed, offset, out, lse, probs, names,
-                     num_threads):
+                     num_threads, descales=()):
     """``forward`` up to the call: (args, the FaTensors it points to (q, k, v, out, lse
     first), the prepared inputs (copies among them), out, lse, probs or None, names). The
     FaTensors and the prepared inputs must outlive the call."""
@@ -267,6 +273,8 @@ def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_s
         alibi = prepare(alibi_slopes, nm("alibi_slopes"), kind, cuda=True)
     if sinks is not None:
         sinks = prepare(to_float32(sinks, nm("sinks"), kind), nm("sinks"), kind, cuda=True)
+    descales = tuple(prepare(x, n, kind, cuda=True) for x, n in
+                     zip(descales, ("q_descale", "k_descale", "v_descale")))
 
     if varlen:
         if cu_q is None or cu_k is None:
@@ -293,9 +301,10 @@ def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_s
                               (nm("cu_seqlens_q"), cu_q), (nm("cu_seqlens_k"), cu_k),
                               (nm("seqused_k"), used_k), (nm("alibi_slopes"), alibi),
                               (nm("sinks"), sinks), ("out", out), ("lse", lse),
-                              ("probs", probs)])
+                              ("probs", probs)] + list(zip(("q_descale", "k_descale",
+                                                            "v_descale"), descales)))
     if out is None:
-        out = empty(kind, out_shape, q)
+        out = empty_out(kind, out_shape, q)
     if lse is None:
         lse = empty_f32(kind, lse_shape, q)
     if not return_softmax:
@@ -306,8 +315,9 @@ def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_s
     args, keep = _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks,
                            (qc, kc, vc), kind, nm, varlen, max_seqlen_q, max_seqlen_k,
                            window_size, dropout_p, softcap, softmax_scale, causal, seed, offset,
-                           num_threads, target)
-    return args, keep, (q, k, v, cu_q, cu_k, used_k, alibi, sinks), out, lse, probs, names
+                           num_threads, target, descales)
+    return (args, keep, (q, k, v, cu_q, cu_k, used_k, alibi, sinks) + descales, out, lse, probs,
+            names)
 
 
 def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=None,

@@ -28,6 +28,8 @@ __all__ = [
     "DTYPE_BF16",
     "DTYPE_F64",
     "DTYPE_I32",
+    "DTYPE_F8E4M3",
+    "DTYPE_F8E5M2",
     "get_lib",
     "library_path",
     "forward",
@@ -53,6 +55,8 @@ DTYPE_F16 = 1
 DTYPE_BF16 = 2
 DTYPE_F64 = 3
 DTYPE_I32 = 4
+DTYPE_F8E4M3 = 5
+DTYPE_F8E5M2 = 6
 
 # enum fa_status
 STATUS_OK = 0
@@ -128,6 +132,9 @@ class FaFwdArgs(ctypes.Structure):
         ("num_threads", ctypes.c_int),
         ("workspace", ctypes.c_void_p),
         ("workspace_size", ctypes.c_size_t),
+        ("q_descale", _PT),
+        ("k_descale", _PT),
+        ("v_descale", _PT),
     ]
 
 
@@ -202,6 +209,9 @@ def _declare(lib):
     lib.fa_dtype_name.restype = c.c_char_p
     lib.fa_dtype_size.argtypes = [c.c_int]
     lib.fa_dtype_size.restype = c.c_size_t
+    for name in ("fa_fp8_from_f32", "fa_fp8_to_f32"):
+        getattr(lib, name).argtypes = [c.c_int, c.c_void_p, c.c_void_p, c.c_size_t]
+        getattr(lib, name).restype = c.c_int
     lib.fa_version.argtypes = []
     lib.fa_version.restype = c.c_char_p
     lib.fa_cpu_default_threads.argtypes = []
@@ -352,3 +362,9 @@ def dtype_name(dtype):
 
 def dtype_size(dtype):
     return int(get_lib().fa_dtype_size(dtype))
+
+
+def fp8_convert(name, dtype, src, dst, n):
+    """fa_fp8_from_f32 / fa_fp8_to_f32 (``name``) over n elements at the addresses src and dst:
+    the library's fp8 conversions, as torch converts."""
+    check(getattr(get_lib(), name)(dtype, src, dst, n))

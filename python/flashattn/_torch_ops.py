@@ -418,6 +418,8 @@ class _DenseFastFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, options):
+        if _arrays.is_fp8(q):  # _fastpath hands calls that record gradients straight here
+            raise NotImplementedError(_FP8_NO_BACKWARD % "q")
         scale, causal, left, right, softcap, _ = options
         out, lse = _cached.forward_dense_torch(q, k, v, 0.0, scale, causal, (left, right),
                                                softcap, 0)
@@ -623,6 +625,31 @@ def _renamed(e, names):
     return FlashAttnError(_core._rename(str(e), names), e.status)
 
 
+_FP8_NO_BACKWARD = ("%s: fp8 has no backward (as FA3); run the fp8 forward on tensors that do "
+                    "not require grad, or under torch.no_grad()")
+
+
+def fp8_forward(q, k, v, names=None, **options):
+    """``_core.forward`` (its keyword ``options``) on fp8 q, k, v, as FA3's fp8 forward: out
+    bf16, no autograd (fp8 has no backward, so inputs that require grad are refused here rather
+    than at the backward) and no custom op (eager calls only)."""
+    names = dict(names or {}, probs="return_attn_probs")
+    tensors = (q, k, v)
+    if _needs_grad(tensors):
+        raise NotImplementedError(_FP8_NO_BACKWARD % names.get("q", "q"))
+    if not _eager(tensors):
+        raise NotImplementedError("%s: fp8 inputs run eagerly only (not under torch.compile, "
+                                  "tracing or a tensor subclass)" % names.get("q", "q"))
+    return _core.forward(q, k, v, kind=_arrays.TORCH, names=names, **options)
+
+
+def _fp8_result(q, out, lse, S, return_softmax, want):
+    """fp8_forward's (out, lse, probs) as ``dense`` / ``varlen`` return theirs."""
+    if want is not None:
+        return out, lse, S if return_softmax else None
+    return out, lse, S if return_softmax else q.new_empty((0,)), _rng_state(0, q)
+
+
 def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
           deterministic, return_softmax, learnable_sink, names=None, want=None):
     """One dense call. ``window`` is already a pair of C ints; ``names`` maps C argument names
@@ -633,6 +660,12 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
     _fastpath makes it: with gradients through ``_DenseFastFn``, without them from the prepared
     call of its signature (``_cached``)."""
     names = names or {}
+    if _arrays.is_fp8(q):
+        out, lse, S = fp8_forward(
+            q, k, v, names, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+            window_size=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            sinks=learnable_sink, return_softmax=return_softmax)
+        return _fp8_result(q, out, lse, S, return_softmax, want)
     tensors = (q, k, v, alibi_slopes, learnable_sink)
     eager = _eager(tensors)
     if not eager:
@@ -686,6 +719,14 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
            learnable_sink, seqused_k=None, names=None):
     """One varlen call: (out, fp32 lse, S_dmask, rng_state); arguments as in ``dense``."""
     names = names or {}
+    if _arrays.is_fp8(q):
+        out, lse, S = fp8_forward(
+            q, k, v, names, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window,
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=learnable_sink,
+            return_softmax=return_softmax)
+        return _fp8_result(q, out, lse, S, return_softmax, None)
     nm = lambda n: names.get(n, n)  # noqa: E731
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink)
     eager = _eager(tensors)

@@ -23,10 +23,16 @@ and out 0; varlen rows outside every sequence get the same.
 Arguments FA3 has and this package cannot honour: ``pack_gqa`` and ``sm_margin`` are accepted
 and ignored (the library chooses its own layout and uses the whole device); ``num_splits`` is
 checked (at most 256; <= 0 means "choose") and passed to the KV-cache call, which takes it;
-the attention functions do not split (every split count gives the same result). ``qv`` (MLA),
-the FP8 descales (``q_descale``, ``k_descale``, ``v_descale``) and ``attention_chunk != 0``
-raise NotImplementedError naming the argument, as do the KV-cache call's ``cu_seqlens_q``,
-``cu_seqlens_k_new`` and ``rotary_seqlens``.
+the attention functions do not split (every split count gives the same result). ``qv`` (MLA)
+and ``attention_chunk != 0`` raise NotImplementedError naming the argument, as do the KV-cache
+call's ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens`` and FP8 descales.
+
+FP8 (``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_qkvpacked_func``; CPU
+tensors only so far, a CUDA device refuses them): q, k, v ``torch.float8_e4m3fn`` (or all
+``float8_e5m2``) with optional fp32 ``(b, h_k)`` ``q_descale``, ``k_descale``, ``v_descale``
+(absent: 1), out bf16, as FA3's forward, P rounded to e4m3 for the P V product as FA3's kernel
+does (include/flashattn.h, "FP8"). FP8 has no backward: inputs that require grad (with grad
+mode on) raise NotImplementedError at the forward; descales with non-fp8 inputs are refused.
 
 ``seqused_q``: FA3 computes only the first seqused_q[b] queries of sequence b, and its causal /
 window diagonal is that of a sequence of seqused_q[b] queries. Here those rows are gathered,
@@ -44,7 +50,7 @@ refused (on a device such a count is clamped, as the package's block_table path 
 
 import torch
 
-from . import _core
+from . import _arrays, _core, _route
 from . import flash_attn_interface as _fa2
 from ._lib import FlashAttnError
 
@@ -79,15 +85,34 @@ def _refuse(name, value, what):
                                   % (name, what))
 
 
-def _refuse_fa3_only(qv, q_descale, k_descale, v_descale, attention_chunk):
+def _refuse_fa3_only(qv, attention_chunk):
     _refuse("qv", qv, "MLA's extra query part")
-    for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
-                    ("v_descale", v_descale)):
-        _refuse(name, x, "FP8 descaling; this package has no FP8 kernels")
     chunk = 0 if attention_chunk is None else _core.as_int(attention_chunk, "attention_chunk")
     if chunk != 0:
         raise NotImplementedError("flashattn.fa3: attention_chunk=%d (chunked local attention) "
                                   "is not supported; pass 0" % chunk)
+
+
+def _fp8(q, descales):
+    """Whether the call is FA3's fp8 forward: fp8 q, or descales given (which then must come
+    with fp8 inputs)."""
+    if _arrays.is_fp8(q):
+        return True
+    for name, x in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if x is not None:
+            raise FlashAttnError("%s: descales apply to fp8 inputs only, but q is %s"
+                                 % (name, q.dtype))
+    return False
+
+
+def _fp8_forward(q, k, v, descales, softmax_scale, causal, window_size, softcap, **varlen):
+    """FA3's fp8 forward: (out bf16, lse)."""
+    q_descale, k_descale, v_descale = descales
+    out, lse, _ = _route.torch_ops().fp8_forward(
+        q, k, v, None, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        **varlen)
+    return out, lse
 
 
 def _splits(num_splits):
@@ -164,11 +189,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     Returns out (b, sq, h, dv), or (out, softmax_lse fp32 (b, h, sq)) with return_attn_probs.
     The other arguments are as in ``flash_attn_interface.flash_attn_func`` (no dropout or
     ALiBi in FA3); see the module's text for the FA3-only ones."""
-    _refuse_fa3_only(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _refuse_fa3_only(qv, attention_chunk)
     _splits(num_splits)
     _ignored(pack_gqa, sm_margin)
     _torch(q, "q")
     want = _core.as_bool(return_attn_probs, "return_attn_probs")
+    if _fp8(q, (q_descale, k_descale, v_descale)):
+        out, lse = _fp8_forward(q, k, v, (q_descale, k_descale, v_descale), softmax_scale,
+                                causal, window_size, softcap)
+        return (out, _fa3_lse(lse)) if want else out
     res = _fa2.flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None,
                                deterministic, want)
     return (res[0], _fa3_lse(res[1])) if want else res
@@ -271,11 +300,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out in q's layout (dv), or (out, softmax_lse fp32 (h, total_q), or (b, h, sq) for
     a batched q) with return_attn_probs.
     """
-    _refuse_fa3_only(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _refuse_fa3_only(qv, attention_chunk)
     _splits(num_splits)
     _ignored(pack_gqa, sm_margin)
     _torch(q, "q")
     want = _core.as_bool(return_attn_probs, "return_attn_probs")
+    fp8 = _fp8(q, (q_descale, k_descale, v_descale))
+    if fp8 and page_table is not None:
+        raise NotImplementedError("page_table: fp8 paged keys and values are not supported yet")
     left, right = _core.window_pair(window_size)
     q, cu_q, max_q, batched = _varlen_q(q, cu_seqlens_q, max_seqlen_q)
     _torch(cu_q, "cu_seqlens_q")
@@ -286,10 +318,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if seqused_q is not None:
         rows, cu_run = _used_rows(cu_q, seqused_q, b)
         q_run = q.index_select(0, rows)
-    out, lse, _, _ = _fa2._flash_attn_varlen_forward(
-        q_run, k, v, cu_run, cu_k, max_q, max_k, 0.0, softmax_scale, causal, left, right,
-        softcap, None, False, block_table=page_table, seqused_k=seqused_k,
-        _deterministic=_core.as_bool(deterministic, "deterministic"))
+    if fp8:
+        out, lse = _fp8_forward(q_run, k, v, (q_descale, k_descale, v_descale), softmax_scale,
+                                causal, (left, right), softcap, cu_seqlens_q=cu_run,
+                                cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                seqused_k=seqused_k)
+    else:
+        out, lse, _, _ = _fa2._flash_attn_varlen_forward(
+            q_run, k, v, cu_run, cu_k, max_q, max_k, 0.0, softmax_scale, causal, left, right,
+            softcap, None, False, block_table=page_table, seqused_k=seqused_k,
+            _deterministic=_core.as_bool(deterministic, "deterministic"))
     if seqused_q is not None:
         out = out.new_zeros((q.shape[0],) + tuple(out.shape[1:])).index_copy(0, rows, out)
         lse = lse.new_full((lse.shape[0], q.shape[0]), float("-inf")).index_copy(1, rows, lse)
@@ -319,7 +357,7 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     has no counterpart here; the other arguments are checked and ignored."""
     _refuse("cu_seqlens_q", cu_seqlens_q, "a varlen q in the KV-cache call")
     _refuse("cu_seqlens_k_new", cu_seqlens_k_new, "varlen new keys in the KV-cache call")
-    _refuse_fa3_only(None, None, None, None, attention_chunk)
+    _refuse_fa3_only(None, attention_chunk)
     if qkv_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise NotImplementedError("flashattn.fa3: qkv_dtype %s is not supported (FP8 has no "
                                   "kernels here)" % (qkv_dtype,))
@@ -386,7 +424,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
 
     Returns out (b, sq, h, dv), or with return_softmax_lse (out, softmax_lse fp32 (b, h, sq),
     out_accum, softmax_lse_accum), the last two empty (0,) fp32 tensors."""
-    _refuse_fa3_only(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _refuse_fa3_only(qv, attention_chunk)
+    for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
+                    ("v_descale", v_descale)):
+        _refuse(name, x, "FP8 KV caches")
     _refuse("cu_seqlens_q", cu_seqlens_q, "a varlen q")
     _refuse("cu_seqlens_k_new", cu_seqlens_k_new, "varlen new keys")
     _refuse("rotary_seqlens", rotary_seqlens, "rotary positions apart from cache_seqlens")

@@ -5,6 +5,7 @@
 #include <math.h>
 
 #include "core/fa_check.h"
+#include "util/fa_fp8.h"
 
 int64_t fa_tensor_numel(const fa_tensor *t)
 {
@@ -36,7 +37,7 @@ static fa_status fa_check_view(const fa_tensor *t, const char *name, int ndim, i
         return FA_BAD("%s: tensor is NULL", name);
     if (t->ndim != ndim)
         return FA_BAD("%s: expected %d dimensions, got %d", name, ndim, (int)t->ndim);
-    if (!fa_dtype_is_float(t->dtype) && t->dtype != FA_DTYPE_I32)
+    if (!fa_dtype_is_float(t->dtype) && t->dtype != FA_DTYPE_I32 && !fa_dtype_is_fp8(t->dtype))
         return FA_BAD("%s: unknown dtype %d", name, (int)t->dtype);
     for (int i = 0; i < ndim; i++) {
         if (t->shape[i] < 0)

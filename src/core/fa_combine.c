@@ -21,7 +21,7 @@ fa_status fa_params_from_combine_args(const fa_combine_args *a, fa_params *c)
     if (lp->dtype != op->dtype)
         return FA_BAD("lse_partial: dtype %s does not match out_partial's %s",
                       fa_dtype_name(lp->dtype), fa_dtype_name(op->dtype));
-    if (o->dtype == FA_DTYPE_I32)
+    if (!fa_dtype_is_float(o->dtype))
         return FA_BAD("out: dtype must be fp32, fp16, bf16 or fp64, got %s",
                       fa_dtype_name(o->dtype));
 

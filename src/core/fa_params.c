@@ -7,6 +7,7 @@
 #include "core/fa_check.h"
 #include "core/fa_options.h"
 #include "core/fa_params.h"
+#include "util/fa_fp8.h"
 #include "util/fa_philox.h"
 
 /* cu_seqlens: int32 [b+1], non-negative, non-decreasing, within total rows and max_seqlen.
@@ -56,8 +57,9 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
     FA_TRY(fa_check_tensor(v, "v", nd));
     FA_TRY(fa_check_tensor(o, "out", nd));
 
-    if (!fa_dtype_is_float(q->dtype))
-        return FA_BAD("q: dtype must be fp32, fp16, bf16 or fp64, got %s",
+    const int fp8 = fa_dtype_is_fp8(q->dtype);
+    if (!fa_dtype_is_float(q->dtype) && !fp8)
+        return FA_BAD("q: dtype must be fp32, fp16, bf16, fp64, fp8_e4m3 or fp8_e5m2, got %s",
                       fa_dtype_name(q->dtype));
     if (k->dtype != q->dtype)
         return FA_BAD("k: dtype %s does not match q's %s", fa_dtype_name(k->dtype),
@@ -65,10 +67,19 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
     if (v->dtype != q->dtype)
         return FA_BAD("v: dtype %s does not match q's %s", fa_dtype_name(v->dtype),
                       fa_dtype_name(q->dtype));
-    if (o->dtype != q->dtype)
+    if (fp8 && o->dtype != FA_DTYPE_BF16 && o->dtype != FA_DTYPE_F16)
+        return FA_BAD("out: dtype must be bf16 or fp16 with %s inputs (as FA3's bf16), got %s",
+                      fa_dtype_name(q->dtype), fa_dtype_name(o->dtype));
+    if (!fp8 && o->dtype != q->dtype)
         return FA_BAD("out: dtype %s does not match q's %s", fa_dtype_name(o->dtype),
                       fa_dtype_name(q->dtype));
+    if (fp8 && a->device != FA_DEVICE_CPU)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: dtype %s is not supported on a CUDA device yet (the CPU "
+                            "backend computes fp8)",
+                            fa_dtype_name(q->dtype));
     p->dtype = q->dtype;
+    p->out_dtype = o->dtype;
 
     p->h = q->shape[hd];
     p->d = q->shape[hd + 1];
@@ -80,6 +91,10 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
     if (p->dv < 1 || p->dv > FA_MAX_HEAD_DIM)
         return FA_BAD("v: head_dim must be in [1, %d], got %lld", FA_MAX_HEAD_DIM,
                       (long long)p->dv);
+    if (fp8 && (p->d % 16 != 0 || p->dv % 16 != 0))
+        return FA_BAD("%s: head_dim must be a multiple of 16 with fp8 inputs (as upstream), got "
+                      "%lld",
+                      p->d % 16 ? "q" : "v", (long long)(p->d % 16 ? p->d : p->dv));
     FA_TRY(fa_check_dim(k, "k", hd + 1, p->d, "head_dim, as q"));
     if (p->h < 1)
         return FA_BAD("q: number of heads must be positive, got %lld", (long long)p->h);
@@ -162,6 +177,43 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
     p->v_hstride = v->stride[hd];
     p->o_rstride = o->stride[hd - 1];
     p->o_hstride = o->stride[hd];
+    return FA_STATUS_OK;
+}
+
+/* One fp8 dequantisation scale: fp32 [b, hk], any strides. */
+static fa_status fa_check_descale(const fa_tensor *t, const char *name, const fa_params *p,
+                                  const float **data, int64_t *bstride, int64_t *hstride)
+{
+    if (!t)
+        return FA_STATUS_OK;
+    if (!fa_dtype_is_fp8(p->dtype))
+        return FA_BAD("%s: descales apply to fp8 inputs only, but q is %s", name,
+                      fa_dtype_name(p->dtype));
+    FA_TRY(fa_check_strided(t, name, 2));
+    FA_TRY(fa_check_dtype(t, name, FA_DTYPE_F32, "one scale per sequence and kv head"));
+    FA_TRY(fa_check_dim(t, name, 0, p->b, "batch"));
+    FA_TRY(fa_check_dim(t, name, 1, p->hk, "kv heads"));
+    *data = (const float *)t->data;
+    *bstride = t->stride[0];
+    *hstride = t->stride[1];
+    return FA_STATUS_OK;
+}
+
+/* FA3's fp8 forward has no dropout, probs or backward; descales are fp8's alone. */
+static fa_status fa_check_fp8(const fa_fwd_args *a, fa_params *p)
+{
+    FA_TRY(fa_check_descale(a->q_descale, "q_descale", p, &p->q_descale, &p->qd_bstride,
+                            &p->qd_hstride));
+    FA_TRY(fa_check_descale(a->k_descale, "k_descale", p, &p->k_descale, &p->kd_bstride,
+                            &p->kd_hstride));
+    FA_TRY(fa_check_descale(a->v_descale, "v_descale", p, &p->v_descale, &p->vd_bstride,
+                            &p->vd_hstride));
+    if (!fa_dtype_is_fp8(p->dtype))
+        return FA_STATUS_OK;
+    if (a->dropout_p != 0.0)
+        return FA_BAD("dropout_p: fp8 inputs have no dropout (as FA3), got %g", a->dropout_p);
+    if (a->probs)
+        return FA_BAD("probs: not available with fp8 inputs (as FA3)");
     return FA_STATUS_OK;
 }
 
@@ -292,6 +344,7 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
     FA_TRY(fa_check_disjoint(a->out, "out", a->k, "k"));
     FA_TRY(fa_check_disjoint(a->out, "out", a->v, "v"));
     FA_TRY(fa_check_options(a, p));
+    FA_TRY(fa_check_fp8(a, p));
     FA_TRY(fa_check_extras(a, p));
     FA_TRY(fa_check_writable(a->out, "out"));
     FA_TRY(fa_check_writable(a->lse, "lse"));
@@ -328,6 +381,10 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
     if (!fwd.lse)
         return FA_BAD("lse: the backward needs the forward's lse (fwd->lse)");
     FA_TRY(fa_params_from_fwd_args(&fwd, p));
+    if (fa_dtype_is_fp8(p->dtype))
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: fp8 has no backward (as FA3); dtype %s is forward only",
+                            fa_dtype_name(p->dtype));
 
     int hd = p->is_varlen ? 1 : 2; /* index of the heads dimension */
     FA_TRY(fa_check_like(a->dout, "dout", fwd.out, "out"));

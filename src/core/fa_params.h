@@ -24,7 +24,8 @@
  * num_threads and its own fields (the partials, empty_lse, log).
  */
 typedef struct fa_params {
-    fa_dtype dtype; /* of q, k, v and out; the combine: of out */
+    fa_dtype dtype;     /* of q, k, v and out; the combine: of out */
+    fa_dtype out_dtype; /* forward: of out, which is bf16 or fp16 when dtype is fp8 */
     int is_varlen;
     int64_t b, h, hk, d, dv;
     int64_t max_sq;  /* queries per sequence (dense, KV cache, combine); the longest (varlen) */
@@ -80,6 +81,10 @@ typedef struct fa_params {
     uint64_t seed, offset;
 
     int num_threads; /* 0: the backend's default */
+
+    /* fp8 forward only: dequantisation scales, fp32 [b, hk] (NULL: 1) */
+    const float *q_descale, *k_descale, *v_descale;
+    int64_t qd_bstride, qd_hstride, kd_bstride, kd_hstride, vd_bstride, vd_hstride;
 
     /*
      * KV cache only. Position t of sequence i is row t % page_size of block

@@ -6,6 +6,7 @@
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_gemm.h"
 #include "cpu/fa_cpu_info.h"
+#include "util/fa_fp8.h"
 
 /* num_threads after the default (the caller's count, or fa_cpu_default_threads() for 0),
  * clamped once, here, to the pool's [1, FA_MAX_THREADS]. */
@@ -20,7 +21,7 @@ static fa_status fa_cpu_backend_forward(const fa_params *p, const fa_fwd_args *a
     (void)args;
     fa_params q = *p;
     q.num_threads = fa_cpu_threads(p->num_threads);
-    fa_status st = fa_cpu_forward(&q);
+    fa_status st = fa_dtype_is_fp8(p->dtype) ? fa_cpu_forward_fp8(&q) : fa_cpu_forward(&q);
     if (st == FA_STATUS_OK && q.probs)
         st = fa_cpu_probs(&q);
     return st;

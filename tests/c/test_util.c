@@ -108,6 +108,9 @@ double tu_now(void)
 static size_t dtype_bytes(fa_dtype dt)
 {
     switch (dt) {
+    case FA_DTYPE_F8E4M3:
+    case FA_DTYPE_F8E5M2:
+        return 1;
     case FA_DTYPE_F16:
     case FA_DTYPE_BF16:
         return 2;
@@ -296,6 +299,10 @@ static void poison_bytes(fa_dtype dt, unsigned char *out)
         break;
     case FA_DTYPE_I32:
         v = 0x5a5a5a5a;
+        break;
+    case FA_DTYPE_F8E4M3:
+    case FA_DTYPE_F8E5M2:
+        v = 0x7f; /* NaN in both kinds */
         break;
     case FA_DTYPE_F32:
     default:

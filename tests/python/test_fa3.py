@@ -450,9 +450,6 @@ def refusal_calls(rng):
 @pytest.mark.parametrize("function", ["func", "varlen", "kvcache"])
 @pytest.mark.parametrize("name,value,words", [
     ("qv", "tensor", "qv (MLA"),
-    ("q_descale", "tensor", "q_descale (FP8 descaling"),
-    ("k_descale", "tensor", "k_descale (FP8 descaling"),
-    ("v_descale", "tensor", "v_descale (FP8 descaling"),
     ("attention_chunk", 4, "attention_chunk=4 (chunked local attention)"),
 ])
 def test_refused(rng, function, name, value, words):
@@ -460,6 +457,17 @@ def test_refused(rng, function, name, value, words):
     arg = torch.ones(1, 1) if value == "tensor" else value
     with pytest.raises(NotImplementedError, match=re.escape(words)):
         call(**{name: arg})
+
+
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
+def test_descales_need_fp8(rng, name):
+    """FP8 descales: refused with non-fp8 inputs, and on the KV-cache call (no FP8 caches)."""
+    calls = refusal_calls(rng)
+    for function in ("func", "varlen"):
+        with pytest.raises(FlashAttnError, match=name + ": descales apply to fp8 inputs only"):
+            calls[function](**{name: torch.ones(1, 1)})
+    with pytest.raises(NotImplementedError, match=re.escape(name + " (FP8 KV caches")):
+        calls["kvcache"](**{name: torch.ones(1, 1)})
 
 
 @pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k_new", "rotary_seqlens"])
