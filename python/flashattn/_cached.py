@@ -34,8 +34,8 @@ class _CachedCall:
     out, lse, then the varlen form's other tensors in ``_fwd_args``' order), the outputs'
     shapes, the CUDA device index (None on the CPU), whose current stream each call reads, the
     names for error messages and the library call itself. like_q: torch.empty_like(q), the
-    cheapest allocation, gives out's shape and strides (q's strides are part of the signature,
-    so it always will)."""
+    cheapest allocation, gives out's shape, dtype and strides (q's strides are part of the
+    signature, so it always will where out has q's dtype)."""
 
     __slots__ = ("args", "tensors", "out_shape", "dtype", "device", "cuda", "fn",
                  "ref", "like_q", "names", "fast", "lse_like", "ws_like")
@@ -45,7 +45,8 @@ class _CachedCall:
         self.fn = _lib.get_lib().fa_attention_forward
         self.ref = ctypes.byref(args)
         torch = sys.modules["torch"]
-        self.like_q = out.shape == q.shape and torch.empty_like(q).stride() == out.stride()
+        self.like_q = (out.shape == q.shape and out.dtype == q.dtype
+                       and torch.empty_like(q).stride() == out.stride())
         self.tensors = keep
         self.out_shape = out.shape
         self.dtype = out.dtype
