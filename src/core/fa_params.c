@@ -7,6 +7,7 @@
 #include "core/fa_check.h"
 #include "core/fa_options.h"
 #include "core/fa_params.h"
+#include "mod/fa_mod.h"
 #include "util/fa_philox.h"
 
 /* cu_seqlens: int32 [b+1], non-negative, non-decreasing, within total rows and max_seqlen.
@@ -293,6 +294,7 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
     FA_TRY(fa_check_disjoint(a->out, "out", a->v, "v"));
     FA_TRY(fa_check_options(a, p));
     FA_TRY(fa_check_extras(a, p));
+    FA_TRY(fa_mod_check_call(a, p));
     FA_TRY(fa_check_writable(a->out, "out"));
     FA_TRY(fa_check_writable(a->lse, "lse"));
     FA_TRY(fa_check_writable(a->probs, "probs"));
@@ -327,6 +329,10 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
     fwd.probs = NULL; /* a forward-only debugging output */
     if (!fwd.lse)
         return FA_BAD("lse: the backward needs the forward's lse (fwd->lse)");
+    if (fwd.score_mod || fwd.mask_mod)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "%s: the backward of user-defined scoring "
+                            "is not implemented yet (forward only)",
+                            fwd.score_mod ? "score_mod" : "mask_mod");
     FA_TRY(fa_params_from_fwd_args(&fwd, p));
 
     int hd = p->is_varlen ? 1 : 2; /* index of the heads dimension */
