@@ -7,7 +7,6 @@
 #include "core/fa_check.h"
 #include "core/fa_options.h"
 #include "core/fa_params.h"
-#include "mod/fa_mod.h"
 #include "util/fa_philox.h"
 
 /* cu_seqlens: int32 [b+1], non-negative, non-decreasing, within total rows and max_seqlen.
@@ -294,7 +293,7 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
     FA_TRY(fa_check_disjoint(a->out, "out", a->v, "v"));
     FA_TRY(fa_check_options(a, p));
     FA_TRY(fa_check_extras(a, p));
-    FA_TRY(fa_mod_check_call(a, p));
+    FA_TRY(fa_mod_check_call(a, &p->mods));
     FA_TRY(fa_check_writable(a->out, "out"));
     FA_TRY(fa_check_writable(a->lse, "lse"));
     FA_TRY(fa_check_writable(a->probs, "probs"));

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "core/fa_error.h"
+#include "mod/fa_mod.h"
 #include "fa_rules.h"
 
 /*
@@ -137,11 +138,7 @@ typedef struct fa_params {
     float *dsinks; /* [h] */
     int64_t dsinks_stride;
 
-    /* Forward, user-defined scoring (mod/fa_mod.h): finished programs or NULL, and the aux
-     * tensors they read (copies of the caller's views; unread slots zeroed). */
-    const struct fa_mod *score_mod;
-    const struct fa_mod *mask_mod;
-    fa_tensor mod_aux[FA_MOD_AUX_SLOTS];
+    fa_mod_call mods; /* forward: user-defined scoring (mod/fa_mod.h) */
 } fa_params;
 
 static inline void fa_params_lse_store(const fa_params *p, int64_t at, double value)

@@ -205,7 +205,7 @@ static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
 static const fa_cpu_bf16_kernel *fa_cpu_forward_bf16_kernel(const fa_params *p)
 {
 #if defined(FA_CPU_HAS_BF16)
-    if (p->dtype == FA_DTYPE_BF16 && !p->score_mod && !p->mask_mod)
+    if (p->dtype == FA_DTYPE_BF16 && !p->mods.score_mod && !p->mods.mask_mod)
         return fa_cpu_bf16_kernel_get();
 #endif
     (void)p;

@@ -7,10 +7,10 @@
 size_t fa_cpu_mod_scratch_size(const fa_params *p, size_t real_size)
 {
     int bufs = 0;
-    if (p->score_mod)
-        bufs = p->score_mod->n_bufs;
-    if (p->mask_mod && p->mask_mod->n_bufs > bufs)
-        bufs = p->mask_mod->n_bufs;
+    if (p->mods.score_mod)
+        bufs = p->mods.score_mod->n_bufs;
+    if (p->mods.mask_mod && p->mods.mask_mod->n_bufs > bufs)
+        bufs = p->mods.mask_mod->n_bufs;
     return ((size_t)bufs * FA_CPU_MOD_CHUNK * real_size + 63) & ~(size_t)63;
 }
 

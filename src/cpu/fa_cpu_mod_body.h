@@ -150,15 +150,15 @@ void FA_FN(fa_cpu_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st, int6
             const int64_t w = c1 - i0 < FA_CPU_MOD_CHUNK ? c1 - i0 : FA_CPU_MOD_CHUNK;
             const FA_REAL q0 = (FA_REAL)(at->q0 + i0);
             FA_REAL *row = st + j * ld + i0;
-            if (p->score_mod) {
+            if (p->mods.score_mod) {
                 const FA_REAL *r =
-                    FA_FN(fa_mod_run)(p->score_mod, p->mod_aux, buf, row, w, b, h, q0, kv);
+                    FA_FN(fa_mod_run)(p->mods.score_mod, p->mods.aux, buf, row, w, b, h, q0, kv);
                 for (int64_t k = 0; k < w; k++)
                     row[k] = r[k];
             }
-            if (p->mask_mod) {
+            if (p->mods.mask_mod) {
                 const FA_REAL *r =
-                    FA_FN(fa_mod_run)(p->mask_mod, p->mod_aux, buf, row, w, b, h, q0, kv);
+                    FA_FN(fa_mod_run)(p->mods.mask_mod, p->mods.aux, buf, row, w, b, h, q0, kv);
                 for (int64_t k = 0; k < w; k++)
                     row[k] = r[k] != 0 ? row[k] : -(FA_REAL)INFINITY;
             }

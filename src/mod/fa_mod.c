@@ -11,7 +11,6 @@
 #include <string.h>
 
 #include "core/fa_check.h"
-#include "core/fa_params.h"
 #include "mod/fa_mod.h"
 #include "util/fa_export.h"
 
@@ -514,8 +513,9 @@ static fa_status fa_mod_check_one(const fa_mod *m, const char *name, fa_mod_kind
     return FA_STATUS_OK;
 }
 
-fa_status fa_mod_check_call(const fa_fwd_args *a, fa_params *p)
+fa_status fa_mod_check_call(const fa_fwd_args *a, fa_mod_call *call)
 {
+    *call = (fa_mod_call){0};
     static const char *const names[FA_MOD_AUX_SLOTS] = {"mod_aux[0]", "mod_aux[1]",
                                                         "mod_aux[2]", "mod_aux[3]"};
     FA_TRY(fa_mod_check_one(a->score_mod, "score_mod", FA_MOD_KIND_SCORE));
@@ -554,9 +554,9 @@ fa_status fa_mod_check_call(const fa_fwd_args *a, fa_params *p)
                 return FA_BAD("%s: dimension %d is %lld; indices are clamped into it, so it "
                               "must be at least 1",
                               names[i], d, (long long)t->shape[d]);
-        p->mod_aux[i] = *t;
+        call->aux[i] = *t;
     }
-    p->score_mod = a->score_mod;
-    p->mask_mod = a->mask_mod;
+    call->score_mod = a->score_mod;
+    call->mask_mod = a->mask_mod;
     return FA_STATUS_OK;
 }

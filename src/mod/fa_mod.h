@@ -8,8 +8,6 @@
 #include "flashattn.h"
 #include "core/fa_error.h"
 
-struct fa_params;
-
 /* The type of a node's value. Booleans are evaluated as 0 / 1 numbers. */
 enum { FA_MOD_NUM = 0, FA_MOD_BOOL = 1 };
 
@@ -46,8 +44,16 @@ struct fa_mod {
     char *text;                     /* canonical text */
 };
 
+/* A forward call's user-defined scoring: finished programs or NULL, and the aux tensors they
+ * read (copies of the caller's views; unread slots zeroed). */
+typedef struct fa_mod_call {
+    const fa_mod *score_mod;
+    const fa_mod *mask_mod;
+    fa_tensor aux[FA_MOD_AUX_SLOTS];
+} fa_mod_call;
+
 /* Checks args' score_mod, mask_mod and mod_aux (kinds, device, the aux tensors' dtypes and
- * dims against what the programs read) and stores them in p. */
-fa_status fa_mod_check_call(const fa_fwd_args *args, struct fa_params *p);
+ * dims against what the programs read) and fills call. */
+fa_status fa_mod_check_call(const fa_fwd_args *args, fa_mod_call *call);
 
 #endif /* FA_MOD_INTERNAL_H */
