@@ -4,6 +4,7 @@
  * for an expression whatever order it was built in. The text parser rebuilds through the same
  * builder calls, so parsed programs pass the same checks.
  */
+#define _POSIX_C_SOURCE 200809L /* strtok_r, strdup */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -467,15 +468,17 @@ static fa_status fa_mod_parse_into(fa_mod *m, char *text)
     else
         return FA_BAD("%s: kind '%s' is neither 'score' nor 'mask'", fn, text);
     int ids[FA_MOD_MAX_NODES], n = 0;
-    char *save = NULL;
-    for (char *stmt = strtok_r(colon + 1, ";", &save); stmt; stmt = strtok_r(NULL, ";", &save)) {
+    char *stmt = colon + 1;
+    if (!stmt[strspn(stmt, " \t\n")])
+        return FA_BAD("%s: no statements after '%s:'", fn, text);
+    for (char *end; stmt; stmt = end ? end + 1 : NULL) {
+        if ((end = strchr(stmt, ';')) != NULL) /* split by hand: strtok would skip ";;" */
+            *end = 0;
         if (n == FA_MOD_MAX_NODES)
             return FA_BAD("%s: more than FA_MOD_MAX_NODES (%d) statements", fn, FA_MOD_MAX_NODES);
         FA_TRY(fa_mod_parse_statement(m, stmt, n, ids, &ids[n]));
         n++;
     }
-    if (n == 0)
-        return FA_BAD("%s: no statements after '%s:'", fn, text);
     return fa_mod_finish(m, ids[n - 1], kind);
 }
 
