@@ -1,7 +1,8 @@
 /*
  * The evaluator of fa_cpu_mod.h for one precision; fa_cpu_mod.c includes it with FA_REAL float
- * and double. Needs FA_REAL, FA_FN(name) (adds the precision suffix) and FA_M(name) (the libm
- * function of that precision). Booleans are 0 / 1; a NaN compares false.
+ * and double. Needs FA_REAL, FA_FN(name) (adds the precision suffix), FA_M(name) (the libm
+ * function of that precision) and FA_MOD_EXPV / FA_MOD_TANHV (elementwise exp and tanh that
+ * vectorise). Booleans are 0 / 1; a NaN compares false.
  */
 
 /* o[k] = expr for the chunk, over the operands' values x = x_[k], y = y_[k], z = z_[k]. */
@@ -23,7 +24,7 @@
     break
 
 /* Aux slot t at the floored, clamped indices idx[d][k]. */
-static void FA_FN(fa_mod_gather)(FA_REAL *o, const fa_tensor *t, const FA_REAL *const *idx,
+FA_CPU_INLINE void FA_FN(fa_mod_gather)(FA_REAL *o, const fa_tensor *t, const FA_REAL *const *idx,
                                  int ndim, int64_t w)
 {
     for (int64_t k = 0; k < w; k++) {
@@ -41,7 +42,7 @@ static void FA_FN(fa_mod_gather)(FA_REAL *o, const fa_tensor *t, const FA_REAL *
 
 /* Runs m over w values (score the scores, the other variables from at) and returns the buffer
  * holding its root's values. */
-static const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor *aux, FA_REAL *buf,
+FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor *aux, FA_REAL *buf,
                                         const FA_REAL *score, int64_t w, FA_REAL b, FA_REAL h,
                                         FA_REAL q0, FA_REAL kv)
 {
@@ -79,11 +80,11 @@ static const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor *aux, F
         case FA_MOD_NEG:
             FA_MOD_MAP1(-x);
         case FA_MOD_EXP:
-            FA_MOD_MAP1(FA_M(exp)(x));
+            FA_MOD_MAP1(FA_MOD_EXPV(x));
         case FA_MOD_LOG:
             FA_MOD_MAP1(FA_M(log)(x));
         case FA_MOD_TANH:
-            FA_MOD_MAP1(FA_M(tanh)(x));
+            FA_MOD_MAP1(FA_MOD_TANHV(x));
         case FA_MOD_ABS:
             FA_MOD_MAP1(FA_M(fabs)(x));
         case FA_MOD_SQRT:
@@ -140,8 +141,9 @@ static const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor *aux, F
 #undef FA_MOD_MAP1
 #undef FA_MOD_MAP2
 
-void FA_FN(fa_cpu_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st, int64_t ld,
-                             int64_t n, int64_t c0, int64_t c1, const fa_cpu_mod_at *at)
+FA_CPU_CLONES void FA_FN(fa_cpu_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st,
+                                           int64_t ld, int64_t n, int64_t c0, int64_t c1,
+                                           const fa_cpu_mod_at *at)
 {
     const FA_REAL b = (FA_REAL)at->b, h = (FA_REAL)at->h;
     for (int64_t j = 0; j < n; j++) {

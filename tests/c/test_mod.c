@@ -165,7 +165,8 @@ static fa_mod *build(const mcase *c, int *is_mask)
         root = B(LE, V(KV_IDX), qo);
         break;
     case K_WINDOW:
-        root = B(AND, B(GE, V(KV_IDX), B(SUB, qo, C(c->wl))), B(LE, V(KV_IDX), B(ADD, qo, C(c->wr))));
+        root = B(AND, B(GE, V(KV_IDX), B(SUB, qo, C(c->wl))),
+                 B(LE, V(KV_IDX), B(ADD, qo, C(c->wr))));
         break;
     case K_DOCUMENT: {
         const int iq[2] = {bvar, V(Q_IDX)}, ik[2] = {bvar, V(KV_IDX)};
@@ -209,7 +210,10 @@ static fa_mod *build(const mcase *c, int *is_mask)
 
 static double tolerance(fa_dtype dt)
 {
-    return dt == FA_DTYPE_F64 ? 1e-10 : dt == FA_DTYPE_F32 ? 2e-5 : dt == FA_DTYPE_F16 ? 2e-3 : 8e-3;
+    return dt == FA_DTYPE_F64   ? 1e-10
+           : dt == FA_DTYPE_F32 ? 2e-5
+           : dt == FA_DTYPE_F16 ? 2e-3
+                                : 8e-3;
 }
 
 /* Runs args (poisoned out and lse first) and compares with want / want_lse. */
@@ -416,8 +420,13 @@ static void test_forward(tu_rng *r)
                 for (int64_t i = 0; i < c.b; i++) {
                     /* Few rows now and then: mods never take the decode schedule. */
                     const int64_t top = tu_rng_chance(r, 0.2) ? 12 : 150;
-                    c.sq[i] = varlen ? tu_rng_int(r, 0, top) : (i ? c.sq[0] : tu_rng_int(r, 1, top));
-                    c.sk[i] = same ? c.sq[i] : varlen ? tu_rng_int(r, 0, 150) : (i ? c.sk[0] : tu_rng_int(r, 1, 150));
+                    /* dense: one length for every sequence; varlen: empty ones too */
+                    c.sq[i] = varlen ? tu_rng_int(r, 0, top)
+                                     : i ? c.sq[0] : tu_rng_int(r, 1, top);
+                    c.sk[i] = same     ? c.sq[i]
+                              : varlen ? tu_rng_int(r, 0, 150)
+                              : i      ? c.sk[0]
+                                       : tu_rng_int(r, 1, 150);
                 }
                 run_case(&c, r, n++ % 2);
             }
@@ -425,7 +434,7 @@ static void test_forward(tu_rng *r)
 
 /* ---- errors --------------------------------------------------------------------------------- */
 
-/* status is not OK and the message contains every one of the words (NULL-terminated). */
+/* status is not OK and the message contains w1 and w2 (each may be NULL). */
 static void expect_error(fa_status st, const char *what, const char *w1, const char *w2)
 {
     const char *msg = fa_last_error();
@@ -434,7 +443,9 @@ static void expect_error(fa_status st, const char *what, const char *w1, const c
     TU_CHECK(w2 == NULL || strstr(msg, w2), "%s: message '%s' lacks '%s'", what, msg, w2);
 }
 
-#define EXPECT_ID_ERROR(expr, w1, w2) expect_error((expr) < 0 ? FA_STATUS_INVALID_ARGUMENT : FA_STATUS_OK, #expr, w1, w2)
+/* A node constructor returned -1 with a message containing w1 and w2. */
+#define EXPECT_ID_ERROR(expr, w1, w2)                                                            \
+    expect_error((expr) < 0 ? FA_STATUS_INVALID_ARGUMENT : FA_STATUS_OK, #expr, w1, w2)
 
 static void test_builder_errors(void)
 {
