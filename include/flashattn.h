@@ -223,11 +223,9 @@ typedef struct fa_fwd_args {
     int num_threads;  /* CPU threads; 0: $FLASHATTN_NUM_THREADS or every available core */
     void *workspace;        /* CUDA: device memory for split partials, or NULL (see below) */
     size_t workspace_size;  /* bytes at workspace */
-    /* User-defined scoring (fa_mod above; CPU forward only): finished programs of kind
-     * FA_MOD_KIND_SCORE / FA_MOD_KIND_MASK, and the aux tensors they read (int32 or fp32). */
-    const fa_mod *score_mod;
-    const fa_mod *mask_mod;
-    const fa_tensor *mod_aux[FA_MOD_AUX_SLOTS];
+    const fa_mod *score_mod; /* optional, finished as FA_MOD_KIND_SCORE (fa_mod above) */
+    const fa_mod *mask_mod;  /* optional, finished as FA_MOD_KIND_MASK */
+    const fa_tensor *mod_aux[FA_MOD_AUX_SLOTS]; /* what the mods read: int32 or fp32 */
 } fa_fwd_args;
 
 /* Sets every field to its default: no optional tensors, scale NaN, window (-1, -1), CPU. */

@@ -128,6 +128,10 @@ class FaFwdArgs(ctypes.Structure):
         ("num_threads", ctypes.c_int),
         ("workspace", ctypes.c_void_p),
         ("workspace_size", ctypes.c_size_t),
+        # user-defined scoring (fa_mod); not used from Python yet, present for the layout
+        ("score_mod", ctypes.c_void_p),
+        ("mask_mod", ctypes.c_void_p),
+        ("mod_aux", _PT * 4),
     ]
 
 
