@@ -94,9 +94,11 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  * and kv_idx (positions within the sequence, from 0; causal's bottom-right alignment does not
  * change them). Operations (numbers unless said): neg exp log tanh abs sqrt floor; not (bool);
  * add sub mul div min max pow; mod (floor remainder, the sign of the divisor, as Python's %);
- * lt le gt ge eq ne (numbers -> bool); and or (bool); where(cond, a, b) (a, b of one type).
- * aux(slot, ndim, index) reads the caller's tensor mod_aux[slot] (int32 or fp32, ndim 1..4
- * dims) at ndim number nodes, each floored and clamped into its dimension (never out of bounds).
+ * lt le gt ge eq ne (numbers -> bool; false when either is NaN); and or (bool); where(cond, a,
+ * b) (a, b of one type). div is true division (floor(div) divides integers). aux(slot, ndim,
+ * index) reads the caller's tensor mod_aux[slot] (int32 or fp32, ndim 1..4 dims) at ndim number
+ * nodes, each floored and clamped into its dimension (never out of bounds). A finished program
+ * is read-only: calls on any number of threads may share it.
  *
  * fa_mod_text gives the finished program's canonical text, deterministic for a given expression
  * whatever order it was built in, e.g. "mask: kv_idx; q_idx; le $0 $1" (statements in order,
@@ -148,7 +150,8 @@ int fa_mod_where(fa_mod *m, int cond, int a, int b);
 int fa_mod_aux(fa_mod *m, int slot, int ndim, const int *index); /* index: ndim node ids */
 /* Checks the program from root (its type, that a mask does not read score) and freezes it. */
 fa_status fa_mod_finish(fa_mod *m, int root, fa_mod_kind kind);
-/* The canonical text of a finished program; NULL (fa_last_error set) before fa_mod_finish. */
+/* The canonical text of a finished program, owned by m; NULL (fa_last_error set) before
+ * fa_mod_finish. */
 const char *fa_mod_text(const fa_mod *m);
 /* A finished program from its text; *out is NULL on failure. */
 fa_status fa_mod_parse(const char *text, fa_mod **out);
@@ -174,9 +177,11 @@ fa_status fa_mod_parse(const char *text, fa_mod **out);
  *   s_ij = scale * q_i . k_j                       scale = softmax_scale, default d^-0.5
  *   s_ij = softcap * tanh(s_ij / softcap)          when softcap > 0
  *   s_ij = s_ij - slope_h * |i + sk - sq - j|      when alibi_slopes is given
+ *   s_ij = score_mod(s_ij, b, h, i, j)             when score_mod is given (fa_mod above)
  *   key j is visible iff  i + sk - sq - left <= j <= i + sk - sq + right
  *     (window (left, right); -1 is unbounded on that side; causal sets right = 0; causal is
- *      aligned to the bottom-right corner of the score matrix)
+ *      aligned to the bottom-right corner of the score matrix) and mask_mod(b, h, i, j) is true
+ *     (when given)
  *   lse_i = log(sum over visible j of exp(s_ij) + exp(sink_h))  (sink term only with sinks)
  *   out_i = sum over visible j of exp(s_ij - lse_i) * keep_ij / (1 - dropout_p) * v_j
  * A row with no visible key and no sink gets out 0 and lse +inf (so does a row whose scores are
