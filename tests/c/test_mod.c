@@ -385,6 +385,29 @@ static void run_case(mcase *c, tu_rng *r, int use_parsed)
     if (strstr(text, "aux3"))
         a.mod_aux[3] = &aux3;
     check_run(c, &a, &out, &lse, want, want_lse, what);
+    if (has_builtin && (c->kind == K_CAUSAL || c->kind == K_WINDOW) && c->tq > 0) {
+        /* Dropout with a mask_mod drops the keys the built-in mask's call drops. */
+        char w2[200];
+        snprintf(w2, sizeof w2, "%s [dropout]", what);
+        builtin.dropout_p = a.dropout_p = tu_rng_uniform(r, 0.1, 0.6);
+        builtin.seed = a.seed = tu_rng_u64(r);
+        TU_CHECK(fa_attention_forward(&builtin) == FA_STATUS_OK, "%s: %s", w2, fa_last_error());
+        const int64_t n_out = c->tq * c->h * c->dv;
+        double *drop = malloc(sizeof(double) * (size_t)n_out);
+        int64_t idx[4] = {0, 0, 0, 0}, at = 0;
+        do
+            drop[at++] = fa_ref_load(&out.t, idx);
+        while (tu_next_index(&out.t, idx) && at < n_out);
+        double *drop_lse = calloc((size_t)(c->tq * c->h), sizeof(double));
+        for (int64_t x = 0; x < c->tq * c->h; x++) {
+            const int64_t row = x / c->h, hh = x % c->h;
+            int64_t dli[3] = {row / c->max_sq, hh, row % c->max_sq}, dlv[2] = {hh, row};
+            drop_lse[x] = fa_ref_load(&lse.t, c->varlen ? dlv : dli);
+        }
+        check_run(c, &a, &out, &lse, drop, drop_lse, w2);
+        free(drop);
+        free(drop_lse);
+    }
 
     fa_mod_destroy(built);
     fa_mod_destroy(parsed);
