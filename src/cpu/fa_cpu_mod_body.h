@@ -141,9 +141,11 @@ FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor 
 #undef FA_MOD_MAP1
 #undef FA_MOD_MAP2
 
-FA_CPU_CLONES void FA_FN(fa_cpu_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st,
-                                           int64_t ld, int64_t n, int64_t c0, int64_t c1,
-                                           const fa_cpu_mod_at *at)
+/* Cloned for AVX2 and AVX-512 as the kernels are; static, as clones must be to resolve under
+ * clang too, behind the exported fa_cpu_mod_apply below. */
+FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st,
+                                              int64_t ld, int64_t n, int64_t c0, int64_t c1,
+                                              const fa_cpu_mod_at *at)
 {
     const FA_REAL b = (FA_REAL)at->b, h = (FA_REAL)at->h;
     for (int64_t j = 0; j < n; j++) {
@@ -166,4 +168,10 @@ FA_CPU_CLONES void FA_FN(fa_cpu_mod_apply)(const fa_params *p, FA_REAL *buf, FA_
             }
         }
     }
+}
+
+void FA_FN(fa_cpu_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st, int64_t ld,
+                             int64_t n, int64_t c0, int64_t c1, const fa_cpu_mod_at *at)
+{
+    FA_FN(fa_mod_apply)(p, buf, st, ld, n, c0, c1, at);
 }
