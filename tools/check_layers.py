@@ -2,10 +2,11 @@
 """Checks the library's layering (Python 3 standard library only).
 
 Layers, low to high: util < core (and kernels/, the headers shared with NVRTC, and mod/, the
-score/mask programs core validates) < plan < cpu, cuda < api. Two kinds of arrow are read from src/ and kernels/: a file's #include "..." lines, and its
-uses of a function or variable that another file of src/ defines (a call through a declaration
-in a shared header is an arrow too). An arrow may point to its own layer or a lower one; cpu and
-cuda never point at each other. A module is a .c file with the .h of the same name; no two
+score/mask programs core validates) < plan < cpu, cuda < api. Two kinds of arrow are read from
+src/ and kernels/: a file's #include "..." lines, and its uses of a function or variable that
+another file of src/ defines (a call through a declaration in a shared header is an arrow too).
+An arrow may point to its own layer or a lower one (core, kernels and mod point at each other
+freely); cpu and cuda never point at each other. A module is a .c file with the .h of the same name; no two
 modules may point at each other, directly or around a longer circle.
 
 Usage: check_layers.py [ROOT] [--graph]. Exits 1, naming each file and arrow, on any violation;
