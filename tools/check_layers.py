@@ -5,7 +5,7 @@ Layers, low to high: util < core (and kernels/, the headers shared with NVRTC, a
 score/mask programs core validates) < plan < cpu, cuda < api. Two kinds of arrow are read from
 src/ and kernels/: a file's #include "..." lines, and its uses of a function or variable that
 another file of src/ defines (a call through a declaration in a shared header is an arrow too).
-An arrow may point to its own layer or a lower one (core, kernels and mod point at each other
+An arrow may point to its own layer or a lower one (core and kernels, and core and mod, point
 freely); cpu and cuda never point at each other. A module is a .c file with the .h of the same name; no two
 modules may point at each other, directly or around a longer circle.
 
