@@ -6,8 +6,8 @@ score/mask programs core validates) < plan < cpu, cuda < api. Two kinds of arrow
 src/ and kernels/: a file's #include "..." lines, and its uses of a function or variable that
 another file of src/ defines (a call through a declaration in a shared header is an arrow too).
 An arrow may point to its own layer or a lower one (core and kernels, and core and mod, point
-freely); cpu and cuda never point at each other. A module is a .c file with the .h of the same name; no two
-modules may point at each other, directly or around a longer circle.
+at each other too); cpu and cuda never point at each other. A module is a .c file with the .h
+of the same name; no two modules may point at each other, directly or around a longer circle.
 
 Usage: check_layers.py [ROOT] [--graph]. Exits 1, naming each file and arrow, on any violation;
 --graph prints the module dependency graph. check_layers.py --self-test checks the checker on a
