@@ -86,6 +86,81 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
                          const int64_t *stride);
 
 /*
+ * User-defined scoring (FlexAttention's score_mod and mask_mod) as a small expression program.
+ * Build one with fa_mod_create, add nodes (each call returns the node's id, >= 0, or -1 with
+ * fa_last_error() set), then fa_mod_finish it as a score_mod (root: a number, the new score) or
+ * a mask_mod (root: a boolean, true keeps the key). Nodes are numbers or booleans; every value
+ * is computed in the forward's compute precision (fp32, fp64 for fp64 inputs), so integers are
+ * exact up to 2^24 in fp32. Identical nodes are shared (the same id comes back).
+ *
+ * Variables: score (the scaled score, after softcap and ALiBi when those are given; score_mod
+ * only), b (the batch index; the sequence index in the varlen form), h (the query head), q_idx
+ * and kv_idx (positions within the sequence, from 0; causal's bottom-right alignment does not
+ * change them). Operations (numbers unless said): neg exp log tanh abs sqrt floor; not (bool);
+ * add sub mul div min max pow; mod (floor remainder, the sign of the divisor, as Python's %);
+ * lt le gt ge eq ne (numbers -> bool; false when either is NaN); and or (bool); where(cond, a,
+ * b) (a, b of one type). div is true division (floor(div) divides integers). aux(slot, ndim,
+ * index) reads the caller's tensor mod_aux[slot] (int32 or fp32, ndim 1..4 dims) at ndim number
+ * nodes, each floored and clamped into its dimension (never out of bounds). A finished program
+ * is read-only: calls on any number of threads may share it.
+ *
+ * fa_mod_text gives the finished program's canonical text, deterministic for a given expression
+ * whatever order it was built in, e.g. "mask: kv_idx; q_idx; le $0 $1" (statements in order,
+ * $i the result of statement i, the last one the root; constants as integers or as the 16 hex
+ * digits of their IEEE bits). fa_mod_parse reads it back into a finished program.
+ *
+ * In fa_attention_forward (CPU only, forward only so far; a CUDA device or the backward refuse
+ * it): score_mod runs after the softmax scale, softcap and ALiBi, on every visible key; a key
+ * where mask_mod is false is dropped, as if outside the window (so mask_mod is ANDed with causal
+ * and the window). A row whose keys are all masked gets out 0 and lse +inf. Dropout applies to
+ * the result as usual; probs cannot be combined with a mod.
+ */
+typedef struct fa_mod fa_mod;
+
+typedef enum fa_mod_variable {
+    FA_MOD_SCORE = 0,
+    FA_MOD_B = 1,
+    FA_MOD_H = 2,
+    FA_MOD_Q_IDX = 3,
+    FA_MOD_KV_IDX = 4,
+} fa_mod_variable;
+
+typedef enum fa_mod_op {
+    /* unary (fa_mod_unary) */
+    FA_MOD_NEG = 0, FA_MOD_EXP, FA_MOD_LOG, FA_MOD_TANH, FA_MOD_ABS, FA_MOD_SQRT, FA_MOD_FLOOR,
+    FA_MOD_NOT,
+    /* binary (fa_mod_binary) */
+    FA_MOD_ADD, FA_MOD_SUB, FA_MOD_MUL, FA_MOD_DIV, FA_MOD_MIN, FA_MOD_MAX, FA_MOD_POW,
+    FA_MOD_MOD, FA_MOD_LT, FA_MOD_LE, FA_MOD_GT, FA_MOD_GE, FA_MOD_EQ, FA_MOD_NE, FA_MOD_AND,
+    FA_MOD_OR,
+} fa_mod_op;
+
+typedef enum fa_mod_kind {
+    FA_MOD_KIND_SCORE = 1, /* root is a number: the new score */
+    FA_MOD_KIND_MASK = 2,  /* root is a boolean: false masks the key */
+} fa_mod_kind;
+
+#define FA_MOD_MAX_NODES 256
+#define FA_MOD_AUX_SLOTS 4
+
+/* A new, empty program (NULL when out of memory); fa_mod_destroy frees it (NULL is ignored). */
+fa_mod *fa_mod_create(void);
+void fa_mod_destroy(fa_mod *m);
+int fa_mod_var(fa_mod *m, fa_mod_variable var);
+int fa_mod_const(fa_mod *m, double value);
+int fa_mod_unary(fa_mod *m, fa_mod_op op, int a);
+int fa_mod_binary(fa_mod *m, fa_mod_op op, int a, int b);
+int fa_mod_where(fa_mod *m, int cond, int a, int b);
+int fa_mod_aux(fa_mod *m, int slot, int ndim, const int *index); /* index: ndim node ids */
+/* Checks the program from root (its type, that a mask does not read score) and freezes it. */
+fa_status fa_mod_finish(fa_mod *m, int root, fa_mod_kind kind);
+/* The canonical text of a finished program, owned by m; NULL (fa_last_error set) before
+ * fa_mod_finish. */
+const char *fa_mod_text(const fa_mod *m);
+/* A finished program from its text; *out is NULL on failure. */
+fa_status fa_mod_parse(const char *text, fa_mod **out);
+
+/*
  * Forward attention.
  *
  * Dense form (cu_seqlens_q and cu_seqlens_k NULL):
@@ -106,9 +181,11 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  *   s_ij = scale * q_i . k_j                       scale = softmax_scale, default d^-0.5
  *   s_ij = softcap * tanh(s_ij / softcap)          when softcap > 0
  *   s_ij = s_ij - slope_h * |i + sk - sq - j|      when alibi_slopes is given
+ *   s_ij = score_mod(s_ij, b, h, i, j)             when score_mod is given (fa_mod above)
  *   key j is visible iff  i + sk - sq - left <= j <= i + sk - sq + right
  *     (window (left, right); -1 is unbounded on that side; causal sets right = 0; causal is
- *      aligned to the bottom-right corner of the score matrix)
+ *      aligned to the bottom-right corner of the score matrix) and mask_mod(b, h, i, j) is true
+ *     (when given)
  *   lse_i = log(sum over visible j of exp(s_ij) + exp(sink_h))  (sink term only with sinks)
  *   out_i = sum over visible j of exp(s_ij - lse_i) * keep_ij / (1 - dropout_p) * v_j
  * A row with no visible key and no sink gets out 0 and lse +inf (so does a row whose scores are
@@ -170,6 +247,9 @@ typedef struct fa_fwd_args {
     const fa_tensor *q_descale; /* optional, fp8 only: fp32 [b, hk], any strides */
     const fa_tensor *k_descale; /* optional, fp8 only: fp32 [b, hk] */
     const fa_tensor *v_descale; /* optional, fp8 only: fp32 [b, hk] */
+    const fa_mod *score_mod; /* optional, finished as FA_MOD_KIND_SCORE (fa_mod above) */
+    const fa_mod *mask_mod;  /* optional, finished as FA_MOD_KIND_MASK */
+    const fa_tensor *mod_aux[FA_MOD_AUX_SLOTS]; /* what the mods read: int32 or fp32 */
 } fa_fwd_args;
 
 /* Sets every field to its default: no optional tensors, scale NaN, window (-1, -1), CPU. */

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Checks the library's layering (Python 3 standard library only).
 
-Layers, low to high: util < core (and kernels/, the headers shared with NVRTC) < plan < cpu, cuda
-< api. Two kinds of arrow are read from src/ and kernels/: a file's #include "..." lines, and its
-uses of a function or variable that another file of src/ defines (a call through a declaration
-in a shared header is an arrow too). An arrow may point to its own layer or a lower one; cpu and
-cuda never point at each other. A module is a .c file with the .h of the same name; no two
-modules may point at each other, directly or around a longer circle.
+Layers, low to high: util < core (and kernels/, the headers shared with NVRTC, and mod/, the
+score/mask programs core validates) < plan < cpu, cuda < api. Two kinds of arrow are read from
+src/ and kernels/: a file's #include "..." lines, and its uses of a function or variable that
+another file of src/ defines (a call through a declaration in a shared header is an arrow too).
+An arrow may point to its own layer or a lower one (core and kernels, and core and mod, point
+at each other too); cpu and cuda never point at each other. A module is a .c file with the .h
+of the same name; no two modules may point at each other, directly or around a longer circle.
 
 Usage: check_layers.py [ROOT] [--graph]. Exits 1, naming each file and arrow, on any violation;
 --graph prints the module dependency graph. check_layers.py --self-test checks the checker on a
@@ -16,7 +17,9 @@ import os
 import re
 import sys
 
-RANKS = {"util": 0, "core": 1, "kernels": 1, "plan": 2, "cpu": 3, "cuda": 3, "api": 4}
+RANKS = {"util": 0, "core": 1, "kernels": 1, "mod": 1, "plan": 2, "cpu": 3, "cuda": 3, "api": 4}
+# Layers of one rank that may point at each other (module cycles are still refused).
+PEERS = ({"core", "kernels"}, {"core", "mod"})
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 SOURCES = (".c", ".h", ".cu", ".cuh")
 
@@ -155,7 +158,7 @@ def upward(arrows):
             errors.append(f"{src}: not in a known layer (src/{{{','.join(RANKS)}}} or kernels/)")
         elif RANKS[b] > RANKS[a]:
             errors.append(f"{src}: {why} {dst}, an upward arrow ({a} -> {b})")
-        elif RANKS[b] == RANKS[a] and a != b and {a, b} != {"core", "kernels"}:
+        elif RANKS[b] == RANKS[a] and a != b and {a, b} not in PEERS:
             errors.append(f"{src}: {why} {dst}, a sideways arrow between backends ({a} -> {b})")
     return errors
 

@@ -135,6 +135,10 @@ class FaFwdArgs(ctypes.Structure):
         ("q_descale", _PT),
         ("k_descale", _PT),
         ("v_descale", _PT),
+        # user-defined scoring (fa_mod); not used from Python yet, present for the layout
+        ("score_mod", ctypes.c_void_p),
+        ("mask_mod", ctypes.c_void_p),
+        ("mod_aux", _PT * 4),
     ]
 
 

@@ -199,7 +199,8 @@ static fa_status fa_check_descale(const fa_tensor *t, const char *name, const fa
     return FA_STATUS_OK;
 }
 
-/* FA3's fp8 forward has no dropout, probs or backward; descales are fp8's alone. */
+/* FA3's fp8 forward has no dropout, probs or backward; descales are fp8's alone; the fp8 forward
+ * applies no user-defined scoring yet. */
 static fa_status fa_check_fp8(const fa_fwd_args *a, fa_params *p)
 {
     FA_TRY(fa_check_descale(a->q_descale, "q_descale", p, &p->q_descale, &p->qd_bstride,
@@ -214,6 +215,9 @@ static fa_status fa_check_fp8(const fa_fwd_args *a, fa_params *p)
         return FA_BAD("dropout_p: fp8 inputs have no dropout (as FA3), got %g", a->dropout_p);
     if (a->probs)
         return FA_BAD("probs: not available with fp8 inputs (as FA3)");
+    if (a->score_mod || a->mask_mod)
+        return FA_BAD("%s: not available with fp8 inputs yet",
+                      a->score_mod ? "score_mod" : "mask_mod");
     return FA_STATUS_OK;
 }
 
@@ -346,6 +350,7 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
     FA_TRY(fa_check_options(a, p));
     FA_TRY(fa_check_fp8(a, p));
     FA_TRY(fa_check_extras(a, p));
+    FA_TRY(fa_mod_check_call(a, &p->mods));
     FA_TRY(fa_check_writable(a->out, "out"));
     FA_TRY(fa_check_writable(a->lse, "lse"));
     FA_TRY(fa_check_writable(a->probs, "probs"));
@@ -380,6 +385,10 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
     fwd.probs = NULL; /* a forward-only debugging output */
     if (!fwd.lse)
         return FA_BAD("lse: the backward needs the forward's lse (fwd->lse)");
+    if (fwd.score_mod || fwd.mask_mod)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "%s: the backward of user-defined scoring "
+                            "is not implemented yet (forward only)",
+                            fwd.score_mod ? "score_mod" : "mask_mod");
     FA_TRY(fa_params_from_fwd_args(&fwd, p));
     if (fa_dtype_is_fp8(p->dtype))
         return fa_error_set(FA_STATUS_UNSUPPORTED,

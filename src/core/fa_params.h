@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "core/fa_error.h"
+#include "mod/fa_mod.h"
 #include "fa_rules.h"
 
 /*
@@ -141,6 +142,8 @@ typedef struct fa_params {
     int64_t dv_bstride, dv_rstride, dv_hstride;
     float *dsinks; /* [h] */
     int64_t dsinks_stride;
+
+    fa_mod_call mods; /* forward: user-defined scoring (mod/fa_mod.h) */
 } fa_params;
 
 static inline void fa_params_lse_store(const fa_params *p, int64_t at, double value)

@@ -1,5 +1,6 @@
 /*
- * CPU forward: few query rows run the decode schedule (fa_plan_few_rows, fa_cpu_decode.c).
+ * CPU forward: few query rows run the decode schedule (fa_plan_few_rows, fa_cpu_decode.c;
+ * calls with user-defined scoring never do, the mods are evaluated in the tiles below).
  * Otherwise the problem is cut into (sequence, head, query tile) items handed to the thread
  * pool, longest first. Each item is computed start to finish by one thread in a fixed order, so
  * results are bitwise identical for any thread count. bf16 on bf16 products first packs K and V
@@ -17,6 +18,7 @@
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
 #include "cpu/fa_cpu_log.h"
+#include "cpu/fa_cpu_mod.h"
 #include "plan/fa_plan.h"
 #include "util/fa_memory.h"
 #include "util/fa_threadpool.h"
@@ -84,6 +86,7 @@ typedef struct fa_cpu_job {
     int workers;           /* bf16: threads of the pass, each owning heads */
     char *scratch;       /* one region per thread */
     size_t scratch_size; /* bytes per thread */
+    size_t mod_offset;   /* where in a thread's region the mods' scratch starts */
     int64_t h0, nh;
     /* bf16 products: the packed K/V blocks (fa_cpu_fwd_bf16.h) of the pass's kv heads, by
      * sequence, then kv head, then block (fa_cpu_kv_pair) */
@@ -173,13 +176,18 @@ static void fa_cpu_forward_item(const fa_cpu_job *job, const fa_cpu_chunk *c, in
         return;
     }
 #endif
+    const fa_cpu_mod_at at = {c->seq, h, c->r0, 0};
     if (p->dtype == FA_DTYPE_F64) {
         fa_tile_f64 t;
         FA_TILE_CARVE(double, t, base, p, job->bm);
+        t.mod_buf = (double *)(base + job->mod_offset);
+        t.mod_at = at;
         fa_cpu_tile_f64(p, &t, c->seq, h, c->r0, c->m);
     } else {
         fa_tile_f32 t;
         FA_TILE_CARVE(float, t, base, p, job->bm);
+        t.mod_buf = (float *)(base + job->mod_offset);
+        t.mod_at = at;
         fa_cpu_tile_f32(p, &t, c->seq, h, c->r0, c->m);
     }
 }
@@ -193,11 +201,11 @@ static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
 }
 
 /* The bf16 product kernels where the inputs are bf16 and the CPU has them; NULL: the fp32 tile
- * (fa_cpu_fwd_body.h). */
+ * (fa_cpu_fwd_body.h), which also serves bf16 calls with user-defined scoring. */
 static const fa_cpu_bf16_kernel *fa_cpu_forward_bf16_kernel(const fa_params *p)
 {
 #if defined(FA_CPU_HAS_BF16)
-    if (p->dtype == FA_DTYPE_BF16)
+    if (p->dtype == FA_DTYPE_BF16 && !p->mods.score_mod && !p->mods.mask_mod)
         return fa_cpu_bf16_kernel_get();
 #endif
     (void)p;
@@ -359,6 +367,8 @@ fa_status fa_cpu_forward(const fa_params *p)
     if ((job.bf16 = fa_cpu_forward_bf16_kernel(p)) != NULL)
         job.scratch_size = fa_bf16_scratch_size(p);
 #endif
+    job.mod_offset = job.scratch_size;
+    job.scratch_size += fa_cpu_mod_scratch_size(p, real_size);
     /* Thread tiles and packed K/V in one kept workspace (util/fa_memory.h). */
     const size_t scratch_bytes = job.scratch_size * (size_t)threads;
     size_t kv_bytes = 0;

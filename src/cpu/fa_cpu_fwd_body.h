@@ -31,6 +31,10 @@ typedef struct FA_FN(fa_tile) {
     FA_REAL *hi;   /* [bm] one past the last visible key */
     FA_REAL *diag; /* [bm] the key on each row's diagonal, i + sk - sq */
     FA_REAL *bmax; /* [bm] block maximum, then the maximum used for exp */
+    /* User-defined scoring only (p->mods.score_mod, p->mods.mask_mod): the evaluator's scratch
+     * (fa_cpu_mod_scratch_size) and the tile's sequence, head and first query row. */
+    FA_REAL *mod_buf;
+    fa_cpu_mod_at mod_at;
 } FA_FN(fa_tile);
 
 /*
@@ -109,6 +113,17 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
             for (int64_t i = c0; i < c1; i++)
                 st[j * ld + i] = FA_RULE_SOFTCAP(st[j * ld + i], inv, cap, FA_TANHV);
         mul = 1;
+    }
+    if (p->mods.score_mod || p->mods.mask_mod) {
+        /* The mods see the final scaled score (after softcap and ALiBi) of every key. */
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = c0; i < c1; i++)
+                st[j * ld + i] = st[j * ld + i] * mul -
+                                 FA_RULE_ALIBI(slope, diag[i] - (FA_REAL)(j0 + j));
+        t->mod_at.j0 = j0;
+        FA_FN(fa_cpu_mod_apply)(p, t->mod_buf, st, ld, n, c0, c1, &t->mod_at);
+        mul = 1;
+        slope = 0;
     }
     for (int64_t i = c0; i < c1; i++)
         bmax[i] = -(FA_REAL)INFINITY;

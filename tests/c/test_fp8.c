@@ -417,6 +417,17 @@ static void test_refusals(tu_rng *r)
     s.a.dropout_p = 0.1;
     expect(fa_attention_forward(&s.a), FA_STATUS_INVALID_ARGUMENT, "dropout_p", "dropout");
     s.a.dropout_p = 0;
+
+    /* no user-defined scoring with fp8 yet: refused, not ignored */
+    fa_mod *m = fa_mod_create();
+    const int root = fa_mod_binary(m, FA_MOD_GE, fa_mod_var(m, FA_MOD_Q_IDX),
+                                   fa_mod_var(m, FA_MOD_KV_IDX));
+    TU_CHECK(m && fa_mod_finish(m, root, FA_MOD_KIND_MASK) == FA_STATUS_OK, "mask_mod: %s",
+             fa_last_error());
+    s.a.mask_mod = m;
+    expect(fa_attention_forward(&s.a), FA_STATUS_INVALID_ARGUMENT, "mask_mod", "fp8 mask_mod");
+    s.a.mask_mod = NULL;
+    fa_mod_destroy(m);
     const int64_t shp[4] = {2, 4, 128, 128};
     tu_tensor probs = tu_tensor_new(FA_DTYPE_F8E4M3, 4, shp, TU_CONTIGUOUS, r);
     s.a.probs = &probs.t;

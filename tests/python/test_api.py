@@ -130,7 +130,7 @@ def test_structs_match_header():
     for line in body.splitlines()[1:]:
         line = line.split("/*")[0].strip()
         if line:
-            c_fields.append(line.rstrip(";").split()[-1].lstrip("*"))
+            c_fields.append(line.rstrip(";").split()[-1].lstrip("*").split("[")[0])
     assert [f[0] for f in _lib.FaFwdArgs._fields_] == c_fields
     body = header[header.index("typedef struct fa_bwd_args {"):]
     body = body[:body.index("} fa_bwd_args;")]

@@ -1,0 +1,245 @@
+/*
+ * test_mod: user-defined scoring (fa_mod: score_mod, mask_mod) on the CPU forward.
+ *
+ * Builder and call errors name the problem; the canonical text reads back to the same text and
+ * does not depend on the order a program was built in. Forward runs with mods
+ * (test_mod_forward.c) are checked against a double-precision oracle written in plain C from
+ * the intended mask or score (not through the library's evaluator), and, where a built-in
+ * option means the same (causal, window, softcap, ALiBi), against the library's built-in path.
+ * fp32, bf16, fp16, fp64; dense and varlen; GQA; fresh random inputs and poisoned outputs.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "flashattn.h"
+#include "test_mod.h"
+#include "test_util.h"
+
+/* ---- errors --------------------------------------------------------------------------------- */
+
+/* status is not OK and the message contains w1 and w2 (each may be NULL). */
+static void expect_error(fa_status st, const char *what, const char *w1, const char *w2)
+{
+    const char *msg = fa_last_error();
+    TU_CHECK(st != FA_STATUS_OK, "%s: accepted", what);
+    TU_CHECK(w1 == NULL || strstr(msg, w1), "%s: message '%s' lacks '%s'", what, msg, w1);
+    TU_CHECK(w2 == NULL || strstr(msg, w2), "%s: message '%s' lacks '%s'", what, msg, w2);
+}
+
+/* A node constructor returned -1 with a message containing w1 and w2. */
+#define EXPECT_ID_ERROR(expr, w1, w2)                                                            \
+    expect_error((expr) < 0 ? FA_STATUS_INVALID_ARGUMENT : FA_STATUS_OK, #expr, w1, w2)
+
+static void test_builder_errors(void)
+{
+    tu_where = "builder errors";
+    fa_mod *m = fa_mod_create();
+    const int q = V(Q_IDX), k = V(KV_IDX), s = V(SCORE), lt = B(LT, q, k);
+    TU_CHECK(q >= 0 && k >= 0 && s >= 0 && lt >= 0, "plain nodes failed: %s", fa_last_error());
+    TU_CHECK(V(Q_IDX) == q && B(LT, q, k) == lt, "identical nodes are not shared");
+    EXPECT_ID_ERROR(B(ADD, lt, q), "operand 1 of add", "boolean");
+    EXPECT_ID_ERROR(B(AND, lt, q), "operand 2 of and", "number");
+    EXPECT_ID_ERROR(U(EXP, 99), "99", "not a node");
+    EXPECT_ID_ERROR(U(EXP, -1), "-1", "not a node");
+    EXPECT_ID_ERROR(U(ADD, q), "not a unary", NULL);
+    EXPECT_ID_ERROR(B(NEG, q, k), "not a binary", NULL);
+    EXPECT_ID_ERROR(fa_mod_var(m, (fa_mod_variable)9), "var", NULL);
+    EXPECT_ID_ERROR(fa_mod_where(m, q, q, k), "cond", "boolean");
+    EXPECT_ID_ERROR(fa_mod_where(m, lt, q, lt), "b (node", "number");
+    EXPECT_ID_ERROR(fa_mod_aux(m, 4, 1, &q), "slot", NULL);
+    EXPECT_ID_ERROR(fa_mod_aux(m, 0, 5, &q), "ndim", NULL);
+    EXPECT_ID_ERROR(fa_mod_aux(m, 0, 1, &lt), "index[0]", "boolean");
+    TU_CHECK(fa_mod_aux(m, 0, 1, &q) >= 0, "aux read failed: %s", fa_last_error());
+    const int two[2] = {q, k};
+    EXPECT_ID_ERROR(fa_mod_aux(m, 0, 2, two), "slot 0", "1 indices");
+    TU_CHECK(fa_mod_text(m) == NULL && strstr(fa_last_error(), "not finished"),
+             "text of an unfinished program");
+    expect_error(fa_mod_finish(m, q, FA_MOD_KIND_MASK), "mask root a number", "root of a mask_mod",
+                 "boolean");
+    expect_error(fa_mod_finish(m, lt, FA_MOD_KIND_SCORE), "score root a boolean",
+                 "root of a score_mod", "number");
+    expect_error(fa_mod_finish(m, 1000, FA_MOD_KIND_SCORE), "root out of range", "1000", NULL);
+    expect_error(fa_mod_finish(m, q, (fa_mod_kind)7), "bad kind", "kind", NULL);
+    const int reads_score = B(LT, s, C(0));
+    expect_error(fa_mod_finish(m, B(AND, lt, reads_score), FA_MOD_KIND_MASK), "mask reads score",
+                 "may not read score", NULL);
+    TU_CHECK(fa_mod_finish(m, lt, FA_MOD_KIND_MASK) == FA_STATUS_OK, "finish: %s", fa_last_error());
+    EXPECT_ID_ERROR(V(H), "finished", NULL);
+    expect_error(fa_mod_finish(m, lt, FA_MOD_KIND_MASK), "finish twice", "finished", NULL);
+    fa_mod_destroy(m);
+
+    m = fa_mod_create();
+    int last = 0;
+    for (int i = 0; i < FA_MOD_MAX_NODES; i++)
+        last = C(i);
+    TU_CHECK(last == FA_MOD_MAX_NODES - 1, "could not build FA_MOD_MAX_NODES nodes");
+    TU_CHECK(C(0) == 0, "an existing constant is new");
+    EXPECT_ID_ERROR(C(-1), "FA_MOD_MAX_NODES", NULL);
+    fa_mod_destroy(m);
+    EXPECT_ID_ERROR(fa_mod_var(NULL, FA_MOD_H), "NULL", NULL);
+}
+
+static void test_text(void)
+{
+    tu_where = "text";
+    /* One expression built in two orders (and with unused nodes) has one text. */
+    fa_mod *m = fa_mod_create(), *m2 = fa_mod_create();
+    const int x = C(-0.0), y = C(0.1), z = C(-7);
+    (void)x;
+    int root = B(ADD, B(MUL, V(SCORE), y), B(MOD, V(KV_IDX), z));
+    TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s", fa_last_error());
+    {
+        fa_mod *keep = m;
+        m = m2;
+        const int kk = V(KV_IDX), zz = C(-7), ss = V(SCORE), yy = C(0.1);
+        root = B(ADD, B(MUL, ss, yy), B(MOD, kk, zz));
+        TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s", fa_last_error());
+        m = keep;
+    }
+    const char *want = "score: score; const 0x3fb999999999999a; mul $0 $1; kv_idx; const -7; mod "
+                       "$3 $4; add $2 $5";
+    TU_CHECK(strcmp(fa_mod_text(m), want) == 0, "text '%s', want '%s'", fa_mod_text(m), want);
+    TU_CHECK(strcmp(fa_mod_text(m2), want) == 0, "other order: '%s'", fa_mod_text(m2));
+    fa_mod *p = NULL;
+    TU_CHECK(fa_mod_parse(want, &p) == FA_STATUS_OK && strcmp(fa_mod_text(p), want) == 0,
+             "round trip: %s", fa_last_error());
+    fa_mod_destroy(p);
+    fa_mod_destroy(m);
+    fa_mod_destroy(m2);
+
+    /* -0 and NaN constants keep their bits; a where of booleans; aux reads. */
+    const char *texts[] = {
+        "mask: q_idx; kv_idx; le $0 $1; const 0x8000000000000000; lt $1 $3; where $2 $4 $2",
+        "score: score; const 0x7ff8000000000000; add $0 $1",
+        "mask: b; aux2 $0; h; q_idx; aux3 $2 $3 $1 $1; eq $1 $4; not $5",
+    };
+    for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+        p = NULL;
+        fa_status st = fa_mod_parse(texts[i], &p);
+        TU_CHECK(st == FA_STATUS_OK && strcmp(fa_mod_text(p), texts[i]) == 0,
+                 "round trip of '%s' gives '%s' (%s)", texts[i], p ? fa_mod_text(p) : "-",
+                 fa_last_error());
+        fa_mod_destroy(p);
+    }
+    static const struct {
+        const char *text, *w1, *w2;
+    } bad[] = {
+        {"q_idx; kv_idx; le $0 $1", "score:", NULL},
+        {"masks: q_idx", "masks", NULL},
+        {"mask: q_idx; kv_idx; lq $0 $1", "unknown operation 'lq'", NULL},
+        {"mask: q_idx; kv_idx; le $0 $2", "$2", "statement 2"},
+        {"mask: q_idx; kv_idx; le $0", "needs 2 operands", NULL},
+        {"mask: q_idx; kv_idx; add $0 $1", "root of a mask_mod", NULL},
+        {"mask: score; const 0; lt $0 $1", "may not read score", NULL},
+        {"score: q_idx; const 1.5; add $0 $1", "1.5", NULL},
+        {"score: q_idx; kv_idx; lt $0 $1; add $0 $2", "statement 3", "boolean"},
+        {"score: q_idx; aux7 $0", "slot", NULL},
+        {"mask:", "no statements", NULL},
+        {"mask: q_idx;; kv_idx", "statement 1", NULL},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        p = (fa_mod *)&p;
+        expect_error(fa_mod_parse(bad[i].text, &p), bad[i].text, bad[i].w1, bad[i].w2);
+        TU_CHECK(p == NULL, "%s: out not NULL after a failure", bad[i].text);
+    }
+}
+
+static void test_call_errors(tu_rng *r)
+{
+    tu_where = "call errors";
+    int64_t qs[4] = {1, 20, 2, 16};
+    tu_tensor q = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor k = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor v = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor out = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    int64_t ls[3] = {1, 2, 20};
+    tu_tensor lse = tu_tensor_new(FA_DTYPE_F32, 3, ls, TU_CONTIGUOUS, r);
+    tu_fill_uniform(&q, r, -1, 1);
+    tu_fill_uniform(&k, r, -1, 1);
+    tu_fill_uniform(&v, r, -1, 1);
+    fa_fwd_args a;
+    fa_fwd_args_init(&a);
+    a.q = &q.t, a.k = &k.t, a.v = &v.t, a.out = &out.t, a.lse = &lse.t;
+
+    fa_mod *m = fa_mod_create(), *open = fa_mod_create(), *mask = fa_mod_create();
+    const int hv = V(H), bias = fa_mod_aux(m, 1, 1, &hv);
+    TU_CHECK(fa_mod_finish(m, B(ADD, V(SCORE), bias), FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s",
+             fa_last_error());
+    {
+        fa_mod *keep = m;
+        m = mask;
+        TU_CHECK(fa_mod_finish(m, B(LE, V(KV_IDX), V(Q_IDX)), FA_MOD_KIND_MASK) == FA_STATUS_OK,
+                 "%s", fa_last_error());
+        m = keep;
+    }
+    float hbias[2] = {0.5f, -0.25f};
+    int64_t two[1] = {2}, ts[2] = {2, 1};
+    fa_tensor aux = fa_tensor_make(hbias, FA_DTYPE_F32, 1, two, NULL);
+    fa_tensor aux2d = fa_tensor_make(hbias, FA_DTYPE_F32, 2, ts, NULL);
+    fa_tensor auxf16 = fa_tensor_make(hbias, FA_DTYPE_F16, 1, two, NULL);
+
+    tu_poison(&out);
+    a.score_mod = open;
+    expect_error(fa_attention_forward(&a), "unfinished", "score_mod", "not finished");
+    a.score_mod = mask;
+    expect_error(fa_attention_forward(&a), "mask as score", "score_mod", "FA_MOD_KIND_SCORE");
+    a.score_mod = NULL;
+    a.mask_mod = m;
+    expect_error(fa_attention_forward(&a), "score as mask", "mask_mod", "FA_MOD_KIND_MASK");
+    a.mask_mod = NULL;
+    a.score_mod = m;
+    expect_error(fa_attention_forward(&a), "aux missing", "mod_aux[1]", "NULL");
+    a.mod_aux[1] = &auxf16;
+    expect_error(fa_attention_forward(&a), "aux fp16", "mod_aux[1]", "int32 or fp32");
+    a.mod_aux[1] = &aux2d;
+    expect_error(fa_attention_forward(&a), "aux 2-d", "mod_aux[1]", "2 dims");
+    a.mod_aux[1] = &aux;
+    a.mod_aux[2] = &aux;
+    expect_error(fa_attention_forward(&a), "aux unread", "mod_aux[2]", "reads it");
+    a.mod_aux[2] = NULL;
+    tu_tensor probs = tu_tensor_new(FA_DTYPE_F32, 4, (int64_t[4]){1, 2, 20, 20}, TU_CONTIGUOUS, r);
+    a.probs = &probs.t;
+    expect_error(fa_attention_forward(&a), "probs", "probs", "score_mod");
+    a.probs = NULL;
+    TU_CHECK(tu_count_poisoned_in_view(&out) == tu_numel(&out.t),
+             "a refused call wrote out");
+    a.device = 0;
+    fa_status st = fa_attention_forward(&a);
+    TU_CHECK(st != FA_STATUS_OK, "a mod on a CUDA device was accepted");
+    if (fa_cuda_device_count() > 0)
+        expect_error(st, "CUDA", "score_mod", "CPU only");
+    a.device = FA_DEVICE_CPU;
+
+    /* Valid: out is written; the backward refuses mods. */
+    TU_CHECK(fa_attention_forward(&a) == FA_STATUS_OK, "valid call: %s", fa_last_error());
+    tu_tensor dout = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor dq = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor dk = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor dv = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_fill_uniform(&dout, r, -1, 1);
+    fa_bwd_args ba;
+    fa_bwd_args_init(&ba);
+    ba.fwd = &a, ba.dout = &dout.t, ba.dq = &dq.t, ba.dk = &dk.t, ba.dv = &dv.t;
+    st = fa_attention_backward(&ba);
+    TU_CHECK(st == FA_STATUS_UNSUPPORTED, "backward with score_mod: status %d", (int)st);
+    expect_error(st, "backward", "score_mod", "backward");
+
+    fa_mod_destroy(m);
+    fa_mod_destroy(open);
+    fa_mod_destroy(mask);
+    tu_tensor *all[] = {&q, &k, &v, &out, &lse, &probs, &dout, &dq, &dk, &dv};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        tu_tensor_free(all[i]);
+}
+
+int main(void)
+{
+    tu_rng rng = {tu_master_seed("test_mod")};
+    test_builder_errors();
+    test_text();
+    test_call_errors(&rng);
+    tm_test_forward(&rng);
+    return tu_finish("test_mod");
+}
