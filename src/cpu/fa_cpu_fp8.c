@@ -29,8 +29,9 @@ typedef struct fa_fp8_job {
     const fa_params *p;
     const fa_fp8_chunk *chunks;
     float table[256];    /* every fp8 code's value */
-    float *scratch;      /* per thread: scores [max_sk], q row [d], accumulator [dv] */
+    float *scratch;      /* per thread: scores [keys], q row [d], accumulator [dv] */
     size_t scratch_size; /* floats per thread */
+    int64_t keys;        /* the most keys a row sees (at least 1) */
 } fa_fp8_job;
 
 static float fa_fp8_descale(const float *t, int64_t bstride, int64_t hstride, int64_t b,
@@ -48,10 +49,13 @@ static void fa_fp8_row(const fa_fp8_job *job, int64_t seq_index, const fa_seq *s
     const int64_t hk = h / (p->h / p->hk), d = p->d, dv = p->dv;
     const uint8_t *q = (const uint8_t *)p->q + seq_index * p->q_bstride +
                        (seq->q_start + row) * p->q_rstride + h * p->q_hstride;
-    const uint8_t *k = (const uint8_t *)p->k + seq_index * p->k_bstride +
-                       seq->k_start * p->k_rstride + hk * p->k_hstride;
-    const uint8_t *v = (const uint8_t *)p->v + seq_index * p->v_bstride +
-                       seq->k_start * p->v_rstride + hk * p->v_hstride;
+    /* Without keys k and v may be empty, their data NULL: no address is formed from them. */
+    const uint8_t *k = seq->sk == 0 ? NULL
+                                    : (const uint8_t *)p->k + seq_index * p->k_bstride +
+                                          seq->k_start * p->k_rstride + hk * p->k_hstride;
+    const uint8_t *v = seq->sk == 0 ? NULL
+                                    : (const uint8_t *)p->v + seq_index * p->v_bstride +
+                                          seq->k_start * p->v_rstride + hk * p->v_hstride;
     /* FA3 folds q_descale * k_descale into the softmax scale (or softcap's pre-factor) and
      * v_descale into the final 1 / l. */
     const double qk_descale =
@@ -139,7 +143,7 @@ static void fa_fp8_task(void *ctx, int64_t item, int thread)
     const int64_t h = item % p->h;
     const fa_seq seq = fa_params_seq(p, c->seq);
     float *s = job->scratch + (size_t)thread * job->scratch_size;
-    float *qf = s + (p->max_sk > 0 ? p->max_sk : 1);
+    float *qf = s + job->keys;
     float *acc = qf + p->d;
     for (int64_t r = c->r0; r < c->r0 + c->m; r++)
         fa_fp8_row(job, c->seq, &seq, h, r, s, qf, acc);
@@ -175,7 +179,11 @@ fa_status fa_cpu_forward_fp8(const fa_params *p)
     const int64_t n_items = n_chunks * p->h;
     const int threads = p->num_threads < n_items ? p->num_threads : (int)n_items;
     fa_fp8_job job = {.p = p};
-    job.scratch_size = (size_t)((p->max_sk > 0 ? p->max_sk : 1) + p->d + p->dv);
+    /* A row's scores: at most max_sk keys, and a varlen sequence's keys lie within k's rows
+     * (max_seqlen_k may claim far more than k holds). */
+    const int64_t keys = p->is_varlen && p->total_k < p->max_sk ? p->total_k : p->max_sk;
+    job.keys = keys > 0 ? keys : 1;
+    job.scratch_size = (size_t)(job.keys + p->d + p->dv);
     fa_fp8_chunk *chunks = malloc((size_t)n_chunks * sizeof *chunks);
     job.scratch = malloc(job.scratch_size * (size_t)threads * sizeof(float));
     fa_status st = FA_STATUS_OK;

@@ -8,12 +8,107 @@
 
 /* ---- entry points ------------------------------------------------------------------------ */
 
+static int fz_is_fp8(fa_dtype dt) { return dt == FA_DTYPE_F8E4M3 || dt == FA_DTYPE_F8E5M2; }
+
+/* A random score_mod or mask_mod program: builder calls with ids, ops, variables, aux slots and
+ * dimensions drawn around and past their valid ranges (each refused call returns -1), finished
+ * on a random root most of the time; *finished says whether fa_mod_finish accepted it. */
+static fa_mod *fz_mod(fz_case *c, fa_mod_kind kind, int *finished)
+{
+    static const double odd[] = {NAN, INFINITY, -INFINITY, 1e300, -0.0, 4294967296.5};
+    fz_src *s = c->src;
+    *finished = 0;
+    fa_mod *m = fa_mod_create();
+    if (!m)
+        return NULL;
+    int n = 0, last = -1;
+    const int steps = (int)fz_range(s, 1, 12);
+    for (int i = 0; i < steps; i++) {
+        const int a = (int)fz_range(s, -1, n), b = (int)fz_range(s, -1, n);
+        const int w = (int)fz_range(s, -1, n);
+        int id;
+        switch (fz_below(s, 6)) {
+        case 0: id = fa_mod_var(m, (fa_mod_variable)fz_range(s, -1, 5)); break;
+        case 1: id = fa_mod_const(m, fz_chance(s, 90) ? fz_uniform(s, -4, 4) : FZ_PICK(s, odd)); break;
+        case 2: id = fa_mod_unary(m, (fa_mod_op)fz_range(s, -1, FA_MOD_OR + 1), a); break;
+        case 3: id = fa_mod_binary(m, (fa_mod_op)fz_range(s, -1, FA_MOD_OR + 1), a, b); break;
+        case 4: id = fa_mod_where(m, a, b, w); break;
+        default: {
+            const int index[5] = {a, b, w, a, b}; /* room for every ndim drawn */
+            id = fa_mod_aux(m, (int)fz_range(s, -1, FA_MOD_AUX_SLOTS), (int)fz_range(s, 0, 5),
+                            index);
+        }
+        }
+        if (id >= 0) {
+            last = id;
+            n = id + 1 > n ? id + 1 : n;
+        }
+    }
+    const int root = fz_chance(s, 90) ? last : (int)fz_range(s, -1, n);
+    *finished = fz_chance(s, 90) && fa_mod_finish(m, root, kind) == FA_STATUS_OK;
+    fz_note(c, " %s %s", kind == FA_MOD_KIND_SCORE ? "score_mod" : "mask_mod",
+            *finished ? fa_mod_text(m) : "(unfinished)");
+    return m;
+}
+
+/* Now and then a score_mod and a mask_mod with aux tensors; an unfinished program must be
+ * refused, and a score_mod's own arithmetic may give non-finite outputs. */
+static void fz_mods(fz_case *c, fa_fwd_args *a)
+{
+    fz_src *s = c->src;
+    for (int i = 0; i < 2; i++) {
+        if (!fz_chance(s, 8))
+            continue;
+        int finished;
+        fa_mod *m = fz_mod(c, i == 0 ? FA_MOD_KIND_SCORE : FA_MOD_KIND_MASK, &finished);
+        if (!m)
+            continue;
+        c->mods[i] = m;
+        c->must_fail |= !finished;
+        if (i == 0)
+            a->score_mod = m, c->nonfinite = 1;
+        else
+            a->mask_mod = m;
+    }
+    for (int slot = 0; slot < FA_MOD_AUX_SLOTS && (c->mods[0] || c->mods[1]); slot++) {
+        if (!fz_chance(s, 40))
+            continue;
+        const int nd = (int)fz_range(s, 1, 4);
+        int64_t shape[4];
+        for (int j = 0; j < nd; j++)
+            shape[j] = fz_range(s, 0, 5);
+        const int is_int = fz_chance(s, 50);
+        a->mod_aux[slot] = fz_tensor(c, "mod_aux", is_int ? FA_DTYPE_I32 : FA_DTYPE_F32, nd, shape,
+                                     is_int ? FZ_IDX : FZ_IN);
+    }
+}
+
+/* fp8 inputs: a 16-bit out most of the time (fp8 has no fp8 out), and FA3's descales; descales
+ * now and then on other inputs too, which must refuse them. */
+static void fz_fp8(fz_case *c, fa_fwd_args *a, const fz_dims *p)
+{
+    fz_src *s = c->src;
+    const int fp8 = fz_is_fp8(p->dt);
+    const int64_t ds[2] = {p->b, p->hk};
+    const fa_tensor **descales[3] = {&a->q_descale, &a->k_descale, &a->v_descale};
+    static const char *const names[3] = {"q_descale", "k_descale", "v_descale"};
+    for (int i = 0; i < 3; i++)
+        if (fz_chance(s, fp8 ? 40 : 3)) {
+            *descales[i] = fz_tensor(c, names[i], FA_DTYPE_F32, 2, ds, FZ_IN);
+            c->must_fail |= !fp8;
+        }
+}
+
 /* Dense or varlen forward arguments over fresh tensors; lse always (the backward needs it). */
 static void fz_fwd_args(fz_case *c, fa_fwd_args *a, int varlen, int for_backward)
 {
     fz_src *s = c->src;
     fz_dims p = fz_problem(c);
     fa_fwd_args_init(a);
+    /* fp8 inputs write a 16-bit out (an fp8 out is refused) */
+    const fa_dtype odt = fz_is_fp8(p.dt) && fz_chance(s, 85)
+                             ? (fz_chance(s, 70) ? FA_DTYPE_BF16 : FA_DTYPE_F16)
+                             : p.dt;
     if (!varlen) {
         const int64_t qs[4] = {p.b, p.sq, p.h, p.d}, ks[4] = {p.b, p.sk, p.hk, p.d},
                       vs[4] = {p.b, p.sk, p.hk, p.dv}, os[4] = {p.b, p.sq, p.h, p.dv},
@@ -21,7 +116,7 @@ static void fz_fwd_args(fz_case *c, fa_fwd_args *a, int varlen, int for_backward
         a->q = fz_tensor(c, "q", p.dt, 4, qs, FZ_IN);
         a->k = fz_tensor(c, "k", p.dt, 4, ks, FZ_IN);
         a->v = fz_tensor(c, "v", p.dt, 4, vs, FZ_IN);
-        a->out = fz_tensor(c, "out", p.dt, 4, os, FZ_OUT);
+        a->out = fz_tensor(c, "out", odt, 4, os, FZ_OUT);
         if (for_backward || fz_chance(s, 80))
             a->lse = fz_tensor(c, "lse", fz_lse_dtype(s, p.dt), 3, ls, FZ_OUT);
     } else {
@@ -46,7 +141,7 @@ static void fz_fwd_args(fz_case *c, fa_fwd_args *a, int varlen, int for_backward
         a->q = fz_tensor(c, "q", p.dt, 3, qs, FZ_IN);
         a->k = fz_tensor(c, "k", p.dt, 3, ks, FZ_IN);
         a->v = fz_tensor(c, "v", p.dt, 3, vs, FZ_IN);
-        a->out = fz_tensor(c, "out", p.dt, 3, os, FZ_OUT);
+        a->out = fz_tensor(c, "out", odt, 3, os, FZ_OUT);
         if (for_backward || fz_chance(s, 80))
             a->lse = fz_tensor(c, "lse", fz_lse_dtype(s, p.dt), 2, ls, FZ_OUT);
         const fa_tensor *cq = fz_tensor(c, "cu_seqlens_q", FA_DTYPE_I32, 1, cs, FZ_IDX);
@@ -117,6 +212,8 @@ static void fz_fwd_args(fz_case *c, fa_fwd_args *a, int varlen, int for_backward
     a->offset = fz_chance(s, 90) ? fz_below(s, 1000) : UINT64_MAX - fz_below(s, 4);
     a->device = fz_device(c);
     a->num_threads = fz_threads(c);
+    fz_fp8(c, a, &p);
+    fz_mods(c, a);
 }
 
 static void fz_forward(fz_case *c, int varlen)
@@ -420,6 +517,8 @@ int fz_run_case(fz_src *s)
         fz_misc(c);
     for (int i = 0; i < c->n_tensors; i++)
         free(c->allocs[i]);
+    fa_mod_destroy(c->mods[0]);
+    fa_mod_destroy(c->mods[1]);
     const int accepted = c->accepted;
     free(c);
     return accepted;

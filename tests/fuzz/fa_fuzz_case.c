@@ -398,8 +398,10 @@ int fz_device(fz_case *c)
 
 fa_dtype fz_float_dtype(fz_src *s)
 {
-    static const fa_dtype dts[] = {FA_DTYPE_F32, FA_DTYPE_F32, FA_DTYPE_F16, FA_DTYPE_BF16,
-                                   FA_DTYPE_BF16, FA_DTYPE_F64};
+    static const fa_dtype dts[] = {FA_DTYPE_F32,  FA_DTYPE_F32, FA_DTYPE_F16,
+                                   FA_DTYPE_BF16, FA_DTYPE_BF16, FA_DTYPE_F64,
+                                   FA_DTYPE_F32,  FA_DTYPE_BF16, FA_DTYPE_F8E4M3,
+                                   FA_DTYPE_F8E5M2};
     return FZ_PICK(s, dts);
 }
 

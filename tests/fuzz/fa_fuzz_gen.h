@@ -34,6 +34,7 @@ typedef struct fz_case {
     int nonfinite; /* an input holds NaN or Inf: outputs may too */
     int calls, accepted;
     int chaos; /* 0: every draw valid but the scalars' and indices' edges; 1: anything */
+    fa_mod *mods[2]; /* a forward's score_mod and mask_mod, destroyed with the case */
     char log[2048]; /* what was drawn, printed when the contract breaks */
     size_t log_len;
 } fz_case;
