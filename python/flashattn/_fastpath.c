@@ -552,13 +552,16 @@ static PyObject *fp_bind(PyObject *self, PyObject *table)
         fp_positions(fp_entry(table, "lse_args"), fp_arg_names, FP_NUM_ARGS, lse_needs,
                      fp.lse.at, &fp.lse.count) != 0 ||
         fp_positions(fp_entry(table, "fast_fields"), fp_field_names, FF_NUM, (1 << FF_NUM) - 1,
-                     fp.field_at, &fp.field_count) != 0 ||
-        fp_kv_bind(table) != 0)
+                     fp.field_at, &fp.field_count) != 0)
         return NULL;
     if (fp.field_count != FF_NUM) {
-        PyErr_SetString(PyExc_ValueError, "flashattn._fastpath.bind: fast_fields: 10 names");
+        PyErr_Format(PyExc_ValueError, "flashattn._fastpath.bind: fast_fields: %d names",
+                     (int)FF_NUM);
         return NULL;
     }
+    /* Last: nothing after it can fail, so kvcache() is bound exactly when dense() is. */
+    if (fp_kv_bind(table) != 0)
+        return NULL;
     PyObject **slots[N_HELD] = {&fp_t.tensor_type, &fp.float64,       &fp_t.empty_like,
                                 &fp_t.grad_enabled, &fp_t.local,      &fp_t.window_pair,
                                 &fp_t.raw_stream,   &fp_t.failed,     &fp.grad_apply,

@@ -67,7 +67,8 @@ int fp_kv_bind(PyObject *table)
                      kv.field_at, &kv.field_count) != 0)
         return -1;
     if (kv.field_count != KF_NUM) {
-        PyErr_SetString(PyExc_ValueError, "flashattn._fastpath.bind: kv_fields: 24 names");
+        PyErr_Format(PyExc_ValueError, "flashattn._fastpath.bind: kv_fields: %d names",
+                     (int)KF_NUM);
         return -1;
     }
     if (!(kv.tag = PyUnicode_InternFromString("kv")) ||
