@@ -261,8 +261,8 @@ fa_status fa_attention_forward(const fa_fwd_args *args);
 /*
  * Bytes of workspace fa_attention_forward needs for args on args->device: 0 on the CPU, for
  * calls that do not split, or for invalid arguments (fa_last_error() says why). Calls with few
- * query rows (at most FA_DECODE_MAX_ROWS per sequence, no dropout or probs; on a CUDA device
- * dense ones) run the KV-cache call's schedule: the query heads of a kv head packed into one
+ * query rows (at most FA_DECODE_MAX_ROWS per sequence, no dropout or probs; dense or varlen)
+ * run the KV-cache call's schedule: the query heads of a kv head packed into one
  * tile, the keys cut into splits merged in the same call. On a device the splits' partials need
  * this much device memory, 256-byte aligned, given as workspace / workspace_size; without it
  * such a call runs unsplit (the same result, slower when few (sequence, kv head) pairs cannot

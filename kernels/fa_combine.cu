@@ -51,6 +51,11 @@ extern "C" __global__ void __launch_bounds__(FA_COMBINE_THREADS) fa_combine(cons
     const int tid = threadIdx.x, lane = tid & 31, grp = tid >> 5;
     const fa_i64 per_b = kp->max_sq * kp->h;
     const fa_i64 bi = x / per_b, qi = (x - bi * per_b) / kp->h, hh = x - bi * per_b - qi * kp->h;
+    /* A varlen forward's sequence has its own rows, from row q_start of out and lse. */
+    const fa_seq qs = fa_seq_get(kp, (int)bi, kp->cu_seqlens_q != 0);
+    if (qi >= qs.sq)
+        return;
+    const fa_i64 qrow = qs.q_start + qi;
     const float *lp = dp.lseaccum + bi * dp.lseaccum_bstride + qi * dp.lseaccum_rstride +
                       hh * dp.lseaccum_hstride;
     const float *op = dp.oaccum + bi * dp.oaccum_bstride + qi * dp.oaccum_rstride +
@@ -106,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(FA_COMBINE_THREADS) fa_combine(cons
 #pragma unroll
         for (int g = 0; g < FA_COMBINE_GROUPS; g++)
             acc += part[g][c];
-        const fa_i64 at = bi * kp->o_bstride + qi * kp->o_rstride + hh * kp->o_hstride + c;
+        const fa_i64 at = bi * kp->o_bstride + qrow * kp->o_rstride + hh * kp->o_hstride + c;
 #if FA_OUT_F32
         ((float *)kp->out)[at] = acc;
 #else
@@ -114,5 +119,5 @@ extern "C" __global__ void __launch_bounds__(FA_COMBINE_THREADS) fa_combine(cons
 #endif
     }
     if (kp->lse && tid == 0)
-        kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qi * kp->lse_rstride] = lse;
+        kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qrow * kp->lse_rstride] = lse;
 }

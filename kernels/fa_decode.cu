@@ -23,9 +23,13 @@
  *   FA_BN, FA_STAGES keys per block, blocks in flight
  *   FA_PAGED         1: block_table maps positions to blocks
  *   FA_VEC           1: 16-byte aligned rows (q, caches, out) and d, dv % 8 == 0: 16-byte copies
- *   FA_ALIBI, FA_SOFTCAP
- * Entry points: fa_kv_append (the new keys and values written into the cache, rotated) and
- * fa_decode (the attention).
+ *   FA_VARLEN, FA_ALIBI, FA_SOFTCAP
+ * Entry points: fa_kv_append (the new keys and values written into the cache, rotated),
+ * fa_decode (the attention) and fa_decode_fill (a varlen forward's rows outside every sequence).
+ *
+ * A varlen forward with few rows per sequence runs here too (FA_VARLEN): cu_seqlens_q/k (and
+ * seqused_k) in the forward's block locate each sequence's rows of q, out and lse and its keys
+ * in k and v, whose batch strides the host leaves 0.
  */
 #include "fa_common.cuh"
 #include "fa_dkparams.h"
@@ -71,7 +75,9 @@ FA_DEV float fa_rotary_elem(const fa_u16 *x, int c, int rd, int interleaved, con
 FA_DEV fa_i64 fa_clamp64(fa_i64 x, fa_i64 lo, fa_i64 hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 /* Sequence bi's cache: positions [start, end) are its keys, len0 of them there before the
- * append; blk the cache row of a contiguous cache. Every value clamped into the cache. */
+ * append; blk the cache row of a contiguous cache. Every value clamped into the cache. A varlen
+ * forward's keys are rows [k_start, k_start + sk) of k (fa_seq_get), whose batch stride the
+ * host leaves 0. */
 typedef struct fa_kvseq {
     fa_i64 start, end, len0, blk;
     const int *bt;  /* paged: the sequence's row of block_table */
@@ -82,6 +88,16 @@ FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
 {
     const fa_i64 cap = dp->f.max_sk;
     fa_kvseq s;
+#if FA_VARLEN
+    const fa_seq v = fa_seq_get(&dp->f, bi, 1);
+    s.start = v.k_start;
+    s.end = s.len0 = v.k_start + v.sk;
+    s.blk = 0;
+    s.bt = 0;
+    s.last_block = 0;
+    (void)cap;
+    return s;
+#endif
     if (dp->cache_seqlens) {
         s.len0 = fa_clamp64(dp->cache_seqlens[bi], 0, cap);
         s.end = s.len0 + dp->s_new < cap ? s.len0 + dp->s_new : cap;
@@ -296,11 +312,12 @@ FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, f
 }
 
 /* The Q tile: packed rows [r0, r0 + FA_BM) of kv head kh, rotated where rotary is on, rounded
- * to the data type, zero past the rows and columns. */
-FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, int kh, const fa_kvseq *seq, int r0,
-                             int rows, int g, fa_u16 *q_p)
+ * to the data type, zero past the rows and columns; q of sequence bi starts at row q0. */
+FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, fa_i64 q0, int kh, const fa_kvseq *seq,
+                             int r0, int rows, int g, fa_u16 *q_p)
 {
     const fa_kparams *kp = &dp->f;
+    const fa_u16 *qb = (const fa_u16 *)kp->q + bi * kp->q_bstride + q0 * kp->q_rstride;
 #if FA_VEC
     /* Without rotary, 16-byte chunks (q's rows are aligned under FA_VEC). */
     if (!dp->rot_cos) {
@@ -309,8 +326,7 @@ FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, int kh, const fa_kvs
             uint4 x = make_uint4(0, 0, 0, 0);
             if (r0 + r < rows && c * 8 < kp->d) {
                 const int qi = (r0 + r) / g, hh = kh * g + (r0 + r) - qi * g;
-                x = *(const uint4 *)((const fa_u16 *)kp->q + bi * kp->q_bstride +
-                                     qi * kp->q_rstride + hh * kp->q_hstride + c * 8);
+                x = *(const uint4 *)(qb + qi * kp->q_rstride + hh * kp->q_hstride + c * 8);
             }
             *(uint4 *)((char *)q_p + fa_swz(r, c, FA_CPR_K)) = x;
         }
@@ -322,8 +338,7 @@ FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, int kh, const fa_kvs
         float x = 0.f;
         if (r0 + r < rows && c < kp->d) {
             const int qi = (r0 + r) / g, hh = kh * g + (r0 + r) - qi * g;
-            const fa_u16 *qrow = (const fa_u16 *)kp->q + bi * kp->q_bstride + qi * kp->q_rstride +
-                                 hh * kp->q_hstride;
+            const fa_u16 *qrow = qb + qi * kp->q_rstride + hh * kp->q_hstride;
             if (dp->rot_cos && c < dp->rotary_dim) {
                 fa_i64 pos = seq->len0 + (dp->rotary_per_row ? qi : 0);
                 pos = pos < dp->seqlen_ro ? pos : dp->seqlen_ro - 1;
@@ -352,8 +367,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, t = lane & 3;
     const int wm = warp % FA_WM, wn = warp / FA_WM;
-    const int g = kp->h / kp->hk, sq = (int)kp->max_sq, rows = sq * g;
+    /* The sequence's query rows: max_sq of its batch row, or a varlen forward's rows
+     * [q_start, q_start + sq) of q (cu_seqlens_q). A tile past them has nothing to do. */
+    const fa_seq qs = fa_seq_get(kp, bi, FA_VARLEN);
+    const int g = kp->h / kp->hk, sq = qs.sq, rows = sq * g;
     const int r0 = m_block * FA_BM;
+#if FA_VARLEN
+    if (r0 >= rows)
+        return;
+#endif
     const fa_kvseq seq = fa_kvseq_get(&dp, bi);
     const int n = (int)(seq.end - seq.start);
 
@@ -365,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
     const int per = (nblocks + dp.splits - 1) / dp.splits;
     const int nb0 = fa_min(split * per, nblocks), nb1 = fa_min(nb0 + per, nblocks);
 
-    fa_decode_load_q(&dp, bi, kh, &seq, r0, rows, g, q_p);
+    fa_decode_load_q(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p);
 
     /* This thread's two rows (g8 and g8 + 8 of its warp's 16): their visible keys, slopes. */
     int lo[2], hi[2], row_q[2], row_h[2];
@@ -584,6 +606,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         const int x = r0 + wm * 16 + g8 + 8 * hf;
         const int live = x < rows;
         const int qi = row_q[hf], hh = row_h[hf];
+        const fa_i64 qrow = qs.q_start + qi; /* its row of q, out and lse */
         const float sink2 = dp.splits == 1 && kp->sinks && live
                                 ? kp->sinks[hh * kp->sinks_stride] * FA_LOG2E
                                 : -FA_INF;
@@ -591,7 +614,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         /* fa_row_finish sums its argument over the quad: the lanes hold the whole sum now. */
         fa_row_finish(t == 0 ? row_sum[hf] : 0.f, row_max[hf] * sm, sink2, &lse, &scale);
         if (dp.splits == 1) {
-            fa_u16 *og = (fa_u16 *)kp->out + bi * kp->o_bstride + qi * kp->o_rstride +
+            fa_u16 *og = (fa_u16 *)kp->out + bi * kp->o_bstride + qrow * kp->o_rstride +
                          hh * kp->o_hstride;
 #if FA_VEC
             fa_store_row16(og, kp->dv, o, FA_DVP, hf, t, scale, live);
@@ -603,7 +626,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
                                   o[ot][2 * hf + 1] * scale);
 #endif
             if (live && kp->lse && t == 0)
-                kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qi * kp->lse_rstride] = lse;
+                kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qrow * kp->lse_rstride] = lse;
         } else if (live) {
             float *oa = dp.oaccum + split * dp.oaccum_sstride + bi * dp.oaccum_bstride +
                         qi * dp.oaccum_rstride + hh * dp.oaccum_hstride;
@@ -619,3 +642,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         }
     }
 }
+
+#if FA_VARLEN
+/* A varlen forward's rows of out and lse outside every sequence: 0 and +inf (fa_fill_outside,
+ * one thread per row and head, as the tiled forward's fa_fwd_fill). */
+extern "C" __global__ void fa_decode_fill(const fa_dkparams dp) { fa_fill_outside(&dp.f); }
+#endif

@@ -57,7 +57,7 @@ fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args);
 /* Bytes of workspace fa_cuda_kvcache needs for p on args->device (0: it will not split). */
 size_t fa_cuda_kvcache_workspace_size(const fa_params *p, const fa_kvcache_args *args);
 
-/* Whether the forward of p takes the decode schedule (fa_plan_few_rows, dense calls only),
+/* Whether the forward of p takes the decode schedule (fa_plan_few_rows, dense or varlen),
  * which fa_cuda_forward_decode runs; its split workspace in bytes (0: it will not split). */
 int fa_cuda_forward_decodes(const fa_params *p);
 fa_status fa_cuda_forward_decode(const fa_params *p, const fa_fwd_args *args);

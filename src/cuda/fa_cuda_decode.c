@@ -1,7 +1,7 @@
 /*
  * Decoding on a CUDA device: fa_attention_kvcache (the append, kernels/fa_decode.cu's attention
  * over the cache read in place, and, when the keys are split, kernels/fa_combine.cu's merge),
- * the forward's few-row calls on the same schedule, and fa_attention_combine. Asynchronous on
+ * the forward's few-row calls on the same schedule (dense and varlen), and fa_attention_combine. Asynchronous on
  * the caller's stream, no allocation; the one host read of device memory is the paged capacity
  * check (fa_kvcache_args.skip_capacity_check).
  *
@@ -64,6 +64,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
                             "2^30 cache positions and 2^30 query rows times heads per kv head");
     fa_plan_key key = {s->arch, p->dtype, (int)p->d, (int)p->dv, 0};
     key.features |= p->paged ? FA_PLAN_PAGED : 0;
+    key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
     key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
     key.features |= fa_cuda_rows_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
@@ -218,6 +219,13 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
     fa_dkparams dk;
     fa_dkparams_fill(p, s.splits, ws, &dk);
     fa_cu_function fn;
+    if (st == FA_STATUS_OK && p->is_varlen && p->total_q > 0) {
+        const int64_t n = p->total_q * p->h;
+        st = fa_jit_function(&s.plan, ctx, "fa_decode_fill", &fn);
+        if (st == FA_STATUS_OK)
+            st = fa_decode_launch(fn, (unsigned)((n + 255) / 256), 1, 1, 256, 0, stream, &dk,
+                                  "launching fa_decode_fill");
+    }
     if (st == FA_STATUS_OK && p->s_new > 0) {
         st = fa_jit_function(&s.plan, ctx, "fa_kv_append", &fn);
         if (st == FA_STATUS_OK)
@@ -243,19 +251,20 @@ fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args)
                          !args->skip_capacity_check);
 }
 
-/* A dense forward as a KV-cache call: its k and v a contiguous cache of max_sk positions per
- * sequence, each full. */
+/* A forward as a KV-cache call: a dense one's k and v a contiguous cache of max_sk positions
+ * per sequence, each full; a varlen one's sequences located by the kernels from cu_seqlens
+ * (its batch strides are 0), k and v one cache row of total_k positions. */
 static fa_params fa_decode_of_forward(const fa_params *p)
 {
     fa_params d = *p;
-    d.num_blocks = p->b;
-    d.page_size = p->max_sk;
+    d.num_blocks = p->is_varlen ? 1 : p->b;
+    d.page_size = p->is_varlen ? p->total_k : p->max_sk;
     return d;
 }
 
 int fa_cuda_forward_decodes(const fa_params *p)
 {
-    return !p->is_varlen && fa_plan_few_rows(p);
+    return fa_plan_few_rows(p);
 }
 
 fa_status fa_cuda_forward_decode(const fa_params *p, const fa_fwd_args *args)

@@ -296,10 +296,13 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }
-    /* The decode kernels (a one-row tile, contiguous and paged caches) where the configuration's
-     * features are ones they compile, and the combine for the dtype. */
-    const unsigned decode_features = FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP | FA_FEATURE_UNALIGNED;
-    for (int paged = 0; paged < 2 && st == FA_STATUS_OK && !(features & ~decode_features);
+    /* The decode kernels (a one-row tile, contiguous and paged caches; a varlen configuration's
+     * few-row forward) where the configuration's features are ones they compile, and the
+     * combine for the dtype. */
+    const unsigned decode_features =
+        FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP | FA_FEATURE_UNALIGNED;
+    const int layouts = features & FA_FEATURE_VARLEN ? 1 : 2;
+    for (int paged = 0; paged < layouts && st == FA_STATUS_OK && !(features & ~decode_features);
          paged++) {
         fa_plan_key kd = key;
         kd.features |= paged ? FA_PLAN_PAGED : 0;
@@ -307,7 +310,7 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
         st = fa_plan_decode(&kd, 1, &pd);
         if (st == FA_STATUS_OK)
             st = fa_jit_build(&pd, &origin);
-        if (st == FA_STATUS_OK && paged) {
+        if (st == FA_STATUS_OK && paged == layouts - 1) {
             st = fa_plan_combine(&key, &pd);
             if (st == FA_STATUS_OK)
                 st = fa_jit_build(&pd, &origin);

@@ -448,7 +448,8 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     fa_plan_define(plan, "FA_STAGES", plan->stages);
     fa_plan_define(plan, "FA_PAGED", (key->features & FA_PLAN_PAGED) != 0);
     fa_plan_define_features(plan, key->features,
-                            FA_FEATURE_UNALIGNED | FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP);
+                            FA_FEATURE_VARLEN | FA_FEATURE_UNALIGNED | FA_FEATURE_ALIBI |
+                                FA_FEATURE_SOFTCAP);
     return FA_STATUS_OK;
 }
 

@@ -54,6 +54,11 @@ static const gpu_case gpu_cases[] = {
     {"few rows sq5 window alibi sinks", 1, 8, 2, 5, 2500, 64, 64, 0, 300, 2, 0, 1, 1, 0, 0, 0, 0, 0},
     {"few rows sq3 mqa d256 sq>sk", 2, 4, 1, 3, 2, 256, 256, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"few rows sq2 unaligned d40 dv24 padded", 2, 6, 3, 2, 700, 40, 24, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 8},
+    /* Varlen few rows: sequences located from cu_seqlens in the decode kernels, rows outside
+     * every sequence filled, an empty sequence (run_case's varlen lengths). */
+    {"few rows varlen sq7 gqa4 causal seqused", 6, 16, 4, 7, 900, 128, 128, 1, -1, -1, 0, 0, 0, 0, 1, 1, 0, 0},
+    {"few rows varlen sq1 window alibi sinks d64", 5, 8, 2, 1, 2000, 64, 64, 0, 100, 0, 0, 1, 1, 0, 1, 0, 0, 0},
+    {"few rows varlen sq16 unaligned d40 dv24 softcap", 3, 6, 3, 16, 500, 40, 24, 1, -1, -1, 15, 0, 0, 0, 1, 0, 0, 0},
     {"sq>sk causal empty rows d32", 2, 2, 2, 200, 60, 32, 32, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"empty rows with sinks", 1, 3, 3, 150, 40, 64, 64, 1, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0},
     {"d192 dv128 window-left", 1, 4, 4, 400, 700, 192, 128, 0, 100, -1, 0, 0, 0, 0, 0, 0, 0, 0},
@@ -305,8 +310,8 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
             break;
         }
         CHECK_CU(gu_drv->ctx_synchronize());
-        /* Few-row dense calls take the decode schedule, whatever the family under test. */
-        const char *want = !vl && c->sq <= FA_DECODE_MAX_ROWS && c->dropout <= 0 && !c->probs
+        /* Few-row calls take the decode schedule, whatever the family under test. */
+        const char *want = max_q <= FA_DECODE_MAX_ROWS && c->dropout <= 0 && !c->probs
                                ? "fa_decode.cu"
                                : expect_family;
         if (want && strcmp(fa_cuda_last_family(), want) != 0)

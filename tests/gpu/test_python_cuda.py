@@ -111,6 +111,37 @@ def test_varlen_matches_cpu(dtype):
     _lse_close(lg, lc)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_varlen_few_rows_matches_cpu(dtype):
+    """At most 16 query rows per sequence: the decode schedule on both devices (the GPU's split
+    over the keys, its partials in the call's workspace), an empty sequence, a second call of
+    the signature (the cached C arguments), and the gradients (the backward reads the decode
+    schedule's lse)."""
+    g = torch.Generator().manual_seed(12)
+    lq, lk = [1, 0, 16, 5, 9], [3000, 17, 700, 2049, 64]
+    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
+    for run in range(2):
+        q = torch.randn(int(cu_q[-1]), 8, 128, generator=g).to(dtype)
+        k = torch.randn(int(cu_k[-1]), 2, 128, generator=g).to(dtype)
+        v = torch.randn(int(cu_k[-1]), 2, 128, generator=g).to(dtype)
+        (oc, lc, _), (og, lg, _) = _both(flash_attn_varlen_func, q, k, v, cu_q, cu_k, max(lq),
+                                         max(lk), causal=True, softcap=20.0,
+                                         return_attn_probs=True)
+        _close(og, oc, dtype, "varlen few-row out, call %d" % run)
+        _lse_close(lg, lc)
+    qs = [x.clone().requires_grad_() for x in (q, k, v)]
+    qg = [x.cuda().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn(og.shape, generator=g).to(dtype)
+    grads = []
+    for tensors, d in ((qs, dout), (qg, dout.cuda())):
+        out = flash_attn_varlen_func(*tensors, cu_q.to(tensors[0].device),
+                                     cu_k.to(tensors[0].device), max(lq), max(lk), causal=True)
+        grads.append(torch.autograd.grad(out, tensors, d))
+    for name, gc, gg in zip("qkv", *grads):
+        _close(gg, gc, dtype, "varlen few-row d" + name)
+
+
 def _op_dropout(q, k, v, seed, p=0.17):
     """torch.ops.flashattn.fwd with an explicit seed: the same seed gives the same keep mask on
     both devices."""
