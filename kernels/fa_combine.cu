@@ -61,6 +61,7 @@ extern "C" __global__ void __launch_bounds__(FA_COMBINE_THREADS) fa_combine(cons
     const float *op = dp.oaccum + bi * dp.oaccum_bstride + qi * dp.oaccum_rstride +
                       hh * dp.oaccum_hstride;
     const float sink = kp->sinks ? kp->sinks[hh * kp->sinks_stride] : -FA_INF;
+    fa_grid_dependency_wait(); /* the attention ahead of this merge wrote the partials */
 
     float mx = sink, nan = 0.f;
     for (int s = tid; s < dp.splits; s += FA_COMBINE_THREADS) {

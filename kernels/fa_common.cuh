@@ -382,4 +382,22 @@ FA_DEV void fa_fill_outside(const fa_kparams *kp)
         kp->lse[h * kp->lse_hstride + r * kp->lse_rstride] = FA_INF;
 }
 
+/* Programmatic dependent launch (sm_90 and later; no-ops before, and for a kernel launched
+ * without the dependency). wait: until the grids ahead of this one have completed and their
+ * memory is visible. launch_dependents: the kernel behind this one may start now (it waits
+ * for this grid's end before reading what it writes). */
+FA_DEV void fa_grid_dependency_wait(void)
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+FA_DEV void fa_grid_dependents_launch(void)
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #endif /* FA_COMMON_CUH */

@@ -542,6 +542,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         }
     }
     fa_cp_async_wait_all();
+    /* The merge behind this kernel may be scheduled once every CTA is here (it waits for the
+     * whole grid's end before it reads the partials). */
+    fa_grid_dependents_launch();
 
     /* The quad's sum of each row; then the FA_WN warps of the same rows merged into the first. */
 #pragma unroll

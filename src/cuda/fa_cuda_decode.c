@@ -100,13 +100,36 @@ size_t fa_cuda_kvcache_workspace_size(const fa_params *p, const fa_kvcache_args 
     return fa_decode_ws_need(p, args->device);
 }
 
+/* Whether a merge may start while the attention ahead of it finishes (programmatic dependent
+ * launch, sm_90 and later): FLASHATTN_PDL=0 turns it off. */
+static int fa_decode_pdl(int arch)
+{
+    static int off = -1;
+    if (off < 0) {
+        const char *env = getenv("FLASHATTN_PDL");
+        off = env && env[0] == '0';
+    }
+    return arch >= 90 && !off && fa_cuda_driver_get()->launch_kernel_ex;
+}
+
+/* One launch of fn with dk; with pdl, allowed to start before the kernel ahead of it in the
+ * stream ends (fn then waits for it with griddepcontrol.wait before reading its results). */
 static fa_status fa_decode_launch(fa_cu_function fn, unsigned gx, unsigned gy, unsigned gz,
                                   unsigned threads, unsigned smem, fa_cu_stream stream,
-                                  fa_dkparams *dk, const char *what)
+                                  fa_dkparams *dk, int pdl, const char *what)
 {
+    const fa_cuda_driver *d = fa_cuda_driver_get();
     void *params[] = {dk};
-    fa_cu_result r = fa_cuda_driver_get()->launch_kernel(fn, gx, gy, gz, threads, 1, 1, smem,
-                                                         stream, params, NULL);
+    fa_cu_result r;
+    if (pdl) {
+        fa_cu_launch_attr attr = {0};
+        attr.id = FA_CU_LAUNCH_ATTR_PROGRAMMATIC_SERIALIZATION;
+        attr.value.value = 1;
+        const fa_cu_launch_config config = {gx, gy, gz, threads, 1, 1, smem, stream, &attr, 1};
+        r = d->launch_kernel_ex(&config, fn, params, NULL);
+    } else {
+        r = d->launch_kernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, NULL);
+    }
     return r == 0 ? FA_STATUS_OK : fa_cuda_error(r, what);
 }
 
@@ -182,6 +205,7 @@ static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, i
     if (rows > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "out: too many rows for one launch");
     return fa_decode_launch(fn, (unsigned)rows, 1, 1, FA_COMBINE_THREADS, 0, stream, &dk,
+                            fa_decode_pdl(arch),
                             "launching fa_combine");
 }
 
@@ -230,13 +254,13 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
         st = fa_jit_function(&s.plan, ctx, "fa_kv_append", &fn);
         if (st == FA_STATUS_OK)
             st = fa_decode_launch(fn, (unsigned)p->s_new, (unsigned)p->hk, (unsigned)p->b, 32, 0,
-                                  stream, &dk, "launching fa_kv_append");
+                                  stream, &dk, 0, "launching fa_kv_append");
     }
     if (st == FA_STATUS_OK && s.row_tiles > 0) {
         st = fa_jit_function(&s.plan, ctx, "fa_decode", &fn);
         if (st == FA_STATUS_OK)
             st = fa_decode_launch(fn, (unsigned)(s.row_tiles * s.splits), (unsigned)p->hk,
-                                  (unsigned)p->b, s.plan.threads, s.plan.smem, stream, &dk,
+                                  (unsigned)p->b, s.plan.threads, s.plan.smem, stream, &dk, 0,
                                   "launching fa_decode");
         if (st == FA_STATUS_OK && s.splits > 1)
             st = fa_decode_combine(&dk, p->dtype, s.arch, ctx, stream);

@@ -74,6 +74,9 @@ static int fa_driver_bind(void *libcuda)
     void *tmap = dlsym(libcuda, "cuTensorMapEncodeTiled");
     if (tmap)
         memcpy(&d->tensor_map_encode_tiled, &tmap, sizeof tmap);
+    void *launch_ex = dlsym(libcuda, "cuLaunchKernelEx");
+    if (launch_ex)
+        memcpy(&d->launch_kernel_ex, &launch_ex, sizeof launch_ex);
     return 1;
 }
 

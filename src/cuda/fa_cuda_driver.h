@@ -36,6 +36,26 @@ typedef struct fa_nvrtc_prog_st *fa_nvrtc_program;
 #define FA_CU_TENSOR_MAP_SWIZZLE_128B 3
 #define FA_CU_TENSOR_MAP_L2_PROMOTION_128B 2
 
+/* CUlaunchAttribute and CUlaunchConfig (cuLaunchKernelEx), as cuda.h lays them out. */
+typedef struct fa_cu_launch_attr {
+    int id;
+    char pad_[4];
+    union {
+        char bytes[64];
+        int value;
+        void *align_;
+    } value;
+} fa_cu_launch_attr;
+typedef struct fa_cu_launch_config {
+    unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, smem;
+    fa_cu_stream stream;
+    fa_cu_launch_attr *attrs;
+    unsigned num_attrs;
+} fa_cu_launch_config;
+/* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: the kernel may start before the one
+ * ahead of it in the stream has finished; it waits for it with griddepcontrol.wait. */
+#define FA_CU_LAUNCH_ATTR_PROGRAMMATIC_SERIALIZATION 6
+
 typedef struct fa_cuda_driver {
     fa_cu_result (*init)(unsigned flags);
     fa_cu_result (*driver_get_version)(int *version);
@@ -78,6 +98,9 @@ typedef struct fa_cuda_driver {
                                             const unsigned *box, const unsigned *elem_strides,
                                             int interleave, int swizzle, int l2_promotion,
                                             int oob_fill);
+    /* cuLaunchKernelEx (CUDA 12+); NULL on older drivers, whose launches then never overlap. */
+    fa_cu_result (*launch_kernel_ex)(const fa_cu_launch_config *config, fa_cu_function fn,
+                                     void **params, void **extra);
 } fa_cuda_driver;
 
 typedef struct fa_nvrtc {
