@@ -25,7 +25,8 @@
  *   FA_VEC           1: 16-byte aligned rows (q, caches, out) and d, dv % 8 == 0: 16-byte copies
  *   FA_VARLEN, FA_ALIBI, FA_SOFTCAP
  * Entry points: fa_kv_append (the new keys and values written into the cache, rotated),
- * fa_decode (the attention) and fa_decode_fill (a varlen forward's rows outside every sequence).
+ * fa_decode (the attention; it does the append itself where the host allows, append_fused) and
+ * fa_decode_fill (a varlen forward's rows outside every sequence).
  *
  * A varlen forward with few rows per sequence runs here too (FA_VARLEN): cu_seqlens_q/k (and
  * seqused_k) in the forward's block locate each sequence's rows of q, out and lse and its keys
@@ -146,58 +147,65 @@ FA_DEV void fa_kv_locate(const fa_dkparams *dp, const fa_kvseq *s, fa_i64 pos, f
 #endif
 }
 
-/* The new keys and values of (sequence blockIdx.z, kv head blockIdx.y, new row blockIdx.x)
- * written at cache position cache_seqlens + row, the keys rotated when rot_cos is given. */
-extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
+/* New row s of sequence bi, kv head kh, written by one warp (lane its lane) at cache position
+ * cache_seqlens + s, the key rotated when rot_cos is given. */
+FA_DEV void fa_kv_append_row(const fa_dkparams *dp, const fa_kvseq *seq, int bi, int kh, int s,
+                             int lane)
 {
-    const int s = blockIdx.x, kh = blockIdx.y, bi = blockIdx.z;
-    const fa_kvseq seq = fa_kvseq_get(&dp, bi);
-    const fa_i64 pos = seq.len0 + s;
-    if (pos >= dp.f.max_sk)
+    const fa_i64 pos = seq->len0 + s;
+    if (pos >= dp->f.max_sk)
         return;
     fa_i64 blk, row;
-    fa_kv_locate(&dp, &seq, pos, &blk, &row);
-    const fa_u16 *kn = (const fa_u16 *)dp.knew + bi * dp.knew_bstride + s * dp.knew_rstride +
-                       kh * dp.knew_hstride;
-    const fa_u16 *vn = (const fa_u16 *)dp.vnew + bi * dp.vnew_bstride + s * dp.vnew_rstride +
-                       kh * dp.vnew_hstride;
-    fa_u16 *kc = (fa_u16 *)dp.f.k + blk * dp.f.k_bstride + row * dp.f.k_rstride +
-                 kh * dp.f.k_hstride;
-    fa_u16 *vc = (fa_u16 *)dp.f.v + blk * dp.f.v_bstride + row * dp.f.v_rstride +
-                 kh * dp.f.v_hstride;
-    const fa_i64 ro = pos < dp.seqlen_ro ? pos : dp.seqlen_ro - 1;
-    const fa_u16 *cr = (const fa_u16 *)dp.rot_cos + ro * dp.cos_rstride;
-    const fa_u16 *sr = (const fa_u16 *)dp.rot_sin + ro * dp.sin_rstride;
+    fa_kv_locate(dp, seq, pos, &blk, &row);
+    const fa_u16 *kn = (const fa_u16 *)dp->knew + bi * dp->knew_bstride + s * dp->knew_rstride +
+                       kh * dp->knew_hstride;
+    const fa_u16 *vn = (const fa_u16 *)dp->vnew + bi * dp->vnew_bstride + s * dp->vnew_rstride +
+                       kh * dp->vnew_hstride;
+    fa_u16 *kc = (fa_u16 *)dp->f.k + blk * dp->f.k_bstride + row * dp->f.k_rstride +
+                 kh * dp->f.k_hstride;
+    fa_u16 *vc = (fa_u16 *)dp->f.v + blk * dp->f.v_bstride + row * dp->f.v_rstride +
+                 kh * dp->f.v_hstride;
+    const fa_i64 ro = pos < dp->seqlen_ro ? pos : dp->seqlen_ro - 1;
+    const fa_u16 *cr = (const fa_u16 *)dp->rot_cos + ro * dp->cos_rstride;
+    const fa_u16 *sr = (const fa_u16 *)dp->rot_sin + ro * dp->sin_rstride;
     /* Read the whole row before writing: k may be a view of the cache rows it fills. */
     fa_u16 kv[FA_DP / 32 > 0 ? FA_DP / 32 : 1], vv[FA_DVP / 32 > 0 ? FA_DVP / 32 : 1];
 #pragma unroll
     for (int j = 0; j < FA_DP / 32; j++) {
-        const int c = j * 32 + (int)threadIdx.x;
-        if (c < dp.f.d)
-            kv[j] = dp.rot_cos && c < dp.rotary_dim
-                        ? fa_from_float(fa_rotary_elem(kn, c, dp.rotary_dim,
-                                                       dp.rotary_interleaved, cr, sr))
+        const int c = j * 32 + lane;
+        if (c < dp->f.d)
+            kv[j] = dp->rot_cos && c < dp->rotary_dim
+                        ? fa_from_float(fa_rotary_elem(kn, c, dp->rotary_dim,
+                                                       dp->rotary_interleaved, cr, sr))
                         : kn[c];
     }
 #pragma unroll
     for (int j = 0; j < FA_DVP / 32; j++) {
-        const int c = j * 32 + (int)threadIdx.x;
-        if (c < dp.f.dv)
+        const int c = j * 32 + lane;
+        if (c < dp->f.dv)
             vv[j] = vn[c];
     }
     __syncwarp();
 #pragma unroll
     for (int j = 0; j < FA_DP / 32; j++) {
-        const int c = j * 32 + (int)threadIdx.x;
-        if (c < dp.f.d)
+        const int c = j * 32 + lane;
+        if (c < dp->f.d)
             kc[c] = kv[j];
     }
 #pragma unroll
     for (int j = 0; j < FA_DVP / 32; j++) {
-        const int c = j * 32 + (int)threadIdx.x;
-        if (c < dp.f.dv)
+        const int c = j * 32 + lane;
+        if (c < dp->f.dv)
             vc[c] = vv[j];
     }
+}
+
+/* The append as a kernel of its own (where fa_decode does not do it, dp.append_fused 0): a warp
+ * per (new row blockIdx.x, kv head blockIdx.y, sequence blockIdx.z). */
+extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
+{
+    const fa_kvseq seq = fa_kvseq_get(&dp, blockIdx.z);
+    fa_kv_append_row(&dp, &seq, blockIdx.z, blockIdx.y, blockIdx.x, threadIdx.x);
 }
 
 /* cp.async.wait_group N: waits until at most N committed groups of this thread are in flight. */
@@ -386,6 +394,26 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
     const int nblocks = (khi - klo + FA_BN - 1) / FA_BN;
     const int per = (nblocks + dp.splits - 1) / dp.splits;
     const int nb0 = fa_min(split * per, nblocks), nb1 = fa_min(nb0 + per, nblocks);
+
+    /* The append done here (dp.append_fused): this CTA writes the new keys and values of its kv
+     * head that it will read, and the kv head's first CTA (row tile 0, split 0) every one of
+     * them, so that a row no query sees lands too. A row two CTAs write gets the same bytes from
+     * both (the host fuses only where nothing is rotated or k and v do not share bytes with the
+     * caches). Written before the first copy reads them. */
+    if (dp.append_fused && dp.s_new > 0) {
+        const fa_i64 new0 = seq.len0 - seq.start; /* key index of new row 0 */
+        int s_lo = 0, s_hi = dp.s_new;
+        if (m_block != 0 || split != 0) {
+            const fa_i64 k0 = klo + (fa_i64)nb0 * FA_BN;
+            const fa_i64 k1 = klo + (fa_i64)nb1 * FA_BN < khi ? klo + (fa_i64)nb1 * FA_BN : khi;
+            s_lo = (int)fa_clamp64(k0 - new0, 0, dp.s_new);
+            s_hi = (int)fa_clamp64(k1 - new0, s_lo, dp.s_new);
+        }
+        for (int s = s_lo + warp; s < s_hi; s += FA_NWARPS)
+            fa_kv_append_row(&dp, &seq, bi, kh, s, lane);
+        __threadfence_block();
+        __syncthreads();
+    }
 
     fa_decode_load_q(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p);
 

@@ -35,7 +35,7 @@ typedef struct fa_dkparams {
     float empty_lse;              /* the combine's lse of a row with nothing to merge */
     fa_u32 page_mul;              /* pos / page_size = (umulhi(pos, page_mul) + pos) >> page_shift */
     fa_u32 page_shift;            /* for positions below 2^31 (fa_page_magic) */
-    int pad_;
+    int append_fused;             /* 1: fa_decode writes knew / vnew (no fa_kv_append launch) */
 } fa_dkparams;
 
 #if !defined(__CUDACC__)

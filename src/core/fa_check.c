@@ -171,13 +171,17 @@ static int fa_tensor_bytes(const fa_tensor *t, uintptr_t *first, uintptr_t *end)
     return 1;
 }
 
+int fa_tensors_overlap(const fa_tensor *a, const fa_tensor *b)
+{
+    uintptr_t a0, a1, b0, b1;
+    return a && b && fa_tensor_bytes(a, &a0, &a1) && fa_tensor_bytes(b, &b0, &b1) && a0 < b1 &&
+           b0 < a1;
+}
+
 fa_status fa_check_disjoint(const fa_tensor *out, const char *out_name, const fa_tensor *in,
                             const char *in_name)
 {
-    uintptr_t o0, o1, i0, i1;
-    if (!out || !in || !fa_tensor_bytes(out, &o0, &o1) || !fa_tensor_bytes(in, &i0, &i1))
-        return FA_STATUS_OK;
-    if (o0 < i1 && i0 < o1)
+    if (fa_tensors_overlap(out, in))
         return FA_BAD("%s: overlaps %s in memory (an output may not alias an input)", out_name,
                       in_name);
     return FA_STATUS_OK;

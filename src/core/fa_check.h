@@ -18,6 +18,9 @@ fa_status fa_check_alibi(const fa_tensor *t, int64_t b, int64_t h, const float *
                          int64_t *bstride, int64_t *hstride);
 fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int64_t *stride);
 
+/* Whether the bytes two tensors reach share an address range (NULL or empty: 0). Both must
+ * have passed fa_check_tensor/fa_check_strided. */
+int fa_tensors_overlap(const fa_tensor *a, const fa_tensor *b);
 /* Refuses (naming out_name) an output whose bytes overlap those of the input in_name; either
  * may be NULL or empty. Both must have passed fa_check_tensor/fa_check_strided. */
 fa_status fa_check_disjoint(const fa_tensor *out, const char *out_name, const fa_tensor *in,

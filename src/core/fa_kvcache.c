@@ -119,6 +119,7 @@ static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_params *p)
         p->vnew_bstride = v->stride[0];
         p->vnew_rstride = v->stride[1];
         p->vnew_hstride = v->stride[2];
+        p->new_in_cache = fa_tensors_overlap(k, a->k_cache) || fa_tensors_overlap(v, a->v_cache);
     }
     return FA_STATUS_OK;
 }

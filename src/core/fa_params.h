@@ -99,6 +99,7 @@ typedef struct fa_params {
     int64_t knew_bstride, knew_rstride, knew_hstride;
     const void *vnew;
     int64_t vnew_bstride, vnew_rstride, vnew_hstride;
+    int new_in_cache; /* knew or vnew shares bytes with the cache it is written into */
     int paged;
     int64_t page_size;          /* paged: rows per block; contiguous: s_cache */
     int64_t num_blocks;         /* paged: blocks in the cache; contiguous: b_cache */

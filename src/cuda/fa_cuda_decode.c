@@ -242,15 +242,18 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
         st = fa_decode_check_capacity(p, stream);
     fa_dkparams dk;
     fa_dkparams_fill(p, s.splits, ws, &dk);
+    /* The attention's CTAs append the new rows themselves (one launch fewer) unless a rotated
+     * k or v shares bytes with its cache: rotating such a row twice would be wrong. */
+    dk.append_fused = p->s_new > 0 && s.row_tiles > 0 && !(p->rot_cos && p->new_in_cache);
     fa_cu_function fn;
     if (st == FA_STATUS_OK && p->is_varlen && p->total_q > 0) {
         const int64_t n = p->total_q * p->h;
         st = fa_jit_function(&s.plan, ctx, "fa_decode_fill", &fn);
         if (st == FA_STATUS_OK)
-            st = fa_decode_launch(fn, (unsigned)((n + 255) / 256), 1, 1, 256, 0, stream, &dk,
+            st = fa_decode_launch(fn, (unsigned)((n + 255) / 256), 1, 1, 256, 0, stream, &dk, 0,
                                   "launching fa_decode_fill");
     }
-    if (st == FA_STATUS_OK && p->s_new > 0) {
+    if (st == FA_STATUS_OK && p->s_new > 0 && !dk.append_fused) {
         st = fa_jit_function(&s.plan, ctx, "fa_kv_append", &fn);
         if (st == FA_STATUS_OK)
             st = fa_decode_launch(fn, (unsigned)p->s_new, (unsigned)p->hk, (unsigned)p->b, 32, 0,

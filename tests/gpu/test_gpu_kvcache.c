@@ -298,6 +298,83 @@ static void run_bad_indices(void)
         gu_buf_free(all[i]);
 }
 
+/* A rotated k that is a view of the very cache rows it fills (and v of v_cache's): each row
+ * must be rotated once, as the CPU does, whatever CTAs of the device write it. Four splits, so
+ * several CTAs of a kv head run the call. */
+static void run_alias_rotary(fa_dtype dt)
+{
+    const kv_case cc = {"k a view of its rows", 2, 4, 2, 2, 64, 64, 300, 0, 3, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 4};
+    const kv_case *c = &cc;
+    const int len = 100, rd = 32;
+    int64_t qs[4] = {2, 2, 4, 64}, ks[4] = {2, 300, 2, 64}, ls[3] = {2, 4, 2}, bsz[1] = {2};
+    int64_t ros[2] = {len + 8, rd / 2}, news[4] = {2, 3, 2, 64};
+    gpu_buf q = gu_buf_new(dt, 4, qs, 0), o = gu_buf_new(dt, 4, qs, 0);
+    gpu_buf kc = gu_buf_new(dt, 4, ks, 0), vc = gu_buf_new(dt, 4, ks, 0);
+    gpu_buf lse = gu_buf_new(FA_DTYPE_F32, 3, ls, 0), sl = gu_buf_new(FA_DTYPE_I32, 1, bsz, 0);
+    gpu_buf cs = gu_buf_new(dt, 2, ros, 0), sn = gu_buf_new(dt, 2, ros, 0);
+    gu_fill_uniform(&q, -1, 1);
+    gu_fill_uniform(&kc, -1, 1);
+    gu_fill_uniform(&vc, -1, 1);
+    gu_fill_uniform(&cs, -1, 1);
+    gu_fill_uniform(&sn, -1, 1);
+    ((int32_t *)sl.host.data)[0] = ((int32_t *)sl.host.data)[1] = len;
+    gpu_buf *in[] = {&q, &kc, &vc, &sl, &cs, &sn};
+    for (size_t i = 0; i < sizeof in / sizeof in[0]; i++)
+        gu_buf_upload(in[i]);
+    /* k, v: rows [len, len + 3) of each cache row, in place. */
+    const size_t at = (size_t)len * (size_t)kc.host.stride[1] * fa_dtype_size(dt);
+    fa_tensor kh = fa_tensor_make((char *)kc.host.data + at, dt, 4, news, kc.host.stride);
+    fa_tensor vh = fa_tensor_make((char *)vc.host.data + at, dt, 4, news, vc.host.stride);
+    fa_tensor kd = fa_tensor_make((char *)kc.dev.data + at, dt, 4, news, kc.dev.stride);
+    fa_tensor vd = fa_tensor_make((char *)vc.dev.data + at, dt, 4, news, vc.dev.stride);
+    fa_kvcache_args a;
+    fa_kvcache_args_init(&a);
+    a.causal = 1;
+    a.num_splits = c->splits;
+    a.rotary_interleaved = 1;
+    fa_kvcache_args host = a, dev = a;
+    host.q = &q.host, host.k_cache = &kc.host, host.v_cache = &vc.host, host.out = &o.host;
+    host.lse = &lse.host, host.cache_seqlens = &sl.host, host.k = &kh, host.v = &vh;
+    host.rotary_cos = &cs.host, host.rotary_sin = &sn.host;
+    dev.q = &q.dev, dev.k_cache = &kc.dev, dev.v_cache = &vc.dev, dev.out = &o.dev;
+    dev.lse = &lse.dev, dev.cache_seqlens = &sl.dev, dev.k = &kd, dev.v = &vd;
+    dev.rotary_cos = &cs.dev, dev.rotary_sin = &sn.dev;
+    dev.device = 0;
+    fa_cu_deviceptr ws = 0;
+    const size_t ws_size = fa_attention_kvcache_workspace_size(&dev);
+    if (ws_size) {
+        CHECK_CU(gu_drv->mem_alloc(&ws, ws_size));
+        dev.workspace = (void *)(uintptr_t)ws, dev.workspace_size = ws_size;
+    }
+    gu_buf_poison_device(&o);
+    if (fa_attention_kvcache(&host) != FA_STATUS_OK)
+        FAIL("CPU: %s", fa_last_error());
+    if (fa_attention_kvcache(&dev) != FA_STATUS_OK)
+        FAIL("GPU: %s", fa_last_error());
+    CHECK_CU(gu_drv->ctx_synchronize());
+    void *go = gu_buf_download(&o), *gk = gu_buf_download(&kc), *gv = gu_buf_download(&vc);
+    const double tol = dt == FA_DTYPE_BF16 ? 1.6e-2 : 3e-3;
+    double err = 0;
+    for (int64_t i = 0; i < (int64_t)(o.bytes / fa_dtype_size(dt)); i++) {
+        const double g = gu_elem_load(go, dt, i), r = gu_elem_load(o.host.data, dt, i);
+        err = isnan(g) ? INFINITY : fmax(err, fabs(g - r));
+    }
+    const double dk = max_rel_diff(gk, kc.host.data, dt, kc.bytes / 2);
+    const double dv = max_rel_diff(gv, vc.host.data, dt, vc.bytes / 2);
+    if (err > tol * 2 || dk > tol || dv != 0)
+        FAIL("out err %.3g, caches: k %.3g, v %.3g", err, dk, dv);
+    else
+        printf("ok  %-28s %s  out err %.2e\n", c->name, fa_dtype_name(dt), err);
+    free(go);
+    free(gk);
+    free(gv);
+    if (ws)
+        CHECK_CU(gu_drv->mem_free(ws));
+    gpu_buf *all[] = {&q, &o, &kc, &vc, &lse, &sl, &cs, &sn};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        gu_buf_free(all[i]);
+}
+
 /* fa_attention_combine on the device against the CPU's, with empty (+-inf) and NaN-free parts. */
 static void run_combine(fa_dtype dt)
 {
@@ -373,6 +450,8 @@ int main(void)
     }
     if (gu_shard_take(1e6)) {
         run_bad_indices();
+        run_alias_rotary(FA_DTYPE_BF16);
+        run_alias_rotary(FA_DTYPE_F16);
         run_combine(FA_DTYPE_BF16);
         run_combine(FA_DTYPE_F32);
     }
