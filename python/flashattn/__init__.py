@@ -61,10 +61,21 @@ def register_sdpa_impl():
     return _sdpa.register()
 
 
+def _bind_torch():
+    """What the package does once torch is imported: registers with torch's SDPA registry,
+    and imports its torch ops with the C fast path bound (so that the first call, which
+    torch.compile may trace, does none of this). Initialises no CUDA."""
+    from . import _dlpack, _route
+
+    register_sdpa_impl()
+    _dlpack.note_torch(_sys.modules["torch"])
+    _route.torch_ops()
+
+
 class _RegisterAfterTorch:
-    """A one-shot import hook: when torch is imported after flashattn, registers flashattn
-    with its SDPA registry once torch's module has run (importing torch here would make
-    ``import flashattn`` slow for callers that never use torch)."""
+    """A one-shot import hook: when torch is imported after flashattn, runs ``_bind_torch``
+    once torch's module has run (importing torch here would make ``import flashattn`` slow for
+    callers that never use torch)."""
 
     @classmethod
     def find_spec(cls, name, path=None, target=None):
@@ -84,19 +95,18 @@ class _RegisterAfterTorch:
         def exec_then_register(module):
             exec_module(module)
             try:
-                register_sdpa_impl()
+                _bind_torch()
             except Exception as e:  # never fail the caller's import of torch
                 import warnings
 
-                warnings.warn("flashattn: could not register with torch's SDPA registry: %s"
-                              % e)
+                warnings.warn("flashattn: could not bind to torch: %s" % e)
 
         spec.loader.exec_module = exec_then_register
         return spec
 
 
 if _sys.modules.get("torch") is not None:
-    register_sdpa_impl()
+    _bind_torch()
 elif _RegisterAfterTorch not in _sys.meta_path:
     _sys.meta_path.insert(0, _RegisterAfterTorch)
 

@@ -47,7 +47,7 @@ class _CachedCall:
         torch = sys.modules["torch"]
         self.like_q = (out.shape == q.shape and out.dtype == q.dtype
                        and torch.empty_like(q).stride() == out.stride())
-        self.tensors = keep
+        self.tensors = _structs(keep)
         self.out_shape = out.shape
         self.dtype = out.dtype
         self.device = out.device
@@ -86,8 +86,42 @@ LSE_ARGS = ("q", "k", "v", "softmax_scale", "causal", "window_size", "softcap")
 def _like(torch, shape, dtype, device):
     """One element of dtype expanded to shape: torch.empty_like of it is a new contiguous tensor
     of that shape (empty_like lays out stride-0 tensors contiguously), the cheapest allocation
-    (a third of torch.empty(shape, dtype=, device=)'s argument parsing), for one element held."""
-    return torch.empty((), dtype=dtype, device=device).expand(shape)
+    (a third of torch.empty(shape, dtype=, device=)'s argument parsing). The element is one
+    seed per (dtype, device), shared by every cached call."""
+    key = (dtype, device)
+    seed = _SEEDS.get(key)
+    if seed is None:
+        seed = _SEEDS.setdefault(key, _new_seed(torch, dtype, device))
+    return seed.expand(shape)
+
+
+_SEEDS = {}
+
+
+def _structs(keep):
+    """What a cached call holds of its first call's ``keep``: the C structs, not the torch
+    tensors (that call's workspace), which would outlive it and, allocated in a CUDA graph's
+    pool, fail torch.compile's check that nothing there outlives the graph's outputs."""
+    torch = sys.modules["torch"]
+    return [t for t in keep if not isinstance(t, torch.Tensor)]
+
+
+def _new_seed(torch, dtype, device):
+    """A one-element tensor that no CUDA graph's memory pool holds. torch.compile's CUDA graphs
+    route every allocation of the thread running the model to their pool and refuse to run when
+    a block of it outlives the graph's outputs, so outside a stream capture the seed is made on
+    a thread of its own; inside one (torch.cuda.graph) it comes from the captured pool as any
+    allocation does, other threads' allocations being unsafe there."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.empty((), dtype=dtype, device=device)
+    made = []
+    worker = threading.Thread(target=lambda: made.append(torch.empty((), dtype=dtype,
+                                                                     device=device)))
+    worker.start()
+    worker.join()
+    if not made:
+        raise RuntimeError("flashattn: could not allocate a one-element tensor on %s" % device)
+    return made[0]
 
 
 _LOCAL = threading.local()  # per-thread _CachedCall caches: the C call runs without the GIL
@@ -218,7 +252,8 @@ def bind_fastpath(torch, grad_apply, fallback, dense_args, kv_fallback, kv_args)
     every other call goes to ``fallback``. kvcache serves flash_attn_with_kvcache's prepared
     calls without gradients (arguments in ``kv_args``' order), the others going to
     ``kv_fallback``. Their callers check ``torch.compiler.is_compiling()`` first (Dynamo cannot
-    trace C)."""
+    trace C). Nothing here initialises CUDA: it runs when the package meets torch, before any
+    fork a caller may make (the capture query is called for CUDA calls only)."""
     global _DENSE_LSE
     if _fastpath is None:
         return None, None
@@ -232,7 +267,7 @@ def bind_fastpath(torch, grad_apply, fallback, dense_args, kv_fallback, kv_args)
         call_failed=_call_failed, grad_apply=grad_apply, fallback=fallback,
         dense_args=tuple(dense_args), lse_args=LSE_ARGS, fast_fields=FAST_FIELDS,
         kv_fallback=kv_fallback, kv_args=tuple(kv_args), kv_fields=KV_FIELDS,
-        capturing=torch.cuda.is_current_stream_capturing if torch.cuda.is_available() else None))
+        capturing=torch.cuda.is_current_stream_capturing))
     _DENSE_LSE = _fastpath.dense_lse
     return _fastpath.dense, _fastpath.kvcache
 
@@ -349,7 +384,7 @@ class _CachedKvcache:
         self.ref = ctypes.byref(args)
         self.fn = fn
         self.slots = slots
-        self.keep = keep
+        self.keep = _structs(keep)
         self.likes = (_like(torch, out.shape, out.dtype, out.device),
                       _like(torch, lse.shape, lse.dtype, lse.device))
         self.names = names

@@ -28,6 +28,13 @@ _SCALARS = (bool, int, float, str, bytes, tuple, list, dict)
 _NOT_FOREIGN = set(_SCALARS) | {type(None)}
 
 
+def note_torch(torch):
+    """Torch's tensor types are native from the start: a call traced by torch.compile then finds
+    them in _NOT_FOREIGN (Dynamo cannot trace the set's update, nor, in some versions, a lookup
+    that misses)."""
+    _NOT_FOREIGN.update((torch.Tensor, torch.nn.Parameter))
+
+
 def _native(x):
     """'torch' or 'numpy' for the arrays flashattn takes directly, else None."""
     torch = sys.modules.get("torch")

@@ -40,8 +40,10 @@ IS_COMPILING = None  # torch.compiler.is_compiling, with DENSE_C
 
 
 def torch_ops():
-    """_torch_ops, imported on the first torch call (it imports torch), with the C fast path
-    bound in front of ``dense_any``."""
+    """_torch_ops, imported when the package meets torch (its import, or torch's after it; see
+    ``flashattn._bind_torch``) or on the first torch call, with the C fast path bound in front
+    of ``dense_any``. Binding before any call keeps it out of a first call that torch.compile
+    traces (Dynamo cannot trace the C binding)."""
     global DENSE_C, KVCACHE_C, IS_COMPILING
     if not _TORCH_OPS:
         from . import _torch_ops as module

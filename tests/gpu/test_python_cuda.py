@@ -552,6 +552,41 @@ def test_compile_reduce_overhead_uses_cuda_graphs(gen):
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
+def test_reduce_overhead_decode_calls_hold_no_pool_memory(gen):
+    """Decode-shaped calls first made inside mode="reduce-overhead" graphs (their signatures
+    new, so their cached calls are built during the graph trees' warm-up): nothing they keep
+    may stay in the graphs' pool (torch refuses to run otherwise), and replays on fresh inputs
+    match eager. One query row over 6000 keys takes the split path with its workspace; the
+    caches are static addresses, as transformers' static cache marks them, so that their
+    update does not keep the graphs from being recorded."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def step(q, k, v, kc, vc, lens, kn, vn):
+        a = flash_attn_func(q, k, v, causal=True)
+        b = flashattn.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens)
+        return a + b
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    kc = _randn(gen, 2, 6144, 2, 64)
+    vc = _randn(gen, 2, 6144, 2, 64)
+    torch._dynamo.mark_static_address(kc)
+    torch._dynamo.mark_static_address(vc)
+    for i in range(4):
+        q = _randn(gen, 2, 1, 6, 64)
+        k, v = _randn(gen, 2, 6001, 2, 64), _randn(gen, 2, 6001, 2, 64)
+        kn, vn = _randn(gen, 2, 1, 2, 64), _randn(gen, 2, 1, 2, 64)
+        lens = torch.tensor([5000 + i, 5999 - i], dtype=torch.int32, device="cuda")
+        kc_e, vc_e = kc.clone(), vc.clone()
+        got = compiled(q, k, v, kc, vc, lens, kn, vn).clone()
+        want = step(q, k, v, kc_e, vc_e, lens, kn, vn)
+        assert _max_rel(got, want) < 1e-2, i
+        assert torch.equal(kc, kc_e) and torch.equal(vc, vc_e), i
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 # --------------------------------------------------------------------------------------------
 # CUDA graphs and host synchronisation
 

@@ -4,6 +4,7 @@ fresh interpreter, whatever the order."""
 
 import ast
 import os
+import pytest
 
 import flashattn
 from helpers import run_python
@@ -101,3 +102,23 @@ def test_each_module_imports_first_in_any_order(rng):
             order,)
         r = run_python(code)
         assert r.returncode == 0 and r.stdout.strip() == "ok", (order, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("order", ["torch, flashattn", "flashattn, torch"])
+def test_first_call_of_a_process_compiles_fullgraph(order):
+    """The process's first flashattn call is one torch.compile traces (fullgraph): the package
+    bound itself to torch when it met it, so the trace meets neither the C binding nor a DLPack
+    type lookup that misses. Either import order; torch imported after flashattn binds through
+    the import hook."""
+    code = (
+        "import %s\n"
+        "import torch\n"
+        "from flashattn import flash_attn_func\n"
+        "f = lambda q, k, v: flash_attn_func(q, k, v, causal=True)\n"
+        "g = torch.Generator().manual_seed(7)\n"
+        "q, k, v = (torch.randn(1, 9, 2, 32, generator=g) for _ in range(3))\n"
+        "got = torch.compile(f, fullgraph=True)(q, k, v)\n"
+        "print(float((got - f(q, k, v)).abs().max()))\n" % order)
+    r = run_python(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.strip()) == 0.0, r.stdout

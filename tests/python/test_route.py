@@ -87,13 +87,16 @@ def test_fast_path_layout_is_the_signature():
 @pytest.mark.parametrize("cut", ["dense", "kv"])
 def test_fast_path_refuses_a_layout_without_a_name(cut):
     """bind() looks every argument up by name: a table that lacks one is refused (a fresh
-    interpreter, since a process binds once)."""
+    interpreter, since a process binds once, and without the import hook through which the
+    package binds itself when torch is imported after it)."""
     dense, kv = "_route.DENSE_ARGS", "_route.KV_ARGS"
     if cut == "dense":
         dense += "[:-1]"
     else:
         kv += "[1:]"
-    code = ("import torch, flashattn\n"
+    code = ("import sys, flashattn\n"
+            "sys.meta_path.remove(flashattn._RegisterAfterTorch)\n"
+            "import torch\n"
             "from flashattn import _cached, _route\n"
             "try:\n"
             "    _cached.bind_fastpath(torch, None, None, %s, None, %s)\n"
