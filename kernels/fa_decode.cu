@@ -10,7 +10,9 @@
  * keeping its own online softmax, merged through shared memory at the end. Key blocks stream
  * through FA_STAGES cp.async stages; the page of every key row is looked up as it is copied, so
  * any page size works. With one split the CTA writes out and lse; with several it writes fp32
- * partials that fa_combine.cu merges.
+ * partials that fa_combine.cu merges, or (dp.cluster_merge, sm_90) the splits of a row tile are
+ * the CTAs of one thread block cluster and merge their partials through distributed shared
+ * memory themselves (fa_decode_merge_cluster): no workspace and no second launch.
  *
  * Indices come from device memory the host did not read (cache_seqlens, cache_leftpad,
  * cache_batch_idx, block_table): each is clamped into the cache, so a bad one gives a wrong
@@ -361,6 +363,83 @@ FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, fa_i64 q0, int kh, c
     }
 }
 
+#if __CUDA_ARCH__ >= 900
+/* The split merge inside a cluster (rank = split, dp->splits CTAs): each CTA leaves its partial
+ * in its shared memory at part (row r of the tile at r * (FA_DVP + 2): the normalised O of its
+ * dv columns, then the natural lse, as fa_combine takes them; holds: this warp has rows r0 +
+ * wm * 16 + g8 (+ 8) with o, lse and scale), then after a cluster barrier rank k merges the
+ * tile's (row, column) elements k * FA_THREADS + thread, stepping by the cluster's threads, as
+ * fa_combine does, reading every part through the cluster's shared window. The last barrier
+ * keeps each CTA's memory until every read of it is done. Every thread of the CTA calls it. */
+FA_DEV void fa_decode_merge_cluster(const fa_dkparams *dp, float *part, int holds,
+                                    const float (*o)[4], const float *lse_row,
+                                    const float *scale_row, int wm, int g8, int t, int bi, int kh,
+                                    int r0, int rows, fa_i64 q_start)
+{
+    const fa_kparams *kp = &dp->f;
+    const int stride = FA_DVP + 2, dv = kp->dv, g = kp->h / kp->hk;
+    __syncthreads(); /* every warp is done with the shared memory reused here */
+    if (holds)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float *pr = part + (wm * 16 + g8 + 8 * hf) * stride;
+#pragma unroll
+            for (int ot = 0; ot < FA_OT; ot++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    if (ot * 8 + 2 * t + e < dv)
+                        pr[ot * 8 + 2 * t + e] = o[ot][2 * hf + e] * scale_row[hf];
+            if (t == 0)
+                pr[FA_DVP] = lse_row[hf];
+        }
+    fa_cluster_sync();
+
+    const int nparts = dp->splits, live = fa_min(FA_BM, rows - r0), cols = dv > 0 ? dv : 1;
+    const fa_u32 base = fa_smem_addr(part);
+    for (int i = (int)fa_cluster_rank() * FA_THREADS + threadIdx.x; i < live * cols;
+         i += nparts * FA_THREADS) {
+        const int r = i / cols, c = i - r * cols;
+        const int x = r0 + r, qi = x / g, hh = kh * g + x - qi * g;
+        const fa_u32 row_a = base + (fa_u32)(r * stride) * 4;
+        const float sink = kp->sinks ? kp->sinks[hh * kp->sinks_stride] : -FA_INF;
+        float mx = sink;
+        int has_nan = 0;
+        for (int k = 0; k < nparts; k++) {
+            const float l = fa_cluster_ld(fa_cluster_map(row_a + FA_DVP * 4, k));
+            has_nan |= l != l;
+            if (l != FA_INF && l > mx)
+                mx = l;
+        }
+        float lse, acc = 0.f;
+        if (has_nan) {
+            lse = acc = __int_as_float(0x7fc00000);
+        } else if (mx == -FA_INF) {
+            lse = dp->empty_lse;
+        } else {
+            float sum = FA_RULE_SINK_TERM(kp->sinks != 0, sink, mx, expf);
+            for (int k = 0; k < nparts; k++) {
+                const float l = fa_cluster_ld(fa_cluster_map(row_a + FA_DVP * 4, k));
+                sum += FA_RULE_PART_EMPTY(l, FA_INF) ? 0.f : expf(l - mx);
+            }
+            lse = mx + logf(sum);
+            for (int k = 0; k < nparts && c < dv; k++) {
+                const fa_u32 at = fa_cluster_map(row_a, k);
+                const float l = fa_cluster_ld(at + FA_DVP * 4);
+                if (!FA_RULE_PART_EMPTY(l, FA_INF))
+                    acc += expf(l - lse) * fa_cluster_ld(at + c * 4);
+            }
+        }
+        const fa_i64 qrow = q_start + qi;
+        if (c < dv)
+            ((fa_u16 *)kp->out)[bi * kp->o_bstride + qrow * kp->o_rstride + hh * kp->o_hstride + c] =
+                fa_from_float(acc);
+        if (c == 0 && kp->lse)
+            kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qrow * kp->lse_rstride] = lse;
+    }
+    fa_cluster_sync();
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkparams dp)
 {
     extern __shared__ __align__(128) fa_u16 fa_smem[];
@@ -369,6 +448,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
     /* Stages of K [FA_BN][FA_DP] then V [FA_BN][FA_DVP]; Q [FA_BM][FA_DP] after them. */
     const fa_u32 q_a = base_a + FA_STAGES * FA_STAGE_BYTES;
     fa_u16 *const q_p = fa_smem + FA_STAGES * FA_STAGE_BYTES / 2;
+    /* After the loop: the warps' merge (FA_WN > 1), then a cluster merge's partial. */
+    float *const fa_smem_f32 = (float *)fa_smem;
 
     const int split = blockIdx.x % dp.splits, m_block = blockIdx.x / dp.splits;
     const int kh = blockIdx.y, bi = blockIdx.z;
@@ -598,8 +679,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
                 ml[(warp * 16 + g8 + 8 * hf) * 2 + 1] = row_sum[hf];
             }
         __syncthreads();
-        if (wn != 0)
+        if (wn != 0) {
+#if __CUDA_ARCH__ >= 900
+            if (dp.cluster_merge)
+                fa_decode_merge_cluster(&dp, fa_smem_f32, 0, o, row_max, row_sum, wm, g8, t, bi,
+                                        kh, r0, rows, qs.q_start);
+#endif
             return;
+        }
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             float m = -FA_INF;
@@ -631,7 +718,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
 #endif
 
     /* One split: out and lse, the sink joining the denominator. Several: this split's fp32
-     * partial (normalised O, natural lse; +inf for a row that saw no key) for fa_combine. */
+     * partial (normalised O, natural lse; +inf for a row that saw no key) for fa_combine, or
+     * for the cluster's merge. */
+    float lse_row[2], scale_row[2];
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const int x = r0 + wm * 16 + g8 + 8 * hf;
@@ -644,7 +733,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         float lse, scale;
         /* fa_row_finish sums its argument over the quad: the lanes hold the whole sum now. */
         fa_row_finish(t == 0 ? row_sum[hf] : 0.f, row_max[hf] * sm, sink2, &lse, &scale);
-        if (dp.splits == 1) {
+        lse_row[hf] = lse, scale_row[hf] = scale;
+        if (dp.cluster_merge) {
+            continue;
+        } else if (dp.splits == 1) {
             fa_u16 *og = (fa_u16 *)kp->out + bi * kp->o_bstride + qrow * kp->o_rstride +
                          hh * kp->o_hstride;
 #if FA_VEC
@@ -672,6 +764,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
                             qi * dp.lseaccum_rstride + hh * dp.lseaccum_hstride] = lse;
         }
     }
+#if __CUDA_ARCH__ >= 900
+    if (dp.cluster_merge)
+        fa_decode_merge_cluster(&dp, fa_smem_f32, 1, o, lse_row, scale_row, wm, g8, t, bi, kh, r0,
+                                rows, qs.q_start);
+#endif
 }
 
 #if FA_VARLEN

@@ -41,6 +41,7 @@ typedef struct fa_decode_setup {
     int arch, smem_optin;
     int64_t row_tiles;
     int splits;
+    int cluster; /* 1: the splits merge inside their cluster (no workspace, no fa_combine) */
 } fa_decode_setup;
 
 /* CTAs of the plan the device runs at once: as many per SM as shared memory holds (an SM has
@@ -52,6 +53,22 @@ static int fa_decode_slots(const fa_plan *plan, const struct fa_decode_setup *s,
     const int by_regs = (int)(256 / plan->threads);
     per_sm = per_sm < by_regs ? per_sm : by_regs;
     return fa_cuda_device_sms(device) * (per_sm > 1 ? per_sm : 1);
+}
+
+/* Whether s's splits merge inside one thread block cluster: 2 to plan->cluster_max of them, at
+ * most 8 where a CTA takes an SM's shared memory alone (a larger cluster might not fit in one
+ * GPC), with cuLaunchKernelEx there; FLASHATTN_DECODE_CLUSTER=0 keeps the workspace and
+ * fa_combine. */
+static int fa_decode_cluster(const fa_plan *plan, const struct fa_decode_setup *s)
+{
+    static int off = -1;
+    if (off < 0) {
+        const char *env = getenv("FLASHATTN_DECODE_CLUSTER");
+        off = env && env[0] == '0';
+    }
+    const int alone = (s->smem_optin + 1024) / ((int)plan->smem + 1024) < 2;
+    const int most = alone && plan->cluster_max > 8 ? 8 : plan->cluster_max;
+    return !off && s->splits > 1 && s->splits <= most && fa_cuda_driver_get()->launch_kernel_ex;
 }
 
 static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_setup *s)
@@ -82,6 +99,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
                                                           fa_decode_slots(&s->plan, s, device));
     if (s->row_tiles * s->splits > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "q: too many row tiles for one launch");
+    s->cluster = fa_decode_cluster(&s->plan, s);
     return FA_STATUS_OK;
 }
 
@@ -90,7 +108,7 @@ static size_t fa_decode_ws_need(const fa_params *p, int device)
 {
     fa_decode_setup s;
     size_t lse_at;
-    if (fa_decode_setup_make(p, device, &s) != FA_STATUS_OK || s.splits <= 1)
+    if (fa_decode_setup_make(p, device, &s) != FA_STATUS_OK || s.splits <= 1 || s.cluster)
         return 0;
     return fa_decode_ws_bytes(p, s.splits, &lse_at);
 }
@@ -121,11 +139,21 @@ static fa_status fa_decode_launch(fa_cu_function fn, unsigned gx, unsigned gy, u
     const fa_cuda_driver *d = fa_cuda_driver_get();
     void *params[] = {dk};
     fa_cu_result r;
+    fa_cu_launch_attr attrs[2] = {{0}, {0}};
+    unsigned n = 0;
     if (pdl) {
-        fa_cu_launch_attr attr = {0};
-        attr.id = FA_CU_LAUNCH_ATTR_PROGRAMMATIC_SERIALIZATION;
-        attr.value.value = 1;
-        const fa_cu_launch_config config = {gx, gy, gz, threads, 1, 1, smem, stream, &attr, 1};
+        attrs[n].id = FA_CU_LAUNCH_ATTR_PROGRAMMATIC_SERIALIZATION;
+        attrs[n++].value.value = 1;
+    }
+    /* A cluster of the splits of one row tile (they are adjacent in x). */
+    if (dk->cluster_merge) {
+        attrs[n].id = FA_CU_LAUNCH_ATTR_CLUSTER_DIMENSION;
+        attrs[n].value.cluster[0] = (unsigned)dk->splits;
+        attrs[n].value.cluster[1] = attrs[n].value.cluster[2] = 1;
+        n++;
+    }
+    if (n > 0) {
+        const fa_cu_launch_config config = {gx, gy, gz, threads, 1, 1, smem, stream, attrs, n};
         r = d->launch_kernel_ex(&config, fn, params, NULL);
     } else {
         r = d->launch_kernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, NULL);
@@ -176,7 +204,7 @@ static void fa_dkparams_fill(const fa_params *p, int splits, void *ws, fa_dkpara
     dk->s_new = (int)p->s_new;
     dk->splits = splits;
     dk->empty_lse = INFINITY;
-    if (splits > 1) {
+    if (splits > 1 && ws) {
         size_t lse_at;
         fa_decode_ws_bytes(p, splits, &lse_at);
         const int64_t hs = 1, rs = p->h, bs = p->max_sq * rs, ss = p->b * bs;
@@ -217,7 +245,7 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
 {
     fa_decode_setup s;
     FA_TRY(fa_decode_setup_make(p, device, &s));
-    if (s.splits > 1) {
+    if (s.splits > 1 && !s.cluster) {
         size_t lse_at;
         const size_t need = fa_decode_ws_bytes(p, s.splits, &lse_at);
         const int fits = ws && ws_size >= need;
@@ -241,7 +269,8 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
     if (p->paged && p->cache_seqlens && check_capacity)
         st = fa_decode_check_capacity(p, stream);
     fa_dkparams dk;
-    fa_dkparams_fill(p, s.splits, ws, &dk);
+    fa_dkparams_fill(p, s.splits, s.cluster ? NULL : ws, &dk);
+    dk.cluster_merge = s.cluster;
     /* The attention's CTAs append the new rows themselves (one launch fewer) unless a rotated
      * k or v shares bytes with its cache: rotating such a row twice would be wrong. */
     dk.append_fused = p->s_new > 0 && s.row_tiles > 0 && !(p->rot_cos && p->new_in_cache);
@@ -265,7 +294,7 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
             st = fa_decode_launch(fn, (unsigned)(s.row_tiles * s.splits), (unsigned)p->hk,
                                   (unsigned)p->b, s.plan.threads, s.plan.smem, stream, &dk, 0,
                                   "launching fa_decode");
-        if (st == FA_STATUS_OK && s.splits > 1)
+        if (st == FA_STATUS_OK && s.splits > 1 && !s.cluster)
             st = fa_decode_combine(&dk, p->dtype, s.arch, ctx, stream);
     }
     fa_cuda_context_leave(pushed);
