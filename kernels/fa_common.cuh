@@ -424,7 +424,7 @@ FA_DEV fa_u32 fa_cluster_map(fa_u32 a, fa_u32 r)
 FA_DEV float fa_cluster_ld(fa_u32 a)
 {
     float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a));
     return v;
 }
 

@@ -57,18 +57,21 @@ static int fa_decode_slots(const fa_plan *plan, const struct fa_decode_setup *s,
 
 /* Whether s's splits merge inside one thread block cluster: 2 to plan->cluster_max of them, at
  * most 8 where a CTA takes an SM's shared memory alone (a larger cluster might not fit in one
- * GPC), with cuLaunchKernelEx there; FLASHATTN_DECODE_CLUSTER=0 keeps the workspace and
- * fa_combine. */
-static int fa_decode_cluster(const fa_plan *plan, const struct fa_decode_setup *s)
+ * GPC), the grid's CTAs no more than the device's SMs (fuller grids ran slower in clusters than
+ * with fa_combine), with cuLaunchKernelEx there; FLASHATTN_DECODE_CLUSTER=0 keeps the workspace
+ * and fa_combine, =1 takes clusters whatever the grid. */
+static int fa_decode_cluster(const fa_plan *plan, const struct fa_decode_setup *s, int64_t ctas,
+                             int sms)
 {
-    static int off = -1;
-    if (off < 0) {
+    static int mode = -2; /* -1 default, 0 off, 1 any grid */
+    if (mode == -2) {
         const char *env = getenv("FLASHATTN_DECODE_CLUSTER");
-        off = env && env[0] == '0';
+        mode = env && env[0] == '0' ? 0 : env && env[0] == '1' ? 1 : -1;
     }
     const int alone = (s->smem_optin + 1024) / ((int)plan->smem + 1024) < 2;
     const int most = alone && plan->cluster_max > 8 ? 8 : plan->cluster_max;
-    return !off && s->splits > 1 && s->splits <= most && fa_cuda_driver_get()->launch_kernel_ex;
+    return mode != 0 && (mode == 1 || ctas <= sms) && s->splits > 1 && s->splits <= most &&
+           fa_cuda_driver_get()->launch_kernel_ex;
 }
 
 static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_setup *s)
@@ -99,7 +102,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
                                                           fa_decode_slots(&s->plan, s, device));
     if (s->row_tiles * s->splits > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "q: too many row tiles for one launch");
-    s->cluster = fa_decode_cluster(&s->plan, s);
+    s->cluster = fa_decode_cluster(&s->plan, s, tiles * s->splits, fa_cuda_device_sms(device));
     return FA_STATUS_OK;
 }
 
@@ -134,7 +137,7 @@ static int fa_decode_pdl(int arch)
  * stream ends (fn then waits for it with griddepcontrol.wait before reading its results). */
 static fa_status fa_decode_launch(fa_cu_function fn, unsigned gx, unsigned gy, unsigned gz,
                                   unsigned threads, unsigned smem, fa_cu_stream stream,
-                                  fa_dkparams *dk, int pdl, const char *what)
+                                  fa_dkparams *dk, int pdl, int cluster, const char *what)
 {
     const fa_cuda_driver *d = fa_cuda_driver_get();
     void *params[] = {dk};
@@ -145,10 +148,10 @@ static fa_status fa_decode_launch(fa_cu_function fn, unsigned gx, unsigned gy, u
         attrs[n].id = FA_CU_LAUNCH_ATTR_PROGRAMMATIC_SERIALIZATION;
         attrs[n++].value.value = 1;
     }
-    /* A cluster of the splits of one row tile (they are adjacent in x). */
-    if (dk->cluster_merge) {
+    /* cluster CTAs adjacent in x (the splits of one row tile) form a thread block cluster. */
+    if (cluster > 1) {
         attrs[n].id = FA_CU_LAUNCH_ATTR_CLUSTER_DIMENSION;
-        attrs[n].value.cluster[0] = (unsigned)dk->splits;
+        attrs[n].value.cluster[0] = (unsigned)cluster;
         attrs[n].value.cluster[1] = attrs[n].value.cluster[2] = 1;
         n++;
     }
@@ -233,8 +236,7 @@ static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, i
     if (rows > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "out: too many rows for one launch");
     return fa_decode_launch(fn, (unsigned)rows, 1, 1, FA_COMBINE_THREADS, 0, stream, &dk,
-                            fa_decode_pdl(arch),
-                            "launching fa_combine");
+                            fa_decode_pdl(arch), 0, "launching fa_combine");
 }
 
 /* A decode on device: p a KV-cache call, or a dense forward seen as one (its k and v a
@@ -280,20 +282,20 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
         st = fa_jit_function(&s.plan, ctx, "fa_decode_fill", &fn);
         if (st == FA_STATUS_OK)
             st = fa_decode_launch(fn, (unsigned)((n + 255) / 256), 1, 1, 256, 0, stream, &dk, 0,
-                                  "launching fa_decode_fill");
+                                  0, "launching fa_decode_fill");
     }
     if (st == FA_STATUS_OK && p->s_new > 0 && !dk.append_fused) {
         st = fa_jit_function(&s.plan, ctx, "fa_kv_append", &fn);
         if (st == FA_STATUS_OK)
             st = fa_decode_launch(fn, (unsigned)p->s_new, (unsigned)p->hk, (unsigned)p->b, 32, 0,
-                                  stream, &dk, 0, "launching fa_kv_append");
+                                  stream, &dk, 0, 0, "launching fa_kv_append");
     }
     if (st == FA_STATUS_OK && s.row_tiles > 0) {
         st = fa_jit_function(&s.plan, ctx, "fa_decode", &fn);
         if (st == FA_STATUS_OK)
             st = fa_decode_launch(fn, (unsigned)(s.row_tiles * s.splits), (unsigned)p->hk,
                                   (unsigned)p->b, s.plan.threads, s.plan.smem, stream, &dk, 0,
-                                  "launching fa_decode");
+                                  s.cluster ? s.splits : 0, "launching fa_decode");
         if (st == FA_STATUS_OK && s.splits > 1 && !s.cluster)
             st = fa_decode_combine(&dk, p->dtype, s.arch, ctx, stream);
     }
