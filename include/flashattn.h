@@ -260,7 +260,9 @@ fa_status fa_attention_forward(const fa_fwd_args *args);
 
 /*
  * Bytes of workspace fa_attention_forward needs for args on args->device: 0 on the CPU, for
- * calls that do not split, or for invalid arguments (fa_last_error() says why). Calls with few
+ * calls that do not split or merge their splits without one (on sm_90 and later, up to 16
+ * splits merge inside a thread block cluster), or for invalid arguments (fa_last_error() says
+ * why). Calls with few
  * query rows (at most FA_DECODE_MAX_ROWS per sequence, no dropout or probs; dense or varlen)
  * run the KV-cache call's schedule: the query heads of a kv head packed into one
  * tile, the keys cut into splits merged in the same call. On a device the splits' partials need
@@ -424,8 +426,9 @@ void fa_kvcache_args_init(fa_kvcache_args *args);
 fa_status fa_attention_kvcache(const fa_kvcache_args *args);
 
 /* Bytes of workspace fa_attention_kvcache needs for args to split as it would choose (or as
- * num_splits asks) on args->device: 0 on the CPU, when no split is needed, or when the
- * arguments are invalid (fa_last_error() says why). */
+ * num_splits asks) on args->device: 0 on the CPU, when no split is needed or the splits merge
+ * without one (inside a thread block cluster, as fa_attention_forward_workspace_size says), or
+ * when the arguments are invalid (fa_last_error() says why). */
 size_t fa_attention_kvcache_workspace_size(const fa_kvcache_args *args);
 
 #define FA_MAX_SPLITS 256

@@ -17,7 +17,7 @@
 #define FA_COMBINE_GROUPS (FA_COMBINE_THREADS / 32) /* warps, each over every 4th part */
 #define FA_COMBINE_MAX_DV 256
 
-FA_DEV int fa_lse_empty(float x) { return x == FA_INF || x == -FA_INF; }
+FA_DEV int fa_lse_empty(float x) { return FA_RULE_PART_EMPTY(x, FA_INF); }
 
 /* The CTA's maximum (op 0) or sum (op 1) of one float per thread, through shared memory red. */
 FA_DEV float fa_cta_reduce(float x, int op, float *red)

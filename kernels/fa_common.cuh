@@ -400,4 +400,39 @@ FA_DEV void fa_grid_dependents_launch(void)
 #endif
 }
 
+/* Thread block clusters (sm_90 and later; a kernel launched without one is a cluster of one).
+ * fa_cluster_rank: this CTA's rank in its cluster (%cluster_ctarank). fa_cluster_map: the
+ * shared::cluster address of the local shared address a in the CTA of rank r (mapa).
+ * fa_cluster_ld: a float read through such an address (ld.shared::cluster). fa_cluster_sync:
+ * every thread of every CTA of the cluster arrives, its shared-memory writes released, and
+ * waits for all of them (barrier.cluster, acquire); warp-aligned. */
+#if __CUDA_ARCH__ >= 900
+FA_DEV fa_u32 fa_cluster_rank(void)
+{
+    fa_u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+FA_DEV fa_u32 fa_cluster_map(fa_u32 a, fa_u32 r)
+{
+    fa_u32 x;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(x) : "r"(a), "r"(r));
+    return x;
+}
+
+FA_DEV float fa_cluster_ld(fa_u32 a)
+{
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a));
+    return v;
+}
+
+FA_DEV void fa_cluster_sync(void)
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+#endif
+
 #endif /* FA_COMMON_CUH */

@@ -36,6 +36,7 @@ typedef struct fa_dkparams {
     fa_u32 page_mul;              /* pos / page_size = (umulhi(pos, page_mul) + pos) >> page_shift */
     fa_u32 page_shift;            /* for positions below 2^31 (fa_page_magic) */
     int append_fused;             /* 1: fa_decode writes knew / vnew (no fa_kv_append launch) */
+    int cluster_merge;            /* 1: the splits of a row tile are one cluster and merge there */
 } fa_dkparams;
 
 #if !defined(__CUDACC__)

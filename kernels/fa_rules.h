@@ -121,6 +121,9 @@ FA_RULE void fa_rule_softcap_fold(double scale, double softcap, float *pre, floa
 #define FA_RULE_SINK_TERM(has_sink, sink, big, EXP) ((has_sink) ? EXP((sink) - (big)) : 0)
 #define FA_RULE_SINK_TOTAL(l_scaled, has_sink, sink, big, EXP)                                   \
     ((l_scaled) + FA_RULE_SINK_TERM(has_sink, sink, big, EXP))
+/* A split's partial with lse +-inf (INF: the caller's infinity) holds nothing and is skipped
+ * by the merge; a NaN lse is not empty: it makes the merged row NaN. */
+#define FA_RULE_PART_EMPTY(l, INF) ((l) == (INF) || (l) == -(INF))
 /* What one row takes from the sink's gradient: exp(sink - lse) * D, D = rowsum(dO * O). */
 #define FA_RULE_SINK_GRAD(sink, lse, dsum, EXP) (EXP((sink) - (lse)) * (dsum))
 

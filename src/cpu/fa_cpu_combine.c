@@ -85,13 +85,13 @@ static void fa_combine_row(const fa_params *c, int64_t bi, int64_t r, int64_t hh
         double sum = FA_RULE_SINK_TERM(c->sinks, sink, mx, exp);
         for (int64_t s = 0; s < c->num_splits; s++) {
             double x = fa_combine_part_lse(c, s, lp_at);
-            if (x != INFINITY && x != -INFINITY)
+            if (!FA_RULE_PART_EMPTY(x, INFINITY))
                 sum += exp(x - mx);
         }
         lse = mx + log(sum);
         for (int64_t s = 0; s < c->num_splits; s++) {
             double x = fa_combine_part_lse(c, s, lp_at);
-            if (x == INFINITY || x == -INFINITY || c->dv == 0) /* dv 0: o_part may be NULL */
+            if (FA_RULE_PART_EMPTY(x, INFINITY) || c->dv == 0) /* dv 0: o_part may be NULL */
                 continue;
             double w = exp(x - lse);
             int64_t off = s * c->oaccum_sstride + op_at;

@@ -41,6 +41,7 @@ typedef struct fa_decode_setup {
     int arch, smem_optin;
     int64_t row_tiles;
     int splits;
+    int cluster; /* 1: the splits merge inside their cluster (no workspace, no fa_combine) */
 } fa_decode_setup;
 
 /* CTAs of the plan the device runs at once: as many per SM as shared memory holds (an SM has
@@ -52,6 +53,25 @@ static int fa_decode_slots(const fa_plan *plan, const struct fa_decode_setup *s,
     const int by_regs = (int)(256 / plan->threads);
     per_sm = per_sm < by_regs ? per_sm : by_regs;
     return fa_cuda_device_sms(device) * (per_sm > 1 ? per_sm : 1);
+}
+
+/* Whether s's splits merge inside one thread block cluster: 2 to plan->cluster_max of them, at
+ * most 8 where a CTA takes an SM's shared memory alone (a larger cluster might not fit in one
+ * GPC), the grid's CTAs no more than the device's SMs (fuller grids ran slower in clusters than
+ * with fa_combine), with cuLaunchKernelEx there; FLASHATTN_DECODE_CLUSTER=0 keeps the workspace
+ * and fa_combine, =1 takes clusters whatever the grid. */
+static int fa_decode_cluster(const fa_plan *plan, const struct fa_decode_setup *s, int64_t ctas,
+                             int sms)
+{
+    static int mode = -2; /* -1 default, 0 off, 1 any grid */
+    if (mode == -2) {
+        const char *env = getenv("FLASHATTN_DECODE_CLUSTER");
+        mode = env && env[0] == '0' ? 0 : env && env[0] == '1' ? 1 : -1;
+    }
+    const int alone = (s->smem_optin + 1024) / ((int)plan->smem + 1024) < 2;
+    const int most = alone && plan->cluster_max > 8 ? 8 : plan->cluster_max;
+    return mode != 0 && (mode == 1 || ctas <= sms) && s->splits > 1 && s->splits <= most &&
+           fa_cuda_driver_get()->launch_kernel_ex;
 }
 
 static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_setup *s)
@@ -82,6 +102,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
                                                           fa_decode_slots(&s->plan, s, device));
     if (s->row_tiles * s->splits > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "q: too many row tiles for one launch");
+    s->cluster = fa_decode_cluster(&s->plan, s, tiles * s->splits, fa_cuda_device_sms(device));
     return FA_STATUS_OK;
 }
 
@@ -90,7 +111,7 @@ static size_t fa_decode_ws_need(const fa_params *p, int device)
 {
     fa_decode_setup s;
     size_t lse_at;
-    if (fa_decode_setup_make(p, device, &s) != FA_STATUS_OK || s.splits <= 1)
+    if (fa_decode_setup_make(p, device, &s) != FA_STATUS_OK || s.splits <= 1 || s.cluster)
         return 0;
     return fa_decode_ws_bytes(p, s.splits, &lse_at);
 }
@@ -116,16 +137,26 @@ static int fa_decode_pdl(int arch)
  * stream ends (fn then waits for it with griddepcontrol.wait before reading its results). */
 static fa_status fa_decode_launch(fa_cu_function fn, unsigned gx, unsigned gy, unsigned gz,
                                   unsigned threads, unsigned smem, fa_cu_stream stream,
-                                  fa_dkparams *dk, int pdl, const char *what)
+                                  fa_dkparams *dk, int pdl, int cluster, const char *what)
 {
     const fa_cuda_driver *d = fa_cuda_driver_get();
     void *params[] = {dk};
     fa_cu_result r;
+    fa_cu_launch_attr attrs[2] = {{0}, {0}};
+    unsigned n = 0;
     if (pdl) {
-        fa_cu_launch_attr attr = {0};
-        attr.id = FA_CU_LAUNCH_ATTR_PROGRAMMATIC_SERIALIZATION;
-        attr.value.value = 1;
-        const fa_cu_launch_config config = {gx, gy, gz, threads, 1, 1, smem, stream, &attr, 1};
+        attrs[n].id = FA_CU_LAUNCH_ATTR_PROGRAMMATIC_SERIALIZATION;
+        attrs[n++].value.value = 1;
+    }
+    /* cluster CTAs adjacent in x (the splits of one row tile) form a thread block cluster. */
+    if (cluster > 1) {
+        attrs[n].id = FA_CU_LAUNCH_ATTR_CLUSTER_DIMENSION;
+        attrs[n].value.cluster[0] = (unsigned)cluster;
+        attrs[n].value.cluster[1] = attrs[n].value.cluster[2] = 1;
+        n++;
+    }
+    if (n > 0) {
+        const fa_cu_launch_config config = {gx, gy, gz, threads, 1, 1, smem, stream, attrs, n};
         r = d->launch_kernel_ex(&config, fn, params, NULL);
     } else {
         r = d->launch_kernel(fn, gx, gy, gz, threads, 1, 1, smem, stream, params, NULL);
@@ -176,7 +207,7 @@ static void fa_dkparams_fill(const fa_params *p, int splits, void *ws, fa_dkpara
     dk->s_new = (int)p->s_new;
     dk->splits = splits;
     dk->empty_lse = INFINITY;
-    if (splits > 1) {
+    if (splits > 1 && ws) {
         size_t lse_at;
         fa_decode_ws_bytes(p, splits, &lse_at);
         const int64_t hs = 1, rs = p->h, bs = p->max_sq * rs, ss = p->b * bs;
@@ -205,8 +236,7 @@ static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, i
     if (rows > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "out: too many rows for one launch");
     return fa_decode_launch(fn, (unsigned)rows, 1, 1, FA_COMBINE_THREADS, 0, stream, &dk,
-                            fa_decode_pdl(arch),
-                            "launching fa_combine");
+                            fa_decode_pdl(arch), 0, "launching fa_combine");
 }
 
 /* A decode on device: p a KV-cache call, or a dense forward seen as one (its k and v a
@@ -217,7 +247,7 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
 {
     fa_decode_setup s;
     FA_TRY(fa_decode_setup_make(p, device, &s));
-    if (s.splits > 1) {
+    if (s.splits > 1 && !s.cluster) {
         size_t lse_at;
         const size_t need = fa_decode_ws_bytes(p, s.splits, &lse_at);
         const int fits = ws && ws_size >= need;
@@ -241,7 +271,8 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
     if (p->paged && p->cache_seqlens && check_capacity)
         st = fa_decode_check_capacity(p, stream);
     fa_dkparams dk;
-    fa_dkparams_fill(p, s.splits, ws, &dk);
+    fa_dkparams_fill(p, s.splits, s.cluster ? NULL : ws, &dk);
+    dk.cluster_merge = s.cluster;
     /* The attention's CTAs append the new rows themselves (one launch fewer) unless a rotated
      * k or v shares bytes with its cache: rotating such a row twice would be wrong. */
     dk.append_fused = p->s_new > 0 && s.row_tiles > 0 && !(p->rot_cos && p->new_in_cache);
@@ -251,21 +282,21 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
         st = fa_jit_function(&s.plan, ctx, "fa_decode_fill", &fn);
         if (st == FA_STATUS_OK)
             st = fa_decode_launch(fn, (unsigned)((n + 255) / 256), 1, 1, 256, 0, stream, &dk, 0,
-                                  "launching fa_decode_fill");
+                                  0, "launching fa_decode_fill");
     }
     if (st == FA_STATUS_OK && p->s_new > 0 && !dk.append_fused) {
         st = fa_jit_function(&s.plan, ctx, "fa_kv_append", &fn);
         if (st == FA_STATUS_OK)
             st = fa_decode_launch(fn, (unsigned)p->s_new, (unsigned)p->hk, (unsigned)p->b, 32, 0,
-                                  stream, &dk, 0, "launching fa_kv_append");
+                                  stream, &dk, 0, 0, "launching fa_kv_append");
     }
     if (st == FA_STATUS_OK && s.row_tiles > 0) {
         st = fa_jit_function(&s.plan, ctx, "fa_decode", &fn);
         if (st == FA_STATUS_OK)
             st = fa_decode_launch(fn, (unsigned)(s.row_tiles * s.splits), (unsigned)p->hk,
                                   (unsigned)p->b, s.plan.threads, s.plan.smem, stream, &dk, 0,
-                                  "launching fa_decode");
-        if (st == FA_STATUS_OK && s.splits > 1)
+                                  s.cluster ? s.splits : 0, "launching fa_decode");
+        if (st == FA_STATUS_OK && s.splits > 1 && !s.cluster)
             st = fa_decode_combine(&dk, p->dtype, s.arch, ctx, stream);
     }
     fa_cuda_context_leave(pushed);

@@ -31,6 +31,7 @@ typedef struct fa_nvrtc_prog_st *fa_nvrtc_program;
 #define FA_CU_ATTR_CC_MINOR 76
 #define FA_CU_ATTR_MAX_SMEM_PER_BLOCK_OPTIN 97
 #define FA_CU_FUNC_ATTR_MAX_DYNAMIC_SMEM 8
+#define FA_CU_FUNC_ATTR_NON_PORTABLE_CLUSTER 14 /* clusters above 8 CTAs allowed */
 #define FA_CU_TENSOR_MAP_FLOAT16 6
 #define FA_CU_TENSOR_MAP_BFLOAT16 9
 #define FA_CU_TENSOR_MAP_SWIZZLE_128B 3
@@ -43,6 +44,7 @@ typedef struct fa_cu_launch_attr {
     union {
         char bytes[64];
         int value;
+        unsigned cluster[3];
         void *align_;
     } value;
 } fa_cu_launch_attr;
@@ -55,6 +57,8 @@ typedef struct fa_cu_launch_config {
 /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: the kernel may start before the one
  * ahead of it in the stream has finished; it waits for it with griddepcontrol.wait. */
 #define FA_CU_LAUNCH_ATTR_PROGRAMMATIC_SERIALIZATION 6
+/* CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: value.cluster holds the cluster's x, y, z in CTAs. */
+#define FA_CU_LAUNCH_ATTR_CLUSTER_DIMENSION 4
 
 typedef struct fa_cuda_driver {
     fa_cu_result (*init)(unsigned flags);

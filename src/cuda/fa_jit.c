@@ -277,6 +277,8 @@ fa_status fa_jit_function(const fa_plan *plan, fa_cu_context ctx, const char *en
         r = d->module_get_function(fn, mod, entry);
         if (r == 0 && plan->smem > 48 * 1024)
             r = d->func_set_attribute(*fn, FA_CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, (int)plan->smem);
+        if (r == 0 && plan->cluster_max > 8)
+            r = d->func_set_attribute(*fn, FA_CU_FUNC_ATTR_NON_PORTABLE_CLUSTER, 1);
         if (r == 0)
             e->fns[e->num_fns++] = (fa_jit_fn){ctx, entry, *fn};
         else

@@ -400,6 +400,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 #define FA_DECODE_BN 64
 #define FA_DECODE_STAGE_BUDGET (96 * 1024)
 #define FA_DECODE_MAX_AUTO_SPLITS 128
+#define FA_DECODE_MAX_CLUSTER 16 /* Hopper's largest (non-portable) thread block cluster */
 
 static int fa_plan_decode_wm(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
 
@@ -439,6 +440,7 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     plan->threads = (unsigned)(32 * plan->nwarps);
     plan->smem = (unsigned)FA_SMEM_DECODE(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages,
                                           plan->nwarps);
+    plan->cluster_max = key->arch >= 90 ? FA_DECODE_MAX_CLUSTER : 0;
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);

@@ -38,6 +38,8 @@ typedef struct fa_plan {
     unsigned threads;
     unsigned smem; /* dynamic shared memory per CTA, bytes */
     int stages;    /* sm90 family: K/V shared-memory stages (0 for sm80) */
+    int cluster_max; /* decode: most splits merged inside a thread block cluster (0: none; above
+                        8 the kernel is loaded with non-portable cluster sizes allowed) */
     int persistent; /* sm90 family: 0 one CTA per tile; 1 one per SM striding over the tiles of
                        calls without causal/window/varlen; 2 also over causal/windowed calls'
                        mirrored tile pairs */
