@@ -187,7 +187,9 @@ def time_row(dev, cands, opts):
                 fn()
     sync(dev)
     step = max(max(best_per_call(dev, cands, 1, 1, "events").values()), 1e-7)
-    calls = max(1, min(32, int(200e-6 / step)))  # runs of ~0.2 ms: the host runs ahead
+    # Runs of ~2 ms: a run's fixed cost (the first launch's latency, the last call's kernel)
+    # then stays a small share of a small step, as in a long decoding loop.
+    calls = max(1, min(200, int(2e-3 / step)))
     reps = max(3, min(opts.reps, int(opts.row_s / (len(cands) * calls * step))))
     res = {"calls": calls, "reps": reps,
            "us": {n: t * 1e6 for n, t in best_per_call(dev, cands, reps, calls, "events").items()}}
