@@ -114,7 +114,26 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  * where mask_mod is false is dropped, as if outside the window (so mask_mod is ANDed with causal
  * and the window). A row whose keys are all masked gets out 0 and lse +inf. Dropout applies to
  * the result as usual; probs cannot be combined with a mod.
+ *
+ * Block sparsity (fa_block_mask, FlexAttention's BlockMask layout): the (query block, key block)
+ * pairs of a dense call that hold any visible key. Query block qb is rows [qb * q_block, (qb +
+ * 1) * q_block), key block kb keys [kb * kv_block, (kb + 1) * kv_block). For sequence b, head h
+ * and query block qb, kv_indices[b, h, qb, 0 .. kv_num_blocks[b, h, qb]) are its partial blocks
+ * (mask_mod decides key by key; every key is kept without a mask_mod) and full_kv_indices[b, h,
+ * qb, 0 .. full_kv_num_blocks[b, h, qb]) its full blocks (every key kept, mask_mod not
+ * evaluated; a block in both lists is full). Every other block is skipped: its keys are
+ * masked, whatever mask_mod says. Causal, the window and the mods' scores apply as without it.
+ * int32 tensors, any strides; their b and h dims may be 1 (shared); at least ceil(sq / q_block)
+ * query blocks (more are ignored); indices at or past ceil(sk / kv_block) name no keys and are
+ * ignored. CPU only, dense form, forward only, as the mods.
  */
+typedef struct fa_block_mask {
+    int64_t q_block, kv_block;           /* rows and keys per block, >= 1 */
+    const fa_tensor *kv_num_blocks;      /* int32 [b or 1, h or 1, nq] */
+    const fa_tensor *kv_indices;         /* int32 [b or 1, h or 1, nq, n] (kv_num_blocks' b, h) */
+    const fa_tensor *full_kv_num_blocks; /* optional, int32 [b or 1, h or 1, nq] */
+    const fa_tensor *full_kv_indices;    /* int32 [., ., nq, n], with full_kv_num_blocks */
+} fa_block_mask;
 typedef struct fa_mod fa_mod;
 
 typedef enum fa_mod_variable {
@@ -250,6 +269,7 @@ typedef struct fa_fwd_args {
     const fa_mod *score_mod; /* optional, finished as FA_MOD_KIND_SCORE (fa_mod above) */
     const fa_mod *mask_mod;  /* optional, finished as FA_MOD_KIND_MASK */
     const fa_tensor *mod_aux[FA_MOD_AUX_SLOTS]; /* what the mods read: int32 or fp32 */
+    const fa_block_mask *block_mask;            /* optional (fa_block_mask above) */
 } fa_fwd_args;
 
 /* Sets every field to its default: no optional tensors, scale NaN, window (-1, -1), CPU. */

@@ -139,6 +139,7 @@ class FaFwdArgs(ctypes.Structure):
         ("score_mod", ctypes.c_void_p),
         ("mask_mod", ctypes.c_void_p),
         ("mod_aux", _PT * 4),
+        ("block_mask", ctypes.c_void_p),
     ]
 
 

@@ -215,9 +215,8 @@ static fa_status fa_check_fp8(const fa_fwd_args *a, fa_params *p)
         return FA_BAD("dropout_p: fp8 inputs have no dropout (as FA3), got %g", a->dropout_p);
     if (a->probs)
         return FA_BAD("probs: not available with fp8 inputs (as FA3)");
-    if (a->score_mod || a->mask_mod)
-        return FA_BAD("%s: not available with fp8 inputs yet",
-                      a->score_mod ? "score_mod" : "mask_mod");
+    if (fa_mod_args_user(a))
+        return FA_BAD("%s: not available with fp8 inputs yet", fa_mod_args_user(a));
     return FA_STATUS_OK;
 }
 
@@ -350,7 +349,8 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
     FA_TRY(fa_check_options(a, p));
     FA_TRY(fa_check_fp8(a, p));
     FA_TRY(fa_check_extras(a, p));
-    FA_TRY(fa_mod_check_call(a, &p->mods));
+    const fa_mod_dims dims = {p->is_varlen, p->b, p->h, p->max_sq, p->max_sk};
+    FA_TRY(fa_mod_check_call(a, &dims, &p->mods));
     FA_TRY(fa_check_writable(a->out, "out"));
     FA_TRY(fa_check_writable(a->lse, "lse"));
     FA_TRY(fa_check_writable(a->probs, "probs"));
@@ -385,10 +385,10 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
     fwd.probs = NULL; /* a forward-only debugging output */
     if (!fwd.lse)
         return FA_BAD("lse: the backward needs the forward's lse (fwd->lse)");
-    if (fwd.score_mod || fwd.mask_mod)
+    if (fa_mod_args_user(&fwd))
         return fa_error_set(FA_STATUS_UNSUPPORTED, "%s: the backward of user-defined scoring "
                             "is not implemented yet (forward only)",
-                            fwd.score_mod ? "score_mod" : "mask_mod");
+                            fa_mod_args_user(&fwd));
     FA_TRY(fa_params_from_fwd_args(&fwd, p));
     if (fa_dtype_is_fp8(p->dtype))
         return fa_error_set(FA_STATUS_UNSUPPORTED,

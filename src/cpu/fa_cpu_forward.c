@@ -176,7 +176,9 @@ static void fa_cpu_forward_item(const fa_cpu_job *job, const fa_cpu_chunk *c, in
         return;
     }
 #endif
-    const fa_cpu_mod_at at = {c->seq, h, c->r0, 0};
+    fa_cpu_mod_at at = {c->seq, h, c->r0, 0, NULL, 0, 0};
+    fa_cpu_mod_blocks_load(p, &at, base + job->mod_offset,
+                           p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float), c->r0, c->m);
     if (p->dtype == FA_DTYPE_F64) {
         fa_tile_f64 t;
         FA_TILE_CARVE(double, t, base, p, job->bm);
@@ -205,7 +207,7 @@ static void fa_cpu_forward_task(void *ctx, int64_t item, int thread)
 static const fa_cpu_bf16_kernel *fa_cpu_forward_bf16_kernel(const fa_params *p)
 {
 #if defined(FA_CPU_HAS_BF16)
-    if (p->dtype == FA_DTYPE_BF16 && !p->mods.score_mod && !p->mods.mask_mod)
+    if (p->dtype == FA_DTYPE_BF16 && !fa_mod_call_active(&p->mods))
         return fa_cpu_bf16_kernel_get();
 #endif
     (void)p;
@@ -368,7 +370,7 @@ fa_status fa_cpu_forward(const fa_params *p)
         job.scratch_size = fa_bf16_scratch_size(p);
 #endif
     job.mod_offset = job.scratch_size;
-    job.scratch_size += fa_cpu_mod_scratch_size(p, real_size);
+    job.scratch_size += fa_cpu_mod_scratch_size(p, real_size, bm);
     /* Thread tiles and packed K/V in one kept workspace (util/fa_memory.h). */
     const size_t scratch_bytes = job.scratch_size * (size_t)threads;
     size_t kv_bytes = 0;

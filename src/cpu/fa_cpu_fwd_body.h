@@ -31,8 +31,9 @@ typedef struct FA_FN(fa_tile) {
     FA_REAL *hi;   /* [bm] one past the last visible key */
     FA_REAL *diag; /* [bm] the key on each row's diagonal, i + sk - sq */
     FA_REAL *bmax; /* [bm] block maximum, then the maximum used for exp */
-    /* User-defined scoring only (p->mods.score_mod, p->mods.mask_mod): the evaluator's scratch
-     * (fa_cpu_mod_scratch_size) and the tile's sequence, head and first query row. */
+    /* User-defined scoring only (fa_mod_call_active): the evaluator's scratch
+     * (fa_cpu_mod_scratch_size) and the tile's sequence, head, first query row and block
+     * states. */
     FA_REAL *mod_buf;
     fa_cpu_mod_at mod_at;
 } FA_FN(fa_tile);
@@ -114,7 +115,7 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
                 st[j * ld + i] = FA_RULE_SOFTCAP(st[j * ld + i], inv, cap, FA_TANHV);
         mul = 1;
     }
-    if (p->mods.score_mod || p->mods.mask_mod) {
+    if (fa_mod_call_active(&p->mods)) {
         /* The mods see the final scaled score (after softcap and ALiBi) of every key. */
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = c0; i < c1; i++)
@@ -334,6 +335,8 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
 
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BN) {
         const int64_t n = k_hi - j0 < FA_CPU_BN ? k_hi - j0 : FA_CPU_BN;
+        if (fa_cpu_mod_blocks_skip(p, &t->mod_at, j0, n))
+            continue; /* a block mask skips every key of it for every row */
         int64_t c0, c1;
         /* The rows that see none of the block are left alone, which is what computing them fully
          * masked would do (an unchanged maximum, exponentials 0). */

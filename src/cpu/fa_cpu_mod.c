@@ -14,7 +14,14 @@ static inline float fa_cpu_mod_expf(float x)
     return x > 88.0f ? half * half : fa_expf(x);
 }
 
-size_t fa_cpu_mod_scratch_size(const fa_params *p, size_t real_size)
+/* Query blocks rows [r0, r0 + bm) can touch: bm / q_block + 2 at most (one partial at
+ * each end). */
+static int64_t fa_cpu_mod_span(const fa_mod_blocks *blocks, int64_t bm)
+{
+    return bm / blocks->q_block + 2;
+}
+
+static size_t fa_cpu_mod_bufs_size(const fa_params *p, size_t real_size)
 {
     int bufs = 0;
     if (p->mods.score_mod)
@@ -22,6 +29,41 @@ size_t fa_cpu_mod_scratch_size(const fa_params *p, size_t real_size)
     if (p->mods.mask_mod && p->mods.mask_mod->n_bufs > bufs)
         bufs = p->mods.mask_mod->n_bufs;
     return ((size_t)bufs * FA_CPU_MOD_CHUNK * real_size + 63) & ~(size_t)63;
+}
+
+size_t fa_cpu_mod_scratch_size(const fa_params *p, size_t real_size, int64_t bm)
+{
+    size_t n = fa_cpu_mod_bufs_size(p, real_size);
+    const fa_mod_blocks *blocks = &p->mods.blocks;
+    if (blocks->num.data)
+        n += ((size_t)(fa_cpu_mod_span(blocks, bm) * blocks->nk) + 63) & ~(size_t)63;
+    return n;
+}
+
+void fa_cpu_mod_blocks_load(const fa_params *p, fa_cpu_mod_at *at, void *scratch,
+                            size_t real_size, int64_t r0, int64_t m)
+{
+    const fa_mod_blocks *blocks = &p->mods.blocks;
+    at->states = NULL;
+    if (!blocks->num.data || m < 1)
+        return;
+    at->states = (unsigned char *)scratch + fa_cpu_mod_bufs_size(p, real_size);
+    at->qb0 = r0 / blocks->q_block;
+    at->nqb = (r0 + m - 1) / blocks->q_block - at->qb0 + 1;
+    fa_mod_blocks_fill(blocks, at->b, at->h, at->qb0, at->nqb, at->states);
+}
+
+int fa_cpu_mod_blocks_skip(const fa_params *p, const fa_cpu_mod_at *at, int64_t j0, int64_t n)
+{
+    if (!at->states || n < 1)
+        return 0;
+    const fa_mod_blocks *blocks = &p->mods.blocks;
+    const int64_t kb0 = j0 / blocks->kv_block, kb1 = (j0 + n - 1) / blocks->kv_block;
+    for (int64_t q = 0; q < at->nqb; q++)
+        for (int64_t kb = kb0; kb <= kb1; kb++)
+            if (at->states[q * blocks->nk + kb] != FA_BLOCK_SKIP)
+                return 0;
+    return 1;
 }
 
 #define FA_REAL float

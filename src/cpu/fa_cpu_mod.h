@@ -13,16 +13,32 @@
 
 #define FA_CPU_MOD_CHUNK 64 /* values per evaluation step */
 
-/* Where a tile sits: column i of its scores is query q0 + i, row j is key j0 + j. */
+/* Where a tile sits: column i of its scores is query q0 + i, row j is key j0 + j. With a block
+ * mask, states[(qb - qb0) * nk + kb] is the state (FA_BLOCK_*) of key block kb for the tile's
+ * query blocks qb0 .. qb0 + nqb - 1 (fa_cpu_mod_blocks_load), else NULL. */
 typedef struct fa_cpu_mod_at {
     int64_t b, h, q0, j0;
+    unsigned char *states;
+    int64_t qb0, nqb;
 } fa_cpu_mod_at;
 
-/* Bytes of scratch one thread needs to evaluate p's mods in real_size precision (0: none). */
-size_t fa_cpu_mod_scratch_size(const fa_params *p, size_t real_size);
+/* Bytes of scratch one thread needs to evaluate p's mods in real_size precision on tiles of up
+ * to bm rows (0: none): the evaluator's buffers, then the block states. */
+size_t fa_cpu_mod_scratch_size(const fa_params *p, size_t real_size, int64_t bm);
+
+/* The block states of rows [r0, r0 + m) of sequence at->b, head at->h into at, at->states
+ * pointing into scratch (the thread's fa_cpu_mod_scratch_size bytes for real_size); NULL
+ * without a block mask. */
+void fa_cpu_mod_blocks_load(const fa_params *p, fa_cpu_mod_at *at, void *scratch,
+                            size_t real_size, int64_t r0, int64_t m);
+
+/* Whether every key of [j0, j0 + n) is skipped by the block mask for every row of the tile. */
+int fa_cpu_mod_blocks_skip(const fa_params *p, const fa_cpu_mod_at *at, int64_t j0, int64_t n);
 
 /* Replaces the scores st[j * ld + i] (keys j < n, queries c0 <= i < c1) with score_mod's
- * values, then -inf where mask_mod is false. buf: fa_cpu_mod_scratch_size bytes. */
+ * values, then -inf where the key is masked: by the block mask's state where there is one
+ * (skipped: masked; full: kept; partial: mask_mod decides), by mask_mod elsewhere.
+ * buf: fa_cpu_mod_scratch_size bytes. */
 void fa_cpu_mod_apply_f32(const fa_params *p, float *buf, float *st, int64_t ld, int64_t n,
                           int64_t c0, int64_t c1, const fa_cpu_mod_at *at);
 void fa_cpu_mod_apply_f64(const fa_params *p, double *buf, double *st, int64_t ld, int64_t n,

@@ -148,8 +148,11 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
                                               const fa_cpu_mod_at *at)
 {
     const FA_REAL b = (FA_REAL)at->b, h = (FA_REAL)at->h;
+    const fa_mod_blocks *blocks = &p->mods.blocks;
+    unsigned char state[FA_CPU_MOD_CHUNK]; /* each query's block state at key j */
     for (int64_t j = 0; j < n; j++) {
         const FA_REAL kv = (FA_REAL)(at->j0 + j);
+        const int64_t kb = at->states ? (at->j0 + j) / blocks->kv_block : 0;
         for (int64_t i0 = c0; i0 < c1; i0 += FA_CPU_MOD_CHUNK) {
             const int64_t w = c1 - i0 < FA_CPU_MOD_CHUNK ? c1 - i0 : FA_CPU_MOD_CHUNK;
             const FA_REAL q0 = (FA_REAL)(at->q0 + i0);
@@ -160,9 +163,28 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
                 for (int64_t k = 0; k < w; k++)
                     row[k] = r[k];
             }
-            if (p->mods.mask_mod) {
-                const FA_REAL *r =
-                    FA_FN(fa_mod_run)(p->mods.mask_mod, p->mods.aux, buf, row, w, b, h, q0, kv);
+            /* mask_mod is consulted where the block mask leaves it the choice (partial), and
+             * everywhere without one. */
+            int consult = 1;
+            if (at->states) {
+                consult = 0;
+                for (int64_t k = 0; k < w; k++) {
+                    const int64_t qb = (at->q0 + i0 + k) / blocks->q_block - at->qb0;
+                    state[k] = qb < at->nqb ? at->states[qb * blocks->nk + kb] : FA_BLOCK_SKIP;
+                    consult |= state[k] == FA_BLOCK_PARTIAL;
+                }
+            }
+            const FA_REAL *r = p->mods.mask_mod && consult
+                                   ? FA_FN(fa_mod_run)(p->mods.mask_mod, p->mods.aux, buf, row,
+                                                       w, b, h, q0, kv)
+                                   : NULL;
+            if (at->states) {
+                for (int64_t k = 0; k < w; k++) {
+                    const int keep = state[k] == FA_BLOCK_FULL ||
+                                     (state[k] == FA_BLOCK_PARTIAL && (!r || r[k] != 0));
+                    row[k] = keep ? row[k] : -(FA_REAL)INFINITY;
+                }
+            } else if (r) {
                 for (int64_t k = 0; k < w; k++)
                     row[k] = r[k] != 0 ? row[k] : -(FA_REAL)INFINITY;
             }

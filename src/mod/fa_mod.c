@@ -516,7 +516,13 @@ static fa_status fa_mod_check_one(const fa_mod *m, const char *name, fa_mod_kind
     return FA_STATUS_OK;
 }
 
-fa_status fa_mod_check_call(const fa_fwd_args *a, fa_mod_call *call)
+const char *fa_mod_args_user(const fa_fwd_args *a)
+{
+    return a->score_mod ? "score_mod" : a->mask_mod ? "mask_mod" : a->block_mask ? "block_mask"
+                                                                                  : NULL;
+}
+
+fa_status fa_mod_check_call(const fa_fwd_args *a, const fa_mod_dims *dims, fa_mod_call *call)
 {
     *call = (fa_mod_call){0};
     static const char *const names[FA_MOD_AUX_SLOTS] = {"mod_aux[0]", "mod_aux[1]",
@@ -559,6 +565,7 @@ fa_status fa_mod_check_call(const fa_fwd_args *a, fa_mod_call *call)
                               names[i], d, (long long)t->shape[d]);
         call->aux[i] = *t;
     }
+    FA_TRY(fa_mod_blocks_check(a, dims, &call->blocks));
     call->score_mod = a->score_mod;
     call->mask_mod = a->mask_mod;
     return FA_STATUS_OK;

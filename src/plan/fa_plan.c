@@ -465,7 +465,7 @@ int fa_plan_few_rows(const fa_params *p)
 {
     /* User-defined scoring is evaluated in the forward's tiles only. */
     return p->max_sq <= FA_DECODE_MAX_ROWS && p->dropout_p == 0 && p->probs == NULL &&
-           !p->mods.score_mod && !p->mods.mask_mod;
+           !fa_mod_call_active(&p->mods);
 }
 
 int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows)
