@@ -83,6 +83,56 @@ static void fz_mods(fz_case *c, fa_fwd_args *a)
     }
 }
 
+/* A block mask tensor's entries: counts in [0, hi] or indices in [0, hi) mostly, and now and
+ * then one past either end. */
+static void fz_block_values(fz_case *c, const fa_tensor *t, int64_t hi)
+{
+    if (!fz_backed(c, t) || t->dtype != FA_DTYPE_I32)
+        return;
+    int64_t idx[4] = {0, 0, 0, 0};
+    if (fz_numel(t) == 0)
+        return;
+    do {
+        const int64_t x = fz_chance(c->src, 97) ? fz_range(c->src, 0, hi) : FZ_PICK(c->src,
+                                                                        ((const int64_t[]){-1, hi + 1, INT32_MAX}));
+        fz_store(t, idx, (double)x);
+    } while (fz_next(t, idx));
+}
+
+/* Now and then a block mask: block sizes, dims and entries around the valid ones. The library
+ * takes or refuses it as the call allows; it must never read past the tensors. */
+static void fz_block_mask(fz_case *c, fa_fwd_args *a, const fz_dims *p)
+{
+    fz_src *s = c->src;
+    if (!fz_chance(s, 8))
+        return;
+    fa_block_mask *bm = &c->block_mask;
+    bm->q_block = fz_chance(s, 95) ? fz_range(s, 1, 70) : fz_range(s, -1, 0);
+    bm->kv_block = fz_chance(s, 95) ? fz_range(s, 1, 70) : fz_range(s, -1, 0);
+    const int64_t qbl = bm->q_block > 0 ? bm->q_block : 1, kbl = bm->kv_block > 0 ? bm->kv_block : 1;
+    const int64_t nq = (p->sq + qbl - 1) / qbl + (fz_chance(s, 90) ? fz_range(s, 0, 1) : -1);
+    const int64_t nk = (p->sk + kbl - 1) / kbl;
+    const int64_t n = fz_chance(s, 90) ? nk + fz_range(s, 0, 2) : fz_range(s, 0, nk);
+    const int64_t B = fz_chance(s, 50) ? 1 : p->b + (fz_chance(s, 95) ? 0 : 1);
+    const int64_t H = fz_chance(s, 50) ? 1 : p->h + (fz_chance(s, 95) ? 0 : 1);
+    const int64_t ns[3] = {B, H, nq < 0 ? 0 : nq}, is[4] = {B, H, nq < 0 ? 0 : nq, n};
+    const fa_dtype dt = fz_chance(s, 97) ? FA_DTYPE_I32 : FA_DTYPE_F32;
+    bm->kv_num_blocks = fz_tensor(c, "kv_num_blocks", dt, 3, ns, FZ_IDX);
+    bm->kv_indices = fz_tensor(c, "kv_indices", FA_DTYPE_I32, fz_chance(s, 97) ? 4 : 3, is, FZ_IDX);
+    fz_block_values(c, bm->kv_num_blocks, n);
+    fz_block_values(c, bm->kv_indices, nk + 1);
+    if (fz_chance(s, 50)) {
+        bm->full_kv_num_blocks = fz_tensor(c, "full_kv_num_blocks", FA_DTYPE_I32, 3, ns, FZ_IDX);
+        if (fz_chance(s, 97))
+            bm->full_kv_indices = fz_tensor(c, "full_kv_indices", FA_DTYPE_I32, 4, is, FZ_IDX);
+        fz_block_values(c, bm->full_kv_num_blocks, n);
+        fz_block_values(c, bm->full_kv_indices, nk + 1);
+    }
+    fz_note(c, " block_mask %lldx%lld [%lld, %lld, %lld, %lld]", (long long)bm->q_block,
+            (long long)bm->kv_block, (long long)B, (long long)H, (long long)nq, (long long)n);
+    a->block_mask = bm;
+}
+
 /* fp8 inputs: a 16-bit out most of the time (fp8 has no fp8 out), and FA3's descales; descales
  * now and then on other inputs too, which must refuse them. */
 static void fz_fp8(fz_case *c, fa_fwd_args *a, const fz_dims *p)
@@ -214,6 +264,7 @@ static void fz_fwd_args(fz_case *c, fa_fwd_args *a, int varlen, int for_backward
     a->num_threads = fz_threads(c);
     fz_fp8(c, a, &p);
     fz_mods(c, a);
+    fz_block_mask(c, a, &p);
 }
 
 static void fz_forward(fz_case *c, int varlen)

@@ -35,6 +35,7 @@ typedef struct fz_case {
     int calls, accepted;
     int chaos; /* 0: every draw valid but the scalars' and indices' edges; 1: anything */
     fa_mod *mods[2]; /* a forward's score_mod and mask_mod, destroyed with the case */
+    fa_block_mask block_mask; /* a forward's block mask (its tensors among tensors[]) */
     char log[2048]; /* what was drawn, printed when the contract breaks */
     size_t log_len;
 } fz_case;
