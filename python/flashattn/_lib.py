@@ -102,6 +102,19 @@ class FaTensor(ctypes.Structure):
 _PT = ctypes.POINTER(FaTensor)
 
 
+class FaBlockMask(ctypes.Structure):
+    """struct fa_block_mask (FlexAttention's BlockMask layout)."""
+
+    _fields_ = [
+        ("q_block", ctypes.c_int64),
+        ("kv_block", ctypes.c_int64),
+        ("kv_num_blocks", _PT),
+        ("kv_indices", _PT),
+        ("full_kv_num_blocks", _PT),
+        ("full_kv_indices", _PT),
+    ]
+
+
 class FaFwdArgs(ctypes.Structure):
     """struct fa_fwd_args."""
 
@@ -139,7 +152,7 @@ class FaFwdArgs(ctypes.Structure):
         ("score_mod", ctypes.c_void_p),
         ("mask_mod", ctypes.c_void_p),
         ("mod_aux", _PT * 4),
-        ("block_mask", ctypes.c_void_p),
+        ("block_mask", ctypes.POINTER(FaBlockMask)),
     ]
 
 
