@@ -1,0 +1,774 @@
+"""Tracing torch-style score_mod / mask_mod functions into the C library's fa_mod programs.
+
+A mod is called once with ``Value`` proxies for (score,) b, h, q_idx, kv_idx. A proxy records
+every operation on it (operators, torch functions through ``__torch_function__``, tensor
+methods) as a node of a ``Graph``; a captured tensor indexed by proxies becomes an aux read.
+What a one-time call cannot record (Python ``if``/``and``/``or``/``min`` on a proxy, ``.item()``,
+unsupported functions) raises FlashAttnError naming the construct and the user's source line.
+
+Values have a kind: "bool", "int" or "float" (torch's promotion: int op int stays int, ``/``
+gives float, a bool in arithmetic counts as 0 / 1). The C program computes in the forward's
+precision, so integers are exact up to 2^24 in fp32.
+
+``trace`` caches what it traced per (function, what the function captures): the tensors and
+numbers reached through its closure, globals, defaults (and those of the functions it
+captures, as ``and_masks`` does); a changed number or a tensor of another shape or dtype traces
+again. Captured tensors are read afresh at every call (their current values); a tensor reached
+another way (an attribute of a captured object) is bound by identity, so mutate it in place.
+"""
+
+import collections
+import ctypes
+import functools
+import math
+import os
+import sys
+import threading
+import traceback
+import types
+
+from . import _lib
+from ._lib import FlashAttnError
+
+BOOL, INT, FLOAT = "bool", "int", "float"
+VARS = ("score", "b", "h", "q_idx", "kv_idx")  # fa_mod_variable order
+# fa_mod_op order (include/flashattn.h)
+OPS = ("neg", "exp", "log", "tanh", "abs", "sqrt", "floor", "not", "add", "sub", "mul", "div",
+       "min", "max", "pow", "mod", "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
+_OP_CODE = {name: i for i, name in enumerate(OPS)}
+KIND_SCORE, KIND_MASK = 1, 2  # fa_mod_kind
+AUX_SLOTS = 4
+MAX_AUX_DIMS = 4
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_line():
+    """'file:line: code' of the innermost frame outside this package and torch."""
+    torch = sys.modules.get("torch")
+    skip = [_HERE] + ([os.path.dirname(torch.__file__)] if torch is not None else [])
+    for fr in reversed(traceback.extract_stack()):
+        if not any(fr.filename.startswith(s) for s in skip):
+            return "%s:%d: %s" % (fr.filename, fr.lineno, (fr.line or "").strip())
+    return "unknown line"
+
+
+def refuse(what):
+    raise FlashAttnError("%s cannot be traced: %s (at %s)" % (_TRACING.name, what, _user_line()))
+
+
+class _State(threading.local):
+    graph = None
+    name = "mod"
+
+
+_TRACING = _State()
+
+
+class Graph:
+    """Nodes of one traced mod, operands before their users, identical nodes shared. A node:
+    ("var", i) | ("const", float.hex()) | ("true",) | ("false",) | (op, a[, b]) |
+    ("where", c, a, b) | ("aux", local slot, index node, ...)."""
+
+    def __init__(self, leaves):
+        self.nodes = []
+        self.ids = {}
+        self.leaves = leaves  # id(object) -> discovery path, for the captured tensors
+        self.aux = []  # per local slot: (path or None, tensor, its kind)
+        self.aux_slot = {}  # id(tensor) -> local slot
+
+    def add(self, node):
+        i = self.ids.get(node)
+        if i is None:
+            i = self.ids[node] = len(self.nodes)
+            self.nodes.append(node)
+        return i
+
+    def aux_of(self, t):
+        """The local slot reading tensor t (a new one on first use; a 0-d tensor is read as
+        one of shape [1])."""
+        slot = self.aux_slot.get(id(t))
+        if slot is None:
+            if int(t.dim()) > MAX_AUX_DIMS:
+                refuse("a captured tensor of %d dims (shape %s) is indexed; at most %d"
+                       % (t.dim(), tuple(t.shape), MAX_AUX_DIMS))
+            slot = self.aux_slot[id(t)] = len(self.aux)
+            self.aux.append((self.leaves.get(id(t)), t, _tensor_kind(t)))
+        return slot
+
+    def depends_on(self, root, var):
+        return self.ids.get(("var", var)) in self.reachable(root)
+
+    def reachable(self, root):
+        """Node ids the root reads, in creation (topological) order."""
+        need = [False] * len(self.nodes)
+        need[root] = True
+        for i in range(root, -1, -1):
+            if need[i]:
+                for a in operands(self.nodes[i]):
+                    need[a] = True
+        return [i for i in range(root + 1) if need[i]]
+
+
+def operands(node):
+    """The node ids a node reads."""
+    op = node[0]
+    if op in ("var", "const", "true", "false"):
+        return ()
+    if op == "aux":
+        return node[2:]
+    return node[1:]
+
+
+def _tensor_kind(t):
+    if t.dtype == sys.modules["torch"].bool:
+        return BOOL
+    return FLOAT if t.is_floating_point() else INT
+
+
+class Value:
+    """A traced scalar of a mod: node ``id`` of the current graph, of kind ``kind``;
+    ``nonneg``: known >= 0 (an index that needs no wrap-around); ``const``: its Python value
+    when a constant."""
+
+    __slots__ = ("id", "kind", "nonneg", "const")
+
+    def __init__(self, id, kind, nonneg=False, const=None):
+        self.id, self.kind, self.nonneg, self.const = id, kind, nonneg, const
+
+    def __repr__(self):
+        return "<traced %s value>" % self.kind
+
+    __hash__ = object.__hash__
+
+    # Python-level uses a one-time trace cannot record
+    def __bool__(self):
+        refuse("Python control flow (if / and / or / not / min / max / a chained comparison) "
+               "on a traced value; use torch.where, &, |, ~, torch.minimum or torch.maximum")
+
+    def __index__(self):
+        refuse("a traced value used as a Python int (indexing a list, range, ...); index a "
+               "captured torch tensor instead")
+
+    def __int__(self):
+        self.__index__()
+
+    def __float__(self):
+        refuse("float() of a traced value")
+
+    def __len__(self):
+        refuse("len() of a traced value (it is a scalar)")
+
+    def __iter__(self):
+        refuse("iterating over a traced value (it is a scalar)")
+
+    def __getitem__(self, index):
+        refuse("indexing a traced value (it is a scalar)")
+
+    def item(self):
+        refuse(".item() of a traced value (its value is only known at run time)")
+
+    tolist = numpy = item
+
+    # what torch code reads off a tensor
+    @property
+    def dtype(self):
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return self.kind
+        return {BOOL: torch.bool, INT: torch.int32, FLOAT: torch.float32}[self.kind]
+
+    @property
+    def device(self):
+        torch = sys.modules.get("torch")
+        return torch.device("cpu") if torch is not None else "cpu"
+
+    shape = property(lambda self: ())
+    ndim = property(lambda self: 0)
+
+    def dim(self):
+        return 0
+
+    def size(self, d=None):
+        return () if d is None else refuse("size(%r) of a scalar" % (d,))
+
+    def is_floating_point(self):
+        return self.kind == FLOAT
+
+    @classmethod
+    def __torch_function__(cls, func, types=(), args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        return apply(name, args, kwargs or {})
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name not in _FUNCS and name.rstrip("_") not in _FUNCS:
+            refuse("method .%s() is not supported" % name)
+        return lambda *args, **kwargs: apply(name, (self,) + args, kwargs)
+
+
+def _dunder(name, swap=False):
+    def method(self, *other):
+        return apply(name, (other[0], self) if swap else (self,) + other, {})
+    return method
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor"):
+    setattr(Value, "__%s__" % _name, _dunder(_name))
+    setattr(Value, "__r%s__" % _name, _dunder(_name, swap=True))
+for _name in ("lt", "le", "gt", "ge", "eq", "ne", "neg", "abs", "invert"):
+    setattr(Value, "__%s__" % _name, _dunder(_name))
+Value.__pos__ = lambda self: self
+
+
+# ---- building nodes ------------------------------------------------------------------------
+
+
+def _graph():
+    return _TRACING.graph
+
+
+def const(x):
+    if x is True or x is False:
+        return Value(_graph().add(("true",) if x else ("false",)), BOOL, True, x)
+    kind = INT if isinstance(x, int) else FLOAT
+    x = float(x)
+    return Value(_graph().add(("const", x.hex())), kind, x >= 0, x)
+
+
+def lift(x):
+    """x as a Value: Values, Python / NumPy numbers, one-element tensors (a captured one is
+    read from memory at run time; others are constants of the trace)."""
+    if isinstance(x, Value):
+        return x
+    if isinstance(x, (bool, int, float)):
+        return const(x)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.dim() == 0 and id(x) in _graph().leaves:
+            return _aux_read(_graph().aux_of(x), [const(0)], x)
+        if x.dim() == 0:
+            return const(x.item())
+        refuse("a tensor of shape %s used as a scalar; index it with the variables "
+               "(e.g. bias[h, q_idx - kv_idx])" % (tuple(x.shape),))
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.generic):
+        return const(x.item())
+    refuse("an operand of type %s" % type(x).__name__)
+
+
+def node(op, *args, kind=FLOAT, nonneg=False):
+    return Value(_graph().add((op,) + tuple(a.id for a in args)), kind, nonneg)
+
+
+def as_num(v):
+    v = lift(v)
+    if v.kind != BOOL:
+        return v
+    return Value(_graph().add(("where", v.id, const(1).id, const(0).id)), INT, True)
+
+
+def as_bool(v):
+    v = lift(v)
+    return v if v.kind == BOOL else node("ne", v, const(0), kind=BOOL)
+
+
+def _promote(a, b):
+    return FLOAT if FLOAT in (a.kind, b.kind) else INT
+
+
+def binary(op, a, b):
+    a, b = as_num(a), as_num(b)
+    kind = _promote(a, b)
+    if op in ("lt", "le", "gt", "ge", "eq", "ne"):
+        return node(op, a, b, kind=BOOL, nonneg=True)
+    if op == "div":
+        return node("div", a, b, nonneg=a.nonneg and b.nonneg)
+    if op == "floordiv":
+        q = node("div", a, b)
+        return node("floor", q, kind=kind, nonneg=a.nonneg and b.nonneg)
+    if op == "mod":  # the divisor's sign (torch.remainder, Python's %)
+        return node("mod", a, b, kind=kind, nonneg=b.const is not None and b.const > 0)
+    nonneg = a.nonneg and b.nonneg and op in ("add", "mul", "min", "max", "pow")
+    return node(op, a, b, kind=kind, nonneg=nonneg or (op == "max" and (a.nonneg or b.nonneg)))
+
+
+def logical(op, a, b):
+    a, b = lift(a), lift(b)
+    if a.kind != BOOL or b.kind != BOOL:
+        refuse("bitwise %s on integer or float values (only on booleans, as masks combine)"
+               % {"and": "&", "or": "|", "xor": "^"}[op])
+    if op == "xor":
+        return node("ne", as_num(a), as_num(b), kind=BOOL, nonneg=True)
+    return node(op, a, b, kind=BOOL, nonneg=True)
+
+
+def where(c, a, b):
+    c, a, b = as_bool(c), lift(a), lift(b)
+    if a.kind == BOOL and b.kind == BOOL:
+        return Value(_graph().add(("where", c.id, a.id, b.id)), BOOL, True)
+    a, b = as_num(a), as_num(b)
+    return Value(_graph().add(("where", c.id, a.id, b.id)), _promote(a, b),
+                 a.nonneg and b.nonneg)
+
+
+def trunc(x):
+    x = as_num(x)
+    if x.kind == INT:
+        return x
+    down = node("floor", x)
+    up = node("neg", node("floor", node("neg", x)))
+    return where(binary("lt", x, 0), up, down)
+
+
+def to_kind(x, kind):
+    x = lift(x)
+    if kind == BOOL:
+        return as_bool(x)
+    if kind == INT:
+        x = trunc(x)
+        return Value(x.id, INT, x.nonneg, x.const)
+    x = as_num(x)
+    return Value(x.id, FLOAT, x.nonneg, x.const)
+
+
+def _dtype_kind(dtype):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        if dtype == torch.bool:
+            return BOOL
+        return FLOAT if dtype.is_floating_point else INT
+    if dtype in (bool, int, float):
+        return {bool: BOOL, int: INT, float: FLOAT}[dtype]
+    refuse("conversion to %r" % (dtype,))
+
+
+def _unary(op, kind=FLOAT, nonneg=False):
+    return lambda x: node(op, as_num(x), kind=kind, nonneg=nonneg)
+
+
+def _keep_kind(op):
+    return lambda x: node(op, as_num(x), kind=as_num(x).kind)
+
+
+def _alpha(op):
+    def f(a, b, alpha=1):
+        return binary(op, a, b if alpha == 1 else binary("mul", b, alpha))
+    return f
+
+
+def _div(a, b, rounding_mode=None):
+    if rounding_mode is None:
+        return binary("div", a, b)
+    if rounding_mode == "floor":
+        return binary("floordiv", a, b)
+    q = binary("div", a, b)
+    return to_kind(trunc(q), _promote(as_num(a), as_num(b)))
+
+
+def _clamp(x, min=None, max=None):
+    if min is not None:
+        x = binary("max", x, min)
+    if max is not None:
+        x = binary("min", x, max)
+    return lift(x)
+
+
+def _fmod(a, b):
+    a, b = as_num(a), as_num(b)
+    return binary("sub", a, binary("mul", to_kind(trunc(binary("div", a, b)), _promote(a, b)),
+                                   b))
+
+
+def _minmax(op):
+    def f(a, b=None, **kw):
+        if b is None or kw:
+            refuse("a reduction (torch.%s over a tensor); use torch.%s(a, b)"
+                   % (op, "minimum" if op == "min" else "maximum"))
+        return binary(op, a, b)
+    return f
+
+
+def _to(x, *args, **kwargs):
+    dtype = kwargs.get("dtype")
+    torch = sys.modules.get("torch")
+    for a in args:
+        if (torch is not None and isinstance(a, torch.dtype)) or (
+                isinstance(a, type) and a in (bool, int, float)):
+            dtype = a
+    return lift(x) if dtype is None else to_kind(x, _dtype_kind(dtype))
+
+
+def _full(x, value, dtype=None, size=()):
+    if tuple(size) not in ((), (1,)):
+        refuse("a tensor of shape %s made from a traced value" % (tuple(size),))
+    kind = _dtype_kind(dtype) if dtype is not None else lift(x).kind
+    return to_kind(const(value), kind)
+
+
+def _new(value):
+    def f(x, *size, dtype=None, **kw):
+        if len(size) == 1 and isinstance(size[0], (tuple, list)):
+            size = size[0]
+        return _full(x, value, dtype, kw.get("size", size))
+    return f
+
+
+def _getitem(t, index):
+    """A captured tensor indexed by traced values: an aux read."""
+    torch = sys.modules["torch"]
+    if not isinstance(t, torch.Tensor):
+        refuse("indexing a %s with a traced value (only captured torch tensors)"
+               % type(t).__name__)
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) != t.dim() or t.dim() == 0:
+        refuse("a tensor of shape %s indexed with %d indices; index every dimension with an "
+               "integer so that each read is one element" % (tuple(t.shape), len(index)))
+    idx = []
+    for d, i in enumerate(index):
+        if not isinstance(i, (Value, int)) or isinstance(i, bool):
+            refuse("index %d of a captured tensor is %s (integers and traced integer values "
+                   "only; no slices, None or tensors)" % (d, type(i).__name__))
+        i = as_num(i)
+        if i.kind != INT:
+            refuse("index %d of a captured tensor is a float value" % d)
+        if not i.nonneg:  # torch counts negative indices from the end
+            i = where(binary("lt", i, 0), binary("add", i, int(t.shape[d])), i)
+        idx.append(i)
+    slot = _graph().aux_of(t)
+    return _aux_read(slot, idx, t)
+
+
+def _aux_read(slot, idx, t):
+    kind = _tensor_kind(t)
+    v = Value(_graph().add(("aux", slot) + tuple(i.id for i in idx)), INT if kind == BOOL
+              else kind, kind == BOOL)
+    return as_bool(v) if kind == BOOL else v
+
+
+def _identity(x, *args, **kwargs):
+    return lift(x)
+
+
+def _refuse_inplace(x, *args, **kwargs):
+    refuse("an in-place operation on a traced value; write it out of place")
+
+
+_FUNCS = {
+    "add": _alpha("add"), "sub": _alpha("sub"), "subtract": _alpha("sub"),
+    "rsub": lambda a, b, alpha=1: _alpha("sub")(b, a, alpha),
+    "mul": functools.partial(binary, "mul"), "multiply": functools.partial(binary, "mul"),
+    "div": _div, "divide": _div, "true_divide": _div, "truediv": _div,
+    "floordiv": functools.partial(binary, "floordiv"),
+    "floor_divide": functools.partial(binary, "floordiv"),
+    "mod": functools.partial(binary, "mod"), "remainder": functools.partial(binary, "mod"),
+    "fmod": _fmod,
+    "pow": functools.partial(binary, "pow"),
+    "minimum": functools.partial(binary, "min"), "maximum": functools.partial(binary, "max"),
+    "min": _minmax("min"), "max": _minmax("max"),
+    "clamp": _clamp, "clip": _clamp,
+    "clamp_min": lambda x, m: _clamp(x, min=m), "clamp_max": lambda x, m: _clamp(x, max=m),
+    "neg": _keep_kind("neg"), "negative": _keep_kind("neg"),
+    "abs": lambda x: Value(node("abs", as_num(x)).id, as_num(x).kind, True),
+    "absolute": lambda x: _FUNCS["abs"](x),
+    "exp": _unary("exp", nonneg=True), "log": _unary("log"), "tanh": _unary("tanh"),
+    "sqrt": _unary("sqrt", nonneg=True),
+    "rsqrt": lambda x: binary("div", 1.0, node("sqrt", as_num(x))),
+    "sigmoid": lambda x: binary("div", 1.0, binary("add", 1.0, node("exp", node(
+        "neg", as_num(x))))),
+    "exp2": lambda x: binary("pow", 2.0, x),
+    "log2": lambda x: binary("div", node("log", as_num(x)), math.log(2.0)),
+    "square": lambda x: binary("mul", x, x),
+    "floor": lambda x: x if as_num(x).kind == INT else _keep_kind("floor")(x),
+    "ceil": lambda x: x if as_num(x).kind == INT else node(
+        "neg", node("floor", node("neg", as_num(x)))),
+    "trunc": trunc, "fix": trunc,
+    "lt": functools.partial(binary, "lt"), "less": functools.partial(binary, "lt"),
+    "le": functools.partial(binary, "le"), "less_equal": functools.partial(binary, "le"),
+    "gt": functools.partial(binary, "gt"), "greater": functools.partial(binary, "gt"),
+    "ge": functools.partial(binary, "ge"), "greater_equal": functools.partial(binary, "ge"),
+    "eq": functools.partial(binary, "eq"),
+    "ne": functools.partial(binary, "ne"), "not_equal": functools.partial(binary, "ne"),
+    "and": functools.partial(logical, "and"), "or": functools.partial(logical, "or"),
+    "xor": functools.partial(logical, "xor"),
+    "bitwise_and": functools.partial(logical, "and"),
+    "bitwise_or": functools.partial(logical, "or"),
+    "bitwise_xor": functools.partial(logical, "xor"),
+    "logical_and": lambda a, b: logical("and", as_bool(a), as_bool(b)),
+    "logical_or": lambda a, b: logical("or", as_bool(a), as_bool(b)),
+    "logical_xor": lambda a, b: logical("xor", as_bool(a), as_bool(b)),
+    "logical_not": lambda x: node("not", as_bool(x), kind=BOOL, nonneg=True),
+    "invert": lambda x: (node("not", lift(x), kind=BOOL, nonneg=True) if lift(x).kind == BOOL
+                         else refuse("~ on an integer value (only on booleans)")),
+    "bitwise_not": lambda x: _FUNCS["invert"](x),
+    "where": lambda c, a, b: where(c, a, b),
+    "masked_fill": lambda x, m, value: where(m, value, x),
+    "to": _to, "type": _to,
+    "float": lambda x: to_kind(x, FLOAT), "double": lambda x: to_kind(x, FLOAT),
+    "half": lambda x: to_kind(x, FLOAT), "bfloat16": lambda x: to_kind(x, FLOAT),
+    "int": lambda x: to_kind(x, INT), "long": lambda x: to_kind(x, INT),
+    "short": lambda x: to_kind(x, INT), "bool": lambda x: to_kind(x, BOOL),
+    "new_ones": _new(1), "new_zeros": _new(0),
+    "new_full": lambda x, size, value, dtype=None, **kw: _full(x, value, dtype, size),
+    "ones_like": lambda x, dtype=None, **kw: _full(x, 1, dtype),
+    "zeros_like": lambda x, dtype=None, **kw: _full(x, 0, dtype),
+    "full_like": lambda x, value, dtype=None, **kw: _full(x, value, dtype),
+    "clone": _identity, "detach": _identity, "contiguous": _identity,
+    "getitem": _getitem,
+}
+
+
+# Keyword arguments that do not change a scalar's value.
+_IGNORED_KWARGS = ("device", "out", "layout", "pin_memory", "requires_grad", "memory_format",
+                   "non_blocking", "copy")
+
+
+def apply(name, args, kwargs):
+    """Records torch function / method / operator ``name`` on args."""
+    base = name.strip("_")
+    if name.endswith("_") and not name.endswith("__") and base in _FUNCS:
+        _refuse_inplace(*args)
+    fn = _FUNCS.get(base)
+    if fn is None and base.startswith("r") and base[1:] in _FUNCS and len(args) == 2:
+        fn, args = _FUNCS[base[1:]], (args[1], args[0])  # a reflected operator
+    if fn is None:
+        refuse("torch.%s is not supported (supported: arithmetic, comparisons, & | ~, where, "
+               "exp, log, tanh, abs, sqrt, floor, minimum/maximum, clamp, indexing captured "
+               "tensors)" % base)
+    if kwargs.get("out") is not None:
+        refuse("out= in a traced function")
+    kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_KWARGS}
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as e:
+        refuse("torch.%s called as %s(%s) (%s)" % (base, base, ", ".join(
+            type(a).__name__ for a in args), e))
+
+
+# ---- discovery of what a mod captures ----------------------------------------------------
+
+
+def _code_names(code, out):
+    out.update(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _code_names(c, out)
+    return out
+
+
+def captured(fn):
+    """[(path, object)] for the tensors, arrays and numbers fn reaches through closures,
+    globals and defaults (recursively through captured functions)."""
+    found, seen = [], set()
+
+    def leaf(path, x, depth):
+        torch = sys.modules.get("torch")
+        np = sys.modules.get("numpy")
+        if isinstance(x, (bool, int, float, str)) or (
+                torch is not None and isinstance(x, (torch.Tensor, torch.dtype))) or (
+                np is not None and isinstance(x, (np.ndarray, np.generic))):
+            found.append((path, x))
+        elif isinstance(x, (list, tuple)) and depth < 4 and len(x) <= 64:
+            for i, y in enumerate(x):
+                leaf(path + (i,), y, depth + 1)
+        elif callable(x) and not isinstance(x, (type, types.BuiltinFunctionType)):
+            walk(path, x, depth + 1)
+
+    def walk(path, f, depth):
+        if depth > 4 or id(f) in seen:
+            return
+        seen.add(id(f))
+        if isinstance(f, functools.partial):
+            walk(path + ("func",), f.func, depth)
+            leaf(path + ("args",), f.args, depth)
+            for k, v in sorted(f.keywords.items()):
+                leaf(path + ("kw", k), v, depth)
+            return
+        if isinstance(f, types.MethodType):
+            obj = f.__self__
+            walk(path + ("func",), f.__func__, depth)
+        elif isinstance(f, types.FunctionType):
+            obj = None
+        else:  # a callable object
+            obj = f
+            f = getattr(type(f), "__call__", None)
+            if not isinstance(f, types.FunctionType):
+                return
+        if obj is not None:
+            attrs = dict(getattr(obj, "__dict__", {}))
+            for d in ("_parameters", "_buffers"):
+                attrs.update(attrs.pop(d, None) or {})
+            for k in sorted(attrs, key=str):
+                if not callable(attrs[k]) or isinstance(attrs[k], (list, tuple)):
+                    leaf(path + ("self", k), attrs[k], depth)
+        if not isinstance(f, types.FunctionType):
+            return
+        code = f.__code__
+        for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+            try:
+                leaf(path + ("cell", name), cell.cell_contents, depth)
+            except ValueError:  # an empty cell
+                pass
+        for i, d in enumerate(f.__defaults__ or ()):
+            leaf(path + ("default", i), d, depth)
+        for k, d in sorted((f.__kwdefaults__ or {}).items()):
+            leaf(path + ("kwdefault", k), d, depth)
+        g = f.__globals__
+        for name in sorted(_code_names(code, set())):
+            if name in g:
+                leaf(path + ("global", name), g[name], depth)
+
+    walk((), fn, 0)
+    return found
+
+
+def _signature(found):
+    """What the cache compares: numbers by value, tensors by shape and dtype."""
+    sig = []
+    for path, x in found:
+        if hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (bool, int, float)):
+            sig.append((path, type(x).__name__, tuple(x.shape), str(x.dtype),
+                        str(getattr(x, "device", "cpu"))))
+        else:
+            sig.append((path, type(x).__name__, x))
+    return tuple(sig)
+
+
+# ---- traces and their C programs ---------------------------------------------------------
+
+
+class Program:
+    """A finished fa_mod (freed with this object)."""
+
+    def __init__(self, graph, root, kind, slots):
+        lib = _lib.get_lib()
+        self.ptr = lib.fa_mod_create()
+        if not self.ptr:
+            raise FlashAttnError("fa_mod_create: out of memory", _lib.STATUS_OUT_OF_MEMORY)
+        ids = {}
+        for i in graph.reachable(root):
+            n = graph.nodes[i]
+            op, args = n[0], [ids[a] for a in operands(n)]
+            if op == "var":
+                r = lib.fa_mod_var(self.ptr, n[1])
+            elif op == "const":
+                r = lib.fa_mod_const(self.ptr, float.fromhex(n[1]))
+            elif op in ("true", "false"):
+                z = lib.fa_mod_const(self.ptr, 0.0)
+                r = lib.fa_mod_binary(self.ptr, _OP_CODE["eq" if op == "true" else "ne"], z, z)
+            elif op == "where":
+                r = lib.fa_mod_where(self.ptr, *args)
+            elif op == "aux":
+                r = lib.fa_mod_aux(self.ptr, slots[n[1]], len(args),
+                                   (ctypes.c_int * len(args))(*args))
+            elif len(args) == 1:
+                r = lib.fa_mod_unary(self.ptr, _OP_CODE[op], args[0])
+            else:
+                r = lib.fa_mod_binary(self.ptr, _OP_CODE[op], *args)
+            if r < 0:
+                raise FlashAttnError("the traced mod does not fit the library: %s"
+                                     % _lib.last_error())
+            ids[i] = r
+        _lib.check(lib.fa_mod_finish(self.ptr, ids[root], kind), "fa_mod_finish")
+        self.text = lib.fa_mod_text(self.ptr).decode()
+
+    def __del__(self, _lib=_lib):
+        if getattr(self, "ptr", None):
+            _lib.get_lib().fa_mod_destroy(self.ptr)
+            self.ptr = None
+
+
+class Trace:
+    """A traced mod: its graph, root, kind (KIND_SCORE / KIND_MASK) and, per local aux slot,
+    where the tensor is found at a call (a discovery path, or the object itself)."""
+
+    def __init__(self, graph, root, kind):
+        self.graph, self.root, self.kind = graph, root, kind
+        self.aux = [(path, None if path is not None else t, k) for path, t, k in graph.aux]
+        self.depends_b = graph.depends_on(root, 1)
+        self.depends_h = graph.depends_on(root, 2)
+        self._programs = {}
+
+    def program(self, slots):
+        """The C program with local aux slot i at the call's slot slots[i]."""
+        slots = tuple(slots)
+        p = self._programs.get(slots)
+        if p is None:
+            p = self._programs[slots] = Program(self.graph, self.root, self.kind, slots)
+        return p
+
+    def tensors(self, leaves):
+        """The aux tensors of a call: found afresh by path in ``leaves`` (path -> object)."""
+        return [leaves[path] if path is not None else t for path, t, _ in self.aux]
+
+
+_CACHE = collections.OrderedDict()
+_CACHE_SIZE = 256
+_CACHE_LOCK = threading.Lock()
+
+
+def trace(fn, kind, name):
+    """(Trace, its aux tensors for this call) of mod ``fn`` (KIND_SCORE: fn(score, b, h, q_idx,
+    kv_idx); KIND_MASK: fn(b, h, q_idx, kv_idx)); ``name`` (score_mod / mask_mod) for errors."""
+    if not callable(fn):
+        raise TypeError("%s: expected a function, got %s" % (name, type(fn).__name__))
+    found = captured(fn)
+    try:
+        key = (fn, kind, _signature(found))
+        hash(key)
+    except TypeError:  # an unhashable callable or captured value: trace every call
+        key = None
+    leaves = dict(found)
+    with _CACHE_LOCK:
+        t = _CACHE.get(key) if key is not None else None
+        if t is not None:
+            _CACHE.move_to_end(key)
+    if t is None:
+        t = _trace(fn, kind, name, {id(x): path for path, x in found})
+        if key is not None:
+            with _CACHE_LOCK:
+                _CACHE[key] = t
+                while len(_CACHE) > _CACHE_SIZE:
+                    _CACHE.popitem(last=False)
+    return t, t.tensors(leaves)
+
+
+def _trace(fn, kind, name, leaves):
+    graph = Graph(leaves)
+    saved = _TRACING.graph, _TRACING.name
+    _TRACING.graph, _TRACING.name = graph, name
+    try:
+        variables = [Value(graph.add(("var", i)), FLOAT if i == 0 else INT, i > 0)
+                     for i in range(len(VARS))]
+        args = variables if kind == KIND_SCORE else variables[1:]
+        try:
+            out = fn(*args)
+        except FlashAttnError:
+            raise
+        except Exception as e:
+            raise FlashAttnError("%s cannot be traced: calling it with traced values raised "
+                                 "%s: %s (at %s)" % (name, type(e).__name__, e,
+                                                     _tb_line(e))) from e
+        out = lift(out)
+        if kind == KIND_MASK and out.kind != BOOL:
+            raise FlashAttnError("%s: must return a boolean (True keeps the key), got a traced "
+                                 "%s value" % (name, out.kind))
+        if kind == KIND_SCORE:
+            out = as_num(out)
+    finally:
+        _TRACING.graph, _TRACING.name = saved
+    if len(graph.aux) > AUX_SLOTS:
+        raise FlashAttnError("%s: reads %d captured tensors; at most %d per call (score_mod "
+                             "and mask_mod together)" % (name, len(graph.aux), AUX_SLOTS))
+    return Trace(graph, out.id, kind)
+
+
+def _tb_line(e):
+    """The innermost frame of e's traceback outside this package and torch."""
+    torch = sys.modules.get("torch")
+    skip = [_HERE] + ([os.path.dirname(torch.__file__)] if torch is not None else [])
+    for fr in reversed(traceback.extract_tb(e.__traceback__)):
+        if not any(fr.filename.startswith(s) for s in skip):
+            return "%s:%d: %s" % (fr.filename, fr.lineno, (fr.line or "").strip())
+    return "unknown line"
