@@ -559,7 +559,8 @@ def _code_names(code, out):
 
 def captured(fn):
     """[(path, object)] for the tensors, arrays and numbers fn reaches through closures,
-    globals and defaults (recursively through captured functions)."""
+    globals and defaults, recursively through captured functions and small lists, tuples and
+    dicts."""
     found, seen = [], set()
 
     def leaf(path, x, depth):
@@ -572,6 +573,9 @@ def captured(fn):
         elif isinstance(x, (list, tuple)) and depth < 4 and len(x) <= 64:
             for i, y in enumerate(x):
                 leaf(path + (i,), y, depth + 1)
+        elif isinstance(x, dict) and depth < 4 and len(x) <= 64:
+            for k in sorted(x, key=str):
+                leaf(path + ("item", k), x[k], depth + 1)
         elif callable(x) and not isinstance(x, (type, types.BuiltinFunctionType)):
             walk(path, x, depth + 1)
 

@@ -1,0 +1,419 @@
+"""flashattn.flex_attention / create_block_mask against torch's FlexAttention (run eagerly on
+the CPU), against flash_attn_func where a mod equals a built-in feature, and their refusals."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention import flex_attention as tflex
+
+import flashattn
+from flashattn import FlashAttnError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def randn(rng, *shape, dtype=torch.float32):
+    return torch.from_numpy(rng.standard_normal(shape)).to(dtype)
+
+
+def qkv(rng, b=2, hq=4, hkv=4, sq=96, sk=130, d=32, dv=24, dtype=torch.float32):
+    return (randn(rng, b, hq, sq, d, dtype=dtype), randn(rng, b, hkv, sk, d, dtype=dtype),
+            randn(rng, b, hkv, sk, dv, dtype=dtype))
+
+
+def assert_block_masks_equal(ours, theirs):
+    for f in FIELDS:
+        a, b = getattr(ours, f), getattr(theirs, f)
+        assert a.dtype == b.dtype == torch.int32, f
+        assert torch.equal(a, b), f
+    assert ours.BLOCK_SIZE == theirs.BLOCK_SIZE
+    assert ours.shape == theirs.shape
+
+
+def both(rng, mask_mod, score_mod, b, h, sq, sk, block=32, hkv=None, dtype=torch.float32):
+    """(ours, torch's) (out, lse) for one call, the block masks checked equal on the way."""
+    q, k, v = qkv(rng, b, h, hkv or h, sq, sk, dtype=dtype)
+    ours_bm = theirs_bm = None
+    if mask_mod is not None:
+        ours_bm = flashattn.create_block_mask(mask_mod, b, h, sq, sk, BLOCK_SIZE=block)
+        theirs_bm = tflex.create_block_mask(mask_mod, b, h, sq, sk, device="cpu",
+                                            BLOCK_SIZE=block)
+        assert_block_masks_equal(ours_bm, theirs_bm)
+    gqa = hkv is not None
+    out, lse = flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=ours_bm,
+                                        enable_gqa=gqa, return_lse=True)
+    ref, ref_lse = tflex.flex_attention(q, k, v, score_mod=score_mod, block_mask=theirs_bm,
+                                        enable_gqa=gqa, return_lse=True)
+    return out, lse, ref, ref_lse
+
+
+def assert_matches(out, lse, ref, ref_lse, tol=2e-5):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert lse.dtype == ref_lse.dtype and lse.shape == ref_lse.shape
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+
+
+# ---- mods (torch-style, as users write them) -----------------------------------------------
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def make_cases(rng, B, H, SQ, SK):
+    """name -> (mask_mod, score_mod); the aux tensors are fresh random ones."""
+    doc = torch.from_numpy(np.sort(rng.integers(0, 4, max(SQ, SK)))).long()
+    prefix = torch.from_numpy(rng.integers(1, SK, B)).long()
+    window = int(rng.integers(8, 40))
+    cap = float(rng.uniform(5, 30))
+    table = randn(rng, H, SQ + SK - 1)  # relative position bias per head
+    rel = randn(rng, max(SQ, SK))  # read at q_idx - kv_idx: negative counts from the end
+    keep = torch.from_numpy(rng.random((B, H, SQ, SK)) < 0.7)  # an arbitrary boolean mask
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix[b]) | (q_idx >= kv_idx)
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+
+    def dilated(b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx) % 3 == 0) & ~(kv_idx > q_idx)
+
+    def head_window(b, h, q_idx, kv_idx):  # a window per head and a bool tensor
+        return torch.where(h % 2 == 0, (q_idx - kv_idx).abs() < 16 * (h + 1),
+                           keep[b, h, q_idx, kv_idx])
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        slope = torch.exp2(-((h + 1) * 8.0 / H))
+        return score - slope * torch.abs(q_idx - kv_idx)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + SK - 1]
+
+    def rel_wrap(score, b, h, q_idx, kv_idx):
+        return score + rel[q_idx - kv_idx] * 0.5
+
+    cap_t = torch.tensor(cap)  # a 0-d captured tensor: read at run time
+
+    def softcap_bias(score, b, h, q_idx, kv_idx):
+        s = score.masked_fill(q_idx == kv_idx, 0.0) + table[h, q_idx - kv_idx + SK - 1]
+        return torch.clamp(cap_t * (s / cap_t).tanh(), min=-2.5)
+
+    return {
+        "causal": (causal, None), "document": (document, None), "prefix_lm": (prefix_lm, None),
+        "sliding": (sliding, None), "dilated": (dilated, None),
+        "head_window": (head_window, None), "softcap": (None, softcap), "alibi": (None, alibi),
+        "rel_bias": (None, rel_bias), "rel_wrap": (None, rel_wrap),
+        "document+softcap+bias": (document, softcap_bias), "sliding+alibi": (sliding, alibi),
+        "prefix_lm+rel_wrap": (prefix_lm, rel_wrap),
+    }
+
+
+CASES = list(make_cases(np.random.default_rng(0), 2, 4, 96, 130))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_torch_flex_attention(rng, case):
+    B, H, SQ, SK = 2, 4, 96, 130
+    mask_mod, score_mod = make_cases(rng, B, H, SQ, SK)[case]
+    assert_matches(*both(rng, mask_mod, score_mod, B, H, SQ, SK))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3),
+                                       (torch.float64, 1e-10)])
+def test_dtypes(rng, dtype, tol):
+    mask_mod, score_mod = make_cases(rng, 1, 2, 64, 80)["document+softcap+bias"]
+    q, k, v = qkv(rng, 1, 2, 2, 64, 80, dtype=dtype)
+    bm = flashattn.create_block_mask(mask_mod, 1, 2, 64, 80)
+    out, lse = flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                        return_lse=True)
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64
+                                                else torch.float32)
+    # the exact answer: torch's flex_attention on the same (rounded) values in fp64
+    tbm = tflex.create_block_mask(mask_mod, 1, 2, 64, 80, device="cpu")
+    ref, ref_lse = tflex.flex_attention(q.double(), k.double(), v.double(), score_mod=score_mod,
+                                        block_mask=tbm, return_lse=True)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=tol, rtol=tol)
+
+
+def test_gqa(rng):
+    B, H, SQ, SK = 2, 6, 40, 70
+    mask_mod, score_mod = make_cases(rng, B, H, SQ, SK)["sliding+alibi"]
+    assert_matches(*both(rng, mask_mod, score_mod, B, H, SQ, SK, block=16, hkv=2))
+    q, k, v = qkv(rng, B, H, 2, SQ, SK)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        flashattn.flex_attention(q, k, v)
+    with pytest.raises(ValueError, match="multiple"):
+        flashattn.flex_attention(q, k[:, :1].expand(-1, 4, -1, -1), v[:, :1].expand(
+            -1, 4, -1, -1), enable_gqa=True)
+
+
+def test_scale_and_empty_rows(rng):
+    """A row that sees no key: out 0 and lse -inf, as torch; scale is applied before the mod."""
+    SQ, SK = 50, 60
+    cut = int(rng.integers(10, 40))
+
+    def late(b, h, q_idx, kv_idx):
+        return (q_idx < cut) & (kv_idx <= q_idx)
+
+    def double(score, b, h, q_idx, kv_idx):
+        return score * 2
+
+    scale = float(rng.uniform(0.05, 0.3))
+    q, k, v = qkv(rng, 1, 2, 2, SQ, SK)
+    bm = flashattn.create_block_mask(late, None, None, SQ, SK, BLOCK_SIZE=(16, 32))
+    tbm = tflex.create_block_mask(late, None, None, SQ, SK, device="cpu", BLOCK_SIZE=(16, 32))
+    assert_block_masks_equal(bm, tbm)
+    out, lse = flashattn.flex_attention(q, k, v, double, bm, scale=scale, return_lse=True)
+    ref, ref_lse = tflex.flex_attention(q, k, v, double, tbm, scale=scale, return_lse=True)
+    assert_matches(out, lse, ref, ref_lse)
+    assert torch.all(lse[:, :, cut:] == -math.inf) and torch.all(out[:, :, cut:] == 0)
+    # without return_lse, only out
+    again = flashattn.flex_attention(q, k, v, double, bm, scale=scale)
+    assert torch.equal(again, out)
+
+
+def test_matches_builtins(rng):
+    """Mods that equal flash_attn_func's features give its answer (bottom-right causal
+    alignment spelled out in the mask)."""
+    B, H, SQ, SK = 2, 4, 80, 112
+    q, k, v = qkv(rng, B, H, H, SQ, SK)
+    qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))
+    off = SK - SQ
+    left, right = int(rng.integers(4, 30)), int(rng.integers(0, 12))
+    cap = float(rng.uniform(5, 20))
+    slopes = torch.from_numpy(rng.uniform(0.01, 0.5, H)).float()
+
+    def bottom_right(b, h, q_idx, kv_idx):
+        return q_idx + off >= kv_idx
+
+    def window(b, h, q_idx, kv_idx):
+        return (kv_idx >= q_idx + off - left) & (kv_idx <= q_idx + off + right)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx + off - kv_idx).abs()
+
+    calls = [
+        (bottom_right, None, dict(causal=True)),
+        (window, None, dict(window_size=(left, right))),
+        (None, softcap, dict(softcap=cap)),
+        (None, alibi, dict(alibi_slopes=slopes)),
+        (bottom_right, softcap, dict(causal=True, softcap=cap)),
+    ]
+    for mask_mod, score_mod, kw in calls:
+        bm = mask_mod and flashattn.create_block_mask(mask_mod, B, H, SQ, SK, BLOCK_SIZE=64)
+        out, lse = flashattn.flex_attention(q, k, v, score_mod, bm, return_lse=True)
+        ref, ref_lse, _ = flashattn.flash_attn_func(qs, ks, vs, return_attn_probs=True, **kw)
+        torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_numpy_inputs(rng):
+    mask_mod, score_mod = make_cases(rng, 1, 2, 40, 50)["document+softcap+bias"]
+    q, k, v = qkv(rng, 1, 2, 2, 40, 50)
+    bm = flashattn.create_block_mask(mask_mod, 1, 2, 40, 50, BLOCK_SIZE=16)
+    out, lse = flashattn.flex_attention(q, k, v, score_mod, bm, return_lse=True)
+    for dt in (np.float32, np.float64):
+        got, got_lse = flashattn.flex_attention(q.numpy().astype(dt), k.numpy().astype(dt),
+                                                v.numpy().astype(dt), score_mod, bm,
+                                                return_lse=True)
+        assert isinstance(got, np.ndarray) and got.dtype == dt and got_lse.dtype == dt
+        np.testing.assert_allclose(got, out.numpy(), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(got_lse, lse.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_create_block_mask_fields(rng):
+    """Fields equal torch's over shapes, block sizes and masks that depend on b and h."""
+    doc = torch.from_numpy(np.sort(rng.integers(0, 5, (3, 300)), axis=1))
+
+    def per_batch_docs(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx + h)
+
+    for mask_mod, B, H, SQ, SK, bs in [
+            (causal, None, None, 300, 300, 128), (causal, 1, 1, 1, 257, 128),
+            (per_batch_docs, 3, 2, 260, 300, 64), (per_batch_docs, 3, None, 33, 65, (16, 32)),
+            (flashattn.flex.noop_mask, 2, 1, 70, 90, 32)]:
+        ours = flashattn.create_block_mask(mask_mod, B, H, SQ, SK, BLOCK_SIZE=bs)
+        theirs = tflex.create_block_mask(mask_mod, B, H, SQ, SK, device="cpu", BLOCK_SIZE=bs)
+        assert_block_masks_equal(ours, theirs)
+        assert ours.seq_lengths == (SQ, SK) and ours.mask_mod is mask_mod
+        assert abs(ours.sparsity() - theirs.sparsity()) < 1e-9
+    ours = flashattn.create_block_mask(causal, 1, 1, 200, 200, BLOCK_SIZE=32,
+                                       separate_full_blocks=False)
+    theirs = tflex.create_block_mask(causal, 1, 1, 200, 200, device="cpu", BLOCK_SIZE=32,
+                                     separate_full_blocks=False)
+    assert ours.full_kv_num_blocks is None and theirs.full_kv_num_blocks is None
+    assert torch.equal(ours.kv_num_blocks, theirs.kv_num_blocks)
+    assert torch.equal(ours.kv_indices, theirs.kv_indices)
+    with pytest.raises(FlashAttnError, match="device"):
+        flashattn.create_block_mask(causal, 1, 1, 64, 64, device="cuda")
+
+
+def test_block_structure_of_a_foreign_block_mask(rng):
+    """A block mask whose blocks are not its mask_mod's (built from kv blocks): full blocks are
+    visible, partial ones masked by mask_mod, the rest skipped, as FlexAttention's kernels do.
+    (torch's eager CPU path applies only mask_mod, so the reference is a dense mask.)"""
+    B, H, L, bs = 1, 2, 64, 16
+    n = L // bs
+    q, k, v = qkv(rng, B, H, H, L, L)
+    dense = torch.from_numpy(rng.integers(0, 3, (B, H, n, n))).int()  # 0 skip, 1 partial, 2 full
+
+    def ordered(x):
+        x = x.int()
+        return x.sum(-1).int(), torch.argsort(x, dim=-1, descending=True, stable=True).int()
+
+    def stripes(b, h, q_idx, kv_idx):
+        return (q_idx + kv_idx + h) % 3 != 0
+
+    bm = tflex.BlockMask.from_kv_blocks(*ordered(dense == 1), *ordered(dense == 2),
+                                        BLOCK_SIZE=bs, mask_mod=stripes, seq_lengths=(L, L))
+    out = flashattn.flex_attention(q, k, v, block_mask=bm)
+    qi, ki = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    hh = torch.arange(H)[:, None, None]
+    s = dense[0][:, qi // bs, ki // bs]
+    allowed = (s == 2) | ((s == 1) & stripes(0, hh, qi, ki))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    ref = torch.where(allowed.any(-1)[..., None], ref, 0.0)  # rows with no key: 0
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def dense_reference(q, k, v, bias, allowed):
+    """softmax(q k^T / sqrt(d) + bias, over allowed keys) v, in fp64."""
+    s = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias
+    return (torch.softmax(s.masked_fill(~allowed, -math.inf), -1) @ v.double()).float()
+
+
+def test_traced_once_per_capture(rng):
+    """A repeated call does not trace again; a changed captured number does; captured tensors
+    are read at every call."""
+
+    class Calls:  # counts the traces (an object's attributes are not part of the cache key)
+        score = mask = 0
+
+    calls = Calls()
+    bias = randn(rng, 4)
+    S = 40
+    rows, cols = torch.arange(S)[:, None], torch.arange(S)[None, :]
+
+    def biased(score, b, h, q_idx, kv_idx):
+        calls.score += 1
+        return torch.where(q_idx - kv_idx > 8, -math.inf, score + bias[h])
+
+    q, k, v = qkv(rng, 1, 4, 4, S, S)
+    first = flashattn.flex_attention(q, k, v, biased)
+    assert torch.equal(flashattn.flex_attention(q, k, v, biased), first)
+    assert calls.score == 1
+    torch.testing.assert_close(first, dense_reference(q, k, v, bias[:, None, None],
+                                                      rows - cols <= 8), atol=1e-5, rtol=1e-5)
+    bias.add_(torch.from_numpy(rng.uniform(0.5, 1, 4)).float())  # in place: read again, no trace
+    shifted = flashattn.flex_attention(q, k, v, biased)
+    assert calls.score == 1
+    torch.testing.assert_close(shifted, dense_reference(q, k, v, bias[:, None, None],
+                                                        rows - cols <= 8), atol=1e-5, rtol=1e-5)
+
+    def windowed(b, h, q_idx, kv_idx):
+        calls.mask += 1
+        return (q_idx - kv_idx).abs() <= WINDOW
+
+    global WINDOW
+    for w in (4, 12):  # a captured global changed: traced again
+        WINDOW = w
+        bm = flashattn.create_block_mask(windowed, 1, 1, S, S, BLOCK_SIZE=8)
+        out = flashattn.flex_attention(q, k, v, block_mask=bm)
+        torch.testing.assert_close(out, dense_reference(q, k, v, 0.0, (rows - cols).abs() <= w),
+                                   atol=1e-5, rtol=1e-5)
+    assert calls.mask == 2
+
+
+WINDOW = 0
+
+
+def test_refusals(rng):
+    q, k, v = qkv(rng, 1, 2, 2, 16, 16)
+
+    def branchy(score, b, h, q_idx, kv_idx):
+        if q_idx > kv_idx:  # data-dependent Python control flow
+            return score
+        return score * 2
+
+    with pytest.raises(FlashAttnError, match=r"control flow.*test_flex.py:\d+: if q_idx > kv_idx"):
+        flashattn.flex_attention(q, k, v, branchy)
+
+    def sine(score, b, h, q_idx, kv_idx):
+        return torch.sin(score)
+
+    with pytest.raises(FlashAttnError, match=r"torch\.sin is not supported.*torch\.sin\(score\)"):
+        flashattn.flex_attention(q, k, v, sine)
+
+    table = randn(rng, 4, 16)
+
+    def partial_index(score, b, h, q_idx, kv_idx):
+        return score + table[h].sum()
+
+    with pytest.raises(FlashAttnError, match=r"shape \(4, 16\) indexed with 1 indices"):
+        flashattn.flex_attention(q, k, v, partial_index)
+
+    def not_bool(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx
+
+    with pytest.raises(FlashAttnError, match="must return a boolean"):
+        flashattn.create_block_mask(not_bool, 1, 1, 16, 16)
+
+    many = [randn(rng, 16) for _ in range(5)]
+
+    def five(score, b, h, q_idx, kv_idx):
+        return score + many[0][q_idx] + many[1][q_idx] + many[2][q_idx] + many[3][q_idx] + \
+            many[4][kv_idx]
+
+    with pytest.raises(FlashAttnError, match="5 captured tensors; at most 4"):
+        flashattn.flex_attention(q, k, v, five)
+
+    def ints_and(b, h, q_idx, kv_idx):
+        return (q_idx & kv_idx) == 0
+
+    with pytest.raises(FlashAttnError, match="bitwise &"):
+        flashattn.create_block_mask(ints_and, 1, 1, 16, 16)
+
+
+def test_requires_grad(rng):
+    q, k, v = qkv(rng, 1, 2, 2, 24, 24)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    with pytest.raises(FlashAttnError, match="no backward"):
+        flashattn.flex_attention(q.requires_grad_(), k, v, scaled)
+    with torch.no_grad():  # under no_grad the same call runs
+        out = flashattn.flex_attention(q, k, v, scaled)
+    torch.testing.assert_close(out, tflex.flex_attention(q.detach(), k, v, scaled), atol=2e-5,
+                               rtol=2e-5)
+    learned = randn(rng, 2).requires_grad_()
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + learned[h]
+
+    with pytest.raises(FlashAttnError, match="requires grad"):
+        flashattn.flex_attention(q.detach(), k, v, head_bias)
+    # without mods: flash_attn_func's autograd
+    out = flashattn.flex_attention(q, k, v)
+    dout = randn(rng, *out.shape)
+    out.backward(dout)
+    q2 = q.detach().clone().requires_grad_()
+    torch.nn.functional.scaled_dot_product_attention(q2, k, v).backward(dout)
+    torch.testing.assert_close(q.grad, q2.grad, atol=1e-4, rtol=1e-4)
