@@ -10,24 +10,16 @@ Values have a kind: "bool", "int" or "float" (torch's promotion: int op int stay
 gives float, a bool in arithmetic counts as 0 / 1). The C program computes in the forward's
 precision, so integers are exact up to 2^24 in fp32.
 
-``trace`` caches what it traced per (function, what the function captures): the tensors and
-numbers reached through its closure, globals, defaults (and those of the functions it
-captures, as ``and_masks`` does); a changed number or a tensor of another shape or dtype traces
-again. Captured tensors are read afresh at every call (their current values); a tensor reached
-another way (an attribute of a captured object) is bound by identity, so mutate it in place.
+``Graph.record`` runs the trace; ``_flex_cache`` keeps what it traced and builds the C programs.
 """
 
-import collections
-import ctypes
 import functools
 import math
 import os
 import sys
 import threading
 import traceback
-import types
 
-from . import _lib
 from ._lib import FlashAttnError
 
 BOOL, INT, FLOAT = "bool", "int", "float"
@@ -35,7 +27,7 @@ VARS = ("score", "b", "h", "q_idx", "kv_idx")  # fa_mod_variable order
 # fa_mod_op order (include/flashattn.h)
 OPS = ("neg", "exp", "log", "tanh", "abs", "sqrt", "floor", "not", "add", "sub", "mul", "div",
        "min", "max", "pow", "mod", "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
-_OP_CODE = {name: i for i, name in enumerate(OPS)}
+OP_CODE = {name: i for i, name in enumerate(OPS)}
 KIND_SCORE, KIND_MASK = 1, 2  # fa_mod_kind
 AUX_SLOTS = 4
 MAX_AUX_DIMS = 4
@@ -43,18 +35,19 @@ MAX_AUX_DIMS = 4
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _user_line():
-    """'file:line: code' of the innermost frame outside this package and torch."""
+def user_line(frames=None):
+    """'file:line: code' of the innermost of ``frames`` (a traceback.extract_* list; the
+    current stack by default) outside this package and torch: the user's line."""
     torch = sys.modules.get("torch")
     skip = [_HERE] + ([os.path.dirname(torch.__file__)] if torch is not None else [])
-    for fr in reversed(traceback.extract_stack()):
+    for fr in reversed(frames if frames is not None else traceback.extract_stack()):
         if not any(fr.filename.startswith(s) for s in skip):
             return "%s:%d: %s" % (fr.filename, fr.lineno, (fr.line or "").strip())
     return "unknown line"
 
 
 def refuse(what):
-    raise FlashAttnError("%s cannot be traced: %s (at %s)" % (_TRACING.name, what, _user_line()))
+    raise FlashAttnError("%s cannot be traced: %s (at %s)" % (_TRACING.name, what, user_line()))
 
 
 class _State(threading.local):
@@ -83,6 +76,32 @@ class Graph:
             i = self.ids[node] = len(self.nodes)
             self.nodes.append(node)
         return i
+
+    def record(self, fn, kind, name):
+        """Calls mod fn with this graph's variables (score first for a score mod) while
+        recording; returns what it returned, lifted to a Value of the right kind."""
+        saved = _TRACING.graph, _TRACING.name
+        _TRACING.graph, _TRACING.name = self, name
+        try:
+            variables = [Value(self.add(("var", i)), FLOAT if i == 0 else INT, i > 0)
+                         for i in range(len(VARS))]
+            try:
+                out = fn(*(variables if kind == KIND_SCORE else variables[1:]))
+            except FlashAttnError:
+                raise
+            except Exception as e:
+                raise FlashAttnError("%s cannot be traced: calling it with traced values "
+                                     "raised %s: %s (at %s)" % (
+                                         name, type(e).__name__, e,
+                                         user_line(traceback.extract_tb(e.__traceback__)))
+                                     ) from e
+            out = lift(out)
+            if kind == KIND_MASK and out.kind != BOOL:
+                raise FlashAttnError("%s: must return a boolean (True keeps the key), got a "
+                                     "traced %s value" % (name, out.kind))
+            return as_num(out) if kind == KIND_SCORE else out
+        finally:
+            _TRACING.graph, _TRACING.name = saved
 
     def aux_of(self, t):
         """The local slot reading tensor t (a new one on first use; a 0-d tensor is read as
@@ -544,235 +563,3 @@ def apply(name, args, kwargs):
     except TypeError as e:
         refuse("torch.%s called as %s(%s) (%s)" % (base, base, ", ".join(
             type(a).__name__ for a in args), e))
-
-
-# ---- discovery of what a mod captures ----------------------------------------------------
-
-
-def _code_names(code, out):
-    out.update(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            _code_names(c, out)
-    return out
-
-
-def captured(fn):
-    """[(path, object)] for the tensors, arrays and numbers fn reaches through closures,
-    globals and defaults, recursively through captured functions and small lists, tuples and
-    dicts."""
-    found, seen = [], set()
-
-    def leaf(path, x, depth):
-        torch = sys.modules.get("torch")
-        np = sys.modules.get("numpy")
-        if isinstance(x, (bool, int, float, str)) or (
-                torch is not None and isinstance(x, (torch.Tensor, torch.dtype))) or (
-                np is not None and isinstance(x, (np.ndarray, np.generic))):
-            found.append((path, x))
-        elif isinstance(x, (list, tuple)) and depth < 4 and len(x) <= 64:
-            for i, y in enumerate(x):
-                leaf(path + (i,), y, depth + 1)
-        elif isinstance(x, dict) and depth < 4 and len(x) <= 64:
-            for k in sorted(x, key=str):
-                leaf(path + ("item", k), x[k], depth + 1)
-        elif callable(x) and not isinstance(x, (type, types.BuiltinFunctionType)):
-            walk(path, x, depth + 1)
-
-    def walk(path, f, depth):
-        if depth > 4 or id(f) in seen:
-            return
-        seen.add(id(f))
-        if isinstance(f, functools.partial):
-            walk(path + ("func",), f.func, depth)
-            leaf(path + ("args",), f.args, depth)
-            for k, v in sorted(f.keywords.items()):
-                leaf(path + ("kw", k), v, depth)
-            return
-        if isinstance(f, types.MethodType):
-            obj = f.__self__
-            walk(path + ("func",), f.__func__, depth)
-        elif isinstance(f, types.FunctionType):
-            obj = None
-        else:  # a callable object
-            obj = f
-            f = getattr(type(f), "__call__", None)
-            if not isinstance(f, types.FunctionType):
-                return
-        if obj is not None:
-            attrs = dict(getattr(obj, "__dict__", {}))
-            for d in ("_parameters", "_buffers"):
-                attrs.update(attrs.pop(d, None) or {})
-            for k in sorted(attrs, key=str):
-                if not callable(attrs[k]) or isinstance(attrs[k], (list, tuple)):
-                    leaf(path + ("self", k), attrs[k], depth)
-        if not isinstance(f, types.FunctionType):
-            return
-        code = f.__code__
-        for name, cell in zip(code.co_freevars, f.__closure__ or ()):
-            try:
-                leaf(path + ("cell", name), cell.cell_contents, depth)
-            except ValueError:  # an empty cell
-                pass
-        for i, d in enumerate(f.__defaults__ or ()):
-            leaf(path + ("default", i), d, depth)
-        for k, d in sorted((f.__kwdefaults__ or {}).items()):
-            leaf(path + ("kwdefault", k), d, depth)
-        g = f.__globals__
-        for name in sorted(_code_names(code, set())):
-            if name in g:
-                leaf(path + ("global", name), g[name], depth)
-
-    walk((), fn, 0)
-    return found
-
-
-def _signature(found):
-    """What the cache compares: numbers by value, tensors by shape and dtype."""
-    sig = []
-    for path, x in found:
-        if hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (bool, int, float)):
-            sig.append((path, type(x).__name__, tuple(x.shape), str(x.dtype),
-                        str(getattr(x, "device", "cpu"))))
-        else:
-            sig.append((path, type(x).__name__, x))
-    return tuple(sig)
-
-
-# ---- traces and their C programs ---------------------------------------------------------
-
-
-class Program:
-    """A finished fa_mod (freed with this object)."""
-
-    def __init__(self, graph, root, kind, slots):
-        lib = _lib.get_lib()
-        self.ptr = lib.fa_mod_create()
-        if not self.ptr:
-            raise FlashAttnError("fa_mod_create: out of memory", _lib.STATUS_OUT_OF_MEMORY)
-        ids = {}
-        for i in graph.reachable(root):
-            n = graph.nodes[i]
-            op, args = n[0], [ids[a] for a in operands(n)]
-            if op == "var":
-                r = lib.fa_mod_var(self.ptr, n[1])
-            elif op == "const":
-                r = lib.fa_mod_const(self.ptr, float.fromhex(n[1]))
-            elif op in ("true", "false"):
-                z = lib.fa_mod_const(self.ptr, 0.0)
-                r = lib.fa_mod_binary(self.ptr, _OP_CODE["eq" if op == "true" else "ne"], z, z)
-            elif op == "where":
-                r = lib.fa_mod_where(self.ptr, *args)
-            elif op == "aux":
-                r = lib.fa_mod_aux(self.ptr, slots[n[1]], len(args),
-                                   (ctypes.c_int * len(args))(*args))
-            elif len(args) == 1:
-                r = lib.fa_mod_unary(self.ptr, _OP_CODE[op], args[0])
-            else:
-                r = lib.fa_mod_binary(self.ptr, _OP_CODE[op], *args)
-            if r < 0:
-                raise FlashAttnError("the traced mod does not fit the library: %s"
-                                     % _lib.last_error())
-            ids[i] = r
-        _lib.check(lib.fa_mod_finish(self.ptr, ids[root], kind), "fa_mod_finish")
-        self.text = lib.fa_mod_text(self.ptr).decode()
-
-    def __del__(self, _lib=_lib):
-        if getattr(self, "ptr", None):
-            _lib.get_lib().fa_mod_destroy(self.ptr)
-            self.ptr = None
-
-
-class Trace:
-    """A traced mod: its graph, root, kind (KIND_SCORE / KIND_MASK) and, per local aux slot,
-    where the tensor is found at a call (a discovery path, or the object itself)."""
-
-    def __init__(self, graph, root, kind):
-        self.graph, self.root, self.kind = graph, root, kind
-        self.aux = [(path, None if path is not None else t, k) for path, t, k in graph.aux]
-        self.depends_b = graph.depends_on(root, 1)
-        self.depends_h = graph.depends_on(root, 2)
-        self._programs = {}
-
-    def program(self, slots):
-        """The C program with local aux slot i at the call's slot slots[i]."""
-        slots = tuple(slots)
-        p = self._programs.get(slots)
-        if p is None:
-            p = self._programs[slots] = Program(self.graph, self.root, self.kind, slots)
-        return p
-
-    def tensors(self, leaves):
-        """The aux tensors of a call: found afresh by path in ``leaves`` (path -> object)."""
-        return [leaves[path] if path is not None else t for path, t, _ in self.aux]
-
-
-_CACHE = collections.OrderedDict()
-_CACHE_SIZE = 256
-_CACHE_LOCK = threading.Lock()
-
-
-def trace(fn, kind, name):
-    """(Trace, its aux tensors for this call) of mod ``fn`` (KIND_SCORE: fn(score, b, h, q_idx,
-    kv_idx); KIND_MASK: fn(b, h, q_idx, kv_idx)); ``name`` (score_mod / mask_mod) for errors."""
-    if not callable(fn):
-        raise TypeError("%s: expected a function, got %s" % (name, type(fn).__name__))
-    found = captured(fn)
-    try:
-        key = (fn, kind, _signature(found))
-        hash(key)
-    except TypeError:  # an unhashable callable or captured value: trace every call
-        key = None
-    leaves = dict(found)
-    with _CACHE_LOCK:
-        t = _CACHE.get(key) if key is not None else None
-        if t is not None:
-            _CACHE.move_to_end(key)
-    if t is None:
-        t = _trace(fn, kind, name, {id(x): path for path, x in found})
-        if key is not None:
-            with _CACHE_LOCK:
-                _CACHE[key] = t
-                while len(_CACHE) > _CACHE_SIZE:
-                    _CACHE.popitem(last=False)
-    return t, t.tensors(leaves)
-
-
-def _trace(fn, kind, name, leaves):
-    graph = Graph(leaves)
-    saved = _TRACING.graph, _TRACING.name
-    _TRACING.graph, _TRACING.name = graph, name
-    try:
-        variables = [Value(graph.add(("var", i)), FLOAT if i == 0 else INT, i > 0)
-                     for i in range(len(VARS))]
-        args = variables if kind == KIND_SCORE else variables[1:]
-        try:
-            out = fn(*args)
-        except FlashAttnError:
-            raise
-        except Exception as e:
-            raise FlashAttnError("%s cannot be traced: calling it with traced values raised "
-                                 "%s: %s (at %s)" % (name, type(e).__name__, e,
-                                                     _tb_line(e))) from e
-        out = lift(out)
-        if kind == KIND_MASK and out.kind != BOOL:
-            raise FlashAttnError("%s: must return a boolean (True keeps the key), got a traced "
-                                 "%s value" % (name, out.kind))
-        if kind == KIND_SCORE:
-            out = as_num(out)
-    finally:
-        _TRACING.graph, _TRACING.name = saved
-    if len(graph.aux) > AUX_SLOTS:
-        raise FlashAttnError("%s: reads %d captured tensors; at most %d per call (score_mod "
-                             "and mask_mod together)" % (name, len(graph.aux), AUX_SLOTS))
-    return Trace(graph, out.id, kind)
-
-
-def _tb_line(e):
-    """The innermost frame of e's traceback outside this package and torch."""
-    torch = sys.modules.get("torch")
-    skip = [_HERE] + ([os.path.dirname(torch.__file__)] if torch is not None else [])
-    for fr in reversed(traceback.extract_tb(e.__traceback__)):
-        if not any(fr.filename.startswith(s) for s in skip):
-            return "%s:%d: %s" % (fr.filename, fr.lineno, (fr.line or "").strip())
-    return "unknown line"

@@ -15,7 +15,8 @@ import sys
 from . import _lib
 from ._arrays import TORCH, common_kind, make_tensor, prepare
 from ._core import _prepare_forward, _rename, as_bool, as_int, as_scale
-from ._flex_trace import AUX_SLOTS, KIND_MASK, KIND_SCORE, trace
+from ._flex_cache import trace
+from ._flex_trace import AUX_SLOTS, KIND_MASK, KIND_SCORE
 from ._lib import FlashAttnError
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "noop_mask"]
