@@ -1,11 +1,12 @@
 """What a traced mod becomes and how long it is kept: the captures that key the cache, the
 ``Trace`` of a mod, and its C programs (fa_mod, one per assignment of aux slots).
 
-``trace`` keeps what it traced per (function, what the function captures): the tensors and
-numbers reached through its closure, globals, defaults (and those of the functions it captures,
-as ``and_masks`` does); a changed number or a tensor of another shape or dtype traces again.
-Captured tensors are read afresh at every call (their current values); a tensor reached another
-way (an attribute of a captured object) is bound by identity, so mutate it in place.
+``trace`` keeps what it traced per (function code, what the function captures): the tensors
+and numbers reached through its closure, globals, defaults and captured objects' attributes
+(and those of the functions it captures, as ``and_masks`` does); a changed number or a tensor
+of another shape or dtype traces again. Captured tensors are read afresh at every call (their
+current values); a tensor reached another way (a module's attribute, a tensor made inside the
+mod) is bound by identity at the first trace.
 """
 
 import collections
@@ -31,81 +32,79 @@ def _code_names(code, out):
     return out
 
 
+_MAX_VISITS = 4096  # objects one discovery walks at most
+
+
 def captured(fn):
-    """[(path, object)] for the tensors, arrays and numbers fn reaches through closures,
-    globals and defaults, recursively through captured functions and small lists, tuples and
-    dicts."""
+    """[(path, object)]: what fn's trace depends on. The tensors, arrays and numbers it reaches
+    through closures, globals, defaults and the attributes of captured objects, recursively
+    through captured functions and small lists, tuples and dicts; the code of each function and
+    the identity of each class or builtin it reaches."""
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    values = (bool, int, float, str, type(None), type, types.BuiltinFunctionType)
+    arrays = tuple(t for t in (torch and torch.Tensor, torch and torch.dtype,
+                               np and np.ndarray, np and np.generic) if t)
     found, seen = [], set()
 
-    def leaf(path, x, depth):
-        torch = sys.modules.get("torch")
-        np = sys.modules.get("numpy")
-        if isinstance(x, (bool, int, float, str)) or (
-                torch is not None and isinstance(x, (torch.Tensor, torch.dtype))) or (
-                np is not None and isinstance(x, (np.ndarray, np.generic))):
+    def visit(path, x, depth):
+        if isinstance(x, values + arrays):
             found.append((path, x))
-        elif isinstance(x, (list, tuple)) and depth < 4 and len(x) <= 64:
+            return
+        if isinstance(x, types.ModuleType) or depth > 6 or id(x) in seen or len(
+                seen) > _MAX_VISITS:
+            return
+        seen.add(id(x))
+        if isinstance(x, (list, tuple)) and len(x) <= 64:
             for i, y in enumerate(x):
-                leaf(path + (i,), y, depth + 1)
-        elif isinstance(x, dict) and depth < 4 and len(x) <= 64:
+                visit(path + (i,), y, depth + 1)
+        elif isinstance(x, dict) and len(x) <= 64:
             for k in sorted(x, key=str):
-                leaf(path + ("item", k), x[k], depth + 1)
-        elif callable(x) and not isinstance(x, (type, types.BuiltinFunctionType)):
-            walk(path, x, depth + 1)
-
-    def walk(path, f, depth):
-        if depth > 4 or id(f) in seen:
-            return
-        seen.add(id(f))
-        if isinstance(f, functools.partial):
-            walk(path + ("func",), f.func, depth)
-            leaf(path + ("args",), f.args, depth)
-            for k, v in sorted(f.keywords.items()):
-                leaf(path + ("kw", k), v, depth)
-            return
-        if isinstance(f, types.MethodType):
-            obj = f.__self__
-            walk(path + ("func",), f.__func__, depth)
-        elif isinstance(f, types.FunctionType):
-            obj = None
-        else:  # a callable object
-            obj = f
-            f = getattr(type(f), "__call__", None)
-            if not isinstance(f, types.FunctionType):
-                return
-        if obj is not None:
-            attrs = dict(getattr(obj, "__dict__", {}))
-            for d in ("_parameters", "_buffers"):
-                attrs.update(attrs.pop(d, None) or {})
+                visit(path + ("item", k), x[k], depth + 1)
+        elif isinstance(x, functools.partial):
+            visit(path + ("func",), x.func, depth + 1)
+            visit(path + ("args",), x.args, depth + 1)
+            visit(path + ("kw",), x.keywords, depth + 1)
+        elif isinstance(x, types.MethodType):
+            visit(path + ("self",), x.__self__, depth + 1)
+            visit(path + ("func",), x.__func__, depth + 1)
+        elif isinstance(x, types.FunctionType):
+            function(path, x, depth)
+        elif hasattr(x, "__dict__"):
+            attrs = vars(x)
             for k in sorted(attrs, key=str):
-                if not callable(attrs[k]) or isinstance(attrs[k], (list, tuple)):
-                    leaf(path + ("self", k), attrs[k], depth)
-        if not isinstance(f, types.FunctionType):
-            return
+                visit(path + ("attr", k), attrs[k], depth + 1)
+            call = getattr(type(x), "__call__", None)
+            if isinstance(call, types.FunctionType):
+                visit(path + ("call",), call, depth + 1)
+
+    def function(path, f, depth):
         code = f.__code__
+        found.append((path + ("code",), code))
         for name, cell in zip(code.co_freevars, f.__closure__ or ()):
             try:
-                leaf(path + ("cell", name), cell.cell_contents, depth)
+                visit(path + ("cell", name), cell.cell_contents, depth + 1)
             except ValueError:  # an empty cell
                 pass
-        for i, d in enumerate(f.__defaults__ or ()):
-            leaf(path + ("default", i), d, depth)
-        for k, d in sorted((f.__kwdefaults__ or {}).items()):
-            leaf(path + ("kwdefault", k), d, depth)
+        visit(path + ("defaults",), f.__defaults__ or (), depth + 1)
+        visit(path + ("kwdefaults",), f.__kwdefaults__ or {}, depth + 1)
         g = f.__globals__
         for name in sorted(_code_names(code, set())):
             if name in g:
-                leaf(path + ("global", name), g[name], depth)
+                visit(path + ("global", name), g[name], depth + 1)
 
-    walk((), fn, 0)
+    visit((), fn, 0)
     return found
 
 
 def _signature(found):
-    """What the cache compares: numbers by value, tensors by shape and dtype."""
+    """What the cache compares: numbers, code and classes by value, arrays by shape and
+    dtype."""
+    np = sys.modules.get("numpy")
     sig = []
     for path, x in found:
-        if hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (bool, int, float)):
+        if np is not None and isinstance(x, np.generic):
+            sig.append((path, "numpy", x.item()))
+        elif not isinstance(x, (type, bool, int, float)) and hasattr(x, "shape"):
             sig.append((path, type(x).__name__, tuple(x.shape), str(x.dtype),
                         str(getattr(x, "device", "cpu"))))
         else:
@@ -192,10 +191,10 @@ def trace(fn, kind, name):
     if not callable(fn):
         raise TypeError("%s: expected a function, got %s" % (name, type(fn).__name__))
     found = captured(fn)
-    try:
-        key = (fn, kind, _signature(found))
+    try:  # functions of one code that capture the same share a trace
+        key = (kind, _signature(found) if found else fn)
         hash(key)
-    except TypeError:  # an unhashable callable or captured value: trace every call
+    except TypeError:  # an unhashable captured value: trace every call
         key = None
     leaves = dict(found)
     with _CACHE_LOCK:

@@ -9,7 +9,7 @@ import torch
 from torch.nn.attention import flex_attention as tflex
 
 import flashattn
-from flashattn import FlashAttnError
+from flashattn import FlashAttnError, _flex_cache
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -299,36 +299,32 @@ def dense_reference(q, k, v, bias, allowed):
     return (torch.softmax(s.masked_fill(~allowed, -math.inf), -1) @ v.double()).float()
 
 
-def test_traced_once_per_capture(rng):
-    """A repeated call does not trace again; a changed captured number does; captured tensors
-    are read at every call."""
-
-    class Calls:  # counts the traces (an object's attributes are not part of the cache key)
-        score = mask = 0
-
-    calls = Calls()
+def test_traced_once_per_capture(rng, monkeypatch):
+    """A repeated call does not trace again (a new function of the same code and captures
+    neither); a changed captured number does; captured tensors are read at every call."""
+    traced = []
+    trace = _flex_cache._trace
+    monkeypatch.setattr(_flex_cache, "_trace", lambda fn, *a: traced.append(fn) or trace(fn, *a))
     bias = randn(rng, 4)
     S = 40
     rows, cols = torch.arange(S)[:, None], torch.arange(S)[None, :]
 
     def biased(score, b, h, q_idx, kv_idx):
-        calls.score += 1
         return torch.where(q_idx - kv_idx > 8, -math.inf, score + bias[h])
 
     q, k, v = qkv(rng, 1, 4, 4, S, S)
     first = flashattn.flex_attention(q, k, v, biased)
     assert torch.equal(flashattn.flex_attention(q, k, v, biased), first)
-    assert calls.score == 1
+    assert traced == [biased]
     torch.testing.assert_close(first, dense_reference(q, k, v, bias[:, None, None],
                                                       rows - cols <= 8), atol=1e-5, rtol=1e-5)
     bias.add_(torch.from_numpy(rng.uniform(0.5, 1, 4)).float())  # in place: read again, no trace
     shifted = flashattn.flex_attention(q, k, v, biased)
-    assert calls.score == 1
+    assert traced == [biased]
     torch.testing.assert_close(shifted, dense_reference(q, k, v, bias[:, None, None],
                                                         rows - cols <= 8), atol=1e-5, rtol=1e-5)
 
     def windowed(b, h, q_idx, kv_idx):
-        calls.mask += 1
         return (q_idx - kv_idx).abs() <= WINDOW
 
     global WINDOW
@@ -338,7 +334,17 @@ def test_traced_once_per_capture(rng):
         out = flashattn.flex_attention(q, k, v, block_mask=bm)
         torch.testing.assert_close(out, dense_reference(q, k, v, 0.0, (rows - cols).abs() <= w),
                                    atol=1e-5, rtol=1e-5)
-    assert calls.mask == 2
+    assert traced[1:] == [windowed, windowed]
+
+    def make(w):
+        return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= w
+
+    for w in (3, 3, 5):  # a new lambda each time: traced per value of w
+        out = flashattn.flex_attention(q, k, v, block_mask=flashattn.create_block_mask(
+            make(w), 1, 1, S, S, BLOCK_SIZE=8))
+        torch.testing.assert_close(out, dense_reference(q, k, v, 0.0, (rows - cols).abs() <= w),
+                                   atol=1e-5, rtol=1e-5)
+    assert len(traced) == 5
 
 
 WINDOW = 0
