@@ -111,7 +111,21 @@ def make_cases(rng, B, H, SQ, SK):
         s = score.masked_fill(q_idx == kv_idx, 0.0) + table[h, q_idx - kv_idx + SK - 1]
         return torch.clamp(cap_t * (s / cap_t).tanh(), min=-2.5)
 
+    def many_ops(score, b, h, q_idx, kv_idx):  # the traced operations, against torch's
+        d = (q_idx - kv_idx).float() / 7.0
+        t = torch.div(q_idx - kv_idx, 5, rounding_mode="trunc") + (kv_idx // 3) % 4
+        u = torch.fmod(d, 1.5) + torch.remainder(-d, 2.5) + d.int() + torch.ceil(d) * 0.25
+        v = torch.sqrt(torch.abs(d) + 1) + torch.log(d.abs() + 2)
+        w = torch.sigmoid(score) + torch.minimum(score, d) - torch.maximum(score, -d) + 0.5 ** h
+        x = torch.where((q_idx > kv_idx) ^ (h == 1), u, -v) + t * 0.1 + w
+        return x.clamp(-20, 20) + (kv_idx % 2 == 0) + torch.exp(-d.abs()) + (~(b == 0)).float()
+
+    def many_masks(b, h, q_idx, kv_idx):
+        near = torch.logical_and(kv_idx <= q_idx + h, torch.logical_not(kv_idx < q_idx - 20))
+        return near | ((kv_idx % 7 == 0) & (b == 1)) | torch.eq(kv_idx, 0)
+
     return {
+        "ops": (many_masks, many_ops),
         "causal": (causal, None), "document": (document, None), "prefix_lm": (prefix_lm, None),
         "sliding": (sliding, None), "dilated": (dilated, None),
         "head_window": (head_window, None), "softcap": (None, softcap), "alibi": (None, alibi),
