@@ -43,7 +43,7 @@ def user_line(frames=None):
     for fr in reversed(frames if frames is not None else traceback.extract_stack()):
         if not any(fr.filename.startswith(s) for s in skip):
             return "%s:%d: %s" % (fr.filename, fr.lineno, (fr.line or "").strip())
-    return "unknown line"
+    return "the mod defined at %s" % _TRACING.defined
 
 
 def refuse(what):
@@ -53,6 +53,7 @@ def refuse(what):
 class _State(threading.local):
     graph = None
     name = "mod"
+    defined = "an unknown line"  # where the mod being traced is defined
 
 
 _TRACING = _State()
@@ -80,8 +81,11 @@ class Graph:
     def record(self, fn, kind, name):
         """Calls mod fn with this graph's variables (score first for a score mod) while
         recording; returns what it returned, lifted to a Value of the right kind."""
-        saved = _TRACING.graph, _TRACING.name
+        saved = _TRACING.graph, _TRACING.name, _TRACING.defined
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
         _TRACING.graph, _TRACING.name = self, name
+        _TRACING.defined = "%s:%d" % (code.co_filename, code.co_firstlineno) if code else (
+            "an unknown line")
         try:
             variables = [Value(self.add(("var", i)), FLOAT if i == 0 else INT, i > 0)
                          for i in range(len(VARS))]
@@ -101,7 +105,7 @@ class Graph:
                                      "traced %s value" % (name, out.kind))
             return as_num(out) if kind == KIND_SCORE else out
         finally:
-            _TRACING.graph, _TRACING.name = saved
+            _TRACING.graph, _TRACING.name, _TRACING.defined = saved
 
     def aux_of(self, t):
         """The local slot reading tensor t (a new one on first use; a 0-d tensor is read as

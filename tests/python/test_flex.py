@@ -6,12 +6,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch.nn.attention import flex_attention as tflex
 
 import flashattn
 from flashattn import FlashAttnError, _flex_cache
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+tflex = pytest.importorskip("torch.nn.attention.flex_attention")  # torch >= 2.5
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore:return_lse is deprecated:FutureWarning")]
 
 FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -280,31 +282,47 @@ def test_create_block_mask_fields(rng):
 
 
 def test_block_structure_of_a_foreign_block_mask(rng):
-    """A block mask whose blocks are not its mask_mod's (built from kv blocks): full blocks are
-    visible, partial ones masked by mask_mod, the rest skipped, as FlexAttention's kernels do.
-    (torch's eager CPU path applies only mask_mod, so the reference is a dense mask.)"""
-    B, H, L, bs = 1, 2, 64, 16
+    """A block mask whose blocks are not its mask_mod's (built from kv blocks, one batch entry
+    for a call of two): full blocks are visible, partial ones masked by mask_mod, the rest
+    skipped, as FlexAttention's kernels do. (torch's eager CPU path applies only mask_mod, so
+    the reference is a dense mask.)"""
+    B, H, L, bs = 2, 2, 64, 16
     n = L // bs
     q, k, v = qkv(rng, B, H, H, L, L)
-    dense = torch.from_numpy(rng.integers(0, 3, (B, H, n, n))).int()  # 0 skip, 1 partial, 2 full
+    dense = torch.from_numpy(rng.integers(0, 3, (1, H, n, n))).int()  # 0 skip, 1 partial, 2 full
 
     def ordered(x):
         x = x.int()
         return x.sum(-1).int(), torch.argsort(x, dim=-1, descending=True, stable=True).int()
 
     def stripes(b, h, q_idx, kv_idx):
-        return (q_idx + kv_idx + h) % 3 != 0
+        return (q_idx + kv_idx + h + b) % 3 != 0
 
     bm = tflex.BlockMask.from_kv_blocks(*ordered(dense == 1), *ordered(dense == 2),
                                         BLOCK_SIZE=bs, mask_mod=stripes, seq_lengths=(L, L))
     out = flashattn.flex_attention(q, k, v, block_mask=bm)
     qi, ki = torch.arange(L)[:, None], torch.arange(L)[None, :]
-    hh = torch.arange(H)[:, None, None]
-    s = dense[0][:, qi // bs, ki // bs]
-    allowed = (s == 2) | ((s == 1) & stripes(0, hh, qi, ki))
+    hh, bb = torch.arange(H)[:, None, None], torch.arange(B)[:, None, None, None]
+    s = dense[:, :, qi // bs, ki // bs]
+    allowed = (s == 2) | ((s == 1) & stripes(bb, hh, qi, ki))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
     ref = torch.where(allowed.any(-1)[..., None], ref, 0.0)  # rows with no key: 0
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    # create_block_mask's own for batch entry 0, used for two: its blocks apply to both
+    def reach(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | ((b == 1) & (kv_idx < q_idx + 20))
+
+    ours = flashattn.create_block_mask(reach, 1, H, L, L, BLOCK_SIZE=bs)
+    theirs = tflex.create_block_mask(reach, 1, H, L, L, device="cpu", BLOCK_SIZE=bs)
+    assert_block_masks_equal(ours, theirs)
+    out = flashattn.flex_attention(q, k, v, block_mask=ours)
+    count = reach(0, 0, qi, ki).reshape(n, bs, n, bs).sum((1, 3))
+    s = torch.where(count == bs * bs, 2, (count > 0).int())[qi // bs, ki // bs]
+    allowed = (s == 2) | ((s == 1) & reach(bb, hh, qi, ki))
+    assert not torch.equal(allowed[0], allowed[1])  # entry 1 lost keys beyond entry 0's blocks
+    assert not torch.equal(allowed[1], reach(1, hh, qi, ki))
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed), atol=2e-5, rtol=2e-5)
 
 
 def dense_reference(q, k, v, bias, allowed):
@@ -437,3 +455,33 @@ def test_requires_grad(rng):
     q2 = q.detach().clone().requires_grad_()
     torch.nn.functional.scaled_dot_product_attention(q2, k, v).backward(dout)
     torch.testing.assert_close(q.grad, q2.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_arguments(rng):
+    q, k, v = qkv(rng, 1, 2, 2, 20, 24)
+    with pytest.raises(FlashAttnError, match=r"key: expected 4 dimensions \[b, h, s, d\]"):
+        flashattn.flex_attention(q, k[0], v)
+    with pytest.raises(FlashAttnError, match="key: .*head_dim"):
+        flashattn.flex_attention(q, k[..., :16], v)
+    with pytest.raises(FlashAttnError, match="key: dtype"):
+        flashattn.flex_attention(q, k.double(), v)
+    with pytest.raises(TypeError, match="value: expected a torch.Tensor or a numpy.ndarray"):
+        flashattn.flex_attention(q, k, [1.0])
+    with pytest.raises(ValueError, match=r"block_mask: it was made for query / key lengths "
+                                         r"\(20, 20\), but the call has \(20, 24\)"):
+        flashattn.flex_attention(q, k, v, block_mask=flashattn.create_block_mask(
+            causal, 1, 2, 20, 20))
+    with pytest.raises(ValueError, match=r"block_mask: its batch and heads \(1, 3\)"):
+        flashattn.flex_attention(q, k, v, block_mask=flashattn.create_block_mask(
+            causal, 1, 3, 20, 24))
+    with pytest.raises(TypeError, match="score_mod: expected a function"):
+        flashattn.flex_attention(q, k, v, score_mod=2.0)
+    with pytest.raises(FlashAttnError, match="score_mod cannot be traced: calling it .* "
+                                             "TypeError.*defined at .*test_flex.py"):
+        flashattn.flex_attention(q, k, v, score_mod=lambda score, b, h: score)
+    with pytest.raises(FlashAttnError, match="kernel_options"):
+        flashattn.flex_attention(q, k, v, kernel_options={"BLOCK_M": 64})
+    with pytest.raises(FlashAttnError, match="BLOCK_SIZE: must be positive"):
+        flashattn.create_block_mask(causal, 1, 1, 8, 8, BLOCK_SIZE=(0, 16))
+    with pytest.raises(FlashAttnError, match="Q_LEN: must be non-negative"):
+        flashattn.create_block_mask(causal, 1, 1, -1, 8)
