@@ -485,3 +485,38 @@ def test_bad_arguments(rng):
         flashattn.create_block_mask(causal, 1, 1, 8, 8, BLOCK_SIZE=(0, 16))
     with pytest.raises(FlashAttnError, match="Q_LEN: must be non-negative"):
         flashattn.create_block_mask(causal, 1, 1, -1, 8)
+
+
+def test_numpy_without_torch(rng):
+    """NumPy arrays and operator-only mods need no torch: the block mask's fields are NumPy."""
+    from helpers import run_python
+
+    code = """if True:
+        import sys
+        import numpy as np
+        import flashattn
+        seed, scale = int(sys.argv[1]), float(sys.argv[2])
+        rng = np.random.default_rng(seed)
+        q, k, v = (rng.standard_normal((1, 2, 30, 8)).astype(np.float32) for _ in range(3))
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+        def distance(score, b, h, q_idx, kv_idx):
+            return score - abs(q_idx - kv_idx) * scale
+        bm = flashattn.create_block_mask(causal, 1, 2, 30, 30, BLOCK_SIZE=16)
+        out = flashattn.flex_attention(q, k, v, score_mod=distance, block_mask=bm)
+        i = np.arange(30)
+        s = q[0] @ k[0].transpose(0, 2, 1) / np.sqrt(8) - abs(i[:, None] - i) * scale
+        s = np.where(i[:, None] >= i, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        ref = (p / p.sum(-1, keepdims=True)) @ v[0]
+        assert "torch" not in sys.modules
+        assert isinstance(bm.kv_indices, np.ndarray)
+        # block (1, 0) has rows past 30, which count as masked: partial, as torch's
+        assert bm.kv_num_blocks.tolist() == [[[1, 2], [1, 2]]]
+        assert bm.full_kv_num_blocks.tolist() == [[[0, 0], [0, 0]]]
+        assert bm.kv_indices.tolist() == [[[[0, 1], [0, 1]]] * 2]
+        assert np.abs(out[0] - ref).max() < 1e-5, np.abs(out[0] - ref).max()
+        print("ok")
+    """
+    r = run_python(code, str(int(rng.integers(1 << 30))), str(rng.uniform(0.05, 0.5)))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
