@@ -227,7 +227,8 @@ class Value:
         if name.startswith("__"):
             raise AttributeError(name)
         if name not in _FUNCS and name.rstrip("_") not in _FUNCS:
-            refuse("method .%s() is not supported" % name)
+            # an AttributeError keeps hasattr() working; the trace reports it with the line
+            raise AttributeError("traced values have no .%s (not supported)" % name)
         return lambda *args, **kwargs: apply(name, (self,) + args, kwargs)
 
 
