@@ -8,7 +8,8 @@ torch and NumPy are optional and imported only when their arrays are passed in. 
 
 Beyond the functions: ``flashattn.bert_padding``, ``flashattn.layers.rotary``,
 ``flashattn.modules.mha`` and ``flashattn.utils.generation`` mirror upstream's modules;
-``flashattn.fa3`` has FA3's interface; ``flashattn.integrations.transformers.register()`` makes
+``flashattn.fa3`` has FA3's interface; ``flex_attention`` and ``create_block_mask`` have
+torch FlexAttention's (CPU, forward); ``flashattn.integrations.transformers.register()`` makes
 the package a Hugging Face transformers attention implementation;
 ``install_alias()`` (or ``FLASHATTN_ALIAS=1``) lets ``import flash_attn`` resolve here when
 upstream is not installed; with torch >= 2.11, "flashattn" is registered as a flash attention
@@ -32,6 +33,7 @@ from .flash_attn_interface import (
     flash_attn_with_kvcache,
     flash_attn_combine,
 )
+from .flex import BlockMask, create_block_mask, flex_attention
 
 # Kept equal to the C library's fa_version() (FA_VERSION_* in include/flashattn.h); the loader
 # refuses a library of another version.
@@ -50,6 +52,9 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "flash_attn_combine",
+    "flex_attention",
+    "create_block_mask",
+    "BlockMask",
 ]
 
 

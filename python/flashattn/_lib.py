@@ -148,7 +148,7 @@ class FaFwdArgs(ctypes.Structure):
         ("q_descale", _PT),
         ("k_descale", _PT),
         ("v_descale", _PT),
-        # user-defined scoring (fa_mod); not used from Python yet, present for the layout
+        # user-defined scoring (fa_mod): finished programs (flex._trace) and their aux tensors
         ("score_mod", ctypes.c_void_p),
         ("mask_mod", ctypes.c_void_p),
         ("mod_aux", _PT * 4),
@@ -236,6 +236,28 @@ def _declare(lib):
     lib.fa_cpu_default_threads.restype = c.c_int
     lib.fa_cpu_description.argtypes = []
     lib.fa_cpu_description.restype = c.c_char_p
+    _declare_mod(lib)
+
+
+def _declare_mod(lib):
+    """The fa_mod builder (user-defined score_mod / mask_mod programs)."""
+    c = ctypes
+    lib.fa_mod_create.argtypes = []
+    lib.fa_mod_create.restype = c.c_void_p
+    lib.fa_mod_destroy.argtypes = [c.c_void_p]
+    lib.fa_mod_destroy.restype = None
+    for name, n_ints in (("fa_mod_var", 1), ("fa_mod_unary", 2), ("fa_mod_binary", 3),
+                         ("fa_mod_where", 3)):
+        getattr(lib, name).argtypes = [c.c_void_p] + [c.c_int] * n_ints
+        getattr(lib, name).restype = c.c_int
+    lib.fa_mod_const.argtypes = [c.c_void_p, c.c_double]
+    lib.fa_mod_const.restype = c.c_int
+    lib.fa_mod_aux.argtypes = [c.c_void_p, c.c_int, c.c_int, c.POINTER(c.c_int)]
+    lib.fa_mod_aux.restype = c.c_int
+    lib.fa_mod_finish.argtypes = [c.c_void_p, c.c_int, c.c_int]
+    lib.fa_mod_finish.restype = c.c_int
+    lib.fa_mod_text.argtypes = [c.c_void_p]
+    lib.fa_mod_text.restype = c.c_char_p
 
 
 def get_lib():

@@ -1,0 +1,429 @@
+"""FlexAttention's interface on the C library: ``flex_attention`` and ``create_block_mask``
+with torch.nn.attention.flex_attention's signatures and layout (q, k, v [b, h, s, d]).
+
+score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx), written for torch, are
+traced once into the library's fa_mod programs (``_flex_trace``); the CPU forward evaluates them.
+The block mask has FlexAttention's layout, computed from the traced mask; the forward applies
+its mask_mod (and its block structure, when that is not the mask_mod's own). So far: the CPU,
+the forward only (inputs that require grad are refused when a mod is given), no block skipping.
+"""
+
+import ctypes
+import math
+import sys
+
+from . import _lib
+from ._arrays import TORCH, common_kind, make_tensor, prepare
+from ._core import _prepare_forward, _rename, as_bool, as_int, as_scale
+from ._flex_cache import trace
+from ._flex_trace import AUX_SLOTS, KIND_MASK, KIND_SCORE
+from ._lib import FlashAttnError
+
+__all__ = ["flex_attention", "create_block_mask", "BlockMask", "noop_mask"]
+
+_NAMES = {"q": "query", "k": "key", "v": "value", "softmax_scale": "scale"}
+
+
+def noop_mask(b, h, q_idx, kv_idx):
+    """The mask that keeps every key (FlexAttention's default)."""
+    return b.new_ones((), dtype=bool)
+
+
+# ---- block masks ---------------------------------------------------------------------------
+
+
+class BlockMask:
+    """FlexAttention's BlockMask: per (batch, head, query block), the key blocks that are
+    partial (kv_num_blocks / kv_indices: the mask must be evaluated) and full
+    (full_kv_num_blocks / full_kv_indices: every key visible), each list's blocks first in
+    ascending order followed by the others; q_* the same per key block. int32 tensors (NumPy
+    arrays when torch is not imported), [B, H, blocks] and [B, H, blocks, blocks]."""
+
+    def __init__(self, seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                 full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+                 BLOCK_SIZE, mask_mod):
+        self.seq_lengths = tuple(seq_lengths)
+        self.kv_num_blocks, self.kv_indices = kv_num_blocks, kv_indices
+        self.full_kv_num_blocks, self.full_kv_indices = full_kv_num_blocks, full_kv_indices
+        self.q_num_blocks, self.q_indices = q_num_blocks, q_indices
+        self.full_q_num_blocks, self.full_q_indices = full_q_num_blocks, full_q_indices
+        self.BLOCK_SIZE = tuple(BLOCK_SIZE)
+        self.mask_mod = mask_mod
+        self._derived_from = None  # the mask_mod whose blocks these are (create_block_mask)
+
+    @property
+    def shape(self):
+        return tuple(self.kv_indices.shape[:-2]) + self.seq_lengths
+
+    def sparsity(self):
+        """Percentage of the blocks that are skipped (neither partial nor full)."""
+        total = 1
+        for n in self.kv_indices.shape[:-1]:
+            total *= int(n)
+        total *= -(-self.seq_lengths[1] // self.BLOCK_SIZE[1])
+        used = int(self.kv_num_blocks.sum())
+        if self.full_kv_num_blocks is not None:
+            used += int(self.full_kv_num_blocks.sum())
+        return 100.0 * (1 - used / total) if total else 0.0
+
+    def __repr__(self):
+        return "BlockMask(shape=%s, BLOCK_SIZE=%s, sparsity=%.2f%%, mask_mod=%s)" % (
+            self.shape, self.BLOCK_SIZE, self.sparsity(),
+            getattr(self.mask_mod, "__name__", self.mask_mod))
+
+
+def _check_device(device):
+    name = getattr(device, "type", device)
+    if device is not None and name != "cpu":
+        raise FlashAttnError("device: %r is not supported; block masks are built on the CPU "
+                             "(and flex_attention runs on the CPU) so far" % (device,))
+
+
+def _block_sizes(block_size):
+    if isinstance(block_size, (tuple, list)):
+        if len(block_size) != 2:
+            raise FlashAttnError("BLOCK_SIZE: expected an int or a pair, got %r" % (block_size,))
+        sizes = tuple(block_size)
+    else:
+        sizes = (block_size, block_size)
+    sizes = tuple(as_int(s, "BLOCK_SIZE") for s in sizes)
+    if min(sizes) < 1:
+        raise FlashAttnError("BLOCK_SIZE: must be positive, got %r" % (block_size,))
+    return sizes
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=128,
+                      separate_full_blocks=True):
+    """FlexAttention's create_block_mask: the BlockMask of mask_mod(b, h, q_idx, kv_idx) over
+    [B, H, Q_LEN, KV_LEN] (B or H None means 1), in blocks of BLOCK_SIZE (an int or a pair
+    (query, key)). mask_mod is traced (and refused if it cannot be) and evaluated here, in
+    the library's rules (fp32 arithmetic, aux indices clamped into their tensors)."""
+    np = _numpy()
+    _check_device(device)
+    B = 1 if B is None else as_int(B, "B")
+    H = 1 if H is None else as_int(H, "H")
+    Q_LEN, KV_LEN = as_int(Q_LEN, "Q_LEN"), as_int(KV_LEN, "KV_LEN")
+    for name, n in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if n < (1 if name in ("B", "H") else 0):
+            raise FlashAttnError("%s: must be %s, got %d" % (name, "positive" if name in (
+                "B", "H") else "non-negative", n))
+    qbs, kbs = _block_sizes(BLOCK_SIZE)
+    t, tensors = trace(mask_mod, KIND_MASK, "mask_mod")
+    arrays = [_aux_tensor(x, "mask_mod", i).numpy() for i, x in enumerate(tensors)]
+    nqb, nkb = -(-Q_LEN // qbs), -(-KV_LEN // kbs)
+    rb, rh = (B if t.depends_b else 1), (H if t.depends_h else 1)
+    counts = np.zeros((rb, rh, nqb, nkb), dtype=np.int64)
+    # Query blocks per evaluation: about 4M mask elements at a time.
+    step = max(1, (1 << 22) // max(1, rb * rh * qbs * nkb * kbs))
+    with np.errstate(all="ignore"):
+        for qb in range(0, nqb, step):
+            nb = min(step, nqb - qb)
+            r0, r1 = qb * qbs, min(Q_LEN, (qb + nb) * qbs)
+            m = np.broadcast_to(_evaluate(t, arrays, B, H, r0, r1, KV_LEN),
+                                (rb, rh, r1 - r0, KV_LEN))
+            padded = np.zeros((rb, rh, nb * qbs, nkb * kbs), dtype=bool)
+            padded[:, :, :r1 - r0, :KV_LEN] = m
+            counts[:, :, qb:qb + nb] = padded.reshape(rb, rh, nb, qbs, nkb, kbs).sum((3, 5))
+    counts = np.broadcast_to(counts, (B, H, nqb, nkb))
+    if separate_full_blocks:
+        full = counts == qbs * kbs
+        partial = (counts > 0) & ~full
+    else:
+        full, partial = None, counts > 0
+    fields = list(_ordered(partial)) + (list(_ordered(full)) if full is not None else [None] * 2)
+    fields += list(_ordered(partial.swapaxes(-1, -2)))
+    fields += list(_ordered(full.swapaxes(-1, -2))) if full is not None else [None] * 2
+    fields = [_export(f) for f in fields]
+    bm = BlockMask((Q_LEN, KV_LEN), *fields, BLOCK_SIZE=(qbs, kbs), mask_mod=mask_mod)
+    bm._derived_from = mask_mod
+    return bm
+
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise FlashAttnError("create_block_mask needs NumPy") from None
+    return numpy
+
+
+def _ordered(dense):
+    """FlexAttention's ordered form of a 0/1 block matrix [..., rows, cols]: the count per row
+    and the column indices, those set first, each group ascending (a stable descending sort)."""
+    np = _numpy()
+    dense = dense.astype(np.int32)
+    return dense.sum(-1).astype(np.int32), np.argsort(-dense, axis=-1, kind="stable").astype(
+        np.int32)
+
+
+def _export(x):
+    if x is None:
+        return None
+    x = _numpy().ascontiguousarray(x)
+    torch = sys.modules.get("torch")
+    return torch.from_numpy(x) if torch is not None else x
+
+
+def _evaluate(t, arrays, B, H, r0, r1, KV):
+    """The traced mask over b [B], h [H], q_idx [r0, r1), kv_idx [KV] (broadcast shapes), in
+    fp32 as the CPU forward evaluates it."""
+    np = _numpy()
+    f32 = np.float32
+    var = [None, np.arange(B, dtype=f32)[:, None, None, None],
+           np.arange(H, dtype=f32)[None, :, None, None],
+           np.arange(r0, r1, dtype=f32)[None, None, :, None],
+           np.arange(KV, dtype=f32)[None, None, None, :]]
+    g, vals = t.graph, {}
+    for i in g.reachable(t.root):
+        n = g.nodes[i]
+        op = n[0]
+        if op == "var":
+            vals[i] = var[n[1]]
+            continue
+        if op == "const":
+            vals[i] = f32(float.fromhex(n[1]))
+            continue
+        if op in ("true", "false"):
+            vals[i] = np.bool_(op == "true")
+            continue
+        if op == "aux":
+            a = arrays[n[1]]
+            idx = []
+            for d, j in enumerate(n[2:]):
+                v, dim = vals[j], a.shape[d]  # floored and clamped, as the library reads
+                idx.append(np.where(v >= 1, np.where(v < dim, v, dim - 1), 0).astype(np.int64))
+            vals[i] = a[tuple(idx)].astype(f32)
+            continue
+        x = [vals[j] for j in n[1:]]
+        vals[i] = _NUMPY_OPS[op](np, *x)
+    return vals[t.root]
+
+
+def _np_mod(np, x, y):
+    r = np.fmod(x, y)
+    return np.where((r != 0) & ((r < 0) != (y < 0)), r + y, r)
+
+
+_NUMPY_OPS = {
+    "neg": lambda np, x: -x, "exp": lambda np, x: np.exp(x), "log": lambda np, x: np.log(x),
+    "tanh": lambda np, x: np.tanh(x), "abs": lambda np, x: np.abs(x),
+    "sqrt": lambda np, x: np.sqrt(x), "floor": lambda np, x: np.floor(x),
+    "not": lambda np, x: ~x, "add": lambda np, x, y: x + y, "sub": lambda np, x, y: x - y,
+    "mul": lambda np, x, y: x * y, "div": lambda np, x, y: x / y,
+    "min": lambda np, x, y: np.where((x < y) | (x != x), x, y),
+    "max": lambda np, x, y: np.where((x > y) | (x != x), x, y),
+    "pow": lambda np, x, y: np.power(x, y), "mod": _np_mod,
+    "lt": lambda np, x, y: x < y, "le": lambda np, x, y: x <= y,
+    "gt": lambda np, x, y: x > y, "ge": lambda np, x, y: x >= y,
+    "eq": lambda np, x, y: x == y, "ne": lambda np, x, y: x != y,
+    "and": lambda np, x, y: x & y, "or": lambda np, x, y: x | y,
+    "where": lambda np, c, x, y: np.where(c, x, y),
+}
+
+
+def _block_state(bm):
+    """int32 [B, H, q blocks, kv blocks]: 0 a skipped block, 1 partial, 2 full."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(bm.kv_indices, torch.Tensor):
+        raise FlashAttnError("block_mask: a block mask not made by create_block_mask from its "
+                             "mask_mod needs torch tensors")
+    nkb = -(-bm.seq_lengths[1] // bm.BLOCK_SIZE[1])
+    num, idx = bm.kv_num_blocks, bm.kv_indices
+    state = torch.zeros(tuple(idx.shape[:-1]) + (nkb + 1,), dtype=torch.int32)
+    for n, i, value in ((num, idx, 1), (bm.full_kv_num_blocks, bm.full_kv_indices, 2)):
+        if n is None:
+            continue
+        i = i.detach().cpu().long()
+        valid = torch.arange(i.shape[-1]) < n.detach().cpu().long()[..., None]
+        state.scatter_(-1, torch.where(valid, i.clamp(0, nkb - 1), nkb), value)
+    return state[..., :nkb].contiguous()
+
+
+def _structured(state, qbs, kbs, mask_mod):
+    """The mask FlexAttention's kernels apply for a block mask: full blocks visible, partial
+    blocks by mask_mod, the others skipped. A state of size 1 in b or h serves every b or h
+    (the library clamps indices into the tensor)."""
+
+    def block_mask_mod(b, h, q_idx, kv_idx):
+        s = state[b, h, q_idx // qbs, kv_idx // kbs]
+        return (s == 2) | ((s == 1) & mask_mod(b, h, q_idx, kv_idx))
+
+    return block_mask_mod
+
+
+def _mask_of(block_mask, B, H, Lq, Lkv):
+    """(Trace, aux tensors) of the mask a block mask applies to a [B, H, Lq, Lkv] call."""
+    seq = tuple(int(n) for n in block_mask.seq_lengths)
+    if seq != (Lq, Lkv):
+        raise ValueError("block_mask: it was made for query / key lengths %s, but the call has "
+                         "(%d, %d)" % (seq, Lq, Lkv))
+    bm_b, bm_h = (int(n) for n in block_mask.kv_num_blocks.shape[:2])
+    if bm_b not in (1, B) or bm_h not in (1, H):
+        raise ValueError("block_mask: its batch and heads (%d, %d) must be 1 or the query's "
+                         "(%d, %d)" % (bm_b, bm_h, B, H))
+    mask_mod = block_mask.mask_mod
+    t, tensors = trace(mask_mod, KIND_MASK, "block_mask.mask_mod")
+    if (getattr(block_mask, "_derived_from", None) is mask_mod and (bm_b == B or not t.depends_b)
+            and (bm_h == H or not t.depends_h)):
+        return t, tensors  # its blocks say nothing the mask does not
+    fields = (block_mask.kv_indices, block_mask.full_kv_indices, mask_mod)
+    cached = block_mask.__dict__.get("_flashattn_structured")
+    if cached is None or any(a is not b for a, b in zip(cached[0], fields)):
+        fn = _structured(_block_state(block_mask), block_mask.BLOCK_SIZE[0],
+                         block_mask.BLOCK_SIZE[1], mask_mod)
+        cached = block_mask._flashattn_structured = (fields, fn)
+    return trace(cached[1], KIND_MASK, "block_mask.mask_mod")
+
+
+# ---- the forward --------------------------------------------------------------------------
+
+
+def _aux_tensor(t, user, i):
+    """A captured tensor as the library reads it: CPU, int32 or fp32, at least 1-d."""
+    torch = sys.modules["torch"]
+    name = "%s's captured tensor %d (shape %s, %s)" % (user, i, tuple(t.shape), t.dtype)
+    if t.device.type != "cpu":
+        raise FlashAttnError("%s: is on %s; flex_attention runs on the CPU only so far"
+                             % (name, t.device))
+    if t.requires_grad and torch.is_grad_enabled():
+        raise FlashAttnError("%s: requires grad, but flex_attention has no backward for "
+                             "score_mod / mask_mod yet; call it under torch.no_grad()" % name)
+    t = t.detach()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.is_floating_point():
+        return t.float()
+    if t.dtype != torch.int32 and t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < -2**31 or hi > 2**31 - 1:
+            raise FlashAttnError("%s: values in [%d, %d] do not fit int32" % (name, lo, hi))
+    return t.to(torch.int32)
+
+
+def _check_inputs(query, key, value, enable_gqa):
+    kind = common_kind((("query", query), ("key", key), ("value", value)), 3)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != 4:
+            raise FlashAttnError("%s: expected 4 dimensions [b, h, s, d], got shape %s"
+                                 % (name, tuple(x.shape)))
+    hq, hkv = int(query.shape[1]), int(key.shape[1])
+    if not enable_gqa and hq != hkv:
+        raise ValueError("Expect query and key/value to have the same number of heads but got "
+                         "Hq=%d and Hkv=%d. Try setting enable_gqa=True for GQA." % (hq, hkv))
+    if enable_gqa and (hkv == 0 or hq % hkv):
+        raise ValueError("Expect number of query heads to be a multiple of kv heads for GQA "
+                         "but got Hq=%d and Hkv=%d." % (hq, hkv))
+    return kind
+
+
+def _swap(x, kind):
+    """[b, h, s, d] <-> [b, s, h, d], a view."""
+    return x.transpose(1, 2) if kind == TORCH else x.swapaxes(1, 2)
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                   enable_gqa=False, return_lse=False, kernel_options=None):
+    """torch.nn.attention.flex_attention on the library's CPU forward.
+
+    query [b, hq, sq, d], key [b, hkv, sk, d], value [b, hkv, sk, dv]: torch CPU tensors or
+    NumPy arrays, fp32, bf16, fp16 or fp64. Returns out [b, hq, sq, dv] in the input's dtype
+    and, with return_lse, lse [b, hq, sq] (natural log; fp32, fp64 for fp64 inputs; -inf for a
+    row that sees no key, whose out is 0). score_mod(score, b, h, q_idx, kv_idx) maps the scaled
+    score; block_mask (from create_block_mask) selects keys by its mask_mod. scale defaults to
+    1 / sqrt(d); enable_gqa lets hq be a multiple of hkv. A call with a mod whose inputs require
+    grad is refused (no backward yet); without mods it runs flash_attn_func, with autograd.
+    """
+    if kernel_options is not None:
+        raise FlashAttnError("kernel_options: tunes torch's kernels; flashattn takes none")
+    enable_gqa, return_lse = as_bool(enable_gqa, "enable_gqa"), as_bool(return_lse,
+                                                                        "return_lse")
+    kind = _check_inputs(query, key, value, enable_gqa)
+    scale = as_scale(scale)
+    B, H, Lq = (int(n) for n in query.shape[:3])
+    Lkv = int(key.shape[2])
+    grad = kind == TORCH and sys.modules["torch"].is_grad_enabled() and any(
+        x.requires_grad for x in (query, key, value))
+    if grad and score_mod is None and block_mask is None:
+        return _plain(query, key, value, scale, return_lse)
+    if grad:
+        raise FlashAttnError("flex_attention: query, key or value requires grad, but there is "
+                             "no backward for score_mod / block_mask yet; call it under "
+                             "torch.no_grad() (or detach the inputs)")
+    mods = []  # (argument field, trace, aux tensors)
+    if score_mod is not None:
+        mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod"))
+    if block_mask is not None:
+        mods.append(("mask_mod",) + _mask_of(block_mask, B, H, Lq, Lkv))
+
+    # aux slots of the call: the mods' captured tensors, each once
+    aux, slot_of, programs = [], {}, []
+    for field, t, tensors in mods:
+        slots = []
+        for x in tensors:
+            if id(x) not in slot_of:
+                slot_of[id(x)] = len(aux)
+                aux.append((field, x))
+            slots.append(slot_of[id(x)])
+        programs.append((field, t, slots))
+    if len(aux) > AUX_SLOTS:
+        raise FlashAttnError("flex_attention: score_mod and block_mask.mask_mod read %d "
+                             "captured tensors together; at most %d"
+                             % (len(aux), AUX_SLOTS))
+    aux = [_aux_tensor(x, field, i) for i, (field, x) in enumerate(aux)]
+
+    out = _empty(kind, (B, H, Lq, int(value.shape[3])), query)
+    lse = _empty(kind, (B, H, Lq), query, lse=True) if return_lse else None
+    args, keep, arrays, _, _, _, names = _prepare_forward(
+        _swap(query, kind), _swap(key, kind), _swap(value, kind), kind, None, None, None, 0, 0,
+        0.0, scale, False, (-1, -1), 0.0, None, None, False, 0, 0, _swap(out, kind), lse, None,
+        dict(_NAMES, **{"mod_aux[%d]" % i: "captured tensor %d" % i for i in range(len(aux))}),
+        0)
+    if lse is None:
+        args.lse = None
+    for field, t, slots in programs:
+        p = t.program(slots)
+        keep.append(p)
+        setattr(args, field, p.ptr)
+    for i, x in enumerate(aux):
+        x = prepare(x, "captured tensor %d" % i, TORCH)
+        ft = make_tensor(x, "captured tensor %d" % i, TORCH)
+        keep.append((x, ft))
+        args.mod_aux[i] = ctypes.pointer(ft)
+    try:
+        _lib.forward(args)
+    except FlashAttnError as e:
+        raise FlashAttnError(_rename(str(e), names), e.status) from None
+    del keep, arrays
+    if not return_lse:
+        return out
+    _empty_rows(lse, kind)
+    return out, lse
+
+
+def _empty(kind, shape, like, lse=False):
+    module = sys.modules[kind]
+    dtype = like.dtype
+    if lse:
+        dtype = module.float64 if dtype == module.float64 else module.float32
+    return module.empty(shape, dtype=dtype)
+
+
+def _empty_rows(lse, kind):
+    """A row that sees no key: the library's lse +inf is FlexAttention's -inf."""
+    if kind == TORCH:
+        lse.masked_fill_(lse == math.inf, -math.inf)
+    else:
+        lse[lse == math.inf] = -math.inf
+
+
+def _plain(query, key, value, scale, return_lse):
+    """No mods, with autograd: flash_attn_func on [b, s, h, d] views."""
+    from .flash_attn_interface import flash_attn_func
+
+    out, lse, _ = flash_attn_func(_swap(query, TORCH), _swap(key, TORCH), _swap(value, TORCH),
+                                  softmax_scale=scale, return_attn_probs=True)
+    out = _swap(out, TORCH)
+    if not return_lse:
+        return out
+    return out, lse.masked_fill(lse == math.inf, -math.inf)
+
