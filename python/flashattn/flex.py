@@ -3,9 +3,10 @@ with torch.nn.attention.flex_attention's signatures and layout (q, k, v [b, h, s
 
 score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx), written for torch, are
 traced once into the library's fa_mod programs (``_flex_trace``); the CPU forward evaluates them.
-The block mask has FlexAttention's layout, computed from the traced mask; the forward applies
-its mask_mod (and its block structure, when that is not the mask_mod's own). So far: the CPU,
-the forward only (inputs that require grad are refused when a mod is given), no block skipping.
+The block mask has FlexAttention's layout, computed from the traced mask; the forward takes it
+as the library's fa_block_mask, skipping the blocks it skips and evaluating mask_mod only in
+its partial blocks (full ones keep every key), as FlexAttention's kernels do. So far: the CPU,
+the forward only (inputs that require grad are refused when a mod is given).
 """
 
 import ctypes
@@ -13,7 +14,7 @@ import math
 import sys
 
 from . import _lib
-from ._arrays import TORCH, common_kind, make_tensor, prepare
+from ._arrays import NUMPY, TORCH, common_kind, make_tensor, prepare
 from ._core import _prepare_forward, _rename, as_bool, as_int, as_scale
 from ._flex_cache import trace
 from ._flex_trace import AUX_SLOTS, KIND_MASK, KIND_SCORE
@@ -49,7 +50,6 @@ class BlockMask:
         self.full_q_num_blocks, self.full_q_indices = full_q_num_blocks, full_q_indices
         self.BLOCK_SIZE = tuple(BLOCK_SIZE)
         self.mask_mod = mask_mod
-        self._derived_from = None  # the mask_mod whose blocks these are (create_block_mask)
 
     @property
     def shape(self):
@@ -135,7 +135,6 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
     fields += list(_ordered(full.swapaxes(-1, -2))) if full is not None else [None] * 2
     fields = [_export(f) for f in fields]
     bm = BlockMask((Q_LEN, KV_LEN), *fields, BLOCK_SIZE=(qbs, kbs), mask_mod=mask_mod)
-    bm._derived_from = mask_mod
     return bm
 
 
@@ -221,38 +220,9 @@ _NUMPY_OPS = {
 }
 
 
-def _block_state(bm):
-    """int32 [B, H, q blocks, kv blocks]: 0 a skipped block, 1 partial, 2 full."""
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(bm.kv_indices, torch.Tensor):
-        raise FlashAttnError("block_mask: a block mask not made by create_block_mask from its "
-                             "mask_mod needs torch tensors")
-    nkb = -(-bm.seq_lengths[1] // bm.BLOCK_SIZE[1])
-    num, idx = bm.kv_num_blocks, bm.kv_indices
-    state = torch.zeros(tuple(idx.shape[:-1]) + (nkb + 1,), dtype=torch.int32)
-    for n, i, value in ((num, idx, 1), (bm.full_kv_num_blocks, bm.full_kv_indices, 2)):
-        if n is None:
-            continue
-        i = i.detach().cpu().long()
-        valid = torch.arange(i.shape[-1]) < n.detach().cpu().long()[..., None]
-        state.scatter_(-1, torch.where(valid, i.clamp(0, nkb - 1), nkb), value)
-    return state[..., :nkb].contiguous()
-
-
-def _structured(state, qbs, kbs, mask_mod):
-    """The mask FlexAttention's kernels apply for a block mask: full blocks visible, partial
-    blocks by mask_mod, the others skipped. A state of size 1 in b or h serves every b or h
-    (the library clamps indices into the tensor)."""
-
-    def block_mask_mod(b, h, q_idx, kv_idx):
-        s = state[b, h, q_idx // qbs, kv_idx // kbs]
-        return (s == 2) | ((s == 1) & mask_mod(b, h, q_idx, kv_idx))
-
-    return block_mask_mod
-
-
-def _mask_of(block_mask, B, H, Lq, Lkv):
-    """(Trace, aux tensors) of the mask a block mask applies to a [B, H, Lq, Lkv] call."""
+def _check_block_mask(block_mask, B, H, Lq, Lkv):
+    """A block mask fits a [B, H, Lq, Lkv] call: made for its lengths, batch and heads 1 or the
+    query's (the library checks its tensors' dims and entries)."""
     seq = tuple(int(n) for n in block_mask.seq_lengths)
     if seq != (Lq, Lkv):
         raise ValueError("block_mask: it was made for query / key lengths %s, but the call has "
@@ -261,18 +231,29 @@ def _mask_of(block_mask, B, H, Lq, Lkv):
     if bm_b not in (1, B) or bm_h not in (1, H):
         raise ValueError("block_mask: its batch and heads (%d, %d) must be 1 or the query's "
                          "(%d, %d)" % (bm_b, bm_h, B, H))
-    mask_mod = block_mask.mask_mod
-    t, tensors = trace(mask_mod, KIND_MASK, "block_mask.mask_mod")
-    if (getattr(block_mask, "_derived_from", None) is mask_mod and (bm_b == B or not t.depends_b)
-            and (bm_h == H or not t.depends_h)):
-        return t, tensors  # its blocks say nothing the mask does not
-    fields = (block_mask.kv_indices, block_mask.full_kv_indices, mask_mod)
-    cached = block_mask.__dict__.get("_flashattn_structured")
-    if cached is None or any(a is not b for a, b in zip(cached[0], fields)):
-        fn = _structured(_block_state(block_mask), block_mask.BLOCK_SIZE[0],
-                         block_mask.BLOCK_SIZE[1], mask_mod)
-        cached = block_mask._flashattn_structured = (fields, fn)
-    return trace(cached[1], KIND_MASK, "block_mask.mask_mod")
+
+
+def _c_block_mask(block_mask, keep):
+    """The library's fa_block_mask of block_mask: its index tensors as int32 NumPy arrays (torch
+    ones on the CPU are read in place), kept alive in keep."""
+    np = _numpy()
+    fields = {}
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        x = getattr(block_mask, name)
+        if x is None:
+            continue
+        if hasattr(x, "detach"):
+            x = x.detach().cpu().numpy()
+        x = np.ascontiguousarray(x, dtype=np.int32)
+        t = make_tensor(x, "block_mask." + name, NUMPY)
+        keep.append((x, t))
+        fields[name] = ctypes.pointer(t)
+    if "full_kv_num_blocks" in fields and "full_kv_indices" not in fields:
+        raise ValueError("block_mask: full_kv_num_blocks without full_kv_indices")
+    qbs, kbs = (as_int(n, "block_mask.BLOCK_SIZE") for n in block_mask.BLOCK_SIZE)
+    bm = _lib.FaBlockMask(qbs, kbs, **fields)
+    keep.append(bm)
+    return bm
 
 
 # ---- the forward --------------------------------------------------------------------------
@@ -353,7 +334,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if score_mod is not None:
         mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod"))
     if block_mask is not None:
-        mods.append(("mask_mod",) + _mask_of(block_mask, B, H, Lq, Lkv))
+        _check_block_mask(block_mask, B, H, Lq, Lkv)
+        if block_mask.mask_mod is not None:
+            mods.append(("mask_mod",) + trace(block_mask.mask_mod, KIND_MASK,
+                                              "block_mask.mask_mod"))
 
     # aux slots of the call: the mods' captured tensors, each once
     aux, slot_of, programs = [], {}, []
@@ -384,6 +368,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         p = t.program(slots)
         keep.append(p)
         setattr(args, field, p.ptr)
+    if block_mask is not None:
+        args.block_mask = ctypes.pointer(_c_block_mask(block_mask, keep))
     for i, x in enumerate(aux):
         x = prepare(x, "captured tensor %d" % i, TORCH)
         ft = make_tensor(x, "captured tensor %d" % i, TORCH)
