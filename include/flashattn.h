@@ -109,8 +109,9 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  * $i the result of statement i, the last one the root; constants as integers or as the 16 hex
  * digits of their IEEE bits). fa_mod_parse reads it back into a finished program.
  *
- * In fa_attention_forward (CPU only, forward only so far; a CUDA device or the backward refuse
- * it): score_mod runs after the softmax scale, softcap and ALiBi, on every visible key; a key
+ * In fa_attention_forward (CPU only so far; a CUDA device refuses it; fa_attention_backward
+ * takes mask_mod and block_mask, not yet score_mod): score_mod runs after the softmax scale,
+ * softcap and ALiBi, on every visible key; a key
  * where mask_mod is false is dropped, as if outside the window (so mask_mod is ANDed with causal
  * and the window). A row whose keys are all masked gets out 0 and lse +inf. Dropout applies to
  * the result as usual; probs cannot be combined with a mod.
@@ -125,7 +126,7 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  * masked, whatever mask_mod says. Causal, the window and the mods' scores apply as without it.
  * int32 tensors, any strides; their b and h dims may be 1 (shared); at least ceil(sq / q_block)
  * query blocks (more are ignored); indices at or past ceil(sk / kv_block) name no keys and are
- * ignored. CPU only, dense form, forward only, as the mods.
+ * ignored. CPU only and dense form, as the mods; the backward takes it.
  */
 typedef struct fa_block_mask {
     int64_t q_block, kv_block;           /* rows and keys per block, >= 1 */

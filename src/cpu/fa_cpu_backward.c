@@ -23,6 +23,7 @@
 #include "cpu/fa_cpu_info.h"
 #include "cpu/fa_cpu_kernel.h"
 #include "cpu/fa_cpu_log.h"
+#include "cpu/fa_cpu_mod.h"
 #include "util/fa_threadpool.h"
 
 /* Index of a query row among all q rows (the workspace's and lse's varlen column). */
@@ -163,6 +164,7 @@ typedef struct fa_bwd_job {
     const fa_cpu_bf16_kernel *bf16; /* bf16 inputs on bf16 products; NULL: the fp32 path */
     char *scratch;
     size_t scratch_size; /* bytes per thread */
+    size_t mod_offset;   /* where in a thread's region the masks' scratch starts */
 } fa_bwd_job;
 
 static size_t fa_bwd_scratch_size(const fa_params *p, size_t real_size)
@@ -227,6 +229,7 @@ static void fa_bwd_keys_task(void *ctx, int64_t item, int thread)
     if (p->dtype == FA_DTYPE_F64) {
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
+        t.mod_scratch = base + job->mod_offset;
         fa_bwd_keys_f64(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len, NULL, 0);
 #if defined(FA_CPU_HAS_BF16)
     } else if (job->bf16) {
@@ -238,6 +241,7 @@ static void fa_bwd_keys_task(void *ctx, int64_t item, int thread)
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
+        t.mod_scratch = base + job->mod_offset;
         fa_bwd_keys_f32(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len, NULL, 0);
     }
 }
@@ -299,6 +303,7 @@ static void fa_bwd_fused_task(void *ctx, int64_t item, int thread)
     if (p->dtype == FA_DTYPE_F64) {
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
+        t.mod_scratch = base + job->mod_offset;
         fa_bwd_fused_f64(p, &t, job->dsum, (double *)job->dq_ws + slot, bi, hk, stripe, stripes,
                          chunk, half);
 #if defined(FA_CPU_HAS_BF16)
@@ -311,6 +316,7 @@ static void fa_bwd_fused_task(void *ctx, int64_t item, int thread)
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
+        t.mod_scratch = base + job->mod_offset;
         fa_bwd_fused_f32(p, &t, job->dsum, (float *)job->dq_ws + slot, bi, hk, stripe, stripes,
                          chunk, half);
     }
@@ -340,6 +346,7 @@ static void fa_bwd_queries_task(void *ctx, int64_t item, int thread)
     if (p->dtype == FA_DTYPE_F64) {
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
+        t.mod_scratch = base + job->mod_offset;
         fa_bwd_queries_f64(p, &t, job->dsum, c->seq, h, c->start, c->len);
 #if defined(FA_CPU_HAS_BF16)
     } else if (job->bf16) {
@@ -350,6 +357,7 @@ static void fa_bwd_queries_task(void *ctx, int64_t item, int thread)
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
+        t.mod_scratch = base + job->mod_offset;
         fa_bwd_queries_f32(p, &t, job->dsum, c->seq, h, c->start, c->len);
     }
 }
@@ -430,9 +438,13 @@ fa_status fa_cpu_backward(const fa_params *p)
                       .chunk = chunk,
                       .scratch_size = fa_bwd_scratch_size(p, real_size)};
 #if defined(FA_CPU_HAS_BF16)
-    if (p->dtype == FA_DTYPE_BF16 && (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
+    /* bf16 calls with user-defined masks take the fp32 tile, which evaluates them. */
+    if (p->dtype == FA_DTYPE_BF16 && !fa_mod_call_active(&p->mods) &&
+        (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
         job.scratch_size = fa_bwd_bf16_scratch_size(p);
 #endif
+    job.mod_offset = job.scratch_size;
+    job.scratch_size += fa_cpu_mod_scratch_size(p, real_size, FA_CPU_BM);
     job.dsum = malloc((size_t)(p->total_q * p->h + 1) * real_size);
     job.dsink_partial = malloc((size_t)(p->b * p->h) * sizeof(double));
     job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);

@@ -32,6 +32,7 @@ typedef struct FA_FN(fa_bwd_tile) {
     FA_REAL *acc_k; /* [FA_CPU_BWD_NK][dp] */
     FA_REAL *acc_v; /* [FA_CPU_BWD_NK][dvp] */
     FA_REAL *acc_q; /* [FA_CPU_BM][dp] */
+    void *mod_scratch; /* user-defined masks (fa_mod_call_active): fa_cpu_mod_scratch_size bytes */
 } FA_FN(fa_bwd_tile);
 
 /* The per-row data of rows [r0, r0+m) of head h: lse, D, visible keys, diagonal. Padding rows
@@ -148,7 +149,7 @@ static inline FA_FN(fa_bwd_kv) FA_FN(fa_bwd_load_kv)(const fa_params *p, FA_FN(f
  */
 __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
     const fa_params *p, FA_FN(fa_bwd_tile) * t, int64_t mp, int64_t j0, int64_t n, FA_REAL slope,
-    FA_REAL sscale, const int softcap, const int dropout, const int masked)
+    FA_REAL sscale, const int softcap, const int dropout, const int masked, const int modmask)
 {
     const FA_REAL scale = (FA_REAL)p->scale;
     const FA_REAL cap = (FA_REAL)p->softcap, inv_cap = softcap ? (FA_REAL)(1.0 / p->softcap) : 0;
@@ -160,6 +161,8 @@ __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
         const FA_REAL *restrict zt = t->zt + j * mp;
         const FA_REAL key = (FA_REAL)(j0 + j);
         for (int64_t i = 0; i < mp; i++) {
+            /* modmask: a key a user-defined mask dropped holds -inf (fa_bwd_probs) */
+            const int kept = !modmask || pt[i] != -(FA_REAL)INFINITY;
             FA_REAL x = pt[i] * sscale, deriv = 1;
             if (softcap) {
                 const FA_REAL th = FA_RULE_SOFTCAP_TANH(x, inv_cap, FA_TANHV);
@@ -171,7 +174,7 @@ __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
                 x -= FA_RULE_ALIBI(slope, dist);
             }
             const FA_REAL prob = FA_EXPV(x - lse[i]);
-            const int seen = !masked || (key >= lo[i] && key < hi[i]);
+            const int seen = kept && (!masked || (key >= lo[i] && key < hi[i]));
             const FA_REAL z = dropout ? zt[i] : 1;
             pt[i] = seen ? prob * z : 0;
             dxt[i] = seen ? prob * (dxt[i] * z - dsum[i]) * deriv * scale : 0;
@@ -215,16 +218,28 @@ FA_CPU_INLINE void FA_FN(fa_bwd_probs)(const fa_params *p, FA_FN(fa_bwd_tile) * 
         }
     }
 
+    /* A user-defined mask (mask_mod, block_mask; the backward takes no score_mod) recomputed as
+     * the forward applied it: -inf in S^T where it drops a key. */
+    if (fa_mod_call_active(&p->mods)) {
+        fa_cpu_mod_at at = {seq_index, h, r0, j0, NULL, 0, 0};
+        fa_cpu_mod_blocks_load(p, &at, t->mod_scratch, sizeof(FA_REAL), r0, m);
+        FA_FN(fa_cpu_mod_apply)(p, (FA_REAL *)t->mod_scratch, t->pt, mp, n, 0, m, &at);
+        if (p->softcap > 0)
+            FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 1, dropout, 1, 1);
+        else
+            FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, dropout, 1, 1);
+        return;
+    }
     /* Interior blocks of plain attention skip the mask and bias arithmetic entirely. */
     const int plain = full && p->softcap <= 0 && slope == 0;
     if (plain && !dropout)
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, 0, 0);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, 0, 0, 0);
     else if (plain)
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, 1, 0);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, 1, 0, 0);
     else if (p->softcap > 0)
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 1, dropout, 1);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 1, dropout, 1, 0);
     else
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, dropout, 1);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, dropout, 1, 0);
 }
 
 /*

@@ -451,7 +451,15 @@ static void test_errors(tu_rng *r)
     tu_tensor dk = tu_tensor_new(FA_DTYPE_F32, 4, ks, TU_CONTIGUOUS, r);
     tu_tensor dv = tu_tensor_new(FA_DTYPE_F32, 4, ks, TU_CONTIGUOUS, r);
     bw.fwd = &a, bw.dout = &out.t, bw.dq = &dq.t, bw.dk = &dk.t, bw.dv = &dv.t;
-    expect_error(fa_attention_backward(&bw), "backward", "block_mask", NULL);
+    TU_CHECK(fa_attention_backward(&bw) == FA_STATUS_OK, "backward with a block mask: %s",
+             fa_last_error());
+    fa_mod *sm = fa_mod_create();
+    fa_mod_finish(sm, fa_mod_unary(sm, FA_MOD_TANH, fa_mod_var(sm, FA_MOD_SCORE)),
+                  FA_MOD_KIND_SCORE);
+    a.score_mod = sm;
+    expect_error(fa_attention_backward(&bw), "backward of a score_mod", "score_mod", NULL);
+    a.score_mod = NULL;
+    fa_mod_destroy(sm);
     int32_t cu[3] = {0, 20, 40}, cuk[3] = {0, 25, 50};
     int64_t n3[1] = {3}, vq[3] = {40, h, d}, vk[3] = {50, h, d};
     fa_tensor tcu = fa_tensor_make(cu, FA_DTYPE_I32, 1, n3, NULL);
@@ -469,10 +477,176 @@ static void test_errors(tu_rng *r)
     tu_tensor_free(&out), tu_tensor_free(&lse);
 }
 
+/* ---- backward -------------------------------------------------------------------------------- */
+
+/* L = sum(out * g) of the forward a (fp64), for the finite differences. */
+static double loss(fa_fwd_args *a, const tu_tensor *out, const double *g, const bcase *c)
+{
+    TU_CHECK(fa_attention_forward(a) == FA_STATUS_OK, "forward: %s", fa_last_error());
+    double l = 0;
+    for (int64_t b = 0; b < c->b; b++)
+        for (int64_t i = 0; i < c->sq; i++)
+            for (int64_t h = 0; h < c->h; h++)
+                for (int64_t e = 0; e < c->dv; e++) {
+                    int64_t oi[4] = {b, i, h, e};
+                    l += fa_ref_load(&out->t, oi) * g[((b * c->sq + i) * c->h + h) * c->dv + e];
+                }
+    return l;
+}
+
+/* dq, dk, dv of a masked call (mask_mod, a block mask, causal or not) in fp64 against central
+ * differences of the forward at random elements; then the same call in fp32 and bf16 against
+ * the fp64 gradients. */
+static void test_backward(tu_rng *r)
+{
+    for (int n = 0; n < 12; n++) {
+        bcase c = {0};
+        c.dt = FA_DTYPE_F64;
+        c.kind = n % 2 ? M_DOC : M_BAND;
+        c.causal = tu_rng_chance(r, 0.5);
+        c.perturb = tu_rng_chance(r, 0.5);
+        c.lists_full = tu_rng_chance(r, 0.7);
+        c.bcast_b = tu_rng_chance(r, 0.5), c.bcast_h = tu_rng_chance(r, 0.5);
+        c.b = tu_rng_int(r, 1, 2), c.hk = tu_rng_int(r, 1, 2), c.h = c.hk * tu_rng_int(r, 1, 2);
+        c.d = 8 * tu_rng_int(r, 1, 2), c.dv = c.d;
+        c.sq = tu_rng_int(r, 1, 40), c.sk = tu_rng_int(r, 1, 40);
+        c.qbl = tu_rng_int(r, 1, 16), c.kbl = tu_rng_int(r, 1, 16);
+        c.band = tu_rng_int(r, 0, 10);
+        char what[160];
+        snprintf(what, sizeof what, "backward %s b=%lld h=%lld/%lld sq=%lld sk=%lld blocks %lldx%lld%s%s",
+                 mask_names[c.kind], (long long)c.b, (long long)c.h, (long long)c.hk,
+                 (long long)c.sq, (long long)c.sk, (long long)c.qbl, (long long)c.kbl,
+                 c.causal ? " causal" : "", c.perturb ? " perturbed" : "");
+        tu_where = what;
+        c.nq = (c.sq + c.qbl - 1) / c.qbl, c.nk = (c.sk + c.kbl - 1) / c.kbl;
+        for (int64_t b = 0; b < c.b; b++)
+            for (int64_t j = 0, doc = 0; j < MAXS; j++) {
+                doc += tu_rng_chance(r, 0.15);
+                c.doc[b][j] = (int32_t)doc;
+            }
+        int *states = malloc(sizeof(int) * (size_t)(c.b * c.h * c.nq * c.nk + 1));
+        for (int64_t b = 0; b < c.b; b++)
+            for (int64_t h = 0; h < c.h; h++)
+                for (int64_t qb = 0; qb < c.nq; qb++)
+                    for (int64_t kb = 0; kb < c.nk; kb++)
+                        states[((b * c.h + h) * c.nq + qb) * c.nk + kb] =
+                            block_state(&c, c.bcast_b ? 0 : b, c.bcast_h ? 0 : h, qb, kb);
+        blists L;
+        lists_make(&c, states, r, &L);
+        fa_mod *mask = build_mask(&c);
+        int64_t qs[4] = {c.b, c.sq, c.h, c.d}, ks[4] = {c.b, c.sk, c.hk, c.d};
+        int64_t ls[3] = {c.b, c.h, c.sq}, dshape[2] = {MAXB, MAXS};
+        fa_tensor aux1 = fa_tensor_make(c.doc, FA_DTYPE_I32, 2, dshape, NULL);
+        double *grads[3] = {NULL, NULL, NULL}; /* fp64 dq, dk, dv in index order */
+        const fa_dtype dts[3] = {FA_DTYPE_F64, FA_DTYPE_F32, FA_DTYPE_BF16};
+        /* The inputs' values, drawn once and rounded into each dtype. */
+        const int64_t nq_el = c.b * c.sq * c.h * c.d, nk_el = c.b * c.sk * c.hk * c.d;
+        double *vals[4];
+        const int64_t counts[4] = {nq_el, nk_el, nk_el, nq_el};
+        const double spans[4] = {1.5, 1.5, 1, 1};
+        for (int w = 0; w < 4; w++) {
+            vals[w] = malloc(sizeof(double) * (size_t)counts[w]);
+            for (int64_t x = 0; x < counts[w]; x++)
+                vals[w][x] = tu_rng_uniform(r, -spans[w], spans[w]);
+        }
+        for (int di = 0; di < 3; di++) {
+            const fa_dtype dt = dts[di], ldt = dt == FA_DTYPE_F64 ? FA_DTYPE_F64 : FA_DTYPE_F32;
+            tu_tensor q = tu_tensor_new(dt, 4, qs, TU_CONTIGUOUS, r);
+            tu_tensor k = tu_tensor_new(dt, 4, ks, TU_CONTIGUOUS, r);
+            tu_tensor v = tu_tensor_new(dt, 4, ks, TU_CONTIGUOUS, r);
+            tu_tensor out = tu_tensor_new(dt, 4, qs, TU_CONTIGUOUS, r);
+            tu_tensor dout = tu_tensor_new(dt, 4, qs, TU_CONTIGUOUS, r);
+            tu_tensor lse = tu_tensor_new(ldt, 3, ls, TU_CONTIGUOUS, r);
+            tu_tensor dq = tu_tensor_new(dt, 4, qs, TU_CONTIGUOUS, r);
+            tu_tensor dk = tu_tensor_new(dt, 4, ks, TU_CONTIGUOUS, r);
+            tu_tensor dv = tu_tensor_new(dt, 4, ks, TU_CONTIGUOUS, r);
+            tu_tensor *ins[4] = {&q, &k, &v, &dout};
+            for (int w = 0; w < 4; w++) {
+                int64_t idx[4] = {0, 0, 0, 0}, at = 0;
+                do
+                    fa_ref_store(&ins[w]->t, idx, vals[w][at++]);
+                while (tu_next_index(&ins[w]->t, idx));
+            }
+            fa_fwd_args a;
+            fa_fwd_args_init(&a);
+            a.q = &q.t, a.k = &k.t, a.v = &v.t, a.out = &out.t, a.lse = &lse.t;
+            a.causal = c.causal, a.mask_mod = mask, a.block_mask = &L.bm;
+            a.num_threads = (int)tu_rng_int(r, 1, 3);
+            if (c.kind == M_DOC)
+                a.mod_aux[1] = &aux1;
+            TU_CHECK(fa_attention_forward(&a) == FA_STATUS_OK, "forward: %s", fa_last_error());
+            fa_bwd_args bw;
+            fa_bwd_args_init(&bw);
+            bw.fwd = &a, bw.dout = &dout.t, bw.dq = &dq.t, bw.dk = &dk.t, bw.dv = &dv.t;
+            tu_poison(&dq), tu_poison(&dk), tu_poison(&dv);
+            TU_CHECK(fa_attention_backward(&bw) == FA_STATUS_OK, "%s backward: %s",
+                     fa_dtype_name(dt), fa_last_error());
+            const tu_tensor *gt[3] = {&dq, &dk, &dv};
+            if (di == 0) {
+                /* fp64: against central differences at a few random elements of each input */
+                double *g = malloc(sizeof(double) * (size_t)(c.b * c.sq * c.h * c.dv + 1));
+                for (int64_t x = 0; x < c.b * c.sq * c.h * c.dv; x++) {
+                    int64_t oi[4] = {x / (c.sq * c.h * c.dv), x / (c.h * c.dv) % c.sq,
+                                     x / c.dv % c.h, x % c.dv};
+                    g[x] = fa_ref_load(&dout.t, oi);
+                }
+                tu_tensor *in[3] = {&q, &k, &v};
+                const double eps = 1e-6;
+                for (int w = 0; w < 3; w++) {
+                    const int64_t numel = tu_numel(&in[w]->t);
+                    grads[w] = malloc(sizeof(double) * (size_t)numel);
+                    int64_t idx[4] = {0, 0, 0, 0}, at = 0;
+                    do
+                        grads[w][at++] = fa_ref_load(&gt[w]->t, idx);
+                    while (tu_next_index(&gt[w]->t, idx));
+                    for (int trial = 0; trial < 6; trial++) {
+                        const int64_t e = tu_rng_int(r, 0, numel - 1);
+                        double *x = (double *)in[w]->t.data + e; /* contiguous */
+                        const double x0 = *x;
+                        *x = x0 + eps;
+                        const double lp = loss(&a, &out, g, &c);
+                        *x = x0 - eps;
+                        const double lm = loss(&a, &out, g, &c);
+                        *x = x0;
+                        const double fd = (lp - lm) / (2 * eps), got = grads[w][e];
+                        TU_CHECK(fabs(fd - got) <= 1e-6 * (1 + fabs(fd)),
+                                 "d%c element %lld: backward %.12g, differences %.12g", "qkv"[w],
+                                 (long long)e, got, fd);
+                    }
+                }
+                free(g);
+            } else {
+                const double tol = dt == FA_DTYPE_F32 ? 2e-4 : 6e-2;
+                for (int w = 0; w < 3; w++) {
+                    int64_t idx[4] = {0, 0, 0, 0}, at = 0;
+                    int bad = 0;
+                    do {
+                        const double got = fa_ref_load(&gt[w]->t, idx), want = grads[w][at++];
+                        if (!(fabs(got - want) <= tol * (1 + fabs(want))) && bad++ < 2)
+                            TU_CHECK(0, "%s d%c element %lld: %.9g, fp64 %.9g", fa_dtype_name(dt),
+                                     "qkv"[w], (long long)(at - 1), got, want);
+                    } while (tu_next_index(&gt[w]->t, idx));
+                }
+            }
+            tu_tensor_free(&q), tu_tensor_free(&k), tu_tensor_free(&v), tu_tensor_free(&out);
+            tu_tensor_free(&dout), tu_tensor_free(&lse), tu_tensor_free(&dq);
+            tu_tensor_free(&dk), tu_tensor_free(&dv);
+        }
+        for (int w = 0; w < 3; w++)
+            free(grads[w]);
+        for (int w = 0; w < 4; w++)
+            free(vals[w]);
+        free(states);
+        lists_free(&L);
+        fa_mod_destroy(mask);
+    }
+}
+
 int main(void)
 {
     tu_rng rng = {tu_master_seed("test_block_mask")};
     test_errors(&rng);
     test_forward(&rng);
+    test_backward(&rng);
     return tu_finish("test_block_mask");
 }
