@@ -5,8 +5,8 @@ score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx), written
 traced once into the library's fa_mod programs (``_flex_trace``); the CPU forward evaluates them.
 The block mask has FlexAttention's layout, computed from the traced mask; the forward takes it
 as the library's fa_block_mask, skipping the blocks it skips and evaluating mask_mod only in
-its partial blocks (full ones keep every key), as FlexAttention's kernels do. So far: the CPU,
-the forward only (inputs that require grad are refused when a mod is given).
+its partial blocks (full ones keep every key), as FlexAttention's kernels do. So far: the CPU;
+gradients through block masks (the library's backward), none yet through a score_mod.
 """
 
 import ctypes
@@ -304,15 +304,16 @@ def _swap(x, kind):
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
                    enable_gqa=False, return_lse=False, kernel_options=None):
-    """torch.nn.attention.flex_attention on the library's CPU forward.
+    """torch.nn.attention.flex_attention on the library's CPU forward (and backward).
 
     query [b, hq, sq, d], key [b, hkv, sk, d], value [b, hkv, sk, dv]: torch CPU tensors or
     NumPy arrays, fp32, bf16, fp16 or fp64. Returns out [b, hq, sq, dv] in the input's dtype
     and, with return_lse, lse [b, hq, sq] (natural log; fp32, fp64 for fp64 inputs; -inf for a
     row that sees no key, whose out is 0). score_mod(score, b, h, q_idx, kv_idx) maps the scaled
     score; block_mask (from create_block_mask) selects keys by its mask_mod. scale defaults to
-    1 / sqrt(d); enable_gqa lets hq be a multiple of hkv. A call with a mod whose inputs require
-    grad is refused (no backward yet); without mods it runs flash_attn_func, with autograd.
+    1 / sqrt(d); enable_gqa lets hq be a multiple of hkv. Gradients flow through calls with a
+    block mask (torch inputs); a call with a score_mod whose inputs require grad is refused (no
+    backward for score_mod yet); without mods it runs flash_attn_func, with autograd.
     """
     if kernel_options is not None:
         raise FlashAttnError("kernel_options: tunes torch's kernels; flashattn takes none")
@@ -326,9 +327,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         x.requires_grad for x in (query, key, value))
     if grad and score_mod is None and block_mask is None:
         return _plain(query, key, value, scale, return_lse)
-    if grad:
+    if grad and score_mod is not None:
         raise FlashAttnError("flex_attention: query, key or value requires grad, but there is "
-                             "no backward for score_mod / block_mask yet; call it under "
+                             "no backward for score_mod yet (block_mask has one); call it under "
                              "torch.no_grad() (or detach the inputs)")
     mods = []  # (argument field, trace, aux tensors)
     if score_mod is not None:
@@ -354,36 +355,105 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                              "captured tensors together; at most %d"
                              % (len(aux), AUX_SLOTS))
     aux = [_aux_tensor(x, field, i) for i, (field, x) in enumerate(aux)]
-
-    out = _empty(kind, (B, H, Lq, int(value.shape[3])), query)
-    lse = _empty(kind, (B, H, Lq), query, lse=True) if return_lse else None
-    args, keep, arrays, _, _, _, names = _prepare_forward(
-        _swap(query, kind), _swap(key, kind), _swap(value, kind), kind, None, None, None, 0, 0,
-        0.0, scale, False, (-1, -1), 0.0, None, None, False, 0, 0, _swap(out, kind), lse, None,
-        dict(_NAMES, **{"mod_aux[%d]" % i: "captured tensor %d" % i for i in range(len(aux))}),
-        0)
-    if lse is None:
-        args.lse = None
-    for field, t, slots in programs:
-        p = t.program(slots)
-        keep.append(p)
-        setattr(args, field, p.ptr)
-    if block_mask is not None:
-        args.block_mask = ctypes.pointer(_c_block_mask(block_mask, keep))
-    for i, x in enumerate(aux):
-        x = prepare(x, "captured tensor %d" % i, TORCH)
-        ft = make_tensor(x, "captured tensor %d" % i, TORCH)
-        keep.append((x, ft))
-        args.mod_aux[i] = ctypes.pointer(ft)
-    try:
-        _lib.forward(args)
-    except FlashAttnError as e:
-        raise FlashAttnError(_rename(str(e), names), e.status) from None
-    del keep, arrays
+    call = _FlexCall(kind, scale, [(f, t.program(slots)) for f, t, slots in programs], aux,
+                     block_mask)
+    if grad:
+        out, lse = _flex_fn().apply(query, key, value, call)
+    else:
+        out, lse = call.forward(query, key, value, return_lse)
     if not return_lse:
         return out
-    _empty_rows(lse, kind)
-    return out, lse
+    return out, _empty_rows(lse, kind)
+
+
+class _FlexCall:
+    """One flex_attention call's library arguments apart from its tensors: the mods' programs,
+    their aux tensors and the block mask, for the forward and (masks only) the backward."""
+
+    def __init__(self, kind, scale, programs, aux, block_mask):
+        self.kind, self.scale, self.programs, self.aux = kind, scale, programs, aux
+        self.block_mask = block_mask
+
+    def _args(self, query, key, value, out, lse):
+        """(fa_fwd_args, what they point to, names) over the [b, h, s, d] tensors."""
+        kind = self.kind
+        args, keep, arrays, _, _, _, names = _prepare_forward(
+            _swap(query, kind), _swap(key, kind), _swap(value, kind), kind, None, None, None,
+            0, 0, 0.0, self.scale, False, (-1, -1), 0.0, None, None, False, 0, 0,
+            _swap(out, kind), lse, None,
+            dict(_NAMES, **{"mod_aux[%d]" % i: "captured tensor %d" % i
+                            for i in range(len(self.aux))}), 0)
+        keep.append(arrays)
+        if lse is None:
+            args.lse = None
+        for field, program in self.programs:
+            setattr(args, field, program.ptr)
+        keep.append(self.programs)
+        if self.block_mask is not None:
+            args.block_mask = ctypes.pointer(_c_block_mask(self.block_mask, keep))
+        for i, x in enumerate(self.aux):
+            x = prepare(x, "captured tensor %d" % i, TORCH)
+            ft = make_tensor(x, "captured tensor %d" % i, TORCH)
+            keep.append((x, ft))
+            args.mod_aux[i] = ctypes.pointer(ft)
+        return args, keep, names
+
+    def forward(self, query, key, value, want_lse):
+        """(out, lse or None), lse as the library gives it (+inf for a row with no key)."""
+        out = _empty(self.kind, tuple(query.shape[:3]) + (int(value.shape[3]),), query)
+        lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True) if want_lse else None
+        args, keep, names = self._args(query, key, value, out, lse)
+        try:
+            _lib.forward(args)
+        except FlashAttnError as e:
+            raise FlashAttnError(_rename(str(e), names), e.status) from None
+        del keep
+        return out, lse
+
+    def backward(self, query, key, value, out, lse, dout):
+        """(dq, dk, dv) in the inputs' [b, h, s, d] layout."""
+        torch = sys.modules["torch"]
+        dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format)
+                      for x in (query, key, value))
+        args, keep, names = self._args(query, key, value, out, lse)
+        bwd = _lib.new_bwd_args()
+        grads = [make_tensor(_swap(prepare(x, n, TORCH), TORCH), n, TORCH)
+                 for x, n in ((dout, "dout"), (dq, "dq"), (dk, "dk"), (dv, "dv"))]
+        keep.append(grads)
+        bwd.fwd = ctypes.pointer(args)
+        bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
+        try:
+            _lib.backward(bwd)
+        except FlashAttnError as e:
+            raise FlashAttnError(_rename(str(e), names), e.status) from None
+        del keep
+        return dq, dk, dv
+
+
+_FLEX_FN = []
+
+
+def _flex_fn():
+    """The autograd Function of masked calls (defined once torch is imported)."""
+    if not _FLEX_FN:
+        torch = sys.modules["torch"]
+
+        class FlexFn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, query, key, value, call):
+                out, lse = call.forward(query, key, value, True)
+                ctx.save_for_backward(query, key, value, out, lse)
+                ctx.call = call
+                ctx.mark_non_differentiable(lse)
+                return out, lse
+
+            @staticmethod
+            def backward(ctx, dout, _dlse):
+                query, key, value, out, lse = ctx.saved_tensors
+                return ctx.call.backward(query, key, value, out, lse, dout) + (None,)
+
+        _FLEX_FN.append(FlexFn)
+    return _FLEX_FN[0]
 
 
 def _empty(kind, shape, like, lse=False):
@@ -395,11 +465,12 @@ def _empty(kind, shape, like, lse=False):
 
 
 def _empty_rows(lse, kind):
-    """A row that sees no key: the library's lse +inf is FlexAttention's -inf."""
+    """A row that sees no key: the library's lse +inf is FlexAttention's -inf (a new array: the
+    library's stays for the backward)."""
     if kind == TORCH:
-        lse.masked_fill_(lse == math.inf, -math.inf)
-    else:
-        lse[lse == math.inf] = -math.inf
+        return lse.masked_fill(lse == math.inf, -math.inf)
+    np = _numpy()
+    return np.where(lse == math.inf, -math.inf, lse).astype(lse.dtype)
 
 
 def _plain(query, key, value, scale, return_lse):

@@ -435,7 +435,7 @@ def test_requires_grad(rng):
     def scaled(score, b, h, q_idx, kv_idx):
         return score * 0.5
 
-    with pytest.raises(FlashAttnError, match="no backward"):
+    with pytest.raises(FlashAttnError, match="no backward for score_mod"):
         flashattn.flex_attention(q.requires_grad_(), k, v, scaled)
     with torch.no_grad():  # under no_grad the same call runs
         out = flashattn.flex_attention(q, k, v, scaled)
@@ -455,6 +455,51 @@ def test_requires_grad(rng):
     q2 = q.detach().clone().requires_grad_()
     torch.nn.functional.scaled_dot_product_attention(q2, k, v).backward(dout)
     torch.testing.assert_close(q.grad, q2.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5),
+                                       (torch.bfloat16, 3e-2)], ids=["fp64", "fp32", "bf16"])
+def test_gradients_through_a_block_mask(rng, dtype, tol):
+    """A block mask's call has a backward: dq, dk, dv (and out) against SDPA's autograd with
+    the same mask spelled out, in fp64; a foreign block mask's full and skipped blocks included
+    (its block rule, not its mask_mod, decides there). GQA, lse asked for too."""
+    B, H, HKV, L, bs = 2, 4, 2, 80, 16
+    docs = torch.from_numpy(np.sort(rng.integers(0, 4, L))).int()
+
+    def mask(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (kv_idx <= q_idx)
+
+    n = L // bs
+    dense = torch.from_numpy(rng.integers(0, 3, (B, 1, n, n))).int()  # 0 skip, 1 partial, 2 full
+
+    def ordered(x):
+        x = x.int()
+        return x.sum(-1).int(), torch.argsort(x, dim=-1, descending=True, stable=True).int()
+
+    qi, ki = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    own = flashattn.create_block_mask(mask, None, None, L, L, BLOCK_SIZE=bs)
+    foreign = tflex.BlockMask.from_kv_blocks(*ordered(dense == 1), *ordered(dense == 2),
+                                             BLOCK_SIZE=bs, mask_mod=mask, seq_lengths=(L, L))
+    s = dense[:, :, qi // bs, ki // bs]
+    for bm, allowed in ((own, mask(0, 0, qi, ki)[None, None].expand(B, H, L, L)),
+                        (foreign, ((s == 2) | ((s == 1) & mask(0, 0, qi, ki))).expand(B, H, L, L))):
+        q = randn(rng, B, H, L, 32, dtype=dtype).requires_grad_()
+        k = randn(rng, B, HKV, L, 32, dtype=dtype).requires_grad_()
+        v = randn(rng, B, HKV, L, 24, dtype=dtype).requires_grad_()
+        out, lse = flashattn.flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
+                                            return_lse=True)
+        dout = randn(rng, *out.shape, dtype=dtype)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        q2, k2, v2 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q2, k2.repeat_interleave(H // HKV, 1), v2.repeat_interleave(H // HKV, 1),
+            attn_mask=allowed)
+        ref = torch.where(allowed.any(-1)[..., None], ref, 0.0)  # rows with no key: 0
+        want = torch.autograd.grad(ref, (q2, k2, v2), dout.double())
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+        for name, got, w in zip("qkv", grads, want):
+            torch.testing.assert_close(got.double(), w, atol=tol, rtol=tol, msg="d" + name)
+        assert not lse.requires_grad
 
 
 def test_bad_arguments(rng):
