@@ -109,12 +109,13 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  * $i the result of statement i, the last one the root; constants as integers or as the 16 hex
  * digits of their IEEE bits). fa_mod_parse reads it back into a finished program.
  *
- * In fa_attention_forward (CPU only so far; a CUDA device refuses it; fa_attention_backward
- * takes mask_mod and block_mask, not yet score_mod): score_mod runs after the softmax scale,
- * softcap and ALiBi, on every visible key; a key
+ * In fa_attention_forward and fa_attention_backward (CPU only so far; a CUDA device refuses
+ * it): score_mod runs after the softmax scale, softcap and ALiBi, on every visible key; a key
  * where mask_mod is false is dropped, as if outside the window (so mask_mod is ANDed with causal
  * and the window). A row whose keys are all masked gets out 0 and lse +inf. Dropout applies to
- * the result as usual; probs cannot be combined with a mod.
+ * the result as usual; probs cannot be combined with a mod. The backward differentiates
+ * score_mod with respect to the score through its program (at a kink, such as abs at 0, the
+ * branch the value takes); the aux tensors get no gradient.
  *
  * Block sparsity (fa_block_mask, FlexAttention's BlockMask layout): the (query block, key block)
  * pairs of a dense call that hold any visible key. Query block qb is rows [qb * q_block, (qb +

@@ -385,9 +385,6 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
     fwd.probs = NULL; /* a forward-only debugging output */
     if (!fwd.lse)
         return FA_BAD("lse: the backward needs the forward's lse (fwd->lse)");
-    if (fwd.score_mod)
-        return fa_error_set(FA_STATUS_UNSUPPORTED, "score_mod: the backward of a score_mod is "
-                            "not implemented yet (mask_mod and block_mask have one)");
     FA_TRY(fa_params_from_fwd_args(&fwd, p));
     if (fa_dtype_is_fp8(p->dtype))
         return fa_error_set(FA_STATUS_UNSUPPORTED,

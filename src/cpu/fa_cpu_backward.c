@@ -164,7 +164,7 @@ typedef struct fa_bwd_job {
     const fa_cpu_bf16_kernel *bf16; /* bf16 inputs on bf16 products; NULL: the fp32 path */
     char *scratch;
     size_t scratch_size; /* bytes per thread */
-    size_t mod_offset;   /* where in a thread's region the masks' scratch starts */
+    size_t mod_offset;   /* where in a thread's region the mods' scratch starts */
 } fa_bwd_job;
 
 static size_t fa_bwd_scratch_size(const fa_params *p, size_t real_size)
@@ -438,13 +438,13 @@ fa_status fa_cpu_backward(const fa_params *p)
                       .chunk = chunk,
                       .scratch_size = fa_bwd_scratch_size(p, real_size)};
 #if defined(FA_CPU_HAS_BF16)
-    /* bf16 calls with user-defined masks take the fp32 tile, which evaluates them. */
+    /* bf16 calls with user-defined scoring take the fp32 tile, which evaluates it. */
     if (p->dtype == FA_DTYPE_BF16 && !fa_mod_call_active(&p->mods) &&
         (job.bf16 = fa_cpu_bf16_kernel_get()) != NULL)
         job.scratch_size = fa_bwd_bf16_scratch_size(p);
 #endif
     job.mod_offset = job.scratch_size;
-    job.scratch_size += fa_cpu_mod_scratch_size(p, real_size, FA_CPU_BM);
+    job.scratch_size += fa_cpu_mod_grad_scratch_size(p, real_size, FA_CPU_BM, FA_CPU_BN);
     job.dsum = malloc((size_t)(p->total_q * p->h + 1) * real_size);
     job.dsink_partial = malloc((size_t)(p->b * p->h) * sizeof(double));
     job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);

@@ -32,7 +32,7 @@ typedef struct FA_FN(fa_bwd_tile) {
     FA_REAL *acc_k; /* [FA_CPU_BWD_NK][dp] */
     FA_REAL *acc_v; /* [FA_CPU_BWD_NK][dvp] */
     FA_REAL *acc_q; /* [FA_CPU_BM][dp] */
-    void *mod_scratch; /* user-defined masks (fa_mod_call_active): fa_cpu_mod_scratch_size bytes */
+    void *mod_scratch; /* user-defined scoring (fa_mod_call_active): fa_cpu_mod_grad_scratch_size */
 } FA_FN(fa_bwd_tile);
 
 /* The per-row data of rows [r0, r0+m) of head h: lse, D, visible keys, diagonal. Padding rows
@@ -149,7 +149,7 @@ static inline FA_FN(fa_bwd_kv) FA_FN(fa_bwd_load_kv)(const fa_params *p, FA_FN(f
  */
 __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
     const fa_params *p, FA_FN(fa_bwd_tile) * t, int64_t mp, int64_t j0, int64_t n, FA_REAL slope,
-    FA_REAL sscale, const int softcap, const int dropout, const int masked, const int modmask)
+    FA_REAL sscale, const int softcap, const int dropout, const int masked)
 {
     const FA_REAL scale = (FA_REAL)p->scale;
     const FA_REAL cap = (FA_REAL)p->softcap, inv_cap = softcap ? (FA_REAL)(1.0 / p->softcap) : 0;
@@ -161,8 +161,6 @@ __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
         const FA_REAL *restrict zt = t->zt + j * mp;
         const FA_REAL key = (FA_REAL)(j0 + j);
         for (int64_t i = 0; i < mp; i++) {
-            /* modmask: a key a user-defined mask dropped holds -inf (fa_bwd_probs) */
-            const int kept = !modmask || pt[i] != -(FA_REAL)INFINITY;
             FA_REAL x = pt[i] * sscale, deriv = 1;
             if (softcap) {
                 const FA_REAL th = FA_RULE_SOFTCAP_TANH(x, inv_cap, FA_TANHV);
@@ -174,10 +172,57 @@ __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
                 x -= FA_RULE_ALIBI(slope, dist);
             }
             const FA_REAL prob = FA_EXPV(x - lse[i]);
-            const int seen = kept && (!masked || (key >= lo[i] && key < hi[i]));
+            const int seen = !masked || (key >= lo[i] && key < hi[i]);
             const FA_REAL z = dropout ? zt[i] : 1;
             pt[i] = seen ? prob * z : 0;
             dxt[i] = seen ? prob * (dxt[i] * z - dsum[i]) * deriv * scale : 0;
+        }
+    }
+}
+
+/*
+ * fa_bwd_probs for calls with user-defined scoring: the scores recomputed as the forward's
+ * (scale, softcap, ALiBi, then score_mod and the masks, fa_cpu_mod_apply_grad), the factor
+ * d(final score)/d(q.k scaled) kept per element (softcap's and score_mod's derivatives), then
+ * pt = P^T * Z and dxt = dS^T * factor * scale; masked keys and padding rows 0.
+ */
+static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+                                     int64_t seq_index, int64_t h, int64_t r0, int64_t m,
+                                     int64_t mp, int64_t j0, int64_t n, FA_REAL slope,
+                                     FA_REAL sscale)
+{
+    void *dbuf, *factor;
+    fa_cpu_mod_grad_parts(p, t->mod_scratch, sizeof(FA_REAL), FA_CPU_BM, &dbuf, &factor);
+    FA_REAL *restrict fac = factor; /* [n][mp] */
+    const int softcap = p->softcap > 0;
+    const FA_REAL cap = (FA_REAL)p->softcap, inv_cap = softcap ? (FA_REAL)(1.0 / p->softcap) : 0;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < mp; i++) {
+            FA_REAL x = t->pt[j * mp + i] * sscale, deriv = 1;
+            if (softcap) {
+                const FA_REAL th = FA_RULE_SOFTCAP_TANH(x, inv_cap, FA_TANHV);
+                x = cap * th;
+                deriv = FA_RULE_SOFTCAP_GRAD(th);
+            }
+            t->pt[j * mp + i] = x - FA_RULE_ALIBI(slope, t->diag[i] - (FA_REAL)(j0 + j));
+            fac[j * mp + i] = deriv;
+        }
+    fa_cpu_mod_at at = {seq_index, h, r0, j0, NULL, 0, 0};
+    fa_cpu_mod_blocks_load(p, &at, t->mod_scratch, sizeof(FA_REAL), r0, m);
+    FA_FN(fa_cpu_mod_apply_grad)(p, (FA_REAL *)t->mod_scratch, (FA_REAL *)dbuf, t->pt, fac, mp,
+                                 n, 0, m, &at);
+    const FA_REAL scale = (FA_REAL)p->scale;
+    const int dropout = p->dropout_p > 0;
+    for (int64_t j = 0; j < n; j++) {
+        const FA_REAL key = (FA_REAL)(j0 + j);
+        for (int64_t i = 0; i < mp; i++) {
+            const FA_REAL x = t->pt[j * mp + i];
+            const int seen = x != -(FA_REAL)INFINITY && key >= t->lo[i] && key < t->hi[i];
+            const FA_REAL prob = FA_EXPV(x - t->lse[i]);
+            const FA_REAL z = dropout ? t->zt[j * mp + i] : 1;
+            t->pt[j * mp + i] = seen ? prob * z : 0;
+            t->dxt[j * mp + i] =
+                seen ? prob * (t->dxt[j * mp + i] * z - t->dsum[i]) * fac[j * mp + i] * scale : 0;
         }
     }
 }
@@ -218,28 +263,20 @@ FA_CPU_INLINE void FA_FN(fa_bwd_probs)(const fa_params *p, FA_FN(fa_bwd_tile) * 
         }
     }
 
-    /* A user-defined mask (mask_mod, block_mask; the backward takes no score_mod) recomputed as
-     * the forward applied it: -inf in S^T where it drops a key. */
     if (fa_mod_call_active(&p->mods)) {
-        fa_cpu_mod_at at = {seq_index, h, r0, j0, NULL, 0, 0};
-        fa_cpu_mod_blocks_load(p, &at, t->mod_scratch, sizeof(FA_REAL), r0, m);
-        FA_FN(fa_cpu_mod_apply)(p, (FA_REAL *)t->mod_scratch, t->pt, mp, n, 0, m, &at);
-        if (p->softcap > 0)
-            FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 1, dropout, 1, 1);
-        else
-            FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, dropout, 1, 1);
+        FA_FN(fa_bwd_probs_mods)(p, t, seq_index, h, r0, m, mp, j0, n, slope, sscale);
         return;
     }
     /* Interior blocks of plain attention skip the mask and bias arithmetic entirely. */
     const int plain = full && p->softcap <= 0 && slope == 0;
     if (plain && !dropout)
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, 0, 0, 0);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, 0, 0);
     else if (plain)
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, 1, 0, 0);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, 1, 0);
     else if (p->softcap > 0)
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 1, dropout, 1, 0);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 1, dropout, 1);
     else
-        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, dropout, 1, 0);
+        FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, dropout, 1);
 }
 
 /*

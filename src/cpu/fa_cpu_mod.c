@@ -40,6 +40,19 @@ size_t fa_cpu_mod_scratch_size(const fa_params *p, size_t real_size, int64_t bm)
     return n;
 }
 
+size_t fa_cpu_mod_grad_scratch_size(const fa_params *p, size_t real_size, int64_t bm, int64_t bn)
+{
+    return fa_cpu_mod_scratch_size(p, real_size, bm) + fa_cpu_mod_bufs_size(p, real_size) +
+           (((size_t)(bm * bn) * real_size + 63) & ~(size_t)63);
+}
+
+void fa_cpu_mod_grad_parts(const fa_params *p, void *scratch, size_t real_size, int64_t bm,
+                           void **dbuf, void **factor)
+{
+    *dbuf = (char *)scratch + fa_cpu_mod_scratch_size(p, real_size, bm);
+    *factor = (char *)*dbuf + fa_cpu_mod_bufs_size(p, real_size);
+}
+
 void fa_cpu_mod_blocks_load(const fa_params *p, fa_cpu_mod_at *at, void *scratch,
                             size_t real_size, int64_t r0, int64_t m)
 {

@@ -44,4 +44,20 @@ void fa_cpu_mod_apply_f32(const fa_params *p, float *buf, float *st, int64_t ld,
 void fa_cpu_mod_apply_f64(const fa_params *p, double *buf, double *st, int64_t ld, int64_t n,
                           int64_t c0, int64_t c1, const fa_cpu_mod_at *at);
 
+/* fa_cpu_mod_apply for the backward: also multiplies dst[j * ld + i] by score_mod's derivative
+ * with respect to the score (dbuf: as many bytes as buf's evaluator part again). */
+void fa_cpu_mod_apply_grad_f32(const fa_params *p, float *buf, float *dbuf, float *st, float *dst,
+                               int64_t ld, int64_t n, int64_t c0, int64_t c1,
+                               const fa_cpu_mod_at *at);
+void fa_cpu_mod_apply_grad_f64(const fa_params *p, double *buf, double *dbuf, double *st,
+                               double *dst, int64_t ld, int64_t n, int64_t c0, int64_t c1,
+                               const fa_cpu_mod_at *at);
+
+/* The backward's scratch for p's mods on tiles of up to bm rows and bn keys, in real_size
+ * precision: fa_cpu_mod_scratch_size's, then the derivative buffers and a [bn][bm] factor;
+ * fa_cpu_mod_grad_parts gives where those two start. */
+size_t fa_cpu_mod_grad_scratch_size(const fa_params *p, size_t real_size, int64_t bm, int64_t bn);
+void fa_cpu_mod_grad_parts(const fa_params *p, void *scratch, size_t real_size, int64_t bm,
+                           void **dbuf, void **factor);
+
 #endif /* FA_CPU_MOD_H */

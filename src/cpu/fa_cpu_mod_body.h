@@ -40,18 +40,13 @@ FA_CPU_INLINE void FA_FN(fa_mod_gather)(FA_REAL *o, const fa_tensor *t, const FA
     }
 }
 
-/* Runs m over w values (score the scores, the other variables from at) and returns the buffer
- * holding its root's values. */
-FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor *aux, FA_REAL *buf,
-                                        const FA_REAL *score, int64_t w, FA_REAL b, FA_REAL h,
-                                        FA_REAL q0, FA_REAL kv)
+/* One step of a program: o = the node's values over the chunk, from its operands' values in
+ * arg (o may be one of them: each value is read before its slot is written). */
+FA_CPU_INLINE void FA_FN(fa_mod_step)(const fa_mod_node *n, FA_REAL *o, const FA_REAL *const *arg,
+                                      const fa_tensor *aux, const FA_REAL *score, int64_t w,
+                                      FA_REAL b, FA_REAL h, FA_REAL q0, FA_REAL kv)
 {
-    for (int s = 0; s < m->n_steps; s++) {
-        const fa_mod_node *n = &m->steps[s];
-        FA_REAL *o = buf + (size_t)m->buf[s] * FA_CPU_MOD_CHUNK;
-        const FA_REAL *arg[FA_MOD_MAX_ARGS] = {NULL, NULL, NULL, NULL};
-        for (int a = 0; a < n->n_args; a++)
-            arg[a] = buf + (size_t)m->buf[n->args[a]] * FA_CPU_MOD_CHUNK;
+    {
         const FA_REAL *x_ = arg[0], *y_ = arg[1], *z_ = arg[2];
         switch (n->op) {
         case FA_MOD_OP_VAR:
@@ -75,7 +70,7 @@ FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor 
                 o[k] = x_[k] != 0 ? y_[k] : z_[k];
             break;
         case FA_MOD_OP_AUX:
-            FA_FN(fa_mod_gather)(o, &aux[n->what], arg, n->n_args, w);
+            FA_FN(fa_mod_gather)(o, &aux[n->what], (const FA_REAL *const *)arg, n->n_args, w);
             break;
         case FA_MOD_NEG:
             FA_MOD_MAP1(-x);
@@ -134,6 +129,137 @@ FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor 
             break;
         }
     }
+}
+
+/* The operands' slots of step s of m in buf (values) or dbuf (derivatives). */
+FA_CPU_INLINE void FA_FN(fa_mod_args)(const fa_mod *m, int s, FA_REAL *buf,
+                                      const FA_REAL **arg)
+{
+    const fa_mod_node *n = &m->steps[s];
+    for (int a = 0; a < FA_MOD_MAX_ARGS; a++)
+        arg[a] = a < n->n_args ? buf + (size_t)m->buf[n->args[a]] * FA_CPU_MOD_CHUNK : NULL;
+}
+
+/* Runs m over w values (score the scores, the other variables from at) and returns the buffer
+ * holding its root's values. */
+FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor *aux, FA_REAL *buf,
+                                        const FA_REAL *score, int64_t w, FA_REAL b, FA_REAL h,
+                                        FA_REAL q0, FA_REAL kv)
+{
+    for (int s = 0; s < m->n_steps; s++) {
+        const FA_REAL *arg[FA_MOD_MAX_ARGS];
+        FA_FN(fa_mod_args)(m, s, buf, arg);
+        FA_FN(fa_mod_step)(&m->steps[s], buf + (size_t)m->buf[s] * FA_CPU_MOD_CHUNK, arg, aux,
+                           score, w, b, h, q0, kv);
+    }
+    return buf + (size_t)m->buf[m->n_steps - 1] * FA_CPU_MOD_CHUNK;
+}
+
+/*
+ * The derivative of step n with respect to score, into d, from its operands' values (arg)
+ * and derivatives (darg), before the step's values overwrite any of them. Booleans, floor,
+ * aux reads and the other variables have none; at a kink (abs at 0, min/max ties) the branch
+ * the value takes.
+ */
+FA_CPU_INLINE void FA_FN(fa_mod_dstep)(const fa_mod_node *n, FA_REAL *d,
+                                       const FA_REAL *const *arg, const FA_REAL *const *darg,
+                                       int64_t w)
+{
+    const FA_REAL *x_ = arg[0], *y_ = arg[1], *dx = darg[0], *dy = darg[1], *dz = darg[2];
+    switch (n->op) {
+    case FA_MOD_OP_VAR:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = n->what == FA_MOD_SCORE ? 1 : 0;
+        return;
+    case FA_MOD_OP_WHERE:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = x_[k] != 0 ? dy[k] : dz[k];
+        return;
+    case FA_MOD_NEG:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = -dx[k];
+        return;
+    case FA_MOD_EXP:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = FA_MOD_EXPV(x_[k]) * dx[k];
+        return;
+    case FA_MOD_LOG:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = dx[k] / x_[k];
+        return;
+    case FA_MOD_TANH:
+        for (int64_t k = 0; k < w; k++) {
+            const FA_REAL t = FA_MOD_TANHV(x_[k]);
+            d[k] = (1 - t * t) * dx[k];
+        }
+        return;
+    case FA_MOD_ABS:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = x_[k] > 0 ? dx[k] : x_[k] < 0 ? -dx[k] : 0;
+        return;
+    case FA_MOD_SQRT:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = dx[k] / (2 * FA_M(sqrt)(x_[k]));
+        return;
+    case FA_MOD_ADD:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = dx[k] + dy[k];
+        return;
+    case FA_MOD_SUB:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = dx[k] - dy[k];
+        return;
+    case FA_MOD_MUL:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = dx[k] * y_[k] + x_[k] * dy[k];
+        return;
+    case FA_MOD_DIV:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = (dx[k] - x_[k] / y_[k] * dy[k]) / y_[k];
+        return;
+    case FA_MOD_MIN:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = (x_[k] < y_[k] || x_[k] != x_[k]) ? dx[k] : dy[k];
+        return;
+    case FA_MOD_MAX:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = (x_[k] > y_[k] || x_[k] != x_[k]) ? dx[k] : dy[k];
+        return;
+    case FA_MOD_POW: /* the terms of a constant base or exponent dropped (log of x < 0) */
+        for (int64_t k = 0; k < w; k++) {
+            const FA_REAL x = x_[k], y = y_[k];
+            d[k] = (dx[k] != 0 ? y * FA_M(pow)(x, y - 1) * dx[k] : 0) +
+                   (dy[k] != 0 ? FA_M(pow)(x, y) * FA_M(log)(x) * dy[k] : 0);
+        }
+        return;
+    case FA_MOD_MOD: /* x - y floor(x / y) */
+        for (int64_t k = 0; k < w; k++)
+            d[k] = dx[k] - (dy[k] != 0 ? FA_M(floor)(x_[k] / y_[k]) * dy[k] : 0);
+        return;
+    default:
+        for (int64_t k = 0; k < w; k++)
+            d[k] = 0;
+        return;
+    }
+}
+
+/* fa_mod_run with the derivative of the root with respect to score: returns the values'
+ * buffer, *deriv the derivatives' (in dbuf, laid out as buf). */
+FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run_grad)(const fa_mod *m, const fa_tensor *aux,
+                                                    FA_REAL *buf, FA_REAL *dbuf,
+                                                    const FA_REAL *score, int64_t w, FA_REAL b,
+                                                    FA_REAL h, FA_REAL q0, FA_REAL kv,
+                                                    const FA_REAL **deriv)
+{
+    for (int s = 0; s < m->n_steps; s++) {
+        const FA_REAL *arg[FA_MOD_MAX_ARGS], *darg[FA_MOD_MAX_ARGS];
+        FA_FN(fa_mod_args)(m, s, buf, arg);
+        FA_FN(fa_mod_args)(m, s, dbuf, darg);
+        const size_t at = (size_t)m->buf[s] * FA_CPU_MOD_CHUNK;
+        FA_FN(fa_mod_dstep)(&m->steps[s], dbuf + at, arg, darg, w);
+        FA_FN(fa_mod_step)(&m->steps[s], buf + at, arg, aux, score, w, b, h, q0, kv);
+    }
+    *deriv = dbuf + (size_t)m->buf[m->n_steps - 1] * FA_CPU_MOD_CHUNK;
     return buf + (size_t)m->buf[m->n_steps - 1] * FA_CPU_MOD_CHUNK;
 }
 
@@ -145,7 +271,8 @@ FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor 
  * clang too, behind the exported fa_cpu_mod_apply below. */
 FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st,
                                               int64_t ld, int64_t n, int64_t c0, int64_t c1,
-                                              const fa_cpu_mod_at *at)
+                                              const fa_cpu_mod_at *at, FA_REAL *dbuf,
+                                              FA_REAL *dst)
 {
     const FA_REAL b = (FA_REAL)at->b, h = (FA_REAL)at->h;
     const fa_mod_blocks *blocks = &p->mods.blocks;
@@ -157,7 +284,16 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
             const int64_t w = c1 - i0 < FA_CPU_MOD_CHUNK ? c1 - i0 : FA_CPU_MOD_CHUNK;
             const FA_REAL q0 = (FA_REAL)(at->q0 + i0);
             FA_REAL *row = st + j * ld + i0;
-            if (p->mods.score_mod) {
+            if (p->mods.score_mod && dst) {
+                const FA_REAL *dr, *r = FA_FN(fa_mod_run_grad)(p->mods.score_mod, p->mods.aux,
+                                                                buf, dbuf, row, w, b, h, q0, kv,
+                                                                &dr);
+                FA_REAL *drow = dst + j * ld + i0;
+                for (int64_t k = 0; k < w; k++) {
+                    row[k] = r[k];
+                    drow[k] *= dr[k];
+                }
+            } else if (p->mods.score_mod) {
                 const FA_REAL *r =
                     FA_FN(fa_mod_run)(p->mods.score_mod, p->mods.aux, buf, row, w, b, h, q0, kv);
                 for (int64_t k = 0; k < w; k++)
@@ -195,5 +331,12 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
 void FA_FN(fa_cpu_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st, int64_t ld,
                              int64_t n, int64_t c0, int64_t c1, const fa_cpu_mod_at *at)
 {
-    FA_FN(fa_mod_apply)(p, buf, st, ld, n, c0, c1, at);
+    FA_FN(fa_mod_apply)(p, buf, st, ld, n, c0, c1, at, NULL, NULL);
+}
+
+void FA_FN(fa_cpu_mod_apply_grad)(const fa_params *p, FA_REAL *buf, FA_REAL *dbuf, FA_REAL *st,
+                                  FA_REAL *dst, int64_t ld, int64_t n, int64_t c0, int64_t c1,
+                                  const fa_cpu_mod_at *at)
+{
+    FA_FN(fa_mod_apply)(p, buf, st, ld, n, c0, c1, at, dbuf, dst);
 }
