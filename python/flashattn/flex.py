@@ -6,7 +6,7 @@ traced once into the library's fa_mod programs (``_flex_trace``); the CPU forwar
 The block mask has FlexAttention's layout, computed from the traced mask; the forward takes it
 as the library's fa_block_mask, skipping the blocks it skips and evaluating mask_mod only in
 its partial blocks (full ones keep every key), as FlexAttention's kernels do. So far: the CPU;
-gradients through block masks (the library's backward), none yet through a score_mod.
+gradients to query, key and value (the library's backward), none to captured tensors.
 """
 
 import ctypes
@@ -267,8 +267,8 @@ def _aux_tensor(t, user, i):
         raise FlashAttnError("%s: is on %s; flex_attention runs on the CPU only so far"
                              % (name, t.device))
     if t.requires_grad and torch.is_grad_enabled():
-        raise FlashAttnError("%s: requires grad, but flex_attention has no backward for "
-                             "score_mod / mask_mod yet; call it under torch.no_grad()" % name)
+        raise FlashAttnError("%s: requires grad, but flex_attention gives captured tensors no "
+                             "gradient yet; detach it, or call under torch.no_grad()" % name)
     t = t.detach()
     if t.dim() == 0:
         t = t.reshape(1)
@@ -311,9 +311,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     and, with return_lse, lse [b, hq, sq] (natural log; fp32, fp64 for fp64 inputs; -inf for a
     row that sees no key, whose out is 0). score_mod(score, b, h, q_idx, kv_idx) maps the scaled
     score; block_mask (from create_block_mask) selects keys by its mask_mod. scale defaults to
-    1 / sqrt(d); enable_gqa lets hq be a multiple of hkv. Gradients flow through calls with a
-    block mask (torch inputs); a call with a score_mod whose inputs require grad is refused (no
-    backward for score_mod yet); without mods it runs flash_attn_func, with autograd.
+    1 / sqrt(d); enable_gqa lets hq be a multiple of hkv. Gradients flow to query, key and value
+    (torch inputs; the library's CPU backward), not to the tensors a mod captures (refused when
+    they require grad); without mods it runs flash_attn_func, with autograd.
     """
     if kernel_options is not None:
         raise FlashAttnError("kernel_options: tunes torch's kernels; flashattn takes none")
@@ -327,10 +327,6 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         x.requires_grad for x in (query, key, value))
     if grad and score_mod is None and block_mask is None:
         return _plain(query, key, value, scale, return_lse)
-    if grad and score_mod is not None:
-        raise FlashAttnError("flex_attention: query, key or value requires grad, but there is "
-                             "no backward for score_mod yet (block_mask has one); call it under "
-                             "torch.no_grad() (or detach the inputs)")
     mods = []  # (argument field, trace, aux tensors)
     if score_mod is not None:
         mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod"))

@@ -435,18 +435,22 @@ def test_requires_grad(rng):
     def scaled(score, b, h, q_idx, kv_idx):
         return score * 0.5
 
-    with pytest.raises(FlashAttnError, match="no backward for score_mod"):
-        flashattn.flex_attention(q.requires_grad_(), k, v, scaled)
-    with torch.no_grad():  # under no_grad the same call runs
-        out = flashattn.flex_attention(q, k, v, scaled)
-    torch.testing.assert_close(out, tflex.flex_attention(q.detach(), k, v, scaled), atol=2e-5,
-                               rtol=2e-5)
+    # gradients through a score_mod: halving the score is halving the scale
+    q.requires_grad_()
+    out = flashattn.flex_attention(q, k, v, scaled)
+    dout = randn(rng, *out.shape)
+    (dq,) = torch.autograd.grad(out, (q,), dout)
+    q3 = q.detach().clone().requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(q3, k, v, scale=0.5 / math.sqrt(32))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(dq, torch.autograd.grad(ref, (q3,), dout)[0], atol=1e-4,
+                               rtol=1e-4)
     learned = randn(rng, 2).requires_grad_()
 
     def head_bias(score, b, h, q_idx, kv_idx):
         return score + learned[h]
 
-    with pytest.raises(FlashAttnError, match="requires grad"):
+    with pytest.raises(FlashAttnError, match="requires grad.*no gradient"):
         flashattn.flex_attention(q.detach(), k, v, head_bias)
     # without mods: flash_attn_func's autograd
     out = flashattn.flex_attention(q, k, v)
@@ -500,6 +504,35 @@ def test_gradients_through_a_block_mask(rng, dtype, tol):
         for name, got, w in zip("qkv", grads, want):
             torch.testing.assert_close(got.double(), w, atol=tol, rtol=tol, msg="d" + name)
         assert not lse.requires_grad
+
+
+def test_gradients_through_a_score_mod(rng):
+    """score_mod's backward (torch's FlexAttention has none on the CPU): a softcap and a
+    relative-position bias read from a captured tensor, with a causal block mask, against
+    autograd through the same scores written as tensor operations, in fp64."""
+    B, H, L, D = 2, 2, 50, 16
+    rel = randn(rng, H, 2 * L)  # captured: no gradient
+
+    def softcap_rel(score, b, h, q_idx, kv_idx):
+        return 3 * torch.tanh(score / 3) + rel[h, kv_idx - q_idx + L]
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    bm = flashattn.create_block_mask(causal, None, None, L, L, BLOCK_SIZE=16)
+    q, k, v = (randn(rng, B, H, L, D, dtype=torch.float64).requires_grad_() for _ in range(3))
+    out = flashattn.flex_attention(q, k, v, score_mod=softcap_rel, block_mask=bm)
+    dout = randn(rng, *out.shape, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qi, ki = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    q2, k2, v2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    s = q2 @ k2.transpose(-1, -2) / math.sqrt(D)
+    s = 3 * torch.tanh(s / 3) + rel[:, (ki - qi + L)].double()[None]
+    ref = torch.softmax(s.masked_fill(ki > qi, -math.inf), -1) @ v2
+    want = torch.autograd.grad(ref, (q2, k2, v2), dout)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    for name, got, w in zip("qkv", grads, want):
+        torch.testing.assert_close(got, w, atol=1e-10, rtol=1e-10, msg="d" + name)
 
 
 def test_bad_arguments(rng):
