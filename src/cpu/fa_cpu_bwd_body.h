@@ -187,9 +187,8 @@ __attribute__((always_inline)) static inline void FA_FN(fa_bwd_elementwise)(
  * pt = P^T * Z and dxt = dS^T * factor * scale; masked keys and padding rows 0.
  */
 static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
-                                     int64_t seq_index, int64_t h, int64_t r0, int64_t m,
-                                     int64_t mp, int64_t j0, int64_t n, FA_REAL slope,
-                                     FA_REAL sscale)
+                                     const fa_cpu_mod_at *at, int64_t m, int64_t mp, int64_t j0,
+                                     int64_t n, FA_REAL slope, FA_REAL sscale)
 {
     void *dbuf, *factor;
     fa_cpu_mod_grad_parts(p, t->mod_scratch, sizeof(FA_REAL), FA_CPU_BM, &dbuf, &factor);
@@ -207,10 +206,8 @@ static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
             t->pt[j * mp + i] = x - FA_RULE_ALIBI(slope, t->diag[i] - (FA_REAL)(j0 + j));
             fac[j * mp + i] = deriv;
         }
-    fa_cpu_mod_at at = {seq_index, h, r0, j0, NULL, 0, 0};
-    fa_cpu_mod_blocks_load(p, &at, t->mod_scratch, sizeof(FA_REAL), r0, m);
     FA_FN(fa_cpu_mod_apply_grad)(p, (FA_REAL *)t->mod_scratch, (FA_REAL *)dbuf, t->pt, fac, mp,
-                                 n, 0, m, &at);
+                                 n, 0, m, at);
     const FA_REAL scale = (FA_REAL)p->scale;
     const int dropout = p->dropout_p > 0;
     for (int64_t j = 0; j < n; j++) {
@@ -263,9 +260,14 @@ FA_CPU_INLINE void FA_FN(fa_bwd_probs)(const fa_params *p, FA_FN(fa_bwd_tile) * 
         }
     }
 
+    /* User-defined scoring, where the block mask does not keep every key as it is. */
     if (fa_mod_call_active(&p->mods)) {
-        FA_FN(fa_bwd_probs_mods)(p, t, seq_index, h, r0, m, mp, j0, n, slope, sscale);
-        return;
+        fa_cpu_mod_at at = {seq_index, h, r0, j0, NULL, 0, 0};
+        fa_cpu_mod_blocks_load(p, &at, t->mod_scratch, sizeof(FA_REAL), r0, m);
+        if (!fa_cpu_mod_blocks_full(p, &at, j0, n)) {
+            FA_FN(fa_bwd_probs_mods)(p, t, &at, m, mp, j0, n, slope, sscale);
+            return;
+        }
     }
     /* Interior blocks of plain attention skip the mask and bias arithmetic entirely. */
     const int plain = full && p->softcap <= 0 && slope == 0;

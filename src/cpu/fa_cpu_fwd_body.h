@@ -115,7 +115,7 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
                 st[j * ld + i] = FA_RULE_SOFTCAP(st[j * ld + i], inv, cap, FA_TANHV);
         mul = 1;
     }
-    if (fa_mod_call_active(&p->mods)) {
+    if (fa_mod_call_active(&p->mods) && !fa_cpu_mod_blocks_full(p, &t->mod_at, j0, n)) {
         /* The mods see the final scaled score (after softcap and ALiBi) of every key. */
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = c0; i < c1; i++)

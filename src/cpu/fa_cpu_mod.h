@@ -32,6 +32,10 @@ size_t fa_cpu_mod_scratch_size(const fa_params *p, size_t real_size, int64_t bm)
 void fa_cpu_mod_blocks_load(const fa_params *p, fa_cpu_mod_at *at, void *scratch,
                             size_t real_size, int64_t r0, int64_t m);
 
+/* Whether keys [j0, j0 + n) need nothing evaluated for any row of the tile: no score_mod, and
+ * the block mask's blocks there all full (the tile then takes them as without mods). */
+int fa_cpu_mod_blocks_full(const fa_params *p, const fa_cpu_mod_at *at, int64_t j0, int64_t n);
+
 /* Whether every key of [j0, j0 + n) is skipped by the block mask for every row of the tile. */
 int fa_cpu_mod_blocks_skip(const fa_params *p, const fa_cpu_mod_at *at, int64_t j0, int64_t n);
 

@@ -304,8 +304,14 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
             int consult = 1;
             if (at->states) {
                 consult = 0;
+                /* the query block of column i0 + k, stepping at block boundaries */
+                int64_t qb = (at->q0 + i0) / blocks->q_block - at->qb0;
+                int64_t next = (qb + at->qb0 + 1) * blocks->q_block - (at->q0 + i0);
                 for (int64_t k = 0; k < w; k++) {
-                    const int64_t qb = (at->q0 + i0 + k) / blocks->q_block - at->qb0;
+                    if (k == next) {
+                        qb++;
+                        next += blocks->q_block;
+                    }
                     state[k] = qb < at->nqb ? at->states[qb * blocks->nk + kb] : FA_BLOCK_SKIP;
                     consult |= state[k] == FA_BLOCK_PARTIAL;
                 }

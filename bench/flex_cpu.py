@@ -1,0 +1,162 @@
+"""flashattn.flex_attention beside torch's FlexAttention on the CPU, timed in turn in one
+process, and beside flashattn's built-in option where one means the same.
+
+    PYTHONPATH=python python3 bench/flex_cpu.py [--threads 16] [--seqlen 4096] [--backward]
+    PYTHONPATH=python python3 bench/flex_cpu.py --smoke     # tiny shapes, every case once
+
+Cases (b 1, h 8, d 64, fp32; mods written for torch, run unchanged by both):
+- causal, sliding window 256, prefix-LM (prefix 1/4), document (8 documents, causal): mask_mods
+  with a block mask from each library's create_block_mask (128-blocks);
+- softcap 30, ALiBi, relative bias (a captured [h, 2s] table): score_mods over causal.
+torch's column is torch.compile(flex_attention) (Inductor's CPU kernel), its own fast path on the
+CPU; flashattn's runs as called (the mods traced once, then cached). "built-in" is
+flash_attn_func with causal, window_size, softcap or alibi_slopes where the case has one.
+Every output is checked against the other library's before it is timed. --backward times the
+forward and the backward of flashattn only (torch's FlexAttention has no CPU backward).
+"""
+
+import argparse
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flashattn
+from flashattn import flash_attn_func
+
+try:
+    from torch.nn.attention import flex_attention as tflex
+except ImportError:  # torch < 2.5
+    tflex = None
+
+
+def cases(s, h):
+    """{name: (score_mod or None, mask_mod, built-in kwargs of flash_attn_func or None)}."""
+    docs = torch.arange(s) * 8 // s
+    rel = torch.randn(h, 2 * s, generator=torch.Generator().manual_seed(1))
+    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)])
+    prefix = s // 4
+
+    def causal(b, hh, q, k):
+        return k <= q
+
+    def window(b, hh, q, k):
+        return (k <= q) & (q - k <= 256)
+
+    def prefix_lm(b, hh, q, k):
+        return (k <= q) | (k < prefix)
+
+    def document(b, hh, q, k):
+        return (docs[q] == docs[k]) & (k <= q)
+
+    def softcap(score, b, hh, q, k):
+        return 30 * torch.tanh(score / 30)
+
+    def alibi(score, b, hh, q, k):
+        return score - slopes[hh] * (q - k)
+
+    def relbias(score, b, hh, q, k):
+        return score + rel[hh, k - q + s]
+
+    return {
+        "causal": (None, causal, dict(causal=True)),
+        "window 256": (None, window, dict(causal=True, window_size=(256, 0))),
+        "prefix-LM": (None, prefix_lm, None),
+        "document x8": (None, document, None),
+        "softcap 30": (softcap, causal, dict(causal=True, softcap=30.0)),
+        "alibi": (alibi, causal, dict(causal=True, alibi_slopes=slopes)),
+        "relative bias": (relbias, causal, None),
+    }
+
+
+def best_ms(fn, reps):
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one timed run")
+    opts = ap.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    s, h, d = (256, 2, 32) if opts.smoke else (opts.seqlen, opts.heads, 64)
+    reps = 1 if opts.smoke else opts.reps
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, s, d, generator=g) for _ in range(3))
+    compiled = None
+    if tflex is not None and not opts.smoke and not opts.backward:
+        compiled = torch.compile(tflex.flex_attention, dynamic=False)
+    print("flex_cpu: torch %s, %d threads; b 1, h %d, s %d, d %d, fp32, ms (best of %d)"
+          % (torch.__version__, torch.get_num_threads(), h, s, d, reps))
+    if opts.backward:
+        print("| case | flashattn fwd | flashattn fwd+bwd | built-in fwd+bwd |")
+        print("|---|---|---|---|")
+    else:
+        print("| case | flashattn | torch compiled | ratio | built-in | max diff |")
+        print("|---|---|---|---|---|---|")
+    for name, (score_mod, mask_mod, builtin) in cases(s, h).items():
+        ours_bm = flashattn.create_block_mask(mask_mod, None, None, s, s)
+        ours = lambda: flashattn.flex_attention(q, k, v, score_mod=score_mod,  # noqa: E731
+                                                block_mask=ours_bm)
+        base = None
+        if builtin is not None:
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            base = lambda: flash_attn_func(qt, kt, vt, **builtin)  # noqa: E731
+        if opts.backward:
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+            def ours_fb():
+                out = flashattn.flex_attention(qg, kg, vg, score_mod=score_mod,
+                                               block_mask=ours_bm)
+                out.backward(torch.ones_like(out))
+
+            def base_fb():
+                qt, kt, vt = (x.transpose(1, 2) for x in (qg, kg, vg))
+                out = flash_attn_func(qt, kt, vt, **builtin)
+                out.backward(torch.ones_like(out))
+
+            with torch.no_grad():
+                fwd = best_ms(ours, reps)
+            print("| %s | %.1f | %.1f | %s |" % (
+                name, fwd, best_ms(ours_fb, reps),
+                "%.1f" % best_ms(base_fb, reps) if builtin is not None else "-"), flush=True)
+            continue
+        with torch.no_grad():
+            out = ours()
+            ref, theirs_ms, diff = None, None, None
+            if compiled is not None:
+                tbm = tflex.create_block_mask(mask_mod, None, None, s, s, device="cpu")
+                theirs = lambda: compiled(q, k, v, score_mod=score_mod,  # noqa: E731
+                                          block_mask=tbm)
+                ref = theirs()
+                theirs_ms = best_ms(theirs, reps)
+            elif tflex is not None:
+                tbm = tflex.create_block_mask(mask_mod, None, None, s, s, device="cpu")
+                ref = tflex.flex_attention(q, k, v, score_mod=score_mod, block_mask=tbm)
+            if ref is not None:
+                diff = (out - ref).abs().max().item()
+                if not diff <= 1e-3:
+                    raise SystemExit("%s: flashattn and torch differ by %g" % (name, diff))
+            ms = best_ms(ours, reps)
+            base_ms = best_ms(base, reps) if base is not None else None
+        print("| %s | %.1f | %s | %s | %s | %s |" % (
+            name, ms, "%.1f" % theirs_ms if theirs_ms else "-",
+            "%.2fx" % (theirs_ms / ms) if theirs_ms else "-",
+            "%.1f" % base_ms if base_ms else "-", "%.1e" % diff if diff is not None else "-"),
+            flush=True)
+
+
+if __name__ == "__main__":
+    main()
