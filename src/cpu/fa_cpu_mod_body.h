@@ -276,14 +276,39 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
 {
     const FA_REAL b = (FA_REAL)at->b, h = (FA_REAL)at->h;
     const fa_mod_blocks *blocks = &p->mods.blocks;
-    unsigned char state[FA_CPU_MOD_CHUNK]; /* each query's block state at key j */
-    for (int64_t j = 0; j < n; j++) {
-        const FA_REAL kv = (FA_REAL)(at->j0 + j);
-        const int64_t kb = at->states ? (at->j0 + j) / blocks->kv_block : 0;
-        for (int64_t i0 = c0; i0 < c1; i0 += FA_CPU_MOD_CHUNK) {
-            const int64_t w = c1 - i0 < FA_CPU_MOD_CHUNK ? c1 - i0 : FA_CPU_MOD_CHUNK;
-            const FA_REAL q0 = (FA_REAL)(at->q0 + i0);
+    unsigned char state[FA_CPU_MOD_CHUNK]; /* each query's block state at the current kb */
+    for (int64_t i0 = c0; i0 < c1; i0 += FA_CPU_MOD_CHUNK) {
+        const int64_t w = c1 - i0 < FA_CPU_MOD_CHUNK ? c1 - i0 : FA_CPU_MOD_CHUNK;
+        const FA_REAL q0 = (FA_REAL)(at->q0 + i0);
+        /* The chunk's states at key block kb_at (they change only where j crosses a key
+         * block): all full, all skipped, or mask_mod consulted where partial. */
+        int64_t kb_at = -1;
+        int all_full = 0, all_skip = 0, consult = 1;
+        for (int64_t j = 0; j < n; j++) {
+            const FA_REAL kv = (FA_REAL)(at->j0 + j);
             FA_REAL *row = st + j * ld + i0;
+            if (at->states && (at->j0 + j) / blocks->kv_block != kb_at) {
+                kb_at = (at->j0 + j) / blocks->kv_block;
+                int64_t qb = (at->q0 + i0) / blocks->q_block - at->qb0;
+                int64_t next = (qb + at->qb0 + 1) * blocks->q_block - (at->q0 + i0);
+                int n_full = 0, n_skip = 0;
+                for (int64_t k = 0; k < w; k++) {
+                    if (k == next) {
+                        qb++;
+                        next += blocks->q_block;
+                    }
+                    state[k] = qb < at->nqb ? at->states[qb * blocks->nk + kb_at] : FA_BLOCK_SKIP;
+                    n_full += state[k] == FA_BLOCK_FULL;
+                    n_skip += state[k] == FA_BLOCK_SKIP;
+                }
+                all_full = n_full == w, all_skip = n_skip == w;
+                consult = n_full + n_skip < w;
+            }
+            if (at->states && all_skip) {
+                for (int64_t k = 0; k < w; k++)
+                    row[k] = -(FA_REAL)INFINITY;
+                continue;
+            }
             if (p->mods.score_mod && dst) {
                 const FA_REAL *dr, *r = FA_FN(fa_mod_run_grad)(p->mods.score_mod, p->mods.aux,
                                                                 buf, dbuf, row, w, b, h, q0, kv,
@@ -299,23 +324,10 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
                 for (int64_t k = 0; k < w; k++)
                     row[k] = r[k];
             }
+            if (at->states && all_full)
+                continue;
             /* mask_mod is consulted where the block mask leaves it the choice (partial), and
              * everywhere without one. */
-            int consult = 1;
-            if (at->states) {
-                consult = 0;
-                /* the query block of column i0 + k, stepping at block boundaries */
-                int64_t qb = (at->q0 + i0) / blocks->q_block - at->qb0;
-                int64_t next = (qb + at->qb0 + 1) * blocks->q_block - (at->q0 + i0);
-                for (int64_t k = 0; k < w; k++) {
-                    if (k == next) {
-                        qb++;
-                        next += blocks->q_block;
-                    }
-                    state[k] = qb < at->nqb ? at->states[qb * blocks->nk + kb] : FA_BLOCK_SKIP;
-                    consult |= state[k] == FA_BLOCK_PARTIAL;
-                }
-            }
             const FA_REAL *r = p->mods.mask_mod && consult
                                    ? FA_FN(fa_mod_run)(p->mods.mask_mod, p->mods.aux, buf, row,
                                                        w, b, h, q0, kv)
