@@ -23,20 +23,35 @@
     }                                                                                            \
     break
 
-/* Aux slot t at the floored, clamped indices idx[d][k]. */
+/* Index value v floored and clamped into a dimension of dim entries (dimf = dim as FA_REAL):
+ * below 1 (NaN included) 0, at or past dim the last; branch-free so the loops vectorise. */
+#define FA_MOD_INDEX(v, dimf) ((int64_t)((v) >= 1 ? ((v) < (dimf) ? (v) : (dimf) - 1) : 0))
+
+/* Aux slot t at the floored, clamped indices idx[d][k]. One and two dims (the common tables)
+ * have their own loops, with the dtype test outside them. */
 FA_CPU_INLINE void FA_FN(fa_mod_gather)(FA_REAL *o, const fa_tensor *t, const FA_REAL *const *idx,
                                  int ndim, int64_t w)
 {
+    const int i32 = t->dtype == FA_DTYPE_I32;
+    const int32_t *di = (const int32_t *)t->data;
+    const float *df = (const float *)t->data;
+    if (ndim == 1 || ndim == 2) {
+        const FA_REAL d0 = (FA_REAL)t->shape[0], d1 = ndim == 2 ? (FA_REAL)t->shape[1] : 1;
+        const int64_t s0 = t->stride[0], s1 = ndim == 2 ? t->stride[1] : 0;
+        const FA_REAL *x0 = idx[0], *x1 = ndim == 2 ? idx[1] : idx[0];
+        if (i32)
+            for (int64_t k = 0; k < w; k++)
+                o[k] = (FA_REAL)di[FA_MOD_INDEX(x0[k], d0) * s0 + FA_MOD_INDEX(x1[k], d1) * s1];
+        else
+            for (int64_t k = 0; k < w; k++)
+                o[k] = (FA_REAL)df[FA_MOD_INDEX(x0[k], d0) * s0 + FA_MOD_INDEX(x1[k], d1) * s1];
+        return;
+    }
     for (int64_t k = 0; k < w; k++) {
         int64_t off = 0;
-        for (int d = 0; d < ndim; d++) {
-            const FA_REAL v = idx[d][k];
-            const int64_t dim = t->shape[d];
-            const int64_t i = v >= 1 ? (v < (FA_REAL)dim ? (int64_t)v : dim - 1) : 0;
-            off += i * t->stride[d];
-        }
-        o[k] = t->dtype == FA_DTYPE_I32 ? (FA_REAL)((const int32_t *)t->data)[off]
-                                        : (FA_REAL)((const float *)t->data)[off];
+        for (int d = 0; d < ndim; d++)
+            off += FA_MOD_INDEX(idx[d][k], (FA_REAL)t->shape[d]) * t->stride[d];
+        o[k] = i32 ? (FA_REAL)di[off] : (FA_REAL)df[off];
     }
 }
 
@@ -266,6 +281,7 @@ FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run_grad)(const fa_mod *m, const fa_te
 #undef FA_MOD_FILL
 #undef FA_MOD_MAP1
 #undef FA_MOD_MAP2
+#undef FA_MOD_INDEX
 
 /* Cloned for AVX2 and AVX-512 as the kernels are; static, as clones must be to resolve under
  * clang too, behind the exported fa_cpu_mod_apply below. */
