@@ -66,20 +66,9 @@ void fa_cpu_mod_blocks_load(const fa_params *p, fa_cpu_mod_at *at, void *scratch
     fa_mod_blocks_fill(blocks, at->b, at->h, at->qb0, at->nqb, at->states);
 }
 
-int fa_cpu_mod_blocks_full(const fa_params *p, const fa_cpu_mod_at *at, int64_t j0, int64_t n)
-{
-    if (p->mods.score_mod || !at->states || n < 1)
-        return 0;
-    const fa_mod_blocks *blocks = &p->mods.blocks;
-    const int64_t kb0 = j0 / blocks->kv_block, kb1 = (j0 + n - 1) / blocks->kv_block;
-    for (int64_t q = 0; q < at->nqb; q++)
-        for (int64_t kb = kb0; kb <= kb1; kb++)
-            if (at->states[q * blocks->nk + kb] != FA_BLOCK_FULL)
-                return 0;
-    return 1;
-}
-
-int fa_cpu_mod_blocks_skip(const fa_params *p, const fa_cpu_mod_at *at, int64_t j0, int64_t n)
+/* Whether every block keys [j0, j0 + n) touch has state for every query block of the tile. */
+static int fa_cpu_mod_blocks_all(const fa_params *p, const fa_cpu_mod_at *at, int64_t j0,
+                                 int64_t n, unsigned char state)
 {
     if (!at->states || n < 1)
         return 0;
@@ -87,9 +76,19 @@ int fa_cpu_mod_blocks_skip(const fa_params *p, const fa_cpu_mod_at *at, int64_t 
     const int64_t kb0 = j0 / blocks->kv_block, kb1 = (j0 + n - 1) / blocks->kv_block;
     for (int64_t q = 0; q < at->nqb; q++)
         for (int64_t kb = kb0; kb <= kb1; kb++)
-            if (at->states[q * blocks->nk + kb] != FA_BLOCK_SKIP)
+            if (at->states[q * blocks->nk + kb] != state)
                 return 0;
     return 1;
+}
+
+int fa_cpu_mod_blocks_full(const fa_params *p, const fa_cpu_mod_at *at, int64_t j0, int64_t n)
+{
+    return !p->mods.score_mod && fa_cpu_mod_blocks_all(p, at, j0, n, FA_BLOCK_FULL);
+}
+
+int fa_cpu_mod_blocks_skip(const fa_params *p, const fa_cpu_mod_at *at, int64_t j0, int64_t n)
+{
+    return fa_cpu_mod_blocks_all(p, at, j0, n, FA_BLOCK_SKIP);
 }
 
 #define FA_REAL float
