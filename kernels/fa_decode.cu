@@ -294,28 +294,38 @@ FA_DEV void fa_decode_copy(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0
     }
 }
 
+/* Paged: the cache blocks of this thread's K and V chunks of one key block, looked up a block
+ * ahead of their copies so that the table reads wait behind a block's math, not before a copy. */
+typedef struct fa_decode_pages {
+    int k[FA_CHUNKS_K];
+    int v[FA_CHUNKS_V]; /* used where V's rows have other chunks than K's (dv != d) */
+} fa_decode_pages;
+
+/* The blocks of keys [j0, j0 + FA_BN) below jend (nothing to look up unless paged). */
+FA_DEV void fa_decode_pages_get(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
+                                fa_i64 jend, fa_decode_pages *pg)
+{
+#if FA_PAGED
+    fa_decode_blocks(dp, seq, j0, jend, FA_CPR_K, FA_CHUNKS_K, pg->k);
+    if (FA_CPR_V != FA_CPR_K)
+        fa_decode_blocks(dp, seq, j0, jend, FA_CPR_V, FA_CHUNKS_V, pg->v);
+#else
+    (void)dp, (void)seq, (void)j0, (void)jend, (void)pg;
+#endif
+}
+
 /* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into stage s,
- * in swizzled 16-byte chunks; a paged cache's blocks all looked up before the first copy is
- * issued, so that the lookups overlap. */
+ * in swizzled 16-byte chunks; a paged cache's rows from the blocks pg holds for them. */
 FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, fa_i64 j0,
-                           fa_i64 jend, fa_u32 base_a, fa_u16 *base_p, int s)
+                           fa_i64 jend, fa_u32 base_a, fa_u16 *base_p, int s,
+                           const fa_decode_pages *pg)
 {
     const fa_kparams *kp = &dp->f;
     const fa_u16 *kg = (const fa_u16 *)kp->k + kh * kp->k_hstride;
     const fa_u16 *vg = (const fa_u16 *)kp->v + kh * kp->v_hstride;
     const int k_at = s * FA_STAGE_BYTES, v_at = k_at + FA_BN * FA_DP * 2;
-    int kblk[FA_CHUNKS_K], vblk_own[FA_CHUNKS_V];
-    const int *vblk = kblk;
-#if FA_PAGED
-    fa_decode_blocks(dp, seq, j0, jend, FA_CPR_K, FA_CHUNKS_K, kblk);
-    if (FA_CPR_V != FA_CPR_K) {
-        fa_decode_blocks(dp, seq, j0, jend, FA_CPR_V, FA_CHUNKS_V, vblk_own);
-        vblk = vblk_own;
-    }
-#else
-    (void)vblk_own;
-#endif
-    fa_decode_copy(dp, seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, kblk, FA_CPR_K,
+    const int *vblk = FA_CPR_V != FA_CPR_K ? pg->v : pg->k;
+    fa_decode_copy(dp, seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, pg->k, FA_CPR_K,
                    FA_CHUNKS_K, kp->d, base_a + k_at, base_p + k_at / 2, kp->k);
     fa_decode_copy(dp, seq, j0, jend, vg, kp->v_bstride, kp->v_rstride, vblk, FA_CPR_V,
                    FA_CHUNKS_V, kp->dv, base_a + v_at, base_p + v_at / 2, kp->v);
@@ -552,12 +562,17 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
 
 #pragma unroll
 #pragma unroll
+    fa_decode_pages pages;
     for (int s = 0; s < FA_STAGES - 1; s++) {
-        if (nb0 + s < nb1)
+        if (nb0 + s < nb1) {
+            fa_decode_pages_get(&dp, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, &pages);
             fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
-                           fa_smem, s);
+                           fa_smem, s, &pages);
+        }
         fa_cp_async_commit();
     }
+    if (nb0 + FA_STAGES - 1 < nb1)
+        fa_decode_pages_get(&dp, &seq, klo + (fa_i64)(nb0 + FA_STAGES - 1) * FA_BN, khi, &pages);
 
     for (int nb = nb0; nb < nb1; nb++) {
         const int slot = (nb - nb0) % FA_STAGES;
@@ -569,8 +584,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
             const int nx = nb + FA_STAGES - 1;
             if (nx < nb1)
                 fa_decode_load(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a, fa_smem,
-                               (nx - nb0) % FA_STAGES);
+                               (nx - nb0) % FA_STAGES, &pages);
             fa_cp_async_commit();
+            if (nx + 1 < nb1)
+                fa_decode_pages_get(&dp, &seq, klo + (fa_i64)(nx + 1) * FA_BN, khi, &pages);
         }
         const fa_u32 soff = slot * FA_STAGE_BYTES;
         const int j0 = klo + nb * FA_BN + wn * FA_WKEYS; /* this warp's first key */

@@ -10,6 +10,7 @@
  *   lseaccum fp32 [splits][b][sq][h]       and its log-sum-exp (+inf: the split saw no key)
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -164,20 +165,84 @@ static fa_status fa_decode_launch(fa_cu_function fn, unsigned gx, unsigned gy, u
     return r == 0 ? FA_STATUS_OK : fa_cuda_error(r, what);
 }
 
-/* The paged capacity check on a host copy of cache_seqlens (waits for the stream). */
-static fa_status fa_decode_check_capacity(const fa_params *p, fa_cu_stream stream)
+/* Pinned host memory and an event for the paged capacity check's copy of cache_seqlens, one
+ * per call in flight, kept for reuse: a pinned allocation costs far more than a decode step. */
+typedef struct fa_decode_check {
+    int32_t *host;
+    size_t n;
+    fa_cu_event ev;
+    fa_cu_context ctx;
+    struct fa_decode_check *next;
+} fa_decode_check;
+
+static pthread_mutex_t fa_check_lock = PTHREAD_MUTEX_INITIALIZER;
+static fa_decode_check *fa_check_free;
+
+#define FA_CU_MEMHOSTALLOC_PORTABLE 1
+#define FA_CU_EVENT_DISABLE_TIMING 2
+
+/* The check's buffers for b sequences in context ctx: a free one, or a new one. */
+static fa_status fa_decode_check_take(int64_t b, fa_cu_context ctx, fa_decode_check **out)
 {
     const fa_cuda_driver *d = fa_cuda_driver_get();
-    int32_t *host = malloc((size_t)p->b * sizeof *host);
-    if (!host)
+    pthread_mutex_lock(&fa_check_lock);
+    fa_decode_check *c = fa_check_free;
+    if (c)
+        fa_check_free = c->next;
+    pthread_mutex_unlock(&fa_check_lock);
+    if (!c && !(c = calloc(1, sizeof *c)))
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "cache_seqlens: no host memory for its copy");
-    fa_cu_result r = d->stream_synchronize(stream);
-    if (r == 0)
-        r = d->memcpy_dtoh(host, (fa_cu_deviceptr)(uintptr_t)p->cache_seqlens,
-                           (size_t)p->b * sizeof *host);
-    fa_status st = r == 0 ? fa_kvcache_check_seqlens(p, host)
-                          : fa_cuda_error(r, "copying cache_seqlens for the capacity check");
-    free(host);
+    fa_cu_result r = 0;
+    if (c->n < (size_t)b) {
+        if (c->host)
+            d->mem_free_host(c->host);
+        c->host = NULL, c->n = 0;
+        void *h = NULL;
+        r = d->mem_host_alloc(&h, (size_t)b * sizeof *c->host, FA_CU_MEMHOSTALLOC_PORTABLE);
+        if (r == 0)
+            c->host = h, c->n = (size_t)b;
+    }
+    if (r == 0 && c->ctx != ctx) {
+        if (c->ev)
+            d->event_destroy(c->ev);
+        c->ev = NULL;
+        r = d->event_create(&c->ev, FA_CU_EVENT_DISABLE_TIMING);
+        c->ctx = r == 0 ? ctx : NULL;
+    }
+    *out = c;
+    return r == 0 ? FA_STATUS_OK : fa_cuda_error(r, "allocating the copy of cache_seqlens");
+}
+
+static void fa_decode_check_give(fa_decode_check *c)
+{
+    pthread_mutex_lock(&fa_check_lock);
+    c->next = fa_check_free;
+    fa_check_free = c;
+    pthread_mutex_unlock(&fa_check_lock);
+}
+
+/* The paged capacity check: cache_seqlens copied behind the work already in the stream into
+ * pinned memory, waited for, checked, before anything of the call is launched. (The wait lasts
+ * until the stream's earlier work ends; the host's own work for this call ran beside it.) */
+static fa_status fa_decode_check_capacity(const fa_params *p, fa_cu_context ctx,
+                                          fa_cu_stream stream)
+{
+    const fa_cuda_driver *d = fa_cuda_driver_get();
+    fa_decode_check *c = NULL;
+    fa_status st = fa_decode_check_take(p->b, ctx, &c);
+    if (st == FA_STATUS_OK) {
+        fa_cu_result r = d->memcpy_dtoh_async(c->host,
+                                              (fa_cu_deviceptr)(uintptr_t)p->cache_seqlens,
+                                              (size_t)p->b * sizeof *c->host, stream);
+        if (r == 0)
+            r = d->event_record(c->ev, stream);
+        if (r == 0)
+            r = d->event_synchronize(c->ev);
+        st = r == 0 ? fa_kvcache_check_seqlens(p, c->host)
+                    : fa_cuda_error(r, "copying cache_seqlens for the capacity check");
+    }
+    if (c)
+        fa_decode_check_give(c);
     return st;
 }
 
@@ -269,7 +334,7 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
     fa_cu_stream stream = (fa_cu_stream)stream_arg;
     fa_status st = FA_STATUS_OK;
     if (p->paged && p->cache_seqlens && check_capacity)
-        st = fa_decode_check_capacity(p, stream);
+        st = fa_decode_check_capacity(p, ctx, stream);
     fa_dkparams dk;
     fa_dkparams_fill(p, s.splits, s.cluster ? NULL : ws, &dk);
     dk.cluster_merge = s.cluster;

@@ -473,11 +473,20 @@ int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows)
     return (rows + plan->bm - 1) / plan->bm;
 }
 
+/* Whether s splits of `blocks` key blocks give each split fewer blocks than s - 1 splits do: a
+ * count that does not leaves the longest split as long and only adds partials to merge. */
+static int fa_plan_split_useful(int64_t blocks, int64_t s)
+{
+    return s == 1 || (blocks + s - 1) / s != (blocks + s - 2) / (s - 1);
+}
+
 int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, int slots)
 {
     /* Upstream's rule (FA2's num_splits_heuristic): a grid that fills most of the device stays
-     * whole; otherwise, of the counts that give each split a different number of key blocks,
-     * the smallest whose last wave is at least 85% as full as the best count's. */
+     * whole; otherwise, of the counts that shorten the longest split, the smallest whose last
+     * wave is at least 85% as full as the best such count's. (The best is taken over those
+     * counts only: over every count, a key range a little past `most` blocks would find no
+     * useful count near it and run unsplit.) */
     const int64_t blocks = (max_keys + plan->bn - 1) / plan->bn;
     if (slots < 1 || tiles < 1 || tiles * 5 >= (int64_t)slots * 4 || blocks <= 1)
         return 1;
@@ -487,13 +496,12 @@ int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, 
     for (int64_t s = 1; s <= most; s++) {
         const double waves = (double)(tiles * s) / slots;
         eff[s] = waves / ceil(waves);
-        best = eff[s] > best ? eff[s] : best;
+        if (fa_plan_split_useful(blocks, s))
+            best = eff[s] > best ? eff[s] : best;
     }
-    for (int64_t s = 1; s <= most; s++) {
-        const int same = s > 1 && (blocks + s - 1) / s == (blocks + s - 2) / (s - 1);
-        if (!same && eff[s] >= 0.85 * best)
+    for (int64_t s = 1; s <= most; s++)
+        if (fa_plan_split_useful(blocks, s) && eff[s] >= 0.85 * best)
             return (int)s;
-    }
     return 1;
 }
 

@@ -6,7 +6,10 @@
  *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the padded head dims of the arch-80 plan
  *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
  *     FA_BWD_BM_SM90_D64 rows, which the workspace size then covers;
- *   - the defines' text, "-DNAME=value" with the plan's numbers.
+ *   - the defines' text, "-DNAME=value" with the plan's numbers;
+ *   - the decode's split count: a count that shortens the longest split, at most the key blocks
+ *     and the device's slots, and a lone tile over a few more blocks than the largest automatic
+ *     count still split down to the shortest longest split.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -143,11 +146,35 @@ static void check_defines(void)
         }
 }
 
+static void check_decode_splits(void)
+{
+    fa_plan_key key = {90, FA_DTYPE_BF16, 256, 256, 0};
+    fa_plan plan;
+    TU_CHECK(fa_plan_decode(&key, 32, &plan) == FA_STATUS_OK, "no decode plan");
+    const int64_t bn = plan.bn;
+    /* One tile over 130 key blocks on 132 slots: 65 splits or more give each split 2 blocks,
+     * the fewest any count up to 128 gives. */
+    int s = fa_plan_decode_splits(&plan, 1, 130 * bn, 132);
+    TU_CHECK(s > 1 && (130 + s - 1) / s == 2, "1 tile, 130 blocks: %d splits", s);
+    for (int slots = 132; slots <= 264; slots += 132)
+        for (int64_t tiles = 1; tiles <= 48; tiles += 5)
+            for (int64_t blocks = 1; blocks <= 600; blocks += 7) {
+                s = fa_plan_decode_splits(&plan, tiles, blocks * bn, slots);
+                TU_CHECK(s >= 1 && s <= (blocks > 1 ? blocks : 1) && s <= slots,
+                         "tiles %lld blocks %lld slots %d: %d splits", (long long)tiles,
+                         (long long)blocks, slots, s);
+                TU_CHECK(s == 1 || (blocks + s - 1) / s != (blocks + s - 2) / (s - 1),
+                         "tiles %lld blocks %lld slots %d: %d splits give the longest split "
+                         "of %d - 1", (long long)tiles, (long long)blocks, slots, s, s);
+            }
+}
+
 int main(void)
 {
     tu_master_seed("test_plan");
     check_defines();
     check_forward_sm90();
     check_backward();
+    check_decode_splits();
     return tu_finish("test_plan");
 }
