@@ -94,6 +94,8 @@ def parse_options(argv):
     ap.add_argument("--page", help="kvcache layouts: 0 = contiguous, P = pages of P rows "
                     "(default %s)" % FULL["page"])
     ap.add_argument("--rows", help="query rows (default %s)" % FULL["rows"])
+    ap.add_argument("--pages-in-order", action="store_true",
+                    help="paged caches with their pages in order rather than shuffled")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--only", choices=("kvcache", "func"), help="one kind of case")
     ap.add_argument("--sdpa", help="SDPA backends to time (default cudnn,flash; on the CPU "
@@ -249,8 +251,9 @@ def case_bytes(shape, kind, page):
     return per_row * (cap if page == 0 else -(-cap // page) * page)
 
 
-def flashattn_kv(shape, kind, page):
-    """flashattn's inputs holding SDPA's keys: (k, v, extra kwargs)."""
+def flashattn_kv(shape, kind, page, in_order=False):
+    """flashattn's inputs holding SDPA's keys: (k, v, extra kwargs); a paged cache's pages in
+    a random order, or in_order (sequence after sequence, as a contiguous cache lies)."""
     s, dev = shape, shape.dev
     if kind == "func":
         return (s.k.transpose(1, 2).contiguous(), s.v.transpose(1, 2).contiguous(), {})
@@ -263,7 +266,8 @@ def flashattn_kv(shape, kind, page):
         vc[:, :s.ctx].copy_(s.v.transpose(1, 2))
         return kc, vc, dict(cache_seqlens=lens)
     pages = -(-cap // page)  # per sequence
-    order = torch.randperm(s.b * pages, generator=torch.Generator().manual_seed(s.b + page))
+    order = torch.arange(s.b * pages) if in_order else \
+        torch.randperm(s.b * pages, generator=torch.Generator().manual_seed(s.b + page))
     table = order.view(s.b, pages).to(device=dev, dtype=torch.int32)  # [b, pages]
     kp = torch.full((s.b * pages, page, s.hk, s.d), POISON, dtype=s.dt, device=dev)
     vp = torch.full_like(kp, POISON)  # [blocks, page, hk, d]
@@ -355,7 +359,7 @@ def run_case(opts, shape, kind, page, rows):
         return row
     if s.k is None:
         s.make()
-    k, v, kwargs = flashattn_kv(s, kind, page)
+    k, v, kwargs = flashattn_kv(s, kind, page, opts.pages_in_order)
     q = s.randn(s.b, rows, s.h, s.d)  # [b, rows, h, d]
     if kind == "func":
         fa = lambda: flash_attn_func(q, k, v, causal=True)  # noqa: E731

@@ -48,6 +48,9 @@
 #define FA_CPR_V (FA_DVP / 8)
 #define FA_STAGE_BYTES (FA_BN * (FA_DP + FA_DVP) * 2)
 
+#if FA_PAGED && FA_BN > FA_THREADS
+#error "paged: a thread per key row of a block"
+#endif
 #if FA_WKEYS % 16 != 0 || FA_DP % 16 != 0 || FA_DVP % 16 != 0 || FA_STAGES < 2
 #error "a warp's keys, d and dv must be multiples of the mma shape; two stages at least"
 #endif
@@ -128,11 +131,16 @@ FA_DEV fa_u32 fa_kv_page_row(const fa_dkparams *dp, fa_u32 pos)
     return pos - fa_kv_page(dp, pos) * (fa_u32)dp->page_size;
 }
 
+/* A block_table entry b of sequence s clamped into the cache. */
+FA_DEV int fa_kv_block_clamp(const fa_kvseq *s, int b)
+{
+    return b < 0 ? 0 : b > s->last_block ? s->last_block : b;
+}
+
 /* The cache block of page `page` of a sequence (paged), clamped into the cache. */
 FA_DEV int fa_kv_page_block(const fa_kvseq *s, fa_u32 page)
 {
-    const int b = s->bt[page];
-    return b < 0 ? 0 : b > s->last_block ? s->last_block : b;
+    return fa_kv_block_clamp(s, s->bt[page]);
 }
 
 /* The cache block and row of position pos (< 2^31) of sequence s. */
@@ -236,28 +244,47 @@ FA_DEV fa_u32 fa_chunk_dst(fa_u32 a, fa_u32 dst0, int u, int cpr)
     return a + fa_swz(FA_CHUNK_ROW(u, cpr), FA_CHUNK_COL(u, cpr), cpr);
 }
 
-/* Paged: the block of each of this thread's chunks of keys [j0, j0 + FA_BN) below jend, all
- * looked up before any copy is issued so that the loads overlap. */
-FA_DEV void fa_decode_blocks(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
-                             fa_i64 jend, int cpr, int nchunks, int *blk)
+/* Paged: one key row's place in the caches, worked out by thread `row` of the first FA_BN for
+ * a block (not by every thread for each of its 16-byte chunks) and kept in shared memory as the
+ * row's offsets in K and V (elements), where the copies of the block read them. The table read
+ * is issued a block ahead (fa_decode_row_find) and its result stored after the block's math
+ * (fa_decode_row_keep), so that its latency hides behind that math. */
+typedef struct fa_page_row {
+    int blk;     /* block_table entry, not yet clamped */
+    fa_u32 row;  /* row within the page */
+} fa_page_row;
+
+FA_DEV fa_page_row fa_decode_row_find(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
+                                      fa_i64 jend)
 {
-#pragma unroll
-    for (int u = 0; u < FA_CHUNKS_K || u < FA_CHUNKS_V; u++) {
-        if (u >= nchunks)
-            break;
-        const int r = FA_CHUNK_ROW(u, cpr);
-        blk[u] = 0;
-        if (FA_CHUNK_LIVE(u, cpr) && j0 + r < jend)
-            blk[u] = fa_kv_page_block(seq, fa_kv_page(dp, (fa_u32)(seq->start + j0 + r)));
+    fa_page_row pr = {0, 0};
+    const int r = threadIdx.x;
+    if (r < FA_BN && j0 + r < jend) {
+        const fa_u32 pos = (fa_u32)(seq->start + j0 + r), page = fa_kv_page(dp, pos);
+        pr.blk = seq->bt[page];
+        pr.row = pos - page * (fa_u32)dp->page_size;
+    }
+    return pr;
+}
+
+/* Stores pr's offsets for the stage whose row offsets are at rows (int64 [2][FA_BN]: K, V). */
+FA_DEV void fa_decode_row_keep(const fa_kparams *kp, const fa_kvseq *seq, fa_page_row pr,
+                               fa_i64 *rows)
+{
+    const int r = threadIdx.x;
+    if (r < FA_BN) {
+        const fa_i64 blk = fa_kv_block_clamp(seq, pr.blk);
+        rows[r] = blk * kp->k_bstride + (fa_i64)pr.row * kp->k_rstride;
+        rows[FA_BN + r] = blk * kp->v_bstride + (fa_i64)pr.row * kp->v_rstride;
     }
 }
 
 /* Copies this thread's chunks of keys [j0, j0 + FA_BN) of one cache (base g of the kv head,
- * strides bs and rs, cpr chunks per row, n columns; blk: the chunks' blocks when paged) into
- * the stage at shared address a (generic p), swizzled, zero-filling rows from jend on. */
-FA_DEV void fa_decode_copy(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0, fa_i64 jend,
-                           const fa_u16 *g, fa_i64 bs, fa_i64 rs, const int *blk, int cpr,
-                           int nchunks, int n, fa_u32 a, fa_u16 *p, const void *safe)
+ * strides bs and rs, cpr chunks per row, n columns; paged, the rows' offsets at rows) into the
+ * stage at shared address a (generic p), swizzled, zero-filling rows from jend on. */
+FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const fa_u16 *g,
+                           fa_i64 bs, fa_i64 rs, const fa_i64 *rows, int cpr, int nchunks, int n,
+                           fa_u32 a, fa_u16 *p, const void *safe)
 {
     const int c0 = FA_CHUNK_COL(0, cpr);
     const fa_u32 dst0 = a + fa_swz(FA_CHUNK_ROW(0, cpr), c0, cpr);
@@ -273,11 +300,10 @@ FA_DEV void fa_decode_copy(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0
         const int r = FA_CHUNK_ROW(u, cpr), c = FA_CHUNK_COL(u, cpr);
         const int ok = j0 + r < jend && c * 8 < n;
 #if FA_PAGED
-        const fa_u32 row = fa_kv_page_row(dp, (fa_u32)(seq->start + j0 + r));
-        const fa_u16 *src = g + (fa_i64)(fa_u32)blk[u] * bs + (fa_i64)row * rs + c * 8;
+        (void)bs, (void)rs;
+        const fa_u16 *src = g + rows[r] + c * 8;
 #else
-        (void)blk;
-        (void)dp;
+        (void)rows;
         const fa_u16 *src = FA_FIXED_CHUNK(cpr)
                                 ? src0 + u * row_step
                                 : g + seq->blk * bs + (seq->start + j0 + r) * rs + c * 8;
@@ -294,40 +320,18 @@ FA_DEV void fa_decode_copy(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0
     }
 }
 
-/* Paged: the cache blocks of this thread's K and V chunks of one key block, looked up a block
- * ahead of their copies so that the table reads wait behind a block's math, not before a copy. */
-typedef struct fa_decode_pages {
-    int k[FA_CHUNKS_K];
-    int v[FA_CHUNKS_V]; /* used where V's rows have other chunks than K's (dv != d) */
-} fa_decode_pages;
-
-/* The blocks of keys [j0, j0 + FA_BN) below jend (nothing to look up unless paged). */
-FA_DEV void fa_decode_pages_get(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
-                                fa_i64 jend, fa_decode_pages *pg)
-{
-#if FA_PAGED
-    fa_decode_blocks(dp, seq, j0, jend, FA_CPR_K, FA_CHUNKS_K, pg->k);
-    if (FA_CPR_V != FA_CPR_K)
-        fa_decode_blocks(dp, seq, j0, jend, FA_CPR_V, FA_CHUNKS_V, pg->v);
-#else
-    (void)dp, (void)seq, (void)j0, (void)jend, (void)pg;
-#endif
-}
-
 /* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into stage s,
- * in swizzled 16-byte chunks; a paged cache's rows from the blocks pg holds for them. */
+ * in swizzled 16-byte chunks; a paged cache's rows where the stage's row offsets (rows) say. */
 FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, fa_i64 j0,
-                           fa_i64 jend, fa_u32 base_a, fa_u16 *base_p, int s,
-                           const fa_decode_pages *pg)
+                           fa_i64 jend, fa_u32 base_a, fa_u16 *base_p, int s, const fa_i64 *rows)
 {
     const fa_kparams *kp = &dp->f;
     const fa_u16 *kg = (const fa_u16 *)kp->k + kh * kp->k_hstride;
     const fa_u16 *vg = (const fa_u16 *)kp->v + kh * kp->v_hstride;
     const int k_at = s * FA_STAGE_BYTES, v_at = k_at + FA_BN * FA_DP * 2;
-    const int *vblk = FA_CPR_V != FA_CPR_K ? pg->v : pg->k;
-    fa_decode_copy(dp, seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, pg->k, FA_CPR_K,
-                   FA_CHUNKS_K, kp->d, base_a + k_at, base_p + k_at / 2, kp->k);
-    fa_decode_copy(dp, seq, j0, jend, vg, kp->v_bstride, kp->v_rstride, vblk, FA_CPR_V,
+    fa_decode_copy(seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, rows, FA_CPR_K, FA_CHUNKS_K,
+                   kp->d, base_a + k_at, base_p + k_at / 2, kp->k);
+    fa_decode_copy(seq, j0, jend, vg, kp->v_bstride, kp->v_rstride, rows + FA_BN, FA_CPR_V,
                    FA_CHUNKS_V, kp->dv, base_a + v_at, base_p + v_at / 2, kp->v);
 }
 
@@ -470,6 +474,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
     /* Stages of K [FA_BN][FA_DP] then V [FA_BN][FA_DVP]; Q [FA_BM][FA_DP] after them. */
     const fa_u32 q_a = base_a + FA_STAGES * FA_STAGE_BYTES;
     fa_u16 *const q_p = fa_smem + FA_STAGES * FA_STAGE_BYTES / 2;
+    /* Paged: each stage's key rows' offsets in K and V, int64 [FA_STAGES][2][FA_BN], after Q. */
+    fa_i64 *const rows_p = (fa_i64 *)(q_p + FA_BM * FA_DP);
     /* After the loop: the warps' merge (FA_WN > 1), then a cluster merge's partial. */
     float *const fa_smem_f32 = (float *)fa_smem;
 
@@ -562,17 +568,21 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
 
 #pragma unroll
 #pragma unroll
-    fa_decode_pages pages;
+    /* Paged: the rows of the first FA_STAGES blocks found and kept before any copy. */
+#if FA_PAGED
+    for (int s = 0; s < FA_STAGES; s++)
+        if (nb0 + s < nb1)
+            fa_decode_row_keep(kp, &seq,
+                               fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi),
+                               rows_p + s * 2 * FA_BN);
+    __syncthreads();
+#endif
     for (int s = 0; s < FA_STAGES - 1; s++) {
-        if (nb0 + s < nb1) {
-            fa_decode_pages_get(&dp, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, &pages);
+        if (nb0 + s < nb1)
             fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
-                           fa_smem, s, &pages);
-        }
+                           fa_smem, s, rows_p + s * 2 * FA_BN);
         fa_cp_async_commit();
     }
-    if (nb0 + FA_STAGES - 1 < nb1)
-        fa_decode_pages_get(&dp, &seq, klo + (fa_i64)(nb0 + FA_STAGES - 1) * FA_BN, khi, &pages);
 
     for (int nb = nb0; nb < nb1; nb++) {
         const int slot = (nb - nb0) % FA_STAGES;
@@ -584,11 +594,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
             const int nx = nb + FA_STAGES - 1;
             if (nx < nb1)
                 fa_decode_load(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a, fa_smem,
-                               (nx - nb0) % FA_STAGES, &pages);
+                               (nx - nb0) % FA_STAGES, rows_p + (nx - nb0) % FA_STAGES * 2 * FA_BN);
             fa_cp_async_commit();
-            if (nx + 1 < nb1)
-                fa_decode_pages_get(&dp, &seq, klo + (fa_i64)(nx + 1) * FA_BN, khi, &pages);
         }
+#if FA_PAGED
+        /* Block nx + 1's rows, for this slot, whose own rows were last read by the copy of block
+         * nb, issued FA_STAGES - 1 iterations ago (kept after this block's math, below). */
+        fa_page_row next_row = {0, 0};
+        if (nb + FA_STAGES < nb1)
+            next_row = fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb + FA_STAGES) * FA_BN, khi);
+#endif
         const fa_u32 soff = slot * FA_STAGE_BYTES;
         const int j0 = klo + nb * FA_BN + wn * FA_WKEYS; /* this warp's first key */
 
@@ -678,6 +693,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
                 fa_mma16816(o[2 * dp2 + 1], pa, vb[2], vb[3]);
             }
         }
+#if FA_PAGED
+        if (nb + FA_STAGES < nb1)
+            fa_decode_row_keep(kp, &seq, next_row, rows_p + slot * 2 * FA_BN);
+#endif
     }
     fa_cp_async_wait_all();
     /* The merge behind this kernel may be scheduled once every CTA is here (it waits for the

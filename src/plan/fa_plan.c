@@ -395,10 +395,13 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 /*
  * Decode (kernels/fa_decode.cu): four warps, split over the rows as far as the packed rows fill
  * them and over each key block otherwise; 64-key blocks, as many stages (2 to 4) as fit about
- * 96 KB, so two CTAs share an SM up to head dim 128.
+ * 96 KB, so two CTAs share an SM up to head dim 128. Wider heads, whose two stages pass that
+ * and so run one CTA per SM anyway, take as many stages as fit about 200 KB on the 227 KB parts
+ * (sm_90, sm_100): with two, a lone CTA keeps too few bytes in flight to reach the bandwidth.
  */
 #define FA_DECODE_BN 64
 #define FA_DECODE_STAGE_BUDGET (96 * 1024)
+#define FA_DECODE_ALONE_BUDGET (200 * 1024)
 #define FA_DECODE_MAX_AUTO_SPLITS 128
 #define FA_DECODE_MAX_CLUSTER 16 /* Hopper's largest (non-portable) thread block cluster */
 
@@ -406,14 +409,14 @@ static int fa_plan_decode_wm(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 
 
 /* FLASHATTN_DECODE_TILE=BN,STAGES,WM,WARPS replaces the plan's choice (for tuning with the
  * benchmark); a combination the kernel cannot take is ignored. */
-static void fa_plan_decode_override(fa_plan *plan, int *wm)
+static void fa_plan_decode_override(fa_plan *plan, int *wm, int paged)
 {
     const char *env = getenv("FLASHATTN_DECODE_TILE");
     int bn, stages, w, nw;
     if (!env || sscanf(env, "%d,%d,%d,%d", &bn, &stages, &w, &nw) != 4)
         return;
     if ((nw != 2 && nw != 4 && nw != 8) || w < 1 || nw % w != 0 || stages < 2 || stages > 8 ||
-        bn < 16 || bn > 256 || bn % (16 * (nw / w)) != 0)
+        bn < 16 || bn > 256 || bn % (16 * (nw / w)) != 0 || (paged && bn > 32 * nw))
         return;
     plan->bn = bn;
     plan->stages = stages;
@@ -433,13 +436,14 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     plan->bn = FA_DECODE_BN;
     plan->nwarps = 4;
     const int stage = 2 * plan->bn * (plan->dp + plan->dvp);
-    plan->stages = FA_DECODE_STAGE_BUDGET / stage;
+    const int alone = 2 * stage > FA_DECODE_STAGE_BUDGET && (key->arch == 90 || key->arch == 100);
+    plan->stages = (alone ? FA_DECODE_ALONE_BUDGET : FA_DECODE_STAGE_BUDGET) / stage;
     plan->stages = plan->stages < 2 ? 2 : plan->stages > 4 ? 4 : plan->stages;
-    fa_plan_decode_override(plan, &wm);
+    fa_plan_decode_override(plan, &wm, (key->features & FA_PLAN_PAGED) != 0);
     plan->bm = 16 * wm;
     plan->threads = (unsigned)(32 * plan->nwarps);
     plan->smem = (unsigned)FA_SMEM_DECODE(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                          plan->nwarps);
+                                          plan->nwarps, (key->features & FA_PLAN_PAGED) != 0);
     plan->cluster_max = key->arch >= 90 ? FA_DECODE_MAX_CLUSTER : 0;
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);

@@ -1,6 +1,6 @@
 """A decoding step by split count: the time per call of an eager loop (host included, CUDA
 events around back-to-back calls) and the GPU's own time (replay of a CUDA graph of 20 calls),
-for flash_attn_with_kvcache at num_splits 0 (the library's choice), 1, 2, ... 32, beside SDPA's
+for flash_attn_with_kvcache at num_splits 0 (the library's choice), 1, 2, ... 32 (or --splits), beside SDPA's
 cuDNN and FLASH backends on the same keys. bf16, 32 query heads over 8 kv heads, d 128, one
 query row, every sequence full.
 
@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn import flash_attn_with_kvcache
 
-SPLITS = (0, 1, 2, 4, 8, 16, 32)
+SPLITS = "0,1,2,4,8,16,32"
 
 
 def loop_us(fn, calls=200, reps=5):
@@ -54,6 +54,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", default="1024,8192,32768")
+    ap.add_argument("--splits", default=SPLITS, help="num_splits values (default %s)" % SPLITS)
     a = ap.parse_args()
     torch.manual_seed(0)
     print("batch context case | loop us | gpu us")
@@ -63,7 +64,7 @@ def main():
             kc = torch.randn(b, ctx, 8, 128, device="cuda", dtype=torch.bfloat16)
             vc = torch.randn_like(kc)
             lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-            for sp in SPLITS:
+            for sp in (int(x) for x in a.splits.split(",")):
                 def fn(sp=sp):
                     return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
                                                    num_splits=sp)
