@@ -404,10 +404,12 @@ int fa_probs_block_n(int head_dim, int dropout, int causal);
  * kernels clamp every value into the caches, so a bad one gives a meaningless answer for its
  * sequence but never reads or writes outside the caller's tensors. With a paged cache, as
  * upstream does, the call copies cache_seqlens to the host and refuses, naming block_table, a
- * sequence whose cache_seqlens + s_new exceeds its block_table row, before it launches anything.
- * That costs a wait for the stream's earlier work (the GPU then idles while the step is
- * launched, a few microseconds) and a little pinned host memory the library keeps; set
- * skip_capacity_check to skip it (required inside CUDA graph capture). Splits need
+ * sequence whose cache_seqlens + s_new exceeds its block_table row. A call that appends (k, v)
+ * checks before it launches anything, which costs a wait for the stream's earlier work (the GPU
+ * then idles while the step is launched); one that only reads the caches launches first and
+ * checks after (on refusal out and lse hold meaningless values, the caches are untouched), a
+ * wait the host's next call overlaps. Either way the library keeps a little pinned host memory
+ * for the copy. Set skip_capacity_check to skip it (required inside CUDA graph capture). Splits need
  * workspace: fa_attention_kvcache_workspace_size bytes of device memory, 256-byte aligned; with
  * less (or none) a call with num_splits 0 runs unsplit and one with num_splits > 1 is refused.
  * When two sequences write the same cache rows the result on a device is either's values.

@@ -56,11 +56,12 @@ static int fa_decode_slots(const fa_plan *plan, const struct fa_decode_setup *s,
     return fa_cuda_device_sms(device) * (per_sm > 1 ? per_sm : 1);
 }
 
-/* Whether s's splits merge inside one thread block cluster: 2 to plan->cluster_max of them, at
- * most 8 where a CTA takes an SM's shared memory alone (a larger cluster might not fit in one
- * GPC), the grid's CTAs no more than the device's SMs (fuller grids ran slower in clusters than
- * with fa_combine), with cuLaunchKernelEx there; FLASHATTN_DECODE_CLUSTER=0 keeps the workspace
- * and fa_combine, =1 takes clusters whatever the grid. */
+/* Whether s's splits merge inside one thread block cluster: 2 to plan->cluster_max of them, the
+ * grid's CTAs no more than the device's SMs and two of them fitting on an SM (fuller grids, and
+ * CTAs that take an SM's shared memory alone, ran slower in clusters than with fa_combine), with
+ * cuLaunchKernelEx there; FLASHATTN_DECODE_CLUSTER=0 keeps the workspace and fa_combine, =1
+ * takes clusters whatever the grid (at most 8 CTAs where one takes an SM alone: a larger cluster
+ * might not fit in one GPC). */
 static int fa_decode_cluster(const fa_plan *plan, const struct fa_decode_setup *s, int64_t ctas,
                              int sms)
 {
@@ -71,8 +72,8 @@ static int fa_decode_cluster(const fa_plan *plan, const struct fa_decode_setup *
     }
     const int alone = (s->smem_optin + 1024) / ((int)plan->smem + 1024) < 2;
     const int most = alone && plan->cluster_max > 8 ? 8 : plan->cluster_max;
-    return mode != 0 && (mode == 1 || ctas <= sms) && s->splits > 1 && s->splits <= most &&
-           fa_cuda_driver_get()->launch_kernel_ex;
+    return mode != 0 && (mode == 1 || (ctas <= sms && !alone)) && s->splits > 1 &&
+           s->splits <= most && fa_cuda_driver_get()->launch_kernel_ex;
 }
 
 static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_setup *s)
@@ -221,11 +222,10 @@ static void fa_decode_check_give(fa_decode_check *c)
     pthread_mutex_unlock(&fa_check_lock);
 }
 
-/* The paged capacity check: cache_seqlens copied behind the work already in the stream into
- * pinned memory, waited for, checked, before anything of the call is launched. (The wait lasts
- * until the stream's earlier work ends; the host's own work for this call ran beside it.) */
-static fa_status fa_decode_check_capacity(const fa_params *p, fa_cu_context ctx,
-                                          fa_cu_stream stream)
+/* The paged capacity check, begun: cache_seqlens copied into pinned memory behind the work
+ * already in the stream, an event after the copy. */
+static fa_status fa_decode_check_begin(const fa_params *p, fa_cu_context ctx, fa_cu_stream stream,
+                                       fa_decode_check **out)
 {
     const fa_cuda_driver *d = fa_cuda_driver_get();
     fa_decode_check *c = NULL;
@@ -236,13 +236,25 @@ static fa_status fa_decode_check_capacity(const fa_params *p, fa_cu_context ctx,
                                               (size_t)p->b * sizeof *c->host, stream);
         if (r == 0)
             r = d->event_record(c->ev, stream);
-        if (r == 0)
-            r = d->event_synchronize(c->ev);
-        st = r == 0 ? fa_kvcache_check_seqlens(p, c->host)
-                    : fa_cuda_error(r, "copying cache_seqlens for the capacity check");
+        if (r != 0)
+            st = fa_cuda_error(r, "copying cache_seqlens for the capacity check");
     }
-    if (c)
+    if (st != FA_STATUS_OK && c) {
         fa_decode_check_give(c);
+        c = NULL;
+    }
+    *out = c;
+    return st;
+}
+
+/* The check ended: waits for the copy (so for the stream's work ahead of it), checks, gives the
+ * buffers back. */
+static fa_status fa_decode_check_end(const fa_params *p, fa_decode_check *c)
+{
+    fa_cu_result r = fa_cuda_driver_get()->event_synchronize(c->ev);
+    fa_status st = r == 0 ? fa_kvcache_check_seqlens(p, c->host)
+                          : fa_cuda_error(r, "copying cache_seqlens for the capacity check");
+    fa_decode_check_give(c);
     return st;
 }
 
@@ -333,8 +345,18 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
     FA_TRY(fa_cuda_context_enter(device, &ctx, &pushed));
     fa_cu_stream stream = (fa_cu_stream)stream_arg;
     fa_status st = FA_STATUS_OK;
-    if (p->paged && p->cache_seqlens && check_capacity)
-        st = fa_decode_check_capacity(p, ctx, stream);
+    /* The capacity check: a call that appends waits for it before launching anything, so that
+     * nothing is written into the caches; one that only reads them launches first and waits
+     * after (only out and lse are written, as for any failed call), so that the host's next
+     * call overlaps this one's kernels. */
+    fa_decode_check *check = NULL;
+    if (p->paged && p->cache_seqlens && check_capacity) {
+        st = fa_decode_check_begin(p, ctx, stream, &check);
+        if (st == FA_STATUS_OK && p->s_new > 0) {
+            st = fa_decode_check_end(p, check);
+            check = NULL;
+        }
+    }
     fa_dkparams dk;
     fa_dkparams_fill(p, s.splits, s.cluster ? NULL : ws, &dk);
     dk.cluster_merge = s.cluster;
@@ -363,6 +385,10 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
                                   s.cluster ? s.splits : 0, "launching fa_decode");
         if (st == FA_STATUS_OK && s.splits > 1 && !s.cluster)
             st = fa_decode_combine(&dk, p->dtype, s.arch, ctx, stream);
+    }
+    if (check) {
+        const fa_status checked = fa_decode_check_end(p, check);
+        st = st == FA_STATUS_OK ? checked : st;
     }
     fa_cuda_context_leave(pushed);
     return st;

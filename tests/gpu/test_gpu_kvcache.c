@@ -272,6 +272,22 @@ static void run_bad_indices(void)
     fa_status st = fa_attention_kvcache(&a);
     if (st == FA_STATUS_OK || !strstr(fa_last_error(), "block_table"))
         FAIL("paged capacity check: status %d, message \"%s\"", st, fa_last_error());
+    /* Refused before anything is written: the caches hold what was uploaded. */
+    for (int i = 0; i < 2; i++) {
+        const gpu_buf *cache = i ? &vc : &kc;
+        void *now = gu_buf_download(cache);
+        if (memcmp(now, cache->host.data, (size_t)(40 * 16 * 2 * 64) * 2) != 0)
+            FAIL("refused paged call wrote its %s cache", i ? "v" : "k");
+        free(now);
+    }
+    /* Without new rows the call launches before its check ends, and is refused all the same. */
+    a.k = a.v = NULL;
+    st = fa_attention_kvcache(&a);
+    if (st == FA_STATUS_OK || !strstr(fa_last_error(), "block_table"))
+        FAIL("paged capacity check, no append: status %d, message \"%s\"", st, fa_last_error());
+    if (gu_drv->ctx_synchronize() != 0)
+        FAIL("refused paged read faulted the context");
+    a.k = &knew.dev, a.v = &vnew.dev;
     a.skip_capacity_check = 1;
     if (fa_attention_kvcache(&a) != FA_STATUS_OK)
         FAIL("unchecked paged call refused: %s", fa_last_error());
