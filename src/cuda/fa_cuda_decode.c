@@ -99,12 +99,23 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
                             (long long)p->d, s->plan.smem, s->smem_optin);
     s->row_tiles = fa_plan_decode_row_tiles(&s->plan, rows);
     const int64_t tiles = s->row_tiles * p->b * p->hk;
+    const int sms = fa_cuda_device_sms(device);
     s->splits = p->num_splits > 0 ? (int)p->num_splits
                                   : fa_plan_decode_splits(&s->plan, tiles, p->max_sk,
                                                           fa_decode_slots(&s->plan, s, device));
+    /* A few more splits than a cluster holds: the cluster's count instead where that lengthens
+     * the longest split by at most one key block (cheaper than fa_combine's launch). */
+    if (p->num_splits <= 0 && s->splits > s->plan.cluster_max && s->plan.cluster_max > 1) {
+        fa_decode_setup c = *s;
+        c.splits = s->plan.cluster_max;
+        const int64_t blocks = (p->max_sk + s->plan.bn - 1) / s->plan.bn;
+        if (fa_decode_cluster(&c.plan, &c, tiles * c.splits, sms) &&
+            (blocks + c.splits - 1) / c.splits <= (blocks + s->splits - 1) / s->splits + 1)
+            s->splits = c.splits;
+    }
     if (s->row_tiles * s->splits > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "q: too many row tiles for one launch");
-    s->cluster = fa_decode_cluster(&s->plan, s, tiles * s->splits, fa_cuda_device_sms(device));
+    s->cluster = fa_decode_cluster(&s->plan, s, tiles * s->splits, sms);
     return FA_STATUS_OK;
 }
 
