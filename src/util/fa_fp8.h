@@ -10,6 +10,7 @@
 
 #include <stdint.h>
 
+#include "fa_rules.h"
 #include "flashattn.h"
 #include "util/fa_half.h"
 
@@ -44,51 +45,15 @@ static inline float fa_e5m2_to_f32(uint8_t b)
     return (b & 0x80u) ? -v : v;
 }
 
-/* |x| (fp32 bits a, normal or subnormal, below the smallest normal of the fp8 kind) as a
- * multiple of 2^qexp, rounded to nearest even: the fp8 subnormal's mantissa (which may carry
- * into the smallest normal, whose code follows the subnormals). */
-static inline uint32_t fa_fp8_subnormal(uint32_t a, int qexp)
-{
-    if (a < 0x00800000u)
-        return 0; /* an fp32 subnormal is far below half of any fp8 quantum */
-    const int e = (int)(a >> 23) - 127;
-    const uint32_t mant = (a & 0x7fffffu) | 0x800000u; /* |x| = mant * 2^(e - 23) */
-    const int shift = qexp - (e - 23);                 /* |x| / 2^qexp = mant >> shift */
-    if (shift > 24)
-        return 0; /* below half a quantum */
-    uint32_t q = mant >> shift;
-    const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (q & 1u)))
-        q++;
-    return q;
-}
-
+/* fp32 -> fp8: the rounding rule of kernels/fa_rules.h, shared with the kernels. */
 static inline uint8_t fa_f32_to_e4m3(float f)
 {
-    const uint32_t u = fa_f32_to_bits(f), a = u & 0x7fffffffu;
-    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
-    if (a > 0x7f800000u)
-        return sign | 0x7fu; /* NaN */
-    if (a >= 0x43e00000u)
-        return sign | 0x7eu; /* >= 448, infinities included: saturate to 448 */
-    if (a < 0x3c800000u)     /* below 2^-6: subnormal, quantum 2^-9 */
-        return sign | (uint8_t)fa_fp8_subnormal(a, -9);
-    const uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u); /* 3 mantissa bits, ties to even */
-    return sign | (uint8_t)((((r >> 23) - 120u) << 3) | ((r >> 20) & 7u));
+    return (uint8_t)fa_rule_e4m3_from_bits(fa_f32_to_bits(f));
 }
 
 static inline uint8_t fa_f32_to_e5m2(float f)
 {
-    const uint32_t u = fa_f32_to_bits(f), a = u & 0x7fffffffu;
-    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
-    if (a > 0x7f800000u)
-        return sign | 0x7fu; /* NaN */
-    if (a >= 0x47700000u)
-        return sign | 0x7cu; /* >= 61440 rounds past 57344: infinity */
-    if (a < 0x38800000u)     /* below 2^-14: subnormal, quantum 2^-16 */
-        return sign | (uint8_t)fa_fp8_subnormal(a, -16);
-    const uint32_t r = a + 0xfffffu + ((a >> 21) & 1u); /* 2 mantissa bits, ties to even */
-    return sign | (uint8_t)((((r >> 23) - 112u) << 2) | ((r >> 21) & 3u));
+    return (uint8_t)fa_rule_e5m2_from_bits(fa_f32_to_bits(f));
 }
 
 /* x rounded to e4m3 and back: what an fp8 P V product sees of a probability. */
