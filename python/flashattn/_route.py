@@ -26,12 +26,12 @@ __all__ = ["DENSE_ARGS", "KV_ARGS", "dense", "dense_any", "forward", "kvcache_an
 DENSE_ARGS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
               "alibi_slopes", "deterministic", "return_attn_probs", "learnable_sink")
 
-# flash_attn_with_kvcache's arguments in order (learnable_sink, keyword-only there, last), as
-# ``kvcache_any`` and _fastpath take them.
+# flash_attn_with_kvcache's arguments in order (learnable_sink and the fp8 caches' descales,
+# keyword-only there, last), as ``kvcache_any`` and _fastpath take them.
 KV_ARGS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
            "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
            "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
-           "return_softmax_lse", "learnable_sink")
+           "return_softmax_lse", "learnable_sink", "k_descale", "v_descale")
 
 _TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and torch)
 DENSE_C = None  # _fastpath.dense bound to torch (None: not built, or no torch call yet)

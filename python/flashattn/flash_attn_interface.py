@@ -285,21 +285,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Return:
         out: (batch_size, seqlen, nheads, headdim_v), and softmax_lse when asked for.
     """
-    if k_descale is not None or v_descale is not None:
-        return _route.kvcache_any(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                                  cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                                  softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                                  alibi_slopes, num_splits, return_softmax_lse, learnable_sink,
-                                  k_descale, v_descale)
     # As in flash_attn_func: _fastpath (C) first, the route for what it does not serve (fp8
-    # caches among them).
+    # caches among them). _fastpath does not read the descales: calls with them take the route.
     entry = _route.KVCACHE_C
-    if entry is None or _route.IS_COMPILING():
+    if (entry is None or k_descale is not None or v_descale is not None
+            or _route.IS_COMPILING()):
         entry = _route.kvcache_any
     return entry(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                  cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
                  softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-                 learnable_sink)
+                 learnable_sink, k_descale, v_descale)
 
 
 def _out_dtype(kind, out_dtype, out, out_partial):
