@@ -58,7 +58,8 @@ typedef enum fa_dtype {
     FA_DTYPE_BF16 = 2,
     FA_DTYPE_F64 = 3,
     FA_DTYPE_I32 = 4,
-    /* fp8 (forward inputs, see fa_fwd_args; KV caches, see fa_kvcache_args): torch.float8_e4m3fn (bias 7, no infinities,
+    /* fp8 (forward inputs, see fa_fwd_args; KV caches, see fa_kvcache_args):
+     * torch.float8_e4m3fn (bias 7, no infinities,
      * NaN S.1111.111, largest 448) and torch.float8_e5m2 (bias 15, IEEE-like with infinities). */
     FA_DTYPE_F8E4M3 = 5,
     FA_DTYPE_F8E5M2 = 6,

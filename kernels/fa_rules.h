@@ -1,6 +1,7 @@
 /*
  * The scoring rules: which keys a query row sees, softcap, ALiBi, sinks and the default scale,
- * and fp32 -> fp8 rounding, each written once. Compiled by the host (C11: the API's validation and the CPU backend) and by
+ * and fp32 -> fp8 rounding, each written once.
+ * Compiled by the host (C11: the API's validation and the CPU backend) and by
  * NVRTC (CUDA C: the kernels), like fa_kparams.h, so no backend can drift from another.
  *
  * Positions are computed in 64 bits (fa_i64: exact for any sequence the API accepts); kernels
@@ -134,7 +135,7 @@ FA_RULE double fa_rule_default_scale(fa_i64 head_dim)
     return pow((double)head_dim, -0.5);
 }
 
-/* ---- fp8 rounding ------------------------------------------------------------------------------ */
+/* ---- fp8 rounding ------------------------------------------------------------------------- */
 
 /*
  * fp32 -> fp8 as torch converts, bit for bit (fa_fp8_from_f32; the fp8 KV caches' append on

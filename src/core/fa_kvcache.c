@@ -4,9 +4,9 @@
  * the caller (block ids, batch indices, lengths) may reach memory unchecked.
  */
 #include "core/fa_check.h"
+#include "core/fa_fp8.h"
 #include "core/fa_kvcache.h"
 #include "core/fa_options.h"
-#include "util/fa_fp8.h"
 
 static fa_status fa_kv_check_same_dtype(const fa_tensor *t, const char *name, fa_dtype dt)
 {

@@ -5,9 +5,9 @@
 #include <math.h>
 
 #include "core/fa_check.h"
+#include "core/fa_fp8.h"
 #include "core/fa_options.h"
 #include "core/fa_params.h"
-#include "util/fa_fp8.h"
 #include "util/fa_philox.h"
 
 /* cu_seqlens: int32 [b+1], non-negative, non-decreasing, within total rows and max_seqlen.

@@ -433,8 +433,9 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
     for (int64_t i = 0; i < m; i++) {
         const int64_t r = (p0 + i) / per_row, hq = kh0 * g + (p0 + i) % per_row;
         /* An fp8 cache's k_descale joins the softmax scale, as the GPU folds it. */
-        const FA_REAL scale = (FA_REAL)(p->scale * FA_FN(fa_kv_descale)(p->k_descale, p->kd_bstride,
-                                                                        p->kd_hstride, seq, hq / g));
+        const float kd =
+            FA_FN(fa_kv_descale)(p->k_descale, p->kd_bstride, p->kd_hstride, seq, hq / g);
+        const FA_REAL scale = (FA_REAL)(p->scale * kd);
         FA_REAL *q = t->q + i * dp;
         FA_FN(fa_load_row)(q, p->q,
                            seq * p->q_bstride + (sg.q0 + r) * p->q_rstride + hq * p->q_hstride,

@@ -3,7 +3,7 @@
  * Included once per precision, with FA_REAL and FA_FN(name) defined (see fa_cpu_kernel.h).
  * Loads take fp8 too (the KV cache's fp8 caches), exactly as fa_fp8_to_f32 converts.
  */
-#include "util/fa_fp8.h"
+#include "core/fa_fp8.h"
 
 FA_CPU_INLINE void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t offset, int64_t n,
                                       fa_dtype dtype)

@@ -14,12 +14,12 @@
 #include <stdlib.h>
 
 #include "fa_dkparams.h"
+#include "core/fa_fp8.h"
 #include "core/fa_kvcache.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_cuda_driver.h"
 #include "cuda/fa_jit.h"
 #include "plan/fa_plan.h"
-#include "util/fa_fp8.h"
 
 #define FA_WS_ALIGN 256
 #define FA_COMBINE_THREADS 128 /* kernels/fa_combine.cu: a CTA per row */

@@ -23,7 +23,7 @@
 
 #include "flashattn.h"
 #include "test_util.h"
-#include "util/fa_fp8.h"
+#include "core/fa_fp8.h"
 #include "util/fa_half.h"
 
 typedef struct fcase {
@@ -154,7 +154,8 @@ static void run_case(const fcase *c, tu_rng *r, int index)
     const int64_t nq = b * sq * h * d, no = b * sq * h * dv;
     const int64_t nk = nblocks * prow * hk * d, nv = nblocks * prow * hk * dv;
     const int64_t nkn = b * c->s_new * hk * d, nvn = b * c->s_new * hk * dv;
-    const int64_t half = c->rotary_dim / 2, nro_rows = cap + sq, nro = nro_rows * (half > 0 ? half : 1);
+    const int64_t half = c->rotary_dim / 2, nro_rows = cap + sq;
+    const int64_t nro = nro_rows * (half > 0 ? half : 1);
     float *qv = xcalloc((size_t)nq, 4), *knv = xcalloc((size_t)(nkn + 1), 4);
     float *vnv = xcalloc((size_t)(nvn + 1), 4), *cv = xcalloc((size_t)nro, 4);
     float *sv = xcalloc((size_t)nro, 4), *kdv = xcalloc((size_t)(b * hk), 4);
@@ -270,7 +271,8 @@ static void run_case(const fcase *c, tu_rng *r, int index)
 
     /* The reference: the fp32 path on the dequantised caches and q rotated here. */
     {
-        float *qr = xcalloc((size_t)nq, 4), *kr = xcalloc((size_t)nk, 4), *vr = xcalloc((size_t)nv, 4);
+        float *qr = xcalloc((size_t)nq, 4), *kr = xcalloc((size_t)nk, 4);
+        float *vr = xcalloc((size_t)nv, 4);
         float *oref = xcalloc((size_t)no, 4), *lref = xcalloc((size_t)(b * h * sq), 4);
         const int per_row = c->causal; /* the rotary rule for q (no window here) */
         for (int64_t i = 0; i < b; i++)

@@ -3,7 +3,8 @@
  * infinities, NaN S.1111.111, largest 448; fp32 -> e4m3 saturates finite overflow and infinities
  * to +-448), e5m2 is torch.float8_e5m2 (bias 15, infinities; overflow rounds to +-inf). Both round
  * to nearest, ties to even, in integer arithmetic (no dependence on the FP rounding mode), keep
- * subnormals, and give NaN the input's sign.
+ * subnormals, and give NaN the input's sign. In core beside kernels/fa_rules.h, whose rounding
+ * rule the fp8 KV caches' append shares with the kernels.
  */
 #ifndef FA_FP8_H
 #define FA_FP8_H
