@@ -58,7 +58,8 @@ typedef enum fa_dtype {
     FA_DTYPE_BF16 = 2,
     FA_DTYPE_F64 = 3,
     FA_DTYPE_I32 = 4,
-    /* fp8 (forward inputs only; see fa_fwd_args): torch.float8_e4m3fn (bias 7, no infinities,
+    /* fp8 (forward inputs, see fa_fwd_args; KV caches, see fa_kvcache_args):
+     * torch.float8_e4m3fn (bias 7, no infinities,
      * NaN S.1111.111, largest 448) and torch.float8_e5m2 (bias 15, IEEE-like with infinities). */
     FA_DTYPE_F8E4M3 = 5,
     FA_DTYPE_F8E5M2 = 6,
@@ -413,6 +414,24 @@ int fa_probs_block_n(int head_dim, int dropout, int causal);
  * workspace: fa_attention_kvcache_workspace_size bytes of device memory, 256-byte aligned; with
  * less (or none) a call with num_splits 0 runs unsplit and one with num_splits > 1 is refused.
  * When two sequences write the same cache rows the result on a device is either's values.
+ *
+ * FP8 caches (vLLM's form): k_cache and v_cache FA_DTYPE_F8E4M3 or FA_DTYPE_F8E5M2 (both the
+ * same kind) with q, k, v, out, rotary_cos/sin in fp16 or bf16 (on the CPU fp32 too). The cache
+ * holds keys and values divided by their scale and rounded to fp8; k_descale and v_descale
+ * (optional, each fp32 [b, hk], any strides; absent means 1) multiply them back. As FA3's
+ * flash_attn_with_kvcache, entry [i, kh] belongs to sequence i (the batch index of q, not its
+ * cache row cache_batch_idx[i] nor its blocks) and kv head kh; query head hq takes kh =
+ * hq / (h / hk). q is not scaled. With K_j = k_cache_j * k_descale and V_j = v_cache_j * v_descale
+ * (the fp8 values are exact in q's dtype) the scores and the output are the formulas above on
+ * K and V, computed as the GPU computes them: s_ij = (scale * k_descale) * (q_i . k_cache_j) in
+ * fp32; the probabilities p_ij = exp(s_ij - m) (m a running maximum of the row) enter the P V
+ * product rounded to q's dtype (fp16 or bf16; not rounded with fp32 q) while their row sum l
+ * takes them unrounded, and v_descale multiplies the final out_i = v_descale * (sum_j p_ij
+ * v_cache_j) / l. The append writes, for each new key row (rotated first when rotary is on, in
+ * fp32, not rounded to q's dtype) and value row, round_to_fp8(x / descale) with the division in
+ * fp32 and fa_fp8_from_f32's rounding (e4m3 saturates to +-448, e5m2 overflows to +-inf).
+ * An fp8 q (FA3's all-fp8 form) is refused, naming q; descales with a cache that is not fp8
+ * are refused, naming them.
  */
 typedef struct fa_kvcache_args {
     const fa_tensor *q;               /* [b, sq, h, d] */
@@ -443,6 +462,8 @@ typedef struct fa_kvcache_args {
     void *workspace;        /* CUDA: device memory for split partials, or NULL */
     size_t workspace_size;  /* bytes at workspace */
     int skip_capacity_check; /* CUDA, paged: 1 skips the host check of cache_seqlens (above) */
+    const fa_tensor *k_descale; /* optional fp32 [b, hk], with an fp8 k_cache (FP8 above) */
+    const fa_tensor *v_descale; /* optional fp32 [b, hk], with an fp8 v_cache */
 } fa_kvcache_args;
 
 /* Defaults: no optional tensors, scale NaN, window (-1, -1), rotary_interleaved 1, CPU. */

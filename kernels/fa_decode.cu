@@ -26,6 +26,8 @@
  *   FA_PAGED         1: block_table maps positions to blocks
  *   FA_VEC           1: 16-byte aligned rows (q, caches, out) and d, dv % 8 == 0: 16-byte copies
  *   FA_VARLEN, FA_ALIBI, FA_SOFTCAP
+ *   FA_KV_FP8        defined only for fp8 caches: 1 e4m3, 2 e5m2 (fa_decode_fp8.cuh); the
+ *                    caches of q's dtype compile without it, as before
  * Entry points: fa_kv_append (the new keys and values written into the cache, rotated),
  * fa_decode (the attention; it does the append itself where the host allows, append_fused) and
  * fa_decode_fill (a varlen forward's rows outside every sequence).
@@ -56,6 +58,19 @@
 #endif
 
 #define FA_PRESCALE (FA_SOFTCAP || FA_ALIBI)
+
+#ifndef FA_KV_FP8
+#define FA_KV_FP8 0
+#endif
+
+/* This thread's chunk u of a tile of cpr chunks per row: its row and column chunk. Where the
+ * thread count is a multiple of cpr (every padded head dim but 192) a thread keeps one column
+ * chunk, rows r0, r0 + rpp, ... (rpp = FA_THREADS / cpr), so its addresses step by constants
+ * (the scheme of fa_fwd_sm80.cu's copies). */
+#define FA_CHUNK_ROW(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) / (cpr))
+#define FA_CHUNK_COL(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) % (cpr))
+#define FA_CHUNK_LIVE(u, cpr) ((u) * FA_THREADS + (int)threadIdx.x < FA_BN * (cpr))
+#define FA_FIXED_CHUNK(cpr) (FA_THREADS % (cpr) == 0)
 
 /* Rotary: element c (< rotary_dim) of the row x rotated by the angles in the cos/sin rows:
  * pairs (2t, 2t + 1) interleaved (GPT-J), (t, t + rotary_dim / 2) otherwise (GPT-NeoX). */
@@ -157,6 +172,10 @@ FA_DEV void fa_kv_locate(const fa_dkparams *dp, const fa_kvseq *s, fa_i64 pos, f
 #endif
 }
 
+#if FA_KV_FP8
+#include "fa_decode_fp8.cuh"
+#endif
+
 /* New row s of sequence bi, kv head kh, written by one warp (lane its lane) at cache position
  * cache_seqlens + s, the key rotated when rot_cos is given. */
 FA_DEV void fa_kv_append_row(const fa_dkparams *dp, const fa_kvseq *seq, int bi, int kh, int s,
@@ -178,6 +197,10 @@ FA_DEV void fa_kv_append_row(const fa_dkparams *dp, const fa_kvseq *seq, int bi,
     const fa_i64 ro = pos < dp->seqlen_ro ? pos : dp->seqlen_ro - 1;
     const fa_u16 *cr = (const fa_u16 *)dp->rot_cos + ro * dp->cos_rstride;
     const fa_u16 *sr = (const fa_u16 *)dp->rot_sin + ro * dp->sin_rstride;
+#if FA_KV_FP8
+    (void)kc, (void)vc;
+    fa_kv_append_row8(dp, bi, kh, lane, blk, row, kn, vn, cr, sr);
+#else
     /* Read the whole row before writing: k may be a view of the cache rows it fills. */
     fa_u16 kv[FA_DP / 32 > 0 ? FA_DP / 32 : 1], vv[FA_DVP / 32 > 0 ? FA_DVP / 32 : 1];
 #pragma unroll
@@ -208,6 +231,7 @@ FA_DEV void fa_kv_append_row(const fa_dkparams *dp, const fa_kvseq *seq, int bi,
         if (c < dp->f.dv)
             vc[c] = vv[j];
     }
+#endif
 }
 
 /* The append as a kernel of its own (where fa_decode does not do it, dp.append_fused 0): a warp
@@ -223,15 +247,6 @@ extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
 
 #define FA_CHUNKS_K ((FA_BN * FA_CPR_K + FA_THREADS - 1) / FA_THREADS)
 #define FA_CHUNKS_V ((FA_BN * FA_CPR_V + FA_THREADS - 1) / FA_THREADS)
-
-/* This thread's chunk u of a tile of cpr chunks per row: its row and column chunk. Where the
- * thread count is a multiple of cpr (every padded head dim but 192) a thread keeps one column
- * chunk, rows r0, r0 + rpp, ... (rpp = FA_THREADS / cpr), so its addresses step by constants
- * (the scheme of fa_fwd_sm80.cu's copies). */
-#define FA_CHUNK_ROW(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) / (cpr))
-#define FA_CHUNK_COL(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) % (cpr))
-#define FA_CHUNK_LIVE(u, cpr) ((u) * FA_THREADS + (int)threadIdx.x < FA_BN * (cpr))
-#define FA_FIXED_CHUNK(cpr) (FA_THREADS % (cpr) == 0)
 
 /* The shared address of chunk u from the thread's chunk 0 (dst0 = a + fa_swz(r0, c, cpr)):
  * rows r0 + u rpp, whose swizzle key is key(r0) ^ key(u rpp), both powers of two apart. */
@@ -547,8 +562,25 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
 #endif
     }
 
-    const int prescale = FA_PRESCALE || !(kp->scale_log2 > 0.f);
-    const float sm = prescale ? 1.f : kp->scale_log2;
+#if FA_KV_FP8
+    /* fp8 caches: the stages hold fp8 (fa_decode_fp8.cuh), each block converted into one tile
+     * of q's dtype; k_descale of the CTA's (sequence, kv head) joins the scale (softcap's
+     * pre-factor where softcap is on), v_descale the final normalisation. */
+    fa_u8 *const st8 = (fa_u8 *)fa_smem;
+    fa_u16 *const conv_p = fa_smem + FA_CONV_AT / 2;
+    const float kdesc = fa_fp8_descale(dp.k_descale, dp.kd_bstride, dp.kd_hstride, bi, kh);
+    const float vdesc = fa_fp8_descale(dp.v_descale, dp.vd_bstride, dp.vd_hstride, bi, kh);
+    const float fp8_pre = kp->softcap_pre * kdesc;
+    (void)fp8_pre;
+    const float fp8_scale_log2 = FA_SOFTCAP ? kp->scale_log2 : kp->scale_log2 * kdesc;
+#define FA_SCALE_LOG2 fp8_scale_log2
+#define FA_SOFTCAP_PRE fp8_pre
+#else
+#define FA_SCALE_LOG2 kp->scale_log2
+#define FA_SOFTCAP_PRE kp->softcap_pre
+#endif
+    const int prescale = FA_PRESCALE || !(FA_SCALE_LOG2 > 0.f);
+    const float sm = prescale ? 1.f : FA_SCALE_LOG2;
     float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
     float o[FA_OT][4];
 #pragma unroll
@@ -579,8 +611,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
 #endif
     for (int s = 0; s < FA_STAGES - 1; s++) {
         if (nb0 + s < nb1)
+#if FA_KV_FP8
+            fa_decode_load8(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a, st8, s,
+                            rows_p + s * 2 * FA_BN);
+#else
             fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
                            fa_smem, s, rows_p + s * 2 * FA_BN);
+#endif
         fa_cp_async_commit();
     }
 
@@ -591,10 +628,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         FA_CP_ASYNC_WAIT(FA_STAGES - 2);
         __syncthreads();
         {
-            const int nx = nb + FA_STAGES - 1;
+            const int nx = nb + FA_STAGES - 1, nslot = (nx - nb0) % FA_STAGES;
             if (nx < nb1)
+#if FA_KV_FP8
+                fa_decode_load8(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a, st8, nslot,
+                                rows_p + nslot * 2 * FA_BN);
+#else
                 fa_decode_load(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a, fa_smem,
-                               (nx - nb0) % FA_STAGES, rows_p + (nx - nb0) % FA_STAGES * 2 * FA_BN);
+                               nslot, rows_p + nslot * 2 * FA_BN);
+#endif
             fa_cp_async_commit();
         }
 #if FA_PAGED
@@ -604,7 +646,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         if (nb + FA_STAGES < nb1)
             next_row = fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb + FA_STAGES) * FA_BN, khi);
 #endif
+#if FA_KV_FP8
+        /* Block nb into the tile of q's dtype; every warp left the tile's previous block at the
+         * barrier above. */
+        fa_decode_convert(st8 + slot * FA_STAGE8_BYTES, conv_p);
+        __syncthreads();
+        const fa_u32 soff = FA_CONV_AT;
+#else
         const fa_u32 soff = slot * FA_STAGE_BYTES;
+#endif
         const int j0 = klo + nb * FA_BN + wn * FA_WKEYS; /* this warp's first key */
 
         float s[FA_NT][4];
@@ -635,9 +685,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
                 float x = s[nt][e];
                 if (prescale) {
 #if FA_SOFTCAP
-                    x = FA_RULE_SOFTCAP(x, kp->softcap_pre, kp->scale_log2, tanhf);
+                    x = FA_RULE_SOFTCAP(x, FA_SOFTCAP_PRE, FA_SCALE_LOG2, tanhf);
 #else
-                    x *= kp->scale_log2;
+                    x *= FA_SCALE_LOG2;
 #endif
 #if FA_ALIBI
                     x -= FA_RULE_ALIBI(slope_log2[hf], row_q[hf] + n - sq - j);
@@ -781,6 +831,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         float lse, scale;
         /* fa_row_finish sums its argument over the quad: the lanes hold the whole sum now. */
         fa_row_finish(t == 0 ? row_sum[hf] : 0.f, row_max[hf] * sm, sink2, &lse, &scale);
+#if FA_KV_FP8
+        scale *= vdesc;
+#endif
         lse_row[hf] = lse, scale_row[hf] = scale;
         if (dp.cluster_merge) {
             continue;

@@ -37,6 +37,9 @@ typedef struct fa_dkparams {
     fa_u32 page_shift;            /* for positions below 2^31 (fa_page_magic) */
     int append_fused;             /* 1: fa_decode writes knew / vnew (no fa_kv_append launch) */
     int cluster_merge;            /* 1: the splits of a row tile are one cluster and merge there */
+    const float *k_descale;       /* fp8 caches: NULL or fp32 [b, hk] (NULL: 1) */
+    const float *v_descale;
+    fa_i64 kd_bstride, kd_hstride, vd_bstride, vd_hstride;
 } fa_dkparams;
 
 #if !defined(__CUDACC__)

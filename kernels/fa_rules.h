@@ -1,6 +1,7 @@
 /*
  * The scoring rules: which keys a query row sees, softcap, ALiBi, sinks and the default scale,
- * each written once. Compiled by the host (C11: the API's validation and the CPU backend) and by
+ * and fp32 -> fp8 rounding, each written once.
+ * Compiled by the host (C11: the API's validation and the CPU backend) and by
  * NVRTC (CUDA C: the kernels), like fa_kparams.h, so no backend can drift from another.
  *
  * Positions are computed in 64 bits (fa_i64: exact for any sequence the API accepts); kernels
@@ -132,6 +133,61 @@ FA_RULE void fa_rule_softcap_fold(double scale, double softcap, float *pre, floa
 FA_RULE double fa_rule_default_scale(fa_i64 head_dim)
 {
     return pow((double)head_dim, -0.5);
+}
+
+/* ---- fp8 rounding ------------------------------------------------------------------------- */
+
+/*
+ * fp32 -> fp8 as torch converts, bit for bit (fa_fp8_from_f32; the fp8 KV caches' append on
+ * every backend): from the fp32 bits u, round to nearest, ties to even, in integer arithmetic
+ * (no dependence on the FP rounding mode or on denormal flushing), subnormals kept, NaN the
+ * kind's NaN with u's sign. e4m3 (torch.float8_e4m3fn) saturates finite overflow and infinities
+ * to +-448; e5m2 overflows to +-inf.
+ */
+
+/* |x| (fp32 bits a, normal or subnormal, below the smallest normal of the fp8 kind) as a multiple
+ * of 2^qexp, nearest even: the fp8 subnormal's mantissa (which may carry into the smallest normal,
+ * whose code follows the subnormals). */
+FA_RULE fa_u32 fa_rule_fp8_subnormal(fa_u32 a, int qexp)
+{
+    if (a < 0x00800000u)
+        return 0; /* an fp32 subnormal is far below half of any fp8 quantum */
+    const int e = (int)(a >> 23) - 127;
+    const fa_u32 mant = (a & 0x7fffffu) | 0x800000u; /* |x| = mant * 2^(e - 23) */
+    const int shift = qexp - (e - 23);               /* |x| / 2^qexp = mant >> shift */
+    if (shift > 24)
+        return 0; /* below half a quantum */
+    fa_u32 q = mant >> shift;
+    const fa_u32 rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1u)))
+        q++;
+    return q;
+}
+
+FA_RULE fa_u32 fa_rule_e4m3_from_bits(fa_u32 u)
+{
+    const fa_u32 a = u & 0x7fffffffu, sign = (u >> 24) & 0x80u;
+    if (a > 0x7f800000u)
+        return sign | 0x7fu; /* NaN */
+    if (a >= 0x43e00000u)
+        return sign | 0x7eu; /* >= 448, infinities included: saturate to 448 */
+    if (a < 0x3c800000u)     /* below 2^-6: subnormal, quantum 2^-9 */
+        return sign | fa_rule_fp8_subnormal(a, -9);
+    const fa_u32 r = a + 0x7ffffu + ((a >> 20) & 1u); /* 3 mantissa bits, ties to even */
+    return sign | (((r >> 23) - 120u) << 3) | ((r >> 20) & 7u);
+}
+
+FA_RULE fa_u32 fa_rule_e5m2_from_bits(fa_u32 u)
+{
+    const fa_u32 a = u & 0x7fffffffu, sign = (u >> 24) & 0x80u;
+    if (a > 0x7f800000u)
+        return sign | 0x7fu; /* NaN */
+    if (a >= 0x47700000u)
+        return sign | 0x7cu; /* >= 61440 rounds past 57344: infinity */
+    if (a < 0x38800000u)     /* below 2^-14: subnormal, quantum 2^-16 */
+        return sign | fa_rule_fp8_subnormal(a, -16);
+    const fa_u32 r = a + 0xfffffu + ((a >> 21) & 1u); /* 2 mantissa bits, ties to even */
+    return sign | (((r >> 23) - 112u) << 2) | ((r >> 21) & 3u);
 }
 
 #endif /* FA_RULES_H */

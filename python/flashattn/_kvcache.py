@@ -52,6 +52,8 @@ class FaKvcacheArgs(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_size", ctypes.c_size_t),
         ("skip_capacity_check", ctypes.c_int),
+        ("k_descale", _PT),
+        ("v_descale", _PT),
     ]
 
 
@@ -156,29 +158,33 @@ def call(fn, args, names):
 
 def kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-                softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
+                softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+                k_descale=None, v_descale=None):
     """One fa_attention_kvcache call on arrays of ``kind``; returns (out, lse)."""
     return run_kvcache(
         kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
-        window_size, softcap, rotary_interleaved, num_splits)[4:6]
+        window_size, softcap, rotary_interleaved, num_splits, k_descale=k_descale,
+        v_descale=v_descale)[4:6]
 
 
-def run_kvcache(*arguments):
+def run_kvcache(*arguments, **descales):
     """``kvcache_run``'s call (the same arguments), returning what ``kvcache_prepare``
     prepared, for ``_cached`` to keep: (args, keep, arrays, slots, out, lse)."""
-    prepared = kvcache_prepare(*arguments)
+    prepared = kvcache_prepare(*arguments, **descales)
     call(kv_lib().fa_attention_kvcache, prepared[0], NAMES)
     return prepared
 
 
 def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                     cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-                    softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
+                    softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+                    k_descale=None, v_descale=None):
     """The checked fa_kvcache_args of a call and its new outputs: (args, keep, arrays, slots,
     out, lse), where arrays are what the library is given for q .. lse in the struct's order
     (None where absent; a copy where an input was converted), slots their FaTensors, and keep
-    what must outlive the call."""
+    what must outlive the call. The fp8 caches' descales (float32 (batch, nheads_k), absent: 1)
+    are not among arrays and slots: calls with them are not cached (``_route.kvcache_any``)."""
     written = _arrays.APPENDED if k is not None or v is not None else None
     cuda = kind == _arrays.TORCH and q.is_cuda
     k_cache = in_place(k_cache, "k_cache", kind, written, cuda)
@@ -233,6 +239,12 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     args.sinks = ptr(sinks, "sinks", "float32")
     args.out = ptr(out, "out", prepared=True)
     args.lse = ptr(lse, "lse", prepared=True)
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is not None:
+            x = _arrays.prepare(x, name, kind, cuda)
+            t = _arrays.make_tensor(x, name, kind, None, "float32")
+            keep.extend((x, t))
+            setattr(args, name, ctypes.pointer(t))
     args.softmax_scale = scale
     args.causal = 1 if _core.as_bool(causal, "causal") else 0
     args.window_left = left

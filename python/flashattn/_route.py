@@ -26,12 +26,12 @@ __all__ = ["DENSE_ARGS", "KV_ARGS", "dense", "dense_any", "forward", "kvcache_an
 DENSE_ARGS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
               "alibi_slopes", "deterministic", "return_attn_probs", "learnable_sink")
 
-# flash_attn_with_kvcache's arguments in order (learnable_sink, keyword-only there, last), as
-# ``kvcache_any`` and _fastpath take them.
+# flash_attn_with_kvcache's arguments in order (learnable_sink and the fp8 caches' descales,
+# keyword-only there, last), as ``kvcache_any`` and _fastpath take them.
 KV_ARGS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
            "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
            "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
-           "return_softmax_lse", "learnable_sink")
+           "return_softmax_lse", "learnable_sink", "k_descale", "v_descale")
 
 _TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and torch)
 DENSE_C = None  # _fastpath.dense bound to torch (None: not built, or no torch call yet)
@@ -186,9 +186,15 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
 def kvcache_any(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
                 softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-                learnable_sink):
+                learnable_sink, k_descale=None, v_descale=None):
     """flash_attn_with_kvcache (its arguments in ``KV_ARGS``' order), and _fastpath's fallback:
-    out, or (out, softmax_lse)."""
+    out, or (out, softmax_lse). fp8 caches (and descales) run eagerly here, outside the
+    custom op and its prepared calls: _fastpath then never serves them."""
+    fp8 = (k_descale is not None or v_descale is not None or _arrays.is_fp8(k_cache)
+           or _arrays.is_fp8(v_cache))
+    if fp8 and IS_COMPILING is not None and IS_COMPILING():
+        raise NotImplementedError("k_cache: fp8 KV caches run eagerly only (not under "
+                                  "torch.compile)")
     kind = _arrays.common_kind(
         [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
          ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
@@ -196,7 +202,7 @@ def kvcache_any(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
          ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
          ("block_table", block_table), ("alibi_slopes", alibi_slopes),
          ("learnable_sink", learnable_sink)], 3)
-    if kind == _arrays.TORCH:
+    if kind == _arrays.TORCH and not fp8:
         # torch calls go through the custom op flashattn::kvcache, so torch.compile keeps the
         # call (and its in-place append) as one node instead of breaking the graph.
         out, lse = torch_ops().kvcache_call(
@@ -208,5 +214,5 @@ def kvcache_any(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                                         cache_seqlens, cache_batch_idx, cache_leftpad,
                                         block_table, alibi_slopes, learnable_sink, softmax_scale,
                                         causal, window_size, softcap, rotary_interleaved,
-                                        num_splits)
+                                        num_splits, k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_softmax_lse else out

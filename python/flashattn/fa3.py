@@ -25,7 +25,11 @@ and ignored (the library chooses its own layout and uses the whole device); ``nu
 checked (at most 256; <= 0 means "choose") and passed to the KV-cache call, which takes it;
 the attention functions do not split (every split count gives the same result). ``qv`` (MLA)
 and ``attention_chunk != 0`` raise NotImplementedError naming the argument, as do the KV-cache
-call's ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens`` and FP8 descales.
+call's ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``rotary_seqlens`` and ``q_descale`` (an fp8 q).
+
+FP8 KV caches (``flash_attn_with_kvcache``): ``torch.float8_e4m3fn`` (or ``float8_e5m2``)
+k_cache and v_cache with a float16 / bfloat16 q and optional fp32 ``(b, h_k)`` ``k_descale``,
+``v_descale`` (include/flashattn.h, "FP8 caches"), on the CPU and on a CUDA device.
 
 FP8 (``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_qkvpacked_func``; CPU
 tensors only so far, a CUDA device refuses them): q, k, v ``torch.float8_e4m3fn`` (or all
@@ -425,9 +429,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     Returns out (b, sq, h, dv), or with return_softmax_lse (out, softmax_lse fp32 (b, h, sq),
     out_accum, softmax_lse_accum), the last two empty (0,) fp32 tensors."""
     _refuse_fa3_only(qv, attention_chunk)
-    for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
-                    ("v_descale", v_descale)):
-        _refuse(name, x, "FP8 KV caches")
+    _refuse("q_descale", q_descale, "an fp8 q with fp8 KV caches (the caches may be fp8 with a "
+            "float16 / bfloat16 q, with k_descale and v_descale)")
     _refuse("cu_seqlens_q", cu_seqlens_q, "a varlen q")
     _refuse("cu_seqlens_k_new", cu_seqlens_k_new, "varlen new keys")
     _refuse("rotary_seqlens", rotary_seqlens, "rotary positions apart from cache_seqlens")
@@ -440,7 +443,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     res = _fa2.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                        cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
                                        softmax_scale, causal, window_size, softcap,
-                                       rotary_interleaved, None, splits, want)
+                                       rotary_interleaved, None, splits, want,
+                                       k_descale=k_descale, v_descale=v_descale)
     if not want:
         return res
     empty = torch.empty((0,), dtype=torch.float32, device=q.device)

@@ -247,7 +247,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, learnable_sink=None):
+                            return_softmax_lse=False, *, learnable_sink=None, k_descale=None,
+                            v_descale=None):
     """Attention of q against a KV cache, appending k and v to the cache in place first.
 
     If k and v are given they are written into k_cache / v_cache at positions cache_seqlens
@@ -276,17 +277,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             device (or the CPU's threads), 1 never splits.
         return_softmax_lse: also return the float32 lse (batch_size, nheads, seqlen).
         learnable_sink (keyword only): float (nheads,) sink logit per head.
+        k_descale, v_descale (keyword only, FA3's names): float32 (batch_size, nheads_k), the
+            dequantisation scales of fp8 caches (torch.float8_e4m3fn / float8_e5m2 k_cache and
+            v_cache with a float16 / bfloat16 q): the attention reads k_cache * k_descale[b, h_k]
+            and v_cache * v_descale[b, h_k], and appended rows are stored as
+            round_to_fp8(k / k_descale) (include/flashattn.h, "FP8 caches"). None: 1.
     Return:
         out: (batch_size, seqlen, nheads, headdim_v), and softmax_lse when asked for.
     """
-    # As in flash_attn_func: _fastpath (C) first, the route for what it does not serve.
+    # As in flash_attn_func: _fastpath (C) first, the route for what it does not serve (fp8
+    # caches among them). _fastpath does not read the descales: calls with them take the route.
     entry = _route.KVCACHE_C
-    if entry is None or _route.IS_COMPILING():
+    if (entry is None or k_descale is not None or v_descale is not None
+            or _route.IS_COMPILING()):
         entry = _route.kvcache_any
     return entry(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                  cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
                  softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-                 learnable_sink)
+                 learnable_sink, k_descale, v_descale)
 
 
 def _out_dtype(kind, out_dtype, out, out_partial):

@@ -5,7 +5,7 @@
 #include <math.h>
 
 #include "core/fa_check.h"
-#include "util/fa_fp8.h"
+#include "core/fa_fp8.h"
 
 int64_t fa_tensor_numel(const fa_tensor *t)
 {

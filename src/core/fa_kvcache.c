@@ -4,6 +4,7 @@
  * the caller (block ids, batch indices, lengths) may reach memory unchecked.
  */
 #include "core/fa_check.h"
+#include "core/fa_fp8.h"
 #include "core/fa_kvcache.h"
 #include "core/fa_options.h"
 
@@ -12,6 +13,27 @@ static fa_status fa_kv_check_same_dtype(const fa_tensor *t, const char *name, fa
     if (t->dtype != dt)
         return FA_BAD("%s: dtype %s does not match q's %s", name, fa_dtype_name(t->dtype),
                       fa_dtype_name(dt));
+    return FA_STATUS_OK;
+}
+
+/* The caches' dtype: q's, or (FP8 in include/flashattn.h) one fp8 kind for both with a q in
+ * fp16, bf16 or fp32. */
+static fa_status fa_kv_check_cache_dtype(const fa_kvcache_args *a, fa_params *p)
+{
+    const fa_tensor *kc = a->k_cache, *vc = a->v_cache;
+    p->kv_dtype = p->dtype;
+    if (!fa_dtype_is_fp8(kc->dtype) && !fa_dtype_is_fp8(vc->dtype)) {
+        FA_TRY(fa_kv_check_same_dtype(kc, "k_cache", p->dtype));
+        return fa_kv_check_same_dtype(vc, "v_cache", p->dtype);
+    }
+    if (kc->dtype != vc->dtype)
+        return FA_BAD("v_cache: dtype %s does not match k_cache's %s (an fp8 cache holds keys and "
+                      "values in one kind)",
+                      fa_dtype_name(vc->dtype), fa_dtype_name(kc->dtype));
+    if (p->dtype == FA_DTYPE_F64)
+        return FA_BAD("q: dtype %s with an fp8 cache; fp8 caches take a q in fp16, bf16 or fp32",
+                      fa_dtype_name(p->dtype));
+    p->kv_dtype = kc->dtype;
     return FA_STATUS_OK;
 }
 
@@ -38,11 +60,13 @@ static fa_status fa_kv_check_tensors(const fa_kvcache_args *a, fa_params *p)
     FA_TRY(fa_check_tensor(vc, "v_cache", 4));
     FA_TRY(fa_check_tensor(o, "out", 4));
     if (!fa_dtype_is_float(q->dtype))
-        return FA_BAD("q: dtype must be fp32, fp16, bf16 or fp64, got %s",
+        return FA_BAD("q: dtype must be fp32, fp16, bf16 or fp64%s, got %s",
+                      fa_dtype_is_fp8(q->dtype) ? " (fp8 caches take a q in fp16, bf16 or fp32; "
+                                                  "an fp8 q is not supported)"
+                                                : "",
                       fa_dtype_name(q->dtype));
     p->dtype = q->dtype;
-    FA_TRY(fa_kv_check_same_dtype(kc, "k_cache", p->dtype));
-    FA_TRY(fa_kv_check_same_dtype(vc, "v_cache", p->dtype));
+    FA_TRY(fa_kv_check_cache_dtype(a, p));
     FA_TRY(fa_kv_check_same_dtype(o, "out", p->dtype));
 
     p->b = q->shape[0];
@@ -309,6 +333,11 @@ static fa_status fa_kv_check_options(const fa_kvcache_args *a, fa_params *p)
 
     FA_TRY(fa_options_check(a->softmax_scale, a->softcap, a->causal, a->window_left,
                             a->window_right, p));
+
+    FA_TRY(fa_check_descale(a->k_descale, "k_descale", "k_cache", p->kv_dtype, p->b, p->hk,
+                            &p->k_descale, &p->kd_bstride, &p->kd_hstride));
+    FA_TRY(fa_check_descale(a->v_descale, "v_descale", "v_cache", p->kv_dtype, p->b, p->hk,
+                            &p->v_descale, &p->vd_bstride, &p->vd_hstride));
 
     if (a->num_splits < 0 || a->num_splits > FA_MAX_SPLITS)
         return FA_BAD("num_splits: must be in [0, %d] (0 = chosen by the library), got %d",

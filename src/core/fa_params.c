@@ -5,9 +5,9 @@
 #include <math.h>
 
 #include "core/fa_check.h"
+#include "core/fa_fp8.h"
 #include "core/fa_options.h"
 #include "core/fa_params.h"
-#include "util/fa_fp8.h"
 #include "util/fa_philox.h"
 
 /* cu_seqlens: int32 [b+1], non-negative, non-decreasing, within total rows and max_seqlen.
@@ -180,19 +180,19 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
     return FA_STATUS_OK;
 }
 
-/* One fp8 dequantisation scale: fp32 [b, hk], any strides. */
-static fa_status fa_check_descale(const fa_tensor *t, const char *name, const fa_params *p,
-                                  const float **data, int64_t *bstride, int64_t *hstride)
+fa_status fa_check_descale(const fa_tensor *t, const char *name, const char *owner, fa_dtype dt,
+                           int64_t b, int64_t hk, const float **data, int64_t *bstride,
+                           int64_t *hstride)
 {
     if (!t)
         return FA_STATUS_OK;
-    if (!fa_dtype_is_fp8(p->dtype))
-        return FA_BAD("%s: descales apply to fp8 inputs only, but q is %s", name,
-                      fa_dtype_name(p->dtype));
+    if (!fa_dtype_is_fp8(dt))
+        return FA_BAD("%s: descales apply to fp8 inputs only, but %s is %s", name, owner,
+                      fa_dtype_name(dt));
     FA_TRY(fa_check_strided(t, name, 2));
     FA_TRY(fa_check_dtype(t, name, FA_DTYPE_F32, "one scale per sequence and kv head"));
-    FA_TRY(fa_check_dim(t, name, 0, p->b, "batch"));
-    FA_TRY(fa_check_dim(t, name, 1, p->hk, "kv heads"));
+    FA_TRY(fa_check_dim(t, name, 0, b, "batch"));
+    FA_TRY(fa_check_dim(t, name, 1, hk, "kv heads"));
     *data = (const float *)t->data;
     *bstride = t->stride[0];
     *hstride = t->stride[1];
@@ -203,12 +203,12 @@ static fa_status fa_check_descale(const fa_tensor *t, const char *name, const fa
  * applies no user-defined scoring yet. */
 static fa_status fa_check_fp8(const fa_fwd_args *a, fa_params *p)
 {
-    FA_TRY(fa_check_descale(a->q_descale, "q_descale", p, &p->q_descale, &p->qd_bstride,
-                            &p->qd_hstride));
-    FA_TRY(fa_check_descale(a->k_descale, "k_descale", p, &p->k_descale, &p->kd_bstride,
-                            &p->kd_hstride));
-    FA_TRY(fa_check_descale(a->v_descale, "v_descale", p, &p->v_descale, &p->vd_bstride,
-                            &p->vd_hstride));
+    FA_TRY(fa_check_descale(a->q_descale, "q_descale", "q", p->dtype, p->b, p->hk,
+                            &p->q_descale, &p->qd_bstride, &p->qd_hstride));
+    FA_TRY(fa_check_descale(a->k_descale, "k_descale", "q", p->dtype, p->b, p->hk,
+                            &p->k_descale, &p->kd_bstride, &p->kd_hstride));
+    FA_TRY(fa_check_descale(a->v_descale, "v_descale", "q", p->dtype, p->b, p->hk,
+                            &p->v_descale, &p->vd_bstride, &p->vd_hstride));
     if (!fa_dtype_is_fp8(p->dtype))
         return FA_STATUS_OK;
     if (a->dropout_p != 0.0)

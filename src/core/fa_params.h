@@ -83,7 +83,7 @@ typedef struct fa_params {
 
     int num_threads; /* 0: the backend's default */
 
-    /* fp8 forward only: dequantisation scales, fp32 [b, hk] (NULL: 1) */
+    /* fp8 forward and fp8 KV caches: dequantisation scales, fp32 [b, hk] (NULL: 1) */
     const float *q_descale, *k_descale, *v_descale;
     int64_t qd_bstride, qd_hstride, kd_bstride, kd_hstride, vd_bstride, vd_hstride;
 
@@ -93,7 +93,8 @@ typedef struct fa_params {
      * of one block per sequence (page_size = max_sk = s_cache), the block being the cache's
      * batch row.
      */
-    int64_t s_new; /* keys appended per sequence (0: no append) */
+    fa_dtype kv_dtype; /* of k and v (the caches): dtype, or fp8 with an fp16/bf16/fp32 q */
+    int64_t s_new;     /* keys appended per sequence (0: no append) */
     /* knew: [b, s_new, hk, d]; vnew: [b, s_new, hk, dv]: written into k/v at cache_seqlens */
     const void *knew;
     int64_t knew_bstride, knew_rstride, knew_hstride;
@@ -165,6 +166,12 @@ static inline double fa_params_lse_load(const fa_params *p, int64_t at)
  * and stored in p's scale, softcap, causal (folded into window_right) and window fields. */
 fa_status fa_options_check(double softmax_scale, double softcap, int causal, int window_left,
                            int window_right, fa_params *p);
+
+/* One fp8 dequantisation scale t (NULL: none): fp32 [b, hk], any strides, given only when
+ * `owner` (the tensor it scales, of dtype dt) is fp8. */
+fa_status fa_check_descale(const fa_tensor *t, const char *name, const char *owner, fa_dtype dt,
+                           int64_t b, int64_t hk, const float **data, int64_t *bstride,
+                           int64_t *hstride);
 
 /* Validates args (naming the argument in the error) and fills p. */
 fa_status fa_params_from_fwd_args(const fa_fwd_args *args, fa_params *p);

@@ -2,7 +2,7 @@
 #include <string.h>
 
 #include "core/fa_error.h"
-#include "util/fa_fp8.h"
+#include "core/fa_fp8.h"
 
 #define FA_STR2(x) #x
 #define FA_STR(x) FA_STR2(x)

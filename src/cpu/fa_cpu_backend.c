@@ -2,11 +2,11 @@
 #include <pthread.h>
 #include <stdio.h>
 
+#include "core/fa_fp8.h"
 #include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_gemm.h"
 #include "cpu/fa_cpu_info.h"
-#include "util/fa_fp8.h"
 
 /* num_threads after the default (the caller's count, or fa_cpu_default_threads() for 0),
  * clamped once, here, to the pool's [1, FA_MAX_THREADS]. */

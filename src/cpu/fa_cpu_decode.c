@@ -103,7 +103,7 @@ static inline int64_t fa_kv_run(const fa_params *p, int64_t p0, int64_t per_row,
 static inline int64_t fa_kv_block_keys(const fa_params *p, int64_t nkh)
 {
     int64_t bn = FA_KV_BN / nkh > 0 ? FA_KV_BN / nkh : 1;
-    const int64_t row = p->d * (int64_t)fa_dtype_size(p->dtype);
+    const int64_t row = p->d * (int64_t)fa_dtype_size(p->kv_dtype);
     while (bn > 16 && bn * row > FA_KV_RUN_BYTES)
         bn /= 2;
     return bn;
@@ -307,7 +307,7 @@ static fa_status fa_kv_attention(const fa_params *p, int few, fa_cpu_log *log, c
     double kv_bytes = 0;
     for (int64_t i = 0; i < p->b; i++)
         kv_bytes += (double)fa_kv_seq_get(p, i).n * (double)p->hk * (double)(p->d + p->dv) *
-                    (double)fa_dtype_size(p->dtype);
+                    (double)fa_dtype_size(p->kv_dtype);
     const long llc = fa_cpu_info_get()->llc_bytes;
     job.stream = kv_bytes > (double)(llc > 0 ? llc : 32L << 20);
     job.scratch = aligned_alloc(64, job.scratch_size * (size_t)threads);
@@ -393,6 +393,7 @@ fa_status fa_cpu_kvcache(const fa_params *p)
 fa_status fa_cpu_decode_forward(const fa_params *p)
 {
     fa_params d = *p;
+    d.kv_dtype = p->dtype;
     d.paged = 0;
     d.page_size = p->is_varlen ? p->total_k : p->max_sk;
     d.page_size = d.page_size > 0 ? d.page_size : 1;

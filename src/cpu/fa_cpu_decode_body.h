@@ -48,6 +48,42 @@ FA_CPU_INLINE void FA_FN(fa_kv_rotate)(const fa_params *p, FA_REAL *x, int64_t p
     }
 }
 
+/* The fp8 descale d[i, kh] of a KV cache (FP8 in include/flashattn.h), 1 without one. */
+FA_CPU_INLINE float FA_FN(fa_kv_descale)(const float *d, int64_t bstride, int64_t hstride,
+                                         int64_t i, int64_t kh)
+{
+    return d ? d[i * bstride + kh * hstride] : 1.0f;
+}
+
+/* A new row of n elements at element `at` of an fp8 cache: x / descale in fp32, rounded as
+ * fa_fp8_from_f32 rounds. */
+FA_CPU_INLINE void FA_FN(fa_kv_store_fp8)(const fa_params *p, void *cache, int64_t at,
+                                          const FA_REAL *x, int64_t n, float descale)
+{
+    uint8_t *dst = (uint8_t *)cache + at;
+    for (int64_t c = 0; c < n; c++) {
+        const float y = (float)x[c] / descale;
+        dst[c] = p->kv_dtype == FA_DTYPE_F8E4M3 ? fa_f32_to_e4m3(y) : fa_f32_to_e5m2(y);
+    }
+}
+
+/* Appends new row t of sequence i, kv head kh, to fp8 caches (rotating the key in FA_REAL). */
+static void FA_FN(fa_kv_append_fp8)(const fa_params *p, int64_t i, int64_t t, int64_t kh,
+                                    int64_t blk, int64_t row, int64_t pos)
+{
+    FA_REAL x[FA_MAX_HEAD_DIM];
+    const int64_t kn = i * p->knew_bstride + t * p->knew_rstride + kh * p->knew_hstride;
+    FA_FN(fa_load_row)(x, p->knew, kn, p->d, p->dtype);
+    if (p->rot_cos)
+        FA_FN(fa_kv_rotate)(p, x, pos);
+    FA_FN(fa_kv_store_fp8)(p, p->k, fa_kv_k_at(p, blk, row, kh), x, p->d,
+                           FA_FN(fa_kv_descale)(p->k_descale, p->kd_bstride, p->kd_hstride, i, kh));
+    const int64_t vn = i * p->vnew_bstride + t * p->vnew_rstride + kh * p->vnew_hstride;
+    FA_FN(fa_load_row)(x, p->vnew, vn, p->dv, p->dtype);
+    FA_FN(fa_kv_store_fp8)(p, p->v, fa_kv_v_at(p, blk, row, kh), x, p->dv,
+                           FA_FN(fa_kv_descale)(p->v_descale, p->vd_bstride, p->vd_hstride, i, kh));
+}
+
 /*
  * Appends the new keys and values of kv head kh for every sequence, in batch order, so that
  * when two sequences share cache rows the later one's values stay whatever the thread count.
@@ -55,11 +91,16 @@ FA_CPU_INLINE void FA_FN(fa_kv_rotate)(const fa_params *p, FA_REAL *x, int64_t p
 static void FA_FN(fa_kv_append_head)(const fa_params *p, int64_t kh)
 {
     const size_t esize = fa_dtype_size(p->dtype);
+    const int fp8 = p->kv_dtype != p->dtype;
     for (int64_t i = 0; i < p->b; i++) {
         for (int64_t t = 0; t < p->s_new; t++) {
             const int64_t pos = (int64_t)p->cache_seqlens[i] + t;
             const int64_t blk = fa_kv_block(p, i, pos / p->page_size);
             const int64_t row = pos % p->page_size;
+            if (fp8) {
+                FA_FN(fa_kv_append_fp8)(p, i, t, kh, blk, row, pos);
+                continue;
+            }
             const int64_t kc = fa_kv_k_at(p, blk, row, kh);
             const int64_t kn = i * p->knew_bstride + t * p->knew_rstride + kh * p->knew_hstride;
             if (p->rot_cos) {
@@ -279,7 +320,7 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_params *p, int64_t seq, int64_
 {
 #if defined(__GNUC__)
     const int64_t blk = fa_kv_block(p, seq, pos / p->page_size), row = pos % p->page_size;
-    const size_t es = fa_dtype_size(p->dtype);
+    const size_t es = fa_dtype_size(p->kv_dtype);
     for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
         const int64_t ko = fa_kv_k_at(p, blk, row, kh);
         const int64_t vo = fa_kv_v_at(p, blk, row, kh);
@@ -295,6 +336,17 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch)(const fa_params *p, int64_t seq, int64_
 #endif
 }
 
+/* Probabilities x[0 .. n) rounded to dtype (fp16 or bf16) and back. */
+FA_CPU_INLINE void FA_FN(fa_kv_round_row)(FA_REAL *x, int64_t n, fa_dtype dtype)
+{
+    if (dtype == FA_DTYPE_BF16)
+        for (int64_t j = 0; j < n; j++)
+            x[j] = (FA_REAL)fa_bf16_to_f32(fa_f32_to_bf16((float)x[j]));
+    else
+        for (int64_t j = 0; j < n; j++)
+            x[j] = (FA_REAL)fa_f16_to_f32(fa_f32_to_f16((float)x[j]));
+}
+
 /*
  * Asks for the key and value rows of kv head kh at rows [row, row + n) of cache block blk,
  * into L2 (prefetcht1), a line at a time. Each run of a block calls it for its own head, some
@@ -305,7 +357,7 @@ FA_CPU_INLINE void FA_FN(fa_kv_prefetch_run)(const fa_params *p, int64_t blk, in
                                              int64_t kh, int64_t n)
 {
 #if defined(__GNUC__)
-    const size_t es = fa_dtype_size(p->dtype);
+    const size_t es = fa_dtype_size(p->kv_dtype);
     const char *k = (const char *)p->k + (ptrdiff_t)fa_kv_k_at(p, blk, row, kh) * (ptrdiff_t)es;
     const char *v = (const char *)p->v + (ptrdiff_t)fa_kv_v_at(p, blk, row, kh) * (ptrdiff_t)es;
     const size_t k_span = (size_t)p->d * es, v_span = (size_t)p->dv * es;
@@ -344,9 +396,9 @@ FA_CPU_INLINE void FA_FN(fa_kv_block_load)(const fa_params *p, FA_FN(fa_kv_tile)
             const int64_t ko = fa_kv_k_at(p, blk, row, kh);
             const int64_t vo = fa_kv_v_at(p, blk, row, kh);
             if (load_k)
-                FA_FN(fa_load_row)(t->k + (j * nkh + e) * dp, p->k, ko, p->d, p->dtype);
+                FA_FN(fa_load_row)(t->k + (j * nkh + e) * dp, p->k, ko, p->d, p->kv_dtype);
             if (load_v)
-                FA_FN(fa_load_row)(t->v + (j * nkh + e) * dvp, p->v, vo, p->dv, p->dtype);
+                FA_FN(fa_load_row)(t->v + (j * nkh + e) * dvp, p->v, vo, p->dv, p->kv_dtype);
         }
         if (++row == p->page_size && j + 1 < n) {
             row = 0;
@@ -375,12 +427,15 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
     const int64_t per_row = nkh * g; /* packed rows per query row */
     const int64_t bn = fa_kv_block_keys(p, nkh);
     const int64_t start = sg.k0, n = sg.n;
-    const FA_REAL scale = (FA_REAL)p->scale;
     const FA_REAL softcap = (FA_REAL)p->softcap;
     const FA_REAL inv_softcap = p->softcap > 0 ? (FA_REAL)(1.0 / p->softcap) : 0;
 
     for (int64_t i = 0; i < m; i++) {
         const int64_t r = (p0 + i) / per_row, hq = kh0 * g + (p0 + i) % per_row;
+        /* An fp8 cache's k_descale joins the softmax scale, as the GPU folds it. */
+        const float kd =
+            FA_FN(fa_kv_descale)(p->k_descale, p->kd_bstride, p->kd_hstride, seq, hq / g);
+        const FA_REAL scale = (FA_REAL)(p->scale * kd);
         FA_REAL *q = t->q + i * dp;
         FA_FN(fa_load_row)(q, p->q,
                            seq * p->q_bstride + (sg.q0 + r) * p->q_rstride + hq * p->q_hstride,
@@ -418,9 +473,13 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
      * page: key j of kv head kh0 + e is at element j * k_js + e * k_es of kb, likewise for
      * values. So are bf16 key rows in fp32 builds, widened in registers where the scores read
      * them: a conversion into the tile first would cost more than the products. */
-    const int native = p->dtype == FA_NATIVE;
+    const int native = p->kv_dtype == FA_NATIVE;
     const int k_native = native && d == dp, v_native = native && dv == dvp;
-    const int k_bf16 = FA_LANES == 16 && p->dtype == FA_DTYPE_BF16 && d == dp;
+    const int k_bf16 = FA_LANES == 16 && p->kv_dtype == FA_DTYPE_BF16 && d == dp;
+    /* With an fp8 cache and an fp16 / bf16 q, P enters P V rounded to q's dtype, as the GPU's
+     * mma takes it (the row sums take it unrounded). */
+    const int p_round = p->kv_dtype != p->dtype &&
+                        (p->dtype == FA_DTYPE_F16 || p->dtype == FA_DTYPE_BF16);
     /* Values read in place take fa_kv_pv4 where it applies: runs of packed rows are g long (or
      * cut at the item's end, a multiple of FA_KV_BM), so g % 4 == 0 makes them fours. bf16
      * values are read in place only there. */
@@ -522,6 +581,8 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
             for (; j < b; j++)
                 sum += s[j];
             t->l[i] += sum;
+            if (p_round)
+                FA_FN(fa_kv_round_row)(s + a, b - a, p->dtype);
         }
         /* O += P V for each run of packed rows that share a query row and a kv head (the g
          * heads of one kv head: the same keys, the same V rows): fa_kv_pv4 on values read in
@@ -548,10 +609,13 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
     for (int64_t i = 0; i < m; i++) {
         const int64_t r = (p0 + i) / per_row, hq = kh0 * g + (p0 + i) % per_row;
         const FA_REAL mx = t->m[i], l = t->l[i];
+        /* An fp8 cache's v_descale joins the final normalisation. */
+        const FA_REAL vd = (FA_REAL)FA_FN(fa_kv_descale)(p->v_descale, p->vd_bstride,
+                                                         p->vd_hstride, seq, hq / g);
         if (ws_o) {
             /* A chunk without visible keys is an empty part (lse -inf) for the combine. */
             const int64_t at = (it->split * ws_rows + sg.ws + r) * p->h + hq;
-            FA_REAL inv = l > 0 || l != l ? 1 / l : 0; /* NaN: a NaN part, NaN lse below */
+            FA_REAL inv = l > 0 || l != l ? vd / l : 0; /* NaN: a NaN part, NaN lse below */
             for (int64_t c = 0; c < dv; c++)
                 ws_o[at * dv + c] = t->o[i * dvp + c] * inv;
             ws_lse[at] = l > 0 || l != l ? mx + FA_LOG(l) : -(FA_REAL)INFINITY;
@@ -570,7 +634,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
             FA_REAL lscaled = l > 0 ? l * FA_EXP(mx - big) : 0;
             FA_REAL total = FA_RULE_SINK_TOTAL(lscaled, p->sinks, sink, big, FA_EXP);
             lse = big + FA_LOG(total);
-            out_scale = l > 0 ? FA_EXP(mx - big) / total : 0;
+            out_scale = l > 0 ? vd * FA_EXP(mx - big) / total : 0;
         }
         FA_FN(fa_store_row)(p->out,
                             seq * p->o_bstride + (sg.q0 + r) * p->o_rstride + hq * p->o_hstride,

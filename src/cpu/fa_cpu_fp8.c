@@ -13,8 +13,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "core/fa_fp8.h"
 #include "cpu/fa_cpu.h"
-#include "util/fa_fp8.h"
 #include "util/fa_half.h"
 #include "util/fa_threadpool.h"
 

@@ -1,7 +1,9 @@
 /*
  * Row loads and stores between a tensor of any dtype and the kernels' compute precision.
  * Included once per precision, with FA_REAL and FA_FN(name) defined (see fa_cpu_kernel.h).
+ * Loads take fp8 too (the KV cache's fp8 caches), exactly as fa_fp8_to_f32 converts.
  */
+#include "core/fa_fp8.h"
 
 FA_CPU_INLINE void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t offset, int64_t n,
                                       fa_dtype dtype)
@@ -33,6 +35,18 @@ FA_CPU_INLINE void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t of
         const double *src = (const double *)base + offset;
         for (int64_t i = 0; i < n; i++)
             dst[i] = (FA_REAL)src[i];
+        break;
+    }
+    case FA_DTYPE_F8E4M3: {
+        const uint8_t *src = (const uint8_t *)base + offset;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (FA_REAL)fa_e4m3_to_f32(src[i]);
+        break;
+    }
+    case FA_DTYPE_F8E5M2: {
+        const uint8_t *src = (const uint8_t *)base + offset;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (FA_REAL)fa_e5m2_to_f32(src[i]);
         break;
     }
     default:

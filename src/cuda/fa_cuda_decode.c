@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "fa_dkparams.h"
+#include "core/fa_fp8.h"
 #include "core/fa_kvcache.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_cuda_driver.h"
@@ -76,6 +77,18 @@ static int fa_decode_cluster(const fa_plan *plan, const struct fa_decode_setup *
            s->splits <= most && fa_cuda_driver_get()->launch_kernel_ex;
 }
 
+/* fp8 caches copied in 16-byte chunks of 16 values: rows of d and dv multiples of 16 at strides
+ * of whole chunks (the pointers are checked with q's). */
+static int fa_decode_fp8_aligned(const fa_params *p)
+{
+    const int64_t strides[] = {p->k_bstride, p->k_rstride, p->k_hstride,
+                               p->v_bstride, p->v_rstride, p->v_hstride};
+    for (size_t i = 0; i < sizeof strides / sizeof strides[0]; i++)
+        if (strides[i] % 16 != 0)
+            return 0;
+    return p->d % 16 == 0 && p->dv % 16 == 0;
+}
+
 static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_setup *s)
 {
     FA_TRY(fa_cuda_device_arch(device, &s->arch, &s->smem_optin));
@@ -84,12 +97,22 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "q: the CUDA decode kernel takes at most 65535 sequences and kv heads, "
                             "2^30 cache positions and 2^30 query rows times heads per kv head");
+    const int fp8 = fa_dtype_is_fp8(p->kv_dtype);
+    if (fp8 && p->dtype != FA_DTYPE_F16 && p->dtype != FA_DTYPE_BF16)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: fp8 caches on a CUDA device take a q in fp16 or bf16, got %s",
+                            fa_dtype_name(p->dtype));
     fa_plan_key key = {s->arch, p->dtype, (int)p->d, (int)p->dv, 0};
     key.features |= p->paged ? FA_PLAN_PAGED : 0;
+    key.features |= p->kv_dtype == FA_DTYPE_F8E4M3   ? FA_PLAN_KV_E4M3
+                    : p->kv_dtype == FA_DTYPE_F8E5M2 ? FA_PLAN_KV_E5M2
+                                                     : 0;
     key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
     key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
-    key.features |= fa_cuda_rows_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
+    key.features |= fa_cuda_rows_aligned(p) && (!fp8 || fa_decode_fp8_aligned(p))
+                        ? 0
+                        : FA_FEATURE_UNALIGNED;
     const int64_t rows = p->max_sq * (p->h / p->hk);
     FA_TRY(fa_plan_decode(&key, rows, &s->plan));
     if ((int)s->plan.smem > s->smem_optin)
@@ -293,6 +316,9 @@ static void fa_dkparams_fill(const fa_params *p, int splits, void *ws, fa_dkpara
     if (p->paged)
         fa_page_magic(p->page_size, &dk->page_mul, &dk->page_shift);
     dk->s_new = (int)p->s_new;
+    dk->k_descale = p->k_descale, dk->v_descale = p->v_descale;
+    dk->kd_bstride = p->kd_bstride, dk->kd_hstride = p->kd_hstride;
+    dk->vd_bstride = p->vd_bstride, dk->vd_hstride = p->vd_hstride;
     dk->splits = splits;
     dk->empty_lse = INFINITY;
     if (splits > 1 && ws) {
@@ -417,6 +443,7 @@ fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args)
 static fa_params fa_decode_of_forward(const fa_params *p)
 {
     fa_params d = *p;
+    d.kv_dtype = p->dtype;
     d.num_blocks = p->is_varlen ? 1 : p->b;
     d.page_size = p->is_varlen ? p->total_k : p->max_sk;
     return d;

@@ -456,6 +456,9 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     fa_plan_define_features(plan, key->features,
                             FA_FEATURE_VARLEN | FA_FEATURE_UNALIGNED | FA_FEATURE_ALIBI |
                                 FA_FEATURE_SOFTCAP);
+    /* Only fp8 caches get the define: the other kernels keep their key and their code. */
+    if (key->features & (FA_PLAN_KV_E4M3 | FA_PLAN_KV_E5M2))
+        fa_plan_define(plan, "FA_KV_FP8", (key->features & FA_PLAN_KV_E4M3) ? 1 : 2);
     return FA_STATUS_OK;
 }
 

@@ -22,6 +22,8 @@
 #define FA_PLAN_LONG (1u << 25)    /* at least FA_PLAN_LONG_ROWS query rows (max_seqlen_q) */
 #define FA_PLAN_NO_SM90 (1u << 26) /* sm80 family: tensors TMA cannot describe */
 #define FA_PLAN_PAGED (1u << 27)   /* decode: the cache is paged through a block table */
+#define FA_PLAN_KV_E4M3 (1u << 28) /* decode: the caches are fp8 e4m3 (q fp16 or bf16) */
+#define FA_PLAN_KV_E5M2 (1u << 29) /* decode: the caches are fp8 e5m2 */
 
 typedef struct fa_plan_key {
     int arch; /* compute capability, 10 * major + minor */

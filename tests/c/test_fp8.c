@@ -17,7 +17,7 @@
 
 #include "fa_ref.h"
 #include "test_util.h"
-#include "util/fa_fp8.h"
+#include "core/fa_fp8.h"
 
 /* ---- conversions --------------------------------------------------------------------------- */
 

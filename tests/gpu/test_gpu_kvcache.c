@@ -3,7 +3,8 @@
  * inputs and the same cache contents:
  *   out:    within a bf16/fp16 tolerance of the CPU's (the CPU computes in fp32)
  *   lse:    within 2e-3 of the CPU's, +inf exactly where the CPU has it
- *   caches: after the append equal to the CPU's (rotated keys within one rounding)
+ *   caches: after the append equal to the CPU's (rotated keys within one rounding; fp8 caches:
+ *           the same codes, rotated keys at most one code apart)
  *   every output element written, and a second run bitwise identical to the first.
  * Then bad indices (clamped in the kernel, never a fault) and the paged capacity check.
  * Exits 77 (skipped) when no CUDA device is usable.
@@ -29,21 +30,42 @@ typedef struct kv_case {
     double softcap;
     int alibi, sinks;
     int splits; /* num_splits (0: the library's choice) */
+    fa_dtype kv; /* fp8 caches: FA_DTYPE_F8E4M3 or F8E5M2 (0: q's dtype) */
+    int descales; /* fp8: k_descale and v_descale given */
 } kv_case;
 
 static const kv_case cases[] = {
-    {"decode gqa4 contiguous", 3, 32, 8, 1, 128, 128, 1000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0},
-    {"decode paged16 split auto", 4, 8, 2, 1, 128, 128, 2048, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0},
-    {"paged page1 append rotary", 2, 4, 2, 1, 64, 64, 300, 1, 1, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 3},
-    {"paged page3 neox leftpad", 3, 6, 3, 4, 64, 64, 333, 3, 2, 2, 0, 1, 0, 1, -1, -1, 0, 0, 0, 5},
-    {"paged256 chunk16 causal", 2, 16, 2, 16, 128, 128, 1500, 256, 16, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0},
-    {"batch_idx window softcap", 3, 4, 4, 2, 128, 128, 700, 0, 2, 0, 1, 0, 0, 0, 100, 0, 30, 0, 0, 7},
-    {"alibi sinks mqa d256", 2, 8, 1, 3, 256, 256, 900, 0, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 1, 0},
-    {"empty sequences sinks", 3, 4, 2, 2, 64, 64, 200, 16, 0, 0, 0, 0, 1, 0, -1, -1, 0, 0, 1, 4},
-    {"splits 64 d192 dv128", 2, 4, 2, 1, 192, 128, 5000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 64},
-    {"unaligned d36 paged7", 2, 6, 3, 3, 36, 36, 400, 7, 2, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 2},
-    {"unsplit causal gqa8 d128", 2, 16, 2, 5, 128, 128, 3000, 32, 3, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 1},
-    {"prefill 40 rows gqa8", 1, 16, 2, 40, 128, 128, 1200, 64, 40, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0},
+    {"decode gqa4 contiguous", 3, 32, 8, 1, 128, 128, 1000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0},
+    {"decode paged16 split auto", 4, 8, 2, 1, 128, 128, 2048, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0},
+    {"paged page1 append rotary", 2, 4, 2, 1, 64, 64, 300, 1, 1, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 3, 0, 0},
+    {"paged page3 neox leftpad", 3, 6, 3, 4, 64, 64, 333, 3, 2, 2, 0, 1, 0, 1, -1, -1, 0, 0, 0, 5, 0, 0},
+    {"paged256 chunk16 causal", 2, 16, 2, 16, 128, 128, 1500, 256, 16, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0},
+    {"batch_idx window softcap", 3, 4, 4, 2, 128, 128, 700, 0, 2, 0, 1, 0, 0, 0, 100, 0, 30, 0, 0, 7, 0, 0},
+    {"alibi sinks mqa d256", 2, 8, 1, 3, 256, 256, 900, 0, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 1, 0, 0, 0},
+    {"empty sequences sinks", 3, 4, 2, 2, 64, 64, 200, 16, 0, 0, 0, 0, 1, 0, -1, -1, 0, 0, 1, 4, 0, 0},
+    {"splits 64 d192 dv128", 2, 4, 2, 1, 192, 128, 5000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 64, 0, 0},
+    {"unaligned d36 paged7", 2, 6, 3, 3, 36, 36, 400, 7, 2, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 2, 0, 0},
+    {"unsplit causal gqa8 d128", 2, 16, 2, 5, 128, 128, 3000, 32, 3, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 1, 0, 0},
+    {"prefill 40 rows gqa8", 1, 16, 2, 40, 128, 128, 1200, 64, 40, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0},
+    /* fp8 caches (e4m3, e5m2) with per-(sequence, kv head) descales */
+    {"fp8 decode gqa4 contiguous", 3, 32, 8, 1, 128, 128, 1000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0,
+     FA_DTYPE_F8E4M3, 1},
+    {"fp8 paged16 split auto", 4, 8, 2, 1, 128, 128, 2048, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0,
+     FA_DTYPE_F8E4M3, 1},
+    {"fp8 page1 append rotary", 2, 4, 2, 1, 64, 64, 300, 1, 1, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 3,
+     FA_DTYPE_F8E4M3, 1},
+    {"fp8 page3 neox leftpad e5m2", 3, 6, 3, 4, 64, 64, 333, 3, 2, 2, 0, 1, 0, 1, -1, -1, 0, 0, 0, 5,
+     FA_DTYPE_F8E5M2, 1},
+    {"fp8 batch_idx softcap", 3, 4, 4, 2, 128, 128, 700, 0, 2, 0, 1, 0, 0, 0, 100, 0, 30, 0, 0, 7,
+     FA_DTYPE_F8E4M3, 1},
+    {"fp8 alibi sinks mqa d256", 2, 8, 1, 3, 256, 256, 900, 0, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 1, 0,
+     FA_DTYPE_F8E5M2, 0},
+    {"fp8 splits 64 d192 dv128", 2, 4, 2, 1, 192, 128, 5000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 64,
+     FA_DTYPE_F8E4M3, 1},
+    {"fp8 unaligned d40 paged7", 2, 6, 3, 3, 40, 40, 400, 7, 2, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 2,
+     FA_DTYPE_F8E4M3, 1},
+    {"fp8 prefill 40 rows gqa8", 1, 16, 2, 40, 128, 128, 1200, 64, 40, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0,
+     FA_DTYPE_F8E4M3, 1},
 };
 
 static int failures;
@@ -71,6 +93,19 @@ static double max_rel_diff(const void *a, const void *b, fa_dtype dt, size_t n)
     return worst;
 }
 
+/* fp8 caches after the append: the same codes, or (rotated keys, loose) codes of one sign at
+ * most one step apart (a rotation one fp32 rounding apart may round the other way). Returns the
+ * number of elements that break it. */
+static int64_t fp8_codes_differ(const uint8_t *a, const uint8_t *b, size_t n, int loose)
+{
+    int64_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        const int step = a[i] > b[i] ? a[i] - b[i] : b[i] - a[i];
+        bad += step != 0 && !(loose && step == 1 && (a[i] & 0x80) == (b[i] & 0x80));
+    }
+    return bad;
+}
+
 static void run_case(const kv_case *c, fa_dtype dt)
 {
     if (!gu_shard_take(gu_attn_cost(c->b, c->h, c->sq, c->cap, c->d, c->dv, 0)))
@@ -90,7 +125,10 @@ static void run_case(const kv_case *c, fa_dtype dt)
     const int rd = c->d >= 32 ? 32 : c->d / 2 * 2;
     int64_t ros[2] = {cap + c->sq + 2, rd / 2};
     gpu_buf q = gu_buf_new(dt, 4, qs, 0), o = gu_buf_new(dt, 4, os, 0);
-    gpu_buf kc = gu_buf_new(dt, 4, ks, 0), vc = gu_buf_new(dt, 4, vs, 0);
+    const fa_dtype kvt = c->kv ? c->kv : dt;
+    gpu_buf kc = gu_buf_new(kvt, 4, ks, 0), vc = gu_buf_new(kvt, 4, vs, 0);
+    int64_t dss[2] = {c->b, c->hk};
+    gpu_buf kdesc = gu_buf_new(FA_DTYPE_F32, 2, dss, 0), vdesc = gu_buf_new(FA_DTYPE_F32, 2, dss, 0);
     gpu_buf knew = gu_buf_new(dt, 4, kn, 0), vnew = gu_buf_new(dt, 4, vn, 0);
     gpu_buf lse = gu_buf_new(FA_DTYPE_F32, 3, ls, 0);
     gpu_buf seqlens = gu_buf_new(FA_DTYPE_I32, 1, bsz, 0), bidx = gu_buf_new(FA_DTYPE_I32, 1, bsz, 0);
@@ -98,8 +136,21 @@ static void run_case(const kv_case *c, fa_dtype dt)
     gpu_buf al = gu_buf_new(FA_DTYPE_F32, 1, hs, 0), sk = gu_buf_new(FA_DTYPE_F32, 1, hs, 0);
     gpu_buf cs = gu_buf_new(dt, 2, ros, 0), sn = gu_buf_new(dt, 2, ros, 0);
     gu_fill_uniform(&q, -1, 1);
-    gu_fill_uniform(&kc, -1, 1);
-    gu_fill_uniform(&vc, -1, 1);
+    if (c->kv) {
+        /* fp8 codes of values in [-2, 2] (no NaN code); the new rows then divide by descales
+         * in [0.2, 1.5]. */
+        gpu_buf *caches[2] = {&kc, &vc};
+        for (int w = 0; w < 2; w++)
+            for (size_t i = 0; i < caches[w]->bytes; i++) {
+                const float x = (float)gu_uniform(-2, 2);
+                fa_fp8_from_f32(c->kv, &x, (uint8_t *)caches[w]->host.data + i, 1);
+            }
+        gu_fill_uniform(&kdesc, 0.2, 1.5);
+        gu_fill_uniform(&vdesc, 0.2, 1.5);
+    } else {
+        gu_fill_uniform(&kc, -1, 1);
+        gu_fill_uniform(&vc, -1, 1);
+    }
     gu_fill_uniform(&knew, -1, 1);
     gu_fill_uniform(&vnew, -1, 1);
     gu_fill_uniform(&al, 0.01, 0.3);
@@ -123,7 +174,8 @@ static void run_case(const kv_case *c, fa_dtype dt)
     for (int i = 0; i < (int)(bts[0] * bts[1]); i++)
         btab[i] = paged ? perm[i] : 0;
     free(perm);
-    gpu_buf *inputs[] = {&q, &kc, &vc, &knew, &vnew, &al, &sk, &cs, &sn, &seqlens, &bidx, &lpad, &bt};
+    gpu_buf *inputs[] = {&q,       &kc,   &vc,   &knew, &vnew, &al,    &sk,
+                         &cs,      &sn,   &seqlens, &bidx, &lpad, &bt, &kdesc, &vdesc};
     for (size_t i = 0; i < sizeof inputs / sizeof inputs[0]; i++)
         gu_buf_upload(inputs[i]);
 
@@ -157,6 +209,9 @@ static void run_case(const kv_case *c, fa_dtype dt)
         host.alibi_slopes = &al.host, dev.alibi_slopes = &al.dev;
     if (c->sinks)
         host.sinks = &sk.host, dev.sinks = &sk.dev;
+    if (c->descales)
+        host.k_descale = &kdesc.host, dev.k_descale = &kdesc.dev, host.v_descale = &vdesc.host,
+        dev.v_descale = &vdesc.dev;
     dev.device = 0;
 
     fa_cu_deviceptr ws = 0;
@@ -220,10 +275,18 @@ static void run_case(const kv_case *c, fa_dtype dt)
         if (lse_bad || lse_err > 2e-3)
             FAIL("lse: max err %.3g, %lld infinities differ", lse_err, (long long)lse_bad);
         void *gk = gu_buf_download(&kc), *gv = gu_buf_download(&vc);
-        double dk = max_rel_diff(gk, kc.host.data, dt, kc.bytes / 2);
-        double dv = max_rel_diff(gv, vc.host.data, dt, vc.bytes / 2);
-        if (dv != 0 || dk > (c->rotary ? (dt == FA_DTYPE_BF16 ? 1.6e-2 : 2e-3) : 0))
-            FAIL("caches after the append differ from the CPU's: k %.3g, v %.3g", dk, dv);
+        if (c->kv) {
+            const int64_t bk = fp8_codes_differ(gk, kc.host.data, kc.bytes, c->rotary != 0);
+            const int64_t bv = fp8_codes_differ(gv, vc.host.data, vc.bytes, 0);
+            if (bk || bv)
+                FAIL("fp8 caches after the append differ from the CPU's: %lld k, %lld v codes",
+                     (long long)bk, (long long)bv);
+        } else {
+            double dk = max_rel_diff(gk, kc.host.data, dt, kc.bytes / 2);
+            double dv = max_rel_diff(gv, vc.host.data, dt, vc.bytes / 2);
+            if (dv != 0 || dk > (c->rotary ? (dt == FA_DTYPE_BF16 ? 1.6e-2 : 2e-3) : 0))
+                FAIL("caches after the append differ from the CPU's: k %.3g, v %.3g", dk, dv);
+        }
         free(gk);
         free(gv);
         printf("ok  %-28s %s  out err %.2e (scale %.2f)  lse err %.2e  workspace %zu\n", c->name,
@@ -233,7 +296,8 @@ static void run_case(const kv_case *c, fa_dtype dt)
     free(first_lse);
     if (ws)
         CHECK_CU(gu_drv->mem_free(ws));
-    gpu_buf *all[] = {&q, &o, &kc, &vc, &knew, &vnew, &lse, &seqlens, &bidx, &lpad, &bt, &al, &sk, &cs, &sn};
+    gpu_buf *all[] = {&q,   &o,  &kc, &vc, &knew, &vnew, &lse,  &seqlens, &bidx,
+                      &lpad, &bt, &al, &sk, &cs,   &sn,   &kdesc, &vdesc};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         gu_buf_free(all[i]);
 }
@@ -243,7 +307,7 @@ static void run_case(const kv_case *c, fa_dtype dt)
  * contiguous cache, the kernels clamp: the call completes and the context stays usable. */
 static void run_bad_indices(void)
 {
-    const kv_case cc = {"bad indices", 2, 4, 2, 1, 64, 64, 256, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0};
+    const kv_case cc = {"bad indices", 2, 4, 2, 1, 64, 64, 256, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0};
     const kv_case *c = &cc;
     const fa_dtype dt = FA_DTYPE_BF16;
     int64_t qs[4] = {2, 1, 4, 64}, ks[4] = {40, 16, 2, 64}, kn[4] = {2, 1, 2, 64};
@@ -320,7 +384,7 @@ static void run_bad_indices(void)
  * several CTAs of a kv head run the call. */
 static void run_alias_rotary(fa_dtype dt)
 {
-    const kv_case cc = {"k a view of its rows", 2, 4, 2, 2, 64, 64, 300, 0, 3, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 4};
+    const kv_case cc = {"k a view of its rows", 2, 4, 2, 2, 64, 64, 300, 0, 3, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 4, 0, 0};
     const kv_case *c = &cc;
     const int len = 100, rd = 32;
     int64_t qs[4] = {2, 2, 4, 64}, ks[4] = {2, 300, 2, 64}, ls[3] = {2, 4, 2}, bsz[1] = {2};
@@ -395,7 +459,7 @@ static void run_alias_rotary(fa_dtype dt)
 /* fa_attention_combine on the device against the CPU's, with empty (+-inf) and NaN-free parts. */
 static void run_combine(fa_dtype dt)
 {
-    const kv_case cc = {"combine", 3, 5, 5, 4, 0, 96, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0};
+    const kv_case cc = {"combine", 3, 5, 5, 4, 0, 96, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0};
     const kv_case *c = &cc;
     const int splits = 37;
     int64_t ops[5] = {splits, 3, 4, 5, 96}, lps[4] = {splits, 3, 4, 5}, os[4] = {3, 4, 5, 96};

@@ -394,6 +394,44 @@ def test_kvcache_cuda_matches_cpu(gen, dtype, case):
     assert torch.equal(vc.cpu(), vc_c)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kind", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("page", [0, 1, 16])
+def test_kvcache_fp8_cuda_matches_cpu(gen, dtype, kind, page):
+    """fp8 caches with k_descale / v_descale on CUDA tensors (the decode kernel) against the
+    CPU library's call on copies: the same out and lse, the same appended codes (rotated keys
+    at most one code apart)."""
+    b, h, hk, d, cap, s_new = 3, 8, 2, 128, 192, 1
+    q = _randn(gen, b, 2, h, d, dtype=dtype)
+    extra, rows = {}, b
+    if page:
+        blocks = cap // page
+        rows = b * blocks + 3
+        extra["block_table"] = torch.randperm(rows, generator=gen)[:b * blocks].view(
+            b, blocks).to("cuda", torch.int32)
+    size = (rows, page if page else cap, hk, d)
+    kc = (torch.rand(*size, generator=gen) * 4 - 2).to(kind).cuda()
+    vc = (torch.rand(*size, generator=gen) * 4 - 2).to(kind).cuda()
+    k, v = _randn(gen, b, s_new, hk, d, dtype=dtype), _randn(gen, b, s_new, hk, d, dtype=dtype)
+    th = torch.rand(cap + 2, 16, generator=gen) * 6 - 3
+    kw = dict(causal=True, return_softmax_lse=True, num_splits=0,
+              cache_seqlens=torch.tensor([0, 57, cap - s_new], dtype=torch.int32, device="cuda"),
+              rotary_cos=th.cos().to("cuda", dtype), rotary_sin=th.sin().to("cuda", dtype),
+              k_descale=(torch.rand(b, hk, generator=gen) + 0.2).cuda(),
+              v_descale=(torch.rand(b, hk, generator=gen) + 0.2).cuda(), **extra)
+    cpu = {n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    kc_c, vc_c = kc.cpu(), vc.cpu()
+    out_c, lse_c = flashattn.flash_attn_with_kvcache(q.cpu(), kc_c, vc_c, k.cpu(), v.cpu(), **cpu)
+    out, lse = flashattn.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    assert out.is_cuda and out.dtype == dtype
+    _close(out, out_c, dtype, "fp8 kvcache out")
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    _lse_close(lse, lse_c, tol=2 * ulp)
+    assert torch.equal(vc.cpu().view(torch.uint8), vc_c.view(torch.uint8))
+    step = (kc.cpu().view(torch.uint8).int() - kc_c.view(torch.uint8).int()).abs()
+    assert int(step.max()) <= 1
+
+
 def test_kvcache_cuda_refusals(gen):
     """Arguments on another device, or a paged cache with cache_batch_idx, are refused by name
     before anything is written."""

@@ -371,9 +371,9 @@ def test_scheduler_metadata_is_honoured(rng, monkeypatch):
     seen = []
     real = fa2.flash_attn_with_kvcache
 
-    def spy(*args):
+    def spy(*args, **kw):
         seen.append(args[17])
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(fa2, "flash_attn_with_kvcache", spy)
     fa3.flash_attn_with_kvcache(A["q"], A["kc"], A["vc"], scheduler_metadata=meta, **call)
@@ -461,13 +461,18 @@ def test_refused(rng, function, name, value, words):
 
 @pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
 def test_descales_need_fp8(rng, name):
-    """FP8 descales: refused with non-fp8 inputs, and on the KV-cache call (no FP8 caches)."""
+    """FP8 descales: refused with non-fp8 inputs; the KV-cache call refuses an fp8 q
+    (q_descale) and takes k_descale / v_descale with fp8 caches only."""
     calls = refusal_calls(rng)
     for function in ("func", "varlen"):
         with pytest.raises(FlashAttnError, match=name + ": descales apply to fp8 inputs only"):
             calls[function](**{name: torch.ones(1, 1)})
-    with pytest.raises(NotImplementedError, match=re.escape(name + " (FP8 KV caches")):
-        calls["kvcache"](**{name: torch.ones(1, 1)})
+    if name == "q_descale":
+        with pytest.raises(NotImplementedError, match=re.escape(name + " (an fp8 q")):
+            calls["kvcache"](**{name: torch.ones(1, 1)})
+    else:
+        with pytest.raises(FlashAttnError, match=name + ": descales apply to fp8 inputs only"):
+            calls["kvcache"](**{name: torch.ones(1, 1)})
 
 
 @pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k_new", "rotary_seqlens"])

@@ -275,10 +275,11 @@ def test_signature_matches_upstream():
     names = ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
              "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
              "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
-             "return_softmax_lse", "learnable_sink"]
+             "return_softmax_lse", "learnable_sink", "k_descale", "v_descale"]
     assert list(params) == names
     assert params["rotary_interleaved"].default is True and params["num_splits"].default == 0
-    assert params["learnable_sink"].kind is inspect.Parameter.KEYWORD_ONLY
+    for name in ("learnable_sink", "k_descale", "v_descale"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
     assert list(inspect.signature(flash_attn_combine).parameters) == [
         "out_partial", "lse_partial", "out", "out_dtype"]
     assert "flash_attn_with_kvcache" in flashattn.__all__
