@@ -1,12 +1,12 @@
 /*
  * fp8 KV caches in the decode kernel (fa_decode.cu, FA_KV_FP8 1: e4m3, 2: e5m2;
- * include/flashattn.h, "FP8 caches"). Key blocks are copied as fp8 into stages of half the size, then each block is
- * converted once into one tile of q's dtype with fa_decode.cu's swizzled layout, which the mma
- * loop reads as it reads a bf16/fp16 stage: every fp8 value is exact in fp16 and bf16, so the
- * products are those of the dequantised cache. The descales are folded in by fa_decode.cu
- * (k_descale into the softmax scale of the CTA's (sequence, kv head), v_descale into the final
- * normalisation). The append rounds x / descale to fp8 by fa_rules.h's rule, the CPU's, so that
- * a device and the CPU write the same bytes.
+ * include/flashattn.h, "FP8 caches"). Key blocks are copied as fp8 into stages of half the
+ * size, then each block is converted once into one tile of q's dtype with fa_decode.cu's
+ * swizzled layout, which the mma loop reads as it reads a bf16/fp16 stage: every fp8 value is
+ * exact in fp16 and bf16, so the products are those of the dequantised cache. The descales are
+ * folded in by fa_decode.cu (k_descale into the softmax scale of the CTA's (sequence, kv head),
+ * v_descale into the final normalisation). The append rounds x / descale to fp8 by fa_rules.h's
+ * rule, the CPU's, so that a device and the CPU write the same bytes.
  *
  * Needs fa_decode.cu's FA_BN, FA_DP, FA_DVP, FA_THREADS, FA_CHUNK_* macros, fa_rotary_elem and
  * fa_kv_locate.
