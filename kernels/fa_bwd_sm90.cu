@@ -57,6 +57,13 @@
 #define FA_THREADS 384
 #define FA_NWARPS 12
 #define FA_VEC 1
+#if FA_VARLEN && FA_DP == 128 && !FA_DROPOUT
+/* The varlen producer's tour holds the sequence's lengths and first row, which did not fit in
+ * 24 registers; at head dim 128 the consumers fit in what is left (168 x 384 = 128 x 40 +
+ * 256 x 232), which the kernels with dropout or head dim 64 do not. */
+#define FA_REGS_PRODUCER 40
+#define FA_REGS_CONSUMER 232
+#endif
 
 #include "fa_sm90.cuh"
 #include "fa_smem.h"
