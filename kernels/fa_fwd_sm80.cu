@@ -402,6 +402,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     /* Epilogue: the sink joins the denominator; rows with no visible key and no sink give 0 and
      * lse +inf. */
     const float sink2 = kp.sinks ? kp.sinks[h * kp.sinks_stride] * FA_LOG2E : -FA_INF;
+#if FA_VARLEN
+    const fa_seq fin = fa_seq_get(&kp, bi, 1);
+#else
+    const fa_seq fin = seq;
+#endif
 #pragma unroll
     for (int mt = 0; mt < FA_MT; mt++)
 #pragma unroll
@@ -410,13 +415,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
             float lse, scale;
             fa_row_finish(row_sum[mt][hf], row_max[mt][hf] * sm, sink2, &lse, &scale);
             scale *= kp.dropout_scale;
-            fa_u16 *og = (fa_u16 *)kp.out + bi * kp.o_bstride + (seq.q_start + row) * kp.o_rstride +
+            fa_u16 *og = (fa_u16 *)kp.out + bi * kp.o_bstride + (fin.q_start + row) * kp.o_rstride +
                          h * kp.o_hstride;
 #if FA_VEC
             /* 16 bytes a lane through the quad's shuffles, which every lane takes part in. */
-            fa_store_row16(og, kp.dv, o[mt], FA_DVP, hf, t, scale, row < seq.sq);
+            fa_store_row16(og, kp.dv, o[mt], FA_DVP, hf, t, scale, row < fin.sq);
 #endif
-            if (row >= seq.sq)
+            if (row >= fin.sq)
                 continue;
 #if !FA_VEC
 #pragma unroll
@@ -428,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #endif
             if (kp.lse && t == 0)
                 kp.lse[bi * kp.lse_bstride + h * kp.lse_hstride +
-                       (FA_VARLEN ? seq.q_start + row : row) * kp.lse_rstride] = lse;
+                       (FA_VARLEN ? fin.q_start + row : row) * kp.lse_rstride] = lse;
         }
 }
 
