@@ -402,6 +402,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     /* Epilogue: the sink joins the denominator; rows with no visible key and no sink give 0 and
      * lse +inf. */
     const float sink2 = kp.sinks ? kp.sinks[h * kp.sinks_stride] * FA_LOG2E : -FA_INF;
+    /* Varlen: the sequence read again, since its first row and length held in registers over
+     * the key loop made ptxas spill there. */
 #if FA_VARLEN
     const fa_seq fin = fa_seq_get(&kp, bi, 1);
 #else
