@@ -33,8 +33,8 @@
 
 /* sm90 backward (fa_bwd_sm90.cu, d = dv), from a 1024-byte aligned base: K and V [bn][dp]; Q and
  * dO [stages][bm][dp]; two dS^T buffers [bn][bm]; each consumer warp's fp32 dQ piece (16 x 64);
- * the mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; two int work-item slots; 1 KB
- * more to round the base up to the swizzle atom. */
+ * the mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; two int work-item slots, then
+ * their sequences' lengths (sq, sk; varlen); 1 KB more to round the base up to the swizzle atom. */
 #define FA_SMEM_BWD90_KV(bn, dp) ((bn) * (dp) * 2)
 #define FA_SMEM_BWD90_QT(bm, dp) ((bm) * (dp) * 2)
 #define FA_SMEM_BWD90_DS(bn, bm) ((bn) * (bm) * 2)
@@ -42,7 +42,7 @@
 #define FA_SMEM_BWD90(bm, bn, dp, stages, dq_warps)                                               \
     (2 * FA_SMEM_BWD90_KV(bn, dp) + 2 * (stages) * FA_SMEM_BWD90_QT(bm, dp) +                     \
      2 * FA_SMEM_BWD90_DS(bn, bm) + (dq_warps) * FA_SMEM_BWD90_DQW + (2 + 2 * (stages)) * 8 +      \
-     2 * 4 + 1024)
+     6 * 4 + 1024)
 
 /* Decode (fa_decode.cu): stages of K [bn][dp] and V [bn][dvp], then Q [bm][dp]; after the key
  * loop the stages hold each warp's fp32 O [16][dvp] and its rows' max and sum, so the total is

@@ -334,7 +334,7 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = 12;
     plan->threads = 384;
     plan->stages = 3;
-    /* The 8 consumer warps each add a dQ piece; 230472 bytes at either head dim, of the
+    /* The 8 consumer warps each add a dQ piece; 230488 bytes at either head dim, of the
      * FA_SMEM_SM90_MAX an sm_90 CTA may have. */
     plan->smem = (unsigned)FA_SMEM_BWD90(plan->bm, plan->bn, plan->dp, plan->stages, 8);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
