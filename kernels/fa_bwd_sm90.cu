@@ -148,9 +148,10 @@ FA_DEV fa_u32 fa_swz128(int row, int col)
 }
 
 #if FA_VARLEN
-/* A varlen item's sequence as the consumers use it: its lengths, which the producer wrote
- * beside the item's slot (lens[0..1]: sq, sk), read there at each use: held in registers over the item, they
- * made ptxas spill (the dense kernel's lengths are kernel parameters, read where used). */
+/* A varlen item's sequence as its tour and tiles use it: its lengths, which the producer wrote
+ * beside the item's slot (lens[0..1]: sq, sk), read there at each use: held in registers over
+ * the item, they made ptxas spill (the dense kernel's lengths are kernel parameters, read where
+ * used). */
 FA_DEV fa_seq fa_item_seq(const volatile int *lens)
 {
     fa_seq s;
@@ -423,8 +424,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             const fa_bwd_item im = fa_bwd_item_make(&bp, wi);
             const int h_end = (im.hk + 1) * group;
 #if FA_VARLEN
-            slot[2 + 2 * (ii & 1)] = im.seq.sq;
-            slot[3 + 2 * (ii & 1)] = im.seq.sk;
+            volatile int *lens = slot + 2 + 2 * (ii & 1);
+            lens[0] = im.seq.sq;
+            lens[1] = im.seq.sk;
+#else
+            const fa_seq seq = im.seq;
 #endif
             fa_mbar_expect_tx(kv_full, 2 * FA_KV_BYTES);
 #pragma unroll
@@ -435,7 +439,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                              kv_full);
             }
             int h = im.hk * group, mb = mb_first;
-            fa_bwd_tour(&bp, &im.seq, im.nb, h_end, &h, &mb, 0);
+            const fa_seq sv_first = FA_ITEM_SEQ;
+            fa_bwd_tour(&bp, &sv_first, im.nb, h_end, &h, &mb, 0);
             for (; h < h_end;) {
                 /* Stage qs's previous tile released. */
                 fa_mbar_wait(q_empty + 8 * qs, qph ^ 1);
@@ -448,7 +453,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                                  im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * qs);
                 }
                 mb += mb_step;
-                fa_bwd_tour(&bp, &im.seq, im.nb, h_end, &h, &mb, 1);
+                const fa_seq sv = FA_ITEM_SEQ;
+                fa_bwd_tour(&bp, &sv, im.nb, h_end, &h, &mb, 1);
                 if (++qs == FA_QSTAGES)
                     qs = 0, qph ^= 1;
             }
@@ -526,11 +532,17 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
             const fa_i64 row0 = fa_bwd_row0(&bp, h, bi) + m0;
 
-            /* The tile's rows of lse and D, loaded here so that the products below hide their
-             * latency (read where fa_bwd_probs needs them, they stalled it). */
-            const fa_seq sv_tile = FA_ITEM_SEQ;
-            const fa_bwd_tile tl = fa_bwd_tile_make(kp, &sv_tile, bi, h, m0, key0, t, wlo, whi,
-                                                    bp.lse2 + row0, bp.dsum + row0);
+            /* The tile's view for fa_bwd_probs, with its rows of lse and D, made here so that the
+             * products below hide their loads' latency (read where fa_bwd_probs needs them, they
+             * stalled it); with dropout after the products, since held over them beside the
+             * dropout state it made ptxas spill. */
+#define FA_TILE_VIEW                                                                             \
+    const fa_seq sv_tile = FA_ITEM_SEQ;                                                          \
+    const fa_bwd_tile tl = fa_bwd_tile_make(kp, &sv_tile, bi, h, m0, key0, t, wlo, whi,          \
+                                            bp.lse2 + row0, bp.dsum + row0)
+#if !FA_DROPOUT
+            FA_TILE_VIEW;
+#endif
 
             /* S^T and dP^T of this warpgroup's 64 keys x the tile's queries. C layout: st[nt][e] is
              * key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
@@ -543,6 +555,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_wg_wait0();
             fa_pin_acc(&st[0][0], FA_BM / 2);
             fa_pin_acc(&dpt[0][0], FA_BM / 2);
+#if FA_DROPOUT
+            FA_TILE_VIEW;
+#endif
 
             const int full = fa_bwd_tile_full(&sv_tile, m0, n0, wlo, whi);
             if (full)
