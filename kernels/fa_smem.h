@@ -11,6 +11,7 @@
 
 /* sm80 forward (fa_fwd_sm80.cu): Q [bm][dp], K [bn][dp], V [bn][dvp]. */
 #define FA_SMEM_FWD80(bm, bn, dp, dvp) (2 * ((bm) * (dp) + (bn) * ((dp) + (dvp))))
+#define FA_SMEM_FWD80_LENS 8 /* varlen: the sequence's sq, sk (int) after the tiles */
 
 /* sm90 forward (fa_fwd_sm90.cu), from a 1024-byte aligned base: Q [bm][dp]; per stage K [bn][dp]
  * and V [bn][dvp]; the mbarriers (8 bytes each) q_full, q_empty, and k_full, v_full, k_empty,

@@ -258,7 +258,8 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = dropout ? row->nw_d : row->nwarps;
     fa_plan_tile_override(plan);
     plan->threads = (unsigned)plan->nwarps * 32;
-    plan->smem = (unsigned)FA_SMEM_FWD80(plan->bm, plan->bn, plan->dp, plan->dvp);
+    plan->smem = (unsigned)FA_SMEM_FWD80(plan->bm, plan->bn, plan->dp, plan->dvp) +
+                 ((key->features & FA_FEATURE_VARLEN) ? FA_SMEM_FWD80_LENS : 0);
 
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
