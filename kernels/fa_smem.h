@@ -31,6 +31,7 @@
     (2 * ((qstages) * (bm) * (FA_SMEM_BWD80_LD(dp) + FA_SMEM_BWD80_LD(dvp)) +                     \
           (bn) * (FA_SMEM_BWD80_LD(dp) + FA_SMEM_BWD80_LD(dvp)) + (bn) * FA_SMEM_BWD80_LD(bm)) +  \
      4 * 2 * (qstages) * (bm))
+#define FA_SMEM_BWD80_LENS 16 /* varlen: the sequence's q_start (two ints), sq, sk after them */
 
 /* sm90 backward (fa_bwd_sm90.cu, d = dv), from a 1024-byte aligned base: K and V [bn][dp]; Q and
  * dO [stages][bm][dp]; two dS^T buffers [bn][bm]; each consumer warp's fp32 dQ piece (16 x 64);

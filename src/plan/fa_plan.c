@@ -381,7 +381,8 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = row.nwarps;
     plan->bn = 16 * row.nwarps;
     plan->threads = (unsigned)(32 * row.nwarps);
-    plan->smem = (unsigned)FA_SMEM_BWD80(plan->bm, plan->bn, plan->dp, plan->dvp, row.qstages);
+    plan->smem = (unsigned)FA_SMEM_BWD80(plan->bm, plan->bn, plan->dp, plan->dvp, row.qstages) +
+                 ((key->features & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
