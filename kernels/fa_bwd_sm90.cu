@@ -48,9 +48,9 @@
  * blocks one after another, as TMA writes them): K, V [FA_DP / 64][FA_BN][64]; Q, dO
  * [FA_QSTAGES][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BM / 64][FA_BN][64]; dQ pieces, fp32
  * [8 warps][1024] in the accumulator's order; mbarriers kv_full, q_full[FA_QSTAGES],
- * q_empty[FA_QSTAGES], kv_empty; the item slots, int [2], and their sequence lengths, int
- * [2][2]. Three stages of Q and dO (the plan's
- * FA_QSTAGES) fill the 227 KB to within 2 KB, so the consumers rarely wait for Q and dO.
+ * q_empty[FA_QSTAGES], kv_empty; the item slots, int [2], then their sequences' lengths, int
+ * [2][2]. Three stages of Q and dO (the plan's FA_QSTAGES) fill the 227 KB to within 2 KB, so
+ * the consumers rarely wait for Q and dO.
  */
 #include "fa_bkparams.h"
 
@@ -652,7 +652,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         /* This warp is done with K and V: the next item's load overlaps the stores below. */
         if (lane == 0)
             fa_mbar_arrive(kv_empty);
-        fa_bwd_store_dkdv(&bp, bi, hk, key0, t, FA_ITEM_SEQ.sk, dk, dv);
+#if FA_VARLEN
+        fa_bwd_store_dkdv(&bp, bi, hk, key0, t, 0, dk, dv); /* it reads the sequence's keys */
+#else
+        fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, dk, dv);
+#endif
     }
     /* The other warpgroup's last two read barriers, which no later write consumed. */
     for (int j = it > 1 ? it - 2 : 0; j < it; j++)
