@@ -14,6 +14,7 @@ instructions) and resource usage (registers, stack frame); cuobjdump is taken fr
 then PATH, then $CUDA_HOME/bin.
 """
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -58,7 +59,7 @@ def label(key):
 
 
 def kernel_stats(cuobjdump, cubin):
-    """{function: [registers, stack bytes, LDL, STL, instructions]} of a cubin."""
+    """{function: [registers, stack bytes, LDL, STL, instructions, SASS digest]} of a cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
         tmp.write(cubin)
         tmp.flush()
@@ -72,18 +73,20 @@ def kernel_stats(cuobjdump, cubin):
         m = re.search(r"Function (\S+):", line)
         if m:
             fn = m.group(1)
-            stats[fn] = [0, 0, 0, 0, 0]
+            stats[fn] = [0, 0, 0, 0, 0, ""]
             continue
         m = re.search(r"REG:(\d+) STACK:(\d+)", line)
         if m and fn:
             stats[fn][0] = int(m.group(1))
             stats[fn][1] = int(m.group(2))
     fn = None
+    digests = {}
     for line in sass.splitlines():
         m = re.search(r"Function : (\S+)", line)
         if m:
             fn = m.group(1)
-            stats.setdefault(fn, [0, 0, 0, 0, 0])
+            stats.setdefault(fn, [0, 0, 0, 0, 0, ""])
+            digests[fn] = hashlib.sha1()
             continue
         m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m and fn:
@@ -92,6 +95,10 @@ def kernel_stats(cuobjdump, cubin):
             s[2] += op == "LDL"
             s[3] += op == "STL"
             s[4] += 1
+            # the instruction without its address and encoding: the code, wherever it sits
+            digests[fn].update(line.split(";")[0].split("*/", 1)[-1].encode())
+    for fn, d in digests.items():
+        stats[fn][5] = d.hexdigest()[:12]
     return stats
 
 
@@ -115,7 +122,9 @@ def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cache", help="kernel cache directory (FLASHATTN_CACHE_DIR)")
-    ap.add_argument("--compare", metavar="OLD", help="a second cache: print the rows that differ")
+    ap.add_argument("--compare", metavar="OLD",
+                    help="a second cache: print the rows that differ ('same counts' when only "
+                    "the code does)")
     ap.add_argument("--spills", action="store_true", help="only the kernels with LDL/STL")
     ap.add_argument("--check", action="store_true", help="exit 1 when any kernel spills")
     a = ap.parse_args()
@@ -132,15 +141,16 @@ def main():
             o, n = old.get(k), new.get(k)
             if o == n:
                 continue
-            fmt = lambda s: "-" if s is None else "%4d %5d %5d %5d %7d" % tuple(s)
-            print(f"{fmt(o):>30} | {fmt(n):>30}  {k[0]} {k[1]}")
+            fmt = lambda s: "-" if s is None else "%4d %5d %5d %5d %7d" % tuple(s[:5])
+            note = "  (same counts, other code)" if o and n and o[:5] == n[:5] else ""
+            print(f"{fmt(o):>30} | {fmt(n):>30}  {k[0]} {k[1]}{note}")
     else:
         print(head)
         for k in sorted(new):
             s = new[k]
             if a.spills and not (s[2] or s[3]):
                 continue
-            print("%4d %5d %5d %5d %7d  %s %s" % (*s, k[0], k[1]))
+            print("%4d %5d %5d %5d %7d  %s %s" % (*s[:5], k[0], k[1]))
     spilling = [k for k, s in new.items() if s[2] or s[3]]
     print(f"{len(spilling)} of {len(new)} kernels use local memory", file=sys.stderr)
     return 1 if a.check and spilling else 0
