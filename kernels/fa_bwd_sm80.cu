@@ -160,6 +160,19 @@ FA_DEV void fa_bwd_load_q(const fa_bkparams *bp, const fa_seq *s, int bi, int h,
                       16);
 }
 
+#if FA_VARLEN
+/* The sequence as the main loop uses it, from its copy in shared memory (fa_bwd): q_start's
+ * low and high words, sq, sk (k_start is not used there). */
+FA_DEV fa_seq fa_bwd_lens_seq(const volatile int *l)
+{
+    fa_seq s;
+    s.q_start = (fa_i64)((fa_u64)(fa_u32)l[0] | (fa_u64)(fa_u32)l[1] << 32);
+    s.k_start = 0;
+    s.sq = l[2];
+    s.sk = l[3];
+    return s;
+}
+#endif
 /* The per-tile inputs of the probabilities step, shared by its masked and unmasked forms. */
 /* Grid (n_tiles, hk, b), FA_THREADS threads, dynamic shared memory:
  *   Q [FA_QSTAGES][FA_BM][FA_LDK], dO [FA_QSTAGES][FA_BM][FA_LDV], K [FA_BN][FA_LDK],
@@ -253,28 +266,40 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     int wlo, whi;
     fa_bwd_window(kp, &wlo, &whi);
 
+    /* Varlen: the loop reads the sequence's first row and lengths from shared memory where it
+     * uses them, since held in registers over the loop (or read again from its offsets each
+     * tile) they made ptxas spill: fa_bwd runs at the register limit. Dense: they are kernel
+     * parameters, used as they always were. */
+#if FA_VARLEN
+    volatile int *const lens = (volatile int *)(s_dsum + FA_QSTAGES * FA_BM);
+    if (threadIdx.x == 0) {
+        lens[0] = (int)seq.q_start, lens[1] = (int)(seq.q_start >> 32);
+        lens[2] = seq.sq, lens[3] = seq.sk;
+    }
+    __syncthreads();
+#define FA_CUR fa_bwd_lens_seq(lens)
+#else
+#define FA_CUR seq
+#endif
 #pragma unroll 1
     while (h < h_end) {
-        /* Varlen: the sequence read again each tile, since its lengths and offsets held in
-         * registers over the loop made ptxas spill (fa_bwd runs at the register limit). Dense:
-         * they are kernel parameters, used as they always were. */
-#if FA_VARLEN
-        const fa_seq cur = fa_bwd_seq(kp, bi);
-#else
-        const fa_seq cur = seq;
-#endif
         int hn = h, mbn = mb + 1;
-        fa_bwd_next(&bp, &cur, nb, h_end, &hn, &mbn);
+        {
+            const fa_seq cur = FA_CUR;
+            fa_bwd_next(&bp, &cur, nb, h_end, &hn, &mbn);
+        }
         const int m0 = mb * FA_BM;
         /* This tile's copies have landed, every thread's (wait, then barrier), and every warp is
          * done with the previous tile: its dS^T and, with two stages, the other stage. */
         fa_cp_async_wait_all();
         __syncthreads();
 #if FA_QSTAGES == 2
-        if (hn < h_end)
+        if (hn < h_end) {
+            const fa_seq cur = FA_CUR;
             fa_bwd_load_q(&bp, &cur, bi, hn, mbn, s_q + (stage ^ 1) * FA_BM * FA_LDK,
                           s_do + (stage ^ 1) * FA_BM * FA_LDV, s_lse + (stage ^ 1) * FA_BM,
                           s_dsum + (stage ^ 1) * FA_BM);
+        }
         fa_cp_async_commit();
 #endif
         const fa_u32 qoff = stage * (FA_BM * FA_LDK * 2), dooff = stage * (FA_BM * FA_LDV * 2);
@@ -314,6 +339,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
             }
         }
 
+        const fa_seq cur = FA_CUR;
         const fa_bwd_tile tl = fa_bwd_tile_make(kp, &cur, bi, h, m0, key0, t, wlo, whi,
                                                 s_lse + stage * FA_BM, s_dsum + stage * FA_BM);
         const int full = fa_bwd_tile_full(&cur, m0, n0, wlo, whi);
@@ -430,6 +456,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 #endif
     }
 
+#undef FA_CUR
     /* K and V copies still in flight when no query tile met the block. */
     fa_cp_async_wait_all();
     fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, dk, dv);

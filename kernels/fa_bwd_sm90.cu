@@ -48,8 +48,9 @@
  * blocks one after another, as TMA writes them): K, V [FA_DP / 64][FA_BN][64]; Q, dO
  * [FA_QSTAGES][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BM / 64][FA_BN][64]; dQ pieces, fp32
  * [8 warps][1024] in the accumulator's order; mbarriers kv_full, q_full[FA_QSTAGES],
- * q_empty[FA_QSTAGES], kv_empty; the item slots, int [2]. Three stages of Q and dO (the plan's
- * FA_QSTAGES) fill the 227 KB to within 2 KB, so the consumers rarely wait for Q and dO.
+ * q_empty[FA_QSTAGES], kv_empty; the item slots, int [2], then their sequences' lengths, int
+ * [2][2]. Three stages of Q and dO (the plan's FA_QSTAGES) fill the 227 KB to within 2 KB, so
+ * the consumers rarely wait for Q and dO.
  */
 #include "fa_bkparams.h"
 
@@ -57,6 +58,13 @@
 #define FA_THREADS 384
 #define FA_NWARPS 12
 #define FA_VEC 1
+#if FA_VARLEN && !FA_DROPOUT
+/* The varlen producer's tour holds its sequence's lengths and first row, which did not fit in
+ * 24 registers; without dropout the consumers fit in what is left (168 x 384 = 128 x 40 +
+ * 256 x 232). */
+#define FA_REGS_PRODUCER 40
+#define FA_REGS_CONSUMER 232
+#endif
 
 #include "fa_sm90.cuh"
 #include "fa_smem.h"
@@ -138,6 +146,25 @@ FA_DEV fa_u32 fa_swz128(int row, int col)
     const fa_u32 byte = (fa_u32)col * 2;
     return (fa_u32)row * 128 + ((((byte >> 4) ^ (fa_u32)(row & 7)) << 4) | (byte & 15));
 }
+
+#if FA_VARLEN
+/* A varlen item's sequence as its tour and tiles use it: its lengths, which the producer wrote
+ * beside the item's slot (lens[0..1]: sq, sk), read there at each use: held in registers over
+ * the item, they made ptxas spill (the dense kernel's lengths are kernel parameters, read where
+ * used). */
+FA_DEV fa_seq fa_item_seq(const volatile int *lens)
+{
+    fa_seq s;
+    s.q_start = 0;
+    s.k_start = 0;
+    s.sq = lens[0];
+    s.sk = lens[1];
+    return s;
+}
+#define FA_ITEM_SEQ fa_item_seq(lens)
+#else
+#define FA_ITEM_SEQ seq
+#endif
 
 /* Pins an accumulator array over a wgmma's asynchronous window. */
 FA_DEV void fa_pin_acc(float *a, int n)
@@ -342,8 +369,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     /* [FA_QSTAGES] each, 8 bytes apart */
     const fa_u32 q_full = kv_full + 8, q_empty = q_full + 8 * FA_QSTAGES;
     const fa_u32 kv_empty = q_empty + 8 * FA_QSTAGES;
-    /* The items in hand, [2] ints: the producer writes item ii's index into slot ii % 2 before
-     * kv_full's phase ii completes, the consumers read it after. */
+    /* The items in hand, [2] ints: the producer writes item ii's index into slot ii % 2 (and,
+     * varlen, its sequence's sq and sk into [2 + 2 (ii % 2)], [3 + 2 (ii % 2)]) before kv_full's
+     * phase ii completes, the consumers read them after. */
     volatile int *slot = (volatile int *)(fa_smem + (kv_empty + 8 - fa_smem_addr(fa_smem)));
     const int group = kp->h / kp->hk;
     /* An item's tour (fa_bwd_tour): its first query tile to try, and the step. */
@@ -395,6 +423,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             }
             const fa_bwd_item im = fa_bwd_item_make(&bp, wi);
             const int h_end = (im.hk + 1) * group;
+#if FA_VARLEN
+            volatile int *lens = slot + 2 + 2 * (ii & 1);
+            lens[0] = im.seq.sq;
+            lens[1] = im.seq.sk;
+#else
+            const fa_seq seq = im.seq;
+#endif
             fa_mbar_expect_tx(kv_full, 2 * FA_KV_BYTES);
 #pragma unroll
             for (int c = 0; c < FA_DP / 64; c++) {
@@ -404,7 +439,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                              kv_full);
             }
             int h = im.hk * group, mb = mb_first;
-            fa_bwd_tour(&bp, &im.seq, im.nb, h_end, &h, &mb, 0);
+            const fa_seq sv_first = FA_ITEM_SEQ;
+            fa_bwd_tour(&bp, &sv_first, im.nb, h_end, &h, &mb, 0);
             for (; h < h_end;) {
                 /* Stage qs's previous tile released. */
                 fa_mbar_wait(q_empty + 8 * qs, qph ^ 1);
@@ -417,7 +453,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                                  im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * qs);
                 }
                 mb += mb_step;
-                fa_bwd_tour(&bp, &im.seq, im.nb, h_end, &h, &mb, 1);
+                const fa_seq sv = FA_ITEM_SEQ;
+                fa_bwd_tour(&bp, &sv, im.nb, h_end, &h, &mb, 1);
                 if (++qs == FA_QSTAGES)
                     qs = 0, qph ^= 1;
             }
@@ -456,7 +493,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         if (wi >= n_items)
             break;
         const fa_bwd_item im = fa_bwd_item_make(&bp, wi);
+#if FA_VARLEN
+        const volatile int *lens = slot + 2 + 2 * (ii & 1);
+#else
         const fa_seq seq = im.seq;
+#endif
         const int nb = im.nb, hk = im.hk, bi = im.bi, n0 = im.n0;
         const int h_end = (hk + 1) * group;
         /* This thread's first key (C layout: rows 16w + g and + 8 of the warpgroup's 64). */
@@ -478,21 +519,30 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         fa_i64 row0p = 0;
         float dq[8][4];
         int h = hk * group, mb = mb_first;
-        fa_bwd_tour(&bp, &seq, nb, h_end, &h, &mb, 0);
+        const fa_seq sv_first = FA_ITEM_SEQ;
+        fa_bwd_tour(&bp, &sv_first, nb, h_end, &h, &mb, 0);
 #pragma unroll 1
         for (; h < h_end; it++, tiles++) {
             const int s = it & 1;
             int hn = h, mbn = mb + mb_step;
-            fa_bwd_tour(&bp, &seq, nb, h_end, &hn, &mbn, 1);
+            const fa_seq sv = FA_ITEM_SEQ;
+            fa_bwd_tour(&bp, &sv, nb, h_end, &hn, &mbn, 1);
             const int m0 = mb * FA_BM;
             const fa_u32 q_t = q_s + qs * FA_QT_BYTES, do_t = do_s + qs * FA_QT_BYTES;
             const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
             const fa_i64 row0 = fa_bwd_row0(&bp, h, bi) + m0;
 
-            /* The tile's rows of lse and D, loaded here so that the products below hide their
-             * latency (read where fa_bwd_probs needs them, they stalled it). */
-            const fa_bwd_tile tl = fa_bwd_tile_make(kp, &seq, bi, h, m0, key0, t, wlo, whi,
-                                                    bp.lse2 + row0, bp.dsum + row0);
+            /* The tile's view for fa_bwd_probs, with its rows of lse and D, made here so that the
+             * products below hide their loads' latency (read where fa_bwd_probs needs them, they
+             * stalled it); with dropout after the products, since held over them beside the
+             * dropout state it made ptxas spill. */
+#define FA_TILE_VIEW                                                                             \
+    const fa_seq sv_tile = FA_ITEM_SEQ;                                                          \
+    const fa_bwd_tile tl = fa_bwd_tile_make(kp, &sv_tile, bi, h, m0, key0, t, wlo, whi,          \
+                                            bp.lse2 + row0, bp.dsum + row0)
+#if !FA_DROPOUT
+            FA_TILE_VIEW;
+#endif
 
             /* S^T and dP^T of this warpgroup's 64 keys x the tile's queries. C layout: st[nt][e] is
              * key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
@@ -505,8 +555,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_wg_wait0();
             fa_pin_acc(&st[0][0], FA_BM / 2);
             fa_pin_acc(&dpt[0][0], FA_BM / 2);
+#if FA_DROPOUT
+            FA_TILE_VIEW;
+#endif
 
-            const int full = fa_bwd_tile_full(&seq, m0, n0, wlo, whi);
+            const int full = fa_bwd_tile_full(&sv_tile, m0, n0, wlo, whi);
             if (full)
                 fa_bwd_probs(kp, &tl, t, st, dpt, 0);
             else
@@ -559,7 +612,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_pin_acc(&dq[0][0], 32);
             if (tiles > 0) {
                 fa_bar_arrive(FA_BAR_READ + 2 * cw + (s ^ 1), 256);
-                fa_dq_store(&bp, bi, hp, mbp, nb, &seq, row0p, dq_qblk, dq_col0, w, ct, dq_s, dq);
+                const fa_seq sv_dq = FA_ITEM_SEQ;
+                fa_dq_store(&bp, bi, hp, mbp, nb, &sv_dq, row0p, dq_qblk, dq_col0, w, ct, dq_s,
+                            dq);
             }
             fa_wg_wait0();
             fa_pin_acc(&dv[0][0], FA_DP / 2);
@@ -591,12 +646,17 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_wg_wait0();
             fa_pin_acc(&dq[0][0], 32);
             fa_bar_arrive(FA_BAR_READ + 2 * cw + s, 256);
-            fa_dq_store(&bp, bi, hp, mbp, nb, &seq, row0p, dq_qblk, dq_col0, w, ct, dq_s, dq);
+            const fa_seq sv_dq = FA_ITEM_SEQ;
+            fa_dq_store(&bp, bi, hp, mbp, nb, &sv_dq, row0p, dq_qblk, dq_col0, w, ct, dq_s, dq);
         }
         /* This warp is done with K and V: the next item's load overlaps the stores below. */
         if (lane == 0)
             fa_mbar_arrive(kv_empty);
+#if FA_VARLEN
+        fa_bwd_store_dkdv(&bp, bi, hk, key0, t, 0, dk, dv); /* it reads the sequence's keys */
+#else
         fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, dk, dv);
+#endif
     }
     /* The other warpgroup's last two read barriers, which no later write consumed. */
     for (int j = it > 1 ? it - 2 : 0; j < it; j++)

@@ -225,16 +225,30 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         fa_cp_async_commit();
     }
 
+#if FA_VARLEN
+    /* The key loop reads the sequence's lengths from shared memory where it uses them: held in
+     * registers over the loop, they made ptxas spill (the dense lengths are kernel parameters,
+     * read where used). Thread 0 writes them; the loop's first barrier publishes them. */
+    volatile int *const lens =
+        (volatile int *)(fa_smem + FA_BM * FA_DP + FA_BN * (FA_DP + FA_DVP));
+    if (threadIdx.x == 0)
+        lens[0] = seq.sq, lens[1] = seq.sk;
+#define FA_LSQ lens[0]
+#define FA_LSK lens[1]
+#else
+#define FA_LSQ seq.sq
+#define FA_LSK seq.sk
+#endif
     for (int nb = n_max - 1; nb >= n_min; nb--) {
         const int n0 = nb * FA_BN;
         /* K of this block (and Q) landed; every warp is done with the previous V. */
         fa_cp_async_wait_all();
         __syncthreads();
 #if FA_VEC
-        fa_tile_load(&cv, v_src, kp.v_rstride, seq.sk - n0, FA_BN, FA_CPR_V, kp.v);
+        fa_tile_load(&cv, v_src, kp.v_rstride, FA_LSK - n0, FA_BN, FA_CPR_V, kp.v);
         v_src -= FA_BN * kp.v_rstride;
 #else
-        fa_tile_load_scalar(sv_p, vg + (fa_i64)n0 * kp.v_rstride, kp.v_rstride, seq.sk - n0,
+        fa_tile_load_scalar(sv_p, vg + (fa_i64)n0 * kp.v_rstride, kp.v_rstride, FA_LSK - n0,
                             kp.dv, FA_BN, FA_CPR_V);
 #endif
         fa_cp_async_commit();
@@ -268,6 +282,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 
         /* Scores in base-2 units where the features need it (or the scale is not positive). */
         if (prescale) {
+#if FA_ALIBI
+            const int skq = FA_LSK - FA_LSQ;
+#endif
 #pragma unroll
             for (int mt = 0; mt < FA_MT; mt++)
 #pragma unroll
@@ -281,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                         x *= kp.scale_log2;
 #endif
 #if FA_ALIBI
-                        int dist = m0 + wrow + mt * 16 + g + 8 * (e >> 1) + seq.sk - seq.sq -
+                        int dist = m0 + wrow + mt * 16 + g + 8 * (e >> 1) + skq -
                                    (n0 + nt * 8 + 2 * t + (e & 1));
                         x -= FA_RULE_ALIBI(slope_log2, dist);
 #endif
@@ -296,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
                     int lo, hi;
-                    fa_key_range(&kp, m0 + wrow + mt * 16 + g + 8 * hf, seq.sq, seq.sk, &lo, &hi);
+                    fa_key_range(&kp, m0 + wrow + mt * 16 + g + 8 * hf, FA_LSQ, FA_LSK, &lo, &hi);
                     lo -= n0 + 2 * t;
                     hi -= n0 + 2 * t;
 #pragma unroll
@@ -320,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
             fa_tile_load(&ck, k_src, kp.k_rstride, FA_BN, FA_BN, FA_CPR_K, kp.k);
 #else
             fa_tile_load_scalar(sk_p, kg + (fa_i64)(n0 - FA_BN) * kp.k_rstride, kp.k_rstride,
-                                seq.sk - (n0 - FA_BN), kp.d, FA_BN, FA_CPR_K);
+                                FA_LSK - (n0 - FA_BN), kp.d, FA_BN, FA_CPR_K);
 #endif
             fa_cp_async_commit();
         }
@@ -399,9 +416,19 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         }
     }
 
+#undef FA_LSQ
+#undef FA_LSK
+
     /* Epilogue: the sink joins the denominator; rows with no visible key and no sink give 0 and
      * lse +inf. */
     const float sink2 = kp.sinks ? kp.sinks[h * kp.sinks_stride] * FA_LOG2E : -FA_INF;
+    /* Varlen: the sequence read again, since its first row and length held in registers over
+     * the key loop made ptxas spill there. */
+#if FA_VARLEN
+    const fa_seq fin = fa_seq_get(&kp, bi, 1);
+#else
+    const fa_seq fin = seq;
+#endif
 #pragma unroll
     for (int mt = 0; mt < FA_MT; mt++)
 #pragma unroll
@@ -410,13 +437,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
             float lse, scale;
             fa_row_finish(row_sum[mt][hf], row_max[mt][hf] * sm, sink2, &lse, &scale);
             scale *= kp.dropout_scale;
-            fa_u16 *og = (fa_u16 *)kp.out + bi * kp.o_bstride + (seq.q_start + row) * kp.o_rstride +
+            fa_u16 *og = (fa_u16 *)kp.out + bi * kp.o_bstride + (fin.q_start + row) * kp.o_rstride +
                          h * kp.o_hstride;
 #if FA_VEC
             /* 16 bytes a lane through the quad's shuffles, which every lane takes part in. */
-            fa_store_row16(og, kp.dv, o[mt], FA_DVP, hf, t, scale, row < seq.sq);
+            fa_store_row16(og, kp.dv, o[mt], FA_DVP, hf, t, scale, row < fin.sq);
 #endif
-            if (row >= seq.sq)
+            if (row >= fin.sq)
                 continue;
 #if !FA_VEC
 #pragma unroll
@@ -428,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #endif
             if (kp.lse && t == 0)
                 kp.lse[bi * kp.lse_bstride + h * kp.lse_hstride +
-                       (FA_VARLEN ? seq.q_start + row : row) * kp.lse_rstride] = lse;
+                       (FA_VARLEN ? fin.q_start + row : row) * kp.lse_rstride] = lse;
         }
 }
 

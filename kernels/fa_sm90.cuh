@@ -62,15 +62,26 @@ FA_DEV void fa_mbar_wait(fa_u32 bar, int parity)
 FA_DEV void fa_fence_proxy_async(void) { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 /* setmaxnreg.{dec,inc}.sync.aligned.u32 N: the warpgroup's per-thread register budget becomes N
- * (dec returns registers to the CTA's pool, inc waits for them); FA_NCW consumer warpgroups. */
+ * (dec returns registers to the CTA's pool, inc waits for them); FA_NCW consumer warpgroups. A
+ * kernel may set its own split (FA_REGS_PRODUCER, FA_REGS_CONSUMER) before including this. */
+#ifndef FA_REGS_PRODUCER
 #if FA_NCW == 3
 /* 128 x 32 + 384 x 160 = 65536: the register file split over four warpgroups. */
-FA_DEV void fa_regs_producer(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 32;"); }
-FA_DEV void fa_regs_consumer(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 160;"); }
+#define FA_REGS_PRODUCER 32
+#define FA_REGS_CONSUMER 160
 #else
-FA_DEV void fa_regs_producer(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;"); }
-FA_DEV void fa_regs_consumer(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 240;"); }
+#define FA_REGS_PRODUCER 24
+#define FA_REGS_CONSUMER 240
 #endif
+#endif
+FA_DEV void fa_regs_producer(void)
+{
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(FA_REGS_PRODUCER));
+}
+FA_DEV void fa_regs_consumer(void)
+{
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(FA_REGS_CONSUMER));
+}
 
 /* ---- TMA ------------------------------------------------------------------------------------ */
 

@@ -11,6 +11,7 @@
 
 /* sm80 forward (fa_fwd_sm80.cu): Q [bm][dp], K [bn][dp], V [bn][dvp]. */
 #define FA_SMEM_FWD80(bm, bn, dp, dvp) (2 * ((bm) * (dp) + (bn) * ((dp) + (dvp))))
+#define FA_SMEM_FWD80_LENS 8 /* varlen: the sequence's sq, sk (int) after the tiles */
 
 /* sm90 forward (fa_fwd_sm90.cu), from a 1024-byte aligned base: Q [bm][dp]; per stage K [bn][dp]
  * and V [bn][dvp]; the mbarriers (8 bytes each) q_full, q_empty, and k_full, v_full, k_empty,
@@ -30,11 +31,12 @@
     (2 * ((qstages) * (bm) * (FA_SMEM_BWD80_LD(dp) + FA_SMEM_BWD80_LD(dvp)) +                     \
           (bn) * (FA_SMEM_BWD80_LD(dp) + FA_SMEM_BWD80_LD(dvp)) + (bn) * FA_SMEM_BWD80_LD(bm)) +  \
      4 * 2 * (qstages) * (bm))
+#define FA_SMEM_BWD80_LENS 16 /* varlen: the sequence's q_start (two ints), sq, sk after them */
 
 /* sm90 backward (fa_bwd_sm90.cu, d = dv), from a 1024-byte aligned base: K and V [bn][dp]; Q and
  * dO [stages][bm][dp]; two dS^T buffers [bn][bm]; each consumer warp's fp32 dQ piece (16 x 64);
- * the mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; two int work-item slots; 1 KB
- * more to round the base up to the swizzle atom. */
+ * the mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; two int work-item slots, then
+ * their sequences' lengths (sq, sk; varlen); 1 KB more to round the base up to the swizzle atom. */
 #define FA_SMEM_BWD90_KV(bn, dp) ((bn) * (dp) * 2)
 #define FA_SMEM_BWD90_QT(bm, dp) ((bm) * (dp) * 2)
 #define FA_SMEM_BWD90_DS(bn, bm) ((bn) * (bm) * 2)
@@ -42,7 +44,7 @@
 #define FA_SMEM_BWD90(bm, bn, dp, stages, dq_warps)                                               \
     (2 * FA_SMEM_BWD90_KV(bn, dp) + 2 * (stages) * FA_SMEM_BWD90_QT(bm, dp) +                     \
      2 * FA_SMEM_BWD90_DS(bn, bm) + (dq_warps) * FA_SMEM_BWD90_DQW + (2 + 2 * (stages)) * 8 +      \
-     2 * 4 + 1024)
+     6 * 4 + 1024)
 
 /* Decode (fa_decode.cu): stages of K [bn][dp] and V [bn][dvp], then Q [bm][dp], then, paged,
  * each stage's key rows' offsets in K and V (int64 [stages][2][bn]); after the key loop the

@@ -258,7 +258,8 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = dropout ? row->nw_d : row->nwarps;
     fa_plan_tile_override(plan);
     plan->threads = (unsigned)plan->nwarps * 32;
-    plan->smem = (unsigned)FA_SMEM_FWD80(plan->bm, plan->bn, plan->dp, plan->dvp);
+    plan->smem = (unsigned)FA_SMEM_FWD80(plan->bm, plan->bn, plan->dp, plan->dvp) +
+                 ((key->features & FA_FEATURE_VARLEN) ? FA_SMEM_FWD80_LENS : 0);
 
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
@@ -334,7 +335,7 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = 12;
     plan->threads = 384;
     plan->stages = 3;
-    /* The 8 consumer warps each add a dQ piece; 230472 bytes at either head dim, of the
+    /* The 8 consumer warps each add a dQ piece; 230488 bytes at either head dim, of the
      * FA_SMEM_SM90_MAX an sm_90 CTA may have. */
     plan->smem = (unsigned)FA_SMEM_BWD90(plan->bm, plan->bn, plan->dp, plan->stages, 8);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
@@ -380,7 +381,8 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = row.nwarps;
     plan->bn = 16 * row.nwarps;
     plan->threads = (unsigned)(32 * row.nwarps);
-    plan->smem = (unsigned)FA_SMEM_BWD80(plan->bm, plan->bn, plan->dp, plan->dvp, row.qstages);
+    plan->smem = (unsigned)FA_SMEM_BWD80(plan->bm, plan->bn, plan->dp, plan->dvp, row.qstages) +
+                 ((key->features & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Local-memory use (spills) of the kernels in a flashattn kernel cache.
+
+Fill a cache first (no GPU needed):
+    FLASHATTN_CACHE_DIR=/tmp/fa-cache build/flashattn precompile --arch sm_80,sm_90a
+then
+    tools/check_spills.py /tmp/fa-cache            # one row per kernel: registers, LDL, STL, ...
+    tools/check_spills.py /tmp/fa-cache --check    # exit status 1 when any kernel touches local memory
+    tools/check_spills.py NEW --compare OLD        # the rows whose counts differ between two caches
+
+A cache entry is header | key | cubin (src/cuda/fa_jit_disk.c); the key names the source, the
+target and the defines, which label the row. Counts come from cuobjdump's SASS (LDL and STL
+instructions) and resource usage (registers, stack frame); cuobjdump is taken from $CUOBJDUMP,
+then PATH, then $CUDA_HOME/bin.
+"""
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+
+MAGIC = b"FACUBIN2"
+HEADER = struct.Struct("<8sQQQ")  # magic, key_size, cubin_size, tag (fa_jit_header)
+
+
+def find_cuobjdump():
+    for cand in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    sys.exit("check_spills: no cuobjdump (set CUOBJDUMP to its path)")
+
+
+def read_entry(path):
+    """(key, cubin bytes) of a cache entry, or None for a file that is not one."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < HEADER.size:
+        return None
+    magic, key_size, cubin_size, _ = HEADER.unpack_from(data)
+    if magic != MAGIC or HEADER.size + key_size + cubin_size != len(data):
+        return None
+    key = data[HEADER.size:HEADER.size + key_size].decode("ascii", "replace")
+    return key, data[HEADER.size + key_size:]
+
+
+def label(key):
+    """'source target defines' from a key, without the version words and the source hash, so
+    that the same configuration matches across source changes."""
+    words = key.split()
+    keep = [w for w in words[1:] if not w.startswith(("nvrtc-", "src-"))]
+    defines = [re.sub(r"=1$", "", w[2:]) for w in keep if w.startswith("-D") and not w.endswith("=0")]
+    return " ".join([w for w in keep if not w.startswith("-D")] + defines)
+
+
+def kernel_stats(cuobjdump, cubin):
+    """{function: [registers, stack bytes, LDL, STL, instructions, SASS digest]} of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
+        tmp.write(cubin)
+        tmp.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", tmp.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump, "--dump-sass", tmp.name],
+                              capture_output=True, text=True, check=True).stdout
+    stats = {}
+    fn = None
+    for line in usage.splitlines():
+        m = re.search(r"Function (\S+):", line)
+        if m:
+            fn = m.group(1)
+            stats[fn] = [0, 0, 0, 0, 0, ""]
+            continue
+        m = re.search(r"REG:(\d+) STACK:(\d+)", line)
+        if m and fn:
+            stats[fn][0] = int(m.group(1))
+            stats[fn][1] = int(m.group(2))
+    fn = None
+    digests = {}
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            fn = m.group(1)
+            stats.setdefault(fn, [0, 0, 0, 0, 0, ""])
+            digests[fn] = hashlib.sha1()
+            continue
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and fn:
+            op = m.group(1).split(".")[0]
+            s = stats[fn]
+            s[2] += op == "LDL"
+            s[3] += op == "STL"
+            s[4] += 1
+            # the instruction without its address and encoding: the code, wherever it sits
+            digests[fn].update(line.split(";")[0].split("*/", 1)[-1].encode())
+    for fn, d in digests.items():
+        stats[fn][5] = d.hexdigest()[:12]
+    return stats
+
+
+def collect(cache, cuobjdump):
+    """{(label, function): stats} over every entry of a cache directory."""
+    rows = {}
+    for name in sorted(os.listdir(cache)):
+        path = os.path.join(cache, name)
+        if not os.path.isfile(path):
+            continue
+        entry = read_entry(path)
+        if entry is None:
+            continue
+        key, cubin = entry
+        for fn, s in kernel_stats(cuobjdump, cubin).items():
+            rows[(label(key), fn)] = s
+    return rows
+
+
+def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cache", help="kernel cache directory (FLASHATTN_CACHE_DIR)")
+    ap.add_argument("--compare", metavar="OLD",
+                    help="a second cache: print the rows that differ ('same counts' when only "
+                    "the code does)")
+    ap.add_argument("--spills", action="store_true", help="only the kernels with LDL/STL")
+    ap.add_argument("--check", action="store_true", help="exit 1 when any kernel spills")
+    a = ap.parse_args()
+    cuobjdump = find_cuobjdump()
+    new = collect(a.cache, cuobjdump)
+    if not new:
+        sys.exit(f"check_spills: no cache entries in {a.cache}")
+    head = "regs stack   LDL   STL  instrs  kernel"
+    if a.compare:
+        old = collect(a.compare, cuobjdump)
+        print(f"{'before':>30} | {'after':>30}")
+        print(f"{head.split('  kernel')[0]:>30} | {head}")
+        for k in sorted(set(old) | set(new)):
+            o, n = old.get(k), new.get(k)
+            if o == n:
+                continue
+            fmt = lambda s: "-" if s is None else "%4d %5d %5d %5d %7d" % tuple(s[:5])
+            note = "  (same counts, other code)" if o and n and o[:5] == n[:5] else ""
+            print(f"{fmt(o):>30} | {fmt(n):>30}  {k[0]} {k[1]}{note}")
+    else:
+        print(head)
+        for k in sorted(new):
+            s = new[k]
+            if a.spills and not (s[2] or s[3]):
+                continue
+            print("%4d %5d %5d %5d %7d  %s %s" % (*s[:5], k[0], k[1]))
+    spilling = [k for k, s in new.items() if s[2] or s[3]]
+    print(f"{len(spilling)} of {len(new)} kernels use local memory", file=sys.stderr)
+    return 1 if a.check and spilling else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
