@@ -241,9 +241,9 @@ fa_status fa_mod_parse(const char *text, fa_mod **out);
  * Paged K/V (block_table given, int32 [b, max_blocks]; varlen form only, upstream's
  * flash_attn_varlen_func with block_table): k [num_blocks, page_size, hk, d] and
  * v [num_blocks, page_size, hk, dv], read in place; key j of sequence i is row j % page_size of
- * block block_table[i, j / page_size]. Any page_size >= 1. cu_seqlens_k (or seqused_k) then only
- * counts each sequence's keys: its offsets are not rows of k. A sequence holds at most
- * max_blocks * page_size keys. The CPU refuses, naming block_table, a sequence with more keys or
+ * block block_table[i, j / page_size]. Any page_size >= 1. cu_seqlens_k then only counts each
+ * sequence's keys (its offsets are not rows of k), and seqused_k, when given, replaces that
+ * count (at most max_seqlen_k), as upstream. A sequence holds at most max_blocks * page_size keys. The CPU refuses, naming block_table, a sequence with more keys or
  * a block id outside [0, num_blocks) among the blocks its keys use; a CUDA device, which reads
  * no index on the host, clamps block ids into the cache and keys to that capacity (a wrong
  * answer for such a sequence, never a read outside k and v). No backward (as upstream). On

@@ -325,6 +325,10 @@ FA_DEV fa_seq fa_seq_get(const fa_kparams *kp, int bi, int varlen)
     ka = ka < 0 ? 0 : ka > kp->total_k ? kp->total_k : ka;
     kb = kb < ka ? ka : kb > kp->total_k ? kp->total_k : kb;
     fa_i64 sk = kb - ka;
+#if defined(FA_PAGED) && FA_PAGED
+    if (kp->seqused_k) /* paged, seqused_k replaces the count, up to the capacity (below) */
+        sk = kp->page_keys;
+#endif
     if (kp->seqused_k) {
         fa_i64 used = kp->seqused_k[bi];
         sk = used < 0 ? 0 : used > sk ? sk : used;

@@ -164,11 +164,14 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
             FA_TRY(fa_check_dim(u, "seqused_k", 0, p->b, "batch"));
             const int32_t *used = (const int32_t *)u->data;
             for (int64_t i = 0; on_host && i < p->b; i++) {
-                int64_t len = p->cu_seqlens_k[i + 1] - p->cu_seqlens_k[i];
+                /* Paged, the count replaces cu_seqlens_k's (upstream's rule): its keys are
+                 * positions in the blocks, not rows of a sequence. */
+                int64_t len = p->paged ? p->max_sk : p->cu_seqlens_k[i + 1] - p->cu_seqlens_k[i];
                 if (used[i] < 0 || used[i] > len)
-                    return FA_BAD("seqused_k: entry %lld is %d, outside [0, %lld] (the length "
-                                  "of that sequence in cu_seqlens_k)",
-                                  (long long)i, used[i], (long long)len);
+                    return FA_BAD("seqused_k: entry %lld is %d, outside [0, %lld] (%s)",
+                                  (long long)i, used[i], (long long)len,
+                                  p->paged ? "max_seqlen_k"
+                                           : "the length of that sequence in cu_seqlens_k");
             }
             p->seqused_k = used;
         }
