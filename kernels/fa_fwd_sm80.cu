@@ -129,23 +129,20 @@ FA_DEV void fa_tile_load_scalar(fa_u16 *tile, const fa_u16 *g, fa_i64 rs, int nr
 #endif
 
 #if FA_PAGED
-/* A paged sequence's keys: base (k or v at the kv head), its block_table row, the block and row
- * strides. */
-typedef struct fa_pages {
-    const fa_u16 *base;
-    const int *bt;
-    fa_i64 bs, rs;
-} fa_pages;
-
-/* Key j's row in the pages (j below the sequence's keys, so within its block_table row). */
-FA_DEV const fa_u16 *fa_pages_row(const fa_kparams *kp, const fa_pages *pg, int j)
+/* Key j's row of kv head hk in paged v (v = 1) or k of sequence bi (j below the sequence's keys,
+ * so within its block_table row). Everything is formed from the parameters here, at the copy,
+ * so that the key loop carries no pointers of its own. */
+FA_DEV const fa_u16 *fa_pages_row(const fa_kparams *kp, int bi, int hk, int v, int j)
 {
-    return pg->base + fa_page_row(kp, pg->bt, j, pg->bs, pg->rs);
+    const fa_u16 *base = (const fa_u16 *)(v ? kp->v : kp->k);
+    const fa_i64 hs = v ? kp->v_hstride : kp->k_hstride;
+    const fa_i64 bs = v ? kp->v_bstride : kp->k_bstride, rs = v ? kp->v_rstride : kp->k_rstride;
+    return base + hk * hs + fa_page_row(kp, kp->block_table + bi * kp->bt_bstride, j, bs, rs);
 }
 
 #if FA_VEC
 /* fa_tile_load for keys [n0, n0 + rows) of paged k or v: each row's address looked up. */
-FA_DEV void fa_tile_load_paged(const fa_copy *cp, const fa_kparams *kp, const fa_pages *pg,
+FA_DEV void fa_tile_load_paged(const fa_copy *cp, const fa_kparams *kp, int bi, int hk, int v,
                                int n0, int nrows, int rows, int cpr, const void *safe)
 {
     if (FA_FIXED_CHUNK(cpr)) {
@@ -160,7 +157,7 @@ FA_DEV void fa_tile_load_paged(const fa_copy *cp, const fa_kparams *kp, const fa
                     (cp->dst ^ (fa_swz_key(j * rpp, cpr) << 4)) + j * rpp * cpr * 16;
                 const void *src = safe;
                 if (ok)
-                    src = fa_pages_row(kp, pg, n0 + r) + cp->ch * 8;
+                    src = fa_pages_row(kp, bi, hk, v, n0 + r) + cp->ch * 8;
                 fa_cp_async16(dst, src, ok ? 16 : 0);
             }
         }
@@ -172,7 +169,7 @@ FA_DEV void fa_tile_load_paged(const fa_copy *cp, const fa_kparams *kp, const fa
             const int ok = i < rows * cpr && r < nrows && c * 8 < cp->ncols;
             const void *src = safe;
             if (ok)
-                src = fa_pages_row(kp, pg, n0 + r) + c * 8;
+                src = fa_pages_row(kp, bi, hk, v, n0 + r) + c * 8;
             if (i < rows * cpr)
                 fa_cp_async16(cp->tile + fa_swz(r, c, cpr), src, ok ? 16 : 0);
         }
@@ -180,13 +177,13 @@ FA_DEV void fa_tile_load_paged(const fa_copy *cp, const fa_kparams *kp, const fa
 }
 #else
 /* fa_tile_load_scalar for keys [n0, n0 + rows) of paged k or v. */
-FA_DEV void fa_tile_load_scalar_paged(fa_u16 *tile, const fa_kparams *kp, const fa_pages *pg,
-                                      int n0, int nrows, int ncols, int rows, int cpr)
+FA_DEV void fa_tile_load_scalar_paged(fa_u16 *tile, const fa_kparams *kp, int bi, int hk,
+                                      int v, int n0, int nrows, int ncols, int rows, int cpr)
 {
     for (int i = threadIdx.x; i < rows * cpr; i += FA_THREADS) {
         const int r = i / cpr, c = i - r * cpr;
         fa_u16 *dst = tile + (fa_swz(r, c, cpr) >> 1);
-        const fa_u16 *g = r < nrows ? fa_pages_row(kp, pg, n0 + r) : 0;
+        const fa_u16 *g = r < nrows ? fa_pages_row(kp, bi, hk, v, n0 + r) : 0;
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             const int col = (c << 3) + e;
@@ -224,11 +221,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 
     const fa_u16 *qg = (const fa_u16 *)kp.q + bi * kp.q_bstride + (seq.q_start + m0) * kp.q_rstride +
                        h * kp.q_hstride;
-#if FA_PAGED
-    const int *bt = kp.block_table + bi * kp.bt_bstride;
-    const fa_pages pk = {(const fa_u16 *)kp.k + hk * kp.k_hstride, bt, kp.k_bstride, kp.k_rstride};
-    const fa_pages pv = {(const fa_u16 *)kp.v + hk * kp.v_hstride, bt, kp.v_bstride, kp.v_rstride};
-#else
+#if !FA_PAGED /* paged rows are found at each copy (fa_pages_row) */
     const fa_u16 *kg = (const fa_u16 *)kp.k + bi * kp.k_bstride + seq.k_start * kp.k_rstride +
                        hk * kp.k_hstride;
     const fa_u16 *vg = (const fa_u16 *)kp.v + bi * kp.v_bstride + seq.k_start * kp.v_rstride +
@@ -298,7 +291,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #if FA_VEC
         fa_tile_load(&cq, qg + cq.src, kp.q_rstride, seq.sq - m0, FA_BM, FA_CPR_K, kp.q);
 #if FA_PAGED
-        fa_tile_load_paged(&ck, &kp, &pk, (n_max - 1) * FA_BN, seq.sk - (n_max - 1) * FA_BN,
+        fa_tile_load_paged(&ck, &kp, bi, hk, 0, (n_max - 1) * FA_BN, seq.sk - (n_max - 1) * FA_BN,
                            FA_BN, FA_CPR_K, kp.k);
 #else
         fa_tile_load(&ck, k_src, kp.k_rstride, seq.sk - (n_max - 1) * FA_BN, FA_BN, FA_CPR_K,
@@ -307,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #else
         fa_tile_load_scalar(sq_p, qg, kp.q_rstride, seq.sq - m0, kp.d, FA_BM, FA_CPR_K);
 #if FA_PAGED
-        fa_tile_load_scalar_paged(sk_p, &kp, &pk, (n_max - 1) * FA_BN,
+        fa_tile_load_scalar_paged(sk_p, &kp, bi, hk, 0, (n_max - 1) * FA_BN,
                                   seq.sk - (n_max - 1) * FA_BN, kp.d, FA_BN, FA_CPR_K);
 #else
         fa_tile_load_scalar(sk_p, kg + (fa_i64)(n_max - 1) * FA_BN * kp.k_rstride, kp.k_rstride,
@@ -323,9 +316,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         fa_cp_async_wait_all();
         __syncthreads();
 #if FA_PAGED && FA_VEC
-        fa_tile_load_paged(&cv, &kp, &pv, n0, seq.sk - n0, FA_BN, FA_CPR_V, kp.v);
+        fa_tile_load_paged(&cv, &kp, bi, hk, 1, n0, seq.sk - n0, FA_BN, FA_CPR_V, kp.v);
 #elif FA_PAGED
-        fa_tile_load_scalar_paged(sv_p, &kp, &pv, n0, seq.sk - n0, kp.dv, FA_BN, FA_CPR_V);
+        fa_tile_load_scalar_paged(sv_p, &kp, bi, hk, 1, n0, seq.sk - n0, kp.dv, FA_BN, FA_CPR_V);
 #elif FA_VEC
         fa_tile_load(&cv, v_src, kp.v_rstride, seq.sk - n0, FA_BN, FA_CPR_V, kp.v);
         v_src -= FA_BN * kp.v_rstride;
@@ -412,9 +405,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         if (nb > n_min) {
             /* Only the last block can be partial, and it is the first one visited. */
 #if FA_PAGED && FA_VEC
-            fa_tile_load_paged(&ck, &kp, &pk, n0 - FA_BN, FA_BN, FA_BN, FA_CPR_K, kp.k);
+            fa_tile_load_paged(&ck, &kp, bi, hk, 0, n0 - FA_BN, FA_BN, FA_BN, FA_CPR_K, kp.k);
 #elif FA_PAGED
-            fa_tile_load_scalar_paged(sk_p, &kp, &pk, n0 - FA_BN, seq.sk - (n0 - FA_BN), kp.d,
+            fa_tile_load_scalar_paged(sk_p, &kp, bi, hk, 0, n0 - FA_BN, seq.sk - (n0 - FA_BN), kp.d,
                                       FA_BN, FA_CPR_K);
 #elif FA_VEC
             k_src -= FA_BN * kp.k_rstride;
@@ -560,8 +553,12 @@ extern "C" __global__ void fa_fwd_probs(const fa_kparams kp)
         return;
     const fa_u16 *qr = (const fa_u16 *)kp.q + bi * kp.q_bstride + (seq.q_start + row) * kp.q_rstride +
                        h * kp.q_hstride;
-    const fa_u16 *kr = (const fa_u16 *)kp.k + (FA_PAGED ? 0 : bi * kp.k_bstride) +
-                       seq.k_start * kp.k_rstride + hk * kp.k_hstride;
+#if FA_PAGED
+    const fa_u16 *kr = (const fa_u16 *)kp.k + hk * kp.k_hstride; /* rows by fa_page_row */
+#else
+    const fa_u16 *kr = (const fa_u16 *)kp.k + bi * kp.k_bstride + seq.k_start * kp.k_rstride +
+                       hk * kp.k_hstride;
+#endif
     const float slope =
         kp.alibi_slopes ? kp.alibi_slopes[bi * kp.alibi_bstride + h * kp.alibi_hstride] : 0.f;
     const int bn = kp.probs_block_n;
@@ -582,11 +579,12 @@ extern "C" __global__ void fa_fwd_probs(const fa_kparams kp)
 #if FA_PAGED
             const fa_u16 *kj = kr + fa_page_row(&kp, kp.block_table + bi * kp.bt_bstride, j,
                                                 kp.k_bstride, kp.k_rstride);
-#else
-            const fa_u16 *kj = kr + (fa_i64)j * kp.k_rstride;
-#endif
             for (int c = 0; c < kp.d; c++)
                 dot += fa_to_float(qr[c]) * fa_to_float(kj[c]);
+#else
+            for (int c = 0; c < kp.d; c++)
+                dot += fa_to_float(qr[c]) * fa_to_float(kr[(fa_i64)j * kp.k_rstride + c]);
+#endif
             float y = kp.softcap > 0.f ? FA_RULE_SOFTCAP(dot, kp.softcap_pre, kp.softcap, tanhf)
                                        : dot * kp.scale;
             y -= FA_RULE_ALIBI(slope, (float)(row + seq.sk - seq.sq - j));
