@@ -243,12 +243,13 @@ fa_status fa_mod_parse(const char *text, fa_mod **out);
  * v [num_blocks, page_size, hk, dv], read in place; key j of sequence i is row j % page_size of
  * block block_table[i, j / page_size]. Any page_size >= 1. cu_seqlens_k then only counts each
  * sequence's keys (its offsets are not rows of k), and seqused_k, when given, replaces that
- * count (at most max_seqlen_k), as upstream. A sequence holds at most max_blocks * page_size keys. The CPU refuses, naming block_table, a sequence with more keys or
- * a block id outside [0, num_blocks) among the blocks its keys use; a CUDA device, which reads
- * no index on the host, clamps block ids into the cache and keys to that capacity (a wrong
- * answer for such a sequence, never a read outside k and v). No backward (as upstream). On
- * sm_90 the calls with many query rows run the sm80 kernels (the sm90 ones read through TMA
- * tensor maps of the dense layout).
+ * count (at most max_seqlen_k), as upstream. A sequence holds at most max_blocks * page_size
+ * keys. The CPU refuses, naming block_table, a sequence with more keys or a block id outside
+ * [0, num_blocks) among the blocks its keys use; a CUDA device, which reads no index on the
+ * host, clamps block ids into the cache and keys to that capacity (a wrong answer for such a
+ * sequence, never a read outside k and v). No backward (as upstream). On sm_90 the calls with
+ * many query rows run the sm80 kernels (the sm90 ones read through TMA tensor maps of the dense
+ * layout).
  */
 typedef struct fa_fwd_args {
     const fa_tensor *q;            /* [b, sq, h, d] or [total_q, h, d] */

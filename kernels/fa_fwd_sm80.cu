@@ -407,8 +407,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #if FA_PAGED && FA_VEC
             fa_tile_load_paged(&ck, &kp, bi, hk, 0, n0 - FA_BN, FA_BN, FA_BN, FA_CPR_K, kp.k);
 #elif FA_PAGED
-            fa_tile_load_scalar_paged(sk_p, &kp, bi, hk, 0, n0 - FA_BN, seq.sk - (n0 - FA_BN), kp.d,
-                                      FA_BN, FA_CPR_K);
+            fa_tile_load_scalar_paged(sk_p, &kp, bi, hk, 0, n0 - FA_BN, seq.sk - (n0 - FA_BN),
+                                      kp.d, FA_BN, FA_CPR_K);
 #elif FA_VEC
             k_src -= FA_BN * kp.k_rstride;
             fa_tile_load(&ck, k_src, kp.k_rstride, FA_BN, FA_BN, FA_CPR_K, kp.k);

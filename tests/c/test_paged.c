@@ -106,7 +106,9 @@ static void run_case(const paged_case *c, tu_rng *r, int index)
     const size_t es = fa_dtype_size(c->dt);
     for (int64_t i = 0, next = 0; i < c->b; i++) {
         for (int64_t p = 0; p < cols; p++)
-            table[i * cols + p] = p < pages[i] ? (int32_t)perm[next++] : (p % 2 ? -5 : (int32_t)nb);
+            table[i * cols + p] = p < pages[i] ? (int32_t)perm[next++]
+                                  : p % 2          ? -5
+                                                   : (int32_t)nb;
         for (int64_t j = 0; j < c->lk[i]; j++) {
             const int64_t blk = table[i * cols + j / c->page], row = j % c->page;
             for (int64_t kh = 0; kh < c->hk; kh++) {

@@ -118,7 +118,8 @@ static void paged_run(const paged_case *c, fa_dtype dt, int bad)
     gpu_buf kp = gu_buf_new(dt, 4, kp_shape, 0), vp = gu_buf_new(dt, 4, kp_shape, 0);
     gpu_buf lse = gu_buf_new(FA_DTYPE_F32, 2, lse_shape, 0);
     gpu_buf bt = gu_buf_new(FA_DTYPE_I32, 2, bt_shape, 0);
-    gpu_buf cq = gu_buf_new(FA_DTYPE_I32, 1, cu_shape, 0), ck = gu_buf_new(FA_DTYPE_I32, 1, cu_shape, 0);
+    gpu_buf cq = gu_buf_new(FA_DTYPE_I32, 1, cu_shape, 0);
+    gpu_buf ck = gu_buf_new(FA_DTYPE_I32, 1, cu_shape, 0);
     gpu_buf su = gu_buf_new(FA_DTYPE_I32, 1, u_shape, 0);
     gu_fill_uniform(&q, -1, 1);
     gu_fill_uniform(&kp, -1, 1);
@@ -299,8 +300,10 @@ int gpu_paged_checks(void)
                 paged_run(c, dts[t], 0);
         }
     /* Bad indices, few rows and many. */
-    const paged_case bad[2] = {{"paged bad ids few rows", 4, 4, 2, 3, 300, 64, 16, 0, -1, -1, 0},
-                               {"paged bad ids many rows", 4, 4, 2, 100, 300, 64, 3, 1, -1, -1, 0}};
+    const paged_case bad[2] = {
+        {"paged bad ids few rows", 4, 4, 2, 3, 300, 64, 16, 0, -1, -1, 0},
+        {"paged bad ids many rows", 4, 4, 2, 100, 300, 64, 3, 1, -1, -1, 0},
+    };
     for (int i = 0; i < 2; i++)
         if (gu_shard_take(gu_attn_cost(bad[i].b, bad[i].h, bad[i].sq, bad[i].sk, 64, 64, 0)))
             paged_run(&bad[i], FA_DTYPE_BF16, 1);
