@@ -223,23 +223,8 @@ static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_params *p, int
     if (!p->paged)
         return FA_STATUS_OK;
     for (int64_t i = 0; i < p->b; i++)
-        FA_TRY(fa_kvcache_check_blocks(p, i, fa_kv_seq_start(p, i), fa_kv_seq_end(p, i)));
-    return FA_STATUS_OK;
-}
-
-fa_status fa_kvcache_check_blocks(const fa_params *p, int64_t i, int64_t start, int64_t end)
-{
-    /* Only the blocks a sequence reads or writes must exist: later columns may be padding. */
-    if (end <= start)
-        return FA_STATUS_OK;
-    for (int64_t j = start / p->page_size; j < (end + p->page_size - 1) / p->page_size; j++) {
-        int32_t id = p->block_table[i * p->bt_bstride + j];
-        if (id < 0 || id >= p->num_blocks)
-            return FA_BAD("block_table: entry [%lld, %lld] is %d, outside [0, %lld) (the blocks "
-                          "of the cache); sequence %lld uses positions [%lld, %lld)",
-                          (long long)i, (long long)j, id, (long long)p->num_blocks,
-                          (long long)i, (long long)start, (long long)end);
-    }
+        FA_TRY(fa_check_block_ids(p->block_table + i * p->bt_bstride, i, p->page_size,
+                                  p->num_blocks, fa_kv_seq_start(p, i), fa_kv_seq_end(p, i)));
     return FA_STATUS_OK;
 }
 

@@ -1,8 +1,8 @@
 /*
  * How the KV-cache attention reads its fields of fa_params: the cache positions of a sequence,
  * the block holding a position, the element offset of a cache row. Used by core's validation
- * (fa_kvcache.c, and fa_params.c for a paged forward), the CPU decode (fa_cpu_decode.c) and the
- * CPU forward's key loads (fa_kv_key_at).
+ * (fa_kvcache.c), the CPU decode (fa_cpu_decode.c) and the CPU forward's key loads
+ * (fa_kv_key_at).
  */
 #ifndef FA_KVCACHE_H
 #define FA_KVCACHE_H
@@ -64,10 +64,6 @@ static inline int fa_kv_keys_adjacent(const fa_params *p, int64_t j0, int64_t n)
 {
     return !p->paged || n <= 0 || j0 / p->page_size == (j0 + n - 1) / p->page_size;
 }
-
-/* Sequence i's positions [start, end) of a paged record lie in blocks that exist: the block ids
- * of their pages (host memory) in [0, num_blocks); the error names block_table. */
-fa_status fa_kvcache_check_blocks(const fa_params *p, int64_t i, int64_t start, int64_t end);
 
 /* Every cache_seqlens entry (host memory, [b]) non-negative and, with the s_new new keys, within
  * the capacity; a paged cache's error names block_table. Core's validation applies it to host

@@ -5,7 +5,6 @@
 #include <math.h>
 
 #include "core/fa_check.h"
-#include "core/fa_kvcache.h"
 #include "core/fa_options.h"
 #include "core/fa_params.h"
 #include "util/fa_fp8.h"
@@ -199,7 +198,7 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
 
 /* block_table (varlen only; fa_check_inputs took k and v as blocks): int32 [b, max_blocks]. On
  * the host, every sequence's keys within its row's capacity and in blocks that exist (the KV
- * cache's rule, fa_kvcache_check_blocks); a device clamps them in its kernels instead. */
+ * cache's rule, fa_check_block_ids); a device clamps them in its kernels instead. */
 static fa_status fa_check_paged(const fa_fwd_args *a, fa_params *p)
 {
     if (!p->paged)
@@ -230,7 +229,8 @@ static fa_status fa_check_paged(const fa_fwd_args *a, fa_params *p)
                           "hold %lld",
                           (long long)i, (long long)sk, (long long)p->bt_cols,
                           (long long)p->page_size, (long long)capacity);
-        FA_TRY(fa_kvcache_check_blocks(p, i, 0, sk));
+        FA_TRY(fa_check_block_ids(p->block_table + i * p->bt_bstride, i, p->page_size,
+                                  p->num_blocks, 0, sk));
     }
     return FA_STATUS_OK;
 }

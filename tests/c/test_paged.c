@@ -39,6 +39,28 @@ static size_t elem_at(const fa_tensor *t, int64_t blk, int64_t row, int64_t kh, 
     return (size_t)e * fa_dtype_size(t->dtype);
 }
 
+/* Two contiguous results of one shape: bitwise equal (tol 0), or equal or within tol relative,
+ * NaN where the other is NaN (fp32 or fp64 elements; other dtypes bitwise). */
+static int same_within(const tu_tensor *a, const tu_tensor *b, double tol)
+{
+    if (tol == 0.0 || (a->t.dtype != FA_DTYPE_F64 && a->t.dtype != FA_DTYPE_F32))
+        return memcmp(a->base, b->base, a->nbytes) == 0;
+    const size_t n = a->nbytes / a->elem_size;
+    for (size_t i = 0; i < n; i++) {
+        double x, y;
+        if (a->t.dtype == FA_DTYPE_F64) {
+            x = ((const double *)a->base)[i], y = ((const double *)b->base)[i];
+        } else {
+            x = ((const float *)a->base)[i], y = ((const float *)b->base)[i];
+        }
+        if (x == y || (isnan(x) && isnan(y)))
+            continue;
+        if (!(fabs(x - y) <= tol * (1.0 + fabs(y))))
+            return 0;
+    }
+    return 1;
+}
+
 static void run_case(const paged_case *c, tu_rng *r, int index)
 {
     char where[160];
@@ -152,9 +174,12 @@ static void run_case(const paged_case *c, tu_rng *r, int index)
         fa_status st = fa_attention_forward(&x);
         TU_CHECK(st == FA_STATUS_OK, "%s call: %s", t ? "paged" : "dense", fa_last_error());
     }
-    TU_CHECK(memcmp(outs[0].base, outs[1].base, outs[0].nbytes) == 0,
+    /* fp64 few-row calls: the decode reads a block spanning two pages from a copy, whose fp64
+     * dot products may round differently from the in-place ones (last bit). */
+    const double tol = c->dt == FA_DTYPE_F64 ? 1e-13 : 0.0;
+    TU_CHECK(same_within(&outs[0], &outs[1], tol),
              "out differs between the paged and the dense call");
-    TU_CHECK(memcmp(lses[0].base, lses[1].base, lses[0].nbytes) == 0,
+    TU_CHECK(same_within(&lses[0], &lses[1], tol),
              "lse differs between the paged and the dense call");
     TU_CHECK(memcmp(probs[0].base, probs[1].base, probs[0].nbytes) == 0,
              "probs differ between the paged and the dense call");
