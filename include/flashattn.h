@@ -238,6 +238,19 @@ fa_status fa_mod_parse(const char *text, fa_mod **out);
  * 448), the row sum l_i takes the unrounded p_ij (and the sink's 2^8 exp(sink - m_i)), and
  * out_i = v_descale * sum_j round(p_ij) v_j / l_i; lse_i = m_i + log(l_i / 2^8), the formula's.
  * No dropout, probs or backward with fp8 (as FA3). Descales with non-fp8 inputs are refused.
+ *
+ * Paged K/V (block_table given, int32 [b, max_blocks]; varlen form only, upstream's
+ * flash_attn_varlen_func with block_table): k [num_blocks, page_size, hk, d] and
+ * v [num_blocks, page_size, hk, dv], read in place; key j of sequence i is row j % page_size of
+ * block block_table[i, j / page_size]. Any page_size >= 1. cu_seqlens_k then only counts each
+ * sequence's keys (its offsets are not rows of k), and seqused_k, when given, replaces that
+ * count (at most max_seqlen_k), as upstream. A sequence holds at most max_blocks * page_size
+ * keys. The CPU refuses, naming block_table, a sequence with more keys or a block id outside
+ * [0, num_blocks) among the blocks its keys use; a CUDA device, which reads no index on the
+ * host, clamps block ids into the cache and keys to that capacity (a wrong answer for such a
+ * sequence, never a read outside k and v). No backward (as upstream). On sm_90 the calls with
+ * many query rows run the sm80 kernels (the sm90 ones read through TMA tensor maps of the dense
+ * layout).
  */
 typedef struct fa_fwd_args {
     const fa_tensor *q;            /* [b, sq, h, d] or [total_q, h, d] */
@@ -273,6 +286,7 @@ typedef struct fa_fwd_args {
     const fa_mod *mask_mod;  /* optional, finished as FA_MOD_KIND_MASK */
     const fa_tensor *mod_aux[FA_MOD_AUX_SLOTS]; /* what the mods read: int32 or fp32 */
     const fa_block_mask *block_mask;            /* optional (fa_block_mask above) */
+    const fa_tensor *block_table; /* optional int32 [b, max_blocks], varlen only: paged k, v */
 } fa_fwd_args;
 
 /* Sets every field to its default: no optional tensors, scale NaN, window (-1, -1), CPU. */
@@ -305,8 +319,9 @@ size_t fa_attention_forward_workspace_size(const fa_fwd_args *args);
  *   dk, dv:   as k, v:  [b, sk, hk, d] / [b, sk, hk, dv]; with GQA summed over the query heads
  *             that share a kv head
  *   dsinks:   fp32 [h], written (not accumulated)
- * fwd->lse is required and fwd->probs is ignored. On the CPU the result is bitwise reproducible
- * across runs and thread counts whatever `deterministic` says. On a CUDA device dk, dv and
+ * fwd->lse is required and fwd->probs is ignored; fwd->block_table is refused (no paged
+ * backward, as upstream). On the CPU the result is bitwise reproducible across runs and thread
+ * counts whatever `deterministic` says. On a CUDA device dk, dv and
  * dsinks are always bitwise reproducible, and dq too with deterministic = 1 (otherwise its fp32
  * accumulation uses atomics, whose order varies).
  *

@@ -325,6 +325,10 @@ FA_DEV fa_seq fa_seq_get(const fa_kparams *kp, int bi, int varlen)
     ka = ka < 0 ? 0 : ka > kp->total_k ? kp->total_k : ka;
     kb = kb < ka ? ka : kb > kp->total_k ? kp->total_k : kb;
     fa_i64 sk = kb - ka;
+#if defined(FA_PAGED) && FA_PAGED
+    if (kp->seqused_k) /* paged, seqused_k replaces the count, up to the capacity (below) */
+        sk = kp->page_keys;
+#endif
     if (kp->seqused_k) {
         fa_i64 used = kp->seqused_k[bi];
         sk = used < 0 ? 0 : used > sk ? sk : used;
@@ -332,8 +336,43 @@ FA_DEV fa_seq fa_seq_get(const fa_kparams *kp, int bi, int varlen)
     s.q_start = qa;
     s.k_start = ka;
     s.sq = (int)(qb - qa < kp->max_sq ? qb - qa : kp->max_sq);
+#if defined(FA_PAGED) && FA_PAGED
+    /* Paged: cu_seqlens_k counts keys, which are positions from 0 in the sequence's blocks, no
+     * more than its block_table row holds. */
+    s.k_start = 0;
+    sk = sk < kp->page_keys ? sk : kp->page_keys;
+#endif
     s.sk = (int)sk;
     return s;
+}
+
+/* The page of position j (< 2^31) by the host's multiply-and-shift (fa_page_magic), a division
+ * being a long software routine. */
+FA_DEV fa_u32 fa_page_of(fa_u32 j, fa_u32 mul, fa_u32 shift)
+{
+    return (__umulhi(j, mul) + j) >> shift;
+}
+
+/* A block id clamped into the cache's [0, last_block]: a bad id gives a wrong answer for its
+ * sequence, never a read outside the cache. */
+FA_DEV int fa_block_clamp(int b, int last_block)
+{
+    return b < 0 ? 0 : b > last_block ? last_block : b;
+}
+
+/* The block id at `page` of a block_table row, clamped (fa_block_clamp). */
+FA_DEV int fa_page_block(const int *bt_row, fa_u32 page, int last_block)
+{
+    return fa_block_clamp(bt_row[page], last_block);
+}
+
+/* Element offset of key j (< kp->page_keys) of a paged varlen forward's sequence in k or v
+ * (block stride bs, row stride rs); bt_row its block_table row. */
+FA_DEV fa_i64 fa_page_row(const fa_kparams *kp, const int *bt_row, int j, fa_i64 bs, fa_i64 rs)
+{
+    const fa_u32 page = fa_page_of((fa_u32)j, kp->page_mul, kp->page_shift);
+    const int blk = fa_page_block(bt_row, page, kp->last_block);
+    return (fa_i64)blk * bs + (fa_i64)((fa_u32)j - page * (fa_u32)kp->page_size) * rs;
 }
 
 /* The end of a row's online softmax, called by all four lanes of the row's quad: l, this lane's

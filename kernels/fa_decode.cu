@@ -34,7 +34,8 @@
  *
  * A varlen forward with few rows per sequence runs here too (FA_VARLEN): cu_seqlens_q/k (and
  * seqused_k) in the forward's block locate each sequence's rows of q, out and lse and its keys
- * in k and v, whose batch strides the host leaves 0.
+ * in k and v, whose batch strides the host leaves 0; with FA_PAGED too, its keys are positions
+ * [0, sk) of its block_table row (fa_seq_get).
  */
 #include "fa_common.cuh"
 #include "fa_dkparams.h"
@@ -114,8 +115,13 @@ FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
     s.start = v.k_start;
     s.end = s.len0 = v.k_start + v.sk;
     s.blk = 0;
+#if FA_PAGED /* a paged varlen forward: positions [0, sk) of its block_table row */
+    s.bt = dp->block_table + bi * dp->bt_bstride;
+    s.last_block = dp->f.last_block;
+#else
     s.bt = 0;
     s.last_block = 0;
+#endif
     (void)cap;
     return s;
 #endif
@@ -137,7 +143,7 @@ FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
  * division being a long software routine. */
 FA_DEV fa_u32 fa_kv_page(const fa_dkparams *dp, fa_u32 pos)
 {
-    return (__umulhi(pos, dp->page_mul) + pos) >> dp->page_shift;
+    return fa_page_of(pos, dp->page_mul, dp->page_shift);
 }
 
 /* The row of position pos (< 2^31) within its page. */
@@ -146,16 +152,10 @@ FA_DEV fa_u32 fa_kv_page_row(const fa_dkparams *dp, fa_u32 pos)
     return pos - fa_kv_page(dp, pos) * (fa_u32)dp->page_size;
 }
 
-/* A block_table entry b of sequence s clamped into the cache. */
-FA_DEV int fa_kv_block_clamp(const fa_kvseq *s, int b)
-{
-    return b < 0 ? 0 : b > s->last_block ? s->last_block : b;
-}
-
 /* The cache block of page `page` of a sequence (paged), clamped into the cache. */
 FA_DEV int fa_kv_page_block(const fa_kvseq *s, fa_u32 page)
 {
-    return fa_kv_block_clamp(s, s->bt[page]);
+    return fa_page_block(s->bt, page, s->last_block);
 }
 
 /* The cache block and row of position pos (< 2^31) of sequence s. */
@@ -288,7 +288,7 @@ FA_DEV void fa_decode_row_keep(const fa_kparams *kp, const fa_kvseq *seq, fa_pag
 {
     const int r = threadIdx.x;
     if (r < FA_BN) {
-        const fa_i64 blk = fa_kv_block_clamp(seq, pr.blk);
+        const fa_i64 blk = fa_block_clamp(pr.blk, seq->last_block);
         rows[r] = blk * kp->k_bstride + (fa_i64)pr.row * kp->k_rstride;
         rows[FA_BN + r] = blk * kp->v_bstride + (fa_i64)pr.row * kp->v_rstride;
     }

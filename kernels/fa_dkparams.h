@@ -42,17 +42,4 @@ typedef struct fa_dkparams {
     fa_i64 kd_bstride, kd_hstride, vd_bstride, vd_hstride;
 } fa_dkparams;
 
-#if !defined(__CUDACC__)
-/* The multiplier and shift of the division by d (1 <= d <= 2^30) for dividends below 2^31 (the
- * round-up method: shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1). */
-static inline void fa_page_magic(fa_i64 d, fa_u32 *mul, fa_u32 *shift)
-{
-    fa_u32 s = 0;
-    while (((fa_i64)1 << s) < d)
-        s++;
-    *shift = s;
-    *mul = (fa_u32)((((fa_u64)1 << 32) * (fa_u64)(((fa_i64)1 << s) - d)) / (fa_u64)d + 1);
-}
-#endif
-
 #endif /* FA_DKPARAMS_H */

@@ -19,9 +19,16 @@
  *   FA_NWARPS         warps per CTA, a power of two (FA_BM = 16 * FA_NWARPS * m-tiles per warp)
  *   FA_VEC            1: every row is 16-byte aligned with d, dv % 8 == 0, so cp.async is used
  *   FA_VARLEN, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT   features compiled in (0/1)
+ *   FA_PAGED          defined (1) only for a paged varlen call: each K/V row's address is looked
+ *                     up through block_table as it is copied (fa_page_row), so any page size
+ *                     works; dense kernels compile without it
  * Entry points: fa_fwd (the attention), fa_fwd_fill (varlen rows outside every sequence) and
  * fa_fwd_probs (the debugging probs output).
  */
+#ifndef FA_PAGED
+#define FA_PAGED 0
+#endif
+
 #include "fa_common.cuh"
 
 #define FA_THREADS (FA_NWARPS * 32)
@@ -121,6 +128,72 @@ FA_DEV void fa_tile_load_scalar(fa_u16 *tile, const fa_u16 *g, fa_i64 rs, int nr
 }
 #endif
 
+#if FA_PAGED
+/* Key j's row of kv head hk in paged v (v = 1) or k of sequence bi (j below the sequence's keys,
+ * so within its block_table row). Everything is formed from the parameters here, at the copy,
+ * so that the key loop carries no pointers of its own. */
+FA_DEV const fa_u16 *fa_pages_row(const fa_kparams *kp, int bi, int hk, int v, int j)
+{
+    const fa_u16 *base = (const fa_u16 *)(v ? kp->v : kp->k);
+    const fa_i64 hs = v ? kp->v_hstride : kp->k_hstride;
+    const fa_i64 bs = v ? kp->v_bstride : kp->k_bstride, rs = v ? kp->v_rstride : kp->k_rstride;
+    return base + hk * hs + fa_page_row(kp, kp->block_table + bi * kp->bt_bstride, j, bs, rs);
+}
+
+#if FA_VEC
+/* fa_tile_load for keys [n0, n0 + rows) of paged k or v: each row's address looked up. */
+FA_DEV void fa_tile_load_paged(const fa_copy *cp, const fa_kparams *kp, int bi, int hk, int v,
+                               int n0, int nrows, int rows, int cpr, const void *safe)
+{
+    if (FA_FIXED_CHUNK(cpr)) {
+        const int rpp = FA_THREADS / cpr;
+        const int col_ok = cp->ch * 8 < cp->ncols;
+#pragma unroll
+        for (int j = 0; j * rpp < rows; j++) {
+            const int r = cp->r0 + j * rpp;
+            if (rows % rpp == 0 || r < rows) {
+                const int ok = col_ok && r < nrows;
+                const fa_u32 dst =
+                    (cp->dst ^ (fa_swz_key(j * rpp, cpr) << 4)) + j * rpp * cpr * 16;
+                const void *src = safe;
+                if (ok)
+                    src = fa_pages_row(kp, bi, hk, v, n0 + r) + cp->ch * 8;
+                fa_cp_async16(dst, src, ok ? 16 : 0);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i0 = 0; i0 < rows * cpr; i0 += FA_THREADS) {
+            const int i = i0 + (int)threadIdx.x;
+            const int r = i / cpr, c = i - r * cpr;
+            const int ok = i < rows * cpr && r < nrows && c * 8 < cp->ncols;
+            const void *src = safe;
+            if (ok)
+                src = fa_pages_row(kp, bi, hk, v, n0 + r) + c * 8;
+            if (i < rows * cpr)
+                fa_cp_async16(cp->tile + fa_swz(r, c, cpr), src, ok ? 16 : 0);
+        }
+    }
+}
+#else
+/* fa_tile_load_scalar for keys [n0, n0 + rows) of paged k or v. */
+FA_DEV void fa_tile_load_scalar_paged(fa_u16 *tile, const fa_kparams *kp, int bi, int hk,
+                                      int v, int n0, int nrows, int ncols, int rows, int cpr)
+{
+    for (int i = threadIdx.x; i < rows * cpr; i += FA_THREADS) {
+        const int r = i / cpr, c = i - r * cpr;
+        fa_u16 *dst = tile + (fa_swz(r, c, cpr) >> 1);
+        const fa_u16 *g = r < nrows ? fa_pages_row(kp, bi, hk, v, n0 + r) : 0;
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const int col = (c << 3) + e;
+            dst[e] = (g && col < ncols) ? g[col] : (fa_u16)0;
+        }
+    }
+}
+#endif
+#endif
+
 /* Whether the scores are turned into base-2 units element by element before the softmax
  * (softcap and ALiBi transform them anyway); otherwise scale * log2(e) is folded into the one
  * FFMA in front of each exp2: p = 2^(s * c - m * c). */
@@ -148,10 +221,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 
     const fa_u16 *qg = (const fa_u16 *)kp.q + bi * kp.q_bstride + (seq.q_start + m0) * kp.q_rstride +
                        h * kp.q_hstride;
+#if !FA_PAGED /* paged rows are found at each copy (fa_pages_row) */
     const fa_u16 *kg = (const fa_u16 *)kp.k + bi * kp.k_bstride + seq.k_start * kp.k_rstride +
                        hk * kp.k_hstride;
     const fa_u16 *vg = (const fa_u16 *)kp.v + bi * kp.v_bstride + seq.k_start * kp.v_rstride +
                        hk * kp.v_hstride;
+#endif
 #if FA_VEC
     const fa_copy cq = fa_copy_make(sq_a, kp.q_rstride, kp.d, FA_CPR_K);
     const fa_copy ck = fa_copy_make(sk_a, kp.k_rstride, kp.d, FA_CPR_K);
@@ -207,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     const fa_u64 stream = fa_dropout_stream(&kp, bi, h);
 #endif
 
-#if FA_VEC
+#if FA_VEC && !FA_PAGED
     /* This thread's first chunk of the next K and V blocks to load (the last block first). */
     const fa_u16 *k_src = kg + ck.src + (fa_i64)(n_max - 1) * FA_BN * kp.k_rstride;
     const fa_u16 *v_src = vg + cv.src + (fa_i64)(n_max - 1) * FA_BN * kp.v_rstride;
@@ -215,12 +290,22 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     if (n_max > n_min) {
 #if FA_VEC
         fa_tile_load(&cq, qg + cq.src, kp.q_rstride, seq.sq - m0, FA_BM, FA_CPR_K, kp.q);
+#if FA_PAGED
+        fa_tile_load_paged(&ck, &kp, bi, hk, 0, (n_max - 1) * FA_BN, seq.sk - (n_max - 1) * FA_BN,
+                           FA_BN, FA_CPR_K, kp.k);
+#else
         fa_tile_load(&ck, k_src, kp.k_rstride, seq.sk - (n_max - 1) * FA_BN, FA_BN, FA_CPR_K,
                      kp.k);
+#endif
 #else
         fa_tile_load_scalar(sq_p, qg, kp.q_rstride, seq.sq - m0, kp.d, FA_BM, FA_CPR_K);
+#if FA_PAGED
+        fa_tile_load_scalar_paged(sk_p, &kp, bi, hk, 0, (n_max - 1) * FA_BN,
+                                  seq.sk - (n_max - 1) * FA_BN, kp.d, FA_BN, FA_CPR_K);
+#else
         fa_tile_load_scalar(sk_p, kg + (fa_i64)(n_max - 1) * FA_BN * kp.k_rstride, kp.k_rstride,
                             seq.sk - (n_max - 1) * FA_BN, kp.d, FA_BN, FA_CPR_K);
+#endif
 #endif
         fa_cp_async_commit();
     }
@@ -244,7 +329,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         /* K of this block (and Q) landed; every warp is done with the previous V. */
         fa_cp_async_wait_all();
         __syncthreads();
-#if FA_VEC
+#if FA_PAGED && FA_VEC
+        fa_tile_load_paged(&cv, &kp, bi, hk, 1, n0, FA_LSK - n0, FA_BN, FA_CPR_V, kp.v);
+#elif FA_PAGED
+        fa_tile_load_scalar_paged(sv_p, &kp, bi, hk, 1, n0, FA_LSK - n0, kp.dv, FA_BN, FA_CPR_V);
+#elif FA_VEC
         fa_tile_load(&cv, v_src, kp.v_rstride, FA_LSK - n0, FA_BN, FA_CPR_V, kp.v);
         v_src -= FA_BN * kp.v_rstride;
 #else
@@ -331,9 +420,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         fa_cp_async_wait_all();
         __syncthreads();
         if (nb > n_min) {
-#if FA_VEC
-            k_src -= FA_BN * kp.k_rstride;
             /* Only the last block can be partial, and it is the first one visited. */
+#if FA_PAGED && FA_VEC
+            fa_tile_load_paged(&ck, &kp, bi, hk, 0, n0 - FA_BN, FA_BN, FA_BN, FA_CPR_K, kp.k);
+#elif FA_PAGED
+            fa_tile_load_scalar_paged(sk_p, &kp, bi, hk, 0, n0 - FA_BN, FA_LSK - (n0 - FA_BN),
+                                      kp.d, FA_BN, FA_CPR_K);
+#elif FA_VEC
+            k_src -= FA_BN * kp.k_rstride;
             fa_tile_load(&ck, k_src, kp.k_rstride, FA_BN, FA_BN, FA_CPR_K, kp.k);
 #else
             fa_tile_load_scalar(sk_p, kg + (fa_i64)(n0 - FA_BN) * kp.k_rstride, kp.k_rstride,
@@ -486,8 +580,12 @@ extern "C" __global__ void fa_fwd_probs(const fa_kparams kp)
         return;
     const fa_u16 *qr = (const fa_u16 *)kp.q + bi * kp.q_bstride + (seq.q_start + row) * kp.q_rstride +
                        h * kp.q_hstride;
+#if FA_PAGED
+    const fa_u16 *kr = (const fa_u16 *)kp.k + hk * kp.k_hstride; /* rows by fa_page_row */
+#else
     const fa_u16 *kr = (const fa_u16 *)kp.k + bi * kp.k_bstride + seq.k_start * kp.k_rstride +
                        hk * kp.k_hstride;
+#endif
     const float slope =
         kp.alibi_slopes ? kp.alibi_slopes[bi * kp.alibi_bstride + h * kp.alibi_hstride] : 0.f;
     const int bn = kp.probs_block_n;
@@ -505,8 +603,15 @@ extern "C" __global__ void fa_fwd_probs(const fa_kparams kp)
             if (j >= b)
                 continue;
             float dot = 0.f;
+#if FA_PAGED
+            const fa_u16 *kj = kr + fa_page_row(&kp, kp.block_table + bi * kp.bt_bstride, j,
+                                                kp.k_bstride, kp.k_rstride);
+            for (int c = 0; c < kp.d; c++)
+                dot += fa_to_float(qr[c]) * fa_to_float(kj[c]);
+#else
             for (int c = 0; c < kp.d; c++)
                 dot += fa_to_float(qr[c]) * fa_to_float(kr[(fa_i64)j * kp.k_rstride + c]);
+#endif
             float y = kp.softcap > 0.f ? FA_RULE_SOFTCAP(dot, kp.softcap_pre, kp.softcap, tanhf)
                                        : dot * kp.scale;
             y -= FA_RULE_ALIBI(slope, (float)(row + seq.sk - seq.sq - j));

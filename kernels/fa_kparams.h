@@ -53,6 +53,31 @@ typedef struct fa_kparams {
     float scale_log2;      /* scale * log2(e), or softcap * log2(e) with softcap */
     float softcap_pre;     /* scale / softcap (softcap only) */
     float softcap;
+
+    /* Paged varlen forward (kernels built with FA_PAGED): k and v are blocks [num_blocks,
+     * page_size, hk, d] (k_bstride, v_bstride step a block) and key j of sequence i is row
+     * j % page_size of block block_table[i, j / page_size] (fa_page_row, fa_common.cuh). */
+    const int *block_table; /* [b, max_blocks] */
+    fa_i64 bt_bstride;
+    fa_i64 page_size;
+    fa_i64 page_keys;  /* max_blocks * page_size: a sequence's keys are clamped to it */
+    fa_u32 page_mul;   /* j / page_size = (umulhi(j, page_mul) + j) >> page_shift */
+    fa_u32 page_shift; /* for j below 2^31 (fa_page_magic) */
+    int last_block;    /* num_blocks - 1 (at most INT_MAX): block ids are clamped into the cache */
+    int page_pad;
 } fa_kparams;
+
+#if !defined(__CUDACC__)
+/* The multiplier and shift of the division by d (1 <= d <= 2^30) for dividends below 2^31 (the
+ * round-up method: shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1). */
+static inline void fa_page_magic(fa_i64 d, fa_u32 *mul, fa_u32 *shift)
+{
+    fa_u32 s = 0;
+    while (((fa_i64)1 << s) < d)
+        s++;
+    *shift = s;
+    *mul = (fa_u32)((((fa_u64)1 << 32) * (fa_u64)(((fa_i64)1 << s) - d)) / (fa_u64)d + 1);
+}
+#endif
 
 #endif /* FA_KPARAMS_H */

@@ -141,10 +141,12 @@ def _namer(names):
 
 def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes, kind, nm,
               varlen, max_seqlen_q, max_seqlen_k, window_size, dropout_p, softcap,
-              softmax_scale, causal, seed, offset, num_threads, target=None, descales=()):
+              softmax_scale, causal, seed, offset, num_threads, target=None, descales=(),
+              block_table=None):
     """An FaFwdArgs for prepared arrays, and the FaTensor objects that must outlive the call.
     ``target``: (CUDA device, stream) from ``cuda_target``, or None for the CPU; ``descales``:
-    the fp8 (q_descale, k_descale, v_descale), each prepared or None."""
+    the fp8 (q_descale, k_descale, v_descale), each prepared or None; ``block_table``: a paged
+    varlen call's, prepared, or None."""
     left, right = window_pair(window_size)
     dropout_p = as_float(dropout_p, "dropout_p")
     softcap = as_float(softcap, "softcap")
@@ -172,6 +174,8 @@ def _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks, codes,
         args.max_seqlen_k = max_seqlen_k
     if used_k is not None:
         args.seqused_k = ptr(used_k, "seqused_k", expected="int32")
+    if block_table is not None:
+        args.block_table = ptr(block_table, "block_table", expected="int32")
     if alibi is not None:
         args.alibi_slopes = ptr(alibi, "alibi_slopes", expected="float32")
     if sinks is not None:
@@ -200,7 +204,8 @@ def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=No
             max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0, softmax_scale=None, causal=False,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
             return_softmax=False, seed=0, offset=0, out=None, lse=None, probs=None,
-            names=None, num_threads=0, q_descale=None, k_descale=None, v_descale=None):
+            names=None, num_threads=0, q_descale=None, k_descale=None, v_descale=None,
+            block_table=None):
     """One call of fa_attention_forward. Returns (out, lse, probs).
 
     q, k, v: arrays of ``kind`` (already checked to share it). In the varlen form
@@ -208,19 +213,21 @@ def forward(q, k, v, *, kind, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=No
     upstream's S_dmask, [b, h, round_up(sq, 128), round_up(sk, 128)] in q's dtype, when
     return_softmax is true, else None. out / lse / probs may be passed in (written in place).
     ``names`` maps the C argument names to the caller's names for error messages. fp8 q, k, v
-    (out bf16 unless given) take the optional fp32 (b, h_k) descales.
+    (out bf16 unless given) take the optional fp32 (b, h_k) descales. With block_table (int32
+    (b, max_blocks), varlen only) k and v are pages (num_blocks, page_size, h_k, d), read in
+    place.
     """
     return run_forward(
         q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
         return_softmax, seed, offset, out, lse, probs, names, num_threads,
-        descales=(q_descale, k_descale, v_descale))[3:6]
+        descales=(q_descale, k_descale, v_descale), block_table=block_table)[3:6]
 
 
 def run_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                 max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, sinks, return_softmax, seed, offset, out, lse, probs, names,
-                num_threads, want_lse=True, descales=()):
+                num_threads, want_lse=True, descales=(), block_table=None):
     """``forward``'s call, returning what it prepared for ``_cached`` to keep: (args, the
     FaTensors it points to (q, k, v, out, lse first), the prepared inputs (copies among
     them), out, lse (None without ``want_lse``: the library writes none), probs or None,
@@ -228,7 +235,8 @@ def run_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen
     args, keep, arrays, out, lse, probs, names = _prepare_forward(
         q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
-        return_softmax, seed, offset, out, lse, probs, names, num_threads, descales)
+        return_softmax, seed, offset, out, lse, probs, names, num_threads, descales,
+        block_table)
     if not want_lse:
         args.lse = lse = None
     _lib.forward_workspace(args, keep)
@@ -242,7 +250,7 @@ def run_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen
 def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                      max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                      alibi_slopes, sinks, return_softmax, seed, offset, out, lse, probs, names,
-                     num_threads, descales=()):
+                     num_threads, descales=(), block_table=None):
     """``forward`` up to the call: (args, the FaTensors it points to (q, k, v, out, lse
     first), the prepared inputs (copies among them), out, lse, probs or None, names). The
     FaTensors and the prepared inputs must outlive the call."""
@@ -257,18 +265,23 @@ def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_s
 
     # Ranks needed to allocate the outputs (C checks everything else).
     nd = 3 if varlen else 4
-    if q.ndim != nd or k.ndim != nd or v.ndim != nd:
+    nd_kv = 4 if block_table is not None else nd
+    if q.ndim != nd or k.ndim != nd_kv or v.ndim != nd_kv:
         layout = ("[total_q, h, d]", "[total_k, hk, d]", "[total_k, hk, dv]") if varlen else (
             "[b, sq, h, d]", "[b, sk, hk, d]", "[b, sk, hk, dv]")
+        if block_table is not None:
+            layout = (layout[0], "[num_blocks, page_size, hk, d]",
+                      "[num_blocks, page_size, hk, dv]")
         _require_ndim(q, nm("q"), nd, layout[0])
-        _require_ndim(k, nm("k"), nd, layout[1])
-        _require_ndim(v, nm("v"), nd, layout[2])
+        _require_ndim(k, nm("k"), nd_kv, layout[1])
+        _require_ndim(v, nm("v"), nd_kv, layout[2])
 
     cu_q = cu_k = alibi = None
     if varlen:
         cu_q = prepare(cu_seqlens_q, nm("cu_seqlens_q"), kind, cuda=True)
         cu_k = prepare(cu_seqlens_k, nm("cu_seqlens_k"), kind, cuda=True)
     used_k = prepare(seqused_k, nm("seqused_k"), kind, cuda=True)
+    table = prepare(block_table, nm("block_table"), kind, cuda=True)
     if alibi_slopes is not None:
         alibi = prepare(alibi_slopes, nm("alibi_slopes"), kind, cuda=True)
     if sinks is not None:
@@ -286,7 +299,7 @@ def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_s
         max_seqlen_k = as_int(max_seqlen_k, nm("max_seqlen_k"))
         b = max(int(cu_q.shape[0]) - 1, 0)
         total_q, h = int(q.shape[0]), int(q.shape[1])
-        out_shape = (total_q, h, int(v.shape[2]))
+        out_shape = (total_q, h, int(v.shape[-1]))
         lse_shape = (h, total_q)
         sq, sk = max(max_seqlen_q, 0), max(max_seqlen_k, 0)
     else:
@@ -299,7 +312,8 @@ def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_s
     if kind == TORCH:
         target = cuda_target([(nm("q"), q), (nm("k"), k), (nm("v"), v),
                               (nm("cu_seqlens_q"), cu_q), (nm("cu_seqlens_k"), cu_k),
-                              (nm("seqused_k"), used_k), (nm("alibi_slopes"), alibi),
+                              (nm("seqused_k"), used_k), (nm("block_table"), table),
+                              (nm("alibi_slopes"), alibi),
                               (nm("sinks"), sinks), ("out", out), ("lse", lse),
                               ("probs", probs)] + list(zip(("q_descale", "k_descale",
                                                             "v_descale"), descales)))
@@ -315,9 +329,9 @@ def _prepare_forward(q, k, v, kind, cu_seqlens_q, cu_seqlens_k, seqused_k, max_s
     args, keep = _fwd_args(q, k, v, out, lse, probs, cu_q, cu_k, used_k, alibi, sinks,
                            (qc, kc, vc), kind, nm, varlen, max_seqlen_q, max_seqlen_k,
                            window_size, dropout_p, softcap, softmax_scale, causal, seed, offset,
-                           num_threads, target, descales)
-    return (args, keep, (q, k, v, cu_q, cu_k, used_k, alibi, sinks) + descales, out, lse, probs,
-            names)
+                           num_threads, target, descales, table)
+    return (args, keep, (q, k, v, cu_q, cu_k, used_k, alibi, sinks) + descales + (table,), out,
+            lse, probs, names)
 
 
 def backward(dout, q, k, v, out, lse, *, kind, cu_seqlens_q=None, cu_seqlens_k=None,

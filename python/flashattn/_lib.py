@@ -153,6 +153,7 @@ class FaFwdArgs(ctypes.Structure):
         ("mask_mod", ctypes.c_void_p),
         ("mod_aux", _PT * 4),
         ("block_mask", ctypes.POINTER(FaBlockMask)),
+        ("block_table", _PT),
     ]
 
 

@@ -1,4 +1,6 @@
-"""Paged keys for the varlen functions (upstream's ``block_table`` argument), as torch ops.
+"""Paged keys for the varlen functions (upstream's ``block_table`` argument), as torch ops, for
+calls that want gradients. Others pass block_table to the library, which reads the pages in
+place (its forward has no backward, as upstream's).
 
 Upstream's flash_attn_varlen_func reads k and v from a paged cache, (num_blocks, page_size,
 nheads_k, headdim), key p of sequence b at block block_table[b, p // page_size], row p %

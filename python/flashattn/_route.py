@@ -92,6 +92,16 @@ def forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_
     return out, lse, S_dmask, _arrays.rng_state_array(seed, 0)
 
 
+def _wants_grad(tensors):
+    """Whether autograd records a call on these arrays (torch tensors that require grad, with
+    grad mode on); torch is imported only when one could."""
+    if not any(getattr(t, "requires_grad", False) for t in tensors if t is not None):
+        return False
+    import torch
+
+    return torch.is_grad_enabled()
+
+
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size_left=-1, window_size_right=-1,
                    softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
@@ -107,20 +117,25 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             # Upstream's message: the paged varlen forward has no split-KV.
             raise _core.FlashAttnError("num_splits > 1 is not supported for varlen paged KV "
                                        "(num_splits=%d)" % num_splits)
-        from . import _paged  # imports torch: only on this path
+        if _wants_grad((q, k, v, alibi_slopes, learnable_sink)):
+            # The library reads pages in place in its forward only (upstream has no paged
+            # backward): gathered by torch ops, the pages get their gradients.
+            from . import _paged  # imports torch: only on this path
 
-        k, v, cu_seqlens_k, seqused_k = _paged.paged_kv(k, v, cu_seqlens_k, block_table,
-                                                        max_seqlen_k, seqused_k)
+            k, v, cu_seqlens_k, seqused_k = _paged.paged_kv(k, v, cu_seqlens_k, block_table,
+                                                            max_seqlen_k, seqused_k)
+            block_table = None
     kind = _kind or _arrays.common_kind(
         [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
          ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
-         ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)], 5)
+         ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+         ("learnable_sink", learnable_sink)], 5)
     if kind == _arrays.TORCH:
         out, lse, S_dmask, rng_state = torch_ops().varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, _core.window_pair((window_size_left, window_size_right)),
             softcap, alibi_slopes, _deterministic, return_softmax, learnable_sink, seqused_k,
-            _names)
+            _names, block_table=block_table)
     else:
         seed = _seed_for(dropout_p)
         out, lse, probs = _core.forward(
@@ -129,7 +144,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
             window_size=(window_size_left, window_size_right), softcap=softcap,
             alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
-            seed=seed, offset=0, names=_names)
+            seed=seed, offset=0, names=_names, block_table=block_table)
         S_dmask = probs if return_softmax else _empty_dmask(kind, q)
         rng_state = _arrays.rng_state_array(seed, 0)
     if _core.as_bool(zero_tensors, "zero_tensors"):

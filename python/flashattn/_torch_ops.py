@@ -2,6 +2,7 @@
 
     torch.ops.flashattn.fwd         (q, k, v, ...)                  -> out, lse, S_dmask, rng_state
     torch.ops.flashattn.varlen_fwd  (q, k, v, cu_seqlens_q, ...)    -> out, lse, S_dmask, rng_state
+    torch.ops.flashattn.varlen_fwd_paged (..., block_table, ...)    -> the same, forward only
     torch.ops.flashattn.bwd         (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
     torch.ops.flashattn.varlen_bwd  (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
     torch.ops.flashattn.kvcache     (q, k_cache!, v_cache!, ...)    -> out, lse
@@ -181,6 +182,15 @@ def _varlen_fwd_impl(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T,
                      window_size_right: int, softcap: float, return_softmax: bool,
                      deterministic: bool) -> _Result:
     """Variable-length attention; ``deterministic`` as in ``fwd``."""
+    return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
+                        learnable_sink, seed, max_seqlen_q, max_seqlen_k, dropout_p,
+                        softmax_scale, causal, window_size_left, window_size_right, softcap,
+                        return_softmax)
+
+
+def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink,
+                 seed, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                 window_size_left, window_size_right, softcap, return_softmax, block_table=None):
     _refuse_capture(q.device, dropout_p)
     s = _seed_value(seed)
     lse = None
@@ -192,7 +202,7 @@ def _varlen_fwd_impl(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_size_left, window_size_right), softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=learnable_sink, return_softmax=return_softmax,
-        seed=s, offset=0, lse=lse)
+        seed=s, offset=0, lse=lse, block_table=block_table)
     S = probs if return_softmax else q.new_empty((0,))
     return out, lse, S, _rng_state(s, q)
 
@@ -201,13 +211,43 @@ varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", _varlen_fwd_impl, 
                                      device_types=DEVICE_TYPES)
 
 
+def _varlen_paged_impl(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T,
+                       seqused_k: _OptT, block_table: _T, alibi_slopes: _OptT,
+                       learnable_sink: _OptT, seed: _OptT, max_seqlen_q: int, max_seqlen_k: int,
+                       dropout_p: float, softmax_scale: Optional[float], causal: bool,
+                       window_size_left: int, window_size_right: int, softcap: float,
+                       return_softmax: bool) -> _Result:
+    """Variable-length attention over pages k, v (num_blocks, page_size, h_k, d) read in place
+    through block_table. No autograd formula: a call that wants gradients gathers the pages
+    with torch ops instead (``_paged``), as upstream has no paged backward."""
+    return _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
+                        learnable_sink, seed, max_seqlen_q, max_seqlen_k, dropout_p,
+                        softmax_scale, causal, window_size_left, window_size_right, softcap,
+                        return_softmax, block_table)
+
+
+varlen_fwd_paged = torch.library.custom_op("flashattn::varlen_fwd_paged", _varlen_paged_impl,
+                                           mutates_args=(), device_types=DEVICE_TYPES)
+
+
+@varlen_fwd_paged.register_fake
+def _varlen_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                       alibi_slopes, learnable_sink, seed, max_seqlen_q, max_seqlen_k,
+                       dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                       softcap, return_softmax):
+    return _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
+                            learnable_sink, seed, max_seqlen_q, max_seqlen_k, dropout_p,
+                            softmax_scale, causal, window_size_left, window_size_right, softcap,
+                            return_softmax, False)
+
+
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
                      learnable_sink, seed, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                      causal, window_size_left, window_size_right, softcap, return_softmax,
                      deterministic):
     total_q, h = q.shape[0], q.shape[1]
-    out = q.new_empty((total_q, h, v.shape[2]))
+    out = q.new_empty((total_q, h, v.shape[-1]))
     lse = q.new_empty((h, total_q), dtype=_lse_dtype(q))
     if return_softmax:
         b = cu_seqlens_q.shape[0] - 1
@@ -716,8 +756,10 @@ def bind_fastpath(fallback, dense_args, kv_fallback, kv_args):
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
            softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_softmax,
-           learnable_sink, seqused_k=None, names=None):
-    """One varlen call: (out, fp32 lse, S_dmask, rng_state); arguments as in ``dense``."""
+           learnable_sink, seqused_k=None, names=None, block_table=None):
+    """One varlen call: (out, fp32 lse, S_dmask, rng_state); arguments as in ``dense``.
+    With block_table k and v are pages read in place (flashattn::varlen_fwd_paged, forward
+    only: the caller gathers them when it wants gradients)."""
     names = names or {}
     if _arrays.is_fp8(q):
         out, lse, S = fp8_forward(
@@ -725,26 +767,31 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
             seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window,
             softcap=softcap, alibi_slopes=alibi_slopes, sinks=learnable_sink,
-            return_softmax=return_softmax)
+            return_softmax=return_softmax, block_table=block_table)
         return _fp8_result(q, out, lse, S, return_softmax, None)
     nm = lambda n: names.get(n, n)  # noqa: E731
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink)
+    if block_table is not None:
+        tensors = tensors[:6] + (block_table,) + tensors[6:]
     eager = _eager(tensors)
     if not eager:
         _check_devices([(nm("q"), q), (nm("k"), k), (nm("v"), v),
                         (nm("cu_seqlens_q"), cu_seqlens_q), (nm("cu_seqlens_k"), cu_seqlens_k),
-                        ("seqused_k", seqused_k), ("alibi_slopes", alibi_slopes),
-                        ("learnable_sink", learnable_sink)])
+                        ("seqused_k", seqused_k), ("block_table", block_table),
+                        ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)])
     dropout_p, softmax_scale, softcap = _scalars(dropout_p, softmax_scale, softcap)
     max_seqlen_q = _core.as_int(max_seqlen_q, nm("max_seqlen_q"))
     max_seqlen_k = _core.as_int(max_seqlen_k, nm("max_seqlen_k"))
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink,
-            draw_seed(dropout_p, q), max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-            _core.as_bool(causal, "causal"), window[0], window[1], softcap,
-            bool(return_softmax), _core.as_bool(deterministic, "deterministic"))
+    args = tensors + (draw_seed(dropout_p, q), max_seqlen_q, max_seqlen_k, dropout_p,
+                      softmax_scale, _core.as_bool(causal, "causal"), window[0], window[1],
+                      softcap, bool(return_softmax))
+    if block_table is None:
+        args += (_core.as_bool(deterministic, "deterministic"),)
+        op, impl, function = torch.ops.flashattn.varlen_fwd, _varlen_fwd_impl, _VarlenFn
+    else:
+        op, impl, function = torch.ops.flashattn.varlen_fwd_paged, _varlen_paged_impl, None
     try:
-        out, lse, S, rng_state = _run(torch.ops.flashattn.varlen_fwd, _varlen_fwd_impl,
-                                      _VarlenFn, tensors, args, eager)
+        out, lse, S, rng_state = _run(op, impl, function, tensors, args, eager)
     except FlashAttnError as e:
         raise _renamed(e, names) from None
     return out, lse.float(), S, rng_state

@@ -229,3 +229,18 @@ fa_status fa_check_writable(const fa_tensor *t, const char *name)
     }
     return FA_STATUS_OK;
 }
+
+fa_status fa_check_block_ids(const int32_t *row, int64_t i, int64_t page_size, int64_t num_blocks,
+                             int64_t start, int64_t end)
+{
+    if (end <= start)
+        return FA_STATUS_OK;
+    for (int64_t j = start / page_size; j < (end + page_size - 1) / page_size; j++) {
+        if (row[j] < 0 || row[j] >= num_blocks)
+            return FA_BAD("block_table: entry [%lld, %lld] is %d, outside [0, %lld) (the blocks "
+                          "of the cache); sequence %lld uses positions [%lld, %lld)",
+                          (long long)i, (long long)j, row[j], (long long)num_blocks,
+                          (long long)i, (long long)start, (long long)end);
+    }
+    return FA_STATUS_OK;
+}

@@ -28,6 +28,11 @@ fa_status fa_check_disjoint(const fa_tensor *out, const char *out_name, const fa
 /* Refuses (naming it) a tensor the call writes whose elements are not all at distinct
  * addresses (a zero stride, or strides that interleave). NULL or empty: OK. */
 fa_status fa_check_writable(const fa_tensor *t, const char *name);
+/* The block ids a paged sequence's positions [start, end) use (its block_table row, host memory;
+ * page_size rows a block), each in [0, num_blocks): only those must exist, later columns may be
+ * padding. The error names block_table and sequence i. */
+fa_status fa_check_block_ids(const int32_t *row, int64_t i, int64_t page_size, int64_t num_blocks,
+                             int64_t start, int64_t end);
 /* A count that sizes work (max_seqlen_q/k) but backs no tensor: [0, FA_MAX_EXTENT]. */
 fa_status fa_check_count(int64_t value, const char *name);
 

@@ -169,6 +169,7 @@ static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_params *p, int 
                           "already maps sequences to blocks)");
         p->block_table = (const int32_t *)bt->data;
         p->bt_bstride = bt->stride[0];
+        p->bt_cols = bt->shape[1];
         if (__builtin_mul_overflow(bt->shape[1], p->page_size, &p->max_sk) ||
             p->max_sk > FA_MAX_EXTENT)
             return FA_BAD("block_table: %lld blocks of %lld positions exceed FA_MAX_EXTENT = "
@@ -245,22 +246,9 @@ static fa_status fa_kv_check_lengths(const fa_kvcache_args *a, fa_params *p, int
     }
     if (!p->paged)
         return FA_STATUS_OK;
-    /* Only the blocks a sequence reads or writes must exist: later columns may be padding. */
-    for (int64_t i = 0; i < p->b; i++) {
-        int64_t first = fa_kv_seq_start(p, i) / p->page_size;
-        int64_t end = fa_kv_seq_end(p, i);
-        int64_t last = (end + p->page_size - 1) / p->page_size;
-        if (end <= fa_kv_seq_start(p, i))
-            continue;
-        for (int64_t j = first; j < last; j++) {
-            int32_t id = p->block_table[i * p->bt_bstride + j];
-            if (id < 0 || id >= p->num_blocks)
-                return FA_BAD("block_table: entry [%lld, %lld] is %d, outside [0, %lld) (the "
-                              "blocks of k_cache); sequence %lld uses positions [%lld, %lld)",
-                              (long long)i, (long long)j, id, (long long)p->num_blocks,
-                              (long long)i, (long long)fa_kv_seq_start(p, i), (long long)end);
-        }
-    }
+    for (int64_t i = 0; i < p->b; i++)
+        FA_TRY(fa_check_block_ids(p->block_table + i * p->bt_bstride, i, p->page_size,
+                                  p->num_blocks, fa_kv_seq_start(p, i), fa_kv_seq_end(p, i)));
     return FA_STATUS_OK;
 }
 

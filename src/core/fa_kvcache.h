@@ -1,7 +1,8 @@
 /*
  * How the KV-cache attention reads its fields of fa_params: the cache positions of a sequence,
  * the block holding a position, the element offset of a cache row. Used by core's validation
- * (fa_kvcache.c) and the CPU decode (fa_cpu_decode.c).
+ * (fa_kvcache.c), the CPU decode (fa_cpu_decode.c) and the CPU forward's key loads
+ * (fa_kv_key_at).
  */
 #ifndef FA_KVCACHE_H
 #define FA_KVCACHE_H
@@ -39,6 +40,29 @@ static inline int64_t fa_kv_block(const fa_params *p, int64_t i, int64_t page)
     if (p->paged)
         return p->block_table[i * p->bt_bstride + page];
     return p->batch_idx ? p->batch_idx[i] : i;
+}
+
+/* Element offsets in k and v (the kv head's offset not included) of key j of sequence i in a
+ * forward's record, k_start being the sequence's first row (fa_seq): row k_start + j of its
+ * batch row (dense; varlen batch strides are 0), or, paged, position j of its blocks. Every
+ * CPU forward path finds a key row here. */
+static inline void fa_kv_key_at(const fa_params *p, int64_t i, int64_t k_start, int64_t j,
+                                int64_t *k_at, int64_t *v_at)
+{
+    int64_t blk = i, row = k_start + j;
+    if (p->paged) {
+        blk = fa_kv_block(p, i, j / p->page_size);
+        row = j % p->page_size;
+    }
+    *k_at = blk * p->k_bstride + row * p->k_rstride;
+    *v_at = blk * p->v_bstride + row * p->v_rstride;
+}
+
+/* Whether keys [j0, j0 + n) of a sequence are rows in a row (one page when paged), so that
+ * fa_kv_key_at(j0) and the row strides reach them all. */
+static inline int fa_kv_keys_adjacent(const fa_params *p, int64_t j0, int64_t n)
+{
+    return !p->paged || n <= 0 || j0 / p->page_size == (j0 + n - 1) / p->page_size;
 }
 
 /* Every cache_seqlens entry (host memory, [b]) non-negative and, with the s_new new keys, within

@@ -50,11 +50,17 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
     if (!p->is_varlen && a->seqused_k)
         return FA_BAD("seqused_k: only allowed in the varlen form (with cu_seqlens_q/k)");
 
+    if (!p->is_varlen && a->block_table)
+        return FA_BAD("block_table: paged k/v are taken in the varlen form only (with "
+                      "cu_seqlens_q/k), as upstream");
+    p->paged = a->block_table != NULL;
+
     int nd = p->is_varlen ? 3 : 4;
-    int hd = nd - 2; /* index of the heads dimension */
+    int hd = nd - 2;             /* index of the heads dimension */
+    int kd = p->paged ? 2 : hd; /* and of k's and v's: [num_blocks, page_size, hk, d] */
     FA_TRY(fa_check_tensor(q, "q", nd));
-    FA_TRY(fa_check_tensor(k, "k", nd));
-    FA_TRY(fa_check_tensor(v, "v", nd));
+    FA_TRY(fa_check_tensor(k, "k", kd + 2));
+    FA_TRY(fa_check_tensor(v, "v", kd + 2));
     FA_TRY(fa_check_tensor(o, "out", nd));
 
     const int fp8 = fa_dtype_is_fp8(q->dtype);
@@ -83,8 +89,8 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
 
     p->h = q->shape[hd];
     p->d = q->shape[hd + 1];
-    p->hk = k->shape[hd];
-    p->dv = v->shape[hd + 1];
+    p->hk = k->shape[kd];
+    p->dv = v->shape[kd + 1];
     if (p->d < 1 || p->d > FA_MAX_HEAD_DIM)
         return FA_BAD("q: head_dim must be in [1, %d], got %lld", FA_MAX_HEAD_DIM,
                       (long long)p->d);
@@ -95,7 +101,7 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
         return FA_BAD("%s: head_dim must be a multiple of 16 with fp8 inputs (as upstream), got "
                       "%lld",
                       p->d % 16 ? "q" : "v", (long long)(p->d % 16 ? p->d : p->dv));
-    FA_TRY(fa_check_dim(k, "k", hd + 1, p->d, "head_dim, as q"));
+    FA_TRY(fa_check_dim(k, "k", kd + 1, p->d, "head_dim, as q"));
     if (p->h < 1)
         return FA_BAD("q: number of heads must be positive, got %lld", (long long)p->h);
     if (p->hk < 1)
@@ -104,7 +110,7 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
         return FA_BAD("k: number of kv heads (%lld) must divide the number of query heads in q "
                       "(%lld)",
                       (long long)p->hk, (long long)p->h);
-    FA_TRY(fa_check_dim(v, "v", hd, p->hk, "kv heads, as k"));
+    FA_TRY(fa_check_dim(v, "v", kd, p->hk, "kv heads, as k"));
     FA_TRY(fa_check_dim(o, "out", hd, p->h, "heads, as q"));
     FA_TRY(fa_check_dim(o, "out", hd + 1, p->dv, "head_dim, as v"));
 
@@ -137,12 +143,16 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
         FA_TRY(fa_check_count(a->max_seqlen_k, "max_seqlen_k"));
         p->max_sq = a->max_seqlen_q;
         p->max_sk = a->max_seqlen_k;
-        FA_TRY(fa_check_dim(v, "v", 0, k->shape[0], "total_k, as k"));
+        FA_TRY(fa_check_dim(v, "v", 0, k->shape[0], p->paged ? "blocks, as k" : "total_k, as k"));
+        if (p->paged)
+            FA_TRY(fa_check_dim(v, "v", 1, k->shape[1], "page size, as k"));
         FA_TRY(fa_check_dim(o, "out", 0, q->shape[0], "total_q, as q"));
         const int on_host = a->device == FA_DEVICE_CPU;
+        /* Paged, cu_seqlens_k counts keys: any int32 offset is a valid count. */
+        p->total_k = p->paged ? INT32_MAX : k->shape[0];
         FA_TRY(fa_check_cu_seqlens(a->cu_seqlens_q, "cu_seqlens_q", p->b, q->shape[0], p->max_sq,
                                    "max_seqlen_q", on_host));
-        FA_TRY(fa_check_cu_seqlens(a->cu_seqlens_k, "cu_seqlens_k", p->b, k->shape[0], p->max_sk,
+        FA_TRY(fa_check_cu_seqlens(a->cu_seqlens_k, "cu_seqlens_k", p->b, p->total_k, p->max_sk,
                                    "max_seqlen_k", on_host));
         p->cu_seqlens_q = (const int32_t *)a->cu_seqlens_q->data;
         p->cu_seqlens_k = (const int32_t *)a->cu_seqlens_k->data;
@@ -153,17 +163,23 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
             FA_TRY(fa_check_dim(u, "seqused_k", 0, p->b, "batch"));
             const int32_t *used = (const int32_t *)u->data;
             for (int64_t i = 0; on_host && i < p->b; i++) {
-                int64_t len = p->cu_seqlens_k[i + 1] - p->cu_seqlens_k[i];
+                /* Paged, the count replaces cu_seqlens_k's (upstream's rule): its keys are
+                 * positions in the blocks, not rows of a sequence. */
+                int64_t len = p->paged ? p->max_sk : p->cu_seqlens_k[i + 1] - p->cu_seqlens_k[i];
                 if (used[i] < 0 || used[i] > len)
-                    return FA_BAD("seqused_k: entry %lld is %d, outside [0, %lld] (the length "
-                                  "of that sequence in cu_seqlens_k)",
-                                  (long long)i, used[i], (long long)len);
+                    return FA_BAD("seqused_k: entry %lld is %d, outside [0, %lld] (%s)",
+                                  (long long)i, used[i], (long long)len,
+                                  p->paged ? "max_seqlen_k"
+                                           : "the length of that sequence in cu_seqlens_k");
             }
             p->seqused_k = used;
         }
         p->total_q = q->shape[0];
-        p->total_k = k->shape[0];
         p->q_bstride = p->k_bstride = p->v_bstride = p->o_bstride = 0;
+        if (p->paged) {
+            p->k_bstride = k->stride[0];
+            p->v_bstride = v->stride[0];
+        }
     }
     p->q = q->data;
     p->k = k->data;
@@ -171,12 +187,51 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
     p->out = o->data;
     p->q_rstride = q->stride[hd - 1];
     p->q_hstride = q->stride[hd];
-    p->k_rstride = k->stride[hd - 1];
-    p->k_hstride = k->stride[hd];
-    p->v_rstride = v->stride[hd - 1];
-    p->v_hstride = v->stride[hd];
+    p->k_rstride = k->stride[kd - 1];
+    p->k_hstride = k->stride[kd];
+    p->v_rstride = v->stride[kd - 1];
+    p->v_hstride = v->stride[kd];
     p->o_rstride = o->stride[hd - 1];
     p->o_hstride = o->stride[hd];
+    return FA_STATUS_OK;
+}
+
+/* block_table (varlen only; fa_check_inputs took k and v as blocks): int32 [b, max_blocks]. On
+ * the host, every sequence's keys within its row's capacity and in blocks that exist (the KV
+ * cache's rule, fa_check_block_ids); a device clamps them in its kernels instead. */
+static fa_status fa_check_paged(const fa_fwd_args *a, fa_params *p)
+{
+    if (!p->paged)
+        return FA_STATUS_OK;
+    const fa_tensor *bt = a->block_table;
+    FA_TRY(fa_check_tensor(bt, "block_table", 2));
+    FA_TRY(fa_check_dtype(bt, "block_table", FA_DTYPE_I32, "block ids"));
+    FA_TRY(fa_check_dim(bt, "block_table", 0, p->b, "batch, as cu_seqlens_q"));
+    p->num_blocks = a->k->shape[0];
+    p->page_size = a->k->shape[1];
+    if (p->page_size < 1)
+        return FA_BAD("k: page size (dimension 1 of paged k) must be >= 1, got %lld",
+                      (long long)p->page_size);
+    int64_t capacity;
+    if (__builtin_mul_overflow(bt->shape[1], p->page_size, &capacity) ||
+        capacity > FA_MAX_EXTENT)
+        return FA_BAD("block_table: %lld blocks of %lld keys exceed FA_MAX_EXTENT = 2^40 keys",
+                      (long long)bt->shape[1], (long long)p->page_size);
+    p->block_table = (const int32_t *)bt->data;
+    p->bt_bstride = bt->stride[0];
+    p->bt_cols = bt->shape[1];
+    if (a->device != FA_DEVICE_CPU)
+        return FA_STATUS_OK;
+    for (int64_t i = 0; i < p->b; i++) {
+        const int64_t sk = fa_params_seq(p, i).sk;
+        if (sk > capacity)
+            return FA_BAD("block_table: sequence %lld has %lld keys but its %lld blocks of %lld "
+                          "hold %lld",
+                          (long long)i, (long long)sk, (long long)p->bt_cols,
+                          (long long)p->page_size, (long long)capacity);
+        FA_TRY(fa_check_block_ids(p->block_table + i * p->bt_bstride, i, p->page_size,
+                                  p->num_blocks, 0, sk));
+    }
     return FA_STATUS_OK;
 }
 
@@ -343,6 +398,7 @@ fa_status fa_params_from_fwd_args(const fa_fwd_args *a, fa_params *p)
         return FA_BAD("args: NULL");
     FA_TRY(fa_check_device(a->device));
     FA_TRY(fa_check_inputs(a, p));
+    FA_TRY(fa_check_paged(a, p));
     FA_TRY(fa_check_disjoint(a->out, "out", a->q, "q"));
     FA_TRY(fa_check_disjoint(a->out, "out", a->k, "k"));
     FA_TRY(fa_check_disjoint(a->out, "out", a->v, "v"));
@@ -385,6 +441,10 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
     fwd.probs = NULL; /* a forward-only debugging output */
     if (!fwd.lse)
         return FA_BAD("lse: the backward needs the forward's lse (fwd->lse)");
+    if (fwd.block_table)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "block_table: a paged forward has no backward (as upstream); pass "
+                            "k and v in the varlen layout to differentiate");
     FA_TRY(fa_params_from_fwd_args(&fwd, p));
     if (fa_dtype_is_fp8(p->dtype))
         return fa_error_set(FA_STATUS_UNSUPPORTED,

@@ -33,7 +33,8 @@ typedef struct fa_params {
     int64_t max_sk;  /* keys per sequence (dense); the longest (varlen); KV cache: capacity */
     /* Forward and backward only: */
     int64_t total_q; /* rows of q: b * max_sq (dense) or q->shape[0] (varlen) */
-    int64_t total_k; /* rows of k: b * max_sk (dense) or k->shape[0] (varlen) */
+    int64_t total_k; /* rows of k: b * max_sk (dense) or k->shape[0] (varlen); paged varlen:
+                        INT32_MAX (cu_seqlens_k counts keys there, not rows) */
 
     /* q: [b, sq, h, d] or [total_q, h, d] */
     const void *q;
@@ -88,10 +89,11 @@ typedef struct fa_params {
     int64_t qd_bstride, qd_hstride, kd_bstride, kd_hstride, vd_bstride, vd_hstride;
 
     /*
-     * KV cache only. Position t of sequence i is row t % page_size of block
-     * fa_kv_block(p, i, t / page_size) (fa_kvcache.h). A contiguous cache is the special case
-     * of one block per sequence (page_size = max_sk = s_cache), the block being the cache's
-     * batch row.
+     * KV cache only, but for the paging fields (paged .. bt_cols), which a paged varlen forward
+     * fills too (k and v its blocks, key j of sequence i its position j). Position t of
+     * sequence i is row t % page_size of block fa_kv_block(p, i, t / page_size) (fa_kvcache.h).
+     * A contiguous cache is the special case of one block per sequence (page_size = max_sk =
+     * s_cache), the block being the cache's batch row.
      */
     fa_dtype kv_dtype; /* of k and v (the caches): dtype, or fp8 with an fp16/bf16/fp32 q */
     int64_t s_new;     /* keys appended per sequence (0: no append) */
@@ -106,6 +108,7 @@ typedef struct fa_params {
     int64_t num_blocks;         /* paged: blocks in the cache; contiguous: b_cache */
     const int32_t *block_table; /* paged: [b, max_blocks] */
     int64_t bt_bstride;
+    int64_t bt_cols; /* paged: max_blocks, so a sequence holds bt_cols * page_size positions */
     const int32_t *batch_idx;     /* contiguous, optional: [b] */
     const int32_t *cache_seqlens; /* [b]; NULL: every sequence fills the capacity */
     const int32_t *leftpad;       /* [b], optional */
@@ -196,7 +199,7 @@ static inline fa_seq fa_params_seq(const fa_params *p, int64_t i)
     fa_seq s;
     if (p->is_varlen) {
         s.q_start = p->cu_seqlens_q[i];
-        s.k_start = p->cu_seqlens_k[i];
+        s.k_start = p->paged ? 0 : p->cu_seqlens_k[i]; /* paged: positions in its blocks */
         s.sq = p->cu_seqlens_q[i + 1] - p->cu_seqlens_q[i];
         s.sk = p->seqused_k ? p->seqused_k[i] : p->cu_seqlens_k[i + 1] - p->cu_seqlens_k[i];
     } else {

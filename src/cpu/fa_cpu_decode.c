@@ -388,19 +388,21 @@ fa_status fa_cpu_kvcache(const fa_params *p)
 }
 
 /* A forward's record as a contiguous cache: each dense batch row one block of max_sk rows; all
- * varlen keys one block, whose sequences start at cu_seqlens_k (fa_kv_seq_get). Nothing of the
- * cache's own (append, rotary, pages, indices) applies. */
+ * varlen keys one block, whose sequences start at cu_seqlens_k (fa_kv_seq_get). A paged varlen
+ * forward keeps its pages: its keys are positions from 0 of its block_table row. Nothing else of
+ * the cache's own (append, rotary, indices) applies. */
 fa_status fa_cpu_decode_forward(const fa_params *p)
 {
     fa_params d = *p;
     d.kv_dtype = p->dtype;
-    d.paged = 0;
-    d.page_size = p->is_varlen ? p->total_k : p->max_sk;
-    d.page_size = d.page_size > 0 ? d.page_size : 1;
-    d.num_blocks = p->is_varlen ? 1 : p->b;
-    d.k_bstride = p->is_varlen ? 0 : p->k_bstride;
-    d.v_bstride = p->is_varlen ? 0 : p->v_bstride;
-    d.block_table = NULL;
+    if (!p->paged) {
+        d.page_size = p->is_varlen ? p->total_k : p->max_sk;
+        d.page_size = d.page_size > 0 ? d.page_size : 1;
+        d.num_blocks = p->is_varlen ? 1 : p->b;
+        d.k_bstride = p->is_varlen ? 0 : p->k_bstride;
+        d.v_bstride = p->is_varlen ? 0 : p->v_bstride;
+        d.block_table = NULL;
+    }
     d.batch_idx = NULL;
     d.cache_seqlens = NULL;
     d.leftpad = NULL;

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "fa_rules.h"
+#include "core/fa_kvcache.h"
 #include "cpu/fa_cpu.h"
 #include "cpu/fa_cpu_bf16.h"
 #include "cpu/fa_cpu_info.h"

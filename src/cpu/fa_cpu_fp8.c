@@ -14,6 +14,7 @@
 #include <stdlib.h>
 
 #include "core/fa_fp8.h"
+#include "core/fa_kvcache.h"
 #include "cpu/fa_cpu.h"
 #include "util/fa_half.h"
 #include "util/fa_threadpool.h"
@@ -50,12 +51,9 @@ static void fa_fp8_row(const fa_fp8_job *job, int64_t seq_index, const fa_seq *s
     const uint8_t *q = (const uint8_t *)p->q + seq_index * p->q_bstride +
                        (seq->q_start + row) * p->q_rstride + h * p->q_hstride;
     /* Without keys k and v may be empty, their data NULL: no address is formed from them. */
-    const uint8_t *k = seq->sk == 0 ? NULL
-                                    : (const uint8_t *)p->k + seq_index * p->k_bstride +
-                                          seq->k_start * p->k_rstride + hk * p->k_hstride;
-    const uint8_t *v = seq->sk == 0 ? NULL
-                                    : (const uint8_t *)p->v + seq_index * p->v_bstride +
-                                          seq->k_start * p->v_rstride + hk * p->v_hstride;
+    const uint8_t *k = seq->sk == 0 ? NULL : (const uint8_t *)p->k + hk * p->k_hstride;
+    const uint8_t *v = seq->sk == 0 ? NULL : (const uint8_t *)p->v + hk * p->v_hstride;
+    int64_t k_at, v_at;
     /* FA3 folds q_descale * k_descale into the softmax scale (or softcap's pre-factor) and
      * v_descale into the final 1 / l. */
     const double qk_descale =
@@ -78,7 +76,8 @@ static void fa_fp8_row(const fa_fp8_job *job, int64_t seq_index, const fa_seq *s
     float mx = -INFINITY;
     int nan = 0; /* a NaN score makes the whole row NaN, even when every score is NaN */
     for (int64_t j = lo; j < hi; j++) {
-        const uint8_t *kj = k + j * p->k_rstride;
+        fa_kv_key_at(p, seq_index, seq->k_start, j, &k_at, &v_at);
+        const uint8_t *kj = k + k_at;
         float dot = 0.0f;
         for (int64_t x = 0; x < d; x++)
             dot += qf[x] * tab[kj[x]];
@@ -106,7 +105,8 @@ static void fa_fp8_row(const fa_fp8_job *job, int64_t seq_index, const fa_seq *s
         for (int64_t j = lo; j < hi; j++) {
             const float pj = exp2f((s[j - lo] - big) * log2e + FA_FP8_P_OFFSET);
             const float p8 = fa_e4m3_round(pj);
-            const uint8_t *vj = v + j * p->v_rstride;
+            fa_kv_key_at(p, seq_index, seq->k_start, j, &k_at, &v_at);
+            const uint8_t *vj = v + v_at;
             l += pj;
             for (int64_t x = 0; x < dv; x++)
                 acc[x] += p8 * tab[vj[x]];

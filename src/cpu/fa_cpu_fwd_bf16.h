@@ -94,19 +94,33 @@ FA_CPU_AVX512 static void fa_bf16_pack_block(const fa_params *p, uint16_t *dst,
     const int64_t d = p->d, dk = fa_cpu_round_up(d, FA_CPU_BF16_KALIGN);
     const int64_t j0 = b * FA_CPU_BF16_BN;
     const int64_t n = seq.sk - j0 < FA_CPU_BF16_BN ? seq.sk - j0 : FA_CPU_BF16_BN;
-    const uint16_t *k = (const uint16_t *)p->k + seq_index * p->k_bstride +
-                        (seq.k_start + j0) * p->k_rstride + hk * p->k_hstride;
-    const uint16_t *v = (const uint16_t *)p->v + seq_index * p->v_bstride +
-                        (seq.k_start + j0) * p->v_rstride + hk * p->v_hstride;
+    const uint16_t *k = (const uint16_t *)p->k + hk * p->k_hstride;
+    const uint16_t *v = (const uint16_t *)p->v + hk * p->v_hstride;
+    int64_t k_at, v_at;
     for (int64_t j = 0; j < FA_CPU_BF16_BN; j++) {
         uint16_t *row = dst + j * dk;
         const int64_t w = j < n ? d : 0;
-        if (w)
-            memcpy(row, k + j * p->k_rstride, (size_t)w * sizeof *row);
+        if (w) {
+            fa_kv_key_at(p, seq_index, seq.k_start, j0 + j, &k_at, &v_at);
+            memcpy(row, k + k_at, (size_t)w * sizeof *row);
+        }
         memset(row + w, 0, (size_t)(dk - w) * sizeof *row);
     }
-    fa_cpu_bf16_pack_vt(dst + FA_CPU_BF16_BN * dk, FA_CPU_BF16_BN, v, p->v_rstride, n,
-                        FA_CPU_BF16_BN, p->dv, fa_cpu_gemm_pad(p->dv));
+    /* V rows on more than one page are gathered first: the transpose reads rows by a stride. */
+    uint16_t gathered[FA_CPU_BF16_BN * FA_MAX_HEAD_DIM];
+    int64_t ldv = p->v_rstride;
+    fa_kv_key_at(p, seq_index, seq.k_start, j0, &k_at, &v_at);
+    const uint16_t *vs = v + v_at;
+    if (!fa_kv_keys_adjacent(p, j0, n)) {
+        for (int64_t j = 0; j < n; j++) {
+            fa_kv_key_at(p, seq_index, seq.k_start, j0 + j, &k_at, &v_at);
+            memcpy(gathered + j * p->dv, v + v_at, (size_t)p->dv * sizeof *gathered);
+        }
+        vs = gathered;
+        ldv = p->dv;
+    }
+    fa_cpu_bf16_pack_vt(dst + FA_CPU_BF16_BN * dk, FA_CPU_BF16_BN, vs, ldv, n, FA_CPU_BF16_BN,
+                        p->dv, fa_cpu_gemm_pad(p->dv));
 }
 
 /* Rows [r0, r0 + m) of head h in sequence seq_index; kv holds the packed blocks of its

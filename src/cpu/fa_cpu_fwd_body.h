@@ -291,10 +291,7 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
                            !fa_cpu_rows_alias(p->v_rstride, sizeof(FA_REAL));
 
     const int64_t q_base = seq_index * p->q_bstride + seq.q_start * p->q_rstride + h * p->q_hstride;
-    const int64_t k_base =
-        seq_index * p->k_bstride + seq.k_start * p->k_rstride + hk * p->k_hstride;
-    const int64_t v_base =
-        seq_index * p->v_bstride + seq.k_start * p->v_rstride + hk * p->v_hstride;
+    const int64_t k_head = hk * p->k_hstride, v_head = hk * p->v_hstride;
 
     /* fp32 Q is transposed straight from its rows (fa_cpu_transpose_f32, 16x16 blocks); other
      * inputs row by row through row_buf, as are the padding rows. */
@@ -344,28 +341,24 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
         const int64_t mr = (c1 < m ? c1 : m) - c0; /* real rows among the columns */
         if (mr <= 0)
             continue;
-        const FA_REAL *kp, *vp;
-        int64_t k_ld, v_ld;
-        if (k_in_place) {
-            kp = (const FA_REAL *)p->k + k_base + j0 * p->k_rstride;
-            k_ld = p->k_rstride;
-        } else {
-            for (int64_t j = 0; j < n; j++)
-                FA_FN(fa_load_row)(t->kbuf + j * d, p->k, k_base + (j0 + j) * p->k_rstride, d,
-                                   p->dtype);
-            kp = t->kbuf;
-            k_ld = d;
+        /* Rows of one page (or of a dense layout) are read where they are; others are copied. */
+        const int adjacent = fa_kv_keys_adjacent(p, j0, n);
+        int64_t k_at, v_at;
+        fa_kv_key_at(p, seq_index, seq.k_start, j0, &k_at, &v_at);
+        const FA_REAL *kp = (const FA_REAL *)p->k + k_at + k_head;
+        const FA_REAL *vp = (const FA_REAL *)p->v + v_at + v_head;
+        int64_t k_ld = p->k_rstride, v_ld = p->v_rstride;
+        for (int64_t j = 0; j < n && !(k_in_place && v_in_place && adjacent); j++) {
+            fa_kv_key_at(p, seq_index, seq.k_start, j0 + j, &k_at, &v_at);
+            if (!k_in_place || !adjacent)
+                FA_FN(fa_load_row)(t->kbuf + j * d, p->k, k_at + k_head, d, p->dtype);
+            if (!v_in_place || !adjacent)
+                FA_FN(fa_load_row)(t->vbuf + j * dvp, p->v, v_at + v_head, dv, p->dtype);
         }
-        if (v_in_place) {
-            vp = (const FA_REAL *)p->v + v_base + j0 * p->v_rstride;
-            v_ld = p->v_rstride;
-        } else {
-            for (int64_t j = 0; j < n; j++)
-                FA_FN(fa_load_row)(t->vbuf + j * dvp, p->v, v_base + (j0 + j) * p->v_rstride, dv,
-                                   p->dtype);
-            vp = t->vbuf;
-            v_ld = dvp;
-        }
+        if (!k_in_place || !adjacent)
+            kp = t->kbuf, k_ld = d;
+        if (!v_in_place || !adjacent)
+            vp = t->vbuf, v_ld = dvp;
 
         FA_FN(fa_tile_scores)(t, m, ld, c0, c1, mr, j0, n, kp, k_ld, d);
         const FA_REAL emul =

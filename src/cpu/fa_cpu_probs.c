@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "fa_rules.h"
+#include "core/fa_kvcache.h"
 #include "cpu/fa_cpu.h"
 #include "util/fa_half.h"
 #include "util/fa_philox.h"
@@ -74,7 +75,9 @@ static void fa_probs_task(void *ctx, int64_t item, int thread)
         for (int64_t j = lo; j < hi; j++) {
             double dot = 0;
             int64_t qa = bi * p->q_bstride + (seq.q_start + i) * p->q_rstride + h * p->q_hstride;
-            int64_t ka = bi * p->k_bstride + (seq.k_start + j) * p->k_rstride + hk * p->k_hstride;
+            int64_t ka, va;
+            fa_kv_key_at(p, bi, seq.k_start, j, &ka, &va);
+            ka += hk * p->k_hstride;
             for (int64_t c = 0; c < p->d; c++)
                 dot += fa_probs_load(p->q, qa + c, p->dtype) * fa_probs_load(p->k, ka + c, p->dtype);
             double x = p->softcap > 0 ? FA_RULE_SOFTCAP(dot, p->scale / p->softcap, p->softcap, tanh)

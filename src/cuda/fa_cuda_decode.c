@@ -439,11 +439,14 @@ fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args)
 
 /* A forward as a KV-cache call: a dense one's k and v a contiguous cache of max_sk positions
  * per sequence, each full; a varlen one's sequences located by the kernels from cu_seqlens
- * (its batch strides are 0), k and v one cache row of total_k positions. */
+ * (its batch strides are 0), k and v one cache row of total_k positions; a paged varlen one
+ * keeps its blocks, read in place through block_table. */
 static fa_params fa_decode_of_forward(const fa_params *p)
 {
     fa_params d = *p;
     d.kv_dtype = p->dtype;
+    if (p->paged)
+        return d;
     d.num_blocks = p->is_varlen ? 1 : p->b;
     d.page_size = p->is_varlen ? p->total_k : p->max_sk;
     return d;

@@ -140,6 +140,10 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "q: the CUDA backend takes at most 65535 sequences and heads and "
                             "2^30 rows per sequence");
+    if (p->paged && p->page_size > INT32_MAX / 2)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "k: the CUDA backend takes pages of at most 2^30 keys, got %lld",
+                            (long long)p->page_size);
     if (p->probs && p->probs_block_n > 128)
         return fa_error_set(FA_STATUS_INTERNAL, "probs block width %d over 128",
                             p->probs_block_n);
@@ -158,6 +162,9 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     key.features |= fa_cuda_rows_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
     key.features |= p->probs ? FA_PLAN_PROBS : 0;
     key.features |= p->max_sq >= FA_PLAN_LONG_ROWS ? FA_PLAN_LONG : 0;
+    /* Paged k and v: the sm80 family's loads look each row's page up (FA_PAGED); on sm_90 it
+     * takes them for now, the sm90 family's TMA maps describing a dense layout only. */
+    key.features |= p->paged ? FA_PLAN_PAGED : 0;
     fa_plan plan;
     st = fa_plan_forward(&key, &plan);
     if (st != FA_STATUS_OK)

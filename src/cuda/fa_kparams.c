@@ -43,6 +43,15 @@ void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
     kp->scale = (float)p->scale;
     kp->softcap = (float)p->softcap;
     fa_rule_softcap_fold(p->scale, p->softcap, &kp->softcap_pre, &kp->scale_log2);
+    if (p->paged && p->is_varlen) {
+        kp->block_table = p->block_table;
+        kp->bt_bstride = p->bt_bstride;
+        kp->page_size = p->page_size;
+        /* Without blocks no key exists to read: every sequence is then empty. */
+        kp->page_keys = p->num_blocks > 0 ? p->bt_cols * p->page_size : 0;
+        fa_page_magic(p->page_size, &kp->page_mul, &kp->page_shift);
+        kp->last_block = (int)(p->num_blocks - 1 < INT32_MAX ? p->num_blocks - 1 : INT32_MAX);
+    }
 }
 
 int fa_cuda_all_aligned(const int64_t *strides, size_t n, const void *const *ptrs, size_t m)

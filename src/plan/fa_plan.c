@@ -163,7 +163,7 @@ static const fa_plan_row90 fa_sm90_rows[] = {
 
 /* What the sm90 kernel compiles: everything else goes to the sm80 family. */
 #define FA_SM90_UNSUPPORTED                                                                     \
-    (FA_FEATURE_DROPOUT | FA_FEATURE_UNALIGNED | FA_PLAN_PROBS | FA_PLAN_NO_SM90)
+    (FA_FEATURE_DROPOUT | FA_FEATURE_UNALIGNED | FA_PLAN_PROBS | FA_PLAN_NO_SM90 | FA_PLAN_PAGED)
 
 /* On unless FLASHATTN_SM90=0 (which keeps every case on the sm80 family, for comparison). */
 int fa_plan_sm90_enabled(void)
@@ -268,6 +268,9 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_NWARPS", plan->nwarps);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
+    /* Only paged kernels carry the define, so dense kernels keep their JIT keys and code. */
+    if (key->features & FA_PLAN_PAGED)
+        fa_plan_define(plan, "FA_PAGED", 1);
     return FA_STATUS_OK;
 }
 

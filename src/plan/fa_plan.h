@@ -21,7 +21,7 @@
 #define FA_PLAN_PROBS (1u << 24)   /* the probs output is asked for */
 #define FA_PLAN_LONG (1u << 25)    /* at least FA_PLAN_LONG_ROWS query rows (max_seqlen_q) */
 #define FA_PLAN_NO_SM90 (1u << 26) /* sm80 family: tensors TMA cannot describe */
-#define FA_PLAN_PAGED (1u << 27)   /* decode: the cache is paged through a block table */
+#define FA_PLAN_PAGED (1u << 27)   /* k and v are paged through a block table */
 #define FA_PLAN_KV_E4M3 (1u << 28) /* decode: the caches are fp8 e4m3 (q fp16 or bf16) */
 #define FA_PLAN_KV_E5M2 (1u << 29) /* decode: the caches are fp8 e5m2 */
 
@@ -51,7 +51,8 @@ typedef struct fa_plan {
 
 /* The forward plan for key; FA_STATUS_UNSUPPORTED (with a message) when no family fits.
  * On sm_90 devices the sm90 family (fa_fwd_sm90.cu) takes the cases it supports (unless
- * FLASHATTN_SM90=0); every other case gets the sm80 family. */
+ * FLASHATTN_SM90=0); every other case gets the sm80 family, paged k and v (FA_PLAN_PAGED)
+ * among them for now: the sm90 family reads K and V through TMA maps of a dense layout. */
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan);
 
 /* The sm90 family's plan for key, whatever FLASHATTN_SM90 says (precompile, tests); returns

@@ -11,7 +11,8 @@
  * with FA_TEST_SM90 as test_gpu_sm90: the default plan on the cases the sm90 family
  * (kernels/fa_fwd_sm90.cu) supports, each checked to have run on that family, plus cases it does
  * not support, checked to have gone to the sm80 family (on sm_90 devices; elsewhere every case
- * must take the sm80 family). Both also run gpu_nan.c's NaN and Inf cases against the CPU.
+ * must take the sm80 family). Both also run gpu_nan.c's NaN and Inf cases against the CPU, and
+ * gpu_paged.c's paged varlen calls (block_table), which take the sm80 family on every device.
  */
 #include <math.h>
 #include <stdio.h>
@@ -22,6 +23,7 @@
 #include "cuda/fa_cuda_driver.h"
 #include "fa_ref.h"
 #include "gpu_nan.h"
+#include "gpu_paged.h"
 #include "gpu_test_util.h"
 #include "util/fa_half.h"
 
@@ -481,6 +483,7 @@ int main(void)
     run_error_checks();
 #endif
     failures += gpu_nan_checks(0); /* on the family the plan above selects */
+    failures += gpu_paged_checks();
     printf("%s: %s (%d failure%s)\n", FA_TEST_NAME, failures ? "FAILED" : "passed", failures,
            failures == 1 ? "" : "s");
     return failures ? 1 : 0;

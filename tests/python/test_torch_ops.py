@@ -83,6 +83,34 @@ def test_opcheck_varlen_fwd_and_bwd(rng):
     torch.library.opcheck(torch.ops.flashattn.varlen_bwd.default, bargs)
 
 
+def test_opcheck_varlen_fwd_paged_and_compile(rng):
+    """flashattn::varlen_fwd_paged (paged k and v read in place, forward only): opcheck, and
+    flash_attn_varlen_func with block_table under torch.compile(fullgraph) without gradients
+    gives the eager result."""
+    from flashattn import flash_attn_varlen_func
+
+    h, hk, d, dv, page = 4, 2, 8, 5, 3
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 6, 11], dtype=torch.int32)
+    table = torch.tensor([[4, 0, 7], [2, 9, 9], [1, 6, 3]], dtype=torch.int32)
+    q = _t(rng, 9, h, d)
+    k, v = _t(rng, 8, page, hk, d), _t(rng, 8, page, hk, dv)
+    sink = _t(rng, h)
+    for p, probs in ((0.25, True), (0.0, False)):
+        args = (q, k, v, cu_q, cu_k, None, table, None, sink, _seed() if p else None, 5, 5, p,
+                0.4, True, -1, -1, 0.0, probs)
+        torch.library.opcheck(torch.ops.flashattn.varlen_fwd_paged.default, args)
+    out, lse, S, _ = torch.ops.flashattn.varlen_fwd_paged(*args)
+    assert out.shape == (9, h, dv) and lse.shape == (h, 9) and S.shape == (0,)
+
+    def f(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True, block_table=table)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=0, atol=0)
+
+
 def test_fp64_lse_internal_fp32_public(rng):
     """The op keeps an fp64 lse for fp64 inputs (exact gradients); the public functions return
     upstream's fp32."""

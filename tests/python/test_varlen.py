@@ -197,6 +197,96 @@ def test_paged_kv_matches_dense(rng, page, causal):
     assert torch.all(dkp[unused] == 0) and torch.all(dvp[unused] == 0)
 
 
+def _paged_cache(rng, lk, hk, d, page, dt, kind):
+    """A shuffled paged cache holding the keys of sequences of lk keys (two spare blocks, one
+    block_table column past every sequence with an id outside the cache): (k pages, v pages,
+    block_table, k dense, v dense) as arrays of ``kind``."""
+    blocks = [-(-n // page) for n in lk]
+    nb = sum(blocks) + 2
+    perm = rng.permutation(nb)
+    table = np.full((len(lk), max(blocks) + 1), nb + 7, dtype=np.int32)
+    kp, vp = randn(rng, nb, page, hk, d), randn(rng, nb, page, hk, d)
+    rows = []
+    at = 0
+    for i, n in enumerate(lk):
+        table[i, :blocks[i]] = perm[at:at + blocks[i]]
+        at += blocks[i]
+        rows += [(table[i, j // page], j % page) for j in range(n)]
+    kd = np.stack([kp[b, r] for b, r in rows]) if rows else np.zeros((0, hk, d))
+    vd = np.stack([vp[b, r] for b, r in rows]) if rows else np.zeros((0, hk, d))
+    return (make(kp, dt, kind), make(vp, dt, kind), make_int32(table, kind), make(kd, dt, kind),
+            make(vd, dt, kind))
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+@pytest.mark.parametrize("page", [1, 3, 16, 256])
+@pytest.mark.parametrize("rows,opts", [
+    ("few", dict(causal=True)),
+    ("few", dict(window_size=(40, 3))),
+    ("many", dict(causal=True)),
+    ("many", dict(window_size=(25, 0), softcap=5.0)),
+])
+def test_paged_kv_in_place(rng, monkeypatch, kind, page, rows, opts):
+    """block_table without gradients: the library reads the pages in place (the torch gather is
+    never called) and gives the dense varlen call's out and lse bit for bit, GQA, few query rows
+    (the decode schedule) and many, an empty sequence, seqused_k through the internal forward."""
+    from flashattn import _paged
+    from flashattn.flash_attn_interface import _flash_attn_varlen_forward
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("the paged call gathered its pages")
+
+    lq = [1, 0, 3, 2] if rows == "few" else [40, 0, 77, 9]
+    lk = [300, 5, 128, 513]
+    h, hk, d = 8, 2, 32
+    kp, vp, table, kd, vd = _paged_cache(rng, lk, hk, d, page, "float32", kind)
+    q = make(randn(rng, sum(lq), h, d), "float32", kind)
+    cu_q = make_int32(np.concatenate([[0], np.cumsum(lq)]), kind)
+    cu_k = make_int32(np.concatenate([[0], np.cumsum(lk)]), kind)
+    kw = dict(return_attn_probs=True, **opts)
+    out, lse, _ = flash_attn_varlen_func(q, kd, vd, cu_q, cu_k, max(lq), max(lk), **kw)
+    monkeypatch.setattr(_paged, "paged_kv", no_gather)
+    outp, lsep, _ = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, max(lq), max(lk),
+                                           block_table=table, **kw)
+    np.testing.assert_array_equal(to64(outp), to64(out))
+    np.testing.assert_array_equal(to64(lsep), to64(lse))
+    used = make_int32([17, 5, 0, 400], kind)
+    fw = dict(dropout_p=0.0, softmax_scale=0.3, causal=opts.get("causal", False),
+              window_size_left=opts.get("window_size", (-1, -1))[0],
+              window_size_right=opts.get("window_size", (-1, -1))[1], seqused_k=used)
+    ref = _flash_attn_varlen_forward(q, kd, vd, cu_q, cu_k, max(lq), max(lk), **fw)
+    got = _flash_attn_varlen_forward(q, kp, vp, cu_q, cu_k, max(lq), max(lk),
+                                     block_table=table, **fw)
+    np.testing.assert_array_equal(to64(got[0]), to64(ref[0]))
+    np.testing.assert_array_equal(to64(got[1]), to64(ref[1]))
+
+
+def test_paged_kv_gathers_only_for_gradients(rng, monkeypatch):
+    """The torch gather runs exactly when autograd records the call (an input that requires
+    grad, grad mode on); under torch.no_grad the pages are read in place, and a paged call
+    refuses more keys than its block_table row holds, naming block_table."""
+    from flashattn import _paged
+
+    calls = []
+    gather = _paged.paged_kv
+    monkeypatch.setattr(_paged, "paged_kv", lambda *a, **k: calls.append(1) or gather(*a, **k))
+    lq, lk = [3, 20], [40, 70]
+    kp, vp, table, _, _ = _paged_cache(rng, lk, 2, 16, 16, "float32", "torch")
+    q = torch.from_numpy(randn(rng, sum(lq), 4, 16)).float().requires_grad_()
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lq)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lk)]), dtype=torch.int32)
+    out = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 20, 70, block_table=table)
+    assert calls == [1] and out.requires_grad
+    with torch.no_grad():
+        out_ng = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 20, 70, block_table=table)
+    assert calls == [1]
+    torch.testing.assert_close(out_ng, out.detach(), rtol=0, atol=0)
+    long_k = torch.tensor([0, 40, 40 + 16 * table.shape[1] + 1], dtype=torch.int32)
+    with pytest.raises(Exception, match="block_table"):
+        with torch.no_grad():
+            flash_attn_varlen_func(q, kp, vp, cu_q, long_k, 20, 200, block_table=table)
+
+
 def test_zero_tensors_internal(rng):
     """Upstream's internal _flash_attn_varlen_forward(zero_tensors=True) leaves -inf in lse
     rows outside every sequence."""
