@@ -264,15 +264,15 @@ FA_DEV fa_u32 fa_chunk_dst(fa_u32 a, fa_u32 dst0, int u, int cpr)
  * row's offsets in K and V (elements), where the copies of the block read them. The table read
  * is issued a block ahead (fa_decode_row_find) and its result stored after the block's math
  * (fa_decode_row_keep), so that its latency hides behind that math. */
-typedef struct fa_page_row {
+typedef struct fa_paged_key {
     int blk;     /* block_table entry, not yet clamped */
     fa_u32 row;  /* row within the page */
-} fa_page_row;
+} fa_paged_key;
 
-FA_DEV fa_page_row fa_decode_row_find(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
-                                      fa_i64 jend)
+FA_DEV fa_paged_key fa_decode_row_find(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
+                                       fa_i64 jend)
 {
-    fa_page_row pr = {0, 0};
+    fa_paged_key pr = {0, 0};
     const int r = threadIdx.x;
     if (r < FA_BN && j0 + r < jend) {
         const fa_u32 pos = (fa_u32)(seq->start + j0 + r), page = fa_kv_page(dp, pos);
@@ -283,7 +283,7 @@ FA_DEV fa_page_row fa_decode_row_find(const fa_dkparams *dp, const fa_kvseq *seq
 }
 
 /* Stores pr's offsets for the stage whose row offsets are at rows (int64 [2][FA_BN]: K, V). */
-FA_DEV void fa_decode_row_keep(const fa_kparams *kp, const fa_kvseq *seq, fa_page_row pr,
+FA_DEV void fa_decode_row_keep(const fa_kparams *kp, const fa_kvseq *seq, fa_paged_key pr,
                                fa_i64 *rows)
 {
     const int r = threadIdx.x;
@@ -642,7 +642,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
 #if FA_PAGED
         /* Block nx + 1's rows, for this slot, whose own rows were last read by the copy of block
          * nb, issued FA_STAGES - 1 iterations ago (kept after this block's math, below). */
-        fa_page_row next_row = {0, 0};
+        fa_paged_key next_row = {0, 0};
         if (nb + FA_STAGES < nb1)
             next_row = fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb + FA_STAGES) * FA_BN, khi);
 #endif
