@@ -186,6 +186,10 @@ static void paged_run(const paged_case *c, fa_dtype dt, int bad)
         for (int i = 3; i <= c->b; i++) /* sequence 2: more keys than its row holds */
             cu_k[i] += (cols + 2) * c->page;
         memcpy(ck.host.data, cu_k, sizeof(int32_t) * (size_t)(c->b + 1));
+        /* max_seqlen_k covers it, so that the refusal is block_table's capacity, not this. */
+        for (int i = 0; i < c->b; i++)
+            if (cu_k[i + 1] - cu_k[i] > hp.max_seqlen_k)
+                hp.max_seqlen_k = dp.max_seqlen_k = cu_k[i + 1] - cu_k[i];
         if (fa_attention_forward(&hp) != FA_STATUS_INVALID_ARGUMENT ||
             !strstr(fa_last_error(), "block_table"))
             PAGED_FAIL("CPU took bad indices: %s", fa_last_error());
