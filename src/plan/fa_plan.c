@@ -412,6 +412,17 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 
 static int fa_plan_decode_wm(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
 
+/* Shared memory per SM of the arch's parts (a CTA may take up to 1 KB less). */
+static int fa_plan_sm_smem(int arch)
+{
+    return arch == 90 || arch == 100 ? 228 * 1024 : arch == 80 || arch == 87 ? 164 * 1024
+                                                                               : 100 * 1024;
+}
+
+/* Whether two CTAs of smem bytes each fit an SM of sm_bytes (each with the 1 KB the SM keeps
+ * per CTA). */
+static int fa_plan_decode_pair_fits(int smem, int sm_bytes) { return 2 * (smem + 1024) <= sm_bytes; }
+
 /* FLASHATTN_DECODE_TILE=BN,STAGES,WM,WARPS replaces the plan's choice (for tuning with the
  * benchmark); a combination the kernel cannot take is ignored. */
 static void fa_plan_decode_override(fa_plan *plan, int *wm, int paged)
@@ -444,11 +455,21 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     const int alone = 2 * stage > FA_DECODE_STAGE_BUDGET && (key->arch == 90 || key->arch == 100);
     plan->stages = (alone ? FA_DECODE_ALONE_BUDGET : FA_DECODE_STAGE_BUDGET) / stage;
     plan->stages = plan->stages < 2 ? 2 : plan->stages > 4 ? 4 : plan->stages;
-    fa_plan_decode_override(plan, &wm, (key->features & FA_PLAN_PAGED) != 0);
+    const int paged = (key->features & FA_PLAN_PAGED) != 0;
+    /* A paged plan's row offsets must not cost it the second CTA per SM that the dense plan
+     * has: where they would, it takes one stage fewer. */
+    const int bm = 16 * wm, sm_bytes = fa_plan_sm_smem(key->arch);
+    if (paged && plan->stages > 2 &&
+        fa_plan_decode_pair_fits(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
+                                                plan->nwarps, 0), sm_bytes) &&
+        !fa_plan_decode_pair_fits(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
+                                                 plan->nwarps, 1), sm_bytes))
+        plan->stages--;
+    fa_plan_decode_override(plan, &wm, paged);
     plan->bm = 16 * wm;
     plan->threads = (unsigned)(32 * plan->nwarps);
     plan->smem = (unsigned)FA_SMEM_DECODE(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                          plan->nwarps, (key->features & FA_PLAN_PAGED) != 0);
+                                          plan->nwarps, paged);
     plan->cluster_max = key->arch >= 90 ? FA_DECODE_MAX_CLUSTER : 0;
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
@@ -457,7 +478,7 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     fa_plan_define(plan, "FA_WN", plan->nwarps / wm);
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_STAGES", plan->stages);
-    fa_plan_define(plan, "FA_PAGED", (key->features & FA_PLAN_PAGED) != 0);
+    fa_plan_define(plan, "FA_PAGED", paged);
     fa_plan_define_features(plan, key->features,
                             FA_FEATURE_VARLEN | FA_FEATURE_UNALIGNED | FA_FEATURE_ALIBI |
                                 FA_FEATURE_SOFTCAP);

@@ -7,6 +7,7 @@
  *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
  *     FA_BWD_BM_SM90_D64 rows, which the workspace size then covers;
  *   - the defines' text, "-DNAME=value" with the plan's numbers;
+ *   - a paged decode plan with as many CTAs per SM as the dense one;
  *   - the decode's split count: a count that shortens the longest split, at most the key blocks
  *     and the device's slots, and a lone tile over a few more blocks than the largest automatic
  *     count still split down to the shortest longest split.
@@ -146,6 +147,28 @@ static void check_defines(void)
         }
 }
 
+/* A paged decode plan keeps the dense plan's two CTAs per SM (sm_90: 228 KB, 1 KB kept per CTA)
+ * wherever the dense plan has them. */
+static void check_decode_paged(void)
+{
+    for (int d = 64; d <= 256; d += 64)
+        for (int rows = 1; rows <= 64; rows *= 4) {
+            fa_plan_key key = {90, FA_DTYPE_BF16, d, d, 0}, pkey = key;
+            pkey.features |= FA_PLAN_PAGED;
+            fa_plan dense, paged;
+            TU_CHECK(fa_plan_decode(&key, rows, &dense) == FA_STATUS_OK &&
+                         fa_plan_decode(&pkey, rows, &paged) == FA_STATUS_OK,
+                     "d %d rows %d: no decode plan", d, rows);
+            const int two = 2 * ((int)dense.smem + 1024) <= 228 * 1024;
+            TU_CHECK(!two || 2 * ((int)paged.smem + 1024) <= 228 * 1024,
+                     "d %d rows %d: dense %u bytes (two per SM), paged %u (one)", d, rows,
+                     dense.smem, paged.smem);
+            TU_CHECK(paged.stages >= 2 && paged.stages >= dense.stages - 1,
+                     "d %d rows %d: paged %d stages, dense %d", d, rows, paged.stages,
+                     dense.stages);
+        }
+}
+
 static void check_decode_splits(void)
 {
     fa_plan_key key = {90, FA_DTYPE_BF16, 256, 256, 0};
@@ -176,5 +199,6 @@ int main(void)
     check_forward_sm90();
     check_backward();
     check_decode_splits();
+    check_decode_paged();
     return tu_finish("test_plan");
 }
