@@ -11,6 +11,9 @@ Cases (one table line each):
   context + 128; the rows past `context` hold a large constant, so reading them shows up in
   the error column);
 - kvcache pagedP: the same keys in pages of P rows, pages in a random order (block_table);
+- kvcache fp8 contig / fp8 pagedP (--kv-fp8): the same caches in float8_e4m3fn, each kv head's
+  keys (and values) divided by a scale that maps their largest magnitude to 448, passed as
+  k_descale / v_descale; its TB/s counts the fp8 bytes, its error bound is e4m3's ulp (0.125);
 - func: flash_attn_func(q, k, v, causal=True) with k, v [batch, context, kv heads, d].
 q has `rows` rows; causal is bottom-right aligned (query row i sees keys j <= i + context -
 rows), so one row sees every key. No new k/v is appended: the step reads the cache only.
@@ -64,6 +67,8 @@ from flashattn.flash_attn_interface import flash_attn_func, flash_attn_with_kvca
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+FP8_TOLERANCE = 0.125  # e4m3's ulp: the cache's own rounding, little averaged over few keys
+FP8_MAX = 448.0  # e4m3's largest finite value
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 GPU_ONLY = ("cudnn", "flash", "efficient")
@@ -94,6 +99,8 @@ def parse_options(argv):
     ap.add_argument("--page", help="kvcache layouts: 0 = contiguous, P = pages of P rows "
                     "(default %s)" % FULL["page"])
     ap.add_argument("--rows", help="query rows (default %s)" % FULL["rows"])
+    ap.add_argument("--kv-fp8", action="store_true",
+                    help="also the KV-cache cases with float8_e4m3fn caches and descales")
     ap.add_argument("--pages-in-order", action="store_true",
                     help="paged caches with their pages in order rather than shuffled")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
@@ -244,7 +251,7 @@ class Shape:
 
 def case_bytes(shape, kind, page):
     """Bytes of flashattn's K/V for one case (SDPA's copy is counted once per shape)."""
-    per_row = 2 * shape.hk * shape.d * shape.esize * shape.b
+    per_row = 2 * shape.hk * shape.d * (1 if kind == "kvcache8" else shape.esize) * shape.b
     if kind == "func":
         return per_row * shape.ctx
     cap = shape.ctx + CAPACITY_EXTRA
@@ -259,6 +266,18 @@ def flashattn_kv(shape, kind, page, in_order=False):
         return (s.k.transpose(1, 2).contiguous(), s.v.transpose(1, 2).contiguous(), {})
     lens = torch.full((s.b,), s.ctx, dtype=torch.int32, device=dev)
     cap = s.ctx + CAPACITY_EXTRA
+    if kind == "kvcache8":
+        # fp8 caches: each kv head's keys and values scaled into e4m3's range (the poison too)
+        ks = (s.k.abs().amax(dim=(0, 2, 3)).float() / FP8_MAX).clamp(min=1e-12)  # [hk]
+        vs = (s.v.abs().amax(dim=(0, 2, 3)).float() / FP8_MAX).clamp(min=1e-12)
+        k, v, kwargs = flashattn_kv(shape, "kvcache", page, in_order)
+        # in place in the caches' dtype (no fp32 copy of a large cache); [..., hk, d]
+        k8 = k.div_(ks.to(k.dtype)[:, None]).to(torch.float8_e4m3fn)
+        v8 = v.div_(vs.to(v.dtype)[:, None]).to(torch.float8_e4m3fn)
+        del k, v
+        kwargs.update(k_descale=ks.expand(s.b, s.hk).contiguous(),
+                      v_descale=vs.expand(s.b, s.hk).contiguous())
+        return k8, v8, kwargs
     if page == 0:
         kc = torch.full((s.b, cap, s.hk, s.d), POISON, dtype=s.dt, device=dev)
         vc = torch.full_like(kc, POISON)  # [b, capacity, hk, d]
@@ -341,7 +360,8 @@ def compare(out, ref):
 # ---- one row ---------------------------------------------------------------------------------
 
 def row_key(shape, kind, page, rows):
-    case = kind if kind == "func" else "kvcache " + ("contig" if page == 0 else "paged%d" % page)
+    case = kind if kind == "func" else ("kvcache fp8 " if kind == "kvcache8" else "kvcache ") + (
+        "contig" if page == 0 else "paged%d" % page)
     return dict(case=case, batch=shape.b, context=shape.ctx, rows=rows, d=shape.d,
                 heads=shape.h, kv_heads=shape.hk)
 
@@ -390,7 +410,7 @@ def run_case(opts, shape, kind, page, rows):
     # Relative to the output's size where that is small: over long contexts the outputs are
     # averages of many values, so small that an absolute bound would miss a lost share of the
     # keys; 2e-2 of twice the largest output is still a few bf16 ulps of it.
-    limit = TOLERANCE[s.dt] * min(1.0, 2 * scale)
+    limit = (FP8_TOLERANCE if kind == "kvcache8" else TOLERANCE[s.dt]) * min(1.0, 2 * scale)
     row.update(errs=errs, err=max(errs.values()), err_limit=limit)
     row["wrong"] = not row["err"] <= limit
     off = [n for n, e in errs.items() if not e <= limit]
@@ -398,6 +418,8 @@ def run_case(opts, shape, kind, page, rows):
         row["note"] = "off: " + ",".join(off)
     row.update(time_row(dev, cands, opts))
     row["tbs"] = {n: s.kv_bytes / t / 1e6 for n, t in row["us"].items()}
+    if kind == "kvcache8":  # flashattn read one byte an element
+        row["tbs"]["flashattn"] *= 1 / s.esize
     sdpa_us = [row["us"][n] for n in opts.sdpa if n in row["us"]]
     row["ratio"] = min(sdpa_us) / row["us"]["flashattn"] if sdpa_us else None
     return row
@@ -462,6 +484,7 @@ def main(argv=None):
     opts = parse_options(argv)
     dev, dt = torch.device(opts.device), DTYPES[opts.dtype]
     kinds = [("kvcache", p) for p in opts.page] if opts.only != "func" else []
+    kinds += [("kvcache8", p) for p in opts.page] if opts.kv_fp8 and opts.only != "func" else []
     kinds += [("func", None)] if opts.only != "kvcache" else []
     clock = "CUDA events" if dev.type == "cuda" else "wall clock"
     print(header_line(dev) + "; %s; step us = best of runs of back-to-back calls, %s"

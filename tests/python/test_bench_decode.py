@@ -93,3 +93,35 @@ sys.exit(decode_gpu.main(sys.argv[1:]))
     for x in rows:
         assert x["fa/best"] == "WRONG" and x["max err"].endswith("!! WRONG"), x
     assert "!! %d row(s)" % len(rows) in r.stderr
+
+
+def test_fp8_cache_rows():
+    # --kv-fp8: a float8_e4m3fn twin of each KV-cache case, its TB/s over one byte an element;
+    # the same rows with the value descale dropped (outputs off by the scale) say WRONG.
+    args = ["--device", "cpu", "--smoke", "--batch", "2", "--context", "300", "--reps", "3",
+            "--kv-fp8", "--only", "kvcache"]
+    r = run(args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = table(r.stdout)
+    fp8 = [x for x in rows if x["case"].startswith("kvcache fp8 ")]
+    assert sorted(x["case"] for x in fp8) == sorted(
+        "kvcache fp8 " + c.split(" ", 1)[1] for c in CASES if c.startswith("kvcache")
+        for _ in ROWS)
+    for x in fp8:
+        us, tbs = float(x["fa us"]), float(x["fa TB/s"])
+        kv_bytes = 2 * 2 * 300 * KV_HEADS * D  # one byte an element
+        assert kv_bytes / (us + 0.05) / 1e6 - 0.0005 <= tbs <= \
+            kv_bytes / max(us - 0.05, 1e-9) / 1e6 + 0.0005, x
+        assert x["fa/best"] != "WRONG" and float(x["max err"]) > 0, x
+    code = """
+real_kvcache = decode_gpu.flash_attn_with_kvcache
+def no_v_descale(*a, **k):
+    k.pop("v_descale", None)
+    return real_kvcache(*a, **k)
+decode_gpu.flash_attn_with_kvcache = no_v_descale
+sys.exit(decode_gpu.main(sys.argv[1:]))
+"""
+    r = run(args, code)
+    assert r.returncode == 2, r.stdout + r.stderr
+    for x in table(r.stdout):
+        assert (x["fa/best"] == "WRONG") == x["case"].startswith("kvcache fp8 "), x
