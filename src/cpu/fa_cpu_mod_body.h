@@ -24,21 +24,40 @@
     break
 
 /* Index value v floored and clamped into a dimension of dim entries (dimf = dim as FA_REAL):
- * below 1 (NaN included) 0, at or past dim the last; branch-free so the loops vectorise. */
-#define FA_MOD_INDEX(v, dimf) ((int64_t)((v) >= 1 ? ((v) < (dimf) ? (v) : (dimf) - 1) : 0))
+ * below 1 (NaN included: its comparison is false) 0, at or past dim the last; each ternary is
+ * one max or min instruction, so the loops vectorise. */
+#define FA_MOD_INDEX(v, dimf) ((int64_t)FA_FN(fa_mod_clamp)((v), (dimf) - 1))
+
+FA_CPU_INLINE FA_REAL FA_FN(fa_mod_clamp)(FA_REAL v, FA_REAL hi)
+{
+    const FA_REAL m = v > 0 ? v : 0;
+    return m < hi ? m : hi;
+}
 
 /* Aux slot t at the floored, clamped indices idx[d][k]. One and two dims (the common tables)
- * have their own loops, with the dtype test outside them. */
+ * have loops of their own, with the dtype test outside them. */
 FA_CPU_INLINE void FA_FN(fa_mod_gather)(FA_REAL *o, const fa_tensor *t, const FA_REAL *const *idx,
                                  int ndim, int64_t w)
 {
     const int i32 = t->dtype == FA_DTYPE_I32;
     const int32_t *di = (const int32_t *)t->data;
     const float *df = (const float *)t->data;
-    if (ndim == 1 || ndim == 2) {
-        const FA_REAL d0 = (FA_REAL)t->shape[0], d1 = ndim == 2 ? (FA_REAL)t->shape[1] : 1;
-        const int64_t s0 = t->stride[0], s1 = ndim == 2 ? t->stride[1] : 0;
-        const FA_REAL *x0 = idx[0], *x1 = ndim == 2 ? idx[1] : idx[0];
+    const FA_REAL d0 = (FA_REAL)t->shape[0];
+    const int64_t s0 = t->stride[0];
+    const FA_REAL *x0 = idx[0];
+    if (ndim == 1) {
+        if (i32)
+            for (int64_t k = 0; k < w; k++)
+                o[k] = (FA_REAL)di[FA_MOD_INDEX(x0[k], d0) * s0];
+        else
+            for (int64_t k = 0; k < w; k++)
+                o[k] = (FA_REAL)df[FA_MOD_INDEX(x0[k], d0) * s0];
+        return;
+    }
+    if (ndim == 2) {
+        const FA_REAL d1 = (FA_REAL)t->shape[1];
+        const int64_t s1 = t->stride[1];
+        const FA_REAL *x1 = idx[1];
         if (i32)
             for (int64_t k = 0; k < w; k++)
                 o[k] = (FA_REAL)di[FA_MOD_INDEX(x0[k], d0) * s0 + FA_MOD_INDEX(x1[k], d1) * s1];
