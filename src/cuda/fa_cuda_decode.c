@@ -51,7 +51,7 @@ typedef struct fa_decode_setup {
  * (the kernel's registers). */
 static int fa_decode_slots(const fa_plan *plan, const struct fa_decode_setup *s, int device)
 {
-    int per_sm = (s->smem_optin + 1024) / ((int)plan->smem + 1024);
+    int per_sm = fa_plan_ctas_per_sm(plan->smem, s->smem_optin + 1024);
     const int by_regs = (int)(256 / plan->threads);
     per_sm = per_sm < by_regs ? per_sm : by_regs;
     return fa_cuda_device_sms(device) * (per_sm > 1 ? per_sm : 1);
@@ -71,7 +71,7 @@ static int fa_decode_cluster(const fa_plan *plan, const struct fa_decode_setup *
         const char *env = getenv("FLASHATTN_DECODE_CLUSTER");
         mode = env && env[0] == '0' ? 0 : env && env[0] == '1' ? 1 : -1;
     }
-    const int alone = (s->smem_optin + 1024) / ((int)plan->smem + 1024) < 2;
+    const int alone = fa_plan_ctas_per_sm(plan->smem, s->smem_optin + 1024) < 2;
     const int most = alone && plan->cluster_max > 8 ? 8 : plan->cluster_max;
     return mode != 0 && (mode == 1 || (ctas <= sms && !alone)) && s->splits > 1 &&
            s->splits <= most && fa_cuda_driver_get()->launch_kernel_ex;

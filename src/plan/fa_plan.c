@@ -281,6 +281,16 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
  * FA_BWD_BM rows here (the sm90 family's are larger at small head dims): the workspace size is
  * asked for without a device, so fa_cuda_backward.c sizes it for the larger of the two layouts.
  */
+/* Shared memory per SM of the arch's parts: 228 KB on sm_90 and sm_100, 164 KB on sm_80 and
+ * sm_87, 100 KB on the others (sm_86, sm_89, sm_120). */
+static int fa_plan_sm_smem(int arch)
+{
+    return arch == 90 || arch == 100 ? 228 * 1024 : arch == 80 || arch == 87 ? 164 * 1024
+                                                                               : 100 * 1024;
+}
+
+int fa_plan_ctas_per_sm(unsigned smem, int sm_bytes) { return sm_bytes / ((int)smem + 1024); }
+
 typedef struct fa_bwd_row {
     int dmax, nwarps, qstages;
 } fa_bwd_row;
@@ -371,7 +381,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
     plan->dp = fa_plan_pad(key->d);
     plan->dvp = fa_plan_pad(key->dv);
-    const int big = key->arch == 80 || key->arch == 87 || key->arch == 90 || key->arch == 100;
+    const int big = fa_plan_sm_smem(key->arch) >= 164 * 1024;
     const fa_bwd_row *rows = big ? fa_bwd_rows_big : fa_bwd_rows_small;
     const size_t nrows = big ? sizeof fa_bwd_rows_big / sizeof fa_bwd_rows_big[0]
                              : sizeof fa_bwd_rows_small / sizeof fa_bwd_rows_small[0];
@@ -412,16 +422,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 
 static int fa_plan_decode_wm(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
 
-/* Shared memory per SM of the arch's parts (a CTA may take up to 1 KB less). */
-static int fa_plan_sm_smem(int arch)
-{
-    return arch == 90 || arch == 100 ? 228 * 1024 : arch == 80 || arch == 87 ? 164 * 1024
-                                                                               : 100 * 1024;
-}
 
-/* Whether two CTAs of smem bytes each fit an SM of sm_bytes (each with the 1 KB the SM keeps
- * per CTA). */
-static int fa_plan_decode_pair_fits(int smem, int sm_bytes) { return 2 * (smem + 1024) <= sm_bytes; }
 
 /* FLASHATTN_DECODE_TILE=BN,STAGES,WM,WARPS replaces the plan's choice (for tuning with the
  * benchmark); a combination the kernel cannot take is ignored. */
@@ -452,7 +453,8 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     plan->bn = FA_DECODE_BN;
     plan->nwarps = 4;
     const int stage = 2 * plan->bn * (plan->dp + plan->dvp);
-    const int alone = 2 * stage > FA_DECODE_STAGE_BUDGET && (key->arch == 90 || key->arch == 100);
+    const int alone =
+        2 * stage > FA_DECODE_STAGE_BUDGET && fa_plan_sm_smem(key->arch) >= 228 * 1024;
     plan->stages = (alone ? FA_DECODE_ALONE_BUDGET : FA_DECODE_STAGE_BUDGET) / stage;
     plan->stages = plan->stages < 2 ? 2 : plan->stages > 4 ? 4 : plan->stages;
     const int paged = (key->features & FA_PLAN_PAGED) != 0;
@@ -460,10 +462,10 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
      * has: where they would, it takes one stage fewer. */
     const int bm = 16 * wm, sm_bytes = fa_plan_sm_smem(key->arch);
     if (paged && plan->stages > 2 &&
-        fa_plan_decode_pair_fits(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                                plan->nwarps, 0), sm_bytes) &&
-        !fa_plan_decode_pair_fits(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                                 plan->nwarps, 1), sm_bytes))
+        fa_plan_ctas_per_sm(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
+                                           plan->nwarps, 0), sm_bytes) >= 2 &&
+        fa_plan_ctas_per_sm(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
+                                           plan->nwarps, 1), sm_bytes) < 2)
         plan->stages--;
     fa_plan_decode_override(plan, &wm, paged);
     plan->bm = 16 * wm;

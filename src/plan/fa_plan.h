@@ -92,6 +92,9 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan);
 struct fa_params;
 int fa_plan_few_rows(const struct fa_params *p);
 
+/* CTAs of `smem` bytes of shared memory an SM of sm_bytes holds (it keeps 1 KB per CTA). */
+int fa_plan_ctas_per_sm(unsigned smem, int sm_bytes);
+
 /* The decode's row tiles per kv head, for plan and rows packed rows. */
 int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows);
 
