@@ -49,7 +49,12 @@
 #define FA_KS (FA_DP / 16)             /* k-steps of Q K^T */
 #define FA_CPR_K (FA_DP / 8)           /* 16-byte chunks per row of Q and K */
 #define FA_CPR_V (FA_DVP / 8)
-#define FA_STAGE_BYTES (FA_BN * (FA_DP + FA_DVP) * 2)
+
+#ifndef FA_KV_FP8
+#define FA_KV_FP8 0
+#endif
+/* A stage: K [FA_BN][FA_DP] then V [FA_BN][FA_DVP], in q's dtype or fp8. */
+#define FA_STAGE_BYTES (FA_BN * (FA_DP + FA_DVP) * (FA_KV_FP8 ? 1 : 2))
 
 #if FA_PAGED && FA_BN > FA_THREADS
 #error "paged: a thread per key row of a block"
@@ -59,10 +64,6 @@
 #endif
 
 #define FA_PRESCALE (FA_SOFTCAP || FA_ALIBI)
-
-#ifndef FA_KV_FP8
-#define FA_KV_FP8 0
-#endif
 
 /* This thread's chunk u of a tile of cpr chunks per row: its row and column chunk. Where the
  * thread count is a multiple of cpr (every padded head dim but 192) a thread keeps one column
@@ -172,8 +173,30 @@ FA_DEV void fa_kv_locate(const fa_dkparams *dp, const fa_kvseq *s, fa_i64 pos, f
 #endif
 }
 
+/* Element c (< d) of packed row x (< the rows) of kv head kh's Q tile, rotated where rotary is
+ * on; qb is the sequence's first row of q. */
+FA_DEV float fa_decode_q_value(const fa_dkparams *dp, const fa_u16 *qb, const fa_kvseq *seq,
+                               int x, int c, int g, int kh)
+{
+    const fa_kparams *kp = &dp->f;
+    const int qi = x / g, hh = kh * g + x - qi * g;
+    const fa_u16 *qrow = qb + qi * kp->q_rstride + hh * kp->q_hstride;
+    if (dp->rot_cos && c < dp->rotary_dim) {
+        fa_i64 pos = seq->len0 + (dp->rotary_per_row ? qi : 0);
+        pos = pos < dp->seqlen_ro ? pos : dp->seqlen_ro - 1;
+        return fa_rotary_elem(qrow, c, dp->rotary_dim, dp->rotary_interleaved,
+                              (const fa_u16 *)dp->rot_cos + pos * dp->cos_rstride,
+                              (const fa_u16 *)dp->rot_sin + pos * dp->sin_rstride);
+    }
+    return fa_to_float(qrow[c]);
+}
+
 #if FA_KV_FP8
 #include "fa_decode_fp8.cuh"
+#else
+/* O's C fragment element (n-tile ot, lane quad position t, element e of a row's pair): its
+ * column of v. */
+#define FA_OCOL(ot, t, e) ((ot) * 8 + 2 * (t) + (e))
 #endif
 
 /* New row s of sequence bi, kv head kh, written by one warp (lane its lane) at cache position
@@ -374,20 +397,8 @@ FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, fa_i64 q0, int kh, c
 #endif
     for (int i = threadIdx.x; i < FA_BM * FA_DP; i += FA_THREADS) {
         const int r = i / FA_DP, c = i - r * FA_DP;
-        float x = 0.f;
-        if (r0 + r < rows && c < kp->d) {
-            const int qi = (r0 + r) / g, hh = kh * g + (r0 + r) - qi * g;
-            const fa_u16 *qrow = qb + qi * kp->q_rstride + hh * kp->q_hstride;
-            if (dp->rot_cos && c < dp->rotary_dim) {
-                fa_i64 pos = seq->len0 + (dp->rotary_per_row ? qi : 0);
-                pos = pos < dp->seqlen_ro ? pos : dp->seqlen_ro - 1;
-                x = fa_rotary_elem(qrow, c, dp->rotary_dim, dp->rotary_interleaved,
-                                   (const fa_u16 *)dp->rot_cos + pos * dp->cos_rstride,
-                                   (const fa_u16 *)dp->rot_sin + pos * dp->sin_rstride);
-            } else {
-                x = fa_to_float(qrow[c]);
-            }
-        }
+        const float x =
+            r0 + r < rows && c < kp->d ? fa_decode_q_value(dp, qb, seq, r0 + r, c, g, kh) : 0.f;
         q_p[(fa_swz(r, c >> 3, FA_CPR_K) >> 1) + (c & 7)] = fa_from_float(x);
     }
 }
@@ -419,8 +430,8 @@ FA_DEV void fa_decode_merge_cluster(const fa_dkparams *dp, float *part, int hold
             for (int ot = 0; ot < FA_OT; ot++)
 #pragma unroll
                 for (int e = 0; e < 2; e++)
-                    if (ot * 8 + 2 * t + e < dv)
-                        pr[ot * 8 + 2 * t + e] = o[ot][2 * hf + e] * scale_row[hf];
+                    if (FA_OCOL(ot, t, e) < dv)
+                        pr[FA_OCOL(ot, t, e)] = o[ot][2 * hf + e] * scale_row[hf];
             if (t == 0)
                 pr[FA_DVP] = lse_row[hf];
         }
@@ -539,7 +550,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         __syncthreads();
     }
 
+#if FA_KV_FP8
+    /* The scratch of the Q tile's scale: stage 0, which no copy writes before this returns. */
+    const float q_down =
+        fa_decode_load_q8(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p, fa_smem_f32);
+#else
     fa_decode_load_q(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p);
+#endif
 
     /* This thread's two rows (g8 and g8 + 8 of its warp's 16): their visible keys, slopes. */
     int lo[2], hi[2], row_q[2], row_h[2];
@@ -563,12 +580,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
     }
 
 #if FA_KV_FP8
-    /* fp8 caches: the stages hold fp8 (fa_decode_fp8.cuh), each block converted into one tile
-     * of q's dtype; k_descale of the CTA's (sequence, kv head) joins the scale (softcap's
-     * pre-factor where softcap is on), v_descale the final normalisation. */
+    /* fp8 caches: the stages hold fp8 (fa_decode_fp8.cuh); k_descale of the CTA's (sequence,
+     * kv head) and the Q tile's scale join the softmax scale (softcap's pre-factor where
+     * softcap is on), v_descale the final normalisation. */
     fa_u8 *const st8 = (fa_u8 *)fa_smem;
-    fa_u16 *const conv_p = fa_smem + FA_CONV_AT / 2;
-    const float kdesc = fa_fp8_descale(dp.k_descale, dp.kd_bstride, dp.kd_hstride, bi, kh);
+    const float kdesc =
+        fa_fp8_descale(dp.k_descale, dp.kd_bstride, dp.kd_hstride, bi, kh) * q_down;
     const float vdesc = fa_fp8_descale(dp.v_descale, dp.vd_bstride, dp.vd_hstride, bi, kh);
     const float fp8_pre = kp->softcap_pre * kdesc;
     (void)fp8_pre;
@@ -597,6 +614,17 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
     const fa_u32 v_ld = base_a + FA_BN * FA_DP * 2 +
                         fa_swz(wn * FA_WKEYS + (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4,
                                FA_CPR_V);
+#if FA_KV_FP8
+    /* The fp8 stages' reads (fa_decode_qk8, fa_decode_pv8). */
+    const fa_rd8 k8_rd = fa_rd8_make(base_a, wn * FA_WKEYS + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                     lane >> 4, FA_CPR_K8, 0);
+    fa_rd8 v8_rd[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        v8_rd[i] = fa_rd8_make(base_a + FA_BN * FA_DP, wn * FA_WKEYS + 2 * t + (i & 1) + 8 * (i >> 1),
+                               g8 >> 2, FA_CPR_V8, 4 * (g8 & 3));
+    (void)k_ld, (void)v_ld;
+#endif
 
 #pragma unroll
 #pragma unroll
@@ -646,15 +674,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         if (nb + FA_STAGES < nb1)
             next_row = fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb + FA_STAGES) * FA_BN, khi);
 #endif
-#if FA_KV_FP8
-        /* Block nb into the tile of q's dtype; every warp left the tile's previous block at the
-         * barrier above. */
-        fa_decode_convert(st8 + slot * FA_STAGE8_BYTES, conv_p);
-        __syncthreads();
-        const fa_u32 soff = FA_CONV_AT;
-#else
         const fa_u32 soff = slot * FA_STAGE_BYTES;
-#endif
         const int j0 = klo + nb * FA_BN + wn * FA_WKEYS; /* this warp's first key */
 
         float s[FA_NT][4];
@@ -663,6 +683,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 s[nt][e] = 0.f;
+#if FA_KV_FP8
+        fa_decode_qk8(s, q_ld, k8_rd, soff);
+#else
 #pragma unroll
         for (int ks = 0; ks < FA_KS; ks++) {
             fa_u32 qa[4];
@@ -675,6 +698,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
                 fa_mma16816(s[2 * np + 1], qa, kb[2], kb[3]);
             }
         }
+#endif
 
         /* Base-2 units where the features need it; the mask of each row's visible keys. */
 #pragma unroll
@@ -727,6 +751,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         }
 
         /* O += P V: the S accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk. */
+#if FA_KV_FP8
+        fa_decode_pv8(o, s, v8_rd, soff);
+#else
 #pragma unroll
         for (int kk = 0; kk < FA_WKEYS / 16; kk++) {
             fa_u32 pa[4];
@@ -743,6 +770,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
                 fa_mma16816(o[2 * dp2 + 1], pa, vb[2], vb[3]);
             }
         }
+#endif
 #if FA_PAGED
         if (nb + FA_STAGES < nb1)
             fa_decode_row_keep(kp, &seq, next_row, rows_p + slot * 2 * FA_BN);
@@ -840,7 +868,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         } else if (dp.splits == 1) {
             fa_u16 *og = (fa_u16 *)kp->out + bi * kp->o_bstride + qrow * kp->o_rstride +
                          hh * kp->o_hstride;
-#if FA_VEC
+#if FA_KV_FP8
+            fa_decode_store_row8(og, kp->dv, o, hf, t, scale, live);
+#elif FA_VEC
             fa_store_row16(og, kp->dv, o, FA_DVP, hf, t, scale, live);
 #else
             if (live)
@@ -858,8 +888,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
             for (int ot = 0; ot < FA_OT; ot++)
 #pragma unroll
                 for (int e = 0; e < 2; e++)
-                    if (ot * 8 + 2 * t + e < kp->dv)
-                        oa[ot * 8 + 2 * t + e] = o[ot][2 * hf + e] * scale;
+                    if (FA_OCOL(ot, t, e) < kp->dv)
+                        oa[FA_OCOL(ot, t, e)] = o[ot][2 * hf + e] * scale;
             if (t == 0)
                 dp.lseaccum[split * dp.lseaccum_sstride + bi * dp.lseaccum_bstride +
                             qi * dp.lseaccum_rstride + hh * dp.lseaccum_hstride] = lse;

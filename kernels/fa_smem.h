@@ -46,17 +46,18 @@
      2 * FA_SMEM_BWD90_DS(bn, bm) + (dq_warps) * FA_SMEM_BWD90_DQW + (2 + 2 * (stages)) * 8 +      \
      6 * 4 + 1024)
 
-/* Decode (fa_decode.cu): stages of K [bn][dp] and V [bn][dvp], then Q [bm][dp], then, paged,
- * each stage's key rows' offsets in K and V (int64 [stages][2][bn]); after the key loop the
- * stages hold each warp's fp32 O [16][dvp] and its rows' max and sum, so the total is the larger
- * of the two layouts. */
+/* Decode (fa_decode.cu): stages of K [bn][dp] and V [bn][dvp] (kvb bytes an element: 2, or 1
+ * for fp8 caches), then Q [bm][dp] (16-bit), then, paged, each stage's key rows' offsets in K
+ * and V (int64 [stages][2][bn]); after the key loop the stages hold each warp's fp32 O [16][dvp]
+ * and its rows' max and sum, so the total is the larger of the two layouts. */
 #define FA_SMEM_DECODE_ROWS(bn, stages, paged) ((paged) ? (stages) * 2 * (bn) * 8 : 0)
-#define FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged)                                      \
-    (2 * ((stages) * (bn) * ((dp) + (dvp)) + (bm) * (dp)) + FA_SMEM_DECODE_ROWS(bn, stages, paged))
+#define FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged, kvb)                                 \
+    ((kvb) * (stages) * (bn) * ((dp) + (dvp)) + 2 * (bm) * (dp) +                                \
+     FA_SMEM_DECODE_ROWS(bn, stages, paged))
 #define FA_SMEM_DECODE_MERGE(nwarps, dvp) (4 * (nwarps) * 16 * ((dvp) + 2))
-#define FA_SMEM_DECODE(bm, bn, dp, dvp, stages, nwarps, paged)                                    \
-    (FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged) > FA_SMEM_DECODE_MERGE(nwarps, dvp)      \
-         ? FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged)                                    \
+#define FA_SMEM_DECODE(bm, bn, dp, dvp, stages, nwarps, paged, kvb)                               \
+    (FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged, kvb) > FA_SMEM_DECODE_MERGE(nwarps, dvp) \
+         ? FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged, kvb)                               \
          : FA_SMEM_DECODE_MERGE(nwarps, dvp))
 
 #endif /* FA_SMEM_H */

@@ -409,13 +409,18 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 
 /*
  * Decode (kernels/fa_decode.cu): four warps, split over the rows as far as the packed rows fill
- * them and over each key block otherwise; 64-key blocks, as many stages (2 to 4) as fit about
- * 96 KB, so two CTAs share an SM up to head dim 128. Wider heads, whose two stages pass that
+ * them and over each key block otherwise; 64-key blocks, as many stages (2 to 4; to 8 for fp8
+ * caches, whose stages are half the bytes) as fit about 96 KB, so two CTAs share an SM up to
+ * head dim 128. Wider heads, whose two stages pass that
  * and so run one CTA per SM anyway, take as many stages as fit about 200 KB on the 227 KB parts
  * (sm_90, sm_100): with two, a lone CTA keeps too few bytes in flight to reach the bandwidth.
+ * fp8 caches, whose blocks the warps convert as they read them: 128-key blocks where a warp
+ * has a single row tile (the per-block work besides the conversion, halved per key), in
+ * stages of about 64 KB at most (two at head dim 128, which measured ahead of three).
  */
 #define FA_DECODE_BN 64
 #define FA_DECODE_STAGE_BUDGET (96 * 1024)
+#define FA_DECODE_FP8_BUDGET (64 * 1024)
 #define FA_DECODE_ALONE_BUDGET (200 * 1024)
 #define FA_DECODE_MAX_AUTO_SPLITS 128
 #define FA_DECODE_MAX_CLUSTER 16 /* Hopper's largest (non-portable) thread block cluster */
@@ -450,28 +455,30 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     plan->dp = fa_plan_pad(key->d);
     plan->dvp = fa_plan_pad(key->dv);
     int wm = fa_plan_decode_wm(rows);
-    plan->bn = FA_DECODE_BN;
+    const int kvb = (key->features & (FA_PLAN_KV_E4M3 | FA_PLAN_KV_E5M2)) ? 1 : 2;
+    plan->bn = kvb == 1 && wm == 1 && plan->dp + plan->dvp <= 256 ? 2 * FA_DECODE_BN
+                                                                   : FA_DECODE_BN;
     plan->nwarps = 4;
-    const int stage = 2 * plan->bn * (plan->dp + plan->dvp);
-    const int alone =
-        2 * stage > FA_DECODE_STAGE_BUDGET && fa_plan_sm_smem(key->arch) >= 228 * 1024;
-    plan->stages = (alone ? FA_DECODE_ALONE_BUDGET : FA_DECODE_STAGE_BUDGET) / stage;
-    plan->stages = plan->stages < 2 ? 2 : plan->stages > 4 ? 4 : plan->stages;
+    const int stage = kvb * plan->bn * (plan->dp + plan->dvp), most = 8 / kvb;
+    const int budget = kvb == 1 ? FA_DECODE_FP8_BUDGET : FA_DECODE_STAGE_BUDGET;
+    const int alone = 2 * stage > budget && fa_plan_sm_smem(key->arch) >= 228 * 1024;
+    plan->stages = (alone ? FA_DECODE_ALONE_BUDGET : budget) / stage;
+    plan->stages = plan->stages < 2 ? 2 : plan->stages > most ? most : plan->stages;
     const int paged = (key->features & FA_PLAN_PAGED) != 0;
     /* A paged plan's row offsets must not cost it the second CTA per SM that the dense plan
      * has: where they would, it takes one stage fewer. */
     const int bm = 16 * wm, sm_bytes = fa_plan_sm_smem(key->arch);
     if (paged && plan->stages > 2 &&
         fa_plan_ctas_per_sm(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                           plan->nwarps, 0), sm_bytes) >= 2 &&
+                                           plan->nwarps, 0, kvb), sm_bytes) >= 2 &&
         fa_plan_ctas_per_sm(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                           plan->nwarps, 1), sm_bytes) < 2)
+                                           plan->nwarps, 1, kvb), sm_bytes) < 2)
         plan->stages--;
     fa_plan_decode_override(plan, &wm, paged);
     plan->bm = 16 * wm;
     plan->threads = (unsigned)(32 * plan->nwarps);
     plan->smem = (unsigned)FA_SMEM_DECODE(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                          plan->nwarps, paged);
+                                          plan->nwarps, paged, kvb);
     plan->cluster_max = key->arch >= 90 ? FA_DECODE_MAX_CLUSTER : 0;
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
