@@ -566,10 +566,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         const int x = r0 + wm * 16 + g8 + 8 * hf;
         row_q[hf] = x / g;
         row_h[hf] = kh * g + x - row_q[hf] * g;
-        if (x < rows)
+        /* A row past the tile's sees every key: its values are never stored, and the unmasked
+         * blocks of the live rows then skip the mask (below). */
+        if (x < rows) {
             fa_key_range(kp, row_q[hf], sq, n, &lo[hf], &hi[hf]);
-        else
-            lo[hf] = hi[hf] = 0;
+        } else {
+            lo[hf] = 0;
+            hi[hf] = n;
+        }
         slope_log2[hf] = 0.f;
 #if FA_ALIBI
         if (x < rows)
@@ -700,7 +704,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         }
 #endif
 
-        /* Base-2 units where the features need it; the mask of each row's visible keys. */
+        /* Base-2 units where the features need it; the mask of each row's visible keys, where
+         * some row of the warp does not see all of its keys of the block. */
+        const int seen_all = j0 >= lo[0] && j0 >= lo[1] && j0 + FA_WKEYS <= hi[0] &&
+                             j0 + FA_WKEYS <= hi[1];
+        const int masked = !__all_sync(0xffffffffu, seen_all);
 #pragma unroll
         for (int nt = 0; nt < FA_NT; nt++)
 #pragma unroll
@@ -717,10 +725,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
                     x -= FA_RULE_ALIBI(slope_log2[hf], row_q[hf] + n - sq - j);
 #endif
                 }
-                s[nt][e] = j < lo[hf] || j >= hi[hf] ? -FA_INF : x;
+                s[nt][e] = masked && (j < lo[hf] || j >= hi[hf]) ? -FA_INF : x;
             }
 
-        /* Online softmax over the warp's keys: a row's values sit in the 4 lanes of a quad. */
+        /* Online softmax over the warp's keys: a row's values sit in the 4 lanes of a quad. O's
+         * rescale is skipped where no row's maximum moved (every factor exactly 1). */
+        float alpha[2];
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             float mx = row_max[hf];
@@ -730,14 +740,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float base = mx == -FA_INF ? 0.f : mx * sm;
-            const float alpha = fa_exp2(row_max[hf] * sm - base);
+            alpha[hf] = fa_exp2(row_max[hf] * sm - base);
             row_max[hf] = mx;
-            row_sum[hf] *= alpha;
-#pragma unroll
-            for (int ot = 0; ot < FA_OT; ot++) {
-                o[ot][2 * hf] *= alpha;
-                o[ot][2 * hf + 1] *= alpha;
-            }
+            row_sum[hf] *= alpha[hf];
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < FA_NT; nt++) {
@@ -749,6 +754,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
             }
             row_sum[hf] += sum;
         }
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f))
+#pragma unroll
+            for (int ot = 0; ot < FA_OT; ot++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    o[ot][e] *= alpha[e >> 1];
 
         /* O += P V: the S accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk. */
 #if FA_KV_FP8

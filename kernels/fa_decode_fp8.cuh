@@ -241,7 +241,7 @@ FA_DEV float fa_decode_load_q8(const fa_dkparams *dp, int bi, fa_i64 q0, int kh,
 FA_DEV void fa_decode_qk8(float s[FA_NT][4], fa_u32 q_ld, fa_rd8 k, fa_u32 soff)
 {
     k.row += soff;
-#pragma unroll
+#pragma unroll 1
     for (int ks2 = 0; ks2 < FA_KS / 2; ks2++) {
         fa_u32 qa0[4], qa1[4];
         fa_ldmatrix_x4(qa0, fa_swz_at(q_ld, 4 * ks2));
