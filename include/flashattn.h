@@ -437,10 +437,12 @@ int fa_probs_block_n(int head_dim, int dropout, int causal);
  * flash_attn_with_kvcache, entry [i, kh] belongs to sequence i (the batch index of q, not its
  * cache row cache_batch_idx[i] nor its blocks) and kv head kh; query head hq takes kh =
  * hq / (h / hk). q is not scaled. With K_j = k_cache_j * k_descale and V_j = v_cache_j * v_descale
- * (the fp8 values are exact in q's dtype) the scores and the output are the formulas above on
- * K and V, computed as the GPU computes them: s_ij = (scale * k_descale) * (q_i . k_cache_j) in
- * fp32; the probabilities p_ij = exp(s_ij - m) (m a running maximum of the row) enter the P V
- * product rounded to q's dtype (fp16 or bf16; not rounded with fp32 q) while their row sum l
+ * (the fp8 values are exact in fp16 and bf16) the scores and the output are the formulas above
+ * on K and V, computed as the GPU computes them: s_ij = (scale * k_descale) * (q_i . k_cache_j)
+ * in fp32 (on the GPU over fp16 products: a bf16 q is scaled into fp16 by a power of two per
+ * tile, exact but for values 2^-28 of the tile's largest and below); the probabilities
+ * p_ij = exp(s_ij - m) (m a running maximum of the row) enter the P V product rounded to fp16
+ * (with an fp16 or a bf16 q; not rounded with fp32 q on the CPU) while their row sum l
  * takes them unrounded, and v_descale multiplies the final out_i = v_descale * (sum_j p_ij
  * v_cache_j) / l. The append writes, for each new key row (rotated first when rotary is on, in
  * fp32, not rounded to q's dtype) and value row, round_to_fp8(x / descale) with the division in

@@ -476,8 +476,8 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
     const int native = p->kv_dtype == FA_NATIVE;
     const int k_native = native && d == dp, v_native = native && dv == dvp;
     const int k_bf16 = FA_LANES == 16 && p->kv_dtype == FA_DTYPE_BF16 && d == dp;
-    /* With an fp8 cache and an fp16 / bf16 q, P enters P V rounded to q's dtype, as the GPU's
-     * mma takes it (the row sums take it unrounded). */
+    /* With an fp8 cache and an fp16 / bf16 q, P enters P V rounded to fp16, as the GPU's fp16
+     * mma takes it whatever q's dtype (the row sums take it unrounded). */
     const int p_round = p->kv_dtype != p->dtype &&
                         (p->dtype == FA_DTYPE_F16 || p->dtype == FA_DTYPE_BF16);
     /* Values read in place take fa_kv_pv4 where it applies: runs of packed rows are g long (or
@@ -582,7 +582,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
                 sum += s[j];
             t->l[i] += sum;
             if (p_round)
-                FA_FN(fa_kv_round_row)(s + a, b - a, p->dtype);
+                FA_FN(fa_kv_round_row)(s + a, b - a, FA_DTYPE_F16);
         }
         /* O += P V for each run of packed rows that share a query row and a kv head (the g
          * heads of one kv head: the same keys, the same V rows): fa_kv_pv4 on values read in
