@@ -371,9 +371,9 @@ def backward_dense_torch(dout, q, k, v, out, lse, dropout_p, softmax_scale, caus
 
 class _CachedKvcache:
     """The prepared fa_kvcache_args of one call signature (``kvcache_torch``): the FaTensor of
-    each of the struct's tensors, q .. lse in its order (None where absent), whose data
-    pointers each call swaps, and the outputs' ``_like``s (new ones contiguous, as the first
-    call's were)."""
+    each of the struct's tensors in ``_kvcache.ARG_NAMES``' order (None where absent), whose
+    data pointers each call swaps, and the outputs' ``_like``s (new ones contiguous, as the
+    first call's were)."""
 
     __slots__ = ("args", "ref", "fn", "slots", "keep", "likes", "names", "cuda", "ws_like",
                  "paged", "lse_ref", "fast")
@@ -393,10 +393,10 @@ class _CachedKvcache:
         self.cuda = out.device.index if out.device.type == "cuda" else None
         self.ws_like = (_like(torch, (args.workspace_size,), torch.uint8, out.device)
                         if self.cuda is not None and args.workspace_size else None)
-        self.paged = slots[10] is not None
+        self.paged = slots[_kvcache.ARG_NAMES.index("block_table")] is not None
         # The lse's FaTensor pointer, left out of calls without it: a pointer of its own (args.lse
         # read back would share the field's memory and turn NULL with it).
-        self.lse_ref = ctypes.pointer(slots[14])
+        self.lse_ref = ctypes.pointer(slots[-1])
         self.fast = self._fast_fields() if _fastpath is not None else None
 
     def _fast_fields(self):
@@ -418,9 +418,9 @@ class _CachedKvcache:
         return struct.pack("=%dq" % len(KV_FIELDS), *(fields[f] for f in KV_FIELDS))
 
     def run(self, tensors, want_lse=True):
-        """The call on new tensors of this signature (the 13 inputs): (out, lse; None without
-        ``want_lse``, the library then writes none). Every allocation comes before the first
-        write into the prepared arguments, as in ``_CachedBackward.run``."""
+        """The call on new tensors of this signature (its inputs, q .. v_descale): (out, lse;
+        None without ``want_lse``, the library then writes none). Every allocation comes before
+        the first write into the prepared arguments, as in ``_CachedBackward.run``."""
         torch = sys.modules["torch"]
         out = torch.empty_like(self.likes[0])
         lse = torch.empty_like(self.likes[1]) if want_lse else None
@@ -474,7 +474,7 @@ def kvcache_repeat(tensors, *scalars, want_lse=True):
 def kvcache_torch(tensors, softmax_scale, causal, window_left, window_right, softcap,
                   rotary_interleaved, num_splits, want_lse=True):
     """``_kvcache.kvcache_run`` for torch tensors (CPU or CUDA), cached per signature as
-    ``forward_dense_torch`` is: tensors are its 13 inputs, q .. learnable_sink, cache_seqlens
+    ``forward_dense_torch`` is: tensors are its 15 inputs, q .. v_descale, cache_seqlens
     already a tensor (or None); the floats already floats, the window's ints ints. A call
     whose inputs reach the library as they are (no copy or conversion) is cached. The library
     validates every call itself, the values in cache_seqlens included. Without ``want_lse`` a
@@ -487,8 +487,8 @@ def kvcache_torch(tensors, softmax_scale, causal, window_left, window_right, sof
     if call is not None:
         return call.run(tensors, want_lse)
     args, keep, arrays, slots, out, lse = _kvcache.run_kvcache(
-        TORCH, *tensors, softmax_scale, causal, (window_left, window_right), softcap,
-        rotary_interleaved, num_splits)
+        TORCH, *tensors[:-2], softmax_scale, causal, (window_left, window_right), softcap,
+        rotary_interleaved, num_splits, k_descale=tensors[-2], v_descale=tensors[-1])
     if key is not None and all(a is x for a, x in zip(arrays, tensors)):
         fn = _kvcache.kv_lib().fa_attention_kvcache
         _keep_call(cache, key, _CachedKvcache(args, keep, slots, out, lse, fn, _kvcache.NAMES))

@@ -18,22 +18,22 @@
 
 #include <string.h>
 
-/* flash_attn_with_kvcache's arguments: first the 13 tensors in the signature's order
- * (_cached._kvcache_key), then the options. */
+/* flash_attn_with_kvcache's arguments: first the 15 tensors in the signature's order
+ * (_cached._kvcache_key, the fp8 caches' descales last), then the options. */
 enum kv_arg {
     KA_Q, KA_K_CACHE, KA_V_CACHE, KA_K, KA_V, KA_COS, KA_SIN, KA_SEQLENS, KA_BATCH_IDX,
-    KA_LEFTPAD, KA_BLOCK_TABLE, KA_ALIBI, KA_SINK, KA_TENSORS,
+    KA_LEFTPAD, KA_BLOCK_TABLE, KA_ALIBI, KA_SINK, KA_K_DESCALE, KA_V_DESCALE, KA_TENSORS,
     KA_SCALE = KA_TENSORS, KA_CAUSAL, KA_WINDOW, KA_SOFTCAP, KA_INTERLEAVED, KA_SPLITS,
     KA_WANT_LSE, KA_NUM
 };
 static const char *const kv_arg_names[KA_NUM] = {
     "q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
     "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "learnable_sink",
-    "softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved", "num_splits",
-    "return_softmax_lse"};
+    "k_descale", "v_descale", "softmax_scale", "causal", "window_size", "softcap",
+    "rotary_interleaved", "num_splits", "return_softmax_lse"};
 
 /* The prepared call's C side (_cached._CachedKvcache.fast, int64 each): the entry point and
- * its fa_kvcache_args, the data field of each tensor's FaTensor (the 13 inputs, out and lse;
+ * its fa_kvcache_args, the data field of each tensor's FaTensor (the 15 inputs, out and lse;
  * 0 where absent), the args' lse field and the FaTensor it points to with an lse, the fields
  * written per call (stream and skip_capacity_check on CUDA, workspace where the call splits;
  * 0 where unused), the device (-1: CPU) and whether the cache is paged. */
@@ -45,8 +45,8 @@ enum kv_field {
 static const char *const kv_field_names[KF_NUM] = {
     "fn", "args", "q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin",
     "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
-    "learnable_sink", "out", "lse", "lse_field", "lse_ref", "stream", "workspace",
-    "skip_check", "device", "paged"};
+    "learnable_sink", "k_descale", "v_descale", "out", "lse", "lse_field", "lse_ref", "stream",
+    "workspace", "skip_check", "device", "paged"};
 
 static struct {
     PyObject *fallback;           /* _route.kvcache_any: every call kvcache() does not serve */
@@ -96,7 +96,7 @@ static int kv_plain_arguments(PyObject *const *a)
            PyLong_CheckExact(a[KA_SPLITS]) && PyBool_Check(a[KA_WANT_LSE]);
 }
 
-/* _cached._kvcache_key: ("kv", the 13 tensors' signatures (None for an absent one), scale,
+/* _cached._kvcache_key: ("kv", the 15 tensors' signatures (None for an absent one), scale,
  * causal, window left, window right, softcap, rotary_interleaved, num_splits). A new tuple or
  * NULL. */
 static PyObject *kv_key(PyObject *const *a, PyObject *window)

@@ -181,10 +181,10 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
                     softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
                     k_descale=None, v_descale=None):
     """The checked fa_kvcache_args of a call and its new outputs: (args, keep, arrays, slots,
-    out, lse), where arrays are what the library is given for q .. lse in the struct's order
+    out, lse), where arrays are what the library is given for the tensors of ``ARG_NAMES``
     (None where absent; a copy where an input was converted), slots their FaTensors, and keep
-    what must outlive the call. The fp8 caches' descales (float32 (batch, nheads_k), absent: 1)
-    are not among arrays and slots: calls with them are not cached (``_route.kvcache_any``)."""
+    what must outlive the call. The fp8 caches' descales are float32 (batch, nheads_k), absent
+    meaning 1."""
     written = _arrays.APPENDED if k is not None or v is not None else None
     cuda = kind == _arrays.TORCH and q.is_cuda
     k_cache = in_place(k_cache, "k_cache", kind, written, cuda)
@@ -237,14 +237,10 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     args.block_table = ptr(block_table, "block_table", "int32")
     args.alibi_slopes = ptr(alibi_slopes, "alibi_slopes", "float32")
     args.sinks = ptr(sinks, "sinks", "float32")
+    args.k_descale = ptr(k_descale, "k_descale", "float32")
+    args.v_descale = ptr(v_descale, "v_descale", "float32")
     args.out = ptr(out, "out", prepared=True)
     args.lse = ptr(lse, "lse", prepared=True)
-    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
-        if x is not None:
-            x = _arrays.prepare(x, name, kind, cuda)
-            t = _arrays.make_tensor(x, name, kind, None, "float32")
-            keep.extend((x, t))
-            setattr(args, name, ctypes.pointer(t))
     args.softmax_scale = scale
     args.causal = 1 if _core.as_bool(causal, "causal") else 0
     args.window_left = left
@@ -261,10 +257,11 @@ def kvcache_prepare(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cac
     return args, keep, arrays, slots, out, lse
 
 
-# The tensors of fa_kvcache_args in the struct's order (kvcache_prepare's ``arrays``).
+# The tensors of fa_kvcache_args (kvcache_prepare's ``arrays``): the inputs in the order of
+# flash_attn_with_kvcache's arguments, then the outputs.
 ARG_NAMES = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
               "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
-              "learnable_sink", "out", "lse")
+              "learnable_sink", "k_descale", "v_descale", "out", "lse")
 
 
 def _device_workspace(args, keep):

@@ -203,27 +203,23 @@ def kvcache_any(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                 softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
                 learnable_sink, k_descale=None, v_descale=None):
     """flash_attn_with_kvcache (its arguments in ``KV_ARGS``' order), and _fastpath's fallback:
-    out, or (out, softmax_lse). fp8 caches (and descales) run eagerly here, outside the
-    custom op and its prepared calls: _fastpath then never serves them."""
-    fp8 = (k_descale is not None or v_descale is not None or _arrays.is_fp8(k_cache)
-           or _arrays.is_fp8(v_cache))
-    if fp8 and IS_COMPILING is not None and IS_COMPILING():
-        raise NotImplementedError("k_cache: fp8 KV caches run eagerly only (not under "
-                                  "torch.compile)")
+    out, or (out, softmax_lse)."""
     kind = _arrays.common_kind(
         [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
          ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
          ("cache_seqlens", cache_seqlens if _kvcache.is_array(cache_seqlens) else None),
          ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
          ("block_table", block_table), ("alibi_slopes", alibi_slopes),
-         ("learnable_sink", learnable_sink)], 3)
-    if kind == _arrays.TORCH and not fp8:
+         ("learnable_sink", learnable_sink), ("k_descale", k_descale),
+         ("v_descale", v_descale)], 3)
+    if kind == _arrays.TORCH:
         # torch calls go through the custom op flashattn::kvcache, so torch.compile keeps the
         # call (and its in-place append) as one node instead of breaking the graph.
         out, lse = torch_ops().kvcache_call(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, alibi_slopes, learnable_sink, softmax_scale, causal,
-            window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse)
+            window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse,
+            k_descale=k_descale, v_descale=v_descale)
     else:
         out, lse = _kvcache.kvcache_run(kind, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                         cache_seqlens, cache_batch_idx, cache_leftpad,

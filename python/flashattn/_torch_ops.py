@@ -510,43 +510,45 @@ def kvcache(q: _T, k_cache: _T, v_cache: _T, k: _OptT, v: _OptT, rotary_cos: _Op
             cache_leftpad: _OptT, block_table: _OptT, alibi_slopes: _OptT,
             learnable_sink: _OptT, softmax_scale: Optional[float], causal: bool,
             window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
-            num_splits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+            num_splits: int, k_descale: _OptT = None,
+            v_descale: _OptT = None) -> Tuple[torch.Tensor, torch.Tensor]:
     return _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                          cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                          learnable_sink, softmax_scale, causal, window_left, window_right,
-                         softcap, rotary_interleaved, num_splits)
+                         softcap, rotary_interleaved, num_splits, k_descale, v_descale)
 
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                   softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  num_splits):
+                  num_splits, k_descale=None, v_descale=None):
     """flashattn::kvcache's kernel on either device: the C library's KV-cache call on q's
     device, its preparation cached per call signature."""
     return _cached.kvcache_torch(
         (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-         cache_leftpad, block_table, alibi_slopes, learnable_sink), softmax_scale, causal,
-        window_left, window_right, softcap, rotary_interleaved, num_splits)
+         cache_leftpad, block_table, alibi_slopes, learnable_sink, k_descale, v_descale),
+        softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+        num_splits)
 
 
 @kvcache.register_kernel("cuda")
 def _kvcache_cuda(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                   softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  num_splits):
+                  num_splits, k_descale=None, v_descale=None):
     """flashattn::kvcache's CUDA kernel: the same call (append, attention over the cache in
     place, split merge) on the current stream."""
     return _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                          cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
                          learnable_sink, softmax_scale, causal, window_left, window_right,
-                         softcap, rotary_interleaved, num_splits)
+                         softcap, rotary_interleaved, num_splits, k_descale, v_descale)
 
 
 @kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                   softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  num_splits):
+                  num_splits, k_descale=None, v_descale=None):
     b, sq, h = q.shape[0], q.shape[1], q.shape[2]
     out = q.new_empty((b, sq, h, v_cache.shape[-1]))
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
@@ -556,7 +558,7 @@ def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
                  softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
-                 want_lse=True):
+                 want_lse=True, k_descale=None, v_descale=None):
     """flash_attn_with_kvcache for torch tensors: the op (the C library's KV-cache call on
     the tensors' device), with an int cache_seqlens turned into the int32 (b,) tensor the op
     takes, as upstream does. Eager calls run the op's kernel directly (the dispatcher costs more
@@ -572,20 +574,17 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             _core.as_scale(softmax_scale), _core.as_bool(causal, "causal"), left, right,
             _core.as_float(softcap, "softcap"),
             _core.as_bool(rotary_interleaved, "rotary_interleaved"),
-            _core.as_int(num_splits, "num_splits", _core.INT32))
-    tensors = args[:13]
+            _core.as_int(num_splits, "num_splits", _core.INT32), k_descale, v_descale)
+    # The op's inputs in the prepared call's order (_cached.kvcache_torch), then its scalars.
+    tensors, scalars = args[:13] + args[20:], args[13:20]
     eager = _eager(tensors) and not _needs_grad(tensors)
     if eager:
         # A signature already prepared had every tensor on q's device: its checks passed.
-        res = _cached.kvcache_repeat(tensors, *args[13:], want_lse=want_lse)
+        res = _cached.kvcache_repeat(tensors, *scalars, want_lse=want_lse)
         if res is not None:
             return res
     # Devices named by argument, rather than left to the dispatcher's missing-kernel message.
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
-                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                    ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-                    ("cache_leftpad", cache_leftpad), ("block_table", block_table),
-                    ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)):
+    for name, x in zip(_kvcache.ARG_NAMES, tensors):
         if isinstance(x, torch.Tensor):
             _arrays.check_device(x, name, cuda=True)
             if x.device != q.device:

@@ -285,11 +285,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Return:
         out: (batch_size, seqlen, nheads, headdim_v), and softmax_lse when asked for.
     """
-    # As in flash_attn_func: _fastpath (C) first, the route for what it does not serve (fp8
-    # caches among them). _fastpath does not read the descales: calls with them take the route.
+    # As in flash_attn_func: _fastpath (C) first, the route for what it does not serve.
     entry = _route.KVCACHE_C
-    if (entry is None or k_descale is not None or v_descale is not None
-            or _route.IS_COMPILING()):
+    if entry is None or _route.IS_COMPILING():
         entry = _route.kvcache_any
     return entry(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                  cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,

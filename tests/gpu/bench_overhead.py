@@ -14,8 +14,9 @@ Rows: the public function without and with inputs that require grad (the forward
 the autograd node), the same through the custom op (torch.ops.flashattn.fwd, what compiled
 graphs call), the bare C call with prepared arguments (the library's own host cost), and SDPA
 per backend. The KV-cache rows are one decoding step (one query row, the cache holding seqlen
-keys, 2 kv heads): without and with the append of a new key, and the bare C call; from
-seqlen 128 the step splits its keys, which adds the merge's launch and a workspace.
+keys, 2 kv heads): without and with the append of a new key, the same on float8_e4m3fn caches
+with k_descale / v_descale, and the bare C call; from seqlen 128 the step splits its keys, which
+adds the merge's launch and a workspace.
 --profile prints where flashattn's Python time goes (cProfile).
 """
 import argparse
@@ -120,6 +121,8 @@ def kv_rows(seqlen):
 
     q, kn, vn = rand(B, 1, H, D), rand(B, 1, HK, D), rand(B, 1, HK, D)
     kc, vc = rand(B, seqlen + 1, HK, D), rand(B, seqlen + 1, HK, D)
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    kd, vd = (torch.rand(B, HK, device="cuda", generator=g) + 0.5 for _ in range(2))
     lens = torch.full((B,), seqlen, dtype=torch.int32, device="cuda")
     prepared = _kvcache.kvcache_prepare(_arrays.TORCH, q, kc, vc, None, None, None, None, lens,
                                         None, None, None, None, None, None, True, (-1, -1), 0.0,
@@ -136,6 +139,11 @@ def kv_rows(seqlen):
                                                          causal=True), None),
         ("kvcache step, append", lambda: flash_attn_with_kvcache(
             q, kc, vc, kn, vn, cache_seqlens=lens, causal=True), None),
+        ("kvcache step, fp8", lambda: flash_attn_with_kvcache(
+            q, kc8, vc8, cache_seqlens=lens, causal=True, k_descale=kd, v_descale=vd), None),
+        ("kvcache step, fp8, append", lambda: flash_attn_with_kvcache(
+            q, kc8, vc8, kn, vn, cache_seqlens=lens, causal=True, k_descale=kd,
+            v_descale=vd), None),
         ("fa_attention_kvcache (C only)", c_only, None),
     ]
 

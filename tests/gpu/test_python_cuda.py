@@ -479,6 +479,87 @@ def test_kvcache_cuda_compiles_and_captures(gen):
     assert torch.equal(kc3, kc4)
 
 
+@pytest.mark.parametrize("page", [0, 16])
+def test_kvcache_fp8_cuda_fast_path_compiles_and_captures(gen, monkeypatch, page):
+    """fp8 caches with k_descale / v_descale on CUDA take the other caches' paths: a repeated
+    call (new descales each time) is served in C, not by the Python route, with the bits of a
+    call prepared anew; torch.compile(fullgraph) gives eager's answer; a decode step captured
+    in a CUDA graph replays like eager; descales on the CPU or of the wrong dtype are refused by
+    name before anything is written."""
+    from flashattn import _cached, _route
+
+    b, h, hk, d, cap = 2, 8, 2, 128, 64
+    u8 = torch.uint8
+    rows, extra = b, {}
+    if page:
+        blocks = cap // page
+        rows = b * blocks + 1
+        extra["block_table"] = torch.randperm(rows, generator=gen)[:b * blocks].view(
+            b, blocks).to("cuda", torch.int32)
+    size = (rows, page if page else cap, hk, d)
+    kc = (torch.rand(*size, generator=gen) * 4 - 2).to(torch.float8_e4m3fn).cuda()
+    vc = (torch.rand(*size, generator=gen) * 4 - 2).to(torch.float8_e4m3fn).cuda()
+    q = _randn(gen, b, 1, h, d, dtype=torch.bfloat16)
+    k, v = (_randn(gen, b, 1, hk, d, dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([5, 40], dtype=torch.int32, device="cuda")
+
+    def descales():
+        return [(torch.rand(b, hk, generator=gen) + 0.2).cuda() for _ in range(2)]
+
+    def step(q, kc, vc, k, v, lens, kd, vd):
+        return flashattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
+                                                 causal=True, k_descale=kd, v_descale=vd,
+                                                 **extra)
+
+    assert _route.KVCACHE_C is not None, "the C fast path (_fastpath_kv.c) was not built"
+    with monkeypatch.context() as m:
+        routed, real = [], _torch_ops.kvcache_call  # the Python route: what C does not serve
+        m.setattr(_torch_ops, "kvcache_call", lambda *a, **kw: routed.append(1) or real(*a, **kw))
+        step(q, kc.clone(), vc.clone(), k, v, lens, *descales())  # prepares the signature
+        for _ in range(2):
+            kd, vd = descales()
+            got_caches = (kc.clone(), vc.clone())
+            routed.clear()
+            got = step(q, *got_caches, k, v, lens, kd, vd)
+            assert routed == [], "not served in C"
+            _cached._LOCAL.calls.clear()
+            want_caches = (kc.clone(), vc.clone())
+            want = step(q, *want_caches, k, v, lens, kd, vd)
+            assert routed == [1]
+            assert torch.equal(got, want)
+            for a, c in zip(got_caches, want_caches):
+                assert torch.equal(a.view(u8), c.view(u8))
+
+    kd, vd = descales()
+    eager_caches, compiled_caches = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
+    want = step(q, *eager_caches, k, v, lens, kd, vd)
+    got = torch.compile(step, fullgraph=True)(q, *compiled_caches, k, v, lens, kd, vd)
+    torch.testing.assert_close(got, want)
+    for a, c in zip(eager_caches, compiled_caches):
+        assert torch.equal(a.view(u8), c.view(u8))
+
+    kc3, vc3 = kc.clone(), vc.clone()
+    step(q, kc3, vc3, k, v, lens, kd, vd)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(q, kc3, vc3, k, v, lens, kd, vd)
+    lens.add_(1)
+    kd.mul_(1.5)
+    kc3.copy_(kc)
+    vc3.copy_(vc)
+    graph.replay()
+    kc4, vc4 = kc.clone(), vc.clone()
+    torch.testing.assert_close(out, step(q, kc4, vc4, k, v, lens, kd, vd))
+    assert torch.equal(kc3.view(u8), kc4.view(u8)) and torch.equal(vc3.view(u8), vc4.view(u8))
+
+    before = kc.clone()
+    with pytest.raises(FlashAttnError, match=r"^k_descale: expected a tensor on cuda:0 like q"):
+        step(q, kc, vc, k, v, lens, kd.cpu(), vd)
+    with pytest.raises(FlashAttnError, match=r"^v_descale"):
+        step(q, kc, vc, k, v, lens, kd, vd.double())
+    assert torch.equal(kc.view(u8), before.view(u8))
+
+
 def test_combine_cuda(gen):
     """flash_attn_combine on CUDA tensors (the library's fp32 kernel) against the CPU library
     (which merges in double), as the op (opcheck) and into out."""

@@ -247,6 +247,51 @@ def test_compile_fullgraph_kvcache_decode_step(rng):
     torch.testing.assert_close(caches[0][1][:, 7], v_new[:, 0], rtol=0, atol=0)
 
 
+def _fp8_decode_case(rng):
+    """A decoding step's inputs with e4m3 caches and their descales: (q, k_cache, v_cache, k,
+    v, cache_seqlens, k_descale, v_descale)."""
+    b, s_cache, h, hk, d = 2, 16, 4, 2, 16
+    q = _t(rng, b, 1, h, d).bfloat16()
+    k_new, v_new = _t(rng, b, 1, hk, d).bfloat16(), _t(rng, b, 1, hk, d).bfloat16()
+    caches = [_t(rng, b, s_cache, hk, d).to(torch.float8_e4m3fn) for _ in range(2)]
+    descales = [_t(rng, b, hk).abs() + 0.25 for _ in range(2)]
+    lens = torch.tensor([3, 11], dtype=torch.int32)
+    return (q, *caches, k_new, v_new, lens, *descales)
+
+
+def test_opcheck_kvcache_fp8(rng):
+    """flashattn::kvcache with fp8 caches and descales: its fake implementation and AOT
+    dispatch. (opcheck's test_schema compares the inputs before and after with arithmetic torch
+    lacks for fp8 on the CPU; test_opcheck_kvcache checks the declared mutation.)"""
+    q, kc, vc, k_new, v_new, lens, kd, vd = _fp8_decode_case(rng)
+    args = (q, kc, vc, k_new, v_new, None, None, lens, None, None, None, None, None, None, True,
+            -1, -1, 0.0, False, 0, kd, vd)
+    torch.library.opcheck(torch.ops.flashattn.kvcache.default, args,
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic",
+                                      "test_autograd_registration"))
+
+
+def test_compile_fullgraph_kvcache_fp8(rng):
+    """fp8 caches with descales compile as one flashattn::kvcache node, fullgraph: the output
+    and the appended codes equal eager's, bit for bit."""
+    q, kc, vc, k_new, v_new, lens, kd, vd = _fp8_decode_case(rng)
+
+    def step(q, kc, vc, k, v, kd, vd):
+        return flashattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
+                                                 causal=True, k_descale=kd, v_descale=vd)
+
+    caches = (kc.clone(), vc.clone())
+    eager = step(q, kc, vc, k_new, v_new, kd, vd)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(
+        q, *caches, k_new, v_new, kd, vd)
+    assert torch.equal(compiled, eager) and torch.isfinite(eager).all()
+    for a, c in zip((kc, vc), caches):
+        assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+    want = (v_new[:, 0].float() / vd[:, :, None]).to(torch.float8_e4m3fn)
+    assert torch.equal(vc[torch.arange(2), lens.long()].view(torch.uint8),
+                       want.view(torch.uint8))
+
+
 # --------------------------------------------------------------------------------------------
 # Eager calls run the ops' kernels and formulas directly; anything that could observe the
 # difference gets the ops.
