@@ -43,7 +43,13 @@ struct fa_mod {
     int n_steps, n_bufs;
     int aux_ndim[FA_MOD_AUX_SLOTS]; /* indices the program reads slot i with; 0: unread */
     char *text;                     /* canonical text */
+    char *cuda; /* the program as a CUDA C device function (fa_mod_emit_cuda) */
 };
+
+/* Writes m's CUDA C into m->cuda (fa_mod_cuda.c): `FA_DEV float fa_score_mod(kp, score, b, h,
+ * q_idx, kv_idx)` or `FA_DEV bool fa_mask_mod(...)`, headed by the canonical text. Called by
+ * fa_mod_finish, so a call on the GPU only reads it. */
+fa_status fa_mod_emit_cuda(fa_mod *m);
 
 /* A forward call's user-defined scoring: finished programs or NULL, the aux tensors they read
  * (copies of the caller's views; unread slots zeroed), and the block mask (blocks.num.data NULL
