@@ -254,8 +254,8 @@ static void test_cuda_text(void)
     root = B(AND, root, U(NOT, B(EQ, V(H), C(3))));
     TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_MASK) == FA_STATUS_OK, "%s", fa_last_error());
     const char *want[] = {
-        "FA_DEV bool fa_mask_mod(const fa_kparams *kp, float b, float h, float q_idx, float "
-        "kv_idx)",
+        ("FA_DEV bool fa_mask_mod(const fa_kparams *kp, float b, float h, float q_idx, float "
+         "kv_idx)"),
         "__int_as_float(0x3dcccccd)", /* 0.1 rounded to fp32, as the CPU evaluates it */
         "fa_mod_aux(kp, 2, 2, v0, v3, 0.f, 0.f)", "const bool v6 = v4 < v5;", "!v9", "&&",
     };
@@ -276,8 +276,8 @@ static void test_cuda_text(void)
     m = s2;
     root = B(MAX, U(TANH, V(SCORE)), B(MOD, V(SCORE), C(-4)));
     TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s", fa_last_error());
-    const char *want_s[] = {"FA_DEV float fa_score_mod(const fa_kparams *kp, float score, "
-                            "float b,",
+    const char *want_s[] = {("FA_DEV float fa_score_mod(const fa_kparams *kp, float score, "
+                             "float b,"),
                             "tanhf(v0)", "fa_mod_rem(v0, v2)", "fa_mod_max(v1, v3)"};
     for (size_t i = 0; i < sizeof want_s / sizeof want_s[0]; i++)
         TU_CHECK(strstr(s1->cuda, want_s[i]), "'%s' missing from:\n%s", want_s[i], s1->cuda);
