@@ -59,7 +59,7 @@ static void fa_jit_src_hash_init(void)
     fa_jit_src_hash = h;
 }
 
-/* The generated header of plan's mods (fa_mod_gen.cuh); NULL without mods. */
+/* The name the kernels include the mods' generated functions by (fa_jit_mod_text). */
 static const char *const fa_jit_mod_header = "fa_mod_gen.cuh";
 
 /* Bytes the key's mod part takes (fa_jit_key): the generated text of each, with a separator. */

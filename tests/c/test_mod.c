@@ -15,6 +15,7 @@
 
 #include "flashattn.h"
 #include "mod/fa_mod.h"
+#include "plan/fa_plan.h"
 #include "test_mod.h"
 #include "test_util.h"
 
@@ -286,12 +287,47 @@ static void test_cuda_text(void)
     fa_mod_destroy(s2);
 }
 
+/* Whether plan defines `define` ("-DNAME=value"). */
+static int plan_defines(const fa_plan *plan, const char *define)
+{
+    for (int i = 0; i < plan->num_defines; i++)
+        if (strcmp(plan->defines[i], define) == 0)
+            return 1;
+    return 0;
+}
+
+/* Calls with mods plan the sm80 family on every arch (sm_90 included) with the features'
+ * defines; plans without them carry none of those defines (their kernels keep their keys). */
+static void test_plan_routes(void)
+{
+    tu_where = "plan";
+    const unsigned mods[3] = {FA_PLAN_SCORE_MOD, FA_PLAN_MASK_MOD, FA_PLAN_BLOCK_MASK};
+    const char *defs[3] = {"-DFA_SCORE_MOD=1", "-DFA_MASK_MOD=1", "-DFA_BLOCK_MASK=1"};
+    const int archs[3] = {80, 86, 90};
+    for (int a = 0; a < 3; a++)
+        for (int i = 0; i < 3; i++) {
+            fa_plan_key key = {archs[a], FA_DTYPE_BF16, 128, 128, mods[i]};
+            fa_plan plan;
+            TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
+            TU_CHECK(strcmp(plan.family, "fa_fwd_sm80.cu") == 0, "arch %d: %s", archs[a],
+                     plan.family);
+            for (int j = 0; j < 3; j++)
+                TU_CHECK(plan_defines(&plan, defs[j]) == (i == j), "arch %d mod %d: %s %s",
+                         archs[a], i, defs[j], i == j ? "missing" : "present");
+            key.features = 0;
+            TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
+            for (int j = 0; j < 3; j++)
+                TU_CHECK(!plan_defines(&plan, defs[j]), "plain plan has %s", defs[j]);
+        }
+}
+
 int main(void)
 {
     tu_rng rng = {tu_master_seed("test_mod")};
     test_builder_errors();
     test_text();
     test_cuda_text();
+    test_plan_routes();
     test_call_errors(&rng);
     tm_test_forward(&rng);
     return tu_finish("test_mod");
