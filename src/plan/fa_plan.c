@@ -260,6 +260,9 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     plan->bm = dropout ? row->bm_d : row->bm;
     plan->bn = dropout ? row->bn_d : row->bn;
     plan->nwarps = dropout ? row->nw_d : row->nwarps;
+    /* Past d 128 the mods' registers beside the O accumulators want half the keys per block. */
+    if ((key->features & FA_PLAN_MODS) && dmax > 128)
+        plan->bn = 32;
     fa_plan_tile_override(plan);
     plan->threads = (unsigned)plan->nwarps * 32;
     plan->smem = (unsigned)FA_SMEM_FWD80(plan->bm, plan->bn, plan->dp, plan->dvp) +
