@@ -13,6 +13,7 @@
 
 #include "core/fa_check.h"
 #include "mod/fa_mod.h"
+#include "mod/fa_mod_cuda.h"
 #include "util/fa_export.h"
 
 /* Name, operand count and types of each operation; FA_MOD_OP_* after the public ones. */

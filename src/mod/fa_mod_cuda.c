@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mod/fa_mod.h"
+#include "mod/fa_mod_cuda.h"
 
 /* The C operator or function of each elementwise op: "%s" the operands, in order. */
 static const char *const fa_mod_cuda_forms[] = {
