@@ -121,10 +121,12 @@ static fa_mod *mask_mod_make(int k)
     if (k == M_CAUSAL) {
         r = causal;
     } else if (k == M_DOC || k == M_DOC_BAD) {
-        /* M_DOC_BAD reads at 2 q - 17 and kv + 300: below 0 and past DOC_LEN for some keys. */
+        /* M_DOC_BAD reads at 2 q - 17 (below 0 for the first rows) and 4 kv + 17 (past
+         * DOC_LEN for the last keys). */
         const int qi = k == M_DOC ? q : bin(m, FA_MOD_SUB, bin(m, FA_MOD_MUL, q, cst(m, 2)),
                                             cst(m, 17));
-        const int ki = k == M_DOC ? kv : bin(m, FA_MOD_ADD, kv, cst(m, 300));
+        const int ki = k == M_DOC ? kv : bin(m, FA_MOD_ADD, bin(m, FA_MOD_MUL, kv, cst(m, 4)),
+                                             cst(m, 17));
         const int iq[2] = {b, qi}, ik[2] = {b, ki};
         r = bin(m, FA_MOD_EQ, fa_mod_aux(m, 0, 2, iq), fa_mod_aux(m, 0, 2, ik));
         if (k == M_DOC)
