@@ -110,8 +110,10 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  * $i the result of statement i, the last one the root; constants as integers or as the 16 hex
  * digits of their IEEE bits). fa_mod_parse reads it back into a finished program.
  *
- * In fa_attention_forward and fa_attention_backward (CPU only so far; a CUDA device refuses
- * it): score_mod runs after the softmax scale, softcap and ALiBi, on every visible key; a key
+ * In fa_attention_forward (CPU and CUDA: fp16 and bf16 through the sm80 family's kernels, on
+ * sm_90 too, compiled at first use with the programs' text in the kernel cache's key) and
+ * fa_attention_backward (CPU only so far: a CUDA device refuses it, naming the mod):
+ * score_mod runs after the softmax scale, softcap and ALiBi, on every visible key; a key
  * where mask_mod is false is dropped, as if outside the window (so mask_mod is ANDed with causal
  * and the window). A row whose keys are all masked gets out 0 and lse +inf. Dropout applies to
  * the result as usual; probs cannot be combined with a mod. The backward differentiates
@@ -128,7 +130,11 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  * masked, whatever mask_mod says. Causal, the window and the mods' scores apply as without it.
  * int32 tensors, any strides; their b and h dims may be 1 (shared); at least ceil(sq / q_block)
  * query blocks (more are ignored); indices at or past ceil(sk / kv_block) name no keys and are
- * ignored. CPU only and dense form, as the mods; the backward takes it.
+ * ignored. Dense form only; the CPU's backward takes it. On a CUDA device the index tensors
+ * live in device memory and are not read on the host: counts are clamped into [0, n] and
+ * indices outside [0, ceil(sk / kv_block)) ignored (the CPU refuses both), and a mask whose
+ * key blocks of a tile's query blocks, ((bm - 1) / q_block + 2) * ceil(sk / kv_block) bytes,
+ * do not fit beside the kernel's shared memory is refused (use larger blocks).
  */
 typedef struct fa_block_mask {
     int64_t q_block, kv_block;           /* rows and keys per block, >= 1 */

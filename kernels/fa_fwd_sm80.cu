@@ -22,12 +22,27 @@
  *   FA_PAGED          defined (1) only for a paged varlen call: each K/V row's address is looked
  *                     up through block_table as it is copied (fa_page_row), so any page size
  *                     works; dense kernels compile without it
+ *   FA_SCORE_MOD, FA_MASK_MOD, FA_BLOCK_MASK   defined (1) only for calls with user-defined
+ *                     scoring: the generated fa_mod_gen.cuh (the programs as fa_score_mod /
+ *                     fa_mask_mod) is included, score_mod applied after softcap and ALiBi,
+ *                     mask_mod and the block mask where the mask is (see fa_mod_keep)
  * Entry points: fa_fwd (the attention), fa_fwd_fill (varlen rows outside every sequence) and
  * fa_fwd_probs (the debugging probs output).
  */
 #ifndef FA_PAGED
 #define FA_PAGED 0
 #endif
+#ifndef FA_SCORE_MOD
+#define FA_SCORE_MOD 0
+#endif
+#ifndef FA_MASK_MOD
+#define FA_MASK_MOD 0
+#endif
+#ifndef FA_BLOCK_MASK
+#define FA_BLOCK_MASK 0
+#endif
+/* Keys can be dropped by more than the window: mask_mod or the block mask. */
+#define FA_MOD_MASKS (FA_MASK_MOD || FA_BLOCK_MASK)
 
 #include "fa_common.cuh"
 
@@ -53,6 +68,58 @@
 
 #if FA_THREADS & (FA_THREADS - 1)
 #error "the copy scheme needs a power-of-two thread count"
+#endif
+
+#include "fa_mod.cuh"
+
+/* The key loop's walk over the blocks: from the last to the first, or, with a block mask, over
+ * the blocks it keeps (nb_next, from fa_bm_below). The macros give the plain kernels their
+ * code unchanged. */
+#if FA_BLOCK_MASK
+#define FA_NB_FIRST nb_first
+#define FA_NB_ANY nb_first >= n_min
+#define FA_NB_STEP(nb) nb = nb_next
+#define FA_NB_MORE nb_next >= n_min
+#define FA_NB_N1 nb_next * FA_BN
+#define FA_NB_GAP (nb - nb_next) *
+#else
+#define FA_NB_FIRST n_max - 1
+#define FA_NB_ANY n_max > n_min
+#define FA_NB_STEP(nb) nb--
+#define FA_NB_MORE nb > n_min
+#define FA_NB_N1 n0 - FA_BN
+#define FA_NB_GAP
+#endif
+
+#if FA_MOD_MASKS
+/* Whether a key the window keeps is dropped by the mods (in the key loop: its block's state
+ * mod_st, mod_on when some key of the block needs the test). */
+#define FA_MOD_DROP(row, col)                                                                    \
+    (mod_on && !fa_mod_keep(&kp, bm_tab, mod_st, bi, h, row, col, bm_qb0, bm_nqb))
+#else
+#define FA_MOD_DROP(row, col) false
+#endif
+
+#if FA_MOD_MASKS
+/* Whether key col stays for row (both in the sequence's range, the window already checked),
+ * the key block's state being st: the block mask's entry for (row, col) where the blocks are
+ * finer than the tile (FA_BM_MIXED), then mask_mod where it is partial. */
+FA_DEV bool fa_mod_keep(const fa_kparams *kp, const unsigned char *tab, int st, int bi, int h,
+                        int row, int col, int qb0, int nqb)
+{
+#if FA_BLOCK_MASK
+    if (st == FA_BM_MIXED)
+        st = tab[fa_min(row / kp->bm_q_block - qb0, nqb - 1) * kp->bm_nk +
+                 col / kp->bm_kv_block];
+    if (st != FA_BM_PARTIAL)
+        return st == FA_BM_FULL;
+#endif
+#if FA_MASK_MOD
+    return fa_mask_mod(kp, (float)bi, (float)h, (float)row, (float)col);
+#else
+    return true;
+#endif
+}
 #endif
 
 typedef struct fa_copy {
@@ -197,7 +264,7 @@ FA_DEV void fa_tile_load_scalar_paged(fa_u16 *tile, const fa_kparams *kp, int bi
 /* Whether the scores are turned into base-2 units element by element before the softmax
  * (softcap and ALiBi transform them anyway); otherwise scale * log2(e) is folded into the one
  * FFMA in front of each exp2: p = 2^(s * c - m * c). */
-#define FA_PRESCALE (FA_SOFTCAP || FA_ALIBI)
+#define FA_PRESCALE (FA_SOFTCAP || FA_ALIBI || FA_SCORE_MOD)
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams kp)
 {
@@ -252,6 +319,20 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     fa_key_range(&kp, m_last, seq.sq, seq.sk, &lo_last, &hi_last);
     const int n_min = lo_first / FA_BN;
     const int n_max = hi_last > lo_first ? (hi_last + FA_BN - 1) / FA_BN : n_min;
+#if FA_BLOCK_MASK
+    /* The block mask's states for the tile's query blocks, behind the tiles (the launcher adds
+     * their bytes to the shared memory). */
+    unsigned char *const bm_tab =
+        (unsigned char *)(fa_smem + FA_BM * FA_DP + FA_BN * (FA_DP + FA_DVP));
+    const int bm_qb0 = m0 / kp.bm_q_block, bm_nqb = m_last / kp.bm_q_block - bm_qb0 + 1;
+    fa_bm_load(&kp, bm_tab, bi, h, bm_qb0, bm_nqb);
+    /* The first key block visited: the last one the block mask keeps. */
+    const int nb_first = fa_bm_below(&kp, bm_tab, bm_nqb, n_max, n_min, seq.sk);
+    int nb_next;
+#elif FA_MASK_MOD
+    const unsigned char *const bm_tab = 0; /* no block mask: one state, partial */
+    const int bm_qb0 = 0, bm_nqb = 1;
+#endif
 
     /* The factor in front of exp2. A scale <= 0 would turn the running max into a min and the
      * masked -inf into +inf or NaN, so then (never in practice) the scores are prescaled too. */
@@ -284,27 +365,27 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 
 #if FA_VEC && !FA_PAGED
     /* This thread's first chunk of the next K and V blocks to load (the last block first). */
-    const fa_u16 *k_src = kg + ck.src + (fa_i64)(n_max - 1) * FA_BN * kp.k_rstride;
-    const fa_u16 *v_src = vg + cv.src + (fa_i64)(n_max - 1) * FA_BN * kp.v_rstride;
+    const fa_u16 *k_src = kg + ck.src + (fa_i64)(FA_NB_FIRST) * FA_BN * kp.k_rstride;
+    const fa_u16 *v_src = vg + cv.src + (fa_i64)(FA_NB_FIRST) * FA_BN * kp.v_rstride;
 #endif
-    if (n_max > n_min) {
+    if (FA_NB_ANY) {
 #if FA_VEC
         fa_tile_load(&cq, qg + cq.src, kp.q_rstride, seq.sq - m0, FA_BM, FA_CPR_K, kp.q);
 #if FA_PAGED
-        fa_tile_load_paged(&ck, &kp, bi, hk, 0, (n_max - 1) * FA_BN, seq.sk - (n_max - 1) * FA_BN,
-                           FA_BN, FA_CPR_K, kp.k);
+        fa_tile_load_paged(&ck, &kp, bi, hk, 0, (FA_NB_FIRST) * FA_BN,
+                           seq.sk - (FA_NB_FIRST) * FA_BN, FA_BN, FA_CPR_K, kp.k);
 #else
-        fa_tile_load(&ck, k_src, kp.k_rstride, seq.sk - (n_max - 1) * FA_BN, FA_BN, FA_CPR_K,
+        fa_tile_load(&ck, k_src, kp.k_rstride, seq.sk - (FA_NB_FIRST) * FA_BN, FA_BN, FA_CPR_K,
                      kp.k);
 #endif
 #else
         fa_tile_load_scalar(sq_p, qg, kp.q_rstride, seq.sq - m0, kp.d, FA_BM, FA_CPR_K);
 #if FA_PAGED
-        fa_tile_load_scalar_paged(sk_p, &kp, bi, hk, 0, (n_max - 1) * FA_BN,
-                                  seq.sk - (n_max - 1) * FA_BN, kp.d, FA_BN, FA_CPR_K);
+        fa_tile_load_scalar_paged(sk_p, &kp, bi, hk, 0, (FA_NB_FIRST) * FA_BN,
+                                  seq.sk - (FA_NB_FIRST) * FA_BN, kp.d, FA_BN, FA_CPR_K);
 #else
-        fa_tile_load_scalar(sk_p, kg + (fa_i64)(n_max - 1) * FA_BN * kp.k_rstride, kp.k_rstride,
-                            seq.sk - (n_max - 1) * FA_BN, kp.d, FA_BN, FA_CPR_K);
+        fa_tile_load_scalar(sk_p, kg + (fa_i64)(FA_NB_FIRST) * FA_BN * kp.k_rstride,
+                            kp.k_rstride, seq.sk - (FA_NB_FIRST) * FA_BN, kp.d, FA_BN, FA_CPR_K);
 #endif
 #endif
         fa_cp_async_commit();
@@ -324,8 +405,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #define FA_LSQ seq.sq
 #define FA_LSK seq.sk
 #endif
-    for (int nb = n_max - 1; nb >= n_min; nb--) {
+    for (int nb = FA_NB_FIRST; nb >= n_min; FA_NB_STEP(nb)) {
         const int n0 = nb * FA_BN;
+#if FA_BLOCK_MASK
+        nb_next = fa_bm_below(&kp, bm_tab, bm_nqb, nb, n_min, seq.sk);
+#endif
         /* K of this block (and Q) landed; every warp is done with the previous V. */
         fa_cp_async_wait_all();
         __syncthreads();
@@ -335,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         fa_tile_load_scalar_paged(sv_p, &kp, bi, hk, 1, n0, FA_LSK - n0, kp.dv, FA_BN, FA_CPR_V);
 #elif FA_VEC
         fa_tile_load(&cv, v_src, kp.v_rstride, FA_LSK - n0, FA_BN, FA_CPR_V, kp.v);
-        v_src -= FA_BN * kp.v_rstride;
+        v_src -= FA_NB_GAP FA_BN * kp.v_rstride;
 #else
         fa_tile_load_scalar(sv_p, vg + (fa_i64)n0 * kp.v_rstride, kp.v_rstride, FA_LSK - n0,
                             kp.dv, FA_BN, FA_CPR_V);
@@ -391,12 +475,29 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                                    (n0 + nt * 8 + 2 * t + (e & 1));
                         x -= FA_RULE_ALIBI(slope_log2, dist);
 #endif
+#if FA_SCORE_MOD
+                        /* In the score's natural units (the CPU's), then back to base 2. */
+                        x = fa_score_mod(&kp, x * FA_LN2, (float)bi, (float)h,
+                                         (float)(m0 + wrow + mt * 16 + g + 8 * (e >> 1)),
+                                         (float)(n0 + nt * 8 + 2 * t + (e & 1))) *
+                            FA_LOG2E;
+#endif
                         s[mt][nt][e] = x;
                     }
         }
         /* The mask, only where the block is not wholly visible to every row of the tile (window
-         * edges, the end of the keys). */
+         * edges, the end of the keys) or mask_mod or the block mask decide some of its keys. */
+#if FA_MOD_MASKS
+#if FA_BLOCK_MASK
+        const int mod_st = fa_bm_state(&kp, bm_tab, bm_nqb, n0, seq.sk);
+#else
+        const int mod_st = FA_BM_PARTIAL;
+#endif
+        const bool mod_on = FA_MASK_MOD ? mod_st != FA_BM_FULL : mod_st == FA_BM_MIXED;
+        if (mod_on || !(lo_last <= n0 && hi_first >= n0 + FA_BN)) {
+#else
         if (!(lo_last <= n0 && hi_first >= n0 + FA_BN)) {
+#endif
 #pragma unroll
             for (int mt = 0; mt < FA_MT; mt++)
 #pragma unroll
@@ -410,7 +511,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #pragma unroll
                         for (int e = 0; e < 2; e++) {
                             const int col = nt * 8 + e; /* minus the thread's 2t */
-                            if (col < lo || col >= hi)
+                            if (col < lo || col >= hi ||
+                                FA_MOD_DROP(m0 + wrow + mt * 16 + g + 8 * hf, n0 + 2 * t + col))
                                 s[mt][nt][2 * hf + e] = -FA_INF;
                         }
                 }
@@ -419,19 +521,19 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         /* V landed; every warp is done with K, so the next K may overwrite it. */
         fa_cp_async_wait_all();
         __syncthreads();
-        if (nb > n_min) {
+        if (FA_NB_MORE) {
             /* Only the last block can be partial, and it is the first one visited. */
 #if FA_PAGED && FA_VEC
-            fa_tile_load_paged(&ck, &kp, bi, hk, 0, n0 - FA_BN, FA_BN, FA_BN, FA_CPR_K, kp.k);
+            fa_tile_load_paged(&ck, &kp, bi, hk, 0, FA_NB_N1, FA_BN, FA_BN, FA_CPR_K, kp.k);
 #elif FA_PAGED
-            fa_tile_load_scalar_paged(sk_p, &kp, bi, hk, 0, n0 - FA_BN, FA_LSK - (n0 - FA_BN),
+            fa_tile_load_scalar_paged(sk_p, &kp, bi, hk, 0, FA_NB_N1, FA_LSK - (FA_NB_N1),
                                       kp.d, FA_BN, FA_CPR_K);
 #elif FA_VEC
-            k_src -= FA_BN * kp.k_rstride;
+            k_src -= FA_NB_GAP FA_BN * kp.k_rstride;
             fa_tile_load(&ck, k_src, kp.k_rstride, FA_BN, FA_BN, FA_CPR_K, kp.k);
 #else
-            fa_tile_load_scalar(sk_p, kg + (fa_i64)(n0 - FA_BN) * kp.k_rstride, kp.k_rstride,
-                                FA_LSK - (n0 - FA_BN), kp.d, FA_BN, FA_CPR_K);
+            fa_tile_load_scalar(sk_p, kg + (fa_i64)(FA_NB_N1) * kp.k_rstride, kp.k_rstride,
+                                FA_LSK - (FA_NB_N1), kp.d, FA_BN, FA_CPR_K);
 #endif
             fa_cp_async_commit();
         }

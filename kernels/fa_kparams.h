@@ -65,6 +65,24 @@ typedef struct fa_kparams {
     fa_u32 page_shift; /* for j below 2^31 (fa_page_magic) */
     int last_block;    /* num_blocks - 1 (at most INT_MAX): block ids are clamped into the cache */
     int page_pad;
+
+    /* User-defined scoring (kernels built with FA_SCORE_MOD, FA_MASK_MOD or FA_BLOCK_MASK):
+     * the aux tensors the generated fa_score_mod / fa_mask_mod read (fa_mod_aux), int32 where
+     * bit i of mod_aux_i32 is set, else fp32; slots a program does not read are NULL. */
+    const void *mod_aux[4];
+    fa_i64 mod_aux_shape[4][4];
+    fa_i64 mod_aux_stride[4][4];
+    fa_u32 mod_aux_i32;
+    /* Block mask (FlexAttention's layout; dense calls): for sequence b, head h and query block
+     * qb of bm_q_block rows, bm_num[b, h, qb] partial key blocks of bm_kv_block keys listed in
+     * bm_idx[b, h, qb, .] and bm_full_num[b, h, qb] full ones in bm_full_idx (bm_full_num NULL
+     * without them). Strides are elements, 0 for a shared b or h; counts are clamped into
+     * [0, bm_n] / [0, bm_full_n], indices outside [0, bm_nk) ignored. */
+    int bm_q_block;
+    const int *bm_num, *bm_idx, *bm_full_num, *bm_full_idx;
+    fa_i64 bm_num_stride[3], bm_idx_stride[4], bm_full_num_stride[3], bm_full_idx_stride[4];
+    int bm_kv_block, bm_nk; /* key blocks of the call: ceil(sk / bm_kv_block) */
+    int bm_n, bm_full_n;    /* the index tensors' last dims */
 } fa_kparams;
 
 #if !defined(__CUDACC__)

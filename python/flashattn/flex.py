@@ -2,11 +2,12 @@
 with torch.nn.attention.flex_attention's signatures and layout (q, k, v [b, h, s, d]).
 
 score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx), written for torch, are
-traced once into the library's fa_mod programs (``_flex_trace``); the CPU forward evaluates them.
-The block mask has FlexAttention's layout, computed from the traced mask; the forward takes it
+traced once into the library's fa_mod programs (``_flex_trace``); the CPU forward evaluates them,
+and the CUDA forward compiles them into its kernels. The block mask has FlexAttention's layout,
+computed from the traced mask on the host (moved to the call's device); the forward takes it
 as the library's fa_block_mask, skipping the blocks it skips and evaluating mask_mod only in
-its partial blocks (full ones keep every key), as FlexAttention's kernels do. So far: the CPU;
-gradients to query, key and value (the library's backward), none to captured tensors.
+its partial blocks (full ones keep every key), as FlexAttention's kernels do. Gradients to
+query, key and value (the library's backward) on the CPU only so far; none to captured tensors.
 """
 
 import ctypes
@@ -74,9 +75,8 @@ class BlockMask:
 
 def _check_device(device):
     name = getattr(device, "type", device)
-    if device is not None and name != "cpu":
-        raise FlashAttnError("device: %r is not supported; block masks are built on the CPU "
-                             "(and flex_attention runs on the CPU) so far" % (device,))
+    if device is not None and str(name).split(":")[0] not in ("cpu", "cuda"):
+        raise FlashAttnError("device: %r is not supported (cpu or cuda)" % (device,))
 
 
 def _block_sizes(block_size):
@@ -97,7 +97,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
     """FlexAttention's create_block_mask: the BlockMask of mask_mod(b, h, q_idx, kv_idx) over
     [B, H, Q_LEN, KV_LEN] (B or H None means 1), in blocks of BLOCK_SIZE (an int or a pair
     (query, key)). mask_mod is traced (and refused if it cannot be) and evaluated here, in
-    the library's rules (fp32 arithmetic, aux indices clamped into their tensors)."""
+    the library's rules (fp32 arithmetic, aux indices clamped into their tensors), on the host;
+    with a CUDA device the result's tensors are then copied there."""
     np = _numpy()
     _check_device(device)
     B = 1 if B is None else as_int(B, "B")
@@ -109,7 +110,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
                 "B", "H") else "non-negative", n))
     qbs, kbs = _block_sizes(BLOCK_SIZE)
     t, tensors = trace(mask_mod, KIND_MASK, "mask_mod")
-    arrays = [_aux_tensor(x, "mask_mod", i).numpy() for i, x in enumerate(tensors)]
+    arrays = [_aux_tensor(x, "mask_mod", i, "cpu").numpy() for i, x in enumerate(tensors)]
     nqb, nkb = -(-Q_LEN // qbs), -(-KV_LEN // kbs)
     rb, rh = (B if t.depends_b else 1), (H if t.depends_h else 1)
     counts = np.zeros((rb, rh, nqb, nkb), dtype=np.int64)
@@ -133,7 +134,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
     fields = list(_ordered(partial)) + (list(_ordered(full)) if full is not None else [None] * 2)
     fields += list(_ordered(partial.swapaxes(-1, -2)))
     fields += list(_ordered(full.swapaxes(-1, -2))) if full is not None else [None] * 2
-    fields = [_export(f) for f in fields]
+    fields = [_export(f, device) for f in fields]
     bm = BlockMask((Q_LEN, KV_LEN), *fields, BLOCK_SIZE=(qbs, kbs), mask_mod=mask_mod)
     return bm
 
@@ -155,12 +156,15 @@ def _ordered(dense):
         np.int32)
 
 
-def _export(x):
+def _export(x, device):
     if x is None:
         return None
     x = _numpy().ascontiguousarray(x)
     torch = sys.modules.get("torch")
-    return torch.from_numpy(x) if torch is not None else x
+    if torch is None:
+        return x
+    x = torch.from_numpy(x)
+    return x if device is None or str(device) == "cpu" else x.to(device)
 
 
 def _evaluate(t, arrays, B, H, r0, r1, KV):
@@ -233,14 +237,22 @@ def _check_block_mask(block_mask, B, H, Lq, Lkv):
                          "(%d, %d)" % (bm_b, bm_h, B, H))
 
 
-def _c_block_mask(block_mask, keep):
+def _c_block_mask(block_mask, keep, device):
     """The library's fa_block_mask of block_mask: its index tensors as int32 NumPy arrays (torch
-    ones on the CPU are read in place), kept alive in keep."""
+    ones on the CPU are read in place), or for a call on a CUDA device (``device``) int32 torch
+    tensors there (copied there when they are elsewhere), kept alive in keep."""
     np = _numpy()
     fields = {}
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         x = getattr(block_mask, name)
         if x is None:
+            continue
+        if device is not None and device.type == "cuda":
+            torch = sys.modules["torch"]
+            x = torch.as_tensor(x).detach().to(device=device, dtype=torch.int32).contiguous()
+            t = make_tensor(x, "block_mask." + name, TORCH)
+            keep.append((x, t))
+            fields[name] = ctypes.pointer(t)
             continue
         if hasattr(x, "detach"):
             x = x.detach().cpu().numpy()
@@ -259,17 +271,18 @@ def _c_block_mask(block_mask, keep):
 # ---- the forward --------------------------------------------------------------------------
 
 
-def _aux_tensor(t, user, i):
-    """A captured tensor as the library reads it: CPU, int32 or fp32, at least 1-d."""
+def _aux_tensor(t, user, i, device):
+    """A captured tensor as the library reads it: on the call's device (copied there when it
+    is elsewhere), int32 or fp32, at least 1-d."""
     torch = sys.modules["torch"]
     name = "%s's captured tensor %d (shape %s, %s)" % (user, i, tuple(t.shape), t.dtype)
-    if t.device.type != "cpu":
-        raise FlashAttnError("%s: is on %s; flex_attention runs on the CPU only so far"
+    if t.device.type not in ("cpu", "cuda"):
+        raise FlashAttnError("%s: is on %s; flex_attention reads CPU and CUDA tensors"
                              % (name, t.device))
     if t.requires_grad and torch.is_grad_enabled():
         raise FlashAttnError("%s: requires grad, but flex_attention gives captured tensors no "
                              "gradient yet; detach it, or call under torch.no_grad()" % name)
-    t = t.detach()
+    t = t.detach().to(device)
     if t.dim() == 0:
         t = t.reshape(1)
     if t.is_floating_point():
@@ -304,10 +317,12 @@ def _swap(x, kind):
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
                    enable_gqa=False, return_lse=False, kernel_options=None):
-    """torch.nn.attention.flex_attention on the library's CPU forward (and backward).
+    """torch.nn.attention.flex_attention on the library's forward (and CPU backward).
 
     query [b, hq, sq, d], key [b, hkv, sk, d], value [b, hkv, sk, dv]: torch CPU tensors or
-    NumPy arrays, fp32, bf16, fp16 or fp64. Returns out [b, hq, sq, dv] in the input's dtype
+    NumPy arrays, fp32, bf16, fp16 or fp64; or torch CUDA tensors, fp16 or bf16 (the CUDA
+    forward; with mods or a block mask, only where no gradient is needed: under
+    torch.no_grad() or with inputs that do not require grad). Returns out [b, hq, sq, dv] in the input's dtype
     and, with return_lse, lse [b, hq, sq] (natural log; fp32, fp64 for fp64 inputs; -inf for a
     row that sees no key, whose out is 0). score_mod(score, b, h, q_idx, kv_idx) maps the scaled
     score; block_mask (from create_block_mask) selects keys by its mask_mod. scale defaults to
@@ -327,6 +342,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         x.requires_grad for x in (query, key, value))
     if grad and score_mod is None and block_mask is None:
         return _plain(query, key, value, scale, return_lse)
+    cuda = kind == TORCH and query.device.type == "cuda"
+    if grad and cuda:
+        raise FlashAttnError("flex_attention: the backward of score_mod / block_mask runs on "
+                             "the CPU only so far; for CUDA tensors call it under "
+                             "torch.no_grad() (the forward runs on the GPU), or pass CPU "
+                             "tensors")
     mods = []  # (argument field, trace, aux tensors)
     if score_mod is not None:
         mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod"))
@@ -350,9 +371,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         raise FlashAttnError("flex_attention: score_mod and block_mask.mask_mod read %d "
                              "captured tensors together; at most %d"
                              % (len(aux), AUX_SLOTS))
-    aux = [_aux_tensor(x, field, i) for i, (field, x) in enumerate(aux)]
+    device = query.device if kind == TORCH else None
+    aux = [_aux_tensor(x, field, i, device or "cpu") for i, (field, x) in enumerate(aux)]
     call = _FlexCall(kind, scale, [(f, t.program(slots)) for f, t, slots in programs], aux,
-                     block_mask)
+                     block_mask, device)
     if grad:
         out, lse = _flex_fn().apply(query, key, value, call)
     else:
@@ -366,9 +388,9 @@ class _FlexCall:
     """One flex_attention call's library arguments apart from its tensors: the mods' programs,
     their aux tensors and the block mask, for the forward and (masks only) the backward."""
 
-    def __init__(self, kind, scale, programs, aux, block_mask):
+    def __init__(self, kind, scale, programs, aux, block_mask, device):
         self.kind, self.scale, self.programs, self.aux = kind, scale, programs, aux
-        self.block_mask = block_mask
+        self.block_mask, self.device = block_mask, device
 
     def _args(self, query, key, value, out, lse):
         """(fa_fwd_args, what they point to, names) over the [b, h, s, d] tensors."""
@@ -386,9 +408,9 @@ class _FlexCall:
             setattr(args, field, program.ptr)
         keep.append(self.programs)
         if self.block_mask is not None:
-            args.block_mask = ctypes.pointer(_c_block_mask(self.block_mask, keep))
+            args.block_mask = ctypes.pointer(_c_block_mask(self.block_mask, keep, self.device))
         for i, x in enumerate(self.aux):
-            x = prepare(x, "captured tensor %d" % i, TORCH)
+            x = prepare(x, "captured tensor %d" % i, TORCH, cuda=True)
             ft = make_tensor(x, "captured tensor %d" % i, TORCH)
             keep.append((x, ft))
             args.mod_aux[i] = ctypes.pointer(ft)
@@ -457,6 +479,8 @@ def _empty(kind, shape, like, lse=False):
     dtype = like.dtype
     if lse:
         dtype = module.float64 if dtype == module.float64 else module.float32
+    if kind == TORCH:
+        return module.empty(shape, dtype=dtype, device=like.device)
     return module.empty(shape, dtype=dtype)
 
 

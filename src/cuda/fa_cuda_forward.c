@@ -165,6 +165,11 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     /* Paged k and v: the sm80 family's loads look each row's page up (FA_PAGED); on sm_90 it
      * takes them for now, the sm90 family's TMA maps describing a dense layout only. */
     key.features |= p->paged ? FA_PLAN_PAGED : 0;
+    /* User-defined scoring: the sm80 family compiles the programs in (the plan's defines; their
+     * text travels in the plan, fa_cuda_forward_planned). */
+    key.features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
+    key.features |= p->mods.mask_mod ? FA_PLAN_MASK_MOD : 0;
+    key.features |= p->mods.blocks.num.data ? FA_PLAN_BLOCK_MASK : 0;
     fa_plan plan;
     st = fa_plan_forward(&key, &plan);
     if (st != FA_STATUS_OK)
@@ -197,6 +202,24 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
                             "head_dim %lld: the kernel needs %u bytes of shared memory, the device "
                             "gives %d",
                             (long long)p->d, plan.smem, smem_optin);
+    plan.score_mod = p->mods.score_mod ? p->mods.score_mod->cuda : NULL;
+    plan.mask_mod = p->mods.mask_mod ? p->mods.mask_mod->cuda : NULL;
+    /* The block mask's states of a tile's query blocks (fa_bm_load) sit behind the tiles: their
+     * bytes depend on the call, so the kernel is loaded allowing the device's most. */
+    unsigned smem = plan.smem;
+    if (p->mods.blocks.num.data) {
+        const fa_mod_blocks *b = &p->mods.blocks;
+        const int64_t bytes = ((plan.bm - 1) / b->q_block + 2) * b->nk;
+        if (bytes > smem_optin - (int64_t)plan.smem)
+            return fa_error_set(FA_STATUS_UNSUPPORTED,
+                                "block_mask: %lld key blocks of %lld keys need %lld bytes of "
+                                "shared memory beside the kernel's %u, the device gives %d; use "
+                                "larger blocks",
+                                (long long)b->nk, (long long)b->kv_block, (long long)bytes,
+                                plan.smem, smem_optin);
+        smem += (unsigned)bytes;
+        plan.smem = (unsigned)smem_optin;
+    }
 
     fa_cu_context ctx;
     int pushed;
@@ -242,7 +265,7 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
             st = r == 0 ? FA_STATUS_OK : fa_cuda_error(r, "launching fa_fwd (sm90)");
         } else if (st == FA_STATUS_OK) {
             st = fa_cuda_launch(d, fn, m_blocks, (unsigned)p->h, (unsigned)p->b, plan.threads,
-                                plan.smem, stream, &kp, "launching fa_fwd");
+                                smem, stream, &kp, "launching fa_fwd");
         }
         if (st == FA_STATUS_OK)
             fa_cuda_family_used = plan.family;

@@ -59,8 +59,19 @@ static void fa_jit_src_hash_init(void)
     fa_jit_src_hash = h;
 }
 
+/* The name the kernels include the mods' generated functions by (fa_jit_mod_text). */
+static const char *const fa_jit_mod_header = "fa_mod_gen.cuh";
+
+/* Bytes the key's mod part takes (fa_jit_key): the generated text of each, with a separator. */
+static size_t fa_jit_mod_size(const fa_plan *plan)
+{
+    return (plan->score_mod ? strlen(plan->score_mod) + 1 : 0) +
+           (plan->mask_mod ? strlen(plan->mask_mod) + 1 : 0);
+}
+
 /* Everything the cubin depends on, as text: the key of both caches. -1 when it does not fit:
- * a cut key would give two plans one cubin. */
+ * a cut key would give two plans one cubin. The mods' generated CUDA C (each headed by its
+ * program's canonical text) is part of it whole, so two programs never share a cubin. */
 static int fa_jit_key(const fa_plan *plan, const fa_nvrtc *nv, char *key, size_t size)
 {
     pthread_once(&fa_jit_src_once, fa_jit_src_hash_init);
@@ -78,8 +89,30 @@ static int fa_jit_key(const fa_plan *plan, const fa_nvrtc *nv, char *key, size_t
         memcpy(key + at, plan->defines[i], len);
         at += len;
     }
+    const char *mods[2] = {plan->score_mod, plan->mask_mod};
+    for (int i = 0; i < 2; i++) {
+        if (!mods[i])
+            continue;
+        const size_t len = strlen(mods[i]);
+        if (at + 1 + len >= size)
+            return -1;
+        key[at++] = '\n';
+        memcpy(key + at, mods[i], len);
+        at += len;
+    }
     key[at] = '\0';
     return 0;
+}
+
+/* The text of the generated header: the mods' functions, score_mod's first. */
+static char *fa_jit_mod_text(const fa_plan *plan)
+{
+    const size_t n = fa_jit_mod_size(plan) + 1;
+    char *t = malloc(n);
+    if (t)
+        snprintf(t, n, "%s%s", plan->score_mod ? plan->score_mod : "",
+                 plan->mask_mod ? plan->mask_mod : "");
+    return t;
 }
 
 static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **cubin,
@@ -88,18 +121,26 @@ static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **
     const char *main_text = NULL;
     /* Every other embedded file is offered as a header (16: room to grow; an include past the
      * array would fail to compile, loudly). */
-    const char *headers[16], *names[16];
+    const char *headers[24], *names[24];
     int num_headers = 0;
     for (int i = 0; i < fa_kernel_file_count; i++) {
         if (strcmp(fa_kernel_files[i].name, plan->family) == 0)
             main_text = fa_kernel_files[i].text;
-        else if (num_headers < 16) {
+        else if (num_headers < 23) {
             headers[num_headers] = fa_kernel_files[i].text;
             names[num_headers++] = fa_kernel_files[i].name;
         }
     }
     if (!main_text)
         return fa_error_set(FA_STATUS_INTERNAL, "kernel source %s is not embedded", plan->family);
+    /* The mods' functions, as a header the kernel includes where the plan defines them. */
+    char *mod_text = NULL;
+    if (plan->score_mod || plan->mask_mod) {
+        if (!(mod_text = fa_jit_mod_text(plan)))
+            return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for a kernel's source");
+        headers[num_headers] = mod_text;
+        names[num_headers++] = fa_jit_mod_header;
+    }
 
     char arch_opt[48];
     snprintf(arch_opt, sizeof arch_opt, "--gpu-architecture=%s", plan->target);
@@ -113,6 +154,7 @@ static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **
     fa_nvrtc_program prog;
     fa_nvrtc_result r =
         nv->create_program(&prog, main_text, plan->family, num_headers, headers, names);
+    free(mod_text); /* NVRTC keeps its own copy */
     if (r != 0)
         return fa_error_set(FA_STATUS_INTERNAL, "nvrtcCreateProgram(%s): %s", plan->family,
                             nv->get_error_string(r));
@@ -145,15 +187,11 @@ static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **
                         plan->target);
 }
 
-/* The ready entry of plan, compiling it (or reading it from disk) when this process has not. */
-static fa_status fa_jit_entry_get(const fa_plan *plan, fa_jit_entry **out, fa_jit_origin *origin)
+/* fa_jit_entry_get with a buffer of key_size bytes to write plan's key into. */
+static fa_status fa_jit_entry_find(const fa_plan *plan, const fa_nvrtc *nv, char *key,
+                                   size_t key_size, fa_jit_entry **out, fa_jit_origin *origin)
 {
-    const fa_nvrtc *nv = fa_nvrtc_get();
-    if (!nv)
-        return fa_error_set(FA_STATUS_UNSUPPORTED, "cannot compile CUDA kernels: %s",
-                            fa_cuda_status());
-    char key[512];
-    if (fa_jit_key(plan, nv, key, sizeof key) != 0)
+    if (fa_jit_key(plan, nv, key, key_size) != 0)
         return fa_error_set(FA_STATUS_INTERNAL, "the JIT cache key of %s (%s) is too long",
                             plan->family, plan->target);
 
@@ -226,6 +264,25 @@ static fa_status fa_jit_entry_get(const fa_plan *plan, fa_jit_entry **out, fa_ji
     pthread_cond_broadcast(&fa_jit_built);
     pthread_mutex_unlock(&fa_jit_lock);
     *out = e;
+    return st;
+}
+
+/* The ready entry of plan, compiling it (or reading it from disk) when this process has not. */
+static fa_status fa_jit_entry_get(const fa_plan *plan, fa_jit_entry **out, fa_jit_origin *origin)
+{
+    const fa_nvrtc *nv = fa_nvrtc_get();
+    if (!nv)
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "cannot compile CUDA kernels: %s",
+                            fa_cuda_status());
+    /* A fixed buffer for the plain kernels (their key is made on every call); the mods' text
+     * needs more. */
+    char key_buf[512], *key = key_buf;
+    const size_t key_size = sizeof key_buf + fa_jit_mod_size(plan);
+    if (key_size > sizeof key_buf && !(key = malloc(key_size)))
+        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "out of memory for a JIT cache key");
+    fa_status st = fa_jit_entry_find(plan, nv, key, key_size, out, origin);
+    if (key != key_buf)
+        free(key);
     return st;
 }
 

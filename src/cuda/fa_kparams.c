@@ -6,6 +6,46 @@
 #include "fa_rules.h"
 #include "cuda/fa_cuda.h"
 
+/* The user-defined scoring's part of the block (the fields after page_pad). */
+static void fa_kparams_fill_mods(const fa_mod_call *c, fa_kparams *kp)
+{
+    for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
+        const fa_tensor *t = &c->aux[i];
+        if (!t->data)
+            continue;
+        kp->mod_aux[i] = t->data;
+        kp->mod_aux_i32 |= t->dtype == FA_DTYPE_I32 ? 1u << i : 0u;
+        for (int d = 0; d < t->ndim; d++) {
+            kp->mod_aux_shape[i][d] = t->shape[d];
+            kp->mod_aux_stride[i][d] = t->stride[d];
+        }
+    }
+    const fa_mod_blocks *b = &c->blocks;
+    if (!b->num.data)
+        return;
+    kp->bm_q_block = (int)b->q_block;
+    kp->bm_kv_block = (int)b->kv_block;
+    kp->bm_nk = (int)b->nk;
+    kp->bm_num = b->num.data;
+    kp->bm_idx = b->idx.data;
+    kp->bm_n = (int)(b->idx.shape[3] < INT32_MAX ? b->idx.shape[3] : INT32_MAX);
+    for (int d = 0; d < 4; d++) {
+        kp->bm_idx_stride[d] = b->idx.stride[d];
+        if (d < 3)
+            kp->bm_num_stride[d] = b->num.stride[d];
+    }
+    if (!b->full_num.data)
+        return;
+    kp->bm_full_num = b->full_num.data;
+    kp->bm_full_idx = b->full_idx.data;
+    kp->bm_full_n = (int)(b->full_idx.shape[3] < INT32_MAX ? b->full_idx.shape[3] : INT32_MAX);
+    for (int d = 0; d < 4; d++) {
+        kp->bm_full_idx_stride[d] = b->full_idx.stride[d];
+        if (d < 3)
+            kp->bm_full_num_stride[d] = b->full_num.stride[d];
+    }
+}
+
 void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
 {
     *kp = (fa_kparams){0};
@@ -52,6 +92,8 @@ void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
         fa_page_magic(p->page_size, &kp->page_mul, &kp->page_shift);
         kp->last_block = (int)(p->num_blocks - 1 < INT32_MAX ? p->num_blocks - 1 : INT32_MAX);
     }
+    if (fa_mod_call_active(&p->mods))
+        fa_kparams_fill_mods(&p->mods, kp);
 }
 
 int fa_cuda_all_aligned(const int64_t *strides, size_t n, const void *const *ptrs, size_t m)

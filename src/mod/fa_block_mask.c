@@ -78,10 +78,6 @@ fa_status fa_mod_blocks_check(const fa_fwd_args *a, const fa_mod_dims *dims, fa_
     const fa_block_mask *m = a->block_mask;
     if (!m)
         return FA_STATUS_OK;
-    if (a->device != FA_DEVICE_CPU)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "block_mask: block sparsity runs on the CPU only so far (device %d)",
-                            a->device);
     if (dims->is_varlen)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "block_mask: the varlen form takes no block mask (dense only)");
@@ -99,16 +95,21 @@ fa_status fa_mod_blocks_check(const fa_fwd_args *a, const fa_mod_dims *dims, fa_
                             &blocks->num));
     FA_TRY(fa_blocks_tensor(m->kv_indices, "block_mask.kv_indices", 4, m->kv_num_blocks, dims, nq,
                             &blocks->idx));
-    FA_TRY(fa_blocks_values(&blocks->num, &blocks->idx, "block_mask.kv_num_blocks",
-                            "block_mask.kv_indices", dims, nq));
+    /* Entries in device memory are not read here: the kernels clamp counts into [0, n] and
+     * ignore indices outside the keys' blocks. */
+    const int on_host = a->device == FA_DEVICE_CPU;
+    if (on_host)
+        FA_TRY(fa_blocks_values(&blocks->num, &blocks->idx, "block_mask.kv_num_blocks",
+                                "block_mask.kv_indices", dims, nq));
     if (m->full_kv_num_blocks) {
         FA_TRY(fa_blocks_tensor(m->full_kv_num_blocks, "block_mask.full_kv_num_blocks", 3,
                                 m->kv_num_blocks, dims, nq, &blocks->full_num));
         FA_TRY(fa_blocks_tensor(m->full_kv_indices, "block_mask.full_kv_indices", 4,
                                 m->kv_num_blocks, dims, nq, &blocks->full_idx));
-        FA_TRY(fa_blocks_values(&blocks->full_num, &blocks->full_idx,
-                                "block_mask.full_kv_num_blocks", "block_mask.full_kv_indices",
-                                dims, nq));
+        if (on_host)
+            FA_TRY(fa_blocks_values(&blocks->full_num, &blocks->full_idx,
+                                    "block_mask.full_kv_num_blocks",
+                                    "block_mask.full_kv_indices", dims, nq));
     }
     blocks->q_block = m->q_block;
     blocks->kv_block = m->kv_block;

@@ -13,6 +13,7 @@
 
 #include "core/fa_check.h"
 #include "mod/fa_mod.h"
+#include "mod/fa_mod_cuda.h"
 #include "util/fa_export.h"
 
 /* Name, operand count and types of each operation; FA_MOD_OP_* after the public ones. */
@@ -72,6 +73,7 @@ FA_API void fa_mod_destroy(fa_mod *m)
     if (!m)
         return;
     free(m->text);
+    free(m->cuda);
     free(m);
 }
 
@@ -345,6 +347,8 @@ FA_API fa_status fa_mod_finish(fa_mod *m, int root, fa_mod_kind kind)
     fa_mod_assign_buffers(m);
     m->kind = kind;
     fa_status st = fa_mod_make_text(m);
+    if (st == FA_STATUS_OK)
+        st = fa_mod_emit_cuda(m);
     if (st != FA_STATUS_OK)
         m->kind = 0;
     return st;
@@ -530,10 +534,6 @@ fa_status fa_mod_check_call(const fa_fwd_args *a, const fa_mod_dims *dims, fa_mo
     FA_TRY(fa_mod_check_one(a->score_mod, "score_mod", FA_MOD_KIND_SCORE));
     FA_TRY(fa_mod_check_one(a->mask_mod, "mask_mod", FA_MOD_KIND_MASK));
     const char *user = a->score_mod ? "score_mod" : "mask_mod";
-    if ((a->score_mod || a->mask_mod) && a->device != FA_DEVICE_CPU)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "%s: user-defined scoring runs on the CPU only so far (device %d)",
-                            user, a->device);
     if ((a->score_mod || a->mask_mod) && a->probs)
         return FA_BAD("probs: cannot be combined with %s", user);
     for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {

@@ -1,6 +1,6 @@
 /*
- * User-defined scoring programs (fa_mod in flashattn.h): the builder's node store, the finished
- * program the backends evaluate, and the check of a forward call's mods and aux tensors.
+ * User-defined scoring programs (fa_mod in flashattn.h): the program (fa_mod_program.h) and the
+ * check of a forward call's mods and aux tensors.
  */
 #ifndef FA_MOD_INTERNAL_H
 #define FA_MOD_INTERNAL_H /* not FA_MOD_H: that is the variable h */
@@ -8,42 +8,7 @@
 #include "flashattn.h"
 #include "core/fa_error.h"
 #include "mod/fa_block_mask.h"
-
-/* The type of a node's value. Booleans are evaluated as 0 / 1 numbers. */
-enum { FA_MOD_NUM = 0, FA_MOD_BOOL = 1 };
-
-/* Operations past the public fa_mod_op codes. */
-enum {
-    FA_MOD_OP_VAR = 64, /* what: an fa_mod_variable */
-    FA_MOD_OP_CONST,    /* value */
-    FA_MOD_OP_WHERE,    /* args: cond, a, b */
-    FA_MOD_OP_AUX,      /* what: the slot; args: the n_args indices */
-};
-
-#define FA_MOD_MAX_ARGS 4
-
-typedef struct fa_mod_node {
-    int op;   /* an fa_mod_op or FA_MOD_OP_* */
-    int type; /* FA_MOD_NUM or FA_MOD_BOOL */
-    int n_args;
-    int args[FA_MOD_MAX_ARGS]; /* node ids; in a finished program, step numbers */
-    int what;
-    double value;
-} fa_mod_node;
-
-struct fa_mod {
-    fa_mod_node nodes[FA_MOD_MAX_NODES]; /* as built, in creation order */
-    int n;
-    fa_mod_kind kind; /* 0 until finished */
-    /* Finished: the nodes the root reaches, operands before their users, the root last; their
-     * args renumbered to steps. Step i writes its values into evaluation buffer buf[i], of
-     * n_bufs (a buffer is reused once every reader of its value has run). */
-    fa_mod_node steps[FA_MOD_MAX_NODES];
-    int buf[FA_MOD_MAX_NODES];
-    int n_steps, n_bufs;
-    int aux_ndim[FA_MOD_AUX_SLOTS]; /* indices the program reads slot i with; 0: unread */
-    char *text;                     /* canonical text */
-};
+#include "mod/fa_mod_program.h"
 
 /* A forward call's user-defined scoring: finished programs or NULL, the aux tensors they read
  * (copies of the caller's views; unread slots zeroed), and the block mask (blocks.num.data NULL

@@ -18,7 +18,7 @@
 typedef struct fa_plan_row {
     int dmax;
     int bm, bn, nwarps;    /* without dropout */
-    int bm_d, bn_d, nw_d;  /* with dropout */
+    int bm_d, bn_d, nw_d;  /* with dropout (or user-defined scoring) */
 } fa_plan_row;
 
 static const fa_plan_row fa_sm80_rows[] = {
@@ -161,9 +161,12 @@ static const fa_plan_row90 fa_sm90_rows[] = {
     {256, 80, 2, 1, 2, 2},  /* Q 64 KB + 2 x (K 40 + V 40) KB = 224 KB */
 };
 
+#define FA_PLAN_MODS (FA_PLAN_SCORE_MOD | FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK)
+
 /* What the sm90 kernel compiles: everything else goes to the sm80 family. */
 #define FA_SM90_UNSUPPORTED                                                                     \
-    (FA_FEATURE_DROPOUT | FA_FEATURE_UNALIGNED | FA_PLAN_PROBS | FA_PLAN_NO_SM90 | FA_PLAN_PAGED)
+    (FA_FEATURE_DROPOUT | FA_FEATURE_UNALIGNED | FA_PLAN_PROBS | FA_PLAN_NO_SM90 | FA_PLAN_PAGED | \
+     FA_PLAN_MODS)
 
 /* On unless FLASHATTN_SM90=0 (which keeps every case on the sm80 family, for comparison). */
 int fa_plan_sm90_enabled(void)
@@ -252,10 +255,14 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     }
     if (row->dmax == 256 && key->arch != 80)
         row = &fa_sm8x_row_256;
-    int dropout = (key->features & FA_FEATURE_DROPOUT) != 0;
+    /* User-defined scoring costs registers as dropout's mask does: it takes the same tiles. */
+    int dropout = (key->features & (FA_FEATURE_DROPOUT | FA_PLAN_MODS)) != 0;
     plan->bm = dropout ? row->bm_d : row->bm;
     plan->bn = dropout ? row->bn_d : row->bn;
     plan->nwarps = dropout ? row->nw_d : row->nwarps;
+    /* Past d 128 the mods' registers beside the O accumulators want half the keys per block. */
+    if ((key->features & FA_PLAN_MODS) && dmax > 128)
+        plan->bn = 32;
     fa_plan_tile_override(plan);
     plan->threads = (unsigned)plan->nwarps * 32;
     plan->smem = (unsigned)FA_SMEM_FWD80(plan->bm, plan->bn, plan->dp, plan->dvp) +
@@ -271,6 +278,14 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     /* Only paged kernels carry the define, so dense kernels keep their JIT keys and code. */
     if (key->features & FA_PLAN_PAGED)
         fa_plan_define(plan, "FA_PAGED", 1);
+    /* User-defined scoring, likewise only where the call has it. On sm_90 the sm80 family
+     * takes these calls for now (FA_SM90_UNSUPPORTED): the hooks are in its kernel only. */
+    if (key->features & FA_PLAN_SCORE_MOD)
+        fa_plan_define(plan, "FA_SCORE_MOD", 1);
+    if (key->features & FA_PLAN_MASK_MOD)
+        fa_plan_define(plan, "FA_MASK_MOD", 1);
+    if (key->features & FA_PLAN_BLOCK_MASK)
+        fa_plan_define(plan, "FA_BLOCK_MASK", 1);
     return FA_STATUS_OK;
 }
 

@@ -24,6 +24,12 @@
 #define FA_PLAN_PAGED (1u << 27)   /* k and v are paged through a block table */
 #define FA_PLAN_KV_E4M3 (1u << 28) /* decode: the caches are fp8 e4m3 (q fp16 or bf16) */
 #define FA_PLAN_KV_E5M2 (1u << 29) /* decode: the caches are fp8 e5m2 */
+/* User-defined scoring (forward): the call has a score_mod, a mask_mod, a block mask. The
+ * sm80 family compiles them (on sm_90 too, for now); the plan's score_mod / mask_mod then
+ * carry the programs' generated CUDA C. */
+#define FA_PLAN_SCORE_MOD (1u << 21)
+#define FA_PLAN_MASK_MOD (1u << 22)
+#define FA_PLAN_BLOCK_MASK (1u << 23)
 
 typedef struct fa_plan_key {
     int arch; /* compute capability, 10 * major + minor */
@@ -47,12 +53,17 @@ typedef struct fa_plan {
                        mirrored tile pairs */
     int num_defines;
     char defines[FA_PLAN_MAX_DEFINES][24]; /* "-DFA_BN=64", ... */
+    /* The call's mods as CUDA C (fa_mod_emit_cuda), NULL without: set by the launcher after
+     * planning, compiled in as the header fa_mod_gen.cuh and part of the JIT's keys. */
+    const char *score_mod, *mask_mod;
 } fa_plan;
 
 /* The forward plan for key; FA_STATUS_UNSUPPORTED (with a message) when no family fits.
  * On sm_90 devices the sm90 family (fa_fwd_sm90.cu) takes the cases it supports (unless
  * FLASHATTN_SM90=0); every other case gets the sm80 family, paged k and v (FA_PLAN_PAGED)
- * among them for now: the sm90 family reads K and V through TMA maps of a dense layout. */
+ * among them for now: the sm90 family reads K and V through TMA maps of a dense layout; so do
+ * calls with user-defined scoring (FA_PLAN_SCORE_MOD, _MASK_MOD, _BLOCK_MASK), whose hooks only
+ * the sm80 kernel has so far. */
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan);
 
 /* The sm90 family's plan for key, whatever FLASHATTN_SM90 says (precompile, tests); returns

@@ -14,6 +14,8 @@
 #include <string.h>
 
 #include "flashattn.h"
+#include "mod/fa_mod.h"
+#include "plan/fa_plan.h"
 #include "test_mod.h"
 #include "test_util.h"
 
@@ -205,11 +207,12 @@ static void test_call_errors(tu_rng *r)
     a.probs = NULL;
     TU_CHECK(tu_count_poisoned_in_view(&out) == tu_numel(&out.t),
              "a refused call wrote out");
+    /* fp32 on a CUDA device: refused (the CUDA kernels compute fp16 and bf16), mods or not. */
     a.device = 0;
     fa_status st = fa_attention_forward(&a);
-    TU_CHECK(st != FA_STATUS_OK, "a mod on a CUDA device was accepted");
+    TU_CHECK(st != FA_STATUS_OK, "an fp32 call on a CUDA device was accepted");
     if (fa_cuda_device_count() > 0)
-        expect_error(st, "CUDA", "score_mod", "CPU only");
+        expect_error(st, "CUDA", "q", "fp16 and bf16");
     a.device = FA_DEVICE_CPU;
 
     /* Valid: out is written; the backward takes the mods too (test_block_mask checks its
@@ -227,6 +230,10 @@ static void test_call_errors(tu_rng *r)
     st = fa_attention_backward(&ba);
     TU_CHECK(st == FA_STATUS_OK, "backward with score_mod: %s", fa_last_error());
     TU_CHECK(tu_count_poisoned_in_view(&dq) == 0, "backward with score_mod left dq unwritten");
+    /* The CUDA backward has no mods yet: refused by validation, naming the mod. */
+    a.device = 0;
+    expect_error(fa_attention_backward(&ba), "CUDA backward", "score_mod", "CPU only");
+    a.device = FA_DEVICE_CPU;
 
     fa_mod_destroy(m);
     fa_mod_destroy(open);
@@ -236,11 +243,91 @@ static void test_call_errors(tu_rng *r)
         tu_tensor_free(all[i]);
 }
 
+/* The CUDA C a finished program carries for the GPU (fa_mod_emit_cuda): the canonical text at
+ * its head, one statement per step in the evaluator's operations, constants as their fp32
+ * bits, aux reads by slot and index count; programs that differ in a constant differ. */
+static void test_cuda_text(void)
+{
+    tu_where = "cuda text";
+    fa_mod *m = fa_mod_create();
+    const int idx[2] = {V(B), B(SUB, V(Q_IDX), V(KV_IDX))};
+    int root = B(LT, fa_mod_aux(m, 2, 2, idx), C(0.1));
+    root = B(AND, root, U(NOT, B(EQ, V(H), C(3))));
+    TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_MASK) == FA_STATUS_OK, "%s", fa_last_error());
+    const char *want[] = {
+        ("FA_DEV bool fa_mask_mod(const fa_kparams *kp, float b, float h, float q_idx, float "
+         "kv_idx)"),
+        "__int_as_float(0x3dcccccd)", /* 0.1 rounded to fp32, as the CPU evaluates it */
+        "fa_mod_aux(kp, 2, 2, v0, v3, 0.f, 0.f)", "const bool v6 = v4 < v5;", "!v9", "&&",
+    };
+    char head[512];
+    snprintf(head, sizeof head, "/* %s */", fa_mod_text(m));
+    TU_CHECK(strncmp(m->cuda, head, strlen(head)) == 0, "not headed by its text: %s", m->cuda);
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        TU_CHECK(strstr(m->cuda, want[i]), "'%s' missing from:\n%s", want[i], m->cuda);
+    char last[32];
+    snprintf(last, sizeof last, "return v%d;", m->n_steps - 1);
+    TU_CHECK(strstr(m->cuda, last), "'%s' missing from:\n%s", last, m->cuda);
+    fa_mod_destroy(m);
+
+    fa_mod *s1 = fa_mod_create(), *s2 = fa_mod_create();
+    m = s1;
+    root = B(MAX, U(TANH, V(SCORE)), B(MOD, V(SCORE), C(-3)));
+    TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s", fa_last_error());
+    m = s2;
+    root = B(MAX, U(TANH, V(SCORE)), B(MOD, V(SCORE), C(-4)));
+    TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s", fa_last_error());
+    const char *want_s[] = {("FA_DEV float fa_score_mod(const fa_kparams *kp, float score, "
+                             "float b,"),
+                            "tanhf(v0)", "fa_mod_rem(v0, v2)", "fa_mod_max(v1, v3)"};
+    for (size_t i = 0; i < sizeof want_s / sizeof want_s[0]; i++)
+        TU_CHECK(strstr(s1->cuda, want_s[i]), "'%s' missing from:\n%s", want_s[i], s1->cuda);
+    TU_CHECK(strcmp(s1->cuda, s2->cuda) != 0, "two constants, one text");
+    fa_mod_destroy(s1);
+    fa_mod_destroy(s2);
+}
+
+/* Whether plan defines `define` ("-DNAME=value"). */
+static int plan_defines(const fa_plan *plan, const char *define)
+{
+    for (int i = 0; i < plan->num_defines; i++)
+        if (strcmp(plan->defines[i], define) == 0)
+            return 1;
+    return 0;
+}
+
+/* Calls with mods plan the sm80 family on every arch (sm_90 included) with the features'
+ * defines; plans without them carry none of those defines (their kernels keep their keys). */
+static void test_plan_routes(void)
+{
+    tu_where = "plan";
+    const unsigned mods[3] = {FA_PLAN_SCORE_MOD, FA_PLAN_MASK_MOD, FA_PLAN_BLOCK_MASK};
+    const char *defs[3] = {"-DFA_SCORE_MOD=1", "-DFA_MASK_MOD=1", "-DFA_BLOCK_MASK=1"};
+    const int archs[3] = {80, 86, 90};
+    for (int a = 0; a < 3; a++)
+        for (int i = 0; i < 3; i++) {
+            fa_plan_key key = {archs[a], FA_DTYPE_BF16, 128, 128, mods[i]};
+            fa_plan plan;
+            TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
+            TU_CHECK(strcmp(plan.family, "fa_fwd_sm80.cu") == 0, "arch %d: %s", archs[a],
+                     plan.family);
+            for (int j = 0; j < 3; j++)
+                TU_CHECK(plan_defines(&plan, defs[j]) == (i == j), "arch %d mod %d: %s %s",
+                         archs[a], i, defs[j], i == j ? "missing" : "present");
+            key.features = 0;
+            TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
+            for (int j = 0; j < 3; j++)
+                TU_CHECK(!plan_defines(&plan, defs[j]), "plain plan has %s", defs[j]);
+        }
+}
+
 int main(void)
 {
     tu_rng rng = {tu_master_seed("test_mod")};
     test_builder_errors();
     test_text();
+    test_cuda_text();
+    test_plan_routes();
     test_call_errors(&rng);
     tm_test_forward(&rng);
     return tu_finish("test_mod");

@@ -989,3 +989,48 @@ def test_dlpack_jax(gen):
     want = flash_attn_func(q, k, v, causal=True, window_size=(50, 0))
     got = torch.from_dlpack(out)
     assert got.is_cuda and torch.equal(got, want)
+
+
+# ---- flex_attention: the CUDA forward with user-defined scoring -------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flex_attention_cuda_forward(gen, dtype):
+    """flex_attention on CUDA tensors without gradients runs the C forward on the GPU (the mods
+    compiled into its kernel): a document mask read from a captured int tensor, a
+    relative-position bias from a captured float table (indices past it clamped), a block mask
+    built on the host and given to the call on the device, GQA; against the same call on the
+    CPU tensors. Gradients through mods on CUDA are refused by name."""
+    B, H, HK, L, D = 2, 4, 2, 300, 64
+    g = torch.Generator().manual_seed(39)
+    q = torch.randn(B, H, L, D, generator=g).to(dtype)
+    k = torch.randn(B, HK, L, D, generator=g).to(dtype)
+    v = torch.randn(B, HK, L, D, generator=g).to(dtype)
+    doc = torch.cumsum((torch.rand(B, L, generator=g) < 0.02).int(), 1).int()
+    bias = torch.randn(H, 81, generator=g)
+
+    def outputs(device):
+        d, t = doc.to(device), bias.to(device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (d[b, q_idx] == d[b, kv_idx]) & (q_idx >= kv_idx)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + t[h, q_idx - kv_idx + 40]
+
+        bm = flashattn.create_block_mask(mask_mod, B, None, L, L, device=device, BLOCK_SIZE=64)
+        with torch.no_grad():
+            return flashattn.flex_attention(q.to(device), k.to(device), v.to(device),
+                                            score_mod=score_mod, block_mask=bm, enable_gqa=True,
+                                            return_lse=True)
+
+    out_cpu, lse_cpu = outputs("cpu")
+    out_gpu, lse_gpu = outputs("cuda")
+    assert out_gpu.device.type == "cuda" and lse_gpu.device.type == "cuda"
+    _close(out_gpu, out_cpu, dtype, "flex out")
+    _lse_close(lse_gpu, lse_cpu)
+
+    qg = q.cuda().requires_grad_()
+    with pytest.raises(FlashAttnError, match="score_mod / block_mask"):
+        flashattn.flex_attention(qg, k.cuda(), v.cuda(), enable_gqa=True,
+                                 score_mod=lambda s, b, h, i, j: s * 0.5)

@@ -278,7 +278,7 @@ def test_create_block_mask_fields(rng):
     assert torch.equal(ours.kv_num_blocks, theirs.kv_num_blocks)
     assert torch.equal(ours.kv_indices, theirs.kv_indices)
     with pytest.raises(FlashAttnError, match="device"):
-        flashattn.create_block_mask(causal, 1, 1, 64, 64, device="cuda")
+        flashattn.create_block_mask(causal, 1, 1, 64, 64, device="xla")
 
 
 def test_block_structure_of_a_foreign_block_mask(rng):

@@ -1,0 +1,117 @@
+/*
+ * User-defined scoring in the forward's tiles (kernels/fa_fwd_sm80.cu includes it after its tile
+ * defines): the operations and aux reads of the generated programs (fa_mod_gen.cuh, written by
+ * src/mod/fa_mod_cuda.c), and the block mask's states of a tile. Compiled only for kernels whose
+ * plan defines FA_SCORE_MOD, FA_MASK_MOD or FA_BLOCK_MASK; needs FA_THREADS and FA_BN.
+ */
+#ifndef FA_MOD_CUH
+#define FA_MOD_CUH
+
+#if FA_SCORE_MOD || FA_MASK_MOD
+/* The operations of the generated programs that are more than an operator, as the CPU
+ * evaluator has them (fa_cpu_mod_body.h): min / max propagate a NaN of either operand, mod is
+ * the floor remainder (the divisor's sign). */
+FA_DEV float fa_mod_min(float x, float y) { return (x < y || x != x) ? x : y; }
+FA_DEV float fa_mod_max(float x, float y) { return (x > y || x != x) ? x : y; }
+FA_DEV float fa_mod_rem(float x, float y)
+{
+    const float r = fmodf(x, y);
+    return (r != 0.f && ((r < 0.f) != (y < 0.f))) ? r + y : r;
+}
+
+/* Index value v floored and clamped into a dimension of n entries, as the CPU does (below 1,
+ * NaN included, 0; at or past n the last), then clamped as an integer too: fp32 cannot hold
+ * every n - 1 above 2^24, and no read may leave the tensor. */
+FA_DEV fa_i64 fa_mod_index(float v, fa_i64 n)
+{
+    const float hi = (float)n - 1.f;
+    float m = v > 0.f ? v : 0.f;
+    m = m < hi ? m : hi;
+    const fa_i64 i = (fa_i64)m;
+    return i < n - 1 ? i : n - 1;
+}
+
+/* Aux tensor `slot` at the first ndim of the indices (the generated code's aux reads). */
+FA_DEV float fa_mod_aux(const fa_kparams *kp, int slot, int ndim, float i0, float i1, float i2,
+                        float i3)
+{
+    const float x[4] = {i0, i1, i2, i3};
+    fa_i64 off = 0;
+#pragma unroll
+    for (int d = 0; d < 4; d++)
+        if (d < ndim)
+            off += fa_mod_index(x[d], kp->mod_aux_shape[slot][d]) * kp->mod_aux_stride[slot][d];
+    if ((kp->mod_aux_i32 >> slot) & 1u)
+        return (float)__ldg((const int *)kp->mod_aux[slot] + off);
+    return __ldg((const float *)kp->mod_aux[slot] + off);
+}
+
+#include "fa_mod_gen.cuh"
+#endif
+
+#if FA_MOD_MASKS
+/* A key block's state for the tile's rows (the CPU's FA_BLOCK_* values): every key dropped,
+ * mask_mod consulted, every key kept; or, with the block mask's blocks finer than the tile or
+ * the key block, FA_BM_MIXED: the state looked up key by key. */
+#define FA_BM_SKIP 0
+#define FA_BM_PARTIAL 1
+#define FA_BM_FULL 2
+#define FA_BM_MIXED 3
+#endif
+
+#if FA_BLOCK_MASK
+/* The block mask's states for the tile's query blocks qb0 .. qb0 + nqb - 1 into tab (shared,
+ * [nqb][bm_nk]): listed partial blocks, then listed full ones over them (a block in both lists
+ * is full), the rest skipped. Counts past the lists and indices past the keys are ignored. */
+FA_DEV void fa_bm_load(const fa_kparams *kp, unsigned char *tab, int bi, int h, int qb0, int nqb)
+{
+    const int nk = kp->bm_nk;
+    for (int i = threadIdx.x; i < nqb * nk; i += FA_THREADS)
+        tab[i] = FA_BM_SKIP;
+    for (int pass = 0; pass < 2; pass++) {
+        __syncthreads();
+        const int *num = pass ? kp->bm_full_num : kp->bm_num;
+        const int *idx = pass ? kp->bm_full_idx : kp->bm_idx;
+        const fa_i64 *ns = pass ? kp->bm_full_num_stride : kp->bm_num_stride;
+        const fa_i64 *is = pass ? kp->bm_full_idx_stride : kp->bm_idx_stride;
+        const int n = pass ? kp->bm_full_n : kp->bm_n;
+        if (!num)
+            continue;
+        for (fa_i64 i = threadIdx.x; i < (fa_i64)nqb * n; i += FA_THREADS) {
+            const int q = (int)(i / n), j = (int)(i - (fa_i64)q * n);
+            const fa_i64 qb = qb0 + q;
+            const int c = num[bi * ns[0] + h * ns[1] + qb * ns[2]];
+            if (j >= c)
+                continue;
+            const int kb = idx[bi * is[0] + h * is[1] + qb * is[2] + j * is[3]];
+            if (kb >= 0 && kb < nk)
+                tab[q * nk + kb] = pass ? FA_BM_FULL : FA_BM_PARTIAL;
+        }
+    }
+    __syncthreads();
+}
+
+/* The state of keys [n0, min(n0 + FA_BN, sk)) for the tile's query blocks (tab: fa_bm_load). */
+FA_DEV int fa_bm_state(const fa_kparams *kp, const unsigned char *tab, int nqb, int n0, int sk)
+{
+    const int kb0 = n0 / kp->bm_kv_block, kb1 = (fa_min(n0 + FA_BN, sk) - 1) / kp->bm_kv_block;
+    const int first = tab[kb0];
+    for (int q = 0; q < nqb; q++)
+        for (int kb = kb0; kb <= kb1; kb++)
+            if (tab[q * kp->bm_nk + kb] != first)
+                return FA_BM_MIXED;
+    return first;
+}
+
+/* The next key block below nb that the block mask does not skip, or n_min - 1. */
+FA_DEV int fa_bm_below(const fa_kparams *kp, const unsigned char *tab, int nqb, int nb,
+                       int n_min, int sk)
+{
+    for (nb--; nb >= n_min; nb--)
+        if (fa_bm_state(kp, tab, nqb, nb * FA_BN, sk) != FA_BM_SKIP)
+            break;
+    return nb;
+}
+#endif
+
+#endif /* FA_MOD_CUH */

@@ -1,0 +1,48 @@
+/*
+ * A fa_mod program's representation (flashattn.h's fa_mod): the builder's nodes and the finished
+ * steps the backends evaluate or emit. Shared by the builder (fa_mod.c) and the CUDA C emitter
+ * (fa_mod_cuda.c).
+ */
+#ifndef FA_MOD_PROGRAM_H
+#define FA_MOD_PROGRAM_H
+
+#include "flashattn.h"
+
+/* The type of a node's value. Booleans are evaluated as 0 / 1 numbers. */
+enum { FA_MOD_NUM = 0, FA_MOD_BOOL = 1 };
+
+/* Operations past the public fa_mod_op codes. */
+enum {
+    FA_MOD_OP_VAR = 64, /* what: an fa_mod_variable */
+    FA_MOD_OP_CONST,    /* value */
+    FA_MOD_OP_WHERE,    /* args: cond, a, b */
+    FA_MOD_OP_AUX,      /* what: the slot; args: the n_args indices */
+};
+
+#define FA_MOD_MAX_ARGS 4
+
+typedef struct fa_mod_node {
+    int op;   /* an fa_mod_op or FA_MOD_OP_* */
+    int type; /* FA_MOD_NUM or FA_MOD_BOOL */
+    int n_args;
+    int args[FA_MOD_MAX_ARGS]; /* node ids; in a finished program, step numbers */
+    int what;
+    double value;
+} fa_mod_node;
+
+struct fa_mod {
+    fa_mod_node nodes[FA_MOD_MAX_NODES]; /* as built, in creation order */
+    int n;
+    fa_mod_kind kind; /* 0 until finished */
+    /* Finished: the nodes the root reaches, operands before their users, the root last; their
+     * args renumbered to steps. Step i writes its values into evaluation buffer buf[i], of
+     * n_bufs (a buffer is reused once every reader of its value has run). */
+    fa_mod_node steps[FA_MOD_MAX_NODES];
+    int buf[FA_MOD_MAX_NODES];
+    int n_steps, n_bufs;
+    int aux_ndim[FA_MOD_AUX_SLOTS]; /* indices the program reads slot i with; 0: unread */
+    char *text;                     /* canonical text */
+    char *cuda; /* the program as a CUDA C device function (fa_mod_emit_cuda) */
+};
+
+#endif /* FA_MOD_PROGRAM_H */
