@@ -293,16 +293,21 @@ int fa_plan_ctas_per_sm(unsigned smem, int sm_bytes) { return sm_bytes / ((int)s
 
 typedef struct fa_bwd_row {
     int dmax, nwarps, qstages;
+    int split; /* FA_DKV_SPLIT: warps sharing each 16 keys, each with a part of dK/dV's columns */
 } fa_bwd_row;
 
 /* sm80, sm87, sm90, sm100 (>= 163 KB of shared memory per block): 128-key blocks with 8 warps
  * (FA2's hdim-128 choice on these parts), two query stages; d 128 takes 155 KB. The first
- * increment's configuration, should this one need to be backed out, is {128, 4, 1}. */
-static const fa_bwd_row fa_bwd_rows_big[] = {{128, 8, 2}};
+ * increment's configuration, should this one need to be backed out, is {128, 4, 1}. Wider heads:
+ * 64 x 64 tiles with 8 warps, two per 16 keys (FA2's d 256 tile); two query stages where they fit
+ * (217 KB at d 256 on sm_90), one on sm_80 (151 KB at d 256). */
+static const fa_bwd_row fa_bwd_rows_big[] = {{128, 8, 2, 1}, {256, 8, 2, 2}};
 
-/* The 99 KB parts (sm86, sm89, sm120): d <= 64 as above (91 KB); wider heads the 64-key block
- * with 4 warps and one stage (78 KB). */
-static const fa_bwd_row fa_bwd_rows_small[] = {{64, 8, 2}, {128, 4, 1}};
+/* The 99 KB parts (sm86, sm89, sm120): d <= 64 as above (91 KB); up to 128 the 64-key block
+ * with 4 warps and one stage (78 KB); up to 192 a 32-key block of 4 warps, two per 16 keys
+ * (85 KB); up to 256 a 16-key block of 2 warps (88 KB). */
+static const fa_bwd_row fa_bwd_rows_small[] = {
+    {64, 8, 2, 1}, {128, 4, 1, 1}, {192, 4, 1, 2}, {256, 2, 1, 2}};
 
 /* FLASHATTN_BWD_TILE=WARPS,STAGES replaces the row's choice (for tuning with the benchmark;
  * the workspace layout does not depend on it); values the kernel cannot take are ignored, and
@@ -313,7 +318,8 @@ static fa_bwd_row fa_plan_bwd_override(fa_bwd_row row)
     int nwarps, qstages;
     if (!env || sscanf(env, "%d,%d", &nwarps, &qstages) != 2)
         return row;
-    if ((nwarps != 2 && nwarps != 4 && nwarps != 8) || (qstages != 1 && qstages != 2))
+    if ((nwarps != 2 && nwarps != 4 && nwarps != 8) || (qstages != 1 && qstages != 2) ||
+        nwarps % row.split != 0)
         return row;
     row.nwarps = nwarps;
     row.qstages = qstages;
@@ -370,10 +376,8 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     FA_TRY(fa_plan_check_arch(key->arch));
     if (key->d < 1 || key->d > FA_BWD_MAX_HEAD_DIM || key->dv < 1 ||
         key->dv > FA_BWD_MAX_HEAD_DIM)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "head_dim: the CUDA backward supports head dims up to %d so far, got "
-                            "d %d, dv %d (use the CPU backward)",
-                            FA_BWD_MAX_HEAD_DIM, key->d, key->dv);
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
+                            key->dv, FA_BWD_MAX_HEAD_DIM);
     if (fa_plan_bwd_sm90_enabled() && fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
         return FA_STATUS_OK;
     *plan = (fa_plan){0};
@@ -389,13 +393,23 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     size_t ri = 0;
     while (ri + 1 < nrows && dmax > rows[ri].dmax)
         ri++;
-    const fa_bwd_row row = fa_plan_bwd_override(rows[ri]);
+    fa_bwd_row row = rows[ri];
+    const unsigned lens = (key->features & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0;
+    /* One query stage where two do not fit the part's shared memory. */
+    if (row.qstages == 2 &&
+        fa_plan_ctas_per_sm((unsigned)FA_SMEM_BWD80(FA_BWD_BM, 16 * row.nwarps / row.split,
+                                                    plan->dp, plan->dvp, 2, row.split) +
+                                lens,
+                            fa_plan_sm_smem(key->arch)) < 1)
+        row.qstages = 1;
+    row = fa_plan_bwd_override(row);
     plan->bm = FA_BWD_BM;
     plan->nwarps = row.nwarps;
-    plan->bn = 16 * row.nwarps;
+    plan->bn = 16 * row.nwarps / row.split;
     plan->threads = (unsigned)(32 * row.nwarps);
-    plan->smem = (unsigned)FA_SMEM_BWD80(plan->bm, plan->bn, plan->dp, plan->dvp, row.qstages) +
-                 ((key->features & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0);
+    plan->smem = (unsigned)FA_SMEM_BWD80(plan->bm, plan->bn, plan->dp, plan->dvp, row.qstages,
+                                         row.split) +
+                 lens;
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
@@ -403,6 +417,9 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_NWARPS", plan->nwarps);
     fa_plan_define(plan, "FA_QSTAGES", row.qstages);
+    /* Only split kernels carry the define, so the others keep their JIT keys and code. */
+    if (row.split > 1)
+        fa_plan_define(plan, "FA_DKV_SPLIT", row.split);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
     return FA_STATUS_OK;
 }

@@ -67,10 +67,11 @@ int fa_plan_sm90_enabled(void);
  * (fa_attention_backward_workspace_size) depends on them. */
 #define FA_BWD_BM 64
 #define FA_BWD_BM_SM90_D64 128
-#define FA_BWD_MAX_HEAD_DIM 128
+#define FA_BWD_MAX_HEAD_DIM FA_MAX_HEAD_DIM
 
-/* The backward plan for key (fa_bwd_sm80.cu, sm_80 and later, fp16/bf16, d and dv <= 128, dense
- * and varlen layouts); FA_STATUS_UNSUPPORTED with a message for anything else. */
+/* The backward plan for key (fa_bwd_sm80.cu, sm_80 and later, fp16/bf16, d and dv up to
+ * FA_BWD_MAX_HEAD_DIM, dense and varlen layouts); FA_STATUS_UNSUPPORTED with a message for
+ * anything else. */
 fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
 
 /* The sm90 backward's plan for key (fa_bwd_sm90.cu), whatever FLASHATTN_BWD_SM90 says
