@@ -126,27 +126,50 @@
 
 #include "fa_bwd_common.cuh"
 
+/* The most cp.async chunks per thread a tile copy issues unrolled (fa_bwd_tile_load): beside
+ * the split kernels' wider accumulators, fewer. */
+#define FA_UNROLLED_CHUNKS (FA_DKV_SPLIT > 1 ? 4 : 8)
+
+#if FA_VEC
+/* Chunk i (16 bytes) of fa_bwd_tile_load's tile: row i / cpr, column chunk i % cpr. */
+FA_DEV void fa_bwd_chunk_load(fa_u16 *tile, int ld, const fa_u16 *src, fa_i64 rs, int nrows,
+                              int ncols, int cpr, int i)
+{
+    const int r = i / cpr, c = i - r * cpr;
+    const int ok = c * 8 < ncols && r < nrows;
+    fa_cp_async16(fa_smem_addr(tile) + (r * ld + c * 8) * 2,
+                  ok ? (const void *)(src + r * rs + c * 8) : src, ok ? 16 : 0);
+}
+#endif
+
 /* Copies rows [0, rows) x columns [0, ncols) of a global slice (row stride rs; row 0 must
  * exist) into a shared tile of row stride ld (elements) at `tile`, zero-filling rows >= nrows
  * and columns past ncols up to cols (the padded width). With FA_VEC the copies are cp.async in
  * 16-byte chunks (committed by the caller): where cols / 8 divides FA_THREADS and step =
- * FA_THREADS / (cols / 8) divides rows, a thread owns one column chunk and rows r0, r0 + step,
- * ..., so its addresses are one base plus constants; otherwise (cols 192) chunk i of the tile
- * goes to thread i % FA_THREADS. A zero-length copy writes a zero chunk and reads nothing (its
- * source is the slice's first element, which exists). Without FA_VEC, plain loads and stores. */
+ * FA_THREADS / (cols / 8) divides rows into at most FA_UNROLLED_CHUNKS steps, a thread owns one
+ * column chunk and rows r0, r0 + step, ..., so its addresses are one base plus constants;
+ * otherwise chunk i of the tile goes to thread i % FA_THREADS (cols 192), in a rolled loop past
+ * FA_UNROLLED_CHUNKS chunks a thread (whose unrolled addresses ptxas kept in registers over the
+ * main loop: spills at head dim 256 with 2 warps).
+ * A zero-length copy writes a zero chunk and reads nothing (its source is the slice's first
+ * element, which exists). Without FA_VEC, plain loads and stores. */
 FA_DEV void fa_bwd_tile_load(fa_u16 *tile, int ld, const fa_u16 *src, fa_i64 rs, int nrows,
                              int ncols, int rows, int cols)
 {
 #if FA_VEC
     const int cpr = cols / 8, step = FA_THREADS / cpr;
-    if (FA_THREADS % cpr != 0 || rows % step != 0) {
+    const int per_thread = (rows * cpr + FA_THREADS - 1) / FA_THREADS;
+    if (FA_THREADS % cpr != 0 || rows % step != 0 || per_thread > FA_UNROLLED_CHUNKS) {
+        if (per_thread <= FA_UNROLLED_CHUNKS) {
 #pragma unroll
-        for (int j = 0; j < (rows * cpr + FA_THREADS - 1) / FA_THREADS; j++) {
-            const int i = threadIdx.x + j * FA_THREADS, r = i / cpr, c = i - r * cpr;
-            const int ok = c * 8 < ncols && r < nrows;
-            if (i < rows * cpr)
-                fa_cp_async16(fa_smem_addr(tile) + (r * ld + c * 8) * 2,
-                              ok ? (const void *)(src + r * rs + c * 8) : src, ok ? 16 : 0);
+            for (int j = 0; j < per_thread; j++)
+                if (threadIdx.x + j * FA_THREADS < rows * cpr)
+                    fa_bwd_chunk_load(tile, ld, src, rs, nrows, ncols, cpr,
+                                      threadIdx.x + j * FA_THREADS);
+        } else {
+#pragma unroll 1
+            for (int i = threadIdx.x; i < rows * cpr; i += FA_THREADS)
+                fa_bwd_chunk_load(tile, ld, src, rs, nrows, ncols, cpr, i);
         }
         return;
     }
