@@ -62,9 +62,9 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan);
 /* Nonzero when the plan routes supported cases to the sm90 family (not FLASHATTN_SM90=0). */
 int fa_plan_sm90_enabled(void);
 
-/* The backward's query rows per tile (kernels/fa_bwd_sm80.cu; keys per CTA come from the plan);
- * the sm90 family takes FA_BWD_BM_SM90_D64 at head dims up to 64. The workspace size
- * (fa_attention_backward_workspace_size) depends on them. */
+/* The backward's query rows per tile (kernels/fa_bwd_sm80.cu; keys per CTA come from the plan;
+ * 32 at head dim 256 on the 99 KB parts); the sm90 family takes FA_BWD_BM_SM90_D64 at head dims
+ * up to 64. The workspace size (fa_attention_backward_workspace_size) depends on them. */
 #define FA_BWD_BM 64
 #define FA_BWD_BM_SM90_D64 128
 #define FA_BWD_MAX_HEAD_DIM FA_MAX_HEAD_DIM

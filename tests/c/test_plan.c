@@ -9,7 +9,8 @@
  *   - the backward past head dim 128 and for d != dv: the sm80 family on every arch, its
  *     dK/dV columns split over two warps per 16 keys exactly where a padded head dim passes 128
  *     (the d <= 128 plans as before), inside each part's shared memory per block (99 KB on
- *     sm86/89/120), with the arch-80 plan's padded dims and query tile (the workspace);
+ *     sm86/89/120), with the arch-80 plan's padded dims and query tile but for the 99 KB parts'
+ *     32-query tiles at head dim 256, which the workspace size then covers;
  *   - the defines' text, "-DNAME=value" with the plan's numbers;
  *   - a paged decode plan with as many CTAs per SM as the dense one;
  *   - the decode's split count: a count that shortens the longest split, at most the key blocks
@@ -180,7 +181,9 @@ static void check_backward_wide(void)
                                  "arch %d d %d dv %d: one query stage where two fit", arch, d,
                                  dv);
                     bwd_family(80, d, dv, ft, &ws_plan);
-                    TU_CHECK(plan.bm == ws_plan.bm && plan.dp == ws_plan.dp &&
+                    const int small_256 = parts[a].smem < 100 * 1024 &&
+                                          (plan.dp > 192 || plan.dvp > 192);
+                    TU_CHECK(plan.bm == (small_256 ? 32 : ws_plan.bm) && plan.dp == ws_plan.dp &&
                                  plan.dvp == ws_plan.dvp,
                              "arch %d d %d dv %d: bm %d dp %d dvp %d, the workspace's plan bm %d "
                              "dp %d dvp %d",
@@ -195,12 +198,16 @@ static void check_backward_wide(void)
     /* Past FA_MAX_HEAD_DIM: refused, naming the argument. */
     TU_CHECK(!*bwd_family(90, 257, 128, 0, &plan) && strstr(fa_last_error(), "head_dim"),
              "d 257: \"%s\"", fa_last_error());
-    /* The workspace covers the d 256 accumulator: 64-row tiles of 256 fp32 columns. */
+    /* The workspace covers the d 256 layout with 32-row tiles (the 99 KB parts'): b 4, h 16,
+     * 128 queries, each part 256-byte aligned: the fp32 accumulator (8192 rows of 256), D and
+     * lse (8192 rows each), 4 x 16 x 4 tile counters, the item counter; with 64-row tiles the
+     * counters would take 512 bytes fewer. */
     fa_params p = {0};
     p.dtype = FA_DTYPE_BF16;
-    p.b = 2, p.h = 3, p.hk = 3, p.d = 256, p.dv = 128, p.max_sq = p.max_sk = 100;
+    p.b = 4, p.h = 16, p.hk = 16, p.d = 256, p.dv = 192, p.max_sq = p.max_sk = 128;
     const size_t size = fa_cuda_backward_workspace_size(&p);
-    TU_CHECK(size >= (size_t)4 * 2 * 3 * 128 * 256, "d 256: workspace %zu bytes", size);
+    const size_t need = (size_t)4 * 8192 * 256 + 2 * 4 * 8192 + 4 * 4 * 16 * 4 + 256;
+    TU_CHECK(size >= need, "d 256: workspace %zu bytes, the 32-row layout %zu", size, need);
 }
 
 /* Every define of the plans of both families reads "-DNAME=value" with the plan's own numbers

@@ -116,7 +116,7 @@ static const bcase cases[] = {
 };
 
 /* Wide heads on the tiles another part's plan picks, through FLASHATTN_BWD_TILE (warps, query
- * stages): the 99 KB parts' (4 warps, one stage at d <= 192; 2 warps, one stage at d 256) and
+ * stages, query rows): the 99 KB parts' (4 warps, one stage; 32-row query tiles at d 256) and
  * sm_80's one stage at 8 warps. */
 static const struct {
     const char *tile;
@@ -126,10 +126,10 @@ static const struct {
              0, 0, 0.15, 0, 1, 1, 0}},
     {"4,1", {"tile 4,1 window d160 dv128", 2, 4, 4, 150, 210, 160, 128, 0, 40, 10, 0, 0, 0, 0, 0, 0,
              0, 0}},
-    {"2,1", {"tile 2,1 alibi window d256", 2, 4, 2, 170, 200, 256, 256, 0, 80, 0, 0, 1, 0, 0, 0, 0,
-             0, 0}},
-    {"2,1", {"tile 2,1 varlen seqused d256 dv96", 3, 4, 2, 150, 190, 256, 96, 1, -1, -1, 0, 0, 0,
-             0, 0, 1, 1, 1}},
+    {"4,1,32", {"tile 4,1,32 alibi window d256", 2, 4, 2, 170, 200, 256, 256, 0, 80, 0, 0, 1, 0, 0,
+                0, 0, 0, 0}},
+    {"4,1,32", {"tile 4,1,32 varlen seqused dropout d256 dv96", 3, 4, 2, 150, 190, 256, 96, 1, -1,
+                -1, 0, 0, 0, 0.1, 0, 1, 1, 1}},
     {"8,1", {"tile 8,1 causal dropout softcap d256", 2, 4, 4, 220, 240, 256, 256, 1, -1, -1, 20, 0,
              0, 0.1, 0, 0, 0, 0}},
     {"8,1", {"tile 8,1 varlen causal d192 dv128", 3, 4, 2, 180, 220, 192, 128, 1, -1, -1, 0, 0, 0,
