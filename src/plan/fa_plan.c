@@ -300,9 +300,9 @@ typedef struct fa_bwd_row {
 
 /* sm80, sm87, sm90, sm100 (>= 163 KB of shared memory per block): 128-key blocks with 8 warps
  * (FA2's hdim-128 choice on these parts), two query stages; d 128 takes 155 KB. The first
- * increment's configuration, should this one need to be backed out, is {128, 4, 1}. Wider heads:
- * 64 x 64 tiles with 8 warps, two per 16 keys (FA2's d 256 tile); two query stages where they fit
- * (217 KB at d 256 on sm_90), one on sm_80 (151 KB at d 256). */
+ * increment's configuration, should this one need to be backed out, is {128, 4, 1, 1, 64}.
+ * Wider heads: 64 x 64 tiles with 8 warps, two per 16 keys (FA2's d 256 tile); two query stages
+ * where they fit (217 KB at d 256 on sm_90), one on sm_80 (151 KB at d 256). */
 static const fa_bwd_row fa_bwd_rows_big[] = {{128, 8, 2, 1, FA_BWD_BM},
                                              {256, 8, 2, 2, FA_BWD_BM}};
 
