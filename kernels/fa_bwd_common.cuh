@@ -169,6 +169,17 @@ FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
     return ((fa_i64)h * bp->f.b + bi) * bp->m_tiles * FA_BM;
 }
 
+/* Queries per warp of the transposed frame's S^T and dP^T (fa_bwd_probs): the whole query tile,
+ * unless the family gives each warp a part of it (fa_bwd_sm80.cu's FA_DKV_SPLIT); and the columns
+ * of dK and dV a warp holds (fa_bwd_store_dkdv), all of them unless split the same way. */
+#ifndef FA_BWD_QW
+#define FA_BWD_QW FA_BM
+#endif
+#ifndef FA_BWD_DKC
+#define FA_BWD_DKC FA_DP
+#define FA_BWD_DVC FA_DVP
+#endif
+
 #if FA_BWD_ROWS_IN_LANES
 #define FA_BWD_LANE_ROWS (FA_BM / 32) /* tile rows per lane: 2 or 4 */
 #endif
@@ -233,7 +244,7 @@ FA_DEV float fa_bwd_row(const float v[FA_BWD_LANE_ROWS], int il)
 FA_DEV float fa_bwd_row(const float *v, int il) { return v[il]; }
 #endif
 
-/* Element by element on this warp's 16 keys x FA_BM queries: P = 2^(s scale log2 e - lse log2 e)
+/* Element by element on this warp's 16 keys x FA_BWD_QW queries: P = 2^(s scale log2 e - lse log2 e)
  * (0 where invisible when masked), then st <- P Z (Z: 1 / (1 - p) kept, 0 dropped) and
  * dpt <- dS / scale = P (dP Z - D) s', s' the softcap's derivative 1 - tanh^2 (1 without
  * softcap). C layout: st[nt][e] is key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2).
@@ -241,13 +252,13 @@ FA_DEV float fa_bwd_row(const float *v, int il) { return v[il]; }
  * skips the predicate. Invisible scores are selected away, never multiplied, so an infinite
  * or NaN exponent there does no harm. */
 FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
-                         float st[FA_BM / 8][4], float dpt[FA_BM / 8][4], int masked)
+                         float st[FA_BWD_QW / 8][4], float dpt[FA_BWD_QW / 8][4], int masked)
 {
 #if FA_DROPOUT
     const int g = tl->key0 & 7; /* key0 = n0 + 16 warp + g */
 #endif
 #pragma unroll
-    for (int nt = 0; nt < FA_BM / 8; nt++) {
+    for (int nt = 0; nt < FA_BWD_QW / 8; nt++) {
 #if FA_DROPOUT
         fa_u32 drop[4];
         fa_bwd_dropout_words((fa_u32)(tl->key0 >> 3), (fa_u32)(tl->m0 + nt * 8 + 2 * t),
@@ -359,16 +370,34 @@ FA_DEV void fa_bwd_block_zero(const fa_bkparams *bp, const fa_seq *s, int bi, in
 }
 #endif
 
+/* Columns [0, cols) of row g + 8 hf of C fragments acc[nt][e] (column 8 nt + 2t + (e % 2)),
+ * times scale, to the global row r of n columns, with FA_VEC: 16-byte stores per 32 columns,
+ * 4-byte ones for a last 16 (a 32-wide head split over two warps). */
+#if FA_VEC
+FA_DEV void fa_bwd_store_row(fa_u16 *r, int n, const float acc[][4], int cols, int hf, int t,
+                             float scale, int live)
+{
+    fa_store_row16(r, n, acc, cols, hf, t, scale, live);
+#pragma unroll
+    for (int nt = cols / 32 * 4; nt < cols / 8; nt++)
+        if (live)
+            fa_store_pair(r, nt * 8 + 2 * t, n, acc[nt][2 * hf] * scale,
+                          acc[nt][2 * hf + 1] * scale);
+}
+#endif
+
 /* dK (times the softmax scale dS lacked) and dV of this thread's keys key0 and key0 + 8 of kv
  * head hk, sequence bi, from the C fragments dk[nt][e] (key key0 + 8 (e / 2), column
- * 8 nt + 2t + (e % 2)), columns below d / dv; keys up to sk (dense) or, varlen, up to the
- * sequence's end in k (zero past seqused_k, whose K and V rows were masked), its offsets read
- * again rather than held over the main loop. With FA_VEC in 16-byte stores (every lane of the
- * warp calls it then). */
+ * cw FA_BWD_DKC + 8 nt + 2t + (e % 2); dv alike with FA_BWD_DVC), columns below d / dv; keys up
+ * to sk (dense) or, varlen, up to the sequence's end in k (zero past seqused_k, whose K and V
+ * rows were masked), its offsets read again rather than held over the main loop. cw: the part
+ * of the columns this warp holds (0 when it holds them all). With FA_VEC in 16-byte stores
+ * (every lane of the warp calls it then). */
 FA_DEV void fa_bwd_store_dkdv(const fa_bkparams *bp, int bi, int hk, int key0, int t, int sk,
-                              const float dk[][4], const float dv[][4])
+                              int cw, const float dk[][4], const float dv[][4])
 {
     const fa_kparams *kp = &bp->f;
+    const int ck = cw * FA_BWD_DKC, cv = cw * FA_BWD_DVC;
 #if FA_VARLEN
     const fa_i64 k_start = fa_bwd_seq(kp, bi).k_start;
     const int key_end = fa_bwd_klen(kp, bi);
@@ -389,16 +418,16 @@ FA_DEV void fa_bwd_store_dkdv(const fa_bkparams *bp, int bi, int hk, int key0, i
         fa_u16 *dvr = (fa_u16 *)bp->dv + bi * bp->dv_bstride + (k_start + key) * bp->dv_rstride +
                       hk * bp->dv_hstride;
 #if FA_VEC
-        fa_store_row16(dkr, kp->d, dk, FA_DP, hf, t, kp->scale, key < key_end);
-        fa_store_row16(dvr, kp->dv, dv, FA_DVP, hf, t, 1.f, key < key_end);
+        fa_bwd_store_row(dkr + ck, kp->d - ck, dk, FA_BWD_DKC, hf, t, kp->scale, key < key_end);
+        fa_bwd_store_row(dvr + cv, kp->dv - cv, dv, FA_BWD_DVC, hf, t, 1.f, key < key_end);
 #else
 #pragma unroll
-        for (int nt = 0; nt < FA_DP / 8; nt++)
-            fa_store_pair(dkr, nt * 8 + 2 * t, kp->d, dk[nt][2 * hf] * kp->scale,
+        for (int nt = 0; nt < FA_BWD_DKC / 8; nt++)
+            fa_store_pair(dkr, ck + nt * 8 + 2 * t, kp->d, dk[nt][2 * hf] * kp->scale,
                           dk[nt][2 * hf + 1] * kp->scale);
 #pragma unroll
-        for (int nt = 0; nt < FA_DVP / 8; nt++)
-            fa_store_pair(dvr, nt * 8 + 2 * t, kp->dv, dv[nt][2 * hf], dv[nt][2 * hf + 1]);
+        for (int nt = 0; nt < FA_BWD_DVC / 8; nt++)
+            fa_store_pair(dvr, cv + nt * 8 + 2 * t, kp->dv, dv[nt][2 * hf], dv[nt][2 * hf + 1]);
 #endif
     }
 }

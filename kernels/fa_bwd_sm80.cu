@@ -31,6 +31,13 @@
  * FA_QRW x FA_QCOLS pieces. dS here lacks the softmax scale: dK gets it once at the end, dQ in
  * fa_bwd_convert (one multiply per element of the tile saved).
  *
+ * Heads wider than 128 (FA_DKV_SPLIT 2): dK and dV over all d + dv columns would take
+ * (d + dv) / 2 registers per thread. There the warps pair up on each 16 keys, warp (kw, cw)
+ * holding columns [cw, cw + 1) * d / 2 of dK (dv / 2 of dV): it computes S^T and dP^T for its
+ * 16 keys and half cw of the query tile, puts P^T and dS^T into shared memory, and after a
+ * barrier reads back the A fragments of its keys over the whole tile (FA2's d 256 tile, 64 x 64
+ * with 8 warps, splits dK and dV over warps alike).
+ *
  * Pipeline: with FA_QSTAGES 2 the Q, dO, lse and D of the next query tile are copied (cp.async)
  * into the other stage while this one is computed; with 1 they are copied once the tile's last
  * reader of them is done (before dQ), overlapping only the dQ step.
@@ -49,9 +56,10 @@
  *
  * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward):
  *   FA_BF16           data type (0: fp16, 1: bf16)
- *   FA_DP, FA_DVP     head dims of q/k and of v, padded to 32 or a multiple of 64 (<= 128)
+ *   FA_DP, FA_DVP     head dims of q/k and of v, padded to 32 or a multiple of 64 (<= 256)
  *   FA_BM             query rows per tile (a multiple of 16)
- *   FA_BN, FA_NWARPS  keys per CTA = 16 * warps per CTA
+ *   FA_BN, FA_NWARPS  keys per CTA = 16 * warps per CTA / FA_DKV_SPLIT
+ *   FA_DKV_SPLIT      2: each warp holds half the columns of dK and dV (absent: all of them)
  *   FA_QSTAGES        1 or 2 shared-memory stages of the query tile (Q, dO, lse, D)
  *   FA_VEC            1: rows 16-byte aligned, d, dv % 8 == 0: cp.async and paired stores
  *   FA_VARLEN         1: packed [total, heads, dim] rows with cu_seqlens_q/k and optional
@@ -69,9 +77,16 @@
 #include "fa_smem.h"
 
 #define FA_THREADS (FA_NWARPS * 32)
+#ifndef FA_DKV_SPLIT
+#define FA_DKV_SPLIT 1
+#endif
+#define FA_KW (FA_NWARPS / FA_DKV_SPLIT)     /* warps along the keys of the block */
+#define FA_BWD_QW (FA_BM / FA_DKV_SPLIT)     /* queries of S^T and dP^T per warp */
+#define FA_BWD_DKC (FA_DP / FA_DKV_SPLIT)    /* columns of dK per warp */
+#define FA_BWD_DVC (FA_DVP / FA_DKV_SPLIT)   /* of dV */
 #define FA_LDK FA_SMEM_BWD80_LD(FA_DP)  /* row stride, in elements, of the Q and K tiles */
 #define FA_LDV FA_SMEM_BWD80_LD(FA_DVP) /* of the dO and V tiles */
-#define FA_LDS FA_SMEM_BWD80_LD(FA_BM)  /* of the dS^T tile [FA_BN][FA_BM] */
+#define FA_LDS FA_SMEM_BWD80_LD(FA_BM)  /* of the dS^T (and P^T) tiles [FA_BN][FA_BM] */
 
 /* dQ = dS K: each warp computes FA_QRW rows x FA_QCOLS columns of the FA_BM x FA_DP tile, FA_QC
  * columns at a time (at most 32 accumulators per thread: the dQ step runs beside dK and dV's
@@ -85,12 +100,21 @@
 #endif
 #define FA_QWM (FA_BM / FA_QRW) /* warps along the rows of dQ */
 #define FA_QCOLS (FA_DP / (FA_NWARPS / FA_QWM))
+#if FA_DKV_SPLIT > 1
+/* dK and dV take half the registers: up to 48 columns, a divisor of FA_QCOLS (48 at d 192). */
+#define FA_QC (FA_QCOLS % 48 == 0 ? 48 : FA_QCOLS % 32 == 0 ? 32 : 16)
+#else
 #define FA_QC (FA_QCOLS < 1024 / FA_QRW ? FA_QCOLS : 1024 / FA_QRW)
-
-#if FA_BN != 16 * FA_NWARPS || FA_BM % 16 != 0 || FA_NWARPS % FA_QWM != 0
-#error "each warp owns 16 keys of the block; the query tile is a multiple of 16 rows"
 #endif
-#if FA_DP % 16 != 0 || FA_DVP % 16 != 0 || FA_QCOLS % FA_QC != 0 || FA_QC % 16 != 0
+
+#if FA_BN != 16 * FA_KW || FA_KW * FA_DKV_SPLIT != FA_NWARPS || FA_BWD_QW % 16 != 0 ||        \
+    FA_NWARPS % FA_QWM != 0
+#error "each warp owns 16 keys of the block; the query tile is a multiple of 16 rows per warp"
+#endif
+#if FA_DKV_SPLIT != 1 && FA_DKV_SPLIT != 2
+#error "FA_DKV_SPLIT is 1 or 2"
+#endif
+#if FA_BWD_DKC % 16 != 0 || FA_BWD_DVC % 16 != 0 || FA_QCOLS % FA_QC != 0 || FA_QC % 16 != 0
 #error "head dims must be multiples of the mma shape"
 #endif
 #if FA_QSTAGES != 1 && FA_QSTAGES != 2
@@ -99,26 +123,56 @@
 #if FA_BM / 2 > FA_THREADS
 #error "the lse and D copies take one thread per 4 rows each"
 #endif
-#if FA_THREADS % (FA_DP / 8) != 0 || FA_THREADS % (FA_DVP / 8) != 0 ||                        \
-    FA_BM % (FA_THREADS / (FA_DP / 8)) != 0 || FA_BM % (FA_THREADS / (FA_DVP / 8)) != 0
-#error "tile copies: a thread owns one column chunk of whole row steps (fa_bwd_tile_load)"
-#endif
 
 #include "fa_bwd_common.cuh"
+
+/* The most cp.async chunks per thread a tile copy issues unrolled (fa_bwd_tile_load): beside
+ * the split kernels' wider accumulators, fewer. */
+#define FA_UNROLLED_CHUNKS (FA_DKV_SPLIT > 1 ? 4 : 8)
+
+#if FA_VEC
+/* Chunk i (16 bytes) of fa_bwd_tile_load's tile: row i / cpr, column chunk i % cpr. */
+FA_DEV void fa_bwd_chunk_load(fa_u16 *tile, int ld, const fa_u16 *src, fa_i64 rs, int nrows,
+                              int ncols, int cpr, int i)
+{
+    const int r = i / cpr, c = i - r * cpr;
+    const int ok = c * 8 < ncols && r < nrows;
+    fa_cp_async16(fa_smem_addr(tile) + (r * ld + c * 8) * 2,
+                  ok ? (const void *)(src + r * rs + c * 8) : src, ok ? 16 : 0);
+}
+#endif
 
 /* Copies rows [0, rows) x columns [0, ncols) of a global slice (row stride rs; row 0 must
  * exist) into a shared tile of row stride ld (elements) at `tile`, zero-filling rows >= nrows
  * and columns past ncols up to cols (the padded width). With FA_VEC the copies are cp.async in
- * 16-byte chunks (committed by the caller): a thread owns one column chunk and rows r0, r0 +
- * step, ... (cols / 8 divides FA_THREADS, and step = FA_THREADS / (cols / 8) divides rows), so
- * its addresses are one base plus constants. A zero-length copy writes a zero chunk and reads
- * nothing (its source is the slice's first element, which exists). Without FA_VEC, plain loads
- * and stores. */
+ * 16-byte chunks (committed by the caller): where cols / 8 divides FA_THREADS and step =
+ * FA_THREADS / (cols / 8) divides rows into at most FA_UNROLLED_CHUNKS steps, a thread owns one
+ * column chunk and rows r0, r0 + step, ..., so its addresses are one base plus constants;
+ * otherwise chunk i of the tile goes to thread i % FA_THREADS (cols 192), in a rolled loop past
+ * FA_UNROLLED_CHUNKS chunks a thread (whose unrolled addresses ptxas kept in registers over the
+ * main loop: spills at head dim 256 with 2 warps).
+ * A zero-length copy writes a zero chunk and reads nothing (its source is the slice's first
+ * element, which exists). Without FA_VEC, plain loads and stores. */
 FA_DEV void fa_bwd_tile_load(fa_u16 *tile, int ld, const fa_u16 *src, fa_i64 rs, int nrows,
                              int ncols, int rows, int cols)
 {
 #if FA_VEC
     const int cpr = cols / 8, step = FA_THREADS / cpr;
+    const int per_thread = (rows * cpr + FA_THREADS - 1) / FA_THREADS;
+    if (FA_THREADS % cpr != 0 || rows % step != 0 || per_thread > FA_UNROLLED_CHUNKS) {
+        if (per_thread <= FA_UNROLLED_CHUNKS) {
+#pragma unroll
+            for (int j = 0; j < per_thread; j++)
+                if (threadIdx.x + j * FA_THREADS < rows * cpr)
+                    fa_bwd_chunk_load(tile, ld, src, rs, nrows, ncols, cpr,
+                                      threadIdx.x + j * FA_THREADS);
+        } else {
+#pragma unroll 1
+            for (int i = threadIdx.x; i < rows * cpr; i += FA_THREADS)
+                fa_bwd_chunk_load(tile, ld, src, rs, nrows, ncols, cpr, i);
+        }
+        return;
+    }
     const int c = threadIdx.x % cpr, r0 = threadIdx.x / cpr;
     const int col_ok = c * 8 < ncols;
     const fa_u32 dst = fa_smem_addr(tile) + (r0 * ld + c * 8) * 2;
@@ -173,11 +227,59 @@ FA_DEV fa_seq fa_bwd_lens_seq(const volatile int *l)
     return s;
 }
 #endif
-/* The per-tile inputs of the probabilities step, shared by its masked and unmasked forms. */
+/* A C-fragment pair (n-tiles 2kk, 2kk + 1 of a warp's 16 keys, packed as an A fragment: x[0],
+ * x[2] rows g, x[1], x[3] rows g + 8) into a [key][query] tile of 16-bit elements, at p = row g,
+ * column 16 kk + 2t of the warp's keys: pairs of adjacent queries. */
+FA_DEV void fa_bwd_frag_put(fa_u16 *p, const fa_u32 x[4])
+{
+    fa_u32 *d0 = (fa_u32 *)p;
+    d0[0] = x[0];
+    d0[4 * FA_LDS] = x[1]; /* 8 rows down: 8 * FA_LDS / 2 words */
+    d0[4] = x[2];          /* 8 columns right */
+    d0[4 * FA_LDS + 4] = x[3];
+}
+
+/* The C fragments of n-tiles 2kk, 2kk + 1 of P Z (st) and dS (dpt), queries 16kk .. 16kk + 15 of
+ * the warp's part, packed as A fragments of the k-step over those queries. */
+FA_DEV void fa_bwd_frag_pack(const float st[][4], const float dpt[][4], int kk, fa_u32 pa[4],
+                             fa_u32 da[4])
+{
+    pa[0] = fa_pack2(st[2 * kk][0], st[2 * kk][1]);
+    pa[1] = fa_pack2(st[2 * kk][2], st[2 * kk][3]);
+    pa[2] = fa_pack2(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+    pa[3] = fa_pack2(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+    da[0] = fa_pack2(dpt[2 * kk][0], dpt[2 * kk][1]);
+    da[1] = fa_pack2(dpt[2 * kk][2], dpt[2 * kk][3]);
+    da[2] = fa_pack2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+    da[3] = fa_pack2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+}
+
+/* One k-step (16 queries) of dV += (P Z)^T dO and dK += dS^T Q over this warp's columns: pa, da
+ * the A fragments of its 16 keys; dot, qt the ldmatrix .trans addresses of the step's dO and Q
+ * rows at the warp's first column. */
+FA_DEV void fa_bwd_dkdv_step(const fa_u32 pa[4], const fa_u32 da[4], fa_u32 dot, fa_u32 qt,
+                             float dv[][4], float dk[][4])
+{
+#pragma unroll
+    for (int np = 0; np < FA_BWD_DVC / 16; np++) {
+        fa_u32 b[4];
+        fa_ldmatrix_x4_trans(b, dot + np * 32);
+        fa_mma16816(dv[2 * np], pa, b[0], b[1]);
+        fa_mma16816(dv[2 * np + 1], pa, b[2], b[3]);
+    }
+#pragma unroll
+    for (int np = 0; np < FA_BWD_DKC / 16; np++) {
+        fa_u32 b[4];
+        fa_ldmatrix_x4_trans(b, qt + np * 32);
+        fa_mma16816(dk[2 * np], da, b[0], b[1]);
+        fa_mma16816(dk[2 * np + 1], da, b[2], b[3]);
+    }
+}
+
 /* Grid (n_tiles, hk, b), FA_THREADS threads, dynamic shared memory:
  *   Q [FA_QSTAGES][FA_BM][FA_LDK], dO [FA_QSTAGES][FA_BM][FA_LDV], K [FA_BN][FA_LDK],
- *   V [FA_BN][FA_LDV], dS^T [FA_BN][FA_LDS] (16-bit), lse * log2(e) [FA_QSTAGES][FA_BM],
- *   D [FA_QSTAGES][FA_BM] (fp32). */
+ *   V [FA_BN][FA_LDV], dS^T [FA_BN][FA_LDS], with FA_DKV_SPLIT P^T [FA_BN][FA_LDS] (16-bit),
+ *   lse * log2(e) [FA_QSTAGES][FA_BM], D [FA_QSTAGES][FA_BM] (fp32). */
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkparams bp)
 {
     const fa_kparams *kp = &bp.f;
@@ -187,7 +289,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     fa_u16 *const s_k = s_do + FA_QSTAGES * FA_BM * FA_LDV;
     fa_u16 *const s_v = s_k + FA_BN * FA_LDK;
     fa_u16 *const s_ds = s_v + FA_BN * FA_LDV;
+#if FA_DKV_SPLIT > 1
+    fa_u16 *const s_pt = s_ds + FA_BN * FA_LDS;
+    float *const s_lse = (float *)(s_pt + FA_BN * FA_LDS);
+#else
     float *const s_lse = (float *)(s_ds + FA_BN * FA_LDS);
+#endif
     float *const s_dsum = s_lse + FA_QSTAGES * FA_BM;
     const fa_u32 q_a = fa_smem_addr(s_q), do_a = fa_smem_addr(s_do), k_a = fa_smem_addr(s_k);
     const fa_u32 v_a = fa_smem_addr(s_v), ds_a = fa_smem_addr(s_ds);
@@ -198,6 +305,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     const int hk = blockIdx.y, bi = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
+    /* This warp's 16 keys, and its part of the query tile (S^T, dP^T) and of the columns of dK
+     * and dV. */
+#if FA_DKV_SPLIT > 1
+    const int kw = warp % FA_KW, cw = warp / FA_KW;
+#else
+    const int kw = warp, cw = 0;
+#endif
     const fa_seq seq = fa_bwd_seq(kp, bi);
     const int n0 = nb * FA_BN;
     const int group = kp->h / kp->hk;
@@ -227,20 +341,20 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
      * A operand, row-major [m][k] (K and V rows of this warp's 16 keys): matrices (rows 0-7,
      * k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) = a[0..3]; lane l gives row l % 16 at
      * column 8 * (l / 16). */
-    const fa_u32 ka_ld = k_a + ((16 * warp + (lane & 15)) * FA_LDK + (lane >> 4) * 8) * 2;
-    const fa_u32 va_ld = v_a + ((16 * warp + (lane & 15)) * FA_LDV + (lane >> 4) * 8) * 2;
+    const fa_u32 ka_ld = k_a + ((16 * kw + (lane & 15)) * FA_LDK + (lane >> 4) * 8) * 2;
+    const fa_u32 va_ld = v_a + ((16 * kw + (lane & 15)) * FA_LDV + (lane >> 4) * 8) * 2;
     /* B operand stored [n][k] (Q and dO rows are the n = query index of S^T and dP^T): matrices
      * (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) = b0, b1 of n-tile 0,
      * b0, b1 of n-tile 1 (non-transposed: lane receives row g, elements 2t, 2t+1). */
     const int bn_row = (lane & 7) + ((lane >> 4) << 3), bn_col = ((lane >> 3) & 1) * 8;
-    const fa_u32 qb_ld = q_a + (bn_row * FA_LDK + bn_col) * 2;
-    const fa_u32 dob_ld = do_a + (bn_row * FA_LDV + bn_col) * 2;
+    const fa_u32 qb_ld = q_a + ((cw * FA_BWD_QW + bn_row) * FA_LDK + bn_col) * 2;
+    const fa_u32 dob_ld = do_a + ((cw * FA_BWD_QW + bn_row) * FA_LDV + bn_col) * 2;
     /* B operand stored [k][n] (dO and Q for dV/dK, k = query; K for dQ, k = key), read with
      * .trans: matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15) = b0, b1
      * of n-tile 0, b0, b1 of n-tile 1 (lane receives column g, rows 2t, 2t+1). */
     const int kn_row = (lane & 7) + (((lane >> 3) & 1) << 3), kn_col = (lane >> 4) * 8;
-    const fa_u32 dot_ld = do_a + (kn_row * FA_LDV + kn_col) * 2;
-    const fa_u32 qt_ld = q_a + (kn_row * FA_LDK + kn_col) * 2;
+    const fa_u32 dot_ld = do_a + (kn_row * FA_LDV + kn_col + cw * FA_BWD_DVC) * 2;
+    const fa_u32 qt_ld = q_a + (kn_row * FA_LDK + kn_col + cw * FA_BWD_DKC) * 2;
     /* dQ: this warp's FA_QRW rows and FA_QCOLS columns. */
     const int qwm = warp % FA_QWM, qwn = warp / FA_QWM;
     const fa_u32 kt_ld = k_a + (kn_row * FA_LDK + kn_col + qwn * FA_QCOLS) * 2;
@@ -248,21 +362,27 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
      * (k 0-7, m 0-7) = a[0], (k 0-7, m 8-15) = a[1], (k 8-15, m 0-7) = a[2], (k 8-15, m 8-15) =
      * a[3] (lane receives column g = row g of A, rows 2t, 2t+1 = columns 2t, 2t+1 of A). */
     const fa_u32 dsa_ld = ds_a + (bn_row * FA_LDS + FA_QRW * qwm + bn_col) * 2;
+#if FA_DKV_SPLIT > 1
+    /* A operand of dV and dK from P^T and dS^T stored [m = key][k = query], as ka_ld. */
+    const fa_u32 pa_ld =
+        fa_smem_addr(s_pt) + ((16 * kw + (lane & 15)) * FA_LDS + (lane >> 4) * 8) * 2;
+    const fa_u32 dska_ld = ds_a + ((16 * kw + (lane & 15)) * FA_LDS + (lane >> 4) * 8) * 2;
+#endif
 
-    float dk[FA_DP / 8][4], dv[FA_DVP / 8][4];
+    float dk[FA_BWD_DKC / 8][4], dv[FA_BWD_DVC / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < FA_DP / 8; nt++)
+    for (int nt = 0; nt < FA_BWD_DKC / 8; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++)
             dk[nt][e] = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < FA_DVP / 8; nt++)
+    for (int nt = 0; nt < FA_BWD_DVC / 8; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++)
             dv[nt][e] = 0.f;
 
     /* Masking constants of this lane: its first key, and the window as bounds on i - j + sk - sq. */
-    const int key0 = n0 + 16 * warp + g;
+    const int key0 = n0 + 16 * kw + g;
     int wlo, whi;
     fa_bwd_window(kp, &wlo, &whi);
 
@@ -304,11 +424,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 #endif
         const fa_u32 qoff = stage * (FA_BM * FA_LDK * 2), dooff = stage * (FA_BM * FA_LDV * 2);
 
-        /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x FA_BM queries. C layout:
-         * st[nt][e] is key 16 warp + g + 8 (e / 2), query 8 nt + 2t + (e % 2). */
-        float st[FA_BM / 8][4], dpt[FA_BM / 8][4];
+        /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x FA_BWD_QW queries. C layout:
+         * st[nt][e] is key 16 kw + g + 8 (e / 2), query cw FA_BWD_QW + 8 nt + 2t + (e % 2). */
+        float st[FA_BWD_QW / 8][4], dpt[FA_BWD_QW / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < FA_BM / 8; nt++)
+        for (int nt = 0; nt < FA_BWD_QW / 8; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 st[nt][e] = 0.f;
@@ -319,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
             fa_u32 a[4];
             fa_ldmatrix_x4(a, ka_ld + ks * 32);
 #pragma unroll
-            for (int np = 0; np < FA_BM / 16; np++) {
+            for (int np = 0; np < FA_BWD_QW / 16; np++) {
                 fa_u32 b[4];
                 fa_ldmatrix_x4(b, qb_ld + qoff + np * 16 * FA_LDK * 2 + ks * 32);
                 fa_mma16816(st[2 * np], a, b[0], b[1]);
@@ -331,7 +451,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
             fa_u32 a[4];
             fa_ldmatrix_x4(a, va_ld + ks * 32);
 #pragma unroll
-            for (int np = 0; np < FA_BM / 16; np++) {
+            for (int np = 0; np < FA_BWD_QW / 16; np++) {
                 fa_u32 b[4];
                 fa_ldmatrix_x4(b, dob_ld + dooff + np * 16 * FA_LDV * 2 + ks * 32);
                 fa_mma16816(dpt[2 * np], a, b[0], b[1]);
@@ -340,48 +460,50 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         }
 
         const fa_seq cur = FA_CUR;
-        const fa_bwd_tile tl = fa_bwd_tile_make(kp, &cur, bi, h, m0, key0, t, wlo, whi,
-                                                s_lse + stage * FA_BM, s_dsum + stage * FA_BM);
+        const int mw = cw * FA_BWD_QW; /* this warp's first query in the tile */
+        const fa_bwd_tile tl =
+            fa_bwd_tile_make(kp, &cur, bi, h, m0 + mw, key0, t, wlo, whi,
+                             s_lse + stage * FA_BM + mw, s_dsum + stage * FA_BM + mw);
         const int full = fa_bwd_tile_full(&cur, m0, n0, wlo, whi);
         if (full)
             fa_bwd_probs(kp, &tl, t, st, dpt, 0);
         else
             fa_bwd_probs(kp, &tl, t, st, dpt, 1);
 
+#if FA_DKV_SPLIT > 1
+        /* P Z and dS, transposed, of this warp's keys and queries to shared memory; once every
+         * warp's are there, dV += (P Z)^T dO and dK += dS^T Q over the whole tile for this
+         * warp's keys and columns. */
+#pragma unroll
+        for (int kk = 0; kk < FA_BWD_QW / 16; kk++) {
+            fa_u32 pa[4], da[4];
+            fa_bwd_frag_pack(st, dpt, kk, pa, da);
+            const int at = (16 * kw + g) * FA_LDS + mw + kk * 16 + 2 * t;
+            fa_bwd_frag_put(s_pt + at, pa);
+            fa_bwd_frag_put(s_ds + at, da);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < FA_BM / 16; kk++) {
+            fa_u32 pa[4], da[4];
+            fa_ldmatrix_x4(pa, pa_ld + kk * 32);
+            fa_ldmatrix_x4(da, dska_ld + kk * 32);
+            fa_bwd_dkdv_step(pa, da, dot_ld + dooff + kk * 16 * FA_LDV * 2,
+                             qt_ld + qoff + kk * 16 * FA_LDK * 2, dv, dk);
+        }
+#else
         /* dV += (P Z)^T dO and dK += dS^T Q: the C fragments of n-tiles 2kk, 2kk + 1 (queries
          * 16kk .. 16kk + 15) are the A fragment of k-step kk. */
 #pragma unroll
         for (int kk = 0; kk < FA_BM / 16; kk++) {
             fa_u32 pa[4], da[4];
-            pa[0] = fa_pack2(st[2 * kk][0], st[2 * kk][1]);
-            pa[1] = fa_pack2(st[2 * kk][2], st[2 * kk][3]);
-            pa[2] = fa_pack2(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-            pa[3] = fa_pack2(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-            da[0] = fa_pack2(dpt[2 * kk][0], dpt[2 * kk][1]);
-            da[1] = fa_pack2(dpt[2 * kk][2], dpt[2 * kk][3]);
-            da[2] = fa_pack2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-            da[3] = fa_pack2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
-#pragma unroll
-            for (int np = 0; np < FA_DVP / 16; np++) {
-                fa_u32 b[4];
-                fa_ldmatrix_x4_trans(b, dot_ld + dooff + kk * 16 * FA_LDV * 2 + np * 32);
-                fa_mma16816(dv[2 * np], pa, b[0], b[1]);
-                fa_mma16816(dv[2 * np + 1], pa, b[2], b[3]);
-            }
-#pragma unroll
-            for (int np = 0; np < FA_DP / 16; np++) {
-                fa_u32 b[4];
-                fa_ldmatrix_x4_trans(b, qt_ld + qoff + kk * 16 * FA_LDK * 2 + np * 32);
-                fa_mma16816(dk[2 * np], da, b[0], b[1]);
-                fa_mma16816(dk[2 * np + 1], da, b[2], b[3]);
-            }
-            /* dS^T to shared memory for dQ: row key, pairs of adjacent queries. */
-            fa_u32 *d0 = (fa_u32 *)(s_ds + (16 * warp + g) * FA_LDS + kk * 16 + 2 * t);
-            d0[0] = da[0];
-            d0[4 * FA_LDS] = da[1]; /* 8 rows down: 8 * FA_LDS / 2 words */
-            d0[4] = da[2];          /* 8 columns right */
-            d0[4 * FA_LDS + 4] = da[3];
+            fa_bwd_frag_pack(st, dpt, kk, pa, da);
+            fa_bwd_dkdv_step(pa, da, dot_ld + dooff + kk * 16 * FA_LDV * 2,
+                             qt_ld + qoff + kk * 16 * FA_LDK * 2, dv, dk);
+            /* dS^T to shared memory for dQ. */
+            fa_bwd_frag_put(s_ds + (16 * kw + g) * FA_LDS + kk * 16 + 2 * t, da);
         }
+#endif
         /* dS^T complete; every read of this stage's Q, dO, lse and D is done. */
         __syncthreads();
 #if FA_QSTAGES == 1
@@ -459,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 #undef FA_CUR
     /* K and V copies still in flight when no query tile met the block. */
     fa_cp_async_wait_all();
-    fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, dk, dv);
+    fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, cw, dk, dv);
 }
 
 #include "fa_bwd_rows.cuh"

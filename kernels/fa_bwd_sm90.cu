@@ -653,9 +653,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         if (lane == 0)
             fa_mbar_arrive(kv_empty);
 #if FA_VARLEN
-        fa_bwd_store_dkdv(&bp, bi, hk, key0, t, 0, dk, dv); /* it reads the sequence's keys */
+        fa_bwd_store_dkdv(&bp, bi, hk, key0, t, 0, 0, dk, dv); /* it reads the sequence's keys */
 #else
-        fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, dk, dv);
+        fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, 0, dk, dv);
 #endif
     }
     /* The other warpgroup's last two read barriers, which no later write consumed. */

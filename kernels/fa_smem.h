@@ -24,12 +24,14 @@
      8 * (2 + 4 * (stages)) + 1024)
 
 /* sm80 backward (fa_bwd_sm80.cu): rows padded by 8 elements (bank conflicts); Q [qstages][bm]
- * [dp+8], dO [qstages][bm][dvp+8], K [bn][dp+8], V [bn][dvp+8], dS^T [bn][bm+8], then fp32
- * lse * log2(e) and D [qstages][bm] each. */
+ * [dp+8], dO [qstages][bm][dvp+8], K [bn][dp+8], V [bn][dvp+8], dS^T [bn][bm+8] and, with the
+ * columns of dK and dV split over warps (split > 1), P^T [bn][bm+8]; then fp32 lse * log2(e) and
+ * D [qstages][bm] each. */
 #define FA_SMEM_BWD80_LD(cols) ((cols) + 8)
-#define FA_SMEM_BWD80(bm, bn, dp, dvp, qstages)                                                   \
+#define FA_SMEM_BWD80(bm, bn, dp, dvp, qstages, split)                                            \
     (2 * ((qstages) * (bm) * (FA_SMEM_BWD80_LD(dp) + FA_SMEM_BWD80_LD(dvp)) +                     \
-          (bn) * (FA_SMEM_BWD80_LD(dp) + FA_SMEM_BWD80_LD(dvp)) + (bn) * FA_SMEM_BWD80_LD(bm)) +  \
+          (bn) * (FA_SMEM_BWD80_LD(dp) + FA_SMEM_BWD80_LD(dvp)) +                                 \
+          ((split) > 1 ? 2 : 1) * (bn) * FA_SMEM_BWD80_LD(bm)) +                                  \
      4 * 2 * (qstages) * (bm))
 #define FA_SMEM_BWD80_LENS 16 /* varlen: the sequence's q_start (two ints), sq, sk after them */
 

@@ -34,9 +34,9 @@ fully visible pairs run unmasked.
 Devices. The code is device-neutral: CPU tensors with the gloo backend, CUDA tensors with NCCL
 (one GPU per rank, selected with ``torch.cuda.set_device`` before the first call, as NCCL's
 batched point-to-point operations require). On CUDA tensors the backward is the library's CUDA
-backward (with its limits: dense sm80 family, fp16/bf16, head dims up to 128). A group of one
-rank never communicates: there is no transfer at the last step, and a one-rank ring has only
-that step, so the send to oneself that torch.distributed refuses never happens.
+backward (fp16/bf16). A group of one rank never communicates: there is no transfer at the last
+step, and a one-rank ring has only that step, so the send to oneself that torch.distributed
+refuses never happens.
 tests/gpu/test_ring_cuda.py runs the CUDA path (one NCCL rank, several ranks as threads on one
 GPU, NCCL across GPUs where there are several).
 

@@ -46,9 +46,10 @@ static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p, const fa_plan *plan)
     return w;
 }
 
-/* Asked for without a device: the larger of the layouts of the plan at arch 80 (the padded head
- * dims of every arch, FA_BWD_BM-row query tiles) and of the sm90 family's plan, whose query
- * tiles may be larger. 0 where the backward cannot run the case, with the plan's reason in
+/* Asked for without a device: the largest of the layouts of the plans at arch 80 (the padded
+ * head dims of every arch, FA_BWD_BM-row query tiles) and 86 (the 99 KB parts, whose query tiles
+ * may be smaller: more of them, more ordering counters) and of the sm90 family's plan, whose
+ * query tiles may be larger. 0 where the backward cannot run the case, with the plan's reason in
  * fa_last_error() (the backward refuses it the same way). */
 size_t fa_cuda_backward_workspace_size(const fa_params *p)
 {
@@ -57,6 +58,11 @@ size_t fa_cuda_backward_workspace_size(const fa_params *p)
     if (fa_plan_backward(&key, &plan) != FA_STATUS_OK)
         return 0;
     size_t total = fa_bwd_ws_layout(p, &plan).total;
+    key.arch = 86;
+    if (fa_plan_backward(&key, &plan) == FA_STATUS_OK) {
+        const size_t small = fa_bwd_ws_layout(p, &plan).total;
+        total = small > total ? small : total;
+    }
     key.arch = 90;
     if (fa_plan_backward_sm90(&key, &plan) == FA_STATUS_OK) {
         const size_t sm90 = fa_bwd_ws_layout(p, &plan).total;

@@ -293,8 +293,9 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
  * Backward (kernels/fa_bwd_sm80.cu), one row per largest padded head dim: warps per CTA (each
  * warp owns 16 keys of the key block, so the block is 16 x warps keys) and shared-memory stages
  * of the query tile (2: the next tile's Q and dO load during this one). Query tiles are
- * FA_BWD_BM rows here (the sm90 family's are larger at small head dims): the workspace size is
- * asked for without a device, so fa_cuda_backward.c sizes it for the larger of the two layouts.
+ * FA_BWD_BM rows here but for head dim 256 on the 99 KB parts (the sm90 family's are larger at
+ * small head dims): the workspace size is asked for without a device, so fa_cuda_backward.c
+ * sizes it for the largest of the layouts.
  */
 /* Shared memory per SM of the arch's parts: 228 KB on sm_90 and sm_100, 164 KB on sm_80 and
  * sm_87, 100 KB on the others (sm_86, sm_89, sm_120). */
@@ -308,30 +309,44 @@ int fa_plan_ctas_per_sm(unsigned smem, int sm_bytes) { return sm_bytes / ((int)s
 
 typedef struct fa_bwd_row {
     int dmax, nwarps, qstages;
+    int split; /* FA_DKV_SPLIT: warps sharing each 16 keys, each with a part of dK/dV's columns */
+    int bm;    /* query rows per tile */
 } fa_bwd_row;
 
 /* sm80, sm87, sm90, sm100 (>= 163 KB of shared memory per block): 128-key blocks with 8 warps
  * (FA2's hdim-128 choice on these parts), two query stages; d 128 takes 155 KB. The first
- * increment's configuration, should this one need to be backed out, is {128, 4, 1}. */
-static const fa_bwd_row fa_bwd_rows_big[] = {{128, 8, 2}};
+ * increment's configuration, should this one need to be backed out, is {128, 4, 1, 1, 64}.
+ * Wider heads: 64 x 64 tiles with 8 warps, two per 16 keys (FA2's d 256 tile); two query stages
+ * where they fit (217 KB at d 256 on sm_90), one on sm_80 (151 KB at d 256). */
+static const fa_bwd_row fa_bwd_rows_big[] = {{128, 8, 2, 1, FA_BWD_BM},
+                                             {256, 8, 2, 2, FA_BWD_BM}};
 
-/* The 99 KB parts (sm86, sm89, sm120): d <= 64 as above (91 KB); wider heads the 64-key block
- * with 4 warps and one stage (78 KB). */
-static const fa_bwd_row fa_bwd_rows_small[] = {{64, 8, 2}, {128, 4, 1}};
+/* The 99 KB parts (sm86, sm89, sm120): d <= 64 as above (91 KB); up to 128 the 64-key block
+ * with 4 warps and one stage (78 KB); wider heads a 32-key block of 4 warps, two per 16 keys,
+ * one stage: 64-query tiles up to 192 (85 KB), 32-query ones at 256 (71 KB; with 64 queries a
+ * 16-key block of 2 warps fit, but spilled registers). */
+static const fa_bwd_row fa_bwd_rows_small[] = {{64, 8, 2, 1, FA_BWD_BM},
+                                               {128, 4, 1, 1, FA_BWD_BM},
+                                               {192, 4, 1, 2, FA_BWD_BM},
+                                               {256, 4, 1, 2, 32}};
 
-/* FLASHATTN_BWD_TILE=WARPS,STAGES replaces the row's choice (for tuning with the benchmark;
- * the workspace layout does not depend on it); values the kernel cannot take are ignored, and
- * shared memory the device lacks is refused at launch. */
+/* FLASHATTN_BWD_TILE=WARPS,STAGES[,BM] replaces the row's choice (for tuning with the
+ * benchmark, and for the tests to run another part's tile; BM 32 only where dK/dV are split);
+ * values the kernel cannot take are ignored, shared memory the device lacks is refused at
+ * launch, and a workspace sized for another query tile by fa_attention_backward_workspace_size
+ * is refused as too small. */
 static fa_bwd_row fa_plan_bwd_override(fa_bwd_row row)
 {
     const char *env = getenv("FLASHATTN_BWD_TILE");
-    int nwarps, qstages;
-    if (!env || sscanf(env, "%d,%d", &nwarps, &qstages) != 2)
+    int nwarps, qstages, bm = row.bm;
+    if (!env || sscanf(env, "%d,%d,%d", &nwarps, &qstages, &bm) < 2)
         return row;
-    if ((nwarps != 2 && nwarps != 4 && nwarps != 8) || (qstages != 1 && qstages != 2))
+    if ((nwarps != 2 && nwarps != 4 && nwarps != 8) || (qstages != 1 && qstages != 2) ||
+        nwarps % row.split != 0 || (bm != FA_BWD_BM && (bm != 32 || row.split == 1)))
         return row;
     row.nwarps = nwarps;
     row.qstages = qstages;
+    row.bm = bm;
     return row;
 }
 
@@ -385,10 +400,8 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     FA_TRY(fa_plan_check_arch(key->arch));
     if (key->d < 1 || key->d > FA_BWD_MAX_HEAD_DIM || key->dv < 1 ||
         key->dv > FA_BWD_MAX_HEAD_DIM)
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "head_dim: the CUDA backward supports head dims up to %d so far, got "
-                            "d %d, dv %d (use the CPU backward)",
-                            FA_BWD_MAX_HEAD_DIM, key->d, key->dv);
+        return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
+                            key->dv, FA_BWD_MAX_HEAD_DIM);
     if (fa_plan_bwd_sm90_enabled() && fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
         return FA_STATUS_OK;
     *plan = (fa_plan){0};
@@ -404,13 +417,23 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     size_t ri = 0;
     while (ri + 1 < nrows && dmax > rows[ri].dmax)
         ri++;
-    const fa_bwd_row row = fa_plan_bwd_override(rows[ri]);
-    plan->bm = FA_BWD_BM;
+    fa_bwd_row row = rows[ri];
+    const unsigned lens = (key->features & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0;
+    /* One query stage where two do not fit the part's shared memory. */
+    if (row.qstages == 2 &&
+        fa_plan_ctas_per_sm((unsigned)FA_SMEM_BWD80(row.bm, 16 * row.nwarps / row.split,
+                                                    plan->dp, plan->dvp, 2, row.split) +
+                                lens,
+                            fa_plan_sm_smem(key->arch)) < 1)
+        row.qstages = 1;
+    row = fa_plan_bwd_override(row);
+    plan->bm = row.bm;
     plan->nwarps = row.nwarps;
-    plan->bn = 16 * row.nwarps;
+    plan->bn = 16 * row.nwarps / row.split;
     plan->threads = (unsigned)(32 * row.nwarps);
-    plan->smem = (unsigned)FA_SMEM_BWD80(plan->bm, plan->bn, plan->dp, plan->dvp, row.qstages) +
-                 ((key->features & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0);
+    plan->smem = (unsigned)FA_SMEM_BWD80(plan->bm, plan->bn, plan->dp, plan->dvp, row.qstages,
+                                         row.split) +
+                 lens;
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
@@ -418,6 +441,9 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_NWARPS", plan->nwarps);
     fa_plan_define(plan, "FA_QSTAGES", row.qstages);
+    /* Only split kernels carry the define, so the others keep their JIT keys and code. */
+    if (row.split > 1)
+        fa_plan_define(plan, "FA_DKV_SPLIT", row.split);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
     return FA_STATUS_OK;
 }

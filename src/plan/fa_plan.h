@@ -73,15 +73,16 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan);
 /* Nonzero when the plan routes supported cases to the sm90 family (not FLASHATTN_SM90=0). */
 int fa_plan_sm90_enabled(void);
 
-/* The backward's query rows per tile (kernels/fa_bwd_sm80.cu; keys per CTA come from the plan);
- * the sm90 family takes FA_BWD_BM_SM90_D64 at head dims up to 64. The workspace size
- * (fa_attention_backward_workspace_size) depends on them. */
+/* The backward's query rows per tile (kernels/fa_bwd_sm80.cu; keys per CTA come from the plan;
+ * 32 at head dim 256 on the 99 KB parts); the sm90 family takes FA_BWD_BM_SM90_D64 at head dims
+ * up to 64. The workspace size (fa_attention_backward_workspace_size) depends on them. */
 #define FA_BWD_BM 64
 #define FA_BWD_BM_SM90_D64 128
-#define FA_BWD_MAX_HEAD_DIM 128
+#define FA_BWD_MAX_HEAD_DIM FA_MAX_HEAD_DIM
 
-/* The backward plan for key (fa_bwd_sm80.cu, sm_80 and later, fp16/bf16, d and dv <= 128, dense
- * and varlen layouts); FA_STATUS_UNSUPPORTED with a message for anything else. */
+/* The backward plan for key (fa_bwd_sm80.cu, sm_80 and later, fp16/bf16, d and dv up to
+ * FA_BWD_MAX_HEAD_DIM, dense and varlen layouts); FA_STATUS_UNSUPPORTED with a message for
+ * anything else. */
 fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
 
 /* The sm90 backward's plan for key (fa_bwd_sm90.cu), whatever FLASHATTN_BWD_SM90 says

@@ -6,6 +6,11 @@
  *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the padded head dims of the arch-80 plan
  *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
  *     FA_BWD_BM_SM90_D64 rows, which the workspace size then covers;
+ *   - the backward past head dim 128 and for d != dv: the sm80 family on every arch, its
+ *     dK/dV columns split over two warps per 16 keys exactly where a padded head dim passes 128
+ *     (the d <= 128 plans as before), inside each part's shared memory per block (99 KB on
+ *     sm86/89/120), with the arch-80 plan's padded dims and query tile but for the 99 KB parts'
+ *     32-query tiles at head dim 256, which the workspace size then covers;
  *   - the defines' text, "-DNAME=value" with the plan's numbers;
  *   - a paged decode plan with as many CTAs per SM as the dense one;
  *   - the decode's split count: a count that shortens the longest split, at most the key blocks
@@ -20,6 +25,7 @@
 
 #include "core/fa_params.h"
 #include "cuda/fa_cuda.h"
+#include "fa_smem.h"
 #include "plan/fa_plan.h"
 #include "test_util.h"
 
@@ -122,6 +128,88 @@ static void check_backward(void)
     }
 }
 
+/* Head dims past 128 and d != dv: every (d, dv) of a sample over [1, 256]^2 on each arch. */
+static void check_backward_wide(void)
+{
+    /* The most dynamic shared memory a CTA may have on each arch. */
+    static const struct {
+        int arch, smem;
+    } parts[] = {{80, 163 * 1024}, {86, 99 * 1024}, {89, 99 * 1024}, {90, 227 * 1024},
+                 {120, 99 * 1024}};
+    static const int dims[] = {1, 8, 32, 33, 64, 96, 128, 129, 136, 160, 192, 200, 224, 256};
+    const int ndims = (int)(sizeof dims / sizeof dims[0]);
+    const unsigned features[] = {0, FA_FEATURE_VARLEN | FA_FEATURE_DROPOUT,
+                                 FA_FEATURE_SOFTCAP | FA_FEATURE_UNALIGNED};
+    for (size_t a = 0; a < sizeof parts / sizeof parts[0]; a++)
+        for (int i = 0; i < ndims; i++)
+            for (int j = 0; j < ndims; j++)
+                for (size_t f = 0; f < sizeof features / sizeof features[0]; f++) {
+                    const int arch = parts[a].arch, d = dims[i], dv = dims[j];
+                    const unsigned ft = features[f];
+                    fa_plan plan, ws_plan;
+                    const char *fam = bwd_family(arch, d, dv, ft, &plan);
+                    const int wide = d > 128 || dv > 128;
+                    TU_CHECK(strcmp(fam, "fa_bwd_sm80.cu") == 0 ||
+                                 (!wide && strcmp(fam, "fa_bwd_sm90.cu") == 0),
+                             "arch %d d %d dv %d features %#x: family \"%s\" (%s)", arch, d,
+                             dv, ft, fam, *fam ? "" : fa_last_error());
+                    if (strcmp(fam, "fa_bwd_sm80.cu") != 0)
+                        continue;
+                    const int split = plan_define(&plan, "FA_DKV_SPLIT");
+                    const int qstages = plan_define(&plan, "FA_QSTAGES");
+                    TU_CHECK(split == (plan.dp > 128 || plan.dvp > 128 ? 2 : -1),
+                             "arch %d d %d dv %d: dp %d dvp %d, FA_DKV_SPLIT %d", arch, d, dv,
+                             plan.dp, plan.dvp, split);
+                    TU_CHECK(plan.bn == 16 * plan.nwarps / (split > 0 ? split : 1) &&
+                                 plan.bn == plan_define(&plan, "FA_BN") &&
+                                 (qstages == 1 || qstages == 2),
+                             "arch %d d %d dv %d: bn %d with %d warps, split %d, stages %d",
+                             arch, d, dv, plan.bn, plan.nwarps, split, qstages);
+                    const unsigned smem =
+                        (unsigned)FA_SMEM_BWD80(plan.bm, plan.bn, plan.dp, plan.dvp, qstages,
+                                                split) +
+                        ((ft & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0);
+                    TU_CHECK(plan.smem == smem && (int)plan.smem <= parts[a].smem,
+                             "arch %d d %d dv %d: %u bytes of shared memory (layout %u), the "
+                             "part gives %d",
+                             arch, d, dv, plan.smem, smem, parts[a].smem);
+                    /* Two stages wherever they fit (d 256 on sm_90, not on sm_80). */
+                    if (wide && qstages == 1 && (arch == 80 || arch == 90))
+                        TU_CHECK(FA_SMEM_BWD80(plan.bm, plan.bn, plan.dp, plan.dvp, 2, split) +
+                                         ((ft & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0) >
+                                     parts[a].smem,
+                                 "arch %d d %d dv %d: one query stage where two fit", arch, d,
+                                 dv);
+                    bwd_family(80, d, dv, ft, &ws_plan);
+                    const int small_256 = parts[a].smem < 100 * 1024 &&
+                                          (plan.dp > 192 || plan.dvp > 192);
+                    TU_CHECK(plan.bm == (small_256 ? 32 : ws_plan.bm) && plan.dp == ws_plan.dp &&
+                                 plan.dvp == ws_plan.dvp,
+                             "arch %d d %d dv %d: bm %d dp %d dvp %d, the workspace's plan bm %d "
+                             "dp %d dvp %d",
+                             arch, d, dv, plan.bm, plan.dp, plan.dvp, ws_plan.bm, ws_plan.dp,
+                             ws_plan.dvp);
+                }
+    fa_plan plan;
+    TU_CHECK(bwd_family(90, 256, 256, 0, &plan)[0] &&
+                 plan_define(&plan, "FA_QSTAGES") == 2 &&
+                 bwd_family(80, 256, 256, 0, &plan)[0] && plan_define(&plan, "FA_QSTAGES") == 1,
+             "d 256: two query stages on sm_90 and one on sm_80 expected");
+    /* Past FA_MAX_HEAD_DIM: refused, naming the argument. */
+    TU_CHECK(!*bwd_family(90, 257, 128, 0, &plan) && strstr(fa_last_error(), "head_dim"),
+             "d 257: \"%s\"", fa_last_error());
+    /* The workspace covers the d 256 layout with 32-row tiles (the 99 KB parts'): b 4, h 16,
+     * 128 queries, each part 256-byte aligned: the fp32 accumulator (8192 rows of 256), D and
+     * lse (8192 rows each), 4 x 16 x 4 tile counters, the item counter; with 64-row tiles the
+     * counters would take 512 bytes fewer. */
+    fa_params p = {0};
+    p.dtype = FA_DTYPE_BF16;
+    p.b = 4, p.h = 16, p.hk = 16, p.d = 256, p.dv = 192, p.max_sq = p.max_sk = 128;
+    const size_t size = fa_cuda_backward_workspace_size(&p);
+    const size_t need = (size_t)4 * 8192 * 256 + 2 * 4 * 8192 + 4 * 4 * 16 * 4 + 256;
+    TU_CHECK(size >= need, "d 256: workspace %zu bytes, the 32-row layout %zu", size, need);
+}
+
 /* Every define of the plans of both families reads "-DNAME=value" with the plan's own numbers
  * where it carries them (the defines are formatted by hand, without snprintf). */
 static void check_defines(void)
@@ -198,6 +286,7 @@ int main(void)
     check_defines();
     check_forward_sm90();
     check_backward();
+    check_backward_wide();
     check_decode_splits();
     check_decode_paged();
     return tu_finish("test_plan");

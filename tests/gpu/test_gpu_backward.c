@@ -14,7 +14,10 @@
  *   varlen (random lengths with an empty sequence, rows of q and k outside every sequence,
  *   seqused_k, max_seqlen above the longest sequence): the same, and exact zeros on the rows
  *   outside every sequence and the keys past seqused_k, as the CPU backward writes them;
- *   an unsupported case (head dim > 128) and a short workspace refused with a message;
+ *   head dims past 128 and d != dv (the sm80 family's dK/dV columns split over two warps per 16
+ *   keys), also on the tiles of the 99 KB parts and sm_80's one query stage (FLASHATTN_BWD_TILE
+ *   picks them on any device: tiled_cases);
+ *   an unsupported case (head dim > 256) and a short workspace refused with a message;
  *   gpu_nan.c's NaN and Inf cases (forward and backward) against the CPU, on each family.
  *   On sm_90 every case runs first with FLASHATTN_BWD_SM90=0 (the sm80 family), then the cases
  *   the sm90 family takes run again with the default plan: every run must take the sm90 family,
@@ -92,6 +95,45 @@ static const bcase cases[] = {
      1, 1, 1},
     {"varlen long dropout causal gqa d64", 3, 4, 2, 700, 900, 64, 64, 1, -1, -1, 0, 0, 0, 0.1, 0,
      1, 1, 0},
+    /* Head dims past 128 and d != dv: FA_DKV_SPLIT kernels (two warps per 16 keys). */
+    {"d256", 2, 4, 4, 200, 230, 256, 256, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"causal gqa d192 sq<sk", 2, 4, 2, 190, 300, 192, 192, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"window d160 padded", 1, 4, 4, 260, 250, 160, 160, 0, 60, 20, 0, 0, 0, 0, 8, 0, 0, 0},
+    {"causal gqa d192 dv128", 2, 8, 2, 257, 257, 192, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"softcap alibi sinks d96 dv256", 1, 4, 2, 150, 190, 96, 256, 0, -1, -1, 30, 1, 1, 0, 0, 0, 0,
+     0},
+    {"dropout causal d256 dv128", 2, 3, 3, 129, 300, 256, 128, 1, -1, -1, 0, 0, 0, 0.17, 0, 0, 0,
+     0},
+    {"mqa unaligned d200 dv140 window", 2, 4, 1, 110, 170, 200, 140, 0, 50, -1, 0, 0, 0, 0, 0, 0,
+     0, 0},
+    {"d32 dv256 causal", 2, 2, 2, 130, 140, 32, 256, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"long causal gqa d256", 1, 4, 2, 700, 800, 256, 256, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"varlen causal gqa d256", 4, 4, 2, 190, 260, 256, 256, 1, -1, -1, 0, 0, 0, 0, 0, 1, 0, 0},
+    {"varlen seqused alibi dropout d192 dv128 slack", 3, 4, 2, 200, 300, 192, 128, 0, -1, -1, 0,
+     1, 0, 0.2, 0, 1, 1, 1},
+    {"varlen window sinks mqa d160 padded", 3, 4, 1, 200, 233, 160, 160, 0, 70, 20, 0, 0, 1, 0, 8,
+     1, 0, 0},
+};
+
+/* Wide heads on the tiles another part's plan picks, through FLASHATTN_BWD_TILE (warps, query
+ * stages, query rows): the 99 KB parts' (4 warps, one stage; 32-row query tiles at d 256) and
+ * sm_80's one stage at 8 warps. */
+static const struct {
+    const char *tile;
+    bcase c;
+} tiled_cases[] = {
+    {"4,1", {"tile 4,1 varlen causal gqa dropout d192", 3, 4, 2, 200, 260, 192, 192, 1, -1, -1, 0,
+             0, 0, 0.15, 0, 1, 1, 0}},
+    {"4,1", {"tile 4,1 window d160 dv128", 2, 4, 4, 150, 210, 160, 128, 0, 40, 10, 0, 0, 0, 0, 0, 0,
+             0, 0}},
+    {"4,1,32", {"tile 4,1,32 alibi window d256", 2, 4, 2, 170, 200, 256, 256, 0, 80, 0, 0, 1, 0, 0,
+                0, 0, 0, 0}},
+    {"4,1,32", {"tile 4,1,32 varlen seqused dropout d256 dv96", 3, 4, 2, 150, 190, 256, 96, 1, -1,
+                -1, 0, 0, 0, 0.1, 0, 1, 1, 1}},
+    {"8,1", {"tile 8,1 causal dropout softcap d256", 2, 4, 4, 220, 240, 256, 256, 1, -1, -1, 20, 0,
+             0, 0.1, 0, 0, 0, 0}},
+    {"8,1", {"tile 8,1 varlen causal d192 dv128", 3, 4, 2, 180, 220, 192, 128, 1, -1, -1, 0, 0, 0,
+             0, 0, 1, 0, 0}},
 };
 
 static int failures;
@@ -375,13 +417,13 @@ static void run_case(const bcase *c, fa_dtype dt)
         gu_buf_free(all[i]);
 }
 
-/* Refusals: head dim over 128, a workspace too small; each with a message. */
+/* Refusals: head dim over FA_MAX_HEAD_DIM, a workspace too small; each with a message. */
 static void run_refusals(void)
 {
-    const bcase cc = {"refusals", 1, 2, 2, 64, 64, 192, 192, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    const bcase cc = {"refusals", 1, 2, 2, 64, 64, 264, 264, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
     const bcase *c = &cc;
     const fa_dtype dt = FA_DTYPE_F16;
-    int64_t qs[4] = {1, 64, 2, 192}, ls[3] = {1, 2, 64};
+    int64_t qs[4] = {1, 64, 2, 264}, ls[3] = {1, 2, 64};
     /* Outputs apart from the inputs and from each other (a call may not alias them); q, k and
      * v share one input buffer, which inputs may. */
     gpu_buf q = gu_buf_new(dt, 4, qs, 0), o = gu_buf_new(dt, 4, qs, 0), g = gu_buf_new(dt, 4, qs, 0);
@@ -398,8 +440,8 @@ static void run_refusals(void)
     b.fwd = &a, b.dout = &g.dev, b.dq = &dq.dev, b.dk = &dk.dev, b.dv = &dv.dev;
     b.workspace = (void *)(uintptr_t)4096; /* never touched: refused first */
     b.workspace_size = (size_t)1 << 40;
-    if (fa_attention_backward(&b) != FA_STATUS_UNSUPPORTED || !strstr(fa_last_error(), "head_dim"))
-        FAIL("d 192: %s", fa_last_error());
+    if (fa_attention_backward(&b) == FA_STATUS_OK || !strstr(fa_last_error(), "head_dim"))
+        FAIL("d 264: %s", fa_last_error());
     /* d 64 views of the same memory: a short workspace. */
     gpu_buf *bufs[6] = {&q, &o, &g, &dq, &dk, &dv};
     fa_tensor v64[6];
@@ -525,6 +567,18 @@ int main(int argc, char **argv)
                 run_case(c, FA_DTYPE_F16);
             if (gu_shard_take(cost))
                 run_case(c, FA_DTYPE_BF16);
+        }
+        for (size_t i = 0; !sm90_pass && i < sizeof tiled_cases / sizeof tiled_cases[0]; i++) {
+            const bcase *c = &tiled_cases[i].c;
+            if (only && !strstr(c->name, only))
+                continue;
+            const double cost = gu_attn_cost(c->b, c->h, c->sq, c->sk, c->d, c->dv, c->causal);
+            setenv("FLASHATTN_BWD_TILE", tiled_cases[i].tile, 1);
+            if (gu_shard_take(cost))
+                run_case(c, FA_DTYPE_F16);
+            if (gu_shard_take(cost))
+                run_case(c, FA_DTYPE_BF16);
+            unsetenv("FLASHATTN_BWD_TILE");
         }
         if (!only && gu_shard_take(gu_attn_cost(2, 2, 200, 200, 128, 128, 0) * 24))
             failures += gpu_nan_checks(1);

@@ -879,7 +879,7 @@ SDPA_CASES = [
     dict(shape=(2, 8, 8, 300, 300, 128), kw=dict(is_causal=True)),
     dict(shape=(1, 8, 2, 200, 200, 64), kw=dict(is_causal=True, enable_gqa=True)),
     dict(shape=(2, 2, 2, 100, 180, 64), kw=dict(scale=0.2)),
-    dict(shape=(1, 4, 4, 128, 128, 256), kw=dict(is_causal=True)),  # backward: torch's
+    dict(shape=(1, 4, 4, 128, 128, 256), kw=dict(is_causal=True)),
 ]
 
 
@@ -888,8 +888,7 @@ SDPA_CASES = [
 def test_sdpa_activation_routes_cuda_to_flashattn(gen, monkeypatch, dtype, case):
     """Registered, never active on import; activated, F.scaled_dot_product_attention on CUDA
     tensors runs flashattn (the spy counts its calls) and matches torch's own flash kernels,
-    layouts included; restored, torch's kernels again. At head dim 256 the backward is
-    torch's (the CUDA backward stops at 128 so far), on flashattn's out and logsumexp."""
+    layouts included; restored, torch's kernels again."""
     from flashattn import _sdpa
     import torch.nn.attention as attention
 

@@ -220,19 +220,6 @@ def pytest_report_header(config):
 
 # ---------------------------------------------------------------- intended differences
 
-# FA_BWD_MAX_HEAD_DIM in src/plan: the CUDA backward refuses larger head dims (README).
-CUDA_BWD_MAX_HEAD_DIM = 128
-
-# The upstream tests whose cases run the backward (test_flash_attn_varlen_causal: not with a
-# paged cache).
-_BACKWARD_TESTS = {
-    "test_flash_attn_qkvpacked", "test_flash_attn_varlen_qkvpacked", "test_flash_attn_output",
-    "test_flash_attn_varlen_output", "test_flash_attn_causal", "test_flash_attn_varlen_causal",
-    "test_flash_attn_splitkv", "test_flash_attn_race_condition", "test_flash_attn_deterministic",
-    "test_flash_attn_varlen_deterministic",
-}
-
-
 # Cases whose dropout fraction misses upstream's tolerance (0.01 of dropout_p; 0.025 or 0.04
 # with a window) by chance: the mask is ours (Philox over seed, offset, batch, head, row and
 # column; README), so a given seed drops other elements than upstream's, and over the few
@@ -256,10 +243,6 @@ def _difference(name, params, case_id):
     if case_id in _DROPOUT_FRACTION_CASES["cpu" if ON_CPU else "cuda"]:
         return _xfail(AssertionError, "dropout mask: ours, not upstream's; this case's dropped "
                       "fraction misses upstream's tolerance by chance")
-    backward = name in _BACKWARD_TESTS and params.get("paged_kv_block_size") is None
-    if not ON_CPU and backward and params.get("d", 0) > CUDA_BWD_MAX_HEAD_DIM:
-        return _xfail(flashattn.FlashAttnError, "the CUDA backward refuses head dims above %d "
-                      "so far" % CUDA_BWD_MAX_HEAD_DIM)
     return None
 
 
