@@ -7,6 +7,24 @@
 
 const fa_cuda_driver *gu_drv;
 
+int gu_start(const char *test, uint64_t seed)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (fa_cuda_device_count() == 0) {
+        printf("%s: skipped, no usable CUDA device\n%s\n", test, fa_cuda_status());
+        return 77;
+    }
+    gu_drv = fa_cuda_driver_get();
+    gu_seed(seed);
+    fa_cu_context ctx;
+    int pushed;
+    if (fa_cuda_context_enter(0, &ctx, &pushed) != FA_STATUS_OK) {
+        fprintf(stderr, "%s: no context: %s\n", test, fa_last_error());
+        return 1;
+    }
+    return 0;
+}
+
 static uint64_t gu_state;
 
 void gu_seed(uint64_t seed) { gu_state = seed; }

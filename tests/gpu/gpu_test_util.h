@@ -25,6 +25,11 @@ extern const fa_cuda_driver *gu_drv;
         }                                                                                        \
     } while (0)
 
+/* The start of a GPU test's main: stdout line-buffered (progress survives a timeout), gu_drv
+ * set, the generator seeded and device 0's context made current. Returns 0, or the status the
+ * test should exit with: 77 (skipped) without a usable device, 1 without a context. */
+int gu_start(const char *test, uint64_t seed);
+
 /* Uniform in [lo, hi) from a splitmix64 stream; gu_seed restarts it. */
 void gu_seed(uint64_t seed);
 double gu_uniform(double lo, double hi);

@@ -531,19 +531,9 @@ static int run_bench(void)
 
 int main(int argc, char **argv)
 {
-    setvbuf(stdout, NULL, _IOLBF, 0); /* progress survives a timeout */
-    if (fa_cuda_device_count() == 0) {
-        printf("test_gpu_backward: skipped, no usable CUDA device\n%s\n", fa_cuda_status());
-        return 77;
-    }
-    gu_drv = fa_cuda_driver_get();
-    gu_seed(0x2468ace013579bdfull);
-    fa_cu_context ctx;
-    int pushed;
-    if (fa_cuda_context_enter(0, &ctx, &pushed) != FA_STATUS_OK) {
-        fprintf(stderr, "no context: %s\n", fa_last_error());
-        return 1;
-    }
+    const int start = gu_start("test_gpu_backward", 0x2468ace013579bdfull);
+    if (start != 0)
+        return start;
     if (argc > 1 && strcmp(argv[1], "--bench") == 0)
         return run_bench();
     const char *only = argc > 2 && strcmp(argv[1], "--case") == 0 ? argv[2] : NULL;

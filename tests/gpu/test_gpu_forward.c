@@ -429,18 +429,9 @@ static void run_error_checks(void)
 
 int main(void)
 {
-    if (fa_cuda_device_count() == 0) {
-        printf(FA_TEST_NAME ": skipped, no usable CUDA device\n%s\n", fa_cuda_status());
-        return 77;
-    }
-    gu_drv = fa_cuda_driver_get();
-    gu_seed(0x1234567887654321ull);
-    fa_cu_context ctx;
-    int pushed;
-    if (fa_cuda_context_enter(0, &ctx, &pushed) != FA_STATUS_OK) {
-        fprintf(stderr, "no context: %s\n", fa_last_error());
-        return 1;
-    }
+    const int start = gu_start(FA_TEST_NAME, 0x1234567887654321ull);
+    if (start != 0)
+        return start;
 #ifdef FA_TEST_SM90
     unsetenv("FLASHATTN_SM90");
     int arch = 0, smem = 0;

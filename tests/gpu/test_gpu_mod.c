@@ -413,19 +413,9 @@ static void run_case(const mod_case *c, fa_dtype dt, int corrupt)
 
 int main(void)
 {
-    setvbuf(stdout, NULL, _IOLBF, 0);
-    if (fa_cuda_device_count() == 0) {
-        printf("test_gpu_mod: skipped, no usable CUDA device\n%s\n", fa_cuda_status());
-        return 77;
-    }
-    gu_drv = fa_cuda_driver_get();
-    gu_seed(0x6d6f64677075ull);
-    fa_cu_context ctx;
-    int pushed;
-    if (fa_cuda_context_enter(0, &ctx, &pushed) != FA_STATUS_OK) {
-        fprintf(stderr, "no context: %s\n", fa_last_error());
-        return 1;
-    }
+    const int start = gu_start("test_gpu_mod", 0x6d6f64677075ull);
+    if (start != 0)
+        return start;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         run_case(&cases[i], FA_DTYPE_BF16, 0);
         run_case(&cases[i], FA_DTYPE_F16, 0);
