@@ -11,7 +11,6 @@
 
 #include "core/fa_fp8.h"
 
-typedef uint8_t fa_u8x16 __attribute__((vector_size(16)));
 typedef uint32_t fa_u32x16 __attribute__((vector_size(64)));
 typedef int32_t fa_i32x16 __attribute__((vector_size(64)));
 typedef float fa_f32x16 __attribute__((vector_size(64)));
@@ -21,11 +20,17 @@ typedef float fa_f32x16 __attribute__((vector_size(64)));
 
 /* src[0 .. 16), e4m3 codes when e4m3, else e5m2, as fp32 into *dst (through a pointer: a
  * 64-byte vector passed by value would change the ABI between the builds' targets). */
-static inline __attribute__((always_inline)) void fa_fp8_widen16(fa_f32x16 *dst, const uint8_t *src, int e4m3)
+static inline __attribute__((always_inline)) void fa_fp8_widen16(fa_f32x16 *dst,
+                                                                const uint8_t *src, int e4m3)
 {
-    fa_u8x16 raw;
-    memcpy(&raw, src, sizeof raw);
-    const fa_u32x16 c = __builtin_convertvector(raw, fa_u32x16), mag = c & 0x7fu;
+    /* Widened by a loop over the lanes: gcc 12 compiled __builtin_convertvector from bytes a
+     * lane at a time. */
+    uint32_t lanes[16];
+    for (int l = 0; l < 16; l++)
+        lanes[l] = src[l];
+    fa_u32x16 c;
+    memcpy(&c, lanes, sizeof c);
+    const fa_u32x16 mag = c & 0x7fu;
     /* mbits: mantissa bits; the subnormals m * 2^(1 - bias - mbits) from the integer m */
     const uint32_t mbits = e4m3 ? 3u : 2u, rebias = e4m3 ? 120u << 23 : 112u << 23;
     const float tiny = e4m3 ? 1.0f / 512.0f : 1.0f / 65536.0f;
