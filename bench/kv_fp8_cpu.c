@@ -241,6 +241,7 @@ int main(int argc, char **argv)
         return run_time(argc, argv);
     if (argc > 1 && strcmp(argv[1], "hash") == 0)
         return run_hash();
-    fprintf(stderr, "usage: kv_fp8_cpu time B H HK D CONTEXT PAGE [ROUNDS [bf16|fp16|fp32]] | hash\n");
+    fprintf(stderr,
+            "usage: kv_fp8_cpu time B H HK D CONTEXT PAGE [ROUNDS [bf16|fp16|fp32]] | hash\n");
     return 2;
 }
