@@ -510,7 +510,12 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
     const int native = p->kv_dtype == FA_NATIVE;
     const int form = FA_LANES == 16 ? fa_kv_form(p->kv_dtype) : FA_KV_FORM_REAL;
     const int k_native = native && d == dp, v_native = native && dv == dvp;
-    const int k_wide = form != FA_KV_FORM_REAL && d == dp;
+    /* fp8 rows cost more to widen than bf16 rows: in place only where each is widened once a
+     * block (one query row and g = 4: one fa_kv_dots4 and one fa_kv_pv4 per kv head), else
+     * into the tile once for all the runs that read them. */
+    const int fp8_once = g == 4 && sq == 1;
+    const int k_wide = form != FA_KV_FORM_REAL && d == dp &&
+                       (form == FA_KV_FORM_BF16 || fp8_once);
     const size_t es = fa_dtype_size(p->kv_dtype);
     /* With an fp8 cache and an fp16 / bf16 q, P enters P V rounded to fp16, as the GPU's fp16
      * mma takes it whatever q's dtype (the row sums take it unrounded). */
