@@ -21,10 +21,10 @@ static inline int fa_dtype_is_fp8(fa_dtype dt)
 }
 
 /*
- * fp8 -> fp32 without branches, so that a loop over codes vectorises: every code's normal form
- * is computed and the subnormals (m * 2^-bias+1-mbits, converted from the integer m, which a
- * denormals-are-zero mode leaves alone), infinities and NaNs selected; the sign is ORed in last,
- * so a NaN keeps the code's sign as torch gives it.
+ * fp8 -> fp32 without branches, whose outcome on random codes the CPU mispredicted: the normal
+ * rule and the subnormal value (from the integer mantissa, exact and untouched by a
+ * denormals-are-zero mode) both computed, the NaNs and infinities selected; the sign ORed in
+ * last, so a NaN keeps the code's sign as torch gives it.
  */
 static inline float fa_e4m3_to_f32(uint8_t b)
 {

@@ -1,7 +1,8 @@
 /*
- * 16 fp8 codes widened to fp32 at once, in vector registers: the branch-free rule of
- * core/fa_fp8.h written on GCC/clang vectors, which compilers did not derive from the scalar
- * loop. Bit for bit fa_e4m3_to_f32 / fa_e5m2_to_f32 (NaN signs included).
+ * 16 fp8 codes widened to fp32 at once, in vector registers (GCC/clang vectors: compilers
+ * did not vectorise the scalar conversions well), for the CPU decode's fp8 KV caches. Bit for
+ * bit fa_e4m3_to_f32 / fa_e5m2_to_f32 of core/fa_fp8.h, NaN signs included
+ * (test_kvcache_fp8_codes checks every code).
  */
 #ifndef FA_CPU_FP8_VEC_H
 #define FA_CPU_FP8_VEC_H
