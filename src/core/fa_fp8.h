@@ -20,30 +20,28 @@ static inline int fa_dtype_is_fp8(fa_dtype dt)
     return dt == FA_DTYPE_F8E4M3 || dt == FA_DTYPE_F8E5M2;
 }
 
+/*
+ * fp8 -> fp32 without branches, whose outcome on random codes the CPU mispredicted: the normal
+ * rule and the subnormal value (from the integer mantissa, exact and untouched by a
+ * denormals-are-zero mode) both computed, the NaNs and infinities selected; the sign ORed in
+ * last, so a NaN keeps the code's sign as torch gives it.
+ */
 static inline float fa_e4m3_to_f32(uint8_t b)
 {
-    const uint32_t e = (b >> 3) & 15u, m = b & 7u;
-    float v;
-    if (e == 15 && m == 7)
-        v = fa_bits_to_f32(0x7fc00000u);
-    else if (e == 0)
-        v = (float)m * (1.0f / 512.0f); /* subnormal: m * 2^-9 */
-    else
-        v = fa_bits_to_f32(((e + 120u) << 23) | (m << 20)); /* rebias 7 -> 127 */
-    return (b & 0x80u) ? -v : v;
+    const uint32_t mag = b & 0x7fu;
+    const float sub = (float)(mag & 7u) * (1.0f / 512.0f); /* e == 0: m * 2^-9 */
+    uint32_t bits = mag < 8u ? fa_f32_to_bits(sub) : (mag << 20) + (120u << 23); /* bias 7 -> 127 */
+    bits = mag == 0x7fu ? 0x7fc00000u : bits; /* S.1111.111: NaN */
+    return fa_bits_to_f32(bits | (uint32_t)(b & 0x80u) << 24);
 }
 
 static inline float fa_e5m2_to_f32(uint8_t b)
 {
-    const uint32_t e = (b >> 2) & 31u, m = b & 3u;
-    float v;
-    if (e == 31)
-        v = fa_bits_to_f32(m ? 0x7fc00000u : 0x7f800000u);
-    else if (e == 0)
-        v = (float)m * (1.0f / 65536.0f); /* subnormal: m * 2^-16 */
-    else
-        v = fa_bits_to_f32(((e + 112u) << 23) | (m << 21)); /* rebias 15 -> 127 */
-    return (b & 0x80u) ? -v : v;
+    const uint32_t mag = b & 0x7fu;
+    const float sub = (float)(mag & 3u) * (1.0f / 65536.0f); /* e == 0: m * 2^-16 */
+    uint32_t bits = mag < 4u ? fa_f32_to_bits(sub) : (mag << 21) + (112u << 23); /* 15 -> 127 */
+    bits = mag >= 0x7cu ? (mag == 0x7cu ? 0x7f800000u : 0x7fc00000u) : bits; /* e == 31 */
+    return fa_bits_to_f32(bits | (uint32_t)(b & 0x80u) << 24);
 }
 
 /* fp32 -> fp8: the rounding rule of kernels/fa_rules.h, shared with the kernels. */

@@ -109,6 +109,24 @@ static inline int64_t fa_kv_block_keys(const fa_params *p, int64_t nkh)
     return bn;
 }
 
+/* How the cache rows that the fp32 kernels read in place are stored (fa_kv_load_chunk): as
+ * FA_REAL itself, or as bf16 or fp8 codes widened in registers. */
+enum { FA_KV_FORM_REAL, FA_KV_FORM_BF16, FA_KV_FORM_E4M3, FA_KV_FORM_E5M2 };
+
+static inline int fa_kv_form(fa_dtype dtype)
+{
+    switch (dtype) {
+    case FA_DTYPE_BF16:
+        return FA_KV_FORM_BF16;
+    case FA_DTYPE_F8E4M3:
+        return FA_KV_FORM_E4M3;
+    case FA_DTYPE_F8E5M2:
+        return FA_KV_FORM_E5M2;
+    default:
+        return FA_KV_FORM_REAL;
+    }
+}
+
 #define FA_REAL float
 #define FA_FN(name) name##_f32
 #define FA_NATIVE FA_DTYPE_F32

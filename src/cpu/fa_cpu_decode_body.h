@@ -1,14 +1,14 @@
 /*
  * The KV-cache kernels for one compute precision: the in-place append (with rotary) and the
  * attention of one work item. fa_cpu_decode.c includes this file twice, with FA_REAL float
- * (fp32, fp16, bf16 caches) and double (fp64).
+ * (fp32, fp16, bf16, fp8 caches) and double (fp64).
  *
  * Needs: FA_REAL, FA_FN(name), FA_NATIVE (the fa_dtype that is FA_REAL), FA_GEMM
  * (fa_cpu_gemm_f32's signature for FA_REAL), FA_EXP, FA_EXP_LOOP (an exp the compiler
  * vectorises in a loop, for x <= 0), FA_TANH, FA_LOG, FA_LANES (8 or 16 partial sums of a dot
  * product, a multiple of the SIMD width, so that the dot loop vectorises without reassociating
- * a sum), FA_KV_BM, FA_KV_BN, FA_KV_PREFETCH, fa_kv_item, fa_kv_seq_get, fa_kv_block_keys, and fa_cpu_rows.h
- * included for this precision.
+ * a sum), FA_KV_BM, FA_KV_BN, FA_KV_PREFETCH, fa_kv_item, fa_kv_seq_get, fa_kv_block_keys,
+ * fa_kv_form (FA_KV_FORM_*), and fa_cpu_rows.h included for this precision.
  */
 
 /* One thread's buffers. dp and dvp are d and dv rounded up to FA_LANES; padding stays zero. */
@@ -174,16 +174,20 @@ FA_CPU_INLINE void FA_FN(fa_kv_fold16)(const FA_FN(fa_kv_vec) * v, FA_FN(fa_kv_v
 }
 #endif
 
-/* Elements [at, at + FA_LANES) of the rows k into x: FA_REAL, or bf16 (fp32 builds only)
- * widened in registers, which is exact, so a result does not depend on where its rows came
- * from. */
+/* Elements [at, at + FA_LANES) of the rows k into x, stored as form (fa_kv_form): FA_REAL, or
+ * bf16 or fp8 (fp32 builds only) widened in registers, which is exact, so a result does not
+ * depend on where its rows came from. */
 FA_CPU_INLINE void FA_FN(fa_kv_load_chunk)(FA_FN(fa_kv_vec) * x, const void *k, int64_t at,
-                                           int bf16)
+                                           int form)
 {
-    if (bf16) {
+    if (form == FA_KV_FORM_BF16) {
         const uint16_t *src = (const uint16_t *)k + at;
         for (int l = 0; l < FA_LANES; l++)
             (*x)[l] = (FA_REAL)fa_bf16_to_f32(src[l]);
+#if FA_LANES == 16
+    } else if (form == FA_KV_FORM_E4M3 || form == FA_KV_FORM_E5M2) {
+        fa_fp8_widen16(x, (const uint8_t *)k + at, form == FA_KV_FORM_E4M3);
+#endif
     } else {
         memcpy(x, (const FA_REAL *)k + at, sizeof *x);
     }
@@ -195,15 +199,15 @@ FA_CPU_INLINE void FA_FN(fa_kv_load_chunk)(FA_FN(fa_kv_vec) * x, const void *k, 
  * compilers reduced them one scalar at a time, which cost more than the products.
  */
 FA_CPU_INLINE FA_REAL FA_FN(fa_kv_dot)(const FA_REAL *restrict q, const void *k, int64_t k0,
-                                       int64_t dp, int bf16)
+                                       int64_t dp, int form)
 {
     FA_FN(fa_kv_vec) acc, x, y;
     memcpy(&y, q, sizeof y);
-    FA_FN(fa_kv_load_chunk)(&x, k, k0, bf16);
+    FA_FN(fa_kv_load_chunk)(&x, k, k0, form);
     acc = x * y;
     for (int64_t c = FA_LANES; c < dp; c += FA_LANES) {
         memcpy(&y, q + c, sizeof y);
-        FA_FN(fa_kv_load_chunk)(&x, k, k0 + c, bf16);
+        FA_FN(fa_kv_load_chunk)(&x, k, k0 + c, form);
         acc += x * y;
     }
     return FA_FN(fa_kv_fold)(&acc);
@@ -211,14 +215,14 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_kv_dot)(const FA_REAL *restrict q, const void *k,
 
 /*
  * Scores of 4 query heads that share a kv head (q: 4 rows of dp, row stride dp) against keys
- * [a, b) (key j at element k0 + j * k_js of k, FA_REAL or bf16), into s (row stride
+ * [a, b) (key j at element k0 + j * k_js of k, stored as form), into s (row stride
  * FA_KV_BN): each key row is read once for the 4 heads, four or two keys at a time, instead of
  * once per head. Per (key, head) the products are summed lane-wise in feature order and folded
  * as fa_kv_dot does.
  */
 FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const void *k, int64_t k0,
                                       int64_t k_js, int64_t a, int64_t b, int64_t dp,
-                                      FA_REAL *restrict s, int bf16)
+                                      FA_REAL *restrict s, int form)
 {
     int64_t j = a;
 #if FA_LANES == 16
@@ -230,7 +234,7 @@ FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const void *k, 
             acc[u] = (FA_FN(fa_kv_vec)){0};
         for (int64_t c = 0; c < dp; c += FA_LANES) {
             for (int t = 0; t < 4; t++)
-                FA_FN(fa_kv_load_chunk)(&x[t], k, k0 + (j + t) * k_js + c, bf16);
+                FA_FN(fa_kv_load_chunk)(&x[t], k, k0 + (j + t) * k_js + c, form);
             for (int h = 0; h < 4; h++) {
                 memcpy(&y, q + h * dp + c, sizeof y);
                 for (int t = 0; t < 4; t++)
@@ -249,8 +253,8 @@ FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const void *k, 
             for (int t = 0; t < 2; t++)
                 acc[t][h] = (FA_FN(fa_kv_vec)){0};
         for (int64_t c = 0; c < dp; c += FA_LANES) {
-            FA_FN(fa_kv_load_chunk)(&x0, k, k0 + j * k_js + c, bf16);
-            FA_FN(fa_kv_load_chunk)(&x1, k, k0 + (j + 1) * k_js + c, bf16);
+            FA_FN(fa_kv_load_chunk)(&x0, k, k0 + j * k_js + c, form);
+            FA_FN(fa_kv_load_chunk)(&x1, k, k0 + (j + 1) * k_js + c, form);
             for (int h = 0; h < 4; h++) {
                 memcpy(&y, q + h * dp + c, sizeof y);
                 acc[0][h] += x0 * y;
@@ -264,35 +268,35 @@ FA_CPU_INLINE void FA_FN(fa_kv_dots4)(const FA_REAL *restrict q, const void *k, 
     }
     for (; j < b; j++)
         for (int h = 0; h < 4; h++)
-            s[h * FA_KV_BN + j] = FA_FN(fa_kv_dot)(q + h * dp, k, k0 + j * k_js, dp, bf16);
+            s[h * FA_KV_BN + j] = FA_FN(fa_kv_dot)(q + h * dp, k, k0 + j * k_js, dp, form);
 }
 
 /* The scores of packed rows [i, i1), which share kv head e and keys [a, b) of the block, as
- * fa_kv_dots4 computes them (bf16 a constant at each call, so that each variant is compiled
+ * fa_kv_dots4 computes them (form a constant at each call, so that each variant is compiled
  * without the test). */
 FA_CPU_INLINE void FA_FN(fa_kv_run_scores)(FA_FN(fa_kv_tile) * t, int64_t i, int64_t i1,
                                            const void *k, int64_t k0, int64_t k_js, int64_t a,
-                                           int64_t b, int64_t dp, int bf16)
+                                           int64_t b, int64_t dp, int form)
 {
     int64_t x = i;
     for (; x + 4 <= i1; x += 4)
-        FA_FN(fa_kv_dots4)(t->q + x * dp, k, k0, k_js, a, b, dp, t->s + x * FA_KV_BN, bf16);
+        FA_FN(fa_kv_dots4)(t->q + x * dp, k, k0, k_js, a, b, dp, t->s + x * FA_KV_BN, form);
     for (; x < i1; x++)
         for (int64_t j = a; j < b; j++)
-            t->s[x * FA_KV_BN + j] = FA_FN(fa_kv_dot)(t->q + x * dp, k, k0 + j * k_js, dp, bf16);
+            t->s[x * FA_KV_BN + j] = FA_FN(fa_kv_dot)(t->q + x * dp, k, k0 + j * k_js, dp, form);
 }
 
 /*
  * O += P V for 4 packed rows (o, pr: row strides ldo, ldp) over keys [a, b) of value rows read
- * in place (key j at element v0 + j * v_js of v, FA_REAL or bf16), dvp a multiple of
+ * in place (key j at element v0 + j * v_js of v, stored as form), dvp a multiple of
  * 4 * FA_LANES: each stripe of 4 vectors of the 4 rows stays in 16 registers across the keys,
  * key by key as the P V micro-kernel goes. Inlined, it beats a call to the micro-kernel on
- * these short products (4 rows, 16 keys), and bf16 values are widened in registers instead of
- * converted into the tile first.
+ * these short products (4 rows, 16 keys), and bf16 or fp8 values are widened in registers
+ * instead of converted into the tile first.
  */
 FA_CPU_INLINE void FA_FN(fa_kv_pv4)(FA_REAL *o, int64_t ldo, const FA_REAL *pr, int64_t ldp,
                                     const void *v, int64_t v0, int64_t v_js, int64_t a, int64_t b,
-                                    int64_t dvp, int bf16)
+                                    int64_t dvp, int form)
 {
     for (int64_t c0 = 0; c0 < dvp; c0 += 4 * FA_LANES) {
         FA_FN(fa_kv_vec) acc[4][4], x[4];
@@ -301,7 +305,7 @@ FA_CPU_INLINE void FA_FN(fa_kv_pv4)(FA_REAL *o, int64_t ldo, const FA_REAL *pr, 
                 memcpy(&acc[r][u], o + r * ldo + c0 + u * FA_LANES, sizeof acc[r][u]);
         for (int64_t j = a; j < b; j++) {
             for (int u = 0; u < 4; u++)
-                FA_FN(fa_kv_load_chunk)(&x[u], v, v0 + j * v_js + c0 + u * FA_LANES, bf16);
+                FA_FN(fa_kv_load_chunk)(&x[u], v, v0 + j * v_js + c0 + u * FA_LANES, form);
             for (int r = 0; r < 4; r++) {
                 const FA_REAL pj = pr[r * ldp + j];
                 for (int u = 0; u < 4; u++)
@@ -312,6 +316,36 @@ FA_CPU_INLINE void FA_FN(fa_kv_pv4)(FA_REAL *o, int64_t ldo, const FA_REAL *pr, 
             for (int u = 0; u < 4; u++)
                 memcpy(o + r * ldo + c0 + u * FA_LANES, &acc[r][u], sizeof acc[r][u]);
     }
+}
+
+/* fa_kv_run_scores and fa_kv_pv4 for rows stored as form, a constant in each call below, so
+ * that each variant is compiled without the tests of the form. */
+FA_CPU_INLINE void FA_FN(fa_kv_run_scores_as)(FA_FN(fa_kv_tile) * t, int64_t i, int64_t i1,
+                                              const void *k, int64_t k0, int64_t k_js, int64_t a,
+                                              int64_t b, int64_t dp, int form)
+{
+    if (form == FA_KV_FORM_BF16)
+        FA_FN(fa_kv_run_scores)(t, i, i1, k, k0, k_js, a, b, dp, FA_KV_FORM_BF16);
+    else if (form == FA_KV_FORM_E4M3)
+        FA_FN(fa_kv_run_scores)(t, i, i1, k, k0, k_js, a, b, dp, FA_KV_FORM_E4M3);
+    else if (form == FA_KV_FORM_E5M2)
+        FA_FN(fa_kv_run_scores)(t, i, i1, k, k0, k_js, a, b, dp, FA_KV_FORM_E5M2);
+    else
+        FA_FN(fa_kv_run_scores)(t, i, i1, k, k0, k_js, a, b, dp, FA_KV_FORM_REAL);
+}
+
+FA_CPU_INLINE void FA_FN(fa_kv_pv4_as)(FA_REAL *o, int64_t ldo, const FA_REAL *pr, int64_t ldp,
+                                       const void *v, int64_t v0, int64_t v_js, int64_t a,
+                                       int64_t b, int64_t dvp, int form)
+{
+    if (form == FA_KV_FORM_BF16)
+        FA_FN(fa_kv_pv4)(o, ldo, pr, ldp, v, v0, v_js, a, b, dvp, FA_KV_FORM_BF16);
+    else if (form == FA_KV_FORM_E4M3)
+        FA_FN(fa_kv_pv4)(o, ldo, pr, ldp, v, v0, v_js, a, b, dvp, FA_KV_FORM_E4M3);
+    else if (form == FA_KV_FORM_E5M2)
+        FA_FN(fa_kv_pv4)(o, ldo, pr, ldp, v, v0, v_js, a, b, dvp, FA_KV_FORM_E5M2);
+    else
+        FA_FN(fa_kv_pv4)(o, ldo, pr, ldp, v, v0, v_js, a, b, dvp, FA_KV_FORM_REAL);
 }
 
 /* Asks for the cache lines of the key and value rows of heads [kh0, kh0 + nkh) at pos. */
@@ -471,46 +505,47 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
 
     /* Cache rows already in FA_REAL without padding are read in place when a block lies in one
      * page: key j of kv head kh0 + e is at element j * k_js + e * k_es of kb, likewise for
-     * values. So are bf16 key rows in fp32 builds, widened in registers where the scores read
-     * them: a conversion into the tile first would cost more than the products. */
+     * values. So are bf16 and fp8 key rows in fp32 builds, widened in registers where the
+     * scores read them: a conversion into the tile first would cost more than the products. */
     const int native = p->kv_dtype == FA_NATIVE;
+    const int form = FA_LANES == 16 ? fa_kv_form(p->kv_dtype) : FA_KV_FORM_REAL;
     const int k_native = native && d == dp, v_native = native && dv == dvp;
-    const int k_bf16 = FA_LANES == 16 && p->kv_dtype == FA_DTYPE_BF16 && d == dp;
+    /* fp8 rows cost more to widen than bf16 rows: in place only where each is widened once a
+     * block (one query row and g = 4: one fa_kv_dots4 and one fa_kv_pv4 per kv head), else
+     * into the tile once for all the runs that read them. */
+    const int fp8_once = g == 4 && sq == 1;
+    const int k_wide = form != FA_KV_FORM_REAL && d == dp &&
+                       (form == FA_KV_FORM_BF16 || fp8_once);
+    const size_t es = fa_dtype_size(p->kv_dtype);
     /* With an fp8 cache and an fp16 / bf16 q, P enters P V rounded to fp16, as the GPU's fp16
      * mma takes it whatever q's dtype (the row sums take it unrounded). */
     const int p_round = p->kv_dtype != p->dtype &&
                         (p->dtype == FA_DTYPE_F16 || p->dtype == FA_DTYPE_BF16);
     /* Values read in place take fa_kv_pv4 where it applies: runs of packed rows are g long (or
-     * cut at the item's end, a multiple of FA_KV_BM), so g % 4 == 0 makes them fours. bf16
-     * values are read in place only there. */
+     * cut at the item's end, a multiple of FA_KV_BM), so g % 4 == 0 makes them fours. bf16 and
+     * fp8 values are read in place only there. */
     const int pv4 = dvp % (4 * FA_LANES) == 0 && g % 4 == 0;
-    const int v_bf16 = k_bf16 && dv == dvp && pv4;
+    const int v_wide = k_wide && dv == dvp && pv4;
     for (int64_t j0 = lo; j0 < hi; j0 += bn) {
         const int64_t nb = hi - j0 < bn ? hi - j0 : bn;
         const int64_t pos0 = start + j0, page = pos0 / p->page_size;
         const int one_page = page == (pos0 + nb - 1) / p->page_size;
         const int64_t blk = fa_kv_block(p, seq, page), row = pos0 % p->page_size;
-        const void *kb = t->k;
-        const FA_REAL *vb = t->v;
-        const uint16_t *vb16 = NULL;
+        const void *kb = t->k, *vb = t->v;
         int64_t k_js = nkh * dp, k_es = dp, v_js = nkh * dvp, v_es = dvp;
-        const int k_in_place = (k_native || k_bf16) && one_page;
-        const int v_in_place = (v_native || v_bf16) && one_page;
-        const int k16 = k_bf16 && one_page, v16 = v_bf16 && one_page;
+        const int k_in_place = (k_native || k_wide) && one_page;
+        const int v_in_place = (v_native || v_wide) && one_page;
+        /* How the rows the scores and fa_kv_pv4 read are stored: the tile is FA_REAL. */
+        const int k_form = k_wide && one_page ? form : FA_KV_FORM_REAL;
+        const int v_form = v_wide && one_page ? form : FA_KV_FORM_REAL;
         const int v_pv4 = v_in_place && pv4;
         if (k_in_place) {
-            const int64_t at = fa_kv_k_at(p, blk, row, kh0);
-            kb = k16 ? (const void *)((const uint16_t *)p->k + at)
-                     : (const void *)((const FA_REAL *)p->k + at);
+            kb = (const char *)p->k + (ptrdiff_t)fa_kv_k_at(p, blk, row, kh0) * (ptrdiff_t)es;
             k_js = p->k_rstride;
             k_es = p->k_hstride;
         }
         if (v_in_place) {
-            const int64_t at = fa_kv_v_at(p, blk, row, kh0);
-            if (v16)
-                vb16 = (const uint16_t *)p->v + at;
-            else
-                vb = (const FA_REAL *)p->v + at;
+            vb = (const char *)p->v + (ptrdiff_t)fa_kv_v_at(p, blk, row, kh0) * (ptrdiff_t)es;
             v_js = p->v_rstride;
             v_es = p->v_hstride;
         }
@@ -525,10 +560,7 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
             if (stream && row + (FA_KV_PREFETCH_BLOCKS + 1) * bn <= p->page_size &&
                 j0 + (FA_KV_PREFETCH_BLOCKS + 1) * bn <= hi)
                 FA_FN(fa_kv_prefetch_run)(p, blk, row + FA_KV_PREFETCH_BLOCKS * bn, kh0 + e, bn);
-            if (k16)
-                FA_FN(fa_kv_run_scores)(t, i, i1, kb, e * k_es, k_js, a, b, dp, 1);
-            else
-                FA_FN(fa_kv_run_scores)(t, i, i1, kb, e * k_es, k_js, a, b, dp, 0);
+            FA_FN(fa_kv_run_scores_as)(t, i, i1, kb, e * k_es, k_js, a, b, dp, k_form);
         }
         for (int64_t i = 0; i < m; i++) {
             const int64_t r = (p0 + i) / per_row;
@@ -592,17 +624,12 @@ FA_CPU_CLONES static void FA_FN(fa_kv_attend)(const fa_params *p, FA_FN(fa_kv_ti
             i1 = fa_kv_run(p, p0, per_row, g, m, i, sq, n, j0, nb, &e, &a, &b);
             if (a >= b)
                 continue;
-            for (int64_t x = i; v_pv4 && x < i1; x += 4) {
-                if (v16)
-                    FA_FN(fa_kv_pv4)(t->o + x * dvp, dvp, t->s + x * FA_KV_BN, FA_KV_BN, vb16,
-                                     e * v_es, v_js, a, b, dvp, 1);
-                else
-                    FA_FN(fa_kv_pv4)(t->o + x * dvp, dvp, t->s + x * FA_KV_BN, FA_KV_BN, vb,
-                                     e * v_es, v_js, a, b, dvp, 0);
-            }
+            for (int64_t x = i; v_pv4 && x < i1; x += 4)
+                FA_FN(fa_kv_pv4_as)(t->o + x * dvp, dvp, t->s + x * FA_KV_BN, FA_KV_BN, vb,
+                                    e * v_es, v_js, a, b, dvp, v_form);
             if (!v_pv4)
                 FA_GEMM(t->o + i * dvp, dvp, t->s + i * FA_KV_BN + a, FA_KV_BN, 1,
-                        vb + a * v_js + e * v_es, v_js, i1 - i, dvp, b - a, 1);
+                        (const FA_REAL *)vb + a * v_js + e * v_es, v_js, i1 - i, dvp, b - a, 1);
         }
     }
 

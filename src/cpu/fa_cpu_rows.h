@@ -3,7 +3,7 @@
  * Included once per precision, with FA_REAL and FA_FN(name) defined (see fa_cpu_kernel.h).
  * Loads take fp8 too (the KV cache's fp8 caches), exactly as fa_fp8_to_f32 converts.
  */
-#include "core/fa_fp8.h"
+#include "cpu/fa_cpu_fp8_vec.h"
 
 FA_CPU_INLINE void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t offset, int64_t n,
                                       fa_dtype dtype)
@@ -37,16 +37,19 @@ FA_CPU_INLINE void FA_FN(fa_load_row)(FA_REAL *dst, const void *base, int64_t of
             dst[i] = (FA_REAL)src[i];
         break;
     }
-    case FA_DTYPE_F8E4M3: {
-        const uint8_t *src = (const uint8_t *)base + offset;
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = (FA_REAL)fa_e4m3_to_f32(src[i]);
-        break;
-    }
+    case FA_DTYPE_F8E4M3:
     case FA_DTYPE_F8E5M2: {
         const uint8_t *src = (const uint8_t *)base + offset;
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = (FA_REAL)fa_e5m2_to_f32(src[i]);
+        const int e4m3 = dtype == FA_DTYPE_F8E4M3;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            fa_f32x16 w;
+            fa_fp8_widen16(&w, src + i, e4m3);
+            for (int l = 0; l < 16; l++)
+                dst[i + l] = (FA_REAL)w[l];
+        }
+        for (; i < n; i++)
+            dst[i] = (FA_REAL)(e4m3 ? fa_e4m3_to_f32(src[i]) : fa_e5m2_to_f32(src[i]));
         break;
     }
     default:
