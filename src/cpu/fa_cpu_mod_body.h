@@ -23,15 +23,26 @@
     }                                                                                            \
     break
 
-/* Index value v floored and clamped into a dimension of dim entries (dimf = dim as FA_REAL):
- * below 1 (NaN included: its comparison is false) 0, at or past dim the last; each ternary is
- * one max or min instruction, so the loops vectorise. */
-#define FA_MOD_INDEX(v, dimf) ((int64_t)FA_FN(fa_mod_clamp)((v), (dimf) - 1))
+/* Index value v floored and clamped into a dimension whose last index is `last`
+ * (fa_mod_last's): below 1 (NaN included: its comparison is false) 0, past it `last`; each
+ * ternary is one max or min instruction, so the loops vectorise. */
+#define FA_MOD_INDEX(v, last) ((int64_t)FA_FN(fa_mod_clamp)((v), (last)))
 
 FA_CPU_INLINE FA_REAL FA_FN(fa_mod_clamp)(FA_REAL v, FA_REAL hi)
 {
     const FA_REAL m = v > 0 ? v : 0;
     return m < hi ? m : hi;
+}
+
+/* The largest FA_REAL whose integer part indexes a dimension of dim entries: dim - 1, or the
+ * value below it where FA_REAL rounds dim - 1 up (past 2^24 entries in fp32). */
+FA_CPU_INLINE FA_REAL FA_FN(fa_mod_last)(int64_t dim)
+{
+    FA_REAL x = (FA_REAL)(dim - 1);
+    while ((int64_t)x > dim - 1)
+        x = sizeof(FA_REAL) == sizeof(float) ? (FA_REAL)nextafterf((float)x, 0.f)
+                                             : (FA_REAL)nextafter((double)x, 0.0);
+    return x;
 }
 
 /* Aux slot t at the floored, clamped indices idx[d][k]. One and two dims (the common tables)
@@ -42,7 +53,7 @@ FA_CPU_INLINE void FA_FN(fa_mod_gather)(FA_REAL *o, const fa_tensor *t, const FA
     const int i32 = t->dtype == FA_DTYPE_I32;
     const int32_t *di = (const int32_t *)t->data;
     const float *df = (const float *)t->data;
-    const FA_REAL d0 = (FA_REAL)t->shape[0];
+    const FA_REAL d0 = FA_FN(fa_mod_last)(t->shape[0]);
     const int64_t s0 = t->stride[0];
     const FA_REAL *x0 = idx[0];
     if (ndim == 1) {
@@ -55,7 +66,7 @@ FA_CPU_INLINE void FA_FN(fa_mod_gather)(FA_REAL *o, const fa_tensor *t, const FA
         return;
     }
     if (ndim == 2) {
-        const FA_REAL d1 = (FA_REAL)t->shape[1];
+        const FA_REAL d1 = FA_FN(fa_mod_last)(t->shape[1]);
         const int64_t s1 = t->stride[1];
         const FA_REAL *x1 = idx[1];
         if (i32)
@@ -66,10 +77,13 @@ FA_CPU_INLINE void FA_FN(fa_mod_gather)(FA_REAL *o, const fa_tensor *t, const FA
                 o[k] = (FA_REAL)df[FA_MOD_INDEX(x0[k], d0) * s0 + FA_MOD_INDEX(x1[k], d1) * s1];
         return;
     }
+    FA_REAL last[FA_MOD_MAX_ARGS];
+    for (int d = 0; d < ndim; d++)
+        last[d] = FA_FN(fa_mod_last)(t->shape[d]);
     for (int64_t k = 0; k < w; k++) {
         int64_t off = 0;
         for (int d = 0; d < ndim; d++)
-            off += FA_MOD_INDEX(idx[d][k], (FA_REAL)t->shape[d]) * t->stride[d];
+            off += FA_MOD_INDEX(idx[d][k], last[d]) * t->stride[d];
         o[k] = i32 ? (FA_REAL)di[off] : (FA_REAL)df[off];
     }
 }

@@ -9,6 +9,7 @@
  * fp32, bf16, fp16, fp64; dense and varlen; GQA; fresh random inputs and poisoned outputs.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -321,9 +322,60 @@ static void test_plan_routes(void)
         }
 }
 
+/* An aux read past the end of a dimension of 2^24 + 4 entries, whose last index fp32 rounds up
+ * (2^24 + 3 -> 2^24 + 4): the clamp must stay inside. The entries past the tensor are NaN, the
+ * last ones a constant (which shifts every score alike), so the output is the plain call's. */
+static void test_aux_clamp_large(tu_rng *r)
+{
+    tu_where = "aux clamp past 2^24";
+    const int64_t n = ((int64_t)1 << 24) + 4, extra = 64;
+    float *table = malloc((size_t)(n + extra) * sizeof *table);
+    TU_CHECK(table != NULL, "no memory for the aux table");
+    if (!table)
+        return;
+    for (int64_t i = 0; i < n + extra; i++)
+        table[i] = i < n - 8 ? (float)tu_rng_uniform(r, -1, 1) : i < n ? 0.75f : NAN;
+    fa_tensor aux = fa_tensor_make(table, FA_DTYPE_F32, 1, &n, NULL);
+    int64_t qs[4] = {1, 12, 2, 16}, ls[3] = {1, 2, 12};
+    tu_tensor q = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor k = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor v = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor out = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor ref = tu_tensor_new(FA_DTYPE_F32, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor lse = tu_tensor_new(FA_DTYPE_F32, 3, ls, TU_CONTIGUOUS, r);
+    tu_fill_uniform(&q, r, -1, 1);
+    tu_fill_uniform(&k, r, -1, 1);
+    tu_fill_uniform(&v, r, -1, 1);
+    fa_fwd_args a;
+    fa_fwd_args_init(&a);
+    a.q = &q.t, a.k = &k.t, a.v = &v.t, a.out = &ref.t;
+    TU_CHECK(fa_attention_forward(&a) == FA_STATUS_OK, "plain call: %s", fa_last_error());
+
+    fa_mod *m = fa_mod_create();
+    const int far = fa_mod_const(m, 1e12), bias = fa_mod_aux(m, 0, 1, &far);
+    TU_CHECK(fa_mod_finish(m, B(ADD, V(SCORE), bias), FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s",
+             fa_last_error());
+    a.out = &out.t, a.lse = &lse.t, a.score_mod = m, a.mod_aux[0] = &aux;
+    tu_poison(&out);
+    TU_CHECK(fa_attention_forward(&a) == FA_STATUS_OK, "aux call: %s", fa_last_error());
+    double err = 0;
+    const float *o = (const float *)out.t.data, *e = (const float *)ref.t.data;
+    for (int64_t i = 0; i < tu_numel(&out.t); i++) {
+        const double d = o[i] == o[i] ? fabs((double)o[i] - e[i]) : INFINITY;
+        err = d > err ? d : err;
+    }
+    TU_CHECK(err < 1e-5, "out past the clamp differs from the plain call by %g", err);
+    fa_mod_destroy(m);
+    tu_tensor *all[] = {&q, &k, &v, &out, &ref, &lse};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        tu_tensor_free(all[i]);
+    free(table);
+}
+
 int main(void)
 {
     tu_rng rng = {tu_master_seed("test_mod")};
+    test_aux_clamp_large(&rng);
     test_builder_errors();
     test_text();
     test_cuda_text();
