@@ -30,6 +30,16 @@ extern const fa_cuda_driver *gu_drv;
  * test should exit with: 77 (skipped) without a usable device, 1 without a context. */
 int gu_start(const char *test, uint64_t seed);
 
+/* A failed check of case c (its name) in dtype dt, counted in the test's `failures`: the three
+ * names the using function and file must have in scope. */
+#define FAIL(...)                                                                                \
+    do {                                                                                         \
+        fprintf(stderr, "FAIL [%s %s] ", c->name, fa_dtype_name(dt));                            \
+        fprintf(stderr, __VA_ARGS__);                                                            \
+        fputc('\n', stderr);                                                                     \
+        failures++;                                                                              \
+    } while (0)
+
 /* Uniform in [lo, hi) from a splitmix64 stream; gu_seed restarts it. */
 void gu_seed(uint64_t seed);
 double gu_uniform(double lo, double hi);

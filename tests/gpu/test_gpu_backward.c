@@ -150,15 +150,6 @@ static int sm90_takes(const bcase *c)
     return c->d == c->dv && c->d > 32 && c->d <= 128 && c->d % 8 == 0 && c->pad % 8 == 0;
 }
 
-
-#define FAIL(...)                                                                                \
-    do {                                                                                         \
-        fprintf(stderr, "FAIL [%s %s] ", c->name, fa_dtype_name(dt));                            \
-        fprintf(stderr, __VA_ARGS__);                                                            \
-        fputc('\n', stderr);                                                                     \
-        failures++;                                                                              \
-    } while (0)
-
 /* One gradient's comparison: the raw downloaded data `got` (layout of view t, [b, s, heads, w]
  * dense, [total, heads, w] varlen, or fp32 [h] for dsinks when ndim is 1) against the oracle
  * arrays [tokens, heads, w]. */

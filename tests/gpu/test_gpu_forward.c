@@ -165,14 +165,6 @@ static int failures;
 /* The family each GPU run must have taken (NULL: not checked). */
 static const char *expect_family;
 
-#define FAIL(...)                                                                                \
-    do {                                                                                         \
-        fprintf(stderr, "FAIL [%s %s] ", c->name, fa_dtype_name(dt));                            \
-        fprintf(stderr, __VA_ARGS__);                                                            \
-        fputc('\n', stderr);                                                                     \
-        failures++;                                                                              \
-    } while (0)
-
 /* scale: NULL for the default softmax scale. */
 /* FA_TEST_ONLY=a|b|... runs only the cases whose names contain one of the '|'-separated parts
  * (for compute-sanitizer, whose slowdown the long cases cannot afford); FA_TEST_SHARD as

@@ -70,14 +70,6 @@ static const kv_case cases[] = {
 
 static int failures;
 
-#define FAIL(...)                                                                                \
-    do {                                                                                         \
-        fprintf(stderr, "FAIL [%s %s] ", c->name, fa_dtype_name(dt));                            \
-        fprintf(stderr, __VA_ARGS__);                                                            \
-        fputc('\n', stderr);                                                                     \
-        failures++;                                                                              \
-    } while (0)
-
 static int randint(int lo, int hi) { return lo + (int)gu_uniform(0, hi - lo + 1 - 1e-9); }
 
 /* Every element of two 16-bit buffers equal, or within one rounding where `loose` (rotated). */

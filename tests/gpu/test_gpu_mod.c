@@ -60,14 +60,6 @@ static const mod_case cases[] = {
 
 static int failures;
 
-#define FAIL(...)                                                                                \
-    do {                                                                                         \
-        fprintf(stderr, "FAIL [%s %s] ", c->name, fa_dtype_name(dt));                            \
-        fprintf(stderr, __VA_ARGS__);                                                            \
-        fputc('\n', stderr);                                                                     \
-        failures++;                                                                              \
-    } while (0)
-
 /* ---- the programs ---------------------------------------------------------------------- */
 
 static int var(fa_mod *m, fa_mod_variable v) { return fa_mod_var(m, v); }
