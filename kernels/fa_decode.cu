@@ -22,6 +22,7 @@
  *   FA_BF16          data type (0: fp16, 1: bf16)
  *   FA_DP, FA_DVP    head dims of q/k and v padded to 32 or a multiple of 64
  *   FA_WM, FA_WN     warps over the rows and over each key block
+ *   FA_MIN_CTAS      CTAs per SM the shared memory allows (launch bounds)
  *   FA_BN, FA_STAGES keys per block, blocks in flight
  *   FA_PAGED         1: block_table maps positions to blocks
  *   FA_VEC           1: 16-byte aligned rows (q, caches, out) and d, dv % 8 == 0: 16-byte copies
@@ -54,7 +55,12 @@
 #define FA_KV_FP8 0
 #endif
 /* A stage: K [FA_BN][FA_DP] then V [FA_BN][FA_DVP], in q's dtype or fp8. */
-#define FA_STAGE_BYTES (FA_BN * (FA_DP + FA_DVP) * (FA_KV_FP8 ? 1 : 2))
+#define FA_KV_ESIZE (FA_KV_FP8 ? 1 : 2) /* bytes of a cache element */
+#define FA_STAGE_BYTES (FA_BN * (FA_DP + FA_DVP) * FA_KV_ESIZE)
+#define FA_KV_CPR_K (FA_DP * FA_KV_ESIZE / 16) /* 16-byte chunks per row of a K, V stage */
+#define FA_KV_CPR_V (FA_DVP * FA_KV_ESIZE / 16)
+#define FA_KV_CHUNKS_K ((FA_BN * FA_KV_CPR_K + FA_THREADS - 1) / FA_THREADS)
+#define FA_KV_CHUNKS_V ((FA_BN * FA_KV_CPR_V + FA_THREADS - 1) / FA_THREADS)
 
 #if FA_PAGED && FA_BN > FA_THREADS
 #error "paged: a thread per key row of a block"
@@ -65,131 +71,7 @@
 
 #define FA_PRESCALE (FA_SOFTCAP || FA_ALIBI)
 
-/* This thread's chunk u of a tile of cpr chunks per row: its row and column chunk. Where the
- * thread count is a multiple of cpr (every padded head dim but 192) a thread keeps one column
- * chunk, rows r0, r0 + rpp, ... (rpp = FA_THREADS / cpr), so its addresses step by constants
- * (the scheme of fa_fwd_sm80.cu's copies). */
-#define FA_CHUNK_ROW(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) / (cpr))
-#define FA_CHUNK_COL(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) % (cpr))
-#define FA_CHUNK_LIVE(u, cpr) ((u) * FA_THREADS + (int)threadIdx.x < FA_BN * (cpr))
-#define FA_FIXED_CHUNK(cpr) (FA_THREADS % (cpr) == 0)
-
-/* Rotary: element c (< rotary_dim) of the row x rotated by the angles in the cos/sin rows:
- * pairs (2t, 2t + 1) interleaved (GPT-J), (t, t + rotary_dim / 2) otherwise (GPT-NeoX). */
-FA_DEV float fa_rotary_elem(const fa_u16 *x, int c, int rd, int interleaved, const fa_u16 *cr,
-                            const fa_u16 *sr)
-{
-    const int half = rd >> 1;
-    int i0, i1, t;
-    if (interleaved) {
-        t = c >> 1;
-        i0 = 2 * t;
-        i1 = 2 * t + 1;
-    } else {
-        t = c < half ? c : c - half;
-        i0 = t;
-        i1 = t + half;
-    }
-    const float x0 = fa_to_float(x[i0]), x1 = fa_to_float(x[i1]);
-    const float cs = fa_to_float(cr[t]), sn = fa_to_float(sr[t]);
-    return c == i0 ? x0 * cs - x1 * sn : x0 * sn + x1 * cs;
-}
-
-FA_DEV fa_i64 fa_clamp64(fa_i64 x, fa_i64 lo, fa_i64 hi) { return x < lo ? lo : x > hi ? hi : x; }
-
-/* Sequence bi's cache: positions [start, end) are its keys, len0 of them there before the
- * append; blk the cache row of a contiguous cache. Every value clamped into the cache. A varlen
- * forward's keys are rows [k_start, k_start + sk) of k (fa_seq_get), whose batch stride the
- * host leaves 0. */
-typedef struct fa_kvseq {
-    fa_i64 start, end, len0, blk;
-    const int *bt;  /* paged: the sequence's row of block_table */
-    int last_block; /* paged: the last block id of the cache, and at most INT_MAX */
-} fa_kvseq;
-
-FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
-{
-    const fa_i64 cap = dp->f.max_sk;
-    fa_kvseq s;
-#if FA_VARLEN
-    const fa_seq v = fa_seq_get(&dp->f, bi, 1);
-    s.start = v.k_start;
-    s.end = s.len0 = v.k_start + v.sk;
-    s.blk = 0;
-#if FA_PAGED /* a paged varlen forward: positions [0, sk) of its block_table row */
-    s.bt = dp->block_table + bi * dp->bt_bstride;
-    s.last_block = dp->f.last_block;
-#else
-    s.bt = 0;
-    s.last_block = 0;
-#endif
-    (void)cap;
-    return s;
-#endif
-    if (dp->cache_seqlens) {
-        s.len0 = fa_clamp64(dp->cache_seqlens[bi], 0, cap);
-        s.end = s.len0 + dp->s_new < cap ? s.len0 + dp->s_new : cap;
-    } else {
-        s.len0 = cap;
-        s.end = cap;
-    }
-    s.start = dp->leftpad ? fa_clamp64(dp->leftpad[bi], 0, s.end) : 0;
-    s.blk = dp->batch_idx ? fa_clamp64(dp->batch_idx[bi], 0, dp->num_blocks - 1) : bi;
-    s.bt = dp->block_table ? dp->block_table + bi * dp->bt_bstride : 0;
-    s.last_block = (int)(dp->num_blocks - 1 < 0x7fffffff ? dp->num_blocks - 1 : 0x7fffffff);
-    return s;
-}
-
-/* The page of position pos (< 2^31) by the host's multiply-and-shift (fa_page_magic), a
- * division being a long software routine. */
-FA_DEV fa_u32 fa_kv_page(const fa_dkparams *dp, fa_u32 pos)
-{
-    return fa_page_of(pos, dp->page_mul, dp->page_shift);
-}
-
-/* The row of position pos (< 2^31) within its page. */
-FA_DEV fa_u32 fa_kv_page_row(const fa_dkparams *dp, fa_u32 pos)
-{
-    return pos - fa_kv_page(dp, pos) * (fa_u32)dp->page_size;
-}
-
-/* The cache block of page `page` of a sequence (paged), clamped into the cache. */
-FA_DEV int fa_kv_page_block(const fa_kvseq *s, fa_u32 page)
-{
-    return fa_page_block(s->bt, page, s->last_block);
-}
-
-/* The cache block and row of position pos (< 2^31) of sequence s. */
-FA_DEV void fa_kv_locate(const fa_dkparams *dp, const fa_kvseq *s, fa_i64 pos, fa_i64 *blk,
-                         fa_i64 *row)
-{
-#if FA_PAGED
-    *blk = fa_kv_page_block(s, fa_kv_page(dp, (fa_u32)pos));
-    *row = fa_kv_page_row(dp, (fa_u32)pos);
-#else
-    (void)dp;
-    *blk = s->blk;
-    *row = pos;
-#endif
-}
-
-/* Element c (< d) of packed row x (< the rows) of kv head kh's Q tile, rotated where rotary is
- * on; qb is the sequence's first row of q. */
-FA_DEV float fa_decode_q_value(const fa_dkparams *dp, const fa_u16 *qb, const fa_kvseq *seq,
-                               int x, int c, int g, int kh)
-{
-    const fa_kparams *kp = &dp->f;
-    const int qi = x / g, hh = kh * g + x - qi * g;
-    const fa_u16 *qrow = qb + qi * kp->q_rstride + hh * kp->q_hstride;
-    if (dp->rot_cos && c < dp->rotary_dim) {
-        fa_i64 pos = seq->len0 + (dp->rotary_per_row ? qi : 0);
-        pos = pos < dp->seqlen_ro ? pos : dp->seqlen_ro - 1;
-        return fa_rotary_elem(qrow, c, dp->rotary_dim, dp->rotary_interleaved,
-                              (const fa_u16 *)dp->rot_cos + pos * dp->cos_rstride,
-                              (const fa_u16 *)dp->rot_sin + pos * dp->sin_rstride);
-    }
-    return fa_to_float(qrow[c]);
-}
+#include "fa_decode_cache.cuh"
 
 #if FA_KV_FP8
 #include "fa_decode_fp8.cuh"
@@ -268,110 +150,8 @@ extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
 /* cp.async.wait_group N: waits until at most N committed groups of this thread are in flight. */
 #define FA_CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
 
-#define FA_CHUNKS_K ((FA_BN * FA_CPR_K + FA_THREADS - 1) / FA_THREADS)
-#define FA_CHUNKS_V ((FA_BN * FA_CPR_V + FA_THREADS - 1) / FA_THREADS)
 
-/* The shared address of chunk u from the thread's chunk 0 (dst0 = a + fa_swz(r0, c, cpr)):
- * rows r0 + u rpp, whose swizzle key is key(r0) ^ key(u rpp), both powers of two apart. */
-FA_DEV fa_u32 fa_chunk_dst(fa_u32 a, fa_u32 dst0, int u, int cpr)
-{
-    if (FA_FIXED_CHUNK(cpr)) {
-        const int step = FA_THREADS / cpr * u;
-        return (dst0 ^ (fa_swz_key(step, cpr) << 4)) + step * cpr * 16;
-    }
-    return a + fa_swz(FA_CHUNK_ROW(u, cpr), FA_CHUNK_COL(u, cpr), cpr);
-}
-
-/* Paged: one key row's place in the caches, worked out by thread `row` of the first FA_BN for
- * a block (not by every thread for each of its 16-byte chunks) and kept in shared memory as the
- * row's offsets in K and V (elements), where the copies of the block read them. The table read
- * is issued a block ahead (fa_decode_row_find) and its result stored after the block's math
- * (fa_decode_row_keep), so that its latency hides behind that math. */
-typedef struct fa_paged_key {
-    int blk;     /* block_table entry, not yet clamped */
-    fa_u32 row;  /* row within the page */
-} fa_paged_key;
-
-FA_DEV fa_paged_key fa_decode_row_find(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
-                                       fa_i64 jend)
-{
-    fa_paged_key pr = {0, 0};
-    const int r = threadIdx.x;
-    if (r < FA_BN && j0 + r < jend) {
-        const fa_u32 pos = (fa_u32)(seq->start + j0 + r), page = fa_kv_page(dp, pos);
-        pr.blk = seq->bt[page];
-        pr.row = pos - page * (fa_u32)dp->page_size;
-    }
-    return pr;
-}
-
-/* Stores pr's offsets for the stage whose row offsets are at rows (int64 [2][FA_BN]: K, V). */
-FA_DEV void fa_decode_row_keep(const fa_kparams *kp, const fa_kvseq *seq, fa_paged_key pr,
-                               fa_i64 *rows)
-{
-    const int r = threadIdx.x;
-    if (r < FA_BN) {
-        const fa_i64 blk = fa_block_clamp(pr.blk, seq->last_block);
-        rows[r] = blk * kp->k_bstride + (fa_i64)pr.row * kp->k_rstride;
-        rows[FA_BN + r] = blk * kp->v_bstride + (fa_i64)pr.row * kp->v_rstride;
-    }
-}
-
-/* Copies this thread's chunks of keys [j0, j0 + FA_BN) of one cache (base g of the kv head,
- * strides bs and rs, cpr chunks per row, n columns; paged, the rows' offsets at rows) into the
- * stage at shared address a (generic p), swizzled, zero-filling rows from jend on. */
-FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const fa_u16 *g,
-                           fa_i64 bs, fa_i64 rs, const fa_i64 *rows, int cpr, int nchunks, int n,
-                           fa_u32 a, fa_u16 *p, const void *safe)
-{
-    const int c0 = FA_CHUNK_COL(0, cpr);
-    const fa_u32 dst0 = a + fa_swz(FA_CHUNK_ROW(0, cpr), c0, cpr);
-#if !FA_PAGED
-    /* A contiguous cache: chunk u's source is chunk 0's plus u rows steps. */
-    const fa_u16 *src0 = g + seq->blk * bs + (seq->start + j0 + FA_CHUNK_ROW(0, cpr)) * rs + c0 * 8;
-    const fa_i64 row_step = (fa_i64)(FA_THREADS / cpr) * rs;
-#endif
-#pragma unroll
-    for (int u = 0; u < FA_CHUNKS_K || u < FA_CHUNKS_V; u++) {
-        if (u >= nchunks || !FA_CHUNK_LIVE(u, cpr))
-            break;
-        const int r = FA_CHUNK_ROW(u, cpr), c = FA_CHUNK_COL(u, cpr);
-        const int ok = j0 + r < jend && c * 8 < n;
-#if FA_PAGED
-        (void)bs, (void)rs;
-        const fa_u16 *src = g + rows[r] + c * 8;
-#else
-        (void)rows;
-        const fa_u16 *src = FA_FIXED_CHUNK(cpr)
-                                ? src0 + u * row_step
-                                : g + seq->blk * bs + (seq->start + j0 + r) * rs + c * 8;
-#endif
-#if FA_VEC
-        fa_cp_async16(fa_chunk_dst(a, dst0, u, cpr), ok ? (const void *)src : safe, ok ? 16 : 0);
-#else
-        (void)dst0;
-        fa_u16 *dst = p + (fa_swz(r, c, cpr) >> 1);
-#pragma unroll
-        for (int e = 0; e < 8; e++)
-            dst[e] = ok && c * 8 + e < n ? src[e] : (fa_u16)0;
-#endif
-    }
-}
-
-/* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into stage s,
- * in swizzled 16-byte chunks; a paged cache's rows where the stage's row offsets (rows) say. */
-FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, fa_i64 j0,
-                           fa_i64 jend, fa_u32 base_a, fa_u16 *base_p, int s, const fa_i64 *rows)
-{
-    const fa_kparams *kp = &dp->f;
-    const fa_u16 *kg = (const fa_u16 *)kp->k + kh * kp->k_hstride;
-    const fa_u16 *vg = (const fa_u16 *)kp->v + kh * kp->v_hstride;
-    const int k_at = s * FA_STAGE_BYTES, v_at = k_at + FA_BN * FA_DP * 2;
-    fa_decode_copy(seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, rows, FA_CPR_K, FA_CHUNKS_K,
-                   kp->d, base_a + k_at, base_p + k_at / 2, kp->k);
-    fa_decode_copy(seq, j0, jend, vg, kp->v_bstride, kp->v_rstride, rows + FA_BN, FA_CPR_V,
-                   FA_CHUNKS_V, kp->dv, base_a + v_at, base_p + v_at / 2, kp->v);
-}
+#include "fa_decode_copy.cuh"
 
 /* The Q tile: packed rows [r0, r0 + FA_BM) of kv head kh, rotated where rotary is on, rounded
  * to the data type, zero past the rows and columns; q of sequence bi starts at row q0. */
@@ -403,96 +183,9 @@ FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, fa_i64 q0, int kh, c
     }
 }
 
-#if __CUDA_ARCH__ >= 900
-#define FA_CLUSTER_MAX 16 /* the host's bound on dp->splits under cluster_merge */
+#include "fa_decode_merge.cuh"
 
-/* The split merge inside a cluster (rank = split, dp->splits CTAs): each CTA leaves its partial
- * in its shared memory at part (row r of the tile at r * (FA_DVP + 2): the normalised O of its
- * dv columns, then the natural lse, as fa_combine takes them; holds: this warp has rows r0 +
- * wm * 16 + g8 (+ 8) with o, lse and scale), then after a cluster barrier warp w of rank k
- * merges rows k * FA_NWARPS + w, stepping by the cluster's warps, by fa_combine's rule: lane j
- * reads part j's lse, the warp reduces them, and each lane sums its columns over the parts
- * through the cluster's shared window. The last barrier keeps each CTA's memory until every
- * read of it is done. Every thread of the CTA calls it. */
-FA_DEV void fa_decode_merge_cluster(const fa_dkparams *dp, float *part, int holds,
-                                    const float (*o)[4], const float *lse_row,
-                                    const float *scale_row, int wm, int g8, int t, int bi, int kh,
-                                    int r0, int rows, fa_i64 q_start)
-{
-    const fa_kparams *kp = &dp->f;
-    const int stride = FA_DVP + 2, dv = kp->dv, g = kp->h / kp->hk;
-    __syncthreads(); /* every warp is done with the shared memory reused here */
-    if (holds)
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            float *pr = part + (wm * 16 + g8 + 8 * hf) * stride;
-#pragma unroll
-            for (int ot = 0; ot < FA_OT; ot++)
-#pragma unroll
-                for (int e = 0; e < 2; e++)
-                    if (FA_OCOL(ot, t, e) < dv)
-                        pr[FA_OCOL(ot, t, e)] = o[ot][2 * hf + e] * scale_row[hf];
-            if (t == 0)
-                pr[FA_DVP] = lse_row[hf];
-        }
-    fa_cluster_sync();
-
-    const int nparts = dp->splits, live = fa_min(FA_BM, rows - r0), lane = threadIdx.x & 31;
-    const fa_u32 base = fa_smem_addr(part);
-    for (int r = (int)fa_cluster_rank() * FA_NWARPS + (threadIdx.x >> 5); r < live;
-         r += nparts * FA_NWARPS) {
-        const int x = r0 + r, qi = x / g, hh = kh * g + x - qi * g;
-        const fa_u32 row_a = base + (fa_u32)(r * stride) * 4;
-        /* Lanes past the parts hold an empty one. */
-        const float l =
-            lane < nparts ? fa_cluster_ld(fa_cluster_map(row_a, lane) + FA_DVP * 4) : -FA_INF;
-        const float sink = kp->sinks ? kp->sinks[hh * kp->sinks_stride] : -FA_INF;
-        const int has_nan = __any_sync(0xffffffffu, l != l);
-        float mx = l != FA_INF && l > sink ? l : sink;
-#pragma unroll
-        for (int m = 16; m >= 1; m >>= 1)
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, m));
-        const int empty = FA_RULE_PART_EMPTY(l, FA_INF);
-        float lse, w = 0.f;
-        if (has_nan) {
-            lse = __int_as_float(0x7fc00000);
-        } else if (mx == -FA_INF) {
-            lse = dp->empty_lse;
-        } else {
-            float sum = empty ? 0.f : expf(l - mx);
-#pragma unroll
-            for (int m = 16; m >= 1; m >>= 1)
-                sum += __shfl_xor_sync(0xffffffffu, sum, m);
-            lse = mx + logf(sum + FA_RULE_SINK_TERM(kp->sinks != 0, sink, mx, expf));
-            w = empty ? 0.f : expf(l - lse);
-        }
-        /* Every part's weight in every lane (0: empty, or nothing to merge), before the lanes
-         * part over the columns. */
-        float wk[FA_CLUSTER_MAX];
-#pragma unroll
-        for (int k = 0; k < FA_CLUSTER_MAX; k++)
-            wk[k] = __shfl_sync(0xffffffffu, has_nan ? 0.f : w, k);
-        const fa_i64 qrow = q_start + qi;
-        fa_u16 *og = (fa_u16 *)kp->out + bi * kp->o_bstride + qrow * kp->o_rstride +
-                     hh * kp->o_hstride;
-        for (int c = lane; c < dv; c += 32) {
-            float acc = has_nan ? lse : 0.f;
-#pragma unroll
-            for (int k = 0; k < FA_CLUSTER_MAX; k++)
-                if (k < nparts) {
-                    const float ov = fa_cluster_ld(fa_cluster_map(row_a, k) + c * 4);
-                    acc += wk[k] != 0.f ? wk[k] * ov : 0.f;
-                }
-            og[c] = fa_from_float(acc);
-        }
-        if (lane == 0 && kp->lse)
-            kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qrow * kp->lse_rstride] = lse;
-    }
-    fa_cluster_sync();
-}
-#endif
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkparams dp)
+extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(const fa_dkparams dp)
 {
     extern __shared__ __align__(128) fa_u16 fa_smem[];
     const fa_kparams *kp = &dp.f;
@@ -587,7 +280,6 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
     /* fp8 caches: the stages hold fp8 (fa_decode_fp8.cuh); k_descale of the CTA's (sequence,
      * kv head) and the Q tile's scale join the softmax scale (softcap's pre-factor where
      * softcap is on), v_descale the final normalisation. */
-    fa_u8 *const st8 = (fa_u8 *)fa_smem;
     const float kdesc =
         fa_fp8_descale(dp.k_descale, dp.kd_bstride, dp.kd_hstride, bi, kh) * q_down;
     const float vdesc = fa_fp8_descale(dp.v_descale, dp.vd_bstride, dp.vd_hstride, bi, kh);
@@ -643,13 +335,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
 #endif
     for (int s = 0; s < FA_STAGES - 1; s++) {
         if (nb0 + s < nb1)
-#if FA_KV_FP8
-            fa_decode_load8(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a, st8, s,
-                            rows_p + s * 2 * FA_BN);
-#else
             fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
-                           fa_smem, s, rows_p + s * 2 * FA_BN);
-#endif
+                           (char *)fa_smem, s, rows_p + s * 2 * FA_BN);
         fa_cp_async_commit();
     }
 
@@ -662,13 +349,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_decode(const fa_dkpa
         {
             const int nx = nb + FA_STAGES - 1, nslot = (nx - nb0) % FA_STAGES;
             if (nx < nb1)
-#if FA_KV_FP8
-                fa_decode_load8(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a, st8, nslot,
-                                rows_p + nslot * 2 * FA_BN);
-#else
-                fa_decode_load(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a, fa_smem,
-                               nslot, rows_p + nslot * 2 * FA_BN);
-#endif
+                fa_decode_load(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a,
+                               (char *)fa_smem, nslot, rows_p + nslot * 2 * FA_BN);
             fa_cp_async_commit();
         }
 #if FA_PAGED

@@ -23,8 +23,8 @@
  * a device and the CPU write the same bytes.
  *
  * Needs fa_decode.cu's FA_BN, FA_DP, FA_DVP, FA_BM, FA_THREADS, FA_NWARPS, FA_WKEYS, FA_NT,
- * FA_OT, FA_KS, FA_CPR_K, FA_CHUNK_* macros, fa_rotary_elem, fa_decode_q_value and
- * fa_kv_locate.
+ * FA_OT, FA_KS, FA_CPR_K macros, fa_rotary_elem, fa_decode_q_value and fa_kv_locate; its
+ * stage copies are fa_decode.cu's (fa_decode_load, FA_KV_ESIZE 1).
  */
 #ifndef FA_DECODE_FP8_CUH
 #define FA_DECODE_FP8_CUH
@@ -33,8 +33,6 @@ typedef unsigned char fa_u8;
 
 #define FA_CPR_K8 (FA_DP / 16) /* 16-byte chunks per fp8 row of K and V */
 #define FA_CPR_V8 (FA_DVP / 16)
-#define FA_CHUNKS_K8 ((FA_BN * FA_CPR_K8 + FA_THREADS - 1) / FA_THREADS)
-#define FA_CHUNKS_V8 ((FA_BN * FA_CPR_V8 + FA_THREADS - 1) / FA_THREADS)
 
 #if FA_DVP % 32 != 0 || FA_KS % 2 != 0
 #error "fp8 caches: dv in groups of 32 columns, d in pairs of k-steps"
@@ -128,56 +126,6 @@ FA_DEV fa_u32 fa_lds32(fa_u32 a)
     fa_u32 r;
     asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(a));
     return r;
-}
-
-/* Copies this thread's chunks of keys [j0, j0 + FA_BN) of one fp8 cache (base g of the kv head,
- * strides bs and rs in bytes, cpr 16-byte chunks per row, n columns; paged, the rows' offsets
- * at rows, fa_decode_row_keep's) into the fp8 stage at shared address a (generic p), swizzled
- * (fa_swz8), zero-filling rows from jend on and columns from n. */
-FA_DEV void fa_decode_copy8(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const fa_u8 *g,
-                            fa_i64 bs, fa_i64 rs, const fa_i64 *rows, int cpr, int nchunks, int n,
-                            fa_u32 a, fa_u8 *p, const void *safe)
-{
-#pragma unroll
-    for (int u = 0; u < FA_CHUNKS_K8 || u < FA_CHUNKS_V8; u++) {
-        if (u >= nchunks || !FA_CHUNK_LIVE(u, cpr))
-            break;
-        const int r = FA_CHUNK_ROW(u, cpr), c = FA_CHUNK_COL(u, cpr);
-        const int ok = j0 + r < jend && c * 16 < n;
-#if FA_PAGED
-        (void)bs;
-        const fa_u8 *src = ok ? g + rows[r] + c * 16 : (const fa_u8 *)safe;
-#else
-        (void)rows;
-        const fa_u8 *src = ok ? g + seq->blk * bs + (seq->start + j0 + r) * rs + c * 16
-                              : (const fa_u8 *)safe;
-#endif
-#if FA_VEC
-        (void)p;
-        fa_cp_async16(a + fa_swz8(r, c, cpr), src, ok ? 16 : 0);
-#else
-        (void)a;
-        fa_u8 *dst = p + fa_swz8(r, c, cpr);
-#pragma unroll
-        for (int e = 0; e < 16; e++)
-            dst[e] = ok && c * 16 + e < n ? src[e] : (fa_u8)0;
-#endif
-    }
-}
-
-/* Copies keys [j0, j0 + FA_BN) of the sequence's fp8 caches into stage s (paged: the rows'
- * offsets at rows). */
-FA_DEV void fa_decode_load8(const fa_dkparams *dp, int kh, const fa_kvseq *seq, fa_i64 j0,
-                            fa_i64 jend, fa_u32 base_a, fa_u8 *base_p, int s, const fa_i64 *rows)
-{
-    const fa_kparams *kp = &dp->f;
-    const fa_u8 *kg = (const fa_u8 *)kp->k + kh * kp->k_hstride;
-    const fa_u8 *vg = (const fa_u8 *)kp->v + kh * kp->v_hstride;
-    const int k_at = s * FA_STAGE_BYTES, v_at = k_at + FA_BN * FA_DP;
-    fa_decode_copy8(seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, rows, FA_CPR_K8, FA_CHUNKS_K8,
-                    kp->d, base_a + k_at, base_p + k_at, kp->k);
-    fa_decode_copy8(seq, j0, jend, vg, kp->v_bstride, kp->v_rstride, rows + FA_BN, FA_CPR_V8,
-                    FA_CHUNKS_V8, kp->dv, base_a + v_at, base_p + v_at, kp->v);
 }
 
 /* The Q tile for fp8 caches: packed rows [r0, r0 + FA_BM) of kv head kh as fp16 (rotated where

@@ -465,6 +465,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 #define FA_DECODE_ALONE_BUDGET (200 * 1024)
 #define FA_DECODE_MAX_AUTO_SPLITS 128
 #define FA_DECODE_MAX_CLUSTER 16 /* Hopper's largest (non-portable) thread block cluster */
+#define FA_DECODE_BASE_REGS 104   /* registers a thread needs besides its O accumulators */
 
 static int fa_plan_decode_wm(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
 
@@ -521,9 +522,17 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     plan->smem = (unsigned)FA_SMEM_DECODE(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages,
                                           plan->nwarps, paged, kvb);
     plan->cluster_max = key->arch >= 90 ? FA_DECODE_MAX_CLUSTER : 0;
+    /* The CTAs per SM that shared memory allows, told to the compiler (launch bounds) so that
+     * it neither takes registers that would cost one of them nor, left to itself, spills to
+     * reach an occupancy shared memory rules out; at most as many as leave a thread its O
+     * accumulators (dv / 2 registers) and FA_DECODE_BASE_REGS besides. */
+    int min_ctas = fa_plan_ctas_per_sm(plan->smem, sm_bytes);
+    const int reg_ctas = 65536 / (int)(plan->threads * (FA_DECODE_BASE_REGS + plan->dvp / 2));
+    min_ctas = min_ctas > reg_ctas ? reg_ctas : min_ctas;
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
+    fa_plan_define(plan, "FA_MIN_CTAS", min_ctas < 1 ? 1 : min_ctas);
     fa_plan_define(plan, "FA_WM", wm);
     fa_plan_define(plan, "FA_WN", plan->nwarps / wm);
     fa_plan_define(plan, "FA_BN", plan->bn);

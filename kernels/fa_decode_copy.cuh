@@ -1,0 +1,141 @@
+/*
+ * The decode kernel's stage copies (fa_decode.cu): keys [j0, j0 + FA_BN) of one kv head's K
+ * and V, in q's dtype or fp8 (FA_KV_ESIZE bytes an element), into a stage of shared memory in
+ * swizzled 16-byte chunks by cp.async, rows past the sequence zero-filled.
+ *
+ * Needs fa_decode.cu's FA_THREADS, FA_BN, FA_DP, FA_DVP, FA_STAGE_BYTES, FA_KV_* macros and
+ * fa_decode_cache.cuh.
+ */
+#ifndef FA_DECODE_COPY_CUH
+#define FA_DECODE_COPY_CUH
+
+/* This thread's chunk u of a tile of cpr chunks per row: its row and column chunk. Where the
+ * thread count is a multiple of cpr (every padded head dim but 192) a thread keeps one column
+ * chunk, rows r0, r0 + rpp, ... (rpp = FA_THREADS / cpr), so its addresses step by constants
+ * (the scheme of fa_fwd_sm80.cu's copies). */
+#define FA_CHUNK_ROW(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) / (cpr))
+#define FA_CHUNK_COL(u, cpr) (((u) * FA_THREADS + (int)threadIdx.x) % (cpr))
+#define FA_CHUNK_LIVE(u, cpr) ((u) * FA_THREADS + (int)threadIdx.x < FA_BN * (cpr))
+#define FA_FIXED_CHUNK(cpr) (FA_THREADS % (cpr) == 0)
+
+/* Chunk u of this thread's share of a stage copy of cpr chunks per row: its row r and column
+ * chunk c, and whether the stage has it (live). Where FA_FIXED_CHUNK(cpr) the column and the
+ * first row are the thread's for the whole kernel and the rows step by a constant, so the
+ * compiler keeps no per-chunk division and, mostly, no per-chunk live test. */
+typedef struct fa_chunk {
+    int r, c, live;
+} fa_chunk;
+
+FA_DEV fa_chunk fa_chunk_at(int u, int cpr)
+{
+    fa_chunk x;
+    if (FA_FIXED_CHUNK(cpr)) {
+        const int rpp = FA_THREADS / cpr;
+        x.r = (int)(threadIdx.x / (unsigned)cpr) + u * rpp;
+        x.c = (int)(threadIdx.x % (unsigned)cpr);
+        x.live = FA_BN % rpp == 0 ? u * rpp < FA_BN : x.r < FA_BN;
+    } else {
+        x.r = FA_CHUNK_ROW(u, cpr);
+        x.c = FA_CHUNK_COL(u, cpr);
+        x.live = FA_CHUNK_LIVE(u, cpr);
+    }
+    return x;
+}
+
+/* x, opaque to the optimiser: a row step it cannot see into stays one add a chunk, where it
+ * would otherwise fold the step back into a 64-bit multiply of each chunk's row. */
+FA_DEV fa_i64 fa_opaque64(fa_i64 x)
+{
+    asm("" : "+l"(x));
+    return x;
+}
+
+/* The rows of a stage that hold keys of [j0, jend): min(jend - j0, FA_BN), at least 0. One
+ * 64-bit difference a copy, then a 32-bit compare a chunk. */
+FA_DEV int fa_copy_rows(fa_i64 j0, fa_i64 jend)
+{
+    const fa_i64 n = jend - j0;
+    return n <= 0 ? 0 : n < FA_BN ? (int)n : FA_BN;
+}
+
+/* The stage's swizzle: chunk c of row r at byte fa_swz (a tile of q's dtype) or fa_swz8 (fp8). */
+#if FA_KV_FP8
+#define FA_STAGE_SWZ fa_swz8
+#define FA_STAGE_KEY fa_swz8_key
+#else
+#define FA_STAGE_SWZ fa_swz
+#define FA_STAGE_KEY fa_swz_key
+#endif
+
+/* Copies this thread's chunks of keys [j0, j0 + FA_BN) of one cache (base g of the kv head;
+ * strides bs, rs and paged row offsets `rows` in elements of FA_KV_ESIZE bytes; cpr 16-byte
+ * chunks per row, nb bytes of each) into the stage at shared address a (generic p), swizzled,
+ * zero-filling rows from jend on. Where FA_FIXED_CHUNK(cpr) a chunk costs one compare, a
+ * 64-bit add and the copy: the source steps by a row step, the destination by a constant. */
+FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const char *g, fa_i64 bs,
+                           fa_i64 rs, const fa_i64 *rows, int cpr, int nchunks, int nb, fa_u32 a,
+                           char *p, const void *safe)
+{
+    const int es = FA_KV_ESIZE;
+    const fa_chunk x0 = fa_chunk_at(0, cpr);
+    const int nrows = fa_copy_rows(j0, jend);
+    /* chunk u (fixed) holds a key while its row offset from x0's is below lim */
+    const int lim = x0.c * 16 < nb ? nrows - x0.r : 0;
+    const fa_u32 dst0 = a + FA_STAGE_SWZ(x0.r, x0.c, cpr);
+#if !FA_PAGED
+    const char *src_u = g + (seq->blk * bs + (seq->start + j0 + x0.r) * rs) * es + x0.c * 16;
+    const fa_i64 row_step = fa_opaque64((fa_i64)(FA_THREADS / cpr) * rs * es);
+#endif
+#pragma unroll
+    for (int u = 0; u < FA_KV_CHUNKS_K || u < FA_KV_CHUNKS_V; u++) {
+        const fa_chunk x = fa_chunk_at(u, cpr);
+        if (u >= nchunks || !x.live)
+            break;
+        const int r = x.r, c = x.c;
+        const int ok = FA_FIXED_CHUNK(cpr) ? r - x0.r < lim : r < nrows && c * 16 < nb;
+#if FA_PAGED
+        (void)bs;
+        const char *src = g + rows[r] * es + c * 16;
+#else
+        (void)rows;
+        const char *src = FA_FIXED_CHUNK(cpr) ? src_u
+                                              : g + (seq->blk * bs + (seq->start + j0 + r) * rs) * es + c * 16;
+        src_u += row_step;
+#endif
+#if FA_VEC
+        (void)p;
+        /* rows x0.r + u rpp: rpp is a power of two past x0.r's bits, so the keys xor */
+        const int step = r - x0.r;
+        const fa_u32 dst = FA_FIXED_CHUNK(cpr)
+                               ? (dst0 ^ (fa_u32)(FA_STAGE_KEY(step, cpr) << 4)) + step * cpr * 16
+                               : a + FA_STAGE_SWZ(r, c, cpr);
+        fa_cp_async16(dst, ok ? (const void *)src : safe, ok ? 16 : 0);
+#else
+        (void)dst0;
+        char *dst = p + FA_STAGE_SWZ(r, c, cpr);
+#pragma unroll
+        for (int e = 0; e < 16; e += es)
+            if (es == 1)
+                dst[e] = ok && c * 16 + e < nb ? src[e] : (char)0;
+            else
+                *(fa_u16 *)(dst + e) = ok && c * 16 + e < nb ? *(const fa_u16 *)(src + e) : (fa_u16)0;
+#endif
+    }
+}
+
+/* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into stage s,
+ * in swizzled 16-byte chunks; a paged cache's rows where the stage's row offsets (rows) say. */
+FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, fa_i64 j0,
+                           fa_i64 jend, fa_u32 base_a, char *base_p, int s, const fa_i64 *rows)
+{
+    const fa_kparams *kp = &dp->f;
+    const char *kg = (const char *)kp->k + kh * kp->k_hstride * FA_KV_ESIZE;
+    const char *vg = (const char *)kp->v + kh * kp->v_hstride * FA_KV_ESIZE;
+    const int k_at = s * FA_STAGE_BYTES, v_at = k_at + FA_BN * FA_DP * FA_KV_ESIZE;
+    fa_decode_copy(seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, rows, FA_KV_CPR_K,
+                   FA_KV_CHUNKS_K, kp->d * FA_KV_ESIZE, base_a + k_at, base_p + k_at, kp->k);
+    fa_decode_copy(seq, j0, jend, vg, kp->v_bstride, kp->v_rstride, rows + FA_BN, FA_KV_CPR_V,
+                   FA_KV_CHUNKS_V, kp->dv * FA_KV_ESIZE, base_a + v_at, base_p + v_at, kp->v);
+}
+
+#endif /* FA_DECODE_COPY_CUH */
