@@ -1,4 +1,4 @@
-"""bench/flex_cpu.py with tiny shapes (--smoke), in a subprocess: one table line per case with a
+"""bench/flex.py with tiny shapes (--smoke), in a subprocess: one table line per case with a
 number in each timed column, and flashattn's output checked against torch's FlexAttention
 before it is timed (a disagreement ends the script with an error)."""
 
@@ -9,7 +9,7 @@ import sys
 import flashattn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(HERE)), "bench", "flex_cpu.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(HERE)), "bench", "flex.py")
 CASES = ("causal", "window 256", "prefix-LM", "document x8", "softcap 30", "alibi",
          "relative bias")
 

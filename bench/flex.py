@@ -1,15 +1,18 @@
-"""flashattn.flex_attention beside torch's FlexAttention on the CPU, timed in turn in one
-process, and beside flashattn's built-in option where one means the same.
+"""flashattn.flex_attention beside torch's FlexAttention, timed in turn in one process, and
+beside flashattn's built-in option where one means the same; on the CPU or a CUDA device.
 
-    PYTHONPATH=python python3 bench/flex_cpu.py [--threads 16] [--seqlen 4096] [--backward]
-    PYTHONPATH=python python3 bench/flex_cpu.py --smoke     # tiny shapes, every case once
+    PYTHONPATH=python python3 bench/flex.py [--threads 16] [--seqlen 4096] [--backward]
+    PYTHONPATH=python python3 bench/flex.py --smoke     # tiny shapes, every case once
+    PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so \
+        python3 bench/flex.py --device cuda               # b 1, h 16, s 16k, d 128, bf16
 
-Cases (b 1, h 8, d 64, fp32; mods written for torch, run unchanged by both):
+Cases (b 1; on the CPU h 8, d 64, fp32; on CUDA h 16, d 128, bf16, the FlashAttention
+benchmark's 16k tokens at hidden 2048; mods written for torch, run unchanged by both):
 - causal, sliding window 256, prefix-LM (prefix 1/4), document (8 documents, causal): mask_mods
   with a block mask from each library's create_block_mask (128-blocks);
 - softcap 30, ALiBi, relative bias (a captured [h, 2s] table): score_mods over causal.
-torch's column is torch.compile(flex_attention) (Inductor's CPU kernel), its own fast path on the
-CPU; flashattn's runs as called (the mods traced once, then cached). "built-in" is
+torch's column is torch.compile(flex_attention) (Inductor's CPU kernel, or its Triton kernel on
+CUDA), its own fast path; flashattn's runs as called (the mods traced once, then cached). "built-in" is
 flash_attn_func with causal, window_size, softcap or alibi_slopes where the case has one.
 Every output is checked against the other library's before it is timed. --backward times the
 forward and the backward of flashattn only (torch's FlexAttention has no CPU backward).
@@ -31,11 +34,11 @@ except ImportError:  # torch < 2.5
     tflex = None
 
 
-def cases(s, h):
+def cases(s, h, dev):
     """{name: (score_mod or None, mask_mod, built-in kwargs of flash_attn_func or None)}."""
-    docs = torch.arange(s) * 8 // s
-    rel = torch.randn(h, 2 * s, generator=torch.Generator().manual_seed(1))
-    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)])
+    docs = (torch.arange(s) * 8 // s).to(dev)
+    rel = torch.randn(h, 2 * s, generator=torch.Generator().manual_seed(1)).to(dev)
+    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)]).to(dev)
     prefix = s // 4
 
     def causal(b, hh, q, k):
@@ -70,44 +73,56 @@ def cases(s, h):
     }
 
 
-def best_ms(fn, reps):
+def best_ms(fn, reps, dev):
+    """The best of reps timed calls, ms (on CUDA each call waited for)."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     fn()
+    sync()
     best = math.inf
     for _ in range(reps):
         t = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best * 1e3
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    ap.add_argument("--seqlen", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seqlen", type=int, default=0, help="0: 4096 on the CPU, 16384 on CUDA")
+    ap.add_argument("--heads", type=int, default=0, help="0: 8 on the CPU, 16 on CUDA")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one timed run")
     opts = ap.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    s, h, d = (256, 2, 32) if opts.smoke else (opts.seqlen, opts.heads, 64)
+    dev = torch.device(opts.device)
+    gpu = dev.type == "cuda"
+    s, h, d = (opts.seqlen or (16384 if gpu else 4096), opts.heads or (16 if gpu else 8),
+               128 if gpu else 64)
+    s, h, d = (256, 2, 32) if opts.smoke else (s, h, d)
+    dt = torch.bfloat16 if gpu else torch.float32
+    tol = 2e-2 if gpu else 1e-3
     reps = 1 if opts.smoke else opts.reps
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, s, d, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, h, s, d, generator=g).to(dev, dt) for _ in range(3))
     compiled = None
     if tflex is not None and not opts.smoke and not opts.backward:
         compiled = torch.compile(tflex.flex_attention, dynamic=False)
-    print("flex_cpu: torch %s, %d threads; b 1, h %d, s %d, d %d, fp32, ms (best of %d)"
-          % (torch.__version__, torch.get_num_threads(), h, s, d, reps))
+    print("flex: torch %s, %s; b 1, h %d, s %d, d %d, %s, ms (best of %d)"
+          % (torch.__version__, torch.cuda.get_device_name(dev) if gpu else
+             "%d threads" % torch.get_num_threads(), h, s, d, str(dt)[6:], reps))
     if opts.backward:
         print("| case | flashattn fwd | flashattn fwd+bwd | built-in fwd+bwd |")
         print("|---|---|---|---|")
     else:
         print("| case | flashattn | torch compiled | ratio | built-in | max diff |")
         print("|---|---|---|---|---|---|")
-    for name, (score_mod, mask_mod, builtin) in cases(s, h).items():
-        ours_bm = flashattn.create_block_mask(mask_mod, None, None, s, s)
+    for name, (score_mod, mask_mod, builtin) in cases(s, h, dev).items():
+        ours_bm = flashattn.create_block_mask(mask_mod, None, None, s, s, device=dev)
         ours = lambda: flashattn.flex_attention(q, k, v, score_mod=score_mod,  # noqa: E731
                                                 block_mask=ours_bm)
         base = None
@@ -128,29 +143,30 @@ def main():
                 out.backward(torch.ones_like(out))
 
             with torch.no_grad():
-                fwd = best_ms(ours, reps)
+                fwd = best_ms(ours, reps, dev)
             print("| %s | %.1f | %.1f | %s |" % (
-                name, fwd, best_ms(ours_fb, reps),
-                "%.1f" % best_ms(base_fb, reps) if builtin is not None else "-"), flush=True)
+                name, fwd, best_ms(ours_fb, reps, dev),
+                "%.1f" % best_ms(base_fb, reps, dev) if builtin is not None else "-"),
+                flush=True)
             continue
         with torch.no_grad():
             out = ours()
             ref, theirs_ms, diff = None, None, None
             if compiled is not None:
-                tbm = tflex.create_block_mask(mask_mod, None, None, s, s, device="cpu")
+                tbm = tflex.create_block_mask(mask_mod, None, None, s, s, device=dev)
                 theirs = lambda: compiled(q, k, v, score_mod=score_mod,  # noqa: E731
                                           block_mask=tbm)
                 ref = theirs()
-                theirs_ms = best_ms(theirs, reps)
+                theirs_ms = best_ms(theirs, reps, dev)
             elif tflex is not None:
-                tbm = tflex.create_block_mask(mask_mod, None, None, s, s, device="cpu")
+                tbm = tflex.create_block_mask(mask_mod, None, None, s, s, device=dev)
                 ref = tflex.flex_attention(q, k, v, score_mod=score_mod, block_mask=tbm)
             if ref is not None:
-                diff = (out - ref).abs().max().item()
-                if not diff <= 1e-3:
+                diff = (out.float() - ref.float()).abs().max().item()
+                if not diff <= tol:
                     raise SystemExit("%s: flashattn and torch differ by %g" % (name, diff))
-            ms = best_ms(ours, reps)
-            base_ms = best_ms(base, reps) if base is not None else None
+            ms = best_ms(ours, reps, dev)
+            base_ms = best_ms(base, reps, dev) if base is not None else None
         print("| %s | %.1f | %s | %s | %s | %s |" % (
             name, ms, "%.1f" % theirs_ms if theirs_ms else "-",
             "%.2fx" % (theirs_ms / ms) if theirs_ms else "-",
