@@ -42,4 +42,9 @@ typedef struct fa_dkparams {
     fa_i64 kd_bstride, kd_hstride, vd_bstride, vd_hstride;
 } fa_dkparams;
 
+/* fa_combine.cu's launch: a CTA of FA_COMBINE_THREADS threads merges FA_COMBINE_COLS columns of
+ * one row, so a row of dv columns takes ceil(dv / FA_COMBINE_COLS) CTAs. */
+#define FA_COMBINE_THREADS 128
+#define FA_COMBINE_COLS 64
+
 #endif /* FA_DKPARAMS_H */

@@ -23,7 +23,6 @@
 #include "plan/fa_plan.h"
 
 #define FA_WS_ALIGN 256
-#define FA_COMBINE_THREADS 128 /* kernels/fa_combine.cu: a CTA per row */
 #define FA_COMBINE_MAX_DV 256  /* and its widest row */
 
 static size_t fa_decode_round(size_t x) { return (x + FA_WS_ALIGN - 1) / FA_WS_ALIGN * FA_WS_ALIGN; }
@@ -345,11 +344,12 @@ static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, i
     FA_TRY(fa_plan_combine(&key, &plan));
     FA_TRY(fa_jit_function(&plan, ctx, "fa_combine", &fn));
     const int64_t rows = dk.f.b * dk.f.max_sq * dk.f.h;
-    if (rows == 0)
+    const int64_t ctas = rows * ((dk.f.dv + FA_COMBINE_COLS - 1) / FA_COMBINE_COLS);
+    if (ctas == 0)
         return FA_STATUS_OK;
-    if (rows > INT32_MAX)
+    if (ctas > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "out: too many rows for one launch");
-    return fa_decode_launch(fn, (unsigned)rows, 1, 1, FA_COMBINE_THREADS, 0, stream, &dk,
+    return fa_decode_launch(fn, (unsigned)ctas, 1, 1, FA_COMBINE_THREADS, 0, stream, &dk,
                             fa_decode_pdl(arch), 0, "launching fa_combine");
 }
 
