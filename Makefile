@@ -87,14 +87,16 @@ gpu-upstream:
 
 # On a CUDA machine, after gpu-check's build: the Hopper rows' plans timed beside the
 # alternatives they were chosen over (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG,PERSISTENT,CONSUMERS:
-# one CTA per causal tile; two consumer warpgroups at head dim 64 on long calls, three on short),
-# then the backward, the sm80 family (FLASHATTN_BWD_SM90=0) beside the sm90 one (the default).
+# one CTA per causal tile; two consumer warpgroups at head dim 64 on long calls, three on short;
+# d 192 / dv 128 beside the sm80 family and d 192's own 112-key block), then the backward, the
+# sm80 family (FLASHATTN_BWD_SM90=0) beside the sm90 one (the default).
 gpu-tune:
 	export PYTHONPATH=python FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so; \
 	$(PYTHON) tests/gpu/bench_gpu.py --no-jit --no-sm80 --hdims 64 \
 		--variants "128,4,0,1,2;128,4,0,2,2;128,4,0,2,3" && \
 	$(PYTHON) tests/gpu/bench_gpu.py --no-jit --no-sm80 --hdims 128 --variants "128,2,1,1" && \
 	$(PYTHON) tests/gpu/bench_gpu.py --no-jit --no-sm80 --hdims 256 --variants "80,2,1,1" && \
+	$(PYTHON) tests/gpu/bench_gpu.py --no-jit --hdims 192 --dv 128 --variants "112,2,1" && \
 	FLASHATTN_BWD_SM90=0 $(PYTHON) tests/gpu/bench_bwd.py && \
 	$(PYTHON) tests/gpu/bench_bwd.py
 

@@ -32,16 +32,18 @@
  * that, and the wgmma descriptors with layout type 1 (128B swizzle) read exactly that.
  *
  * Tensor maps (built on the host by cuTensorMapEncodeTiled, src/cuda/fa_cuda_forward.c): rank 4,
- * dims {d, rows, heads, batch} innermost first, box {64, FA_BM or FA_BN, 1, 1}, bf16/fp16, 128B
- * swizzle, out-of-bounds elements zero-filled (so a partial last block reads zeros, never the next
- * head, and a head dim short of a multiple of 64 is padded with zero columns); passed by value as
- * a __grid_constant__ parameter.
+ * dims {d (dv for V), rows, heads, batch} innermost first, box {64, FA_BM or FA_BN, 1, 1},
+ * bf16/fp16, 128B swizzle, out-of-bounds elements zero-filled (so a partial last block reads zeros,
+ * never the next head, and a head dim short of a multiple of 64 is padded with zero columns);
+ * passed by value as a __grid_constant__ parameter.
  *
- * Defines from the plan (src/plan/fa_plan.c): FA_BF16, FA_D (head dim), FA_DP = FA_DVP (FA_D
- * rounded up to 64: 64, 128, 192 or 256), FA_NCW, FA_BM (64 FA_NCW), FA_BN (16 k 64..192), FA_STAGES,
- * FA_SOFTCAP, FA_ALIBI, FA_VARLEN, FA_PINGPONG. Varlen maps span the packed rows ({d, total, heads,
- * 1}) and tiles take their sequence's offsets from cu_seqlens. Features not compiled here
- * (dropout, probs, unaligned rows, d != dv) are routed to the sm80 family by the plan.
+ * Defines from the plan (src/plan/fa_plan.c): FA_BF16, FA_D (Q and K's head dim), FA_DV (V's,
+ * only where it differs from FA_D), FA_DP and FA_DVP (each rounded up to 64: 64, 128, 192 or 256;
+ * V's stages and the P V product are FA_DVP wide, O holds FA_DVP / 2 registers a thread), FA_NCW,
+ * FA_BM (64 FA_NCW), FA_BN (16 k 64..192), FA_STAGES, FA_SOFTCAP, FA_ALIBI, FA_VARLEN, FA_PINGPONG.
+ * Varlen maps span the packed rows ({d, total, heads, 1}) and tiles take their sequence's offsets
+ * from cu_seqlens. Features not compiled here (dropout, probs, unaligned rows) are routed to the
+ * sm80 family by the plan.
  * Entry points: fa_fwd(kp, tensor maps) and fa_fwd_fill (varlen rows outside every sequence).
  */
 #include "fa_common.cuh"
@@ -62,11 +64,16 @@
  * worsen the compiler's schedule of the softmax, which costs more than the short epilogue saves. */
 #define FA_O16 (FA_NCW != 3)
 
-#if FA_BM != 64 * FA_NCW || FA_DP % 64 != 0 || FA_DP > 256 || FA_DVP != FA_DP || FA_STAGES < 2
-#error "fa_fwd_sm90.cu: BM = 64 x consumers, d = dv padded to 64, 128, 192 or 256, >= 2 stages"
+#ifndef FA_DV
+#define FA_DV FA_D /* V's head dim: the plan defines it only where it differs from Q's */
 #endif
-#if (FA_NCW != 2 && FA_NCW != 3) || (FA_NCW == 3 && (FA_PINGPONG || FA_DP != 64))
-#error "fa_fwd_sm90.cu: 2 consumer warpgroups, or 3 (d 64, no pingpong: 160 registers each)"
+
+#if FA_BM != 64 * FA_NCW || FA_DP % 64 != 0 || FA_DP > 256 || FA_DVP % 64 != 0 ||                \
+    FA_DVP > 256 || FA_STAGES < 2
+#error "fa_fwd_sm90.cu: BM = 64 x consumers, d and dv padded to 64, 128, 192 or 256, >= 2 stages"
+#endif
+#if (FA_NCW != 2 && FA_NCW != 3) || (FA_NCW == 3 && (FA_PINGPONG || FA_DP != 64 || FA_DVP != 64))
+#error "fa_fwd_sm90.cu: 2 consumer warpgroups, or 3 (d, dv 64, no pingpong: 160 registers each)"
 #endif
 
 /* The kernel's second parameter: the Q, K, V tensor maps (fa_tmap, fa_sm90.cuh) and the
@@ -517,7 +524,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
         for (int j = 0; j < FA_OACC; j += 2) {
             const int col = 8 * (j >> 2) + 2 * r.q4;
             /* Columns past dv are the zero padding of a head dim rounded up to 64. */
-            if (((j >> 1) & 1) == hf && (FA_DVP == FA_D || col < kp->dv))
+            if (((j >> 1) & 1) == hf && (FA_DVP == FA_DV || col < kp->dv))
                 *(fa_u32 *)(og + col) = fa_pack2(o[j] * scale, o[j + 1] * scale);
         }
 #endif

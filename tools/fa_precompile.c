@@ -23,7 +23,7 @@
 typedef struct fa_pc_job {
     int arch;
     fa_dtype dtype;
-    int hdim;
+    int hdim, hdim_v; /* Q and K's head dim, V's */
     unsigned features;
     fa_status status;
     int cached;
@@ -58,7 +58,8 @@ static void fa_pc_usage(FILE *f)
 {
     fputs("usage: flashattn precompile [options]\n"
           "  --arch LIST      sm_80,sm_86,sm_89,sm_90a,... (default sm_80,sm_90a)\n"
-          "  --hdim LIST      head dims (default 32,64,96,128,192,256)\n"
+          "  --hdim LIST      head dims, each D or D:DV where V's differs (default\n"
+          "                   32,64,96,128,192,256,192:128)\n"
           "  --dtype LIST     fp16,bf16 (default both)\n"
           "  --features LIST  feature sets, each none or names joined by '+' from varlen, alibi,\n"
           "                   softcap, dropout, unaligned (default\n"
@@ -99,8 +100,24 @@ static int fa_pc_features(const char *s, unsigned *out)
     return 0;
 }
 
-/* Splits a comma list and parses each item; returns the count or -1 after printing why. */
-static int fa_pc_list(const char *opt, const char *arg, int *ints, unsigned *bits, fa_dtype *dts)
+/* A --hdim entry: D, or D:DV where V's head dim differs; -1 when out of [1, FA_MAX_HEAD_DIM]. */
+static int fa_pc_hdim(const char *s, int *dv)
+{
+    char *end;
+    const long d = strtol(s, &end, 10);
+    long v = d;
+    if (*end == ':')
+        v = strtol(end + 1, &end, 10);
+    if (*end || d < 1 || d > FA_MAX_HEAD_DIM || v < 1 || v > FA_MAX_HEAD_DIM)
+        return -1;
+    *dv = (int)v;
+    return (int)d;
+}
+
+/* Splits a comma list and parses each item (ints2: V's head dims of --hdim); returns the count
+ * or -1 after printing why. */
+static int fa_pc_list(const char *opt, const char *arg, int *ints, int *ints2, unsigned *bits,
+                      fa_dtype *dts)
 {
     char buf[256];
     int n = 0;
@@ -110,7 +127,7 @@ static int fa_pc_list(const char *opt, const char *arg, int *ints, unsigned *bit
         if (ok && strcmp(opt, "--arch") == 0)
             ok = (ints[n] = fa_pc_arch(tok)) > 0;
         else if (ok && strcmp(opt, "--hdim") == 0)
-            ok = (ints[n] = atoi(tok)) >= 1 && ints[n] <= FA_MAX_HEAD_DIM;
+            ok = (ints[n] = fa_pc_hdim(tok, &ints2[n])) > 0;
         else if (ok && strcmp(opt, "--features") == 0)
             ok = fa_pc_features(tok, &bits[n]) == 0;
         else if (ok && strcmp(opt, "--dtype") == 0) {
@@ -132,6 +149,8 @@ static void fa_pc_describe(const fa_pc_job *j, char *dst, size_t size)
 {
     int n = snprintf(dst, size, "sm_%d%s %s hdim %d", j->arch, j->arch == 90 ? "a" : "",
                      fa_dtype_name(j->dtype), j->hdim);
+    if (j->hdim_v != j->hdim && n > 0 && (size_t)n < size)
+        n += snprintf(dst + n, size - (size_t)n, ":%d", j->hdim_v);
     for (size_t i = 0; i < sizeof fa_pc_feature_names / sizeof fa_pc_feature_names[0]; i++)
         if (j->features & fa_pc_feature_names[i].bit && n > 0 && (size_t)n < size)
             n += snprintf(dst + n, size - (size_t)n, " %s", fa_pc_feature_names[i].name);
@@ -195,7 +214,8 @@ static void *fa_pc_worker(void *arg)
         if (i >= q->count)
             return NULL;
         fa_pc_job *j = &q->jobs[i];
-        j->status = fa_cuda_precompile(j->arch, j->dtype, j->hdim, j->hdim, j->features, &j->cached);
+        j->status = fa_cuda_precompile(j->arch, j->dtype, j->hdim, j->hdim_v, j->features,
+                                       &j->cached);
         if (j->status != FA_STATUS_OK)
             snprintf(j->error, sizeof j->error, "%s", fa_last_error());
         pthread_mutex_lock(&q->lock);
@@ -221,12 +241,14 @@ static void fa_pc_wait(fa_pc_queue *q)
 
 int fa_precompile_main(int argc, char **argv)
 {
-    int archs[FA_PC_MAX] = {80, 90}, hdims[FA_PC_MAX] = {32, 64, 96, 128, 192, 256};
+    /* 192:128: DeepSeek's MLA prefill (the sm90 forward's d != dv kernels). */
+    int archs[FA_PC_MAX] = {80, 90}, hdims[FA_PC_MAX] = {32, 64, 96, 128, 192, 256, 192};
+    int hdims_v[FA_PC_MAX] = {32, 64, 96, 128, 192, 256, 128};
     fa_dtype dtypes[FA_PC_MAX] = {FA_DTYPE_F16, FA_DTYPE_BF16};
     unsigned feats[FA_PC_MAX] = {0, FA_FEATURE_VARLEN,
                                  FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_DROPOUT,
                                  FA_FEATURE_SOFTCAP | FA_FEATURE_UNALIGNED};
-    int n_arch = 2, n_hdim = 6, n_dtype = 2, n_feat = 4, jobs = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    int n_arch = 2, n_hdim = 7, n_dtype = 2, n_feat = 4, jobs = (int)sysconf(_SC_NPROCESSORS_ONLN);
     int verbose = 0;
     for (int i = 0; i < argc; i++) {
         const char *o = argv[i];
@@ -252,13 +274,13 @@ int fa_precompile_main(int argc, char **argv)
         if (strcmp(o, "--jobs") == 0)
             n = (jobs = atoi(v)) >= 1 ? 1 : -1;
         else if (strcmp(o, "--arch") == 0)
-            n = n_arch = fa_pc_list(o, v, archs, NULL, NULL);
+            n = n_arch = fa_pc_list(o, v, archs, NULL, NULL, NULL);
         else if (strcmp(o, "--hdim") == 0)
-            n = n_hdim = fa_pc_list(o, v, hdims, NULL, NULL);
+            n = n_hdim = fa_pc_list(o, v, hdims, hdims_v, NULL, NULL);
         else if (strcmp(o, "--dtype") == 0)
-            n = n_dtype = fa_pc_list(o, v, NULL, NULL, dtypes);
+            n = n_dtype = fa_pc_list(o, v, NULL, NULL, NULL, dtypes);
         else
-            n = n_feat = fa_pc_list(o, v, NULL, feats, NULL);
+            n = n_feat = fa_pc_list(o, v, NULL, NULL, feats, NULL);
         if (n < 0)
             return FA_EXIT_USAGE;
     }
@@ -284,8 +306,8 @@ int fa_precompile_main(int argc, char **argv)
         for (int h = 0; h < n_hdim; h++)
             for (int t = 0; t < n_dtype; t++)
                 for (int f = 0; f < n_feat; f++)
-                    q.jobs[at++] = (fa_pc_job){archs[a], dtypes[t], hdims[h], feats[f],
-                                               FA_STATUS_OK, 0, ""};
+                    q.jobs[at++] = (fa_pc_job){archs[a], dtypes[t], hdims[h], hdims_v[h],
+                                               feats[f], FA_STATUS_OK, 0, ""};
     if (jobs > count)
         jobs = count;
     if (jobs > 64)

@@ -142,12 +142,12 @@ static void fa_plan_define_features(fa_plan *plan, unsigned features, unsigned c
 
 /*
  * sm90 family (sm_90a: TMA, wgmma, warp specialisation), one row per head dim rounded up to 64
- * (d = dv): 128-row query tiles, 1 producer + 2 consumer warpgroups. Key block and stages: as
- * many stages as fit beside Q in the 227 KB of shared memory, and for the wide heads the key block
- * shrunk until two stages fit (FA3's hdim-192/256 tiles). Pingpong between the consumers on or off
- * per row, persistent CTAs over mirrored tile pairs for causal calls, by measurement. Long
- * calls (FA_PLAN_LONG) at head dim 64 take three consumer warpgroups, 192-row tiles: faster
- * from 8k rows on, slower below (fewer, longer tiles leave SMs idle at the end).
+ * (the larger of d and dv): 128-row query tiles, 1 producer + 2 consumer warpgroups. Key block
+ * and stages: as many stages as fit beside Q in the 227 KB of shared memory, and for the wide
+ * heads the key block shrunk until two stages fit (FA3's hdim-192/256 tiles). Pingpong between
+ * the consumers on or off per row, persistent CTAs over mirrored tile pairs for causal calls, by
+ * measurement. Long calls (FA_PLAN_LONG) at head dim 64 take three consumer warpgroups, 192-row
+ * tiles: faster from 8k rows on, slower below (fewer, longer tiles leave SMs idle at the end).
  */
 typedef struct fa_plan_row90 {
     int dp, bn, stages, pingpong, persistent;
@@ -160,6 +160,29 @@ static const fa_plan_row90 fa_sm90_rows[] = {
     {192, 112, 2, 1, 2, 2}, /* Q 48 KB + 2 x (K 42 + V 42) KB = 216 KB */
     {256, 80, 2, 1, 2, 2},  /* Q 64 KB + 2 x (K 40 + V 40) KB = 224 KB */
 };
+
+/*
+ * d != dv: the row of the wider head dim holds both (its K, V stages and its O accumulator are at
+ * least as wide), and a narrower one leaves room for a longer key block: it grows toward 128 keys
+ * (the rows' widest, FA3's 192 / 128 tile) while shared memory at the row's stages and the
+ * consumers' registers hold it. A 240-register consumer thread keeps S (bn / 2 fp32), P (bn / 4
+ * packed pairs) and O (dvp / 2 fp32) live together; FA_SM90_ACC_REGS is the most of them a row
+ * holds without spilling (d 256: 40 + 20 + 128). So d 192 / dv 128 takes 128 keys (214 KB,
+ * 160 of those registers against d 192's 112 keys and 180).
+ */
+#define FA_SM90_ACC_REGS 188
+#define FA_SM90_GROW_BN 128
+
+static int fa_plan_sm90_acc_regs(int bn, int dvp) { return bn / 2 + bn / 4 + dvp / 2; }
+
+static void fa_plan_sm90_grow(fa_plan_row90 *row, int dp, int dvp)
+{
+    while (row->bn + 16 <= FA_SM90_GROW_BN &&
+           fa_plan_sm90_acc_regs(row->bn + 16, dvp) <= FA_SM90_ACC_REGS &&
+           FA_SMEM_FWD90(64 * row->consumers, row->bn + 16, dp, dvp, row->stages) <=
+               FA_SMEM_SM90_MAX)
+        row->bn += 16;
+}
 
 #define FA_PLAN_MODS (FA_PLAN_SCORE_MOD | FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK)
 
@@ -181,7 +204,7 @@ int fa_plan_sm90_enabled(void)
  * causal, window or varlen; 2 (the rows' choice) also for causal and windowed calls of at most
  * FA_SM90_PAIRED_MAX_TILES query tiles, over mirrored pairs of tiles. CONSUMERS: 2, or 3 at head
  * dim 64 without pingpong (192-row tiles). */
-static void fa_plan_sm90_override(fa_plan_row90 *row)
+static void fa_plan_sm90_override(fa_plan_row90 *row, int dp, int dvp)
 {
     const char *env = getenv("FLASHATTN_SM90_TILE");
     int bn, stages, pingpong, persistent = row->persistent, consumers = row->consumers;
@@ -192,7 +215,7 @@ static void fa_plan_sm90_override(fa_plan_row90 *row)
         (pingpong != 0 && pingpong != 1) || persistent < 0 || persistent > 2 ||
         (consumers != 2 && consumers != 3) ||
         (consumers == 3 && (row->dp != 64 || pingpong)) ||
-        FA_SMEM_FWD90(64 * consumers, bn, row->dp, row->dp, stages) > FA_SMEM_SM90_MAX)
+        FA_SMEM_FWD90(64 * consumers, bn, dp, dvp, stages) > FA_SMEM_SM90_MAX)
         return;
     row->bn = bn;
     row->stages = stages;
@@ -204,26 +227,32 @@ static void fa_plan_sm90_override(fa_plan_row90 *row)
 fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->arch != 90 || (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16) ||
-        key->d != key->dv || key->d > 256 || (key->features & FA_SM90_UNSUPPORTED))
+        key->d > 256 || key->dv > 256 || (key->features & FA_SM90_UNSUPPORTED))
         return FA_STATUS_UNSUPPORTED;
-    const int dp = (key->d + 63) / 64 * 64;
-    fa_plan_row90 row = fa_sm90_rows[dp / 64 - 1];
-    if (dp == 64 && (key->features & FA_PLAN_LONG))
+    const int dp = (key->d + 63) / 64 * 64, dvp = (key->dv + 63) / 64 * 64;
+    fa_plan_row90 row = fa_sm90_rows[(dp > dvp ? dp : dvp) / 64 - 1];
+    if (row.dp == 64 && (key->features & FA_PLAN_LONG))
         row.consumers = 3;
-    fa_plan_sm90_override(&row);
+    if (dp != dvp)
+        fa_plan_sm90_grow(&row, dp, dvp);
+    fa_plan_sm90_override(&row, dp, dvp);
     *plan = (fa_plan){0};
     plan->family = "fa_fwd_sm90.cu";
     snprintf(plan->target, sizeof plan->target, "sm_90a");
     plan->bm = 64 * row.consumers;
     plan->bn = row.bn;
     plan->nwarps = 4 * (row.consumers + 1);
-    plan->dp = plan->dvp = dp;
+    plan->dp = dp;
+    plan->dvp = dvp;
     plan->stages = row.stages;
     plan->persistent = row.persistent;
     plan->threads = (unsigned)(128 * (row.consumers + 1));
     plan->smem = (unsigned)FA_SMEM_FWD90(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages);
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_D", key->d);
+    /* Only d != dv kernels carry FA_DV, so the others keep their JIT keys. */
+    if (key->dv != key->d)
+        fa_plan_define(plan, "FA_DV", key->dv);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);
     fa_plan_define(plan, "FA_NCW", row.consumers);

@@ -2,6 +2,10 @@
  * The plan table's choices that no GPU is needed to check (src/plan/fa_plan.c):
  *   - the sm90 forward rows: persistent 2 everywhere, three consumer warpgroups (192-row tiles)
  *     at head dim 64 for long calls only, FLASHATTN_SM90_TILE overriding and refusing;
+ *   - the sm90 forward for d != dv on sm_90: every (d, dv) of [1, 256]^2, each padded to 64, the
+ *     rows of d = dv unchanged, the wider head dim's row with a key block grown toward 128 while
+ *     shared memory and the consumers' accumulator registers hold it (d 192 / dv 128: 128 keys),
+ *     FA_DV defined exactly where dv != d;
  *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
  *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the padded head dims of the arch-80 plan
  *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
@@ -70,6 +74,87 @@ static void check_forward_sm90(void)
                  plan_define(&plan, "FA_NCW") == 2 && plan.bn == 128,
              "an override the kernel cannot take was not ignored");
     unsetenv("FLASHATTN_SM90_TILE");
+}
+
+/* S, P and O registers of a consumer thread: at most the d 256 row's (40 + 20 + 128), which
+ * compiles without spills in the consumers' 240 registers. */
+static int sm90_acc_regs(const fa_plan *plan)
+{
+    return plan->bn / 2 + plan->bn / 4 + plan->dvp / 2;
+}
+
+static void check_forward_sm90_dv(void)
+{
+    /* The rows of d = dv (their kernels keep their keys): {dp, bn, stages, pingpong}. */
+    static const int rows[4][4] = {{64, 128, 4, 0}, {128, 128, 2, 1}, {192, 112, 2, 1},
+                                   {256, 80, 2, 1}};
+    for (int d = 1; d <= 256; d += 5)
+        for (int dv = 1; dv <= 256; dv += 7) {
+            const int dp = (d + 63) / 64 * 64, dvp = (dv + 63) / 64 * 64;
+            const int wide = dp > dvp ? dp : dvp;
+            const int *row = rows[wide / 64 - 1];
+            fa_plan_key key = {90, FA_DTYPE_F16, d, dv, FA_FEATURE_ALIBI};
+            fa_plan plan;
+            TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                         strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
+                     "d %d dv %d: family %s", d, dv, plan.family);
+            TU_CHECK(plan.dp == dp && plan.dvp == dvp && plan_define(&plan, "FA_DP") == dp &&
+                         plan_define(&plan, "FA_DVP") == dvp && plan_define(&plan, "FA_D") == d &&
+                         plan_define(&plan, "FA_DV") == (d == dv ? -1 : dv),
+                     "d %d dv %d: dp %d dvp %d FA_DV %d", d, dv, plan.dp, plan.dvp,
+                     plan_define(&plan, "FA_DV"));
+            const unsigned smem = (unsigned)FA_SMEM_FWD90(plan.bm, plan.bn, dp, dvp, plan.stages);
+            TU_CHECK(plan.smem == smem && smem <= FA_SMEM_SM90_MAX && sm90_acc_regs(&plan) <= 188,
+                     "d %d dv %d: bn %d stages %d: %u bytes, %d accumulator registers", d, dv,
+                     plan.bn, plan.stages, plan.smem, sm90_acc_regs(&plan));
+            /* The wider head dim's row; d != dv grows its key block toward 128 while it fits. */
+            const int grown = plan.bn + 16;
+            fa_plan bigger = plan;
+            bigger.bn = grown;
+            const int fits = grown <= 128 && sm90_acc_regs(&bigger) <= 188 &&
+                             FA_SMEM_FWD90(plan.bm, grown, dp, dvp, plan.stages) <=
+                                 FA_SMEM_SM90_MAX;
+            TU_CHECK(plan.stages == row[2] && plan_define(&plan, "FA_PINGPONG") == row[3] &&
+                         plan.bm == 128 &&
+                         (dp == dvp ? plan.bn == row[1] : plan.bn >= row[1] && !fits),
+                     "d %d dv %d: bn %d stages %d pingpong %d, the d %d row has bn %d", d, dv,
+                     plan.bn, plan.stages, plan_define(&plan, "FA_PINGPONG"), wide, row[1]);
+        }
+    /* DeepSeek's MLA prefill: d 192's row with 128 keys (its 112 grown; V's stage is smaller). */
+    fa_plan_key key = {90, FA_DTYPE_BF16, 192, 128, FA_FEATURE_VARLEN};
+    fa_plan plan;
+    TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.bn == 128 &&
+                 plan.stages == 2 && plan.smem == 214096,
+             "d 192 dv 128: bn %d stages %d, %u bytes", plan.bn, plan.stages, plan.smem);
+    /* Three consumers for long calls only where both pad to 64. */
+    const int pairs[3][3] = {{64, 40, 3}, {40, 64, 3}, {64, 128, 2}};
+    for (int i = 0; i < 3; i++) {
+        fa_plan_key lk = {90, FA_DTYPE_BF16, pairs[i][0], pairs[i][1], FA_PLAN_LONG};
+        TU_CHECK(fa_plan_forward_sm90(&lk, &plan) == FA_STATUS_OK &&
+                     plan_define(&plan, "FA_NCW") == pairs[i][2],
+                 "d %d dv %d long: %d consumers", pairs[i][0], pairs[i][1],
+                 plan_define(&plan, "FA_NCW"));
+    }
+    /* The override counts K and V apart: 128 keys in 2 stages fit d 192 / dv 128, not dv 192. */
+    setenv("FLASHATTN_SM90_TILE", "128,2,1", 1);
+    TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.bn == 128,
+             "override 128,2,1 at d 192 dv 128: bn %d", plan.bn);
+    key.dv = 192;
+    TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.bn == 112,
+             "override 128,2,1 at d = dv 192 (over the shared memory) taken: bn %d", plan.bn);
+    unsetenv("FLASHATTN_SM90_TILE");
+    /* Off sm_90, or with FLASHATTN_SM90=0, the sm80 family. */
+    key.dv = 128;
+    key.arch = 80;
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                 strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+             "sm_80 d 192 dv 128: %s", plan.family);
+    key.arch = 90;
+    setenv("FLASHATTN_SM90", "0", 1);
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                 strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+             "FLASHATTN_SM90=0 d 192 dv 128: %s", plan.family);
+    unsetenv("FLASHATTN_SM90");
 }
 
 /* The family fa_plan_backward picks for (arch, d, dv, features), "" when it refuses. */
@@ -285,6 +370,7 @@ int main(void)
     tu_master_seed("test_plan");
     check_defines();
     check_forward_sm90();
+    check_forward_sm90_dv();
     check_backward();
     check_backward_wide();
     check_decode_splits();

@@ -4,8 +4,11 @@ Run by `make gpu-check` on a CUDA machine (needs torch with CUDA):
     PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so python3 tests/gpu/bench_gpu.py
 Shapes are upstream's benchmark grid: 16k tokens (batch = 16384 / seqlen), hidden 2048
 (heads = 2048 / hdim), bf16. TFLOP/s by FlashAttention's convention: 4*b*h*s*s*d, halved when
-causal. Also reports the first call's time (JIT compile, or a disk-cache hit, plus module load)
-and the host cost of a cached call. Prints a short table last; --json PATH keeps every number.
+causal; with --dv (V's head dim, e.g. --hdims 192 --dv 128, DeepSeek's MLA prefill)
+2*b*h*s*s*(d + dv). PyTorch's cuDNN backend takes dv != d (torch >= 2.5); its flash backend
+does not and shows '-'. Also reports the first call's time (JIT compile, or a disk-cache hit,
+plus module load) and the host cost of a cached call. Prints a short table last; --json PATH
+keeps every number.
 "ours" is the default plan (on Hopper the sm_90a family where it supports the case); "sm80" is
 the same call with FLASHATTN_SM90=0 (the sm80 family), on Hopper only. --variants times more
 plans of the sm_90a family (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG each) beside them.
@@ -113,6 +116,8 @@ def call_overhead_us():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hdims", default="64,128,256")
+    ap.add_argument("--dv", type=int, default=0,
+                    help="V's head dim for every row (default: each row's hdim)")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--backends", default="flash,cudnn",
                     help="PyTorch SDPA backends to time beside ours ('none' for ours alone)")
@@ -143,20 +148,22 @@ def main():
     rows = []
     for d in [int(x) for x in opts.hdims.split(",")]:
         h = 2048 // d
+        dv = opts.dv or d
         for s in [int(x) for x in opts.seqlens.split(",")]:
             b = max(1, 16384 // s)
             for causal in (False, True):
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=DTYPE) for _ in range(3))
-                out = torch.empty_like(q)
-                row = dict(hdim=d, seqlen=s, batch=b, heads=h, causal=causal)
+                flops = 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
+                q, k = (torch.randn(b, s, h, d, device="cuda", dtype=DTYPE) for _ in range(2))
+                v = torch.randn(b, s, h, dv, device="cuda", dtype=DTYPE)
+                out = torch.empty(b, s, h, dv, device="cuda", dtype=DTYPE)
+                row = dict(hdim=d, hdim_v=dv, seqlen=s, batch=b, heads=h, causal=causal)
                 row["ours"] = flops / bench(Call(q, k, v, out, causal)) / 1e12
                 hopper = torch.cuda.get_device_capability() == (9, 0)
                 others = [] if not hopper or opts.no_sm80 else [("sm80", "FLASHATTN_SM90", "0")]
                 others += [(f"tile {t}", "FLASHATTN_SM90_TILE", t)
                            for t in opts.variants.split(";") if t and hopper]
                 for name, var, value in others:
-                    out2 = torch.empty_like(q)
+                    out2 = torch.empty_like(out)
                     os.environ[var] = value
                     try:
                         row[name] = flops / bench(Call(q, k, v, out2, causal)) / 1e12
@@ -192,12 +199,15 @@ def main():
     extra = [f"tile {t}" for t in opts.variants.split(";") if t]
     print(f"\nTFLOP/s fwd, bf16, {torch.cuda.get_device_name()}" +
           "".join(f"; t{i} = FLASHATTN_SM90_TILE={t[5:]}" for i, t in enumerate(extra)))
-    print("hdim seqlen causal |   ours   sm80" + "".join(f"    t{i}" for i in range(len(extra))) +
+    # V's head dim gets a column only when --dv sets it.
+    dv_col = lambda r: f"{r['hdim_v']:5d} " if opts.dv else ""
+    print("hdim " + ("   dv " if opts.dv else "") + "seqlen causal |   ours   sm80" +
+          "".join(f"    t{i}" for i in range(len(extra))) +
           "  flash  cudnn | ours/cudnn ours/flash maxdiff")
     ratio = lambda a, b: a / b if a and b else float("nan")
     for r in rows:
-        print(f"{r['hdim']:4d} {r['seqlen']:6d} {str(r['causal']):6s} | {fmt(r['ours'])} "
-              f"{fmt(r.get('sm80'))}" + "".join(f" {fmt(r.get(t))}" for t in extra) +
+        print(f"{r['hdim']:4d} {dv_col(r)}{r['seqlen']:6d} {str(r['causal']):6s} | "
+              f"{fmt(r['ours'])} {fmt(r.get('sm80'))}" + "".join(f" {fmt(r.get(t))}" for t in extra) +
               f" {fmt(r.get('flash'))} {fmt(r.get('cudnn'))} | "
               f"{ratio(r['ours'], r.get('cudnn')):10.2f} {ratio(r['ours'], r.get('flash')):10.2f} "
               f"{r.get('maxdiff_vs_flash', float('nan')):.1e}")

@@ -86,9 +86,9 @@ static const struct {
 #endif
 
 #ifdef FA_TEST_SM90
-/* Every head dim row (32 and 80/96 padded up to 64/128, 192, 256), causal or not, windows, GQA/MQA,
- * softcap, ALiBi, sinks, empty rows, padded rows, several wraps of the stage ring; sm90 = 1 where
- * the sm90 family must run the case on sm_90. */
+/* Every head dim row (32 and 80/96 padded up to 64/128, 192, 256) and d != dv, causal or not,
+ * windows, GQA/MQA, softcap, ALiBi, sinks, empty rows, padded rows, several wraps of the stage
+ * ring; sm90 = 1 where the sm90 family must run the case on sm_90. */
 static const struct {
     gpu_case c;
     int sm90;
@@ -122,10 +122,23 @@ static const struct {
     {{"sm90 varlen seqused alibi d64", 4, 4, 2, 400, 520, 64, 64, 0, -1, -1, 0, 1, 0, 0, 1, 1, 0, 0}, 1},
     {{"sm90 varlen window sinks d256", 3, 2, 1, 300, 333, 256, 256, 0, 70, 20, 0, 0, 1, 0, 1, 0, 0, 0}, 1},
     {{"sm90 varlen softcap gqa d192", 4, 6, 3, 260, 700, 192, 192, 1, -1, -1, 15, 0, 0, 0, 1, 0, 0, 0}, 1},
+    /* d != dv: V's stages, the P V product, O and its stores dv wide (DeepSeek's MLA prefill,
+     * d 192 / dv 128, on its grown 128-key tile), each padded to 64 on its own. */
+    {{"sm90 d192 dv128", 2, 4, 4, 300, 517, 192, 128, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 d192 dv128 causal ring", 1, 4, 2, 700, 900, 192, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 varlen d192 dv128 causal", 4, 4, 2, 260, 700, 192, 128, 1, -1, -1, 0, 0, 0, 0, 1, 1, 0, 0}, 1},
+    {{"sm90 gqa window d192 dv128 padded", 1, 8, 2, 333, 290, 192, 128, 0, 32, 16, 0, 0, 0, 0, 0, 0, 0, 8}, 1},
+    {{"sm90 softcap alibi sinks d192 dv128", 1, 4, 2, 200, 333, 192, 128, 1, -1, -1, 30, 1, 1, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 persistent mqa d192 dv128", 1, 140, 1, 64, 100, 192, 128, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 d128 dv64", 1, 2, 2, 100, 180, 128, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 window-left d64 dv256", 1, 4, 4, 400, 700, 64, 256, 0, 100, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    {{"sm90 varlen window d256 dv64", 3, 2, 1, 300, 333, 256, 64, 0, 70, 20, 0, 0, 1, 0, 1, 0, 0, 0}, 1},
+    {{"sm90 d96 dv160 padded causal", 1, 4, 2, 200, 300, 96, 160, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 8}, 1},
+    {{"sm90 d40 dv24 padded sq>sk", 2, 2, 2, 200, 60, 40, 24, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 8}, 1},
     /* Cases the family does not take: the sm80 family runs them. */
     {{"sm90->sm80 probs d64", 1, 2, 2, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0, 0, 0, 1, 0}, 0},
     {{"sm90->sm80 dropout d128", 1, 2, 2, 100, 180, 128, 128, 0, -1, -1, 0, 0, 0, 0.2, 0, 0, 0, 0}, 0},
-    {{"sm90->sm80 d128 dv64", 1, 2, 2, 100, 180, 128, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
+    {{"sm90->sm80 unaligned d192 dv100", 1, 2, 1, 70, 150, 192, 100, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
     {{"sm90->sm80 unaligned d37", 1, 2, 1, 70, 150, 37, 37, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
 };
 /* Plans the rows take only for some shapes, forced with FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG,
@@ -150,6 +163,12 @@ static const struct {
      "128,4,0,2,3"},
     {{"sm90 3 consumers varlen softcap d64", 4, 4, 2, 400, 520, 64, 64, 1, -1, -1, 20, 0, 0, 0, 1, 1, 0, 0},
      "128,4,0,1,3"},
+    /* Three consumers store O in 4-byte pieces, up to dv's columns of the padded 64. */
+    {{"sm90 3 consumers d64 dv40 padded", 1, 8, 2, 450, 500, 64, 40, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 8},
+     "128,4,0,1,3"},
+    /* d 192 / dv 128 with d 192's own key block (the 112 its row had before growing). */
+    {{"sm90 d192 dv128 112 keys paired causal", 1, 24, 4, 640, 640, 192, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+     "112,2,1,2,2"},
 };
 static const struct {
     gpu_case c;
