@@ -20,6 +20,7 @@ forward and the backward of flashattn only (torch's FlexAttention has no CPU bac
 
 import argparse
 import math
+import re
 import time
 
 import torch
@@ -95,6 +96,7 @@ def main():
     ap.add_argument("--heads", type=int, default=0, help="0: 8 on the CPU, 16 on CUDA")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--only", default="", help="a regular expression: the cases whose names match")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one timed run")
     opts = ap.parse_args()
     if opts.threads:
@@ -122,6 +124,8 @@ def main():
         print("| case | flashattn | torch compiled | ratio | built-in | max diff |")
         print("|---|---|---|---|---|---|")
     for name, (score_mod, mask_mod, builtin) in cases(s, h, dev).items():
+        if opts.only and not re.search(opts.only, name):
+            continue
         ours_bm = flashattn.create_block_mask(mask_mod, None, None, s, s, device=dev)
         ours = lambda: flashattn.flex_attention(q, k, v, score_mod=score_mod,  # noqa: E731
                                                 block_mask=ours_bm)
