@@ -70,11 +70,14 @@
 #error "fa_fwd_sm90.cu: 2 consumer warpgroups, or 3 (d 64, no pingpong: 160 registers each)"
 #endif
 
-/* The kernel's second parameter: the Q, K, V tensor maps (fa_tmap, fa_sm90.cuh) and the
- * schedule; the same layout as fa_cuda_tmaps on the host. */
+/* The kernel's second parameter: the Q, K, V tensor maps (fa_tmap, fa_sm90.cuh), the schedule
+ * and dropout's Philox round keys; the same layout as fa_cuda_tmaps on the host. */
 typedef struct fa_tmaps {
     fa_tmap q, k, v;
     int paired; /* the grid's work units are mirrored pairs of query tiles (fa_unit_tile) */
+    /* fa_philox_keys of the seed: read from the parameter bank, they take no registers (the
+     * seed's keys computed in the kernel held 20 of them at head dim 256 and spilled) */
+    fa_u32 philox_keys[20];
 } fa_tmaps;
 
 /* S (+)= Q K^T for one k-step, both operands K-major in shared memory, N = FA_BN. */
@@ -121,15 +124,17 @@ typedef struct fa_rows {
     int diag;          /* sk - sq: key column of a row's diagonal minus the row */
 #if FA_DROPOUT
     fa_u32 stream_lo, stream_hi; /* the (sequence, head)'s Philox stream (fa_dropout_stream) */
-    fa_u32 keep_lim; /* keep iff number <= keep_threshold - 1: ((keep_threshold - 1) << 16) | 0xffff */
+    fa_u32 keep_lim;             /* ((keep_threshold - 1) << 16) | 0xffff */
+    const fa_u32 *keys;          /* the Philox round keys (fa_tmaps.philox_keys) */
 #endif
 } fa_rows;
 
 #if FA_DROPOUT
-/* Zeroes the dropped one of P's elements (row half hf, columns 8g + 2 q4 and + 1) from w, the
- * Philox word that holds their 16-bit numbers (the low half the even column's). The threshold
- * is in [1, 65536] (dropout_p in (0, 1)), so number < threshold is number <= r->keep_lim >> 16,
- * and both halves compare against keep_lim: the high as the word, the low shifted up. */
+/* Zeroes the dropped ones of P's elements (row half hf, columns 8g + 2 q4 and + 1) from w, the
+ * Philox word that holds their 16-bit numbers (the low half the even column's). For a threshold
+ * in [1, 65536], number < threshold is number <= r->keep_lim >> 16, and both halves compare
+ * against keep_lim: the high as the word, the low shifted up. A threshold of 0 (dropout_p within
+ * 2^-16 of 1) keeps every key here; the epilogue's factor 0 then drops them all. */
 FA_DEV void fa_dropout_pair_apply(const fa_rows *r, float *sacc, int g, int hf, fa_u32 w)
 {
     const int j = 4 * g + 2 * hf;
@@ -161,7 +166,7 @@ FA_DEV void fa_dropout_chunk(const fa_kparams *kp, const fa_rows *r, float *sacc
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             fa_u32 w[4];
-            fa_philox4_kp(kp, blk + r->q4, r->row0 + 8 * hf, r->stream_lo, r->stream_hi, w);
+            fa_philox4_keys(blk + r->q4, r->row0 + 8 * hf, r->stream_lo, r->stream_hi, r->keys, w);
             fa_quad_transpose(w, r->q4);
 #pragma unroll
             for (int j = 0; j < 4; j++)
@@ -169,8 +174,8 @@ FA_DEV void fa_dropout_chunk(const fa_kparams *kp, const fa_rows *r, float *sacc
         }
     } else {
         fa_u32 w[4];
-        fa_philox4_kp(kp, blk + (r->q4 & 1), r->row0 + 8 * (r->q4 >> 1), r->stream_lo,
-                      r->stream_hi, w);
+        fa_philox4_keys(blk + (r->q4 & 1), r->row0 + 8 * (r->q4 >> 1), r->stream_lo,
+                        r->stream_hi, r->keys, w);
         fa_quad_transpose(w, r->q4); /* w[i]: word q4 of row half i / 2, group g0 + i % 2 */
 #pragma unroll
         for (int i = 0; i < 4; i++)
@@ -449,8 +454,8 @@ FA_DEV void fa_v_tail_zero(const fa_smem_map *m, const fa_tile *w, int kv0)
  * softmax runs under the other's GEMMs; per tile each side syncs and is arrived at n_blocks + 1
  * times, so nothing is left pending between tiles.
  */
-FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa_tile *w, int cw,
-                            int *kv, int *q_round)
+FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_smem_map *m,
+                            const fa_tile *w, int cw, int *kv, int *q_round)
 {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int sq = w->sq, sk = w->sk;
@@ -474,6 +479,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
     r.stream_lo = (fa_u32)stream;
     r.stream_hi = (fa_u32)(stream >> 32);
     r.keep_lim = ((kp->keep_threshold - 1u) << 16) | 0xffffu;
+    r.keys = tm->philox_keys;
 #endif
 
     float o[FA_OACC];
@@ -537,8 +543,8 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
             if (it == nb - 1)
                 fa_stage_release(m->q_empty, lane);
 #if FA_DROPOUT
-            /* P_(i-1) V_(i-1) finished before the softmax, as ptxas schedules it without dropout
-             * anyway: P_(i-1)'s registers then hold the dropout's Philox state. */
+            /* Wait for P_(i-1) V_(i-1) before the softmax (where ptxas puts the wait without
+             * dropout too): P_(i-1)'s registers then hold the Philox state instead of spilling. */
             fa_wg_wait0();
             fa_gemm_operands_pin(o, pa);
 #endif
@@ -581,7 +587,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
         float lse, scale;
         fa_row_finish(row_sum[hf], row_max[hf] * r.sm, sink2, &lse, &scale);
 #if FA_DROPOUT
-        scale *= kp->dropout_scale;
+        scale *= kp->keep_threshold ? kp->dropout_scale : 0.f;
 #endif
         fa_u16 *og = (fa_u16 *)kp->out + w->bi * kp->o_bstride +
                      (fa_i64)(w->q_start + row) * kp->o_rstride + w->h * kp->o_hstride;
@@ -668,7 +674,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         for (int half = 0, hb, mb; half < 2; half++)
             if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
                 const fa_tile w = fa_tile_get(&kp, hb, mb);
-                fa_consume_tile(&kp, &m, &w, wg - 1, &kv, &q_round);
+                fa_consume_tile(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
             }
 }
 

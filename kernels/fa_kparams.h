@@ -83,10 +83,6 @@ typedef struct fa_kparams {
     fa_i64 bm_num_stride[3], bm_idx_stride[4], bm_full_num_stride[3], bm_full_idx_stride[4];
     int bm_kv_block, bm_nk; /* key blocks of the call: ceil(sk / bm_kv_block) */
     int bm_n, bm_full_n;    /* the index tensors' last dims */
-
-    /* Dropout's Philox round keys (fa_philox_keys): round r XORs in philox_keys[2r], [2r + 1].
-     * Read from the parameter bank, they cost a kernel no registers (the sm90 forward's). */
-    fa_u32 philox_keys[20];
 } fa_kparams;
 
 #if !defined(__CUDACC__)

@@ -5,7 +5,6 @@
 #include "fa_kparams.h"
 #include "fa_rules.h"
 #include "cuda/fa_cuda.h"
-#include "util/fa_philox.h"
 
 /* The user-defined scoring's part of the block (the fields after page_pad). */
 static void fa_kparams_fill_mods(const fa_mod_call *c, fa_kparams *kp)
@@ -75,7 +74,6 @@ void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
     kp->total_k = p->total_k;
     kp->max_sq = p->max_sq, kp->max_sk = p->max_sk;
     kp->seed = p->seed, kp->offset = p->offset;
-    fa_philox_keys(p->seed, kp->philox_keys);
     kp->b = (int)p->b, kp->h = (int)p->h, kp->hk = (int)p->hk;
     kp->d = (int)p->d, kp->dv = (int)p->dv;
     kp->window_left = p->window_left, kp->window_right = p->window_right;

@@ -161,8 +161,8 @@ static const fa_plan_row90 fa_sm90_rows[] = {
     {256, 80, 2, 1, 2, 2},  /* Q 64 KB + 2 x (K 40 + V 40) KB = 224 KB */
 };
 
-/* Keys per block with dropout at head dim 256: the 80-key block's S, P and Philox state beside
- * the 128 O registers overflow a consumer's 240 registers (ptxas spills), the 64-key block's fit. */
+/* Keys per block with dropout at head dim 256: beside the 128 O registers, the 80-key block's S,
+ * P and Philox state overflow a consumer's 240 registers (ptxas spills); the 64-key block's fit. */
 #define FA_SM90_BN_DROPOUT_D256 64
 
 #define FA_PLAN_MODS (FA_PLAN_SCORE_MOD | FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK)

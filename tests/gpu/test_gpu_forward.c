@@ -137,6 +137,8 @@ static const struct {
     {{"sm90 varlen dropout alibi gqa d128", 4, 4, 2, 300, 420, 128, 128, 1, -1, -1, 0, 1, 0, 0.2, 1, 1, 0, 0}, 1},
     {{"sm90 varlen dropout window d256", 3, 2, 1, 300, 333, 256, 256, 0, 70, 20, 0, 0, 0, 0.3, 1, 0, 0, 0}, 1},
     {{"sm90 varlen dropout d192", 3, 4, 4, 200, 260, 192, 192, 0, -1, -1, 0, 0, 0, 0.05, 1, 0, 0, 0}, 1},
+    /* dropout_p within 2^-16 of 1: a keep threshold of 0, every key dropped. */
+    {{"sm90 dropout p~1 d64", 1, 2, 2, 90, 130, 64, 64, 0, -1, -1, 0, 0, 0, 0.99999, 0, 0, 0, 0}, 1},
     /* Cases the family does not take: the sm80 family runs them. */
     {{"sm90->sm80 probs d64", 1, 2, 2, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0, 0, 0, 1, 0}, 0},
     {{"sm90->sm80 dropout probs d128", 1, 2, 2, 100, 180, 128, 128, 0, -1, -1, 0, 0, 0, 0.2, 0, 0, 1, 0}, 0},
