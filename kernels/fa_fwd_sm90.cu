@@ -75,8 +75,8 @@
 typedef struct fa_tmaps {
     fa_tmap q, k, v;
     int paired; /* the grid's work units are mirrored pairs of query tiles (fa_unit_tile) */
-    /* fa_philox_keys of the seed: read from the parameter bank, they take no registers (the
-     * seed's keys computed in the kernel held 20 of them at head dim 256 and spilled) */
+    /* fa_philox_keys of the seed, read from the parameter bank: computed in the kernel, all 20
+     * would sit in registers across the key loop, which head dim 256 cannot spare */
     fa_u32 philox_keys[20];
 } fa_tmaps;
 
@@ -130,6 +130,12 @@ typedef struct fa_rows {
 } fa_rows;
 
 #if FA_DROPOUT
+/* Whether fa_dropout_chunk skips chunks no row of the warp sees, behind a warp vote. The branch
+ * also keeps ptxas from interleaving every chunk's Philox, which the registers of the wide heads
+ * and of three consumers need; two consumers up to head dim 128 have the room, and there the
+ * interleaved schedule issues fewer instructions per block. */
+#define FA_DROPOUT_SKIP (FA_NCW == 3 || FA_DVP > 128)
+
 /* Zeroes the dropped ones of P's elements (row half hf, columns 8g + 2 q4 and + 1) from w, the
  * Philox word that holds their 16-bit numbers (the low half the even column's). For a threshold
  * in [1, 65536], number < threshold is number <= r->keep_lim >> 16, and both halves compare
@@ -151,15 +157,14 @@ FA_DEV void fa_dropout_pair_apply(const fa_rows *r, float *sacc, int g, int hf, 
  * the quad computes each row's four blocks once, lane q4 the block of group g0 + q4, and trades
  * the words (fa_quad_transpose). A last half chunk (FA_BN % 32 == 16) has two blocks per row,
  * four in all: lane q4 computes row half q4 / 2, group g0 + q4 % 2, and the trade hands each lane
- * its four. A chunk no row of the warp sees is skipped (its P is 0); the branch also keeps the
- * compiler from interleaving every chunk's Philox at once, which costs registers.
+ * its four. With FA_DROPOUT_SKIP a chunk no row of the warp sees is skipped (its P is 0).
  */
 FA_DEV void fa_dropout_chunk(const fa_kparams *kp, const fa_rows *r, float *sacc, int n, int g0)
 {
     const int groups = g0 + 4 <= FA_BN / 8 ? 4 : 2;
     const int c0 = n * FA_BN + 8 * g0, c1 = c0 + 8 * groups;
     const int seen = (c0 < r->hi[0] && c1 > r->lo[0]) || (c0 < r->hi[1] && c1 > r->lo[1]);
-    if (!__any_sync(0xffffffffu, seen))
+    if (FA_DROPOUT_SKIP && !__any_sync(0xffffffffu, seen))
         return;
     const fa_u32 blk = (fa_u32)(c0 >> 3);
     if (groups == 4) {
