@@ -215,6 +215,17 @@ FA_DEV void fa_mma16816(float c[4], const fa_u32 a[4], fa_u32 b0, fa_u32 b1)
 #endif
 }
 
+/* One Philox4x32 round on the counter words c0..c3 (lvalues) under the round key (k0, k1). */
+#define FA_PHILOX_ROUND(c0, c1, c2, c3, k0, k1)                                                    \
+    do {                                                                                           \
+        fa_u32 lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);                            \
+        fa_u32 lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);                            \
+        c0 = hi1 ^ c1 ^ (k0);                                                                      \
+        c1 = lo1;                                                                                  \
+        c2 = hi0 ^ c3 ^ (k1);                                                                      \
+        c3 = lo0;                                                                                  \
+    } while (0)
+
 /* Philox4x32-10 exactly as src/util/fa_philox.h computes it on the CPU (the dropout mask must be
  * bit-identical): the four words of block (c0, c1, c2, c3) under key (k0, k1), in w[0..3]. */
 FA_DEV void fa_philox4(fa_u32 c0, fa_u32 c1, fa_u32 c2, fa_u32 c3, fa_u32 k0, fa_u32 k1,
@@ -222,15 +233,24 @@ FA_DEV void fa_philox4(fa_u32 c0, fa_u32 c1, fa_u32 c2, fa_u32 c3, fa_u32 k0, fa
 {
 #pragma unroll
     for (int round = 0; round < 10; round++) {
-        fa_u32 lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
-        fa_u32 lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
-        c0 = hi1 ^ c1 ^ k0;
-        c1 = lo1;
-        c2 = hi0 ^ c3 ^ k1;
-        c3 = lo0;
+        FA_PHILOX_ROUND(c0, c1, c2, c3, k0, k1);
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
     }
+    w[0] = c0;
+    w[1] = c1;
+    w[2] = c2;
+    w[3] = c3;
+}
+
+/* The same block with the round keys precomputed on the host (fa_philox_keys): round r uses
+ * keys[2r], keys[2r + 1]. */
+FA_DEV void fa_philox4_keys(fa_u32 c0, fa_u32 c1, fa_u32 c2, fa_u32 c3, const fa_u32 *keys,
+                            fa_u32 w[4])
+{
+#pragma unroll
+    for (int round = 0; round < 10; round++)
+        FA_PHILOX_ROUND(c0, c1, c2, c3, keys[2 * round], keys[2 * round + 1]);
     w[0] = c0;
     w[1] = c1;
     w[2] = c2;

@@ -10,8 +10,9 @@
  *   warpgroups 1 .. FA_NCW, the consumers (setmaxnreg.inc 240 for two, 160 for three): 64 query
  *     rows each. Per key block:
  *     S = Q K^T with wgmma.mma_async (both operands in shared memory, by descriptor), mask, online
- *     softmax in base 2 with scale * log2(e) folded into the FFMA in front of each exp2, P converted
- *     in registers to the A fragment, O += P V with the register-A form of wgmma (V by descriptor,
+ *     softmax in base 2 with scale * log2(e) folded into the FFMA in front of each exp2, dropout
+ *     (FA_DROPOUT: P's elements zeroed by the Philox mask after the row sums), P converted in
+ *     registers to the A fragment, O += P V with the register-A form of wgmma (V by descriptor,
  *     MN-major). K and V of a stage are released to the producer separately, each on its own
  *     "empty" mbarrier as soon as the GEMM reading it has finished: K right after S, so the next
  *     K can land while this block's P V still runs.
@@ -19,8 +20,8 @@
  *     pipelining), and with FA_PINGPONG the two consumers take turns issuing GEMMs (named
  *     barriers), so one's softmax also hides under the other's GEMMs.
  * Keys are visited from the last visible block to the first (masked blocks first), as in sm80.
- * Epilogue: O / l and lse straight from the accumulator registers; rows with no visible key and no
- * sink give 0 and lse +inf (the sm80 family's rule).
+ * Epilogue: O / l (times 1 / (1 - p) with dropout) and lse straight from the accumulator
+ * registers; rows with no visible key and no sink give 0 and lse +inf (the sm80 family's rule).
  *
  * Shared memory (from a 1024-byte aligned base, as the 128-byte swizzle requires):
  *   Q [FA_DP/64 column blocks][FA_BM rows][128 B]
@@ -40,9 +41,10 @@
  * Defines from the plan (src/plan/fa_plan.c): FA_BF16, FA_D (Q and K's head dim), FA_DV (V's,
  * only where it differs from FA_D), FA_DP and FA_DVP (each rounded up to 64: 64, 128, 192 or 256;
  * V's stages and the P V product are FA_DVP wide, O holds FA_DVP / 2 registers a thread), FA_NCW,
- * FA_BM (64 FA_NCW), FA_BN (16 k 64..192), FA_STAGES, FA_SOFTCAP, FA_ALIBI, FA_VARLEN, FA_PINGPONG.
+ * FA_BM (64 FA_NCW), FA_BN (16 k 64..192), FA_STAGES, FA_SOFTCAP, FA_ALIBI, FA_DROPOUT,
+ * FA_VARLEN, FA_PINGPONG.
  * Varlen maps span the packed rows ({d, total, heads, 1}) and tiles take their sequence's offsets
- * from cu_seqlens. Features not compiled here (dropout, probs, unaligned rows) are routed to the
+ * from cu_seqlens. Features not compiled here (probs, unaligned rows) are routed to the
  * sm80 family by the plan.
  * Entry points: fa_fwd(kp, tensor maps) and fa_fwd_fill (varlen rows outside every sequence).
  */
@@ -76,11 +78,14 @@
 #error "fa_fwd_sm90.cu: 2 consumer warpgroups, or 3 (d, dv 64, no pingpong: 160 registers each)"
 #endif
 
-/* The kernel's second parameter: the Q, K, V tensor maps (fa_tmap, fa_sm90.cuh) and the
- * schedule; the same layout as fa_cuda_tmaps on the host. */
+/* The kernel's second parameter: the Q, K, V tensor maps (fa_tmap, fa_sm90.cuh), the schedule
+ * and dropout's Philox round keys; the same layout as fa_cuda_tmaps on the host. */
 typedef struct fa_tmaps {
     fa_tmap q, k, v;
     int paired; /* the grid's work units are mirrored pairs of query tiles (fa_unit_tile) */
+    /* fa_philox_keys of the seed, read from the parameter bank: computed in the kernel, all 20
+     * would sit in registers across the key loop, which head dim 256 cannot spare */
+    fa_u32 philox_keys[20];
 } fa_tmaps;
 
 /* S (+)= Q K^T for one k-step, both operands K-major in shared memory, N = FA_BN. */
@@ -125,7 +130,72 @@ typedef struct fa_rows {
     int prescale;
     float slope_log2;  /* ALiBi slope in base-2 units */
     int diag;          /* sk - sq: key column of a row's diagonal minus the row */
+#if FA_DROPOUT
+    fa_u32 stream_lo, stream_hi; /* the (sequence, head)'s Philox stream (fa_dropout_stream) */
+    fa_u32 keep_lim;             /* ((keep_threshold - 1) << 16) | 0xffff */
+    const fa_u32 *keys;          /* the Philox round keys (fa_tmaps.philox_keys) */
+#endif
 } fa_rows;
+
+#if FA_DROPOUT
+/* Whether fa_dropout_chunk skips chunks no row of the warp sees, behind a warp vote. The branch
+ * also keeps ptxas from interleaving every chunk's Philox, which the registers of the wide heads
+ * and of three consumers need; two consumers up to head dim 128 have the room, and there the
+ * interleaved schedule issues fewer instructions per block. */
+#define FA_DROPOUT_SKIP (FA_NCW == 3 || FA_DVP > 128)
+
+/* Zeroes the dropped ones of P's elements (row half hf, columns 8g + 2 q4 and + 1) from w, the
+ * Philox word that holds their 16-bit numbers (the low half the even column's). For a threshold
+ * in [1, 65536], number < threshold is number <= r->keep_lim >> 16, and both halves compare
+ * against keep_lim: the high as the word, the low shifted up. A threshold of 0 (dropout_p within
+ * 2^-16 of 1) keeps every key here; the epilogue's factor 0 then drops them all. */
+FA_DEV void fa_dropout_pair_apply(const fa_rows *r, float *sacc, int g, int hf, fa_u32 w)
+{
+    const int j = 4 * g + 2 * hf;
+    sacc[j] = (w << 16) <= r->keep_lim ? sacc[j] : 0.f;
+    sacc[j + 1] = w <= r->keep_lim ? sacc[j + 1] : 0.f;
+}
+
+/*
+ * Dropout of key block n's P, after the softmax's sums (which count dropped keys, as upstream's
+ * do): the element (row, col) is kept iff its number is below kp->keep_threshold, the number
+ * being half (col % 2) of word (col % 8) / 2 of Philox block (col / 8, row, stream) under the
+ * seed (fa_dropout_pair, the CPU's and the sm80 family's rule). A thread's two rows hold columns
+ * 8g + 2 q4, + 1 of each 8-column group g, word q4 of the group's block: per chunk of four groups
+ * the quad computes each row's four blocks once, lane q4 the block of group g0 + q4, and trades
+ * the words (fa_quad_transpose). A last half chunk (FA_BN % 32 == 16) has two blocks per row,
+ * four in all: lane q4 computes row half q4 / 2, group g0 + q4 % 2, and the trade hands each lane
+ * its four. With FA_DROPOUT_SKIP a chunk no row of the warp sees is skipped (its P is 0).
+ */
+FA_DEV void fa_dropout_chunk(const fa_kparams *kp, const fa_rows *r, float *sacc, int n, int g0)
+{
+    const int groups = g0 + 4 <= FA_BN / 8 ? 4 : 2;
+    const int c0 = n * FA_BN + 8 * g0, c1 = c0 + 8 * groups;
+    const int seen = (c0 < r->hi[0] && c1 > r->lo[0]) || (c0 < r->hi[1] && c1 > r->lo[1]);
+    if (FA_DROPOUT_SKIP && !__any_sync(0xffffffffu, seen))
+        return;
+    const fa_u32 blk = (fa_u32)(c0 >> 3);
+    if (groups == 4) {
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            fa_u32 w[4];
+            fa_philox4_keys(blk + r->q4, r->row0 + 8 * hf, r->stream_lo, r->stream_hi, r->keys, w);
+            fa_quad_transpose(w, r->q4);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                fa_dropout_pair_apply(r, sacc, g0 + j, hf, w[j]);
+        }
+    } else {
+        fa_u32 w[4];
+        fa_philox4_keys(blk + (r->q4 & 1), r->row0 + 8 * (r->q4 >> 1), r->stream_lo,
+                        r->stream_hi, r->keys, w);
+        fa_quad_transpose(w, r->q4); /* w[i]: word q4 of row half i / 2, group g0 + i % 2 */
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            fa_dropout_pair_apply(r, sacc, g0 + (i & 1), i >> 1, w[i]);
+    }
+}
+#endif
 
 /* S of key block n (scores in sacc) -> exp2 of the scaled, masked scores relative to the new row
  * maxima, in place; row_max, row_sum updated; alpha[hf] = the factor O must be rescaled by. */
@@ -183,6 +253,11 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
             }
         row_sum[hf] = row_sum[hf] * alpha[hf] + sum;
     }
+#if FA_DROPOUT
+#pragma unroll
+    for (int g0 = 0; g0 < FA_BN / 8; g0 += 4)
+        fa_dropout_chunk(kp, r, sacc, n, g0);
+#endif
 }
 
 /* Issues S = Q K^T for one key block (FA_DP / 16 k-steps) as one wgmma group, from the
@@ -392,8 +467,8 @@ FA_DEV void fa_v_tail_zero(const fa_smem_map *m, const fa_tile *w, int kv0)
  * softmax runs under the other's GEMMs; per tile each side syncs and is arrived at n_blocks + 1
  * times, so nothing is left pending between tiles.
  */
-FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa_tile *w, int cw,
-                            int *kv, int *q_round)
+FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_smem_map *m,
+                            const fa_tile *w, int cw, int *kv, int *q_round)
 {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int sq = w->sq, sk = w->sk;
@@ -411,6 +486,13 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
     r.slope_log2 = kp->alibi_slopes[w->bi * kp->alibi_bstride + w->h * kp->alibi_hstride] * FA_LOG2E;
 #else
     r.slope_log2 = 0.f;
+#endif
+#if FA_DROPOUT
+    const fa_u64 stream = fa_dropout_stream(kp, w->bi, w->h);
+    r.stream_lo = (fa_u32)stream;
+    r.stream_hi = (fa_u32)(stream >> 32);
+    r.keep_lim = ((kp->keep_threshold - 1u) << 16) | 0xffffu;
+    r.keys = tm->philox_keys;
 #endif
 
     float o[FA_OACC];
@@ -473,9 +555,17 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
             fa_stage_release(m->k_empty + 8 * s, lane);
             if (it == nb - 1)
                 fa_stage_release(m->q_empty, lane);
-            fa_softmax_block(kp, &r, sacc, w->n_max - 1 - it, row_max, row_sum, alpha);
+#if FA_DROPOUT
+            /* Wait for P_(i-1) V_(i-1) before the softmax (where ptxas puts the wait without
+             * dropout too): P_(i-1)'s registers then hold the Philox state instead of spilling. */
             fa_wg_wait0();
             fa_gemm_operands_pin(o, pa);
+#endif
+            fa_softmax_block(kp, &r, sacc, w->n_max - 1 - it, row_max, row_sum, alpha);
+#if !FA_DROPOUT
+            fa_wg_wait0();
+            fa_gemm_operands_pin(o, pa);
+#endif
             fa_stage_release(m->v_empty + 8 * sp, lane);
             fa_o_rescale(o, alpha);
             fa_p_pack(sacc, pa);
@@ -509,6 +599,9 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_smem_map *m, const fa
         const int row = r.row0 + 8 * hf;
         float lse, scale;
         fa_row_finish(row_sum[hf], row_max[hf] * r.sm, sink2, &lse, &scale);
+#if FA_DROPOUT
+        scale *= kp->keep_threshold ? kp->dropout_scale : 0.f;
+#endif
         fa_u16 *og = (fa_u16 *)kp->out + w->bi * kp->o_bstride +
                      (fa_i64)(w->q_start + row) * kp->o_rstride + w->h * kp->o_hstride;
 #if FA_O16
@@ -594,7 +687,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         for (int half = 0, hb, mb; half < 2; half++)
             if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
                 const fa_tile w = fa_tile_get(&kp, hb, mb);
-                fa_consume_tile(&kp, &m, &w, wg - 1, &kv, &q_round);
+                fa_consume_tile(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
             }
 }
 

@@ -63,7 +63,7 @@ static void fa_pc_usage(FILE *f)
           "  --dtype LIST     fp16,bf16 (default both)\n"
           "  --features LIST  feature sets, each none or names joined by '+' from varlen, alibi,\n"
           "                   softcap, dropout, unaligned (default\n"
-          "                   none,varlen,varlen+alibi+dropout,softcap+unaligned)\n"
+          "                   none,varlen,varlen+alibi+dropout,dropout,softcap+unaligned)\n"
           "  --jobs N         parallel compiles (default: the number of CPUs)\n"
           "  -v               one line per configuration, as it finishes\n"
           "Compiles into the kernel cache ($FLASHATTN_CACHE_DIR, default\n"
@@ -247,8 +247,8 @@ int fa_precompile_main(int argc, char **argv)
     fa_dtype dtypes[FA_PC_MAX] = {FA_DTYPE_F16, FA_DTYPE_BF16};
     unsigned feats[FA_PC_MAX] = {0, FA_FEATURE_VARLEN,
                                  FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_DROPOUT,
-                                 FA_FEATURE_SOFTCAP | FA_FEATURE_UNALIGNED};
-    int n_arch = 2, n_hdim = 7, n_dtype = 2, n_feat = 4, jobs = (int)sysconf(_SC_NPROCESSORS_ONLN);
+                                 FA_FEATURE_DROPOUT, FA_FEATURE_SOFTCAP | FA_FEATURE_UNALIGNED};
+    int n_arch = 2, n_hdim = 7, n_dtype = 2, n_feat = 5, jobs = (int)sysconf(_SC_NPROCESSORS_ONLN);
     int verbose = 0;
     for (int i = 0; i < argc; i++) {
         const char *o = argv[i];

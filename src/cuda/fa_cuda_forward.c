@@ -10,14 +10,16 @@
 #include "fa_rules.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_jit.h"
+#include "util/fa_philox.h"
 
 #define FA_PROBS_WARPS 4
 
-/* The sm90 kernel's second parameter (fa_tmaps in kernels/fa_fwd_sm90.cu): Q, K, V maps and
- * whether the grid's work units are mirrored pairs of query tiles. */
+/* The sm90 kernel's second parameter (fa_tmaps in kernels/fa_fwd_sm90.cu): Q, K, V maps,
+ * whether the grid's work units are mirrored pairs of query tiles, dropout's round keys. */
 typedef struct fa_cuda_tmaps {
     fa_cu_tensor_map q, k, v;
     int paired;
+    uint32_t philox_keys[20];
 } fa_cuda_tmaps;
 
 /* The driver's encoding of fa_cuda_tmap's map (below). */
@@ -256,6 +258,7 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
             tmaps->paired = plan.persistent == 2 && !uniform && !p->is_varlen &&
                             m_blocks <= FA_SM90_PAIRED_MAX_TILES;
             const int persistent = uniform ? plan.persistent >= 1 : tmaps->paired;
+            fa_philox_keys(p->seed, tmaps->philox_keys);
             const int64_t units =
                 (tmaps->paired ? (m_blocks + 1) / 2 : m_blocks) * (int64_t)p->h * p->b;
             unsigned grid = (unsigned)(persistent && sms > 0 && sms < units ? sms : units);

@@ -184,12 +184,15 @@ static void fa_plan_sm90_grow(fa_plan_row90 *row, int dp, int dvp)
         row->bn += 16;
 }
 
+/* Keys per block with dropout at head dim 256: beside the 128 O registers, the 80-key block's S,
+ * P and Philox state overflow a consumer's 240 registers (ptxas spills); the 64-key block's fit. */
+#define FA_SM90_BN_DROPOUT_D256 64
+
 #define FA_PLAN_MODS (FA_PLAN_SCORE_MOD | FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK)
 
 /* What the sm90 kernel compiles: everything else goes to the sm80 family. */
 #define FA_SM90_UNSUPPORTED                                                                     \
-    (FA_FEATURE_DROPOUT | FA_FEATURE_UNALIGNED | FA_PLAN_PROBS | FA_PLAN_NO_SM90 | FA_PLAN_PAGED | \
-     FA_PLAN_MODS)
+    (FA_FEATURE_UNALIGNED | FA_PLAN_PROBS | FA_PLAN_NO_SM90 | FA_PLAN_PAGED | FA_PLAN_MODS)
 
 /* On unless FLASHATTN_SM90=0 (which keeps every case on the sm80 family, for comparison). */
 int fa_plan_sm90_enabled(void)
@@ -233,7 +236,9 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_row90 row = fa_sm90_rows[(dp > dvp ? dp : dvp) / 64 - 1];
     if (row.dp == 64 && (key->features & FA_PLAN_LONG))
         row.consumers = 3;
-    if (dp != dvp)
+    if (row.dp == 256 && (key->features & FA_FEATURE_DROPOUT))
+        row.bn = FA_SM90_BN_DROPOUT_D256;
+    else if (dp != dvp)
         fa_plan_sm90_grow(&row, dp, dvp);
     fa_plan_sm90_override(&row, dp, dvp);
     *plan = (fa_plan){0};

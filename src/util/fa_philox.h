@@ -12,6 +12,10 @@ typedef struct fa_philox4 {
     uint32_t w[4];
 } fa_philox4;
 
+/* The Weyl increments of the two key words, added after each round. */
+#define FA_PHILOX_W0 0x9E3779B9u
+#define FA_PHILOX_W1 0xBB67AE85u
+
 static inline fa_philox4 fa_philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
                                           uint32_t k0, uint32_t k1)
 {
@@ -24,11 +28,20 @@ static inline fa_philox4 fa_philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2,
         c1 = lo1;
         c2 = hi0 ^ c3 ^ k1;
         c3 = lo0;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
+        k0 += FA_PHILOX_W0;
+        k1 += FA_PHILOX_W1;
     }
     fa_philox4 r = {{c0, c1, c2, c3}};
     return r;
+}
+
+/* The ten round keys of the dropout Philox under seed: round r uses keys[2r], keys[2r + 1]. */
+static inline void fa_philox_keys(uint64_t seed, uint32_t keys[20])
+{
+    for (uint32_t r = 0; r < 10; r++) {
+        keys[2 * r] = (uint32_t)seed + r * FA_PHILOX_W0;
+        keys[2 * r + 1] = (uint32_t)(seed >> 32) + r * FA_PHILOX_W1;
+    }
 }
 
 /* The eight 16-bit numbers of columns col8*8 .. col8*8+7 of one (batch, head, row). */

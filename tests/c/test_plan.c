@@ -6,6 +6,7 @@
  *     rows of d = dv unchanged, the wider head dim's row with a key block grown toward 128 while
  *     shared memory and the consumers' accumulator registers hold it (d 192 / dv 128: 128 keys),
  *     FA_DV defined exactly where dv != d;
+ *   - dropout on the sm90 forward (64-key blocks at head dim 256), the sm80 family with probs;
  *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
  *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the padded head dims of the arch-80 plan
  *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
@@ -154,6 +155,40 @@ static void check_forward_sm90_dv(void)
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                  strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
              "FLASHATTN_SM90=0 d 192 dv 128: %s", plan.family);
+    unsetenv("FLASHATTN_SM90");
+}
+
+/* Dropout on sm_90: the sm90 family with FA_DROPOUT=1 (64-key blocks at head dim 256, the
+ * row's block below), the sm80 family with probs or FLASHATTN_SM90=0; no FA_DROPOUT=1 without. */
+static void check_forward_sm90_dropout(void)
+{
+    for (int d = 32; d <= 256; d += 32) {
+        fa_plan_key key = {90, FA_DTYPE_F16, d, d, FA_FEATURE_DROPOUT | FA_FEATURE_VARLEN};
+        fa_plan plan, plain;
+        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                     strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
+                 "d %d dropout: family %s", d, plan.family);
+        TU_CHECK(plan_define(&plan, "FA_DROPOUT") == 1, "d %d: no FA_DROPOUT=1", d);
+        fa_plan_key plain_key = {90, FA_DTYPE_F16, d, d, FA_FEATURE_VARLEN};
+        TU_CHECK(fa_plan_forward(&plain_key, &plain) == FA_STATUS_OK &&
+                     plan_define(&plain, "FA_DROPOUT") == 0,
+                 "d %d without dropout: FA_DROPOUT %d", d, plan_define(&plain, "FA_DROPOUT"));
+        TU_CHECK(plan.bn == (plan.dp == 256 ? 64 : plain.bn), "d %d dropout: bn %d (without %d)",
+                 d, plan.bn, plain.bn);
+        TU_CHECK(plan.smem == (unsigned)FA_SMEM_FWD90(plan.bm, plan.bn, plan.dp, plan.dvp,
+                                                      plan.stages),
+                 "d %d dropout: smem %u", d, plan.smem);
+        key.features |= FA_PLAN_PROBS;
+        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                     strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+                 "d %d dropout probs: family %s", d, plan.family);
+    }
+    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_FEATURE_DROPOUT};
+    fa_plan plan;
+    setenv("FLASHATTN_SM90", "0", 1);
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                 strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+             "FLASHATTN_SM90=0 dropout: family %s", plan.family);
     unsetenv("FLASHATTN_SM90");
 }
 
@@ -371,6 +406,7 @@ int main(void)
     check_defines();
     check_forward_sm90();
     check_forward_sm90_dv();
+    check_forward_sm90_dropout();
     check_backward();
     check_backward_wide();
     check_decode_splits();

@@ -12,6 +12,8 @@ keeps every number.
 "ours" is the default plan (on Hopper the sm_90a family where it supports the case); "sm80" is
 the same call with FLASHATTN_SM90=0 (the sm80 family), on Hopper only. --variants times more
 plans of the sm_90a family (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG each) beside them.
+--dropout P also times the same calls with dropout_p = P ("drop", and "drop sm80" on Hopper)
+and prints drop/ours.
 """
 import argparse
 import ctypes
@@ -51,7 +53,7 @@ def fa_view(t):
 class Call:
     """One prepared fa_attention_forward call on the current torch stream."""
 
-    def __init__(self, q, k, v, out, causal):
+    def __init__(self, q, k, v, out, causal, dropout_p=0.0):
         self.lib = _lib.get_lib()
         self.views = [fa_view(x) for x in (q, k, v, out)]
         self.args = _lib.FaFwdArgs()
@@ -59,6 +61,8 @@ class Call:
         a = self.args
         a.q, a.k, a.v, a.out = [ctypes.pointer(x) for x in self.views]
         a.causal = int(causal)
+        a.dropout_p = dropout_p
+        a.seed = 1234
         a.device = q.device.index or 0
         a.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
@@ -127,6 +131,8 @@ def main():
     ap.add_argument("--no-sm80", action="store_true", help="skip the FLASHATTN_SM90=0 column")
     ap.add_argument("--variants", default="",
                     help="';'-separated FLASHATTN_SM90_TILE values to time as extra columns")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="also time each call with this dropout_p (columns drop, drop sm80)")
     ap.add_argument("--first-call", type=int, default=0, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.first_call:
@@ -162,14 +168,21 @@ def main():
                 others = [] if not hopper or opts.no_sm80 else [("sm80", "FLASHATTN_SM90", "0")]
                 others += [(f"tile {t}", "FLASHATTN_SM90_TILE", t)
                            for t in opts.variants.split(";") if t and hopper]
+                if opts.dropout:
+                    others += [("drop", None, None)]
+                    others += [("drop sm80", "FLASHATTN_SM90", "0")] if hopper and not opts.no_sm80 else []
                 for name, var, value in others:
                     out2 = torch.empty_like(out)
-                    os.environ[var] = value
+                    if var:
+                        os.environ[var] = value
                     try:
-                        row[name] = flops / bench(Call(q, k, v, out2, causal)) / 1e12
-                        row["maxdiff_" + name] = (out2.float() - out.float()).abs().max().item()
+                        p = opts.dropout if name.startswith("drop") else 0.0
+                        row[name] = flops / bench(Call(q, k, v, out2, causal, p)) / 1e12
+                        if not p:
+                            row["maxdiff_" + name] = (out2.float() - out.float()).abs().max().item()
                     finally:
-                        os.environ.pop(var, None)
+                        if var:
+                            os.environ.pop(var, None)
                     del out2
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 for name, be in BACKENDS.items():
@@ -197,20 +210,23 @@ def main():
     print(f"cached call, host time: {overhead:.1f} us")
     fmt = lambda x: f"{x:6.0f}" if x else "     -"
     extra = [f"tile {t}" for t in opts.variants.split(";") if t]
+    drops = [] if not opts.dropout else ["drop", "drop sm80"]
     print(f"\nTFLOP/s fwd, bf16, {torch.cuda.get_device_name()}" +
           "".join(f"; t{i} = FLASHATTN_SM90_TILE={t[5:]}" for i, t in enumerate(extra)))
     # V's head dim gets a column only when --dv sets it.
     dv_col = lambda r: f"{r['hdim_v']:5d} " if opts.dv else ""
     print("hdim " + ("   dv " if opts.dv else "") + "seqlen causal |   ours   sm80" +
           "".join(f"    t{i}" for i in range(len(extra))) +
-          "  flash  cudnn | ours/cudnn ours/flash maxdiff")
+          ("   drop  d.sm80" if drops else "") + "  flash  cudnn | ours/cudnn ours/flash maxdiff" +
+          (" drop/ours" if drops else ""))
     ratio = lambda a, b: a / b if a and b else float("nan")
     for r in rows:
         print(f"{r['hdim']:4d} {dv_col(r)}{r['seqlen']:6d} {str(r['causal']):6s} | "
-              f"{fmt(r['ours'])} {fmt(r.get('sm80'))}" + "".join(f" {fmt(r.get(t))}" for t in extra) +
+              f"{fmt(r['ours'])} {fmt(r.get('sm80'))}" + "".join(f" {fmt(r.get(t))}" for t in extra + drops) +
               f" {fmt(r.get('flash'))} {fmt(r.get('cudnn'))} | "
               f"{ratio(r['ours'], r.get('cudnn')):10.2f} {ratio(r['ours'], r.get('flash')):10.2f} "
-              f"{r.get('maxdiff_vs_flash', float('nan')):.1e}")
+              f"{r.get('maxdiff_vs_flash', float('nan')):.1e}" +
+              (f" {ratio(r.get('drop'), r['ours']):9.2f}" if drops else ""))
 
 
 if __name__ == "__main__":

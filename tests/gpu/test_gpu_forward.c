@@ -87,7 +87,7 @@ static const struct {
 
 #ifdef FA_TEST_SM90
 /* Every head dim row (32 and 80/96 padded up to 64/128, 192, 256) and d != dv, causal or not,
- * windows, GQA/MQA, softcap, ALiBi, sinks, empty rows, padded rows, several wraps of the stage
+ * windows, GQA/MQA, softcap, ALiBi, sinks, dropout, empty rows, padded rows, several wraps of the stage
  * ring; sm90 = 1 where the sm90 family must run the case on sm_90. */
 static const struct {
     gpu_case c;
@@ -135,10 +135,27 @@ static const struct {
     {{"sm90 varlen window d256 dv64", 3, 2, 1, 300, 333, 256, 64, 0, 70, 20, 0, 0, 1, 0, 1, 0, 0, 0}, 1},
     {{"sm90 d96 dv160 padded causal", 1, 4, 2, 200, 300, 96, 160, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 8}, 1},
     {{"sm90 d40 dv24 padded sq>sk", 2, 2, 2, 200, 60, 40, 24, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 8}, 1},
+    /* Dropout: the mask of the CPU backend bit for bit, or out misses the oracle. 32-key chunks
+     * (d64, d128), d192's 112-key block ending in a half chunk, d256's 64-key block; chunks
+     * no row sees (causal, window, varlen ends) skipped; short key ranges where one wrong keep
+     * bit moves out past the bound. */
+    {{"sm90 dropout d128", 1, 2, 2, 100, 180, 128, 128, 0, -1, -1, 0, 0, 0, 0.2, 0, 0, 0, 0}, 1},
+    {{"sm90 dropout causal d64", 2, 3, 3, 257, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0.17, 0, 0, 0, 0}, 1},
+    {{"sm90 dropout window gqa d128", 2, 8, 2, 333, 290, 128, 128, 0, 60, 30, 0, 0, 0, 0.25, 0, 0, 0, 8}, 1},
+    {{"sm90 dropout alibi sinks d192", 1, 4, 2, 150, 100, 192, 192, 0, -1, -1, 0, 1, 1, 0.3, 0, 0, 0, 0}, 1},
+    {{"sm90 dropout causal mqa d192", 1, 4, 1, 300, 500, 192, 192, 1, -1, -1, 0, 0, 0, 0.1, 0, 0, 0, 0}, 1},
+    {{"sm90 dropout causal d256", 1, 4, 2, 300, 333, 256, 256, 1, -1, -1, 0, 0, 0, 0.1, 0, 0, 0, 0}, 1},
+    {{"sm90 dropout sq>sk empty d80", 2, 2, 2, 200, 60, 80, 80, 1, -1, -1, 0, 0, 1, 0.4, 0, 0, 0, 0}, 1},
+    {{"sm90 dropout decode sq1 d64", 3, 8, 2, 1, 700, 64, 64, 1, -1, -1, 0, 0, 0, 0.15, 0, 0, 0, 0}, 1},
+    {{"sm90 varlen dropout alibi gqa d128", 4, 4, 2, 300, 420, 128, 128, 1, -1, -1, 0, 1, 0, 0.2, 1, 1, 0, 0}, 1},
+    {{"sm90 varlen dropout window d256", 3, 2, 1, 300, 333, 256, 256, 0, 70, 20, 0, 0, 0, 0.3, 1, 0, 0, 0}, 1},
+    {{"sm90 varlen dropout d192", 3, 4, 4, 200, 260, 192, 192, 0, -1, -1, 0, 0, 0, 0.05, 1, 0, 0, 0}, 1},
+    /* dropout_p within 2^-16 of 1: a keep threshold of 0, every key dropped. */
+    {{"sm90 dropout p~1 d64", 1, 2, 2, 90, 130, 64, 64, 0, -1, -1, 0, 0, 0, 0.99999, 0, 0, 0, 0}, 1},
     /* Cases the family does not take: the sm80 family runs them. */
     {{"sm90->sm80 probs d64", 1, 2, 2, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0, 0, 0, 1, 0}, 0},
-    {{"sm90->sm80 dropout d128", 1, 2, 2, 100, 180, 128, 128, 0, -1, -1, 0, 0, 0, 0.2, 0, 0, 0, 0}, 0},
     {{"sm90->sm80 unaligned d192 dv100", 1, 2, 1, 70, 150, 192, 100, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
+    {{"sm90->sm80 dropout probs d128", 1, 2, 2, 100, 180, 128, 128, 0, -1, -1, 0, 0, 0, 0.2, 0, 0, 1, 0}, 0},
     {{"sm90->sm80 unaligned d37", 1, 2, 1, 70, 150, 37, 37, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 0},
 };
 /* Plans the rows take only for some shapes, forced with FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG,
@@ -169,6 +186,10 @@ static const struct {
     /* d 192 / dv 128 with d 192's own key block (the 112 its row had before growing). */
     {{"sm90 d192 dv128 112 keys paired causal", 1, 24, 4, 640, 640, 192, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
      "112,2,1,2,2"},
+    {{"sm90 3 consumers paired dropout d64", 1, 64, 8, 600, 650, 64, 64, 1, -1, -1, 0, 1, 0, 0.2, 0, 0, 0, 0},
+     "128,4,0,2,3"},
+    {{"sm90 persistent dropout gqa d128", 2, 40, 8, 300, 290, 128, 128, 0, -1, -1, 0, 0, 0, 0.1, 0, 0, 0, 0},
+     "128,2,1,1,2"},
 };
 static const struct {
     gpu_case c;
