@@ -200,7 +200,7 @@ typedef struct fa_bwd_tile {
     float slope_log2;
 #endif
 #if FA_DROPOUT && FA_BWD_KEEP_BITS
-    fa_u32 keep[FA_BWD_QW / 64]; /* fa_bwd_keep_bits' */
+    fa_u32 keep[(FA_BWD_QW + 63) / 64]; /* fa_bwd_keep_bits' */
 #elif FA_DROPOUT
     fa_u64 stream;
 #endif
@@ -233,14 +233,15 @@ FA_DEV void fa_bwd_dropout_words(fa_u32 kb, fa_u32 i0, fa_u64 stream, fa_u64 see
 #if FA_BWD_KEEP_BITS
 /* The keep decisions of lane (g, t)'s elements of a tile of FA_BWD_QW queries from m0 and keys
  * from key0 (key0 % 8 = g): bit 4 (nt % 8) + e of keep[nt / 8] is element e of n-tile nt. A
- * family that makes them while its tensor cores run S^T and dP^T defines FA_BWD_KEEP_BITS
- * (the Philox runs beside S^T and dP^T in fa_bwd_probs made ptxas spill). */
+ * family defines FA_BWD_KEEP_BITS to make them before S^T and dP^T are in registers (the Philox
+ * runs beside them in fa_bwd_probs made ptxas spill). The words leave pinned: unpacked into
+ * per-element predicates, they took more registers than the Philox runs. */
 FA_DEV void fa_bwd_keep_bits(const fa_kparams *kp, int key0, int m0, int t, fa_u64 stream,
-                             fa_u32 keep[FA_BWD_QW / 64])
+                             fa_u32 keep[(FA_BWD_QW + 63) / 64])
 {
     const int g = key0 & 7;
 #pragma unroll
-    for (int w = 0; w < FA_BWD_QW / 64; w++)
+    for (int w = 0; w < (FA_BWD_QW + 63) / 64; w++)
         keep[w] = 0;
 #pragma unroll
     for (int nt = 0; nt < FA_BWD_QW / 8; nt++) {
@@ -254,6 +255,9 @@ FA_DEV void fa_bwd_keep_bits(const fa_kparams *kp, int key0, int m0, int t, fa_u
             keep[nt >> 3] |= (fa_u32)(r16 < kp->keep_threshold) << (4 * (nt & 7) + e);
         }
     }
+#pragma unroll
+    for (int w = 0; w < (FA_BWD_QW + 63) / 64; w++)
+        asm volatile("" : "+r"(keep[w])::"memory");
 }
 #endif
 #endif

@@ -546,13 +546,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_gemm_t(&dpt[0][0], v_rows, fa_desc(do_t, 16, 1024));
             fa_wg_commit();
 #if FA_DROPOUT
-            /* The keep decisions while the tensor cores run, packed in bits that the pin keeps
-             * packed (unpacked into per-element predicates, they took more registers than the
-             * Philox runs they replace). */
+            /* the keep decisions while the tensor cores run */
             fa_bwd_keep_bits(kp, key0, m0, t, fa_dropout_stream(kp, bi, h), tl.keep);
-#pragma unroll
-            for (int i = 0; i < FA_BM / 64; i++)
-                FA_PINU(tl.keep[i]);
 #endif
             fa_wg_wait0();
             fa_pin_acc(&st[0][0], FA_BM / 2);
