@@ -9,7 +9,7 @@ SHARDS ?= $(JOBS)
 CMAKE_FLAGS ?=
 
 .PHONY: all build run test test-c test-python test-upstream python-deps clean gpu-check gpu-build \
-	gpu-tests gpu-python gpu-upstream gpu-tune
+	gpu-tests gpu-python gpu-upstream gpu-tune spill-check
 
 all: build
 
@@ -50,6 +50,15 @@ test-upstream: build python-deps
 # beside PyTorch's SDPA backends: host cost per call, a decoding step, the forward's table last.
 # Exits with the tests' status. gpu-build, gpu-tests, gpu-python and gpu-upstream are its parts,
 # for machines that limit how long one command may run.
+# The sm_90a kernels of the precompile matrix compiled into a fresh cache (NVRTC, no GPU; minutes
+# on few cores), then a failure when a kernel of SPILL_SOURCES touches local memory
+# (tools/check_spills.py; cuobjdump from $CUOBJDUMP, PATH or $CUDA_HOME).
+SPILL_SOURCES ?= fa_fwd_sm90.cu,fa_bwd_sm90.cu
+spill-check: build
+	d=$$(mktemp -d) && FLASHATTN_CACHE_DIR=$$d $(BUILD_DIR)/flashattn precompile --arch sm_90a \
+		--jobs $(JOBS) && $(PYTHON) tools/check_spills.py $$d --spills --check \
+		--source $(SPILL_SOURCES); rc=$$?; rm -rf $$d; exit $$rc
+
 gpu-check: gpu-build
 	$(MAKE) --no-print-directory gpu-tests; rc=$$?; \
 	$(MAKE) --no-print-directory gpu-python || rc=1; \

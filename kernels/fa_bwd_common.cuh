@@ -199,7 +199,9 @@ typedef struct fa_bwd_tile {
 #if FA_ALIBI
     float slope_log2;
 #endif
-#if FA_DROPOUT
+#if FA_DROPOUT && FA_BWD_KEEP_BITS
+    fa_u32 keep[(FA_BWD_QW + 63) / 64]; /* fa_bwd_keep_bits' */
+#elif FA_DROPOUT
     fa_u64 stream;
 #endif
 } fa_bwd_tile;
@@ -227,6 +229,37 @@ FA_DEV void fa_bwd_dropout_words(fa_u32 kb, fa_u32 i0, fa_u64 stream, fa_u64 see
     for (int b = 0; b < 4; b++)
         out[b] = fa_pick4(got, k ^ b);
 }
+
+#if FA_BWD_KEEP_BITS
+/* The keep decisions of lane (g, t)'s elements of a tile of FA_BWD_QW queries from m0 and keys
+ * from key0 (key0 % 8 = g): bit 4 (nt % 8) + e of keep[nt / 8] is element e of n-tile nt. A
+ * family defines FA_BWD_KEEP_BITS to make them before S^T and dP^T are in registers (the Philox
+ * runs beside them in fa_bwd_probs made ptxas spill). The words leave pinned: unpacked into
+ * per-element predicates, they took more registers than the Philox runs. */
+FA_DEV void fa_bwd_keep_bits(const fa_kparams *kp, int key0, int m0, int t, fa_u64 stream,
+                             fa_u32 keep[(FA_BWD_QW + 63) / 64])
+{
+    const int g = key0 & 7;
+#pragma unroll
+    for (int w = 0; w < (FA_BWD_QW + 63) / 64; w++)
+        keep[w] = 0;
+#pragma unroll
+    for (int nt = 0; nt < FA_BWD_QW / 8; nt++) {
+        fa_u32 drop[4];
+        fa_bwd_dropout_words((fa_u32)(key0 >> 3), (fa_u32)(m0 + nt * 8 + 2 * t), stream, kp->seed,
+                             g >> 1, drop);
+        /* fa_bwd_probs' rule: half g % 2 of the word, kept below keep_threshold */
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const fa_u32 r16 = (g & 1) ? (drop[e] >> 16) : (drop[e] & 0xffffu);
+            keep[nt >> 3] |= (fa_u32)(r16 < kp->keep_threshold) << (4 * (nt & 7) + e);
+        }
+    }
+#pragma unroll
+    for (int w = 0; w < (FA_BWD_QW + 63) / 64; w++)
+        asm volatile("" : "+r"(keep[w])::"memory");
+}
+#endif
 #endif
 
 /* Row il of the tile's lse * log2(e) or D: from the lane that holds it (every lane of the warp
@@ -254,12 +287,12 @@ FA_DEV float fa_bwd_row(const float *v, int il) { return v[il]; }
 FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
                          float st[FA_BWD_QW / 8][4], float dpt[FA_BWD_QW / 8][4], int masked)
 {
-#if FA_DROPOUT
+#if FA_DROPOUT && !FA_BWD_KEEP_BITS
     const int g = tl->key0 & 7; /* key0 = n0 + 16 warp + g */
 #endif
 #pragma unroll
     for (int nt = 0; nt < FA_BWD_QW / 8; nt++) {
-#if FA_DROPOUT
+#if FA_DROPOUT && !FA_BWD_KEEP_BITS
         fa_u32 drop[4];
         fa_bwd_dropout_words((fa_u32)(tl->key0 >> 3), (fa_u32)(tl->m0 + nt * 8 + 2 * t),
                              tl->stream, kp->seed, g >> 1, drop);
@@ -284,7 +317,9 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
                 p = vis ? p : 0.f;
             }
             float z = 1.f;
-#if FA_DROPOUT
+#if FA_DROPOUT && FA_BWD_KEEP_BITS
+            z = (tl->keep[nt >> 3] >> (4 * (nt & 7) + e)) & 1 ? kp->dropout_scale : 0.f;
+#elif FA_DROPOUT
             /* Query i, key j: Philox block (j / 8, i, stream), word (j % 8) / 2 = g / 2, half
              * j % 2 = g % 2. */
             const fa_u32 r16 = (g & 1) ? (drop[e] >> 16) : (drop[e] & 0xffffu);
@@ -338,7 +373,7 @@ FA_DEV fa_bwd_tile fa_bwd_tile_make(const fa_kparams *kp, const fa_seq *s, int b
 #if FA_ALIBI
     tl.slope_log2 = kp->alibi_slopes[bi * kp->alibi_bstride + h * kp->alibi_hstride] * FA_LOG2E;
 #endif
-#if FA_DROPOUT
+#if FA_DROPOUT && !FA_BWD_KEEP_BITS
     tl.stream = fa_dropout_stream(kp, bi, h);
 #endif
     (void)kp, (void)bi, (void)h;

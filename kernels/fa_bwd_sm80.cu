@@ -124,6 +124,8 @@
 #error "the lse and D copies take one thread per 4 rows each"
 #endif
 
+/* fa_bwd_probs takes the dropout keep decisions made before S^T and dP^T (fa_bwd_common.cuh). */
+#define FA_BWD_KEEP_BITS 1
 #include "fa_bwd_common.cuh"
 
 /* The most cp.async chunks per thread a tile copy issues unrolled (fa_bwd_tile_load): beside
@@ -426,6 +428,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 
         /* S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x FA_BWD_QW queries. C layout:
          * st[nt][e] is key 16 kw + g + 8 (e / 2), query cw FA_BWD_QW + 8 nt + 2t + (e % 2). */
+#if FA_DROPOUT
+        fa_u32 keep[(FA_BWD_QW + 63) / 64];
+        fa_bwd_keep_bits(kp, key0, m0 + cw * FA_BWD_QW, t, fa_dropout_stream(kp, bi, h), keep);
+#endif
         float st[FA_BWD_QW / 8][4], dpt[FA_BWD_QW / 8][4];
 #pragma unroll
         for (int nt = 0; nt < FA_BWD_QW / 8; nt++)
@@ -461,9 +467,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
 
         const fa_seq cur = FA_CUR;
         const int mw = cw * FA_BWD_QW; /* this warp's first query in the tile */
-        const fa_bwd_tile tl =
+        fa_bwd_tile tl =
             fa_bwd_tile_make(kp, &cur, bi, h, m0 + mw, key0, t, wlo, whi,
                              s_lse + stage * FA_BM + mw, s_dsum + stage * FA_BM + mw);
+#if FA_DROPOUT
+#pragma unroll
+        for (int i = 0; i < (FA_BWD_QW + 63) / 64; i++)
+            tl.keep[i] = keep[i];
+#endif
         const int full = fa_bwd_tile_full(&cur, m0, n0, wlo, whi);
         if (full)
             fa_bwd_probs(kp, &tl, t, st, dpt, 0);

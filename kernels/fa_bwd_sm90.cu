@@ -58,13 +58,6 @@
 #define FA_THREADS 384
 #define FA_NWARPS 12
 #define FA_VEC 1
-#if FA_VARLEN && !FA_DROPOUT
-/* The varlen producer's tour holds its sequence's lengths and first row, which did not fit in
- * 24 registers; without dropout the consumers fit in what is left (168 x 384 = 128 x 40 +
- * 256 x 232). */
-#define FA_REGS_PRODUCER 40
-#define FA_REGS_CONSUMER 232
-#endif
 
 #include "fa_sm90.cuh"
 #include "fa_smem.h"
@@ -74,8 +67,10 @@
 #error "fa_bwd_sm90.cu: 64 x 128 tiles (128 x 128 at d 64), d = dv of 64 or 128 (padded)"
 #endif
 
-/* fa_bwd_probs takes the rows of lse and D from the lanes' registers (fa_bwd_common.cuh). */
+/* fa_bwd_probs takes the rows of lse and D from the lanes' registers, and the dropout keep
+ * decisions made during the S^T and dP^T products (fa_bwd_common.cuh). */
 #define FA_BWD_ROWS_IN_LANES 1
+#define FA_BWD_KEEP_BITS 1
 #include "fa_bwd_common.cuh"
 
 #define FA_KV_BYTES FA_SMEM_BWD90_KV(FA_BN, FA_DP) /* one of K, V */
@@ -458,6 +453,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                 if (++qs == FA_QSTAGES)
                     qs = 0, qph ^= 1;
             }
+#if FA_VARLEN
+            break; /* one item per CTA (varlen grids are never persistent) */
+#endif
             wi = bp.persistent ? (int)gridDim.x + atomicAdd(bp.sched, 1) : n_items;
         }
         return;
@@ -534,15 +532,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 
             /* The tile's view for fa_bwd_probs, with its rows of lse and D, made here so that the
              * products below hide their loads' latency (read where fa_bwd_probs needs them, they
-             * stalled it); with dropout after the products, since held over them beside the
-             * dropout state it made ptxas spill. */
-#define FA_TILE_VIEW                                                                             \
-    const fa_seq sv_tile = FA_ITEM_SEQ;                                                          \
-    const fa_bwd_tile tl = fa_bwd_tile_make(kp, &sv_tile, bi, h, m0, key0, t, wlo, whi,          \
-                                            bp.lse2 + row0, bp.dsum + row0)
-#if !FA_DROPOUT
-            FA_TILE_VIEW;
-#endif
+             * stalled it). */
+            const fa_seq sv_tile = FA_ITEM_SEQ;
+            fa_bwd_tile tl = fa_bwd_tile_make(kp, &sv_tile, bi, h, m0, key0, t, wlo, whi,
+                                              bp.lse2 + row0, bp.dsum + row0);
 
             /* S^T and dP^T of this warpgroup's 64 keys x the tile's queries. C layout: st[nt][e] is
              * key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2) (fa_bwd_probs'). */
@@ -552,12 +545,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_gemm_t(&st[0][0], k_rows, fa_desc(q_t, 16, 1024));
             fa_gemm_t(&dpt[0][0], v_rows, fa_desc(do_t, 16, 1024));
             fa_wg_commit();
+#if FA_DROPOUT
+            /* the keep decisions while the tensor cores run */
+            fa_bwd_keep_bits(kp, key0, m0, t, fa_dropout_stream(kp, bi, h), tl.keep);
+#endif
             fa_wg_wait0();
             fa_pin_acc(&st[0][0], FA_BM / 2);
             fa_pin_acc(&dpt[0][0], FA_BM / 2);
-#if FA_DROPOUT
-            FA_TILE_VIEW;
-#endif
 
             const int full = fa_bwd_tile_full(&sv_tile, m0, n0, wlo, whi);
             if (full)
@@ -654,6 +648,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_mbar_arrive(kv_empty);
 #if FA_VARLEN
         fa_bwd_store_dkdv(&bp, bi, hk, key0, t, 0, 0, dk, dv); /* it reads the sequence's keys */
+        /* One item per CTA: no state carried to a next item that never comes (ptxas kept the
+         * item loop's counters in local memory). */
+        break;
 #else
         fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, 0, dk, dv);
 #endif

@@ -7,6 +7,7 @@ then
     tools/check_spills.py /tmp/fa-cache            # one row per kernel: registers, LDL, STL, ...
     tools/check_spills.py /tmp/fa-cache --check    # exit status 1 when any kernel touches local memory
     tools/check_spills.py NEW --compare OLD        # the rows whose counts differ between two caches
+    tools/check_spills.py DIR --check --source fa_fwd_sm90.cu,fa_bwd_sm90.cu   # those families only
 
 A cache entry is header | key | cubin (src/cuda/fa_jit_disk.c); the key names the source, the
 target and the defines, which label the row. Counts come from cuobjdump's SASS (LDL and STL
@@ -127,14 +128,18 @@ def main():
                     "the code does)")
     ap.add_argument("--spills", action="store_true", help="only the kernels with LDL/STL")
     ap.add_argument("--check", action="store_true", help="exit 1 when any kernel spills")
+    ap.add_argument("--source", metavar="LIST",
+                    help="only the kernels of these sources, comma-separated (fa_bwd_sm90.cu,...)")
     a = ap.parse_args()
     cuobjdump = find_cuobjdump()
-    new = collect(a.cache, cuobjdump)
+    sources = set(a.source.split(",")) if a.source else None
+    keep = lambda rows: {k: s for k, s in rows.items() if not sources or k[0].split()[0] in sources}
+    new = keep(collect(a.cache, cuobjdump))
     if not new:
-        sys.exit(f"check_spills: no cache entries in {a.cache}")
+        sys.exit(f"check_spills: no cache entries in {a.cache}" + (f" from {a.source}" if sources else ""))
     head = "regs stack   LDL   STL  instrs  kernel"
     if a.compare:
-        old = collect(a.compare, cuobjdump)
+        old = keep(collect(a.compare, cuobjdump))
         print(f"{'before':>30} | {'after':>30}")
         print(f"{head.split('  kernel')[0]:>30} | {head}")
         for k in sorted(set(old) | set(new)):
