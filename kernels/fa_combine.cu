@@ -7,7 +7,7 @@
  *
  * Its time is latency, not bandwidth (a few MB of partials at most): each CTA takes
  * FA_COMBINE_COLS columns of a row (more CTAs where rows are few), and a thread keeps
- * FA_COMBINE_LOADS partial loads in flight instead of one.
+ * 4 FA_COMBINE_UNROLL partial loads in flight instead of one.
  *
  * Defines: FA_BF16 (16-bit out: 0 fp16, 1 bf16), FA_OUT_F32 (1: out is fp32), FA_MAX_SPLITS
  * (flashattn.h's bound on the parts).
@@ -21,7 +21,6 @@
 #define FA_COMBINE_CG 16                             /* column groups: 4 columns each */
 #define FA_COMBINE_SL (FA_COMBINE_THREADS / FA_COMBINE_CG) /* split lanes: every 8th part */
 #define FA_COMBINE_UNROLL 4                          /* parts a thread loads at once */
-#define FA_COMBINE_LOADS (4 * FA_COMBINE_UNROLL)
 
 #if FA_COMBINE_CG * 4 != FA_COMBINE_COLS
 #error "fa_combine.cu: 16 column groups of 4 make FA_COMBINE_COLS"

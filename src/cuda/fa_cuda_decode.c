@@ -46,8 +46,9 @@ typedef struct fa_decode_setup {
 } fa_decode_setup;
 
 /* CTAs of the plan the device runs at once: as many per SM as shared memory holds (an SM has
- * about 1 KB more than a CTA may take, and reserves 1 KB per CTA), at most two of 128 threads
- * (the kernel's registers). */
+ * about 1 KB more than a CTA may take, and reserves 1 KB per CTA), counted at most two of 128
+ * threads: kernels that fit three (FA_MIN_CTAS) ran slower when the split rule counted the
+ * third, since full grids then split. */
 static int fa_decode_slots(const fa_plan *plan, const struct fa_decode_setup *s, int device)
 {
     int per_sm = fa_plan_ctas_per_sm(plan->smem, s->smem_optin + 1024);
