@@ -1,0 +1,233 @@
+/*
+ * What the two sm_90a backward kernels (fa_bwd_sm90.cu, d = dv up to 128; fa_bwd_sm90_wide.cu,
+ * wider heads and d != dv) share, included after fa_bwd_common.cuh: their tensor maps, named
+ * barriers, the swizzled stores of dS^T, the bulk reduce-add, the work items and their tours,
+ * and the producer warpgroup's loop (TMA: K and V once per item, Q and dO per query tile).
+ * The kernel defines before including it: FA_K_BYTES, FA_V_BYTES (one key block of K, of V) and
+ * FA_Q_BYTES, FA_DO_BYTES (one stage's query tile of Q, of dO), all in 128-byte swizzled rows of
+ * 64 columns, column blocks one after another.
+ */
+#ifndef FA_BWD_SM90_CUH
+#define FA_BWD_SM90_CUH
+
+/* The kernel's second parameter: tensor maps of Q, K, V, dO (src/cuda/fa_cuda_backward.c). */
+typedef struct fa_bwd_tmaps {
+    fa_tmap q, k, v, dout;
+} fa_bwd_tmaps;
+
+/* bar.sync id, n: the n threads of the warpgroups that name barrier id meet. */
+FA_DEV void fa_bar_sync(int id, int n)
+{
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+/* bar.arrive id, n: counts this warp toward barrier id's n threads without waiting. */
+FA_DEV void fa_bar_arrive(int id, int n)
+{
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+/* wgmma.wait_group.sync.aligned 1: every committed group but the newest has finished. */
+FA_DEV void fa_wg_wait1(void) { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+
+/* stmatrix.sync.aligned.m8n8.x4.shared.b16: stores four 8x8 matrices of 16-bit values, the
+ * inverse of fa_ldmatrix_x4: lane l gives, in r[i], row l/4, elements 2(l%4) and 2(l%4)+1 of
+ * matrix i (the A fragment layout), and lanes 8i..8i+7 the addresses of matrix i's 8 rows, 16
+ * bytes each. */
+FA_DEV void fa_stmatrix_x4(fa_u32 addr, const fa_u32 r[4])
+{
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
+/* Byte offset of (row, col) in a tile of 128-byte rows (64 16-bit columns) under the 128-byte
+ * swizzle: the 16-byte chunk index XOR the row's index within its 8-row atom (what TMA writes
+ * and wgmma reads with layout type 1). */
+FA_DEV fa_u32 fa_swz128(int row, int col)
+{
+    const fa_u32 byte = (fa_u32)col * 2;
+    return (fa_u32)row * 128 + ((((byte >> 4) ^ (fa_u32)(row & 7)) << 4) | (byte & 15));
+}
+
+#if FA_VARLEN
+/* A varlen item's sequence as its tour and tiles use it: its lengths, which the producer wrote
+ * beside the item's slot (lens[0..1]: sq, sk), read there at each use: held in registers over
+ * the item, they made ptxas spill (the dense kernel's lengths are kernel parameters, read where
+ * used). */
+FA_DEV fa_seq fa_item_seq(const volatile int *lens)
+{
+    fa_seq s;
+    s.q_start = 0;
+    s.k_start = 0;
+    s.sq = lens[0];
+    s.sk = lens[1];
+    return s;
+}
+#define FA_ITEM_SEQ fa_item_seq(lens)
+#else
+#define FA_ITEM_SEQ seq
+#endif
+
+/* Pins an accumulator array over a wgmma's asynchronous window. */
+FA_DEV void fa_pin_acc(float *a, int n)
+{
+#pragma unroll
+    for (int i = 0; i < n; i++)
+        FA_PIN(a[i]);
+}
+
+/* cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: adds `bytes` of fp32 at shared
+ * address src to global dst, element by element, asynchronously (both 16-byte aligned). */
+FA_DEV void fa_bulk_add_f32(float *dst, fa_u32 src, int bytes)
+{
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+
+FA_DEV void fa_bulk_commit(void) { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+/* cp.async.bulk.wait_group.read 0: this thread's bulk operations have read their sources. */
+FA_DEV void fa_bulk_wait_read(void)
+{
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
+/* A work item: key block nb of kv head hk, sequence bi, from its index in blockIdx order (key
+ * blocks fastest). Deterministic mode takes the key blocks last to first, as the sm80 family
+ * does (the top of fa_bwd_sm80.cu: a tile's adds wait only for CTAs already running or done;
+ * its grid is never persistent). The TMA coordinates: varlen tensor maps span the packed rows
+ * (batch extent 1). */
+typedef struct fa_bwd_item {
+    fa_seq seq;
+    int nb, hk, bi, n0, k_row0, q_row0, tma_b;
+} fa_bwd_item;
+
+FA_DEV fa_bwd_item fa_bwd_item_make(const fa_bkparams *bp, int wi)
+{
+    fa_bwd_item im;
+    int nx, grp; /* key block (in claim order) and (kv head, sequence) pair of item wi */
+    if (bp->lpt_groups > 0) {
+        /* Within a chunk, every pair's key block 0 (the longest under a right window edge)
+         * before any pair's block 1: the long items go out first, so the grid does not end on
+         * one CTA finishing a long item alone, while the pairs in flight, whose queries the
+         * items share, stay few enough for L2. */
+        const int chunk = wi / bp->lpt_items, idx = wi - chunk * bp->lpt_items;
+        const int g0 = chunk * bp->lpt_groups;
+        const int cg = fa_min(bp->lpt_groups, bp->f.hk * bp->f.b - g0);
+        nx = idx / cg;
+        grp = g0 + idx - nx * cg;
+    } else {
+        nx = wi % bp->n_tiles;
+        grp = wi / bp->n_tiles;
+    }
+    im.nb = bp->deterministic ? bp->n_tiles - 1 - nx : nx;
+    im.hk = grp % bp->f.hk;
+    im.bi = grp / bp->f.hk;
+    im.seq = fa_bwd_seq(&bp->f, im.bi);
+    im.n0 = im.nb * FA_BN;
+#if FA_VARLEN
+    im.k_row0 = (int)im.seq.k_start + im.n0;
+    im.q_row0 = (int)im.seq.q_start;
+    im.tma_b = 0;
+#else
+    im.k_row0 = im.n0;
+    im.q_row0 = 0;
+    im.tma_b = im.bi;
+#endif
+    return im;
+}
+
+/* Moves (h, mb) to the next query tile of an item's tour that meets key block nb (h = h_end when
+ * none is left; in_run: (h, mb) is one step on from a tile that met it): the heads of the group
+ * in turn, each head's tiles last to first, or first to last in deterministic mode. Under a
+ * right window edge (causal) block nb meets the tiles from its diagonal on, so first to last
+ * its tour starts there: the items of a kv head in flight read Q and dO, and add into dQ, over a
+ * span as long as the sequence, which at 16k is tens of MB (of L2's 50). Last to first they
+ * start at the same tile and go in step, as without a window edge. Deterministic mode adds each
+ * tile's dQ in key-block order, which the first-to-last tours' starts at the diagonals stagger
+ * by themselves. */
+FA_DEV void fa_bwd_tour(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
+                        int *mb, int in_run)
+{
+    if (bp->deterministic)
+        fa_bwd_next(bp, s, nb, h_end, h, mb);
+    else
+        fa_bwd_prev(bp, s, nb, h_end, h, mb, in_run);
+}
+
+/* Column blocks of 64 of the wider of K and V (and of Q and dO). */
+#define FA_BWD90_CBLKS ((FA_DP > FA_DVP ? FA_DP : FA_DVP) / 64)
+
+/* The producer warpgroup's thread 0 over the CTA's work items (from `first`, then claimed from
+ * bp->sched on a persistent grid): K and V of each item into k_s, v_s once the consumers
+ * released the previous item's (kv_empty), its index into slot[ii % 2] (varlen: its lengths
+ * beside, FA_ITEM_SEQ), then Q and dO of each query tile its tour meets into the FA_QSTAGES
+ * stages at q_s, do_s (q_full / q_empty, 8 bytes apart); an index past n_items tells the
+ * consumers to stop. */
+FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 k_s,
+                             fa_u32 v_s, fa_u32 q_s, fa_u32 do_s, fa_u32 kv_full,
+                             fa_u32 kv_empty, fa_u32 q_full, fa_u32 q_empty, volatile int *slot,
+                             int first, int n_items, int group, int mb_first, int mb_step)
+{
+    int ii = 0;          /* items so far */
+    int qs = 0, qph = 0; /* the next tile's Q/dO stage and that stage's phase */
+    for (int wi = first;; ii++) {
+        /* The previous item's K and V released by every consumer warp (a fresh barrier's
+         * phase "-1" counts as done), so its slot's last reader is done too. */
+        fa_mbar_wait(kv_empty, (ii & 1) ^ 1);
+        slot[ii & 1] = wi;
+        if (wi >= n_items) {
+            fa_mbar_arrive(kv_full); /* no item: the consumers stop */
+            break;
+        }
+        const fa_bwd_item im = fa_bwd_item_make(bp, wi);
+        const int h_end = (im.hk + 1) * group;
+#if FA_VARLEN
+        volatile int *lens = slot + 2 + 2 * (ii & 1);
+        lens[0] = im.seq.sq;
+        lens[1] = im.seq.sk;
+#else
+        const fa_seq seq = im.seq;
+#endif
+        fa_mbar_expect_tx(kv_full, FA_K_BYTES + FA_V_BYTES);
+#pragma unroll
+        for (int c = 0; c < FA_BWD90_CBLKS; c++) {
+            if (c < FA_DP / 64)
+                fa_tma_load4(k_s + c * FA_BN * 128, &tm->k, 64 * c, im.k_row0, im.hk, im.tma_b,
+                             kv_full);
+            if (c < FA_DVP / 64)
+                fa_tma_load4(v_s + c * FA_BN * 128, &tm->v, 64 * c, im.k_row0, im.hk, im.tma_b,
+                             kv_full);
+        }
+        int h = im.hk * group, mb = mb_first;
+        const fa_seq sv_first = FA_ITEM_SEQ;
+        fa_bwd_tour(bp, &sv_first, im.nb, h_end, &h, &mb, 0);
+        for (; h < h_end;) {
+            /* Stage qs's previous tile released. */
+            fa_mbar_wait(q_empty + 8 * qs, qph ^ 1);
+            fa_mbar_expect_tx(q_full + 8 * qs, FA_Q_BYTES + FA_DO_BYTES);
+#pragma unroll
+            for (int c = 0; c < FA_BWD90_CBLKS; c++) {
+                if (c < FA_DP / 64)
+                    fa_tma_load4(q_s + qs * FA_Q_BYTES + c * FA_BM * 128, &tm->q, 64 * c,
+                                 im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * qs);
+                if (c < FA_DVP / 64)
+                    fa_tma_load4(do_s + qs * FA_DO_BYTES + c * FA_BM * 128, &tm->dout, 64 * c,
+                                 im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * qs);
+            }
+            mb += mb_step;
+            const fa_seq sv = FA_ITEM_SEQ;
+            fa_bwd_tour(bp, &sv, im.nb, h_end, &h, &mb, 1);
+            if (++qs == FA_QSTAGES)
+                qs = 0, qph ^= 1;
+        }
+#if FA_VARLEN
+        break; /* one item per CTA (varlen grids are never persistent) */
+#endif
+        wi = bp->persistent ? (int)gridDim.x + atomicAdd(bp->sched, 1) : n_items;
+    }
+}
+
+#endif /* FA_BWD_SM90_CUH */
