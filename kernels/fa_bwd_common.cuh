@@ -180,8 +180,8 @@ FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
 #define FA_BWD_DVC FA_DVP
 #endif
 
-#if FA_BWD_ROWS_IN_LANES
-#define FA_BWD_LANE_ROWS (FA_BM / 32) /* tile rows per lane: 2 or 4 */
+#if FA_BWD_ROWS_IN_LANES && !defined(FA_BWD_LANE_ROWS)
+#define FA_BWD_LANE_ROWS (FA_BM / 32) /* tile rows per lane: 2 or 4 (1: a warp's FA_BWD_QW = 32) */
 #endif
 
 typedef struct fa_bwd_tile {

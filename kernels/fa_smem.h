@@ -48,6 +48,14 @@
      2 * FA_SMEM_BWD90_DS(bn, bm) + (dq_warps) * FA_SMEM_BWD90_DQW + (2 + 2 * (stages)) * 8 +      \
      6 * 4 + 1024)
 
+/* sm90 wide backward (fa_bwd_sm90_wide.cu), from a 1024-byte aligned base: K [bn][dp], V
+ * [bn][dvp]; Q [stages][bm][dp], dO [stages][bm][dvp]; two P^T and two dS^T buffers [bn][bm]; the
+ * mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; the work-item slots and lengths
+ * (6 ints); 1 KB more to round the base up to the swizzle atom. */
+#define FA_SMEM_BWD90W(bm, bn, dp, dvp, stages)                                                   \
+    ((bn) * ((dp) + (dvp)) * 2 + (stages) * (bm) * ((dp) + (dvp)) * 2 + 4 * (bn) * (bm) * 2 +    \
+     (2 + 2 * (stages)) * 8 + 6 * 4 + 1024)
+
 /* Decode (fa_decode.cu): stages of K [bn][dp] and V [bn][dvp] (kvb bytes an element: 2, or 1
  * for fp8 caches), then Q [bm][dp] (16-bit), then, paged, each stage's key rows' offsets in K
  * and V (int64 [stages][2][bn]); after the key loop the stages hold each warp's fp32 O [16][dvp]

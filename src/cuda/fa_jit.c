@@ -119,14 +119,14 @@ static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **
                                 size_t *size)
 {
     const char *main_text = NULL;
-    /* Every other embedded file is offered as a header (16: room to grow; an include past the
+    /* Every other embedded file is offered as a header (32: room to grow; an include past the
      * array would fail to compile, loudly). */
-    const char *headers[24], *names[24];
+    const char *headers[32], *names[32];
     int num_headers = 0;
     for (int i = 0; i < fa_kernel_file_count; i++) {
         if (strcmp(fa_kernel_files[i].name, plan->family) == 0)
             main_text = fa_kernel_files[i].text;
-        else if (num_headers < 23) {
+        else if (num_headers < 31) {
             headers[num_headers] = fa_kernel_files[i].text;
             names[num_headers++] = fa_kernel_files[i].name;
         }
