@@ -1,6 +1,6 @@
 /*
- * The backward on a CUDA device (kernels/fa_bwd_sm80.cu, or fa_bwd_sm90.cu where the plan takes
- * it, with the tensor maps of Q, K, V and dO): plan, check the caller's workspace, fill the
+ * The backward on a CUDA device (kernels/fa_bwd_sm80.cu, or fa_bwd_sm90.cu / fa_bwd_sm90_wide.cu
+ * where the plan takes it, with the tensor maps of Q, K, V and dO): plan, check the caller's workspace, fill the
  * parameter block, launch the kernels on the caller's stream (four, and fa_bwd_fill first in the
  * varlen form). Both families share the workspace layout below.
  *
@@ -88,7 +88,7 @@ static int fa_bwd_aligned(const fa_params *p)
                                sizeof ptrs / sizeof ptrs[0]);
 }
 
-/* The sm90 kernel's second parameter (fa_bwd_tmaps in kernels/fa_bwd_sm90.cu). */
+/* The sm90 kernels' second parameter (fa_bwd_tmaps in kernels/fa_bwd_sm90.cuh). */
 typedef struct fa_bwd_tmaps {
     fa_cu_tensor_map q, k, v, dout;
 } fa_bwd_tmaps;
@@ -160,7 +160,8 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     if (st != FA_STATUS_OK)
         return st;
     fa_bwd_tmaps tmaps, *tm = NULL;
-    if (strcmp(plan.family, "fa_bwd_sm90.cu") == 0) {
+    /* Both sm90 families (fa_bwd_sm90.cu, fa_bwd_sm90_wide.cu) read their tiles by TMA. */
+    if (strncmp(plan.family, "fa_bwd_sm90", 11) == 0) {
         tm = &tmaps;
         if (fa_cuda_tmaps_encode(fa_cuda_driver_get(), p, plan.bm, plan.bn, &tm->q, &tm->k,
                                  &tm->v, &tm->dout) != 0) {

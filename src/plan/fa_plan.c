@@ -392,29 +392,49 @@ static int fa_plan_bwd_sm90_enabled(void)
     return !env || strcmp(env, "0") != 0;
 }
 
-/* What the sm90 backward compiles: dense or varlen, aligned, d = dv padding to 64 or 128 (the
- * workspace's padded head dim is the arch-80 plan's for d > 32); never with FA_PLAN_NO_SM90
- * (the caller's choice of the sm80 family). */
+/* The wide sm90 backward (kernels/fa_bwd_sm90_wide.cu): 64 x 64 tiles, three query stages where
+ * they fit the 227 KB (up to d + dv = 384), else two (230472 bytes at d = dv = 256). */
+static void fa_plan_backward_sm90_wide(const fa_plan_key *key, fa_plan *plan)
+{
+    plan->family = "fa_bwd_sm90_wide.cu";
+    plan->dp = fa_plan_pad(key->d);
+    plan->dvp = fa_plan_pad(key->dv);
+    plan->bm = FA_BWD_BM;
+    plan->bn = 64;
+    plan->stages =
+        FA_SMEM_BWD90W(plan->bm, plan->bn, plan->dp, plan->dvp, 3) <= FA_SMEM_SM90_MAX ? 3 : 2;
+    plan->smem = (unsigned)FA_SMEM_BWD90W(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages);
+}
+
+/* What the sm90 backward compiles: dense or varlen, aligned, d and dv in 33..256; d = dv up to
+ * 128 in fa_bwd_sm90.cu (padding to 64 or 128), wider heads and d != dv in fa_bwd_sm90_wide.cu
+ * (padding to multiples of 64); the workspace's padded head dim and query tile are the arch-80
+ * plan's but for the 128-query tile at d = dv <= 64. Never with FA_PLAN_NO_SM90 (the caller's
+ * choice of the sm80 family). */
 fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->arch != 90 || (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16) ||
-        key->d != key->dv || key->d <= 32 || key->d > 128 ||
+        key->d <= 32 || key->dv <= 32 || key->d > 256 || key->dv > 256 ||
         (key->features & (FA_FEATURE_UNALIGNED | FA_PLAN_NO_SM90)))
         return FA_STATUS_UNSUPPORTED;
     *plan = (fa_plan){0};
-    plan->family = "fa_bwd_sm90.cu";
     snprintf(plan->target, sizeof plan->target, "sm_90a");
-    plan->dp = plan->dvp = fa_plan_pad(key->d);
-    /* At head dim 64 a 64-query tile made every product m64n64 and every step short; 128
-     * queries (FA3's choice there) still fit the consumers' registers. */
-    plan->bm = plan->dp == 64 ? FA_BWD_BM_SM90_D64 : FA_BWD_BM;
-    plan->bn = 128;
     plan->nwarps = 12;
     plan->threads = 384;
-    plan->stages = 3;
-    /* The 8 consumer warps each add a dQ piece; 230488 bytes at either head dim, of the
-     * FA_SMEM_SM90_MAX an sm_90 CTA may have. */
-    plan->smem = (unsigned)FA_SMEM_BWD90(plan->bm, plan->bn, plan->dp, plan->stages, 8);
+    if (key->d != key->dv || key->d > 128) {
+        fa_plan_backward_sm90_wide(key, plan);
+    } else {
+        plan->family = "fa_bwd_sm90.cu";
+        plan->dp = plan->dvp = fa_plan_pad(key->d);
+        /* At head dim 64 a 64-query tile made every product m64n64 and every step short; 128
+         * queries (FA3's choice there) still fit the consumers' registers. */
+        plan->bm = plan->dp == 64 ? FA_BWD_BM_SM90_D64 : FA_BWD_BM;
+        plan->bn = 128;
+        plan->stages = 3;
+        /* The 8 consumer warps each add a dQ piece; 230488 bytes at either head dim, of the
+         * FA_SMEM_SM90_MAX an sm_90 CTA may have. */
+        plan->smem = (unsigned)FA_SMEM_BWD90(plan->bm, plan->bn, plan->dp, plan->stages, 8);
+    }
     fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
     fa_plan_define(plan, "FA_DP", plan->dp);
     fa_plan_define(plan, "FA_DVP", plan->dvp);

@@ -230,7 +230,8 @@ static void check_backward(void)
                              strcmp(bwd_family(90, d, d, ft | FA_PLAN_NO_SM90, &plan),
                                     "fa_bwd_sm80.cu") == 0 &&
                              strcmp(bwd_family(90, d, d > 8 ? d - 8 : d + 8, ft, &plan),
-                                    "fa_bwd_sm80.cu") == 0 &&
+                                    pass && d > 40 ? "fa_bwd_sm90_wide.cu"
+                                                   : "fa_bwd_sm80.cu") == 0 &&
                              strcmp(bwd_family(80, d, d, ft, &plan), "fa_bwd_sm80.cu") == 0,
                          "d %d features %#x: an sm90 plan where the family cannot run", d, ft);
             }
@@ -248,9 +249,11 @@ static void check_backward(void)
     }
 }
 
-/* Head dims past 128 and d != dv: every (d, dv) of a sample over [1, 256]^2 on each arch. */
+/* Head dims past 128 and d != dv: every (d, dv) of a sample over [1, 256]^2 on each arch, in
+ * the sm80 family (FLASHATTN_BWD_SM90=0 on sm_90; check_backward_sm90_wide has the other). */
 static void check_backward_wide(void)
 {
+    setenv("FLASHATTN_BWD_SM90", "0", 1);
     /* The most dynamic shared memory a CTA may have on each arch. */
     static const struct {
         int arch, smem;
@@ -328,6 +331,61 @@ static void check_backward_wide(void)
     const size_t size = fa_cuda_backward_workspace_size(&p);
     const size_t need = (size_t)4 * 8192 * 256 + 2 * 4 * 8192 + 4 * 4 * 16 * 4 + 256;
     TU_CHECK(size >= need, "d 256: workspace %zu bytes, the 32-row layout %zu", size, need);
+    unsetenv("FLASHATTN_BWD_SM90");
+}
+
+/* sm_90's default plan over the same sample: d and dv in 33..256 with aligned rows go to the
+ * sm90 families, d = dv up to 128 to fa_bwd_sm90.cu and the rest to fa_bwd_sm90_wide.cu, whose
+ * layout must be the workspace's (the arch-80 plan's padded dims and query tile), whose shared
+ * memory must fit, with three query stages wherever they fit. */
+static void check_backward_sm90_wide(void)
+{
+    static const int dims[] = {1, 8, 32, 33, 64, 96, 128, 129, 136, 160, 192, 200, 224, 256};
+    const int ndims = (int)(sizeof dims / sizeof dims[0]);
+    const unsigned features[] = {0, FA_FEATURE_VARLEN | FA_FEATURE_DROPOUT,
+                                 FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI,
+                                 FA_FEATURE_SOFTCAP | FA_FEATURE_UNALIGNED};
+    for (int i = 0; i < ndims; i++)
+        for (int j = 0; j < ndims; j++)
+            for (size_t f = 0; f < sizeof features / sizeof features[0]; f++) {
+                const int d = dims[i], dv = dims[j];
+                const unsigned ft = features[f];
+                const int sm90 = d > 32 && dv > 32 && !(ft & FA_FEATURE_UNALIGNED);
+                const char *want = !sm90                       ? "fa_bwd_sm80.cu"
+                                   : d == dv && d <= 128 ? "fa_bwd_sm90.cu"
+                                                         : "fa_bwd_sm90_wide.cu";
+                fa_plan plan, ws_plan;
+                const char *fam = bwd_family(90, d, dv, ft, &plan);
+                TU_CHECK(strcmp(fam, want) == 0, "d %d dv %d features %#x: %s, %s expected", d,
+                         dv, ft, fam, want);
+                if (strcmp(fam, "fa_bwd_sm90_wide.cu") != 0)
+                    continue;
+                bwd_family(80, d, dv, ft, &ws_plan);
+                const int qstages = plan_define(&plan, "FA_QSTAGES");
+                TU_CHECK(plan.bm == ws_plan.bm && plan.dp == ws_plan.dp &&
+                             plan.dvp == ws_plan.dvp && plan.bn == 64 &&
+                             plan_define(&plan, "FA_BN") == 64 && plan.dp % 64 == 0 &&
+                             plan.dvp % 64 == 0,
+                         "d %d dv %d: bm %d bn %d dp %d dvp %d, the workspace's plan bm %d dp %d "
+                         "dvp %d",
+                         d, dv, plan.bm, plan.bn, plan.dp, plan.dvp, ws_plan.bm, ws_plan.dp,
+                         ws_plan.dvp);
+                TU_CHECK(plan.smem == (unsigned)FA_SMEM_BWD90W(plan.bm, plan.bn, plan.dp,
+                                                               plan.dvp, qstages) &&
+                             plan.smem <= FA_SMEM_SM90_MAX &&
+                             (qstages == 3 ||
+                              (qstages == 2 && FA_SMEM_BWD90W(plan.bm, plan.bn, plan.dp,
+                                                              plan.dvp, 3) > FA_SMEM_SM90_MAX)),
+                         "d %d dv %d: %u bytes of shared memory, %d query stages", d, dv,
+                         plan.smem, qstages);
+            }
+    /* FLASHATTN_BWD_SM90=0 hands them to the sm80 family. */
+    fa_plan plan;
+    setenv("FLASHATTN_BWD_SM90", "0", 1);
+    TU_CHECK(strcmp(bwd_family(90, 256, 256, 0, &plan), "fa_bwd_sm80.cu") == 0 &&
+                 strcmp(bwd_family(90, 192, 128, 0, &plan), "fa_bwd_sm80.cu") == 0,
+             "FLASHATTN_BWD_SM90=0: the wide heads still on the sm90 family");
+    unsetenv("FLASHATTN_BWD_SM90");
 }
 
 /* Every define of the plans of both families reads "-DNAME=value" with the plan's own numbers
@@ -409,6 +467,7 @@ int main(void)
     check_forward_sm90_dropout();
     check_backward();
     check_backward_wide();
+    check_backward_sm90_wide();
     check_decode_splits();
     check_decode_paged();
     return tu_finish("test_plan");

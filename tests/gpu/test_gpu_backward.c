@@ -113,6 +113,14 @@ static const bcase cases[] = {
      1, 0, 0.2, 0, 1, 1, 1},
     {"varlen window sinks mqa d160 padded", 3, 4, 1, 200, 233, 160, 160, 0, 70, 20, 0, 0, 1, 0, 8,
      1, 0, 0},
+    /* The wide sm90 family on a persistent grid (more work items than SMs), with a right window
+     * edge (its longest-first claims) and without. */
+    {"persistent grid causal gqa d256", 3, 12, 6, 160, 1000, 256, 256, 1, -1, -1, 0, 0, 0, 0, 0,
+     0, 0, 0},
+    {"persistent grid window dropout d192 dv128", 2, 8, 8, 300, 1030, 192, 128, 0, 90, 30, 0, 0,
+     0, 0.1, 0, 0, 0, 0},
+    {"persistent grid softcap alibi d128 dv64", 2, 8, 4, 200, 1100, 128, 64, 0, -1, -1, 25, 1, 0,
+     0, 0, 0, 0, 0},
 };
 
 /* Wide heads on the tiles another part's plan picks, through FLASHATTN_BWD_TILE (warps, query
@@ -143,11 +151,17 @@ static int failures;
  * counts the runs. */
 static int sm90_pass, sm90_runs;
 
-/* Whether the sm90 family takes case c (fa_plan_backward_sm90: d = dv in 33..128, rows 16-byte
- * aligned), for the second pass's family check. */
+/* Whether the sm90 families take case c (fa_plan_backward_sm90: d and dv in 33..256, rows
+ * 16-byte aligned), for the second pass's family check. */
 static int sm90_takes(const bcase *c)
 {
-    return c->d == c->dv && c->d > 32 && c->d <= 128 && c->d % 8 == 0 && c->pad % 8 == 0;
+    return c->d > 32 && c->dv > 32 && c->d % 8 == 0 && c->dv % 8 == 0 && c->pad % 8 == 0;
+}
+
+/* Which of them: fa_bwd_sm90.cu for d = dv up to 128, fa_bwd_sm90_wide.cu for the rest. */
+static const char *sm90_family(const bcase *c)
+{
+    return c->d == c->dv && c->d <= 128 ? "fa_bwd_sm90.cu" : "fa_bwd_sm90_wide.cu";
 }
 
 /* One gradient's comparison: the raw downloaded data `got` (layout of view t, [b, s, heads, w]
@@ -342,9 +356,10 @@ static void run_case(const bcase *c, fa_dtype dt)
             ok = 0;
             break;
         }
-        const int on_sm90 = strcmp(fa_cuda_last_backward_family(), "fa_bwd_sm90.cu") == 0;
-        if (on_sm90 != (sm90_pass && sm90_takes(c)))
-            FAIL("ran on %s (deterministic %d)", fa_cuda_last_backward_family(), det[run]);
+        const char *fam = fa_cuda_last_backward_family();
+        const int on_sm90 = strncmp(fam, "fa_bwd_sm90", 11) == 0;
+        if (sm90_pass && sm90_takes(c) ? strcmp(fam, sm90_family(c)) != 0 : on_sm90)
+            FAIL("ran on %s (deterministic %d)", fam, det[run]);
         sm90_runs += on_sm90;
         CHECK_CU(gu_drv->ctx_synchronize());
         for (int i = 0; i < 4; i++)
