@@ -20,8 +20,9 @@
  *   an unsupported case (head dim > 256) and a short workspace refused with a message;
  *   gpu_nan.c's NaN and Inf cases (forward and backward) against the CPU, on each family.
  *   On sm_90 every case runs first with FLASHATTN_BWD_SM90=0 (the sm80 family), then the cases
- *   the sm90 family takes run again with the default plan: every run must take the sm90 family,
- *   and both a deterministic and the atomic run are held against the oracle.
+ *   the sm90 families take run again with the default plan: every run must take the family the
+ *   plan names (fa_bwd_sm90.cu for d = dv up to 128, fa_bwd_sm90_wide.cu for wider heads and
+ *   d != dv), and both a deterministic and the atomic run are held against the oracle.
  *   FA_TEST_SHARD=i/n runs a share of the cases (tests/gpu/run_sharded.sh).
  * `test_gpu_backward --bench` times the backward (hdim 128, seqlen 4k, bf16, causal and not);
  * `test_gpu_backward --case TEXT` runs only the cases whose name contains TEXT (a short run for
