@@ -422,6 +422,11 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = 12;
     plan->threads = 384;
     if (key->d != key->dv || key->d > 128) {
+        /* d + dv padded past 384 (d = dv = 256) stays on the sm80 family for now: dK, dV and dQ
+         * at 64 registers each left ptxas spilling in some feature sets (fp16 varlen, softcap
+         * with dropout). */
+        if (fa_plan_pad(key->d) + fa_plan_pad(key->dv) > 384)
+            return FA_STATUS_UNSUPPORTED;
         fa_plan_backward_sm90_wide(key, plan);
     } else {
         plan->family = "fa_bwd_sm90.cu";
