@@ -384,6 +384,17 @@ static fa_bwd_row fa_plan_bwd_override(fa_bwd_row row)
     return row;
 }
 
+/* User-defined scoring: the programs run element by element on S^T beside dK and dV's
+ * accumulators, which past head dim 64 then take more than a thread's 255 registers (ptxas
+ * spilled at d 128 with 8 warps): there the warps pair up on each 16 keys, each holding half
+ * the columns (FA_DKV_SPLIT 2, the wide heads' scheme), so the key block halves. */
+static fa_bwd_row fa_plan_bwd_mods_row(fa_bwd_row row, int dmax)
+{
+    if (dmax > 64)
+        row.split = 2;
+    return row;
+}
+
 /* On sm_90 unless FLASHATTN_BWD_SM90=0 (the sm80 family then takes every case: for benchmarks
  * and for the tests that hold one family against the other). */
 static int fa_plan_bwd_sm90_enabled(void)
@@ -436,7 +447,10 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
         key->dv > FA_BWD_MAX_HEAD_DIM)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
                             key->dv, FA_BWD_MAX_HEAD_DIM);
-    if (fa_plan_bwd_sm90_enabled() && fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
+    /* User-defined scoring: the sm80 family on every arch, as in the forward (its hooks are
+     * in fa_bwd_sm80.cu only). */
+    const int mods = (key->features & FA_PLAN_MODS) != 0;
+    if (!mods && fa_plan_bwd_sm90_enabled() && fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
         return FA_STATUS_OK;
     *plan = (fa_plan){0};
     plan->family = "fa_bwd_sm80.cu";
@@ -452,6 +466,8 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     while (ri + 1 < nrows && dmax > rows[ri].dmax)
         ri++;
     fa_bwd_row row = rows[ri];
+    if (mods)
+        row = fa_plan_bwd_mods_row(row, dmax);
     const unsigned lens = (key->features & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0;
     /* One query stage where two do not fit the part's shared memory. */
     if (row.qstages == 2 &&
@@ -479,6 +495,13 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     if (row.split > 1)
         fa_plan_define(plan, "FA_DKV_SPLIT", row.split);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
+    /* The mods' defines only where the call has them, as in the forward. */
+    if (key->features & FA_PLAN_SCORE_MOD)
+        fa_plan_define(plan, "FA_SCORE_MOD", 1);
+    if (key->features & FA_PLAN_MASK_MOD)
+        fa_plan_define(plan, "FA_MASK_MOD", 1);
+    if (key->features & FA_PLAN_BLOCK_MASK)
+        fa_plan_define(plan, "FA_BLOCK_MASK", 1);
     return FA_STATUS_OK;
 }
 
