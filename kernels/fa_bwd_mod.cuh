@@ -90,6 +90,21 @@ typedef struct fa_bwd_bm {
     int h0, nh, nq, nkb, kb0;
 } fa_bwd_bm;
 
+/* The view's numbers live in shared memory ahead of the table (FA_SMEM_BWD80_BM_META bytes), read
+ * where used: held in registers over the main loop they made ptxas spill at head dim 256. */
+FA_DEV void fa_bwd_bm_put(volatile int *meta, const fa_bwd_bm *bm)
+{
+    meta[0] = bm->h0, meta[1] = bm->nh, meta[2] = bm->nq, meta[3] = bm->nkb, meta[4] = bm->kb0;
+}
+
+FA_DEV fa_bwd_bm fa_bwd_bm_get(const volatile int *meta)
+{
+    fa_bwd_bm bm;
+    bm.tab = (const unsigned char *)meta + FA_SMEM_BWD80_BM_META;
+    bm.h0 = meta[0], bm.nh = meta[1], bm.nq = meta[2], bm.nkb = meta[3], bm.kb0 = meta[4];
+    return bm;
+}
+
 FA_DEV const unsigned char *fa_bwd_bm_head(const fa_bwd_bm *bm, int h)
 {
     return bm->tab + (bm->nh > 1 ? h - bm->h0 : 0) * bm->nq * bm->nkb;
@@ -107,8 +122,9 @@ FA_DEV int fa_bwd_bm_state(const fa_kparams *kp, const fa_bwd_bm *bm, int h, int
  * order (fa_bwd_later) counts every tile that meets the key block: there they are visited,
  * every key masked. */
 FA_DEV void fa_bwd_next_bm(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
-                           int *mb, const fa_bwd_bm *bm)
+                           int *mb, const volatile int *meta)
 {
+    const fa_bwd_bm view = fa_bwd_bm_get(meta), *bm = &view;
     for (;;) {
         fa_bwd_next(bp, s, nb, h_end, h, mb);
         if (*h >= h_end || bp->deterministic ||

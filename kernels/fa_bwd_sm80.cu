@@ -152,7 +152,7 @@
 #include "fa_bwd_common.cuh"
 
 #if FA_BLOCK_MASK
-#define FA_BWD_NEXT(s, h, mb) fa_bwd_next_bm(&bp, s, nb, h_end, h, mb, &bmv)
+#define FA_BWD_NEXT(s, h, mb) fa_bwd_next_bm(&bp, s, nb, h_end, h, mb, bm_meta)
 #else
 #define FA_BWD_NEXT(s, h, mb) fa_bwd_next(&bp, s, nb, h_end, h, mb)
 #endif
@@ -365,15 +365,21 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     int h = hk * group, mb = 0, stage = 0;
 #if FA_BLOCK_MASK
     /* The block mask's states of this CTA's key blocks (dense calls: n0 < sk), behind the
-     * tiles. */
-    fa_bwd_bm bmv;
-    bmv.tab = (const unsigned char *)(s_dsum + FA_QSTAGES * FA_BM);
-    bmv.h0 = h;
-    bmv.nh = FA_BM_TABLE_HEADS(kp, group);
-    bmv.nq = (seq.sq + kp->bm_q_block - 1) / kp->bm_q_block;
-    bmv.kb0 = n0 / kp->bm_kv_block;
-    bmv.nkb = (fa_min(n0 + FA_BN, seq.sk) - 1) / kp->bm_kv_block - bmv.kb0 + 1;
-    fa_bm_load_keys(kp, (unsigned char *)bmv.tab, bi, bmv.h0, bmv.nh, bmv.nq, bmv.kb0, bmv.nkb);
+     * tiles, their view's numbers ahead of them; fa_bm_load_keys' barriers publish both. */
+    volatile int *const bm_meta = (volatile int *)(s_dsum + FA_QSTAGES * FA_BM);
+    {
+        fa_bwd_bm bmv;
+        bmv.tab = (const unsigned char *)bm_meta + FA_SMEM_BWD80_BM_META;
+        bmv.h0 = h;
+        bmv.nh = FA_BM_TABLE_HEADS(kp, group);
+        bmv.nq = (seq.sq + kp->bm_q_block - 1) / kp->bm_q_block;
+        bmv.kb0 = n0 / kp->bm_kv_block;
+        bmv.nkb = (fa_min(n0 + FA_BN, seq.sk) - 1) / kp->bm_kv_block - bmv.kb0 + 1;
+        if (threadIdx.x == 0)
+            fa_bwd_bm_put(bm_meta, &bmv);
+        fa_bm_load_keys(kp, (unsigned char *)bmv.tab, bi, bmv.h0, bmv.nh, bmv.nq, bmv.kb0,
+                        bmv.nkb);
+    }
 #endif
     FA_BWD_NEXT(&seq, &h, &mb);
     if (h < h_end)
@@ -520,6 +526,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         tl.mod.bi = bi;
         tl.mod.h = h;
 #if FA_BLOCK_MASK
+        const fa_bwd_bm bmv = fa_bwd_bm_get(bm_meta);
         tl.mod.tab = fa_bwd_bm_head(&bmv, h);
         tl.mod.nq = bmv.nq;
         tl.mod.nkb = bmv.nkb;

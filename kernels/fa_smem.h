@@ -34,6 +34,9 @@
           ((split) > 1 ? 2 : 1) * (bn) * FA_SMEM_BWD80_LD(bm)) +                                  \
      4 * 2 * (qstages) * (bm))
 #define FA_SMEM_BWD80_LENS 16 /* varlen: the sequence's q_start (two ints), sq, sk after them */
+/* Block mask (dense only, so in the lengths' place): the CTA's view of its states (fa_bwd_bm),
+ * then the states, whose bytes the launcher adds. */
+#define FA_SMEM_BWD80_BM_META 32
 
 /* sm90 backward (fa_bwd_sm90.cu, d = dv), from a 1024-byte aligned base: K and V [bn][dp]; Q and
  * dO [stages][bm][dp]; two dS^T buffers [bn][bm]; each consumer warp's fp32 dQ piece (16 x 64);

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "fa_bkparams.h"
+#include "fa_smem.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_cuda_driver.h"
 #include "cuda/fa_jit.h"
@@ -191,8 +192,8 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
         fa_kparams kp;
         fa_kparams_fill(p, &kp);
         const int64_t nq = (p->max_sq + mb->q_block - 1) / mb->q_block;
-        const int64_t bytes = FA_BM_TABLE_HEADS(&kp, p->h / p->hk) * nq *
-                              ((plan.bn - 1) / mb->kv_block + 2);
+        const int64_t bytes = FA_SMEM_BWD80_BM_META + FA_BM_TABLE_HEADS(&kp, p->h / p->hk) *
+                                                          nq * ((plan.bn - 1) / mb->kv_block + 2);
         if (bytes > smem_optin - (int64_t)plan.smem)
             return fa_error_set(FA_STATUS_UNSUPPORTED,
                                 "block_mask: %lld query blocks of %lld rows need %lld bytes of "

@@ -387,11 +387,15 @@ static fa_bwd_row fa_plan_bwd_override(fa_bwd_row row)
 /* User-defined scoring: the programs run element by element on S^T beside dK and dV's
  * accumulators, which past head dim 64 then take more than a thread's 255 registers (ptxas
  * spilled at d 128 with 8 warps): there the warps pair up on each 16 keys, each holding half
- * the columns (FA_DKV_SPLIT 2, the wide heads' scheme), so the key block halves. */
+ * the columns (FA_DKV_SPLIT 2, the wide heads' scheme), so the key block halves; past 192 the
+ * query tile halves too (spills at d 256 with one query stage; 32-row tiles are the 99 KB parts'
+ * choice there, which the workspace size already covers). */
 static fa_bwd_row fa_plan_bwd_mods_row(fa_bwd_row row, int dmax)
 {
     if (dmax > 64)
         row.split = 2;
+    if (dmax > 192)
+        row.bm = 32;
     return row;
 }
 
