@@ -47,14 +47,19 @@ static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p, const fa_plan *plan)
     return w;
 }
 
-/* Asked for without a device: the largest of the layouts of the plans at arch 80 (the padded
- * head dims of every arch, FA_BWD_BM-row query tiles) and 86 (the 99 KB parts, whose query tiles
- * may be smaller: more of them, more ordering counters) and of the sm90 family's plan, whose
- * query tiles may be larger. 0 where the backward cannot run the case, with the plan's reason in
+/* Asked for without a device: the largest of the layouts of the plans (with the call's mods)
+ * at arch 80 (the padded head dims of every arch, FA_BWD_BM-row query tiles) and 86 (the 99 KB
+ * parts, whose query tiles may be smaller: more of them, more ordering counters) and of the
+ * sm90 family's plan, whose query tiles may be larger. 0 where the backward cannot run the case, with the plan's reason in
  * fa_last_error() (the backward refuses it the same way). */
 size_t fa_cuda_backward_workspace_size(const fa_params *p)
 {
     fa_plan_key key = {80, p->dtype, (int)p->d, (int)p->dv, p->is_varlen ? FA_FEATURE_VARLEN : 0};
+    /* Calls with user-defined scoring take the mods' tiles (smaller query tiles at some head
+     * dims): planned as such. */
+    key.features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
+    key.features |= p->mods.mask_mod ? FA_PLAN_MASK_MOD : 0;
+    key.features |= p->mods.blocks.num.data ? FA_PLAN_BLOCK_MASK : 0;
     fa_plan plan;
     if (fa_plan_backward(&key, &plan) != FA_STATUS_OK)
         return 0;

@@ -388,13 +388,14 @@ static fa_bwd_row fa_plan_bwd_override(fa_bwd_row row)
  * accumulators, which past head dim 64 then take more than a thread's 255 registers (ptxas
  * spilled at d 128 with 8 warps): there the warps pair up on each 16 keys, each holding half
  * the columns (FA_DKV_SPLIT 2, the wide heads' scheme), so the key block halves; past 192 the
- * query tile halves too (spills at d 256 with one query stage; 32-row tiles are the 99 KB parts'
- * choice there, which the workspace size already covers). */
-static fa_bwd_row fa_plan_bwd_mods_row(fa_bwd_row row, int dmax)
+ * query tile halves too (spills at d 256 with one query stage), and past 128 on the 99 KB parts
+ * (spills at d 192 with 4 warps). fa_cuda_backward_workspace_size plans with the call's mods,
+ * so the workspace covers the smaller tiles' layout. */
+static fa_bwd_row fa_plan_bwd_mods_row(fa_bwd_row row, int dmax, int big)
 {
     if (dmax > 64)
         row.split = 2;
-    if (dmax > 192)
+    if (dmax > 192 || (dmax > 128 && !big))
         row.bm = 32;
     return row;
 }
@@ -471,7 +472,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
         ri++;
     fa_bwd_row row = rows[ri];
     if (mods)
-        row = fa_plan_bwd_mods_row(row, dmax);
+        row = fa_plan_bwd_mods_row(row, dmax, big);
     const unsigned lens = (key->features & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0;
     /* One query stage where two do not fit the part's shared memory. */
     if (row.qstages == 2 &&
