@@ -404,8 +404,8 @@ typedef struct fa_smem_map {
 /* Keeps the softmax ahead of the wait for P_(i-1) V_(i-1). The exp2s touch no register of that
  * GEMM, so ptxas would hoist the wait above them and the softmax would no longer overlap the
  * tensor cores' work; a shared store of the row sums (which every exp2 feeds) is a side effect the
- * wait cannot pass. Every thread writes the same 8 bytes, which nothing reads. Used with pingpong
- * only: without it (head dim 64) the hoisted wait measured faster. */
+ * wait cannot pass. Every thread writes the same 8 bytes, which nothing reads. Two consumers only:
+ * the three-consumer tile (160 registers) measured faster with the hoisted wait. */
 FA_DEV void fa_softmax_order(const fa_smem_map *m, const float row_sum[2])
 {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(m->scratch), "f"(row_sum[0]),
@@ -576,7 +576,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
 #endif
             fa_softmax_block(kp, &r, sacc, w->n_max - 1 - it, row_max, row_sum, alpha);
 #if !FA_DROPOUT
-#if FA_PINGPONG
+#if FA_NCW == 2
             fa_softmax_order(m, row_sum);
 #endif
             fa_wg_wait0();
