@@ -7,7 +7,8 @@ and the CUDA forward compiles them into its kernels. The block mask has FlexAtte
 computed from the traced mask on the host (moved to the call's device); the forward takes it
 as the library's fa_block_mask, skipping the blocks it skips and evaluating mask_mod only in
 its partial blocks (full ones keep every key), as FlexAttention's kernels do. Gradients to
-query, key and value (the library's backward, on the CPU and on CUDA); none to captured tensors.
+query, key and value (the library's backward: on the CPU; on CUDA with
+FLASHATTN_CUDA_MOD_BACKWARD=1 until validated); none to captured tensors.
 """
 
 import ctypes
@@ -321,12 +322,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     query [b, hq, sq, d], key [b, hkv, sk, d], value [b, hkv, sk, dv]: torch CPU tensors or
     NumPy arrays, fp32, bf16, fp16 or fp64; or torch CUDA tensors, fp16 or bf16 (the CUDA
-    forward and backward). Returns out [b, hq, sq, dv] in the input's dtype
+    forward; the backward as below). Returns out [b, hq, sq, dv] in the input's dtype
     and, with return_lse, lse [b, hq, sq] (natural log; fp32, fp64 for fp64 inputs; -inf for a
     row that sees no key, whose out is 0). score_mod(score, b, h, q_idx, kv_idx) maps the scaled
     score; block_mask (from create_block_mask) selects keys by its mask_mod. scale defaults to
     1 / sqrt(d); enable_gqa lets hq be a multiple of hkv. Gradients flow to query, key and value
-    (torch inputs; the library's backward, CPU or CUDA), not to the tensors a mod captures
+    (torch inputs; the library's backward: CPU, or CUDA with FLASHATTN_CUDA_MOD_BACKWARD=1 until
+    validated), not to the tensors a mod captures
     (refused when they require grad); without mods it runs flash_attn_func, with autograd.
     """
     if kernel_options is not None:

@@ -441,6 +441,15 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     return FA_STATUS_OK;
 }
 
+/* The CUDA backward with user-defined scoring (fa_bwd_mod.cuh in the sm80 family) is compiled and
+ * tested against the CPU in tests/gpu/test_gpu_mod.c, but has not yet passed those tests on a GPU:
+ * refused unless FLASHATTN_CUDA_MOD_BACKWARD=1. */
+static int fa_plan_mod_backward_enabled(void)
+{
+    const char *env = getenv("FLASHATTN_CUDA_MOD_BACKWARD");
+    return env && strcmp(env, "1") == 0;
+}
+
 fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
@@ -455,6 +464,13 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     /* User-defined scoring: the sm80 family on every arch, as in the forward (its hooks are
      * in fa_bwd_sm80.cu only). */
     const int mods = (key->features & FA_PLAN_MODS) != 0;
+    if (mods && !fa_plan_mod_backward_enabled())
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "%s: the CUDA backward with user-defined scoring is not validated yet "
+                            "(FLASHATTN_CUDA_MOD_BACKWARD=1 enables it); the CPU backward runs it",
+                            (key->features & FA_PLAN_SCORE_MOD)  ? "score_mod"
+                            : (key->features & FA_PLAN_MASK_MOD) ? "mask_mod"
+                                                                 : "block_mask");
     if (!mods && fa_plan_bwd_sm90_enabled() && fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
         return FA_STATUS_OK;
     *plan = (fa_plan){0};

@@ -1033,10 +1033,12 @@ def test_flex_attention_cuda_forward(gen, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["document+relpos", "prefix+softcap", "alibi causal"])
-def test_flex_attention_cuda_backward(gen, dtype, kind):
+def test_flex_attention_cuda_backward(gen, dtype, kind, monkeypatch):
     """flex_attention's gradients on CUDA tensors (the C backward on the GPU, the mods compiled
     into its kernel): dq, dk, dv against the same call's on the CPU tensors, with a block mask
     where the case has a mask_mod, GQA; the captured tensors get no gradient."""
+    # Off by default until these tests have passed on a GPU (src/plan/fa_plan.c).
+    monkeypatch.setenv("FLASHATTN_CUDA_MOD_BACKWARD", "1")
     B, H, HK, L, D = 2, 4, 2, 300, 64 if kind != "prefix+softcap" else 128
     g = torch.Generator().manual_seed(41)
     q = torch.randn(B, H, L, D, generator=g).to(dtype)
