@@ -125,7 +125,7 @@ static void check_forward_sm90_dv(void)
     fa_plan_key key = {90, FA_DTYPE_BF16, 192, 128, FA_FEATURE_VARLEN};
     fa_plan plan;
     TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.bn == 128 &&
-                 plan.stages == 2 && plan.smem == 214096,
+                 plan.stages == 2 && plan.smem == 214104,
              "d 192 dv 128: bn %d stages %d, %u bytes", plan.bn, plan.stages, plan.smem);
     /* Three consumers for long calls only where both pad to 64. */
     const int pairs[3][3] = {{64, 40, 3}, {40, 64, 3}, {64, 128, 2}};
