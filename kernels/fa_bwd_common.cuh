@@ -184,6 +184,11 @@ FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
 #define FA_BWD_LANE_ROWS (FA_BM / 32) /* tile rows per lane: 2 or 4 (1: a warp's FA_BWD_QW = 32) */
 #endif
 
+/* User-defined scoring: a family that compiles it includes fa_bwd_mod.cuh first. */
+#ifndef FA_BWD_MODS
+#define FA_BWD_MODS 0
+#endif
+
 typedef struct fa_bwd_tile {
 #if FA_BWD_ROWS_IN_LANES
     /* lse * log2(e) and D of the tile's rows 2 lane + x for 64-row tiles, lane + 32 x for 128:
@@ -203,6 +208,9 @@ typedef struct fa_bwd_tile {
     fa_u32 keep[(FA_BWD_QW + 63) / 64]; /* fa_bwd_keep_bits' */
 #elif FA_DROPOUT
     fa_u64 stream;
+#endif
+#if FA_BWD_MODS
+    fa_bwd_mod_tile mod; /* set by the family after fa_bwd_tile_make */
 #endif
 } fa_bwd_tile;
 
@@ -307,6 +315,20 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             x = FA_RULE_SOFTCAP_TANH(x, kp->softcap_pre, tanhf);
             deriv = FA_RULE_SOFTCAP_GRAD(x);
 #endif
+#if FA_BWD_MODS
+            /* The mods' score (fa_bwd_mod.cuh) with ALiBi as the forward subtracts it, -inf
+             * where they drop the key. */
+#if FA_ALIBI
+            const float alibi = FA_RULE_ALIBI(tl->slope_log2, dg);
+#else
+            const float alibi = 0.f;
+#endif
+            const float y = fa_bwd_mod_score(kp, &tl->mod, x, alibi, tl->m0 + il,
+                                             tl->key0 + y_off, &deriv);
+            const int vis = y != -FA_INF && (!masked || (x_off < tl->rows && y_off < tl->keys &&
+                                                         dg <= tl->wlo && dg >= tl->whi));
+            const float p = vis ? fa_exp2(y - bias) : 0.f;
+#else
 #if FA_ALIBI
             bias = fmaf(tl->slope_log2, (float)FA_RULE_ABS_DIST(dg), bias); /* + ALiBi */
 #endif
@@ -316,6 +338,7 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
                                 dg >= tl->whi;
                 p = vis ? p : 0.f;
             }
+#endif
             float z = 1.f;
 #if FA_DROPOUT && FA_BWD_KEEP_BITS
             z = (tl->keep[nt >> 3] >> (4 * (nt & 7) + e)) & 1 ? kp->dropout_scale : 0.f;
@@ -325,7 +348,12 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             const fa_u32 r16 = (g & 1) ? (drop[e] >> 16) : (drop[e] & 0xffffu);
             z = r16 < kp->keep_threshold ? kp->dropout_scale : 0.f;
 #endif
+#if FA_BWD_MODS
+            /* Selected, not multiplied: score_mod's derivative is anything where dropped. */
+            dpt[nt][e] = vis ? p * (dpt[nt][e] * z - fa_bwd_row(tl->dsum, il)) * deriv : 0.f;
+#else
             dpt[nt][e] = p * (dpt[nt][e] * z - fa_bwd_row(tl->dsum, il)) * deriv;
+#endif
             st[nt][e] = p * z;
         }
     }

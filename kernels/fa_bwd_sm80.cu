@@ -66,6 +66,13 @@
  *                     seqused_k (fa_seq_get), lse [h, total_q]; 0 compiles the dense form's
  *                     arithmetic unchanged
  *   FA_ALIBI, FA_SOFTCAP, FA_DROPOUT   features compiled in (0/1)
+ *   FA_SCORE_MOD, FA_MASK_MOD, FA_BLOCK_MASK   defined (1) only for calls with user-defined
+ *                     scoring, as in fa_fwd_sm80.cu: fa_bwd_probs replays the forward's scores
+ *                     and masks on S^T and multiplies score_mod's derivative into dS
+ *                     (fa_bwd_mod.cuh); with a block mask (dense calls) the CTA loads the states
+ *                     of its key blocks over every query block into shared memory behind the
+ *                     tiles (fa_bm_load_keys; the launcher adds their bytes) and, but in
+ *                     deterministic mode, does not visit the tiles it skips
  *
  * Varlen: every index is sequence-relative (masks, dropout counters, the workspace's rows) except
  * the row of a global tensor, which adds q_start / k_start. Grids are sized from max_sq / max_sk;
@@ -75,6 +82,18 @@
 #include "fa_bkparams.h"
 #include "fa_common.cuh"
 #include "fa_smem.h"
+
+#ifndef FA_SCORE_MOD
+#define FA_SCORE_MOD 0
+#endif
+#ifndef FA_MASK_MOD
+#define FA_MASK_MOD 0
+#endif
+#ifndef FA_BLOCK_MASK
+#define FA_BLOCK_MASK 0
+#endif
+/* Keys can be dropped by more than the window: mask_mod or the block mask. */
+#define FA_MOD_MASKS (FA_MASK_MOD || FA_BLOCK_MASK)
 
 #define FA_THREADS (FA_NWARPS * 32)
 #ifndef FA_DKV_SPLIT
@@ -126,7 +145,17 @@
 
 /* fa_bwd_probs takes the dropout keep decisions made before S^T and dP^T (fa_bwd_common.cuh). */
 #define FA_BWD_KEEP_BITS 1
+#if FA_SCORE_MOD || FA_MOD_MASKS
+#include "fa_mod.cuh"
+#include "fa_bwd_mod.cuh"
+#endif
 #include "fa_bwd_common.cuh"
+
+#if FA_BLOCK_MASK
+#define FA_BWD_NEXT(s, h, mb) fa_bwd_next_bm(&bp, s, nb, h_end, h, mb, bm_meta)
+#else
+#define FA_BWD_NEXT(s, h, mb) fa_bwd_next(&bp, s, nb, h_end, h, mb)
+#endif
 
 /* The most cp.async chunks per thread a tile copy issues unrolled (fa_bwd_tile_load): beside
  * the split kernels' wider accumulators, fewer. */
@@ -334,7 +363,25 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     /* The first query tile goes into stage 0 in the same copy group as K and V. */
     const int h_end = (hk + 1) * group;
     int h = hk * group, mb = 0, stage = 0;
-    fa_bwd_next(&bp, &seq, nb, h_end, &h, &mb);
+#if FA_BLOCK_MASK
+    /* The block mask's states of this CTA's key blocks (dense calls: n0 < sk), behind the
+     * tiles, their view's numbers ahead of them; fa_bm_load_keys' barriers publish both. */
+    volatile int *const bm_meta = (volatile int *)(s_dsum + FA_QSTAGES * FA_BM);
+    {
+        fa_bwd_bm bmv;
+        bmv.tab = (const unsigned char *)bm_meta + FA_SMEM_BWD80_BM_META;
+        bmv.h0 = h;
+        bmv.nh = FA_BM_TABLE_HEADS(kp, group);
+        bmv.nq = (seq.sq + kp->bm_q_block - 1) / kp->bm_q_block;
+        bmv.kb0 = n0 / kp->bm_kv_block;
+        bmv.nkb = (fa_min(n0 + FA_BN, seq.sk) - 1) / kp->bm_kv_block - bmv.kb0 + 1;
+        if (threadIdx.x == 0)
+            fa_bwd_bm_put(bm_meta, &bmv);
+        fa_bm_load_keys(kp, (unsigned char *)bmv.tab, bi, bmv.h0, bmv.nh, bmv.nq, bmv.kb0,
+                        bmv.nkb);
+    }
+#endif
+    FA_BWD_NEXT(&seq, &h, &mb);
     if (h < h_end)
         fa_bwd_load_q(&bp, &seq, bi, h, mb, s_q, s_do, s_lse, s_dsum);
     fa_cp_async_commit();
@@ -408,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         int hn = h, mbn = mb + 1;
         {
             const fa_seq cur = FA_CUR;
-            fa_bwd_next(&bp, &cur, nb, h_end, &hn, &mbn);
+            FA_BWD_NEXT(&cur, &hn, &mbn);
         }
         const int m0 = mb * FA_BM;
         /* This tile's copies have landed, every thread's (wait, then barrier), and every warp is
@@ -475,7 +522,28 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         for (int i = 0; i < (FA_BWD_QW + 63) / 64; i++)
             tl.keep[i] = keep[i];
 #endif
+#if FA_BWD_MODS
+        tl.mod.bi = bi;
+        tl.mod.h = h;
+#if FA_BLOCK_MASK
+        const fa_bwd_bm bmv = fa_bwd_bm_get(bm_meta);
+        tl.mod.tab = fa_bwd_bm_head(&bmv, h);
+        tl.mod.nq = bmv.nq;
+        tl.mod.nkb = bmv.nkb;
+        tl.mod.kb0 = bmv.kb0;
+        tl.mod.st = fa_bwd_bm_state(kp, &bmv, h, mb, cur.sq);
+#elif FA_MASK_MOD
+        tl.mod.st = FA_BM_PARTIAL; /* no block mask: mask_mod asked everywhere */
+#endif
+#if FA_MOD_MASKS
+        tl.mod.on = fa_bwd_mod_on(tl.mod.st);
+        const int full = !tl.mod.on && fa_bwd_tile_full(&cur, m0, n0, wlo, whi);
+#else
         const int full = fa_bwd_tile_full(&cur, m0, n0, wlo, whi);
+#endif
+#else
+        const int full = fa_bwd_tile_full(&cur, m0, n0, wlo, whi);
+#endif
         if (full)
             fa_bwd_probs(kp, &tl, t, st, dpt, 0);
         else
@@ -590,6 +658,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     }
 
 #undef FA_CUR
+#undef FA_BWD_NEXT
     /* K and V copies still in flight when no query tile met the block. */
     fa_cp_async_wait_all();
     fa_bwd_store_dkdv(&bp, bi, hk, key0, t, seq.sk, cw, dk, dv);

@@ -27,7 +27,7 @@
  *   Q [FA_DP/64 column blocks][FA_BM rows][128 B]
  *   K [FA_STAGES][FA_DP/64][FA_BN rows][128 B]
  *   V [FA_STAGES][FA_DVP/64][FA_BN rows][128 B]
- *   mbarriers: q_full, q_empty, k_full[S], v_full[S], k_empty[S], v_empty[S]
+ *   mbarriers: q_full, q_empty, k_full[S], v_full[S], k_empty[S], v_empty[S]; 8 bytes of scratch
  * Each [rows][128 B] block is the canonical 128B-swizzled layout: 16-byte chunk c of row r sits at
  * chunk c ^ (r % 8). TMA with CU_TENSOR_MAP_SWIZZLE_128B and a 64-element inner box writes exactly
  * that, and the wgmma descriptors with layout type 1 (128B swizzle) read exactly that.
@@ -398,7 +398,20 @@ typedef struct fa_smem_map {
     fa_u32 q, k, v;      /* Q, K[stage], V[stage] */
     fa_u32 q_full, q_empty;
     fa_u32 k_full, v_full, k_empty, v_empty; /* + 8 * stage */
+    fa_u32 scratch; /* 8 bytes that fa_softmax_order writes and nothing reads */
 } fa_smem_map;
+
+/* Keeps the softmax ahead of the wait for P_(i-1) V_(i-1). The exp2s touch no register of that
+ * GEMM, so ptxas would hoist the wait above them and the softmax would no longer overlap the
+ * tensor cores' work; a shared store of the row sums (which every exp2 feeds) is a side effect the
+ * wait cannot pass. Every thread writes the same 8 bytes, which nothing reads. Two consumers only:
+ * the three-consumer tile (160 registers) measured faster with the hoisted wait. */
+FA_DEV void fa_softmax_order(const fa_smem_map *m, const float row_sum[2])
+{
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(m->scratch), "f"(row_sum[0]),
+                 "f"(row_sum[1])
+                 : "memory");
+}
 
 /* The producer's thread: Q of the tile, then K and V of each key block into the ring (kv counts
  * the blocks this CTA has loaded so far, q_round the tiles). */
@@ -563,6 +576,9 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
 #endif
             fa_softmax_block(kp, &r, sacc, w->n_max - 1 - it, row_max, row_sum, alpha);
 #if !FA_DROPOUT
+#if FA_NCW == 2
+            fa_softmax_order(m, row_sum);
+#endif
             fa_wg_wait0();
             fa_gemm_operands_pin(o, pa);
 #endif
@@ -646,6 +662,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     m.v_full = m.k_full + 8 * FA_STAGES;
     m.k_empty = m.v_full + 8 * FA_STAGES; /* FA_CONSUMER_WARPS arrivals each */
     m.v_empty = m.k_empty + 8 * FA_STAGES;
+    m.scratch = m.v_empty + 8 * FA_STAGES;
 
     if (threadIdx.x == 0) {
         fa_mbar_init(m.q_full, 1);

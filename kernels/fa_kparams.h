@@ -85,6 +85,15 @@ typedef struct fa_kparams {
     int bm_n, bm_full_n;    /* the index tensors' last dims */
 } fa_kparams;
 
+/* The block-mask state tables a backward CTA over a GQA group of g query heads holds
+ * (fa_bwd_sm80.cu; the launcher sizes its shared memory by the same rule): one when every index
+ * tensor is shared across heads (h stride 0), else one per head. */
+#define FA_BM_TABLE_HEADS(kp, g)                                                                 \
+    (((kp)->bm_num_stride[1] | (kp)->bm_idx_stride[1] | (kp)->bm_full_num_stride[1] |            \
+      (kp)->bm_full_idx_stride[1]) == 0                                                          \
+         ? 1                                                                                     \
+         : (g))
+
 #if !defined(__CUDACC__)
 /* The multiplier and shift of the division by d (1 <= d <= 2^30) for dividends below 2^31 (the
  * round-up method: shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1). */

@@ -1,8 +1,10 @@
 /*
- * User-defined scoring in the forward's tiles (kernels/fa_fwd_sm80.cu includes it after its tile
- * defines): the operations and aux reads of the generated programs (fa_mod_gen.cuh, written by
- * src/mod/fa_mod_cuda.c), and the block mask's states of a tile. Compiled only for kernels whose
- * plan defines FA_SCORE_MOD, FA_MASK_MOD or FA_BLOCK_MASK; needs FA_THREADS and FA_BN.
+ * User-defined scoring in the sm80 family's tiles (kernels/fa_fwd_sm80.cu and fa_bwd_sm80.cu
+ * include it after their tile defines): the operations and aux reads of the generated programs
+ * (fa_mod_gen.cuh, written by src/mod/fa_mod_cuda.c), and the block mask's states of a tile:
+ * per query tile over the keys (forward) or per key block over the queries (backward).
+ * Compiled only for kernels whose plan defines FA_SCORE_MOD, FA_MASK_MOD or FA_BLOCK_MASK;
+ * needs FA_THREADS and FA_BN.
  */
 #ifndef FA_MOD_CUH
 #define FA_MOD_CUH
@@ -45,6 +47,17 @@ FA_DEV float fa_mod_aux(const fa_kparams *kp, int slot, int ndim, float i0, floa
         return (float)__ldg((const int *)kp->mod_aux[slot] + off);
     return __ldg((const float *)kp->mod_aux[slot] + off);
 }
+
+/* The functions of the derivative rules (src/mod/fa_mod_grad.h) that fa_score_mod_grad calls,
+ * the value's functions above. */
+FA_DEV float fa_mod_sq(float x) { return x * x; }
+#define FA_MOD_D_EXP expf
+#define FA_MOD_D_LOG logf
+#define FA_MOD_D_TANH tanhf
+#define FA_MOD_D_SQRT sqrtf
+#define FA_MOD_D_FLOOR floorf
+#define FA_MOD_D_POW powf
+#define FA_MOD_D_SQ fa_mod_sq
 
 #include "fa_mod_gen.cuh"
 #endif
@@ -111,6 +124,49 @@ FA_DEV int fa_bm_below(const fa_kparams *kp, const unsigned char *tab, int nqb, 
         if (fa_bm_state(kp, tab, nqb, nb * FA_BN, sk) != FA_BM_SKIP)
             break;
     return nb;
+}
+
+/* The backward's states (a CTA owns a key block and visits query tiles): for heads h0 .. h0 +
+ * nh - 1, query blocks 0 .. nq - 1 and key blocks kb0 .. kb0 + nkb - 1 (all inside the keys),
+ * tab[(hh * nq + qb) * nkb + kb - kb0], shared; the lists read as fa_bm_load reads them, the
+ * index fastest across the threads. */
+FA_DEV void fa_bm_load_keys(const fa_kparams *kp, unsigned char *tab, int bi, int h0, int nh,
+                            int nq, int kb0, int nkb)
+{
+    for (int i = threadIdx.x; i < nh * nq * nkb; i += FA_THREADS)
+        tab[i] = FA_BM_SKIP;
+    for (int pass = 0; pass < 2; pass++) {
+        __syncthreads();
+        const int *num = pass ? kp->bm_full_num : kp->bm_num;
+        const int *idx = pass ? kp->bm_full_idx : kp->bm_idx;
+        const fa_i64 *ns = pass ? kp->bm_full_num_stride : kp->bm_num_stride;
+        const fa_i64 *is = pass ? kp->bm_full_idx_stride : kp->bm_idx_stride;
+        const int n = pass ? kp->bm_full_n : kp->bm_n;
+        if (!num)
+            continue;
+        for (fa_i64 i = threadIdx.x; i < (fa_i64)nh * nq * n; i += FA_THREADS) {
+            const fa_i64 hq = i / n;
+            const int j = (int)(i - hq * n), qb = (int)(hq % nq), h = h0 + (int)(hq / nq);
+            const int c = num[bi * ns[0] + h * ns[1] + qb * ns[2]];
+            if (j >= c)
+                continue;
+            const int kb = idx[bi * is[0] + h * is[1] + qb * is[2] + j * is[3]];
+            if (kb >= kb0 && kb < kb0 + nkb)
+                tab[hq * nkb + kb - kb0] = pass ? FA_BM_FULL : FA_BM_PARTIAL;
+        }
+    }
+    __syncthreads();
+}
+
+/* The state of query blocks qb0 .. qb1 over all nkb key blocks of a head's part of
+ * fa_bm_load_keys' table: FA_BM_MIXED unless one state. */
+FA_DEV int fa_bm_keys_state(const unsigned char *tab, int nkb, int qb0, int qb1)
+{
+    const int first = tab[qb0 * nkb];
+    for (int i = qb0 * nkb; i < (qb1 + 1) * nkb; i++)
+        if (tab[i] != first)
+            return FA_BM_MIXED;
+    return first;
 }
 #endif
 

@@ -15,13 +15,14 @@
 
 /* sm90 forward (fa_fwd_sm90.cu), from a 1024-byte aligned base: Q [bm][dp]; per stage K [bn][dp]
  * and V [bn][dvp]; the mbarriers (8 bytes each) q_full, q_empty, and k_full, v_full, k_empty,
- * v_empty per stage; 1 KB more so the kernel can round its base up to the swizzle atom. */
+ * v_empty per stage, then 8 bytes of scratch; 1 KB more so the kernel can round its base up to the
+ * swizzle atom. */
 #define FA_SMEM_FWD90_Q(bm, dp) ((bm) * (dp) * 2)
 #define FA_SMEM_FWD90_K(bn, dp) ((bn) * (dp) * 2)
 #define FA_SMEM_FWD90_V(bn, dvp) ((bn) * (dvp) * 2)
 #define FA_SMEM_FWD90(bm, bn, dp, dvp, stages)                                                    \
     (FA_SMEM_FWD90_Q(bm, dp) + (stages) * (FA_SMEM_FWD90_K(bn, dp) + FA_SMEM_FWD90_V(bn, dvp)) + \
-     8 * (2 + 4 * (stages)) + 1024)
+     8 * (3 + 4 * (stages)) + 1024)
 
 /* sm80 backward (fa_bwd_sm80.cu): rows padded by 8 elements (bank conflicts); Q [qstages][bm]
  * [dp+8], dO [qstages][bm][dvp+8], K [bn][dp+8], V [bn][dvp+8], dS^T [bn][bm+8] and, with the
@@ -34,6 +35,9 @@
           ((split) > 1 ? 2 : 1) * (bn) * FA_SMEM_BWD80_LD(bm)) +                                  \
      4 * 2 * (qstages) * (bm))
 #define FA_SMEM_BWD80_LENS 16 /* varlen: the sequence's q_start (two ints), sq, sk after them */
+/* Block mask (dense only, so in the lengths' place): the CTA's view of its states (fa_bwd_bm),
+ * then the states, whose bytes the launcher adds. */
+#define FA_SMEM_BWD80_BM_META 32
 
 /* sm90 backward (fa_bwd_sm90.cu, d = dv), from a 1024-byte aligned base: K and V [bn][dp]; Q and
  * dO [stages][bm][dp]; two dS^T buffers [bn][bm]; each consumer warp's fp32 dQ piece (16 x 64);

@@ -7,7 +7,8 @@ and the CUDA forward compiles them into its kernels. The block mask has FlexAtte
 computed from the traced mask on the host (moved to the call's device); the forward takes it
 as the library's fa_block_mask, skipping the blocks it skips and evaluating mask_mod only in
 its partial blocks (full ones keep every key), as FlexAttention's kernels do. Gradients to
-query, key and value (the library's backward) on the CPU only so far; none to captured tensors.
+query, key and value (the library's backward: on the CPU; on CUDA with
+FLASHATTN_CUDA_MOD_BACKWARD=1 until validated); none to captured tensors.
 """
 
 import ctypes
@@ -321,14 +322,14 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
     query [b, hq, sq, d], key [b, hkv, sk, d], value [b, hkv, sk, dv]: torch CPU tensors or
     NumPy arrays, fp32, bf16, fp16 or fp64; or torch CUDA tensors, fp16 or bf16 (the CUDA
-    forward; with mods or a block mask, only where no gradient is needed: under
-    torch.no_grad() or with inputs that do not require grad). Returns out [b, hq, sq, dv] in the input's dtype
+    forward; the backward as below). Returns out [b, hq, sq, dv] in the input's dtype
     and, with return_lse, lse [b, hq, sq] (natural log; fp32, fp64 for fp64 inputs; -inf for a
     row that sees no key, whose out is 0). score_mod(score, b, h, q_idx, kv_idx) maps the scaled
     score; block_mask (from create_block_mask) selects keys by its mask_mod. scale defaults to
     1 / sqrt(d); enable_gqa lets hq be a multiple of hkv. Gradients flow to query, key and value
-    (torch inputs; the library's CPU backward), not to the tensors a mod captures (refused when
-    they require grad); without mods it runs flash_attn_func, with autograd.
+    (torch inputs; the library's backward: CPU, or CUDA with FLASHATTN_CUDA_MOD_BACKWARD=1 until
+    validated), not to the tensors a mod captures
+    (refused when they require grad); without mods it runs flash_attn_func, with autograd.
     """
     if kernel_options is not None:
         raise FlashAttnError("kernel_options: tunes torch's kernels; flashattn takes none")
@@ -342,12 +343,6 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         x.requires_grad for x in (query, key, value))
     if grad and score_mod is None and block_mask is None:
         return _plain(query, key, value, scale, return_lse)
-    cuda = kind == TORCH and query.device.type == "cuda"
-    if grad and cuda:
-        raise FlashAttnError("flex_attention: the backward of score_mod / block_mask runs on "
-                             "the CPU only so far; for CUDA tensors call it under "
-                             "torch.no_grad() (the forward runs on the GPU), or pass CPU "
-                             "tensors")
     mods = []  # (argument field, trace, aux tensors)
     if score_mod is not None:
         mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod"))
@@ -440,6 +435,14 @@ class _FlexCall:
         keep.append(grads)
         bwd.fwd = ctypes.pointer(args)
         bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
+        if query.device.type == "cuda":
+            # The CUDA backward's dQ accumulator, from torch's allocator (stream-ordered); a
+            # size of 0 means the call is refused, which the backward then says why.
+            size = _lib.backward_workspace_size(bwd)
+            workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=query.device)
+            keep.append(workspace)
+            bwd.workspace = workspace.data_ptr()
+            bwd.workspace_size = size
         try:
             _lib.backward(bwd)
         except FlashAttnError as e:

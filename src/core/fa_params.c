@@ -446,11 +446,6 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
                             "block_table: a paged forward has no backward (as upstream); pass "
                             "k and v in the varlen layout to differentiate");
     FA_TRY(fa_params_from_fwd_args(&fwd, p));
-    if (fwd.device != FA_DEVICE_CPU && fa_mod_args_user(&fwd))
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "%s: the backward with user-defined scoring runs on the CPU only so "
-                            "far (device %d; the forward runs on CUDA)",
-                            fa_mod_args_user(&fwd), fwd.device);
     if (fa_dtype_is_fp8(p->dtype))
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "q: fp8 has no backward (as FA3); dtype %s is forward only",

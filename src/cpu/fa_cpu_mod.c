@@ -5,6 +5,7 @@
 #include "cpu/fa_cpu_math.h"
 #include "cpu/fa_cpu_mod.h"
 #include "mod/fa_mod.h"
+#include "mod/fa_mod_grad.h"
 
 /* exp in fp32 without a libm call per value: fa_expf up to 88 (where it stops growing), then the
  * square of exp(x / 2), which reaches inf past fp32's range as expf does. */

@@ -203,93 +203,62 @@ FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run)(const fa_mod *m, const fa_tensor 
     return buf + (size_t)m->buf[m->n_steps - 1] * FA_CPU_MOD_CHUNK;
 }
 
+/* The square, for the derivative rules (mod/fa_mod_grad.h). */
+FA_CPU_INLINE FA_REAL FA_FN(fa_mod_sq)(FA_REAL x) { return x * x; }
+
+#define FA_MOD_D_EXP(v) FA_MOD_EXPV(v)
+#define FA_MOD_D_LOG(v) FA_M(log)(v)
+#define FA_MOD_D_TANH(v) FA_MOD_TANHV(v)
+#define FA_MOD_D_SQRT(v) FA_M(sqrt)(v)
+#define FA_MOD_D_FLOOR(v) FA_M(floor)(v)
+#define FA_MOD_D_POW(v, e) FA_M(pow)(v, e)
+#define FA_MOD_D_SQ(v) FA_FN(fa_mod_sq)(v)
+
+/* One rule of mod/fa_mod_grad.h as a loop over the chunk; an operand the step lacks reads
+ * zeros, and what the rule does not use the compiler drops. */
+#define FA_MOD_GRAD_LOOP(op_code, expr)                                                          \
+    case op_code:                                                                                \
+        for (int64_t k = 0; k < w; k++) {                                                        \
+            const FA_REAL x = x_[k], y = y_[k], dx = dx_[k], dy = dy_[k], dz = dz_[k];           \
+            (void)x, (void)y, (void)dx, (void)dy, (void)dz;                                      \
+            d[k] = (expr);                                                                       \
+        }                                                                                        \
+        return;
+
 /*
  * The derivative of step n with respect to score, into d, from its operands' values (arg)
- * and derivatives (darg), before the step's values overwrite any of them. Booleans, floor,
- * aux reads and the other variables have none; at a kink (abs at 0, min/max ties) the branch
- * the value takes.
+ * and derivatives (darg), before the step's values overwrite any of them: the rules of
+ * mod/fa_mod_grad.h, which the CUDA C emitter prints too.
  */
 FA_CPU_INLINE void FA_FN(fa_mod_dstep)(const fa_mod_node *n, FA_REAL *d,
                                        const FA_REAL *const *arg, const FA_REAL *const *darg,
                                        int64_t w)
 {
-    const FA_REAL *x_ = arg[0], *y_ = arg[1], *dx = darg[0], *dy = darg[1], *dz = darg[2];
+    static const FA_REAL zeros[FA_CPU_MOD_CHUNK];
+    const FA_REAL *x_ = arg[0] ? arg[0] : zeros, *y_ = arg[1] ? arg[1] : zeros;
+    const FA_REAL *dx_ = darg[0] ? darg[0] : zeros, *dy_ = darg[1] ? darg[1] : zeros;
+    const FA_REAL *dz_ = darg[2] ? darg[2] : zeros;
     switch (n->op) {
     case FA_MOD_OP_VAR:
         for (int64_t k = 0; k < w; k++)
             d[k] = n->what == FA_MOD_SCORE ? 1 : 0;
         return;
-    case FA_MOD_OP_WHERE:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = x_[k] != 0 ? dy[k] : dz[k];
-        return;
-    case FA_MOD_NEG:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = -dx[k];
-        return;
-    case FA_MOD_EXP:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = FA_MOD_EXPV(x_[k]) * dx[k];
-        return;
-    case FA_MOD_LOG:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = dx[k] / x_[k];
-        return;
-    case FA_MOD_TANH:
-        for (int64_t k = 0; k < w; k++) {
-            const FA_REAL t = FA_MOD_TANHV(x_[k]);
-            d[k] = (1 - t * t) * dx[k];
-        }
-        return;
-    case FA_MOD_ABS:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = x_[k] > 0 ? dx[k] : x_[k] < 0 ? -dx[k] : 0;
-        return;
-    case FA_MOD_SQRT:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = dx[k] / (2 * FA_M(sqrt)(x_[k]));
-        return;
-    case FA_MOD_ADD:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = dx[k] + dy[k];
-        return;
-    case FA_MOD_SUB:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = dx[k] - dy[k];
-        return;
-    case FA_MOD_MUL:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = dx[k] * y_[k] + x_[k] * dy[k];
-        return;
-    case FA_MOD_DIV:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = (dx[k] - x_[k] / y_[k] * dy[k]) / y_[k];
-        return;
-    case FA_MOD_MIN:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = (x_[k] < y_[k] || x_[k] != x_[k]) ? dx[k] : dy[k];
-        return;
-    case FA_MOD_MAX:
-        for (int64_t k = 0; k < w; k++)
-            d[k] = (x_[k] > y_[k] || x_[k] != x_[k]) ? dx[k] : dy[k];
-        return;
-    case FA_MOD_POW: /* the terms of a constant base or exponent dropped (log of x < 0) */
-        for (int64_t k = 0; k < w; k++) {
-            const FA_REAL x = x_[k], y = y_[k];
-            d[k] = (dx[k] != 0 ? y * FA_M(pow)(x, y - 1) * dx[k] : 0) +
-                   (dy[k] != 0 ? FA_M(pow)(x, y) * FA_M(log)(x) * dy[k] : 0);
-        }
-        return;
-    case FA_MOD_MOD: /* x - y floor(x / y) */
-        for (int64_t k = 0; k < w; k++)
-            d[k] = dx[k] - (dy[k] != 0 ? FA_M(floor)(x_[k] / y_[k]) * dy[k] : 0);
-        return;
+        FA_MOD_GRAD_RULES(FA_MOD_GRAD_LOOP)
     default:
         for (int64_t k = 0; k < w; k++)
             d[k] = 0;
         return;
     }
 }
+
+#undef FA_MOD_GRAD_LOOP
+#undef FA_MOD_D_EXP
+#undef FA_MOD_D_LOG
+#undef FA_MOD_D_TANH
+#undef FA_MOD_D_SQRT
+#undef FA_MOD_D_FLOOR
+#undef FA_MOD_D_POW
+#undef FA_MOD_D_SQ
 
 /* fa_mod_run with the derivative of the root with respect to score: returns the values'
  * buffer, *deriv the derivatives' (in dbuf, laid out as buf). */

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "fa_bkparams.h"
+#include "fa_smem.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_cuda_driver.h"
 #include "cuda/fa_jit.h"
@@ -46,14 +47,19 @@ static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p, const fa_plan *plan)
     return w;
 }
 
-/* Asked for without a device: the largest of the layouts of the plans at arch 80 (the padded
- * head dims of every arch, FA_BWD_BM-row query tiles) and 86 (the 99 KB parts, whose query tiles
- * may be smaller: more of them, more ordering counters) and of the sm90 family's plan, whose
- * query tiles may be larger. 0 where the backward cannot run the case, with the plan's reason in
+/* Asked for without a device: the largest of the layouts of the plans (with the call's mods)
+ * at arch 80 (the padded head dims of every arch, FA_BWD_BM-row query tiles) and 86 (the 99 KB
+ * parts, whose query tiles may be smaller: more of them, more ordering counters) and of the
+ * sm90 family's plan, whose query tiles may be larger. 0 where the backward cannot run the case, with the plan's reason in
  * fa_last_error() (the backward refuses it the same way). */
 size_t fa_cuda_backward_workspace_size(const fa_params *p)
 {
     fa_plan_key key = {80, p->dtype, (int)p->d, (int)p->dv, p->is_varlen ? FA_FEATURE_VARLEN : 0};
+    /* Calls with user-defined scoring take the mods' tiles (smaller query tiles at some head
+     * dims): planned as such. */
+    key.features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
+    key.features |= p->mods.mask_mod ? FA_PLAN_MASK_MOD : 0;
+    key.features |= p->mods.blocks.num.data ? FA_PLAN_BLOCK_MASK : 0;
     fa_plan plan;
     if (fa_plan_backward(&key, &plan) != FA_STATUS_OK)
         return 0;
@@ -155,10 +161,16 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
     key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
     key.features |= fa_bwd_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
+    /* User-defined scoring: the sm80 family compiles the programs in, as the forward does. */
+    key.features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
+    key.features |= p->mods.mask_mod ? FA_PLAN_MASK_MOD : 0;
+    key.features |= p->mods.blocks.num.data ? FA_PLAN_BLOCK_MASK : 0;
     fa_plan plan;
     st = fa_plan_backward(&key, &plan);
     if (st != FA_STATUS_OK)
         return st;
+    plan.score_mod = p->mods.score_mod ? p->mods.score_mod->cuda : NULL;
+    plan.mask_mod = p->mods.mask_mod ? p->mods.mask_mod->cuda : NULL;
     fa_bwd_tmaps tmaps, *tm = NULL;
     /* Both sm90 families (fa_bwd_sm90.cu, fa_bwd_sm90_wide.cu) read their tiles by TMA. */
     if (strncmp(plan.family, "fa_bwd_sm90", 11) == 0) {
@@ -177,6 +189,27 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
                             "head_dim %lld: the backward needs %u bytes of shared memory, the "
                             "device gives %d",
                             (long long)p->d, plan.smem, smem_optin);
+    /* The block mask's states of a CTA's key blocks over every query block (fa_bm_load_keys)
+     * sit behind the tiles: their bytes depend on the call, so the kernel is loaded allowing
+     * the device's most, as the forward's. */
+    unsigned main_smem = plan.smem;
+    if (p->mods.blocks.num.data) {
+        const fa_mod_blocks *mb = &p->mods.blocks;
+        fa_kparams kp;
+        fa_kparams_fill(p, &kp);
+        const int64_t nq = (p->max_sq + mb->q_block - 1) / mb->q_block;
+        const int64_t bytes = FA_SMEM_BWD80_BM_META + FA_BM_TABLE_HEADS(&kp, p->h / p->hk) *
+                                                          nq * ((plan.bn - 1) / mb->kv_block + 2);
+        if (bytes > smem_optin - (int64_t)plan.smem)
+            return fa_error_set(FA_STATUS_UNSUPPORTED,
+                                "block_mask: %lld query blocks of %lld rows need %lld bytes of "
+                                "shared memory beside the backward's %u, the device gives %d; "
+                                "use larger blocks",
+                                (long long)nq, (long long)mb->q_block, (long long)bytes,
+                                plan.smem, smem_optin);
+        main_smem += (unsigned)bytes;
+        plan.smem = (unsigned)smem_optin;
+    }
 
     const fa_bwd_ws ws = fa_bwd_ws_layout(p, &plan);
     if (args->workspace_size < ws.total || (ws.total > 0 && !args->workspace))
@@ -252,7 +285,7 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
         st = bp.persistent ? fa_bwd_launch(d, &plan, ctx, "fa_bwd", (unsigned)sms, 1, 1,
                                            plan.threads, plan.smem, stream, &bp, tm)
                            : fa_bwd_launch(d, &plan, ctx, "fa_bwd", (unsigned)bp.n_tiles, hk, b,
-                                           plan.threads, plan.smem, stream, &bp, tm);
+                                           plan.threads, main_smem, stream, &bp, tm);
     if (st == FA_STATUS_OK && p->dsinks)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_dsinks", h, 1, 1, 256, 0, stream, &bp, NULL);
     /* fa_bwd_convert: per (head, sequence), 8 warps per CTA, one 16 x 32 stripe of the

@@ -4,13 +4,16 @@
  * operator: fp32 values, booleans as bool, constants as the bits of their fp32 value, aux reads
  * through the kernel's fa_mod_aux (indices floored and clamped into the tensor). The kernels
  * include it as the generated header fa_mod_gen.cuh; the program's canonical text heads it, and
- * the JIT keys the cubin by the whole text.
+ * the JIT keys the cubin by the whole text. A score_mod also gets fa_score_mod_grad, its value
+ * and its derivative with respect to score for the backward: the rules of fa_mod_grad.h printed
+ * as text, a statement per step beside the value's.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "mod/fa_mod_cuda.h"
+#include "mod/fa_mod_grad.h"
 
 /* The C operator or function of each elementwise op: "%s" the operands, in order. */
 static const char *const fa_mod_cuda_forms[] = {
@@ -39,6 +42,12 @@ static const char *const fa_mod_cuda_forms[] = {
     [FA_MOD_AND] = "%s && %s",
     [FA_MOD_OR] = "%s || %s",
 };
+
+/* The derivative rules (fa_mod_grad.h) as text, in the names fa_mod.cuh defines. */
+#define FA_MOD_GRAD_TEXT(op_code, expr) [op_code] = #expr,
+static const char *const fa_mod_cuda_grads[FA_MOD_OP_WHERE + 1] = {
+    FA_MOD_GRAD_RULES(FA_MOD_GRAD_TEXT)};
+#undef FA_MOD_GRAD_TEXT
 
 static const char *const fa_mod_cuda_vars[] = {"score", "b", "h", "q_idx", "kv_idx"};
 
@@ -77,10 +86,54 @@ static void fa_mod_cuda_step(const fa_mod *m, int i, char *t, size_t cap, size_t
     *at += (size_t)snprintf(t + *at, cap - *at, ";\n");
 }
 
+/* Step i's derivative with respect to score, d<i>, into t at *at: its rule with the operands'
+ * values and derivatives bound to the rule's names (missing operands 0), else 0 or, for the
+ * variable score, 1. */
+static void fa_mod_cuda_dstep(const fa_mod *m, int i, char *t, size_t cap, size_t *at)
+{
+    const fa_mod_node *s = &m->steps[i];
+    const char *rule = s->op <= FA_MOD_OP_WHERE ? fa_mod_cuda_grads[s->op] : NULL;
+    if (s->op == FA_MOD_OP_VAR || !rule) {
+        const int one = s->op == FA_MOD_OP_VAR && s->what == FA_MOD_SCORE;
+        *at += (size_t)snprintf(t + *at, cap - *at, "    const float d%d = %s;\n", i,
+                                one ? "1.f" : "0.f");
+        return;
+    }
+    char v[3][16], d[3][16];
+    for (int k = 0; k < 3; k++) {
+        snprintf(v[k], sizeof v[k], k < s->n_args ? "(float)v%d" : "0.f", s->args[k]);
+        snprintf(d[k], sizeof d[k], k < s->n_args ? "d%d" : "0.f", s->args[k]);
+    }
+    *at += (size_t)snprintf(t + *at, cap - *at,
+                            "    float d%d;\n    {\n        const float x = %s, y = %s, dx = %s, "
+                            "dy = %s, dz = %s;\n        (void)x, (void)y, (void)dx, (void)dy, "
+                            "(void)dz;\n        d%d = %s;\n    }\n    (void)d%d;\n",
+                            i, v[0], v[1], d[0], d[1], d[2], i, rule, i);
+}
+
+/* The function's statements and return into t at *at: values, with their derivatives when
+ * grad (the derivative of the root into *dscore). */
+static void fa_mod_cuda_body(const fa_mod *m, int grad, char *t, size_t cap, size_t *at)
+{
+    const int score = m->kind == FA_MOD_KIND_SCORE;
+    for (int i = 0; i < m->n_steps; i++) {
+        fa_mod_cuda_step(m, i, t, cap, at);
+        if (grad)
+            fa_mod_cuda_dstep(m, i, t, cap, at);
+    }
+    if (grad)
+        *at += (size_t)snprintf(t + *at, cap - *at, "    *dscore = d%d;\n", m->n_steps - 1);
+    *at += (size_t)snprintf(t + *at, cap - *at,
+                            "    (void)kp, %s(void)b, (void)h, (void)q_idx, (void)kv_idx;\n"
+                            "    return v%d;\n}\n",
+                            score ? "(void)score, " : "", m->n_steps - 1);
+}
+
 fa_status fa_mod_emit_cuda(fa_mod *m)
 {
     const int score = m->kind == FA_MOD_KIND_SCORE;
-    const size_t cap = 512 + strlen(m->text) + (size_t)m->n_steps * 96;
+    /* A step's value line and, for a score_mod, its value again and its derivative's block. */
+    const size_t cap = 1024 + strlen(m->text) + (size_t)m->n_steps * (score ? 512 : 96);
     char *t = malloc(cap);
     if (!t)
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "fa_mod_finish: out of memory");
@@ -91,12 +144,13 @@ fa_status fa_mod_emit_cuda(fa_mod *m)
                                  "float q_idx, float kv_idx)\n{\n",
                                  m->text, score ? "float" : "bool", score ? "score" : "mask",
                                  score ? "float score, " : "");
-    for (int i = 0; i < m->n_steps; i++)
-        fa_mod_cuda_step(m, i, t, cap, &at);
-    snprintf(t + at, cap - at,
-             "    (void)kp, %s(void)b, (void)h, (void)q_idx, (void)kv_idx;\n"
-             "    return v%d;\n}\n",
-             score ? "(void)score, " : "", m->n_steps - 1);
+    fa_mod_cuda_body(m, 0, t, cap, &at);
+    if (score) {
+        at += (size_t)snprintf(t + at, cap - at,
+                               "FA_DEV float fa_score_mod_grad(const fa_kparams *kp, float score, "
+                               "float b, float h, float q_idx, float kv_idx, float *dscore)\n{\n");
+        fa_mod_cuda_body(m, 1, t, cap, &at);
+    }
     free(m->cuda);
     m->cuda = t;
     return FA_STATUS_OK;

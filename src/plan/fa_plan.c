@@ -384,12 +384,37 @@ static fa_bwd_row fa_plan_bwd_override(fa_bwd_row row)
     return row;
 }
 
+/* User-defined scoring: the programs run element by element on S^T beside dK and dV's
+ * accumulators, which past head dim 64 then take more than a thread's 255 registers (ptxas
+ * spilled at d 128 with 8 warps): there the warps pair up on each 16 keys, each holding half
+ * the columns (FA_DKV_SPLIT 2, the wide heads' scheme), so the key block halves; past 192 the
+ * query tile halves too (spills at d 256 with one query stage), and past 128 on the 99 KB parts
+ * (spills at d 192 with 4 warps). fa_cuda_backward_workspace_size plans with the call's mods,
+ * so the workspace covers the smaller tiles' layout. */
+static fa_bwd_row fa_plan_bwd_mods_row(fa_bwd_row row, int dmax, int big)
+{
+    if (dmax > 64)
+        row.split = 2;
+    if (dmax > 192 || (dmax > 128 && !big))
+        row.bm = 32;
+    return row;
+}
+
 /* On sm_90 unless FLASHATTN_BWD_SM90=0 (the sm80 family then takes every case: for benchmarks
  * and for the tests that hold one family against the other). */
 static int fa_plan_bwd_sm90_enabled(void)
 {
     const char *env = getenv("FLASHATTN_BWD_SM90");
     return !env || strcmp(env, "0") != 0;
+}
+
+/* The wide sm90 backward (fa_bwd_sm90_wide.cu) is compiled and has GPU tests
+ * (tests/gpu/test_gpu_backward.c) that have not yet run on a GPU: the sm80 family keeps those
+ * head dims unless FLASHATTN_BWD_SM90_WIDE=1. */
+static int fa_plan_bwd_sm90_wide_enabled(void)
+{
+    const char *env = getenv("FLASHATTN_BWD_SM90_WIDE");
+    return env && strcmp(env, "1") == 0;
 }
 
 /* The wide sm90 backward (kernels/fa_bwd_sm90_wide.cu): 64 x 64 tiles, three query stages where
@@ -425,7 +450,13 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
         /* d + dv padded past 384 (d = dv = 256) stays on the sm80 family for now: dK, dV and dQ
          * at 64 registers each left ptxas spilling in some feature sets (fp16 varlen, softcap
          * with dropout). */
-        if (fa_plan_pad(key->d) + fa_plan_pad(key->dv) > 384)
+        if (!fa_plan_bwd_sm90_wide_enabled() ||
+            fa_plan_pad(key->d) + fa_plan_pad(key->dv) > 384)
+            return FA_STATUS_UNSUPPORTED;
+        /* d or dv 256 with varlen spills likewise (ptxas, d 256 / dv 128); the sm80 family
+         * takes it. */
+        if ((key->features & FA_FEATURE_VARLEN) &&
+            (fa_plan_pad(key->d) == 256 || fa_plan_pad(key->dv) == 256))
             return FA_STATUS_UNSUPPORTED;
         fa_plan_backward_sm90_wide(key, plan);
     } else {
@@ -450,6 +481,15 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     return FA_STATUS_OK;
 }
 
+/* The CUDA backward with user-defined scoring (fa_bwd_mod.cuh in the sm80 family) is compiled and
+ * tested against the CPU in tests/gpu/test_gpu_mod.c, but has not yet passed those tests on a GPU:
+ * refused unless FLASHATTN_CUDA_MOD_BACKWARD=1. */
+static int fa_plan_mod_backward_enabled(void)
+{
+    const char *env = getenv("FLASHATTN_CUDA_MOD_BACKWARD");
+    return env && strcmp(env, "1") == 0;
+}
+
 fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
@@ -461,7 +501,17 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
         key->dv > FA_BWD_MAX_HEAD_DIM)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
                             key->dv, FA_BWD_MAX_HEAD_DIM);
-    if (fa_plan_bwd_sm90_enabled() && fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
+    /* User-defined scoring: the sm80 family on every arch, as in the forward (its hooks are
+     * in fa_bwd_sm80.cu only). */
+    const int mods = (key->features & FA_PLAN_MODS) != 0;
+    if (mods && !fa_plan_mod_backward_enabled())
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "%s: the CUDA backward with user-defined scoring is not validated yet "
+                            "(FLASHATTN_CUDA_MOD_BACKWARD=1 enables it); the CPU backward runs it",
+                            (key->features & FA_PLAN_SCORE_MOD)  ? "score_mod"
+                            : (key->features & FA_PLAN_MASK_MOD) ? "mask_mod"
+                                                                 : "block_mask");
+    if (!mods && fa_plan_bwd_sm90_enabled() && fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
         return FA_STATUS_OK;
     *plan = (fa_plan){0};
     plan->family = "fa_bwd_sm80.cu";
@@ -477,6 +527,8 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     while (ri + 1 < nrows && dmax > rows[ri].dmax)
         ri++;
     fa_bwd_row row = rows[ri];
+    if (mods)
+        row = fa_plan_bwd_mods_row(row, dmax, big);
     const unsigned lens = (key->features & FA_FEATURE_VARLEN) ? FA_SMEM_BWD80_LENS : 0;
     /* One query stage where two do not fit the part's shared memory. */
     if (row.qstages == 2 &&
@@ -504,6 +556,13 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     if (row.split > 1)
         fa_plan_define(plan, "FA_DKV_SPLIT", row.split);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
+    /* The mods' defines only where the call has them, as in the forward. */
+    if (key->features & FA_PLAN_SCORE_MOD)
+        fa_plan_define(plan, "FA_SCORE_MOD", 1);
+    if (key->features & FA_PLAN_MASK_MOD)
+        fa_plan_define(plan, "FA_MASK_MOD", 1);
+    if (key->features & FA_PLAN_BLOCK_MASK)
+        fa_plan_define(plan, "FA_BLOCK_MASK", 1);
     return FA_STATUS_OK;
 }
 

@@ -231,9 +231,13 @@ static void test_call_errors(tu_rng *r)
     st = fa_attention_backward(&ba);
     TU_CHECK(st == FA_STATUS_OK, "backward with score_mod: %s", fa_last_error());
     TU_CHECK(tu_count_poisoned_in_view(&dq) == 0, "backward with score_mod left dq unwritten");
-    /* The CUDA backward has no mods yet: refused by validation, naming the mod. */
+    /* The CUDA backward takes the mods too (tests/gpu/test_gpu_mod.c checks its values): this
+     * fp32 call is refused for its dtype or a missing device, never for the mod. */
     a.device = 0;
-    expect_error(fa_attention_backward(&ba), "CUDA backward", "score_mod", "CPU only");
+    st = fa_attention_backward(&ba);
+    TU_CHECK(st != FA_STATUS_OK, "an fp32 backward on a CUDA device was accepted");
+    TU_CHECK(!strstr(fa_last_error(), "score_mod"), "the CUDA backward refused the mod: %s",
+             fa_last_error());
     a.device = FA_DEVICE_CPU;
 
     fa_mod_destroy(m);
@@ -284,8 +288,28 @@ static void test_cuda_text(void)
     for (size_t i = 0; i < sizeof want_s / sizeof want_s[0]; i++)
         TU_CHECK(strstr(s1->cuda, want_s[i]), "'%s' missing from:\n%s", want_s[i], s1->cuda);
     TU_CHECK(strcmp(s1->cuda, s2->cuda) != 0, "two constants, one text");
+    /* The backward's function: values and derivatives, by the rules the CPU uses
+     * (mod/fa_mod_grad.h), the root's derivative returned through dscore; score's is 1, the
+     * constant's 0; a mask_mod has none. */
+    const char *want_g[] = {
+        ("FA_DEV float fa_score_mod_grad(const fa_kparams *kp, float score, float b, float h, "
+         "float q_idx, float kv_idx, float *dscore)"),
+        "const float d0 = 1.f;", "const float d2 = 0.f;",
+        "d1 = (1 - FA_MOD_D_SQ(FA_MOD_D_TANH(x))) * dx;",
+        "const float x = (float)v0, y = (float)v2, dx = d0, dy = d2, dz = 0.f;",
+        "d3 = dx - (dy != 0 ? FA_MOD_D_FLOOR(x / y) * dy : 0);",
+        "d4 = (x > y || x != x) ? dx : dy;", "*dscore = d4;"};
+    for (size_t i = 0; i < sizeof want_g / sizeof want_g[0]; i++)
+        TU_CHECK(strstr(s1->cuda, want_g[i]), "'%s' missing from:\n%s", want_g[i], s1->cuda);
+    fa_mod *mk = fa_mod_create();
+    m = mk;
+    TU_CHECK(fa_mod_finish(m, B(LT, V(Q_IDX), V(KV_IDX)), FA_MOD_KIND_MASK) == FA_STATUS_OK,
+             "%s", fa_last_error());
+    TU_CHECK(!strstr(s1->cuda, "fa_mask_mod") && !strstr(mk->cuda, "fa_score_mod"),
+             "a function of the other kind emitted");
     fa_mod_destroy(s1);
     fa_mod_destroy(s2);
+    fa_mod_destroy(mk);
 }
 
 /* Whether plan defines `define` ("-DNAME=value"). */
@@ -305,6 +329,16 @@ static void test_plan_routes(void)
     const unsigned mods[3] = {FA_PLAN_SCORE_MOD, FA_PLAN_MASK_MOD, FA_PLAN_BLOCK_MASK};
     const char *defs[3] = {"-DFA_SCORE_MOD=1", "-DFA_MASK_MOD=1", "-DFA_BLOCK_MASK=1"};
     const int archs[3] = {80, 86, 90};
+    /* The CUDA backward with mods stays refused, naming the mod, until enabled. */
+    unsetenv("FLASHATTN_CUDA_MOD_BACKWARD");
+    for (int i = 0; i < 3; i++) {
+        fa_plan_key key = {80, FA_DTYPE_BF16, 128, 128, mods[i]};
+        fa_plan plan;
+        expect_error(fa_plan_backward(&key, &plan), "backward plan with a mod",
+                     i == 0 ? "score_mod" : i == 1 ? "mask_mod" : "block_mask",
+                     "FLASHATTN_CUDA_MOD_BACKWARD=1");
+    }
+    setenv("FLASHATTN_CUDA_MOD_BACKWARD", "1", 1);
     for (int a = 0; a < 3; a++)
         for (int i = 0; i < 3; i++) {
             fa_plan_key key = {archs[a], FA_DTYPE_BF16, 128, 128, mods[i]};
@@ -315,10 +349,32 @@ static void test_plan_routes(void)
             for (int j = 0; j < 3; j++)
                 TU_CHECK(plan_defines(&plan, defs[j]) == (i == j), "arch %d mod %d: %s %s",
                          archs[a], i, defs[j], i == j ? "missing" : "present");
+            /* The backward likewise, with dK and dV split over warp pairs past head dim 64. */
+            key.features = mods[i];
+            TU_CHECK(fa_plan_backward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
+            TU_CHECK(strcmp(plan.family, "fa_bwd_sm80.cu") == 0, "backward arch %d: %s",
+                     archs[a], plan.family);
+            TU_CHECK(plan_defines(&plan, "-DFA_DKV_SPLIT=2"), "backward arch %d: not split",
+                     archs[a]);
+            for (int j = 0; j < 3; j++)
+                TU_CHECK(plan_defines(&plan, defs[j]) == (i == j), "backward arch %d mod %d: %s",
+                         archs[a], i, defs[j]);
             key.features = 0;
             TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
             for (int j = 0; j < 3; j++)
                 TU_CHECK(!plan_defines(&plan, defs[j]), "plain plan has %s", defs[j]);
+            TU_CHECK(fa_plan_backward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
+            for (int j = 0; j < 3; j++)
+                TU_CHECK(!plan_defines(&plan, defs[j]), "plain backward plan has %s", defs[j]);
+            TU_CHECK(archs[a] != 90 || strcmp(plan.family, "fa_bwd_sm90.cu") == 0,
+                     "plain backward on sm_90: %s", plan.family);
+            /* Head dim 64 keeps its 128-key block (8 warps, dK and dV whole). */
+            key.d = key.dv = 64;
+            key.features = mods[i];
+            TU_CHECK(fa_plan_backward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
+            TU_CHECK(!plan_defines(&plan, "-DFA_DKV_SPLIT=2") && plan.bn == 16 * plan.nwarps,
+                     "backward d 64 arch %d: split (%d keys, %d warps)", archs[a], plan.bn,
+                     plan.nwarps);
         }
 }
 

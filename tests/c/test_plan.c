@@ -125,7 +125,7 @@ static void check_forward_sm90_dv(void)
     fa_plan_key key = {90, FA_DTYPE_BF16, 192, 128, FA_FEATURE_VARLEN};
     fa_plan plan;
     TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.bn == 128 &&
-                 plan.stages == 2 && plan.smem == 214096,
+                 plan.stages == 2 && plan.smem == 214104,
              "d 192 dv 128: bn %d stages %d, %u bytes", plan.bn, plan.stages, plan.smem);
     /* Three consumers for long calls only where both pad to 64. */
     const int pairs[3][3] = {{64, 40, 3}, {40, 64, 3}, {64, 128, 2}};
@@ -350,8 +350,10 @@ static void check_backward_sm90_wide(void)
             for (size_t f = 0; f < sizeof features / sizeof features[0]; f++) {
                 const int d = dims[i], dv = dims[j];
                 const unsigned ft = features[f];
+                const int blocks = (d + 63) / 64 + (dv + 63) / 64;
                 const int sm90 = d > 32 && dv > 32 && !(ft & FA_FEATURE_UNALIGNED) &&
-                                 (d + 63) / 64 + (dv + 63) / 64 <= 6;
+                                 blocks <= 6 &&
+                                 !((ft & FA_FEATURE_VARLEN) && (d > 192 || dv > 192));
                 const char *want = !sm90                       ? "fa_bwd_sm80.cu"
                                    : d == dv && d <= 128 ? "fa_bwd_sm90.cu"
                                                          : "fa_bwd_sm90_wide.cu";
@@ -466,6 +468,15 @@ int main(void)
     check_forward_sm90();
     check_forward_sm90_dv();
     check_forward_sm90_dropout();
+    /* The wide sm90 backward is opt-in until its GPU tests pass: off, those head dims stay on
+     * the sm80 family; the checks below hold the plans it makes once on. */
+    unsetenv("FLASHATTN_BWD_SM90_WIDE");
+    fa_plan off;
+    TU_CHECK(strcmp(bwd_family(90, 192, 192, 0, &off), "fa_bwd_sm80.cu") == 0 &&
+                 strcmp(bwd_family(90, 192, 128, 0, &off), "fa_bwd_sm80.cu") == 0 &&
+                 strcmp(bwd_family(90, 128, 128, 0, &off), "fa_bwd_sm90.cu") == 0,
+             "the wide sm90 backward taken without FLASHATTN_BWD_SM90_WIDE=1");
+    setenv("FLASHATTN_BWD_SM90_WIDE", "1", 1);
     check_backward();
     check_backward_wide();
     check_backward_sm90_wide();

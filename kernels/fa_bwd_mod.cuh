@@ -1,0 +1,138 @@
+/*
+ * User-defined scoring in the sm80 backward (kernels/fa_bwd_sm80.cu, for plans that define
+ * FA_SCORE_MOD, FA_MASK_MOD or FA_BLOCK_MASK): the transposed frame's view of the mods, read by
+ * fa_bwd_probs (fa_bwd_common.cuh) element by element. The forward's rules, replayed on S^T:
+ * the score in base 2 as fa_fwd_sm80.cu makes it (scale, softcap, ALiBi, then score_mod in
+ * natural units), a key that mask_mod or the block mask drops invisible, and score_mod's
+ * derivative with respect to the score (fa_score_mod_grad, emitted from the program by the rules
+ * the CPU uses) multiplied into dS. The block mask's states of the CTA's key blocks over every
+ * query block come from fa_bm_load_keys (fa_mod.cuh).
+ */
+#ifndef FA_BWD_MOD_CUH
+#define FA_BWD_MOD_CUH
+
+#define FA_BWD_MODS 1
+
+/* The mods' view of one query tile, for fa_bwd_probs. */
+typedef struct fa_bwd_mod_tile {
+    int bi, h; /* the programs' b and h */
+#if FA_MOD_MASKS
+    int on; /* some key of the tile needs fa_bwd_mod_keep */
+    int st; /* the tile's state over its query and key blocks (FA_BM_*) */
+#endif
+#if FA_BLOCK_MASK
+    const unsigned char *tab; /* this head's states [nq][nkb] of fa_bm_load_keys */
+    int nq, nkb, kb0;
+#endif
+} fa_bwd_mod_tile;
+
+#if FA_MOD_MASKS
+/* Whether the mods keep key col for query row (window aside), by the block mask's entry where
+ * the tile's blocks differ (FA_BM_MIXED), then mask_mod where the block is partial. Rows and keys
+ * past the sequence (invisible anyway) read the table's last entries. */
+FA_DEV bool fa_bwd_mod_keep(const fa_kparams *kp, const fa_bwd_mod_tile *md, int row, int col)
+{
+    int st = md->st;
+#if FA_BLOCK_MASK
+    if (st == FA_BM_MIXED)
+        st = md->tab[fa_min(row / kp->bm_q_block, md->nq - 1) * md->nkb +
+                     fa_min(col / kp->bm_kv_block - md->kb0, md->nkb - 1)];
+    if (st != FA_BM_PARTIAL)
+        return st == FA_BM_FULL;
+#endif
+#if FA_MASK_MOD
+    return fa_mask_mod(kp, (float)md->bi, (float)md->h, (float)row, (float)col);
+#else
+    return true;
+#endif
+}
+
+/* Whether a tile of state st needs the key-by-key test: skipped (in deterministic mode, whose
+ * dQ order visits it), mixed, or partial with a mask_mod to ask. */
+FA_DEV int fa_bwd_mod_on(int st)
+{
+    return st == FA_BM_SKIP || st == FA_BM_MIXED || (FA_MASK_MOD && st == FA_BM_PARTIAL);
+}
+#endif
+
+/* The forward's score of query row, key col in base 2 from x (S^T's value, softcapped to
+ * tanh when softcap is on: fa_bwd_probs' x), alibi the ALiBi term in base 2 (0 without), or
+ * -inf where the mods drop the key (when md->on); deriv takes score_mod's derivative. */
+FA_DEV float fa_bwd_mod_score(const fa_kparams *kp, const fa_bwd_mod_tile *md, float x,
+                              float alibi, int row, int col, float *deriv)
+{
+#if FA_MOD_MASKS
+    if (md->on && !fa_bwd_mod_keep(kp, md, row, col))
+        return -FA_INF;
+#endif
+    float y = x * kp->scale_log2 - alibi;
+#if FA_SCORE_MOD
+    /* In the score's natural units (the CPU's), then back to base 2, as the forward. */
+    float dmod;
+    y = fa_score_mod_grad(kp, y * FA_LN2, (float)md->bi, (float)md->h, (float)row, (float)col,
+                          &dmod) *
+        FA_LOG2E;
+    *deriv *= dmod;
+#endif
+    (void)row, (void)col, (void)deriv;
+    return y;
+}
+
+#if FA_BLOCK_MASK
+FA_DEV void fa_bwd_next(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
+                        int *mb); /* fa_bwd_common.cuh */
+
+/* The block mask's view of a CTA: the states of its key blocks kb0 .. kb0 + nkb - 1 over query
+ * blocks 0 .. nq - 1 (fa_bm_load_keys), for heads h0 .. h0 + nh - 1 or, nh 1, shared by the
+ * group's heads. */
+typedef struct fa_bwd_bm {
+    const unsigned char *tab;
+    int h0, nh, nq, nkb, kb0;
+} fa_bwd_bm;
+
+/* The view's numbers live in shared memory ahead of the table (FA_SMEM_BWD80_BM_META bytes), read
+ * where used: held in registers over the main loop they made ptxas spill at head dim 256. */
+FA_DEV void fa_bwd_bm_put(volatile int *meta, const fa_bwd_bm *bm)
+{
+    meta[0] = bm->h0, meta[1] = bm->nh, meta[2] = bm->nq, meta[3] = bm->nkb, meta[4] = bm->kb0;
+}
+
+FA_DEV fa_bwd_bm fa_bwd_bm_get(const volatile int *meta)
+{
+    fa_bwd_bm bm;
+    bm.tab = (const unsigned char *)meta + FA_SMEM_BWD80_BM_META;
+    bm.h0 = meta[0], bm.nh = meta[1], bm.nq = meta[2], bm.nkb = meta[3], bm.kb0 = meta[4];
+    return bm;
+}
+
+FA_DEV const unsigned char *fa_bwd_bm_head(const fa_bwd_bm *bm, int h)
+{
+    return bm->tab + (bm->nh > 1 ? h - bm->h0 : 0) * bm->nq * bm->nkb;
+}
+
+/* The state of query tile mb of head h (sq rows in the sequence) over the CTA's keys. */
+FA_DEV int fa_bwd_bm_state(const fa_kparams *kp, const fa_bwd_bm *bm, int h, int mb, int sq)
+{
+    const int m0 = mb * FA_BM;
+    return fa_bm_keys_state(fa_bwd_bm_head(bm, h), bm->nkb, m0 / kp->bm_q_block,
+                            (fa_min(m0 + FA_BM, sq) - 1) / kp->bm_q_block);
+}
+
+/* fa_bwd_next past the tiles the block mask skips whole; not in deterministic mode, whose dQ
+ * order (fa_bwd_later) counts every tile that meets the key block: there they are visited,
+ * every key masked. */
+FA_DEV void fa_bwd_next_bm(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
+                           int *mb, const volatile int *meta)
+{
+    const fa_bwd_bm view = fa_bwd_bm_get(meta), *bm = &view;
+    for (;;) {
+        fa_bwd_next(bp, s, nb, h_end, h, mb);
+        if (*h >= h_end || bp->deterministic ||
+            fa_bwd_bm_state(&bp->f, bm, *h, *mb, s->sq) != FA_BM_SKIP)
+            return;
+        (*mb)++;
+    }
+}
+#endif
+
+#endif /* FA_BWD_MOD_CUH */
