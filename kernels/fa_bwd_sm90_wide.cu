@@ -73,6 +73,19 @@
 #define FA_PS_BYTES FA_SMEM_BWD90_DS(FA_BN, FA_BM)  /* one P^T or dS^T buffer */
 #include "fa_bwd_sm90.cuh"
 
+/* Byte offsets from the 1024-aligned base of the head comment's layout: K, V, the Q and dO
+ * stages, the P^T and dS^T buffers, the mbarriers ([FA_QSTAGES] each, 8 bytes apart), the item
+ * slots. */
+#define FA_OFF_V FA_K_BYTES
+#define FA_OFF_Q (FA_OFF_V + FA_V_BYTES)
+#define FA_OFF_DO (FA_OFF_Q + FA_QSTAGES * FA_Q_BYTES)
+#define FA_OFF_P (FA_OFF_DO + FA_QSTAGES * FA_DO_BYTES)
+#define FA_OFF_DS (FA_OFF_P + 2 * FA_PS_BYTES)
+#define FA_OFF_KV_FULL (FA_OFF_DS + 2 * FA_PS_BYTES)
+#define FA_OFF_Q_FULL (FA_OFF_KV_FULL + 8)
+#define FA_OFF_Q_EMPTY (FA_OFF_Q_FULL + 8 * FA_QSTAGES)
+#define FA_OFF_KV_EMPTY (FA_OFF_Q_EMPTY + 8 * FA_QSTAGES)
+
 /* 64-column blocks of dK (and dQ) and of dV, and warpgroup 0's share of each (warpgroup 1 has
  * the rest): dK and dV halved (warpgroup 0 the larger dK half, the smaller dV half), then dQ's
  * blocks so that both warpgroups' products are as even as whole blocks allow. At most two of a
@@ -200,15 +213,14 @@ FA_DEV void fa_store_dkdv(const fa_bkparams *bp, int bi, int hk, int key0, int t
     }
 }
 
-/* A consumer warpgroup over the CTA's work items (ct: its thread's index among the consumers'
- * 256), with its column blocks of dK, dV, dQ (first and count, kb0 and nkb, ...) as constants at
- * each call, so that each warpgroup's products are straight-line code (under a branch on the
- * warpgroup ptxas made every wgmma wait for the one before). */
-FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 k_s, fa_u32 v_s, fa_u32 q_s, fa_u32 do_s,
-                       fa_u32 p_s, fa_u32 ds_s, fa_u32 kv_full, fa_u32 q_full, fa_u32 q_empty,
-                       fa_u32 kv_empty, const volatile int *slot, int n_items, int mb_first,
-                       int mb_step, int cw, int ct, int kb0, int nkb, int vb0, int nvb, int qb0,
-                       int nqb)
+/* A consumer warpgroup over the CTA's work items (sm: the layout's base, FA_OFF_*; ct: its
+ * thread's index among the consumers' 256), with its column blocks of dK, dV, dQ (first and
+ * count, kb0 and nkb, ...) as constants at each call, so that each warpgroup's products are
+ * straight-line code (under a branch on the warpgroup ptxas made every wgmma wait for the one
+ * before). */
+FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, const volatile int *slot, int n_items,
+                       int mb_first, int mb_step, int cw, int ct, int kb0, int nkb, int vb0,
+                       int nvb, int qb0, int nqb)
 {
     const fa_kparams *kp = &bp->f;
     const int group = kp->h / kp->hk;
@@ -216,10 +228,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 k_s, fa_u32 v_s, fa_u32 q_s
     fa_bwd_window(kp, &wlo, &whi);
     const int qw0 = 32 * cw; /* this warpgroup's first query of a tile */
     const int w = (ct >> 5) & 3, lane = ct & 31, t = lane & 3, g = lane >> 2;
-    /* Descriptors that stay for the whole block: K and V rows (K-major, S^T and dP^T), K's dQ
-     * columns (MN-major). */
-    const fa_u64 k_rows = fa_desc(k_s, 16, 1024), v_rows = fa_desc(v_s, 16, 1024);
-    const fa_u64 k_cols = fa_desc(k_s + qb0 * FA_BN * 128, FA_BN * 128, 1024);
+    const fa_u32 kv_full = sm + FA_OFF_KV_FULL, kv_empty = sm + FA_OFF_KV_EMPTY;
     /* This lane's row address for the P^T and dS^T stores: block blk4 of a k-step's four, row
      * (key) st_key of the block's rows. */
     const int blk4 = lane >> 3, st_key = 16 * w + (lane & 7) + 8 * (blk4 & 1);
@@ -262,6 +271,18 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 k_s, fa_u32 v_s, fa_u32 q_s
         for (; h < h_end; it++) {
             const int s = it & 1;
             const int m0 = mb * FA_BM;
+            /* Every shared address and descriptor from the base made opaque here, so that they
+             * are computed in each tile rather than hoisted and held over the loop (K and V's
+             * k-step descriptors alone would hold over 40 registers). */
+            fa_u32 sb = sm;
+            FA_PINU(sb);
+            const fa_u32 k_s = sb, q_full = sb + FA_OFF_Q_FULL, q_empty = sb + FA_OFF_Q_EMPTY;
+            /* K and V rows (K-major, S^T and dP^T), K's dQ columns (MN-major). */
+            const fa_u64 k_rows = fa_desc(k_s, 16, 1024);
+            const fa_u64 v_rows = fa_desc(sb + FA_OFF_V, 16, 1024);
+            const fa_u64 k_cols = fa_desc(k_s + qb0 * FA_BN * 128, FA_BN * 128, 1024);
+            const fa_u32 q_s = sb + FA_OFF_Q, do_s = sb + FA_OFF_DO;
+            const fa_u32 p_s = sb + FA_OFF_P, ds_s = sb + FA_OFF_DS;
             const fa_u32 q_t = q_s + qs * FA_Q_BYTES, do_t = do_s + qs * FA_DO_BYTES;
             const fa_u32 p_t = p_s + s * FA_PS_BYTES, ds_t = ds_s + s * FA_PS_BYTES;
             const fa_i64 row0 = fa_bwd_row0(bp, h, bi) + m0;
@@ -379,12 +400,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     extern __shared__ __align__(1024) unsigned char fa_smem[];
     /* The plan adds 1024 bytes so the base can be rounded up to the swizzle atom. */
     const fa_u32 k_s = (fa_smem_addr(fa_smem) + 1023u) & ~1023u;
-    const fa_u32 v_s = k_s + FA_K_BYTES, q_s = v_s + FA_V_BYTES;
-    const fa_u32 do_s = q_s + FA_QSTAGES * FA_Q_BYTES, p_s = do_s + FA_QSTAGES * FA_DO_BYTES;
-    const fa_u32 ds_s = p_s + 2 * FA_PS_BYTES, kv_full = ds_s + 2 * FA_PS_BYTES;
-    /* [FA_QSTAGES] each, 8 bytes apart */
-    const fa_u32 q_full = kv_full + 8, q_empty = q_full + 8 * FA_QSTAGES;
-    const fa_u32 kv_empty = q_empty + 8 * FA_QSTAGES;
+    const fa_u32 v_s = k_s + FA_OFF_V, q_s = k_s + FA_OFF_Q, do_s = k_s + FA_OFF_DO;
+    const fa_u32 kv_full = k_s + FA_OFF_KV_FULL, q_full = k_s + FA_OFF_Q_FULL;
+    const fa_u32 q_empty = k_s + FA_OFF_Q_EMPTY, kv_empty = k_s + FA_OFF_KV_EMPTY;
     /* The items in hand (fa_bwd90_produce). */
     volatile int *slot = (volatile int *)(fa_smem + (kv_empty + 8 - fa_smem_addr(fa_smem)));
     const int group = kp->h / kp->hk;
@@ -430,12 +448,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int ct = threadIdx.x - 128;
     /* The warpgroup index from a broadcast, so that the compiler knows it warp-uniform. */
     if (__shfl_sync(0xffffffffu, ct >> 7, 0) == 0)
-        fa_consume(&bp, k_s, v_s, q_s, do_s, p_s, ds_s, kv_full, q_full, q_empty, kv_empty, slot,
-                   n_items, mb_first, mb_step, 0, ct, 0, FA_K0, 0, FA_V0, 0, FA_Q0);
+        fa_consume(&bp, k_s, slot, n_items, mb_first, mb_step, 0, ct, 0, FA_K0, 0, FA_V0, 0,
+                   FA_Q0);
     else
-        fa_consume(&bp, k_s, v_s, q_s, do_s, p_s, ds_s, kv_full, q_full, q_empty, kv_empty, slot,
-                   n_items, mb_first, mb_step, 1, ct, FA_K0, FA_NKB - FA_K0, FA_V0,
-                   FA_NVB - FA_V0, FA_Q0, FA_NKB - FA_Q0);
+        fa_consume(&bp, k_s, slot, n_items, mb_first, mb_step, 1, ct, FA_K0, FA_NKB - FA_K0,
+                   FA_V0, FA_NVB - FA_V0, FA_Q0, FA_NKB - FA_Q0);
 }
 
 #include "fa_bwd_rows.cuh"

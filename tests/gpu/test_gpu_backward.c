@@ -156,10 +156,7 @@ static int sm90_pass, sm90_runs;
  * 16-byte aligned), for the second pass's family check. */
 static int sm90_takes(const bcase *c)
 {
-    /* d = dv = 256, and d or dv past 192 with varlen: the sm80 family. */
-    return c->d > 32 && c->dv > 32 && c->d % 8 == 0 && c->dv % 8 == 0 && c->pad % 8 == 0 &&
-           (c->d + 63) / 64 + (c->dv + 63) / 64 <= 6 &&
-           !(c->varlen && (c->d > 192 || c->dv > 192));
+    return c->d > 32 && c->dv > 32 && c->d % 8 == 0 && c->dv % 8 == 0 && c->pad % 8 == 0;
 }
 
 /* Which of them: fa_bwd_sm90.cu for d = dv up to 128, fa_bwd_sm90_wide.cu for the rest. */
