@@ -100,6 +100,12 @@
 #define FA_KB_MAX FA_MAX2(FA_K0, FA_NKB - FA_K0) /* a warpgroup's blocks of dK at most */
 #define FA_VB_MAX FA_MAX2(FA_V0, FA_NVB - FA_V0)
 #define FA_QB_MAX FA_MAX2(FA_Q0, FA_NKB - FA_Q0)
+/* At d = dv = 256 each warpgroup holds two blocks of each (192 accumulators): dQ's two blocks
+ * then take turns in one block's registers (fa_consume). */
+#define FA_DQ_HALVES (FA_NKB + FA_NVB == 8)
+#if FA_DQ_HALVES && (FA_Q0 != 2 || FA_NKB - FA_Q0 != 2)
+#error "fa_bwd_sm90_wide.cu: dQ in halves takes two blocks a warpgroup"
+#endif
 #if FA_KB_MAX > 2 || FA_VB_MAX > 2 || FA_QB_MAX > 2
 #error "fa_bwd_sm90_wide.cu: a warpgroup holds at most two column blocks of each product"
 #endif
@@ -172,6 +178,26 @@ FA_DEV void fa_dq_add(float *acc_w, int lane, int nblk, float dq[][4])
     for (int c = 0; c < 8 * FA_QB_MAX; c++)
         if (c < 8 * nblk)
             fa_red_add_v4(acc_w + c * 128 + 4 * lane, dq[c][0], dq[c][1], dq[c][2], dq[c][3]);
+}
+
+/* Deterministic mode, both consumer warpgroups (ct: the thread's index among them): waits for
+ * query tile mb's turn (every later key block that meets it has added: the sm80 family's
+ * counter, in the same workspace) before this block's dQ adds ... */
+FA_DEV void fa_dq_turn_wait(const fa_bkparams *bp, const fa_seq *s, int bi, int h, int mb,
+                            int nb, int ct)
+{
+    if (ct == 0)
+        fa_bwd_turn_wait(&bp->f, s, mb, nb, fa_bwd_sem(bp, bi, h, mb));
+    fa_bar_sync(FA_BAR_DET, 256);
+}
+
+/* ... and after them, once every consumer thread's adds are visible, passes the turn on. */
+FA_DEV void fa_dq_turn_pass(const fa_bkparams *bp, int bi, int h, int mb, int ct)
+{
+    __threadfence();
+    fa_bar_sync(FA_BAR_DET, 256);
+    if (ct == 0)
+        atomicAdd(fa_bwd_sem(bp, bi, h, mb), 1);
 }
 
 /* Row g + 8 hf of this thread's C fragments acc (nblk 64-column blocks from column c0) to the
@@ -336,46 +362,68 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, const volatile int *slo
             fa_bar_sync(FA_BAR_PDS, 256);
 
             /* dV += P^T dO, dK += dS^T Q over this warpgroup's columns, dQ = dS K over its dQ
-             * columns, as one group. */
-            float dq[8 * FA_QB_MAX][4];
+             * columns. Then warp w's 16 rows of the tile's dQ, those columns, into the workspace
+             * (blocks of 16 rows x 8 columns): at once, or in the deterministic mode in the
+             * tile's turn, both warpgroups' columns together. */
+            float *acc_w = bp->dq_accum + (row0 + 16 * w) * FA_DP + qb0 * 64 * 16;
+            const fa_u64 ds_cols = fa_desc(ds_t, FA_BN * 128, 1024);
             fa_pin_acc(&dv[0][0], 32 * FA_VB_MAX);
             fa_pin_acc(&dk[0][0], 32 * FA_KB_MAX);
             fa_wg_fence();
+#if FA_DQ_HALVES
+            /* dQ's first block as a group of its own, added while dV and dK's products run,
+             * then its second block in the same registers. */
+            float dq[8][4];
+            fa_gemm_dq(&dq[0][0], 1, ds_cols, k_cols);
+            fa_wg_commit();
             fa_gemm_kv(&dv[0][0], nvb, fa_desc(p_t, 16, 1024),
                        fa_desc(do_t + vb0 * FA_BM * 128, FA_BM * 128, 1024));
             fa_gemm_kv(&dk[0][0], nkb, fa_desc(ds_t, 16, 1024),
                        fa_desc(q_t + kb0 * FA_BM * 128, FA_BM * 128, 1024));
-            fa_gemm_dq(&dq[0][0], nqb, fa_desc(ds_t, FA_BN * 128, 1024), k_cols);
+            fa_wg_commit();
+            fa_wg_wait1();
+            fa_pin_acc(&dq[0][0], 32);
+            if (bp->deterministic) {
+                const fa_seq sv_dq = FA_ITEM_SEQ;
+                fa_dq_turn_wait(bp, &sv_dq, bi, h, mb, nb, ct);
+            }
+            fa_dq_add(acc_w, lane, 1, dq);
+            /* the adds have read dq before the second block's product writes it */
+            fa_wg_fence();
+            fa_gemm_dq(&dq[0][0], 1, ds_cols, fa_desc_at(k_cols, FA_BN * 128));
             fa_wg_commit();
             fa_wg_wait0();
+            fa_pin_acc(&dq[0][0], 32);
+#else
+            float dq[8 * FA_QB_MAX][4];
+            fa_gemm_kv(&dv[0][0], nvb, fa_desc(p_t, 16, 1024),
+                       fa_desc(do_t + vb0 * FA_BM * 128, FA_BM * 128, 1024));
+            fa_gemm_kv(&dk[0][0], nkb, fa_desc(ds_t, 16, 1024),
+                       fa_desc(q_t + kb0 * FA_BM * 128, FA_BM * 128, 1024));
+            fa_gemm_dq(&dq[0][0], nqb, ds_cols, k_cols);
+            fa_wg_commit();
+            fa_wg_wait0();
+            fa_pin_acc(&dq[0][0], 32 * FA_QB_MAX);
+#endif
             fa_pin_acc(&dv[0][0], 32 * FA_VB_MAX);
             fa_pin_acc(&dk[0][0], 32 * FA_KB_MAX);
-            fa_pin_acc(&dq[0][0], 32 * FA_QB_MAX);
             /* This warp is done with the stage's Q and dO. */
             if (lane == 0)
                 fa_mbar_arrive(q_empty + 8 * qs);
             if (++qs == FA_QSTAGES)
                 qs = 0, qph ^= 1;
 
-            /* Warp w's 16 rows of the tile's dQ, this warpgroup's columns, into the workspace
-             * (blocks of 16 rows x 8 columns): at once, or in the deterministic mode in the
-             * tile's turn (every later key block that meets it has added: the sm80 family's
-             * counter, in the same workspace), both warpgroups' columns together. */
-            float *acc_w = bp->dq_accum + (row0 + 16 * w) * FA_DP + qb0 * 64 * 16;
-            if (!bp->deterministic) {
-                fa_dq_add(acc_w, lane, nqb, dq);
-            } else {
+#if FA_DQ_HALVES
+            fa_dq_add(acc_w + 8 * 128, lane, 1, dq);
+#else
+            if (bp->deterministic) {
                 const fa_seq sv_dq = FA_ITEM_SEQ;
-                int *sem = fa_bwd_sem(bp, bi, h, mb);
-                if (ct == 0)
-                    fa_bwd_turn_wait(kp, &sv_dq, mb, nb, sem);
-                fa_bar_sync(FA_BAR_DET, 256);
-                fa_dq_add(acc_w, lane, nqb, dq);
-                __threadfence();
-                fa_bar_sync(FA_BAR_DET, 256);
-                if (ct == 0)
-                    atomicAdd(sem, 1);
+                fa_dq_turn_wait(bp, &sv_dq, bi, h, mb, nb, ct);
             }
+            fa_dq_add(acc_w, lane, nqb, dq);
+#endif
+            if (bp->deterministic)
+                fa_dq_turn_pass(bp, bi, h, mb, ct);
 
             mb += mb_step;
             const fa_seq sv = FA_ITEM_SEQ;
