@@ -25,7 +25,10 @@
  *                                      the fp32 result is added to the workspace accumulator
  *                                      (the sm80 family's fragment order, which the accumulator
  *                                      layout matches) by red.global.add.v4, or in the
- *                                      deterministic mode in the tile's turn.
+ *                                      deterministic mode in the tile's turn. At d = dv
+ *                                      = 256 (two blocks of each product a warpgroup) dQ's
+ *                                      blocks go one after the other in one block's registers,
+ *                                      the first added while dV and dK's products run.
  * The barrier per tile also orders the buffers: a buffer is rewritten two tiles later, after
  * both warpgroups waited for the products that read it.
  * dK, dV are written at the item's end (dK times the softmax scale), after K and V are released.
