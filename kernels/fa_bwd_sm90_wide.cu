@@ -25,7 +25,10 @@
  *                                      the fp32 result is added to the workspace accumulator
  *                                      (the sm80 family's fragment order, which the accumulator
  *                                      layout matches) by red.global.add.v4, or in the
- *                                      deterministic mode in the tile's turn.
+ *                                      deterministic mode in the tile's turn. At d = dv
+ *                                      = 256 (two blocks of each product a warpgroup) dQ's
+ *                                      blocks go one after the other in one block's registers,
+ *                                      the first added while dV and dK's products run.
  * The barrier per tile also orders the buffers: a buffer is rewritten two tiles later, after
  * both warpgroups waited for the products that read it.
  * dK, dV are written at the item's end (dK times the softmax scale), after K and V are released.
@@ -73,6 +76,19 @@
 #define FA_PS_BYTES FA_SMEM_BWD90_DS(FA_BN, FA_BM)  /* one P^T or dS^T buffer */
 #include "fa_bwd_sm90.cuh"
 
+/* Byte offsets from the 1024-aligned base of the head comment's layout: K, V, the Q and dO
+ * stages, the P^T and dS^T buffers, the mbarriers ([FA_QSTAGES] each, 8 bytes apart), the item
+ * slots. */
+#define FA_OFF_V FA_K_BYTES
+#define FA_OFF_Q (FA_OFF_V + FA_V_BYTES)
+#define FA_OFF_DO (FA_OFF_Q + FA_QSTAGES * FA_Q_BYTES)
+#define FA_OFF_P (FA_OFF_DO + FA_QSTAGES * FA_DO_BYTES)
+#define FA_OFF_DS (FA_OFF_P + 2 * FA_PS_BYTES)
+#define FA_OFF_KV_FULL (FA_OFF_DS + 2 * FA_PS_BYTES)
+#define FA_OFF_Q_FULL (FA_OFF_KV_FULL + 8)
+#define FA_OFF_Q_EMPTY (FA_OFF_Q_FULL + 8 * FA_QSTAGES)
+#define FA_OFF_KV_EMPTY (FA_OFF_Q_EMPTY + 8 * FA_QSTAGES)
+
 /* 64-column blocks of dK (and dQ) and of dV, and warpgroup 0's share of each (warpgroup 1 has
  * the rest): dK and dV halved (warpgroup 0 the larger dK half, the smaller dV half), then dQ's
  * blocks so that both warpgroups' products are as even as whole blocks allow. At most two of a
@@ -87,6 +103,12 @@
 #define FA_KB_MAX FA_MAX2(FA_K0, FA_NKB - FA_K0) /* a warpgroup's blocks of dK at most */
 #define FA_VB_MAX FA_MAX2(FA_V0, FA_NVB - FA_V0)
 #define FA_QB_MAX FA_MAX2(FA_Q0, FA_NKB - FA_Q0)
+/* At d = dv = 256 each warpgroup holds two blocks of each (192 accumulators): dQ's two blocks
+ * then take turns in one block's registers (fa_consume). */
+#define FA_DQ_HALVES (FA_NKB + FA_NVB == 8)
+#if FA_DQ_HALVES && (FA_Q0 != 2 || FA_NKB - FA_Q0 != 2)
+#error "fa_bwd_sm90_wide.cu: dQ in halves takes two blocks a warpgroup"
+#endif
 #if FA_KB_MAX > 2 || FA_VB_MAX > 2 || FA_QB_MAX > 2
 #error "fa_bwd_sm90_wide.cu: a warpgroup holds at most two column blocks of each product"
 #endif
@@ -161,6 +183,26 @@ FA_DEV void fa_dq_add(float *acc_w, int lane, int nblk, float dq[][4])
             fa_red_add_v4(acc_w + c * 128 + 4 * lane, dq[c][0], dq[c][1], dq[c][2], dq[c][3]);
 }
 
+/* Deterministic mode, both consumer warpgroups (ct: the thread's index among them): waits for
+ * query tile mb's turn (every later key block that meets it has added: the sm80 family's
+ * counter, in the same workspace) before this block's dQ adds ... */
+FA_DEV void fa_dq_turn_wait(const fa_bkparams *bp, const fa_seq *s, int bi, int h, int mb,
+                            int nb, int ct)
+{
+    if (ct == 0)
+        fa_bwd_turn_wait(&bp->f, s, mb, nb, fa_bwd_sem(bp, bi, h, mb));
+    fa_bar_sync(FA_BAR_DET, 256);
+}
+
+/* ... and after them, once every consumer thread's adds are visible, passes the turn on. */
+FA_DEV void fa_dq_turn_pass(const fa_bkparams *bp, int bi, int h, int mb, int ct)
+{
+    __threadfence();
+    fa_bar_sync(FA_BAR_DET, 256);
+    if (ct == 0)
+        atomicAdd(fa_bwd_sem(bp, bi, h, mb), 1);
+}
+
 /* Row g + 8 hf of this thread's C fragments acc (nblk 64-column blocks from column c0) to the
  * global row r of n columns, times scale; live: the key exists. */
 FA_DEV void fa_store_blocks(fa_u16 *r, int n, const float acc[][4], int c0, int nblk, int hf,
@@ -200,15 +242,14 @@ FA_DEV void fa_store_dkdv(const fa_bkparams *bp, int bi, int hk, int key0, int t
     }
 }
 
-/* A consumer warpgroup over the CTA's work items (ct: its thread's index among the consumers'
- * 256), with its column blocks of dK, dV, dQ (first and count, kb0 and nkb, ...) as constants at
- * each call, so that each warpgroup's products are straight-line code (under a branch on the
- * warpgroup ptxas made every wgmma wait for the one before). */
-FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 k_s, fa_u32 v_s, fa_u32 q_s, fa_u32 do_s,
-                       fa_u32 p_s, fa_u32 ds_s, fa_u32 kv_full, fa_u32 q_full, fa_u32 q_empty,
-                       fa_u32 kv_empty, const volatile int *slot, int n_items, int mb_first,
-                       int mb_step, int cw, int ct, int kb0, int nkb, int vb0, int nvb, int qb0,
-                       int nqb)
+/* A consumer warpgroup over the CTA's work items (sm: the layout's base, FA_OFF_*; ct: its
+ * thread's index among the consumers' 256), with its column blocks of dK, dV, dQ (first and
+ * count, kb0 and nkb, ...) as constants at each call, so that each warpgroup's products are
+ * straight-line code (under a branch on the warpgroup ptxas made every wgmma wait for the one
+ * before). */
+FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, const volatile int *slot, int n_items,
+                       int mb_first, int mb_step, int cw, int ct, int kb0, int nkb, int vb0,
+                       int nvb, int qb0, int nqb)
 {
     const fa_kparams *kp = &bp->f;
     const int group = kp->h / kp->hk;
@@ -216,10 +257,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 k_s, fa_u32 v_s, fa_u32 q_s
     fa_bwd_window(kp, &wlo, &whi);
     const int qw0 = 32 * cw; /* this warpgroup's first query of a tile */
     const int w = (ct >> 5) & 3, lane = ct & 31, t = lane & 3, g = lane >> 2;
-    /* Descriptors that stay for the whole block: K and V rows (K-major, S^T and dP^T), K's dQ
-     * columns (MN-major). */
-    const fa_u64 k_rows = fa_desc(k_s, 16, 1024), v_rows = fa_desc(v_s, 16, 1024);
-    const fa_u64 k_cols = fa_desc(k_s + qb0 * FA_BN * 128, FA_BN * 128, 1024);
+    const fa_u32 kv_full = sm + FA_OFF_KV_FULL, kv_empty = sm + FA_OFF_KV_EMPTY;
     /* This lane's row address for the P^T and dS^T stores: block blk4 of a k-step's four, row
      * (key) st_key of the block's rows. */
     const int blk4 = lane >> 3, st_key = 16 * w + (lane & 7) + 8 * (blk4 & 1);
@@ -262,6 +300,18 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 k_s, fa_u32 v_s, fa_u32 q_s
         for (; h < h_end; it++) {
             const int s = it & 1;
             const int m0 = mb * FA_BM;
+            /* Every shared address and descriptor from the base made opaque here, so that they
+             * are computed in each tile rather than hoisted and held over the loop (K and V's
+             * k-step descriptors alone would hold over 40 registers). */
+            fa_u32 sb = sm;
+            FA_PINU(sb);
+            const fa_u32 k_s = sb, q_full = sb + FA_OFF_Q_FULL, q_empty = sb + FA_OFF_Q_EMPTY;
+            /* K and V rows (K-major, S^T and dP^T), K's dQ columns (MN-major). */
+            const fa_u64 k_rows = fa_desc(k_s, 16, 1024);
+            const fa_u64 v_rows = fa_desc(sb + FA_OFF_V, 16, 1024);
+            const fa_u64 k_cols = fa_desc(k_s + qb0 * FA_BN * 128, FA_BN * 128, 1024);
+            const fa_u32 q_s = sb + FA_OFF_Q, do_s = sb + FA_OFF_DO;
+            const fa_u32 p_s = sb + FA_OFF_P, ds_s = sb + FA_OFF_DS;
             const fa_u32 q_t = q_s + qs * FA_Q_BYTES, do_t = do_s + qs * FA_DO_BYTES;
             const fa_u32 p_t = p_s + s * FA_PS_BYTES, ds_t = ds_s + s * FA_PS_BYTES;
             const fa_i64 row0 = fa_bwd_row0(bp, h, bi) + m0;
@@ -315,46 +365,68 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 k_s, fa_u32 v_s, fa_u32 q_s
             fa_bar_sync(FA_BAR_PDS, 256);
 
             /* dV += P^T dO, dK += dS^T Q over this warpgroup's columns, dQ = dS K over its dQ
-             * columns, as one group. */
-            float dq[8 * FA_QB_MAX][4];
+             * columns. Then warp w's 16 rows of the tile's dQ, those columns, into the workspace
+             * (blocks of 16 rows x 8 columns): at once, or in the deterministic mode in the
+             * tile's turn, both warpgroups' columns together. */
+            float *acc_w = bp->dq_accum + (row0 + 16 * w) * FA_DP + qb0 * 64 * 16;
+            const fa_u64 ds_cols = fa_desc(ds_t, FA_BN * 128, 1024);
             fa_pin_acc(&dv[0][0], 32 * FA_VB_MAX);
             fa_pin_acc(&dk[0][0], 32 * FA_KB_MAX);
             fa_wg_fence();
+#if FA_DQ_HALVES
+            /* dQ's first block as a group of its own, added while dV and dK's products run,
+             * then its second block in the same registers. */
+            float dq[8][4];
+            fa_gemm_dq(&dq[0][0], 1, ds_cols, k_cols);
+            fa_wg_commit();
             fa_gemm_kv(&dv[0][0], nvb, fa_desc(p_t, 16, 1024),
                        fa_desc(do_t + vb0 * FA_BM * 128, FA_BM * 128, 1024));
             fa_gemm_kv(&dk[0][0], nkb, fa_desc(ds_t, 16, 1024),
                        fa_desc(q_t + kb0 * FA_BM * 128, FA_BM * 128, 1024));
-            fa_gemm_dq(&dq[0][0], nqb, fa_desc(ds_t, FA_BN * 128, 1024), k_cols);
+            fa_wg_commit();
+            fa_wg_wait1();
+            fa_pin_acc(&dq[0][0], 32);
+            if (bp->deterministic) {
+                const fa_seq sv_dq = FA_ITEM_SEQ;
+                fa_dq_turn_wait(bp, &sv_dq, bi, h, mb, nb, ct);
+            }
+            fa_dq_add(acc_w, lane, 1, dq);
+            /* the adds have read dq before the second block's product writes it */
+            fa_wg_fence();
+            fa_gemm_dq(&dq[0][0], 1, ds_cols, fa_desc_at(k_cols, FA_BN * 128));
             fa_wg_commit();
             fa_wg_wait0();
+            fa_pin_acc(&dq[0][0], 32);
+#else
+            float dq[8 * FA_QB_MAX][4];
+            fa_gemm_kv(&dv[0][0], nvb, fa_desc(p_t, 16, 1024),
+                       fa_desc(do_t + vb0 * FA_BM * 128, FA_BM * 128, 1024));
+            fa_gemm_kv(&dk[0][0], nkb, fa_desc(ds_t, 16, 1024),
+                       fa_desc(q_t + kb0 * FA_BM * 128, FA_BM * 128, 1024));
+            fa_gemm_dq(&dq[0][0], nqb, ds_cols, k_cols);
+            fa_wg_commit();
+            fa_wg_wait0();
+            fa_pin_acc(&dq[0][0], 32 * FA_QB_MAX);
+#endif
             fa_pin_acc(&dv[0][0], 32 * FA_VB_MAX);
             fa_pin_acc(&dk[0][0], 32 * FA_KB_MAX);
-            fa_pin_acc(&dq[0][0], 32 * FA_QB_MAX);
             /* This warp is done with the stage's Q and dO. */
             if (lane == 0)
                 fa_mbar_arrive(q_empty + 8 * qs);
             if (++qs == FA_QSTAGES)
                 qs = 0, qph ^= 1;
 
-            /* Warp w's 16 rows of the tile's dQ, this warpgroup's columns, into the workspace
-             * (blocks of 16 rows x 8 columns): at once, or in the deterministic mode in the
-             * tile's turn (every later key block that meets it has added: the sm80 family's
-             * counter, in the same workspace), both warpgroups' columns together. */
-            float *acc_w = bp->dq_accum + (row0 + 16 * w) * FA_DP + qb0 * 64 * 16;
-            if (!bp->deterministic) {
-                fa_dq_add(acc_w, lane, nqb, dq);
-            } else {
+#if FA_DQ_HALVES
+            fa_dq_add(acc_w + 8 * 128, lane, 1, dq);
+#else
+            if (bp->deterministic) {
                 const fa_seq sv_dq = FA_ITEM_SEQ;
-                int *sem = fa_bwd_sem(bp, bi, h, mb);
-                if (ct == 0)
-                    fa_bwd_turn_wait(kp, &sv_dq, mb, nb, sem);
-                fa_bar_sync(FA_BAR_DET, 256);
-                fa_dq_add(acc_w, lane, nqb, dq);
-                __threadfence();
-                fa_bar_sync(FA_BAR_DET, 256);
-                if (ct == 0)
-                    atomicAdd(sem, 1);
+                fa_dq_turn_wait(bp, &sv_dq, bi, h, mb, nb, ct);
             }
+            fa_dq_add(acc_w, lane, nqb, dq);
+#endif
+            if (bp->deterministic)
+                fa_dq_turn_pass(bp, bi, h, mb, ct);
 
             mb += mb_step;
             const fa_seq sv = FA_ITEM_SEQ;
@@ -379,12 +451,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     extern __shared__ __align__(1024) unsigned char fa_smem[];
     /* The plan adds 1024 bytes so the base can be rounded up to the swizzle atom. */
     const fa_u32 k_s = (fa_smem_addr(fa_smem) + 1023u) & ~1023u;
-    const fa_u32 v_s = k_s + FA_K_BYTES, q_s = v_s + FA_V_BYTES;
-    const fa_u32 do_s = q_s + FA_QSTAGES * FA_Q_BYTES, p_s = do_s + FA_QSTAGES * FA_DO_BYTES;
-    const fa_u32 ds_s = p_s + 2 * FA_PS_BYTES, kv_full = ds_s + 2 * FA_PS_BYTES;
-    /* [FA_QSTAGES] each, 8 bytes apart */
-    const fa_u32 q_full = kv_full + 8, q_empty = q_full + 8 * FA_QSTAGES;
-    const fa_u32 kv_empty = q_empty + 8 * FA_QSTAGES;
+    const fa_u32 v_s = k_s + FA_OFF_V, q_s = k_s + FA_OFF_Q, do_s = k_s + FA_OFF_DO;
+    const fa_u32 kv_full = k_s + FA_OFF_KV_FULL, q_full = k_s + FA_OFF_Q_FULL;
+    const fa_u32 q_empty = k_s + FA_OFF_Q_EMPTY, kv_empty = k_s + FA_OFF_KV_EMPTY;
     /* The items in hand (fa_bwd90_produce). */
     volatile int *slot = (volatile int *)(fa_smem + (kv_empty + 8 - fa_smem_addr(fa_smem)));
     const int group = kp->h / kp->hk;
@@ -430,12 +499,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int ct = threadIdx.x - 128;
     /* The warpgroup index from a broadcast, so that the compiler knows it warp-uniform. */
     if (__shfl_sync(0xffffffffu, ct >> 7, 0) == 0)
-        fa_consume(&bp, k_s, v_s, q_s, do_s, p_s, ds_s, kv_full, q_full, q_empty, kv_empty, slot,
-                   n_items, mb_first, mb_step, 0, ct, 0, FA_K0, 0, FA_V0, 0, FA_Q0);
+        fa_consume(&bp, k_s, slot, n_items, mb_first, mb_step, 0, ct, 0, FA_K0, 0, FA_V0, 0,
+                   FA_Q0);
     else
-        fa_consume(&bp, k_s, v_s, q_s, do_s, p_s, ds_s, kv_full, q_full, q_empty, kv_empty, slot,
-                   n_items, mb_first, mb_step, 1, ct, FA_K0, FA_NKB - FA_K0, FA_V0,
-                   FA_NVB - FA_V0, FA_Q0, FA_NKB - FA_Q0);
+        fa_consume(&bp, k_s, slot, n_items, mb_first, mb_step, 1, ct, FA_K0, FA_NKB - FA_K0,
+                   FA_V0, FA_NVB - FA_V0, FA_Q0, FA_NKB - FA_Q0);
 }
 
 #include "fa_bwd_rows.cuh"

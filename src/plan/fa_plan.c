@@ -459,16 +459,7 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = 12;
     plan->threads = 384;
     if (key->d != key->dv || key->d > 128) {
-        /* d + dv padded past 384 (d = dv = 256) stays on the sm80 family for now: dK, dV and dQ
-         * at 64 registers each left ptxas spilling in some feature sets (fp16 varlen, softcap
-         * with dropout). */
-        if (!fa_plan_bwd_sm90_wide_enabled() ||
-            fa_plan_pad(key->d) + fa_plan_pad(key->dv) > 384)
-            return FA_STATUS_UNSUPPORTED;
-        /* d or dv 256 with varlen spills likewise (ptxas, d 256 / dv 128); the sm80 family
-         * takes it. */
-        if ((key->features & FA_FEATURE_VARLEN) &&
-            (fa_plan_pad(key->d) == 256 || fa_plan_pad(key->dv) == 256))
+        if (!fa_plan_bwd_sm90_wide_enabled())
             return FA_STATUS_UNSUPPORTED;
         fa_plan_backward_sm90_wide(key, plan);
     } else {

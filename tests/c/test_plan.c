@@ -361,10 +361,7 @@ static void check_backward_sm90_wide(void)
             for (size_t f = 0; f < sizeof features / sizeof features[0]; f++) {
                 const int d = dims[i], dv = dims[j];
                 const unsigned ft = features[f];
-                const int blocks = (d + 63) / 64 + (dv + 63) / 64;
-                const int sm90 = d > 32 && dv > 32 && !(ft & FA_FEATURE_UNALIGNED) &&
-                                 blocks <= 6 &&
-                                 !((ft & FA_FEATURE_VARLEN) && (d > 192 || dv > 192));
+                const int sm90 = d > 32 && dv > 32 && !(ft & FA_FEATURE_UNALIGNED);
                 const char *want = !sm90                       ? "fa_bwd_sm80.cu"
                                    : d == dv && d <= 128 ? "fa_bwd_sm90.cu"
                                                          : "fa_bwd_sm90_wide.cu";

@@ -110,6 +110,18 @@ static const bcase cases[] = {
     {"d32 dv256 causal", 2, 2, 2, 130, 140, 32, 256, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"long causal gqa d256", 1, 4, 2, 700, 800, 256, 256, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"varlen causal gqa d256", 4, 4, 2, 190, 260, 256, 256, 1, -1, -1, 0, 0, 0, 0, 0, 1, 0, 0},
+    /* d or dv 256 with each feature set the precompile matrix compiles (the wide sm90 family:
+     * softcap with dropout, varlen with ALiBi and dropout, varlen at d 256 / dv 128 and back). */
+    {"softcap dropout window sinks gqa d256", 2, 4, 2, 170, 220, 256, 256, 0, 90, 20, 25, 0, 1,
+     0.15, 0, 0, 0, 0},
+    {"dropout alibi causal d256", 2, 3, 3, 150, 260, 256, 256, 1, -1, -1, 0, 1, 0, 0.2, 0, 0, 0,
+     0},
+    {"varlen seqused alibi dropout gqa d256 slack", 3, 4, 2, 200, 260, 256, 256, 0, -1, -1, 0, 1,
+     0, 0.2, 0, 1, 1, 1},
+    {"varlen window softcap mqa d256 dv128", 3, 4, 1, 180, 240, 256, 128, 0, 60, 10, 20, 0, 0, 0,
+     0, 1, 0, 0},
+    {"varlen dropout causal seqused d128 dv256", 3, 4, 2, 160, 200, 128, 256, 1, -1, -1, 0, 0, 0,
+     0.1, 0, 1, 1, 0},
     {"varlen seqused alibi dropout d192 dv128 slack", 3, 4, 2, 200, 300, 192, 128, 0, -1, -1, 0,
      1, 0, 0.2, 0, 1, 1, 1},
     {"varlen window sinks mqa d160 padded", 3, 4, 1, 200, 233, 160, 160, 0, 70, 20, 0, 0, 1, 0, 8,
@@ -156,10 +168,7 @@ static int sm90_pass, sm90_runs;
  * 16-byte aligned), for the second pass's family check. */
 static int sm90_takes(const bcase *c)
 {
-    /* d = dv = 256, and d or dv past 192 with varlen: the sm80 family. */
-    return c->d > 32 && c->dv > 32 && c->d % 8 == 0 && c->dv % 8 == 0 && c->pad % 8 == 0 &&
-           (c->d + 63) / 64 + (c->dv + 63) / 64 <= 6 &&
-           !(c->varlen && (c->d > 192 || c->dv > 192));
+    return c->d > 32 && c->dv > 32 && c->d % 8 == 0 && c->dv % 8 == 0 && c->pad % 8 == 0;
 }
 
 /* Which of them: fa_bwd_sm90.cu for d = dv up to 128, fa_bwd_sm90_wide.cu for the rest. */
