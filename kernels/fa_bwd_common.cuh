@@ -58,6 +58,24 @@ FA_DEV int fa_bwd_klen(const fa_kparams *kp, int bi)
     return (int)(kb - ka < kp->max_sk ? kb - ka : kp->max_sk);
 }
 
+#endif
+
+/* The rows of sequence bi's keys that dK and dV cover: from *k_start in k (0 dense) to *key_end
+ * (sk dense; fa_bwd_klen varlen). */
+FA_DEV void fa_bwd_key_span(const fa_kparams *kp, int bi, int sk, fa_i64 *k_start, int *key_end)
+{
+#if FA_VARLEN
+    *k_start = fa_bwd_seq(kp, bi).k_start;
+    *key_end = fa_bwd_klen(kp, bi);
+    (void)sk;
+#else
+    (void)kp, (void)bi;
+    *k_start = 0;
+    *key_end = sk;
+#endif
+}
+
+#if FA_VARLEN
 /* Zeroes columns [0, cols) of rows [0, rows) (row stride rs, elements) at p, element i of the
  * rows x cols by the thread whose index is i modulo nthreads (tid of nthreads). */
 FA_DEV void fa_bwd_zero(fa_u16 *p, fa_i64 rs, int rows, int cols, int tid, int nthreads)
@@ -461,14 +479,9 @@ FA_DEV void fa_bwd_store_dkdv(const fa_bkparams *bp, int bi, int hk, int key0, i
 {
     const fa_kparams *kp = &bp->f;
     const int ck = cw * FA_BWD_DKC, cv = cw * FA_BWD_DVC;
-#if FA_VARLEN
-    const fa_i64 k_start = fa_bwd_seq(kp, bi).k_start;
-    const int key_end = fa_bwd_klen(kp, bi);
-    (void)sk;
-#else
-    const fa_i64 k_start = 0;
-    const int key_end = sk;
-#endif
+    fa_i64 k_start;
+    int key_end;
+    fa_bwd_key_span(kp, bi, sk, &k_start, &key_end);
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const int key = key0 + 8 * hf;

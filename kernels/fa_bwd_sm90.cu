@@ -239,39 +239,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
      * rows alone are 16 KB, so 2^31 of them would not fit in any device's memory. */
     const int n_items = bp.n_tiles * kp->hk * kp->b;
     const int first = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-#if FA_VARLEN
-    /* Varlen grids are never persistent: a key block at or past its sequence's keys only
-     * zeroes its dK and dV. */
-    {
-        const fa_bwd_item im = fa_bwd_item_make(&bp, first);
-        if (im.n0 >= im.seq.sk) {
-            fa_bwd_block_zero(&bp, &im.seq, im.bi, im.hk, im.n0);
-            return;
-        }
-    }
-#endif
-
-    if (threadIdx.x == 0) {
-        fa_mbar_init(kv_full, 1);
-        fa_mbar_init(kv_empty, 4 * FA_NCW); /* lane 0 of each consumer warp */
-        for (int s = 0; s < FA_QSTAGES; s++) {
-            fa_mbar_init(q_full + 8 * s, 1);
-            fa_mbar_init(q_empty + 8 * s, 4 * FA_NCW);
-        }
-        fa_mbar_init_fence();
-    }
-    __syncthreads();
-
-    if (threadIdx.x < 128) {
-        fa_regs_producer();
-        if (threadIdx.x != 0)
-            return;
-        fa_bwd90_produce(&bp, &tm, k_s, v_s, q_s, do_s, kv_full, kv_empty, q_full, q_empty, slot,
-                         first, n_items, group, mb_first, mb_step);
+    if (!fa_bwd90_start(&bp, &tm, k_s, v_s, q_s, do_s, kv_full, kv_empty, q_full, q_empty, slot,
+                        first, n_items))
         return;
-    }
-
-    fa_regs_consumer();
     const int ct = threadIdx.x - 128, cw = ct >> 7;
     const int w = (ct >> 5) & 3, lane = ct & 31, t = lane & 3, g = lane >> 2;
     int wlo, whi;

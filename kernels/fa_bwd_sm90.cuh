@@ -230,4 +230,49 @@ FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u
     }
 }
 
+/* The start of both sm90 backward kernels, past their shared-memory maps: a varlen CTA whose key
+ * block is at or past its sequence's keys only zeroes its dK and dV; thread 0 initialises the
+ * barriers; the producer warpgroup gives its registers back and its thread 0 loads the tiles
+ * (fa_bwd90_produce: work items from `first`, the CTA's own, of n_items). Returns 1 in the
+ * consumer threads, registers raised; 0 in the others, which are done. */
+FA_DEV int fa_bwd90_start(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 k_s, fa_u32 v_s,
+                          fa_u32 q_s, fa_u32 do_s, fa_u32 kv_full, fa_u32 kv_empty,
+                          fa_u32 q_full, fa_u32 q_empty, volatile int *slot, int first,
+                          int n_items)
+{
+    const fa_kparams *kp = &bp->f;
+#if FA_VARLEN
+    /* Varlen grids are never persistent. */
+    {
+        const fa_bwd_item im = fa_bwd_item_make(bp, first);
+        if (im.n0 >= im.seq.sk) {
+            fa_bwd_block_zero(bp, &im.seq, im.bi, im.hk, im.n0);
+            return 0;
+        }
+    }
+#endif
+    if (threadIdx.x == 0) {
+        fa_mbar_init(kv_full, 1);
+        fa_mbar_init(kv_empty, 4 * FA_NCW); /* lane 0 of each consumer warp */
+        for (int s = 0; s < FA_QSTAGES; s++) {
+            fa_mbar_init(q_full + 8 * s, 1);
+            fa_mbar_init(q_empty + 8 * s, 4 * FA_NCW);
+        }
+        fa_mbar_init_fence();
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        fa_regs_producer();
+        /* The tours (fa_bwd_tour) start at the last query tile and step back, or in the
+         * deterministic mode at the first and step on. */
+        if (threadIdx.x == 0)
+            fa_bwd90_produce(bp, tm, k_s, v_s, q_s, do_s, kv_full, kv_empty, q_full, q_empty,
+                             slot, first, n_items, kp->h / kp->hk,
+                             bp->deterministic ? 0 : bp->m_tiles - 1, bp->deterministic ? 1 : -1);
+        return 0;
+    }
+    fa_regs_consumer();
+    return 1;
+}
+
 #endif /* FA_BWD_SM90_CUH */

@@ -222,14 +222,9 @@ FA_DEV void fa_store_dkdv(const fa_bkparams *bp, int bi, int hk, int key0, int t
                           const float dv[][4])
 {
     const fa_kparams *kp = &bp->f;
-#if FA_VARLEN
-    const fa_i64 k_start = fa_bwd_seq(kp, bi).k_start;
-    const int key_end = fa_bwd_klen(kp, bi);
-    (void)sk;
-#else
-    const fa_i64 k_start = 0;
-    const int key_end = sk;
-#endif
+    fa_i64 k_start;
+    int key_end;
+    fa_bwd_key_span(kp, bi, sk, &k_start, &key_end);
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const int key = key0 + 8 * hf;
@@ -456,46 +451,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const fa_u32 q_empty = k_s + FA_OFF_Q_EMPTY, kv_empty = k_s + FA_OFF_KV_EMPTY;
     /* The items in hand (fa_bwd90_produce). */
     volatile int *slot = (volatile int *)(fa_smem + (kv_empty + 8 - fa_smem_addr(fa_smem)));
-    const int group = kp->h / kp->hk;
     /* An item's tour (fa_bwd_tour): its first query tile to try, and the step. */
     const int mb_first = bp.deterministic ? 0 : bp.m_tiles - 1;
     const int mb_step = bp.deterministic ? 1 : -1;
     /* Work items (key block, kv head, sequence), key blocks fastest, as fa_bwd_sm90.cu. */
     const int n_items = bp.n_tiles * kp->hk * kp->b;
     const int first = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-#if FA_VARLEN
-    /* Varlen grids are never persistent: a key block at or past its sequence's keys only
-     * zeroes its dK and dV. */
-    {
-        const fa_bwd_item im = fa_bwd_item_make(&bp, first);
-        if (im.n0 >= im.seq.sk) {
-            fa_bwd_block_zero(&bp, &im.seq, im.bi, im.hk, im.n0);
-            return;
-        }
-    }
-#endif
-
-    if (threadIdx.x == 0) {
-        fa_mbar_init(kv_full, 1);
-        fa_mbar_init(kv_empty, 4 * FA_NCW); /* lane 0 of each consumer warp */
-        for (int s = 0; s < FA_QSTAGES; s++) {
-            fa_mbar_init(q_full + 8 * s, 1);
-            fa_mbar_init(q_empty + 8 * s, 4 * FA_NCW);
-        }
-        fa_mbar_init_fence();
-    }
-    __syncthreads();
-
-    if (threadIdx.x < 128) {
-        fa_regs_producer();
-        if (threadIdx.x != 0)
-            return;
-        fa_bwd90_produce(&bp, &tm, k_s, v_s, q_s, do_s, kv_full, kv_empty, q_full, q_empty, slot,
-                         first, n_items, group, mb_first, mb_step);
+    if (!fa_bwd90_start(&bp, &tm, k_s, v_s, q_s, do_s, kv_full, kv_empty, q_full, q_empty, slot,
+                        first, n_items))
         return;
-    }
-
-    fa_regs_consumer();
     const int ct = threadIdx.x - 128;
     /* The warpgroup index from a broadcast, so that the compiler knows it warp-uniform. */
     if (__shfl_sync(0xffffffffu, ct >> 7, 0) == 0)

@@ -140,6 +140,18 @@ static void fa_plan_define_features(fa_plan *plan, unsigned features, unsigned c
     }
 }
 
+/* User-defined scoring's defines, only where the call has it (other kernels keep their JIT keys
+ * and code); the sm80 families compile the hooks, forward and backward. */
+static void fa_plan_define_mods(fa_plan *plan, unsigned features)
+{
+    if (features & FA_PLAN_SCORE_MOD)
+        fa_plan_define(plan, "FA_SCORE_MOD", 1);
+    if (features & FA_PLAN_MASK_MOD)
+        fa_plan_define(plan, "FA_MASK_MOD", 1);
+    if (features & FA_PLAN_BLOCK_MASK)
+        fa_plan_define(plan, "FA_BLOCK_MASK", 1);
+}
+
 /*
  * sm90 family (sm_90a: TMA, wgmma, warp specialisation), one row per head dim rounded up to 64
  * (the larger of d and dv): 128-row query tiles, 1 producer + 2 consumer warpgroups. Key block
@@ -324,14 +336,8 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     /* Only paged kernels carry the define, so dense kernels keep their JIT keys and code. */
     if (key->features & FA_PLAN_PAGED)
         fa_plan_define(plan, "FA_PAGED", 1);
-    /* User-defined scoring, likewise only where the call has it. On sm_90 the sm80 family
-     * takes these calls for now (FA_SM90_UNSUPPORTED): the hooks are in its kernel only. */
-    if (key->features & FA_PLAN_SCORE_MOD)
-        fa_plan_define(plan, "FA_SCORE_MOD", 1);
-    if (key->features & FA_PLAN_MASK_MOD)
-        fa_plan_define(plan, "FA_MASK_MOD", 1);
-    if (key->features & FA_PLAN_BLOCK_MASK)
-        fa_plan_define(plan, "FA_BLOCK_MASK", 1);
+    /* On sm_90 the sm80 family takes calls with mods for now (FA_SM90_UNSUPPORTED). */
+    fa_plan_define_mods(plan, key->features);
     return FA_STATUS_OK;
 }
 
@@ -559,13 +565,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     if (row.split > 1)
         fa_plan_define(plan, "FA_DKV_SPLIT", row.split);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
-    /* The mods' defines only where the call has them, as in the forward. */
-    if (key->features & FA_PLAN_SCORE_MOD)
-        fa_plan_define(plan, "FA_SCORE_MOD", 1);
-    if (key->features & FA_PLAN_MASK_MOD)
-        fa_plan_define(plan, "FA_MASK_MOD", 1);
-    if (key->features & FA_PLAN_BLOCK_MASK)
-        fa_plan_define(plan, "FA_BLOCK_MASK", 1);
+    fa_plan_define_mods(plan, key->features);
     return FA_STATUS_OK;
 }
 
