@@ -12,6 +12,7 @@
 #include "core/fa_params.h"
 
 #define FA_CPU_MOD_CHUNK 64 /* values per evaluation step */
+#define FA_CPU_MOD_ROWS 8   /* keys per pass of the forward's evaluator (fa_cpu_mod_eval.h) */
 
 /* Where a tile sits: column i of its scores is query q0 + i, row j is key j0 + j. With a block
  * mask, states[(qb - qb0) * nk + kb] is the state (FA_BLOCK_*) of key block kb for the tile's
