@@ -110,7 +110,7 @@ static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size, int64_t 
 {
     const size_t bm = (size_t)bm_rows, ld = (size_t)fa_cpu_tile_ld(bm_rows), bn = FA_CPU_BN;
     const size_t d = (size_t)p->d, dvp = (size_t)fa_cpu_gemm_pad(p->dv);
-    size_t n = d * ld + bn * d + bn * dvp + bn * ld + bm * dvp + 6 * bm;
+    size_t n = d * ld + bn * d + bn * dvp + bn * ld + bm * dvp + 9 * bm;
     return (n * real_size + 63) & ~(size_t)63;
 }
 
@@ -129,7 +129,10 @@ static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size, int64_t 
         (t).lo = cur_, cur_ += bm_;                                                              \
         (t).hi = cur_, cur_ += bm_;                                                              \
         (t).diag = cur_, cur_ += bm_;                                                            \
-        (t).bmax = cur_;                                                                         \
+        (t).bmax = cur_, cur_ += bm_;                                                            \
+        (t).mlo = cur_, cur_ += bm_;                                                             \
+        (t).mhi = cur_, cur_ += bm_;                                                             \
+        (t).mcnt = cur_;                                                                         \
     } while (0)
 
 #if defined(FA_CPU_HAS_BF16)
@@ -177,7 +180,7 @@ static void fa_cpu_forward_item(const fa_cpu_job *job, const fa_cpu_chunk *c, in
         return;
     }
 #endif
-    fa_cpu_mod_at at = {c->seq, h, c->r0, 0, NULL, 0, 0};
+    fa_cpu_mod_at at = {c->seq, h, c->r0, 0, NULL, 0, 0, 0};
     fa_cpu_mod_blocks_load(p, &at, base + job->mod_offset,
                            p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float), c->r0, c->m);
     if (p->dtype == FA_DTYPE_F64) {

@@ -31,6 +31,9 @@ typedef struct FA_FN(fa_tile) {
     FA_REAL *hi;   /* [bm] one past the last visible key */
     FA_REAL *diag; /* [bm] the key on each row's diagonal, i + sk - sq */
     FA_REAL *bmax; /* [bm] block maximum, then the maximum used for exp */
+    FA_REAL *mlo;  /* [bm] lo and hi narrowed to the keys a block's mask keeps (mods only) */
+    FA_REAL *mhi;  /* [bm] */
+    FA_REAL *mcnt; /* [bm] how many keys of the block each row keeps */
     /* User-defined scoring only (fa_mod_call_active): the evaluator's scratch
      * (fa_cpu_mod_scratch_size) and the tile's sequence, head, first query row and block
      * states. */
@@ -115,7 +118,8 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
                 st[j * ld + i] = FA_RULE_SOFTCAP(st[j * ld + i], inv, cap, FA_TANHV);
         mul = 1;
     }
-    if (fa_mod_call_active(&p->mods) && !fa_cpu_mod_blocks_full(p, &t->mod_at, j0, n)) {
+    if (fa_mod_call_active(&p->mods) && !fa_cpu_mod_blocks_full(p, &t->mod_at, j0, n) &&
+        !(t->mod_at.exact && !p->mods.score_mod)) {
         /* The mods see the final scaled score (after softcap and ALiBi) of every key. */
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = c0; i < c1; i++)
@@ -330,10 +334,29 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
     int64_t k_lo, k_hi;
     fa_params_tile_keys(p, r0, m, seq.sq, seq.sk, &k_lo, &k_hi);
 
+    FA_REAL *const lo_call = t->lo, *const hi_call = t->hi;
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BN) {
         const int64_t n = k_hi - j0 < FA_CPU_BN ? k_hi - j0 : FA_CPU_BN;
         if (fa_cpu_mod_blocks_skip(p, &t->mod_at, j0, n))
             continue; /* a block mask skips every key of it for every row */
+        /* Where the mods mask part of the block, the keys each row keeps bound its products as
+         * a causal or window edge does (the mask, which cannot read the scores, taken first). */
+        t->lo = lo_call, t->hi = hi_call;
+        t->mod_at.exact = 0;
+        if (fa_mod_call_active(&p->mods)) {
+            t->mod_at.j0 = j0;
+            if (FA_FN(fa_cpu_mod_bounds)(p, t->mod_buf, n, 0, m, &t->mod_at, t->mlo, t->mhi,
+                                         t->mcnt) &&
+                FA_FN(fa_edge_narrow)(t->mlo, t->mhi, lo_call, hi_call, m, mp, j0)) {
+                t->lo = t->mlo, t->hi = t->mhi;
+                /* Rows that keep every key between their bounds need no mask after the
+                 * products: the softmax masks by the bounds. */
+                int exact = 1;
+                for (int64_t i = 0; i < m; i++)
+                    exact &= t->mhi[i] - t->mlo[i] == t->mcnt[i];
+                t->mod_at.exact = exact;
+            }
+        }
         int64_t c0, c1;
         /* The rows that see none of the block are left alone, which is what computing them fully
          * masked would do (an unchanged maximum, exponentials 0). */
@@ -368,5 +391,7 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
             FA_FN(fa_tile_dropout)(p, t, seq_index, h, r0, c0, c0 + mr, ld, j0, n);
         FA_FN(fa_tile_pv)(t, ld, dvp, c0, mr, j0, n, vp, v_ld);
     }
+    t->lo = lo_call, t->hi = hi_call;
+    t->mod_at.exact = 0;
     FA_FN(fa_tile_store)(p, t->m, t->l, t->o, dvp, seq_index, h, r0, m);
 }

@@ -21,6 +21,7 @@ typedef struct fa_cpu_mod_at {
     int64_t b, h, q0, j0;
     unsigned char *states;
     int64_t qb0, nqb;
+    int exact; /* the tile's key bounds are exactly what the mask keeps: apply only score_mod */
 } fa_cpu_mod_at;
 
 /* Bytes of scratch one thread needs to evaluate p's mods in real_size precision on tiles of up
@@ -48,6 +49,15 @@ void fa_cpu_mod_apply_f32(const fa_params *p, float *buf, float *st, int64_t ld,
                           int64_t c0, int64_t c1, const fa_cpu_mod_at *at);
 void fa_cpu_mod_apply_f64(const fa_params *p, double *buf, double *st, int64_t ld, int64_t n,
                           int64_t c0, int64_t c1, const fa_cpu_mod_at *at);
+
+/* The keys of [j0, j0 + n) (at->j0 = j0) each query i of [c0, c1) keeps by the mask (mask_mod
+ * and block mask, not score_mod): lo[i] the first, hi[i] one past the last, cnt[i] how many;
+ * lo[i] = inf and hi[i] = -inf where it keeps none. Returns 0 without touching them where the
+ * block mask keeps the whole block or the call has no mask. */
+int fa_cpu_mod_bounds_f32(const fa_params *p, float *buf, int64_t n, int64_t c0, int64_t c1,
+                          const fa_cpu_mod_at *at, float *lo, float *hi, float *cnt);
+int fa_cpu_mod_bounds_f64(const fa_params *p, double *buf, int64_t n, int64_t c0, int64_t c1,
+                          const fa_cpu_mod_at *at, double *lo, double *hi, double *cnt);
 
 /* fa_cpu_mod_apply for the backward: also multiplies dst[j * ld + i] by score_mod's derivative
  * with respect to the score (dbuf: as many bytes as buf's evaluator part again). */

@@ -373,12 +373,16 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
  */
 FA_CPU_CLONES static void FA_FN(fa_mod_apply_fwd)(const fa_params *p, FA_REAL *buf, FA_REAL *st,
                                                   int64_t ld, int64_t n, int64_t c0, int64_t c1,
-                                                  const fa_cpu_mod_at *at)
+                                                  const fa_cpu_mod_at *at, FA_REAL *blo,
+                                                  FA_REAL *bhi, FA_REAL *bcnt)
 {
     const int64_t ch = FA_CPU_MOD_CHUNK;
     const fa_mod *sm = p->mods.score_mod, *mm = p->mods.mask_mod;
     const fa_tensor *aux = p->mods.aux;
     const fa_mod_blocks *blocks = &p->mods.blocks;
+    const fa_cpu_mod_at bare = {.b = at->b, .h = at->h, .q0 = at->q0, .j0 = at->j0};
+    if (at->exact) /* the tile's bounds are the mask: only score_mod is left */
+        mm = NULL, at = &bare;
     FA_FN(fa_mod_ctx) cs = {0}, cm = {0};
     FA_REAL *ws = buf;
     if (sm)
@@ -436,7 +440,19 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply_fwd)(const fa_params *p, FA_REAL *b
                         consult = n_full + n_skip < w;
                     }
                 }
-                FA_REAL *rs = st + jg * ld + i0; /* the pass's g rows of w scores */
+                FA_REAL *rs = st ? st + jg * ld + i0 : NULL; /* the pass's g rows of w scores */
+                const FA_REAL key = (FA_REAL)(at->j0 + jg); /* the pass's first key */
+                if (at->states && all_skip && blo)
+                    continue;
+                if (at->states && all_full && blo) {
+                    for (int64_t k = 0; k < w; k++) {
+                        bcnt[i0 + k] += (FA_REAL)g;
+                        blo[i0 + k] = key < blo[i0 + k] ? key : blo[i0 + k];
+                        bhi[i0 + k] = key + (FA_REAL)g > bhi[i0 + k] ? key + (FA_REAL)g
+                                                                     : bhi[i0 + k];
+                    }
+                    continue;
+                }
                 if (at->states && all_skip) {
                     for (int64_t jj = 0; jj < g; jj++)
                         for (int64_t k = 0; k < w; k++)
@@ -446,7 +462,7 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply_fwd)(const fa_params *p, FA_REAL *b
                 cs.rows = cm.rows = g;
                 cs.jrel = cm.jrel = jg - kb0;
                 cs.score = cm.score = rs;
-                if (sm) {
+                if (sm && !blo) {
                     const FA_FN(fa_mod_opnd) r =
                         FA_FN(fa_mod_eval)(sm, aux, FA_MOD_VARY_QKV, &cs, rs, ld);
                     if (r.p != rs || r.rs != ld) /* a root that is not a phase-3 operation */
@@ -459,10 +475,36 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply_fwd)(const fa_params *p, FA_REAL *b
                 /* mask_mod is consulted where the block mask leaves it the choice (partial),
                  * and everywhere without one. */
                 const int have = mm && consult;
-                FA_FN(fa_mod_opnd) r = {rs, 0, 0};
+                static const FA_REAL one = 1;
+                FA_FN(fa_mod_opnd) r = {&one, 0, 0};
                 if (have)
                     r = FA_FN(fa_mod_eval)(mm, aux, FA_MOD_VARY_QKV, &cm, NULL, 0);
-                for (int64_t jj = 0; jj < g; jj++) {
+                for (int64_t jj = 0; jj < g && blo; jj++) { /* bounds: the keys kept */
+                    const FA_REAL *rr = r.p + jj * r.rs, kj = key + (FA_REAL)jj, kj1 = kj + 1;
+                    FA_REAL *restrict lo = blo + i0, *restrict hi = bhi + i0, *restrict cnt = bcnt + i0;
+                    const int rk = !have || rr[0] != 0; /* where the root is one per row */
+                    const FA_REAL inf = (FA_REAL)INFINITY;
+#define FA_MOD_BOUND(keep)                                                                       \
+    for (int64_t k = 0; k < w; k++) {                                                            \
+        const int kp_ = (keep);                                                                  \
+        const FA_REAL a_ = kp_ ? kj : inf, b_ = kp_ ? kj1 : -inf;                                \
+        lo[k] = a_ < lo[k] ? a_ : lo[k];                                                         \
+        cnt[k] += kp_ ? (FA_REAL)1 : (FA_REAL)0;                                                 \
+        hi[k] = b_ > hi[k] ? b_ : hi[k];                                                         \
+    }
+                    if (at->states && have && r.v)
+                        FA_MOD_BOUND((state[k] == FA_BLOCK_FULL) |
+                                     ((state[k] == FA_BLOCK_PARTIAL) & (rr[k] != 0)))
+                    else if (at->states)
+                        FA_MOD_BOUND((state[k] == FA_BLOCK_FULL) |
+                                     ((state[k] == FA_BLOCK_PARTIAL) & rk))
+                    else if (have && r.v)
+                        FA_MOD_BOUND(rr[k] != 0)
+                    else if (rk)
+                        FA_MOD_BOUND(1)
+#undef FA_MOD_BOUND
+                }
+                for (int64_t jj = 0; jj < g && !blo; jj++) {
                     FA_REAL *row = rs + jj * ld;
                     const FA_REAL *rr = r.p + jj * r.rs;
                     if (at->states && have && r.v) {
@@ -494,7 +536,23 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply_fwd)(const fa_params *p, FA_REAL *b
 void FA_FN(fa_cpu_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st, int64_t ld,
                              int64_t n, int64_t c0, int64_t c1, const fa_cpu_mod_at *at)
 {
-    FA_FN(fa_mod_apply_fwd)(p, buf, st, ld, n, c0, c1, at);
+    FA_FN(fa_mod_apply_fwd)(p, buf, st, ld, n, c0, c1, at, NULL, NULL, NULL);
+}
+
+int FA_FN(fa_cpu_mod_bounds)(const fa_params *p, FA_REAL *buf, int64_t n, int64_t c0, int64_t c1,
+                             const fa_cpu_mod_at *at, FA_REAL *lo, FA_REAL *hi, FA_REAL *cnt)
+{
+    if (!p->mods.mask_mod && !at->states)
+        return 0;
+    if (at->states && fa_cpu_mod_blocks_all(p, at, at->j0, n, FA_BLOCK_FULL))
+        return 0;
+    for (int64_t i = c0; i < c1; i++) {
+        lo[i] = (FA_REAL)INFINITY;
+        hi[i] = -(FA_REAL)INFINITY;
+        cnt[i] = 0;
+    }
+    FA_FN(fa_mod_apply_fwd)(p, buf, NULL, 0, n, c0, c1, at, lo, hi, cnt);
+    return 1;
 }
 
 void FA_FN(fa_cpu_mod_apply_grad)(const fa_params *p, FA_REAL *buf, FA_REAL *dbuf, FA_REAL *st,
