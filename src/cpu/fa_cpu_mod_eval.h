@@ -120,28 +120,36 @@ FA_CPU_INLINE FA_FN(fa_mod_opnd) FA_FN(fa_mod_desc)(const fa_mod *m, int s, int 
     })                                                                                           \
     break
 
-/* Gathers from one typed table (src): ndim 1 and 2 with one loop per (index varies) case,
- * more dims element by element. I: the index operands; the row's parts that do not vary along
- * the lanes are added once per row. */
-#define FA_MOD_E_GATHER(src)                                                                     \
+/* Gathers from one typed table (src) with offsets in integer type IT: ndim 1 and 2 with one loop
+ * per (index varies) case, more dims element by element. I: the index operands; the row's parts
+ * that do not vary along the lanes are added once per row. */
+#define FA_MOD_IX(v, d, IT) ((IT)FA_FN(fa_mod_clamp)((v), last[d]))
+#define FA_MOD_E_GATHER(src, IT)                                                                 \
     for (int64_t jj = 0; jj < rows; jj++) {                                                      \
         FA_REAL *o = o_ + jj * ors;                                                              \
+        const IT s0 = (IT)t->stride[0], s1 = ndim >= 2 ? (IT)t->stride[1] : 0;                   \
         if (ndim <= 2) {                                                                         \
             const FA_REAL *i0 = I[0].p + jj * I[0].rs;                                           \
             const FA_REAL *i1 = ndim == 2 ? I[1].p + jj * I[1].rs : i0;                          \
             const int v0 = I[0].v, v1 = ndim == 2 && I[1].v;                                     \
-            const int64_t base = (v0 ? 0 : FA_MOD_INDEX(i0[0], last[0]) * t->stride[0]) +       \
-                                 (ndim == 2 && !v1 ? FA_MOD_INDEX(i1[0], last[1]) * s1 : 0);     \
+            const IT base = (v0 ? 0 : FA_MOD_IX(i0[0], 0, IT) * s0) +                                \
+                            (ndim == 2 && !v1 ? FA_MOD_IX(i1[0], 1, IT) * s1 : 0);                   \
             if (v0 && v1) {                                                                      \
                 FA_MOD_IVDEP for (int64_t k = 0; k < w; k++) o[k] =                              \
-                    (FA_REAL)src[FA_MOD_INDEX(i0[k], last[0]) * s0 +                             \
-                                 FA_MOD_INDEX(i1[k], last[1]) * s1];                             \
+                    (FA_REAL)src[FA_MOD_IX(i0[k], 0, IT) * s0 + FA_MOD_IX(i1[k], 1, IT) * s1];           \
             } else if (v0) {                                                                     \
                 FA_MOD_IVDEP for (int64_t k = 0; k < w; k++) o[k] =                              \
-                    (FA_REAL)src[base + FA_MOD_INDEX(i0[k], last[0]) * s0];                      \
+                    (FA_REAL)src[base + FA_MOD_IX(i0[k], 0, IT) * s0];                               \
+            } else if (v1 && FA_FN(fa_mod_run_of)(i1, w, last[1], s1, &step)) {                   \
+                const IT at = base + (IT)i1[0] * s1; /* the lanes read one run of the table */    \
+                if (step == 1) {                                                                 \
+                    FA_MOD_IVDEP for (int64_t k = 0; k < w; k++) o[k] = (FA_REAL)src[at + k];    \
+                } else {                                                                         \
+                    FA_MOD_IVDEP for (int64_t k = 0; k < w; k++) o[k] = (FA_REAL)src[at - k];    \
+                }                                                                                \
             } else if (v1) {                                                                     \
                 FA_MOD_IVDEP for (int64_t k = 0; k < w; k++) o[k] =                              \
-                    (FA_REAL)src[base + FA_MOD_INDEX(i1[k], last[1]) * s1];                      \
+                    (FA_REAL)src[base + FA_MOD_IX(i1[k], 1, IT) * s1];                           \
             } else {                                                                             \
                 const FA_REAL r = (FA_REAL)src[base];                                            \
                 for (int64_t k = 0; k < w; k++)                                                  \
@@ -149,34 +157,72 @@ FA_CPU_INLINE FA_FN(fa_mod_opnd) FA_FN(fa_mod_desc)(const fa_mod *m, int s, int 
             }                                                                                    \
         } else {                                                                                 \
             for (int64_t k = 0; k < w; k++) {                                                    \
-                int64_t off = 0;                                                                 \
+                IT off = 0;                                                                      \
                 for (int d = 0; d < ndim; d++)                                                   \
-                    off += FA_MOD_INDEX(I[d].p[jj * I[d].rs + (I[d].v ? k : 0)], last[d]) *      \
-                           t->stride[d];                                                         \
+                    off += FA_MOD_IX(I[d].p[jj * I[d].rs + (I[d].v ? k : 0)], d, IT) *               \
+                           (IT)t->stride[d];                                                     \
                 o[k] = (FA_REAL)src[off];                                                        \
             }                                                                                    \
         }                                                                                        \
     }
 
-/* Aux slot t at the operands' values (floored, clamped as fa_mod_gather does). */
+/* Whether indices x[0 .. w) are whole numbers in [0, last] that step by one (up or down) along
+ * the lanes, with stride s the table's elements adjacent too (*step: +1 or -1 elements): a
+ * relative position q_idx - kv_idx does, and its reads are then one contiguous run. */
+FA_CPU_INLINE int FA_FN(fa_mod_run_of)(const FA_REAL *x, int64_t w, FA_REAL last, int64_t s,
+                                       int *step)
+{
+    const FA_REAL a = x[0], d = w > 1 ? x[1] - a : 1;
+    if ((s != 1 && s != -1) || (d != 1 && d != -1) || !(a >= 0 && a <= last) ||
+        a != FA_M(floor)(a))
+        return 0;
+    const FA_REAL z = a + d * (FA_REAL)(w - 1);
+    if (!(z >= 0 && z <= last) || a > 16777216 || z > 16777216) /* exact in fp32 */
+        return 0;
+    int ok = 1;
+    for (int64_t k = 0; k < w; k++)
+        ok &= x[k] == a + d * (FA_REAL)k;
+    *step = (int)d * (int)s;
+    return ok;
+}
+
+/* Aux slot t at the operands' values (floored, clamped as fa_mod_gather does). Offsets are
+ * 32-bit where every element's offset fits (the gathers then take 16 lanes), else 64-bit. */
 FA_CPU_INLINE void FA_FN(fa_mod_e_gather)(FA_REAL *o_, int64_t ors, const fa_tensor *t,
                                           const FA_FN(fa_mod_opnd) * I, int ndim, int64_t rows,
                                           int64_t w)
 {
     FA_REAL last[FA_MOD_MAX_ARGS];
-    for (int d = 0; d < ndim; d++)
+    int64_t lo = 0, hi = 0; /* the extreme offsets */
+    int narrow = 1;
+    for (int d = 0; d < ndim; d++) {
         last[d] = FA_FN(fa_mod_last)(t->shape[d]);
+        const int64_t span = (t->shape[d] - 1) * t->stride[d];
+        lo += span < 0 ? span : 0;
+        hi += span > 0 ? span : 0;
+        narrow &= t->shape[d] - 1 <= (int64_t)INT32_MAX; /* each index too */
+    }
     if (ndim < 2)
         last[1] = last[0];
-    const int64_t s0 = t->stride[0], s1 = ndim >= 2 ? t->stride[1] : 0;
+    int step = 0;
+    narrow &= lo >= -(int64_t)INT32_MAX && hi <= (int64_t)INT32_MAX;
     if (t->dtype == FA_DTYPE_I32) {
         const int32_t *di = (const int32_t *)t->data;
-        FA_MOD_E_GATHER(di)
+        if (narrow) {
+            FA_MOD_E_GATHER(di, int32_t)
+        } else {
+            FA_MOD_E_GATHER(di, int64_t)
+        }
     } else {
         const float *df = (const float *)t->data;
-        FA_MOD_E_GATHER(df)
+        if (narrow) {
+            FA_MOD_E_GATHER(df, int32_t)
+        } else {
+            FA_MOD_E_GATHER(df, int64_t)
+        }
     }
 }
+#undef FA_MOD_IX
 
 /* One step over rows x w values into o_ (rows ors apart) from its operands A. */
 FA_CPU_INLINE void FA_FN(fa_mod_e_step)(const fa_mod_node *n, FA_REAL *o_, int64_t ors,
