@@ -65,6 +65,28 @@ size_t fa_cpu_mod_grad_scratch_size(const fa_params *p, size_t real_size, int64_
            (((size_t)(bm * bn) * real_size + 63) & ~(size_t)63);
 }
 
+size_t fa_cpu_mod_cache_size(const fa_params *p, size_t real_size, int64_t bm)
+{
+    const fa_mod_blocks *blocks = &p->mods.blocks;
+    const fa_mod *mm = p->mods.mask_mod;
+    if (!mm && !blocks->num.data)
+        return 0;
+    if ((mm && mm->reads_h) ||
+        (blocks->num.data && (blocks->num.stride[1] || blocks->idx.stride[1] ||
+                              (blocks->full_num.data &&
+                               (blocks->full_num.stride[1] || blocks->full_idx.stride[1])))))
+        return 0;
+    const size_t nkb = (size_t)((p->max_sk + FA_CPU_BN - 1) / FA_CPU_BN);
+    const size_t n = FA_CPU_MOD_CACHE_HEAD + ((nkb + 63) & ~(size_t)63) +
+                     nkb * 2 * (size_t)bm * real_size;
+    return n <= FA_CPU_MOD_CACHE_MAX ? n : 0;
+}
+
+void fa_cpu_mod_cache_reset(void *cache)
+{
+    ((fa_cpu_mod_cache *)cache)->valid = 0;
+}
+
 void fa_cpu_mod_grad_parts(const fa_params *p, void *scratch, size_t real_size, int64_t bm,
                            void **dbuf, void **factor)
 {

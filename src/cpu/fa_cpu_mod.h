@@ -59,6 +59,24 @@ int fa_cpu_mod_bounds_f32(const fa_params *p, float *buf, int64_t n, int64_t c0,
 int fa_cpu_mod_bounds_f64(const fa_params *p, double *buf, int64_t n, int64_t c0, int64_t c1,
                           const fa_cpu_mod_at *at, double *lo, double *hi, double *cnt);
 
+/* A thread's cache of the forward's bounds (fa_cpu_mod_bounds, narrowed) for every key block of
+ * its last query tile, which the tiles of the same rows in other heads reuse: bytes for tiles
+ * of bm rows, 0 where the mask depends on the head (mask_mod reads h, or the block mask has
+ * heads of its own), there is no mask, or it would take more than FA_CPU_MOD_CACHE_MAX.
+ * fa_cpu_mod_cache_reset marks it empty. */
+#define FA_CPU_MOD_CACHE_MAX ((size_t)8 << 20)
+size_t fa_cpu_mod_cache_size(const fa_params *p, size_t real_size, int64_t bm);
+void fa_cpu_mod_cache_reset(void *cache);
+
+/* The cache's record: the tile it holds (seq, r0, m, first key) and each key block's state
+ * (0: not yet, 1: not narrowed, 2: narrowed, 3: narrowed and exact), then per block the
+ * narrowed lo and hi ([bm] each, FA_REAL). */
+typedef struct fa_cpu_mod_cache {
+    int64_t seq, r0, m, k_lo;
+    int64_t valid;
+} fa_cpu_mod_cache;
+#define FA_CPU_MOD_CACHE_HEAD 64 /* bytes before the states */
+
 /* fa_cpu_mod_apply for the backward: also multiplies dst[j * ld + i] by score_mod's derivative
  * with respect to the score (dbuf: as many bytes as buf's evaluator part again). */
 void fa_cpu_mod_apply_grad_f32(const fa_params *p, float *buf, float *dbuf, float *st, float *dst,

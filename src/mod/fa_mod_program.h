@@ -53,6 +53,7 @@ struct fa_mod {
     unsigned char vary[FA_MOD_MAX_NODES];
     int slot[FA_MOD_MAX_NODES];
     int n_slots[4];
+    int reads_h; /* whether a step reads h (else the values are the same for every head) */
     char *text;                     /* canonical text */
     char *cuda; /* the program as a CUDA C device function (fa_mod_emit_cuda) */
 };
