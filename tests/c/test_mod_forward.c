@@ -29,11 +29,12 @@ enum kind {
     K_RELBIAS,  /* score: score + bias[h, rsign (kv_idx - q_idx) + relr] (index clamped) */
     K_COMBO,    /* softcap and ALiBi built in, then score: score / 2 + (q_idx > kv_idx) */
     K_EMPTY,    /* mask: q_idx mod 2 == 1 (even rows see nothing) */
+    K_HEADWIN,  /* mask: causal, and a window of 7 (h + 1) keys: each head its own */
     K_COUNT,
 };
 static const char *const kind_names[K_COUNT] = {"causal", "window", "document", "prefix",
                                                 "dilated", "softcap", "alibi", "relbias",
-                                                "combo", "empty"};
+                                                "combo", "empty", "head window"};
 
 /* One problem: shapes, per-sequence lengths, and the kind's parameters and aux data. */
 typedef struct mcase {
@@ -48,7 +49,7 @@ typedef struct mcase {
 
 /* ---- the oracle's rules, in plain C --------------------------------------------------------- */
 
-static int oracle_visible(const mcase *c, int64_t bi, int64_t i, int64_t j)
+static int oracle_visible(const mcase *c, int64_t bi, int64_t hh, int64_t i, int64_t j)
 {
     const int64_t off = c->off[bi];
     switch (c->kind) {
@@ -64,6 +65,8 @@ static int oracle_visible(const mcase *c, int64_t bi, int64_t i, int64_t j)
         return j % 2 == 0 && ((j - i) % 3 + 3) % 3 != 1;
     case K_EMPTY:
         return i % 2 == 1;
+    case K_HEADWIN:
+        return j <= i + c->off[bi] && j >= i + c->off[bi] - 7 * (hh + 1);
     default:
         return 1;
     }
@@ -109,7 +112,7 @@ static void oracle(const mcase *c, const fa_fwd_args *a, double *out, double *ls
                         dot += fa_ref_load(a->q, c->varlen ? qv : qi) *
                                fa_ref_load(a->k, c->varlen ? kv : ki);
                     }
-                    s[j] = oracle_visible(c, bi, i, j) ? oracle_score(c, bi, hh, i, j, dot * scale)
+                    s[j] = oracle_visible(c, bi, hh, i, j) ? oracle_score(c, bi, hh, i, j, dot * scale)
                                                        : -INFINITY;
                     mx = s[j] > mx ? s[j] : mx;
                 }
@@ -175,6 +178,10 @@ static fa_mod *build(const mcase *c, int *is_mask)
         break;
     case K_EMPTY:
         root = B(EQ, B(MOD, V(Q_IDX), C(2)), C(1));
+        break;
+    case K_HEADWIN:
+        root = B(AND, B(LE, V(KV_IDX), qo),
+                 B(GE, V(KV_IDX), B(SUB, qo, B(MUL, C(7), B(ADD, V(H), C(1))))));
         break;
     default: {
         *is_mask = 0;
