@@ -2,6 +2,9 @@
  * User-defined scoring on the CPU: score_mod and mask_mod (mod/fa_mod.h) evaluated over a tile
  * of scores numexpr-style, FA_CPU_MOD_CHUNK values at a time: each step of the program is one
  * loop over the chunk into a buffer of a per-thread scratch, so no compiler is needed at run time.
+ * The forward runs each step as often as what it reads varies (fa_cpu_mod_eval.h) and takes the
+ * mask before the products to bound each row's keys (fa_cpu_mod_bounds); the backward runs every
+ * step per chunk of scores, with its derivative.
  */
 #ifndef FA_CPU_MOD_H
 #define FA_CPU_MOD_H

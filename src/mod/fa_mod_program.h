@@ -58,4 +58,7 @@ struct fa_mod {
     char *cuda; /* the program as a CUDA C device function (fa_mod_emit_cuda) */
 };
 
+/* Fills buf, n_bufs, vary, slot, n_slots and reads_h of m, whose steps are set (fa_mod_layout.c). */
+void fa_mod_layout(fa_mod *m);
+
 #endif /* FA_MOD_PROGRAM_H */
