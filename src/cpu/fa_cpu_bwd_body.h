@@ -262,7 +262,7 @@ FA_CPU_INLINE void FA_FN(fa_bwd_probs)(const fa_params *p, FA_FN(fa_bwd_tile) * 
 
     /* User-defined scoring, where the block mask does not keep every key as it is. */
     if (fa_mod_call_active(&p->mods)) {
-        fa_cpu_mod_at at = {seq_index, h, r0, j0, NULL, 0, 0};
+        fa_cpu_mod_at at = {seq_index, h, r0, j0, NULL, 0, 0, 0};
         fa_cpu_mod_blocks_load(p, &at, t->mod_scratch, sizeof(FA_REAL), r0, m);
         if (!fa_cpu_mod_blocks_full(p, &at, j0, n)) {
             FA_FN(fa_bwd_probs_mods)(p, t, &at, m, mp, j0, n, slope, sscale);

@@ -45,3 +45,26 @@ FA_CPU_INLINE void FA_FN(fa_edge_keys)(const FA_REAL *lo, const FA_REAL *hi, int
     *a = x > 0 ? x : 0;
     *b = y < n ? y : n;
 }
+
+/*
+ * Bounds [lo, hi) of the keys each of a tile's m rows keeps in block [j0, ...) (lo = inf where
+ * none) narrowed by the call's own bounds olo / ohi, in place, into the form the functions above
+ * read: a row that keeps nothing gets lo = hi at the previous row's hi (j0 for the first), padding
+ * rows up to mp see nothing. Returns whether both edges grow with the row, which those functions
+ * need; where they do not, the caller keeps the call's bounds.
+ */
+FA_CPU_INLINE int FA_FN(fa_edge_narrow)(FA_REAL *lo, FA_REAL *hi, const FA_REAL *olo,
+                                        const FA_REAL *ohi, int64_t m, int64_t mp, int64_t j0)
+{
+    int grows = 1;
+    for (int64_t i = 0; i < m; i++) {
+        FA_REAL a = lo[i] > olo[i] ? lo[i] : olo[i], b = hi[i] < ohi[i] ? hi[i] : ohi[i];
+        if (!(a < b))
+            a = b = i ? hi[i - 1] : (FA_REAL)j0;
+        lo[i] = a, hi[i] = b;
+        grows &= !i || (a >= lo[i - 1] && b >= hi[i - 1]);
+    }
+    for (int64_t i = m; i < mp; i++)
+        lo[i] = hi[i] = 0;
+    return grows;
+}

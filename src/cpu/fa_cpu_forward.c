@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "fa_rules.h"
 #include "core/fa_kvcache.h"
@@ -88,6 +89,7 @@ typedef struct fa_cpu_job {
     char *scratch;       /* one region per thread */
     size_t scratch_size; /* bytes per thread */
     size_t mod_offset;   /* where in a thread's region the mods' scratch starts */
+    size_t cache_offset; /* and the mods' bounds cache (fa_cpu_mod_cache_size; 0: none) */
     int64_t h0, nh;
     /* bf16 products: the packed K/V blocks (fa_cpu_fwd_bf16.h) of the pass's kv heads, by
      * sequence, then kv head, then block (fa_cpu_kv_pair) */
@@ -110,7 +112,7 @@ static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size, int64_t 
 {
     const size_t bm = (size_t)bm_rows, ld = (size_t)fa_cpu_tile_ld(bm_rows), bn = FA_CPU_BN;
     const size_t d = (size_t)p->d, dvp = (size_t)fa_cpu_gemm_pad(p->dv);
-    size_t n = d * ld + bn * d + bn * dvp + bn * ld + bm * dvp + 6 * bm;
+    size_t n = d * ld + bn * d + bn * dvp + bn * ld + bm * dvp + 9 * bm;
     return (n * real_size + 63) & ~(size_t)63;
 }
 
@@ -119,6 +121,7 @@ static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size, int64_t 
         REAL *cur_ = (REAL *)(base);                                                             \
         const int64_t bm_ = (bm), ld_ = fa_cpu_tile_ld(bm), bn_ = FA_CPU_BN;                     \
         const int64_t d_ = (p)->d, dvp_ = fa_cpu_gemm_pad((p)->dv);                              \
+        (t).scratch_rows = bm_;                                                                  \
         (t).qt = cur_, cur_ += d_ * ld_;                                                         \
         (t).kbuf = cur_, cur_ += bn_ * d_;                                                       \
         (t).vbuf = cur_, cur_ += bn_ * dvp_;                                                     \
@@ -129,7 +132,10 @@ static size_t fa_cpu_scratch_size(const fa_params *p, size_t real_size, int64_t 
         (t).lo = cur_, cur_ += bm_;                                                              \
         (t).hi = cur_, cur_ += bm_;                                                              \
         (t).diag = cur_, cur_ += bm_;                                                            \
-        (t).bmax = cur_;                                                                         \
+        (t).bmax = cur_, cur_ += bm_;                                                            \
+        (t).mlo = cur_, cur_ += bm_;                                                             \
+        (t).mhi = cur_, cur_ += bm_;                                                             \
+        (t).mcnt = cur_;                                                                         \
     } while (0)
 
 #if defined(FA_CPU_HAS_BF16)
@@ -177,7 +183,7 @@ static void fa_cpu_forward_item(const fa_cpu_job *job, const fa_cpu_chunk *c, in
         return;
     }
 #endif
-    fa_cpu_mod_at at = {c->seq, h, c->r0, 0, NULL, 0, 0};
+    fa_cpu_mod_at at = {c->seq, h, c->r0, 0, NULL, 0, 0, 0};
     fa_cpu_mod_blocks_load(p, &at, base + job->mod_offset,
                            p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float), c->r0, c->m);
     if (p->dtype == FA_DTYPE_F64) {
@@ -185,12 +191,14 @@ static void fa_cpu_forward_item(const fa_cpu_job *job, const fa_cpu_chunk *c, in
         FA_TILE_CARVE(double, t, base, p, job->bm);
         t.mod_buf = (double *)(base + job->mod_offset);
         t.mod_at = at;
+        t.mcache = job->cache_offset ? base + job->cache_offset : NULL;
         fa_cpu_tile_f64(p, &t, c->seq, h, c->r0, c->m);
     } else {
         fa_tile_f32 t;
         FA_TILE_CARVE(float, t, base, p, job->bm);
         t.mod_buf = (float *)(base + job->mod_offset);
         t.mod_at = at;
+        t.mcache = job->cache_offset ? base + job->cache_offset : NULL;
         fa_cpu_tile_f32(p, &t, c->seq, h, c->r0, c->m);
     }
 }
@@ -372,6 +380,9 @@ fa_status fa_cpu_forward(const fa_params *p)
 #endif
     job.mod_offset = job.scratch_size;
     job.scratch_size += fa_cpu_mod_scratch_size(p, real_size, bm);
+    const size_t cache_size = job.bf16 ? 0 : fa_cpu_mod_cache_size(p, real_size, bm);
+    job.cache_offset = cache_size ? job.scratch_size : 0;
+    job.scratch_size += cache_size;
     /* Thread tiles and packed K/V in one kept workspace (util/fa_memory.h). */
     const size_t scratch_bytes = job.scratch_size * (size_t)threads;
     size_t kv_bytes = 0;
@@ -386,6 +397,8 @@ fa_status fa_cpu_forward(const fa_params *p)
                           scratch_bytes + kv_bytes);
     fa_cpu_log log;
     fa_cpu_log_begin(&log);
+    for (int i = 0; st == FA_STATUS_OK && cache_size && i < threads; i++)
+        fa_cpu_mod_cache_reset(job.scratch + (size_t)i * job.scratch_size + job.cache_offset);
     if (st == FA_STATUS_OK) {
         job.kv = (uint16_t *)(job.scratch + scratch_bytes);
 #if defined(FA_CPU_HAS_BF16)

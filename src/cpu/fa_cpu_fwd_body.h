@@ -31,6 +31,11 @@ typedef struct FA_FN(fa_tile) {
     FA_REAL *hi;   /* [bm] one past the last visible key */
     FA_REAL *diag; /* [bm] the key on each row's diagonal, i + sk - sq */
     FA_REAL *bmax; /* [bm] block maximum, then the maximum used for exp */
+    FA_REAL *mlo;  /* [bm] lo and hi narrowed to the keys a block's mask keeps (mods only) */
+    FA_REAL *mhi;  /* [bm] */
+    FA_REAL *mcnt; /* [bm] how many keys of the block each row keeps */
+    void *mcache;  /* the thread's fa_cpu_mod_cache, or NULL */
+    int64_t scratch_rows; /* rows the scratch above holds */
     /* User-defined scoring only (fa_mod_call_active): the evaluator's scratch
      * (fa_cpu_mod_scratch_size) and the tile's sequence, head, first query row and block
      * states. */
@@ -115,7 +120,8 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_tile_softmax_max)(const fa_params *p, FA_FN(fa_ti
                 st[j * ld + i] = FA_RULE_SOFTCAP(st[j * ld + i], inv, cap, FA_TANHV);
         mul = 1;
     }
-    if (fa_mod_call_active(&p->mods) && !fa_cpu_mod_blocks_full(p, &t->mod_at, j0, n)) {
+    if (fa_mod_call_active(&p->mods) && !fa_cpu_mod_blocks_full(p, &t->mod_at, j0, n) &&
+        !(t->mod_at.exact && !p->mods.score_mod)) {
         /* The mods see the final scaled score (after softcap and ALiBi) of every key. */
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = c0; i < c1; i++)
@@ -330,10 +336,52 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
     int64_t k_lo, k_hi;
     fa_params_tile_keys(p, r0, m, seq.sq, seq.sk, &k_lo, &k_hi);
 
+    FA_REAL *const lo_call = t->lo, *const hi_call = t->hi;
+    /* The bounds cache holds this tile's rows when another head's tile of them ran last. */
+    fa_cpu_mod_cache *cache = t->mcache;
+    unsigned char *cstate = cache ? (unsigned char *)cache + FA_CPU_MOD_CACHE_HEAD : NULL;
+    FA_REAL *cbounds = NULL;
+    if (cache) {
+        const int64_t nkb = (p->max_sk + FA_CPU_BN - 1) / FA_CPU_BN;
+        cbounds = (FA_REAL *)(cstate + ((nkb + 63) & ~(int64_t)63));
+        if (!(cache->valid && cache->seq == seq_index && cache->r0 == r0 && cache->m == m &&
+              cache->k_lo == k_lo)) {
+            *cache = (fa_cpu_mod_cache){seq_index, r0, m, k_lo, 1};
+            memset(cstate, 0, (size_t)nkb);
+        }
+    }
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BN) {
         const int64_t n = k_hi - j0 < FA_CPU_BN ? k_hi - j0 : FA_CPU_BN;
         if (fa_cpu_mod_blocks_skip(p, &t->mod_at, j0, n))
             continue; /* a block mask skips every key of it for every row */
+        /* Where the mods mask part of the block, the keys each row keeps bound its products as
+         * a causal or window edge does (the mask, which cannot read the scores, taken first). */
+        t->lo = lo_call, t->hi = hi_call;
+        t->mod_at.exact = 0;
+        t->mod_at.j0 = j0;
+        const int64_t kbi = (j0 - k_lo) / FA_CPU_BN;
+        FA_REAL *mlo = cache ? cbounds + 2 * kbi * t->scratch_rows : t->mlo;
+        FA_REAL *mhi = cache ? mlo + t->scratch_rows : t->mhi;
+        if (cache && cstate[kbi]) {
+            if (cstate[kbi] >= 2)
+                t->lo = mlo, t->hi = mhi, t->mod_at.exact = cstate[kbi] == 3;
+        } else if (fa_mod_call_active(&p->mods)) {
+            int state = 1;
+            if (FA_FN(fa_cpu_mod_bounds)(p, t->mod_buf, n, 0, m, &t->mod_at, mlo, mhi,
+                                         t->mcnt) &&
+                FA_FN(fa_edge_narrow)(mlo, mhi, lo_call, hi_call, m, mp, j0)) {
+                t->lo = mlo, t->hi = mhi;
+                /* Rows that keep every key between their bounds need no mask after the
+                 * products: the softmax masks by the bounds. */
+                int exact = 1;
+                for (int64_t i = 0; i < m; i++)
+                    exact &= mhi[i] - mlo[i] == t->mcnt[i];
+                t->mod_at.exact = exact;
+                state = 2 + exact;
+            }
+            if (cache)
+                cstate[kbi] = (unsigned char)state;
+        }
         int64_t c0, c1;
         /* The rows that see none of the block are left alone, which is what computing them fully
          * masked would do (an unchanged maximum, exponentials 0). */
@@ -368,5 +416,7 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
             FA_FN(fa_tile_dropout)(p, t, seq_index, h, r0, c0, c0 + mr, ld, j0, n);
         FA_FN(fa_tile_pv)(t, ld, dvp, c0, mr, j0, n, vp, v_ld);
     }
+    t->lo = lo_call, t->hi = hi_call;
+    t->mod_at.exact = 0;
     FA_FN(fa_tile_store)(p, t->m, t->l, t->o, dvp, seq_index, h, r0, m);
 }

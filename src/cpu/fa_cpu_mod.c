@@ -22,6 +22,20 @@ static int64_t fa_cpu_mod_span(const fa_mod_blocks *blocks, int64_t bm)
     return bm / blocks->q_block + 2;
 }
 
+/* The values the hoisting evaluator keeps for m (fa_cpu_mod_eval.h's slots): one per phase-0
+ * step, a chunk per phase-1 and phase-2 step, FA_CPU_MOD_ROWS chunks per phase-3 buffer. */
+static size_t fa_cpu_mod_eval_reals(const fa_mod *m)
+{
+    const size_t ch = FA_CPU_MOD_CHUNK;
+    if (!m)
+        return 0;
+    return ((size_t)m->n_slots[0] + ch - 1) / ch * ch +
+           (size_t)(m->n_slots[1] + m->n_slots[2]) * ch +
+           (size_t)m->n_slots[3] * FA_CPU_MOD_ROWS * ch;
+}
+
+/* The evaluators' buffers: the backward's (a chunk per buffer of the program that has more),
+ * or the forward's (both programs' slots side by side), whichever is larger. */
 static size_t fa_cpu_mod_bufs_size(const fa_params *p, size_t real_size)
 {
     int bufs = 0;
@@ -29,7 +43,11 @@ static size_t fa_cpu_mod_bufs_size(const fa_params *p, size_t real_size)
         bufs = p->mods.score_mod->n_bufs;
     if (p->mods.mask_mod && p->mods.mask_mod->n_bufs > bufs)
         bufs = p->mods.mask_mod->n_bufs;
-    return ((size_t)bufs * FA_CPU_MOD_CHUNK * real_size + 63) & ~(size_t)63;
+    size_t reals = (size_t)bufs * FA_CPU_MOD_CHUNK;
+    const size_t fwd =
+        fa_cpu_mod_eval_reals(p->mods.score_mod) + fa_cpu_mod_eval_reals(p->mods.mask_mod);
+    reals = fwd > reals ? fwd : reals;
+    return (reals * real_size + 63) & ~(size_t)63;
 }
 
 size_t fa_cpu_mod_scratch_size(const fa_params *p, size_t real_size, int64_t bm)
@@ -45,6 +63,28 @@ size_t fa_cpu_mod_grad_scratch_size(const fa_params *p, size_t real_size, int64_
 {
     return fa_cpu_mod_scratch_size(p, real_size, bm) + fa_cpu_mod_bufs_size(p, real_size) +
            (((size_t)(bm * bn) * real_size + 63) & ~(size_t)63);
+}
+
+size_t fa_cpu_mod_cache_size(const fa_params *p, size_t real_size, int64_t bm)
+{
+    const fa_mod_blocks *blocks = &p->mods.blocks;
+    const fa_mod *mm = p->mods.mask_mod;
+    if (!mm && !blocks->num.data)
+        return 0;
+    if ((mm && mm->reads_h) ||
+        (blocks->num.data && (blocks->num.stride[1] || blocks->idx.stride[1] ||
+                              (blocks->full_num.data &&
+                               (blocks->full_num.stride[1] || blocks->full_idx.stride[1])))))
+        return 0;
+    const size_t nkb = (size_t)((p->max_sk + FA_CPU_BN - 1) / FA_CPU_BN);
+    const size_t n = FA_CPU_MOD_CACHE_HEAD + ((nkb + 63) & ~(size_t)63) +
+                     nkb * 2 * (size_t)bm * real_size;
+    return n <= FA_CPU_MOD_CACHE_MAX ? n : 0;
+}
+
+void fa_cpu_mod_cache_reset(void *cache)
+{
+    ((fa_cpu_mod_cache *)cache)->valid = 0;
 }
 
 void fa_cpu_mod_grad_parts(const fa_params *p, void *scratch, size_t real_size, int64_t bm,

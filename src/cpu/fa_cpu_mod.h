@@ -2,6 +2,9 @@
  * User-defined scoring on the CPU: score_mod and mask_mod (mod/fa_mod.h) evaluated over a tile
  * of scores numexpr-style, FA_CPU_MOD_CHUNK values at a time: each step of the program is one
  * loop over the chunk into a buffer of a per-thread scratch, so no compiler is needed at run time.
+ * The forward runs each step as often as what it reads varies (fa_cpu_mod_eval.h) and takes the
+ * mask before the products to bound each row's keys (fa_cpu_mod_bounds); the backward runs every
+ * step per chunk of scores, with its derivative.
  */
 #ifndef FA_CPU_MOD_H
 #define FA_CPU_MOD_H
@@ -12,6 +15,7 @@
 #include "core/fa_params.h"
 
 #define FA_CPU_MOD_CHUNK 64 /* values per evaluation step */
+#define FA_CPU_MOD_ROWS 8   /* keys per pass of the forward's evaluator (fa_cpu_mod_eval.h) */
 
 /* Where a tile sits: column i of its scores is query q0 + i, row j is key j0 + j. With a block
  * mask, states[(qb - qb0) * nk + kb] is the state (FA_BLOCK_*) of key block kb for the tile's
@@ -20,6 +24,7 @@ typedef struct fa_cpu_mod_at {
     int64_t b, h, q0, j0;
     unsigned char *states;
     int64_t qb0, nqb;
+    int exact; /* the tile's key bounds are exactly what the mask keeps: apply only score_mod */
 } fa_cpu_mod_at;
 
 /* Bytes of scratch one thread needs to evaluate p's mods in real_size precision on tiles of up
@@ -47,6 +52,33 @@ void fa_cpu_mod_apply_f32(const fa_params *p, float *buf, float *st, int64_t ld,
                           int64_t c0, int64_t c1, const fa_cpu_mod_at *at);
 void fa_cpu_mod_apply_f64(const fa_params *p, double *buf, double *st, int64_t ld, int64_t n,
                           int64_t c0, int64_t c1, const fa_cpu_mod_at *at);
+
+/* The keys of [j0, j0 + n) (at->j0 = j0) each query i of [c0, c1) keeps by the mask (mask_mod
+ * and block mask, not score_mod): lo[i] the first, hi[i] one past the last, cnt[i] how many;
+ * lo[i] = inf and hi[i] = -inf where it keeps none. Returns 0 without touching them where the
+ * block mask keeps the whole block or the call has no mask. */
+int fa_cpu_mod_bounds_f32(const fa_params *p, float *buf, int64_t n, int64_t c0, int64_t c1,
+                          const fa_cpu_mod_at *at, float *lo, float *hi, float *cnt);
+int fa_cpu_mod_bounds_f64(const fa_params *p, double *buf, int64_t n, int64_t c0, int64_t c1,
+                          const fa_cpu_mod_at *at, double *lo, double *hi, double *cnt);
+
+/* A thread's cache of the forward's bounds (fa_cpu_mod_bounds, narrowed) for every key block of
+ * its last query tile, which the tiles of the same rows in other heads reuse: bytes for tiles
+ * of bm rows, 0 where the mask depends on the head (mask_mod reads h, or the block mask has
+ * heads of its own), there is no mask, or it would take more than FA_CPU_MOD_CACHE_MAX.
+ * fa_cpu_mod_cache_reset marks it empty. */
+#define FA_CPU_MOD_CACHE_MAX ((size_t)8 << 20)
+size_t fa_cpu_mod_cache_size(const fa_params *p, size_t real_size, int64_t bm);
+void fa_cpu_mod_cache_reset(void *cache);
+
+/* The cache's record: the tile it holds (seq, r0, m, first key) and each key block's state
+ * (0: not yet, 1: not narrowed, 2: narrowed, 3: narrowed and exact), then per block the
+ * narrowed lo and hi ([bm] each, FA_REAL). */
+typedef struct fa_cpu_mod_cache {
+    int64_t seq, r0, m, k_lo;
+    int64_t valid;
+} fa_cpu_mod_cache;
+#define FA_CPU_MOD_CACHE_HEAD 64 /* bytes before the states */
 
 /* fa_cpu_mod_apply for the backward: also multiplies dst[j * ld + i] by score_mod's derivative
  * with respect to the score (dbuf: as many bytes as buf's evaluator part again). */

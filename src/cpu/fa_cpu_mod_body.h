@@ -280,6 +280,8 @@ FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_run_grad)(const fa_mod *m, const fa_te
     return buf + (size_t)m->buf[m->n_steps - 1] * FA_CPU_MOD_CHUNK;
 }
 
+#include "cpu/fa_cpu_mod_eval.h"
+
 #undef FA_MOD_FILL
 #undef FA_MOD_MAP1
 #undef FA_MOD_MAP2
@@ -364,10 +366,193 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
     }
 }
 
+/*
+ * fa_cpu_mod_apply's rule as fa_mod_apply has it, by the hoisting evaluator
+ * (fa_cpu_mod_eval.h): per chunk of keys and chunk of queries, passes of FA_CPU_MOD_ROWS keys
+ * that stay inside one key block of the block mask, so one state per query holds for a pass.
+ */
+FA_CPU_CLONES static void FA_FN(fa_mod_apply_fwd)(const fa_params *p, FA_REAL *buf, FA_REAL *st,
+                                                  int64_t ld, int64_t n, int64_t c0, int64_t c1,
+                                                  const fa_cpu_mod_at *at, FA_REAL *blo,
+                                                  FA_REAL *bhi, FA_REAL *bcnt)
+{
+    const int64_t ch = FA_CPU_MOD_CHUNK;
+    const fa_mod *sm = p->mods.score_mod, *mm = p->mods.mask_mod;
+    const fa_tensor *aux = p->mods.aux;
+    const fa_mod_blocks *blocks = &p->mods.blocks;
+    const fa_cpu_mod_at bare = {.b = at->b, .h = at->h, .q0 = at->q0, .j0 = at->j0};
+    if (at->exact) /* the tile's bounds are the mask: only score_mod is left */
+        mm = NULL, at = &bare;
+    FA_FN(fa_mod_ctx) cs = {0}, cm = {0};
+    FA_REAL *ws = buf;
+    if (sm)
+        ws = FA_FN(fa_mod_ctx_init)(&cs, sm, ws);
+    if (mm)
+        ws = FA_FN(fa_mod_ctx_init)(&cm, mm, ws);
+    cs.b = cm.b = (FA_REAL)at->b;
+    cs.h = cm.h = (FA_REAL)at->h;
+    cs.ld = cm.ld = ld;
+    if (sm && sm->n_slots[0])
+        FA_FN(fa_mod_eval)(sm, aux, 0, &cs, NULL, 0);
+    if (mm && mm->n_slots[0])
+        FA_FN(fa_mod_eval)(mm, aux, 0, &cm, NULL, 0);
+    unsigned char state[FA_CPU_MOD_CHUNK]; /* each query's block state at the pass's kb */
+    for (int64_t kb0 = 0; kb0 < n; kb0 += ch) {
+        const int64_t nn = n - kb0 < ch ? n - kb0 : ch;
+        cs.w = cm.w = nn;
+        cs.lane0 = cm.lane0 = (FA_REAL)(at->j0 + kb0);
+        if (sm && sm->n_slots[FA_MOD_VARY_KV])
+            FA_FN(fa_mod_eval)(sm, aux, FA_MOD_VARY_KV, &cs, NULL, 0);
+        if (mm && mm->n_slots[FA_MOD_VARY_KV])
+            FA_FN(fa_mod_eval)(mm, aux, FA_MOD_VARY_KV, &cm, NULL, 0);
+        for (int64_t i0 = c0; i0 < c1; i0 += ch) {
+            const int64_t w = c1 - i0 < ch ? c1 - i0 : ch;
+            cs.w = cm.w = w;
+            cs.lane0 = cm.lane0 = (FA_REAL)(at->q0 + i0);
+            if (sm && sm->n_slots[FA_MOD_VARY_Q])
+                FA_FN(fa_mod_eval)(sm, aux, FA_MOD_VARY_Q, &cs, NULL, 0);
+            if (mm && mm->n_slots[FA_MOD_VARY_Q])
+                FA_FN(fa_mod_eval)(mm, aux, FA_MOD_VARY_Q, &cm, NULL, 0);
+            int64_t kb_at = -1, g;
+            int all_full = 0, all_skip = 0, consult = 1;
+            for (int64_t jg = kb0; jg < kb0 + nn; jg += g) {
+                g = kb0 + nn - jg < FA_CPU_MOD_ROWS ? kb0 + nn - jg : FA_CPU_MOD_ROWS;
+                if (at->states) {
+                    const int64_t kb = (at->j0 + jg) / blocks->kv_block;
+                    const int64_t left = (kb + 1) * blocks->kv_block - (at->j0 + jg);
+                    g = g < left ? g : left;
+                    if (kb != kb_at) {
+                        kb_at = kb;
+                        int64_t qb = (at->q0 + i0) / blocks->q_block - at->qb0;
+                        int64_t next = (qb + at->qb0 + 1) * blocks->q_block - (at->q0 + i0);
+                        int n_full = 0, n_skip = 0;
+                        for (int64_t k = 0; k < w; k++) {
+                            if (k == next) {
+                                qb++;
+                                next += blocks->q_block;
+                            }
+                            state[k] =
+                                qb < at->nqb ? at->states[qb * blocks->nk + kb] : FA_BLOCK_SKIP;
+                            n_full += state[k] == FA_BLOCK_FULL;
+                            n_skip += state[k] == FA_BLOCK_SKIP;
+                        }
+                        all_full = n_full == w, all_skip = n_skip == w;
+                        consult = n_full + n_skip < w;
+                    }
+                }
+                FA_REAL *rs = st ? st + jg * ld + i0 : NULL; /* the pass's g rows of w scores */
+                const FA_REAL key = (FA_REAL)(at->j0 + jg); /* the pass's first key */
+                if (at->states && all_skip && blo)
+                    continue;
+                if (at->states && all_full && blo) {
+                    for (int64_t k = 0; k < w; k++) {
+                        bcnt[i0 + k] += (FA_REAL)g;
+                        blo[i0 + k] = key < blo[i0 + k] ? key : blo[i0 + k];
+                        bhi[i0 + k] = key + (FA_REAL)g > bhi[i0 + k] ? key + (FA_REAL)g
+                                                                     : bhi[i0 + k];
+                    }
+                    continue;
+                }
+                if (at->states && all_skip) {
+                    for (int64_t jj = 0; jj < g; jj++)
+                        for (int64_t k = 0; k < w; k++)
+                            rs[jj * ld + k] = -(FA_REAL)INFINITY;
+                    continue;
+                }
+                cs.rows = cm.rows = g;
+                cs.jrel = cm.jrel = jg - kb0;
+                cs.score = cm.score = rs;
+                if (sm && !blo) {
+                    const FA_FN(fa_mod_opnd) r =
+                        FA_FN(fa_mod_eval)(sm, aux, FA_MOD_VARY_QKV, &cs, rs, ld);
+                    if (r.p != rs || r.rs != ld) /* a root that is not a phase-3 operation */
+                        for (int64_t jj = 0; jj < g; jj++)
+                            for (int64_t k = 0; k < w; k++)
+                                rs[jj * ld + k] = r.p[jj * r.rs + (r.v ? k : 0)];
+                }
+                if (at->states && all_full)
+                    continue;
+                /* mask_mod is consulted where the block mask leaves it the choice (partial),
+                 * and everywhere without one. */
+                const int have = mm && consult;
+                static const FA_REAL one = 1;
+                FA_FN(fa_mod_opnd) r = {&one, 0, 0};
+                if (have)
+                    r = FA_FN(fa_mod_eval)(mm, aux, FA_MOD_VARY_QKV, &cm, NULL, 0);
+                for (int64_t jj = 0; jj < g && blo; jj++) { /* bounds: the keys kept */
+                    const FA_REAL *rr = r.p + jj * r.rs, kj = key + (FA_REAL)jj, kj1 = kj + 1;
+                    FA_REAL *restrict lo = blo + i0, *restrict hi = bhi + i0, *restrict cnt = bcnt + i0;
+                    const int rk = !have || rr[0] != 0; /* where the root is one per row */
+                    const FA_REAL inf = (FA_REAL)INFINITY;
+#define FA_MOD_BOUND(keep)                                                                       \
+    for (int64_t k = 0; k < w; k++) {                                                            \
+        const int kp_ = (keep);                                                                  \
+        const FA_REAL a_ = kp_ ? kj : inf, b_ = kp_ ? kj1 : -inf;                                \
+        lo[k] = a_ < lo[k] ? a_ : lo[k];                                                         \
+        cnt[k] += kp_ ? (FA_REAL)1 : (FA_REAL)0;                                                 \
+        hi[k] = b_ > hi[k] ? b_ : hi[k];                                                         \
+    }
+                    if (at->states && have && r.v)
+                        FA_MOD_BOUND((state[k] == FA_BLOCK_FULL) |
+                                     ((state[k] == FA_BLOCK_PARTIAL) & (rr[k] != 0)))
+                    else if (at->states)
+                        FA_MOD_BOUND((state[k] == FA_BLOCK_FULL) |
+                                     ((state[k] == FA_BLOCK_PARTIAL) & rk))
+                    else if (have && r.v)
+                        FA_MOD_BOUND(rr[k] != 0)
+                    else if (rk)
+                        FA_MOD_BOUND(1)
+#undef FA_MOD_BOUND
+                }
+                for (int64_t jj = 0; jj < g && !blo; jj++) {
+                    FA_REAL *row = rs + jj * ld;
+                    const FA_REAL *rr = r.p + jj * r.rs;
+                    if (at->states && have && r.v) {
+                        for (int64_t k = 0; k < w; k++) {
+                            const int keep = state[k] == FA_BLOCK_FULL ||
+                                             (state[k] == FA_BLOCK_PARTIAL && rr[k] != 0);
+                            row[k] = keep ? row[k] : -(FA_REAL)INFINITY;
+                        }
+                    } else if (at->states) {
+                        const int rk = !have || rr[0] != 0;
+                        for (int64_t k = 0; k < w; k++) {
+                            const int keep = state[k] == FA_BLOCK_FULL ||
+                                             (state[k] == FA_BLOCK_PARTIAL && rk);
+                            row[k] = keep ? row[k] : -(FA_REAL)INFINITY;
+                        }
+                    } else if (have && r.v) {
+                        for (int64_t k = 0; k < w; k++)
+                            row[k] = rr[k] != 0 ? row[k] : -(FA_REAL)INFINITY;
+                    } else if (have && rr[0] == 0) {
+                        for (int64_t k = 0; k < w; k++)
+                            row[k] = -(FA_REAL)INFINITY;
+                    }
+                }
+            }
+        }
+    }
+}
+
 void FA_FN(fa_cpu_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st, int64_t ld,
                              int64_t n, int64_t c0, int64_t c1, const fa_cpu_mod_at *at)
 {
-    FA_FN(fa_mod_apply)(p, buf, st, ld, n, c0, c1, at, NULL, NULL);
+    FA_FN(fa_mod_apply_fwd)(p, buf, st, ld, n, c0, c1, at, NULL, NULL, NULL);
+}
+
+int FA_FN(fa_cpu_mod_bounds)(const fa_params *p, FA_REAL *buf, int64_t n, int64_t c0, int64_t c1,
+                             const fa_cpu_mod_at *at, FA_REAL *lo, FA_REAL *hi, FA_REAL *cnt)
+{
+    if (!p->mods.mask_mod && !at->states)
+        return 0;
+    if (at->states && fa_cpu_mod_blocks_all(p, at, at->j0, n, FA_BLOCK_FULL))
+        return 0;
+    for (int64_t i = c0; i < c1; i++) {
+        lo[i] = (FA_REAL)INFINITY;
+        hi[i] = -(FA_REAL)INFINITY;
+        cnt[i] = 0;
+    }
+    FA_FN(fa_mod_apply_fwd)(p, buf, NULL, 0, n, c0, c1, at, lo, hi, cnt);
+    return 1;
 }
 
 void FA_FN(fa_cpu_mod_apply_grad)(const fa_params *p, FA_REAL *buf, FA_REAL *dbuf, FA_REAL *st,

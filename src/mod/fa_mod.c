@@ -260,31 +260,6 @@ static void fa_mod_walk(fa_mod *m, int id, int *step_of)
     m->steps[m->n_steps++] = s;
 }
 
-/* Buffers: a step's operands are released before its result takes one, so an elementwise step
- * may write over an operand it is the last reader of. */
-static void fa_mod_assign_buffers(fa_mod *m)
-{
-    int last[FA_MOD_MAX_NODES], free_list[FA_MOD_MAX_NODES], n_free = 0;
-    for (int i = 0; i < m->n_steps; i++)
-        last[i] = i;
-    for (int i = 0; i < m->n_steps; i++)
-        for (int a = 0; a < m->steps[i].n_args; a++)
-            last[m->steps[i].args[a]] = i;
-    m->n_bufs = 0;
-    for (int i = 0; i < m->n_steps; i++) {
-        const fa_mod_node *s = &m->steps[i];
-        for (int a = 0; a < s->n_args; a++) {
-            const int x = s->args[a];
-            int seen = 0; /* an operand read twice by this step is freed once */
-            for (int b = 0; b < a; b++)
-                seen |= s->args[b] == x;
-            if (last[x] == i && !seen)
-                free_list[n_free++] = m->buf[x];
-        }
-        m->buf[i] = n_free ? free_list[--n_free] : m->n_bufs++;
-    }
-}
-
 /* Appends the canonical text of the finished program to a new string. */
 static fa_status fa_mod_make_text(fa_mod *m)
 {
@@ -344,7 +319,7 @@ FA_API fa_status fa_mod_finish(fa_mod *m, int root, fa_mod_kind kind)
         if (s->op == FA_MOD_OP_AUX)
             m->aux_ndim[s->what] = s->n_args;
     }
-    fa_mod_assign_buffers(m);
+    fa_mod_layout(m);
     m->kind = kind;
     fa_status st = fa_mod_make_text(m);
     if (st == FA_STATUS_OK)

@@ -11,6 +11,10 @@
 /* The type of a node's value. Booleans are evaluated as 0 / 1 numbers. */
 enum { FA_MOD_NUM = 0, FA_MOD_BOOL = 1 };
 
+/* Which indices a step's value varies with (fa_mod.vary): b and h are fixed within a call's
+ * tile, so a step that reads neither q_idx, kv_idx nor score is one number for the tile. */
+enum { FA_MOD_VARY_Q = 1, FA_MOD_VARY_KV = 2, FA_MOD_VARY_QKV = 3 };
+
 /* Operations past the public fa_mod_op codes. */
 enum {
     FA_MOD_OP_VAR = 64, /* what: an fa_mod_variable */
@@ -41,8 +45,20 @@ struct fa_mod {
     int buf[FA_MOD_MAX_NODES];
     int n_steps, n_bufs;
     int aux_ndim[FA_MOD_AUX_SLOTS]; /* indices the program reads slot i with; 0: unread */
+    /* For evaluators that hoist what does not vary (the CPU's, cpu/fa_cpu_mod_eval.h): vary[i]
+     * is step i's FA_MOD_VARY_* bits (score varies with both), slot[i] its place among the
+     * steps of its vary (class): class 0, Q and KV steps each have their own slot, the QKV
+     * steps share n_slots[FA_MOD_VARY_QKV] buffers as buf does (reused after their last
+     * reader among the QKV steps). */
+    unsigned char vary[FA_MOD_MAX_NODES];
+    int slot[FA_MOD_MAX_NODES];
+    int n_slots[4];
+    int reads_h; /* whether a step reads h (else the values are the same for every head) */
     char *text;                     /* canonical text */
     char *cuda; /* the program as a CUDA C device function (fa_mod_emit_cuda) */
 };
+
+/* Fills buf, n_bufs, vary, slot, n_slots and reads_h of m, whose steps are set (fa_mod_layout.c). */
+void fa_mod_layout(fa_mod *m);
 
 #endif /* FA_MOD_PROGRAM_H */

@@ -16,7 +16,7 @@
 #include "test_util.h"
 
 #define MAXB 4
-#define RELR 5 /* relative-position table covers offsets -RELR .. RELR */
+#define RELR 160 /* the relative-position table covers offsets -relr .. relr, relr <= RELR */
 
 enum kind {
     K_CAUSAL,   /* mask: kv_idx <= q_idx + off[b]                 = causal */
@@ -26,21 +26,22 @@ enum kind {
     K_DILATED,  /* mask: kv_idx mod 2 == 0 and (kv_idx - q_idx) mod 3 != 1 */
     K_SOFTCAP,  /* score: cap * tanh(score / cap)                 = softcap */
     K_ALIBI,    /* score: score - slope[h] * |q_idx + off - kv_idx| = alibi_slopes */
-    K_RELBIAS,  /* score: score + bias[h, kv_idx - q_idx + RELR] (index clamped) */
+    K_RELBIAS,  /* score: score + bias[h, rsign (kv_idx - q_idx) + relr] (index clamped) */
     K_COMBO,    /* softcap and ALiBi built in, then score: score / 2 + (q_idx > kv_idx) */
     K_EMPTY,    /* mask: q_idx mod 2 == 1 (even rows see nothing) */
+    K_HEADWIN,  /* mask: causal, and a window of 7 (h + 1) keys: each head its own */
     K_COUNT,
 };
 static const char *const kind_names[K_COUNT] = {"causal", "window", "document", "prefix",
                                                 "dilated", "softcap", "alibi", "relbias",
-                                                "combo", "empty"};
+                                                "combo", "empty", "head window"};
 
 /* One problem: shapes, per-sequence lengths, and the kind's parameters and aux data. */
 typedef struct mcase {
     fa_dtype dt;
     int varlen, kind;
     int64_t b, h, hk, d, dv, sq[MAXB], sk[MAXB], max_sq, max_sk, tq, tk;
-    int wl, wr;
+    int wl, wr, relr, rsign; /* relr 5 clamps most offsets, 160 none */
     double cap;
     int32_t off[MAXB], prefix[MAXB], doc[MAXB][160];
     float slopes[16], bias[16][2 * RELR + 1];
@@ -48,7 +49,7 @@ typedef struct mcase {
 
 /* ---- the oracle's rules, in plain C --------------------------------------------------------- */
 
-static int oracle_visible(const mcase *c, int64_t bi, int64_t i, int64_t j)
+static int oracle_visible(const mcase *c, int64_t bi, int64_t hh, int64_t i, int64_t j)
 {
     const int64_t off = c->off[bi];
     switch (c->kind) {
@@ -64,6 +65,8 @@ static int oracle_visible(const mcase *c, int64_t bi, int64_t i, int64_t j)
         return j % 2 == 0 && ((j - i) % 3 + 3) % 3 != 1;
     case K_EMPTY:
         return i % 2 == 1;
+    case K_HEADWIN:
+        return j <= i + c->off[bi] && j >= i + c->off[bi] - 7 * (hh + 1);
     default:
         return 1;
     }
@@ -78,8 +81,8 @@ static double oracle_score(const mcase *c, int64_t bi, int64_t hh, int64_t i, in
     case K_ALIBI:
         return s - c->slopes[hh] * fabs((double)(i + off - j));
     case K_RELBIAS: {
-        int64_t x = j - i + RELR;
-        x = x < 0 ? 0 : x > 2 * RELR ? 2 * RELR : x;
+        int64_t x = c->rsign * (j - i) + c->relr;
+        x = x < 0 ? 0 : x > 2 * c->relr ? 2 * c->relr : x;
         return s + c->bias[hh][x];
     }
     case K_COMBO:
@@ -109,7 +112,7 @@ static void oracle(const mcase *c, const fa_fwd_args *a, double *out, double *ls
                         dot += fa_ref_load(a->q, c->varlen ? qv : qi) *
                                fa_ref_load(a->k, c->varlen ? kv : ki);
                     }
-                    s[j] = oracle_visible(c, bi, i, j) ? oracle_score(c, bi, hh, i, j, dot * scale)
+                    s[j] = oracle_visible(c, bi, hh, i, j) ? oracle_score(c, bi, hh, i, j, dot * scale)
                                                        : -INFINITY;
                     mx = s[j] > mx ? s[j] : mx;
                 }
@@ -144,7 +147,7 @@ static void oracle(const mcase *c, const fa_fwd_args *a, double *out, double *ls
 
 
 /* aux slots: 0 int32 off[b] or prefix[b]; 1 int32 doc[b, s]; 2 fp32 slopes[h];
- * 3 fp32 bias[h, 2 RELR + 1]. */
+ * 3 fp32 bias[h, 2 relr + 1] (rows 2 RELR + 1 apart). */
 static fa_mod *build(const mcase *c, int *is_mask)
 {
     fa_mod *m = fa_mod_create();
@@ -176,6 +179,10 @@ static fa_mod *build(const mcase *c, int *is_mask)
     case K_EMPTY:
         root = B(EQ, B(MOD, V(Q_IDX), C(2)), C(1));
         break;
+    case K_HEADWIN:
+        root = B(AND, B(LE, V(KV_IDX), qo),
+                 B(GE, V(KV_IDX), B(SUB, qo, B(MUL, C(7), B(ADD, V(H), C(1))))));
+        break;
     default: {
         *is_mask = 0;
         const int hvar = V(H), s = V(SCORE);
@@ -185,7 +192,8 @@ static fa_mod *build(const mcase *c, int *is_mask)
         } else if (c->kind == K_ALIBI) {
             root = B(SUB, s, B(MUL, slope, U(ABS, B(SUB, qo, V(KV_IDX)))));
         } else if (c->kind == K_RELBIAS) {
-            const int ix[2] = {hvar, B(ADD, B(SUB, V(KV_IDX), V(Q_IDX)), C(RELR))};
+            const int rel = c->rsign > 0 ? B(SUB, V(KV_IDX), V(Q_IDX)) : B(SUB, V(Q_IDX), V(KV_IDX));
+            const int ix[2] = {hvar, B(ADD, rel, C(c->relr))};
             root = B(ADD, s, fa_mod_aux(m, 3, 2, ix));
         } else {
             root = B(ADD, B(MUL, s, C(0.5)),
@@ -302,7 +310,7 @@ static void run_case(mcase *c, tu_rng *r, int use_parsed)
     tu_fill_uniform(&k, r, -1.5, 1.5);
     tu_fill_uniform(&v, r, -1, 1);
     int64_t nb[1] = {c->b}, nb1[1] = {c->b + 1}, nh[1] = {c->h}, dshape[2] = {c->b, 160};
-    int64_t bshape[2] = {c->h, 2 * RELR + 1}, bstride[2] = {2 * RELR + 1, 1};
+    int64_t bshape[2] = {c->h, 2 * c->relr + 1}, bstride[2] = {2 * RELR + 1, 1};
     fa_tensor tcuq = fa_tensor_make(cuq, FA_DTYPE_I32, 1, nb1, NULL);
     fa_tensor tcuk = fa_tensor_make(cuk, FA_DTYPE_I32, 1, nb1, NULL);
     fa_tensor aux0 = fa_tensor_make(c->off, FA_DTYPE_I32, 1, nb, NULL);
@@ -432,6 +440,8 @@ void tm_test_forward(tu_rng *r)
                 c.wl = (int)tu_rng_int(r, 0, 40);
                 c.wr = (int)tu_rng_int(r, 0, 40);
                 c.cap = tu_rng_uniform(r, 1.0, 8.0);
+                c.relr = tu_rng_chance(r, 0.5) ? 5 : RELR;
+                c.rsign = tu_rng_chance(r, 0.5) ? 1 : -1;
                 const int same = kind == K_DOCUMENT || kind == K_PREFIX;
                 for (int64_t i = 0; i < c.b; i++) {
                     /* Few rows now and then: mods never take the decode schedule. */
