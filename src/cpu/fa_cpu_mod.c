@@ -34,19 +34,12 @@ static size_t fa_cpu_mod_eval_reals(const fa_mod *m)
            (size_t)m->n_slots[3] * FA_CPU_MOD_ROWS * ch;
 }
 
-/* The evaluators' buffers: the backward's (a chunk per buffer of the program that has more),
- * or the forward's (both programs' slots side by side), whichever is larger. */
+/* The evaluator's buffers: both programs' slots side by side (fa_cpu_mod_eval.h). The
+ * backward's derivatives take as many again (fa_cpu_mod_grad_parts). */
 static size_t fa_cpu_mod_bufs_size(const fa_params *p, size_t real_size)
 {
-    int bufs = 0;
-    if (p->mods.score_mod)
-        bufs = p->mods.score_mod->n_bufs;
-    if (p->mods.mask_mod && p->mods.mask_mod->n_bufs > bufs)
-        bufs = p->mods.mask_mod->n_bufs;
-    size_t reals = (size_t)bufs * FA_CPU_MOD_CHUNK;
-    const size_t fwd =
+    const size_t reals =
         fa_cpu_mod_eval_reals(p->mods.score_mod) + fa_cpu_mod_eval_reals(p->mods.mask_mod);
-    reals = fwd > reals ? fwd : reals;
     return (reals * real_size + 63) & ~(size_t)63;
 }
 

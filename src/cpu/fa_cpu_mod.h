@@ -2,9 +2,9 @@
  * User-defined scoring on the CPU: score_mod and mask_mod (mod/fa_mod.h) evaluated over a tile
  * of scores numexpr-style, FA_CPU_MOD_CHUNK values at a time: each step of the program is one
  * loop over the chunk into a buffer of a per-thread scratch, so no compiler is needed at run time.
- * The forward runs each step as often as what it reads varies (fa_cpu_mod_eval.h) and takes the
- * mask before the products to bound each row's keys (fa_cpu_mod_bounds); the backward runs every
- * step per chunk of scores, with its derivative.
+ * Each step runs as often as what it reads varies (fa_cpu_mod_eval.h); the forward takes the
+ * mask before the products to bound each row's keys (fa_cpu_mod_bounds), the backward takes
+ * score_mod's derivative beside its values.
  */
 #ifndef FA_CPU_MOD_H
 #define FA_CPU_MOD_H
@@ -81,7 +81,7 @@ typedef struct fa_cpu_mod_cache {
 #define FA_CPU_MOD_CACHE_HEAD 64 /* bytes before the states */
 
 /* fa_cpu_mod_apply for the backward: also multiplies dst[j * ld + i] by score_mod's derivative
- * with respect to the score (dbuf: as many bytes as buf's evaluator part again). */
+ * with respect to the score (dbuf: from fa_cpu_mod_grad_parts). */
 void fa_cpu_mod_apply_grad_f32(const fa_params *p, float *buf, float *dbuf, float *st, float *dst,
                                int64_t ld, int64_t n, int64_t c0, int64_t c1,
                                const fa_cpu_mod_at *at);

@@ -7,7 +7,9 @@
  *   phase 1: steps of q_idx alone, once per chunk of up to FA_CPU_MOD_CHUNK queries;
  *   phase 2: steps of kv_idx alone, once per chunk of keys, the keys as the lanes;
  *   phase 3: the rest, over FA_CPU_MOD_ROWS keys by the query chunk at a time, reading the
- *            hoisted values as a number per tile (phase 0), per lane (1) or per row (2).
+ *            hoisted values as a number per tile (phase 0), per lane (1) or per row (2);
+ *            for the backward also each step's derivative with respect to score (the rules
+ *            of mod/fa_mod_grad.h), the steps of phases 0-2 having none.
  * An operand is a pointer, its stride between rows and whether it varies along the lanes, so each
  * operation has one loop per such combination, each of which vectorises.
  */
@@ -22,6 +24,7 @@ typedef struct FA_FN(fa_mod_opnd) {
 /* A program's slots in the thread's scratch, and where the current pass is. */
 typedef struct FA_FN(fa_mod_ctx) {
     FA_REAL *sc, *vq, *vk, *vt; /* phase 0, 1, 2 values by slot; phase 3 buffers */
+    FA_REAL *dvt;               /* phase 3 derivatives, laid out as vt; NULL: not taken */
     const FA_REAL *score;       /* phase 3: S^T at the pass's first key and query */
     int64_t ld;                 /* of score */
     int64_t jrel;               /* phase 3: the pass's first key among phase 2's lanes */
@@ -65,6 +68,20 @@ FA_CPU_INLINE FA_FN(fa_mod_opnd) FA_FN(fa_mod_desc)(const fa_mod *m, int s, int 
             return (FA_FN(fa_mod_opnd)){c->score, c->ld, 1};
         return (FA_FN(fa_mod_opnd)){c->vt + slot * FA_CPU_MOD_ROWS * ch, ch, 1};
     }
+}
+
+/* Step s's derivative with respect to score as an operand of a phase-3 step: 0 where s does
+ * not vary with score (phases 0-2), 1 for score itself, else its slot of dvt. */
+FA_CPU_INLINE FA_FN(fa_mod_opnd) FA_FN(fa_mod_ddesc)(const fa_mod *m, int s,
+                                                     const FA_FN(fa_mod_ctx) * c)
+{
+    static const FA_REAL zero = 0, one = 1;
+    if (m->vary[s] != FA_MOD_VARY_QKV)
+        return (FA_FN(fa_mod_opnd)){&zero, 0, 0};
+    if (m->steps[s].op == FA_MOD_OP_VAR) /* the one phase-3 variable */
+        return (FA_FN(fa_mod_opnd)){&one, 0, 0};
+    return (FA_FN(fa_mod_opnd)){c->dvt + m->slot[s] * FA_CPU_MOD_ROWS * FA_CPU_MOD_CHUNK,
+                                FA_CPU_MOD_CHUNK, 1};
 }
 
 /* No dependence between a loop's iterations: an output is read (as an operand) at most at the
@@ -325,10 +342,75 @@ FA_CPU_INLINE void FA_FN(fa_mod_e_step)(const fa_mod_node *n, FA_REAL *o_, int64
     }
 }
 
+/* Row jj of operand a as w lanes: a's own where it varies along them, else its one value
+ * repeated into tmp. */
+FA_CPU_INLINE const FA_REAL *FA_FN(fa_mod_lanes)(FA_FN(fa_mod_opnd) a, int64_t jj, int64_t w,
+                                                 FA_REAL *tmp)
+{
+    if (a.v)
+        return a.p + jj * a.rs;
+    const FA_REAL r = a.p[jj * a.rs];
+    for (int64_t k = 0; k < w; k++)
+        tmp[k] = r;
+    return tmp;
+}
+
+#define FA_MOD_D_EXP(v) FA_MOD_EXPV(v)
+#define FA_MOD_D_LOG(v) FA_M(log)(v)
+#define FA_MOD_D_TANH(v) FA_MOD_TANHV(v)
+#define FA_MOD_D_SQRT(v) FA_M(sqrt)(v)
+#define FA_MOD_D_FLOOR(v) FA_M(floor)(v)
+#define FA_MOD_D_POW(v, e) FA_M(pow)(v, e)
+#define FA_MOD_D_SQ(v) FA_FN(fa_mod_sq)(v)
+
+/* One rule of mod/fa_mod_grad.h as a loop over a row; what it does not read the compiler drops. */
+#define FA_MOD_GRAD_LOOP(op_code, expr)                                                          \
+    case op_code:                                                                                \
+        FA_MOD_IVDEP for (int64_t k = 0; k < w; k++) {                                           \
+            const FA_REAL x = x_[k], y = y_[k], dx = dx_[k], dy = dy_[k], dz = dz_[k];           \
+            (void)x, (void)y, (void)dx, (void)dy, (void)dz;                                      \
+            d[k] = (expr);                                                                       \
+        }                                                                                        \
+        break;
+
+/* The derivative of phase-3 step n into d_ (rows ch apart), from its operands' values A and
+ * derivatives D, before the step's values overwrite any of them. Operations without a rule
+ * (booleans, floor, aux reads) have derivative 0. */
+FA_CPU_INLINE void FA_FN(fa_mod_e_dstep)(const fa_mod_node *n, FA_REAL *d_,
+                                         const FA_FN(fa_mod_opnd) * A,
+                                         const FA_FN(fa_mod_opnd) * D, int64_t rows, int64_t w)
+{
+    FA_REAL tmp[5][FA_CPU_MOD_CHUNK];
+    for (int64_t jj = 0; jj < rows; jj++) {
+        FA_REAL *d = d_ + jj * FA_CPU_MOD_CHUNK;
+        const FA_REAL *x_ = FA_FN(fa_mod_lanes)(A[0], jj, w, tmp[0]);
+        const FA_REAL *y_ = FA_FN(fa_mod_lanes)(A[1], jj, w, tmp[1]);
+        const FA_REAL *dx_ = FA_FN(fa_mod_lanes)(D[0], jj, w, tmp[2]);
+        const FA_REAL *dy_ = FA_FN(fa_mod_lanes)(D[1], jj, w, tmp[3]);
+        const FA_REAL *dz_ = FA_FN(fa_mod_lanes)(D[2], jj, w, tmp[4]);
+        switch (n->op) {
+            FA_MOD_GRAD_RULES(FA_MOD_GRAD_LOOP)
+        default:
+            for (int64_t k = 0; k < w; k++)
+                d[k] = 0;
+        }
+    }
+}
+
+#undef FA_MOD_GRAD_LOOP
+#undef FA_MOD_D_EXP
+#undef FA_MOD_D_LOG
+#undef FA_MOD_D_TANH
+#undef FA_MOD_D_SQRT
+#undef FA_MOD_D_FLOOR
+#undef FA_MOD_D_POW
+#undef FA_MOD_D_SQ
+
 /*
  * Runs the steps of m that belong to `phase` (score itself is read, never run) with ctx's pass.
  * Phase 3 writes its root into root_out (rows ld apart) when root_out is given and the root is
- * a phase-3 operation; returns the root's values as an operand of phase 3 either way.
+ * a phase-3 operation; returns the root's values as an operand of phase 3 either way. With
+ * c->dvt, phase 3 also leaves each step's derivative there (fa_mod_ddesc reads them).
  */
 FA_CPU_CLONES static FA_FN(fa_mod_opnd)
     FA_FN(fa_mod_eval)(const fa_mod *m, const fa_tensor *aux, int phase,
@@ -347,6 +429,14 @@ FA_CPU_CLONES static FA_FN(fa_mod_opnd)
         for (int a = 0; a < FA_MOD_MAX_ARGS; a++)
             A[a] = a < n->n_args ? FA_FN(fa_mod_desc)(m, n->args[a], phase, c)
                                  : (FA_FN(fa_mod_opnd)){c->sc, 0, 0};
+        if (phase == FA_MOD_VARY_QKV && c->dvt) {
+            static const FA_REAL zero = 0;
+            FA_FN(fa_mod_opnd) D[FA_MOD_MAX_ARGS];
+            for (int a = 0; a < FA_MOD_MAX_ARGS; a++)
+                D[a] = a < n->n_args ? FA_FN(fa_mod_ddesc)(m, n->args[a], c)
+                                     : (FA_FN(fa_mod_opnd)){&zero, 0, 0};
+            FA_FN(fa_mod_e_dstep)(n, c->dvt + m->slot[s] * FA_CPU_MOD_ROWS * ch, A, D, rows, w);
+        }
         FA_REAL *o;
         int64_t ors = 0;
         switch (phase) {

@@ -1,36 +1,12 @@
 /*
- * The evaluation layout of a finished program (fa_mod_program.h): the buffers the steps write
- * (buf, n_bufs) and what each step varies with (vary, slot, n_slots, reads_h).
+ * The evaluation layout of a finished program (fa_mod_program.h): what each step varies with
+ * and the buffer it writes (vary, slot, n_slots, reads_h).
  */
 #include "mod/fa_mod_program.h"
 
-/* Buffers: a step's operands are released before its result takes one, so an elementwise step
- * may write over an operand it is the last reader of. */
-static void fa_mod_assign_buffers(fa_mod *m)
-{
-    int last[FA_MOD_MAX_NODES], free_list[FA_MOD_MAX_NODES], n_free = 0;
-    for (int i = 0; i < m->n_steps; i++)
-        last[i] = i;
-    for (int i = 0; i < m->n_steps; i++)
-        for (int a = 0; a < m->steps[i].n_args; a++)
-            last[m->steps[i].args[a]] = i;
-    m->n_bufs = 0;
-    for (int i = 0; i < m->n_steps; i++) {
-        const fa_mod_node *s = &m->steps[i];
-        for (int a = 0; a < s->n_args; a++) {
-            const int x = s->args[a];
-            int seen = 0; /* an operand read twice by this step is freed once */
-            for (int b = 0; b < a; b++)
-                seen |= s->args[b] == x;
-            if (last[x] == i && !seen)
-                free_list[n_free++] = m->buf[x];
-        }
-        m->buf[i] = n_free ? free_list[--n_free] : m->n_bufs++;
-    }
-}
-
-/* vary, slot and n_slots (fa_mod_program.h): a step varies with what its operands vary with;
- * QKV steps take buffers as fa_mod_assign_buffers does, counting only QKV readers. */
+/* vary, slot and n_slots (fa_mod_program.h): a step varies with what its operands vary with.
+ * QKV steps share buffers: a step's operands are released before its result takes one, so an
+ * elementwise step may write over an operand it is the last (QKV) reader of. */
 static void fa_mod_classify(fa_mod *m)
 {
     int last[FA_MOD_MAX_NODES], free_list[FA_MOD_MAX_NODES], n_free = 0;
@@ -74,6 +50,5 @@ static void fa_mod_classify(fa_mod *m)
 
 void fa_mod_layout(fa_mod *m)
 {
-    fa_mod_assign_buffers(m);
     fa_mod_classify(m);
 }

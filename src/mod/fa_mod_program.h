@@ -39,17 +39,15 @@ struct fa_mod {
     int n;
     fa_mod_kind kind; /* 0 until finished */
     /* Finished: the nodes the root reaches, operands before their users, the root last; their
-     * args renumbered to steps. Step i writes its values into evaluation buffer buf[i], of
-     * n_bufs (a buffer is reused once every reader of its value has run). */
+     * args renumbered to steps. */
     fa_mod_node steps[FA_MOD_MAX_NODES];
-    int buf[FA_MOD_MAX_NODES];
-    int n_steps, n_bufs;
+    int n_steps;
     int aux_ndim[FA_MOD_AUX_SLOTS]; /* indices the program reads slot i with; 0: unread */
     /* For evaluators that hoist what does not vary (the CPU's, cpu/fa_cpu_mod_eval.h): vary[i]
      * is step i's FA_MOD_VARY_* bits (score varies with both), slot[i] its place among the
      * steps of its vary (class): class 0, Q and KV steps each have their own slot, the QKV
-     * steps share n_slots[FA_MOD_VARY_QKV] buffers as buf does (reused after their last
-     * reader among the QKV steps). */
+     * steps share n_slots[FA_MOD_VARY_QKV] buffers (one is reused after its value's last
+     * reader has run). */
     unsigned char vary[FA_MOD_MAX_NODES];
     int slot[FA_MOD_MAX_NODES];
     int n_slots[4];
@@ -58,7 +56,7 @@ struct fa_mod {
     char *cuda; /* the program as a CUDA C device function (fa_mod_emit_cuda) */
 };
 
-/* Fills buf, n_bufs, vary, slot, n_slots and reads_h of m, whose steps are set (fa_mod_layout.c). */
+/* Fills vary, slot, n_slots and reads_h of m, whose steps are set (fa_mod_layout.c). */
 void fa_mod_layout(fa_mod *m);
 
 #endif /* FA_MOD_PROGRAM_H */
