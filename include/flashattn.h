@@ -112,9 +112,8 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  *
  * In fa_attention_forward (CPU and CUDA: fp16 and bf16 through the sm80 family's kernels, on
  * sm_90 too, compiled at first use with the programs' text in the kernel cache's key) and
- * fa_attention_backward (CPU; on CUDA refused, naming the mod, unless the environment sets
- * FLASHATTN_CUDA_MOD_BACKWARD=1, until its GPU tests have passed: the sm80 family's backward on
- * every arch, the programs compiled in likewise; with a block mask, the states of a CTA's key blocks over every
+ * fa_attention_backward (CPU, and CUDA through the sm80 family's backward on every arch, the
+ * programs compiled in likewise; with a block mask, the states of a CTA's key blocks over every
  * query block take shared memory beside its tiles, ((bn - 1) / kv_block + 2) * ceil(sq /
  * q_block) bytes per query head, or for all heads when the mask's index tensors share them,
  * with bn the plan's keys per CTA (32 to 128); a mask that does not fit is refused):

@@ -7,8 +7,8 @@ and the CUDA forward compiles them into its kernels. The block mask has FlexAtte
 computed from the traced mask on the host (moved to the call's device); the forward takes it
 as the library's fa_block_mask, skipping the blocks it skips and evaluating mask_mod only in
 its partial blocks (full ones keep every key), as FlexAttention's kernels do. Gradients to
-query, key and value (the library's backward: on the CPU; on CUDA with
-FLASHATTN_CUDA_MOD_BACKWARD=1 until validated); none to captured tensors.
+query, key and value (the library's backward, on the CPU or on CUDA with the mods compiled into
+its kernels); none to captured tensors.
 """
 
 import ctypes
@@ -318,7 +318,7 @@ def _swap(x, kind):
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
                    enable_gqa=False, return_lse=False, kernel_options=None):
-    """torch.nn.attention.flex_attention on the library's forward (and CPU backward).
+    """torch.nn.attention.flex_attention on the library's forward and backward.
 
     query [b, hq, sq, d], key [b, hkv, sk, d], value [b, hkv, sk, dv]: torch CPU tensors or
     NumPy arrays, fp32, bf16, fp16 or fp64; or torch CUDA tensors, fp16 or bf16 (the CUDA
@@ -327,8 +327,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     row that sees no key, whose out is 0). score_mod(score, b, h, q_idx, kv_idx) maps the scaled
     score; block_mask (from create_block_mask) selects keys by its mask_mod. scale defaults to
     1 / sqrt(d); enable_gqa lets hq be a multiple of hkv. Gradients flow to query, key and value
-    (torch inputs; the library's backward: CPU, or CUDA with FLASHATTN_CUDA_MOD_BACKWARD=1 until
-    validated), not to the tensors a mod captures
+    (torch inputs; the library's backward on the inputs' device), not to the tensors a mod
+    captures
     (refused when they require grad); without mods it runs flash_attn_func, with autograd.
     """
     if kernel_options is not None:
@@ -430,7 +430,7 @@ class _FlexCall:
                       for x in (query, key, value))
         args, keep, names = self._args(query, key, value, out, lse)
         bwd = _lib.new_bwd_args()
-        grads = [make_tensor(_swap(prepare(x, n, TORCH), TORCH), n, TORCH)
+        grads = [make_tensor(_swap(prepare(x, n, TORCH, cuda=True), TORCH), n, TORCH)
                  for x, n in ((dout, "dout"), (dq, "dq"), (dk, "dk"), (dv, "dv"))]
         keep.append(grads)
         bwd.fwd = ctypes.pointer(args)

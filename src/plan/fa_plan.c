@@ -426,15 +426,6 @@ static int fa_plan_bwd_sm90_enabled(void)
     return !env || strcmp(env, "0") != 0;
 }
 
-/* The wide sm90 backward (fa_bwd_sm90_wide.cu) is compiled and has GPU tests
- * (tests/gpu/test_gpu_backward.c) that have not yet run on a GPU: the sm80 family keeps those
- * head dims unless FLASHATTN_BWD_SM90_WIDE=1. */
-static int fa_plan_bwd_sm90_wide_enabled(void)
-{
-    const char *env = getenv("FLASHATTN_BWD_SM90_WIDE");
-    return env && strcmp(env, "1") == 0;
-}
-
 /* The wide sm90 backward (kernels/fa_bwd_sm90_wide.cu): 64 x 64 tiles, three query stages where
  * they fit the 227 KB (up to d + dv = 384), else two (230472 bytes at d = dv = 256). */
 static void fa_plan_backward_sm90_wide(const fa_plan_key *key, fa_plan *plan)
@@ -465,8 +456,6 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     plan->nwarps = 12;
     plan->threads = 384;
     if (key->d != key->dv || key->d > 128) {
-        if (!fa_plan_bwd_sm90_wide_enabled())
-            return FA_STATUS_UNSUPPORTED;
         fa_plan_backward_sm90_wide(key, plan);
     } else {
         plan->family = "fa_bwd_sm90.cu";
@@ -490,15 +479,6 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     return FA_STATUS_OK;
 }
 
-/* The CUDA backward with user-defined scoring (fa_bwd_mod.cuh in the sm80 family) is compiled and
- * tested against the CPU in tests/gpu/test_gpu_mod.c, but has not yet passed those tests on a GPU:
- * refused unless FLASHATTN_CUDA_MOD_BACKWARD=1. */
-static int fa_plan_mod_backward_enabled(void)
-{
-    const char *env = getenv("FLASHATTN_CUDA_MOD_BACKWARD");
-    return env && strcmp(env, "1") == 0;
-}
-
 fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
@@ -513,13 +493,6 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     /* User-defined scoring: the sm80 family on every arch, as in the forward (its hooks are
      * in fa_bwd_sm80.cu only). */
     const int mods = (key->features & FA_PLAN_MODS) != 0;
-    if (mods && !fa_plan_mod_backward_enabled())
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "%s: the CUDA backward with user-defined scoring is not validated yet "
-                            "(FLASHATTN_CUDA_MOD_BACKWARD=1 enables it); the CPU backward runs it",
-                            (key->features & FA_PLAN_SCORE_MOD)  ? "score_mod"
-                            : (key->features & FA_PLAN_MASK_MOD) ? "mask_mod"
-                                                                 : "block_mask");
     if (!mods && fa_plan_bwd_sm90_enabled() && fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
         return FA_STATUS_OK;
     *plan = (fa_plan){0};

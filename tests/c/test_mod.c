@@ -329,16 +329,6 @@ static void test_plan_routes(void)
     const unsigned mods[3] = {FA_PLAN_SCORE_MOD, FA_PLAN_MASK_MOD, FA_PLAN_BLOCK_MASK};
     const char *defs[3] = {"-DFA_SCORE_MOD=1", "-DFA_MASK_MOD=1", "-DFA_BLOCK_MASK=1"};
     const int archs[3] = {80, 86, 90};
-    /* The CUDA backward with mods stays refused, naming the mod, until enabled. */
-    unsetenv("FLASHATTN_CUDA_MOD_BACKWARD");
-    for (int i = 0; i < 3; i++) {
-        fa_plan_key key = {80, FA_DTYPE_BF16, 128, 128, mods[i]};
-        fa_plan plan;
-        expect_error(fa_plan_backward(&key, &plan), "backward plan with a mod",
-                     i == 0 ? "score_mod" : i == 1 ? "mask_mod" : "block_mask",
-                     "FLASHATTN_CUDA_MOD_BACKWARD=1");
-    }
-    setenv("FLASHATTN_CUDA_MOD_BACKWARD", "1", 1);
     for (int a = 0; a < 3; a++)
         for (int i = 0; i < 3; i++) {
             fa_plan_key key = {archs[a], FA_DTYPE_BF16, 128, 128, mods[i]};

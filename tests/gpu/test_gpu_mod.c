@@ -509,8 +509,6 @@ static void run_case(const mod_case *c, fa_dtype dt, int corrupt)
 
 int main(void)
 {
-    /* The backward with mods is off by default until these tests pass on a GPU (fa_plan.c). */
-    setenv("FLASHATTN_CUDA_MOD_BACKWARD", "1", 1);
     const int start = gu_start("test_gpu_mod", 0x6d6f64677075ull);
     if (start != 0)
         return start;

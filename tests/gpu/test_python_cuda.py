@@ -1033,12 +1033,10 @@ def test_flex_attention_cuda_forward(gen, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["document+relpos", "prefix+softcap", "alibi causal"])
-def test_flex_attention_cuda_backward(gen, dtype, kind, monkeypatch):
+def test_flex_attention_cuda_backward(gen, dtype, kind):
     """flex_attention's gradients on CUDA tensors (the C backward on the GPU, the mods compiled
     into its kernel): dq, dk, dv against the same call's on the CPU tensors, with a block mask
     where the case has a mask_mod, GQA; the captured tensors get no gradient."""
-    # Off by default until these tests have passed on a GPU (src/plan/fa_plan.c).
-    monkeypatch.setenv("FLASHATTN_CUDA_MOD_BACKWARD", "1")
     B, H, HK, L, D = 2, 4, 2, 300, 64 if kind != "prefix+softcap" else 128
     g = torch.Generator().manual_seed(41)
     q = torch.randn(B, H, L, D, generator=g).to(dtype)
@@ -1070,7 +1068,7 @@ def test_flex_attention_cuda_backward(gen, dtype, kind, monkeypatch):
                                    -float("inf"))
         bm = (flashattn.create_block_mask(mask_mod, B, None, L, L, device=device, BLOCK_SIZE=64)
               if mask_mod is not None else None)
-        x = [t.to(device).requires_grad_() for t in (q, k, v)]
+        x = [t.detach().to(device).clone().requires_grad_() for t in (q, k, v)]
         out = flashattn.flex_attention(*x, score_mod=score_mod, block_mask=bm, enable_gqa=True)
         out.backward(dout.to(device))
         return out, [t.grad for t in x]
