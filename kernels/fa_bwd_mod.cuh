@@ -6,7 +6,7 @@
  * natural units), a key that mask_mod or the block mask drops invisible, and score_mod's
  * derivative with respect to the score (fa_score_mod_grad, emitted from the program by the rules
  * the CPU uses) multiplied into dS. The block mask's states of the CTA's key blocks over every
- * query block come from fa_bm_load_keys (fa_mod.cuh).
+ * query block come from fa_bm_load (fa_mod.cuh).
  */
 #ifndef FA_BWD_MOD_CUH
 #define FA_BWD_MOD_CUH
@@ -21,7 +21,7 @@ typedef struct fa_bwd_mod_tile {
     int st; /* the tile's state over its query and key blocks (FA_BM_*) */
 #endif
 #if FA_BLOCK_MASK
-    const unsigned char *tab; /* this head's states [nq][nkb] of fa_bm_load_keys */
+    const unsigned char *tab; /* this head's states [nq][nkb] of fa_bm_load */
     int nq, nkb, kb0;
 #endif
 } fa_bwd_mod_tile;
@@ -83,7 +83,7 @@ FA_DEV void fa_bwd_next(const fa_bkparams *bp, const fa_seq *s, int nb, int h_en
                         int *mb); /* fa_bwd_common.cuh */
 
 /* The block mask's view of a CTA: the states of its key blocks kb0 .. kb0 + nkb - 1 over query
- * blocks 0 .. nq - 1 (fa_bm_load_keys), for heads h0 .. h0 + nh - 1 or, nh 1, shared by the
+ * blocks 0 .. nq - 1 (fa_bm_load), for heads h0 .. h0 + nh - 1 or, nh 1, shared by the
  * group's heads. */
 typedef struct fa_bwd_bm {
     const unsigned char *tab;

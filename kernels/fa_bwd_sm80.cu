@@ -71,7 +71,7 @@
  *                     and masks on S^T and multiplies score_mod's derivative into dS
  *                     (fa_bwd_mod.cuh); with a block mask (dense calls) the CTA loads the states
  *                     of its key blocks over every query block into shared memory behind the
- *                     tiles (fa_bm_load_keys; the launcher adds their bytes) and, but in
+ *                     tiles (fa_bm_load; the launcher adds their bytes) and, but in
  *                     deterministic mode, does not visit the tiles it skips
  *
  * Varlen: every index is sequence-relative (masks, dropout counters, the workspace's rows) except
@@ -83,17 +83,7 @@
 #include "fa_common.cuh"
 #include "fa_smem.h"
 
-#ifndef FA_SCORE_MOD
-#define FA_SCORE_MOD 0
-#endif
-#ifndef FA_MASK_MOD
-#define FA_MASK_MOD 0
-#endif
-#ifndef FA_BLOCK_MASK
-#define FA_BLOCK_MASK 0
-#endif
-/* Keys can be dropped by more than the window: mask_mod or the block mask. */
-#define FA_MOD_MASKS (FA_MASK_MOD || FA_BLOCK_MASK)
+#include "fa_mod_flags.h"
 
 #define FA_THREADS (FA_NWARPS * 32)
 #ifndef FA_DKV_SPLIT
@@ -365,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     int h = hk * group, mb = 0, stage = 0;
 #if FA_BLOCK_MASK
     /* The block mask's states of this CTA's key blocks (dense calls: n0 < sk), behind the
-     * tiles, their view's numbers ahead of them; fa_bm_load_keys' barriers publish both. */
+     * tiles, their view's numbers ahead of them; fa_bm_load's barriers publish both. */
     volatile int *const bm_meta = (volatile int *)(s_dsum + FA_QSTAGES * FA_BM);
     {
         fa_bwd_bm bmv;
@@ -377,8 +367,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
         bmv.nkb = (fa_min(n0 + FA_BN, seq.sk) - 1) / kp->bm_kv_block - bmv.kb0 + 1;
         if (threadIdx.x == 0)
             fa_bwd_bm_put(bm_meta, &bmv);
-        fa_bm_load_keys(kp, (unsigned char *)bmv.tab, bi, bmv.h0, bmv.nh, bmv.nq, bmv.kb0,
-                        bmv.nkb);
+        fa_bm_load(kp, (unsigned char *)bmv.tab, bi, bmv.h0, bmv.nh, 0, bmv.nq, bmv.kb0,
+                   bmv.nkb);
     }
 #endif
     FA_BWD_NEXT(&seq, &h, &mb);

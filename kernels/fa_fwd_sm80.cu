@@ -32,17 +32,7 @@
 #ifndef FA_PAGED
 #define FA_PAGED 0
 #endif
-#ifndef FA_SCORE_MOD
-#define FA_SCORE_MOD 0
-#endif
-#ifndef FA_MASK_MOD
-#define FA_MASK_MOD 0
-#endif
-#ifndef FA_BLOCK_MASK
-#define FA_BLOCK_MASK 0
-#endif
-/* Keys can be dropped by more than the window: mask_mod or the block mask. */
-#define FA_MOD_MASKS (FA_MASK_MOD || FA_BLOCK_MASK)
+#include "fa_mod_flags.h"
 
 #include "fa_common.cuh"
 
@@ -325,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     unsigned char *const bm_tab =
         (unsigned char *)(fa_smem + FA_BM * FA_DP + FA_BN * (FA_DP + FA_DVP));
     const int bm_qb0 = m0 / kp.bm_q_block, bm_nqb = m_last / kp.bm_q_block - bm_qb0 + 1;
-    fa_bm_load(&kp, bm_tab, bi, h, bm_qb0, bm_nqb);
+    fa_bm_load(&kp, bm_tab, bi, h, 1, bm_qb0, bm_nqb, 0, kp.bm_nk);
     /* The first key block visited: the last one the block mask keeps. */
     const int nb_first = fa_bm_below(&kp, bm_tab, bm_nqb, n_max, n_min, seq.sk);
     int nb_next;

@@ -73,13 +73,16 @@ FA_DEV float fa_mod_sq(float x) { return x * x; }
 #endif
 
 #if FA_BLOCK_MASK
-/* The block mask's states for the tile's query blocks qb0 .. qb0 + nqb - 1 into tab (shared,
- * [nqb][bm_nk]): listed partial blocks, then listed full ones over them (a block in both lists
- * is full), the rest skipped. Counts past the lists and indices past the keys are ignored. */
-FA_DEV void fa_bm_load(const fa_kparams *kp, unsigned char *tab, int bi, int h, int qb0, int nqb)
+/* The block mask's states for heads h0 .. h0 + nh - 1, query blocks qb0 .. qb0 + nq - 1 and key
+ * blocks kb0 .. kb0 + nkb - 1 into tab (shared), tab[(hh * nq + q) * nkb + kb - kb0]: listed
+ * partial blocks, then listed full ones over them (a block in both lists is full), the rest
+ * skipped. Counts past the lists and indices outside the key blocks are ignored. The forward
+ * takes one head's tile of query blocks over every key block, the backward a key tile's blocks
+ * over every query block of its heads. */
+FA_DEV void fa_bm_load(const fa_kparams *kp, unsigned char *tab, int bi, int h0, int nh,
+                       int qb0, int nq, int kb0, int nkb)
 {
-    const int nk = kp->bm_nk;
-    for (int i = threadIdx.x; i < nqb * nk; i += FA_THREADS)
+    for (int i = threadIdx.x; i < nh * nq * nkb; i += FA_THREADS)
         tab[i] = FA_BM_SKIP;
     for (int pass = 0; pass < 2; pass++) {
         __syncthreads();
@@ -90,15 +93,15 @@ FA_DEV void fa_bm_load(const fa_kparams *kp, unsigned char *tab, int bi, int h, 
         const int n = pass ? kp->bm_full_n : kp->bm_n;
         if (!num)
             continue;
-        for (fa_i64 i = threadIdx.x; i < (fa_i64)nqb * n; i += FA_THREADS) {
-            const int q = (int)(i / n), j = (int)(i - (fa_i64)q * n);
-            const fa_i64 qb = qb0 + q;
+        for (fa_i64 i = threadIdx.x; i < (fa_i64)nh * nq * n; i += FA_THREADS) {
+            const int hq = (int)(i / n); /* the list index fastest across the threads */
+            const int j = (int)(i - (fa_i64)hq * n), qb = qb0 + hq % nq, h = h0 + hq / nq;
             const int c = num[bi * ns[0] + h * ns[1] + qb * ns[2]];
             if (j >= c)
                 continue;
             const int kb = idx[bi * is[0] + h * is[1] + qb * is[2] + j * is[3]];
-            if (kb >= 0 && kb < nk)
-                tab[q * nk + kb] = pass ? FA_BM_FULL : FA_BM_PARTIAL;
+            if (kb >= kb0 && kb < kb0 + nkb)
+                tab[hq * nkb + kb - kb0] = pass ? FA_BM_FULL : FA_BM_PARTIAL;
         }
     }
     __syncthreads();
@@ -126,40 +129,8 @@ FA_DEV int fa_bm_below(const fa_kparams *kp, const unsigned char *tab, int nqb, 
     return nb;
 }
 
-/* The backward's states (a CTA owns a key block and visits query tiles): for heads h0 .. h0 +
- * nh - 1, query blocks 0 .. nq - 1 and key blocks kb0 .. kb0 + nkb - 1 (all inside the keys),
- * tab[(hh * nq + qb) * nkb + kb - kb0], shared; the lists read as fa_bm_load reads them, the
- * index fastest across the threads. */
-FA_DEV void fa_bm_load_keys(const fa_kparams *kp, unsigned char *tab, int bi, int h0, int nh,
-                            int nq, int kb0, int nkb)
-{
-    for (int i = threadIdx.x; i < nh * nq * nkb; i += FA_THREADS)
-        tab[i] = FA_BM_SKIP;
-    for (int pass = 0; pass < 2; pass++) {
-        __syncthreads();
-        const int *num = pass ? kp->bm_full_num : kp->bm_num;
-        const int *idx = pass ? kp->bm_full_idx : kp->bm_idx;
-        const fa_i64 *ns = pass ? kp->bm_full_num_stride : kp->bm_num_stride;
-        const fa_i64 *is = pass ? kp->bm_full_idx_stride : kp->bm_idx_stride;
-        const int n = pass ? kp->bm_full_n : kp->bm_n;
-        if (!num)
-            continue;
-        for (fa_i64 i = threadIdx.x; i < (fa_i64)nh * nq * n; i += FA_THREADS) {
-            const fa_i64 hq = i / n;
-            const int j = (int)(i - hq * n), qb = (int)(hq % nq), h = h0 + (int)(hq / nq);
-            const int c = num[bi * ns[0] + h * ns[1] + qb * ns[2]];
-            if (j >= c)
-                continue;
-            const int kb = idx[bi * is[0] + h * is[1] + qb * is[2] + j * is[3]];
-            if (kb >= kb0 && kb < kb0 + nkb)
-                tab[hq * nkb + kb - kb0] = pass ? FA_BM_FULL : FA_BM_PARTIAL;
-        }
-    }
-    __syncthreads();
-}
-
 /* The state of query blocks qb0 .. qb1 over all nkb key blocks of a head's part of
- * fa_bm_load_keys' table: FA_BM_MIXED unless one state. */
+ * the backward's fa_bm_load table: FA_BM_MIXED unless one state. */
 FA_DEV int fa_bm_keys_state(const unsigned char *tab, int nkb, int qb0, int qb1)
 {
     const int first = tab[qb0 * nkb];

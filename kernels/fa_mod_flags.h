@@ -1,0 +1,21 @@
+/*
+ * The user-defined scoring switches of the sm80 families (forward and backward): the plan defines
+ * FA_SCORE_MOD, FA_MASK_MOD and FA_BLOCK_MASK only for calls with mods, so the other kernels keep
+ * their keys; 0 where absent.
+ */
+#ifndef FA_MOD_FLAGS_H
+#define FA_MOD_FLAGS_H
+
+#ifndef FA_SCORE_MOD
+#define FA_SCORE_MOD 0
+#endif
+#ifndef FA_MASK_MOD
+#define FA_MASK_MOD 0
+#endif
+#ifndef FA_BLOCK_MASK
+#define FA_BLOCK_MASK 0
+#endif
+/* Keys can be dropped by more than the window: mask_mod or the block mask. */
+#define FA_MOD_MASKS (FA_MASK_MOD || FA_BLOCK_MASK)
+
+#endif /* FA_MOD_FLAGS_H */
