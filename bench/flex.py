@@ -15,7 +15,8 @@ torch's column is torch.compile(flex_attention) (Inductor's CPU kernel, or its T
 CUDA), its own fast path; flashattn's runs as called (the mods traced once, then cached). "built-in" is
 flash_attn_func with causal, window_size, softcap or alibi_slopes where the case has one.
 Every output is checked against the other library's before it is timed. --backward times the
-forward and the backward of flashattn only (torch's FlexAttention has no CPU backward).
+forward and the backward of flashattn, and on CUDA torch's compiled forward and backward beside
+them (torch's FlexAttention has no CPU backward).
 """
 
 import argparse
@@ -112,14 +113,15 @@ def main():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, s, d, generator=g).to(dev, dt) for _ in range(3))
     compiled = None
-    if tflex is not None and not opts.smoke and not opts.backward:
+    if tflex is not None and not opts.smoke and (gpu or not opts.backward):
         compiled = torch.compile(tflex.flex_attention, dynamic=False)
     print("flex: torch %s, %s; b 1, h %d, s %d, d %d, %s, ms (best of %d)"
           % (torch.__version__, torch.cuda.get_device_name(dev) if gpu else
              "%d threads" % torch.get_num_threads(), h, s, d, str(dt)[6:], reps))
     if opts.backward:
-        print("| case | flashattn fwd | flashattn fwd+bwd | built-in fwd+bwd |")
-        print("|---|---|---|---|")
+        print("| case | flashattn fwd | flashattn fwd+bwd | torch compiled fwd+bwd | ratio | "
+              "built-in fwd+bwd |")
+        print("|---|---|---|---|---|---|")
     else:
         print("| case | flashattn | torch compiled | ratio | built-in | max diff |")
         print("|---|---|---|---|---|---|")
@@ -146,10 +148,21 @@ def main():
                 out = flash_attn_func(qt, kt, vt, **builtin)
                 out.backward(torch.ones_like(out))
 
+            theirs_fb_ms = None
+            if compiled is not None:
+                tbm = tflex.create_block_mask(mask_mod, None, None, s, s, device=dev)
+
+                def theirs_fb():
+                    out = compiled(qg, kg, vg, score_mod=score_mod, block_mask=tbm)
+                    out.backward(torch.ones_like(out))
+
+                theirs_fb_ms = best_ms(theirs_fb, reps, dev)
             with torch.no_grad():
                 fwd = best_ms(ours, reps, dev)
-            print("| %s | %.1f | %.1f | %s |" % (
-                name, fwd, best_ms(ours_fb, reps, dev),
+            fb = best_ms(ours_fb, reps, dev)
+            print("| %s | %.1f | %.1f | %s | %s | %s |" % (
+                name, fwd, fb, "%.1f" % theirs_fb_ms if theirs_fb_ms else "-",
+                "%.2fx" % (theirs_fb_ms / fb) if theirs_fb_ms else "-",
                 "%.1f" % best_ms(base_fb, reps, dev) if builtin is not None else "-"),
                 flush=True)
             continue
