@@ -121,10 +121,6 @@ FA_DEV void fa_named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(i
  * anyway, and a scale <= 0 needs it); otherwise scale * log2(e) rides in the FFMA before exp2. */
 #define FA_PRESCALE_ALWAYS (FA_SOFTCAP || FA_ALIBI)
 
-/* Dropout's keep bits: bit j of keep[j / 32] says whether sacc[j] (of the thread's FA_SACC
- * elements of a key block) survives. */
-#define FA_KEEP_WORDS (FA_DROPOUT ? (FA_SACC + 31) / 32 : 1)
-
 /* One consumer thread's view of its two rows (r and r + 8 of its warp's 16). */
 typedef struct fa_rows {
     int row0;          /* the first of the two rows (sequence coordinates) */
@@ -143,36 +139,21 @@ typedef struct fa_rows {
 } fa_rows;
 
 #if FA_DROPOUT
-/* FA_KEEP_EARLY (from the plan, two consumers up to dv 192 only): a block's keep bits are made
- * while the warpgroup waits for S, off the softmax's path. Otherwise the softmax makes and applies
- * the decisions after its sums, once the wait for P V has freed P's registers (three consumers'
- * 160 registers and dv 256's O fit the Philox only that way). */
-#ifndef FA_KEEP_EARLY
-#define FA_KEEP_EARLY 0
-#endif
-
 /* The keep decisions of P's elements in row half hf, columns 8g + 2 q4 and + 1, from w, the
- * Philox word that holds their 16-bit numbers (the low half the even column's): set as keep bits
- * (FA_KEEP_EARLY) or applied to sacc at once. For a threshold in [1, 65536], number < threshold
- * is number <= r->keep_lim >> 16, and both halves compare against keep_lim: the high as the word,
- * the low shifted up. A threshold of 0 (dropout_p within 2^-16 of 1) keeps every key here; the
- * epilogue's factor 0 then drops them all. */
-FA_DEV void fa_keep_pair(const fa_rows *r, fa_u32 *keep, float *sacc, int g, int hf, fa_u32 w)
+ * Philox word that holds their 16-bit numbers (the low half the even column's), applied to sacc.
+ * For a threshold in [1, 65536], number < threshold is number <= r->keep_lim >> 16, and both
+ * halves compare against keep_lim: the high as the word, the low shifted up. A threshold of 0
+ * (dropout_p within 2^-16 of 1) keeps every key here; the epilogue's factor 0 then drops them
+ * all. */
+FA_DEV void fa_keep_pair(const fa_rows *r, float *sacc, int g, int hf, fa_u32 w)
 {
     const int j = 4 * g + 2 * hf;
-#if FA_KEEP_EARLY
-    (void)sacc;
-    keep[j >> 5] |= ((w << 16) <= r->keep_lim ? 1u : 0u) << (j & 31);
-    keep[(j + 1) >> 5] |= (w <= r->keep_lim ? 1u : 0u) << ((j + 1) & 31);
-#else
-    (void)keep;
     sacc[j] = (w << 16) <= r->keep_lim ? sacc[j] : 0.f;
     sacc[j + 1] = w <= r->keep_lim ? sacc[j + 1] : 0.f;
-#endif
 }
 
 /*
- * Keep bits of key block n's columns 8 g0 .. 8 (g0 + 4) - 1 (a chunk): the element (row, col) is
+ * Dropout on key block n's columns 8 g0 .. 8 (g0 + 4) - 1 (a chunk): the element (row, col) is
  * kept iff its number is below kp->keep_threshold, the number being half (col % 2) of word
  * (col % 8) / 2 of Philox block (col / 8, row, stream) under the seed (fa_dropout_pair, the CPU's
  * and the sm80 family's rule). A thread's two rows hold columns 8g + 2 q4, + 1 of each 8-column
@@ -181,16 +162,16 @@ FA_DEV void fa_keep_pair(const fa_rows *r, fa_u32 *keep, float *sacc, int g, int
  * (FA_BN % 32 == 16) has two blocks per row, four in all: lane q4 computes row half q4 / 2, group
  * g0 + q4 % 2, and the trade hands each lane its four. A chunk no row of the warp sees may be
  * skipped (its P is 0 anyway); the vote's branch also keeps ptxas from interleaving the chunks'
- * Philox, which the registers left beside S, O and P (FA_KEEP_EARLY), the wide heads' and three
- * consumers' need; two consumers up to head dim 128 have the room when the bits are made late,
- * and there the interleaved schedule issues fewer instructions per block.
+ * Philox, which the wide heads' O and three consumers' 160 registers leave no room for; two
+ * consumers up to head dim 128 have the room, and there the interleaved schedule issues fewer
+ * instructions per block.
  */
-FA_DEV void fa_keep_chunk(const fa_rows *r, fa_u32 *keep, float *sacc, int n, int g0)
+FA_DEV void fa_keep_chunk(const fa_rows *r, float *sacc, int n, int g0)
 {
     const int groups = g0 + 4 <= FA_BN / 8 ? 4 : 2;
     const int c0 = n * FA_BN + 8 * g0, c1 = c0 + 8 * groups;
     const int seen = (c0 < r->hi[0] && c1 > r->lo[0]) || (c0 < r->hi[1] && c1 > r->lo[1]);
-    if ((FA_KEEP_EARLY || FA_NCW == 3 || FA_DVP > 128) && !__any_sync(0xffffffffu, seen))
+    if ((FA_NCW == 3 || FA_DVP > 128) && !__any_sync(0xffffffffu, seen))
         return;
     const fa_u32 blk = (fa_u32)(c0 >> 3);
     if (groups == 4) {
@@ -201,7 +182,7 @@ FA_DEV void fa_keep_chunk(const fa_rows *r, fa_u32 *keep, float *sacc, int n, in
             fa_quad_transpose(w, r->q4);
 #pragma unroll
             for (int j = 0; j < 4; j++)
-                fa_keep_pair(r, keep, sacc, g0 + j, hf, w[j]);
+                fa_keep_pair(r, sacc, g0 + j, hf, w[j]);
         }
     } else {
         fa_u32 w[4];
@@ -210,37 +191,16 @@ FA_DEV void fa_keep_chunk(const fa_rows *r, fa_u32 *keep, float *sacc, int n, in
         fa_quad_transpose(w, r->q4); /* w[i]: word q4 of row half i / 2, group g0 + i % 2 */
 #pragma unroll
         for (int i = 0; i < 4; i++)
-            fa_keep_pair(r, keep, sacc, g0 + (i & 1), i >> 1, w[i]);
+            fa_keep_pair(r, sacc, g0 + (i & 1), i >> 1, w[i]);
     }
-}
-
-/* The keep bits of key block n. They depend on indices only, so the main loop makes them while
- * its warps would wait for S = Q K^T, off the softmax's path. */
-FA_DEV void fa_keep_bits(const fa_rows *r, int n, fa_u32 keep[FA_KEEP_WORDS])
-{
-#pragma unroll
-    for (int i = 0; i < FA_KEEP_WORDS; i++)
-        keep[i] = 0;
-#pragma unroll
-    for (int g0 = 0; g0 < FA_BN / 8; g0 += 4)
-        fa_keep_chunk(r, keep, NULL, n, g0);
-}
-
-/* P's dropped elements zeroed, after the softmax's sums (which count them, as upstream's do). */
-FA_DEV void fa_keep_apply(float *sacc, const fa_u32 keep[FA_KEEP_WORDS])
-{
-#pragma unroll
-    for (int j = 0; j < FA_SACC; j++)
-        sacc[j] = (keep[j >> 5] >> (j & 31)) & 1u ? sacc[j] : 0.f;
 }
 #endif
 
 /* S of key block n (scores in sacc) -> exp2 of the scaled, masked scores relative to the new row
  * maxima, in place; row_max, row_sum updated; alpha[hf] = the factor O must be rescaled by; with
- * dropout, the elements whose keep bit is clear zeroed after the sums. */
+ * dropout, the dropped elements zeroed after the sums (which count them, as upstream's do). */
 FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc, int n,
-                             float row_max[2], float row_sum[2], float alpha[2],
-                             const fa_u32 *keep)
+                             float row_max[2], float row_sum[2], float alpha[2])
 {
     const int kb0 = n * FA_BN;
     if (r->prescale) {
@@ -293,15 +253,10 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
             }
         row_sum[hf] = row_sum[hf] * alpha[hf] + sum;
     }
-#if FA_DROPOUT && FA_KEEP_EARLY
-    fa_keep_apply(sacc, keep);
-#elif FA_DROPOUT
-    (void)keep;
+#if FA_DROPOUT
 #pragma unroll
     for (int g0 = 0; g0 < FA_BN / 8; g0 += 4)
-        fa_keep_chunk(r, NULL, sacc, n, g0);
-#else
-    (void)keep;
+        fa_keep_chunk(r, sacc, n, g0);
 #endif
 }
 
@@ -458,19 +413,6 @@ FA_DEV void fa_softmax_order(const fa_smem_map *m, const float row_sum[2])
                  : "memory");
 }
 
-#if FA_DROPOUT
-/* The keep bits of a block made before the wait for S, for the same reason: ptxas would sink the
- * Philox below the wait (nothing waits on it) and back into the softmax's path. */
-FA_DEV void fa_keep_order(const fa_smem_map *m, const fa_u32 keep[FA_KEEP_WORDS])
-{
-    fa_u32 x = keep[0];
-#pragma unroll
-    for (int i = 1; i < FA_KEEP_WORDS; i++)
-        x ^= keep[i];
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(m->scratch), "r"(x) : "memory");
-}
-#endif
-
 /* The producer's thread: Q of the tile, then K and V of each key block into the ring (kv counts
  * the blocks this CTA has loaded so far, q_round the tiles). */
 FA_DEV void fa_produce_tile(const fa_smem_map *m, const fa_tmaps *tm, const fa_tile *w, int *kv,
@@ -591,11 +533,6 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
 #if FA_PINGPONG
         fa_named_arrive(bar_other);
 #endif
-        fa_u32 keep[FA_KEEP_WORDS];
-#if FA_DROPOUT && FA_KEEP_EARLY
-        fa_keep_bits(&r, w->n_max - 1, keep);
-        fa_keep_order(m, keep);
-#endif
         fa_wg_wait0();
 #pragma unroll
         for (int j = 0; j < FA_SACC; j++)
@@ -603,7 +540,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
         fa_stage_release(m->k_empty + 8 * (kv0 % FA_STAGES), lane);
         if (nb == 1)
             fa_stage_release(m->q_empty, lane);
-        fa_softmax_block(kp, &r, sacc, w->n_max - 1, row_max, row_sum, alpha, keep);
+        fa_softmax_block(kp, &r, sacc, w->n_max - 1, row_max, row_sum, alpha);
         fa_p_pack(sacc, pa);
 #if FA_VARLEN
         fa_v_tail_zero(m, w, kv0);
@@ -624,10 +561,6 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
 #if FA_PINGPONG
             fa_named_arrive(bar_other);
 #endif
-#if FA_DROPOUT && FA_KEEP_EARLY
-            fa_keep_bits(&r, w->n_max - 1 - it, keep);
-            fa_keep_order(m, keep);
-#endif
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
 #pragma unroll
             for (int j = 0; j < FA_SACC; j++)
@@ -635,14 +568,14 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             fa_stage_release(m->k_empty + 8 * s, lane);
             if (it == nb - 1)
                 fa_stage_release(m->q_empty, lane);
-#if FA_DROPOUT && !FA_KEEP_EARLY
+#if FA_DROPOUT
             /* Wait for P_(i-1) V_(i-1) before the softmax: P_(i-1)'s registers then hold the
              * Philox state, which the softmax runs after its sums, instead of spilling. */
             fa_wg_wait0();
             fa_gemm_operands_pin(o, pa);
 #endif
-            fa_softmax_block(kp, &r, sacc, w->n_max - 1 - it, row_max, row_sum, alpha, keep);
-#if !FA_DROPOUT || FA_KEEP_EARLY
+            fa_softmax_block(kp, &r, sacc, w->n_max - 1 - it, row_max, row_sum, alpha);
+#if !FA_DROPOUT
 #if FA_NCW == 2
             fa_softmax_order(m, row_sum);
 #endif

@@ -206,16 +206,6 @@ static void fa_plan_sm90_grow(fa_plan_row90 *row, int dp, int dvp)
 #define FA_SM90_UNSUPPORTED                                                                     \
     (FA_FEATURE_UNALIGNED | FA_PLAN_PROBS | FA_PLAN_NO_SM90 | FA_PLAN_PAGED | FA_PLAN_MODS)
 
-/* Dropout's keep bits made while the consumers wait for S (FA_KEEP_EARLY in fa_fwd_sm90.cu):
- * compiled and spill-free but not yet run on a GPU, so only with FLASHATTN_SM90_DROPOUT_EARLY=1;
- * two consumers up to dv 192, where the registers beside S, O and P hold the Philox. */
-static int fa_plan_sm90_keep_early(const fa_plan_row90 *row, int dvp, unsigned features)
-{
-    const char *env = getenv("FLASHATTN_SM90_DROPOUT_EARLY");
-    return (features & FA_FEATURE_DROPOUT) && row->consumers == 2 && dvp <= 192 && env &&
-           strcmp(env, "1") == 0;
-}
-
 /* On unless FLASHATTN_SM90=0 (which keeps every case on the sm80 family, for comparison). */
 int fa_plan_sm90_enabled(void)
 {
@@ -287,8 +277,6 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_STAGES", plan->stages);
     fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
-    if (fa_plan_sm90_keep_early(&row, dvp, key->features))
-        fa_plan_define(plan, "FA_KEEP_EARLY", 1);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_SM90_UNSUPPORTED);
     return FA_STATUS_OK;
 }

@@ -178,17 +178,6 @@ static void check_forward_sm90_dropout(void)
         TU_CHECK(plan.smem == (unsigned)FA_SMEM_FWD90(plan.bm, plan.bn, plan.dp, plan.dvp,
                                                       plan.stages),
                  "d %d dropout: smem %u", d, plan.smem);
-        /* The keep bits made early only when asked for, with two consumers up to dv 192. */
-        TU_CHECK(plan_define(&plan, "FA_KEEP_EARLY") == -1, "d %d: FA_KEEP_EARLY by default", d);
-        setenv("FLASHATTN_SM90_DROPOUT_EARLY", "1", 1);
-        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
-                     (plan_define(&plan, "FA_KEEP_EARLY") == 1) ==
-                         (plan_define(&plan, "FA_NCW") == 2 && plan.dvp <= 192) &&
-                     fa_plan_forward(&plain_key, &plain) == FA_STATUS_OK &&
-                     plan_define(&plain, "FA_KEEP_EARLY") == -1,
-                 "d %d: FA_KEEP_EARLY %d with %d consumers", d,
-                 plan_define(&plan, "FA_KEEP_EARLY"), plan_define(&plan, "FA_NCW"));
-        unsetenv("FLASHATTN_SM90_DROPOUT_EARLY");
         key.features |= FA_PLAN_PROBS;
         TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                      strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
