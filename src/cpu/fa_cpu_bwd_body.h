@@ -281,6 +281,18 @@ FA_CPU_INLINE void FA_FN(fa_bwd_probs)(const fa_params *p, FA_FN(fa_bwd_tile) * 
         FA_FN(fa_bwd_elementwise)(p, t, mp, j0, n, slope, sscale, 0, dropout, 1);
 }
 
+/* Whether the block mask skips keys [j0, j0 + n) for every row of [r0, r0 + m) of head h: the
+ * block then adds nothing to any gradient, as in the forward it adds nothing to out. */
+static int FA_FN(fa_bwd_mod_skip)(const fa_params *p, FA_FN(fa_bwd_tile) * t, int64_t seq_index,
+                                  int64_t h, int64_t r0, int64_t m, int64_t j0, int64_t n)
+{
+    if (!fa_mod_call_active(&p->mods) || !p->mods.blocks.num.data)
+        return 0;
+    fa_cpu_mod_at at = {seq_index, h, r0, j0, NULL, 0, 0, 0};
+    fa_cpu_mod_blocks_load(p, &at, t->mod_scratch, sizeof(FA_REAL), r0, m);
+    return fa_cpu_mod_blocks_skip(p, &at, j0, n);
+}
+
 /*
  * For packed rows and a loaded key block: pt = P^T * Z and dxt = dL/d(q.k) transposed
  * (fa_bwd_probs). Returns whether every real row sees every key (a full block); otherwise S^T
@@ -438,7 +450,8 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_keys)(const fa_params *p, FA_FN(fa_bwd_ti
                     const int64_t nb = n - b0 < FA_CPU_BN ? n - b0 : FA_CPU_BN;
                     int64_t s_lo, s_hi;
                     fa_bwd_row_range(p, &seq, j0 + b0, j0 + b0 + nb, &s_lo, &s_hi);
-                    if (s_hi <= r0 || s_lo >= r0 + m)
+                    if (s_hi <= r0 || s_lo >= r0 + m ||
+                        FA_FN(fa_bwd_mod_skip)(p, t, seq_index, h, r0, m, j0 + b0, nb))
                         continue;
                     const FA_FN(fa_bwd_kv) sub = {kv.k + b0 * kv.k_ld, kv.v + b0 * kv.v_ld,
                                                   kv.k_ld, kv.v_ld};
@@ -563,6 +576,8 @@ FA_CPU_CLONES static void FA_FN(fa_bwd_queries)(const fa_params *p, FA_FN(fa_bwd
     fa_params_tile_keys(p, r0, m, seq.sq, seq.sk, &k_lo, &k_hi);
     for (int64_t j0 = k_lo; j0 < k_hi; j0 += FA_CPU_BN) {
         const int64_t n = k_hi - j0 < FA_CPU_BN ? k_hi - j0 : FA_CPU_BN;
+        if (FA_FN(fa_bwd_mod_skip)(p, t, seq_index, h, r0, m, j0, n))
+            continue;
         const FA_FN(fa_bwd_kv) kv = FA_FN(fa_bwd_load_kv)(p, t, k_base, v_base, j0, n);
         const int full = FA_FN(fa_bwd_block)(p, t, &kv, seq_index, h, r0, m, mp, j0, n);
         FA_FN(fa_bwd_grads)(p, t, &kv, m, mp, j0, n, full, NULL, NULL, t->acc_q, dp);
