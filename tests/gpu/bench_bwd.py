@@ -3,7 +3,7 @@ backends, measured side by side in one process, for the backward's table in benc
 
     PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so \\
         python3 tests/gpu/bench_bwd.py [--hdims 64,128] [--seqlens 2048,4096,8192,16384]
-        [--json PATH] [--calls N]
+        [--json PATH] [--calls N] [--dv DV]
 
 bf16, FlashAttention's benchmark shapes (16k tokens: batch 16384 / seqlen; hidden 2048: heads 2048
 / hdim), causal and not. Each figure is the best of 10 timed runs after 3 warm-ups (CUDA events),
@@ -13,7 +13,8 @@ GPU's state drifts; in turn, all see the same state; the SM clock after each row
 whether that state is the clock); a run is one call, or with --calls N, N calls back to back (the
 host's work per call hidden behind the GPU's, as upstream's benchmark and a training loop have it).
 TFLOP/s as upstream counts them: forward 4 b h s^2 d (halved when causal), backward 2.5x that,
-forward + backward 3.5x. On sm_90 the Hopper backward runs; FLASHATTN_BWD_SM90=0 measures the sm80
+forward + backward 3.5x; with --dv (V's head dim, e.g. --hdims 192 --dv 128) the forward counts
+2 b h s^2 (d + dv). PyTorch's flash backend refuses dv != d (its column then reads "-"). On sm_90 the Hopper backward runs; FLASHATTN_BWD_SM90=0 measures the sm80
 family instead.
 """
 import argparse
@@ -56,15 +57,16 @@ def sm_clock_mhz():
         return None
 
 
-def row(d, s, causal, calls):
+def row(d, s, causal, calls, dv=0):
+    dv = dv or d
     b, h = max(1, 16384 // s), 2048 // d
     g = torch.Generator(device="cuda").manual_seed(s * 131 + d)
-    x = [torch.randn(b, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
-         .requires_grad_() for _ in range(3)]
-    dout = torch.randn(b, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
-    fwd_flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    x = [torch.randn(b, s, h, n, device="cuda", generator=g, dtype=torch.bfloat16)
+         .requires_grad_() for n in (d, d, dv)]
+    dout = torch.randn(b, s, h, dv, device="cuda", generator=g, dtype=torch.bfloat16)
+    fwd_flops = 2.0 * b * h * s * s * (d + dv) / (2 if causal else 1)
     flops = {"fwd": fwd_flops, "bwd": 2.5 * fwd_flops, "fwd+bwd": 3.5 * fwd_flops}
-    r = dict(hdim=d, seqlen=s, batch=b, heads=h, causal=causal)
+    r = dict(hdim=d, hdim_v=dv, seqlen=s, batch=b, heads=h, causal=causal)
     impls = {"ours": pass_fns(lambda q, k, v: flash_attn_func(q, k, v, causal=causal), x, dout,
                               contextlib.nullcontext)}
     xt = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in x]
@@ -93,12 +95,13 @@ def main():
     ap.add_argument("--seqlens", default="2048,4096,8192,16384")
     ap.add_argument("--json", help="write every number to this file")
     ap.add_argument("--calls", type=int, default=1, help="calls per timed run, back to back")
+    ap.add_argument("--dv", type=int, default=0, help="V's head dim (default: the hdim)")
     a = ap.parse_args()
     rows = []
     for d in [int(x) for x in a.hdims.split(",")]:
         for s in [int(x) for x in a.seqlens.split(",")]:
             for causal in (False, True):
-                rows.append(row(d, s, causal, a.calls))
+                rows.append(row(d, s, causal, a.calls, a.dv))
                 print(json.dumps(rows[-1]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
@@ -109,9 +112,9 @@ def main():
           "bwd/cudnn fwd+bwd/cudnn | SM MHz after")
     fmt = lambda r, p: "%5.0f" % r[p] if r else "    -"  # noqa: E731
     for r in rows:
-        cells = " | ".join(" ".join(fmt(r[k], p) for k in ("ours", "flash", "cudnn"))
+        cells = " | ".join(" ".join(fmt(r.get(k), p) for k in ("ours", "flash", "cudnn"))
                            for p in PASSES)
-        ratio = lambda p: (r["ours"][p] / r["cudnn"][p]) if r["cudnn"] else float("nan")  # noqa
+        ratio = lambda p: (r["ours"][p] / r["cudnn"][p]) if r.get("cudnn") else float("nan")  # noqa
         print("%4d %6d %-6s | %s | %9.2f %13.2f | %s" % (
             r["hdim"], r["seqlen"], r["causal"], cells, ratio("bwd"), ratio("fwd+bwd"),
             r["sm_mhz"] or "-"))
