@@ -365,7 +365,11 @@ FA_DEV float fa_descale(const float *t, fa_i64 bs, fa_i64 hs, int b, int hk)
 FA_DEV void fa_consume_tile8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa_smem8 *m,
                              const fa_tile *w, int cw, int *kv, int *q_round)
 {
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    /* %tid.x read per tile (volatile, so not hoisted out of the tile loop): the row offsets
+     * held across tiles were a register the widest variant lacked. */
+    fa_u32 tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    const int lane = tid & 31, warp = (tid >> 5) & 3;
     const int sq = w->sq, sk = w->sk;
     fa_rows8 r;
     r.q4 = lane & 3;
@@ -493,12 +497,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     }
     __syncthreads();
 
-    const int m_blocks = (int)((kp.max_sq + FA_BM - 1) / FA_BM);
-    const int n_units = fa_units(tm.paired, m_blocks, &kp);
     int kv = 0, q_round = 0;
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / FA_WG_THREADS, 0);
+    /* The schedule's numbers are made after each setmaxnreg: kept across it, they went to
+     * local memory (d 256, varlen, softcap). */
+    int m_blocks, n_units;
     if (wg == 0) {
         fa_regs_producer();
+        m_blocks = (int)((kp.max_sq + FA_BM - 1) / FA_BM);
+        n_units = fa_units(tm.paired, m_blocks, &kp);
         if (threadIdx.x == 0) {
             fa_tma_prefetch(&tm.q);
             fa_tma_prefetch(&tm.k);
@@ -514,12 +521,20 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         return;
     }
     fa_regs_consumer();
-    for (int t = blockIdx.x; t < n_units; t += gridDim.x)
+    for (int t = blockIdx.x;; t += gridDim.x) {
+        /* Made again per tile from the parameters (pinned, so not hoisted): held across the
+         * tile, they were the registers the widest variant (d 256, varlen, softcap) lacked. */
+        m_blocks = (int)((kp.max_sq + FA_BM - 1) / FA_BM);
+        n_units = fa_units(tm.paired, m_blocks, &kp);
+        FA_PINU(n_units);
+        if (t >= n_units)
+            break;
         for (int half = 0, hb, mb; half < 2; half++)
             if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
                 const fa_tile w = fa_tile_get(&kp, hb, mb);
                 fa_consume_tile8(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
             }
+    }
 }
 
 extern "C" __global__ void fa_fwd_fill(const fa_kparams kp) { fa_fill_outside(&kp); }
