@@ -529,11 +529,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         FA_PINU(n_units);
         if (t >= n_units)
             break;
-        for (int half = 0, hb, mb; half < 2; half++)
+        for (int half = 0, hb, mb; half < 2; half++) {
+            m_blocks = (int)((kp.max_sq + FA_BM - 1) / FA_BM);
+            FA_PINU(m_blocks);
             if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
                 const fa_tile w = fa_tile_get(&kp, hb, mb);
                 fa_consume_tile8(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
             }
+        }
     }
 }
 
