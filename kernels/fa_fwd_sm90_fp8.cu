@@ -27,7 +27,7 @@
  *   K  [FA_STAGES][FA_DP / FA_RB][FA_BN][FA_RB]   the same width, read by wgmma descriptors of
  *                                                 layout 1 (128B) or 2 (64B)
  *   Vt [FA_STAGES][FA_DVP][128 keys]              128B swizzle, written by the producer
- *   Vr [FA_STAGES][FA_BN][FA_DVP]                 TMA without swizzle
+ *   Vr [FA_STAGES][FA_DVP / FA_RB][FA_BN][FA_RB]  as K (TMA, swizzled), read by the producer
  *   mbarriers: q_full, q_empty, k_full[S], k_empty[S], r_full[S], v_full[S], v_empty[S]
  *
  * Defines from the plan (fa_plan_forward_sm90_fp8): FA_BF16 (the output: bf16, else fp16), FA_D,
@@ -144,15 +144,19 @@ FA_DEV void fa_load_kv8(const fa_smem8 *m, const fa_tmaps8 *tm, const fa_tile *w
     /* Vr[s] is free: the warpgroup finished transposing its previous block before this thread
      * got here (named barrier 4 in fa_transpose_v). */
     fa_mbar_expect_tx(m->r_full + 8 * s, FA_V_BYTES);
-    fa_tma_load4(m->vr + s * FA_V_BYTES, &tm->v, 0, row, w->hk, bi, m->r_full + 8 * s);
+#pragma unroll
+    for (int c = 0; c < FA_DVP / FA_RB; c++)
+        fa_tma_load4(m->vr + s * FA_V_BYTES + c * FA_BN * FA_RB, &tm->v, FA_RB * c, row, w->hk, bi,
+                     m->r_full + 8 * s);
 }
 
 /*
- * The producer warpgroup: Vr[s] ([keys][dv], as TMA wrote it) -> Vt[s] ([dv][128 keys], 128B
- * swizzle, keys permuted as the header says), keys from `valid` on written as zeros. A unit is
- * 4 columns x 4 logical keys: four 4-byte loads of actual keys 16b + 2q' (+1, +8, +9), a 4 x 4
- * byte transpose, four 4-byte stores. A warp's 32 units are 8 key quads x 4 column groups, so
- * that neither the loads nor the stores pile into one bank.
+ * The producer warpgroup: Vr[s] ([keys][dv] in blocks of FA_RB columns, swizzled as TMA wrote it)
+ * -> Vt[s] ([dv][128 keys], 128B swizzle, keys permuted as the header says), keys from `valid`
+ * on written as zeros. A unit is 4 columns x 4 logical keys: four 4-byte loads of actual keys
+ * 16b + 2q' (+1, +8, +9), a 4 x 4 byte transpose, four 4-byte stores. A warp's 32 units are 8
+ * key quads x 4 column groups: with both swizzles that is at most 2 lanes a bank, loads and
+ * stores alike.
  */
 FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
 {
@@ -172,9 +176,14 @@ FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
         for (int e = 0; e < 4; e++) {
             const int key = k0 + 8 * (e >> 1) + (e & 1);
             fa_u32 x;
+            /* Byte 4 c4 of the key's row: block c4 / (FA_RB / 4), then its 16-byte chunk XOR the
+             * swizzle's key (128B: key % 8; 64B: (key / 2) % 4). */
+            const int cb = (4 * c4) % FA_RB;
+            const int swz = FA_RB == 128 ? (key & 7) : ((key >> 1) & 3);
             asm volatile("ld.shared.u32 %0, [%1];"
                          : "=r"(x)
-                         : "r"(src + key * FA_DVP + 4 * c4));
+                         : "r"(src + (4 * c4 / FA_RB) * (FA_BN * FA_RB) + key * FA_RB +
+                               ((((cb >> 4) ^ swz) << 4) | (cb & 15))));
             a[e] = key < valid ? x : 0u;
         }
         const fa_u32 t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);

@@ -15,7 +15,6 @@
 #include "plan/fa_plan.h"
 
 #define FA_CU_TENSOR_MAP_UINT8 0
-#define FA_CU_TENSOR_MAP_SWIZZLE_NONE 0
 #define FA_CU_TENSOR_MAP_SWIZZLE_64B 2
 
 /* The kernel's second parameter (fa_tmaps8 in kernels/fa_fwd_sm90_fp8.cu), the same layout. */
@@ -51,8 +50,9 @@ static int fa_tmap8(const fa_cuda_driver *d, fa_cu_tensor_map *map, const void *
                                       0) != 0;
 }
 
-/* Q and K in rows of 128 bytes (64 at d 64) with the swizzle of that width, which the kernel's
- * wgmma descriptors read; V whole rows of dvp bytes unswizzled, for the producer's transpose. */
+/* Q, K and V in rows of 128 bytes (64 at d 64) with the swizzle of that width: the kernel's wgmma
+ * descriptors read Q and K so, its producer transposes V from it (the swizzle spreads the
+ * transpose's reads over the banks). */
 static int fa_tmaps8_encode(const fa_cuda_driver *d, const fa_params *p, const fa_plan *plan,
                             fa_cuda_tmaps8 *t)
 {
@@ -69,7 +69,7 @@ static int fa_tmaps8_encode(const fa_cuda_driver *d, const fa_params *p, const f
            fa_tmap8(d, &t->k, p->k, p->d, rows_k, p->hk, b, p->k_rstride, p->k_hstride,
                     p->k_bstride, rb, plan->bn, sw) ||
            fa_tmap8(d, &t->v, p->v, p->dv, rows_k, p->hk, b, p->v_rstride, p->v_hstride,
-                    p->v_bstride, plan->dvp, plan->bn, FA_CU_TENSOR_MAP_SWIZZLE_NONE);
+                    p->v_bstride, rb, plan->bn, sw);
 }
 
 fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int arch,
