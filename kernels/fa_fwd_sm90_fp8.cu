@@ -237,11 +237,13 @@ FA_DEV void fa_produce_tile8(const fa_smem8 *m, const fa_tmaps8 *tm, const fa_ti
 /* S = Q K^T for one key block: FA_DP / 32 k-steps of 32 bytes, FA_RB / 32 per row block. */
 FA_DEV void fa_gemm8_s(float *sacc, fa_u32 q_rows, fa_u32 k_rows)
 {
+    /* One descriptor each, stepped by fa_desc_at (an add to the address field). */
+    const fa_u64 dq = fa_desc8(q_rows, FA_RB), dk = fa_desc8(k_rows, FA_RB);
 #pragma unroll
     for (int kk = 0; kk < FA_DP / 32; kk++) {
         const int blk = kk / (FA_RB / 32), off = (kk % (FA_RB / 32)) * 32;
-        fa_wgmma8_s(sacc, fa_desc8(q_rows + blk * FA_BM * FA_RB + off, FA_RB),
-                    fa_desc8(k_rows + blk * FA_BN * FA_RB + off, FA_RB), kk > 0);
+        fa_wgmma8_s(sacc, fa_desc_at(dq, blk * FA_BM * FA_RB + off),
+                    fa_desc_at(dk, blk * FA_BN * FA_RB + off), kk > 0);
     }
     fa_wg_commit();
 }
