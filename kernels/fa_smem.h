@@ -24,6 +24,13 @@
     (FA_SMEM_FWD90_Q(bm, dp) + (stages) * (FA_SMEM_FWD90_K(bn, dp) + FA_SMEM_FWD90_V(bn, dvp)) + \
      8 * (3 + 4 * (stages)) + 1024)
 
+/* sm90 fp8 forward (fa_fwd_sm90_fp8.cu), from a 1024-byte aligned base, one byte an element:
+ * Q [bm][dp]; per stage K [bn][dp], V^T [dvp][bn] and the raw V [bn][dvp] it is transposed from;
+ * the mbarriers q_full, q_empty and k_full, k_empty, r_full, v_full, v_empty per stage; 1 KB more
+ * to round the base up to the swizzle atom. */
+#define FA_SMEM_FWD90_FP8(bm, bn, dp, dvp, stages)                                                \
+    ((bm) * (dp) + (stages) * ((bn) * (dp) + 2 * (bn) * (dvp)) + 8 * (2 + 5 * (stages)) + 1024)
+
 /* sm80 backward (fa_bwd_sm80.cu): rows padded by 8 elements (bank conflicts); Q [qstages][bm]
  * [dp+8], dO [qstages][bm][dvp+8], K [bn][dp+8], V [bn][dvp+8], dS^T [bn][bm+8] and, with the
  * columns of dK and dV split over warps (split > 1), P^T [bn][bm+8]; then fp32 lse * log2(e) and

@@ -60,7 +60,8 @@ static void fa_pc_usage(FILE *f)
           "  --arch LIST      sm_80,sm_86,sm_89,sm_90a,... (default sm_80,sm_90a)\n"
           "  --hdim LIST      head dims, each D or D:DV where V's differs (default\n"
           "                   32,64,96,128,192,256,192:128)\n"
-          "  --dtype LIST     fp16,bf16 (default both)\n"
+          "  --dtype LIST     fp16,bf16 (default both), or fp8_e4m3 (the sm_90a fp8 forward\n"
+          "                   kernel only, bf16 and fp16 outputs)\n"
           "  --features LIST  feature sets, each none or names joined by '+' from varlen, alibi,\n"
           "                   softcap, dropout, unaligned (default\n"
           "                   none,varlen,varlen+alibi+dropout,dropout,softcap+unaligned)\n"
@@ -131,8 +132,11 @@ static int fa_pc_list(const char *opt, const char *arg, int *ints, int *ints2, u
         else if (ok && strcmp(opt, "--features") == 0)
             ok = fa_pc_features(tok, &bits[n]) == 0;
         else if (ok && strcmp(opt, "--dtype") == 0) {
-            ok = strcmp(tok, "fp16") == 0 || strcmp(tok, "bf16") == 0;
-            dts[n] = strcmp(tok, "bf16") == 0 ? FA_DTYPE_BF16 : FA_DTYPE_F16;
+            ok = strcmp(tok, "fp16") == 0 || strcmp(tok, "bf16") == 0 ||
+                 strcmp(tok, "fp8_e4m3") == 0;
+            dts[n] = strcmp(tok, "bf16") == 0       ? FA_DTYPE_BF16
+                     : strcmp(tok, "fp8_e4m3") == 0 ? FA_DTYPE_F8E4M3
+                                                    : FA_DTYPE_F16;
         }
         if (!ok) {
             fprintf(stderr, "flashattn precompile: bad %s entry '%s'\n", opt, tok);

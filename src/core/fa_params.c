@@ -79,7 +79,7 @@ static fa_status fa_check_inputs(const fa_fwd_args *a, fa_params *p)
     if (!fp8 && o->dtype != q->dtype)
         return FA_BAD("out: dtype %s does not match q's %s", fa_dtype_name(o->dtype),
                       fa_dtype_name(q->dtype));
-    if (fp8 && a->device != FA_DEVICE_CPU)
+    if (fp8 && a->device != FA_DEVICE_CPU && !fa_sm90_fp8_enabled())
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "q: dtype %s is not supported on a CUDA device yet (the CPU "
                             "backend computes fp8)",

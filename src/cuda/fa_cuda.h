@@ -11,6 +11,11 @@ extern const fa_backend fa_cuda_backend;
  * allocation, no synchronisation. p is the validated problem (its pointers are device pointers). */
 fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args);
 
+/* The fp8 (e4m3) forward through the sm90 kernel (fa_cuda_forward_fp8.c; FLASHATTN_SM90_FP8=1),
+ * on a device of compute capability arch giving smem_optin bytes of shared memory a block. */
+fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int arch,
+                              int smem_optin);
+
 /* The kernel family ("fa_fwd_sm80.cu", "fa_fwd_sm90.cu") the calling thread's last forward
  * launched, "" before any: lets the GPU tests check which path ran. */
 const char *fa_cuda_last_family(void);

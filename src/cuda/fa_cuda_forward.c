@@ -8,6 +8,7 @@
 
 #include "fa_kparams.h"
 #include "fa_rules.h"
+#include "core/fa_fp8.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_jit.h"
 #include "util/fa_philox.h"
@@ -149,6 +150,13 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     if (p->probs && p->probs_block_n > 128)
         return fa_error_set(FA_STATUS_INTERNAL, "probs block width %d over 128",
                             p->probs_block_n);
+    /* fp8 only reaches a device with FLASHATTN_SM90_FP8=1 (fa_params refuses it otherwise). */
+    if (fa_dtype_is_fp8(p->dtype)) {
+        st = fa_cuda_forward_fp8(p, args, arch, smem_optin);
+        if (st == FA_STATUS_OK)
+            fa_cuda_family_used = "fa_fwd_sm90_fp8.cu";
+        return st;
+    }
     if (fa_cuda_forward_decodes(p)) {
         st = fa_cuda_forward_decode(p, args);
         if (st == FA_STATUS_OK)
@@ -289,7 +297,26 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
 {
     fa_plan_key key = {arch, dtype, head_dim, head_dim_v, features};
     fa_plan plan;
-    fa_status st = fa_plan_forward(&key, &plan);
+    fa_status st;
+    /* fp8: the sm90 fp8 kernel only (FLASHATTN_SM90_FP8 or not), bf16 and fp16 outputs. */
+    if (fa_dtype_is_fp8(dtype)) {
+        fa_jit_origin origin = FA_JIT_COMPILED;
+        st = fa_plan_forward_sm90_fp8(&key, &plan);
+        if (st == FA_STATUS_OK)
+            st = fa_jit_build(&plan, &origin);
+        int done = st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+        key.features |= FA_PLAN_OUT_F16;
+        if (st == FA_STATUS_OK)
+            st = fa_plan_forward_sm90_fp8(&key, &plan);
+        if (st == FA_STATUS_OK)
+            st = fa_jit_build(&plan, &origin);
+        if (cached)
+            *cached = done && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+        if (st == FA_STATUS_OK)
+            fa_error_clear();
+        return st;
+    }
+    st = fa_plan_forward(&key, &plan);
     if (st != FA_STATUS_OK)
         return st;
     fa_jit_origin origin;

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/fa_error.h"
+#include "core/fa_fp8.h"
 #include "core/fa_params.h"
 #include "plan/fa_plan.h"
 #include "fa_smem.h"
@@ -281,8 +282,83 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     return FA_STATUS_OK;
 }
 
+/*
+ * The sm90 fp8 forward (fa_fwd_sm90_fp8.cu): e4m3 q, k, v, d = dv a multiple of 16 up to 256
+ * (padded to 64, 128 or 256), dense or varlen, causal, window, GQA, softcap; 128 x 128 tiles, two
+ * stages (d 256: 225 KB of shared memory with the transposed V). What it cannot do is refused
+ * naming the argument: no other family computes fp8 on a CUDA device.
+ */
+static fa_status fa_plan_fp8_refuse(const char *arg, const char *what)
+{
+    return fa_error_set(FA_STATUS_UNSUPPORTED,
+                        "%s: %s is not supported with fp8 inputs on a CUDA device (the CPU "
+                        "backend computes it)",
+                        arg, what);
+}
+
+fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
+{
+    if (key->dtype != FA_DTYPE_F8E4M3)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: the CUDA fp8 forward computes fp8_e4m3, got %s (the CPU backend "
+                            "computes it)",
+                            fa_dtype_name(key->dtype));
+    if (key->arch != 90)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: the CUDA fp8 forward needs compute capability 9.0 (Hopper), got "
+                            "%d.%d",
+                            key->arch / 10, key->arch % 10);
+    if (key->d < 16 || key->d > 256 || key->d % 16 != 0)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "q: the CUDA fp8 forward takes head dims multiples of 16 up to 256, "
+                            "got %d",
+                            key->d);
+    if (key->dv != key->d)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "v: the CUDA fp8 forward takes v's head dim equal to q's (%d), got %d",
+                            key->d, key->dv);
+    if (key->features & FA_FEATURE_ALIBI)
+        return fa_plan_fp8_refuse("alibi_slopes", "ALiBi");
+    if (key->features & FA_FEATURE_DROPOUT)
+        return fa_plan_fp8_refuse("dropout_p", "dropout");
+    if (key->features & FA_PLAN_PROBS)
+        return fa_plan_fp8_refuse("probs", "the probs output");
+    if (key->features & FA_PLAN_PAGED)
+        return fa_plan_fp8_refuse("block_table", "a paged KV layout");
+    if (key->features & FA_PLAN_SCORE_MOD)
+        return fa_plan_fp8_refuse("score_mod", "user-defined scoring");
+    if (key->features & FA_PLAN_MASK_MOD)
+        return fa_plan_fp8_refuse("mask_mod", "user-defined scoring");
+    if (key->features & FA_PLAN_BLOCK_MASK)
+        return fa_plan_fp8_refuse("block_mask", "a block mask");
+    *plan = (fa_plan){0};
+    plan->family = "fa_fwd_sm90_fp8.cu";
+    snprintf(plan->target, sizeof plan->target, "sm_90a");
+    plan->dp = plan->dvp = key->d <= 64 ? 64 : key->d <= 128 ? 128 : 256;
+    plan->bm = 128;
+    plan->bn = 128;
+    plan->nwarps = 12;
+    plan->stages = 2;
+    plan->persistent = 2;
+    plan->threads = 384;
+    plan->smem = (unsigned)FA_SMEM_FWD90_FP8(plan->bm, plan->bn, plan->dp, plan->dvp, 2);
+    fa_plan_define(plan, "FA_BF16", key->features & FA_PLAN_OUT_F16 ? 0 : 1);
+    fa_plan_define(plan, "FA_D", key->d);
+    fa_plan_define(plan, "FA_DP", plan->dp);
+    fa_plan_define(plan, "FA_DVP", plan->dvp);
+    fa_plan_define(plan, "FA_NCW", 2);
+    fa_plan_define(plan, "FA_BM", plan->bm);
+    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define(plan, "FA_STAGES", plan->stages);
+    fa_plan_define_features(plan, key->features, FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP);
+    return FA_STATUS_OK;
+}
+
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
 {
+    /* fp8 goes to its own family, only behind FLASHATTN_SM90_FP8=1 (else refused below). */
+    if (fa_dtype_is_fp8(key->dtype) && fa_sm90_fp8_enabled())
+        return fa_plan_forward_sm90_fp8(key, plan);
     FA_TRY(fa_plan_check_forward_key(key));
     if (key->arch == 90 && fa_plan_sm90_enabled() && fa_plan_forward_sm90(key, plan) == FA_STATUS_OK)
         return FA_STATUS_OK;

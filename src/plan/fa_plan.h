@@ -24,6 +24,7 @@
 #define FA_PLAN_PAGED (1u << 27)   /* k and v are paged through a block table */
 #define FA_PLAN_KV_E4M3 (1u << 28) /* decode: the caches are fp8 e4m3 (q fp16 or bf16) */
 #define FA_PLAN_KV_E5M2 (1u << 29) /* decode: the caches are fp8 e5m2 */
+#define FA_PLAN_OUT_F16 (1u << 30) /* fp8 forward: out is fp16 (bf16 otherwise) */
 /* User-defined scoring (forward): the call has a score_mod, a mask_mod, a block mask. The
  * sm80 family compiles them (on sm_90 too, for now); the plan's score_mod / mask_mod then
  * carry the programs' generated CUDA C. */
@@ -69,6 +70,11 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan);
 /* The sm90 family's plan for key, whatever FLASHATTN_SM90 says (precompile, tests); returns
  * FA_STATUS_UNSUPPORTED, without setting an error, when the family cannot do the case. */
 fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan);
+
+/* The sm90 fp8 forward's plan for key (fa_fwd_sm90_fp8.cu), whatever FLASHATTN_SM90_FP8 says
+ * (precompile, tests); FA_STATUS_UNSUPPORTED with a message naming the argument when it cannot
+ * do the case. fa_plan_forward takes it for fp8 keys only with FLASHATTN_SM90_FP8=1. */
+fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan);
 
 /* Nonzero when the plan routes supported cases to the sm90 family (not FLASHATTN_SM90=0). */
 int fa_plan_sm90_enabled(void);

@@ -7,6 +7,9 @@
  *     shared memory and the consumers' accumulator registers hold it (d 192 / dv 128: 128 keys),
  *     FA_DV defined exactly where dv != d;
  *   - dropout on the sm90 forward (64-key blocks at head dim 256), the sm80 family with probs;
+ *   - fp8 forward: without FLASHATTN_SM90_FP8=1 refused as before, naming q and its dtype; with
+ *     it the sm90 fp8 family on sm_90 (128 x 128 tiles, head dims padded to 64, 128, 256, shared
+ *     memory within the device's), and refusals naming the argument for what it cannot do;
  *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
  *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the padded head dims of the arch-80 plan
  *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
@@ -458,6 +461,70 @@ static void check_decode_splits(void)
             }
 }
 
+/* The fp8 forward: off by default (the refusal of before), the sm90 fp8 family behind
+ * FLASHATTN_SM90_FP8=1, refusals naming the argument. */
+static void check_forward_fp8(void)
+{
+    fa_plan plan;
+    fa_plan_key key = {90, FA_DTYPE_F8E4M3, 128, 128, 0};
+    unsetenv("FLASHATTN_SM90_FP8");
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_UNSUPPORTED &&
+                 strstr(fa_last_error(), "q: the CUDA backend computes fp16 and bf16") != NULL &&
+                 strstr(fa_last_error(), "fp8_e4m3") != NULL,
+             "fp8 without the switch: %s", fa_last_error());
+    setenv("FLASHATTN_SM90_FP8", "0", 1);
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_UNSUPPORTED,
+             "fp8 with FLASHATTN_SM90_FP8=0 planned");
+    setenv("FLASHATTN_SM90_FP8", "1", 1);
+    const unsigned feats[] = {0, FA_FEATURE_VARLEN, FA_FEATURE_SOFTCAP,
+                              FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP | FA_PLAN_OUT_F16};
+    for (int d = 16; d <= 256; d += 16)
+        for (size_t f = 0; f < sizeof feats / sizeof feats[0]; f++) {
+            key = (fa_plan_key){90, FA_DTYPE_F8E4M3, d, d, feats[f]};
+            TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                         strcmp(plan.family, "fa_fwd_sm90_fp8.cu") == 0,
+                     "fp8 d %d features %x: %s", d, feats[f], fa_last_error());
+            const int dp = d <= 64 ? 64 : d <= 128 ? 128 : 256;
+            TU_CHECK(plan.dp == dp && plan.dvp == dp && plan.bm == 128 && plan.bn == 128 &&
+                         plan.threads == 384 && plan.smem <= FA_SMEM_SM90_MAX &&
+                         plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, 128, dp, dp, plan.stages),
+                     "fp8 d %d: dp %d bm %d bn %d smem %u", d, plan.dp, plan.bm, plan.bn,
+                     plan.smem);
+            TU_CHECK(plan_define(&plan, "FA_D") == d && plan_define(&plan, "FA_DP") == dp &&
+                         plan_define(&plan, "FA_BF16") == !(feats[f] & FA_PLAN_OUT_F16) &&
+                         plan_define(&plan, "FA_VARLEN") == !!(feats[f] & FA_FEATURE_VARLEN) &&
+                         plan_define(&plan, "FA_SOFTCAP") == !!(feats[f] & FA_FEATURE_SOFTCAP),
+                     "fp8 d %d features %x: defines", d, feats[f]);
+        }
+    /* Refused, naming the argument. */
+    const struct {
+        fa_plan_key key;
+        const char *arg;
+    } bad[] = {
+        {{90, FA_DTYPE_F8E5M2, 128, 128, 0}, "q:"},
+        {{80, FA_DTYPE_F8E4M3, 128, 128, 0}, "q:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 64, 0}, "v:"},
+        {{90, FA_DTYPE_F8E4M3, 24, 24, 0}, "q:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_ALIBI}, "alibi_slopes:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_DROPOUT}, "dropout_p:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_PROBS}, "probs:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_VARLEN | FA_PLAN_PAGED}, "block_table:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_SCORE_MOD}, "score_mod:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_MASK_MOD}, "mask_mod:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_BLOCK_MASK}, "block_mask:"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        TU_CHECK(fa_plan_forward(&bad[i].key, &plan) == FA_STATUS_UNSUPPORTED &&
+                     strncmp(fa_last_error(), bad[i].arg, strlen(bad[i].arg)) == 0,
+                 "fp8 refusal %zu: %s", i, fa_last_error());
+    /* The bf16 plans are untouched by the switch. */
+    key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, 0};
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                 strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
+             "bf16 with FLASHATTN_SM90_FP8=1: %s", plan.family);
+    unsetenv("FLASHATTN_SM90_FP8");
+}
+
 int main(void)
 {
     tu_master_seed("test_plan");
@@ -465,6 +532,7 @@ int main(void)
     check_forward_sm90();
     check_forward_sm90_dv();
     check_forward_sm90_dropout();
+    check_forward_fp8();
     check_backward();
     check_backward_wide();
     check_backward_sm90_wide();

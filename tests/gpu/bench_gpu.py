@@ -13,7 +13,9 @@ keeps every number.
 the same call with FLASHATTN_SM90=0 (the sm80 family), on Hopper only. --variants times more
 plans of the sm_90a family (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG each) beside them.
 --dropout P also times the same calls with dropout_p = P ("drop", and "drop sm80" on Hopper)
-and prints drop/ours.
+and prints drop/ours. --fp8 (Hopper, d = dv) also times the fp8 (e4m3) forward on the same
+shapes ("fp8": q, k, v cast to float8_e4m3fn, out bf16, FLASHATTN_SM90_FP8=1; the same FLOP
+count) and prints fp8/ours.
 """
 import argparse
 import ctypes
@@ -42,7 +44,8 @@ def fa_view(t):
     """An FaTensor over a CUDA tensor (device pointer, element strides)."""
     ft = _lib.FaTensor()
     ft.data = t.data_ptr()
-    ft.dtype = _lib.DTYPE_BF16 if t.dtype == torch.bfloat16 else _lib.DTYPE_F16
+    ft.dtype = {torch.bfloat16: _lib.DTYPE_BF16,
+                torch.float8_e4m3fn: _lib.DTYPE_F8E4M3}.get(t.dtype, _lib.DTYPE_F16)
     ft.ndim = t.dim()
     for i in range(t.dim()):
         ft.shape[i] = t.shape[i]
@@ -133,6 +136,8 @@ def main():
                     help="';'-separated FLASHATTN_SM90_TILE values to time as extra columns")
     ap.add_argument("--dropout", type=float, default=0.0,
                     help="also time each call with this dropout_p (columns drop, drop sm80)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time the fp8 (e4m3) forward (Hopper, FLASHATTN_SM90_FP8=1)")
     ap.add_argument("--first-call", type=int, default=0, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.first_call:
@@ -184,6 +189,19 @@ def main():
                         if var:
                             os.environ.pop(var, None)
                     del out2
+                if opts.fp8 and hopper and dv == d:
+                    q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+                    out8 = torch.empty_like(out)
+                    os.environ["FLASHATTN_SM90_FP8"] = "1"
+                    try:
+                        row["fp8"] = flops / bench(Call(q8, k8, v8, out8, causal)) / 1e12
+                        row["maxdiff_fp8"] = (out8.float() - out.float()).abs().max().item()
+                    except RuntimeError as ex:
+                        row["fp8"] = None
+                        row["fp8_error"] = str(ex).splitlines()[0][:100]
+                    finally:
+                        os.environ.pop("FLASHATTN_SM90_FP8", None)
+                    del q8, k8, v8, out8
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 for name, be in BACKENDS.items():
                     if name not in opts.backends.split(","):
@@ -211,14 +229,16 @@ def main():
     fmt = lambda x: f"{x:6.0f}" if x else "     -"
     extra = [f"tile {t}" for t in opts.variants.split(";") if t]
     drops = [] if not opts.dropout else ["drop", "drop sm80"]
+    drops += ["fp8"] if opts.fp8 else []
     print(f"\nTFLOP/s fwd, bf16, {torch.cuda.get_device_name()}" +
           "".join(f"; t{i} = FLASHATTN_SM90_TILE={t[5:]}" for i, t in enumerate(extra)))
     # V's head dim gets a column only when --dv sets it.
     dv_col = lambda r: f"{r['hdim_v']:5d} " if opts.dv else ""
     print("hdim " + ("   dv " if opts.dv else "") + "seqlen causal |   ours   sm80" +
           "".join(f"    t{i}" for i in range(len(extra))) +
-          ("   drop  d.sm80" if drops else "") + "  flash  cudnn | ours/cudnn ours/flash maxdiff" +
-          (" drop/ours" if drops else ""))
+          ("   drop  d.sm80" if opts.dropout else "") + ("    fp8" if opts.fp8 else "") +
+          "  flash  cudnn | ours/cudnn ours/flash maxdiff" +
+          (" drop/ours" if opts.dropout else "") + (" fp8/ours" if opts.fp8 else ""))
     ratio = lambda a, b: a / b if a and b else float("nan")
     for r in rows:
         print(f"{r['hdim']:4d} {dv_col(r)}{r['seqlen']:6d} {str(r['causal']):6s} | "
@@ -226,7 +246,8 @@ def main():
               f" {fmt(r.get('flash'))} {fmt(r.get('cudnn'))} | "
               f"{ratio(r['ours'], r.get('cudnn')):10.2f} {ratio(r['ours'], r.get('flash')):10.2f} "
               f"{r.get('maxdiff_vs_flash', float('nan')):.1e}" +
-              (f" {ratio(r.get('drop'), r['ours']):9.2f}" if drops else ""))
+              (f" {ratio(r.get('drop'), r['ours']):9.2f}" if opts.dropout else "") +
+              (f" {ratio(r.get('fp8'), r['ours']):8.2f}" if opts.fp8 else ""))
 
 
 if __name__ == "__main__":
