@@ -123,6 +123,19 @@ void gu_fill_uniform(gpu_buf *g, double lo, double hi)
 
 #define GU_MAX_SHARDS 256
 
+int gu_only(const char *name)
+{
+    const char *only = getenv("FA_TEST_ONLY");
+    if (!only || !*only)
+        return 1;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", only);
+    for (char *part = strtok(buf, "|"); part; part = strtok(NULL, "|"))
+        if (strstr(name, part))
+            return 1;
+    return 0;
+}
+
 int gu_shard_take(double cost)
 {
     static double load[GU_MAX_SHARDS];

@@ -71,6 +71,11 @@ void gu_fill_uniform(gpu_buf *g, double lo, double hi);
  * sets the run's length); without it, every run. */
 int gu_shard_take(double cost);
 
+/* Whether FA_TEST_ONLY=a|b|... (unset or empty: every case) selects a case of this name: one
+ * of the '|'-separated parts is in it (for compute-sanitizer, whose slowdown the long cases
+ * cannot afford, or one case alone). */
+int gu_only(const char *name);
+
 /* A run's estimated cost for gu_shard_take: the references' work, ~pairs of rows seen times
  * (d + dv), plus a fixed share for the GPU side. Costs measured for test_gpu_sm90's cases on
  * one core followed it within ~25% (bench/NOTES.md, ninth session). */

@@ -206,23 +206,11 @@ static int failures;
 static const char *expect_family;
 
 /* scale: NULL for the default softmax scale. */
-/* FA_TEST_ONLY=a|b|... runs only the cases whose names contain one of the '|'-separated parts
- * (for compute-sanitizer, whose slowdown the long cases cannot afford); FA_TEST_SHARD as
- * gu_shard_take says. */
+/* FA_TEST_ONLY and FA_TEST_SHARD as gu_only and gu_shard_take say. */
 static int case_selected(const gpu_case *c)
 {
-    const char *name = c->name;
-    if (!gu_shard_take(gu_attn_cost(c->b, c->h, c->sq, c->sk, c->d, c->dv, c->causal)))
-        return 0;
-    const char *only = getenv("FA_TEST_ONLY");
-    if (!only || !*only)
-        return 1;
-    char buf[256];
-    snprintf(buf, sizeof buf, "%s", only);
-    for (char *part = strtok(buf, "|"); part; part = strtok(NULL, "|"))
-        if (strstr(name, part))
-            return 1;
-    return 0;
+    return gu_shard_take(gu_attn_cost(c->b, c->h, c->sq, c->sk, c->d, c->dv, c->causal)) &&
+           gu_only(c->name);
 }
 
 static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)

@@ -59,7 +59,8 @@ static int64_t at3(const fa_tensor *t, int64_t tok, int64_t s, int varlen, int64
 static void run_case(const f8case *c)
 {
     const fa_dtype dt = FA_DTYPE_F8E4M3;
-    if (!gu_shard_take(gu_attn_cost(c->b, c->h, c->sq, c->sk, c->d, c->d, c->causal)))
+    if (!gu_shard_take(gu_attn_cost(c->b, c->h, c->sq, c->sk, c->d, c->d, c->causal)) ||
+        !gu_only(c->name))
         return;
     int64_t total_q = (int64_t)c->b * c->sq, total_k = (int64_t)c->b * c->sk;
     const int64_t s1[1] = {c->b + 1};
