@@ -137,8 +137,9 @@ fa_tensor fa_tensor_make(void *data, fa_dtype dtype, int ndim, const int64_t *sh
  * ignored. Dense form only; the CPU's backward takes it. On a CUDA device the index tensors
  * live in device memory and are not read on the host: counts are clamped into [0, n] and
  * indices outside [0, ceil(sk / kv_block)) ignored (the CPU refuses both), and a mask whose
- * key blocks of a tile's query blocks, ((bm - 1) / q_block + 2) * ceil(sk / kv_block) bytes,
- * do not fit beside the kernel's shared memory is refused (use larger blocks).
+ * key blocks of a tile's query blocks, ((bm - 1) / q_block + 2) * ceil(sk / kv_block) bytes
+ * and 4 bytes more per key block, do not fit beside the kernel's shared memory is refused (use
+ * larger blocks).
  */
 typedef struct fa_block_mask {
     int64_t q_block, kv_block;           /* rows and keys per block, >= 1 */

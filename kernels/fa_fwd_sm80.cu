@@ -33,6 +33,7 @@
 #define FA_PAGED 0
 #endif
 #include "fa_mod_flags.h"
+#include "fa_smem.h"
 
 #include "fa_common.cuh"
 
@@ -315,9 +316,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     unsigned char *const bm_tab =
         (unsigned char *)(fa_smem + FA_BM * FA_DP + FA_BN * (FA_DP + FA_DVP));
     const int bm_qb0 = m0 / kp.bm_q_block, bm_nqb = m_last / kp.bm_q_block - bm_qb0 + 1;
+    int *const bm_lab = (int *)(bm_tab + FA_SMEM_BM_STATES(FA_BM, kp.bm_q_block, kp.bm_nk));
     fa_bm_load(&kp, bm_tab, bi, h, 1, bm_qb0, bm_nqb, 0, kp.bm_nk);
+    fa_bm_live(&kp, bm_tab, bm_nqb, bm_lab);
     /* The first key block visited: the last one the block mask keeps. */
-    const int nb_first = fa_bm_below(&kp, bm_tab, bm_nqb, n_max, n_min, seq.sk);
+    const int nb_first = fa_bm_below(&kp, bm_lab, n_max, n_min, seq.sk);
     int nb_next;
 #elif FA_MASK_MOD
     const unsigned char *const bm_tab = 0; /* no block mask: one state, partial */
@@ -398,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     for (int nb = FA_NB_FIRST; nb >= n_min; FA_NB_STEP(nb)) {
         const int n0 = nb * FA_BN;
 #if FA_BLOCK_MASK
-        nb_next = fa_bm_below(&kp, bm_tab, bm_nqb, nb, n_min, seq.sk);
+        nb_next = fa_bm_below(&kp, bm_lab, nb, n_min, seq.sk);
 #endif
         /* K of this block (and Q) landed; every warp is done with the previous V. */
         fa_cp_async_wait_all();

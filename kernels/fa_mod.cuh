@@ -119,14 +119,45 @@ FA_DEV int fa_bm_state(const fa_kparams *kp, const unsigned char *tab, int nqb, 
     return first;
 }
 
-/* The next key block below nb that the block mask does not skip, or n_min - 1. */
-FA_DEV int fa_bm_below(const fa_kparams *kp, const unsigned char *tab, int nqb, int nb,
-                       int n_min, int sk)
+/* The forward tile's live key blocks, from its states (tab: fa_bm_load): lab[kb] is the last
+ * key block at or below kb that some query block of the tile does not skip, -1 if none. Warp 0
+ * makes it once per tile (32 key blocks a ballot), so that each step to the next block visited
+ * is a lookup (fa_bm_below), not a walk over every block skipped. */
+FA_DEV void fa_bm_live(const fa_kparams *kp, const unsigned char *tab, int nqb, int *lab)
 {
-    for (nb--; nb >= n_min; nb--)
-        if (fa_bm_state(kp, tab, nqb, nb * FA_BN, sk) != FA_BM_SKIP)
-            break;
-    return nb;
+    if (threadIdx.x < 32) {
+        const int lane = (int)threadIdx.x, nk = kp->bm_nk;
+        int carry = -1;
+        for (int c = 0; c < nk; c += 32) {
+            const int kb = c + lane;
+            bool live = false;
+            for (int q = 0; q < nqb && kb < nk; q++)
+                live |= tab[q * nk + kb] != FA_BM_SKIP;
+            const unsigned mask = __ballot_sync(0xffffffffu, live);
+            const unsigned upto = mask & (0xffffffffu >> (31 - lane)); /* lanes 0 .. lane */
+            if (kb < nk)
+                lab[kb] = upto ? c + 31 - __clz(upto) : carry;
+            if (mask)
+                carry = c + 31 - __clz(mask);
+        }
+    }
+    __syncthreads();
+}
+
+/* The next key block (of FA_BN keys) below nb that the block mask does not skip for the tile,
+ * or n_min - 1 (lab: fa_bm_live). */
+FA_DEV int fa_bm_below(const fa_kparams *kp, const int *lab, int nb, int n_min, int sk)
+{
+    const int c = nb - 1;
+    if (c < n_min)
+        return c;
+    const int kv = kp->bm_kv_block;
+    const int lo = c * FA_BN / kv, hi = (fa_min((c + 1) * FA_BN, sk) - 1) / kv;
+    const int l = lab[hi];
+    if (l >= lo) /* some key block of c's keys is live */
+        return c;
+    const int b = l < 0 ? -1 : ((l + 1) * kv - 1) / FA_BN; /* the block of l's last key */
+    return b >= n_min ? b : n_min - 1;
 }
 
 /* The state of query blocks qb0 .. qb1 over all nkb key blocks of a head's part of

@@ -67,6 +67,13 @@
     ((bn) * ((dp) + (dvp)) * 2 + (stages) * (bm) * ((dp) + (dvp)) * 2 + 4 * (bn) * (bm) * 2 +    \
      (2 + 2 * (stages)) * 8 + 6 * 4 + 1024)
 
+/* The sm80 forward's block-mask tables behind its tiles (fa_mod.cuh): the states of a tile's
+ * query blocks (fa_bm_load, at most (bm - 1) / q_block + 2 of them) over nk key blocks, rounded
+ * up to 4 bytes, then the live-block lookup (fa_bm_live), an int per key block. Bytes depend on
+ * the call: the launcher adds them to the plan's. */
+#define FA_SMEM_BM_STATES(bm, q_block, nk) (((((bm) - 1) / (q_block) + 2) * (nk) + 3) / 4 * 4)
+#define FA_SMEM_BM_FWD(bm, q_block, nk) (FA_SMEM_BM_STATES(bm, q_block, nk) + 4 * (nk))
+
 /* Decode (fa_decode.cu): stages of K [bn][dp] and V [bn][dvp] (kvb bytes an element: 2, or 1
  * for fp8 caches), then Q [bm][dp] (16-bit), then, paged, each stage's key rows' offsets in K
  * and V (int64 [stages][2][bn]); after the key loop the stages hold each warp's fp32 O [16][dvp]

@@ -8,6 +8,7 @@
 
 #include "fa_kparams.h"
 #include "fa_rules.h"
+#include "fa_smem.h"
 #include "core/fa_fp8.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_jit.h"
@@ -219,7 +220,7 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
     unsigned smem = plan.smem;
     if (p->mods.blocks.num.data) {
         const fa_mod_blocks *b = &p->mods.blocks;
-        const int64_t bytes = ((plan.bm - 1) / b->q_block + 2) * b->nk;
+        const int64_t bytes = FA_SMEM_BM_FWD((int64_t)plan.bm, b->q_block, b->nk);
         if (bytes > smem_optin - (int64_t)plan.smem)
             return fa_error_set(FA_STATUS_UNSUPPORTED,
                                 "block_mask: %lld key blocks of %lld keys need %lld bytes of "
