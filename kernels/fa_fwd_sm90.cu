@@ -43,12 +43,26 @@
  * only where it differs from FA_D), FA_DP and FA_DVP (each rounded up to 64: 64, 128, 192 or 256;
  * V's stages and the P V product are FA_DVP wide, O holds FA_DVP / 2 registers a thread), FA_NCW,
  * FA_BM (64 FA_NCW), FA_BN (16 k 64..192), FA_STAGES, FA_SOFTCAP, FA_ALIBI, FA_DROPOUT,
- * FA_VARLEN, FA_PINGPONG.
+ * FA_VARLEN, FA_PINGPONG; FA_SCORE_MOD, FA_MASK_MOD, FA_BLOCK_MASK only for calls with
+ * user-defined scoring (the generated fa_mod_gen.cuh included; the sm80 family's semantics:
+ * score_mod on every score after softcap and ALiBi, in natural-log units, mask_mod and the block
+ * mask dropping keys where the window would; key blocks the block mask skips are neither loaded
+ * nor computed, and the producer's warp publishes the walk, fa_fwd_sm90_mod.cuh).
  * Varlen maps span the packed rows ({d, total, heads, 1}) and tiles take their sequence's offsets
  * from cu_seqlens. Features not compiled here (probs, unaligned rows) are routed to the
  * sm80 family by the plan.
  * Entry points: fa_fwd(kp, tensor maps) and fa_fwd_fill (varlen rows outside every sequence).
  */
+#include "fa_mod_flags.h"
+
+#if FA_BLOCK_MASK && FA_NCW == 2
+/* The producer's first warp builds the block mask's lists (fa_fwd_sm90_mod.cuh): 24 registers
+ * spill there; 128 x 32 + 256 x 240 = 65536 is the register file split. */
+#ifndef FA_REGS_PRODUCER
+#define FA_REGS_PRODUCER 32
+#define FA_REGS_CONSUMER 240
+#endif
+#endif
 #include "fa_common.cuh"
 #include "fa_sm90.cuh"
 #include "fa_smem.h"
@@ -69,6 +83,18 @@
 
 #ifndef FA_DV
 #define FA_DV FA_D /* V's head dim: the plan defines it only where it differs from Q's */
+#endif
+
+#include "fa_mod.cuh"
+#include "fa_fwd_sm90_mod.cuh"
+
+/* The key block of step `it` of tile w's walk (last first), and its block-mask state. */
+#if FA_BLOCK_MASK
+#define FA_TILE_BLOCK(w, it) ((w)->bm_list[it] >> 2)
+#define FA_TILE_STATE(w, it) ((w)->bm_list[it] & 3)
+#else
+#define FA_TILE_BLOCK(w, it) ((w)->n_max - 1 - (it))
+#define FA_TILE_STATE(w, it) FA_BM_PARTIAL /* mask_mod alone: every block consults it */
 #endif
 
 #if FA_BM != 64 * FA_NCW || FA_DP % 64 != 0 || FA_DP > 256 || FA_DVP % 64 != 0 ||                \
@@ -119,7 +145,7 @@ FA_DEV void fa_named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(i
 
 /* Whether the scores become base-2 units element by element (softcap and ALiBi transform them
  * anyway, and a scale <= 0 needs it); otherwise scale * log2(e) rides in the FFMA before exp2. */
-#define FA_PRESCALE_ALWAYS (FA_SOFTCAP || FA_ALIBI)
+#define FA_PRESCALE_ALWAYS (FA_SOFTCAP || FA_ALIBI || FA_SCORE_MOD)
 
 /* One consumer thread's view of its two rows (r and r + 8 of its warp's 16). */
 typedef struct fa_rows {
@@ -135,6 +161,14 @@ typedef struct fa_rows {
     fa_u32 stream_lo, stream_hi; /* the (sequence, head)'s Philox stream (fa_dropout_stream) */
     fa_u32 keep_lim;             /* ((keep_threshold - 1) << 16) | 0xffff */
     const fa_u32 *keys;          /* the Philox round keys (fa_tmaps.philox_keys) */
+#endif
+#if FA_SCORE_MOD || FA_MOD_MASKS
+    int bi, h; /* the mods' b and h */
+#endif
+#if FA_MOD_MASKS
+    int mod_st;                 /* the state of the key block being computed (FA_BM_*) */
+    const unsigned char *bm_tab; /* the tile's block-mask table (FA_BM_MIXED blocks) */
+    int bm_qb0, bm_nqb;         /* its query blocks */
 #endif
 } fa_rows;
 
@@ -217,16 +251,34 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
                              (kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1));
             x -= FA_RULE_ALIBI(r->slope_log2, dist);
 #endif
+#if FA_SCORE_MOD
+            /* In the score's natural units (the CPU's), then back to base 2. */
+            x = fa_score_mod(kp, x * FA_LN2, (float)r->bi, (float)r->h,
+                             (float)(r->row0 + 8 * ((j >> 1) & 1)),
+                             (float)(kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1))) *
+                FA_LOG2E;
+#endif
             sacc[j] = x;
         }
     }
-    /* Mask keys outside each row's visible range (only blocks that cross an edge). */
+    /* Mask keys outside each row's visible range (only blocks that cross an edge), and those
+     * mask_mod or the block mask drop (blocks where some key needs the test). */
+#if FA_MOD_MASKS
+    const bool mod_on = FA_MASK_MOD ? r->mod_st != FA_BM_FULL : r->mod_st == FA_BM_MIXED;
+    if (mod_on || kb0 < r->lo_max || kb0 + FA_BN > r->hi_min) {
+#else
     if (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min) {
+#endif
 #pragma unroll
         for (int j = 0; j < FA_SACC; j++) {
             const int col = kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1);
             const int hf = (j >> 1) & 1;
-            if (col < r->lo[hf] || col >= r->hi[hf])
+            if (col < r->lo[hf] || col >= r->hi[hf]
+#if FA_MOD_MASKS
+                || (mod_on && !fa_mod_keep90(kp, r->bm_tab, r->mod_st, r->bi, r->h,
+                                             r->row0 + 8 * hf, col, r->bm_qb0, r->bm_nqb))
+#endif
+            )
                 sacc[j] = -FA_INF;
         }
     }
@@ -340,6 +392,12 @@ typedef struct fa_tile {
     int n_max, n_blocks; /* key blocks n_max - n_blocks .. n_max - 1, visited last first */
     int sq, sk;          /* the sequence's queries and keys */
     int q_start, k_start; /* its first rows in q and k (varlen; 0 otherwise) */
+#if FA_BLOCK_MASK
+    /* The block mask (fa_fwd_sm90_mod.cuh): n_blocks then counts the blocks it keeps, listed
+     * in bm_list, last first; bm_tab holds their states key block by key block. */
+    const int *bm_list;
+    const unsigned char *bm_tab;
+#endif
 } fa_tile;
 
 /*
@@ -399,6 +457,10 @@ typedef struct fa_smem_map {
     fa_u32 q_full, q_empty;
     fa_u32 k_full, v_full, k_empty, v_empty; /* + 8 * stage */
     fa_u32 scratch; /* 8 bytes that fa_softmax_order writes and nothing reads */
+#if FA_BLOCK_MASK
+    fa_u32 bm_full, bm_empty; /* + 8 * buffer (fa_fwd_sm90_mod.cuh) */
+    unsigned char *bm;        /* the two buffers */
+#endif
 } fa_smem_map;
 
 /* Keeps the softmax ahead of the wait for P_(i-1) V_(i-1). The exp2s touch no register of that
@@ -427,7 +489,7 @@ FA_DEV void fa_produce_tile(const fa_smem_map *m, const fa_tmaps *tm, const fa_t
                      FA_VARLEN ? 0 : w->bi, m->q_full);
     ++*q_round;
     for (int it = 0; it < w->n_blocks; it++, ++*kv) {
-        const int n = w->n_max - 1 - it, s = *kv % FA_STAGES, ph = (*kv / FA_STAGES) & 1;
+        const int n = FA_TILE_BLOCK(w, it), s = *kv % FA_STAGES, ph = (*kv / FA_STAGES) & 1;
         /* Each of K and V waits until every consumer released the stage's previous use. */
         fa_mbar_wait(m->k_empty + 8 * s, ph ^ 1);
         fa_mbar_expect_tx(m->k_full + 8 * s, FA_K_BYTES);
@@ -495,6 +557,18 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
     r.prescale = FA_PRESCALE_ALWAYS || !(kp->scale_log2 > 0.f);
     r.sm = r.prescale ? 1.f : kp->scale_log2;
     r.diag = sk - sq;
+#if FA_SCORE_MOD || FA_MOD_MASKS
+    r.bi = w->bi;
+    r.h = w->h;
+#endif
+#if FA_BLOCK_MASK
+    r.bm_tab = w->bm_tab;
+    fa_bm_tile_qbs(kp, w->m0, fa_min(w->m0 + FA_BM, sq) - 1, &r.bm_qb0, &r.bm_nqb);
+#elif FA_MOD_MASKS
+    r.bm_tab = 0; /* no block mask: every block partial */
+    r.bm_qb0 = 0;
+    r.bm_nqb = 1;
+#endif
 #if FA_ALIBI
     r.slope_log2 = kp->alibi_slopes[w->bi * kp->alibi_bstride + w->h * kp->alibi_hstride] * FA_LOG2E;
 #else
@@ -540,7 +614,10 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
         fa_stage_release(m->k_empty + 8 * (kv0 % FA_STAGES), lane);
         if (nb == 1)
             fa_stage_release(m->q_empty, lane);
-        fa_softmax_block(kp, &r, sacc, w->n_max - 1, row_max, row_sum, alpha);
+#if FA_MOD_MASKS
+        r.mod_st = FA_TILE_STATE(w, 0);
+#endif
+        fa_softmax_block(kp, &r, sacc, FA_TILE_BLOCK(w, 0), row_max, row_sum, alpha);
         fa_p_pack(sacc, pa);
 #if FA_VARLEN
         fa_v_tail_zero(m, w, kv0);
@@ -574,7 +651,10 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             fa_wg_wait0();
             fa_gemm_operands_pin(o, pa);
 #endif
-            fa_softmax_block(kp, &r, sacc, w->n_max - 1 - it, row_max, row_sum, alpha);
+#if FA_MOD_MASKS
+            r.mod_st = FA_TILE_STATE(w, it);
+#endif
+            fa_softmax_block(kp, &r, sacc, FA_TILE_BLOCK(w, it), row_max, row_sum, alpha);
 #if !FA_DROPOUT
 #if FA_NCW == 2
             fa_softmax_order(m, row_sum);
@@ -663,6 +743,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     m.k_empty = m.v_full + 8 * FA_STAGES; /* FA_CONSUMER_WARPS arrivals each */
     m.v_empty = m.k_empty + 8 * FA_STAGES;
     m.scratch = m.v_empty + 8 * FA_STAGES;
+#if FA_BLOCK_MASK
+    m.bm_full = m.scratch + 8;
+    m.bm_empty = m.bm_full + 16;
+    m.bm = fa_smem + (m.bm_empty + 16 - fa_smem_addr(fa_smem));
+#endif
 
     if (threadIdx.x == 0) {
         fa_mbar_init(m.q_full, 1);
@@ -673,6 +758,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_mbar_init(m.k_empty + 8 * s, FA_CONSUMER_WARPS);
             fa_mbar_init(m.v_empty + 8 * s, FA_CONSUMER_WARPS);
         }
+#if FA_BLOCK_MASK
+        for (int i = 0; i < 2; i++) {
+            fa_mbar_init(m.bm_full + 8 * i, 32); /* every lane of the list's warp */
+            fa_mbar_init(m.bm_empty + 8 * i, FA_CONSUMER_WARPS + 1); /* and the loading thread */
+        }
+#endif
         fa_mbar_init_fence();
     }
     __syncthreads();
@@ -683,6 +774,72 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     /* Broadcast, so that the compiler knows it warp-uniform and keeps what derives from it (the
      * consumers' Q descriptor) in uniform registers, where wgmma takes descriptors. */
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / FA_WG_THREADS, 0);
+#if FA_BLOCK_MASK
+    /* The same loops with the block mask's walk: the producer's second warp builds each tile's
+     * list, its first thread loads the blocks listed, the consumers compute them; the first
+     * thread and the consumers release the list's buffer (fa_fwd_sm90_mod.cuh). Two warps, so
+     * that neither holds the other's state in the producer's few registers. */
+    int bm_round = 0;
+    if (wg == 0) {
+        fa_regs_producer();
+        if (threadIdx.x >= 32 && threadIdx.x < 64) {
+            for (int t = blockIdx.x; t < n_units; t += gridDim.x)
+                for (int half = 0, hb, mb; half < 2; half++)
+                    if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
+                        const fa_tile w = fa_tile_get(&kp, hb, mb);
+                        if (w.n_blocks == 0)
+                            continue;
+                        const int i = bm_round & 1;
+                        fa_bm_produce(&kp, fa_bm_buf_at(&kp, m.bm, i), m.bm_full + 8 * i,
+                                      m.bm_empty + 8 * i, bm_round++, w.bi, w.h, w.m0,
+                                      fa_min(w.m0 + FA_BM, w.sq) - 1, w.n_max, w.n_blocks, w.sk,
+                                      threadIdx.x & 31);
+                    }
+            return;
+        }
+        if (threadIdx.x != 0)
+            return;
+        fa_tma_prefetch(&tm.q);
+        fa_tma_prefetch(&tm.k);
+        fa_tma_prefetch(&tm.v);
+        for (int t = blockIdx.x; t < n_units; t += gridDim.x)
+            for (int half = 0, hb, mb; half < 2; half++)
+                if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
+                    fa_tile w = fa_tile_get(&kp, hb, mb);
+                    if (w.n_blocks == 0)
+                        continue;
+                    const int i = bm_round & 1;
+                    const fa_bm_buf b = fa_bm_buf_at(&kp, m.bm, i);
+                    fa_mbar_wait(m.bm_full + 8 * i, (bm_round >> 1) & 1);
+                    bm_round++;
+                    w.n_blocks = *(volatile int *)b.count;
+                    w.bm_list = b.list;
+                    if (w.n_blocks > 0)
+                        fa_produce_tile(&m, &tm, &w, &kv, &q_round);
+                    fa_mbar_arrive(m.bm_empty + 8 * i);
+                }
+        return;
+    }
+    fa_regs_consumer();
+    for (int t = blockIdx.x; t < n_units; t += gridDim.x)
+        for (int half = 0, hb, mb; half < 2; half++)
+            if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
+                fa_tile w = fa_tile_get(&kp, hb, mb);
+                if (w.n_blocks == 0) { /* no table: the epilogue only */
+                    fa_consume_tile(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
+                    continue;
+                }
+                const int i = bm_round & 1;
+                const fa_bm_buf b = fa_bm_buf_at(&kp, m.bm, i);
+                fa_mbar_wait(m.bm_full + 8 * i, (bm_round >> 1) & 1);
+                bm_round++;
+                w.n_blocks = *(volatile int *)b.count;
+                w.bm_list = b.list;
+                w.bm_tab = b.tab;
+                fa_consume_tile(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
+                fa_stage_release(m.bm_empty + 8 * i, threadIdx.x & 31);
+            }
+#else
     if (wg == 0) {
         fa_regs_producer();
         if (threadIdx.x != 0)
@@ -706,6 +863,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                 const fa_tile w = fa_tile_get(&kp, hb, mb);
                 fa_consume_tile(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
             }
+#endif
 }
 
 extern "C" __global__ void fa_fwd_fill(const fa_kparams kp) { fa_fill_outside(&kp); }
