@@ -7,6 +7,9 @@
  *     shared memory and the consumers' accumulator registers hold it (d 192 / dv 128: 128 keys),
  *     FA_DV defined exactly where dv != d;
  *   - dropout on the sm90 forward (64-key blocks at head dim 256), the sm80 family with probs;
+ *   - user-defined scoring on sm_90: the sm80 family, unless FLASHATTN_SM90_MODS=1 sends it to
+ *     the sm90 family (not a varlen call's block mask, nor where the sm90 family is off or
+ *     cannot run), with the mods' defines beside the plain plan's, within FA_PLAN_MAX_DEFINES;
  *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
  *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the padded head dims of the arch-80 plan
  *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
@@ -190,6 +193,87 @@ static void check_forward_sm90_dropout(void)
                  strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
              "FLASHATTN_SM90=0 dropout: family %s", plan.family);
     unsetenv("FLASHATTN_SM90");
+}
+
+/* User-defined scoring on sm_90: the sm80 family (fa_plan_forward_sm90 refusing), and with
+ * FLASHATTN_SM90_MODS=1 the sm90 family with the plain plan's defines and the mods' after them,
+ * but for a varlen call's block mask, unaligned rows, FLASHATTN_SM90=0 and other archs. */
+static void check_forward_sm90_mods(void)
+{
+    static const int dims[][2] = {{64, 64}, {128, 128}, {256, 256}, {192, 128}, {96, 96}};
+    static const unsigned feats[] = {0, FA_FEATURE_VARLEN, FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI,
+                                     FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP |
+                                         FA_FEATURE_DROPOUT};
+    for (int on = 0; on < 2; on++) {
+        if (on)
+            setenv("FLASHATTN_SM90_MODS", "1", 1);
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
+            for (size_t fi = 0; fi < sizeof feats / sizeof feats[0]; fi++)
+                for (unsigned mods = 1; mods < 8; mods++) {
+                    const unsigned mbits = (mods & 1 ? FA_PLAN_SCORE_MOD : 0) |
+                                           (mods & 2 ? FA_PLAN_MASK_MOD : 0) |
+                                           (mods & 4 ? FA_PLAN_BLOCK_MASK : 0);
+                    fa_plan_key key = {90, FA_DTYPE_BF16, dims[di][0], dims[di][1],
+                                       feats[fi] | mbits};
+                    fa_plan_key plain_key = key;
+                    plain_key.features = feats[fi];
+                    fa_plan plan, plain, p90;
+                    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                                 fa_plan_forward(&plain_key, &plain) == FA_STATUS_OK,
+                             "d %d features %#x: no plan", key.d, key.features);
+                    const int want90 =
+                        on && !((mods & 4) && (feats[fi] & FA_FEATURE_VARLEN));
+                    TU_CHECK(strcmp(plan.family, want90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu") ==
+                                 0,
+                             "FLASHATTN_SM90_MODS %d d %d features %#x: %s", on, key.d,
+                             key.features, plan.family);
+                    TU_CHECK((fa_plan_forward_sm90(&key, &p90) == FA_STATUS_OK) == want90,
+                             "fa_plan_forward_sm90 %d d %d features %#x", on, key.d,
+                             key.features);
+                    TU_CHECK(plan_define(&plan, "FA_SCORE_MOD") == (mods & 1 ? 1 : -1) &&
+                                 plan_define(&plan, "FA_MASK_MOD") == (mods & 2 ? 1 : -1) &&
+                                 plan_define(&plan, "FA_BLOCK_MASK") == (mods & 4 ? 1 : -1),
+                             "d %d features %#x: the mods' defines", key.d, key.features);
+                    TU_CHECK(plan.num_defines <= FA_PLAN_MAX_DEFINES,
+                             "d %d features %#x: %d defines", key.d, key.features,
+                             plan.num_defines);
+                    if (!want90)
+                        continue;
+                    /* The plain plan's tile and defines, then the mods'. */
+                    int same = plan.bm == plain.bm && plan.bn == plain.bn &&
+                               plan.stages == plain.stages && plan.smem == plain.smem &&
+                               plan.num_defines == plain.num_defines + __builtin_popcount(mods);
+                    for (int i = 0; same && i < plain.num_defines; i++)
+                        same = strcmp(plan.defines[i], plain.defines[i]) == 0;
+                    TU_CHECK(same, "d %d features %#x: not the plain sm90 plan plus the mods",
+                             key.d, key.features);
+                }
+        /* Never the sm90 family where it cannot run or is off. */
+        fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD | FA_FEATURE_UNALIGNED};
+        fa_plan plan;
+        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                     strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+                 "unaligned mods: %s", plan.family);
+        key.features = FA_PLAN_SCORE_MOD;
+        key.arch = 80;
+        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                     strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+                 "sm_80 mods: %s", plan.family);
+        key.arch = 90;
+        setenv("FLASHATTN_SM90", "0", 1);
+        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                     strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+                 "FLASHATTN_SM90=0 mods: %s", plan.family);
+        unsetenv("FLASHATTN_SM90");
+    }
+    /* Only "1" switches it on. */
+    setenv("FLASHATTN_SM90_MODS", "0", 1);
+    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_SCORE_MOD};
+    fa_plan plan;
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                 strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+             "FLASHATTN_SM90_MODS=0: %s", plan.family);
+    unsetenv("FLASHATTN_SM90_MODS");
 }
 
 /* The family fa_plan_backward picks for (arch, d, dv, features), "" when it refuses. */
@@ -465,6 +549,7 @@ int main(void)
     check_forward_sm90();
     check_forward_sm90_dv();
     check_forward_sm90_dropout();
+    check_forward_sm90_mods();
     check_backward();
     check_backward_wide();
     check_backward_sm90_wide();
