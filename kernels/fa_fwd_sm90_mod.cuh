@@ -70,21 +70,21 @@ FA_DEV void fa_bm_tile_qbs(const fa_kparams *kp, int m0, int m_last, int *qb0, i
 }
 
 /* One list's blocks (partial or full: st) into the table, query block by query block: num and
- * idx at the first query block's count and list, tab at its row. Pointers stepped rather than
- * 64-bit offsets computed per entry: the producer's warp has few registers. */
-FA_DEV void fa_bm_load_list(const int *num, const int *idx, fa_i64 num_qs, fa_i64 idx_qs,
-                            fa_i64 idx_js, int n, int nq, unsigned char *tab, int nkb,
-                            unsigned char st, int lane)
+ * idx at the first query block's count and list, tab at its row. Int offsets (the launcher
+ * keeps the tensors within 2^30 elements, fa_cuda_forward_bm_int): the producer's warp has few
+ * registers. */
+FA_DEV void fa_bm_load_list(const int *num, const int *idx, int num_qs, int idx_qs, int idx_js,
+                            int n, int nq, unsigned char *tab, int nkb, unsigned char st,
+                            int lane)
 {
 #pragma unroll 1
-    for (int q = 0; q < nq; q++, num += num_qs, idx += idx_qs, tab += nkb) {
-        const int c = fa_min(*num, n);
-        const int *at = idx + lane * idx_js;
+    for (int q = 0; q < nq; q++) {
+        const int c = fa_min(num[q * num_qs], n);
 #pragma unroll 1
-        for (int j = lane; j < c; j += 32, at += 32 * idx_js) {
-            const int kb = *at;
+        for (int j = lane; j < c; j += 32) {
+            const int kb = idx[q * idx_qs + j * idx_js];
             if ((unsigned)kb < (unsigned)nkb)
-                tab[kb] = st;
+                tab[q * nkb + kb] = st;
         }
     }
 }
@@ -101,16 +101,18 @@ FA_DEV void fa_bm_load_warp(const fa_kparams *kp, unsigned char *tab, int bi, in
         tab[i] = FA_BM_SKIP;
     __syncwarp();
     const fa_i64 *ns = kp->bm_num_stride, *is = kp->bm_idx_stride;
-    fa_bm_load_list(kp->bm_num + bi * ns[0] + h * ns[1] + qb0 * ns[2],
-                    kp->bm_idx + bi * is[0] + h * is[1] + qb0 * is[2], ns[2], is[2], is[3],
-                    kp->bm_n, nq, tab, nkb, FA_BM_PARTIAL, lane);
+    fa_bm_load_list(kp->bm_num + (bi * (int)ns[0] + h * (int)ns[1] + qb0 * (int)ns[2]),
+                    kp->bm_idx + (bi * (int)is[0] + h * (int)is[1] + qb0 * (int)is[2]),
+                    (int)ns[2], (int)is[2], (int)is[3], kp->bm_n, nq, tab, nkb, FA_BM_PARTIAL,
+                    lane);
     __syncwarp();
     if (kp->bm_full_num) {
         ns = kp->bm_full_num_stride;
         is = kp->bm_full_idx_stride;
-        fa_bm_load_list(kp->bm_full_num + bi * ns[0] + h * ns[1] + qb0 * ns[2],
-                        kp->bm_full_idx + bi * is[0] + h * is[1] + qb0 * is[2], ns[2], is[2],
-                        is[3], kp->bm_full_n, nq, tab, nkb, FA_BM_FULL, lane);
+        fa_bm_load_list(kp->bm_full_num + (bi * (int)ns[0] + h * (int)ns[1] + qb0 * (int)ns[2]),
+                        kp->bm_full_idx + (bi * (int)is[0] + h * (int)is[1] + qb0 * (int)is[2]),
+                        (int)ns[2], (int)is[2], (int)is[3], kp->bm_full_n, nq, tab, nkb,
+                        FA_BM_FULL, lane);
         __syncwarp();
     }
 }

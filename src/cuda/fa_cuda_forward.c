@@ -145,6 +145,28 @@ static int64_t fa_cuda_forward_bm_bytes(const fa_params *p, const fa_plan *plan)
     return ((plan->bm - 1) / b->q_block + 2) * b->nk;
 }
 
+/* Whether every element the block mask's tensors hold for the call's sequences and heads lies
+ * within 2^30 elements of the tensor's start (one past a list's end too): the sm90 family's
+ * list builder (fa_fwd_sm90_mod.cuh) indexes them with ints, its warp having few registers. */
+static int fa_cuda_forward_bm_int(const fa_params *p)
+{
+    const fa_mod_blocks *b = &p->mods.blocks;
+    const fa_tensor *t[4] = {&b->num, &b->idx, &b->full_num, &b->full_idx};
+    for (int i = 0; i < 4; i++) {
+        if (!t[i]->data)
+            continue;
+        int64_t span = 0;
+        for (int d = 0; d < t[i]->ndim; d++) {
+            const int64_t last = d == 0 ? p->b - 1 : d == 1 ? p->h - 1 : t[i]->shape[d] + 32;
+            const int64_t st = t[i]->stride[d] < 0 ? -t[i]->stride[d] : t[i]->stride[d];
+            span += (last > 0 ? last : 0) * st;
+        }
+        if (span >= (int64_t)1 << 30)
+            return 0;
+    }
+    return 1;
+}
+
 fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
 {
     int arch = 0, smem_optin = 0;
@@ -192,11 +214,12 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
         return st;
     /* The sm90 family reads through TMA tensor maps and numbers its tiles with an int; tensors
      * the driver cannot describe, or more tiles, go to the sm80 family (never a wrong answer), as
-     * do block masks whose buffers do not fit beside its tiles. */
+     * do block masks whose buffers do not fit beside its tiles or whose tensors are huge. */
     const int sm90 = strcmp(plan.family, "fa_fwd_sm90.cu") == 0;
     fa_cuda_tmaps tmaps;
     if (sm90 && ((p->max_sq + plan.bm - 1) / plan.bm * p->h * p->b > INT32_MAX ||
                  plan.smem + fa_cuda_forward_bm_bytes(p, &plan) > (int64_t)smem_optin ||
+                 !fa_cuda_forward_bm_int(p) ||
                  fa_cuda_tmaps_encode(fa_cuda_driver_get(), p, plan.bm, plan.bn, &tmaps.q,
                                       &tmaps.k, &tmaps.v, NULL) != 0)) {
         key.features |= FA_PLAN_NO_SM90;

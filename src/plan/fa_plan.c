@@ -260,8 +260,13 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
         key->d > 256 || key->dv > 256 || (key->features & unsupported))
         return FA_STATUS_UNSUPPORTED;
     const int dp = (key->d + 63) / 64 * 64, dvp = (key->dv + 63) / 64 * 64;
+    const int mods = (key->features & FA_PLAN_MODS) != 0;
+    /* The mods' registers beside dropout's and head dim 256's O spill even in 64-key blocks. */
+    if (mods && (key->features & FA_FEATURE_DROPOUT) && (dp > dvp ? dp : dvp) == 256)
+        return FA_STATUS_UNSUPPORTED;
     fa_plan_row90 row = fa_sm90_rows[(dp > dvp ? dp : dvp) / 64 - 1];
-    if (row.dp == 64 && (key->features & FA_PLAN_LONG))
+    /* Three consumers have 160 registers each: too few for the mods' code (spills). */
+    if (row.dp == 64 && (key->features & FA_PLAN_LONG) && !mods)
         row.consumers = 3;
     if (row.dp == 256 && (key->features & FA_FEATURE_DROPOUT))
         row.bn = FA_SM90_BN_DROPOUT_D256;

@@ -8,8 +8,9 @@
  *     FA_DV defined exactly where dv != d;
  *   - dropout on the sm90 forward (64-key blocks at head dim 256), the sm80 family with probs;
  *   - user-defined scoring on sm_90: the sm80 family, unless FLASHATTN_SM90_MODS=1 sends it to
- *     the sm90 family (not a varlen call's block mask, nor where the sm90 family is off or
- *     cannot run), with the mods' defines beside the plain plan's, within FA_PLAN_MAX_DEFINES;
+ *     the sm90 family (not a varlen call's block mask, nor dropout at head dim 256, nor where
+ *     the sm90 family is off or cannot run), with the mods' defines beside the plain plan's,
+ *     within FA_PLAN_MAX_DEFINES, and two consumer warpgroups at head dim 64;
  *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
  *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the padded head dims of the arch-80 plan
  *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
@@ -197,7 +198,8 @@ static void check_forward_sm90_dropout(void)
 
 /* User-defined scoring on sm_90: the sm80 family (fa_plan_forward_sm90 refusing), and with
  * FLASHATTN_SM90_MODS=1 the sm90 family with the plain plan's defines and the mods' after them,
- * but for a varlen call's block mask, unaligned rows, FLASHATTN_SM90=0 and other archs. */
+ * but for a varlen call's block mask, dropout at head dim 256, unaligned rows, FLASHATTN_SM90=0
+ * and other archs; two consumer warpgroups in long calls at head dim 64. */
 static void check_forward_sm90_mods(void)
 {
     static const int dims[][2] = {{64, 64}, {128, 128}, {256, 256}, {192, 128}, {96, 96}};
@@ -221,8 +223,9 @@ static void check_forward_sm90_mods(void)
                     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                                  fa_plan_forward(&plain_key, &plain) == FA_STATUS_OK,
                              "d %d features %#x: no plan", key.d, key.features);
-                    const int want90 =
-                        on && !((mods & 4) && (feats[fi] & FA_FEATURE_VARLEN));
+                    const int d256 = dims[di][0] > 192 || dims[di][1] > 192;
+                    const int want90 = on && !((mods & 4) && (feats[fi] & FA_FEATURE_VARLEN)) &&
+                                       !(d256 && (feats[fi] & FA_FEATURE_DROPOUT));
                     TU_CHECK(strcmp(plan.family, want90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu") ==
                                  0,
                              "FLASHATTN_SM90_MODS %d d %d features %#x: %s", on, key.d,
@@ -248,9 +251,15 @@ static void check_forward_sm90_mods(void)
                     TU_CHECK(same, "d %d features %#x: not the plain sm90 plan plus the mods",
                              key.d, key.features);
                 }
-        /* Never the sm90 family where it cannot run or is off. */
-        fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD | FA_FEATURE_UNALIGNED};
+        /* Long calls at head dim 64: two consumers with mods (three have too few registers). */
+        fa_plan_key key = {90, FA_DTYPE_BF16, 64, 64, FA_PLAN_LONG | FA_PLAN_SCORE_MOD};
         fa_plan plan;
+        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                     (!on || (strcmp(plan.family, "fa_fwd_sm90.cu") == 0 && plan.bm == 128 &&
+                              plan_define(&plan, "FA_NCW") == 2)),
+                 "long d 64 mods: %s bm %d", plan.family, plan.bm);
+        /* Never the sm90 family where it cannot run or is off. */
+        key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD | FA_FEATURE_UNALIGNED};
         TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                      strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
                  "unaligned mods: %s", plan.family);
