@@ -459,6 +459,7 @@ typedef struct fa_smem_map {
     fa_u32 scratch; /* 8 bytes that fa_softmax_order writes and nothing reads */
 #if FA_BLOCK_MASK
     fa_u32 bm_full, bm_empty; /* + 8 * buffer (fa_fwd_sm90_mod.cuh) */
+    volatile int *bm_walk;    /* the list builder's loop bounds (fa_fwd_sm90_mod.cuh) */
     unsigned char *bm;        /* the two buffers */
 #endif
 } fa_smem_map;
@@ -746,7 +747,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 #if FA_BLOCK_MASK
     m.bm_full = m.scratch + 8;
     m.bm_empty = m.bm_full + 16;
-    m.bm = fa_smem + (m.bm_empty + 16 - fa_smem_addr(fa_smem));
+    m.bm_walk = (volatile int *)(fa_smem + (m.bm_empty + 16 - fa_smem_addr(fa_smem)));
+    m.bm = (unsigned char *)(m.bm_walk + 8);
 #endif
 
     if (threadIdx.x == 0) {
@@ -783,16 +785,31 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     if (wg == 0) {
         fa_regs_producer();
         if (threadIdx.x >= 32 && threadIdx.x < 64) {
-            for (int t = blockIdx.x; t < n_units; t += gridDim.x)
+            /* The loop's bounds from shared memory where used: held in registers across the
+             * list's build, ptxas spilled them. */
+            m.bm_walk[0] = n_units;
+            m.bm_walk[1] = m_blocks;
+            m.bm_walk[2] = gridDim.x;
+            m.bm_walk[3] = (int)kp.max_sq; /* dense: every sequence's lengths */
+            m.bm_walk[4] = (int)kp.max_sk;
+            m.bm_walk[5] = kp.window_left;
+            m.bm_walk[6] = kp.window_right;
+            __syncwarp();
+            for (int t = blockIdx.x; t < m.bm_walk[0]; t += m.bm_walk[2])
                 for (int half = 0, hb, mb; half < 2; half++)
-                    if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
-                        const fa_tile w = fa_tile_get(&kp, hb, mb);
-                        if (w.n_blocks == 0)
+                    if ((mb = fa_unit_tile(tm.paired, m.bm_walk[1], t, half, &hb)) >= 0) {
+                        /* fa_tile_get's key blocks (fa_tile_keys), from the values read here. */
+                        const int m0 = mb * FA_BM, sq = m.bm_walk[3], sk = m.bm_walk[4];
+                        fa_i64 lo, hi;
+                        FA_RULE_TILE_KEYS(m0, fa_min(m0 + FA_BM, sq) - m0, sq, sk, m.bm_walk[5],
+                                          m.bm_walk[6], lo, hi);
+                        const int k_lo = (int)lo, k_hi = (int)hi;
+                        if (m0 >= sq || k_hi <= k_lo)
                             continue;
-                        const int i = bm_round & 1;
+                        const int n_max = (k_hi + FA_BN - 1) / FA_BN, i = bm_round & 1;
                         fa_bm_produce(&kp, fa_bm_buf_at(&kp, m.bm, i), m.bm_full + 8 * i,
-                                      m.bm_empty + 8 * i, bm_round++, w.bi, w.h, w.m0,
-                                      fa_min(w.m0 + FA_BM, w.sq) - 1, w.n_max, w.n_blocks, w.sk,
+                                      m.bm_empty + 8 * i, bm_round++, hb / kp.h, hb % kp.h, m0,
+                                      fa_min(m0 + FA_BM, sq) - 1, n_max, n_max - k_lo / FA_BN, sk,
                                       threadIdx.x & 31);
                     }
             return;

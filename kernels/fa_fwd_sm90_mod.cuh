@@ -50,7 +50,7 @@ typedef struct fa_bm_buf {
     unsigned char *tab;
 } fa_bm_buf;
 
-/* Buffer i (0, 1) of the two behind the mbarriers at `base` (a generic pointer to shared). */
+/* Buffer i (0, 1) of the two at `base` (a generic pointer to shared). */
 FA_DEV fa_bm_buf fa_bm_buf_at(const fa_kparams *kp, unsigned char *base, int i)
 {
     const int bytes = FA_SMEM_FWD90_BM_BUF(FA_BM, FA_BN, kp->bm_q_block, kp->bm_nk, kp->max_sk);
