@@ -47,7 +47,7 @@
  * user-defined scoring (the generated fa_mod_gen.cuh included; the sm80 family's semantics:
  * score_mod on every score after softcap and ALiBi, in natural-log units, mask_mod and the block
  * mask dropping keys where the window would; key blocks the block mask skips are neither loaded
- * nor computed, and the producer's warp publishes the walk, fa_fwd_sm90_mod.cuh).
+ * nor computed: a producer warp publishes each tile's walk, fa_fwd_sm90_mod.cuh).
  * Varlen maps span the packed rows ({d, total, heads, 1}) and tiles take their sequence's offsets
  * from cu_seqlens. Features not compiled here (probs, unaligned rows) are routed to the
  * sm80 family by the plan.
@@ -55,14 +55,6 @@
  */
 #include "fa_mod_flags.h"
 
-#if FA_BLOCK_MASK && FA_NCW == 2
-/* The producer's first warp builds the block mask's lists (fa_fwd_sm90_mod.cuh): 24 registers
- * spill there; 128 x 32 + 256 x 240 = 65536 is the register file split. */
-#ifndef FA_REGS_PRODUCER
-#define FA_REGS_PRODUCER 32
-#define FA_REGS_CONSUMER 240
-#endif
-#endif
 #include "fa_common.cuh"
 #include "fa_sm90.cuh"
 #include "fa_smem.h"

@@ -3,12 +3,14 @@
  * defines and fa_mod.cuh): the mask test of one key, and the block mask's per-tile list of the
  * key blocks to visit.
  *
- * Block mask: the producer warp and the consumers must walk the same key blocks, and the
- * producer runs a tile ahead of the consumers. So the producer warp (32 threads, kept alive for
- * this) builds each tile's block-state table and the list of the key blocks it does not skip,
- * last first, each with its state, in one of two shared buffers (tiles alternate), and arrives on
- * the buffer's "full" mbarrier; the consumers wait on it, read the list for their key loop and
- * the table for FA_BM_MIXED keys, and release the buffer on its "empty" mbarrier after the tile.
+ * Block mask: the producer and the consumers must walk the same key blocks, and the producer
+ * runs a tile ahead of the consumers. So the producer warpgroup's second warp (the list builder)
+ * builds each tile's block-state table and the list of the key blocks it does not skip, last
+ * first, each with its state, in one of two shared buffers (tiles alternate), and arrives on the
+ * buffer's "full" mbarrier; the loading thread (the producer's thread 0) and the consumers wait
+ * on it, walk the list (the consumers also read the table for FA_BM_MIXED keys) and release the
+ * buffer on its "empty" mbarrier after the tile. Builder and loader are different warps so that
+ * neither holds the other's state in the producer's 24 registers.
  * A buffer (FA_SMEM_FWD90_BM_BUF, fa_smem.h): the count (int), the list (int, block << 2 |
  * state, up to ceil(max_sk / FA_BN) entries), the table (bytes, FA_SMEM_FWD90_BM_QB query blocks
  * by bm_nk key blocks, as fa_bm_load lays out one head's).
@@ -71,7 +73,7 @@ FA_DEV void fa_bm_tile_qbs(const fa_kparams *kp, int m0, int m_last, int *qb0, i
 
 /* One list's blocks (partial or full: st) into the table, query block by query block: num and
  * idx at the first query block's count and list, tab at its row. Int offsets (the launcher
- * keeps the tensors within 2^30 elements, fa_cuda_forward_bm_int): the producer's warp has few
+ * keeps the tensors within 2^30 elements, fa_cuda_forward_bm_int): the list builder has few
  * registers. */
 FA_DEV void fa_bm_load_list(const int *num, const int *idx, int num_qs, int idx_qs, int idx_js,
                             int n, int nq, unsigned char *tab, int nkb, unsigned char st,
@@ -89,7 +91,7 @@ FA_DEV void fa_bm_load_list(const int *num, const int *idx, int num_qs, int idx_
     }
 }
 
-/* fa_bm_load for one warp (the producer's): the states of head h's query blocks
+/* fa_bm_load for one warp (the list builder): the states of head h's query blocks
  * [qb0, qb0 + nq) over every key block into tab, [q * bm_nk + kb]: skipped, then the partial
  * list's blocks, then the full list's over them. */
 FA_DEV void fa_bm_load_warp(const fa_kparams *kp, unsigned char *tab, int bi, int h, int qb0,
@@ -117,7 +119,7 @@ FA_DEV void fa_bm_load_warp(const fa_kparams *kp, unsigned char *tab, int bi, in
     }
 }
 
-/* fa_bm_state (fa_mod.cuh) with its loops kept rolled, for the producer's few registers. */
+/* fa_bm_state (fa_mod.cuh) with its loops kept rolled, for the list builder's few registers. */
 FA_DEV int fa_bm_state90(const fa_kparams *kp, const unsigned char *tab, int nqb, int n0, int sk)
 {
     const int kb0 = n0 / kp->bm_kv_block, kb1 = (fa_min(n0 + FA_BN, sk) - 1) / kp->bm_kv_block;
@@ -132,10 +134,10 @@ FA_DEV int fa_bm_state90(const fa_kparams *kp, const unsigned char *tab, int nqb
 }
 
 /*
- * The producer warp's part of a tile with key blocks [n_max - n_blocks, n_max): waits until the
- * consumers released buffer `round` % 2 (its use two tiles back), fills it (table, then the list
- * of the blocks the mask keeps, last first), publishes it (every lane arrives on "full") and
- * returns the count. Every lane of the warp calls it.
+ * The list builder's part of a tile with key blocks [n_max - n_blocks, n_max): waits until the
+ * consumers and the loading thread released buffer `round` % 2 (its use two tiles back), fills it
+ * (table, then the list of the blocks the mask keeps, last first), publishes it (every lane
+ * arrives on "full") and returns the count. Every lane of the warp calls it.
  */
 FA_DEV int fa_bm_produce(const fa_kparams *kp, fa_bm_buf b, fa_u32 full, fa_u32 empty, int round,
                          int bi, int h, int m0, int m_last, int n_max, int n_blocks, int sk,
