@@ -740,7 +740,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     m.bm_full = m.scratch + 8;
     m.bm_empty = m.bm_full + 16;
     m.bm_walk = (volatile int *)(fa_smem + (m.bm_empty + 16 - fa_smem_addr(fa_smem)));
-    m.bm = (unsigned char *)(m.bm_walk + 8);
+    m.bm = (unsigned char *)(m.bm_walk + 16);
 #endif
 
     if (threadIdx.x == 0) {
@@ -777,33 +777,57 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     if (wg == 0) {
         fa_regs_producer();
         if (threadIdx.x >= 32 && threadIdx.x < 64) {
-            /* The loop's bounds from shared memory where used: held in registers across the
-             * list's build, ptxas spilled them. */
-            m.bm_walk[0] = n_units;
-            m.bm_walk[1] = m_blocks;
-            m.bm_walk[2] = gridDim.x;
-            m.bm_walk[3] = (int)kp.max_sq; /* dense: every sequence's lengths */
-            m.bm_walk[4] = (int)kp.max_sk;
-            m.bm_walk[5] = kp.window_left;
-            m.bm_walk[6] = kp.window_right;
-            __syncwarp();
-            for (int t = blockIdx.x; t < m.bm_walk[0]; t += m.bm_walk[2])
-                for (int half = 0, hb, mb; half < 2; half++)
-                    if ((mb = fa_unit_tile(tm.paired, m.bm_walk[1], t, half, &hb)) >= 0) {
-                        /* fa_tile_get's key blocks (fa_tile_keys), from the values read here. */
-                        const int m0 = mb * FA_BM, sq = m.bm_walk[3], sk = m.bm_walk[4];
-                        fa_i64 lo, hi;
-                        FA_RULE_TILE_KEYS(m0, fa_min(m0 + FA_BM, sq) - m0, sq, sk, m.bm_walk[5],
-                                          m.bm_walk[6], lo, hi);
-                        const int k_lo = (int)lo, k_hi = (int)hi;
-                        if (m0 >= sq || k_hi <= k_lo)
-                            continue;
-                        const int n_max = (k_hi + FA_BN - 1) / FA_BN, i = bm_round & 1;
-                        fa_bm_produce(&kp, fa_bm_buf_at(&kp, m.bm, i), m.bm_full + 8 * i,
-                                      m.bm_empty + 8 * i, bm_round++, hb / kp.h, hb % kp.h, m0,
-                                      fa_min(m0 + FA_BM, sq) - 1, n_max, n_max - k_lo / FA_BN, sk,
-                                      threadIdx.x & 31);
-                    }
+            /* The loop's state in shared memory, read where used: held in registers across the
+             * list's build, ptxas spilled it (24 registers). Lane 0 steps the counters. */
+            volatile int *const walk = m.bm_walk;
+            const int lane = threadIdx.x & 31;
+            if (lane == 0) {
+                walk[0] = n_units;
+                walk[1] = m_blocks;
+                walk[2] = gridDim.x;
+                walk[3] = (int)kp.max_sq; /* dense: every sequence's lengths */
+                walk[4] = (int)kp.max_sk;
+                walk[5] = kp.window_left;
+                walk[6] = kp.window_right;
+                walk[7] = 0; /* the step: unit blockIdx.x + (step / 2) gridDim.x, half step % 2 */
+                walk[8] = 0; /* the tiles with key blocks so far (bm_round) */
+                walk[9] = fa_bm_buf_bytes(&kp);
+                walk[10] = fa_bm_list_max(&kp);
+            }
+            for (;;) {
+                __syncwarp();
+                const int k = walk[7];
+                __syncwarp();
+                if (lane == 0)
+                    walk[7] = k + 1;
+                const int t = blockIdx.x + (k >> 1) * walk[2];
+                if (t >= walk[0])
+                    break;
+                int hb;
+                const int mb = fa_unit_tile(tm.paired, walk[1], t, k & 1, &hb);
+                if (mb < 0)
+                    continue;
+                /* fa_tile_get's key blocks (fa_tile_keys), from the values read here. */
+                const int m0 = mb * FA_BM, sq = walk[3], sk = walk[4];
+                fa_i64 lo, hi;
+                FA_RULE_TILE_KEYS(m0, fa_min(m0 + FA_BM, sq) - m0, sq, sk, walk[5], walk[6], lo,
+                                  hi);
+                const int k_lo = (int)lo, k_hi = (int)hi;
+                if (m0 >= sq || k_hi <= k_lo)
+                    continue;
+                const int round = walk[8], n_max = (k_hi + FA_BN - 1) / FA_BN;
+                __syncwarp();
+                if (lane == 0)
+                    walk[8] = round + 1;
+                const int count =
+                    fa_bm_fill(&kp, fa_bm_buf_at(m.bm, round & 1, walk[9], walk[10]),
+                               m.bm_empty + 8 * (round & 1), round, hb / kp.h, hb % kp.h, m0,
+                               fa_min(m0 + FA_BM, sq) - 1, n_max, n_max - k_lo / FA_BN, sk, lane);
+                /* The buffer again (round + 1 now), rather than held over the fill. */
+                const int i = (walk[8] - 1) & 1;
+                fa_bm_publish(fa_bm_buf_at(m.bm, i, walk[9], walk[10]), m.bm_full + 8 * i, count,
+                              lane);
+            }
             return;
         }
         if (threadIdx.x != 0)
@@ -818,7 +842,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                     if (w.n_blocks == 0)
                         continue;
                     const int i = bm_round & 1;
-                    const fa_bm_buf b = fa_bm_buf_at(&kp, m.bm, i);
+                    const fa_bm_buf b = fa_bm_buf_at(m.bm, i, fa_bm_buf_bytes(&kp), fa_bm_list_max(&kp));
                     fa_mbar_wait(m.bm_full + 8 * i, (bm_round >> 1) & 1);
                     bm_round++;
                     w.n_blocks = *(volatile int *)b.count;
@@ -839,7 +863,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                     continue;
                 }
                 const int i = bm_round & 1;
-                const fa_bm_buf b = fa_bm_buf_at(&kp, m.bm, i);
+                const fa_bm_buf b = fa_bm_buf_at(m.bm, i, fa_bm_buf_bytes(&kp), fa_bm_list_max(&kp));
                 fa_mbar_wait(m.bm_full + 8 * i, (bm_round >> 1) & 1);
                 bm_round++;
                 w.n_blocks = *(volatile int *)b.count;

@@ -52,15 +52,21 @@ typedef struct fa_bm_buf {
     unsigned char *tab;
 } fa_bm_buf;
 
-/* Buffer i (0, 1) of the two at `base` (a generic pointer to shared). */
-FA_DEV fa_bm_buf fa_bm_buf_at(const fa_kparams *kp, unsigned char *base, int i)
+/* The bytes of a buffer and the most entries of its list. */
+FA_DEV int fa_bm_buf_bytes(const fa_kparams *kp)
 {
-    const int bytes = FA_SMEM_FWD90_BM_BUF(FA_BM, FA_BN, kp->bm_q_block, kp->bm_nk, kp->max_sk);
-    const int nkb = (int)((kp->max_sk + FA_BN - 1) / FA_BN);
+    return FA_SMEM_FWD90_BM_BUF(FA_BM, FA_BN, kp->bm_q_block, kp->bm_nk, kp->max_sk);
+}
+FA_DEV int fa_bm_list_max(const fa_kparams *kp) { return (int)((kp->max_sk + FA_BN - 1) / FA_BN); }
+
+/* Buffer i (0, 1) of the two at `base` (a generic pointer to shared), from fa_bm_buf_bytes and
+ * fa_bm_list_max. */
+FA_DEV fa_bm_buf fa_bm_buf_at(unsigned char *base, int i, int bytes, int list_max)
+{
     fa_bm_buf b;
     b.count = (int *)(base + i * bytes);
     b.list = b.count + 1;
-    b.tab = (unsigned char *)(b.list + nkb);
+    b.tab = (unsigned char *)(b.list + list_max);
     return b;
 }
 
@@ -135,13 +141,12 @@ FA_DEV int fa_bm_state90(const fa_kparams *kp, const unsigned char *tab, int nqb
 
 /*
  * The list builder's part of a tile with key blocks [n_max - n_blocks, n_max): waits until the
- * consumers and the loading thread released buffer `round` % 2 (its use two tiles back), fills it
- * (table, then the list of the blocks the mask keeps, last first), publishes it (every lane
- * arrives on "full") and returns the count. Every lane of the warp calls it.
+ * consumers and the loading thread released buffer b (its use two tiles back: round), fills it
+ * (table, then the list of the blocks the mask keeps, last first) and returns the count, which
+ * fa_bm_publish then publishes. Every lane of the warp calls both.
  */
-FA_DEV int fa_bm_produce(const fa_kparams *kp, fa_bm_buf b, fa_u32 full, fa_u32 empty, int round,
-                         int bi, int h, int m0, int m_last, int n_max, int n_blocks, int sk,
-                         int lane)
+FA_DEV int fa_bm_fill(const fa_kparams *kp, fa_bm_buf b, fa_u32 empty, int round, int bi, int h,
+                      int m0, int m_last, int n_max, int n_blocks, int sk, int lane)
 {
     fa_mbar_wait(empty, ((round >> 1) & 1) ^ 1);
     int qb0, nqb;
@@ -157,11 +162,16 @@ FA_DEV int fa_bm_produce(const fa_kparams *kp, fa_bm_buf b, fa_u32 full, fa_u32 
             b.list[count + __popc(keep & ((1u << lane) - 1u))] = (n << 2) | st;
         count += __popc(keep);
     }
+    return count;
+}
+
+/* The count into buffer b, then every lane arrives on its "full" mbarrier. */
+FA_DEV void fa_bm_publish(fa_bm_buf b, fa_u32 full, int count, int lane)
+{
     if (lane == 0)
         *b.count = count;
     __syncwarp();
     fa_mbar_arrive(full);
-    return count;
 }
 #endif
 

@@ -23,15 +23,15 @@
 #define FA_SMEM_FWD90(bm, bn, dp, dvp, stages)                                                    \
     (FA_SMEM_FWD90_Q(bm, dp) + (stages) * (FA_SMEM_FWD90_K(bn, dp) + FA_SMEM_FWD90_V(bn, dvp)) + \
      8 * (3 + 4 * (stages)) + 1024)
-/* With a block mask (fa_fwd_sm90_mod.cuh), after those: the mbarriers full[2] and empty[2], eight
- * ints of the list builder's loop bounds, then two buffers of a count, the list of the key blocks to visit (ints) and the state table: the
+/* With a block mask (fa_fwd_sm90_mod.cuh), after those: the mbarriers full[2] and empty[2], 16
+ * ints of the list builder's loop state, then two buffers of a count, the list of the key blocks to visit (ints) and the state table: the
  * query blocks a tile of bm rows can touch by nk key blocks (bytes); the launcher adds them. */
 #define FA_SMEM_FWD90_BM_QB(bm, q_block) (((bm) - 1) / (q_block) + 2)
 #define FA_SMEM_FWD90_BM_BUF(bm, bn, q_block, nk, max_sk)                                        \
     ((4 + 4 * (int)(((max_sk) + (bn) - 1) / (bn)) + FA_SMEM_FWD90_BM_QB(bm, q_block) * (nk) +    \
       3) / 4 * 4)
 #define FA_SMEM_FWD90_BM(bm, bn, q_block, nk, max_sk)                                            \
-    (64 + 2 * FA_SMEM_FWD90_BM_BUF(bm, bn, q_block, nk, max_sk))
+    (96 + 2 * FA_SMEM_FWD90_BM_BUF(bm, bn, q_block, nk, max_sk))
 
 /* sm80 backward (fa_bwd_sm80.cu): rows padded by 8 elements (bank conflicts); Q [qstages][bm]
  * [dp+8], dO [qstages][bm][dvp+8], K [bn][dp+8], V [bn][dvp+8], dS^T [bn][bm+8] and, with the
