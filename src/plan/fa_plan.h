@@ -63,9 +63,9 @@ typedef struct fa_plan {
  * On sm_90 devices the sm90 family (fa_fwd_sm90.cu) takes the cases it supports (unless
  * FLASHATTN_SM90=0); every other case gets the sm80 family, paged k and v (FA_PLAN_PAGED)
  * among them for now: the sm90 family reads K and V through TMA maps of a dense layout; so do
- * calls with user-defined scoring (FA_PLAN_SCORE_MOD, _MASK_MOD, _BLOCK_MASK), whose hooks only
- * the sm80 kernel runs by default (FLASHATTN_SM90_MODS=1: the sm90 family's, not yet run on a
- * GPU). */
+ * calls with user-defined scoring (FA_PLAN_SCORE_MOD, _MASK_MOD, _BLOCK_MASK) unless
+ * FLASHATTN_SM90_MODS=1 sends them to the sm90 family's hooks, which have not run on a GPU yet
+ * (fa_plan_forward_sm90 says which it takes). */
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan);
 
 /* The sm90 family's plan for key, whatever FLASHATTN_SM90 says (precompile, tests); returns
