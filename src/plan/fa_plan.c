@@ -260,9 +260,14 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
         key->d > 256 || key->dv > 256 || (key->features & unsupported))
         return FA_STATUS_UNSUPPORTED;
     const int dp = (key->d + 63) / 64 * 64, dvp = (key->dv + 63) / 64 * 64;
-    const int mods = (key->features & FA_PLAN_MODS) != 0;
-    /* The mods' registers beside dropout's and head dim 256's O spill even in 64-key blocks. */
-    if (mods && (key->features & FA_FEATURE_DROPOUT) && (dp > dvp ? dp : dvp) == 256)
+    const int mods = (key->features & FA_PLAN_MODS) != 0, dmax = dp > dvp ? dp : dvp;
+    /* Where the mods' code spills (ptxas, with a softcap score_mod and a document mask_mod): with
+     * dropout past head dim 128; a block mask at head dim 256 or beside the built-in softcap,
+     * ALiBi or dropout (flex_attention's calls have none of those three). */
+    const unsigned bm_beside = FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI | FA_FEATURE_DROPOUT;
+    if (mods && (((key->features & FA_FEATURE_DROPOUT) && dmax > 128) ||
+                 ((key->features & FA_PLAN_BLOCK_MASK) &&
+                  (dmax > 192 || (key->features & bm_beside)))))
         return FA_STATUS_UNSUPPORTED;
     fa_plan_row90 row = fa_sm90_rows[(dp > dvp ? dp : dvp) / 64 - 1];
     /* Three consumers have 160 registers each: too few for the mods' code (spills). */

@@ -8,9 +8,9 @@
  *     FA_DV defined exactly where dv != d;
  *   - dropout on the sm90 forward (64-key blocks at head dim 256), the sm80 family with probs;
  *   - user-defined scoring on sm_90: the sm80 family, unless FLASHATTN_SM90_MODS=1 sends it to
- *     the sm90 family (not a varlen call's block mask, nor dropout at head dim 256, nor where
- *     the sm90 family is off or cannot run), with the mods' defines beside the plain plan's,
- *     within FA_PLAN_MAX_DEFINES, and two consumer warpgroups at head dim 64;
+ *     the sm90 family (not a varlen call's block mask, nor the combinations whose code
+ *     spills, nor where the sm90 family is off or cannot run), with the mods' defines beside the
+ *     plain plan's, within FA_PLAN_MAX_DEFINES, and two consumer warpgroups at head dim 64;
  *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
  *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the padded head dims of the arch-80 plan
  *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
@@ -198,8 +198,9 @@ static void check_forward_sm90_dropout(void)
 
 /* User-defined scoring on sm_90: the sm80 family (fa_plan_forward_sm90 refusing), and with
  * FLASHATTN_SM90_MODS=1 the sm90 family with the plain plan's defines and the mods' after them,
- * but for a varlen call's block mask, dropout at head dim 256, unaligned rows, FLASHATTN_SM90=0
- * and other archs; two consumer warpgroups in long calls at head dim 64. */
+ * but for a varlen call's block mask, dropout past head dim 128, a block mask at head dim 256
+ * or beside softcap, ALiBi or dropout, unaligned rows, FLASHATTN_SM90=0 and other archs; two
+ * consumer warpgroups in long calls at head dim 64. */
 static void check_forward_sm90_mods(void)
 {
     static const int dims[][2] = {{64, 64}, {128, 128}, {256, 256}, {192, 128}, {96, 96}};
@@ -223,9 +224,13 @@ static void check_forward_sm90_mods(void)
                     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                                  fa_plan_forward(&plain_key, &plain) == FA_STATUS_OK,
                              "d %d features %#x: no plan", key.d, key.features);
-                    const int d256 = dims[di][0] > 192 || dims[di][1] > 192;
-                    const int want90 = on && !((mods & 4) && (feats[fi] & FA_FEATURE_VARLEN)) &&
-                                       !(d256 && (feats[fi] & FA_FEATURE_DROPOUT));
+                    const int dmax = dims[di][0] > dims[di][1] ? dims[di][0] : dims[di][1];
+                    const unsigned beside =
+                        FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI | FA_FEATURE_DROPOUT;
+                    const int want90 =
+                        on && !((mods & 4) && (feats[fi] & FA_FEATURE_VARLEN)) &&
+                        !(dmax > 128 && (feats[fi] & FA_FEATURE_DROPOUT)) &&
+                        !((mods & 4) && (dmax > 192 || (feats[fi] & beside)));
                     TU_CHECK(strcmp(plan.family, want90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu") ==
                                  0,
                              "FLASHATTN_SM90_MODS %d d %d features %#x: %s", on, key.d,
