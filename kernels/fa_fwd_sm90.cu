@@ -43,12 +43,18 @@
  * only where it differs from FA_D), FA_DP and FA_DVP (each rounded up to 64: 64, 128, 192 or 256;
  * V's stages and the P V product are FA_DVP wide, O holds FA_DVP / 2 registers a thread), FA_NCW,
  * FA_BM (64 FA_NCW), FA_BN (16 k 64..192), FA_STAGES, FA_SOFTCAP, FA_ALIBI, FA_DROPOUT,
- * FA_VARLEN, FA_PINGPONG.
+ * FA_VARLEN, FA_PINGPONG; FA_SCORE_MOD, FA_MASK_MOD, FA_BLOCK_MASK only for calls with
+ * user-defined scoring (the generated fa_mod_gen.cuh included; the sm80 family's semantics:
+ * score_mod on every score after softcap and ALiBi, in natural-log units, mask_mod and the block
+ * mask dropping keys where the window would; key blocks the block mask skips are neither loaded
+ * nor computed: a producer warp publishes each tile's walk, fa_fwd_sm90_mod.cuh).
  * Varlen maps span the packed rows ({d, total, heads, 1}) and tiles take their sequence's offsets
  * from cu_seqlens. Features not compiled here (probs, unaligned rows) are routed to the
  * sm80 family by the plan.
  * Entry points: fa_fwd(kp, tensor maps) and fa_fwd_fill (varlen rows outside every sequence).
  */
+#include "fa_mod_flags.h"
+
 #include "fa_common.cuh"
 #include "fa_sm90.cuh"
 #include "fa_smem.h"
@@ -69,6 +75,18 @@
 
 #ifndef FA_DV
 #define FA_DV FA_D /* V's head dim: the plan defines it only where it differs from Q's */
+#endif
+
+#include "fa_mod.cuh"
+#include "fa_fwd_sm90_mod.cuh"
+
+/* The key block of step `it` of tile w's walk (last first), and its block-mask state. */
+#if FA_BLOCK_MASK
+#define FA_TILE_BLOCK(w, it) ((w)->bm_list[it] >> 2)
+#define FA_TILE_STATE(w, it) ((w)->bm_list[it] & 3)
+#else
+#define FA_TILE_BLOCK(w, it) ((w)->n_max - 1 - (it))
+#define FA_TILE_STATE(w, it) FA_BM_PARTIAL /* mask_mod alone: every block consults it */
 #endif
 
 #if FA_BM != 64 * FA_NCW || FA_DP % 64 != 0 || FA_DP > 256 || FA_DVP % 64 != 0 ||                \
@@ -119,7 +137,7 @@ FA_DEV void fa_named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(i
 
 /* Whether the scores become base-2 units element by element (softcap and ALiBi transform them
  * anyway, and a scale <= 0 needs it); otherwise scale * log2(e) rides in the FFMA before exp2. */
-#define FA_PRESCALE_ALWAYS (FA_SOFTCAP || FA_ALIBI)
+#define FA_PRESCALE_ALWAYS (FA_SOFTCAP || FA_ALIBI || FA_SCORE_MOD)
 
 /* One consumer thread's view of its two rows (r and r + 8 of its warp's 16). */
 typedef struct fa_rows {
@@ -135,6 +153,14 @@ typedef struct fa_rows {
     fa_u32 stream_lo, stream_hi; /* the (sequence, head)'s Philox stream (fa_dropout_stream) */
     fa_u32 keep_lim;             /* ((keep_threshold - 1) << 16) | 0xffff */
     const fa_u32 *keys;          /* the Philox round keys (fa_tmaps.philox_keys) */
+#endif
+#if FA_SCORE_MOD || FA_MOD_MASKS
+    int bi, h; /* the mods' b and h */
+#endif
+#if FA_MOD_MASKS
+    int mod_st;                 /* the state of the key block being computed (FA_BM_*) */
+    const unsigned char *bm_tab; /* the tile's block-mask table (FA_BM_MIXED blocks) */
+    int bm_qb0, bm_nqb;         /* its query blocks */
 #endif
 } fa_rows;
 
@@ -217,16 +243,34 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
                              (kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1));
             x -= FA_RULE_ALIBI(r->slope_log2, dist);
 #endif
+#if FA_SCORE_MOD
+            /* In the score's natural units (the CPU's), then back to base 2. */
+            x = fa_score_mod(kp, x * FA_LN2, (float)r->bi, (float)r->h,
+                             (float)(r->row0 + 8 * ((j >> 1) & 1)),
+                             (float)(kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1))) *
+                FA_LOG2E;
+#endif
             sacc[j] = x;
         }
     }
-    /* Mask keys outside each row's visible range (only blocks that cross an edge). */
+    /* Mask keys outside each row's visible range (only blocks that cross an edge), and those
+     * mask_mod or the block mask drop (blocks where some key needs the test). */
+#if FA_MOD_MASKS
+    const bool mod_on = FA_MASK_MOD ? r->mod_st != FA_BM_FULL : r->mod_st == FA_BM_MIXED;
+    if (mod_on || kb0 < r->lo_max || kb0 + FA_BN > r->hi_min) {
+#else
     if (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min) {
+#endif
 #pragma unroll
         for (int j = 0; j < FA_SACC; j++) {
             const int col = kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1);
             const int hf = (j >> 1) & 1;
-            if (col < r->lo[hf] || col >= r->hi[hf])
+            if (col < r->lo[hf] || col >= r->hi[hf]
+#if FA_MOD_MASKS
+                || (mod_on && !fa_mod_keep90(kp, r->bm_tab, r->mod_st, r->bi, r->h,
+                                             r->row0 + 8 * hf, col, r->bm_qb0, r->bm_nqb))
+#endif
+            )
                 sacc[j] = -FA_INF;
         }
     }
@@ -325,6 +369,11 @@ typedef struct fa_smem_map {
     fa_u32 q_full, q_empty;
     fa_u32 k_full, v_full, k_empty, v_empty; /* + 8 * stage */
     fa_u32 scratch; /* 8 bytes that fa_softmax_order writes and nothing reads */
+#if FA_BLOCK_MASK
+    fa_u32 bm_full, bm_empty; /* + 8 * buffer (fa_fwd_sm90_mod.cuh) */
+    volatile int *bm_walk;    /* the list builder's loop bounds (fa_fwd_sm90_mod.cuh) */
+    unsigned char *bm;        /* the two buffers */
+#endif
 } fa_smem_map;
 
 /* Keeps the softmax ahead of the wait for P_(i-1) V_(i-1). The exp2s touch no register of that
@@ -353,7 +402,7 @@ FA_DEV void fa_produce_tile(const fa_smem_map *m, const fa_tmaps *tm, const fa_t
                      FA_VARLEN ? 0 : w->bi, m->q_full);
     ++*q_round;
     for (int it = 0; it < w->n_blocks; it++, ++*kv) {
-        const int n = w->n_max - 1 - it, s = *kv % FA_STAGES, ph = (*kv / FA_STAGES) & 1;
+        const int n = FA_TILE_BLOCK(w, it), s = *kv % FA_STAGES, ph = (*kv / FA_STAGES) & 1;
         /* Each of K and V waits until every consumer released the stage's previous use. */
         fa_mbar_wait(m->k_empty + 8 * s, ph ^ 1);
         fa_mbar_expect_tx(m->k_full + 8 * s, FA_K_BYTES);
@@ -421,6 +470,18 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
     r.prescale = FA_PRESCALE_ALWAYS || !(kp->scale_log2 > 0.f);
     r.sm = r.prescale ? 1.f : kp->scale_log2;
     r.diag = sk - sq;
+#if FA_SCORE_MOD || FA_MOD_MASKS
+    r.bi = w->bi;
+    r.h = w->h;
+#endif
+#if FA_BLOCK_MASK
+    r.bm_tab = w->bm_tab;
+    fa_bm_tile_qbs(kp, w->m0, fa_min(w->m0 + FA_BM, sq) - 1, &r.bm_qb0, &r.bm_nqb);
+#elif FA_MOD_MASKS
+    r.bm_tab = 0; /* no block mask: every block partial */
+    r.bm_qb0 = 0;
+    r.bm_nqb = 1;
+#endif
 #if FA_ALIBI
     r.slope_log2 = kp->alibi_slopes[w->bi * kp->alibi_bstride + w->h * kp->alibi_hstride] * FA_LOG2E;
 #else
@@ -466,7 +527,10 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
         fa_stage_release(m->k_empty + 8 * (kv0 % FA_STAGES), lane);
         if (nb == 1)
             fa_stage_release(m->q_empty, lane);
-        fa_softmax_block(kp, &r, sacc, w->n_max - 1, row_max, row_sum, alpha);
+#if FA_MOD_MASKS
+        r.mod_st = FA_TILE_STATE(w, 0);
+#endif
+        fa_softmax_block(kp, &r, sacc, FA_TILE_BLOCK(w, 0), row_max, row_sum, alpha);
         fa_p_pack(sacc, pa);
 #if FA_VARLEN
         fa_v_tail_zero(m, w, kv0);
@@ -500,7 +564,10 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             fa_wg_wait0();
             fa_gemm_operands_pin(o, pa);
 #endif
-            fa_softmax_block(kp, &r, sacc, w->n_max - 1 - it, row_max, row_sum, alpha);
+#if FA_MOD_MASKS
+            r.mod_st = FA_TILE_STATE(w, it);
+#endif
+            fa_softmax_block(kp, &r, sacc, FA_TILE_BLOCK(w, it), row_max, row_sum, alpha);
 #if !FA_DROPOUT
 #if FA_NCW == 2
             fa_softmax_order(m, row_sum);
@@ -589,6 +656,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     m.k_empty = m.v_full + 8 * FA_STAGES; /* FA_CONSUMER_WARPS arrivals each */
     m.v_empty = m.k_empty + 8 * FA_STAGES;
     m.scratch = m.v_empty + 8 * FA_STAGES;
+#if FA_BLOCK_MASK
+    m.bm_full = m.scratch + 8;
+    m.bm_empty = m.bm_full + 16;
+    m.bm_walk = (volatile int *)(fa_smem + (m.bm_empty + 16 - fa_smem_addr(fa_smem)));
+    m.bm = (unsigned char *)(m.bm_walk + 16);
+#endif
 
     if (threadIdx.x == 0) {
         fa_mbar_init(m.q_full, 1);
@@ -599,6 +672,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_mbar_init(m.k_empty + 8 * s, FA_CONSUMER_WARPS);
             fa_mbar_init(m.v_empty + 8 * s, FA_CONSUMER_WARPS);
         }
+#if FA_BLOCK_MASK
+        for (int i = 0; i < 2; i++) {
+            fa_mbar_init(m.bm_full + 8 * i, 32); /* every lane of the list's warp */
+            fa_mbar_init(m.bm_empty + 8 * i, FA_CONSUMER_WARPS + 1); /* and the loading thread */
+        }
+#endif
         fa_mbar_init_fence();
     }
     __syncthreads();
@@ -609,6 +688,111 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     /* Broadcast, so that the compiler knows it warp-uniform and keeps what derives from it (the
      * consumers' Q descriptor) in uniform registers, where wgmma takes descriptors. */
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / FA_WG_THREADS, 0);
+#if FA_BLOCK_MASK
+    /* The same loops with the block mask's walk: the producer's second warp builds each tile's
+     * list, its first thread loads the blocks listed, the consumers compute them; the first
+     * thread and the consumers release the list's buffer (fa_fwd_sm90_mod.cuh). Two warps, so
+     * that neither holds the other's state in the producer's few registers. */
+    int bm_round = 0;
+    if (wg == 0) {
+        fa_regs_producer();
+        if (threadIdx.x >= 32 && threadIdx.x < 64) {
+            /* The loop's state in shared memory, read where used: held in registers across the
+             * list's build, ptxas spilled it (24 registers). Lane 0 steps the counters. */
+            volatile int *const walk = m.bm_walk;
+            const int lane = threadIdx.x & 31;
+            if (lane == 0) {
+                walk[0] = n_units;
+                walk[1] = m_blocks;
+                walk[2] = gridDim.x;
+                walk[3] = (int)kp.max_sq; /* dense: every sequence's lengths */
+                walk[4] = (int)kp.max_sk;
+                walk[5] = kp.window_left;
+                walk[6] = kp.window_right;
+                walk[7] = 0; /* the step: unit blockIdx.x + (step / 2) gridDim.x, half step % 2 */
+                walk[8] = 0; /* the tiles with key blocks so far (bm_round) */
+                walk[9] = fa_bm_buf_bytes(&kp);
+                walk[10] = fa_bm_list_max(&kp);
+            }
+            for (;;) {
+                __syncwarp();
+                const int k = walk[7];
+                __syncwarp();
+                if (lane == 0)
+                    walk[7] = k + 1;
+                const int t = blockIdx.x + (k >> 1) * walk[2];
+                if (t >= walk[0])
+                    break;
+                int hb;
+                const int mb = fa_unit_tile(tm.paired, walk[1], t, k & 1, &hb);
+                if (mb < 0)
+                    continue;
+                /* fa_tile_get's key blocks (fa_tile_keys), from the values read here. */
+                const int m0 = mb * FA_BM, sq = walk[3], sk = walk[4];
+                fa_i64 lo, hi;
+                FA_RULE_TILE_KEYS(m0, fa_min(m0 + FA_BM, sq) - m0, sq, sk, walk[5], walk[6], lo,
+                                  hi);
+                const int k_lo = (int)lo, k_hi = (int)hi;
+                if (m0 >= sq || k_hi <= k_lo)
+                    continue;
+                const int round = walk[8], n_max = (k_hi + FA_BN - 1) / FA_BN;
+                __syncwarp();
+                if (lane == 0)
+                    walk[8] = round + 1;
+                const int count =
+                    fa_bm_fill(&kp, fa_bm_buf_at(m.bm, round & 1, walk[9], walk[10]),
+                               m.bm_empty + 8 * (round & 1), round, hb / kp.h, hb % kp.h, m0,
+                               fa_min(m0 + FA_BM, sq) - 1, n_max, n_max - k_lo / FA_BN, sk, lane);
+                /* The buffer again (round + 1 now), rather than held over the fill. */
+                const int i = (walk[8] - 1) & 1;
+                fa_bm_publish(fa_bm_buf_at(m.bm, i, walk[9], walk[10]), m.bm_full + 8 * i, count,
+                              lane);
+            }
+            return;
+        }
+        if (threadIdx.x != 0)
+            return;
+        fa_tma_prefetch(&tm.q);
+        fa_tma_prefetch(&tm.k);
+        fa_tma_prefetch(&tm.v);
+        for (int t = blockIdx.x; t < n_units; t += gridDim.x)
+            for (int half = 0, hb, mb; half < 2; half++)
+                if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
+                    fa_tile w = fa_tile_get(&kp, hb, mb);
+                    if (w.n_blocks == 0)
+                        continue;
+                    const int i = bm_round & 1;
+                    const fa_bm_buf b = fa_bm_buf_at(m.bm, i, fa_bm_buf_bytes(&kp), fa_bm_list_max(&kp));
+                    fa_mbar_wait(m.bm_full + 8 * i, (bm_round >> 1) & 1);
+                    bm_round++;
+                    w.n_blocks = *(volatile int *)b.count;
+                    w.bm_list = b.list;
+                    if (w.n_blocks > 0)
+                        fa_produce_tile(&m, &tm, &w, &kv, &q_round);
+                    fa_mbar_arrive(m.bm_empty + 8 * i);
+                }
+        return;
+    }
+    fa_regs_consumer();
+    for (int t = blockIdx.x; t < n_units; t += gridDim.x)
+        for (int half = 0, hb, mb; half < 2; half++)
+            if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
+                fa_tile w = fa_tile_get(&kp, hb, mb);
+                if (w.n_blocks == 0) { /* no table: the epilogue only */
+                    fa_consume_tile(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
+                    continue;
+                }
+                const int i = bm_round & 1;
+                const fa_bm_buf b = fa_bm_buf_at(m.bm, i, fa_bm_buf_bytes(&kp), fa_bm_list_max(&kp));
+                fa_mbar_wait(m.bm_full + 8 * i, (bm_round >> 1) & 1);
+                bm_round++;
+                w.n_blocks = *(volatile int *)b.count;
+                w.bm_list = b.list;
+                w.bm_tab = b.tab;
+                fa_consume_tile(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
+                fa_stage_release(m.bm_empty + 8 * i, threadIdx.x & 31);
+            }
+#else
     if (wg == 0) {
         fa_regs_producer();
         if (threadIdx.x != 0)
@@ -632,6 +816,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                 const fa_tile w = fa_tile_get(&kp, hb, mb);
                 fa_consume_tile(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
             }
+#endif
 }
 
 extern "C" __global__ void fa_fwd_fill(const fa_kparams kp) { fa_fill_outside(&kp); }

@@ -6,6 +6,7 @@
 #ifndef FA_FWD_SM90_TILE_CUH
 #define FA_FWD_SM90_TILE_CUH
 
+#include "fa_mod_flags.h"
 #include "fa_sm90.cuh"
 
 /* This warp is done with a stage's K or V (the wgmma reading it finished): one arrival per warp. */
@@ -31,6 +32,12 @@ typedef struct fa_tile {
     int n_max, n_blocks; /* key blocks n_max - n_blocks .. n_max - 1, visited last first */
     int sq, sk;          /* the sequence's queries and keys */
     int q_start, k_start; /* its first rows in q and k (varlen; 0 otherwise) */
+#if FA_BLOCK_MASK
+    /* The block mask (fa_fwd_sm90_mod.cuh): n_blocks then counts the blocks it keeps, listed
+     * in bm_list, last first; bm_tab holds their states key block by key block. */
+    const int *bm_list;
+    const unsigned char *bm_tab;
+#endif
 } fa_tile;
 
 /*

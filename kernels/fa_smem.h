@@ -23,6 +23,15 @@
 #define FA_SMEM_FWD90(bm, bn, dp, dvp, stages)                                                    \
     (FA_SMEM_FWD90_Q(bm, dp) + (stages) * (FA_SMEM_FWD90_K(bn, dp) + FA_SMEM_FWD90_V(bn, dvp)) + \
      8 * (3 + 4 * (stages)) + 1024)
+/* With a block mask (fa_fwd_sm90_mod.cuh), after those: the mbarriers full[2] and empty[2], 16
+ * ints of the list builder's loop state, then two buffers of a count, the list of the key blocks to visit (ints) and the state table: the
+ * query blocks a tile of bm rows can touch by nk key blocks (bytes); the launcher adds them. */
+#define FA_SMEM_FWD90_BM_QB(bm, q_block) (((bm) - 1) / (q_block) + 2)
+#define FA_SMEM_FWD90_BM_BUF(bm, bn, q_block, nk, max_sk)                                        \
+    ((4 + 4 * (int)(((max_sk) + (bn) - 1) / (bn)) + FA_SMEM_FWD90_BM_QB(bm, q_block) * (nk) +    \
+      3) / 4 * 4)
+#define FA_SMEM_FWD90_BM(bm, bn, q_block, nk, max_sk)                                            \
+    (96 + 2 * FA_SMEM_FWD90_BM_BUF(bm, bn, q_block, nk, max_sk))
 
 /* sm90 fp8 forward (fa_fwd_sm90_fp8.cu), from a 1024-byte aligned base, one byte an element:
  * Q [bm][dp]; per stage K [bn][dp], V^T [dvp][bn] and the raw V [bn][dvp] it is transposed from;

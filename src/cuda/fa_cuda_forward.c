@@ -133,6 +133,42 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
                                          const fa_plan *planp, fa_cuda_tmaps *tmaps,
                                          int smem_optin);
 
+/* The shared memory a block mask adds to plan's (0 without one): in the sm80 family the states
+ * of a tile's query blocks behind the tiles and their live-block lookup (FA_SMEM_BM_FWD), in the
+ * sm90 family two buffers of states with the lists of the key blocks to visit and their
+ * mbarriers (FA_SMEM_FWD90_BM). */
+static int64_t fa_cuda_forward_bm_bytes(const fa_params *p, const fa_plan *plan)
+{
+    const fa_mod_blocks *b = &p->mods.blocks;
+    if (!b->num.data)
+        return 0;
+    if (strcmp(plan->family, "fa_fwd_sm90.cu") == 0)
+        return FA_SMEM_FWD90_BM((int64_t)plan->bm, plan->bn, b->q_block, b->nk, p->max_sk);
+    return FA_SMEM_BM_FWD((int64_t)plan->bm, b->q_block, b->nk);
+}
+
+/* Whether every element the block mask's tensors hold for the call's sequences and heads lies
+ * within 2^30 elements of the tensor's start (one past a list's end too): the sm90 family's
+ * list builder (fa_fwd_sm90_mod.cuh) indexes them with ints, its warp having few registers. */
+static int fa_cuda_forward_bm_int(const fa_params *p)
+{
+    const fa_mod_blocks *b = &p->mods.blocks;
+    const fa_tensor *t[4] = {&b->num, &b->idx, &b->full_num, &b->full_idx};
+    for (int i = 0; i < 4; i++) {
+        if (!t[i]->data)
+            continue;
+        int64_t span = 0;
+        for (int d = 0; d < t[i]->ndim; d++) {
+            const int64_t last = d == 0 ? p->b - 1 : d == 1 ? p->h - 1 : t[i]->shape[d] + 32;
+            const int64_t st = t[i]->stride[d] < 0 ? -t[i]->stride[d] : t[i]->stride[d];
+            span += (last > 0 ? last : 0) * st;
+        }
+        if (span >= (int64_t)1 << 30)
+            return 0;
+    }
+    return 1;
+}
+
 fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
 {
     int arch = 0, smem_optin = 0;
@@ -186,10 +222,13 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     if (st != FA_STATUS_OK)
         return st;
     /* The sm90 family reads through TMA tensor maps and numbers its tiles with an int; tensors
-     * the driver cannot describe, or more tiles, go to the sm80 family (never a wrong answer). */
+     * the driver cannot describe, or more tiles, go to the sm80 family (never a wrong answer), as
+     * do block masks whose buffers do not fit beside its tiles or whose tensors are huge. */
     const int sm90 = strcmp(plan.family, "fa_fwd_sm90.cu") == 0;
     fa_cuda_tmaps tmaps;
     if (sm90 && ((p->max_sq + plan.bm - 1) / plan.bm * p->h * p->b > INT32_MAX ||
+                 plan.smem + fa_cuda_forward_bm_bytes(p, &plan) > (int64_t)smem_optin ||
+                 !fa_cuda_forward_bm_int(p) ||
                  fa_cuda_tmaps_encode(fa_cuda_driver_get(), p, plan.bm, plan.bn, &tmaps.q,
                                       &tmaps.k, &tmaps.v, NULL) != 0)) {
         key.features |= FA_PLAN_NO_SM90;
@@ -220,7 +259,7 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
     unsigned smem = plan.smem;
     if (p->mods.blocks.num.data) {
         const fa_mod_blocks *b = &p->mods.blocks;
-        const int64_t bytes = FA_SMEM_BM_FWD((int64_t)plan.bm, b->q_block, b->nk);
+        const int64_t bytes = fa_cuda_forward_bm_bytes(p, &plan);
         if (bytes > smem_optin - (int64_t)plan.smem)
             return fa_error_set(FA_STATUS_UNSUPPORTED,
                                 "block_mask: %lld key blocks of %lld keys need %lld bytes of "
@@ -272,8 +311,8 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
                 (tmaps->paired ? (m_blocks + 1) / 2 : m_blocks) * (int64_t)p->h * p->b;
             unsigned grid = (unsigned)(persistent && sms > 0 && sms < units ? sms : units);
             void *params[] = {&kp, tmaps};
-            fa_cu_result r = d->launch_kernel(fn, grid, 1, 1, plan.threads, 1, 1, plan.smem,
-                                              stream, params, NULL);
+            fa_cu_result r = d->launch_kernel(fn, grid, 1, 1, plan.threads, 1, 1, smem, stream,
+                                              params, NULL);
             st = r == 0 ? FA_STATUS_OK : fa_cuda_error(r, "launching fa_fwd (sm90)");
         } else if (st == FA_STATUS_OK) {
             st = fa_cuda_launch(d, fn, m_blocks, (unsigned)p->h, (unsigned)p->b, plan.threads,

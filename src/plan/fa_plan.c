@@ -214,6 +214,14 @@ int fa_plan_sm90_enabled(void)
     return !(env && strcmp(env, "0") == 0);
 }
 
+/* Calls with user-defined scoring take the sm90 family only with FLASHATTN_SM90_MODS=1: its hooks
+ * (FA_SCORE_MOD, FA_MASK_MOD, FA_BLOCK_MASK in fa_fwd_sm90.cu) have not run on a GPU yet. */
+static int fa_plan_sm90_mods_enabled(void)
+{
+    const char *env = getenv("FLASHATTN_SM90_MODS");
+    return env && strcmp(env, "1") == 0;
+}
+
 /* FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG[,PERSISTENT[,CONSUMERS]] replaces the row's choice
  * (for tuning with the benchmark); a combination the kernel cannot take or shared memory cannot
  * hold is ignored. PERSISTENT: 0 one CTA per query tile; 1 persistent CTAs for calls without
@@ -242,12 +250,29 @@ static void fa_plan_sm90_override(fa_plan_row90 *row, int dp, int dvp)
 
 fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
 {
+    /* Mods where switched on; the block mask's tables are for dense calls only. */
+    const unsigned block_varlen = FA_PLAN_BLOCK_MASK | FA_FEATURE_VARLEN;
+    const unsigned unsupported =
+        (key->features & FA_PLAN_MODS) && (key->features & block_varlen) != block_varlen &&
+                fa_plan_sm90_mods_enabled()
+            ? FA_SM90_UNSUPPORTED & ~FA_PLAN_MODS
+            : FA_SM90_UNSUPPORTED;
     if (key->arch != 90 || (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16) ||
-        key->d > 256 || key->dv > 256 || (key->features & FA_SM90_UNSUPPORTED))
+        key->d > 256 || key->dv > 256 || (key->features & unsupported))
         return FA_STATUS_UNSUPPORTED;
     const int dp = (key->d + 63) / 64 * 64, dvp = (key->dv + 63) / 64 * 64;
+    const int mods = (key->features & FA_PLAN_MODS) != 0, dmax = dp > dvp ? dp : dvp;
+    /* Where the mods' code spills (ptxas, with a softcap score_mod and a document mask_mod): with
+     * dropout past head dim 128; a block mask at head dim 256 or beside the built-in softcap,
+     * ALiBi or dropout (flex_attention's calls have none of those three). */
+    const unsigned bm_beside = FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI | FA_FEATURE_DROPOUT;
+    if (mods && (((key->features & FA_FEATURE_DROPOUT) && dmax > 128) ||
+                 ((key->features & FA_PLAN_BLOCK_MASK) &&
+                  (dmax > 192 || (key->features & bm_beside)))))
+        return FA_STATUS_UNSUPPORTED;
     fa_plan_row90 row = fa_sm90_rows[(dp > dvp ? dp : dvp) / 64 - 1];
-    if (row.dp == 64 && (key->features & FA_PLAN_LONG))
+    /* Three consumers have 160 registers each: too few for the mods' code (spills). */
+    if (row.dp == 64 && (key->features & FA_PLAN_LONG) && !mods)
         row.consumers = 3;
     if (row.dp == 256 && (key->features & FA_FEATURE_DROPOUT))
         row.bn = FA_SM90_BN_DROPOUT_D256;
@@ -279,6 +304,7 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_STAGES", plan->stages);
     fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_SM90_UNSUPPORTED);
+    fa_plan_define_mods(plan, key->features);
     return FA_STATUS_OK;
 }
 
@@ -400,7 +426,7 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     /* Only paged kernels carry the define, so dense kernels keep their JIT keys and code. */
     if (key->features & FA_PLAN_PAGED)
         fa_plan_define(plan, "FA_PAGED", 1);
-    /* On sm_90 the sm80 family takes calls with mods for now (FA_SM90_UNSUPPORTED). */
+    /* On sm_90 the sm80 family takes calls with mods unless FLASHATTN_SM90_MODS=1. */
     fa_plan_define_mods(plan, key->features);
     return FA_STATUS_OK;
 }

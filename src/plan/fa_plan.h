@@ -11,7 +11,7 @@
 
 #include "flashattn.h"
 
-#define FA_PLAN_MAX_DEFINES 16
+#define FA_PLAN_MAX_DEFINES 20 /* the sm90 forward with every feature and mod: 17 */
 #define FA_PLAN_LONG_ROWS 8192
 /* The sm90 family pairs causal/windowed tiles on persistent CTAs up to this many query tiles
  * per (sequence, head); above it one CTA per tile balances better. */
@@ -26,8 +26,9 @@
 #define FA_PLAN_KV_E5M2 (1u << 29) /* decode: the caches are fp8 e5m2 */
 #define FA_PLAN_OUT_F16 (1u << 30) /* fp8 forward: out is fp16 (bf16 otherwise) */
 /* User-defined scoring (forward): the call has a score_mod, a mask_mod, a block mask. The
- * sm80 family compiles them (on sm_90 too, for now); the plan's score_mod / mask_mod then
- * carry the programs' generated CUDA C. */
+ * sm80 family compiles them (on sm_90 too, unless FLASHATTN_SM90_MODS=1 sends them to the sm90
+ * family, dense calls for a block mask); the plan's score_mod / mask_mod then carry the
+ * programs' generated CUDA C. */
 #define FA_PLAN_SCORE_MOD (1u << 21)
 #define FA_PLAN_MASK_MOD (1u << 22)
 #define FA_PLAN_BLOCK_MASK (1u << 23)
@@ -63,8 +64,9 @@ typedef struct fa_plan {
  * On sm_90 devices the sm90 family (fa_fwd_sm90.cu) takes the cases it supports (unless
  * FLASHATTN_SM90=0); every other case gets the sm80 family, paged k and v (FA_PLAN_PAGED)
  * among them for now: the sm90 family reads K and V through TMA maps of a dense layout; so do
- * calls with user-defined scoring (FA_PLAN_SCORE_MOD, _MASK_MOD, _BLOCK_MASK), whose hooks only
- * the sm80 kernel has so far. */
+ * calls with user-defined scoring (FA_PLAN_SCORE_MOD, _MASK_MOD, _BLOCK_MASK) unless
+ * FLASHATTN_SM90_MODS=1 sends them to the sm90 family's hooks, which have not run on a GPU yet
+ * (fa_plan_forward_sm90 says which it takes). */
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan);
 
 /* The sm90 family's plan for key, whatever FLASHATTN_SM90 says (precompile, tests); returns

@@ -10,6 +10,10 @@
  *   - fp8 forward: without FLASHATTN_SM90_FP8=1 refused as before, naming q and its dtype; with
  *     it the sm90 fp8 family on sm_90 (128 x 128 tiles, head dims padded to 64, 128, 256, shared
  *     memory within the device's), and refusals naming the argument for what it cannot do;
+ *   - user-defined scoring on sm_90: the sm80 family, unless FLASHATTN_SM90_MODS=1 sends it to
+ *     the sm90 family (not a varlen call's block mask, nor the combinations whose code
+ *     spills, nor where the sm90 family is off or cannot run), with the mods' defines beside the
+ *     plain plan's, within FA_PLAN_MAX_DEFINES, and two consumer warpgroups at head dim 64;
  *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
  *     FLASHATTN_BWD_SM90=0), and, whenever it is taken, the padded head dims of the arch-80 plan
  *     (the two families share the workspace's layout) with its query tile or, at head dim 64,
@@ -193,6 +197,100 @@ static void check_forward_sm90_dropout(void)
                  strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
              "FLASHATTN_SM90=0 dropout: family %s", plan.family);
     unsetenv("FLASHATTN_SM90");
+}
+
+/* User-defined scoring on sm_90: the sm80 family (fa_plan_forward_sm90 refusing), and with
+ * FLASHATTN_SM90_MODS=1 the sm90 family with the plain plan's defines and the mods' after them,
+ * but for a varlen call's block mask, dropout past head dim 128, a block mask at head dim 256
+ * or beside softcap, ALiBi or dropout, unaligned rows, FLASHATTN_SM90=0 and other archs; two
+ * consumer warpgroups in long calls at head dim 64. */
+static void check_forward_sm90_mods(void)
+{
+    static const int dims[][2] = {{64, 64}, {128, 128}, {256, 256}, {192, 128}, {96, 96}};
+    static const unsigned feats[] = {0, FA_FEATURE_VARLEN, FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI,
+                                     FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP |
+                                         FA_FEATURE_DROPOUT};
+    for (int on = 0; on < 2; on++) {
+        if (on)
+            setenv("FLASHATTN_SM90_MODS", "1", 1);
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
+            for (size_t fi = 0; fi < sizeof feats / sizeof feats[0]; fi++)
+                for (unsigned mods = 1; mods < 8; mods++) {
+                    const unsigned mbits = (mods & 1 ? FA_PLAN_SCORE_MOD : 0) |
+                                           (mods & 2 ? FA_PLAN_MASK_MOD : 0) |
+                                           (mods & 4 ? FA_PLAN_BLOCK_MASK : 0);
+                    fa_plan_key key = {90, FA_DTYPE_BF16, dims[di][0], dims[di][1],
+                                       feats[fi] | mbits};
+                    fa_plan_key plain_key = key;
+                    plain_key.features = feats[fi];
+                    fa_plan plan, plain, p90;
+                    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                                 fa_plan_forward(&plain_key, &plain) == FA_STATUS_OK,
+                             "d %d features %#x: no plan", key.d, key.features);
+                    const int dmax = dims[di][0] > dims[di][1] ? dims[di][0] : dims[di][1];
+                    const unsigned beside =
+                        FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI | FA_FEATURE_DROPOUT;
+                    const int want90 =
+                        on && !((mods & 4) && (feats[fi] & FA_FEATURE_VARLEN)) &&
+                        !(dmax > 128 && (feats[fi] & FA_FEATURE_DROPOUT)) &&
+                        !((mods & 4) && (dmax > 192 || (feats[fi] & beside)));
+                    TU_CHECK(strcmp(plan.family, want90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu") ==
+                                 0,
+                             "FLASHATTN_SM90_MODS %d d %d features %#x: %s", on, key.d,
+                             key.features, plan.family);
+                    TU_CHECK((fa_plan_forward_sm90(&key, &p90) == FA_STATUS_OK) == want90,
+                             "fa_plan_forward_sm90 %d d %d features %#x", on, key.d,
+                             key.features);
+                    TU_CHECK(plan_define(&plan, "FA_SCORE_MOD") == (mods & 1 ? 1 : -1) &&
+                                 plan_define(&plan, "FA_MASK_MOD") == (mods & 2 ? 1 : -1) &&
+                                 plan_define(&plan, "FA_BLOCK_MASK") == (mods & 4 ? 1 : -1),
+                             "d %d features %#x: the mods' defines", key.d, key.features);
+                    TU_CHECK(plan.num_defines <= FA_PLAN_MAX_DEFINES,
+                             "d %d features %#x: %d defines", key.d, key.features,
+                             plan.num_defines);
+                    if (!want90)
+                        continue;
+                    /* The plain plan's tile and defines, then the mods'. */
+                    int same = plan.bm == plain.bm && plan.bn == plain.bn &&
+                               plan.stages == plain.stages && plan.smem == plain.smem &&
+                               plan.num_defines == plain.num_defines + __builtin_popcount(mods);
+                    for (int i = 0; same && i < plain.num_defines; i++)
+                        same = strcmp(plan.defines[i], plain.defines[i]) == 0;
+                    TU_CHECK(same, "d %d features %#x: not the plain sm90 plan plus the mods",
+                             key.d, key.features);
+                }
+        /* Long calls at head dim 64: two consumers with mods (three have too few registers). */
+        fa_plan_key key = {90, FA_DTYPE_BF16, 64, 64, FA_PLAN_LONG | FA_PLAN_SCORE_MOD};
+        fa_plan plan;
+        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                     (!on || (strcmp(plan.family, "fa_fwd_sm90.cu") == 0 && plan.bm == 128 &&
+                              plan_define(&plan, "FA_NCW") == 2)),
+                 "long d 64 mods: %s bm %d", plan.family, plan.bm);
+        /* Never the sm90 family where it cannot run or is off. */
+        key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD | FA_FEATURE_UNALIGNED};
+        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                     strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+                 "unaligned mods: %s", plan.family);
+        key.features = FA_PLAN_SCORE_MOD;
+        key.arch = 80;
+        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                     strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+                 "sm_80 mods: %s", plan.family);
+        key.arch = 90;
+        setenv("FLASHATTN_SM90", "0", 1);
+        TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                     strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+                 "FLASHATTN_SM90=0 mods: %s", plan.family);
+        unsetenv("FLASHATTN_SM90");
+    }
+    /* Only "1" switches it on. */
+    setenv("FLASHATTN_SM90_MODS", "0", 1);
+    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_SCORE_MOD};
+    fa_plan plan;
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                 strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
+             "FLASHATTN_SM90_MODS=0: %s", plan.family);
+    unsetenv("FLASHATTN_SM90_MODS");
 }
 
 /* The family fa_plan_backward picks for (arch, d, dv, features), "" when it refuses. */
@@ -533,6 +631,7 @@ int main(void)
     check_forward_sm90_dv();
     check_forward_sm90_dropout();
     check_forward_fp8();
+    check_forward_sm90_mods();
     check_backward();
     check_backward_wide();
     check_backward_sm90_wide();

@@ -16,6 +16,9 @@
  *   dq, dk, dv: within a bf16/fp16 tolerance of the CPU's relative to their largest element,
  *   every element written (poisoned before), in the atomic and the deterministic dQ order (the
  *   block mask's skipped tiles are passed over in one and visited, masked, in the other).
+ * On sm_90 the forward cases run a second time with FLASHATTN_SM90_MODS=1, on the Hopper
+ * kernel's hooks (fa_fwd_sm90.cu), against the same CPU results (forward only).
+ * Each case's line names the family that ran.
  * Exits 77 (skipped) without a usable device.
  */
 #include <math.h>
@@ -65,6 +68,9 @@ static const mod_case cases[] = {
 #define PREFIX 37
 
 static int failures;
+/* The forward family the cases must run on, and whether the backward follows (sm80 pass). */
+static const char *expect_family = "fa_fwd_sm80.cu";
+static int with_backward = 1;
 
 /* ---- the programs ---------------------------------------------------------------------- */
 
@@ -321,8 +327,9 @@ static void compare(const mod_case *c, fa_dtype dt, const gpu_buf *out, const gp
     if (lerr > 2e-3 || inf_mismatch)
         FAIL("lse: max |gpu - cpu| %.3g, %lld rows +inf on one side only", lerr,
              (long long)inf_mismatch);
-    printf("  %-40s %s: out err %.2e (scale %.2f), lse err %.2e, %lld empty rows\n", c->name,
-           fa_dtype_name(dt), err, scale, lerr, (long long)empty_rows);
+    printf("  %-40s %s: out err %.2e (scale %.2f), lse err %.2e, %lld empty rows (%s)\n",
+           c->name, fa_dtype_name(dt), err, scale, lerr, (long long)empty_rows,
+           fa_cuda_last_family());
     free(go);
     free(gl);
 }
@@ -491,11 +498,12 @@ static void run_case(const mod_case *c, fa_dtype dt, int corrupt)
             FAIL("CUDA: %s", fa_last_error());
         else if (gu_drv->ctx_synchronize() != 0)
             FAIL("CUDA: the kernel faulted");
-        else if (strcmp(fa_cuda_last_family(), "fa_fwd_sm80.cu") != 0)
-            FAIL("ran on %s, not the sm80 family", fa_cuda_last_family());
+        else if (strcmp(fa_cuda_last_family(), expect_family) != 0)
+            FAIL("ran on %s, not %s", fa_cuda_last_family(), expect_family);
         else {
             compare(c, dt, &out, &lse);
-            run_backward(c, dt, &ah, &a);
+            if (with_backward)
+                run_backward(c, dt, &ah, &a);
         }
     }
     fa_mod_destroy(sm);
@@ -520,6 +528,24 @@ int main(void)
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         if (cases[i].bm == BM_RANDOM)
             run_case(&cases[i], FA_DTYPE_BF16, 1);
+    /* The forward cases again on the Hopper kernel's hooks, which FLASHATTN_SM90_MODS=1 selects
+     * (the default keeps the sm80 family). */
+    int arch = 0, smem = 0;
+    if (fa_cuda_device_arch(0, &arch, &smem) == FA_STATUS_OK && arch == 90) {
+        printf("test_gpu_mod: the forward on fa_fwd_sm90.cu (FLASHATTN_SM90_MODS=1)\n");
+        setenv("FLASHATTN_SM90_MODS", "1", 1);
+        expect_family = "fa_fwd_sm90.cu";
+        with_backward = 0;
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            run_case(&cases[i], FA_DTYPE_BF16, 0);
+            run_case(&cases[i], FA_DTYPE_F16, 0);
+            if (cases[i].bm == BM_RANDOM)
+                run_case(&cases[i], FA_DTYPE_BF16, 1);
+        }
+        unsetenv("FLASHATTN_SM90_MODS");
+        expect_family = "fa_fwd_sm80.cu";
+        with_backward = 1;
+    }
     printf("test_gpu_mod: %d failures\n", failures);
     return failures ? 1 : 0;
 }
