@@ -143,12 +143,8 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
                         for (int64_t jj = 0; jj < g; jj++) {
                             FA_REAL *drow = dst + (jg + jj) * ld + i0;
                             const FA_REAL *dr = d.p + jj * d.rs;
-                            if (d.v) {
-                                FA_MOD_IVDEP for (int64_t k = 0; k < w; k++) drow[k] *= dr[k];
-                            } else {
-                                for (int64_t k = 0; k < w; k++)
-                                    drow[k] *= dr[0];
-                            }
+                            for (int64_t k = 0; k < w; k++)
+                                drow[k] *= dr[d.v ? k : 0];
                         }
                     }
                 }
