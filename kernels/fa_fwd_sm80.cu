@@ -316,11 +316,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     unsigned char *const bm_tab =
         (unsigned char *)(fa_smem + FA_BM * FA_DP + FA_BN * (FA_DP + FA_DVP));
     const int bm_qb0 = m0 / kp.bm_q_block, bm_nqb = m_last / kp.bm_q_block - bm_qb0 + 1;
-    int *const bm_lab = (int *)(bm_tab + FA_SMEM_BM_STATES(FA_BM, kp.bm_q_block, kp.bm_nk));
     fa_bm_load(&kp, bm_tab, bi, h, 1, bm_qb0, bm_nqb, 0, kp.bm_nk);
+#if FA_BM_LIVE
+    int *const bm_lab = (int *)(bm_tab + FA_SMEM_BM_STATES(FA_BM, kp.bm_q_block, kp.bm_nk));
     fa_bm_live(&kp, bm_tab, bm_nqb, bm_lab);
+#define FA_BM_BELOW(nb) fa_bm_below_live(&kp, bm_lab, nb, n_min, seq.sk)
+#else
+#define FA_BM_BELOW(nb) fa_bm_below(&kp, bm_tab, bm_nqb, nb, n_min, seq.sk)
+#endif
     /* The first key block visited: the last one the block mask keeps. */
-    const int nb_first = fa_bm_below(&kp, bm_lab, n_max, n_min, seq.sk);
+    const int nb_first = FA_BM_BELOW(n_max);
     int nb_next;
 #elif FA_MASK_MOD
     const unsigned char *const bm_tab = 0; /* no block mask: one state, partial */
@@ -401,7 +406,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
     for (int nb = FA_NB_FIRST; nb >= n_min; FA_NB_STEP(nb)) {
         const int n0 = nb * FA_BN;
 #if FA_BLOCK_MASK
-        nb_next = fa_bm_below(&kp, bm_lab, nb, n_min, seq.sk);
+        nb_next = FA_BM_BELOW(nb);
 #endif
         /* K of this block (and Q) landed; every warp is done with the previous V. */
         fa_cp_async_wait_all();

@@ -122,7 +122,7 @@ FA_DEV int fa_bm_state(const fa_kparams *kp, const unsigned char *tab, int nqb, 
 /* The forward tile's live key blocks, from its states (tab: fa_bm_load): lab[kb] is the last
  * key block at or below kb that some query block of the tile does not skip, -1 if none. Warp 0
  * makes it once per tile (32 key blocks a ballot), so that each step to the next block visited
- * is a lookup (fa_bm_below), not a walk over every block skipped. */
+ * is a lookup (fa_bm_below_live), not a walk over every block skipped. */
 FA_DEV void fa_bm_live(const fa_kparams *kp, const unsigned char *tab, int nqb, int *lab)
 {
     if (threadIdx.x < 32) {
@@ -144,9 +144,18 @@ FA_DEV void fa_bm_live(const fa_kparams *kp, const unsigned char *tab, int nqb, 
     __syncthreads();
 }
 
-/* The next key block (of FA_BN keys) below nb that the block mask does not skip for the tile,
- * or n_min - 1 (lab: fa_bm_live). */
-FA_DEV int fa_bm_below(const fa_kparams *kp, const int *lab, int nb, int n_min, int sk)
+/* The next key block below nb that the block mask does not skip, or n_min - 1. */
+FA_DEV int fa_bm_below(const fa_kparams *kp, const unsigned char *tab, int nqb, int nb,
+                       int n_min, int sk)
+{
+    for (nb--; nb >= n_min; nb--)
+        if (fa_bm_state(kp, tab, nqb, nb * FA_BN, sk) != FA_BM_SKIP)
+            break;
+    return nb;
+}
+
+/* fa_bm_below by lookup (lab: fa_bm_live), for kernels compiled with FA_BM_LIVE. */
+FA_DEV int fa_bm_below_live(const fa_kparams *kp, const int *lab, int nb, int n_min, int sk)
 {
     const int c = nb - 1;
     if (c < n_min)

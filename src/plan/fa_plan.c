@@ -428,6 +428,10 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
         fa_plan_define(plan, "FA_PAGED", 1);
     /* On sm_90 the sm80 family takes calls with mods unless FLASHATTN_SM90_MODS=1. */
     fa_plan_define_mods(plan, key->features);
+    /* The block mask's next kept block by lookup (fa_mod_flags.h): not yet run on a GPU. */
+    const char *live = getenv("FLASHATTN_BM_LIVE");
+    if ((key->features & FA_PLAN_BLOCK_MASK) && live && strcmp(live, "1") == 0)
+        fa_plan_define(plan, "FA_BM_LIVE", 1);
     return FA_STATUS_OK;
 }
 
