@@ -267,7 +267,7 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
             const int hf = (j >> 1) & 1;
             if (col < r->lo[hf] || col >= r->hi[hf]
 #if FA_MOD_MASKS
-                || (mod_on && !fa_mod_keep90(kp, r->bm_tab, r->mod_st, r->bi, r->h,
+                || (mod_on && !fa_mod_keep(kp, r->bm_tab, r->mod_st, r->bi, r->h,
                                              r->row0 + 8 * hf, col, r->bm_qb0, r->bm_nqb))
 #endif
             )

@@ -18,28 +18,6 @@
 #ifndef FA_FWD_SM90_MOD_CUH
 #define FA_FWD_SM90_MOD_CUH
 
-#if FA_MOD_MASKS
-/* Whether key col stays for row (the window already checked), its key block's state being st:
- * the block mask's entry for (row, col) where the blocks are finer than the tile
- * (FA_BM_MIXED), then mask_mod where it is partial (the sm80 family's fa_mod_keep). */
-FA_DEV bool fa_mod_keep90(const fa_kparams *kp, const unsigned char *tab, int st, int bi, int h,
-                          int row, int col, int qb0, int nqb)
-{
-#if FA_BLOCK_MASK
-    if (st == FA_BM_MIXED)
-        st = tab[fa_min(row / kp->bm_q_block - qb0, nqb - 1) * kp->bm_nk +
-                 col / kp->bm_kv_block];
-    if (st != FA_BM_PARTIAL)
-        return st == FA_BM_FULL;
-#endif
-#if FA_MASK_MOD
-    return fa_mask_mod(kp, (float)bi, (float)h, (float)row, (float)col);
-#else
-    return true;
-#endif
-}
-#endif
-
 #if FA_BLOCK_MASK
 #if FA_VARLEN
 #error "fa_fwd_sm90.cu: block masks are for dense calls (the plan routes varlen ones elsewhere)"

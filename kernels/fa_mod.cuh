@@ -181,4 +181,26 @@ FA_DEV int fa_bm_keys_state(const unsigned char *tab, int nkb, int qb0, int qb1)
 }
 #endif
 
+#if FA_MOD_MASKS
+/* Whether key col stays for row (both in the sequence's range, the window already checked),
+ * the key block's state being st: the block mask's entry for (row, col) where the blocks are
+ * finer than the tile (FA_BM_MIXED), then mask_mod where it is partial. */
+FA_DEV bool fa_mod_keep(const fa_kparams *kp, const unsigned char *tab, int st, int bi, int h,
+                        int row, int col, int qb0, int nqb)
+{
+#if FA_BLOCK_MASK
+    if (st == FA_BM_MIXED)
+        st = tab[fa_min(row / kp->bm_q_block - qb0, nqb - 1) * kp->bm_nk +
+                 col / kp->bm_kv_block];
+    if (st != FA_BM_PARTIAL)
+        return st == FA_BM_FULL;
+#endif
+#if FA_MASK_MOD
+    return fa_mask_mod(kp, (float)bi, (float)h, (float)row, (float)col);
+#else
+    return true;
+#endif
+}
+#endif
+
 #endif /* FA_MOD_CUH */

@@ -3,6 +3,7 @@
 
 #include <string.h>
 
+#include "core/fa_fp8.h"
 #include "util/fa_half.h"
 
 const fa_cuda_driver *gu_drv;
@@ -116,6 +117,8 @@ void gu_fill_uniform(gpu_buf *g, double lo, double hi)
             ((uint16_t *)t->data)[at] = fa_f32_to_f16(x);
         else if (t->dtype == FA_DTYPE_BF16)
             ((uint16_t *)t->data)[at] = fa_f32_to_bf16(x);
+        else if (t->dtype == FA_DTYPE_F8E4M3)
+            ((uint8_t *)t->data)[at] = fa_f32_to_e4m3(x);
         else
             ((float *)t->data)[at] = x;
     }

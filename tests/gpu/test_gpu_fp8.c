@@ -30,23 +30,6 @@ typedef struct f8case {
 
 static int failures;
 
-/* Every element of an fp8 buffer's host copy: e4m3 of a uniform draw in [lo, hi). */
-static void fill_e4m3(gpu_buf *g, double lo, double hi)
-{
-    const fa_tensor *t = &g->host;
-    int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++)
-        n *= t->shape[i];
-    for (int64_t e = 0; e < n; e++) {
-        int64_t rem = e, at = 0;
-        for (int i = t->ndim - 1; i >= 0; i--) {
-            at += (rem % t->shape[i]) * t->stride[i];
-            rem /= t->shape[i];
-        }
-        ((uint8_t *)t->data)[at] = fa_f32_to_e4m3((float)gu_uniform(lo, hi));
-    }
-}
-
 /* Element index (token, head, col) of a [b, s, h, x] or [total, h, x] buffer. */
 static int64_t at3(const fa_tensor *t, int64_t tok, int64_t s, int varlen, int64_t hh, int64_t x)
 {
@@ -89,9 +72,9 @@ static void run_case(const f8case *c)
     gpu_buf q = gu_buf_new(dt, nd, shq, c->pad), k = gu_buf_new(dt, nd, shk, c->pad);
     gpu_buf v = gu_buf_new(dt, nd, shk, c->pad), o = gu_buf_new(c->out_dt, nd, sho, 0);
     gpu_buf lse = gu_buf_new(FA_DTYPE_F32, nd - 1, shl, 0);
-    fill_e4m3(&q, -2.5, 2.5);
-    fill_e4m3(&k, -2.5, 2.5);
-    fill_e4m3(&v, -3.0, 3.0);
+    gu_fill_uniform(&q, -2.5, 2.5);
+    gu_fill_uniform(&k, -2.5, 2.5);
+    gu_fill_uniform(&v, -3.0, 3.0);
     const int64_t shd[2] = {c->b, c->hk};
     gpu_buf dsc[3];
     for (int i = 0; i < 3; i++) {
