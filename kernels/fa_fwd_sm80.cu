@@ -295,13 +295,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
         (unsigned char *)(fa_smem + FA_BM * FA_DP + FA_BN * (FA_DP + FA_DVP));
     const int bm_qb0 = m0 / kp.bm_q_block, bm_nqb = m_last / kp.bm_q_block - bm_qb0 + 1;
     fa_bm_load(&kp, bm_tab, bi, h, 1, bm_qb0, bm_nqb, 0, kp.bm_nk);
-#if FA_BM_LIVE
     int *const bm_lab = (int *)(bm_tab + FA_SMEM_BM_STATES(FA_BM, kp.bm_q_block, kp.bm_nk));
     fa_bm_live(&kp, bm_tab, bm_nqb, bm_lab);
-#define FA_BM_BELOW(nb) fa_bm_below_live(&kp, bm_lab, nb, n_min, seq.sk)
-#else
-#define FA_BM_BELOW(nb) fa_bm_below(&kp, bm_tab, bm_nqb, nb, n_min, seq.sk)
-#endif
+#define FA_BM_BELOW(nb) fa_bm_below(&kp, bm_lab, nb, n_min, seq.sk)
     /* The first key block visited: the last one the block mask keeps. */
     const int nb_first = FA_BM_BELOW(n_max);
     int nb_next;

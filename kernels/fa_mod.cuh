@@ -12,7 +12,10 @@
 #if FA_SCORE_MOD || FA_MASK_MOD
 /* The operations of the generated programs that are more than an operator, as the CPU
  * evaluator has them (fa_cpu_mod_body.h): min / max propagate a NaN of either operand, mod is
- * the floor remainder (the divisor's sign). */
+ * the floor remainder (the divisor's sign). Division is within 2 ulp of it (x times the
+ * approximate reciprocal; 0 for |y| above 2^126): the exact quotient branches to a slow path,
+ * which keeps ptxas from interleaving a tile's scores. */
+FA_DEV float fa_mod_div(float x, float y) { return __fdividef(x, y); }
 FA_DEV float fa_mod_min(float x, float y) { return (x < y || x != x) ? x : y; }
 FA_DEV float fa_mod_max(float x, float y) { return (x > y || x != x) ? x : y; }
 FA_DEV float fa_mod_rem(float x, float y)
@@ -33,17 +36,34 @@ FA_DEV fa_i64 fa_mod_index(float v, fa_i64 n)
     return i < n - 1 ? i : n - 1;
 }
 
+/* Whether aux slot `slot` is int32: the plan's FA_MOD_AUX_I32 (the call's dtypes, one bit a
+ * slot) where defined, so the read takes one path, else the parameter block's bits. */
+#ifdef FA_MOD_AUX_I32
+#define FA_MOD_AUX_IS_I32(kp, slot) ((FA_MOD_AUX_I32 >> (slot)) & 1)
+#else
+#define FA_MOD_AUX_IS_I32(kp, slot) (((kp)->mod_aux_i32 >> (slot)) & 1u)
+#endif
+
+/* Offsets into the aux tensors: int where the plan says every element's offset fits one
+ * (FA_MOD_AUX_OFF32), which saves the registers and instructions of 64-bit index math. */
+#if FA_MOD_AUX_OFF32
+typedef int fa_mod_off;
+#else
+typedef fa_i64 fa_mod_off;
+#endif
+
 /* Aux tensor `slot` at the first ndim of the indices (the generated code's aux reads). */
 FA_DEV float fa_mod_aux(const fa_kparams *kp, int slot, int ndim, float i0, float i1, float i2,
                         float i3)
 {
     const float x[4] = {i0, i1, i2, i3};
-    fa_i64 off = 0;
+    fa_mod_off off = 0;
 #pragma unroll
     for (int d = 0; d < 4; d++)
         if (d < ndim)
-            off += fa_mod_index(x[d], kp->mod_aux_shape[slot][d]) * kp->mod_aux_stride[slot][d];
-    if ((kp->mod_aux_i32 >> slot) & 1u)
+            off += (fa_mod_off)fa_mod_index(x[d], kp->mod_aux_shape[slot][d]) *
+                   (fa_mod_off)kp->mod_aux_stride[slot][d];
+    if (FA_MOD_AUX_IS_I32(kp, slot))
         return (float)__ldg((const int *)kp->mod_aux[slot] + off);
     return __ldg((const float *)kp->mod_aux[slot] + off);
 }
@@ -122,7 +142,7 @@ FA_DEV int fa_bm_state(const fa_kparams *kp, const unsigned char *tab, int nqb, 
 /* The forward tile's live key blocks, from its states (tab: fa_bm_load): lab[kb] is the last
  * key block at or below kb that some query block of the tile does not skip, -1 if none. Warp 0
  * makes it once per tile (32 key blocks a ballot), so that each step to the next block visited
- * is a lookup (fa_bm_below_live), not a walk over every block skipped. */
+ * is a lookup (fa_bm_below), not a walk over every block skipped. */
 FA_DEV void fa_bm_live(const fa_kparams *kp, const unsigned char *tab, int nqb, int *lab)
 {
     if (threadIdx.x < 32) {
@@ -144,18 +164,9 @@ FA_DEV void fa_bm_live(const fa_kparams *kp, const unsigned char *tab, int nqb, 
     __syncthreads();
 }
 
-/* The next key block below nb that the block mask does not skip, or n_min - 1. */
-FA_DEV int fa_bm_below(const fa_kparams *kp, const unsigned char *tab, int nqb, int nb,
-                       int n_min, int sk)
-{
-    for (nb--; nb >= n_min; nb--)
-        if (fa_bm_state(kp, tab, nqb, nb * FA_BN, sk) != FA_BM_SKIP)
-            break;
-    return nb;
-}
-
-/* fa_bm_below by lookup (lab: fa_bm_live), for kernels compiled with FA_BM_LIVE. */
-FA_DEV int fa_bm_below_live(const fa_kparams *kp, const int *lab, int nb, int n_min, int sk)
+/* The next key block below nb that the block mask does not skip, or n_min - 1, by lookup
+ * (lab: fa_bm_live). */
+FA_DEV int fa_bm_below(const fa_kparams *kp, const int *lab, int nb, int n_min, int sk)
 {
     const int c = nb - 1;
     if (c < n_min)

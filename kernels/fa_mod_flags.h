@@ -15,12 +15,6 @@
 #ifndef FA_BLOCK_MASK
 #define FA_BLOCK_MASK 0
 #endif
-/* The sm80 forward finds its next kept key block by a lookup made once per tile (fa_bm_live)
- * instead of a walk over the blocks skipped: written, not yet run on a GPU, so only where the
- * plan asks (FLASHATTN_BM_LIVE=1). */
-#ifndef FA_BM_LIVE
-#define FA_BM_LIVE 0
-#endif
 /* Keys can be dropped by more than the window: mask_mod or the block mask. */
 #define FA_MOD_MASKS (FA_MASK_MOD || FA_BLOCK_MASK)
 

@@ -24,6 +24,10 @@ const char *fa_cuda_last_family(void);
 struct fa_kparams;
 void fa_kparams_fill(const fa_params *p, struct fa_kparams *kp);
 
+/* The plan key's mod_aux (fa_plan.h) of p's aux tensors: which are int32 and whether every
+ * element's offset fits an int; 0 without aux tensors. */
+unsigned fa_kparams_mod_aux(const fa_params *p);
+
 /* Whether every stride is a multiple of 8 elements and every pointer 16-byte aligned: what
  * cp.async and 16-byte stores need of a 16-bit tensor's rows. */
 int fa_cuda_all_aligned(const int64_t *strides, size_t n, const void *const *ptrs, size_t m);

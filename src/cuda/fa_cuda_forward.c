@@ -201,7 +201,7 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
         return st;
     }
 
-    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0};
+    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0, 0};
     key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
     key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
@@ -217,6 +217,7 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     key.features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
     key.features |= p->mods.mask_mod ? FA_PLAN_MASK_MOD : 0;
     key.features |= p->mods.blocks.num.data ? FA_PLAN_BLOCK_MASK : 0;
+    key.mod_aux = fa_kparams_mod_aux(p);
     fa_plan plan;
     st = fa_plan_forward(&key, &plan);
     if (st != FA_STATUS_OK)
@@ -295,14 +296,16 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
         if (st == FA_STATUS_OK && tmaps) {
             /* A 1-D grid over the work units (fa_cuda_forward checked the tiles fit an int).
              * Persistent CTAs stride over the units statically, which balances only units of
-             * equal work: tiles without causal, window or varlen (plan.persistent 1), or, with
-             * plan.persistent 2, the mirrored tile pairs of causal and windowed calls, whose
+             * equal work: tiles without causal, window, varlen or masks (plan.persistent 1), or,
+             * with plan.persistent 2, the mirrored tile pairs of causal, windowed and masked
+             * calls (a mask's kept keys mostly grow or shrink with the row, as causal's), whose
              * work adds up to about the same, up to FA_SM90_PAIRED_MAX_TILES tiles (beyond, the
              * static stride's last round costs more than the pairs save). Otherwise one CTA per
              * tile and the hardware's own dispatch, which balances unequal tiles far better than
              * a static stride. */
             const int64_t sms = fa_cuda_device_sms(args->device);
-            const int uniform = p->window_left < 0 && p->window_right < 0 && !p->is_varlen;
+            const int uniform = p->window_left < 0 && p->window_right < 0 && !p->is_varlen &&
+                                !p->mods.mask_mod && !p->mods.blocks.num.data;
             tmaps->paired = plan.persistent == 2 && !uniform && !p->is_varlen &&
                             m_blocks <= FA_SM90_PAIRED_MAX_TILES;
             const int persistent = uniform ? plan.persistent >= 1 : tmaps->paired;
@@ -335,7 +338,7 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
 FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int head_dim_v,
                                     unsigned features, int *cached)
 {
-    fa_plan_key key = {arch, dtype, head_dim, head_dim_v, features};
+    fa_plan_key key = {arch, dtype, head_dim, head_dim_v, features, 0};
     fa_plan plan;
     fa_status st;
     /* fp8: the sm90 fp8 kernel only (FLASHATTN_SM90_FP8 or not), bf16 and fp16 outputs. */

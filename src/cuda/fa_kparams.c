@@ -5,6 +5,7 @@
 #include "fa_kparams.h"
 #include "fa_rules.h"
 #include "cuda/fa_cuda.h"
+#include "plan/fa_plan.h"
 
 /* The user-defined scoring's part of the block (the fields after page_pad). */
 static void fa_kparams_fill_mods(const fa_mod_call *c, fa_kparams *kp)
@@ -44,6 +45,24 @@ static void fa_kparams_fill_mods(const fa_mod_call *c, fa_kparams *kp)
         if (d < 3)
             kp->bm_full_num_stride[d] = b->full_num.stride[d];
     }
+}
+
+unsigned fa_kparams_mod_aux(const fa_params *p)
+{
+    unsigned bits = FA_PLAN_AUX_OFF32;
+    for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
+        const fa_tensor *t = &p->mods.aux[i];
+        if (!t->data)
+            continue;
+        bits |= t->dtype == FA_DTYPE_I32 ? 1u << i : 0u;
+        /* The farthest element from the start, either way, as fa_mod_aux sums the offset. */
+        int64_t far = 0;
+        for (int d = 0; d < t->ndim; d++)
+            far += (t->shape[d] - 1) * (t->stride[d] < 0 ? -t->stride[d] : t->stride[d]);
+        if (far > INT32_MAX)
+            bits &= ~FA_PLAN_AUX_OFF32;
+    }
+    return bits;
 }
 
 void fa_kparams_fill(const fa_params *p, fa_kparams *kp)

@@ -1,7 +1,7 @@
 /*
  * The CUDA C of a finished fa_mod program (fa_mod.h): one device function per program, a
  * statement per step, in the CPU evaluator's arithmetic (fa_cpu_mod_body.h) operator by
- * operator: fp32 values, booleans as bool, constants as the bits of their fp32 value, aux reads
+ * operator (but division, within 2 ulp: fa_mod_div): fp32 values, booleans as bool, constants as the bits of their fp32 value, aux reads
  * through the kernel's fa_mod_aux (indices floored and clamped into the tensor). The kernels
  * include it as the generated header fa_mod_gen.cuh; the program's canonical text heads it, and
  * the JIT keys the cubin by the whole text. A score_mod also gets fa_score_mod_grad, its value
@@ -28,7 +28,7 @@ static const char *const fa_mod_cuda_forms[] = {
     [FA_MOD_ADD] = "%s + %s",
     [FA_MOD_SUB] = "%s - %s",
     [FA_MOD_MUL] = "%s * %s",
-    [FA_MOD_DIV] = "%s / %s",
+    [FA_MOD_DIV] = "fa_mod_div(%s, %s)",
     [FA_MOD_MIN] = "fa_mod_min(%s, %s)",
     [FA_MOD_MAX] = "fa_mod_max(%s, %s)",
     [FA_MOD_POW] = "powf(%s, %s)",

@@ -143,14 +143,20 @@ static void fa_plan_define_features(fa_plan *plan, unsigned features, unsigned c
 
 /* User-defined scoring's defines, only where the call has it (other kernels keep their JIT keys
  * and code); the sm80 families compile the hooks, forward and backward. */
-static void fa_plan_define_mods(fa_plan *plan, unsigned features)
+static void fa_plan_define_mods(fa_plan *plan, const fa_plan_key *key)
 {
+    const unsigned features = key->features;
     if (features & FA_PLAN_SCORE_MOD)
         fa_plan_define(plan, "FA_SCORE_MOD", 1);
     if (features & FA_PLAN_MASK_MOD)
         fa_plan_define(plan, "FA_MASK_MOD", 1);
     if (features & FA_PLAN_BLOCK_MASK)
         fa_plan_define(plan, "FA_BLOCK_MASK", 1);
+    /* The aux reads' dtypes and offset width, known to the compiler (fa_mod_aux). */
+    if (features & (FA_PLAN_SCORE_MOD | FA_PLAN_MASK_MOD)) {
+        fa_plan_define(plan, "FA_MOD_AUX_I32", (int)(key->mod_aux & 15u));
+        fa_plan_define(plan, "FA_MOD_AUX_OFF32", (key->mod_aux & FA_PLAN_AUX_OFF32) != 0);
+    }
 }
 
 /*
@@ -214,12 +220,13 @@ int fa_plan_sm90_enabled(void)
     return !(env && strcmp(env, "0") == 0);
 }
 
-/* Calls with user-defined scoring take the sm90 family only with FLASHATTN_SM90_MODS=1: its hooks
- * (FA_SCORE_MOD, FA_MASK_MOD, FA_BLOCK_MASK in fa_fwd_sm90.cu) have not run on a GPU yet. */
+/* Calls with user-defined scoring take the sm90 family's hooks (FA_SCORE_MOD, FA_MASK_MOD,
+ * FA_BLOCK_MASK in fa_fwd_sm90.cu) unless FLASHATTN_SM90_MODS=0 keeps them on the sm80 family
+ * (for comparison, and so the GPU tests cover both). */
 static int fa_plan_sm90_mods_enabled(void)
 {
     const char *env = getenv("FLASHATTN_SM90_MODS");
-    return env && strcmp(env, "1") == 0;
+    return !(env && strcmp(env, "0") == 0);
 }
 
 /* FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG[,PERSISTENT[,CONSUMERS]] replaces the row's choice
@@ -304,7 +311,7 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_STAGES", plan->stages);
     fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_SM90_UNSUPPORTED);
-    fa_plan_define_mods(plan, key->features);
+    fa_plan_define_mods(plan, key);
     return FA_STATUS_OK;
 }
 
@@ -426,12 +433,7 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     /* Only paged kernels carry the define, so dense kernels keep their JIT keys and code. */
     if (key->features & FA_PLAN_PAGED)
         fa_plan_define(plan, "FA_PAGED", 1);
-    /* On sm_90 the sm80 family takes calls with mods unless FLASHATTN_SM90_MODS=1. */
-    fa_plan_define_mods(plan, key->features);
-    /* The block mask's next kept block by lookup (fa_mod_flags.h): not yet run on a GPU. */
-    const char *live = getenv("FLASHATTN_BM_LIVE");
-    if ((key->features & FA_PLAN_BLOCK_MASK) && live && strcmp(live, "1") == 0)
-        fa_plan_define(plan, "FA_BM_LIVE", 1);
+    fa_plan_define_mods(plan, key);
     return FA_STATUS_OK;
 }
 
@@ -632,7 +634,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     if (row.split > 1)
         fa_plan_define(plan, "FA_DKV_SPLIT", row.split);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
-    fa_plan_define_mods(plan, key->features);
+    fa_plan_define_mods(plan, key);
     return FA_STATUS_OK;
 }
 

@@ -11,7 +11,7 @@
 
 #include "flashattn.h"
 
-#define FA_PLAN_MAX_DEFINES 20 /* the sm90 forward with every feature and mod: 17 */
+#define FA_PLAN_MAX_DEFINES 20 /* the sm90 forward with every feature and mod: 19 */
 #define FA_PLAN_LONG_ROWS 8192
 /* The sm90 family pairs causal/windowed tiles on persistent CTAs up to this many query tiles
  * per (sequence, head); above it one CTA per tile balances better. */
@@ -25,10 +25,10 @@
 #define FA_PLAN_KV_E4M3 (1u << 28) /* decode: the caches are fp8 e4m3 (q fp16 or bf16) */
 #define FA_PLAN_KV_E5M2 (1u << 29) /* decode: the caches are fp8 e5m2 */
 #define FA_PLAN_OUT_F16 (1u << 30) /* fp8 forward: out is fp16 (bf16 otherwise) */
-/* User-defined scoring (forward): the call has a score_mod, a mask_mod, a block mask. The
- * sm80 family compiles them (on sm_90 too, unless FLASHATTN_SM90_MODS=1 sends them to the sm90
- * family, dense calls for a block mask); the plan's score_mod / mask_mod then carry the
- * programs' generated CUDA C. */
+/* User-defined scoring (forward): the call has a score_mod, a mask_mod, a block mask. On sm_90
+ * the sm90 family compiles them where it can (dense calls for a block mask; not with
+ * FLASHATTN_SM90_MODS=0), the sm80 family elsewhere; the plan's score_mod / mask_mod then carry
+ * the programs' generated CUDA C. */
 #define FA_PLAN_SCORE_MOD (1u << 21)
 #define FA_PLAN_MASK_MOD (1u << 22)
 #define FA_PLAN_BLOCK_MASK (1u << 23)
@@ -38,7 +38,12 @@ typedef struct fa_plan_key {
     fa_dtype dtype;
     int d, dv;         /* head dims as the caller has them */
     unsigned features; /* FA_FEATURE_* bits */
+    /* With a score_mod or mask_mod: bit i set where aux tensor i is int32 (else fp32), and
+     * FA_PLAN_AUX_OFF32 where every aux element's offset fits an int (fa_mod.cuh). */
+    unsigned mod_aux;
 } fa_plan_key;
+
+#define FA_PLAN_AUX_OFF32 (1u << 4)
 
 typedef struct fa_plan {
     const char *family; /* kernel source, e.g. "fa_fwd_sm80.cu" */
@@ -64,9 +69,9 @@ typedef struct fa_plan {
  * On sm_90 devices the sm90 family (fa_fwd_sm90.cu) takes the cases it supports (unless
  * FLASHATTN_SM90=0); every other case gets the sm80 family, paged k and v (FA_PLAN_PAGED)
  * among them for now: the sm90 family reads K and V through TMA maps of a dense layout; so do
- * calls with user-defined scoring (FA_PLAN_SCORE_MOD, _MASK_MOD, _BLOCK_MASK) unless
- * FLASHATTN_SM90_MODS=1 sends them to the sm90 family's hooks, which have not run on a GPU yet
- * (fa_plan_forward_sm90 says which it takes). */
+ * the calls with user-defined scoring (FA_PLAN_SCORE_MOD, _MASK_MOD, _BLOCK_MASK) that the sm90
+ * family's hooks cannot take, or all of them with FLASHATTN_SM90_MODS=0 (fa_plan_forward_sm90
+ * says which it takes). */
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan);
 
 /* The sm90 family's plan for key, whatever FLASHATTN_SM90 says (precompile, tests); returns

@@ -321,8 +321,9 @@ static int plan_defines(const fa_plan *plan, const char *define)
     return 0;
 }
 
-/* Calls with mods plan the sm80 family on every arch (sm_90 included) with the features'
- * defines; plans without them carry none of those defines (their kernels keep their keys). */
+/* Calls with mods plan the sm80 family on sm_80 and sm_86, the sm90 family's hooks on sm_90
+ * (test_plan checks where they cannot go), with the features' defines; plans without them
+ * carry none of those defines (their kernels keep their keys). */
 static void test_plan_routes(void)
 {
     tu_where = "plan";
@@ -331,11 +332,12 @@ static void test_plan_routes(void)
     const int archs[3] = {80, 86, 90};
     for (int a = 0; a < 3; a++)
         for (int i = 0; i < 3; i++) {
-            fa_plan_key key = {archs[a], FA_DTYPE_BF16, 128, 128, mods[i]};
+            fa_plan_key key = {archs[a], FA_DTYPE_BF16, 128, 128, mods[i], 0};
             fa_plan plan;
             TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
-            TU_CHECK(strcmp(plan.family, "fa_fwd_sm80.cu") == 0, "arch %d: %s", archs[a],
-                     plan.family);
+            TU_CHECK(strcmp(plan.family, archs[a] == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu") ==
+                         0,
+                     "arch %d: %s", archs[a], plan.family);
             for (int j = 0; j < 3; j++)
                 TU_CHECK(plan_defines(&plan, defs[j]) == (i == j), "arch %d mod %d: %s %s",
                          archs[a], i, defs[j], i == j ? "missing" : "present");

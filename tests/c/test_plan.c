@@ -10,8 +10,8 @@
  *   - fp8 forward: without FLASHATTN_SM90_FP8=1 refused as before, naming q and its dtype; with
  *     it the sm90 fp8 family on sm_90 (128 x 128 tiles, head dims padded to 64, 128, 256, shared
  *     memory within the device's), and refusals naming the argument for what it cannot do;
- *   - user-defined scoring on sm_90: the sm80 family, unless FLASHATTN_SM90_MODS=1 sends it to
- *     the sm90 family (not a varlen call's block mask, nor the combinations whose code
+ *   - user-defined scoring on sm_90: the sm90 family unless FLASHATTN_SM90_MODS=0 keeps it on
+ *     the sm80 family (not a varlen call's block mask, nor the combinations whose code
  *     spills, nor where the sm90 family is off or cannot run), with the mods' defines beside the
  *     plain plan's, within FA_PLAN_MAX_DEFINES, and two consumer warpgroups at head dim 64;
  *   - the backward: the sm90 family on sm_90 for the cases it compiles (never with
@@ -55,7 +55,7 @@ static int plan_define(const fa_plan *plan, const char *name)
 static void check_forward_sm90(void)
 {
     for (int d = 64; d <= 256; d += 64) {
-        fa_plan_key key = {90, FA_DTYPE_BF16, d, d, FA_FEATURE_VARLEN};
+        fa_plan_key key = {90, FA_DTYPE_BF16, d, d, FA_FEATURE_VARLEN, 0};
         fa_plan plan;
         TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK, "d %d: no sm90 plan", d);
         TU_CHECK(plan.persistent == 2, "d %d: persistent %d, expected 2", d, plan.persistent);
@@ -70,7 +70,7 @@ static void check_forward_sm90(void)
                  plan.bm, plan.threads);
     }
     /* The override: taken when the kernel can, ignored otherwise. */
-    fa_plan_key key = {90, FA_DTYPE_F16, 128, 128, 0};
+    fa_plan_key key = {90, FA_DTYPE_F16, 128, 128, 0, 0};
     fa_plan plan;
     setenv("FLASHATTN_SM90_TILE", "64,4,0,1", 1);
     TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.bn == 64 &&
@@ -101,7 +101,7 @@ static void check_forward_sm90_dv(void)
             const int dp = (d + 63) / 64 * 64, dvp = (dv + 63) / 64 * 64;
             const int wide = dp > dvp ? dp : dvp;
             const int *row = rows[wide / 64 - 1];
-            fa_plan_key key = {90, FA_DTYPE_F16, d, dv, FA_FEATURE_ALIBI};
+            fa_plan_key key = {90, FA_DTYPE_F16, d, dv, FA_FEATURE_ALIBI, 0};
             fa_plan plan;
             TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                          strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
@@ -129,7 +129,7 @@ static void check_forward_sm90_dv(void)
                      plan.bn, plan.stages, plan_define(&plan, "FA_PINGPONG"), wide, row[1]);
         }
     /* DeepSeek's MLA prefill: d 192's row with 128 keys (its 112 grown; V's stage is smaller). */
-    fa_plan_key key = {90, FA_DTYPE_BF16, 192, 128, FA_FEATURE_VARLEN};
+    fa_plan_key key = {90, FA_DTYPE_BF16, 192, 128, FA_FEATURE_VARLEN, 0};
     fa_plan plan;
     TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.bn == 128 &&
                  plan.stages == 2 && plan.smem == 214104,
@@ -137,7 +137,7 @@ static void check_forward_sm90_dv(void)
     /* Three consumers for long calls only where both pad to 64. */
     const int pairs[3][3] = {{64, 40, 3}, {40, 64, 3}, {64, 128, 2}};
     for (int i = 0; i < 3; i++) {
-        fa_plan_key lk = {90, FA_DTYPE_BF16, pairs[i][0], pairs[i][1], FA_PLAN_LONG};
+        fa_plan_key lk = {90, FA_DTYPE_BF16, pairs[i][0], pairs[i][1], FA_PLAN_LONG, 0};
         TU_CHECK(fa_plan_forward_sm90(&lk, &plan) == FA_STATUS_OK &&
                      plan_define(&plan, "FA_NCW") == pairs[i][2],
                  "d %d dv %d long: %d consumers", pairs[i][0], pairs[i][1],
@@ -170,13 +170,13 @@ static void check_forward_sm90_dv(void)
 static void check_forward_sm90_dropout(void)
 {
     for (int d = 32; d <= 256; d += 32) {
-        fa_plan_key key = {90, FA_DTYPE_F16, d, d, FA_FEATURE_DROPOUT | FA_FEATURE_VARLEN};
+        fa_plan_key key = {90, FA_DTYPE_F16, d, d, FA_FEATURE_DROPOUT | FA_FEATURE_VARLEN, 0};
         fa_plan plan, plain;
         TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                      strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
                  "d %d dropout: family %s", d, plan.family);
         TU_CHECK(plan_define(&plan, "FA_DROPOUT") == 1, "d %d: no FA_DROPOUT=1", d);
-        fa_plan_key plain_key = {90, FA_DTYPE_F16, d, d, FA_FEATURE_VARLEN};
+        fa_plan_key plain_key = {90, FA_DTYPE_F16, d, d, FA_FEATURE_VARLEN, 0};
         TU_CHECK(fa_plan_forward(&plain_key, &plain) == FA_STATUS_OK &&
                      plan_define(&plain, "FA_DROPOUT") == 0,
                  "d %d without dropout: FA_DROPOUT %d", d, plan_define(&plain, "FA_DROPOUT"));
@@ -190,7 +190,7 @@ static void check_forward_sm90_dropout(void)
                      strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
                  "d %d dropout probs: family %s", d, plan.family);
     }
-    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_FEATURE_DROPOUT};
+    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_FEATURE_DROPOUT, 0};
     fa_plan plan;
     setenv("FLASHATTN_SM90", "0", 1);
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
@@ -199,8 +199,9 @@ static void check_forward_sm90_dropout(void)
     unsetenv("FLASHATTN_SM90");
 }
 
-/* User-defined scoring on sm_90: the sm80 family (fa_plan_forward_sm90 refusing), and with
- * FLASHATTN_SM90_MODS=1 the sm90 family with the plain plan's defines and the mods' after them,
+/* User-defined scoring on sm_90: with FLASHATTN_SM90_MODS=0 the sm80 family
+ * (fa_plan_forward_sm90 refusing), and by default the sm90 family with the plain plan's defines
+ * and the mods' after them (the aux reads' two where a score_mod or mask_mod is present),
  * but for a varlen call's block mask, dropout past head dim 128, a block mask at head dim 256
  * or beside softcap, ALiBi or dropout, unaligned rows, FLASHATTN_SM90=0 and other archs; two
  * consumer warpgroups in long calls at head dim 64. */
@@ -212,7 +213,9 @@ static void check_forward_sm90_mods(void)
                                          FA_FEATURE_DROPOUT};
     for (int on = 0; on < 2; on++) {
         if (on)
-            setenv("FLASHATTN_SM90_MODS", "1", 1);
+            unsetenv("FLASHATTN_SM90_MODS");
+        else
+            setenv("FLASHATTN_SM90_MODS", "0", 1);
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
             for (size_t fi = 0; fi < sizeof feats / sizeof feats[0]; fi++)
                 for (unsigned mods = 1; mods < 8; mods++) {
@@ -220,7 +223,7 @@ static void check_forward_sm90_mods(void)
                                            (mods & 2 ? FA_PLAN_MASK_MOD : 0) |
                                            (mods & 4 ? FA_PLAN_BLOCK_MASK : 0);
                     fa_plan_key key = {90, FA_DTYPE_BF16, dims[di][0], dims[di][1],
-                                       feats[fi] | mbits};
+                                       feats[fi] | mbits, 0};
                     fa_plan_key plain_key = key;
                     plain_key.features = feats[fi];
                     fa_plan plan, plain, p90;
@@ -253,21 +256,22 @@ static void check_forward_sm90_mods(void)
                     /* The plain plan's tile and defines, then the mods'. */
                     int same = plan.bm == plain.bm && plan.bn == plain.bn &&
                                plan.stages == plain.stages && plan.smem == plain.smem &&
-                               plan.num_defines == plain.num_defines + __builtin_popcount(mods);
+                               plan.num_defines == plain.num_defines + __builtin_popcount(mods) +
+                                                       (mods & 3 ? 2 : 0);
                     for (int i = 0; same && i < plain.num_defines; i++)
                         same = strcmp(plan.defines[i], plain.defines[i]) == 0;
                     TU_CHECK(same, "d %d features %#x: not the plain sm90 plan plus the mods",
                              key.d, key.features);
                 }
         /* Long calls at head dim 64: two consumers with mods (three have too few registers). */
-        fa_plan_key key = {90, FA_DTYPE_BF16, 64, 64, FA_PLAN_LONG | FA_PLAN_SCORE_MOD};
+        fa_plan_key key = {90, FA_DTYPE_BF16, 64, 64, FA_PLAN_LONG | FA_PLAN_SCORE_MOD, 0};
         fa_plan plan;
         TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                      (!on || (strcmp(plan.family, "fa_fwd_sm90.cu") == 0 && plan.bm == 128 &&
                               plan_define(&plan, "FA_NCW") == 2)),
                  "long d 64 mods: %s bm %d", plan.family, plan.bm);
         /* Never the sm90 family where it cannot run or is off. */
-        key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD | FA_FEATURE_UNALIGNED};
+        key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD | FA_FEATURE_UNALIGNED, 0};
         TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                      strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
                  "unaligned mods: %s", plan.family);
@@ -283,20 +287,34 @@ static void check_forward_sm90_mods(void)
                  "FLASHATTN_SM90=0 mods: %s", plan.family);
         unsetenv("FLASHATTN_SM90");
     }
-    /* Only "1" switches it on. */
-    setenv("FLASHATTN_SM90_MODS", "0", 1);
-    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_SCORE_MOD};
+    /* The aux reads' dtypes and offset width reach the kernel as defines, beside a score_mod or
+     * mask_mod only. */
+    for (unsigned aux = 0; aux < 32; aux += 5) {
+        fa_plan_key k2 = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD, aux};
+        fa_plan p2;
+        TU_CHECK(fa_plan_forward(&k2, &p2) == FA_STATUS_OK &&
+                     plan_define(&p2, "FA_MOD_AUX_I32") == (int)(aux & 15u) &&
+                     plan_define(&p2, "FA_MOD_AUX_OFF32") == ((aux & FA_PLAN_AUX_OFF32) != 0),
+                 "mod_aux %#x: the aux defines", aux);
+        k2.features = FA_PLAN_BLOCK_MASK;
+        TU_CHECK(fa_plan_forward(&k2, &p2) == FA_STATUS_OK &&
+                     plan_define(&p2, "FA_MOD_AUX_I32") == -1,
+                 "mod_aux %#x: aux defines without a program", aux);
+    }
+    /* Only "0" switches it off. */
+    setenv("FLASHATTN_SM90_MODS", "1", 1);
+    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_SCORE_MOD, 0};
     fa_plan plan;
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
-                 strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
-             "FLASHATTN_SM90_MODS=0: %s", plan.family);
+                 strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
+             "FLASHATTN_SM90_MODS=1: %s", plan.family);
     unsetenv("FLASHATTN_SM90_MODS");
 }
 
 /* The family fa_plan_backward picks for (arch, d, dv, features), "" when it refuses. */
 static const char *bwd_family(int arch, int d, int dv, unsigned features, fa_plan *plan)
 {
-    fa_plan_key key = {arch, FA_DTYPE_BF16, d, dv, features};
+    fa_plan_key key = {arch, FA_DTYPE_BF16, d, dv, features, 0};
     return fa_plan_backward(&key, plan) == FA_STATUS_OK ? plan->family : "";
 }
 
@@ -495,7 +513,7 @@ static void check_defines(void)
 {
     for (int arch = 80; arch <= 90; arch += 10)
         for (int d = 8; d <= 256; d += 40) {
-            fa_plan_key key = {arch, FA_DTYPE_BF16, d, d, FA_FEATURE_SOFTCAP};
+            fa_plan_key key = {arch, FA_DTYPE_BF16, d, d, FA_FEATURE_SOFTCAP, 0};
             fa_plan plan;
             TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK, "arch %d d %d: no plan", arch,
                      d);
@@ -520,7 +538,7 @@ static void check_decode_paged(void)
 {
     for (int d = 64; d <= 256; d += 64)
         for (int rows = 1; rows <= 64; rows *= 4) {
-            fa_plan_key key = {90, FA_DTYPE_BF16, d, d, 0}, pkey = key;
+            fa_plan_key key = {90, FA_DTYPE_BF16, d, d, 0, 0}, pkey = key;
             pkey.features |= FA_PLAN_PAGED;
             fa_plan dense, paged;
             TU_CHECK(fa_plan_decode(&key, rows, &dense) == FA_STATUS_OK &&
@@ -538,7 +556,7 @@ static void check_decode_paged(void)
 
 static void check_decode_splits(void)
 {
-    fa_plan_key key = {90, FA_DTYPE_BF16, 256, 256, 0};
+    fa_plan_key key = {90, FA_DTYPE_BF16, 256, 256, 0, 0};
     fa_plan plan;
     TU_CHECK(fa_plan_decode(&key, 32, &plan) == FA_STATUS_OK, "no decode plan");
     const int64_t bn = plan.bn;
@@ -564,7 +582,7 @@ static void check_decode_splits(void)
 static void check_forward_fp8(void)
 {
     fa_plan plan;
-    fa_plan_key key = {90, FA_DTYPE_F8E4M3, 128, 128, 0};
+    fa_plan_key key = {90, FA_DTYPE_F8E4M3, 128, 128, 0, 0};
     unsetenv("FLASHATTN_SM90_FP8");
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_UNSUPPORTED &&
                  strstr(fa_last_error(), "q: the CUDA backend computes fp16 and bf16") != NULL &&
@@ -578,7 +596,7 @@ static void check_forward_fp8(void)
                               FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP | FA_PLAN_OUT_F16};
     for (int d = 16; d <= 256; d += 16)
         for (size_t f = 0; f < sizeof feats / sizeof feats[0]; f++) {
-            key = (fa_plan_key){90, FA_DTYPE_F8E4M3, d, d, feats[f]};
+            key = (fa_plan_key){90, FA_DTYPE_F8E4M3, d, d, feats[f], 0};
             TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                          strcmp(plan.family, "fa_fwd_sm90_fp8.cu") == 0,
                      "fp8 d %d features %x: %s", d, feats[f], fa_last_error());
@@ -599,24 +617,24 @@ static void check_forward_fp8(void)
         fa_plan_key key;
         const char *arg;
     } bad[] = {
-        {{90, FA_DTYPE_F8E5M2, 128, 128, 0}, "q:"},
-        {{80, FA_DTYPE_F8E4M3, 128, 128, 0}, "q:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 64, 0}, "v:"},
-        {{90, FA_DTYPE_F8E4M3, 24, 24, 0}, "q:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_ALIBI}, "alibi_slopes:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_DROPOUT}, "dropout_p:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_PROBS}, "probs:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_VARLEN | FA_PLAN_PAGED}, "block_table:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_SCORE_MOD}, "score_mod:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_MASK_MOD}, "mask_mod:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_BLOCK_MASK}, "block_mask:"},
+        {{90, FA_DTYPE_F8E5M2, 128, 128, 0, 0}, "q:"},
+        {{80, FA_DTYPE_F8E4M3, 128, 128, 0, 0}, "q:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 64, 0, 0}, "v:"},
+        {{90, FA_DTYPE_F8E4M3, 24, 24, 0, 0}, "q:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_ALIBI, 0}, "alibi_slopes:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_DROPOUT, 0}, "dropout_p:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_PROBS, 0}, "probs:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_VARLEN | FA_PLAN_PAGED, 0}, "block_table:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_SCORE_MOD, 0}, "score_mod:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_MASK_MOD, 0}, "mask_mod:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_BLOCK_MASK, 0}, "block_mask:"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
         TU_CHECK(fa_plan_forward(&bad[i].key, &plan) == FA_STATUS_UNSUPPORTED &&
                      strncmp(fa_last_error(), bad[i].arg, strlen(bad[i].arg)) == 0,
                  "fp8 refusal %zu: %s", i, fa_last_error());
     /* The bf16 plans are untouched by the switch. */
-    key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, 0};
+    key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, 0, 0};
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                  strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
              "bf16 with FLASHATTN_SM90_FP8=1: %s", plan.family);
