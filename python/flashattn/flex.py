@@ -14,6 +14,7 @@ its kernels); none to captured tensors.
 import ctypes
 import math
 import sys
+import weakref
 
 from . import _lib
 from ._arrays import NUMPY, TORCH, common_kind, make_tensor, prepare
@@ -283,16 +284,37 @@ def _aux_tensor(t, user, i, device):
     if t.requires_grad and torch.is_grad_enabled():
         raise FlashAttnError("%s: requires grad, but flex_attention gives captured tensors no "
                              "gradient yet; detach it, or call under torch.no_grad()" % name)
+    if t.dtype in (torch.int32, torch.float32) and t.device == torch.device(device):
+        return t.detach() if t.dim() else t.detach().reshape(1)
+    # A conversion or copy is made once per tensor and version: an int64 tensor's range check
+    # synchronises with the device, which a call repeated with the same captures should not.
+    key = (id(t), t._version, str(device))
+    hit = _aux_converted.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    src = t
     t = t.detach().to(device)
     if t.dim() == 0:
         t = t.reshape(1)
     if t.is_floating_point():
-        return t.float()
-    if t.dtype != torch.int32 and t.numel():
-        lo, hi = int(t.min()), int(t.max())
-        if lo < -2**31 or hi > 2**31 - 1:
-            raise FlashAttnError("%s: values in [%d, %d] do not fit int32" % (name, lo, hi))
-    return t.to(torch.int32)
+        t = t.float()
+    else:
+        if t.dtype != torch.int32 and t.numel():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < -2**31 or hi > 2**31 - 1:
+                raise FlashAttnError("%s: values in [%d, %d] do not fit int32"
+                                     % (name, lo, hi))
+        t = t.to(torch.int32)
+    if len(_aux_converted) >= _AUX_CONVERTED_MAX:
+        _aux_converted.pop(next(iter(_aux_converted)))
+    _aux_converted[key] = (weakref.ref(src), t)
+    return t
+
+
+# Captured tensors as converted for the library, by (id, version, device); the weak reference
+# tells a reused id from the same tensor. Oldest dropped first.
+_aux_converted = {}
+_AUX_CONVERTED_MAX = 64
 
 
 def _check_inputs(query, key, value, enable_gqa):

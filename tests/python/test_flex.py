@@ -379,6 +379,31 @@ def test_traced_once_per_capture(rng, monkeypatch):
     assert len(traced) == 5
 
 
+def test_int64_captures_read_at_every_call(rng):
+    """An int64 captured tensor is converted once per version: a second call with it unchanged
+    gives the same answer, an in-place change is read, and values past int32 are refused."""
+    S = 48
+    docs = torch.arange(S) * 3 // S  # int64, three documents
+    rows, cols = torch.arange(S)[:, None], torch.arange(S)[None, :]
+
+    def same_doc(score, b, h, q_idx, kv_idx):
+        return torch.where(docs[q_idx] == docs[kv_idx], score, -math.inf)
+
+    q, k, v = qkv(rng, 1, 2, 2, S, S)
+    first = flashattn.flex_attention(q, k, v, same_doc)
+    assert torch.equal(flashattn.flex_attention(q, k, v, same_doc), first)
+    torch.testing.assert_close(first, dense_reference(q, k, v, 0.0, docs[rows] == docs[cols]),
+                               atol=1e-5, rtol=1e-5)
+    docs[S // 2:] = 7  # in place: two documents now
+    second = flashattn.flex_attention(q, k, v, same_doc)
+    torch.testing.assert_close(second, dense_reference(q, k, v, 0.0, docs[rows] == docs[cols]),
+                               atol=1e-5, rtol=1e-5)
+    assert not torch.equal(second, first)
+    docs[0] = 2**40
+    with pytest.raises(FlashAttnError, match="do not fit int32"):
+        flashattn.flex_attention(q, k, v, same_doc)
+
+
 WINDOW = 0
 
 
