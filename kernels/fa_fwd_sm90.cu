@@ -222,6 +222,25 @@ FA_DEV void fa_keep_chunk(const fa_rows *r, float *sacc, int n, int g0)
 }
 #endif
 
+/* Masks the scores of the block at key kb0 to -inf outside each row's visible range and, by
+ * mode, where the mods drop them: 0 none, FA_BM_PARTIAL mask_mod, FA_BM_MIXED each key's own
+ * block-mask state, then mask_mod. Called with mode a constant, so the keys do not branch. */
+FA_DEV void fa_mask_scores(const fa_kparams *kp, const fa_rows *r, float *sacc, int kb0, int mode)
+{
+#pragma unroll
+    for (int j = 0; j < FA_SACC; j++) {
+        const int col = kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1);
+        const int hf = (j >> 1) & 1;
+        bool keep = (col >= r->lo[hf]) & (col < r->hi[hf]);
+#if FA_MOD_MASKS
+        if (mode != 0)
+            keep &= fa_mod_keep(kp, r->bm_tab, mode, r->bi, r->h, r->row0 + 8 * hf, col,
+                                r->bm_qb0, r->bm_nqb);
+#endif
+        sacc[j] = keep ? sacc[j] : -FA_INF;
+    }
+}
+
 /* S of key block n (scores in sacc) -> exp2 of the scaled, masked scores relative to the new row
  * maxima, in place; row_max, row_sum updated; alpha[hf] = the factor O must be rescaled by; with
  * dropout, the dropped elements zeroed after the sums (which count them, as upstream's do). */
@@ -256,24 +275,14 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
     /* Mask keys outside each row's visible range (only blocks that cross an edge), and those
      * mask_mod or the block mask drop (blocks where some key needs the test). */
 #if FA_MOD_MASKS
-    const bool mod_on = FA_MASK_MOD ? r->mod_st != FA_BM_FULL : r->mod_st == FA_BM_MIXED;
-    if (mod_on || kb0 < r->lo_max || kb0 + FA_BN > r->hi_min) {
-#else
-    if (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min) {
+    if (r->mod_st == FA_BM_MIXED)
+        fa_mask_scores(kp, r, sacc, kb0, FA_BM_MIXED);
+    else if (FA_MASK_MOD && r->mod_st == FA_BM_PARTIAL)
+        fa_mask_scores(kp, r, sacc, kb0, FA_BM_PARTIAL);
+    else
 #endif
-#pragma unroll
-        for (int j = 0; j < FA_SACC; j++) {
-            const int col = kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1);
-            const int hf = (j >> 1) & 1;
-            if (col < r->lo[hf] || col >= r->hi[hf]
-#if FA_MOD_MASKS
-                || (mod_on && !fa_mod_keep(kp, r->bm_tab, r->mod_st, r->bi, r->h,
-                                             r->row0 + 8 * hf, col, r->bm_qb0, r->bm_nqb))
-#endif
-            )
-                sacc[j] = -FA_INF;
-        }
-    }
+        if (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min)
+        fa_mask_scores(kp, r, sacc, kb0, 0);
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         float mx = row_max[hf];
