@@ -130,11 +130,6 @@ FA_DEF_WGMMA_SS(fa_wgmma_s, 192, FA_RL96, FA_FL96, "%96", "%97", "%98", "0, 0")
 #error "fa_fwd_sm90.cu: FA_BN must be a multiple of 16 from 64 to 192"
 #endif
 
-/* Named barriers 1 and 2 order the two consumer warpgroups' GEMMs (pingpong):
- * bar.sync id, 256 waits for the other warpgroup's bar.arrive id, 256 (128 threads each). */
-FA_DEV void fa_named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-FA_DEV void fa_named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
-
 /* Whether the scores become base-2 units element by element (softcap and ALiBi transform them
  * anyway, and a scale <= 0 needs it); otherwise scale * log2(e) rides in the FFMA before exp2. */
 #define FA_PRESCALE_ALWAYS (FA_SOFTCAP || FA_ALIBI || FA_SCORE_MOD)
@@ -354,22 +349,6 @@ FA_DEV void fa_p_pack(const float *sacc, fa_u32 pa[][4])
             pa[kk][r] = fa_pack2(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
 }
 
-/* Pins O and the A fragments of P: before a GEMM group is issued, so that the rescale and the
- * packing are finished before the wgmma.fence (else ptxas inserts its own fence between the
- * wgmma and serialises them); after its wait, so that nothing reads O or reuses P's registers
- * while the wgmma may still be running. */
-FA_DEV void fa_gemm_operands_pin(float *o, fa_u32 pa[][4])
-{
-#pragma unroll
-    for (int j = 0; j < FA_OACC; j++)
-        FA_PIN(o[j]);
-#pragma unroll
-    for (int kk = 0; kk < FA_BN / 16; kk++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            FA_PINU(pa[kk][e]);
-}
-
 #include "fa_fwd_sm90_tile.cuh"
 
 /* Shared-memory addresses of the tiles and barriers. */
@@ -384,18 +363,6 @@ typedef struct fa_smem_map {
     unsigned char *bm;        /* the two buffers */
 #endif
 } fa_smem_map;
-
-/* Keeps the softmax ahead of the wait for P_(i-1) V_(i-1). The exp2s touch no register of that
- * GEMM, so ptxas would hoist the wait above them and the softmax would no longer overlap the
- * tensor cores' work; a shared store of the row sums (which every exp2 feeds) is a side effect the
- * wait cannot pass. Every thread writes the same 8 bytes, which nothing reads. Two consumers only:
- * the three-consumer tile (160 registers) measured faster with the hoisted wait. */
-FA_DEV void fa_softmax_order(const fa_smem_map *m, const float row_sum[2])
-{
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(m->scratch), "f"(row_sum[0]),
-                 "f"(row_sum[1])
-                 : "memory");
-}
 
 /* The producer's thread: Q of the tile, then K and V of each key block into the ring (kv counts
  * the blocks this CTA has loaded so far, q_round the tiles). */
@@ -472,10 +439,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
     fa_rows r;
     r.q4 = lane & 3;
     r.row0 = w->m0 + 64 * cw + 16 * warp + (lane >> 2);
-    fa_key_range(kp, r.row0, sq, sk, &r.lo[0], &r.hi[0]);
-    fa_key_range(kp, r.row0 + 8, sq, sk, &r.lo[1], &r.hi[1]);
-    r.lo_max = fa_max(r.lo[0], r.lo[1]);
-    r.hi_min = fa_min(r.hi[0], r.hi[1]);
+    FA_ROWS_EDGES(kp, r, sq, sk);
     r.prescale = FA_PRESCALE_ALWAYS || !(kp->scale_log2 > 0.f);
     r.sm = r.prescale ? 1.f : kp->scale_log2;
     r.diag = sk - sq;
@@ -553,7 +517,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
 #endif
             fa_mbar_wait(m->k_full + 8 * s, ph);
             fa_mbar_wait(m->v_full + 8 * sp, php);
-            fa_gemm_operands_pin(o, pa);
+            fa_operands_pin(o, pa, FA_BN / 16);
             fa_wg_fence();
             fa_gemm_s(sacc, q_rows, fa_desc(m->k + s * FA_K_BYTES, 16, 1024));
             fa_gemm_pv(o, pa, fa_desc(m->v + sp * FA_V_BYTES, FA_BN * 128, 1024));
@@ -571,18 +535,18 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             /* Wait for P_(i-1) V_(i-1) before the softmax: P_(i-1)'s registers then hold the
              * Philox state, which the softmax runs after its sums, instead of spilling. */
             fa_wg_wait0();
-            fa_gemm_operands_pin(o, pa);
+            fa_operands_pin(o, pa, FA_BN / 16);
 #endif
 #if FA_MOD_MASKS
             r.mod_st = FA_TILE_STATE(w, it);
 #endif
             fa_softmax_block(kp, &r, sacc, FA_TILE_BLOCK(w, it), row_max, row_sum, alpha);
 #if !FA_DROPOUT
-#if FA_NCW == 2
-            fa_softmax_order(m, row_sum);
+#if FA_NCW == 2 /* three consumers (160 registers) measured faster with the hoisted wait */
+            fa_softmax_order(m->scratch, row_sum);
 #endif
             fa_wg_wait0();
-            fa_gemm_operands_pin(o, pa);
+            fa_operands_pin(o, pa, FA_BN / 16);
 #endif
             fa_stage_release(m->v_empty + 8 * sp, lane);
             fa_o_rescale(o, alpha);
@@ -595,7 +559,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
         fa_named_sync(bar_mine);
 #endif
         fa_mbar_wait(m->v_full + 8 * sp, php);
-        fa_gemm_operands_pin(o, pa);
+        fa_operands_pin(o, pa, FA_BN / 16);
         fa_wg_fence();
         fa_gemm_pv(o, pa, fa_desc(m->v + sp * FA_V_BYTES, FA_BN * 128, 1024));
 #if FA_PINGPONG
@@ -604,7 +568,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             fa_named_arrive(bar_other);
 #endif
         fa_wg_wait0();
-        fa_gemm_operands_pin(o, pa);
+        fa_operands_pin(o, pa, FA_BN / 16);
         fa_stage_release(m->v_empty + 8 * sp, lane);
         *kv = kv0 + nb;
         ++*q_round;

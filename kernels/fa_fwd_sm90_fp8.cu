@@ -1,10 +1,10 @@
 /*
  * Forward attention for sm_90a with fp8 (e4m3) q, k, v: FA3's fp8 forward in CUDA C with inline
  * PTX. The structure of fa_fwd_sm90.cu (warp specialised, TMA-fed, wgmma, the softmax of block i
- * overlapped with P_(i-1) V_(i-1)), with what fp8 changes:
+ * overlapped with P_(i-1) V_(i-1), pingpong between the consumers), with what fp8 changes:
  *   - wgmma e4m3 k32 (QGMMA). fp8 wgmma has no transpose: both operands K-major. Q and K are
  *     (rows of d bytes); V is [keys][dv], MN-major for O = P V, so the producer warpgroup
- *     transposes each stage into V^T [dv][keys] (K-major) in shared memory.
+ *     transposes each stage into V^T [dv][keys] (K-major) in shared memory (fa_fwd_sm90_fp8_v.cuh).
  *   - P as the register A fragment of k32 (bytes 4q .. 4q + 3 and 16 + 4q .. of rows r and r + 8)
  *     while S's accumulator gives a thread columns 2q, 2q + 1, 8 + 2q, 9 + 2q of each 16. The
  *     reduction's order is free, so V^T's keys are stored permuted to match: logical key
@@ -17,22 +17,27 @@
  *
  * One CTA: FA_BM = 128 query rows, 3 warpgroups:
  *   warpgroup 0, the producer (setmaxnreg.dec 24): thread 0 issues the TMA copies - Q, K into
- *     K[stage], V into Vraw[stage] - and the whole warpgroup transposes Vraw[stage] into
- *     Vt[stage] (keys past the sequence written as zeros: in varlen they are the next
- *     sequence's, and 0 * inf would be NaN), then thread 0 arrives on v_full;
- *   warpgroups 1, 2, the consumers (setmaxnreg.inc 240): 64 query rows each, as fa_fwd_sm90.cu.
+ *     K[stage], V into Vr[stage] - and V^T[stage] is made from Vr[stage] (FA_TRANSPOSE 0: by the
+ *     whole warpgroup, thread 0 included; 1: by warps 1 .. 3 with ldmatrix / stmatrix, so the
+ *     copies never wait behind a transpose), announced on v_full;
+ *   warpgroups 1, 2, the consumers (setmaxnreg.inc 240): 64 query rows each, as fa_fwd_sm90.cu:
+ *     S_i = Q K_i^T and O += P_(i-1) V_(i-1) issued together, the softmax of S_i under the
+ *     second (FA_ORDER: a shared store keeps ptxas from hoisting the wait above it), and with
+ *     FA_PINGPONG the two take turns issuing their GEMMs (named barriers 1 and 2).
  *
- * Shared memory (from a 1024-byte aligned base):
+ * Shared memory (from a 1024-byte aligned base; fa_smem.h's FA_SMEM_FWD90_FP8):
  *   Q  [FA_DP / FA_RB][FA_BM][FA_RB]             FA_RB = 128 bytes (64 at d 64): TMA swizzle of
  *   K  [FA_STAGES][FA_DP / FA_RB][FA_BN][FA_RB]   the same width, read by wgmma descriptors of
  *                                                 layout 1 (128B) or 2 (64B)
- *   Vt [FA_STAGES][FA_DVP][128 keys]              128B swizzle, written by the producer
+ *   Vt [FA_STAGES][ceil(FA_BN / 128)][FA_DVP][128 keys]   128B swizzle, written by the producer
  *   Vr [FA_STAGES][FA_DVP / FA_RB][FA_BN][FA_RB]  as K (TMA, swizzled), read by the producer
- *   mbarriers: q_full, q_empty, k_full[S], k_empty[S], r_full[S], v_full[S], v_empty[S]
+ *   mbarriers: q_full, q_empty, scratch (8 bytes), k_full[S], k_empty[S], r_full[S], r_empty[S],
+ *   v_full[S], v_empty[S]; r_keys[S] (8 bytes each: Vr[stage]'s keys in the sequence)
  *
  * Defines from the plan (fa_plan_forward_sm90_fp8): FA_BF16 (the output: bf16, else fp16), FA_D,
- * FA_DP = FA_DVP (64, 128, 256; d = dv), FA_NCW 2, FA_BM 128, FA_BN 128, FA_STAGES 2,
- * FA_SOFTCAP, FA_VARLEN. Entry points fa_fwd(kp, maps) and fa_fwd_fill.
+ * FA_DP = FA_DVP (64, 128, 256; d = dv), FA_NCW 2, FA_BM 128, FA_BN (a multiple of 32 from 64 to
+ * 256), FA_STAGES, FA_PINGPONG, FA_TRANSPOSE, FA_ORDER, FA_SOFTCAP, FA_VARLEN. Entry points
+ * fa_fwd(kp, maps) and fa_fwd_fill.
  */
 #define FA_REGS_PRODUCER 24
 #define FA_REGS_CONSUMER 240
@@ -57,16 +62,28 @@
 #ifndef FA_DV
 #define FA_DV FA_D
 #endif
+#ifndef FA_PINGPONG
+#define FA_PINGPONG 0
+#endif
+#ifndef FA_TRANSPOSE
+#define FA_TRANSPOSE 0
+#endif
+#ifndef FA_ORDER
+#define FA_ORDER 0
+#endif
+/* The producers of a V^T stage: the arrivals its v_full waits for (thread 0, or one a warp). */
+#define FA_VT_WRITERS (FA_TRANSPOSE ? 3 : 1)
 
-#if FA_NCW != 2 || FA_BM != 128 || FA_BN != 128 || FA_DP != FA_DVP ||                            \
-    (FA_DP != 64 && FA_DP != 128 && FA_DP != 256) || FA_STAGES < 2
-#error "fa_fwd_sm90_fp8.cu: 2 consumers, 128 x 128 tiles, d = dv padded to 64, 128 or 256"
+#if FA_NCW != 2 || FA_BM != 128 || FA_BN % 32 != 0 || FA_BN < 64 || FA_BN > 256 ||              \
+    FA_DP != FA_DVP || (FA_DP != 64 && FA_DP != 128 && FA_DP != 256) || FA_STAGES < 2 ||          \
+    (FA_TRANSPOSE != 0 && FA_TRANSPOSE != 1)
+#error "fa_fwd_sm90_fp8.cu: 2 consumers, 128-row tiles, 32k keys, d = dv padded to 64, 128 or 256"
 #endif
 
 #include "fa_fwd_sm90_tile.cuh"
 
 /* The kernel's second parameter, the same layout as fa_cuda_tmaps8 on the host: the tensor maps
- * (Q and K in rows of FA_RB bytes, swizzled; V unswizzled), the schedule, the descales and their
+ * (Q and K in rows of FA_RB bytes, swizzled; V likewise), the schedule, the descales and their
  * element strides (NULL: 1). */
 typedef struct fa_tmaps8 {
     fa_tmap q, k, v;
@@ -83,16 +100,32 @@ FA_DEV fa_u64 fa_desc8(fa_u32 addr, fa_u32 rb)
            ((fa_u64)(rb == 128 ? 1 : 2) << 62);
 }
 
-/* S (+)= Q K^T, m64n128k32 e4m3, both operands by descriptor (SS, no transpose for fp8). */
-FA_DEV void fa_wgmma8_s(float *d, fa_u64 da, fa_u64 db, int accumulate)
-{
-    asm volatile("{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" FA_RL64 "}, %64, %65, "
-                 "p, 1, 1; }"
-                 : FA_FL64(d)
-                 : "l"(da), "l"(db), "r"(accumulate));
-}
-
+/* S (+)= Q K^T, m64nNk32 e4m3 with N = FA_BN, both operands by descriptor (SS, no transpose for
+ * fp8); RL/FL list its N / 2 accumulator registers, IA IB IP the operands after them. */
+#define FA_DEF_WGMMA8_S(N, RL, FL, IA, IB, IP)                                                    \
+    FA_DEV void fa_wgmma8_s(float *d, fa_u64 da, fa_u64 db, int accumulate)                     \
+    {                                                                                           \
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, " IP ", 0;\n"                              \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" RL "}, " IA    \
+                     ", " IB ", p, 1, 1; }"                                                     \
+                     : FL(d)                                                                    \
+                     : "l"(da), "l"(db), "r"(accumulate));                                      \
+    }
+#if FA_BN == 64
+FA_DEF_WGMMA8_S(64, FA_RL32, FA_FL32, "%32", "%33", "%34")
+#elif FA_BN == 96
+FA_DEF_WGMMA8_S(96, FA_RL48, FA_FL48, "%48", "%49", "%50")
+#elif FA_BN == 128
+FA_DEF_WGMMA8_S(128, FA_RL64, FA_FL64, "%64", "%65", "%66")
+#elif FA_BN == 160
+FA_DEF_WGMMA8_S(160, FA_RL80, FA_FL80, "%80", "%81", "%82")
+#elif FA_BN == 192
+FA_DEF_WGMMA8_S(192, FA_RL96, FA_FL96, "%96", "%97", "%98")
+#elif FA_BN == 224
+FA_DEF_WGMMA8_S(224, FA_RL112, FA_FL112, "%112", "%113", "%114")
+#else
+FA_DEF_WGMMA8_S(256, FA_RL128, FA_FL128, "%128", "%129", "%130")
+#endif
 /* O += P V for 64 or 128 columns of V^T (rows of 128 key bytes), A from registers (RS). */
 FA_DEV void fa_wgmma8_pv64(float *d, const fa_u32 a[4], fa_u64 db)
 {
@@ -115,8 +148,9 @@ FA_DEV void fa_wgmma8_pv128(float *d, const fa_u32 a[4], fa_u64 db)
 /* Shared-memory addresses of the tiles and barriers. */
 typedef struct fa_smem8 {
     fa_u32 q, k, vt, vr;
-    fa_u32 q_full, q_empty;
-    fa_u32 k_full, k_empty, r_full, v_full, v_empty; /* + 8 * stage */
+    fa_u32 q_full, q_empty, scratch;
+    fa_u32 k_full, k_empty, r_full, r_empty, v_full, v_empty; /* + 8 * stage */
+    fa_u32 r_keys; /* + 8 * stage: FA_TRANSPOSE 1, the keys of Vr[stage] in the sequence, or -1 */
 } fa_smem8;
 
 /* One consumer thread's view of its two rows (r and r + 8 of its warp's 16). */
@@ -127,6 +161,8 @@ typedef struct fa_rows8 {
     int prescale;
     float f; /* scale_log2 with the descales (softcap: softcap's pre-factor with them) */
 } fa_rows8;
+
+#include "fa_fwd_sm90_fp8_v.cuh"
 
 /* ---- producer ------------------------------------------------------------------------------- */
 
@@ -141,8 +177,14 @@ FA_DEV void fa_load_kv8(const fa_smem8 *m, const fa_tmaps8 *tm, const fa_tile *w
     for (int c = 0; c < FA_KB; c++)
         fa_tma_load4(m->k + s * FA_K_BYTES + c * FA_BN * FA_RB, &tm->k, FA_RB * c, row, w->hk, bi,
                      m->k_full + 8 * s);
-    /* Vr[s] is free: the warpgroup finished transposing its previous block before this thread
-     * got here (named barrier 4 in fa_transpose_v). */
+    /* Vr[s] is free once its previous block was transposed: FA_TRANSPOSE 0, the warpgroup
+     * finished it before this thread got here (named barrier 4); 1, its warps said so. */
+#if FA_TRANSPOSE
+    fa_mbar_wait(m->r_empty + 8 * s, ph ^ 1);
+    /* Published with the stage: r_full's arrival below releases it. */
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(m->r_keys + 8 * s), "r"(w->sk - n * FA_BN)
+                 : "memory");
+#endif
     fa_mbar_expect_tx(m->r_full + 8 * s, FA_V_BYTES);
 #pragma unroll
     for (int c = 0; c < FA_DVP / FA_RB; c++)
@@ -150,87 +192,93 @@ FA_DEV void fa_load_kv8(const fa_smem8 *m, const fa_tmaps8 *tm, const fa_tile *w
                      m->r_full + 8 * s);
 }
 
-/*
- * The producer warpgroup: Vr[s] ([keys][dv] in blocks of FA_RB columns, swizzled as TMA wrote it)
- * -> Vt[s] ([dv][128 keys], 128B swizzle, keys permuted as the header says), keys from `valid`
- * on written as zeros. A unit is 4 columns x 4 logical keys: four 4-byte loads of actual keys
- * 16b + 2q' (+1, +8, +9), a 4 x 4 byte transpose, four 4-byte stores. A warp's 32 units are 8
- * key quads x 4 column groups: with both swizzles that is at most 2 lanes a bank, loads and
- * stores alike.
- */
-FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
+/* Thread 0: Q of the tile (once every consumer's last S of the previous tile finished). */
+FA_DEV void fa_load_q8(const fa_smem8 *m, const fa_tmaps8 *tm, const fa_tile *w, int q_round)
 {
-    const int s = kv % FA_STAGES, ph = (kv / FA_STAGES) & 1, tid = threadIdx.x;
-    fa_mbar_wait(m->r_full + 8 * s, ph);
-    fa_mbar_wait(m->v_empty + 8 * s, ph ^ 1);
-    const fa_u32 src = m->vr + s * FA_V_BYTES, dst = m->vt + s * FA_V_BYTES;
-    constexpr int cg = FA_DVP / 16; /* column-group quads per warp row of units */
-#pragma unroll 1
-    for (int u = tid; u < FA_DVP * 8; u += FA_WG_THREADS) {
-        const int l = u & 31, rest = u >> 5;
-        const int c4 = (l & 3) + 4 * (rest % cg), kq = (l >> 2) + 8 * (rest / cg);
-        const int b = kq >> 2, qq = kq & 3;
-        const int k0 = 16 * b + 2 * qq;
-        fa_u32 a[4];
+    fa_mbar_wait(m->q_empty, (q_round & 1) ^ 1);
+    fa_mbar_expect_tx(m->q_full, FA_Q_BYTES);
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int key = k0 + 8 * (e >> 1) + (e & 1);
-            fa_u32 x;
-            /* Byte 4 c4 of the key's row: block c4 / (FA_RB / 4), then its 16-byte chunk XOR the
-             * swizzle's key (128B: key % 8; 64B: (key / 2) % 4). */
-            const int cb = (4 * c4) % FA_RB;
-            const int swz = FA_RB == 128 ? (key & 7) : ((key >> 1) & 3);
-            asm volatile("ld.shared.u32 %0, [%1];"
-                         : "=r"(x)
-                         : "r"(src + (4 * c4 / FA_RB) * (FA_BN * FA_RB) + key * FA_RB +
-                               ((((cb >> 4) ^ swz) << 4) | (cb & 15))));
-            a[e] = key < valid ? x : 0u;
-        }
-        const fa_u32 t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);
-        const fa_u32 t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362);
-        fa_u32 o[4];
-        o[0] = __byte_perm(t0, t2, 0x5410);
-        o[1] = __byte_perm(t0, t2, 0x7632);
-        o[2] = __byte_perm(t1, t3, 0x5410);
-        o[3] = __byte_perm(t1, t3, 0x7632);
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int n = 4 * c4 + j;
-            asm volatile("st.shared.u32 [%0], %1;" ::"r"(dst + n * 128 + ((b ^ (n & 7)) << 4) +
-                                                         4 * qq),
-                         "r"(o[j])
-                         : "memory");
-        }
-    }
-    /* The writes reach the async proxy (wgmma) before the stage is announced; the reads of Vr[s]
-     * are done before thread 0 reloads it. */
-    fa_fence_proxy_async();
-    asm volatile("barrier.sync 4, %0;" ::"n"(FA_WG_THREADS) : "memory");
-    if (tid == 0)
-        fa_mbar_arrive(m->v_full + 8 * s);
+    for (int c = 0; c < FA_KB; c++)
+        fa_tma_load4(m->q + c * FA_BM * FA_RB, &tm->q, FA_RB * c, w->q_start + w->m0, w->h,
+                     FA_VARLEN ? 0 : w->bi, m->q_full);
 }
 
-/* The producer warpgroup's share of a tile (kv: blocks loaded so far, q_round: tiles). */
+/* The producer warpgroup's share of a tile (kv: blocks loaded so far, q_round: tiles): thread 0
+ * loads, and FA_TRANSPOSE 0 has the whole warpgroup transpose. */
 FA_DEV void fa_produce_tile8(const fa_smem8 *m, const fa_tmaps8 *tm, const fa_tile *w, int *kv,
                              int *q_round)
 {
+#if FA_TRANSPOSE
+    fa_load_q8(m, tm, w, *q_round);
+    for (int it = 0; it < w->n_blocks; it++, ++*kv)
+        fa_load_kv8(m, tm, w, *kv, it);
+#else
     if (threadIdx.x == 0) {
-        fa_mbar_wait(m->q_empty, (*q_round & 1) ^ 1);
-        fa_mbar_expect_tx(m->q_full, FA_Q_BYTES);
-#pragma unroll
-        for (int c = 0; c < FA_KB; c++)
-            fa_tma_load4(m->q + c * FA_BM * FA_RB, &tm->q, FA_RB * c, w->q_start + w->m0, w->h,
-                         FA_VARLEN ? 0 : w->bi, m->q_full);
+        fa_load_q8(m, tm, w, *q_round);
         fa_load_kv8(m, tm, w, *kv, 0);
     }
-    ++*q_round;
     for (int it = 0; it < w->n_blocks; it++, ++*kv) {
         /* The next block's copies fly while this one is transposed. */
         if (threadIdx.x == 0 && it + 1 < w->n_blocks)
             fa_load_kv8(m, tm, w, *kv + 1, it + 1);
         fa_transpose_v(m, *kv, w->sk - (w->n_max - 1 - it) * FA_BN);
     }
+#endif
+    ++*q_round;
 }
+
+/* The producer warpgroup (FA_TRANSPOSE 1: its thread 0) over the CTA's tiles. The schedule's
+ * numbers are made here, after the setmaxnreg: kept across it, they went to local memory. */
+FA_DEV void fa_produce8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa_smem8 *m)
+{
+    int kv = 0, q_round = 0;
+    for (int t = blockIdx.x;;) {
+        /* Made again per tile (pinned, so not hoisted), as the consumers do: hoisted, the
+         * loading thread (FA_TRANSPOSE 1) spilled them. */
+        int m_blocks = (int)((kp->max_sq + FA_BM - 1) / FA_BM);
+        const int n_units = fa_units(tm->paired, m_blocks, kp);
+        if (t >= n_units)
+            break;
+        for (int half = 0, hb, mb; half < 2; half++) {
+            m_blocks = (int)((kp->max_sq + FA_BM - 1) / FA_BM);
+            FA_PINU(m_blocks);
+            if ((mb = fa_unit_tile(tm->paired, m_blocks, t, half, &hb)) >= 0) {
+                const fa_tile w = fa_tile_get(kp, hb, mb);
+                if (w.n_blocks > 0)
+                    fa_produce_tile8(m, tm, &w, &kv, &q_round);
+            }
+        }
+        fa_u32 grid; /* read here (volatile): held across the tile, it was spilled */
+        asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(grid));
+        t += grid;
+    }
+#if FA_TRANSPOSE
+    /* The end, for the transposing warps: a stage of -1 keys, no copy. */
+    const int s = kv % FA_STAGES;
+    fa_mbar_wait(m->r_empty + 8 * s, ((kv / FA_STAGES) & 1) ^ 1);
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(m->r_keys + 8 * s), "r"(-1) : "memory");
+    fa_mbar_arrive(m->r_full + 8 * s);
+#endif
+}
+
+#if FA_TRANSPOSE
+/* Warps 1 .. 3 of the producer warpgroup: every stage the loading thread fills, in order, until
+ * one of -1 keys. They hold no schedule: in the producer's 24 registers, a loop over the tiles
+ * beside the transpose spilled. */
+FA_DEV void fa_transpose8(const fa_smem8 *m)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int kv = 0;; kv++) {
+        const int s = kv % FA_STAGES;
+        fa_mbar_wait(m->r_full + 8 * s, (kv / FA_STAGES) & 1);
+        int keys;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(keys) : "r"(m->r_keys + 8 * s) : "memory");
+        if (keys < 0)
+            return;
+        fa_transpose_v(m, kv, keys, warp, lane);
+    }
+}
+#endif
 
 /* ---- consumers ------------------------------------------------------------------------------ */
 
@@ -248,19 +296,19 @@ FA_DEV void fa_gemm8_s(float *sacc, fa_u32 q_rows, fa_u32 k_rows)
     fa_wg_commit();
 }
 
-/* O += P V for one key block from V^T (rows of 128 key bytes, 128B swizzle): FA_KS k-steps, each
- * over dv in n128 pieces (then n64). */
+/* O += P V for one key block from V^T (blocks of 128 keys, rows of 128 key bytes, 128B swizzle):
+ * FA_KS k-steps, each over dv in n128 pieces (then n64). */
 FA_DEV void fa_gemm8_pv(float *o, fa_u32 pa[][4], fa_u32 vt)
 {
     const fa_u64 d0 = fa_desc8(vt, 128);
 #pragma unroll
     for (int kk = 0; kk < FA_KS; kk++) {
+        const fa_u32 at = (kk >> 2) * (FA_DVP * 128) + (kk & 3) * 32;
 #pragma unroll
         for (int c = 0; c + 128 <= FA_DVP; c += 128)
-            fa_wgmma8_pv128(o + c / 2, pa[kk], fa_desc_at(d0, c * 128 + kk * 32));
+            fa_wgmma8_pv128(o + c / 2, pa[kk], fa_desc_at(d0, at + c * 128));
 #if FA_DVP % 128
-        fa_wgmma8_pv64(o + (FA_DVP - 64) / 2, pa[kk],
-                       fa_desc_at(d0, (FA_DVP - 64) * 128 + kk * 32));
+        fa_wgmma8_pv64(o + (FA_DVP - 64) / 2, pa[kk], fa_desc_at(d0, at + (FA_DVP - 64) * 128));
 #endif
     }
     fa_wg_commit();
@@ -294,18 +342,6 @@ FA_DEV void fa_p_pack8(const float *sacc, fa_u32 pa[][4])
                 const float *x = sacc + 16 * kk + 8 * h + 2 * hf;
                 pa[kk][hf + 2 * h] = fa_e4m3x4(x[0], x[1], x[4], x[5]);
             }
-}
-
-FA_DEV void fa_operands_pin8(float *o, fa_u32 pa[][4])
-{
-#pragma unroll
-    for (int j = 0; j < FA_OACC; j++)
-        FA_PIN(o[j]);
-#pragma unroll
-    for (int kk = 0; kk < FA_KS; kk++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            FA_PINU(pa[kk][e]);
 }
 
 /* tanh.approx.f32 (max relative error about 2^-11, far below e4m3's 2^-4): libm's tanhf spills
@@ -371,8 +407,12 @@ FA_DEV float fa_descale(const float *t, fa_i64 bs, fa_i64 hs, int b, int hk)
     return t ? t[b * bs + hk * hs] : 1.f;
 }
 
-/* A consumer warpgroup's share of a tile (rows 64 cw ..): fa_fwd_sm90.cu's loop without
- * pingpong; V^T comes on v_full from the producer warpgroup. */
+/*
+ * A consumer warpgroup's share of a tile (rows 64 cw ..): fa_fwd_sm90.cu's loop; V^T comes on
+ * v_full from the producer warpgroup. With FA_PINGPONG each unit of GEMMs sits between a sync on
+ * the warpgroup's own barrier and an arrive on the other's; per tile each side syncs and is
+ * arrived at n_blocks + 1 times, so nothing is left pending between tiles.
+ */
 FA_DEV void fa_consume_tile8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa_smem8 *m,
                              const fa_tile *w, int cw, int *kv, int *q_round)
 {
@@ -385,10 +425,7 @@ FA_DEV void fa_consume_tile8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa
     fa_rows8 r;
     r.q4 = lane & 3;
     r.row0 = w->m0 + 64 * cw + 16 * warp + (lane >> 2);
-    fa_key_range(kp, r.row0, sq, sk, &r.lo[0], &r.hi[0]);
-    fa_key_range(kp, r.row0 + 8, sq, sk, &r.lo[1], &r.hi[1]);
-    r.lo_max = fa_max(r.lo[0], r.lo[1]);
-    r.hi_min = fa_min(r.hi[0], r.hi[1]);
+    FA_ROWS_EDGES(kp, r, sq, sk);
     const float qk = fa_descale(tm->q_descale, tm->qd_bstride, tm->qd_hstride, w->bi, w->hk) *
                      fa_descale(tm->k_descale, tm->kd_bstride, tm->kd_hstride, w->bi, w->hk);
     r.f = (FA_SOFTCAP ? kp->softcap_pre : kp->scale_log2) * qk;
@@ -407,10 +444,19 @@ FA_DEV void fa_consume_tile8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa
         const int kv0 = *kv;
         float sacc[FA_SACC], alpha[2];
         fa_u32 pa[FA_KS][4];
+#if FA_PINGPONG
+        const int bar_mine = 1 + cw, bar_other = 2 - cw;
+        if (cw == 1)
+            fa_named_arrive(bar_other);
+        fa_named_sync(bar_mine);
+#endif
         fa_mbar_wait(m->q_full, *q_round & 1);
         fa_mbar_wait(m->k_full + 8 * (kv0 % FA_STAGES), (kv0 / FA_STAGES) & 1);
         fa_wg_fence();
         fa_gemm8_s(sacc, q_rows, m->k + (kv0 % FA_STAGES) * FA_K_BYTES);
+#if FA_PINGPONG
+        fa_named_arrive(bar_other);
+#endif
         fa_wg_wait0();
 #pragma unroll
         for (int j = 0; j < FA_SACC; j++)
@@ -424,12 +470,18 @@ FA_DEV void fa_consume_tile8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa
         for (int it = 1; it < nb; it++) {
             const int sp = (kv0 + it - 1) % FA_STAGES, php = ((kv0 + it - 1) / FA_STAGES) & 1;
             const int s = (kv0 + it) % FA_STAGES, ph = ((kv0 + it) / FA_STAGES) & 1;
+#if FA_PINGPONG
+            fa_named_sync(bar_mine);
+#endif
             fa_mbar_wait(m->k_full + 8 * s, ph);
             fa_mbar_wait(m->v_full + 8 * sp, php);
-            fa_operands_pin8(o, pa);
+            fa_operands_pin(o, pa, FA_KS);
             fa_wg_fence();
             fa_gemm8_s(sacc, q_rows, m->k + s * FA_K_BYTES);
-            fa_gemm8_pv(o, pa, m->vt + sp * FA_V_BYTES);
+            fa_gemm8_pv(o, pa, m->vt + sp * FA_VT_BYTES);
+#if FA_PINGPONG
+            fa_named_arrive(bar_other);
+#endif
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
 #pragma unroll
             for (int j = 0; j < FA_SACC; j++)
@@ -438,20 +490,31 @@ FA_DEV void fa_consume_tile8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa
             if (it == nb - 1)
                 fa_stage_release(m->q_empty, lane);
             fa_softmax8(kp, &r, sacc, w->n_max - 1 - it, row_max, row_sum, alpha);
+#if FA_ORDER
+            fa_softmax_order(m->scratch, row_sum);
+#endif
             fa_wg_wait0();
-            fa_operands_pin8(o, pa);
+            fa_operands_pin(o, pa, FA_KS);
             fa_stage_release(m->v_empty + 8 * sp, lane);
             fa_o_rescale(o, alpha);
             fa_p_pack8(sacc, pa);
         }
 
         const int sp = (kv0 + nb - 1) % FA_STAGES, php = ((kv0 + nb - 1) / FA_STAGES) & 1;
+#if FA_PINGPONG
+        fa_named_sync(bar_mine);
+#endif
         fa_mbar_wait(m->v_full + 8 * sp, php);
-        fa_operands_pin8(o, pa);
+        fa_operands_pin(o, pa, FA_KS);
         fa_wg_fence();
-        fa_gemm8_pv(o, pa, m->vt + sp * FA_V_BYTES);
+        fa_gemm8_pv(o, pa, m->vt + sp * FA_VT_BYTES);
+#if FA_PINGPONG
+        /* Only the first warpgroup still has a partner waiting for its turn in this tile. */
+        if (cw == 0)
+            fa_named_arrive(bar_other);
+#endif
         fa_wg_wait0();
-        fa_operands_pin8(o, pa);
+        fa_operands_pin(o, pa, FA_KS);
         fa_stage_release(m->v_empty + 8 * sp, lane);
         *kv = kv0 + nb;
         ++*q_round;
@@ -485,14 +548,17 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     m.q = (fa_smem_addr(fa_smem) + 1023u) & ~1023u;
     m.k = m.q + FA_Q_BYTES;
     m.vt = m.k + FA_STAGES * FA_K_BYTES;
-    m.vr = m.vt + FA_STAGES * FA_V_BYTES;
+    m.vr = m.vt + FA_STAGES * FA_VT_BYTES;
     m.q_full = m.vr + FA_STAGES * FA_V_BYTES;
     m.q_empty = m.q_full + 8;
-    m.k_full = m.q_empty + 8;
+    m.scratch = m.q_empty + 8;
+    m.k_full = m.scratch + 8;
     m.k_empty = m.k_full + 8 * FA_STAGES;
     m.r_full = m.k_empty + 8 * FA_STAGES;
-    m.v_full = m.r_full + 8 * FA_STAGES;
+    m.r_empty = m.r_full + 8 * FA_STAGES;
+    m.v_full = m.r_empty + 8 * FA_STAGES;
     m.v_empty = m.v_full + 8 * FA_STAGES;
+    m.r_keys = m.v_empty + 8 * FA_STAGES;
 
     if (threadIdx.x == 0) {
         fa_mbar_init(m.q_full, 1);
@@ -501,37 +567,34 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_mbar_init(m.k_full + 8 * s, 1);
             fa_mbar_init(m.k_empty + 8 * s, FA_CONSUMER_WARPS);
             fa_mbar_init(m.r_full + 8 * s, 1);
-            fa_mbar_init(m.v_full + 8 * s, 1);
+            fa_mbar_init(m.r_empty + 8 * s, FA_VT_WRITERS);
+            fa_mbar_init(m.v_full + 8 * s, FA_VT_WRITERS);
             fa_mbar_init(m.v_empty + 8 * s, FA_CONSUMER_WARPS);
         }
         fa_mbar_init_fence();
     }
     __syncthreads();
 
-    int kv = 0, q_round = 0;
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / FA_WG_THREADS, 0);
-    /* The schedule's numbers are made after each setmaxnreg: kept across it, they went to
-     * local memory (d 256, varlen, softcap). */
-    int m_blocks, n_units;
     if (wg == 0) {
         fa_regs_producer();
-        m_blocks = (int)((kp.max_sq + FA_BM - 1) / FA_BM);
-        n_units = fa_units(tm.paired, m_blocks, &kp);
         if (threadIdx.x == 0) {
             fa_tma_prefetch(&tm.q);
             fa_tma_prefetch(&tm.k);
             fa_tma_prefetch(&tm.v);
         }
-        for (int t = blockIdx.x; t < n_units; t += gridDim.x)
-            for (int half = 0, hb, mb; half < 2; half++)
-                if ((mb = fa_unit_tile(tm.paired, m_blocks, t, half, &hb)) >= 0) {
-                    const fa_tile w = fa_tile_get(&kp, hb, mb);
-                    if (w.n_blocks > 0)
-                        fa_produce_tile8(&m, &tm, &w, &kv, &q_round);
-                }
+#if FA_TRANSPOSE
+        /* Thread 0 loads, warps 1 .. 3 transpose; the rest of warp 0 has nothing to do. */
+        if (threadIdx.x >= 32)
+            fa_transpose8(&m);
+        if (threadIdx.x != 0)
+            return;
+#endif
+        fa_produce8(&kp, &tm, &m);
         return;
     }
     fa_regs_consumer();
+    int kv = 0, q_round = 0, m_blocks, n_units;
     for (int t = blockIdx.x;; t += gridDim.x) {
         /* Made again per tile from the parameters (pinned, so not hoisted): held across the
          * tile, they were the registers the widest variant (d 256, varlen, softcap) lacked. */

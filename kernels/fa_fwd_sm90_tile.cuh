@@ -1,6 +1,7 @@
 /*
  * Pieces of the Hopper forward shared by its bf16/fp16 kernel (fa_fwd_sm90.cu) and its fp8 one
- * (fa_fwd_sm90_fp8.cu): stage releases, O's rescale and the work tiles. Included after
+ * (fa_fwd_sm90_fp8.cu): stage releases, O's rescale, the GEMM operands' pins, the pingpong
+ * barriers, the softmax's order, the rows' key ranges and the work tiles. Included after
  * fa_sm90.cuh by a kernel that defines FA_BM, FA_BN, FA_OACC and FA_VARLEN.
  */
 #ifndef FA_FWD_SM90_TILE_CUH
@@ -23,6 +24,49 @@ FA_DEV void fa_o_rescale(float *o, const float alpha[2])
     for (int j = 0; j < FA_OACC; j++)
         o[j] *= alpha[(j >> 1) & 1];
 }
+
+/* Pins O and the A fragments of P (`slices` k-steps of 4 registers): before a GEMM group is
+ * issued, so that the rescale and the packing are finished before the wgmma.fence (else ptxas
+ * inserts its own fence between the wgmma and serialises them); after its wait, so that nothing
+ * reads O or reuses P's registers while the wgmma may still be running. */
+FA_DEV void fa_operands_pin(float *o, fa_u32 pa[][4], int slices)
+{
+#pragma unroll
+    for (int j = 0; j < FA_OACC; j++)
+        FA_PIN(o[j]);
+#pragma unroll
+    for (int kk = 0; kk < slices; kk++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            FA_PINU(pa[kk][e]);
+}
+
+/* Named barriers 1 and 2 order the two consumer warpgroups' GEMMs (pingpong):
+ * bar.sync id, 256 waits for the other warpgroup's bar.arrive id, 256 (128 threads each). */
+FA_DEV void fa_named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+FA_DEV void fa_named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+
+/* Keeps the softmax ahead of the wait for P_(i-1) V_(i-1). The exp2s touch no register of that
+ * GEMM, so ptxas would hoist the wait above them and the softmax would no longer overlap the
+ * tensor cores' work; a shared store of the row sums (which every exp2 feeds) is a side effect the
+ * wait cannot pass. Every thread writes the same 8 bytes at `scratch`, which nothing reads. */
+FA_DEV void fa_softmax_order(fa_u32 scratch, const float row_sum[2])
+{
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(scratch), "f"(row_sum[0]),
+                 "f"(row_sum[1])
+                 : "memory");
+}
+
+/* A consumer thread's rows r.row0 and r.row0 + 8 (r: its rows' struct): their visible keys
+ * r.lo, r.hi, and the bounds of the key blocks that need no mask (from r.lo_max up to r.hi_min).
+ * A macro: as a function writing through pointers, it changed the bf16 kernel's schedule. */
+#define FA_ROWS_EDGES(kp, r, sq, sk)                                                             \
+    do {                                                                                         \
+        fa_key_range(kp, (r).row0, sq, sk, &(r).lo[0], &(r).hi[0]);                              \
+        fa_key_range(kp, (r).row0 + 8, sq, sk, &(r).lo[1], &(r).hi[1]);                          \
+        (r).lo_max = fa_max((r).lo[0], (r).lo[1]);                                               \
+        (r).hi_min = fa_min((r).hi[0], (r).hi[1]);                                               \
+    } while (0)
 
 /* ---- tiles ---------------------------------------------------------------------------------- */
 

@@ -176,6 +176,10 @@ FA_DEV void fa_wg_wait0(void) { asm volatile("wgmma.wait_group.sync.aligned 0;" 
 #define FA_RL80 FA_RL72 ", " FA_RC9
 #define FA_RL88 FA_RL80 ", " FA_RC10
 #define FA_RL96 FA_RL88 ", " FA_RC11
+#define FA_RL104 FA_RL96 ", " FA_RC12
+#define FA_RL112 FA_RL104 ", " FA_RC13
+#define FA_RL120 FA_RL112 ", " FA_RC14
+#define FA_RL128 FA_RL120 ", " FA_RC15
 #define FA_F8(a, i)                                                                              \
     "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), "+f"(a[i + 4]), "+f"(a[i + 5]),  \
         "+f"(a[i + 6]), "+f"(a[i + 7])
@@ -188,6 +192,10 @@ FA_DEV void fa_wg_wait0(void) { asm volatile("wgmma.wait_group.sync.aligned 0;" 
 #define FA_FL80(a) FA_FL72(a), FA_F8(a, 72)
 #define FA_FL88(a) FA_FL80(a), FA_F8(a, 80)
 #define FA_FL96(a) FA_FL88(a), FA_F8(a, 88)
+#define FA_FL104(a) FA_FL96(a), FA_F8(a, 96)
+#define FA_FL112(a) FA_FL104(a), FA_F8(a, 104)
+#define FA_FL120(a) FA_FL112(a), FA_F8(a, 112)
+#define FA_FL128(a) FA_FL120(a), FA_F8(a, 120)
 
 /*
  * NAME(d, da, db, accumulate): D (+)= A B by wgmma.mma_async m64nNk16 with both operands in

@@ -317,10 +317,48 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
 
 /*
  * The sm90 fp8 forward (fa_fwd_sm90_fp8.cu): e4m3 q, k, v, d = dv a multiple of 16 up to 256
- * (padded to 64, 128 or 256), dense or varlen, causal, window, GQA, softcap; 128 x 128 tiles, two
- * stages (d 256: 225 KB of shared memory with the transposed V). What it cannot do is refused
- * naming the argument: no other family computes fp8 on a CUDA device.
+ * (padded to 64, 128 or 256), dense or varlen, causal, window, GQA, softcap; 128-row tiles, two
+ * stages. Per padded head dim: the key block (the largest that compiles without spills in every
+ * feature set: 192 at d 64 and 128, where FA3 takes 224 at d 128 and ptxas spilled 8 bytes; 128 at
+ * d 256, whose two stages of K, V and V^T fill the 227 KB), pingpong between the consumers, the
+ * V transpose (0: the whole producer warpgroup with plain loads; 1: warps 1 .. 3 with ldmatrix /
+ * stmatrix while thread 0 only loads, which spills 4-40 bytes in the producer's 24 registers
+ * with varlen, softcap or blocks past 128 keys, so not a default) and the softmax's order before
+ * the P V wait (fa_softmax_order). Not yet measured against each other: the defaults are the
+ * expectation, FLASHATTN_SM90_FP8_TILE the A/B. What the kernel cannot do is refused naming the
+ * argument: no other family computes fp8 on a CUDA device.
  */
+typedef struct fa_plan_row90_fp8 {
+    int dp, bn, stages, pingpong, transpose, order;
+} fa_plan_row90_fp8;
+
+static const fa_plan_row90_fp8 fa_sm90_fp8_rows[] = {
+    {64, 192, 2, 1, 0, 1},  /* Q 8 KB + 2 x (K 12 + Vr 12 + V^T 16) KB = 88 KB */
+    {128, 192, 2, 1, 0, 1}, /* Q 16 KB + 2 x (K 24 + Vr 24 + V^T 32) KB = 176 KB */
+    {256, 128, 2, 1, 0, 1}, /* Q 32 KB + 2 x (K 32 + Vr 32 + V^T 32) KB = 224 KB */
+};
+
+/* FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] replaces the row's choice (for
+ * an A/B with the benchmark; 128,2,0,0,0 is the first, untuned kernel); a combination the kernel
+ * cannot take or shared memory cannot hold is ignored. */
+static void fa_plan_sm90_fp8_override(fa_plan_row90_fp8 *row)
+{
+    const char *env = getenv("FLASHATTN_SM90_FP8_TILE");
+    int bn, stages, pingpong, transpose = row->transpose, order = row->order;
+    if (!env || sscanf(env, "%d,%d,%d,%d,%d", &bn, &stages, &pingpong, &transpose, &order) < 3)
+        return;
+    if (bn < 64 || bn > 256 || bn % 32 != 0 || stages < 2 || stages > 8 ||
+        (pingpong != 0 && pingpong != 1) || (transpose != 0 && transpose != 1) ||
+        (order != 0 && order != 1) ||
+        FA_SMEM_FWD90_FP8(128, bn, row->dp, row->dp, stages) > FA_SMEM_SM90_MAX)
+        return;
+    row->bn = bn;
+    row->stages = stages;
+    row->pingpong = pingpong;
+    row->transpose = transpose;
+    row->order = order;
+}
+
 static fa_status fa_plan_fp8_refuse(const char *arg, const char *what)
 {
     return fa_error_set(FA_STATUS_UNSUPPORTED,
@@ -368,13 +406,16 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
     plan->family = "fa_fwd_sm90_fp8.cu";
     snprintf(plan->target, sizeof plan->target, "sm_90a");
     plan->dp = plan->dvp = key->d <= 64 ? 64 : key->d <= 128 ? 128 : 256;
+    fa_plan_row90_fp8 row = fa_sm90_fp8_rows[plan->dp / 128];
+    fa_plan_sm90_fp8_override(&row);
     plan->bm = 128;
-    plan->bn = 128;
+    plan->bn = row.bn;
     plan->nwarps = 12;
-    plan->stages = 2;
+    plan->stages = row.stages;
     plan->persistent = 2;
     plan->threads = 384;
-    plan->smem = (unsigned)FA_SMEM_FWD90_FP8(plan->bm, plan->bn, plan->dp, plan->dvp, 2);
+    plan->smem =
+        (unsigned)FA_SMEM_FWD90_FP8(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages);
     fa_plan_define(plan, "FA_BF16", key->features & FA_PLAN_OUT_F16 ? 0 : 1);
     fa_plan_define(plan, "FA_D", key->d);
     fa_plan_define(plan, "FA_DP", plan->dp);
@@ -383,6 +424,9 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_BM", plan->bm);
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_STAGES", plan->stages);
+    fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
+    fa_plan_define(plan, "FA_TRANSPOSE", row.transpose);
+    fa_plan_define(plan, "FA_ORDER", row.order);
     fa_plan_define_features(plan, key->features, FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP);
     return FA_STATUS_OK;
 }

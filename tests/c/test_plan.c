@@ -8,8 +8,9 @@
  *     FA_DV defined exactly where dv != d;
  *   - dropout on the sm90 forward (64-key blocks at head dim 256), the sm80 family with probs;
  *   - fp8 forward: without FLASHATTN_SM90_FP8=1 refused as before, naming q and its dtype; with
- *     it the sm90 fp8 family on sm_90 (128 x 128 tiles, head dims padded to 64, 128, 256, shared
- *     memory within the device's), and refusals naming the argument for what it cannot do;
+ *     it the sm90 fp8 family on sm_90 (128-row tiles, head dims padded to 64, 128, 256, shared
+ *     memory within the device's; FLASHATTN_SM90_FP8_TILE's tile where it fits), and refusals
+ *     naming the argument for what it cannot do;
  *   - user-defined scoring on sm_90: the sm90 family unless FLASHATTN_SM90_MODS=0 keeps it on
  *     the sm80 family (not a varlen call's block mask, nor the combinations whose code
  *     spills, nor where the sm90 family is off or cannot run), with the mods' defines beside the
@@ -601,9 +602,11 @@ static void check_forward_fp8(void)
                          strcmp(plan.family, "fa_fwd_sm90_fp8.cu") == 0,
                      "fp8 d %d features %x: %s", d, feats[f], fa_last_error());
             const int dp = d <= 64 ? 64 : d <= 128 ? 128 : 256;
-            TU_CHECK(plan.dp == dp && plan.dvp == dp && plan.bm == 128 && plan.bn == 128 &&
-                         plan.threads == 384 && plan.smem <= FA_SMEM_SM90_MAX &&
-                         plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, 128, dp, dp, plan.stages),
+            TU_CHECK(plan.dp == dp && plan.dvp == dp && plan.bm == 128 && plan.bn % 32 == 0 &&
+                         plan.bn >= 64 && plan.bn <= 256 && plan.threads == 384 &&
+                         plan.smem <= FA_SMEM_SM90_MAX && plan_define(&plan, "FA_BN") == plan.bn &&
+                         plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, plan.bn, dp, dp,
+                                                                  plan.stages),
                      "fp8 d %d: dp %d bm %d bn %d smem %u", d, plan.dp, plan.bm, plan.bn,
                      plan.smem);
             TU_CHECK(plan_define(&plan, "FA_D") == d && plan_define(&plan, "FA_DP") == dp &&
@@ -612,6 +615,30 @@ static void check_forward_fp8(void)
                          plan_define(&plan, "FA_SOFTCAP") == !!(feats[f] & FA_FEATURE_SOFTCAP),
                      "fp8 d %d features %x: defines", d, feats[f]);
         }
+    /* FLASHATTN_SM90_FP8_TILE: the first kernel's tile reachable, what cannot fit ignored. */
+    key = (fa_plan_key){90, FA_DTYPE_F8E4M3, 128, 128, 0, 0};
+    setenv("FLASHATTN_SM90_FP8_TILE", "128,2,0,0,0", 1);
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == 128 &&
+                 plan.stages == 2 && plan_define(&plan, "FA_PINGPONG") == 0 &&
+                 plan_define(&plan, "FA_TRANSPOSE") == 0 && plan_define(&plan, "FA_ORDER") == 0 &&
+                 plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, 128, 128, 128, 2),
+             "fp8 tile override: bn %d stages %d", plan.bn, plan.stages);
+    setenv("FLASHATTN_SM90_FP8_TILE", "160,2,1", 1);
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == 160 &&
+                 plan.stages == 2 && plan_define(&plan, "FA_PINGPONG") == 1,
+             "fp8 tile override 160,2,1: bn %d stages %d", plan.bn, plan.stages);
+    key = (fa_plan_key){90, FA_DTYPE_F8E4M3, 256, 256, 0, 0};
+    fa_plan def;
+    unsetenv("FLASHATTN_SM90_FP8_TILE");
+    TU_CHECK(fa_plan_forward(&key, &def) == FA_STATUS_OK, "fp8 d 256: %s", fa_last_error());
+    setenv("FLASHATTN_SM90_FP8_TILE", "256,2,1", 1); /* 352 KB: ignored */
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == def.bn &&
+                 plan.smem == def.smem,
+             "fp8 d 256 oversized override taken: bn %d", plan.bn);
+    setenv("FLASHATTN_SM90_FP8_TILE", "100,2,1", 1); /* not a multiple of 32: ignored */
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == def.bn,
+             "fp8 bn 100 taken: %d", plan.bn);
+    unsetenv("FLASHATTN_SM90_FP8_TILE");
     /* Refused, naming the argument. */
     const struct {
         fa_plan_key key;

@@ -15,7 +15,8 @@ plans of the sm_90a family (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG each) beside 
 --dropout P also times the same calls with dropout_p = P ("drop", and "drop sm80" on Hopper)
 and prints drop/ours. --fp8 (Hopper, d = dv) also times the fp8 (e4m3) forward on the same
 shapes ("fp8": q, k, v cast to float8_e4m3fn, out bf16, FLASHATTN_SM90_FP8=1; the same FLOP
-count) and prints fp8/ours.
+count) and prints fp8/ours; --fp8-variants times more fp8 plans beside it
+(FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] each; columns f0, f1, ...).
 """
 import argparse
 import ctypes
@@ -138,6 +139,8 @@ def main():
                     help="also time each call with this dropout_p (columns drop, drop sm80)")
     ap.add_argument("--fp8", action="store_true",
                     help="also time the fp8 (e4m3) forward (Hopper, FLASHATTN_SM90_FP8=1)")
+    ap.add_argument("--fp8-variants", default="",
+                    help="with --fp8: ';'-separated FLASHATTN_SM90_FP8_TILE values as extra columns")
     ap.add_argument("--first-call", type=int, default=0, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.first_call:
@@ -193,12 +196,20 @@ def main():
                     q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
                     out8 = torch.empty_like(out)
                     os.environ["FLASHATTN_SM90_FP8"] = "1"
+                    fp8_tiles = [("fp8", None)] + [(f"fp8 {t}", t)
+                                                   for t in opts.fp8_variants.split(";") if t]
                     try:
-                        row["fp8"] = flops / bench(Call(q8, k8, v8, out8, causal)) / 1e12
-                        row["maxdiff_fp8"] = (out8.float() - out.float()).abs().max().item()
-                    except RuntimeError as ex:
-                        row["fp8"] = None
-                        row["fp8_error"] = str(ex).splitlines()[0][:100]
+                        for name, tile in fp8_tiles:
+                            if tile:
+                                os.environ["FLASHATTN_SM90_FP8_TILE"] = tile
+                            try:
+                                row[name] = flops / bench(Call(q8, k8, v8, out8, causal)) / 1e12
+                                row["maxdiff_" + name] = (out8.float() - out.float()).abs().max().item()
+                            except RuntimeError as ex:
+                                row[name] = None
+                                row[name + "_error"] = str(ex).splitlines()[0][:100]
+                            finally:
+                                os.environ.pop("FLASHATTN_SM90_FP8_TILE", None)
                     finally:
                         os.environ.pop("FLASHATTN_SM90_FP8", None)
                     del q8, k8, v8, out8
@@ -229,14 +240,17 @@ def main():
     fmt = lambda x: f"{x:6.0f}" if x else "     -"
     extra = [f"tile {t}" for t in opts.variants.split(";") if t]
     drops = [] if not opts.dropout else ["drop", "drop sm80"]
-    drops += ["fp8"] if opts.fp8 else []
+    fp8x = [f"fp8 {t}" for t in opts.fp8_variants.split(";") if t] if opts.fp8 else []
+    drops += ["fp8"] + fp8x if opts.fp8 else []
     print(f"\nTFLOP/s fwd, bf16, {torch.cuda.get_device_name()}" +
-          "".join(f"; t{i} = FLASHATTN_SM90_TILE={t[5:]}" for i, t in enumerate(extra)))
+          "".join(f"; t{i} = FLASHATTN_SM90_TILE={t[5:]}" for i, t in enumerate(extra)) +
+          "".join(f"; f{i} = FLASHATTN_SM90_FP8_TILE={t[4:]}" for i, t in enumerate(fp8x)))
     # V's head dim gets a column only when --dv sets it.
     dv_col = lambda r: f"{r['hdim_v']:5d} " if opts.dv else ""
     print("hdim " + ("   dv " if opts.dv else "") + "seqlen causal |   ours   sm80" +
           "".join(f"    t{i}" for i in range(len(extra))) +
           ("   drop  d.sm80" if opts.dropout else "") + ("    fp8" if opts.fp8 else "") +
+          "".join(f"    f{i}" for i in range(len(fp8x))) +
           "  flash  cudnn | ours/cudnn ours/flash maxdiff" +
           (" drop/ours" if opts.dropout else "") + (" fp8/ours" if opts.fp8 else ""))
     ratio = lambda a, b: a / b if a and b else float("nan")

@@ -1,0 +1,159 @@
+/*
+ * The fp8 forward's V transposes (fa_fwd_sm90_fp8.cu's producer warpgroup): the raw V of a stage,
+ * Vr [FA_DVP / FA_RB][FA_BN keys][FA_RB] as TMA wrote it (swizzled: 128B, or 64B at d 64), into
+ * V^T [ceil(FA_BN / 128)][FA_DVP][128 keys] (K-major, 128B swizzle: the 16-byte chunk of keys
+ * 16h .. 16h + 15 of row n sits at chunk (h % 8) ^ (n % 8) of block h / 8), the keys of each 16
+ * permuted so that P packs from S's registers with no shuffle: logical key 16h + 4q + e holds the
+ * actual key 16h + 8(e >> 1) + 2q + (e & 1). Keys past the sequence (varlen: the next sequence's
+ * rows) are written as zeros, as 0 * inf would be NaN in P V.
+ *   FA_TRANSPOSE 0: the whole warpgroup with plain 4-byte loads and stores, thread 0 also issuing
+ *     the copies (it reloads Vr[s] once named barrier 4 says the transpose read it);
+ *   FA_TRANSPOSE 1: warps 1 .. 3 with ldmatrix.trans and stmatrix, while thread 0 only loads
+ *     (r_empty tells it when Vr[s] was read; r_keys gives them each stage's keys).
+ * Included by fa_fwd_sm90_fp8.cu after its fa_smem8 and sizes.
+ */
+#ifndef FA_FWD_SM90_FP8_V_CUH
+#define FA_FWD_SM90_FP8_V_CUH
+
+#define FA_VT_BYTES FA_SMEM_FWD90_FP8_VT(FA_BN, FA_DVP)
+
+/* Byte `cb` (a column of V) of key row `key` in Vr: its FA_RB block, then the 16-byte chunk XOR
+ * the swizzle's key (128B: key % 8; 64B: (key / 2) % 4). */
+FA_DEV fa_u32 fa_vr_at(fa_u32 src, int key, int cb)
+{
+    const int b = cb % FA_RB, swz = FA_RB == 128 ? (key & 7) : ((key >> 1) & 3);
+    return src + (cb / FA_RB) * (FA_BN * FA_RB) + key * FA_RB + ((((b >> 4) ^ swz) << 4) | (b & 15));
+}
+
+/* The 16-byte chunk of V^T row n holding logical keys 16h .. 16h + 15. */
+FA_DEV fa_u32 fa_vt_at(fa_u32 dst, int n, int h)
+{
+    return dst + (h >> 3) * (FA_DVP * 128) + n * 128 + (((h & 7) ^ (n & 7)) << 4);
+}
+
+#if FA_TRANSPOSE == 0
+/*
+ * The whole warpgroup. A unit is 4 columns x 4 logical keys: four 4-byte loads of actual keys
+ * 16b + 2q' (+1, +8, +9), a 4 x 4 byte transpose, four 4-byte stores. A warp's 32 units are 8
+ * key quads x 4 column groups: with both swizzles that is at most 2 lanes a bank, loads and
+ * stores alike.
+ */
+FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
+{
+    const int s = kv % FA_STAGES, ph = (kv / FA_STAGES) & 1, tid = threadIdx.x;
+    fa_mbar_wait(m->r_full + 8 * s, ph);
+    fa_mbar_wait(m->v_empty + 8 * s, ph ^ 1);
+    const fa_u32 src = m->vr + s * FA_V_BYTES, dst = m->vt + s * FA_VT_BYTES;
+    constexpr int cg = FA_DVP / 16; /* column-group quads per warp row of units */
+#pragma unroll 1
+    for (int u = tid; u < FA_DVP * FA_BN / 16; u += FA_WG_THREADS) {
+        const int l = u & 31, rest = u >> 5;
+        const int c4 = (l & 3) + 4 * (rest % cg), kq = (l >> 2) + 8 * (rest / cg);
+        const int b = kq >> 2, qq = kq & 3;
+        const int k0 = 16 * b + 2 * qq;
+        fa_u32 a[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int key = k0 + 8 * (e >> 1) + (e & 1);
+            fa_u32 x;
+            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(x) : "r"(fa_vr_at(src, key, 4 * c4)));
+            a[e] = key < valid ? x : 0u;
+        }
+        const fa_u32 t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362);
+        const fa_u32 t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362);
+        fa_u32 o[4];
+        o[0] = __byte_perm(t0, t2, 0x5410);
+        o[1] = __byte_perm(t0, t2, 0x7632);
+        o[2] = __byte_perm(t1, t3, 0x5410);
+        o[3] = __byte_perm(t1, t3, 0x7632);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int n = 4 * c4 + j;
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(fa_vt_at(dst, n, b) + 4 * qq), "r"(o[j])
+                         : "memory");
+        }
+    }
+    /* The writes reach the async proxy (wgmma) before the stage is announced; the reads of Vr[s]
+     * are done before thread 0 reloads it. */
+    fa_fence_proxy_async();
+    asm volatile("barrier.sync 4, %0;" ::"n"(FA_WG_THREADS) : "memory");
+    if (tid == 0)
+        fa_mbar_arrive(m->v_full + 8 * s);
+}
+#else
+/*
+ * Warp w (1 .. 3) of the producer warpgroup, for each group j of 32 columns the key chunks
+ * h = w - 1, w + 2, ... A unit, keys 16h .. 16h + 15 by columns 32j .. 32j + 31:
+ *   ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {r0, r1, r2, r3}, [addr]: four 8 x 8 matrices
+ *     of 16-bit elements (column pairs), matrix i's row (lane % 8) at lane 8i + lane % 8's
+ *     address: keys 8(i % 2) + 0 .. 7, columns 32j + 16(i / 2) .. + 15. Transposed, lane
+ *     4c + q receives of matrix i the column pair c (columns 2c, 2c + 1) of keys 2q and 2q + 1:
+ *     bytes (key 2q: col 2c, 2c + 1; key 2q + 1: col 2c, 2c + 1).
+ *   __byte_perm(r0, r1, 0x6420) gathers column 2c's bytes of keys 2q, 2q + 1, 8 + 2q, 9 + 2q:
+ *     logical keys 4q .. 4q + 3, the 4 bytes at 4q of V^T row 32j + 2c's chunk h; 0x7531 those
+ *     of row 2c + 1; likewise r2, r3 for rows 32j + 16 + 2c, + 1.
+ *   stmatrix.sync.aligned.m8n8.x4.shared.b16 [addr], {s0, s1, s2, s3}: matrix i's row (lane % 8)
+ *     at lane 8i + lane % 8's address, its bytes 4q .. 4q + 3 from register si of lane 4 row + q.
+ *     Lanes 4c + q of c >= 4 hand their odd row first, so each matrix's rows are 2c + (c >= 4)
+ *     (or + (c < 4)): eight distinct rows mod 8, eight distinct swizzled chunks, no bank
+ *     conflict (rows 2c alone would be two lanes a bank).
+ * The ldmatrix rows are 8 keys at one 16-byte chunk: distinct chunks under both swizzles.
+ */
+FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid, int warp, int lane)
+{
+    const int s = kv % FA_STAGES, ph = (kv / FA_STAGES) & 1;
+    fa_mbar_wait(m->r_full + 8 * s, ph);
+    fa_mbar_wait(m->v_empty + 8 * s, ph ^ 1);
+    const fa_u32 src = m->vr + s * FA_V_BYTES, dst = m->vt + s * FA_VT_BYTES;
+    /* The lane's ldmatrix row (key lkey of chunk 0, column 16(lane / 16) of group 0) and
+     * stmatrix row (lrow of group 0). Every base is 1024-byte aligned and a row's bytes start at
+     * a multiple of FA_RB (or 128), so a chunk's swizzle is an XOR on the address's low bits:
+     * group j's columns move the Vr chunk by XOR (2j) % (FA_RB / 16), chunk h's keys the V^T
+     * chunk by XOR h % 8. */
+    const int lkey = 8 * ((lane >> 3) & 1) + (lane & 7);
+    const int mi = lane >> 3, rr = lane & 7;
+    const int lrow = 16 * (mi >> 1) + 2 * rr + ((mi & 1) ^ (rr >= 4 ? 1 : 0));
+    const fa_u32 from = fa_vr_at(src, lkey, 16 * (lane >> 4));
+    const fa_u32 to = dst + lrow * 128 + ((lrow & 7) << 4);
+    /* Lanes of c = lane / 4 >= 4 hand their odd row first: the byte selectors swap. */
+    const fa_u32 sel_a = lane >= 16 ? 0x7531u : 0x6420u, sel_b = sel_a ^ 0x1111u;
+#pragma unroll 1
+    for (int j = 0; j < FA_DVP / 32; j++) {
+        const fa_u32 from_j = (from ^ (((2 * j) % (FA_RB / 16)) << 4)) +
+                              (32 * j / FA_RB) * (FA_BN * FA_RB);
+        const fa_u32 to_j = to + 32 * j * 128;
+#pragma unroll 1
+        for (int h = warp - 1; h < FA_BN / 16; h += 3) {
+            fa_u32 r0, r1, r2, r3;
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                         : "r"(from_j + 16 * h * FA_RB));
+            fa_u32 s0 = __byte_perm(r0, r1, sel_a), s1 = __byte_perm(r0, r1, sel_b);
+            fa_u32 s2 = __byte_perm(r2, r3, sel_a), s3 = __byte_perm(r2, r3, sel_b);
+#if FA_VARLEN
+            if (16 * h + 16 > valid) {
+                /* Bytes e of the words hold keys 16h + 2(lane % 4) + 8(e / 2) + e % 2. */
+                const int k = 16 * h + 2 * (lane & 3) - valid;
+                const fa_u32 keep = (k < 0 ? 0xffu : 0u) | (k + 1 < 0 ? 0xff00u : 0u) |
+                                    (k + 8 < 0 ? 0xff0000u : 0u) | (k + 9 < 0 ? 0xff000000u : 0u);
+                s0 &= keep, s1 &= keep, s2 &= keep, s3 &= keep;
+            }
+#endif
+            const fa_u32 at = (to_j ^ ((h & 7) << 4)) + (h >> 3) * (FA_DVP * 128);
+            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                         ::"r"(at), "r"(s0), "r"(s1), "r"(s2), "r"(s3)
+                         : "memory");
+        }
+    }
+    /* Each lane's writes reach the async proxy (wgmma) before its warp announces the stage (and
+     * the reads of Vr[s] are done before the loading thread reloads it). */
+    fa_fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) {
+        fa_mbar_arrive(m->r_empty + 8 * s);
+        fa_mbar_arrive(m->v_full + 8 * s);
+    }
+}
+#endif
+
+#endif /* FA_FWD_SM90_FP8_V_CUH */
