@@ -318,15 +318,15 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
 /*
  * The sm90 fp8 forward (fa_fwd_sm90_fp8.cu): e4m3 q, k, v, d = dv a multiple of 16 up to 256
  * (padded to 64, 128 or 256), dense or varlen, causal, window, GQA, softcap; 128-row tiles, two
- * stages. Per padded head dim: the key block (the largest that compiles without spills in every
- * feature set: 192 at d 64 and 128, where FA3 takes 224 at d 128 and ptxas spilled 8 bytes; 128 at
- * d 256, whose two stages of K, V and V^T fill the 227 KB), pingpong between the consumers, the
- * V transpose (0: the whole producer warpgroup with plain loads; 1: warps 1 .. 3 with ldmatrix /
- * stmatrix while thread 0 only loads, which spills 4-40 bytes in the producer's 24 registers
- * with varlen, softcap or blocks past 128 keys, so not a default) and the softmax's order before
- * the P V wait (fa_softmax_order). Not yet measured against each other: the defaults are the
- * expectation, FLASHATTN_SM90_FP8_TILE the A/B. What the kernel cannot do is refused naming the
- * argument: no other family computes fp8 on a CUDA device.
+ * stages, pingpong between the consumers, the softmax's order before the P V wait
+ * (fa_softmax_order). Dense calls without softcap: 128-key blocks with V transposed by the
+ * producer's warps 1 .. 3 (ldmatrix / stmatrix) while thread 0 only loads, by measurement the
+ * fastest (fa_sm90_fp8_fast). With varlen or softcap that transpose spills 4-40 bytes of the
+ * producer's 24 registers, so those calls take the rows: the whole producer warpgroup's
+ * plain-load transpose and the largest key block that compiles without spills (192 at d 64 and
+ * 128, 128 at d 256, whose two stages of K, V and V^T fill the 227 KB).
+ * FLASHATTN_SM90_FP8_TILE overrides either (the A/B). What the kernel cannot do is refused
+ * naming the argument: no other family computes fp8 on a CUDA device.
  */
 typedef struct fa_plan_row90_fp8 {
     int dp, bn, stages, pingpong, transpose, order;
@@ -337,6 +337,9 @@ static const fa_plan_row90_fp8 fa_sm90_fp8_rows[] = {
     {128, 192, 2, 1, 0, 1}, /* Q 16 KB + 2 x (K 24 + Vr 24 + V^T 32) KB = 176 KB */
     {256, 128, 2, 1, 0, 1}, /* Q 32 KB + 2 x (K 32 + Vr 32 + V^T 32) KB = 224 KB */
 };
+
+/* Dense calls without softcap, every head dim (d 256: 224 KB as above). */
+static const fa_plan_row90_fp8 fa_sm90_fp8_fast = {0, 128, 2, 1, 1, 1};
 
 /* FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] replaces the row's choice (for
  * an A/B with the benchmark; 128,2,0,0,0 is the first, untuned kernel); a combination the kernel
@@ -407,6 +410,11 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
     snprintf(plan->target, sizeof plan->target, "sm_90a");
     plan->dp = plan->dvp = key->d <= 64 ? 64 : key->d <= 128 ? 128 : 256;
     fa_plan_row90_fp8 row = fa_sm90_fp8_rows[plan->dp / 128];
+    if (!(key->features & (FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP))) {
+        const int dp = row.dp;
+        row = fa_sm90_fp8_fast;
+        row.dp = dp;
+    }
     fa_plan_sm90_fp8_override(&row);
     plan->bm = 128;
     plan->bn = row.bn;

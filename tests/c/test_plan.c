@@ -614,6 +614,11 @@ static void check_forward_fp8(void)
                          plan_define(&plan, "FA_VARLEN") == !!(feats[f] & FA_FEATURE_VARLEN) &&
                          plan_define(&plan, "FA_SOFTCAP") == !!(feats[f] & FA_FEATURE_SOFTCAP),
                      "fp8 d %d features %x: defines", d, feats[f]);
+            /* The warps-1-3 transpose only where it compiles without spills. */
+            const int fast = !(feats[f] & (FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP));
+            TU_CHECK(plan_define(&plan, "FA_TRANSPOSE") == fast && (!fast || plan.bn == 128),
+                     "fp8 d %d features %x: transpose %d bn %d", d, feats[f],
+                     plan_define(&plan, "FA_TRANSPOSE"), plan.bn);
         }
     /* FLASHATTN_SM90_FP8_TILE: the first kernel's tile reachable, what cannot fit ignored. */
     key = (fa_plan_key){90, FA_DTYPE_F8E4M3, 128, 128, 0, 0};
