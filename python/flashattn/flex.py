@@ -239,13 +239,46 @@ def _check_block_mask(block_mask, B, H, Lq, Lkv):
                          "(%d, %d)" % (bm_b, bm_h, B, H))
 
 
+_BM_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+
 def _c_block_mask(block_mask, keep, device):
+    """_c_block_mask_make's struct, made once per block mask, device and version of its torch
+    tensors (a block mask is built once and used for many calls): the cache entry holds what
+    the struct points to, a weak reference tells a reused id from the same block mask."""
+    tensors = [getattr(block_mask, n) for n in _BM_FIELDS]
+    if not all(x is None or hasattr(x, "_version") for x in tensors):
+        return _c_block_mask_make(block_mask, keep, device)  # NumPy: no version to key on
+    key = (id(block_mask), str(device)) + tuple(
+        None if x is None else (id(x), x._version) for x in tensors)
+    hit = _bm_converted.get(key)
+    if hit is not None and hit[0]() is block_mask:
+        keep.append(hit[2])
+        return hit[1]
+    held = []
+    bm = _c_block_mask_make(block_mask, held, device)
+    if len(_bm_converted) >= _BM_CONVERTED_MAX:
+        _bm_converted.pop(next(iter(_bm_converted)))
+    try:
+        _bm_converted[key] = (weakref.ref(block_mask), bm, held)
+    except TypeError:  # a block mask class without weak references: not cached
+        pass
+    keep.append(held)
+    return bm
+
+
+# Block masks as the library's struct, by (id, device, their tensors' ids and versions).
+_bm_converted = {}
+_BM_CONVERTED_MAX = 16
+
+
+def _c_block_mask_make(block_mask, keep, device):
     """The library's fa_block_mask of block_mask: its index tensors as int32 NumPy arrays (torch
     ones on the CPU are read in place), or for a call on a CUDA device (``device``) int32 torch
     tensors there (copied there when they are elsewhere), kept alive in keep."""
     np = _numpy()
     fields = {}
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+    for name in _BM_FIELDS:
         x = getattr(block_mask, name)
         if x is None:
             continue
