@@ -8,6 +8,7 @@ Skipped as a whole where torch sees no CUDA device. Both sides accumulate in fp3
 output once; the GPU also rounds P to the input dtype before P V, so outputs agree to a few
 units in the last place of fp16 / bf16 (the tolerances below), lse to fp32 rounding.
 """
+import math
 import os
 import sys
 
@@ -1083,3 +1084,70 @@ def test_flex_attention_cuda_backward(gen, dtype, kind):
         tol = 3e-2 if dtype == torch.bfloat16 else 6e-3
         assert err <= tol * max(scale, 1e-3), "%s: max |gpu - cpu| %.3g, scale %.3g" % (
             name, err, scale)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 (e4m3) forward on Hopper (FLASHATTN_SM90_FP8=1)
+
+FP8_CASES = [
+    # (b, s, h, hk, d, causal, window, softcap, varlen)
+    (2, 300, 8, 2, 128, False, (-1, -1), 0.0, False),
+    (1, 513, 4, 4, 64, True, (-1, -1), 0.0, False),
+    (2, 200, 4, 2, 256, False, (-1, -1), 15.0, False),
+    (1, 300, 4, 2, 128, True, (64, 0), 0.0, False),
+    (3, 190, 4, 2, 128, True, (-1, -1), 0.0, True),
+]
+
+
+def _dequant(x, descale):
+    """x (b, s, heads, d) fp8 times its (b, hk) descale, each kv head's for its group: fp32."""
+    group = x.shape[2] // descale.shape[1]
+    return x.float() * descale.repeat_interleave(group, dim=1)[:, None, :, None]
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0),
+                    reason="the fp8 forward is a Hopper kernel")
+@pytest.mark.parametrize("case", FP8_CASES, ids=[str(i) for i in range(len(FP8_CASES))])
+def test_fp8_forward_cuda_matches_cpu(gen, monkeypatch, case):
+    """e4m3 q, k, v with descales on CUDA tensors (the Hopper fp8 kernel) beside the CPU
+    library's fp8 forward on copies (P rounded to e4m3 alike), both against an fp32 attention
+    of the dequantised inputs: FA3's criterion, the GPU's error at most twice the CPU's plus
+    bf16's rounding of out."""
+    from flashattn import fa3
+
+    monkeypatch.setenv("FLASHATTN_SM90_FP8", "1")
+    b, s, h, hk, d, causal, window, softcap, varlen = case
+    q = (torch.rand(b, s, h, d, generator=gen) * 4 - 2).to(torch.float8_e4m3fn)
+    k = (torch.rand(b, s, hk, d, generator=gen) * 4 - 2).to(torch.float8_e4m3fn)
+    v = (torch.rand(b, s, hk, d, generator=gen) * 4 - 2).to(torch.float8_e4m3fn)
+    ds = [torch.rand(b, hk, generator=gen) * 0.5 + 0.25 for _ in range(3)]
+    kw = dict(causal=causal, window_size=window, softcap=softcap, q_descale=ds[0],
+              k_descale=ds[1], v_descale=ds[2])
+    ref_in = (_dequant(q, ds[0]), _dequant(k, ds[1]), _dequant(v, ds[2]))
+    ref_kw = dict(causal=causal, window_size=window, softcap=softcap,
+                  softmax_scale=1 / math.sqrt(d))
+    if varlen:
+        lens = torch.tensor([0] + [s - 37 * i for i in range(b)], dtype=torch.int32)
+        cu = torch.cumsum(lens, 0, dtype=torch.int32)
+        rows = torch.cat([torch.arange(i * s, i * s + int(lens[i + 1])) for i in range(b)])
+        flat = lambda t: t.reshape(b * s, *t.shape[2:])[rows]  # noqa: E731
+        ms = int(lens.max())
+
+        def run(x, y, z, dev, **a):
+            return fa3.flash_attn_varlen_func(flat(x).to(dev), flat(y).to(dev), flat(z).to(dev),
+                                              cu.to(dev), cu.to(dev), ms, ms,
+                                              **{n: (t.to(dev) if torch.is_tensor(t) else t)
+                                                 for n, t in a.items()})
+        ref = run(*ref_in, "cpu", **ref_kw)
+    else:
+        def run(x, y, z, dev, **a):
+            return fa3.flash_attn_func(x.to(dev), y.to(dev), z.to(dev),
+                                       **{n: (t.to(dev) if torch.is_tensor(t) else t)
+                                          for n, t in a.items()})
+        ref = run(*ref_in, "cpu", **ref_kw)
+    out_c = run(q, k, v, "cpu", **kw)
+    out_g = run(q, k, v, "cuda", **kw)
+    assert out_g.is_cuda and out_g.dtype == torch.bfloat16 and out_g.shape == out_c.shape
+    err_c = (out_c.float() - ref.float()).abs().max().item()
+    err_g = (out_g.cpu().float() - ref.float()).abs().max().item()
+    assert err_g <= 2 * err_c + 2.0 ** -8, (err_g, err_c)
