@@ -306,8 +306,8 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
             const int64_t sms = fa_cuda_device_sms(args->device);
             const int uniform = p->window_left < 0 && p->window_right < 0 && !p->is_varlen &&
                                 !p->mods.mask_mod && !p->mods.blocks.num.data;
-            tmaps->paired = plan.persistent == 2 && !uniform && !p->is_varlen &&
-                            m_blocks <= FA_SM90_PAIRED_MAX_TILES;
+            tmaps->paired = plan.persistent >= 2 && !uniform && !p->is_varlen &&
+                            (m_blocks <= FA_SM90_PAIRED_MAX_TILES || plan.persistent == 3);
             const int persistent = uniform ? plan.persistent >= 1 : tmaps->paired;
             fa_philox_keys(p->seed, tmaps->philox_keys);
             const int64_t units =

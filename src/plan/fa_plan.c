@@ -232,9 +232,10 @@ static int fa_plan_sm90_mods_enabled(void)
 /* FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG[,PERSISTENT[,CONSUMERS]] replaces the row's choice
  * (for tuning with the benchmark); a combination the kernel cannot take or shared memory cannot
  * hold is ignored. PERSISTENT: 0 one CTA per query tile; 1 persistent CTAs for calls without
- * causal, window or varlen; 2 (the rows' choice) also for causal and windowed calls of at most
- * FA_SM90_PAIRED_MAX_TILES query tiles, over mirrored pairs of tiles. CONSUMERS: 2, or 3 at head
- * dim 64 without pingpong (192-row tiles). */
+ * causal, window, varlen or masks; 2 (the rows' choice) also for causal, windowed and masked
+ * calls of at most FA_SM90_PAIRED_MAX_TILES query tiles, over mirrored pairs of tiles; 3 over
+ * the pairs at any tile count. CONSUMERS: 2, or 3 at head dim 64 without pingpong (192-row
+ * tiles). */
 static void fa_plan_sm90_override(fa_plan_row90 *row, int dp, int dvp)
 {
     const char *env = getenv("FLASHATTN_SM90_TILE");
@@ -243,7 +244,7 @@ static void fa_plan_sm90_override(fa_plan_row90 *row, int dp, int dvp)
                        &consumers) < 3)
         return;
     if (bn < 64 || bn > 192 || bn % 16 != 0 || stages < 2 || stages > 8 ||
-        (pingpong != 0 && pingpong != 1) || persistent < 0 || persistent > 2 ||
+        (pingpong != 0 && pingpong != 1) || persistent < 0 || persistent > 3 ||
         (consumers != 2 && consumers != 3) ||
         (consumers == 3 && (row->dp != 64 || pingpong)) ||
         FA_SMEM_FWD90(64 * consumers, bn, dp, dvp, stages) > FA_SMEM_SM90_MAX)

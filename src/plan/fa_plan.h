@@ -56,8 +56,9 @@ typedef struct fa_plan {
     int cluster_max; /* decode: most splits merged inside a thread block cluster (0: none; above
                         8 the kernel is loaded with non-portable cluster sizes allowed) */
     int persistent; /* sm90 family: 0 one CTA per tile; 1 one per SM striding over the tiles of
-                       calls without causal/window/varlen; 2 also over causal/windowed calls'
-                       mirrored tile pairs */
+                       calls without causal/window/varlen/masks; 2 also over causal, windowed
+                       and masked calls' mirrored tile pairs (up to FA_SM90_PAIRED_MAX_TILES);
+                       3 (an override) over the pairs at any tile count */
     int num_defines;
     char defines[FA_PLAN_MAX_DEFINES][24]; /* "-DFA_BN=64", ... */
     /* The call's mods as CUDA C (fa_mod_emit_cuda), NULL without: set by the launcher after

@@ -78,6 +78,12 @@ static void check_forward_sm90(void)
                  plan.stages == 4 && plan.persistent == 1,
              "override 64,4,0,1: bn %d stages %d persistent %d", plan.bn, plan.stages,
              plan.persistent);
+    setenv("FLASHATTN_SM90_TILE", "128,2,1,3", 1); /* pairs at any tile count */
+    TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.persistent == 3,
+             "override 128,2,1,3: persistent %d", plan.persistent);
+    setenv("FLASHATTN_SM90_TILE", "128,2,1,4", 1);
+    TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.persistent == 2,
+             "override persistent 4 taken: %d", plan.persistent);
     setenv("FLASHATTN_SM90_TILE", "128,2,1,2,3", 1); /* 3 consumers need d 64, no pingpong */
     TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK &&
                  plan_define(&plan, "FA_NCW") == 2 && plan.bn == 128,
