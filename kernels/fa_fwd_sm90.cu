@@ -482,9 +482,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
         fa_u32 pa[FA_BN / 16][4];
 #if FA_PINGPONG
         const int bar_mine = 1 + cw, bar_other = 2 - cw;
-        if (cw == 1)
-            fa_named_arrive(bar_other);
-        fa_named_sync(bar_mine);
+        fa_pingpong_start(cw);
 #endif
         fa_mbar_wait(m->q_full, *q_round & 1);
         fa_mbar_wait(m->k_full + 8 * (kv0 % FA_STAGES), (kv0 / FA_STAGES) & 1);

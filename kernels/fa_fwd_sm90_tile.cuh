@@ -46,6 +46,15 @@ FA_DEV void fa_operands_pin(float *o, fa_u32 pa[][4], int slices)
 FA_DEV void fa_named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 FA_DEV void fa_named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 
+/* A consumer warpgroup's first turn of a tile: the second (cw 1) lets the first go, then each
+ * waits for its own barrier (1 + cw; the other's is 2 - cw). */
+FA_DEV void fa_pingpong_start(int cw)
+{
+    if (cw == 1)
+        fa_named_arrive(2 - cw);
+    fa_named_sync(1 + cw);
+}
+
 /* Keeps the softmax ahead of the wait for P_(i-1) V_(i-1). The exp2s touch no register of that
  * GEMM, so ptxas would hoist the wait above them and the softmax would no longer overlap the
  * tensor cores' work; a shared store of the row sums (which every exp2 feeds) is a side effect the
