@@ -16,7 +16,7 @@ import math
 import sys
 import weakref
 
-from . import _lib
+from . import _flex_prepared, _lib
 from ._arrays import NUMPY, TORCH, common_kind, make_tensor, prepare
 from ._core import _prepare_forward, _rename, as_bool, as_int, as_scale
 from ._flex_cache import trace
@@ -421,6 +421,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         raise FlashAttnError("flex_attention: score_mod and block_mask.mask_mod read %d "
                              "captured tensors together; at most %d"
                              % (len(aux), AUX_SLOTS))
+    captured = [x for _, x in aux]
+    prepared_key = None
+    if kind == TORCH and not grad:
+        prepared_key = _flex_prepared.key_of(query, key, value, scale, return_lse, programs,
+                                             captured, block_mask)
+        p = _flex_prepared.lookup(prepared_key)
+        if p is not None:
+            out, lse = _flex_prepared.run(p, query, key, value)
+            return out if not return_lse else (out, _empty_rows(lse, kind))
     device = query.device if kind == TORCH else None
     aux = [_aux_tensor(x, field, i, device or "cpu") for i, (field, x) in enumerate(aux)]
     call = _FlexCall(kind, scale, [(f, t.program(slots)) for f, t, slots in programs], aux,
@@ -428,7 +437,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if grad:
         out, lse = _flex_fn().apply(query, key, value, call)
     else:
-        out, lse = call.forward(query, key, value, return_lse)
+        keyed = [t for _, t, _ in programs] + captured + [block_mask]
+        out, lse = call.forward(query, key, value, return_lse, prepared_key, keyed)
     if not return_lse:
         return out
     return out, _empty_rows(lse, kind)
@@ -443,7 +453,8 @@ class _FlexCall:
         self.block_mask, self.device = block_mask, device
 
     def _args(self, query, key, value, out, lse):
-        """(fa_fwd_args, what they point to, names) over the [b, h, s, d] tensors."""
+        """(fa_fwd_args, the structs and converted tensors they point to, the prepared inputs
+        and outputs they point to, names) over the [b, h, s, d] tensors."""
         kind = self.kind
         args, keep, arrays, _, _, _, names = _prepare_forward(
             _swap(query, kind), _swap(key, kind), _swap(value, kind), kind, None, None, None,
@@ -451,7 +462,6 @@ class _FlexCall:
             _swap(out, kind), lse, None,
             dict(_NAMES, **{"mod_aux[%d]" % i: "captured tensor %d" % i
                             for i in range(len(self.aux))}), 0)
-        keep.append(arrays)
         if lse is None:
             args.lse = None
         for field, program in self.programs:
@@ -464,18 +474,23 @@ class _FlexCall:
             ft = make_tensor(x, "captured tensor %d" % i, TORCH)
             keep.append((x, ft))
             args.mod_aux[i] = ctypes.pointer(ft)
-        return args, keep, names
+        return args, keep, arrays, names
 
-    def forward(self, query, key, value, want_lse):
-        """(out, lse or None), lse as the library gives it (+inf for a row with no key)."""
+    def forward(self, query, key, value, want_lse, prepared_key=None, keyed=()):
+        """(out, lse or None), lse as the library gives it (+inf for a row with no key); with
+        prepared_key (torch, no gradients) the arguments are cached for the next such call,
+        beside keyed, the objects whose ids the key holds."""
         out = _empty(self.kind, tuple(query.shape[:3]) + (int(value.shape[3]),), query)
         lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True) if want_lse else None
-        args, keep, names = self._args(query, key, value, out, lse)
+        args, keep, arrays, names = self._args(query, key, value, out, lse)
         try:
             _lib.forward(args)
         except FlashAttnError as e:
             raise FlashAttnError(_rename(str(e), names), e.status) from None
-        del keep
+        if prepared_key is not None:
+            _flex_prepared.store(prepared_key, args, keep, (query, key, value, out, lse), self,
+                                 keyed, names)
+        del keep, arrays
         return out, lse
 
     def backward(self, query, key, value, out, lse, dout):
@@ -483,7 +498,8 @@ class _FlexCall:
         torch = sys.modules["torch"]
         dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format)
                       for x in (query, key, value))
-        args, keep, names = self._args(query, key, value, out, lse)
+        args, keep, arrays, names = self._args(query, key, value, out, lse)
+        keep.append(arrays)
         bwd = _lib.new_bwd_args()
         grads = [make_tensor(_swap(prepare(x, n, TORCH, cuda=True), TORCH), n, TORCH)
                  for x, n in ((dout, "dout"), (dq, "dq"), (dk, "dk"), (dv, "dv"))]

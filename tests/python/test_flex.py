@@ -404,6 +404,59 @@ def test_int64_captures_read_at_every_call(rng):
         flashattn.flex_attention(q, k, v, same_doc)
 
 
+def test_prepared_calls(rng, monkeypatch):
+    """A repeated call without gradients reuses its prepared arguments (no new preparation)
+    and reads the new tensors; new strides, lse asked for, an in-place change of a captured
+    tensor or of the block mask's tensors each prepare again; every result matches the
+    reference."""
+    prepared = []
+    args = flashattn.flex._FlexCall._args
+    monkeypatch.setattr(flashattn.flex._FlexCall, "_args",
+                        lambda self, *a: prepared.append(1) or args(self, *a))
+    S = 48
+    rows, cols = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    bias = randn(rng, 2)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    bm = flashattn.create_block_mask(causal, 1, 1, S, S, BLOCK_SIZE=16)
+    for step in range(3):
+        q, k, v = qkv(rng, 1, 2, 2, S, S)
+        out = flashattn.flex_attention(q, k, v, biased, block_mask=bm)
+        torch.testing.assert_close(out, dense_reference(q, k, v, bias[:, None, None],
+                                                        cols <= rows), atol=1e-5, rtol=1e-5)
+    assert len(prepared) == 1
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, other strides
+    out = flashattn.flex_attention(qt, k, v, biased, block_mask=bm)
+    assert len(prepared) == 2 and torch.equal(out, flashattn.flex_attention(q, k, v, biased,
+                                                                             block_mask=bm))
+    out, lse = flashattn.flex_attention(q, k, v, biased, block_mask=bm, return_lse=True)
+    assert len(prepared) == 3 and lse.shape == (1, 2, S) and torch.isfinite(lse).all()
+    bias.mul_(-2.0)
+    out = flashattn.flex_attention(q, k, v, biased, block_mask=bm)
+    assert len(prepared) == 4
+    torch.testing.assert_close(out, dense_reference(q, k, v, bias[:, None, None], cols <= rows),
+                               atol=1e-5, rtol=1e-5)
+    full = flashattn.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, 1, 1, S, S,
+                                       BLOCK_SIZE=16)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        getattr(bm, name).copy_(getattr(full, name))  # in place: every block full now
+    out = flashattn.flex_attention(q, k, v, biased, block_mask=bm)
+    assert len(prepared) == 5
+    torch.testing.assert_close(out, dense_reference(q, k, v, bias[:, None, None],
+                                                    torch.ones(S, S, dtype=torch.bool)),
+                               atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # inputs that require grad, with grad mode off: prepared too
+        qg = q.clone().requires_grad_()
+        flashattn.flex_attention(qg, k, v, biased, block_mask=bm)
+        flashattn.flex_attention(qg, k, v, biased, block_mask=bm)
+    assert len(prepared) == 5
+
+
 WINDOW = 0
 
 

@@ -1,0 +1,111 @@
+"""flex_attention's forward without gradients on torch tensors, its prepared C arguments cached
+per call signature (per thread, as ``_cached``'s): the query, key and value metadata, the scale,
+whether lse is wanted, the mods' traces, the captured tensors (identity, version, data) and the
+block mask (identity, its tensors' identities and versions). Everything ``flex._FlexCall._args``
+checks and builds depends only on those, so a later call with the same signature allocates the
+outputs and swaps in the data pointers and the current stream before calling the library, which
+validates every call itself.
+"""
+
+import ctypes
+import sys
+import threading
+
+from . import _lib
+from ._arrays import _raw_stream
+from ._core import _rename
+from ._lib import FlashAttnError
+
+_LOCAL = threading.local()  # the C call runs without the GIL: one cache (and args) a thread
+_CACHE_SIZE = 32
+
+
+class Prepared:
+    """One signature's arguments: ``args`` (fa_fwd_args) with its q, k, v, out and lse FaTensors
+    (whose data fields each call sets), the outputs' shapes, and what the pointers lead to:
+    the call (programs, converted captures, block mask) and the block mask's held tensors."""
+
+    __slots__ = ("args", "ref", "fn", "slots", "out_shape", "lse_shape", "dtype", "lse_dtype",
+                 "device", "cuda", "names", "hold")
+
+
+def _cache():
+    cache = getattr(_LOCAL, "calls", None)
+    if cache is None:
+        cache = _LOCAL.calls = {}
+    return cache
+
+
+def key_of(query, key, value, scale, want_lse, programs, captured, block_mask):
+    """The signature of a call, or None where it cannot be cached (a NumPy block mask: no
+    versions). programs: (field, trace, slots); captured: the torch tensors the mods read."""
+    if block_mask is None:
+        bm = None
+    else:
+        fields = [getattr(block_mask, n) for n in ("kv_num_blocks", "kv_indices",
+                                                    "full_kv_num_blocks", "full_kv_indices")]
+        if not all(x is None or hasattr(x, "_version") for x in fields):
+            return None
+        bm = (id(block_mask),) + tuple(None if x is None else (id(x), x._version)
+                                       for x in fields)
+    return ((tuple((x.shape, x.stride(), x.dtype, x.device) for x in (query, key, value)),
+             scale, want_lse, bm) +
+            tuple((f, id(t), tuple(s)) for f, t, s in programs) +
+            tuple((id(x), x._version, x.data_ptr(), x.dtype, x.device, x.shape, x.stride())
+                  for x in captured))
+
+
+def lookup(key):
+    return None if key is None else _cache().get(key)
+
+
+def store(key, args, structs, tensors, call, keyed, names):
+    """Caches the first call's arguments under key where every pointer but the outputs' and
+    the inputs' stays valid (no input was copied, no workspace is needed). structs: what the
+    arguments point to (FaTensors, the programs, the block mask's struct and tensors, the
+    captures'), not the call's own tensors; tensors: query, key, value, out, lse or None;
+    keyed: the objects whose ids key holds (held, so that no other object takes their ids)."""
+    if key is None or args.workspace_size:
+        return
+    fts = [args.q, args.k, args.v, args.out]
+    if any(not p for p in fts):
+        return
+    fts = [p.contents for p in fts]
+    if any(ft.data != x.data_ptr() for ft, x in zip(fts, tensors)):
+        return  # an input was copied (its layout): that copy is the call's own
+    p = Prepared()
+    p.args = args
+    p.ref = ctypes.byref(args)
+    p.fn = _lib.get_lib().fa_attention_forward
+    p.slots = fts + ([args.lse.contents] if args.lse else [])
+    out, lse = tensors[3], tensors[4]
+    p.out_shape, p.dtype, p.device = tuple(out.shape), out.dtype, out.device
+    p.lse_shape = tuple(out.shape[:3])
+    p.lse_dtype = None if lse is None else lse.dtype
+    p.cuda = out.device.index if out.device.type == "cuda" else None
+    p.names = names
+    p.hold = (call, tuple(keyed), structs)
+    cache = _cache()
+    if len(cache) >= _CACHE_SIZE:
+        cache.clear()
+    cache[key] = p
+
+
+def run(p, query, key, value):
+    """The cached call on new tensors: (out, lse or None), lse as the library gives it."""
+    torch = sys.modules["torch"]
+    out = torch.empty(p.out_shape, dtype=p.dtype, device=p.device)
+    lse = (torch.empty(p.lse_shape, dtype=p.lse_dtype, device=p.device)
+           if p.lse_dtype is not None else None)
+    arrays = (query, key, value, out, lse)
+    for slot, x in zip(p.slots, arrays):
+        slot.data = x.data_ptr()
+    if p.cuda is not None:
+        p.args.stream = _raw_stream(p.cuda)
+    status = p.fn(p.ref)
+    if status != _lib.STATUS_OK:
+        try:
+            _lib.check(status)
+        except FlashAttnError as e:
+            raise FlashAttnError(_rename(str(e), p.names), e.status) from None
+    return out, lse
