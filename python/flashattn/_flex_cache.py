@@ -32,6 +32,13 @@ def _code_names(code, out):
     return out
 
 
+@functools.lru_cache(maxsize=1024)
+def _global_names(code):
+    """The names code and the code inside it read, sorted: once per code object, since a
+    repeated call walks the same functions."""
+    return tuple(sorted(_code_names(code, set())))
+
+
 _MAX_VISITS = 4096  # objects one discovery walks at most
 
 
@@ -88,7 +95,7 @@ def captured(fn):
         visit(path + ("defaults",), f.__defaults__ or (), depth + 1)
         visit(path + ("kwdefaults",), f.__kwdefaults__ or {}, depth + 1)
         g = f.__globals__
-        for name in sorted(_code_names(code, set())):
+        for name in _global_names(code):
             if name in g:
                 visit(path + ("global", name), g[name], depth + 1)
 
