@@ -217,24 +217,52 @@ FA_DEV void fa_keep_chunk(const fa_rows *r, float *sacc, int n, int g0)
 }
 #endif
 
-/* Masks the scores of the block at key kb0 to -inf outside each row's visible range and, by
- * mode, where the mods drop them: 0 none, FA_BM_PARTIAL mask_mod, FA_BM_MIXED each key's own
- * block-mask state, then mask_mod. Called with mode a constant, so the keys do not branch. */
+/* keep <- whether score j of the block at key kb0 stays: inside its row's visible range and,
+ * by mode, kept by the mods: 0 no test, FA_BM_PARTIAL mask_mod, FA_BM_MIXED each key's own
+ * block-mask state, then mask_mod. Used with mode a constant, so the keys do not branch (a
+ * macro: as a function returning the bool, ptxas laid the plain kernels' tests out anew). */
+#if FA_MOD_MASKS
+#define FA_MOD_KEEP_AND(keep, mode, row, col)                                                    \
+    if ((mode) != 0)                                                                             \
+        keep &= fa_mod_keep(kp, r->bm_tab, mode, r->bi, r->h, row, col, r->bm_qb0, r->bm_nqb)
+#else
+#define FA_MOD_KEEP_AND(keep, mode, row, col)
+#endif
+#define FA_SCORE_KEEP(keep, kb0, j, mode)                                                        \
+    const int col = (kb0) + 8 * ((j) >> 2) + 2 * r->q4 + ((j) & 1);                              \
+    const int hf = ((j) >> 1) & 1;                                                               \
+    bool keep = (col >= r->lo[hf]) & (col < r->hi[hf]);                                          \
+    FA_MOD_KEEP_AND(keep, mode, r->row0 + 8 * hf, col)
+
+/* Masks the scores of the block at key kb0 to -inf where FA_SCORE_KEEP drops them. */
 FA_DEV void fa_mask_scores(const fa_kparams *kp, const fa_rows *r, float *sacc, int kb0, int mode)
 {
 #pragma unroll
     for (int j = 0; j < FA_SACC; j++) {
-        const int col = kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1);
-        const int hf = (j >> 1) & 1;
-        bool keep = (col >= r->lo[hf]) & (col < r->hi[hf]);
-#if FA_MOD_MASKS
-        if (mode != 0)
-            keep &= fa_mod_keep(kp, r->bm_tab, mode, r->bi, r->h, r->row0 + 8 * hf, col,
-                                r->bm_qb0, r->bm_nqb);
-#endif
+        FA_SCORE_KEEP(keep, kb0, j, mode);
         sacc[j] = keep ? sacc[j] : -FA_INF;
     }
 }
+
+#if FA_MOD_MASKS && FA_MOD_MASK_FIRST
+/* FA_SCORE_KEEP's decisions as bits (bit j % 32 of keep[j / 32] for score j), made before
+ * score_mod runs (FA_MOD_MASK_FIRST, from FLASHATTN_SM90_MASK_FIRST=1, not yet run on a GPU):
+ * beside score_mod's aux reads, the scores and the mask's operands together took more
+ * registers than the consumers have. */
+#define FA_KEEP_WORDS ((FA_SACC + 31) / 32)
+FA_DEV void fa_mask_bits(const fa_kparams *kp, const fa_rows *r, int kb0, int mode,
+                         fa_u32 keep[FA_KEEP_WORDS])
+{
+#pragma unroll
+    for (int w = 0; w < FA_KEEP_WORDS; w++)
+        keep[w] = 0u;
+#pragma unroll
+    for (int j = 0; j < FA_SACC; j++) {
+        FA_SCORE_KEEP(k, kb0, j, mode);
+        keep[j / 32] |= (fa_u32)k << (j % 32);
+    }
+}
+#endif
 
 /* S of key block n (scores in sacc) -> exp2 of the scaled, masked scores relative to the new row
  * maxima, in place; row_max, row_sum updated; alpha[hf] = the factor O must be rescaled by; with
@@ -243,6 +271,20 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
                              float row_max[2], float row_sum[2], float alpha[2])
 {
     const int kb0 = n * FA_BN;
+#if FA_MOD_MASKS && FA_MOD_MASK_FIRST
+    /* The mask's decisions first (fa_mask_bits), applied after the scores are final. */
+    const int mode = r->mod_st == FA_BM_MIXED                         ? FA_BM_MIXED
+                     : (FA_MASK_MOD && r->mod_st == FA_BM_PARTIAL)    ? FA_BM_PARTIAL
+                     : (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min) ? 0
+                                                                      : -1;
+    fa_u32 keep[FA_KEEP_WORDS];
+    if (mode == FA_BM_MIXED)
+        fa_mask_bits(kp, r, kb0, FA_BM_MIXED, keep);
+    else if (mode == FA_BM_PARTIAL)
+        fa_mask_bits(kp, r, kb0, FA_BM_PARTIAL, keep);
+    else if (mode == 0)
+        fa_mask_bits(kp, r, kb0, 0, keep);
+#endif
     if (r->prescale) {
 #pragma unroll
         for (int j = 0; j < FA_SACC; j++) {
@@ -269,6 +311,13 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
     }
     /* Mask keys outside each row's visible range (only blocks that cross an edge), and those
      * mask_mod or the block mask drop (blocks where some key needs the test). */
+#if FA_MOD_MASKS && FA_MOD_MASK_FIRST
+    if (mode >= 0) {
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++)
+            sacc[j] = (keep[j / 32] >> (j % 32)) & 1u ? sacc[j] : -FA_INF;
+    }
+#else
 #if FA_MOD_MASKS
     if (r->mod_st == FA_BM_MIXED)
         fa_mask_scores(kp, r, sacc, kb0, FA_BM_MIXED);
@@ -278,6 +327,7 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
 #endif
         if (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min)
         fa_mask_scores(kp, r, sacc, kb0, 0);
+#endif
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         float mx = row_max[hf];

@@ -196,7 +196,7 @@ FA_DEV int fa_bm_keys_state(const unsigned char *tab, int nkb, int qb0, int qb1)
 /* Whether key col stays for row (both in the sequence's range, the window already checked),
  * the key block's state being st: the block mask's entry for (row, col) where the blocks are
  * finer than the tile (FA_BM_MIXED), then mask_mod where it is partial. The Hopper forward
- * calls it with st a constant (fa_mask_scores): a block's state tested per key made every key a
+ * calls it with st a constant (fa_mask_bits): a block's state tested per key made every key a
  * branch there. */
 FA_DEV bool fa_mod_keep(const fa_kparams *kp, const unsigned char *tab, int st, int bi, int h,
                         int row, int col, int qb0, int nqb)

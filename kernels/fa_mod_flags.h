@@ -15,6 +15,11 @@
 #ifndef FA_BLOCK_MASK
 #define FA_BLOCK_MASK 0
 #endif
+/* The Hopper forward decides its mask before score_mod runs (fa_mask_bits), only where the plan
+ * asks (FLASHATTN_SM90_MASK_FIRST=1): not yet run on a GPU. */
+#ifndef FA_MOD_MASK_FIRST
+#define FA_MOD_MASK_FIRST 0
+#endif
 /* Keys can be dropped by more than the window: mask_mod or the block mask. */
 #define FA_MOD_MASKS (FA_MASK_MOD || FA_BLOCK_MASK)
 

@@ -313,6 +313,12 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_SM90_UNSUPPORTED);
     fa_plan_define_mods(plan, key);
+    /* The mask decided before score_mod (fa_fwd_sm90.cu's fa_mask_bits): not yet run on a GPU. */
+    const char *first = getenv("FLASHATTN_SM90_MASK_FIRST");
+    if ((key->features & FA_PLAN_SCORE_MOD) &&
+        (key->features & (FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK)) && first &&
+        strcmp(first, "1") == 0)
+        fa_plan_define(plan, "FA_MOD_MASK_FIRST", 1);
     return FA_STATUS_OK;
 }
 

@@ -308,6 +308,19 @@ static void check_forward_sm90_mods(void)
                      plan_define(&p2, "FA_MOD_AUX_I32") == -1,
                  "mod_aux %#x: aux defines without a program", aux);
     }
+    /* FLASHATTN_SM90_MASK_FIRST=1: the define, for a score_mod beside a mask only. */
+    setenv("FLASHATTN_SM90_MASK_FIRST", "1", 1);
+    for (unsigned m = 1; m < 8; m++) {
+        const unsigned f = (m & 1 ? FA_PLAN_SCORE_MOD : 0) | (m & 2 ? FA_PLAN_MASK_MOD : 0) |
+                           (m & 4 ? FA_PLAN_BLOCK_MASK : 0);
+        fa_plan_key k3 = {90, FA_DTYPE_BF16, 128, 128, f, 0};
+        fa_plan p3;
+        TU_CHECK(fa_plan_forward(&k3, &p3) == FA_STATUS_OK &&
+                     plan_define(&p3, "FA_MOD_MASK_FIRST") == ((m & 1) && (m & 6) ? 1 : -1),
+                 "FLASHATTN_SM90_MASK_FIRST mods %u: %d", m,
+                 plan_define(&p3, "FA_MOD_MASK_FIRST"));
+    }
+    unsetenv("FLASHATTN_SM90_MASK_FIRST");
     /* Only "0" switches it off. */
     setenv("FLASHATTN_SM90_MODS", "1", 1);
     fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_SCORE_MOD, 0};
