@@ -202,6 +202,11 @@ FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
 #define FA_BWD_LANE_ROWS (FA_BM / 32) /* tile rows per lane: 2 or 4 (1: a warp's FA_BWD_QW = 32) */
 #endif
 
+/* Whether fa_bwd_probs orders its n-tiles one after another (pinned between them). */
+#ifndef FA_BWD_PROBS_SERIAL
+#define FA_BWD_PROBS_SERIAL 0
+#endif
+
 /* User-defined scoring: a family that compiles it includes fa_bwd_mod.cuh first. */
 #ifndef FA_BWD_MODS
 #define FA_BWD_MODS 0
@@ -318,6 +323,15 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 #endif
 #pragma unroll
     for (int nt = 0; nt < FA_BWD_QW / 8; nt++) {
+#if FA_BWD_PROBS_SERIAL
+        /* n-tile nt's inputs released only after n-tile nt - 1's results (fa_bwd_sm90.cu's
+         * mods: the programs' registers for every element at once spilled). */
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            FA_PIN(st[nt][e]);
+            FA_PIN(dpt[nt][e]);
+        }
+#endif
 #if FA_DROPOUT && !FA_BWD_KEEP_BITS
         fa_u32 drop[4];
         fa_bwd_dropout_words((fa_u32)(tl->key0 >> 3), (fa_u32)(tl->m0 + nt * 8 + 2 * t),
@@ -374,6 +388,13 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 #endif
             st[nt][e] = p * z;
         }
+#if FA_BWD_PROBS_SERIAL
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            FA_PIN(st[nt][e]);
+            FA_PIN(dpt[nt][e]);
+        }
+#endif
     }
 }
 

@@ -581,6 +581,26 @@ static int fa_plan_bwd_sm90_enabled(void)
     return !env || strcmp(env, "0") != 0;
 }
 
+/* Calls with user-defined scoring take fa_bwd_sm90.cu's hooks only with
+ * FLASHATTN_BWD_SM90_MODS=1 (not yet measured on a device); the sm80 family otherwise. */
+static int fa_plan_bwd_sm90_mods_enabled(void)
+{
+    const char *env = getenv("FLASHATTN_BWD_SM90_MODS");
+    return env && strcmp(env, "1") == 0;
+}
+
+/* The mods' combinations fa_bwd_sm90.cu takes: d = dv padded to 128, without a block mask,
+ * dropout, softcap or ALiBi (at 64 the 128-query tile's S^T and dP^T beside the programs
+ * spilled 140-290 bytes, the block mask's tours 180-760, softcap and ALiBi beside them 148).
+ * ptxas still spills 20-40 bytes here (a per-item value, and around score_mod's code; 0 varlen
+ * with a relative-bias score_mod): the switch stays off until a device says it pays. */
+static int fa_plan_bwd_sm90_mods_ok(const fa_plan_key *key)
+{
+    const unsigned beside =
+        FA_PLAN_BLOCK_MASK | FA_FEATURE_DROPOUT | FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI;
+    return key->d == key->dv && key->d > 64 && key->d <= 128 && !(key->features & beside);
+}
+
 /* The wide sm90 backward (kernels/fa_bwd_sm90_wide.cu): 64 x 64 tiles, three query stages where
  * they fit the 227 KB (up to d + dv = 384), else two (230472 bytes at d = dv = 256). */
 static void fa_plan_backward_sm90_wide(const fa_plan_key *key, fa_plan *plan)
@@ -606,6 +626,8 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
         key->d <= 32 || key->dv <= 32 || key->d > 256 || key->dv > 256 ||
         (key->features & (FA_FEATURE_UNALIGNED | FA_PLAN_NO_SM90)))
         return FA_STATUS_UNSUPPORTED;
+    if ((key->features & FA_PLAN_MODS) && !fa_plan_bwd_sm90_mods_ok(key))
+        return FA_STATUS_UNSUPPORTED;
     *plan = (fa_plan){0};
     snprintf(plan->target, sizeof plan->target, "sm_90a");
     plan->nwarps = 12;
@@ -619,7 +641,9 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
          * queries (FA3's choice there) still fit the consumers' registers. */
         plan->bm = plan->dp == 64 ? FA_BWD_BM_SM90_D64 : FA_BWD_BM;
         plan->bn = 128;
-        plan->stages = 3;
+        /* A block mask's states sit behind the tiles (the launcher adds their bytes): two
+         * stages leave them 32 KB. */
+        plan->stages = (key->features & FA_PLAN_BLOCK_MASK) ? 2 : 3;
         /* The 8 consumer warps each add a dQ piece; 230488 bytes at either head dim, of the
          * FA_SMEM_SM90_MAX an sm_90 CTA may have. */
         plan->smem = (unsigned)FA_SMEM_BWD90(plan->bm, plan->bn, plan->dp, plan->stages, 8);
@@ -631,6 +655,7 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_QSTAGES", plan->stages);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_FEATURE_UNALIGNED);
+    fa_plan_define_mods(plan, key); /* nothing for calls without mods */
     return FA_STATUS_OK;
 }
 
@@ -645,10 +670,11 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
         key->dv > FA_BWD_MAX_HEAD_DIM)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
                             key->dv, FA_BWD_MAX_HEAD_DIM);
-    /* User-defined scoring: the sm80 family on every arch, as in the forward (its hooks are
-     * in fa_bwd_sm80.cu only). */
+    /* User-defined scoring: the sm80 family on every arch, or with FLASHATTN_BWD_SM90_MODS=1
+     * fa_bwd_sm90.cu's hooks where they compile (fa_plan_bwd_sm90_mods_ok). */
     const int mods = (key->features & FA_PLAN_MODS) != 0;
-    if (!mods && fa_plan_bwd_sm90_enabled() && fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
+    if ((!mods || fa_plan_bwd_sm90_mods_enabled()) && fa_plan_bwd_sm90_enabled() &&
+        fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)
         return FA_STATUS_OK;
     *plan = (fa_plan){0};
     plan->family = "fa_bwd_sm80.cu";

@@ -388,6 +388,62 @@ static void check_backward(void)
     }
 }
 
+/* The backward with user-defined scoring: the sm80 family unless FLASHATTN_BWD_SM90_MODS=1,
+ * then fa_bwd_sm90.cu (with the mods' defines, three query stages) for d = dv in 65..128
+ * without a block mask, dropout, softcap or ALiBi, the sm80 family for the rest; never the sm90 family off
+ * sm_90 or with FLASHATTN_BWD_SM90=0. */
+static void check_backward_mods(void)
+{
+    const unsigned mods[] = {FA_PLAN_SCORE_MOD, FA_PLAN_MASK_MOD,
+                             FA_PLAN_SCORE_MOD | FA_PLAN_MASK_MOD, FA_PLAN_BLOCK_MASK,
+                             FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK};
+    const unsigned features[] = {0, FA_FEATURE_VARLEN, FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI,
+                                 FA_FEATURE_DROPOUT};
+    fa_plan plan;
+    for (int pass = 0; pass < 3; pass++) {
+        if (pass > 0)
+            setenv("FLASHATTN_BWD_SM90_MODS", "1", 1);
+        if (pass == 2)
+            setenv("FLASHATTN_BWD_SM90", "0", 1);
+        for (size_t m = 0; m < sizeof mods / sizeof mods[0]; m++)
+            for (size_t f = 0; f < sizeof features / sizeof features[0]; f++)
+                for (int d = 8; d <= 256; d += 8) {
+                    const unsigned ft = mods[m] | features[f];
+                    const int want90 = pass == 1 && d > 64 && d <= 128 &&
+                                       !(ft & (FA_PLAN_BLOCK_MASK | FA_FEATURE_DROPOUT |
+                                               FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI));
+                    const char *fam = bwd_family(90, d, d, ft, &plan);
+                    TU_CHECK(strcmp(fam, want90 ? "fa_bwd_sm90.cu" : "fa_bwd_sm80.cu") == 0,
+                             "pass %d, d %d, features %#x: %s", pass, d, ft, fam);
+                    TU_CHECK(plan_define(&plan, "FA_SCORE_MOD") ==
+                                     ((ft & FA_PLAN_SCORE_MOD) ? 1 : -1) &&
+                                 plan_define(&plan, "FA_MASK_MOD") ==
+                                     ((ft & FA_PLAN_MASK_MOD) ? 1 : -1) &&
+                                 plan_define(&plan, "FA_BLOCK_MASK") ==
+                                     ((ft & FA_PLAN_BLOCK_MASK) ? 1 : -1) &&
+                                 (!want90 || plan_define(&plan, "FA_QSTAGES") == 3),
+                             "pass %d, d %d, features %#x: the mods' defines", pass, d, ft);
+                    TU_CHECK(strcmp(bwd_family(80, d, d, ft, &plan), "fa_bwd_sm80.cu") == 0 &&
+                                 strcmp(bwd_family(90, d, d > 8 ? d - 8 : d + 8, ft, &plan),
+                                        "fa_bwd_sm80.cu") == 0,
+                             "pass %d, d %d, features %#x: an sm90 plan off its cases", pass,
+                             d, ft);
+                }
+        unsetenv("FLASHATTN_BWD_SM90");
+        unsetenv("FLASHATTN_BWD_SM90_MODS");
+    }
+    /* The plain plans do not change with the switch. */
+    fa_plan a, b;
+    bwd_family(90, 128, 128, FA_FEATURE_SOFTCAP, &a);
+    setenv("FLASHATTN_BWD_SM90_MODS", "1", 1);
+    bwd_family(90, 128, 128, FA_FEATURE_SOFTCAP, &b);
+    unsetenv("FLASHATTN_BWD_SM90_MODS");
+    int same = a.num_defines == b.num_defines && strcmp(a.family, b.family) == 0;
+    for (int i = 0; same && i < a.num_defines; i++)
+        same = strcmp(a.defines[i], b.defines[i]) == 0;
+    TU_CHECK(same, "FLASHATTN_BWD_SM90_MODS=1 changed a plain backward plan");
+}
+
 /* Head dims past 128 and d != dv: every (d, dv) of a sample over [1, 256]^2 on each arch, in
  * the sm80 family (FLASHATTN_BWD_SM90=0 on sm_90; check_backward_sm90_wide has the other). */
 static void check_backward_wide(void)
@@ -702,6 +758,7 @@ int main(void)
     check_forward_fp8();
     check_forward_sm90_mods();
     check_backward();
+    check_backward_mods();
     check_backward_wide();
     check_backward_sm90_wide();
     check_decode_splits();

@@ -18,7 +18,8 @@
  *   block mask's skipped tiles are passed over in one and visited, masked, in the other).
  * The cases run on the sm80 family (FLASHATTN_SM90_MODS=0, which keeps it on sm_90 too); on
  * sm_90 the forward cases run a second time on the Hopper kernel's hooks (fa_fwd_sm90.cu, the
- * default there), against the same CPU results (forward only).
+ * default there), against the same CPU results (forward only), and the backward cases a third
+ * time with FLASHATTN_BWD_SM90_MODS=1 (fa_bwd_sm90.cu's hooks where the plan takes them).
  * Each case's line names the family that ran.
  * Exits 77 (skipped) without a usable device.
  */
@@ -72,6 +73,15 @@ static int failures;
 /* The forward family the cases must run on, and whether the backward follows (sm80 pass). */
 static const char *expect_family = "fa_fwd_sm80.cu";
 static int with_backward = 1;
+/* The backward's pass on fa_bwd_sm90.cu's hooks (FLASHATTN_BWD_SM90_MODS=1, sm_90). */
+static int bwd_sm90;
+
+/* The backward family case c must run on: the sm80 family, or in the sm90 pass fa_bwd_sm90.cu
+ * where the plan takes the mods there (d = dv in 65..128, no block mask: fa_plan.c). */
+static const char *bwd_family_want(const mod_case *c)
+{
+    return bwd_sm90 && c->d > 64 && c->d <= 128 && !c->bm ? "fa_bwd_sm90.cu" : "fa_bwd_sm80.cu";
+}
 
 /* ---- the programs ---------------------------------------------------------------------- */
 
@@ -412,11 +422,13 @@ static void run_backward(const mod_case *c, fa_dtype dt, fa_fwd_args *a, fa_fwd_
             FAIL("CUDA backward: the kernel faulted");
             break;
         }
-        if (strcmp(fa_cuda_last_backward_family(), "fa_bwd_sm80.cu") != 0) {
-            FAIL("the backward ran on %s, not the sm80 family", fa_cuda_last_backward_family());
+        if (strcmp(fa_cuda_last_backward_family(), bwd_family_want(c)) != 0) {
+            FAIL("the backward ran on %s, not %s", fa_cuda_last_backward_family(),
+                 bwd_family_want(c));
             break;
         }
-        printf("  %-40s %s backward%s:", c->name, fa_dtype_name(dt), det ? " (det)" : "");
+        printf("  %-40s %s backward%s on %s:", c->name, fa_dtype_name(dt), det ? " (det)" : "",
+               fa_cuda_last_backward_family());
         compare_grad(c, dt, "dq", &dq, det);
         compare_grad(c, dt, "dk", &dk, det);
         compare_grad(c, dt, "dv", &dv, det);
@@ -545,6 +557,19 @@ int main(void)
         }
         expect_family = "fa_fwd_sm80.cu";
         with_backward = 1;
+        /* The backward cases again with FLASHATTN_BWD_SM90_MODS=1: fa_bwd_sm90.cu's hooks where
+         * the plan takes them (bwd_family_want), from the sm80 family's forward. */
+        printf("test_gpu_mod: the backward with FLASHATTN_BWD_SM90_MODS=1\n");
+        setenv("FLASHATTN_SM90_MODS", "0", 1);
+        setenv("FLASHATTN_BWD_SM90_MODS", "1", 1);
+        bwd_sm90 = 1;
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            run_case(&cases[i], FA_DTYPE_BF16, 0);
+            run_case(&cases[i], FA_DTYPE_F16, 0);
+        }
+        bwd_sm90 = 0;
+        unsetenv("FLASHATTN_BWD_SM90_MODS");
+        unsetenv("FLASHATTN_SM90_MODS");
     }
     printf("test_gpu_mod: %d failures\n", failures);
     return failures ? 1 : 0;
