@@ -308,6 +308,17 @@ FA_DEV float fa_bwd_row(const float v[FA_BWD_LANE_ROWS], int il)
 FA_DEV float fa_bwd_row(const float *v, int il) { return v[il]; }
 #endif
 
+#if FA_BWD_PROBS_SERIAL
+/* An n-tile's four scores and four dP values pinned in their registers. */
+#define FA_BWD_PIN_NT(s4, d4)                                                                    \
+    do {                                                                                         \
+        _Pragma("unroll") for (int e_ = 0; e_ < 4; e_++) {                                       \
+            FA_PIN((s4)[e_]);                                                                    \
+            FA_PIN((d4)[e_]);                                                                    \
+        }                                                                                        \
+    } while (0)
+#endif
+
 /* Element by element on this warp's 16 keys x FA_BWD_QW queries: P = 2^(s scale log2 e - lse log2 e)
  * (0 where invisible when masked), then st <- P Z (Z: 1 / (1 - p) kept, 0 dropped) and
  * dpt <- dS / scale = P (dP Z - D) s', s' the softcap's derivative 1 - tanh^2 (1 without
@@ -326,11 +337,7 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 #if FA_BWD_PROBS_SERIAL
         /* n-tile nt's inputs released only after n-tile nt - 1's results (fa_bwd_sm90.cu's
          * mods: the programs' registers for every element at once spilled). */
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            FA_PIN(st[nt][e]);
-            FA_PIN(dpt[nt][e]);
-        }
+        FA_BWD_PIN_NT(st[nt], dpt[nt]);
 #endif
 #if FA_DROPOUT && !FA_BWD_KEEP_BITS
         fa_u32 drop[4];
@@ -389,11 +396,7 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             st[nt][e] = p * z;
         }
 #if FA_BWD_PROBS_SERIAL
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            FA_PIN(st[nt][e]);
-            FA_PIN(dpt[nt][e]);
-        }
+        FA_BWD_PIN_NT(st[nt], dpt[nt]);
 #endif
     }
 }
