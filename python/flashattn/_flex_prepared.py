@@ -38,7 +38,10 @@ def _cache():
 
 def key_of(query, key, value, scale, want_lse, programs, captured, block_mask):
     """The signature of a call, or None where it cannot be cached (a NumPy block mask: no
-    versions). programs: (field, trace, slots); captured: the torch tensors the mods read."""
+    versions; a captured tensor that records gradients, which the preparation refuses).
+    programs: (field, trace, slots); captured: the torch tensors the mods read."""
+    if any(x.requires_grad for x in captured) and sys.modules["torch"].is_grad_enabled():
+        return None
     if block_mask is None:
         bm = None
     else:

@@ -455,6 +455,11 @@ def test_prepared_calls(rng, monkeypatch):
         flashattn.flex_attention(qg, k, v, biased, block_mask=bm)
         flashattn.flex_attention(qg, k, v, biased, block_mask=bm)
     assert len(prepared) == 5
+    bias.requires_grad_()  # a capture that records gradients: still refused after a hit
+    with torch.no_grad():
+        flashattn.flex_attention(q, k, v, biased, block_mask=bm)
+    with pytest.raises(FlashAttnError, match="requires grad"):
+        flashattn.flex_attention(q, k, v, biased, block_mask=bm)
 
 
 WINDOW = 0
