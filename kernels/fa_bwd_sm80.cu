@@ -54,7 +54,7 @@
  * Shared-memory tiles are row-major with rows padded by 8 elements (16 bytes): a row stride of
  * 16 (mod 128) bytes puts the 8 row addresses of every ldmatrix in 8 different bank groups.
  *
- * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward):
+ * Defines from the plan (src/plan/fa_plan_backward.c, fa_plan_backward):
  *   FA_BF16           data type (0: fp16, 1: bf16)
  *   FA_DP, FA_DVP     head dims of q/k and of v, padded to 32 or a multiple of 64 (<= 256)
  *   FA_BM             query rows per tile (a multiple of 16)

@@ -34,7 +34,7 @@
  * dK, dV stay in registers over every query tile of every query head of the GQA group and are
  * written at the item's end (dK times the softmax scale), after its K and V are released.
  *
- * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward_sm90): FA_BF16, FA_DP = FA_DVP
+ * Defines from the plan (src/plan/fa_plan_backward.c, fa_plan_backward_sm90): FA_BF16, FA_DP = FA_DVP
  * (64 or 128), FA_BM (64; 128 at FA_DP 64), FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT,
  * FA_VARLEN; FA_SCORE_MOD, FA_MASK_MOD, FA_BLOCK_MASK (and the aux defines) only for calls with
  * user-defined scoring, behind FLASHATTN_BWD_SM90_MODS=1: the sm80 family's semantics

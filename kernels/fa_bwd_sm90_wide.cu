@@ -33,7 +33,7 @@
  * both warpgroups waited for the products that read it.
  * dK, dV are written at the item's end (dK times the softmax scale), after K and V are released.
  *
- * Defines from the plan (src/plan/fa_plan.c, fa_plan_backward_sm90): FA_BF16, FA_DP, FA_DVP
+ * Defines from the plan (src/plan/fa_plan_backward.c, fa_plan_backward_sm90): FA_BF16, FA_DP, FA_DVP
  * (multiples of 64 up to 256), FA_BM 64, FA_BN 64, FA_QSTAGES (2 or 3), FA_ALIBI, FA_SOFTCAP,
  * FA_DROPOUT, FA_VARLEN.
  *

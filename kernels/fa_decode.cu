@@ -18,7 +18,7 @@
  * cache_batch_idx, block_table): each is clamped into the cache, so a bad one gives a wrong
  * answer for its sequence, never an access outside the caller's tensors.
  *
- * Defines from the plan (src/plan/fa_plan.c, fa_plan_decode):
+ * Defines from the plan (src/plan/fa_plan_decode.c, fa_plan_decode):
  *   FA_BF16          data type (0: fp16, 1: bf16)
  *   FA_DP, FA_DVP    head dims of q/k and v padded to 32 or a multiple of 64
  *   FA_WM, FA_WN     warps over the rows and over each key block

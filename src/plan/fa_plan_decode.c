@@ -1,0 +1,179 @@
+/* The decode's and the combine's plans (see fa_plan.h). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/fa_error.h"
+#include "core/fa_fp8.h"
+#include "core/fa_params.h"
+#include "plan/fa_plan.h"
+#include "plan/fa_plan_rules.h"
+#include "fa_smem.h"
+
+/*
+ * Decode (kernels/fa_decode.cu): four warps, split over the rows as far as the packed rows fill
+ * them and over each key block otherwise; 64-key blocks, as many stages (2 to 4; to 8 for fp8
+ * caches, whose stages are half the bytes) as fit about 96 KB, so two CTAs share an SM up to
+ * head dim 128. Wider heads, whose two stages pass that
+ * and so run one CTA per SM anyway, take as many stages as fit about 200 KB on the 227 KB parts
+ * (sm_90, sm_100): with two, a lone CTA keeps too few bytes in flight to reach the bandwidth.
+ * fp8 caches, whose blocks the warps convert as they read them: 128-key blocks where a warp
+ * has a single row tile (the per-block work besides the conversion, halved per key), in
+ * stages of about 64 KB at most (two at head dim 128, which measured ahead of three).
+ */
+#define FA_DECODE_BN 64
+#define FA_DECODE_STAGE_BUDGET (96 * 1024)
+#define FA_DECODE_FP8_BUDGET (64 * 1024)
+#define FA_DECODE_ALONE_BUDGET (200 * 1024)
+#define FA_DECODE_MAX_AUTO_SPLITS 128
+#define FA_DECODE_MAX_CLUSTER 16 /* Hopper's largest (non-portable) thread block cluster */
+#define FA_DECODE_BASE_REGS 104   /* registers a thread needs besides its O accumulators */
+
+static int fa_plan_decode_wm(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
+
+
+
+/* FLASHATTN_DECODE_TILE=BN,STAGES,WM,WARPS replaces the plan's choice (for tuning with the
+ * benchmark); a combination the kernel cannot take is ignored. */
+static void fa_plan_decode_override(fa_plan *plan, int *wm, int paged)
+{
+    const char *env = getenv("FLASHATTN_DECODE_TILE");
+    int bn, stages, w, nw;
+    if (!env || sscanf(env, "%d,%d,%d,%d", &bn, &stages, &w, &nw) != 4)
+        return;
+    if ((nw != 2 && nw != 4 && nw != 8) || w < 1 || nw % w != 0 || stages < 2 || stages > 8 ||
+        bn < 16 || bn > 256 || bn % (16 * (nw / w)) != 0 || (paged && bn > 32 * nw))
+        return;
+    plan->bn = bn;
+    plan->stages = stages;
+    plan->nwarps = nw;
+    *wm = w;
+}
+
+fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
+{
+    FA_TRY(fa_plan_check_forward_key(key));
+    *plan = (fa_plan){0};
+    plan->family = "fa_decode.cu";
+    snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
+    plan->dp = fa_plan_pad(key->d);
+    plan->dvp = fa_plan_pad(key->dv);
+    int wm = fa_plan_decode_wm(rows);
+    const int kvb = (key->features & (FA_PLAN_KV_E4M3 | FA_PLAN_KV_E5M2)) ? 1 : 2;
+    plan->bn = kvb == 1 && wm == 1 && plan->dp + plan->dvp <= 256 ? 2 * FA_DECODE_BN
+                                                                   : FA_DECODE_BN;
+    plan->nwarps = 4;
+    const int stage = kvb * plan->bn * (plan->dp + plan->dvp), most = 8 / kvb;
+    const int budget = kvb == 1 ? FA_DECODE_FP8_BUDGET : FA_DECODE_STAGE_BUDGET;
+    const int alone = 2 * stage > budget && fa_plan_sm_smem(key->arch) >= 228 * 1024;
+    plan->stages = (alone ? FA_DECODE_ALONE_BUDGET : budget) / stage;
+    plan->stages = plan->stages < 2 ? 2 : plan->stages > most ? most : plan->stages;
+    const int paged = (key->features & FA_PLAN_PAGED) != 0;
+    /* A paged plan's row offsets must not cost it the second CTA per SM that the dense plan
+     * has: where they would, it takes one stage fewer. */
+    const int bm = 16 * wm, sm_bytes = fa_plan_sm_smem(key->arch);
+    if (paged && plan->stages > 2 &&
+        fa_plan_ctas_per_sm(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
+                                           plan->nwarps, 0, kvb), sm_bytes) >= 2 &&
+        fa_plan_ctas_per_sm(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
+                                           plan->nwarps, 1, kvb), sm_bytes) < 2)
+        plan->stages--;
+    fa_plan_decode_override(plan, &wm, paged);
+    plan->bm = 16 * wm;
+    plan->threads = (unsigned)(32 * plan->nwarps);
+    plan->smem = (unsigned)FA_SMEM_DECODE(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages,
+                                          plan->nwarps, paged, kvb);
+    plan->cluster_max = key->arch >= 90 ? FA_DECODE_MAX_CLUSTER : 0;
+    /* The CTAs per SM that shared memory allows, told to the compiler (launch bounds) so that
+     * it neither takes registers that would cost one of them nor, left to itself, spills to
+     * reach an occupancy shared memory rules out; at most as many as leave a thread its O
+     * accumulators (dv / 2 registers) and FA_DECODE_BASE_REGS besides. */
+    int min_ctas = fa_plan_ctas_per_sm(plan->smem, sm_bytes);
+    const int reg_ctas = 65536 / (int)(plan->threads * (FA_DECODE_BASE_REGS + plan->dvp / 2));
+    min_ctas = min_ctas > reg_ctas ? reg_ctas : min_ctas;
+    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_DP", plan->dp);
+    fa_plan_define(plan, "FA_DVP", plan->dvp);
+    fa_plan_define(plan, "FA_MIN_CTAS", min_ctas < 1 ? 1 : min_ctas);
+    fa_plan_define(plan, "FA_WM", wm);
+    fa_plan_define(plan, "FA_WN", plan->nwarps / wm);
+    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define(plan, "FA_STAGES", plan->stages);
+    fa_plan_define(plan, "FA_PAGED", paged);
+    fa_plan_define_features(plan, key->features,
+                            FA_FEATURE_VARLEN | FA_FEATURE_UNALIGNED | FA_FEATURE_ALIBI |
+                                FA_FEATURE_SOFTCAP);
+    /* Only fp8 caches get the define: the other kernels keep their key and their code. */
+    if (key->features & (FA_PLAN_KV_E4M3 | FA_PLAN_KV_E5M2))
+        fa_plan_define(plan, "FA_KV_FP8", (key->features & FA_PLAN_KV_E4M3) ? 1 : 2);
+    return FA_STATUS_OK;
+}
+
+/*
+ * Few query rows: a tile then holds at most FA_DECODE_MAX_ROWS rows of one head, so its products
+ * are short and every head reads its kv head's K/V again. The decode schedule packs the g query
+ * heads of a kv head into one tile, reading each K/V row once for all of them, and splits the
+ * keys so that a few sequences still fill the threads (CPU) or the device (CUDA).
+ */
+int fa_plan_few_rows(const fa_params *p)
+{
+    /* User-defined scoring is evaluated in the forward's tiles only. */
+    return p->max_sq <= FA_DECODE_MAX_ROWS && p->dropout_p == 0 && p->probs == NULL &&
+           !fa_mod_call_active(&p->mods);
+}
+
+int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows)
+{
+    return (rows + plan->bm - 1) / plan->bm;
+}
+
+/* Whether s splits of `blocks` key blocks give each split fewer blocks than s - 1 splits do: a
+ * count that does not leaves the longest split as long and only adds partials to merge. */
+static int fa_plan_split_useful(int64_t blocks, int64_t s)
+{
+    return s == 1 || (blocks + s - 1) / s != (blocks + s - 2) / (s - 1);
+}
+
+int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, int slots)
+{
+    /* Upstream's rule (FA2's num_splits_heuristic): a grid that fills most of the device stays
+     * whole; otherwise, of the counts that shorten the longest split, the smallest whose last
+     * wave is at least 85% as full as the best such count's. (The best is taken over those
+     * counts only: over every count, a key range a little past `most` blocks would find no
+     * useful count near it and run unsplit.) */
+    const int64_t blocks = (max_keys + plan->bn - 1) / plan->bn;
+    if (slots < 1 || tiles < 1 || tiles * 5 >= (int64_t)slots * 4 || blocks <= 1)
+        return 1;
+    int64_t most = blocks < slots ? blocks : slots;
+    most = most < FA_DECODE_MAX_AUTO_SPLITS ? most : FA_DECODE_MAX_AUTO_SPLITS;
+    double eff[FA_DECODE_MAX_AUTO_SPLITS + 1] = {0}, best = 0;
+    for (int64_t s = 1; s <= most; s++) {
+        const double waves = (double)(tiles * s) / slots;
+        eff[s] = waves / ceil(waves);
+        if (fa_plan_split_useful(blocks, s))
+            best = eff[s] > best ? eff[s] : best;
+    }
+    for (int64_t s = 1; s <= most; s++)
+        if (fa_plan_split_useful(blocks, s) && eff[s] >= 0.85 * best)
+            return (int)s;
+    return 1;
+}
+
+/* The combine (kernels/fa_combine.cu): one warp per row, nothing to tile. */
+fa_status fa_plan_combine(const fa_plan_key *key, fa_plan *plan)
+{
+    if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16 && key->dtype != FA_DTYPE_F32)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "out: the CUDA combine writes fp32, fp16 or bf16, got %s",
+                            fa_dtype_name(key->dtype));
+    FA_TRY(fa_plan_check_arch(key->arch));
+    *plan = (fa_plan){0};
+    plan->family = "fa_combine.cu";
+    snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
+    plan->threads = 128;
+    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_OUT_F32", key->dtype == FA_DTYPE_F32);
+    fa_plan_define(plan, "FA_MAX_SPLITS", FA_MAX_SPLITS);
+    return FA_STATUS_OK;
+}
