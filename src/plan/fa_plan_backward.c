@@ -148,9 +148,7 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
          * queries (FA3's choice there) still fit the consumers' registers. */
         plan->bm = plan->dp == 64 ? FA_BWD_BM_SM90_D64 : FA_BWD_BM;
         plan->bn = 128;
-        /* A block mask's states sit behind the tiles (the launcher adds their bytes): two
-         * stages leave them 32 KB. */
-        plan->stages = (key->features & FA_PLAN_BLOCK_MASK) ? 2 : 3;
+        plan->stages = 3;
         /* The 8 consumer warps each add a dQ piece; 230488 bytes at either head dim, of the
          * FA_SMEM_SM90_MAX an sm_90 CTA may have. */
         plan->smem = (unsigned)FA_SMEM_BWD90(plan->bm, plan->bn, plan->dp, plan->stages, 8);
