@@ -113,6 +113,17 @@ void fa_plan_define(fa_plan *plan, const char *name, int value)
     *out = '\0';
 }
 
+/* The sm80 families' and the sm90 backward's first defines: the dtype, the padded head dims and
+ * the tile (plan->dp, dvp, bm, bn set). */
+void fa_plan_define_tile(fa_plan *plan, const fa_plan_key *key)
+{
+    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_DP", plan->dp);
+    fa_plan_define(plan, "FA_DVP", plan->dvp);
+    fa_plan_define(plan, "FA_BM", plan->bm);
+    fa_plan_define(plan, "FA_BN", plan->bn);
+}
+
 /* Feature bits and the 0/1 #define each becomes in a kernel: the define is `set` when the bit
  * is, !set when not (FA_VEC, the 16-byte vector loads, is on for aligned rows). */
 typedef struct fa_plan_feature_define {
@@ -478,11 +489,7 @@ fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
     plan->smem = (unsigned)FA_SMEM_FWD80(plan->bm, plan->bn, plan->dp, plan->dvp) +
                  ((key->features & FA_FEATURE_VARLEN) ? FA_SMEM_FWD80_LENS : 0);
 
-    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
-    fa_plan_define(plan, "FA_DP", plan->dp);
-    fa_plan_define(plan, "FA_DVP", plan->dvp);
-    fa_plan_define(plan, "FA_BM", plan->bm);
-    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define_tile(plan, key);
     fa_plan_define(plan, "FA_NWARPS", plan->nwarps);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES);
     /* Only paged kernels carry the define, so dense kernels keep their JIT keys and code. */

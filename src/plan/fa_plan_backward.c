@@ -153,11 +153,7 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
          * FA_SMEM_SM90_MAX an sm_90 CTA may have. */
         plan->smem = (unsigned)FA_SMEM_BWD90(plan->bm, plan->bn, plan->dp, plan->stages, 8);
     }
-    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
-    fa_plan_define(plan, "FA_DP", plan->dp);
-    fa_plan_define(plan, "FA_DVP", plan->dvp);
-    fa_plan_define(plan, "FA_BM", plan->bm);
-    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define_tile(plan, key);
     fa_plan_define(plan, "FA_QSTAGES", plan->stages);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_FEATURE_UNALIGNED);
     fa_plan_define_mods(plan, key); /* nothing for calls without mods */
@@ -213,11 +209,7 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
     plan->smem = (unsigned)FA_SMEM_BWD80(plan->bm, plan->bn, plan->dp, plan->dvp, row.qstages,
                                          row.split) +
                  lens;
-    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
-    fa_plan_define(plan, "FA_DP", plan->dp);
-    fa_plan_define(plan, "FA_DVP", plan->dvp);
-    fa_plan_define(plan, "FA_BM", plan->bm);
-    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define_tile(plan, key);
     fa_plan_define(plan, "FA_NWARPS", plan->nwarps);
     fa_plan_define(plan, "FA_QSTAGES", row.qstages);
     /* Only split kernels carry the define, so the others keep their JIT keys and code. */

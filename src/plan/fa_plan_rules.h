@@ -30,6 +30,9 @@ int fa_plan_pad(int d);
 /* "-DNAME=value" appended to the plan's defines. */
 void fa_plan_define(struct fa_plan *plan, const char *name, int value);
 
+/* FA_BF16, FA_DP, FA_DVP, FA_BM, FA_BN from the key and the plan's tile. */
+void fa_plan_define_tile(struct fa_plan *plan, const struct fa_plan_key *key);
+
 /* The 0/1 defines of the features a family compiles (`compiled`, FA_FEATURE_* bits). */
 void fa_plan_define_features(struct fa_plan *plan, unsigned features, unsigned compiled);
 
