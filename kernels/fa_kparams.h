@@ -67,12 +67,11 @@ typedef struct fa_kparams {
     int page_pad;
 
     /* User-defined scoring (kernels built with FA_SCORE_MOD, FA_MASK_MOD or FA_BLOCK_MASK):
-     * the aux tensors the generated fa_score_mod / fa_mask_mod read (fa_mod_aux), int32 where
-     * bit i of mod_aux_i32 is set, else fp32; slots a program does not read are NULL. */
+     * the aux tensors the generated fa_score_mod / fa_mask_mod read (fa_mod_aux), int32 or
+     * fp32 as the plan's FA_MOD_AUX_I32 says; slots a program does not read are NULL. */
     const void *mod_aux[4];
     fa_i64 mod_aux_shape[4][4];
     fa_i64 mod_aux_stride[4][4];
-    fa_u32 mod_aux_i32;
     /* Block mask (FlexAttention's layout; dense calls): for sequence b, head h and query block
      * qb of bm_q_block rows, bm_num[b, h, qb] partial key blocks of bm_kv_block keys listed in
      * bm_idx[b, h, qb, .] and bm_full_num[b, h, qb] full ones in bm_full_idx (bm_full_num NULL

@@ -36,12 +36,10 @@ FA_DEV fa_i64 fa_mod_index(float v, fa_i64 n)
     return i < n - 1 ? i : n - 1;
 }
 
-/* Whether aux slot `slot` is int32: the plan's FA_MOD_AUX_I32 (the call's dtypes, one bit a
- * slot) where defined, so the read takes one path, else the parameter block's bits. */
-#ifdef FA_MOD_AUX_I32
-#define FA_MOD_AUX_IS_I32(kp, slot) ((FA_MOD_AUX_I32 >> (slot)) & 1)
-#else
-#define FA_MOD_AUX_IS_I32(kp, slot) (((kp)->mod_aux_i32 >> (slot)) & 1u)
+/* Which aux slots are int32 (the rest fp32): the plan's FA_MOD_AUX_I32, one bit a slot, so
+ * each read takes one path. */
+#ifndef FA_MOD_AUX_I32
+#error "fa_mod.cuh: the plan defines FA_MOD_AUX_I32 beside FA_SCORE_MOD / FA_MASK_MOD"
 #endif
 
 /* Offsets into the aux tensors: int where the plan says every element's offset fits one
@@ -63,7 +61,7 @@ FA_DEV float fa_mod_aux(const fa_kparams *kp, int slot, int ndim, float i0, floa
         if (d < ndim)
             off += (fa_mod_off)fa_mod_index(x[d], kp->mod_aux_shape[slot][d]) *
                    (fa_mod_off)kp->mod_aux_stride[slot][d];
-    if (FA_MOD_AUX_IS_I32(kp, slot))
+    if ((FA_MOD_AUX_I32 >> slot) & 1)
         return (float)__ldg((const int *)kp->mod_aux[slot] + off);
     return __ldg((const float *)kp->mod_aux[slot] + off);
 }

@@ -15,7 +15,6 @@ static void fa_kparams_fill_mods(const fa_mod_call *c, fa_kparams *kp)
         if (!t->data)
             continue;
         kp->mod_aux[i] = t->data;
-        kp->mod_aux_i32 |= t->dtype == FA_DTYPE_I32 ? 1u << i : 0u;
         for (int d = 0; d < t->ndim; d++) {
             kp->mod_aux_shape[i][d] = t->shape[d];
             kp->mod_aux_stride[i][d] = t->stride[d];
