@@ -296,16 +296,17 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
         if (st == FA_STATUS_OK && tmaps) {
             /* A 1-D grid over the work units (fa_cuda_forward checked the tiles fit an int).
              * Persistent CTAs stride over the units statically, which balances only units of
-             * equal work: tiles without causal, window, varlen or masks (plan.persistent 1), or,
-             * with plan.persistent 2, the mirrored tile pairs of causal, windowed and masked
-             * calls (a mask's kept keys mostly grow or shrink with the row, as causal's), whose
+             * equal work: tiles without causal, window, varlen or a block mask (plan.persistent
+             * 1; mask_mod alone visits every block), or, with plan.persistent 2, the mirrored
+             * tile pairs of causal, windowed and block-masked calls (a mask's kept blocks mostly
+             * grow or shrink with the row, as causal's), whose
              * work adds up to about the same, up to FA_SM90_PAIRED_MAX_TILES tiles (beyond, the
              * static stride's last round costs more than the pairs save). Otherwise one CTA per
              * tile and the hardware's own dispatch, which balances unequal tiles far better than
              * a static stride. */
             const int64_t sms = fa_cuda_device_sms(args->device);
             const int uniform = p->window_left < 0 && p->window_right < 0 && !p->is_varlen &&
-                                !p->mods.mask_mod && !p->mods.blocks.num.data;
+                                !p->mods.blocks.num.data;
             tmaps->paired = plan.persistent >= 2 && !uniform && !p->is_varlen &&
                             (m_blocks <= FA_SM90_PAIRED_MAX_TILES || plan.persistent == 3);
             const int persistent = uniform ? plan.persistent >= 1 : tmaps->paired;

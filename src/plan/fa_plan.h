@@ -56,8 +56,8 @@ typedef struct fa_plan {
     int cluster_max; /* decode: most splits merged inside a thread block cluster (0: none; above
                         8 the kernel is loaded with non-portable cluster sizes allowed) */
     int persistent; /* sm90 family: 0 one CTA per tile; 1 one per SM striding over the tiles of
-                       calls without causal/window/varlen/masks; 2 also over causal, windowed
-                       and masked calls' mirrored tile pairs (up to FA_SM90_PAIRED_MAX_TILES);
+                       calls without causal/window/varlen/block mask; 2 also over causal,
+                       windowed and block-masked calls' mirrored tile pairs (up to FA_SM90_PAIRED_MAX_TILES);
                        3 (an override) over the pairs at any tile count */
     int num_defines;
     char defines[FA_PLAN_MAX_DEFINES][24]; /* "-DFA_BN=64", ... */
