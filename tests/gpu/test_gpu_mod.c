@@ -18,8 +18,9 @@
  *   block mask's skipped tiles are passed over in one and visited, masked, in the other).
  * The cases run on the sm80 family (FLASHATTN_SM90_MODS=0, which keeps it on sm_90 too); on
  * sm_90 the forward cases run a second time on the Hopper kernel's hooks (fa_fwd_sm90.cu, the
- * default there), against the same CPU results (forward only), and the backward cases a third
- * time with FLASHATTN_BWD_SM90_MODS=1 (fa_bwd_sm90.cu's hooks where the plan takes them).
+ * default there), against the same CPU results (forward only). FA_MOD_PASSES=bwd90 runs the
+ * backward cases with FLASHATTN_BWD_SM90_MODS=1 (fa_bwd_sm90.cu's hooks where the plan takes
+ * them; not in the default passes while that switch is off).
  * Each case's line names the family that ran.
  * Exits 77 (skipped) without a usable device.
  */
@@ -533,19 +534,26 @@ int main(void)
     const int start = gu_start("test_gpu_mod", 0x6d6f64677075ull);
     if (start != 0)
         return start;
+    /* FA_MOD_PASSES (a list of sm80, sm90, bwd90; unset: sm80,sm90) picks the passes. */
+    const char *passes = getenv("FA_MOD_PASSES");
+    if (!passes || !*passes)
+        passes = "sm80,sm90";
     setenv("FLASHATTN_SM90_MODS", "0", 1);
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        run_case(&cases[i], FA_DTYPE_BF16, 0);
-        run_case(&cases[i], FA_DTYPE_F16, 0);
+    if (strstr(passes, "sm80")) {
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            run_case(&cases[i], FA_DTYPE_BF16, 0);
+            run_case(&cases[i], FA_DTYPE_F16, 0);
+        }
+        /* Out-of-range block mask entries on the device, for the aligned and the finer masks. */
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+            if (cases[i].bm == BM_RANDOM)
+                run_case(&cases[i], FA_DTYPE_BF16, 1);
     }
-    /* Out-of-range block mask entries on the device, for the aligned and the finer masks. */
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        if (cases[i].bm == BM_RANDOM)
-            run_case(&cases[i], FA_DTYPE_BF16, 1);
     /* The forward cases again on the Hopper kernel's hooks, the default on sm_90. */
     unsetenv("FLASHATTN_SM90_MODS");
     int arch = 0, smem = 0;
-    if (fa_cuda_device_arch(0, &arch, &smem) == FA_STATUS_OK && arch == 90) {
+    if (fa_cuda_device_arch(0, &arch, &smem) == FA_STATUS_OK && arch == 90 &&
+        strstr(passes, "sm90")) {
         printf("test_gpu_mod: the forward on fa_fwd_sm90.cu (the default on sm_90)\n");
         expect_family = "fa_fwd_sm90.cu";
         with_backward = 0;
@@ -557,6 +565,8 @@ int main(void)
         }
         expect_family = "fa_fwd_sm80.cu";
         with_backward = 1;
+    }
+    if (arch == 90 && strstr(passes, "bwd90")) {
         /* The backward cases again with FLASHATTN_BWD_SM90_MODS=1: fa_bwd_sm90.cu's hooks where
          * the plan takes them (bwd_family_want), from the sm80 family's forward. */
         printf("test_gpu_mod: the backward with FLASHATTN_BWD_SM90_MODS=1\n");
