@@ -160,10 +160,10 @@ def main():
             with torch.no_grad():
                 fwd = best_ms(ours, reps, dev)
             fb = best_ms(ours_fb, reps, dev)
-            print("| %s | %.1f | %.1f | %s | %s | %s |" % (
-                name, fwd, fb, "%.1f" % theirs_fb_ms if theirs_fb_ms else "-",
+            print("| %s | %.2f | %.2f | %s | %s | %s |" % (
+                name, fwd, fb, "%.2f" % theirs_fb_ms if theirs_fb_ms else "-",
                 "%.2fx" % (theirs_fb_ms / fb) if theirs_fb_ms else "-",
-                "%.1f" % best_ms(base_fb, reps, dev) if builtin is not None else "-"),
+                "%.2f" % best_ms(base_fb, reps, dev) if builtin is not None else "-"),
                 flush=True)
             continue
         with torch.no_grad():
@@ -184,10 +184,10 @@ def main():
                     raise SystemExit("%s: flashattn and torch differ by %g" % (name, diff))
             ms = best_ms(ours, reps, dev)
             base_ms = best_ms(base, reps, dev) if base is not None else None
-        print("| %s | %.1f | %s | %s | %s | %s |" % (
-            name, ms, "%.1f" % theirs_ms if theirs_ms else "-",
+        print("| %s | %.2f | %s | %s | %s | %s |" % (
+            name, ms, "%.2f" % theirs_ms if theirs_ms else "-",
             "%.2fx" % (theirs_ms / ms) if theirs_ms else "-",
-            "%.1f" % base_ms if base_ms else "-", "%.1e" % diff if diff is not None else "-"),
+            "%.2f" % base_ms if base_ms else "-", "%.1e" % diff if diff is not None else "-"),
             flush=True)
 
 

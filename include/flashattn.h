@@ -238,8 +238,8 @@ fa_status fa_mod_parse(const char *text, fa_mod **out);
  * seen so far in that order; its sign is flipped when dropout drops it. Invisible keys and
  * padding get 0.
  *
- * FP8 (FA3's forward, on the CPU only for now: a CUDA device refuses fp8 q as unsupported, unless
- * FLASHATTN_SM90_FP8=1 sends e4m3 calls to a Hopper kernel not yet validated on a GPU):
+ * FP8 (FA3's forward; on a CUDA device e4m3 on Hopper only, and not with FLASHATTN_SM90_FP8=0:
+ * other devices and e5m2 refuse fp8 q as unsupported):
  * q, k and v all FA_DTYPE_F8E4M3 or all FA_DTYPE_F8E5M2, out bf16 or fp16, lse fp32; d and dv
  * multiples of 16 (upstream's rule). q_descale, k_descale, v_descale (optional, each fp32 [b, hk],
  * any strides; absent means 1) dequantise per (sequence, kv head); query head i takes the

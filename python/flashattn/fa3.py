@@ -32,7 +32,7 @@ k_cache and v_cache with a float16 / bfloat16 q and optional fp32 ``(b, h_k)`` `
 ``v_descale`` (include/flashattn.h, "FP8 caches"), on the CPU and on a CUDA device.
 
 FP8 (``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_qkvpacked_func``; CPU
-tensors only so far, a CUDA device refuses them): q, k, v ``torch.float8_e4m3fn`` (or all
+tensors, and CUDA tensors on a Hopper device): q, k, v ``torch.float8_e4m3fn`` (or all
 ``float8_e5m2``) with optional fp32 ``(b, h_k)`` ``q_descale``, ``k_descale``, ``v_descale``
 (absent: 1), out bf16, as FA3's forward, P rounded to e4m3 for the P V product as FA3's kernel
 does (include/flashattn.h, "FP8"). FP8 has no backward: inputs that require grad (with grad

@@ -21,12 +21,12 @@ static inline int fa_dtype_is_fp8(fa_dtype dt)
     return dt == FA_DTYPE_F8E4M3 || dt == FA_DTYPE_F8E5M2;
 }
 
-/* FLASHATTN_SM90_FP8=1: CUDA devices take fp8 (e4m3) q, k, v through the Hopper kernel
- * (kernels/fa_fwd_sm90_fp8.cu), not yet run on a GPU; otherwise they refuse fp8 as unsupported. */
+/* CUDA devices take fp8 (e4m3) q, k, v through the Hopper kernel (kernels/fa_fwd_sm90_fp8.cu)
+ * unless FLASHATTN_SM90_FP8=0, which makes them refuse fp8 as unsupported. */
 static inline int fa_sm90_fp8_enabled(void)
 {
     const char *env = getenv("FLASHATTN_SM90_FP8");
-    return env && env[0] == '1' && env[1] == '\0';
+    return !(env && env[0] == '0' && env[1] == '\0');
 }
 
 /*

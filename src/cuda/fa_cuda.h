@@ -11,8 +11,9 @@ extern const fa_backend fa_cuda_backend;
  * allocation, no synchronisation. p is the validated problem (its pointers are device pointers). */
 fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args);
 
-/* The fp8 (e4m3) forward through the sm90 kernel (fa_cuda_forward_fp8.c; FLASHATTN_SM90_FP8=1),
- * on a device of compute capability arch giving smem_optin bytes of shared memory a block. */
+/* The fp8 (e4m3) forward through the sm90 kernel (fa_cuda_forward_fp8.c; FLASHATTN_SM90_FP8=0
+ * turns it off), on a device of compute capability arch giving smem_optin bytes of shared
+ * memory a block. */
 fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int arch,
                               int smem_optin);
 

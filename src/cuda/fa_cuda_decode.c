@@ -455,7 +455,7 @@ static fa_params fa_decode_of_forward(const fa_params *p)
 
 int fa_cuda_forward_decodes(const fa_params *p)
 {
-    /* fp8 q, k, v (FLASHATTN_SM90_FP8=1) run the fp8 forward kernel at any row count. */
+    /* fp8 q, k, v run the fp8 forward kernel at any row count. */
     return !fa_dtype_is_fp8(p->dtype) && fa_plan_few_rows(p);
 }
 

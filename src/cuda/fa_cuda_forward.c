@@ -187,7 +187,7 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     if (p->probs && p->probs_block_n > 128)
         return fa_error_set(FA_STATUS_INTERNAL, "probs block width %d over 128",
                             p->probs_block_n);
-    /* fp8 only reaches a device with FLASHATTN_SM90_FP8=1 (fa_params refuses it otherwise). */
+    /* fp8 reaches a device unless FLASHATTN_SM90_FP8=0 (fa_params refuses it then). */
     if (fa_dtype_is_fp8(p->dtype)) {
         st = fa_cuda_forward_fp8(p, args, arch, smem_optin);
         if (st == FA_STATUS_OK)

@@ -1,7 +1,7 @@
 /*
- * The fp8 forward on a CUDA device (FLASHATTN_SM90_FP8=1; kernels/fa_fwd_sm90_fp8.cu): plan,
- * tensor maps of one-byte elements, the descales, the launch on the caller's stream. No host
- * synchronisation and no device allocation. What the kernel cannot do is refused naming the
+ * The fp8 forward on a CUDA device (kernels/fa_fwd_sm90_fp8.cu; FLASHATTN_SM90_FP8=0 refuses
+ * it): plan, tensor maps of one-byte elements, the descales, the launch on the caller's stream.
+ * No host synchronisation and no device allocation. What the kernel cannot do is refused naming the
  * argument: no other CUDA family computes fp8.
  */
 #include <stdint.h>

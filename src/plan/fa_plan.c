@@ -320,11 +320,15 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_SM90_UNSUPPORTED);
     fa_plan_define_mods(plan, key);
-    /* The mask decided before score_mod (fa_fwd_sm90.cu's fa_mask_bits): not yet run on a GPU. */
+    /* The mask decided before score_mod (fa_fwd_sm90.cu's fa_mask_bits) where score_mod reads
+     * an aux tensor: beside the gather it is faster, beside arithmetic alone slower.
+     * FLASHATTN_SM90_MASK_FIRST=0 / 1 decides for every score_mod with a mask (the A/B). */
     const char *first = getenv("FLASHATTN_SM90_MASK_FIRST");
+    const int mask_first = first && (first[0] == '0' || first[0] == '1') && !first[1]
+                               ? first[0] == '1'
+                               : (key->mod_aux & FA_PLAN_AUX_SCORE) != 0;
     if ((key->features & FA_PLAN_SCORE_MOD) &&
-        (key->features & (FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK)) && first &&
-        strcmp(first, "1") == 0)
+        (key->features & (FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK)) && mask_first)
         fa_plan_define(plan, "FA_MOD_MASK_FIRST", 1);
     return FA_STATUS_OK;
 }
@@ -455,7 +459,7 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
 
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)
 {
-    /* fp8 goes to its own family, only behind FLASHATTN_SM90_FP8=1 (else refused below). */
+    /* fp8 goes to its own family (FLASHATTN_SM90_FP8=0: refused below). */
     if (fa_dtype_is_fp8(key->dtype) && fa_sm90_fp8_enabled())
         return fa_plan_forward_sm90_fp8(key, plan);
     FA_TRY(fa_plan_check_forward_key(key));

@@ -38,12 +38,14 @@ typedef struct fa_plan_key {
     fa_dtype dtype;
     int d, dv;         /* head dims as the caller has them */
     unsigned features; /* FA_FEATURE_* bits */
-    /* With a score_mod or mask_mod: bit i set where aux tensor i is int32 (else fp32), and
-     * FA_PLAN_AUX_OFF32 where every aux element's offset fits an int (fa_mod.cuh). */
+    /* With a score_mod or mask_mod: bit i set where aux tensor i is int32 (else fp32),
+     * FA_PLAN_AUX_OFF32 where every aux element's offset fits an int (fa_mod.cuh), and
+     * FA_PLAN_AUX_SCORE where score_mod reads an aux tensor. */
     unsigned mod_aux;
 } fa_plan_key;
 
 #define FA_PLAN_AUX_OFF32 (1u << 4)
+#define FA_PLAN_AUX_SCORE (1u << 5)
 
 typedef struct fa_plan {
     const char *family; /* kernel source, e.g. "fa_fwd_sm80.cu" */
@@ -81,7 +83,7 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan);
 
 /* The sm90 fp8 forward's plan for key (fa_fwd_sm90_fp8.cu), whatever FLASHATTN_SM90_FP8 says
  * (precompile, tests); FA_STATUS_UNSUPPORTED with a message naming the argument when it cannot
- * do the case. fa_plan_forward takes it for fp8 keys only with FLASHATTN_SM90_FP8=1. */
+ * do the case. fa_plan_forward takes it for fp8 keys unless FLASHATTN_SM90_FP8=0. */
 fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan);
 
 /* Nonzero when the plan routes supported cases to the sm90 family (not FLASHATTN_SM90=0). */

@@ -10,6 +10,8 @@
  * and vmax = max |vd v_j|, plus the output's rounding (half an ulp of bf16 / fp16) and the fp32
  * sums' (far smaller: a slack of 1e-4 vmax).
  */
+#define _POSIX_C_SOURCE 200809L
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -450,10 +452,12 @@ static void test_refusals(tu_rng *r)
         tu_tensor_free(&lse);
     }
 
-    /* No GPU kernel yet: refused as unsupported, naming q's dtype, on any device number. */
+    /* FLASHATTN_SM90_FP8=0: a CUDA device refuses fp8 as unsupported, naming q's dtype. */
     s.a.device = 0;
+    setenv("FLASHATTN_SM90_FP8", "0", 1);
     expect(fa_attention_forward(&s.a), FA_STATUS_UNSUPPORTED, "q", "CUDA device");
     TU_CHECK(strstr(fa_last_error(), "fp8_e4m3") != NULL, "CUDA: %s", fa_last_error());
+    unsetenv("FLASHATTN_SM90_FP8");
     s.a.device = FA_DEVICE_CPU;
 
     /* descales only with fp8 inputs */

@@ -7,8 +7,8 @@
  *     shared memory and the consumers' accumulator registers hold it (d 192 / dv 128: 128 keys),
  *     FA_DV defined exactly where dv != d;
  *   - dropout on the sm90 forward (64-key blocks at head dim 256), the sm80 family with probs;
- *   - fp8 forward: without FLASHATTN_SM90_FP8=1 refused as before, naming q and its dtype; with
- *     it the sm90 fp8 family on sm_90 (128-row tiles, head dims padded to 64, 128, 256, shared
+ *   - fp8 forward: with FLASHATTN_SM90_FP8=0 refused, naming q and its dtype; without it the
+ *     sm90 fp8 family on sm_90 (128-row tiles, head dims padded to 64, 128, 256, shared
  *     memory within the device's; FLASHATTN_SM90_FP8_TILE's tile where it fits), and refusals
  *     naming the argument for what it cannot do;
  *   - user-defined scoring on sm_90: the sm90 family unless FLASHATTN_SM90_MODS=0 keeps it on
@@ -653,21 +653,21 @@ static void check_decode_splits(void)
             }
 }
 
-/* The fp8 forward: off by default (the refusal of before), the sm90 fp8 family behind
- * FLASHATTN_SM90_FP8=1, refusals naming the argument. */
+/* The fp8 forward: the sm90 fp8 family by default, refused with FLASHATTN_SM90_FP8=0, refusals
+ * naming the argument. */
 static void check_forward_fp8(void)
 {
     fa_plan plan;
     fa_plan_key key = {90, FA_DTYPE_F8E4M3, 128, 128, 0, 0};
-    unsetenv("FLASHATTN_SM90_FP8");
+    setenv("FLASHATTN_SM90_FP8", "0", 1);
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_UNSUPPORTED &&
                  strstr(fa_last_error(), "q: the CUDA backend computes fp16 and bf16") != NULL &&
                  strstr(fa_last_error(), "fp8_e4m3") != NULL,
-             "fp8 without the switch: %s", fa_last_error());
-    setenv("FLASHATTN_SM90_FP8", "0", 1);
-    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_UNSUPPORTED,
-             "fp8 with FLASHATTN_SM90_FP8=0 planned");
-    setenv("FLASHATTN_SM90_FP8", "1", 1);
+             "fp8 with FLASHATTN_SM90_FP8=0: %s", fa_last_error());
+    unsetenv("FLASHATTN_SM90_FP8");
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                 strcmp(plan.family, "fa_fwd_sm90_fp8.cu") == 0,
+             "fp8 by default: %s", fa_last_error());
     const unsigned feats[] = {0, FA_FEATURE_VARLEN, FA_FEATURE_SOFTCAP,
                               FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP | FA_PLAN_OUT_F16};
     for (int d = 16; d <= 256; d += 16)
@@ -744,8 +744,7 @@ static void check_forward_fp8(void)
     key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, 0, 0};
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                  strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
-             "bf16 with FLASHATTN_SM90_FP8=1: %s", plan.family);
-    unsetenv("FLASHATTN_SM90_FP8");
+             "bf16 beside the fp8 family: %s", plan.family);
 }
 
 int main(void)

@@ -14,7 +14,7 @@ the same call with FLASHATTN_SM90=0 (the sm80 family), on Hopper only. --variant
 plans of the sm_90a family (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG each) beside them.
 --dropout P also times the same calls with dropout_p = P ("drop", and "drop sm80" on Hopper)
 and prints drop/ours. --fp8 (Hopper, d = dv) also times the fp8 (e4m3) forward on the same
-shapes ("fp8": q, k, v cast to float8_e4m3fn, out bf16, FLASHATTN_SM90_FP8=1; the same FLOP
+shapes ("fp8": q, k, v cast to float8_e4m3fn, out bf16; the same FLOP
 count) and prints fp8/ours; --fp8-variants times more fp8 plans beside it
 (FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] each; columns f0, f1, ...).
 """
@@ -138,7 +138,7 @@ def main():
     ap.add_argument("--dropout", type=float, default=0.0,
                     help="also time each call with this dropout_p (columns drop, drop sm80)")
     ap.add_argument("--fp8", action="store_true",
-                    help="also time the fp8 (e4m3) forward (Hopper, FLASHATTN_SM90_FP8=1)")
+                    help="also time the fp8 (e4m3) forward (Hopper)")
     ap.add_argument("--fp8-variants", default="",
                     help="with --fp8: ';'-separated FLASHATTN_SM90_FP8_TILE values as extra columns")
     ap.add_argument("--first-call", type=int, default=0, help=argparse.SUPPRESS)
@@ -195,23 +195,19 @@ def main():
                 if opts.fp8 and hopper and dv == d:
                     q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
                     out8 = torch.empty_like(out)
-                    os.environ["FLASHATTN_SM90_FP8"] = "1"
                     fp8_tiles = [("fp8", None)] + [(f"fp8 {t}", t)
                                                    for t in opts.fp8_variants.split(";") if t]
-                    try:
-                        for name, tile in fp8_tiles:
-                            if tile:
-                                os.environ["FLASHATTN_SM90_FP8_TILE"] = tile
-                            try:
-                                row[name] = flops / bench(Call(q8, k8, v8, out8, causal)) / 1e12
-                                row["maxdiff_" + name] = (out8.float() - out.float()).abs().max().item()
-                            except RuntimeError as ex:
-                                row[name] = None
-                                row[name + "_error"] = str(ex).splitlines()[0][:100]
-                            finally:
-                                os.environ.pop("FLASHATTN_SM90_FP8_TILE", None)
-                    finally:
-                        os.environ.pop("FLASHATTN_SM90_FP8", None)
+                    for name, tile in fp8_tiles:
+                        if tile:
+                            os.environ["FLASHATTN_SM90_FP8_TILE"] = tile
+                        try:
+                            row[name] = flops / bench(Call(q8, k8, v8, out8, causal)) / 1e12
+                            row["maxdiff_" + name] = (out8.float() - out.float()).abs().max().item()
+                        except RuntimeError as ex:
+                            row[name] = None
+                            row[name + "_error"] = str(ex).splitlines()[0][:100]
+                        finally:
+                            os.environ.pop("FLASHATTN_SM90_FP8_TILE", None)
                     del q8, k8, v8, out8
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 for name, be in BACKENDS.items():

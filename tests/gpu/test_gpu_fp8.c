@@ -1,6 +1,5 @@
 /*
- * The fp8 (e4m3) forward on sm_90 (kernels/fa_fwd_sm90_fp8.cu, FLASHATTN_SM90_FP8=1, which this
- * test sets itself) against the CPU oracles of ref/fa_ref.h, judged as tests/c/test_fp8.c judges
+ * The fp8 (e4m3) forward on sm_90 (kernels/fa_fwd_sm90_fp8.cu) against the CPU oracles of ref/fa_ref.h, judged as tests/c/test_fp8.c judges
  * the CPU's fp8 forward: upstream's criterion (hopper/test_flash_attn.py) - the error against
  * the exact attention at most twice that of the same-precision baseline plus twice out's
  * rounding - and every element near the oracle that rounds P as FA3 (2^8 exp(s - m) to e4m3).
@@ -192,7 +191,6 @@ static void check_refusals(void)
 
 int main(void)
 {
-    setenv("FLASHATTN_SM90_FP8", "1", 1); /* before the library's first call */
     const int start = gu_start("test_gpu_fp8", 0x5eed0f8f8ull);
     if (start != 0)
         return start;

@@ -1087,7 +1087,7 @@ def test_flex_attention_cuda_backward(gen, dtype, kind):
 
 
 # --------------------------------------------------------------------------------------------
-# FP8 (e4m3) forward on Hopper (FLASHATTN_SM90_FP8=1)
+# FP8 (e4m3) forward on Hopper
 
 FP8_CASES = [
     # (b, s, h, hk, d, causal, window, softcap, varlen)
@@ -1108,14 +1108,13 @@ def _dequant(x, descale):
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0),
                     reason="the fp8 forward is a Hopper kernel")
 @pytest.mark.parametrize("case", FP8_CASES, ids=[str(i) for i in range(len(FP8_CASES))])
-def test_fp8_forward_cuda_matches_cpu(gen, monkeypatch, case):
+def test_fp8_forward_cuda_matches_cpu(gen, case):
     """e4m3 q, k, v with descales on CUDA tensors (the Hopper fp8 kernel) beside the CPU
     library's fp8 forward on copies (P rounded to e4m3 alike), both against an fp32 attention
     of the dequantised inputs: FA3's criterion, the GPU's error at most twice the CPU's plus
     bf16's rounding of out."""
     from flashattn import fa3
 
-    monkeypatch.setenv("FLASHATTN_SM90_FP8", "1")
     b, s, h, hk, d, causal, window, softcap, varlen = case
     q = (torch.rand(b, s, h, d, generator=gen) * 4 - 2).to(torch.float8_e4m3fn)
     k = (torch.rand(b, s, hk, d, generator=gen) * 4 - 2).to(torch.float8_e4m3fn)
