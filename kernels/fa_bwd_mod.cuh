@@ -41,7 +41,7 @@ FA_DEV bool fa_bwd_mod_keep(const fa_kparams *kp, const fa_bwd_mod_tile *md, int
         return st == FA_BM_FULL;
 #endif
 #if FA_MASK_MOD
-    return fa_mask_mod(kp, (float)md->bi, (float)md->h, (float)row, (float)col);
+    return fa_mask_mod(kp, md->bi, md->h, row, col);
 #else
     return true;
 #endif
@@ -69,9 +69,7 @@ FA_DEV float fa_bwd_mod_score(const fa_kparams *kp, const fa_bwd_mod_tile *md, f
 #if FA_SCORE_MOD
     /* In the score's natural units (the CPU's), then back to base 2, as the forward. */
     float dmod;
-    y = fa_score_mod_grad(kp, y * FA_LN2, (float)md->bi, (float)md->h, (float)row, (float)col,
-                          &dmod) *
-        FA_LOG2E;
+    y = fa_score_mod_grad(kp, y * FA_LN2, md->bi, md->h, row, col, &dmod) * FA_LOG2E;
     *deriv *= dmod;
 #endif
     (void)row, (void)col, (void)deriv;

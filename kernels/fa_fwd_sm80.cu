@@ -449,9 +449,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #endif
 #if FA_SCORE_MOD
                         /* In the score's natural units (the CPU's), then back to base 2. */
-                        x = fa_score_mod(&kp, x * FA_LN2, (float)bi, (float)h,
-                                         (float)(m0 + wrow + mt * 16 + g + 8 * (e >> 1)),
-                                         (float)(n0 + nt * 8 + 2 * t + (e & 1))) *
+                        x = fa_score_mod(&kp, x * FA_LN2, bi, h,
+                                         m0 + wrow + mt * 16 + g + 8 * (e >> 1),
+                                         n0 + nt * 8 + 2 * t + (e & 1)) *
                             FA_LOG2E;
 #endif
                         s[mt][nt][e] = x;

@@ -301,9 +301,8 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
 #endif
 #if FA_SCORE_MOD
             /* In the score's natural units (the CPU's), then back to base 2. */
-            x = fa_score_mod(kp, x * FA_LN2, (float)r->bi, (float)r->h,
-                             (float)(r->row0 + 8 * ((j >> 1) & 1)),
-                             (float)(kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1))) *
+            x = fa_score_mod(kp, x * FA_LN2, r->bi, r->h, r->row0 + 8 * ((j >> 1) & 1),
+                             kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1)) *
                 FA_LOG2E;
 #endif
             sacc[j] = x;

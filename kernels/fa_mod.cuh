@@ -24,17 +24,14 @@ FA_DEV float fa_mod_rem(float x, float y)
     return (r != 0.f && ((r < 0.f) != (y < 0.f))) ? r + y : r;
 }
 
-/* Index value v floored and clamped into a dimension of n entries, as the CPU does (below 1,
- * NaN included, 0; at or past n the last), then clamped as an integer too: fp32 cannot hold
- * every n - 1 above 2^24, and no read may leave the tensor. */
-FA_DEV fa_i64 fa_mod_index(float v, fa_i64 n)
+/* The int forms (src/mod/fa_mod_cuda.c's fa_mod_cuda_ints): the floor remainder and the floor
+ * quotient by a positive constant y. */
+FA_DEV int fa_mod_rem_i(int x, int y)
 {
-    const float hi = (float)n - 1.f;
-    float m = v > 0.f ? v : 0.f;
-    m = m < hi ? m : hi;
-    const fa_i64 i = (fa_i64)m;
-    return i < n - 1 ? i : n - 1;
+    const int r = x % y;
+    return r < 0 ? r + y : r;
 }
+FA_DEV int fa_mod_floordiv_i(int x, int y) { return x >= 0 ? x / y : -((y - 1 - x) / y); }
 
 /* Which aux slots are int32 (the rest fp32): the plan's FA_MOD_AUX_I32, one bit a slot, so
  * each read takes one path. */
@@ -50,17 +47,37 @@ typedef int fa_mod_off;
 typedef fa_i64 fa_mod_off;
 #endif
 
-/* Aux tensor `slot` at the first ndim of the indices (the generated code's aux reads). */
-FA_DEV float fa_mod_aux(const fa_kparams *kp, int slot, int ndim, float i0, float i1, float i2,
-                        float i3)
+/* The last index of dimension d of aux tensor `slot`, as an offset (at most INT_MAX where
+ * offsets are int: a broadcast dimension's stride is 0, so its length is not bounded). */
+FA_DEV fa_mod_off fa_mod_last(const fa_kparams *kp, int slot, int d)
 {
-    const float x[4] = {i0, i1, i2, i3};
-    fa_mod_off off = 0;
-#pragma unroll
-    for (int d = 0; d < 4; d++)
-        if (d < ndim)
-            off += (fa_mod_off)fa_mod_index(x[d], kp->mod_aux_shape[slot][d]) *
-                   (fa_mod_off)kp->mod_aux_stride[slot][d];
+    const fa_i64 last = kp->mod_aux_shape[slot][d] - 1;
+    return (fa_mod_off)(sizeof(fa_mod_off) < 8 && last > 0x7fffffff ? 0x7fffffff : last);
+}
+
+/* The offset of index v in dimension d of aux tensor `slot`: v floored and clamped into the
+ * dimension as the CPU does (below 1, NaN included, 0; at or past its length the last), then
+ * clamped as an integer too (fp32 cannot hold every last index above 2^24), times the stride. */
+FA_DEV fa_mod_off fa_mod_off_f(const fa_kparams *kp, int slot, int d, float v)
+{
+    const fa_mod_off last = fa_mod_last(kp, slot, d);
+    float m = v > 0.f ? v : 0.f;
+    m = m < (float)last ? m : (float)last;
+    const fa_mod_off i = (fa_mod_off)m;
+    return (i < last ? i : last) * (fa_mod_off)kp->mod_aux_stride[slot][d];
+}
+
+/* The same for an int index (the generated code's index arithmetic). */
+FA_DEV fa_mod_off fa_mod_off_i(const fa_kparams *kp, int slot, int d, int v)
+{
+    const fa_mod_off last = fa_mod_last(kp, slot, d);
+    const fa_mod_off i = v > 0 ? ((fa_mod_off)v < last ? (fa_mod_off)v : last) : 0;
+    return i * (fa_mod_off)kp->mod_aux_stride[slot][d];
+}
+
+/* Aux tensor `slot`'s element at offset off (the sum of its indices' fa_mod_off_*), as fp32. */
+FA_DEV float fa_mod_aux_at(const fa_kparams *kp, int slot, fa_mod_off off)
+{
     if ((FA_MOD_AUX_I32 >> slot) & 1)
         return (float)__ldg((const int *)kp->mod_aux[slot] + off);
     return __ldg((const float *)kp->mod_aux[slot] + off);
@@ -207,7 +224,7 @@ FA_DEV bool fa_mod_keep(const fa_kparams *kp, const unsigned char *tab, int st, 
         return st == FA_BM_FULL;
 #endif
 #if FA_MASK_MOD
-    return fa_mask_mod(kp, (float)bi, (float)h, (float)row, (float)col);
+    return fa_mask_mod(kp, bi, h, row, col);
 #else
     return true;
 #endif

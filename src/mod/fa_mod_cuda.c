@@ -1,8 +1,12 @@
 /*
  * The CUDA C of a finished fa_mod program (fa_mod.h): one device function per program, a
  * statement per step, in the CPU evaluator's arithmetic (fa_cpu_mod_body.h) operator by
- * operator (but division, within 2 ulp: fa_mod_div): fp32 values, booleans as bool, constants as the bits of their fp32 value, aux reads
- * through the kernel's fa_mod_aux (indices floored and clamped into the tensor). The kernels
+ * operator (but division, within 2 ulp: fa_mod_div): fp32 values, booleans as bool, constants as
+ * the bits of their fp32 value, aux reads through the kernel's fa_mod_aux_at (indices floored
+ * and clamped into the tensor). Index arithmetic stays in int (fa_mod_cuda_ints): b, h, q_idx,
+ * kv_idx, integral constants and their sums, differences, products, min / max / abs, floor
+ * division and remainder by a positive constant, as torch's int32 index tensors compute them
+ * (the CPU's fp32 agrees below 2^24); a float operand makes a step fp32. The kernels
  * include it as the generated header fa_mod_gen.cuh; the program's canonical text heads it, and
  * the JIT keys the cubin by the whole text. A score_mod also gets fa_score_mod_grad, its value
  * and its derivative with respect to score for the backward: the rules of fa_mod_grad.h printed
@@ -51,20 +55,99 @@ static const char *const fa_mod_cuda_grads[FA_MOD_OP_WHERE + 1] = {
 
 static const char *const fa_mod_cuda_vars[] = {"score", "b", "h", "q_idx", "kv_idx"};
 
+/* The largest integral constant kept in int: fp32 holds every integer up to it. */
+#define FA_MOD_CUDA_INT_MAX 16777216.0
+
+/* Whether constant step s is an integer that int arithmetic can take (not -0: its sign). */
+static int fa_mod_cuda_int_const(const fa_mod_node *s)
+{
+    const double v = s->value;
+    return v == (double)(long long)v && v >= -FA_MOD_CUDA_INT_MAX && v <= FA_MOD_CUDA_INT_MAX &&
+           !(v == 0.0 && 1.0 / v < 0.0);
+}
+
+/* Whether step i is a floor division of int operands by a positive int constant (floor of a
+ * division step), which int arithmetic computes exactly: the fp32 quotient of integers below
+ * 2^24 never rounds across an integer. */
+static int fa_mod_cuda_floor_div(const fa_mod *m, const int *is_int, int i)
+{
+    const fa_mod_node *s = &m->steps[i];
+    if (s->op != FA_MOD_FLOOR)
+        return 0;
+    const fa_mod_node *q = &m->steps[s->args[0]];
+    return q->op == FA_MOD_DIV && is_int[q->args[0]] && is_int[q->args[1]] &&
+           m->steps[q->args[1]].op == FA_MOD_OP_CONST && m->steps[q->args[1]].value > 0;
+}
+
+/* is_int[i]: whether step i's value is an int (numbers only; booleans count as ints where
+ * they enter arithmetic). */
+static void fa_mod_cuda_ints(const fa_mod *m, int *is_int)
+{
+    for (int i = 0; i < m->n_steps; i++) {
+        const fa_mod_node *s = &m->steps[i];
+        int all = s->n_args > 0;
+        for (int k = 0; k < s->n_args; k++)
+            all = all && (is_int[s->args[k]] || m->steps[s->args[k]].type == FA_MOD_BOOL);
+        switch (s->op) {
+        case FA_MOD_OP_VAR: is_int[i] = s->what != FA_MOD_SCORE; break;
+        case FA_MOD_OP_CONST: is_int[i] = fa_mod_cuda_int_const(s); break;
+        case FA_MOD_ADD:
+        case FA_MOD_SUB:
+        case FA_MOD_MUL:
+        case FA_MOD_NEG:
+        case FA_MOD_ABS:
+        case FA_MOD_MIN:
+        case FA_MOD_MAX: is_int[i] = all; break;
+        case FA_MOD_MOD:
+            is_int[i] = all && m->steps[s->args[1]].op == FA_MOD_OP_CONST &&
+                        m->steps[s->args[1]].value > 0;
+            break;
+        case FA_MOD_FLOOR:
+            is_int[i] = is_int[s->args[0]] || fa_mod_cuda_floor_div(m, is_int, i);
+            break;
+        case FA_MOD_OP_WHERE:
+            is_int[i] = (is_int[s->args[1]] || m->steps[s->args[1]].type == FA_MOD_BOOL) &&
+                        (is_int[s->args[2]] || m->steps[s->args[2]].type == FA_MOD_BOOL);
+            break;
+        default: is_int[i] = 0; break;
+        }
+        if (s->type == FA_MOD_BOOL)
+            is_int[i] = 0;
+    }
+}
+
+/* The int forms of the ops fa_mod_cuda_ints keeps in int ("%s" the operands). */
+static const char *fa_mod_cuda_int_form(int op)
+{
+    switch (op) {
+    case FA_MOD_ABS: return "abs(%s)";
+    case FA_MOD_MIN: return "min(%s, %s)";
+    case FA_MOD_MAX: return "max(%s, %s)";
+    case FA_MOD_MOD: return "fa_mod_rem_i(%s, %s)";
+    case FA_MOD_FLOOR: return "%s";
+    default: return fa_mod_cuda_forms[op];
+    }
+}
+
 /* Step i's statement into t at *at (cap bytes in all). */
-static void fa_mod_cuda_step(const fa_mod *m, int i, char *t, size_t cap, size_t *at)
+static void fa_mod_cuda_step(const fa_mod *m, const int *is_int, int i, char *t, size_t cap,
+                             size_t *at)
 {
     const fa_mod_node *s = &m->steps[i];
     char a[FA_MOD_MAX_ARGS][16];
     for (int k = 0; k < FA_MOD_MAX_ARGS; k++)
         snprintf(a[k], sizeof a[k], k < s->n_args ? "v%d" : "0.f", s->args[k]);
     *at += (size_t)snprintf(t + *at, cap - *at, "    const %s v%d = ",
-                            s->type == FA_MOD_BOOL ? "bool" : "float", i);
+                            s->type == FA_MOD_BOOL ? "bool" : is_int[i] ? "int" : "float", i);
     switch (s->op) {
     case FA_MOD_OP_VAR:
         *at += (size_t)snprintf(t + *at, cap - *at, "%s", fa_mod_cuda_vars[s->what]);
         break;
     case FA_MOD_OP_CONST: {
+        if (is_int[i]) {
+            *at += (size_t)snprintf(t + *at, cap - *at, "%lld", (long long)s->value);
+            break;
+        }
         const float f = (float)s->value; /* the CPU's (FA_REAL)value */
         unsigned bits;
         memcpy(&bits, &f, sizeof bits);
@@ -75,10 +158,30 @@ static void fa_mod_cuda_step(const fa_mod *m, int i, char *t, size_t cap, size_t
         *at += (size_t)snprintf(t + *at, cap - *at, "%s ? %s : %s", a[0], a[1], a[2]);
         break;
     case FA_MOD_OP_AUX:
-        *at += (size_t)snprintf(t + *at, cap - *at, "fa_mod_aux(kp, %d, %d, %s, %s, %s, %s)",
-                                s->what, s->n_args, a[0], a[1], a[2], a[3]);
+        /* The offset of the element, an index at a time (int or fp32: fa_mod_off_i / _f). */
+        *at += (size_t)snprintf(t + *at, cap - *at, "fa_mod_aux_at(kp, %d, ", s->what);
+        for (int k = 0; k < s->n_args; k++)
+            *at += (size_t)snprintf(t + *at, cap - *at, "%sfa_mod_off_%c(kp, %d, %d, %s)",
+                                    k ? " + " : "", is_int[s->args[k]] ? 'i' : 'f', s->what, k,
+                                    a[k]);
+        *at += (size_t)snprintf(t + *at, cap - *at, ")");
+        break;
+    case FA_MOD_FLOOR:
+        if (is_int[i] && !is_int[s->args[0]]) { /* floor division (fa_mod_cuda_floor_div) */
+            const fa_mod_node *q = &m->steps[s->args[0]];
+            *at += (size_t)snprintf(t + *at, cap - *at, "fa_mod_floordiv_i(v%d, v%d)",
+                                    q->args[0], q->args[1]);
+            break;
+        }
+        *at += (size_t)snprintf(t + *at, cap - *at,
+                                is_int[i] ? fa_mod_cuda_int_form(s->op) : fa_mod_cuda_forms[s->op],
+                                a[0]);
         break;
     default:
+        if (is_int[i]) {
+            *at += (size_t)snprintf(t + *at, cap - *at, fa_mod_cuda_int_form(s->op), a[0], a[1]);
+            break;
+        }
         /* Operands as arguments of the form: at most two. */
         *at += (size_t)snprintf(t + *at, cap - *at, fa_mod_cuda_forms[s->op], a[0], a[1]);
         break;
@@ -116,8 +219,10 @@ static void fa_mod_cuda_dstep(const fa_mod *m, int i, char *t, size_t cap, size_
 static void fa_mod_cuda_body(const fa_mod *m, int grad, char *t, size_t cap, size_t *at)
 {
     const int score = m->kind == FA_MOD_KIND_SCORE;
+    int is_int[FA_MOD_MAX_NODES];
+    fa_mod_cuda_ints(m, is_int);
     for (int i = 0; i < m->n_steps; i++) {
-        fa_mod_cuda_step(m, i, t, cap, at);
+        fa_mod_cuda_step(m, is_int, i, t, cap, at);
         if (grad)
             fa_mod_cuda_dstep(m, i, t, cap, at);
     }
@@ -133,22 +238,22 @@ fa_status fa_mod_emit_cuda(fa_mod *m)
 {
     const int score = m->kind == FA_MOD_KIND_SCORE;
     /* A step's value line and, for a score_mod, its value again and its derivative's block. */
-    const size_t cap = 1024 + strlen(m->text) + (size_t)m->n_steps * (score ? 512 : 96);
+    const size_t cap = 1024 + strlen(m->text) + (size_t)m->n_steps * (score ? 768 : 256);
     char *t = malloc(cap);
     if (!t)
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "fa_mod_finish: out of memory");
     /* A mask_mod does not read the score (fa_mod_finish refuses it), so takes none. */
     size_t at = (size_t)snprintf(t, cap,
                                  "/* %s */\n"
-                                 "FA_DEV %s fa_%s_mod(const fa_kparams *kp, %sfloat b, float h, "
-                                 "float q_idx, float kv_idx)\n{\n",
+                                 "FA_DEV %s fa_%s_mod(const fa_kparams *kp, %sint b, int h, "
+                                 "int q_idx, int kv_idx)\n{\n",
                                  m->text, score ? "float" : "bool", score ? "score" : "mask",
                                  score ? "float score, " : "");
     fa_mod_cuda_body(m, 0, t, cap, &at);
     if (score) {
         at += (size_t)snprintf(t + at, cap - at,
                                "FA_DEV float fa_score_mod_grad(const fa_kparams *kp, float score, "
-                               "float b, float h, float q_idx, float kv_idx, float *dscore)\n{\n");
+                               "int b, int h, int q_idx, int kv_idx, float *dscore)\n{\n");
         fa_mod_cuda_body(m, 1, t, cap, &at);
     }
     free(m->cuda);

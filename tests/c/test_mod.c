@@ -250,7 +250,8 @@ static void test_call_errors(tu_rng *r)
 
 /* The CUDA C a finished program carries for the GPU (fa_mod_emit_cuda): the canonical text at
  * its head, one statement per step in the evaluator's operations, constants as their fp32
- * bits, aux reads by slot and index count; programs that differ in a constant differ. */
+ * bits (integral ones as ints), index arithmetic in int, aux reads by slot with each index's
+ * offset (int or fp32); programs that differ in a constant differ. */
 static void test_cuda_text(void)
 {
     tu_where = "cuda text";
@@ -260,10 +261,12 @@ static void test_cuda_text(void)
     root = B(AND, root, U(NOT, B(EQ, V(H), C(3))));
     TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_MASK) == FA_STATUS_OK, "%s", fa_last_error());
     const char *want[] = {
-        ("FA_DEV bool fa_mask_mod(const fa_kparams *kp, float b, float h, float q_idx, float "
-         "kv_idx)"),
+        "FA_DEV bool fa_mask_mod(const fa_kparams *kp, int b, int h, int q_idx, int kv_idx)",
         "__int_as_float(0x3dcccccd)", /* 0.1 rounded to fp32, as the CPU evaluates it */
-        "fa_mod_aux(kp, 2, 2, v0, v3, 0.f, 0.f)", "const bool v6 = v4 < v5;", "!v9", "&&",
+        "const int v3 = v1 - v2;",
+        "fa_mod_aux_at(kp, 2, fa_mod_off_i(kp, 2, 0, v0) + fa_mod_off_i(kp, 2, 1, v3))",
+        "const float v4 = fa_mod_aux_at", "const bool v6 = v4 < v5;", "const int v8 = 3;",
+        "!v9", "&&",
     };
     char head[512];
     snprintf(head, sizeof head, "/* %s */", fa_mod_text(m));
@@ -283,7 +286,7 @@ static void test_cuda_text(void)
     root = B(MAX, U(TANH, V(SCORE)), B(MOD, V(SCORE), C(-4)));
     TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s", fa_last_error());
     const char *want_s[] = {("FA_DEV float fa_score_mod(const fa_kparams *kp, float score, "
-                             "float b,"),
+                             "int b,"),
                             "tanhf(v0)", "fa_mod_rem(v0, v2)", "fa_mod_max(v1, v3)"};
     for (size_t i = 0; i < sizeof want_s / sizeof want_s[0]; i++)
         TU_CHECK(strstr(s1->cuda, want_s[i]), "'%s' missing from:\n%s", want_s[i], s1->cuda);
@@ -292,8 +295,8 @@ static void test_cuda_text(void)
      * (mod/fa_mod_grad.h), the root's derivative returned through dscore; score's is 1, the
      * constant's 0; a mask_mod has none. */
     const char *want_g[] = {
-        ("FA_DEV float fa_score_mod_grad(const fa_kparams *kp, float score, float b, float h, "
-         "float q_idx, float kv_idx, float *dscore)"),
+        ("FA_DEV float fa_score_mod_grad(const fa_kparams *kp, float score, int b, int h, "
+         "int q_idx, int kv_idx, float *dscore)"),
         "const float d0 = 1.f;", "const float d2 = 0.f;",
         "d1 = (1 - FA_MOD_D_SQ(FA_MOD_D_TANH(x))) * dx;",
         "const float x = (float)v0, y = (float)v2, dx = d0, dy = d2, dz = 0.f;",
@@ -307,6 +310,24 @@ static void test_cuda_text(void)
              "%s", fa_last_error());
     TU_CHECK(!strstr(s1->cuda, "fa_mask_mod") && !strstr(mk->cuda, "fa_score_mod"),
              "a function of the other kind emitted");
+    /* Int forms: the remainder and floor quotient by positive constants; a fractional factor,
+     * a negative divisor and a true division make fp32 steps. */
+    fa_mod *mi = fa_mod_create();
+    m = mi;
+    const int quot = U(FLOOR, B(DIV, V(KV_IDX), C(16)));
+    root = B(AND, B(EQ, B(MOD, V(Q_IDX), C(64)), quot),
+             B(LT, B(MUL, V(Q_IDX), C(0.5)), B(MOD, V(KV_IDX), C(-4))));
+    root = B(AND, root, B(GT, B(DIV, V(Q_IDX), C(3)), U(ABS, B(SUB, V(KV_IDX), V(Q_IDX)))));
+    TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_MASK) == FA_STATUS_OK, "%s", fa_last_error());
+    const char *want_i[] = {"const int v2 = fa_mod_rem_i(v0, v1);",
+                            "const int v6 = fa_mod_floordiv_i(v3, v4);",
+                            "const float v9 = v0 * v8;", "const float v11 = fa_mod_rem(v3, v10);",
+                            "const int v17 = abs(v16);", "const float v15 = fa_mod_div(v0, v14);"};
+    for (size_t i = 0; i < sizeof want_i / sizeof want_i[0]; i++)
+        TU_CHECK(strstr(mi->cuda, want_i[i]), "'%s' missing from:\n%s", want_i[i], mi->cuda);
+    TU_CHECK(strstr(mi->cuda, "const float v4") == NULL && strstr(mi->cuda, "const int v4 = 16;"),
+             "16 not an int constant:\n%s", mi->cuda);
+    fa_mod_destroy(mi);
     fa_mod_destroy(s1);
     fa_mod_destroy(s2);
     fa_mod_destroy(mk);
