@@ -246,9 +246,8 @@ FA_DEV void fa_mask_scores(const fa_kparams *kp, const fa_rows *r, float *sacc, 
 
 #if FA_MOD_MASKS && FA_MOD_MASK_FIRST
 /* FA_SCORE_KEEP's decisions as bits (bit j % 32 of keep[j / 32] for score j), made before
- * score_mod runs (FA_MOD_MASK_FIRST, the plan's choice where score_mod reads an aux tensor):
- * beside score_mod's aux reads, the scores and the mask's operands together took more
- * registers than the consumers have. */
+ * score_mod runs (FA_MOD_MASK_FIRST, from FLASHATTN_SM90_MASK_FIRST=1, an A/B): fewer
+ * registers live beside score_mod's code, slower where measured. */
 #define FA_KEEP_WORDS ((FA_SACC + 31) / 32)
 FA_DEV void fa_mask_bits(const fa_kparams *kp, const fa_rows *r, int kb0, int mode,
                          fa_u32 keep[FA_KEEP_WORDS])

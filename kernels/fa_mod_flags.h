@@ -15,8 +15,8 @@
 #ifndef FA_BLOCK_MASK
 #define FA_BLOCK_MASK 0
 #endif
-/* The Hopper forward decides its mask before score_mod runs (fa_mask_bits) where the plan asks:
- * a score_mod that reads an aux tensor, beside a mask. */
+/* The Hopper forward decides its mask before score_mod runs (fa_mask_bits) where the plan asks
+ * (FLASHATTN_SM90_MASK_FIRST=1, an A/B: slower by measurement). */
 #ifndef FA_MOD_MASK_FIRST
 #define FA_MOD_MASK_FIRST 0
 #endif

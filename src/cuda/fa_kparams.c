@@ -60,8 +60,6 @@ unsigned fa_kparams_mod_aux(const fa_params *p)
             far += (t->shape[d] - 1) * (t->stride[d] < 0 ? -t->stride[d] : t->stride[d]);
         if (far > INT32_MAX)
             bits &= ~FA_PLAN_AUX_OFF32;
-        if (p->mods.score_mod && p->mods.score_mod->aux_ndim[i] > 0)
-            bits |= FA_PLAN_AUX_SCORE;
     }
     return bits;
 }

@@ -320,15 +320,13 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_SM90_UNSUPPORTED);
     fa_plan_define_mods(plan, key);
-    /* The mask decided before score_mod (fa_fwd_sm90.cu's fa_mask_bits) where score_mod reads
-     * an aux tensor: beside the gather it is faster, beside arithmetic alone slower.
-     * FLASHATTN_SM90_MASK_FIRST=0 / 1 decides for every score_mod with a mask (the A/B). */
+    /* The mask decided before score_mod (fa_fwd_sm90.cu's fa_mask_bits) only with
+     * FLASHATTN_SM90_MASK_FIRST=1: measured slower beside arithmetic score_mods and, since
+     * index arithmetic is int, beside a gather too. */
     const char *first = getenv("FLASHATTN_SM90_MASK_FIRST");
-    const int mask_first = first && (first[0] == '0' || first[0] == '1') && !first[1]
-                               ? first[0] == '1'
-                               : (key->mod_aux & FA_PLAN_AUX_SCORE) != 0;
     if ((key->features & FA_PLAN_SCORE_MOD) &&
-        (key->features & (FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK)) && mask_first)
+        (key->features & (FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK)) && first &&
+        strcmp(first, "1") == 0)
         fa_plan_define(plan, "FA_MOD_MASK_FIRST", 1);
     return FA_STATUS_OK;
 }

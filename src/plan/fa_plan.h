@@ -38,14 +38,12 @@ typedef struct fa_plan_key {
     fa_dtype dtype;
     int d, dv;         /* head dims as the caller has them */
     unsigned features; /* FA_FEATURE_* bits */
-    /* With a score_mod or mask_mod: bit i set where aux tensor i is int32 (else fp32),
-     * FA_PLAN_AUX_OFF32 where every aux element's offset fits an int (fa_mod.cuh), and
-     * FA_PLAN_AUX_SCORE where score_mod reads an aux tensor. */
+    /* With a score_mod or mask_mod: bit i set where aux tensor i is int32 (else fp32), and
+     * FA_PLAN_AUX_OFF32 where every aux element's offset fits an int (fa_mod.cuh). */
     unsigned mod_aux;
 } fa_plan_key;
 
 #define FA_PLAN_AUX_OFF32 (1u << 4)
-#define FA_PLAN_AUX_SCORE (1u << 5)
 
 typedef struct fa_plan {
     const char *family; /* kernel source, e.g. "fa_fwd_sm80.cu" */
