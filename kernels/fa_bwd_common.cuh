@@ -293,8 +293,9 @@ FA_DEV void fa_bwd_keep_bits(const fa_kparams *kp, int key0, int m0, int t, fa_u
 #endif
 #endif
 
-/* Row il of the tile's lse * log2(e) or D: from the lane that holds it (every lane of the warp
- * calls this together) or from the stage's rows in shared memory. */
+/* Row il of the tile's lse * log2(e) or D: from the lane that holds it or from the stage's rows
+ * in shared memory. Every lane of the warp calls it together, never under a condition that
+ * splits the warp (a shuffle there waits for lanes that never come). */
 #if FA_BWD_ROWS_IN_LANES
 FA_DEV float fa_bwd_row(const float v[FA_BWD_LANE_ROWS], int il)
 {
@@ -388,8 +389,11 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             z = r16 < kp->keep_threshold ? kp->dropout_scale : 0.f;
 #endif
 #if FA_BWD_MODS
-            /* Selected, not multiplied: score_mod's derivative is anything where dropped. */
-            dpt[nt][e] = vis ? p * (dpt[nt][e] * z - fa_bwd_row(tl->dsum, il)) * deriv : 0.f;
+            /* Selected, not multiplied: score_mod's derivative is anything where dropped. D's
+             * row read by every lane, outside the select: fa_bwd_row may be a warp shuffle,
+             * which under it only the lanes with vis would reach (the warp then hangs). */
+            const float dsum = fa_bwd_row(tl->dsum, il);
+            dpt[nt][e] = vis ? p * (dpt[nt][e] * z - dsum) * deriv : 0.f;
 #else
             dpt[nt][e] = p * (dpt[nt][e] * z - fa_bwd_row(tl->dsum, il)) * deriv;
 #endif

@@ -99,8 +99,8 @@ static int fa_plan_bwd_sm90_mods_enabled(void)
 /* The mods' combinations fa_bwd_sm90.cu takes: d = dv padded to 128, without a block mask,
  * dropout, softcap or ALiBi (at 64 the 128-query tile's S^T and dP^T beside the programs
  * spilled 140-290 bytes, the block mask's tours 180-760, softcap and ALiBi beside them 148).
- * ptxas still spills 20-40 bytes here (a per-item value, and around score_mod's code; 0 varlen
- * with a relative-bias score_mod): the switch stays off until a device says it pays. */
+ * ptxas spills here only around a score_mod's aux gather (16-32 bytes with a relative-bias
+ * table): the switch stays off until a device says it pays. */
 static int fa_plan_bwd_sm90_mods_ok(const fa_plan_key *key)
 {
     const unsigned beside =
