@@ -51,7 +51,8 @@ def key_of(query, key, value, scale, want_lse, programs, captured, block_mask):
             return None
         bm = (id(block_mask),) + tuple(None if x is None else (id(x), x._version)
                                        for x in fields)
-    return ((tuple((x.shape, x.stride(), x.dtype, x.device) for x in (query, key, value)),
+    return ((tuple((x.shape, x.stride(), x.dtype, x.device, x.is_neg())
+                   for x in (query, key, value)),
              scale, want_lse, bm) +
             tuple((f, id(t), tuple(s)) for f, t, s in programs) +
             tuple((id(x), x._version, x.data_ptr(), x.dtype, x.device, x.shape, x.stride())
