@@ -501,9 +501,10 @@ class _FlexCall:
         args, keep, arrays, names = self._args(query, key, value, out, lse)
         keep.append(arrays)
         bwd = _lib.new_bwd_args()
-        grads = [make_tensor(_swap(prepare(x, n, TORCH, cuda=True), TORCH), n, TORCH)
-                 for x, n in ((dout, "dout"), (dq, "dq"), (dk, "dk"), (dv, "dv"))]
-        keep.append(grads)
+        named = (("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv))
+        tensors = [prepare(x, n, TORCH, cuda=True) for n, x in named]  # dout maybe a copy
+        grads = [make_tensor(_swap(x, TORCH), n, TORCH) for (n, _), x in zip(named, tensors)]
+        keep.append((tensors, grads))
         bwd.fwd = ctypes.pointer(args)
         bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
         if query.device.type == "cuda":
