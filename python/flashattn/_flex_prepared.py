@@ -5,6 +5,10 @@ block mask (identity, its tensors' identities and versions). Everything ``flex._
 checks and builds depends only on those, so a later call with the same signature allocates the
 outputs and swaps in the data pointers and the current stream before calling the library, which
 validates every call itself.
+
+``register`` hands a prepared call to _fastpath (C, ``_fastpath_flex.c``) with the checks that
+tell a later call with the same arguments it would find the same traces and captures; C serves
+such calls without this module's walk of the mods.
 """
 
 import ctypes
@@ -13,8 +17,9 @@ import threading
 
 from . import _lib
 from ._arrays import _raw_stream
+from ._cached import _fastpath, _like
 from ._core import _rename
-from ._lib import FlashAttnError
+from ._lib import FaTensor, FlashAttnError
 
 _LOCAL = threading.local()  # the C call runs without the GIL: one cache (and args) a thread
 _CACHE_SIZE = 32
@@ -93,6 +98,32 @@ def store(key, args, structs, tensors, call, keyed, names):
     if len(cache) >= _CACHE_SIZE:
         cache.clear()
     cache[key] = p
+    return p
+
+
+def register(call_args, p, checks, captured):
+    """Hands prepared call p to _fastpath (C) for later calls of the same ``call_args``
+    (flex_attention's, in ``flex.FLEX_ARGS``' order), with ``checks`` (the walks' and the block
+    mask's, as ``_flex_cache.captured`` describes them) and those of the captured tensors
+    (identity, version, data, shape, strides and dtype, as ``key_of`` keys them; requires_grad
+    C reads itself). Nothing where a check cannot be made in C."""
+    if _fastpath is None or checks is None or any(c[0] == "unsupported" for c in checks):
+        return
+    torch = sys.modules["torch"]
+    checks = tuple(checks) + tuple(("aux", x, x._version, x.data_ptr(), x.shape, x.stride(),
+                                    x.dtype) for x in captured)
+    data = FaTensor.data.offset
+    fields = dict(zip(("q", "k", "v", "out", "lse"),
+                      (ctypes.addressof(t) + data for t in p.slots)))
+    fields.setdefault("lse", 0)
+    args = ctypes.addressof(p.args)
+    fields.update(fn=ctypes.cast(p.fn, ctypes.c_void_p).value, args=args,
+                  stream=0 if p.cuda is None else args + type(p.args).stream.offset,
+                  device=-1 if p.cuda is None else p.cuda)
+    lse_like = (None if p.lse_dtype is None else
+                _like(torch, p.lse_shape, p.lse_dtype, p.device))
+    _fastpath.flex_register(tuple(call_args), p, fields,
+                            _like(torch, p.out_shape, p.dtype, p.device), lse_like, checks)
 
 
 def run(p, query, key, value):

@@ -10,7 +10,8 @@
 ``_fastpath`` (C) is a cache in front of this route for ``flash_attn_func``'s and
 ``flash_attn_with_kvcache``'s commonest torch calls: it looks the call's signature up among
 _cached's prepared calls and hands every call it does not serve to ``dense_any`` /
-``kvcache_any``, so the route is the same whichever serves it. Scalars pass down
+``kvcache_any``, so the route is the same whichever serves it (and in front of
+``flex.flex_any`` for ``flex_attention``'s repeated calls). Scalars pass down
 as the caller gave them; ``_core`` converts and checks them where it fills the C arguments
 (the default softmax scale included), so that a prepared call's signature holds the caller's
 values.
@@ -36,6 +37,7 @@ KV_ARGS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cac
 _TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and torch)
 DENSE_C = None  # _fastpath.dense bound to torch (None: not built, or no torch call yet)
 KVCACHE_C = None  # _fastpath.kvcache, with DENSE_C
+FLEX_C = None  # _fastpath.flex (flex_attention's), with DENSE_C
 IS_COMPILING = None  # torch.compiler.is_compiling, with DENSE_C
 
 
@@ -44,13 +46,15 @@ def torch_ops():
     ``flashattn._bind_torch``) or on the first torch call, with the C fast path bound in front
     of ``dense_any``. Binding before any call keeps it out of a first call that torch.compile
     traces (Dynamo cannot trace the C binding)."""
-    global DENSE_C, KVCACHE_C, IS_COMPILING
+    global DENSE_C, KVCACHE_C, FLEX_C, IS_COMPILING
     if not _TORCH_OPS:
         from . import _torch_ops as module
+        from . import flex
 
         _TORCH_OPS.append(module)
         IS_COMPILING = module.torch.compiler.is_compiling
-        DENSE_C, KVCACHE_C = module.bind_fastpath(dense_any, DENSE_ARGS, kvcache_any, KV_ARGS)
+        DENSE_C, KVCACHE_C, FLEX_C = module.bind_fastpath(dense_any, DENSE_ARGS, kvcache_any,
+                                                          KV_ARGS, flex.fastpath_table())
     return _TORCH_OPS[0]
 
 

@@ -16,7 +16,7 @@ import math
 import sys
 import weakref
 
-from . import _flex_prepared, _lib
+from . import _flex_prepared, _lib, _route
 from ._arrays import NUMPY, TORCH, common_kind, make_tensor, prepare
 from ._core import _prepare_forward, _rename, as_bool, as_int, as_scale
 from ._flex_cache import trace
@@ -386,6 +386,27 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     captures
     (refused when they require grad); without mods it runs flash_attn_func, with autograd.
     """
+    # _fastpath (C) serves a repeated torch call without gradients whose mods and captures it
+    # finds unchanged, and hands every other call to flex_any; Dynamo cannot trace C.
+    entry = _route.FLEX_C
+    if entry is None or _route.IS_COMPILING():
+        entry = flex_any
+    return entry(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                 kernel_options)
+
+
+# flex_attention's arguments in order, as ``flex_any`` and _fastpath (which reads it) take them.
+FLEX_ARGS = ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa",
+             "return_lse", "kernel_options")
+
+
+def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+             kernel_options):
+    """flex_attention's route (its arguments in ``FLEX_ARGS``' order), and _fastpath's
+    fallback. A torch call without gradients whose arguments are prepared is handed to
+    _fastpath with the checks its walks of the mods recorded."""
+    call_args = (query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                 kernel_options)
     if kernel_options is not None:
         raise FlashAttnError("kernel_options: tunes torch's kernels; flashattn takes none")
     enable_gqa, return_lse = as_bool(enable_gqa, "enable_gqa"), as_bool(return_lse,
@@ -398,14 +419,17 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         x.requires_grad for x in (query, key, value))
     if grad and score_mod is None and block_mask is None:
         return _plain(query, key, value, scale, return_lse)
+    checks = [] if _may_serve_later(kind, grad) else None  # what C checks on a later call
     mods = []  # (argument field, trace, aux tensors)
     if score_mod is not None:
-        mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod"))
+        mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod", checks))
     if block_mask is not None:
         _check_block_mask(block_mask, B, H, Lq, Lkv)
+        if checks is not None:
+            _block_mask_checks(block_mask, checks)
         if block_mask.mask_mod is not None:
             mods.append(("mask_mod",) + trace(block_mask.mask_mod, KIND_MASK,
-                                              "block_mask.mask_mod"))
+                                              "block_mask.mask_mod", checks))
 
     # aux slots of the call: the mods' captured tensors, each once
     aux, slot_of, programs = [], {}, []
@@ -429,6 +453,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         p = _flex_prepared.lookup(prepared_key)
         if p is not None:
             out, lse = _flex_prepared.run(p, query, key, value)
+            _flex_prepared.register(call_args, p, checks, captured)
             return out if not return_lse else (out, _empty_rows(lse, kind))
     device = query.device if kind == TORCH else None
     aux = [_aux_tensor(x, field, i, device or "cpu") for i, (field, x) in enumerate(aux)]
@@ -438,10 +463,49 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         out, lse = _flex_fn().apply(query, key, value, call)
     else:
         keyed = [t for _, t, _ in programs] + captured + [block_mask]
-        out, lse = call.forward(query, key, value, return_lse, prepared_key, keyed)
+        out, lse, p = call.forward(query, key, value, return_lse, prepared_key, keyed)
+        if p is not None:
+            _flex_prepared.register(call_args, p, checks, captured)
     if not return_lse:
         return out
     return out, _empty_rows(lse, kind)
+
+
+def _may_serve_later(kind, grad):
+    """Whether _fastpath may serve a later call like this one (torch, no gradients, the C
+    path bound, not traced by torch.compile)."""
+    if kind != TORCH or grad:
+        return False
+    _route.torch_ops()
+    return _route.FLEX_C is not None and not _route.IS_COMPILING()
+
+
+def _block_mask_checks(block_mask, checks):
+    """What C checks of a block mask on a later call: the attributes this call reads
+    (``_check_block_mask``, ``_flex_prepared.key_of``, the mask_mod), by identity, and its
+    tensors' versions."""
+    seq = getattr(block_mask, "seq_lengths", None)
+    if type(seq) is not tuple or any(type(n) is not int for n in seq):
+        checks.append(("unsupported",))  # read by value each call
+        return
+    for name in ("seq_lengths", "mask_mod") + _BM_FIELDS:
+        x = getattr(block_mask, name)
+        checks.append(("attr", block_mask, name, x))
+        if name in _BM_FIELDS and x is not None:
+            version = getattr(x, "_version", None)
+            checks.append(("unsupported",) if version is None else ("version", x, version))
+
+
+def _lse_rows(lse):
+    """_empty_rows of a torch lse, for _fastpath."""
+    return _empty_rows(lse, TORCH)
+
+
+def fastpath_table():
+    """What _fastpath's bind() takes for flex(): the fallback, the argument layout, the
+    per-thread cache's holder and _lse_rows."""
+    return dict(flex_fallback=flex_any, flex_args=FLEX_ARGS, flex_local=_flex_prepared._LOCAL,
+                flex_lse_rows=_lse_rows)
 
 
 class _FlexCall:
@@ -477,9 +541,9 @@ class _FlexCall:
         return args, keep, arrays, names
 
     def forward(self, query, key, value, want_lse, prepared_key=None, keyed=()):
-        """(out, lse or None), lse as the library gives it (+inf for a row with no key); with
-        prepared_key (torch, no gradients) the arguments are cached for the next such call,
-        beside keyed, the objects whose ids the key holds."""
+        """(out, lse or None, the prepared call or None), lse as the library gives it (+inf for
+        a row with no key); with prepared_key (torch, no gradients) the arguments are cached
+        for the next such call, beside keyed, the objects whose ids the key holds."""
         out = _empty(self.kind, tuple(query.shape[:3]) + (int(value.shape[3]),), query)
         lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True) if want_lse else None
         args, keep, arrays, names = self._args(query, key, value, out, lse)
@@ -487,11 +551,12 @@ class _FlexCall:
             _lib.forward(args)
         except FlashAttnError as e:
             raise FlashAttnError(_rename(str(e), names), e.status) from None
+        p = None
         if prepared_key is not None:
-            _flex_prepared.store(prepared_key, args, keep, (query, key, value, out, lse), self,
-                                 keyed, names)
+            p = _flex_prepared.store(prepared_key, args, keep, (query, key, value, out, lse),
+                                     self, keyed, names)
         del keep, arrays
-        return out, lse
+        return out, lse, p
 
     def backward(self, query, key, value, out, lse, dout):
         """(dq, dk, dv) in the inputs' [b, h, s, d] layout."""
@@ -534,7 +599,7 @@ def _flex_fn():
         class FlexFn(torch.autograd.Function):
             @staticmethod
             def forward(ctx, query, key, value, call):
-                out, lse = call.forward(query, key, value, True)
+                out, lse, _ = call.forward(query, key, value, True)
                 ctx.save_for_backward(query, key, value, out, lse)
                 ctx.call = call
                 ctx.mark_non_differentiable(lse)
