@@ -596,6 +596,8 @@ static PyMethodDef fp_methods[] = {
      "flex_register(args, prepared, fields, out_like, lse_like, checks): serve later calls of "
      "args from the prepared call while the checks hold; True, or None where a check is not "
      "one C makes"},
+    {"flex_wanted", fp_flex_wanted, METH_O,
+     "flex_wanted(args) -> whether the route should register a call of args now"},
     {"bind", fp_bind, METH_O,
      "bind(table): the torch and flashattn objects used, and the argument and field layouts"},
     {NULL, NULL, 0, NULL},

@@ -5,22 +5,25 @@
  * there is mostly that walk, which reads the same objects every time.
  *
  * When the route has run a call from a prepared call, it hands it here (flex_register) with
- * the checks its walks recorded (_flex_cache.captured describes them: each read the walk made,
- * as the container, how it was read and the object found; the block mask's attributes and
- * tensor versions; the captured tensors' identity, version, data, shape, strides and dtype).
- * A later call with the same arguments (q, k and v by metadata, the options by value, the mods
- * and the block mask by identity) is served here while every check holds: each read gives the
- * same object, so the route's walk would find the same traces and captures. Then, as
- * _fastpath.c's dense(): new outputs, the data pointers and stream written into the prepared
- * arguments, the library called without the GIL. Any check that fails drops the entry and
- * hands the call to the route, which walks, traces and prepares again as it would have.
+ * the checks its walks recorded (_fastpath_flex_checks.c). A later call with the same
+ * arguments (q, k and v by metadata, the options by value, the mods and the block mask by
+ * identity) is served here while every check holds: each read gives the same object, so the
+ * route's walk would find the same traces and captures. Then, as _fastpath.c's dense(): new
+ * outputs, the data pointers and stream written into the prepared arguments, the library
+ * called without the GIL. A check that fails drops the entry and hands the call to the route,
+ * which walks, traces and prepares again as it would have.
+ *
+ * Registering costs the route a good part of its own time, so the route asks first
+ * (flex_wanted; flex() decided when it handed the call over): yes for arguments met the second
+ * time, and at once after an entry that served calls saw a change; an entry that served no call
+ * before a change makes the route wait twice as many calls before the next (up to
+ * FX_BACKOFF_MAX). A new function at every call is never registered, captures that change at
+ * every call seldom.
  *
  * The argument positions come from bind() by name (flex.FLEX_ARGS); the registered call's
  * fields by name from a dict (_flex_prepared.register).
  */
-#include "_fastpath.h"
-
-#include <string.h>
+#include "_fastpath_flex.h"
 
 enum fx_arg { XA_Q, XA_K, XA_V, XA_SCORE_MOD, XA_BLOCK_MASK, XA_SCALE, XA_GQA, XA_LSE,
               XA_OPTIONS, XA_NUM };
@@ -36,73 +39,71 @@ enum fx_field { XF_FN, XF_ARGS, XF_Q, XF_K, XF_V, XF_OUT, XF_LSE, XF_STREAM, XF_
 static const char *const fx_field_names[XF_NUM] = {"fn",  "args", "q",      "k",     "v",
                                                    "out", "lse",  "stream", "device"};
 
-/* The checks, by the names _flex_cache.captured and _flex_prepared.register give them. */
-enum fx_op { XO_CELL, XO_EMPTY_CELL, XO_ITEM, XO_ABSENT, XO_LEN, XO_INDEX, XO_ATTR,
-             XO_NOT_FUNCTION, XO_TYPE, XO_META, XO_AUX, XO_VERSION, XO_NUM };
-static const char *const fx_op_names[XO_NUM] = {
-    "cell", "empty_cell", "item", "absent", "len", "index", "attr", "not_function", "type",
-    "meta", "aux", "version"};
-/* Items of each op's tuple after its name. */
-static const int fx_op_items[XO_NUM] = {2, 1, 3, 2, 2, 3, 3, 2, 2, 4, 6, 2};
-
-/* One check: obj read as op says gives want (by identity); held references. */
-typedef struct fx_check {
-    int op;
-    PyObject *obj;   /* the cell, dict, list, object, type or tensor read */
-    PyObject *key;   /* item / absent: the key; attr / not_function: the name */
-    PyObject *want;  /* the object found; type: the type; meta / aux: the shape */
-    PyObject *want2; /* meta: the device; aux: the strides */
-    PyObject *dtype; /* meta / aux */
-    Py_ssize_t n;    /* len: the length; index: the index */
-    long long version;
-    void *data; /* aux: data_ptr() */
-} fx_check;
-
-/* A registered call: its fields, what it holds and its checks. */
+/* A registered call: its fields, what it holds, how many calls it served and its checks; or,
+ * with prepared NULL and no checks, the record of a call the route served without registering
+ * it (when it will: fx_decide). */
 typedef struct fx_entry {
     int64_t f[XF_NUM];
     PyObject *prepared; /* _flex_prepared.Prepared: holds what args points to; its names */
     PyObject *out_like, *lse_like; /* lse_like None without an lse */
-    PyObject *mods;                /* (score_mod, block_mask): their ids are in the key */
+    PyObject *pins;                /* fx_pins: what holds the ids in the key */
+    Py_ssize_t served;             /* calls served */
+    long misses;  /* a record: the calls the route serves before it registers one */
+    long backoff; /* the misses before the call was registered (a record: will be) */
     Py_ssize_t count;
     fx_check checks[];
 } fx_entry;
 
 static struct {
-    PyObject *fallback; /* flex.flex_any */
-    PyObject *local;    /* _flex_prepared._LOCAL, whose "fast" is the per-thread cache */
-    PyObject *lse_rows; /* flex._lse_rows */
+    PyObject *fallback;    /* flex.flex_any */
+    PyObject *local;       /* _flex_prepared._LOCAL, whose "fast" holds a thread's entries */
+    PyObject *lse_rows;    /* flex._lse_rows */
     PyObject *function_type, *method_type; /* types.FunctionType, types.MethodType */
+    PyObject *empty;                       /* stands for an empty closure cell */
     Py_ssize_t at[XA_NUM], count;
-    PyObject *str_fast, *str_cell_contents, *str_version, *str_self, *str_func;
-    PyObject *op_names[XO_NUM];
+    PyObject *str_fast, *str_self, *str_func, *str_closure, *str_cell_contents;
+    PyObject *str_function[4]; /* __code__, __globals__, __defaults__, __kwdefaults__ */
 } fx;
 
+/* The route's decision at the last call flex() did not serve (flex_wanted reads it): the thread,
+ * the call's q, score_mod and block_mask (compared, not held) and whether to register it. */
+static struct {
+    PyThreadState *ts;
+    PyObject *q, *mod, *bm;
+    int want;
+} fx_last;
+
 #define FX_CAPSULE "flashattn._fastpath.flex_entry"
-#define FX_CACHE_SIZE 32
+#define FX_CACHE_SIZE 64   /* entries and records a thread keeps (all dropped when full) */
+#define FX_BACKOFF_MAX 64L /* the most route calls between registrations that serve nothing */
 
 int fp_flex_bind(PyObject *table)
 {
-    PyObject *held[5] = {fp_entry(table, "flex_fallback"), NULL, NULL, NULL, NULL};
-    if (!held[0] || !(held[1] = fp_entry(table, "flex_local")) ||
-        !(held[2] = fp_entry(table, "flex_lse_rows")) ||
-        !(held[3] = fp_entry(table, "function_type")) ||
-        !(held[4] = fp_entry(table, "method_type")) ||
-        fp_positions(fp_entry(table, "flex_args"), fx_arg_names, XA_NUM, (1 << XA_NUM) - 1,
-                     fx.at, &fx.count) != 0)
-        return -1;
-    if (!(fx.str_fast = PyUnicode_InternFromString("fast")) ||
-        !(fx.str_cell_contents = PyUnicode_InternFromString("cell_contents")) ||
-        !(fx.str_version = PyUnicode_InternFromString("_version")) ||
-        !(fx.str_self = PyUnicode_InternFromString("__self__")) ||
-        !(fx.str_func = PyUnicode_InternFromString("__func__")))
-        return -1;
-    for (int i = 0; i < XO_NUM; i++)
-        if (!(fx.op_names[i] = PyUnicode_InternFromString(fx_op_names[i])))
+    static const char *const held_names[] = {"flex_fallback", "flex_local", "flex_lse_rows",
+                                             "function_type", "method_type"};
+    PyObject **slots[] = {&fx.fallback, &fx.local, &fx.lse_rows, &fx.function_type,
+                          &fx.method_type};
+    enum { N_HELD = sizeof slots / sizeof slots[0] };
+    PyObject *held[N_HELD];
+    for (int i = 0; i < N_HELD; i++)
+        if (!(held[i] = fp_entry(table, held_names[i])))
             return -1;
-    PyObject **slots[5] = {&fx.fallback, &fx.local, &fx.lse_rows, &fx.function_type,
-                           &fx.method_type};
-    for (int i = 0; i < 5; i++) {
+    if (fp_positions(fp_entry(table, "flex_args"), fx_arg_names, XA_NUM, (1 << XA_NUM) - 1,
+                     fx.at, &fx.count) != 0 ||
+        fx_checks_bind(table) != 0)
+        return -1;
+    static const char *const names[] = {"fast", "__self__", "__func__", "__closure__",
+                                        "cell_contents", "__code__", "__globals__",
+                                        "__defaults__", "__kwdefaults__"};
+    PyObject **strs[] = {&fx.str_fast, &fx.str_self, &fx.str_func, &fx.str_closure,
+                         &fx.str_cell_contents, &fx.str_function[0], &fx.str_function[1],
+                         &fx.str_function[2], &fx.str_function[3]};
+    for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++)
+        if (!(*strs[i] = PyUnicode_InternFromString(names[i])))
+            return -1;
+    if (!(fx.empty = PyObject_CallObject((PyObject *)&PyBaseObject_Type, NULL)))
+        return -1;
+    for (int i = 0; i < N_HELD; i++) {
         Py_INCREF(held[i]);
         *slots[i] = held[i];
     }
@@ -111,23 +112,88 @@ int fp_flex_bind(PyObject *table)
 
 /* ---- the key and the per-thread cache --------------------------------------------------- */
 
-/* An object's identity as the key holds it (None stays None; a bound method, new at each
- * attribute read, by the identities of its object and function, all the walk reads of it): a
- * new reference. */
-static PyObject *fx_identity(PyObject *x)
+/* What the key holds of a plain function: the code, globals, defaults and kwdefaults it has and
+ * the objects in its closure cells (fx.empty for an empty one), all that the walk reads of the
+ * function itself (_flex_cache.captured records no checks of them for a score_mod), so that a
+ * function made anew at each call from the same code and captures (a lambda in a model's
+ * forward) is the same key. A new tuple of those objects (ids set: of their ids, which a kept
+ * key holds: fx_pins), or NULL. */
+static PyObject *fx_function_parts(PyObject *f, int ids)
+{
+    PyObject *closure = PyObject_GetAttr(f, fx.str_closure), *parts = NULL;
+    if (!closure)
+        return NULL;
+    const Py_ssize_t n = closure == Py_None ? 0 : PyTuple_Size(closure);
+    if (n >= 0 && (parts = PyTuple_New(4 + n)) != NULL) {
+        for (Py_ssize_t i = 0; i < 4 + n; i++) {
+            PyObject *x = i < 4 ? PyObject_GetAttr(f, fx.str_function[i])
+                                : PyObject_GetAttr(PyTuple_GetItem(closure, i - 4),
+                                                   fx.str_cell_contents);
+            if (!x && i >= 4 && PyErr_ExceptionMatches(PyExc_ValueError)) {
+                PyErr_Clear(); /* an empty cell */
+                Py_INCREF(fx.empty);
+                x = fx.empty;
+            }
+            if (x && ids) {
+                PyObject *id = PyLong_FromVoidPtr(x);
+                Py_DECREF(x);
+                x = id;
+            }
+            if (!x || PyTuple_SetItem(parts, i, x) != 0) { /* steals x */
+                Py_CLEAR(parts);
+                break;
+            }
+        }
+    }
+    Py_DECREF(closure);
+    return parts;
+}
+
+/* A tuple of the ids of the items of t: a new reference, or NULL. */
+static PyObject *fx_ids(PyObject *t)
+{
+    const Py_ssize_t n = PyTuple_Size(t);
+    PyObject *ids = PyTuple_New(n);
+    for (Py_ssize_t i = 0; ids && i < n; i++) {
+        PyObject *id = PyLong_FromVoidPtr(PyTuple_GetItem(t, i));
+        if (!id || PyTuple_SetItem(ids, i, id) != 0) /* steals id */
+            Py_CLEAR(ids);
+    }
+    return ids;
+}
+
+/* score_mod's or the block mask's part of the key: None stays None; a score_mod that is a plain
+ * function its parts' ids (fx_function_parts); a bound method, new at each attribute read, the
+ * ids of its object and function (all the walk reads of it); anything else its id. A new
+ * reference, or NULL. */
+static PyObject *fx_identity(PyObject *x, int mod)
 {
     if (x == Py_None) {
         Py_INCREF(x);
         return x;
     }
+    if (mod && (PyObject *)Py_TYPE(x) == fx.function_type)
+        return fx_function_parts(x, 1);
     if ((PyObject *)Py_TYPE(x) != fx.method_type)
         return PyLong_FromVoidPtr(x);
-    PyObject *self = PyObject_GetAttr(x, fx.str_self), *func = NULL, *pair = NULL;
-    if (self && (func = PyObject_GetAttr(x, fx.str_func)) != NULL)
-        pair = Py_BuildValue("(NN)", PyLong_FromVoidPtr(self), PyLong_FromVoidPtr(func));
-    Py_XDECREF(self);
-    Py_XDECREF(func);
-    return pair;
+    PyObject *parts = Py_BuildValue("(NN)", PyObject_GetAttr(x, fx.str_self),
+                                    PyObject_GetAttr(x, fx.str_func));
+    PyObject *ids = parts ? fx_ids(parts) : NULL;
+    Py_XDECREF(parts);
+    return ids;
+}
+
+/* What a kept key holds so that no other object takes the ids in it: (score_mod, block_mask,
+ * score_mod's parts where it is a plain function). A new reference, or NULL. */
+static PyObject *fx_pins(PyObject *const *a)
+{
+    PyObject *mod = a[XA_SCORE_MOD];
+    if ((PyObject *)Py_TYPE(mod) != fx.function_type)
+        return PyTuple_Pack(2, mod, a[XA_BLOCK_MASK]);
+    PyObject *parts = fx_function_parts(mod, 0);
+    PyObject *pins = parts ? Py_BuildValue("(OOO)", mod, a[XA_BLOCK_MASK], parts) : NULL;
+    Py_XDECREF(parts);
+    return pins;
 }
 
 /* The key of a call: (shape, stride(), dtype, device, is_neg()) of q, k and v, the scale,
@@ -145,7 +211,7 @@ static PyObject *fx_key(PyObject *const *a)
     for (int i = 0; i < 5; i++) {
         if (i < 3)
             Py_INCREF(tail[i]);
-        else if (!(tail[i] = fx_identity(a[i == 3 ? XA_SCORE_MOD : XA_BLOCK_MASK])))
+        else if (!(tail[i] = fx_identity(a[i == 3 ? XA_SCORE_MOD : XA_BLOCK_MASK], i == 3)))
             goto fail;
         if (PyTuple_SetItem(key, 15 + i, tail[i]) != 0) /* steals tail[i] */
             goto fail;
@@ -172,129 +238,18 @@ static PyObject *fx_cache(int make)
     return cache;
 }
 
-/* ---- the checks --------------------------------------------------------------------------- */
-
-/* PyObject_GetAttr that reads an AttributeError as no attribute: 1 with *x, 0 without, -1. */
-static int fx_getattr(PyObject *obj, PyObject *name, PyObject **x)
+/* cache[key] = value, the cache emptied first when a new key finds it full: 0, or -1 with an
+ * exception. */
+static int fx_store(PyObject *cache, PyObject *key, PyObject *value)
 {
-    *x = PyObject_GetAttr(obj, name);
-    if (*x)
-        return 1;
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-        return -1;
-    PyErr_Clear();
-    return 0;
-}
-
-/* 1 if t.name() (call set) or t.name equals want (by identity where same is set, else by
- * value), 0 if not, -1 with an exception. */
-static int fx_tensor_is(PyObject *t, PyObject *name, int call, PyObject *want, int same)
-{
-    PyObject *x = call ? PyObject_CallMethodObjArgs(t, name, NULL) : PyObject_GetAttr(t, name);
-    if (!x)
-        return -1;
-    const int eq = same ? x == want : PyObject_RichCompareBool(x, want, Py_EQ);
-    Py_DECREF(x);
-    return eq;
-}
-
-/* t.requires_grad: 1, 0 or -1. */
-static int fx_requires_grad(PyObject *t)
-{
-    PyObject *r = PyObject_GetAttr(t, fp_str_requires_grad);
-    const int st = r ? PyObject_IsTrue(r) : -1;
-    Py_XDECREF(r);
-    return st;
-}
-
-/* 1 if t._version is version, 0 if not, -1. */
-static int fx_version_is(PyObject *t, long long version)
-{
-    PyObject *x = PyObject_GetAttr(t, fx.str_version);
-    if (!x)
-        return -1;
-    const long long v = PyLong_AsLongLong(x);
-    Py_DECREF(x);
-    return v == -1 && PyErr_Occurred() ? -1 : v == version;
-}
-
-/* An aux tensor as registered (and, where grad records, not requiring it): 1, 0 or -1. */
-static int fx_aux_holds(const fx_check *c, int grad)
-{
-    int st = fx_version_is(c->obj, c->version);
-    if (st == 1) {
-        void *data = NULL;
-        st = fp_data_ptr(c->obj, &data) != 0 ? -1 : data == c->data;
-    }
-    if (st == 1)
-        st = fx_tensor_is(c->obj, fp_str_shape, 0, c->want, 0);
-    if (st == 1)
-        st = fx_tensor_is(c->obj, fp_str_stride, 1, c->want2, 0);
-    if (st == 1)
-        st = fx_tensor_is(c->obj, fp_str_dtype, 0, c->dtype, 1);
-    if (st == 1 && grad)
-        st = (st = fx_requires_grad(c->obj)) < 0 ? -1 : !st;
-    return st;
-}
-
-/* 1 if check c holds, 0 if not, -1 with an exception. grad: grad mode is on. */
-static int fx_holds(const fx_check *c, int grad)
-{
-    PyObject *x = NULL;
-    int st;
-    switch (c->op) {
-    case XO_CELL:
-    case XO_EMPTY_CELL:
-        x = PyObject_GetAttr(c->obj, fx.str_cell_contents);
-        if (!x) {
-            if (!PyErr_ExceptionMatches(PyExc_ValueError))
-                return -1;
-            PyErr_Clear(); /* an empty cell */
-            return c->op == XO_EMPTY_CELL;
-        }
-        st = c->op == XO_CELL && x == c->want;
-        Py_DECREF(x);
-        return st;
-    case XO_ITEM:
-    case XO_ABSENT: /* borrowed */
-        x = PyDict_GetItemWithError(c->obj, c->key);
-        if (!x && PyErr_Occurred())
+    if (PyDict_Size(cache) >= FX_CACHE_SIZE) {
+        const int has = PyDict_Contains(cache, key);
+        if (has < 0)
             return -1;
-        return c->op == XO_ITEM ? x == c->want : x == NULL;
-    case XO_LEN: {
-        const Py_ssize_t n = PyObject_Size(c->obj);
-        return n < 0 ? -1 : n == c->n;
+        if (!has)
+            PyDict_Clear(cache);
     }
-    case XO_INDEX: /* borrowed; the length was checked first */
-        x = PyList_GetItem(c->obj, c->n);
-        if (!x) {
-            if (!PyErr_ExceptionMatches(PyExc_IndexError))
-                return -1;
-            PyErr_Clear();
-        }
-        return x == c->want;
-    case XO_ATTR:
-    case XO_NOT_FUNCTION:
-        st = fx_getattr(c->obj, c->key, &x);
-        if (st <= 0)
-            return st < 0 ? -1 : c->op == XO_NOT_FUNCTION;
-        st = c->op == XO_ATTR ? x == c->want : (PyObject *)Py_TYPE(x) != fx.function_type;
-        Py_DECREF(x);
-        return st;
-    case XO_TYPE:
-        return (PyObject *)Py_TYPE(c->obj) == c->want;
-    case XO_META:
-        st = fx_tensor_is(c->obj, fp_str_shape, 0, c->want, 0);
-        if (st == 1)
-            st = fx_tensor_is(c->obj, fp_str_dtype, 0, c->dtype, 1);
-        if (st == 1)
-            st = fx_tensor_is(c->obj, fp_str_device, 0, c->want2, 0);
-        return st;
-    case XO_AUX:
-        return fx_aux_holds(c, grad);
-    default: /* XO_VERSION */
-        return fx_version_is(c->obj, c->version);
-    }
+    return PyDict_SetItem(cache, key, value);
 }
 
 /* ---- registration ------------------------------------------------------------------------- */
@@ -304,95 +259,31 @@ static void fx_entry_free(PyObject *capsule)
     fx_entry *e = PyCapsule_GetPointer(capsule, FX_CAPSULE);
     if (!e)
         return;
-    for (Py_ssize_t i = 0; i < e->count; i++) {
-        fx_check *c = &e->checks[i];
-        Py_XDECREF(c->obj);
-        Py_XDECREF(c->key);
-        Py_XDECREF(c->want);
-        Py_XDECREF(c->want2);
-        Py_XDECREF(c->dtype);
-    }
+    for (Py_ssize_t i = 0; i < e->count; i++)
+        fx_check_clear(&e->checks[i]);
     Py_XDECREF(e->prepared);
     Py_XDECREF(e->out_like);
     Py_XDECREF(e->lse_like);
-    Py_XDECREF(e->mods);
+    Py_XDECREF(e->pins);
     PyMem_Free(e);
 }
 
-/* Reads check tuple t into c (its references taken): 1, 0 when it is not one C can make (an
- * unknown op, an item of no dict, an index of no list), -1 with an exception. */
-static int fx_parse_check(PyObject *t, fx_check *c)
+/* A record (pins, misses, backoff) in a new capsule, or NULL. */
+static PyObject *fx_record(PyObject *pins, long misses, long backoff)
 {
-    if (!PyTuple_Check(t) || PyTuple_Size(t) < 1)
-        return 0;
-    c->op = -1;
-    for (int i = 0; i < XO_NUM && c->op < 0; i++) {
-        const int eq = PyObject_RichCompareBool(PyTuple_GetItem(t, 0), fx.op_names[i], Py_EQ);
-        if (eq < 0)
-            return -1;
-        if (eq)
-            c->op = i;
+    fx_entry *e = PyMem_Calloc(1, sizeof *e);
+    if (!e)
+        return PyErr_NoMemory();
+    PyObject *capsule = PyCapsule_New(e, FX_CAPSULE, fx_entry_free);
+    if (!capsule) {
+        PyMem_Free(e);
+        return NULL;
     }
-    if (c->op < 0 || PyTuple_Size(t) != 1 + fx_op_items[c->op])
-        return 0;
-    PyObject *item[6] = {NULL};
-    for (int i = 0; i < fx_op_items[c->op]; i++)
-        item[i] = PyTuple_GetItem(t, 1 + i);
-    PyObject **to[6] = {&c->obj, NULL, NULL, NULL, NULL, NULL}; /* where each item goes */
-    switch (c->op) {
-    case XO_ITEM:
-        to[2] = &c->want;
-        /* fall through */
-    case XO_ABSENT:
-        if (!PyDict_Check(item[0]))
-            return 0;
-        to[1] = &c->key;
-        break;
-    case XO_INDEX:
-        if (!PyList_Check(item[0]))
-            return 0;
-        to[2] = &c->want;
-        /* fall through */
-    case XO_LEN:
-        c->n = PyLong_AsSsize_t(item[1]);
-        break;
-    case XO_ATTR:
-        to[2] = &c->want;
-        /* fall through */
-    case XO_NOT_FUNCTION:
-        to[1] = &c->key;
-        break;
-    case XO_CELL:
-    case XO_TYPE:
-        to[1] = &c->want;
-        break;
-    case XO_META: /* shape, dtype, device */
-        to[1] = &c->want;
-        to[2] = &c->dtype;
-        to[3] = &c->want2;
-        break;
-    case XO_AUX: /* version, data_ptr, shape, strides, dtype */
-        c->version = PyLong_AsLongLong(item[1]);
-        c->data = PyLong_AsVoidPtr(item[2]);
-        to[3] = &c->want;
-        to[4] = &c->want2;
-        to[5] = &c->dtype;
-        break;
-    case XO_VERSION:
-        c->version = PyLong_AsLongLong(item[1]);
-        break;
-    default: /* XO_EMPTY_CELL: the cell alone */
-        break;
-    }
-    if (PyErr_Occurred())
-        return -1;
-    for (int i = 0; i < 6; i++) {
-        if (to[i]) {
-            Py_INCREF(item[i]);
-            *to[i] = item[i];
-        }
-    }
-    return 1;
+    Py_INCREF(pins);
+    e->pins = pins;
+    e->misses = misses;
+    e->backoff = backoff;
+    return capsule;
 }
 
 /* The entry of a registration's arguments in a new capsule; None where a check is not one C
@@ -420,7 +311,7 @@ static PyObject *fx_make_entry(PyObject *const *a, PyObject *prepared, PyObject 
         Py_INCREF(held[i]);
         *slots[i] = held[i];
     }
-    if (!(e->mods = PyTuple_Pack(2, a[XA_SCORE_MOD], a[XA_BLOCK_MASK])))
+    if (!(e->pins = fx_pins(a)))
         goto fail;
     for (int i = 0; i < XF_NUM; i++) {
         PyObject *v = fp_entry(fields, fx_field_names[i]);
@@ -428,7 +319,7 @@ static PyObject *fx_make_entry(PyObject *const *a, PyObject *prepared, PyObject 
             goto fail;
     }
     for (Py_ssize_t i = 0; i < count; i++, e->count++) {
-        const int st = fx_parse_check(PyTuple_GetItem(checks, i), &e->checks[i]);
+        const int st = fx_check_parse(PyTuple_GetItem(checks, i), &e->checks[i]);
         if (st < 0)
             goto fail;
         if (st == 0) {
@@ -452,6 +343,100 @@ static int fx_unpack(PyObject *args, PyObject **a)
     return 1;
 }
 
+/* The checks flex() makes before it looks anything up: 1 if the arguments are plain (q, k and
+ * v exact torch.Tensor, no kernel_options, the flags bools, the scale None or a Python number),
+ * else 0. */
+static int fx_plain_arguments(PyObject *const *a)
+{
+    for (int i = XA_Q; i <= XA_V; i++)
+        if ((PyObject *)Py_TYPE(a[i]) != fp_t.tensor_type)
+            return 0;
+    return a[XA_OPTIONS] == Py_None && PyBool_Check(a[XA_GQA]) && PyBool_Check(a[XA_LSE]) &&
+           (a[XA_SCALE] == Py_None || fp_is_scalar(a[XA_SCALE]));
+}
+
+/* ---- when the route registers a call ------------------------------------------------------ */
+
+/* Stores a record (pins: fx_pins of a where NULL) under key: 0, or -1 with an exception. */
+static int fx_note(PyObject *cache, PyObject *key, PyObject *const *a, PyObject *pins,
+                   long misses, long backoff)
+{
+    PyObject *made = pins ? NULL : fx_pins(a);
+    PyObject *rec = pins || made ? fx_record(pins ? pins : made, misses, backoff) : NULL;
+    const int st = rec ? fx_store(cache, key, rec) : -1;
+    Py_XDECREF(rec);
+    Py_XDECREF(made);
+    return st;
+}
+
+/* The route's decision for call a, whose key has no entry (rec: its record, or NULL): 1 to
+ * register it now, 0 not yet (a call met the first time waits for the next); -1 with an
+ * exception. */
+static int fx_decide(PyObject *cache, PyObject *key, PyObject *const *a, fx_entry *rec)
+{
+    if (!rec)
+        return fx_note(cache, key, a, NULL, 1, 1) != 0 ? -1 : 0;
+    return --rec->misses <= 0;
+}
+
+/* A check of entry e failed: its key's decision (1 at once where e served calls, else after
+ * twice the misses e waited for), its record in its place; -1 with an exception. */
+static int fx_failed(PyObject *cache, PyObject *key, const fx_entry *e)
+{
+    const long backoff = e->backoff * 2 < FX_BACKOFF_MAX ? e->backoff * 2 : FX_BACKOFF_MAX;
+    PyObject *pins = e->pins;
+    Py_INCREF(pins); /* the entry goes */
+    const int st = e->served ? fx_note(cache, key, NULL, pins, 0, 1)
+                             : fx_note(cache, key, NULL, pins, backoff, backoff);
+    Py_DECREF(pins);
+    return st != 0 ? -1 : e->served > 0;
+}
+
+/* Records decision want for flex_wanted, at the call a that flex() hands to the route. */
+static void fx_remember(PyObject *const *a, int want)
+{
+    fx_last.ts = PyThreadState_Get();
+    fx_last.q = a[XA_Q];
+    fx_last.mod = a[XA_SCORE_MOD];
+    fx_last.bm = a[XA_BLOCK_MASK];
+    fx_last.want = want;
+}
+
+/* The entry or record of key in cache (borrowed), NULL where there is none (or with an
+ * exception). */
+static fx_entry *fx_lookup(PyObject *cache, PyObject *key)
+{
+    PyObject *capsule = PyDict_GetItemWithError(cache, key);
+    return capsule ? PyCapsule_GetPointer(capsule, FX_CAPSULE) : NULL;
+}
+
+PyObject *fp_flex_wanted(PyObject *self, PyObject *call)
+{
+    (void)self;
+    PyObject *a[XA_NUM];
+    if (!fx.fallback || !PyTuple_Check(call) || !fx_unpack(call, a)) {
+        PyErr_SetString(PyExc_ValueError, "flashattn._fastpath.flex_wanted: bound, and the "
+                                          "call's arguments in flex_attention's order");
+        return NULL;
+    }
+    if (fx_last.ts == PyThreadState_Get() && fx_last.q == a[XA_Q] &&
+        fx_last.mod == a[XA_SCORE_MOD] && fx_last.bm == a[XA_BLOCK_MASK]) {
+        fx_last.ts = NULL;
+        return PyBool_FromLong(fx_last.want);
+    }
+    if (!fx_plain_arguments(a)) /* never served in C */
+        Py_RETURN_FALSE;
+    PyObject *key = fx_key(a), *cache = key ? fx_cache(1) : NULL;
+    int st = -1;
+    if (cache) {
+        fx_entry *e = fx_lookup(cache, key);
+        st = PyErr_Occurred() ? -1 : e && e->prepared ? 0 : fx_decide(cache, key, a, e);
+    }
+    Py_XDECREF(cache);
+    Py_XDECREF(key);
+    return st < 0 ? NULL : PyBool_FromLong(st);
+}
+
 PyObject *fp_flex_register(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -468,36 +453,32 @@ PyObject *fp_flex_register(PyObject *self, PyObject *args)
                                           "arguments are not flex_attention's");
         return NULL;
     }
-    PyObject *entry = fx_make_entry(a, prepared, fields, out_like, lse_like, checks);
-    if (!entry || entry == Py_None)
-        return entry;
-    PyObject *key = fx_key(a), *cache = key ? fx_cache(1) : NULL;
-    int st = cache ? 0 : -1;
-    if (cache && PyDict_Size(cache) >= FX_CACHE_SIZE)
-        PyDict_Clear(cache);
-    if (cache)
-        st = PyDict_SetItem(cache, key, entry);
+    PyObject *key = fx_key(a), *cache = key ? fx_cache(1) : NULL, *entry = NULL;
+    const fx_entry *rec = cache ? fx_lookup(cache, key) : NULL;
+    const long backoff = rec && !rec->prepared ? rec->backoff : 1;
+    int st = -1;
+    if (cache && !PyErr_Occurred() &&
+        (entry = fx_make_entry(a, prepared, fields, out_like, lse_like, checks)) != NULL) {
+        if (entry == Py_None) { /* a check C cannot make: asked again seldom */
+            st = fx_note(cache, key, a, NULL, FX_BACKOFF_MAX, FX_BACKOFF_MAX);
+        } else {
+            ((fx_entry *)PyCapsule_GetPointer(entry, FX_CAPSULE))->backoff = backoff;
+            st = fx_store(cache, key, entry);
+        }
+    }
     Py_XDECREF(cache);
     Py_XDECREF(key);
-    Py_DECREF(entry);
-    if (st != 0)
+    if (st != 0) {
+        Py_XDECREF(entry);
         return NULL;
+    }
+    if (entry == Py_None)
+        return entry;
+    Py_DECREF(entry);
     Py_RETURN_TRUE;
 }
 
 /* ---- the call ----------------------------------------------------------------------------- */
-
-/* The checks flex() makes before it looks anything up: 1 if the arguments are plain (q, k and
- * v exact torch.Tensor, no kernel_options, the flags bools, the scale None or a Python number),
- * else 0. */
-static int fx_plain_arguments(PyObject *const *a)
-{
-    for (int i = XA_Q; i <= XA_V; i++)
-        if ((PyObject *)Py_TYPE(a[i]) != fp_t.tensor_type)
-            return 0;
-    return a[XA_OPTIONS] == Py_None && PyBool_Check(a[XA_GQA]) && PyBool_Check(a[XA_LSE]) &&
-           (a[XA_SCALE] == Py_None || fp_is_scalar(a[XA_SCALE]));
-}
 
 /* The registered call on q, k and v: new out (and lse), pointers and stream written, the
  * library run without the GIL; out, or (out, lse with its empty rows -inf). As in _fastpath.c's
@@ -551,6 +532,7 @@ done:
  * not, -1 with an exception. */
 static int fx_served(PyObject *const *a, PyObject **result)
 {
+    fx_last.ts = NULL;
     if (!fx_plain_arguments(a))
         return 0;
     int st = fp_modes_plain();
@@ -562,28 +544,31 @@ static int fx_served(PyObject *const *a, PyObject **result)
     for (int i = XA_Q; grad && i <= XA_V; i++) /* with gradients: the route's autograd */
         if ((st = fx_requires_grad(a[i])) != 0)
             return st < 0 ? -1 : 0;
-    PyObject *cache = fx_cache(0);
-    if (!cache)
-        return PyErr_Occurred() ? -1 : 0;
-    PyObject *key = fx_key(a), *capsule = NULL;
-    if (key && !(capsule = PyDict_GetItemWithError(cache, key)) && !PyErr_Occurred())
-        st = 0;
-    else if (capsule) {
-        Py_INCREF(capsule); /* held while Python code runs: a check may replace the entry */
-        const fx_entry *e = PyCapsule_GetPointer(capsule, FX_CAPSULE);
-        st = e ? 1 : -1;
-        for (Py_ssize_t i = 0; st == 1 && i < e->count; i++)
-            st = fx_holds(&e->checks[i], grad);
-        if (st == 0 && PyDict_DelItem(cache, key) != 0) /* the route registers it anew */
-            PyErr_Clear(); /* already gone: a check's Python code made a call */
-        if (st == 1)
-            st = (*result = fx_run(a + XA_Q, e, a[XA_LSE] == Py_True)) ? 1 : -1;
-        Py_DECREF(capsule);
-    } else {
+    PyObject *key = fx_key(a), *cache = key ? fx_cache(1) : NULL, *capsule = NULL;
+    if (!cache || (!(capsule = PyDict_GetItemWithError(cache, key)) && PyErr_Occurred())) {
         st = -1;
+    } else {
+        Py_XINCREF(capsule); /* held while Python code runs: a check may replace the entry */
+        fx_entry *e = capsule ? PyCapsule_GetPointer(capsule, FX_CAPSULE) : NULL;
+        if (capsule && !e) {
+            st = -1;
+        } else if (!e || !e->prepared) {
+            st = (st = fx_decide(cache, key, a, e)) < 0 ? -1 : (fx_remember(a, st), 0);
+        } else {
+            st = 1;
+            for (Py_ssize_t i = 0; st == 1 && i < e->count; i++)
+                st = fx_check_holds(&e->checks[i], grad);
+            if (st == 0)
+                st = (st = fx_failed(cache, key, e)) < 0 ? -1 : (fx_remember(a, st), 0);
+            else if (st == 1 && (*result = fx_run(a + XA_Q, e, a[XA_LSE] == Py_True)) != NULL)
+                e->served++;
+            else
+                st = -1;
+        }
+        Py_XDECREF(capsule);
     }
+    Py_XDECREF(cache);
     Py_XDECREF(key);
-    Py_DECREF(cache);
     return st;
 }
 

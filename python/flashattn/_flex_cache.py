@@ -42,7 +42,7 @@ def _global_names(code):
 _MAX_VISITS = 4096  # objects one discovery walks at most
 
 
-def captured(fn, checks=None):
+def captured(fn, checks=None, keyed=False):
     """[(path, object)]: what fn's trace depends on. The tensors, arrays and numbers it reaches
     through closures, globals, defaults and the attributes of captured objects, recursively
     through captured functions and small lists, tuples and dicts; the code of each function and
@@ -55,7 +55,9 @@ def captured(fn, checks=None):
     ("absent", dict, key); ("len", list or dict, n); ("index", list, i, obj); ("attr", obj,
     name, value); ("not_function", type, name): getattr gives no Python function; ("type",
     obj, type); ("unsupported",) where a read has no such check (the call is not served in C).
-    Objects are compared by identity, lengths by value."""
+    Objects are compared by identity, lengths by value. keyed: fn's own reads, where it is a
+    plain function (its code, defaults, kwdefaults and closure cells' contents), are in the
+    caller's key (_fastpath_flex.c's fx_function_parts) and need no checks."""
     torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
     values = (bool, int, float, str, type(None), type, types.BuiltinFunctionType)
     arrays = tuple(t for t in (torch and torch.Tensor, torch and torch.dtype,
@@ -119,19 +121,20 @@ def captured(fn, checks=None):
 
     def function(path, f, depth):
         code = f.__code__
-        if note is not None:
+        own = note if depth or not keyed else None  # the checks of f's own reads
+        if own is not None:
             for name in ("__code__", "__defaults__", "__kwdefaults__"):
-                note(("attr", f, name, getattr(f, name)))
+                own(("attr", f, name, getattr(f, name)))
         found.append((path + ("code",), code))
         for name, cell in zip(code.co_freevars, f.__closure__ or ()):
             try:
                 x = cell.cell_contents
             except ValueError:  # an empty cell
-                if note is not None:
-                    note(("empty_cell", cell))
+                if own is not None:
+                    own(("empty_cell", cell))
                 continue
-            if note is not None:
-                note(("cell", cell, x))
+            if own is not None:
+                own(("cell", cell, x))
             visit(path + ("cell", name), x, depth + 1)
         visit(path + ("defaults",), f.__defaults__ or (), depth + 1)
         kwdefaults = f.__kwdefaults__  # the dict itself even when empty: it may be filled
@@ -250,15 +253,16 @@ _CACHE_SIZE = 256
 _CACHE_LOCK = threading.Lock()
 
 
-def trace(fn, kind, name, checks=None):
+def trace(fn, kind, name, checks=None, keyed=False):
     """(Trace, its aux tensors for this call) of mod ``fn`` (KIND_SCORE: fn(score, b, h, q_idx,
     kv_idx); KIND_MASK: fn(b, h, q_idx, kv_idx)); ``name`` (score_mod / mask_mod) for errors.
     With a list ``checks``, what a later call must find unchanged to be this one's trace is
     appended (``captured``'s checks, and ("meta", tensor, shape, dtype, device) for each
-    captured tensor the trace does not read as an aux tensor; the caller checks those)."""
+    captured tensor the trace does not read as an aux tensor; the caller checks those); keyed
+    as ``captured`` takes it."""
     if not callable(fn):
         raise TypeError("%s: expected a function, got %s" % (name, type(fn).__name__))
-    found = captured(fn, checks)
+    found = captured(fn, checks, keyed)
     try:  # functions of one code that capture the same share a trace
         key = (kind, _signature(found) if found else fn)
         hash(key)

@@ -31,7 +31,7 @@ class Prepared:
     the call (programs, converted captures, block mask) and the block mask's held tensors."""
 
     __slots__ = ("args", "ref", "fn", "slots", "out_shape", "lse_shape", "dtype", "lse_dtype",
-                 "device", "cuda", "names", "hold")
+                 "device", "cuda", "names", "hold", "fast")
 
 
 def _cache():
@@ -94,6 +94,7 @@ def store(key, args, structs, tensors, call, keyed, names):
     p.cuda = out.device.index if out.device.type == "cuda" else None
     p.names = names
     p.hold = (call, tuple(keyed), structs)
+    p.fast = None
     cache = _cache()
     if len(cache) >= _CACHE_SIZE:
         cache.clear()
@@ -101,17 +102,33 @@ def store(key, args, structs, tensors, call, keyed, names):
     return p
 
 
+def wanted(call_args):
+    """Whether a call of ``call_args`` (flex_attention's, in ``flex.FLEX_ARGS``' order) that the
+    route serves should be handed to _fastpath (``register``): _fastpath_flex.c says."""
+    return _fastpath is not None and _fastpath.flex_wanted(tuple(call_args))
+
+
 def register(call_args, p, checks, captured):
-    """Hands prepared call p to _fastpath (C) for later calls of the same ``call_args``
-    (flex_attention's, in ``flex.FLEX_ARGS``' order), with ``checks`` (the walks' and the block
-    mask's, as ``_flex_cache.captured`` describes them) and those of the captured tensors
-    (identity, version, data, shape, strides and dtype, as ``key_of`` keys them; requires_grad
-    C reads itself). Nothing where a check cannot be made in C."""
-    if _fastpath is None or checks is None or any(c[0] == "unsupported" for c in checks):
+    """Hands prepared call p to _fastpath (C) for later calls of the same ``call_args``, with
+    ``checks`` (the walks' and the block mask's, as ``_flex_cache.captured`` describes them)
+    and those of the captured tensors (identity, version, data, shape, strides and dtype, as
+    ``key_of`` keys them; requires_grad C reads itself). C keeps nothing where a check is
+    not one it makes (("unsupported",)), and asks for the call again only much later."""
+    if _fastpath is None or checks is None:
         return
-    torch = sys.modules["torch"]
     checks = tuple(checks) + tuple(("aux", x, x._version, x.data_ptr(), x.shape, x.stride(),
                                     x.dtype) for x in captured)
+    if p.fast is None:
+        p.fast = _fast_fields(p)
+    _fastpath.flex_register(tuple(call_args), p, *p.fast, checks)
+
+
+def _fast_fields(p):
+    """(fields, out_like, lse_like) of p for _fastpath: the addresses of the library's forward,
+    of the arguments, of the data fields of q, k, v, out and lse (0 without one) and of the
+    stream field (0 on the CPU), the CUDA device index (-1 on the CPU); and the outputs'
+    ``_like``s."""
+    torch = sys.modules["torch"]
     data = FaTensor.data.offset
     fields = dict(zip(("q", "k", "v", "out", "lse"),
                       (ctypes.addressof(t) + data for t in p.slots)))
@@ -122,8 +139,7 @@ def register(call_args, p, checks, captured):
                   device=-1 if p.cuda is None else p.cuda)
     lse_like = (None if p.lse_dtype is None else
                 _like(torch, p.lse_shape, p.lse_dtype, p.device))
-    _fastpath.flex_register(tuple(call_args), p, fields,
-                            _like(torch, p.out_shape, p.dtype, p.device), lse_like, checks)
+    return fields, _like(torch, p.out_shape, p.dtype, p.device), lse_like
 
 
 def run(p, query, key, value):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flashattn
-from flashattn import FlashAttnError, _route, flex
+from flashattn import FlashAttnError, _flex_prepared, _route, flex
 
 B, H, S, D = 1, 2, 32, 16
 
@@ -63,11 +63,13 @@ def reference(q, k, v, score_mod=None, mask_mod=None):
 
 
 def assert_noticed(path, call, change, expect):
-    """call() served in C, then change(): the next call takes the route and gives expect()
-    (which must differ from the answer before the change), and the one after is served in C
-    again with the same answer."""
+    """call() served in C (from its third call: the route hands C a call it meets the second
+    time), then change(): the next call takes the route and gives expect() (which must differ
+    from the answer before the change), and the calls after are served in C again with the
+    same answer."""
     with torch.no_grad():
         before = call()
+        assert torch.equal(call(), before)
         path.clear()
         assert torch.equal(call(), before) and path == [True], "not served in C"
         change()
@@ -76,9 +78,15 @@ def assert_noticed(path, call, change, expect):
         assert path == [False], "the change was not noticed"
         torch.testing.assert_close(after, expect(), atol=2e-5, rtol=2e-5)
         assert not torch.allclose(after, before, atol=1e-3), "the change changes nothing"
-        path.clear()
-        assert torch.equal(call(), after) and path == [True], "not served in C again"
+        # served in C again from the next call, or (a function with new captures: a new key)
+        # from the one after
+        assert all(torch.equal(call(), after) for _ in range(2)) and path[-1], path
 
+
+# A plain function as score_mod is keyed by its code and captures (its own reads need no
+# checks); wrapped in functools.partial it is a function the walk reaches, whose reads are
+# checked: both kinds of each change.
+WRAPS = {"function": lambda f: f, "partial": functools.partial}
 
 G_SCALE = 1.0
 G_BIAS = None
@@ -118,11 +126,14 @@ def test_rebound_global_number(path, qkv):
                    lambda: reference(*qkv, global_scale))
 
 
-def test_rebound_closure_number(path, qkv):
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_rebound_closure_number(path, qkv, wrap):
     s = 1.0
 
     def mod(score, b, h, q_idx, kv_idx):
         return score * s
+
+    mod = WRAPS[wrap](mod)
 
     def change():
         nonlocal s
@@ -130,6 +141,27 @@ def test_rebound_closure_number(path, qkv):
 
     assert_noticed(path, lambda: flashattn.flex_attention(*qkv, mod), change,
                    lambda: reference(*qkv, mod))
+
+
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_filled_closure_cell(path, qkv, wrap):
+    """A closure variable not yet assigned (an empty cell, which the walk passes over) that is
+    assigned later."""
+    def mod(score, b, h, q_idx, kv_idx):
+        try:
+            return score * scale
+        except NameError:  # not assigned yet
+            return score
+
+    mod = WRAPS[wrap](mod)
+
+    def change():
+        nonlocal scale
+        scale = 3.0
+
+    assert_noticed(path, lambda: flashattn.flex_attention(*qkv, mod), change,
+                   lambda: reference(*qkv, mod))
+    scale = None  # noqa: F841  (makes scale a variable of this function, so a cell of mod's)
 
 
 def test_replaced_captured_tensor(path, qkv, rng):
@@ -144,11 +176,14 @@ def test_replaced_captured_tensor(path, qkv, rng):
                    lambda: reference(*qkv, global_bias))
 
 
-def test_replaced_closure_tensor(path, qkv, rng):
+@pytest.mark.parametrize("wrap", WRAPS)
+def test_replaced_closure_tensor(path, qkv, rng, wrap):
     bias = randn(rng, 64)
 
     def mod(score, b, h, q_idx, kv_idx):
         return score + bias[(q_idx - kv_idx).abs()]
+
+    mod = WRAPS[wrap](mod)
 
     def change():
         nonlocal bias
@@ -311,6 +346,7 @@ def test_captured_object_whose_class_becomes_callable(path, qkv):
 
     with torch.no_grad():
         before = flashattn.flex_attention(*qkv, mod)
+        flashattn.flex_attention(*qkv, mod)
         path.clear()
         flashattn.flex_attention(*qkv, mod)
         assert path == [True]
@@ -323,8 +359,9 @@ def test_captured_object_whose_class_becomes_callable(path, qkv):
             del _Plain.__call__
 
 
+@pytest.mark.parametrize("wrap", WRAPS)
 @pytest.mark.parametrize("how", ["defaults", "kwdefaults", "code", "partial"])
-def test_function_attributes(path, qkv, how):
+def test_function_attributes(path, qkv, how, wrap):
     def scaled(score, b, h, q_idx, kv_idx, s=1.0):
         return score * s
 
@@ -337,8 +374,8 @@ def test_function_attributes(path, qkv, how):
     def base(score, b, h, q_idx, kv_idx, s):
         return score * s
 
-    mod = {"defaults": scaled, "kwdefaults": scaled_kw, "code": scaled,
-           "partial": functools.partial(base, s=1.0)}[how]
+    mod = WRAPS[wrap]({"defaults": scaled, "kwdefaults": scaled_kw, "code": scaled,
+                       "partial": functools.partial(base, s=1.0)}[how])
 
     def change():
         if how == "defaults":
@@ -347,7 +384,7 @@ def test_function_attributes(path, qkv, how):
             scaled_kw.__kwdefaults__["s"] = 2.0  # the same dict, changed
         elif how == "code":
             scaled.__code__ = shifted.__code__
-        else:
+        else:  # (a partial of a partial is one partial)
             mod.keywords["s"] = 2.0
 
     assert_noticed(path, lambda: flashattn.flex_attention(*qkv, mod), change,
@@ -388,12 +425,19 @@ def keep_all(b, h, q_idx, kv_idx):
     return kv_idx >= 0
 
 
+class _ClassDefaults(flashattn.BlockMask):
+    """A block mask class with class attributes of its fields' names: read with getattr."""
+    mask_mod = kv_indices = None
+
+
+@pytest.mark.parametrize("cls", [flashattn.BlockMask, _ClassDefaults], ids=["plain", "class"])
 @pytest.mark.parametrize("how", ["in place", "rebound"])
-def test_changed_block_mask_tensors(path, qkv, how):
+def test_changed_block_mask_tensors(path, qkv, how, cls):
     """The block structure alone changes, its tensors changed in place (their versions) or
     rebound: causal's blocks (a mask_mod that keeps every key, so the blocks decide), then every
     block full."""
     bm = flashattn.create_block_mask(causal, None, None, S, S, BLOCK_SIZE=16)
+    bm.__class__ = cls
     bm.mask_mod = keep_all
     full = flashattn.create_block_mask(keep_all, None, None, S, S, BLOCK_SIZE=16)
 
@@ -434,6 +478,7 @@ def test_served_calls_match_the_route(path, qkv, rng, monkeypatch):
     with torch.no_grad():
         for kw in calls:
             flashattn.flex_attention(q, k, v, **kw)
+            flashattn.flex_attention(q, k, v, **kw)
             path.clear()
             got = flashattn.flex_attention(q, k, v, **kw)
             assert path == [True], kw
@@ -442,6 +487,7 @@ def test_served_calls_match_the_route(path, qkv, rng, monkeypatch):
                 want = flashattn.flex_attention(q, k, v, **kw)
             for a, b in zip(*((got, want) if kw.get("return_lse") else ((got,), (want,)))):
                 assert torch.equal(a, b), kw
+        flashattn.flex_attention(q, *kv2, rel, enable_gqa=True)
         flashattn.flex_attention(q, *kv2, rel, enable_gqa=True)
         path.clear()
         got = flashattn.flex_attention(q, *kv2, rel, enable_gqa=True)
@@ -452,7 +498,8 @@ def test_served_calls_match_the_route(path, qkv, rng, monkeypatch):
 
 
 def test_route_takes_other_calls(path, qkv, rng):
-    """Gradients, NumPy inputs, a new function at every call, kernel_options: the route."""
+    """Gradients, NumPy inputs, a function of new captures at every call, kernel_options: the
+    route."""
     q, k, v = qkv
 
     def halve(score, b, h, q_idx, kv_idx):
@@ -468,12 +515,16 @@ def test_route_takes_other_calls(path, qkv, rng):
     path.clear()
     flashattn.flex_attention(q.numpy(), k.numpy(), v.numpy(), halve)
     assert path == [False]
-    for _ in range(3):
+    for i in range(3):
         path.clear()
-        out = flashattn.flex_attention(q, k, v, lambda score, b, h, q_idx, kv_idx: score * 2)
+        s = 2.0 + i  # a new float object each time
+
+        def scaled(score, b, h, q_idx, kv_idx):
+            return score * s
+
+        out = flashattn.flex_attention(q, k, v, scaled)
         assert path == [False]
-    torch.testing.assert_close(out, reference(q, k, v, lambda s, b, h, qi, ki: s * 2),
-                               atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, reference(q, k, v, scaled), atol=2e-5, rtol=2e-5)
     with pytest.raises(FlashAttnError, match="kernel_options"):
         flashattn.flex_attention(q, k, v, halve, kernel_options={})
 
@@ -486,6 +537,7 @@ def test_capture_that_starts_requiring_grad(path, qkv, rng):
     def head_bias(score, b, h, q_idx, kv_idx):
         return score + bias[h]
 
+    flashattn.flex_attention(*qkv, head_bias)
     flashattn.flex_attention(*qkv, head_bias)
     path.clear()
     flashattn.flex_attention(*qkv, head_bias)
@@ -511,6 +563,75 @@ def test_each_thread_has_its_own_calls(path, qkv):
     worker.start()
     worker.join()
     assert all(torch.equal(x, mine[0]) for x in mine + results[0])
-    # per thread: route then C, twice over
-    assert path == [False, True, True, False, True, True]
+    # per thread: the route twice, then C
+    assert path == [False, False, True, False, False, True]
     torch.testing.assert_close(mine[0], reference(*qkv, distance), atol=2e-5, rtol=2e-5)
+
+
+def test_what_the_route_hands_to_c(path, qkv, rng, monkeypatch):
+    """The route registers a call it meets the second time, and at once one whose entry served
+    calls before a change; not a new function at every call, and a call whose capture changes
+    at every call after twice as many calls each time."""
+    registered = []
+    real = _flex_prepared.register
+
+    def register(call_args, p, checks, captured):
+        if checks is not None:  # handed to C (else the route did not ask for checks)
+            registered.append(1)
+        real(call_args, p, checks, captured)
+
+    monkeypatch.setattr(_flex_prepared, "register", register)
+    bias = randn(rng, 64)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + bias[(q_idx - kv_idx).abs()]
+
+    with torch.no_grad():
+        for _ in range(4):
+            flashattn.flex_attention(*qkv, rel)
+        assert path == [False, False, True, True] and len(registered) == 1
+        bias.add_(1)  # a change after calls were served: registered again at once
+        path.clear()
+        for _ in range(2):
+            flashattn.flex_attention(*qkv, rel)
+        assert path == [False, True] and len(registered) == 2
+        path.clear()
+        for _ in range(40):  # a change at every call: registered ever more seldom
+            bias.add_(1)
+            flashattn.flex_attention(*qkv, rel)
+        assert path == [False] * 40 and len(registered) - 2 <= 6
+        registered.clear()
+        for i in range(8):  # a function of other captures at every call
+            s = 2.0 + i
+            flashattn.flex_attention(*qkv, lambda score, b, h, q_idx, kv_idx: score * s)
+        assert registered == []
+
+
+def test_a_function_made_at_each_call(path, qkv, rng):
+    """A lambda made at every call (as in a model's forward) from the same code and captures is
+    the same call to C: served from the third; its captures checked as any function's."""
+    bias = randn(rng, 64)
+
+    def forward(q, k, v):
+        return flashattn.flex_attention(
+            q, k, v, lambda score, b, h, q_idx, kv_idx: score + bias[(q_idx - kv_idx).abs()])
+
+    def expect():
+        return reference(*qkv, lambda score, b, h, q_idx, kv_idx:
+                         score + bias[(q_idx - kv_idx).abs()])
+
+    with torch.no_grad():
+        outs = [forward(*qkv) for _ in range(4)]
+        assert path == [False, False, True, True]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        torch.testing.assert_close(outs[0], expect(), atol=2e-5, rtol=2e-5)
+        bias.mul_(-1)  # in place: noticed by the captured tensor's checks
+        path.clear()
+        out = forward(*qkv)
+        assert path == [False]
+        torch.testing.assert_close(out, expect(), atol=2e-5, rtol=2e-5)
+        bias = randn(rng, 64)  # another tensor: another call to C
+        path.clear()
+        out = forward(*qkv)
+        assert path == [False]
+        torch.testing.assert_close(out, expect(), atol=2e-5, rtol=2e-5)
