@@ -15,14 +15,15 @@ import ctypes
 import sys
 import threading
 
-from . import _lib
-from ._arrays import _raw_stream
+from . import _lib, _route
+from ._arrays import TORCH, _raw_stream
 from ._cached import _fastpath, _like
 from ._core import _rename
 from ._lib import FaTensor, FlashAttnError
 
 _LOCAL = threading.local()  # the C call runs without the GIL: one cache (and args) a thread
 _CACHE_SIZE = 32
+BM_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 
 
 class Prepared:
@@ -50,8 +51,7 @@ def key_of(query, key, value, scale, want_lse, programs, captured, block_mask):
     if block_mask is None:
         bm = None
     else:
-        fields = [getattr(block_mask, n) for n in ("kv_num_blocks", "kv_indices",
-                                                    "full_kv_num_blocks", "full_kv_indices")]
+        fields = [getattr(block_mask, n) for n in BM_FIELDS]
         if not all(x is None or hasattr(x, "_version") for x in fields):
             return None
         bm = (id(block_mask),) + tuple(None if x is None else (id(x), x._version)
@@ -100,6 +100,42 @@ def store(key, args, structs, tensors, call, keyed, names):
         cache.clear()
     cache[key] = p
     return p
+
+
+def may_serve_later(kind, grad, call_args):
+    """Whether _fastpath should serve later calls like this one (torch, no gradients, the C
+    path bound, not traced by torch.compile, and ``wanted``): whether flex_any records the
+    checks."""
+    if kind != TORCH or grad:
+        return False
+    _route.torch_ops()
+    return (_route.FLEX_C is not None and not _route.IS_COMPILING()
+            and wanted(call_args))
+
+
+def block_mask_checks(block_mask, checks):
+    """What C checks of a block mask on a later call: the attributes this call reads
+    (``flex._check_block_mask``, ``key_of``, the mask_mod), by identity (as items of
+    its __dict__ where they are plain instance attributes), and its tensors' versions."""
+    seq = getattr(block_mask, "seq_lengths", None)
+    if type(seq) is not tuple or any(type(n) is not int for n in seq):
+        checks.append(("unsupported",))  # read by value each call
+        return
+    names = ("seq_lengths", "mask_mod") + BM_FIELDS
+    attrs = getattr(block_mask, "__dict__", None)
+    cls = type(block_mask)
+    if (type(attrs) is not dict or cls.__getattribute__ is not object.__getattribute__
+            or any(n not in attrs or any(n in vars(c) for c in cls.__mro__) for n in names)):
+        attrs = None
+    else:
+        checks.extend((("type", block_mask, cls), ("attr", block_mask, "__dict__", attrs)))
+    for name in names:
+        x = getattr(block_mask, name)
+        checks.append(("attr", block_mask, name, x) if attrs is None else
+                      ("item", attrs, name, x))
+        if name in BM_FIELDS and x is not None:
+            version = getattr(x, "_version", None)
+            checks.append(("unsupported",) if version is None else ("version", x, version))
 
 
 def wanted(call_args):

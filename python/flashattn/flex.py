@@ -239,7 +239,7 @@ def _check_block_mask(block_mask, B, H, Lq, Lkv):
                          "(%d, %d)" % (bm_b, bm_h, B, H))
 
 
-_BM_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+_BM_FIELDS = _flex_prepared.BM_FIELDS
 
 
 def _c_block_mask(block_mask, keep, device):
@@ -420,7 +420,7 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
     if grad and score_mod is None and block_mask is None:
         return _plain(query, key, value, scale, return_lse)
     # what C checks on a later call, where it should serve one
-    checks = [] if _may_serve_later(kind, grad, call_args) else None
+    checks = [] if _flex_prepared.may_serve_later(kind, grad, call_args) else None
     mods = []  # (argument field, trace, aux tensors)
     if score_mod is not None:
         # C keys a score_mod that is a plain function by its code and captures (keyed)
@@ -428,7 +428,7 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
     if block_mask is not None:
         _check_block_mask(block_mask, B, H, Lq, Lkv)
         if checks is not None:
-            _block_mask_checks(block_mask, checks)
+            _flex_prepared.block_mask_checks(block_mask, checks)
         if block_mask.mask_mod is not None:
             mods.append(("mask_mod",) + trace(block_mask.mask_mod, KIND_MASK,
                                               "block_mask.mask_mod", checks))
@@ -471,41 +471,6 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
     if not return_lse:
         return out
     return out, _empty_rows(lse, kind)
-
-
-def _may_serve_later(kind, grad, call_args):
-    """Whether _fastpath should serve later calls like this one (torch, no gradients, the C
-    path bound, not traced by torch.compile, and met before: ``_flex_prepared.wanted``)."""
-    if kind != TORCH or grad:
-        return False
-    _route.torch_ops()
-    return (_route.FLEX_C is not None and not _route.IS_COMPILING()
-            and _flex_prepared.wanted(call_args))
-
-
-def _block_mask_checks(block_mask, checks):
-    """What C checks of a block mask on a later call: the attributes this call reads
-    (``_check_block_mask``, ``_flex_prepared.key_of``, the mask_mod), by identity (as items of
-    its __dict__ where they are plain instance attributes), and its tensors' versions."""
-    seq = getattr(block_mask, "seq_lengths", None)
-    if type(seq) is not tuple or any(type(n) is not int for n in seq):
-        checks.append(("unsupported",))  # read by value each call
-        return
-    names = ("seq_lengths", "mask_mod") + _BM_FIELDS
-    attrs = getattr(block_mask, "__dict__", None)
-    cls = type(block_mask)
-    if (type(attrs) is not dict or cls.__getattribute__ is not object.__getattribute__
-            or any(n not in attrs or any(n in vars(c) for c in cls.__mro__) for n in names)):
-        attrs = None
-    else:
-        checks.extend((("type", block_mask, cls), ("attr", block_mask, "__dict__", attrs)))
-    for name in names:
-        x = getattr(block_mask, name)
-        checks.append(("attr", block_mask, name, x) if attrs is None else
-                      ("item", attrs, name, x))
-        if name in _BM_FIELDS and x is not None:
-            version = getattr(x, "_version", None)
-            checks.append(("unsupported",) if version is None else ("version", x, version))
 
 
 def _lse_rows(lse):

@@ -5,82 +5,14 @@ capture, and checks that the next call took the Python route (the change was not
 the answer of the mods evaluated afresh; then that C serves the call again."""
 
 import functools
-import math
-import threading
 
 import pytest
 import torch
 
 import flashattn
-from flashattn import FlashAttnError, _flex_prepared, _route, flex
-
-B, H, S, D = 1, 2, 32, 16
-
-
-@pytest.fixture
-def path(monkeypatch):
-    """A record of each flex_attention call's path (True: served in C; False: the Python
-    route, which every call it serves enters through flex._check_inputs)."""
-    flashattn.flash_attn_func(*(torch.randn(1, 2, 1, 8) for _ in range(3)))  # binds the C path
-    real_c = _route.FLEX_C
-    assert real_c is not None, "the C fast path (python/flashattn/_fastpath_flex.c) was not built"
-    served, in_route = [], []
-    check = flex._check_inputs
-    monkeypatch.setattr(flex, "_check_inputs", lambda *a: in_route.append(1) or check(*a))
-
-    def c_spy(*args):
-        in_route.clear()
-        out = real_c(*args)
-        served.append(not in_route)
-        return out
-
-    monkeypatch.setattr(_route, "FLEX_C", c_spy)
-    return served
-
-
-@pytest.fixture
-def qkv(rng):
-    return tuple(torch.from_numpy(rng.standard_normal((B, H, S, D))).float() for _ in range(3))
-
-
-def randn(rng, *shape):
-    return torch.from_numpy(rng.standard_normal(shape)).float()
-
-
-def reference(q, k, v, score_mod=None, mask_mod=None):
-    """The mods evaluated afresh on broadcast index tensors (torch's FlexAttention compiles a
-    mod that captures Python numbers, and refuses some of these), in fp64 but the mods."""
-    b, h = torch.arange(B)[:, None, None, None], torch.arange(H)[None, :, None, None]
-    q_idx, kv_idx = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    rep = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(rep, 1).double() for x in (k, v))
-    s = (q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).float()
-    if score_mod is not None:
-        s = score_mod(s, b, h, q_idx, kv_idx)
-    if mask_mod is not None:
-        s = s.masked_fill(~mask_mod(b, h, q_idx, kv_idx), -math.inf)
-    return (torch.softmax(s.double(), -1) @ v).float()
-
-
-def assert_noticed(path, call, change, expect):
-    """call() served in C (from its third call: the route hands C a call it meets the second
-    time), then change(): the next call takes the route and gives expect() (which must differ
-    from the answer before the change), and the calls after are served in C again with the
-    same answer."""
-    with torch.no_grad():
-        before = call()
-        assert torch.equal(call(), before)
-        path.clear()
-        assert torch.equal(call(), before) and path == [True], "not served in C"
-        change()
-        path.clear()
-        after = call()
-        assert path == [False], "the change was not noticed"
-        torch.testing.assert_close(after, expect(), atol=2e-5, rtol=2e-5)
-        assert not torch.allclose(after, before, atol=1e-3), "the change changes nothing"
-        # served in C again from the next call, or (a function with new captures: a new key)
-        # from the one after
-        assert all(torch.equal(call(), after) for _ in range(2)) and path[-1], path
+from flashattn import flex
+from flexfast import (S, _Mod, assert_noticed, causal, path, qkv, randn,  # noqa: F401
+                      reference, window)
 
 
 # A plain function as score_mod is keyed by its code and captures (its own reads need no
@@ -288,17 +220,6 @@ def test_captured_object_attribute(path, qkv, how):
                    lambda: reference(*qkv, mod))
 
 
-class _Mod:
-    def __init__(self, scale):
-        self.scale = scale
-
-    def __call__(self, score, b, h, q_idx, kv_idx):
-        return score * self.scale
-
-    def method(self, score, b, h, q_idx, kv_idx):
-        return score * self.scale + (q_idx - kv_idx) * 0.1
-
-
 @pytest.mark.parametrize("how", ["attribute", "class __call__", "bound method"])
 def test_callable_object(path, qkv, how):
     obj = _Mod(1.0)
@@ -401,14 +322,6 @@ def test_builtin_shadowed_by_a_global(path, qkv):
         globals().pop("abs", None)
 
 
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def window(b, h, q_idx, kv_idx):
-    return (q_idx >= kv_idx) & (q_idx - kv_idx < 5)
-
-
 def test_another_block_mask(path, qkv):
     bms = [flashattn.create_block_mask(m, None, None, S, S, BLOCK_SIZE=16)
            for m in (causal, window)]
@@ -459,179 +372,3 @@ def test_changed_mask_mod(path, qkv):
     assert_noticed(path, lambda: flashattn.flex_attention(*qkv, block_mask=bm),
                    lambda: setattr(bm, "mask_mod", window),
                    lambda: reference(*qkv, mask_mod=window))
-
-
-def test_served_calls_match_the_route(path, qkv, rng, monkeypatch):
-    """Options, mods together, a bound method: the C answer is the Python route's, bitwise."""
-    q, k, v = qkv
-    bias = randn(rng, 64)
-
-    def rel(score, b, h, q_idx, kv_idx):
-        return score + bias[(q_idx - kv_idx).abs()]
-
-    bm = flashattn.create_block_mask(window, None, None, S, S, BLOCK_SIZE=16)
-    obj = _Mod(0.5)
-    kv2 = k[:, :1].contiguous(), v[:, :1].contiguous()
-    calls = [dict(score_mod=rel), dict(block_mask=bm), dict(score_mod=rel, block_mask=bm),
-             dict(score_mod=rel, return_lse=True), dict(score_mod=rel, scale=0.3),
-             dict(score_mod=obj.method, block_mask=bm), dict(score_mod=obj)]
-    with torch.no_grad():
-        for kw in calls:
-            flashattn.flex_attention(q, k, v, **kw)
-            flashattn.flex_attention(q, k, v, **kw)
-            path.clear()
-            got = flashattn.flex_attention(q, k, v, **kw)
-            assert path == [True], kw
-            with monkeypatch.context() as m:
-                m.setattr(_route, "FLEX_C", None)
-                want = flashattn.flex_attention(q, k, v, **kw)
-            for a, b in zip(*((got, want) if kw.get("return_lse") else ((got,), (want,)))):
-                assert torch.equal(a, b), kw
-        flashattn.flex_attention(q, *kv2, rel, enable_gqa=True)
-        flashattn.flex_attention(q, *kv2, rel, enable_gqa=True)
-        path.clear()
-        got = flashattn.flex_attention(q, *kv2, rel, enable_gqa=True)
-        assert path == [True]
-        torch.testing.assert_close(got, reference(q, *kv2, rel), atol=2e-5, rtol=2e-5)
-        with pytest.raises(ValueError, match="enable_gqa"):  # the flag is part of the key
-            flashattn.flex_attention(q, *kv2, rel)
-
-
-def test_route_takes_other_calls(path, qkv, rng):
-    """Gradients, NumPy inputs, a function of new captures at every call, kernel_options: the
-    route."""
-    q, k, v = qkv
-
-    def halve(score, b, h, q_idx, kv_idx):
-        return score * 0.5
-
-    flashattn.flex_attention(q, k, v, halve)
-    path.clear()
-    qg = q.clone().requires_grad_()
-    out = flashattn.flex_attention(qg, k, v, halve)
-    assert path == [False] and out.requires_grad
-    out.sum().backward()
-    assert qg.grad is not None
-    path.clear()
-    flashattn.flex_attention(q.numpy(), k.numpy(), v.numpy(), halve)
-    assert path == [False]
-    for i in range(3):
-        path.clear()
-        s = 2.0 + i  # a new float object each time
-
-        def scaled(score, b, h, q_idx, kv_idx):
-            return score * s
-
-        out = flashattn.flex_attention(q, k, v, scaled)
-        assert path == [False]
-    torch.testing.assert_close(out, reference(q, k, v, scaled), atol=2e-5, rtol=2e-5)
-    with pytest.raises(FlashAttnError, match="kernel_options"):
-        flashattn.flex_attention(q, k, v, halve, kernel_options={})
-
-
-def test_capture_that_starts_requiring_grad(path, qkv, rng):
-    """Grad mode on, inputs without gradients: served in C until a captured tensor requires
-    grad, which the route refuses."""
-    bias = randn(rng, 2)
-
-    def head_bias(score, b, h, q_idx, kv_idx):
-        return score + bias[h]
-
-    flashattn.flex_attention(*qkv, head_bias)
-    flashattn.flex_attention(*qkv, head_bias)
-    path.clear()
-    flashattn.flex_attention(*qkv, head_bias)
-    assert path == [True]
-    bias.requires_grad_()
-    with pytest.raises(FlashAttnError, match="requires grad"):
-        flashattn.flex_attention(*qkv, head_bias)
-
-
-def test_each_thread_has_its_own_calls(path, qkv):
-    def distance(score, b, h, q_idx, kv_idx):
-        return score - (q_idx - kv_idx).abs() * 0.25
-
-    results = []
-
-    def run():
-        with torch.no_grad():
-            results.append([flashattn.flex_attention(*qkv, distance) for _ in range(3)])
-
-    with torch.no_grad():
-        mine = [flashattn.flex_attention(*qkv, distance) for _ in range(3)]
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join()
-    assert all(torch.equal(x, mine[0]) for x in mine + results[0])
-    # per thread: the route twice, then C
-    assert path == [False, False, True, False, False, True]
-    torch.testing.assert_close(mine[0], reference(*qkv, distance), atol=2e-5, rtol=2e-5)
-
-
-def test_what_the_route_hands_to_c(path, qkv, rng, monkeypatch):
-    """The route registers a call it meets the second time, and at once one whose entry served
-    calls before a change; not a new function at every call, and a call whose capture changes
-    at every call after twice as many calls each time."""
-    registered = []
-    real = _flex_prepared.register
-
-    def register(call_args, p, checks, captured):
-        if checks is not None:  # handed to C (else the route did not ask for checks)
-            registered.append(1)
-        real(call_args, p, checks, captured)
-
-    monkeypatch.setattr(_flex_prepared, "register", register)
-    bias = randn(rng, 64)
-
-    def rel(score, b, h, q_idx, kv_idx):
-        return score + bias[(q_idx - kv_idx).abs()]
-
-    with torch.no_grad():
-        for _ in range(4):
-            flashattn.flex_attention(*qkv, rel)
-        assert path == [False, False, True, True] and len(registered) == 1
-        bias.add_(1)  # a change after calls were served: registered again at once
-        path.clear()
-        for _ in range(2):
-            flashattn.flex_attention(*qkv, rel)
-        assert path == [False, True] and len(registered) == 2
-        path.clear()
-        for _ in range(40):  # a change at every call: registered ever more seldom
-            bias.add_(1)
-            flashattn.flex_attention(*qkv, rel)
-        assert path == [False] * 40 and len(registered) - 2 <= 6
-        registered.clear()
-        for i in range(8):  # a function of other captures at every call
-            s = 2.0 + i
-            flashattn.flex_attention(*qkv, lambda score, b, h, q_idx, kv_idx: score * s)
-        assert registered == []
-
-
-def test_a_function_made_at_each_call(path, qkv, rng):
-    """A lambda made at every call (as in a model's forward) from the same code and captures is
-    the same call to C: served from the third; its captures checked as any function's."""
-    bias = randn(rng, 64)
-
-    def forward(q, k, v):
-        return flashattn.flex_attention(
-            q, k, v, lambda score, b, h, q_idx, kv_idx: score + bias[(q_idx - kv_idx).abs()])
-
-    def expect():
-        return reference(*qkv, lambda score, b, h, q_idx, kv_idx:
-                         score + bias[(q_idx - kv_idx).abs()])
-
-    with torch.no_grad():
-        outs = [forward(*qkv) for _ in range(4)]
-        assert path == [False, False, True, True]
-        assert all(torch.equal(o, outs[0]) for o in outs)
-        torch.testing.assert_close(outs[0], expect(), atol=2e-5, rtol=2e-5)
-        bias.mul_(-1)  # in place: noticed by the captured tensor's checks
-        path.clear()
-        out = forward(*qkv)
-        assert path == [False]
-        torch.testing.assert_close(out, expect(), atol=2e-5, rtol=2e-5)
-        bias = randn(rng, 64)  # another tensor: another call to C
-        path.clear()
-        out = forward(*qkv)
-        assert path == [False]
-        torch.testing.assert_close(out, expect(), atol=2e-5, rtol=2e-5)
