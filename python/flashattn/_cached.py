@@ -249,9 +249,10 @@ def bind_fastpath(torch, grad_apply, fallback, dense_args, kv_fallback, kv_args,
     """(``_fastpath.dense``, ``_fastpath.kvcache``, ``_fastpath.flex``) bound to torch's
     callables (once torch is imported), or (None, None, None) where the extension was not
     built. flex serves flex_attention's repeated calls (``flex_table``: its fallback, argument
-    layout and per-thread cache; see ``flex.fastpath_table``). dense serves
-    flash_attn_func's commonest calls (arguments in ``dense_args``' order): without gradients
-    once their signature is prepared here, with them through grad_apply (_DenseFastFn.apply);
+    layout and per-thread cache, see ``flex.fastpath_table``; None: flex is not bound). dense
+    serves flash_attn_func's commonest calls (arguments in ``dense_args``' order): without
+    gradients once their signature is prepared here, with them through grad_apply
+    (_DenseFastFn.apply);
     every other call goes to ``fallback``. kvcache serves flash_attn_with_kvcache's prepared
     calls without gradients (arguments in ``kv_args``' order), the others going to
     ``kv_fallback``. Their callers check ``torch.compiler.is_compiling()`` first (Dynamo cannot
@@ -271,9 +272,9 @@ def bind_fastpath(torch, grad_apply, fallback, dense_args, kv_fallback, kv_args,
         dense_args=tuple(dense_args), lse_args=LSE_ARGS, fast_fields=FAST_FIELDS,
         kv_fallback=kv_fallback, kv_args=tuple(kv_args), kv_fields=KV_FIELDS,
         capturing=torch.cuda.is_current_stream_capturing, function_type=types.FunctionType,
-        method_type=types.MethodType, **flex_table))
+        method_type=types.MethodType, **(flex_table or {})))
     _DENSE_LSE = _fastpath.dense_lse
-    return _fastpath.dense, _fastpath.kvcache, _fastpath.flex
+    return _fastpath.dense, _fastpath.kvcache, _fastpath.flex if flex_table else None
 
 
 def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,

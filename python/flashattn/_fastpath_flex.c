@@ -79,6 +79,8 @@ static struct {
 
 int fp_flex_bind(PyObject *table)
 {
+    if (!PyDict_GetItemString(table, "flex_fallback"))
+        return 0; /* flex() not bound: its Python side did not ask */
     static const char *const held_names[] = {"flex_fallback", "flex_local", "flex_lse_rows",
                                              "function_type", "method_type"};
     PyObject **slots[] = {&fx.fallback, &fx.local, &fx.lse_rows, &fx.function_type,

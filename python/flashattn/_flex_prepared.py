@@ -15,7 +15,7 @@ import ctypes
 import sys
 import threading
 
-from . import _lib, _route
+from . import _lib
 from ._arrays import TORCH, _raw_stream
 from ._cached import _fastpath, _like
 from ._core import _rename
@@ -24,6 +24,8 @@ from ._lib import FaTensor, FlashAttnError
 _LOCAL = threading.local()  # the C call runs without the GIL: one cache (and args) a thread
 _CACHE_SIZE = 32
 BM_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+FLEX_C = None  # _fastpath.flex once bound to torch (flex.bound)
+IS_COMPILING = None  # torch.compiler.is_compiling, with FLEX_C
 
 
 class Prepared:
@@ -104,12 +106,9 @@ def store(key, args, structs, tensors, call, keyed, names):
 
 def may_serve_later(kind, grad, call_args):
     """Whether _fastpath should serve later calls like this one (torch, no gradients, the C
-    path bound, not traced by torch.compile, and ``wanted``): whether flex_any records the
-    checks."""
-    if kind != TORCH or grad:
-        return False
-    _route.torch_ops()
-    return (_route.FLEX_C is not None and not _route.IS_COMPILING()
+    path bound (when the package met torch), not traced by torch.compile, and ``wanted``):
+    whether flex_any records the checks."""
+    return (kind == TORCH and not grad and FLEX_C is not None and not IS_COMPILING()
             and wanted(call_args))
 
 

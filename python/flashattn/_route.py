@@ -37,8 +37,14 @@ KV_ARGS = ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cac
 _TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and torch)
 DENSE_C = None  # _fastpath.dense bound to torch (None: not built, or no torch call yet)
 KVCACHE_C = None  # _fastpath.kvcache, with DENSE_C
-FLEX_C = None  # _fastpath.flex (flex_attention's), with DENSE_C
 IS_COMPILING = None  # torch.compiler.is_compiling, with DENSE_C
+_FLEX = []  # (flex.fastpath_table, flex.bound) from the package (flex imports this module)
+
+
+def use_flex(table, bound):
+    """flex_attention's C entry is bound with the others (``torch_ops``): ``table()`` gives
+    bind() its entries, ``bound(entry, is_compiling)`` receives the bound entry."""
+    _FLEX[:] = [(table, bound)]
 
 
 def torch_ops():
@@ -46,15 +52,16 @@ def torch_ops():
     ``flashattn._bind_torch``) or on the first torch call, with the C fast path bound in front
     of ``dense_any``. Binding before any call keeps it out of a first call that torch.compile
     traces (Dynamo cannot trace the C binding)."""
-    global DENSE_C, KVCACHE_C, FLEX_C, IS_COMPILING
+    global DENSE_C, KVCACHE_C, IS_COMPILING
     if not _TORCH_OPS:
         from . import _torch_ops as module
-        from . import flex
 
         _TORCH_OPS.append(module)
         IS_COMPILING = module.torch.compiler.is_compiling
-        DENSE_C, KVCACHE_C, FLEX_C = module.bind_fastpath(dense_any, DENSE_ARGS, kvcache_any,
-                                                          KV_ARGS, flex.fastpath_table())
+        flex_table, flex_bound = _FLEX[0] if _FLEX else (lambda: None, lambda *a: None)
+        DENSE_C, KVCACHE_C, flex_c = module.bind_fastpath(dense_any, DENSE_ARGS, kvcache_any,
+                                                          KV_ARGS, flex_table())
+        flex_bound(flex_c, IS_COMPILING)
     return _TORCH_OPS[0]
 
 

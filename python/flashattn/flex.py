@@ -16,7 +16,7 @@ import math
 import sys
 import weakref
 
-from . import _flex_prepared, _lib, _route
+from . import _flex_prepared, _lib
 from ._arrays import NUMPY, TORCH, common_kind, make_tensor, prepare
 from ._core import _prepare_forward, _rename, as_bool, as_int, as_scale
 from ._flex_cache import trace
@@ -388,8 +388,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     """
     # _fastpath (C) serves a repeated torch call without gradients whose mods and captures it
     # finds unchanged, and hands every other call to flex_any; Dynamo cannot trace C.
-    entry = _route.FLEX_C
-    if entry is None or _route.IS_COMPILING():
+    entry = _flex_prepared.FLEX_C
+    if entry is None or _flex_prepared.IS_COMPILING():
         entry = flex_any
     return entry(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                  kernel_options)
@@ -476,6 +476,12 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
 def _lse_rows(lse):
     """_empty_rows of a torch lse, for _fastpath."""
     return _empty_rows(lse, TORCH)
+
+
+def bound(entry, is_compiling):
+    """_route binds _fastpath when the package meets torch: flex_attention's C entry (None
+    where the extension was not built) and torch.compiler.is_compiling."""
+    _flex_prepared.FLEX_C, _flex_prepared.IS_COMPILING = entry, is_compiling
 
 
 def fastpath_table():

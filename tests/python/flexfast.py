@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashattn
-from flashattn import _route, flex
+from flashattn import _flex_prepared, flex
 
 B, H, S, D = 1, 2, 32, 16
 
@@ -18,7 +18,7 @@ def path(monkeypatch):
     """A record of each flex_attention call's path (True: served in C; False: the Python
     route, which every call it serves enters through flex._check_inputs)."""
     flashattn.flash_attn_func(*(torch.randn(1, 2, 1, 8) for _ in range(3)))  # binds the C path
-    real_c = _route.FLEX_C
+    real_c = _flex_prepared.FLEX_C
     assert real_c is not None, "the C fast path (python/flashattn/_fastpath_flex.c) was not built"
     served, in_route = [], []
     check = flex._check_inputs
@@ -30,7 +30,7 @@ def path(monkeypatch):
         served.append(not in_route)
         return out
 
-    monkeypatch.setattr(_route, "FLEX_C", c_spy)
+    monkeypatch.setattr(_flex_prepared, "FLEX_C", c_spy)
     return served
 
 

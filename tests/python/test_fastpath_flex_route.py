@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashattn
-from flashattn import FlashAttnError, _flex_prepared, _route
+from flashattn import FlashAttnError, _flex_prepared
 from flexfast import (S, _Mod, path, qkv, randn, reference, window)  # noqa: F401
 
 
@@ -33,7 +33,7 @@ def test_served_calls_match_the_route(path, qkv, rng, monkeypatch):
             got = flashattn.flex_attention(q, k, v, **kw)
             assert path == [True], kw
             with monkeypatch.context() as m:
-                m.setattr(_route, "FLEX_C", None)
+                m.setattr(_flex_prepared, "FLEX_C", None)
                 want = flashattn.flex_attention(q, k, v, **kw)
             for a, b in zip(*((got, want) if kw.get("return_lse") else ((got,), (want,)))):
                 assert torch.equal(a, b), kw
