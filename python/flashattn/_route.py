@@ -38,7 +38,7 @@ _TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and t
 DENSE_C = None  # _fastpath.dense bound to torch (None: not built, or no torch call yet)
 KVCACHE_C = None  # _fastpath.kvcache, with DENSE_C
 IS_COMPILING = None  # torch.compiler.is_compiling, with DENSE_C
-_FLEX = []  # (flex.fastpath_table, flex.bound) from the package (flex imports this module)
+_FLEX = []  # (flex.fastpath_table, flex.bound), given by the package: flex reaches this module
 
 
 def use_flex(table, bound):
