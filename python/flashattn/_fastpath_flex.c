@@ -60,8 +60,9 @@ static struct {
     PyObject *lse_rows;    /* flex._lse_rows */
     PyObject *function_type, *method_type; /* types.FunctionType, types.MethodType */
     PyObject *empty;                       /* stands for an empty closure cell */
+    int cuda;                              /* CUDA tensors served too (flex_cuda) */
     Py_ssize_t at[XA_NUM], count;
-    PyObject *str_fast, *str_self, *str_func, *str_closure, *str_cell_contents;
+    PyObject *str_fast, *str_self, *str_func, *str_closure, *str_cell_contents, *str_is_cuda;
     PyObject *str_function[4]; /* __code__, __globals__, __defaults__, __kwdefaults__ */
 } fx;
 
@@ -95,15 +96,18 @@ int fp_flex_bind(PyObject *table)
         fx_checks_bind(table) != 0)
         return -1;
     static const char *const names[] = {"fast", "__self__", "__func__", "__closure__",
-                                        "cell_contents", "__code__", "__globals__",
+                                        "cell_contents", "is_cuda", "__code__", "__globals__",
                                         "__defaults__", "__kwdefaults__"};
     PyObject **strs[] = {&fx.str_fast, &fx.str_self, &fx.str_func, &fx.str_closure,
-                         &fx.str_cell_contents, &fx.str_function[0], &fx.str_function[1],
-                         &fx.str_function[2], &fx.str_function[3]};
+                         &fx.str_cell_contents, &fx.str_is_cuda, &fx.str_function[0],
+                         &fx.str_function[1], &fx.str_function[2], &fx.str_function[3]};
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++)
         if (!(*strs[i] = PyUnicode_InternFromString(names[i])))
             return -1;
     if (!(fx.empty = PyObject_CallObject((PyObject *)&PyBaseObject_Type, NULL)))
+        return -1;
+    PyObject *cuda = fp_entry(table, "flex_cuda");
+    if (!cuda || (fx.cuda = PyObject_IsTrue(cuda)) < 0)
         return -1;
     for (int i = 0; i < N_HELD; i++) {
         Py_INCREF(held[i]);
@@ -346,15 +350,25 @@ static int fx_unpack(PyObject *args, PyObject **a)
 }
 
 /* The checks flex() makes before it looks anything up: 1 if the arguments are plain (q, k and
- * v exact torch.Tensor, no kernel_options, the flags bools, the scale None or a Python number),
- * else 0. */
+ * v exact torch.Tensor, no kernel_options, the flags bools, the scale None or a Python number)
+ * and, unless bind()'s flex_cuda is true, q is not a CUDA tensor (the C path on CUDA tensors
+ * waits for its validation on a GPU), else 0. */
 static int fx_plain_arguments(PyObject *const *a)
 {
     for (int i = XA_Q; i <= XA_V; i++)
         if ((PyObject *)Py_TYPE(a[i]) != fp_t.tensor_type)
             return 0;
-    return a[XA_OPTIONS] == Py_None && PyBool_Check(a[XA_GQA]) && PyBool_Check(a[XA_LSE]) &&
-           (a[XA_SCALE] == Py_None || fp_is_scalar(a[XA_SCALE]));
+    if (a[XA_OPTIONS] != Py_None || !PyBool_Check(a[XA_GQA]) || !PyBool_Check(a[XA_LSE]) ||
+        (a[XA_SCALE] != Py_None && !fp_is_scalar(a[XA_SCALE])))
+        return 0;
+    if (fx.cuda)
+        return 1;
+    PyObject *is_cuda = PyObject_GetAttr(a[XA_Q], fx.str_is_cuda);
+    const int cuda = is_cuda ? PyObject_IsTrue(is_cuda) : -1;
+    Py_XDECREF(is_cuda);
+    if (cuda < 0)
+        PyErr_Clear(); /* not served: the route says what is wrong */
+    return cuda == 0;
 }
 
 /* ---- when the route registers a call ------------------------------------------------------ */

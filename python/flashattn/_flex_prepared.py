@@ -12,6 +12,7 @@ such calls without this module's walk of the mods.
 """
 
 import ctypes
+import os
 import sys
 import threading
 
@@ -26,6 +27,8 @@ _CACHE_SIZE = 32
 BM_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 FLEX_C = None  # _fastpath.flex once bound to torch (flex.bound)
 IS_COMPILING = None  # torch.compiler.is_compiling, with FLEX_C
+# CUDA calls served in C too: off until the C path is validated on a GPU (the CPU's is).
+CUDA_IN_C = os.environ.get("FLASHATTN_FLEX_FASTPATH_CUDA") == "1"
 
 
 class Prepared:
@@ -109,7 +112,7 @@ def may_serve_later(kind, grad, call_args):
     path bound (when the package met torch), not traced by torch.compile, and ``wanted``):
     whether flex_any records the checks."""
     return (kind == TORCH and not grad and FLEX_C is not None and not IS_COMPILING()
-            and wanted(call_args))
+            and (CUDA_IN_C or not call_args[0].is_cuda) and wanted(call_args))
 
 
 def block_mask_checks(block_mask, checks):

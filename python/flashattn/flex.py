@@ -486,9 +486,9 @@ def bound(entry, is_compiling):
 
 def fastpath_table():
     """What _fastpath's bind() takes for flex(): the fallback, the argument layout, the
-    per-thread cache's holder and _lse_rows."""
+    per-thread cache's holder, _lse_rows and whether CUDA tensors are served too."""
     return dict(flex_fallback=flex_any, flex_args=FLEX_ARGS, flex_local=_flex_prepared._LOCAL,
-                flex_lse_rows=_lse_rows)
+                flex_lse_rows=_lse_rows, flex_cuda=_flex_prepared.CUDA_IN_C)
 
 
 class _FlexCall:

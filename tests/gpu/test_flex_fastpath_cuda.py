@@ -1,11 +1,12 @@
-"""flex_attention's C fast path (python/flashattn/_fastpath_flex.c) on CUDA tensors: a repeated
-call is served in C on the caller's current stream, with the route's answer, and a captured
-tensor changed in place or a block mask's tensors changed in place send the next call back to
-the route, which reads them (tests/python/test_fastpath_flex.py has every kind of change, on
-the CPU).
+"""flex_attention's C fast path (python/flashattn/_fastpath_flex.c) on CUDA tensors, which
+FLASHATTN_FLEX_FASTPATH_CUDA=1 turns on (off: every CUDA call takes the route): a repeated call
+is served in C on the caller's current stream, with the route's answer, and a captured tensor
+changed in place or a block mask's tensors changed in place send the next call back to the
+route, which reads them (tests/python/test_fastpath_flex.py has every kind of change, on the
+CPU).
 
     PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so \\
-        python3 -m pytest -q tests/gpu/test_flex_fastpath_cuda.py
+        [FLASHATTN_FLEX_FASTPATH_CUDA=1] python3 -m pytest -q tests/gpu/test_flex_fastpath_cuda.py
 """
 import os
 import sys
@@ -44,8 +45,23 @@ def path(monkeypatch):
     return served
 
 
+def test_cuda_calls_take_the_route_unless_asked(path, gen):
+    if _flex_prepared.CUDA_IN_C:
+        pytest.skip("FLASHATTN_FLEX_FASTPATH_CUDA=1: CUDA calls are served in C")
+    q, k, v = (torch.randn(B, H, L, D, generator=gen).half().cuda() for _ in range(3))
+
+    def halve(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    with torch.no_grad():
+        outs = [flashattn.flex_attention(q, k, v, halve) for _ in range(3)]
+    assert path == [False] * 3 and all(torch.equal(o, outs[0]) for o in outs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_served_on_the_current_stream_and_changes_seen(path, monkeypatch, gen, dtype):
+    if not _flex_prepared.CUDA_IN_C:
+        pytest.skip("FLASHATTN_FLEX_FASTPATH_CUDA=1 turns the C path on for CUDA calls")
     q, k, v = (torch.randn(B, H, L, D, generator=gen).to(dtype).cuda() for _ in range(3))
     bias = torch.randn(H, 2 * L, generator=gen).cuda()
 
