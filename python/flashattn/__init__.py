@@ -34,6 +34,9 @@ from .flash_attn_interface import (
     flash_attn_combine,
 )
 from .flex import BlockMask, create_block_mask, flex_attention
+from . import _route as _route_module, flex as _flex_module
+
+_route_module.use_flex(_flex_module.fastpath_table, _flex_module.bound)
 
 # Kept equal to the C library's fa_version() (FA_VERSION_* in include/flashattn.h); the loader
 # refuses a library of another version.

@@ -16,6 +16,7 @@ import ctypes
 import struct
 import sys
 import threading
+import types
 
 from . import _kvcache, _lib
 from ._arrays import TORCH, _raw_stream
@@ -244,11 +245,14 @@ def forward_dense_torch(q, k, v, dropout_p, softmax_scale, causal, window_size, 
 _DENSE_LSE = None  # _fastpath.dense_lse once bound
 
 
-def bind_fastpath(torch, grad_apply, fallback, dense_args, kv_fallback, kv_args):
-    """(``_fastpath.dense``, ``_fastpath.kvcache``) bound to torch's callables (once torch is
-    imported), or (None, None) where the extension was not built. dense serves
-    flash_attn_func's commonest calls (arguments in ``dense_args``' order): without gradients
-    once their signature is prepared here, with them through grad_apply (_DenseFastFn.apply);
+def bind_fastpath(torch, grad_apply, fallback, dense_args, kv_fallback, kv_args, flex_table):
+    """(``_fastpath.dense``, ``_fastpath.kvcache``, ``_fastpath.flex``) bound to torch's
+    callables (once torch is imported), or (None, None, None) where the extension was not
+    built. flex serves flex_attention's repeated calls (``flex_table``: its fallback, argument
+    layout and per-thread cache, see ``flex.fastpath_table``; None: flex is not bound). dense
+    serves flash_attn_func's commonest calls (arguments in ``dense_args``' order): without
+    gradients once their signature is prepared here, with them through grad_apply
+    (_DenseFastFn.apply);
     every other call goes to ``fallback``. kvcache serves flash_attn_with_kvcache's prepared
     calls without gradients (arguments in ``kv_args``' order), the others going to
     ``kv_fallback``. Their callers check ``torch.compiler.is_compiling()`` first (Dynamo cannot
@@ -256,7 +260,7 @@ def bind_fastpath(torch, grad_apply, fallback, dense_args, kv_fallback, kv_args)
     fork a caller may make (the capture query is called for CUDA calls only)."""
     global _DENSE_LSE
     if _fastpath is None:
-        return None, None
+        return None, None, None
     C = torch._C
     _fastpath.bind(dict(
         Tensor=torch.Tensor, float64=torch.float64, empty_like=torch.empty_like,
@@ -267,9 +271,10 @@ def bind_fastpath(torch, grad_apply, fallback, dense_args, kv_fallback, kv_args)
         call_failed=_call_failed, grad_apply=grad_apply, fallback=fallback,
         dense_args=tuple(dense_args), lse_args=LSE_ARGS, fast_fields=FAST_FIELDS,
         kv_fallback=kv_fallback, kv_args=tuple(kv_args), kv_fields=KV_FIELDS,
-        capturing=torch.cuda.is_current_stream_capturing))
+        capturing=torch.cuda.is_current_stream_capturing, function_type=types.FunctionType,
+        method_type=types.MethodType, **(flex_table or {})))
     _DENSE_LSE = _fastpath.dense_lse
-    return _fastpath.dense, _fastpath.kvcache
+    return _fastpath.dense, _fastpath.kvcache, _fastpath.flex if flex_table else None
 
 
 def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,

@@ -12,7 +12,8 @@
  * library called without the GIL (the library validates every call itself). Every other call
  * goes to the fallback, _route.dense_any, which also prepares the signature for the next call.
  * dense_lse() is _cached.forward_dense_torch's cached path with the lse. kvcache()
- * (_fastpath_kv.c) does the same for flash_attn_with_kvcache.
+ * (_fastpath_kv.c) does the same for flash_attn_with_kvcache, flex() (_fastpath_flex.c) for
+ * flex_attention.
  *
  * The argument positions and the prepared call's fields are not written here: bind() receives
  * their names in order (_route.DENSE_ARGS, _cached.LSE_ARGS, _cached.FAST_FIELDS).
@@ -559,8 +560,9 @@ static PyObject *fp_bind(PyObject *self, PyObject *table)
                      (int)FF_NUM);
         return NULL;
     }
-    /* Last: nothing after it can fail, so kvcache() is bound exactly when dense() is. */
-    if (fp_kv_bind(table) != 0)
+    /* Last: nothing after them can fail, so kvcache() and flex() are bound exactly when
+     * dense() is. */
+    if (fp_kv_bind(table) != 0 || fp_flex_bind(table) != 0)
         return NULL;
     PyObject **slots[N_HELD] = {&fp_t.tensor_type, &fp.float64,       &fp_t.empty_like,
                                 &fp_t.grad_enabled, &fp_t.local,      &fp_t.window_pair,
@@ -587,6 +589,15 @@ static PyMethodDef fp_methods[] = {
     {"kvcache", fp_kvcache, METH_VARARGS,
      "kvcache(*args in bind's kv_args order) -> flash_attn_with_kvcache's result: a prepared "
      "call's, or the kv_fallback's for any other"},
+    {"flex", fp_flex, METH_VARARGS,
+     "flex(*args in bind's flex_args order) -> flex_attention's result: a registered call's "
+     "whose checks hold, or the flex_fallback's for any other"},
+    {"flex_register", fp_flex_register, METH_VARARGS,
+     "flex_register(args, prepared, fields, out_like, lse_like, checks): serve later calls of "
+     "args from the prepared call while the checks hold; True, or None where a check is not "
+     "one C makes"},
+    {"flex_wanted", fp_flex_wanted, METH_O,
+     "flex_wanted(args) -> whether the route should register a call of args now"},
     {"bind", fp_bind, METH_O,
      "bind(table): the torch and flashattn objects used, and the argument and field layouts"},
     {NULL, NULL, 0, NULL},

@@ -1,6 +1,7 @@
 /*
- * What the two parts of flashattn._fastpath share: _fastpath.c (the module, bind(), dense()
- * and the helpers below) and _fastpath_kv.c (kvcache()). Torch's and flashattn's objects are
+ * What the parts of flashattn._fastpath share: _fastpath.c (the module, bind(), dense() and
+ * the helpers below), _fastpath_kv.c (kvcache()) and _fastpath_flex.c (flex(), its checks in
+ * _fastpath_flex_checks.c). Torch's and flashattn's objects are
  * the ones bind() hands over; the helpers are the steps every cached call takes.
  */
 #ifndef FA_FASTPATH_H
@@ -75,5 +76,12 @@ int fp_positions(PyObject *order, const char *const *names, int n, int required,
 /* _fastpath_kv.c: bind()'s entries for kvcache() (0, or -1 with an exception), and kvcache(). */
 int fp_kv_bind(PyObject *table);
 PyObject *fp_kvcache(PyObject *self, PyObject *args);
+
+/* _fastpath_flex.c: bind()'s entries for flex() (0, or -1 with an exception), flex(),
+ * flex_register() and flex_wanted(). */
+int fp_flex_bind(PyObject *table);
+PyObject *fp_flex(PyObject *self, PyObject *args);
+PyObject *fp_flex_register(PyObject *self, PyObject *args);
+PyObject *fp_flex_wanted(PyObject *self, PyObject *call);
 
 #endif

@@ -5,19 +5,30 @@ block mask (identity, its tensors' identities and versions). Everything ``flex._
 checks and builds depends only on those, so a later call with the same signature allocates the
 outputs and swaps in the data pointers and the current stream before calling the library, which
 validates every call itself.
+
+``register`` hands a prepared call to _fastpath (C, ``_fastpath_flex.c``) with the checks that
+tell a later call with the same arguments it would find the same traces and captures; C serves
+such calls without this module's walk of the mods.
 """
 
 import ctypes
+import os
 import sys
 import threading
 
 from . import _lib
-from ._arrays import _raw_stream
+from ._arrays import TORCH, _raw_stream
+from ._cached import _fastpath, _like
 from ._core import _rename
-from ._lib import FlashAttnError
+from ._lib import FaTensor, FlashAttnError
 
 _LOCAL = threading.local()  # the C call runs without the GIL: one cache (and args) a thread
 _CACHE_SIZE = 32
+BM_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+FLEX_C = None  # _fastpath.flex once bound to torch (flex.bound)
+IS_COMPILING = None  # torch.compiler.is_compiling, with FLEX_C
+# CUDA calls served in C too: off until the C path is validated on a GPU (the CPU's is).
+CUDA_IN_C = os.environ.get("FLASHATTN_FLEX_FASTPATH_CUDA") == "1"
 
 
 class Prepared:
@@ -26,7 +37,7 @@ class Prepared:
     the call (programs, converted captures, block mask) and the block mask's held tensors."""
 
     __slots__ = ("args", "ref", "fn", "slots", "out_shape", "lse_shape", "dtype", "lse_dtype",
-                 "device", "cuda", "names", "hold")
+                 "device", "cuda", "names", "hold", "fast")
 
 
 def _cache():
@@ -45,13 +56,13 @@ def key_of(query, key, value, scale, want_lse, programs, captured, block_mask):
     if block_mask is None:
         bm = None
     else:
-        fields = [getattr(block_mask, n) for n in ("kv_num_blocks", "kv_indices",
-                                                    "full_kv_num_blocks", "full_kv_indices")]
+        fields = [getattr(block_mask, n) for n in BM_FIELDS]
         if not all(x is None or hasattr(x, "_version") for x in fields):
             return None
         bm = (id(block_mask),) + tuple(None if x is None else (id(x), x._version)
                                        for x in fields)
-    return ((tuple((x.shape, x.stride(), x.dtype, x.device) for x in (query, key, value)),
+    return ((tuple((x.shape, x.stride(), x.dtype, x.device, x.is_neg())
+                   for x in (query, key, value)),
              scale, want_lse, bm) +
             tuple((f, id(t), tuple(s)) for f, t, s in programs) +
             tuple((id(x), x._version, x.data_ptr(), x.dtype, x.device, x.shape, x.stride())
@@ -88,10 +99,85 @@ def store(key, args, structs, tensors, call, keyed, names):
     p.cuda = out.device.index if out.device.type == "cuda" else None
     p.names = names
     p.hold = (call, tuple(keyed), structs)
+    p.fast = None
     cache = _cache()
     if len(cache) >= _CACHE_SIZE:
         cache.clear()
     cache[key] = p
+    return p
+
+
+def may_serve_later(kind, grad, call_args):
+    """Whether _fastpath should serve later calls like this one (torch, no gradients, the C
+    path bound (when the package met torch), not traced by torch.compile, and ``wanted``):
+    whether flex_any records the checks."""
+    return (kind == TORCH and not grad and FLEX_C is not None and not IS_COMPILING()
+            and (CUDA_IN_C or not call_args[0].is_cuda) and wanted(call_args))
+
+
+def block_mask_checks(block_mask, checks):
+    """What C checks of a block mask on a later call: the attributes this call reads
+    (``flex._check_block_mask``, ``key_of``, the mask_mod), by identity (as items of
+    its __dict__ where they are plain instance attributes), and its tensors' versions."""
+    seq = getattr(block_mask, "seq_lengths", None)
+    if type(seq) is not tuple or any(type(n) is not int for n in seq):
+        checks.append(("unsupported",))  # read by value each call
+        return
+    names = ("seq_lengths", "mask_mod") + BM_FIELDS
+    attrs = getattr(block_mask, "__dict__", None)
+    cls = type(block_mask)
+    if (type(attrs) is not dict or cls.__getattribute__ is not object.__getattribute__
+            or any(n not in attrs or any(n in vars(c) for c in cls.__mro__) for n in names)):
+        attrs = None
+    else:
+        checks.extend((("type", block_mask, cls), ("attr", block_mask, "__dict__", attrs)))
+    for name in names:
+        x = getattr(block_mask, name)
+        checks.append(("attr", block_mask, name, x) if attrs is None else
+                      ("item", attrs, name, x))
+        if name in BM_FIELDS and x is not None:
+            version = getattr(x, "_version", None)
+            checks.append(("unsupported",) if version is None else ("version", x, version))
+
+
+def wanted(call_args):
+    """Whether a call of ``call_args`` (flex_attention's, in ``flex.FLEX_ARGS``' order) that the
+    route serves should be handed to _fastpath (``register``): _fastpath_flex.c says."""
+    return _fastpath is not None and _fastpath.flex_wanted(tuple(call_args))
+
+
+def register(call_args, p, checks, captured):
+    """Hands prepared call p to _fastpath (C) for later calls of the same ``call_args``, with
+    ``checks`` (the walks' and the block mask's, as ``_flex_cache.captured`` describes them)
+    and those of the captured tensors (identity, version, data, shape, strides and dtype, as
+    ``key_of`` keys them; requires_grad C reads itself). C keeps nothing where a check is
+    not one it makes (("unsupported",)), and asks for the call again only much later."""
+    if _fastpath is None or checks is None:
+        return
+    checks = tuple(checks) + tuple(("aux", x, x._version, x.data_ptr(), x.shape, x.stride(),
+                                    x.dtype) for x in captured)
+    if p.fast is None:
+        p.fast = _fast_fields(p)
+    _fastpath.flex_register(tuple(call_args), p, *p.fast, checks)
+
+
+def _fast_fields(p):
+    """(fields, out_like, lse_like) of p for _fastpath: the addresses of the library's forward,
+    of the arguments, of the data fields of q, k, v, out and lse (0 without one) and of the
+    stream field (0 on the CPU), the CUDA device index (-1 on the CPU); and the outputs'
+    ``_like``s."""
+    torch = sys.modules["torch"]
+    data = FaTensor.data.offset
+    fields = dict(zip(("q", "k", "v", "out", "lse"),
+                      (ctypes.addressof(t) + data for t in p.slots)))
+    fields.setdefault("lse", 0)
+    args = ctypes.addressof(p.args)
+    fields.update(fn=ctypes.cast(p.fn, ctypes.c_void_p).value, args=args,
+                  stream=0 if p.cuda is None else args + type(p.args).stream.offset,
+                  device=-1 if p.cuda is None else p.cuda)
+    lse_like = (None if p.lse_dtype is None else
+                _like(torch, p.lse_shape, p.lse_dtype, p.device))
+    return fields, _like(torch, p.out_shape, p.dtype, p.device), lse_like
 
 
 def run(p, query, key, value):

@@ -10,7 +10,8 @@
 ``_fastpath`` (C) is a cache in front of this route for ``flash_attn_func``'s and
 ``flash_attn_with_kvcache``'s commonest torch calls: it looks the call's signature up among
 _cached's prepared calls and hands every call it does not serve to ``dense_any`` /
-``kvcache_any``, so the route is the same whichever serves it. Scalars pass down
+``kvcache_any``, so the route is the same whichever serves it (and in front of
+``flex.flex_any`` for ``flex_attention``'s repeated calls). Scalars pass down
 as the caller gave them; ``_core`` converts and checks them where it fills the C arguments
 (the default softmax scale included), so that a prepared call's signature holds the caller's
 values.
@@ -37,6 +38,13 @@ _TORCH_OPS = []  # flashattn._torch_ops once a torch call has imported it (and t
 DENSE_C = None  # _fastpath.dense bound to torch (None: not built, or no torch call yet)
 KVCACHE_C = None  # _fastpath.kvcache, with DENSE_C
 IS_COMPILING = None  # torch.compiler.is_compiling, with DENSE_C
+_FLEX = []  # (flex.fastpath_table, flex.bound), given by the package: flex reaches this module
+
+
+def use_flex(table, bound):
+    """flex_attention's C entry is bound with the others (``torch_ops``): ``table()`` gives
+    bind() its entries, ``bound(entry, is_compiling)`` receives the bound entry."""
+    _FLEX[:] = [(table, bound)]
 
 
 def torch_ops():
@@ -50,7 +58,10 @@ def torch_ops():
 
         _TORCH_OPS.append(module)
         IS_COMPILING = module.torch.compiler.is_compiling
-        DENSE_C, KVCACHE_C = module.bind_fastpath(dense_any, DENSE_ARGS, kvcache_any, KV_ARGS)
+        flex_table, flex_bound = _FLEX[0] if _FLEX else (lambda: None, lambda *a: None)
+        DENSE_C, KVCACHE_C, flex_c = module.bind_fastpath(dense_any, DENSE_ARGS, kvcache_any,
+                                                          KV_ARGS, flex_table())
+        flex_bound(flex_c, IS_COMPILING)
     return _TORCH_OPS[0]
 
 

@@ -744,13 +744,14 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
     return out, lse.float(), S
 
 
-def bind_fastpath(fallback, dense_args, kv_fallback, kv_args):
-    """(_fastpath.dense, _fastpath.kvcache) in front of ``fallback`` (flash_attn_func's route,
-    its arguments in ``dense_args``' order, the calls with gradients handed to _DenseFastFn)
-    and ``kv_fallback`` (flash_attn_with_kvcache's, in ``kv_args``' order); (None, None) where
-    the extension was not built."""
+def bind_fastpath(fallback, dense_args, kv_fallback, kv_args, flex_table):
+    """(_fastpath.dense, _fastpath.kvcache, _fastpath.flex) in front of ``fallback``
+    (flash_attn_func's route, its arguments in ``dense_args``' order, the calls with gradients
+    handed to _DenseFastFn), ``kv_fallback`` (flash_attn_with_kvcache's, in ``kv_args``'
+    order) and flex_attention's route (``flex_table``: flex.fastpath_table()); (None, None,
+    None) where the extension was not built."""
     return _cached.bind_fastpath(torch, _DenseFastFn.apply, fallback, dense_args, kv_fallback,
-                                 kv_args)
+                                 kv_args, flex_table)
 
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

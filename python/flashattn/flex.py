@@ -239,7 +239,7 @@ def _check_block_mask(block_mask, B, H, Lq, Lkv):
                          "(%d, %d)" % (bm_b, bm_h, B, H))
 
 
-_BM_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+_BM_FIELDS = _flex_prepared.BM_FIELDS
 
 
 def _c_block_mask(block_mask, keep, device):
@@ -386,6 +386,27 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     captures
     (refused when they require grad); without mods it runs flash_attn_func, with autograd.
     """
+    # _fastpath (C) serves a repeated torch call without gradients whose mods and captures it
+    # finds unchanged, and hands every other call to flex_any; Dynamo cannot trace C.
+    entry = _flex_prepared.FLEX_C
+    if entry is None or _flex_prepared.IS_COMPILING():
+        entry = flex_any
+    return entry(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                 kernel_options)
+
+
+# flex_attention's arguments in order, as ``flex_any`` and _fastpath (which reads it) take them.
+FLEX_ARGS = ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa",
+             "return_lse", "kernel_options")
+
+
+def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+             kernel_options):
+    """flex_attention's route (its arguments in ``FLEX_ARGS``' order), and _fastpath's
+    fallback. A torch call without gradients whose arguments are prepared is handed to
+    _fastpath with the checks its walks of the mods recorded, where _fastpath wants it."""
+    call_args = (query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                 kernel_options)
     if kernel_options is not None:
         raise FlashAttnError("kernel_options: tunes torch's kernels; flashattn takes none")
     enable_gqa, return_lse = as_bool(enable_gqa, "enable_gqa"), as_bool(return_lse,
@@ -398,14 +419,19 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         x.requires_grad for x in (query, key, value))
     if grad and score_mod is None and block_mask is None:
         return _plain(query, key, value, scale, return_lse)
+    # what C checks on a later call, where it should serve one
+    checks = [] if _flex_prepared.may_serve_later(kind, grad, call_args) else None
     mods = []  # (argument field, trace, aux tensors)
     if score_mod is not None:
-        mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod"))
+        # C keys a score_mod that is a plain function by its code and captures (keyed)
+        mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod", checks, True))
     if block_mask is not None:
         _check_block_mask(block_mask, B, H, Lq, Lkv)
+        if checks is not None:
+            _flex_prepared.block_mask_checks(block_mask, checks)
         if block_mask.mask_mod is not None:
             mods.append(("mask_mod",) + trace(block_mask.mask_mod, KIND_MASK,
-                                              "block_mask.mask_mod"))
+                                              "block_mask.mask_mod", checks))
 
     # aux slots of the call: the mods' captured tensors, each once
     aux, slot_of, programs = [], {}, []
@@ -429,6 +455,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         p = _flex_prepared.lookup(prepared_key)
         if p is not None:
             out, lse = _flex_prepared.run(p, query, key, value)
+            _flex_prepared.register(call_args, p, checks, captured)
             return out if not return_lse else (out, _empty_rows(lse, kind))
     device = query.device if kind == TORCH else None
     aux = [_aux_tensor(x, field, i, device or "cpu") for i, (field, x) in enumerate(aux)]
@@ -438,10 +465,30 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         out, lse = _flex_fn().apply(query, key, value, call)
     else:
         keyed = [t for _, t, _ in programs] + captured + [block_mask]
-        out, lse = call.forward(query, key, value, return_lse, prepared_key, keyed)
+        out, lse, p = call.forward(query, key, value, return_lse, prepared_key, keyed)
+        if p is not None:
+            _flex_prepared.register(call_args, p, checks, captured)
     if not return_lse:
         return out
     return out, _empty_rows(lse, kind)
+
+
+def _lse_rows(lse):
+    """_empty_rows of a torch lse, for _fastpath."""
+    return _empty_rows(lse, TORCH)
+
+
+def bound(entry, is_compiling):
+    """_route binds _fastpath when the package meets torch: flex_attention's C entry (None
+    where the extension was not built) and torch.compiler.is_compiling."""
+    _flex_prepared.FLEX_C, _flex_prepared.IS_COMPILING = entry, is_compiling
+
+
+def fastpath_table():
+    """What _fastpath's bind() takes for flex(): the fallback, the argument layout, the
+    per-thread cache's holder, _lse_rows and whether CUDA tensors are served too."""
+    return dict(flex_fallback=flex_any, flex_args=FLEX_ARGS, flex_local=_flex_prepared._LOCAL,
+                flex_lse_rows=_lse_rows, flex_cuda=_flex_prepared.CUDA_IN_C)
 
 
 class _FlexCall:
@@ -477,9 +524,9 @@ class _FlexCall:
         return args, keep, arrays, names
 
     def forward(self, query, key, value, want_lse, prepared_key=None, keyed=()):
-        """(out, lse or None), lse as the library gives it (+inf for a row with no key); with
-        prepared_key (torch, no gradients) the arguments are cached for the next such call,
-        beside keyed, the objects whose ids the key holds."""
+        """(out, lse or None, the prepared call or None), lse as the library gives it (+inf for
+        a row with no key); with prepared_key (torch, no gradients) the arguments are cached
+        for the next such call, beside keyed, the objects whose ids the key holds."""
         out = _empty(self.kind, tuple(query.shape[:3]) + (int(value.shape[3]),), query)
         lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True) if want_lse else None
         args, keep, arrays, names = self._args(query, key, value, out, lse)
@@ -487,11 +534,12 @@ class _FlexCall:
             _lib.forward(args)
         except FlashAttnError as e:
             raise FlashAttnError(_rename(str(e), names), e.status) from None
+        p = None
         if prepared_key is not None:
-            _flex_prepared.store(prepared_key, args, keep, (query, key, value, out, lse), self,
-                                 keyed, names)
+            p = _flex_prepared.store(prepared_key, args, keep, (query, key, value, out, lse),
+                                     self, keyed, names)
         del keep, arrays
-        return out, lse
+        return out, lse, p
 
     def backward(self, query, key, value, out, lse, dout):
         """(dq, dk, dv) in the inputs' [b, h, s, d] layout."""
@@ -501,9 +549,10 @@ class _FlexCall:
         args, keep, arrays, names = self._args(query, key, value, out, lse)
         keep.append(arrays)
         bwd = _lib.new_bwd_args()
-        grads = [make_tensor(_swap(prepare(x, n, TORCH, cuda=True), TORCH), n, TORCH)
-                 for x, n in ((dout, "dout"), (dq, "dq"), (dk, "dk"), (dv, "dv"))]
-        keep.append(grads)
+        named = (("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv))
+        tensors = [prepare(x, n, TORCH, cuda=True) for n, x in named]  # dout maybe a copy
+        grads = [make_tensor(_swap(x, TORCH), n, TORCH) for (n, _), x in zip(named, tensors)]
+        keep.append((tensors, grads))
         bwd.fwd = ctypes.pointer(args)
         bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
         if query.device.type == "cuda":
@@ -533,7 +582,7 @@ def _flex_fn():
         class FlexFn(torch.autograd.Function):
             @staticmethod
             def forward(ctx, query, key, value, call):
-                out, lse = call.forward(query, key, value, True)
+                out, lse, _ = call.forward(query, key, value, True)
                 ctx.save_for_backward(query, key, value, out, lse)
                 ctx.call = call
                 ctx.mark_non_differentiable(lse)

@@ -618,6 +618,38 @@ def test_gradients_through_a_score_mod(rng):
         torch.testing.assert_close(got, w, atol=1e-10, rtol=1e-10, msg="d" + name)
 
 
+def test_gradients_of_a_broadcast_dout(rng):
+    """out.sum()'s dout is one element broadcast (stride 0), which the backward copies: the copy
+    stays alive through the library's call (ASan saw it freed before)."""
+    B, H, L, D = 1, 2, 24, 8
+    q, k, v = (randn(rng, B, H, L, D, dtype=torch.float64).requires_grad_() for _ in range(3))
+
+    def halve(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    flashattn.flex_attention(q, k, v, halve).sum().backward()
+    q2, k2, v2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    s = q2 @ k2.transpose(-1, -2) / math.sqrt(D) * 0.5
+    (torch.softmax(s, -1) @ v2).sum().backward()
+    for name, got, want in zip("qkv", (q, k, v), (q2, k2, v2)):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-10, rtol=1e-10, msg="d" + name)
+
+
+def test_negative_view_is_not_a_prepared_call(rng):
+    """A repeated call's prepared arguments are keyed by q, k and v's negative bit too: a
+    negative view (torch._neg_view) reads as its values, not as the tensor it views."""
+    q, k, v = qkv(rng, 1, 2, 2, 16, 16)
+
+    def halve(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    with torch.no_grad():
+        flashattn.flex_attention(q, k, v, halve)
+        got = flashattn.flex_attention(torch._neg_view(q), k, v, halve)
+        torch.testing.assert_close(got, flashattn.flex_attention(-q, k, v, halve), atol=1e-6,
+                                   rtol=1e-6)
+
+
 def test_bad_arguments(rng):
     q, k, v = qkv(rng, 1, 2, 2, 20, 24)
     with pytest.raises(FlashAttnError, match=r"key: expected 4 dimensions \[b, h, s, d\]"):

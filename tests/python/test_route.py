@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from flashattn import _route, flash_attn_func, flash_attn_with_kvcache
+from flashattn import _route, flash_attn_func, flash_attn_with_kvcache, flex
 from helpers import run_python
 
 
@@ -76,34 +76,39 @@ def test_softcap_visits_each_module_once(rng):
 
 
 def test_fast_path_layout_is_the_signature():
-    """_fastpath reads flash_attn_func's and flash_attn_with_kvcache's arguments by the names
-    bind() gives it."""
+    """_fastpath reads flash_attn_func's, flash_attn_with_kvcache's and flex_attention's
+    arguments by the names bind() gives it."""
     params = list(inspect.signature(flash_attn_func).parameters)
     assert tuple(params) == _route.DENSE_ARGS
     params = list(inspect.signature(flash_attn_with_kvcache).parameters)
     assert tuple(params) == _route.KV_ARGS
+    params = list(inspect.signature(flex.flex_attention).parameters)
+    assert tuple(params) == flex.FLEX_ARGS == tuple(inspect.signature(flex.flex_any).parameters)
 
 
-@pytest.mark.parametrize("cut", ["dense", "kv"])
+@pytest.mark.parametrize("cut", ["dense", "kv", "flex"])
 def test_fast_path_refuses_a_layout_without_a_name(cut):
     """bind() looks every argument up by name: a table that lacks one is refused (a fresh
     interpreter, since a process binds once, and without the import hook through which the
     package binds itself when torch is imported after it)."""
-    dense, kv = "_route.DENSE_ARGS", "_route.KV_ARGS"
+    dense, kv, flex = "_route.DENSE_ARGS", "_route.KV_ARGS", "flex.FLEX_ARGS"
     if cut == "dense":
         dense += "[:-1]"
-    else:
+    elif cut == "kv":
         kv += "[1:]"
+    else:
+        flex += "[1:]"
     code = ("import sys, flashattn\n"
             "sys.meta_path.remove(flashattn._RegisterAfterTorch)\n"
             "import torch\n"
-            "from flashattn import _cached, _route\n"
+            "from flashattn import _cached, _route, flex\n"
             "try:\n"
-            "    _cached.bind_fastpath(torch, None, None, %s, None, %s)\n"
+            "    _cached.bind_fastpath(torch, None, None, %s, None, %s,\n"
+            "                          dict(flex.fastpath_table(), flex_args=%s))\n"
             "except ValueError as e:\n"
-            "    print(e)\n" % (dense, kv))
+            "    print(e)\n" % (dense, kv, flex))
     r = run_python(code)
     assert r.returncode == 0, r.stderr
-    missing = "learnable_sink" if cut == "dense" else "q"
+    missing = {"dense": "learnable_sink", "kv": "q", "flex": "query"}[cut]
     assert r.stdout.strip() == ("flashattn._fastpath.bind: the layout has no '%s'" % missing), (
         r.stdout)

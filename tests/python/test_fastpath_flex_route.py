@@ -1,0 +1,187 @@
+"""flex_attention's C fast path (python/flashattn/_fastpath_flex.c): which calls C serves and
+which the Python route does (and hands to C), bitwise the route's answers, per thread."""
+
+import threading
+
+import pytest
+import torch
+
+import flashattn
+from flashattn import FlashAttnError, _flex_prepared
+from flexfast import (S, _Mod, path, qkv, randn, reference, window)  # noqa: F401
+
+
+def test_served_calls_match_the_route(path, qkv, rng, monkeypatch):
+    """Options, mods together, a bound method: the C answer is the Python route's, bitwise."""
+    q, k, v = qkv
+    bias = randn(rng, 64)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + bias[(q_idx - kv_idx).abs()]
+
+    bm = flashattn.create_block_mask(window, None, None, S, S, BLOCK_SIZE=16)
+    obj = _Mod(0.5)
+    kv2 = k[:, :1].contiguous(), v[:, :1].contiguous()
+    calls = [dict(score_mod=rel), dict(block_mask=bm), dict(score_mod=rel, block_mask=bm),
+             dict(score_mod=rel, return_lse=True), dict(score_mod=rel, scale=0.3),
+             dict(score_mod=obj.method, block_mask=bm), dict(score_mod=obj)]
+    with torch.no_grad():
+        for kw in calls:
+            flashattn.flex_attention(q, k, v, **kw)
+            flashattn.flex_attention(q, k, v, **kw)
+            path.clear()
+            got = flashattn.flex_attention(q, k, v, **kw)
+            assert path == [True], kw
+            with monkeypatch.context() as m:
+                m.setattr(_flex_prepared, "FLEX_C", None)
+                want = flashattn.flex_attention(q, k, v, **kw)
+            for a, b in zip(*((got, want) if kw.get("return_lse") else ((got,), (want,)))):
+                assert torch.equal(a, b), kw
+        flashattn.flex_attention(q, *kv2, rel, enable_gqa=True)
+        flashattn.flex_attention(q, *kv2, rel, enable_gqa=True)
+        path.clear()
+        got = flashattn.flex_attention(q, *kv2, rel, enable_gqa=True)
+        assert path == [True]
+        torch.testing.assert_close(got, reference(q, *kv2, rel), atol=2e-5, rtol=2e-5)
+        with pytest.raises(ValueError, match="enable_gqa"):  # the flag is part of the key
+            flashattn.flex_attention(q, *kv2, rel)
+
+
+def test_route_takes_other_calls(path, qkv, rng):
+    """Gradients, NumPy inputs, a function of new captures at every call, kernel_options: the
+    route."""
+    q, k, v = qkv
+
+    def halve(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    flashattn.flex_attention(q, k, v, halve)
+    path.clear()
+    qg = q.clone().requires_grad_()
+    out = flashattn.flex_attention(qg, k, v, halve)
+    assert path == [False] and out.requires_grad
+    out.sum().backward()
+    assert qg.grad is not None
+    path.clear()
+    flashattn.flex_attention(q.numpy(), k.numpy(), v.numpy(), halve)
+    assert path == [False]
+    for i in range(3):
+        path.clear()
+        s = 2.0 + i  # a new float object each time
+
+        def scaled(score, b, h, q_idx, kv_idx):
+            return score * s
+
+        out = flashattn.flex_attention(q, k, v, scaled)
+        assert path == [False]
+    torch.testing.assert_close(out, reference(q, k, v, scaled), atol=2e-5, rtol=2e-5)
+    with pytest.raises(FlashAttnError, match="kernel_options"):
+        flashattn.flex_attention(q, k, v, halve, kernel_options={})
+
+
+def test_capture_that_starts_requiring_grad(path, qkv, rng):
+    """Grad mode on, inputs without gradients: served in C until a captured tensor requires
+    grad, which the route refuses."""
+    bias = randn(rng, 2)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    flashattn.flex_attention(*qkv, head_bias)
+    flashattn.flex_attention(*qkv, head_bias)
+    path.clear()
+    flashattn.flex_attention(*qkv, head_bias)
+    assert path == [True]
+    bias.requires_grad_()
+    with pytest.raises(FlashAttnError, match="requires grad"):
+        flashattn.flex_attention(*qkv, head_bias)
+
+
+def test_each_thread_has_its_own_calls(path, qkv):
+    def distance(score, b, h, q_idx, kv_idx):
+        return score - (q_idx - kv_idx).abs() * 0.25
+
+    results = []
+
+    def run():
+        with torch.no_grad():
+            results.append([flashattn.flex_attention(*qkv, distance) for _ in range(3)])
+
+    with torch.no_grad():
+        mine = [flashattn.flex_attention(*qkv, distance) for _ in range(3)]
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert all(torch.equal(x, mine[0]) for x in mine + results[0])
+    # per thread: the route twice, then C
+    assert path == [False, False, True, False, False, True]
+    torch.testing.assert_close(mine[0], reference(*qkv, distance), atol=2e-5, rtol=2e-5)
+
+
+def test_what_the_route_hands_to_c(path, qkv, rng, monkeypatch):
+    """The route registers a call it meets the second time, and at once one whose entry served
+    calls before a change; not a new function at every call, and a call whose capture changes
+    at every call after twice as many calls each time."""
+    registered = []
+    real = _flex_prepared.register
+
+    def register(call_args, p, checks, captured):
+        if checks is not None:  # handed to C (else the route did not ask for checks)
+            registered.append(1)
+        real(call_args, p, checks, captured)
+
+    monkeypatch.setattr(_flex_prepared, "register", register)
+    bias = randn(rng, 64)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + bias[(q_idx - kv_idx).abs()]
+
+    with torch.no_grad():
+        for _ in range(4):
+            flashattn.flex_attention(*qkv, rel)
+        assert path == [False, False, True, True] and len(registered) == 1
+        bias.add_(1)  # a change after calls were served: registered again at once
+        path.clear()
+        for _ in range(2):
+            flashattn.flex_attention(*qkv, rel)
+        assert path == [False, True] and len(registered) == 2
+        path.clear()
+        for _ in range(40):  # a change at every call: registered ever more seldom
+            bias.add_(1)
+            flashattn.flex_attention(*qkv, rel)
+        assert path == [False] * 40 and len(registered) - 2 <= 6
+        registered.clear()
+        for i in range(8):  # a function of other captures at every call
+            s = 2.0 + i
+            flashattn.flex_attention(*qkv, lambda score, b, h, q_idx, kv_idx: score * s)
+        assert registered == []
+
+
+def test_a_function_made_at_each_call(path, qkv, rng):
+    """A lambda made at every call (as in a model's forward) from the same code and captures is
+    the same call to C: served from the third; its captures checked as any function's."""
+    bias = randn(rng, 64)
+
+    def forward(q, k, v):
+        return flashattn.flex_attention(
+            q, k, v, lambda score, b, h, q_idx, kv_idx: score + bias[(q_idx - kv_idx).abs()])
+
+    def expect():
+        return reference(*qkv, lambda score, b, h, q_idx, kv_idx:
+                         score + bias[(q_idx - kv_idx).abs()])
+
+    with torch.no_grad():
+        outs = [forward(*qkv) for _ in range(4)]
+        assert path == [False, False, True, True]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        torch.testing.assert_close(outs[0], expect(), atol=2e-5, rtol=2e-5)
+        bias.mul_(-1)  # in place: noticed by the captured tensor's checks
+        path.clear()
+        out = forward(*qkv)
+        assert path == [False]
+        torch.testing.assert_close(out, expect(), atol=2e-5, rtol=2e-5)
+        bias = randn(rng, 64)  # another tensor: another call to C
+        path.clear()
+        out = forward(*qkv)
+        assert path == [False]
+        torch.testing.assert_close(out, expect(), atol=2e-5, rtol=2e-5)
