@@ -89,7 +89,8 @@ static int fa_plan_bwd_sm90_enabled(void)
 }
 
 /* Calls with user-defined scoring take fa_bwd_sm90.cu's hooks only with
- * FLASHATTN_BWD_SM90_MODS=1 (not yet measured on a device); the sm80 family otherwise. */
+ * FLASHATTN_BWD_SM90_MODS=1 (its GPU test passes; not yet measured on a routed benchmark
+ * case); the sm80 family otherwise. */
 static int fa_plan_bwd_sm90_mods_enabled(void)
 {
     const char *env = getenv("FLASHATTN_BWD_SM90_MODS");

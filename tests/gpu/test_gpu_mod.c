@@ -18,9 +18,9 @@
  *   block mask's skipped tiles are passed over in one and visited, masked, in the other).
  * The cases run on the sm80 family (FLASHATTN_SM90_MODS=0, which keeps it on sm_90 too); on
  * sm_90 the forward cases run a second time on the Hopper kernel's hooks (fa_fwd_sm90.cu, the
- * default there), against the same CPU results (forward only). FA_MOD_PASSES=bwd90 runs the
- * backward cases with FLASHATTN_BWD_SM90_MODS=1 (fa_bwd_sm90.cu's hooks where the plan takes
- * them; not in the default passes while that switch is off).
+ * default there), against the same CPU results (forward only), and the backward cases a third
+ * time with FLASHATTN_BWD_SM90_MODS=1 (fa_bwd_sm90.cu's hooks where the plan takes them).
+ * FA_MOD_PASSES (sm80, sm90, bwd90) picks some of the three.
  * Each case's line names the family that ran.
  * Exits 77 (skipped) without a usable device.
  */
@@ -534,10 +534,10 @@ int main(void)
     const int start = gu_start("test_gpu_mod", 0x6d6f64677075ull);
     if (start != 0)
         return start;
-    /* FA_MOD_PASSES (a list of sm80, sm90, bwd90; unset: sm80,sm90) picks the passes. */
+    /* FA_MOD_PASSES (a list of sm80, sm90, bwd90; unset: all three) picks the passes. */
     const char *passes = getenv("FA_MOD_PASSES");
     if (!passes || !*passes)
-        passes = "sm80,sm90";
+        passes = "sm80,sm90,bwd90";
     setenv("FLASHATTN_SM90_MODS", "0", 1);
     if (strstr(passes, "sm80")) {
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
