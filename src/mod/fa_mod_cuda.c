@@ -62,7 +62,8 @@ static const char *const fa_mod_cuda_vars[] = {"score", "b", "h", "q_idx", "kv_i
 static int fa_mod_cuda_int_const(const fa_mod_node *s)
 {
     const double v = s->value;
-    return v == (double)(long long)v && v >= -FA_MOD_CUDA_INT_MAX && v <= FA_MOD_CUDA_INT_MAX &&
+    /* In range first: the conversion of a value outside long long's (or NaN) is undefined. */
+    return v >= -FA_MOD_CUDA_INT_MAX && v <= FA_MOD_CUDA_INT_MAX && v == (double)(long long)v &&
            !(v == 0.0 && 1.0 / v < 0.0);
 }
 
