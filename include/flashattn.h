@@ -431,15 +431,16 @@ int fa_probs_block_n(int head_dim, int dropout, int causal);
  * cache_batch_idx, cache_leftpad, block_table) are device memory the host does not check; the
  * kernels clamp every value into the caches, so a bad one gives a meaningless answer for its
  * sequence but never reads or writes outside the caller's tensors. With a paged cache, as
- * upstream does, the call copies cache_seqlens to the host and refuses, naming block_table, a
- * sequence whose cache_seqlens + s_new exceeds its block_table row. A call that appends (k, v)
- * checks before it launches anything, which costs a wait for the stream's earlier work (the GPU
- * then idles while the step is launched); one that only reads the caches launches first and
- * checks after (on refusal out and lse hold meaningless values, the caches are untouched), a
- * wait the host's next call overlaps. Either way the library keeps a little pinned host memory
- * for the copy. Set skip_capacity_check to skip it (required inside CUDA graph capture). Splits need
- * workspace: fa_attention_kvcache_workspace_size bytes of device memory, 256-byte aligned; with
- * less (or none) a call with num_splits 0 runs unsplit and one with num_splits > 1 is refused.
+ * upstream does, the call refuses, naming block_table, a sequence whose cache_seqlens + s_new
+ * exceeds its block_table row. The kernels check cache_seqlens themselves and write no cache row
+ * when a sequence fails; the first reports into a little pinned host memory the library keeps,
+ * and the call waits for that report after launching (on refusal out and lse hold meaningless
+ * values, the caches are untouched). The wait lasts until the stream's earlier work is done and
+ * the call's first kernel has started, so a host launching steps back to back overlaps its next
+ * launch with this step's kernels; it spins on the CPU meanwhile. Set skip_capacity_check to
+ * skip it (required inside CUDA graph capture). Splits need workspace:
+ * fa_attention_kvcache_workspace_size bytes of device memory, 256-byte aligned; with less (or
+ * none) a call with num_splits 0 runs unsplit and one with num_splits > 1 is refused.
  * When two sequences write the same cache rows the result on a device is either's values.
  *
  * FP8 caches (vLLM's form): k_cache and v_cache FA_DTYPE_F8E4M3 or FA_DTYPE_F8E5M2 (both the
@@ -490,7 +491,7 @@ typedef struct fa_kvcache_args {
     int num_threads;        /* CPU threads; 0: $FLASHATTN_NUM_THREADS or every available core */
     void *workspace;        /* CUDA: device memory for split partials, or NULL */
     size_t workspace_size;  /* bytes at workspace */
-    int skip_capacity_check; /* CUDA, paged: 1 skips the host check of cache_seqlens (above) */
+    int skip_capacity_check; /* CUDA, paged: 1 skips the check of cache_seqlens (above) */
     const fa_tensor *k_descale; /* optional fp32 [b, hk], with an fp8 k_cache (FP8 above) */
     const fa_tensor *v_descale; /* optional fp32 [b, hk], with an fp8 v_cache */
 } fa_kvcache_args;

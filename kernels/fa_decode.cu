@@ -72,6 +72,7 @@
 #define FA_PRESCALE (FA_SOFTCAP || FA_ALIBI)
 
 #include "fa_decode_cache.cuh"
+#include "fa_decode_check.cuh"
 
 #if FA_KV_FP8
 #include "fa_decode_fp8.cuh"
@@ -143,6 +144,13 @@ FA_DEV void fa_kv_append_row(const fa_dkparams *dp, const fa_kvseq *seq, int bi,
  * per (new row blockIdx.x, kv head blockIdx.y, sequence blockIdx.z). */
 extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
 {
+#if FA_PAGED && !FA_VARLEN
+    if (dp.check_ticket) {
+        const int first = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+        if (fa_kv_check(&dp, first ? dp.check_report : 0, threadIdx.x))
+            return;
+    }
+#endif
     const fa_kvseq seq = fa_kvseq_get(&dp, blockIdx.z);
     fa_kv_append_row(&dp, &seq, blockIdx.z, blockIdx.y, blockIdx.x, threadIdx.x);
 }
@@ -223,12 +231,30 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     const int per = (nblocks + dp.splits - 1) / dp.splits;
     const int nb0 = fa_min(split * per, nblocks), nb1 = fa_min(nb0 + per, nblocks);
 
+#if FA_PAGED && !FA_VARLEN
+    /* The capacity check (fa_decode_check.cuh): the first CTA reports; appending CTAs write
+     * nothing where a sequence fails it. */
+    int refused = 0;
+    if (dp.check_ticket) {
+        const int reports = dp.check_report && blockIdx.x == 0 && blockIdx.y == 0 &&
+                            blockIdx.z == 0;
+        const int appends = dp.append_fused && dp.s_new > 0;
+        if (reports || appends) {
+            const int bad = warp == 0 && fa_kv_check(&dp, reports ? dp.check_report : 0, lane);
+            if (appends)
+                refused = __syncthreads_or(bad);
+        }
+    }
+#else
+    const int refused = 0;
+#endif
+
     /* The append done here (dp.append_fused): this CTA writes the new keys and values of its kv
      * head that it will read, and the kv head's first CTA (row tile 0, split 0) every one of
      * them, so that a row no query sees lands too. A row two CTAs write gets the same bytes from
      * both (the host fuses only where nothing is rotated or k and v do not share bytes with the
      * caches). Written before the first copy reads them. */
-    if (dp.append_fused && dp.s_new > 0) {
+    if (dp.append_fused && dp.s_new > 0 && !refused) {
         const fa_i64 new0 = seq.len0 - seq.start; /* key index of new row 0 */
         int s_lo = 0, s_hi = dp.s_new;
         if (m_block != 0 || split != 0) {

@@ -37,6 +37,11 @@ typedef struct fa_dkparams {
     fa_u32 page_shift;            /* for positions below 2^31 (fa_page_magic) */
     int append_fused;             /* 1: fa_decode writes knew / vnew (no fa_kv_append launch) */
     int cluster_merge;            /* 1: the splits of a row tile are one cluster and merge there */
+    /* The paged capacity check (FA_RULE_KV_FITS on cache_seqlens; kernels/fa_decode_check.cuh):
+     * check_ticket 0 is off; otherwise no cache row is written where a sequence fails it, and
+     * the launch given check_report (host memory, 2 words) reports the first that fails. */
+    fa_u64 *check_report;
+    int check_ticket, check_pad;
     const float *k_descale;       /* fp8 caches: NULL or fp32 [b, hk] (NULL: 1) */
     const float *v_descale;
     fa_i64 kd_bstride, kd_hstride, vd_bstride, vd_hstride;

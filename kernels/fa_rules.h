@@ -135,6 +135,12 @@ FA_RULE double fa_rule_default_scale(fa_i64 head_dim)
     return pow((double)head_dim, -0.5);
 }
 
+/* ---- a KV cache's capacity ------------------------------------------------------------------ */
+
+/* Whether a sequence with len positions in its cache takes s_new more within capacity positions
+ * (the paged capacity check: on the host for host cache_seqlens, in the kernels for device ones). */
+#define FA_RULE_KV_FITS(len, s_new, capacity) ((len) >= 0 && (len) + (s_new) <= (capacity))
+
 /* ---- fp8 rounding ------------------------------------------------------------------------- */
 
 /*

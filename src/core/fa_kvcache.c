@@ -7,6 +7,7 @@
 #include "core/fa_fp8.h"
 #include "core/fa_kvcache.h"
 #include "core/fa_options.h"
+#include "fa_rules.h"
 
 static fa_status fa_kv_check_same_dtype(const fa_tensor *t, const char *name, fa_dtype dt)
 {
@@ -196,26 +197,29 @@ static fa_status fa_kv_check_layout(const fa_kvcache_args *a, fa_params *p, int 
     return FA_STATUS_OK;
 }
 
+fa_status fa_kvcache_check_seqlen(const fa_params *p, int64_t i, int64_t len)
+{
+    if (FA_RULE_KV_FITS(len, p->s_new, p->max_sk))
+        return FA_STATUS_OK;
+    if (len < 0)
+        return FA_BAD("cache_seqlens: entry %lld is negative (%lld)", (long long)i,
+                      (long long)len);
+    if (p->paged)
+        return FA_BAD("block_table: sequence %lld needs %lld positions (cache_seqlens %lld + "
+                      "%lld new keys) but its %lld blocks of %lld hold %lld",
+                      (long long)i, (long long)(len + p->s_new), (long long)len,
+                      (long long)p->s_new, (long long)(p->max_sk / p->page_size),
+                      (long long)p->page_size, (long long)p->max_sk);
+    return FA_BAD("cache_seqlens: sequence %lld needs %lld positions (cache_seqlens %lld + "
+                  "%lld new keys), more than the cache's %lld",
+                  (long long)i, (long long)(len + p->s_new), (long long)len, (long long)p->s_new,
+                  (long long)p->max_sk);
+}
+
 fa_status fa_kvcache_check_seqlens(const fa_params *p, const int32_t *cache_seqlens)
 {
-    for (int64_t i = 0; i < p->b; i++) {
-        const int64_t len = cache_seqlens[i];
-        if (len < 0)
-            return FA_BAD("cache_seqlens: entry %lld is negative (%lld)", (long long)i,
-                          (long long)len);
-        if (len + p->s_new <= p->max_sk)
-            continue;
-        if (p->paged)
-            return FA_BAD("block_table: sequence %lld needs %lld positions (cache_seqlens %lld + "
-                          "%lld new keys) but its %lld blocks of %lld hold %lld",
-                          (long long)i, (long long)(len + p->s_new), (long long)len,
-                          (long long)p->s_new, (long long)(p->max_sk / p->page_size),
-                          (long long)p->page_size, (long long)p->max_sk);
-        return FA_BAD("cache_seqlens: sequence %lld needs %lld positions (cache_seqlens %lld + "
-                      "%lld new keys), more than the cache's %lld",
-                      (long long)i, (long long)(len + p->s_new), (long long)len,
-                      (long long)p->s_new, (long long)p->max_sk);
-    }
+    for (int64_t i = 0; i < p->b; i++)
+        FA_TRY(fa_kvcache_check_seqlen(p, i, cache_seqlens[i]));
     return FA_STATUS_OK;
 }
 

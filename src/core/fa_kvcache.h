@@ -66,8 +66,12 @@ static inline int fa_kv_keys_adjacent(const fa_params *p, int64_t j0, int64_t n)
 }
 
 /* Every cache_seqlens entry (host memory, [b]) non-negative and, with the s_new new keys, within
- * the capacity; a paged cache's error names block_table. Core's validation applies it to host
- * indices, a device backend to its host copy of device ones. */
+ * the capacity (FA_RULE_KV_FITS); a paged cache's error names block_table. Core's validation
+ * applies it to host indices. */
 fa_status fa_kvcache_check_seqlens(const fa_params *p, const int32_t *cache_seqlens);
+
+/* The same for entry i alone, of value len: a device backend's report of the first entry that
+ * fails the rule in its kernels. */
+fa_status fa_kvcache_check_seqlen(const fa_params *p, int64_t i, int64_t len);
 
 #endif /* FA_KVCACHE_H */

@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -200,13 +201,14 @@ static fa_status fa_decode_launch(fa_cu_function fn, unsigned gx, unsigned gy, u
     return r == 0 ? FA_STATUS_OK : fa_cuda_error(r, what);
 }
 
-/* Pinned host memory and an event for the paged capacity check's copy of cache_seqlens, one
- * per call in flight, kept for reuse: a pinned allocation costs far more than a decode step. */
+/* The paged capacity check's report (kernels/fa_decode_check.cuh): two words of pinned host
+ * memory the kernels write and the host reads, one pair per call in flight, kept for reuse (a
+ * pinned allocation costs far more than a decode step). */
 typedef struct fa_decode_check {
-    int32_t *host;
-    size_t n;
-    fa_cu_event ev;
+    uint64_t *host;      /* [2] */
+    fa_cu_deviceptr dev; /* host's address in ctx */
     fa_cu_context ctx;
+    unsigned ticket; /* the call's, in the report's high halves; never 0 (0: no check) */
     struct fa_decode_check *next;
 } fa_decode_check;
 
@@ -214,39 +216,7 @@ static pthread_mutex_t fa_check_lock = PTHREAD_MUTEX_INITIALIZER;
 static fa_decode_check *fa_check_free;
 
 #define FA_CU_MEMHOSTALLOC_PORTABLE 1
-#define FA_CU_EVENT_DISABLE_TIMING 2
-
-/* The check's buffers for b sequences in context ctx: a free one, or a new one. */
-static fa_status fa_decode_check_take(int64_t b, fa_cu_context ctx, fa_decode_check **out)
-{
-    const fa_cuda_driver *d = fa_cuda_driver_get();
-    pthread_mutex_lock(&fa_check_lock);
-    fa_decode_check *c = fa_check_free;
-    if (c)
-        fa_check_free = c->next;
-    pthread_mutex_unlock(&fa_check_lock);
-    if (!c && !(c = calloc(1, sizeof *c)))
-        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "cache_seqlens: no host memory for its copy");
-    fa_cu_result r = 0;
-    if (c->n < (size_t)b) {
-        if (c->host)
-            d->mem_free_host(c->host);
-        c->host = NULL, c->n = 0;
-        void *h = NULL;
-        r = d->mem_host_alloc(&h, (size_t)b * sizeof *c->host, FA_CU_MEMHOSTALLOC_PORTABLE);
-        if (r == 0)
-            c->host = h, c->n = (size_t)b;
-    }
-    if (r == 0 && c->ctx != ctx) {
-        if (c->ev)
-            d->event_destroy(c->ev);
-        c->ev = NULL;
-        r = d->event_create(&c->ev, FA_CU_EVENT_DISABLE_TIMING);
-        c->ctx = r == 0 ? ctx : NULL;
-    }
-    *out = c;
-    return r == 0 ? FA_STATUS_OK : fa_cuda_error(r, "allocating the copy of cache_seqlens");
-}
+#define FA_CU_ERROR_NOT_READY 600
 
 static void fa_decode_check_give(fa_decode_check *c)
 {
@@ -256,38 +226,70 @@ static void fa_decode_check_give(fa_decode_check *c)
     pthread_mutex_unlock(&fa_check_lock);
 }
 
-/* The paged capacity check, begun: cache_seqlens copied into pinned memory behind the work
- * already in the stream, an event after the copy. */
-static fa_status fa_decode_check_begin(const fa_params *p, fa_cu_context ctx, fa_cu_stream stream,
-                                       fa_decode_check **out)
+/* A report for a call in context ctx: a free one, or a new one; its ticket the next. */
+static fa_status fa_decode_check_take(fa_cu_context ctx, fa_decode_check **out)
 {
     const fa_cuda_driver *d = fa_cuda_driver_get();
-    fa_decode_check *c = NULL;
-    fa_status st = fa_decode_check_take(p->b, ctx, &c);
-    if (st == FA_STATUS_OK) {
-        fa_cu_result r = d->memcpy_dtoh_async(c->host,
-                                              (fa_cu_deviceptr)(uintptr_t)p->cache_seqlens,
-                                              (size_t)p->b * sizeof *c->host, stream);
+    pthread_mutex_lock(&fa_check_lock);
+    fa_decode_check *c = fa_check_free;
+    if (c)
+        fa_check_free = c->next;
+    pthread_mutex_unlock(&fa_check_lock);
+    if (!c && !(c = calloc(1, sizeof *c)))
+        return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "block_table: no host memory for the "
+                                                     "capacity check");
+    fa_cu_result r = 0;
+    if (!c->host) {
+        void *h = NULL;
+        r = d->mem_host_alloc(&h, 2 * sizeof *c->host, FA_CU_MEMHOSTALLOC_PORTABLE);
         if (r == 0)
-            r = d->event_record(c->ev, stream);
-        if (r != 0)
-            st = fa_cuda_error(r, "copying cache_seqlens for the capacity check");
+            c->host = h, c->host[0] = c->host[1] = 0, c->ctx = NULL;
     }
-    if (st != FA_STATUS_OK && c) {
-        fa_decode_check_give(c);
-        c = NULL;
+    if (r == 0 && c->ctx != ctx) {
+        r = d->mem_host_get_device_pointer(&c->dev, c->host, 0);
+        c->ctx = r == 0 ? ctx : NULL;
     }
+    c->ticket = c->ticket + 1 ? c->ticket + 1 : 1;
     *out = c;
-    return st;
+    if (r == 0)
+        return FA_STATUS_OK;
+    fa_decode_check_give(c);
+    *out = NULL;
+    return fa_cuda_error(r, "allocating the capacity check's report");
 }
 
-/* The check ended: waits for the copy (so for the stream's work ahead of it), checks, gives the
- * buffers back. */
-static fa_status fa_decode_check_end(const fa_params *p, fa_decode_check *c)
+/* The check ended: waits until the report carries the call's ticket (the reporting kernel's
+ * first warp has run: the stream's earlier work is done, the rest of this call's need not be),
+ * checks the entry it names, gives the report back. A stream that drains without the report
+ * (a kernel failed) gives the stream's error. */
+static fa_status fa_decode_check_end(const fa_params *p, fa_decode_check *c, fa_cu_stream stream)
 {
-    fa_cu_result r = fa_cuda_driver_get()->event_synchronize(c->ev);
-    fa_status st = r == 0 ? fa_kvcache_check_seqlens(p, c->host)
-                          : fa_cuda_error(r, "copying cache_seqlens for the capacity check");
+    const fa_cuda_driver *d = fa_cuda_driver_get();
+    fa_status st = FA_STATUS_OK;
+    for (unsigned spin = 0;; spin++) {
+        const uint64_t w0 = __atomic_load_n(&c->host[0], __ATOMIC_ACQUIRE);
+        const uint64_t w1 = __atomic_load_n(&c->host[1], __ATOMIC_ACQUIRE);
+        if ((w0 >> 32) == c->ticket && (w1 >> 32) == c->ticket) {
+            const int64_t i = (uint32_t)w0, len = (int32_t)(uint32_t)w1;
+            st = i < p->b ? fa_kvcache_check_seqlen(p, i, len) : FA_STATUS_OK;
+            break;
+        }
+        if (st != FA_STATUS_OK)
+            break; /* the stream drained, and the report read once more is not there */
+        if (spin % 64 == 63) {
+            const fa_cu_result r = d->stream_query(stream);
+            if (r == 0)
+                st = fa_error_set(FA_STATUS_INTERNAL,
+                                  "block_table: the kernels ended without the capacity check's "
+                                  "report");
+            else if (r != FA_CU_ERROR_NOT_READY)
+                st = fa_cuda_error(r, "waiting for the capacity check");
+            if (r != 0 && r != FA_CU_ERROR_NOT_READY)
+                break;
+            if (spin >= 4096)
+                sched_yield();
+        }
+    }
     fa_decode_check_give(c);
     return st;
 }
@@ -356,7 +358,7 @@ static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, i
 
 /* A decode on device: p a KV-cache call, or a dense forward seen as one (its k and v a
  * contiguous cache, every sequence full); ws and ws_size the caller's workspace; check_capacity
- * whether a paged call copies cache_seqlens to check it. */
+ * whether a paged call checks cache_seqlens against block_table (FA_RULE_KV_FITS). */
 static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg, void *ws,
                                size_t ws_size, int check_capacity)
 {
@@ -383,24 +385,26 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
     FA_TRY(fa_cuda_context_enter(device, &ctx, &pushed));
     fa_cu_stream stream = (fa_cu_stream)stream_arg;
     fa_status st = FA_STATUS_OK;
-    /* The capacity check: a call that appends waits for it before launching anything, so that
-     * nothing is written into the caches; one that only reads them launches first and waits
-     * after (only out and lse are written, as for any failed call), so that the host's next
-     * call overlaps this one's kernels. */
-    fa_decode_check *check = NULL;
-    if (p->paged && p->cache_seqlens && check_capacity) {
-        st = fa_decode_check_begin(p, ctx, stream, &check);
-        if (st == FA_STATUS_OK && p->s_new > 0) {
-            st = fa_decode_check_end(p, check);
-            check = NULL;
-        }
-    }
     fa_dkparams dk;
     fa_dkparams_fill(p, s.splits, s.cluster ? NULL : ws, &dk);
     dk.cluster_merge = s.cluster;
     /* The attention's CTAs append the new rows themselves (one launch fewer) unless a rotated
      * k or v shares bytes with its cache: rotating such a row twice would be wrong. */
     dk.append_fused = p->s_new > 0 && s.row_tiles > 0 && !(p->rot_cos && p->new_in_cache);
+    /* The capacity check, in the kernels (kernels/fa_decode_check.cuh): the first launch reports
+     * and the host waits for the report after launching, so that its next call overlaps this
+     * one's kernels. A call that launches nothing reads and writes nothing, and checks nothing. */
+    const int append_alone = p->s_new > 0 && !dk.append_fused;
+    fa_decode_check *check = NULL;
+    int reported = 0; /* the reporting launch was made */
+    if (p->paged && p->cache_seqlens && check_capacity && p->b > 0 &&
+        (append_alone || s.row_tiles > 0)) {
+        st = fa_decode_check_take(ctx, &check);
+        if (check) {
+            dk.check_ticket = (int)check->ticket;
+            dk.check_report = (fa_u64 *)(uintptr_t)check->dev;
+        }
+    }
     fa_cu_function fn;
     if (st == FA_STATUS_OK && p->is_varlen && p->total_q > 0) {
         const int64_t n = p->total_q * p->h;
@@ -414,6 +418,8 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
         if (st == FA_STATUS_OK)
             st = fa_decode_launch(fn, (unsigned)p->s_new, (unsigned)p->hk, (unsigned)p->b, 32, 0,
                                   stream, &dk, 0, 0, "launching fa_kv_append");
+        reported = st == FA_STATUS_OK && check;
+        dk.check_report = NULL;
     }
     if (st == FA_STATUS_OK && s.row_tiles > 0) {
         st = fa_jit_function(&s.plan, ctx, "fa_decode", &fn);
@@ -421,12 +427,15 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
             st = fa_decode_launch(fn, (unsigned)(s.row_tiles * s.splits), (unsigned)p->hk,
                                   (unsigned)p->b, s.plan.threads, s.plan.smem, stream, &dk, 0,
                                   s.cluster ? s.splits : 0, "launching fa_decode");
+        reported = reported || (st == FA_STATUS_OK && check);
         if (st == FA_STATUS_OK && s.splits > 1 && !s.cluster)
             st = fa_decode_combine(&dk, p->dtype, s.arch, ctx, stream);
     }
-    if (check) {
-        const fa_status checked = fa_decode_check_end(p, check);
+    if (check && reported) {
+        const fa_status checked = fa_decode_check_end(p, check, stream);
         st = st == FA_STATUS_OK ? checked : st;
+    } else if (check) {
+        fa_decode_check_give(check);
     }
     fa_cuda_context_leave(pushed);
     return st;

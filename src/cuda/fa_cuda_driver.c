@@ -62,7 +62,9 @@ static int fa_driver_bind(void *libcuda)
     FA_SYM(libcuda, *d, get_error_string, "cuGetErrorString", fa_driver_note);
     FA_SYM(libcuda, *d, mem_host_alloc, "cuMemHostAlloc", fa_driver_note);
     FA_SYM(libcuda, *d, mem_free_host, "cuMemFreeHost", fa_driver_note);
-    FA_SYM(libcuda, *d, memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2", fa_driver_note);
+    FA_SYM(libcuda, *d, mem_host_get_device_pointer, "cuMemHostGetDevicePointer_v2",
+           fa_driver_note);
+    FA_SYM(libcuda, *d, stream_query, "cuStreamQuery", fa_driver_note);
     FA_SYM(libcuda, *d, mem_alloc, "cuMemAlloc_v2", fa_driver_note);
     FA_SYM(libcuda, *d, mem_free, "cuMemFree_v2", fa_driver_note);
     FA_SYM(libcuda, *d, memcpy_htod, "cuMemcpyHtoD_v2", fa_driver_note);

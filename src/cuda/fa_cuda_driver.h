@@ -82,12 +82,12 @@ typedef struct fa_cuda_driver {
     fa_cu_result (*stream_synchronize)(fa_cu_stream stream);
     fa_cu_result (*get_error_name)(fa_cu_result r, const char **s);
     fa_cu_result (*get_error_string)(fa_cu_result r, const char **s);
-    /* The paged capacity check's copy of cache_seqlens (src/cuda/fa_cuda_decode.c; it also
-     * uses the events below). */
+    /* The paged capacity check's report, written by the kernels into pinned host memory
+     * (src/cuda/fa_cuda_decode.c). */
     fa_cu_result (*mem_host_alloc)(void **p, size_t bytes, unsigned flags);
     fa_cu_result (*mem_free_host)(void *p);
-    fa_cu_result (*memcpy_dtoh_async)(void *dst, fa_cu_deviceptr src, size_t bytes,
-                                      fa_cu_stream stream);
+    fa_cu_result (*mem_host_get_device_pointer)(fa_cu_deviceptr *dptr, void *p, unsigned flags);
+    fa_cu_result (*stream_query)(fa_cu_stream stream);
     /* Used by the tests and benchmarks, not by the library's own calls. */
     fa_cu_result (*mem_alloc)(fa_cu_deviceptr *p, size_t bytes);
     fa_cu_result (*mem_free)(fa_cu_deviceptr p);
