@@ -352,8 +352,8 @@ static int fx_unpack(PyObject *args, PyObject **a)
 
 /* The checks flex() makes before it looks anything up: 1 if the arguments are plain (q, k and
  * v exact torch.Tensor, no kernel_options, the flags bools, the scale None or a Python number)
- * and, unless bind()'s flex_cuda is true, q is not a CUDA tensor (the C path on CUDA tensors
- * waits for its validation on a GPU), else 0. */
+ * and, unless bind()'s flex_cuda is true (FLASHATTN_FLEX_FASTPATH_CUDA=0 makes it false), q
+ * is not a CUDA tensor, else 0. */
 static int fx_plain_arguments(PyObject *const *a)
 {
     for (int i = XA_Q; i <= XA_V; i++)
