@@ -15,10 +15,11 @@
  *
  * Registering costs the route a good part of its own time, so the route asks first
  * (flex_wanted; flex() decided when it handed the call over): yes for arguments met the second
- * time, and at once after an entry that served calls saw a change; an entry that served no call
- * before a change makes the route wait twice as many calls before the next (up to
- * FX_BACKOFF_MAX). A new function at every call is never registered, captures that change at
- * every call seldom.
+ * time, and at once after a change that an entry saw, unless the entries before it served no
+ * call either: the second such entry in a row makes the route wait 2 calls before the next, each
+ * further one twice as many (up to FX_BACKOFF_MAX). So two changes between served calls cost
+ * nothing, a new function at every call is never registered, captures that change at every
+ * call seldom.
  *
  * The argument positions come from bind() by name (flex.FLEX_ARGS); the registered call's
  * fields by name from a dict (_flex_prepared.register).
@@ -49,7 +50,7 @@ typedef struct fx_entry {
     PyObject *pins;                /* fx_pins: what holds the ids in the key */
     Py_ssize_t served;             /* calls served */
     long misses;  /* a record: the calls the route serves before it registers one */
-    long backoff; /* the misses before the call was registered (a record: will be) */
+    long backoff; /* the misses a change waits for where this entry served no call (0: none) */
     Py_ssize_t count;
     fx_check checks[];
 } fx_entry;
@@ -351,8 +352,8 @@ static int fx_unpack(PyObject *args, PyObject **a)
 
 /* The checks flex() makes before it looks anything up: 1 if the arguments are plain (q, k and
  * v exact torch.Tensor, no kernel_options, the flags bools, the scale None or a Python number)
- * and, unless bind()'s flex_cuda is true, q is not a CUDA tensor (the C path on CUDA tensors
- * waits for its validation on a GPU), else 0. */
+ * and, unless bind()'s flex_cuda is true (FLASHATTN_FLEX_FASTPATH_CUDA=0 makes it false), q
+ * is not a CUDA tensor, else 0. */
 static int fx_plain_arguments(PyObject *const *a)
 {
     for (int i = XA_Q; i <= XA_V; i++)
@@ -391,21 +392,24 @@ static int fx_note(PyObject *cache, PyObject *key, PyObject *const *a, PyObject 
 static int fx_decide(PyObject *cache, PyObject *key, PyObject *const *a, fx_entry *rec)
 {
     if (!rec)
-        return fx_note(cache, key, a, NULL, 1, 1) != 0 ? -1 : 0;
+        return fx_note(cache, key, a, NULL, 1, 0) != 0 ? -1 : 0;
     return --rec->misses <= 0;
 }
 
-/* A check of entry e failed: its key's decision (1 at once where e served calls, else after
- * twice the misses e waited for), its record in its place; -1 with an exception. */
+/* A check of entry e failed: its key's decision (1: at once where e served calls or e's
+ * backoff is 0, else after e's backoff in misses), its record in its place, whose next entry
+ * waits twice as long (at least 2) if it too serves nothing; -1 with an exception. */
 static int fx_failed(PyObject *cache, PyObject *key, const fx_entry *e)
 {
-    const long backoff = e->backoff * 2 < FX_BACKOFF_MAX ? e->backoff * 2 : FX_BACKOFF_MAX;
+    const long wait = e->served ? 0 : e->backoff;
+    long next = 0;
+    if (!e->served)
+        next = wait == 0 ? 2 : wait * 2 < FX_BACKOFF_MAX ? wait * 2 : FX_BACKOFF_MAX;
     PyObject *pins = e->pins;
     Py_INCREF(pins); /* the entry goes */
-    const int st = e->served ? fx_note(cache, key, NULL, pins, 0, 1)
-                             : fx_note(cache, key, NULL, pins, backoff, backoff);
+    const int st = fx_note(cache, key, NULL, pins, wait, next);
     Py_DECREF(pins);
-    return st != 0 ? -1 : e->served > 0;
+    return st != 0 ? -1 : wait == 0;
 }
 
 /* Records decision want for flex_wanted, at the call a that flex() hands to the route. */
@@ -471,7 +475,7 @@ PyObject *fp_flex_register(PyObject *self, PyObject *args)
     }
     PyObject *key = fx_key(a), *cache = key ? fx_cache(1) : NULL, *entry = NULL;
     const fx_entry *rec = cache ? fx_lookup(cache, key) : NULL;
-    const long backoff = rec && !rec->prepared ? rec->backoff : 1;
+    const long backoff = rec && !rec->prepared ? rec->backoff : 0;
     int st = -1;
     if (cache && !PyErr_Occurred() &&
         (entry = fx_make_entry(a, prepared, fields, out_like, lse_like, checks)) != NULL) {

@@ -185,3 +185,55 @@ def test_a_function_made_at_each_call(path, qkv, rng):
         out = forward(*qkv)
         assert path == [False]
         torch.testing.assert_close(out, expect(), atol=2e-5, rtol=2e-5)
+
+
+def test_two_changes_between_served_calls(path, rng, monkeypatch):
+    """tests/gpu/test_flex_fastpath_cuda.py's sequence on the CPU: served in C, a captured
+    tensor changed in place, then the block mask's tensors and mask_mod changed before C served
+    a call again: each change is noticed, and C serves again from the call after."""
+    L, D = 256, 64
+    q, k, v = (randn(rng, 1, 4, L, D) for _ in range(3))
+    bias = randn(rng, 4, 2 * L)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + L]
+
+    bm = flashattn.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                                     L, L, BLOCK_SIZE=64)
+
+    def call():
+        return flashattn.flex_attention(q, k, v, rel, block_mask=bm, return_lse=True)
+
+    def route():
+        with monkeypatch.context() as m:
+            m.setattr(_flex_prepared, "FLEX_C", None)
+            return call()
+
+    with torch.no_grad():
+        for _ in range(2):  # the route hands C a call it meets twice
+            call()
+        path.clear()
+        out, lse = call()
+        assert path == [True]
+        want_out, want_lse = route()
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+        bias.mul_(-1)  # in place: the next call reads the new values
+        path.clear()
+        out2, _ = call()
+        assert path == [False] and not torch.equal(out2, out)
+        assert torch.equal(out2, route()[0])
+
+        # C served no call since: the second change is not yet one at every call
+        full = flashattn.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, None, None,
+                                           L, L, BLOCK_SIZE=64)
+        for name in _flex_prepared.BM_FIELDS:
+            getattr(bm, name).copy_(getattr(full, name))
+        bm.mask_mod = full.mask_mod
+        path.clear()
+        out3, _ = call()
+        assert path == [False] and not torch.equal(out3, out2)
+        assert torch.equal(out3, route()[0])
+        path.clear()
+        assert all(torch.equal(call()[0], out3) for _ in range(2))
+        assert path == [True, True]
