@@ -300,15 +300,19 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
              * 1; mask_mod alone visits every block), or, with plan.persistent 2, the mirrored
              * tile pairs of causal, windowed and block-masked calls (a mask's kept blocks mostly
              * grow or shrink with the row, as causal's), whose
-             * work adds up to about the same, up to FA_SM90_PAIRED_MAX_TILES tiles (beyond, the
-             * static stride's last round costs more than the pairs save). Otherwise one CTA per
-             * tile and the hardware's own dispatch, which balances unequal tiles far better than
-             * a static stride. */
+             * work adds up to about the same, up to FA_SM90_PAIRED_MAX_TILES tiles for causal
+             * calls (beyond, the static stride's last round costs more than the pairs save), at
+             * any count for block-masked calls and windows bounded on the left, whose few blocks
+             * a tile leave its fixed cost to hide behind the previous tile's work. Otherwise one
+             * CTA per tile and the hardware's own dispatch, which balances unequal tiles far
+             * better than a static stride. */
             const int64_t sms = fa_cuda_device_sms(args->device);
             const int uniform = p->window_left < 0 && p->window_right < 0 && !p->is_varlen &&
                                 !p->mods.blocks.num.data;
+            const int any_count =
+                plan.persistent == 3 || p->window_left >= 0 || p->mods.blocks.num.data;
             tmaps->paired = plan.persistent >= 2 && !uniform && !p->is_varlen &&
-                            (m_blocks <= FA_SM90_PAIRED_MAX_TILES || plan.persistent == 3);
+                            (m_blocks <= FA_SM90_PAIRED_MAX_TILES || any_count);
             const int persistent = uniform ? plan.persistent >= 1 : tmaps->paired;
             fa_philox_keys(p->seed, tmaps->philox_keys);
             const int64_t units =

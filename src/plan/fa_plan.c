@@ -240,8 +240,8 @@ static int fa_plan_sm90_mods_enabled(void)
  * (for tuning with the benchmark); a combination the kernel cannot take or shared memory cannot
  * hold is ignored. PERSISTENT: 0 one CTA per query tile; 1 persistent CTAs for calls without
  * causal, window, varlen or a block mask; 2 (the rows' choice) also for causal, windowed and
- * block-masked calls of at most FA_SM90_PAIRED_MAX_TILES query tiles, over mirrored pairs of tiles; 3 over
- * the pairs at any tile count. CONSUMERS: 2, or 3 at head dim 64 without pingpong (192-row
+ * block-masked calls over mirrored pairs of tiles (causal ones of at most
+ * FA_SM90_PAIRED_MAX_TILES query tiles); 3 over the pairs at any tile count. CONSUMERS: 2, or 3 at head dim 64 without pingpong (192-row
  * tiles). */
 static void fa_plan_sm90_override(fa_plan_row90 *row, int dp, int dvp)
 {

@@ -13,8 +13,9 @@
 
 #define FA_PLAN_MAX_DEFINES 20 /* the sm90 forward with every feature and mod: 19 */
 #define FA_PLAN_LONG_ROWS 8192
-/* The sm90 family pairs causal/windowed tiles on persistent CTAs up to this many query tiles
- * per (sequence, head); above it one CTA per tile balances better. */
+/* The sm90 family pairs causal tiles on persistent CTAs up to this many query tiles per
+ * (sequence, head); above it one CTA per tile balances better. Block-masked calls and windows
+ * bounded on the left pair at any count (src/cuda/fa_cuda_forward.c). */
 #define FA_SM90_PAIRED_MAX_TILES 64
 
 /* Plan-internal feature bits, above the public FA_FEATURE_* ones. */
@@ -57,7 +58,8 @@ typedef struct fa_plan {
                         8 the kernel is loaded with non-portable cluster sizes allowed) */
     int persistent; /* sm90 family: 0 one CTA per tile; 1 one per SM striding over the tiles of
                        calls without causal/window/varlen/block mask; 2 also over causal,
-                       windowed and block-masked calls' mirrored tile pairs (up to FA_SM90_PAIRED_MAX_TILES);
+                       windowed and block-masked calls' mirrored tile pairs (causal: up to
+                       FA_SM90_PAIRED_MAX_TILES);
                        3 (an override) over the pairs at any tile count */
     int num_defines;
     char defines[FA_PLAN_MAX_DEFINES][24]; /* "-DFA_BN=64", ... */

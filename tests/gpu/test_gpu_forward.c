@@ -161,7 +161,7 @@ static const struct {
 /* Plans the rows take only for some shapes, forced with FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG,
  * PERSISTENT,CONSUMERS on sizes the CPU reference affords: persistent CTAs over mirrored pairs of
  * query tiles (PERSISTENT 2) under causal and a window, with more pairs than SMs and an odd tile
- * count (a lone middle tile); one CTA per causal tile (the choice above
+ * count (a lone middle tile), a window past FA_SM90_PAIRED_MAX_TILES tiles; one CTA per causal tile (the choice above
  * FA_SM90_PAIRED_MAX_TILES); three consumer warpgroups (192-row tiles, head dim 64 from
  * FA_PLAN_LONG_ROWS on), dense persistent, causal paired, and varlen. */
 static const struct {
@@ -171,6 +171,9 @@ static const struct {
     {{"sm90 paired causal gqa d128", 2, 40, 8, 640, 640, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
      "128,2,1,2,2"},
     {{"sm90 paired window odd d64", 1, 64, 16, 600, 650, 64, 64, 0, 100, 20, 0, 0, 1, 0, 0, 0, 0, 0},
+     "128,4,0,2,2"},
+    /* Windows pair past FA_SM90_PAIRED_MAX_TILES: 65 tiles, a lone middle one. */
+    {{"sm90 paired window 65 tiles d64", 1, 2, 1, 8300, 8350, 64, 64, 0, 100, 20, 0, 0, 1, 0, 0, 0, 0, 0},
      "128,4,0,2,2"},
     {{"sm90 per-tile causal gqa d128", 2, 40, 8, 640, 640, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
      "128,2,1,1,2"},
