@@ -36,10 +36,16 @@
  *
  * Defines from the plan (src/plan/fa_plan_backward.c, fa_plan_backward_sm90): FA_BF16, FA_DP = FA_DVP
  * (64 or 128), FA_BM (64; 128 at FA_DP 64), FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT,
- * FA_VARLEN; FA_SCORE_MOD, FA_MASK_MOD (and the aux defines) only for calls with user-defined
- * scoring, behind FLASHATTN_BWD_SM90_MODS=1: the sm80 family's semantics (fa_bwd_mod.cuh:
- * fa_bwd_probs replays the forward's mod'ed scores and multiplies score_mod's derivative into
- * dS), mask_mod's state a constant (fa_bwd90_probs_mods). Block masks take the sm80 family.
+ * FA_VARLEN; FA_SCORE_MOD, FA_MASK_MOD, FA_BLOCK_MASK (and the aux defines) only for calls with
+ * user-defined scoring, behind FLASHATTN_BWD_SM90_MODS=1: the sm80 family's semantics
+ * (fa_bwd_mod.cuh: fa_bwd_probs replays the forward's mod'ed scores and multiplies score_mod's
+ * derivative into dS), the tile's block-mask state chosen once per tile and passed to
+ * fa_bwd_probs as a constant (fa_bwd90_probs_mods), so the per-key test does not branch on it.
+ * A block mask (dense calls, one item per CTA: the launcher keeps such grids non-persistent):
+ * all 384 threads load the states of the CTA's key block over every query block of its heads
+ * behind the item slots before the warpgroups part (fa_bwd90_start), and the producer's and
+ * the consumers' tours pass over the query tiles it skips whole (fa_bwd_tour_bm), but in
+ * deterministic mode, whose dQ order visits them, every key masked.
  * bp.deterministic orders each query tile's dQ adds by key block, as the sm80 family does.
  *
  * Varlen: the tensor maps span all the packed rows (batch extent 1) and tiles add their
@@ -76,10 +82,10 @@
  * decisions made during the S^T and dP^T products (fa_bwd_common.cuh). */
 #define FA_BWD_ROWS_IN_LANES 1
 #define FA_BWD_KEEP_BITS 1
-#if FA_BLOCK_MASK
-#error "fa_bwd_sm90.cu: block masks take the sm80 family (fa_plan_backward)"
-#endif
 #if FA_SCORE_MOD || FA_MOD_MASKS
+#if FA_BLOCK_MASK && FA_VARLEN
+#error "fa_bwd_sm90.cu: block masks are for dense calls (the plan routes varlen ones elsewhere)"
+#endif
 #include "fa_mod.cuh"
 #include "fa_bwd_mod.cuh"
 #define FA_BWD_PROBS_SERIAL 1
@@ -97,19 +103,55 @@
 #include "fa_bwd_sm90.cuh"
 
 #if FA_BWD_MODS
-/* fa_bwd_probs with the mods for head h of sequence bi: mask_mod's state (every tile partial) a
- * constant, so the per-key test does not branch on it; always the masked form (a second copy of
- * score_mod's code for the unmasked one spilled). */
+/* fa_bwd_probs with the tile's block-mask state (FA_BM_*) a constant at each call: read per key,
+ * the state made every key a branch (the forward's fa_mask_scores does the same). */
+FA_DEV void fa_bwd90_probs_st(const fa_kparams *kp, fa_bwd_tile *tl, int t, float st[][4],
+                              float dpt[][4], int state, int masked)
+{
+#if FA_MOD_MASKS
+    tl->mod.st = state;
+    tl->mod.on = fa_bwd_mod_on(state);
+#endif
+    (void)state;
+    fa_bwd_probs(kp, tl, t, st, dpt, masked);
+}
+
+/* fa_bwd_probs with the mods for query tile mb of head h, sequence bi (sq rows): the tile's
+ * state from the block mask's table (a skipped tile only in deterministic mode: every key
+ * masked), partial everywhere with mask_mod alone, full with score_mod alone. Always the masked
+ * form (full, whether the lengths and the window leave every pair visible, unused): a second
+ * copy of score_mod's code for the unmasked form spilled. */
 FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, float st[][4],
-                                float dpt[][4], int bi, int h)
+                                float dpt[][4], int bi, int h, int mb, int sq, int full,
+                                const volatile int *slot)
 {
     tl->mod.bi = bi;
     tl->mod.h = h;
-#if FA_MOD_MASKS
-    tl->mod.st = FA_BM_PARTIAL;
-    tl->mod.on = fa_bwd_mod_on(FA_BM_PARTIAL);
+#if FA_BLOCK_MASK
+    const fa_bwd_bm bm = fa_bwd_bm_get(FA_BWD90_BM_META(slot));
+    tl->mod.tab = fa_bwd_bm_head(&bm, h);
+    tl->mod.nq = bm.nq;
+    tl->mod.nkb = bm.nkb;
+    tl->mod.kb0 = bm.kb0;
+    const int state = fa_bwd_bm_state(kp, &bm, h, mb, sq);
+    if (state == FA_BM_MIXED)
+        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_MIXED, 1);
+    else if (state == FA_BM_SKIP)
+        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_SKIP, 1);
+    else if (FA_MASK_MOD && state == FA_BM_PARTIAL)
+        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);
+    else
+        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_FULL, 1);
+    (void)full;
+#elif FA_MASK_MOD
+    fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);
+    (void)mb, (void)sq, (void)full, (void)slot;
+#else
+    /* One form (the masked one) for every tile: a second copy of score_mod's code beside it
+     * spilled. */
+    fa_bwd90_probs_st(kp, tl, t, st, dpt, 0, 1);
+    (void)mb, (void)sq, (void)full, (void)slot;
 #endif
-    fa_bwd_probs(kp, tl, t, st, dpt, 1);
 }
 #endif
 
@@ -328,13 +370,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         float dq[8][4];
         int h = hk * group, mb = mb_first;
         const fa_seq sv_first = FA_ITEM_SEQ;
-        fa_bwd_tour(&bp, &sv_first, nb, h_end, &h, &mb, 0);
+        FA_BWD_TOUR(&bp, &sv_first, nb, h_end, &h, &mb, 0);
 #pragma unroll 1
         for (; h < h_end; it++, tiles++) {
             const int s = it & 1;
             int hn = h, mbn = mb + mb_step;
             const fa_seq sv = FA_ITEM_SEQ;
-            fa_bwd_tour(&bp, &sv, nb, h_end, &hn, &mbn, 1);
+            FA_BWD_TOUR(&bp, &sv, nb, h_end, &hn, &mbn, 1);
             const int m0 = mb * FA_BM;
             const fa_u32 q_t = q_s + qs * FA_QT_BYTES, do_t = do_s + qs * FA_QT_BYTES;
             const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
@@ -363,10 +405,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_pin_acc(&st[0][0], FA_BM / 2);
             fa_pin_acc(&dpt[0][0], FA_BM / 2);
 
-#if FA_BWD_MODS
-            fa_bwd90_probs_mods(kp, &tl, t, st, dpt, bi, h);
-#else
             const int full = fa_bwd_tile_full(&sv_tile, m0, n0, wlo, whi);
+#if FA_BWD_MODS
+            fa_bwd90_probs_mods(kp, &tl, t, st, dpt, bi, h, mb, sv_tile.sq, full, slot);
+#else
             if (full)
                 fa_bwd_probs(kp, &tl, t, st, dpt, 0);
             else

@@ -157,6 +157,39 @@ FA_DEV void fa_bwd_tour(const fa_bkparams *bp, const fa_seq *s, int nb, int h_en
         fa_bwd_prev(bp, s, nb, h_end, h, mb, in_run);
 }
 
+#if FA_BLOCK_MASK
+/* The block mask's view of the CTA's one item (fa_bwd_bm, fa_bwd_mod.cuh) sits behind the item
+ * slots and their lengths (6 ints), its states after it (fa_bwd90_start loads them; the launcher
+ * adds their bytes). */
+#define FA_BWD90_BM_META(slot) ((slot) + 6)
+
+/* fa_bwd_tour past the query tiles the block mask skips whole (meta: FA_BWD90_BM_META); not in
+ * deterministic mode, whose dQ order (fa_bwd_later) counts every tile that meets the key block:
+ * there they are visited, every key masked. A skipped tile met the block, so the one below it
+ * continues the run. */
+FA_DEV void fa_bwd_tour_bm(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
+                           int *mb, int in_run, const volatile int *meta)
+{
+    if (bp->deterministic) {
+        fa_bwd_next(bp, s, nb, h_end, h, mb);
+        return;
+    }
+    const fa_bwd_bm view = fa_bwd_bm_get(meta);
+    for (;;) {
+        fa_bwd_prev(bp, s, nb, h_end, h, mb, in_run);
+        if (*h >= h_end || fa_bwd_bm_state(&bp->f, &view, *h, *mb, s->sq) != FA_BM_SKIP)
+            return;
+        (*mb)--;
+        in_run = 1;
+    }
+}
+/* The producer and the consumers walk the same tours: `slot` is in scope at both. */
+#define FA_BWD_TOUR(bp, s, nb, h_end, h, mb, in_run)                                              \
+    fa_bwd_tour_bm(bp, s, nb, h_end, h, mb, in_run, FA_BWD90_BM_META(slot))
+#else
+#define FA_BWD_TOUR fa_bwd_tour
+#endif
+
 /* Column blocks of 64 of the wider of K and V (and of Q and dO). */
 #define FA_BWD90_CBLKS ((FA_DP > FA_DVP ? FA_DP : FA_DVP) / 64)
 
@@ -203,7 +236,7 @@ FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u
         }
         int h = im.hk * group, mb = mb_first;
         const fa_seq sv_first = FA_ITEM_SEQ;
-        fa_bwd_tour(bp, &sv_first, im.nb, h_end, &h, &mb, 0);
+        FA_BWD_TOUR(bp, &sv_first, im.nb, h_end, &h, &mb, 0);
         for (; h < h_end;) {
             /* Stage qs's previous tile released. */
             fa_mbar_wait(q_empty + 8 * qs, qph ^ 1);
@@ -219,7 +252,7 @@ FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u
             }
             mb += mb_step;
             const fa_seq sv = FA_ITEM_SEQ;
-            fa_bwd_tour(bp, &sv, im.nb, h_end, &h, &mb, 1);
+            FA_BWD_TOUR(bp, &sv, im.nb, h_end, &h, &mb, 1);
             if (++qs == FA_QSTAGES)
                 qs = 0, qph ^= 1;
         }
@@ -249,6 +282,25 @@ FA_DEV int fa_bwd90_start(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 
             fa_bwd_block_zero(bp, &im.seq, im.bi, im.hk, im.n0);
             return 0;
         }
+    }
+#endif
+#if FA_BLOCK_MASK
+    /* The states of the CTA's one item's key block over every query block of its heads (dense:
+     * n0 < sk), by all the threads, before the warpgroups part. */
+    {
+        const fa_bwd_item im = fa_bwd_item_make(bp, first);
+        volatile int *const meta = FA_BWD90_BM_META(slot);
+        fa_bwd_bm bmv;
+        bmv.tab = (const unsigned char *)meta + FA_SMEM_BWD80_BM_META;
+        bmv.h0 = im.hk * (kp->h / kp->hk);
+        bmv.nh = FA_BM_TABLE_HEADS(kp, kp->h / kp->hk);
+        bmv.nq = (im.seq.sq + kp->bm_q_block - 1) / kp->bm_q_block;
+        bmv.kb0 = im.n0 / kp->bm_kv_block;
+        bmv.nkb = (fa_min(im.n0 + FA_BN, im.seq.sk) - 1) / kp->bm_kv_block - bmv.kb0 + 1;
+        if (threadIdx.x == 0)
+            fa_bwd_bm_put(meta, &bmv);
+        fa_bm_load(kp, (unsigned char *)bmv.tab, im.bi, bmv.h0, bmv.nh, 0, bmv.nq, bmv.kb0,
+                   bmv.nkb);
     }
 #endif
     if (threadIdx.x == 0) {

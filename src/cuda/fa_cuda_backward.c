@@ -250,11 +250,12 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
      * CTA per multiprocessor, claims them in the same order from a counter (fa_bwd_pre zeroes
      * it): a CTA's dK/dV stores then overlap its next item's K/V load. Not in deterministic
      * mode (its ordered adds wait on other CTAs, which must all be running or done) nor varlen
-     * (its items past a sequence take another path). */
+     * (its items past a sequence take another path) nor with a block mask (its CTA loads the
+     * states of its one item's key block before the warpgroups part). */
     const int64_t items = (int64_t)bp.n_tiles * p->hk * p->b;
     const int64_t sms = tm ? fa_cuda_device_sms(fwd->device) : 0;
     bp.persistent = tm && !bp.deterministic && !p->is_varlen && bp.m_tiles > 0 && sms > 0 &&
-                    sms < items;
+                    sms < items && !p->mods.blocks.num.data;
     /* With a right window edge (causal) a pair's key block 0 has the most query tiles and the
      * last block the fewest: claimed key blocks fastest, the last pairs' long items start when
      * the grid is nearly drained and run on alone. Longest first over chunks of pairs instead

@@ -97,15 +97,17 @@ static int fa_plan_bwd_sm90_mods_enabled(void)
     return env && strcmp(env, "1") == 0;
 }
 
-/* The mods' combinations fa_bwd_sm90.cu takes: d = dv padded to 128, without a block mask,
- * dropout, softcap or ALiBi (at 64 the 128-query tile's S^T and dP^T beside the programs
- * spilled 140-290 bytes, the block mask's tours 180-760, softcap and ALiBi beside them 148).
- * ptxas spills here only around a score_mod's aux gather (16-32 bytes with a relative-bias
- * table): the switch stays off until a device says it pays. */
+/* The mods' combinations fa_bwd_sm90.cu takes: d = dv padded to 128, without dropout, softcap
+ * or ALiBi (at 64 the 128-query tile's S^T and dP^T beside the programs spilled 140-290 bytes,
+ * softcap and ALiBi beside them 148); a block mask on dense calls only (its CTA loads the states
+ * of its one item's key block: varlen items take another path). ptxas spills around a
+ * score_mod's aux gather and, with a block mask, around the tours: the switch stays off until a
+ * device says it pays. */
 static int fa_plan_bwd_sm90_mods_ok(const fa_plan_key *key)
 {
-    const unsigned beside =
-        FA_PLAN_BLOCK_MASK | FA_FEATURE_DROPOUT | FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI;
+    const unsigned beside = FA_FEATURE_DROPOUT | FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI;
+    if ((key->features & FA_PLAN_BLOCK_MASK) && (key->features & FA_FEATURE_VARLEN))
+        return 0;
     return key->d == key->dv && key->d > 64 && key->d <= 128 && !(key->features & beside);
 }
 
@@ -149,7 +151,9 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan)
          * queries (FA3's choice there) still fit the consumers' registers. */
         plan->bm = plan->dp == 64 ? FA_BWD_BM_SM90_D64 : FA_BWD_BM;
         plan->bn = 128;
-        plan->stages = 3;
+        /* A block mask's states sit behind the tiles (the launcher adds their bytes): two
+         * stages leave them 32 KB. */
+        plan->stages = (key->features & FA_PLAN_BLOCK_MASK) ? 2 : 3;
         /* The 8 consumer warps each add a dQ piece; 230488 bytes at either head dim, of the
          * FA_SMEM_SM90_MAX an sm_90 CTA may have. */
         plan->smem = (unsigned)FA_SMEM_BWD90(plan->bm, plan->bn, plan->dp, plan->stages, 8);

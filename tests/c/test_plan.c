@@ -389,9 +389,10 @@ static void check_backward(void)
 }
 
 /* The backward with user-defined scoring: the sm80 family unless FLASHATTN_BWD_SM90_MODS=1,
- * then fa_bwd_sm90.cu (with the mods' defines, three query stages) for d = dv in 65..128
- * without a block mask, dropout, softcap or ALiBi, the sm80 family for the rest; never the sm90 family off
- * sm_90 or with FLASHATTN_BWD_SM90=0. */
+ * then fa_bwd_sm90.cu (with the mods' defines; three query stages, two with a block mask, whose
+ * states sit behind them) for d = dv in 65..128 without dropout, softcap or ALiBi, nor a block
+ * mask on varlen calls, the sm80 family for the rest; never the sm90 family off sm_90 or with
+ * FLASHATTN_BWD_SM90=0. */
 static void check_backward_mods(void)
 {
     const unsigned mods[] = {FA_PLAN_SCORE_MOD, FA_PLAN_MASK_MOD,
@@ -409,9 +410,10 @@ static void check_backward_mods(void)
             for (size_t f = 0; f < sizeof features / sizeof features[0]; f++)
                 for (int d = 8; d <= 256; d += 8) {
                     const unsigned ft = mods[m] | features[f];
-                    const int want90 = pass == 1 && d > 64 && d <= 128 &&
-                                       !(ft & (FA_PLAN_BLOCK_MASK | FA_FEATURE_DROPOUT |
-                                               FA_FEATURE_SOFTCAP | FA_FEATURE_ALIBI));
+                    const int bm_varlen = (ft & FA_PLAN_BLOCK_MASK) && (ft & FA_FEATURE_VARLEN);
+                    const int want90 = pass == 1 && d > 64 && d <= 128 && !bm_varlen &&
+                                       !(ft & (FA_FEATURE_DROPOUT | FA_FEATURE_SOFTCAP |
+                                               FA_FEATURE_ALIBI));
                     const char *fam = bwd_family(90, d, d, ft, &plan);
                     TU_CHECK(strcmp(fam, want90 ? "fa_bwd_sm90.cu" : "fa_bwd_sm80.cu") == 0,
                              "pass %d, d %d, features %#x: %s", pass, d, ft, fam);
@@ -421,7 +423,8 @@ static void check_backward_mods(void)
                                      ((ft & FA_PLAN_MASK_MOD) ? 1 : -1) &&
                                  plan_define(&plan, "FA_BLOCK_MASK") ==
                                      ((ft & FA_PLAN_BLOCK_MASK) ? 1 : -1) &&
-                                 (!want90 || plan_define(&plan, "FA_QSTAGES") == 3),
+                                 (!want90 || plan_define(&plan, "FA_QSTAGES") ==
+                                                 ((ft & FA_PLAN_BLOCK_MASK) ? 2 : 3)),
                              "pass %d, d %d, features %#x: the mods' defines", pass, d, ft);
                     TU_CHECK(strcmp(bwd_family(80, d, d, ft, &plan), "fa_bwd_sm80.cu") == 0 &&
                                  strcmp(bwd_family(90, d, d > 8 ? d - 8 : d + 8, ft, &plan),
