@@ -20,7 +20,8 @@
  * sm_90 the forward cases run a second time on the Hopper kernel's hooks (fa_fwd_sm90.cu, the
  * default there), against the same CPU results (forward only), and the backward cases a third
  * time with FLASHATTN_BWD_SM90_MODS=1 (fa_bwd_sm90.cu's hooks where the plan takes them).
- * FA_MOD_PASSES (sm80, sm90, bwd90) picks some of the three.
+ * (Block-masked ones too: in one dQ order their skipped query tiles are passed over, in the
+ * other visited, every key masked.) FA_MOD_PASSES (sm80, sm90, bwd90) picks some of the three.
  * Each case's line names the family that ran.
  * Exits 77 (skipped) without a usable device.
  */
@@ -64,6 +65,10 @@ static const mod_case cases[] = {
     {"d256 softcap window", 1, 4, 4, 300, 300, 256, S_SOFTCAP, M_WINDOW, BM_NONE, 0, 0, 0},
     {"block mask only 128x64", 2, 4, 4, 333, 333, 128, S_NONE, M_NONE, BM_RANDOM, 128, 64, 0},
     {"sq < sk alibi causal mask", 2, 4, 4, 100, 300, 128, S_ALIBI, M_CAUSAL, BM_RANDOM, 16, 16, 0},
+    /* Random full blocks above the diagonal keep keys mask_mod masks; past fa_bwd_sm90.cu's
+     * 128-key block and 64-query tile on both sides. */
+    {"softcap causal gqa block mask 64x128", 1, 4, 2, 704, 704, 128, S_SOFTCAP, M_CAUSAL,
+     BM_RANDOM, 64, 128, 0},
 };
 
 #define DOC_LEN 512 /* the document-id table's positions */
@@ -78,10 +83,11 @@ static int with_backward = 1;
 static int bwd_sm90;
 
 /* The backward family case c must run on: the sm80 family, or in the sm90 pass fa_bwd_sm90.cu
- * where the plan takes the mods there (d = dv in 65..128, no block mask: fa_plan.c). */
+ * where the plan takes the mods there (d = dv in 65..128, block masks too on these dense
+ * calls: fa_plan_backward.c). */
 static const char *bwd_family_want(const mod_case *c)
 {
-    return bwd_sm90 && c->d > 64 && c->d <= 128 && !c->bm ? "fa_bwd_sm90.cu" : "fa_bwd_sm80.cu";
+    return bwd_sm90 && c->d > 64 && c->d <= 128 ? "fa_bwd_sm90.cu" : "fa_bwd_sm80.cu";
 }
 
 /* ---- the programs ---------------------------------------------------------------------- */
