@@ -37,8 +37,8 @@
  * Defines from the plan (src/plan/fa_plan_backward.c, fa_plan_backward_sm90): FA_BF16, FA_DP = FA_DVP
  * (64 or 128), FA_BM (64; 128 at FA_DP 64), FA_BN 128, FA_ALIBI, FA_SOFTCAP, FA_DROPOUT,
  * FA_VARLEN; FA_SCORE_MOD, FA_MASK_MOD, FA_BLOCK_MASK (and the aux defines) only for calls with
- * user-defined scoring, behind FLASHATTN_BWD_SM90_MODS=1: the sm80 family's semantics
- * (fa_bwd_mod.cuh: fa_bwd_probs replays the forward's mod'ed scores and multiplies score_mod's
+ * user-defined scoring (FLASHATTN_BWD_SM90_MODS=0 keeps those on the sm80 family), with the sm80
+ * family's semantics (fa_bwd_mod.cuh: fa_bwd_probs replays the forward's mod'ed scores and multiplies score_mod's
  * derivative into dS), the tile's block-mask state chosen once per tile and passed to
  * fa_bwd_probs as a constant (fa_bwd90_probs_mods), so the per-key test does not branch on it.
  * A block mask (dense calls, one item per CTA: the launcher keeps such grids non-persistent):

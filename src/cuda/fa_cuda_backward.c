@@ -161,8 +161,8 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
     key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
     key.features |= fa_bwd_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
-    /* User-defined scoring: the sm80 family compiles the programs in (or fa_bwd_sm90.cu, with
-     * FLASHATTN_BWD_SM90_MODS=1, fa_plan_backward). */
+    /* User-defined scoring: fa_bwd_sm90.cu's hooks or the sm80 family compile the programs in
+     * (fa_plan_backward). */
     key.features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
     key.features |= p->mods.mask_mod ? FA_PLAN_MASK_MOD : 0;
     key.features |= p->mods.blocks.num.data ? FA_PLAN_BLOCK_MASK : 0;

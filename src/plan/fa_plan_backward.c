@@ -88,13 +88,13 @@ static int fa_plan_bwd_sm90_enabled(void)
     return !env || strcmp(env, "0") != 0;
 }
 
-/* Calls with user-defined scoring take fa_bwd_sm90.cu's hooks only with
- * FLASHATTN_BWD_SM90_MODS=1 (its GPU test passes; not yet measured on a routed benchmark
- * case); the sm80 family otherwise. */
+/* Calls with user-defined scoring take fa_bwd_sm90.cu's hooks where they can, unless
+ * FLASHATTN_BWD_SM90_MODS=0 keeps them on the sm80 family (for comparison, and so the GPU test
+ * covers both). */
 static int fa_plan_bwd_sm90_mods_enabled(void)
 {
     const char *env = getenv("FLASHATTN_BWD_SM90_MODS");
-    return env && strcmp(env, "1") == 0;
+    return !(env && strcmp(env, "0") == 0);
 }
 
 /* The mods' combinations fa_bwd_sm90.cu takes: d = dv padded to 128, without dropout, softcap
@@ -176,8 +176,8 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan)
         key->dv > FA_BWD_MAX_HEAD_DIM)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
                             key->dv, FA_BWD_MAX_HEAD_DIM);
-    /* User-defined scoring: the sm80 family on every arch, or with FLASHATTN_BWD_SM90_MODS=1
-     * fa_bwd_sm90.cu's hooks where they compile (fa_plan_bwd_sm90_mods_ok). */
+    /* User-defined scoring: fa_bwd_sm90.cu's hooks where they compile (fa_plan_bwd_sm90_mods_ok)
+     * unless FLASHATTN_BWD_SM90_MODS=0, the sm80 family otherwise. */
     const int mods = (key->features & FA_PLAN_MODS) != 0;
     if ((!mods || fa_plan_bwd_sm90_mods_enabled()) && fa_plan_bwd_sm90_enabled() &&
         fa_plan_backward_sm90(key, plan) == FA_STATUS_OK)

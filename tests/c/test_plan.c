@@ -388,8 +388,8 @@ static void check_backward(void)
     }
 }
 
-/* The backward with user-defined scoring: the sm80 family unless FLASHATTN_BWD_SM90_MODS=1,
- * then fa_bwd_sm90.cu (with the mods' defines; three query stages, two with a block mask, whose
+/* The backward with user-defined scoring: the sm80 family with FLASHATTN_BWD_SM90_MODS=0,
+ * otherwise fa_bwd_sm90.cu (with the mods' defines; three query stages, two with a block mask, whose
  * states sit behind them) for d = dv in 65..128 without dropout, softcap or ALiBi, nor a block
  * mask on varlen calls, the sm80 family for the rest; never the sm90 family off sm_90 or with
  * FLASHATTN_BWD_SM90=0. */
@@ -402,8 +402,8 @@ static void check_backward_mods(void)
                                  FA_FEATURE_DROPOUT};
     fa_plan plan;
     for (int pass = 0; pass < 3; pass++) {
-        if (pass > 0)
-            setenv("FLASHATTN_BWD_SM90_MODS", "1", 1);
+        if (pass == 0)
+            setenv("FLASHATTN_BWD_SM90_MODS", "0", 1);
         if (pass == 2)
             setenv("FLASHATTN_BWD_SM90", "0", 1);
         for (size_t m = 0; m < sizeof mods / sizeof mods[0]; m++)
@@ -438,13 +438,13 @@ static void check_backward_mods(void)
     /* The plain plans do not change with the switch. */
     fa_plan a, b;
     bwd_family(90, 128, 128, FA_FEATURE_SOFTCAP, &a);
-    setenv("FLASHATTN_BWD_SM90_MODS", "1", 1);
+    setenv("FLASHATTN_BWD_SM90_MODS", "0", 1);
     bwd_family(90, 128, 128, FA_FEATURE_SOFTCAP, &b);
     unsetenv("FLASHATTN_BWD_SM90_MODS");
     int same = a.num_defines == b.num_defines && strcmp(a.family, b.family) == 0;
     for (int i = 0; same && i < a.num_defines; i++)
         same = strcmp(a.defines[i], b.defines[i]) == 0;
-    TU_CHECK(same, "FLASHATTN_BWD_SM90_MODS=1 changed a plain backward plan");
+    TU_CHECK(same, "FLASHATTN_BWD_SM90_MODS=0 changed a plain backward plan");
 }
 
 /* Head dims past 128 and d != dv: every (d, dv) of a sample over [1, 256]^2 on each arch, in

@@ -16,10 +16,11 @@
  *   dq, dk, dv: within a bf16/fp16 tolerance of the CPU's relative to their largest element,
  *   every element written (poisoned before), in the atomic and the deterministic dQ order (the
  *   block mask's skipped tiles are passed over in one and visited, masked, in the other).
- * The cases run on the sm80 family (FLASHATTN_SM90_MODS=0, which keeps it on sm_90 too); on
- * sm_90 the forward cases run a second time on the Hopper kernel's hooks (fa_fwd_sm90.cu, the
- * default there), against the same CPU results (forward only), and the backward cases a third
- * time with FLASHATTN_BWD_SM90_MODS=1 (fa_bwd_sm90.cu's hooks where the plan takes them).
+ * The cases run on the sm80 family (FLASHATTN_SM90_MODS=0 and FLASHATTN_BWD_SM90_MODS=0, which
+ * keep it on sm_90 too); on sm_90 the forward cases run a second time on the Hopper kernel's
+ * hooks (fa_fwd_sm90.cu, the default there), against the same CPU results (forward only), and
+ * the backward cases a third time on fa_bwd_sm90.cu's hooks where the plan takes them (the
+ * default there too).
  * (Block-masked ones too: in one dQ order their skipped query tiles are passed over, in the
  * other visited, every key masked.) FA_MOD_PASSES (sm80, sm90, bwd90) picks some of the three.
  * Each case's line names the family that ran.
@@ -79,7 +80,7 @@ static int failures;
 /* The forward family the cases must run on, and whether the backward follows (sm80 pass). */
 static const char *expect_family = "fa_fwd_sm80.cu";
 static int with_backward = 1;
-/* The backward's pass on fa_bwd_sm90.cu's hooks (FLASHATTN_BWD_SM90_MODS=1, sm_90). */
+/* The backward's pass on fa_bwd_sm90.cu's hooks (sm_90). */
 static int bwd_sm90;
 
 /* The backward family case c must run on: the sm80 family, or in the sm90 pass fa_bwd_sm90.cu
@@ -545,6 +546,7 @@ int main(void)
     if (!passes || !*passes)
         passes = "sm80,sm90,bwd90";
     setenv("FLASHATTN_SM90_MODS", "0", 1);
+    setenv("FLASHATTN_BWD_SM90_MODS", "0", 1);
     if (strstr(passes, "sm80")) {
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             run_case(&cases[i], FA_DTYPE_BF16, 0);
@@ -557,6 +559,7 @@ int main(void)
     }
     /* The forward cases again on the Hopper kernel's hooks, the default on sm_90. */
     unsetenv("FLASHATTN_SM90_MODS");
+    unsetenv("FLASHATTN_BWD_SM90_MODS");
     int arch = 0, smem = 0;
     if (fa_cuda_device_arch(0, &arch, &smem) == FA_STATUS_OK && arch == 90 &&
         strstr(passes, "sm90")) {
@@ -573,9 +576,9 @@ int main(void)
         with_backward = 1;
     }
     if (arch == 90 && strstr(passes, "bwd90")) {
-        /* The backward cases again with FLASHATTN_BWD_SM90_MODS=1: fa_bwd_sm90.cu's hooks where
-         * the plan takes them (bwd_family_want), from the sm80 family's forward. */
-        printf("test_gpu_mod: the backward with FLASHATTN_BWD_SM90_MODS=1\n");
+        /* The backward cases again on fa_bwd_sm90.cu's hooks where the plan takes them (the
+         * default on sm_90; bwd_family_want), from the sm80 family's forward. */
+        printf("test_gpu_mod: the backward on fa_bwd_sm90.cu's hooks (the default on sm_90)\n");
         setenv("FLASHATTN_SM90_MODS", "0", 1);
         setenv("FLASHATTN_BWD_SM90_MODS", "1", 1);
         bwd_sm90 = 1;
