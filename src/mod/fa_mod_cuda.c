@@ -190,29 +190,70 @@ static void fa_mod_cuda_step(const fa_mod *m, const int *is_int, int i, char *t,
     *at += (size_t)snprintf(t + *at, cap - *at, ";\n");
 }
 
+/* Which steps' derivatives with respect to score are identically 0 (zero[i]): steps that do
+ * not read score, through any operand. */
+static void fa_mod_cuda_zero_d(const fa_mod *m, int *zero)
+{
+    for (int i = 0; i < m->n_steps; i++) {
+        const fa_mod_node *s = &m->steps[i];
+        const int ruled = s->op <= FA_MOD_OP_WHERE && fa_mod_cuda_grads[s->op];
+        zero[i] = s->op == FA_MOD_OP_VAR ? s->what != FA_MOD_SCORE : 1;
+        for (int k = 0; ruled && s->op != FA_MOD_OP_VAR && k < s->n_args; k++)
+            zero[i] = zero[i] && zero[s->args[k]];
+    }
+}
+
+/* The rule of step i in the form the kernels take: an operand whose derivative is 0 drops the
+ * terms it multiplies (the compiler may not: 0 * inf is NaN), division is fa_mod_div's (the
+ * values' own, so the slow path of an exact quotient stays out of the backward's loop), and
+ * exp and tanh reuse the step's value v<i>. NULL: fa_mod_grad.h's rule as written. */
+static const char *fa_mod_cuda_drule(const fa_mod_node *s, const int *zero, int i, char *buf,
+                                     size_t cap)
+{
+    const int zx = s->n_args > 0 && zero[s->args[0]], zy = s->n_args > 1 && zero[s->args[1]];
+    const char *form = NULL;
+    switch (s->op) {
+    case FA_MOD_ADD: form = zy ? "dx" : zx ? "dy" : NULL; break;
+    case FA_MOD_SUB: form = zy ? "dx" : zx ? "-dy" : NULL; break;
+    case FA_MOD_MUL: form = zy ? "dx * y" : zx ? "x * dy" : NULL; break;
+    case FA_MOD_DIV:
+        form = zy ? "fa_mod_div(dx, y)"
+             : zx ? "-fa_mod_div(fa_mod_div(x, y) * dy, y)"
+                  : "fa_mod_div(dx - fa_mod_div(x, y) * dy, y)";
+        break;
+    case FA_MOD_LOG: form = "fa_mod_div(dx, x)"; break;
+    case FA_MOD_SQRT: form = "fa_mod_div(dx, 2 * FA_MOD_D_SQRT(x))"; break;
+    case FA_MOD_EXP: snprintf(buf, cap, "v%d * dx", i); return buf;
+    case FA_MOD_TANH: snprintf(buf, cap, "(1 - FA_MOD_D_SQ(v%d)) * dx", i); return buf;
+    default: break;
+    }
+    return form;
+}
+
 /* Step i's derivative with respect to score, d<i>, into t at *at: its rule with the operands'
  * values and derivatives bound to the rule's names (missing operands 0), else 0 or, for the
  * variable score, 1. */
-static void fa_mod_cuda_dstep(const fa_mod *m, int i, char *t, size_t cap, size_t *at)
+static void fa_mod_cuda_dstep(const fa_mod *m, const int *zero, int i, char *t, size_t cap,
+                              size_t *at)
 {
     const fa_mod_node *s = &m->steps[i];
-    const char *rule = s->op <= FA_MOD_OP_WHERE ? fa_mod_cuda_grads[s->op] : NULL;
-    if (s->op == FA_MOD_OP_VAR || !rule) {
-        const int one = s->op == FA_MOD_OP_VAR && s->what == FA_MOD_SCORE;
+    if (zero[i] || s->op == FA_MOD_OP_VAR) {
         *at += (size_t)snprintf(t + *at, cap - *at, "    const float d%d = %s;\n", i,
-                                one ? "1.f" : "0.f");
+                                zero[i] ? "0.f" : "1.f");
         return;
     }
-    char v[3][16], d[3][16];
+    char v[3][16], d[3][16], buf[64];
     for (int k = 0; k < 3; k++) {
         snprintf(v[k], sizeof v[k], k < s->n_args ? "(float)v%d" : "0.f", s->args[k]);
         snprintf(d[k], sizeof d[k], k < s->n_args ? "d%d" : "0.f", s->args[k]);
     }
+    const char *rule = fa_mod_cuda_drule(s, zero, i, buf, sizeof buf);
     *at += (size_t)snprintf(t + *at, cap - *at,
                             "    float d%d;\n    {\n        const float x = %s, y = %s, dx = %s, "
                             "dy = %s, dz = %s;\n        (void)x, (void)y, (void)dx, (void)dy, "
                             "(void)dz;\n        d%d = %s;\n    }\n    (void)d%d;\n",
-                            i, v[0], v[1], d[0], d[1], d[2], i, rule, i);
+                            i, v[0], v[1], d[0], d[1], d[2], i,
+                            rule ? rule : fa_mod_cuda_grads[s->op], i);
 }
 
 /* The function's statements and return into t at *at: values, with their derivatives when
@@ -220,12 +261,13 @@ static void fa_mod_cuda_dstep(const fa_mod *m, int i, char *t, size_t cap, size_
 static void fa_mod_cuda_body(const fa_mod *m, int grad, char *t, size_t cap, size_t *at)
 {
     const int score = m->kind == FA_MOD_KIND_SCORE;
-    int is_int[FA_MOD_MAX_NODES];
+    int is_int[FA_MOD_MAX_NODES], zero[FA_MOD_MAX_NODES];
     fa_mod_cuda_ints(m, is_int);
+    fa_mod_cuda_zero_d(m, zero);
     for (int i = 0; i < m->n_steps; i++) {
         fa_mod_cuda_step(m, is_int, i, t, cap, at);
         if (grad)
-            fa_mod_cuda_dstep(m, i, t, cap, at);
+            fa_mod_cuda_dstep(m, zero, i, t, cap, at);
     }
     if (grad)
         *at += (size_t)snprintf(t + *at, cap - *at, "    *dscore = d%d;\n", m->n_steps - 1);

@@ -292,18 +292,30 @@ static void test_cuda_text(void)
         TU_CHECK(strstr(s1->cuda, want_s[i]), "'%s' missing from:\n%s", want_s[i], s1->cuda);
     TU_CHECK(strcmp(s1->cuda, s2->cuda) != 0, "two constants, one text");
     /* The backward's function: values and derivatives, by the rules the CPU uses
-     * (mod/fa_mod_grad.h), the root's derivative returned through dscore; score's is 1, the
-     * constant's 0; a mask_mod has none. */
+     * (mod/fa_mod_grad.h; tanh's from its value, a constant divisor's term dropped), the root's
+     * derivative returned through dscore; score's is 1, the constant's 0; a mask_mod has none. */
     const char *want_g[] = {
         ("FA_DEV float fa_score_mod_grad(const fa_kparams *kp, float score, int b, int h, "
          "int q_idx, int kv_idx, float *dscore)"),
         "const float d0 = 1.f;", "const float d2 = 0.f;",
-        "d1 = (1 - FA_MOD_D_SQ(FA_MOD_D_TANH(x))) * dx;",
+        "d1 = (1 - FA_MOD_D_SQ(v1)) * dx;",
         "const float x = (float)v0, y = (float)v2, dx = d0, dy = d2, dz = 0.f;",
         "d3 = dx - (dy != 0 ? FA_MOD_D_FLOOR(x / y) * dy : 0);",
         "d4 = (x > y || x != x) ? dx : dy;", "*dscore = d4;"};
     for (size_t i = 0; i < sizeof want_g / sizeof want_g[0]; i++)
         TU_CHECK(strstr(s1->cuda, want_g[i]), "'%s' missing from:\n%s", want_g[i], s1->cuda);
+    /* Division's derivative with fa_mod_div, the terms of a divisor or dividend that does not
+     * read score dropped. */
+    fa_mod *sd = fa_mod_create();
+    m = sd;
+    root = B(ADD, B(DIV, V(SCORE), C(30)), B(DIV, C(2), V(SCORE)));
+    TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s", fa_last_error());
+    const char *want_d[] = {"= fa_mod_div(dx, y);", "= -fa_mod_div(fa_mod_div(x, y) * dy, y);",
+                            "= dx + dy;"};
+    for (size_t i = 0; i < sizeof want_d / sizeof want_d[0]; i++)
+        TU_CHECK(strstr(sd->cuda, want_d[i]), "'%s' missing from:\n%s", want_d[i], sd->cuda);
+    TU_CHECK(!strstr(sd->cuda, " / "), "an exact division left in:\n%s", sd->cuda);
+    fa_mod_destroy(sd);
     fa_mod *mk = fa_mod_create();
     m = mk;
     TU_CHECK(fa_mod_finish(m, B(LT, V(Q_IDX), V(KV_IDX)), FA_MOD_KIND_MASK) == FA_STATUS_OK,
@@ -362,13 +374,15 @@ static void test_plan_routes(void)
             for (int j = 0; j < 3; j++)
                 TU_CHECK(plan_defines(&plan, defs[j]) == (i == j), "arch %d mod %d: %s %s",
                          archs[a], i, defs[j], i == j ? "missing" : "present");
-            /* The backward likewise, with dK and dV split over warp pairs past head dim 64. */
+            /* The backward likewise: the Hopper backward's hooks on sm_90, elsewhere the sm80
+             * family with dK and dV split over warp pairs past head dim 64. */
             key.features = mods[i];
             TU_CHECK(fa_plan_backward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
-            TU_CHECK(strcmp(plan.family, "fa_bwd_sm80.cu") == 0, "backward arch %d: %s",
-                     archs[a], plan.family);
-            TU_CHECK(plan_defines(&plan, "-DFA_DKV_SPLIT=2"), "backward arch %d: not split",
-                     archs[a]);
+            TU_CHECK(strcmp(plan.family,
+                            archs[a] == 90 ? "fa_bwd_sm90.cu" : "fa_bwd_sm80.cu") == 0,
+                     "backward arch %d: %s", archs[a], plan.family);
+            TU_CHECK(archs[a] == 90 || plan_defines(&plan, "-DFA_DKV_SPLIT=2"),
+                     "backward arch %d: not split", archs[a]);
             for (int j = 0; j < 3; j++)
                 TU_CHECK(plan_defines(&plan, defs[j]) == (i == j), "backward arch %d mod %d: %s",
                          archs[a], i, defs[j]);
