@@ -1,9 +1,9 @@
 /*
  * Decoding on a CUDA device: fa_attention_kvcache (the append, kernels/fa_decode.cu's attention
  * over the cache read in place, and, when the keys are split, kernels/fa_combine.cu's merge),
- * the forward's few-row calls on the same schedule (dense and varlen), and fa_attention_combine. Asynchronous on
- * the caller's stream, no allocation; the one host read of device memory is the paged capacity
- * check (fa_kvcache_args.skip_capacity_check).
+ * the forward's few-row calls on the same schedule (dense and varlen), and fa_attention_combine.
+ * Asynchronous on the caller's stream, no allocation; the one wait is the paged capacity check's
+ * for the kernels' report in pinned host memory (fa_kvcache_args.skip_capacity_check).
  *
  * Workspace layout of a split call (each part 256-byte aligned):
  *   oaccum   fp32 [splits][b][sq][h][dv]   each split's normalised output
