@@ -266,6 +266,7 @@ static fa_status fa_decode_check_end(const fa_params *p, fa_decode_check *c, fa_
 {
     const fa_cuda_driver *d = fa_cuda_driver_get();
     fa_status st = FA_STATUS_OK;
+    int drained = 0; /* the stream was idle at the last query: the report read once more */
     for (unsigned spin = 0;; spin++) {
         const uint64_t w0 = __atomic_load_n(&c->host[0], __ATOMIC_ACQUIRE);
         const uint64_t w1 = __atomic_load_n(&c->host[1], __ATOMIC_ACQUIRE);
@@ -274,18 +275,18 @@ static fa_status fa_decode_check_end(const fa_params *p, fa_decode_check *c, fa_
             st = i < p->b ? fa_kvcache_check_seqlen(p, i, len) : FA_STATUS_OK;
             break;
         }
-        if (st != FA_STATUS_OK)
-            break; /* the stream drained, and the report read once more is not there */
+        if (drained) {
+            st = fa_error_set(FA_STATUS_INTERNAL,
+                              "block_table: the kernels ended without the capacity check's report");
+            break;
+        }
         if (spin % 64 == 63) {
             const fa_cu_result r = d->stream_query(stream);
-            if (r == 0)
-                st = fa_error_set(FA_STATUS_INTERNAL,
-                                  "block_table: the kernels ended without the capacity check's "
-                                  "report");
-            else if (r != FA_CU_ERROR_NOT_READY)
+            if (r != 0 && r != FA_CU_ERROR_NOT_READY) {
                 st = fa_cuda_error(r, "waiting for the capacity check");
-            if (r != 0 && r != FA_CU_ERROR_NOT_READY)
                 break;
+            }
+            drained = r == 0;
             if (spin >= 4096)
                 sched_yield();
         }

@@ -196,9 +196,14 @@ static void fa_mod_cuda_zero_d(const fa_mod *m, int *zero)
 {
     for (int i = 0; i < m->n_steps; i++) {
         const fa_mod_node *s = &m->steps[i];
+        if (s->op == FA_MOD_OP_VAR) {
+            zero[i] = s->what != FA_MOD_SCORE;
+            continue;
+        }
+        /* Operations without a rule have derivative 0 (fa_mod_grad.h). */
         const int ruled = s->op <= FA_MOD_OP_WHERE && fa_mod_cuda_grads[s->op];
-        zero[i] = s->op == FA_MOD_OP_VAR ? s->what != FA_MOD_SCORE : 1;
-        for (int k = 0; ruled && s->op != FA_MOD_OP_VAR && k < s->n_args; k++)
+        zero[i] = 1;
+        for (int k = 0; ruled && k < s->n_args; k++)
             zero[i] = zero[i] && zero[s->args[k]];
     }
 }
