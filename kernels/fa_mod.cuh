@@ -108,6 +108,9 @@ FA_DEV float fa_mod_sq(float x) { return x * x; }
 #endif
 
 #if FA_BLOCK_MASK
+/* The (head, query block) rows of the table one warp of fa_bm_load reads at once. */
+#define FA_BM_LOAD_ROWS 4
+
 /* The block mask's states for heads h0 .. h0 + nh - 1, query blocks qb0 .. qb0 + nq - 1 and key
  * blocks kb0 .. kb0 + nkb - 1 into tab (shared), tab[(hh * nq + q) * nkb + kb - kb0]: listed
  * partial blocks, then listed full ones over them (a block in both lists is full), the rest
@@ -119,24 +122,47 @@ FA_DEV void fa_bm_load(const fa_kparams *kp, unsigned char *tab, int bi, int h0,
 {
     for (int i = threadIdx.x; i < nh * nq * nkb; i += FA_THREADS)
         tab[i] = FA_BM_SKIP;
-    for (int pass = 0; pass < 2; pass++) {
-        __syncthreads();
-        const int *num = pass ? kp->bm_full_num : kp->bm_num;
-        const int *idx = pass ? kp->bm_full_idx : kp->bm_idx;
-        const fa_i64 *ns = pass ? kp->bm_full_num_stride : kp->bm_num_stride;
-        const fa_i64 *is = pass ? kp->bm_full_idx_stride : kp->bm_idx_stride;
-        const int n = pass ? kp->bm_full_n : kp->bm_n;
-        if (!num)
-            continue;
-        for (fa_i64 i = threadIdx.x; i < (fa_i64)nh * nq * n; i += FA_THREADS) {
-            const int hq = (int)(i / n); /* the list index fastest across the threads */
-            const int j = (int)(i - (fa_i64)hq * n), qb = qb0 + hq % nq, h = h0 + hq / nq;
-            const int c = num[bi * ns[0] + h * ns[1] + qb * ns[2]];
-            if (j >= c)
-                continue;
-            const int kb = idx[bi * is[0] + h * is[1] + qb * is[2] + j * is[3]];
-            if (kb >= kb0 && kb < kb0 + nkb)
-                tab[hq * nkb + kb - kb0] = pass ? FA_BM_FULL : FA_BM_PARTIAL;
+    __syncthreads();
+    /* A warp takes FA_BM_LOAD_ROWS (head, query block) rows at a time, a lane per list entry:
+     * their counts, then their entries, each batch of loads in flight together (a thread per
+     * entry walking every list's full length waited on one load after another). */
+    const int lane = threadIdx.x & 31, rows = nh * nq;
+    for (int r0 = (threadIdx.x >> 5) * FA_BM_LOAD_ROWS; r0 < rows;
+         r0 += FA_THREADS / 32 * FA_BM_LOAD_ROWS) {
+        int c[2][FA_BM_LOAD_ROWS], most[2] = {0, 0};
+#pragma unroll
+        for (int pass = 0; pass < 2; pass++) {
+            const int *num = pass ? kp->bm_full_num : kp->bm_num;
+            const fa_i64 *ns = pass ? kp->bm_full_num_stride : kp->bm_num_stride;
+            const int n = pass ? kp->bm_full_n : kp->bm_n;
+#pragma unroll
+            for (int r = 0; r < FA_BM_LOAD_ROWS; r++) {
+                const int hq = r0 + r, qb = qb0 + hq % nq, h = h0 + hq / nq;
+                c[pass][r] = num && hq < rows ? fa_min(num[bi * ns[0] + h * ns[1] + qb * ns[2]], n)
+                                              : 0;
+                most[pass] = fa_max(most[pass], c[pass][r]);
+            }
+        }
+        /* listed partial blocks, then listed full ones over them */
+#pragma unroll
+        for (int pass = 0; pass < 2; pass++) {
+            const int *idx = pass ? kp->bm_full_idx : kp->bm_idx;
+            const fa_i64 *is = pass ? kp->bm_full_idx_stride : kp->bm_idx_stride;
+            for (int j0 = 0; j0 < most[pass]; j0 += 32) {
+                const int j = j0 + lane;
+                int kb[FA_BM_LOAD_ROWS];
+#pragma unroll
+                for (int r = 0; r < FA_BM_LOAD_ROWS; r++) {
+                    const int hq = r0 + r, qb = qb0 + hq % nq, h = h0 + hq / nq;
+                    kb[r] = j < c[pass][r] ? idx[bi * is[0] + h * is[1] + qb * is[2] + j * is[3]]
+                                           : -1;
+                }
+#pragma unroll
+                for (int r = 0; r < FA_BM_LOAD_ROWS; r++)
+                    if (kb[r] >= kb0 && kb[r] < kb0 + nkb)
+                        tab[(r0 + r) * nkb + kb[r] - kb0] = pass ? FA_BM_FULL : FA_BM_PARTIAL;
+            }
+            __syncwarp();
         }
     }
     __syncthreads();
