@@ -325,10 +325,12 @@ FA_DEV float fa_bwd_row(const float *v, int il) { return v[il]; }
  * dpt <- dS / scale = P (dP Z - D) s', s' the softcap's derivative 1 - tanh^2 (1 without
  * softcap). C layout: st[nt][e] is key key0 + 8 (e / 2), query m0 + 8 nt + 2t + (e % 2).
  * `masked` is a constant at each call: the unmasked form, for tiles whose every pair is visible,
- * skips the predicate. Invisible scores are selected away, never multiplied, so an infinite
- * or NaN exponent there does no harm. */
-FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
-                         float st[FA_BWD_QW / 8][4], float dpt[FA_BWD_QW / 8][4], int masked)
+ * skips the predicate. So is `mods`: 0 leaves the mods (fa_bwd_mod.cuh) out, for tiles where
+ * they change nothing (every key kept, no score_mod). Invisible scores are selected away, never
+ * multiplied, so an infinite or NaN exponent there does no harm. */
+FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
+                            float st[FA_BWD_QW / 8][4], float dpt[FA_BWD_QW / 8][4], int masked,
+                            int mods)
 {
 #if FA_DROPOUT && !FA_BWD_KEEP_BITS
     const int g = tl->key0 & 7; /* key0 = n0 + 16 warp + g */
@@ -338,7 +340,8 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 #if FA_BWD_PROBS_SERIAL
         /* n-tile nt's inputs released only after n-tile nt - 1's results (fa_bwd_sm90.cu's
          * mods: the programs' registers for every element at once spilled). */
-        FA_BWD_PIN_NT(st[nt], dpt[nt]);
+        if (mods)
+            FA_BWD_PIN_NT(st[nt], dpt[nt]);
 #endif
 #if FA_DROPOUT && !FA_BWD_KEEP_BITS
         fa_u32 drop[4];
@@ -355,30 +358,34 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             x = FA_RULE_SOFTCAP_TANH(x, kp->softcap_pre, tanhf);
             deriv = FA_RULE_SOFTCAP_GRAD(x);
 #endif
+            float p;
+            int vis = 1;
 #if FA_BWD_MODS
-            /* The mods' score (fa_bwd_mod.cuh) with ALiBi as the forward subtracts it, -inf
-             * where they drop the key. */
+            if (mods) {
+                /* The mods' score (fa_bwd_mod.cuh) with ALiBi as the forward subtracts it, -inf
+                 * where they drop the key. */
 #if FA_ALIBI
-            const float alibi = FA_RULE_ALIBI(tl->slope_log2, dg);
+                const float alibi = FA_RULE_ALIBI(tl->slope_log2, dg);
 #else
-            const float alibi = 0.f;
+                const float alibi = 0.f;
 #endif
-            const float y = fa_bwd_mod_score(kp, &tl->mod, x, alibi, tl->m0 + il,
-                                             tl->key0 + y_off, &deriv);
-            const int vis = y != -FA_INF && (!masked || (x_off < tl->rows && y_off < tl->keys &&
-                                                         dg <= tl->wlo && dg >= tl->whi));
-            const float p = vis ? fa_exp2(y - bias) : 0.f;
-#else
+                const float y = fa_bwd_mod_score(kp, &tl->mod, x, alibi, tl->m0 + il,
+                                                 tl->key0 + y_off, &deriv);
+                vis = y != -FA_INF && (!masked || (x_off < tl->rows && y_off < tl->keys &&
+                                                   dg <= tl->wlo && dg >= tl->whi));
+                p = vis ? fa_exp2(y - bias) : 0.f;
+            } else
+#endif
+            {
 #if FA_ALIBI
-            bias = fmaf(tl->slope_log2, (float)FA_RULE_ABS_DIST(dg), bias); /* + ALiBi */
+                bias = fmaf(tl->slope_log2, (float)FA_RULE_ABS_DIST(dg), bias); /* + ALiBi */
 #endif
-            float p = fa_exp2(fmaf(x, kp->scale_log2, -bias));
-            if (masked) {
-                const int vis = x_off < tl->rows && y_off < tl->keys && dg <= tl->wlo &&
-                                dg >= tl->whi;
-                p = vis ? p : 0.f;
+                p = fa_exp2(fmaf(x, kp->scale_log2, -bias));
+                if (masked) {
+                    vis = x_off < tl->rows && y_off < tl->keys && dg <= tl->wlo && dg >= tl->whi;
+                    p = vis ? p : 0.f;
+                }
             }
-#endif
             float z = 1.f;
 #if FA_DROPOUT && FA_BWD_KEEP_BITS
             z = (tl->keep[nt >> 3] >> (4 * (nt & 7) + e)) & 1 ? kp->dropout_scale : 0.f;
@@ -388,21 +395,29 @@ FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             const fa_u32 r16 = (g & 1) ? (drop[e] >> 16) : (drop[e] & 0xffffu);
             z = r16 < kp->keep_threshold ? kp->dropout_scale : 0.f;
 #endif
-#if FA_BWD_MODS
-            /* Selected, not multiplied: score_mod's derivative is anything where dropped. D's
-             * row read by every lane, outside the select: fa_bwd_row may be a warp shuffle,
-             * which under it only the lanes with vis would reach (the warp then hangs). */
+            /* With the mods selected, not multiplied: score_mod's derivative is anything where
+             * dropped. D's row read by every lane, outside the select: fa_bwd_row may be a warp
+             * shuffle, which under it only the lanes with vis would reach (the warp then hangs). */
             const float dsum = fa_bwd_row(tl->dsum, il);
-            dpt[nt][e] = vis ? p * (dpt[nt][e] * z - dsum) * deriv : 0.f;
-#else
-            dpt[nt][e] = p * (dpt[nt][e] * z - fa_bwd_row(tl->dsum, il)) * deriv;
-#endif
+            if (FA_BWD_MODS && mods)
+                dpt[nt][e] = vis ? p * (dpt[nt][e] * z - dsum) * deriv : 0.f;
+            else
+                dpt[nt][e] = p * (dpt[nt][e] * z - dsum) * deriv;
+            (void)vis;
             st[nt][e] = p * z;
         }
 #if FA_BWD_PROBS_SERIAL
-        FA_BWD_PIN_NT(st[nt], dpt[nt]);
+        if (mods)
+            FA_BWD_PIN_NT(st[nt], dpt[nt]);
 #endif
     }
+}
+
+/* fa_bwd_probs_as with the mods wherever the family compiles them. */
+FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
+                         float st[FA_BWD_QW / 8][4], float dpt[FA_BWD_QW / 8][4], int masked)
+{
+    fa_bwd_probs_as(kp, tl, t, st, dpt, masked, FA_BWD_MODS);
 }
 
 /* The window as bounds on i - j + sk - sq (query i, key j): visible iff whi <= . <= wlo. */

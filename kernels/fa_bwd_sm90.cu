@@ -118,9 +118,10 @@ FA_DEV void fa_bwd90_probs_st(const fa_kparams *kp, fa_bwd_tile *tl, int t, floa
 
 /* fa_bwd_probs with the mods for query tile mb of head h, sequence bi (sq rows): the tile's
  * state from the block mask's table (a skipped tile only in deterministic mode: every key
- * masked), partial everywhere with mask_mod alone, full with score_mod alone. Always the masked
- * form (full, whether the lengths and the window leave every pair visible, unused): a second
- * copy of score_mod's code for the unmasked form spilled. */
+ * masked), partial everywhere with mask_mod alone, full with score_mod alone. With score_mod
+ * always the masked form (full, whether the lengths and the window leave every pair visible,
+ * unused there): a second copy of score_mod's code for the unmasked form spilled. Full tiles
+ * without score_mod take the forms without the mods. */
 FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, float st[][4],
                                 float dpt[][4], int bi, int h, int mb, int sq, int full,
                                 const volatile int *slot)
@@ -140,9 +141,12 @@ FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, fl
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_SKIP, 1);
     else if (FA_MASK_MOD && state == FA_BM_PARTIAL)
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);
-    else
+    else if (FA_SCORE_MOD)
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_FULL, 1);
-    (void)full;
+    else if (full) /* every key kept: the built-in features' forms */
+        fa_bwd_probs_as(kp, tl, t, st, dpt, 0, 0);
+    else
+        fa_bwd_probs_as(kp, tl, t, st, dpt, 1, 0);
 #elif FA_MASK_MOD
     fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);
     (void)mb, (void)sq, (void)full, (void)slot;
