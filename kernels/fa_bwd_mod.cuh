@@ -108,6 +108,41 @@ FA_DEV const unsigned char *fa_bwd_bm_head(const fa_bwd_bm *bm, int h)
     return bm->tab + (bm->nh > 1 ? h - bm->h0 : 0) * bm->nq * bm->nkb;
 }
 
+/* Head h's bits of the (head, query block) rows whose states are not all skipped (bit q % 32
+ * of word q / 32), behind the states (FA_SMEM_BWD_BM_LIVE). */
+FA_DEV unsigned *fa_bwd_bm_live(const fa_bwd_bm *bm, int h)
+{
+    unsigned *bits = (unsigned *)(bm->tab + FA_SMEM_BWD_BM_LIVE(bm->nh, bm->nq, bm->nkb));
+    return bits + (bm->nh > 1 ? h - bm->h0 : 0) * ((bm->nq + 31) / 32);
+}
+
+/* The live bits from the states (fa_bm_load's), a warp per 32 rows; every thread calls it. */
+FA_DEV void fa_bwd_bm_live_make(const fa_bwd_bm *bm)
+{
+    const int words = (bm->nq + 31) / 32, lane = threadIdx.x & 31;
+    unsigned *bits = fa_bwd_bm_live(bm, bm->h0);
+    for (int w = threadIdx.x >> 5; w < bm->nh * words; w += FA_THREADS / 32) {
+        const int hh = w / words, q = (w - hh * words) * 32 + lane;
+        bool live = false;
+        for (int k = 0; q < bm->nq && k < bm->nkb; k++)
+            live |= bm->tab[(hh * bm->nq + q) * bm->nkb + k] != FA_BM_SKIP;
+        const unsigned m = __ballot_sync(0xffffffffu, live);
+        if (lane == 0)
+            bits[w] = m;
+    }
+    __syncthreads();
+}
+
+/* The highest live query block at or below q, -1 if none (bits: fa_bwd_bm_live). */
+FA_DEV int fa_bwd_bm_live_below(const unsigned *bits, int q)
+{
+    int w = q >> 5;
+    unsigned m = bits[w] & (0xffffffffu >> (31 - (q & 31))); /* blocks 32 w .. q */
+    while (!m && w > 0)
+        m = bits[--w];
+    return m ? 32 * w + 31 - __clz(m) : -1;
+}
+
 /* The state of query tile mb of head h (sq rows in the sequence) over the CTA's keys. */
 FA_DEV int fa_bwd_bm_state(const fa_kparams *kp, const fa_bwd_bm *bm, int h, int mb, int sq)
 {

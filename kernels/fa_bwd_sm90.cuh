@@ -163,10 +163,11 @@ FA_DEV void fa_bwd_tour(const fa_bkparams *bp, const fa_seq *s, int nb, int h_en
  * adds their bytes). */
 #define FA_BWD90_BM_META(slot) ((slot) + 6)
 
-/* fa_bwd_tour past the query tiles the block mask skips whole (meta: FA_BWD90_BM_META); not in
- * deterministic mode, whose dQ order (fa_bwd_later) counts every tile that meets the key block:
- * there they are visited, every key masked. A skipped tile met the block, so the one below it
- * continues the run. */
+/* fa_bwd_tour past the query tiles the block mask skips whole (meta: FA_BWD90_BM_META), by the
+ * live bits (fa_bwd_bm_live): from a skipped tile straight to the tile of the next live query
+ * block below, or past the head's first tile. Not in deterministic mode, whose dQ order
+ * (fa_bwd_later) counts every tile that meets the key block: there they are visited, every key
+ * masked. A skipped tile met the block, so the tile reached continues the run. */
 FA_DEV void fa_bwd_tour_bm(const fa_bkparams *bp, const fa_seq *s, int nb, int h_end, int *h,
                            int *mb, int in_run, const volatile int *meta)
 {
@@ -175,11 +176,16 @@ FA_DEV void fa_bwd_tour_bm(const fa_bkparams *bp, const fa_seq *s, int nb, int h
         return;
     }
     const fa_bwd_bm view = fa_bwd_bm_get(meta);
+    const int qs = bp->f.bm_q_block;
     for (;;) {
         fa_bwd_prev(bp, s, nb, h_end, h, mb, in_run);
-        if (*h >= h_end || fa_bwd_bm_state(&bp->f, &view, *h, *mb, s->sq) != FA_BM_SKIP)
+        if (*h >= h_end)
             return;
-        (*mb)--;
+        const int m0 = *mb * FA_BM, qlo = m0 / qs, qhi = (fa_min(m0 + FA_BM, s->sq) - 1) / qs;
+        const int l = fa_bwd_bm_live_below(fa_bwd_bm_live(&view, *h), qhi);
+        if (l >= qlo)
+            return;
+        *mb = l < 0 ? -1 : (fa_min((l + 1) * qs, s->sq) - 1) / FA_BM;
         in_run = 1;
     }
 }
@@ -301,6 +307,7 @@ FA_DEV int fa_bwd90_start(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 
             fa_bwd_bm_put(meta, &bmv);
         fa_bm_load(kp, (unsigned char *)bmv.tab, im.bi, bmv.h0, bmv.nh, 0, bmv.nq, bmv.kb0,
                    bmv.nkb);
+        fa_bwd_bm_live_make(&bmv);
     }
 #endif
     if (threadIdx.x == 0) {

@@ -56,8 +56,13 @@
      4 * 2 * (qstages) * (bm))
 #define FA_SMEM_BWD80_LENS 16 /* varlen: the sequence's q_start (two ints), sq, sk after them */
 /* Block mask (dense only, so in the lengths' place): the CTA's view of its states (fa_bwd_bm),
- * then the states, whose bytes the launcher adds. */
+ * then the states of heads x query blocks x key blocks, then from a 4-byte boundary a bit per
+ * (head, query block) whose states are not all skipped (fa_bwd_bm_live): the launcher adds
+ * FA_SMEM_BWD_BM with the most key blocks a CTA meets. */
 #define FA_SMEM_BWD80_BM_META 32
+#define FA_SMEM_BWD_BM_LIVE(heads, nq, nkb) (((heads) * (nq) * (nkb) + 3) / 4 * 4)
+#define FA_SMEM_BWD_BM(heads, nq, nkb)                                                            \
+    (FA_SMEM_BWD80_BM_META + FA_SMEM_BWD_BM_LIVE(heads, nq, nkb) + 4 * (heads) * (((nq) + 31) / 32))
 
 /* sm90 backward (fa_bwd_sm90.cu, d = dv), from a 1024-byte aligned base: K and V [bn][dp]; Q and
  * dO [stages][bm][dp]; two dS^T buffers [bn][bm]; each consumer warp's fp32 dQ piece (16 x 64);

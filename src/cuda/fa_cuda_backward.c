@@ -200,8 +200,8 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
         fa_kparams kp;
         fa_kparams_fill(p, &kp);
         const int64_t nq = (p->max_sq + mb->q_block - 1) / mb->q_block;
-        const int64_t bytes = FA_SMEM_BWD80_BM_META + FA_BM_TABLE_HEADS(&kp, p->h / p->hk) *
-                                                          nq * ((plan.bn - 1) / mb->kv_block + 2);
+        const int64_t heads = FA_BM_TABLE_HEADS(&kp, p->h / p->hk);
+        const int64_t bytes = FA_SMEM_BWD_BM(heads, nq, (plan.bn - 1) / mb->kv_block + 2);
         if (bytes > smem_optin - (int64_t)plan.smem)
             return fa_error_set(FA_STATUS_UNSUPPORTED,
                                 "block_mask: %lld query blocks of %lld rows need %lld bytes of "

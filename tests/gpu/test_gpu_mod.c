@@ -37,7 +37,7 @@
 
 enum { S_NONE, S_SOFTCAP, S_SOFTCAP2, S_ALIBI, S_RELPOS };
 enum { M_NONE, M_CAUSAL, M_DOC, M_DOC_BAD, M_PREFIX, M_WINDOW };
-enum { BM_NONE, BM_RANDOM, BM_CAUSAL };
+enum { BM_NONE, BM_RANDOM, BM_CAUSAL, BM_BANDS };
 
 typedef struct mod_case {
     const char *name;
@@ -70,6 +70,9 @@ static const mod_case cases[] = {
      * 128-key block and 64-query tile on both sides. */
     {"softcap causal gqa block mask 64x128", 1, 4, 2, 704, 704, 128, S_SOFTCAP, M_CAUSAL,
      BM_RANDOM, 64, 128, 0},
+    /* Long runs of skipped query blocks (over words of the backward's live bits), per head. */
+    {"causal gqa banded block mask 16x64", 1, 2, 1, 2100, 2100, 128, S_NONE, M_CAUSAL, BM_BANDS,
+     16, 64, 0},
 };
 
 #define DOC_LEN 512 /* the document-id table's positions */
@@ -194,7 +197,10 @@ static void shuffle(int32_t *a, int n)
 
 /* The block mask of c: causal geometry (full below the diagonal, partial on it, skipped above)
  * or random states in unordered lists with a repeat and a block in both lists; batch shared
- * (B = 1) in the random ones. Entries past the counts are junk (never read). */
+ * (B = 1) in the random ones. Banded: bands of BAND_ROWS query rows skipped for every other
+ * 128-key block (the other band of each head: h shifts them), random states elsewhere. Entries
+ * past the counts are junk (never read). */
+#define BAND_ROWS 1100
 static bm_bufs bm_make(const mod_case *c)
 {
     bm_bufs m;
@@ -205,7 +211,7 @@ static bm_bufs bm_make(const mod_case *c)
         fprintf(stderr, "FATAL: %s: more than 64 key blocks\n", c->name);
         exit(1);
     }
-    const int B = c->bm == BM_RANDOM ? 1 : c->b, H = c->h;
+    const int B = c->bm == BM_CAUSAL ? c->b : 1, H = c->h;
     m.num = gu_buf_new(FA_DTYPE_I32, 3, (int64_t[]){B, H, m.nq}, 0);
     m.full_num = gu_buf_new(FA_DTYPE_I32, 3, (int64_t[]){B, H, m.nq}, 0);
     m.idx = gu_buf_new(FA_DTYPE_I32, 4, (int64_t[]){B, H, m.nq, m.n}, 0);
@@ -223,16 +229,19 @@ static bm_bufs bm_make(const mod_case *c)
                         st = kb * c->kv_block > last_row ? 0
                              : (kb + 1) * c->kv_block - 1 <= first_row ? 2
                                                                        : 1;
+                    } else if (c->bm == BM_BANDS &&
+                               (qb * c->q_block / BAND_ROWS + kb * c->kv_block / 128 + h) % 2 == 0) {
+                        st = 0;
                     } else {
                         const double u = gu_uniform(0, 1);
-                        st = u < 0.25 ? 0 : u < 0.65 ? 1 : 2;
+                        st = c->bm == BM_BANDS ? 1 + (u < 0.6) : u < 0.25 ? 0 : u < 0.65 ? 1 : 2;
                     }
                     if (st == 1)
                         part[np++] = kb;
                     else if (st == 2)
                         full[nf++] = kb;
                 }
-                if (c->bm == BM_RANDOM) {
+                if (c->bm != BM_CAUSAL) {
                     if (np > 0 && np < m.n)
                         part[np] = part[0], np++; /* a repeat */
                     if (nf > 0 && np < m.n)
