@@ -17,7 +17,7 @@ import sys
 import weakref
 
 from . import _flex_prepared, _lib
-from ._arrays import NUMPY, TORCH, common_kind, make_tensor, prepare
+from ._arrays import NUMPY, TORCH, _raw_stream, common_kind, make_tensor, prepare
 from ._core import _prepare_forward, _rename, as_bool, as_int, as_scale
 from ._flex_cache import trace
 from ._flex_trace import AUX_SLOTS, KIND_MASK, KIND_SCORE
@@ -498,6 +498,7 @@ class _FlexCall:
     def __init__(self, kind, scale, programs, aux, block_mask, device):
         self.kind, self.scale, self.programs, self.aux = kind, scale, programs, aux
         self.block_mask, self.device = block_mask, device
+        self.saved = None  # the forward's prepared arguments, for the backward (forward)
 
     def _args(self, query, key, value, out, lse):
         """(fa_fwd_args, the structs and converted tensors they point to, the prepared inputs
@@ -523,10 +524,13 @@ class _FlexCall:
             args.mod_aux[i] = ctypes.pointer(ft)
         return args, keep, arrays, names
 
-    def forward(self, query, key, value, want_lse, prepared_key=None, keyed=()):
+    def forward(self, query, key, value, want_lse, prepared_key=None, keyed=(),
+                for_backward=False):
         """(out, lse or None, the prepared call or None), lse as the library gives it (+inf for
         a row with no key); with prepared_key (torch, no gradients) the arguments are cached
-        for the next such call, beside keyed, the objects whose ids the key holds."""
+        for the next such call, beside keyed, the objects whose ids the key holds. With
+        for_backward the arguments are kept for the backward, which reads the same tensors,
+        unless an input was copied (held until then, that copy would cost memory)."""
         out = _empty(self.kind, tuple(query.shape[:3]) + (int(value.shape[3]),), query)
         lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True) if want_lse else None
         args, keep, arrays, names = self._args(query, key, value, out, lse)
@@ -538,6 +542,10 @@ class _FlexCall:
         if prepared_key is not None:
             p = _flex_prepared.store(prepared_key, args, keep, (query, key, value, out, lse),
                                      self, keyed, names)
+        if for_backward and all(
+                ft.contents.data == x.data_ptr()
+                for ft, x in zip((args.q, args.k, args.v), (query, key, value))):
+            self.saved = (args, keep, arrays, names)
         del keep, arrays
         return out, lse, p
 
@@ -546,7 +554,14 @@ class _FlexCall:
         torch = sys.modules["torch"]
         dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format)
                       for x in (query, key, value))
-        args, keep, arrays, names = self._args(query, key, value, out, lse)
+        saved, self.saved = self.saved, None
+        if saved is None:
+            args, keep, arrays, names = self._args(query, key, value, out, lse)
+        else:
+            args, keep, arrays, names = saved
+            keep = list(keep)
+            if query.device.type == "cuda":  # the stream the engine runs the backward on
+                args.stream = _raw_stream(query.device.index)
         keep.append(arrays)
         bwd = _lib.new_bwd_args()
         named = (("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv))
@@ -582,7 +597,7 @@ def _flex_fn():
         class FlexFn(torch.autograd.Function):
             @staticmethod
             def forward(ctx, query, key, value, call):
-                out, lse, _ = call.forward(query, key, value, True)
+                out, lse, _ = call.forward(query, key, value, True, for_backward=True)
                 ctx.save_for_backward(query, key, value, out, lse)
                 ctx.call = call
                 ctx.mark_non_differentiable(lse)

@@ -635,6 +635,31 @@ def test_gradients_of_a_broadcast_dout(rng):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-10, rtol=1e-10, msg="d" + name)
 
 
+def test_backward_reuses_or_rebuilds_the_forward_arguments(rng):
+    """The backward takes the forward's prepared arguments once: a second backward of a kept
+    graph builds them again (same gradients), and so does the backward of a call whose query
+    was copied (its last dim strided), which the forward does not keep."""
+    B, H, L, D = 1, 2, 40, 8
+
+    def halve(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    for strided in (False, True):
+        base = randn(rng, B, H, L, 2 * D, dtype=torch.float64)
+        q = (base[..., ::2] if strided else base[..., :D]).detach().requires_grad_()
+        k, v = (randn(rng, B, H, L, D, dtype=torch.float64).requires_grad_() for _ in range(2))
+        out = flashattn.flex_attention(q, k, v, halve)
+        dout = randn(rng, *out.shape, dtype=torch.float64)
+        first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        second = torch.autograd.grad(out, (q, k, v), dout)
+        q2, k2, v2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        ref = torch.softmax(q2 @ k2.transpose(-1, -2) / math.sqrt(D) * 0.5, -1) @ v2
+        want = torch.autograd.grad(ref, (q2, k2, v2), dout)
+        for name, a, b, w in zip("qkv", first, second, want):
+            torch.testing.assert_close(a, w, atol=1e-10, rtol=1e-10, msg="d" + name)
+            torch.testing.assert_close(b, w, atol=1e-10, rtol=1e-10, msg="d" + name)
+
+
 def test_negative_view_is_not_a_prepared_call(rng):
     """A repeated call's prepared arguments are keyed by q, k and v's negative bit too: a
     negative view (torch._neg_view) reads as its values, not as the tensor it views."""
