@@ -3,7 +3,7 @@ fast path (_fastpath_flex.c) and, with --route, the Python route in the same pro
 (_flex_prepared.FLEX_C = None: the path every call took before the C one).
 
     FLASHATTN_LIBRARY=build/libflashattn.so PYTHONPATH=python python3 bench/flex_host.py \
-        [--calls N] [--device cpu|cuda] [--route]
+        [--calls N] [--device cpu|cuda] [--route] [--grad]
 
 Best of REPS loops of N calls per row; on CUDA each loop ends with a synchronize (the kernels
 of these shapes take a few microseconds: the loop is bound by the host).
@@ -21,6 +21,8 @@ ap.add_argument("--calls", type=int, default=2000)
 ap.add_argument("--device", default="cpu")
 ap.add_argument("--route", action="store_true", help="also time the Python route")
 ap.add_argument("--reps", type=int, default=7)
+ap.add_argument("--grad", action="store_true",
+                help="instead: host time of a call with gradients and of its backward()")
 opt = ap.parse_args()
 torch.set_num_threads(1)
 dev = torch.device(opt.device)
@@ -62,6 +64,45 @@ def shapes(b, h, s, d):
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     return q, k, v, qt, kt, vt
 
+
+def grad_rows():
+    """With gradients (b 1, h 16, s 256, d 64 on CUDA, whose kernels take a few microseconds;
+    h 2, s 16, d 8 on the CPU): per case the host time of the call, of ``backward()`` (the
+    autograd engine's hand-off included) and of both with the wait for the device, median of
+    REPS x 20 calls, each pair waited for."""
+    import statistics
+    s, h, d = (256, 16, 64) if dev.type == "cuda" else (16, 2, 8)
+    q, k, v = (torch.randn(1, h, s, d, device=dev).to(dtype).requires_grad_() for _ in range(3))
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    bm = flashattn.create_block_mask(causal, None, None, s, s, device=dev)
+    cases = [
+        ("flash_attn_func causal", lambda: flashattn.flash_attn_func(qt, kt, vt, causal=True)),
+        ("flex causal block mask", lambda: flashattn.flex_attention(q, k, v, block_mask=bm)),
+        ("flex softcap score_mod", lambda: flashattn.flex_attention(q, k, v, softcap)),
+        ("torch q * 2 (the engine alone)", lambda: q * 2),
+    ]
+    print("%-32s %12s %12s %12s" % ("case (grad)", "call", "backward()", "with wait"))
+    for name, fn in cases:
+        t = {"call": [], "bwd": [], "all": []}
+        for i in range(opt.reps * 20 + 5):
+            sync()
+            t0 = time.perf_counter()
+            out = fn()
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            t2 = time.perf_counter()
+            sync()
+            t3 = time.perf_counter()
+            if i >= 5:
+                t["call"].append(t1 - t0), t["bwd"].append(t2 - t1), t["all"].append(t3 - t0)
+        print("%-32s %9.1f us %9.1f us %9.1f us" % ((name,) + tuple(
+            statistics.median(t[x]) * 1e6 for x in ("call", "bwd", "all"))))
+
+
+if opt.grad:
+    flashattn.flash_attn_func(*(torch.randn(1, 2, 1, 8) for _ in range(3)))  # binds C
+    grad_rows()
+    raise SystemExit(0)
 
 rows = []
 with torch.no_grad():

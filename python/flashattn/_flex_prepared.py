@@ -73,6 +73,19 @@ def lookup(key):
     return None if key is None else _cache().get(key)
 
 
+def store_grad(key, call, keyed):
+    """Caches a call with gradients (flex._FlexCall, whose forward_grad keeps its arguments)
+    under key (key_of's with want_lse "grad"), holding keyed, the objects whose ids key holds.
+    Its FlexFn saves the call's tensors; the cache holds none of them."""
+    if key is None:
+        return
+    cache = _cache()
+    if len(cache) >= _CACHE_SIZE:
+        cache.clear()
+    call.keyed = tuple(keyed)
+    cache[key] = call
+
+
 def store(key, args, structs, tensors, call, keyed, names):
     """Caches the first call's arguments under key where every pointer but the outputs' and
     the inputs' stays valid (no input was copied, no workspace is needed). structs: what the

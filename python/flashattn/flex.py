@@ -448,8 +448,20 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
                              "captured tensors together; at most %d"
                              % (len(aux), AUX_SLOTS))
     captured = [x for _, x in aux]
+    keyed = [t for _, t, _ in programs] + captured + [block_mask]
+    if grad:
+        # A call with gradients of a signature met before reuses that call's preparation
+        # (its programs, converted captures and, in forward_grad, its arguments).
+        grad_key = _flex_prepared.key_of(query, key, value, scale, "grad", programs, captured,
+                                         block_mask)
+        call = _flex_prepared.lookup(grad_key)
+        if call is None:
+            call = _new_call(kind, scale, programs, aux, block_mask, query.device)
+            _flex_prepared.store_grad(grad_key, call, keyed)
+        out, lse = _flex_fn().apply(query, key, value, call)
+        return out if not return_lse else (out, _empty_rows(lse, kind))
     prepared_key = None
-    if kind == TORCH and not grad:
+    if kind == TORCH:
         prepared_key = _flex_prepared.key_of(query, key, value, scale, return_lse, programs,
                                              captured, block_mask)
         p = _flex_prepared.lookup(prepared_key)
@@ -457,20 +469,22 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
             out, lse = _flex_prepared.run(p, query, key, value)
             _flex_prepared.register(call_args, p, checks, captured)
             return out if not return_lse else (out, _empty_rows(lse, kind))
-    device = query.device if kind == TORCH else None
-    aux = [_aux_tensor(x, field, i, device or "cpu") for i, (field, x) in enumerate(aux)]
-    call = _FlexCall(kind, scale, [(f, t.program(slots)) for f, t, slots in programs], aux,
-                     block_mask, device)
-    if grad:
-        out, lse = _flex_fn().apply(query, key, value, call)
-    else:
-        keyed = [t for _, t, _ in programs] + captured + [block_mask]
-        out, lse, p = call.forward(query, key, value, return_lse, prepared_key, keyed)
-        if p is not None:
-            _flex_prepared.register(call_args, p, checks, captured)
+    call = _new_call(kind, scale, programs, aux, block_mask,
+                     query.device if kind == TORCH else None)
+    out, lse, p = call.forward(query, key, value, return_lse, prepared_key, keyed)
+    if p is not None:
+        _flex_prepared.register(call_args, p, checks, captured)
     if not return_lse:
         return out
     return out, _empty_rows(lse, kind)
+
+
+def _new_call(kind, scale, programs, aux, block_mask, device):
+    """A _FlexCall of the traced programs ((field, trace, slots)) and the aux slots' captured
+    tensors ((field, tensor)), converted for the library."""
+    aux = [_aux_tensor(x, field, i, device or "cpu") for i, (field, x) in enumerate(aux)]
+    return _FlexCall(kind, scale, [(f, t.program(slots)) for f, t, slots in programs], aux,
+                     block_mask, device)
 
 
 def _lse_rows(lse):
@@ -491,6 +505,31 @@ def fastpath_table():
                 flex_lse_rows=_lse_rows, flex_cuda=_flex_prepared.CUDA_IN_C)
 
 
+def _args_at(args, tensors):
+    """Whether args' q, k, v, out and lse point at tensors' data (no input copied) and no
+    workspace is attached: then a copy of args serves a call on other tensors of the same
+    signature."""
+    return not args.workspace_size and all(
+        getattr(args, n).contents.data == x.data_ptr()
+        for n, x in zip(("q", "k", "v", "out", "lse"), tensors))
+
+
+def _args_copy(args, tensors, device):
+    """A copy of args whose q, k, v, out and lse are new FaTensors (the shapes and strides of
+    args', the data of tensors) and whose stream is the current one: (copy, the FaTensors).
+    Everything else it points to is args' (read only, held by whoever holds args)."""
+    copy = _lib.FaFwdArgs.from_buffer_copy(args)
+    fts = []
+    for n, x in zip(("q", "k", "v", "out", "lse"), tensors):
+        ft = _lib.FaTensor.from_buffer_copy(getattr(args, n).contents)
+        ft.data = x.data_ptr()
+        setattr(copy, n, ctypes.pointer(ft))
+        fts.append(ft)
+    if device is not None and device.type == "cuda":
+        copy.stream = _raw_stream(device.index)
+    return copy, fts
+
+
 class _FlexCall:
     """One flex_attention call's library arguments apart from its tensors: the mods' programs,
     their aux tensors and the block mask, for the forward and (masks only) the backward."""
@@ -498,7 +537,8 @@ class _FlexCall:
     def __init__(self, kind, scale, programs, aux, block_mask, device):
         self.kind, self.scale, self.programs, self.aux = kind, scale, programs, aux
         self.block_mask, self.device = block_mask, device
-        self.saved = None  # the forward's prepared arguments, for the backward (forward)
+        self.template = None  # forward_grad's first arguments, copied by its later calls
+        self.keyed = ()  # cached with gradients: the objects whose ids its key holds
 
     def _args(self, query, key, value, out, lse):
         """(fa_fwd_args, the structs and converted tensors they point to, the prepared inputs
@@ -524,45 +564,64 @@ class _FlexCall:
             args.mod_aux[i] = ctypes.pointer(ft)
         return args, keep, arrays, names
 
-    def forward(self, query, key, value, want_lse, prepared_key=None, keyed=(),
-                for_backward=False):
+    def forward(self, query, key, value, want_lse, prepared_key=None, keyed=()):
         """(out, lse or None, the prepared call or None), lse as the library gives it (+inf for
         a row with no key); with prepared_key (torch, no gradients) the arguments are cached
-        for the next such call, beside keyed, the objects whose ids the key holds. With
-        for_backward the arguments are kept for the backward, which reads the same tensors,
-        unless an input was copied (held until then, that copy would cost memory)."""
+        for the next such call, beside keyed, the objects whose ids the key holds."""
         out = _empty(self.kind, tuple(query.shape[:3]) + (int(value.shape[3]),), query)
         lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True) if want_lse else None
         args, keep, arrays, names = self._args(query, key, value, out, lse)
-        try:
-            _lib.forward(args)
-        except FlashAttnError as e:
-            raise FlashAttnError(_rename(str(e), names), e.status) from None
+        self._run(args, names)
         p = None
         if prepared_key is not None:
             p = _flex_prepared.store(prepared_key, args, keep, (query, key, value, out, lse),
                                      self, keyed, names)
-        if for_backward and all(
-                ft.contents.data == x.data_ptr()
-                for ft, x in zip((args.q, args.k, args.v), (query, key, value))):
-            self.saved = (args, keep, arrays, names)
         del keep, arrays
         return out, lse, p
 
-    def backward(self, query, key, value, out, lse, dout):
-        """(dq, dk, dv) in the inputs' [b, h, s, d] layout."""
+    def forward_grad(self, query, key, value):
+        """The forward of a call with gradients: (out, lse, the arguments for the backward or
+        None). The backward reads the same tensors, so it takes these arguments; None where an
+        input was copied (held until the backward, the copy would cost memory). The first call
+        keeps a copy of its arguments (the template) and later ones, of a call cached by its
+        signature (flex_any), copy it with their own tensors instead of preparing again."""
+        out = _empty(self.kind, tuple(query.shape[:3]) + (int(value.shape[3]),), query)
+        lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True)
+        tensors = (query, key, value, out, lse)
+        if self.template is not None:
+            args, fts = _args_copy(self.template[0], tensors, self.device)
+            keep, names = (self.template, fts), self.template[2]
+        else:
+            args, keep, arrays, names = self._args(*tensors)
+            if not _args_at(args, tensors):
+                self._run(args, names)
+                return out, lse, None
+            self.template = (_args_copy(args, tensors, self.device)[0], keep, names)
+            keep = (keep, arrays)
+        self._run(args, names)
+        return out, lse, (args, keep, names)
+
+    @staticmethod
+    def _run(args, names):
+        try:
+            _lib.forward(args)
+        except FlashAttnError as e:
+            raise FlashAttnError(_rename(str(e), names), e.status) from None
+
+    def backward(self, query, key, value, out, lse, dout, saved=None):
+        """(dq, dk, dv) in the inputs' [b, h, s, d] layout; saved: forward_grad's arguments
+        (None: prepared here)."""
         torch = sys.modules["torch"]
         dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format)
                       for x in (query, key, value))
-        saved, self.saved = self.saved, None
         if saved is None:
             args, keep, arrays, names = self._args(query, key, value, out, lse)
+            keep.append(arrays)
         else:
-            args, keep, arrays, names = saved
-            keep = list(keep)
+            args, held, names = saved
+            keep = [held]
             if query.device.type == "cuda":  # the stream the engine runs the backward on
                 args.stream = _raw_stream(query.device.index)
-        keep.append(arrays)
         bwd = _lib.new_bwd_args()
         named = (("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv))
         tensors = [prepare(x, n, TORCH, cuda=True) for n, x in named]  # dout maybe a copy
@@ -597,16 +656,17 @@ def _flex_fn():
         class FlexFn(torch.autograd.Function):
             @staticmethod
             def forward(ctx, query, key, value, call):
-                out, lse, _ = call.forward(query, key, value, True, for_backward=True)
+                out, lse, saved = call.forward_grad(query, key, value)
                 ctx.save_for_backward(query, key, value, out, lse)
-                ctx.call = call
+                ctx.call, ctx.args = call, saved
                 ctx.mark_non_differentiable(lse)
                 return out, lse
 
             @staticmethod
             def backward(ctx, dout, _dlse):
                 query, key, value, out, lse = ctx.saved_tensors
-                return ctx.call.backward(query, key, value, out, lse, dout) + (None,)
+                saved, ctx.args = ctx.args, None  # once: a kept graph's next backward prepares
+                return ctx.call.backward(query, key, value, out, lse, dout, saved) + (None,)
 
         _FLEX_FN.append(FlexFn)
     return _FLEX_FN[0]
