@@ -660,6 +660,42 @@ def test_backward_reuses_or_rebuilds_the_forward_arguments(rng):
             torch.testing.assert_close(b, w, atol=1e-10, rtol=1e-10, msg="d" + name)
 
 
+def test_repeated_calls_with_gradients(rng):
+    """Calls with gradients of one signature share their preparation, each with its own
+    arguments: two forwards, then their backwards in the other order, each gradient its own
+    inputs'; a captured tensor changed in place between calls is read anew."""
+    B, H, L, D = 1, 2, 40, 8
+    bias = randn(rng, H, 2 * L)  # captured: read as float32
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + bias[h, kv_idx - q_idx + L]
+
+    def reference(q, k, v, dout):
+        q2, k2, v2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        qi, ki = torch.arange(L)[:, None], torch.arange(L)[None, :]
+        s = q2 @ k2.transpose(-1, -2) / math.sqrt(D) + bias[:, ki - qi + L].double()[None]
+        return torch.autograd.grad(torch.softmax(s, -1) @ v2, (q2, k2, v2), dout)
+
+    def inputs():
+        return [randn(rng, B, H, L, D, dtype=torch.float64).requires_grad_() for _ in range(3)]
+
+    calls = []
+    for _ in range(2):
+        x = inputs()
+        out = flashattn.flex_attention(*x, rel)
+        calls.append((x, out, randn(rng, *out.shape, dtype=torch.float64)))
+    for x, out, dout in reversed(calls):
+        got, want = torch.autograd.grad(out, x, dout), reference(*x, dout)
+        for name, a, w in zip("qkv", got, want):
+            torch.testing.assert_close(a, w, atol=1e-10, rtol=1e-10, msg="d" + name)
+    bias.mul_(-2)
+    x = inputs()
+    out = flashattn.flex_attention(*x, rel)
+    dout = randn(rng, *out.shape, dtype=torch.float64)
+    for name, a, w in zip("qkv", torch.autograd.grad(out, x, dout), reference(*x, dout)):
+        torch.testing.assert_close(a, w, atol=1e-10, rtol=1e-10, msg="d" + name)
+
+
 def test_negative_view_is_not_a_prepared_call(rng):
     """A repeated call's prepared arguments are keyed by q, k and v's negative bit too: a
     negative view (torch._neg_view) reads as its values, not as the tensor it views."""
