@@ -6,6 +6,10 @@ checks and builds depends only on those, so a later call with the same signature
 outputs and swaps in the data pointers and the current stream before calling the library, which
 validates every call itself.
 
+Calls with gradients are cached apart (``store_grad``), by the same signature: their
+``flex._FlexCall`` (programs, converted captures, and the first call's arguments, which later
+calls copy with their own tensors, since each backward reads its own call's).
+
 ``register`` hands a prepared call to _fastpath (C, ``_fastpath_flex.c``) with the checks that
 tell a later call with the same arguments it would find the same traces and captures; C serves
 such calls without this module's walk of the mods.
@@ -73,13 +77,24 @@ def lookup(key):
     return None if key is None else _cache().get(key)
 
 
+def _grad_cache():
+    cache = getattr(_LOCAL, "grad_calls", None)
+    if cache is None:
+        cache = _LOCAL.grad_calls = {}
+    return cache
+
+
+def lookup_grad(key):
+    return None if key is None else _grad_cache().get(key)
+
+
 def store_grad(key, call, keyed):
     """Caches a call with gradients (flex._FlexCall, whose forward_grad keeps its arguments)
-    under key (key_of's with want_lse "grad"), holding keyed, the objects whose ids key holds.
-    Its FlexFn saves the call's tensors; the cache holds none of them."""
+    under key (key_of's), apart from the prepared calls without gradients, holding keyed, the
+    objects whose ids key holds. Its FlexFn saves the call's tensors; the cache holds none."""
     if key is None:
         return
-    cache = _cache()
+    cache = _grad_cache()
     if len(cache) >= _CACHE_SIZE:
         cache.clear()
     call.keyed = tuple(keyed)

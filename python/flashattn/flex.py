@@ -452,9 +452,9 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
     if grad:
         # A call with gradients of a signature met before reuses that call's preparation
         # (its programs, converted captures and, in forward_grad, its arguments).
-        grad_key = _flex_prepared.key_of(query, key, value, scale, "grad", programs, captured,
+        grad_key = _flex_prepared.key_of(query, key, value, scale, True, programs, captured,
                                          block_mask)
-        call = _flex_prepared.lookup(grad_key)
+        call = _flex_prepared.lookup_grad(grad_key)
         if call is None:
             call = _new_call(kind, scale, programs, aux, block_mask, query.device)
             _flex_prepared.store_grad(grad_key, call, keyed)
