@@ -1,14 +1,14 @@
 """flex_attention's forward without gradients on torch tensors, its prepared C arguments cached
 per call signature (per thread, as ``_cached``'s): the query, key and value metadata, the scale,
 whether lse is wanted, the mods' traces, the captured tensors (identity, version, data) and the
-block mask (identity, its tensors' identities and versions). Everything ``flex._FlexCall._args``
-checks and builds depends only on those, so a later call with the same signature allocates the
-outputs and swaps in the data pointers and the current stream before calling the library, which
-validates every call itself.
+block mask (identity, its tensors' identities and versions). Everything
+``_flex_call._FlexCall._args`` checks and builds depends only on those, so a later call with the
+same signature allocates the outputs and swaps in the data pointers and the current stream
+before calling the library, which validates every call itself.
 
 Calls with gradients are cached apart (``store_grad``), by the same signature: their
-``flex._FlexCall`` (programs, converted captures, and the first call's arguments, which later
-calls copy with their own tensors, since each backward reads its own call's).
+``_flex_call._FlexCall`` (programs, converted captures, and the first call's arguments, which
+later calls copy with their own tensors, since each backward reads its own call's).
 
 ``register`` hands a prepared call to _fastpath (C, ``_fastpath_flex.c``) with the checks that
 tell a later call with the same arguments it would find the same traces and captures; C serves
@@ -89,7 +89,7 @@ def lookup_grad(key):
 
 
 def store_grad(key, call, keyed):
-    """Caches a call with gradients (flex._FlexCall, whose forward_grad keeps its arguments)
+    """Caches a call with gradients (_flex_call._FlexCall, whose forward_grad keeps its arguments)
     under key (key_of's), apart from the prepared calls without gradients, holding keyed, the
     objects whose ids key holds. Its FlexFn saves the call's tensors; the cache holds none."""
     if key is None:

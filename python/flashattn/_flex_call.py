@@ -1,0 +1,274 @@
+"""flex_attention's call of the library: one call's arguments apart from its tensors (the
+mods' programs, their converted captures, the block mask as the library's struct), its forward,
+its backward, and the autograd Function of calls with gradients (``flex`` traces the mods and
+picks the call; this module prepares and runs it).
+"""
+
+import ctypes
+import sys
+import weakref
+
+from . import _flex_prepared, _lib
+from ._arrays import NUMPY, TORCH, _raw_stream, make_tensor, prepare
+from ._core import _prepare_forward, _rename, as_int
+from ._lib import FlashAttnError
+
+_NAMES = {"q": "query", "k": "key", "v": "value", "softmax_scale": "scale"}
+_BM_FIELDS = _flex_prepared.BM_FIELDS
+
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise FlashAttnError("create_block_mask needs NumPy") from None
+    return numpy
+
+
+def _swap(x, kind):
+    """[b, h, s, d] <-> [b, s, h, d], a view."""
+    return x.transpose(1, 2) if kind == TORCH else x.swapaxes(1, 2)
+
+
+def _empty(kind, shape, like, lse=False):
+    module = sys.modules[kind]
+    dtype = like.dtype
+    if lse:
+        dtype = module.float64 if dtype == module.float64 else module.float32
+    if kind == TORCH:
+        return module.empty(shape, dtype=dtype, device=like.device)
+    return module.empty(shape, dtype=dtype)
+
+
+# ---- the block mask as the library's struct ------------------------------------------------
+
+
+def _c_block_mask(block_mask, keep, device):
+    """_c_block_mask_make's struct, made once per block mask, device and version of its torch
+    tensors (a block mask is built once and used for many calls): the cache entry holds what
+    the struct points to, a weak reference tells a reused id from the same block mask."""
+    tensors = [getattr(block_mask, n) for n in _BM_FIELDS]
+    if not all(x is None or hasattr(x, "_version") for x in tensors):
+        return _c_block_mask_make(block_mask, keep, device)  # NumPy: no version to key on
+    key = (id(block_mask), str(device)) + tuple(
+        None if x is None else (id(x), x._version) for x in tensors)
+    hit = _bm_converted.get(key)
+    if hit is not None and hit[0]() is block_mask:
+        keep.append(hit[2])
+        return hit[1]
+    held = []
+    bm = _c_block_mask_make(block_mask, held, device)
+    if len(_bm_converted) >= _BM_CONVERTED_MAX:
+        _bm_converted.pop(next(iter(_bm_converted)))
+    try:
+        _bm_converted[key] = (weakref.ref(block_mask), bm, held)
+    except TypeError:  # a block mask class without weak references: not cached
+        pass
+    keep.append(held)
+    return bm
+
+
+# Block masks as the library's struct, by (id, device, their tensors' ids and versions).
+_bm_converted = {}
+_BM_CONVERTED_MAX = 16
+
+
+def _c_block_mask_make(block_mask, keep, device):
+    """The library's fa_block_mask of block_mask: its index tensors as int32 NumPy arrays (torch
+    ones on the CPU are read in place), or for a call on a CUDA device (``device``) int32 torch
+    tensors there (copied there when they are elsewhere), kept alive in keep."""
+    np = _numpy()
+    fields = {}
+    for name in _BM_FIELDS:
+        x = getattr(block_mask, name)
+        if x is None:
+            continue
+        if device is not None and device.type == "cuda":
+            torch = sys.modules["torch"]
+            x = torch.as_tensor(x).detach().to(device=device, dtype=torch.int32).contiguous()
+            t = make_tensor(x, "block_mask." + name, TORCH)
+            keep.append((x, t))
+            fields[name] = ctypes.pointer(t)
+            continue
+        if hasattr(x, "detach"):
+            x = x.detach().cpu().numpy()
+        x = np.ascontiguousarray(x, dtype=np.int32)
+        t = make_tensor(x, "block_mask." + name, NUMPY)
+        keep.append((x, t))
+        fields[name] = ctypes.pointer(t)
+    if "full_kv_num_blocks" in fields and "full_kv_indices" not in fields:
+        raise ValueError("block_mask: full_kv_num_blocks without full_kv_indices")
+    qbs, kbs = (as_int(n, "block_mask.BLOCK_SIZE") for n in block_mask.BLOCK_SIZE)
+    bm = _lib.FaBlockMask(qbs, kbs, **fields)
+    keep.append(bm)
+    return bm
+
+
+# ---- one call ------------------------------------------------------------------------------
+
+
+def _args_at(args, tensors):
+    """Whether args' q, k, v, out and lse point at tensors' data (no input copied) and no
+    workspace is attached: then a copy of args serves a call on other tensors of the same
+    signature."""
+    return not args.workspace_size and all(
+        getattr(args, n).contents.data == x.data_ptr()
+        for n, x in zip(("q", "k", "v", "out", "lse"), tensors))
+
+
+def _args_copy(args, tensors, device):
+    """A copy of args whose q, k, v, out and lse are new FaTensors (the shapes and strides of
+    args', the data of tensors) and whose stream is the current one: (copy, the FaTensors).
+    Everything else it points to is args' (read only, held by whoever holds args)."""
+    copy = _lib.FaFwdArgs.from_buffer_copy(args)
+    fts = []
+    for n, x in zip(("q", "k", "v", "out", "lse"), tensors):
+        ft = _lib.FaTensor.from_buffer_copy(getattr(args, n).contents)
+        ft.data = x.data_ptr()
+        setattr(copy, n, ctypes.pointer(ft))
+        fts.append(ft)
+    if device is not None and device.type == "cuda":
+        copy.stream = _raw_stream(device.index)
+    return copy, fts
+
+
+class _FlexCall:
+    """One flex_attention call's library arguments apart from its tensors: the mods' programs,
+    their aux tensors and the block mask, for the forward and (masks only) the backward."""
+
+    def __init__(self, kind, scale, programs, aux, block_mask, device):
+        self.kind, self.scale, self.programs, self.aux = kind, scale, programs, aux
+        self.block_mask, self.device = block_mask, device
+        self.template = None  # forward_grad's first arguments, copied by its later calls
+        self.keyed = ()  # cached with gradients: the objects whose ids its key holds
+
+    def _args(self, query, key, value, out, lse):
+        """(fa_fwd_args, the structs and converted tensors they point to, the prepared inputs
+        and outputs they point to, names) over the [b, h, s, d] tensors."""
+        kind = self.kind
+        args, keep, arrays, _, _, _, names = _prepare_forward(
+            _swap(query, kind), _swap(key, kind), _swap(value, kind), kind, None, None, None,
+            0, 0, 0.0, self.scale, False, (-1, -1), 0.0, None, None, False, 0, 0,
+            _swap(out, kind), lse, None,
+            dict(_NAMES, **{"mod_aux[%d]" % i: "captured tensor %d" % i
+                            for i in range(len(self.aux))}), 0)
+        if lse is None:
+            args.lse = None
+        for field, program in self.programs:
+            setattr(args, field, program.ptr)
+        keep.append(self.programs)
+        if self.block_mask is not None:
+            args.block_mask = ctypes.pointer(_c_block_mask(self.block_mask, keep, self.device))
+        for i, x in enumerate(self.aux):
+            x = prepare(x, "captured tensor %d" % i, TORCH, cuda=True)
+            ft = make_tensor(x, "captured tensor %d" % i, TORCH)
+            keep.append((x, ft))
+            args.mod_aux[i] = ctypes.pointer(ft)
+        return args, keep, arrays, names
+
+    def forward(self, query, key, value, want_lse, prepared_key=None, keyed=()):
+        """(out, lse or None, the prepared call or None), lse as the library gives it (+inf for
+        a row with no key); with prepared_key (torch, no gradients) the arguments are cached
+        for the next such call, beside keyed, the objects whose ids the key holds."""
+        out = _empty(self.kind, tuple(query.shape[:3]) + (int(value.shape[3]),), query)
+        lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True) if want_lse else None
+        args, keep, arrays, names = self._args(query, key, value, out, lse)
+        self._run(args, names)
+        p = None
+        if prepared_key is not None:
+            p = _flex_prepared.store(prepared_key, args, keep, (query, key, value, out, lse),
+                                     self, keyed, names)
+        del keep, arrays
+        return out, lse, p
+
+    def forward_grad(self, query, key, value):
+        """The forward of a call with gradients: (out, lse, the arguments for the backward or
+        None). The backward reads the same tensors, so it takes these arguments; None where an
+        input was copied (held until the backward, the copy would cost memory). The first call
+        keeps a copy of its arguments (the template) and later ones, of a call cached by its
+        signature (flex_any), copy it with their own tensors instead of preparing again."""
+        out = _empty(self.kind, tuple(query.shape[:3]) + (int(value.shape[3]),), query)
+        lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True)
+        tensors = (query, key, value, out, lse)
+        if self.template is not None:
+            args, fts = _args_copy(self.template[0], tensors, self.device)
+            keep, names = (self.template, fts), self.template[2]
+        else:
+            args, keep, arrays, names = self._args(*tensors)
+            if not _args_at(args, tensors):
+                self._run(args, names)
+                return out, lse, None
+            self.template = (_args_copy(args, tensors, self.device)[0], keep, names)
+            keep = (keep, arrays)
+        self._run(args, names)
+        return out, lse, (args, keep, names)
+
+    @staticmethod
+    def _run(args, names):
+        try:
+            _lib.forward(args)
+        except FlashAttnError as e:
+            raise FlashAttnError(_rename(str(e), names), e.status) from None
+
+    def backward(self, query, key, value, out, lse, dout, saved=None):
+        """(dq, dk, dv) in the inputs' [b, h, s, d] layout; saved: forward_grad's arguments
+        (None: prepared here)."""
+        torch = sys.modules["torch"]
+        dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format)
+                      for x in (query, key, value))
+        if saved is None:
+            args, keep, arrays, names = self._args(query, key, value, out, lse)
+            keep.append(arrays)
+        else:
+            args, held, names = saved
+            keep = [held]
+            if query.device.type == "cuda":  # the stream the engine runs the backward on
+                args.stream = _raw_stream(query.device.index)
+        bwd = _lib.new_bwd_args()
+        named = (("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv))
+        tensors = [prepare(x, n, TORCH, cuda=True) for n, x in named]  # dout maybe a copy
+        grads = [make_tensor(_swap(x, TORCH), n, TORCH) for (n, _), x in zip(named, tensors)]
+        keep.append((tensors, grads))
+        bwd.fwd = ctypes.pointer(args)
+        bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
+        if query.device.type == "cuda":
+            # The CUDA backward's dQ accumulator, from torch's allocator (stream-ordered); a
+            # size of 0 means the call is refused, which the backward then says why.
+            size = _lib.backward_workspace_size(bwd)
+            workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=query.device)
+            keep.append(workspace)
+            bwd.workspace = workspace.data_ptr()
+            bwd.workspace_size = size
+        try:
+            _lib.backward(bwd)
+        except FlashAttnError as e:
+            raise FlashAttnError(_rename(str(e), names), e.status) from None
+        del keep
+        return dq, dk, dv
+
+
+_FLEX_FN = []
+
+
+def _flex_fn():
+    """The autograd Function of masked calls (defined once torch is imported)."""
+    if not _FLEX_FN:
+        torch = sys.modules["torch"]
+
+        class FlexFn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, query, key, value, call):
+                out, lse, saved = call.forward_grad(query, key, value)
+                ctx.save_for_backward(query, key, value, out, lse)
+                ctx.call, ctx.args = call, saved
+                ctx.mark_non_differentiable(lse)
+                return out, lse
+
+            @staticmethod
+            def backward(ctx, dout, _dlse):
+                query, key, value, out, lse = ctx.saved_tensors
+                saved, ctx.args = ctx.args, None  # once: a kept graph's next backward prepares
+                return ctx.call.backward(query, key, value, out, lse, dout, saved) + (None,)
+
+        _FLEX_FN.append(FlexFn)
+    return _FLEX_FN[0]
