@@ -112,21 +112,30 @@ def _args_at(args, tensors):
     workspace is attached: then a copy of args serves a call on other tensors of the same
     signature."""
     return not args.workspace_size and all(
-        getattr(args, n).contents.data == x.data_ptr()
-        for n, x in zip(("q", "k", "v", "out", "lse"), tensors))
+        getattr(args, n).contents.data == x.data_ptr() for n, x in zip(_FWD_TENSORS, tensors))
 
 
-def _args_copy(args, tensors, device):
-    """A copy of args whose q, k, v, out and lse are new FaTensors (the shapes and strides of
-    args', the data of tensors) and whose stream is the current one: (copy, the FaTensors).
-    Everything else it points to is args' (read only, held by whoever holds args)."""
-    copy = _lib.FaFwdArgs.from_buffer_copy(args)
+_FWD_TENSORS = ("q", "k", "v", "out", "lse")
+_BWD_TENSORS = ("dout", "dq", "dk", "dv")
+
+
+def _struct_copy(struct, fields, tensors):
+    """A copy of struct (FaFwdArgs or FaBwdArgs) whose FaTensors named in fields are new ones
+    (the shapes and strides of struct's, the data of tensors): (copy, those FaTensors).
+    Everything else it points to is struct's (read only, held by whoever holds struct)."""
+    copy = type(struct).from_buffer_copy(struct)
     fts = []
-    for n, x in zip(("q", "k", "v", "out", "lse"), tensors):
-        ft = _lib.FaTensor.from_buffer_copy(getattr(args, n).contents)
+    for n, x in zip(fields, tensors):
+        ft = _lib.FaTensor.from_buffer_copy(getattr(struct, n).contents)
         ft.data = x.data_ptr()
         setattr(copy, n, ctypes.pointer(ft))
         fts.append(ft)
+    return copy, fts
+
+
+def _args_copy(args, tensors, device):
+    """_struct_copy of forward arguments on q, k, v, out and lse, on the current stream."""
+    copy, fts = _struct_copy(args, _FWD_TENSORS, tensors)
     if device is not None and device.type == "cuda":
         copy.stream = _raw_stream(device.index)
     return copy, fts
@@ -141,6 +150,7 @@ class _FlexCall:
         self.block_mask, self.device = block_mask, device
         self.template = None  # forward_grad's first arguments, copied by its later calls
         self.keyed = ()  # cached with gradients: the objects whose ids its key holds
+        self.bwd_templates = {}  # backward's arguments and workspace size, by dout's layout
 
     def _args(self, query, key, value, out, lse):
         """(fa_fwd_args, the structs and converted tensors they point to, the prepared inputs
@@ -224,17 +234,34 @@ class _FlexCall:
             keep = [held]
             if query.device.type == "cuda":  # the stream the engine runs the backward on
                 args.stream = _raw_stream(query.device.index)
-        bwd = _lib.new_bwd_args()
-        named = (("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv))
-        tensors = [prepare(x, n, TORCH, cuda=True) for n, x in named]  # dout maybe a copy
-        grads = [make_tensor(_swap(x, TORCH), n, TORCH) for (n, _), x in zip(named, tensors)]
-        keep.append((tensors, grads))
-        bwd.fwd = ctypes.pointer(args)
-        bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
+        # A call whose forward arguments were kept: its backward's arguments from those of an
+        # earlier backward with dout of the same layout, as the forward's are.
+        layout = None
+        if saved is not None and dout.layout == torch.strided:
+            layout = (tuple(dout.shape), dout.stride(), dout.dtype, dout.device, dout.is_neg(),
+                      dout.is_conj())
+        template = self.bwd_templates.get(layout)
+        if template is not None:
+            bwd, fts = _struct_copy(template[0], _BWD_TENSORS, (dout, dq, dk, dv))
+            size = template[1]
+            keep.append(fts)
+            bwd.fwd = ctypes.pointer(args)
+        else:
+            bwd = _lib.new_bwd_args()
+            named = zip(_BWD_TENSORS, (dout, dq, dk, dv))
+            tensors = [prepare(x, n, TORCH, cuda=True) for n, x in named]  # dout maybe a copy
+            grads = [make_tensor(_swap(x, TORCH), n, TORCH)
+                     for n, x in zip(_BWD_TENSORS, tensors)]
+            keep.append((tensors, grads))
+            bwd.fwd = ctypes.pointer(args)
+            bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
+            # The CUDA backward's workspace bytes (0: the call is refused, which the backward
+            # then says why).
+            size = _lib.backward_workspace_size(bwd) if query.device.type == "cuda" else 0
+            if layout is not None and tensors[0] is dout and len(self.bwd_templates) < 4:
+                self.bwd_templates[layout] = (_struct_copy(bwd, _BWD_TENSORS, tensors)[0], size)
         if query.device.type == "cuda":
-            # The CUDA backward's dQ accumulator, from torch's allocator (stream-ordered); a
-            # size of 0 means the call is refused, which the backward then says why.
-            size = _lib.backward_workspace_size(bwd)
+            # The dQ accumulator and the rest, from torch's allocator (stream-ordered).
             workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=query.device)
             keep.append(workspace)
             bwd.workspace = workspace.data_ptr()

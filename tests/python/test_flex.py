@@ -663,7 +663,8 @@ def test_backward_reuses_or_rebuilds_the_forward_arguments(rng):
 def test_repeated_calls_with_gradients(rng):
     """Calls with gradients of one signature share their preparation, each with its own
     arguments: two forwards, then their backwards in the other order, each gradient its own
-    inputs'; a captured tensor changed in place between calls is read anew."""
+    inputs'; a captured tensor changed in place between calls is read anew; douts of three
+    layouts, twice each."""
     B, H, L, D = 1, 2, 40, 8
     bias = randn(rng, H, 2 * L)  # captured: read as float32
 
@@ -689,11 +690,17 @@ def test_repeated_calls_with_gradients(rng):
         for name, a, w in zip("qkv", got, want):
             torch.testing.assert_close(a, w, atol=1e-10, rtol=1e-10, msg="d" + name)
     bias.mul_(-2)
-    x = inputs()
-    out = flashattn.flex_attention(*x, rel)
-    dout = randn(rng, *out.shape, dtype=torch.float64)
-    for name, a, w in zip("qkv", torch.autograd.grad(out, x, dout), reference(*x, dout)):
-        torch.testing.assert_close(a, w, atol=1e-10, rtol=1e-10, msg="d" + name)
+    # dout of other layouts after the first: a slice (its own backward arguments) and one
+    # strided in its last dim (copied, never kept)
+    douts = (lambda o: randn(rng, *o.shape, dtype=torch.float64),
+             lambda o: randn(rng, B, H, L + 3, D, dtype=torch.float64)[:, :, 1:L + 1],
+             lambda o: randn(rng, B, H, D, L, dtype=torch.float64).transpose(-1, -2))
+    for make in douts + douts[:2]:
+        x = inputs()
+        out = flashattn.flex_attention(*x, rel)
+        dout = make(out)
+        for name, a, w in zip("qkv", torch.autograd.grad(out, x, dout), reference(*x, dout)):
+            torch.testing.assert_close(a, w, atol=1e-10, rtol=1e-10, msg="d" + name)
 
 
 def test_negative_view_is_not_a_prepared_call(rng):
