@@ -52,18 +52,7 @@ FA_DEV void fa_kv_append_row(const fa_dkparams *dp, const fa_kvseq *seq, int bi,
             vv[j] = vn[c];
     }
     __syncwarp();
-#pragma unroll
-    for (int j = 0; j < FA_DP / 32; j++) {
-        const int c = j * 32 + lane;
-        if (c < dp->f.d)
-            kc[c] = kv[j];
-    }
-#pragma unroll
-    for (int j = 0; j < FA_DVP / 32; j++) {
-        const int c = j * 32 + lane;
-        if (c < dp->f.dv)
-            vc[c] = vv[j];
-    }
+    FA_KV_ROW_STORE(dp, lane, kc, vc, kv, vv);
 #endif
 }
 

@@ -30,6 +30,23 @@ FA_DEV float fa_rotary_elem(const fa_u16 *x, int c, int rd, int interleaved, con
     return c == i0 ? x0 * cs - x1 * sn : x0 * sn + x1 * cs;
 }
 
+/* One warp's store of an appended row read into registers (kv, vv: element j of lane `lane` is
+ * column j * 32 + lane) into the cache's key row kc and value row vc, of the same element type;
+ * after the whole row was read, as k may view the cache rows it fills. */
+#define FA_KV_ROW_STORE(dp, lane, kc, vc, kv, vv)                                                \
+    do {                                                                                         \
+        _Pragma("unroll") for (int j_ = 0; j_ < FA_DP / 32; j_++) {                             \
+            const int c_ = j_ * 32 + (lane);                                                     \
+            if (c_ < (dp)->f.d)                                                                  \
+                (kc)[c_] = (kv)[j_];                                                             \
+        }                                                                                        \
+        _Pragma("unroll") for (int j_ = 0; j_ < FA_DVP / 32; j_++) {                            \
+            const int c_ = j_ * 32 + (lane);                                                     \
+            if (c_ < (dp)->f.dv)                                                                 \
+                (vc)[c_] = (vv)[j_];                                                             \
+        }                                                                                        \
+    } while (0)
+
 FA_DEV fa_i64 fa_clamp64(fa_i64 x, fa_i64 lo, fa_i64 hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 /* Sequence bi's cache: positions [start, end) are its keys, len0 of them there before the

@@ -319,18 +319,7 @@ FA_DEV void fa_kv_append_row8(const fa_dkparams *dp, int bi, int kh, int lane, f
                 kh * dp->f.k_hstride;
     fa_u8 *vc = (fa_u8 *)dp->f.v + blk * dp->f.v_bstride + row * dp->f.v_rstride +
                 kh * dp->f.v_hstride;
-#pragma unroll
-    for (int j = 0; j < FA_DP / 32; j++) {
-        const int c = j * 32 + lane;
-        if (c < dp->f.d)
-            kc[c] = kv[j];
-    }
-#pragma unroll
-    for (int j = 0; j < FA_DVP / 32; j++) {
-        const int c = j * 32 + lane;
-        if (c < dp->f.dv)
-            vc[c] = vv[j];
-    }
+    FA_KV_ROW_STORE(dp, lane, kc, vc, kv, vv);
 }
 
 #endif /* FA_DECODE_FP8_CUH */

@@ -106,6 +106,10 @@ def _c_block_mask_make(block_mask, keep, device):
 
 # ---- one call ------------------------------------------------------------------------------
 
+# The FaTensors a call's arguments hold of its own tensors (the rest is the signature's).
+_FWD_TENSORS = ("q", "k", "v", "out", "lse")
+_BWD_TENSORS = ("dout", "dq", "dk", "dv")
+
 
 def _args_at(args, tensors):
     """Whether args' q, k, v, out and lse point at tensors' data (no input copied) and no
@@ -113,10 +117,6 @@ def _args_at(args, tensors):
     signature."""
     return not args.workspace_size and all(
         getattr(args, n).contents.data == x.data_ptr() for n, x in zip(_FWD_TENSORS, tensors))
-
-
-_FWD_TENSORS = ("q", "k", "v", "out", "lse")
-_BWD_TENSORS = ("dout", "dq", "dk", "dv")
 
 
 def _struct_copy(struct, fields, tensors):

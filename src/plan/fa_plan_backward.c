@@ -101,7 +101,7 @@ static int fa_plan_bwd_sm90_mods_enabled(void)
  * or ALiBi (at 64 the 128-query tile's S^T and dP^T beside the programs spilled 140-290 bytes,
  * softcap and ALiBi beside them 148); a block mask on dense calls only (its CTA loads the states
  * of its one item's key block: varlen items take another path). ptxas spills around a
- * score_mod's aux gather and, with a block mask, around the tours (28-360 bytes), which still
+ * score_mod's aux gather and, with a block mask, around the tours (32-200 bytes), which still
  * ran 1.7-2.3x faster than the sm80 family's backward on the H200. */
 static int fa_plan_bwd_sm90_mods_ok(const fa_plan_key *key)
 {
