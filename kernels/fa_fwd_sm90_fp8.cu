@@ -39,6 +39,8 @@
  * 256), FA_STAGES, FA_PINGPONG, FA_TRANSPOSE, FA_ORDER, FA_SOFTCAP, FA_VARLEN. Entry points
  * fa_fwd(kp, maps) and fa_fwd_fill.
  */
+/* 24 + 2 x 240 = 3 x 168, the launch's registers a thread (384 threads, 65536 registers): with a
+ * larger sum the consumers' setmaxnreg.inc would wait forever for registers nobody frees. */
 #define FA_REGS_PRODUCER 24
 #define FA_REGS_CONSUMER 240
 #include "fa_common.cuh"
@@ -267,7 +269,6 @@ FA_DEV void fa_produce8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa_smem
  * beside the transpose spilled. */
 FA_DEV void fa_transpose8(const fa_smem8 *m)
 {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int kv = 0;; kv++) {
         const int s = kv % FA_STAGES;
         fa_mbar_wait(m->r_full + 8 * s, (kv / FA_STAGES) & 1);
@@ -275,7 +276,7 @@ FA_DEV void fa_transpose8(const fa_smem8 *m)
         asm volatile("ld.shared.u32 %0, [%1];" : "=r"(keys) : "r"(m->r_keys + 8 * s) : "memory");
         if (keys < 0)
             return;
-        fa_transpose_v(m, kv, keys, warp, lane);
+        fa_transpose_v(m, kv, keys);
     }
 }
 #endif
@@ -494,7 +495,7 @@ FA_DEV void fa_consume_tile8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa
             fa_wg_wait0();
             fa_operands_pin(o, pa, FA_KS);
             fa_stage_release(m->v_empty + 8 * sp, lane);
-            fa_o_rescale(o, alpha);
+            fa_o_rescale_moved(o, alpha);
             fa_p_pack8(sacc, pa);
         }
 

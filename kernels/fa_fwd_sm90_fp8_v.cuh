@@ -16,6 +16,8 @@
 #define FA_FWD_SM90_FP8_V_CUH
 
 #define FA_VT_BYTES FA_SMEM_FWD90_FP8_VT(FA_BN, FA_DVP)
+/* The 16-key chunks of a column group one transposing warp takes (warps 1 .. 3). */
+#define FA_VT_UNITS ((FA_BN / 16 + 2) / 3)
 
 /* Byte `cb` (a column of V) of key row `key` in Vr: its FA_RB block, then the 16-byte chunk XOR
  * the swizzle's key (128B: key % 8; 64B: (key / 2) % 4). */
@@ -81,6 +83,41 @@ FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
         fa_mbar_arrive(m->v_full + 8 * s);
 }
 #else
+/* ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: the four transposed 8 x 8 matrices whose rows
+ * the lanes address (lane 8i + r: row r of matrix i), as fa_transpose_v describes. */
+FA_DEV void fa_ldmatrix_t4(fa_u32 r[4], fa_u32 addr)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+/* Unit h of column group j (V^T rows from to_j): the byte gathers, the varlen tail's zeros, and
+ * the stmatrix of the four rows each lane addresses. */
+FA_DEV void fa_vt_unit_store(const fa_u32 r[4], fa_u32 to_j, int h, fa_u32 sel_a, int lane,
+                             int valid)
+{
+    const fa_u32 sel_b = sel_a ^ 0x1111u;
+    fa_u32 s0 = __byte_perm(r[0], r[1], sel_a), s1 = __byte_perm(r[0], r[1], sel_b);
+    fa_u32 s2 = __byte_perm(r[2], r[3], sel_a), s3 = __byte_perm(r[2], r[3], sel_b);
+#if FA_VARLEN
+    if (16 * h + 16 > valid) {
+        /* Bytes e of the words hold keys 16h + 2(lane % 4) + 8(e / 2) + e % 2. */
+        const int k = 16 * h + 2 * (lane & 3) - valid;
+        const fa_u32 keep = (k < 0 ? 0xffu : 0u) | (k + 1 < 0 ? 0xff00u : 0u) |
+                            (k + 8 < 0 ? 0xff0000u : 0u) | (k + 9 < 0 ? 0xff000000u : 0u);
+        s0 &= keep, s1 &= keep, s2 &= keep, s3 &= keep;
+    }
+#else
+    (void)lane, (void)valid;
+#endif
+    /* h >> 3 is 0 while a stage has at most 8 chunks: said so, it frees registers. */
+    const fa_u32 at = (to_j ^ ((h & 7) << 4)) + (FA_BN > 128 ? h >> 3 : 0) * (FA_DVP * 128);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 ::"r"(at), "r"(s0), "r"(s1), "r"(s2), "r"(s3)
+                 : "memory");
+}
+
 /*
  * Warp w (1 .. 3) of the producer warpgroup, for each group j of 32 columns the key chunks
  * h = w - 1, w + 2, ... A unit, keys 16h .. 16h + 15 by columns 32j .. 32j + 31:
@@ -99,8 +136,13 @@ FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
  *     conflict (rows 2c alone would be two lanes a bank).
  * The ldmatrix rows are 8 keys at one 16-byte chunk: distinct chunks under both swizzles.
  */
-FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid, int warp, int lane)
+FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
 {
+    /* %tid.x read per stage (volatile): the lane's addresses made once and held across stages
+     * did not fit the producer's registers beside the loads in flight. */
+    fa_u32 tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    const int warp = (int)(tid >> 5), lane = (int)(tid & 31);
     const int s = kv % FA_STAGES, ph = (kv / FA_STAGES) & 1;
     fa_mbar_wait(m->r_full + 8 * s, ph);
     fa_mbar_wait(m->v_empty + 8 * s, ph ^ 1);
@@ -116,42 +158,39 @@ FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid, int warp, int l
     const fa_u32 from = fa_vr_at(src, lkey, 16 * (lane >> 4));
     const fa_u32 to = dst + lrow * 128 + ((lrow & 7) << 4);
     /* Lanes of c = lane / 4 >= 4 hand their odd row first: the byte selectors swap. */
-    const fa_u32 sel_a = lane >= 16 ? 0x7531u : 0x6420u, sel_b = sel_a ^ 0x1111u;
+    const fa_u32 sel_a = lane >= 16 ? 0x7531u : 0x6420u;
 #pragma unroll 1
     for (int j = 0; j < FA_DVP / 32; j++) {
         const fa_u32 from_j = (from ^ (((2 * j) % (FA_RB / 16)) << 4)) +
                               (32 * j / FA_RB) * (FA_BN * FA_RB);
         const fa_u32 to_j = to + 32 * j * 128;
-#pragma unroll 1
-        for (int h = warp - 1; h < FA_BN / 16; h += 3) {
-            fa_u32 r0, r1, r2, r3;
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                         : "r"(from_j + 16 * h * FA_RB));
-            fa_u32 s0 = __byte_perm(r0, r1, sel_a), s1 = __byte_perm(r0, r1, sel_b);
-            fa_u32 s2 = __byte_perm(r2, r3, sel_a), s3 = __byte_perm(r2, r3, sel_b);
-#if FA_VARLEN
-            if (16 * h + 16 > valid) {
-                /* Bytes e of the words hold keys 16h + 2(lane % 4) + 8(e / 2) + e % 2. */
-                const int k = 16 * h + 2 * (lane & 3) - valid;
-                const fa_u32 keep = (k < 0 ? 0xffu : 0u) | (k + 1 < 0 ? 0xff00u : 0u) |
-                                    (k + 8 < 0 ? 0xff0000u : 0u) | (k + 9 < 0 ? 0xff000000u : 0u);
-                s0 &= keep, s1 &= keep, s2 &= keep, s3 &= keep;
-            }
-#endif
-            const fa_u32 at = (to_j ^ ((h & 7) << 4)) + (h >> 3) * (FA_DVP * 128);
-            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
-                         ::"r"(at), "r"(s0), "r"(s1), "r"(s2), "r"(s3)
-                         : "memory");
+        /* The warp's chunks h = warp - 1 + 3i in pairs, both loads ahead of the stores: under
+         * the consumers' wgmma reads an ldmatrix waits long, and two in flight is what the
+         * producer's 24 registers hold. */
+#pragma unroll
+        for (int i0 = 0; i0 < FA_VT_UNITS; i0 += 2) {
+            fa_u32 r[2][4];
+#pragma unroll
+            for (int i = i0; i < i0 + 2 && i < FA_VT_UNITS; i++)
+                if (warp - 1 + 3 * i < FA_BN / 16)
+                    fa_ldmatrix_t4(r[i - i0], from_j + 16 * (warp - 1 + 3 * i) * FA_RB);
+#pragma unroll
+            for (int i = i0; i < i0 + 2 && i < FA_VT_UNITS; i++)
+                if (warp - 1 + 3 * i < FA_BN / 16)
+                    fa_vt_unit_store(r[i - i0], to_j, warp - 1 + 3 * i, sel_a, lane, valid);
         }
     }
     /* Each lane's writes reach the async proxy (wgmma) before its warp announces the stage (and
      * the reads of Vr[s] are done before the loading thread reloads it). */
     fa_fence_proxy_async();
     __syncwarp();
+    /* The stage's offset made again from kv (pinned): held across the loop, it and kv did not
+     * both fit the producer's registers. */
+    int kv_end = kv;
+    FA_PINU(kv_end);
     if (lane == 0) {
-        fa_mbar_arrive(m->r_empty + 8 * s);
-        fa_mbar_arrive(m->v_full + 8 * s);
+        fa_mbar_arrive(m->r_empty + 8 * (kv_end % FA_STAGES));
+        fa_mbar_arrive(m->v_full + 8 * (kv_end % FA_STAGES));
     }
 }
 #endif

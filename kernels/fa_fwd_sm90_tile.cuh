@@ -25,6 +25,14 @@ FA_DEV void fa_o_rescale(float *o, const float alpha[2])
         o[j] *= alpha[(j >> 1) & 1];
 }
 
+/* O's rescale where some row of the warp moved its max: elsewhere alpha is exp2(0) = 1 and the
+ * multiplies change nothing, so a warp whose rows all kept theirs skips them (one vote). */
+FA_DEV void fa_o_rescale_moved(float *o, const float alpha[2])
+{
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f))
+        fa_o_rescale(o, alpha);
+}
+
 /* Pins O and the A fragments of P (`slices` k-steps of 4 registers): before a GEMM group is
  * issued, so that the rescale and the packing are finished before the wgmma.fence (else ptxas
  * inserts its own fence between the wgmma and serialises them); after its wait, so that nothing
