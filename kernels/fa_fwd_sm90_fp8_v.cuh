@@ -171,13 +171,17 @@ FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
         for (int i0 = 0; i0 < FA_VT_UNITS; i0 += 2) {
             fa_u32 r[2][4];
 #pragma unroll
-            for (int i = i0; i < i0 + 2 && i < FA_VT_UNITS; i++)
-                if (warp - 1 + 3 * i < FA_BN / 16)
-                    fa_ldmatrix_t4(r[i - i0], from_j + 16 * (warp - 1 + 3 * i) * FA_RB);
+            for (int i = i0; i < i0 + 2 && i < FA_VT_UNITS; i++) {
+                const int h = warp - 1 + 3 * i;
+                if (h < FA_BN / 16)
+                    fa_ldmatrix_t4(r[i - i0], from_j + 16 * h * FA_RB);
+            }
 #pragma unroll
-            for (int i = i0; i < i0 + 2 && i < FA_VT_UNITS; i++)
-                if (warp - 1 + 3 * i < FA_BN / 16)
-                    fa_vt_unit_store(r[i - i0], to_j, warp - 1 + 3 * i, sel_a, lane, valid);
+            for (int i = i0; i < i0 + 2 && i < FA_VT_UNITS; i++) {
+                const int h = warp - 1 + 3 * i;
+                if (h < FA_BN / 16)
+                    fa_vt_unit_store(r[i - i0], to_j, h, sel_a, lane, valid);
+            }
         }
     }
     /* Each lane's writes reach the async proxy (wgmma) before its warp announces the stage (and

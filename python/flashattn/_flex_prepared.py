@@ -44,10 +44,21 @@ class Prepared:
                  "device", "cuda", "names", "hold", "fast")
 
 
-def _cache():
-    cache = getattr(_LOCAL, "calls", None)
+def _cache(name="calls"):
+    """This thread's dict `name`: "calls" (prepared calls) or "grad_calls" (calls with
+    gradients)."""
+    cache = getattr(_LOCAL, name, None)
     if cache is None:
-        cache = _LOCAL.calls = {}
+        cache = {}
+        setattr(_LOCAL, name, cache)
+    return cache
+
+
+def _cache_with_room(name):
+    """_cache(name), emptied first when full."""
+    cache = _cache(name)
+    if len(cache) >= _CACHE_SIZE:
+        cache.clear()
     return cache
 
 
@@ -77,15 +88,8 @@ def lookup(key):
     return None if key is None else _cache().get(key)
 
 
-def _grad_cache():
-    cache = getattr(_LOCAL, "grad_calls", None)
-    if cache is None:
-        cache = _LOCAL.grad_calls = {}
-    return cache
-
-
 def lookup_grad(key):
-    return None if key is None else _grad_cache().get(key)
+    return None if key is None else _cache("grad_calls").get(key)
 
 
 def store_grad(key, call, keyed):
@@ -94,9 +98,7 @@ def store_grad(key, call, keyed):
     objects whose ids key holds. Its FlexFn saves the call's tensors; the cache holds none."""
     if key is None:
         return
-    cache = _grad_cache()
-    if len(cache) >= _CACHE_SIZE:
-        cache.clear()
+    cache = _cache_with_room("grad_calls")
     call.keyed = tuple(keyed)
     cache[key] = call
 
@@ -128,9 +130,7 @@ def store(key, args, structs, tensors, call, keyed, names):
     p.names = names
     p.hold = (call, tuple(keyed), structs)
     p.fast = None
-    cache = _cache()
-    if len(cache) >= _CACHE_SIZE:
-        cache.clear()
+    cache = _cache_with_room("calls")
     cache[key] = p
     return p
 
