@@ -337,7 +337,8 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
  * stages, pingpong between the consumers, the softmax's order before the P V wait
  * (fa_softmax_order). Dense calls without softcap: 128-key blocks with V transposed by the
  * producer's warps 1 .. 3 (ldmatrix / stmatrix) while thread 0 only loads, by measurement the
- * fastest (fa_sm90_fp8_fast). With varlen or softcap that transpose spills 4-40 bytes of the
+ * fastest (fa_sm90_fp8_fast); softcap at d 128 too (by measurement; at d 64 the row below is
+ * faster). With varlen, or softcap at d 256, that transpose spills 4-40 bytes of the
  * producer's 24 registers, so those calls take the rows: the whole producer warpgroup's
  * plain-load transpose and the largest key block that compiles without spills (192 at d 64 and
  * 128, 128 at d 256, whose two stages of K, V and V^T fill the 227 KB).
@@ -354,7 +355,7 @@ static const fa_plan_row90_fp8 fa_sm90_fp8_rows[] = {
     {256, 128, 2, 1, 0, 1}, /* Q 32 KB + 2 x (K 32 + Vr 32 + V^T 32) KB = 224 KB */
 };
 
-/* Dense calls without softcap, every head dim (d 256: 224 KB as above). */
+/* Dense calls without softcap at every head dim, with softcap at d 128 (d 256: 224 KB as above). */
 static const fa_plan_row90_fp8 fa_sm90_fp8_fast = {0, 128, 2, 1, 1, 1};
 
 /* FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] replaces the row's choice (for
@@ -426,7 +427,9 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
     snprintf(plan->target, sizeof plan->target, "sm_90a");
     plan->dp = plan->dvp = key->d <= 64 ? 64 : key->d <= 128 ? 128 : 256;
     fa_plan_row90_fp8 row = fa_sm90_fp8_rows[plan->dp / 128];
-    if (!(key->features & (FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP))) {
+    const int softcap_fast = (key->features & FA_FEATURE_SOFTCAP) && plan->dp == 128;
+    if (!(key->features & FA_FEATURE_VARLEN) &&
+        (!(key->features & FA_FEATURE_SOFTCAP) || softcap_fast)) {
         const int dp = row.dp;
         row = fa_sm90_fp8_fast;
         row.dp = dp;
