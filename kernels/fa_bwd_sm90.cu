@@ -41,11 +41,12 @@
  * family's semantics (fa_bwd_mod.cuh: fa_bwd_probs replays the forward's mod'ed scores and multiplies score_mod's
  * derivative into dS), the tile's block-mask state chosen once per tile and passed to
  * fa_bwd_probs as a constant (fa_bwd90_probs_mods), so the per-key test does not branch on it.
- * A block mask (dense calls, one item per CTA: the launcher keeps such grids non-persistent):
- * all 384 threads load the states of the CTA's key block over every query block of its heads
- * behind the item slots before the warpgroups part (fa_bwd90_start), and the producer's and
- * the consumers' tours pass over the query tiles it skips whole (fa_bwd_tour_bm), but in
- * deterministic mode, whose dQ order visits them, every key masked.
+ * A block mask (dense calls): fa_bwd_bm_tables, a kernel before this one, writes every work
+ * item's states of its key block over every query block of its heads to the workspace; the
+ * producer copies the item's behind the item slots with its K and V (on a persistent grid too:
+ * the copy is of the item in hand, as K and V are), and the producer's and the consumers'
+ * tours pass over the query tiles it skips whole (fa_bwd_tour_bm), but in deterministic mode,
+ * whose dQ order visits them, every key masked.
  * bp.deterministic orders each query tile's dQ adds by key block, as the sm80 family does.
  *
  * Varlen: the tensor maps span all the packed rows (batch extent 1) and tiles add their
@@ -58,7 +59,7 @@
  * [FA_QSTAGES][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BM / 64][FA_BN][64]; dQ pieces, fp32
  * [8 warps][1024] in the accumulator's order; mbarriers kv_full, q_full[FA_QSTAGES],
  * q_empty[FA_QSTAGES], kv_empty; the item slots, int [2], then their sequences' lengths, int
- * [2][2]. Three stages of Q and dO (the plan's FA_QSTAGES) fill the 227 KB to within 2 KB, so
+ * [2][2]; with a block mask, the item's states (FA_BWD90_BM_META). Three stages of Q and dO (the plan's FA_QSTAGES) fill the 227 KB to within 2 KB, so
  * the consumers rarely wait for Q and dO.
  */
 #include "fa_bkparams.h"

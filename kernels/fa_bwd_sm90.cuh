@@ -158,10 +158,46 @@ FA_DEV void fa_bwd_tour(const fa_bkparams *bp, const fa_seq *s, int nb, int h_en
 }
 
 #if FA_BLOCK_MASK
-/* The block mask's view of the CTA's one item (fa_bwd_bm, fa_bwd_mod.cuh) sits behind the item
- * slots and their lengths (6 ints), its states after it (fa_bwd90_start loads them; the launcher
- * adds their bytes). */
-#define FA_BWD90_BM_META(slot) ((slot) + 6)
+/* The block mask's view of the CTA's item in hand (fa_bwd_bm, fa_bwd_mod.cuh) sits behind the
+ * item slots and their lengths (6 ints) from the next 16-byte boundary (slot is on one: the
+ * tiles are whole KB and 2 + 2 stages of mbarriers precede it), its states after it:
+ * bp->bm_stride bytes (the launcher adds them and the 8 between), copied by the producer with
+ * the item's K and V from bp->bm_tabs. */
+#define FA_BWD90_BM_META(slot) ((slot) + 8)
+
+/* The workspace table of key block nb of kv head hk, sequence bi (FA_BM_TABLE_KV_HEADS): its
+ * bp->bm_stride bytes. */
+FA_DEV const unsigned char *fa_bwd90_bm_table(const fa_bkparams *bp, int nb, int hk, int bi)
+{
+    const int th = FA_BM_TABLE_KV_HEADS(&bp->f);
+    return bp->bm_tabs +
+           ((fa_i64)(bi * th + (th > 1 ? hk : 0)) * bp->n_tiles + nb) * bp->bm_stride;
+}
+
+/* One CTA (FA_THREADS threads) per table (fa_bwd90_bm_table), before fa_bwd: the states of its
+ * key block over every query block of its heads, its view ahead of them (fa_bwd_bm_put), and
+ * the live bits. A table shared by every kv head names kv head 0's heads: with one table head
+ * fa_bwd_bm_head and fa_bwd_bm_live ignore them. */
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd_bm_tables(const fa_bkparams bp)
+{
+    const fa_kparams *kp = &bp.f;
+    const int th = FA_BM_TABLE_KV_HEADS(kp), nb = blockIdx.x % bp.n_tiles;
+    const int hk = blockIdx.x / bp.n_tiles % th, bi = blockIdx.x / bp.n_tiles / th;
+    volatile int *const meta = (volatile int *)fa_bwd90_bm_table(&bp, nb, hk, bi);
+    const fa_seq seq = fa_bwd_seq(kp, bi);
+    const int n0 = nb * FA_BN;
+    fa_bwd_bm bmv;
+    bmv.tab = (const unsigned char *)meta + FA_SMEM_BWD80_BM_META;
+    bmv.h0 = hk * (kp->h / kp->hk);
+    bmv.nh = FA_BM_TABLE_HEADS(kp, kp->h / kp->hk);
+    bmv.nq = (seq.sq + kp->bm_q_block - 1) / kp->bm_q_block;
+    bmv.kb0 = n0 / kp->bm_kv_block;
+    bmv.nkb = (fa_min(n0 + FA_BN, seq.sk) - 1) / kp->bm_kv_block - bmv.kb0 + 1;
+    if (threadIdx.x == 0)
+        fa_bwd_bm_put(meta, &bmv);
+    fa_bm_load(kp, (unsigned char *)bmv.tab, bi, bmv.h0, bmv.nh, 0, bmv.nq, bmv.kb0, bmv.nkb);
+    fa_bwd_bm_live_make(&bmv);
+}
 
 /* fa_bwd_tour past the query tiles the block mask skips whole (meta: FA_BWD90_BM_META), by the
  * live bits (fa_bwd_bm_live): from a skipped tile straight to the tile of the next live query
@@ -230,7 +266,15 @@ FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u
 #else
         const fa_seq seq = im.seq;
 #endif
+#if FA_BLOCK_MASK
+        /* The item's block-mask states with its K and V, into the one buffer: the consumers
+         * released it with K and V (kv_empty). */
+        fa_mbar_expect_tx(kv_full, FA_K_BYTES + FA_V_BYTES + bp->bm_stride);
+        fa_bulk_load(fa_smem_addr((const void *)FA_BWD90_BM_META(slot)),
+                     fa_bwd90_bm_table(bp, im.nb, im.hk, im.bi), bp->bm_stride, kv_full);
+#else
         fa_mbar_expect_tx(kv_full, FA_K_BYTES + FA_V_BYTES);
+#endif
 #pragma unroll
         for (int c = 0; c < FA_BWD90_CBLKS; c++) {
             if (c < FA_DP / 64)
@@ -240,6 +284,9 @@ FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u
                 fa_tma_load4(v_s + c * FA_BN * 128, &tm->v, 64 * c, im.k_row0, im.hk, im.tma_b,
                              kv_full);
         }
+#if FA_BLOCK_MASK
+        fa_mbar_wait(kv_full, ii & 1); /* the tour reads the states */
+#endif
         int h = im.hk * group, mb = mb_first;
         const fa_seq sv_first = FA_ITEM_SEQ;
         FA_BWD_TOUR(bp, &sv_first, im.nb, h_end, &h, &mb, 0);
@@ -288,26 +335,6 @@ FA_DEV int fa_bwd90_start(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 
             fa_bwd_block_zero(bp, &im.seq, im.bi, im.hk, im.n0);
             return 0;
         }
-    }
-#endif
-#if FA_BLOCK_MASK
-    /* The states of the CTA's one item's key block over every query block of its heads (dense:
-     * n0 < sk), by all the threads, before the warpgroups part. */
-    {
-        const fa_bwd_item im = fa_bwd_item_make(bp, first);
-        volatile int *const meta = FA_BWD90_BM_META(slot);
-        fa_bwd_bm bmv;
-        bmv.tab = (const unsigned char *)meta + FA_SMEM_BWD80_BM_META;
-        bmv.h0 = im.hk * (kp->h / kp->hk);
-        bmv.nh = FA_BM_TABLE_HEADS(kp, kp->h / kp->hk);
-        bmv.nq = (im.seq.sq + kp->bm_q_block - 1) / kp->bm_q_block;
-        bmv.kb0 = im.n0 / kp->bm_kv_block;
-        bmv.nkb = (fa_min(im.n0 + FA_BN, im.seq.sk) - 1) / kp->bm_kv_block - bmv.kb0 + 1;
-        if (threadIdx.x == 0)
-            fa_bwd_bm_put(meta, &bmv);
-        fa_bm_load(kp, (unsigned char *)bmv.tab, im.bi, bmv.h0, bmv.nh, 0, bmv.nq, bmv.kb0,
-                   bmv.nkb);
-        fa_bwd_bm_live_make(&bmv);
     }
 #endif
     if (threadIdx.x == 0) {

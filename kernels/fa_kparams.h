@@ -84,14 +84,19 @@ typedef struct fa_kparams {
     int bm_n, bm_full_n;    /* the index tensors' last dims */
 } fa_kparams;
 
-/* The block-mask state tables a backward CTA over a GQA group of g query heads holds
- * (fa_bwd_sm80.cu; the launcher sizes its shared memory by the same rule): one when every index
- * tensor is shared across heads (h stride 0), else one per head. */
-#define FA_BM_TABLE_HEADS(kp, g)                                                                 \
+/* Whether every block-mask index tensor is shared across heads (h stride 0). */
+#define FA_BM_HEADS_SHARED(kp)                                                                   \
     (((kp)->bm_num_stride[1] | (kp)->bm_idx_stride[1] | (kp)->bm_full_num_stride[1] |            \
-      (kp)->bm_full_idx_stride[1]) == 0                                                          \
-         ? 1                                                                                     \
-         : (g))
+      (kp)->bm_full_idx_stride[1]) == 0)
+
+/* The block-mask state tables a backward CTA over a GQA group of g query heads holds
+ * (fa_bwd_sm80.cu; the launcher sizes its shared memory by the same rule): one when the index
+ * tensors are shared across heads, else one per head. */
+#define FA_BM_TABLE_HEADS(kp, g) (FA_BM_HEADS_SHARED(kp) ? 1 : (g))
+
+/* The sm90 backward's work-item tables (fa_bwd_bm_tables): one per key block of each kv head
+ * and sequence, or of each sequence when the index tensors are shared across heads. */
+#define FA_BM_TABLE_KV_HEADS(kp) (FA_BM_HEADS_SHARED(kp) ? 1 : (kp)->hk)
 
 #if !defined(__CUDACC__)
 /* The multiplier and shift of the division by d (1 <= d <= 2^30) for dividends below 2^31 (the

@@ -85,6 +85,16 @@ FA_DEV void fa_regs_consumer(void)
 
 /* ---- TMA ------------------------------------------------------------------------------------ */
 
+/* cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes: `bytes` (a multiple of 16)
+ * from global src to shared dst (both 16-byte aligned), counted on mbarrier bar. */
+FA_DEV void fa_bulk_load(fa_u32 dst, const void *src, int bytes, fa_u32 bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                 "%2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
 /* cp.async.bulk.tensor.4d ... tile.mbarrier::complete_tx::bytes: the box of the tensor map at
  * `tmap` (generic address of the __grid_constant__ parameter) whose first element has coordinates
  * {c0, c1, c2, c3} (innermost first, elements) lands at shared address dst, swizzled as the map

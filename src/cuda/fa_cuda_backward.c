@@ -29,10 +29,29 @@
 static size_t fa_ws_round(size_t x) { return (x + FA_WS_ALIGN - 1) / FA_WS_ALIGN * FA_WS_ALIGN; }
 
 typedef struct fa_bwd_ws {
-    size_t accum, dsum, lse2, sem, sched, total; /* byte offsets, and the size */
+    size_t accum, dsum, lse2, sem, sched, bm, total; /* byte offsets, and the size */
+    size_t bm_stride, bm_tables; /* a block mask's tables (fa_bwd_bm_bytes): bytes, count */
 } fa_bwd_ws;
 
-/* The layout for plan's query tile (bm rows) and padded head dim (dp). */
+/* The bytes of a key block's block-mask view and states over every query block of its heads
+ * (FA_SMEM_BWD_BM with the most key blocks a block of plan's meets), rounded up to 16: the
+ * sm80 kernel keeps them behind its tiles, the sm90 kernel too, copied there from the
+ * workspace, where fa_bwd_bm_tables builds them; *tables: how many (FA_BM_TABLE_KV_HEADS). */
+static int64_t fa_bwd_bm_bytes(const fa_params *p, const fa_plan *plan, int64_t *tables)
+{
+    const fa_mod_blocks *mb = &p->mods.blocks;
+    *tables = 0;
+    if (!mb->num.data)
+        return 0;
+    fa_kparams kp;
+    fa_kparams_fill(p, &kp);
+    const int64_t nq = (p->max_sq + mb->q_block - 1) / mb->q_block;
+    const int64_t heads = FA_BM_TABLE_HEADS(&kp, p->h / p->hk);
+    *tables = (p->max_sk + plan->bn - 1) / plan->bn * FA_BM_TABLE_KV_HEADS(&kp) * p->b;
+    return (FA_SMEM_BWD_BM(heads, nq, (plan->bn - 1) / mb->kv_block + 2) + 15) / 16 * 16;
+}
+
+/* The layout for plan's query tile (bm rows), padded head dim (dp) and key block (bn). */
 static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p, const fa_plan *plan)
 {
     fa_bwd_ws w;
@@ -43,7 +62,11 @@ static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p, const fa_plan *plan)
     w.lse2 = fa_ws_round(w.dsum + 4 * rows);
     w.sem = fa_ws_round(w.lse2 + 4 * rows);
     w.sched = fa_ws_round(w.sem + 4 * (size_t)p->b * (size_t)p->h * m_tiles);
-    w.total = fa_ws_round(w.sched + 4);
+    w.bm = fa_ws_round(w.sched + 4);
+    int64_t tables;
+    w.bm_stride = (size_t)fa_bwd_bm_bytes(p, plan, &tables);
+    w.bm_tables = (size_t)tables;
+    w.total = fa_ws_round(w.bm + w.bm_stride * w.bm_tables);
     return w;
 }
 
@@ -191,17 +214,16 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
                             "head_dim %lld: the backward needs %u bytes of shared memory, the "
                             "device gives %d",
                             (long long)p->d, plan.smem, smem_optin);
-    /* The block mask's states of a CTA's key blocks over every query block (fa_bm_load_keys)
-     * sit behind the tiles: their bytes depend on the call, so the kernel is loaded allowing
-     * the device's most, as the forward's. */
+    /* The block mask's states of a CTA's key blocks over every query block (fa_bm_load) sit
+     * behind the tiles: their bytes depend on the call, so the kernel is loaded allowing the
+     * device's most, as the forward's. The sm90 kernel's start on a 16-byte boundary, 8 bytes
+     * on (FA_BWD90_BM_META). */
     unsigned main_smem = plan.smem;
     if (p->mods.blocks.num.data) {
         const fa_mod_blocks *mb = &p->mods.blocks;
-        fa_kparams kp;
-        fa_kparams_fill(p, &kp);
         const int64_t nq = (p->max_sq + mb->q_block - 1) / mb->q_block;
-        const int64_t heads = FA_BM_TABLE_HEADS(&kp, p->h / p->hk);
-        const int64_t bytes = FA_SMEM_BWD_BM(heads, nq, (plan.bn - 1) / mb->kv_block + 2);
+        int64_t tables;
+        const int64_t bytes = fa_bwd_bm_bytes(p, &plan, &tables) + (tm ? 8 : 0);
         if (bytes > smem_optin - (int64_t)plan.smem)
             return fa_error_set(FA_STATUS_UNSUPPORTED,
                                 "block_mask: %lld query blocks of %lld rows need %lld bytes of "
@@ -238,6 +260,8 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     bp.lse2 = (float *)(base + ws.lse2);
     bp.sem = (int *)(base + ws.sem);
     bp.sched = (int *)(base + ws.sched);
+    bp.bm_tabs = (unsigned char *)(base + ws.bm);
+    bp.bm_stride = (int)ws.bm_stride;
     bp.do_bstride = p->do_bstride, bp.do_rstride = p->do_rstride, bp.do_hstride = p->do_hstride;
     bp.dq_bstride = p->dq_bstride, bp.dq_rstride = p->dq_rstride, bp.dq_hstride = p->dq_hstride;
     bp.dk_bstride = p->dk_bstride, bp.dk_rstride = p->dk_rstride, bp.dk_hstride = p->dk_hstride;
@@ -250,12 +274,12 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
      * CTA per multiprocessor, claims them in the same order from a counter (fa_bwd_pre zeroes
      * it): a CTA's dK/dV stores then overlap its next item's K/V load. Not in deterministic
      * mode (its ordered adds wait on other CTAs, which must all be running or done) nor varlen
-     * (its items past a sequence take another path) nor with a block mask (its CTA loads the
-     * states of its one item's key block before the warpgroups part). */
+     * (its items past a sequence take another path). With a block mask, fa_bwd_bm_tables
+     * builds every item's states first, and the producer copies an item's with its K and V. */
     const int64_t items = (int64_t)bp.n_tiles * p->hk * p->b;
     const int64_t sms = tm ? fa_cuda_device_sms(fwd->device) : 0;
     bp.persistent = tm && !bp.deterministic && !p->is_varlen && bp.m_tiles > 0 && sms > 0 &&
-                    sms < items && !p->mods.blocks.num.data;
+                    sms < items;
     /* With a right window edge (causal) a pair's key block 0 has the most query tiles and the
      * last block the fewest: claimed key blocks fastest, the last pairs' long items start when
      * the grid is nearly drained and run on alone. Longest first over chunks of pairs instead
@@ -284,9 +308,12 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     if (st == FA_STATUS_OK && bp.m_tiles > 0)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_pre", (unsigned)bp.m_tiles, h, b, plan.threads,
                            0, stream, &bp, NULL);
+    if (st == FA_STATUS_OK && tm && ws.bm_tables > 0)
+        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_bm_tables", (unsigned)ws.bm_tables, 1, 1,
+                           plan.threads, 0, stream, &bp, NULL);
     if (st == FA_STATUS_OK && bp.n_tiles > 0)
         st = bp.persistent ? fa_bwd_launch(d, &plan, ctx, "fa_bwd", (unsigned)sms, 1, 1,
-                                           plan.threads, plan.smem, stream, &bp, tm)
+                                           plan.threads, main_smem, stream, &bp, tm)
                            : fa_bwd_launch(d, &plan, ctx, "fa_bwd", (unsigned)bp.n_tiles, hk, b,
                                            plan.threads, main_smem, stream, &bp, tm);
     if (st == FA_STATUS_OK && p->dsinks)
