@@ -33,8 +33,9 @@ typedef struct fa_bkparams {
      * chunks of lpt_groups (kv head, sequence) pairs, lpt_items = lpt_groups * n_tiles items
      * each, key blocks slowest within a chunk; 0: key blocks fastest throughout. */
     int lpt_groups, lpt_items;
-    /* With a block mask on the sm90 kernel: each work item's view and states (the layout of
-     * its shared copy, fa_bwd90_bm_view), bm_stride bytes apart, built by fa_bwd_bm_tables. */
+    /* With a block mask on the sm90 kernel: each key block's view and states (the layout of
+     * the item's shared copy at FA_BWD90_BM_META), bm_stride bytes apart, built by
+     * fa_bwd_bm_tables (fa_bwd90_bm_table finds one). */
     unsigned char *bm_tabs;
     int bm_stride, bm_pad;
 } fa_bkparams;

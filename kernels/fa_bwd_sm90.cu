@@ -41,10 +41,10 @@
  * family's semantics (fa_bwd_mod.cuh: fa_bwd_probs replays the forward's mod'ed scores and multiplies score_mod's
  * derivative into dS), the tile's block-mask state chosen once per tile and passed to
  * fa_bwd_probs as a constant (fa_bwd90_probs_mods), so the per-key test does not branch on it.
- * A block mask (dense calls): fa_bwd_bm_tables, a kernel before this one, writes every work
- * item's states of its key block over every query block of its heads to the workspace; the
- * producer copies the item's behind the item slots with its K and V (on a persistent grid too:
- * the copy is of the item in hand, as K and V are), and the producer's and the consumers'
+ * A block mask (dense calls): fa_bwd_bm_tables, a kernel before this one, writes each key
+ * block's states over every query block of its heads to the workspace; the producer copies the
+ * item's behind the item slots with its K and V (on a persistent grid too: the copy is of the
+ * item in hand, as K and V are), and the producer's and the consumers'
  * tours pass over the query tiles it skips whole (fa_bwd_tour_bm), but in deterministic mode,
  * whose dQ order visits them, every key masked.
  * bp.deterministic orders each query tile's dQ adds by key block, as the sm80 family does.
@@ -59,8 +59,8 @@
  * [FA_QSTAGES][FA_DP / 64][FA_BM][64]; dS^T [2][FA_BM / 64][FA_BN][64]; dQ pieces, fp32
  * [8 warps][1024] in the accumulator's order; mbarriers kv_full, q_full[FA_QSTAGES],
  * q_empty[FA_QSTAGES], kv_empty; the item slots, int [2], then their sequences' lengths, int
- * [2][2]; with a block mask, the item's states (FA_BWD90_BM_META). Three stages of Q and dO (the plan's FA_QSTAGES) fill the 227 KB to within 2 KB, so
- * the consumers rarely wait for Q and dO.
+ * [2][2]; with a block mask, the item's states (FA_BWD90_BM_META). Three stages of Q and dO
+ * (the plan's FA_QSTAGES) fill the 227 KB to within 2 KB, so the consumers rarely wait for them.
  */
 #include "fa_bkparams.h"
 

@@ -216,8 +216,8 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
                             (long long)p->d, plan.smem, smem_optin);
     /* The block mask's states of a CTA's key blocks over every query block (fa_bm_load) sit
      * behind the tiles: their bytes depend on the call, so the kernel is loaded allowing the
-     * device's most, as the forward's. The sm90 kernel's start on a 16-byte boundary, 8 bytes
-     * on (FA_BWD90_BM_META). */
+     * device's most, as the forward's. The sm90 kernel's copy of them starts on a 16-byte
+     * boundary, 8 bytes on (FA_BWD90_BM_META). */
     unsigned main_smem = plan.smem;
     if (p->mods.blocks.num.data) {
         const fa_mod_blocks *mb = &p->mods.blocks;
