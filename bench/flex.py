@@ -16,7 +16,8 @@ CUDA), its own fast path; flashattn's runs as called (the mods traced once, then
 flash_attn_func with causal, window_size, softcap or alibi_slopes where the case has one.
 Every output is checked against the other library's before it is timed. --backward times the
 forward and the backward of flashattn, and on CUDA torch's compiled forward and backward beside
-them (torch's FlexAttention has no CPU backward).
+them (torch's FlexAttention has no CPU backward), each call's gradients new tensors (the inputs'
+.grad set to None first, as optimizer.zero_grad() does), not added into the last call's.
 """
 
 import argparse
@@ -138,12 +139,19 @@ def main():
         if opts.backward:
             qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 
+            def fresh():
+                # as optimizer.zero_grad() leaves them: each backward's gradients are new
+                # tensors, not added into the last ones
+                qg.grad = kg.grad = vg.grad = None
+
             def ours_fb():
+                fresh()
                 out = flashattn.flex_attention(qg, kg, vg, score_mod=score_mod,
                                                block_mask=ours_bm)
                 out.backward(torch.ones_like(out))
 
             def base_fb():
+                fresh()
                 qt, kt, vt = (x.transpose(1, 2) for x in (qg, kg, vg))
                 out = flash_attn_func(qt, kt, vt, **builtin)
                 out.backward(torch.ones_like(out))
@@ -153,6 +161,7 @@ def main():
                 tbm = tflex.create_block_mask(mask_mod, None, None, s, s, device=dev)
 
                 def theirs_fb():
+                    fresh()
                     out = compiled(qg, kg, vg, score_mod=score_mod, block_mask=tbm)
                     out.backward(torch.ones_like(out))
 

@@ -300,24 +300,30 @@ def forward_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seq
 
 
 class _CachedBackward:
-    """The prepared fa_bwd_args of one backward signature (``backward_dense_torch``): the
-    FaTensors whose data pointers each call swaps (the forward arguments' q, k, v, out, lse,
-    then dout, dq, dk, dv), each gradient's ``_like`` (new ones contiguous, as the first call's
-    were), the workspace's size and the CUDA device index (None on the CPU)."""
+    """The prepared fa_bwd_args of one backward signature (``backward_dense_torch``, and
+    flex_attention's): the FaTensors whose data pointers each call swaps (``slots``: the
+    forward arguments' q, k, v, out, lse, then dout, dq, dk, dv), each gradient's ``_like``
+    (new ones contiguous, as the first call's were), the workspace's (CUDA: a new one per
+    call, of the first call's size), the CUDA device index (None on the CPU) and ``hold``,
+    what else the arguments point to."""
 
-    __slots__ = ("bwd", "ref", "fwd", "tensors", "likes", "workspace_size", "device", "cuda",
-                 "names", "fn")
+    __slots__ = ("bwd", "ref", "fwd", "tensors", "likes", "ws_like", "device", "cuda",
+                 "names", "fn", "hold")
 
-    def __init__(self, bwd, keep, grads, names, workspace):
+    def __init__(self, bwd, slots, grads, names, hold=None):
         torch = sys.modules["torch"]
         self.bwd = bwd
         self.ref = ctypes.byref(bwd)
         self.fwd = bwd.fwd.contents
-        self.tensors = keep[:5] + keep[-5:-1]
+        self.tensors = slots
+        self.hold = hold
         self.likes = tuple(_like(torch, g.shape, g.dtype, g.device) for g in grads[:3])
-        self.workspace_size = bwd.workspace_size if workspace is not None else None
         self.device = grads[0].device
         self.cuda = self.device.index if self.device.type == "cuda" else None
+        self.ws_like = None
+        if self.cuda is not None:  # the workspace: a new one each call, of the first's size
+            self.ws_like = _like(torch, (max(bwd.workspace_size, 1),), torch.uint8,
+                                 self.device)
         self.names = names
         self.fn = _lib.get_lib().fa_attention_backward
 
@@ -330,8 +336,7 @@ class _CachedBackward:
         grads = tuple(torch.empty_like(x) for x in self.likes)
         workspace = stream = None
         if self.cuda is not None:
-            workspace = torch.empty(max(self.workspace_size, 1), dtype=torch.uint8,
-                                    device=self.device)
+            workspace = torch.empty_like(self.ws_like)
             stream = _raw_stream(self.cuda)
         dout, q, k, v, out, lse = tensors
         ptrs = [x.data_ptr() for x in (q, k, v, out, lse, dout) + grads]
@@ -370,7 +375,7 @@ def backward_dense_torch(dout, q, k, v, out, lse, dropout_p, softmax_scale, caus
         window_size, softcap, None, None, seed, offset, deterministic, None, 0, None, None, None)
     if key is not None and all(a is b for a, b in zip(arrays[:5], tensors)):
         # Inputs used as they are (no contiguous copy), so the signature says it all.
-        _keep_call(cache, key, _CachedBackward(bwd, keep, grads, names, workspace))
+        _keep_call(cache, key, _CachedBackward(bwd, keep[:5] + keep[-5:-1], grads, names))
     return grads[:3]
 
 

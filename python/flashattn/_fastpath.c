@@ -594,8 +594,8 @@ static PyMethodDef fp_methods[] = {
      "whose checks hold, or the flex_fallback's for any other"},
     {"flex_register", fp_flex_register, METH_VARARGS,
      "flex_register(args, prepared, fields, out_like, lse_like, checks): serve later calls of "
-     "args from the prepared call while the checks hold; True, or None where a check is not "
-     "one C makes"},
+     "args from the prepared call (fields None: a call with gradients, prepared its "
+     "_FlexCall) while the checks hold; True, or None where a check is not one C makes"},
     {"flex_wanted", fp_flex_wanted, METH_O,
      "flex_wanted(args) -> whether the route should register a call of args now"},
     {"bind", fp_bind, METH_O,

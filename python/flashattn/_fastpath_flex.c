@@ -21,6 +21,11 @@
  * nothing, a new function at every call is never registered, captures that change at every
  * call seldom.
  *
+ * A call that records gradients is registered the same way, with its _flex_call._FlexCall
+ * instead of prepared arguments (the key tells the two apart): flex() then checks as above and
+ * calls the autograd Function's apply with it (flex_grad_apply), which runs the call's kept
+ * arguments; the route's walk, trace lookups and signature are what it saves.
+ *
  * The argument positions come from bind() by name (flex.FLEX_ARGS); the registered call's
  * fields by name from a dict (_flex_prepared.register).
  */
@@ -42,9 +47,11 @@ static const char *const fx_field_names[XF_NUM] = {"fn",  "args", "q",      "k",
 
 /* A registered call: its fields, what it holds, how many calls it served and its checks; or,
  * with prepared NULL and no checks, the record of a call the route served without registering
- * it (when it will: fx_decide). */
+ * it (when it will: fx_decide). A call with gradients (grad set) has no fields: prepared is its
+ * _FlexCall, out_like and lse_like None. */
 typedef struct fx_entry {
     int64_t f[XF_NUM];
+    int grad;
     PyObject *prepared; /* _flex_prepared.Prepared: holds what args points to; its names */
     PyObject *out_like, *lse_like; /* lse_like None without an lse */
     PyObject *pins;                /* fx_pins: what holds the ids in the key */
@@ -59,6 +66,7 @@ static struct {
     PyObject *fallback;    /* flex.flex_any */
     PyObject *local;       /* _flex_prepared._LOCAL, whose "fast" holds a thread's entries */
     PyObject *lse_rows;    /* flex._lse_rows */
+    PyObject *grad_apply;  /* _flex_call's FlexFn.apply(query, key, value, call) */
     PyObject *function_type, *method_type; /* types.FunctionType, types.MethodType */
     PyObject *empty;                       /* stands for an empty closure cell */
     int cuda;                              /* CUDA tensors served too (flex_cuda) */
@@ -84,9 +92,9 @@ int fp_flex_bind(PyObject *table)
     if (!PyDict_GetItemString(table, "flex_fallback"))
         return 0; /* flex() not bound: its Python side did not ask */
     static const char *const held_names[] = {"flex_fallback", "flex_local", "flex_lse_rows",
-                                             "function_type", "method_type"};
-    PyObject **slots[] = {&fx.fallback, &fx.local, &fx.lse_rows, &fx.function_type,
-                          &fx.method_type};
+                                             "flex_grad_apply", "function_type", "method_type"};
+    PyObject **slots[] = {&fx.fallback, &fx.local, &fx.lse_rows, &fx.grad_apply,
+                          &fx.function_type, &fx.method_type};
     enum { N_HELD = sizeof slots / sizeof slots[0] };
     PyObject *held[N_HELD];
     for (int i = 0; i < N_HELD; i++)
@@ -204,11 +212,11 @@ static PyObject *fx_pins(PyObject *const *a)
 }
 
 /* The key of a call: (shape, stride(), dtype, device, is_neg()) of q, k and v, the scale,
- * enable_gqa and return_lse as given, the identities of score_mod and block_mask. A new tuple
- * or NULL. */
-static PyObject *fx_key(PyObject *const *a)
+ * enable_gqa and return_lse as given, the identities of score_mod and block_mask, whether it
+ * records gradients (records: fx_records). A new tuple or NULL. */
+static PyObject *fx_key(PyObject *const *a, int records)
 {
-    PyObject *key = PyTuple_New(20);
+    PyObject *key = PyTuple_New(21);
     if (!key)
         return NULL;
     for (int i = XA_Q; i <= XA_V; i++)
@@ -223,10 +231,30 @@ static PyObject *fx_key(PyObject *const *a)
         if (PyTuple_SetItem(key, 15 + i, tail[i]) != 0) /* steals tail[i] */
             goto fail;
     }
+    PyObject *flag = PyBool_FromLong(records);
+    if (PyTuple_SetItem(key, 20, flag) != 0) /* steals flag */
+        goto fail;
     return key;
 fail:
     Py_DECREF(key);
     return NULL;
+}
+
+/* Whether call a records gradients (grad mode on, q, k or v requiring grad): 1, 0 or -1 with
+ * an exception. *grad (where given): whether grad mode is on. */
+static int fx_records(PyObject *const *a, int *grad)
+{
+    const int on = fp_call_true(fp_t.grad_enabled);
+    if (grad)
+        *grad = on;
+    if (on <= 0)
+        return on;
+    for (int i = XA_Q; i <= XA_V; i++) {
+        const int st = fx_requires_grad(a[i]);
+        if (st != 0)
+            return st;
+    }
+    return 0;
 }
 
 /* This thread's cache (a new reference), made if there is none and make is set; NULL without
@@ -293,14 +321,15 @@ static PyObject *fx_record(PyObject *pins, long misses, long backoff)
     return capsule;
 }
 
-/* The entry of a registration's arguments in a new capsule; None where a check is not one C
- * can make; NULL with an exception. */
+/* The entry of a registration's arguments in a new capsule (fields None: a call with
+ * gradients, prepared its _FlexCall); None where a check is not one C can make; NULL with an
+ * exception. */
 static PyObject *fx_make_entry(PyObject *const *a, PyObject *prepared, PyObject *fields,
                                PyObject *out_like, PyObject *lse_like, PyObject *checks)
 {
-    if (!PyDict_Check(fields) || !PyTuple_Check(checks)) {
+    if ((fields != Py_None && !PyDict_Check(fields)) || !PyTuple_Check(checks)) {
         PyErr_SetString(PyExc_TypeError, "flashattn._fastpath.flex_register: fields is a dict "
-                                         "and checks a tuple");
+                                         "or None, and checks a tuple");
         return NULL;
     }
     const Py_ssize_t count = PyTuple_Size(checks);
@@ -320,7 +349,8 @@ static PyObject *fx_make_entry(PyObject *const *a, PyObject *prepared, PyObject 
     }
     if (!(e->pins = fx_pins(a)))
         goto fail;
-    for (int i = 0; i < XF_NUM; i++) {
+    e->grad = fields == Py_None;
+    for (int i = 0; !e->grad && i < XF_NUM; i++) {
         PyObject *v = fp_entry(fields, fx_field_names[i]);
         if (!v || ((e->f[i] = PyLong_AsLongLong(v)) == -1 && PyErr_Occurred()))
             goto fail;
@@ -446,7 +476,10 @@ PyObject *fp_flex_wanted(PyObject *self, PyObject *call)
     }
     if (!fx_plain_arguments(a)) /* never served in C */
         Py_RETURN_FALSE;
-    PyObject *key = fx_key(a), *cache = key ? fx_cache(1) : NULL;
+    const int records = fx_records(a, NULL);
+    if (records < 0)
+        return NULL;
+    PyObject *key = fx_key(a, records), *cache = key ? fx_cache(1) : NULL;
     int st = -1;
     if (cache) {
         fx_entry *e = fx_lookup(cache, key);
@@ -473,7 +506,15 @@ PyObject *fp_flex_register(PyObject *self, PyObject *args)
                                           "arguments are not flex_attention's");
         return NULL;
     }
-    PyObject *key = fx_key(a), *cache = key ? fx_cache(1) : NULL, *entry = NULL;
+    const int records = fx_records(a, NULL);
+    if (records < 0)
+        return NULL;
+    if (records != (fields == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "flashattn._fastpath.flex_register: a call that "
+                                          "records gradients is registered without fields");
+        return NULL;
+    }
+    PyObject *key = fx_key(a, records), *cache = key ? fx_cache(1) : NULL, *entry = NULL;
     const fx_entry *rec = cache ? fx_lookup(cache, key) : NULL;
     const long backoff = rec && !rec->prepared ? rec->backoff : 0;
     int st = -1;
@@ -548,6 +589,33 @@ done:
     return result;
 }
 
+/* The registered call with gradients on q, k and v: its FlexFn's (out, lse), out alone or with
+ * its lse's empty rows -inf where return_lse is True. */
+static PyObject *fx_run_grad(PyObject *const *qkv, const fx_entry *e, PyObject *want_lse)
+{
+    PyObject *pair = PyObject_CallFunctionObjArgs(fx.grad_apply, qkv[0], qkv[1], qkv[2],
+                                                  e->prepared, NULL);
+    if (!pair)
+        return NULL;
+    PyObject *result = NULL;
+    if (!PyTuple_Check(pair) || PyTuple_Size(pair) != 2) {
+        PyErr_SetString(PyExc_TypeError, "flashattn._fastpath.flex: the call with gradients "
+                                         "gave no (out, lse)");
+    } else if (want_lse != Py_True) {
+        result = PyTuple_GetItem(pair, 0);
+        Py_INCREF(result);
+    } else {
+        PyObject *rows = PyObject_CallFunctionObjArgs(fx.lse_rows, PyTuple_GetItem(pair, 1),
+                                                      NULL);
+        if (rows && !(result = PyTuple_Pack(2, PyTuple_GetItem(pair, 0), rows)))
+            Py_DECREF(rows);
+        else
+            Py_XDECREF(rows);
+    }
+    Py_DECREF(pair);
+    return result;
+}
+
 /* flex() when the call is a registered one whose checks hold: 1 with *result, 0 when it is
  * not, -1 with an exception. */
 static int fx_served(PyObject *const *a, PyObject **result)
@@ -558,13 +626,11 @@ static int fx_served(PyObject *const *a, PyObject **result)
     int st = fp_modes_plain();
     if (st <= 0)
         return st;
-    const int grad = fp_call_true(fp_t.grad_enabled);
-    if (grad < 0)
+    int grad;
+    const int records = fx_records(a, &grad);
+    if (records < 0)
         return -1;
-    for (int i = XA_Q; grad && i <= XA_V; i++) /* with gradients: the route's autograd */
-        if ((st = fx_requires_grad(a[i])) != 0)
-            return st < 0 ? -1 : 0;
-    PyObject *key = fx_key(a), *cache = key ? fx_cache(1) : NULL, *capsule = NULL;
+    PyObject *key = fx_key(a, records), *cache = key ? fx_cache(1) : NULL, *capsule = NULL;
     if (!cache || (!(capsule = PyDict_GetItemWithError(cache, key)) && PyErr_Occurred())) {
         st = -1;
     } else {
@@ -580,7 +646,8 @@ static int fx_served(PyObject *const *a, PyObject **result)
                 st = fx_check_holds(&e->checks[i], grad);
             if (st == 0)
                 st = (st = fx_failed(cache, key, e)) < 0 ? -1 : (fx_remember(a, st), 0);
-            else if (st == 1 && (*result = fx_run(a + XA_Q, e, a[XA_LSE] == Py_True)) != NULL)
+            else if (st == 1 && (*result = e->grad ? fx_run_grad(a + XA_Q, e, a[XA_LSE])
+                                                   : fx_run(a + XA_Q, e, a[XA_LSE] == Py_True)))
                 e->served++;
             else
                 st = -1;

@@ -9,7 +9,8 @@ import sys
 import weakref
 
 from . import _flex_prepared, _lib
-from ._arrays import NUMPY, TORCH, _raw_stream, make_tensor, prepare
+from ._arrays import NUMPY, TORCH, make_tensor, prepare
+from ._cached import _CachedBackward
 from ._core import _prepare_forward, _rename, as_int
 from ._lib import FlashAttnError
 
@@ -113,44 +114,25 @@ _BWD_TENSORS = ("dout", "dq", "dk", "dv")
 
 def _args_at(args, tensors):
     """Whether args' q, k, v, out and lse point at tensors' data (no input copied) and no
-    workspace is attached: then a copy of args serves a call on other tensors of the same
-    signature."""
+    workspace is attached: then the arguments serve a later call of the same signature with
+    their data pointers swapped."""
     return not args.workspace_size and all(
         getattr(args, n).contents.data == x.data_ptr() for n, x in zip(_FWD_TENSORS, tensors))
 
 
-def _struct_copy(struct, fields, tensors):
-    """A copy of struct (FaFwdArgs or FaBwdArgs) whose FaTensors named in fields are new ones
-    (the shapes and strides of struct's, the data of tensors): (copy, those FaTensors).
-    Everything else it points to is struct's (read only, held by whoever holds struct)."""
-    copy = type(struct).from_buffer_copy(struct)
-    fts = []
-    for n, x in zip(fields, tensors):
-        ft = _lib.FaTensor.from_buffer_copy(getattr(struct, n).contents)
-        ft.data = x.data_ptr()
-        setattr(copy, n, ctypes.pointer(ft))
-        fts.append(ft)
-    return copy, fts
-
-
-def _args_copy(args, tensors, device):
-    """_struct_copy of forward arguments on q, k, v, out and lse, on the current stream."""
-    copy, fts = _struct_copy(args, _FWD_TENSORS, tensors)
-    if device is not None and device.type == "cuda":
-        copy.stream = _raw_stream(device.index)
-    return copy, fts
-
-
 class _FlexCall:
     """One flex_attention call's library arguments apart from its tensors: the mods' programs,
-    their aux tensors and the block mask, for the forward and (masks only) the backward."""
+    their aux tensors and the block mask, for the forward and (masks only) the backward. A
+    call with gradients is cached per signature and thread (``_flex_prepared.store_grad``);
+    its forward keeps the first call's arguments (``fwd``) and its backward those of the
+    first backward of each dout layout (``_flex_prepared``'s "bwd_calls", per thread: the
+    engine may run it on another), each call swapping in its tensors' data."""
 
     def __init__(self, kind, scale, programs, aux, block_mask, device):
         self.kind, self.scale, self.programs, self.aux = kind, scale, programs, aux
         self.block_mask, self.device = block_mask, device
-        self.template = None  # forward_grad's first arguments, copied by its later calls
+        self.fwd = None  # forward_grad's prepared arguments (_flex_prepared.Prepared)
         self.keyed = ()  # cached with gradients: the objects whose ids its key holds
-        self.bwd_templates = {}  # backward's arguments and workspace size, by dout's layout
 
     def _args(self, query, key, value, out, lse):
         """(fa_fwd_args, the structs and converted tensors they point to, the prepared inputs
@@ -192,26 +174,20 @@ class _FlexCall:
         return out, lse, p
 
     def forward_grad(self, query, key, value):
-        """The forward of a call with gradients: (out, lse, the arguments for the backward or
-        None). The backward reads the same tensors, so it takes these arguments; None where an
-        input was copied (held until the backward, the copy would cost memory). The first call
-        keeps a copy of its arguments (the template) and later ones, of a call cached by its
-        signature (flex_any), copy it with their own tensors instead of preparing again."""
+        """The forward of a call with gradients: (out, lse). The first call whose inputs the
+        library reads in place keeps its arguments; later ones (of this signature: the call
+        is cached by it) swap in their tensors' data, as a prepared call without gradients."""
+        p = self.fwd
+        if p is not None:
+            return _flex_prepared.run(p, query, key, value)
         out = _empty(self.kind, tuple(query.shape[:3]) + (int(value.shape[3]),), query)
         lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True)
         tensors = (query, key, value, out, lse)
-        if self.template is not None:
-            args, fts = _args_copy(self.template[0], tensors, self.device)
-            keep, names = (self.template, fts), self.template[2]
-        else:
-            args, keep, arrays, names = self._args(*tensors)
-            if not _args_at(args, tensors):
-                self._run(args, names)
-                return out, lse, None
-            self.template = (_args_copy(args, tensors, self.device)[0], keep, names)
-            keep = (keep, arrays)
+        args, keep, arrays, names = self._args(*tensors)
         self._run(args, names)
-        return out, lse, (args, keep, names)
+        if self.kind == TORCH and _args_at(args, tensors):
+            self.fwd = _flex_prepared.prepared(args, keep, tensors, None, (), names)
+        return out, lse
 
     @staticmethod
     def _run(args, names):
@@ -220,57 +196,46 @@ class _FlexCall:
         except FlashAttnError as e:
             raise FlashAttnError(_rename(str(e), names), e.status) from None
 
-    def backward(self, query, key, value, out, lse, dout, saved=None):
-        """(dq, dk, dv) in the inputs' [b, h, s, d] layout; saved: forward_grad's arguments
-        (None: prepared here)."""
+    def backward(self, query, key, value, out, lse, dout):
+        """(dq, dk, dv) in the inputs' [b, h, s, d] layout, from the arguments of this call's
+        first backward with dout of this layout on this thread where it kept them."""
         torch = sys.modules["torch"]
+        tensors = (dout, query, key, value, out, lse)
+        layout = None
+        if dout.layout == torch.strided:
+            layout = (id(self), dout.shape, dout.stride(), dout.dtype, dout.device,
+                      dout.is_neg(), dout.is_conj())
+            hit = _flex_prepared.lookup_backward(layout)
+            if hit is not None:
+                return hit.run(tensors, 0, 0)
         dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format)
                       for x in (query, key, value))
-        if saved is None:
-            args, keep, arrays, names = self._args(query, key, value, out, lse)
-            keep.append(arrays)
-        else:
-            args, held, names = saved
-            keep = [held]
-            if query.device.type == "cuda":  # the stream the engine runs the backward on
-                args.stream = _raw_stream(query.device.index)
-        # A call whose forward arguments were kept: its backward's arguments from those of an
-        # earlier backward with dout of the same layout, as the forward's are.
-        layout = None
-        if saved is not None and dout.layout == torch.strided:
-            layout = (tuple(dout.shape), dout.stride(), dout.dtype, dout.device, dout.is_neg(),
-                      dout.is_conj())
-        template = self.bwd_templates.get(layout)
-        if template is not None:
-            bwd, fts = _struct_copy(template[0], _BWD_TENSORS, (dout, dq, dk, dv))
-            size = template[1]
-            keep.append(fts)
-            bwd.fwd = ctypes.pointer(args)
-        else:
-            bwd = _lib.new_bwd_args()
-            named = zip(_BWD_TENSORS, (dout, dq, dk, dv))
-            tensors = [prepare(x, n, TORCH, cuda=True) for n, x in named]  # dout maybe a copy
-            grads = [make_tensor(_swap(x, TORCH), n, TORCH)
-                     for n, x in zip(_BWD_TENSORS, tensors)]
-            keep.append((tensors, grads))
-            bwd.fwd = ctypes.pointer(args)
-            bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
-            # The CUDA backward's workspace bytes (0: the call is refused, which the backward
-            # then says why).
-            size = _lib.backward_workspace_size(bwd) if query.device.type == "cuda" else 0
-            if layout is not None and tensors[0] is dout and len(self.bwd_templates) < 4:
-                self.bwd_templates[layout] = (_struct_copy(bwd, _BWD_TENSORS, tensors)[0], size)
+        args, keep, arrays, names = self._args(query, key, value, out, lse)
+        bwd = _lib.new_bwd_args()
+        named = zip(_BWD_TENSORS, (dout, dq, dk, dv))
+        prepared = [prepare(x, n, TORCH, cuda=True) for n, x in named]  # dout maybe a copy
+        grads = [make_tensor(_swap(x, TORCH), n, TORCH)
+                 for n, x in zip(_BWD_TENSORS, prepared)]
+        bwd.fwd = ctypes.pointer(args)
+        bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
+        workspace = None
         if query.device.type == "cuda":
-            # The dQ accumulator and the rest, from torch's allocator (stream-ordered).
+            # The CUDA backward's workspace bytes (0: the call is refused, which the backward
+            # then says why): the dQ accumulator and the rest, from torch's allocator.
+            size = _lib.backward_workspace_size(bwd)
             workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=query.device)
-            keep.append(workspace)
             bwd.workspace = workspace.data_ptr()
             bwd.workspace_size = size
         try:
             _lib.backward(bwd)
         except FlashAttnError as e:
             raise FlashAttnError(_rename(str(e), names), e.status) from None
-        del keep
+        if (layout is not None and prepared[0] is dout
+                and _args_at(args, (query, key, value, out, lse))):
+            slots = [getattr(args, n).contents for n in _FWD_TENSORS] + grads
+            _flex_prepared.store_backward(layout, _CachedBackward(
+                bwd, slots, (dq, dk, dv), names, hold=(self, keep)))
+        del keep, arrays
         return dq, dk, dv
 
 
@@ -285,17 +250,19 @@ def _flex_fn():
         class FlexFn(torch.autograd.Function):
             @staticmethod
             def forward(ctx, query, key, value, call):
-                out, lse, saved = call.forward_grad(query, key, value)
+                out, lse = call.forward_grad(query, key, value)
                 ctx.save_for_backward(query, key, value, out, lse)
-                ctx.call, ctx.args = call, saved
+                ctx.call = call
                 ctx.mark_non_differentiable(lse)
+                ctx.set_materialize_grads(False)  # no zeros made for lse's gradient
                 return out, lse
 
             @staticmethod
             def backward(ctx, dout, _dlse):
+                if dout is None:
+                    return None, None, None, None
                 query, key, value, out, lse = ctx.saved_tensors
-                saved, ctx.args = ctx.args, None  # once: a kept graph's next backward prepares
-                return ctx.call.backward(query, key, value, out, lse, dout, saved) + (None,)
+                return ctx.call.backward(query, key, value, out, lse, dout) + (None,)
 
         _FLEX_FN.append(FlexFn)
     return _FLEX_FN[0]

@@ -7,8 +7,9 @@ same signature allocates the outputs and swaps in the data pointers and the curr
 before calling the library, which validates every call itself.
 
 Calls with gradients are cached apart (``store_grad``), by the same signature: their
-``_flex_call._FlexCall`` (programs, converted captures, and the first call's arguments, which
-later calls copy with their own tensors, since each backward reads its own call's).
+``_flex_call._FlexCall`` (programs, converted captures, the first call's forward arguments as
+a Prepared); their backwards' arguments per call and dout layout (``store_backward``), since
+the autograd engine may run a backward on a thread of its own.
 
 ``register`` hands a prepared call to _fastpath (C, ``_fastpath_flex.c``) with the checks that
 tell a later call with the same arguments it would find the same traces and captures; C serves
@@ -45,8 +46,8 @@ class Prepared:
 
 
 def _cache(name="calls"):
-    """This thread's dict `name`: "calls" (prepared calls) or "grad_calls" (calls with
-    gradients)."""
+    """This thread's dict `name`: "calls" (prepared calls), "grad_calls" (calls with
+    gradients) or "bwd_calls" (their backwards' arguments)."""
     cache = getattr(_LOCAL, name, None)
     if cache is None:
         cache = {}
@@ -104,19 +105,30 @@ def store_grad(key, call, keyed):
 
 
 def store(key, args, structs, tensors, call, keyed, names):
-    """Caches the first call's arguments under key where every pointer but the outputs' and
-    the inputs' stays valid (no input was copied, no workspace is needed). structs: what the
+    """Caches the first call's arguments under key where ``prepared`` makes them a Prepared;
+    keyed: the objects whose ids key holds (held, so that no other object takes their ids)."""
+    if key is None:
+        return None
+    p = prepared(args, structs, tensors, call, keyed, names)
+    if p is not None:
+        _cache_with_room("calls")[key] = p
+    return p
+
+
+def prepared(args, structs, tensors, call, keyed, names):
+    """A Prepared of a call's arguments where every pointer but the outputs' and the inputs'
+    stays valid (no input was copied, no workspace is needed), else None. structs: what the
     arguments point to (FaTensors, the programs, the block mask's struct and tensors, the
     captures'), not the call's own tensors; tensors: query, key, value, out, lse or None;
-    keyed: the objects whose ids key holds (held, so that no other object takes their ids)."""
-    if key is None or args.workspace_size:
-        return
+    call and keyed held beside them."""
+    if args.workspace_size:
+        return None
     fts = [args.q, args.k, args.v, args.out]
     if any(not p for p in fts):
-        return
+        return None
     fts = [p.contents for p in fts]
     if any(ft.data != x.data_ptr() for ft, x in zip(fts, tensors)):
-        return  # an input was copied (its layout): that copy is the call's own
+        return None  # an input was copied (its layout): that copy is the call's own
     p = Prepared()
     p.args = args
     p.ref = ctypes.byref(args)
@@ -130,16 +142,26 @@ def store(key, args, structs, tensors, call, keyed, names):
     p.names = names
     p.hold = (call, tuple(keyed), structs)
     p.fast = None
-    cache = _cache_with_room("calls")
-    cache[key] = p
     return p
 
 
-def may_serve_later(kind, grad, call_args):
-    """Whether _fastpath should serve later calls like this one (torch, no gradients, the C
-    path bound (when the package met torch), not traced by torch.compile, and ``wanted``):
-    whether flex_any records the checks."""
-    return (kind == TORCH and not grad and FLEX_C is not None and not IS_COMPILING()
+def lookup_backward(layout):
+    """The backward of a call with gradients kept for dout's layout on this thread
+    (``store_backward``), or None."""
+    return _cache("bwd_calls").get(layout)
+
+
+def store_backward(layout, cached):
+    """Keeps a call's backward arguments (_cached._CachedBackward) under layout: the call's id
+    (the entry holds the call) and dout's layout."""
+    _cache_with_room("bwd_calls")[layout] = cached
+
+
+def may_serve_later(kind, call_args):
+    """Whether _fastpath should serve later calls like this one (torch, the C path bound (when
+    the package met torch), not traced by torch.compile, and ``wanted``): whether flex_any
+    records the checks."""
+    return (kind == TORCH and FLEX_C is not None and not IS_COMPILING()
             and (CUDA_IN_C or not call_args[0].is_cuda) and wanted(call_args))
 
 
@@ -179,14 +201,27 @@ def register(call_args, p, checks, captured):
     ``checks`` (the walks' and the block mask's, as ``_flex_cache.captured`` describes them)
     and those of the captured tensors (identity, version, data, shape, strides and dtype, as
     ``key_of`` keys them; requires_grad C reads itself). C keeps nothing where a check is
-    not one it makes (("unsupported",)), and asks for the call again only much later."""
+    not one it makes (("unsupported",)), and asks for the call again only much later.
+    A call with gradients registers its _flex_call._FlexCall as p (``register_grad``)."""
     if _fastpath is None or checks is None:
         return
-    checks = tuple(checks) + tuple(("aux", x, x._version, x.data_ptr(), x.shape, x.stride(),
-                                    x.dtype) for x in captured)
     if p.fast is None:
         p.fast = _fast_fields(p)
-    _fastpath.flex_register(tuple(call_args), p, *p.fast, checks)
+    _fastpath.flex_register(tuple(call_args), p, *p.fast, _aux_checks(checks, captured))
+
+
+def register_grad(call_args, call, checks, captured):
+    """``register`` of a call with gradients: C calls its autograd Function with ``call`` (a
+    _flex_call._FlexCall)."""
+    if _fastpath is None or checks is None:
+        return
+    _fastpath.flex_register(tuple(call_args), call, None, None, None,
+                            _aux_checks(checks, captured))
+
+
+def _aux_checks(checks, captured):
+    return tuple(checks) + tuple(("aux", x, x._version, x.data_ptr(), x.shape, x.stride(),
+                                  x.dtype) for x in captured)
 
 
 def _fast_fields(p):

@@ -343,7 +343,7 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
     if grad and score_mod is None and block_mask is None:
         return _plain(query, key, value, scale, return_lse)
     # what C checks on a later call, where it should serve one
-    checks = [] if _flex_prepared.may_serve_later(kind, grad, call_args) else None
+    checks = [] if _flex_prepared.may_serve_later(kind, call_args) else None
     mods = []  # (argument field, trace, aux tensors)
     if score_mod is not None:
         # C keys a score_mod that is a plain function by its code and captures (keyed)
@@ -382,6 +382,7 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
             call = _new_call(kind, scale, programs, aux, block_mask, query.device)
             _flex_prepared.store_grad(grad_key, call, keyed)
         out, lse = _flex_fn().apply(query, key, value, call)
+        _flex_prepared.register_grad(call_args, call, checks, captured)
         return out if not return_lse else (out, _empty_rows(lse, kind))
     prepared_key = None
     if kind == TORCH:
@@ -423,9 +424,11 @@ def bound(entry, is_compiling):
 
 def fastpath_table():
     """What _fastpath's bind() takes for flex(): the fallback, the argument layout, the
-    per-thread cache's holder, _lse_rows and whether CUDA tensors are served too."""
+    per-thread cache's holder, _lse_rows, the autograd Function's apply (calls with
+    gradients) and whether CUDA tensors are served too."""
     return dict(flex_fallback=flex_any, flex_args=FLEX_ARGS, flex_local=_flex_prepared._LOCAL,
-                flex_lse_rows=_lse_rows, flex_cuda=_flex_prepared.CUDA_IN_C)
+                flex_lse_rows=_lse_rows, flex_grad_apply=_flex_fn().apply,
+                flex_cuda=_flex_prepared.CUDA_IN_C)
 
 
 def _empty_rows(lse, kind):

@@ -48,8 +48,8 @@ def test_served_calls_match_the_route(path, qkv, rng, monkeypatch):
 
 
 def test_route_takes_other_calls(path, qkv, rng):
-    """Gradients, NumPy inputs, a function of new captures at every call, kernel_options: the
-    route."""
+    """A first call with gradients, NumPy inputs, a function of new captures at every call,
+    kernel_options: the route."""
     q, k, v = qkv
 
     def halve(score, b, h, q_idx, kv_idx):
@@ -77,6 +77,59 @@ def test_route_takes_other_calls(path, qkv, rng):
     torch.testing.assert_close(out, reference(q, k, v, scaled), atol=2e-5, rtol=2e-5)
     with pytest.raises(FlashAttnError, match="kernel_options"):
         flashattn.flex_attention(q, k, v, halve, kernel_options={})
+
+
+def test_calls_with_gradients(path, qkv, rng, monkeypatch):
+    """A repeated call with gradients is served in C (its autograd Function applied to the
+    route's call): out, lse and the gradients bitwise the route's. A captured tensor changed in
+    place sends the next call to the route, which reads it (out and gradients against the
+    reference's autograd), and C serves the call after. The same arguments without gradients
+    are another entry."""
+    q, k, v = qkv
+    bias = randn(rng, 64)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + bias[(q_idx - kv_idx).abs()]
+
+    bm = flashattn.create_block_mask(window, None, None, S, S, BLOCK_SIZE=16)
+    dout = randn(rng, *q.shape)
+
+    def run(kw):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        res = flashattn.flex_attention(*x, **kw)
+        res = res if isinstance(res, tuple) else (res,)
+        assert not any(t.grad_fn is None for t in res[:1])
+        return res + torch.autograd.grad(res[0], x, dout)
+
+    for kw in (dict(score_mod=rel, block_mask=bm), dict(score_mod=rel, return_lse=True)):
+        run(kw)
+        run(kw)
+        path.clear()
+        got = run(kw)
+        assert path == [True], kw
+        with monkeypatch.context() as m:
+            m.setattr(_flex_prepared, "FLEX_C", None)
+            want = run(kw)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), kw
+    kw = dict(score_mod=rel, block_mask=bm)
+    before = run(kw)
+    bias.mul_(-2.0)
+    path.clear()
+    after = run(kw)
+    assert path == [False], "the change was not noticed"
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference(*x, rel, window)
+    for name, a, w in zip(("out", "dq", "dk", "dv"), after,
+                          (ref,) + torch.autograd.grad(ref, x, dout)):
+        torch.testing.assert_close(a, w, atol=2e-5, rtol=2e-5, msg=name)
+    assert not torch.allclose(after[0], before[0], atol=1e-3)
+    path.clear()
+    again = run(kw)
+    assert path == [True] and all(torch.equal(a, b) for a, b in zip(again, after))
+    with torch.no_grad():
+        path.clear()
+        torch.testing.assert_close(flashattn.flex_attention(q, k, v, **kw), after[0])
+        assert path == [False]
 
 
 def test_capture_that_starts_requiring_grad(path, qkv, rng):

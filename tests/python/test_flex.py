@@ -635,10 +635,10 @@ def test_gradients_of_a_broadcast_dout(rng):
         torch.testing.assert_close(got.grad, want.grad, atol=1e-10, rtol=1e-10, msg="d" + name)
 
 
-def test_backward_reuses_or_rebuilds_the_forward_arguments(rng):
-    """The backward takes the forward's prepared arguments once: a second backward of a kept
-    graph builds them again (same gradients), and so does the backward of a call whose query
-    was copied (its last dim strided), which the forward does not keep."""
+def test_backward_arguments_kept_or_rebuilt(rng):
+    """A kept graph's second backward gives the first's gradients (from the backward
+    arguments the first kept), and so do both backwards of a call whose query was copied (its
+    last dim strided), whose arguments are never kept."""
     B, H, L, D = 1, 2, 40, 8
 
     def halve(score, b, h, q_idx, kv_idx):
