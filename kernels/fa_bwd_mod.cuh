@@ -61,15 +61,20 @@ FA_DEV int fa_bwd_mod_on(int st)
 FA_DEV float fa_bwd_mod_score(const fa_kparams *kp, const fa_bwd_mod_tile *md, float x,
                               float alibi, int row, int col, float *deriv)
 {
+    float y = x * kp->scale_log2 - alibi;
+#if FA_SCORE_MOD
+    /* In the score's natural units (the CPU's), then back to base 2, as the forward. For
+     * dropped keys too (aux reads are clamped into their tensors): evaluated under no
+     * condition, a value the tile's elements share (an aux read indexed by the head) is read
+     * once, not once per element. */
+    float dmod;
+    y = fa_score_mod_grad(kp, y * FA_LN2, md->bi, md->h, row, col, &dmod) * FA_LOG2E;
+#endif
 #if FA_MOD_MASKS
     if (md->on && !fa_bwd_mod_keep(kp, md, row, col))
         return -FA_INF;
 #endif
-    float y = x * kp->scale_log2 - alibi;
 #if FA_SCORE_MOD
-    /* In the score's natural units (the CPU's), then back to base 2, as the forward. */
-    float dmod;
-    y = fa_score_mod_grad(kp, y * FA_LN2, md->bi, md->h, row, col, &dmod) * FA_LOG2E;
     *deriv *= dmod;
 #endif
     (void)row, (void)col, (void)deriv;
