@@ -121,6 +121,26 @@ FA_DEV unsigned *fa_bwd_bm_live(const fa_bwd_bm *bm, int h)
     return bits + (bm->nh > 1 ? h - bm->h0 : 0) * ((bm->nq + 31) / 32);
 }
 
+/* The view of key tile n0 (FA_BN keys) of sequence bi (seq) for query heads h0 .. h0 + g - 1
+ * (one table where the mask is shared over heads), its states at meta + FA_SMEM_BWD80_BM_META:
+ * its numbers written ahead of them by thread 0, the states loaded by every thread
+ * (fa_bm_load, whose barriers publish both). */
+FA_DEV fa_bwd_bm fa_bwd_bm_fill(const fa_kparams *kp, volatile int *meta, int bi,
+                                const fa_seq *seq, int h0, int g, int n0)
+{
+    fa_bwd_bm bm;
+    bm.tab = (const unsigned char *)meta + FA_SMEM_BWD80_BM_META;
+    bm.h0 = h0;
+    bm.nh = FA_BM_TABLE_HEADS(kp, g);
+    bm.nq = (seq->sq + kp->bm_q_block - 1) / kp->bm_q_block;
+    bm.kb0 = n0 / kp->bm_kv_block;
+    bm.nkb = (fa_min(n0 + FA_BN, seq->sk) - 1) / kp->bm_kv_block - bm.kb0 + 1;
+    if (threadIdx.x == 0)
+        fa_bwd_bm_put(meta, &bm);
+    fa_bm_load(kp, (unsigned char *)bm.tab, bi, bm.h0, bm.nh, 0, bm.nq, bm.kb0, bm.nkb);
+    return bm;
+}
+
 /* The live bits from the states (fa_bm_load's), a warp per 32 rows; every thread calls it. */
 FA_DEV void fa_bwd_bm_live_make(const fa_bwd_bm *bm)
 {

@@ -357,19 +357,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd(const fa_bkpa
     /* The block mask's states of this CTA's key blocks (dense calls: n0 < sk), behind the
      * tiles, their view's numbers ahead of them; fa_bm_load's barriers publish both. */
     volatile int *const bm_meta = (volatile int *)(s_dsum + FA_QSTAGES * FA_BM);
-    {
-        fa_bwd_bm bmv;
-        bmv.tab = (const unsigned char *)bm_meta + FA_SMEM_BWD80_BM_META;
-        bmv.h0 = h;
-        bmv.nh = FA_BM_TABLE_HEADS(kp, group);
-        bmv.nq = (seq.sq + kp->bm_q_block - 1) / kp->bm_q_block;
-        bmv.kb0 = n0 / kp->bm_kv_block;
-        bmv.nkb = (fa_min(n0 + FA_BN, seq.sk) - 1) / kp->bm_kv_block - bmv.kb0 + 1;
-        if (threadIdx.x == 0)
-            fa_bwd_bm_put(bm_meta, &bmv);
-        fa_bm_load(kp, (unsigned char *)bmv.tab, bi, bmv.h0, bmv.nh, 0, bmv.nq, bmv.kb0,
-                   bmv.nkb);
-    }
+    fa_bwd_bm_fill(kp, bm_meta, bi, &seq, h, group, n0);
 #endif
     FA_BWD_NEXT(&seq, &h, &mb);
     if (h < h_end)

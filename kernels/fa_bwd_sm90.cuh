@@ -185,17 +185,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_bwd_bm_tables(con
     const int hk = blockIdx.x / bp.n_tiles % th, bi = blockIdx.x / bp.n_tiles / th;
     volatile int *const meta = (volatile int *)fa_bwd90_bm_table(&bp, nb, hk, bi);
     const fa_seq seq = fa_bwd_seq(kp, bi);
-    const int n0 = nb * FA_BN;
-    fa_bwd_bm bmv;
-    bmv.tab = (const unsigned char *)meta + FA_SMEM_BWD80_BM_META;
-    bmv.h0 = hk * (kp->h / kp->hk);
-    bmv.nh = FA_BM_TABLE_HEADS(kp, kp->h / kp->hk);
-    bmv.nq = (seq.sq + kp->bm_q_block - 1) / kp->bm_q_block;
-    bmv.kb0 = n0 / kp->bm_kv_block;
-    bmv.nkb = (fa_min(n0 + FA_BN, seq.sk) - 1) / kp->bm_kv_block - bmv.kb0 + 1;
-    if (threadIdx.x == 0)
-        fa_bwd_bm_put(meta, &bmv);
-    fa_bm_load(kp, (unsigned char *)bmv.tab, bi, bmv.h0, bmv.nh, 0, bmv.nq, bmv.kb0, bmv.nkb);
+    const int group = kp->h / kp->hk;
+    const fa_bwd_bm bmv = fa_bwd_bm_fill(kp, meta, bi, &seq, hk * group, group, nb * FA_BN);
     fa_bwd_bm_live_make(&bmv);
 }
 
