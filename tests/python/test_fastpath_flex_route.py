@@ -171,6 +171,43 @@ def test_each_thread_has_its_own_calls(path, qkv):
     torch.testing.assert_close(mine[0], reference(*qkv, distance), atol=2e-5, rtol=2e-5)
 
 
+def test_calls_with_gradients_in_threads(rng):
+    """Calls with gradients of one signature in three threads at once, each thread's forward
+    and backward arguments its own: every gradient is its own inputs', against the reference's
+    autograd, while the library runs without the GIL."""
+    bias = randn(rng, 64)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + bias[(q_idx - kv_idx).abs()]
+
+    bm = flashattn.create_block_mask(window, None, None, S, S, BLOCK_SIZE=16)
+    inputs = [[randn(rng, 1, 2, S, 16) for _ in range(4)] for _ in range(3 * 16)]
+    got, errors = {}, []
+
+    def run(t):
+        try:
+            for i in range(t, len(inputs), 3):
+                x = [a.clone().requires_grad_() for a in inputs[i][:3]]
+                out = flashattn.flex_attention(*x, rel, block_mask=bm)
+                got[i] = (out.detach(),) + torch.autograd.grad(out, x, inputs[i][3])
+        except Exception as e:  # reported below, from the test's thread
+            errors.append(e)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    for i, (q, k, v, dout) in enumerate(inputs):
+        x = [a.clone().requires_grad_() for a in (q, k, v)]
+        ref = reference(*x, rel, window)
+        for name, a, w in zip(("out", "dq", "dk", "dv"), got[i],
+                              (ref,) + torch.autograd.grad(ref, x, dout)):
+            torch.testing.assert_close(a, w, atol=2e-5, rtol=2e-5, msg="%s of call %d"
+                                       % (name, i))
+
+
 def test_what_the_route_hands_to_c(path, qkv, rng, monkeypatch):
     """The route registers a call it meets the second time, and at once one whose entry served
     calls before a change; not a new function at every call, and a call whose capture changes
