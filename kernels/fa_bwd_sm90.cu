@@ -117,25 +117,28 @@ FA_DEV void fa_bwd90_probs_st(const fa_kparams *kp, fa_bwd_tile *tl, int t, floa
     fa_bwd_probs(kp, tl, t, st, dpt, masked);
 }
 
-/* fa_bwd_probs with the mods for query tile mb of head h, sequence bi (sq rows): the tile's
- * state from the block mask's table (a skipped tile only in deterministic mode: every key
- * masked), partial everywhere with mask_mod alone, full with score_mod alone. With score_mod
+/* fa_bwd_probs with the mods for a query tile of head h, sequence bi: the tile's state from the
+ * block mask's table (`state`, the producer's record of it; a skipped tile only in deterministic
+ * mode: every key masked), partial everywhere with mask_mod alone, full with score_mod alone.
+ * With score_mod
  * always the masked form (full, whether the lengths and the window leave every pair visible,
  * unused there): a second copy of score_mod's code for the unmasked form spilled. Full tiles
  * without score_mod take the forms without the mods. */
 FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, float st[][4],
-                                float dpt[][4], int bi, int h, int mb, int sq, int full,
+                                float dpt[][4], int bi, int h, int state, int full,
                                 const volatile int *slot)
 {
     tl->mod.bi = bi;
     tl->mod.h = h;
 #if FA_BLOCK_MASK
-    const fa_bwd_bm bm = fa_bwd_bm_get(FA_BWD90_BM_META(slot));
-    tl->mod.tab = fa_bwd_bm_head(&bm, h);
-    tl->mod.nq = bm.nq;
-    tl->mod.nkb = bm.nkb;
-    tl->mod.kb0 = bm.kb0;
-    const int state = fa_bwd_bm_state(kp, &bm, h, mb, sq);
+    if (state == FA_BM_MIXED) {
+        /* the per-key lookup's table (fa_bwd_mod_keep) */
+        const fa_bwd_bm bm = fa_bwd_bm_get(FA_BWD90_BM_META(slot));
+        tl->mod.tab = fa_bwd_bm_head(&bm, h);
+        tl->mod.nq = bm.nq;
+        tl->mod.nkb = bm.nkb;
+        tl->mod.kb0 = bm.kb0;
+    }
     if (state == FA_BM_MIXED)
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_MIXED, 1);
     else if (state == FA_BM_SKIP)
@@ -150,12 +153,12 @@ FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, fl
         fa_bwd_probs_as(kp, tl, t, st, dpt, 1, 0);
 #elif FA_MASK_MOD
     fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);
-    (void)mb, (void)sq, (void)full, (void)slot;
+    (void)state, (void)full, (void)slot;
 #else
     /* One form (the masked one) for every tile: a second copy of score_mod's code beside it
      * spilled. */
     fa_bwd90_probs_st(kp, tl, t, st, dpt, 0, 1);
-    (void)mb, (void)sq, (void)full, (void)slot;
+    (void)state, (void)full, (void)slot;
 #endif
 }
 #endif
@@ -306,10 +309,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
      * varlen, its sequence's sq and sk into [2 + 2 (ii % 2)], [3 + 2 (ii % 2)]) before kv_full's
      * phase ii completes, the consumers read them after. */
     volatile int *slot = (volatile int *)(fa_smem + (kv_empty + 8 - fa_smem_addr(fa_smem)));
-    const int group = kp->h / kp->hk;
     /* An item's tour (fa_bwd_tour): its first query tile to try, and the step. */
     const int mb_first = bp.deterministic ? 0 : bp.m_tiles - 1;
-    const int mb_step = bp.deterministic ? 1 : -1;
     /* Work items (key block, kv head, sequence), key blocks fastest: one per CTA in blockIdx
      * order, or claimed in that order by a persistent grid (bp.persistent: the first is the
      * CTA's own, then the next unclaimed after the grid's). An int counts them: each item's K
@@ -354,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         const fa_seq seq = im.seq;
 #endif
         const int nb = im.nb, hk = im.hk, bi = im.bi, n0 = im.n0;
-        const int h_end = (hk + 1) * group;
+        const int h_end = im.h_end;
         /* This thread's first key (C layout: rows 16w + g and + 8 of the warpgroup's 64). */
         const int key0 = n0 + 64 * cw + 16 * w + g;
 
@@ -373,15 +374,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         int hp = 0, mbp = 0, tiles = 0;
         fa_i64 row0p = 0;
         float dq[8][4];
-        int h = hk * group, mb = mb_first;
+        int h = im.h0, mb = mb_first;
         const fa_seq sv_first = FA_ITEM_SEQ;
         FA_BWD_TOUR(&bp, &sv_first, nb, h_end, &h, &mb, 0);
+        /* Past the tour's end mb is FA_BWD90_REC_END, as in the producer's records. */
+        mb = h < h_end ? mb : FA_BWD90_REC_END;
 #pragma unroll 1
-        for (; h < h_end; it++, tiles++) {
+        for (; mb >= 0; it++, tiles++) {
             const int s = it & 1;
-            int hn = h, mbn = mb + mb_step;
-            const fa_seq sv = FA_ITEM_SEQ;
-            FA_BWD_TOUR(&bp, &sv, nb, h_end, &hn, &mbn, 1);
             const int m0 = mb * FA_BM;
             const fa_u32 q_t = q_s + qs * FA_QT_BYTES, do_t = do_s + qs * FA_QT_BYTES;
             const fa_u32 ds_t = ds_s + s * FA_DS_BYTES;
@@ -412,7 +412,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 
             const int full = fa_bwd_tile_full(&sv_tile, m0, n0, wlo, whi);
 #if FA_BWD_MODS
-            fa_bwd90_probs_mods(kp, &tl, t, st, dpt, bi, h, mb, sv_tile.sq, full, slot);
+            /* the tile's block-mask state from the producer's record (FA_BWD90_REC) */
+            fa_bwd90_probs_mods(kp, &tl, t, st, dpt, bi, h,
+                                FA_BLOCK_MASK ? fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 2)) : 0,
+                                full, slot);
 #else
             if (full)
                 fa_bwd_probs(kp, &tl, t, st, dpt, 0);
@@ -481,16 +484,18 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                     FA_PINU(pa[kk][r]);
                     FA_PINU(da[kk][r]);
                 }
-            /* This warp is done with the stage's Q and dO. */
+            hp = h;
+            mbp = mb;
+            row0p = row0;
+            /* The tour's next tile from the producer's record of this one, read where used:
+             * held over the tile, it made ptxas spill. */
+            h = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 0));
+            mb = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 1));
+            /* This warp is done with the stage's Q and dO (and its record). */
             if (lane == 0)
                 fa_mbar_arrive(q_empty + 8 * qs);
             if (++qs == FA_QSTAGES)
                 qs = 0, qph ^= 1;
-            hp = h;
-            mbp = mb;
-            row0p = row0;
-            h = hn;
-            mb = mbn;
         }
         /* The item's last tile's dQ. */
         if (tiles > 0) {

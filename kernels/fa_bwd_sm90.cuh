@@ -102,10 +102,16 @@ FA_DEV void fa_bulk_wait_read(void)
 typedef struct fa_bwd_item {
     fa_seq seq;
     int nb, hk, bi, n0, k_row0, q_row0, tma_b;
+    int h0, h_end; /* the query heads of kv head hk */
 } fa_bwd_item;
 
 FA_DEV fa_bwd_item fa_bwd_item_make(const fa_bkparams *bp, int wi)
 {
+    /* The GQA group's query heads, h0 .. h_end - 1, divided per item: held from the kernel's
+     * start, the quotient went to local memory. */
+    int nh = bp->f.h;
+    FA_PINU(nh);
+    const int group = nh / bp->f.hk;
     fa_bwd_item im;
     int nx, grp; /* key block (in claim order) and (kv head, sequence) pair of item wi */
     if (bp->lpt_groups > 0) {
@@ -124,6 +130,8 @@ FA_DEV fa_bwd_item fa_bwd_item_make(const fa_bkparams *bp, int wi)
     }
     im.nb = bp->deterministic ? bp->n_tiles - 1 - nx : nx;
     im.hk = grp % bp->f.hk;
+    im.h0 = im.hk * group;
+    im.h_end = im.h0 + group;
     im.bi = grp / bp->f.hk;
     im.seq = fa_bwd_seq(&bp->f, im.bi);
     im.n0 = im.nb * FA_BN;
@@ -157,13 +165,38 @@ FA_DEV void fa_bwd_tour(const fa_bkparams *bp, const fa_seq *s, int nb, int h_en
         fa_bwd_prev(bp, s, nb, h_end, h, mb, in_run);
 }
 
+/* Behind the mbarriers, from `slot` (on a 16-byte boundary: the tiles are whole KB and an even
+ * number of mbarriers precede it), FA_BWD90_SLOT_INTS ints (FA_SMEM_BWD90_SLOTS): the item
+ * slots [2], their lengths [2][2], 2 unused, then a record per Q/dO stage of the tile the
+ * producer loads there, {the tour's next tile: h, mb (FA_BWD90_REC_END past its end); the
+ * tile's block-mask state; unused}, written before the stage's q_full arrival, read by the
+ * consumers after its wait: their tours are the producer's, walked once. */
+#define FA_BWD90_REC_END (-1)
+#define FA_BWD90_SLOT_INTS (8 + 4 * FA_QSTAGES)
+/* Field f of stage qs's record, a shared address from the slots' (slot_s): 32 bits where a
+ * generic pointer held over the consumers' loop took two registers more, and ptxas spilled. */
+#define FA_BWD90_REC(slot_s, qs, f) ((slot_s) + 4 * (8 + 4 * (qs) + (f)))
+
+/* ld.shared.b32 / st.shared.b32 at shared address a, in order among the volatile asm of the
+ * barrier operations (the load without a memory clobber: it then left the compiler free to keep
+ * the tile's values in registers across it). */
+FA_DEV int fa_lds32(fa_u32 a)
+{
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+
+FA_DEV void fa_sts32(fa_u32 a, int v)
+{
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+}
+
 #if FA_BLOCK_MASK
 /* The block mask's view of the CTA's item in hand (fa_bwd_bm, fa_bwd_mod.cuh) sits behind the
- * item slots and their lengths (6 ints) from the next 16-byte boundary (slot is on one: the
- * tiles are whole KB and 2 + 2 stages of mbarriers precede it), its states after it:
- * bp->bm_stride bytes (the launcher adds them and the 8 between), copied by the producer with
- * the item's K and V from bp->bm_tabs. */
-#define FA_BWD90_BM_META(slot) ((slot) + 8)
+ * slots, its states after it: bp->bm_stride bytes (the launcher adds them), copied by the
+ * producer with the item's K and V from bp->bm_tabs. */
+#define FA_BWD90_BM_META(slot) ((slot) + FA_BWD90_SLOT_INTS)
 
 /* The workspace table of key block nb of kv head hk, sequence bi (FA_BM_TABLE_KV_HEADS): its
  * bp->bm_stride bytes. */
@@ -230,12 +263,12 @@ FA_DEV void fa_bwd_tour_bm(const fa_bkparams *bp, const fa_seq *s, int nb, int h
  * bp->sched on a persistent grid): K and V of each item into k_s, v_s once the consumers
  * released the previous item's (kv_empty), its index into slot[ii % 2] (varlen: its lengths
  * beside, FA_ITEM_SEQ), then Q and dO of each query tile its tour meets into the FA_QSTAGES
- * stages at q_s, do_s (q_full / q_empty, 8 bytes apart); an index past n_items tells the
- * consumers to stop. */
+ * stages at q_s, do_s (q_full / q_empty, 8 bytes apart), each with its record (FA_BWD90_REC);
+ * an index past n_items tells the consumers to stop. */
 FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 k_s,
                              fa_u32 v_s, fa_u32 q_s, fa_u32 do_s, fa_u32 kv_full,
                              fa_u32 kv_empty, fa_u32 q_full, fa_u32 q_empty, volatile int *slot,
-                             int first, int n_items, int group, int mb_first, int mb_step)
+                             int first, int n_items, int mb_first, int mb_step)
 {
     int ii = 0;          /* items so far */
     int qs = 0, qph = 0; /* the next tile's Q/dO stage and that stage's phase */
@@ -249,7 +282,7 @@ FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u
             break;
         }
         const fa_bwd_item im = fa_bwd_item_make(bp, wi);
-        const int h_end = (im.hk + 1) * group;
+        const int h_end = im.h_end;
 #if FA_VARLEN
         volatile int *lens = slot + 2 + 2 * (ii & 1);
         lens[0] = im.seq.sq;
@@ -278,13 +311,14 @@ FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u
 #if FA_BLOCK_MASK
         fa_mbar_wait(kv_full, ii & 1); /* the tour reads the states */
 #endif
-        int h = im.hk * group, mb = mb_first;
+        int h = im.h0, mb = mb_first;
         const fa_seq sv_first = FA_ITEM_SEQ;
         FA_BWD_TOUR(bp, &sv_first, im.nb, h_end, &h, &mb, 0);
         for (; h < h_end;) {
-            /* Stage qs's previous tile released. */
+            /* Stage qs's previous tile released (its record read). The stage's bytes expected
+             * first, its one arrival after the record is written. */
             fa_mbar_wait(q_empty + 8 * qs, qph ^ 1);
-            fa_mbar_expect_tx(q_full + 8 * qs, FA_Q_BYTES + FA_DO_BYTES);
+            fa_mbar_expect_tx_only(q_full + 8 * qs, FA_Q_BYTES + FA_DO_BYTES);
 #pragma unroll
             for (int c = 0; c < FA_BWD90_CBLKS; c++) {
                 if (c < FA_DP / 64)
@@ -294,9 +328,20 @@ FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u
                     fa_tma_load4(do_s + qs * FA_DO_BYTES + c * FA_BM * 128, &tm->dout, 64 * c,
                                  im.q_row0 + mb * FA_BM, h, im.tma_b, q_full + 8 * qs);
             }
-            mb += mb_step;
+            const fa_u32 slot_s = kv_empty + 8;
             const fa_seq sv = FA_ITEM_SEQ;
+#if FA_BLOCK_MASK
+            {
+                const fa_bwd_bm bm = fa_bwd_bm_get(FA_BWD90_BM_META(slot));
+                fa_sts32(FA_BWD90_REC(slot_s, qs, 2), fa_bwd_bm_state(&bp->f, &bm, h, mb, sv.sq));
+            }
+#endif
+            /* The tour's next tile into the record while the copies run, then the arrival. */
+            mb += mb_step;
             FA_BWD_TOUR(bp, &sv, im.nb, h_end, &h, &mb, 1);
+            fa_sts32(FA_BWD90_REC(slot_s, qs, 0), h);
+            fa_sts32(FA_BWD90_REC(slot_s, qs, 1), h < h_end ? mb : FA_BWD90_REC_END);
+            fa_mbar_arrive(q_full + 8 * qs);
             if (++qs == FA_QSTAGES)
                 qs = 0, qph ^= 1;
         }
@@ -344,8 +389,7 @@ FA_DEV int fa_bwd90_start(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 
          * deterministic mode at the first and step on. */
         if (threadIdx.x == 0)
             fa_bwd90_produce(bp, tm, k_s, v_s, q_s, do_s, kv_full, kv_empty, q_full, q_empty,
-                             slot, first, n_items, kp->h / kp->hk,
-                             bp->deterministic ? 0 : bp->m_tiles - 1, bp->deterministic ? 1 : -1);
+                             slot, first, n_items, bp->deterministic ? 0 : bp->m_tiles - 1, bp->deterministic ? 1 : -1);
         return 0;
     }
     fa_regs_consumer();

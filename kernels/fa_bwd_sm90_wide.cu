@@ -243,11 +243,10 @@ FA_DEV void fa_store_dkdv(const fa_bkparams *bp, int bi, int hk, int key0, int t
  * straight-line code (under a branch on the warpgroup ptxas made every wgmma wait for the one
  * before). */
 FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, const volatile int *slot, int n_items,
-                       int mb_first, int mb_step, int cw, int ct, int kb0, int nkb, int vb0,
+                       int mb_first, int cw, int ct, int kb0, int nkb, int vb0,
                        int nvb, int qb0, int nqb)
 {
     const fa_kparams *kp = &bp->f;
-    const int group = kp->h / kp->hk;
     int wlo, whi;
     fa_bwd_window(kp, &wlo, &whi);
     const int qw0 = 32 * cw; /* this warpgroup's first query of a tile */
@@ -271,7 +270,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, const volatile int *slo
         const fa_seq seq = im.seq;
 #endif
         const int nb = im.nb, hk = im.hk, bi = im.bi, n0 = im.n0;
-        const int h_end = (hk + 1) * group;
+        const int h_end = im.h_end;
         /* This thread's first key (C layout: rows 16w + g and + 8 of the block's 64). */
         const int key0 = n0 + 16 * w + g;
 
@@ -288,11 +287,13 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, const volatile int *slo
             for (int e = 0; e < 4; e++)
                 dv[nt][e] = 0.f;
 
-        int h = hk * group, mb = mb_first;
+        int h = im.h0, mb = mb_first;
         const fa_seq sv_first = FA_ITEM_SEQ;
         fa_bwd_tour(bp, &sv_first, nb, h_end, &h, &mb, 0);
+        /* Past the tour's end mb is FA_BWD90_REC_END, as in the producer's records. */
+        mb = h < h_end ? mb : FA_BWD90_REC_END;
 #pragma unroll 1
-        for (; h < h_end; it++) {
+        for (; mb >= 0; it++) {
             const int s = it & 1;
             const int m0 = mb * FA_BM;
             /* Every shared address and descriptor from the base made opaque here, so that they
@@ -405,7 +406,10 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, const volatile int *slo
 #endif
             fa_pin_acc(&dv[0][0], 32 * FA_VB_MAX);
             fa_pin_acc(&dk[0][0], 32 * FA_KB_MAX);
-            /* This warp is done with the stage's Q and dO. */
+            /* The tour's next tile from the producer's record of this one, then this warp is
+             * done with the stage's Q and dO (and the record). */
+            const int hn = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 0));
+            const int mbn = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 1));
             if (lane == 0)
                 fa_mbar_arrive(q_empty + 8 * qs);
             if (++qs == FA_QSTAGES)
@@ -423,9 +427,8 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, const volatile int *slo
             if (bp->deterministic)
                 fa_dq_turn_pass(bp, bi, h, mb, ct);
 
-            mb += mb_step;
-            const fa_seq sv = FA_ITEM_SEQ;
-            fa_bwd_tour(bp, &sv, nb, h_end, &h, &mb, 1);
+            h = hn;
+            mb = mbn;
         }
         /* This warp is done with K and V: the next item's load overlaps the stores below. */
         if (lane == 0)
@@ -451,9 +454,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const fa_u32 q_empty = k_s + FA_OFF_Q_EMPTY, kv_empty = k_s + FA_OFF_KV_EMPTY;
     /* The items in hand (fa_bwd90_produce). */
     volatile int *slot = (volatile int *)(fa_smem + (kv_empty + 8 - fa_smem_addr(fa_smem)));
-    /* An item's tour (fa_bwd_tour): its first query tile to try, and the step. */
+    /* An item's tour (fa_bwd_tour): its first query tile to try. */
     const int mb_first = bp.deterministic ? 0 : bp.m_tiles - 1;
-    const int mb_step = bp.deterministic ? 1 : -1;
     /* Work items (key block, kv head, sequence), key blocks fastest, as fa_bwd_sm90.cu. */
     const int n_items = bp.n_tiles * kp->hk * kp->b;
     const int first = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
@@ -463,10 +465,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const int ct = threadIdx.x - 128;
     /* The warpgroup index from a broadcast, so that the compiler knows it warp-uniform. */
     if (__shfl_sync(0xffffffffu, ct >> 7, 0) == 0)
-        fa_consume(&bp, k_s, slot, n_items, mb_first, mb_step, 0, ct, 0, FA_K0, 0, FA_V0, 0,
+        fa_consume(&bp, k_s, slot, n_items, mb_first, 0, ct, 0, FA_K0, 0, FA_V0, 0,
                    FA_Q0);
     else
-        fa_consume(&bp, k_s, slot, n_items, mb_first, mb_step, 1, ct, FA_K0, FA_NKB - FA_K0,
+        fa_consume(&bp, k_s, slot, n_items, mb_first, 1, ct, FA_K0, FA_NKB - FA_K0,
                    FA_V0, FA_NVB - FA_V0, FA_Q0, FA_NKB - FA_Q0);
 }
 

@@ -37,6 +37,15 @@ FA_DEV void fa_mbar_expect_tx(fa_u32 bar, int bytes)
                  : "memory");
 }
 
+/* mbarrier.expect_tx: `bytes` more of transactions the phase waits for, without arriving (the
+ * arrival, which releases this thread's earlier writes to the waiters, comes later). */
+FA_DEV void fa_mbar_expect_tx_only(fa_u32 bar, int bytes)
+{
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+}
+
 /* mbarrier.arrive: one plain arrival (consumers releasing a stage). */
 FA_DEV void fa_mbar_arrive(fa_u32 bar)
 {

@@ -66,8 +66,10 @@
 
 /* sm90 backward (fa_bwd_sm90.cu, d = dv), from a 1024-byte aligned base: K and V [bn][dp]; Q and
  * dO [stages][bm][dp]; two dS^T buffers [bn][bm]; each consumer warp's fp32 dQ piece (16 x 64);
- * the mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; two int work-item slots, then
- * their sequences' lengths (sq, sk; varlen); 1 KB more to round the base up to the swizzle atom. */
+ * the mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; the work-item slots, their
+ * sequences' lengths and each stage's tile record (FA_SMEM_BWD90_SLOTS); 1 KB more to round the
+ * base up to the swizzle atom. */
+#define FA_SMEM_BWD90_SLOTS(stages) ((8 + 4 * (stages)) * 4) /* FA_BWD90_SLOT_INTS */
 #define FA_SMEM_BWD90_KV(bn, dp) ((bn) * (dp) * 2)
 #define FA_SMEM_BWD90_QT(bm, dp) ((bm) * (dp) * 2)
 #define FA_SMEM_BWD90_DS(bn, bm) ((bn) * (bm) * 2)
@@ -75,15 +77,15 @@
 #define FA_SMEM_BWD90(bm, bn, dp, stages, dq_warps)                                               \
     (2 * FA_SMEM_BWD90_KV(bn, dp) + 2 * (stages) * FA_SMEM_BWD90_QT(bm, dp) +                     \
      2 * FA_SMEM_BWD90_DS(bn, bm) + (dq_warps) * FA_SMEM_BWD90_DQW + (2 + 2 * (stages)) * 8 +      \
-     6 * 4 + 1024)
+     FA_SMEM_BWD90_SLOTS(stages) + 1024)
 
 /* sm90 wide backward (fa_bwd_sm90_wide.cu), from a 1024-byte aligned base: K [bn][dp], V
  * [bn][dvp]; Q [stages][bm][dp], dO [stages][bm][dvp]; two P^T and two dS^T buffers [bn][bm]; the
- * mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; the work-item slots and lengths
- * (6 ints); 1 KB more to round the base up to the swizzle atom. */
+ * mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; the work-item slots, lengths and
+ * tile records (FA_SMEM_BWD90_SLOTS); 1 KB more to round the base up to the swizzle atom. */
 #define FA_SMEM_BWD90W(bm, bn, dp, dvp, stages)                                                   \
     ((bn) * ((dp) + (dvp)) * 2 + (stages) * (bm) * ((dp) + (dvp)) * 2 + 4 * (bn) * (bm) * 2 +    \
-     (2 + 2 * (stages)) * 8 + 6 * 4 + 1024)
+     (2 + 2 * (stages)) * 8 + FA_SMEM_BWD90_SLOTS(stages) + 1024)
 
 /* The sm80 forward's block-mask tables behind its tiles (fa_mod.cuh): the states of a tile's
  * query blocks (fa_bm_load, at most (bm - 1) / q_block + 2 of them) over nk key blocks, rounded

@@ -216,14 +216,14 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
                             (long long)p->d, plan.smem, smem_optin);
     /* The block mask's states of a CTA's key blocks over every query block (fa_bm_load) sit
      * behind the tiles: their bytes depend on the call, so the kernel is loaded allowing the
-     * device's most, as the forward's. The sm90 kernel's copy of them starts on a 16-byte
-     * boundary, 8 bytes on (FA_BWD90_BM_META). */
+     * device's most, as the forward's. The sm90 kernel's copy of them follows its slots
+     * (FA_BWD90_BM_META), which the plan's bytes count. */
     unsigned main_smem = plan.smem;
     if (p->mods.blocks.num.data) {
         const fa_mod_blocks *mb = &p->mods.blocks;
         const int64_t nq = (p->max_sq + mb->q_block - 1) / mb->q_block;
         int64_t tables;
-        const int64_t bytes = fa_bwd_bm_bytes(p, &plan, &tables) + (tm ? 8 : 0);
+        const int64_t bytes = fa_bwd_bm_bytes(p, &plan, &tables);
         if (bytes > smem_optin - (int64_t)plan.smem)
             return fa_error_set(FA_STATUS_UNSUPPORTED,
                                 "block_mask: %lld query blocks of %lld rows need %lld bytes of "
