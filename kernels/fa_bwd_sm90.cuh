@@ -362,7 +362,6 @@ FA_DEV int fa_bwd90_start(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 
                           fa_u32 q_full, fa_u32 q_empty, volatile int *slot, int first,
                           int n_items)
 {
-    const fa_kparams *kp = &bp->f;
 #if FA_VARLEN
     /* Varlen grids are never persistent. */
     {
