@@ -8,8 +8,9 @@
  * 384 threads: a producer warpgroup (one thread issues TMA: K and V of the block once per item,
  * once the consumers released the previous item's, then Q and dO of each query tile the block
  * meets, in its tour's order (fa_bwd_tour), FA_BM = 64 rows (128 at head dim 64), into
- * FA_QSTAGES stages) and two consumer warpgroups, each owning 64 of the block's keys. Per query
- * tile, consumer warpgroup cw:
+ * FA_QSTAGES stages, each with a record of the tour's next tile and the tile's block-mask state,
+ * FA_BWD90_REC, so that the consumers find an item's first tile alone) and two consumer
+ * warpgroups, each owning 64 of the block's keys. Per query tile, consumer warpgroup cw:
  *   S^T = K_cw Q^T, dP^T = V_cw dO^T      SS wgmma m64nFA_BM (both operands K-major, as TMA wrote
  *                                        them); the accumulators are the sm80 family's C
  *                                        fragments, so fa_bwd_probs makes P^T and dS^T (no
@@ -40,12 +41,13 @@
  * user-defined scoring (FLASHATTN_BWD_SM90_MODS=0 keeps those on the sm80 family), with the sm80
  * family's semantics (fa_bwd_mod.cuh: fa_bwd_probs replays the forward's mod'ed scores and multiplies score_mod's
  * derivative into dS), the tile's block-mask state chosen once per tile and passed to
- * fa_bwd_probs as a constant (fa_bwd90_probs_mods), so the per-key test does not branch on it.
+ * fa_bwd_probs as a constant (fa_bwd90_probs_mods), so the per-key test does not branch on it
+ * (with score_mod, on the few tiles that are not full it does).
  * A block mask (dense calls): fa_bwd_bm_tables, a kernel before this one, writes each key
  * block's states over every query block of its heads to the workspace; the producer copies the
  * item's behind the item slots with its K and V (on a persistent grid too: the copy is of the
- * item in hand, as K and V are), and the producer's and the consumers'
- * tours pass over the query tiles it skips whole (fa_bwd_tour_bm), but in deterministic mode,
+ * item in hand, as K and V are), and the tours pass over the query tiles it skips whole
+ * (fa_bwd_tour_bm), but in deterministic mode,
  * whose dQ order visits them, every key masked.
  * bp.deterministic orders each query tile's dQ adds by key block, as the sm80 family does.
  *

@@ -249,7 +249,7 @@ FA_DEV void fa_bwd_tour_bm(const fa_bkparams *bp, const fa_seq *s, int nb, int h
         in_run = 1;
     }
 }
-/* The producer and the consumers walk the same tours: `slot` is in scope at both. */
+/* The producer walks the tours, the consumers an item's first step: `slot` is in scope at both. */
 #define FA_BWD_TOUR(bp, s, nb, h_end, h, mb, in_run)                                              \
     fa_bwd_tour_bm(bp, s, nb, h_end, h, mb, in_run, FA_BWD90_BM_META(slot))
 #else
@@ -388,7 +388,8 @@ FA_DEV int fa_bwd90_start(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 
          * deterministic mode at the first and step on. */
         if (threadIdx.x == 0)
             fa_bwd90_produce(bp, tm, k_s, v_s, q_s, do_s, kv_full, kv_empty, q_full, q_empty,
-                             slot, first, n_items, bp->deterministic ? 0 : bp->m_tiles - 1, bp->deterministic ? 1 : -1);
+                             slot, first, n_items, bp->deterministic ? 0 : bp->m_tiles - 1,
+                             bp->deterministic ? 1 : -1);
         return 0;
     }
     fa_regs_consumer();
