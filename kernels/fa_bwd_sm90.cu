@@ -122,11 +122,11 @@ FA_DEV void fa_bwd90_probs_st(const fa_kparams *kp, fa_bwd_tile *tl, int t, floa
 /* fa_bwd_probs with the mods for a query tile of head h, sequence bi: the tile's state from the
  * block mask's table (`state`, the producer's record of it; a skipped tile only in deterministic
  * mode: every key masked), partial everywhere with mask_mod alone, full with score_mod alone.
- * With score_mod always the masked form (full, whether the lengths and the window leave every
- * pair visible, unused there): a second copy of score_mod's code for the unmasked form spilled;
- * and one copy for the tiles other than full, their state read per key (they are few: the
- * block mask's edges): a copy per state made ptxas spill around an aux read. Full tiles without
- * score_mod take the forms without the mods. */
+ * With score_mod two copies of its code: one without the bounds and window tests for the tiles
+ * that are full both in the block mask and in the lengths and window (`full`), one for the rest
+ * (few: the block mask's edges, the sequences' ends) with the state read per key (a copy per
+ * state made ptxas spill around an aux read). Full tiles without score_mod take the forms
+ * without the mods. */
 FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, float st[][4],
                                 float dpt[][4], int bi, int h, int state, int full,
                                 const volatile int *slot)
@@ -142,7 +142,7 @@ FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, fl
         tl->mod.nkb = bm.nkb;
         tl->mod.kb0 = bm.kb0;
     }
-    if (FA_SCORE_MOD && state != FA_BM_FULL)
+    if (FA_SCORE_MOD && (state != FA_BM_FULL || !full))
         fa_bwd90_probs_st(kp, tl, t, st, dpt, state, 1);
     else if (state == FA_BM_MIXED)
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_MIXED, 1);
@@ -151,7 +151,7 @@ FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, fl
     else if (FA_MASK_MOD && state == FA_BM_PARTIAL)
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);
     else if (FA_SCORE_MOD)
-        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_FULL, 1);
+        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_FULL, 0);
     else if (full) /* every key kept: the built-in features' forms */
         fa_bwd_probs_as(kp, tl, t, st, dpt, 0, 0);
     else
