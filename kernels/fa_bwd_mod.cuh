@@ -2,8 +2,8 @@
  * User-defined scoring in the sm80 backward (kernels/fa_bwd_sm80.cu, for plans that define
  * FA_SCORE_MOD, FA_MASK_MOD or FA_BLOCK_MASK): the transposed frame's view of the mods, read by
  * fa_bwd_probs (fa_bwd_common.cuh) element by element. The forward's rules, replayed on S^T:
- * the score in base 2 as fa_fwd_sm80.cu makes it (scale, softcap, ALiBi, then score_mod in
- * natural units), a key that mask_mod or the block mask drops invisible, and score_mod's
+ * the score in base 2 as fa_fwd_sm80.cu makes it (scale, softcap, ALiBi, then score_mod by
+ * fa_score_mod_base2), a key that mask_mod or the block mask drops invisible, and score_mod's
  * derivative with respect to the score (fa_score_mod_grad, emitted from the program by the rules
  * the CPU uses) multiplied into dS. The block mask's states of the CTA's key blocks over every
  * query block come from fa_bm_load (fa_mod.cuh).
@@ -63,12 +63,11 @@ FA_DEV float fa_bwd_mod_score(const fa_kparams *kp, const fa_bwd_mod_tile *md, f
 {
     float y = x * kp->scale_log2 - alibi;
 #if FA_SCORE_MOD
-    /* In the score's natural units (the CPU's), then back to base 2, as the forward. For
-     * dropped keys too (aux reads are clamped into their tensors): evaluated under no
-     * condition, a value the tile's elements share (an aux read indexed by the head) is read
-     * once, not once per element. */
+    /* As the forward (fa_score_mod_base2). For dropped keys too (aux reads are clamped into
+     * their tensors): evaluated under no condition, a value the tile's elements share (an aux
+     * read indexed by the head) is read once, not once per element. */
     float dmod;
-    y = fa_score_mod_grad(kp, y * FA_LN2, md->bi, md->h, row, col, &dmod) * FA_LOG2E;
+    y = fa_score_mod_base2(kp, y, md->bi, md->h, row, col, &dmod);
 #endif
 #if FA_MOD_MASKS
     if (md->on && !fa_bwd_mod_keep(kp, md, row, col))

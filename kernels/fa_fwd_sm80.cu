@@ -448,11 +448,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                         x -= FA_RULE_ALIBI(slope_log2, dist);
 #endif
 #if FA_SCORE_MOD
-                        /* In the score's natural units (the CPU's), then back to base 2. */
-                        x = fa_score_mod(&kp, x * FA_LN2, bi, h,
-                                         m0 + wrow + mt * 16 + g + 8 * (e >> 1),
-                                         n0 + nt * 8 + 2 * t + (e & 1)) *
-                            FA_LOG2E;
+                        x = fa_score_mod_base2(&kp, x, bi, h,
+                                               m0 + wrow + mt * 16 + g + 8 * (e >> 1),
+                                               n0 + nt * 8 + 2 * t + (e & 1), NULL);
 #endif
                         s[mt][nt][e] = x;
                     }

@@ -299,10 +299,8 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
             x -= FA_RULE_ALIBI(r->slope_log2, dist);
 #endif
 #if FA_SCORE_MOD
-            /* In the score's natural units (the CPU's), then back to base 2. */
-            x = fa_score_mod(kp, x * FA_LN2, r->bi, r->h, r->row0 + 8 * ((j >> 1) & 1),
-                             kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1)) *
-                FA_LOG2E;
+            x = fa_score_mod_base2(kp, x, r->bi, r->h, r->row0 + 8 * ((j >> 1) & 1),
+                                   kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1), NULL);
 #endif
             sacc[j] = x;
         }

@@ -97,6 +97,27 @@ FA_DEV float fa_mod_sq(float x) { return x * x; }
 #include "fa_mod_gen.cuh"
 #endif
 
+#if FA_SCORE_MOD
+/* score_mod on a score in base 2 (y: the natural score times log2 e), its result in base 2;
+ * deriv, when not NULL, takes its derivative with respect to the score. In the score's natural
+ * units, as the CPU evaluates it, and back; a program of form score + term or score - term
+ * (the emitter's FA_SCORE_MOD_ADDITIVE, fa_score_mod_term the signed term) adds its term in
+ * base 2 instead, one fmaf, derivative 1. */
+FA_DEV float fa_score_mod_base2(const fa_kparams *kp, float y, int b, int h, int q_idx,
+                                int kv_idx, float *deriv)
+{
+#if FA_SCORE_MOD_ADDITIVE
+    if (deriv)
+        *deriv = 1.f;
+    return fmaf(fa_score_mod_term(kp, b, h, q_idx, kv_idx), FA_LOG2E, y);
+#else
+    if (deriv)
+        return fa_score_mod_grad(kp, y * FA_LN2, b, h, q_idx, kv_idx, deriv) * FA_LOG2E;
+    return fa_score_mod(kp, y * FA_LN2, b, h, q_idx, kv_idx) * FA_LOG2E;
+#endif
+}
+#endif
+
 #if FA_MOD_MASKS
 /* A key block's state for the tile's rows (the CPU's FA_BLOCK_* values): every key dropped,
  * mask_mod consulted, every key kept; or, with the block mask's blocks finer than the tile or

@@ -282,11 +282,54 @@ static void fa_mod_cuda_body(const fa_mod *m, int grad, char *t, size_t cap, siz
                             score ? "(void)score, " : "", m->n_steps - 1);
 }
 
+/* Whether a score_mod is score + term or score - term with a term that does not read score
+ * (zero: fa_mod_cuda_zero_d): *term its step, *neg whether it is subtracted. The kernels then
+ * add the term to the score in base 2 (fa_score_mod_base2 in kernels/fa_mod.cuh). */
+static int fa_mod_cuda_additive(const fa_mod *m, const int *zero, int *term, int *neg)
+{
+    const fa_mod_node *r = &m->steps[m->n_steps - 1];
+    if ((r->op != FA_MOD_ADD && r->op != FA_MOD_SUB) || r->type == FA_MOD_BOOL)
+        return 0;
+    for (int k = 0; k < 2; k++) {
+        const fa_mod_node *x = &m->steps[r->args[k]];
+        const int t = r->args[1 - k];
+        /* term - score is not: its derivative is -1 */
+        if (x->op == FA_MOD_OP_VAR && x->what == FA_MOD_SCORE && zero[t] &&
+            m->steps[t].type != FA_MOD_BOOL && (k == 0 || r->op == FA_MOD_ADD)) {
+            *term = t;
+            *neg = r->op == FA_MOD_SUB;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* fa_score_mod_term for an additive score_mod (fa_mod_cuda_additive): the steps that do not
+ * read score, the term returned with its sign, as fp32. */
+static void fa_mod_cuda_term(const fa_mod *m, const int *zero, int term, int neg, char *t,
+                             size_t cap, size_t *at)
+{
+    int is_int[FA_MOD_MAX_NODES];
+    fa_mod_cuda_ints(m, is_int);
+    *at += (size_t)snprintf(t + *at, cap - *at,
+                            "#define FA_SCORE_MOD_ADDITIVE 1\n"
+                            "FA_DEV float fa_score_mod_term(const fa_kparams *kp, int b, int h, "
+                            "int q_idx, int kv_idx)\n{\n");
+    for (int i = 0; i <= term; i++)
+        if (zero[i])
+            fa_mod_cuda_step(m, is_int, i, t, cap, at);
+    *at += (size_t)snprintf(t + *at, cap - *at,
+                            "    (void)kp, (void)b, (void)h, (void)q_idx, (void)kv_idx;\n"
+                            "    return %s(float)v%d;\n}\n",
+                            neg ? "-" : "", term);
+}
+
 fa_status fa_mod_emit_cuda(fa_mod *m)
 {
     const int score = m->kind == FA_MOD_KIND_SCORE;
-    /* A step's value line and, for a score_mod, its value again and its derivative's block. */
-    const size_t cap = 1024 + strlen(m->text) + (size_t)m->n_steps * (score ? 768 : 256);
+    /* A step's value line and, for a score_mod, its value again, its derivative's block and,
+     * additive, its value a third time. */
+    const size_t cap = 1024 + strlen(m->text) + (size_t)m->n_steps * (score ? 1024 : 256);
     char *t = malloc(cap);
     if (!t)
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "fa_mod_finish: out of memory");
@@ -303,6 +346,10 @@ fa_status fa_mod_emit_cuda(fa_mod *m)
                                "FA_DEV float fa_score_mod_grad(const fa_kparams *kp, float score, "
                                "int b, int h, int q_idx, int kv_idx, float *dscore)\n{\n");
         fa_mod_cuda_body(m, 1, t, cap, &at);
+        int zero[FA_MOD_MAX_NODES], term, neg;
+        fa_mod_cuda_zero_d(m, zero);
+        if (fa_mod_cuda_additive(m, zero, &term, &neg))
+            fa_mod_cuda_term(m, zero, term, neg, t, cap, &at);
     }
     free(m->cuda);
     m->cuda = t;

@@ -248,6 +248,55 @@ static void test_call_errors(tu_rng *r)
         tu_tensor_free(all[i]);
 }
 
+/* A score_mod of form score + term or score - term, the term not reading score (ALiBi, a bias
+ * table), also carries the term alone, signed, which the kernels add in base 2
+ * (fa_score_mod_base2); other forms (term - score, a product, a term that reads score) do not. */
+static void test_cuda_additive(void)
+{
+    struct {
+        const char *what, *ret; /* the term's return, NULL: not additive */
+    } want[] = {{"score - slope[h] * (q - kv)", "return -(float)v"},
+                {"(kv - q) + score", "return (float)v"},
+                {"score + rel[h, kv - q + 7]", "return (float)v"},
+                {"(q - kv) - score", NULL},
+                {"score * 2", NULL},
+                {"score + tanh(score)", NULL}};
+    for (int c = 0; c < 6; c++) {
+        fa_mod *m = fa_mod_create();
+        const int diff = B(SUB, V(Q_IDX), V(KV_IDX)), rdiff = B(SUB, V(KV_IDX), V(Q_IDX));
+        const int head[1] = {V(H)}, rel[2] = {V(H), B(ADD, rdiff, C(7))};
+        int root = c == 0   ? B(SUB, V(SCORE), B(MUL, fa_mod_aux(m, 0, 1, head), diff))
+                   : c == 1 ? B(ADD, rdiff, V(SCORE))
+                   : c == 2 ? B(ADD, V(SCORE), fa_mod_aux(m, 1, 2, rel))
+                   : c == 3 ? B(SUB, diff, V(SCORE))
+                   : c == 4 ? B(MUL, V(SCORE), C(2))
+                            : B(ADD, V(SCORE), U(TANH, V(SCORE)));
+        TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s: %s",
+                 want[c].what, fa_last_error());
+        const char *fn = strstr(m->cuda, "fa_score_mod_term(");
+        if (!want[c].ret) {
+            TU_CHECK(!fn && !strstr(m->cuda, "FA_SCORE_MOD_ADDITIVE"),
+                     "%s: emitted as additive:\n%s", want[c].what, m->cuda);
+        } else {
+            TU_CHECK(fn && strstr(m->cuda, "#define FA_SCORE_MOD_ADDITIVE 1"),
+                     "%s: not emitted as additive:\n%s", want[c].what, m->cuda);
+            /* the term's function reads neither score nor anything computed from it */
+            TU_CHECK(fn && !strstr(fn, "float score") && !strstr(fn, "= score;") &&
+                         strstr(fn, want[c].ret),
+                     "%s: term:\n%s",
+                     want[c].what, fn ? fn : m->cuda);
+            /* and returns the step that is the term: the root's operand */
+            char ret[48];
+            const fa_mod_node *r = &m->steps[m->n_steps - 1];
+            const int term = m->steps[r->args[0]].op == FA_MOD_OP_VAR ? r->args[1] : r->args[0];
+            snprintf(ret, sizeof ret, "%s%d;", want[c].ret, term);
+            TU_CHECK(fn && strstr(fn, ret), "%s: '%s' missing from:\n%s", want[c].what, ret,
+                     fn ? fn : "");
+        }
+        fa_mod_destroy(m);
+    }
+}
+
 /* The CUDA C a finished program carries for the GPU (fa_mod_emit_cuda): the canonical text at
  * its head, one statement per step in the evaluator's operations, constants as their fp32
  * bits (integral ones as ints), index arithmetic in int, aux reads by slot with each index's
@@ -343,6 +392,7 @@ static void test_cuda_text(void)
     fa_mod_destroy(s1);
     fa_mod_destroy(s2);
     fa_mod_destroy(mk);
+    test_cuda_additive();
 }
 
 /* Whether plan defines `define` ("-DNAME=value"). */
