@@ -172,10 +172,10 @@ FA_DEV void fa_bwd_tour(const fa_bkparams *bp, const fa_seq *s, int nb, int h_en
  * tile's block-mask state; unused}, written before the stage's q_full arrival, read by the
  * consumers after its wait: their tours are the producer's, walked once. */
 #define FA_BWD90_REC_END (-1)
-#define FA_BWD90_SLOT_INTS (8 + 4 * FA_QSTAGES)
+#define FA_BWD90_SLOT_INTS (FA_SMEM_BWD90_SLOTS(FA_QSTAGES) / 4)
 /* Field f of stage qs's record, a shared address from the slots' (slot_s): 32 bits where a
  * generic pointer held over the consumers' loop took two registers more, and ptxas spilled. */
-#define FA_BWD90_REC(slot_s, qs, f) ((slot_s) + 4 * (8 + 4 * (qs) + (f)))
+#define FA_BWD90_REC(slot_s, qs, f) ((slot_s) + FA_SMEM_BWD90_SLOTS(qs) + 4 * (f))
 
 /* ld.shared.b32 / st.shared.b32 at shared address a, in order among the volatile asm of the
  * barrier operations (the load without a memory clobber: it then left the compiler free to keep

@@ -69,7 +69,9 @@
  * the mbarriers kv_full, q_full[stages], q_empty[stages], kv_empty; the work-item slots, their
  * sequences' lengths and each stage's tile record (FA_SMEM_BWD90_SLOTS); 1 KB more to round the
  * base up to the swizzle atom. */
-#define FA_SMEM_BWD90_SLOTS(stages) ((8 + 4 * (stages)) * 4) /* FA_BWD90_SLOT_INTS */
+/* The slots: 8 ints of items and lengths, then 4 ints a stage (fa_bwd_sm90.cuh's FA_BWD90_REC,
+ * whose stage qs starts FA_SMEM_BWD90_SLOTS(qs) bytes in). */
+#define FA_SMEM_BWD90_SLOTS(stages) ((8 + 4 * (stages)) * 4)
 #define FA_SMEM_BWD90_KV(bn, dp) ((bn) * (dp) * 2)
 #define FA_SMEM_BWD90_QT(bm, dp) ((bm) * (dp) * 2)
 #define FA_SMEM_BWD90_DS(bn, bm) ((bn) * (bm) * 2)
