@@ -142,20 +142,23 @@ FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, fl
         tl->mod.nkb = bm.nkb;
         tl->mod.kb0 = bm.kb0;
     }
-    if (FA_SCORE_MOD && (state != FA_BM_FULL || !full))
+#if FA_SCORE_MOD
+    if (state != FA_BM_FULL || !full)
         fa_bwd90_probs_st(kp, tl, t, st, dpt, state, 1);
-    else if (state == FA_BM_MIXED)
+    else
+        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_FULL, 0);
+#else
+    if (state == FA_BM_MIXED)
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_MIXED, 1);
     else if (state == FA_BM_SKIP)
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_SKIP, 1);
     else if (FA_MASK_MOD && state == FA_BM_PARTIAL)
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);
-    else if (FA_SCORE_MOD)
-        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_FULL, 0);
     else if (full) /* every key kept: the built-in features' forms */
         fa_bwd_probs_as(kp, tl, t, st, dpt, 0, 0);
     else
         fa_bwd_probs_as(kp, tl, t, st, dpt, 1, 0);
+#endif
 #elif FA_MASK_MOD
     fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);
     (void)state, (void)full, (void)slot;
