@@ -370,7 +370,7 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
                 const float alibi = 0.f;
 #endif
                 const float y = fa_bwd_mod_score(kp, &tl->mod, x, alibi, tl->m0 + il,
-                                                 tl->key0 + y_off, &deriv);
+                                                 tl->key0 + y_off, nt, e, &deriv);
                 vis = y != -FA_INF && (!masked || (x_off < tl->rows && y_off < tl->keys &&
                                                    dg <= tl->wlo && dg >= tl->whi));
                 p = vis ? fa_exp2(y - bias) : 0.f;

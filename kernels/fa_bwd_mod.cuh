@@ -13,6 +13,13 @@
 
 #define FA_BWD_MODS 1
 
+/* A family that defines FA_BWD_MASK_BITS (its tiles FA_BM queries by 16 keys a warp) has the
+ * mods' keep decisions of a tile made at once, before fa_bwd_probs (fa_bwd_mod_keep_bits). */
+#ifndef FA_BWD_MASK_BITS
+#define FA_BWD_MASK_BITS 0
+#endif
+#define FA_BWD_MASK_WORDS ((FA_BM / 2 + 31) / 32)
+
 /* The mods' view of one query tile, for fa_bwd_probs. */
 typedef struct fa_bwd_mod_tile {
     int bi, h; /* the programs' b and h */
@@ -23,6 +30,9 @@ typedef struct fa_bwd_mod_tile {
 #if FA_BLOCK_MASK
     const unsigned char *tab; /* this head's states [nq][nkb] of fa_bm_load */
     int nq, nkb, kb0;
+#endif
+#if FA_MOD_MASKS && FA_BWD_MASK_BITS
+    fa_u32 kept[FA_BWD_MASK_WORDS]; /* fa_bwd_mod_keep_bits' */
 #endif
 } fa_bwd_mod_tile;
 
@@ -55,11 +65,38 @@ FA_DEV int fa_bwd_mod_on(int st)
 }
 #endif
 
+#if FA_MOD_MASKS && FA_BWD_MASK_BITS
+/* fa_bwd_mod_keep for each of lane (g, t)'s elements of query tile m0 (C layout of S^T: element
+ * e of n-tile nt is query m0 + 8 nt + 2t + (e % 2), key key0 + 8 (e / 2)): bit 4 (nt % 8) + e
+ * of md->kept[nt / 8], as fa_bwd_keep_bits lays out dropout's. The family makes them while the
+ * tensor cores compute S^T and dP^T: asked beside the scores in fa_bwd_probs, a mask_mod's aux
+ * reads (hoisted for every element at once) made ptxas spill in the whole loop. The words leave
+ * pinned. */
+FA_DEV void fa_bwd_mod_keep_bits(const fa_kparams *kp, fa_bwd_mod_tile *md, int m0, int key0,
+                                 int t)
+{
+#pragma unroll
+    for (int w = 0; w < FA_BWD_MASK_WORDS; w++)
+        md->kept[w] = 0;
+#pragma unroll
+    for (int nt = 0; nt < FA_BM / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            md->kept[nt >> 3] |= (fa_u32)fa_bwd_mod_keep(kp, md, m0 + 8 * nt + 2 * t + (e & 1),
+                                                         key0 + 8 * (e >> 1))
+                                 << (4 * (nt & 7) + e);
+#pragma unroll
+    for (int w = 0; w < FA_BWD_MASK_WORDS; w++)
+        asm volatile("" : "+r"(md->kept[w])::"memory");
+}
+#endif
+
 /* The forward's score of query row, key col in base 2 from x (S^T's value, softcapped to
  * tanh when softcap is on: fa_bwd_probs' x), alibi the ALiBi term in base 2 (0 without), or
- * -inf where the mods drop the key (when md->on); deriv takes score_mod's derivative. */
+ * -inf where the mods drop the key (when md->on); deriv takes score_mod's derivative. The
+ * element is n-tile nt's e (for fa_bwd_mod_keep_bits' words). */
 FA_DEV float fa_bwd_mod_score(const fa_kparams *kp, const fa_bwd_mod_tile *md, float x,
-                              float alibi, int row, int col, float *deriv)
+                              float alibi, int row, int col, int nt, int e, float *deriv)
 {
     float y = x * kp->scale_log2 - alibi;
 #if FA_SCORE_MOD
@@ -69,14 +106,17 @@ FA_DEV float fa_bwd_mod_score(const fa_kparams *kp, const fa_bwd_mod_tile *md, f
     float dmod;
     y = fa_score_mod_base2(kp, y, md->bi, md->h, row, col, &dmod);
 #endif
-#if FA_MOD_MASKS
+#if FA_MOD_MASKS && FA_BWD_MASK_BITS
+    if (md->on && !((md->kept[nt >> 3] >> (4 * (nt & 7) + e)) & 1))
+        return -FA_INF;
+#elif FA_MOD_MASKS
     if (md->on && !fa_bwd_mod_keep(kp, md, row, col))
         return -FA_INF;
 #endif
 #if FA_SCORE_MOD
     *deriv *= dmod;
 #endif
-    (void)row, (void)col, (void)deriv;
+    (void)row, (void)col, (void)nt, (void)e, (void)deriv;
     return y;
 }
 

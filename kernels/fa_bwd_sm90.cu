@@ -85,6 +85,7 @@
  * decisions made during the S^T and dP^T products (fa_bwd_common.cuh). */
 #define FA_BWD_ROWS_IN_LANES 1
 #define FA_BWD_KEEP_BITS 1
+#define FA_BWD_MASK_BITS 1
 #if FA_SCORE_MOD || FA_MOD_MASKS
 #if FA_BLOCK_MASK && FA_VARLEN
 #error "fa_bwd_sm90.cu: block masks are for dense calls (the plan routes varlen ones elsewhere)"
@@ -106,54 +107,75 @@
 #include "fa_bwd_sm90.cuh"
 
 #if FA_BWD_MODS
-/* fa_bwd_probs with the tile's block-mask state (FA_BM_*) a constant at each call: read per key,
- * the state made every key a branch (the forward's fa_mask_scores does the same). */
+/* fa_bwd_probs with whether its keys need the mods' test (fa_bwd_mod_on of `state`, FA_BM_*) a
+ * constant at each call: read per key, it made every key a branch. */
 FA_DEV void fa_bwd90_probs_st(const fa_kparams *kp, fa_bwd_tile *tl, int t, float st[][4],
                               float dpt[][4], int state, int masked)
 {
 #if FA_MOD_MASKS
-    tl->mod.st = state;
     tl->mod.on = fa_bwd_mod_on(state);
 #endif
     (void)state;
     fa_bwd_probs(kp, tl, t, st, dpt, masked);
 }
 
-/* fa_bwd_probs with the mods for a query tile of head h, sequence bi: the tile's state from the
- * block mask's table (`state`, the producer's record of it; a skipped tile only in deterministic
- * mode: every key masked), partial everywhere with mask_mod alone, full with score_mod alone.
- * With score_mod two copies of its code: one without the bounds and window tests for the tiles
- * that are full both in the block mask and in the lengths and window (`full`), one for the rest
- * (few: the block mask's edges, the sequences' ends) with the state read per key (a copy per
- * state made ptxas spill around an aux read). Full tiles without score_mod take the forms
- * without the mods. */
-FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, float st[][4],
-                                float dpt[][4], int bi, int h, int state, int full,
-                                const volatile int *slot)
+/* The mods' view of a query tile of head h, sequence bi, in state `state` (the block mask's,
+ * from the producer's record; FA_BM_PARTIAL with mask_mod alone), made while the tensor cores
+ * compute its S^T and dP^T: the per-key lookup's table where its blocks differ, and the keep
+ * decisions (fa_bwd_mod_keep_bits) where some key needs the test. */
+FA_DEV void fa_bwd90_mods_view(const fa_kparams *kp, fa_bwd_tile *tl, int t, int bi, int h,
+                               int state, const volatile int *slot)
 {
     tl->mod.bi = bi;
     tl->mod.h = h;
+#if FA_MOD_MASKS
 #if FA_BLOCK_MASK
     if (state == FA_BM_MIXED) {
-        /* the per-key lookup's table (fa_bwd_mod_keep) */
         const fa_bwd_bm bm = fa_bwd_bm_get(FA_BWD90_BM_META(slot));
         tl->mod.tab = fa_bwd_bm_head(&bm, h);
         tl->mod.nq = bm.nq;
         tl->mod.nkb = bm.nkb;
         tl->mod.kb0 = bm.kb0;
     }
+#endif
+    /* A copy of the test for each state that needs it, the state a constant in each. (The
+     * store of the state first, which the copies overwrite, is kept: without it ptxas laid out
+     * the loop's registers otherwise and spilled there.) */
+    tl->mod.st = state;
+    if (FA_BLOCK_MASK && state == FA_BM_MIXED) {
+        tl->mod.st = FA_BM_MIXED;
+        fa_bwd_mod_keep_bits(kp, &tl->mod, tl->m0, tl->key0, t);
+    } else if (FA_MASK_MOD && state == FA_BM_PARTIAL) {
+        tl->mod.st = FA_BM_PARTIAL;
+        fa_bwd_mod_keep_bits(kp, &tl->mod, tl->m0, tl->key0, t);
+    } else {
+        /* skipped (deterministic mode): none; full, or partial without mask_mod: every key */
+#pragma unroll
+        for (int w = 0; w < FA_BWD_MASK_WORDS; w++)
+            tl->mod.kept[w] = state == FA_BM_SKIP ? 0u : 0xffffffffu;
+    }
+#endif
+    (void)kp, (void)t, (void)state, (void)slot;
+}
+
+/* fa_bwd_probs with the mods for a query tile in state `state` (fa_bwd90_mods_view's): a skipped
+ * tile only in deterministic mode (every key masked), partial everywhere with mask_mod alone,
+ * full with score_mod alone. With score_mod two copies of its code: one without the bounds and
+ * window tests for the tiles that are full both in the block mask and in the lengths and window
+ * (`full`), one for the rest (few: the block mask's edges, the sequences' ends), which reads the
+ * keep decisions. Full tiles without score_mod take the forms without the mods. */
+FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, float st[][4],
+                                float dpt[][4], int state, int full)
+{
+#if FA_BLOCK_MASK
 #if FA_SCORE_MOD
     if (state != FA_BM_FULL || !full)
-        fa_bwd90_probs_st(kp, tl, t, st, dpt, state, 1);
+        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_MIXED, 1);
     else
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_FULL, 0);
 #else
-    if (state == FA_BM_MIXED)
+    if (state == FA_BM_MIXED || state == FA_BM_SKIP || (FA_MASK_MOD && state == FA_BM_PARTIAL))
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_MIXED, 1);
-    else if (state == FA_BM_SKIP)
-        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_SKIP, 1);
-    else if (FA_MASK_MOD && state == FA_BM_PARTIAL)
-        fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);
     else if (full) /* every key kept: the built-in features' forms */
         fa_bwd_probs_as(kp, tl, t, st, dpt, 0, 0);
     else
@@ -161,12 +183,12 @@ FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, fl
 #endif
 #elif FA_MASK_MOD
     fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);
-    (void)state, (void)full, (void)slot;
+    (void)state, (void)full;
 #else
     /* One form (the masked one) for every tile: a second copy of score_mod's code beside it
      * spilled. */
     fa_bwd90_probs_st(kp, tl, t, st, dpt, 0, 1);
-    (void)state, (void)full, (void)slot;
+    (void)state, (void)full;
 #endif
 }
 #endif
@@ -414,16 +436,24 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             /* the keep decisions while the tensor cores run */
             fa_bwd_keep_bits(kp, key0, m0, t, fa_dropout_stream(kp, bi, h), tl.keep);
 #endif
+#if FA_BWD_MODS
+            /* the tile's block-mask state from the producer's record (FA_BWD90_REC) */
+#if FA_BLOCK_MASK
+            const int state = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 2));
+#elif FA_MOD_MASKS
+            const int state = FA_BM_PARTIAL;
+#else
+            const int state = 0;
+#endif
+            fa_bwd90_mods_view(kp, &tl, t, bi, h, state, slot);
+#endif
             fa_wg_wait0();
             fa_pin_acc(&st[0][0], FA_BM / 2);
             fa_pin_acc(&dpt[0][0], FA_BM / 2);
 
             const int full = fa_bwd_tile_full(&sv_tile, m0, n0, wlo, whi);
 #if FA_BWD_MODS
-            /* the tile's block-mask state from the producer's record (FA_BWD90_REC) */
-            fa_bwd90_probs_mods(kp, &tl, t, st, dpt, bi, h,
-                                FA_BLOCK_MASK ? fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 2)) : 0,
-                                full, slot);
+            fa_bwd90_probs_mods(kp, &tl, t, st, dpt, state, full);
 #else
             if (full)
                 fa_bwd_probs(kp, &tl, t, st, dpt, 0);
