@@ -803,7 +803,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                 const fa_bm_buf b = fa_bm_buf_at(m.bm, i, fa_bm_buf_bytes(&kp), fa_bm_list_max(&kp));
                 fa_mbar_wait(m.bm_full + 8 * i, (bm_round >> 1) & 1);
                 bm_round++;
-                w.n_blocks = *(volatile int *)b.count;
+                /* Broadcast from lane 0: the compiler then knows the count warp-uniform, and
+                 * so the stage counters derived from it, which keeps the wgmma descriptors in
+                 * uniform registers (else moved there before every wgmma). */
+                w.n_blocks = __shfl_sync(0xffffffffu, *(volatile int *)b.count, 0);
                 w.bm_list = b.list;
                 w.bm_tab = b.tab;
                 fa_consume_tile(&kp, &tm, &m, &w, wg - 1, &kv, &q_round);
