@@ -1,0 +1,235 @@
+/*
+ * The Hopper forward's element-wise step of one key block (kernels/fa_fwd_sm90.cu includes it
+ * after its tile defines, fa_mod.cuh and fa_fwd_sm90_mod.cuh): a consumer thread's view of its
+ * two rows (fa_rows), the scores' scale, softcap, ALiBi and score_mod, the masks (the rows' key
+ * ranges, mask_mod, the block mask's states), the online softmax, and dropout's keep decisions
+ * applied after the row sums.
+ */
+#ifndef FA_FWD_SM90_SOFTMAX_CUH
+#define FA_FWD_SM90_SOFTMAX_CUH
+
+/* Whether the scores become base-2 units element by element (softcap and ALiBi transform them
+ * anyway, and a scale <= 0 needs it); otherwise scale * log2(e) rides in the FFMA before exp2. */
+#define FA_PRESCALE_ALWAYS (FA_SOFTCAP || FA_ALIBI || FA_SCORE_MOD)
+
+/* One consumer thread's view of its two rows (r and r + 8 of its warp's 16). */
+typedef struct fa_rows {
+    int row0;          /* the first of the two rows (sequence coordinates) */
+    int q4;            /* lane % 4: which column pairs of each 8-column group */
+    int lo[2], hi[2];  /* visible keys [lo, hi) of each row */
+    int lo_max, hi_min;
+    float sm;          /* the factor in front of exp2 (1 when prescaled) */
+    int prescale;
+    float slope_log2;  /* ALiBi slope in base-2 units */
+    int diag;          /* sk - sq: key column of a row's diagonal minus the row */
+#if FA_DROPOUT
+    fa_u32 stream_lo, stream_hi; /* the (sequence, head)'s Philox stream (fa_dropout_stream) */
+    fa_u32 keep_lim;             /* ((keep_threshold - 1) << 16) | 0xffff */
+    const fa_u32 *keys;          /* the Philox round keys (fa_tmaps.philox_keys) */
+#endif
+#if FA_SCORE_MOD || FA_MOD_MASKS
+    int bi, h; /* the mods' b and h */
+#endif
+#if FA_MOD_MASKS
+    int mod_st;                 /* the state of the key block being computed (FA_BM_*) */
+    const unsigned char *bm_tab; /* the tile's block-mask table (FA_BM_MIXED blocks) */
+    int bm_qb0, bm_nqb;         /* its query blocks */
+#endif
+} fa_rows;
+
+#if FA_DROPOUT
+/* The keep decisions of P's elements in row half hf, columns 8g + 2 q4 and + 1, from w, the
+ * Philox word that holds their 16-bit numbers (the low half the even column's), applied to sacc.
+ * For a threshold in [1, 65536], number < threshold is number <= r->keep_lim >> 16, and both
+ * halves compare against keep_lim: the high as the word, the low shifted up. A threshold of 0
+ * (dropout_p within 2^-16 of 1) keeps every key here; the epilogue's factor 0 then drops them
+ * all. */
+FA_DEV void fa_keep_pair(const fa_rows *r, float *sacc, int g, int hf, fa_u32 w)
+{
+    const int j = 4 * g + 2 * hf;
+    sacc[j] = (w << 16) <= r->keep_lim ? sacc[j] : 0.f;
+    sacc[j + 1] = w <= r->keep_lim ? sacc[j + 1] : 0.f;
+}
+
+/*
+ * Dropout on key block n's columns 8 g0 .. 8 (g0 + 4) - 1 (a chunk): the element (row, col) is
+ * kept iff its number is below kp->keep_threshold, the number being half (col % 2) of word
+ * (col % 8) / 2 of Philox block (col / 8, row, stream) under the seed (fa_dropout_pair, the CPU's
+ * and the sm80 family's rule). A thread's two rows hold columns 8g + 2 q4, + 1 of each 8-column
+ * group g, word q4 of the group's block: per chunk the quad computes each row's four blocks once,
+ * lane q4 the block of group g0 + q4, and trades the words (fa_quad_transpose). A last half chunk
+ * (FA_BN % 32 == 16) has two blocks per row, four in all: lane q4 computes row half q4 / 2, group
+ * g0 + q4 % 2, and the trade hands each lane its four. A chunk no row of the warp sees may be
+ * skipped (its P is 0 anyway); the vote's branch also keeps ptxas from interleaving the chunks'
+ * Philox, which the wide heads' O and three consumers' 160 registers leave no room for; two
+ * consumers up to head dim 128 have the room, and there the interleaved schedule issues fewer
+ * instructions per block.
+ */
+FA_DEV void fa_keep_chunk(const fa_rows *r, float *sacc, int n, int g0)
+{
+    const int groups = g0 + 4 <= FA_BN / 8 ? 4 : 2;
+    const int c0 = n * FA_BN + 8 * g0, c1 = c0 + 8 * groups;
+    const int seen = (c0 < r->hi[0] && c1 > r->lo[0]) || (c0 < r->hi[1] && c1 > r->lo[1]);
+    if ((FA_NCW == 3 || FA_DVP > 128) && !__any_sync(0xffffffffu, seen))
+        return;
+    const fa_u32 blk = (fa_u32)(c0 >> 3);
+    if (groups == 4) {
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            fa_u32 w[4];
+            fa_philox4_keys(blk + r->q4, r->row0 + 8 * hf, r->stream_lo, r->stream_hi, r->keys, w);
+            fa_quad_transpose(w, r->q4);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                fa_keep_pair(r, sacc, g0 + j, hf, w[j]);
+        }
+    } else {
+        fa_u32 w[4];
+        fa_philox4_keys(blk + (r->q4 & 1), r->row0 + 8 * (r->q4 >> 1), r->stream_lo,
+                        r->stream_hi, r->keys, w);
+        fa_quad_transpose(w, r->q4); /* w[i]: word q4 of row half i / 2, group g0 + i % 2 */
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            fa_keep_pair(r, sacc, g0 + (i & 1), i >> 1, w[i]);
+    }
+}
+#endif
+
+/* keep <- whether score j of the block at key kb0 stays: inside its row's visible range and,
+ * by mode, kept by the mods: 0 no test, FA_BM_PARTIAL mask_mod, FA_BM_MIXED each key's own
+ * block-mask state, then mask_mod. Used with mode a constant, so the keys do not branch (a
+ * macro: as a function returning the bool, ptxas laid the plain kernels' tests out anew). */
+#if FA_MOD_MASKS
+#define FA_MOD_KEEP_AND(keep, mode, row, col)                                                    \
+    if ((mode) != 0)                                                                             \
+        keep &= fa_mod_keep(kp, r->bm_tab, mode, r->bi, r->h, row, col, r->bm_qb0, r->bm_nqb)
+#else
+#define FA_MOD_KEEP_AND(keep, mode, row, col)
+#endif
+#define FA_SCORE_KEEP(keep, kb0, j, mode)                                                        \
+    const int col = (kb0) + 8 * ((j) >> 2) + 2 * r->q4 + ((j) & 1);                              \
+    const int hf = ((j) >> 1) & 1;                                                               \
+    bool keep = (col >= r->lo[hf]) & (col < r->hi[hf]);                                          \
+    FA_MOD_KEEP_AND(keep, mode, r->row0 + 8 * hf, col)
+
+/* Masks the scores of the block at key kb0 to -inf where FA_SCORE_KEEP drops them. */
+FA_DEV void fa_mask_scores(const fa_kparams *kp, const fa_rows *r, float *sacc, int kb0, int mode)
+{
+#pragma unroll
+    for (int j = 0; j < FA_SACC; j++) {
+        FA_SCORE_KEEP(keep, kb0, j, mode);
+        sacc[j] = keep ? sacc[j] : -FA_INF;
+    }
+}
+
+#if FA_MOD_MASKS && FA_MOD_MASK_FIRST
+/* FA_SCORE_KEEP's decisions as bits (bit j % 32 of keep[j / 32] for score j), made before
+ * score_mod runs (FA_MOD_MASK_FIRST, from FLASHATTN_SM90_MASK_FIRST=1, an A/B): fewer
+ * registers live beside score_mod's code, slower where measured. */
+#define FA_KEEP_WORDS ((FA_SACC + 31) / 32)
+FA_DEV void fa_mask_bits(const fa_kparams *kp, const fa_rows *r, int kb0, int mode,
+                         fa_u32 keep[FA_KEEP_WORDS])
+{
+#pragma unroll
+    for (int w = 0; w < FA_KEEP_WORDS; w++)
+        keep[w] = 0u;
+#pragma unroll
+    for (int j = 0; j < FA_SACC; j++) {
+        FA_SCORE_KEEP(k, kb0, j, mode);
+        keep[j / 32] |= (fa_u32)k << (j % 32);
+    }
+}
+#endif
+
+/* S of key block n (scores in sacc) -> exp2 of the scaled, masked scores relative to the new row
+ * maxima, in place; row_max, row_sum updated; alpha[hf] = the factor O must be rescaled by; with
+ * dropout, the dropped elements zeroed after the sums (which count them, as upstream's do). */
+FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc, int n,
+                             float row_max[2], float row_sum[2], float alpha[2])
+{
+    const int kb0 = n * FA_BN;
+#if FA_MOD_MASKS && FA_MOD_MASK_FIRST
+    /* The mask's decisions first (fa_mask_bits), applied after the scores are final. */
+    const int mode = r->mod_st == FA_BM_MIXED                         ? FA_BM_MIXED
+                     : (FA_MASK_MOD && r->mod_st == FA_BM_PARTIAL)    ? FA_BM_PARTIAL
+                     : (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min) ? 0
+                                                                      : -1;
+    fa_u32 keep[FA_KEEP_WORDS];
+    if (mode == FA_BM_MIXED)
+        fa_mask_bits(kp, r, kb0, FA_BM_MIXED, keep);
+    else if (mode == FA_BM_PARTIAL)
+        fa_mask_bits(kp, r, kb0, FA_BM_PARTIAL, keep);
+    else if (mode == 0)
+        fa_mask_bits(kp, r, kb0, 0, keep);
+#endif
+    if (r->prescale) {
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++) {
+            float x = sacc[j];
+#if FA_SOFTCAP
+            x = FA_RULE_SOFTCAP(x, kp->softcap_pre, kp->scale_log2, tanhf);
+#else
+            x *= kp->scale_log2;
+#endif
+#if FA_ALIBI
+            const int dist = r->row0 + 8 * ((j >> 1) & 1) + r->diag -
+                             (kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1));
+            x -= FA_RULE_ALIBI(r->slope_log2, dist);
+#endif
+#if FA_SCORE_MOD
+            x = fa_score_mod_base2(kp, x, r->bi, r->h, r->row0 + 8 * ((j >> 1) & 1),
+                                   kb0 + 8 * (j >> 2) + 2 * r->q4 + (j & 1), NULL);
+#endif
+            sacc[j] = x;
+        }
+    }
+    /* Mask keys outside each row's visible range (only blocks that cross an edge), and those
+     * mask_mod or the block mask drop (blocks where some key needs the test). */
+#if FA_MOD_MASKS && FA_MOD_MASK_FIRST
+    if (mode >= 0) {
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++)
+            sacc[j] = (keep[j / 32] >> (j % 32)) & 1u ? sacc[j] : -FA_INF;
+    }
+#else
+#if FA_MOD_MASKS
+    if (r->mod_st == FA_BM_MIXED)
+        fa_mask_scores(kp, r, sacc, kb0, FA_BM_MIXED);
+    else if (FA_MASK_MOD && r->mod_st == FA_BM_PARTIAL)
+        fa_mask_scores(kp, r, sacc, kb0, FA_BM_PARTIAL);
+    else
+#endif
+        if (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min)
+        fa_mask_scores(kp, r, sacc, kb0, 0);
+#endif
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float mx = row_max[hf];
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++)
+            if (((j >> 1) & 1) == hf)
+                mx = fmaxf(mx, sacc[j]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        /* A row with nothing visible yet keeps max -inf: exponentiate against 0. */
+        const float m_use = mx == -FA_INF ? 0.f : mx;
+        alpha[hf] = fa_exp2((row_max[hf] - m_use) * r->sm);
+        row_max[hf] = mx;
+        const float neg = -m_use * r->sm;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++)
+            if (((j >> 1) & 1) == hf) {
+                sacc[j] = fa_exp2(fmaf(sacc[j], r->sm, neg));
+                sum += sacc[j];
+            }
+        row_sum[hf] = row_sum[hf] * alpha[hf] + sum;
+    }
+#if FA_DROPOUT
+#pragma unroll
+    for (int g0 = 0; g0 < FA_BN / 8; g0 += 4)
+        fa_keep_chunk(r, sacc, n, g0);
+#endif
+}
+
+#endif /* FA_FWD_SM90_SOFTMAX_CUH */
