@@ -133,6 +133,7 @@ FA_DEF_WGMMA_SS(fa_wgmma_s, 192, FA_RL96, FA_FL96, "%96", "%97", "%98", "0, 0")
 #error "fa_fwd_sm90.cu: FA_BN must be a multiple of 16 from 64 to 192"
 #endif
 
+#include "fa_fwd_sm90_tile.cuh"
 #include "fa_fwd_sm90_softmax.cuh"
 
 /* Issues S = Q K^T for one key block (FA_DP / 16 k-steps) as one wgmma group, from the
@@ -175,8 +176,6 @@ FA_DEV void fa_p_pack(const float *sacc, fa_u32 pa[][4])
         for (int r = 0; r < 4; r++)
             pa[kk][r] = fa_pack2(sacc[8 * kk + 2 * r], sacc[8 * kk + 2 * r + 1]);
 }
-
-#include "fa_fwd_sm90_tile.cuh"
 
 /* Shared-memory addresses of the tiles and barriers. */
 typedef struct fa_smem_map {

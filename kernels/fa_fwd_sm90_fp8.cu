@@ -379,28 +379,7 @@ FA_DEV void fa_softmax8(const fa_kparams *kp, const fa_rows8 *r, float *sacc, in
                 sacc[j] = -FA_INF;
         }
     }
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        float mx = row_max[hf];
-#pragma unroll
-        for (int j = 0; j < FA_SACC; j++)
-            if (((j >> 1) & 1) == hf)
-                mx = fmaxf(mx, sacc[j]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_use = mx == -FA_INF ? 0.f : mx;
-        alpha[hf] = fa_exp2((row_max[hf] - m_use) * r->sm);
-        row_max[hf] = mx;
-        const float neg = 8.f - m_use * r->sm;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < FA_SACC; j++)
-            if (((j >> 1) & 1) == hf) {
-                sacc[j] = fa_exp2(fmaf(sacc[j], r->sm, neg));
-                sum += sacc[j];
-            }
-        row_sum[hf] = row_sum[hf] * alpha[hf] + sum;
-    }
+    fa_softmax_rows(sacc, r->sm, 8.f, row_max, row_sum, alpha);
 }
 
 FA_DEV float fa_descale(const float *t, fa_i64 bs, fa_i64 hs, int b, int hk)

@@ -202,29 +202,7 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
         if (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min)
         fa_mask_scores(kp, r, sacc, kb0, 0);
 #endif
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        float mx = row_max[hf];
-#pragma unroll
-        for (int j = 0; j < FA_SACC; j++)
-            if (((j >> 1) & 1) == hf)
-                mx = fmaxf(mx, sacc[j]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        /* A row with nothing visible yet keeps max -inf: exponentiate against 0. */
-        const float m_use = mx == -FA_INF ? 0.f : mx;
-        alpha[hf] = fa_exp2((row_max[hf] - m_use) * r->sm);
-        row_max[hf] = mx;
-        const float neg = -m_use * r->sm;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < FA_SACC; j++)
-            if (((j >> 1) & 1) == hf) {
-                sacc[j] = fa_exp2(fmaf(sacc[j], r->sm, neg));
-                sum += sacc[j];
-            }
-        row_sum[hf] = row_sum[hf] * alpha[hf] + sum;
-    }
+    fa_softmax_rows(sacc, r->sm, 0.f, row_max, row_sum, alpha);
 #if FA_DROPOUT
 #pragma unroll
     for (int g0 = 0; g0 < FA_BN / 8; g0 += 4)

@@ -2,7 +2,7 @@
  * Pieces of the Hopper forward shared by its bf16/fp16 kernel (fa_fwd_sm90.cu) and its fp8 one
  * (fa_fwd_sm90_fp8.cu): stage releases, O's rescale, the GEMM operands' pins, the pingpong
  * barriers, the softmax's order, the rows' key ranges and the work tiles. Included after
- * fa_sm90.cuh by a kernel that defines FA_BM, FA_BN, FA_OACC and FA_VARLEN.
+ * fa_sm90.cuh by a kernel that defines FA_BM, FA_BN, FA_SACC, FA_OACC and FA_VARLEN.
  */
 #ifndef FA_FWD_SM90_TILE_CUH
 #define FA_FWD_SM90_TILE_CUH
@@ -72,6 +72,39 @@ FA_DEV void fa_softmax_order(fa_u32 scratch, const float row_sum[2])
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(scratch), "f"(row_sum[0]),
                  "f"(row_sum[1])
                  : "memory");
+}
+
+/* The online softmax's step over a key block's scores (sacc, FA_SACC of them, C layout: score j
+ * is in row half (j / 2) % 2), masked ones -inf, in place: each row's new max (over its quad),
+ * alpha[hf] the factor its O and sum are rescaled by, sacc <- 2^(s sm - max sm + offset), and
+ * row_sum updated. A row with nothing visible yet keeps max -inf and exponentiates against 0.
+ * offset is a constant at each call: 0, or the fp8 kernel's 8 (P times 2^8, into e4m3's
+ * range). */
+FA_DEV void fa_softmax_rows(float *sacc, float sm, float offset, float row_max[2],
+                            float row_sum[2], float alpha[2])
+{
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float mx = row_max[hf];
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++)
+            if (((j >> 1) & 1) == hf)
+                mx = fmaxf(mx, sacc[j]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_use = mx == -FA_INF ? 0.f : mx;
+        alpha[hf] = fa_exp2((row_max[hf] - m_use) * sm);
+        row_max[hf] = mx;
+        const float neg = offset != 0.f ? offset - m_use * sm : -m_use * sm;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < FA_SACC; j++)
+            if (((j >> 1) & 1) == hf) {
+                sacc[j] = fa_exp2(fmaf(sacc[j], sm, neg));
+                sum += sacc[j];
+            }
+        row_sum[hf] = row_sum[hf] * alpha[hf] + sum;
+    }
 }
 
 /* A consumer thread's rows r.row0 and r.row0 + 8 (r: its rows' struct): their visible keys
