@@ -119,14 +119,19 @@ static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **
                                 size_t *size)
 {
     const char *main_text = NULL;
-    /* Every other embedded file is offered as a header (32: room to grow; an include past the
-     * array would fail to compile, loudly). */
-    const char *headers[32], *names[32];
+    /* Every other embedded file is offered as a header, and the mods' text beside them. */
+    enum { FA_JIT_MAX_HEADERS = 64 };
+    const char *headers[FA_JIT_MAX_HEADERS], *names[FA_JIT_MAX_HEADERS];
+    if (fa_kernel_file_count > FA_JIT_MAX_HEADERS)
+        return fa_error_set(FA_STATUS_INTERNAL,
+                            "%d kernel sources are embedded, more than the %d headers the JIT "
+                            "offers NVRTC (FA_JIT_MAX_HEADERS in src/cuda/fa_jit.c)",
+                            fa_kernel_file_count, FA_JIT_MAX_HEADERS);
     int num_headers = 0;
     for (int i = 0; i < fa_kernel_file_count; i++) {
-        if (strcmp(fa_kernel_files[i].name, plan->family) == 0)
+        if (strcmp(fa_kernel_files[i].name, plan->family) == 0) {
             main_text = fa_kernel_files[i].text;
-        else if (num_headers < 31) {
+        } else {
             headers[num_headers] = fa_kernel_files[i].text;
             names[num_headers++] = fa_kernel_files[i].name;
         }
