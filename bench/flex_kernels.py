@@ -14,9 +14,7 @@ three profiled calls, largest first, ms. An A/B of two builds: run it once with 
 
 import argparse
 import collections
-import math
 import re
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,19 +22,12 @@ from torch.profiler import ProfilerActivity, profile
 import flashattn
 from flashattn import flash_attn_func
 
-from flex import cases
+from flex import best_ms, cases
 
 
 def kernel_ms(fn, reps):
     """The best wall time of reps calls and {kernel name: mean ms} over three profiled calls."""
-    fn()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
+    best = best_ms(fn, reps, torch.device("cuda"))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             fn()
@@ -45,7 +36,7 @@ def kernel_ms(fn, reps):
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             tot[e.name[:32]] += e.device_time / 3 / 1000
-    return best * 1e3, tot
+    return best, tot
 
 
 def show(name, fn, reps):

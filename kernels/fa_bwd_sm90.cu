@@ -174,7 +174,7 @@ FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, fl
     else
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_FULL, 0);
 #else
-    if (state == FA_BM_MIXED || state == FA_BM_SKIP || (FA_MASK_MOD && state == FA_BM_PARTIAL))
+    if (fa_bwd_mod_on(state))
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_MIXED, 1);
     else if (full) /* every key kept: the built-in features' forms */
         fa_bwd_probs_as(kp, tl, t, st, dpt, 0, 0);
