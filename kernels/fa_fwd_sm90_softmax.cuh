@@ -97,11 +97,18 @@ FA_DEV void fa_keep_chunk(const fa_rows *r, float *sacc, int n, int g0)
 
 /* keep <- whether score j of the block at key kb0 stays: inside its row's visible range and,
  * by mode, kept by the mods: 0 no test, FA_BM_PARTIAL mask_mod, FA_BM_MIXED each key's own
- * block-mask state, then mask_mod. Used with mode a constant, so the keys do not branch (a
- * macro: as a function returning the bool, ptxas laid the plain kernels' tests out anew). */
+ * block-mask state, then mask_mod; FA_MOD_KEEP_PARTIAL mask_mod where the block is partial (a
+ * full block at a range edge passes), so that partial and edge blocks share one copy of the
+ * unrolled test. Used with mode a constant, so the keys do not branch (a macro: as a function
+ * returning the bool, ptxas laid the plain kernels' tests out anew). */
+#define FA_MOD_KEEP_PARTIAL 4
 #if FA_MOD_MASKS
 #define FA_MOD_KEEP_AND(keep, mode, row, col)                                                    \
-    if ((mode) != 0)                                                                             \
+    if ((mode) == FA_MOD_KEEP_PARTIAL)                                                           \
+        keep &= (r->mod_st != FA_BM_PARTIAL) |                                                   \
+                fa_mod_keep(kp, r->bm_tab, FA_BM_PARTIAL, r->bi, r->h, row, col, r->bm_qb0,      \
+                            r->bm_nqb);                                                          \
+    else if ((mode) != 0)                                                                        \
         keep &= fa_mod_keep(kp, r->bm_tab, mode, r->bi, r->h, row, col, r->bm_qb0, r->bm_nqb)
 #else
 #define FA_MOD_KEEP_AND(keep, mode, row, col)
@@ -192,15 +199,18 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
             sacc[j] = (keep[j / 32] >> (j % 32)) & 1u ? sacc[j] : -FA_INF;
     }
 #else
+    const bool edge = kb0 < r->lo_max || kb0 + FA_BN > r->hi_min;
 #if FA_MOD_MASKS
-    if (r->mod_st == FA_BM_MIXED)
+    /* One copy of the element-wise test per call site serves partial and edge blocks: each
+     * unrolled copy costs NVRTC's optimiser and ptxas time at a new mod's first call. */
+    if (!FA_BM_ALIGNED && r->mod_st == FA_BM_MIXED)
         fa_mask_scores(kp, r, sacc, kb0, FA_BM_MIXED);
-    else if (FA_MASK_MOD && r->mod_st == FA_BM_PARTIAL)
-        fa_mask_scores(kp, r, sacc, kb0, FA_BM_PARTIAL);
-    else
-#endif
-        if (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min)
+    else if (FA_MASK_MOD ? edge || r->mod_st == FA_BM_PARTIAL : edge)
+        fa_mask_scores(kp, r, sacc, kb0, FA_MASK_MOD ? FA_MOD_KEEP_PARTIAL : 0);
+#else
+    if (edge)
         fa_mask_scores(kp, r, sacc, kb0, 0);
+#endif
 #endif
     fa_softmax_rows(sacc, r->sm, 0.f, row_max, row_sum, alpha);
 #if FA_DROPOUT

@@ -20,6 +20,12 @@
 #ifndef FA_MOD_MASK_FIRST
 #define FA_MOD_MASK_FIRST 0
 #endif
+/* The block mask's blocks are whole multiples of the kernel's tile (the sm90 forward's plan
+ * defines FA_BM_ALIGNED), so no tile spans two of them and no key block is FA_BM_MIXED: the
+ * per-key lookup is not compiled. */
+#ifndef FA_BM_ALIGNED
+#define FA_BM_ALIGNED 0
+#endif
 /* Keys can be dropped by more than the window: mask_mod or the block mask. */
 #define FA_MOD_MASKS (FA_MASK_MOD || FA_BLOCK_MASK)
 

@@ -25,9 +25,11 @@ const char *fa_cuda_last_family(void);
 struct fa_kparams;
 void fa_kparams_fill(const fa_params *p, struct fa_kparams *kp);
 
-/* The plan key's mod_aux (fa_plan.h) of p's aux tensors: which are int32 and whether every
- * element's offset fits an int; 0 without aux tensors. */
-unsigned fa_kparams_mod_aux(const fa_params *p);
+/* The plan key's fields (fa_plan.h) for p's user-defined scoring: the FA_PLAN_SCORE_MOD,
+ * _MASK_MOD and _BLOCK_MASK bits, mod_aux (the aux tensors' dtypes and offset width) and the
+ * block mask's block sizes. */
+struct fa_plan_key;
+void fa_kparams_key_mods(const fa_params *p, struct fa_plan_key *key);
 
 /* Whether every stride is a multiple of 8 elements and every pointer 16-byte aligned: what
  * cp.async and 16-byte stores need of a 16-bit tensor's rows. */

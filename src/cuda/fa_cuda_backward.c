@@ -77,7 +77,7 @@ static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p, const fa_plan *plan)
  * fa_last_error() (the backward refuses it the same way). */
 size_t fa_cuda_backward_workspace_size(const fa_params *p)
 {
-    fa_plan_key key = {80, p->dtype, (int)p->d, (int)p->dv, p->is_varlen ? FA_FEATURE_VARLEN : 0, 0};
+    fa_plan_key key = {80, p->dtype, (int)p->d, (int)p->dv, p->is_varlen ? FA_FEATURE_VARLEN : 0, 0, 0, 0};
     /* Calls with user-defined scoring take the mods' tiles (smaller query tiles at some head
      * dims): planned as such. */
     key.features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
@@ -178,7 +178,7 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     if (p->lse_dtype != FA_DTYPE_F32)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "lse: the CUDA backward reads fp32 lse");
 
-    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0, 0};
+    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0, 0, 0, 0};
     key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
     key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
@@ -186,10 +186,7 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     key.features |= fa_bwd_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
     /* User-defined scoring: fa_bwd_sm90.cu's hooks or the sm80 family compile the programs in
      * (fa_plan_backward). */
-    key.features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
-    key.features |= p->mods.mask_mod ? FA_PLAN_MASK_MOD : 0;
-    key.features |= p->mods.blocks.num.data ? FA_PLAN_BLOCK_MASK : 0;
-    key.mod_aux = fa_kparams_mod_aux(p);
+    fa_kparams_key_mods(p, &key);
     fa_plan plan;
     st = fa_plan_backward(&key, &plan);
     if (st != FA_STATUS_OK)

@@ -103,7 +103,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "q: fp8 caches on a CUDA device take a q in fp16 or bf16, got %s",
                             fa_dtype_name(p->dtype));
-    fa_plan_key key = {s->arch, p->dtype, (int)p->d, (int)p->dv, 0, 0};
+    fa_plan_key key = {s->arch, p->dtype, (int)p->d, (int)p->dv, 0, 0, 0, 0};
     key.features |= p->paged ? FA_PLAN_PAGED : 0;
     key.features |= p->kv_dtype == FA_DTYPE_F8E4M3   ? FA_PLAN_KV_E4M3
                     : p->kv_dtype == FA_DTYPE_F8E5M2 ? FA_PLAN_KV_E5M2
@@ -341,7 +341,7 @@ static void fa_dkparams_fill(const fa_params *p, int splits, void *ws, fa_dkpara
 static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, int arch,
                                    fa_cu_context ctx, fa_cu_stream stream)
 {
-    fa_plan_key key = {arch, out_dtype, 0, 0, 0, 0};
+    fa_plan_key key = {arch, out_dtype, 0, 0, 0, 0, 0, 0};
     fa_plan plan;
     fa_cu_function fn;
     fa_dkparams dk = *dkc;

@@ -201,7 +201,7 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
         return st;
     }
 
-    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0, 0};
+    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0, 0, 0, 0};
     key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
     key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
@@ -214,10 +214,7 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     key.features |= p->paged ? FA_PLAN_PAGED : 0;
     /* User-defined scoring: the sm80 family compiles the programs in (the plan's defines; their
      * text travels in the plan, fa_cuda_forward_planned). */
-    key.features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
-    key.features |= p->mods.mask_mod ? FA_PLAN_MASK_MOD : 0;
-    key.features |= p->mods.blocks.num.data ? FA_PLAN_BLOCK_MASK : 0;
-    key.mod_aux = fa_kparams_mod_aux(p);
+    fa_kparams_key_mods(p, &key);
     fa_plan plan;
     st = fa_plan_forward(&key, &plan);
     if (st != FA_STATUS_OK)
@@ -343,7 +340,7 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
 FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int head_dim_v,
                                     unsigned features, int *cached)
 {
-    fa_plan_key key = {arch, dtype, head_dim, head_dim_v, features, 0};
+    fa_plan_key key = {arch, dtype, head_dim, head_dim_v, features, 0, 0, 0};
     fa_plan plan;
     fa_status st;
     /* fp8: the sm90 fp8 kernel only (FLASHATTN_SM90_FP8 or not), bf16 and fp16 outputs. */

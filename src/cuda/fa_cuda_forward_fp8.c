@@ -79,7 +79,7 @@ fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int a
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "sinks: not supported with fp8 inputs on a CUDA device (the CPU "
                             "backend computes them)");
-    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0, 0};
+    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0, 0, 0, 0};
     key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
     key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;

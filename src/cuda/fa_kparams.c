@@ -46,7 +46,9 @@ static void fa_kparams_fill_mods(const fa_mod_call *c, fa_kparams *kp)
     }
 }
 
-unsigned fa_kparams_mod_aux(const fa_params *p)
+/* The plan key's mod_aux: which aux tensors are int32 and whether every element's offset fits
+ * an int; 0 without aux tensors. */
+static unsigned fa_kparams_mod_aux(const fa_params *p)
 {
     unsigned bits = FA_PLAN_AUX_OFF32;
     for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
@@ -62,6 +64,18 @@ unsigned fa_kparams_mod_aux(const fa_params *p)
             bits &= ~FA_PLAN_AUX_OFF32;
     }
     return bits;
+}
+
+void fa_kparams_key_mods(const fa_params *p, fa_plan_key *key)
+{
+    key->features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
+    key->features |= p->mods.mask_mod ? FA_PLAN_MASK_MOD : 0;
+    key->mod_aux = fa_kparams_mod_aux(p);
+    if (p->mods.blocks.num.data) {
+        key->features |= FA_PLAN_BLOCK_MASK;
+        key->bm_q_block = (int)p->mods.blocks.q_block;
+        key->bm_kv_block = (int)p->mods.blocks.kv_block;
+    }
 }
 
 void fa_kparams_fill(const fa_params *p, fa_kparams *kp)

@@ -320,6 +320,14 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_SM90_UNSUPPORTED);
     fa_plan_define_mods(plan, key);
+    /* Every tile (plan->bm rows, plan->bn keys) inside one block of the block mask: the kernel
+     * leaves out the per-key lookup of tiles whose blocks differ (FA_BM_MIXED), whose unrolled
+     * copies cost NVRTC time at a new mod's first call. (The backward's copy stays: without it
+     * ptxas spills more there.) */
+    if (key->features & FA_PLAN_BLOCK_MASK)
+        fa_plan_define(plan, "FA_BM_ALIGNED",
+                       key->bm_q_block > 0 && key->bm_q_block % plan->bm == 0 &&
+                           key->bm_kv_block > 0 && key->bm_kv_block % plan->bn == 0);
     /* The mask decided before score_mod (fa_fwd_sm90.cu's fa_mask_bits) only with
      * FLASHATTN_SM90_MASK_FIRST=1: measured slower beside arithmetic score_mods and, since
      * index arithmetic is int, beside a gather too. */

@@ -42,6 +42,8 @@ typedef struct fa_plan_key {
     /* With a score_mod or mask_mod: bit i set where aux tensor i is int32 (else fp32), and
      * FA_PLAN_AUX_OFF32 where every aux element's offset fits an int (fa_mod.cuh). */
     unsigned mod_aux;
+    /* With a block mask (FA_PLAN_BLOCK_MASK): its blocks' query rows and keys. */
+    int bm_q_block, bm_kv_block;
 } fa_plan_key;
 
 #define FA_PLAN_AUX_OFF32 (1u << 4)

@@ -415,7 +415,7 @@ static void test_plan_routes(void)
     const int archs[3] = {80, 86, 90};
     for (int a = 0; a < 3; a++)
         for (int i = 0; i < 3; i++) {
-            fa_plan_key key = {archs[a], FA_DTYPE_BF16, 128, 128, mods[i], 0};
+            fa_plan_key key = {archs[a], FA_DTYPE_BF16, 128, 128, mods[i], 0, 0, 0};
             fa_plan plan;
             TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK, "%s", fa_last_error());
             TU_CHECK(strcmp(plan.family, archs[a] == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu") ==

@@ -56,7 +56,7 @@ static int plan_define(const fa_plan *plan, const char *name)
 static void check_forward_sm90(void)
 {
     for (int d = 64; d <= 256; d += 64) {
-        fa_plan_key key = {90, FA_DTYPE_BF16, d, d, FA_FEATURE_VARLEN, 0};
+        fa_plan_key key = {90, FA_DTYPE_BF16, d, d, FA_FEATURE_VARLEN, 0, 0, 0};
         fa_plan plan;
         TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK, "d %d: no sm90 plan", d);
         TU_CHECK(plan.persistent == 2, "d %d: persistent %d, expected 2", d, plan.persistent);
@@ -71,7 +71,7 @@ static void check_forward_sm90(void)
                  plan.bm, plan.threads);
     }
     /* The override: taken when the kernel can, ignored otherwise. */
-    fa_plan_key key = {90, FA_DTYPE_F16, 128, 128, 0, 0};
+    fa_plan_key key = {90, FA_DTYPE_F16, 128, 128, 0, 0, 0, 0};
     fa_plan plan;
     setenv("FLASHATTN_SM90_TILE", "64,4,0,1", 1);
     TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.bn == 64 &&
@@ -108,7 +108,7 @@ static void check_forward_sm90_dv(void)
             const int dp = (d + 63) / 64 * 64, dvp = (dv + 63) / 64 * 64;
             const int wide = dp > dvp ? dp : dvp;
             const int *row = rows[wide / 64 - 1];
-            fa_plan_key key = {90, FA_DTYPE_F16, d, dv, FA_FEATURE_ALIBI, 0};
+            fa_plan_key key = {90, FA_DTYPE_F16, d, dv, FA_FEATURE_ALIBI, 0, 0, 0};
             fa_plan plan;
             TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                          strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
@@ -136,7 +136,7 @@ static void check_forward_sm90_dv(void)
                      plan.bn, plan.stages, plan_define(&plan, "FA_PINGPONG"), wide, row[1]);
         }
     /* DeepSeek's MLA prefill: d 192's row with 128 keys (its 112 grown; V's stage is smaller). */
-    fa_plan_key key = {90, FA_DTYPE_BF16, 192, 128, FA_FEATURE_VARLEN, 0};
+    fa_plan_key key = {90, FA_DTYPE_BF16, 192, 128, FA_FEATURE_VARLEN, 0, 0, 0};
     fa_plan plan;
     TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK && plan.bn == 128 &&
                  plan.stages == 2 && plan.smem == 214104,
@@ -144,7 +144,7 @@ static void check_forward_sm90_dv(void)
     /* Three consumers for long calls only where both pad to 64. */
     const int pairs[3][3] = {{64, 40, 3}, {40, 64, 3}, {64, 128, 2}};
     for (int i = 0; i < 3; i++) {
-        fa_plan_key lk = {90, FA_DTYPE_BF16, pairs[i][0], pairs[i][1], FA_PLAN_LONG, 0};
+        fa_plan_key lk = {90, FA_DTYPE_BF16, pairs[i][0], pairs[i][1], FA_PLAN_LONG, 0, 0, 0};
         TU_CHECK(fa_plan_forward_sm90(&lk, &plan) == FA_STATUS_OK &&
                      plan_define(&plan, "FA_NCW") == pairs[i][2],
                  "d %d dv %d long: %d consumers", pairs[i][0], pairs[i][1],
@@ -177,13 +177,13 @@ static void check_forward_sm90_dv(void)
 static void check_forward_sm90_dropout(void)
 {
     for (int d = 32; d <= 256; d += 32) {
-        fa_plan_key key = {90, FA_DTYPE_F16, d, d, FA_FEATURE_DROPOUT | FA_FEATURE_VARLEN, 0};
+        fa_plan_key key = {90, FA_DTYPE_F16, d, d, FA_FEATURE_DROPOUT | FA_FEATURE_VARLEN, 0, 0, 0};
         fa_plan plan, plain;
         TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                      strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
                  "d %d dropout: family %s", d, plan.family);
         TU_CHECK(plan_define(&plan, "FA_DROPOUT") == 1, "d %d: no FA_DROPOUT=1", d);
-        fa_plan_key plain_key = {90, FA_DTYPE_F16, d, d, FA_FEATURE_VARLEN, 0};
+        fa_plan_key plain_key = {90, FA_DTYPE_F16, d, d, FA_FEATURE_VARLEN, 0, 0, 0};
         TU_CHECK(fa_plan_forward(&plain_key, &plain) == FA_STATUS_OK &&
                      plan_define(&plain, "FA_DROPOUT") == 0,
                  "d %d without dropout: FA_DROPOUT %d", d, plan_define(&plain, "FA_DROPOUT"));
@@ -197,7 +197,7 @@ static void check_forward_sm90_dropout(void)
                      strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
                  "d %d dropout probs: family %s", d, plan.family);
     }
-    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_FEATURE_DROPOUT, 0};
+    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_FEATURE_DROPOUT, 0, 0, 0};
     fa_plan plan;
     setenv("FLASHATTN_SM90", "0", 1);
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
@@ -230,7 +230,7 @@ static void check_forward_sm90_mods(void)
                                            (mods & 2 ? FA_PLAN_MASK_MOD : 0) |
                                            (mods & 4 ? FA_PLAN_BLOCK_MASK : 0);
                     fa_plan_key key = {90, FA_DTYPE_BF16, dims[di][0], dims[di][1],
-                                       feats[fi] | mbits, 0};
+                                       feats[fi] | mbits, 0, 0, 0};
                     fa_plan_key plain_key = key;
                     plain_key.features = feats[fi];
                     fa_plan plan, plain, p90;
@@ -264,21 +264,21 @@ static void check_forward_sm90_mods(void)
                     int same = plan.bm == plain.bm && plan.bn == plain.bn &&
                                plan.stages == plain.stages && plan.smem == plain.smem &&
                                plan.num_defines == plain.num_defines + __builtin_popcount(mods) +
-                                                       (mods & 3 ? 2 : 0);
+                                                       (mods & 3 ? 2 : 0) + (mods & 4 ? 1 : 0);
                     for (int i = 0; same && i < plain.num_defines; i++)
                         same = strcmp(plan.defines[i], plain.defines[i]) == 0;
                     TU_CHECK(same, "d %d features %#x: not the plain sm90 plan plus the mods",
                              key.d, key.features);
                 }
         /* Long calls at head dim 64: two consumers with mods (three have too few registers). */
-        fa_plan_key key = {90, FA_DTYPE_BF16, 64, 64, FA_PLAN_LONG | FA_PLAN_SCORE_MOD, 0};
+        fa_plan_key key = {90, FA_DTYPE_BF16, 64, 64, FA_PLAN_LONG | FA_PLAN_SCORE_MOD, 0, 0, 0};
         fa_plan plan;
         TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                      (!on || (strcmp(plan.family, "fa_fwd_sm90.cu") == 0 && plan.bm == 128 &&
                               plan_define(&plan, "FA_NCW") == 2)),
                  "long d 64 mods: %s bm %d", plan.family, plan.bm);
         /* Never the sm90 family where it cannot run or is off. */
-        key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD | FA_FEATURE_UNALIGNED, 0};
+        key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD | FA_FEATURE_UNALIGNED, 0, 0, 0};
         TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                      strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
                  "unaligned mods: %s", plan.family);
@@ -297,7 +297,7 @@ static void check_forward_sm90_mods(void)
     /* The aux reads' dtypes and offset width reach the kernel as defines, beside a score_mod or
      * mask_mod only. */
     for (unsigned aux = 0; aux < 32; aux += 5) {
-        fa_plan_key k2 = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD, aux};
+        fa_plan_key k2 = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD, aux, 0, 0};
         fa_plan p2;
         TU_CHECK(fa_plan_forward(&k2, &p2) == FA_STATUS_OK &&
                      plan_define(&p2, "FA_MOD_AUX_I32") == (int)(aux & 15u) &&
@@ -308,12 +308,28 @@ static void check_forward_sm90_mods(void)
                      plan_define(&p2, "FA_MOD_AUX_I32") == -1,
                  "mod_aux %#x: aux defines without a program", aux);
     }
+    /* FA_BM_ALIGNED: the block mask's blocks whole multiples of the tile's rows and keys. */
+    const int blocks[][3] = {{128, 128, 1}, {256, 384, 1}, {64, 128, 0}, {128, 64, 0},
+                             {128, 192, 0}, {0, 0, 0}};
+    for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++) {
+        fa_plan_key kb = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_MASK_MOD | FA_PLAN_BLOCK_MASK, 0,
+                          blocks[i][0], blocks[i][1]};
+        fa_plan pb;
+        TU_CHECK(fa_plan_forward(&kb, &pb) == FA_STATUS_OK && pb.bm == 128 && pb.bn == 128 &&
+                     plan_define(&pb, "FA_BM_ALIGNED") == blocks[i][2],
+                 "blocks %d x %d: FA_BM_ALIGNED %d", blocks[i][0], blocks[i][1],
+                 plan_define(&pb, "FA_BM_ALIGNED"));
+        kb.features = FA_PLAN_MASK_MOD;
+        TU_CHECK(fa_plan_forward(&kb, &pb) == FA_STATUS_OK &&
+                     plan_define(&pb, "FA_BM_ALIGNED") == -1,
+                 "no block mask: FA_BM_ALIGNED %d", plan_define(&pb, "FA_BM_ALIGNED"));
+    }
     /* FLASHATTN_SM90_MASK_FIRST=1: the define, for a score_mod beside a mask only. */
     setenv("FLASHATTN_SM90_MASK_FIRST", "1", 1);
     for (unsigned m = 1; m < 8; m++) {
         const unsigned f = (m & 1 ? FA_PLAN_SCORE_MOD : 0) | (m & 2 ? FA_PLAN_MASK_MOD : 0) |
                            (m & 4 ? FA_PLAN_BLOCK_MASK : 0);
-        fa_plan_key k3 = {90, FA_DTYPE_BF16, 128, 128, f, 0};
+        fa_plan_key k3 = {90, FA_DTYPE_BF16, 128, 128, f, 0, 0, 0};
         fa_plan p3;
         TU_CHECK(fa_plan_forward(&k3, &p3) == FA_STATUS_OK &&
                      plan_define(&p3, "FA_MOD_MASK_FIRST") == ((m & 1) && (m & 6) ? 1 : -1),
@@ -323,7 +339,7 @@ static void check_forward_sm90_mods(void)
     unsetenv("FLASHATTN_SM90_MASK_FIRST");
     /* Only "0" switches it off. */
     setenv("FLASHATTN_SM90_MODS", "1", 1);
-    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_SCORE_MOD, 0};
+    fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_SCORE_MOD, 0, 0, 0};
     fa_plan plan;
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                  strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
@@ -334,7 +350,7 @@ static void check_forward_sm90_mods(void)
 /* The family fa_plan_backward picks for (arch, d, dv, features), "" when it refuses. */
 static const char *bwd_family(int arch, int d, int dv, unsigned features, fa_plan *plan)
 {
-    fa_plan_key key = {arch, FA_DTYPE_BF16, d, dv, features, 0};
+    fa_plan_key key = {arch, FA_DTYPE_BF16, d, dv, features, 0, 0, 0};
     return fa_plan_backward(&key, plan) == FA_STATUS_OK ? plan->family : "";
 }
 
@@ -592,7 +608,7 @@ static void check_defines(void)
 {
     for (int arch = 80; arch <= 90; arch += 10)
         for (int d = 8; d <= 256; d += 40) {
-            fa_plan_key key = {arch, FA_DTYPE_BF16, d, d, FA_FEATURE_SOFTCAP, 0};
+            fa_plan_key key = {arch, FA_DTYPE_BF16, d, d, FA_FEATURE_SOFTCAP, 0, 0, 0};
             fa_plan plan;
             TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK, "arch %d d %d: no plan", arch,
                      d);
@@ -617,7 +633,7 @@ static void check_decode_paged(void)
 {
     for (int d = 64; d <= 256; d += 64)
         for (int rows = 1; rows <= 64; rows *= 4) {
-            fa_plan_key key = {90, FA_DTYPE_BF16, d, d, 0, 0}, pkey = key;
+            fa_plan_key key = {90, FA_DTYPE_BF16, d, d, 0, 0, 0, 0}, pkey = key;
             pkey.features |= FA_PLAN_PAGED;
             fa_plan dense, paged;
             TU_CHECK(fa_plan_decode(&key, rows, &dense) == FA_STATUS_OK &&
@@ -635,7 +651,7 @@ static void check_decode_paged(void)
 
 static void check_decode_splits(void)
 {
-    fa_plan_key key = {90, FA_DTYPE_BF16, 256, 256, 0, 0};
+    fa_plan_key key = {90, FA_DTYPE_BF16, 256, 256, 0, 0, 0, 0};
     fa_plan plan;
     TU_CHECK(fa_plan_decode(&key, 32, &plan) == FA_STATUS_OK, "no decode plan");
     const int64_t bn = plan.bn;
@@ -661,7 +677,7 @@ static void check_decode_splits(void)
 static void check_forward_fp8(void)
 {
     fa_plan plan;
-    fa_plan_key key = {90, FA_DTYPE_F8E4M3, 128, 128, 0, 0};
+    fa_plan_key key = {90, FA_DTYPE_F8E4M3, 128, 128, 0, 0, 0, 0};
     setenv("FLASHATTN_SM90_FP8", "0", 1);
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_UNSUPPORTED &&
                  strstr(fa_last_error(), "q: the CUDA backend computes fp16 and bf16") != NULL &&
@@ -675,7 +691,7 @@ static void check_forward_fp8(void)
                               FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP | FA_PLAN_OUT_F16};
     for (int d = 16; d <= 256; d += 16)
         for (size_t f = 0; f < sizeof feats / sizeof feats[0]; f++) {
-            key = (fa_plan_key){90, FA_DTYPE_F8E4M3, d, d, feats[f], 0};
+            key = (fa_plan_key){90, FA_DTYPE_F8E4M3, d, d, feats[f], 0, 0, 0};
             TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                          strcmp(plan.family, "fa_fwd_sm90_fp8.cu") == 0,
                      "fp8 d %d features %x: %s", d, feats[f], fa_last_error());
@@ -701,7 +717,7 @@ static void check_forward_fp8(void)
                      plan_define(&plan, "FA_TRANSPOSE"), plan.bn);
         }
     /* FLASHATTN_SM90_FP8_TILE: the first kernel's tile reachable, what cannot fit ignored. */
-    key = (fa_plan_key){90, FA_DTYPE_F8E4M3, 128, 128, 0, 0};
+    key = (fa_plan_key){90, FA_DTYPE_F8E4M3, 128, 128, 0, 0, 0, 0};
     setenv("FLASHATTN_SM90_FP8_TILE", "128,2,0,0,0", 1);
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == 128 &&
                  plan.stages == 2 && plan_define(&plan, "FA_PINGPONG") == 0 &&
@@ -712,7 +728,7 @@ static void check_forward_fp8(void)
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == 160 &&
                  plan.stages == 2 && plan_define(&plan, "FA_PINGPONG") == 1,
              "fp8 tile override 160,2,1: bn %d stages %d", plan.bn, plan.stages);
-    key = (fa_plan_key){90, FA_DTYPE_F8E4M3, 256, 256, 0, 0};
+    key = (fa_plan_key){90, FA_DTYPE_F8E4M3, 256, 256, 0, 0, 0, 0};
     fa_plan def;
     unsetenv("FLASHATTN_SM90_FP8_TILE");
     TU_CHECK(fa_plan_forward(&key, &def) == FA_STATUS_OK, "fp8 d 256: %s", fa_last_error());
@@ -729,24 +745,25 @@ static void check_forward_fp8(void)
         fa_plan_key key;
         const char *arg;
     } bad[] = {
-        {{90, FA_DTYPE_F8E5M2, 128, 128, 0, 0}, "q:"},
-        {{80, FA_DTYPE_F8E4M3, 128, 128, 0, 0}, "q:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 64, 0, 0}, "v:"},
-        {{90, FA_DTYPE_F8E4M3, 24, 24, 0, 0}, "q:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_ALIBI, 0}, "alibi_slopes:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_DROPOUT, 0}, "dropout_p:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_PROBS, 0}, "probs:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_VARLEN | FA_PLAN_PAGED, 0}, "block_table:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_SCORE_MOD, 0}, "score_mod:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_MASK_MOD, 0}, "mask_mod:"},
-        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_BLOCK_MASK, 0}, "block_mask:"},
+        {{90, FA_DTYPE_F8E5M2, 128, 128, 0, 0, 0, 0}, "q:"},
+        {{80, FA_DTYPE_F8E4M3, 128, 128, 0, 0, 0, 0}, "q:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 64, 0, 0, 0, 0}, "v:"},
+        {{90, FA_DTYPE_F8E4M3, 24, 24, 0, 0, 0, 0}, "q:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_ALIBI, 0, 0, 0}, "alibi_slopes:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_DROPOUT, 0, 0, 0}, "dropout_p:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_PROBS, 0, 0, 0}, "probs:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_VARLEN | FA_PLAN_PAGED, 0, 0,
+          0}, "block_table:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_SCORE_MOD, 0, 0, 0}, "score_mod:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_MASK_MOD, 0, 0, 0}, "mask_mod:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_BLOCK_MASK, 0, 0, 0}, "block_mask:"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
         TU_CHECK(fa_plan_forward(&bad[i].key, &plan) == FA_STATUS_UNSUPPORTED &&
                      strncmp(fa_last_error(), bad[i].arg, strlen(bad[i].arg)) == 0,
                  "fp8 refusal %zu: %s", i, fa_last_error());
     /* The bf16 plans are untouched by the switch. */
-    key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, 0, 0};
+    key = (fa_plan_key){90, FA_DTYPE_BF16, 128, 128, 0, 0, 0, 0};
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                  strcmp(plan.family, "fa_fwd_sm90.cu") == 0,
              "bf16 beside the fp8 family: %s", plan.family);
