@@ -77,12 +77,11 @@ static fa_bwd_ws fa_bwd_ws_layout(const fa_params *p, const fa_plan *plan)
  * fa_last_error() (the backward refuses it the same way). */
 size_t fa_cuda_backward_workspace_size(const fa_params *p)
 {
-    fa_plan_key key = {80, p->dtype, (int)p->d, (int)p->dv, p->is_varlen ? FA_FEATURE_VARLEN : 0, 0, 0, 0};
+    fa_plan_key key = {80, p->dtype, (int)p->d, (int)p->dv, 0, 0, 0, 0};
+    key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
     /* Calls with user-defined scoring take the mods' tiles (smaller query tiles at some head
      * dims): planned as such. */
-    key.features |= p->mods.score_mod ? FA_PLAN_SCORE_MOD : 0;
-    key.features |= p->mods.mask_mod ? FA_PLAN_MASK_MOD : 0;
-    key.features |= p->mods.blocks.num.data ? FA_PLAN_BLOCK_MASK : 0;
+    fa_kparams_key_mods(p, &key);
     fa_plan plan;
     if (fa_plan_backward(&key, &plan) != FA_STATUS_OK)
         return 0;
