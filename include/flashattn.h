@@ -365,11 +365,12 @@ size_t fa_attention_backward_workspace_size(const fa_bwd_args *args);
 /*
  * The dropout keep bit of element (batch, head, row, col), as every backend computes it.
  * head counts query heads; batch is the sequence index in the varlen form; row and col are
- * positions inside the sequence. Philox4x32-10 with key (lo32(seed), hi32(seed)) and counter
- * (col >> 3, row, lo32(c), hi32(c)) with c = offset + batch * num_heads + head gives four
- * 32-bit words w0..w3; the element's 16-bit number is r = (w[(col & 7) >> 1] >> (16 * (col & 1)))
- * & 0xffff, and the element is kept iff r < floor((1 - dropout_p) * 65536). A dropout_p <= 0
- * keeps every element; >= 1 or NaN keeps none.
+ * positions inside the sequence. Philox4x32-7 (Random123's philox4x32_R with 7 rounds, as
+ * upstream FA2) with key (lo32(seed), hi32(seed)) and counter (col >> 4, row, lo32(c), hi32(c))
+ * with c = offset + batch * num_heads + head gives four 32-bit words w0..w3; the element's 8-bit
+ * number is r = (w[(col & 7) >> 1] >> (8 * ((col & 1) + 2 * ((col >> 3) & 1)))) & 0xff, and the
+ * element is kept iff r < floor((1 - dropout_p) * 256 + 0.5). A dropout_p <= 0 keeps every
+ * element; >= 1 or NaN keeps none. Kept elements are scaled by 1 / (1 - dropout_p).
  */
 int fa_dropout_keep(uint64_t seed, uint64_t offset, int64_t num_heads, int64_t batch,
                     int64_t head, int64_t row, int64_t col, double dropout_p);

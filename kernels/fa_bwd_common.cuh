@@ -238,19 +238,23 @@ typedef struct fa_bwd_tile {
 } fa_bwd_tile;
 
 #if FA_DROPOUT
-/* The dropout words of one n-tile for lane (g, t) of the transposed frame, which holds keys
- * key0, key0 + 8 (key0 % 8 = g: Philox blocks kb = key0 / 8 and kb + 1) for queries i0, i0 + 1:
- * it needs word k = g / 2 of the four blocks (kb + hi, i0 + lo), b = 2 hi + lo, and so do the
- * other 7 lanes with this t. Instead of 4 Philox runs per lane, the two lanes of pair k run
- * block b = k and the pairs transpose the 4x4 words with 3 shuffles: in round r lane ^ 8r (pair
- * k ^ r) sends word k of its block k ^ r. out[b] = word k of block b, which is C-fragment element
- * e = b. Every lane of the warp must call this together. */
+#if FA_BWD_QW % 16 != 0
+#error "fa_bwd_common.cuh: dropout takes the queries' n-tiles in pairs (FA_BWD_QW % 16 == 0)"
+#endif
+/* The dropout words of n-tiles nt0 and nt0 + 1 for lane (g, t) of the transposed frame, which
+ * holds keys key0, key0 + 8 (key0 % 16 = g: both in Philox block kb = key0 / 16, word g / 2) for
+ * queries i0, i0 + 1 of n-tile nt0 and i0 + 8, i0 + 9 of nt0 + 1: it needs word k = g / 2 of the
+ * four blocks (kb, i0 + b % 2 + 8 (b / 2)), and so do the other 7 lanes with this t. Instead of
+ * 4 Philox runs per lane, the two lanes of pair k run block b = k and the pairs transpose the
+ * 4x4 words with 3 shuffles: in round r lane ^ 8r (pair k ^ r) sends word k of its block k ^ r.
+ * out[b] = word k of block b, which holds C-fragment element e of n-tile nt0 + b / 2 for
+ * e % 2 = b % 2 (fa_bwd_drop_number). Every lane of the warp must call this together. */
 FA_DEV void fa_bwd_dropout_words(fa_u32 kb, fa_u32 i0, fa_u64 stream, fa_u64 seed, int k,
                                  fa_u32 out[4])
 {
     fa_u32 w[4], got[4];
-    fa_philox4(kb + (fa_u32)(k >> 1), i0 + (fa_u32)(k & 1), (fa_u32)stream,
-               (fa_u32)(stream >> 32), (fa_u32)seed, (fa_u32)(seed >> 32), w);
+    fa_philox4(kb, i0 + (fa_u32)((k & 1) + 8 * (k >> 1)), (fa_u32)stream, (fa_u32)(stream >> 32),
+               (fa_u32)seed, (fa_u32)(seed >> 32), w);
     got[0] = fa_pick4(w, k);
 #pragma unroll
     for (int r = 1; r < 4; r++)
@@ -261,30 +265,39 @@ FA_DEV void fa_bwd_dropout_words(fa_u32 kb, fa_u32 i0, fa_u64 stream, fa_u64 see
         out[b] = fa_pick4(got, k ^ b);
 }
 
+/* The 8-bit number of element e of n-tile nt (key key0 + 8 (e / 2), query 8 nt + 2t + e % 2)
+ * from the words fa_bwd_dropout_words gave for nt's pair: key column key0 + 8 (e / 2) is byte
+ * g % 2 + 2 (e / 2) of its word (FA_RULE_DROPOUT_SHIFT). */
+FA_DEV fa_u32 fa_bwd_drop_number(const fa_u32 drop[4], int nt, int e, int g)
+{
+    const fa_u32 w = drop[2 * (nt & 1) + (e & 1)];
+    return (w >> (8 * ((g & 1) + 2 * (e >> 1)))) & 0xffu;
+}
+
 #if FA_BWD_KEEP_BITS
 /* The keep decisions of lane (g, t)'s elements of a tile of FA_BWD_QW queries from m0 and keys
- * from key0 (key0 % 8 = g): bit 4 (nt % 8) + e of keep[nt / 8] is element e of n-tile nt. A
+ * from key0 (key0 % 16 = g): bit 4 (nt % 8) + e of keep[nt / 8] is element e of n-tile nt. A
  * family defines FA_BWD_KEEP_BITS to make them before S^T and dP^T are in registers (the Philox
  * runs beside them in fa_bwd_probs made ptxas spill). The words leave pinned: unpacked into
  * per-element predicates, they took more registers than the Philox runs. */
 FA_DEV void fa_bwd_keep_bits(const fa_kparams *kp, int key0, int m0, int t, fa_u64 stream,
                              fa_u32 keep[(FA_BWD_QW + 63) / 64])
 {
-    const int g = key0 & 7;
+    const int g = key0 & 15;
 #pragma unroll
     for (int w = 0; w < (FA_BWD_QW + 63) / 64; w++)
         keep[w] = 0;
+    fa_u32 drop[4];
 #pragma unroll
     for (int nt = 0; nt < FA_BWD_QW / 8; nt++) {
-        fa_u32 drop[4];
-        fa_bwd_dropout_words((fa_u32)(key0 >> 3), (fa_u32)(m0 + nt * 8 + 2 * t), stream, kp->seed,
-                             g >> 1, drop);
-        /* fa_bwd_probs' rule: half g % 2 of the word, kept below keep_threshold */
+        if ((nt & 1) == 0)
+            fa_bwd_dropout_words((fa_u32)FA_RULE_DROPOUT_BLOCK(key0),
+                                 (fa_u32)(m0 + nt * 8 + 2 * t), stream, kp->seed, g >> 1, drop);
+        /* fa_bwd_probs' rule: kept below keep_threshold */
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const fa_u32 r16 = (g & 1) ? (drop[e] >> 16) : (drop[e] & 0xffffu);
-            keep[nt >> 3] |= (fa_u32)(r16 < kp->keep_threshold) << (4 * (nt & 7) + e);
-        }
+        for (int e = 0; e < 4; e++)
+            keep[nt >> 3] |= (fa_u32)(fa_bwd_drop_number(drop, nt, e, g) < kp->keep_threshold)
+                             << (4 * (nt & 7) + e);
     }
 #pragma unroll
     for (int w = 0; w < (FA_BWD_QW + 63) / 64; w++)
@@ -333,7 +346,8 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
                             int mods)
 {
 #if FA_DROPOUT && !FA_BWD_KEEP_BITS
-    const int g = tl->key0 & 7; /* key0 = n0 + 16 warp + g */
+    const int g = tl->key0 & 15; /* key0 = n0 + 16 warp + g */
+    fa_u32 drop[4];
 #endif
 #pragma unroll
     for (int nt = 0; nt < FA_BWD_QW / 8; nt++) {
@@ -344,9 +358,10 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             FA_BWD_PIN_NT(st[nt], dpt[nt]);
 #endif
 #if FA_DROPOUT && !FA_BWD_KEEP_BITS
-        fa_u32 drop[4];
-        fa_bwd_dropout_words((fa_u32)(tl->key0 >> 3), (fa_u32)(tl->m0 + nt * 8 + 2 * t),
-                             tl->stream, kp->seed, g >> 1, drop);
+        if ((nt & 1) == 0)
+            fa_bwd_dropout_words((fa_u32)FA_RULE_DROPOUT_BLOCK(tl->key0),
+                                 (fa_u32)(tl->m0 + nt * 8 + 2 * t), tl->stream, kp->seed, g >> 1,
+                                 drop);
 #endif
 #pragma unroll
         for (int e = 0; e < 4; e++) {
@@ -390,10 +405,8 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 #if FA_DROPOUT && FA_BWD_KEEP_BITS
             z = (tl->keep[nt >> 3] >> (4 * (nt & 7) + e)) & 1 ? kp->dropout_scale : 0.f;
 #elif FA_DROPOUT
-            /* Query i, key j: Philox block (j / 8, i, stream), word (j % 8) / 2 = g / 2, half
-             * j % 2 = g % 2. */
-            const fa_u32 r16 = (g & 1) ? (drop[e] >> 16) : (drop[e] & 0xffffu);
-            z = r16 < kp->keep_threshold ? kp->dropout_scale : 0.f;
+            /* Query i, key j: Philox block (j / 16, i, stream), word (j % 8) / 2 = g / 2. */
+            z = fa_bwd_drop_number(drop, nt, e, g) < kp->keep_threshold ? kp->dropout_scale : 0.f;
 #endif
             /* With the mods selected, not multiplied: score_mod's derivative is anything where
              * dropped. D's row read by every lane, outside the select: fa_bwd_row may be a warp

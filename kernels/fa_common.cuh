@@ -226,13 +226,14 @@ FA_DEV void fa_mma16816(float c[4], const fa_u32 a[4], fa_u32 b0, fa_u32 b1)
         c3 = lo0;                                                                                  \
     } while (0)
 
-/* Philox4x32-10 exactly as src/util/fa_philox.h computes it on the CPU (the dropout mask must be
- * bit-identical): the four words of block (c0, c1, c2, c3) under key (k0, k1), in w[0..3]. */
+/* Philox4x32 (FA_RULE_PHILOX_ROUNDS rounds) exactly as src/util/fa_philox.h computes it on the
+ * CPU (the dropout mask must be bit-identical): the four words of block (c0, c1, c2, c3) under
+ * key (k0, k1), in w[0..3]. */
 FA_DEV void fa_philox4(fa_u32 c0, fa_u32 c1, fa_u32 c2, fa_u32 c3, fa_u32 k0, fa_u32 k1,
                        fa_u32 w[4])
 {
 #pragma unroll
-    for (int round = 0; round < 10; round++) {
+    for (int round = 0; round < FA_RULE_PHILOX_ROUNDS; round++) {
         FA_PHILOX_ROUND(c0, c1, c2, c3, k0, k1);
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
@@ -249,7 +250,7 @@ FA_DEV void fa_philox4_keys(fa_u32 c0, fa_u32 c1, fa_u32 c2, fa_u32 c3, const fa
                             fa_u32 w[4])
 {
 #pragma unroll
-    for (int round = 0; round < 10; round++)
+    for (int round = 0; round < FA_RULE_PHILOX_ROUNDS; round++)
         FA_PHILOX_ROUND(c0, c1, c2, c3, keys[2 * round], keys[2 * round + 1]);
     w[0] = c0;
     w[1] = c1;
@@ -270,19 +271,19 @@ FA_DEV fa_u64 fa_dropout_stream(const fa_kparams *kp, int batch, int head)
     return kp->offset + (fa_u64)batch * (fa_u64)kp->h + (fa_u64)head;
 }
 
-/* The 32-bit word holding the 16-bit numbers of columns col (even) and col+1 of one row: word
- * (col % 8) / 2 of the block whose counter is (col / 8, row, stream). */
-FA_DEV fa_u32 fa_dropout_pair(const fa_kparams *kp, int batch, int head, int row, int col)
+/* The 32-bit word holding column col's number in one row (fa_rules.h's dropout rule); the number
+ * is (word >> FA_RULE_DROPOUT_SHIFT(col)) & 0xff. */
+FA_DEV fa_u32 fa_dropout_word(const fa_kparams *kp, int batch, int head, int row, int col)
 {
     const fa_u64 stream = fa_dropout_stream(kp, batch, head);
     fa_u32 w[4];
-    fa_philox4((fa_u32)(col >> 3), (fa_u32)row, (fa_u32)stream, (fa_u32)(stream >> 32),
-               (fa_u32)kp->seed, (fa_u32)(kp->seed >> 32), w);
-    return fa_pick4(w, (col & 7) >> 1);
+    fa_philox4((fa_u32)FA_RULE_DROPOUT_BLOCK(col), (fa_u32)row, (fa_u32)stream,
+               (fa_u32)(stream >> 32), (fa_u32)kp->seed, (fa_u32)(kp->seed >> 32), w);
+    return fa_pick4(w, FA_RULE_DROPOUT_WORD(col));
 }
 
 /* Dropout words for the 4 lanes of a quad (lanes 4g..4g+3, t = lane % 4), which hold columns
- * 8j + 2t, 8j + 2t + 1 of the same row for 4 consecutive 8-column blocks j = 0..3 (block
+ * 16j + 2t, + 1, + 8, + 9 of the same row for 4 consecutive 16-column blocks j = 0..3 (block
  * counters blk0 + j): lane t needs word t of every block. Instead of each lane running all four
  * Philox blocks, lane t runs block j = t and the quad transposes the 4x4 words with 3 shuffles:
  * in round r lane t reads lane t ^ r, which sends word t of its block t ^ r. out[j] gets word t
@@ -301,6 +302,42 @@ FA_DEV void fa_dropout_quad(fa_u32 blk0, fa_u32 row, fa_u64 stream, fa_u64 seed,
 #pragma unroll
     for (int j = 0; j < 4; j++)
         out[j] = fa_pick4(got, t ^ j);
+}
+
+/* The threshold in both halves, for fa_dropout_apply2's f16x2 compare. */
+FA_DEV fa_u32 fa_dropout_thr2(fa_u32 threshold)
+{
+    return threshold * 0x00010001u;
+}
+
+/* The keep mask of columns 2t + 8 hi, + 1 of a 16-column block from the lane's word w of that
+ * block (bytes 2 hi, 2 hi + 1: FA_RULE_DROPOUT_SHIFT), 0xffff in each 16-bit half kept: prmt
+ * spreads the two bytes into the low bytes of two halves; as f16 bit patterns they are
+ * subnormals whose order is the integers' (as the threshold's, at most 0x0100), so one
+ * set.lt.u32.f16x2 compares both. */
+FA_DEV fa_u32 fa_dropout_mask2(fa_u32 w, int hi, fa_u32 thr2)
+{
+    const fa_u32 nums = __byte_perm(w, 0u, hi ? 0x4342u : 0x4140u);
+    fa_u32 m;
+    asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(m) : "r"(nums), "r"(thr2));
+    return m;
+}
+
+/* Dropout on the two probabilities x0, x1 of columns 2t + 8 hi, + 1 of a 16-column block, from
+ * the lane's word w of that block (bytes 2 hi, 2 hi + 1: FA_RULE_DROPOUT_SHIFT): prmt spreads the
+ * two bytes into the low bytes of two 16-bit halves; as f16 bit patterns they are subnormals whose
+ * order is the integers' (as the threshold's, at most 0x0100), so one setp.lt.f16x2 compares both
+ * (p the low half, q the high); an element is zeroed where its number is not below the
+ * threshold. */
+FA_DEV void fa_dropout_apply2(float *x0, float *x1, fa_u32 w, int hi, fa_u32 thr2)
+{
+    const fa_u32 nums = __byte_perm(w, 0u, hi ? 0x4342u : 0x4140u);
+    asm("{\n\t.reg .pred p, q;\n\t"
+        "setp.lt.f16x2 p|q, %2, %3;\n\t"
+        "selp.f32 %0, %0, 0f00000000, p;\n\t"
+        "selp.f32 %1, %1, 0f00000000, q;\n\t}"
+        : "+f"(*x0), "+f"(*x1)
+        : "r"(nums), "r"(thr2));
 }
 
 /* The visible keys [lo, hi) of row `row` of a sequence of sq queries and sk keys. */

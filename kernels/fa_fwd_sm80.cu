@@ -196,6 +196,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
 #endif
 #if FA_DROPOUT
     const fa_u64 stream = fa_dropout_stream(&kp, bi, h);
+    const fa_u32 thr2 = fa_dropout_thr2(kp.keep_threshold);
 #endif
 
 #if FA_VEC && !FA_PAGED
@@ -393,14 +394,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                     o[mt][ot][2 * hf + 1] *= alpha;
                 }
 #if FA_DROPOUT
-                /* Dropout words for this row: Philox once per 4 n-tiles per lane, shared across
-                 * the quad (the row's blocks are n-tiles, counter (col / 8, row, stream)). */
-                fa_u32 dw[(FA_NT + 3) / 4 * 4];
+                /* Dropout words for this row: Philox once per 8 n-tiles per lane, shared across
+                 * the quad (n-tiles 2j and 2j + 1 are the columns of the row's block j, counter
+                 * (col / 16, row, stream)): n-tile nt's numbers are in dw[nt / 2]. */
+                fa_u32 dw[(FA_NT + 7) / 8 * 4];
                 const int row = m0 + wrow + mt * 16 + g + 8 * hf;
 #pragma unroll
-                for (int q4 = 0; q4 < (FA_NT + 3) / 4; q4++)
-                    fa_dropout_quad((fa_u32)(n0 >> 3) + 4 * q4, (fa_u32)row, stream, kp.seed, t,
-                                    dw + 4 * q4);
+                for (int q8 = 0; q8 < (FA_NT + 7) / 8; q8++)
+                    fa_dropout_quad((fa_u32)FA_RULE_DROPOUT_BLOCK(n0) + 4 * q8, (fa_u32)row,
+                                    stream, kp.seed, t, dw + 4 * q8);
 #endif
                 float sum = 0.f;
 #pragma unroll
@@ -411,8 +413,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                     sum += p0 + p1;
 #if FA_DROPOUT
                     /* The sum counts dropped keys too: dropout acts after the softmax. */
-                    p0 = (dw[nt] & 0xffffu) < kp.keep_threshold ? p0 : 0.f;
-                    p1 = (dw[nt] >> 16) < kp.keep_threshold ? p1 : 0.f;
+                    fa_dropout_apply2(&p0, &p1, dw[nt >> 1], nt & 1, thr2);
 #endif
                     s[mt][nt][2 * hf] = p0;
                     s[mt][nt][2 * hf + 1] = p1;
@@ -563,9 +564,9 @@ extern "C" __global__ void fa_fwd_probs(const fa_kparams kp)
             if (j >= b)
                 continue;
             float e = expf(x[u] - mx);
-            if (kp.keep_threshold < 65536u) {
-                fa_u32 w = fa_dropout_pair(&kp, bi, h, (int)row, j & ~1);
-                if (((j & 1) ? (w >> 16) : (w & 0xffffu)) >= kp.keep_threshold)
+            if (kp.keep_threshold < 256u) {
+                const fa_u32 w = fa_dropout_word(&kp, bi, h, (int)row, j);
+                if (((w >> FA_RULE_DROPOUT_SHIFT(j)) & 0xffu) >= kp.keep_threshold)
                     e = -e;
             }
             pr[j] = fa_from_float(e);

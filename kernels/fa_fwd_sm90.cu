@@ -105,9 +105,9 @@
 typedef struct fa_tmaps {
     fa_tmap q, k, v;
     int paired; /* the grid's work units are mirrored pairs of query tiles (fa_unit_tile) */
-    /* fa_philox_keys of the seed, read from the parameter bank: computed in the kernel, all 20
+    /* fa_philox_keys of the seed, read from the parameter bank: computed in the kernel, they
      * would sit in registers across the key loop, which head dim 256 cannot spare */
-    fa_u32 philox_keys[20];
+    fa_u32 philox_keys[2 * FA_RULE_PHILOX_ROUNDS];
 } fa_tmaps;
 
 /* S (+)= Q K^T for one k-step, both operands K-major in shared memory, N = FA_BN. */
@@ -290,7 +290,6 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
     const fa_u64 stream = fa_dropout_stream(kp, w->bi, w->h);
     r.stream_lo = (fa_u32)stream;
     r.stream_hi = (fa_u32)(stream >> 32);
-    r.keep_lim = ((kp->keep_threshold - 1u) << 16) | 0xffffu;
     r.keys = tm->philox_keys;
 #endif
 
@@ -328,7 +327,11 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
         r.mod_st = FA_TILE_STATE(w, 0);
 #endif
         fa_softmax_block(kp, &r, sacc, FA_TILE_BLOCK(w, 0), row_max, row_sum, alpha);
+#if FA_DROPOUT
+        fa_p_pack_keep(kp, &r, sacc, pa, FA_TILE_BLOCK(w, 0));
+#else
         fa_p_pack(sacc, pa);
+#endif
 #if FA_VARLEN
         fa_v_tail_zero(m, w, kv0);
 #endif
@@ -374,7 +377,11 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
 #endif
             fa_stage_release(m->v_empty + 8 * sp, lane);
             fa_o_rescale(o, alpha);
+#if FA_DROPOUT
+            fa_p_pack_keep(kp, &r, sacc, pa, FA_TILE_BLOCK(w, it));
+#else
             fa_p_pack(sacc, pa);
+#endif
         }
 
         /* The last block's O += P V. */
@@ -406,7 +413,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
         float lse, scale;
         fa_row_finish(row_sum[hf], row_max[hf] * r.sm, sink2, &lse, &scale);
 #if FA_DROPOUT
-        scale *= kp->keep_threshold ? kp->dropout_scale : 0.f;
+        scale *= kp->dropout_scale;
 #endif
         fa_u16 *og = (fa_u16 *)kp->out + w->bi * kp->o_bstride +
                      (fa_i64)(w->q_start + row) * kp->o_rstride + w->h * kp->o_hstride;

@@ -24,7 +24,6 @@ typedef struct fa_rows {
     int diag;          /* sk - sq: key column of a row's diagonal minus the row */
 #if FA_DROPOUT
     fa_u32 stream_lo, stream_hi; /* the (sequence, head)'s Philox stream (fa_dropout_stream) */
-    fa_u32 keep_lim;             /* ((keep_threshold - 1) << 16) | 0xffff */
     const fa_u32 *keys;          /* the Philox round keys (fa_tmaps.philox_keys) */
 #endif
 #if FA_SCORE_MOD || FA_MOD_MASKS
@@ -38,60 +37,62 @@ typedef struct fa_rows {
 } fa_rows;
 
 #if FA_DROPOUT
-/* The keep decisions of P's elements in row half hf, columns 8g + 2 q4 and + 1, from w, the
- * Philox word that holds their 16-bit numbers (the low half the even column's), applied to sacc.
- * For a threshold in [1, 65536], number < threshold is number <= r->keep_lim >> 16, and both
- * halves compare against keep_lim: the high as the word, the low shifted up. A threshold of 0
- * (dropout_p within 2^-16 of 1) keeps every key here; the epilogue's factor 0 then drops them
- * all. */
-FA_DEV void fa_keep_pair(const fa_rows *r, float *sacc, int g, int hf, fa_u32 w)
-{
-    const int j = 4 * g + 2 * hf;
-    sacc[j] = (w << 16) <= r->keep_lim ? sacc[j] : 0.f;
-    sacc[j + 1] = w <= r->keep_lim ? sacc[j + 1] : 0.f;
-}
+/* P's element pair (row half hf, columns 16 kk + 8 hi + 2 q4, + 1) into the A fragment, both
+ * dropped where m (fa_dropout_mask2) says: a bf16 / fp16 pair is zeroed half by half. */
+#define FA_P_PACK_PAIR(sacc, pa, kk, hf, hi, m)                                                 \
+    (pa)[kk][(hf) + 2 * (hi)] = fa_pack2((sacc)[8 * (kk) + 2 * ((hf) + 2 * (hi))],               \
+                                         (sacc)[8 * (kk) + 2 * ((hf) + 2 * (hi)) + 1]) &          \
+                                (m)
 
 /*
- * Dropout on key block n's columns 8 g0 .. 8 (g0 + 4) - 1 (a chunk): the element (row, col) is
- * kept iff its number is below kp->keep_threshold, the number being half (col % 2) of word
- * (col % 8) / 2 of Philox block (col / 8, row, stream) under the seed (fa_dropout_pair, the CPU's
- * and the sm80 family's rule). A thread's two rows hold columns 8g + 2 q4, + 1 of each 8-column
- * group g, word q4 of the group's block: per chunk the quad computes each row's four blocks once,
- * lane q4 the block of group g0 + q4, and trades the words (fa_quad_transpose). A last half chunk
- * (FA_BN % 32 == 16) has two blocks per row, four in all: lane q4 computes row half q4 / 2, group
- * g0 + q4 % 2, and the trade hands each lane its four. A chunk no row of the warp sees may be
- * skipped (its P is 0 anyway); the vote's branch also keeps ptxas from interleaving the chunks'
- * Philox, which the wide heads' O and three consumers' 160 registers leave no room for; two
- * consumers up to head dim 128 have the room, and there the interleaved schedule issues fewer
- * instructions per block.
+ * P's 16-column blocks b0, b0 + 1 (a chunk; one at the end of a key block of FA_BN % 32 == 16)
+ * packed into the A fragment with dropout: the element (row, col) is kept iff its 8-bit number is
+ * below kp->keep_threshold, the number being byte FA_RULE_DROPOUT_SHIFT(col) / 8 of word
+ * FA_RULE_DROPOUT_WORD(col) of Philox block (col / 16, row, stream) under the seed (fa_rules.h:
+ * the CPU's and the sm80 family's rule). A thread's two rows hold columns 2 q4, + 1, + 8, + 9 of
+ * each block, which are word q4: the chunk's four Philox blocks (two rows, two column blocks) are
+ * computed once by the quad, lane q4 row half q4 / 2 and block b0 + q4 % 2, and the lanes trade
+ * the words (fa_quad_transpose). A chunk no row of the warp sees needs no mask (its P is 0
+ * anyway); the vote's branch also keeps ptxas from interleaving the chunks' Philox runs, which
+ * the wide heads' O and three consumers' 160 registers leave no room for; two consumers up to
+ * head dim 128 have the room, and there the interleaved schedule issues fewer instructions.
  */
-FA_DEV void fa_keep_chunk(const fa_rows *r, float *sacc, int n, int g0)
+FA_DEV void fa_keep_chunk(const fa_kparams *kp, const fa_rows *r, const float *sacc,
+                          fa_u32 pa[][4], int n, int b0)
 {
-    const int groups = g0 + 4 <= FA_BN / 8 ? 4 : 2;
-    const int c0 = n * FA_BN + 8 * g0, c1 = c0 + 8 * groups;
+    const int blocks = FA_BN / 16 - b0 < 2 ? 1 : 2;
+    const int c0 = n * FA_BN + 16 * b0, c1 = c0 + 16 * blocks;
     const int seen = (c0 < r->hi[0] && c1 > r->lo[0]) || (c0 < r->hi[1] && c1 > r->lo[1]);
-    if ((FA_NCW == 3 || FA_DVP > 128) && !__any_sync(0xffffffffu, seen))
+    if ((FA_NCW == 3 || FA_DVP > 128) && !__any_sync(0xffffffffu, seen)) {
+#pragma unroll
+        for (int j = 0; j < blocks; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                FA_P_PACK_PAIR(sacc, pa, b0 + j, i & 1, i >> 1, 0xffffffffu);
         return;
-    const fa_u32 blk = (fa_u32)(c0 >> 3);
-    if (groups == 4) {
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            fa_u32 w[4];
-            fa_philox4_keys(blk + r->q4, r->row0 + 8 * hf, r->stream_lo, r->stream_hi, r->keys, w);
-            fa_quad_transpose(w, r->q4);
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                fa_keep_pair(r, sacc, g0 + j, hf, w[j]);
-        }
-    } else {
-        fa_u32 w[4];
-        fa_philox4_keys(blk + (r->q4 & 1), r->row0 + 8 * (r->q4 >> 1), r->stream_lo,
-                        r->stream_hi, r->keys, w);
-        fa_quad_transpose(w, r->q4); /* w[i]: word q4 of row half i / 2, group g0 + i % 2 */
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            fa_keep_pair(r, sacc, g0 + (i & 1), i >> 1, w[i]);
     }
+    /* from the parameter bank where it is used: a register across the loop spilled at d 256 */
+    const fa_u32 thr2 = fa_dropout_thr2(kp->keep_threshold);
+    fa_u32 w[4];
+    fa_philox4_keys((fa_u32)FA_RULE_DROPOUT_BLOCK(c0) + (r->q4 & 1), r->row0 + 8 * (r->q4 >> 1),
+                    r->stream_lo, r->stream_hi, r->keys, w);
+    fa_quad_transpose(w, r->q4); /* w[i]: word q4 of row half i / 2, block b0 + i % 2 */
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++)
+            if ((i & 1) < blocks)
+                FA_P_PACK_PAIR(sacc, pa, b0 + (i & 1), i >> 1, hi,
+                               fa_dropout_mask2(w[i], hi, thr2));
+}
+
+/* P (the softmax's probabilities of key block n) into the A fragment, dropped by the mask. */
+FA_DEV void fa_p_pack_keep(const fa_kparams *kp, const fa_rows *r, const float *sacc,
+                           fa_u32 pa[][4], int n)
+{
+#pragma unroll
+    for (int b0 = 0; b0 < FA_BN / 16; b0 += 2)
+        fa_keep_chunk(kp, r, sacc, pa, n, b0);
 }
 #endif
 
@@ -213,11 +214,6 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
 #endif
 #endif
     fa_softmax_rows(sacc, r->sm, 0.f, row_max, row_sum, alpha);
-#if FA_DROPOUT
-#pragma unroll
-    for (int g0 = 0; g0 < FA_BN / 8; g0 += 4)
-        fa_keep_chunk(r, sacc, n, g0);
-#endif
 }
 
 #endif /* FA_FWD_SM90_SOFTMAX_CUH */

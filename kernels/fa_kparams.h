@@ -47,7 +47,7 @@ typedef struct fa_kparams {
     int hk, d;
     int dv, window_left; /* window: -1 unbounded, causal already folded in */
     int window_right, probs_block_n;
-    fa_u32 keep_threshold; /* keep iff the 16-bit number < keep_threshold */
+    fa_u32 keep_threshold; /* keep iff the 8-bit number < keep_threshold (0..256) */
     float dropout_scale;   /* 1 / (1 - p) */
     float scale;           /* softmax scale */
     float scale_log2;      /* scale * log2(e), or softcap * log2(e) with softcap */

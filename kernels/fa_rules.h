@@ -135,6 +135,23 @@ FA_RULE double fa_rule_default_scale(fa_i64 head_dim)
     return pow((double)head_dim, -0.5);
 }
 
+/* ---- the dropout mask ----------------------------------------------------------------------- */
+
+/*
+ * The keep bit of element (row, col) of a (sequence, head) whose Philox stream is c (fa_dropout_keep
+ * in flashattn.h is the public statement): Philox4x32 with FA_RULE_PHILOX_ROUNDS rounds, key
+ * (lo32(seed), hi32(seed)) and counter (FA_RULE_DROPOUT_BLOCK(col), row, lo32(c), hi32(c)) gives
+ * words w0..w3; the element's number is the byte (w[FA_RULE_DROPOUT_WORD(col)] >>
+ * FA_RULE_DROPOUT_SHIFT(col)) & 0xff, and it is kept iff that number is below the call's
+ * threshold, (1 - p) * 256 rounded to nearest (fa_dropout_threshold). Seven rounds and 8-bit
+ * numbers are upstream FA2's; a block's 16 columns sit so that columns 2t, 2t + 1, 8 + 2t and
+ * 9 + 2t (one lane's share of an mma fragment's 16 columns) are the bytes of word t.
+ */
+#define FA_RULE_PHILOX_ROUNDS 7
+#define FA_RULE_DROPOUT_BLOCK(col) ((col) >> 4)
+#define FA_RULE_DROPOUT_WORD(col) (((col) & 7) >> 1)
+#define FA_RULE_DROPOUT_SHIFT(col) (8 * (((col) & 1) | (((col) >> 2) & 2)))
+
 /* ---- a KV cache's capacity ------------------------------------------------------------------ */
 
 /* Whether a sequence with len positions in its cache takes s_new more within capacity positions

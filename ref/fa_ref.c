@@ -18,11 +18,11 @@ static void mulhilo32(uint32_t a, uint32_t b, uint32_t *hi, uint32_t *lo)
     *lo = (uint32_t)prod;
 }
 
-void fa_ref_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4])
+void fa_ref_philox4x32(const uint32_t ctr[4], const uint32_t key[2], int rounds, uint32_t out[4])
 {
     uint32_t c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3];
     uint32_t k0 = key[0], k1 = key[1];
-    for (int round = 0; round < 10; round++) {
+    for (int round = 0; round < rounds; round++) {
         if (round > 0) {
             k0 += 0x9E3779B9u;
             k1 += 0xBB67AE85u;
@@ -49,14 +49,20 @@ int fa_ref_dropout_keep(uint64_t seed, uint64_t offset, int64_t num_heads, int64
                         int64_t head, int64_t row, int64_t col, double dropout_p)
 {
     uint64_t c = offset + (uint64_t)batch * (uint64_t)num_heads + (uint64_t)head;
-    uint32_t ctr[4] = {(uint32_t)((uint64_t)col >> 3), (uint32_t)(uint64_t)row, (uint32_t)c,
+    uint32_t ctr[4] = {(uint32_t)((uint64_t)col / 16), (uint32_t)(uint64_t)row, (uint32_t)c,
                        (uint32_t)(c >> 32)};
     uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
     uint32_t w[4];
-    fa_ref_philox4x32_10(ctr, key, w);
-    uint32_t word = w[(col & 7) >> 1];
-    uint32_t r = (word >> (16 * (col & 1))) & 0xffffu;
-    double threshold = floor((1.0 - dropout_p) * 65536.0);
+    fa_ref_philox4x32(ctr, key, 7, w);
+    /* column c of the block's 16: word (c % 8) / 2, byte c % 2 + 2 (c / 8) */
+    int64_t cb = col % 16;
+    uint32_t byte = (uint32_t)(cb % 2 + 2 * (cb / 8));
+    uint32_t r = (w[(cb % 8) / 2] >> (8 * byte)) & 0xffu;
+    if (!(dropout_p < 1.0))
+        return 0;
+    if (dropout_p <= 0.0)
+        return 1;
+    double threshold = floor((1.0 - dropout_p) * 256.0 + 0.5);
     return (double)r < threshold;
 }
 

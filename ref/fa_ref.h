@@ -53,8 +53,9 @@ double fa_ref_fp8_value(uint8_t code, fa_dtype dtype); /* an fp8 code's value */
 
 /* Extras (used by the tests). */
 
-/* Philox4x32-10 (Random123): one block of four 32-bit words from counter ctr and key. */
-void fa_ref_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]);
+/* Philox4x32 of `rounds` rounds (Random123's philox4x32_R): one block of four 32-bit words from
+   counter ctr and key. */
+void fa_ref_philox4x32(const uint32_t ctr[4], const uint32_t key[2], int rounds, uint32_t out[4]);
 
 /* The dropout keep bit as the header defines it (an independent implementation of
    fa_dropout_keep): 1 kept, 0 dropped. */

@@ -8,7 +8,7 @@
 #include "core/fa_fp8.h"
 #include "core/fa_options.h"
 #include "core/fa_params.h"
-#include "util/fa_philox.h"
+#include "core/fa_philox.h"
 
 /* cu_seqlens: int32 [b+1], non-negative, non-decreasing, within total rows and max_seqlen.
  * The values are checked only when they live in host memory (on_host): device offsets are never

@@ -78,7 +78,7 @@ typedef struct fa_params {
     int window_right; /* -1 unbounded */
 
     double dropout_p;
-    uint32_t keep_threshold; /* keep iff the 16-bit number < keep_threshold */
+    uint32_t keep_threshold; /* keep iff the 8-bit number < keep_threshold (0..256) */
     double dropout_scale;    /* 1 / (1 - p) */
     uint64_t seed, offset;
 

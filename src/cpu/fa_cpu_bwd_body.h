@@ -204,14 +204,11 @@ FA_CPU_INLINE void FA_FN(fa_bwd_probs)(const fa_params *p, FA_FN(fa_bwd_tile) * 
         for (int64_t x = 0; x < n * mp; x++)
             t->zt[x] = 0;
         for (int64_t i = 0; i < m; i++) {
-            int64_t col8 = -1;
             fa_philox4 bits = {{0, 0, 0, 0}};
             for (int64_t j = 0; j < n; j++) {
                 const int64_t col = j0 + j;
-                if ((col >> 3) != col8) {
-                    col8 = col >> 3;
-                    bits = fa_dropout_block(p->seed, stream, r0 + i, col8);
-                }
+                if (j == 0 || !fa_dropout_same_block(col, col - 1))
+                    bits = fa_dropout_block(p->seed, stream, r0 + i, col);
                 if (fa_dropout_number(&bits, col) < p->keep_threshold)
                     t->zt[j * mp + i] = zscale;
             }

@@ -226,14 +226,11 @@ FA_CPU_INLINE void FA_FN(fa_tile_dropout)(const fa_params *p, FA_FN(fa_tile) * t
 {
     const uint64_t stream = p->offset + (uint64_t)seq_index * (uint64_t)p->h + (uint64_t)h;
     for (int64_t i = c0; i < c1; i++) {
-        int64_t col8 = -1;
         fa_philox4 bits = {{0, 0, 0, 0}};
         for (int64_t j = 0; j < n; j++) {
             const int64_t col = j0 + j;
-            if ((col >> 3) != col8) {
-                col8 = col >> 3;
-                bits = fa_dropout_block(p->seed, stream, r0 + i, col8);
-            }
+            if (j == 0 || !fa_dropout_same_block(col, col - 1))
+                bits = fa_dropout_block(p->seed, stream, r0 + i, col);
             if (fa_dropout_number(&bits, col) >= p->keep_threshold)
                 t->st[j * ld + i] = 0;
         }

@@ -9,7 +9,7 @@
 #include "plan/fa_plan_cpu.h"
 #include "util/fa_half.h"
 #include "util/fa_memory.h"
-#include "util/fa_philox.h"
+#include "core/fa_philox.h"
 
 #define FA_CPU_BM 64 /* query rows per tile (backward) */
 /* Most columns of a forward tile's query-column buffers (Q^T, S^T, P^T, O^T): see

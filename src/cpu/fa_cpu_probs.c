@@ -9,7 +9,7 @@
 #include "core/fa_kvcache.h"
 #include "cpu/fa_cpu.h"
 #include "util/fa_half.h"
-#include "util/fa_philox.h"
+#include "core/fa_philox.h"
 #include "util/fa_threadpool.h"
 
 static double fa_probs_load(const void *base, int64_t at, fa_dtype dtype)
@@ -96,7 +96,7 @@ static void fa_probs_task(void *ctx, int64_t item, int thread)
             for (int64_t j = a; j < b; j++) {
                 double e = exp(s[j] - mx);
                 if (p->dropout_p > 0) {
-                    fa_philox4 bits = fa_dropout_block(p->seed, stream, i, j >> 3);
+                    fa_philox4 bits = fa_dropout_block(p->seed, stream, i, j);
                     if (fa_dropout_number(&bits, j) >= p->keep_threshold)
                         e = -e;
                 }

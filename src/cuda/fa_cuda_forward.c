@@ -12,7 +12,7 @@
 #include "core/fa_fp8.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_jit.h"
-#include "util/fa_philox.h"
+#include "core/fa_philox.h"
 
 #define FA_PROBS_WARPS 4
 
@@ -21,7 +21,7 @@
 typedef struct fa_cuda_tmaps {
     fa_cu_tensor_map q, k, v;
     int paired;
-    uint32_t philox_keys[20];
+    uint32_t philox_keys[2 * FA_RULE_PHILOX_ROUNDS];
 } fa_cuda_tmaps;
 
 /* The driver's encoding of fa_cuda_tmap's map (below). */

@@ -1,10 +1,10 @@
 /*
- * test_philox: Philox4x32-10 and the dropout keep bit.
- *  - the reference's Philox against Random123's published known-answer vectors;
- *  - the library's fa_dropout_keep on exact thresholds derived from those vectors (this pins the
- *    counter/key layout and the 16-bit extraction of the header's definition);
+ * test_philox: Philox4x32 and the dropout keep bit.
+ *  - the reference's Philox (10 and 7 rounds) against Random123's published known-answer vectors;
+ *  - the library's fa_dropout_keep on exact thresholds derived from the 7-round vectors (this
+ *    pins the counter/key layout and the byte extraction of the header's definition);
  *  - fa_dropout_keep against the reference's independent implementation on many random inputs;
- *  - keep fraction statistically near floor((1 - p) * 65536) / 65536, pairs uncorrelated.
+ *  - keep fraction statistically near round((1 - p) * 256) / 256, pairs uncorrelated.
  */
 #include <math.h>
 #include <stdio.h>
@@ -19,7 +19,8 @@ typedef struct kat {
     uint32_t expect[4];
 } kat;
 
-static const kat kats[3] = {
+/* Random123's kat_vectors, philox4x32 10 and philox4x32 7 (what dropout runs). */
+static const kat kats10[3] = {
     {{0, 0, 0, 0}, {0, 0}, {0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}},
     {{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu},
      {0xffffffffu, 0xffffffffu},
@@ -28,23 +29,33 @@ static const kat kats[3] = {
      {0xa4093822u, 0x299f31d0u},
      {0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}},
 };
+static const kat kats[3] = {
+    {{0, 0, 0, 0}, {0, 0}, {0x5f6fb709u, 0x0d893f64u, 0x4f121f81u, 0x4f730a48u}},
+    {{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu},
+     {0xffffffffu, 0xffffffffu},
+     {0x5207ddc2u, 0x45165e59u, 0x4d8ee751u, 0x8c52f662u}},
+    {{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u},
+     {0xa4093822u, 0x299f31d0u},
+     {0x4dfccabau, 0x190a87f0u, 0xc47362bau, 0xb6b5242au}},
+};
 
 static void test_kat(void)
 {
     tu_where = "ref Philox KAT";
-    for (int v = 0; v < 3; v++) {
+    for (int v = 0; v < 6; v++) {
+        const kat *K = v < 3 ? &kats10[v] : &kats[v - 3];
         uint32_t out[4];
-        fa_ref_philox4x32_10(kats[v].ctr, kats[v].key, out);
+        fa_ref_philox4x32(K->ctr, K->key, v < 3 ? 10 : 7, out);
         for (int i = 0; i < 4; i++) {
-            TU_CHECK(out[i] == kats[v].expect[i], "vector %d word %d: got %08x want %08x", v, i,
-                     out[i], kats[v].expect[i]);
+            TU_CHECK(out[i] == K->expect[i], "vector %d word %d: got %08x want %08x", v, i, out[i],
+                     K->expect[i]);
         }
     }
 }
 
-/* Exact-threshold checks of the library's keep bit. For each KAT vector we choose
+/* Exact-threshold checks of the library's keep bit. For each 7-round KAT vector we choose
    (seed, offset, num_heads, batch, head, row, col) that make the header's counter and key equal to
-   the vector's, so the element's 16-bit number r is known; then with p = 1 - k/65536 (exact) the
+   the vector's, so the element's 8-bit number r is known; then with p = 1 - k/256 (exact) the
    element must be dropped for k = r and kept for k = r + 1. */
 static void test_keep_kat(void)
 {
@@ -67,12 +78,13 @@ static void test_keep_kat(void)
                 used = 0;
             }
             uint64_t offset = c - used;
-            for (int t = 0; t < 8; t++) {
-                int64_t col = ((int64_t)K->ctr[0] << 3) + t;
-                uint32_t r = (K->expect[t >> 1] >> (16 * (t & 1))) & 0xffffu;
+            for (int t = 0; t < 16; t++) {
+                int64_t col = ((int64_t)K->ctr[0] << 4) + t;
+                /* column t of the block: word (t % 8) / 2, byte t % 2 + 2 (t / 8) */
+                uint32_t r = (K->expect[(t % 8) / 2] >> (8 * (t % 2 + 2 * (t / 8)))) & 0xffu;
                 /* k = r: threshold r, r < r false -> dropped */
-                double p_drop = 1.0 - (double)r / 65536.0;
-                double p_keep = 1.0 - (double)(r + 1) / 65536.0;
+                double p_drop = 1.0 - (double)r / 256.0;
+                double p_keep = 1.0 - (double)(r + 1) / 256.0;
                 int ref_drop = fa_ref_dropout_keep(seed, offset, nh, batch, head, row, col, p_drop);
                 int ref_keep = fa_ref_dropout_keep(seed, offset, nh, batch, head, row, col, p_keep);
                 TU_CHECK((r == 0 || ref_drop == 0) && ref_keep == 1,
@@ -80,12 +92,12 @@ static void test_keep_kat(void)
                 if (r > 0) { /* r = 0 would need p = 1, outside the domain */
                     int lib_drop = fa_dropout_keep(seed, offset, nh, batch, head, row, col, p_drop);
                     TU_CHECK(lib_drop == 0,
-                             "vector %d col%%8=%d (r=0x%04x): p=1-r/65536 must drop, got keep=%d", v,
+                             "vector %d col%%16=%d (r=0x%02x): p=1-r/256 must drop, got keep=%d", v,
                              t, r, lib_drop);
                 }
                 int lib_keep = fa_dropout_keep(seed, offset, nh, batch, head, row, col, p_keep);
                 TU_CHECK(lib_keep == 1,
-                         "vector %d col%%8=%d (r=0x%04x): p=1-(r+1)/65536 must keep, got %d", v, t, r,
+                         "vector %d col%%16=%d (r=0x%02x): p=1-(r+1)/256 must keep, got %d", v, t, r,
                          lib_keep);
             }
         }
@@ -114,7 +126,7 @@ static void test_random_agreement(tu_rng *rng)
             p = tu_rng_uniform(rng, 0.0, 1.0);
             break;
         case 1:
-            p = 1.0 - (double)tu_rng_int(rng, 1, 65536) / 65536.0; /* exact thresholds */
+            p = 1.0 - (double)tu_rng_int(rng, 1, 256) / 256.0; /* exact thresholds */
             break;
         case 2:
             p = (double)tu_rng_int(rng, 1, 99) / 100.0; /* decimal values */
@@ -169,7 +181,7 @@ static void test_fraction(tu_rng *rng)
                 }
             }
         }
-        double q = floor((1.0 - p) * 65536.0) / 65536.0;
+        double q = floor((1.0 - p) * 256.0 + 0.5) / 256.0;
         double frac = (double)kept / (double)n;
         double sigma = sqrt(q * (1.0 - q) / (double)n);
         if (p == 0.0) {

@@ -150,7 +150,7 @@ static const struct {
     {{"sm90 varlen dropout alibi gqa d128", 4, 4, 2, 300, 420, 128, 128, 1, -1, -1, 0, 1, 0, 0.2, 1, 1, 0, 0}, 1},
     {{"sm90 varlen dropout window d256", 3, 2, 1, 300, 333, 256, 256, 0, 70, 20, 0, 0, 0, 0.3, 1, 0, 0, 0}, 1},
     {{"sm90 varlen dropout d192", 3, 4, 4, 200, 260, 192, 192, 0, -1, -1, 0, 0, 0, 0.05, 1, 0, 0, 0}, 1},
-    /* dropout_p within 2^-16 of 1: a keep threshold of 0, every key dropped. */
+    /* dropout_p within 1/512 of 1: a keep threshold of 0, every key dropped. */
     {{"sm90 dropout p~1 d64", 1, 2, 2, 90, 130, 64, 64, 0, -1, -1, 0, 0, 0, 0.99999, 0, 0, 0, 0}, 1},
     /* Cases the family does not take: the sm80 family runs them. */
     {{"sm90->sm80 probs d64", 1, 2, 2, 129, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0, 0, 0, 1, 0}, 0},
@@ -183,6 +183,11 @@ static const struct {
      "128,4,0,2,3"},
     {{"sm90 3 consumers varlen softcap d64", 4, 4, 2, 400, 520, 64, 64, 1, -1, -1, 20, 0, 0, 0, 1, 1, 0, 0},
      "128,4,0,1,3"},
+    /* Key blocks that end in a lone 16-column Philox block (80) or a chunk of one (112). */
+    {{"sm90 dropout causal bn80 d64", 2, 3, 3, 257, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0.17, 0, 0, 0, 0},
+     "80,2,0,1,2"},
+    {{"sm90 dropout window bn112 d128", 1, 4, 2, 200, 333, 128, 128, 0, 90, 40, 0, 1, 0, 0.3, 0, 0, 0, 0},
+     "112,2,1,1,2"},
     /* Three consumers store O in 4-byte pieces, up to dv's columns of the padded 64. */
     {{"sm90 3 consumers d64 dv40 padded", 1, 8, 2, 450, 500, 64, 40, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 8},
      "128,4,0,1,3"},

@@ -7,7 +7,7 @@ Everything is vectorised NumPy in float64:
   softcap, ALiBi, sinks, GQA, dropout through an explicit keep mask; returns out, lse and
   (optionally) upstream's S_dmask encoding of the probabilities.
 * ``varlen_ref``: the same per sequence of a varlen batch.
-* ``philox4x32_10`` / ``dropout_keep_mask``: the keep bits exactly as the header defines them.
+* ``philox4x32`` / ``dropout_keep_mask``: the keep bits exactly as the header defines them.
 * ``attention_naive_lowp``: naive attention computed in a low-precision torch dtype (the
   baseline of upstream's accuracy criterion).
 """
@@ -15,7 +15,7 @@ Everything is vectorised NumPy in float64:
 import numpy as np
 
 # --------------------------------------------------------------------------------------------
-# Philox4x32-10 (Salmon et al. 2011), vectorised over arrays of counters.
+# Philox4x32-R (Salmon et al. 2011), vectorised over arrays of counters; dropout runs 7 rounds.
 
 _M0 = np.uint64(0xD2511F53)
 _M1 = np.uint64(0xCD9E8D57)
@@ -24,11 +24,11 @@ _W1 = 0xBB67AE85
 _MASK32 = np.uint64(0xFFFFFFFF)
 
 
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds=7):
     """Four uint32 arrays (broadcast together) and a key (two python ints) -> four uint32 words."""
     c = [np.asarray(x, dtype=np.uint64) & _MASK32 for x in np.broadcast_arrays(c0, c1, c2, c3)]
     k0, k1 = int(k0) & 0xFFFFFFFF, int(k1) & 0xFFFFFFFF
-    for r in range(10):
+    for r in range(rounds):
         if r > 0:
             k0 = (k0 + _W0) & 0xFFFFFFFF
             k1 = (k1 + _W1) & 0xFFFFFFFF
@@ -41,7 +41,19 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
 
 
 def keep_threshold(dropout_p):
-    return int(np.floor((1.0 - dropout_p) * 65536.0))
+    """Numbers below it are kept: (1 - p) * 256 rounded to nearest."""
+    return int(np.floor((1.0 - dropout_p) * 256.0 + 0.5))
+
+
+def dropout_number(w, col):
+    """Column col's 8-bit number from its block's four words w (arrays broadcast with col): the
+    block's column c = col % 16 is byte c % 2 + 2 (c // 8) of word (c % 8) // 2."""
+    c = np.asarray(col, dtype=np.uint64) % np.uint64(16)
+    w = np.stack(np.broadcast_arrays(*w, c)[:4])
+    widx = np.broadcast_to(((c % np.uint64(8)) // np.uint64(2)).astype(np.int64), w.shape[1:])
+    word = np.take_along_axis(w, widx[None], axis=0)[0].astype(np.uint64)
+    shift = np.uint64(8) * (c % np.uint64(2) + np.uint64(2) * (c // np.uint64(8)))
+    return (word >> shift) & np.uint64(0xFF)
 
 
 def dropout_keep_mask(seed, offset, num_heads, batch, sq, sk, dropout_p):
@@ -51,14 +63,9 @@ def dropout_keep_mask(seed, offset, num_heads, batch, sq, sk, dropout_p):
     rows = np.arange(sq, dtype=np.uint64)[None, :, None]
     cols = np.arange(sk, dtype=np.uint64)[None, None, :]
     cnt = (np.uint64(offset) + np.uint64(batch) * np.uint64(num_heads) + heads)
-    w = philox4x32_10(cols >> np.uint64(3), rows, cnt & _MASK32, cnt >> np.uint64(32),
-                      seed & 0xFFFFFFFF, seed >> 32)
-    w = np.stack(np.broadcast_arrays(*w))  # [4, h, sq, sk]
-    widx = ((cols & np.uint64(7)) >> np.uint64(1)).astype(np.int64)
-    widx = np.broadcast_to(widx, w.shape[1:])
-    word = np.take_along_axis(w, widx[None], axis=0)[0].astype(np.uint64)
-    shift = np.uint64(16) * (cols & np.uint64(1))
-    r = (word >> shift) & np.uint64(0xFFFF)
+    w = philox4x32(cols // np.uint64(16), rows, cnt & _MASK32, cnt >> np.uint64(32),
+                   seed & 0xFFFFFFFF, seed >> 32)
+    r = dropout_number(w, cols)  # [h, sq, sk]
     return r < np.uint64(keep_threshold(dropout_p))
 
 

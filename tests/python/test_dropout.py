@@ -54,7 +54,7 @@ def test_c_keep_bit_matches_numpy_philox(rng):
         # a small block at an arbitrary (row0, col0), element by element
         for head in {0, nh // 2, nh - 1}:
             for dr in range(2):
-                for dc in range(9):
+                for dc in range(17):
                     row, col = row0 + dr, col0 + dc
                     want = _keep_one(seed, offset, nh, batch, head, row, col, p)
                     got = _lib.dropout_keep(seed, offset, nh, batch, head, row, col, p)
@@ -69,11 +69,13 @@ def test_c_keep_bit_matches_numpy_philox(rng):
 
 
 def _keep_one(seed, offset, nh, batch, head, row, col, p):
-    from reference import philox4x32_10
+    """The header's text, element by element: Philox4x32-7, counter (col >> 4, row, c), the
+    number byte (col & 1) + 2 ((col >> 3) & 1) of word (col & 7) >> 1."""
+    from reference import philox4x32
 
     c = (offset + batch * nh + head) & 0xFFFFFFFFFFFFFFFF
-    w = philox4x32_10(col >> 3, row, c & 0xFFFFFFFF, c >> 32, seed & 0xFFFFFFFF, seed >> 32)
-    r = (int(w[(col & 7) >> 1]) >> (16 * (col & 1))) & 0xFFFF
+    w = philox4x32(col >> 4, row, c & 0xFFFFFFFF, c >> 32, seed & 0xFFFFFFFF, seed >> 32)
+    r = (int(w[(col & 7) >> 1]) >> (8 * ((col & 1) + 2 * ((col >> 3) & 1)))) & 0xFF
     return r < keep_threshold(p)
 
 
@@ -121,7 +123,7 @@ def test_dropout_dense(causal, window, d, alibi, sinks, kind, dt, rng):
     # 1. The sign of S_dmask is the dropout mask, and it is the header's Philox mask.
     dropped = np.signbit(to64(S)[:, :, :sq, :sk])
     assert np.array_equal(~dropped[vis], keep[vis])
-    kept, pk = keep[vis].mean(), keep_threshold(p) / 65536
+    kept, pk = keep[vis].mean(), keep_threshold(p) / 256
     assert abs(kept - pk) < 5 * np.sqrt(pk * (1 - pk) / vis.sum()), (kept, pk)
     # 2. out is the reference with that mask; lse does not depend on dropout.
     rargs = dict(alibi=None if al is None else al.astype(np.float64),

@@ -6,20 +6,26 @@ import math
 
 import numpy as np
 
-from reference import (attention_ref, dropout_keep_mask, philox4x32_10, probs_encoding,
+from reference import (attention_ref, dropout_keep_mask, philox4x32, probs_encoding,
                        visible_mask)
 
 
 def test_philox_known_answers():
-    # Random123's kat_vectors for philox4x32-10: (counter, key) -> output.
+    # Random123's kat_vectors for philox4x32-10 and -7: (rounds, counter, key) -> output.
     cases = [
-        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+        (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        (10, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2,
+         (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (10, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
          (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+        (7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+        (7, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2,
+         (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+        (7, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
     ]
-    for ctr, key, want in cases:
-        got = philox4x32_10(*[np.array([c]) for c in ctr], *key)
+    for rounds, ctr, key, want in cases:
+        got = philox4x32(*[np.array([c]) for c in ctr], *key, rounds=rounds)
         assert tuple(int(w[0]) for w in got) == want
 
 
@@ -27,14 +33,14 @@ def test_keep_mask_matches_definition():
     # Element by element from the header's text, for a few awkward values.
     seed, offset, nh, p = 0x1234_5678_9ABC_DEF0, 7, 3, 0.3
     m = dropout_keep_mask(seed, offset, nh, 2, 4, 19, p)
-    thr = math.floor((1 - p) * 65536)
+    thr = math.floor((1 - p) * 256 + 0.5)
     for head in range(nh):
         for row in range(4):
             for col in range(19):
                 c = offset + 2 * nh + head
-                w = philox4x32_10(col >> 3, row, c & 0xFFFFFFFF, c >> 32,
-                                  seed & 0xFFFFFFFF, seed >> 32)
-                r = (int(w[(col & 7) >> 1]) >> (16 * (col & 1))) & 0xFFFF
+                w = philox4x32(col >> 4, row, c & 0xFFFFFFFF, c >> 32,
+                               seed & 0xFFFFFFFF, seed >> 32)
+                r = (int(w[(col & 7) >> 1]) >> (8 * ((col & 1) + 2 * ((col >> 3) & 1)))) & 0xFF
                 assert bool(m[head, row, col]) == (r < thr)
 
 
