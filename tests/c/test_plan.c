@@ -69,6 +69,11 @@ static void check_forward_sm90(void)
                      plan.threads == 128u * (ncw + 1),
                  "d %d long: %d consumers, bm %d, %u threads", d, plan_define(&plan, "FA_NCW"),
                  plan.bm, plan.threads);
+        /* Dropout keeps two consumers: three have no room to overlap its Philox runs. */
+        key.features |= FA_FEATURE_DROPOUT;
+        TU_CHECK(fa_plan_forward_sm90(&key, &plan) == FA_STATUS_OK &&
+                     plan_define(&plan, "FA_NCW") == 2,
+                 "d %d long dropout: %d consumers", d, plan_define(&plan, "FA_NCW"));
     }
     /* The override: taken when the kernel can, ignored otherwise. */
     fa_plan_key key = {90, FA_DTYPE_F16, 128, 128, 0, 0, 0, 0};
