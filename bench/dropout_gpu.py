@@ -1,0 +1,84 @@
+"""What dropout costs on CUDA: flashattn's flash_attn_func (forward, and forward + backward) with
+dropout_p 0 and P, beside PyTorch SDPA's FLASH (FA2) and cuDNN backends with and without dropout
+(forward), in one process.
+
+    PYTHONPATH=python FLASHATTN_LIBRARY=$PWD/build-cuda/libflashattn.so \\
+        python3 bench/dropout_gpu.py [--hdims 64,128] [--seqlens 2048,8192] [--p 0.1] [--no-torch]
+
+bf16, FlashAttention's benchmark shapes (16k tokens a call: batch = 16384 / seqlen; hidden 2048:
+heads = 2048 / hdim), causal and not. Each time is the best of 5 runs of 5 calls back to back
+(CUDA events), in ms; a ratio is the time without dropout over the time with it (1 = free).
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashattn
+
+
+def best_ms(fn, runs=5, calls=5):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) / calls)
+    return min(times)
+
+
+def sdpa_ms(backend, q, k, v, p, causal):
+    """SDPA's forward on [b, h, s, d] views, or nan where the backend refuses the call."""
+    try:
+        with sdpa_kernel(backend), torch.no_grad():
+            return best_ms(lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=p,
+                                                                  is_causal=causal))
+    except RuntimeError:
+        return float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hdims", default="64,128")
+    ap.add_argument("--seqlens", default="2048,8192")
+    ap.add_argument("--p", type=float, default=0.1, help="dropout_p of the timed calls")
+    ap.add_argument("--no-torch", action="store_true", help="skip SDPA's backends")
+    opts = ap.parse_args()
+    p = opts.p
+    print(f"ms, bf16, {torch.cuda.get_device_name()}; each cell: without / with dropout {p} (ratio)")
+    print("hdim seqlen causal | ours fwd            | ours fwd+bwd          | FA2 fwd"
+          "             | cuDNN fwd")
+    for d in [int(x) for x in opts.hdims.split(",")]:
+        for s in [int(x) for x in opts.seqlens.split(",")]:
+            b, h = 16384 // s, 2048 // d
+            q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3)]
+            dout = torch.randn_like(q)
+            for causal in (False, True):
+                cells = []
+                fwd = [0.0, 0.0]
+                both = [0.0, 0.0]
+                for i, dp in enumerate((0.0, p)):
+                    with torch.no_grad():
+                        fwd[i] = best_ms(lambda: flashattn.flash_attn_func(
+                            q, k, v, dropout_p=dp, causal=causal))
+                    both[i] = best_ms(lambda: torch.autograd.grad(flashattn.flash_attn_func(
+                        q, k, v, dropout_p=dp, causal=causal), (q, k, v), dout))
+                cells += [fwd, both]
+                if not opts.no_torch:
+                    qt, kt, vt = [x.detach().transpose(1, 2) for x in (q, k, v)]
+                    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+                        cells.append([sdpa_ms(backend, qt, kt, vt, dp, causal)
+                                      for dp in (0.0, p)])
+                text = " | ".join(f"{a:7.3f} / {c:7.3f} ({a / c:4.2f})" for a, c in cells)
+                print(f"{d:4d} {s:6d} {str(causal):6s} | {text}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
