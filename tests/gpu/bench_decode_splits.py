@@ -1,8 +1,8 @@
 """A decoding step by split count: the time per call of an eager loop (host included, CUDA
 events around back-to-back calls) and the GPU's own time (replay of a CUDA graph of 20 calls),
 for flash_attn_with_kvcache at num_splits 0 (the library's choice), 1, 2, ... 32 (or --splits), beside SDPA's
-cuDNN and FLASH backends on the same keys. bf16, 32 query heads over 8 kv heads, d 128, one
-query row, every sequence full.
+cuDNN and FLASH backends on the same keys. bf16, 32 query heads over 8 kv heads (--kv-heads),
+d 128 (--d), one query row, every sequence full.
 
     PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so \\
         python3 tests/gpu/bench_decode_splits.py [--batch 1,8] [--context 1024,8192,32768]
@@ -55,13 +55,15 @@ def main():
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", default="1024,8192,32768")
     ap.add_argument("--splits", default=SPLITS, help="num_splits values (default %s)" % SPLITS)
+    ap.add_argument("--d", type=int, default=128, help="head dim")
+    ap.add_argument("--kv-heads", type=int, default=8, help="kv heads (of 32 query heads)")
     a = ap.parse_args()
     torch.manual_seed(0)
     print("batch context case | loop us | gpu us")
     for b in (int(x) for x in a.batch.split(",")):
         for ctx in (int(x) for x in a.context.split(",")):
-            q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-            kc = torch.randn(b, ctx, 8, 128, device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(b, 1, 32, a.d, device="cuda", dtype=torch.bfloat16)
+            kc = torch.randn(b, ctx, a.kv_heads, a.d, device="cuda", dtype=torch.bfloat16)
             vc = torch.randn_like(kc)
             lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
             for sp in (int(x) for x in a.splits.split(",")):
