@@ -226,7 +226,7 @@ FA_DEV void fa_mma16816(float c[4], const fa_u32 a[4], fa_u32 b0, fa_u32 b1)
         c3 = lo0;                                                                                  \
     } while (0)
 
-/* Philox4x32 (FA_RULE_PHILOX_ROUNDS rounds) exactly as src/util/fa_philox.h computes it on the
+/* Philox4x32 (FA_RULE_PHILOX_ROUNDS rounds) exactly as src/core/fa_philox.h computes it on the
  * CPU (the dropout mask must be bit-identical): the four words of block (c0, c1, c2, c3) under
  * key (k0, k1), in w[0..3]. */
 FA_DEV void fa_philox4(fa_u32 c0, fa_u32 c1, fa_u32 c2, fa_u32 c3, fa_u32 k0, fa_u32 k1,
@@ -304,7 +304,7 @@ FA_DEV void fa_dropout_quad(fa_u32 blk0, fa_u32 row, fa_u64 stream, fa_u64 seed,
         out[j] = fa_pick4(got, t ^ j);
 }
 
-/* The threshold in both halves, for fa_dropout_apply2's f16x2 compare. */
+/* The threshold in both halves, for the f16x2 compares of fa_dropout_mask2 and _apply2. */
 FA_DEV fa_u32 fa_dropout_thr2(fa_u32 threshold)
 {
     return threshold * 0x00010001u;

@@ -71,7 +71,7 @@ FA_DEV void fa_keep_chunk(const fa_kparams *kp, const fa_rows *r, const float *s
                 FA_P_PACK_PAIR(sacc, pa, b0 + j, i & 1, i >> 1, 0xffffffffu);
         return;
     }
-    /* from the parameter bank where it is used: a register across the loop spilled at d 256 */
+    /* from the parameter bank where it is used, not held in a register across the key loop */
     const fa_u32 thr2 = fa_dropout_thr2(kp->keep_threshold);
     fa_u32 w[4];
     fa_philox4_keys((fa_u32)FA_RULE_DROPOUT_BLOCK(c0) + (r->q4 & 1), r->row0 + 8 * (r->q4 >> 1),

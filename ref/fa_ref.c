@@ -9,7 +9,7 @@
 #include <string.h>
 
 /* ------------------------------------------------------------------------------------------ */
-/* Philox4x32-10 and the dropout keep bit                                                      */
+/* Philox4x32-R and the dropout keep bit                                                       */
 
 static void mulhilo32(uint32_t a, uint32_t b, uint32_t *hi, uint32_t *lo)
 {
