@@ -47,9 +47,13 @@ typedef struct fa_dkparams {
     fa_i64 kd_bstride, kd_hstride, vd_bstride, vd_hstride;
 } fa_dkparams;
 
-/* fa_combine.cu's launch: a CTA of FA_COMBINE_THREADS threads merges FA_COMBINE_COLS columns of
- * one row, so a row of dv columns takes ceil(dv / FA_COMBINE_COLS) CTAs. */
+/* fa_combine.cu's launch: a unit is FA_COMBINE_COLS columns of one row, so a row of dv columns
+ * takes ceil(dv / FA_COMBINE_COLS) units; FA_COMBINE_PART_WARPS(splits) warps share a unit's
+ * parts (more where parts are many, so that no thread loads many in a row), and a CTA of
+ * FA_COMBINE_THREADS threads holds FA_COMBINE_UNITS_PER_CTA(splits) units. */
 #define FA_COMBINE_THREADS 128
-#define FA_COMBINE_COLS 64
+#define FA_COMBINE_COLS 128
+#define FA_COMBINE_PART_WARPS(splits) ((splits) > 16 ? 4 : (splits) > 8 ? 2 : 1)
+#define FA_COMBINE_UNITS_PER_CTA(splits) (FA_COMBINE_THREADS / 32 / FA_COMBINE_PART_WARPS(splits))
 
 #endif /* FA_DKPARAMS_H */

@@ -348,7 +348,9 @@ static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, i
     FA_TRY(fa_plan_combine(&key, &plan));
     FA_TRY(fa_jit_function(&plan, ctx, "fa_combine", &fn));
     const int64_t rows = dk.f.b * dk.f.max_sq * dk.f.h;
-    const int64_t ctas = rows * ((dk.f.dv + FA_COMBINE_COLS - 1) / FA_COMBINE_COLS);
+    const int64_t units = rows * ((dk.f.dv + FA_COMBINE_COLS - 1) / FA_COMBINE_COLS);
+    const int64_t per_cta = FA_COMBINE_UNITS_PER_CTA(dk.splits);
+    const int64_t ctas = (units + per_cta - 1) / per_cta;
     if (ctas == 0)
         return FA_STATUS_OK;
     if (ctas > INT32_MAX)
