@@ -217,8 +217,6 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     /* The scratch of the Q tile's scale: stage 0, which no copy writes before this returns. */
     const float q_down =
         fa_decode_load_q8(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p, fa_smem_f32);
-#else
-    fa_decode_load_q(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p);
 #endif
 
     /* This thread's two rows (g8 and g8 + 8 of its warp's 16): their visible keys, slopes. */
@@ -292,10 +290,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     (void)k_ld, (void)v_ld;
 #endif
 
-#pragma unroll
-#pragma unroll
     /* Paged: the rows of the first FA_STAGES blocks found and kept before any copy. */
 #if FA_PAGED
+#pragma unroll
     for (int s = 0; s < FA_STAGES; s++)
         if (nb0 + s < nb1)
             fa_decode_row_keep(kp, &seq,
@@ -303,12 +300,17 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
                                rows_p + s * 2 * FA_BN);
     __syncthreads();
 #endif
+#pragma unroll
     for (int s = 0; s < FA_STAGES - 1; s++) {
         if (nb0 + s < nb1)
             fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
                            (char *)fa_smem, s, rows_p + s * 2 * FA_BN);
         fa_cp_async_commit();
     }
+#if !FA_KV_FP8
+    /* Q after the first copies are issued, so that its loads wait beside theirs, not before. */
+    fa_decode_load_q(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p);
+#endif
 
     for (int nb = nb0; nb < nb1; nb++) {
         const int slot = (nb - nb0) % FA_STAGES;

@@ -14,16 +14,20 @@
 /*
  * Decode (kernels/fa_decode.cu): four warps, split over the rows as far as the packed rows fill
  * them and over each key block otherwise; 64-key blocks, as many stages (2 to 4; to 8 for fp8
- * caches, whose stages are half the bytes) as fit about 96 KB, so two CTAs share an SM up to
- * head dim 128. Wider heads, whose two stages pass that
- * and so run one CTA per SM anyway, take as many stages as fit about 200 KB on the 227 KB parts
- * (sm_90, sm_100): with two, a lone CTA keeps too few bytes in flight to reach the bandwidth.
+ * caches, whose stages are half the bytes) as fit about 64 KB, so three CTAs share an SM up to
+ * head dim 128 (at head dim 128, two stages in three CTAs read faster than three in two); paged
+ * caches, whose row lookups want the deeper pipeline, about 96 KB (two CTAs per SM). Wider
+ * heads, whose two stages pass 96 KB and so run one CTA per SM anyway, take as many stages as
+ * fit about 200 KB on the 227 KB parts (sm_90, sm_100): with two, a lone CTA keeps too few
+ * bytes in flight to reach the bandwidth.
  * fp8 caches, whose blocks the warps convert as they read them: 128-key blocks where a warp
  * has a single row tile (the per-block work besides the conversion, halved per key), in
  * stages of about 64 KB at most (two at head dim 128, which measured ahead of three).
  */
 #define FA_DECODE_BN 64
-#define FA_DECODE_STAGE_BUDGET (96 * 1024)
+#define FA_DECODE_STAGE_BUDGET (64 * 1024)
+#define FA_DECODE_PAIR_BUDGET (96 * 1024) /* two stages past this: a CTA takes an SM alone */
+#define FA_DECODE_PAGED_BUDGET (96 * 1024)
 #define FA_DECODE_FP8_BUDGET (64 * 1024)
 #define FA_DECODE_ALONE_BUDGET (200 * 1024)
 #define FA_DECODE_MAX_AUTO_SPLITS 128
@@ -64,12 +68,15 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     plan->bn = kvb == 1 && wm == 1 && plan->dp + plan->dvp <= 256 ? 2 * FA_DECODE_BN
                                                                    : FA_DECODE_BN;
     plan->nwarps = 4;
+    const int paged = (key->features & FA_PLAN_PAGED) != 0;
     const int stage = kvb * plan->bn * (plan->dp + plan->dvp), most = 8 / kvb;
-    const int budget = kvb == 1 ? FA_DECODE_FP8_BUDGET : FA_DECODE_STAGE_BUDGET;
-    const int alone = 2 * stage > budget && fa_plan_sm_smem(key->arch) >= 228 * 1024;
+    const int budget = kvb == 1 ? FA_DECODE_FP8_BUDGET
+                       : paged  ? FA_DECODE_PAGED_BUDGET
+                                : FA_DECODE_STAGE_BUDGET;
+    const int alone = 2 * stage > (kvb == 1 ? budget : FA_DECODE_PAIR_BUDGET) &&
+                      fa_plan_sm_smem(key->arch) >= 228 * 1024;
     plan->stages = (alone ? FA_DECODE_ALONE_BUDGET : budget) / stage;
     plan->stages = plan->stages < 2 ? 2 : plan->stages > most ? most : plan->stages;
-    const int paged = (key->features & FA_PLAN_PAGED) != 0;
     /* A paged plan's row offsets must not cost it the second CTA per SM that the dense plan
      * has: where they would, it takes one stage fewer. */
     const int bm = 16 * wm, sm_bytes = fa_plan_sm_smem(key->arch);
@@ -160,7 +167,7 @@ int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, 
     return 1;
 }
 
-/* The combine (kernels/fa_combine.cu): one warp per row, nothing to tile. */
+/* The combine (kernels/fa_combine.cu): a warp per 128 columns of a row, nothing to tile. */
 fa_status fa_plan_combine(const fa_plan_key *key, fa_plan *plan)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16 && key->dtype != FA_DTYPE_F32)

@@ -633,7 +633,8 @@ static void check_defines(void)
 }
 
 /* A paged decode plan keeps the dense plan's two CTAs per SM (sm_90: 228 KB, 1 KB kept per CTA)
- * wherever the dense plan has them. */
+ * wherever the dense plan has them; up to head dim 128 and 16 packed rows the dense plan has
+ * three. */
 static void check_decode_paged(void)
 {
     for (int d = 64; d <= 256; d += 64)
@@ -648,6 +649,8 @@ static void check_decode_paged(void)
             TU_CHECK(!two || 2 * ((int)paged.smem + 1024) <= 228 * 1024,
                      "d %d rows %d: dense %u bytes (two per SM), paged %u (one)", d, rows,
                      dense.smem, paged.smem);
+            TU_CHECK(d > 128 || rows > 16 || 3 * ((int)dense.smem + 1024) <= 228 * 1024,
+                     "d %d rows %d: dense %u bytes, not three CTAs per SM", d, rows, dense.smem);
             TU_CHECK(paged.stages >= 2 && paged.stages >= dense.stages - 1,
                      "d %d rows %d: paged %d stages, dense %d", d, rows, paged.stages,
                      dense.stages);
