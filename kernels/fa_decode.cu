@@ -314,6 +314,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 
     for (int nb = nb0; nb < nb1; nb++) {
         const int slot = (nb - nb0) % FA_STAGES;
+#if FA_PAGED
+        /* Block nb + FA_STAGES's rows, for this slot, whose own rows were last read by the copy
+         * of block nb, issued FA_STAGES - 1 iterations ago (kept after this block's math,
+         * below); the table read issued before the wait, so that the wait hides it too. */
+        fa_paged_key next_row = {0, 0};
+        if (nb + FA_STAGES < nb1)
+            next_row = fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb + FA_STAGES) * FA_BN, khi);
+#endif
         /* Block nb landed (and Q); every warp is done with block nb - 1, whose stage the next
          * copy refills. */
         FA_CP_ASYNC_WAIT(FA_STAGES - 2);
@@ -325,13 +333,6 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
                                (char *)fa_smem, nslot, rows_p + nslot * 2 * FA_BN);
             fa_cp_async_commit();
         }
-#if FA_PAGED
-        /* Block nx + 1's rows, for this slot, whose own rows were last read by the copy of block
-         * nb, issued FA_STAGES - 1 iterations ago (kept after this block's math, below). */
-        fa_paged_key next_row = {0, 0};
-        if (nb + FA_STAGES < nb1)
-            next_row = fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb + FA_STAGES) * FA_BN, khi);
-#endif
         const fa_u32 soff = slot * FA_STAGE_BYTES;
         const int j0 = klo + nb * FA_BN + wn * FA_WKEYS; /* this warp's first key */
 
