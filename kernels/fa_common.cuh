@@ -310,34 +310,33 @@ FA_DEV fa_u32 fa_dropout_thr2(fa_u32 threshold)
     return threshold * 0x00010001u;
 }
 
-/* The keep mask of columns 2t + 8 hi, + 1 of a 16-column block from the lane's word w of that
- * block (bytes 2 hi, 2 hi + 1: FA_RULE_DROPOUT_SHIFT), 0xffff in each 16-bit half kept: prmt
- * spreads the two bytes into the low bytes of two halves; as f16 bit patterns they are
- * subnormals whose order is the integers' (as the threshold's, at most 0x0100), so one
- * set.lt.u32.f16x2 compares both. */
+/* The 8-bit numbers of columns 2t + 8 hi, + 1 of a 16-column block, from the lane's word w of
+ * that block (bytes 2 hi, 2 hi + 1: FA_RULE_DROPOUT_SHIFT), spread by prmt into the low bytes
+ * of two 16-bit halves: as f16 bit patterns they are subnormals whose order is the integers' (as
+ * the threshold's, at most 0x0100), so one f16x2 compare against fa_dropout_thr2 tests both. */
+FA_DEV fa_u32 fa_dropout_nums2(fa_u32 w, int hi)
+{
+    return __byte_perm(w, 0u, hi ? 0x4342u : 0x4140u);
+}
+
+/* The keep mask of those two columns: 0xffff in each 16-bit half kept (set.lt.u32.f16x2). */
 FA_DEV fa_u32 fa_dropout_mask2(fa_u32 w, int hi, fa_u32 thr2)
 {
-    const fa_u32 nums = __byte_perm(w, 0u, hi ? 0x4342u : 0x4140u);
     fa_u32 m;
-    asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(m) : "r"(nums), "r"(thr2));
+    asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(m) : "r"(fa_dropout_nums2(w, hi)), "r"(thr2));
     return m;
 }
 
-/* Dropout on the two probabilities x0, x1 of columns 2t + 8 hi, + 1 of a 16-column block, from
- * the lane's word w of that block (bytes 2 hi, 2 hi + 1: FA_RULE_DROPOUT_SHIFT): prmt spreads the
- * two bytes into the low bytes of two 16-bit halves; as f16 bit patterns they are subnormals whose
- * order is the integers' (as the threshold's, at most 0x0100), so one setp.lt.f16x2 compares both
- * (p the low half, q the high); an element is zeroed where its number is not below the
- * threshold. */
+/* Dropout on the two probabilities x0, x1 of those two columns: zeroed where the number is not
+ * below the threshold (setp.lt.f16x2: p the low half, q the high). */
 FA_DEV void fa_dropout_apply2(float *x0, float *x1, fa_u32 w, int hi, fa_u32 thr2)
 {
-    const fa_u32 nums = __byte_perm(w, 0u, hi ? 0x4342u : 0x4140u);
     asm("{\n\t.reg .pred p, q;\n\t"
         "setp.lt.f16x2 p|q, %2, %3;\n\t"
         "selp.f32 %0, %0, 0f00000000, p;\n\t"
         "selp.f32 %1, %1, 0f00000000, q;\n\t}"
         : "+f"(*x0), "+f"(*x1)
-        : "r"(nums), "r"(thr2));
+        : "r"(fa_dropout_nums2(w, hi)), "r"(thr2));
 }
 
 /* The visible keys [lo, hi) of row `row` of a sequence of sq queries and sk keys. */
