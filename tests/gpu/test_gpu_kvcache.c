@@ -448,14 +448,15 @@ static void run_alias_rotary(fa_dtype dt)
         gu_buf_free(all[i]);
 }
 
-/* fa_attention_combine on the device against the CPU's, with empty (+-inf) and NaN-free parts. */
-static void run_combine(fa_dtype dt)
+/* fa_attention_combine on the device against the CPU's, with empty (+-inf) and NaN-free parts;
+ * split counts that give a row's columns to one, two and four warps of the combine (kernels/
+ * fa_dkparams.h: FA_COMBINE_PART_WARPS), dv below and above one warp's 128 columns. */
+static void run_combine(fa_dtype dt, int splits, int dv)
 {
-    const kv_case cc = {"combine", 3, 5, 5, 4, 0, 96, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0};
+    const kv_case cc = {"combine", 3, 5, 5, 4, 0, dv, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0};
     const kv_case *c = &cc;
-    const int splits = 37;
-    int64_t ops[5] = {splits, 3, 4, 5, 96}, lps[4] = {splits, 3, 4, 5}, os[4] = {3, 4, 5, 96};
-    int64_t ls[3] = {3, 4, 5}, flat[4] = {splits * 3, 4, 5, 96};
+    int64_t ops[5] = {splits, 3, 4, 5, dv}, lps[4] = {splits, 3, 4, 5}, os[4] = {3, 4, 5, dv};
+    int64_t ls[3] = {3, 4, 5}, flat[4] = {splits * 3, 4, 5, dv};
     /* gpu_buf holds up to 4 dimensions: out_partial is a 5-D view of a 4-D buffer. */
     gpu_buf op = gu_buf_new(FA_DTYPE_F32, 4, flat, 0), lp = gu_buf_new(FA_DTYPE_F32, 4, lps, 0);
     op.host = fa_tensor_make(op.host.data, FA_DTYPE_F32, 5, ops, NULL);
@@ -492,9 +493,11 @@ static void run_combine(fa_dtype dt)
             lerr = fmax(lerr, fabs(g - r));
     }
     if (err > (dt == FA_DTYPE_BF16 ? 8e-3 : 1e-3) || lerr > 1e-5 || inf_bad)
-        FAIL("combine: out rel err %.3g, lse err %.3g, %d infinities differ", err, lerr, inf_bad);
+        FAIL("combine %d parts dv %d: out rel err %.3g, lse err %.3g, %d infinities differ",
+             splits, dv, err, lerr, inf_bad);
     else
-        printf("ok  combine %s: out rel err %.2e, lse err %.2e\n", fa_dtype_name(dt), err, lerr);
+        printf("ok  combine %s %d parts dv %d: out rel err %.2e, lse err %.2e\n",
+               fa_dtype_name(dt), splits, dv, err, lerr);
     free(go);
     free(gl);
     gpu_buf *all[] = {&op, &lp, &o, &lse};
@@ -515,8 +518,10 @@ int main(void)
         run_bad_indices();
         run_alias_rotary(FA_DTYPE_BF16);
         run_alias_rotary(FA_DTYPE_F16);
-        run_combine(FA_DTYPE_BF16);
-        run_combine(FA_DTYPE_F32);
+        run_combine(FA_DTYPE_BF16, 37, 96);
+        run_combine(FA_DTYPE_BF16, 12, 200);
+        run_combine(FA_DTYPE_BF16, 5, 200);
+        run_combine(FA_DTYPE_F32, 37, 96);
     }
     printf("test_gpu_kvcache: %d failures\n", failures);
     return failures ? 1 : 0;
