@@ -10,6 +10,8 @@ heads = 2048 / hdim), causal and not. Each time is the best of 5 runs of 5 calls
 (CUDA events), in ms; a ratio is the time without dropout over the time with it (1 = free).
 """
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -17,20 +19,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests", "gpu"))
+import bench_timing  # noqa: E402  (tests/gpu/bench_timing.py: the GPU benchmarks' timer)
 
-def best_ms(fn, runs=5, calls=5):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / calls)
-    return min(times)
+
+def best_ms(fn):
+    return bench_timing.best_ms(fn, reps=5, warmup=1, calls=5)
 
 
 def sdpa_ms(backend, q, k, v, p, causal):

@@ -73,7 +73,7 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     const int budget = kvb == 1 ? FA_DECODE_FP8_BUDGET
                        : paged  ? FA_DECODE_PAGED_BUDGET
                                 : FA_DECODE_STAGE_BUDGET;
-    const int alone = 2 * stage > (kvb == 1 ? budget : FA_DECODE_PAIR_BUDGET) &&
+    const int alone = 2 * stage > (kvb == 1 ? FA_DECODE_FP8_BUDGET : FA_DECODE_PAIR_BUDGET) &&
                       fa_plan_sm_smem(key->arch) >= 228 * 1024;
     plan->stages = (alone ? FA_DECODE_ALONE_BUDGET : budget) / stage;
     plan->stages = plan->stages < 2 ? 2 : plan->stages > most ? most : plan->stages;

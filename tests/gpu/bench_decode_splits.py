@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import bench_timing  # tests/gpu/bench_timing.py, beside this script
 from flashattn import flash_attn_with_kvcache
 
 SPLITS = "0,1,2,4,8,16,32"
@@ -20,19 +21,7 @@ SPLITS = "0,1,2,4,8,16,32"
 
 def loop_us(fn, calls=200, reps=5):
     """Best time per call of `calls` back-to-back calls (CUDA events)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    return best
+    return bench_timing.best_ms(fn, reps=reps, warmup=10, calls=calls) * 1e3
 
 
 def graph_us(fn, calls=20):
