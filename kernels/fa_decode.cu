@@ -40,6 +40,7 @@
  */
 #include "fa_common.cuh"
 #include "fa_dkparams.h"
+#include "fa_smem.h"
 
 #define FA_NWARPS (FA_WM * FA_WN)
 #define FA_THREADS (FA_NWARPS * 32)
@@ -455,15 +456,21 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     }
 #if FA_WN > 1
     {
-        /* Reuses the stages: per warp O fp32 [16][FA_DVP], then max and sum per row [16][2]. */
+        /* Reuses the stages: the O of each warp past the first FA_WM, fp32 [16][FA_MS] in the C
+         * fragments' order (read back by the lanes that hold the same positions), then every
+         * warp's max and sum per row [16][2]. FA_OB(w, r): warp w's row r. */
+#define FA_MS FA_DECODE_MERGE_STRIDE(FA_DVP)
+#define FA_OB(w, r) (ob + (((w) - FA_WM) * 16 + (r)) * FA_MS)
         float *ob = (float *)fa_smem;
-        float *ml = ob + FA_NWARPS * 16 * FA_DVP;
+        float *ml = ob + (FA_NWARPS - FA_WM) * 16 * FA_MS;
         __syncthreads();
+        if (wn != 0)
 #pragma unroll
-        for (int ot = 0; ot < FA_OT; ot++)
+            for (int ot = 0; ot < FA_OT; ot++)
 #pragma unroll
-            for (int e = 0; e < 4; e++)
-                ob[(warp * 16 + g8 + 8 * (e >> 1)) * FA_DVP + ot * 8 + 2 * t + (e & 1)] = o[ot][e];
+                for (int hf = 0; hf < 2; hf++)
+                    *(float2 *)(FA_OB(warp, g8 + 8 * hf) + ot * 8 + 2 * t) =
+                        make_float2(o[ot][2 * hf], o[ot][2 * hf + 1]);
         if (t == 0)
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
@@ -479,6 +486,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 #endif
             return;
         }
+        /* The first warp of the rows weighs every warp's part, its own from its registers. */
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             float m = -FA_INF;
@@ -495,17 +503,21 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
             row_max[hf] = m;
             row_sum[hf] = l;
 #pragma unroll
-            for (int ot = 0; ot < FA_OT; ot++)
+            for (int ot = 0; ot < FA_OT; ot++) {
+                float acc0 = f[0] * o[ot][2 * hf], acc1 = f[0] * o[ot][2 * hf + 1];
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float acc = 0.f;
-#pragma unroll
-                    for (int k = 0; k < FA_WN; k++)
-                        acc += f[k] * ob[((wm + k * FA_WM) * 16 + g8 + 8 * hf) * FA_DVP + ot * 8 +
-                                         2 * t + e];
-                    o[ot][2 * hf + e] = acc;
+                for (int k = 1; k < FA_WN; k++) {
+                    const float2 x =
+                        *(const float2 *)(FA_OB(wm + k * FA_WM, g8 + 8 * hf) + ot * 8 + 2 * t);
+                    acc0 += f[k] * x.x;
+                    acc1 += f[k] * x.y;
                 }
+                o[ot][2 * hf] = acc0;
+                o[ot][2 * hf + 1] = acc1;
+            }
         }
+#undef FA_OB
+#undef FA_MS
     }
 #endif
 
