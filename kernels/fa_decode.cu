@@ -455,70 +455,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
         row_sum[hf] += __shfl_xor_sync(0xffffffffu, row_sum[hf], 2);
     }
 #if FA_WN > 1
-    {
-        /* Reuses the stages: the O of each warp past the first FA_WM, fp32 [16][FA_MS] in the C
-         * fragments' order (read back by the lanes that hold the same positions), then every
-         * warp's max and sum per row [16][2]. FA_OB(w, r): warp w's row r. */
-#define FA_MS FA_DECODE_MERGE_STRIDE(FA_DVP)
-#define FA_OB(w, r) (ob + (((w) - FA_WM) * 16 + (r)) * FA_MS)
-        float *ob = (float *)fa_smem;
-        float *ml = ob + (FA_NWARPS - FA_WM) * 16 * FA_MS;
-        __syncthreads();
-        if (wn != 0)
-#pragma unroll
-            for (int ot = 0; ot < FA_OT; ot++)
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++)
-                    *(float2 *)(FA_OB(warp, g8 + 8 * hf) + ot * 8 + 2 * t) =
-                        make_float2(o[ot][2 * hf], o[ot][2 * hf + 1]);
-        if (t == 0)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                ml[(warp * 16 + g8 + 8 * hf) * 2] = row_max[hf];
-                ml[(warp * 16 + g8 + 8 * hf) * 2 + 1] = row_sum[hf];
-            }
-        __syncthreads();
-        if (wn != 0) {
+    fa_decode_merge_give(fa_smem_f32, o, row_max, row_sum, warp, wn, g8, t);
+    if (wn != 0) {
 #if __CUDA_ARCH__ >= 900
-            if (dp.cluster_merge)
-                fa_decode_merge_cluster(&dp, fa_smem_f32, 0, o, row_max, row_sum, wm, g8, t, bi,
-                                        kh, r0, rows, qs.q_start);
+        if (dp.cluster_merge)
+            fa_decode_merge_cluster(&dp, fa_smem_f32, 0, o, row_max, row_sum, wm, g8, t, bi, kh,
+                                    r0, rows, qs.q_start);
 #endif
-            return;
-        }
-        /* The first warp of the rows weighs every warp's part, its own from its registers. */
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            float m = -FA_INF;
-#pragma unroll
-            for (int k = 0; k < FA_WN; k++)
-                m = fmaxf(m, ml[((wm + k * FA_WM) * 16 + g8 + 8 * hf) * 2]);
-            float l = 0.f, f[FA_WN];
-#pragma unroll
-            for (int k = 0; k < FA_WN; k++) {
-                const int at = ((wm + k * FA_WM) * 16 + g8 + 8 * hf) * 2;
-                f[k] = m == -FA_INF ? 0.f : fa_exp2((ml[at] - m) * sm);
-                l += f[k] * ml[at + 1];
-            }
-            row_max[hf] = m;
-            row_sum[hf] = l;
-#pragma unroll
-            for (int ot = 0; ot < FA_OT; ot++) {
-                float acc0 = f[0] * o[ot][2 * hf], acc1 = f[0] * o[ot][2 * hf + 1];
-#pragma unroll
-                for (int k = 1; k < FA_WN; k++) {
-                    const float2 x =
-                        *(const float2 *)(FA_OB(wm + k * FA_WM, g8 + 8 * hf) + ot * 8 + 2 * t);
-                    acc0 += f[k] * x.x;
-                    acc1 += f[k] * x.y;
-                }
-                o[ot][2 * hf] = acc0;
-                o[ot][2 * hf + 1] = acc1;
-            }
-        }
-#undef FA_OB
-#undef FA_MS
+        return;
     }
+    fa_decode_merge_take(fa_smem_f32, o, row_max, row_sum, sm, wm, g8, t);
 #endif
 
     /* One split: out and lse, the sink joining the denominator. Several: this split's fp32

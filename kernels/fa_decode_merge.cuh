@@ -1,12 +1,83 @@
 /*
- * The decode kernel's split merge inside a thread block cluster (fa_decode.cu, dp.cluster_merge,
- * sm_90): the splits of a row tile merge their partials through distributed shared memory, by
- * fa_combine.cu's rule, with no workspace and no second launch.
+ * The decode kernel's merges (fa_decode.cu): of the warps that share a tile's rows, and of the
+ * splits of a row tile inside a thread block cluster (dp.cluster_merge, sm_90), which merge
+ * their partials through distributed shared memory, by fa_combine.cu's rule, with no
+ * workspace and no second launch.
  *
- * Needs fa_decode.cu's FA_DVP, FA_OT, FA_NWARPS, FA_OCOL and fa_common.cuh's cluster helpers.
+ * Needs fa_decode.cu's FA_DVP, FA_OT, FA_WM, FA_WN, FA_NWARPS, FA_OCOL, fa_smem.h's
+ * FA_DECODE_MERGE_STRIDE and fa_common.cuh's cluster helpers.
  */
 #ifndef FA_DECODE_MERGE_CUH
 #define FA_DECODE_MERGE_CUH
+
+#if FA_WN > 1
+/* The FA_WN warps that share a tile's rows (each had its share of every key block) merge into
+ * the first of them (wn 0) through the stages' memory at part: the others' O, fp32 [16][FA_MS]
+ * each in the C fragments' order (read back by the lanes that hold the same positions), then
+ * every warp's max and sum per row [16][2]. FA_MERGE_OB(w, r): warp w's row r. */
+#define FA_MERGE_MS FA_DECODE_MERGE_STRIDE(FA_DVP)
+#define FA_MERGE_OB(part, w, r) ((part) + (((w) - FA_WM) * 16 + (r)) * FA_MERGE_MS)
+#define FA_MERGE_ML(part) ((part) + (FA_NWARPS - FA_WM) * 16 * FA_MERGE_MS)
+
+/* Each warp gives its part (every thread calls it; the parts are complete on return). */
+FA_DEV void fa_decode_merge_give(float *part, const float (*o)[4], const float *row_max,
+                                 const float *row_sum, int warp, int wn, int g8, int t)
+{
+    float *ml = FA_MERGE_ML(part);
+    __syncthreads(); /* every warp is done with the stages */
+    if (wn != 0)
+#pragma unroll
+        for (int ot = 0; ot < FA_OT; ot++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++)
+                *(float2 *)(FA_MERGE_OB(part, warp, g8 + 8 * hf) + ot * 8 + 2 * t) =
+                    make_float2(o[ot][2 * hf], o[ot][2 * hf + 1]);
+    if (t == 0)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            ml[(warp * 16 + g8 + 8 * hf) * 2] = row_max[hf];
+            ml[(warp * 16 + g8 + 8 * hf) * 2 + 1] = row_sum[hf];
+        }
+    __syncthreads();
+}
+
+/* The first warp of the rows (wn 0) weighs every part, its own from its registers, into o,
+ * row_max and row_sum (sm: the factor of the maxima's units). */
+FA_DEV void fa_decode_merge_take(const float *part, float (*o)[4], float *row_max,
+                                 float *row_sum, float sm, int wm, int g8, int t)
+{
+    const float *ml = FA_MERGE_ML(part);
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float m = -FA_INF;
+#pragma unroll
+        for (int k = 0; k < FA_WN; k++)
+            m = fmaxf(m, ml[((wm + k * FA_WM) * 16 + g8 + 8 * hf) * 2]);
+        float l = 0.f, f[FA_WN];
+#pragma unroll
+        for (int k = 0; k < FA_WN; k++) {
+            const int at = ((wm + k * FA_WM) * 16 + g8 + 8 * hf) * 2;
+            f[k] = m == -FA_INF ? 0.f : fa_exp2((ml[at] - m) * sm);
+            l += f[k] * ml[at + 1];
+        }
+        row_max[hf] = m;
+        row_sum[hf] = l;
+#pragma unroll
+        for (int ot = 0; ot < FA_OT; ot++) {
+            float acc0 = f[0] * o[ot][2 * hf], acc1 = f[0] * o[ot][2 * hf + 1];
+#pragma unroll
+            for (int k = 1; k < FA_WN; k++) {
+                const float2 x = *(const float2 *)(FA_MERGE_OB(part, wm + k * FA_WM, g8 + 8 * hf) +
+                                                   ot * 8 + 2 * t);
+                acc0 += f[k] * x.x;
+                acc1 += f[k] * x.y;
+            }
+            o[ot][2 * hf] = acc0;
+            o[ot][2 * hf + 1] = acc1;
+        }
+    }
+}
+#endif
 
 #if __CUDA_ARCH__ >= 900
 #define FA_CLUSTER_MAX 16 /* the host's bound on dp->splits under cluster_merge */
