@@ -1,7 +1,7 @@
 /*
  * What the two sm_90a backward kernels (fa_bwd_sm90.cu, d = dv up to 128; fa_bwd_sm90_wide.cu,
- * wider heads and d != dv) share, included after fa_bwd_common.cuh: their tensor maps, named
- * barriers, the swizzled stores of dS^T, the bulk reduce-add, the work items and their tours,
+ * wider heads and d != dv) share, included after fa_bwd_common.cuh: their tensor maps, the
+ * swizzled stores of dS^T, the bulk reduce-add, the work items and their tours,
  * and the producer warpgroup's loop (TMA: K and V once per item, Q and dO per query tile).
  * The kernel defines before including it: FA_K_BYTES, FA_V_BYTES (one key block of K, of V) and
  * FA_Q_BYTES, FA_DO_BYTES (one stage's query tile of Q, of dO), all in 128-byte swizzled rows of
@@ -14,18 +14,6 @@
 typedef struct fa_bwd_tmaps {
     fa_tmap q, k, v, dout;
 } fa_bwd_tmaps;
-
-/* bar.sync id, n: the n threads of the warpgroups that name barrier id meet. */
-FA_DEV void fa_bar_sync(int id, int n)
-{
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-
-/* bar.arrive id, n: counts this warp toward barrier id's n threads without waiting. */
-FA_DEV void fa_bar_arrive(int id, int n)
-{
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
 
 /* wgmma.wait_group.sync.aligned 1: every committed group but the newest has finished. */
 FA_DEV void fa_wg_wait1(void) { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }

@@ -25,13 +25,6 @@
 
 FA_DEV int fa_lse_empty(float x) { return FA_RULE_PART_EMPTY(x, FA_INF); }
 
-/* bar.sync id, n: waits for n threads (whole warps) of the CTA at named barrier id; a unit's
- * warps meet at their own barrier, 1 + the unit's place in the CTA (0 is __syncthreads'). */
-FA_DEV void fa_combine_unit_sync(int id, int nthreads)
-{
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
-}
-
 /* Parts s0, s0 + stride, ... (FA_COMBINE_UNROLL of them) of this lane's columns; 0 past the
  * parts and the columns. */
 FA_DEV void fa_combine_load(float o[FA_COMBINE_UNROLL][FA_COMBINE_CPL], const float *op,
@@ -141,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(FA_COMBINE_THREADS) fa_combine(cons
 #pragma unroll
         for (int i = 0; i < FA_COMBINE_CPL; i++)
             part[warp][lane + 32 * i] = acc[i];
-        fa_combine_unit_sync(1 + warp / W, 32 * W);
+        fa_bar_sync(1 + warp / W, 32 * W); /* the unit's own barrier: 1 + its place */
         if (pw != 0)
             return;
 #pragma unroll

@@ -477,6 +477,19 @@ FA_DEV void fa_fill_outside(const fa_kparams *kp)
         kp->lse[h * kp->lse_hstride + r * kp->lse_rstride] = FA_INF;
 }
 
+/* bar.sync id, n: the n threads (whole warps) that name barrier id meet (0 is
+ * __syncthreads'). */
+FA_DEV void fa_bar_sync(int id, int n)
+{
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+/* bar.arrive id, n: counts this warp toward barrier id's n threads without waiting. */
+FA_DEV void fa_bar_arrive(int id, int n)
+{
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
 /* Programmatic dependent launch (sm_90 and later; no-ops before, and for a kernel launched
  * without the dependency). wait: until the grids ahead of this one have completed and their
  * memory is visible. launch_dependents: the kernel behind this one may start now (it waits
