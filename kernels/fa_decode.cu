@@ -146,7 +146,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     /* Stages of K [FA_BN][FA_DP] then V [FA_BN][FA_DVP]; Q [FA_BM][FA_DP] after them. */
     const fa_u32 q_a = base_a + FA_STAGES * FA_STAGE_BYTES;
     fa_u16 *const q_p = fa_smem + FA_STAGES * FA_STAGE_BYTES / 2;
-    /* Paged: each stage's key rows' offsets in K and V, int64 [FA_STAGES][2][FA_BN], after Q. */
+    /* Paged: each stage's key rows' byte offsets in K and V, int64 [FA_STAGES][2][FA_BN] in
+     * fa_row_slot's order (fa_decode_copy.cuh), after Q. */
     fa_i64 *const rows_p = (fa_i64 *)(q_p + FA_BM * FA_DP);
     /* After the loop: the warps' merge (FA_WN > 1), then a cluster merge's partial. */
     float *const fa_smem_f32 = (float *)fa_smem;

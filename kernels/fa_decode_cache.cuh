@@ -1,8 +1,8 @@
 /*
  * The decode kernel's view of a sequence's keys (fa_decode.cu): where they lie in the cache
  * (contiguous rows, pages through block_table, or a varlen forward's rows), the rotary
- * rotation of new keys and of q, and the paged row offsets a stage copy reads. Every index
- * that comes from device memory is clamped into the cache.
+ * rotation of new keys and of q. Every index that comes from device memory is clamped into
+ * the cache.
  *
  * Needs fa_decode.cu's FA_BN, FA_BM, FA_DP, FA_PAGED, FA_VARLEN and fa_dkparams.
  */
@@ -141,41 +141,6 @@ FA_DEV float fa_decode_q_value(const fa_dkparams *dp, const fa_u16 *qb, const fa
                               (const fa_u16 *)dp->rot_sin + pos * dp->sin_rstride);
     }
     return fa_to_float(qrow[c]);
-}
-
-/* Paged: one key row's place in the caches, worked out by thread `row` of the first FA_BN for
- * a block (not by every thread for each of its 16-byte chunks) and kept in shared memory as the
- * row's offsets in K and V (elements), where the copies of the block read them. The table read
- * is issued a block ahead (fa_decode_row_find) and its result stored after the block's math
- * (fa_decode_row_keep), so that its latency hides behind that math. */
-typedef struct fa_paged_key {
-    int blk;     /* block_table entry, not yet clamped */
-    fa_u32 row;  /* row within the page */
-} fa_paged_key;
-
-FA_DEV fa_paged_key fa_decode_row_find(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
-                                       fa_i64 jend)
-{
-    fa_paged_key pr = {0, 0};
-    const int r = threadIdx.x;
-    if (r < FA_BN && j0 + r < jend) {
-        const fa_u32 pos = (fa_u32)(seq->start + j0 + r), page = fa_kv_page(dp, pos);
-        pr.blk = seq->bt[page];
-        pr.row = pos - page * (fa_u32)dp->page_size;
-    }
-    return pr;
-}
-
-/* Stores pr's offsets for the stage whose row offsets are at rows (int64 [2][FA_BN]: K, V). */
-FA_DEV void fa_decode_row_keep(const fa_kparams *kp, const fa_kvseq *seq, fa_paged_key pr,
-                               fa_i64 *rows)
-{
-    const int r = threadIdx.x;
-    if (r < FA_BN) {
-        const fa_i64 blk = fa_block_clamp(pr.blk, seq->last_block);
-        rows[r] = blk * kp->k_bstride + (fa_i64)pr.row * kp->k_rstride;
-        rows[FA_BN + r] = blk * kp->v_bstride + (fa_i64)pr.row * kp->v_rstride;
-    }
 }
 
 #endif /* FA_DECODE_CACHE_CUH */

@@ -1,7 +1,8 @@
 /*
  * The decode kernel's stage copies (fa_decode.cu): keys [j0, j0 + FA_BN) of one kv head's K
  * and V, in q's dtype or fp8 (FA_KV_ESIZE bytes an element), into a stage of shared memory in
- * swizzled 16-byte chunks by cp.async, rows past the sequence zero-filled.
+ * swizzled 16-byte chunks by cp.async, rows past the sequence zero-filled; a paged cache's
+ * rows located a block ahead and kept in shared memory for the copies.
  *
  * Needs fa_decode.cu's FA_THREADS, FA_BN, FA_DP, FA_DVP, FA_STAGE_BYTES, FA_KV_* macros and
  * fa_decode_cache.cuh.
@@ -42,6 +43,56 @@ FA_DEV fa_chunk fa_chunk_at(int u, int cpr)
     return x;
 }
 
+/* Paged: one key row's place in the caches, worked out by thread `row` of the first FA_BN for
+ * a block (not by every thread for each of its 16-byte chunks) and kept in shared memory as the
+ * row's byte offsets in K and V, where the copies of the block read them. The table read is
+ * issued a block ahead (fa_decode_row_find) and its result stored after the block's math
+ * (fa_decode_row_keep), so that its latency hides behind that math. */
+typedef struct fa_paged_key {
+    int blk;     /* block_table entry, not yet clamped */
+    fa_u32 row;  /* row within the page */
+} fa_paged_key;
+
+FA_DEV fa_paged_key fa_decode_row_find(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
+                                       fa_i64 jend)
+{
+    fa_paged_key pr = {0, 0};
+    const int r = threadIdx.x;
+    if (r < FA_BN && j0 + r < jend) {
+        const fa_u32 pos = (fa_u32)(seq->start + j0 + r), page = fa_kv_page(dp, pos);
+        pr.blk = seq->bt[page];
+        pr.row = pos - page * (fa_u32)dp->page_size;
+    }
+    return pr;
+}
+
+/* Where a copy of cpr chunks per row gives each thread one column chunk and the rows r0 + u rpp
+ * (fa_chunk_at), the slots of those rows' offsets are adjacent: row r at slot
+ * (r % rpp) * (FA_BN / rpp) + r / rpp, so that a thread reads its offsets with 16-byte loads.
+ * Otherwise row r at slot r. */
+#define FA_ROWS_GROUPED(cpr) (FA_FIXED_CHUNK(cpr) && FA_BN % (FA_THREADS / (cpr)) == 0)
+
+FA_DEV int fa_row_slot(int r, int cpr)
+{
+    const int rpp = FA_THREADS / cpr;
+    return FA_ROWS_GROUPED(cpr) ? (r % rpp) * (FA_BN / rpp) + r / rpp : r;
+}
+
+/* Stores pr's byte offsets from the kv head's first element (row 0 of block 0) for the stage
+ * whose offsets are at rows (int64 [2][FA_BN]: K, V, each in fa_row_slot's order). */
+FA_DEV void fa_decode_row_keep(const fa_kparams *kp, const fa_kvseq *seq, fa_paged_key pr,
+                               fa_i64 *rows)
+{
+    const int r = threadIdx.x;
+    if (r < FA_BN) {
+        const fa_i64 blk = fa_block_clamp(pr.blk, seq->last_block);
+        rows[fa_row_slot(r, FA_KV_CPR_K)] =
+            (blk * kp->k_bstride + (fa_i64)pr.row * kp->k_rstride) * FA_KV_ESIZE;
+        rows[FA_BN + fa_row_slot(r, FA_KV_CPR_V)] =
+            (blk * kp->v_bstride + (fa_i64)pr.row * kp->v_rstride) * FA_KV_ESIZE;
+    }
+}
+
 /* x, opaque to the optimiser: a row step it cannot see into stays one add a chunk, where it
  * would otherwise fold the step back into a 64-bit multiply of each chunk's row. */
 FA_DEV fa_i64 fa_opaque64(fa_i64 x)
@@ -68,10 +119,11 @@ FA_DEV int fa_copy_rows(fa_i64 j0, fa_i64 jend)
 #endif
 
 /* Copies this thread's chunks of keys [j0, j0 + FA_BN) of one cache (base g of the kv head;
- * strides bs, rs and paged row offsets `rows` in elements of FA_KV_ESIZE bytes; cpr 16-byte
- * chunks per row, nb bytes of each) into the stage at shared address a (generic p), swizzled,
- * zero-filling rows from jend on. Where FA_FIXED_CHUNK(cpr) a chunk costs one compare, a
- * 64-bit add and the copy: the source steps by a row step, the destination by a constant. */
+ * strides bs, rs in elements of FA_KV_ESIZE bytes, or a paged cache's row byte offsets `rows`
+ * in fa_row_slot's order; cpr 16-byte chunks per row, nb bytes of each) into the stage at
+ * shared address a (generic p), swizzled, zero-filling rows from jend on. Where
+ * FA_FIXED_CHUNK(cpr) a chunk costs one compare, a 64-bit add and the copy: the source steps by
+ * a row step (or adds its row's offset), the destination by a constant. */
 FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const char *g, fa_i64 bs,
                            fa_i64 rs, const fa_i64 *rows, int cpr, int nchunks, int nb, fa_u32 a,
                            char *p, const void *safe)
@@ -82,7 +134,28 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
     /* chunk u (fixed) holds a key while its row offset from x0's is below lim */
     const int lim = x0.c * 16 < nb ? nrows - x0.r : 0;
     const fa_u32 dst0 = a + FA_STAGE_SWZ(x0.r, x0.c, cpr);
-#if !FA_PAGED
+#if FA_PAGED
+    /* This thread's rows' offsets, read together before its first copy: each copy's asm is a
+     * barrier to the compiler, which would otherwise issue every read after the copy before. */
+    fa_i64 off[FA_KV_CHUNKS_K > FA_KV_CHUNKS_V ? FA_KV_CHUNKS_K : FA_KV_CHUNKS_V];
+    if (FA_ROWS_GROUPED(cpr) && FA_BN / (FA_THREADS / cpr) % 2 == 0) {
+        const longlong2 *o2 = (const longlong2 *)(rows + fa_row_slot(x0.r, cpr));
+#pragma unroll
+        for (int u = 0; u < FA_KV_CHUNKS_K || u < FA_KV_CHUNKS_V; u += 2)
+            if (u < nchunks) {
+                const longlong2 w = o2[u / 2];
+                off[u] = w.x;
+                off[u + 1] = w.y;
+            }
+    } else {
+#pragma unroll
+        for (int u = 0; u < FA_KV_CHUNKS_K || u < FA_KV_CHUNKS_V; u++) {
+            const fa_chunk x = fa_chunk_at(u, cpr);
+            if (u < nchunks && x.live)
+                off[u] = rows[fa_row_slot(x.r, cpr)];
+        }
+    }
+#else
     const char *src_u = g + (seq->blk * bs + (seq->start + j0 + x0.r) * rs) * es + x0.c * 16;
     const fa_i64 row_step = fa_opaque64((fa_i64)(FA_THREADS / cpr) * rs * es);
 #endif
@@ -95,7 +168,7 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
         const int ok = FA_FIXED_CHUNK(cpr) ? r - x0.r < lim : r < nrows && c * 16 < nb;
 #if FA_PAGED
         (void)bs;
-        const char *src = g + rows[r] * es + c * 16;
+        const char *src = g + c * 16 + off[u];
 #else
         (void)rows;
         const char *src = FA_FIXED_CHUNK(cpr) ? src_u
