@@ -402,9 +402,9 @@ FA_DEV fa_seq fa_seq_get(const fa_kparams *kp, int bi, int varlen)
     return s;
 }
 
-/* The page of position j (< 2^31) by the host's multiply-and-shift (fa_page_magic), a division
- * being a long software routine. */
-FA_DEV fa_u32 fa_page_of(fa_u32 j, fa_u32 mul, fa_u32 shift)
+/* j / d for j < 2^31 by the host's multiply-and-shift for d (fa_div_magic), a division being a
+ * long software routine. */
+FA_DEV fa_u32 fa_div_by(fa_u32 j, fa_u32 mul, fa_u32 shift)
 {
     return (__umulhi(j, mul) + j) >> shift;
 }
@@ -426,7 +426,7 @@ FA_DEV int fa_page_block(const int *bt_row, fa_u32 page, int last_block)
  * (block stride bs, row stride rs); bt_row its block_table row. */
 FA_DEV fa_i64 fa_page_row(const fa_kparams *kp, const int *bt_row, int j, fa_i64 bs, fa_i64 rs)
 {
-    const fa_u32 page = fa_page_of((fa_u32)j, kp->page_mul, kp->page_shift);
+    const fa_u32 page = fa_div_by((fa_u32)j, kp->page_mul, kp->page_shift);
     const int blk = fa_page_block(bt_row, page, kp->last_block);
     return (fa_i64)blk * bs + (fa_i64)((fa_u32)j - page * (fa_u32)kp->page_size) * rs;
 }

@@ -120,7 +120,7 @@ FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, fa_i64 q0, int kh, c
             const int r = i / FA_CPR_K, c = i - r * FA_CPR_K;
             uint4 x = make_uint4(0, 0, 0, 0);
             if (r0 + r < rows && c * 8 < kp->d) {
-                const int qi = (r0 + r) / g, hh = kh * g + (r0 + r) - qi * g;
+                const int qi = fa_div_g(dp, r0 + r), hh = kh * g + (r0 + r) - qi * g;
                 x = *(const uint4 *)(qb + qi * kp->q_rstride + hh * kp->q_hstride + c * 8);
             }
             *(uint4 *)((char *)q_p + fa_swz(r, c, FA_CPR_K)) = x;
@@ -152,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     /* After the loop: the warps' merge (FA_WN > 1), then a cluster merge's partial. */
     float *const fa_smem_f32 = (float *)fa_smem;
 
-    const int split = blockIdx.x % dp.splits, m_block = blockIdx.x / dp.splits;
+    const int m_block = fa_div_splits(&dp, blockIdx.x), split = blockIdx.x - m_block * dp.splits;
     const int kh = blockIdx.y, bi = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, t = lane & 3;
@@ -160,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     /* The sequence's query rows: max_sq of its batch row, or a varlen forward's rows
      * [q_start, q_start + sq) of q (cu_seqlens_q). A tile past them has nothing to do. */
     const fa_seq qs = fa_seq_get(kp, bi, FA_VARLEN);
-    const int g = kp->h / kp->hk, sq = qs.sq, rows = sq * g;
+    const int g = dp.g, sq = qs.sq, rows = sq * g;
     const int r0 = m_block * FA_BM;
 #if FA_VARLEN
     if (r0 >= rows)
@@ -170,11 +170,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     const int n = (int)(seq.end - seq.start);
 
     /* The keys the CTA's rows see, cut into blocks; this split's blocks [nb0, nb1). */
-    const int q_first = r0 / g, q_last = (r0 + FA_BM < rows ? r0 + FA_BM : rows) - 1;
+    const int q_first = fa_div_g(&dp, r0), q_last = (r0 + FA_BM < rows ? r0 + FA_BM : rows) - 1;
     int klo, khi;
-    fa_tile_keys(kp, q_first, q_last / g - q_first + 1, sq, n, &klo, &khi);
+    fa_tile_keys(kp, q_first, fa_div_g(&dp, q_last) - q_first + 1, sq, n, &klo, &khi);
     const int nblocks = (khi - klo + FA_BN - 1) / FA_BN;
-    const int per = (nblocks + dp.splits - 1) / dp.splits;
+    const int per = fa_div_splits(&dp, nblocks + dp.splits - 1);
     const int nb0 = fa_min(split * per, nblocks), nb1 = fa_min(nb0 + per, nblocks);
 
 #if FA_PAGED && !FA_VARLEN
@@ -219,34 +219,6 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     /* The scratch of the Q tile's scale: stage 0, which no copy writes before this returns. */
     const float q_down =
         fa_decode_load_q8(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p, fa_smem_f32);
-#endif
-
-    /* This thread's two rows (g8 and g8 + 8 of its warp's 16): their visible keys, slopes. */
-    int lo[2], hi[2], row_q[2], row_h[2];
-    float slope_log2[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int x = r0 + wm * 16 + g8 + 8 * hf;
-        row_q[hf] = x / g;
-        row_h[hf] = kh * g + x - row_q[hf] * g;
-        /* A row past the tile's sees every key: its values are never stored, and the unmasked
-         * blocks of the live rows then skip the mask (below). */
-        if (x < rows) {
-            fa_key_range(kp, row_q[hf], sq, n, &lo[hf], &hi[hf]);
-        } else {
-            lo[hf] = 0;
-            hi[hf] = n;
-        }
-        slope_log2[hf] = 0.f;
-#if FA_ALIBI
-        if (x < rows)
-            slope_log2[hf] =
-                kp->alibi_slopes[bi * kp->alibi_bstride + row_h[hf] * kp->alibi_hstride] *
-                FA_LOG2E;
-#endif
-    }
-
-#if FA_KV_FP8
     /* fp8 caches: the stages hold fp8 (fa_decode_fp8.cuh); k_descale of the CTA's (sequence,
      * kv head) and the Q tile's scale join the softmax scale (softcap's pre-factor where
      * softcap is on), v_descale the final normalisation. */
@@ -313,6 +285,32 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     /* Q after the first copies are issued, so that its loads wait beside theirs, not before. */
     fa_decode_load_q(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p);
 #endif
+
+    /* This thread's two rows (g8 and g8 + 8 of its warp's 16): their visible keys, slopes;
+     * worked out while the first copies are in flight. */
+    int lo[2], hi[2], row_q[2], row_h[2];
+    float slope_log2[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int x = r0 + wm * 16 + g8 + 8 * hf;
+        row_q[hf] = fa_div_g(&dp, x);
+        row_h[hf] = kh * g + x - row_q[hf] * g;
+        /* A row past the tile's sees every key: its values are never stored, and the unmasked
+         * blocks of the live rows then skip the mask (below). */
+        if (x < rows) {
+            fa_key_range(kp, row_q[hf], sq, n, &lo[hf], &hi[hf]);
+        } else {
+            lo[hf] = 0;
+            hi[hf] = n;
+        }
+        slope_log2[hf] = 0.f;
+#if FA_ALIBI
+        if (x < rows)
+            slope_log2[hf] =
+                kp->alibi_slopes[bi * kp->alibi_bstride + row_h[hf] * kp->alibi_hstride] *
+                FA_LOG2E;
+#endif
+    }
 
     for (int nb = nb0; nb < nb1; nb++) {
         const int slot = (nb - nb0) % FA_STAGES;

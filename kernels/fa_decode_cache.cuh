@@ -92,11 +92,21 @@ FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
     return s;
 }
 
-/* The page of position pos (< 2^31) by the host's multiply-and-shift (fa_page_magic), a
- * division being a long software routine. */
+/* The page of position pos (< 2^31). */
 FA_DEV fa_u32 fa_kv_page(const fa_dkparams *dp, fa_u32 pos)
 {
-    return fa_page_of(pos, dp->page_mul, dp->page_shift);
+    return fa_div_by(pos, dp->page_mul, dp->page_shift);
+}
+
+/* x / g (g = h / hk, the query heads of a kv head) and x / splits, for 0 <= x < 2^31. */
+FA_DEV int fa_div_g(const fa_dkparams *dp, int x)
+{
+    return (int)fa_div_by((fa_u32)x, dp->g_mul, dp->g_shift);
+}
+
+FA_DEV int fa_div_splits(const fa_dkparams *dp, int x)
+{
+    return (int)fa_div_by((fa_u32)x, dp->splits_mul, dp->splits_shift);
 }
 
 /* The row of position pos (< 2^31) within its page. */
@@ -131,7 +141,7 @@ FA_DEV float fa_decode_q_value(const fa_dkparams *dp, const fa_u16 *qb, const fa
                                int x, int c, int g, int kh)
 {
     const fa_kparams *kp = &dp->f;
-    const int qi = x / g, hh = kh * g + x - qi * g;
+    const int qi = fa_div_g(dp, x), hh = kh * g + x - qi * g;
     const fa_u16 *qrow = qb + qi * kp->q_rstride + hh * kp->q_hstride;
     if (dp->rot_cos && c < dp->rotary_dim) {
         fa_i64 pos = seq->len0 + (dp->rotary_per_row ? qi : 0);

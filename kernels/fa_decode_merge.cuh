@@ -96,7 +96,7 @@ FA_DEV void fa_decode_merge_cluster(const fa_dkparams *dp, float *part, int hold
                                     int r0, int rows, fa_i64 q_start)
 {
     const fa_kparams *kp = &dp->f;
-    const int stride = FA_DVP + 2, dv = kp->dv, g = kp->h / kp->hk;
+    const int stride = FA_DVP + 2, dv = kp->dv, g = dp->g;
     __syncthreads(); /* every warp is done with the shared memory reused here */
     if (holds)
 #pragma unroll
@@ -117,7 +117,7 @@ FA_DEV void fa_decode_merge_cluster(const fa_dkparams *dp, float *part, int hold
     const fa_u32 base = fa_smem_addr(part);
     for (int r = (int)fa_cluster_rank() * FA_NWARPS + (threadIdx.x >> 5); r < live;
          r += nparts * FA_NWARPS) {
-        const int x = r0 + r, qi = x / g, hh = kh * g + x - qi * g;
+        const int x = r0 + r, qi = fa_div_g(dp, x), hh = kh * g + x - qi * g;
         const fa_u32 row_a = base + (fa_u32)(r * stride) * 4;
         /* Lanes past the parts hold an empty one. */
         const float l =

@@ -62,7 +62,7 @@ typedef struct fa_kparams {
     fa_i64 page_size;
     fa_i64 page_keys;  /* max_blocks * page_size: a sequence's keys are clamped to it */
     fa_u32 page_mul;   /* j / page_size = (umulhi(j, page_mul) + j) >> page_shift */
-    fa_u32 page_shift; /* for j below 2^31 (fa_page_magic) */
+    fa_u32 page_shift; /* for j below 2^31 (fa_div_magic) */
     int last_block;    /* num_blocks - 1 (at most INT_MAX): block ids are clamped into the cache */
     int page_pad;
 
@@ -100,8 +100,9 @@ typedef struct fa_kparams {
 
 #if !defined(__CUDACC__)
 /* The multiplier and shift of the division by d (1 <= d <= 2^30) for dividends below 2^31 (the
- * round-up method: shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1). */
-static inline void fa_page_magic(fa_i64 d, fa_u32 *mul, fa_u32 *shift)
+ * round-up method: shift = ceil(log2 d), mul = floor(2^32 (2^shift - d) / d) + 1), which the
+ * kernels apply with fa_div_by (fa_common.cuh). */
+static inline void fa_div_magic(fa_i64 d, fa_u32 *mul, fa_u32 *shift)
 {
     fa_u32 s = 0;
     while (((fa_i64)1 << s) < d)

@@ -317,12 +317,15 @@ static void fa_dkparams_fill(const fa_params *p, int splits, void *ws, fa_dkpara
     dk->rotary_per_row = p->rotary_per_row;
     dk->num_blocks = p->num_blocks, dk->page_size = p->page_size;
     if (p->paged)
-        fa_page_magic(p->page_size, &dk->page_mul, &dk->page_shift);
+        fa_div_magic(p->page_size, &dk->page_mul, &dk->page_shift);
     dk->s_new = (int)p->s_new;
     dk->k_descale = p->k_descale, dk->v_descale = p->v_descale;
     dk->kd_bstride = p->kd_bstride, dk->kd_hstride = p->kd_hstride;
     dk->vd_bstride = p->vd_bstride, dk->vd_hstride = p->vd_hstride;
     dk->splits = splits;
+    fa_div_magic(splits > 1 ? splits : 1, &dk->splits_mul, &dk->splits_shift);
+    dk->g = (int)(p->h / p->hk);
+    fa_div_magic(dk->g, &dk->g_mul, &dk->g_shift);
     dk->empty_lse = INFINITY;
     if (splits > 1 && ws) {
         size_t lse_at;

@@ -121,7 +121,7 @@ void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
         kp->page_size = p->page_size;
         /* Without blocks no key exists to read: every sequence is then empty. */
         kp->page_keys = p->num_blocks > 0 ? p->bt_cols * p->page_size : 0;
-        fa_page_magic(p->page_size, &kp->page_mul, &kp->page_shift);
+        fa_div_magic(p->page_size, &kp->page_mul, &kp->page_shift);
         kp->last_block = (int)(p->num_blocks - 1 < INT32_MAX ? p->num_blocks - 1 : INT32_MAX);
     }
     if (fa_mod_call_active(&p->mods))

@@ -5,13 +5,15 @@
  * every row's and no more; the rows of a key block are exactly the rows seeing one of its keys
  * (an empty range may lie past the rows);
  * the kernels' per-element bounds agree with the key range; softcap, its gradient, ALiBi, the
- * sink term and the default scale give their formulas' values.
+ * sink term and the default scale give their formulas' values; the kernels' division by a
+ * multiply and shift (fa_div_magic, applied as fa_div_by does) gives the quotient.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "fa_kparams.h"
 #include "fa_rules.h"
 #include "test_util.h"
 
@@ -137,10 +139,46 @@ static void check_scores(tu_rng *r)
     }
 }
 
+/* j / d as fa_div_by (kernels/fa_common.cuh) computes it from fa_div_magic's numbers. */
+static uint32_t div_by(uint32_t j, uint32_t mul, uint32_t shift)
+{
+    return (uint32_t)((((uint64_t)j * mul) >> 32) + j) >> shift;
+}
+
+static void check_div_one(uint32_t d, uint32_t j)
+{
+    fa_u32 mul, shift;
+    fa_div_magic(d, &mul, &shift);
+    TU_CHECK(div_by(j, mul, shift) == j / d, "%u / %u: %u, want %u (mul %u, shift %u)", j, d,
+             div_by(j, mul, shift), j / d, mul, shift);
+}
+
+/* Every divisor to 4096 and random ones to 2^30, each at dividends around its multiples, at the
+ * range's ends and at random. */
+static void check_div(tu_rng *r)
+{
+    const uint32_t top = 0x7fffffffu;
+    for (int c = 0; c < 4096 + N_CASES; c++) {
+        const uint32_t d = c < 4096 ? (uint32_t)c + 1 : (uint32_t)tu_rng_int(r, 1, 1 << 30);
+        const uint32_t last = top / d * d; /* the largest multiple in range */
+        const uint32_t edges[] = {0, 1, d - 1, d, d + 1, 2 * d - 1, last - 1, last, top - 1, top};
+        for (size_t e = 0; e < sizeof edges / sizeof edges[0]; e++)
+            if (edges[e] <= top)
+                check_div_one(d, edges[e]);
+        for (int k = 0; k < 16; k++) {
+            const uint32_t m = (uint32_t)tu_rng_int(r, 0, top / d);
+            const uint32_t j = m * d + (uint32_t)tu_rng_int(r, 0, d - 1);
+            if (j <= top)
+                check_div_one(d, j);
+        }
+    }
+}
+
 int main(void)
 {
     tu_rng r = {tu_master_seed("test_rules")};
     check_ranges(&r);
     check_scores(&r);
+    check_div(&r);
     return tu_finish("test_rules");
 }
