@@ -72,6 +72,10 @@
 
 #define FA_PRESCALE (FA_SOFTCAP || FA_ALIBI)
 
+/* Paged: the first blocks' rows looked up before cache_seqlens lands (fa_decode), where the
+ * registers allow it: up to d + dv = 256 (wider heads spilled with it, in the main loop). */
+#define FA_EARLY_ROWS (FA_PAGED && !FA_VARLEN && FA_DP + FA_DVP <= 256)
+
 #include "fa_decode_cache.cuh"
 #include "fa_decode_check.cuh"
 
@@ -165,6 +169,24 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 #if FA_VARLEN
     if (r0 >= rows)
         return;
+#endif
+#if FA_EARLY_ROWS
+    /* Without a left window edge, splits or leftpad, the first blocks are positions
+     * [0, FA_STAGES * FA_BN) of the sequence whatever cache_seqlens says: their rows are looked
+     * up and kept while it is in flight (rows past the sequence are never copied). Every CTA
+     * does it, unconditionally (positions clamped into the table's row), so that the compiler
+     * issues the table reads before anything waits on cache_seqlens; the others redo it below. */
+    const int early = kp->window_left < 0 && dp.splits == 1 && !dp.leftpad;
+#pragma unroll
+    for (int s = 0; s < FA_STAGES; s++) {
+        const fa_i64 pos = (fa_i64)s * FA_BN + threadIdx.x;
+        fa_decode_row_keep(kp, fa_kv_last_block(&dp),
+                           fa_decode_row_at(&dp, dp.block_table + bi * dp.bt_bstride,
+                                            (fa_u32)(pos < kp->max_sk ? pos : kp->max_sk - 1)),
+                           rows_p + s * 2 * FA_BN);
+    }
+#elif FA_PAGED
+    const int early = 0;
 #endif
     const fa_kvseq seq = fa_kvseq_get(&dp, bi);
     const int n = (int)(seq.end - seq.start);
@@ -264,14 +286,17 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     (void)k_ld, (void)v_ld;
 #endif
 
-    /* Paged: the rows of the first FA_STAGES blocks found and kept before any copy. */
+    /* Paged: the rows of the first FA_STAGES blocks found and kept before any copy (above,
+     * where `early`). */
 #if FA_PAGED
+    if (!early)
 #pragma unroll
-    for (int s = 0; s < FA_STAGES; s++)
-        if (nb0 + s < nb1)
-            fa_decode_row_keep(kp, &seq,
-                               fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi),
-                               rows_p + s * 2 * FA_BN);
+        for (int s = 0; s < FA_STAGES; s++)
+            if (nb0 + s < nb1)
+                fa_decode_row_keep(
+                    kp, seq.last_block,
+                    fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi),
+                    rows_p + s * 2 * FA_BN);
     __syncthreads();
 #endif
 #pragma unroll
@@ -439,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 #endif
 #if FA_PAGED
         if (nb + FA_STAGES < nb1)
-            fa_decode_row_keep(kp, &seq, next_row, rows_p + slot * 2 * FA_BN);
+            fa_decode_row_keep(kp, seq.last_block, next_row, rows_p + slot * 2 * FA_BN);
 #endif
     }
     fa_cp_async_wait_all();

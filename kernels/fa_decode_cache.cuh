@@ -59,6 +59,12 @@ typedef struct fa_kvseq {
     int last_block; /* paged: the last block id of the cache, and at most INT_MAX */
 } fa_kvseq;
 
+/* A KV-cache call's last block id of the cache, at most INT_MAX. */
+FA_DEV int fa_kv_last_block(const fa_dkparams *dp)
+{
+    return (int)(dp->num_blocks - 1 < 0x7fffffff ? dp->num_blocks - 1 : 0x7fffffff);
+}
+
 FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
 {
     const fa_i64 cap = dp->f.max_sk;
@@ -88,7 +94,7 @@ FA_DEV fa_kvseq fa_kvseq_get(const fa_dkparams *dp, int bi)
     s.start = dp->leftpad ? fa_clamp64(dp->leftpad[bi], 0, s.end) : 0;
     s.blk = dp->batch_idx ? fa_clamp64(dp->batch_idx[bi], 0, dp->num_blocks - 1) : bi;
     s.bt = dp->block_table ? dp->block_table + bi * dp->bt_bstride : 0;
-    s.last_block = (int)(dp->num_blocks - 1 < 0x7fffffff ? dp->num_blocks - 1 : 0x7fffffff);
+    s.last_block = fa_kv_last_block(dp);
     return s;
 }
 

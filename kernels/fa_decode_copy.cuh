@@ -53,16 +53,22 @@ typedef struct fa_paged_key {
     fa_u32 row;  /* row within the page */
 } fa_paged_key;
 
+/* Position pos's entry in a sequence's block_table row bt. */
+FA_DEV fa_paged_key fa_decode_row_at(const fa_dkparams *dp, const int *bt, fa_u32 pos)
+{
+    const fa_u32 page = fa_kv_page(dp, pos);
+    fa_paged_key pr = {bt[page], pos - page * (fa_u32)dp->page_size};
+    return pr;
+}
+
+/* The entry of this thread's key row of the block of keys [j0, j0 + FA_BN); {0, 0} past jend. */
 FA_DEV fa_paged_key fa_decode_row_find(const fa_dkparams *dp, const fa_kvseq *seq, fa_i64 j0,
                                        fa_i64 jend)
 {
     fa_paged_key pr = {0, 0};
     const int r = threadIdx.x;
-    if (r < FA_BN && j0 + r < jend) {
-        const fa_u32 pos = (fa_u32)(seq->start + j0 + r), page = fa_kv_page(dp, pos);
-        pr.blk = seq->bt[page];
-        pr.row = pos - page * (fa_u32)dp->page_size;
-    }
+    if (r < FA_BN && j0 + r < jend)
+        pr = fa_decode_row_at(dp, seq->bt, (fa_u32)(seq->start + j0 + r));
     return pr;
 }
 
@@ -79,13 +85,14 @@ FA_DEV int fa_row_slot(int r, int cpr)
 }
 
 /* Stores pr's byte offsets from the kv head's first element (row 0 of block 0) for the stage
- * whose offsets are at rows (int64 [2][FA_BN]: K, V, each in fa_row_slot's order). */
-FA_DEV void fa_decode_row_keep(const fa_kparams *kp, const fa_kvseq *seq, fa_paged_key pr,
+ * whose offsets are at rows (int64 [2][FA_BN]: K, V, each in fa_row_slot's order), its block id
+ * clamped into [0, last_block]. */
+FA_DEV void fa_decode_row_keep(const fa_kparams *kp, int last_block, fa_paged_key pr,
                                fa_i64 *rows)
 {
     const int r = threadIdx.x;
     if (r < FA_BN) {
-        const fa_i64 blk = fa_block_clamp(pr.blk, seq->last_block);
+        const fa_i64 blk = fa_block_clamp(pr.blk, last_block);
         rows[fa_row_slot(r, FA_KV_CPR_K)] =
             (blk * kp->k_bstride + (fa_i64)pr.row * kp->k_rstride) * FA_KV_ESIZE;
         rows[FA_BN + fa_row_slot(r, FA_KV_CPR_V)] =
@@ -135,11 +142,16 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
     const int lim = x0.c * 16 < nb ? nrows - x0.r : 0;
     const fa_u32 dst0 = a + FA_STAGE_SWZ(x0.r, x0.c, cpr);
 #if FA_PAGED
-    /* This thread's rows' offsets, read together before its first copy: each copy's asm is a
-     * barrier to the compiler, which would otherwise issue every read after the copy before. */
+    /* Where the slots are grouped, this thread's rows' offsets come in 16-byte loads: up to 8
+     * of them read together before its first copy (each copy's asm is a barrier to the
+     * compiler, which would otherwise issue every read after the copy before), more (d 256) a
+     * pair at a time, as the copies need them. Otherwise each is read as its copy needs it. */
+    const int grouped = FA_ROWS_GROUPED(cpr) && FA_BN / (FA_THREADS / cpr) % 2 == 0;
+    const int preload = grouped && FA_BN / (FA_THREADS / cpr) <= 8;
+    const longlong2 *o2 = (const longlong2 *)(rows + fa_row_slot(x0.r, cpr));
     fa_i64 off[FA_KV_CHUNKS_K > FA_KV_CHUNKS_V ? FA_KV_CHUNKS_K : FA_KV_CHUNKS_V];
-    if (FA_ROWS_GROUPED(cpr) && FA_BN / (FA_THREADS / cpr) % 2 == 0) {
-        const longlong2 *o2 = (const longlong2 *)(rows + fa_row_slot(x0.r, cpr));
+    longlong2 pair = make_longlong2(0, 0);
+    if (preload) {
 #pragma unroll
         for (int u = 0; u < FA_KV_CHUNKS_K || u < FA_KV_CHUNKS_V; u += 2)
             if (u < nchunks) {
@@ -147,13 +159,6 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
                 off[u] = w.x;
                 off[u + 1] = w.y;
             }
-    } else {
-#pragma unroll
-        for (int u = 0; u < FA_KV_CHUNKS_K || u < FA_KV_CHUNKS_V; u++) {
-            const fa_chunk x = fa_chunk_at(u, cpr);
-            if (u < nchunks && x.live)
-                off[u] = rows[fa_row_slot(x.r, cpr)];
-        }
     }
 #else
     const char *src_u = g + (seq->blk * bs + (seq->start + j0 + x0.r) * rs) * es + x0.c * 16;
@@ -167,8 +172,12 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
         const int r = x.r, c = x.c;
         const int ok = FA_FIXED_CHUNK(cpr) ? r - x0.r < lim : r < nrows && c * 16 < nb;
 #if FA_PAGED
-        (void)bs;
-        const char *src = g + c * 16 + off[u];
+        (void)bs, (void)es;
+        if (grouped && !preload && u % 2 == 0)
+            pair = o2[u / 2];
+        const fa_i64 o = preload ? off[u] : grouped ? (u % 2 ? pair.y : pair.x)
+                                                    : rows[fa_row_slot(r, cpr)];
+        const char *src = g + c * 16 + o;
 #else
         (void)rows;
         const char *src = FA_FIXED_CHUNK(cpr) ? src_u
