@@ -75,6 +75,9 @@
 /* Paged: the first blocks' rows looked up before cache_seqlens lands (fa_decode), where the
  * registers allow it: up to d + dv = 256 (wider heads spilled with it, in the main loop). */
 #define FA_EARLY_ROWS (FA_PAGED && !FA_VARLEN && FA_DP + FA_DVP <= 256)
+/* A contiguous cache: the first stages' copies issued before cache_seqlens lands (fa_decode;
+ * not with fp8 caches, whose Q scale takes stage 0 as scratch before the copies). */
+#define FA_EARLY_COPIES (!FA_PAGED && !FA_VARLEN && !FA_KV_FP8)
 
 #include "fa_decode_cache.cuh"
 #include "fa_decode_check.cuh"
@@ -184,6 +187,25 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
                            fa_decode_row_at(&dp, dp.block_table + bi * dp.bt_bstride,
                                             (fa_u32)(pos < kp->max_sk ? pos : kp->max_sk - 1)),
                            rows_p + s * 2 * FA_BN);
+    }
+#elif FA_EARLY_COPIES
+    /* Without a left window edge, splits, leftpad, batch_idx or an append here, the first
+     * FA_STAGES - 1 blocks are rows [0, (FA_STAGES - 1) * FA_BN) of cache row bi whatever
+     * cache_seqlens says: they are copied whole (up to the capacity) before it is read; rows
+     * past the sequence are zeroed below. */
+    const int early = kp->window_left < 0 && dp.splits == 1 && !dp.leftpad && !dp.batch_idx &&
+                      !(dp.append_fused && dp.s_new > 0);
+    if (early) {
+        const fa_kvseq whole = {0, kp->max_sk, kp->max_sk, bi, 0, 0};
+#pragma unroll
+        for (int s = 0; s < FA_STAGES - 1; s++) {
+            fa_decode_load(&dp, kh, &whole, (fa_i64)s * FA_BN, kp->max_sk, base_a,
+                           (char *)fa_smem, s, rows_p);
+            fa_cp_async_commit();
+        }
+        /* which the compiler does not move code across: without it, the code that waits for
+         * cache_seqlens (below) was scheduled before the copies */
+        __syncwarp();
     }
 #elif FA_PAGED
     const int early = 0;
@@ -299,13 +321,26 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
                     rows_p + s * 2 * FA_BN);
     __syncthreads();
 #endif
+#if FA_EARLY_COPIES
+    if (early) {
+        /* Rows of the early stages past the sequence's keys (klo = 0) hold whatever the cache
+         * has there: zeroed, as a copy zero-fills them (a dropped key's P is 0, and 0 times a
+         * NaN in V would not be). */
+        if (khi < (FA_STAGES - 1) * FA_BN) {
+            fa_cp_async_wait_all();
+            __syncthreads();
+            fa_decode_stages_zero((char *)fa_smem, khi);
+            __syncthreads();
+        }
+    } else
+#endif
 #pragma unroll
-    for (int s = 0; s < FA_STAGES - 1; s++) {
-        if (nb0 + s < nb1)
-            fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
-                           (char *)fa_smem, s, rows_p + s * 2 * FA_BN);
-        fa_cp_async_commit();
-    }
+        for (int s = 0; s < FA_STAGES - 1; s++) {
+            if (nb0 + s < nb1)
+                fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
+                               (char *)fa_smem, s, rows_p + s * 2 * FA_BN);
+            fa_cp_async_commit();
+        }
 #if !FA_KV_FP8
     /* Q after the first copies are issued, so that its loads wait beside theirs, not before. */
     fa_decode_load_q(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p);

@@ -205,6 +205,23 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
     }
 }
 
+/* Zeroes the rows of stages 0 .. FA_STAGES - 2 that hold keys from `from` on (stage s holding
+ * keys [s FA_BN, (s + 1) FA_BN)), K and V; by every thread, through generic pointers. */
+FA_DEV void fa_decode_stages_zero(char *p, int from)
+{
+    const int cpr = FA_KV_CPR_K + FA_KV_CPR_V; /* chunks of a row, K's then V's */
+    for (int i = threadIdx.x; i < (FA_STAGES - 1) * FA_BN * cpr; i += FA_THREADS) {
+        const int s = i / (FA_BN * cpr), r = i / cpr % FA_BN, c = i % cpr;
+        if (s * FA_BN + r < from)
+            continue;
+        char *st = p + s * FA_STAGE_BYTES;
+        const int at = c < FA_KV_CPR_K
+                           ? FA_STAGE_SWZ(r, c, FA_KV_CPR_K)
+                           : FA_BN * FA_KV_CPR_K * 16 + FA_STAGE_SWZ(r, c - FA_KV_CPR_K, FA_KV_CPR_V);
+        *(uint4 *)(st + at) = make_uint4(0, 0, 0, 0);
+    }
+}
+
 /* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into stage s,
  * in swizzled 16-byte chunks; a paged cache's rows where the stage's row offsets (rows) say. */
 FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, fa_i64 j0,
