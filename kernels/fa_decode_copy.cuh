@@ -214,11 +214,10 @@ FA_DEV void fa_decode_stages_zero(char *p, int from)
         const int s = i / (FA_BN * cpr), r = i / cpr % FA_BN, c = i % cpr;
         if (s * FA_BN + r < from)
             continue;
-        char *st = p + s * FA_STAGE_BYTES;
-        const int at = c < FA_KV_CPR_K
-                           ? FA_STAGE_SWZ(r, c, FA_KV_CPR_K)
-                           : FA_BN * FA_KV_CPR_K * 16 + FA_STAGE_SWZ(r, c - FA_KV_CPR_K, FA_KV_CPR_V);
-        *(uint4 *)(st + at) = make_uint4(0, 0, 0, 0);
+        char *st = p + s * FA_STAGE_BYTES, *vt = st + FA_BN * FA_KV_CPR_K * 16;
+        char *at = c < FA_KV_CPR_K ? st + FA_STAGE_SWZ(r, c, FA_KV_CPR_K)
+                                   : vt + FA_STAGE_SWZ(r, c - FA_KV_CPR_K, FA_KV_CPR_V);
+        *(uint4 *)at = make_uint4(0, 0, 0, 0);
     }
 }
 

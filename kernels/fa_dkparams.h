@@ -35,7 +35,7 @@ typedef struct fa_dkparams {
     float empty_lse;              /* the combine's lse of a row with nothing to merge */
     fa_u32 page_mul;              /* pos / page_size = (umulhi(pos, page_mul) + pos) >> page_shift */
     fa_u32 page_shift;            /* for positions below 2^31 (fa_div_magic) */
-    int g, g_pad;                 /* h / hk: the query heads of a kv head */
+    int g;                        /* h / hk: the query heads of a kv head */
     fa_u32 g_mul, g_shift;        /* x / g and x / splits (x below 2^31) as page_mul does */
     fa_u32 splits_mul, splits_shift;
     int append_fused;             /* 1: fa_decode writes knew / vnew (no fa_kv_append launch) */
