@@ -75,9 +75,10 @@
 /* Paged: the first blocks' rows looked up before cache_seqlens lands (fa_decode), where the
  * registers allow it: up to d + dv = 256 (wider heads spilled with it, in the main loop). */
 #define FA_EARLY_ROWS (FA_PAGED && !FA_VARLEN && FA_DP + FA_DVP <= 256)
-/* A contiguous cache: the first stages' copies issued before cache_seqlens lands (fa_decode;
- * not with fp8 caches, whose Q scale takes stage 0 as scratch before the copies). */
-#define FA_EARLY_COPIES (!FA_PAGED && !FA_VARLEN && !FA_KV_FP8)
+/* The first stages' copies issued before cache_seqlens lands (fa_decode): a contiguous cache,
+ * or a paged one where its rows are looked up early; not with fp8 caches, whose Q scale takes
+ * stage 0 as scratch before the copies. */
+#define FA_EARLY_COPIES (!FA_VARLEN && !FA_KV_FP8 && (FA_EARLY_ROWS || !FA_PAGED))
 
 #include "fa_decode_cache.cuh"
 #include "fa_decode_check.cuh"
@@ -173,40 +174,51 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     if (r0 >= rows)
         return;
 #endif
+#if FA_EARLY_ROWS || FA_EARLY_COPIES
+    /* Without a left window edge, splits or leftpad (nor, for a contiguous cache, batch_idx),
+     * the first blocks are positions [0, FA_STAGES * FA_BN) of the sequence whatever
+     * cache_seqlens says, so they need not wait for it. A paged cache's rows are looked up and
+     * kept by every CTA, unconditionally (positions clamped into the table's row), so that the
+     * compiler issues the table reads before anything waits on cache_seqlens; the CTAs that do
+     * not qualify redo it below. */
+    const int early =
+        kp->window_left < 0 && dp.splits == 1 && !dp.leftpad && (FA_PAGED || !dp.batch_idx);
 #if FA_EARLY_ROWS
-    /* Without a left window edge, splits or leftpad, the first blocks are positions
-     * [0, FA_STAGES * FA_BN) of the sequence whatever cache_seqlens says: their rows are looked
-     * up and kept while it is in flight (rows past the sequence are never copied). Every CTA
-     * does it, unconditionally (positions clamped into the table's row), so that the compiler
-     * issues the table reads before anything waits on cache_seqlens; the others redo it below. */
-    const int early = kp->window_left < 0 && dp.splits == 1 && !dp.leftpad;
+    {
+        /* every table read issued before the first store, which would otherwise wait */
+        fa_paged_key pr[FA_STAGES];
 #pragma unroll
-    for (int s = 0; s < FA_STAGES; s++) {
-        const fa_i64 pos = (fa_i64)s * FA_BN + threadIdx.x;
-        fa_decode_row_keep(kp, fa_kv_last_block(&dp),
-                           fa_decode_row_at(&dp, dp.block_table + bi * dp.bt_bstride,
-                                            (fa_u32)(pos < kp->max_sk ? pos : kp->max_sk - 1)),
-                           rows_p + s * 2 * FA_BN);
+        for (int s = 0; s < FA_STAGES; s++) {
+            const fa_i64 pos = (fa_i64)s * FA_BN + threadIdx.x;
+            pr[s] = fa_decode_row_at(&dp, dp.block_table + bi * dp.bt_bstride,
+                                     (fa_u32)(pos < kp->max_sk ? pos : kp->max_sk - 1));
+        }
+#pragma unroll
+        for (int s = 0; s < FA_STAGES; s++)
+            fa_decode_row_keep(kp, fa_kv_last_block(&dp), pr[s], rows_p + s * 2 * FA_BN);
     }
-#elif FA_EARLY_COPIES
-    /* Without a left window edge, splits, leftpad, batch_idx or an append here, the first
-     * FA_STAGES - 1 blocks are rows [0, (FA_STAGES - 1) * FA_BN) of cache row bi whatever
-     * cache_seqlens says: they are copied whole (up to the capacity) before it is read; rows
-     * past the sequence are zeroed below. */
-    const int early = kp->window_left < 0 && dp.splits == 1 && !dp.leftpad && !dp.batch_idx &&
-                      !(dp.append_fused && dp.s_new > 0);
-    if (early) {
+#endif
+#if FA_EARLY_COPIES
+    /* Without an append here (whose rows they would read), the first FA_STAGES - 1 blocks are
+     * copied whole (positions below the capacity) before cache_seqlens is read; the rows past
+     * the tile's keys are zeroed once they land (below). */
+    const int copied = early && !(dp.append_fused && dp.s_new > 0);
+    if (copied) {
         const fa_kvseq whole = {0, kp->max_sk, kp->max_sk, bi, 0, 0};
+#if FA_PAGED
+        __syncthreads(); /* the rows kept above */
+#endif
 #pragma unroll
         for (int s = 0; s < FA_STAGES - 1; s++) {
             fa_decode_load(&dp, kh, &whole, (fa_i64)s * FA_BN, kp->max_sk, base_a,
-                           (char *)fa_smem, s, rows_p);
+                           (char *)fa_smem, s, rows_p + s * 2 * FA_BN);
             fa_cp_async_commit();
         }
         /* which the compiler does not move code across: without it, the code that waits for
          * cache_seqlens (below) was scheduled before the copies */
         __syncwarp();
     }
+#endif
 #elif FA_PAGED
     const int early = 0;
 #endif
@@ -322,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     __syncthreads();
 #endif
 #if FA_EARLY_COPIES
-    if (early) {
+    if (copied) {
         /* Rows of the early stages past the sequence's keys (klo = 0) hold whatever the cache
          * has there: zeroed, as a copy zero-fills them (a dropped key's P is 0, and 0 times a
          * NaN in V would not be). */
