@@ -8,8 +8,9 @@
  * A CTA takes FA_BM = 16 * FA_WM such rows and one chunk (split) of the keys they see; its
  * FA_WM x FA_WN warps split the rows by 16 and each key block of FA_BN keys by FA_WN, every warp
  * keeping its own online softmax, merged through shared memory at the end. Key blocks stream
- * through FA_STAGES cp.async stages; the page of every key row is looked up as it is copied, so
- * any page size works. With one split the CTA writes out and lse; with several it writes fp32
+ * through FA_STAGES cp.async stages; the page of every key row is looked up a block ahead of its
+ * copy, so any page size works. Where the first blocks do not depend on cache_seqlens (no left
+ * window edge, one split), they are copied before it is read. With one split the CTA writes out and lse; with several it writes fp32
  * partials that fa_combine.cu merges, or (dp.cluster_merge, sm_90) the splits of a row tile are
  * the CTAs of one thread block cluster and merge their partials through distributed shared
  * memory themselves (fa_decode_merge_cluster): no workspace and no second launch.
