@@ -207,6 +207,13 @@ FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
 #define FA_BWD_PROBS_SERIAL 0
 #endif
 
+/* Dropout in fa_bwd_probs: 1 selects the dropped values away where each is used; 0 multiplies
+ * by a factor per element (1 / (1 - p) or 0), which ptxas computes for every element up front
+ * (a family picks the form that spills less). */
+#ifndef FA_BWD_DROP_SELECT
+#define FA_BWD_DROP_SELECT 0
+#endif
+
 /* User-defined scoring: a family that compiles it includes fa_bwd_mod.cuh first. */
 #ifndef FA_BWD_MODS
 #define FA_BWD_MODS 0
@@ -401,23 +408,28 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
                     p = vis ? p : 0.f;
                 }
             }
-            float z = 1.f;
+            int kept = 1;
 #if FA_DROPOUT && FA_BWD_KEEP_BITS
-            z = (tl->keep[nt >> 3] >> (4 * (nt & 7) + e)) & 1 ? kp->dropout_scale : 0.f;
+            kept = (tl->keep[nt >> 3] >> (4 * (nt & 7) + e)) & 1;
 #elif FA_DROPOUT
             /* Query i, key j: Philox block (j / 16, i, stream), word (j % 8) / 2 = g / 2. */
-            z = fa_bwd_drop_number(drop, nt, e, g) < kp->keep_threshold ? kp->dropout_scale : 0.f;
+            kept = fa_bwd_drop_number(drop, nt, e, g) < kp->keep_threshold;
 #endif
+            /* dP Z (Z: 1 / (1 - p) kept, 0 dropped) as z dk, and P Z */
+            const float z = FA_DROPOUT && !(FA_BWD_DROP_SELECT || kept) ? 0.f
+                            : FA_DROPOUT                                 ? kp->dropout_scale
+                                                                         : 1.f;
+            const float dk = FA_BWD_DROP_SELECT && !kept ? 0.f : dpt[nt][e];
             /* With the mods selected, not multiplied: score_mod's derivative is anything where
              * dropped. D's row read by every lane, outside the select: fa_bwd_row may be a warp
              * shuffle, which under it only the lanes with vis would reach (the warp then hangs). */
             const float dsum = fa_bwd_row(tl->dsum, il);
             if (FA_BWD_MODS && mods)
-                dpt[nt][e] = vis ? p * (dpt[nt][e] * z - dsum) * deriv : 0.f;
+                dpt[nt][e] = vis ? p * (dk * z - dsum) * deriv : 0.f;
             else
-                dpt[nt][e] = p * (dpt[nt][e] * z - dsum) * deriv;
+                dpt[nt][e] = p * (dk * z - dsum) * deriv;
             (void)vis;
-            st[nt][e] = p * z;
+            st[nt][e] = FA_BWD_DROP_SELECT && !kept ? 0.f : p * z;
         }
 #if FA_BWD_PROBS_SERIAL
         if (mods)

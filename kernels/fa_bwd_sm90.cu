@@ -86,6 +86,9 @@
 #define FA_BWD_ROWS_IN_LANES 1
 #define FA_BWD_KEEP_BITS 1
 #define FA_BWD_MASK_BITS 1
+/* At d 64 with dropout alone (or with varlen) the dropout factors held for every element
+ * spilled 64 bytes; selecting at each use spills nothing (but more with ALiBi or softcap). */
+#define FA_BWD_DROP_SELECT (FA_DP == 64 && FA_DROPOUT && !FA_ALIBI && !FA_SOFTCAP)
 #if FA_SCORE_MOD || FA_MOD_MASKS
 #if FA_BLOCK_MASK && FA_VARLEN
 #error "fa_bwd_sm90.cu: block masks are for dense calls (the plan routes varlen ones elsewhere)"
