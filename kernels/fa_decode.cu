@@ -186,13 +186,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
         kp->window_left < 0 && dp.splits == 1 && !dp.leftpad && (FA_PAGED || !dp.batch_idx);
 #if FA_EARLY_ROWS
     {
-        /* every table read issued before the first store, which would otherwise wait */
+        /* every table read issued before the first store, which would otherwise wait; none
+         * where the table has no column (a capacity of 0) */
         fa_paged_key pr[FA_STAGES];
 #pragma unroll
         for (int s = 0; s < FA_STAGES; s++) {
             const fa_i64 pos = (fa_i64)s * FA_BN + threadIdx.x;
-            pr[s] = fa_decode_row_at(&dp, dp.block_table + bi * dp.bt_bstride,
-                                     (fa_u32)(pos < kp->max_sk ? pos : kp->max_sk - 1));
+            pr[s].blk = 0, pr[s].row = 0;
+            if (kp->max_sk > 0)
+                pr[s] = fa_decode_row_at(&dp, dp.block_table + bi * dp.bt_bstride,
+                                         (fa_u32)(pos < kp->max_sk ? pos : kp->max_sk - 1));
         }
 #pragma unroll
         for (int s = 0; s < FA_STAGES; s++)
