@@ -1,8 +1,8 @@
 /*
  * test_kvcache: fa_attention_kvcache against the double-precision oracle (ref/fa_ref.c).
  *
- * For every case: fresh random caches, new keys, q, cos/sin (never zero), outputs poisoned
- * with NaN. The call must
+ * For every case: fresh random caches (the rows no sequence occupies NaN), new keys, q, cos/sin
+ * (never zero), outputs poisoned with NaN. The call must
  *   - leave every cache element outside the appended rows bitwise as it was (the gaps and
  *     guard zones of strided views too), and store rotary(k) rounded to the dtype there;
  *   - write every element of out and lse, and nothing around them; not modify q, k, v, cos, sin;
@@ -130,6 +130,30 @@ static void locate(const kprob *P, int64_t i, int64_t pos, int64_t *blk, int64_t
     }
 }
 
+/* Every cache row no sequence's keys [start_i, end_i) occupy (past the ends, before leftpad,
+ * spare rows and blocks) set to NaN in K and V: no backend may read one into a result (a key
+ * outside the sequence gets P = 0, and 0 times NaN is NaN). */
+static void poison_unused_rows(const kprob *P)
+{
+    const int64_t nrows = P->nblocks * P->page;
+    unsigned char *used = calloc((size_t)nrows, 1);
+    for (int64_t i = 0; i < P->c->b; i++)
+        for (int64_t pos = seq_start(P, i); pos < seq_end(P, i); pos++) {
+            int64_t blk, row;
+            locate(P, i, pos, &blk, &row);
+            used[blk * P->page + row] = 1;
+        }
+    for (int64_t x = 0; x < nrows; x++)
+        for (int64_t kh = 0; kh < P->c->hk && !used[x]; kh++) {
+            int64_t idx[4] = {x / P->page, x % P->page, kh, 0};
+            for (idx[3] = 0; idx[3] < P->c->d; idx[3]++)
+                fa_ref_store(&P->kc.t, idx, NAN);
+            for (idx[3] = 0; idx[3] < P->c->dv; idx[3]++)
+                fa_ref_store(&P->vc.t, idx, NAN);
+        }
+    free(used);
+}
+
 static int pick_layout(tu_rng *r)
 {
     return (int)tu_rng_int(r, 0, TU_NUM_LAYOUTS - 1);
@@ -218,6 +242,7 @@ static void prob_build(kprob *P, const kcase *c, tu_rng *r)
     tu_fill_uniform(&P->q, r, -2.0, 2.0);
     tu_fill_uniform(&P->kc, r, -2.0, 2.0);
     tu_fill_uniform(&P->vc, r, -2.0, 2.0);
+    poison_unused_rows(P);
     fa_kvcache_args *a = &P->args;
     fa_kvcache_args_init(a);
     a->q = &P->q.t;

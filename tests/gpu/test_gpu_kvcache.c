@@ -1,6 +1,6 @@
 /*
  * The KV-cache call and the combine on a CUDA device against the CPU backend, on the same random
- * inputs and the same cache contents:
+ * inputs and the same cache contents (the rows no sequence occupies NaN):
  *   out:    within a bf16/fp16 tolerance of the CPU's (the CPU computes in fp32)
  *   lse:    within 2e-3 of the CPU's, +inf exactly where the CPU has it
  *   caches: after the append equal to the CPU's (rotated keys within one rounding; fp8 caches:
@@ -47,6 +47,13 @@ static const kv_case cases[] = {
     {"unaligned d36 paged7", 2, 6, 3, 3, 36, 36, 400, 7, 2, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 2, 0, 0},
     {"unsplit causal gqa8 d128", 2, 16, 2, 5, 128, 128, 3000, 32, 3, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 1, 0, 0},
     {"prefill 40 rows gqa8", 1, 16, 2, 40, 128, 128, 1200, 64, 40, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0},
+    /* One split, no window or append: the first stages copied before cache_seqlens is read,
+     * sequences shorter than them (their rows past the keys NaN in the cache) */
+    {"early contiguous short", 5, 8, 2, 1, 128, 128, 150, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0},
+    {"early contiguous d64 empty", 3, 4, 2, 2, 64, 64, 90, 0, 0, 0, 0, 0, 1, 1, -1, -1, 0, 0, 0, 1, 0, 0},
+    {"early paged16 short", 4, 8, 2, 1, 128, 128, 200, 16, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0},
+    {"early paged1 d64 causal alibi", 3, 6, 3, 3, 64, 64, 120, 1, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 0, 1, 0, 0},
+    {"early rows paged append", 2, 4, 2, 1, 128, 128, 100, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0},
     /* fp8 caches (e4m3, e5m2) with per-(sequence, kv head) descales */
     {"fp8 decode gqa4 contiguous", 3, 32, 8, 1, 128, 128, 1000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0,
      FA_DTYPE_F8E4M3, 1},
@@ -96,6 +103,37 @@ static int64_t fp8_codes_differ(const uint8_t *a, const uint8_t *b, size_t n, in
         bad += step != 0 && !(loose && step == 1 && (a[i] & 0x80) == (b[i] & 0x80));
     }
     return bad;
+}
+
+/* Every cache row no sequence's keys [leftpad, seqlen + s_new) occupy (past the ends, before
+ * leftpad, spare rows and blocks) set to NaN (0xff bytes, NaN in every cache dtype) in K and V:
+ * no kernel may read one into a result (a key outside the sequence gets P = 0, and 0 times NaN
+ * is NaN), the early stages' copies included (fa_decode zeroes what they bring past the keys). */
+static void poison_unused_rows(const kv_case *c, gpu_buf *kc, gpu_buf *vc, const int32_t *sl,
+                               const int32_t *lp, const int32_t *bx, const int32_t *btab,
+                               int max_blocks, int cap, int nblocks, int rows_per)
+{
+    unsigned char *used = calloc((size_t)nblocks * (size_t)rows_per, 1);
+    for (int i = 0; i < c->b; i++)
+        for (int pos = lp[i]; pos < sl[i] + c->s_new && pos < cap; pos++) {
+            const int blk = c->page ? btab[i * max_blocks + pos / c->page]
+                                    : c->batch_idx ? bx[i] : i;
+            used[(size_t)blk * (size_t)rows_per + (size_t)(c->page ? pos % c->page : pos)] = 1;
+        }
+    gpu_buf *caches[2] = {kc, vc};
+    for (int w = 0; w < 2; w++) {
+        const fa_tensor *t = &caches[w]->host;
+        const size_t es = fa_dtype_size(t->dtype);
+        for (int blk = 0; blk < nblocks; blk++)
+            for (int row = 0; row < rows_per; row++)
+                for (int kh = 0; used[(size_t)blk * (size_t)rows_per + (size_t)row] == 0 &&
+                                 kh < c->hk;
+                     kh++)
+                    memset((char *)t->data + (size_t)(blk * t->stride[0] + row * t->stride[1] +
+                                                      kh * t->stride[2]) * es,
+                           0xff, (size_t)t->shape[3] * es);
+    }
+    free(used);
 }
 
 static void run_case(const kv_case *c, fa_dtype dt)
@@ -166,6 +204,7 @@ static void run_case(const kv_case *c, fa_dtype dt)
     for (int i = 0; i < (int)(bts[0] * bts[1]); i++)
         btab[i] = paged ? perm[i] : 0;
     free(perm);
+    poison_unused_rows(c, &kc, &vc, sl, lp, bx, btab, max_blocks, cap, nblocks, rows_per);
     gpu_buf *inputs[] = {&q,       &kc,   &vc,   &knew, &vnew, &al,    &sk,
                          &cs,      &sn,   &seqlens, &bidx, &lpad, &bt, &kdesc, &vdesc};
     for (size_t i = 0; i < sizeof inputs / sizeof inputs[0]; i++)
