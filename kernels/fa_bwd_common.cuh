@@ -416,9 +416,9 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             kept = fa_bwd_drop_number(drop, nt, e, g) < kp->keep_threshold;
 #endif
             /* dP Z (Z: 1 / (1 - p) kept, 0 dropped) as z dk, and P Z */
-            const float z = FA_DROPOUT && !(FA_BWD_DROP_SELECT || kept) ? 0.f
-                            : FA_DROPOUT                                 ? kp->dropout_scale
-                                                                         : 1.f;
+            const float z = !FA_DROPOUT                    ? 1.f
+                            : FA_BWD_DROP_SELECT || kept ? kp->dropout_scale
+                                                         : 0.f;
             const float dk = FA_BWD_DROP_SELECT && !kept ? 0.f : dpt[nt][e];
             /* With the mods selected, not multiplied: score_mod's derivative is anything where
              * dropped. D's row read by every lane, outside the select: fa_bwd_row may be a warp
