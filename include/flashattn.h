@@ -289,7 +289,7 @@ typedef struct fa_fwd_args {
     int device;       /* FA_DEVICE_CPU or a CUDA ordinal */
     void *stream;     /* CUDA stream for device >= 0; ignored on the CPU */
     int num_threads;  /* CPU threads; 0: $FLASHATTN_NUM_THREADS or every available core */
-    void *workspace;        /* CUDA: device memory for split partials, or NULL (see below) */
+    void *workspace;        /* CUDA: device memory for split partials or fp8's V^T, or NULL */
     size_t workspace_size;  /* bytes at workspace */
     const fa_tensor *q_descale; /* optional, fp8 only: fp32 [b, hk], any strides */
     const fa_tensor *k_descale; /* optional, fp8 only: fp32 [b, hk] */
@@ -317,7 +317,10 @@ fa_status fa_attention_forward(const fa_fwd_args *args);
  * tile, the keys cut into splits merged in the same call. On a device the splits' partials need
  * this much device memory, 256-byte aligned, given as workspace / workspace_size; without it
  * such a call runs unsplit (the same result, slower when few (sequence, kv head) pairs cannot
- * fill the device).
+ * fill the device). Dense fp8 calls on sm_90 where many query rows read each key (at least
+ * 2048 rows of max_seqlen_q * h / hk, halved when causal; 1024 at head dims above 128) ask for
+ * b * hk * dv * round_up(sk, 16) bytes: V is transposed there ahead of the kernel, which is
+ * then faster; without it the kernel transposes V itself (the same result).
  */
 size_t fa_attention_forward_workspace_size(const fa_fwd_args *args);
 #define FA_DECODE_MAX_ROWS 16

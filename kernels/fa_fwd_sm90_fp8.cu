@@ -19,7 +19,9 @@
  *   warpgroup 0, the producer (setmaxnreg.dec 24): thread 0 issues the TMA copies - Q, K into
  *     K[stage], V into Vr[stage] - and V^T[stage] is made from Vr[stage] (FA_TRANSPOSE 0: by the
  *     whole warpgroup, thread 0 included; 1: by warps 1 .. 3 with ldmatrix / stmatrix, so the
- *     copies never wait behind a transpose), announced on v_full;
+ *     copies never wait behind a transpose), announced on v_full; FA_TRANSPOSE 2 (dense calls):
+ *     V^T was written to global memory ahead of the kernel (fa_fwd_vt), thread 0 copies it into
+ *     V^T[stage] by TMA like K, and there is no Vr;
  *   warpgroups 1, 2, the consumers (setmaxnreg.inc 240): 64 query rows each, as fa_fwd_sm90.cu:
  *     S_i = Q K_i^T and O += P_(i-1) V_(i-1) issued together, the softmax of S_i under the
  *     second (FA_ORDER: a shared store keeps ptxas from hoisting the wait above it), and with
@@ -31,13 +33,14 @@
  *                                                 layout 1 (128B) or 2 (64B)
  *   Vt [FA_STAGES][ceil(FA_BN / 128)][FA_DVP][128 keys]   128B swizzle, written by the producer
  *   Vr [FA_STAGES][FA_DVP / FA_RB][FA_BN][FA_RB]  as K (TMA, swizzled), read by the producer
+ *                                                 (none with FA_TRANSPOSE 2)
  *   mbarriers: q_full, q_empty, scratch (8 bytes), k_full[S], k_empty[S], r_full[S], r_empty[S],
  *   v_full[S], v_empty[S]; r_keys[S] (8 bytes each: Vr[stage]'s keys in the sequence)
  *
  * Defines from the plan (fa_plan_forward_sm90_fp8): FA_BF16 (the output: bf16, else fp16), FA_D,
  * FA_DP = FA_DVP (64, 128, 256; d = dv), FA_NCW 2, FA_BM 128, FA_BN (a multiple of 32 from 64 to
  * 256), FA_STAGES, FA_PINGPONG, FA_TRANSPOSE, FA_ORDER, FA_SOFTCAP, FA_VARLEN. Entry points
- * fa_fwd(kp, maps) and fa_fwd_fill.
+ * fa_fwd(kp, maps), fa_fwd_fill, and with FA_TRANSPOSE 2 fa_fwd_vt (V^T ahead of fa_fwd).
  */
 /* 24 + 2 x 240 = 3 x 168, the launch's registers a thread (384 threads, 65536 registers): with a
  * larger sum the consumers' setmaxnreg.inc would wait forever for registers nobody frees. */
@@ -74,19 +77,21 @@
 #define FA_ORDER 0
 #endif
 /* The producers of a V^T stage: the arrivals its v_full waits for (thread 0, or one a warp). */
-#define FA_VT_WRITERS (FA_TRANSPOSE ? 3 : 1)
+#define FA_VT_WRITERS (FA_TRANSPOSE == 1 ? 3 : 1)
+/* Bytes of a stage's raw V (none where V^T comes from global memory). */
+#define FA_VR_BYTES (FA_TRANSPOSE == 2 ? 0 : FA_V_BYTES)
 
 #if FA_NCW != 2 || FA_BM != 128 || FA_BN % 32 != 0 || FA_BN < 64 || FA_BN > 256 ||              \
     FA_DP != FA_DVP || (FA_DP != 64 && FA_DP != 128 && FA_DP != 256) || FA_STAGES < 2 ||          \
-    (FA_TRANSPOSE != 0 && FA_TRANSPOSE != 1)
+    FA_TRANSPOSE < 0 || FA_TRANSPOSE > 2 || (FA_TRANSPOSE == 2 && FA_VARLEN)
 #error "fa_fwd_sm90_fp8.cu: 2 consumers, 128-row tiles, 32k keys, d = dv padded to 64, 128 or 256"
 #endif
 
 #include "fa_fwd_sm90_tile.cuh"
 
 /* The kernel's second parameter, the same layout as fa_cuda_tmaps8 on the host: the tensor maps
- * (Q and K in rows of FA_RB bytes, swizzled; V likewise), the schedule, the descales and their
- * element strides (NULL: 1). */
+ * (Q and K in rows of FA_RB bytes, swizzled; V likewise, or with FA_TRANSPOSE 2 V^T in rows of
+ * 128 keys), the schedule, the descales and their element strides (NULL: 1). */
 typedef struct fa_tmaps8 {
     fa_tmap q, k, v;
     const float *q_descale, *k_descale, *v_descale;
@@ -179,9 +184,19 @@ FA_DEV void fa_load_kv8(const fa_smem8 *m, const fa_tmaps8 *tm, const fa_tile *w
     for (int c = 0; c < FA_KB; c++)
         fa_tma_load4(m->k + s * FA_K_BYTES + c * FA_BN * FA_RB, &tm->k, FA_RB * c, row, w->hk, bi,
                      m->k_full + 8 * s);
+#if FA_TRANSPOSE == 2
+    /* V^T[s] straight from global memory once the consumers' P V of its last block is done: a
+     * box of 128 keys by FA_DVP rows per 128-key block (keys past the sequence come as zeros). */
+    fa_mbar_wait(m->v_empty + 8 * s, ph ^ 1);
+    fa_mbar_expect_tx(m->v_full + 8 * s, FA_VT_BYTES);
+#pragma unroll
+    for (int c = 0; c < (FA_BN + 127) / 128; c++)
+        fa_tma_load4(m->vt + s * FA_VT_BYTES + c * (FA_DVP * 128), &tm->v, row + 128 * c, 0, w->hk,
+                     bi, m->v_full + 8 * s);
+#else
     /* Vr[s] is free once its previous block was transposed: FA_TRANSPOSE 0, the warpgroup
      * finished it before this thread got here (named barrier 4); 1, its warps said so. */
-#if FA_TRANSPOSE
+#if FA_TRANSPOSE == 1
     fa_mbar_wait(m->r_empty + 8 * s, ph ^ 1);
     /* Published with the stage: r_full's arrival below releases it. */
     asm volatile("st.shared.u32 [%0], %1;" ::"r"(m->r_keys + 8 * s), "r"(w->sk - n * FA_BN)
@@ -192,6 +207,7 @@ FA_DEV void fa_load_kv8(const fa_smem8 *m, const fa_tmaps8 *tm, const fa_tile *w
     for (int c = 0; c < FA_DVP / FA_RB; c++)
         fa_tma_load4(m->vr + s * FA_V_BYTES + c * FA_BN * FA_RB, &tm->v, FA_RB * c, row, w->hk, bi,
                      m->r_full + 8 * s);
+#endif
 }
 
 /* Thread 0: Q of the tile (once every consumer's last S of the previous tile finished). */
@@ -206,7 +222,7 @@ FA_DEV void fa_load_q8(const fa_smem8 *m, const fa_tmaps8 *tm, const fa_tile *w,
 }
 
 /* The producer warpgroup's share of a tile (kv: blocks loaded so far, q_round: tiles): thread 0
- * loads, and FA_TRANSPOSE 0 has the whole warpgroup transpose. */
+ * loads, and FA_TRANSPOSE 0 has the whole warpgroup transpose (1, 2: thread 0 alone is here). */
 FA_DEV void fa_produce_tile8(const fa_smem8 *m, const fa_tmaps8 *tm, const fa_tile *w, int *kv,
                              int *q_round)
 {
@@ -254,7 +270,7 @@ FA_DEV void fa_produce8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa_smem
         asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(grid));
         t += grid;
     }
-#if FA_TRANSPOSE
+#if FA_TRANSPOSE == 1
     /* The end, for the transposing warps: a stage of -1 keys, no copy. */
     const int s = kv % FA_STAGES;
     fa_mbar_wait(m->r_empty + 8 * s, ((kv / FA_STAGES) & 1) ^ 1);
@@ -263,7 +279,7 @@ FA_DEV void fa_produce8(const fa_kparams *kp, const fa_tmaps8 *tm, const fa_smem
 #endif
 }
 
-#if FA_TRANSPOSE
+#if FA_TRANSPOSE == 1
 /* Warps 1 .. 3 of the producer warpgroup: every stage the loading thread fills, in order, until
  * one of -1 keys. They hold no schedule: in the producer's 24 registers, a loop over the tiles
  * beside the transpose spilled. */
@@ -527,7 +543,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     m.k = m.q + FA_Q_BYTES;
     m.vt = m.k + FA_STAGES * FA_K_BYTES;
     m.vr = m.vt + FA_STAGES * FA_VT_BYTES;
-    m.q_full = m.vr + FA_STAGES * FA_V_BYTES;
+    m.q_full = m.vr + FA_STAGES * FA_VR_BYTES;
     m.q_empty = m.q_full + 8;
     m.scratch = m.q_empty + 8;
     m.k_full = m.scratch + 8;
@@ -561,10 +577,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_tma_prefetch(&tm.k);
             fa_tma_prefetch(&tm.v);
         }
-#if FA_TRANSPOSE
+#if FA_TRANSPOSE == 1
         /* Thread 0 loads, warps 1 .. 3 transpose; the rest of warp 0 has nothing to do. */
         if (threadIdx.x >= 32)
             fa_transpose8(&m);
+#endif
+#if FA_TRANSPOSE
         if (threadIdx.x != 0)
             return;
 #endif
@@ -593,3 +611,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 }
 
 extern "C" __global__ void fa_fwd_fill(const fa_kparams kp) { fa_fill_outside(&kp); }
+
+#if FA_TRANSPOSE == 2
+/* V^T ahead of the forward (grid ceil(sk16 / 128) x ceil(dv / 64) x b * hk, 256 threads). */
+extern "C" __global__ void __launch_bounds__(FA_VT_THREADS)
+    fa_fwd_vt(const fa_kparams kp, unsigned char *vt, fa_i64 sk16)
+{
+    fa_vt_prepass(&kp, vt, sk16);
+}
+#endif

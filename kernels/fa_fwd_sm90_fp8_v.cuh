@@ -9,7 +9,9 @@
  *   FA_TRANSPOSE 0: the whole warpgroup with plain 4-byte loads and stores, thread 0 also issuing
  *     the copies (it reloads Vr[s] once named barrier 4 says the transpose read it);
  *   FA_TRANSPOSE 1: warps 1 .. 3 with ldmatrix.trans and stmatrix, while thread 0 only loads
- *     (r_empty tells it when Vr[s] was read; r_keys gives them each stage's keys).
+ *     (r_empty tells it when Vr[s] was read; r_keys gives them each stage's keys);
+ *   FA_TRANSPOSE 2 (dense calls): a kernel ahead of the forward (fa_fwd_vt) writes the whole V^T
+ *     to global memory in that order, and TMA's 128B swizzle lays each 128-key box out as above.
  * Included by fa_fwd_sm90_fp8.cu after its fa_smem8 and sizes.
  */
 #ifndef FA_FWD_SM90_FP8_V_CUH
@@ -82,7 +84,7 @@ FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
     if (tid == 0)
         fa_mbar_arrive(m->v_full + 8 * s);
 }
-#else
+#elif FA_TRANSPOSE == 1
 /* ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: the four transposed 8 x 8 matrices whose rows
  * the lanes address (lane 8i + r: row r of matrix i), as fa_transpose_v describes. */
 FA_DEV void fa_ldmatrix_t4(fa_u32 r[4], fa_u32 addr)
@@ -195,6 +197,52 @@ FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
     if (lane == 0) {
         fa_mbar_arrive(m->r_empty + 8 * (kv_end % FA_STAGES));
         fa_mbar_arrive(m->v_full + 8 * (kv_end % FA_STAGES));
+    }
+}
+#else
+#define FA_VT_TK 128 /* keys of a pre-pass tile */
+#define FA_VT_TC 64  /* columns of V (rows of V^T) of a pre-pass tile */
+#define FA_VT_THREADS 256
+
+/*
+ * One CTA of fa_fwd_vt: keys 128 x, columns 64 y of kv head z % hk of sequence z / hk, from V
+ * [b, sk, hk, dv] (16-byte aligned rows, dv a multiple of 16) into
+ *   vt: [b][hk][dv][sk16], sk16 = sk rounded up to 16; row n holds column n of V, logical key l
+ *       at byte l (the permutation above; zero where its actual key is at or past sk).
+ * Rows of 16 bytes in, through a column-major tile in shared memory, rows of 16 bytes out.
+ */
+FA_DEV void fa_vt_prepass(const fa_kparams *kp, unsigned char *vt, fa_i64 sk16)
+{
+    __shared__ __align__(16) unsigned char tile[FA_VT_TC][FA_VT_TK + 4]; /* [column][key] */
+    const int k0 = blockIdx.x * FA_VT_TK, c0 = blockIdx.y * FA_VT_TC;
+    const int bi = blockIdx.z / kp->hk, hk = blockIdx.z % kp->hk;
+    const fa_i64 sk = kp->max_sk;
+    const int dv = kp->dv;
+    const unsigned char *v = (const unsigned char *)kp->v + bi * kp->v_bstride + hk * kp->v_hstride;
+    /* Thread i: key i / 4, columns 16 (i % 4) .. + 15 (a warp reads 8 rows of 64 bytes). */
+    for (int i = threadIdx.x; i < FA_VT_TK * FA_VT_TC / 16; i += FA_VT_THREADS) {
+        const int key = i >> 2, c = 16 * (i & 3);
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (k0 + key < sk && c0 + c < dv)
+            x = *(const uint4 *)(v + (k0 + key) * kp->v_rstride + c0 + c);
+        const fa_u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+            tile[c + j][key] = (unsigned char)(w[j >> 2] >> (8 * (j & 3)));
+    }
+    __syncthreads();
+    /* Thread i: V^T row i / 8, logical keys 16 (i % 8) .. + 15. Word e of the chunk holds actual
+     * keys 4e .. 4e + 3; logical word q takes keys 2q, 2q + 1 (of word q / 2) and 8 + 2q, 9 + 2q
+     * (of word 2 + q / 2), the same byte pair of each. */
+    for (int i = threadIdx.x; i < FA_VT_TC * FA_VT_TK / 16; i += FA_VT_THREADS) {
+        const int n = i >> 3, h = i & 7;
+        if (c0 + n >= dv || k0 + 16 * h >= sk16)
+            continue;
+        const fa_u32 *t = (const fa_u32 *)&tile[n][16 * h];
+        const fa_u32 a0 = t[0], a1 = t[1], a2 = t[2], a3 = t[3];
+        const uint4 y = make_uint4(__byte_perm(a0, a2, 0x5410), __byte_perm(a0, a2, 0x7632),
+                                   __byte_perm(a1, a3, 0x5410), __byte_perm(a1, a3, 0x7632));
+        *(uint4 *)(vt + ((fa_i64)blockIdx.z * dv + c0 + n) * sk16 + k0 + 16 * h) = y;
     }
 }
 #endif

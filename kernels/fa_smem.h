@@ -34,14 +34,16 @@
     (96 + 2 * FA_SMEM_FWD90_BM_BUF(bm, bn, q_block, nk, max_sk))
 
 /* sm90 fp8 forward (fa_fwd_sm90_fp8.cu), from a 1024-byte aligned base, one byte an element:
- * Q [bm][dp]; per stage K [bn][dp], V^T and the raw V [bn][dvp] it is transposed from; V^T in
- * blocks of 128 keys (rows of 128 bytes, the 128B swizzle's: a last partial block padded),
+ * Q [bm][dp]; per stage K [bn][dp], V^T and (raw 1) the raw V [bn][dvp] it is transposed from;
+ * V^T in blocks of 128 keys (rows of 128 bytes, the 128B swizzle's: a last partial block padded),
  * [ceil(bn / 128)][dvp][128]; the mbarriers q_full, q_empty, 8 bytes of scratch, and k_full,
  * k_empty, r_full, r_empty, v_full, v_empty per stage, then 8 bytes a stage of its raw V's key
- * count; 1 KB more to round the base up to the swizzle atom. */
+ * count; 1 KB more to round the base up to the swizzle atom. raw 0: V^T is copied in from
+ * global memory (FA_TRANSPOSE 2). */
 #define FA_SMEM_FWD90_FP8_VT(bn, dvp) (((bn) + 127) / 128 * 128 * (dvp))
-#define FA_SMEM_FWD90_FP8(bm, bn, dp, dvp, stages)                                                \
-    ((bm) * (dp) + (stages) * ((bn) * ((dp) + (dvp)) + FA_SMEM_FWD90_FP8_VT(bn, dvp)) +           \
+#define FA_SMEM_FWD90_FP8(bm, bn, dp, dvp, stages, raw)                                           \
+    ((bm) * (dp) +                                                                                 \
+     (stages) * ((bn) * ((dp) + (raw) * (dvp)) + FA_SMEM_FWD90_FP8_VT(bn, dvp)) +                 \
      8 * (3 + 7 * (stages)) + 1024)
 
 /* sm80 backward (fa_bwd_sm80.cu): rows padded by 8 elements (bank conflicts); Q [qstages][bm]

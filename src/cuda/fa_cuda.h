@@ -16,6 +16,9 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args);
  * memory a block. */
 fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int arch,
                               int smem_optin);
+/* Bytes of workspace it wants on a device of arch for p: V^T for the dense calls the plan says
+ * pay for the copy (fa_plan_fp8_vt); 0 otherwise. */
+size_t fa_cuda_forward_fp8_workspace_size(const fa_params *p, int arch);
 
 /* The kernel family ("fa_fwd_sm80.cu", "fa_fwd_sm90.cu") the calling thread's last forward
  * launched, "" before any: lets the GPU tests check which path ran. */

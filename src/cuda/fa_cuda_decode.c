@@ -483,6 +483,12 @@ fa_status fa_cuda_forward_decode(const fa_params *p, const fa_fwd_args *args)
 
 size_t fa_cuda_forward_workspace_size(const fa_params *p, const fa_fwd_args *args)
 {
+    if (fa_dtype_is_fp8(p->dtype)) {
+        int arch = 0, smem_optin = 0;
+        if (fa_cuda_device_arch(args->device, &arch, &smem_optin) != FA_STATUS_OK)
+            return 0;
+        return fa_cuda_forward_fp8_workspace_size(p, arch);
+    }
     if (!fa_cuda_forward_decodes(p))
         return 0;
     const fa_params d = fa_decode_of_forward(p);

@@ -343,20 +343,22 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
     fa_plan_key key = {arch, dtype, head_dim, head_dim_v, features, 0, 0, 0};
     fa_plan plan;
     fa_status st;
-    /* fp8: the sm90 fp8 kernel only (FLASHATTN_SM90_FP8 or not), bf16 and fp16 outputs. */
+    /* fp8: the sm90 fp8 kernel only (FLASHATTN_SM90_FP8 or not), bf16 and fp16 outputs, dense
+     * ones also with V^T from the workspace. */
     if (fa_dtype_is_fp8(dtype)) {
         fa_jit_origin origin = FA_JIT_COMPILED;
-        st = fa_plan_forward_sm90_fp8(&key, &plan);
-        if (st == FA_STATUS_OK)
-            st = fa_jit_build(&plan, &origin);
-        int done = st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
-        key.features |= FA_PLAN_OUT_F16;
-        if (st == FA_STATUS_OK)
+        int done = 1;
+        st = FA_STATUS_OK;
+        const int variants = features & FA_FEATURE_VARLEN ? 2 : 4;
+        for (int i = 0; i < variants && st == FA_STATUS_OK; i++) {
+            key.features = features | (i & 1 ? FA_PLAN_OUT_F16 : 0) | (i & 2 ? FA_PLAN_FP8_VT : 0);
             st = fa_plan_forward_sm90_fp8(&key, &plan);
-        if (st == FA_STATUS_OK)
-            st = fa_jit_build(&plan, &origin);
+            if (st == FA_STATUS_OK)
+                st = fa_jit_build(&plan, &origin);
+            done = done && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+        }
         if (cached)
-            *cached = done && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+            *cached = done;
         if (st == FA_STATUS_OK)
             fa_error_clear();
         return st;

@@ -1,14 +1,17 @@
 /*
  * The fp8 forward on a CUDA device (kernels/fa_fwd_sm90_fp8.cu; FLASHATTN_SM90_FP8=0 refuses
  * it): plan, tensor maps of one-byte elements, the descales, the launch on the caller's stream.
- * No host synchronisation and no device allocation. What the kernel cannot do is refused naming the
- * argument: no other CUDA family computes fp8.
+ * Dense calls where the plan wants it (fa_plan_fp8_vt) and the caller gave the workspace first
+ * write V^T there (fa_fwd_vt), which the kernel then reads by TMA. No host synchronisation and
+ * no device allocation. What the kernel cannot do is refused naming the argument: no other CUDA
+ * family computes fp8.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "fa_kparams.h"
 #include "core/fa_error.h"
+#include "core/fa_fp8.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_cuda_driver.h"
 #include "cuda/fa_jit.h"
@@ -72,6 +75,30 @@ static int fa_tmaps8_encode(const fa_cuda_driver *d, const fa_params *p, const f
                     p->v_bstride, rb, plan->bn, sw);
 }
 
+/* V^T in the workspace: [b][hk][dv][sk16], keys rounded up to 16 (TMA's 16-byte strides). */
+static int64_t fa_vt_keys(const fa_params *p)
+{
+    return (p->max_sk + 15) / 16 * 16;
+}
+
+size_t fa_cuda_forward_fp8_workspace_size(const fa_params *p, int arch)
+{
+    /* Dense, long enough for whole 128-key boxes, rows of V the fa_fwd_vt loads can take 16
+     * bytes at a time (else the TMA map of V refuses the call anyway). */
+    const int64_t vs[3] = {p->v_rstride, p->v_hstride, p->v_bstride};
+    int aligned = (uintptr_t)p->v % 16 == 0;
+    for (int i = 0; i < 3; i++)
+        aligned = aligned && vs[i] % 16 == 0;
+    if (arch != 90 || !fa_dtype_is_fp8(p->dtype) || !fa_sm90_fp8_enabled() || p->is_varlen ||
+        p->paged || p->max_sk < 128 || p->max_sq < 1 || !aligned)
+        return 0;
+    const int64_t rows = p->max_sq * (p->h / p->hk) / (p->causal ? 2 : 1);
+    if (!fa_plan_fp8_vt((int)p->d, rows))
+        return 0;
+    const int64_t bytes = p->b * p->hk * p->dv * fa_vt_keys(p);
+    return (size_t)(bytes + 255) / 256 * 256;
+}
+
 fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int arch,
                               int smem_optin)
 {
@@ -79,7 +106,10 @@ fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int a
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "sinks: not supported with fp8 inputs on a CUDA device (the CPU "
                             "backend computes them)");
+    const size_t vt_bytes = fa_cuda_forward_fp8_workspace_size(p, arch);
+    const int vt = vt_bytes > 0 && args->workspace && args->workspace_size >= vt_bytes;
     fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0, 0, 0, 0};
+    key.features |= vt ? FA_PLAN_FP8_VT : 0;
     key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
     key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
@@ -110,6 +140,11 @@ fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int a
                             "q: the fp8 kernel reads q, k and v by TMA, which needs 16-byte "
                             "aligned data and row, head and batch strides that are multiples of "
                             "16 bytes");
+    /* V^T: rows of sk16 keys, boxes of 128 keys by dv padded (the rows past dv read as zeros). */
+    const int64_t sk16 = fa_vt_keys(p);
+    if (vt && fa_tmap8(d, &tm.v, args->workspace, sk16, p->dv, p->hk, p->b, sk16, p->dv * sk16,
+                       p->hk * p->dv * sk16, 128, plan.dvp, FA_CU_TENSOR_MAP_SWIZZLE_128B) != 0)
+        return fa_error_set(FA_STATUS_INTERNAL, "workspace: the V^T tensor map was refused");
     tm.q_descale = p->q_descale, tm.k_descale = p->k_descale, tm.v_descale = p->v_descale;
     tm.qd_bstride = p->qd_bstride, tm.qd_hstride = p->qd_hstride;
     tm.kd_bstride = p->kd_bstride, tm.kd_hstride = p->kd_hstride;
@@ -132,6 +167,19 @@ fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int a
             fa_cu_result r = d->launch_kernel(fn, (unsigned)((n + 255) / 256), 1, 1, 256, 1, 1,
                                               0, stream, params, NULL);
             st = r == 0 ? FA_STATUS_OK : fa_cuda_error(r, "launching fa_fwd_fill (fp8)");
+        }
+    }
+    if (st == FA_STATUS_OK && m_blocks > 0 && vt) {
+        st = fa_jit_function(&plan, ctx, "fa_fwd_vt", &fn);
+        void *wsp = args->workspace;
+        int64_t sk16_arg = sk16;
+        void *params[] = {&kp, &wsp, &sk16_arg};
+        if (st == FA_STATUS_OK) {
+            fa_cu_result r = d->launch_kernel(fn, (unsigned)(sk16 / 128 + (sk16 % 128 != 0)),
+                                              (unsigned)((p->dv + 63) / 64),
+                                              (unsigned)(p->b * p->hk), 256, 1, 1, 0, stream,
+                                              params, NULL);
+            st = r == 0 ? FA_STATUS_OK : fa_cuda_error(r, "launching fa_fwd_vt (fp8)");
         }
     }
     if (st == FA_STATUS_OK && m_blocks > 0)

@@ -352,8 +352,10 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
  * producer's 24 registers, so those calls take the rows: the whole producer warpgroup's
  * plain-load transpose and the largest key block that compiles without spills (192 at d 64 and
  * 128, 128 at d 256, whose two stages of K, V and V^T fill the 227 KB).
- * FLASHATTN_SM90_FP8_TILE overrides either (the A/B). What the kernel cannot do is refused
- * naming the argument: no other family computes fp8 on a CUDA device.
+ * Dense calls given the workspace (FA_PLAN_FP8_VT, fa_plan_fp8_vt) have V^T copied in by TMA
+ * instead, written ahead of the kernel by fa_fwd_vt: no transpose in the kernel and no raw V
+ * in shared memory. FLASHATTN_SM90_FP8_TILE overrides any of these (the A/B). What the kernel
+ * cannot do is refused naming the argument: no other family computes fp8 on a CUDA device.
  */
 typedef struct fa_plan_row90_fp8 {
     int dp, bn, stages, pingpong, transpose, order;
@@ -367,20 +369,26 @@ static const fa_plan_row90_fp8 fa_sm90_fp8_rows[] = {
 
 /* Dense calls without softcap at every head dim, with softcap at d 128 (d 256: 224 KB as above). */
 static const fa_plan_row90_fp8 fa_sm90_fp8_fast = {0, 128, 2, 1, 1, 1};
+/* Dense calls with V^T from the workspace (Q 32 KB + 2 x (K 32 + V^T 32) KB = 160 KB at d 256). */
+static const fa_plan_row90_fp8 fa_sm90_fp8_vt = {0, 128, 2, 1, 2, 1};
 
 /* FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] replaces the row's choice (for
  * an A/B with the benchmark; 128,2,0,0,0 is the first, untuned kernel); a combination the kernel
- * cannot take or shared memory cannot hold is ignored. */
+ * cannot take or shared memory cannot hold is ignored, and so is TRANSPOSE where V^T comes from
+ * the workspace (2: it is what the call's arguments decide). */
 static void fa_plan_sm90_fp8_override(fa_plan_row90_fp8 *row)
 {
     const char *env = getenv("FLASHATTN_SM90_FP8_TILE");
     int bn, stages, pingpong, transpose = row->transpose, order = row->order;
     if (!env || sscanf(env, "%d,%d,%d,%d,%d", &bn, &stages, &pingpong, &transpose, &order) < 3)
         return;
+    if (row->transpose == 2)
+        transpose = 2;
     if (bn < 64 || bn > 256 || bn % 32 != 0 || stages < 2 || stages > 8 ||
-        (pingpong != 0 && pingpong != 1) || (transpose != 0 && transpose != 1) ||
+        (pingpong != 0 && pingpong != 1) ||
+        (transpose != 0 && transpose != 1 && row->transpose != 2) ||
         (order != 0 && order != 1) ||
-        FA_SMEM_FWD90_FP8(128, bn, row->dp, row->dp, stages) > FA_SMEM_SM90_MAX)
+        FA_SMEM_FWD90_FP8(128, bn, row->dp, row->dp, stages, transpose != 2) > FA_SMEM_SM90_MAX)
         return;
     row->bn = bn;
     row->stages = stages;
@@ -432,6 +440,10 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
         return fa_plan_fp8_refuse("mask_mod", "user-defined scoring");
     if (key->features & FA_PLAN_BLOCK_MASK)
         return fa_plan_fp8_refuse("block_mask", "a block mask");
+    if ((key->features & FA_PLAN_FP8_VT) && (key->features & FA_FEATURE_VARLEN))
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "cu_seqlens_k: the fp8 forward takes V^T from the workspace for "
+                            "dense calls only");
     *plan = (fa_plan){0};
     plan->family = "fa_fwd_sm90_fp8.cu";
     snprintf(plan->target, sizeof plan->target, "sm_90a");
@@ -444,6 +456,11 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
         row = fa_sm90_fp8_fast;
         row.dp = dp;
     }
+    if (key->features & FA_PLAN_FP8_VT) {
+        const int dp = row.dp;
+        row = fa_sm90_fp8_vt;
+        row.dp = dp;
+    }
     fa_plan_sm90_fp8_override(&row);
     plan->bm = 128;
     plan->bn = row.bn;
@@ -451,8 +468,8 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
     plan->stages = row.stages;
     plan->persistent = 2;
     plan->threads = 384;
-    plan->smem =
-        (unsigned)FA_SMEM_FWD90_FP8(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages);
+    plan->smem = (unsigned)FA_SMEM_FWD90_FP8(plan->bm, plan->bn, plan->dp, plan->dvp,
+                                             plan->stages, row.transpose != 2);
     fa_plan_define(plan, "FA_BF16", key->features & FA_PLAN_OUT_F16 ? 0 : 1);
     fa_plan_define(plan, "FA_D", key->d);
     fa_plan_define(plan, "FA_DP", plan->dp);
@@ -466,6 +483,14 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_ORDER", row.order);
     fa_plan_define_features(plan, key->features, FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP);
     return FA_STATUS_OK;
+}
+
+int fa_plan_fp8_vt(int d, int64_t rows)
+{
+    const char *env = getenv("FLASHATTN_SM90_FP8_VT");
+    if (env && (env[0] == '0' || env[0] == '1'))
+        return env[0] == '1';
+    return rows >= (d > 128 ? FA_PLAN_FP8_VT_ROWS / 2 : FA_PLAN_FP8_VT_ROWS);
 }
 
 fa_status fa_plan_forward(const fa_plan_key *key, fa_plan *plan)

@@ -26,6 +26,7 @@
 #define FA_PLAN_KV_E4M3 (1u << 28) /* decode: the caches are fp8 e4m3 (q fp16 or bf16) */
 #define FA_PLAN_KV_E5M2 (1u << 29) /* decode: the caches are fp8 e5m2 */
 #define FA_PLAN_OUT_F16 (1u << 30) /* fp8 forward: out is fp16 (bf16 otherwise) */
+#define FA_PLAN_FP8_VT (1u << 20)  /* fp8 forward, dense: V^T comes from the workspace */
 /* User-defined scoring (forward): the call has a score_mod, a mask_mod, a block mask. On sm_90
  * the sm90 family compiles them where it can (dense calls for a block mask; not with
  * FLASHATTN_SM90_MODS=0), the sm80 family elsewhere; the plan's score_mod / mask_mod then carry
@@ -87,6 +88,17 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan);
  * (precompile, tests); FA_STATUS_UNSUPPORTED with a message naming the argument when it cannot
  * do the case. fa_plan_forward takes it for fp8 keys unless FLASHATTN_SM90_FP8=0. */
 fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan);
+
+/*
+ * Whether a dense fp8 forward of head dim d on sm_90 has V transposed into the workspace ahead of
+ * its kernel (FA_PLAN_FP8_VT) instead of by the producer's warps in shared memory. The copy
+ * reads and writes V once, about 2 |V| / 3 TB/s, against a kernel faster by the transpose's
+ * share (with it removed, NOTES.md's thirty-sixth session: +10% at d 128, +30% at d 256); it
+ * pays where many query rows read each key. rows: max_seqlen_q * h / hk, halved when causal.
+ * FLASHATTN_SM90_FP8_VT=0 never, =1 always (tests, the A/B).
+ */
+#define FA_PLAN_FP8_VT_ROWS 2048 /* at d <= 128; half that at d 256 */
+int fa_plan_fp8_vt(int d, int64_t rows);
 
 /* Nonzero when the plan routes supported cases to the sm90 family (not FLASHATTN_SM90=0). */
 int fa_plan_sm90_enabled(void);

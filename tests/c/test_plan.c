@@ -708,7 +708,7 @@ static void check_forward_fp8(void)
                          plan.bn >= 64 && plan.bn <= 256 && plan.threads == 384 &&
                          plan.smem <= FA_SMEM_SM90_MAX && plan_define(&plan, "FA_BN") == plan.bn &&
                          plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, plan.bn, dp, dp,
-                                                                  plan.stages),
+                                                                  plan.stages, 1),
                      "fp8 d %d: dp %d bm %d bn %d smem %u", d, plan.dp, plan.bm, plan.bn,
                      plan.smem);
             TU_CHECK(plan_define(&plan, "FA_D") == d && plan_define(&plan, "FA_DP") == dp &&
@@ -730,7 +730,7 @@ static void check_forward_fp8(void)
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == 128 &&
                  plan.stages == 2 && plan_define(&plan, "FA_PINGPONG") == 0 &&
                  plan_define(&plan, "FA_TRANSPOSE") == 0 && plan_define(&plan, "FA_ORDER") == 0 &&
-                 plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, 128, 128, 128, 2),
+                 plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, 128, 128, 128, 2, 1),
              "fp8 tile override: bn %d stages %d", plan.bn, plan.stages);
     setenv("FLASHATTN_SM90_FP8_TILE", "160,2,1", 1);
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == 160 &&
@@ -748,6 +748,47 @@ static void check_forward_fp8(void)
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == def.bn,
              "fp8 bn 100 taken: %d", plan.bn);
     unsetenv("FLASHATTN_SM90_FP8_TILE");
+    /* V^T from the workspace: dense only, 128-key blocks, no raw V in shared memory (softcap
+     * too, at every head dim); a tile override keeps it, its TRANSPOSE field ignored. */
+    for (int d = 32; d <= 256; d += 32) {
+        const int dp = d <= 64 ? 64 : d <= 128 ? 128 : 256;
+        for (unsigned f = 0; f <= FA_FEATURE_SOFTCAP; f += FA_FEATURE_SOFTCAP) {
+            key = (fa_plan_key){90, FA_DTYPE_F8E4M3, d, d, f | FA_PLAN_FP8_VT, 0, 0, 0};
+            TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                         plan_define(&plan, "FA_TRANSPOSE") == 2 && plan.bn == 128 &&
+                         plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, 128, dp, dp, plan.stages,
+                                                                  0),
+                     "fp8 V^T d %d features %x: transpose %d bn %d smem %u (%s)", d, f,
+                     plan_define(&plan, "FA_TRANSPOSE"), plan.bn, plan.smem, fa_last_error());
+        }
+    }
+    key = (fa_plan_key){90, FA_DTYPE_F8E4M3, 256, 256, FA_PLAN_FP8_VT, 0, 0, 0};
+    setenv("FLASHATTN_SM90_FP8_TILE", "128,3,1,1,1", 1); /* 224 KB without the raw V */
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.stages == 3 &&
+                 plan_define(&plan, "FA_TRANSPOSE") == 2 &&
+                 plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, 128, 256, 256, 3, 0),
+             "fp8 V^T override: stages %d transpose %d", plan.stages,
+             plan_define(&plan, "FA_TRANSPOSE"));
+    key.features = 0; /* 3 stages with the raw V would not fit: ignored */
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.stages == 2 &&
+                 plan_define(&plan, "FA_TRANSPOSE") == 1,
+             "fp8 override of 3 stages at d 256 taken: %d", plan.stages);
+    setenv("FLASHATTN_SM90_FP8_TILE", "128,2,1,2,1", 1); /* TRANSPOSE 2 without V^T: ignored */
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                 plan_define(&plan, "FA_TRANSPOSE") == 1,
+             "fp8 override TRANSPOSE 2 taken: %d", plan_define(&plan, "FA_TRANSPOSE"));
+    unsetenv("FLASHATTN_SM90_FP8_TILE");
+    /* The rule: 2048 rows a key at d <= 128, 1024 above; the switch both ways. */
+    TU_CHECK(!fa_plan_fp8_vt(128, FA_PLAN_FP8_VT_ROWS - 1) &&
+                 fa_plan_fp8_vt(128, FA_PLAN_FP8_VT_ROWS) &&
+                 !fa_plan_fp8_vt(256, FA_PLAN_FP8_VT_ROWS / 2 - 1) &&
+                 fa_plan_fp8_vt(256, FA_PLAN_FP8_VT_ROWS / 2),
+             "fa_plan_fp8_vt's thresholds");
+    setenv("FLASHATTN_SM90_FP8_VT", "1", 1);
+    TU_CHECK(fa_plan_fp8_vt(64, 1), "FLASHATTN_SM90_FP8_VT=1 not taken");
+    setenv("FLASHATTN_SM90_FP8_VT", "0", 1);
+    TU_CHECK(!fa_plan_fp8_vt(256, 1 << 20), "FLASHATTN_SM90_FP8_VT=0 not taken");
+    unsetenv("FLASHATTN_SM90_FP8_VT");
     /* Refused, naming the argument. */
     const struct {
         fa_plan_key key;
@@ -765,6 +806,8 @@ static void check_forward_fp8(void)
         {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_SCORE_MOD, 0, 0, 0}, "score_mod:"},
         {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_MASK_MOD, 0, 0, 0}, "mask_mod:"},
         {{90, FA_DTYPE_F8E4M3, 128, 128, FA_PLAN_BLOCK_MASK, 0, 0, 0}, "block_mask:"},
+        {{90, FA_DTYPE_F8E4M3, 128, 128, FA_FEATURE_VARLEN | FA_PLAN_FP8_VT, 0, 0, 0},
+         "cu_seqlens_k:"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
         TU_CHECK(fa_plan_forward(&bad[i].key, &plan) == FA_STATUS_UNSUPPORTED &&

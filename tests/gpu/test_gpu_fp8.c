@@ -25,9 +25,39 @@ typedef struct f8case {
     double softcap;
     int varlen, descales, pad;
     fa_dtype out_dt;
+    int vt; /* dense: V^T in the workspace ahead of the kernel (FLASHATTN_SM90_FP8_VT=1) */
 } f8case;
 
 static int failures;
+
+/*
+ * The V^T the workspace must hold after a call (fa_fwd_vt): [b][hk][dv][sk16], byte l of row n
+ * is column n of V at key 16 (l / 16) + 8 (e / 2) + 2 q + e % 2 (q = l / 4 % 4, e = l % 4), zero
+ * where that key is at or past sk. Returns the mismatches (the first few printed).
+ */
+static int64_t vt_mismatches(const f8case *c, const gpu_buf *v, const unsigned char *ws)
+{
+    const fa_dtype dt = FA_DTYPE_F8E4M3;
+    const int64_t sk16 = (c->sk + 15) / 16 * 16;
+    const unsigned char *vh = v->host.data;
+    int64_t bad = 0;
+    for (int bi = 0; bi < c->b; bi++)
+        for (int hk = 0; hk < c->hk; hk++)
+            for (int n = 0; n < c->d; n++)
+                for (int64_t l = 0; l < sk16; l++) {
+                    const int64_t e = l % 4, q = l / 4 % 4;
+                    const int64_t key = 16 * (l / 16) + 8 * (e / 2) + 2 * q + e % 2;
+                    const unsigned want =
+                        key < c->sk ? vh[bi * v->host.stride[0] + key * v->host.stride[1] +
+                                         hk * v->host.stride[2] + n * v->host.stride[3]]
+                                    : 0u;
+                    const unsigned got = ws[((int64_t)(bi * c->hk + hk) * c->d + n) * sk16 + l];
+                    if (got != want && bad++ < 3)
+                        FAIL("V^T[b %d, hk %d, row %d, key %lld]: 0x%02x, want 0x%02x", bi, hk, n,
+                             (long long)l, got, want);
+                }
+    return bad;
+}
 
 /* Element index (token, head, col) of a [b, s, h, x] or [total, h, x] buffer. */
 static int64_t at3(const fa_tensor *t, int64_t tok, int64_t s, int varlen, int64_t hh, int64_t x)
@@ -104,13 +134,32 @@ static void run_case(const f8case *c)
     }
     host.device = FA_DEVICE_CPU;
     dev.device = 0;
+    /* The workspace, poisoned: every byte of V^T the kernel reads must be written first. */
+    setenv("FLASHATTN_SM90_FP8_VT", c->vt ? "1" : "0", 1);
+    const size_t ws_size = fa_attention_forward_workspace_size(&dev);
+    const size_t ws_want = c->vt ? ((size_t)c->b * c->hk * c->d * ((c->sk + 15) / 16 * 16) + 255) /
+                                       256 * 256
+                                 : 0;
+    if (ws_size != ws_want)
+        FAIL("workspace %zu bytes, want %zu", ws_size, ws_want);
+    const int64_t shw[1] = {ws_want ? (int64_t)ws_want / 4 : 1};
+    gpu_buf ws = gu_buf_new(FA_DTYPE_I32, 1, shw, 0);
+    gu_buf_poison_device(&ws);
+    if (ws_want)
+        dev.workspace = ws.dev.data, dev.workspace_size = ws_want;
     fa_status st = fa_attention_forward(&dev);
+    unsetenv("FLASHATTN_SM90_FP8_VT");
     if (st != FA_STATUS_OK) {
         FAIL("forward: %s", fa_last_error());
     } else if (strcmp(fa_cuda_last_family(), "fa_fwd_sm90_fp8.cu") != 0) {
         FAIL("ran on %s, not the fp8 kernel", fa_cuda_last_family());
     } else {
         CHECK_CU(gu_drv->ctx_synchronize());
+        if (ws_want) {
+            unsigned char *w = gu_buf_download(&ws);
+            vt_mismatches(c, &v, w);
+            free(w);
+        }
         void *got_o = gu_buf_download(&o), *got_l = gu_buf_download(&lse);
         const int64_t n_out = total_q * c->h * c->d;
         double *ref = malloc(sizeof(double) * (size_t)(n_out + 1));
@@ -163,7 +212,7 @@ static void run_case(const f8case *c)
                err_lowp, worst);
         free(ref), free(refp), free(lowp), free(ref_lse), free(got_o), free(got_l);
     }
-    gpu_buf *all[] = {&q, &k, &v, &o, &lse, &cq, &ck, &dsc[0], &dsc[1], &dsc[2]};
+    gpu_buf *all[] = {&q, &k, &v, &o, &lse, &cq, &ck, &dsc[0], &dsc[1], &dsc[2], &ws};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         gu_buf_free(all[i]);
 }
@@ -171,7 +220,7 @@ static void run_case(const f8case *c)
 /* Refusals on the device, naming the argument (e5m2: q; sinks). */
 static void check_refusals(void)
 {
-    const f8case cc = {"refusals", 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, FA_DTYPE_BF16};
+    const f8case cc = {"refusals", 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, FA_DTYPE_BF16, 0};
     const f8case *c = &cc;
     const fa_dtype dt = FA_DTYPE_F8E5M2;
     const int64_t sh[4] = {1, 64, 2, 64}, ss[1] = {2};
@@ -200,25 +249,39 @@ int main(void)
         return 77;
     }
     static const f8case cases[] = {
-        /* name                b  sq   sk    h  hk  d   causal wl  wr  softcap vl ds pad out */
-        {"d64", 2, 256, 256, 4, 4, 64, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16},
-        {"d128", 2, 300, 333, 4, 2, 128, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16},
-        {"d256", 1, 200, 400, 4, 1, 256, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16},
-        {"d128 causal", 2, 513, 513, 4, 4, 128, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_BF16},
-        {"d64 causal sq<sk", 1, 100, 700, 2, 1, 64, 1, -1, 0, 0, 0, 0, 0, FA_DTYPE_F16},
-        {"d256 causal", 1, 384, 384, 2, 2, 256, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_F16},
-        {"d128 window", 2, 600, 600, 2, 1, 128, 0, 100, 37, 0, 0, 1, 0, FA_DTYPE_BF16},
-        {"d128 softcap", 1, 256, 512, 4, 4, 128, 0, -1, -1, 30.0, 0, 1, 0, FA_DTYPE_BF16},
-        {"d256 softcap causal", 1, 300, 300, 2, 1, 256, 1, -1, 0, 15.0, 0, 1, 0, FA_DTYPE_BF16},
-        {"d80 padded", 1, 200, 200, 2, 2, 80, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16},
-        {"d32 padded", 2, 150, 260, 4, 2, 32, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_BF16},
-        {"d192 padded", 1, 260, 260, 2, 1, 192, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_F16},
-        {"d128 row pad", 2, 130, 250, 2, 2, 128, 0, -1, -1, 0, 0, 1, 16, FA_DTYPE_BF16},
-        {"varlen d64", 4, 300, 300, 4, 2, 64, 0, -1, -1, 0, 1, 1, 0, FA_DTYPE_BF16},
-        {"varlen d128 causal", 5, 400, 400, 4, 4, 128, 1, -1, 0, 0, 1, 1, 0, FA_DTYPE_BF16},
-        {"varlen d256 softcap", 3, 300, 300, 2, 1, 256, 1, -1, 0, 20.0, 1, 1, 0, FA_DTYPE_F16},
+        /* name                b  sq   sk    h  hk  d   causal wl  wr  softcap vl ds pad out vt */
+        {"d64", 2, 256, 256, 4, 4, 64, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16, 0},
+        {"d128", 2, 300, 333, 4, 2, 128, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16, 0},
+        {"d256", 1, 200, 400, 4, 1, 256, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16, 0},
+        {"d128 causal", 2, 513, 513, 4, 4, 128, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_BF16, 0},
+        {"d64 causal sq<sk", 1, 100, 700, 2, 1, 64, 1, -1, 0, 0, 0, 0, 0, FA_DTYPE_F16, 0},
+        {"d256 causal", 1, 384, 384, 2, 2, 256, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_F16, 0},
+        {"d128 window", 2, 600, 600, 2, 1, 128, 0, 100, 37, 0, 0, 1, 0, FA_DTYPE_BF16, 0},
+        {"d128 softcap", 1, 256, 512, 4, 4, 128, 0, -1, -1, 30.0, 0, 1, 0, FA_DTYPE_BF16, 0},
+        {"d256 softcap causal", 1, 300, 300, 2, 1, 256, 1, -1, 0, 15.0, 0, 1, 0, FA_DTYPE_BF16, 0},
+        {"d80 padded", 1, 200, 200, 2, 2, 80, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16, 0},
+        {"d32 padded", 2, 150, 260, 4, 2, 32, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_BF16, 0},
+        {"d192 padded", 1, 260, 260, 2, 1, 192, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_F16, 0},
+        {"d128 row pad", 2, 130, 250, 2, 2, 128, 0, -1, -1, 0, 0, 1, 16, FA_DTYPE_BF16, 0},
+        {"varlen d64", 4, 300, 300, 4, 2, 64, 0, -1, -1, 0, 1, 1, 0, FA_DTYPE_BF16, 0},
+        {"varlen d128 causal", 5, 400, 400, 4, 4, 128, 1, -1, 0, 0, 1, 1, 0, FA_DTYPE_BF16, 0},
+        {"varlen d256 softcap", 3, 300, 300, 2, 1, 256, 1, -1, 0, 20.0, 1, 1, 0, FA_DTYPE_F16, 0},
         /* Long enough for the stages to wrap many times; its CPU oracles take the time. */
-        {"d128 long", 1, 1536, 1536, 2, 1, 128, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_BF16},
+        {"d128 long", 1, 1536, 1536, 2, 1, 128, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_BF16, 0},
+        /* V^T from the workspace: keys not a multiple of 16 or of the block, GQA, dv padded. */
+        {"vt d64", 2, 256, 256, 4, 4, 64, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16, 1},
+        {"vt d128", 2, 300, 333, 4, 2, 128, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16, 1},
+        {"vt d256", 1, 200, 400, 4, 1, 256, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_F16, 1},
+        {"vt d128 causal", 2, 513, 513, 4, 4, 128, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_BF16, 1},
+        {"vt d64 causal sq<sk", 1, 100, 700, 2, 1, 64, 1, -1, 0, 0, 0, 0, 0, FA_DTYPE_F16, 1},
+        {"vt d128 window", 2, 600, 600, 2, 1, 128, 0, 100, 37, 0, 0, 1, 0, FA_DTYPE_BF16, 1},
+        {"vt d128 softcap", 1, 256, 520, 4, 4, 128, 0, -1, -1, 30.0, 0, 1, 0, FA_DTYPE_BF16, 1},
+        {"vt d256 softcap causal", 1, 300, 300, 2, 1, 256, 1, -1, 0, 15.0, 0, 1, 0, FA_DTYPE_BF16,
+         1},
+        {"vt d80 padded", 1, 200, 203, 2, 2, 80, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16, 1},
+        {"vt d192 padded", 1, 260, 260, 2, 1, 192, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_F16, 1},
+        {"vt d128 row pad", 2, 130, 250, 2, 2, 128, 0, -1, -1, 0, 0, 1, 16, FA_DTYPE_BF16, 1},
+        {"vt d128 long", 1, 1536, 1536, 2, 1, 128, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_BF16, 1},
     };
     check_refusals();
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)

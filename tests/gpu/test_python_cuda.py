@@ -1108,11 +1108,12 @@ def _dequant(x, descale):
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0),
                     reason="the fp8 forward is a Hopper kernel")
 @pytest.mark.parametrize("case", FP8_CASES, ids=[str(i) for i in range(len(FP8_CASES))])
-def test_fp8_forward_cuda_matches_cpu(gen, case):
+def test_fp8_forward_cuda_matches_cpu(gen, case, monkeypatch):
     """e4m3 q, k, v with descales on CUDA tensors (the Hopper fp8 kernel) beside the CPU
     library's fp8 forward on copies (P rounded to e4m3 alike), both against an fp32 attention
     of the dequantised inputs: FA3's criterion, the GPU's error at most twice the CPU's plus
-    bf16's rounding of out."""
+    bf16's rounding of out. Dense calls also with V transposed into the workspace ahead of the
+    kernel (FLASHATTN_SM90_FP8_VT=1): the same shared-memory operands, so the same bits."""
     from flashattn import fa3
 
     b, s, h, hk, d, causal, window, softcap, varlen = case
@@ -1145,7 +1146,12 @@ def test_fp8_forward_cuda_matches_cpu(gen, case):
                                           for n, t in a.items()})
         ref = run(*ref_in, "cpu", **ref_kw)
     out_c = run(q, k, v, "cpu", **kw)
+    monkeypatch.setenv("FLASHATTN_SM90_FP8_VT", "0")
     out_g = run(q, k, v, "cuda", **kw)
+    if not varlen:
+        monkeypatch.setenv("FLASHATTN_SM90_FP8_VT", "1")
+        out_vt = run(q, k, v, "cuda", **kw)
+        assert torch.equal(out_vt, out_g), (out_vt.float() - out_g.float()).abs().max().item()
     assert out_g.is_cuda and out_g.dtype == torch.bfloat16 and out_g.shape == out_c.shape
     err_c = (out_c.float() - ref.float()).abs().max().item()
     err_g = (out_g.cpu().float() - ref.float()).abs().max().item()
