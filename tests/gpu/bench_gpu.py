@@ -16,7 +16,9 @@ plans of the sm_90a family (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG each) beside 
 and prints drop/ours. --fp8 (Hopper, d = dv) also times the fp8 (e4m3) forward on the same
 shapes ("fp8": q, k, v cast to float8_e4m3fn, out bf16; the same FLOP
 count) and prints fp8/ours; --fp8-variants times more fp8 plans beside it
-(FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] each; columns f0, f1, ...).
+(FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] each, or a NAME=VALUE setting
+such as FLASHATTN_SM90_FP8_VT=0; columns f0, f1, ...). Each call gets the workspace the library
+asks for, allocated once (fp8: the V^T its kernel reads; the time includes writing it).
 """
 import argparse
 import ctypes
@@ -69,6 +71,11 @@ class Call:
         a.seed = 1234
         a.device = q.device.index or 0
         a.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        # The workspace the call asks for (fp8: V^T), allocated once as a C caller would.
+        size = self.lib.fa_attention_forward_workspace_size(ctypes.byref(a))
+        self.ws = torch.empty(size, dtype=torch.uint8, device=q.device) if size else None
+        if size:
+            a.workspace, a.workspace_size = self.ws.data_ptr(), size
 
     def __call__(self):
         st = self.lib.fa_attention_forward(ctypes.byref(self.args))
@@ -140,7 +147,8 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="also time the fp8 (e4m3) forward (Hopper)")
     ap.add_argument("--fp8-variants", default="",
-                    help="with --fp8: ';'-separated FLASHATTN_SM90_FP8_TILE values as extra columns")
+                    help="with --fp8: ';'-separated FLASHATTN_SM90_FP8_TILE values (or NAME=VALUE "
+                         "settings, e.g. FLASHATTN_SM90_FP8_VT=0) as extra columns")
     ap.add_argument("--first-call", type=int, default=0, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.first_call:
@@ -198,8 +206,10 @@ def main():
                     fp8_tiles = [("fp8", None)] + [(f"fp8 {t}", t)
                                                    for t in opts.fp8_variants.split(";") if t]
                     for name, tile in fp8_tiles:
+                        var, val = (tile.split("=", 1) if tile and "=" in tile
+                                    else ("FLASHATTN_SM90_FP8_TILE", tile))
                         if tile:
-                            os.environ["FLASHATTN_SM90_FP8_TILE"] = tile
+                            os.environ[var] = val
                         try:
                             row[name] = flops / bench(Call(q8, k8, v8, out8, causal)) / 1e12
                             row["maxdiff_" + name] = (out8.float() - out.float()).abs().max().item()
@@ -207,7 +217,7 @@ def main():
                             row[name] = None
                             row[name + "_error"] = str(ex).splitlines()[0][:100]
                         finally:
-                            os.environ.pop("FLASHATTN_SM90_FP8_TILE", None)
+                            os.environ.pop(var, None)
                     del q8, k8, v8, out8
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
                 for name, be in BACKENDS.items():
@@ -240,7 +250,8 @@ def main():
     drops += ["fp8"] + fp8x if opts.fp8 else []
     print(f"\nTFLOP/s fwd, bf16, {torch.cuda.get_device_name()}" +
           "".join(f"; t{i} = FLASHATTN_SM90_TILE={t[5:]}" for i, t in enumerate(extra)) +
-          "".join(f"; f{i} = FLASHATTN_SM90_FP8_TILE={t[4:]}" for i, t in enumerate(fp8x)))
+          "".join(f"; f{i} = " + (t[4:] if "=" in t else f"FLASHATTN_SM90_FP8_TILE={t[4:]}")
+                  for i, t in enumerate(fp8x)))
     # V's head dim gets a column only when --dv sets it.
     dv_col = lambda r: f"{r['hdim_v']:5d} " if opts.dv else ""
     print("hdim " + ("   dv " if opts.dv else "") + "seqlen causal |   ours   sm80" +
