@@ -161,6 +161,7 @@ FA_DEV float fa_exp2(float x)
     return y;
 }
 
+
 /* cp.async.cg.shared.global: 16-byte copy global -> shared that skips L1 and does not block;
  * bytes past src_bytes are zero-filled, so src_bytes = 0 writes a zero chunk and reads nothing. */
 FA_DEV void fa_cp_async16(fa_u32 dst, const void *src, int src_bytes)

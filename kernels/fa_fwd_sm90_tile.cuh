@@ -79,7 +79,14 @@ FA_DEV void fa_softmax_order(fa_u32 scratch, const float row_sum[2])
  * alpha[hf] the factor its O and sum are rescaled by, sacc <- 2^(s sm - max sm + offset), and
  * row_sum updated. A row with nothing visible yet keeps max -inf and exponentiates against 0.
  * offset is a constant at each call: 0, or the fp8 kernel's 8 (P times 2^8, into e4m3's
- * range). */
+ * range). With FA_EXP2_POLY = n > 0, one element in n of each row takes fa_rule_exp2_poly instead of
+ * the MUFU's ex2 (an A/B for the fp8 kernel, whose exponentials per tensor-core cycle are twice
+ * bf16's). */
+#ifndef FA_EXP2_POLY
+#define FA_EXP2_POLY 0
+#endif
+/* Whether a row's element k takes fa_exp2_poly. */
+#define FA_EXP2_POLY_AT(k) (FA_EXP2_POLY > 0 && (k) % (FA_EXP2_POLY > 0 ? FA_EXP2_POLY : 1) == 0)
 FA_DEV void fa_softmax_rows(float *sacc, float sm, float offset, float row_max[2],
                             float row_sum[2], float alpha[2])
 {
@@ -100,7 +107,10 @@ FA_DEV void fa_softmax_rows(float *sacc, float sm, float offset, float row_max[2
 #pragma unroll
         for (int j = 0; j < FA_SACC; j++)
             if (((j >> 1) & 1) == hf) {
-                sacc[j] = fa_exp2(fmaf(sacc[j], sm, neg));
+                /* sacc[j] is the row's element (j / 4) * 2 + j % 2 */
+                const float x = fmaf(sacc[j], sm, neg);
+                sacc[j] = FA_EXP2_POLY_AT((j >> 2) * 2 + (j & 1)) ? fa_rule_exp2_poly(x)
+                                                                  : fa_exp2(x);
                 sum += sacc[j];
             }
         row_sum[hf] = row_sum[hf] * alpha[hf] + sum;

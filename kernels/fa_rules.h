@@ -1,6 +1,6 @@
 /*
  * The scoring rules: which keys a query row sees, softcap, ALiBi, sinks and the default scale,
- * and fp32 -> fp8 rounding, each written once.
+ * fp32 -> fp8 rounding, and an exp2 off the MUFU pipe, each written once.
  * Compiled by the host (C11: the API's validation and the CPU backend) and by
  * NVRTC (CUDA C: the kernels), like fa_kparams.h, so no backend can drift from another.
  *
@@ -19,6 +19,8 @@
 #define FA_RULE static __device__ __forceinline__
 #else
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 #define FA_RULE static inline
 #endif
 
@@ -109,6 +111,32 @@ FA_RULE void fa_rule_softcap_fold(double scale, double softcap, float *pre, floa
  * from the row's (bottom-right aligned) diagonal; slope per head, or per batch and head. */
 #define FA_RULE_ABS_DIST(dist) ((dist) < 0 ? -(dist) : (dist))
 #define FA_RULE_ALIBI(slope, dist) ((slope) * FA_RULE_ABS_DIST(dist))
+
+/*
+ * 2^x on the FMA pipe, for kernels whose exponentials queue on the MUFU pipe (FA4 moves a share
+ * of them so): x = j + f with j = rint(x) from the 1.5 * 2^23 shift, 2^f (|f| <= 1/2) a cubic
+ * through 1 at f = 0 (relative error 1.0e-4, against the fp8 P's 2^-4), j added to the exponent
+ * field. x is clamped to -127, where the sum is exactly +0 (ex2.approx.ftz gives 0 under -126),
+ * NaN stays NaN; x above 127 is not handled (callers pass scores minus their row maximum).
+ */
+FA_RULE float fa_rule_exp2_poly(float x)
+{
+    const float xc = fmaxf(x, -127.f);
+    const float t = xc + 12582912.f; /* rint(xc) in the low mantissa bits */
+    const float f = xc - (t - 12582912.f);
+    const float p = fmaf(fmaf(fmaf(0.05500882f, f, 0.24221078f), f, 0.6932829f), f, 1.f);
+#if defined(__CUDACC__)
+    const float y = __int_as_float(__float_as_int(p) + (int)((unsigned)__float_as_int(t) << 23));
+#else
+    int32_t pb, tb;
+    memcpy(&pb, &p, 4);
+    memcpy(&tb, &t, 4);
+    const int32_t yb = (int32_t)((uint32_t)pb + ((uint32_t)tb << 23));
+    float y;
+    memcpy(&y, &yb, 4);
+#endif
+    return x == x ? y : x;
+}
 
 /* ---- a row's softmax ---------------------------------------------------------------------------- */
 

@@ -359,35 +359,37 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
  */
 typedef struct fa_plan_row90_fp8 {
     int dp, bn, stages, pingpong, transpose, order;
+    int exp2_poly; /* FA_EXP2_POLY: one exponential in n off the MUFU pipe (0: none) */
 } fa_plan_row90_fp8;
 
 static const fa_plan_row90_fp8 fa_sm90_fp8_rows[] = {
-    {64, 192, 2, 1, 0, 1},  /* Q 8 KB + 2 x (K 12 + Vr 12 + V^T 16) KB = 88 KB */
-    {128, 192, 2, 1, 0, 1}, /* Q 16 KB + 2 x (K 24 + Vr 24 + V^T 32) KB = 176 KB */
-    {256, 128, 2, 1, 0, 1}, /* Q 32 KB + 2 x (K 32 + Vr 32 + V^T 32) KB = 224 KB */
+    {64, 192, 2, 1, 0, 1, 0},  /* Q 8 KB + 2 x (K 12 + Vr 12 + V^T 16) KB = 88 KB */
+    {128, 192, 2, 1, 0, 1, 0}, /* Q 16 KB + 2 x (K 24 + Vr 24 + V^T 32) KB = 176 KB */
+    {256, 128, 2, 1, 0, 1, 0}, /* Q 32 KB + 2 x (K 32 + Vr 32 + V^T 32) KB = 224 KB */
 };
 
 /* Dense calls without softcap at every head dim, with softcap at d 128 (d 256: 224 KB as above). */
-static const fa_plan_row90_fp8 fa_sm90_fp8_fast = {0, 128, 2, 1, 1, 1};
+static const fa_plan_row90_fp8 fa_sm90_fp8_fast = {0, 128, 2, 1, 1, 1, 0};
 /* Dense calls with V^T from the workspace (Q 32 KB + 2 x (K 32 + V^T 32) KB = 160 KB at d 256). */
-static const fa_plan_row90_fp8 fa_sm90_fp8_vt = {0, 128, 2, 1, 2, 1};
+static const fa_plan_row90_fp8 fa_sm90_fp8_vt = {0, 128, 2, 1, 2, 1, 0};
 
-/* FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] replaces the row's choice (for
- * an A/B with the benchmark; 128,2,0,0,0 is the first, untuned kernel); a combination the kernel
- * cannot take or shared memory cannot hold is ignored, and so is TRANSPOSE where V^T comes from
- * the workspace (2: it is what the call's arguments decide). */
+/* FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER[,EXP2_POLY]]] replaces the row's
+ * choice (for an A/B with the benchmark; 128,2,0,0,0 is the first, untuned kernel); a
+ * combination the kernel cannot take or shared memory cannot hold is ignored, and so is
+ * TRANSPOSE where V^T comes from the workspace (2: it is what the call's arguments decide). */
 static void fa_plan_sm90_fp8_override(fa_plan_row90_fp8 *row)
 {
     const char *env = getenv("FLASHATTN_SM90_FP8_TILE");
-    int bn, stages, pingpong, transpose = row->transpose, order = row->order;
-    if (!env || sscanf(env, "%d,%d,%d,%d,%d", &bn, &stages, &pingpong, &transpose, &order) < 3)
+    int bn, stages, pingpong, transpose = row->transpose, order = row->order, poly = 0;
+    if (!env || sscanf(env, "%d,%d,%d,%d,%d,%d", &bn, &stages, &pingpong, &transpose, &order,
+                       &poly) < 3)
         return;
     if (row->transpose == 2)
         transpose = 2;
     if (bn < 64 || bn > 256 || bn % 32 != 0 || stages < 2 || stages > 8 ||
         (pingpong != 0 && pingpong != 1) ||
         (transpose != 0 && transpose != 1 && row->transpose != 2) ||
-        (order != 0 && order != 1) ||
+        (order != 0 && order != 1) || poly < 0 || poly > 64 ||
         FA_SMEM_FWD90_FP8(128, bn, row->dp, row->dp, stages, transpose != 2) > FA_SMEM_SM90_MAX)
         return;
     row->bn = bn;
@@ -395,6 +397,7 @@ static void fa_plan_sm90_fp8_override(fa_plan_row90_fp8 *row)
     row->pingpong = pingpong;
     row->transpose = transpose;
     row->order = order;
+    row->exp2_poly = poly;
 }
 
 static fa_status fa_plan_fp8_refuse(const char *arg, const char *what)
@@ -481,6 +484,8 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
     fa_plan_define(plan, "FA_TRANSPOSE", row.transpose);
     fa_plan_define(plan, "FA_ORDER", row.order);
+    if (row.exp2_poly > 0) /* only then: the other kernels keep their keys */
+        fa_plan_define(plan, "FA_EXP2_POLY", row.exp2_poly);
     fa_plan_define_features(plan, key->features, FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP);
     return FA_STATUS_OK;
 }

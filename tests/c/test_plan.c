@@ -732,6 +732,12 @@ static void check_forward_fp8(void)
                  plan_define(&plan, "FA_TRANSPOSE") == 0 && plan_define(&plan, "FA_ORDER") == 0 &&
                  plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, 128, 128, 128, 2, 1),
              "fp8 tile override: bn %d stages %d", plan.bn, plan.stages);
+    TU_CHECK(plan_define(&plan, "FA_EXP2_POLY") == -1, "fp8 tile override without EXP2_POLY: %d",
+             plan_define(&plan, "FA_EXP2_POLY"));
+    setenv("FLASHATTN_SM90_FP8_TILE", "128,2,1,1,1,4", 1);
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                 plan_define(&plan, "FA_EXP2_POLY") == 4 && plan_define(&plan, "FA_TRANSPOSE") == 1,
+             "fp8 tile override with EXP2_POLY 4: %d", plan_define(&plan, "FA_EXP2_POLY"));
     setenv("FLASHATTN_SM90_FP8_TILE", "160,2,1", 1);
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == 160 &&
                  plan.stages == 2 && plan_define(&plan, "FA_PINGPONG") == 1,

@@ -174,11 +174,41 @@ static void check_div(tu_rng *r)
     }
 }
 
+/* fa_rule_exp2_poly against exp2: within 1.1e-4 relatively on [-126, 127) (a grid of every
+ * 1/4096 and random points), below 2^-125 between -127 and -126, exactly +0 at -127 and under
+ * (and -inf), NaN kept. */
+static void check_exp2_poly(tu_rng *r)
+{
+    double worst = 0;
+    for (int c = 0; c < 253 * 4096 + N_CASES; c++) {
+        const float x = c < 253 * 4096 ? -126.f + (float)c / 4096.f
+                                       : (float)tu_rng_uniform(r, -126.0, 127.0);
+        const double want = exp2((double)x), got = fa_rule_exp2_poly(x);
+        const double rel = fabs(got - want) / want;
+        worst = rel > worst ? rel : worst;
+        if (!(rel <= 1.1e-4))
+            TU_CHECK(0, "exp2_poly(%.9g): %.9g, want %.9g", (double)x, got, want);
+    }
+    const float zeros[] = {-127.f, -127.5f, -200.f, -1e30f, -INFINITY};
+    for (size_t i = 0; i < sizeof zeros / sizeof zeros[0]; i++) {
+        const float y = fa_rule_exp2_poly(zeros[i]);
+        TU_CHECK(y == 0.f && !signbit(y), "exp2_poly(%g): %g, want +0", (double)zeros[i],
+                 (double)y);
+    }
+    for (float x = -127.f; x < -126.f; x += 1.f / 64) { /* exponent field 0: tiny, not garbage */
+        const float y = fa_rule_exp2_poly(x);
+        TU_CHECK(y >= 0.f && y < 0x1p-125f, "exp2_poly(%.9g): %g", (double)x, (double)y);
+    }
+    TU_CHECK(isnan(fa_rule_exp2_poly(NAN)), "exp2_poly(NaN) not NaN");
+    TU_CHECK(worst > 1e-6, "exp2_poly: error %.3g, suspiciously exact", worst);
+}
+
 int main(void)
 {
     tu_rng r = {tu_master_seed("test_rules")};
     check_ranges(&r);
     check_scores(&r);
     check_div(&r);
+    check_exp2_poly(&r);
     return tu_finish("test_rules");
 }

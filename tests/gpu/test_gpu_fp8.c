@@ -297,6 +297,16 @@ int main(void)
     check_refusals();
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         run_case(&cases[i]);
+    /* Every second exponential off the MUFU pipe (fa_rule_exp2_poly), an A/B of the plan. */
+    static const f8case poly[] = {
+        {"exp2 poly d128", 2, 300, 333, 4, 2, 128, 0, -1, -1, 0, 0, 1, 0, FA_DTYPE_BF16},
+        {"exp2 poly d256 causal", 1, 384, 384, 2, 2, 256, 1, -1, 0, 0, 0, 1, 0, FA_DTYPE_F16},
+        {"exp2 poly d64 window", 2, 300, 300, 2, 1, 64, 0, 60, 20, 0, 0, 1, 0, FA_DTYPE_BF16},
+    };
+    setenv("FLASHATTN_SM90_FP8_TILE", "128,2,1,1,1,2", 1);
+    for (size_t i = 0; i < sizeof poly / sizeof poly[0]; i++)
+        run_case(&poly[i]);
+    unsetenv("FLASHATTN_SM90_FP8_TILE");
     printf("test_gpu_fp8: %d failure(s)\n", failures);
     return failures ? 1 : 0;
 }
