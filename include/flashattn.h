@@ -366,6 +366,18 @@ fa_status fa_attention_backward(const fa_bwd_args *args);
 size_t fa_attention_backward_workspace_size(const fa_bwd_args *args);
 
 /*
+ * Compiles (or finds in the caches) the kernels fa_attention_backward will run after a forward
+ * with these arguments: nothing to do on the CPU; on a CUDA device NVRTC's work, no launch and no
+ * device memory. Called from a thread of the caller's beside the forward's first call, it lets
+ * a training run's first step compile the backward's kernels while the forward's compile (the
+ * backward then finds them built, or waits for the build under way); the Python package does
+ * so. Returns FA_STATUS_OK or what the backward would fail with (the forward's argument errors,
+ * a case the backward refuses, a failed compile). Planned for dout, dq, dk and dv laid out as
+ * q, k and v and a nondeterministic call (a deterministic one may run another kernel).
+ */
+fa_status fa_attention_backward_prepare(const fa_fwd_args *args);
+
+/*
  * The dropout keep bit of element (batch, head, row, col), as every backend computes it.
  * head counts query heads; batch is the sequence index in the varlen form; row and col are
  * positions inside the sequence. Philox4x32-7 (Random123's philox4x32_R with 7 rounds, as

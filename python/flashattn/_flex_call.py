@@ -6,6 +6,7 @@ picks the call; this module prepares and runs it).
 
 import ctypes
 import sys
+import threading
 import weakref
 
 from . import _flex_prepared, _lib
@@ -132,6 +133,7 @@ class _FlexCall:
         self.kind, self.scale, self.programs, self.aux = kind, scale, programs, aux
         self.block_mask, self.device = block_mask, device
         self.fwd = None  # forward_grad's prepared arguments (_flex_prepared.Prepared)
+        self.bwd_built = False  # the backward's kernels asked for (fa_attention_backward_prepare)
         self.keyed = ()  # cached with gradients: the objects whose ids its key holds
 
     def _args(self, query, key, value, out, lse):
@@ -184,6 +186,12 @@ class _FlexCall:
         lse = _empty(self.kind, tuple(query.shape[:3]), query, lse=True)
         tensors = (query, key, value, out, lse)
         args, keep, arrays, names = self._args(*tensors)
+        if not self.bwd_built and self.kind == TORCH and query.is_cuda:
+            # A new mod's backward kernels compile on a thread beside its forward's (NVRTC runs
+            # without the GIL); not a daemon, so the interpreter's exit waits for the compile.
+            self.bwd_built = True
+            threading.Thread(target=_lib.backward_prepare, args=(args, keep),
+                             name="flashattn backward prepare").start()
         self._run(args, names)
         if self.kind == TORCH and _args_at(args, tensors):
             self.fwd = _flex_prepared.prepared(args, keep, tensors, None, (), names)

@@ -215,6 +215,8 @@ def _declare(lib):
     lib.fa_attention_forward_workspace_size.restype = c.c_size_t
     lib.fa_attention_backward_workspace_size.argtypes = [c.POINTER(FaBwdArgs)]
     lib.fa_attention_backward_workspace_size.restype = c.c_size_t
+    lib.fa_attention_backward_prepare.argtypes = [c.POINTER(FaFwdArgs)]
+    lib.fa_attention_backward_prepare.restype = c.c_int
     lib.fa_dropout_keep.argtypes = [c.c_uint64, c.c_uint64, c.c_int64, c.c_int64, c.c_int64,
                                     c.c_int64, c.c_int64, c.c_double]
     lib.fa_dropout_keep.restype = c.c_int
@@ -363,6 +365,15 @@ def new_bwd_args():
     args = FaBwdArgs()
     get_lib().fa_bwd_args_init(ctypes.byref(args))
     return args
+
+
+def backward_prepare(args, keep=None):
+    """fa_attention_backward_prepare(&args): compiles (or finds cached) the CUDA kernels the
+    backward of this forward will run; ctypes releases the GIL, so a thread can run it beside
+    the forward's first call. keep: what args points to, held for the call. Failures are left
+    for the backward to report."""
+    get_lib().fa_attention_backward_prepare(ctypes.byref(args))
+    del keep
 
 
 def backward_workspace_size(args):

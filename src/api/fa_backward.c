@@ -27,3 +27,11 @@ FA_API size_t fa_attention_backward_workspace_size(const fa_bwd_args *args)
     const fa_backend *be = fa_backend_of(args->fwd->device);
     return be->backward_workspace_size ? be->backward_workspace_size(&p) : 0;
 }
+
+FA_API fa_status fa_attention_backward_prepare(const fa_fwd_args *args)
+{
+    fa_params p;
+    FA_TRY(fa_params_from_fwd_args(args, &p));
+    const fa_backend *be = fa_backend_of(args->device);
+    return be->backward_prepare ? be->backward_prepare(&p, args) : FA_STATUS_OK;
+}

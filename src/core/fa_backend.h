@@ -17,6 +17,8 @@ typedef struct fa_backend {
     fa_status (*backward)(const fa_params *p, const fa_bwd_args *args);
     /* Bytes of workspace the backward needs for p; NULL: none. */
     size_t (*backward_workspace_size)(const fa_params *p);
+    /* Builds what the backward of a forward's p will need, ahead of it; NULL: nothing to do. */
+    fa_status (*backward_prepare)(const fa_params *p, const fa_fwd_args *args);
     fa_status (*kvcache)(const fa_params *p, const fa_kvcache_args *args);
     /* Bytes of workspace the KV-cache call needs for p on args->device; NULL: none. */
     size_t (*kvcache_workspace_size)(const fa_params *p, const fa_kvcache_args *args);

@@ -64,6 +64,10 @@ const char *fa_cuda_last_backward_family(void);
 /* Bytes of workspace the CUDA backward needs for p. */
 size_t fa_cuda_backward_workspace_size(const fa_params *p);
 
+/* Builds (NVRTC, or the caches) the module the backward of p, a forward's problem, will run on
+ * args->device. */
+fa_status fa_cuda_backward_prepare(const fa_params *p, const fa_fwd_args *args);
+
 /* fa_attention_kvcache on args->device (fa_cuda_decode.c): the append, the attention over the
  * cache read in place, and the merge of its splits; asynchronous, no allocation (split partials
  * in args->workspace). */

@@ -2,7 +2,8 @@
  * The backward on a CUDA device (kernels/fa_bwd_sm80.cu, or fa_bwd_sm90.cu / fa_bwd_sm90_wide.cu
  * where the plan takes it, with the tensor maps of Q, K, V and dO): plan, check the caller's workspace, fill the
  * parameter block, launch the kernels on the caller's stream (four, and fa_bwd_fill first in the
- * varlen form). Both families share the workspace layout below.
+ * varlen form). Both families share the workspace layout below. fa_cuda_backward_prepare builds
+ * the same plan's module ahead of the first backward.
  *
  * Workspace layout (each part 256-byte aligned; rows = m_tiles * bm, whole query tiles, m_tiles
  * from max_sq in the dense and the varlen form alike: b is the number of sequences):
@@ -116,6 +117,35 @@ static int fa_bwd_aligned(const fa_params *p)
                                sizeof ptrs / sizeof ptrs[0]);
 }
 
+/* The backward's plan (and its key) for p on a device of arch, the mods' CUDA C in it. */
+static fa_status fa_bwd_plan(const fa_params *p, int arch, fa_plan_key *key, fa_plan *plan)
+{
+    *key = (fa_plan_key){arch, p->dtype, (int)p->d, (int)p->dv, 0, 0, 0, 0};
+    key->features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
+    key->features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
+    key->features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
+    key->features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
+    key->features |= fa_bwd_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
+    /* User-defined scoring: fa_bwd_sm90.cu's hooks or the sm80 family compile the programs in
+     * (fa_plan_backward). */
+    fa_kparams_key_mods(p, key);
+    FA_TRY(fa_plan_backward(key, plan));
+    plan->score_mod = p->mods.score_mod ? p->mods.score_mod->cuda : NULL;
+    plan->mask_mod = p->mods.mask_mod ? p->mods.mask_mod->cuda : NULL;
+    return FA_STATUS_OK;
+}
+
+fa_status fa_cuda_backward_prepare(const fa_params *p, const fa_fwd_args *args)
+{
+    int arch = 0, smem_optin = 0;
+    FA_TRY(fa_cuda_device_arch(args->device, &arch, &smem_optin));
+    fa_plan_key key;
+    fa_plan plan;
+    FA_TRY(fa_bwd_plan(p, arch, &key, &plan));
+    fa_jit_origin origin;
+    return fa_jit_build(&plan, &origin);
+}
+
 /* The sm90 kernels' second parameter (fa_bwd_tmaps in kernels/fa_bwd_sm90.cuh). */
 typedef struct fa_bwd_tmaps {
     fa_cu_tensor_map q, k, v, dout;
@@ -177,21 +207,11 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     if (p->lse_dtype != FA_DTYPE_F32)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "lse: the CUDA backward reads fp32 lse");
 
-    fa_plan_key key = {arch, p->dtype, (int)p->d, (int)p->dv, 0, 0, 0, 0};
-    key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
-    key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
-    key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
-    key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
-    key.features |= fa_bwd_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
-    /* User-defined scoring: fa_bwd_sm90.cu's hooks or the sm80 family compile the programs in
-     * (fa_plan_backward). */
-    fa_kparams_key_mods(p, &key);
+    fa_plan_key key;
     fa_plan plan;
-    st = fa_plan_backward(&key, &plan);
+    st = fa_bwd_plan(p, arch, &key, &plan);
     if (st != FA_STATUS_OK)
         return st;
-    plan.score_mod = p->mods.score_mod ? p->mods.score_mod->cuda : NULL;
-    plan.mask_mod = p->mods.mask_mod ? p->mods.mask_mod->cuda : NULL;
     fa_bwd_tmaps tmaps, *tm = NULL;
     /* Both sm90 families (fa_bwd_sm90.cu, fa_bwd_sm90_wide.cu) read their tiles by TMA. */
     if (strncmp(plan.family, "fa_bwd_sm90", 11) == 0) {

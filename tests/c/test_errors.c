@@ -211,6 +211,15 @@ static void expect_invalid(env *E, const char *label, int allow_unsupported, con
         int64_t n = outputs_touched(E);
         TU_CHECK(n == 0, "a rejected call wrote %lld output elements", (long long)n);
     }
+    /* fa_attention_backward_prepare validates the same arguments as the forward. */
+    if (st == FA_STATUS_INVALID_ARGUMENT) {
+        char fwd_msg[512];
+        snprintf(fwd_msg, sizeof fwd_msg, "%s", msg ? msg : "");
+        const fa_status sp = fa_attention_backward_prepare(&E->a);
+        TU_CHECK(sp == st && strcmp(fa_last_error(), fwd_msg) == 0,
+                 "fa_attention_backward_prepare: %d \"%s\", the forward %d \"%s\"", (int)sp,
+                 fa_last_error(), (int)st, fwd_msg);
+    }
 }
 
 #define NAMES(...) ((const char *[]){__VA_ARGS__, NULL})
@@ -267,6 +276,9 @@ static int check_baseline(env *E, int varlen)
     poison_outputs(E);
     fa_status st = fa_attention_forward(&E->a);
     TU_CHECK(st == FA_STATUS_OK, "valid baseline rejected: %d %s", (int)st, fa_last_error());
+    const fa_status sp = fa_attention_backward_prepare(&E->a); /* the CPU: nothing to build */
+    TU_CHECK(sp == FA_STATUS_OK, "fa_attention_backward_prepare on the CPU: %d %s", (int)sp,
+             fa_last_error());
     return st == FA_STATUS_OK;
 }
 

@@ -313,6 +313,9 @@ static void run_case(const bcase *c, fa_dtype dt)
         host.sinks = &snk.host, dev.sinks = &snk.dev;
     dev.device = 0;
     fprintf(stderr, "... %s %s\n", c->name, fa_dtype_name(dt));
+    /* The backward's module built ahead of it: it must build where the backward runs. */
+    if (fa_attention_backward_prepare(&dev) != FA_STATUS_OK)
+        FAIL("fa_attention_backward_prepare: %s", fa_last_error());
     if (fa_attention_forward(&host) != FA_STATUS_OK) {
         FAIL("CPU forward: %s", fa_last_error());
         return;

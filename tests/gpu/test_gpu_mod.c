@@ -408,6 +408,9 @@ static void run_backward(const mod_case *c, fa_dtype dt, fa_fwd_args *a, fa_fwd_
     gpu_buf dv = gu_buf_new(dt, 4, (int64_t[]){c->b, c->sk, c->hk, c->d}, 0);
     gu_fill_uniform(&dout, -1, 1);
     gu_buf_upload(&dout);
+    /* The mods' backward module built ahead of it: it must build where the backward runs. */
+    if (fa_attention_backward_prepare(ad) != FA_STATUS_OK)
+        FAIL("fa_attention_backward_prepare: %s", fa_last_error());
     fa_bwd_args hb;
     fa_bwd_args_init(&hb);
     hb.fwd = a, hb.dout = &dout.host, hb.dq = &dq.host, hb.dk = &dk.host, hb.dv = &dv.host;
