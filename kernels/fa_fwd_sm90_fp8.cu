@@ -613,10 +613,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 extern "C" __global__ void fa_fwd_fill(const fa_kparams kp) { fa_fill_outside(&kp); }
 
 #if FA_TRANSPOSE == 2
-/* V^T ahead of the forward (grid ceil(sk16 / 128) x ceil(dv / 64) x b * hk, 256 threads). */
+/* V^T ahead of the forward (grid ceil(sk16 / 128) x ceil(dv / 64) x b * hk, 256 threads,
+ * FA_SMEM_FWD90_FP8_PREPASS bytes of dynamic shared memory). */
 extern "C" __global__ void __launch_bounds__(FA_VT_THREADS)
     fa_fwd_vt(const fa_kparams kp, unsigned char *vt, fa_i64 sk16)
 {
-    fa_vt_prepass(&kp, vt, sk16);
+    extern __shared__ __align__(1024) unsigned char fa_smem[];
+    fa_vt_prepass(&kp, vt, sk16, (unsigned char(*)[FA_VT_TK + 4])fa_smem);
 }
 #endif

@@ -200,8 +200,8 @@ FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
     }
 }
 #else
-#define FA_VT_TK 128 /* keys of a pre-pass tile */
-#define FA_VT_TC 64  /* columns of V (rows of V^T) of a pre-pass tile */
+#define FA_VT_TK FA_FP8_VT_KEYS /* keys of a pre-pass tile */
+#define FA_VT_TC FA_FP8_VT_COLS /* columns of V (rows of V^T) of a pre-pass tile */
 #define FA_VT_THREADS 256
 
 /*
@@ -209,11 +209,12 @@ FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
  * [b, sk, hk, dv] (16-byte aligned rows, dv a multiple of 16) into
  *   vt: [b][hk][dv][sk16], sk16 = sk rounded up to 16; row n holds column n of V, logical key l
  *       at byte l (the permutation above; zero where its actual key is at or past sk).
- * Rows of 16 bytes in, through a column-major tile in shared memory, rows of 16 bytes out.
+ * Rows of 16 bytes in, through a column-major tile in shared memory (tile: [column][key],
+ * FA_SMEM_FWD90_FP8_PREPASS bytes), rows of 16 bytes out.
  */
-FA_DEV void fa_vt_prepass(const fa_kparams *kp, unsigned char *vt, fa_i64 sk16)
+FA_DEV void fa_vt_prepass(const fa_kparams *kp, unsigned char *vt, fa_i64 sk16,
+                          unsigned char (*tile)[FA_VT_TK + 4])
 {
-    __shared__ __align__(16) unsigned char tile[FA_VT_TC][FA_VT_TK + 4]; /* [column][key] */
     const int k0 = blockIdx.x * FA_VT_TK, c0 = blockIdx.y * FA_VT_TC;
     const int bi = blockIdx.z / kp->hk, hk = blockIdx.z % kp->hk;
     const fa_i64 sk = kp->max_sk;

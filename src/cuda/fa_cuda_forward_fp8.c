@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "fa_kparams.h"
+#include "fa_smem.h"
 #include "core/fa_error.h"
 #include "core/fa_fp8.h"
 #include "cuda/fa_cuda.h"
@@ -175,10 +176,10 @@ fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int a
         int64_t sk16_arg = sk16;
         void *params[] = {&kp, &wsp, &sk16_arg};
         if (st == FA_STATUS_OK) {
-            fa_cu_result r = d->launch_kernel(fn, (unsigned)(sk16 / 128 + (sk16 % 128 != 0)),
-                                              (unsigned)((p->dv + 63) / 64),
-                                              (unsigned)(p->b * p->hk), 256, 1, 1, 0, stream,
-                                              params, NULL);
+            fa_cu_result r = d->launch_kernel(
+                fn, (unsigned)((sk16 + FA_FP8_VT_KEYS - 1) / FA_FP8_VT_KEYS),
+                (unsigned)((p->dv + FA_FP8_VT_COLS - 1) / FA_FP8_VT_COLS), (unsigned)(p->b * p->hk),
+                256, 1, 1, FA_SMEM_FWD90_FP8_PREPASS, stream, params, NULL);
             st = r == 0 ? FA_STATUS_OK : fa_cuda_error(r, "launching fa_fwd_vt (fp8)");
         }
     }
