@@ -90,8 +90,9 @@ size_t fa_cuda_forward_fp8_workspace_size(const fa_params *p, int arch)
     int aligned = (uintptr_t)p->v % 16 == 0;
     for (int i = 0; i < 3; i++)
         aligned = aligned && vs[i] % 16 == 0;
+    /* fa_fwd_vt's grid has a z of b * hk (at most 65535). */
     if (arch != 90 || !fa_dtype_is_fp8(p->dtype) || !fa_sm90_fp8_enabled() || p->is_varlen ||
-        p->paged || p->max_sk < 128 || p->max_sq < 1 || !aligned)
+        p->paged || p->max_sk < 128 || p->max_sq < 1 || p->b * p->hk > 65535 || !aligned)
         return 0;
     const int64_t rows = p->max_sq * (p->h / p->hk) / (p->causal ? 2 : 1);
     if (!fa_plan_fp8_vt((int)p->d, rows))
