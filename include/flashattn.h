@@ -27,7 +27,10 @@ extern "C" {
 #define FA_VERSION_PATCH 0
 
 #define FA_MAX_DIMS 6
-#define FA_MAX_HEAD_DIM 256
+/* Head dims (d and dv): up to FA_MAX_HEAD_DIM on the CPU (MLA's d 576 / dv 512 among them), up
+ * to FA_CUDA_MAX_HEAD_DIM on CUDA devices. */
+#define FA_MAX_HEAD_DIM 576
+#define FA_CUDA_MAX_HEAD_DIM 256
 #define FA_DEVICE_CPU (-1)
 
 /*
@@ -207,7 +210,8 @@ fa_status fa_mod_parse(const char *text, fa_mod **out);
  *   max_seqlen_q / max_seqlen_k. Rows of out/lse outside every sequence get 0 / +inf.
  *
  * dtypes: q, k, v, out (and probs) share one of F32, F16, BF16, F64 (fp8: see FP8 below);
- * compute is in fp32 (fp64 for F64). head_dim d and dv: 1 .. FA_MAX_HEAD_DIM on the CPU.
+ * compute is in fp32 (fp64 for F64). head_dim d and dv: 1 .. FA_MAX_HEAD_DIM on the CPU,
+ * 1 .. FA_CUDA_MAX_HEAD_DIM on a CUDA device.
  * h % hk == 0; query head i reads kv head i / (h / hk).
  *
  * For query row i and key j of a sequence with sq queries and sk keys:

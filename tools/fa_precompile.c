@@ -101,7 +101,8 @@ static int fa_pc_features(const char *s, unsigned *out)
     return 0;
 }
 
-/* A --hdim entry: D, or D:DV where V's head dim differs; -1 when out of [1, FA_MAX_HEAD_DIM]. */
+/* A --hdim entry: D, or D:DV where V's head dim differs; -1 when out of
+ * [1, FA_CUDA_MAX_HEAD_DIM]. */
 static int fa_pc_hdim(const char *s, int *dv)
 {
     char *end;
@@ -109,7 +110,7 @@ static int fa_pc_hdim(const char *s, int *dv)
     long v = d;
     if (*end == ':')
         v = strtol(end + 1, &end, 10);
-    if (*end || d < 1 || d > FA_MAX_HEAD_DIM || v < 1 || v > FA_MAX_HEAD_DIM)
+    if (*end || d < 1 || d > FA_CUDA_MAX_HEAD_DIM || v < 1 || v > FA_CUDA_MAX_HEAD_DIM)
         return -1;
     *dv = (int)v;
     return (int)d;

@@ -22,6 +22,7 @@ __all__ = [
     "FaFwdArgs",
     "FA_MAX_DIMS",
     "FA_MAX_HEAD_DIM",
+    "FA_CUDA_MAX_HEAD_DIM",
     "FA_DEVICE_CPU",
     "DTYPE_F32",
     "DTYPE_F16",
@@ -46,7 +47,8 @@ __all__ = [
 VERSION = "0.1.0"
 
 FA_MAX_DIMS = 6
-FA_MAX_HEAD_DIM = 256
+FA_MAX_HEAD_DIM = 576  # the CPU's; CUDA devices take up to FA_CUDA_MAX_HEAD_DIM
+FA_CUDA_MAX_HEAD_DIM = 256
 FA_DEVICE_CPU = -1
 
 # enum fa_dtype

@@ -24,6 +24,9 @@
  * (FlashAttention 4 does the same on GPUs). */
 #define FA_BF16_SLACK 5.5f
 
+/* Columns of V a paged block's gather copies at a time (a multiple of 16). */
+#define FA_BF16_GATHER_COLS 256
+
 typedef struct fa_tile_bf16 {
     fa_tile_f32 f;   /* st, o (holding O^T [dvp][ld]), m, l, lo, hi, diag, bmax */
     uint32_t *qv;    /* [dk/2][ld] Q^T in VNNI pairs, dk = d rounded up to the kernels' depth */
@@ -106,21 +109,28 @@ FA_CPU_AVX512 static void fa_bf16_pack_block(const fa_params *p, uint16_t *dst,
         }
         memset(row + w, 0, (size_t)(dk - w) * sizeof *row);
     }
-    /* V rows on more than one page are gathered first: the transpose reads rows by a stride. */
-    uint16_t gathered[FA_CPU_BF16_BN * FA_MAX_HEAD_DIM];
-    int64_t ldv = p->v_rstride;
+    uint16_t *vt = dst + FA_CPU_BF16_BN * dk;
+    const int64_t dvp = fa_cpu_gemm_pad(p->dv);
     fa_kv_key_at(p, seq_index, seq.k_start, j0, &k_at, &v_at);
-    const uint16_t *vs = v + v_at;
-    if (!fa_kv_keys_adjacent(p, j0, n)) {
-        for (int64_t j = 0; j < n; j++) {
-            fa_kv_key_at(p, seq_index, seq.k_start, j0 + j, &k_at, &v_at);
-            memcpy(gathered + j * p->dv, v + v_at, (size_t)p->dv * sizeof *gathered);
-        }
-        vs = gathered;
-        ldv = p->dv;
+    if (fa_kv_keys_adjacent(p, j0, n)) {
+        fa_cpu_bf16_pack_vt(vt, FA_CPU_BF16_BN, v + v_at, p->v_rstride, n, FA_CPU_BF16_BN, p->dv,
+                            dvp);
+        return;
     }
-    fa_cpu_bf16_pack_vt(dst + FA_CPU_BF16_BN * dk, FA_CPU_BF16_BN, vs, ldv, n, FA_CPU_BF16_BN,
-                        p->dv, fa_cpu_gemm_pad(p->dv));
+    /* V rows on more than one page are gathered first (the transpose reads rows by a stride),
+     * FA_BF16_GATHER_COLS columns at a time: a larger buffer on the stack would not suit every
+     * caller's thread. */
+    uint16_t gathered[FA_CPU_BF16_BN * FA_BF16_GATHER_COLS];
+    for (int64_t c0 = 0; c0 < dvp; c0 += FA_BF16_GATHER_COLS) {
+        const int64_t left = p->dv - c0, w = left < FA_BF16_GATHER_COLS ? left : FA_BF16_GATHER_COLS;
+        for (int64_t j = 0; j < n && w > 0; j++) {
+            fa_kv_key_at(p, seq_index, seq.k_start, j0 + j, &k_at, &v_at);
+            memcpy(gathered + j * FA_BF16_GATHER_COLS, v + v_at + c0, (size_t)w * sizeof *gathered);
+        }
+        const int64_t cols = dvp - c0 < FA_BF16_GATHER_COLS ? dvp - c0 : FA_BF16_GATHER_COLS;
+        fa_cpu_bf16_pack_vt(vt + c0 * FA_CPU_BF16_BN, FA_CPU_BF16_BN, gathered,
+                            FA_BF16_GATHER_COLS, n, FA_CPU_BF16_BN, w > 0 ? w : 0, cols);
+    }
 }
 
 /* Rows [r0, r0 + m) of head h in sequence seq_index; kv holds the packed blocks of its

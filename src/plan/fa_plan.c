@@ -49,7 +49,7 @@ fa_status fa_plan_check_arch(int arch)
 }
 
 /* What every forward family (and the decode) takes: fp16 or bf16, sm_80 or later, head dims
- * in [1, FA_MAX_HEAD_DIM]. */
+ * in [1, FA_CUDA_MAX_HEAD_DIM]. */
 fa_status fa_plan_check_forward_key(const fa_plan_key *key)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
@@ -57,9 +57,12 @@ fa_status fa_plan_check_forward_key(const fa_plan_key *key)
                             "q: the CUDA backend computes fp16 and bf16, got %s",
                             fa_dtype_name(key->dtype));
     FA_TRY(fa_plan_check_arch(key->arch));
-    if (key->d < 1 || key->d > FA_MAX_HEAD_DIM || key->dv < 1 || key->dv > FA_MAX_HEAD_DIM)
-        return fa_error_set(FA_STATUS_UNSUPPORTED, "head_dim: %d / %d outside [1, %d]", key->d,
-                            key->dv, FA_MAX_HEAD_DIM);
+    if (key->d < 1 || key->d > FA_CUDA_MAX_HEAD_DIM || key->dv < 1 ||
+        key->dv > FA_CUDA_MAX_HEAD_DIM)
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "head_dim: %d / %d outside [1, %d], the CUDA backend's (the CPU "
+                            "backend takes up to %d)",
+                            key->d, key->dv, FA_CUDA_MAX_HEAD_DIM, FA_MAX_HEAD_DIM);
     return FA_STATUS_OK;
 }
 

@@ -108,7 +108,7 @@ int fa_plan_sm90_enabled(void);
  * up to 64. The workspace size (fa_attention_backward_workspace_size) depends on them. */
 #define FA_BWD_BM 64
 #define FA_BWD_BM_SM90_D64 128
-#define FA_BWD_MAX_HEAD_DIM FA_MAX_HEAD_DIM
+#define FA_BWD_MAX_HEAD_DIM FA_CUDA_MAX_HEAD_DIM
 
 /* The backward plan for key (fa_bwd_sm80.cu, sm_80 and later, fp16/bf16, d and dv up to
  * FA_BWD_MAX_HEAD_DIM, dense and varlen layouts); FA_STATUS_UNSUPPORTED with a message for

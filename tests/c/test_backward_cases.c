@@ -88,6 +88,20 @@ void tb_run_directed(tu_rng *rng)
             tb_run_case(&c, "head_dim sweep", rng);
         }
     }
+    /* Past the CUDA families' 256, every dtype: MLA's d 576 / dv 512 (MQA), causal and not, and
+     * an odd pair. */
+    static const int64_t wide[][2] = {{576, 512}, {576, 512}, {FA_MAX_HEAD_DIM, 300}};
+    for (int di = 0; di < 4; di++)
+        for (int i = 0; i < 3; i++) {
+            tb_base_case(&c, k_dtypes[di], rng);
+            c.b = 1, c.hk = 1, c.h = 4;
+            c.d = wide[i][0], c.dv = wide[i][1];
+            c.sq = tu_rng_int(rng, 8, 40);
+            c.sk = tu_rng_int(rng, 40, 120);
+            c.causal = i == 1;
+            cap_cost(&c, 1e7);
+            tb_run_case(&c, "head dims past 256", rng);
+        }
     for (int di = 0; di < 4; di++) {
         fa_dtype dt = k_dtypes[di];
         int64_t lens[][2] = {{0, 5}, {5, 0}, {0, 0}, {1, 1}, {1, 17}, {17, 1}, {1, 0}};

@@ -339,13 +339,15 @@ static void dense_checks(env *E)
     /* head dims */
     BAD_DENSE("head_dim 0", (set_shape(&E->q, 3, 0), set_shape(&E->k, 3, 0)), "q", "k",
               "head_dim");
-    BAD_DENSE("head_dim 257",
-              (set_shape(&E->q, 3, 257), set_shape(&E->k, 3, 257), E->a.probs = NULL), "q", "k",
-              "head_dim");
+    BAD_DENSE("head_dim over FA_MAX_HEAD_DIM",
+              (set_shape(&E->q, 3, FA_MAX_HEAD_DIM + 1), set_shape(&E->k, 3, FA_MAX_HEAD_DIM + 1),
+               E->a.probs = NULL),
+              "q", "k", "head_dim");
     BAD_DENSE("dv 0", (set_shape(&E->v, 3, 0), set_shape(&E->out, 3, 0)), "v", "out",
               "head_dim", "head_dim_v");
-    BAD_DENSE("dv 257", (set_shape(&E->v, 3, 257), set_shape(&E->out, 3, 257)), "v", "out",
-              "head_dim", "head_dim_v");
+    BAD_DENSE("dv over FA_MAX_HEAD_DIM",
+              (set_shape(&E->v, 3, FA_MAX_HEAD_DIM + 1), set_shape(&E->out, 3, FA_MAX_HEAD_DIM + 1)),
+              "v", "out", "head_dim", "head_dim_v");
 
     /* non-unit last stride */
     BAD_DENSE("q last stride 2", E->q.stride[3] = 2, "q");

@@ -322,6 +322,21 @@ void tf_run_directed(tu_rng *rng)
         }
     }
 
+    /* Past the CUDA families' 256, every dtype: MLA's d 576 / dv 512 (MQA, one query row on the
+     * decode schedule, then a block of rows, causal) and an odd pair. */
+    static const int64_t wide[][2] = {{576, 512}, {576, 512}, {FA_MAX_HEAD_DIM, 300}};
+    for (int di = 0; di < 4; di++)
+        for (size_t i = 0; i < sizeof wide / sizeof wide[0]; i++) {
+            base_case(&c, k_dtypes[di], rng);
+            c.b = 1, c.hk = 1, c.h = 4;
+            c.d = wide[i][0], c.dv = wide[i][1];
+            c.sq = i == 0 ? 1 : tu_rng_int(rng, 17, 40);
+            c.sk = tu_rng_int(rng, 60, 200);
+            c.causal = i == 1;
+            cap_cost(&c, 4e7);
+            tf_run_case(&c, "head dims past 256", rng);
+        }
+
     for (int di = 0; di < 4; di++) {
         fa_dtype dt = k_dtypes[di];
         /* seqlen 0 and 1 */

@@ -687,6 +687,20 @@ static void run_directed(tu_rng *r)
         c.batch_idx = 0;
         run_case(&c, "whole paged cache, leftpad", r);
     }
+    /* MLA's decode shape past the CUDA families' 256: d 576 / dv 512, MQA, rotary over the
+     * first 64 columns, contiguous and paged, every dtype. */
+    for (int di = 0; di < 4; di++)
+        for (int pi = 0; pi < 2; pi++) {
+            kcase c = base_case(dts[di]);
+            c.b = 2, c.h = 8, c.hk = 1, c.d = 576, c.dv = 512;
+            c.page_size = pi ? 16 : 0;
+            c.capacity = 96;
+            c.s_new = 1;
+            c.rotary = 2;
+            c.rotary_dim = 64;
+            c.causal = 1;
+            run_case(&c, "MLA head dims", r);
+        }
     /* MQA decode with many keys: the heuristic splits across threads. */
     {
         kcase c = base_case(FA_DTYPE_BF16);

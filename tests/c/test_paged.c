@@ -333,6 +333,24 @@ int main(void)
         random_case(&c, &r);
         run_case(&c, &r, i);
     }
+    /* MLA's head dims (d 576 / dv 512, MQA), enough rows for the tiled forward: a block's V
+     * rows on several pages are gathered a slice of columns at a time. */
+    static const fa_dtype wide_dts[] = {FA_DTYPE_BF16, FA_DTYPE_F16, FA_DTYPE_F32};
+    for (int i = 0; i < 6; i++) {
+        paged_case c;
+        memset(&c, 0, sizeof c);
+        c.dt = wide_dts[i % 3];
+        c.page = i < 3 ? 7 : 16;
+        c.b = 2, c.hk = 1, c.h = 2, c.d = 576, c.dv = 512;
+        for (int64_t s = 0; s < c.b; s++) {
+            c.lq[s] = tu_rng_int(&r, 40, 90);
+            c.lk[s] = tu_rng_int(&r, 150, 300);
+            c.used[s] = c.lk[s];
+        }
+        c.causal = i & 1;
+        c.wl = c.wr = -1;
+        run_case(&c, &r, n + i);
+    }
     refusals();
     return tu_finish("test_paged");
 }

@@ -17,7 +17,8 @@
  *   head dims past 128 and d != dv (the sm80 family's dK/dV columns split over two warps per 16
  *   keys), also on the tiles of the 99 KB parts and sm_80's one query stage (FLASHATTN_BWD_TILE
  *   picks them on any device: tiled_cases);
- *   an unsupported case (head dim > 256) and a short workspace refused with a message;
+ *   an unsupported case (head dim > 256, which the CPU takes) and a short workspace refused with
+ *   a message;
  *   gpu_nan.c's NaN and Inf cases (forward and backward) against the CPU, on each family.
  *   On sm_90 every case runs first with FLASHATTN_BWD_SM90=0 (the sm80 family), then the cases
  *   the sm90 families take run again with the default plan: every run must take the family the
@@ -440,7 +441,8 @@ static void run_case(const bcase *c, fa_dtype dt)
         gu_buf_free(all[i]);
 }
 
-/* Refusals: head dim over FA_MAX_HEAD_DIM, a workspace too small; each with a message. */
+/* Refusals: head dim over FA_CUDA_MAX_HEAD_DIM (the CPU takes it), a workspace too small; each
+ * with a message. */
 static void run_refusals(void)
 {
     const bcase cc = {"refusals", 1, 2, 2, 64, 64, 264, 264, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -465,6 +467,8 @@ static void run_refusals(void)
     b.workspace_size = (size_t)1 << 40;
     if (fa_attention_backward(&b) == FA_STATUS_OK || !strstr(fa_last_error(), "head_dim"))
         FAIL("d 264: %s", fa_last_error());
+    if (fa_attention_forward(&a) != FA_STATUS_UNSUPPORTED || !strstr(fa_last_error(), "head_dim"))
+        FAIL("forward d 264: %s", fa_last_error());
     /* d 64 views of the same memory: a short workspace. */
     gpu_buf *bufs[6] = {&q, &o, &g, &dq, &dk, &dv};
     fa_tensor v64[6];

@@ -65,8 +65,8 @@ def test_shapes(kind, rng):
         flash_attn_func(q[0], k, v)
     with raises(r"^v: expected 4 dimensions"):
         flash_attn_func(q, k, v[0])
-    qb, kb, vb = qkv(rng, kind, d=264)
-    with raises(r"^q: head_dim must be in \[1, 256\]"):
+    qb, kb, vb = qkv(rng, kind, d=580)
+    with raises(r"^q: head_dim must be in \[1, 576\]"):
         flash_attn_func(qb, kb, vb)
     q0, k0, v0 = qkv(rng, kind, b=0)
     with raises(r"^q: batch size must be positive"):
