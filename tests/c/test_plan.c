@@ -537,9 +537,17 @@ static void check_backward_wide(void)
                  plan_define(&plan, "FA_QSTAGES") == 2 &&
                  bwd_family(80, 256, 256, 0, &plan)[0] && plan_define(&plan, "FA_QSTAGES") == 1,
              "d 256: two query stages on sm_90 and one on sm_80 expected");
-    /* Past FA_MAX_HEAD_DIM: refused, naming the argument. */
+    /* Past FA_CUDA_MAX_HEAD_DIM (which the CPU takes): refused, naming the argument, by the
+     * backward, the forward and the decode. */
     TU_CHECK(!*bwd_family(90, 257, 128, 0, &plan) && strstr(fa_last_error(), "head_dim"),
              "d 257: \"%s\"", fa_last_error());
+    const fa_plan_key wide = {90, FA_DTYPE_BF16, 576, 512, 0, 0, 0, 0};
+    TU_CHECK(fa_plan_forward(&wide, &plan) == FA_STATUS_UNSUPPORTED &&
+                 strncmp(fa_last_error(), "head_dim", 8) == 0,
+             "forward d 576: \"%s\"", fa_last_error());
+    TU_CHECK(fa_plan_decode(&wide, 1, &plan) == FA_STATUS_UNSUPPORTED &&
+                 strncmp(fa_last_error(), "head_dim", 8) == 0,
+             "decode d 576: \"%s\"", fa_last_error());
     /* The workspace covers the d 256 layout with 32-row tiles (the 99 KB parts'): b 4, h 16,
      * 128 queries, each part 256-byte aligned: the fp32 accumulator (8192 rows of 256), D and
      * lse (8192 rows each), 4 x 16 x 4 tile counters, the item counter; with 64-row tiles the
