@@ -202,7 +202,7 @@ FA_DEV void fa_transpose_v(const fa_smem8 *m, int kv, int valid)
 #else
 #define FA_VT_TK FA_FP8_VT_KEYS /* keys of a pre-pass tile */
 #define FA_VT_TC FA_FP8_VT_COLS /* columns of V (rows of V^T) of a pre-pass tile */
-#define FA_VT_THREADS 256
+#define FA_VT_THREADS FA_FP8_VT_THREADS
 
 /*
  * One CTA of fa_fwd_vt: keys 128 x, columns 64 y of kv head z % hk of sequence z / hk, from V

@@ -42,9 +42,11 @@
  * global memory (FA_TRANSPOSE 2). */
 #define FA_SMEM_FWD90_FP8_VT(bn, dvp) (((bn) + 127) / 128 * 128 * (dvp))
 /* Its V^T pre-pass (fa_fwd_vt), dynamic (the module's limit is the forward's): a tile of
- * FA_FP8_VT_KEYS keys by FA_FP8_VT_COLS columns of V, [columns][keys + 4] bytes. */
+ * FA_FP8_VT_KEYS keys by FA_FP8_VT_COLS columns of V, [columns][keys + 4] bytes, for a CTA of
+ * FA_FP8_VT_THREADS threads. */
 #define FA_FP8_VT_KEYS 128
 #define FA_FP8_VT_COLS 64
+#define FA_FP8_VT_THREADS 256
 #define FA_SMEM_FWD90_FP8_PREPASS (FA_FP8_VT_COLS * (FA_FP8_VT_KEYS + 4))
 #define FA_SMEM_FWD90_FP8(bm, bn, dp, dvp, stages, raw)                                           \
     ((bm) * (dp) +                                                                                 \

@@ -180,7 +180,7 @@ fa_status fa_cuda_forward_fp8(const fa_params *p, const fa_fwd_args *args, int a
             fa_cu_result r = d->launch_kernel(
                 fn, (unsigned)((sk16 + FA_FP8_VT_KEYS - 1) / FA_FP8_VT_KEYS),
                 (unsigned)((p->dv + FA_FP8_VT_COLS - 1) / FA_FP8_VT_COLS), (unsigned)(p->b * p->hk),
-                256, 1, 1, FA_SMEM_FWD90_FP8_PREPASS, stream, params, NULL);
+                FA_FP8_VT_THREADS, 1, 1, FA_SMEM_FWD90_FP8_PREPASS, stream, params, NULL);
             st = r == 0 ? FA_STATUS_OK : fa_cuda_error(r, "launching fa_fwd_vt (fp8)");
         }
     }

@@ -92,9 +92,9 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan);
 /*
  * Whether a dense fp8 forward of head dim d on sm_90 has V transposed into the workspace ahead of
  * its kernel (FA_PLAN_FP8_VT) instead of by the producer's warps in shared memory. The copy
- * reads and writes V once, about 2 |V| / 3 TB/s, against a kernel faster by the transpose's
- * share (with it removed, NOTES.md's thirty-sixth session: +10% at d 128, +30% at d 256); it
- * pays where many query rows read each key. rows: max_seqlen_q * h / hk, halved when causal.
+ * reads and writes V once against a kernel faster by the transpose's share (larger at d 256
+ * than at d 128), so it pays where many query rows read each key. rows: max_seqlen_q * h / hk,
+ * halved when causal.
  * FLASHATTN_SM90_FP8_VT=0 never, =1 always (tests, the A/B).
  */
 #define FA_PLAN_FP8_VT_ROWS 2048 /* at d <= 128; half that at d 256 */
