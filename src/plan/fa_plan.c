@@ -373,8 +373,15 @@ static const fa_plan_row90_fp8 fa_sm90_fp8_rows[] = {
 
 /* Dense calls without softcap at every head dim, with softcap at d 128 (d 256: 224 KB as above). */
 static const fa_plan_row90_fp8 fa_sm90_fp8_fast = {0, 128, 2, 1, 1, 1, 0};
-/* Dense calls with V^T from the workspace (Q 32 KB + 2 x (K 32 + V^T 32) KB = 160 KB at d 256). */
-static const fa_plan_row90_fp8 fa_sm90_fp8_vt = {0, 128, 2, 1, 2, 1, 0};
+/* Dense calls with V^T from the workspace: the longest key block each head dim compiles without
+ * spills at, where the per-block costs of the loop (the waits, the row maxima's shuffles, O's
+ * rescale) weigh least; by measurement 256 keys at d 64 (+13-22% over 128) and 192 at d 128
+ * (+4-6%; 224 within the spread of 128). d 256 fills its registers at 128. */
+static const fa_plan_row90_fp8 fa_sm90_fp8_vt_rows[] = {
+    {64, 256, 2, 1, 2, 1, 0},  /* Q 8 KB + 2 x (K 16 + V^T 2 x 8) KB = 72 KB */
+    {128, 192, 2, 1, 2, 1, 0}, /* Q 16 KB + 2 x (K 24 + V^T 2 x 16) KB = 128 KB */
+    {256, 128, 2, 1, 2, 1, 0}, /* Q 32 KB + 2 x (K 32 + V^T 32) KB = 160 KB */
+};
 
 /* FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER[,EXP2_POLY]]] replaces the row's
  * choice (for an A/B with the benchmark; 128,2,0,0,0 is the first, untuned kernel); a
@@ -462,11 +469,8 @@ fa_status fa_plan_forward_sm90_fp8(const fa_plan_key *key, fa_plan *plan)
         row = fa_sm90_fp8_fast;
         row.dp = dp;
     }
-    if (key->features & FA_PLAN_FP8_VT) {
-        const int dp = row.dp;
-        row = fa_sm90_fp8_vt;
-        row.dp = dp;
-    }
+    if (key->features & FA_PLAN_FP8_VT)
+        row = fa_sm90_fp8_vt_rows[plan->dp / 128];
     fa_plan_sm90_fp8_override(&row);
     plan->bm = 128;
     plan->bn = row.bn;

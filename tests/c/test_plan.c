@@ -762,16 +762,20 @@ static void check_forward_fp8(void)
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK && plan.bn == def.bn,
              "fp8 bn 100 taken: %d", plan.bn);
     unsetenv("FLASHATTN_SM90_FP8_TILE");
-    /* V^T from the workspace: dense only, 128-key blocks, no raw V in shared memory (softcap
-     * too, at every head dim); a tile override keeps it, its TRANSPOSE field ignored. */
+    /* V^T from the workspace: dense only, key blocks of 128 to 256 (a multiple of 32, the
+     * kernel's k-step), no raw V in shared memory (softcap too, at every head dim); a tile
+     * override keeps it, its TRANSPOSE field ignored. */
     for (int d = 32; d <= 256; d += 32) {
         const int dp = d <= 64 ? 64 : d <= 128 ? 128 : 256;
         for (unsigned f = 0; f <= FA_FEATURE_SOFTCAP; f += FA_FEATURE_SOFTCAP) {
             key = (fa_plan_key){90, FA_DTYPE_F8E4M3, d, d, f | FA_PLAN_FP8_VT, 0, 0, 0};
             TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
-                         plan_define(&plan, "FA_TRANSPOSE") == 2 && plan.bn == 128 &&
-                         plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, 128, dp, dp, plan.stages,
-                                                                  0),
+                         plan_define(&plan, "FA_TRANSPOSE") == 2 && plan.bn >= 128 &&
+                         plan.bn <= 256 && plan.bn % 32 == 0 &&
+                         plan_define(&plan, "FA_BN") == plan.bn &&
+                         plan.smem <= FA_SMEM_SM90_MAX &&
+                         plan.smem == (unsigned)FA_SMEM_FWD90_FP8(128, plan.bn, dp, dp,
+                                                                  plan.stages, 0),
                      "fp8 V^T d %d features %x: transpose %d bn %d smem %u (%s)", d, f,
                      plan_define(&plan, "FA_TRANSPOSE"), plan.bn, plan.smem, fa_last_error());
         }
