@@ -28,9 +28,12 @@ extern "C" {
 
 #define FA_MAX_DIMS 6
 /* Head dims (d and dv): up to FA_MAX_HEAD_DIM on the CPU (MLA's d 576 / dv 512 among them), up
- * to FA_CUDA_MAX_HEAD_DIM on CUDA devices. */
+ * to FA_CUDA_MAX_HEAD_DIM on CUDA devices, and up to FA_CUDA_DECODE_MAX_HEAD_DIM there on the
+ * decode schedule: fa_attention_kvcache, and forwards of few query rows without dropout (MLA's
+ * decode). */
 #define FA_MAX_HEAD_DIM 576
 #define FA_CUDA_MAX_HEAD_DIM 256
+#define FA_CUDA_DECODE_MAX_HEAD_DIM 576
 #define FA_DEVICE_CPU (-1)
 
 /*

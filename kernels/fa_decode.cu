@@ -21,7 +21,11 @@
  *
  * Defines from the plan (src/plan/fa_plan_decode.c, fa_plan_decode):
  *   FA_BF16          data type (0: fp16, 1: bf16)
- *   FA_DP, FA_DVP    head dims of q/k and v padded to 32 or a multiple of 64
+ *   FA_DP, FA_DVP    head dims of q/k and v padded to 32 or a multiple of 64; with
+ *                    FA_DV_SLICES, FA_DVP is the width of one slice of v's columns
+ *   FA_DV_SLICES     v's (and out's) columns cut into slices of FA_DVP, one CTA each, every
+ *                    one computing the whole S (heads past 256: MLA's d 576 / dv 512, whose
+ *                    O would not fit one thread's registers); default 1
  *   FA_WM, FA_WN     warps over the rows and over each key block
  *   FA_MIN_CTAS      CTAs per SM the shared memory allows (launch bounds)
  *   FA_BN, FA_STAGES keys per block, blocks in flight
@@ -50,11 +54,18 @@
 #define FA_NT (FA_WKEYS / 8)           /* 8-key n-tiles of a warp's S */
 #define FA_OT (FA_DVP / 8)             /* 8-column n-tiles of O */
 #define FA_KS (FA_DP / 16)             /* k-steps of Q K^T */
+/* Q K^T's k-steps unrolled whole up to d 256; past it (d 576: 36 steps) by 4, as ptxas, loading
+ * every step's fragments ahead, otherwise spills beside a 256-column O (an enum: #pragma unroll
+ * takes a constant but expands no macro) */
+enum { fa_ks_unroll = FA_KS > 16 ? 4 : FA_KS };
 #define FA_CPR_K (FA_DP / 8)           /* 16-byte chunks per row of Q and K */
 #define FA_CPR_V (FA_DVP / 8)
 
 #ifndef FA_KV_FP8
 #define FA_KV_FP8 0
+#endif
+#ifndef FA_DV_SLICES
+#define FA_DV_SLICES 1
 #endif
 /* A stage: K [FA_BN][FA_DP] then V [FA_BN][FA_DVP], in q's dtype or fp8. */
 #define FA_KV_ESIZE (FA_KV_FP8 ? 1 : 2) /* bytes of a cache element */
@@ -115,36 +126,6 @@ extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
 
 #include "fa_decode_copy.cuh"
 
-/* The Q tile: packed rows [r0, r0 + FA_BM) of kv head kh, rotated where rotary is on, rounded
- * to the data type, zero past the rows and columns; q of sequence bi starts at row q0. */
-FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, fa_i64 q0, int kh, const fa_kvseq *seq,
-                             int r0, int rows, int g, fa_u16 *q_p)
-{
-    const fa_kparams *kp = &dp->f;
-    const fa_u16 *qb = (const fa_u16 *)kp->q + bi * kp->q_bstride + q0 * kp->q_rstride;
-#if FA_VEC
-    /* Without rotary, 16-byte chunks (q's rows are aligned under FA_VEC). */
-    if (!dp->rot_cos) {
-        for (int i = threadIdx.x; i < FA_BM * FA_CPR_K; i += FA_THREADS) {
-            const int r = i / FA_CPR_K, c = i - r * FA_CPR_K;
-            uint4 x = make_uint4(0, 0, 0, 0);
-            if (r0 + r < rows && c * 8 < kp->d) {
-                const int qi = fa_div_g(dp, r0 + r), hh = kh * g + (r0 + r) - qi * g;
-                x = *(const uint4 *)(qb + qi * kp->q_rstride + hh * kp->q_hstride + c * 8);
-            }
-            *(uint4 *)((char *)q_p + fa_swz(r, c, FA_CPR_K)) = x;
-        }
-        return;
-    }
-#endif
-    for (int i = threadIdx.x; i < FA_BM * FA_DP; i += FA_THREADS) {
-        const int r = i / FA_DP, c = i - r * FA_DP;
-        const float x =
-            r0 + r < rows && c < kp->d ? fa_decode_q_value(dp, qb, seq, r0 + r, c, g, kh) : 0.f;
-        q_p[(fa_swz(r, c >> 3, FA_CPR_K) >> 1) + (c & 7)] = fa_from_float(x);
-    }
-}
-
 #include "fa_decode_merge.cuh"
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(const fa_dkparams dp)
@@ -161,7 +142,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     /* After the loop: the warps' merge (FA_WN > 1), then a cluster merge's partial. */
     float *const fa_smem_f32 = (float *)fa_smem;
 
-    const int m_block = fa_div_splits(&dp, blockIdx.x), split = blockIdx.x - m_block * dp.splits;
+    /* x: the slice of v's columns fastest, then the split, then the row tile */
+    const int vslice = (int)blockIdx.x % FA_DV_SLICES, bx = (int)blockIdx.x / FA_DV_SLICES;
+    const int m_block = fa_div_splits(&dp, bx), split = bx - m_block * dp.splits;
+    /* this CTA's columns of v and out: [vc0, vc0 + dvs) */
+    const int vc0 = vslice * FA_DVP;
+    const int dvs = FA_DV_SLICES > 1 ? fa_min(kp->dv - vc0, FA_DVP) : kp->dv;
     const int kh = blockIdx.y, bi = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, t = lane & 3;
@@ -215,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 #pragma unroll
         for (int s = 0; s < FA_STAGES - 1; s++) {
             fa_decode_load(&dp, kh, &whole, (fa_i64)s * FA_BN, kp->max_sk, base_a,
-                           (char *)fa_smem, s, rows_p + s * 2 * FA_BN);
+                           (char *)fa_smem, s, rows_p + s * 2 * FA_BN, vc0);
             fa_cp_async_commit();
         }
         /* which the compiler does not move code across: without it, the code that waits for
@@ -354,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
         for (int s = 0; s < FA_STAGES - 1; s++) {
             if (nb0 + s < nb1)
                 fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
-                               (char *)fa_smem, s, rows_p + s * 2 * FA_BN);
+                               (char *)fa_smem, s, rows_p + s * 2 * FA_BN, vc0);
             fa_cp_async_commit();
         }
 #if !FA_KV_FP8
@@ -406,7 +392,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
             const int nx = nb + FA_STAGES - 1, nslot = (nx - nb0) % FA_STAGES;
             if (nx < nb1)
                 fa_decode_load(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a,
-                               (char *)fa_smem, nslot, rows_p + nslot * 2 * FA_BN);
+                               (char *)fa_smem, nslot, rows_p + nslot * 2 * FA_BN, vc0);
             fa_cp_async_commit();
         }
         const fa_u32 soff = slot * FA_STAGE_BYTES;
@@ -421,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 #if FA_KV_FP8
         fa_decode_qk8(s, q_ld, k8_rd, soff);
 #else
-#pragma unroll
+#pragma unroll fa_ks_unroll
         for (int ks = 0; ks < FA_KS; ks++) {
             fa_u32 qa[4];
             fa_ldmatrix_x4(qa, fa_swz_at(q_ld, 2 * ks));
@@ -532,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 #if FA_WN > 1
     fa_decode_merge_give(fa_smem_f32, o, row_max, row_sum, warp, wn, g8, t);
     if (wn != 0) {
-#if __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900 && FA_DV_SLICES == 1
         if (dp.cluster_merge)
             fa_decode_merge_cluster(&dp, fa_smem_f32, 0, o, row_max, row_sum, wm, g8, t, bi, kh,
                                     r0, rows, qs.q_start);
@@ -566,35 +552,35 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
             continue;
         } else if (dp.splits == 1) {
             fa_u16 *og = (fa_u16 *)kp->out + bi * kp->o_bstride + qrow * kp->o_rstride +
-                         hh * kp->o_hstride;
+                         hh * kp->o_hstride + vc0;
 #if FA_KV_FP8
-            fa_decode_store_row8(og, kp->dv, o, hf, t, scale, live);
+            fa_decode_store_row8(og, dvs, o, hf, t, scale, live);
 #elif FA_VEC
-            fa_store_row16(og, kp->dv, o, FA_DVP, hf, t, scale, live);
+            fa_store_row16(og, dvs, o, FA_DVP, hf, t, scale, live);
 #else
             if (live)
 #pragma unroll
                 for (int ot = 0; ot < FA_OT; ot++)
-                    fa_store_pair(og, ot * 8 + 2 * t, kp->dv, o[ot][2 * hf] * scale,
+                    fa_store_pair(og, ot * 8 + 2 * t, dvs, o[ot][2 * hf] * scale,
                                   o[ot][2 * hf + 1] * scale);
 #endif
-            if (live && kp->lse && t == 0)
+            if (live && kp->lse && t == 0 && vslice == 0)
                 kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qrow * kp->lse_rstride] = lse;
         } else if (live) {
             float *oa = dp.oaccum + split * dp.oaccum_sstride + bi * dp.oaccum_bstride +
-                        qi * dp.oaccum_rstride + hh * dp.oaccum_hstride;
+                        qi * dp.oaccum_rstride + hh * dp.oaccum_hstride + vc0;
 #pragma unroll
             for (int ot = 0; ot < FA_OT; ot++)
 #pragma unroll
                 for (int e = 0; e < 2; e++)
-                    if (FA_OCOL(ot, t, e) < kp->dv)
+                    if (FA_OCOL(ot, t, e) < dvs)
                         oa[FA_OCOL(ot, t, e)] = o[ot][2 * hf + e] * scale;
-            if (t == 0)
+            if (t == 0 && vslice == 0)
                 dp.lseaccum[split * dp.lseaccum_sstride + bi * dp.lseaccum_bstride +
                             qi * dp.lseaccum_rstride + hh * dp.lseaccum_hstride] = lse;
         }
     }
-#if __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900 && FA_DV_SLICES == 1
     if (dp.cluster_merge)
         fa_decode_merge_cluster(&dp, fa_smem_f32, 1, o, lse_row, scale_row, wm, g8, t, bi, kh, r0,
                                 rows, qs.q_start);

@@ -4,11 +4,18 @@
  * swizzled 16-byte chunks by cp.async, rows past the sequence zero-filled; a paged cache's
  * rows located a block ahead and kept in shared memory for the copies.
  *
- * Needs fa_decode.cu's FA_THREADS, FA_BN, FA_DP, FA_DVP, FA_STAGE_BYTES, FA_KV_* macros and
- * fa_decode_cache.cuh.
+ * The Q tile's load too (fa_decode_load_q).
+ *
+ * Needs fa_decode.cu's FA_THREADS, FA_BN, FA_BM, FA_DP, FA_DVP, FA_CPR_K, FA_STAGE_BYTES, FA_KV_*
+ * macros and fa_decode_cache.cuh.
  */
 #ifndef FA_DECODE_COPY_CUH
 #define FA_DECODE_COPY_CUH
+
+/* The copy loops unrolled whole, but for heads past 256 (d 576: 18 chunks a thread and more),
+ * where ptxas computed every chunk's address ahead and spilled beside the 256-column O (an enum:
+ * #pragma unroll takes a constant but expands no macro). */
+enum { fa_copy_unroll = FA_DP > 256 ? 2 : FA_KV_CHUNKS_K + FA_KV_CHUNKS_V };
 
 /* This thread's chunk u of a tile of cpr chunks per row: its row and column chunk. Where the
  * thread count is a multiple of cpr (every padded head dim but 192) a thread keeps one column
@@ -147,9 +154,12 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
      * compiler, which would otherwise issue every read after the copy before), more (d 256) a
      * pair at a time, as the copies need them. Otherwise each is read as its copy needs it. */
     const int grouped = FA_ROWS_GROUPED(cpr) && FA_BN / (FA_THREADS / cpr) % 2 == 0;
-    const int preload = grouped && FA_BN / (FA_THREADS / cpr) <= 8;
+    /* (not where the loop is rolled: off[] would go to local memory) */
+    const int preload = grouped && FA_BN / (FA_THREADS / cpr) <= 8 && FA_DP <= 256;
     const longlong2 *o2 = (const longlong2 *)(rows + fa_row_slot(x0.r, cpr));
-    fa_i64 off[FA_KV_CHUNKS_K > FA_KV_CHUNKS_V ? FA_KV_CHUNKS_K : FA_KV_CHUNKS_V];
+    fa_i64 off[FA_DP > 256                   ? 2
+               : FA_KV_CHUNKS_K > FA_KV_CHUNKS_V ? FA_KV_CHUNKS_K
+                                                 : FA_KV_CHUNKS_V];
     longlong2 pair = make_longlong2(0, 0);
     if (preload) {
 #pragma unroll
@@ -164,7 +174,7 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
     const char *src_u = g + (seq->blk * bs + (seq->start + j0 + x0.r) * rs) * es + x0.c * 16;
     const fa_i64 row_step = fa_opaque64((fa_i64)(FA_THREADS / cpr) * rs * es);
 #endif
-#pragma unroll
+#pragma unroll fa_copy_unroll
     for (int u = 0; u < FA_KV_CHUNKS_K || u < FA_KV_CHUNKS_V; u++) {
         const fa_chunk x = fa_chunk_at(u, cpr);
         if (u >= nchunks || !x.live)
@@ -222,18 +232,51 @@ FA_DEV void fa_decode_stages_zero(char *p, int from)
 }
 
 /* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into stage s,
- * in swizzled 16-byte chunks; a paged cache's rows where the stage's row offsets (rows) say. */
+ * in swizzled 16-byte chunks; a paged cache's rows where the stage's row offsets (rows) say.
+ * V's columns [vc0, vc0 + FA_DVP) (a slice, FA_DV_SLICES), those past dv zero. */
 FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, fa_i64 j0,
-                           fa_i64 jend, fa_u32 base_a, char *base_p, int s, const fa_i64 *rows)
+                           fa_i64 jend, fa_u32 base_a, char *base_p, int s, const fa_i64 *rows,
+                           int vc0)
 {
     const fa_kparams *kp = &dp->f;
     const char *kg = (const char *)kp->k + kh * kp->k_hstride * FA_KV_ESIZE;
-    const char *vg = (const char *)kp->v + kh * kp->v_hstride * FA_KV_ESIZE;
+    const char *vg = (const char *)kp->v + (kh * kp->v_hstride + vc0) * FA_KV_ESIZE;
+    const int vcols = FA_DV_SLICES > 1 ? fa_min(kp->dv - vc0, FA_DVP) : kp->dv;
     const int k_at = s * FA_STAGE_BYTES, v_at = k_at + FA_BN * FA_DP * FA_KV_ESIZE;
     fa_decode_copy(seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, rows, FA_KV_CPR_K,
                    FA_KV_CHUNKS_K, kp->d * FA_KV_ESIZE, base_a + k_at, base_p + k_at, kp->k);
     fa_decode_copy(seq, j0, jend, vg, kp->v_bstride, kp->v_rstride, rows + FA_BN, FA_KV_CPR_V,
-                   FA_KV_CHUNKS_V, kp->dv * FA_KV_ESIZE, base_a + v_at, base_p + v_at, kp->v);
+                   FA_KV_CHUNKS_V, vcols * FA_KV_ESIZE, base_a + v_at, base_p + v_at, kp->v);
+}
+
+/* The Q tile: packed rows [r0, r0 + FA_BM) of kv head kh, rotated where rotary is on, rounded
+ * to the data type, zero past the rows and columns; q of sequence bi starts at row q0. */
+FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, fa_i64 q0, int kh, const fa_kvseq *seq,
+                             int r0, int rows, int g, fa_u16 *q_p)
+{
+    const fa_kparams *kp = &dp->f;
+    const fa_u16 *qb = (const fa_u16 *)kp->q + bi * kp->q_bstride + q0 * kp->q_rstride;
+#if FA_VEC
+    /* Without rotary, 16-byte chunks (q's rows are aligned under FA_VEC). */
+    if (!dp->rot_cos) {
+        for (int i = threadIdx.x; i < FA_BM * FA_CPR_K; i += FA_THREADS) {
+            const int r = i / FA_CPR_K, c = i - r * FA_CPR_K;
+            uint4 x = make_uint4(0, 0, 0, 0);
+            if (r0 + r < rows && c * 8 < kp->d) {
+                const int qi = fa_div_g(dp, r0 + r), hh = kh * g + (r0 + r) - qi * g;
+                x = *(const uint4 *)(qb + qi * kp->q_rstride + hh * kp->q_hstride + c * 8);
+            }
+            *(uint4 *)((char *)q_p + fa_swz(r, c, FA_CPR_K)) = x;
+        }
+        return;
+    }
+#endif
+    for (int i = threadIdx.x; i < FA_BM * FA_DP; i += FA_THREADS) {
+        const int r = i / FA_DP, c = i - r * FA_DP;
+        const float x =
+            r0 + r < rows && c < kp->d ? fa_decode_q_value(dp, qb, seq, r0 + r, c, g, kh) : 0.f;
+        q_p[(fa_swz(r, c >> 3, FA_CPR_K) >> 1) + (c & 7)] = fa_from_float(x);
+    }
 }
 
 #endif /* FA_DECODE_COPY_CUH */

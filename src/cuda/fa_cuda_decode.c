@@ -42,6 +42,7 @@ typedef struct fa_decode_setup {
     fa_plan plan;
     int arch, smem_optin;
     int64_t row_tiles;
+    int slices; /* CTAs over v's columns (plan.dv_slices, at least 1) */
     int splits;
     int cluster; /* 1: the splits merge inside their cluster (no workspace, no fa_combine) */
 } fa_decode_setup;
@@ -122,14 +123,16 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
                             "gives %d",
                             (long long)p->d, s->plan.smem, s->smem_optin);
     s->row_tiles = fa_plan_decode_row_tiles(&s->plan, rows);
-    const int64_t tiles = s->row_tiles * p->b * p->hk;
+    s->slices = s->plan.dv_slices > 1 ? s->plan.dv_slices : 1;
+    const int64_t tiles = s->row_tiles * s->slices * p->b * p->hk;
     const int sms = fa_cuda_device_sms(device);
     s->splits = p->num_splits > 0 ? (int)p->num_splits
                                   : fa_plan_decode_splits(&s->plan, tiles, p->max_sk,
                                                           fa_decode_slots(&s->plan, s, device));
     /* A few more splits than a cluster holds: the cluster's count instead where that lengthens
      * the longest split by at most one key block (cheaper than fa_combine's launch). */
-    if (p->num_splits <= 0 && s->splits > s->plan.cluster_max && s->plan.cluster_max > 1) {
+    if (p->num_splits <= 0 && s->splits > s->plan.cluster_max && s->plan.cluster_max > 1 &&
+        s->slices == 1) {
         fa_decode_setup c = *s;
         c.splits = s->plan.cluster_max;
         const int64_t blocks = (p->max_sk + s->plan.bn - 1) / s->plan.bn;
@@ -137,9 +140,10 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
             (blocks + c.splits - 1) / c.splits <= (blocks + s->splits - 1) / s->splits + 1)
             s->splits = c.splits;
     }
-    if (s->row_tiles * s->splits > INT32_MAX)
+    if (s->row_tiles * s->splits * s->slices > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "q: too many row tiles for one launch");
-    s->cluster = fa_decode_cluster(&s->plan, s, tiles * s->splits, sms);
+    /* a cluster is the splits of one row tile, adjacent in x: not with slices between them */
+    s->cluster = s->slices == 1 && fa_decode_cluster(&s->plan, s, tiles * s->splits, sms);
     return FA_STATUS_OK;
 }
 
@@ -430,9 +434,10 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
     if (st == FA_STATUS_OK && s.row_tiles > 0) {
         st = fa_jit_function(&s.plan, ctx, "fa_decode", &fn);
         if (st == FA_STATUS_OK)
-            st = fa_decode_launch(fn, (unsigned)(s.row_tiles * s.splits), (unsigned)p->hk,
-                                  (unsigned)p->b, s.plan.threads, s.plan.smem, stream, &dk, 0,
-                                  s.cluster ? s.splits : 0, "launching fa_decode");
+            st = fa_decode_launch(fn, (unsigned)(s.row_tiles * s.splits * s.slices),
+                                  (unsigned)p->hk, (unsigned)p->b, s.plan.threads, s.plan.smem,
+                                  stream, &dk, 0, s.cluster ? s.splits : 0,
+                                  "launching fa_decode");
         reported = reported || (st == FA_STATUS_OK && check);
         if (st == FA_STATUS_OK && s.splits > 1 && !s.cluster)
             st = fa_decode_combine(&dk, p->dtype, s.arch, ctx, stream);

@@ -48,22 +48,31 @@ fa_status fa_plan_check_arch(int arch)
     return FA_STATUS_OK;
 }
 
-/* What every forward family (and the decode) takes: fp16 or bf16, sm_80 or later, head dims
- * in [1, FA_CUDA_MAX_HEAD_DIM]. */
-fa_status fa_plan_check_forward_key(const fa_plan_key *key)
+/* fp16 or bf16, sm_80 or later, head dims in [1, max]. */
+static fa_status fa_plan_check_key_dims(const fa_plan_key *key, int max)
 {
     if (key->dtype != FA_DTYPE_F16 && key->dtype != FA_DTYPE_BF16)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "q: the CUDA backend computes fp16 and bf16, got %s",
                             fa_dtype_name(key->dtype));
     FA_TRY(fa_plan_check_arch(key->arch));
-    if (key->d < 1 || key->d > FA_CUDA_MAX_HEAD_DIM || key->dv < 1 ||
-        key->dv > FA_CUDA_MAX_HEAD_DIM)
+    if (key->d < 1 || key->d > max || key->dv < 1 || key->dv > max)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "head_dim: %d / %d outside [1, %d], the CUDA backend's (the CPU "
-                            "backend takes up to %d)",
-                            key->d, key->dv, FA_CUDA_MAX_HEAD_DIM, FA_MAX_HEAD_DIM);
+                            "head_dim: %d / %d outside [1, %d], this CUDA kernel's (the CUDA "
+                            "decode schedule, KV-cache calls and few query rows, takes up to "
+                            "%d; the CPU backend up to %d)",
+                            key->d, key->dv, max, FA_CUDA_DECODE_MAX_HEAD_DIM, FA_MAX_HEAD_DIM);
     return FA_STATUS_OK;
+}
+
+fa_status fa_plan_check_forward_key(const fa_plan_key *key)
+{
+    return fa_plan_check_key_dims(key, FA_CUDA_MAX_HEAD_DIM);
+}
+
+fa_status fa_plan_check_decode_key(const fa_plan_key *key)
+{
+    return fa_plan_check_key_dims(key, FA_CUDA_DECODE_MAX_HEAD_DIM);
 }
 
 /* 32, or a multiple of 64: the granularities the kernel's shared-memory swizzle supports. */

@@ -59,6 +59,7 @@ typedef struct fa_plan {
     int stages;    /* sm90 family: K/V shared-memory stages (0 for sm80) */
     int cluster_max; /* decode: most splits merged inside a thread block cluster (0: none; above
                         8 the kernel is loaded with non-portable cluster sizes allowed) */
+    int dv_slices;   /* decode: v's columns cut into slices of dvp, a CTA each (0 or 1: none) */
     int persistent; /* sm90 family: 0 one CTA per tile; 1 one per SM striding over the tiles of
                        calls without causal/window/varlen/block mask; 2 also over causal,
                        windowed and block-masked calls' mirrored tile pairs (causal: up to

@@ -33,6 +33,8 @@
 #define FA_DECODE_MAX_AUTO_SPLITS 128
 #define FA_DECODE_MAX_CLUSTER 16 /* Hopper's largest (non-portable) thread block cluster */
 #define FA_DECODE_BASE_REGS 104   /* registers a thread needs besides its O accumulators */
+#define FA_DECODE_SLICE 256       /* v's columns a CTA takes at most (fa_plan_decode_wide) */
+#define FA_DECODE_WIDE_BN 32
 
 static int fa_plan_decode_wm(int64_t rows) { return rows <= 16 ? 1 : rows <= 32 ? 2 : 4; }
 
@@ -55,20 +57,13 @@ static void fa_plan_decode_override(fa_plan *plan, int *wm, int paged)
     *wm = w;
 }
 
-fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
+/* The tile of heads up to FA_CUDA_MAX_HEAD_DIM (the rule in this file's first comment). */
+static void fa_plan_decode_narrow(const fa_plan_key *key, int wm, int paged, int kvb,
+                                  fa_plan *plan)
 {
-    FA_TRY(fa_plan_check_forward_key(key));
-    *plan = (fa_plan){0};
-    plan->family = "fa_decode.cu";
-    snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
-    plan->dp = fa_plan_pad(key->d);
-    plan->dvp = fa_plan_pad(key->dv);
-    int wm = fa_plan_decode_wm(rows);
-    const int kvb = (key->features & (FA_PLAN_KV_E4M3 | FA_PLAN_KV_E5M2)) ? 1 : 2;
     plan->bn = kvb == 1 && wm == 1 && plan->dp + plan->dvp <= 256 ? 2 * FA_DECODE_BN
                                                                    : FA_DECODE_BN;
     plan->nwarps = 4;
-    const int paged = (key->features & FA_PLAN_PAGED) != 0;
     const int stage = kvb * plan->bn * (plan->dp + plan->dvp), most = 8 / kvb;
     const int budget = kvb == 1 ? FA_DECODE_FP8_BUDGET
                        : paged  ? FA_DECODE_PAGED_BUDGET
@@ -86,6 +81,60 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
         fa_plan_ctas_per_sm(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
                                            plan->nwarps, 1, kvb), sm_bytes) < 2)
         plan->stages--;
+}
+
+/*
+ * Heads past FA_CUDA_MAX_HEAD_DIM (MLA's d 576 / dv 512): v's columns in slices of
+ * FA_DECODE_SLICE, a CTA each (FA_DV_SLICES; each computes the whole S, so that its O fits a
+ * thread's registers), 32-key blocks (16 where two stages of 32 would not fit beside the Q
+ * tile), as many stages as fit, one CTA per SM; two warps over each block's keys where the rows
+ * fill one warp, a warp per 16 rows otherwise.
+ */
+static void fa_plan_decode_wide(const fa_plan_key *key, int wm, int paged, fa_plan *plan)
+{
+    const int bm = 16 * wm, sm_bytes = fa_plan_sm_smem(key->arch);
+    plan->bn = FA_DECODE_WIDE_BN;
+    plan->nwarps = wm > 2 ? wm : 2;
+    for (;;) {
+        plan->stages = 8;
+        while (plan->stages > 2 &&
+               FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages, plan->nwarps,
+                              paged, 2) > sm_bytes)
+            plan->stages--;
+        if (plan->bn == 16 || FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
+                                             plan->nwarps, paged, 2) <= sm_bytes)
+            return;
+        plan->bn = 16;
+        plan->nwarps = wm;
+    }
+}
+
+fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
+{
+    FA_TRY(fa_plan_check_decode_key(key));
+    const int kvb = (key->features & (FA_PLAN_KV_E4M3 | FA_PLAN_KV_E5M2)) ? 1 : 2;
+    if (kvb == 1 && (key->d > FA_CUDA_MAX_HEAD_DIM || key->dv > FA_CUDA_MAX_HEAD_DIM))
+        return fa_error_set(FA_STATUS_UNSUPPORTED,
+                            "k_cache: fp8 caches on a CUDA device take head dims up to %d, got "
+                            "%d / %d",
+                            FA_CUDA_MAX_HEAD_DIM, key->d, key->dv);
+    *plan = (fa_plan){0};
+    plan->family = "fa_decode.cu";
+    snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
+    plan->dp = fa_plan_pad(key->d);
+    plan->dvp = fa_plan_pad(key->dv);
+    plan->dv_slices = 1;
+    if (plan->dvp > FA_DECODE_SLICE) {
+        plan->dv_slices = (plan->dvp + FA_DECODE_SLICE - 1) / FA_DECODE_SLICE;
+        plan->dvp = FA_DECODE_SLICE;
+    }
+    const int wide = plan->dp > FA_CUDA_MAX_HEAD_DIM || plan->dv_slices > 1;
+    int wm = fa_plan_decode_wm(rows);
+    const int paged = (key->features & FA_PLAN_PAGED) != 0;
+    if (wide)
+        fa_plan_decode_wide(key, wm, paged, plan);
+    else
+        fa_plan_decode_narrow(key, wm, paged, kvb, plan);
     fa_plan_decode_override(plan, &wm, paged);
     plan->bm = 16 * wm;
     plan->threads = (unsigned)(32 * plan->nwarps);
@@ -96,6 +145,7 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
      * it neither takes registers that would cost one of them nor, left to itself, spills to
      * reach an occupancy shared memory rules out; at most as many as leave a thread its O
      * accumulators (dv / 2 registers) and FA_DECODE_BASE_REGS besides. */
+    const int sm_bytes = fa_plan_sm_smem(key->arch);
     int min_ctas = fa_plan_ctas_per_sm(plan->smem, sm_bytes);
     const int reg_ctas = 65536 / (int)(plan->threads * (FA_DECODE_BASE_REGS + plan->dvp / 2));
     min_ctas = min_ctas > reg_ctas ? reg_ctas : min_ctas;
@@ -108,6 +158,8 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     fa_plan_define(plan, "FA_BN", plan->bn);
     fa_plan_define(plan, "FA_STAGES", plan->stages);
     fa_plan_define(plan, "FA_PAGED", paged);
+    if (plan->dv_slices > 1) /* only then: the other kernels keep their keys */
+        fa_plan_define(plan, "FA_DV_SLICES", plan->dv_slices);
     fa_plan_define_features(plan, key->features,
                             FA_FEATURE_VARLEN | FA_FEATURE_UNALIGNED | FA_FEATURE_ALIBI |
                                 FA_FEATURE_SOFTCAP);

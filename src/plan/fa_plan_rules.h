@@ -20,9 +20,10 @@ struct fa_plan_key;
 /* Compute capability 8.0 or later. */
 fa_status fa_plan_check_arch(int arch);
 
-/* fp16 or bf16, sm_80 or later, head dims in [1, FA_MAX_HEAD_DIM]: every forward family and
- * the decode. */
+/* fp16 or bf16, sm_80 or later, head dims in [1, FA_CUDA_MAX_HEAD_DIM]: every forward family;
+ * the decode's, in [1, FA_CUDA_DECODE_MAX_HEAD_DIM]. */
 fa_status fa_plan_check_forward_key(const struct fa_plan_key *key);
+fa_status fa_plan_check_decode_key(const struct fa_plan_key *key);
 
 /* 32, or a multiple of 64: the granularities of the kernels' shared-memory swizzle. */
 int fa_plan_pad(int d);

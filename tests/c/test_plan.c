@@ -40,6 +40,7 @@
 #include "cuda/fa_cuda.h"
 #include "fa_smem.h"
 #include "plan/fa_plan.h"
+#include "plan/fa_plan_rules.h"
 #include "test_util.h"
 
 /* The value of define `name` in plan, or -1. */
@@ -470,6 +471,49 @@ static void check_backward_mods(void)
 
 /* Head dims past 128 and d != dv: every (d, dv) of a sample over [1, 256]^2 on each arch, in
  * the sm80 family (FLASHATTN_BWD_SM90=0 on sm_90; check_backward_sm90_wide has the other). */
+
+/* The decode past FA_CUDA_MAX_HEAD_DIM (MLA): v's columns in FA_DV_SLICES slices of 256, the
+ * stage and Q tile within the part's shared memory at 1 to 64 packed rows, dense and paged, on
+ * sm_90 and sm_80; fp8 caches and heads past FA_CUDA_DECODE_MAX_HEAD_DIM refused naming the
+ * argument. */
+static void check_decode_wide(void)
+{
+    static const int dims[][2] = {{576, 512}, {576, 576}, {512, 512}, {320, 320}, {576, 64},
+                                  {64, 512}};
+    static const int archs[] = {90, 80};
+    static const int64_t rows[] = {1, 16, 40, 128};
+    fa_plan plan;
+    for (size_t a = 0; a < sizeof archs / sizeof archs[0]; a++)
+        for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+            for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++)
+                for (unsigned paged = 0; paged <= FA_PLAN_PAGED; paged += FA_PLAN_PAGED) {
+                    const fa_plan_key key = {archs[a], FA_DTYPE_BF16, dims[i][0], dims[i][1],
+                                             paged, 0, 0, 0};
+                    const int slices = (fa_plan_pad(dims[i][1]) + 255) / 256;
+                    const int ok = fa_plan_decode(&key, rows[r], &plan) == FA_STATUS_OK;
+                    TU_CHECK(ok && (slices > 1 ? plan.dv_slices == slices &&
+                                                     plan_define(&plan, "FA_DV_SLICES") == slices &&
+                                                     plan.dvp == 256
+                                               : plan.dv_slices <= 1 &&
+                                                     plan_define(&plan, "FA_DV_SLICES") < 0) &&
+                                 plan.dp == fa_plan_pad(dims[i][0]) && plan.stages >= 2 &&
+                                 (plan.bn / (plan.nwarps / (plan.bm / 16))) % 16 == 0 &&
+                                 (int)plan.smem <= fa_plan_sm_smem(archs[a]),
+                             "decode sm_%d d %d dv %d rows %lld paged %u: %s slices %d dvp %d "
+                             "bn %d warps %d stages %d smem %u",
+                             archs[a], dims[i][0], dims[i][1], (long long)rows[r], paged,
+                             ok ? "ok" : fa_last_error(), plan.dv_slices, plan.dvp, plan.bn,
+                             plan.nwarps, plan.stages, plan.smem);
+                }
+    const fa_plan_key fp8 = {90, FA_DTYPE_BF16, 576, 512, FA_PLAN_KV_E4M3, 0, 0, 0};
+    TU_CHECK(fa_plan_decode(&fp8, 1, &plan) == FA_STATUS_UNSUPPORTED &&
+                 strncmp(fa_last_error(), "k_cache", 7) == 0,
+             "fp8 caches at d 576: \"%s\"", fa_last_error());
+    const fa_plan_key past = {90, FA_DTYPE_BF16, FA_CUDA_DECODE_MAX_HEAD_DIM + 1, 512, 0, 0, 0, 0};
+    TU_CHECK(fa_plan_decode(&past, 1, &plan) == FA_STATUS_UNSUPPORTED &&
+                 strncmp(fa_last_error(), "head_dim", 8) == 0,
+             "decode d %d: \"%s\"", FA_CUDA_DECODE_MAX_HEAD_DIM + 1, fa_last_error());
+}
 static void check_backward_wide(void)
 {
     setenv("FLASHATTN_BWD_SM90", "0", 1);
@@ -538,16 +582,15 @@ static void check_backward_wide(void)
                  bwd_family(80, 256, 256, 0, &plan)[0] && plan_define(&plan, "FA_QSTAGES") == 1,
              "d 256: two query stages on sm_90 and one on sm_80 expected");
     /* Past FA_CUDA_MAX_HEAD_DIM (which the CPU takes): refused, naming the argument, by the
-     * backward, the forward and the decode. */
+     * backward and the forward; the decode takes up to FA_CUDA_DECODE_MAX_HEAD_DIM (MLA's d 576
+     * / dv 512) with v's columns in slices, and refuses past it. */
     TU_CHECK(!*bwd_family(90, 257, 128, 0, &plan) && strstr(fa_last_error(), "head_dim"),
              "d 257: \"%s\"", fa_last_error());
     const fa_plan_key wide = {90, FA_DTYPE_BF16, 576, 512, 0, 0, 0, 0};
     TU_CHECK(fa_plan_forward(&wide, &plan) == FA_STATUS_UNSUPPORTED &&
                  strncmp(fa_last_error(), "head_dim", 8) == 0,
              "forward d 576: \"%s\"", fa_last_error());
-    TU_CHECK(fa_plan_decode(&wide, 1, &plan) == FA_STATUS_UNSUPPORTED &&
-                 strncmp(fa_last_error(), "head_dim", 8) == 0,
-             "decode d 576: \"%s\"", fa_last_error());
+    check_decode_wide();
     /* The workspace covers the d 256 layout with 32-row tiles (the 99 KB parts'): b 4, h 16,
      * 128 queries, each part 256-byte aligned: the fp32 accumulator (8192 rows of 256), D and
      * lse (8192 rows each), 4 x 16 x 4 tile counters, the item counter; with 64-row tiles the

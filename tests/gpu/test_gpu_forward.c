@@ -61,6 +61,9 @@ static const gpu_case gpu_cases[] = {
     {"few rows varlen sq7 gqa4 causal seqused", 6, 16, 4, 7, 900, 128, 128, 1, -1, -1, 0, 0, 0, 0, 1, 1, 0, 0},
     {"few rows varlen sq1 window alibi sinks d64", 5, 8, 2, 1, 2000, 64, 64, 0, 100, 0, 0, 1, 1, 0, 1, 0, 0, 0},
     {"few rows varlen sq16 unaligned d40 dv24 softcap", 3, 6, 3, 16, 500, 40, 24, 1, -1, -1, 15, 0, 0, 0, 1, 0, 0, 0},
+    /* MLA's decode shape (d 576 / dv 512, one kv head) as a few-row forward, dense and varlen */
+    {"few rows mla sq1 mqa16 d576 dv512", 2, 16, 1, 1, 1200, 576, 512, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"few rows varlen mla sq2 mqa32 causal", 3, 32, 1, 2, 700, 576, 512, 1, -1, -1, 0, 0, 0, 0, 1, 0, 0, 0},
     {"sq>sk causal empty rows d32", 2, 2, 2, 200, 60, 32, 32, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"empty rows with sinks", 1, 3, 3, 150, 40, 64, 64, 1, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0},
     {"d192 dv128 window-left", 1, 4, 4, 400, 700, 192, 128, 0, 100, -1, 0, 0, 0, 0, 0, 0, 0, 0},

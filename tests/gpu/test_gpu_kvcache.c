@@ -54,6 +54,12 @@ static const kv_case cases[] = {
     {"early paged16 short", 4, 8, 2, 1, 128, 128, 200, 16, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0},
     {"early paged1 d64 causal alibi", 3, 6, 3, 3, 64, 64, 120, 1, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 0, 1, 0, 0},
     {"early rows paged append", 2, 4, 2, 1, 128, 128, 100, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0},
+    /* Heads past 256 (MLA's d 576 / dv 512): v's columns in slices of 256, a CTA each */
+    {"mla d576 dv512 mqa16", 2, 16, 1, 1, 576, 512, 700, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0},
+    {"mla paged64 append causal", 2, 64, 1, 2, 576, 512, 900, 64, 2, 0, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0},
+    {"mla mqa128 page16 splits 7", 2, 128, 1, 1, 576, 512, 1500, 16, 0, 0, 0, 0, 1, 0, -1, -1, 0, 0, 0, 7, 0, 0},
+    {"wide d320 dv576 alibi sinks", 2, 4, 2, 1, 320, 576, 300, 0, 0, 0, 0, 0, 0, 0, -1, -1, 20, 1, 1, 3, 0, 0},
+    {"wide d576 dv64 window leftpad", 3, 4, 2, 3, 576, 64, 400, 0, 1, 0, 0, 1, 0, 1, 50, 0, 0, 0, 0, 0, 0, 0},
     /* fp8 caches (e4m3, e5m2) with per-(sequence, kv head) descales */
     {"fp8 decode gqa4 contiguous", 3, 32, 8, 1, 128, 128, 1000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0,
      FA_DTYPE_F8E4M3, 1},
