@@ -93,6 +93,8 @@ def parse_options(argv):
     ap.add_argument("--batch", help="batch sizes (default %s)" % FULL["batch"])
     ap.add_argument("--context", help="keys per sequence, k = 1024 (default %s)" % FULL["context"])
     ap.add_argument("--d", help="head dims (default %s)" % FULL["d"])
+    ap.add_argument("--dv", type=int,
+                    help="v's head dim, for every --d (default: d; MLA's decode: --d 576 --dv 512)")
     ap.add_argument("--gqa", help="query heads per kv head, or mqa (one kv head); default %s"
                     % FULL["gqa"])
     ap.add_argument("--heads", type=int, help="query heads (default %d)" % FULL["heads"])
@@ -219,10 +221,11 @@ class Shape:
     def __init__(self, opts, dev, dt, b, ctx, d, h, hk):
         self.opts, self.dev, self.dt = opts, dev, dt
         self.b, self.ctx, self.d, self.h, self.hk = b, ctx, d, h, hk
+        self.dv = opts.dv or d
         self.esize = torch.finfo(dt).bits // 8
         self.gen = torch.Generator(device=dev).manual_seed(
             opts.seed * 1000003 + b * 7919 + ctx * 31 + d * 7 + hk)
-        self.kv_bytes = 2 * b * ctx * hk * d * self.esize  # what one step must read
+        self.kv_bytes = b * ctx * hk * (d + self.dv) * self.esize  # what one step must read
         self.k = self.k_expanded = self.v = self.v_expanded = None
 
     def randn(self, *shape):
@@ -230,7 +233,7 @@ class Shape:
 
     def make(self):
         self.k = self.randn(self.b, self.hk, self.ctx, self.d)  # [b, hk, ctx, d]
-        self.v = self.randn(self.b, self.hk, self.ctx, self.d)
+        self.v = self.randn(self.b, self.hk, self.ctx, self.dv)
 
     def held_bytes(self):
         return self.kv_bytes * (1 + (self.h // self.hk if self.k_expanded is not None else 0))
@@ -251,7 +254,7 @@ class Shape:
 
 def case_bytes(shape, kind, page):
     """Bytes of flashattn's K/V for one case (SDPA's copy is counted once per shape)."""
-    per_row = 2 * shape.hk * shape.d * (1 if kind == "kvcache8" else shape.esize) * shape.b
+    per_row = shape.hk * (shape.d + shape.dv) * (1 if kind == "kvcache8" else shape.esize) * shape.b
     if kind == "func":
         return per_row * shape.ctx
     cap = shape.ctx + CAPACITY_EXTRA
@@ -280,7 +283,7 @@ def flashattn_kv(shape, kind, page, in_order=False):
         return k8, v8, kwargs
     if page == 0:
         kc = torch.full((s.b, cap, s.hk, s.d), POISON, dtype=s.dt, device=dev)
-        vc = torch.full_like(kc, POISON)  # [b, capacity, hk, d]
+        vc = torch.full((s.b, cap, s.hk, s.dv), POISON, dtype=s.dt, device=dev)  # [.., dv]
         kc[:, :s.ctx].copy_(s.k.transpose(1, 2))
         vc[:, :s.ctx].copy_(s.v.transpose(1, 2))
         return kc, vc, dict(cache_seqlens=lens)
@@ -289,12 +292,13 @@ def flashattn_kv(shape, kind, page, in_order=False):
         torch.randperm(s.b * pages, generator=torch.Generator().manual_seed(s.b + page))
     table = order.view(s.b, pages).to(device=dev, dtype=torch.int32)  # [b, pages]
     kp = torch.full((s.b * pages, page, s.hk, s.d), POISON, dtype=s.dt, device=dev)
-    vp = torch.full_like(kp, POISON)  # [blocks, page, hk, d]
+    vp = torch.full((s.b * pages, page, s.hk, s.dv), POISON, dtype=s.dt, device=dev)
     for i in range(s.b):  # one sequence at a time: no second full-size copy
         for src, pool in ((s.k, kp), (s.v, vp)):
-            seq = torch.full((pages * page, s.hk, s.d), POISON, dtype=s.dt, device=dev)
+            w = src.shape[-1]
+            seq = torch.full((pages * page, s.hk, w), POISON, dtype=s.dt, device=dev)
             seq[:s.ctx].copy_(src[i].transpose(0, 1))
-            pool[table[i].long()] = seq.view(pages, page, s.hk, s.d)
+            pool[table[i].long()] = seq.view(pages, page, s.hk, w)
     return kp, vp, dict(cache_seqlens=lens, block_table=table)
 
 
@@ -362,7 +366,7 @@ def compare(out, ref):
 def row_key(shape, kind, page, rows):
     case = kind if kind == "func" else ("kvcache fp8 " if kind == "kvcache8" else "kvcache ") + (
         "contig" if page == 0 else "paged%d" % page)
-    return dict(case=case, batch=shape.b, context=shape.ctx, rows=rows, d=shape.d,
+    return dict(case=case, batch=shape.b, context=shape.ctx, rows=rows, d=shape.d, dv=shape.dv,
                 heads=shape.h, kv_heads=shape.hk)
 
 
@@ -370,7 +374,7 @@ def run_case(opts, shape, kind, page, rows):
     s, dev = shape, shape.dev
     row = row_key(s, kind, page, rows)
     row.update(dtype=str(s.dt).replace("torch.", ""), kv_gb=s.kv_bytes / 1e9)
-    need = case_bytes(s, kind, page) + 4 * s.b * rows * s.h * s.d * s.esize
+    need = case_bytes(s, kind, page) + 2 * s.b * rows * s.h * (s.d + s.dv) * s.esize
     if s.held_bytes() + need > opts.mem_gb * 1e9:
         s.drop_expanded()  # made again below if it fits beside this case
     need += s.kv_bytes
@@ -453,7 +457,8 @@ def table_line(opts, r):
     names = ["flashattn"] + opts.sdpa
     num = lambda x, f: "-" if x is None else f % x  # noqa: E731
     us, tbs = r.get("us", {}), r.get("tbs", {})
-    cells = [r["case"], str(r["batch"]), str(r["context"]), str(r["rows"]), str(r["d"]),
+    cells = [r["case"], str(r["batch"]), str(r["context"]), str(r["rows"]),
+             str(r["d"]) if r["dv"] == r["d"] else "%d/%d" % (r["d"], r["dv"]),
              "%d/%d" % (r["heads"], r["kv_heads"])]
     cells += [num(us.get(n), "%.1f") for n in names]
     cells += [num(tbs.get(n), "%.3f") for n in names]
