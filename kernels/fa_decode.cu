@@ -26,6 +26,8 @@
  *   FA_DV_SLICES     v's (and out's) columns cut into slices of FA_DVP, one CTA each, every
  *                    one computing the whole S (heads past 256: MLA's d 576 / dv 512, whose
  *                    O would not fit one thread's registers); default 1
+ *   FA_V_IN_K        1: v's rows are the first dv columns of k's (MLA's cache): the stages
+ *                    hold K alone and P V reads V from it; default 0
  *   FA_WM, FA_WN     warps over the rows and over each key block
  *   FA_MIN_CTAS      CTAs per SM the shared memory allows (launch bounds)
  *   FA_BN, FA_STAGES keys per block, blocks in flight
@@ -67,9 +69,14 @@ enum { fa_ks_unroll = FA_KS > 16 ? 4 : FA_KS };
 #ifndef FA_DV_SLICES
 #define FA_DV_SLICES 1
 #endif
-/* A stage: K [FA_BN][FA_DP] then V [FA_BN][FA_DVP], in q's dtype or fp8. */
+#ifndef FA_V_IN_K
+#define FA_V_IN_K 0
+#endif
+/* A stage: K [FA_BN][FA_DP] then V [FA_BN][FA_DVP] (none with FA_V_IN_K), in q's dtype or fp8. */
 #define FA_KV_ESIZE (FA_KV_FP8 ? 1 : 2) /* bytes of a cache element */
-#define FA_STAGE_BYTES (FA_BN * (FA_DP + FA_DVP) * FA_KV_ESIZE)
+#define FA_STAGE_BYTES (FA_BN * (FA_DP + (FA_V_IN_K ? 0 : FA_DVP)) * FA_KV_ESIZE)
+/* 16-byte chunks of a stage row of V: its own, or K's */
+#define FA_V_ROW_CHUNKS (FA_V_IN_K ? FA_CPR_K : FA_CPR_V)
 #define FA_KV_CPR_K (FA_DP * FA_KV_ESIZE / 16) /* 16-byte chunks per row of a K, V stage */
 #define FA_KV_CPR_V (FA_DVP * FA_KV_ESIZE / 16)
 #define FA_KV_CHUNKS_K ((FA_BN * FA_KV_CPR_K + FA_THREADS - 1) / FA_THREADS)
@@ -295,9 +302,17 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     const fa_u32 q_ld = q_a + fa_swz(wm * 16 + (lane & 15), lane >> 4, FA_CPR_K);
     const fa_u32 k_ld =
         base_a + fa_swz(wn * FA_WKEYS + (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, FA_CPR_K);
+#if FA_V_IN_K
+    /* V: columns [vc0, vc0 + FA_DVP) of K's rows; vc0 * 2 bytes is whole 8-chunk groups, which
+     * leaves each row's swizzle as it was */
+    const fa_u32 v_ld = base_a + vc0 * 2 +
+                        fa_swz(wn * FA_WKEYS + (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4,
+                               FA_CPR_K);
+#else
     const fa_u32 v_ld = base_a + FA_BN * FA_DP * 2 +
                         fa_swz(wn * FA_WKEYS + (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4,
                                FA_CPR_V);
+#endif
 #if FA_KV_FP8
     /* The fp8 stages' reads (fa_decode_qk8, fa_decode_pv8). */
     const fa_rd8 k8_rd = fa_rd8_make(base_a, wn * FA_WKEYS + (lane & 7) + (((lane >> 3) & 1) << 3),
@@ -493,7 +508,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
             for (int dp2 = 0; dp2 < FA_OT / 2; dp2++) {
                 fa_u32 vb[4];
                 fa_ldmatrix_x4_trans(vb, fa_swz_at(v_ld + soff, 2 * dp2) +
-                                             kk * 16 * FA_CPR_V * 16);
+                                             kk * 16 * FA_V_ROW_CHUNKS * 16);
                 fa_mma16816(o[2 * dp2], pa, vb[0], vb[1]);
                 fa_mma16816(o[2 * dp2 + 1], pa, vb[2], vb[3]);
             }

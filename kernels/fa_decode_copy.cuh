@@ -219,7 +219,7 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
  * keys [s FA_BN, (s + 1) FA_BN)), K and V; by every thread, through generic pointers. */
 FA_DEV void fa_decode_stages_zero(char *p, int from)
 {
-    const int cpr = FA_KV_CPR_K + FA_KV_CPR_V; /* chunks of a row, K's then V's */
+    const int cpr = FA_KV_CPR_K + (FA_V_IN_K ? 0 : FA_KV_CPR_V); /* a row's chunks, K's, V's */
     for (int i = threadIdx.x; i < (FA_STAGES - 1) * FA_BN * cpr; i += FA_THREADS) {
         const int s = i / (FA_BN * cpr), r = i / cpr % FA_BN, c = i % cpr;
         if (s * FA_BN + r < from)
@@ -245,8 +245,12 @@ FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, f
     const int k_at = s * FA_STAGE_BYTES, v_at = k_at + FA_BN * FA_DP * FA_KV_ESIZE;
     fa_decode_copy(seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, rows, FA_KV_CPR_K,
                    FA_KV_CHUNKS_K, kp->d * FA_KV_ESIZE, base_a + k_at, base_p + k_at, kp->k);
+#if FA_V_IN_K
+    (void)vg, (void)vcols, (void)v_at; /* V is read from K's rows */
+#else
     fa_decode_copy(seq, j0, jend, vg, kp->v_bstride, kp->v_rstride, rows + FA_BN, FA_KV_CPR_V,
                    FA_KV_CHUNKS_V, vcols * FA_KV_ESIZE, base_a + v_at, base_p + v_at, kp->v);
+#endif
 }
 
 /* The Q tile: packed rows [r0, r0 + FA_BM) of kv head kh, rotated where rotary is on, rounded

@@ -106,21 +106,22 @@
 #define FA_SMEM_BM_FWD(bm, q_block, nk) (FA_SMEM_BM_STATES(bm, q_block, nk) + 4 * (nk))
 
 /* Decode (fa_decode.cu): stages of K [bn][dp] and V [bn][dvp] (kvb bytes an element: 2, or 1
- * for fp8 caches), then Q [bm][dp] (16-bit), then, paged, each stage's key rows' offsets in K
- * and V (int64 [stages][2][bn]); after the key loop the stages hold each warp's fp32 O
- * [16][FA_DECODE_MERGE_STRIDE(dvp)] and its rows' max and sum, so the total is the larger of
- * the two layouts. */
+ * for fp8 caches; no V where vin, v being K's first dvp columns, FA_V_IN_K), then Q [bm][dp]
+ * (16-bit), then, paged, each stage's key rows' offsets in K and V (int64 [stages][2][bn]);
+ * after the key loop the stages hold each warp's fp32 O [16][FA_DECODE_MERGE_STRIDE(dvp)] and
+ * its rows' max and sum, so the total is the larger of the two layouts. */
 #define FA_SMEM_DECODE_ROWS(bn, stages, paged) ((paged) ? (stages) * 2 * (bn) * 8 : 0)
-#define FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged, kvb)                                 \
-    ((kvb) * (stages) * (bn) * ((dp) + (dvp)) + 2 * (bm) * (dp) +                                \
+#define FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged, kvb, vin)                            \
+    ((kvb) * (stages) * (bn) * ((dp) + ((vin) ? 0 : (dvp))) + 2 * (bm) * (dp) +                  \
      FA_SMEM_DECODE_ROWS(bn, stages, paged))
 /* The merge's row of O: dvp + 8 floats, so that the 8-byte stores and loads of a warp's C
  * fragments (4 rows of 4 lanes per 16 lanes) fall on distinct banks. */
 #define FA_DECODE_MERGE_STRIDE(dvp) ((dvp) + 8)
 #define FA_SMEM_DECODE_MERGE(nwarps, dvp) (4 * (nwarps) * 16 * (FA_DECODE_MERGE_STRIDE(dvp) + 2))
-#define FA_SMEM_DECODE(bm, bn, dp, dvp, stages, nwarps, paged, kvb)                               \
-    (FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged, kvb) > FA_SMEM_DECODE_MERGE(nwarps, dvp) \
-         ? FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged, kvb)                               \
+#define FA_SMEM_DECODE(bm, bn, dp, dvp, stages, nwarps, paged, kvb, vin)                          \
+    (FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged, kvb, vin) >                             \
+             FA_SMEM_DECODE_MERGE(nwarps, dvp)                                                   \
+         ? FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged, kvb, vin)                         \
          : FA_SMEM_DECODE_MERGE(nwarps, dvp))
 
 #endif /* FA_SMEM_H */

@@ -91,6 +91,14 @@ static int fa_decode_fp8_aligned(const fa_params *p)
     return p->d % 16 == 0 && p->dv % 16 == 0;
 }
 
+/* v's rows the first dv columns of k's (MLA passes one cache twice, v_cache = kv[..., :dv]):
+ * the wide plans then read V from K's stages (FA_PLAN_V_IN_K). */
+static int fa_decode_v_in_k(const fa_params *p)
+{
+    return p->v == p->k && p->dv <= p->d && p->v_bstride == p->k_bstride &&
+           p->v_rstride == p->k_rstride && p->v_hstride == p->k_hstride;
+}
+
 static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_setup *s)
 {
     FA_TRY(fa_cuda_device_arch(device, &s->arch, &s->smem_optin));
@@ -110,6 +118,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
                     : p->kv_dtype == FA_DTYPE_F8E5M2 ? FA_PLAN_KV_E5M2
                                                      : 0;
     key.features |= p->is_varlen ? FA_FEATURE_VARLEN : 0;
+    key.features |= fa_decode_v_in_k(p) ? FA_PLAN_V_IN_K : 0;
     key.features |= p->alibi_slopes ? FA_FEATURE_ALIBI : 0;
     key.features |= p->softcap > 0 ? FA_FEATURE_SOFTCAP : 0;
     key.features |= fa_cuda_rows_aligned(p) && (!fp8 || fa_decode_fp8_aligned(p))

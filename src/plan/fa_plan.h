@@ -27,6 +27,7 @@
 #define FA_PLAN_KV_E5M2 (1u << 29) /* decode: the caches are fp8 e5m2 */
 #define FA_PLAN_OUT_F16 (1u << 30) /* fp8 forward: out is fp16 (bf16 otherwise) */
 #define FA_PLAN_FP8_VT (1u << 20)  /* fp8 forward, dense: V^T comes from the workspace */
+#define FA_PLAN_V_IN_K (1u << 19)  /* decode: v's rows are the first dv columns of k's (MLA) */
 /* User-defined scoring (forward): the call has a score_mod, a mask_mod, a block mask. On sm_90
  * the sm90 family compiles them where it can (dense calls for a block mask; not with
  * FLASHATTN_SM90_MODS=0), the sm80 family elsewhere; the plan's score_mod / mask_mod then carry

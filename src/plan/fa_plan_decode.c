@@ -77,9 +77,9 @@ static void fa_plan_decode_narrow(const fa_plan_key *key, int wm, int paged, int
     const int bm = 16 * wm, sm_bytes = fa_plan_sm_smem(key->arch);
     if (paged && plan->stages > 2 &&
         fa_plan_ctas_per_sm(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                           plan->nwarps, 0, kvb), sm_bytes) >= 2 &&
+                                           plan->nwarps, 0, kvb, 0), sm_bytes) >= 2 &&
         fa_plan_ctas_per_sm(FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                           plan->nwarps, 1, kvb), sm_bytes) < 2)
+                                           plan->nwarps, 1, kvb, 0), sm_bytes) < 2)
         plan->stages--;
 }
 
@@ -88,9 +88,11 @@ static void fa_plan_decode_narrow(const fa_plan_key *key, int wm, int paged, int
  * FA_DECODE_SLICE, a CTA each (FA_DV_SLICES; each computes the whole S, so that its O fits a
  * thread's registers), 32-key blocks (16 where two stages of 32 would not fit beside the Q
  * tile), as many stages as fit, one CTA per SM; two warps over each block's keys where the rows
- * fill one warp, a warp per 16 rows otherwise.
+ * fill one warp, a warp per 16 rows otherwise. Where v's rows are k's first columns (vin, MLA's
+ * cache) the stages hold K alone and V is read from it.
  */
-static void fa_plan_decode_wide(const fa_plan_key *key, int wm, int paged, fa_plan *plan)
+static void fa_plan_decode_wide(const fa_plan_key *key, int wm, int paged, int vin,
+                                fa_plan *plan)
 {
     const int bm = 16 * wm, sm_bytes = fa_plan_sm_smem(key->arch);
     plan->bn = FA_DECODE_WIDE_BN;
@@ -99,10 +101,10 @@ static void fa_plan_decode_wide(const fa_plan_key *key, int wm, int paged, fa_pl
         plan->stages = 8;
         while (plan->stages > 2 &&
                FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages, plan->nwarps,
-                              paged, 2) > sm_bytes)
+                              paged, 2, vin) > sm_bytes)
             plan->stages--;
         if (plan->bn == 16 || FA_SMEM_DECODE(bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                             plan->nwarps, paged, 2) <= sm_bytes)
+                                             plan->nwarps, paged, 2, vin) <= sm_bytes)
             return;
         plan->bn = 16;
         plan->nwarps = wm;
@@ -129,17 +131,20 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
         plan->dvp = FA_DECODE_SLICE;
     }
     const int wide = plan->dp > FA_CUDA_MAX_HEAD_DIM || plan->dv_slices > 1;
+    /* V from K's stage: wide heads whose every slice lies inside K's padded row */
+    const int vin = wide && (key->features & FA_PLAN_V_IN_K) &&
+                    plan->dv_slices * plan->dvp <= plan->dp;
     int wm = fa_plan_decode_wm(rows);
     const int paged = (key->features & FA_PLAN_PAGED) != 0;
     if (wide)
-        fa_plan_decode_wide(key, wm, paged, plan);
+        fa_plan_decode_wide(key, wm, paged, vin, plan);
     else
         fa_plan_decode_narrow(key, wm, paged, kvb, plan);
     fa_plan_decode_override(plan, &wm, paged);
     plan->bm = 16 * wm;
     plan->threads = (unsigned)(32 * plan->nwarps);
     plan->smem = (unsigned)FA_SMEM_DECODE(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages,
-                                          plan->nwarps, paged, kvb);
+                                          plan->nwarps, paged, kvb, vin);
     plan->cluster_max = key->arch >= 90 ? FA_DECODE_MAX_CLUSTER : 0;
     /* The CTAs per SM that shared memory allows, told to the compiler (launch bounds) so that
      * it neither takes registers that would cost one of them nor, left to itself, spills to
@@ -160,6 +165,8 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     fa_plan_define(plan, "FA_PAGED", paged);
     if (plan->dv_slices > 1) /* only then: the other kernels keep their keys */
         fa_plan_define(plan, "FA_DV_SLICES", plan->dv_slices);
+    if (vin)
+        fa_plan_define(plan, "FA_V_IN_K", 1);
     fa_plan_define_features(plan, key->features,
                             FA_FEATURE_VARLEN | FA_FEATURE_UNALIGNED | FA_FEATURE_ALIBI |
                                 FA_FEATURE_SOFTCAP);

@@ -505,6 +505,26 @@ static void check_decode_wide(void)
                              ok ? "ok" : fa_last_error(), plan.dv_slices, plan.dvp, plan.bn,
                              plan.nwarps, plan.stages, plan.smem);
                 }
+    /* V from K's stages where v is k's column prefix: MLA's (both slices inside K's row),
+     * with more stages than the separate V's plan; not where a slice passes K's row (dv 576
+     * over d 320) nor for narrow heads. */
+    const fa_plan_key mla = {90, FA_DTYPE_BF16, 576, 512, 0, 0, 0, 0};
+    fa_plan sep, vin;
+    fa_plan_key mla_vin = mla;
+    mla_vin.features |= FA_PLAN_V_IN_K;
+    TU_CHECK(fa_plan_decode(&mla, 64, &sep) == FA_STATUS_OK &&
+                 fa_plan_decode(&mla_vin, 64, &vin) == FA_STATUS_OK &&
+                 plan_define(&vin, "FA_V_IN_K") == 1 && plan_define(&sep, "FA_V_IN_K") < 0 &&
+                 vin.stages > sep.stages && (int)vin.smem <= fa_plan_sm_smem(90),
+             "MLA V in K: define %d, stages %d against %d, smem %u", plan_define(&vin, "FA_V_IN_K"),
+             vin.stages, sep.stages, vin.smem);
+    const fa_plan_key past_row = {90, FA_DTYPE_BF16, 320, 576, FA_PLAN_V_IN_K, 0, 0, 0};
+    const fa_plan_key narrow = {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_V_IN_K, 0, 0, 0};
+    TU_CHECK(fa_plan_decode(&past_row, 1, &plan) == FA_STATUS_OK &&
+                 plan_define(&plan, "FA_V_IN_K") < 0 &&
+                 fa_plan_decode(&narrow, 1, &plan) == FA_STATUS_OK &&
+                 plan_define(&plan, "FA_V_IN_K") < 0,
+             "V in K taken where a slice passes K's row or for a narrow head");
     const fa_plan_key fp8 = {90, FA_DTYPE_BF16, 576, 512, FA_PLAN_KV_E4M3, 0, 0, 0};
     TU_CHECK(fa_plan_decode(&fp8, 1, &plan) == FA_STATUS_UNSUPPORTED &&
                  strncmp(fa_last_error(), "k_cache", 7) == 0,

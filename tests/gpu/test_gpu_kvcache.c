@@ -32,53 +32,57 @@ typedef struct kv_case {
     int splits; /* num_splits (0: the library's choice) */
     fa_dtype kv; /* fp8 caches: FA_DTYPE_F8E4M3 or F8E5M2 (0: q's dtype) */
     int descales; /* fp8: k_descale and v_descale given */
+    int v_in_k;   /* v_cache and v the first dv columns of k_cache and k (MLA's one cache) */
 } kv_case;
 
 static const kv_case cases[] = {
-    {"decode gqa4 contiguous", 3, 32, 8, 1, 128, 128, 1000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0},
-    {"decode paged16 split auto", 4, 8, 2, 1, 128, 128, 2048, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0},
-    {"paged page1 append rotary", 2, 4, 2, 1, 64, 64, 300, 1, 1, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 3, 0, 0},
-    {"paged page3 neox leftpad", 3, 6, 3, 4, 64, 64, 333, 3, 2, 2, 0, 1, 0, 1, -1, -1, 0, 0, 0, 5, 0, 0},
-    {"paged256 chunk16 causal", 2, 16, 2, 16, 128, 128, 1500, 256, 16, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0},
-    {"batch_idx window softcap", 3, 4, 4, 2, 128, 128, 700, 0, 2, 0, 1, 0, 0, 0, 100, 0, 30, 0, 0, 7, 0, 0},
-    {"alibi sinks mqa d256", 2, 8, 1, 3, 256, 256, 900, 0, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 1, 0, 0, 0},
-    {"empty sequences sinks", 3, 4, 2, 2, 64, 64, 200, 16, 0, 0, 0, 0, 1, 0, -1, -1, 0, 0, 1, 4, 0, 0},
-    {"splits 64 d192 dv128", 2, 4, 2, 1, 192, 128, 5000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 64, 0, 0},
-    {"unaligned d36 paged7", 2, 6, 3, 3, 36, 36, 400, 7, 2, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 2, 0, 0},
-    {"unsplit causal gqa8 d128", 2, 16, 2, 5, 128, 128, 3000, 32, 3, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 1, 0, 0},
-    {"prefill 40 rows gqa8", 1, 16, 2, 40, 128, 128, 1200, 64, 40, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0},
+    {"decode gqa4 contiguous", 3, 32, 8, 1, 128, 128, 1000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0},
+    {"decode paged16 split auto", 4, 8, 2, 1, 128, 128, 2048, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0},
+    {"paged page1 append rotary", 2, 4, 2, 1, 64, 64, 300, 1, 1, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 3, 0, 0, 0},
+    {"paged page3 neox leftpad", 3, 6, 3, 4, 64, 64, 333, 3, 2, 2, 0, 1, 0, 1, -1, -1, 0, 0, 0, 5, 0, 0, 0},
+    {"paged256 chunk16 causal", 2, 16, 2, 16, 128, 128, 1500, 256, 16, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0},
+    {"batch_idx window softcap", 3, 4, 4, 2, 128, 128, 700, 0, 2, 0, 1, 0, 0, 0, 100, 0, 30, 0, 0, 7, 0, 0, 0},
+    {"alibi sinks mqa d256", 2, 8, 1, 3, 256, 256, 900, 0, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 1, 0, 0, 0, 0},
+    {"empty sequences sinks", 3, 4, 2, 2, 64, 64, 200, 16, 0, 0, 0, 0, 1, 0, -1, -1, 0, 0, 1, 4, 0, 0, 0},
+    {"splits 64 d192 dv128", 2, 4, 2, 1, 192, 128, 5000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 64, 0, 0, 0},
+    {"unaligned d36 paged7", 2, 6, 3, 3, 36, 36, 400, 7, 2, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 2, 0, 0, 0},
+    {"unsplit causal gqa8 d128", 2, 16, 2, 5, 128, 128, 3000, 32, 3, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 1, 0, 0, 0},
+    {"prefill 40 rows gqa8", 1, 16, 2, 40, 128, 128, 1200, 64, 40, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0},
     /* One split, no window or append: the first stages copied before cache_seqlens is read,
      * sequences shorter than them (their rows past the keys NaN in the cache) */
-    {"early contiguous short", 5, 8, 2, 1, 128, 128, 150, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0},
-    {"early contiguous d64 empty", 3, 4, 2, 2, 64, 64, 90, 0, 0, 0, 0, 0, 1, 1, -1, -1, 0, 0, 0, 1, 0, 0},
-    {"early paged16 short", 4, 8, 2, 1, 128, 128, 200, 16, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0},
-    {"early paged1 d64 causal alibi", 3, 6, 3, 3, 64, 64, 120, 1, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 0, 1, 0, 0},
-    {"early rows paged append", 2, 4, 2, 1, 128, 128, 100, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0},
+    {"early contiguous short", 5, 8, 2, 1, 128, 128, 150, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0, 0},
+    {"early contiguous d64 empty", 3, 4, 2, 2, 64, 64, 90, 0, 0, 0, 0, 0, 1, 1, -1, -1, 0, 0, 0, 1, 0, 0, 0},
+    {"early paged16 short", 4, 8, 2, 1, 128, 128, 200, 16, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0, 0},
+    {"early paged1 d64 causal alibi", 3, 6, 3, 3, 64, 64, 120, 1, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 0, 1, 0, 0, 0},
+    {"early rows paged append", 2, 4, 2, 1, 128, 128, 100, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0, 0},
     /* Heads past 256 (MLA's d 576 / dv 512): v's columns in slices of 256, a CTA each */
-    {"mla d576 dv512 mqa16", 2, 16, 1, 1, 576, 512, 700, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0},
-    {"mla paged64 append causal", 2, 64, 1, 2, 576, 512, 900, 64, 2, 0, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0},
-    {"mla mqa128 page16 splits 7", 2, 128, 1, 1, 576, 512, 1500, 16, 0, 0, 0, 0, 1, 0, -1, -1, 0, 0, 0, 7, 0, 0},
-    {"wide d320 dv576 alibi sinks", 2, 4, 2, 1, 320, 576, 300, 0, 0, 0, 0, 0, 0, 0, -1, -1, 20, 1, 1, 3, 0, 0},
-    {"wide d576 dv64 window leftpad", 3, 4, 2, 3, 576, 64, 400, 0, 1, 0, 0, 1, 0, 1, 50, 0, 0, 0, 0, 0, 0, 0},
+    {"mla d576 dv512 mqa16", 2, 16, 1, 1, 576, 512, 700, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0},
+    {"mla paged64 append causal", 2, 64, 1, 2, 576, 512, 900, 64, 2, 0, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0},
+    {"mla mqa128 page16 splits 7", 2, 128, 1, 1, 576, 512, 1500, 16, 0, 0, 0, 0, 1, 0, -1, -1, 0, 0, 0, 7, 0, 0, 0},
+    /* v a view of the cache's first 512 columns (v_cache = kv_cache[..., :512]), read from K */
+    {"mla v in k mqa32", 3, 32, 1, 1, 576, 512, 900, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0, 1},
+    {"mla v in k paged16 append", 2, 16, 1, 2, 576, 512, 700, 16, 2, 0, 0, 0, 0, 1, -1, -1, 0, 0, 0, 3, 0, 0, 1},
+    {"wide d320 dv576 alibi sinks", 2, 4, 2, 1, 320, 576, 300, 0, 0, 0, 0, 0, 0, 0, -1, -1, 20, 1, 1, 3, 0, 0, 0},
+    {"wide d576 dv64 window leftpad", 3, 4, 2, 3, 576, 64, 400, 0, 1, 0, 0, 1, 0, 1, 50, 0, 0, 0, 0, 0, 0, 0, 0},
     /* fp8 caches (e4m3, e5m2) with per-(sequence, kv head) descales */
     {"fp8 decode gqa4 contiguous", 3, 32, 8, 1, 128, 128, 1000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0,
-     FA_DTYPE_F8E4M3, 1},
+     FA_DTYPE_F8E4M3, 1, 0},
     {"fp8 paged16 split auto", 4, 8, 2, 1, 128, 128, 2048, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0,
-     FA_DTYPE_F8E4M3, 1},
+     FA_DTYPE_F8E4M3, 1, 0},
     {"fp8 page1 append rotary", 2, 4, 2, 1, 64, 64, 300, 1, 1, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 3,
-     FA_DTYPE_F8E4M3, 1},
+     FA_DTYPE_F8E4M3, 1, 0},
     {"fp8 page3 neox leftpad e5m2", 3, 6, 3, 4, 64, 64, 333, 3, 2, 2, 0, 1, 0, 1, -1, -1, 0, 0, 0, 5,
-     FA_DTYPE_F8E5M2, 1},
+     FA_DTYPE_F8E5M2, 1, 0},
     {"fp8 batch_idx softcap", 3, 4, 4, 2, 128, 128, 700, 0, 2, 0, 1, 0, 0, 0, 100, 0, 30, 0, 0, 7,
-     FA_DTYPE_F8E4M3, 1},
+     FA_DTYPE_F8E4M3, 1, 0},
     {"fp8 alibi sinks mqa d256", 2, 8, 1, 3, 256, 256, 900, 0, 0, 0, 0, 0, 0, 1, -1, -1, 0, 1, 1, 0,
-     FA_DTYPE_F8E5M2, 0},
+     FA_DTYPE_F8E5M2, 0, 0},
     {"fp8 splits 64 d192 dv128", 2, 4, 2, 1, 192, 128, 5000, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 64,
-     FA_DTYPE_F8E4M3, 1},
+     FA_DTYPE_F8E4M3, 1, 0},
     {"fp8 unaligned d40 paged7", 2, 6, 3, 3, 40, 40, 400, 7, 2, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 2,
-     FA_DTYPE_F8E4M3, 1},
+     FA_DTYPE_F8E4M3, 1, 0},
     {"fp8 prefill 40 rows gqa8", 1, 16, 2, 40, 128, 128, 1200, 64, 40, 2, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0,
-     FA_DTYPE_F8E4M3, 1},
+     FA_DTYPE_F8E4M3, 1, 0},
 };
 
 static int failures;
@@ -228,11 +232,18 @@ static void run_case(const kv_case *c, fa_dtype dt)
     host.q = &q.host, dev.q = &q.dev;
     host.k_cache = &kc.host, dev.k_cache = &kc.dev;
     host.v_cache = &vc.host, dev.v_cache = &vc.dev;
+    /* v_in_k: views of k_cache and k of dv columns (vc and vnew then unused) */
+    fa_tensor vk_host = kc.host, vk_dev = kc.dev, vn_host = knew.host, vn_dev = knew.dev;
+    vk_host.shape[3] = vk_dev.shape[3] = vn_host.shape[3] = vn_dev.shape[3] = c->dv;
+    if (c->v_in_k)
+        host.v_cache = &vk_host, dev.v_cache = &vk_dev;
     host.out = &o.host, dev.out = &o.dev;
     host.lse = &lse.host, dev.lse = &lse.dev;
     host.cache_seqlens = &seqlens.host, dev.cache_seqlens = &seqlens.dev;
     if (c->s_new > 0)
         host.k = &knew.host, dev.k = &knew.dev, host.v = &vnew.host, dev.v = &vnew.dev;
+    if (c->s_new > 0 && c->v_in_k)
+        host.v = &vn_host, dev.v = &vn_dev;
     if (c->rotary)
         host.rotary_cos = &cs.host, dev.rotary_cos = &cs.dev, host.rotary_sin = &sn.host,
         dev.rotary_sin = &sn.dev;
@@ -344,7 +355,7 @@ static void run_case(const kv_case *c, fa_dtype dt)
  * contiguous cache, the kernels clamp: the call completes and the context stays usable. */
 static void run_bad_indices(void)
 {
-    const kv_case cc = {"bad indices", 2, 4, 2, 1, 64, 64, 256, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0};
+    const kv_case cc = {"bad indices", 2, 4, 2, 1, 64, 64, 256, 16, 1, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0};
     const kv_case *c = &cc;
     const fa_dtype dt = FA_DTYPE_BF16;
     int64_t qs[4] = {2, 1, 4, 64}, ks[4] = {40, 16, 2, 64}, kn[4] = {2, 1, 2, 64};
@@ -421,7 +432,7 @@ static void run_bad_indices(void)
  * several CTAs of a kv head run the call. */
 static void run_alias_rotary(fa_dtype dt)
 {
-    const kv_case cc = {"k a view of its rows", 2, 4, 2, 2, 64, 64, 300, 0, 3, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 4, 0, 0};
+    const kv_case cc = {"k a view of its rows", 2, 4, 2, 2, 64, 64, 300, 0, 3, 1, 0, 0, 0, 1, -1, -1, 0, 0, 0, 4, 0, 0, 0};
     const kv_case *c = &cc;
     const int len = 100, rd = 32;
     int64_t qs[4] = {2, 2, 4, 64}, ks[4] = {2, 300, 2, 64}, ls[3] = {2, 4, 2}, bsz[1] = {2};
@@ -498,7 +509,7 @@ static void run_alias_rotary(fa_dtype dt)
  * fa_dkparams.h: FA_COMBINE_PART_WARPS), dv below and above one warp's 128 columns. */
 static void run_combine(fa_dtype dt, int splits, int dv)
 {
-    const kv_case cc = {"combine", 3, 5, 5, 4, 0, dv, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0};
+    const kv_case cc = {"combine", 3, 5, 5, 4, 0, dv, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0};
     const kv_case *c = &cc;
     int64_t ops[5] = {splits, 3, 4, 5, dv}, lps[4] = {splits, 3, 4, 5}, os[4] = {3, 4, 5, dv};
     int64_t ls[3] = {3, 4, 5}, flat[4] = {splits * 3, 4, 5, dv};
