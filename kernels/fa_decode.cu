@@ -69,6 +69,8 @@ enum { fa_ks_unroll = FA_KS > 16 ? 4 : FA_KS };
 #ifndef FA_DV_SLICES
 #define FA_DV_SLICES 1
 #endif
+/* v's padded columns over every slice: the append writes whole rows */
+#define FA_DV_ALL (FA_DVP * FA_DV_SLICES)
 #ifndef FA_V_IN_K
 #define FA_V_IN_K 0
 #endif

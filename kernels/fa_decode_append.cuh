@@ -3,8 +3,8 @@
  * cache where the sequence's cache_seqlens puts it (paged or contiguous, fp8 or q's dtype), its
  * key rotated when rotary is on. Used by fa_kv_append and by fa_decode's fused append.
  *
- * Needs fa_decode.cu's FA_DP, FA_DVP, FA_KV_FP8, fa_decode_cache.cuh and, for fp8 caches,
- * fa_decode_fp8.cuh.
+ * Needs fa_decode.cu's FA_DP, FA_DVP, FA_DV_ALL, FA_KV_FP8, fa_decode_cache.cuh and, for fp8
+ * caches, fa_decode_fp8.cuh.
  */
 #ifndef FA_DECODE_APPEND_CUH
 #define FA_DECODE_APPEND_CUH
@@ -35,7 +35,7 @@ FA_DEV void fa_kv_append_row(const fa_dkparams *dp, const fa_kvseq *seq, int bi,
     fa_kv_append_row8(dp, bi, kh, lane, blk, row, kn, vn, cr, sr);
 #else
     /* Read the whole row before writing: k may be a view of the cache rows it fills. */
-    fa_u16 kv[FA_DP / 32 > 0 ? FA_DP / 32 : 1], vv[FA_DVP / 32 > 0 ? FA_DVP / 32 : 1];
+    fa_u16 kv[FA_DP / 32 > 0 ? FA_DP / 32 : 1], vv[FA_DV_ALL / 32 > 0 ? FA_DV_ALL / 32 : 1];
 #pragma unroll
     for (int j = 0; j < FA_DP / 32; j++) {
         const int c = j * 32 + lane;
@@ -46,7 +46,7 @@ FA_DEV void fa_kv_append_row(const fa_dkparams *dp, const fa_kvseq *seq, int bi,
                         : kn[c];
     }
 #pragma unroll
-    for (int j = 0; j < FA_DVP / 32; j++) {
+    for (int j = 0; j < FA_DV_ALL / 32; j++) {
         const int c = j * 32 + lane;
         if (c < dp->f.dv)
             vv[j] = vn[c];

@@ -4,7 +4,7 @@
  * rotation of new keys and of q. Every index that comes from device memory is clamped into
  * the cache.
  *
- * Needs fa_decode.cu's FA_BN, FA_BM, FA_DP, FA_PAGED, FA_VARLEN and fa_dkparams.
+ * Needs fa_decode.cu's FA_BN, FA_BM, FA_DP, FA_DV_ALL, FA_PAGED, FA_VARLEN and fa_dkparams.
  */
 #ifndef FA_DECODE_CACHE_CUH
 #define FA_DECODE_CACHE_CUH
@@ -40,7 +40,7 @@ FA_DEV float fa_rotary_elem(const fa_u16 *x, int c, int rd, int interleaved, con
             if (c_ < (dp)->f.d)                                                                  \
                 (kc)[c_] = (kv)[j_];                                                             \
         }                                                                                        \
-        _Pragma("unroll") for (int j_ = 0; j_ < FA_DVP / 32; j_++) {                            \
+        _Pragma("unroll") for (int j_ = 0; j_ < FA_DV_ALL / 32; j_++) {                         \
             const int c_ = j_ * 32 + (lane);                                                     \
             if (c_ < (dp)->f.dv)                                                                 \
                 (vc)[c_] = (vv)[j_];                                                             \

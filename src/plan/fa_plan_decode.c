@@ -94,7 +94,8 @@ static void fa_plan_decode_narrow(const fa_plan_key *key, int wm, int paged, int
 static void fa_plan_decode_wide(const fa_plan_key *key, int wm, int paged, int vin,
                                 fa_plan *plan)
 {
-    const int bm = 16 * wm, sm_bytes = fa_plan_sm_smem(key->arch);
+    /* a CTA may take all but 1 KB of the SM's shared memory */
+    const int bm = 16 * wm, sm_bytes = fa_plan_sm_smem(key->arch) - 1024;
     plan->bn = FA_DECODE_WIDE_BN;
     plan->nwarps = wm > 2 ? wm : 2;
     for (;;) {
