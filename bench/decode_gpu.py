@@ -15,6 +15,8 @@ Cases (one table line each):
   keys (and values) divided by a scale that maps their largest magnitude to 448, passed as
   k_descale / v_descale; its TB/s counts the fp8 bytes, its error bound is e4m3's ulp (0.125);
 - func: flash_attn_func(q, k, v, causal=True) with k, v [batch, context, kv heads, d].
+--dv gives v its own head dim; --v-in-k makes v the first dv columns of k (MLA's decode, one
+cache: `--d 576 --dv 512 --gqa mqa --v-in-k`).
 q has `rows` rows; causal is bottom-right aligned (query row i sees keys j <= i + context -
 rows), so one row sees every key. No new k/v is appended: the step reads the cache only.
 Default axes: d 128, 32 query heads over 8 kv heads (--gqa 4), bf16, batch 1/8/32/128 x context
@@ -95,6 +97,9 @@ def parse_options(argv):
     ap.add_argument("--d", help="head dims (default %s)" % FULL["d"])
     ap.add_argument("--dv", type=int,
                     help="v's head dim, for every --d (default: d; MLA's decode: --d 576 --dv 512)")
+    ap.add_argument("--v-in-k", action="store_true",
+                    help="v the first dv columns of k (MLA's one cache: v_cache = k_cache[..., :dv]"
+                         ", v = k[..., :dv]); TB/s then counts K's bytes alone")
     ap.add_argument("--gqa", help="query heads per kv head, or mqa (one kv head); default %s"
                     % FULL["gqa"])
     ap.add_argument("--heads", type=int, help="query heads (default %d)" % FULL["heads"])
@@ -143,6 +148,8 @@ def parse_options(argv):
         ap.error("--rows: each must be in 1..min(--context)")
     if min(opts.page) < 0:
         ap.error("--page: 0 (contiguous) or a page size >= 1")
+    if opts.v_in_k and (opts.kv_fp8 or opts.dv is None or any(opts.dv > d for d in opts.d)):
+        ap.error("--v-in-k: needs --dv no larger than each --d, and no --kv-fp8")
     if opts.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device (try --device cpu --smoke)")
     return opts
@@ -222,10 +229,12 @@ class Shape:
         self.opts, self.dev, self.dt = opts, dev, dt
         self.b, self.ctx, self.d, self.h, self.hk = b, ctx, d, h, hk
         self.dv = opts.dv or d
+        self.v_in_k = opts.v_in_k and self.dv <= d
         self.esize = torch.finfo(dt).bits // 8
         self.gen = torch.Generator(device=dev).manual_seed(
             opts.seed * 1000003 + b * 7919 + ctx * 31 + d * 7 + hk)
-        self.kv_bytes = b * ctx * hk * (d + self.dv) * self.esize  # what one step must read
+        # what one step must read
+        self.kv_bytes = b * ctx * hk * (d + (0 if self.v_in_k else self.dv)) * self.esize
         self.k = self.k_expanded = self.v = self.v_expanded = None
 
     def randn(self, *shape):
@@ -233,7 +242,8 @@ class Shape:
 
     def make(self):
         self.k = self.randn(self.b, self.hk, self.ctx, self.d)  # [b, hk, ctx, d]
-        self.v = self.randn(self.b, self.hk, self.ctx, self.dv)
+        self.v = (self.k[..., :self.dv] if self.v_in_k
+                  else self.randn(self.b, self.hk, self.ctx, self.dv))
 
     def held_bytes(self):
         return self.kv_bytes * (1 + (self.h // self.hk if self.k_expanded is not None else 0))
@@ -266,7 +276,8 @@ def flashattn_kv(shape, kind, page, in_order=False):
     a random order, or in_order (sequence after sequence, as a contiguous cache lies)."""
     s, dev = shape, shape.dev
     if kind == "func":
-        return (s.k.transpose(1, 2).contiguous(), s.v.transpose(1, 2).contiguous(), {})
+        k = s.k.transpose(1, 2).contiguous()
+        return (k, k[..., :s.dv] if s.v_in_k else s.v.transpose(1, 2).contiguous(), {})
     lens = torch.full((s.b,), s.ctx, dtype=torch.int32, device=dev)
     cap = s.ctx + CAPACITY_EXTRA
     if kind == "kvcache8":
@@ -283,8 +294,10 @@ def flashattn_kv(shape, kind, page, in_order=False):
         return k8, v8, kwargs
     if page == 0:
         kc = torch.full((s.b, cap, s.hk, s.d), POISON, dtype=s.dt, device=dev)
-        vc = torch.full((s.b, cap, s.hk, s.dv), POISON, dtype=s.dt, device=dev)  # [.., dv]
         kc[:, :s.ctx].copy_(s.k.transpose(1, 2))
+        if s.v_in_k:
+            return kc, kc[..., :s.dv], dict(cache_seqlens=lens)
+        vc = torch.full((s.b, cap, s.hk, s.dv), POISON, dtype=s.dt, device=dev)  # [.., dv]
         vc[:, :s.ctx].copy_(s.v.transpose(1, 2))
         return kc, vc, dict(cache_seqlens=lens)
     pages = -(-cap // page)  # per sequence
@@ -292,14 +305,15 @@ def flashattn_kv(shape, kind, page, in_order=False):
         torch.randperm(s.b * pages, generator=torch.Generator().manual_seed(s.b + page))
     table = order.view(s.b, pages).to(device=dev, dtype=torch.int32)  # [b, pages]
     kp = torch.full((s.b * pages, page, s.hk, s.d), POISON, dtype=s.dt, device=dev)
-    vp = torch.full((s.b * pages, page, s.hk, s.dv), POISON, dtype=s.dt, device=dev)
+    vp = None if s.v_in_k else torch.full((s.b * pages, page, s.hk, s.dv), POISON, dtype=s.dt,
+                                          device=dev)
     for i in range(s.b):  # one sequence at a time: no second full-size copy
-        for src, pool in ((s.k, kp), (s.v, vp)):
+        for src, pool in ((s.k, kp),) if s.v_in_k else ((s.k, kp), (s.v, vp)):
             w = src.shape[-1]
             seq = torch.full((pages * page, s.hk, w), POISON, dtype=s.dt, device=dev)
             seq[:s.ctx].copy_(src[i].transpose(0, 1))
             pool[table[i].long()] = seq.view(pages, page, s.hk, w)
-    return kp, vp, dict(cache_seqlens=lens, block_table=table)
+    return kp, kp[..., :s.dv] if s.v_in_k else vp, dict(cache_seqlens=lens, block_table=table)
 
 
 def causal_bias(rows, ctx, dt, dev):
