@@ -71,6 +71,8 @@ enum { fa_ks_unroll = FA_KS > 16 ? 4 : FA_KS };
 #endif
 /* v's padded columns over every slice: the append writes whole rows */
 #define FA_DV_ALL (FA_DVP * FA_DV_SLICES)
+/* The columns of v a slice from vc0 holds, of dv */
+#define FA_SLICE_COLS(dv, vc0) (FA_DV_SLICES > 1 ? fa_min((dv) - (vc0), FA_DVP) : (dv))
 #ifndef FA_V_IN_K
 #define FA_V_IN_K 0
 #endif
@@ -156,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     const int m_block = fa_div_splits(&dp, bx), split = bx - m_block * dp.splits;
     /* this CTA's columns of v and out: [vc0, vc0 + dvs) */
     const int vc0 = vslice * FA_DVP;
-    const int dvs = FA_DV_SLICES > 1 ? fa_min(kp->dv - vc0, FA_DVP) : kp->dv;
+    const int dvs = FA_SLICE_COLS(kp->dv, vc0);
     const int kh = blockIdx.y, bi = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, t = lane & 3;

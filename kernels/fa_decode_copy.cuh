@@ -6,8 +6,8 @@
  *
  * The Q tile's load too (fa_decode_load_q).
  *
- * Needs fa_decode.cu's FA_THREADS, FA_BN, FA_BM, FA_DP, FA_DVP, FA_CPR_K, FA_STAGE_BYTES, FA_KV_*
- * macros and fa_decode_cache.cuh.
+ * Needs fa_decode.cu's FA_THREADS, FA_BN, FA_BM, FA_DP, FA_DVP, FA_CPR_K, FA_STAGE_BYTES,
+ * FA_SLICE_COLS, FA_KV_* macros and fa_decode_cache.cuh.
  */
 #ifndef FA_DECODE_COPY_CUH
 #define FA_DECODE_COPY_CUH
@@ -15,7 +15,8 @@
 /* The copy loops unrolled whole, but for heads past 256 (d 576: 18 chunks a thread and more),
  * where ptxas computed every chunk's address ahead and spilled beside the 256-column O (an enum:
  * #pragma unroll takes a constant but expands no macro). */
-enum { fa_copy_unroll = FA_DP > 256 ? 2 : FA_KV_CHUNKS_K + FA_KV_CHUNKS_V };
+#define FA_COPY_ROLLED (FA_DP > 256)
+enum { fa_copy_unroll = FA_COPY_ROLLED ? 2 : FA_KV_CHUNKS_K + FA_KV_CHUNKS_V };
 
 /* This thread's chunk u of a tile of cpr chunks per row: its row and column chunk. Where the
  * thread count is a multiple of cpr (every padded head dim but 192) a thread keeps one column
@@ -155,9 +156,9 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
      * pair at a time, as the copies need them. Otherwise each is read as its copy needs it. */
     const int grouped = FA_ROWS_GROUPED(cpr) && FA_BN / (FA_THREADS / cpr) % 2 == 0;
     /* (not where the loop is rolled: off[] would go to local memory) */
-    const int preload = grouped && FA_BN / (FA_THREADS / cpr) <= 8 && FA_DP <= 256;
+    const int preload = grouped && FA_BN / (FA_THREADS / cpr) <= 8 && !FA_COPY_ROLLED;
     const longlong2 *o2 = (const longlong2 *)(rows + fa_row_slot(x0.r, cpr));
-    fa_i64 off[FA_DP > 256                   ? 2
+    fa_i64 off[FA_COPY_ROLLED                ? 2
                : FA_KV_CHUNKS_K > FA_KV_CHUNKS_V ? FA_KV_CHUNKS_K
                                                  : FA_KV_CHUNKS_V];
     longlong2 pair = make_longlong2(0, 0);
@@ -233,7 +234,7 @@ FA_DEV void fa_decode_stages_zero(char *p, int from)
 
 /* Copies keys [j0, j0 + FA_BN) of the sequence (rows from jend on zero-filled) into stage s,
  * in swizzled 16-byte chunks; a paged cache's rows where the stage's row offsets (rows) say.
- * V's columns [vc0, vc0 + FA_DVP) (a slice, FA_DV_SLICES), those past dv zero. */
+ * V's columns from vc0 (the CTA's slice, FA_DV_SLICES), the stage's past dv zero. */
 FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, fa_i64 j0,
                            fa_i64 jend, fa_u32 base_a, char *base_p, int s, const fa_i64 *rows,
                            int vc0)
@@ -241,7 +242,7 @@ FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, f
     const fa_kparams *kp = &dp->f;
     const char *kg = (const char *)kp->k + kh * kp->k_hstride * FA_KV_ESIZE;
     const char *vg = (const char *)kp->v + (kh * kp->v_hstride + vc0) * FA_KV_ESIZE;
-    const int vcols = FA_DV_SLICES > 1 ? fa_min(kp->dv - vc0, FA_DVP) : kp->dv;
+    const int vcols = FA_SLICE_COLS(kp->dv, vc0);
     const int k_at = s * FA_STAGE_BYTES, v_at = k_at + FA_BN * FA_DP * FA_KV_ESIZE;
     fa_decode_copy(seq, j0, jend, kg, kp->k_bstride, kp->k_rstride, rows, FA_KV_CPR_K,
                    FA_KV_CHUNKS_K, kp->d * FA_KV_ESIZE, base_a + k_at, base_p + k_at, kp->k);

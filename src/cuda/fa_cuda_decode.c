@@ -140,8 +140,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
                                                           fa_decode_slots(&s->plan, s, device));
     /* A few more splits than a cluster holds: the cluster's count instead where that lengthens
      * the longest split by at most one key block (cheaper than fa_combine's launch). */
-    if (p->num_splits <= 0 && s->splits > s->plan.cluster_max && s->plan.cluster_max > 1 &&
-        s->slices == 1) {
+    if (p->num_splits <= 0 && s->splits > s->plan.cluster_max && s->plan.cluster_max > 1) {
         fa_decode_setup c = *s;
         c.splits = s->plan.cluster_max;
         const int64_t blocks = (p->max_sk + s->plan.bn - 1) / s->plan.bn;
@@ -151,8 +150,7 @@ static fa_status fa_decode_setup_make(const fa_params *p, int device, fa_decode_
     }
     if (s->row_tiles * s->splits * s->slices > INT32_MAX)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "q: too many row tiles for one launch");
-    /* a cluster is the splits of one row tile, adjacent in x: not with slices between them */
-    s->cluster = s->slices == 1 && fa_decode_cluster(&s->plan, s, tiles * s->splits, sms);
+    s->cluster = fa_decode_cluster(&s->plan, s, tiles * s->splits, sms);
     return FA_STATUS_OK;
 }
 

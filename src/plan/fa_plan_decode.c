@@ -146,7 +146,8 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     plan->threads = (unsigned)(32 * plan->nwarps);
     plan->smem = (unsigned)FA_SMEM_DECODE(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages,
                                           plan->nwarps, paged, kvb, vin);
-    plan->cluster_max = key->arch >= 90 ? FA_DECODE_MAX_CLUSTER : 0;
+    /* a cluster is the splits of one row tile, adjacent in x: not with v's slices between them */
+    plan->cluster_max = key->arch >= 90 && plan->dv_slices == 1 ? FA_DECODE_MAX_CLUSTER : 0;
     /* The CTAs per SM that shared memory allows, told to the compiler (launch bounds) so that
      * it neither takes registers that would cost one of them nor, left to itself, spills to
      * reach an occupancy shared memory rules out; at most as many as leave a thread its O
