@@ -493,7 +493,7 @@ static void check_decode_wide(void)
                     const int ok = fa_plan_decode(&key, rows[r], &plan) == FA_STATUS_OK;
                     TU_CHECK(ok && (slices > 1 ? plan.dv_slices == slices &&
                                                      plan_define(&plan, "FA_DV_SLICES") == slices &&
-                                                     plan.dvp == 256
+                                                     plan.dvp == 256 && plan.cluster_max == 0
                                                : plan.dv_slices <= 1 &&
                                                      plan_define(&plan, "FA_DV_SLICES") < 0) &&
                                  plan.dp == fa_plan_pad(dims[i][0]) && plan.stages >= 2 &&
