@@ -29,8 +29,8 @@ extern "C" {
 #define FA_MAX_DIMS 6
 /* Head dims (d and dv): up to FA_MAX_HEAD_DIM on the CPU (MLA's d 576 / dv 512 among them), up
  * to FA_CUDA_MAX_HEAD_DIM on CUDA devices, and up to FA_CUDA_DECODE_MAX_HEAD_DIM there on the
- * decode schedule: fa_attention_kvcache, and forwards of few query rows without dropout (MLA's
- * decode). */
+ * decode schedule: fa_attention_kvcache, and forwards without dropout, probs or user-defined
+ * scoring (past FA_CUDA_MAX_HEAD_DIM at any row count; MLA's decode). */
 #define FA_MAX_HEAD_DIM 576
 #define FA_CUDA_MAX_HEAD_DIM 256
 #define FA_CUDA_DECODE_MAX_HEAD_DIM 576
@@ -214,7 +214,8 @@ fa_status fa_mod_parse(const char *text, fa_mod **out);
  *
  * dtypes: q, k, v, out (and probs) share one of F32, F16, BF16, F64 (fp8: see FP8 below);
  * compute is in fp32 (fp64 for F64). head_dim d and dv: 1 .. FA_MAX_HEAD_DIM on the CPU,
- * 1 .. FA_CUDA_MAX_HEAD_DIM on a CUDA device.
+ * 1 .. FA_CUDA_MAX_HEAD_DIM on a CUDA device (the forward to FA_CUDA_DECODE_MAX_HEAD_DIM without
+ * dropout, probs or user-defined scoring).
  * h % hk == 0; query head i reads kv head i / (h / hk).
  *
  * For query row i and key j of a sequence with sq queries and sk keys:

@@ -483,7 +483,7 @@ static fa_params fa_decode_of_forward(const fa_params *p)
 int fa_cuda_forward_decodes(const fa_params *p)
 {
     /* fp8 q, k, v run the fp8 forward kernel at any row count. */
-    return !fa_dtype_is_fp8(p->dtype) && fa_plan_few_rows(p);
+    return !fa_dtype_is_fp8(p->dtype) && fa_plan_cuda_decodes(p);
 }
 
 fa_status fa_cuda_forward_decode(const fa_params *p, const fa_fwd_args *args)

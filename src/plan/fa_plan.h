@@ -130,11 +130,14 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan);
  */
 fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan);
 
-/* Whether the forward of p takes the decode schedule (both backends; CUDA's only for dense
- * calls): at most FA_DECODE_MAX_ROWS query rows, no dropout and no probs output (those two
+/* Whether the forward of p takes the decode schedule (both backends, dense and varlen): at most
+ * FA_DECODE_MAX_ROWS query rows, no dropout, no probs output and no user-defined scoring (those
  * exist on the tiled path only). */
 struct fa_params;
 int fa_plan_few_rows(const struct fa_params *p);
+/* Whether a CUDA forward of p takes the decode schedule: few rows as above, or head dims past
+ * FA_CUDA_MAX_HEAD_DIM at any row count, on the same conditions. */
+int fa_plan_cuda_decodes(const struct fa_params *p);
 
 /* CTAs of `smem` bytes of shared memory an SM of sm_bytes holds (it keeps 1 KB per CTA). */
 int fa_plan_ctas_per_sm(unsigned smem, int sm_bytes);

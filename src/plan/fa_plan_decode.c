@@ -184,11 +184,24 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
  * heads of a kv head into one tile, reading each K/V row once for all of them, and splits the
  * keys so that a few sequences still fill the threads (CPU) or the device (CUDA).
  */
+/* What the decode schedule computes: no dropout, no probs, and no user-defined scoring (which
+ * the forward's tiles evaluate). */
+static int fa_plan_decode_takes(const fa_params *p)
+{
+    return p->dropout_p == 0 && p->probs == NULL && !fa_mod_call_active(&p->mods);
+}
+
 int fa_plan_few_rows(const fa_params *p)
 {
-    /* User-defined scoring is evaluated in the forward's tiles only. */
-    return p->max_sq <= FA_DECODE_MAX_ROWS && p->dropout_p == 0 && p->probs == NULL &&
-           !fa_mod_call_active(&p->mods);
+    return p->max_sq <= FA_DECODE_MAX_ROWS && fa_plan_decode_takes(p);
+}
+
+/* Heads past FA_CUDA_MAX_HEAD_DIM (MLA's d 576 / dv 512) have no forward family on CUDA devices;
+ * the decode schedule takes them at any row count, its tiles 64 packed rows each. */
+int fa_plan_cuda_decodes(const fa_params *p)
+{
+    const int wide = p->d > FA_CUDA_MAX_HEAD_DIM || p->dv > FA_CUDA_MAX_HEAD_DIM;
+    return fa_plan_few_rows(p) || (wide && fa_plan_decode_takes(p));
 }
 
 int64_t fa_plan_decode_row_tiles(const fa_plan *plan, int64_t rows)

@@ -209,6 +209,24 @@ static void few_rows_plan(void)
     p.dropout_p = 0;
     p.probs = &p;
     TU_CHECK(!fa_plan_few_rows(&p), "probs: few");
+    p.probs = NULL;
+    /* CUDA's forward: few rows, and heads past FA_CUDA_MAX_HEAD_DIM at any row count */
+    tu_where = "the CUDA forward's decode rule";
+    p.max_sq = 4096;
+    TU_CHECK(!fa_plan_cuda_decodes(&p), "d 128, 4096 rows: decodes");
+    p.d = 576, p.dv = 512;
+    TU_CHECK(fa_plan_cuda_decodes(&p), "d 576 / dv 512, 4096 rows: does not decode");
+    p.d = 128, p.dv = FA_CUDA_MAX_HEAD_DIM + 1;
+    TU_CHECK(fa_plan_cuda_decodes(&p), "dv %d, 4096 rows: does not decode", FA_CUDA_MAX_HEAD_DIM + 1);
+    p.dropout_p = 0.1;
+    TU_CHECK(!fa_plan_cuda_decodes(&p), "wide, dropout: decodes");
+    p.dropout_p = 0;
+    p.probs = &p;
+    TU_CHECK(!fa_plan_cuda_decodes(&p), "wide, probs: decodes");
+    p.probs = NULL, p.d = p.dv = FA_CUDA_MAX_HEAD_DIM, p.max_sq = 1;
+    TU_CHECK(fa_plan_cuda_decodes(&p), "d %d, one row: does not decode", FA_CUDA_MAX_HEAD_DIM);
+    tu_where = "the forward's few-row rule";
+    p.d = p.dv = 128;
     /* kv heads an item: the packed rows of as many as fill a tile of FA_CPU_DECODE_ROWS */
     static const int64_t heads[][4] = {{1, 32, 8, 8},  {2, 32, 8, 8}, {4, 32, 8, 4},
                                        {16, 32, 8, 1}, {1, 64, 1, 1}, {3, 8, 8, 8}};

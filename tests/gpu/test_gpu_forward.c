@@ -64,6 +64,12 @@ static const gpu_case gpu_cases[] = {
     /* MLA's decode shape (d 576 / dv 512, one kv head) as a few-row forward, dense and varlen */
     {"few rows mla sq1 mqa16 d576 dv512", 2, 16, 1, 1, 1200, 576, 512, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"few rows varlen mla sq2 mqa32 causal", 3, 32, 1, 2, 700, 576, 512, 1, -1, -1, 0, 0, 0, 0, 1, 0, 0, 0},
+    /* Heads past FA_CUDA_MAX_HEAD_DIM at any row count: the decode schedule, 64 packed rows a
+     * tile (several tiles a kv head, each its own causal key range), v's columns in slices. */
+    {"wide mla sq40 mqa16 causal", 2, 16, 1, 40, 300, 576, 512, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"wide varlen mla sq33 gqa8 causal", 3, 16, 2, 33, 200, 576, 512, 1, -1, -1, 0, 0, 0, 0, 1, 0, 0, 0},
+    {"wide d320 sq100 window softcap alibi sinks", 1, 4, 4, 100, 260, 320, 320, 0, 64, 8, 25, 1, 1, 0, 0, 0, 0, 0},
+    {"wide d288 dv40 sq>sk causal", 2, 6, 3, 70, 50, 288, 40, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"sq>sk causal empty rows d32", 2, 2, 2, 200, 60, 32, 32, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"empty rows with sinks", 1, 3, 3, 150, 40, 64, 64, 1, -1, -1, 0, 0, 1, 0, 0, 0, 0, 0},
     {"d192 dv128 window-left", 1, 4, 4, 400, 700, 192, 128, 0, 100, -1, 0, 0, 0, 0, 0, 0, 0, 0},
@@ -343,8 +349,10 @@ static void run_case(const gpu_case *c, fa_dtype dt, const double *scale)
             break;
         }
         CHECK_CU(gu_drv->ctx_synchronize());
-        /* Few-row calls take the decode schedule, whatever the family under test. */
-        const char *want = max_q <= FA_DECODE_MAX_ROWS && c->dropout <= 0 && !c->probs
+        /* Few-row calls, and heads past FA_CUDA_MAX_HEAD_DIM, take the decode schedule,
+         * whatever the family under test. */
+        const int wide = c->d > FA_CUDA_MAX_HEAD_DIM || c->dv > FA_CUDA_MAX_HEAD_DIM;
+        const char *want = (max_q <= FA_DECODE_MAX_ROWS || wide) && c->dropout <= 0 && !c->probs
                                ? "fa_decode.cu"
                                : expect_family;
         if (want && strcmp(fa_cuda_last_family(), want) != 0)
