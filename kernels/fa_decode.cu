@@ -116,21 +116,6 @@ enum { fa_ks_unroll = FA_KS > 16 ? 4 : FA_KS };
 
 #include "fa_decode_append.cuh"
 
-/* The append as a kernel of its own (where fa_decode does not do it, dp.append_fused 0): a warp
- * per (new row blockIdx.x, kv head blockIdx.y, sequence blockIdx.z). */
-extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
-{
-#if FA_PAGED && !FA_VARLEN
-    if (dp.check_ticket) {
-        const int first = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
-        if (fa_kv_check(&dp, first ? dp.check_report : 0, threadIdx.x))
-            return;
-    }
-#endif
-    const fa_kvseq seq = fa_kvseq_get(&dp, blockIdx.z);
-    fa_kv_append_row(&dp, &seq, blockIdx.z, blockIdx.y, blockIdx.x, threadIdx.x);
-}
-
 /* cp.async.wait_group N: waits until at most N committed groups of this thread are in flight. */
 #define FA_CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
 
@@ -138,6 +123,7 @@ extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
 #include "fa_decode_copy.cuh"
 
 #include "fa_decode_merge.cuh"
+#include "fa_decode_softmax.cuh"
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(const fa_dkparams dp)
 {
@@ -237,39 +223,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 #if FA_PAGED && !FA_VARLEN
     /* The capacity check (fa_decode_check.cuh): the first CTA reports; appending CTAs write
      * nothing where a sequence fails it. */
-    int refused = 0;
-    if (dp.check_ticket) {
-        const int reports = dp.check_report && blockIdx.x == 0 && blockIdx.y == 0 &&
-                            blockIdx.z == 0;
-        const int appends = dp.append_fused && dp.s_new > 0;
-        if (reports || appends) {
-            const int bad = warp == 0 && fa_kv_check(&dp, reports ? dp.check_report : 0, lane);
-            if (appends)
-                refused = __syncthreads_or(bad);
-        }
-    }
+    const int refused = fa_decode_check_cta(&dp, warp, lane);
 #else
     const int refused = 0;
 #endif
 
-    /* The append done here (dp.append_fused): this CTA writes the new keys and values of its kv
-     * head that it will read, and the kv head's first CTA (row tile 0, split 0) every one of
-     * them, so that a row no query sees lands too. A row two CTAs write gets the same bytes from
-     * both (the host fuses only where nothing is rotated or k and v do not share bytes with the
-     * caches). Written before the first copy reads them. */
+    /* The append done here (dp.append_fused), before the first copy reads its rows. */
     if (dp.append_fused && dp.s_new > 0 && !refused) {
-        const fa_i64 new0 = seq.len0 - seq.start; /* key index of new row 0 */
-        int s_lo = 0, s_hi = dp.s_new;
-        if (m_block != 0 || split != 0) {
-            const fa_i64 k0 = klo + (fa_i64)nb0 * FA_BN;
-            const fa_i64 k1 = klo + (fa_i64)nb1 * FA_BN < khi ? klo + (fa_i64)nb1 * FA_BN : khi;
-            s_lo = (int)fa_clamp64(k0 - new0, 0, dp.s_new);
-            s_hi = (int)fa_clamp64(k1 - new0, s_lo, dp.s_new);
-        }
-        for (int s = s_lo + warp; s < s_hi; s += FA_NWARPS)
-            fa_kv_append_row(&dp, &seq, bi, kh, s, lane);
-        __threadfence_block();
-        __syncthreads();
+        const fa_i64 k1 = klo + (fa_i64)nb1 * FA_BN;
+        fa_decode_append_fused(&dp, &seq, bi, kh, m_block == 0 && split == 0,
+                               klo + (fa_i64)nb0 * FA_BN, k1 < khi ? k1 : khi, warp, lane);
     }
 
 #if FA_KV_FP8
@@ -369,25 +332,25 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 
     /* This thread's two rows (g8 and g8 + 8 of its warp's 16): their visible keys, slopes;
      * worked out while the first copies are in flight. */
-    int lo[2], hi[2], row_q[2], row_h[2];
-    float slope_log2[2];
+    fa_decode_rows rw;
+    int row_h[2];
 #pragma unroll
     for (int hf = 0; hf < 2; hf++) {
         const int x = r0 + wm * 16 + g8 + 8 * hf;
-        row_q[hf] = fa_div_g(&dp, x);
-        row_h[hf] = kh * g + x - row_q[hf] * g;
+        rw.q[hf] = fa_div_g(&dp, x);
+        row_h[hf] = kh * g + x - rw.q[hf] * g;
         /* A row past the tile's sees every key: its values are never stored, and the unmasked
          * blocks of the live rows then skip the mask (below). */
         if (x < rows) {
-            fa_key_range(kp, row_q[hf], sq, n, &lo[hf], &hi[hf]);
+            fa_key_range(kp, rw.q[hf], sq, n, &rw.lo[hf], &rw.hi[hf]);
         } else {
-            lo[hf] = 0;
-            hi[hf] = n;
+            rw.lo[hf] = 0;
+            rw.hi[hf] = n;
         }
-        slope_log2[hf] = 0.f;
+        rw.slope_log2[hf] = 0.f;
 #if FA_ALIBI
         if (x < rows)
-            slope_log2[hf] =
+            rw.slope_log2[hf] =
                 kp->alibi_slopes[bi * kp->alibi_bstride + row_h[hf] * kp->alibi_hstride] *
                 FA_LOG2E;
 #endif
@@ -440,56 +403,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
         }
 #endif
 
-        /* Base-2 units where the features need it; the mask of each row's visible keys, where
-         * some row of the warp does not see all of its keys of the block. */
-        const int seen_all = j0 >= lo[0] && j0 >= lo[1] && j0 + FA_WKEYS <= hi[0] &&
-                             j0 + FA_WKEYS <= hi[1];
-        const int masked = !__all_sync(0xffffffffu, seen_all);
-#pragma unroll
-        for (int nt = 0; nt < FA_NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int hf = e >> 1, j = j0 + nt * 8 + 2 * t + (e & 1);
-                float x = s[nt][e];
-                if (prescale) {
-#if FA_SOFTCAP
-                    x = FA_RULE_SOFTCAP(x, FA_SOFTCAP_PRE, FA_SCALE_LOG2, tanhf);
-#else
-                    x *= FA_SCALE_LOG2;
-#endif
-#if FA_ALIBI
-                    x -= FA_RULE_ALIBI(slope_log2[hf], row_q[hf] + n - sq - j);
-#endif
-                }
-                s[nt][e] = masked && (j < lo[hf] || j >= hi[hf]) ? -FA_INF : x;
-            }
-
-        /* Online softmax over the warp's keys: a row's values sit in the 4 lanes of a quad. O's
-         * rescale is skipped where no row's maximum moved (every factor exactly 1). */
+        /* Base-2 units where the features need it, each row's visible keys, P; O's rescale is
+         * skipped where no row's maximum moved (every factor exactly 1). */
         float alpha[2];
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            float mx = row_max[hf];
-#pragma unroll
-            for (int nt = 0; nt < FA_NT; nt++)
-                mx = fmaxf(mx, fmaxf(s[nt][2 * hf], s[nt][2 * hf + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float base = mx == -FA_INF ? 0.f : mx * sm;
-            alpha[hf] = fa_exp2(row_max[hf] * sm - base);
-            row_max[hf] = mx;
-            row_sum[hf] *= alpha[hf];
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < FA_NT; nt++) {
-                const float p0 = fa_exp2(fmaf(s[nt][2 * hf], sm, -base));
-                const float p1 = fa_exp2(fmaf(s[nt][2 * hf + 1], sm, -base));
-                sum += p0 + p1;
-                s[nt][2 * hf] = p0;
-                s[nt][2 * hf + 1] = p1;
-            }
-            row_sum[hf] += sum;
-        }
+        fa_decode_softmax(s, &rw, j0, t, n, sq, prescale, sm, FA_SCALE_LOG2, FA_SOFTCAP_PRE,
+                          row_max, row_sum, alpha);
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f))
 #pragma unroll
             for (int ot = 0; ot < FA_OT; ot++)
@@ -555,7 +473,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     for (int hf = 0; hf < 2; hf++) {
         const int x = r0 + wm * 16 + g8 + 8 * hf;
         const int live = x < rows;
-        const int qi = row_q[hf], hh = row_h[hf];
+        const int qi = rw.q[hf], hh = row_h[hf];
         const fa_i64 qrow = qs.q_start + qi; /* its row of q, out and lse */
         const float sink2 = dp.splits == 1 && kp->sinks && live
                                 ? kp->sinks[hh * kp->sinks_stride] * FA_LOG2E
@@ -605,9 +523,3 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
                                 rows, qs.q_start);
 #endif
 }
-
-#if FA_VARLEN
-/* A varlen forward's rows of out and lse outside every sequence: 0 and +inf (fa_fill_outside,
- * one thread per row and head, as the tiled forward's fa_fwd_fill). */
-extern "C" __global__ void fa_decode_fill(const fa_dkparams dp) { fa_fill_outside(&dp.f); }
-#endif

@@ -1,10 +1,11 @@
 /*
  * The append of a KV-cache call's new keys and values (fa_decode.cu): a row written into the
  * cache where the sequence's cache_seqlens puts it (paged or contiguous, fp8 or q's dtype), its
- * key rotated when rotary is on. Used by fa_kv_append and by fa_decode's fused append.
+ * key rotated when rotary is on. Used by fa_kv_append and by fa_decode's fused append. The
+ * decode kernels' small entry points (fa_kv_append, fa_decode_fill) live here too.
  *
- * Needs fa_decode.cu's FA_DP, FA_DVP, FA_DV_ALL, FA_KV_FP8, fa_decode_cache.cuh and, for fp8
- * caches, fa_decode_fp8.cuh.
+ * Needs the decode kernel's FA_DP, FA_DVP, FA_DV_ALL, FA_KV_FP8, FA_NWARPS, fa_decode_cache.cuh,
+ * fa_decode_check.cuh and, for fp8 caches, fa_decode_fp8.cuh.
  */
 #ifndef FA_DECODE_APPEND_CUH
 #define FA_DECODE_APPEND_CUH
@@ -55,5 +56,47 @@ FA_DEV void fa_kv_append_row(const fa_dkparams *dp, const fa_kvseq *seq, int bi,
     FA_KV_ROW_STORE(dp, lane, kc, vc, kv, vv);
 #endif
 }
+
+/* The append done by a decode CTA itself (dp.append_fused), before its first copy reads the
+ * rows: it writes the new keys and values of its kv head that it will read (keys [k0, k1) of
+ * the sequence), and the kv head's first CTA (`every`: row tile 0, split 0) every one of them,
+ * so that a row no query sees lands too. A row two CTAs write gets the same bytes from both (the
+ * host fuses only where nothing is rotated or k and v do not share bytes with the caches). By
+ * every thread (FA_NWARPS warps; warp, lane its own). */
+FA_DEV void fa_decode_append_fused(const fa_dkparams *dp, const fa_kvseq *seq, int bi, int kh,
+                                   int every, fa_i64 k0, fa_i64 k1, int warp, int lane)
+{
+    const fa_i64 new0 = seq->len0 - seq->start; /* key index of new row 0 */
+    int s_lo = 0, s_hi = dp->s_new;
+    if (!every) {
+        s_lo = (int)fa_clamp64(k0 - new0, 0, dp->s_new);
+        s_hi = (int)fa_clamp64(k1 - new0, s_lo, dp->s_new);
+    }
+    for (int s = s_lo + warp; s < s_hi; s += FA_NWARPS)
+        fa_kv_append_row(dp, seq, bi, kh, s, lane);
+    __threadfence_block();
+    __syncthreads();
+}
+
+/* The append as a kernel of its own (where fa_decode does not do it, dp.append_fused 0): a warp
+ * per (new row blockIdx.x, kv head blockIdx.y, sequence blockIdx.z). */
+extern "C" __global__ void fa_kv_append(const fa_dkparams dp)
+{
+#if FA_PAGED && !FA_VARLEN
+    if (dp.check_ticket) {
+        const int first = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+        if (fa_kv_check(&dp, first ? dp.check_report : 0, threadIdx.x))
+            return;
+    }
+#endif
+    const fa_kvseq seq = fa_kvseq_get(&dp, blockIdx.z);
+    fa_kv_append_row(&dp, &seq, blockIdx.z, blockIdx.y, blockIdx.x, threadIdx.x);
+}
+
+#if FA_VARLEN
+/* A varlen forward's rows of out and lse outside every sequence: 0 and +inf (fa_fill_outside,
+ * one thread per row and head, as the tiled forward's fa_fwd_fill). */
+extern "C" __global__ void fa_decode_fill(const fa_dkparams dp) { fa_fill_outside(&dp.f); }
+#endif
 
 #endif /* FA_DECODE_APPEND_CUH */

@@ -1,6 +1,6 @@
 /*
  * The paged capacity check in the kernels (fa_decode.cu): cache_seqlens is device memory, so
- * the kernels apply FA_RULE_KV_FITS themselves. A kernel that appends writes no cache row when
+ * the kernels (fa_decode.cu, fa_decode_wg.cu) apply FA_RULE_KV_FITS themselves. A kernel that appends writes no cache row when
  * any sequence fails it; the launch the host names (dp->check_report) reports the first failing
  * sequence into pinned host memory, which the host waits for (src/cuda/fa_cuda_decode.c) instead
  * of copying cache_seqlens behind the stream's work.
@@ -38,6 +38,24 @@ FA_DEV int fa_kv_check(const fa_dkparams *dp, fa_u64 *report, int lane)
         __threadfence_system();
     }
     return first < b;
+}
+
+/* A decode CTA's part of the check (every thread; warp, lane its own): the launch's first CTA
+ * reports, and a CTA that appends learns whether it must not (1: some sequence fails). */
+FA_DEV int fa_decode_check_cta(const fa_dkparams *dp, int warp, int lane)
+{
+    int refused = 0;
+    if (dp->check_ticket) {
+        const int reports = dp->check_report && blockIdx.x == 0 && blockIdx.y == 0 &&
+                            blockIdx.z == 0;
+        const int appends = dp->append_fused && dp->s_new > 0;
+        if (reports || appends) {
+            const int bad = warp == 0 && fa_kv_check(dp, reports ? dp->check_report : 0, lane);
+            if (appends)
+                refused = __syncthreads_or(bad);
+        }
+    }
+    return refused;
 }
 
 #endif /* FA_DECODE_CHECK_CUH */
