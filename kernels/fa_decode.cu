@@ -116,10 +116,6 @@ enum { fa_ks_unroll = FA_KS > 16 ? 4 : FA_KS };
 
 #include "fa_decode_append.cuh"
 
-/* cp.async.wait_group N: waits until at most N committed groups of this thread are in flight. */
-#define FA_CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
-
-
 #include "fa_decode_copy.cuh"
 
 #include "fa_decode_merge.cuh"
@@ -212,28 +208,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
     const fa_kvseq seq = fa_kvseq_get(&dp, bi);
     const int n = (int)(seq.end - seq.start);
 
-    /* The keys the CTA's rows see, cut into blocks; this split's blocks [nb0, nb1). */
-    const int q_first = fa_div_g(&dp, r0), q_last = (r0 + FA_BM < rows ? r0 + FA_BM : rows) - 1;
-    int klo, khi;
-    fa_tile_keys(kp, q_first, fa_div_g(&dp, q_last) - q_first + 1, sq, n, &klo, &khi);
-    const int nblocks = (khi - klo + FA_BN - 1) / FA_BN;
-    const int per = fa_div_splits(&dp, nblocks + dp.splits - 1);
-    const int nb0 = fa_min(split * per, nblocks), nb1 = fa_min(nb0 + per, nblocks);
-
-#if FA_PAGED && !FA_VARLEN
-    /* The capacity check (fa_decode_check.cuh): the first CTA reports; appending CTAs write
-     * nothing where a sequence fails it. */
-    const int refused = fa_decode_check_cta(&dp, warp, lane);
-#else
-    const int refused = 0;
-#endif
-
-    /* The append done here (dp.append_fused), before the first copy reads its rows. */
-    if (dp.append_fused && dp.s_new > 0 && !refused) {
-        const fa_i64 k1 = klo + (fa_i64)nb1 * FA_BN;
-        fa_decode_append_fused(&dp, &seq, bi, kh, m_block == 0 && split == 0,
-                               klo + (fa_i64)nb0 * FA_BN, k1 < khi ? k1 : khi, warp, lane);
-    }
+    /* The keys the CTA's rows see, cut into blocks; this split's blocks [nb0, nb1). The
+     * capacity check and the fused append (fa_decode_append.cuh) before the first copy. */
+    const fa_decode_range kr = fa_decode_range_get(&dp, r0, rows, sq, n, split);
+    const int klo = kr.klo, khi = kr.khi, nb0 = kr.nb0, nb1 = kr.nb1;
+    fa_decode_start(&dp, &seq, bi, kh, m_block == 0 && split == 0, &kr, warp, lane);
 
 #if FA_KV_FP8
     /* The scratch of the Q tile's scale: stage 0, which no copy writes before this returns. */

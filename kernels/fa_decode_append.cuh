@@ -78,6 +78,24 @@ FA_DEV void fa_decode_append_fused(const fa_dkparams *dp, const fa_kvseq *seq, i
     __syncthreads();
 }
 
+/* A decode CTA's start (every thread): the paged capacity check (fa_decode_check.cuh: the first
+ * CTA reports; appending CTAs write nothing where a sequence fails it), then the fused append
+ * of the keys kr covers; `every` for the kv head's first CTA. */
+FA_DEV void fa_decode_start(const fa_dkparams *dp, const fa_kvseq *seq, int bi, int kh, int every,
+                            const fa_decode_range *kr, int warp, int lane)
+{
+#if FA_PAGED && !FA_VARLEN
+    const int refused = fa_decode_check_cta(dp, warp, lane);
+#else
+    const int refused = 0;
+#endif
+    if (dp->append_fused && dp->s_new > 0 && !refused) {
+        const fa_i64 k1 = kr->klo + (fa_i64)kr->nb1 * FA_BN;
+        fa_decode_append_fused(dp, seq, bi, kh, every, kr->klo + (fa_i64)kr->nb0 * FA_BN,
+                               k1 < kr->khi ? k1 : kr->khi, warp, lane);
+    }
+}
+
 /* The append as a kernel of its own (where fa_decode does not do it, dp.append_fused 0): a warp
  * per (new row blockIdx.x, kv head blockIdx.y, sequence blockIdx.z). */
 extern "C" __global__ void fa_kv_append(const fa_dkparams dp)

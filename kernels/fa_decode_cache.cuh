@@ -115,6 +115,25 @@ FA_DEV int fa_div_splits(const fa_dkparams *dp, int x)
     return (int)fa_div_by((fa_u32)x, dp->splits_mul, dp->splits_shift);
 }
 
+/* The keys a CTA's packed rows [r0, min(r0 + FA_BM, rows)) see, [klo, khi) of the sequence's n
+ * (sq query rows), cut into FA_BN-key blocks, and split `split`'s blocks [nb0, nb1). */
+typedef struct fa_decode_range {
+    int klo, khi, nb0, nb1;
+} fa_decode_range;
+
+FA_DEV fa_decode_range fa_decode_range_get(const fa_dkparams *dp, int r0, int rows, int sq, int n,
+                                           int split)
+{
+    fa_decode_range kr;
+    const int q_first = fa_div_g(dp, r0), q_last = (r0 + FA_BM < rows ? r0 + FA_BM : rows) - 1;
+    fa_tile_keys(&dp->f, q_first, fa_div_g(dp, q_last) - q_first + 1, sq, n, &kr.klo, &kr.khi);
+    const int nblocks = (kr.khi - kr.klo + FA_BN - 1) / FA_BN;
+    const int per = fa_div_splits(dp, nblocks + dp->splits - 1);
+    kr.nb0 = fa_min(split * per, nblocks);
+    kr.nb1 = fa_min(kr.nb0 + per, nblocks);
+    return kr;
+}
+
 /* The row of position pos (< 2^31) within its page. */
 FA_DEV fa_u32 fa_kv_page_row(const fa_dkparams *dp, fa_u32 pos)
 {

@@ -12,6 +12,9 @@
 #ifndef FA_DECODE_COPY_CUH
 #define FA_DECODE_COPY_CUH
 
+/* cp.async.wait_group N: waits until at most N committed groups of this thread are in flight. */
+#define FA_CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
+
 /* The copy loops unrolled whole, but for heads past 256 (d 576: 18 chunks a thread and more),
  * where ptxas computed every chunk's address ahead and spilled beside the 256-column O (an enum:
  * #pragma unroll takes a constant but expands no macro). */
@@ -93,8 +96,8 @@ FA_DEV int fa_row_slot(int r, int cpr)
 }
 
 /* Stores pr's byte offsets from the kv head's first element (row 0 of block 0) for the stage
- * whose offsets are at rows (int64 [2][FA_BN]: K, V, each in fa_row_slot's order), its block id
- * clamped into [0, last_block]. */
+ * whose offsets are at rows (int64 [2][FA_BN]: K, V, each in fa_row_slot's order; K's alone
+ * with FA_V_IN_K), its block id clamped into [0, last_block]. */
 FA_DEV void fa_decode_row_keep(const fa_kparams *kp, int last_block, fa_paged_key pr,
                                fa_i64 *rows)
 {
@@ -103,8 +106,10 @@ FA_DEV void fa_decode_row_keep(const fa_kparams *kp, int last_block, fa_paged_ke
         const fa_i64 blk = fa_block_clamp(pr.blk, last_block);
         rows[fa_row_slot(r, FA_KV_CPR_K)] =
             (blk * kp->k_bstride + (fa_i64)pr.row * kp->k_rstride) * FA_KV_ESIZE;
+#if !FA_V_IN_K /* (V is read from K's stage) */
         rows[FA_BN + fa_row_slot(r, FA_KV_CPR_V)] =
             (blk * kp->v_bstride + (fa_i64)pr.row * kp->v_rstride) * FA_KV_ESIZE;
+#endif
     }
 }
 
@@ -124,13 +129,19 @@ FA_DEV int fa_copy_rows(fa_i64 j0, fa_i64 jend)
     return n <= 0 ? 0 : n < FA_BN ? (int)n : FA_BN;
 }
 
-/* The stage's swizzle: chunk c of row r at byte fa_swz (a tile of q's dtype) or fa_swz8 (fp8). */
+/* The stage's swizzle: chunk c of row r at byte fa_swz (a tile of q's dtype) or fa_swz8 (fp8),
+ * rows FA_STAGE_ROW_BYTES apart within a column chunk group; the Q tile's, FA_Q_SWZ. A kernel
+ * that lays its tiles out otherwise (fa_decode_wg.cu: wgmma's) defines all four first. */
+#ifndef FA_STAGE_SWZ
 #if FA_KV_FP8
 #define FA_STAGE_SWZ fa_swz8
 #define FA_STAGE_KEY fa_swz8_key
 #else
 #define FA_STAGE_SWZ fa_swz
 #define FA_STAGE_KEY fa_swz_key
+#endif
+#define FA_STAGE_ROW_BYTES(cpr) ((cpr) * 16)
+#define FA_Q_SWZ fa_swz
 #endif
 
 /* Copies this thread's chunks of keys [j0, j0 + FA_BN) of one cache (base g of the kv head;
@@ -200,7 +211,8 @@ FA_DEV void fa_decode_copy(const fa_kvseq *seq, fa_i64 j0, fa_i64 jend, const ch
         /* rows x0.r + u rpp: rpp is a power of two past x0.r's bits, so the keys xor */
         const int step = r - x0.r;
         const fa_u32 dst = FA_FIXED_CHUNK(cpr)
-                               ? (dst0 ^ (fa_u32)(FA_STAGE_KEY(step, cpr) << 4)) + step * cpr * 16
+                               ? (dst0 ^ (fa_u32)(FA_STAGE_KEY(step, cpr) << 4)) +
+                                     step * FA_STAGE_ROW_BYTES(cpr)
                                : a + FA_STAGE_SWZ(r, c, cpr);
         fa_cp_async16(dst, ok ? (const void *)src : safe, ok ? 16 : 0);
 #else
@@ -271,7 +283,7 @@ FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, fa_i64 q0, int kh, c
                 const int qi = fa_div_g(dp, r0 + r), hh = kh * g + (r0 + r) - qi * g;
                 x = *(const uint4 *)(qb + qi * kp->q_rstride + hh * kp->q_hstride + c * 8);
             }
-            *(uint4 *)((char *)q_p + fa_swz(r, c, FA_CPR_K)) = x;
+            *(uint4 *)((char *)q_p + FA_Q_SWZ(r, c, FA_CPR_K)) = x;
         }
         return;
     }
@@ -280,7 +292,7 @@ FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, fa_i64 q0, int kh, c
         const int r = i / FA_DP, c = i - r * FA_DP;
         const float x =
             r0 + r < rows && c < kp->d ? fa_decode_q_value(dp, qb, seq, r0 + r, c, g, kh) : 0.f;
-        q_p[(fa_swz(r, c >> 3, FA_CPR_K) >> 1) + (c & 7)] = fa_from_float(x);
+        q_p[(FA_Q_SWZ(r, c >> 3, FA_CPR_K) >> 1) + (c & 7)] = fa_from_float(x);
     }
 }
 

@@ -263,4 +263,14 @@ FA_DEV void fa_wgmma_pv128(float *d, const fa_u32 a[4], fa_u64 db)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
+/* The m64n256 form: four 64-column blocks of V at once (128 accumulator registers). */
+FA_DEV void fa_wgmma_pv256(float *d, const fa_u32 a[4], fa_u64 db)
+{
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16" FA_WG_TYPES " {" FA_RL128 "}, "
+                 "{%128, %129, %130, %131}, %132, p, 1, 1, 1; }"
+                 : FA_FL128(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
 #endif /* FA_SM90_CUH */

@@ -124,4 +124,14 @@
          ? FA_SMEM_DECODE_LOOP(bm, bn, dp, dvp, stages, paged, kvb, vin)                         \
          : FA_SMEM_DECODE_MERGE(nwarps, dvp))
 
+/* The decode on wgmma (fa_decode_wg.cu), V read from K's stages: 1024 bytes of alignment, then
+ * the stages, the Q tile, P [bm][64] and the rows' factors (fp32 [bm]), then with a paged cache
+ * the stages' key row offsets (int64 [stages][bn]). */
+#define FA_SMEM_DECODE_WG_STAGE(bn, dp) (2 * (bn) * (dp))
+#define FA_SMEM_DECODE_WG_Q(bm, dp) (2 * (bm) * (dp))
+#define FA_SMEM_DECODE_WG_P(bm) (2 * (bm) * 64)
+#define FA_SMEM_DECODE_WG(bm, bn, dp, stages, paged)                                               \
+    (1024 + (stages) * FA_SMEM_DECODE_WG_STAGE(bn, dp) + FA_SMEM_DECODE_WG_Q(bm, dp) +            \
+     FA_SMEM_DECODE_WG_P(bm) + 4 * (bm) + ((paged) ? (stages) * (bn) * 8 : 0))
+
 #endif /* FA_SMEM_H */

@@ -59,7 +59,8 @@ static void fa_pc_usage(FILE *f)
     fputs("usage: flashattn precompile [options]\n"
           "  --arch LIST      sm_80,sm_86,sm_89,sm_90a,... (default sm_80,sm_90a)\n"
           "  --hdim LIST      head dims, each D or D:DV where V's differs (default\n"
-          "                   32,64,96,128,192,256,192:128)\n"
+          "                   32,64,96,128,192,256,192:128); past 256 (MLA's 576:512)\n"
+          "                   the decode kernels alone\n"
           "  --dtype LIST     fp16,bf16 (default both), or fp8_e4m3 (the sm_90a fp8 forward\n"
           "                   kernel only, bf16 and fp16 outputs)\n"
           "  --features LIST  feature sets, each none or names joined by '+' from varlen, alibi,\n"
@@ -102,7 +103,7 @@ static int fa_pc_features(const char *s, unsigned *out)
 }
 
 /* A --hdim entry: D, or D:DV where V's head dim differs; -1 when out of
- * [1, FA_CUDA_MAX_HEAD_DIM]. */
+ * [1, FA_CUDA_DECODE_MAX_HEAD_DIM] (past FA_CUDA_MAX_HEAD_DIM: the decode kernels alone). */
 static int fa_pc_hdim(const char *s, int *dv)
 {
     char *end;
@@ -110,7 +111,8 @@ static int fa_pc_hdim(const char *s, int *dv)
     long v = d;
     if (*end == ':')
         v = strtol(end + 1, &end, 10);
-    if (*end || d < 1 || d > FA_CUDA_MAX_HEAD_DIM || v < 1 || v > FA_CUDA_MAX_HEAD_DIM)
+    if (*end || d < 1 || d > FA_CUDA_DECODE_MAX_HEAD_DIM || v < 1 ||
+        v > FA_CUDA_DECODE_MAX_HEAD_DIM)
         return -1;
     *dv = (int)v;
     return (int)d;

@@ -23,6 +23,9 @@ size_t fa_cuda_forward_fp8_workspace_size(const fa_params *p, int arch);
 /* The kernel family ("fa_fwd_sm80.cu", "fa_fwd_sm90.cu") the calling thread's last forward
  * launched, "" before any: lets the GPU tests check which path ran. */
 const char *fa_cuda_last_family(void);
+/* The decode family ("fa_decode.cu", "fa_decode_wg.cu") the calling thread's last decode (a
+ * KV-cache call or a forward on the decode schedule) planned, "" before any. */
+const char *fa_cuda_decode_last_family(void);
 
 /* The kernels' parameter block (kernels/fa_kparams.h) for the validated problem p. */
 struct fa_kparams;
@@ -76,7 +79,7 @@ fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args);
 /* Bytes of workspace fa_cuda_kvcache needs for p on args->device (0: it will not split). */
 size_t fa_cuda_kvcache_workspace_size(const fa_params *p, const fa_kvcache_args *args);
 
-/* Whether the forward of p takes the decode schedule (fa_plan_few_rows, dense or varlen),
+/* Whether the forward of p takes the decode schedule (fa_plan_cuda_decodes, dense or varlen),
  * which fa_cuda_forward_decode runs; its split workspace in bytes (0: it will not split). */
 int fa_cuda_forward_decodes(const fa_params *p);
 fa_status fa_cuda_forward_decode(const fa_params *p, const fa_fwd_args *args);

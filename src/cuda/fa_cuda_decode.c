@@ -376,11 +376,16 @@ static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, i
 /* A decode on device: p a KV-cache call, or a dense forward seen as one (its k and v a
  * contiguous cache, every sequence full); ws and ws_size the caller's workspace; check_capacity
  * whether a paged call checks cache_seqlens against block_table (FA_RULE_KV_FITS). */
+static _Thread_local const char *fa_decode_family_used = "";
+
+const char *fa_cuda_decode_last_family(void) { return fa_decode_family_used; }
+
 static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg, void *ws,
                                size_t ws_size, int check_capacity)
 {
     fa_decode_setup s;
     FA_TRY(fa_decode_setup_make(p, device, &s));
+    fa_decode_family_used = s.plan.family;
     if (s.splits > 1 && !s.cluster) {
         size_t lse_at;
         const size_t need = fa_decode_ws_bytes(p, s.splits, &lse_at);

@@ -112,6 +112,49 @@ static void fa_plan_decode_wide(const fa_plan_key *key, int wm, int paged, int v
     }
 }
 
+/*
+ * MLA's decode on wgmma (kernels/fa_decode_wg.cu), sm_90: d 512 or 576 (padded), v k's column
+ * prefix of 257 .. 512 columns (FA_PLAN_V_IN_K), q's dtype in the cache; 64-row tiles, 64-key
+ * blocks, two warpgroups (S once per block, O's columns halved between them), as many stages
+ * as fit (two at d 576). Taken with FLASHATTN_DECODE_WG=1 until measured against the sliced
+ * plan; returns 0 (plan untouched) where it does not apply.
+ */
+static int fa_plan_decode_wg(const fa_plan_key *key, int kvb, int paged, fa_plan *plan)
+{
+    const char *env = getenv("FLASHATTN_DECODE_WG");
+    const int dp = fa_plan_pad(key->d), dvp = fa_plan_pad(key->dv);
+    if (!env || strcmp(env, "1") != 0 || key->arch != 90 || kvb != 2 ||
+        !(key->features & FA_PLAN_V_IN_K) || (dp != 512 && dp != 576) || dvp <= 256 ||
+        dvp > 512 || dvp > dp)
+        return 0;
+    plan->family = "fa_decode_wg.cu";
+    plan->dp = dp;
+    plan->dvp = dvp;
+    plan->dv_slices = 1;
+    plan->bm = 64;
+    plan->bn = 64;
+    plan->nwarps = 8;
+    plan->threads = 256;
+    const int sm_bytes = fa_plan_sm_smem(key->arch) - 1024;
+    plan->stages = 2;
+    while (plan->stages < 4 &&
+           FA_SMEM_DECODE_WG(plan->bm, plan->bn, dp, plan->stages + 1, paged) <= sm_bytes)
+        plan->stages++;
+    plan->smem = (unsigned)FA_SMEM_DECODE_WG(plan->bm, plan->bn, dp, plan->stages, paged);
+    plan->cluster_max = 0;
+    fa_plan_define(plan, "FA_BF16", key->dtype == FA_DTYPE_BF16);
+    fa_plan_define(plan, "FA_DP", dp);
+    fa_plan_define(plan, "FA_DVP", dvp);
+    fa_plan_define(plan, "FA_V_IN_K", 1);
+    fa_plan_define(plan, "FA_BN", plan->bn);
+    fa_plan_define(plan, "FA_STAGES", plan->stages);
+    fa_plan_define(plan, "FA_PAGED", paged);
+    fa_plan_define_features(plan, key->features,
+                            FA_FEATURE_VARLEN | FA_FEATURE_UNALIGNED | FA_FEATURE_ALIBI |
+                                FA_FEATURE_SOFTCAP);
+    return 1;
+}
+
 fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
 {
     FA_TRY(fa_plan_check_decode_key(key));
@@ -124,6 +167,8 @@ fa_status fa_plan_decode(const fa_plan_key *key, int64_t rows, fa_plan *plan)
     *plan = (fa_plan){0};
     plan->family = "fa_decode.cu";
     snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
+    if (fa_plan_decode_wg(key, kvb, (key->features & FA_PLAN_PAGED) != 0, plan))
+        return FA_STATUS_OK;
     plan->dp = fa_plan_pad(key->d);
     plan->dvp = fa_plan_pad(key->dv);
     plan->dv_slices = 1;

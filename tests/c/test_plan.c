@@ -534,6 +534,54 @@ static void check_decode_wide(void)
                  strncmp(fa_last_error(), "head_dim", 8) == 0,
              "decode d %d: \"%s\"", FA_CUDA_DECODE_MAX_HEAD_DIM + 1, fa_last_error());
 }
+/* MLA's decode on wgmma (fa_decode_wg.cu) with FLASHATTN_DECODE_WG=1: on sm_90 for d 512 / 576
+ * with v k's prefix of 257 .. 512 columns, 64 x 64 tiles in two warpgroups, its shared memory
+ * within the CTA's; the sliced plan everywhere else (no V in K, sm_80, fp8 caches, dv <= 256,
+ * d 320), and without the variable. */
+static void check_decode_wg(void)
+{
+    static const int dims[][2] = {{576, 512}, {576, 320}, {512, 512}, {520, 300}};
+    fa_plan plan;
+    setenv("FLASHATTN_DECODE_WG", "1", 1);
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        for (unsigned paged = 0; paged <= FA_PLAN_PAGED; paged += FA_PLAN_PAGED)
+            for (int64_t rows = 1; rows <= 256; rows *= 16) {
+                const fa_plan_key key = {90, FA_DTYPE_BF16, dims[i][0], dims[i][1],
+                                         paged | FA_PLAN_V_IN_K, 0, 0, 0};
+                const int ok = fa_plan_decode(&key, rows, &plan) == FA_STATUS_OK;
+                TU_CHECK(ok && strcmp(plan.family, "fa_decode_wg.cu") == 0 && plan.bm == 64 &&
+                             plan.bn == 64 && plan.threads == 256 && plan.dv_slices == 1 &&
+                             plan.cluster_max == 0 && plan.stages >= 2 &&
+                             plan.dvp == fa_plan_pad(dims[i][1]) &&
+                             plan_define(&plan, "FA_V_IN_K") == 1 &&
+                             plan_define(&plan, "FA_STAGES") == plan.stages &&
+                             (int)plan.smem ==
+                                 FA_SMEM_DECODE_WG(64, 64, fa_plan_pad(dims[i][0]), plan.stages,
+                                                   paged != 0) &&
+                             (int)plan.smem <= FA_SMEM_SM90_MAX,
+                         "wg decode d %d dv %d paged %u rows %lld: %s family %s stages %d smem %u",
+                         dims[i][0], dims[i][1], paged, (long long)rows,
+                         ok ? "ok" : fa_last_error(), plan.family, plan.stages, plan.smem);
+            }
+    static const fa_plan_key others[] = {
+        {90, FA_DTYPE_BF16, 576, 512, 0, 0, 0, 0},
+        {80, FA_DTYPE_BF16, 576, 512, FA_PLAN_V_IN_K, 0, 0, 0},
+        {90, FA_DTYPE_BF16, 576, 256, FA_PLAN_V_IN_K, 0, 0, 0},
+        {90, FA_DTYPE_BF16, 320, 320, FA_PLAN_V_IN_K, 0, 0, 0},
+        {90, FA_DTYPE_BF16, 128, 128, FA_PLAN_V_IN_K, 0, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof others / sizeof others[0]; i++)
+        TU_CHECK(fa_plan_decode(&others[i], 64, &plan) == FA_STATUS_OK &&
+                     strcmp(plan.family, "fa_decode.cu") == 0,
+                 "sm_%d d %d dv %d features %#x: %s", others[i].arch, others[i].d, others[i].dv,
+                 others[i].features, plan.family);
+    unsetenv("FLASHATTN_DECODE_WG");
+    const fa_plan_key mla = {90, FA_DTYPE_BF16, 576, 512, FA_PLAN_V_IN_K, 0, 0, 0};
+    TU_CHECK(fa_plan_decode(&mla, 64, &plan) == FA_STATUS_OK &&
+                 strcmp(plan.family, "fa_decode.cu") == 0,
+             "wg decode without FLASHATTN_DECODE_WG: %s", plan.family);
+}
+
 static void check_backward_wide(void)
 {
     setenv("FLASHATTN_BWD_SM90", "0", 1);
@@ -611,6 +659,7 @@ static void check_backward_wide(void)
                  strncmp(fa_last_error(), "head_dim", 8) == 0,
              "forward d 576: \"%s\"", fa_last_error());
     check_decode_wide();
+    check_decode_wg();
     /* The workspace covers the d 256 layout with 32-row tiles (the 99 KB parts'): b 4, h 16,
      * 128 queries, each part 256-byte aligned: the fp32 accumulator (8192 rows of 256), D and
      * lse (8192 rows each), 4 x 16 x 4 tile counters, the item counter; with 64-row tiles the

@@ -86,6 +86,8 @@ static const kv_case cases[] = {
 };
 
 static int failures;
+/* The decode family each GPU call must have planned (NULL: not checked). */
+static const char *expect_family;
 
 static int randint(int lo, int hi) { return lo + (int)gu_uniform(0, hi - lo + 1 - 1e-9); }
 
@@ -283,6 +285,8 @@ static void run_case(const kv_case *c, fa_dtype dt)
             break;
         }
         CHECK_CU(gu_drv->ctx_synchronize());
+        if (expect_family && strcmp(fa_cuda_decode_last_family(), expect_family) != 0)
+            FAIL("ran %s, expected %s", fa_cuda_decode_last_family(), expect_family);
         void *go = gu_buf_download(&o), *gl = gu_buf_download(&lse);
         if (run == 1) {
             if (memcmp(go, first_out, o.bytes) || memcmp(gl, first_lse, lse.bytes))
@@ -561,6 +565,19 @@ static void run_combine(fa_dtype dt, int splits, int dv)
         gu_buf_free(all[i]);
 }
 
+/* MLA's decode on wgmma (fa_decode_wg.cu, FLASHATTN_DECODE_WG=1 on sm_90): v k's column prefix,
+ * one and several 64-row tiles a kv head, contiguous and paged (pages shorter and longer than a
+ * 64-key block), splits, the fused append, causal rows, every scoring option, d 512 / dv 320 and
+ * a padded d 520 / dv 300. */
+static const kv_case wg_cases[] = {
+    {"wg mla mqa16", 2, 16, 1, 1, 576, 512, 700, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 0, 0, 0, 0, 0, 1},
+    {"wg mla mqa128 paged16 splits 5", 2, 128, 1, 1, 576, 512, 1500, 16, 0, 0, 0, 0, 1, 0, -1, -1, 0, 0, 0, 5, 0, 0, 1},
+    {"wg mla paged256 append causal", 2, 64, 1, 3, 576, 512, 900, 256, 3, 0, 0, 0, 0, 1, -1, -1, 0, 0, 0, 0, 0, 0, 1},
+    {"wg mla mqa32 window softcap alibi sinks", 3, 32, 1, 2, 576, 512, 500, 0, 0, 0, 0, 1, 0, 1, 90, 0, 25, 1, 1, 3, 0, 0, 1},
+    {"wg d512 dv320 gqa2 batch_idx", 3, 48, 2, 1, 512, 320, 400, 0, 1, 0, 1, 0, 0, 0, -1, -1, 0, 0, 0, 1, 0, 0, 1},
+    {"wg d520 dv300 paged7 empty", 3, 16, 1, 2, 520, 300, 300, 7, 0, 0, 0, 0, 1, 1, -1, -1, 0, 0, 0, 2, 0, 0, 1},
+};
+
 int main(void)
 {
     const int start = gu_start("test_gpu_kvcache", 0x13572468acebdf01ull);
@@ -570,6 +587,19 @@ int main(void)
         run_case(&cases[i], FA_DTYPE_BF16);
         run_case(&cases[i], FA_DTYPE_F16);
     }
+    int arch = 0, smem = 0;
+    if (fa_cuda_device_arch(0, &arch, &smem) != FA_STATUS_OK) {
+        fprintf(stderr, "no arch: %s\n", fa_last_error());
+        return 1;
+    }
+    setenv("FLASHATTN_DECODE_WG", "1", 1);
+    expect_family = arch == 90 ? "fa_decode_wg.cu" : "fa_decode.cu";
+    for (size_t i = 0; i < sizeof wg_cases / sizeof wg_cases[0]; i++) {
+        run_case(&wg_cases[i], FA_DTYPE_BF16);
+        run_case(&wg_cases[i], FA_DTYPE_F16);
+    }
+    expect_family = NULL;
+    unsetenv("FLASHATTN_DECODE_WG");
     if (gu_shard_take(1e6)) {
         run_bad_indices();
         run_alias_rotary(FA_DTYPE_BF16);
