@@ -57,6 +57,16 @@
  */
 #include "fa_mod_flags.h"
 
+/* Dropout's Philox runs in the producer warpgroup (fa_fwd_sm90_drop.cuh), which then keeps more
+ * registers: 40 + 2 x 232 of a thread's 512 over the three warpgroups. */
+#ifndef FA_DROP_RING
+#define FA_DROP_RING 0
+#endif
+#if FA_DROP_RING
+#define FA_REGS_PRODUCER 40
+#define FA_REGS_CONSUMER 232
+#endif
+
 #include "fa_common.cuh"
 #include "fa_sm90.cuh"
 #include "fa_smem.h"
@@ -97,6 +107,9 @@
 #endif
 #if (FA_NCW != 2 && FA_NCW != 3) || (FA_NCW == 3 && (FA_PINGPONG || FA_DP != 64 || FA_DVP != 64))
 #error "fa_fwd_sm90.cu: 2 consumer warpgroups, or 3 (d, dv 64, no pingpong: 160 registers each)"
+#endif
+#if FA_DROP_RING && (!FA_DROPOUT || FA_NCW != 2 || FA_SCORE_MOD || FA_MOD_MASKS)
+#error "fa_fwd_sm90.cu: the Philox ring is for dropout with two consumers and no mods"
 #endif
 
 /* The kernel's second parameter: the Q, K, V tensor maps (fa_tmap, fa_sm90.cuh), the schedule
@@ -182,6 +195,9 @@ typedef struct fa_smem_map {
     fa_u32 q_full, q_empty;
     fa_u32 k_full, v_full, k_empty, v_empty; /* + 8 * stage */
     fa_u32 scratch; /* 8 bytes that fa_softmax_order writes and nothing reads */
+#if FA_DROP_RING
+    fa_u32 drop, drop_full, drop_empty; /* + slot * FA_DROP_SLOT_BYTES, + 8 * slot */
+#endif
 #if FA_BLOCK_MASK
     fa_u32 bm_full, bm_empty; /* + 8 * buffer (fa_fwd_sm90_mod.cuh) */
     volatile int *bm_walk;    /* the list builder's loop bounds (fa_fwd_sm90_mod.cuh) */
@@ -219,6 +235,15 @@ FA_DEV void fa_produce_tile(const fa_smem_map *m, const fa_tmaps *tm, const fa_t
                          w->k_start + n * FA_BN, w->hk, FA_VARLEN ? 0 : w->bi, m->v_full + 8 * s);
     }
 }
+
+#if FA_DROP_RING
+#include "fa_fwd_sm90_drop.cuh"
+/* A block's P packed with dropout: the words from the producer's ring, or the consumer's own
+ * Philox runs. */
+#define FA_P_PACK_DROP(blk, n) fa_p_pack_ring(kp, m, sacc, pa, blk, cw)
+#else
+#define FA_P_PACK_DROP(blk, n) fa_p_pack_keep(kp, &r, sacc, pa, n)
+#endif
 
 #if FA_VARLEN
 /* Varlen: the tensor maps span all sequences, so the rows of the first visited key block past
@@ -327,7 +352,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
 #endif
         fa_softmax_block(kp, &r, sacc, FA_TILE_BLOCK(w, 0), row_max, row_sum, alpha);
 #if FA_DROPOUT
-        fa_p_pack_keep(kp, &r, sacc, pa, FA_TILE_BLOCK(w, 0));
+        FA_P_PACK_DROP(kv0, FA_TILE_BLOCK(w, 0));
 #else
         fa_p_pack(sacc, pa);
 #endif
@@ -378,7 +403,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             fa_stage_release(m->v_empty + 8 * sp, lane);
             fa_o_rescale(o, alpha);
 #if FA_DROPOUT
-            fa_p_pack_keep(kp, &r, sacc, pa, FA_TILE_BLOCK(w, it));
+            FA_P_PACK_DROP(kv0 + it, FA_TILE_BLOCK(w, it));
 #else
             fa_p_pack(sacc, pa);
 #endif
@@ -462,13 +487,22 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     m.q = (base + 1023u) & ~1023u;
     m.k = m.q + FA_Q_BYTES;
     m.v = m.k + FA_STAGES * FA_K_BYTES;
+#if FA_DROP_RING
+    m.drop = m.v + FA_STAGES * FA_V_BYTES;
+    m.q_full = m.drop + FA_DROP_SLOTS * FA_DROP_SLOT_BYTES;
+#else
     m.q_full = m.v + FA_STAGES * FA_V_BYTES;
+#endif
     m.q_empty = m.q_full + 8;          /* FA_CONSUMER_WARPS arrivals: lane 0 of each */
     m.k_full = m.q_empty + 8;
     m.v_full = m.k_full + 8 * FA_STAGES;
     m.k_empty = m.v_full + 8 * FA_STAGES; /* FA_CONSUMER_WARPS arrivals each */
     m.v_empty = m.k_empty + 8 * FA_STAGES;
     m.scratch = m.v_empty + 8 * FA_STAGES;
+#if FA_DROP_RING
+    m.drop_full = m.scratch + 8;
+    m.drop_empty = m.drop_full + 8 * FA_DROP_SLOTS;
+#endif
 #if FA_BLOCK_MASK
     m.bm_full = m.scratch + 8;
     m.bm_empty = m.bm_full + 16;
@@ -485,6 +519,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             fa_mbar_init(m.k_empty + 8 * s, FA_CONSUMER_WARPS);
             fa_mbar_init(m.v_empty + 8 * s, FA_CONSUMER_WARPS);
         }
+#if FA_DROP_RING
+        for (int s = 0; s < FA_DROP_SLOTS; s++) {
+            fa_mbar_init(m.drop_full + 8 * s, FA_DROP_THREADS);
+            fa_mbar_init(m.drop_empty + 8 * s, FA_CONSUMER_WARPS);
+        }
+#endif
 #if FA_BLOCK_MASK
         for (int i = 0; i < 2; i++) {
             fa_mbar_init(m.bm_full + 8 * i, 32); /* every lane of the list's warp */
@@ -611,6 +651,12 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 #else
     if (wg == 0) {
         fa_regs_producer();
+#if FA_DROP_RING
+        if (threadIdx.x >= 32) {
+            fa_drop_produce(&kp, &tm, &m, m_blocks, n_units);
+            return;
+        }
+#endif
         if (threadIdx.x != 0)
             return;
         fa_tma_prefetch(&tm.q);

@@ -23,6 +23,11 @@
 #define FA_SMEM_FWD90(bm, bn, dp, dvp, stages)                                                    \
     (FA_SMEM_FWD90_Q(bm, dp) + (stages) * (FA_SMEM_FWD90_K(bn, dp) + FA_SMEM_FWD90_V(bn, dvp)) + \
      8 * (3 + 4 * (stages)) + 1024)
+/* With dropout's Philox ring (FA_DROP_RING, fa_fwd_sm90_drop.cuh), between V's stages and the
+ * mbarriers: two slots of 16 bytes per consumer lane and 32-column chunk of a block, and after
+ * the scratch two mbarriers per slot. */
+#define FA_SMEM_FWD90_DROP_SLOT(bm, bn) ((bm) * (((bn) + 31) / 32) * 32)
+#define FA_SMEM_FWD90_DROP(bm, bn) (2 * (FA_SMEM_FWD90_DROP_SLOT(bm, bn) + 16))
 /* With a block mask (fa_fwd_sm90_mod.cuh), after those: the mbarriers full[2] and empty[2], 16
  * ints of the list builder's loop state, then two buffers of a count, the list of the key blocks to visit (ints) and the state table: the
  * query blocks a tile of bm rows can touch by nk key blocks (bytes); the launcher adds them. */
