@@ -16,7 +16,9 @@ Cases (one table line each):
   k_descale / v_descale; its TB/s counts the fp8 bytes, its error bound is e4m3's ulp (0.125);
 - func: flash_attn_func(q, k, v, causal=True) with k, v [batch, context, kv heads, d].
 --dv gives v its own head dim; --v-in-k makes v the first dv columns of k (MLA's decode, one
-cache: `--d 576 --dv 512 --gqa mqa --v-in-k`).
+cache: `--d 576 --dv 512 --gqa mqa --v-in-k`). --fa-env NAME=VALUE adds flashattn under those
+environment variables as column fa* (an A/B of a plan switch in one process, e.g.
+`--fa-env FLASHATTN_DECODE_WG=1`); fa/best stays the default's.
 q has `rows` rows; causal is bottom-right aligned (query row i sees keys j <= i + context -
 rows), so one row sees every key. No new k/v is appended: the step reads the cache only.
 Default axes: d 128, 32 query heads over 8 kv heads (--gqa 4), bf16, batch 1/8/32/128 x context
@@ -124,6 +126,9 @@ def parse_options(argv):
                     help="timing budget per row in seconds (default 0.3; --smoke 0.02)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write every row here")
+    ap.add_argument("--fa-env", help="NAME=VALUE[,NAME=VALUE]: also flashattn with these "
+                    "environment variables set (column fa*, its error checked as fa's), e.g. "
+                    "FLASHATTN_DECODE_WG=1")
     opts = ap.parse_args(argv)
     defaults = SMOKE if opts.smoke else FULL
     for name, value in defaults.items():
@@ -150,6 +155,11 @@ def parse_options(argv):
         ap.error("--page: 0 (contiguous) or a page size >= 1")
     if opts.v_in_k and (opts.kv_fp8 or opts.dv is None or any(opts.dv > d for d in opts.d)):
         ap.error("--v-in-k: needs --dv no larger than each --d, and no --kv-fp8")
+    if opts.fa_env:
+        try:
+            opts.fa_env = dict(x.split("=", 1) for x in opts.fa_env.split(","))
+        except ValueError:
+            ap.error("--fa-env: NAME=VALUE pairs joined by ','")
     if opts.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device (try --device cpu --smoke)")
     return opts
@@ -179,6 +189,21 @@ def run_seconds(dev, fn, calls, clock):
         fn()
     sync(dev)
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def env_set(pairs):
+    """The environment with pairs set (the library reads its variables at each call's plan)."""
+    old = {k: os.environ.get(k) for k in pairs}
+    os.environ.update(pairs)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def best_per_call(dev, cands, reps, calls, clock):
@@ -409,10 +434,20 @@ def run_case(opts, shape, kind, page, rows):
     except Exception as ex:  # report the row and go on with the others
         row["note"] = "flashattn failed: %s" % str(ex).splitlines()[0][:120]
         return row
+    out_env = None
+    if opts.fa_env:
+        try:
+            with env_set(opts.fa_env):
+                out_env = fa()
+                sync(dev)
+        except Exception as ex:
+            row["note"] = "fa* failed: %s" % str(ex).splitlines()[0][:120]
     qt = q.transpose(1, 2).contiguous()  # [b, h, rows, d]
     bias = causal_bias(rows, s.ctx, s.dt, dev) if rows > 1 else None
     cands = {"flashattn": (fa, contextlib.nullcontext)}
-    modes, errs = [], {}
+    if out_env is not None:
+        cands["fa*"] = (fa, lambda: env_set(opts.fa_env))
+    modes, errs, errs_env = [], {}, {}
     for name in opts.sdpa:
         left = opts.mem_gb * 1e9 - need
         fn, ctx, mode, ref = sdpa_candidate(name, s, qt, bias, left)
@@ -420,6 +455,8 @@ def run_case(opts, shape, kind, page, rows):
         if fn is not None:
             cands[name] = (fn, ctx)
             errs[name], scale = compare(out, ref)
+            if out_env is not None:
+                errs_env[name], _ = compare(out_env, ref)
             del ref
     row["sdpa_kv"] = ",".join(modes)
     if not errs:
@@ -429,7 +466,12 @@ def run_case(opts, shape, kind, page, rows):
     # averages of many values, so small that an absolute bound would miss a lost share of the
     # keys; 2e-2 of twice the largest output is still a few bf16 ulps of it.
     limit = (FP8_TOLERANCE if kind == "kvcache8" else TOLERANCE[s.dt]) * min(1.0, 2 * scale)
+    if out_env is not None and not errs_env:
+        errs_env["math fp32, seq 0"], _ = reference_error(s, qt, bias, out_env)
+    del out_env
     row.update(errs=errs, err=max(errs.values()), err_limit=limit)
+    if errs_env:
+        row.update(errs_env=errs_env, err=max(row["err"], max(errs_env.values())))
     row["wrong"] = not row["err"] <= limit
     off = [n for n, e in errs.items() if not e <= limit]
     if off and len(off) < len(errs):  # one backend disagrees with flashattn and the others
@@ -437,7 +479,9 @@ def run_case(opts, shape, kind, page, rows):
     row.update(time_row(dev, cands, opts))
     row["tbs"] = {n: s.kv_bytes / t / 1e6 for n, t in row["us"].items()}
     if kind == "kvcache8":  # flashattn read one byte an element
-        row["tbs"]["flashattn"] *= 1 / s.esize
+        for n in ("flashattn", "fa*"):
+            if n in row["tbs"]:
+                row["tbs"][n] *= 1 / s.esize
     sdpa_us = [row["us"][n] for n in opts.sdpa if n in row["us"]]
     row["ratio"] = min(sdpa_us) / row["us"]["flashattn"] if sdpa_us else None
     return row
@@ -455,8 +499,12 @@ def header_line(dev):
     return "decode: %s, torch %s" % (where, torch.__version__)
 
 
+def fa_names(opts):
+    return ["flashattn"] + (["fa*"] if opts.fa_env else [])
+
+
 def table_columns(opts):
-    names = ["flashattn"] + opts.sdpa
+    names = fa_names(opts) + opts.sdpa
     short = {"flashattn": "fa"}
     cols = ["case", "batch", "context", "rows", "d", "h/hk"]
     cols += ["%s us" % short.get(n, n) for n in names]
@@ -468,7 +516,7 @@ def table_columns(opts):
 
 
 def table_line(opts, r):
-    names = ["flashattn"] + opts.sdpa
+    names = fa_names(opts) + opts.sdpa
     num = lambda x, f: "-" if x is None else f % x  # noqa: E731
     us, tbs = r.get("us", {}), r.get("tbs", {})
     cells = [r["case"], str(r["batch"]), str(r["context"]), str(r["rows"]),
