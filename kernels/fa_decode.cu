@@ -311,29 +311,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 
     /* This thread's two rows (g8 and g8 + 8 of its warp's 16): their visible keys, slopes;
      * worked out while the first copies are in flight. */
-    fa_decode_rows rw;
     int row_h[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int x = r0 + wm * 16 + g8 + 8 * hf;
-        rw.q[hf] = fa_div_g(&dp, x);
-        row_h[hf] = kh * g + x - rw.q[hf] * g;
-        /* A row past the tile's sees every key: its values are never stored, and the unmasked
-         * blocks of the live rows then skip the mask (below). */
-        if (x < rows) {
-            fa_key_range(kp, rw.q[hf], sq, n, &rw.lo[hf], &rw.hi[hf]);
-        } else {
-            rw.lo[hf] = 0;
-            rw.hi[hf] = n;
-        }
-        rw.slope_log2[hf] = 0.f;
-#if FA_ALIBI
-        if (x < rows)
-            rw.slope_log2[hf] =
-                kp->alibi_slopes[bi * kp->alibi_bstride + row_h[hf] * kp->alibi_hstride] *
-                FA_LOG2E;
-#endif
-    }
+    const fa_decode_rows rw =
+        fa_decode_rows_get(&dp, r0 + wm * 16 + g8, rows, kh, bi, sq, n, row_h);
 
     for (int nb = nb0; nb < nb1; nb++) {
         const int slot = (nb - nb0) % FA_STAGES;

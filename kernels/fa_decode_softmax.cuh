@@ -5,7 +5,7 @@
  * warp of a warpgroup the same layout) - scaled to base 2 where the features need it, masked to
  * each row's visible keys and turned into P in place.
  *
- * Needs FA_NT, FA_SOFTCAP, FA_ALIBI and fa_common.cuh.
+ * Needs FA_NT, FA_SOFTCAP, FA_ALIBI, fa_common.cuh and fa_decode_cache.cuh.
  */
 #ifndef FA_DECODE_SOFTMAX_CUH
 #define FA_DECODE_SOFTMAX_CUH
@@ -16,6 +16,38 @@ typedef struct fa_decode_rows {
     int lo[2], hi[2], q[2];
     float slope_log2[2];
 } fa_decode_rows;
+
+/* Rows x0 and x0 + 8 of kv head kh's packed rows (x0 the thread's first; of `rows`, sequence
+ * bi of sq query rows and n keys): visible keys, query row and slope; head[hf] the row's query
+ * head. A row past the tile's sees every key: its values are never stored, and the unmasked
+ * blocks of the live rows then skip the mask. */
+FA_DEV fa_decode_rows fa_decode_rows_get(const fa_dkparams *dp, int x0, int rows, int kh, int bi,
+                                         int sq, int n, int head[2])
+{
+    const fa_kparams *kp = &dp->f;
+    fa_decode_rows rw;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int x = x0 + 8 * hf;
+        rw.q[hf] = fa_div_g(dp, x);
+        head[hf] = kh * dp->g + x - rw.q[hf] * dp->g;
+        if (x < rows) {
+            fa_key_range(kp, rw.q[hf], sq, n, &rw.lo[hf], &rw.hi[hf]);
+        } else {
+            rw.lo[hf] = 0;
+            rw.hi[hf] = n;
+        }
+        rw.slope_log2[hf] = 0.f;
+#if FA_ALIBI
+        if (x < rows)
+            rw.slope_log2[hf] =
+                kp->alibi_slopes[bi * kp->alibi_bstride + head[hf] * kp->alibi_hstride] *
+                FA_LOG2E;
+#endif
+    }
+    (void)bi;
+    return rw;
+}
 
 /* s (the scores of keys j0 .. of a block) -> P = 2^(s sm - m) against the rows' new maxima m,
  * with prescale the scores first in base 2 (scale_log2, softcap's pre-factor, ALiBi's bias;

@@ -169,28 +169,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_decode(const fa_d
 
     /* This thread's two rows of the tile, 16 w + g8 + 8 hf (its lanes' rows in both warpgroups'
      * accumulators): visible keys, query, head, slope. */
-    fa_decode_rows rw;
     int row_h[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; hf++) {
-        const int x = r0 + 16 * w + g8 + 8 * hf;
-        rw.q[hf] = fa_div_g(&dp, x);
-        row_h[hf] = kh * g + x - rw.q[hf] * g;
-        /* a row past the tile's sees every key: its values are never stored */
-        if (x < rows) {
-            fa_key_range(kp, rw.q[hf], sq, n, &rw.lo[hf], &rw.hi[hf]);
-        } else {
-            rw.lo[hf] = 0;
-            rw.hi[hf] = n;
-        }
-        rw.slope_log2[hf] = 0.f;
-#if FA_ALIBI
-        if (x < rows)
-            rw.slope_log2[hf] =
-                kp->alibi_slopes[bi * kp->alibi_bstride + row_h[hf] * kp->alibi_hstride] *
-                FA_LOG2E;
-#endif
-    }
+    const fa_decode_rows rw =
+        fa_decode_rows_get(&dp, r0 + 16 * w + g8, rows, kh, bi, sq, n, row_h);
 
     float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
     float o[FA_OT][4];

@@ -81,19 +81,12 @@ FA_DEV void fa_p_pack_ring(const fa_kparams *kp, const fa_smem_map *m, const flo
     const fa_u32 thr2 = fa_dropout_thr2(kp->keep_threshold);
 #pragma unroll
     for (int b0 = 0; b0 < FA_BN / 16; b0 += 2) {
-        const int blocks = FA_BN / 16 - b0 < 2 ? 1 : 2;
         fa_u32 w[4];
         asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
                      : "r"(at + (b0 >> 1) * 32 * 16)
                      : "memory");
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int hi = 0; hi < 2; hi++)
-                if ((i & 1) < blocks)
-                    FA_P_PACK_PAIR(sacc, pa, b0 + (i & 1), i >> 1, hi,
-                                   fa_dropout_mask2(w[i], hi, thr2));
+        fa_p_pack_words(sacc, pa, b0, FA_BN / 16 - b0 < 2 ? 1 : 2, w, thr2);
     }
     fa_stage_release(m->drop_empty + 8 * s, lane);
 }

@@ -44,6 +44,20 @@ typedef struct fa_rows {
                                          (sacc)[8 * (kk) + 2 * ((hf) + 2 * (hi)) + 1]) &          \
                                 (m)
 
+/* The chunk's pairs (16-column blocks b0 .. b0 + blocks - 1) into the A fragment, each masked
+ * by its word: w[i] is word q4 of row half i / 2, block b0 + i % 2 (fa_keep_chunk's order). */
+FA_DEV void fa_p_pack_words(const float *sacc, fa_u32 pa[][4], int b0, int blocks,
+                            const fa_u32 w[4], fa_u32 thr2)
+{
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++)
+            if ((i & 1) < blocks)
+                FA_P_PACK_PAIR(sacc, pa, b0 + (i & 1), i >> 1, hi,
+                               fa_dropout_mask2(w[i], hi, thr2));
+}
+
 /*
  * P's 16-column blocks b0, b0 + 1 (a chunk; one at the end of a key block of FA_BN % 32 == 16)
  * packed into the A fragment with dropout: the element (row, col) is kept iff its 8-bit number is
@@ -77,13 +91,7 @@ FA_DEV void fa_keep_chunk(const fa_kparams *kp, const fa_rows *r, const float *s
     fa_philox4_keys((fa_u32)FA_RULE_DROPOUT_BLOCK(c0) + (r->q4 & 1), r->row0 + 8 * (r->q4 >> 1),
                     r->stream_lo, r->stream_hi, r->keys, w);
     fa_quad_transpose(w, r->q4); /* w[i]: word q4 of row half i / 2, block b0 + i % 2 */
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int hi = 0; hi < 2; hi++)
-            if ((i & 1) < blocks)
-                FA_P_PACK_PAIR(sacc, pa, b0 + (i & 1), i >> 1, hi,
-                               fa_dropout_mask2(w[i], hi, thr2));
+    fa_p_pack_words(sacc, pa, b0, blocks, w, thr2);
 }
 
 /* P (the softmax's probabilities of key block n) into the A fragment, dropped by the mask. */
