@@ -178,7 +178,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
         }
 #pragma unroll
         for (int s = 0; s < FA_STAGES; s++)
-            fa_decode_row_keep(kp, fa_kv_last_block(&dp), pr[s], rows_p + s * 2 * FA_BN);
+            fa_decode_row_keep(kp, fa_kv_last_block(&dp), pr[s],
+                               rows_p + s * FA_DECODE_ROWS_STRIDE);
     }
 #endif
 #if FA_EARLY_COPIES
@@ -194,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 #pragma unroll
         for (int s = 0; s < FA_STAGES - 1; s++) {
             fa_decode_load(&dp, kh, &whole, (fa_i64)s * FA_BN, kp->max_sk, base_a,
-                           (char *)fa_smem, s, rows_p + s * 2 * FA_BN, vc0);
+                           (char *)fa_smem, s, rows_p + s * FA_DECODE_ROWS_STRIDE, vc0);
             fa_cp_async_commit();
         }
         /* which the compiler does not move code across: without it, the code that waits for
@@ -281,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
                 fa_decode_row_keep(
                     kp, seq.last_block,
                     fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi),
-                    rows_p + s * 2 * FA_BN);
+                    rows_p + s * FA_DECODE_ROWS_STRIDE);
     __syncthreads();
 #endif
 #if FA_EARLY_COPIES
@@ -301,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
         for (int s = 0; s < FA_STAGES - 1; s++) {
             if (nb0 + s < nb1)
                 fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a,
-                               (char *)fa_smem, s, rows_p + s * 2 * FA_BN, vc0);
+                               (char *)fa_smem, s, rows_p + s * FA_DECODE_ROWS_STRIDE, vc0);
             fa_cp_async_commit();
         }
 #if !FA_KV_FP8
@@ -327,15 +328,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 #endif
         /* Block nb landed (and Q); every warp is done with block nb - 1, whose stage the next
          * copy refills. */
-        FA_CP_ASYNC_WAIT(FA_STAGES - 2);
-        __syncthreads();
-        {
-            const int nx = nb + FA_STAGES - 1, nslot = (nx - nb0) % FA_STAGES;
-            if (nx < nb1)
-                fa_decode_load(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a,
-                               (char *)fa_smem, nslot, rows_p + nslot * 2 * FA_BN, vc0);
-            fa_cp_async_commit();
-        }
+        fa_decode_turn(&dp, kh, &seq, klo, khi, nb, nb0, nb1, base_a, (char *)fa_smem, rows_p, vc0,
+                       0);
         const fa_u32 soff = slot * FA_STAGE_BYTES;
         const int j0 = klo + nb * FA_BN + wn * FA_WKEYS; /* this warp's first key */
 
@@ -397,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
 #endif
 #if FA_PAGED
         if (nb + FA_STAGES < nb1)
-            fa_decode_row_keep(kp, seq.last_block, next_row, rows_p + slot * 2 * FA_BN);
+            fa_decode_row_keep(kp, seq.last_block, next_row, rows_p + slot * FA_DECODE_ROWS_STRIDE);
 #endif
     }
     fa_cp_async_wait_all();

@@ -266,6 +266,32 @@ FA_DEV void fa_decode_load(const fa_dkparams *dp, int kh, const fa_kvseq *seq, f
 #endif
 }
 
+/* The stages' row offsets (paged): int64 [FA_STAGES][FA_DECODE_ROWS_STRIDE], K's then V's; a
+ * kernel that keeps K's alone (V read from K's stage) defines it as FA_BN first. */
+#ifndef FA_DECODE_ROWS_STRIDE
+#define FA_DECODE_ROWS_STRIDE (2 * FA_BN)
+#endif
+
+/* The copy pipeline's turn at key block nb of the CTA's [nb0, nb1) (every thread): waits until
+ * block nb has landed in its stage, then (a barrier: every thread is done with block nb - 1)
+ * issues the copy of block nb + FA_STAGES - 1 into the stage block nb - 1 held. `fence`: a
+ * kernel whose tensor cores read the stages by descriptor (the async proxy) fences each
+ * thread's copies before the barrier. */
+FA_DEV void fa_decode_turn(const fa_dkparams *dp, int kh, const fa_kvseq *seq, int klo, int khi,
+                           int nb, int nb0, int nb1, fa_u32 base_a, char *base_p,
+                           const fa_i64 *rows_p, int vc0, int fence)
+{
+    FA_CP_ASYNC_WAIT(FA_STAGES - 2);
+    if (fence)
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    const int nx = nb + FA_STAGES - 1, nslot = (nx - nb0) % FA_STAGES;
+    if (nx < nb1)
+        fa_decode_load(dp, kh, seq, klo + (fa_i64)nx * FA_BN, khi, base_a, base_p, nslot,
+                       rows_p + nslot * FA_DECODE_ROWS_STRIDE, vc0);
+    fa_cp_async_commit();
+}
+
 /* The Q tile: packed rows [r0, r0 + FA_BM) of kv head kh, rotated where rotary is on, rounded
  * to the data type, zero past the rows and columns; q of sequence bi starts at row q0. */
 FA_DEV void fa_decode_load_q(const fa_dkparams *dp, int bi, fa_i64 q0, int kh, const fa_kvseq *seq,

@@ -68,6 +68,7 @@
 #define FA_STAGE_KEY(step, cpr) ((step) & 7)
 #define FA_STAGE_ROW_BYTES(cpr) 128
 #define FA_Q_SWZ(r, c, cpr) FA_WG_SWZ(r, c, FA_BM)
+#define FA_DECODE_ROWS_STRIDE FA_BN /* K's row offsets alone (V is read from K's stage) */
 
 /* O's C fragment element (n-tile ot, lane quad position t, element e of a row's pair): its
  * column of the warpgroup's 256. */
@@ -155,14 +156,14 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_decode(const fa_d
         if (nb0 + s < nb1)
             fa_decode_row_keep(kp, seq.last_block,
                                fa_decode_row_find(&dp, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi),
-                               rows_p + s * FA_BN);
+                               rows_p + s * FA_DECODE_ROWS_STRIDE);
     __syncthreads();
 #endif
 #pragma unroll
     for (int s = 0; s < FA_STAGES - 1; s++) {
         if (nb0 + s < nb1)
             fa_decode_load(&dp, kh, &seq, klo + (fa_i64)(nb0 + s) * FA_BN, khi, base_a, base_p, s,
-                           rows_p + s * FA_BN, 0);
+                           rows_p + s * FA_DECODE_ROWS_STRIDE, 0);
         fa_cp_async_commit();
     }
     fa_decode_load_q(&dp, bi, qs.q_start, kh, &seq, r0, rows, g, q_p);
@@ -202,16 +203,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_decode(const fa_d
         /* Block nb landed (and Q); every thread is done with block nb - 1 (warpgroup 1 with
          * its P too), whose stage the next copy refills. The copies and stores are the generic
          * proxy's, wgmma reads by the async proxy: each thread's fence before the barrier. */
-        FA_CP_ASYNC_WAIT(FA_STAGES - 2);
-        fa_fence_proxy_async();
-        __syncthreads();
-        {
-            const int nx = nb + FA_STAGES - 1, nslot = (nx - nb0) % FA_STAGES;
-            if (nx < nb1)
-                fa_decode_load(&dp, kh, &seq, klo + (fa_i64)nx * FA_BN, khi, base_a, base_p, nslot,
-                               rows_p + nslot * FA_BN, 0);
-            fa_cp_async_commit();
-        }
+        fa_decode_turn(&dp, kh, &seq, klo, khi, nb, nb0, nb1, base_a, base_p, rows_p, 0, 1);
         const fa_u32 soff = slot * FA_STAGE_BYTES;
 
         if (wg == 0) {
@@ -277,7 +269,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_decode(const fa_d
         fa_wg_pin(&o[0][0], 4 * FA_OT);
 #if FA_PAGED
         if (nb + FA_STAGES < nb1)
-            fa_decode_row_keep(kp, seq.last_block, next_row, rows_p + slot * FA_BN);
+            fa_decode_row_keep(kp, seq.last_block, next_row,
+                               rows_p + slot * FA_DECODE_ROWS_STRIDE);
 #endif
     }
     fa_cp_async_wait_all();
