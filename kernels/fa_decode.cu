@@ -120,6 +120,7 @@ enum { fa_ks_unroll = FA_KS > 16 ? 4 : FA_KS };
 
 #include "fa_decode_merge.cuh"
 #include "fa_decode_softmax.cuh"
+#include "fa_decode_store.cuh"
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(const fa_dkparams dp)
 {
@@ -438,37 +439,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_CTAS) fa_decode(
         scale *= vdesc;
 #endif
         lse_row[hf] = lse, scale_row[hf] = scale;
-        if (dp.cluster_merge) {
-            continue;
-        } else if (dp.splits == 1) {
-            fa_u16 *og = (fa_u16 *)kp->out + bi * kp->o_bstride + qrow * kp->o_rstride +
-                         hh * kp->o_hstride + vc0;
-#if FA_KV_FP8
-            fa_decode_store_row8(og, dvs, o, hf, t, scale, live);
-#elif FA_VEC
-            fa_store_row16(og, dvs, o, FA_DVP, hf, t, scale, live);
-#else
-            if (live)
-#pragma unroll
-                for (int ot = 0; ot < FA_OT; ot++)
-                    fa_store_pair(og, ot * 8 + 2 * t, dvs, o[ot][2 * hf] * scale,
-                                  o[ot][2 * hf + 1] * scale);
-#endif
-            if (live && kp->lse && t == 0 && vslice == 0)
-                kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qrow * kp->lse_rstride] = lse;
-        } else if (live) {
-            float *oa = dp.oaccum + split * dp.oaccum_sstride + bi * dp.oaccum_bstride +
-                        qi * dp.oaccum_rstride + hh * dp.oaccum_hstride + vc0;
-#pragma unroll
-            for (int ot = 0; ot < FA_OT; ot++)
-#pragma unroll
-                for (int e = 0; e < 2; e++)
-                    if (FA_OCOL(ot, t, e) < dvs)
-                        oa[FA_OCOL(ot, t, e)] = o[ot][2 * hf + e] * scale;
-            if (t == 0 && vslice == 0)
-                dp.lseaccum[split * dp.lseaccum_sstride + bi * dp.lseaccum_bstride +
-                            qi * dp.lseaccum_rstride + hh * dp.lseaccum_hstride] = lse;
-        }
+        if (!dp.cluster_merge)
+            fa_decode_store(&dp, o, hf, t, scale, lse, live, bi, qi, qrow, hh, vc0, dvs, split,
+                            vslice == 0);
     }
 #if __CUDA_ARCH__ >= 900 && FA_DV_SLICES == 1
     if (dp.cluster_merge)

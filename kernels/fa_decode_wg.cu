@@ -79,6 +79,7 @@
 #include "fa_decode_append.cuh"
 #include "fa_decode_copy.cuh"
 #include "fa_decode_softmax.cuh"
+#include "fa_decode_store.cuh"
 
 /* S (+)= Q K^T for one k16 step, both operands K-major in shared memory (SS). */
 FA_DEF_WGMMA_SS(fa_wgmma_qk, 64, FA_RL32, FA_FL32, "%32", "%33", "%34", "0, 0")
@@ -314,34 +315,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) fa_decode(const fa_d
         const int live = r0 + prow0 + 8 * hf < rows;
         const int qi = rw.q[hf], hh = row_h[hf];
         const fa_i64 qrow = qs.q_start + qi; /* its row of q, out and lse */
-        const float scale = scale_row[hf];
-        if (dp.splits == 1) {
-            fa_u16 *og = (fa_u16 *)kp->out + bi * kp->o_bstride + qrow * kp->o_rstride +
-                         hh * kp->o_hstride + vc0;
-#if FA_VEC
-            fa_store_row16(og, dvs, o, FA_DVH, hf, t, scale, live);
-#else
-            if (live)
-#pragma unroll
-                for (int ot = 0; ot < FA_OT; ot++)
-                    fa_store_pair(og, ot * 8 + 2 * t, dvs, o[ot][2 * hf] * scale,
-                                  o[ot][2 * hf + 1] * scale);
-#endif
-            if (live && kp->lse && t == 0 && wg == 0)
-                kp->lse[bi * kp->lse_bstride + hh * kp->lse_hstride + qrow * kp->lse_rstride] =
-                    lse_row[hf];
-        } else if (live) {
-            float *oa = dp.oaccum + split * dp.oaccum_sstride + bi * dp.oaccum_bstride +
-                        qi * dp.oaccum_rstride + hh * dp.oaccum_hstride + vc0;
-#pragma unroll
-            for (int ot = 0; ot < FA_OT; ot++)
-#pragma unroll
-                for (int e = 0; e < 2; e++)
-                    if (FA_OCOL(ot, t, e) < dvs)
-                        oa[FA_OCOL(ot, t, e)] = o[ot][2 * hf + e] * scale;
-            if (t == 0 && wg == 0)
-                dp.lseaccum[split * dp.lseaccum_sstride + bi * dp.lseaccum_bstride +
-                            qi * dp.lseaccum_rstride + hh * dp.lseaccum_hstride] = lse_row[hf];
-        }
+        fa_decode_store(&dp, o, hf, t, scale_row[hf], lse_row[hf], live, bi, qi, qrow, hh, vc0,
+                        dvs, split, wg == 0);
     }
 }
