@@ -249,7 +249,7 @@ static void run_case(const f8case *c, tu_rng *r)
     }
     const double out_rel = c->out_dt == FA_DTYPE_BF16 ? 1.0 / 256 : 1.0 / 1024;
     const double bound_abs = vmax * (1.0 / 16 + (double)c->sk / 262144.0 + 1e-4);
-    double err = 0, err_lowp = 0, atol = 0, worst = 0;
+    double err = 0, err_lowp = 0, err_rule = 0, atol = 0, worst = 0;
     int64_t at = 0, bad = 0;
     memset(idx, 0, sizeof idx);
     if (n_out > 0) {
@@ -261,6 +261,9 @@ static void run_case(const f8case *c, tu_rng *r)
                          want, bound_abs + out_rel * fabs(want));
             err = e > err ? e : err;
             err_lowp = fabs(lowp[at] - want) > err_lowp ? fabs(lowp[at] - want) : err_lowp;
+            /* the P-rounding oracle (the header's rule, in doubles) rounded to out's dtype */
+            const double rule = fabs(fa_ref_round(refp[at], c->out_dt) - want);
+            err_rule = rule > err_rule ? rule : err_rule;
             const double u = fabs(fa_ref_round(want + 0.3, c->out_dt) - 0.3 - want);
             atol = u > atol ? u : atol;
             g_sq_exact += e * e;
@@ -269,10 +272,14 @@ static void run_case(const f8case *c, tu_rng *r)
             at++;
         } while (tu_next_index(&to.t, idx));
     }
-    /* Upstream's criterion (hopper/test_flash_attn.py): at most twice the error of the
-     * same-precision baseline, plus twice the output dtype's rounding near the values. */
-    TU_CHECK(err <= 2 * err_lowp + 2 * atol, "error %.4g > 2 x baseline's %.4g + 2 x %.3g", err,
-             err_lowp, atol);
+    /* Upstream's criterion (hopper/test_flash_attn.py): at most twice the error of a
+     * same-precision baseline, plus twice the output dtype's rounding near the values. Two
+     * baselines: upstream's (the normalised p rounded to e4m3) and the header's rule (2^8 exp(s
+     * - m) rounded, m the sink where it is larger). Their roundings differ element by element, so
+     * with few keys a row (one, beside a sink) either can be the luckier by a factor past 2. */
+    const double base = err_lowp > err_rule ? err_lowp : err_rule;
+    TU_CHECK(err <= 2 * base + 2 * atol, "error %.4g > 2 x baseline's %.4g (%.4g, %.4g) + 2 x %.3g",
+             err, base, err_lowp, err_rule, atol);
     TU_CHECK(worst <= bound_abs + out_rel * vmax, "against the P-rounding oracle: %.4g", worst);
 
     at = 0;
