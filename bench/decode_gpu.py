@@ -126,6 +126,9 @@ def parse_options(argv):
                     help="timing budget per row in seconds (default 0.3; --smoke 0.02)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write every row here")
+    ap.add_argument("--tflops", action="store_true",
+                    help="also fa's TFLOP/s: 2 * batch * rows * heads * visible keys * (d + dv) "
+                         "a step (MLA's measure, where many heads make the step compute-bound)")
     ap.add_argument("--fa-env", help="NAME=VALUE[,NAME=VALUE]: also flashattn with these "
                     "environment variables set (column fa*, its error checked as fa's), e.g. "
                     "FLASHATTN_DECODE_WG=1")
@@ -478,6 +481,10 @@ def run_case(opts, shape, kind, page, rows):
         row["note"] = "off: " + ",".join(off)
     row.update(time_row(dev, cands, opts))
     row["tbs"] = {n: s.kv_bytes / t / 1e6 for n, t in row["us"].items()}
+    # bottom-right causal: query row i of `rows` sees context - rows + 1 + i keys
+    keys = rows * (s.ctx - rows + 1) + rows * (rows - 1) // 2
+    flops = 2.0 * s.b * s.h * keys * (s.d + s.dv)
+    row["tflops"] = {n: flops / t / 1e6 for n, t in row["us"].items()}
     if kind == "kvcache8":  # flashattn read one byte an element
         for n in ("flashattn", "fa*"):
             if n in row["tbs"]:
@@ -509,6 +516,8 @@ def table_columns(opts):
     cols = ["case", "batch", "context", "rows", "d", "h/hk"]
     cols += ["%s us" % short.get(n, n) for n in names]
     cols += ["%s TB/s" % short.get(n, n) for n in names]
+    if opts.tflops:
+        cols += ["%s TF/s" % short.get(n, n) for n in fa_names(opts)]
     cols += ["fa/best", "sdpa kv (%s)" % ",".join(opts.sdpa), "max err"]
     if opts.host:
         cols += ["fa host us", "sdpa host us"]
@@ -524,6 +533,8 @@ def table_line(opts, r):
              "%d/%d" % (r["heads"], r["kv_heads"])]
     cells += [num(us.get(n), "%.1f") for n in names]
     cells += [num(tbs.get(n), "%.3f") for n in names]
+    if opts.tflops:
+        cells += [num(r.get("tflops", {}).get(n), "%.1f") for n in fa_names(opts)]
     wrong = r.get("wrong")
     cells += ["WRONG" if wrong else num(r.get("ratio"), "%.2f"), r.get("sdpa_kv", "-"),
               num(r.get("err"), "%.1e") + (" !! WRONG" if wrong else "")]
