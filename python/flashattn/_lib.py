@@ -50,7 +50,7 @@ VERSION = "0.1.0"
 FA_MAX_DIMS = 6
 FA_MAX_HEAD_DIM = 576  # the CPU's; CUDA devices take up to FA_CUDA_MAX_HEAD_DIM
 FA_CUDA_MAX_HEAD_DIM = 256
-FA_CUDA_DECODE_MAX_HEAD_DIM = 576  # the decode schedule's (KV-cache calls, few query rows)
+FA_CUDA_DECODE_MAX_HEAD_DIM = 576  # the decode schedule (KV cache, forwards without dropout)
 FA_DEVICE_CPU = -1
 
 # enum fa_dtype

@@ -135,8 +135,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         v: (batch_size, seqlen_k, nheads_k, headdim_v)
             nheads % nheads_k == 0 (MQA/GQA: query head i uses kv head i // (nheads/nheads_k)).
             dtype float16, bfloat16, float32 or float64; any headdim in 1..576 on the CPU, 1..256 on
-            CUDA, and up to 576 there for calls of few query rows without dropout (MLA's decode,
-            d 576 / dv 512).
+            CUDA, and up to 576 there without dropout (the decode kernels: MLA, d 576 / dv 512;
+            no backward past 256).
         dropout_p: float, dropout probability in [0, 1).
         softmax_scale: float; default 1 / sqrt(headdim).
         causal: bool; the mask is aligned to the bottom-right corner of the score matrix

@@ -337,6 +337,35 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
     return st;
 }
 
+/* The decode kernels of a precompile configuration (a one-row tile, contiguous and paged caches;
+ * a varlen configuration's few-row forward), wide heads (wide) also with v k's column prefix
+ * (MLA's cache), and the combine for the dtype; *cached (where given) stays 1 only if each was
+ * found cached. */
+static fa_status fa_cuda_precompile_decode(const fa_plan_key *key, int wide, int *cached)
+{
+    fa_status st = FA_STATUS_OK;
+    const int npaged = key->features & FA_FEATURE_VARLEN ? 1 : 2;
+    const int layouts = npaged * (wide ? 2 : 1);
+    for (int i = 0; i < layouts && st == FA_STATUS_OK; i++) {
+        fa_plan_key kd = *key;
+        kd.features |= i % npaged ? FA_PLAN_PAGED : 0;
+        kd.features |= i >= npaged ? FA_PLAN_V_IN_K : 0;
+        fa_plan pd;
+        fa_jit_origin origin = FA_JIT_COMPILED;
+        st = fa_plan_decode(&kd, 1, &pd);
+        if (st == FA_STATUS_OK)
+            st = fa_jit_build(&pd, &origin);
+        if (st == FA_STATUS_OK && i == layouts - 1) {
+            st = fa_plan_combine(key, &pd);
+            if (st == FA_STATUS_OK)
+                st = fa_jit_build(&pd, &origin);
+        }
+        if (cached)
+            *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+    }
+    return st;
+}
+
 FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int head_dim_v,
                                     unsigned features, int *cached)
 {
@@ -363,25 +392,34 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
             fa_error_clear();
         return st;
     }
+    /* Features the decode kernels compile (the others run on the tiled families alone). */
+    const unsigned decode_features =
+        FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP | FA_FEATURE_UNALIGNED;
     /* Heads past FA_CUDA_MAX_HEAD_DIM run the decode kernels alone (fa_plan_cuda_decodes). */
-    const int wide = head_dim > FA_CUDA_MAX_HEAD_DIM || head_dim_v > FA_CUDA_MAX_HEAD_DIM;
-    fa_jit_origin origin = FA_JIT_DISK;
-    if (wide) {
-        st = FA_STATUS_OK;
+    if (head_dim > FA_CUDA_MAX_HEAD_DIM || head_dim_v > FA_CUDA_MAX_HEAD_DIM) {
+        if (features & ~decode_features)
+            return fa_error_set(FA_STATUS_UNSUPPORTED,
+                                "head_dim %d / %d: CUDA devices take heads past %d on the decode "
+                                "schedule alone, without dropout",
+                                head_dim, head_dim_v, FA_CUDA_MAX_HEAD_DIM);
         if (cached)
             *cached = 1;
-    } else {
-        st = fa_plan_forward(&key, &plan);
-        if (st != FA_STATUS_OK)
-            return st;
-        st = fa_jit_build(&plan, &origin);
-        if (cached)
-            *cached = st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
+        st = fa_cuda_precompile_decode(&key, 1, cached);
+        if (st == FA_STATUS_OK)
+            fa_error_clear();
+        return st;
     }
+    st = fa_plan_forward(&key, &plan);
+    if (st != FA_STATUS_OK)
+        return st;
+    fa_jit_origin origin;
+    st = fa_jit_build(&plan, &origin);
+    if (cached)
+        *cached = st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     /* On sm_90 also the sm90 family's kernel for the cases it supports (FLASHATTN_SM90=0 or not),
      * so CI compiles it. */
     fa_plan plan90;
-    if (st == FA_STATUS_OK && !wide && fa_plan_forward_sm90(&key, &plan90) == FA_STATUS_OK &&
+    if (st == FA_STATUS_OK && fa_plan_forward_sm90(&key, &plan90) == FA_STATUS_OK &&
         strcmp(plan.family, plan90.family) != 0) {
         st = fa_jit_build(&plan90, &origin);
         if (cached)
@@ -390,7 +428,7 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
     /* and its plan for long calls where that differs (fa_jit_build finds it cached if not). */
     fa_plan_key long_key = key;
     long_key.features |= FA_PLAN_LONG;
-    if (st == FA_STATUS_OK && !wide && fa_plan_forward_sm90(&long_key, &plan90) == FA_STATUS_OK) {
+    if (st == FA_STATUS_OK && fa_plan_forward_sm90(&long_key, &plan90) == FA_STATUS_OK) {
         st = fa_jit_build(&plan90, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
@@ -406,39 +444,13 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }
-    if (st == FA_STATUS_OK && !wide && fa_plan_backward_sm90(&key, &planb) == FA_STATUS_OK) {
+    if (st == FA_STATUS_OK && fa_plan_backward_sm90(&key, &planb) == FA_STATUS_OK) {
         st = fa_jit_build(&planb, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }
-    /* The decode kernels (a one-row tile, contiguous and paged caches; a varlen configuration's
-     * few-row forward) where the configuration's features are ones they compile, and the
-     * combine for the dtype; wide heads also with v k's column prefix (MLA's cache). */
-    const unsigned decode_features =
-        FA_FEATURE_VARLEN | FA_FEATURE_ALIBI | FA_FEATURE_SOFTCAP | FA_FEATURE_UNALIGNED;
-    const int npaged = features & FA_FEATURE_VARLEN ? 1 : 2, layouts = npaged * (wide ? 2 : 1);
-    if (wide && (features & ~decode_features))
-        return fa_error_set(FA_STATUS_UNSUPPORTED,
-                            "head_dim %d / %d: CUDA devices take heads past %d on the decode "
-                            "schedule alone, without dropout",
-                            head_dim, head_dim_v, FA_CUDA_MAX_HEAD_DIM);
-    for (int paged = 0; paged < layouts && st == FA_STATUS_OK && !(features & ~decode_features);
-         paged++) {
-        fa_plan_key kd = key;
-        kd.features |= paged % npaged ? FA_PLAN_PAGED : 0;
-        kd.features |= paged >= npaged ? FA_PLAN_V_IN_K : 0;
-        fa_plan pd;
-        st = fa_plan_decode(&kd, 1, &pd);
-        if (st == FA_STATUS_OK)
-            st = fa_jit_build(&pd, &origin);
-        if (st == FA_STATUS_OK && paged == layouts - 1) {
-            st = fa_plan_combine(&key, &pd);
-            if (st == FA_STATUS_OK)
-                st = fa_jit_build(&pd, &origin);
-        }
-        if (cached)
-            *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
-    }
+    if (st == FA_STATUS_OK && !(features & ~decode_features))
+        st = fa_cuda_precompile_decode(&key, 0, cached);
     if (st == FA_STATUS_OK)
         fa_error_clear();
     return st;

@@ -59,8 +59,8 @@ static fa_status fa_plan_check_key_dims(const fa_plan_key *key, int max)
     if (key->d < 1 || key->d > max || key->dv < 1 || key->dv > max)
         return fa_error_set(FA_STATUS_UNSUPPORTED,
                             "head_dim: %d / %d outside [1, %d], this CUDA kernel's (the CUDA "
-                            "decode schedule, KV-cache calls and few query rows, takes up to "
-                            "%d; the CPU backend up to %d)",
+                            "decode schedule, KV-cache calls and forwards without dropout, "
+                            "probs or mods, takes up to %d; the CPU backend up to %d)",
                             key->d, key->dv, max, FA_CUDA_DECODE_MAX_HEAD_DIM, FA_MAX_HEAD_DIM);
     return FA_STATUS_OK;
 }
