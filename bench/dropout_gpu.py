@@ -8,7 +8,8 @@ dropout_p 0 and P, beside PyTorch SDPA's FLASH (FA2) and cuDNN backends with and
 bf16, FlashAttention's benchmark shapes (16k tokens a call: batch = 16384 / seqlen; hidden 2048:
 heads = 2048 / hdim), causal and not. Each time is the best of 5 runs of 5 calls back to back
 (CUDA events), in ms; a ratio is the time without dropout over the time with it (1 = free).
---ring adds the forward with dropout on the producer's Philox ring (FLASHATTN_SM90_DROP_RING=1).
+--ring 1,2 adds the forward with dropout on the producer's Philox ring, a column per form
+(FLASHATTN_SM90_DROP_RING=1; 2 waits for the previous P V after the softmax).
 """
 import argparse
 import os
@@ -45,14 +46,16 @@ def main():
     ap.add_argument("--seqlens", default="2048,8192")
     ap.add_argument("--p", type=float, default=0.1, help="dropout_p of the timed calls")
     ap.add_argument("--no-torch", action="store_true", help="skip SDPA's backends")
-    ap.add_argument("--ring", action="store_true",
-                    help="also ours fwd with FLASHATTN_SM90_DROP_RING=1 (the producer's Philox "
-                         "ring), after the default in the same process")
+    ap.add_argument("--ring", nargs="?", const="1", default="",
+                    help="also ours fwd with FLASHATTN_SM90_DROP_RING=F for each form F of the "
+                         "list (the producer's Philox ring; default 1), after the default in "
+                         "the same process")
     opts = ap.parse_args()
     p = opts.p
+    rings = [f for f in opts.ring.split(",") if f]
     print(f"ms, bf16, {torch.cuda.get_device_name()}; each cell: without / with dropout {p} (ratio)")
     print("hdim seqlen causal | ours fwd            | ours fwd+bwd          | "
-          + ("ours fwd ring        | " if opts.ring else "") + "FA2 fwd             | cuDNN fwd")
+          + "".join("ours fwd ring %s      | " % f for f in rings) + "FA2 fwd             | cuDNN fwd")
     for d in [int(x) for x in opts.hdims.split(",")]:
         for s in [int(x) for x in opts.seqlens.split(",")]:
             b, h = 16384 // s, 2048 // d
@@ -70,8 +73,8 @@ def main():
                     both[i] = best_ms(lambda: torch.autograd.grad(flashattn.flash_attn_func(
                         q, k, v, dropout_p=dp, causal=causal), (q, k, v), dout))
                 cells += [fwd, both]
-                if opts.ring:
-                    os.environ["FLASHATTN_SM90_DROP_RING"] = "1"
+                for form in rings:
+                    os.environ["FLASHATTN_SM90_DROP_RING"] = form
                     with torch.no_grad():
                         ring = best_ms(lambda: flashattn.flash_attn_func(
                             q, k, v, dropout_p=p, causal=causal))

@@ -186,10 +186,11 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             fa_stage_release(m->k_empty + 8 * s, lane);
             if (it == nb - 1)
                 fa_stage_release(m->q_empty, lane);
-#if FA_DROPOUT
+#if FA_DROPOUT && FA_DROP_RING != 2
             /* With dropout, P_(i-1) V_(i-1) is waited for before the softmax: its Philox runs
              * are in fa_p_pack_keep, after the wait, either way, and the causal calls measured
-             * faster with the wait here than after the softmax. */
+             * faster with the wait here than after the softmax. The ring's second form (words
+             * read, not computed, in the pack) waits after it, as without dropout. */
             fa_wg_wait0();
             fa_operands_pin(o, pa, FA_BN / 16);
 #endif
@@ -197,7 +198,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             r.mod_st = FA_TILE_STATE(w, it);
 #endif
             fa_softmax_block(kp, &r, sacc, FA_TILE_BLOCK(w, it), row_max, row_sum, alpha);
-#if !FA_DROPOUT
+#if !FA_DROPOUT || FA_DROP_RING == 2
 #if FA_NCW == 2 /* three consumers (160 registers) measured faster with the hoisted wait */
             fa_softmax_order(m->scratch, row_sum);
 #endif

@@ -203,30 +203,35 @@ static void check_forward_sm90_dropout(void)
                      strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
                  "d %d dropout probs: family %s", d, plan.family);
     }
-    /* The Philox ring (FLASHATTN_SM90_DROP_RING=1): where it fits beside the stages (not d 192's
-     * 112-key blocks), its bytes in the plan's shared memory; never without dropout or the
-     * variable. */
-    setenv("FLASHATTN_SM90_DROP_RING", "1", 1);
-    for (int d = 64; d <= 256; d += 64) {
+    /* The Philox ring (FLASHATTN_SM90_DROP_RING=1 or 2, its form): where it fits beside the
+     * stages (not d 192's 112-key blocks), its bytes in the plan's shared memory; never without
+     * dropout or the variable. */
+    for (int i = 0; i < 8; i++) {
+        const int form = 1 + i / 4, d = 64 * (1 + i % 4);
+        setenv("FLASHATTN_SM90_DROP_RING", form == 1 ? "1" : "2", 1);
         const fa_plan_key key = {90, FA_DTYPE_BF16, d, d, FA_FEATURE_DROPOUT, 0, 0, 0};
         const fa_plan_key plain_key = {90, FA_DTYPE_BF16, d, d, 0, 0, 0, 0};
         fa_plan plan, plain;
         const int ok = fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                        fa_plan_forward(&plain_key, &plain) == FA_STATUS_OK;
         const int ring = d != 192;
-        TU_CHECK(ok && plan_define(&plan, "FA_DROP_RING") == (ring ? 1 : -1) &&
+        TU_CHECK(ok && plan_define(&plan, "FA_DROP_RING") == (ring ? form : -1) &&
                      plan_define(&plain, "FA_DROP_RING") == -1 &&
                      plan.smem == (unsigned)(FA_SMEM_FWD90(plan.bm, plan.bn, plan.dp, plan.dvp,
                                                            plan.stages) +
                                              (ring ? FA_SMEM_FWD90_DROP(plan.bm, plan.bn) : 0)) &&
                      plan.smem <= FA_SMEM_SM90_MAX,
-                 "d %d dropout ring: define %d (without dropout %d), smem %u", d,
+                 "d %d dropout ring %d: define %d (without dropout %d), smem %u", d, form,
                  plan_define(&plan, "FA_DROP_RING"), plan_define(&plain, "FA_DROP_RING"),
                  plan.smem);
     }
-    unsetenv("FLASHATTN_SM90_DROP_RING");
     fa_plan_key key = {90, FA_DTYPE_BF16, 128, 128, FA_FEATURE_DROPOUT, 0, 0, 0};
     fa_plan plan;
+    setenv("FLASHATTN_SM90_DROP_RING", "3", 1);
+    TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
+                 plan_define(&plan, "FA_DROP_RING") == -1,
+             "the ring with FLASHATTN_SM90_DROP_RING=3");
+    unsetenv("FLASHATTN_SM90_DROP_RING");
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                  plan_define(&plan, "FA_DROP_RING") == -1,
              "the ring without FLASHATTN_SM90_DROP_RING");
