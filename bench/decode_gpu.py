@@ -54,6 +54,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -131,7 +132,7 @@ def parse_options(argv):
                          "a step (MLA's measure, where many heads make the step compute-bound)")
     ap.add_argument("--fa-env", help="NAME=VALUE[,NAME=VALUE]: also flashattn with these "
                     "environment variables set (column fa*, its error checked as fa's), e.g. "
-                    "FLASHATTN_DECODE_WG=1")
+                    "FLASHATTN_DECODE_WG=1 or FLASHATTN_DECODE_TILE=128,2,1,4")
     opts = ap.parse_args(argv)
     defaults = SMOKE if opts.smoke else FULL
     for name, value in defaults.items():
@@ -160,7 +161,10 @@ def parse_options(argv):
         ap.error("--v-in-k: needs --dv no larger than each --d, and no --kv-fp8")
     if opts.fa_env:
         try:
-            opts.fa_env = dict(x.split("=", 1) for x in opts.fa_env.split(","))
+            # a comma starts a new pair only before NAME=: values may hold commas
+            # (FLASHATTN_DECODE_TILE=128,2,1,4)
+            opts.fa_env = dict(x.split("=", 1) for x in
+                               re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", opts.fa_env))
         except ValueError:
             ap.error("--fa-env: NAME=VALUE pairs joined by ','")
     if opts.device == "cuda" and not torch.cuda.is_available():
