@@ -237,11 +237,19 @@ static fa_status fa_jit_entry_find(const fa_plan *plan, const fa_nvrtc *nv, char
     /* Built outside the lock: other kernels compile in parallel meanwhile. */
     fa_status st = FA_STATUS_OK;
     double t0 = fa_jit_now_ms();
-    e->cubin = fa_jit_disk_load(fa_jit_disk_default(), key, &e->size);
+    fa_jit_disk *disk = fa_jit_disk_default();
+    e->cubin = fa_jit_disk_load(disk, key, &e->size);
+    /* A miss: look again under the entry's lock, whose holder may have been another process
+     * compiling it (or one that finished between the look and the lock). */
+    double waited = 0.0;
+    const int lock = e->cubin ? -1 : fa_jit_disk_lock(disk, key, &waited);
+    if (lock >= 0)
+        e->cubin = fa_jit_disk_load(disk, key, &e->size);
     if (e->cubin) {
         *origin = FA_JIT_DISK;
         if (fa_jit_logging())
-            fprintf(stderr, "flashattn: cache hit (disk, %.1f ms) %s\n", fa_jit_now_ms() - t0, key);
+            fprintf(stderr, "flashattn: cache hit (disk, %.1f ms%s) %s\n", fa_jit_now_ms() - t0,
+                    waited > 0.0 ? ", after another process's compile" : "", key);
     } else {
         *origin = FA_JIT_COMPILED;
         st = fa_jit_compile(plan, nv, &e->cubin, &e->size);
@@ -249,9 +257,10 @@ static fa_status fa_jit_entry_find(const fa_plan *plan, const fa_nvrtc *nv, char
             if (fa_jit_logging())
                 fprintf(stderr, "flashattn: compiled in %.1f ms (%zu bytes) %s\n",
                         fa_jit_now_ms() - t0, e->size, key);
-            fa_jit_disk_store(fa_jit_disk_default(), key, e->cubin, e->size);
+            fa_jit_disk_store(disk, key, e->cubin, e->size);
         }
     }
+    fa_jit_disk_unlock(lock);
 
     pthread_mutex_lock(&fa_jit_lock);
     if (st == FA_STATUS_OK) {

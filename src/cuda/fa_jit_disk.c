@@ -14,7 +14,7 @@
  *     missing or damaged secret is made anew, which turns every older entry into a miss.
  * File: header | key | cubin, written to a unique temporary file (O_EXCL, 0600), synced and renamed
  * into place, so a reader in any process sees a whole file or none; concurrent writers of one key
- * write the same bytes.
+ * write the same bytes. An empty <entry>.lock beside each entry is its compile lock (flock).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -24,7 +24,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cuda/fa_jit_disk.h"
@@ -32,6 +34,9 @@
 #define FA_JIT_MAGIC "FACUBIN2"
 #define FA_JIT_SECRET_FILE "secret"
 #define FA_JIT_MAX_CUBIN ((uint64_t)1 << 30)
+/* The longest wait for another process's compile of a kernel, and the poll's step. */
+#define FA_JIT_LOCK_WAIT_MS 60000.0
+#define FA_JIT_LOCK_POLL_NS 2000000L
 
 #ifdef O_PATH
 #define FA_JIT_DIR_FLAGS (O_PATH | O_DIRECTORY | O_CLOEXEC) /* needs search, not read, rights */
@@ -553,4 +558,58 @@ int fa_jit_disk_store(fa_jit_disk *disk, const char *key, const void *cubin, siz
         fprintf(stderr, "flashattn: could not write cache entry %s/%s: %s\n", disk->path, name,
                 strerror(errno));
     return ok ? 0 : -1;
+}
+
+/* ---- the compile lock ------------------------------------------------------------------- */
+
+static double fa_jit_ms_since(const struct timespec *t0)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)(t.tv_sec - t0->tv_sec) * 1e3 + (double)(t.tv_nsec - t0->tv_nsec) * 1e-6;
+}
+
+int fa_jit_disk_lock(fa_jit_disk *disk, const char *key, double *waited_ms)
+{
+    *waited_ms = 0.0;
+    if (!disk)
+        return -1;
+    char name[64];
+    fa_jit_disk_entry_name(key, name, sizeof name);
+    char *ext = strrchr(name, '.');
+    if (!ext || (size_t)(ext - name) + sizeof ".lock" > sizeof name)
+        return -1;
+    memcpy(ext, ".lock", sizeof ".lock");
+    /* Only this user can make files in the directory (fa_jit_disk_open), so the name is ours. */
+    const int fd = openat(disk->dir_fd, name, O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK |
+                                                  O_CLOEXEC, 0600);
+    if (fd < 0)
+        return -1;
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    /* Polled rather than blocking, so that a holder that never lets go costs a bounded wait. */
+    for (;;) {
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0)
+            return fd;
+        if (errno != EWOULDBLOCK && errno != EINTR)
+            break;
+        *waited_ms = fa_jit_ms_since(&t0);
+        if (*waited_ms > FA_JIT_LOCK_WAIT_MS)
+            break;
+        const struct timespec step = {0, FA_JIT_LOCK_POLL_NS};
+        nanosleep(&step, NULL);
+    }
+    if (fa_jit_logging())
+        fprintf(stderr, "flashattn: compiling without the lock %s/%s (%s)\n", disk->path, name,
+                *waited_ms > FA_JIT_LOCK_WAIT_MS ? "held too long" : strerror(errno));
+    close(fd);
+    return -1;
+}
+
+void fa_jit_disk_unlock(int lock)
+{
+    if (lock < 0)
+        return;
+    flock(lock, LOCK_UN);
+    close(lock);
 }

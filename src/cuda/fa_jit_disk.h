@@ -36,6 +36,14 @@ const char *fa_jit_disk_path(const fa_jit_disk *disk);
 void *fa_jit_disk_load(fa_jit_disk *disk, const char *key, size_t *size);
 /* Stores cubin under key, replacing any entry; 0 when written. */
 int fa_jit_disk_store(fa_jit_disk *disk, const char *key, const void *cubin, size_t size);
+/* The cross-process lock of key's entry (flock on <entry>.lock in the cache directory), taken
+ * before a compile so that, of the processes sharing a cache (the ranks of a job, a test's
+ * shards), one compiles each kernel and the others wait, then read it from disk. Returns the
+ * lock's descriptor, or -1 where there is none: no disk cache, a file system without locks, or
+ * FA_JIT_LOCK_WAIT_MS spent waiting (a holder stopped mid-compile stops no one); the caller then
+ * compiles unlocked. *waited_ms: the time spent waiting for another holder. */
+int fa_jit_disk_lock(fa_jit_disk *disk, const char *key, double *waited_ms);
+void fa_jit_disk_unlock(int lock);
 /* The file name of key's entry in the cache directory (size >= 40). */
 void fa_jit_disk_entry_name(const char *key, char *name, size_t size);
 

@@ -13,7 +13,8 @@
  *     entries and secrets of another user;
  *   - a path longer than PATH_MAX works and is not truncated; an over-long component is refused;
  *   - a relative FLASHATTN_CACHE_DIR is resolved once; a refused directory is said once;
- *   - processes and threads writing one key at once never expose a partial or foreign entry.
+ *   - processes and threads writing one key at once never expose a partial or foreign entry;
+ *   - the compile lock makes a second process wait for the first (test_jit_disk_lock.c).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <dirent.h>
@@ -499,6 +500,7 @@ int main(void)
     test_fifo();
     jd_test_dirs();
     test_concurrent();
+    jd_test_lock();
     remove_tree(AT_FDCWD, jd_base);
     return tu_finish("test_jit_disk");
 }

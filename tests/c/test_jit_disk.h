@@ -37,5 +37,7 @@ unsigned char *jd_read_file(const char *path, size_t *size);
 
 /* The directory checks (test_jit_disk_dir.c). */
 void jd_test_dirs(void);
+/* The compile lock across processes (test_jit_disk_lock.c). */
+void jd_test_lock(void);
 
 #endif /* FA_TEST_JIT_DISK_H */

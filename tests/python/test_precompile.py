@@ -1,5 +1,6 @@
 """`flashattn precompile`'s output: a progress line rewritten in place on a terminal, none in a
-log; -v lines and failures as they happen; the summary either way.
+log; -v lines and failures as they happen; the summary either way. And processes that share a
+kernel cache compile each kernel once (the disk cache's compile lock).
 
 A configuration for compute capability 1.0 fails at once (below the oldest the kernels
 support), so a two-configuration run exercises a success and a failure in a few seconds."""
@@ -78,3 +79,21 @@ def test_terminal_progress_line():
     assert SUMMARY.search(last) and re.search(r"\r +\rprecompile: 2 configurations", last), \
         repr(last)
     assert "compiled sm_80" not in text  # -v lines only under -v
+
+
+def test_processes_share_compiles():
+    """Three processes precompiling one configuration into one empty cache at once: one compiles
+    it, the other two wait on each kernel's lock and find it on disk."""
+    assert os.path.isfile(CLI), "%s: build the project first (make build)" % CLI
+    env = dict(os.environ, FLASHATTN_CACHE_DIR=tempfile.mkdtemp(), CI="")
+    args = [CLI, "precompile", "--arch", "sm_80", "--hdim", "32", "--dtype", "fp16",
+            "--features", "none", "--jobs", "1"]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(3)]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    if any(nvrtc_missing(err) for _, err, _ in results):
+        return
+    summaries = [re.search(r"1 configurations, (\d) compiled, (\d) already cached, 0 failed", out)
+                 for out, _, _ in results]
+    assert all(rc == 0 for _, _, rc in results) and all(summaries), results
+    assert sorted(int(m.group(1)) for m in summaries) == [0, 0, 1], results
