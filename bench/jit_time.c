@@ -3,8 +3,8 @@
  * plans them (no GPU needed): the forward's module, the backward's, or both side by side in two
  * threads as a training step's first call compiles them (fa_attention_backward_prepare).
  *
- *   cc -O2 -D_GNU_SOURCE -Iinclude -Isrc -Ikernels bench/jit_time.c build/libflashattn.a \
- *       -lpthread -ldl -lm -fopenmp -o build/jit_time
+ *   make build        (or: cc -O2 -Iinclude -Isrc -Ikernels bench/jit_time.c \
+ *                       build/libflashattn.a -lpthread -ldl -lm -fopenmp -o build/jit_time)
  *   build/jit_time 'TEXT' [fwd|bwd|both] [options]
  *     TEXT      a mod in fa_mod_text's form, e.g. 'mask: kv_idx; q_idx; le $0 $1'
  *     --block-mask        with create_block_mask's 128 x 128 block mask (mask_mods' calls)
@@ -15,8 +15,10 @@
  *     --reps N            compiles of each (default 5): prints the least and the median, s
  *     --opt OPTION        an extra NVRTC option (e.g. --split-compile=0; 23 characters at most)
  * Each repetition compiles anew (the disk cache off, a define of its own in the key); NVRTC is
- * loaded by a built-in kernel's compile first.
+ * loaded by a built-in kernel's compile first. Exits 77 (skipped) without NVRTC. `make build`
+ * builds it too (tools/CMakeLists.txt), as build/jit_time.
  */
+#define _GNU_SOURCE
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,6 +112,11 @@ int main(int argc, char **argv)
     }
     if (reps < 1 || reps > 100)
         reps = 5;
+    const char *cuda = fa_cuda_status();
+    if (strstr(cuda, "nvrtc:  libnvrtc not found") || strstr(cuda, "lacks")) {
+        fprintf(stderr, "jit_time: NVRTC is missing, skipped\n%s\n", cuda);
+        return 77;
+    }
     setenv("FLASHATTN_CACHE_DIR", "", 1); /* no disk cache: every repetition compiles */
     fa_mod *m;
     if (fa_mod_parse(argv[1], &m) != FA_STATUS_OK) {
