@@ -61,7 +61,8 @@ static int jt_defines(fa_plan *p, int rep, const char *opt)
 {
     if (p->num_defines + 1 + (opt != NULL) > FA_PLAN_MAX_DEFINES)
         return 0;
-    snprintf(p->defines[p->num_defines++], sizeof p->defines[0], "-DFA_JIT_TIME_REP=%d", rep);
+    snprintf(p->defines[p->num_defines++], sizeof p->defines[0], "-DFA_JIT_REP=%u",
+             (unsigned)rep % 1000u);
     if (opt)
         snprintf(p->defines[p->num_defines++], sizeof p->defines[0], "%s", opt);
     return 1;
