@@ -25,6 +25,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cuda/fa_cuda_driver.h"
 #include "cuda/fa_jit.h"
 #include "flashattn.h"
 #include "mod/fa_mod_program.h"
@@ -113,9 +114,8 @@ int main(int argc, char **argv)
     }
     if (reps < 1 || reps > 100)
         reps = 5;
-    const char *cuda = fa_cuda_status();
-    if (strstr(cuda, "nvrtc:  libnvrtc not found") || strstr(cuda, "lacks")) {
-        fprintf(stderr, "jit_time: NVRTC is missing, skipped\n%s\n", cuda);
+    if (!fa_nvrtc_get()) {
+        fprintf(stderr, "jit_time: NVRTC is missing, skipped\n%s\n", fa_cuda_status());
         return 77;
     }
     setenv("FLASHATTN_CACHE_DIR", "", 1); /* no disk cache: every repetition compiles */

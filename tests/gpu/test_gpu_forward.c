@@ -496,8 +496,9 @@ int main(void)
     /* The dropout cases again with the Philox words from the producer's ring (the same mask,
      * FLASHATTN_SM90_DROP_RING=1, and 2 with the previous P V waited for after the softmax; the
      * plan takes it where the ring fits: d 64, 128, 256). */
-    for (const char *form = "1"; form; form = form[0] == '1' ? "2" : NULL) {
-        setenv("FLASHATTN_SM90_DROP_RING", form, 1);
+    static const char *const ring_forms[] = {"1", "2"};
+    for (int f = 0; f < 2; f++) {
+        setenv("FLASHATTN_SM90_DROP_RING", ring_forms[f], 1);
         for (size_t i = 0; i < sizeof sm90_cases / sizeof sm90_cases[0]; i++) {
             if (sm90_cases[i].c.dropout <= 0)
                 continue;
