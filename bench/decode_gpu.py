@@ -56,6 +56,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 
@@ -68,6 +69,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "python"))
+from flashattn import _cached as fa_cached  # noqa: E402
 from flashattn.flash_attn_interface import flash_attn_func, flash_attn_with_kvcache  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -198,14 +200,22 @@ def run_seconds(dev, fn, calls, clock):
     return time.perf_counter() - t0
 
 
+_ENV_CALLS = {}  # thread -> the call cache under --fa-env
+
+
 @contextlib.contextmanager
 def env_set(pairs):
-    """The environment with pairs set (the library reads its variables at each call's plan)."""
+    """The environment with pairs set (the library reads its variables at each call's plan),
+    and a call cache of its own: a cached call keeps the workspace size of its first plan."""
     old = {k: os.environ.get(k) for k in pairs}
     os.environ.update(pairs)
+    local = fa_cached._LOCAL
+    calls = getattr(local, "calls", None)
+    local.calls = _ENV_CALLS.setdefault(threading.get_ident(), {})
     try:
         yield
     finally:
+        local.calls = calls
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -323,9 +323,9 @@ fa_status fa_attention_forward(const fa_fwd_args *args);
  * query rows (at most FA_DECODE_MAX_ROWS per sequence, no dropout or probs; dense or varlen)
  * run the KV-cache call's schedule: the query heads of a kv head packed into one
  * tile, the keys cut into splits merged in the same call. On a device the splits' partials need
- * this much device memory, 256-byte aligned, given as workspace / workspace_size; without it
- * such a call runs unsplit (the same result, slower when few (sequence, kv head) pairs cannot
- * fill the device). Dense fp8 calls on sm_90 where many query rows read each key (at least
+ * this much device memory, 256-byte aligned, given as workspace / workspace_size; with less
+ * such a call runs as many splits as it holds, unsplit without one (the same result, slower
+ * when few (sequence, kv head) pairs cannot fill the device). Dense fp8 calls on sm_90 where many query rows read each key (at least
  * 2048 rows of max_seqlen_q * h / hk, halved when causal; 1024 at head dims above 128) ask for
  * b * hk * dv * round_up(sk, 16) bytes: V is transposed there ahead of the kernel, which is
  * then faster; without it the kernel transposes V itself (the same result).
@@ -463,8 +463,9 @@ int fa_probs_block_n(int head_dim, int dropout, int causal);
  * the call's first kernel has started, so a host launching steps back to back overlaps its next
  * launch with this step's kernels; it spins on the CPU meanwhile. Set skip_capacity_check to
  * skip it (required inside CUDA graph capture). Splits need workspace:
- * fa_attention_kvcache_workspace_size bytes of device memory, 256-byte aligned; with less (or
- * none) a call with num_splits 0 runs unsplit and one with num_splits > 1 is refused.
+ * fa_attention_kvcache_workspace_size bytes of device memory, 256-byte aligned; with less a
+ * call with num_splits 0 runs as many splits as it holds (unsplit without one) and one with
+ * num_splits > 1 is refused.
  * When two sequences write the same cache rows the result on a device is either's values.
  *
  * FP8 caches (vLLM's form): k_cache and v_cache FA_DTYPE_F8E4M3 or FA_DTYPE_F8E5M2 (both the

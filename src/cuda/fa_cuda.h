@@ -26,6 +26,8 @@ const char *fa_cuda_last_family(void);
 /* The decode family ("fa_decode.cu", "fa_decode_wg.cu") the calling thread's last decode (a
  * KV-cache call or a forward on the decode schedule) planned, "" before any. */
 const char *fa_cuda_decode_last_family(void);
+/* The key splits that decode ran (1: unsplit), 0 before any. */
+int fa_cuda_decode_last_splits(void);
 
 /* The kernels' parameter block (kernels/fa_kparams.h) for the validated problem p. */
 struct fa_kparams;

@@ -378,7 +378,11 @@ static fa_status fa_decode_combine(const fa_dkparams *dkc, fa_dtype out_dtype, i
  * whether a paged call checks cache_seqlens against block_table (FA_RULE_KV_FITS). */
 static _Thread_local const char *fa_decode_family_used = "";
 
+static _Thread_local int fa_decode_splits_used;
+
 const char *fa_cuda_decode_last_family(void) { return fa_decode_family_used; }
+
+int fa_cuda_decode_last_splits(void) { return fa_decode_splits_used; }
 
 static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg, void *ws,
                                size_t ws_size, int check_capacity)
@@ -389,18 +393,20 @@ static fa_status fa_decode_run(const fa_params *p, int device, void *stream_arg,
     if (s.splits > 1 && !s.cluster) {
         size_t lse_at;
         const size_t need = fa_decode_ws_bytes(p, s.splits, &lse_at);
-        const int fits = ws && ws_size >= need;
-        if (fits && (uintptr_t)ws % FA_WS_ALIGN != 0)
-            return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
-                                "workspace: must be %d-byte aligned", FA_WS_ALIGN);
-        if (!fits && p->num_splits > 1)
+        if ((!ws || ws_size < need) && p->num_splits > 1)
             return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
                                 "workspace: num_splits %d needs %zu bytes "
                                 "(fa_attention_kvcache_workspace_size), got %zu",
                                 s.splits, need, ws ? ws_size : 0);
-        if (!fits)
-            s.splits = 1;
+        /* The library's count, lowered to what the caller's workspace holds (one sized for
+         * another plan, or none). */
+        while (s.splits > 1 && (!ws || fa_decode_ws_bytes(p, s.splits, &lse_at) > ws_size))
+            s.splits--;
+        if (s.splits > 1 && (uintptr_t)ws % FA_WS_ALIGN != 0)
+            return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
+                                "workspace: must be %d-byte aligned", FA_WS_ALIGN);
     }
+    fa_decode_splits_used = s.splits;
 
     fa_cu_context ctx;
     int pushed;

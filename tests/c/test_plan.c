@@ -537,13 +537,15 @@ static void check_decode_wide(void)
                 }
     /* V from K's stages where v is k's column prefix: MLA's (both slices inside K's row),
      * with more stages than the separate V's plan; not where a slice passes K's row (dv 576
-     * over d 320) nor for narrow heads. */
+     * over d 320) nor for narrow heads. The sliced plan: sm_90 takes wgmma's by default. */
     const fa_plan_key mla = {90, FA_DTYPE_BF16, 576, 512, 0, 0, 0, 0};
     fa_plan sep, vin;
     fa_plan_key mla_vin = mla;
     mla_vin.features |= FA_PLAN_V_IN_K;
-    TU_CHECK(fa_plan_decode(&mla, 64, &sep) == FA_STATUS_OK &&
-                 fa_plan_decode(&mla_vin, 64, &vin) == FA_STATUS_OK &&
+    setenv("FLASHATTN_DECODE_WG", "0", 1);
+    const int vin_ok = fa_plan_decode(&mla_vin, 64, &vin) == FA_STATUS_OK;
+    unsetenv("FLASHATTN_DECODE_WG");
+    TU_CHECK(fa_plan_decode(&mla, 64, &sep) == FA_STATUS_OK && vin_ok &&
                  plan_define(&vin, "FA_V_IN_K") == 1 && plan_define(&sep, "FA_V_IN_K") < 0 &&
                  vin.stages > sep.stages && (int)vin.smem <= FA_SMEM_SM90_MAX,
              "MLA V in K: define %d, stages %d against %d, smem %u", plan_define(&vin, "FA_V_IN_K"),
@@ -564,15 +566,15 @@ static void check_decode_wide(void)
                  strncmp(fa_last_error(), "head_dim", 8) == 0,
              "decode d %d: \"%s\"", FA_CUDA_DECODE_MAX_HEAD_DIM + 1, fa_last_error());
 }
-/* MLA's decode on wgmma (fa_decode_wg.cu) with FLASHATTN_DECODE_WG=1: on sm_90 for d 512 / 576
- * with v k's prefix of 257 .. 512 columns, 64 x 64 tiles in two warpgroups, its shared memory
- * within the CTA's; the sliced plan everywhere else (no V in K, sm_80, fp8 caches, dv <= 256,
- * d 320), and without the variable. */
+/* MLA's decode on wgmma (fa_decode_wg.cu) by default: on sm_90 for d 512 / 576 with v k's
+ * prefix of 257 .. 512 columns, 64 x 64 tiles in two warpgroups, its shared memory within the
+ * CTA's; the sliced plan everywhere else (no V in K, sm_80, fp8 caches, dv <= 256, d 320), and
+ * with FLASHATTN_DECODE_WG=0. */
 static void check_decode_wg(void)
 {
     static const int dims[][2] = {{576, 512}, {576, 320}, {512, 512}, {520, 300}};
     fa_plan plan;
-    setenv("FLASHATTN_DECODE_WG", "1", 1);
+    unsetenv("FLASHATTN_DECODE_WG");
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         for (unsigned paged = 0; paged <= FA_PLAN_PAGED; paged += FA_PLAN_PAGED)
             for (int64_t rows = 1; rows <= 256; rows *= 16) {
@@ -605,11 +607,12 @@ static void check_decode_wg(void)
                      strcmp(plan.family, "fa_decode.cu") == 0,
                  "sm_%d d %d dv %d features %#x: %s", others[i].arch, others[i].d, others[i].dv,
                  others[i].features, plan.family);
-    unsetenv("FLASHATTN_DECODE_WG");
+    setenv("FLASHATTN_DECODE_WG", "0", 1);
     const fa_plan_key mla = {90, FA_DTYPE_BF16, 576, 512, FA_PLAN_V_IN_K, 0, 0, 0};
     TU_CHECK(fa_plan_decode(&mla, 64, &plan) == FA_STATUS_OK &&
                  strcmp(plan.family, "fa_decode.cu") == 0,
-             "wg decode without FLASHATTN_DECODE_WG: %s", plan.family);
+             "wg decode with FLASHATTN_DECODE_WG=0: %s", plan.family);
+    unsetenv("FLASHATTN_DECODE_WG");
 }
 
 static void check_backward_wide(void)

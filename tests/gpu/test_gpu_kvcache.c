@@ -6,7 +6,8 @@
  *   caches: after the append equal to the CPU's (rotated keys within one rounding; fp8 caches:
  *           the same codes, rotated keys at most one code apart)
  *   every output element written, and a second run bitwise identical to the first.
- * Then bad indices (clamped in the kernel, never a fault) and the paged capacity check.
+ * Then bad indices (clamped in the kernel, never a fault), the paged capacity check and a
+ * workspace smaller than the call asks for (fewer splits, the same results).
  * Exits 77 (skipped) when no CUDA device is usable.
  */
 #include <math.h>
@@ -148,10 +149,11 @@ static void poison_unused_rows(const kv_case *c, gpu_buf *kc, gpu_buf *vc, const
     free(used);
 }
 
-static void run_case(const kv_case *c, fa_dtype dt)
+/* The caller's workspace: this fraction of what the call asks for (1: all of it). */
+static size_t ws_divisor = 1;
+
+static void run_case_on(const kv_case *c, fa_dtype dt)
 {
-    if (!gu_shard_take(gu_attn_cost(c->b, c->h, c->sq, c->cap, c->d, c->dv, 0)))
-        return;
     const int paged = c->page > 0;
     const int max_blocks = paged ? (c->cap + c->page - 1) / c->page : 0;
     const int cap = paged ? max_blocks * c->page : c->cap;
@@ -268,7 +270,7 @@ static void run_case(const kv_case *c, fa_dtype dt)
     size_t ws_size = fa_attention_kvcache_workspace_size(&dev);
     if (ws_size) {
         CHECK_CU(gu_drv->mem_alloc(&ws, ws_size));
-        dev.workspace = (void *)(uintptr_t)ws, dev.workspace_size = ws_size;
+        dev.workspace = (void *)(uintptr_t)ws, dev.workspace_size = ws_size / ws_divisor;
     } else if (c->splits > 16) {
         /* Up to 16 splits may merge inside a thread block cluster (sm_90) and need none. */
         FAIL("no workspace for num_splits %d: %s", c->splits, fa_last_error());
@@ -565,7 +567,34 @@ static void run_combine(fa_dtype dt, int splits, int dv)
         gu_buf_free(all[i]);
 }
 
-/* MLA's decode on wgmma (fa_decode_wg.cu, FLASHATTN_DECODE_WG=1 on sm_90): v k's column prefix,
+static void run_case(const kv_case *c, fa_dtype dt)
+{
+    if (gu_shard_take(gu_attn_cost(c->b, c->h, c->sq, c->cap, c->d, c->dv, 0)))
+        run_case_on(c, dt);
+}
+
+/* A workspace a third of the size the call asks for (one sized for another plan): the library's
+ * split count lowered to what it holds, not dropped to one, and the same results. */
+static void run_short_workspace(fa_dtype dt)
+{
+    const kv_case cc = {"short workspace mqa8", 1, 8, 1, 1, 128, 128, 8000, 0, 0, 0, 0, 0, 0, 0,
+                        -1, -1, 0, 0, 0, 0, 0, 0, 0};
+    const kv_case *c = &cc;
+    run_case_on(c, dt);
+    const int full = fa_cuda_decode_last_splits();
+    ws_divisor = 3;
+    run_case_on(c, dt);
+    ws_divisor = 1;
+    const int part = fa_cuda_decode_last_splits();
+    if (full <= 16 || part <= 1 || part >= full)
+        FAIL("splits %d with the whole workspace, %d with a third: expected 16 < full, 1 < third "
+             "< full", full, part);
+    else
+        printf("ok  %-28s %s  splits %d, with a third of the workspace %d\n", c->name,
+               fa_dtype_name(dt), full, part);
+}
+
+/* MLA's decode on wgmma (fa_decode_wg.cu, sm_90's default): v k's column prefix,
  * one and several 64-row tiles a kv head, contiguous and paged (pages shorter and longer than a
  * 64-key block), splits, the fused append, causal rows, every scoring option, d 512 / dv 320 and
  * a padded d 520 / dv 300. */
@@ -583,27 +612,29 @@ int main(void)
     const int start = gu_start("test_gpu_kvcache", 0x13572468acebdf01ull);
     if (start != 0)
         return start;
+    /* MLA's shapes on the sliced mma.sync plan here, on wgmma (sm_90's default) below */
+    setenv("FLASHATTN_DECODE_WG", "0", 1);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         run_case(&cases[i], FA_DTYPE_BF16);
         run_case(&cases[i], FA_DTYPE_F16);
     }
+    unsetenv("FLASHATTN_DECODE_WG");
     int arch = 0, smem = 0;
     if (fa_cuda_device_arch(0, &arch, &smem) != FA_STATUS_OK) {
         fprintf(stderr, "no arch: %s\n", fa_last_error());
         return 1;
     }
-    setenv("FLASHATTN_DECODE_WG", "1", 1);
     expect_family = arch == 90 ? "fa_decode_wg.cu" : "fa_decode.cu";
     for (size_t i = 0; i < sizeof wg_cases / sizeof wg_cases[0]; i++) {
         run_case(&wg_cases[i], FA_DTYPE_BF16);
         run_case(&wg_cases[i], FA_DTYPE_F16);
     }
     expect_family = NULL;
-    unsetenv("FLASHATTN_DECODE_WG");
     if (gu_shard_take(1e6)) {
         run_bad_indices();
         run_alias_rotary(FA_DTYPE_BF16);
         run_alias_rotary(FA_DTYPE_F16);
+        run_short_workspace(FA_DTYPE_BF16);
         run_combine(FA_DTYPE_BF16, 37, 96);
         run_combine(FA_DTYPE_BF16, 12, 200);
         run_combine(FA_DTYPE_BF16, 5, 200);
