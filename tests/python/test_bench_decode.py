@@ -125,3 +125,29 @@ sys.exit(decode_gpu.main(sys.argv[1:]))
     assert r.returncode == 2, r.stdout + r.stderr
     for x in table(r.stdout):
         assert (x["fa/best"] == "WRONG") == x["case"].startswith("kvcache fp8 "), x
+
+
+def test_fa_env_call_cache():
+    # --fa-env: the variables set only inside env_set, and calls made there cached apart (a
+    # cached call keeps the workspace size of its first plan, which the variables may change);
+    # the default's cache back afterwards. Then a table with the fa* column.
+    code = """
+from flashattn import _cached
+_cached._LOCAL.calls = outer = {"default": 1}
+with decode_gpu.env_set({"FLASHATTN_TEST_VAR": "7"}):
+    assert os.environ["FLASHATTN_TEST_VAR"] == "7"
+    inner = _cached._LOCAL.calls
+    assert inner is not outer and "default" not in inner
+    inner["env"] = 2
+assert "FLASHATTN_TEST_VAR" not in os.environ and _cached._LOCAL.calls is outer
+with decode_gpu.env_set({"FLASHATTN_TEST_VAR": "7"}):
+    assert _cached._LOCAL.calls is inner
+print("env_set ok")
+"""
+    r = run([], "import os\n" + code)
+    assert r.returncode == 0 and "env_set ok" in r.stdout, r.stdout + r.stderr
+    r = run(["--device", "cpu", "--smoke", "--batch", "2", "--context", "300", "--reps", "3",
+             "--only", "kvcache", "--fa-env", "FLASHATTN_DECODE_WG=0"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    for x in table(r.stdout):
+        assert float(x["fa* us"]) > 0 and x["note"] == "", x
