@@ -18,7 +18,7 @@ Cases (one table line each):
 --dv gives v its own head dim; --v-in-k makes v the first dv columns of k (MLA's decode, one
 cache: `--d 576 --dv 512 --gqa mqa --v-in-k`). --fa-env NAME=VALUE adds flashattn under those
 environment variables as column fa* (an A/B of a plan switch in one process, e.g.
-`--fa-env FLASHATTN_DECODE_WG=1`); fa/best stays the default's.
+`--fa-env FLASHATTN_DECODE_WG=0`); fa/best stays the default's.
 q has `rows` rows; causal is bottom-right aligned (query row i sees keys j <= i + context -
 rows), so one row sees every key. No new k/v is appended: the step reads the cache only.
 Default axes: d 128, 32 query heads over 8 kv heads (--gqa 4), bf16, batch 1/8/32/128 x context
@@ -134,7 +134,7 @@ def parse_options(argv):
                          "a step (MLA's measure, where many heads make the step compute-bound)")
     ap.add_argument("--fa-env", help="NAME=VALUE[,NAME=VALUE]: also flashattn with these "
                     "environment variables set (column fa*, its error checked as fa's), e.g. "
-                    "FLASHATTN_DECODE_WG=1 or FLASHATTN_DECODE_TILE=128,2,1,4")
+                    "FLASHATTN_DECODE_WG=0 or FLASHATTN_DECODE_TILE=128,2,1,4")
     opts = ap.parse_args(argv)
     defaults = SMOKE if opts.smoke else FULL
     for name, value in defaults.items():

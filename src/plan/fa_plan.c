@@ -352,8 +352,9 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
         fa_plan_define(plan, "FA_MOD_MASK_FIRST", 1);
     /* Dropout's Philox runs in the producer warpgroup, its words through a ring in shared memory
      * (fa_fwd_sm90_drop.cuh), only with FLASHATTN_SM90_DROP_RING=1 (or 2: the wait for the
-     * previous P V after the softmax, as without dropout) until measured: two consumers, no mods,
-     * where the ring fits beside the stages. */
+     * previous P V after the softmax, as without dropout), since both forms ran slower than the
+     * consumers' own Philox at d 64 and 128: two consumers, no mods, where the ring fits beside
+     * the stages. */
     const char *ring = getenv("FLASHATTN_SM90_DROP_RING");
     const int ring_form = ring && ring[0] >= '1' && ring[0] <= '2' && !ring[1] ? ring[0] - '0' : 0;
     if ((key->features & FA_FEATURE_DROPOUT) && !mods && row.consumers == 2 && ring_form &&
