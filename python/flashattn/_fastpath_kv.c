@@ -1,6 +1,6 @@
 /*
  * flashattn._fastpath's kvcache(): flash_attn_with_kvcache's torch call done in C, a cache in
- * front of its Python route (_route.kvcache_any -> _torch_ops.kvcache_call -> _cached). A
+ * front of its Python route (_route.kvcache_any -> _torch_kvcache.kvcache_call -> _cached). A
  * decoding step's attention can take less time than the Python that prepares it.
  *
  * A plain eager call without gradients, whose tensors are torch.Tensor or None (cache_seqlens
@@ -81,7 +81,7 @@ int fp_kv_bind(PyObject *table)
     return 0;
 }
 
-/* The checks of _torch_ops.kvcache_call's eager step that need no tensor attribute: 1 if the
+/* The checks of _torch_kvcache.kvcache_call's eager step that need no tensor attribute: 1 if the
  * arguments are plain (tensors exact torch.Tensor or None, options of their plain types),
  * else 0. */
 static int kv_plain_arguments(PyObject *const *a)

@@ -5,8 +5,8 @@
     torch.ops.flashattn.varlen_fwd_paged (..., block_table, ...)    -> the same, forward only
     torch.ops.flashattn.bwd         (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
     torch.ops.flashattn.varlen_bwd  (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
-    torch.ops.flashattn.kvcache     (q, k_cache!, v_cache!, ...)    -> out, lse
-    torch.ops.flashattn.combine     (out_partial, lse_partial, merged!) -> lse
+
+and, from _torch_kvcache (imported here), torch.ops.flashattn.kvcache and .combine.
 
 Imported on the first torch call (``import flashattn`` does not import torch). Each op has a
 fake implementation for tracing and the forward ops carry an autograd formula
@@ -17,7 +17,7 @@ which is what AOT autograd wants; kvcache and combine declare what they write.
 The public functions call the ops whenever torch could observe the difference: under
 torch.compile, a dispatch or function mode, functorch transforms, or with tensor subclasses.
 Otherwise (plain eager tensors) they run the same kernel functions and the same autograd
-formula directly (``_eager``): the dispatcher's Python round trips through a custom op cost
+formula directly (``_torch_call.is_eager``): the dispatcher's Python round trips through a custom op cost
 tens of microseconds per call, more than the kernel launch itself on small inputs.
 
 The kernels are Python functions over ``_core``, registered for the device types in
@@ -50,13 +50,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _arrays, _cached, _core, _kvcache
+from . import _arrays, _cached, _core
 from ._lib import FlashAttnError
+from ._torch_call import DEVICE_TYPES, OptT, T, is_eager, needs_grad, run
+# The KV-cache and combine ops (registered on import) and their public functions' torch side.
+from ._torch_kvcache import combine_call, kvcache_call  # noqa: F401
 
-DEVICE_TYPES = ("cpu", "cuda")
-
-_T = torch.Tensor
-_OptT = Optional[torch.Tensor]
 _Result = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -122,7 +121,7 @@ def _refuse_capture(device, dropout_p):
 # Forward ops
 
 
-def _fwd_impl(q: _T, k: _T, v: _T, alibi_slopes: _OptT, learnable_sink: _OptT, seed: _OptT,
+def _fwd_impl(q: T, k: T, v: T, alibi_slopes: OptT, learnable_sink: OptT, seed: OptT,
               dropout_p: float, softmax_scale: Optional[float], causal: bool,
               window_size_left: int, window_size_right: int, softcap: float,
               return_softmax: bool, deterministic: bool) -> _Result:
@@ -175,8 +174,8 @@ def _fwd_fake(q, k, v, alibi_slopes, learnable_sink, seed, dropout_p, softmax_sc
     return out, lse, S, q.new_empty((2,), dtype=torch.int64)
 
 
-def _varlen_fwd_impl(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T,
-                     seqused_k: _OptT, alibi_slopes: _OptT, learnable_sink: _OptT, seed: _OptT,
+def _varlen_fwd_impl(q: T, k: T, v: T, cu_seqlens_q: T, cu_seqlens_k: T,
+                     seqused_k: OptT, alibi_slopes: OptT, learnable_sink: OptT, seed: OptT,
                      max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                      softmax_scale: Optional[float], causal: bool, window_size_left: int,
                      window_size_right: int, softcap: float, return_softmax: bool,
@@ -211,9 +210,9 @@ varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", _varlen_fwd_impl, 
                                      device_types=DEVICE_TYPES)
 
 
-def _varlen_paged_impl(q: _T, k: _T, v: _T, cu_seqlens_q: _T, cu_seqlens_k: _T,
-                       seqused_k: _OptT, block_table: _T, alibi_slopes: _OptT,
-                       learnable_sink: _OptT, seed: _OptT, max_seqlen_q: int, max_seqlen_k: int,
+def _varlen_paged_impl(q: T, k: T, v: T, cu_seqlens_q: T, cu_seqlens_k: T,
+                       seqused_k: OptT, block_table: T, alibi_slopes: OptT,
+                       learnable_sink: OptT, seed: OptT, max_seqlen_q: int, max_seqlen_k: int,
                        dropout_p: float, softmax_scale: Optional[float], causal: bool,
                        window_size_left: int, window_size_right: int, softcap: float,
                        return_softmax: bool) -> _Result:
@@ -261,8 +260,8 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slope
 # Backward ops
 
 
-def _bwd_impl(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, alibi_slopes: _OptT,
-              learnable_sink: _OptT, rng_state: _T, dropout_p: float,
+def _bwd_impl(dout: T, q: T, k: T, v: T, out: T, lse: T, alibi_slopes: OptT,
+              learnable_sink: OptT, rng_state: T, dropout_p: float,
               softmax_scale: Optional[float], causal: bool, window_size_left: int,
               window_size_right: int, softcap: float, deterministic: bool) -> _Result:
     seed, offset = _seed_offset(rng_state, dropout_p)
@@ -297,9 +296,9 @@ def _bwd_fake(dout, q, k, v, out, lse, alibi_slopes, learnable_sink, rng_state, 
     return _grads_fake(q, k, v, learnable_sink)
 
 
-def _varlen_bwd_impl(dout: _T, q: _T, k: _T, v: _T, out: _T, lse: _T, cu_seqlens_q: _T,
-                     cu_seqlens_k: _T, seqused_k: _OptT, alibi_slopes: _OptT,
-                     learnable_sink: _OptT, rng_state: _T, max_seqlen_q: int,
+def _varlen_bwd_impl(dout: T, q: T, k: T, v: T, out: T, lse: T, cu_seqlens_q: T,
+                     cu_seqlens_k: T, seqused_k: OptT, alibi_slopes: OptT,
+                     learnable_sink: OptT, rng_state: T, max_seqlen_q: int,
                      max_seqlen_k: int, dropout_p: float, softmax_scale: Optional[float],
                      causal: bool, window_size_left: int, window_size_right: int,
                      softcap: float, deterministic: bool) -> _Result:
@@ -324,51 +323,6 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sequse
                      dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                      softcap, deterministic):
     return _grads_fake(q, k, v, learnable_sink)
-
-
-# --------------------------------------------------------------------------------------------
-# Calling an op: through the dispatcher, or its kernel and formula directly
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _eager(tensors):
-    """Whether running an op's kernel (and autograd formula) directly is indistinguishable from
-    calling the op: nothing is tracing or compiling, no mode or functorch transform intercepts
-    ops, and every tensor is a plain one (a subclass may override any op)."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state()):
-        return False
-    for t in tensors:
-        if t is not None and type(t) not in _PLAIN:
-            return False
-    return True
-
-
-def _needs_grad(tensors):
-    if not torch.is_grad_enabled():
-        return False
-    for t in tensors:
-        if t is not None and t.requires_grad:
-            return True
-    return False
-
-
-def _run(op, impl, function, tensors, args, eager):
-    """op(*args), or where ``eager`` (``_eager(tensors)``) the same through ``impl`` (the op's
-    kernel) and ``function`` (an autograd.Function with the op's formula, applied to the
-    tensor arguments, which come first in ``args``, and a tuple of the others; None for an op
-    without a formula, which then goes through the dispatcher whenever gradients are
-    recorded)."""
-    if eager:
-        if not _needs_grad(tensors):
-            return impl(*args)
-        if function is not None:
-            n = len(tensors)
-            return function.apply(*args[:n], args[n:])
-    return op(*args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,8 +354,8 @@ def _fwd_backward(ctx, dout, _dlse, _dS, _drng):
     args = (dout, q, k, v, out, lse, alibi, sink,
             _host_rng_state(rng_state, seed)) + ctx.options
     tensors = (dout, q, k, v, out, lse, alibi, sink)
-    dq, dk, dv, dsink = _run(torch.ops.flashattn.bwd, _bwd_impl, None, tensors, args,
-                             _eager(tensors))
+    dq, dk, dv, dsink = run(torch.ops.flashattn.bwd, _bwd_impl, None, tensors, args,
+                             is_eager(tensors))
     return (dq, dk, dv, None, _sink_grad(ctx, 4, dsink)) + (None,) * 9
 
 
@@ -426,8 +380,8 @@ def _varlen_backward(ctx, dout, _dlse, _dS, _drng):
     args = (dout, q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink,
             _host_rng_state(rng_state, seed)) + ctx.options
     tensors = (dout, q, k, v, out, lse, cu_q, cu_k, used_k, alibi, sink)
-    dq, dk, dv, dsink = _run(torch.ops.flashattn.varlen_bwd, _varlen_bwd_impl, None, tensors,
-                             args, _eager(tensors))
+    dq, dk, dv, dsink = run(torch.ops.flashattn.varlen_bwd, _varlen_bwd_impl, None, tensors,
+                             args, is_eager(tensors))
     return (dq, dk, dv, None, None, None, None, _sink_grad(ctx, 7, dsink)) + (None,) * 11
 
 
@@ -435,7 +389,7 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 
 
 class _DenseFn(torch.autograd.Function):
-    """flashattn::fwd with its registered formula, for ``_run``: (q, k, v, alibi_slopes,
+    """flashattn::fwd with its registered formula, for ``run``: (q, k, v, alibi_slopes,
     learnable_sink, the other arguments as a tuple), since every argument of apply costs."""
 
     @staticmethod
@@ -471,7 +425,7 @@ class _DenseFastFn(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         tensors = (dout, q, k, v, out, lse)
-        if _eager(tensors) and not _needs_grad(tensors):
+        if is_eager(tensors) and not needs_grad(tensors):
             _, scale, causal, left, right, softcap, deterministic = ctx.options
             dq, dk, dv = _cached.backward_dense_torch(dout, q, k, v, out, lse, 0.0, scale,
                                                       causal, (left, right), softcap, 0, 0,
@@ -484,7 +438,7 @@ class _DenseFastFn(torch.autograd.Function):
 
 
 class _VarlenFn(torch.autograd.Function):
-    """flashattn::varlen_fwd with its registered formula, for ``_run``: the eight tensor
+    """flashattn::varlen_fwd with its registered formula, for ``run``: the eight tensor
     arguments, then the others as a tuple."""
 
     @staticmethod
@@ -497,131 +451,6 @@ class _VarlenFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return _varlen_backward(ctx, *grads)[:8] + (None,)
-
-
-# --------------------------------------------------------------------------------------------
-# KV cache: appends k/v into the caches in place (hence mutates_args), then attends
-
-
-@torch.library.custom_op("flashattn::kvcache", mutates_args=("k_cache", "v_cache"),
-                         device_types=("cpu",))
-def kvcache(q: _T, k_cache: _T, v_cache: _T, k: _OptT, v: _OptT, rotary_cos: _OptT,
-            rotary_sin: _OptT, cache_seqlens: _OptT, cache_batch_idx: _OptT,
-            cache_leftpad: _OptT, block_table: _OptT, alibi_slopes: _OptT,
-            learnable_sink: _OptT, softmax_scale: Optional[float], causal: bool,
-            window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
-            num_splits: int, k_descale: _OptT = None,
-            v_descale: _OptT = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-                         learnable_sink, softmax_scale, causal, window_left, window_right,
-                         softcap, rotary_interleaved, num_splits, k_descale, v_descale)
-
-
-def _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-                  softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  num_splits, k_descale=None, v_descale=None):
-    """flashattn::kvcache's kernel on either device: the C library's KV-cache call on q's
-    device, its preparation cached per call signature."""
-    return _cached.kvcache_torch(
-        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-         cache_leftpad, block_table, alibi_slopes, learnable_sink, k_descale, v_descale),
-        softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-        num_splits)
-
-
-@kvcache.register_kernel("cuda")
-def _kvcache_cuda(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-                  softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  num_splits, k_descale=None, v_descale=None):
-    """flashattn::kvcache's CUDA kernel: the same call (append, attention over the cache in
-    place, split merge) on the current stream."""
-    return _kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-                         learnable_sink, softmax_scale, causal, window_left, window_right,
-                         softcap, rotary_interleaved, num_splits, k_descale, v_descale)
-
-
-@kvcache.register_fake
-def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                  cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-                  softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  num_splits, k_descale=None, v_descale=None):
-    b, sq, h = q.shape[0], q.shape[1], q.shape[2]
-    out = q.new_empty((b, sq, h, v_cache.shape[-1]))
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    return out, lse
-
-
-def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, learnable_sink,
-                 softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
-                 want_lse=True, k_descale=None, v_descale=None):
-    """flash_attn_with_kvcache for torch tensors: the op (the C library's KV-cache call on
-    the tensors' device), with an int cache_seqlens turned into the int32 (b,) tensor the op
-    takes, as upstream does. Eager calls run the op's kernel directly (the dispatcher costs more
-    than a decoding step's attention), and without the lse where ``want_lse`` is false (a
-    repeated eager call then returns None for it)."""
-    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = torch.full((q.shape[0],), _core.as_int(cache_seqlens, "cache_seqlens",
-                                                                _core.INT32),
-                                   dtype=torch.int32, device=q.device)
-    left, right = _core.window_pair(window_size)
-    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table, alibi_slopes, learnable_sink,
-            _core.as_scale(softmax_scale), _core.as_bool(causal, "causal"), left, right,
-            _core.as_float(softcap, "softcap"),
-            _core.as_bool(rotary_interleaved, "rotary_interleaved"),
-            _core.as_int(num_splits, "num_splits", _core.INT32), k_descale, v_descale)
-    # The op's inputs in the prepared call's order (_cached.kvcache_torch), then its scalars.
-    tensors, scalars = args[:13] + args[20:], args[13:20]
-    eager = _eager(tensors) and not _needs_grad(tensors)
-    if eager:
-        # A signature already prepared had every tensor on q's device: its checks passed.
-        res = _cached.kvcache_repeat(tensors, *scalars, want_lse=want_lse)
-        if res is not None:
-            return res
-    # Devices named by argument, rather than left to the dispatcher's missing-kernel message.
-    for name, x in zip(_kvcache.ARG_NAMES, tensors):
-        if isinstance(x, torch.Tensor):
-            _arrays.check_device(x, name, cuda=True)
-            if x.device != q.device:
-                raise FlashAttnError("%s: expected a tensor on %s like q, got %s"
-                                     % (name, q.device, x.device))
-    if k is not None or v is not None:
-        _arrays.refuse_overlap(k_cache, "k_cache", _arrays.APPENDED, _arrays.TORCH)
-        _arrays.refuse_overlap(v_cache, "v_cache", _arrays.APPENDED, _arrays.TORCH)
-    if eager:
-        return _kvcache_impl(*args)
-    return kvcache(*args)
-
-
-# --------------------------------------------------------------------------------------------
-# Combine: merges split results into the caller's (or a new) out, returns lse
-
-
-def _combine_impl(out_partial: _T, lse_partial: _T, merged: _T) -> _T:
-    return _kvcache.combine_run(_arrays.TORCH, out_partial, lse_partial, merged)
-
-
-combine = torch.library.custom_op("flashattn::combine", _combine_impl, mutates_args=("merged",),
-                                  device_types=DEVICE_TYPES)
-
-
-@combine.register_fake
-def _combine_fake(out_partial, lse_partial, merged):
-    b, sq, h = out_partial.shape[1], out_partial.shape[2], out_partial.shape[3]
-    return torch.empty_strided((b, sq, h), (h * sq, 1, sq), dtype=lse_partial.dtype,
-                               device=out_partial.device)
-
-
-def combine_call(out_partial, lse_partial, merged):
-    """flash_attn_combine for torch tensors: lse, with ``merged`` written."""
-    tensors = (out_partial, lse_partial, merged)
-    return _run(torch.ops.flashattn.combine, _combine_impl, None, tensors, tensors,
-                _eager(tensors))
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,9 +503,9 @@ def fp8_forward(q, k, v, names=None, **options):
     than at the backward) and no custom op (eager calls only)."""
     names = dict(names or {}, probs="return_attn_probs")
     tensors = (q, k, v)
-    if _needs_grad(tensors):
+    if needs_grad(tensors):
         raise NotImplementedError(_FP8_NO_BACKWARD % names.get("q", "q"))
-    if not _eager(tensors):
+    if not is_eager(tensors):
         raise NotImplementedError("%s: fp8 inputs run eagerly only (not under torch.compile, "
                                   "tracing or a tensor subclass)" % names.get("q", "q"))
     return _core.forward(q, k, v, kind=_arrays.TORCH, names=names, **options)
@@ -706,7 +535,7 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
             sinks=learnable_sink, return_softmax=return_softmax)
         return _fp8_result(q, out, lse, S, return_softmax, want)
     tensors = (q, k, v, alibi_slopes, learnable_sink)
-    eager = _eager(tensors)
+    eager = is_eager(tensors)
     if not eager:
         nm = lambda n: names.get(n, n)  # noqa: E731
         _check_devices([(nm("q"), q), (nm("k"), k), (nm("v"), v),
@@ -719,7 +548,7 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
                 and q.dtype != torch.float64 and q.dim() == 4):
             # The other scalars as the caller gave them: _core checks and converts them, and
             # the prepared call's signature holds them as _fastpath sees them.
-            if not _needs_grad(tensors):
+            if not needs_grad(tensors):
                 out, lse = _cached.forward_dense_torch(q, k, v, 0.0, softmax_scale, causal,
                                                        window, softcap, 0, want_lse=want)
                 return out, lse, None
@@ -732,10 +561,10 @@ def dense(q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slop
         args = (q, k, v, alibi_slopes, learnable_sink, draw_seed(dropout_p, q), dropout_p,
                 softmax_scale, causal, window[0], window[1], softcap, bool(return_softmax),
                 deterministic)
-        if eager and want is not None and not _needs_grad(tensors):
+        if eager and want is not None and not needs_grad(tensors):
             out, lse, S, _ = _fwd_outputs(*args[:-1])
             return out, lse.float(), S
-        out, lse, S, rng_state = _run(torch.ops.flashattn.fwd, _fwd_impl, _DenseFn, tensors,
+        out, lse, S, rng_state = run(torch.ops.flashattn.fwd, _fwd_impl, _DenseFn, tensors,
                                       args, eager)
     except FlashAttnError as e:
         raise _renamed(e, names) from None
@@ -773,7 +602,7 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, learnable_sink)
     if block_table is not None:
         tensors = tensors[:6] + (block_table,) + tensors[6:]
-    eager = _eager(tensors)
+    eager = is_eager(tensors)
     if not eager:
         _check_devices([(nm("q"), q), (nm("k"), k), (nm("v"), v),
                         (nm("cu_seqlens_q"), cu_seqlens_q), (nm("cu_seqlens_k"), cu_seqlens_k),
@@ -791,7 +620,7 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     else:
         op, impl, function = torch.ops.flashattn.varlen_fwd_paged, _varlen_paged_impl, None
     try:
-        out, lse, S, rng_state = _run(op, impl, function, tensors, args, eager)
+        out, lse, S, rng_state = run(op, impl, function, tensors, args, eager)
     except FlashAttnError as e:
         raise _renamed(e, names) from None
     return out, lse.float(), S, rng_state
