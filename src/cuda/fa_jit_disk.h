@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda/fa_jit_hash.h"
+
 /* Disk cache. The key is the full text the cubin depends on; the entry is found by its hash, and
  * its header repeats the key and carries a tag keyed by the directory's secret, so a collision, a
  * damaged file or one written without the secret reads as a miss. */
@@ -46,20 +48,6 @@ int fa_jit_disk_lock(fa_jit_disk *disk, const char *key, double *waited_ms);
 void fa_jit_disk_unlock(int lock);
 /* The file name of key's entry in the cache directory (size >= 40). */
 void fa_jit_disk_entry_name(const char *key, char *name, size_t size);
-
-/* SipHash-2-4, fed in pieces: the keyed hash of the disk cache's tags. */
-#define FA_JIT_SECRET_SIZE 16
-typedef struct fa_jit_mac {
-    uint64_t v[4];
-    uint64_t total;        /* bytes fed */
-    unsigned char tail[8]; /* the last total % 8 of them */
-} fa_jit_mac;
-void fa_jit_mac_init(fa_jit_mac *m, const unsigned char key[FA_JIT_SECRET_SIZE]);
-void fa_jit_mac_update(fa_jit_mac *m, const void *data, size_t size);
-uint64_t fa_jit_mac_final(fa_jit_mac *m);
-
-/* 64-bit hashes for keys and checksums. */
-uint64_t fa_jit_hash(const void *data, size_t size, uint64_t seed);
 
 /* Nonzero when FLASHATTN_LOG asks for compile and cache messages on stderr. */
 static inline int fa_jit_logging(void)
