@@ -116,9 +116,10 @@ static void fa_plan_decode_wide(const fa_plan_key *key, int wm, int paged, int v
  * MLA's decode on wgmma (kernels/fa_decode_wg.cu), sm_90: d 512 or 576 (padded), v k's column
  * prefix of 257 .. 512 columns (FA_PLAN_V_IN_K), q's dtype in the cache; 64-row tiles, 64-key
  * blocks, two warpgroups (S once per block, O's columns halved between them), as many stages
- * as fit (two at d 576). It reads S once where the sliced plan reads it per 256-column slice
- * and ran faster at every batch and context measured; FLASHATTN_DECODE_WG=0 takes the sliced
- * plan. Returns 0 (plan untouched) where it does not apply.
+ * as fit (two at d 576). It computes S once where the sliced plan computes it per 256-column
+ * slice, and was no slower (within noise) at any batch and context measured;
+ * FLASHATTN_DECODE_WG=0 takes the sliced plan. Returns 0 (plan untouched) where it does not
+ * apply.
  */
 static int fa_plan_decode_wg(const fa_plan_key *key, int kvb, int paged, fa_plan *plan)
 {
