@@ -100,6 +100,8 @@ def main():
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--only", default="", help="a regular expression: the cases whose names match")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one timed run")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="flashattn alone (A/B runs of two builds: bench/ab.sh)")
     opts = ap.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -114,7 +116,8 @@ def main():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, s, d, generator=g).to(dev, dt) for _ in range(3))
     compiled = None
-    if tflex is not None and not opts.smoke and (gpu or not opts.backward):
+    if (tflex is not None and not opts.smoke and not opts.no_torch and
+            (gpu or not opts.backward)):
         compiled = torch.compile(tflex.flex_attention, dynamic=False)
     print("flex: torch %s, %s; b 1, h %d, s %d, d %d, %s, ms (best of %d)"
           % (torch.__version__, torch.cuda.get_device_name(dev) if gpu else
@@ -184,7 +187,7 @@ def main():
                                           block_mask=tbm)
                 ref = theirs()
                 theirs_ms = best_ms(theirs, reps, dev)
-            elif tflex is not None:
+            elif tflex is not None and not opts.no_torch:
                 tbm = tflex.create_block_mask(mask_mod, None, None, s, s, device=dev)
                 ref = tflex.flex_attention(q, k, v, score_mod=score_mod, block_mask=tbm)
             if ref is not None:

@@ -10,7 +10,8 @@ compiled first by a built-in causal call, outside the figures. The shapes are sm
 d 128), so the figures are the host's and the compiler's, not the kernels'. --train-first
 skips the forward-only column: the first call is a training step's, whose backward kernels
 compile on a thread beside the forward's (fa_attention_backward_prepare); run it in its own
-process, as the cache must start empty.
+process, as the cache must start empty. NVRTC (CUDA 12.9+) keeps a cache of its own in the
+driver's compute cache, so CUDA_CACHE_PATH points at an empty directory too.
 """
 import argparse
 import os
@@ -18,6 +19,7 @@ import tempfile
 import time
 
 os.environ["FLASHATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="flex_first_")
+os.environ["CUDA_CACHE_PATH"] = tempfile.mkdtemp(prefix="flex_first_nv_")
 
 import torch  # noqa: E402
 

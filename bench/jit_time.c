@@ -6,7 +6,8 @@
  *   make build        (or: cc -O2 -Iinclude -Isrc -Ikernels bench/jit_time.c \
  *                       build/libflashattn.a -lpthread -ldl -lm -fopenmp -o build/jit_time)
  *   build/jit_time 'TEXT' [fwd|bwd|both] [options]
- *     TEXT      a mod in fa_mod_text's form, e.g. 'mask: kv_idx; q_idx; le $0 $1'
+ *     TEXT      a mod in fa_mod_text's form, e.g. 'mask: kv_idx; q_idx; le $0 $1', or
+ *               'none': the built-in kernels of the same key (causal is not a plan key)
  *     --block-mask        with create_block_mask's 128 x 128 block mask (mask_mods' calls)
  *     --aux BITS          the plan's aux bits (fa_plan_key.mod_aux: bit i aux i is int32,
  *                         16 offsets fit an int; default 16)
@@ -14,9 +15,13 @@
  *     --sm80              the sm80 family's kernels (FA_PLAN_NO_SM90)
  *     --reps N            compiles of each (default 5): prints the least and the median, s
  *     --opt OPTION        an extra NVRTC option (e.g. --split-compile=0; 23 characters at most)
- * Each repetition compiles anew (the disk cache off, a define of its own in the key); NVRTC is
- * loaded by a built-in kernel's compile first. Exits 77 (skipped) without NVRTC. `make build`
- * builds it too (tools/CMakeLists.txt), as build/jit_time.
+ *     --keep DIR          write the cubins into the disk cache at DIR (for cuobjdump and
+ *                         tools/check_spills.py; each repetition's key is its own)
+ * Each repetition compiles anew (the disk cache off, a define of its own in the key, and
+ * NVRTC's own cache, which CUDA 12.9+ keeps in the driver's compute cache, off by
+ * CUDA_CACHE_DISABLE); NVRTC is loaded by a built-in kernel's compile first. Exits 77
+ * (skipped) without NVRTC. `make build` builds it too (tools/CMakeLists.txt), as
+ * build/jit_time.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -83,7 +88,7 @@ int main(int argc, char **argv)
                         "[--opt OPTION]\n");
         return 2;
     }
-    const char *mode = "both", *opt = NULL;
+    const char *mode = "both", *opt = NULL, *keep = "";
     int bmask = 0, sm80 = 0, reps = 5, arch = 90, hdim = 128;
     unsigned aux = 16;
     fa_dtype dt = FA_DTYPE_BF16;
@@ -107,6 +112,8 @@ int main(int argc, char **argv)
             reps = atoi(argv[++i]);
         else if (v && !strcmp(a, "--opt") && strlen(v) < sizeof((fa_plan *)0)->defines[0])
             opt = argv[++i];
+        else if (v && !strcmp(a, "--keep"))
+            keep = argv[++i];
         else {
             fprintf(stderr, "jit_time: unknown or incomplete option %s\n", a);
             return 2;
@@ -114,19 +121,24 @@ int main(int argc, char **argv)
     }
     if (reps < 1 || reps > 100)
         reps = 5;
+    /* NVRTC's cache keys the front end's output, which the repetition's define leaves alone. */
+    setenv("CUDA_CACHE_DISABLE", "1", 1);
     if (!fa_nvrtc_get()) {
         fprintf(stderr, "jit_time: NVRTC is missing, skipped\n%s\n", fa_cuda_status());
         return 77;
     }
-    setenv("FLASHATTN_CACHE_DIR", "", 1); /* no disk cache: every repetition compiles */
-    fa_mod *m;
-    if (fa_mod_parse(argv[1], &m) != FA_STATUS_OK) {
+    /* No disk cache unless --keep: every repetition compiles (its key is new either way). */
+    setenv("FLASHATTN_CACHE_DIR", keep, 1);
+    const int builtin = strcmp(argv[1], "none") == 0;
+    fa_mod *m = NULL;
+    if (!builtin && fa_mod_parse(argv[1], &m) != FA_STATUS_OK) {
         fprintf(stderr, "jit_time: %s\n", fa_last_error());
         return 1;
     }
     const int score = strncmp(argv[1], "score", 5) == 0;
     fa_plan_key key = {arch, dt, hdim, hdim, 0, aux, bmask ? 128 : 0, bmask ? 128 : 0};
-    key.features |= score ? FA_PLAN_SCORE_MOD : FA_PLAN_MASK_MOD;
+    if (!builtin)
+        key.features |= score ? FA_PLAN_SCORE_MOD : FA_PLAN_MASK_MOD;
     key.features |= bmask ? FA_PLAN_BLOCK_MASK : 0;
     key.features |= sm80 ? FA_PLAN_NO_SM90 : 0;
     fa_plan fwd, bwd;
@@ -134,8 +146,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "jit_time: plan: %s\n", fa_last_error());
         return 1;
     }
-    fwd.score_mod = bwd.score_mod = score ? m->cuda : NULL;
-    fwd.mask_mod = bwd.mask_mod = score ? NULL : m->cuda;
+    fwd.score_mod = bwd.score_mod = m && score ? m->cuda : NULL;
+    fwd.mask_mod = bwd.mask_mod = m && !score ? m->cuda : NULL;
 
     /* NVRTC loaded and warm: a built-in kernel first. */
     jt_job warm = {0};
@@ -180,6 +192,7 @@ int main(int argc, char **argv)
     if (do_bwd)
         printf(" bwd %s %.2f / %.2f", bwd.family, tb[0], tb[reps / 2]);
     printf(" total %.2f / %.2f\n", tt[0], tt[reps / 2]);
-    fa_mod_destroy(m);
+    if (m)
+        fa_mod_destroy(m);
     return 0;
 }
