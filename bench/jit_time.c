@@ -9,6 +9,8 @@
  *     TEXT      a mod in fa_mod_text's form, e.g. 'mask: kv_idx; q_idx; le $0 $1', or
  *               'none': the built-in kernels of the same key (causal is not a plan key)
  *     --block-mask        with create_block_mask's 128 x 128 block mask (mask_mods' calls)
+ *     --mask TEXT         a mask_mod beside TEXT's score_mod (flex's score_mods over a
+ *                         causal block mask: --mask 'mask: kv_idx; q_idx; le $0 $1')
  *     --aux BITS          the plan's aux bits (fa_plan_key.mod_aux: bit i aux i is int32,
  *                         16 offsets fit an int; default 16)
  *     --arch N --hdim D --dtype bf16|fp16    (default 90, 128, bf16)
@@ -85,10 +87,10 @@ int main(int argc, char **argv)
     if (argc < 2) {
         fprintf(stderr, "usage: jit_time 'MOD TEXT' [fwd|bwd|both] [--block-mask] [--aux BITS] "
                         "[--arch N] [--hdim D] [--dtype bf16|fp16] [--sm80] [--reps N] "
-                        "[--opt OPTION]\n");
+                        "[--opt OPTION] [--keep DIR] [--mask TEXT]\n");
         return 2;
     }
-    const char *mode = "both", *opt = NULL, *keep = "";
+    const char *mode = "both", *opt = NULL, *keep = "", *mask_text = NULL;
     int bmask = 0, sm80 = 0, reps = 5, arch = 90, hdim = 128;
     unsigned aux = 16;
     fa_dtype dt = FA_DTYPE_BF16;
@@ -114,6 +116,8 @@ int main(int argc, char **argv)
             opt = argv[++i];
         else if (v && !strcmp(a, "--keep"))
             keep = argv[++i];
+        else if (v && !strcmp(a, "--mask"))
+            mask_text = argv[++i];
         else {
             fprintf(stderr, "jit_time: unknown or incomplete option %s\n", a);
             return 2;
@@ -136,9 +140,15 @@ int main(int argc, char **argv)
         return 1;
     }
     const int score = strncmp(argv[1], "score", 5) == 0;
+    fa_mod *mask = NULL;
+    if (mask_text && (!score || fa_mod_parse(mask_text, &mask) != FA_STATUS_OK)) {
+        fprintf(stderr, "jit_time: --mask: %s\n", score ? fa_last_error() : "TEXT is no score_mod");
+        return 1;
+    }
     fa_plan_key key = {arch, dt, hdim, hdim, 0, aux, bmask ? 128 : 0, bmask ? 128 : 0};
     if (!builtin)
         key.features |= score ? FA_PLAN_SCORE_MOD : FA_PLAN_MASK_MOD;
+    key.features |= mask ? FA_PLAN_MASK_MOD : 0;
     key.features |= bmask ? FA_PLAN_BLOCK_MASK : 0;
     key.features |= sm80 ? FA_PLAN_NO_SM90 : 0;
     fa_plan fwd, bwd;
@@ -147,7 +157,7 @@ int main(int argc, char **argv)
         return 1;
     }
     fwd.score_mod = bwd.score_mod = m && score ? m->cuda : NULL;
-    fwd.mask_mod = bwd.mask_mod = m && !score ? m->cuda : NULL;
+    fwd.mask_mod = bwd.mask_mod = m && !score ? m->cuda : mask ? mask->cuda : NULL;
 
     /* NVRTC loaded and warm: a built-in kernel first. */
     jt_job warm = {0};
@@ -194,5 +204,7 @@ int main(int argc, char **argv)
     printf(" total %.2f / %.2f\n", tt[0], tt[reps / 2]);
     if (m)
         fa_mod_destroy(m);
+    if (mask)
+        fa_mod_destroy(mask);
     return 0;
 }

@@ -78,13 +78,18 @@ FA_DEV void fa_bwd_mod_keep_bits(const fa_kparams *kp, fa_bwd_mod_tile *md, int 
 #pragma unroll
     for (int w = 0; w < FA_BWD_MASK_WORDS; w++)
         md->kept[w] = 0;
-#pragma unroll
-    for (int nt = 0; nt < FA_BM / 8; nt++)
+    /* As the forward's fa_mask_scores_mods: partly rolled under a block mask (two copies, mixed
+     * and partial tiles, few of each); without one, rolled spilled. */
+#pragma unroll(FA_BLOCK_MASK ? FA_MOD_KEEP_UNROLL : FA_BM / 8)
+    for (int nt = 0; nt < FA_BM / 8; nt++) {
+        fa_u32 bits = 0u;
 #pragma unroll
         for (int e = 0; e < 4; e++)
-            md->kept[nt >> 3] |= (fa_u32)fa_bwd_mod_keep(kp, md, m0 + 8 * nt + 2 * t + (e & 1),
-                                                         key0 + 8 * (e >> 1))
-                                 << (4 * (nt & 7) + e);
+            bits |= (fa_u32)fa_bwd_mod_keep(kp, md, m0 + 8 * nt + 2 * t + (e & 1),
+                                            key0 + 8 * (e >> 1))
+                    << e;
+        fa_keep_or_in(md->kept, FA_BWD_MASK_WORDS, nt, bits);
+    }
 #pragma unroll
     for (int w = 0; w < FA_BWD_MASK_WORDS; w++)
         asm volatile("" : "+r"(md->kept[w])::"memory");

@@ -177,12 +177,13 @@ FA_DEV void fa_bwd90_probs_mods(const fa_kparams *kp, fa_bwd_tile *tl, int t, fl
     else
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_FULL, 0);
 #else
-    if (fa_bwd_mod_on(state))
+    /* Two copies: a full tile's keys all kept (the built-in form), and the rest, which reads
+     * the keep decisions (every key kept in a full block at an edge; few tiles). A third copy
+     * for those edges cost a new mod's first call compile time. */
+    if (fa_bwd_mod_on(state) || !full)
         fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_MIXED, 1);
-    else if (full) /* every key kept: the built-in features' forms */
-        fa_bwd_probs_as(kp, tl, t, st, dpt, 0, 0);
     else
-        fa_bwd_probs_as(kp, tl, t, st, dpt, 1, 0);
+        fa_bwd_probs_as(kp, tl, t, st, dpt, 0, 0);
 #endif
 #elif FA_MASK_MOD
     fa_bwd90_probs_st(kp, tl, t, st, dpt, FA_BM_PARTIAL, 1);

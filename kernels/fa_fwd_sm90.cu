@@ -81,6 +81,10 @@
 #define FA_K_BYTES FA_SMEM_FWD90_K(FA_BN, FA_DP)
 #define FA_V_BYTES FA_SMEM_FWD90_V(FA_BN, FA_DVP)
 #define FA_SACC (FA_BN / 2)  /* S accumulator registers per thread (m64 x FA_BN fp32) */
+/* The mods' kernels take the key loop with one call site of the softmax (the first block
+ * inside the loop, fa_fwd_sm90_mainloop.cuh): each site inlines the element-wise code with
+ * score_mod's and the masks', which is a new mod's compile time at its first call. */
+#define FA_ONE_SOFTMAX ((FA_SCORE_MOD || FA_MOD_MASKS) && !FA_DROPOUT)
 #define FA_OACC (FA_DVP / 2) /* O accumulator registers per thread */
 /* O leaves in 16-byte stores (fa_store_row16) except in the three-consumer tile: there they
  * worsen the compiler's schedule of the softmax, which costs more than the short epilogue saves. */

@@ -137,6 +137,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
         const int bar_mine = 1 + cw, bar_other = 2 - cw;
         fa_pingpong_start(cw);
 #endif
+#if !FA_ONE_SOFTMAX
         fa_mbar_wait(m->q_full, *q_round & 1);
         fa_mbar_wait(m->k_full + 8 * (kv0 % FA_STAGES), (kv0 / FA_STAGES) & 1);
         fa_wg_fence();
@@ -163,23 +164,38 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
 #if FA_VARLEN
         fa_v_tail_zero(m, w, kv0);
 #endif
+#endif
 
-        for (int it = 1; it < nb; it++) {
+        /* With FA_ONE_SOFTMAX the first block's iteration is the loop's too: it issues S alone,
+         * in a branch around whole wgmma groups (a branch around the PV GEMM alone had ptxas
+         * serialise every wgmma). */
+        for (int it = FA_ONE_SOFTMAX ? 0 : 1; it < nb; it++) {
             const int sp = (kv0 + it - 1) % FA_STAGES, php = ((kv0 + it - 1) / FA_STAGES) & 1;
             const int s = (kv0 + it) % FA_STAGES, ph = ((kv0 + it) / FA_STAGES) & 1;
+            if (FA_ONE_SOFTMAX && it == 0) {
+                fa_mbar_wait(m->q_full, *q_round & 1);
+                fa_mbar_wait(m->k_full + 8 * s, ph);
+                fa_wg_fence();
+                fa_gemm_s(sacc, q_rows, fa_desc(m->k + s * FA_K_BYTES, 16, 1024));
 #if FA_PINGPONG
-            fa_named_sync(bar_mine);
+                fa_named_arrive(bar_other);
 #endif
-            fa_mbar_wait(m->k_full + 8 * s, ph);
-            fa_mbar_wait(m->v_full + 8 * sp, php);
-            fa_operands_pin(o, pa, FA_BN / 16);
-            fa_wg_fence();
-            fa_gemm_s(sacc, q_rows, fa_desc(m->k + s * FA_K_BYTES, 16, 1024));
-            fa_gemm_pv(o, pa, fa_desc(m->v + sp * FA_V_BYTES, FA_BN * 128, 1024));
+                fa_wg_wait0();
+            } else {
 #if FA_PINGPONG
-            fa_named_arrive(bar_other);
+                fa_named_sync(bar_mine);
 #endif
-            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                fa_mbar_wait(m->k_full + 8 * s, ph);
+                fa_mbar_wait(m->v_full + 8 * sp, php);
+                fa_operands_pin(o, pa, FA_BN / 16);
+                fa_wg_fence();
+                fa_gemm_s(sacc, q_rows, fa_desc(m->k + s * FA_K_BYTES, 16, 1024));
+                fa_gemm_pv(o, pa, fa_desc(m->v + sp * FA_V_BYTES, FA_BN * 128, 1024));
+#if FA_PINGPONG
+                fa_named_arrive(bar_other);
+#endif
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            }
 #pragma unroll
             for (int j = 0; j < FA_SACC; j++)
                 FA_PIN(sacc[j]);
@@ -190,7 +206,8 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             /* With dropout, P_(i-1) V_(i-1) is waited for before the softmax: its Philox runs
              * are in fa_p_pack_keep, after the wait, either way, and the causal calls measured
              * faster with the wait here than after the softmax. The ring's second form (words
-             * read, not computed, in the pack) waits after it, as without dropout. */
+             * read, not computed, in the pack) waits after it, as without dropout. (No
+             * FA_ONE_SOFTMAX with dropout.) */
             fa_wg_wait0();
             fa_operands_pin(o, pa, FA_BN / 16);
 #endif
@@ -198,19 +215,25 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             r.mod_st = FA_TILE_STATE(w, it);
 #endif
             fa_softmax_block(kp, &r, sacc, FA_TILE_BLOCK(w, it), row_max, row_sum, alpha);
+            if (!FA_ONE_SOFTMAX || it > 0) {
 #if !FA_DROPOUT || FA_DROP_RING == 2
 #if FA_NCW == 2 /* three consumers (160 registers) measured faster with the hoisted wait */
-            fa_softmax_order(m->scratch, row_sum);
+                fa_softmax_order(m->scratch, row_sum);
 #endif
-            fa_wg_wait0();
-            fa_operands_pin(o, pa, FA_BN / 16);
+                fa_wg_wait0();
+                fa_operands_pin(o, pa, FA_BN / 16);
 #endif
-            fa_stage_release(m->v_empty + 8 * sp, lane);
-            fa_o_rescale(o, alpha);
+                fa_stage_release(m->v_empty + 8 * sp, lane);
+                fa_o_rescale(o, alpha);
+            }
 #if FA_DROPOUT
             FA_P_PACK_DROP(kv0 + it, FA_TILE_BLOCK(w, it));
 #else
             fa_p_pack(sacc, pa);
+#endif
+#if FA_VARLEN
+            if (FA_ONE_SOFTMAX && it == 0)
+                fa_v_tail_zero(m, w, kv0);
 #endif
         }
 

@@ -138,6 +138,39 @@ FA_DEV void fa_mask_scores(const fa_kparams *kp, const fa_rows *r, float *sacc, 
     }
 }
 
+#if FA_MOD_MASKS
+/* fa_mask_scores under a block mask, for a mode that asks the mods: the decisions as bits (bit
+ * j % 32 of word j / 32 for score j) by a loop over the 8-column groups that stays partly rolled
+ * (fa_keep_or_in), then applied; the block mask's partial and mixed blocks are few. Without a
+ * block mask every block asks mask_mod, and fa_mask_scores' one unrolled copy compiles as fast
+ * as the built-in kernel. */
+FA_DEV void fa_mask_scores_mods(const fa_kparams *kp, const fa_rows *r, float *sacc, int kb0,
+                                int mode)
+{
+    if (!FA_BLOCK_MASK || mode == 0) {
+        fa_mask_scores(kp, r, sacc, kb0, mode);
+        return;
+    }
+    fa_u32 keep[(FA_SACC + 31) / 32];
+#pragma unroll
+    for (int w = 0; w < (FA_SACC + 31) / 32; w++)
+        keep[w] = 0u;
+#pragma unroll FA_MOD_KEEP_UNROLL
+    for (int g = 0; g < FA_SACC / 4; g++) {
+        fa_u32 bits = 0u;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            FA_SCORE_KEEP(k, kb0, 4 * g + e, mode);
+            bits |= (fa_u32)k << e;
+        }
+        fa_keep_or_in(keep, (FA_SACC + 31) / 32, g, bits);
+    }
+#pragma unroll
+    for (int j = 0; j < FA_SACC; j++)
+        sacc[j] = (keep[j / 32] >> (j % 32)) & 1u ? sacc[j] : -FA_INF;
+}
+#endif
+
 #if FA_MOD_MASKS && FA_MOD_MASK_FIRST
 /* FA_SCORE_KEEP's decisions as bits (bit j % 32 of keep[j / 32] for score j), made before
  * score_mod runs (FA_MOD_MASK_FIRST, from FLASHATTN_SM90_MASK_FIRST=1, an A/B): fewer
@@ -213,9 +246,9 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
     /* One copy of the element-wise test per call site serves partial and edge blocks: each
      * unrolled copy costs NVRTC's optimiser and ptxas time at a new mod's first call. */
     if (!FA_BM_ALIGNED && r->mod_st == FA_BM_MIXED)
-        fa_mask_scores(kp, r, sacc, kb0, FA_BM_MIXED);
+        fa_mask_scores_mods(kp, r, sacc, kb0, FA_BM_MIXED);
     else if (FA_MASK_MOD ? edge || r->mod_st == FA_BM_PARTIAL : edge)
-        fa_mask_scores(kp, r, sacc, kb0, FA_MASK_MOD ? FA_MOD_KEEP_PARTIAL : 0);
+        fa_mask_scores_mods(kp, r, sacc, kb0, FA_MASK_MOD ? FA_MOD_KEEP_PARTIAL : 0);
 #else
     if (edge)
         fa_mask_scores(kp, r, sacc, kb0, 0);

@@ -255,6 +255,19 @@ FA_DEV int fa_bm_keys_state(const unsigned char *tab, int nkb, int qb0, int qb1)
 #endif
 
 #if FA_MOD_MASKS
+/* Group g's four keep bits into the n-word number words at bits 4 g .. 4 g + 3, g a loop
+ * variable: a loop over the groups need not be unrolled, so the mods' code is copied
+ * FA_MOD_KEEP_UNROLL times instead of once per element, a fifth of a new mod's compile time
+ * where a block mask asks for two copies (partial and mixed blocks). Four groups an iteration
+ * keep the loop from being latency-bound. */
+#define FA_MOD_KEEP_UNROLL 4
+FA_DEV void fa_keep_or_in(fa_u32 *words, int n, int g, fa_u32 bits)
+{
+#pragma unroll
+    for (int w = 0; w < n; w++)
+        words[w] |= (g >> 3) == w ? bits << (4 * (g & 7)) : 0u;
+}
+
 /* Whether key col stays for row (both in the sequence's range, the window already checked),
  * the key block's state being st: the block mask's entry for (row, col) where the blocks are
  * finer than the tile (FA_BM_MIXED), then mask_mod where it is partial. The Hopper forward
