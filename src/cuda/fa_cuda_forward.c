@@ -354,11 +354,11 @@ static fa_status fa_cuda_precompile_decode(const fa_plan_key *key, int wide, int
         fa_jit_origin origin = FA_JIT_COMPILED;
         st = fa_plan_decode(&kd, 1, &pd);
         if (st == FA_STATUS_OK)
-            st = fa_jit_build(&pd, &origin);
+            st = fa_jit_precompile(&pd, &origin);
         if (st == FA_STATUS_OK && i == layouts - 1) {
             st = fa_plan_combine(key, &pd);
             if (st == FA_STATUS_OK)
-                st = fa_jit_build(&pd, &origin);
+                st = fa_jit_precompile(&pd, &origin);
         }
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
@@ -383,7 +383,7 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
             key.features = features | (i & 1 ? FA_PLAN_OUT_F16 : 0) | (i & 2 ? FA_PLAN_FP8_VT : 0);
             st = fa_plan_forward_sm90_fp8(&key, &plan);
             if (st == FA_STATUS_OK)
-                st = fa_jit_build(&plan, &origin);
+                st = fa_jit_precompile(&plan, &origin);
             done = done && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
         }
         if (cached)
@@ -413,7 +413,7 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
     if (st != FA_STATUS_OK)
         return st;
     fa_jit_origin origin;
-    st = fa_jit_build(&plan, &origin);
+    st = fa_jit_precompile(&plan, &origin);
     if (cached)
         *cached = st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     /* On sm_90 also the sm90 family's kernel for the cases it supports (FLASHATTN_SM90=0 or not),
@@ -421,15 +421,15 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
     fa_plan plan90;
     if (st == FA_STATUS_OK && fa_plan_forward_sm90(&key, &plan90) == FA_STATUS_OK &&
         strcmp(plan.family, plan90.family) != 0) {
-        st = fa_jit_build(&plan90, &origin);
+        st = fa_jit_precompile(&plan90, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }
-    /* and its plan for long calls where that differs (fa_jit_build finds it cached if not). */
+    /* and its plan for long calls where that differs (fa_jit_precompile finds it cached if not). */
     fa_plan_key long_key = key;
     long_key.features |= FA_PLAN_LONG;
     if (st == FA_STATUS_OK && fa_plan_forward_sm90(&long_key, &plan90) == FA_STATUS_OK) {
-        st = fa_jit_build(&plan90, &origin);
+        st = fa_jit_precompile(&plan90, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }
@@ -440,12 +440,12 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
     key80.features |= FA_PLAN_NO_SM90;
     if (st == FA_STATUS_OK && key.d <= FA_BWD_MAX_HEAD_DIM && key.dv <= FA_BWD_MAX_HEAD_DIM &&
         fa_plan_backward(&key80, &planb) == FA_STATUS_OK) {
-        st = fa_jit_build(&planb, &origin);
+        st = fa_jit_precompile(&planb, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }
     if (st == FA_STATUS_OK && fa_plan_backward_sm90(&key, &planb) == FA_STATUS_OK) {
-        st = fa_jit_build(&planb, &origin);
+        st = fa_jit_precompile(&planb, &origin);
         if (cached)
             *cached = *cached && st == FA_STATUS_OK && origin != FA_JIT_COMPILED;
     }

@@ -31,6 +31,7 @@ typedef struct fa_jit_entry {
     fa_cu_module mods[FA_JIT_MAX_FNS];
     int num_fns;
     fa_jit_fn fns[FA_JIT_MAX_FNS];
+    char *perf_note; /* ptxas's performance-loss remark of this process's compile, or NULL */
 } fa_jit_entry;
 
 static pthread_mutex_t fa_jit_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -115,8 +116,44 @@ static char *fa_jit_mod_text(const fa_plan *plan)
     return t;
 }
 
+const char *fa_jit_perf_note(const char *log, size_t *len)
+{
+    const char *hit = log ? strstr(log, "Potential Performance Loss") : NULL;
+    if (!hit)
+        return NULL;
+    while (hit > log && hit[-1] != '\n')
+        hit--;
+    const char *end = strchr(hit, '\n');
+    *len = end ? (size_t)(end - hit) : strlen(hit);
+    return hit;
+}
+
+/* The compiled program's log, searched for fa_jit_perf_note's remark: a copy of it in *note
+ * (NULL when none), logged under FLASHATTN_LOG. */
+static void fa_jit_read_note(const fa_plan *plan, const fa_nvrtc *nv, fa_nvrtc_program prog,
+                             char **note)
+{
+    *note = NULL;
+    size_t size = 0, len = 0;
+    char *log = NULL;
+    if (nv->get_program_log_size(prog, &size) != 0 || size <= 1 || !(log = malloc(size + 1)) ||
+        nv->get_program_log(prog, log) != 0) {
+        free(log);
+        return;
+    }
+    log[size] = '\0';
+    const char *line = fa_jit_perf_note(log, &len);
+    if (line && (*note = malloc(len + 1))) {
+        memcpy(*note, line, len);
+        (*note)[len] = '\0';
+        if (fa_jit_logging())
+            fprintf(stderr, "flashattn: %s (%s): %s\n", plan->family, plan->target, *note);
+    }
+    free(log);
+}
+
 static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **cubin,
-                                size_t *size)
+                                size_t *size, char **note)
 {
     const char *main_text = NULL;
     /* Every other embedded file is offered as a header, and the mods' text beside them. */
@@ -182,6 +219,7 @@ static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **
     *cubin = NULL;
     if (nv->get_cubin_size(prog, size) == 0 && (*cubin = malloc(*size)) &&
         nv->get_cubin(prog, *cubin) == 0) {
+        fa_jit_read_note(plan, nv, prog, note);
         nv->destroy_program(&prog);
         return FA_STATUS_OK;
     }
@@ -252,7 +290,7 @@ static fa_status fa_jit_entry_find(const fa_plan *plan, const fa_nvrtc *nv, char
                     waited > 0.0 ? ", after another process's compile" : "", key);
     } else {
         *origin = FA_JIT_COMPILED;
-        st = fa_jit_compile(plan, nv, &e->cubin, &e->size);
+        st = fa_jit_compile(plan, nv, &e->cubin, &e->size, &e->perf_note);
         if (st == FA_STATUS_OK) {
             if (fa_jit_logging())
                 fprintf(stderr, "flashattn: compiled in %.1f ms (%zu bytes) %s\n",
@@ -304,6 +342,18 @@ fa_status fa_jit_build(const fa_plan *plan, fa_jit_origin *origin)
 {
     fa_jit_entry *e;
     return fa_jit_entry_get(plan, &e, origin);
+}
+
+fa_status fa_jit_precompile(const fa_plan *plan, fa_jit_origin *origin)
+{
+    fa_jit_entry *e;
+    FA_TRY(fa_jit_entry_get(plan, &e, origin));
+    if (e->perf_note)
+        return fa_error_set(FA_STATUS_INTERNAL,
+                            "ptxas reports a performance loss in %s (%s), a bug of its kernel "
+                            "source: %.300s",
+                            plan->family, plan->target, e->perf_note);
+    return FA_STATUS_OK;
 }
 
 fa_status fa_jit_function(const fa_plan *plan, fa_cu_context ctx, const char *entry,

@@ -19,6 +19,15 @@ typedef enum fa_jit_origin { FA_JIT_COMPILED, FA_JIT_DISK, FA_JIT_MEMORY } fa_ji
 /* Compiles plan's module (or finds it in a cache). Needs NVRTC only: no driver, no GPU. */
 fa_status fa_jit_build(const fa_plan *plan, fa_jit_origin *origin);
 
+/* fa_jit_build for fa_cuda_precompile: also an error where this process compiled the module and
+ * ptxas reported a potential performance loss (wgmma serialised, ...), which no kernel of the
+ * library should have; a GPU-less CI catches it there. A call's own compile only logs it. */
+fa_status fa_jit_precompile(const fa_plan *plan, fa_jit_origin *origin);
+
+/* The line of an NVRTC program log in which ptxas reports a potential performance loss, its
+ * length in *len (without the newline); NULL when there is none (or no log). */
+const char *fa_jit_perf_note(const char *log, size_t *len);
+
 /* The kernel `entry` of plan's module in context ctx (current on this thread), with its dynamic
  * shared-memory limit raised to the plan's need. Loaded once per context. */
 fa_status fa_jit_function(const fa_plan *plan, fa_cu_context ctx, const char *entry,
