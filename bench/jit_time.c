@@ -202,9 +202,7 @@ int main(int argc, char **argv)
     if (do_bwd)
         printf(" bwd %s %.2f / %.2f", bwd.family, tb[0], tb[reps / 2]);
     printf(" total %.2f / %.2f\n", tt[0], tt[reps / 2]);
-    if (m)
-        fa_mod_destroy(m);
-    if (mask)
-        fa_mod_destroy(mask);
+    fa_mod_destroy(m);
+    fa_mod_destroy(mask);
     return 0;
 }

@@ -139,42 +139,21 @@ FA_DEV void fa_mask_scores(const fa_kparams *kp, const fa_rows *r, float *sacc, 
 }
 
 #if FA_MOD_MASKS
-/* fa_mask_scores under a block mask, for a mode that asks the mods: the decisions as bits (bit
- * j % 32 of word j / 32 for score j) by a loop over the 8-column groups that stays partly rolled
- * (fa_keep_or_in), then applied; the block mask's partial and mixed blocks are few. Without a
- * block mask every block asks mask_mod, and fa_mask_scores' one unrolled copy compiles as fast
- * as the built-in kernel. */
-FA_DEV void fa_mask_scores_mods(const fa_kparams *kp, const fa_rows *r, float *sacc, int kb0,
-                                int mode)
+/* Group g's four FA_SCORE_KEEP decisions (scores 4 g .. 4 g + 3) as the low bits. */
+FA_DEV fa_u32 fa_keep_group(const fa_kparams *kp, const fa_rows *r, int kb0, int g, int mode)
 {
-    if (!FA_BLOCK_MASK || mode == 0) {
-        fa_mask_scores(kp, r, sacc, kb0, mode);
-        return;
+    fa_u32 bits = 0u;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        FA_SCORE_KEEP(k, kb0, 4 * g + e, mode);
+        bits |= (fa_u32)k << e;
     }
-    fa_u32 keep[(FA_SACC + 31) / 32];
-#pragma unroll
-    for (int w = 0; w < (FA_SACC + 31) / 32; w++)
-        keep[w] = 0u;
-#pragma unroll FA_MOD_KEEP_UNROLL
-    for (int g = 0; g < FA_SACC / 4; g++) {
-        fa_u32 bits = 0u;
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            FA_SCORE_KEEP(k, kb0, 4 * g + e, mode);
-            bits |= (fa_u32)k << e;
-        }
-        fa_keep_or_in(keep, (FA_SACC + 31) / 32, g, bits);
-    }
-#pragma unroll
-    for (int j = 0; j < FA_SACC; j++)
-        sacc[j] = (keep[j / 32] >> (j % 32)) & 1u ? sacc[j] : -FA_INF;
+    return bits;
 }
-#endif
 
-#if FA_MOD_MASKS && FA_MOD_MASK_FIRST
-/* FA_SCORE_KEEP's decisions as bits (bit j % 32 of keep[j / 32] for score j), made before
- * score_mod runs (FA_MOD_MASK_FIRST, from FLASHATTN_SM90_MASK_FIRST=1, an A/B): fewer
- * registers live beside score_mod's code, slower where measured. */
+/* FA_SCORE_KEEP's decisions as bits (bit j % 32 of keep[j / 32] for score j). Where a block
+ * mask's mode asks the mods, the loop over the 8-column groups stays partly rolled
+ * (fa_keep_or_in): the block mask's partial and mixed blocks are few. */
 #define FA_KEEP_WORDS ((FA_SACC + 31) / 32)
 FA_DEV void fa_mask_bits(const fa_kparams *kp, const fa_rows *r, int kb0, int mode,
                          fa_u32 keep[FA_KEEP_WORDS])
@@ -182,11 +161,38 @@ FA_DEV void fa_mask_bits(const fa_kparams *kp, const fa_rows *r, int kb0, int mo
 #pragma unroll
     for (int w = 0; w < FA_KEEP_WORDS; w++)
         keep[w] = 0u;
+    if (FA_BLOCK_MASK && mode != 0) {
+#pragma unroll FA_MOD_KEEP_UNROLL
+        for (int g = 0; g < FA_SACC / 4; g++)
+            fa_keep_or_in(keep, FA_KEEP_WORDS, g, fa_keep_group(kp, r, kb0, g, mode));
+    } else {
 #pragma unroll
-    for (int j = 0; j < FA_SACC; j++) {
-        FA_SCORE_KEEP(k, kb0, j, mode);
-        keep[j / 32] |= (fa_u32)k << (j % 32);
+        for (int g = 0; g < FA_SACC / 4; g++)
+            fa_keep_or_in(keep, FA_KEEP_WORDS, g, fa_keep_group(kp, r, kb0, g, mode));
     }
+}
+
+/* The scores fa_mask_bits' keep drops to -inf. */
+FA_DEV void fa_keep_apply(float *sacc, const fa_u32 keep[FA_KEEP_WORDS])
+{
+#pragma unroll
+    for (int j = 0; j < FA_SACC; j++)
+        sacc[j] = (keep[j / 32] >> (j % 32)) & 1u ? sacc[j] : -FA_INF;
+}
+
+/* fa_mask_scores for the mods' modes: under a block mask through fa_mask_bits' partly rolled
+ * loop; without one every block asks mask_mod, and fa_mask_scores' one unrolled copy compiles
+ * as fast as the built-in kernel. */
+FA_DEV void fa_mask_scores_mods(const fa_kparams *kp, const fa_rows *r, float *sacc, int kb0,
+                                int mode)
+{
+    if (!FA_BLOCK_MASK || mode == 0) {
+        fa_mask_scores(kp, r, sacc, kb0, mode);
+        return;
+    }
+    fa_u32 keep[FA_KEEP_WORDS];
+    fa_mask_bits(kp, r, kb0, mode, keep);
+    fa_keep_apply(sacc, keep);
 }
 #endif
 
@@ -198,7 +204,9 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
 {
     const int kb0 = n * FA_BN;
 #if FA_MOD_MASKS && FA_MOD_MASK_FIRST
-    /* The mask's decisions first (fa_mask_bits), applied after the scores are final. */
+    /* The mask's decisions first (fa_mask_bits), applied after the scores are final
+     * (FLASHATTN_SM90_MASK_FIRST=1, an A/B): fewer registers live beside score_mod's code,
+     * slower where measured. */
     const int mode = r->mod_st == FA_BM_MIXED                         ? FA_BM_MIXED
                      : (FA_MASK_MOD && r->mod_st == FA_BM_PARTIAL)    ? FA_BM_PARTIAL
                      : (kb0 < r->lo_max || kb0 + FA_BN > r->hi_min) ? 0
@@ -235,11 +243,8 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
     /* Mask keys outside each row's visible range (only blocks that cross an edge), and those
      * mask_mod or the block mask drop (blocks where some key needs the test). */
 #if FA_MOD_MASKS && FA_MOD_MASK_FIRST
-    if (mode >= 0) {
-#pragma unroll
-        for (int j = 0; j < FA_SACC; j++)
-            sacc[j] = (keep[j / 32] >> (j % 32)) & 1u ? sacc[j] : -FA_INF;
-    }
+    if (mode >= 0)
+        fa_keep_apply(sacc, keep);
 #else
     const bool edge = kb0 < r->lo_max || kb0 + FA_BN > r->hi_min;
 #if FA_MOD_MASKS

@@ -128,20 +128,28 @@ const char *fa_jit_perf_note(const char *log, size_t *len)
     return hit;
 }
 
+/* The program's log (the caller frees it), or NULL when there is none. */
+static char *fa_jit_program_log(const fa_nvrtc *nv, fa_nvrtc_program prog)
+{
+    size_t size = 0;
+    char *log = NULL;
+    if (nv->get_program_log_size(prog, &size) != 0 || size <= 1 || !(log = malloc(size + 1)) ||
+        nv->get_program_log(prog, log) != 0) {
+        free(log);
+        return NULL;
+    }
+    log[size] = '\0';
+    return log;
+}
+
 /* The compiled program's log, searched for fa_jit_perf_note's remark: a copy of it in *note
  * (NULL when none), logged under FLASHATTN_LOG. */
 static void fa_jit_read_note(const fa_plan *plan, const fa_nvrtc *nv, fa_nvrtc_program prog,
                              char **note)
 {
     *note = NULL;
-    size_t size = 0, len = 0;
-    char *log = NULL;
-    if (nv->get_program_log_size(prog, &size) != 0 || size <= 1 || !(log = malloc(size + 1)) ||
-        nv->get_program_log(prog, log) != 0) {
-        free(log);
-        return;
-    }
-    log[size] = '\0';
+    size_t len = 0;
+    char *log = fa_jit_program_log(nv, prog);
     const char *line = fa_jit_perf_note(log, &len);
     if (line && (*note = malloc(len + 1))) {
         memcpy(*note, line, len);
@@ -202,10 +210,7 @@ static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **
                             nv->get_error_string(r));
     r = nv->compile_program(prog, num_opts, opts);
     if (r != 0) {
-        size_t log_size = 0;
-        char *log = NULL;
-        if (nv->get_program_log_size(prog, &log_size) == 0 && (log = malloc(log_size + 1)))
-            nv->get_program_log(prog, log);
+        char *log = fa_jit_program_log(nv, prog);
         if (log && fa_jit_logging())
             fprintf(stderr, "flashattn: NVRTC log for %s (%s):\n%s\n", plan->family,
                     plan->target, log);
