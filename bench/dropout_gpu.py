@@ -9,7 +9,9 @@ bf16, FlashAttention's benchmark shapes (16k tokens a call: batch = 16384 / seql
 heads = 2048 / hdim), causal and not. Each time is the best of 5 runs of 5 calls back to back
 (CUDA events), in ms; a ratio is the time without dropout over the time with it (1 = free).
 --ring 1,2 adds the forward with dropout on the producer's Philox ring, a column per form
-(FLASHATTN_SM90_DROP_RING=1; 2 waits for the previous P V after the softmax).
+(FLASHATTN_SM90_DROP_RING=1; 2 waits for the previous P V after the softmax); --fa-env
+"NAME=V;NAME=V" a column per setting, e.g. FLASHATTN_SM90_DROP_EARLY=1 (the consumers' Philox
+during each key block's GEMMs).
 """
 import argparse
 import os
@@ -50,12 +52,16 @@ def main():
                     help="also ours fwd with FLASHATTN_SM90_DROP_RING=F for each form F of the "
                          "list (the producer's Philox ring; default 1), after the default in "
                          "the same process")
+    ap.add_argument("--fa-env", default="",
+                    help="NAME=V settings separated by ';': ours fwd with dropout under each, a "
+                         "column each, after the default in the same process")
     opts = ap.parse_args()
     p = opts.p
-    rings = [f for f in opts.ring.split(",") if f]
+    envs = [("FLASHATTN_SM90_DROP_RING", f) for f in opts.ring.split(",") if f]
+    envs += [tuple(e.split("=", 1)) for e in opts.fa_env.split(";") if e]
     print(f"ms, bf16, {torch.cuda.get_device_name()}; each cell: without / with dropout {p} (ratio)")
     print("hdim seqlen causal | ours fwd            | ours fwd+bwd          | "
-          + "".join("ours fwd ring %s      | " % f for f in rings) + "FA2 fwd             | cuDNN fwd")
+          + "".join("%-21s | " % ("fwd " + n[len("FLASHATTN_"):] + "=" + v)[:21] for n, v in envs) + "FA2 fwd             | cuDNN fwd")
     for d in [int(x) for x in opts.hdims.split(",")]:
         for s in [int(x) for x in opts.seqlens.split(",")]:
             b, h = 16384 // s, 2048 // d
@@ -73,13 +79,13 @@ def main():
                     both[i] = best_ms(lambda: torch.autograd.grad(flashattn.flash_attn_func(
                         q, k, v, dropout_p=dp, causal=causal), (q, k, v), dout))
                 cells += [fwd, both]
-                for form in rings:
-                    os.environ["FLASHATTN_SM90_DROP_RING"] = form
+                for name, value in envs:
+                    os.environ[name] = value
                     with torch.no_grad():
-                        ring = best_ms(lambda: flashattn.flash_attn_func(
+                        other = best_ms(lambda: flashattn.flash_attn_func(
                             q, k, v, dropout_p=p, causal=causal))
-                    del os.environ["FLASHATTN_SM90_DROP_RING"]
-                    cells.append([fwd[0], ring])
+                    del os.environ[name]
+                    cells.append([fwd[0], other])
                 if not opts.no_torch:
                     qt, kt, vt = [x.detach().transpose(1, 2) for x in (q, k, v)]
                     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):

@@ -377,7 +377,7 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             const int dg = tl->dg0 + x_off - y_off;
             float x = st[nt][e], deriv = 1.f, bias = fa_bwd_row(tl->lse2, il);
 #if FA_SOFTCAP
-            x = FA_RULE_SOFTCAP_TANH(x, kp->softcap_pre, tanhf);
+            x = FA_RULE_SOFTCAP_TANH(x, kp->softcap_pre, fa_tanh_fast);
             deriv = FA_RULE_SOFTCAP_GRAD(x);
 #endif
             float p;

@@ -69,7 +69,7 @@ FA_DEV void fa_decode_softmax(float s[FA_NT][4], const fa_decode_rows *rw, int j
             float x = s[nt][e];
             if (prescale) {
 #if FA_SOFTCAP
-                x = FA_RULE_SOFTCAP(x, softcap_pre, scale_log2, tanhf);
+                x = FA_RULE_SOFTCAP(x, softcap_pre, scale_log2, fa_tanh_fast);
 #else
                 x *= scale_log2;
 #endif

@@ -302,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS) fa_fwd(const fa_kparams
                     for (int e = 0; e < 4; e++) {
                         float x = s[mt][nt][e];
 #if FA_SOFTCAP
-                        x = FA_RULE_SOFTCAP(x, kp.softcap_pre, kp.scale_log2, tanhf);
+                        x = FA_RULE_SOFTCAP(x, kp.softcap_pre, kp.scale_log2, fa_tanh_fast);
 #else
                         x *= kp.scale_log2;
 #endif
@@ -548,8 +548,9 @@ extern "C" __global__ void fa_fwd_probs(const fa_kparams kp)
             for (int c = 0; c < kp.d; c++)
                 dot += fa_to_float(qr[c]) * fa_to_float(kr[(fa_i64)j * kp.k_rstride + c]);
 #endif
-            float y = kp.softcap > 0.f ? FA_RULE_SOFTCAP(dot, kp.softcap_pre, kp.softcap, tanhf)
-                                       : dot * kp.scale;
+            float y = kp.softcap > 0.f
+                          ? FA_RULE_SOFTCAP(dot, kp.softcap_pre, kp.softcap, fa_tanh_fast)
+                          : dot * kp.scale;
             y -= FA_RULE_ALIBI(slope, (float)(row + seq.sk - seq.sq - j));
             x[u] = y;
             bmax = fmaxf(bmax, y);

@@ -224,7 +224,7 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
         for (int j = 0; j < FA_SACC; j++) {
             float x = sacc[j];
 #if FA_SOFTCAP
-            x = FA_RULE_SOFTCAP(x, kp->softcap_pre, kp->scale_log2, tanhf);
+            x = FA_RULE_SOFTCAP(x, kp->softcap_pre, kp->scale_log2, fa_tanh_fast);
 #else
             x *= kp->scale_log2;
 #endif

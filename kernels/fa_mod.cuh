@@ -88,7 +88,7 @@ FA_DEV float fa_mod_aux_at(const fa_kparams *kp, int slot, fa_mod_off off)
 FA_DEV float fa_mod_sq(float x) { return x * x; }
 #define FA_MOD_D_EXP expf
 #define FA_MOD_D_LOG logf
-#define FA_MOD_D_TANH tanhf
+#define FA_MOD_D_TANH fa_tanh_fast
 #define FA_MOD_D_SQRT sqrtf
 #define FA_MOD_D_FLOOR floorf
 #define FA_MOD_D_POW powf

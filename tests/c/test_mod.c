@@ -336,7 +336,7 @@ static void test_cuda_text(void)
     TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s", fa_last_error());
     const char *want_s[] = {("FA_DEV float fa_score_mod(const fa_kparams *kp, float score, "
                              "int b,"),
-                            "tanhf(v0)", "fa_mod_rem(v0, v2)", "fa_mod_max(v1, v3)"};
+                            "fa_tanh_fast(v0)", "fa_mod_rem(v0, v2)", "fa_mod_max(v1, v3)"};
     for (size_t i = 0; i < sizeof want_s / sizeof want_s[0]; i++)
         TU_CHECK(strstr(s1->cuda, want_s[i]), "'%s' missing from:\n%s", want_s[i], s1->cuda);
     TU_CHECK(strcmp(s1->cuda, s2->cuda) != 0, "two constants, one text");

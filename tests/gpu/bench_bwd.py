@@ -3,7 +3,7 @@ backends, measured side by side in one process, for the backward's table in benc
 
     PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so \\
         python3 tests/gpu/bench_bwd.py [--hdims 64,128] [--seqlens 2048,4096,8192,16384]
-        [--json PATH] [--calls N] [--dv DV]
+        [--json PATH] [--calls N] [--dv DV] [--softcap C]
 
 bf16, FlashAttention's benchmark shapes (16k tokens: batch 16384 / seqlen; hidden 2048: heads 2048
 / hdim), causal and not. Each figure is the best of 10 timed runs after 3 warm-ups (CUDA events),
@@ -15,7 +15,7 @@ host's work per call hidden behind the GPU's, as upstream's benchmark and a trai
 TFLOP/s as upstream counts them: forward 4 b h s^2 d (halved when causal), backward 2.5x that,
 forward + backward 3.5x; with --dv (V's head dim, e.g. --hdims 192 --dv 128) the forward counts
 2 b h s^2 (d + dv). PyTorch's flash backend refuses dv != d (its column then reads "-"). On sm_90 the Hopper backward runs; FLASHATTN_BWD_SM90=0 measures the sm80
-family instead.
+family instead. --softcap C gives our calls that softcap (SDPA's have none: compare ours only).
 """
 import argparse
 import contextlib
@@ -57,7 +57,7 @@ def sm_clock_mhz():
         return None
 
 
-def row(d, s, causal, calls, dv=0):
+def row(d, s, causal, calls, dv=0, softcap=0.0):
     dv = dv or d
     b, h = max(1, 16384 // s), 2048 // d
     g = torch.Generator(device="cuda").manual_seed(s * 131 + d)
@@ -67,7 +67,8 @@ def row(d, s, causal, calls, dv=0):
     fwd_flops = 2.0 * b * h * s * s * (d + dv) / (2 if causal else 1)
     flops = {"fwd": fwd_flops, "bwd": 2.5 * fwd_flops, "fwd+bwd": 3.5 * fwd_flops}
     r = dict(hdim=d, hdim_v=dv, seqlen=s, batch=b, heads=h, causal=causal)
-    impls = {"ours": pass_fns(lambda q, k, v: flash_attn_func(q, k, v, causal=causal), x, dout,
+    impls = {"ours": pass_fns(lambda q, k, v: flash_attn_func(q, k, v, causal=causal,
+                                                              softcap=softcap), x, dout,
                               contextlib.nullcontext)}
     xt = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in x]
     dt = dout.transpose(1, 2).contiguous()
@@ -96,12 +97,14 @@ def main():
     ap.add_argument("--json", help="write every number to this file")
     ap.add_argument("--calls", type=int, default=1, help="calls per timed run, back to back")
     ap.add_argument("--dv", type=int, default=0, help="V's head dim (default: the hdim)")
+    ap.add_argument("--softcap", type=float, default=0.0,
+                    help="softcap of our calls (SDPA's backends have none)")
     a = ap.parse_args()
     rows = []
     for d in [int(x) for x in a.hdims.split(",")]:
         for s in [int(x) for x in a.seqlens.split(",")]:
             for causal in (False, True):
-                rows.append(row(d, s, causal, a.calls, a.dv))
+                rows.append(row(d, s, causal, a.calls, a.dv, a.softcap))
                 print(json.dumps(rows[-1]), flush=True)
     if a.json:
         with open(a.json, "w") as f:

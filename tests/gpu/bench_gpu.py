@@ -13,7 +13,7 @@ keeps every number.
 the same call with FLASHATTN_SM90=0 (the sm80 family), on Hopper only. --variants times more
 plans of the sm_90a family (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG each) beside them.
 --dropout P also times the same calls with dropout_p = P ("drop", and "drop sm80" on Hopper)
-and prints drop/ours. --fp8 (Hopper, d = dv) also times the fp8 (e4m3) forward on the same
+and prints drop/ours. --softcap C gives every flashattn call (not SDPA's) that softcap. --fp8 (Hopper, d = dv) also times the fp8 (e4m3) forward on the same
 shapes ("fp8": q, k, v cast to float8_e4m3fn, out bf16; the same FLOP
 count) and prints fp8/ours; --fp8-variants times more fp8 plans beside it
 (FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] each, or a NAME=VALUE setting
@@ -59,7 +59,7 @@ def fa_view(t):
 class Call:
     """One prepared fa_attention_forward call on the current torch stream."""
 
-    def __init__(self, q, k, v, out, causal, dropout_p=0.0):
+    def __init__(self, q, k, v, out, causal, dropout_p=0.0, softcap=0.0):
         self.lib = _lib.get_lib()
         self.views = [fa_view(x) for x in (q, k, v, out)]
         self.args = _lib.FaFwdArgs()
@@ -68,6 +68,7 @@ class Call:
         a.q, a.k, a.v, a.out = [ctypes.pointer(x) for x in self.views]
         a.causal = int(causal)
         a.dropout_p = dropout_p
+        a.softcap = softcap
         a.seed = 1234
         a.device = q.device.index or 0
         a.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
@@ -142,6 +143,8 @@ def main():
     ap.add_argument("--no-sm80", action="store_true", help="skip the FLASHATTN_SM90=0 column")
     ap.add_argument("--variants", default="",
                     help="';'-separated FLASHATTN_SM90_TILE values to time as extra columns")
+    ap.add_argument("--softcap", type=float, default=0.0,
+                    help="softcap of every flashattn call (SDPA's backends have none)")
     ap.add_argument("--dropout", type=float, default=0.0,
                     help="also time each call with this dropout_p (columns drop, drop sm80)")
     ap.add_argument("--fp8", action="store_true",
@@ -179,7 +182,7 @@ def main():
                 v = torch.randn(b, s, h, dv, device="cuda", dtype=DTYPE)
                 out = torch.empty(b, s, h, dv, device="cuda", dtype=DTYPE)
                 row = dict(hdim=d, hdim_v=dv, seqlen=s, batch=b, heads=h, causal=causal)
-                row["ours"] = flops / bench(Call(q, k, v, out, causal)) / 1e12
+                row["ours"] = flops / bench(Call(q, k, v, out, causal, 0.0, opts.softcap)) / 1e12
                 hopper = torch.cuda.get_device_capability() == (9, 0)
                 others = [] if not hopper or opts.no_sm80 else [("sm80", "FLASHATTN_SM90", "0")]
                 others += [(f"tile {t}", "FLASHATTN_SM90_TILE", t)
@@ -193,7 +196,8 @@ def main():
                         os.environ[var] = value
                     try:
                         p = opts.dropout if name.startswith("drop") else 0.0
-                        row[name] = flops / bench(Call(q, k, v, out2, causal, p)) / 1e12
+                        row[name] = flops / bench(Call(q, k, v, out2, causal, p,
+                                                       opts.softcap)) / 1e12
                         if not p:
                             row["maxdiff_" + name] = (out2.float() - out.float()).abs().max().item()
                     finally:
