@@ -11,11 +11,12 @@ plus module load) and the host cost of a cached call. Prints a short table last;
 keeps every number.
 "ours" is the default plan (on Hopper the sm_90a family where it supports the case); "sm80" is
 the same call with FLASHATTN_SM90=0 (the sm80 family), on Hopper only. --variants times more
-plans of the sm_90a family (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG each) beside them.
+plans of the sm_90a family (FLASHATTN_SM90_TILE=BN,STAGES,PINGPONG each, or a NAME=VALUE
+setting) beside them.
 --dropout P also times the same calls with dropout_p = P ("drop", and "drop sm80" on Hopper)
-and prints drop/ours. --softcap C gives every flashattn call (not SDPA's) that softcap. --fp8 (Hopper, d = dv) also times the fp8 (e4m3) forward on the same
-shapes ("fp8": q, k, v cast to float8_e4m3fn, out bf16; the same FLOP
-count) and prints fp8/ours; --fp8-variants times more fp8 plans beside it
+and prints drop/ours. --softcap C gives every flashattn call (not SDPA's) that softcap. --fp8
+(Hopper, d = dv) also times the fp8 (e4m3) forward on the same shapes ("fp8": q, k, v cast to
+float8_e4m3fn, out bf16; the same FLOP count) and prints fp8/ours; --fp8-variants times more fp8 plans beside it
 (FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] each, or a NAME=VALUE setting
 such as FLASHATTN_SM90_FP8_VT=0; columns f0, f1, ...). Each call gets the workspace the library
 asks for, allocated once (fp8: the V^T its kernel reads; the time includes writing it).
@@ -185,7 +186,8 @@ def main():
                 row["ours"] = flops / bench(Call(q, k, v, out, causal, 0.0, opts.softcap)) / 1e12
                 hopper = torch.cuda.get_device_capability() == (9, 0)
                 others = [] if not hopper or opts.no_sm80 else [("sm80", "FLASHATTN_SM90", "0")]
-                others += [(f"tile {t}", "FLASHATTN_SM90_TILE", t)
+                others += [(f"tile {t}",) + (tuple(t.split("=", 1)) if "=" in t
+                                              else ("FLASHATTN_SM90_TILE", t))
                            for t in opts.variants.split(";") if t and hopper]
                 if opts.dropout:
                     others += [("drop", None, None)]
