@@ -16,9 +16,9 @@ setting) beside them.
 --dropout P also times the same calls with dropout_p = P ("drop", and "drop sm80" on Hopper)
 and prints drop/ours. --softcap C gives every flashattn call (not SDPA's) that softcap. --fp8
 (Hopper, d = dv) also times the fp8 (e4m3) forward on the same shapes ("fp8": q, k, v cast to
-float8_e4m3fn, out bf16; the same FLOP count) and prints fp8/ours; --fp8-variants times more fp8 plans beside it
-(FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] each, or a NAME=VALUE setting
-such as FLASHATTN_SM90_FP8_VT=0; columns f0, f1, ...). Each call gets the workspace the library
+float8_e4m3fn, out bf16; the same FLOP count) and prints fp8/ours; --fp8-variants times more
+fp8 plans beside it (FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] each, or a
+NAME=VALUE setting such as FLASHATTN_SM90_FP8_VT=0; columns f0, f1, ...). Each call gets the workspace the library
 asks for, allocated once (fp8: the V^T its kernel reads; the time includes writing it).
 """
 import argparse
