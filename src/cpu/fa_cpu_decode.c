@@ -137,6 +137,7 @@ static inline int fa_kv_form(fa_dtype dtype)
 #define FA_LOG logf
 #define FA_LANES FA_KV_LANES_F32
 #include "cpu/fa_cpu_rows.h"
+#include "cpu/fa_cpu_decode_append.h"
 #include "cpu/fa_cpu_decode_body.h"
 #undef FA_REAL
 #undef FA_FN
@@ -158,6 +159,7 @@ static inline int fa_kv_form(fa_dtype dtype)
 #define FA_LOG log
 #define FA_LANES 8
 #include "cpu/fa_cpu_rows.h"
+#include "cpu/fa_cpu_decode_append.h"
 #include "cpu/fa_cpu_decode_body.h"
 #undef FA_REAL
 #undef FA_FN
