@@ -235,6 +235,17 @@ static void check_forward_sm90_dropout(void)
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                  plan_define(&plan, "FA_DROP_RING") == -1,
              "the ring without FLASHATTN_SM90_DROP_RING");
+    /* FLASHATTN_SM90_SOFTCAP_FOLD=1: the define with softcap only, and only for "1". */
+    for (int i = 0; i < 4; i++) {
+        const unsigned f = i & 1 ? FA_FEATURE_SOFTCAP : 0;
+        setenv("FLASHATTN_SM90_SOFTCAP_FOLD", i & 2 ? "1" : "2", 1);
+        const fa_plan_key kf = {90, FA_DTYPE_BF16, 128, 128, f, 0, 0, 0};
+        fa_plan pf;
+        TU_CHECK(fa_plan_forward(&kf, &pf) == FA_STATUS_OK &&
+                     plan_define(&pf, "FA_SOFTCAP_FOLD") == ((i & 1) && (i & 2) ? 1 : -1),
+                 "FLASHATTN_SM90_SOFTCAP_FOLD case %d: %d", i, plan_define(&pf, "FA_SOFTCAP_FOLD"));
+    }
+    unsetenv("FLASHATTN_SM90_SOFTCAP_FOLD");
     setenv("FLASHATTN_SM90", "0", 1);
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                  strcmp(plan.family, "fa_fwd_sm80.cu") == 0,

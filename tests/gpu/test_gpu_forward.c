@@ -508,6 +508,17 @@ int main(void)
         }
     }
     unsetenv("FLASHATTN_SM90_DROP_RING");
+    /* The softcap cases again with softcap's constants folded (FLASHATTN_SM90_SOFTCAP_FOLD=1,
+     * an A/B form of the same rule). */
+    setenv("FLASHATTN_SM90_SOFTCAP_FOLD", "1", 1);
+    for (size_t i = 0; i < sizeof sm90_cases / sizeof sm90_cases[0]; i++) {
+        if (sm90_cases[i].c.softcap <= 0)
+            continue;
+        expect_family = sm90_cases[i].sm90 && arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
+        run_case(&sm90_cases[i].c, FA_DTYPE_F16, NULL);
+        run_case(&sm90_cases[i].c, FA_DTYPE_BF16, NULL);
+    }
+    unsetenv("FLASHATTN_SM90_SOFTCAP_FOLD");
     expect_family = arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
     for (size_t i = 0; i < sizeof sm90_scale_cases / sizeof sm90_scale_cases[0]; i++) {
         run_case(&sm90_scale_cases[i].c, FA_DTYPE_F16, &sm90_scale_cases[i].scale);
