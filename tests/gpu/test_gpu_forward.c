@@ -466,6 +466,23 @@ static void run_error_checks(void)
 }
 #endif
 
+#ifdef FA_TEST_SM90
+/* The sm90 cases with dropout (softcap: with softcap) again, with var=value set. */
+static void run_sm90_again(int arch, const char *var, const char *value, int softcap)
+{
+    setenv(var, value, 1);
+    for (size_t i = 0; i < sizeof sm90_cases / sizeof sm90_cases[0]; i++) {
+        const gpu_case *c = &sm90_cases[i].c;
+        if ((softcap ? c->softcap : c->dropout) <= 0)
+            continue;
+        expect_family = sm90_cases[i].sm90 && arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
+        run_case(c, FA_DTYPE_F16, NULL);
+        run_case(c, FA_DTYPE_BF16, NULL);
+    }
+    unsetenv(var);
+}
+#endif
+
 int main(void)
 {
     const int start = gu_start(FA_TEST_NAME, 0x1234567887654321ull);
@@ -495,30 +512,11 @@ int main(void)
     }
     /* The dropout cases again with the Philox words from the producer's ring (the same mask,
      * FLASHATTN_SM90_DROP_RING=1, and 2 with the previous P V waited for after the softmax; the
-     * plan takes it where the ring fits: d 64, 128, 256). */
-    static const char *const ring_forms[] = {"1", "2"};
-    for (int f = 0; f < 2; f++) {
-        setenv("FLASHATTN_SM90_DROP_RING", ring_forms[f], 1);
-        for (size_t i = 0; i < sizeof sm90_cases / sizeof sm90_cases[0]; i++) {
-            if (sm90_cases[i].c.dropout <= 0)
-                continue;
-            expect_family = sm90_cases[i].sm90 && arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
-            run_case(&sm90_cases[i].c, FA_DTYPE_F16, NULL);
-            run_case(&sm90_cases[i].c, FA_DTYPE_BF16, NULL);
-        }
-    }
-    unsetenv("FLASHATTN_SM90_DROP_RING");
-    /* The softcap cases again with softcap's constants folded (FLASHATTN_SM90_SOFTCAP_FOLD=1,
-     * an A/B form of the same rule). */
-    setenv("FLASHATTN_SM90_SOFTCAP_FOLD", "1", 1);
-    for (size_t i = 0; i < sizeof sm90_cases / sizeof sm90_cases[0]; i++) {
-        if (sm90_cases[i].c.softcap <= 0)
-            continue;
-        expect_family = sm90_cases[i].sm90 && arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
-        run_case(&sm90_cases[i].c, FA_DTYPE_F16, NULL);
-        run_case(&sm90_cases[i].c, FA_DTYPE_BF16, NULL);
-    }
-    unsetenv("FLASHATTN_SM90_SOFTCAP_FOLD");
+     * plan takes it where the ring fits: d 64, 128, 256), and the softcap cases with softcap's
+     * constants folded (FLASHATTN_SM90_SOFTCAP_FOLD=1, an A/B form of the same rule). */
+    run_sm90_again(arch, "FLASHATTN_SM90_DROP_RING", "1", 0);
+    run_sm90_again(arch, "FLASHATTN_SM90_DROP_RING", "2", 0);
+    run_sm90_again(arch, "FLASHATTN_SM90_SOFTCAP_FOLD", "1", 1);
     expect_family = arch == 90 ? "fa_fwd_sm90.cu" : "fa_fwd_sm80.cu";
     for (size_t i = 0; i < sizeof sm90_scale_cases / sizeof sm90_scale_cases[0]; i++) {
         run_case(&sm90_scale_cases[i].c, FA_DTYPE_F16, &sm90_scale_cases[i].scale);
