@@ -161,17 +161,23 @@ FA_DEV float fa_exp2(float x)
     return y;
 }
 
-/* tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1) on the special-function unit (ex2, rcp): no branch and
- * an absolute error of a few 1e-7 (a softcapped score, tanh times the cap, needs the absolute
- * error small); +-1 once the power overflows or flushes, NaN kept. libm's tanhf selects between
- * a polynomial and this form in about four times the instructions. */
-FA_DEV float fa_tanh_fast(float x)
+/* 2 log2(e): tanh's exponent in base 2 (fa_tanh_fast). */
+#define FA_2LOG2E 2.88539008177792681f
+
+/* 1 / (2^x + 1) on the special-function unit (ex2, then rcp.approx.ftz.f32: within 1 ulp);
+ * 0 once 2^x overflows, 1 once it flushes. */
+FA_DEV float fa_rcp_exp2p1(float x)
 {
     float r;
-    /* rcp.approx.ftz.f32: 1 / y within 1 ulp; 1 / inf = 0 */
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fa_exp2(x * 2.88539008177792681f) + 1.f));
-    return fmaf(-2.f, r, 1.f);
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fa_exp2(x) + 1.f));
+    return r;
 }
+
+/* tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): no branch and an absolute error of a few 1e-7 (a
+ * softcapped score, tanh times the cap, needs the absolute error small); +-1 once the power
+ * overflows or flushes, NaN kept. libm's tanhf selects between a polynomial and this form in
+ * about four times the instructions. */
+FA_DEV float fa_tanh_fast(float x) { return fmaf(-2.f, fa_rcp_exp2p1(x * FA_2LOG2E), 1.f); }
 
 
 /* cp.async.cg.shared.global: 16-byte copy global -> shared that skips L1 and does not block;

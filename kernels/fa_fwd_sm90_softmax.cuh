@@ -203,12 +203,7 @@ FA_DEV void fa_mask_scores_mods(const fa_kparams *kp, const fa_rows *r, float *s
  * A/B): x pre 2 log2 e in one product and post into the last FFMA, 5 instructions for 7. */
 FA_DEV float fa_softcap_fold(float x, float pre, float post)
 {
-    float r;
-    /* rcp.approx.ftz.f32, as fa_tanh_fast */
-    asm("rcp.approx.ftz.f32 %0, %1;"
-        : "=f"(r)
-        : "f"(fa_exp2(x * (pre * 2.88539008177792681f)) + 1.f));
-    return fmaf(-2.f * post, r, post);
+    return fmaf(-2.f * post, fa_rcp_exp2p1(x * (pre * FA_2LOG2E)), post);
 }
 
 /* S of key block n (scores in sacc) -> exp2 of the scaled, masked scores relative to the new row
