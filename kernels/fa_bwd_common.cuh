@@ -207,6 +207,13 @@ FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
 #define FA_BWD_PROBS_SERIAL 0
 #endif
 
+/* fa_bwd_probs' n-tile nt waits for n-tile nt - FA_BWD_CHAIN's dS (fa_after on its first
+ * factor: softcap's, else the scale): left free, ptxas issued every score's exponentials at once
+ * and spilled. 0: free (a family chains where that spills). */
+#ifndef FA_BWD_CHAIN
+#define FA_BWD_CHAIN 0
+#endif
+
 /* Dropout in fa_bwd_probs: 1 selects the dropped values away where each is used; 0 multiplies
  * by a factor per element (1 / (1 - p) or 0), which ptxas computes for every element up front
  * (a family picks the form that spills less). */
@@ -358,6 +365,9 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 #endif
 #pragma unroll
     for (int nt = 0; nt < FA_BWD_QW / 8; nt++) {
+        float f0 = FA_SOFTCAP ? kp->softcap_pre : kp->scale_log2; /* the first factor */
+        if (FA_BWD_CHAIN && nt >= FA_BWD_CHAIN)
+            f0 = fa_after(f0, dpt[fa_max(nt - FA_BWD_CHAIN, 0)][3], kp->zero);
 #if FA_BWD_PROBS_SERIAL
         /* n-tile nt's inputs released only after n-tile nt - 1's results (fa_bwd_sm90.cu's
          * mods: the programs' registers for every element at once spilled). */
@@ -377,7 +387,7 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             const int dg = tl->dg0 + x_off - y_off;
             float x = st[nt][e], deriv = 1.f, bias = fa_bwd_row(tl->lse2, il);
 #if FA_SOFTCAP
-            x = FA_RULE_SOFTCAP_TANH(x, kp->softcap_pre, fa_tanh_fast);
+            x = FA_RULE_SOFTCAP_TANH(x, f0, fa_tanh_fast);
             deriv = FA_RULE_SOFTCAP_GRAD(x);
 #endif
             float p;
@@ -402,7 +412,7 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 #if FA_ALIBI
                 bias = fmaf(tl->slope_log2, (float)FA_RULE_ABS_DIST(dg), bias); /* + ALiBi */
 #endif
-                p = fa_exp2(fmaf(x, kp->scale_log2, -bias));
+                p = fa_exp2(fmaf(x, FA_SOFTCAP || !FA_BWD_CHAIN ? kp->scale_log2 : f0, -bias));
                 if (masked) {
                     vis = x_off < tl->rows && y_off < tl->keys && dg <= tl->wlo && dg >= tl->whi;
                     p = vis ? p : 0.f;
@@ -427,7 +437,7 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             if (FA_BWD_MODS && mods)
                 dpt[nt][e] = vis ? p * (dk * z - dsum) * deriv : 0.f;
             else
-                dpt[nt][e] = p * (dk * z - dsum) * deriv;
+                dpt[nt][e] = p * ((dk * z - dsum) * deriv); /* deriv consumed before p is made */
             (void)vis;
             st[nt][e] = FA_BWD_DROP_SELECT && !kept ? 0.f : p * z;
         }

@@ -89,6 +89,7 @@
 /* At d 64 with dropout alone (or with varlen) the dropout factors held for every element
  * spilled 64 bytes; selecting at each use spills nothing (but more with ALiBi or softcap). */
 #define FA_BWD_DROP_SELECT (FA_DP == 64 && FA_DROPOUT && !FA_ALIBI && !FA_SOFTCAP)
+#define FA_BWD_CHAIN (FA_SOFTCAP || (FA_DP == 64 && FA_DROPOUT && (FA_ALIBI || FA_VARLEN)) ? 2 : 0)
 #if FA_SCORE_MOD || FA_MOD_MASKS
 #if FA_BLOCK_MASK && FA_VARLEN
 #error "fa_bwd_sm90.cu: block masks are for dense calls (the plan routes varlen ones elsewhere)"

@@ -179,6 +179,14 @@ FA_DEV float fa_rcp_exp2p1(float x)
  * about four times the instructions. */
 FA_DEV float fa_tanh_fast(float x) { return fmaf(-2.f, fa_rcp_exp2p1(x * FA_2LOG2E), 1.f); }
 
+/* x, made to wait for y: x | (y & zero), with zero 0 at run time but unknown to ptxas
+ * (fa_kparams.zero), so x's users are scheduled after y is ready. One LOP3; empty asm
+ * statements do not reach ptxas's schedule. */
+FA_DEV float fa_after(float x, float y, int zero)
+{
+    return __uint_as_float(__float_as_uint(x) | (__float_as_uint(y) & (fa_u32)zero));
+}
+
 
 /* cp.async.cg.shared.global: 16-byte copy global -> shared that skips L1 and does not block;
  * bytes past src_bytes are zero-filled, so src_bytes = 0 writes a zero chunk and reads nothing. */

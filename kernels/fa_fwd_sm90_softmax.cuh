@@ -206,6 +206,11 @@ FA_DEV float fa_softcap_fold(float x, float pre, float post)
     return fmaf(-2.f * post, fa_rcp_exp2p1(x * (pre * FA_2LOG2E)), post);
 }
 
+/* Softcap's tanh, four scores at a time, waits for the score FA_FWD_TANH_CHAIN places before
+ * (fa_after): left free, ptxas issued every score's exponential and reciprocal at once and
+ * spilled (the d 64 three-consumer tile). */
+#define FA_FWD_TANH_CHAIN 16
+
 /* S of key block n (scores in sacc) -> exp2 of the scaled, masked scores relative to the new row
  * maxima, in place; row_max, row_sum updated; alpha[hf] = the factor O must be rescaled by; with
  * dropout, the dropped elements zeroed after the sums (which count them, as upstream's do). */
@@ -230,13 +235,18 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
         fa_mask_bits(kp, r, kb0, 0, keep);
 #endif
     if (r->prescale) {
+        float pre = kp->softcap_pre;
 #pragma unroll
         for (int j = 0; j < FA_SACC; j++) {
             float x = sacc[j];
+#if FA_SOFTCAP
+            if (j % 4 == 0 && j >= FA_FWD_TANH_CHAIN)
+                pre = fa_after(kp->softcap_pre, sacc[fa_max(j - FA_FWD_TANH_CHAIN, 0)], kp->zero);
+#endif
 #if FA_SOFTCAP && FA_SOFTCAP_FOLD
-            x = fa_softcap_fold(x, kp->softcap_pre, kp->scale_log2);
+            x = fa_softcap_fold(x, pre, kp->scale_log2);
 #elif FA_SOFTCAP
-            x = FA_RULE_SOFTCAP(x, kp->softcap_pre, kp->scale_log2, fa_tanh_fast);
+            x = FA_RULE_SOFTCAP(x, pre, kp->scale_log2, fa_tanh_fast);
 #else
             x *= kp->scale_log2;
 #endif

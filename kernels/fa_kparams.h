@@ -64,7 +64,7 @@ typedef struct fa_kparams {
     fa_u32 page_mul;   /* j / page_size = (umulhi(j, page_mul) + j) >> page_shift */
     fa_u32 page_shift; /* for j below 2^31 (fa_div_magic) */
     int last_block;    /* num_blocks - 1 (at most INT_MAX): block ids are clamped into the cache */
-    int page_pad;
+    int zero; /* 0: an operand ptxas cannot fold (fa_after) */
 
     /* User-defined scoring (kernels built with FA_SCORE_MOD, FA_MASK_MOD or FA_BLOCK_MASK):
      * the aux tensors the generated fa_score_mod / fa_mask_mod read (fa_mod_aux), int32 or

@@ -12,9 +12,10 @@ then
 A cache entry is header | key | cubin (src/cuda/fa_jit_disk.c); the key names the source, the
 target and the defines, which label the row. Counts come from cuobjdump's SASS (LDL and STL
 instructions) and resource usage (registers, stack frame); cuobjdump is taken from $CUOBJDUMP,
-then PATH, then $CUDA_HOME/bin.
+then PATH, then $CUDA_HOME/bin, then the nvidia-cuda-cuobjdump wheel.
 """
 import argparse
+import glob
 import hashlib
 import os
 import re
@@ -29,9 +30,19 @@ MAGIC = b"FACUBIN2"
 HEADER = struct.Struct("<8sQQQ")  # magic, key_size, cubin_size, tag (fa_jit_header)
 
 
+def pip_cuobjdumps():
+    """cuobjdump from the nvidia-cuda-cuobjdump wheel (nvidia/<package>/bin), if installed."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted(glob.glob(os.path.join(p, "*", "bin", "cuobjdump")) for p in nvidia.__path__)
+
+
 def find_cuobjdump():
-    for cand in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
-                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")):
+    cands = [os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
+             os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")]
+    for cand in cands + [c for found in pip_cuobjdumps() for c in found]:
         if cand and os.access(cand, os.X_OK):
             return cand
     sys.exit("check_spills: no cuobjdump (set CUOBJDUMP to its path)")

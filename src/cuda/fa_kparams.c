@@ -7,7 +7,7 @@
 #include "cuda/fa_cuda.h"
 #include "plan/fa_plan.h"
 
-/* The user-defined scoring's part of the block (the fields after page_pad). */
+/* The user-defined scoring's part of the block (the fields after zero). */
 static void fa_kparams_fill_mods(const fa_mod_call *c, fa_kparams *kp)
 {
     for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
