@@ -208,8 +208,8 @@ FA_DEV float fa_softcap_fold(float x, float pre, float post)
 
 /* Softcap's tanh, four scores at a time, waits for the score FA_FWD_TANH_CHAIN places before
  * (fa_after): left free, ptxas issued every score's exponential and reciprocal at once and
- * spilled (the d 64 three-consumer tile). */
-#define FA_FWD_TANH_CHAIN 16
+ * spilled (the d 64 three-consumer tile); 16 left the folded form (FA_SOFTCAP_FOLD) spilling. */
+#define FA_FWD_TANH_CHAIN 32
 
 /* S of key block n (scores in sacc) -> exp2 of the scaled, masked scores relative to the new row
  * maxima, in place; row_max, row_sum updated; alpha[hf] = the factor O must be rescaled by; with
