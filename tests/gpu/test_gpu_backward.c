@@ -75,6 +75,9 @@ static const bcase cases[] = {
      * window wider than a tile, over several heads of a group (both query stages in turn). */
     {"wide window gqa d128", 2, 4, 2, 600, 650, 128, 128, 0, 300, 150, 0, 0, 0, 0, 0, 0, 0, 0},
     {"dropout causal mqa d64 long", 1, 4, 1, 520, 700, 64, 64, 1, -1, -1, 0, 0, 0, 0.1, 0, 0, 0, 0},
+    /* d 64's chained element-wise step (FA_BWD_CHAIN): softcap; dropout with ALiBi or varlen. */
+    {"softcap causal gqa d64 long", 1, 4, 2, 400, 520, 64, 64, 1, -1, -1, 30, 0, 0, 0, 0, 0, 0, 0},
+    {"dropout alibi gqa d64", 2, 4, 2, 300, 420, 64, 64, 0, -1, -1, 0, 1, 0, 0.15, 0, 0, 0, 0},
     /* More key blocks x kv heads x sequences (144) than an H200 has multiprocessors (132): the
      * sm90 backward's persistent grid claims some items after finishing others. Few queries,
      * many keys: the items without the reference's cost. */
@@ -97,6 +100,8 @@ static const bcase cases[] = {
      1, 1, 1},
     {"varlen long dropout causal gqa d64", 3, 4, 2, 700, 900, 64, 64, 1, -1, -1, 0, 0, 0, 0.1, 0,
      1, 1, 0},
+    {"varlen softcap alibi dropout causal d64", 3, 4, 2, 260, 300, 64, 64, 1, -1, -1, 25, 1, 0, 0.1,
+     0, 1, 1, 0},
     /* Head dims past 128 and d != dv: FA_DKV_SPLIT kernels (two warps per 16 keys). */
     {"d256", 2, 4, 4, 200, 230, 256, 256, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"causal gqa d192 sq<sk", 2, 4, 2, 190, 300, 192, 192, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},

@@ -192,6 +192,9 @@ static const struct {
      "128,4,0,2,3"},
     {{"sm90 3 consumers varlen softcap d64", 4, 4, 2, 400, 520, 64, 64, 1, -1, -1, 20, 0, 0, 0, 1, 1, 0, 0},
      "128,4,0,1,3"},
+    /* Dense softcap on three consumers: the chained tanh (FA_FWD_TANH_CHAIN) over whole blocks. */
+    {{"sm90 3 consumers paired causal softcap alibi d64", 1, 32, 8, 600, 650, 64, 64, 1, -1, -1, 30, 1, 0, 0, 0, 0, 0, 0},
+     "128,4,0,2,3"},
     /* Key blocks that end in a lone 16-column Philox block (80) or a chunk of one (112). */
     {{"sm90 dropout causal bn80 d64", 2, 3, 3, 257, 300, 64, 64, 1, -1, -1, 0, 0, 0, 0.17, 0, 0, 0, 0},
      "80,2,0,1,2"},
