@@ -206,10 +206,11 @@ FA_DEV float fa_softcap_fold(float x, float pre, float post)
     return fmaf(-2.f * post, fa_rcp_exp2p1(x * (pre * FA_2LOG2E)), post);
 }
 
-/* Softcap's tanh, four scores at a time, waits for the score FA_FWD_TANH_CHAIN places before
- * (fa_after): left free, ptxas issued every score's exponential and reciprocal at once and
- * spilled (the d 64 three-consumer tile); 16 left the folded form (FA_SOFTCAP_FOLD) spilling. */
-#define FA_FWD_TANH_CHAIN 32
+/* Softcap's tanh, FA_FWD_TANH_GROUP scores at a time, waits for the score FA_FWD_TANH_CHAIN
+ * places before (fa_after): left free, ptxas issued every score's exponential and reciprocal at
+ * once and spilled (the d 64 three-consumer tile). The folded form spills with groups of four. */
+#define FA_FWD_TANH_CHAIN 16
+#define FA_FWD_TANH_GROUP (FA_SOFTCAP_FOLD ? 1 : 4)
 
 /* S of key block n (scores in sacc) -> exp2 of the scaled, masked scores relative to the new row
  * maxima, in place; row_max, row_sum updated; alpha[hf] = the factor O must be rescaled by; with
@@ -240,7 +241,7 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
         for (int j = 0; j < FA_SACC; j++) {
             float x = sacc[j];
 #if FA_SOFTCAP
-            if (j % 4 == 0 && j >= FA_FWD_TANH_CHAIN)
+            if (j % FA_FWD_TANH_GROUP == 0 && j >= FA_FWD_TANH_CHAIN)
                 pre = fa_after(kp->softcap_pre, sacc[fa_max(j - FA_FWD_TANH_CHAIN, 0)], kp->zero);
 #endif
 #if FA_SOFTCAP && FA_SOFTCAP_FOLD
