@@ -199,8 +199,9 @@ FA_DEV void fa_mask_scores_mods(const fa_kparams *kp, const fa_rows *r, float *s
 #ifndef FA_SOFTCAP_FOLD
 #define FA_SOFTCAP_FOLD 0
 #endif
-/* FA_RULE_SOFTCAP(x, pre, post, fa_tanh_fast) with its constants folded (FA_SOFTCAP_FOLD, an
- * A/B): x pre 2 log2 e in one product and post into the last FFMA, 5 instructions for 7. */
+/* FA_RULE_SOFTCAP(x, pre, post, fa_tanh_fast) with its constants folded (FA_SOFTCAP_FOLD, the
+ * plan's default): x pre 2 log2 e in one product and post into the last FFMA, 5 instructions
+ * for 7. */
 FA_DEV float fa_softcap_fold(float x, float pre, float post)
 {
     return fmaf(-2.f * post, fa_rcp_exp2p1(x * (pre * FA_2LOG2E)), post);

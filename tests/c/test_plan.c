@@ -235,10 +235,10 @@ static void check_forward_sm90_dropout(void)
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                  plan_define(&plan, "FA_DROP_RING") == -1,
              "the ring without FLASHATTN_SM90_DROP_RING");
-    /* FLASHATTN_SM90_SOFTCAP_FOLD=1: the define with softcap only, and only for "1". */
+    /* The fold: with softcap only, and not with FLASHATTN_SM90_SOFTCAP_FOLD=0. */
     for (int i = 0; i < 4; i++) {
         const unsigned f = i & 1 ? FA_FEATURE_SOFTCAP : 0;
-        setenv("FLASHATTN_SM90_SOFTCAP_FOLD", i & 2 ? "1" : "2", 1);
+        setenv("FLASHATTN_SM90_SOFTCAP_FOLD", i & 2 ? "1" : "0", 1);
         const fa_plan_key kf = {90, FA_DTYPE_BF16, 128, 128, f, 0, 0, 0};
         fa_plan pf;
         TU_CHECK(fa_plan_forward(&kf, &pf) == FA_STATUS_OK &&
