@@ -237,7 +237,9 @@ FA_DEV void fa_softmax_block(const fa_kparams *kp, const fa_rows *r, float *sacc
         fa_mask_bits(kp, r, kb0, 0, keep);
 #endif
     if (r->prescale) {
-        float pre = kp->softcap_pre;
+#if FA_SOFTCAP
+        float pre = kp->softcap_pre; /* softcap's factor, chained (FA_FWD_TANH_CHAIN) */
+#endif
 #pragma unroll
         for (int j = 0; j < FA_SACC; j++) {
             float x = sacc[j];

@@ -36,13 +36,13 @@ def pip_cuobjdumps():
         import nvidia
     except ImportError:
         return []
-    return sorted(glob.glob(os.path.join(p, "*", "bin", "cuobjdump")) for p in nvidia.__path__)
+    return sorted(c for p in nvidia.__path__ for c in glob.glob(os.path.join(p, "*", "bin", "cuobjdump")))
 
 
 def find_cuobjdump():
     cands = [os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
              os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")]
-    for cand in cands + [c for found in pip_cuobjdumps() for c in found]:
+    for cand in cands + pip_cuobjdumps():
         if cand and os.access(cand, os.X_OK):
             return cand
     sys.exit("check_spills: no cuobjdump (set CUOBJDUMP to its path)")

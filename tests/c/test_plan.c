@@ -246,6 +246,13 @@ static void check_forward_sm90_dropout(void)
                  "FLASHATTN_SM90_SOFTCAP_FOLD case %d: %d", i, plan_define(&pf, "FA_SOFTCAP_FOLD"));
     }
     unsetenv("FLASHATTN_SM90_SOFTCAP_FOLD");
+    {
+        const fa_plan_key kf = {90, FA_DTYPE_BF16, 128, 128, FA_FEATURE_SOFTCAP, 0, 0, 0};
+        fa_plan pf;
+        TU_CHECK(fa_plan_forward(&kf, &pf) == FA_STATUS_OK &&
+                     plan_define(&pf, "FA_SOFTCAP_FOLD") == 1,
+                 "the fold by default: %d", plan_define(&pf, "FA_SOFTCAP_FOLD"));
+    }
     setenv("FLASHATTN_SM90", "0", 1);
     TU_CHECK(fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                  strcmp(plan.family, "fa_fwd_sm80.cu") == 0,
