@@ -19,6 +19,7 @@ typedef struct fa_cu_stream_st *fa_cu_stream;
 typedef struct fa_cu_event_st *fa_cu_event;
 typedef unsigned long long fa_cu_deviceptr;
 typedef int fa_nvrtc_result; /* nvrtcResult; 0 is success */
+#define FA_NVRTC_INVALID_OPTION 5 /* NVRTC_ERROR_INVALID_OPTION */
 /* CUtensorMap: 128 opaque bytes, 64-byte aligned. */
 typedef struct fa_cu_tensor_map {
     _Alignas(64) unsigned long long opaque[16];

@@ -194,8 +194,14 @@ static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **
 
     char arch_opt[48];
     snprintf(arch_opt, sizeof arch_opt, "--gpu-architecture=%s", plan->target);
-    const char *opts[FA_PLAN_MAX_DEFINES + 2];
+    const char *opts[FA_PLAN_MAX_DEFINES + 3];
     int num_opts = 0;
+    /* The backward's modules (its main kernel and the pre-, post- and table passes) optimised
+     * on threads of their own: the same SASS, sooner. The forward's and decode's kernels come
+     * out scheduled differently with it, so they go without. An NVRTC without the option
+     * refuses it, and the program is compiled again without. */
+    const int split = strncmp(plan->family, "fa_bwd", 6) == 0;
+    opts[num_opts++] = "--split-compile=0";
     opts[num_opts++] = arch_opt;
     opts[num_opts++] = "--std=c++17";
     for (int i = 0; i < plan->num_defines; i++)
@@ -204,11 +210,23 @@ static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **
     fa_nvrtc_program prog;
     fa_nvrtc_result r =
         nv->create_program(&prog, main_text, plan->family, num_headers, headers, names);
-    free(mod_text); /* NVRTC keeps its own copy */
-    if (r != 0)
+    if (r != 0) {
+        free(mod_text);
         return fa_error_set(FA_STATUS_INTERNAL, "nvrtcCreateProgram(%s): %s", plan->family,
                             nv->get_error_string(r));
-    r = nv->compile_program(prog, num_opts, opts);
+    }
+    r = nv->compile_program(prog, num_opts - !split, opts + !split);
+    if (r == FA_NVRTC_INVALID_OPTION && split) {
+        nv->destroy_program(&prog);
+        r = nv->create_program(&prog, main_text, plan->family, num_headers, headers, names);
+        if (r != 0) {
+            free(mod_text);
+            return fa_error_set(FA_STATUS_INTERNAL, "nvrtcCreateProgram(%s): %s", plan->family,
+                                nv->get_error_string(r));
+        }
+        r = nv->compile_program(prog, num_opts - 1, opts + 1);
+    }
+    free(mod_text); /* NVRTC keeps its own copy */
     if (r != 0) {
         char *log = fa_jit_program_log(nv, prog);
         if (log && fa_jit_logging())
