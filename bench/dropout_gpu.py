@@ -55,11 +55,13 @@ def main():
     ap.add_argument("--fa-env", default="",
                     help="NAME=V settings separated by ';': ours fwd with dropout under each, a "
                          "column each, after the default in the same process")
+    ap.add_argument("--alibi", action="store_true",
+                    help="every flashattn call with ALiBi (slopes 2^(-8 (i + 1) / h))")
     opts = ap.parse_args()
     p = opts.p
     envs = [("FLASHATTN_SM90_DROP_RING", f) for f in opts.ring.split(",") if f]
     envs += [tuple(e.split("=", 1)) for e in opts.fa_env.split(";") if e]
-    print(f"ms, bf16, {torch.cuda.get_device_name()}; each cell: without / with dropout {p} (ratio)")
+    print(f"ms, bf16{', ALiBi' if opts.alibi else ''}, {torch.cuda.get_device_name()}; each cell: without / with dropout {p} (ratio)")
     print("hdim seqlen causal | ours fwd            | ours fwd+bwd          | "
           + "".join("%-21s | " % ("fwd " + n[len("FLASHATTN_"):] + "=" + v)[:21] for n, v in envs) + "FA2 fwd             | cuDNN fwd")
     for d in [int(x) for x in opts.hdims.split(",")]:
@@ -68,6 +70,8 @@ def main():
             q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
                                    requires_grad=True) for _ in range(3)]
             dout = torch.randn_like(q)
+            slopes = (torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)],
+                                   device="cuda") if opts.alibi else None)
             for causal in (False, True):
                 cells = []
                 fwd = [0.0, 0.0]
@@ -75,15 +79,16 @@ def main():
                 for i, dp in enumerate((0.0, p)):
                     with torch.no_grad():
                         fwd[i] = best_ms(lambda: flashattn.flash_attn_func(
-                            q, k, v, dropout_p=dp, causal=causal))
+                            q, k, v, dropout_p=dp, causal=causal, alibi_slopes=slopes))
                     both[i] = best_ms(lambda: torch.autograd.grad(flashattn.flash_attn_func(
-                        q, k, v, dropout_p=dp, causal=causal), (q, k, v), dout))
+                        q, k, v, dropout_p=dp, causal=causal, alibi_slopes=slopes),
+                        (q, k, v), dout))
                 cells += [fwd, both]
                 for name, value in envs:
                     os.environ[name] = value
                     with torch.no_grad():
                         other = best_ms(lambda: flashattn.flash_attn_func(
-                            q, k, v, dropout_p=p, causal=causal))
+                            q, k, v, dropout_p=p, causal=causal, alibi_slopes=slopes))
                     del os.environ[name]
                     cells.append([fwd[0], other])
                 if not opts.no_torch:
