@@ -619,7 +619,8 @@ enum {
 
 /* Compiles the forward kernels of one configuration into the cache with NVRTC alone (no GPU or
  * driver needed). arch as in fa_cuda_device_info; *cached (may be NULL) is set to 1 when the
- * kernel was already cached. Safe to call from several threads at once. FA_STATUS_INTERNAL
+ * kernel was already cached. Safe to call from several threads at once. Dropout with softcap is
+ * FA_STATUS_INVALID_ARGUMENT, as in a call. FA_STATUS_INTERNAL
  * also where ptxas reported a potential performance loss (wgmma serialised) for a kernel this
  * call compiled: a defect of the library's kernel source. */
 fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int head_dim_v,

@@ -372,6 +372,11 @@ FA_API fa_status fa_cuda_precompile(int arch, fa_dtype dtype, int head_dim, int 
     fa_plan_key key = {arch, dtype, head_dim, head_dim_v, features, 0, 0, 0};
     fa_plan plan;
     fa_status st;
+    /* No call runs such a kernel (fa_params.c refuses dropout beside softcap). */
+    if ((features & FA_FEATURE_DROPOUT) && (features & FA_FEATURE_SOFTCAP))
+        return fa_error_set(FA_STATUS_INVALID_ARGUMENT,
+                            "features: dropout cannot be combined with softcap (no call takes "
+                            "both)");
     /* fp8: the sm90 fp8 kernel only (FLASHATTN_SM90_FP8 or not), bf16 and fp16 outputs, dense
      * ones also with V^T from the workspace. */
     if (fa_dtype_is_fp8(dtype)) {

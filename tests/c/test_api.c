@@ -200,6 +200,19 @@ static void test_ref_rounding(void)
     }
 }
 
+/* fa_cuda_precompile refuses a feature set no call can use, before it looks for NVRTC. */
+static void test_precompile_refusal(void)
+{
+    tu_where = "precompile dropout+softcap";
+    int cached = 7;
+    const fa_status st = fa_cuda_precompile(90, FA_DTYPE_BF16, 128, 128,
+                                            FA_FEATURE_DROPOUT | FA_FEATURE_SOFTCAP, &cached);
+    TU_CHECK(st == FA_STATUS_INVALID_ARGUMENT, "status %d: %s", (int)st, fa_last_error());
+    TU_CHECK(strstr(fa_last_error(), "dropout") && strstr(fa_last_error(), "softcap"),
+             "message \"%s\" does not name dropout and softcap", fa_last_error());
+    TU_CHECK(cached == 7, "a refused call set *cached to %d", cached);
+}
+
 int main(void)
 {
     (void)tu_master_seed("test_api");
@@ -210,5 +223,6 @@ int main(void)
     test_args_init();
     test_block_n();
     test_ref_rounding();
+    test_precompile_refusal();
     return tu_finish("test_api");
 }
