@@ -50,14 +50,18 @@ test-upstream: build python-deps
 # beside PyTorch's SDPA backends: host cost per call, a decoding step, the forward's table last.
 # Exits with the tests' status. gpu-build, gpu-tests, gpu-python and gpu-upstream are its parts,
 # for machines that limit how long one command may run.
-# The sm_90a kernels of the precompile matrix compiled into a fresh cache (NVRTC, no GPU; minutes
-# on few cores), then a failure when a kernel of SPILL_SOURCES touches local memory
-# (tools/check_spills.py; cuobjdump from $CUOBJDUMP, PATH or $CUDA_HOME).
-SPILL_SOURCES ?= fa_fwd_sm90.cu,fa_bwd_sm90.cu
+# The sm_90a kernels of every aligned feature set at the precompile matrix's head dims and
+# dtypes, compiled into a cache (NVRTC, no GPU; minutes on few cores; SPILL_CACHE=DIR reuses and
+# keeps one, else a fresh one), then a failure when a Hopper kernel touches local memory
+# (tools/check_spills.py; cuobjdump from $CUOBJDUMP, PATH, $CUDA_HOME or the pip wheel).
+SPILL_FEATURES ?= none,varlen,alibi,softcap,dropout,varlen+alibi,varlen+softcap,varlen+dropout,alibi+softcap,alibi+dropout,varlen+alibi+softcap,varlen+alibi+dropout
+SPILL_SOURCES ?= fa_fwd_sm90.cu,fa_bwd_sm90.cu,fa_bwd_sm90_wide.cu
+SPILL_CACHE ?=
 spill-check: build
-	d=$$(mktemp -d) && FLASHATTN_CACHE_DIR=$$d $(BUILD_DIR)/flashattn precompile --arch sm_90a \
-		--jobs $(JOBS) && $(PYTHON) tools/check_spills.py $$d --spills --check \
-		--source $(SPILL_SOURCES); rc=$$?; rm -rf $$d; exit $$rc
+	d=$(or $(SPILL_CACHE),$$(mktemp -d)) && FLASHATTN_CACHE_DIR=$$d $(BUILD_DIR)/flashattn \
+		precompile --arch sm_90a --features $(SPILL_FEATURES) --jobs $(JOBS) && \
+		$(PYTHON) tools/check_spills.py $$d --spills --check --source $(SPILL_SOURCES); \
+		rc=$$?; [ -n "$(SPILL_CACHE)" ] || rm -rf $$d; exit $$rc
 
 gpu-check: gpu-build
 	$(MAKE) --no-print-directory gpu-tests; rc=$$?; \

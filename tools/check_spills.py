@@ -15,6 +15,7 @@ instructions) and resource usage (registers, stack frame); cuobjdump is taken fr
 then PATH, then $CUDA_HOME/bin, then the nvidia-cuda-cuobjdump wheel.
 """
 import argparse
+import concurrent.futures
 import glob
 import hashlib
 import os
@@ -114,20 +115,21 @@ def kernel_stats(cuobjdump, cubin):
     return stats
 
 
-def collect(cache, cuobjdump):
-    """{(label, function): stats} over every entry of a cache directory."""
-    rows = {}
+def collect(cache, cuobjdump, sources=None):
+    """{(label, function): stats} over the entries of a cache directory (those of `sources`
+    alone when given), cuobjdump run for several entries at once."""
+    entries = []
     for name in sorted(os.listdir(cache)):
         path = os.path.join(cache, name)
         if not os.path.isfile(path):
             continue
         entry = read_entry(path)
-        if entry is None:
-            continue
-        key, cubin = entry
-        for fn, s in kernel_stats(cuobjdump, cubin).items():
-            rows[(label(key), fn)] = s
-    return rows
+        if entry is not None and (not sources or label(entry[0]).split()[0] in sources):
+            entries.append(entry)
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        stats = pool.map(lambda e: kernel_stats(cuobjdump, e[1]), entries)
+        return {(label(key), fn): s
+                for (key, _), found in zip(entries, stats) for fn, s in found.items()}
 
 
 def main():
@@ -144,13 +146,12 @@ def main():
     a = ap.parse_args()
     cuobjdump = find_cuobjdump()
     sources = set(a.source.split(",")) if a.source else None
-    keep = lambda rows: {k: s for k, s in rows.items() if not sources or k[0].split()[0] in sources}
-    new = keep(collect(a.cache, cuobjdump))
+    new = collect(a.cache, cuobjdump, sources)
     if not new:
         sys.exit(f"check_spills: no cache entries in {a.cache}" + (f" from {a.source}" if sources else ""))
     head = "regs stack   LDL   STL  instrs  kernel"
     if a.compare:
-        old = keep(collect(a.compare, cuobjdump))
+        old = collect(a.compare, cuobjdump, sources)
         print(f"{'before':>30} | {'after':>30}")
         print(f"{head.split('  kernel')[0]:>30} | {head}")
         for k in sorted(set(old) | set(new)):

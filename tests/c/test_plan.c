@@ -214,12 +214,11 @@ static void check_forward_sm90_dropout(void)
         fa_plan plan, plain;
         const int ok = fa_plan_forward(&key, &plan) == FA_STATUS_OK &&
                        fa_plan_forward(&plain_key, &plain) == FA_STATUS_OK;
-        const int ring = 1;
-        TU_CHECK(ok && plan_define(&plan, "FA_DROP_RING") == (ring ? form : -1) &&
+        TU_CHECK(ok && plan_define(&plan, "FA_DROP_RING") == form &&
                      plan_define(&plain, "FA_DROP_RING") == -1 &&
                      plan.smem == (unsigned)(FA_SMEM_FWD90(plan.bm, plan.bn, plan.dp, plan.dvp,
                                                            plan.stages) +
-                                             (ring ? FA_SMEM_FWD90_DROP(plan.bm, plan.bn) : 0)) &&
+                                             FA_SMEM_FWD90_DROP(plan.bm, plan.bn)) &&
                      plan.smem <= FA_SMEM_SM90_MAX,
                  "d %d dropout ring %d: define %d (without dropout %d), smem %u", d, form,
                  plan_define(&plan, "FA_DROP_RING"), plan_define(&plain, "FA_DROP_RING"),

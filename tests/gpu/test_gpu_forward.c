@@ -515,7 +515,7 @@ int main(void)
     }
     /* The dropout cases again with the Philox words from the producer's ring (the same mask,
      * FLASHATTN_SM90_DROP_RING=1, and 2 with the previous P V waited for after the softmax; the
-     * plan takes it where the ring fits: every head dim's dropout tile), and the softcap cases with softcap's
+     * ring fits beside every head dim's dropout tile), and the softcap cases with softcap's
      * constants not folded (FLASHATTN_SM90_SOFTCAP_FOLD=0, the A/B form of the same rule). */
     run_sm90_again(arch, "FLASHATTN_SM90_DROP_RING", "1", 0);
     run_sm90_again(arch, "FLASHATTN_SM90_DROP_RING", "2", 0);
