@@ -208,23 +208,18 @@ static fa_status fa_jit_compile(const fa_plan *plan, const fa_nvrtc *nv, void **
         opts[num_opts++] = plan->defines[i];
 
     fa_nvrtc_program prog;
-    fa_nvrtc_result r =
-        nv->create_program(&prog, main_text, plan->family, num_headers, headers, names);
-    if (r != 0) {
-        free(mod_text);
-        return fa_error_set(FA_STATUS_INTERNAL, "nvrtcCreateProgram(%s): %s", plan->family,
-                            nv->get_error_string(r));
-    }
-    r = nv->compile_program(prog, num_opts - !split, opts + !split);
-    if (r == FA_NVRTC_INVALID_OPTION && split) {
-        nv->destroy_program(&prog);
+    fa_nvrtc_result r;
+    for (int skip = !split;; skip = 1) { /* skip: leave out the split option */
         r = nv->create_program(&prog, main_text, plan->family, num_headers, headers, names);
         if (r != 0) {
             free(mod_text);
             return fa_error_set(FA_STATUS_INTERNAL, "nvrtcCreateProgram(%s): %s", plan->family,
                                 nv->get_error_string(r));
         }
-        r = nv->compile_program(prog, num_opts - 1, opts + 1);
+        r = nv->compile_program(prog, num_opts - skip, opts + skip);
+        if (r != FA_NVRTC_INVALID_OPTION || skip)
+            break;
+        nv->destroy_program(&prog);
     }
     free(mod_text); /* NVRTC keeps its own copy */
     if (r != 0) {
