@@ -169,6 +169,15 @@ static int fa_cuda_forward_bm_int(const fa_params *p)
     return 1;
 }
 
+/* A long call (FA_PLAN_LONG, src/plan/fa_plan.h): many query rows, or fewer where every row sees
+ * every key. */
+static int fa_cuda_forward_long(const fa_params *p)
+{
+    const int unmasked = p->window_left < 0 && p->window_right < 0 && !p->is_varlen &&
+                         !p->mods.blocks.num.data;
+    return p->max_sq >= FA_PLAN_LONG_ROWS || (unmasked && p->max_sq >= FA_PLAN_LONG_ROWS_UNMASKED);
+}
+
 fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
 {
     int arch = 0, smem_optin = 0;
@@ -208,7 +217,7 @@ fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
     key.features |= p->dropout_p > 0 ? FA_FEATURE_DROPOUT : 0;
     key.features |= fa_cuda_rows_aligned(p) ? 0 : FA_FEATURE_UNALIGNED;
     key.features |= p->probs ? FA_PLAN_PROBS : 0;
-    key.features |= p->max_sq >= FA_PLAN_LONG_ROWS ? FA_PLAN_LONG : 0;
+    key.features |= fa_cuda_forward_long(p) ? FA_PLAN_LONG : 0;
     /* Paged k and v: the sm80 family's loads look each row's page up (FA_PAGED); on sm_90 it
      * takes them for now, the sm90 family's TMA maps describing a dense layout only. */
     key.features |= p->paged ? FA_PLAN_PAGED : 0;

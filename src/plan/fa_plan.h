@@ -12,7 +12,11 @@
 #include "flashattn.h"
 
 #define FA_PLAN_MAX_DEFINES 20 /* the sm90 forward with every feature and mod: 19 */
+/* Long calls (FA_PLAN_LONG): this many query rows, or FA_PLAN_LONG_ROWS_UNMASKED where every
+ * row sees every key (dense, no causal or window, no block mask), whose equal tiles leave no SM
+ * idle at the end under the head dim 64 row's 192-row tiles. */
 #define FA_PLAN_LONG_ROWS 8192
+#define FA_PLAN_LONG_ROWS_UNMASKED 2048
 /* The sm90 family pairs causal tiles on persistent CTAs up to this many query tiles per
  * (sequence, head); above it one CTA per tile balances better. Block-masked calls and windows
  * bounded on the left pair at any count (src/cuda/fa_cuda_forward.c). */
@@ -20,7 +24,7 @@
 
 /* Plan-internal feature bits, above the public FA_FEATURE_* ones. */
 #define FA_PLAN_PROBS (1u << 24)   /* the probs output is asked for */
-#define FA_PLAN_LONG (1u << 25)    /* at least FA_PLAN_LONG_ROWS query rows (max_seqlen_q) */
+#define FA_PLAN_LONG (1u << 25)    /* a long call (FA_PLAN_LONG_ROWS, max_seqlen_q) */
 #define FA_PLAN_NO_SM90 (1u << 26) /* sm80 family: tensors TMA cannot describe */
 #define FA_PLAN_PAGED (1u << 27)   /* k and v are paged through a block table */
 #define FA_PLAN_KV_E4M3 (1u << 28) /* decode: the caches are fp8 e4m3 (q fp16 or bf16) */
