@@ -51,9 +51,6 @@ static const gpu_case gpu_cases[] = {
     {"varlen seqused alibi causal", 4, 4, 2, 190, 260, 128, 128, 1, -1, -1, 0, 1, 0, 0, 1, 1, 0, 0},
     {"varlen dropout probs d256", 3, 2, 2, 90, 140, 256, 256, 0, 40, 40, 0, 0, 1, 0.3, 1, 0, 1, 0},
     {"decode sq1 gqa", 3, 8, 2, 1, 1000, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
-    /* Unmasked from FA_PLAN_LONG_ROWS_UNMASKED rows: the long plan (three consumers at d 64,
-     * a partial last tile of 192 rows). */
-    {"unmasked long gqa softcap sinks d64", 1, 4, 2, 2100, 2050, 64, 64, 0, -1, -1, 30, 0, 1, 0, 0, 0, 0, 0},
     /* Few rows: the decode schedule (packed GQA, split over the keys), every scoring option. */
     {"few rows sq16 gqa4 causal softcap", 2, 16, 4, 16, 3000, 128, 128, 1, -1, -1, 20, 0, 0, 0, 0, 0, 0, 0},
     {"few rows sq5 window alibi sinks", 1, 8, 2, 5, 2500, 64, 64, 0, 300, 2, 0, 1, 1, 0, 0, 0, 0, 0},
@@ -114,6 +111,9 @@ static const struct {
     {{"sm90 long causal mqa d128", 1, 4, 1, 1000, 1100, 128, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
     {{"sm90 long d64 ring wraps", 2, 2, 2, 700, 1300, 64, 64, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
     {{"sm90 window-left d128", 1, 4, 4, 400, 700, 128, 128, 0, 100, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
+    /* Unmasked from FA_PLAN_LONG_ROWS_UNMASKED rows: the long plan (three consumers at d 64,
+     * a partial last tile of 192 rows). */
+    {{"sm90 unmasked long gqa softcap sinks d64", 1, 4, 2, 2100, 2050, 64, 64, 0, -1, -1, 30, 0, 1, 0, 0, 0, 0, 0}, 1},
     /* Routed to sm80: another head dim, softcap, probs, varlen. */
     {{"sm90 d96 padded causal", 1, 4, 2, 200, 300, 96, 96, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0}, 1},
     {{"sm90 softcap d128", 1, 4, 2, 200, 200, 128, 128, 1, -1, -1, 30, 0, 0, 0, 0, 0, 0, 0}, 1},
