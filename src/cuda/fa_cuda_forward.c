@@ -169,13 +169,19 @@ static int fa_cuda_forward_bm_int(const fa_params *p)
     return 1;
 }
 
-/* A long call (FA_PLAN_LONG, src/plan/fa_plan.h): many query rows, or fewer where every row sees
- * every key. */
+/* Every row of every sequence sees every key (dense; no causal, window or block mask): the
+ * query tiles are of equal work. */
+static int fa_cuda_forward_uniform(const fa_params *p)
+{
+    return p->window_left < 0 && p->window_right < 0 && !p->is_varlen && !p->mods.blocks.num.data;
+}
+
+/* A long call (FA_PLAN_LONG, src/plan/fa_plan.h): many query rows, or fewer where the tiles are
+ * of equal work. */
 static int fa_cuda_forward_long(const fa_params *p)
 {
-    const int unmasked = p->window_left < 0 && p->window_right < 0 && !p->is_varlen &&
-                         !p->mods.blocks.num.data;
-    return p->max_sq >= FA_PLAN_LONG_ROWS || (unmasked && p->max_sq >= FA_PLAN_LONG_ROWS_UNMASKED);
+    return p->max_sq >= FA_PLAN_LONG_ROWS ||
+           (fa_cuda_forward_uniform(p) && p->max_sq >= FA_PLAN_LONG_ROWS_UNMASKED);
 }
 
 fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)
@@ -313,8 +319,7 @@ static fa_status fa_cuda_forward_planned(const fa_params *p, const fa_fwd_args *
              * CTA per tile and the hardware's own dispatch, which balances unequal tiles far
              * better than a static stride. */
             const int64_t sms = fa_cuda_device_sms(args->device);
-            const int uniform = p->window_left < 0 && p->window_right < 0 && !p->is_varlen &&
-                                !p->mods.blocks.num.data;
+            const int uniform = fa_cuda_forward_uniform(p);
             const int any_count =
                 plan.persistent == 3 || p->window_left >= 0 || p->mods.blocks.num.data;
             tmaps->paired = plan.persistent >= 2 && !uniform && !p->is_varlen &&
