@@ -177,11 +177,14 @@ static int fa_cuda_forward_uniform(const fa_params *p)
 }
 
 /* A long call (FA_PLAN_LONG, src/plan/fa_plan.h): many query rows, or fewer where the tiles are
- * of equal work. */
+ * of equal work or dense causal. */
 static int fa_cuda_forward_long(const fa_params *p)
 {
+    const int dense_causal = p->causal && p->window_left < 0 && !p->is_varlen &&
+                             !p->mods.blocks.num.data;
     return p->max_sq >= FA_PLAN_LONG_ROWS ||
-           (fa_cuda_forward_uniform(p) && p->max_sq >= FA_PLAN_LONG_ROWS_UNMASKED);
+           (fa_cuda_forward_uniform(p) && p->max_sq >= FA_PLAN_LONG_ROWS_UNMASKED) ||
+           (dense_causal && p->max_sq >= FA_PLAN_LONG_ROWS_CAUSAL);
 }
 
 fa_status fa_cuda_forward(const fa_params *p, const fa_fwd_args *args)

@@ -187,8 +187,9 @@ void fa_plan_define_mods(fa_plan *plan, const fa_plan_key *key)
  * heads the key block shrunk until two stages fit (FA3's hdim-192/256 tiles). Pingpong between
  * the consumers on or off per row, persistent CTAs over mirrored tile pairs for causal calls, by
  * measurement. Long calls (FA_PLAN_LONG) at head dim 64 take three consumer warpgroups, 192-row
- * tiles: faster from 8k rows on, and from 2k where every row sees every key; slower for shorter
- * calls and for causal or windowed ones under 8k (fewer, longer tiles leave SMs idle at the end).
+ * tiles: faster from 8k rows on, from 4k for dense causal calls and from 2k where every row sees
+ * every key; slower for shorter calls (the causal ones' tiles cover more masked keys) and for
+ * windowed ones under 8k (fewer, longer tiles leave SMs idle at the end).
  */
 typedef struct fa_plan_row90 {
     int dp, bn, stages, pingpong, persistent;

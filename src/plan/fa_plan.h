@@ -14,9 +14,11 @@
 #define FA_PLAN_MAX_DEFINES 20 /* the sm90 forward with every feature and mod: 19 */
 /* Long calls (FA_PLAN_LONG): this many query rows, or FA_PLAN_LONG_ROWS_UNMASKED where every
  * row sees every key (dense, no causal or window, no block mask), whose equal tiles leave no SM
- * idle at the end under the head dim 64 row's 192-row tiles. */
+ * idle at the end under the head dim 64 row's 192-row tiles, or FA_PLAN_LONG_ROWS_CAUSAL for
+ * dense causal calls (below it the 192-row tiles' masked keys cost more than they gain). */
 #define FA_PLAN_LONG_ROWS 8192
 #define FA_PLAN_LONG_ROWS_UNMASKED 2048
+#define FA_PLAN_LONG_ROWS_CAUSAL 4096
 /* The sm90 family pairs causal tiles on persistent CTAs up to this many query tiles per
  * (sequence, head); above it one CTA per tile balances better. Block-masked calls and windows
  * bounded on the left pair at any count (src/cuda/fa_cuda_forward.c). */
