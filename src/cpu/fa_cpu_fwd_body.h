@@ -364,12 +364,13 @@ FA_CPU_CLONES static void FA_FN(fa_cpu_tile)(const fa_params *p, FA_FN(fa_tile) 
                 t->lo = mlo, t->hi = mhi, t->mod_at.exact = cstate[kbi] == 3;
         } else if (fa_mod_call_active(&p->mods)) {
             int state = 1;
-            if (FA_FN(fa_cpu_mod_bounds)(p, t->mod_buf, n, 0, m, &t->mod_at, mlo, mhi,
-                                         t->mcnt) &&
+            if (FA_FN(fa_cpu_mod_bounds)(p, t->mod_buf, n, 0, m, &t->mod_at, lo_call, hi_call,
+                                         mlo, mhi, t->mcnt) &&
                 FA_FN(fa_edge_narrow)(mlo, mhi, lo_call, hi_call, m, mp, j0)) {
                 t->lo = mlo, t->hi = mhi;
                 /* Rows that keep every key between their bounds need no mask after the
-                 * products: the softmax masks by the bounds. */
+                 * products: the softmax masks by the bounds (mcnt counts only keys inside the
+                 * call's bounds, as mlo and mhi are narrowed to them). */
                 int exact = 1;
                 for (int64_t i = 0; i < m; i++)
                     exact &= mhi[i] - mlo[i] == t->mcnt[i];

@@ -54,13 +54,17 @@ void fa_cpu_mod_apply_f64(const fa_params *p, double *buf, double *st, int64_t l
                           int64_t c0, int64_t c1, const fa_cpu_mod_at *at);
 
 /* The keys of [j0, j0 + n) (at->j0 = j0) each query i of [c0, c1) keeps by the mask (mask_mod
- * and block mask, not score_mod): lo[i] the first, hi[i] one past the last, cnt[i] how many;
- * lo[i] = inf and hi[i] = -inf where it keeps none. Returns 0 without touching them where the
- * block mask keeps the whole block or the call has no mask. */
+ * and block mask, not score_mod) inside the call's own bounds [olo[i], ohi[i]) (causal, window):
+ * lo[i] the first, hi[i] one past the last, cnt[i] how many; lo[i] = inf and hi[i] = -inf where
+ * it keeps none. Counting past the call's bounds would let the keys cut off there stand in for
+ * a gap of masked keys, and hi - lo == cnt wrongly mark the row exact. Returns 0 without touching
+ * them where the block mask keeps the whole block or the call has no mask. */
 int fa_cpu_mod_bounds_f32(const fa_params *p, float *buf, int64_t n, int64_t c0, int64_t c1,
-                          const fa_cpu_mod_at *at, float *lo, float *hi, float *cnt);
+                          const fa_cpu_mod_at *at, const float *olo, const float *ohi, float *lo,
+                          float *hi, float *cnt);
 int fa_cpu_mod_bounds_f64(const fa_params *p, double *buf, int64_t n, int64_t c0, int64_t c1,
-                          const fa_cpu_mod_at *at, double *lo, double *hi, double *cnt);
+                          const fa_cpu_mod_at *at, const double *olo, const double *ohi,
+                          double *lo, double *hi, double *cnt);
 
 /* A thread's cache of the forward's bounds (fa_cpu_mod_bounds, narrowed) for every key block of
  * its last query tile, which the tiles of the same rows in other heads reuse: bytes for tiles

@@ -32,16 +32,18 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_mod_sq)(FA_REAL x) { return x * x; }
 
 /*
  * fa_cpu_mod_apply, fa_cpu_mod_apply_grad (dst given: dst times score_mod's derivative) and
- * fa_cpu_mod_bounds (blo given: the keys kept, st untouched) by the hoisting evaluator
- * (fa_cpu_mod_eval.h): per chunk of keys and chunk of queries, passes of FA_CPU_MOD_ROWS keys
- * that stay inside one key block of the block mask, so one state per query holds for a pass.
+ * fa_cpu_mod_bounds (blo given: the keys kept inside each query's [olo, ohi), st untouched) by
+ * the hoisting evaluator (fa_cpu_mod_eval.h): per chunk of keys and chunk of queries, passes of
+ * FA_CPU_MOD_ROWS keys that stay inside one key block of the block mask, so one state per query
+ * holds for a pass.
  * Cloned for AVX2 and AVX-512 as the kernels are; static, as clones must be to resolve under
  * clang too, behind the exported functions below.
  */
 FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st,
                                               int64_t ld, int64_t n, int64_t c0, int64_t c1,
                                               const fa_cpu_mod_at *at, FA_REAL *dbuf, FA_REAL *dst,
-                                              FA_REAL *blo, FA_REAL *bhi, FA_REAL *bcnt)
+                                              FA_REAL *blo, FA_REAL *bhi, FA_REAL *bcnt,
+                                              const FA_REAL *olo, const FA_REAL *ohi)
 {
     const int64_t ch = FA_CPU_MOD_CHUNK;
     const fa_mod *sm = p->mods.score_mod, *mm = p->mods.mask_mod;
@@ -114,11 +116,14 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
                 if (at->states && all_skip && blo)
                     continue;
                 if (at->states && all_full && blo) {
-                    for (int64_t k = 0; k < w; k++) {
-                        bcnt[i0 + k] += (FA_REAL)g;
-                        blo[i0 + k] = key < blo[i0 + k] ? key : blo[i0 + k];
-                        bhi[i0 + k] = key + (FA_REAL)g > bhi[i0 + k] ? key + (FA_REAL)g
-                                                                     : bhi[i0 + k];
+                    for (int64_t k = 0; k < w; k++) { /* the pass's keys inside the call's */
+                        const FA_REAL ol = olo[i0 + k], oh = ohi[i0 + k];
+                        const FA_REAL a_ = key > ol ? key : ol;
+                        const FA_REAL b_ = key + (FA_REAL)g < oh ? key + (FA_REAL)g : oh;
+                        const int in_ = a_ < b_;
+                        bcnt[i0 + k] += in_ ? b_ - a_ : (FA_REAL)0;
+                        blo[i0 + k] = in_ && a_ < blo[i0 + k] ? a_ : blo[i0 + k];
+                        bhi[i0 + k] = in_ && b_ > bhi[i0 + k] ? b_ : bhi[i0 + k];
                     }
                     continue;
                 }
@@ -157,14 +162,16 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
                 FA_FN(fa_mod_opnd) r = {&one, 0, 0};
                 if (have)
                     r = FA_FN(fa_mod_eval)(mm, aux, FA_MOD_VARY_QKV, &cm, NULL, 0);
-                for (int64_t jj = 0; jj < g && blo; jj++) { /* bounds: the keys kept */
+                /* bounds: the keys kept inside the call's own (fa_cpu_mod_bounds says why) */
+                for (int64_t jj = 0; jj < g && blo; jj++) {
                     const FA_REAL *rr = r.p + jj * r.rs, kj = key + (FA_REAL)jj, kj1 = kj + 1;
                     FA_REAL *restrict lo = blo + i0, *restrict hi = bhi + i0, *restrict cnt = bcnt + i0;
+                    const FA_REAL *restrict ol = olo + i0, *restrict oh = ohi + i0;
                     const int rk = !have || rr[0] != 0; /* where the root is one per row */
                     const FA_REAL inf = (FA_REAL)INFINITY;
 #define FA_MOD_BOUND(keep)                                                                       \
     for (int64_t k = 0; k < w; k++) {                                                            \
-        const int kp_ = (keep);                                                                  \
+        const int kp_ = (keep) & (kj >= ol[k]) & (kj < oh[k]);                                   \
         const FA_REAL a_ = kp_ ? kj : inf, b_ = kp_ ? kj1 : -inf;                                \
         lo[k] = a_ < lo[k] ? a_ : lo[k];                                                         \
         cnt[k] += kp_ ? (FA_REAL)1 : (FA_REAL)0;                                                 \
@@ -214,11 +221,13 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
 void FA_FN(fa_cpu_mod_apply)(const fa_params *p, FA_REAL *buf, FA_REAL *st, int64_t ld,
                              int64_t n, int64_t c0, int64_t c1, const fa_cpu_mod_at *at)
 {
-    FA_FN(fa_mod_apply)(p, buf, st, ld, n, c0, c1, at, NULL, NULL, NULL, NULL, NULL);
+    FA_FN(fa_mod_apply)(p, buf, st, ld, n, c0, c1, at, NULL, NULL, NULL, NULL, NULL, NULL,
+                        NULL);
 }
 
 int FA_FN(fa_cpu_mod_bounds)(const fa_params *p, FA_REAL *buf, int64_t n, int64_t c0, int64_t c1,
-                             const fa_cpu_mod_at *at, FA_REAL *lo, FA_REAL *hi, FA_REAL *cnt)
+                             const fa_cpu_mod_at *at, const FA_REAL *olo, const FA_REAL *ohi,
+                             FA_REAL *lo, FA_REAL *hi, FA_REAL *cnt)
 {
     if (!p->mods.mask_mod && !at->states)
         return 0;
@@ -229,7 +238,7 @@ int FA_FN(fa_cpu_mod_bounds)(const fa_params *p, FA_REAL *buf, int64_t n, int64_
         hi[i] = -(FA_REAL)INFINITY;
         cnt[i] = 0;
     }
-    FA_FN(fa_mod_apply)(p, buf, NULL, 0, n, c0, c1, at, NULL, NULL, lo, hi, cnt);
+    FA_FN(fa_mod_apply)(p, buf, NULL, 0, n, c0, c1, at, NULL, NULL, lo, hi, cnt, olo, ohi);
     return 1;
 }
 
@@ -237,5 +246,5 @@ void FA_FN(fa_cpu_mod_apply_grad)(const fa_params *p, FA_REAL *buf, FA_REAL *dbu
                                   FA_REAL *dst, int64_t ld, int64_t n, int64_t c0, int64_t c1,
                                   const fa_cpu_mod_at *at)
 {
-    FA_FN(fa_mod_apply)(p, buf, st, ld, n, c0, c1, at, dbuf, dst, NULL, NULL, NULL);
+    FA_FN(fa_mod_apply)(p, buf, st, ld, n, c0, c1, at, dbuf, dst, NULL, NULL, NULL, NULL, NULL);
 }

@@ -716,10 +716,78 @@ static void test_backward(tu_rng *r)
     }
 }
 
+/* A mask_mod whose kept keys have a gap as wide as the keys causal cuts off the row's end
+ * (|q_idx - kv_idx| <= 9 or kv_idx >= 18; sq 9, sk 27, so row i sees keys up to i + 18): the
+ * forward must not take the row's kept keys for one contiguous run once causal narrows them. */
+static void test_gap_cut(tu_rng *r)
+{
+    tu_where = "mask_mod gap as wide as the causal cut";
+    const int64_t sq = 9, sk = 27, h = 2, d = 8;
+    fa_mod *m = fa_mod_create();
+    const int q = fa_mod_var(m, FA_MOD_Q_IDX), k = fa_mod_var(m, FA_MOD_KV_IDX);
+    const int dist = fa_mod_unary(m, FA_MOD_ABS, fa_mod_binary(m, FA_MOD_SUB, q, k));
+    const int root = fa_mod_binary(m, FA_MOD_OR,
+                                   fa_mod_binary(m, FA_MOD_LE, dist, fa_mod_const(m, 9)),
+                                   fa_mod_binary(m, FA_MOD_GE, k, fa_mod_const(m, 18)));
+    TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_MASK) == FA_STATUS_OK, "mask: %s",
+             fa_last_error());
+    int64_t qs[4] = {1, sq, h, d}, ks[4] = {1, sk, h, d}, ls[3] = {1, h, sq};
+    tu_tensor tq = tu_tensor_new(FA_DTYPE_F64, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor tk = tu_tensor_new(FA_DTYPE_F64, 4, ks, TU_CONTIGUOUS, r);
+    tu_tensor tv = tu_tensor_new(FA_DTYPE_F64, 4, ks, TU_CONTIGUOUS, r);
+    tu_tensor out = tu_tensor_new(FA_DTYPE_F64, 4, qs, TU_CONTIGUOUS, r);
+    tu_tensor lse = tu_tensor_new(FA_DTYPE_F64, 3, ls, TU_CONTIGUOUS, r);
+    tu_fill_uniform(&tq, r, -1.5, 1.5), tu_fill_uniform(&tk, r, -1.5, 1.5);
+    tu_fill_uniform(&tv, r, -1, 1);
+    tu_poison(&out), tu_poison(&lse);
+    fa_fwd_args a;
+    fa_fwd_args_init(&a);
+    a.q = &tq.t, a.k = &tk.t, a.v = &tv.t, a.out = &out.t, a.lse = &lse.t;
+    a.causal = 1, a.mask_mod = m, a.num_threads = 1;
+    TU_CHECK(fa_attention_forward(&a) == FA_STATUS_OK, "forward: %s", fa_last_error());
+    for (int64_t hh = 0; hh < h; hh++)
+        for (int64_t i = 0; i < sq; i++) {
+            double s[27], mx = -INFINITY, sum = 0, o[8] = {0};
+            for (int64_t j = 0; j < sk; j++) {
+                double dot = 0;
+                for (int64_t e = 0; e < d; e++) {
+                    int64_t qi[4] = {0, i, hh, e}, ki[4] = {0, j, hh, e};
+                    dot += fa_ref_load(&tq.t, qi) * fa_ref_load(&tk.t, ki);
+                }
+                const int keep = j <= i + sk - sq && (llabs(i - j) <= 9 || j >= 18);
+                s[j] = keep ? dot / sqrt((double)d) : -INFINITY;
+                mx = s[j] > mx ? s[j] : mx;
+            }
+            for (int64_t j = 0; j < sk; j++) {
+                const double p = exp(s[j] - mx);
+                sum += p;
+                for (int64_t e = 0; e < d; e++) {
+                    int64_t vi[4] = {0, j, hh, e};
+                    o[e] += p * fa_ref_load(&tv.t, vi);
+                }
+            }
+            int64_t li[3] = {0, hh, i};
+            const double got_lse = fa_ref_load(&lse.t, li), want_lse = mx + log(sum);
+            TU_CHECK(fabs(got_lse - want_lse) <= 1e-10 * (1 + fabs(want_lse)),
+                     "row %lld head %lld: lse %.12g, want %.12g", (long long)i, (long long)hh,
+                     got_lse, want_lse);
+            for (int64_t e = 0; e < d; e++) {
+                int64_t oi[4] = {0, i, hh, e};
+                const double got = fa_ref_load(&out.t, oi), want = o[e] / sum;
+                TU_CHECK(fabs(got - want) <= 1e-10, "row %lld head %lld col %lld: %.12g, want %.12g",
+                         (long long)i, (long long)hh, (long long)e, got, want);
+            }
+        }
+    tu_tensor_free(&tq), tu_tensor_free(&tk), tu_tensor_free(&tv);
+    tu_tensor_free(&out), tu_tensor_free(&lse);
+    fa_mod_destroy(m);
+}
+
 int main(void)
 {
     tu_rng rng = {tu_master_seed("test_block_mask")};
     test_errors(&rng);
+    test_gap_cut(&rng);
     test_forward(&rng);
     test_backward(&rng);
     return tu_finish("test_block_mask");
