@@ -682,9 +682,18 @@ static void test_backward(tu_rng *r)
                         const double lm = loss(&a, &out, g, &c);
                         *x = x0;
                         const double fd = (lp - lm) / (2 * eps), got = grads[w][e];
-                        TU_CHECK(fabs(fd - got) <= 1e-6 * (1 + fabs(fd)),
-                                 "d%c element %lld: backward %.12g, differences %.12g", "qkv"[w],
-                                 (long long)e, got, fd);
+                        int ok = fabs(fd - got) <= 1e-6 * (1 + fabs(fd));
+                        if (!ok && kinked) {
+                            /* a jump (mod) or kink (max, abs) of score_mod can lie between
+                             * x0 - eps and x0 + eps; the one-sided difference on x0's side of
+                             * it still holds, to first order in eps */
+                            const double l0 = loss(&a, &out, g, &c);
+                            const double fp = (lp - l0) / eps, fm = (l0 - lm) / eps;
+                            ok = fabs(fp - got) <= 1e-4 * (1 + fabs(got)) ||
+                                 fabs(fm - got) <= 1e-4 * (1 + fabs(got));
+                        }
+                        TU_CHECK(ok, "d%c element %lld: backward %.12g, differences %.12g",
+                                 "qkv"[w], (long long)e, got, fd);
                     }
                 }
                 free(g);
