@@ -42,6 +42,7 @@ typedef struct mcase {
     int varlen, kind;
     int64_t b, h, hk, d, dv, sq[MAXB], sk[MAXB], max_sq, max_sk, tq, tk;
     int wl, wr, relr, rsign; /* relr 5 clamps most offsets, 160 none */
+    int bwin, bwl, bwr; /* a built-in window ANDed with the mods (bwin; -1 unbounded) */
     double cap;
     int32_t off[MAXB], prefix[MAXB], doc[MAXB][160];
     float slopes[16], bias[16][2 * RELR + 1];
@@ -70,6 +71,13 @@ static int oracle_visible(const mcase *c, int64_t bi, int64_t hh, int64_t i, int
     default:
         return 1;
     }
+}
+
+/* The built-in window a case adds on top of its mods (bottom-right aligned, as causal). */
+static int oracle_in_window(const mcase *c, int64_t bi, int64_t i, int64_t j)
+{
+    const int64_t at = i + c->sk[bi] - c->sq[bi];
+    return !c->bwin || ((c->bwl < 0 || j >= at - c->bwl) && (c->bwr < 0 || j <= at + c->bwr));
 }
 
 static double oracle_score(const mcase *c, int64_t bi, int64_t hh, int64_t i, int64_t j, double s)
@@ -112,8 +120,9 @@ static void oracle(const mcase *c, const fa_fwd_args *a, double *out, double *ls
                         dot += fa_ref_load(a->q, c->varlen ? qv : qi) *
                                fa_ref_load(a->k, c->varlen ? kv : ki);
                     }
-                    s[j] = oracle_visible(c, bi, hh, i, j) ? oracle_score(c, bi, hh, i, j, dot * scale)
-                                                       : -INFINITY;
+                    s[j] = oracle_visible(c, bi, hh, i, j) && oracle_in_window(c, bi, i, j)
+                               ? oracle_score(c, bi, hh, i, j, dot * scale)
+                               : -INFINITY;
                     mx = s[j] > mx ? s[j] : mx;
                 }
                 const int64_t row = c->varlen ? q0 + i : bi * c->max_sq + i;
@@ -260,11 +269,13 @@ static void check_run(const mcase *c, fa_fwd_args *a, tu_tensor *out, tu_tensor 
 
 static void run_case(mcase *c, tu_rng *r, int use_parsed)
 {
-    char what[160];
-    snprintf(what, sizeof what, "%s %s %s b=%lld h=%lld/%lld d=%lld sq0=%lld sk0=%lld%s",
+    char what[200], win[40] = "";
+    if (c->bwin)
+        snprintf(win, sizeof win, " window (%d, %d)", c->bwl, c->bwr);
+    snprintf(what, sizeof what, "%s %s %s b=%lld h=%lld/%lld d=%lld sq0=%lld sk0=%lld%s%s",
              kind_names[c->kind], fa_dtype_name(c->dt), c->varlen ? "varlen" : "dense",
              (long long)c->b, (long long)c->h, (long long)c->hk, (long long)c->d,
-             (long long)c->sq[0], (long long)c->sk[0], use_parsed ? " (parsed)" : "");
+             (long long)c->sq[0], (long long)c->sk[0], win, use_parsed ? " (parsed)" : "");
     tu_where = what;
     c->tq = c->tk = 0;
     c->max_sq = c->max_sk = 0;
@@ -326,6 +337,8 @@ static void run_case(mcase *c, tu_rng *r, int use_parsed)
         a.cu_seqlens_q = &tcuq, a.cu_seqlens_k = &tcuk;
         a.max_seqlen_q = c->max_sq, a.max_seqlen_k = c->max_sk;
     }
+    if (c->bwin)
+        a.window_left = c->bwl, a.window_right = c->bwr;
     double *want = calloc((size_t)(c->tq * c->h * c->dv + 1), sizeof(double));
     double *want_lse = calloc((size_t)(c->tq * c->h + 1), sizeof(double));
     oracle(c, &a, want, want_lse);
@@ -350,7 +363,7 @@ static void run_case(mcase *c, tu_rng *r, int use_parsed)
         has_builtin = 0;
     }
     if (has_builtin) {
-        char w2[200];
+        char w2[220];
         snprintf(w2, sizeof w2, "%s [built-in]", what);
         check_run(c, &builtin, &out, &lse, want, want_lse, w2);
     }
@@ -388,7 +401,7 @@ static void run_case(mcase *c, tu_rng *r, int use_parsed)
     check_run(c, &a, &out, &lse, want, want_lse, what);
     if (has_builtin && (c->kind == K_CAUSAL || c->kind == K_WINDOW) && c->tq > 0) {
         /* Dropout with a mask_mod drops the keys the built-in mask's call drops. */
-        char w2[200];
+        char w2[220];
         snprintf(w2, sizeof w2, "%s [dropout]", what);
         builtin.dropout_p = a.dropout_p = tu_rng_uniform(r, 0.1, 0.6);
         builtin.seed = a.seed = tu_rng_u64(r);
@@ -442,6 +455,12 @@ void tm_test_forward(tu_rng *r)
                 c.cap = tu_rng_uniform(r, 1.0, 8.0);
                 c.relr = tu_rng_chance(r, 0.5) ? 5 : RELR;
                 c.rsign = tu_rng_chance(r, 0.5) ? 1 : -1;
+                /* A built-in window or causal edge on top of the kinds without a built-in
+                 * twin: the mods' kept keys cut by the call's own bounds. */
+                c.bwin = kind != K_CAUSAL && kind != K_WINDOW && kind != K_SOFTCAP &&
+                         kind != K_ALIBI && kind != K_DOCUMENT && tu_rng_chance(r, 0.5);
+                c.bwl = (int)tu_rng_int(r, -1, 30);
+                c.bwr = tu_rng_chance(r, 0.4) ? 0 : (int)tu_rng_int(r, -1, 30);
                 const int same = kind == K_DOCUMENT || kind == K_PREFIX;
                 for (int64_t i = 0; i < c.b; i++) {
                     /* Few rows now and then: mods never take the decode schedule. */
