@@ -169,19 +169,24 @@ static int fa_cuda_forward_bm_int(const fa_params *p)
     return 1;
 }
 
-/* Every row of every sequence sees every key (dense; no causal, window or block mask): the
- * query tiles are of equal work. */
+/* Dense: one length for every sequence, no block mask. */
+static int fa_cuda_forward_dense(const fa_params *p)
+{
+    return !p->is_varlen && !p->mods.blocks.num.data;
+}
+
+/* Every row of every sequence sees every key (dense; no causal or window): the query tiles are
+ * of equal work. */
 static int fa_cuda_forward_uniform(const fa_params *p)
 {
-    return p->window_left < 0 && p->window_right < 0 && !p->is_varlen && !p->mods.blocks.num.data;
+    return p->window_left < 0 && p->window_right < 0 && fa_cuda_forward_dense(p);
 }
 
 /* A long call (FA_PLAN_LONG, src/plan/fa_plan.h): many query rows, or fewer where the tiles are
  * of equal work or dense causal. */
 static int fa_cuda_forward_long(const fa_params *p)
 {
-    const int dense_causal = p->causal && p->window_left < 0 && !p->is_varlen &&
-                             !p->mods.blocks.num.data;
+    const int dense_causal = p->causal && p->window_left < 0 && fa_cuda_forward_dense(p);
     return p->max_sq >= FA_PLAN_LONG_ROWS ||
            (fa_cuda_forward_uniform(p) && p->max_sq >= FA_PLAN_LONG_ROWS_UNMASKED) ||
            (dense_causal && p->max_sq >= FA_PLAN_LONG_ROWS_CAUSAL);

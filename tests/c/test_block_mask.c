@@ -731,7 +731,7 @@ static void test_backward(tu_rng *r)
 static void test_gap_cut(tu_rng *r)
 {
     tu_where = "mask_mod gap as wide as the causal cut";
-    const int64_t sq = 9, sk = 27, h = 2, d = 8;
+    enum { sq = 9, sk = 27, h = 2, d = 8 };
     fa_mod *m = fa_mod_create();
     const int q = fa_mod_var(m, FA_MOD_Q_IDX), k = fa_mod_var(m, FA_MOD_KV_IDX);
     const int dist = fa_mod_unary(m, FA_MOD_ABS, fa_mod_binary(m, FA_MOD_SUB, q, k));
@@ -756,7 +756,7 @@ static void test_gap_cut(tu_rng *r)
     TU_CHECK(fa_attention_forward(&a) == FA_STATUS_OK, "forward: %s", fa_last_error());
     for (int64_t hh = 0; hh < h; hh++)
         for (int64_t i = 0; i < sq; i++) {
-            double s[27], mx = -INFINITY, sum = 0, o[8] = {0};
+            double s[sk], mx = -INFINITY, sum = 0, o[d] = {0};
             for (int64_t j = 0; j < sk; j++) {
                 double dot = 0;
                 for (int64_t e = 0; e < d; e++) {
