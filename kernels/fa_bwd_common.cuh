@@ -167,7 +167,12 @@ FA_DEV int fa_load_acquire(const int *p)
  * have added their dQ to the tile (fa_bwd_pre zeroes it). */
 FA_DEV int *fa_bwd_sem(const fa_bkparams *bp, int bi, int h, int mb)
 {
+#ifdef FA_BWD_INDEX_UNSIGNED
+    /* in 32 bits (a count of query tiles, far below 2^32): see fa_bwd_row0 */
+    return bp->sem + (fa_u32)((bi * bp->f.h + h) * bp->m_tiles + mb);
+#else
     return bp->sem + ((fa_i64)bi * bp->f.h + h) * bp->m_tiles + mb;
+#endif
 }
 
 /* Deterministic mode, one thread of the CTA of key block nb: waits for query tile mb's turn,
@@ -184,7 +189,19 @@ FA_DEV void fa_bwd_turn_wait(const fa_kparams *kp, const fa_seq *s, int mb, int 
  * times FA_DP, its first element of the dQ accumulator: m_tiles * FA_BM rows per sequence. */
 FA_DEV fa_i64 fa_bwd_row0(const fa_bkparams *bp, int h, int bi)
 {
+#ifdef FA_BWD_INDEX_UNSIGNED
+    /* For a family whose loops leave no register to hold a product of parameters or their sign
+     * words: mul.wide.u32, the 64-bit product of two unsigned 32-bit factors (all are
+     * non-negative), in asm so that the compiler cannot regroup m_tiles * FA_BM out of the loop
+     * and hold it there. */
+    unsigned long long r;
+    asm("mul.wide.u32 %0, %1, %2;"
+        : "=l"(r)
+        : "r"((fa_u32)(h * bp->f.b + bi)), "r"((fa_u32)bp->m_tiles));
+    return (fa_i64)(r * FA_BM);
+#else
     return ((fa_i64)h * bp->f.b + bi) * bp->m_tiles * FA_BM;
+#endif
 }
 
 /* Queries per warp of the transposed frame's S^T and dP^T (fa_bwd_probs): the whole query tile,

@@ -381,7 +381,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     for (int ii = 0;; ii++) {
         fa_mbar_wait(kv_full, ii & 1);
         const int wi = slot[ii & 1];
-        if (wi >= n_items)
+        if (wi == FA_BWD90_NO_ITEM)
             break;
         const fa_bwd_item im = fa_bwd_item_make(&bp, wi);
 #if FA_VARLEN

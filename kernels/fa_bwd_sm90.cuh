@@ -38,6 +38,16 @@ FA_DEV fa_u32 fa_swz128(int row, int col)
     return (fa_u32)row * 128 + ((((byte >> 4) ^ (fa_u32)(row & 7)) << 4) | (byte & 15));
 }
 
+/* ld.shared.b32 / st.shared.b32 at shared address a, in order among the volatile asm of the
+ * barrier operations (the load without a memory clobber: it then left the compiler free to keep
+ * the tile's values in registers across it). */
+FA_DEV int fa_lds32(fa_u32 a)
+{
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+
 #if FA_VARLEN
 /* A varlen item's sequence as its tour and tiles use it: its lengths, which the producer wrote
  * beside the item's slot (lens[0..1]: sq, sk), read there at each use: held in registers over
@@ -50,6 +60,17 @@ FA_DEV fa_seq fa_item_seq(const volatile int *lens)
     s.k_start = 0;
     s.sq = lens[0];
     s.sk = lens[1];
+    return s;
+}
+
+/* The same from the lengths' shared address (a family that keeps no generic pointer to them). */
+FA_DEV fa_seq fa_item_seq_at(fa_u32 lens)
+{
+    fa_seq s;
+    s.q_start = 0;
+    s.k_start = 0;
+    s.sq = fa_lds32(lens);
+    s.sk = fa_lds32(lens + 4);
     return s;
 }
 #define FA_ITEM_SEQ fa_item_seq(lens)
@@ -160,20 +181,13 @@ FA_DEV void fa_bwd_tour(const fa_bkparams *bp, const fa_seq *s, int nb, int h_en
  * tile's block-mask state; unused}, written before the stage's q_full arrival, read by the
  * consumers after its wait: their tours are the producer's, walked once. */
 #define FA_BWD90_REC_END (-1)
+/* The item slot's value once the CTA's items are done: the consumers stop there. */
+#define FA_BWD90_NO_ITEM (-1)
 #define FA_BWD90_SLOT_INTS (FA_SMEM_BWD90_SLOTS(FA_QSTAGES) / 4)
 /* Field f of stage qs's record, a shared address from the slots' (slot_s): 32 bits where a
  * generic pointer held over the consumers' loop took two registers more, and ptxas spilled. */
 #define FA_BWD90_REC(slot_s, qs, f) ((slot_s) + FA_SMEM_BWD90_SLOTS(qs) + 4 * (f))
 
-/* ld.shared.b32 / st.shared.b32 at shared address a, in order among the volatile asm of the
- * barrier operations (the load without a memory clobber: it then left the compiler free to keep
- * the tile's values in registers across it). */
-FA_DEV int fa_lds32(fa_u32 a)
-{
-    int v;
-    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(a));
-    return v;
-}
 
 FA_DEV void fa_sts32(fa_u32 a, int v)
 {
@@ -252,7 +266,7 @@ FA_DEV void fa_bwd_tour_bm(const fa_bkparams *bp, const fa_seq *s, int nb, int h
  * released the previous item's (kv_empty), its index into slot[ii % 2] (varlen: its lengths
  * beside, FA_ITEM_SEQ), then Q and dO of each query tile its tour meets into the FA_QSTAGES
  * stages at q_s, do_s (q_full / q_empty, 8 bytes apart), each with its record (FA_BWD90_REC);
- * an index past n_items tells the consumers to stop. */
+ * FA_BWD90_NO_ITEM tells the consumers to stop. */
 FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 k_s,
                              fa_u32 v_s, fa_u32 q_s, fa_u32 do_s, fa_u32 kv_full,
                              fa_u32 kv_empty, fa_u32 q_full, fa_u32 q_empty, volatile int *slot,
@@ -264,7 +278,7 @@ FA_DEV void fa_bwd90_produce(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u
         /* The previous item's K and V released by every consumer warp (a fresh barrier's
          * phase "-1" counts as done), so its slot's last reader is done too. */
         fa_mbar_wait(kv_empty, (ii & 1) ^ 1);
-        slot[ii & 1] = wi;
+        slot[ii & 1] = wi >= n_items ? FA_BWD90_NO_ITEM : wi;
         if (wi >= n_items) {
             fa_mbar_arrive(kv_full); /* no item: the consumers stop */
             break;

@@ -725,8 +725,9 @@ static void check_backward_wide(void)
 
 /* sm_90's default plan over the same sample: d and dv in 33..256 with aligned rows go to the
  * sm90 families, d = dv up to 128 to fa_bwd_sm90.cu and the rest to fa_bwd_sm90_wide.cu, whose
- * layout must be the workspace's (the arch-80 plan's padded dims and query tile), whose shared
- * memory must fit, with three query stages wherever they fit. */
+ * layout must be the workspace's (the arch-80 plan's padded dims and query tile), on 128-key
+ * blocks where the plan's rule takes them, whose shared memory must fit, with three query
+ * stages wherever they fit. */
 static void check_backward_sm90_wide(void)
 {
     static const int dims[] = {1, 8, 32, 33, 64, 96, 128, 129, 136, 160, 192, 200, 224, 256};
@@ -751,9 +752,15 @@ static void check_backward_sm90_wide(void)
                     continue;
                 bwd_family(80, d, dv, ft, &ws_plan);
                 const int qstages = plan_define(&plan, "FA_QSTAGES");
+                /* 128-key blocks for dense calls without dropout whose padded d is 128 or 192
+                 * and d + dv at most 320 (each consumer warpgroup's dK and dV of 64 keys). */
+                const int split = (plan.dp == 128 || plan.dp == 192) &&
+                                  plan.dp + plan.dvp <= 320 &&
+                                  !(ft & (FA_FEATURE_VARLEN | FA_FEATURE_DROPOUT));
+                const int bn = split ? 128 : 64;
                 TU_CHECK(plan.bm == ws_plan.bm && plan.dp == ws_plan.dp &&
-                             plan.dvp == ws_plan.dvp && plan.bn == 64 &&
-                             plan_define(&plan, "FA_BN") == 64 && plan.dp % 64 == 0 &&
+                             plan.dvp == ws_plan.dvp && plan.bn == bn &&
+                             plan_define(&plan, "FA_BN") == bn && plan.dp % 64 == 0 &&
                              plan.dvp % 64 == 0,
                          "d %d dv %d: bm %d bn %d dp %d dvp %d, the workspace's plan bm %d dp %d "
                          "dvp %d",
@@ -768,8 +775,14 @@ static void check_backward_sm90_wide(void)
                          "d %d dv %d: %u bytes of shared memory, %d query stages", d, dv,
                          plan.smem, qstages);
             }
-    /* FLASHATTN_BWD_SM90=0 hands them to the sm80 family. */
+    /* FLASHATTN_BWD_SM90_WIDE_BN=64 keeps 64-key blocks; FLASHATTN_BWD_SM90=0 hands the wide
+     * heads to the sm80 family. */
     fa_plan plan;
+    setenv("FLASHATTN_BWD_SM90_WIDE_BN", "64", 1);
+    TU_CHECK(strcmp(bwd_family(90, 192, 128, 0, &plan), "fa_bwd_sm90_wide.cu") == 0 &&
+                 plan.bn == 64 && plan_define(&plan, "FA_BN") == 64,
+             "FLASHATTN_BWD_SM90_WIDE_BN=64: d 192 / dv 128 on %d-key blocks", plan.bn);
+    unsetenv("FLASHATTN_BWD_SM90_WIDE_BN");
     setenv("FLASHATTN_BWD_SM90", "0", 1);
     TU_CHECK(strcmp(bwd_family(90, 256, 128, 0, &plan), "fa_bwd_sm80.cu") == 0 &&
                  strcmp(bwd_family(90, 192, 128, 0, &plan), "fa_bwd_sm80.cu") == 0,

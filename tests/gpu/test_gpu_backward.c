@@ -133,6 +133,15 @@ static const bcase cases[] = {
      1, 0, 0.2, 0, 1, 1, 1},
     {"varlen window sinks mqa d160 padded", 3, 4, 1, 200, 233, 160, 160, 0, 70, 20, 0, 0, 1, 0, 8,
      1, 0, 0},
+    /* The wide sm90 family's 128-key blocks (dense, no dropout, padded d 128 or 192 and d + dv
+     * <= 320: each consumer warpgroup 64 of the keys), with blocks whose keys end inside either
+     * half; the varlen form of the same shape on 64-key blocks. */
+    {"softcap alibi window gqa d192 dv128", 2, 4, 2, 300, 420, 192, 128, 0, 100, 40, 25, 1, 0, 0,
+     0, 0, 0, 0},
+    {"long causal sq>sk sinks mqa d128 dv96", 1, 4, 1, 700, 600, 128, 96, 1, -1, -1, 0, 0, 1, 0, 0,
+     0, 0, 0},
+    {"varlen softcap causal seqused d192 dv128 slack", 3, 4, 2, 260, 330, 192, 128, 1, -1, -1, 20,
+     0, 0, 0, 0, 1, 1, 1},
     /* The wide sm90 family on a persistent grid (more work items than SMs), with a right window
      * edge (its longest-first claims) and without. */
     {"persistent grid causal gqa d256 dv128", 3, 12, 6, 160, 1000, 256, 128, 1, -1, -1, 0, 0, 0,
