@@ -1113,7 +1113,8 @@ def test_fp8_forward_cuda_matches_cpu(gen, case, monkeypatch):
     library's fp8 forward on copies (P rounded to e4m3 alike), both against an fp32 attention
     of the dequantised inputs: FA3's criterion, the GPU's error at most twice the CPU's plus
     bf16's rounding of out. Dense calls also with V transposed into the workspace ahead of the
-    kernel (FLASHATTN_SM90_FP8_VT=1): the same shared-memory operands, so the same bits."""
+    kernel (FLASHATTN_SM90_FP8_VT=1), held to the same criterion: its rows take longer key
+    blocks (src/plan/fa_plan.c, fa_sm90_fp8_vt_rows), so the sums run in another order."""
     from flashattn import fa3
 
     b, s, h, hk, d, causal, window, softcap, varlen = case
@@ -1151,8 +1152,9 @@ def test_fp8_forward_cuda_matches_cpu(gen, case, monkeypatch):
     if not varlen:
         monkeypatch.setenv("FLASHATTN_SM90_FP8_VT", "1")
         out_vt = run(q, k, v, "cuda", **kw)
-        assert torch.equal(out_vt, out_g), (out_vt.float() - out_g.float()).abs().max().item()
     assert out_g.is_cuda and out_g.dtype == torch.bfloat16 and out_g.shape == out_c.shape
     err_c = (out_c.float() - ref.float()).abs().max().item()
-    err_g = (out_g.cpu().float() - ref.float()).abs().max().item()
-    assert err_g <= 2 * err_c + 2.0 ** -8, (err_g, err_c)
+    for out in (out_g,) if varlen else (out_g, out_vt):
+        assert out.shape == out_c.shape
+        err_g = (out.cpu().float() - ref.float()).abs().max().item()
+        assert err_g <= 2 * err_c + 2.0 ** -8, (err_g, err_c)
