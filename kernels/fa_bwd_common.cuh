@@ -345,6 +345,16 @@ FA_DEV float fa_bwd_row(const float v[FA_BWD_LANE_ROWS], int il)
 {
 #if FA_BWD_LANE_ROWS == 2
     return __shfl_sync(0xffffffffu, v[il & 1], il >> 1);
+#elif FA_BWD_LANE_ROWS == 1
+    /* Row il = 8 nt + 2t + e (the reader's t = lane % 4) sits in lane 8 nt + 4e + t
+     * (fa_bwd_tile_make). shfl.sync.idx with segment mask 3 (c = 0x31f) takes the source lane's
+     * low two bits from the reader's lane and the rest from b = 8 nt + 4e, a constant at each
+     * call: no lane index held in a register per row. */
+    float r;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x31f, 0xffffffff;"
+                 : "=f"(r)
+                 : "f"(v[0]), "r"((il & ~7) | (il & 1) << 2));
+    return r;
 #else
     return __shfl_sync(0xffffffffu, v[il >> 5], il & 31);
 #endif
@@ -493,6 +503,11 @@ FA_DEV fa_bwd_tile fa_bwd_tile_make(const fa_kparams *kp, const fa_seq *s, int b
     const float2 l = *(const float2 *)(lse2 + 2 * lane), d = *(const float2 *)(dsum + 2 * lane);
     tl.lse2[0] = l.x, tl.lse2[1] = l.y;
     tl.dsum[0] = d.x, tl.dsum[1] = d.y;
+#elif FA_BWD_LANE_ROWS == 1
+    /* lane 8 nt + 4e + t holds row 8 nt + 2t + e (fa_bwd_row) */
+    const int row = (lane & ~7) + 2 * (lane & 3) + (lane >> 2 & 1);
+    tl.lse2[0] = lse2[row];
+    tl.dsum[0] = dsum[row];
 #else
 #pragma unroll
     for (int x = 0; x < FA_BWD_LANE_ROWS; x++) {

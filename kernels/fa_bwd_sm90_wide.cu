@@ -52,7 +52,7 @@
  * dK, dV are written at the item's end (dK times the softmax scale), after K and V are released.
  *
  * Defines from the plan (src/plan/fa_plan_backward.c, fa_plan_backward_sm90): FA_BF16, FA_DP, FA_DVP
- * (multiples of 64 up to 256), FA_BM 64, FA_BN (64, or 128 for the plan's dense shapes),
+ * (multiples of 64 up to 256), FA_BM 64, FA_BN (64, or 128 where the plan's rule takes it),
  * FA_QSTAGES (2 or 3), FA_ALIBI, FA_SOFTCAP, FA_DROPOUT, FA_VARLEN.
  *
  * Shared memory (1024-byte aligned; tiles in 128-byte swizzled rows of 64 columns, column blocks
@@ -474,16 +474,21 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                         first, n_items))
         return;
     const int ct = threadIdx.x - 128;
+    /* The base again in the consumers' branch (volatile: not the prologue's value, which both
+     * branches then share and the consumers' loops leave no register to hold). */
+    fa_u32 sm;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(sm)
+                 : "l"(fa_smem));
+    sm = (sm + 1023u) & ~1023u;
     /* The warpgroup index from a broadcast, so that the compiler knows it warp-uniform. */
     if (__shfl_sync(0xffffffffu, ct >> 7, 0) == 0)
-        fa_consume(&bp, k_s, mb_first, 0, ct, 0, FA_K0, 0, FA_V0, 0,
-                   FA_Q0);
+        fa_consume(&bp, sm, mb_first, 0, ct, 0, FA_K0, 0, FA_V0, 0, FA_Q0);
     else if (FA_KEY_SPLIT)
-        fa_consume(&bp, k_s, mb_first, 1, ct, 0, FA_NKB, 0, FA_NVB, FA_Q0,
-                   FA_NKB - FA_Q0);
+        fa_consume(&bp, sm, mb_first, 1, ct, 0, FA_NKB, 0, FA_NVB, FA_Q0, FA_NKB - FA_Q0);
     else
-        fa_consume(&bp, k_s, mb_first, 1, ct, FA_K0, FA_NKB - FA_K0,
-                   FA_V0, FA_NVB - FA_V0, FA_Q0, FA_NKB - FA_Q0);
+        fa_consume(&bp, sm, mb_first, 1, ct, FA_K0, FA_NKB - FA_K0, FA_V0, FA_NVB - FA_V0, FA_Q0,
+                   FA_NKB - FA_Q0);
 }
 
 #include "fa_bwd_rows.cuh"

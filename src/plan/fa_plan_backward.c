@@ -113,8 +113,8 @@ static int fa_plan_bwd_sm90_mods_ok(const fa_plan_key *key)
 
 /* The wide sm90 backward (kernels/fa_bwd_sm90_wide.cu): 64-query tiles against 128-key blocks
  * where each consumer warpgroup's dK and dV of 64 keys fit its registers without spilling
- * (padded d 128 or 192, d + dv <= 320; dense, without dropout): half the query tiles' traffic
- * per key of 64-key blocks. Else 64 x 64 tiles, which
+ * (padded d 128 or 192, d + dv <= 320; without dropout, whose mask spilled there): half the
+ * query tiles' traffic per key of 64-key blocks. Else 64 x 64 tiles, which
  * FLASHATTN_BWD_SM90_WIDE_BN=64 asks for everywhere. Three query stages where they fit the
  * 227 KB, else two (230512 bytes at d 192 / dv 128 with 128 keys, 230472 at d = dv = 256). */
 static void fa_plan_backward_sm90_wide(const fa_plan_key *key, fa_plan *plan)
@@ -125,7 +125,7 @@ static void fa_plan_backward_sm90_wide(const fa_plan_key *key, fa_plan *plan)
     plan->bm = FA_BWD_BM;
     const char *env = getenv("FLASHATTN_BWD_SM90_WIDE_BN");
     const int split_ok = plan->dp >= 128 && plan->dp <= 192 && plan->dp + plan->dvp <= 320 &&
-                         !(key->features & (FA_FEATURE_DROPOUT | FA_FEATURE_VARLEN));
+                         !(key->features & FA_FEATURE_DROPOUT);
     plan->bn = split_ok && !(env && atoi(env) == 64) ? 128 : 64;
     plan->stages =
         FA_SMEM_BWD90W(plan->bm, plan->bn, plan->dp, plan->dvp, 3) <= FA_SMEM_SM90_MAX ? 3 : 2;

@@ -752,11 +752,10 @@ static void check_backward_sm90_wide(void)
                     continue;
                 bwd_family(80, d, dv, ft, &ws_plan);
                 const int qstages = plan_define(&plan, "FA_QSTAGES");
-                /* 128-key blocks for dense calls without dropout whose padded d is 128 or 192
-                 * and d + dv at most 320 (each consumer warpgroup's dK and dV of 64 keys). */
+                /* 128-key blocks for calls without dropout whose padded d is 128 or 192 and
+                 * d + dv at most 320 (each consumer warpgroup's dK and dV of 64 keys). */
                 const int split = (plan.dp == 128 || plan.dp == 192) &&
-                                  plan.dp + plan.dvp <= 320 &&
-                                  !(ft & (FA_FEATURE_VARLEN | FA_FEATURE_DROPOUT));
+                                  plan.dp + plan.dvp <= 320 && !(ft & FA_FEATURE_DROPOUT);
                 const int bn = split ? 128 : 64;
                 TU_CHECK(plan.bm == ws_plan.bm && plan.dp == ws_plan.dp &&
                              plan.dvp == ws_plan.dvp && plan.bn == bn &&

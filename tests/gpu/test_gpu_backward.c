@@ -133,9 +133,9 @@ static const bcase cases[] = {
      1, 0, 0.2, 0, 1, 1, 1},
     {"varlen window sinks mqa d160 padded", 3, 4, 1, 200, 233, 160, 160, 0, 70, 20, 0, 0, 1, 0, 8,
      1, 0, 0},
-    /* The wide sm90 family's 128-key blocks (dense, no dropout, padded d 128 or 192 and d + dv
-     * <= 320: each consumer warpgroup 64 of the keys), with blocks whose keys end inside either
-     * half; the varlen form of the same shape on 64-key blocks. */
+    /* The wide sm90 family's 128-key blocks (no dropout, padded d 128 or 192 and d + dv <= 320:
+     * each consumer warpgroup 64 of the keys), with blocks whose keys end inside either half,
+     * dense and varlen. */
     {"softcap alibi window gqa d192 dv128", 2, 4, 2, 300, 420, 192, 128, 0, 100, 40, 25, 1, 0, 0,
      0, 0, 0, 0},
     {"long causal sq>sk sinks mqa d128 dv96", 1, 4, 1, 700, 600, 128, 96, 1, -1, -1, 0, 0, 1, 0, 0,
