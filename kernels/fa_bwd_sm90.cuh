@@ -48,6 +48,11 @@ FA_DEV int fa_lds32(fa_u32 a)
     return v;
 }
 
+FA_DEV void fa_sts32(fa_u32 a, int v)
+{
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+}
+
 #if FA_VARLEN
 /* A varlen item's sequence as its tour and tiles use it: its lengths, which the producer wrote
  * beside the item's slot (lens[0..1]: sq, sk), read there at each use: held in registers over
@@ -187,12 +192,6 @@ FA_DEV void fa_bwd_tour(const fa_bkparams *bp, const fa_seq *s, int nb, int h_en
 /* Field f of stage qs's record, a shared address from the slots' (slot_s): 32 bits where a
  * generic pointer held over the consumers' loop took two registers more, and ptxas spilled. */
 #define FA_BWD90_REC(slot_s, qs, f) ((slot_s) + FA_SMEM_BWD90_SLOTS(qs) + 4 * (f))
-
-
-FA_DEV void fa_sts32(fa_u32 a, int v)
-{
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
-}
 
 #if FA_BLOCK_MASK
 /* The block mask's view of the CTA's item in hand (fa_bwd_bm, fa_bwd_mod.cuh) sits behind the
