@@ -152,19 +152,19 @@ typedef struct fa_bwd_tmaps {
 } fa_bwd_tmaps;
 
 /* The persistent grid's chunk of (kv head, sequence) pairs claimed longest first under a right
- * window edge: as many pairs (up to 8) as keep their queries' Q and dO within 16 MiB of L2, or
- * FLASHATTN_BWD_LPT=G (0..64; 0 claims key blocks fastest, without the longest-first order), for
- * tuning with the benchmark. */
-static int fa_bwd_lpt_groups(const fa_params *p)
+ * window edge: fa_plan_backward_lpt_groups, or FLASHATTN_BWD_LPT=G (0..64; 0 claims key blocks
+ * fastest, without the longest-first order), for tuning with the benchmark. */
+static int fa_bwd_lpt_groups(const fa_params *p, const fa_plan *plan, int64_t n_tiles, int sms)
 {
     const char *env = getenv("FLASHATTN_BWD_LPT");
     char *end;
     const long g = env ? strtol(env, &end, 10) : -1;
     if (env && end != env && *end == '\0' && g >= 0 && g <= 64)
         return (int)g;
-    const int64_t pair_bytes = p->max_sq * (p->d + p->dv) * 2 * (p->h / p->hk);
-    const int64_t groups = pair_bytes > 0 ? ((int64_t)16 << 20) / pair_bytes : 8;
-    return (int)(groups < 1 ? 1 : groups > 8 ? 8 : groups);
+    const fa_lpt_shape s = {p->max_sq, p->max_sk, n_tiles, p->hk * p->b, (int)p->window_left,
+                            (int)p->window_right, plan->bm, plan->bn, (int)(p->h / p->hk),
+                            (int)p->d, (int)p->dv, sms};
+    return fa_plan_backward_lpt_groups(&s);
 }
 
 /* Launches `entry` of plan's module with the parameter block (and, when tm is not NULL, the
@@ -302,7 +302,7 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
      * (fa_bwd_lpt_groups). */
     bp.lpt_groups = bp.lpt_items = 0;
     if (bp.persistent && p->window_right >= 0) {
-        bp.lpt_groups = fa_bwd_lpt_groups(p);
+        bp.lpt_groups = fa_bwd_lpt_groups(p, &plan, bp.n_tiles, (int)sms);
         bp.lpt_items = bp.lpt_groups * bp.n_tiles;
     }
 

@@ -128,6 +128,23 @@ fa_status fa_plan_backward(const fa_plan_key *key, fa_plan *plan);
  * do the case. fa_plan_backward takes it on sm_90 unless FLASHATTN_BWD_SM90=0. */
 fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan);
 
+/* A persistent sm90 backward's work under a right window edge, for its claim order: sequences
+ * of sq queries and sk keys (the dense maxima), the window, bm-row query tiles, n_tiles key
+ * blocks of bn keys, pairs (kv head, sequence) of `group` query heads each, head dims d and dv,
+ * and the CTAs (one per multiprocessor). */
+typedef struct fa_lpt_shape {
+    int64_t sq, sk, n_tiles, pairs;
+    int window_left, window_right, bm, bn, group, d, dv, sms;
+} fa_lpt_shape;
+
+/* The (kv head, sequence) pairs per chunk of the longest-first claim order (fa_plan_bwd_order.c):
+ * as many as keep their Q and dO within 16 MiB of L2 (up to 8), or fewer where a simulation of
+ * the claims finishes the grid over 1% sooner. */
+int fa_plan_backward_lpt_groups(const fa_lpt_shape *s);
+/* The simulated grid's length for chunks of `groups` pairs, in query tiles' time (an item's
+ * tour and a tile for its start and end), or -1 past the simulation's limits. */
+int64_t fa_plan_backward_lpt_makespan(const fa_lpt_shape *s, int groups);
+
 /*
  * Decoding (kernels/fa_decode.cu): few query rows against a KV cache, read in place, with the g
  * query heads of a kv head packed as the rows of one tile. rows is the packed rows of a kv head

@@ -28,7 +28,8 @@
  *   - a paged decode plan with as many CTAs per SM as the dense one;
  *   - the decode's split count: a count that shortens the longest split, at most the key blocks
  *     and the device's slots, and a lone tile over a few more blocks than the largest automatic
- *     count still split down to the shortest longest split.
+ *     count still split down to the shortest longest split;
+ *   - the persistent backward's claim order under a right window edge (check_backward_lpt).
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -862,6 +863,53 @@ static void check_decode_splits(void)
             }
 }
 
+/* The persistent backward's claim order under a right window edge: the chunk of pairs whose
+ * simulated grid is the shortest (within 1%) among those the L2 bound allows; the simulation
+ * within its bounds (the total work spread evenly, the longest item); a chunk of 3 pairs at 8k
+ * causal d 192 / dv 128 over 20 pairs (the L2 bound) leaves long items to start near the end. */
+static void check_backward_lpt(void)
+{
+    for (int64_t s = 1024; s <= 16384; s *= 2)
+        for (int64_t pairs = 4; pairs <= 64; pairs += 12)
+            for (int wl = -1; wl <= 1024; wl += 1025) {
+                const int bn = s >= 8192 ? 64 : 128;
+                const fa_lpt_shape sh = {s, s + 64, (s + 64 + bn - 1) / bn, pairs, wl, 0, 64,
+                                         bn, 1 + (int)(pairs % 3), 192, 128, 132};
+                const int64_t pb = sh.sq * (sh.d + sh.dv) * 2 * sh.group;
+                int gmax = (int)((16 << 20) / pb);
+                gmax = gmax < 1 ? 1 : gmax > 8 ? 8 : gmax > pairs ? (int)pairs : gmax;
+                const int g = fa_plan_backward_lpt_groups(&sh);
+                TU_CHECK(g >= 1 && g <= gmax, "s %lld pairs %lld: %d groups, bound %d",
+                         (long long)s, (long long)pairs, g, gmax);
+                TU_CHECK(fa_plan_backward_lpt_groups(&sh) == g, "s %lld: a second answer",
+                         (long long)s);
+                const int64_t span = fa_plan_backward_lpt_makespan(&sh, g);
+                int64_t work = 0, longest = 0;
+                for (int64_t nb = 0; nb < sh.n_tiles; nb++) {
+                    /* rows [nb * bn - 64, nb * bn + bn - 64 + wl) see the block (sk = sq + 64) */
+                    int64_t lo = nb * bn - 64, hi = wl < 0 ? s : nb * bn + bn - 64 + wl;
+                    lo = lo < 0 ? 0 : lo;
+                    hi = hi > s ? s : hi;
+                    const int64_t t = (hi > lo ? (hi - 1) / 64 - lo / 64 + 1 : 0) * sh.group + 1;
+                    work += t * pairs;
+                    longest = t > longest ? t : longest;
+                }
+                TU_CHECK(span * 132 >= work && span >= longest,
+                         "s %lld pairs %lld: simulated %lld, work %lld, longest %lld",
+                         (long long)s, (long long)pairs, (long long)span, (long long)work,
+                         (long long)longest);
+                for (int o = 1; o <= gmax; o++)
+                    TU_CHECK(span * 100 <= fa_plan_backward_lpt_makespan(&sh, o) * 101,
+                             "s %lld pairs %lld: %d groups simulate longer than %d",
+                             (long long)s, (long long)pairs, g, o);
+            }
+    const fa_lpt_shape mla = {8192, 8192, 64, 20, -1, 0, 64, 128, 1, 192, 128, 132};
+    const int g = fa_plan_backward_lpt_groups(&mla);
+    TU_CHECK(g < 3 && fa_plan_backward_lpt_makespan(&mla, 3) * 100 >
+                          fa_plan_backward_lpt_makespan(&mla, g) * 105,
+             "8k causal d 192 / dv 128, 20 pairs: %d groups", g);
+}
+
 /* The fp8 forward: the sm90 fp8 family by default, refused with FLASHATTN_SM90_FP8=0, refusals
  * naming the argument. */
 static void check_forward_fp8(void)
@@ -1027,5 +1075,6 @@ int main(void)
     check_backward_sm90_wide();
     check_decode_splits();
     check_decode_paged();
+    check_backward_lpt();
     return tu_finish("test_plan");
 }
