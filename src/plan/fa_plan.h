@@ -131,7 +131,7 @@ fa_status fa_plan_backward_sm90(const fa_plan_key *key, fa_plan *plan);
 /* A persistent sm90 backward's work under a right window edge, for its claim order: sequences
  * of sq queries and sk keys (the dense maxima), the window, bm-row query tiles, n_tiles key
  * blocks of bn keys, pairs (kv head, sequence) of `group` query heads each, head dims d and dv,
- * and the CTAs (one per multiprocessor). */
+ * and the CTAs (one per multiprocessor). No padding (fa_plan_bwd_order.c compares by memcmp). */
 typedef struct fa_lpt_shape {
     int64_t sq, sk, n_tiles, pairs;
     int window_left, window_right, bm, bn, group, d, dv, sms;

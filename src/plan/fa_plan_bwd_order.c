@@ -9,6 +9,7 @@
  * for each size the L2 bound allows and moves off the bound where another finishes sooner.
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "fa_rules.h"
 #include "plan/fa_plan.h"
@@ -24,6 +25,9 @@
 #define FA_LPT_MAX_BLOCKS 1024
 #define FA_LPT_MAX_SMS 512
 
+_Static_assert(sizeof(fa_lpt_shape) == 4 * sizeof(int64_t) + 8 * sizeof(int),
+               "fa_lpt_shape: no padding, so the memo's memcmp compares fields only");
+
 /* Query tiles of bm rows that see key block nb of bn keys (FA_RULE_ROW_RANGE), times the query
  * heads of the kv head: the item's tour. */
 static int64_t fa_lpt_item_tiles(const fa_lpt_shape *s, int64_t nb)
@@ -32,6 +36,16 @@ static int64_t fa_lpt_item_tiles(const fa_lpt_shape *s, int64_t nb)
     fa_i64 lo, hi;
     FA_RULE_ROW_RANGE(j0, j1, s->sq, s->sk, s->window_left, s->window_right, lo, hi);
     return hi > lo ? ((hi - 1) / s->bm - lo / s->bm + 1) * s->group : 0;
+}
+
+/* Every key block's tour (the items of a block are alike across pairs); 0 past the limits. */
+static int fa_lpt_tours(const fa_lpt_shape *s, int64_t tiles[FA_LPT_MAX_BLOCKS])
+{
+    if (s->sms < 1 || s->sms > FA_LPT_MAX_SMS || s->n_tiles < 1 || s->n_tiles > FA_LPT_MAX_BLOCKS)
+        return 0;
+    for (int64_t nb = 0; nb < s->n_tiles; nb++)
+        tiles[nb] = fa_lpt_item_tiles(s, nb);
+    return 1;
 }
 
 /* The last CTA's finishing time when `sms` CTAs claim the items in the kernel's order for chunks
@@ -72,13 +86,8 @@ static int64_t fa_lpt_makespan(const fa_lpt_shape *s, const int64_t *tiles, int 
 
 int64_t fa_plan_backward_lpt_makespan(const fa_lpt_shape *s, int groups)
 {
-    if (groups < 1 || s->sms < 1 || s->sms > FA_LPT_MAX_SMS || s->n_tiles < 1 ||
-        s->n_tiles > FA_LPT_MAX_BLOCKS)
-        return -1;
     int64_t tiles[FA_LPT_MAX_BLOCKS];
-    for (int64_t nb = 0; nb < s->n_tiles; nb++)
-        tiles[nb] = fa_lpt_item_tiles(s, nb);
-    return fa_lpt_makespan(s, tiles, groups);
+    return groups >= 1 && fa_lpt_tours(s, tiles) ? fa_lpt_makespan(s, tiles, groups) : -1;
 }
 
 int fa_plan_backward_lpt_groups(const fa_lpt_shape *s)
@@ -88,29 +97,23 @@ int fa_plan_backward_lpt_groups(const fa_lpt_shape *s)
     gmax = gmax < 1 ? 1 : gmax > FA_LPT_MAX_GROUPS ? FA_LPT_MAX_GROUPS : gmax;
     if (gmax > s->pairs)
         gmax = s->pairs > 0 ? s->pairs : 1;
-    if (gmax == 1 || s->sms < 1 || s->sms > FA_LPT_MAX_SMS || s->n_tiles < 1 ||
-        s->n_tiles > FA_LPT_MAX_BLOCKS || s->pairs * s->n_tiles * gmax > FA_LPT_MAX_CLAIMS)
+    if (gmax == 1 || s->pairs * s->n_tiles * gmax > FA_LPT_MAX_CLAIMS)
         return (int)gmax;
 
-    /* The last shapes' answers (a backward's shape repeats over a training run). */
+    /* The last shapes' answers (a backward's shape repeats over a training run); the shape
+     * has no padding, so memcmp compares its fields. */
     static _Thread_local struct {
         fa_lpt_shape s;
         int groups;
     } memo[4];
     static _Thread_local int memo_next;
     for (int i = 0; i < 4; i++)
-        if (memo[i].groups > 0 && memo[i].s.sq == s->sq && memo[i].s.sk == s->sk &&
-            memo[i].s.window_left == s->window_left &&
-            memo[i].s.window_right == s->window_right && memo[i].s.bm == s->bm &&
-            memo[i].s.bn == s->bn && memo[i].s.n_tiles == s->n_tiles &&
-            memo[i].s.pairs == s->pairs && memo[i].s.group == s->group &&
-            memo[i].s.d == s->d && memo[i].s.dv == s->dv && memo[i].s.sms == s->sms)
+        if (memo[i].groups > 0 && memcmp(&memo[i].s, s, sizeof *s) == 0)
             return memo[i].groups;
 
-    /* Each key block's tour once (the items of a block are alike across pairs). */
     int64_t tiles[FA_LPT_MAX_BLOCKS];
-    for (int64_t nb = 0; nb < s->n_tiles; nb++)
-        tiles[nb] = fa_lpt_item_tiles(s, nb);
+    if (!fa_lpt_tours(s, tiles))
+        return (int)gmax;
 
     /* The L2 bound unless it simulates over 1% longer than the shortest grid; then the most
      * pairs among those within 0.2% of the shortest. */
