@@ -534,9 +534,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
              * held over the tile, it made ptxas spill. */
             h = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 0));
             mb = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 1));
-            /* This warp is done with the stage's Q and dO (and its record). */
-            if (lane == 0)
-                fa_mbar_arrive(q_empty + 8 * qs);
+            /* This thread is done with the stage's Q and dO (and its record): each thread
+             * arrives, as its own reads of the record must precede the producer's rewrite. */
+            fa_mbar_arrive(q_empty + 8 * qs);
             if (++qs == FA_QSTAGES)
                 qs = 0, qph ^= 1;
         }

@@ -378,7 +378,7 @@ FA_DEV int fa_bwd90_start(const fa_bkparams *bp, const fa_bwd_tmaps *tm, fa_u32 
         fa_mbar_init(kv_empty, 4 * FA_NCW); /* lane 0 of each consumer warp */
         for (int s = 0; s < FA_QSTAGES; s++) {
             fa_mbar_init(q_full + 8 * s, 1);
-            fa_mbar_init(q_empty + 8 * s, 4 * FA_NCW);
+            fa_mbar_init(q_empty + 8 * s, 128 * FA_NCW); /* every consumer thread */
         }
         fa_mbar_init_fence();
     }

@@ -408,12 +408,12 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
 #endif /* FA_KEY_SPLIT */
             fa_pin_acc(&dv[0][0], 32 * FA_VB_MAX);
             fa_pin_acc(&dk[0][0], 32 * FA_KB_MAX);
-            /* The tour's next tile from the producer's record of this one, then this warp is
-             * done with the stage's Q and dO (and the record). */
+            /* The tour's next tile from the producer's record of this one, then this thread
+             * is done with the stage's Q and dO (and the record); each thread arrives, as
+             * its own reads of the record must precede the producer's rewrite. */
             const int hn = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 0));
             const int mbn = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 1));
-            if (lane == 0)
-                fa_mbar_arrive(q_empty + 8 * qs);
+            fa_mbar_arrive(q_empty + 8 * qs);
             run = qs + 1 == FA_QSTAGES ? (run & 3) ^ (qph ^ 1) << 2 : run + 8;
 
 #if FA_KEY_SPLIT
