@@ -16,6 +16,9 @@ TFLOP/s as upstream counts them: forward 4 b h s^2 d (halved when causal), backw
 forward + backward 3.5x; with --dv (V's head dim, e.g. --hdims 192 --dv 128) the forward counts
 2 b h s^2 (d + dv). PyTorch's flash backend refuses dv != d (its column then reads "-"). On sm_90 the Hopper backward runs; FLASHATTN_BWD_SM90=0 measures the sm80
 family instead. --softcap C gives our calls that softcap (SDPA's have none: compare ours only).
+--check also compares each row's gradients once, before the timing: the largest difference of
+ours from cuDNN's, and of torch's flash backend from cuDNN's (the two bf16 kernels' own spread),
+each over the largest cuDNN gradient, dq / dk / dv's worst; printed after the table.
 """
 import argparse
 import contextlib
@@ -46,6 +49,22 @@ def pass_fns(attn, x, dout, ctx):
     }
 
 
+def grad_spread(impls):
+    """{name: max |grad - cuDNN's| / max |cuDNN's|, the worst of dq, dk, dv} for ours and
+    flash, from one backward each (impls' "bwd" passes; ours is transposed to SDPA's
+    [b, h, s, d] layout)."""
+    grads = {}
+    for name, fns in impls.items():
+        fn, ctx = fns["bwd"]
+        with ctx():
+            g = fn()
+        grads[name] = [t.transpose(1, 2) if name == "ours" else t for t in g]
+    ref = grads["cudnn"]
+    return {name: max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                      for a, b in zip(g, ref))
+            for name, g in grads.items() if name != "cudnn"}
+
+
 def sm_clock_mhz():
     """The SM clock now (nvidia-smi), or None where it cannot be read."""
     try:
@@ -57,7 +76,7 @@ def sm_clock_mhz():
         return None
 
 
-def row(d, s, causal, calls, dv=0, softcap=0.0):
+def row(d, s, causal, calls, dv=0, softcap=0.0, check=False):
     dv = dv or d
     b, h = max(1, 16384 // s), 2048 // d
     g = torch.Generator(device="cuda").manual_seed(s * 131 + d)
@@ -79,6 +98,8 @@ def row(d, s, causal, calls, dv=0, softcap=0.0):
         except RuntimeError as e:  # a backend this build of torch lacks
             r[name] = None
             r[name + "_error"] = str(e).splitlines()[0][:100]
+    if check and "cudnn" in impls:
+        r["check"] = grad_spread(impls)
     for name in impls:
         r[name] = {}
     for p in PASSES:
@@ -99,12 +120,14 @@ def main():
     ap.add_argument("--dv", type=int, default=0, help="V's head dim (default: the hdim)")
     ap.add_argument("--softcap", type=float, default=0.0,
                     help="softcap of our calls (SDPA's backends have none)")
+    ap.add_argument("--check", action="store_true",
+                    help="compare each row's gradients with cuDNN's once (printed at the end)")
     a = ap.parse_args()
     rows = []
     for d in [int(x) for x in a.hdims.split(",")]:
         for s in [int(x) for x in a.seqlens.split(",")]:
             for causal in (False, True):
-                rows.append(row(d, s, causal, a.calls, a.dv, a.softcap))
+                rows.append(row(d, s, causal, a.calls, a.dv, a.softcap, a.check))
                 print(json.dumps(rows[-1]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
@@ -121,6 +144,14 @@ def main():
         print("%4d %6d %-6s | %s | %9.2f %13.2f | %s" % (
             r["hdim"], r["seqlen"], r["causal"], cells, ratio("bwd"), ratio("fwd+bwd"),
             r["sm_mhz"] or "-"))
+    if a.check:
+        print("\ngradients against cuDNN's, max |diff| / max |cuDNN|, dq / dk / dv's worst: "
+              "ours, torch's flash")
+        for r in rows:
+            c = r.get("check") or {}
+            print("%4d %6d %-6s | %s | %s" % (r["hdim"], r["seqlen"], r["causal"],
+                                              *("%.2e" % c[n] if n in c else "-"
+                                                for n in ("ours", "flash"))))
 
 
 if __name__ == "__main__":
