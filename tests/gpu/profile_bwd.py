@@ -4,12 +4,12 @@ compiled kernels and the caching allocator up, so only the backward's own kernel
 
     PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so \\
         python3 tests/gpu/profile_bwd.py [--impl ours|cudnn] [--hdim 128] [--seqlen 4096]
-        [--causal] [--kernels]
+        [--dv DV] [--causal] [--kernels]
 
-bf16, bench_bwd's shapes (batch 16384 / seqlen, heads 2048 / hdim). --kernels prints, for 10
-backward calls back to back, the CUDA-event time per call beside the kernels' summed time and
-span per call (torch.profiler), and each kernel's time: what the host or the gaps between
-kernels add to the GPU's own work.
+bf16, bench_bwd's shapes (batch 16384 / seqlen, heads 2048 / hdim; --dv: V's head dim).
+--kernels prints, for 10 backward calls back to back, the CUDA-event time per call beside the
+kernels' summed time and span per call (torch.profiler), and each kernel's time: what the host
+or the gaps between kernels add to the GPU's own work.
 """
 import argparse
 
@@ -25,14 +25,16 @@ def main():
     ap.add_argument("--impl", choices=("ours", "cudnn"), default="ours")
     ap.add_argument("--hdim", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--dv", type=int, default=0, help="V's head dim (default: the hdim)")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--kernels", action="store_true")
     a = ap.parse_args()
     d, s = a.hdim, a.seqlen
     b, h = max(1, 16384 // s), 2048 // d
-    x = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_()
-         for _ in range(3)]
-    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    dv = a.dv or d
+    x = [torch.randn(b, s, h, n, device="cuda", dtype=torch.bfloat16).requires_grad_()
+         for n in (d, d, dv)]
+    dout = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
     if a.impl == "ours":
         out = flash_attn_func(*x, causal=a.causal)
     else:
