@@ -36,11 +36,14 @@
  * owns 64 of the keys with all their dK and dV columns (160 accumulators at d 192 / dv 128), so
  * a query tile's Q and dO and its dQ additions serve twice the keys of a 64-key block. Per query
  * tile, consumer warpgroup cw, for each half of 32 queries in turn:
- *   S^T, dP^T of its keys              SS wgmma m64n32, as above, then fa_bwd_probs and P^T,
+ *   S^T, dP^T of its keys              SS wgmma m64n32, as above, then fa_bwd_probs: P^T kept
+ *                                      as A fragments in registers (varlen: stored as dS^T),
  *                                      dS^T into its rows of the [128 keys][64 queries] buffers;
  *                                      the first half behind a barrier of this warpgroup alone,
  *                                      the second behind both (dS^T whole for dQ)
- *   dV_cw += P^T dO, dK_cw += dS^T Q    SS wgmma over the half's 32 queries, all column blocks:
+ *   dV_cw += P^T dO, dK_cw += dS^T Q    wgmma over the half's 32 queries, all column blocks, dV's
+ *                                      with A from registers (RS: a third less of shared memory
+ *                                      read than SS; varlen's kernel spilled with it), dK's SS:
  *                                      the first half's run while the second half's
  *                                      probabilities are made, the second's beside dQ's
  *   dQ[:, its columns] = dS K          over all 128 keys, one 64-column block at a time (FA_Q0
@@ -260,6 +263,8 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
              * dV and dK products run while the second half's probabilities are made, the
              * second's beside dQ's first block. */
             fa_mbar_wait(q_full + 8 * qs, qph);
+            /* P^T and dS^T of each half as its dV and dK products' A fragments */
+            fa_u32 pa[2][2][4];
 #pragma unroll
             for (int hq = 0; hq < 2; hq++) {
                 const int q0 = 32 * hq;
@@ -277,7 +282,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
                           fa_desc(a.dout + q0 * 128, 16, 1024), FA_DVP);
                 fa_wg_commit();
                 if (hq == 1)
-                    fa_gemm_dkdv(dk, dv, &a, 0);
+                    fa_gemm_dkdv(dk, dv, &a, 0, pa[0]);
 #if FA_DROPOUT
                 fa_bwd_keep_bits(kp, key0, m0 + q0, t, fa_dropout_stream(kp, bi, h), tl.keep);
 #endif
@@ -287,12 +292,18 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
                     fa_wg_wait1(); /* the S^T and dP^T group; dV and dK's may run on */
                 fa_pin_acc(&st[0][0], 16);
                 fa_pin_acc(&dpt[0][0], 16);
-                fa_probs_store(kp, &tl, t, full, st, dpt, a.p - kw0 * 128, a.ds - kw0 * 128,
-                               st_key, q0, blk4);
-                if (hq == 0)
+                fa_probs_frags(kp, &tl, t, full, st, dpt, pa[hq], a.p - kw0 * 128,
+                               a.ds - kw0 * 128, st_key, q0, blk4);
+                if (hq == 0) {
                     fa_bar_sync(FA_BAR_OWN + cw, 128);
-                else
+                } else {
+#if FA_P_RS
+                    /* the first half's dV product is done with pa[0] */
+                    fa_wg_wait0();
+                    fa_pin_frags(pa[0]);
+#endif
                     fa_bar_sync(FA_BAR_PDS, 256);
+                }
             }
             /* Warp w's 16 rows of the tile's dQ, this warpgroup's columns, in the workspace
              * (blocks of 16 rows x 8 columns). */
@@ -304,7 +315,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             fa_wg_fence();
             fa_gemm_dq(&dq[0][0], 1, ds_cols, k_cols);
             fa_wg_commit();
-            fa_gemm_dkdv(dk, dv, &a, 2);
+            fa_gemm_dkdv(dk, dv, &a, 2, pa[1]);
             fa_wg_wait1();
             fa_pin_acc(&dq[0][0], 32);
             if (bp->deterministic) {
@@ -320,6 +331,9 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             }
             fa_wg_wait0();
             fa_pin_acc(&dq[0][0], 32);
+#if FA_P_RS
+            fa_pin_frags(pa[1]);
+#endif
 #else
             /* Every shared address and descriptor from the base made opaque here, so that they
              * are computed in each tile rather than hoisted and held over the loop (K and V's

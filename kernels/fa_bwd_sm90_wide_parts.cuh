@@ -151,15 +151,83 @@ FA_DEV fa_tile_smem fa_tile_smem_at(fa_u32 sm, int qs, int s, int kw0)
     return a;
 }
 
-/* Issues and commits dV += P^T dO and dK += dS^T Q of the warpgroup's keys over the tile's
- * queries 16 kk0 .. 16 kk0 + 31 (one half). */
-FA_DEV void fa_gemm_dkdv(float dk[][4], float dv[][4], const fa_tile_smem *a, int kk0)
+/* dV's product takes P^T from registers (RS), the shared buffer's reads left to dK's, dQ's and
+ * the S^T / dP^T products; varlen's kernel spilled with it and keeps P^T in shared memory. */
+#define FA_P_RS (!FA_VARLEN)
+
+/* Issues acc += A B for A the register fragments a[2][4] (this warpgroup's keys x queries 16
+ * kk0 .. 16 kk0 + 31, a k-step each: the S^T accumulator's pattern) and B nblk 64-column blocks
+ * of the stage's dO or Q (MN-major), two blocks an instruction where they pair. */
+FA_DEV void fa_gemm_kv_rs(float *acc, int nblk, const fa_u32 a[2][4], fa_u64 b_cols, int kk0)
 {
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+        for (int j = 0; j < nblk; j += 2) {
+            const fa_u64 b = fa_desc_at(b_cols, (kk0 + kk) * 2048 + j * FA_BM * 128);
+            if (nblk - j >= 2)
+                fa_wgmma_pv128(acc + 32 * j, a[kk], b);
+            else
+                fa_wgmma_pv64(acc + 32 * j, a[kk], b);
+        }
+}
+
+/* Issues and commits dV += P^T dO and dK += dS^T Q of the warpgroup's keys over the tile's
+ * queries 16 kk0 .. 16 kk0 + 31 (one half): P^T from registers (pa, which the caller keeps,
+ * fa_pin_frags, until a wait has seen the group done) or the tile's buffer, dS^T from its. */
+FA_DEV void fa_gemm_dkdv(float dk[][4], float dv[][4], const fa_tile_smem *a, int kk0,
+                         const fa_u32 pa[2][4])
+{
+#if FA_P_RS
+    fa_gemm_kv_rs(&dv[0][0], FA_NVB, pa, fa_desc(a->dout, FA_BM * 128, 1024), kk0);
+#else
     fa_gemm_kv(&dv[0][0], FA_NVB, fa_desc(a->p, 16, 1024), fa_desc(a->dout, FA_BM * 128, 1024),
                kk0, kk0 + 2);
+#endif
     fa_gemm_kv(&dk[0][0], FA_NKB, fa_desc(a->ds, 16, 1024), fa_desc(a->q, FA_BM * 128, 1024),
                kk0, kk0 + 2);
     fa_wg_commit();
+}
+
+/* Keeps a half's fragments pa alive to here: after the wait for the product that read them. */
+FA_DEV void fa_pin_frags(fa_u32 pa[2][4])
+{
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            FA_PINU(pa[kk][r]);
+}
+
+/* P^T and dS^T of a half from the products st and dpt (fa_bwd_probs; full: no pair of the tile
+ * masked): P^T as the A fragments of its dV product (pa[kk]: k-step kk of 16 queries from q0,
+ * fragment r the 8 x 8 block of keys + 8 (r % 2), queries + 8 (r / 2)), or without FA_P_RS into
+ * the tile's buffer p_t, and dS^T into ds_t (row = key, queries contiguous; one stmatrix a
+ * k-step, this lane giving row st_key of block blk4), then visible to wgmma. */
+FA_DEV void fa_probs_frags(const fa_kparams *kp, const fa_bwd_tile *tl, int t, int full,
+                           float st[4][4], float dpt[4][4], fa_u32 pa[2][4], fa_u32 p_t,
+                           fa_u32 ds_t, int st_key, int q0, int blk4)
+{
+    if (full)
+        fa_bwd_probs(kp, tl, t, st, dpt, 0);
+    else
+        fa_bwd_probs(kp, tl, t, st, dpt, 1);
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        fa_u32 da[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            pa[kk][r] = fa_pack2(st[2 * kk + (r >> 1)][2 * (r & 1)],
+                                 st[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
+            da[r] = fa_pack2(dpt[2 * kk + (r >> 1)][2 * (r & 1)],
+                             dpt[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
+        }
+        const fa_u32 off = fa_swz128(st_key, q0 + 16 * kk + 8 * (blk4 >> 1));
+        if (!FA_P_RS)
+            fa_stmatrix_x4(p_t + off, pa[kk]);
+        fa_stmatrix_x4(ds_t + off, da);
+    }
+    fa_fence_proxy_async();
 }
 #endif
 
