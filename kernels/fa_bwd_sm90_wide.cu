@@ -37,7 +37,7 @@
  * a query tile's Q and dO and its dQ additions serve twice the keys of a 64-key block. Per query
  * tile, consumer warpgroup cw, for each half of 32 queries in turn:
  *   S^T, dP^T of its keys              SS wgmma m64n32, as above, then fa_bwd_probs: P^T kept
- *                                      as A fragments in registers (varlen: stored as dS^T),
+ *                                      as A fragments in registers (varlen: in its buffer),
  *                                      dS^T into its rows of the [128 keys][64 queries] buffers;
  *                                      the first half behind a barrier of this warpgroup alone,
  *                                      the second behind both (dS^T whole for dQ)
@@ -292,7 +292,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
                     fa_wg_wait1(); /* the S^T and dP^T group; dV and dK's may run on */
                 fa_pin_acc(&st[0][0], 16);
                 fa_pin_acc(&dpt[0][0], 16);
-                fa_probs_frags(kp, &tl, t, full, st, dpt, pa[hq], a.p - kw0 * 128,
+                fa_probs_store(kp, &tl, t, full, st, dpt, pa[hq], !FA_P_RS, a.p - kw0 * 128,
                                a.ds - kw0 * 128, st_key, q0, blk4);
                 if (hq == 0) {
                     fa_bar_sync(FA_BAR_OWN + cw, 128);
@@ -371,7 +371,8 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             fa_pin_acc(&st[0][0], 16);
             fa_pin_acc(&dpt[0][0], 16);
             const int full = fa_bwd_tile_full(&sv_tile, m0, n0, wlo, whi);
-            fa_probs_store(kp, &tl, t, full, st, dpt, p_t, ds_t, st_key, qw0, blk4);
+            fa_u32 pa[2][4];
+            fa_probs_store(kp, &tl, t, full, st, dpt, pa, 1, p_t, ds_t, st_key, qw0, blk4);
             fa_bar_sync(FA_BAR_PDS, 256);
             /* Warp w's 16 rows of the tile's dQ, this warpgroup's columns, in the workspace
              * (blocks of 16 rows x 8 columns). */

@@ -199,14 +199,16 @@ FA_DEV void fa_pin_frags(fa_u32 pa[2][4])
             FA_PINU(pa[kk][r]);
 }
 
-/* P^T and dS^T of a half from the products st and dpt (fa_bwd_probs; full: no pair of the tile
- * masked): P^T as the A fragments of its dV product (pa[kk]: k-step kk of 16 queries from q0,
- * fragment r the 8 x 8 block of keys + 8 (r % 2), queries + 8 (r / 2)), or without FA_P_RS into
- * the tile's buffer p_t, and dS^T into ds_t (row = key, queries contiguous; one stmatrix a
- * k-step, this lane giving row st_key of block blk4), then visible to wgmma. */
-FA_DEV void fa_probs_frags(const fa_kparams *kp, const fa_bwd_tile *tl, int t, int full,
-                           float st[4][4], float dpt[4][4], fa_u32 pa[2][4], fa_u32 p_t,
-                           fa_u32 ds_t, int st_key, int q0, int blk4)
+#endif
+
+/* P^T and dS^T of 32 queries from q0 from the products st and dpt (fa_bwd_probs; full: no pair
+ * of the tile masked): P^T as A fragments pa[kk] (k-step kk of 16 queries, fragment r the 8 x 8
+ * block of keys + 8 (r % 2), queries + 8 (r / 2)), stored into the buffer p_t too where store_p
+ * (a constant at each call), and dS^T into ds_t; row = key, queries contiguous, one stmatrix a
+ * k-step, this lane giving row st_key of block blk4; then visible to wgmma. */
+FA_DEV void fa_probs_store(const fa_kparams *kp, const fa_bwd_tile *tl, int t, int full,
+                           float st[4][4], float dpt[4][4], fa_u32 pa[2][4], int store_p,
+                           fa_u32 p_t, fa_u32 ds_t, int st_key, int q0, int blk4)
 {
     if (full)
         fa_bwd_probs(kp, tl, t, st, dpt, 0);
@@ -223,38 +225,8 @@ FA_DEV void fa_probs_frags(const fa_kparams *kp, const fa_bwd_tile *tl, int t, i
                              dpt[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
         }
         const fa_u32 off = fa_swz128(st_key, q0 + 16 * kk + 8 * (blk4 >> 1));
-        if (!FA_P_RS)
+        if (store_p)
             fa_stmatrix_x4(p_t + off, pa[kk]);
-        fa_stmatrix_x4(ds_t + off, da);
-    }
-    fa_fence_proxy_async();
-}
-#endif
-
-/* P^T and dS^T from the products st and dpt (fa_bwd_probs; full: no pair of the tile masked)
- * into a tile's buffers, row = key, queries contiguous: per k-step of 16 queries (from q0) one
- * stmatrix of each, fragment r the 8 x 8 block of keys + 8 (r % 2), queries + 8 (r / 2), this
- * lane giving row st_key of block blk4; then visible to wgmma. */
-FA_DEV void fa_probs_store(const fa_kparams *kp, const fa_bwd_tile *tl, int t, int full,
-                           float st[4][4], float dpt[4][4], fa_u32 p_t, fa_u32 ds_t, int st_key,
-                           int q0, int blk4)
-{
-    if (full)
-        fa_bwd_probs(kp, tl, t, st, dpt, 0);
-    else
-        fa_bwd_probs(kp, tl, t, st, dpt, 1);
-#pragma unroll
-    for (int kk = 0; kk < 2; kk++) {
-        fa_u32 pa[4], da[4];
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            pa[r] = fa_pack2(st[2 * kk + (r >> 1)][2 * (r & 1)],
-                             st[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
-            da[r] = fa_pack2(dpt[2 * kk + (r >> 1)][2 * (r & 1)],
-                             dpt[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
-        }
-        const fa_u32 off = fa_swz128(st_key, q0 + 16 * kk + 8 * (blk4 >> 1));
-        fa_stmatrix_x4(p_t + off, pa);
         fa_stmatrix_x4(ds_t + off, da);
     }
     fa_fence_proxy_async();
