@@ -263,7 +263,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
              * dV and dK products run while the second half's probabilities are made, the
              * second's beside dQ's first block. */
             fa_mbar_wait(q_full + 8 * qs, qph);
-            /* P^T and dS^T of each half as its dV and dK products' A fragments */
+            /* P^T of each half as its dV product's A fragments (FA_P_RS) */
             fa_u32 pa[2][2][4];
 #pragma unroll
             for (int hq = 0; hq < 2; hq++) {
