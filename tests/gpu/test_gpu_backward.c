@@ -150,6 +150,11 @@ static const bcase cases[] = {
      0, 0.1, 0, 0, 0, 0},
     {"persistent grid softcap alibi d128 dv64", 2, 8, 4, 200, 1100, 128, 64, 0, -1, -1, 25, 1, 0,
      0, 0, 0, 0, 0},
+    /* 128-key blocks at d 192 on a persistent grid (tours of an odd number of tiles), and with
+     * dv 64 under causal. */
+    {"persistent grid odd tours d192 dv128", 2, 8, 8, 300, 1030, 192, 128, 0, -1, -1, 0, 0, 0, 0,
+     0, 0, 0, 0},
+    {"causal mqa d192 dv64", 2, 4, 1, 330, 400, 192, 64, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
 };
 
 /* Wide heads on the tiles another part's plan picks, through FLASHATTN_BWD_TILE (warps, query
