@@ -20,9 +20,14 @@ float8_e4m3fn, out bf16; the same FLOP count) and prints fp8/ours; --fp8-variant
 fp8 plans beside it (FLASHATTN_SM90_FP8_TILE=BN,STAGES,PINGPONG[,TRANSPOSE[,ORDER]] each, or a
 NAME=VALUE setting such as FLASHATTN_SM90_FP8_VT=0; columns f0, f1, ...). Each call gets the workspace the library
 asks for, allocated once (fp8: the V^T its kernel reads; the time includes writing it).
+Each figure is the best of --reps rounds in which every column's call runs in turn (--calls
+calls back to back; tests/gpu/bench_timing.py): one after another, the same kernel read up to
+12% apart on an H100 as its clock fell.
 """
 import argparse
+import contextlib
 import ctypes
+import functools
 import json
 import os
 import subprocess
@@ -35,6 +40,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn import _lib
+
+import bench_timing  # tests/gpu/bench_timing.py, beside this script
 
 DTYPE = torch.bfloat16
 BACKENDS = {
@@ -85,21 +92,16 @@ class Call:
             raise RuntimeError(self.lib.fa_last_error().decode())
 
 
-def bench(fn, reps=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s = torch.cuda.Event(enable_timing=True)
-        e = torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2] / 1e3
+@contextlib.contextmanager
+def settings(env):
+    """The environment variables env ((name, value) pairs) set for the block."""
+    for var, value in env:
+        os.environ[var] = value
+    try:
+        yield
+    finally:
+        for var, _ in env:
+            os.environ.pop(var, None)
 
 
 def first_call_ms(d, causal=False):
@@ -153,6 +155,8 @@ def main():
     ap.add_argument("--fp8-variants", default="",
                     help="with --fp8: ';'-separated FLASHATTN_SM90_FP8_TILE values (or NAME=VALUE "
                          "settings, e.g. FLASHATTN_SM90_FP8_VT=0) as extra columns")
+    ap.add_argument("--reps", type=int, default=20, help="timed rounds (the best is kept)")
+    ap.add_argument("--calls", type=int, default=1, help="calls per timed run, back to back")
     ap.add_argument("--first-call", type=int, default=0, help=argparse.SUPPRESS)
     opts = ap.parse_args()
     if opts.first_call:
@@ -183,8 +187,13 @@ def main():
                 v = torch.randn(b, s, h, dv, device="cuda", dtype=DTYPE)
                 out = torch.empty(b, s, h, dv, device="cuda", dtype=DTYPE)
                 row = dict(hdim=d, hdim_v=dv, seqlen=s, batch=b, heads=h, causal=causal)
-                row["ours"] = flops / bench(Call(q, k, v, out, causal, 0.0, opts.softcap)) / 1e12
                 hopper = torch.cuda.get_device_capability() == (9, 0)
+                # Every candidate: (name, its settings, a function that makes the call under
+                # them); each is called once to see that it runs (and to compile it), then all
+                # are timed in turn (bench_timing.best_ms_rotated: the GPU's clock drifts over a
+                # long run by as much as the differences measured).
+                cands = [("ours", (), lambda: Call(q, k, v, out, causal, 0.0, opts.softcap))]
+                outs = {"ours": out}
                 others = [] if not hopper or opts.no_sm80 else [("sm80", "FLASHATTN_SM90", "0")]
                 others += [(f"tile {t}",) + (tuple(t.split("=", 1)) if "=" in t
                                               else ("FLASHATTN_SM90_TILE", t))
@@ -193,55 +202,57 @@ def main():
                     others += [("drop", None, None)]
                     others += [("drop sm80", "FLASHATTN_SM90", "0")] if hopper and not opts.no_sm80 else []
                 for name, var, value in others:
-                    out2 = torch.empty_like(out)
-                    if var:
-                        os.environ[var] = value
-                    try:
-                        p = opts.dropout if name.startswith("drop") else 0.0
-                        row[name] = flops / bench(Call(q, k, v, out2, causal, p,
-                                                       opts.softcap)) / 1e12
-                        if not p:
-                            row["maxdiff_" + name] = (out2.float() - out.float()).abs().max().item()
-                    finally:
-                        if var:
-                            os.environ.pop(var, None)
-                    del out2
+                    outs[name] = torch.empty_like(out)
+                    p = opts.dropout if name.startswith("drop") else 0.0
+                    cands.append((name, ((var, value),) if var else (),
+                                  lambda o=outs[name], p=p: Call(q, k, v, o, causal, p,
+                                                                 opts.softcap)))
                 if opts.fp8 and hopper and dv == d:
                     q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
-                    out8 = torch.empty_like(out)
                     fp8_tiles = [("fp8", None)] + [(f"fp8 {t}", t)
                                                    for t in opts.fp8_variants.split(";") if t]
                     for name, tile in fp8_tiles:
                         var, val = (tile.split("=", 1) if tile and "=" in tile
                                     else ("FLASHATTN_SM90_FP8_TILE", tile))
-                        if tile:
-                            os.environ[var] = val
-                        try:
-                            row[name] = flops / bench(Call(q8, k8, v8, out8, causal)) / 1e12
-                            row["maxdiff_" + name] = (out8.float() - out.float()).abs().max().item()
-                        except RuntimeError as ex:
-                            row[name] = None
-                            row[name + "_error"] = str(ex).splitlines()[0][:100]
-                        finally:
-                            os.environ.pop(var, None)
-                    del q8, k8, v8, out8
+                        outs[name] = torch.empty_like(out)
+                        cands.append((name, ((var, val),) if tile else (),
+                                      lambda o=outs[name]: Call(q8, k8, v8, o, causal)))
                 qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-                for name, be in BACKENDS.items():
-                    if name not in opts.backends.split(","):
-                        continue
+                sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)  # noqa
+                timed = {}
+                for name, env, make in cands:
+                    ctx = functools.partial(settings, env)
                     try:
-                        with sdpa_kernel([be]):
-                            f = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                            row[name] = flops / bench(f) / 1e12
-                            if name == "flash":
-                                ref = f().transpose(1, 2)
-                                row["maxdiff_vs_flash"] = (out.float() - ref.float()).abs().max().item()
+                        with ctx():
+                            fn = make()
+                            fn()
+                        timed[name] = (fn, ctx)
                     except RuntimeError as ex:
                         row[name] = None
                         row[name + "_error"] = str(ex).splitlines()[0][:100]
+                for name, be in BACKENDS.items():
+                    if name not in opts.backends.split(","):
+                        continue
+                    ctx = functools.partial(sdpa_kernel, [be])
+                    try:
+                        with ctx():
+                            ref = sdpa()
+                        timed[name] = (sdpa, ctx)
+                        if name == "flash":
+                            row["maxdiff_vs_flash"] = (out.float() - ref.transpose(1, 2).float()
+                                                       ).abs().max().item()
+                    except RuntimeError as ex:
+                        row[name] = None
+                        row[name + "_error"] = str(ex).splitlines()[0][:100]
+                ms = bench_timing.best_ms_rotated(timed, reps=opts.reps, warmup=2,
+                                                  calls=opts.calls)
+                for name, t in ms.items():
+                    row[name] = flops / t / 1e9
+                    if name in outs and name != "ours" and not name.startswith("drop"):
+                        row["maxdiff_" + name] = (outs[name].float() - out.float()).abs().max().item()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                del q, k, v, out, qt, kt, vt
+                del q, k, v, out, qt, kt, vt, timed, outs, cands
 
     with open(opts.json, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), jit=jit, call_overhead_us=overhead,
