@@ -28,7 +28,6 @@
  *   K [FA_STAGES][FA_DP/64][FA_BN rows][128 B]
  *   V [FA_STAGES][FA_DVP/64][FA_BN rows][128 B]
  *   mbarriers: q_full, q_empty, k_full[S], v_full[S], k_empty[S], v_empty[S]; 8 bytes of scratch
- *   (FA_QBUF 2: Q [2][...], and q_full[2], q_empty[2] after the scratch instead)
  * Each [rows][128 B] block is the canonical 128B-swizzled layout: 16-byte chunk c of row r sits at
  * chunk c ^ (r % 8). TMA with CU_TENSOR_MAP_SWIZZLE_128B and a 64-element inner box writes exactly
  * that, and the wgmma descriptors with layout type 1 (128B swizzle) read exactly that.
@@ -93,14 +92,6 @@
 
 #ifndef FA_DV
 #define FA_DV FA_D /* V's head dim: the plan defines it only where it differs from Q's */
-#endif
-/* Q buffers: with two the producer loads the next tile's Q while the consumers work on this
- * one (q_full, q_empty then [2] after the scratch). */
-#ifndef FA_QBUF
-#define FA_QBUF 1
-#endif
-#if FA_QBUF != 1 && (FA_QBUF != 2 || FA_DROP_RING || FA_BLOCK_MASK)
-#error "fa_fwd_sm90.cu: FA_QBUF 2 takes neither the dropout ring nor a block mask"
 #endif
 
 #include "fa_mod.cuh"
@@ -206,7 +197,7 @@ FA_DEV void fa_p_pack(const float *sacc, fa_u32 pa[][4])
 /* Shared-memory addresses of the tiles and barriers. */
 typedef struct fa_smem_map {
     fa_u32 q, k, v;      /* Q, K[stage], V[stage] */
-    fa_u32 q_full, q_empty; /* + 8 * buffer (FA_QBUF) */
+    fa_u32 q_full, q_empty;
     fa_u32 k_full, v_full, k_empty, v_empty; /* + 8 * stage */
     fa_u32 scratch; /* 8 bytes that fa_softmax_order writes and nothing reads */
 #if FA_DROP_RING
@@ -241,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     const fa_u32 base = fa_smem_addr(fa_smem);
 #endif
     m.q = (base + 1023u) & ~1023u;
-    m.k = m.q + FA_QBUF * FA_Q_BYTES;
+    m.k = m.q + FA_Q_BYTES;
     m.v = m.k + FA_STAGES * FA_K_BYTES;
 #if FA_DROP_RING
     m.drop = m.v + FA_STAGES * FA_V_BYTES;
@@ -259,10 +250,6 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     m.drop_full = m.scratch + 8;
     m.drop_empty = m.drop_full + 8 * FA_DROP_SLOTS;
 #endif
-#if FA_QBUF == 2
-    m.q_full = m.scratch + 8;
-    m.q_empty = m.q_full + 16;
-#endif
 #if FA_BLOCK_MASK
     m.bm_full = m.scratch + 8;
     m.bm_empty = m.bm_full + 16;
@@ -271,10 +258,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
 #endif
 
     if (threadIdx.x == 0) {
-        for (int b = 0; b < FA_QBUF; b++) {
-            fa_mbar_init(m.q_full + 8 * b, 1);
-            fa_mbar_init(m.q_empty + 8 * b, FA_CONSUMER_WARPS);
-        }
+        fa_mbar_init(m.q_full, 1);
+        fa_mbar_init(m.q_empty, FA_CONSUMER_WARPS);
         for (int s = 0; s < FA_STAGES; s++) {
             fa_mbar_init(m.k_full + 8 * s, 1);
             fa_mbar_init(m.v_full + 8 * s, 1);

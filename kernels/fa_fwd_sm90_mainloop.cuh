@@ -9,24 +9,18 @@
 #ifndef FA_FWD_SM90_MAINLOOP_CUH
 #define FA_FWD_SM90_MAINLOOP_CUH
 
-/* Tile q_round's Q buffer and its mbarriers' phase. */
-#define FA_QB(q_round) ((q_round) % FA_QBUF)
-#define FA_QPH(q_round) (((q_round) / FA_QBUF) & 1)
-
 /* The producer's thread: Q of the tile, then K and V of each key block into the ring (kv counts
  * the blocks this CTA has loaded so far, q_round the tiles). */
 FA_DEV void fa_produce_tile(const fa_smem_map *m, const fa_tmaps *tm, const fa_tile *w, int *kv,
                             int *q_round)
 {
-    /* Q's buffer is overwritten only once every consumer's last S = Q K^T of its previous tile
-     * finished. */
-    const int qb = FA_QB(*q_round);
-    fa_mbar_wait(m->q_empty + 8 * qb, FA_QPH(*q_round) ^ 1);
-    fa_mbar_expect_tx(m->q_full + 8 * qb, FA_Q_BYTES);
+    /* Q is overwritten only once every consumer's last S = Q K^T of the previous tile finished. */
+    fa_mbar_wait(m->q_empty, (*q_round & 1) ^ 1);
+    fa_mbar_expect_tx(m->q_full, FA_Q_BYTES);
 #pragma unroll
     for (int c = 0; c < FA_KB; c++)
-        fa_tma_load4(m->q + qb * FA_Q_BYTES + c * FA_BM * 128, &tm->q, 64 * c,
-                     w->q_start + w->m0, w->h, FA_VARLEN ? 0 : w->bi, m->q_full + 8 * qb);
+        fa_tma_load4(m->q + c * FA_BM * 128, &tm->q, 64 * c, w->q_start + w->m0, w->h,
+                     FA_VARLEN ? 0 : w->bi, m->q_full);
     ++*q_round;
     for (int it = 0; it < w->n_blocks; it++, ++*kv) {
         const int n = FA_TILE_BLOCK(w, it), s = *kv % FA_STAGES, ph = (*kv / FA_STAGES) & 1;
@@ -135,9 +129,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
 
     const int nb = w->n_blocks;
     if (nb > 0) {
-        const int qb = FA_QB(*q_round);
-        const fa_u64 q_rows = fa_desc(m->q + qb * FA_Q_BYTES + cw * 64 * 128, 16, 1024);
-        const fa_u32 q_full = m->q_full + 8 * qb, q_empty = m->q_empty + 8 * qb;
+        const fa_u64 q_rows = fa_desc(m->q + cw * 64 * 128, 16, 1024);
         const int kv0 = *kv;
         float sacc[FA_SACC], alpha[2];
         fa_u32 pa[FA_BN / 16][4];
@@ -146,7 +138,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
         fa_pingpong_start(cw);
 #endif
 #if !FA_ONE_SOFTMAX
-        fa_mbar_wait(q_full, FA_QPH(*q_round));
+        fa_mbar_wait(m->q_full, *q_round & 1);
         fa_mbar_wait(m->k_full + 8 * (kv0 % FA_STAGES), (kv0 / FA_STAGES) & 1);
         fa_wg_fence();
         fa_gemm_s(sacc, q_rows, fa_desc(m->k + (kv0 % FA_STAGES) * FA_K_BYTES, 16, 1024));
@@ -159,7 +151,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             FA_PIN(sacc[j]);
         fa_stage_release(m->k_empty + 8 * (kv0 % FA_STAGES), lane);
         if (nb == 1)
-            fa_stage_release(q_empty, lane);
+            fa_stage_release(m->q_empty, lane);
 #if FA_MOD_MASKS
         r.mod_st = FA_TILE_STATE(w, 0);
 #endif
@@ -181,7 +173,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
             const int sp = (kv0 + it - 1) % FA_STAGES, php = ((kv0 + it - 1) / FA_STAGES) & 1;
             const int s = (kv0 + it) % FA_STAGES, ph = ((kv0 + it) / FA_STAGES) & 1;
             if (FA_ONE_SOFTMAX && it == 0) {
-                fa_mbar_wait(q_full, FA_QPH(*q_round));
+                fa_mbar_wait(m->q_full, *q_round & 1);
                 fa_mbar_wait(m->k_full + 8 * s, ph);
                 fa_wg_fence();
                 fa_gemm_s(sacc, q_rows, fa_desc(m->k + s * FA_K_BYTES, 16, 1024));
@@ -209,7 +201,7 @@ FA_DEV void fa_consume_tile(const fa_kparams *kp, const fa_tmaps *tm, const fa_s
                 FA_PIN(sacc[j]);
             fa_stage_release(m->k_empty + 8 * s, lane);
             if (it == nb - 1)
-                fa_stage_release(q_empty, lane);
+                fa_stage_release(m->q_empty, lane);
 #if FA_DROPOUT && FA_DROP_RING != 2
             /* With dropout, P_(i-1) V_(i-1) is waited for before the softmax: its Philox runs
              * are in fa_p_pack_keep, after the wait, either way, and the causal calls measured

@@ -340,16 +340,6 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     fa_plan_define(plan, "FA_STAGES", plan->stages);
     fa_plan_define(plan, "FA_PINGPONG", row.pingpong);
     fa_plan_define_features(plan, key->features, FA_PLAN_FEATURES & ~FA_SM90_UNSUPPORTED);
-    /* FLASHATTN_SM90_QBUF=2: two Q buffers (FA_QBUF in fa_fwd_sm90.cu) where shared memory
-     * holds them, without the block mask (the dropout ring is added below, only with one). */
-    const char *qbuf = getenv("FLASHATTN_SM90_QBUF");
-    const unsigned qbuf_smem = FA_SMEM_FWD90_Q(plan->bm, plan->dp) + 32; /* Q, 4 mbarriers */
-    const int qbuf2 = qbuf && strcmp(qbuf, "2") == 0 && !(key->features & FA_PLAN_BLOCK_MASK) &&
-                      plan->smem + qbuf_smem <= FA_SMEM_SM90_MAX;
-    if (qbuf2) {
-        plan->smem += qbuf_smem;
-        fa_plan_define(plan, "FA_QBUF", 2);
-    }
     /* Softcap's constants folded into its products (FA_SOFTCAP_FOLD; 0-6% faster at d 64 and
      * 128, the same at 256); FLASHATTN_SM90_SOFTCAP_FOLD=0 keeps the unfolded form for A/Bs. */
     const char *fold = getenv("FLASHATTN_SM90_SOFTCAP_FOLD");
@@ -380,7 +370,6 @@ fa_status fa_plan_forward_sm90(const fa_plan_key *key, fa_plan *plan)
     const char *ring = getenv("FLASHATTN_SM90_DROP_RING");
     const int ring_form = ring && ring[0] >= '1' && ring[0] <= '2' && !ring[1] ? ring[0] - '0' : 0;
     if ((key->features & FA_FEATURE_DROPOUT) && !mods && row.consumers == 2 && ring_form &&
-        !qbuf2 &&
         plan->smem + FA_SMEM_FWD90_DROP(plan->bm, plan->bn) <= FA_SMEM_SM90_MAX) {
         plan->smem += FA_SMEM_FWD90_DROP(plan->bm, plan->bn);
         fa_plan_define(plan, "FA_DROP_RING", ring_form);
