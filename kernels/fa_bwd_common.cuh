@@ -374,6 +374,29 @@ FA_DEV float fa_bwd_row(const float *v, int il) { return v[il]; }
     } while (0)
 #endif
 
+/* P = 2^(x f - bias - ALiBi) into p for the element at x_off, y_off from the warp's first query
+ * and key (dg: its i - j + sk - sq), without the mods: x the score (softcapped where the family
+ * has softcap), f its factor into log2 units, bias the row's lse * log2(e) (ALiBi added to it);
+ * where `masked` (a constant at each call), vis <- whether the element is visible and p 0 where
+ * not. A statement, so that fa_bwd_probs_as and fa_bwd_p share the rule in the form
+ * fa_bwd_probs_as has always compiled to. */
+#if FA_ALIBI
+#define FA_BWD_ALIBI_ADD(tl, bias, dg)                                                           \
+    (bias) = fmaf((tl)->slope_log2, (float)FA_RULE_ABS_DIST(dg), (bias)) /* + ALiBi */
+#else
+#define FA_BWD_ALIBI_ADD(tl, bias, dg) (void)0
+#endif
+#define FA_BWD_P_PLAIN(tl, p, vis, x, f, bias, x_off, y_off, dg, masked)                         \
+    {                                                                                            \
+        FA_BWD_ALIBI_ADD(tl, bias, dg);                                                          \
+        (p) = fa_exp2(fmaf((x), (f), -(bias)));                                                  \
+        if (masked) {                                                                            \
+            (vis) = (x_off) < (tl)->rows && (y_off) < (tl)->keys && (dg) <= (tl)->wlo &&         \
+                    (dg) >= (tl)->whi;                                                           \
+            (p) = (vis) ? (p) : 0.f;                                                             \
+        }                                                                                        \
+    }
+
 /* Element by element on this warp's 16 keys x FA_BWD_QW queries: P = 2^(s scale log2 e - lse log2 e)
  * (0 where invisible when masked), then st <- P Z (Z: 1 / (1 - p) kept, 0 dropped) and
  * dpt <- dS / scale = P (dP Z - D) s', s' the softcap's derivative 1 - tanh^2 (1 without
@@ -435,16 +458,8 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
                 p = vis ? fa_exp2(y - bias) : 0.f;
             } else
 #endif
-            {
-#if FA_ALIBI
-                bias = fmaf(tl->slope_log2, (float)FA_RULE_ABS_DIST(dg), bias); /* + ALiBi */
-#endif
-                p = fa_exp2(fmaf(x, FA_SOFTCAP || !FA_BWD_CHAIN ? kp->scale_log2 : f0, -bias));
-                if (masked) {
-                    vis = x_off < tl->rows && y_off < tl->keys && dg <= tl->wlo && dg >= tl->whi;
-                    p = vis ? p : 0.f;
-                }
-            }
+                FA_BWD_P_PLAIN(tl, p, vis, x, FA_SOFTCAP || !FA_BWD_CHAIN ? kp->scale_log2 : f0,
+                               bias, x_off, y_off, dg, masked)
             int kept = 1;
 #if FA_DROPOUT && FA_BWD_KEEP_BITS
             kept = (tl->keep[nt >> 3] >> (4 * (nt & 7) + e)) & 1;
@@ -474,6 +489,38 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 #endif
     }
 }
+
+#if !FA_SOFTCAP && !FA_DROPOUT && !FA_BWD_MODS
+/* fa_bwd_probs in two steps, for a family that makes P of more queries than it has dP for at
+ * once (no softcap, dropout or mods, whose dS needs more than P): st <- P ... */
+FA_DEV void fa_bwd_p(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
+                     float st[FA_BWD_QW / 8][4], int masked)
+{
+#pragma unroll
+    for (int nt = 0; nt < FA_BWD_QW / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int x_off = nt * 8 + (e & 1), y_off = 8 * (e >> 1);
+            const int dg = tl->dg0 + x_off - y_off;
+            float bias = fa_bwd_row(tl->lse2, nt * 8 + 2 * t + (e & 1)), p;
+            int vis = 1;
+            FA_BWD_P_PLAIN(tl, p, vis, st[nt][e], kp->scale_log2, bias, x_off, y_off, dg, masked)
+            (void)vis;
+            st[nt][e] = p;
+        }
+}
+
+/* ... then dpt <- dS / scale = P (dP - D). */
+FA_DEV void fa_bwd_ds(const fa_bwd_tile *tl, int t, const float p[FA_BWD_QW / 8][4],
+                      float dpt[FA_BWD_QW / 8][4])
+{
+#pragma unroll
+    for (int nt = 0; nt < FA_BWD_QW / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            dpt[nt][e] = p[nt][e] * (dpt[nt][e] - fa_bwd_row(tl->dsum, nt * 8 + 2 * t + (e & 1)));
+}
+#endif
 
 /* fa_bwd_probs_as with the mods wherever the family compiles them. */
 FA_DEV void fa_bwd_probs(const fa_kparams *kp, const fa_bwd_tile *tl, int t,

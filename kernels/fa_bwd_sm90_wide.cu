@@ -49,6 +49,9 @@
  *   dQ[:, its columns] = dS K          over all 128 keys, one 64-column block at a time (FA_Q0
  *                                      blocks for warpgroup 0, the rest for 1), each added as
  *                                      above once its product is done.
+ * With FA_BWD_N64 (dense calls without softcap) S^T and dP^T are each one m64n64 product over
+ * all 64 queries, so K and V are read once a tile, not once a half; P is kept as its 16-bit A
+ * fragments, and dS is made from them; dK's products of both halves run beside dQ's.
  *
  * The barrier per tile also orders the buffers: a buffer is rewritten two tiles later, after
  * both warpgroups waited for the products that read it.
@@ -96,6 +99,15 @@
 #define FA_KEY_SPLIT (FA_BN == 128)
 #if FA_KEY_SPLIT && (FA_DP + FA_DVP > 320 || FA_DP < 128)
 #error "fa_bwd_sm90_wide.cu: 128-key blocks take d + dv <= 320 (padded) and d >= 128"
+#endif
+
+/* 128-key blocks: S^T and dP^T over all 64 queries of a tile (the head comment; the plan's
+ * FLASHATTN_BWD_SM90_N64). Dense calls without softcap, whose dS needs more than P. */
+#ifndef FA_BWD_N64
+#define FA_BWD_N64 0
+#endif
+#if FA_BWD_N64 && (!FA_KEY_SPLIT || FA_VARLEN || FA_SOFTCAP || FA_DROPOUT)
+#error "fa_bwd_sm90_wide.cu: FA_BWD_N64 takes dense 128-key blocks without softcap or dropout"
 #endif
 
 /* fa_bwd_probs over each warpgroup's 32 queries of the tile, their rows of lse and D one per
@@ -265,6 +277,70 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             fa_mbar_wait(q_full + 8 * qs, qph);
             /* P^T of each half as its dV product's A fragments (FA_P_RS) */
             fa_u32 pa[2][2][4];
+#if FA_BWD_N64
+            /* S^T and dP^T of the warpgroup's 64 keys against all 64 queries, one m64n64
+             * product each (K and V read once a tile). P of both halves from S^T, packed to 16
+             * bits as the dV products' A fragments, which run beside dP^T's; dS = P (dP - D)
+             * from the packed P (S^T's fp32 P beside dP^T's accumulators left too few registers
+             * to keep the wgmmas asynchronous) into the dS^T buffer; dK's products then run
+             * beside dQ's. S^T, dP^T and dQ share one block of registers, sq: each product's
+             * accumulators tied to the values before it (in blocks of their own ptxas
+             * serialized the wgmmas). C layout: sq[nt][e] is key key0 + 8 (e / 2), query m0 +
+             * 8 nt + 2t + e % 2. */
+            float sq[8][4];
+            {
+                const fa_tile_smem a = fa_tile_smem_at(sm, qs, s, kw0);
+                fa_pin_acc(&dv[0][0], 32 * FA_VB_MAX);
+                fa_pin_acc(&dk[0][0], 32 * FA_KB_MAX);
+                fa_wg_fence();
+                fa_gemm_t(&sq[0][0], fa_desc(a.k, 16, 1024), fa_desc(a.q, 16, 1024), FA_DP, 64);
+                fa_wg_commit();
+                const fa_bwd_tile tl1 =
+                    fa_bwd_tile_make(kp, &sv_tile, bi, h, m0 + 32, key0, t, wlo, whi,
+                                     bp->lse2 + row0 + 32, bp->dsum + row0 + 32);
+                const fa_bwd_tile tl0 = fa_bwd_tile_make(kp, &sv_tile, bi, h, m0, key0, t, wlo,
+                                                         whi, bp->lse2 + row0, bp->dsum + row0);
+                fa_wg_wait0();
+                fa_pin_acc(&sq[0][0], 32);
+                if (full) {
+                    fa_bwd_p(kp, &tl0, t, &sq[0], 0);
+                    fa_bwd_p(kp, &tl1, t, &sq[4], 0);
+                } else {
+                    fa_bwd_p(kp, &tl0, t, &sq[0], 1);
+                    fa_bwd_p(kp, &tl1, t, &sq[4], 1);
+                }
+                fa_frags_pack(&sq[0], pa[0]);
+                fa_frags_pack(&sq[4], pa[1]);
+                fa_wg_fence();
+                fa_gemm_t(&sq[0][0], fa_desc(a.v, 16, 1024), fa_desc(a.dout, 16, 1024), FA_DVP,
+                          64);
+                fa_wg_commit();
+                const fa_u64 dout_cols = fa_desc(a.dout, FA_BM * 128, 1024);
+                fa_gemm_kv_rs(&dv[0][0], FA_NVB, pa[0], dout_cols, 0);
+                fa_gemm_kv_rs(&dv[0][0], FA_NVB, pa[1], dout_cols, 2);
+                fa_wg_commit();
+                fa_wg_wait1(); /* dP^T's group; dV's may run on */
+                fa_pin_acc(&sq[0][0], 32);
+#pragma unroll
+                for (int hq = 0; hq < 2; hq++) {
+                    float p[4][4];
+                    fa_u32 da[2][4];
+                    fa_frags_unpack(pa[hq], p);
+                    fa_bwd_ds(hq ? &tl1 : &tl0, t, p, &sq[4 * hq]);
+                    fa_frags_pack(&sq[4 * hq], da);
+#pragma unroll
+                    for (int kk = 0; kk < 2; kk++)
+                        fa_stmatrix_x4(a.ds - kw0 * 128 + fa_frag_off(st_key, 32 * hq, kk, blk4),
+                                       da[kk]);
+                }
+                fa_fence_proxy_async();
+                /* dV's products are done with pa */
+                fa_wg_wait0();
+                fa_pin_frags(pa[0]);
+                fa_pin_frags(pa[1]);
+                fa_bar_sync(FA_BAR_PDS, 256);
+            }
+#else
 #pragma unroll
             for (int hq = 0; hq < 2; hq++) {
                 const int q0 = 32 * hq;
@@ -277,9 +353,9 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
                 fa_pin_acc(&dk[0][0], 32 * FA_KB_MAX);
                 fa_wg_fence();
                 fa_gemm_t(&st[0][0], fa_desc(a.k, 16, 1024), fa_desc(a.q + q0 * 128, 16, 1024),
-                          FA_DP);
+                          FA_DP, 32);
                 fa_gemm_t(&dpt[0][0], fa_desc(a.v, 16, 1024),
-                          fa_desc(a.dout + q0 * 128, 16, 1024), FA_DVP);
+                          fa_desc(a.dout + q0 * 128, 16, 1024), FA_DVP, 32);
                 fa_wg_commit();
                 if (hq == 1)
                     fa_gemm_dkdv(dk, dv, &a, 0, pa[0]);
@@ -305,17 +381,28 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
                     fa_bar_sync(FA_BAR_PDS, 256);
                 }
             }
+#endif
             /* Warp w's 16 rows of the tile's dQ, this warpgroup's columns, in the workspace
              * (blocks of 16 rows x 8 columns). */
             float *acc_w = bp->dq_accum + (row0 + 16 * w) * FA_DP + qb0 * 64 * 16;
             const fa_tile_smem a = fa_tile_smem_at(sm, qs, s, kw0);
             const fa_u64 ds_cols = fa_desc(a.ds - kw0 * 128, FA_BN * 128, 1024);
             const fa_u64 k_cols = fa_desc(a.k - kw0 * 128 + qb0 * FA_BN * 128, FA_BN * 128, 1024);
+#if FA_BWD_N64
+            float (*dq)[4] = sq;
+#else
             float dq[8][4];
+#endif
             fa_wg_fence();
             fa_gemm_dq(&dq[0][0], 1, ds_cols, k_cols);
             fa_wg_commit();
+#if FA_BWD_N64
+            fa_gemm_kv(&dk[0][0], FA_NKB, fa_desc(a.ds, 16, 1024),
+                       fa_desc(a.q, FA_BM * 128, 1024), 0, FA_BM / 16);
+            fa_wg_commit();
+#else
             fa_gemm_dkdv(dk, dv, &a, 2, pa[1]);
+#endif
             fa_wg_wait1();
             fa_pin_acc(&dq[0][0], 32);
             if (bp->deterministic) {
@@ -331,7 +418,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             }
             fa_wg_wait0();
             fa_pin_acc(&dq[0][0], 32);
-#if FA_P_RS
+#if FA_P_RS && !FA_BWD_N64
             fa_pin_frags(pa[1]);
 #endif
 #else
@@ -360,8 +447,8 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             float st[4][4], dpt[4][4];
             fa_mbar_wait(q_full + 8 * qs, qph);
             fa_wg_fence();
-            fa_gemm_t(&st[0][0], k_rows, fa_desc(q_t + qw0 * 128, 16, 1024), FA_DP);
-            fa_gemm_t(&dpt[0][0], v_rows, fa_desc(do_t + qw0 * 128, 16, 1024), FA_DVP);
+            fa_gemm_t(&st[0][0], k_rows, fa_desc(q_t + qw0 * 128, 16, 1024), FA_DP, 32);
+            fa_gemm_t(&dpt[0][0], v_rows, fa_desc(do_t + qw0 * 128, 16, 1024), FA_DVP, 32);
             fa_wg_commit();
 #if FA_DROPOUT
             /* the keep decisions while the tensor cores run */

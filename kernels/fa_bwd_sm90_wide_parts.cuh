@@ -12,6 +12,8 @@
 /* S^T = K Q^T, dP^T = V dO^T over 32 queries: rows of keys and of queries, head dim contiguous
  * (both K-major). */
 FA_DEF_WGMMA_SS(fa_wgmma_kk32, 32, FA_RL16, FA_FL16, "%16", "%17", "%18", "0, 0")
+/* S^T or dP^T over all 64 queries of the tile (FA_BWD_N64) */
+FA_DEF_WGMMA_SS(fa_wgmma_kk64, 64, FA_RL32, FA_FL32, "%32", "%33", "%34", "0, 0")
 /* dV += P^T dO, dK += dS^T Q: P^T, dS^T rows of keys (queries contiguous, K-major), dO and Q
  * rows of queries (columns contiguous, MN-major). */
 FA_DEF_WGMMA_SS(fa_wgmma_kt64, 64, FA_RL32, FA_FL32, "%32", "%33", "%34", "0, 1")
@@ -21,15 +23,20 @@ FA_DEF_WGMMA_SS(fa_wgmma_kt128, 128, FA_RL64, FA_FL64, "%64", "%65", "%66", "0, 
 FA_DEF_WGMMA_SS(fa_wgmma_tt64, 64, FA_RL32, FA_FL32, "%32", "%33", "%34", "1, 1")
 FA_DEF_WGMMA_SS(fa_wgmma_tt128, 128, FA_RL64, FA_FL64, "%64", "%65", "%66", "1, 1")
 
-/* Issues S^T (or dP^T) of the block's 64 keys x a warpgroup's 32 queries over `cols` of the
- * head dim: 16-column k-steps, 32 bytes apart inside a 128-byte row, the next 64-column block
- * of the key rows (FA_BN rows) and of the query rows (FA_BM rows) after four. */
-FA_DEV void fa_gemm_t(float *acc, fa_u64 kv_rows, fa_u64 q_rows, int cols)
+/* Issues S^T (or dP^T) of the block's 64 keys x nq = 32 or 64 queries (a constant at each call)
+ * over `cols` of the head dim: 16-column k-steps, 32 bytes apart inside a 128-byte row, the next
+ * 64-column block of the key rows (FA_BN rows) and of the query rows (FA_BM rows) after four. */
+FA_DEV void fa_gemm_t(float *acc, fa_u64 kv_rows, fa_u64 q_rows, int cols, int nq)
 {
 #pragma unroll
-    for (int kk = 0; kk < cols / 16; kk++)
-        fa_wgmma_kk32(acc, fa_desc_at(kv_rows, (kk >> 2) * FA_BN * 128 + (kk & 3) * 32),
-                      fa_desc_at(q_rows, (kk >> 2) * FA_BM * 128 + (kk & 3) * 32), kk > 0);
+    for (int kk = 0; kk < cols / 16; kk++) {
+        const fa_u64 a = fa_desc_at(kv_rows, (kk >> 2) * FA_BN * 128 + (kk & 3) * 32);
+        const fa_u64 b = fa_desc_at(q_rows, (kk >> 2) * FA_BM * 128 + (kk & 3) * 32);
+        if (nq == 64)
+            fa_wgmma_kk64(acc, a, b, kk > 0);
+        else
+            fa_wgmma_kk32(acc, a, b, kk > 0);
+    }
 }
 
 /* Issues acc += P^T B (or dS^T B) over the tile's queries 16 kk0 .. 16 kk1 - 1, a k-step each:
@@ -201,11 +208,68 @@ FA_DEV void fa_pin_frags(fa_u32 pa[2][4])
 
 #endif
 
-/* P^T and dS^T of 32 queries from q0 from the products st and dpt (fa_bwd_probs; full: no pair
- * of the tile masked): P^T as A fragments pa[kk] (k-step kk of 16 queries, fragment r the 8 x 8
- * block of keys + 8 (r % 2), queries + 8 (r / 2)), stored into the buffer p_t too where store_p
- * (a constant at each call), and dS^T into ds_t; row = key, queries contiguous, one stmatrix a
- * k-step, this lane giving row st_key of block blk4; then visible to wgmma. */
+/* Fragment r of k-step kk (16 queries) of a C tile x of this warp's 16 keys x 32 queries as a
+ * 16-bit A fragment: the 8 x 8 block of keys + 8 (r % 2), queries + 8 (r / 2). */
+FA_DEV fa_u32 fa_frag_pack(const float x[4][4], int kk, int r)
+{
+    return fa_pack2(x[2 * kk + (r >> 1)][2 * (r & 1)], x[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
+}
+
+/* This lane's stmatrix offset for k-step kk in a [keys][64 queries] buffer from its query q0:
+ * row = key, queries contiguous, this lane giving row st_key of block blk4. */
+FA_DEV fa_u32 fa_frag_off(int st_key, int q0, int kk, int blk4)
+{
+    return fa_swz128(st_key, q0 + 16 * kk + 8 * (blk4 >> 1));
+}
+
+/* P^T (st, 32 queries from q0) as A fragments pa[kk] (fa_frag_pack), stored into the buffer p_t
+ * too where store_p (a constant at each call), and dS^T (dpt) into ds_t, one stmatrix a k-step
+ * (fa_frag_off); then visible to wgmma. */
+FA_DEV void fa_pds_store(const float st[4][4], const float dpt[4][4], fa_u32 pa[2][4],
+                         int store_p, fa_u32 p_t, fa_u32 ds_t, int st_key, int q0, int blk4)
+{
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        fa_u32 da[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            pa[kk][r] = fa_frag_pack(st, kk, r);
+            da[r] = fa_frag_pack(dpt, kk, r);
+        }
+        const fa_u32 off = fa_frag_off(st_key, q0, kk, blk4);
+        if (store_p)
+            fa_stmatrix_x4(p_t + off, pa[kk]);
+        fa_stmatrix_x4(ds_t + off, da);
+    }
+    fa_fence_proxy_async();
+}
+
+#if FA_BWD_N64
+/* The C tile x as the A fragments of both k-steps (fa_frag_pack) ... */
+FA_DEV void fa_frags_pack(const float x[4][4], fa_u32 f[2][4])
+{
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            f[kk][r] = fa_frag_pack(x, kk, r);
+}
+
+/* ... and back, each value widened from 16 bits. */
+FA_DEV void fa_frags_unpack(const fa_u32 f[2][4], float x[4][4])
+{
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const fa_u32 w = f[nt >> 1][2 * (nt & 1) + (e >> 1)];
+            x[nt][e] = fa_to_float((fa_u16)(e & 1 ? w >> 16 : w & 0xffffu));
+        }
+}
+#endif
+
+/* fa_pds_store of P^T and dS^T made from the products st and dpt by fa_bwd_probs (full: no pair
+ * of the tile masked). */
 FA_DEV void fa_probs_store(const fa_kparams *kp, const fa_bwd_tile *tl, int t, int full,
                            float st[4][4], float dpt[4][4], fa_u32 pa[2][4], int store_p,
                            fa_u32 p_t, fa_u32 ds_t, int st_key, int q0, int blk4)
@@ -214,22 +278,7 @@ FA_DEV void fa_probs_store(const fa_kparams *kp, const fa_bwd_tile *tl, int t, i
         fa_bwd_probs(kp, tl, t, st, dpt, 0);
     else
         fa_bwd_probs(kp, tl, t, st, dpt, 1);
-#pragma unroll
-    for (int kk = 0; kk < 2; kk++) {
-        fa_u32 da[4];
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            pa[kk][r] = fa_pack2(st[2 * kk + (r >> 1)][2 * (r & 1)],
-                                 st[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
-            da[r] = fa_pack2(dpt[2 * kk + (r >> 1)][2 * (r & 1)],
-                             dpt[2 * kk + (r >> 1)][2 * (r & 1) + 1]);
-        }
-        const fa_u32 off = fa_swz128(st_key, q0 + 16 * kk + 8 * (blk4 >> 1));
-        if (store_p)
-            fa_stmatrix_x4(p_t + off, pa[kk]);
-        fa_stmatrix_x4(ds_t + off, da);
-    }
-    fa_fence_proxy_async();
+    fa_pds_store(st, dpt, pa, store_p, p_t, ds_t, st_key, q0, blk4);
 }
 
 #endif

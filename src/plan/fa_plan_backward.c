@@ -130,6 +130,15 @@ static void fa_plan_backward_sm90_wide(const fa_plan_key *key, fa_plan *plan)
     plan->stages =
         FA_SMEM_BWD90W(plan->bm, plan->bn, plan->dp, plan->dvp, 3) <= FA_SMEM_SM90_MAX ? 3 : 2;
     plan->smem = (unsigned)FA_SMEM_BWD90W(plan->bm, plan->bn, plan->dp, plan->dvp, plan->stages);
+    /* S^T and dP^T over a tile's 64 queries at once (FA_BWD_N64: K and V read once a tile)
+     * where the kernel takes it, dense 128-key blocks without softcap, unless
+     * FLASHATTN_BWD_SM90_N64=0 (for A/Bs); bf16 only, as fp16's kernel at d 192 / dv 128
+     * spilled (5-9 local loads and stores). */
+    const char *n64 = getenv("FLASHATTN_BWD_SM90_N64");
+    if (plan->bn == 128 && key->dtype == FA_DTYPE_BF16 &&
+        !(key->features & (FA_FEATURE_VARLEN | FA_FEATURE_SOFTCAP)) &&
+        !(n64 && strcmp(n64, "0") == 0))
+        fa_plan_define(plan, "FA_BWD_N64", 1);
 }
 
 /* What the sm90 backward compiles: dense or varlen, aligned, d and dv in 33..256; d = dv up to
