@@ -31,6 +31,10 @@
  *                                      = 256 (two blocks of each product a warpgroup) dQ's
  *                                      blocks go one after the other in one block's registers,
  *                                      the first added while dV and dK's products run.
+ * Across tiles: once a tile's dV, dK and dQ products are issued, the tour's next tile's S^T and
+ * dP^T are issued behind them (its Q / dO stage waited for), and run while this tile's dQ is
+ * added; a tile thus starts from its S^T and dP^T in registers (the item's first from a product
+ * issued before its loop).
  *
  * 128-key blocks (FA_BN 128, FA_KEY_SPLIT; d + dv padded at most 320): each consumer warpgroup
  * owns 64 of the keys with all their dK and dV columns (160 accumulators at d 192 / dv 128), so
@@ -238,15 +242,16 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
         /* This thread's first key (C layout: rows 16w + g and + 8 of the warpgroup's 64). */
         const int key0 = n0 + kw0 + 16 * w + g;
 
-        /* C layout: dk[nt][e] is key key0 + 8 (e / 2), column 64 kb0 + 8 nt + 2t + (e % 2). */
+        /* C layout: dk[nt][e] is key key0 + 8 (e / 2), column 64 kb0 + 8 nt + 2t + (e % 2); the
+         * first nkb (nvb) blocks are this warpgroup's, the rest never live. */
         float dk[8 * FA_KB_MAX][4], dv[8 * FA_VB_MAX][4];
 #pragma unroll
-        for (int nt = 0; nt < 8 * FA_KB_MAX; nt++)
+        for (int nt = 0; nt < 8 * nkb; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 dk[nt][e] = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < 8 * FA_VB_MAX; nt++)
+        for (int nt = 0; nt < 8 * nvb; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 dv[nt][e] = 0.f;
@@ -256,6 +261,19 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
         fa_bwd_tour(bp, &sv_first, nb, h_end, &h, &mb, 0);
         /* Past the tour's end mb is FA_BWD90_REC_END, as in the producer's records. */
         mb = h < h_end ? mb : FA_BWD90_REC_END;
+#if !FA_KEY_SPLIT
+        /* The tile's S^T and dP^T and its rows, made by the tile before (the first tile's
+         * here): each tile issues its successor's products beside its own dQ additions. C
+         * layout: st[nt][e] is key key0 + 8 (e / 2), query m0 + qw0 + 8 nt + 2t + (e % 2). */
+        float st[4][4], dpt[4][4];
+        fa_bwd_tile tl;
+        if (mb >= 0) {
+            fa_bwd_sdp_issue(bp, sm, &sv_first, bi, h, mb, run, qw0, key0, t, st, dpt, &tl);
+            fa_wg_wait0();
+            fa_pin_acc(&st[0][0], 16);
+            fa_pin_acc(&dpt[0][0], 16);
+        }
+#endif
 #pragma unroll 1
         for (; mb >= 0; run ^= 2) {
             const int s = (run >> 1) & 1, qs = run >> 3, qph = (run >> 2) & 1;
@@ -422,41 +440,15 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             fa_pin_frags(pa[1]);
 #endif
 #else
-            /* Every shared address and descriptor from the base made opaque here, so that they
-             * are computed in each tile rather than hoisted and held over the loop (K and V's
-             * k-step descriptors alone would hold over 40 registers). */
+            /* The shared addresses from the base made opaque here, so that they are computed in
+             * each tile rather than hoisted and held over the loop. */
             fa_u32 sb = sm;
             FA_PINU(sb);
-            const fa_u32 k_s = sb;
-            /* K and V rows (K-major, S^T and dP^T), K's dQ columns (MN-major). */
-            const fa_u64 k_rows = fa_desc(k_s, 16, 1024);
-            const fa_u64 v_rows = fa_desc(sb + FA_OFF_V, 16, 1024);
-            const fa_u64 k_cols = fa_desc(k_s + qb0 * FA_BN * 128, FA_BN * 128, 1024);
-            const fa_u32 q_s = sb + FA_OFF_Q, do_s = sb + FA_OFF_DO;
-            const fa_u32 p_s = sb + FA_OFF_P, ds_s = sb + FA_OFF_DS;
-            const fa_u32 q_t = q_s + qs * FA_Q_BYTES, do_t = do_s + qs * FA_DO_BYTES;
-            const fa_u32 p_t = p_s + s * FA_PS_BYTES, ds_t = ds_s + s * FA_PS_BYTES;
-
-            /* The warpgroup's view for fa_bwd_probs, its rows of lse and D loaded while the
-             * products below run. */
-            fa_bwd_tile tl = fa_bwd_tile_make(kp, &sv_tile, bi, h, m0 + qw0, key0, t, wlo, whi,
-                                              bp->lse2 + row0 + qw0, bp->dsum + row0 + qw0);
-
-            /* S^T and dP^T of the 64 keys x this warpgroup's 32 queries. C layout: st[nt][e] is
-             * key key0 + 8 (e / 2), query m0 + qw0 + 8 nt + 2t + (e % 2). */
-            float st[4][4], dpt[4][4];
-            fa_mbar_wait(q_full + 8 * qs, qph);
-            fa_wg_fence();
-            fa_gemm_t(&st[0][0], k_rows, fa_desc(q_t + qw0 * 128, 16, 1024), FA_DP, 32);
-            fa_gemm_t(&dpt[0][0], v_rows, fa_desc(do_t + qw0 * 128, 16, 1024), FA_DVP, 32);
-            fa_wg_commit();
-#if FA_DROPOUT
-            /* the keep decisions while the tensor cores run */
-            fa_bwd_keep_bits(kp, key0, m0 + qw0, t, fa_dropout_stream(kp, bi, h), tl.keep);
-#endif
-            fa_wg_wait0();
-            fa_pin_acc(&st[0][0], 16);
-            fa_pin_acc(&dpt[0][0], 16);
+            const fa_u64 k_cols = fa_desc(sb + qb0 * FA_BN * 128, FA_BN * 128, 1024);
+            const fa_u32 q_t = sb + FA_OFF_Q + qs * FA_Q_BYTES;
+            const fa_u32 do_t = sb + FA_OFF_DO + qs * FA_DO_BYTES;
+            const fa_u32 p_t = sb + FA_OFF_P + s * FA_PS_BYTES;
+            const fa_u32 ds_t = sb + FA_OFF_DS + s * FA_PS_BYTES;
             const int full = fa_bwd_tile_full(&sv_tile, m0, n0, wlo, whi);
             fa_u32 pa[2][4];
             fa_probs_store(kp, &tl, t, full, st, dpt, pa, 1, p_t, ds_t, st_key, qw0, blk4);
@@ -469,12 +461,12 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             /* dV += P^T dO, dK += dS^T Q over this warpgroup's columns, dQ = dS K over its dQ
              * columns, then added: at once, or in the deterministic mode in the tile's turn,
              * both warpgroups' columns together. */
-            fa_pin_acc(&dv[0][0], 32 * FA_VB_MAX);
-            fa_pin_acc(&dk[0][0], 32 * FA_KB_MAX);
+            fa_pin_acc(&dv[0][0], 32 * nvb);
+            fa_pin_acc(&dk[0][0], 32 * nkb);
             fa_wg_fence();
 #if FA_DQ_HALVES
             /* dQ's first block as a group of its own, added while dV and dK's products run,
-             * then its second block in the same registers. */
+             * then its second block in the same registers (added below). */
             float dq[8][4];
             fa_gemm_dq(&dq[0][0], 1, ds_cols, k_cols);
             fa_wg_commit();
@@ -494,8 +486,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             fa_wg_fence();
             fa_gemm_dq(&dq[0][0], 1, ds_cols, fa_desc_at(k_cols, FA_BN * 128));
             fa_wg_commit();
-            fa_wg_wait0();
-            fa_pin_acc(&dq[0][0], 32);
+#define FA_BWD_DQ_ADD_LAST() fa_dq_add(acc_w + 8 * 128, lane, 1, dq)
 #else
             float dq[8 * FA_QB_MAX][4];
             fa_gemm_kv(&dv[0][0], nvb, fa_desc(p_t, 16, 1024),
@@ -504,10 +495,51 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
                        fa_desc(q_t + kb0 * FA_BM * 128, FA_BM * 128, 1024), 0, FA_BM / 16);
             fa_gemm_dq(&dq[0][0], nqb, ds_cols, k_cols);
             fa_wg_commit();
-            fa_wg_wait0();
-            fa_pin_acc(&dq[0][0], 32 * FA_QB_MAX);
+#define FA_BWD_DQ_ADD_LAST()                                                                       \
+    do {                                                                                           \
+        if (bp->deterministic) {                                                                   \
+            const fa_seq sv_dq = FA_WIDE_SEQ;                                                      \
+            fa_dq_turn_wait(bp, &sv_dq, bi, h, mb, nb, ct);                                        \
+        }                                                                                          \
+        fa_dq_add(acc_w, lane, nqb, dq);                                                           \
+    } while (0)
 #endif
+            /* The tour's next tile from the producer's record of this one; its S^T and dP^T
+             * run after this tile's products, beside the dQ additions below. */
+            const int hn = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 0));
+            const int mbn = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 1));
+            run = qs + 1 == FA_QSTAGES ? (run & 3) ^ (qph ^ 1) << 2 : run + 8;
+            /* Two copies of the rest, the next tile's products and the waits for them inside
+             * one (ptxas serialises every wgmma when a group's issue and its wait sit in
+             * different branches). The rest: this thread is done with the stage's Q and dO (and
+             * the record), and this tile's dQ is added. */
+#define FA_BWD_TILE_FINISH()                                                                       \
+    do {                                                                                           \
+        fa_pin_acc(&dq[0][0], FA_DQ_HALVES ? 32 : 32 * nqb);                                       \
+        fa_pin_acc(&dv[0][0], 32 * nvb);                                                           \
+        fa_pin_acc(&dk[0][0], 32 * nkb);                                                           \
+        fa_mbar_arrive(q_empty + 8 * qs);                                                          \
+        FA_BWD_DQ_ADD_LAST();                                                                      \
+        if (bp->deterministic)                                                                     \
+            fa_dq_turn_pass(bp, bi, h, mb, ct);                                                    \
+    } while (0)
+            if (mbn >= 0) {
+                fa_bwd_sdp_issue(bp, sm, &sv_tile, bi, hn, mbn, run, qw0, key0, t, st, dpt, &tl);
+                fa_wg_wait1();
+                FA_BWD_TILE_FINISH();
+                fa_wg_wait0();
+                fa_pin_acc(&st[0][0], 16);
+                fa_pin_acc(&dpt[0][0], 16);
+            } else {
+                fa_wg_wait0();
+                FA_BWD_TILE_FINISH();
+            }
+#undef FA_BWD_TILE_FINISH
+#undef FA_BWD_DQ_ADD_LAST
+            h = hn;
+            mb = mbn;
 #endif /* FA_KEY_SPLIT */
+#if FA_KEY_SPLIT
             fa_pin_acc(&dv[0][0], 32 * FA_VB_MAX);
             fa_pin_acc(&dk[0][0], 32 * FA_KB_MAX);
             /* The tour's next tile from the producer's record of this one, then this thread
@@ -518,23 +550,14 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             fa_mbar_arrive(q_empty + 8 * qs);
             run = qs + 1 == FA_QSTAGES ? (run & 3) ^ (qph ^ 1) << 2 : run + 8;
 
-#if FA_KEY_SPLIT
             if (nqb == 2)
                 fa_dq_add(acc_w + 8 * 128, lane, 1, dq);
-#elif FA_DQ_HALVES
-            fa_dq_add(acc_w + 8 * 128, lane, 1, dq);
-#else
-            if (bp->deterministic) {
-                const fa_seq sv_dq = FA_WIDE_SEQ;
-                fa_dq_turn_wait(bp, &sv_dq, bi, h, mb, nb, ct);
-            }
-            fa_dq_add(acc_w, lane, nqb, dq);
-#endif
             if (bp->deterministic)
                 fa_dq_turn_pass(bp, bi, h, mb, ct);
 
             h = hn;
             mb = mbn;
+#endif
         }
         /* The item again from its slot, which the producer refills only after the next item's
          * K and V: its indices for the stores, recomputed rather than held over the tiles. */

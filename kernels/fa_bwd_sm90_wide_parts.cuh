@@ -1,8 +1,8 @@
 /*
  * The wide sm90 backward's parts (kernels/fa_bwd_sm90_wide.cu, included after its defines and
  * layout): its wgmma products, dQ's additions to the workspace (deterministic turns included),
- * the per-tile shared addresses and P^T / dS^T stores of 128-key blocks, and the stores of dK
- * and dV at an item's end.
+ * the per-tile shared addresses and P^T / dS^T stores of 128-key blocks, the stores of dK and
+ * dV at an item's end, and the issue of a 64-key tile's S^T and dP^T.
  */
 #ifndef FA_BWD_SM90_WIDE_PARTS_CUH
 #define FA_BWD_SM90_WIDE_PARTS_CUH
@@ -280,5 +280,36 @@ FA_DEV void fa_probs_store(const fa_kparams *kp, const fa_bwd_tile *tl, int t, i
         fa_bwd_probs(kp, tl, t, st, dpt, 1);
     fa_pds_store(st, dpt, pa, store_p, p_t, ds_t, st_key, q0, blk4);
 }
+
+#if !FA_KEY_SPLIT
+/* S^T and dP^T of the item's tile (h, mb) against this warpgroup's 32 queries (qw0), from the
+ * Q / dO stage that `run` names, issued as one wgmma group and left running; tl <- the tile's
+ * rows for fa_bwd_probs, their lse and D loaded while the products run. */
+FA_DEV void fa_bwd_sdp_issue(const fa_bkparams *bp, fa_u32 sm, const fa_seq *sv, int bi, int h,
+                             int mb, int run, int qw0, int key0, int t, float st[4][4],
+                             float dpt[4][4], fa_bwd_tile *tl)
+{
+    const fa_kparams *kp = &bp->f;
+    const int qs = run >> 3, qph = (run >> 2) & 1;
+    fa_u32 sb = sm;
+    FA_PINU(sb);
+    const fa_u32 q_t = sb + FA_OFF_Q + qs * FA_Q_BYTES, do_t = sb + FA_OFF_DO + qs * FA_DO_BYTES;
+    fa_mbar_wait(sm + FA_OFF_Q_FULL + 8 * qs, qph);
+    fa_wg_fence();
+    fa_gemm_t(&st[0][0], fa_desc(sb, 16, 1024), fa_desc(q_t + qw0 * 128, 16, 1024), FA_DP, 32);
+    fa_gemm_t(&dpt[0][0], fa_desc(sb + FA_OFF_V, 16, 1024), fa_desc(do_t + qw0 * 128, 16, 1024),
+              FA_DVP, 32);
+    fa_wg_commit();
+    int wlo, whi;
+    fa_bwd_window(kp, &wlo, &whi);
+    const int m0 = mb * FA_BM;
+    const fa_i64 row0 = fa_bwd_row0(bp, h, bi) + m0;
+    *tl = fa_bwd_tile_make(kp, sv, bi, h, m0 + qw0, key0, t, wlo, whi, bp->lse2 + row0 + qw0,
+                           bp->dsum + row0 + qw0);
+#if FA_DROPOUT
+    fa_bwd_keep_bits(kp, key0, m0 + qw0, t, fa_dropout_stream(kp, bi, h), tl->keep);
+#endif
+}
+#endif
 
 #endif

@@ -5,13 +5,16 @@ Fill a cache first (no GPU needed):
     FLASHATTN_CACHE_DIR=/tmp/fa-cache build/flashattn precompile --arch sm_80,sm_90a
 then
     tools/check_spills.py /tmp/fa-cache            # one row per kernel: registers, LDL, STL, ...
-    tools/check_spills.py /tmp/fa-cache --check    # exit status 1 when any kernel touches local memory
+    tools/check_spills.py /tmp/fa-cache --check    # exit status 1 when any kernel touches local
+                                                   # memory or serialises all its wgmmas
     tools/check_spills.py NEW --compare OLD        # the rows whose counts differ between two caches
     tools/check_spills.py DIR --check --source fa_fwd_sm90.cu,fa_bwd_sm90.cu   # those families only
 
 A cache entry is header | key | cubin (src/cuda/fa_jit_disk.c); the key names the source, the
 target and the defines, which label the row. Counts come from cuobjdump's SASS (LDL and STL
-instructions) and resource usage (registers, stack frame); cuobjdump is taken from $CUOBJDUMP,
+instructions; "serial": HGMMAs waited for before the next one is issued, which is every one of
+them where ptxas serialises a kernel's wgmmas, a remark NVRTC does not always return in the log)
+and resource usage (registers, stack frame); cuobjdump is taken from $CUOBJDUMP,
 then PATH, then $CUDA_HOME/bin, then the nvidia-cuda-cuobjdump wheel.
 """
 import argparse
@@ -72,7 +75,8 @@ def label(key):
 
 
 def kernel_stats(cuobjdump, cubin):
-    """{function: [registers, stack bytes, LDL, STL, instructions, SASS digest]} of a cubin."""
+    """{function: [registers, stack bytes, LDL, STL, instructions, SASS digest, HGMMAs,
+    serialised HGMMAs]} of a cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
         tmp.write(cubin)
         tmp.flush()
@@ -86,7 +90,7 @@ def kernel_stats(cuobjdump, cubin):
         m = re.search(r"Function (\S+):", line)
         if m:
             fn = m.group(1)
-            stats[fn] = [0, 0, 0, 0, 0, ""]
+            stats[fn] = [0, 0, 0, 0, 0, "", 0, 0]
             continue
         m = re.search(r"REG:(\d+) STACK:(\d+)", line)
         if m and fn:
@@ -94,12 +98,14 @@ def kernel_stats(cuobjdump, cubin):
             stats[fn][1] = int(m.group(2))
     fn = None
     digests = {}
+    last = None  # the last HGMMA, ARRIVE or DEPBAR (serialised: each HGMMA waited for next)
     for line in sass.splitlines():
         m = re.search(r"Function : (\S+)", line)
         if m:
             fn = m.group(1)
-            stats.setdefault(fn, [0, 0, 0, 0, 0, ""])
+            stats.setdefault(fn, [0, 0, 0, 0, 0, "", 0, 0])
             digests[fn] = hashlib.sha1()
+            last = None
             continue
         m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m and fn:
@@ -108,6 +114,11 @@ def kernel_stats(cuobjdump, cubin):
             s[2] += op == "LDL"
             s[3] += op == "STL"
             s[4] += 1
+            s[6] += op == "HGMMA"
+            if op in ("HGMMA", "WARPGROUP"):
+                wait0 = "DEPBAR" in m.group(1) and "gsb0, 0x0" in line
+                s[7] += last == "HGMMA" and wait0
+                last = op
             # the instruction without its address and encoding: the code, wherever it sits
             digests[fn].update(line.split(";")[0].split("*/", 1)[-1].encode())
     for fn, d in digests.items():
@@ -132,6 +143,11 @@ def collect(cache, cuobjdump, sources=None):
                 for (key, _), found in zip(entries, stats) for fn, s in found.items()}
 
 
+def serial(s):
+    """Whether a kernel's wgmmas all run one at a time (a kernel of at least four)."""
+    return s[6] >= 4 and s[7] == s[6]
+
+
 def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -149,7 +165,7 @@ def main():
     new = collect(a.cache, cuobjdump, sources)
     if not new:
         sys.exit(f"check_spills: no cache entries in {a.cache}" + (f" from {a.source}" if sources else ""))
-    head = "regs stack   LDL   STL  instrs  kernel"
+    head = "regs stack   LDL   STL  instrs serial  kernel"
     if a.compare:
         old = collect(a.compare, cuobjdump, sources)
         print(f"{'before':>30} | {'after':>30}")
@@ -158,19 +174,22 @@ def main():
             o, n = old.get(k), new.get(k)
             if o == n:
                 continue
-            fmt = lambda s: "-" if s is None else "%4d %5d %5d %5d %7d" % tuple(s[:5])
-            note = "  (same counts, other code)" if o and n and o[:5] == n[:5] else ""
+            fmt = lambda s: "-" if s is None else "%4d %5d %5d %5d %7d %6d" % (*s[:5], s[7])
+            same = o and n and o[:5] == n[:5] and o[7] == n[7]
+            note = "  (same counts, other code)" if same else ""
             print(f"{fmt(o):>30} | {fmt(n):>30}  {k[0]} {k[1]}{note}")
     else:
         print(head)
         for k in sorted(new):
             s = new[k]
-            if a.spills and not (s[2] or s[3]):
+            if a.spills and not (s[2] or s[3] or serial(s)):
                 continue
-            print("%4d %5d %5d %5d %7d  %s %s" % (*s[:5], k[0], k[1]))
+            print("%4d %5d %5d %5d %7d %6d  %s %s" % (*s[:5], s[7], k[0], k[1]))
     spilling = [k for k, s in new.items() if s[2] or s[3]]
+    serialised = [k for k, s in new.items() if serial(s)]
     print(f"{len(spilling)} of {len(new)} kernels use local memory", file=sys.stderr)
-    return 1 if a.check and spilling else 0
+    print(f"{len(serialised)} of {len(new)} kernels serialise their wgmmas", file=sys.stderr)
+    return 1 if a.check and (spilling or serialised) else 0
 
 
 if __name__ == "__main__":

@@ -106,6 +106,9 @@ static const bcase cases[] = {
     {"d256", 2, 4, 4, 200, 230, 256, 256, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"causal gqa d192 sq<sk", 2, 4, 2, 190, 300, 192, 192, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"window d160 padded", 1, 4, 4, 260, 250, 160, 160, 0, 60, 20, 0, 0, 0, 0, 8, 0, 0, 0},
+    /* d = dv = 192 on a persistent grid (136 items of five tiles), with ALiBi and sinks. */
+    {"persistent grid alibi sinks gqa d192", 2, 8, 4, 300, 1030, 192, 192, 0, -1, -1, 0, 1, 1, 0,
+     0, 0, 0, 0},
     {"causal gqa d192 dv128", 2, 8, 2, 257, 257, 192, 128, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"softcap alibi sinks d96 dv256", 1, 4, 2, 150, 190, 96, 256, 0, -1, -1, 30, 1, 1, 0, 0, 0, 0,
      0},
@@ -115,6 +118,8 @@ static const bcase cases[] = {
      0, 0},
     {"d32 dv256 causal", 2, 2, 2, 130, 140, 32, 256, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
     {"long causal gqa d256", 1, 4, 2, 700, 800, 256, 256, 1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"persistent grid alibi d256", 2, 4, 4, 130, 1030, 256, 256, 0, -1, -1, 0, 1, 0, 0, 0, 0, 0,
+     0},
     {"varlen causal gqa d256", 4, 4, 2, 190, 260, 256, 256, 1, -1, -1, 0, 0, 0, 0, 0, 1, 0, 0},
     /* d or dv 256 with each feature set the precompile matrix compiles (the wide sm90 family:
      * softcap with a window, varlen with ALiBi and dropout, varlen at d 256 / dv 128 and back;
