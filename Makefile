@@ -52,8 +52,9 @@ test-upstream: build python-deps
 # for machines that limit how long one command may run.
 # The sm_90a kernels of every aligned feature set at the precompile matrix's head dims and
 # dtypes, compiled into a cache (NVRTC, no GPU; minutes on few cores; SPILL_CACHE=DIR reuses and
-# keeps one, else a fresh one), then a failure when a Hopper kernel touches local memory
-# (tools/check_spills.py; cuobjdump from $CUOBJDUMP, PATH, $CUDA_HOME or the pip wheel).
+# keeps one, else a fresh one), then a failure when a Hopper kernel touches local memory or
+# serialises its wgmmas (tools/check_spills.py; cuobjdump from $CUOBJDUMP, PATH, $CUDA_HOME or
+# the pip wheel).
 SPILL_FEATURES ?= none,varlen,alibi,softcap,dropout,varlen+alibi,varlen+softcap,varlen+dropout,alibi+softcap,alibi+dropout,varlen+alibi+softcap,varlen+alibi+dropout
 SPILL_SOURCES ?= fa_fwd_sm90.cu,fa_bwd_sm90.cu,fa_bwd_sm90_wide.cu
 SPILL_CACHE ?=
