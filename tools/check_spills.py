@@ -74,31 +74,12 @@ def label(key):
     return " ".join([w for w in keep if not w.startswith("-D")] + defines)
 
 
-def kernel_stats(cuobjdump, cubin):
-    """{function: [registers, stack bytes, LDL, STL, instructions, SASS digest, HGMMAs,
-    serialised HGMMAs]} of a cubin."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
-        tmp.write(cubin)
-        tmp.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", tmp.name],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([cuobjdump, "--dump-sass", tmp.name],
-                              capture_output=True, text=True, check=True).stdout
-    stats = {}
-    fn = None
-    for line in usage.splitlines():
-        m = re.search(r"Function (\S+):", line)
-        if m:
-            fn = m.group(1)
-            stats[fn] = [0, 0, 0, 0, 0, "", 0, 0]
-            continue
-        m = re.search(r"REG:(\d+) STACK:(\d+)", line)
-        if m and fn:
-            stats[fn][0] = int(m.group(1))
-            stats[fn][1] = int(m.group(2))
+def sass_stats(sass, stats):
+    """Adds to stats ({function: kernel_stats' list}) the counts read from cuobjdump's SASS of
+    the functions: LDL, STL, instructions, digest, HGMMAs, HGMMAs waited for alone."""
     fn = None
     digests = {}
-    last = None  # the last HGMMA, ARRIVE or DEPBAR (serialised: each HGMMA waited for next)
+    last = None  # the last HGMMA or WARPGROUP (ARRIVE, DEPBAR) instruction
     for line in sass.splitlines():
         m = re.search(r"Function : (\S+)", line)
         if m:
@@ -123,6 +104,31 @@ def kernel_stats(cuobjdump, cubin):
             digests[fn].update(line.split(";")[0].split("*/", 1)[-1].encode())
     for fn, d in digests.items():
         stats[fn][5] = d.hexdigest()[:12]
+
+
+def kernel_stats(cuobjdump, cubin):
+    """{function: [registers, stack bytes, LDL, STL, instructions, SASS digest, HGMMAs,
+    serialised HGMMAs]} of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
+        tmp.write(cubin)
+        tmp.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", tmp.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump, "--dump-sass", tmp.name],
+                              capture_output=True, text=True, check=True).stdout
+    stats = {}
+    fn = None
+    for line in usage.splitlines():
+        m = re.search(r"Function (\S+):", line)
+        if m:
+            fn = m.group(1)
+            stats[fn] = [0, 0, 0, 0, 0, "", 0, 0]
+            continue
+        m = re.search(r"REG:(\d+) STACK:(\d+)", line)
+        if m and fn:
+            stats[fn][0] = int(m.group(1))
+            stats[fn][1] = int(m.group(2))
+    sass_stats(sass, stats)
     return stats
 
 
