@@ -143,6 +143,13 @@
 #include "fa_bwd_sm90_wide_layout.cuh"
 #include "fa_bwd_sm90_wide_parts.cuh"
 
+/* The running state (fa_consume's run) after a tile of Q / dO stage qs and phase qph: the next
+ * stage, its phase flipped where the stages wrap around. */
+FA_DEV int fa_run_next_stage(int run, int qs, int qph)
+{
+    return qs + 1 == FA_QSTAGES ? (run & 3) ^ (qph ^ 1) << 2 : run + 8;
+}
+
 /* A consumer warpgroup over the CTA's work items (sm: the layout's base, FA_OFF_*; ct: its
  * thread's index among the consumers' 256), with its column blocks of dK, dV, dQ (first and
  * count, kb0 and nkb, ...) as constants at each call, so that each warpgroup's products are
@@ -453,7 +460,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
              * run after this tile's products, beside the dQ additions below. */
             const int hn = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 0));
             const int mbn = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 1));
-            run = qs + 1 == FA_QSTAGES ? (run & 3) ^ (qph ^ 1) << 2 : run + 8;
+            run = fa_run_next_stage(run, qs, qph);
             /* Two copies of the rest, the next tile's products and the waits for them inside
              * one (ptxas serialises every wgmma when a group's issue and its wait sit in
              * different branches). The rest: this thread is done with the stage's Q and dO (and
@@ -493,7 +500,7 @@ FA_DEV void fa_consume(const fa_bkparams *bp, fa_u32 sm, int mb_first, int cw, i
             const int hn = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 0));
             const int mbn = fa_lds32(FA_BWD90_REC(kv_empty + 8, qs, 1));
             fa_mbar_arrive(q_empty + 8 * qs);
-            run = qs + 1 == FA_QSTAGES ? (run & 3) ^ (qph ^ 1) << 2 : run + 8;
+            run = fa_run_next_stage(run, qs, qph);
 
             if (nqb == 2)
                 fa_dq_add(acc_w + 8 * 128, lane, 1, dq);
