@@ -13,6 +13,8 @@ from . import _flex_prepared, _lib
 from ._arrays import NUMPY, TORCH, make_tensor, prepare
 from ._cached import _CachedBackward
 from ._core import _prepare_forward, _rename, as_int
+from ._flex_cache import trace
+from ._flex_trace import AUX_SLOTS, KIND_MASK, KIND_SCORE
 from ._lib import FlashAttnError
 
 _NAMES = {"q": "query", "k": "key", "v": "value", "softmax_scale": "scale"}
@@ -104,6 +106,88 @@ def _c_block_mask_make(block_mask, keep, device):
     bm = _lib.FaBlockMask(qbs, kbs, **fields)
     keep.append(bm)
     return bm
+
+
+# ---- the mods' programs and captured tensors -----------------------------------------------
+
+
+def mods_of(score_mod, block_mask, checks=None):
+    """(programs, aux) of a call's mods: per traced mod (argument field, Trace, its aux slots),
+    and per aux slot of the call (field, captured tensor), each tensor once. checks as
+    ``_flex_cache.trace`` takes them."""
+    mods = []  # (argument field, trace, aux tensors)
+    if score_mod is not None:
+        # C keys a score_mod that is a plain function by its code and captures (keyed)
+        mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod", checks, True))
+    if block_mask is not None and block_mask.mask_mod is not None:
+        mods.append(("mask_mod",) + trace(block_mask.mask_mod, KIND_MASK, "block_mask.mask_mod",
+                                          checks))
+    aux, slot_of, programs = [], {}, []
+    for field, t, tensors in mods:
+        slots = []
+        for x in tensors:
+            if id(x) not in slot_of:
+                slot_of[id(x)] = len(aux)
+                aux.append((field, x))
+            slots.append(slot_of[id(x)])
+        programs.append((field, t, slots))
+    if len(aux) > AUX_SLOTS:
+        raise FlashAttnError("flex_attention: score_mod and block_mask.mask_mod read %d "
+                             "captured tensors together; at most %d"
+                             % (len(aux), AUX_SLOTS))
+    return programs, aux
+
+
+def _aux_tensor(t, user, i, device):
+    """A captured tensor as the library reads it: on the call's device (copied there when it
+    is elsewhere), int32 or fp32, at least 1-d."""
+    torch = sys.modules["torch"]
+    name = "%s's captured tensor %d (shape %s, %s)" % (user, i, tuple(t.shape), t.dtype)
+    if t.device.type not in ("cpu", "cuda"):
+        raise FlashAttnError("%s: is on %s; flex_attention reads CPU and CUDA tensors"
+                             % (name, t.device))
+    if t.requires_grad and torch.is_grad_enabled():
+        raise FlashAttnError("%s: requires grad, but flex_attention gives captured tensors no "
+                             "gradient yet; detach it, or call under torch.no_grad()" % name)
+    if t.dtype in (torch.int32, torch.float32) and t.device == torch.device(device):
+        return t.detach() if t.dim() else t.detach().reshape(1)
+    # A conversion or copy is made once per tensor and version: an int64 tensor's range check
+    # synchronises with the device, which a call repeated with the same captures should not.
+    key = (id(t), t._version, str(device))
+    hit = _aux_converted.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    src = t
+    t = t.detach().to(device)
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.is_floating_point():
+        t = t.float()
+    else:
+        if t.dtype != torch.int32 and t.numel():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < -2**31 or hi > 2**31 - 1:
+                raise FlashAttnError("%s: values in [%d, %d] do not fit int32"
+                                     % (name, lo, hi))
+        t = t.to(torch.int32)
+    if len(_aux_converted) >= _AUX_CONVERTED_MAX:
+        _aux_converted.pop(next(iter(_aux_converted)))
+    _aux_converted[key] = (weakref.ref(src), t)
+    return t
+
+
+# Captured tensors as converted for the library, by (id, version, device); the weak reference
+# tells a reused id from the same tensor. Oldest dropped first.
+_aux_converted = {}
+_AUX_CONVERTED_MAX = 64
+
+
+def new_call(kind, scale, programs, aux, block_mask, device):
+    """A _FlexCall of the traced programs ((field, trace, slots)) and the aux slots' captured
+    tensors ((field, tensor)), converted for the library."""
+    aux = [_aux_tensor(x, field, i, device or "cpu") for i, (field, x) in enumerate(aux)]
+    return _FlexCall(kind, scale, [(f, t.program(slots)) for f, t, slots in programs], aux,
+                     block_mask, device)
 
 
 # ---- one call ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ _CACHE_SIZE = 32
 BM_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 FLEX_C = None  # _fastpath.flex once bound to torch (flex.bound)
 IS_COMPILING = None  # torch.compiler.is_compiling, with FLEX_C
+FLEX_COMPILED = None  # _torch_flex.flex_compiled, with FLEX_C
 # CUDA calls served in C too unless FLASHATTN_FLEX_FASTPATH_CUDA=0 (the route's, for comparison).
 CUDA_IN_C = os.environ.get("FLASHATTN_FLEX_FASTPATH_CUDA") != "0"
 

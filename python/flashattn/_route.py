@@ -43,7 +43,8 @@ _FLEX = []  # (flex.fastpath_table, flex.bound), given by the package: flex reac
 
 def use_flex(table, bound):
     """flex_attention's C entry is bound with the others (``torch_ops``): ``table()`` gives
-    bind() its entries, ``bound(entry, is_compiling)`` receives the bound entry."""
+    bind() its entries, ``bound(entry, is_compiling, compiled)`` receives the bound entry and
+    the route of compiled calls."""
     _FLEX[:] = [(table, bound)]
 
 
@@ -61,7 +62,7 @@ def torch_ops():
         flex_table, flex_bound = _FLEX[0] if _FLEX else (lambda: None, lambda *a: None)
         DENSE_C, KVCACHE_C, flex_c = module.bind_fastpath(dense_any, DENSE_ARGS, kvcache_any,
                                                           KV_ARGS, flex_table())
-        flex_bound(flex_c, IS_COMPILING)
+        flex_bound(flex_c, IS_COMPILING, module.flex_compiled)
     return _TORCH_OPS[0]
 
 

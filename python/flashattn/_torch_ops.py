@@ -6,7 +6,8 @@
     torch.ops.flashattn.bwd         (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
     torch.ops.flashattn.varlen_bwd  (dout, q, k, v, out, lse, ...)  -> dq, dk, dv, dsink
 
-and, from _torch_kvcache (imported here), torch.ops.flashattn.kvcache and .combine.
+and, from _torch_kvcache (imported here), torch.ops.flashattn.kvcache and .combine; from
+_torch_flex, torch.ops.flashattn.flex_fwd and .flex_bwd (flex_attention under torch.compile).
 
 Imported on the first torch call (``import flashattn`` does not import torch). Each op has a
 fake implementation for tracing and the forward ops carry an autograd formula
@@ -55,6 +56,8 @@ from ._lib import FlashAttnError
 from ._torch_call import DEVICE_TYPES, OptT, T, is_eager, needs_grad, run
 # The KV-cache and combine ops (registered on import) and their public functions' torch side.
 from ._torch_kvcache import combine_call, kvcache_call  # noqa: F401
+# flex_attention's ops (registered on import) and the route of its compiled calls.
+from ._torch_flex import flex_compiled  # noqa: F401
 
 _Result = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 

@@ -13,14 +13,13 @@ its kernels); none to captured tensors.
 
 import math
 import sys
-import weakref
 
 from . import _flex_prepared
 from ._arrays import TORCH, common_kind
 from ._core import as_bool, as_int, as_scale
-from ._flex_call import _FlexCall, _flex_fn, _numpy, _swap
+from ._flex_call import _aux_tensor, _flex_fn, _numpy, _swap, mods_of, new_call
 from ._flex_cache import trace
-from ._flex_trace import AUX_SLOTS, KIND_MASK, KIND_SCORE
+from ._flex_trace import KIND_MASK
 from ._lib import FlashAttnError
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "noop_mask"]
@@ -234,48 +233,6 @@ _BM_FIELDS = _flex_prepared.BM_FIELDS
 # ---- the forward --------------------------------------------------------------------------
 
 
-def _aux_tensor(t, user, i, device):
-    """A captured tensor as the library reads it: on the call's device (copied there when it
-    is elsewhere), int32 or fp32, at least 1-d."""
-    torch = sys.modules["torch"]
-    name = "%s's captured tensor %d (shape %s, %s)" % (user, i, tuple(t.shape), t.dtype)
-    if t.device.type not in ("cpu", "cuda"):
-        raise FlashAttnError("%s: is on %s; flex_attention reads CPU and CUDA tensors"
-                             % (name, t.device))
-    if t.requires_grad and torch.is_grad_enabled():
-        raise FlashAttnError("%s: requires grad, but flex_attention gives captured tensors no "
-                             "gradient yet; detach it, or call under torch.no_grad()" % name)
-    if t.dtype in (torch.int32, torch.float32) and t.device == torch.device(device):
-        return t.detach() if t.dim() else t.detach().reshape(1)
-    # A conversion or copy is made once per tensor and version: an int64 tensor's range check
-    # synchronises with the device, which a call repeated with the same captures should not.
-    key = (id(t), t._version, str(device))
-    hit = _aux_converted.get(key)
-    if hit is not None and hit[0]() is t:
-        return hit[1]
-    src = t
-    t = t.detach().to(device)
-    if t.dim() == 0:
-        t = t.reshape(1)
-    if t.is_floating_point():
-        t = t.float()
-    else:
-        if t.dtype != torch.int32 and t.numel():
-            lo, hi = int(t.min()), int(t.max())
-            if lo < -2**31 or hi > 2**31 - 1:
-                raise FlashAttnError("%s: values in [%d, %d] do not fit int32"
-                                     % (name, lo, hi))
-        t = t.to(torch.int32)
-    if len(_aux_converted) >= _AUX_CONVERTED_MAX:
-        _aux_converted.pop(next(iter(_aux_converted)))
-    _aux_converted[key] = (weakref.ref(src), t)
-    return t
-
-
-# Captured tensors as converted for the library, by (id, version, device); the weak reference
-# tells a reused id from the same tensor. Oldest dropped first.
-_aux_converted = {}
-_AUX_CONVERTED_MAX = 64
 
 
 def _check_inputs(query, key, value, enable_gqa):
@@ -310,9 +267,18 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     (refused when they require grad); without mods it runs flash_attn_func, with autograd.
     """
     # _fastpath (C) serves a repeated torch call without gradients whose mods and captures it
-    # finds unchanged, and hands every other call to flex_any; Dynamo cannot trace C.
+    # finds unchanged, and hands every other call to flex_any; Dynamo cannot trace C, nor the
+    # mods' tracing: under torch.compile the mods are traced once and the call is a custom op.
     entry = _flex_prepared.FLEX_C
-    if entry is None or _flex_prepared.IS_COMPILING():
+    if _flex_prepared.IS_COMPILING is not None and _flex_prepared.IS_COMPILING():
+        if kernel_options is not None:
+            raise FlashAttnError("kernel_options: tunes torch's kernels; flashattn takes none")
+        return_lse = as_bool(return_lse, "return_lse")
+        if score_mod is None and block_mask is None:
+            return _plain(query, key, value, as_scale(scale), return_lse)
+        return _flex_prepared.FLEX_COMPILED(query, key, value, score_mod, block_mask, scale,
+                                            as_bool(enable_gqa, "enable_gqa"), return_lse)
+    if entry is None:
         entry = flex_any
     return entry(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                  kernel_options)
@@ -344,32 +310,11 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
         return _plain(query, key, value, scale, return_lse)
     # what C checks on a later call, where it should serve one
     checks = [] if _flex_prepared.may_serve_later(kind, call_args) else None
-    mods = []  # (argument field, trace, aux tensors)
-    if score_mod is not None:
-        # C keys a score_mod that is a plain function by its code and captures (keyed)
-        mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod", checks, True))
     if block_mask is not None:
         _check_block_mask(block_mask, B, H, Lq, Lkv)
         if checks is not None:
             _flex_prepared.block_mask_checks(block_mask, checks)
-        if block_mask.mask_mod is not None:
-            mods.append(("mask_mod",) + trace(block_mask.mask_mod, KIND_MASK,
-                                              "block_mask.mask_mod", checks))
-
-    # aux slots of the call: the mods' captured tensors, each once
-    aux, slot_of, programs = [], {}, []
-    for field, t, tensors in mods:
-        slots = []
-        for x in tensors:
-            if id(x) not in slot_of:
-                slot_of[id(x)] = len(aux)
-                aux.append((field, x))
-            slots.append(slot_of[id(x)])
-        programs.append((field, t, slots))
-    if len(aux) > AUX_SLOTS:
-        raise FlashAttnError("flex_attention: score_mod and block_mask.mask_mod read %d "
-                             "captured tensors together; at most %d"
-                             % (len(aux), AUX_SLOTS))
+    programs, aux = mods_of(score_mod, block_mask, checks)
     captured = [x for _, x in aux]
     keyed = [t for _, t, _ in programs] + captured + [block_mask]
     if grad:
@@ -379,7 +324,7 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
                                          block_mask)
         call = _flex_prepared.lookup_grad(grad_key)
         if call is None:
-            call = _new_call(kind, scale, programs, aux, block_mask, query.device)
+            call = new_call(kind, scale, programs, aux, block_mask, query.device)
             _flex_prepared.store_grad(grad_key, call, keyed)
         out, lse = _flex_fn().apply(query, key, value, call)
         _flex_prepared.register_grad(call_args, call, checks, captured)
@@ -393,8 +338,8 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
             out, lse = _flex_prepared.run(p, query, key, value)
             _flex_prepared.register(call_args, p, checks, captured)
             return out if not return_lse else (out, _empty_rows(lse, kind))
-    call = _new_call(kind, scale, programs, aux, block_mask,
-                     query.device if kind == TORCH else None)
+    call = new_call(kind, scale, programs, aux, block_mask,
+                    query.device if kind == TORCH else None)
     out, lse, p = call.forward(query, key, value, return_lse, prepared_key, keyed)
     if p is not None:
         _flex_prepared.register(call_args, p, checks, captured)
@@ -403,23 +348,17 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
     return out, _empty_rows(lse, kind)
 
 
-def _new_call(kind, scale, programs, aux, block_mask, device):
-    """A _FlexCall of the traced programs ((field, trace, slots)) and the aux slots' captured
-    tensors ((field, tensor)), converted for the library."""
-    aux = [_aux_tensor(x, field, i, device or "cpu") for i, (field, x) in enumerate(aux)]
-    return _FlexCall(kind, scale, [(f, t.program(slots)) for f, t, slots in programs], aux,
-                     block_mask, device)
-
-
 def _lse_rows(lse):
     """_empty_rows of a torch lse, for _fastpath."""
     return _empty_rows(lse, TORCH)
 
 
-def bound(entry, is_compiling):
+def bound(entry, is_compiling, compiled):
     """_route binds _fastpath when the package meets torch: flex_attention's C entry (None
-    where the extension was not built) and torch.compiler.is_compiling."""
+    where the extension was not built), torch.compiler.is_compiling and the compiled route
+    (_torch_flex.flex_compiled)."""
     _flex_prepared.FLEX_C, _flex_prepared.IS_COMPILING = entry, is_compiling
+    _flex_prepared.FLEX_COMPILED = compiled
 
 
 def fastpath_table():

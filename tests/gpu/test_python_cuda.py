@@ -1086,6 +1086,48 @@ def test_flex_attention_cuda_backward(gen, dtype, kind):
             name, err, scale)
 
 
+FLEX_DOC = torch.zeros(300, dtype=torch.int32)
+FLEX_BIAS = torch.zeros(4, 81)
+
+
+def _flex_doc_mask(b, h, q_idx, kv_idx):
+    return (FLEX_DOC[q_idx] == FLEX_DOC[kv_idx]) & (q_idx >= kv_idx)
+
+
+def _flex_relpos(score, b, h, q_idx, kv_idx):
+    return score + FLEX_BIAS[h, q_idx - kv_idx + 40]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flex_attention_cuda_compiled(gen, dtype):
+    """flex_attention under torch.compile(fullgraph) on CUDA tensors (torch.ops.flashattn.flex_fwd
+    and flex_bwd): out and lse bitwise the eager call's; dq, dk, dv to the rounding that the
+    backward's accumulation order leaves (its fp32 additions are not ordered across CTAs)."""
+    global FLEX_DOC, FLEX_BIAS
+    B, H, HK, L, D = 2, 4, 2, 300, 64
+    g = torch.Generator().manual_seed(43)
+    FLEX_DOC = torch.cumsum((torch.rand(L, generator=g) < 0.02).int(), 0).int().cuda()
+    FLEX_BIAS = torch.randn(H, 81, generator=g).cuda()
+    q = torch.randn(B, H, L, D, generator=g).to(dtype).cuda()
+    k, v = (torch.randn(B, HK, L, D, generator=g).to(dtype).cuda() for _ in range(2))
+    dout = torch.randn(B, H, L, D, generator=g).to(dtype).cuda()
+    bm = flashattn.create_block_mask(_flex_doc_mask, 1, None, L, L, device="cuda", BLOCK_SIZE=64)
+
+    def call(q, k, v):
+        return flashattn.flex_attention(q, k, v, score_mod=_flex_relpos, block_mask=bm,
+                                        enable_gqa=True, return_lse=True)
+
+    results = []
+    for f in (call, torch.compile(call, fullgraph=True)):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = f(*x)
+        out.backward(dout)
+        results.append([out, lse] + [t.grad for t in x])
+    for name, e, c in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert c.is_cuda, name
+        assert torch.equal(c, e) if name in ("out", "lse") else _max_rel(c, e) < 1e-2, name
+
+
 # --------------------------------------------------------------------------------------------
 # FP8 (e4m3) forward on Hopper
 

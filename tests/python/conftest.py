@@ -19,6 +19,11 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
+# torch.compile's on-disk graph caches are keyed by the traced graph, not by the Python of an
+# op's autograd formula: a cached graph from an earlier checkout would run instead of this one's.
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+
 if os.environ.get("FLASHATTN_TEST_INSTALLED") != "1":
     sys.path.insert(0, os.path.join(REPO, "python"))
 sys.path.insert(0, HERE)

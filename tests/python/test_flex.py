@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashattn
-from flashattn import FlashAttnError, _flex_cache
+from flashattn import FlashAttnError, _flex_cache, _flex_call  # noqa: F401
 
 tflex = pytest.importorskip("torch.nn.attention.flex_attention")  # torch >= 2.5
 
@@ -410,8 +410,8 @@ def test_prepared_calls(rng, monkeypatch):
     tensor or of the block mask's tensors each prepare again; every result matches the
     reference."""
     prepared = []
-    args = flashattn.flex._FlexCall._args
-    monkeypatch.setattr(flashattn.flex._FlexCall, "_args",
+    args = flashattn._flex_call._FlexCall._args
+    monkeypatch.setattr(flashattn._flex_call._FlexCall, "_args",
                         lambda self, *a: prepared.append(1) or args(self, *a))
     S = 48
     rows, cols = torch.arange(S)[:, None], torch.arange(S)[None, :]
