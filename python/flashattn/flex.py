@@ -14,10 +14,10 @@ its kernels); none to captured tensors.
 import math
 import sys
 
-from . import _flex_prepared
+from . import _flex_blocks, _flex_prepared
 from ._arrays import TORCH, common_kind
 from ._core import as_bool, as_int, as_scale
-from ._flex_call import _aux_tensor, _flex_fn, _numpy, _swap, mods_of, new_call
+from ._flex_call import _flex_fn, _numpy, _swap, mods_of, new_call
 from ._flex_cache import trace
 from ._flex_trace import KIND_MASK
 from ._lib import FlashAttnError
@@ -94,10 +94,9 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
                       separate_full_blocks=True):
     """FlexAttention's create_block_mask: the BlockMask of mask_mod(b, h, q_idx, kv_idx) over
     [B, H, Q_LEN, KV_LEN] (B or H None means 1), in blocks of BLOCK_SIZE (an int or a pair
-    (query, key)). mask_mod is traced (and refused if it cannot be) and evaluated here, in
-    the library's rules (fp32 arithmetic, aux indices clamped into their tensors), on the host;
-    with a CUDA device the result's tensors are then copied there."""
-    np = _numpy()
+    (query, key)). mask_mod is traced (and refused if it cannot be) and evaluated in the
+    library's rules (fp32 arithmetic, aux indices clamped into their tensors): on the host for
+    a CPU block mask, on the device for a CUDA one (_flex_blocks)."""
     _check_device(device)
     B = 1 if B is None else as_int(B, "B")
     H = 1 if H is None else as_int(H, "H")
@@ -108,110 +107,10 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
                 "B", "H") else "non-negative", n))
     qbs, kbs = _block_sizes(BLOCK_SIZE)
     t, tensors = trace(mask_mod, KIND_MASK, "mask_mod")
-    arrays = [_aux_tensor(x, "mask_mod", i, "cpu").numpy() for i, x in enumerate(tensors)]
-    nqb, nkb = -(-Q_LEN // qbs), -(-KV_LEN // kbs)
-    rb, rh = (B if t.depends_b else 1), (H if t.depends_h else 1)
-    counts = np.zeros((rb, rh, nqb, nkb), dtype=np.int64)
-    # Query blocks per evaluation: about 4M mask elements at a time.
-    step = max(1, (1 << 22) // max(1, rb * rh * qbs * nkb * kbs))
-    with np.errstate(all="ignore"):
-        for qb in range(0, nqb, step):
-            nb = min(step, nqb - qb)
-            r0, r1 = qb * qbs, min(Q_LEN, (qb + nb) * qbs)
-            m = np.broadcast_to(_evaluate(t, arrays, B, H, r0, r1, KV_LEN),
-                                (rb, rh, r1 - r0, KV_LEN))
-            padded = np.zeros((rb, rh, nb * qbs, nkb * kbs), dtype=bool)
-            padded[:, :, :r1 - r0, :KV_LEN] = m
-            counts[:, :, qb:qb + nb] = padded.reshape(rb, rh, nb, qbs, nkb, kbs).sum((3, 5))
-    counts = np.broadcast_to(counts, (B, H, nqb, nkb))
-    if separate_full_blocks:
-        full = counts == qbs * kbs
-        partial = (counts > 0) & ~full
-    else:
-        full, partial = None, counts > 0
-    fields = list(_ordered(partial)) + (list(_ordered(full)) if full is not None else [None] * 2)
-    fields += list(_ordered(partial.swapaxes(-1, -2)))
-    fields += list(_ordered(full.swapaxes(-1, -2))) if full is not None else [None] * 2
-    fields = [_export(f, device) for f in fields]
+    fields = _flex_blocks.build(t, tensors, B, H, Q_LEN, KV_LEN, qbs, kbs, separate_full_blocks,
+                                device)
     bm = BlockMask((Q_LEN, KV_LEN), *fields, BLOCK_SIZE=(qbs, kbs), mask_mod=mask_mod)
     return bm
-
-
-def _ordered(dense):
-    """FlexAttention's ordered form of a 0/1 block matrix [..., rows, cols]: the count per row
-    and the column indices, those set first, each group ascending (a stable descending sort)."""
-    np = _numpy()
-    dense = dense.astype(np.int32)
-    return dense.sum(-1).astype(np.int32), np.argsort(-dense, axis=-1, kind="stable").astype(
-        np.int32)
-
-
-def _export(x, device):
-    if x is None:
-        return None
-    x = _numpy().ascontiguousarray(x)
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return x
-    x = torch.from_numpy(x)
-    return x if device is None or str(device) == "cpu" else x.to(device)
-
-
-def _evaluate(t, arrays, B, H, r0, r1, KV):
-    """The traced mask over b [B], h [H], q_idx [r0, r1), kv_idx [KV] (broadcast shapes), in
-    fp32 as the CPU forward evaluates it."""
-    np = _numpy()
-    f32 = np.float32
-    var = [None, np.arange(B, dtype=f32)[:, None, None, None],
-           np.arange(H, dtype=f32)[None, :, None, None],
-           np.arange(r0, r1, dtype=f32)[None, None, :, None],
-           np.arange(KV, dtype=f32)[None, None, None, :]]
-    g, vals = t.graph, {}
-    for i in g.reachable(t.root):
-        n = g.nodes[i]
-        op = n[0]
-        if op == "var":
-            vals[i] = var[n[1]]
-            continue
-        if op == "const":
-            vals[i] = f32(float.fromhex(n[1]))
-            continue
-        if op in ("true", "false"):
-            vals[i] = np.bool_(op == "true")
-            continue
-        if op == "aux":
-            a = arrays[n[1]]
-            idx = []
-            for d, j in enumerate(n[2:]):
-                v, dim = vals[j], a.shape[d]  # floored and clamped, as the library reads
-                idx.append(np.where(v >= 1, np.where(v < dim, v, dim - 1), 0).astype(np.int64))
-            vals[i] = a[tuple(idx)].astype(f32)
-            continue
-        x = [vals[j] for j in n[1:]]
-        vals[i] = _NUMPY_OPS[op](np, *x)
-    return vals[t.root]
-
-
-def _np_mod(np, x, y):
-    r = np.fmod(x, y)
-    return np.where((r != 0) & ((r < 0) != (y < 0)), r + y, r)
-
-
-_NUMPY_OPS = {
-    "neg": lambda np, x: -x, "exp": lambda np, x: np.exp(x), "log": lambda np, x: np.log(x),
-    "tanh": lambda np, x: np.tanh(x), "abs": lambda np, x: np.abs(x),
-    "sqrt": lambda np, x: np.sqrt(x), "floor": lambda np, x: np.floor(x),
-    "not": lambda np, x: ~x, "add": lambda np, x, y: x + y, "sub": lambda np, x, y: x - y,
-    "mul": lambda np, x, y: x * y, "div": lambda np, x, y: x / y,
-    "min": lambda np, x, y: np.where((x < y) | (x != x), x, y),
-    "max": lambda np, x, y: np.where((x > y) | (x != x), x, y),
-    "pow": lambda np, x, y: np.power(x, y), "mod": _np_mod,
-    "lt": lambda np, x, y: x < y, "le": lambda np, x, y: x <= y,
-    "gt": lambda np, x, y: x > y, "ge": lambda np, x, y: x >= y,
-    "eq": lambda np, x, y: x == y, "ne": lambda np, x, y: x != y,
-    "and": lambda np, x, y: x & y, "or": lambda np, x, y: x | y,
-    "where": lambda np, c, x, y: np.where(c, x, y),
-}
 
 
 def _check_block_mask(block_mask, B, H, Lq, Lkv):

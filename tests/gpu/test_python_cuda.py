@@ -1086,6 +1086,33 @@ def test_flex_attention_cuda_backward(gen, dtype, kind):
             name, err, scale)
 
 
+def test_create_block_mask_built_on_cuda(gen):
+    """create_block_mask(device="cuda") evaluates the mask on the device (captured tensors on the
+    CPU or the device): every field equal to the CPU build's and to torch's create_block_mask
+    on CUDA."""
+    tflex = pytest.importorskip("torch.nn.attention.flex_attention")
+    B, H, L = 2, 4, 700
+    g = torch.Generator().manual_seed(47)
+    doc = torch.cumsum((torch.rand(B, L, generator=g) < 0.01).int(), 1)
+    win = torch.randint(16, 200, (H,), generator=g)
+    for where in ("cpu", "cuda"):
+        d, w = doc.to(where), win.to(where)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (d[b, q_idx] == d[b, kv_idx]) & (q_idx - kv_idx < w[h]) & (q_idx >= kv_idx)
+
+        for bs in (128, (64, 32)):
+            gpu = flashattn.create_block_mask(mask_mod, B, H, L, L, device="cuda", BLOCK_SIZE=bs)
+            cpu = flashattn.create_block_mask(mask_mod, B, H, L, L, device="cpu", BLOCK_SIZE=bs)
+            ref = tflex.create_block_mask(mask_mod, B, H, L, L, device="cuda", BLOCK_SIZE=bs)
+            for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+                x = getattr(gpu, f)
+                assert x.is_cuda and x.dtype == torch.int32, f
+                assert torch.equal(x.cpu(), getattr(cpu, f)), f
+                assert torch.equal(x, getattr(ref, f)), f
+
+
 FLEX_DOC = torch.zeros(300, dtype=torch.int32)
 FLEX_BIAS = torch.zeros(4, 81)
 
