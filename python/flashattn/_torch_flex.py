@@ -13,9 +13,10 @@ numbers the pair (score_mod, mask_mod) in ``_PLANS``: ``plan_of`` runs at compil
 (``torch._dynamo.assume_constant_result``), traces the pair (a mod that cannot be traced is
 refused then, naming its line) and returns its number, a constant of the graph. At every call
 the ops find the mods' captured tensors afresh through the registered functions, as an eager
-call does, so a captured tensor's current values are read. The mods must exist outside the
-compiled region (module-level functions, or closures made before the call): Dynamo cannot make
-a function defined inside the region a constant of the graph. ``lse`` is the library's (+inf
+call does, so a captured tensor's current values are read. A mod made inside the compiled
+region is no constant of the graph: there the call breaks the graph (under fullgraph, Dynamo's
+error) and runs in a frame of its own, compiled anew for each new function object until
+Dynamo's recompile limit. ``lse`` is the library's (+inf
 for a row that sees no key), which the backward takes; ``flex_compiled`` hands the caller
 FlexAttention's -inf.
 
@@ -27,6 +28,7 @@ import math
 from typing import List, Optional, Tuple
 
 import torch
+from torch._dynamo.comptime import comptime
 
 from . import _core
 from ._arrays import TORCH
@@ -159,6 +161,20 @@ def _flex_backward(ctx, dout, _dlse):
 flex_fwd.register_autograd(_flex_backward, setup_context=_flex_setup)
 
 
+def _constant_mods(ctx):
+    """At compile time, in flex_compiled: a graph break unless score_mod and mask_mod are
+    constants of the graph (functions made inside the compiled region are not); the call then
+    runs in a frame of its own, where they are."""
+    for name in ("score_mod", "mask_mod"):
+        try:
+            ctx.get_local(name).as_python_constant()
+        except Exception:
+            ctx.graph_break("flashattn.flex_attention: %s is a function made inside the "
+                            "compiled region; for fullgraph, make it before (a module-level "
+                            "function, or a closure made outside)" % name)
+            return
+
+
 def flex_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse):
     """flex_attention's call as Dynamo traces it (flex.flex_attention's arguments; calls with
     mods or a block mask): the checks eager calls make of shapes, then the ops."""
@@ -181,6 +197,7 @@ def flex_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, r
             raise ValueError("block_mask: it was made for query / key lengths %s, but the call "
                              "has (%d, %d)" % (tuple(seq_lengths), query.shape[2],
                                                key.shape[2]))
+    comptime(_constant_mods)
     out, lse = torch.ops.flashattn.flex_fwd(query, key, value, *bm, block_size, seq_lengths,
                                             plan_of(score_mod, mask_mod),
                                             _core.as_scale(scale))

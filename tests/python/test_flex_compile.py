@@ -119,3 +119,31 @@ def test_untraceable_mod_refused_at_compile(inputs):
     with pytest.raises(Exception, match="cannot be traced.*test_flex_compile.py"):
         with torch.no_grad():
             f(q, k, v)
+
+
+class _Model(torch.nn.Module):
+    """A score_mod made in forward, over a buffer: no constant of the graph."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.register_buffer("bias", bias)
+
+    def forward(self, q, k, v):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + self.bias[kv_idx - q_idx + S]
+
+        return flashattn.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=True)
+
+
+def test_mod_made_inside_the_region(inputs):
+    """Without fullgraph the call breaks the graph and gives the eager result; with fullgraph
+    Dynamo stops with an error naming score_mod."""
+    q, k, v, _ = inputs
+    model = _Model(BIAS.clone())
+    with torch.no_grad():
+        want = model(q, k, v)
+        for _ in range(2):
+            torch.testing.assert_close(torch.compile(model)(q, k, v), want, rtol=0, atol=0)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="score_mod is a function made inside"):
+            torch.compile(model, fullgraph=True)(q, k, v)
