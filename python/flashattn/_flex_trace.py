@@ -41,7 +41,8 @@ def user_line(frames=None):
     torch = sys.modules.get("torch")
     skip = [_HERE] + ([os.path.dirname(torch.__file__)] if torch is not None else [])
     for fr in reversed(frames if frames is not None else traceback.extract_stack()):
-        if not any(fr.filename.startswith(s) for s in skip):
+        # normalised: the package may be imported through a path with ".." in it
+        if not any(os.path.abspath(fr.filename).startswith(s) for s in skip):
             return "%s:%d: %s" % (fr.filename, fr.lineno, (fr.line or "").strip())
     return "the mod defined at %s" % _TRACING.defined
 

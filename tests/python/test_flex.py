@@ -748,6 +748,32 @@ def test_bad_arguments(rng):
         flashattn.create_block_mask(causal, 1, 1, -1, 8)
 
 
+def test_refusal_names_the_users_line_under_a_dotted_path():
+    """The line an untraceable mod is refused at is the user's also where the package was
+    imported through a path with ".." in it (the frames then name the package that way)."""
+    from helpers import run_python
+
+    code = """if True:
+        import os, sys
+        pkg = os.environ["PYTHONPATH"]
+        sys.path.insert(0, os.path.join(pkg, "..", os.path.basename(pkg)))
+        import numpy as np
+        import flashattn
+        assert ".." in flashattn.__file__
+        def branchy(score, b, h, q_idx, kv_idx):
+            if q_idx > kv_idx:
+                return score
+            return -score
+        q = np.ones((1, 1, 4, 8), dtype=np.float32)
+        try:
+            flashattn.flex_attention(q, q, q, score_mod=branchy)
+        except flashattn.FlashAttnError as e:
+            print(str(e).rsplit("(at ", 1)[1])
+    """
+    r = run_python(code)  # the mod's line is line 9 of the -c program
+    assert r.returncode == 0 and r.stdout.startswith("<string>:9:"), r.stdout + r.stderr
+
+
 def test_numpy_without_torch(rng):
     """NumPy arrays and operator-only mods need no torch: the block mask's fields are NumPy."""
     from helpers import run_python
