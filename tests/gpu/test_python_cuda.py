@@ -1104,13 +1104,15 @@ def test_create_block_mask_built_on_cuda(gen):
         for bs in (128, (64, 32)):
             gpu = flashattn.create_block_mask(mask_mod, B, H, L, L, device="cuda", BLOCK_SIZE=bs)
             cpu = flashattn.create_block_mask(mask_mod, B, H, L, L, device="cpu", BLOCK_SIZE=bs)
-            ref = tflex.create_block_mask(mask_mod, B, H, L, L, device="cuda", BLOCK_SIZE=bs)
+            # torch's indexes the captures on the device: only where they live there
+            ref = (tflex.create_block_mask(mask_mod, B, H, L, L, device="cuda", BLOCK_SIZE=bs)
+                   if where == "cuda" else None)
             for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                       "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
                 x = getattr(gpu, f)
                 assert x.is_cuda and x.dtype == torch.int32, f
                 assert torch.equal(x.cpu(), getattr(cpu, f)), f
-                assert torch.equal(x, getattr(ref, f)), f
+                assert ref is None or torch.equal(x, getattr(ref, f)), f
 
 
 FLEX_DOC = torch.zeros(300, dtype=torch.int32)
