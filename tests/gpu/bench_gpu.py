@@ -244,6 +244,19 @@ def main():
                     except RuntimeError as ex:
                         row[name] = None
                         row[name + "_error"] = str(ex).splitlines()[0][:100]
+                if opts.fp8 and hopper and dv == d:
+                    # cuDNN's fp8 attention, where SDPA exposes it (the error says why not).
+                    q8t, k8t, v8t = (x.to(torch.float8_e4m3fn) for x in (qt, kt, vt))
+                    sdpa8 = lambda: F.scaled_dot_product_attention(q8t, k8t, v8t,  # noqa
+                                                                   is_causal=causal)
+                    ctx = functools.partial(sdpa_kernel, [BACKENDS["cudnn"]])
+                    try:
+                        with ctx():
+                            sdpa8()
+                        timed["cudnn fp8"] = (sdpa8, ctx)
+                    except (RuntimeError, TypeError) as ex:
+                        row["cudnn fp8"] = None
+                        row["cudnn fp8_error"] = str(ex).splitlines()[0][:100]
                 ms = bench_timing.best_ms_rotated(timed, reps=opts.reps, warmup=2,
                                                   calls=opts.calls)
                 for name, t in ms.items():
@@ -257,6 +270,12 @@ def main():
     with open(opts.json, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), jit=jit, call_overhead_us=overhead,
                        rows=rows), f, indent=1)
+    fp8_cudnn = [r for r in rows if "cudnn fp8" in r]
+    if fp8_cudnn:
+        got = [r for r in fp8_cudnn if r["cudnn fp8"]]
+        print("cuDNN fp8 (SDPA): " + (", ".join(
+            f"{r['hdim']}/{r['seqlen']}{' causal' if r['causal'] else ''} {r['cudnn fp8']:.0f}"
+            for r in got) if got else "not exposed: " + fp8_cudnn[0]["cudnn fp8_error"]))
     print("\nJIT first call (ms): " + ", ".join(
         f"hdim {j['hdim']}: compile {j['compile_ms']:.0f}, disk hit {j['disk_hit_ms']:.0f}" for j in jit))
     print(f"cached call, host time: {overhead:.1f} us")
