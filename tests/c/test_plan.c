@@ -142,6 +142,19 @@ static void check_forward_sm90_dv(void)
                      "d %d dv %d: bn %d stages %d pingpong %d, the d %d row has bn %d", d, dv,
                      plan.bn, plan.stages, plan_define(&plan, "FA_PINGPONG"), wide, row[1]);
         }
+    /* d 128 takes its pingpong off only without varlen, ALiBi, softcap and dropout. */
+    for (int d = 65; d <= 128; d += 21) {
+        const unsigned feats[] = {0, FA_PLAN_LONG, FA_PLAN_SCORE_MOD, FA_FEATURE_VARLEN,
+                                  FA_FEATURE_SOFTCAP, FA_FEATURE_DROPOUT};
+        for (int i = 0; i < 6; i++) {
+            fa_plan_key k = {90, FA_DTYPE_BF16, d, d, feats[i], 0, 0, 0};
+            fa_plan p;
+            TU_CHECK(fa_plan_forward_sm90(&k, &p) == FA_STATUS_OK &&
+                         plan_define(&p, "FA_PINGPONG") == (i >= 3),
+                     "d %d features %#x: pingpong %d", d, feats[i],
+                     plan_define(&p, "FA_PINGPONG"));
+        }
+    }
     /* DeepSeek's MLA prefill: d 192's row with 128 keys (its 112 grown; V's stage is smaller). */
     fa_plan_key key = {90, FA_DTYPE_BF16, 192, 128, FA_FEATURE_VARLEN, 0, 0, 0};
     fa_plan plan;
