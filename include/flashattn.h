@@ -363,6 +363,12 @@ typedef struct fa_bwd_args {
     int deterministic;
     void *workspace;       /* CUDA: device memory, see fa_attention_backward_workspace_size */
     size_t workspace_size; /* bytes at workspace */
+    /* Optional, CPU only so far: fp32 tensors of fwd->mod_aux[slot]'s shape (which must be
+     * fp32), written with d loss / d mod_aux[slot] through score_mod's reads of it (the
+     * program's derivative with respect to each read value, times the gradient of the score
+     * it makes, summed per element read; indices are not differentiated). Summed in double
+     * per thread and rounded once: a rounding of the last place may differ between runs. */
+    const fa_tensor *mod_aux_grad[FA_MOD_AUX_SLOTS];
 } fa_bwd_args;
 
 void fa_bwd_args_init(fa_bwd_args *args);

@@ -146,9 +146,6 @@ def _aux_tensor(t, user, i, device):
     if t.device.type not in ("cpu", "cuda"):
         raise FlashAttnError("%s: is on %s; flex_attention reads CPU and CUDA tensors"
                              % (name, t.device))
-    if t.requires_grad and torch.is_grad_enabled():
-        raise FlashAttnError("%s: requires grad, but flex_attention gives captured tensors no "
-                             "gradient yet; detach it, or call under torch.no_grad()" % name)
     if t.dtype in (torch.int32, torch.float32) and t.device == torch.device(device):
         return t.detach() if t.dim() else t.detach().reshape(1)
     # A conversion or copy is made once per tensor and version: an int64 tensor's range check
@@ -288,11 +285,15 @@ class _FlexCall:
         except FlashAttnError as e:
             raise FlashAttnError(_rename(str(e), names), e.status) from None
 
-    def backward(self, query, key, value, out, lse, dout):
+    def backward(self, query, key, value, out, lse, dout, grad_slots=()):
         """(dq, dk, dv) in the inputs' [b, h, s, d] layout, from the arguments of this call's
-        first backward with dout of this layout on this thread where it kept them."""
+        first backward with dout of this layout on this thread where it kept them; with
+        grad_slots (aux slots score_mod reads), also the fp32 gradient of each slot's
+        converted tensor, in a list after them."""
         torch = sys.modules["torch"]
         tensors = (dout, query, key, value, out, lse)
+        if grad_slots:
+            return self._backward_aux(query, key, value, out, lse, dout, grad_slots)
         layout = None
         if dout.layout == torch.strided:
             layout = (id(self), dout.shape, dout.stride(), dout.dtype, dout.device,
@@ -331,6 +332,32 @@ class _FlexCall:
         return dq, dk, dv
 
 
+    def _backward_aux(self, query, key, value, out, lse, dout, grad_slots):
+        """backward() with the captured tensors' gradients (mod_aux_grad), arguments not
+        kept."""
+        torch = sys.modules["torch"]
+        dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format)
+                      for x in (query, key, value))
+        grads = [torch.empty(self.aux[i].shape, dtype=torch.float32) for i in grad_slots]
+        args, keep, arrays, names = self._args(query, key, value, out, lse)
+        bwd = _lib.new_bwd_args()
+        named = list(zip(_BWD_TENSORS, (dout, dq, dk, dv)))
+        prepared = [prepare(x, n, TORCH, cuda=True) for n, x in named]
+        fts = [make_tensor(_swap(x, TORCH), n, TORCH) for (n, _), x in zip(named, prepared)]
+        bwd.fwd = ctypes.pointer(args)
+        bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in fts)
+        for i, g in zip(grad_slots, grads):
+            ft = make_tensor(g, "captured tensor %d's gradient" % i, TORCH)
+            keep.append((g, ft))
+            bwd.mod_aux_grad[i] = ctypes.pointer(ft)
+        try:
+            _lib.backward(bwd)
+        except FlashAttnError as e:
+            raise FlashAttnError(_rename(str(e), names), e.status) from None
+        del keep, arrays
+        return dq, dk, dv, grads
+
+
 _FLEX_FN = []
 
 
@@ -340,11 +367,16 @@ def _flex_fn():
         torch = sys.modules["torch"]
 
         class FlexFn(torch.autograd.Function):
+            """(query, key, value, call, grad_slots, *captured): captured are the tensors of
+            the aux slots grad_slots (those score_mod reads that require grad), inputs so
+            that autograd hands them their gradients."""
+
             @staticmethod
-            def forward(ctx, query, key, value, call):
+            def forward(ctx, query, key, value, call, grad_slots=(), *captured):
                 out, lse = call.forward_grad(query, key, value)
                 ctx.save_for_backward(query, key, value, out, lse)
-                ctx.call = call
+                ctx.call, ctx.grad_slots, ctx.captured = call, grad_slots, [
+                    (x.shape, x.dtype) for x in captured]
                 ctx.mark_non_differentiable(lse)
                 ctx.set_materialize_grads(False)  # no zeros made for lse's gradient
                 return out, lse
@@ -352,9 +384,15 @@ def _flex_fn():
             @staticmethod
             def backward(ctx, dout, _dlse):
                 if dout is None:
-                    return None, None, None, None
+                    return (None,) * (5 + len(ctx.captured))
                 query, key, value, out, lse = ctx.saved_tensors
-                return ctx.call.backward(query, key, value, out, lse, dout) + (None,)
+                if not ctx.grad_slots:
+                    return ctx.call.backward(query, key, value, out, lse, dout) + (None, None)
+                dq, dk, dv, grads = ctx.call.backward(query, key, value, out, lse, dout,
+                                                      ctx.grad_slots)
+                grads = [g.reshape(shape).to(dtype)
+                         for g, (shape, dtype) in zip(grads, ctx.captured)]
+                return (dq, dk, dv, None, None) + tuple(grads)
 
         _FLEX_FN.append(FlexFn)
     return _FLEX_FN[0]

@@ -174,6 +174,7 @@ class FaBwdArgs(ctypes.Structure):
         ("deterministic", ctypes.c_int),
         ("workspace", ctypes.c_void_p),
         ("workspace_size", ctypes.c_size_t),
+        ("mod_aux_grad", _PT * 4),
     ]
 
 

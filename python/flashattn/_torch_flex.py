@@ -44,9 +44,16 @@ _PLAN_MODS = []  # plan number -> (score_mod, mask_mod)
 def plan_of(score_mod, mask_mod):
     """The plan number of a pair of mods (either may be None), traced on first sight."""
     key = (score_mod, mask_mod)
+    _, aux = mods_of(score_mod, _ModsOnly(mask_mod))  # refuses what cannot be traced, now
+    if torch.is_grad_enabled():
+        for i, (field, x) in enumerate(aux):
+            if field == "score_mod" and x.requires_grad:
+                raise FlashAttnError(
+                    "score_mod's captured tensor %d (shape %s) requires grad, but under "
+                    "torch.compile flex_attention gives captured tensors no gradient yet "
+                    "(eager calls on the CPU do); detach it" % (i, tuple(x.shape)))
     n = _PLANS.get(key)
     if n is None:
-        mods_of(score_mod, _ModsOnly(mask_mod))  # refuses what cannot be traced, now
         n = _PLANS[key] = len(_PLAN_MODS)
         _PLAN_MODS.append(key)
     return n

@@ -161,9 +161,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     row that sees no key, whose out is 0). score_mod(score, b, h, q_idx, kv_idx) maps the scaled
     score; block_mask (from create_block_mask) selects keys by its mask_mod. scale defaults to
     1 / sqrt(d); enable_gqa lets hq be a multiple of hkv. Gradients flow to query, key and value
-    (torch inputs; the library's backward on the inputs' device), not to the tensors a mod
-    captures
-    (refused when they require grad); without mods it runs flash_attn_func, with autograd.
+    (torch inputs; the library's backward on the inputs' device) and, on the CPU, to the float
+    tensors score_mod captures that require grad (refused on CUDA and under torch.compile);
+    without mods it runs flash_attn_func, with autograd.
     """
     # _fastpath (C) serves a repeated torch call without gradients whose mods and captures it
     # finds unchanged, and hands every other call to flex_any; Dynamo cannot trace C, nor the
@@ -216,6 +216,10 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
     programs, aux = mods_of(score_mod, block_mask, checks)
     captured = [x for _, x in aux]
     keyed = [t for _, t, _ in programs] + captured + [block_mask]
+    grad_slots = _grad_slots(kind, programs, captured, query.device if kind == TORCH else None)
+    if grad_slots:
+        grad = True
+        checks = None  # the C path does not give captured tensors gradients
     if grad:
         # A call with gradients of a signature met before reuses that call's preparation
         # (its programs, converted captures and, in forward_grad, its arguments).
@@ -225,7 +229,8 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
         if call is None:
             call = new_call(kind, scale, programs, aux, block_mask, query.device)
             _flex_prepared.store_grad(grad_key, call, keyed)
-        out, lse = _flex_fn().apply(query, key, value, call)
+        out, lse = _flex_fn().apply(query, key, value, call, grad_slots,
+                                    *[captured[i] for i in grad_slots])
         _flex_prepared.register_grad(call_args, call, checks, captured)
         return out if not return_lse else (out, _empty_rows(lse, kind))
     prepared_key = None
@@ -245,6 +250,21 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
     if not return_lse:
         return out
     return out, _empty_rows(lse, kind)
+
+
+def _grad_slots(kind, programs, captured, device):
+    """The aux slots whose captured tensor requires grad (grad mode on) and that score_mod
+    reads: the CPU backward gives them their gradients; on CUDA they are refused."""
+    if kind != TORCH or not sys.modules["torch"].is_grad_enabled():
+        return ()
+    read = {i for field, _, slots in programs if field == "score_mod" for i in slots}
+    slots = tuple(i for i in sorted(read) if captured[i].requires_grad)
+    if slots and device.type != "cpu":
+        raise FlashAttnError("score_mod's captured tensor %d (shape %s) requires grad, but the "
+                             "%s backward gives captured tensors no gradient yet (the CPU's "
+                             "does); detach it, or call under torch.no_grad()"
+                             % (slots[0], tuple(captured[slots[0]].shape), device.type))
+    return slots
 
 
 def _lse_rows(lse):

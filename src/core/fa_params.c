@@ -430,6 +430,34 @@ static fa_status fa_check_like(const fa_tensor *t, const char *name, const fa_te
     return FA_STATUS_OK;
 }
 
+/* bwd->mod_aux_grad: each given slot's forward tensor is fp32 and read by score_mod (an
+ * integer tensor has no gradient), the gradient fp32 of its shape, writable. */
+static fa_status fa_params_aux_grads(const fa_bwd_args *a, fa_params *p)
+{
+    static const char *const names[FA_MOD_AUX_SLOTS] = {"mod_aux_grad[0]", "mod_aux_grad[1]",
+                                                        "mod_aux_grad[2]", "mod_aux_grad[3]"};
+    for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
+        const fa_tensor *g = a->mod_aux_grad[i];
+        memset(&p->mod_aux_grad[i], 0, sizeof p->mod_aux_grad[i]);
+        if (!g)
+            continue;
+        const fa_tensor *x = &p->mods.aux[i];
+        if (!p->mods.score_mod || !x->data)
+            return FA_BAD("%s: given, but score_mod reads no mod_aux[%d]", names[i], i);
+        if (x->dtype != FA_DTYPE_F32)
+            return FA_BAD("%s: mod_aux[%d] is %s; only an fp32 tensor has a gradient", names[i],
+                          i, fa_dtype_name(x->dtype));
+        FA_TRY(fa_check_tensor(g, names[i], x->ndim));
+        FA_TRY(fa_check_dtype(g, names[i], FA_DTYPE_F32, "as mod_aux"));
+        for (int d = 0; d < x->ndim; d++)
+            FA_TRY(fa_check_dim(g, names[i], d, x->shape[d], "as mod_aux"));
+        FA_TRY(fa_check_writable(g, names[i]));
+        FA_TRY(fa_check_disjoint(g, names[i], x, "mod_aux"));
+        p->mod_aux_grad[i] = *g;
+    }
+    return FA_STATUS_OK;
+}
+
 fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
 {
     *p = (fa_params){0};
@@ -488,5 +516,5 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
     FA_TRY(fa_check_writable(a->dk, "dk"));
     FA_TRY(fa_check_writable(a->dv, "dv"));
     FA_TRY(fa_check_writable(a->dsinks, "dsinks"));
-    return FA_STATUS_OK;
+    return fa_params_aux_grads(a, p);
 }

@@ -147,6 +147,8 @@ typedef struct fa_params {
     int64_t dv_bstride, dv_rstride, dv_hstride;
     float *dsinks; /* [h] */
     int64_t dsinks_stride;
+    /* backward: d loss / d mod_aux[slot], fp32 of mod_aux[slot]'s shape; data NULL: none */
+    fa_tensor mod_aux_grad[FA_MOD_AUX_SLOTS];
 
     fa_mod_call mods; /* forward: user-defined scoring (mod/fa_mod.h) */
 } fa_params;

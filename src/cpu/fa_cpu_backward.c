@@ -165,7 +165,19 @@ typedef struct fa_bwd_job {
     char *scratch;
     size_t scratch_size; /* bytes per thread */
     size_t mod_offset;   /* where in a thread's region the mods' scratch starts */
+    fa_cpu_aux_grads_plan aux; /* the captured tensors' gradients asked for */
+    double *aux_acc;           /* [threads][aux.total]: their per-thread sums */
 } fa_bwd_job;
+
+/* A tile's mods' scratch and, where the pass adds them (add), the thread's gradient sums. */
+#define FA_BWD_MODS(t, job, base, thread, add)                                                   \
+    do {                                                                                         \
+        (t).mod_scratch = (base) + (job)->mod_offset;                                            \
+        (t).aux_plan = &(job)->aux;                                                              \
+        (t).aux_acc = (add) && (job)->aux_acc                                                    \
+                          ? (job)->aux_acc + (size_t)(thread) * (size_t)(job)->aux.total         \
+                          : NULL;                                                                \
+    } while (0)
 
 static size_t fa_bwd_scratch_size(const fa_params *p, size_t real_size)
 {
@@ -229,7 +241,7 @@ static void fa_bwd_keys_task(void *ctx, int64_t item, int thread)
     if (p->dtype == FA_DTYPE_F64) {
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
-        t.mod_scratch = base + job->mod_offset;
+        FA_BWD_MODS(t, job, base, thread, 1);
         fa_bwd_keys_f64(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len, NULL, 0);
 #if defined(FA_CPU_HAS_BF16)
     } else if (job->bf16) {
@@ -241,7 +253,7 @@ static void fa_bwd_keys_task(void *ctx, int64_t item, int thread)
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
-        t.mod_scratch = base + job->mod_offset;
+        FA_BWD_MODS(t, job, base, thread, 1);
         fa_bwd_keys_f32(p, &t, job->dsum, NULL, c->seq, hk, c->start, c->len, NULL, 0);
     }
 }
@@ -303,7 +315,7 @@ static void fa_bwd_fused_task(void *ctx, int64_t item, int thread)
     if (p->dtype == FA_DTYPE_F64) {
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
-        t.mod_scratch = base + job->mod_offset;
+        FA_BWD_MODS(t, job, base, thread, 1);
         fa_bwd_fused_f64(p, &t, job->dsum, (double *)job->dq_ws + slot, bi, hk, stripe, stripes,
                          chunk, half);
 #if defined(FA_CPU_HAS_BF16)
@@ -316,7 +328,7 @@ static void fa_bwd_fused_task(void *ctx, int64_t item, int thread)
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
-        t.mod_scratch = base + job->mod_offset;
+        FA_BWD_MODS(t, job, base, thread, 1);
         fa_bwd_fused_f32(p, &t, job->dsum, (float *)job->dq_ws + slot, bi, hk, stripe, stripes,
                          chunk, half);
     }
@@ -346,7 +358,7 @@ static void fa_bwd_queries_task(void *ctx, int64_t item, int thread)
     if (p->dtype == FA_DTYPE_F64) {
         fa_bwd_tile_f64 t;
         FA_BWD_CARVE(double, t, base, p);
-        t.mod_scratch = base + job->mod_offset;
+        FA_BWD_MODS(t, job, base, thread, 0);
         fa_bwd_queries_f64(p, &t, job->dsum, c->seq, h, c->start, c->len);
 #if defined(FA_CPU_HAS_BF16)
     } else if (job->bf16) {
@@ -357,7 +369,7 @@ static void fa_bwd_queries_task(void *ctx, int64_t item, int thread)
     } else {
         fa_bwd_tile_f32 t;
         FA_BWD_CARVE(float, t, base, p);
-        t.mod_scratch = base + job->mod_offset;
+        FA_BWD_MODS(t, job, base, thread, 0);
         fa_bwd_queries_f32(p, &t, job->dsum, c->seq, h, c->start, c->len);
     }
 }
@@ -411,6 +423,31 @@ static void fa_bwd_zero_uncovered(const fa_params *p)
     }
 }
 
+/* mod_aux_grad[slot] <- the threads' sums, added in thread order (0 where nothing was read). */
+static void fa_bwd_aux_grads_write(const fa_params *p, const fa_bwd_job *job, int threads)
+{
+    for (int s = 0; s < FA_MOD_AUX_SLOTS; s++) {
+        const fa_tensor *g = &p->mod_aux_grad[s];
+        if (!g->data)
+            continue;
+        const int64_t off = job->aux.offset[s];
+        int64_t n = 1;
+        for (int d = 0; d < g->ndim; d++)
+            n *= g->shape[d];
+        for (int64_t i = 0; i < n; i++) {
+            double sum = 0;
+            for (int t = 0; t < threads && job->aux_acc; t++)
+                sum += job->aux_acc[(size_t)t * (size_t)job->aux.total + (size_t)(off + i)];
+            int64_t at = 0, rest = i;
+            for (int d = g->ndim - 1; d >= 0; d--) {
+                at += (rest % g->shape[d]) * g->stride[d];
+                rest /= g->shape[d];
+            }
+            ((float *)g->data)[at] = (float)sum;
+        }
+    }
+}
+
 fa_status fa_cpu_backward(const fa_params *p)
 {
     const size_t real_size = p->dtype == FA_DTYPE_F64 ? sizeof(double) : sizeof(float);
@@ -445,6 +482,13 @@ fa_status fa_cpu_backward(const fa_params *p)
 #endif
     job.mod_offset = job.scratch_size;
     job.scratch_size += fa_cpu_mod_grad_scratch_size(p, real_size, FA_CPU_BM, FA_CPU_BN);
+    FA_TRY(fa_cpu_aux_grads(p, &job.aux));
+    if (job.aux.total) {
+        job.aux_acc = calloc((size_t)job.aux.total * (size_t)threads, sizeof(double));
+        if (!job.aux_acc)
+            return fa_error_set(FA_STATUS_OUT_OF_MEMORY,
+                                "out of memory for mod_aux_grad's per-thread sums");
+    }
     job.dsum = malloc((size_t)(p->total_q * p->h + 1) * real_size);
     job.dsink_partial = malloc((size_t)(p->b * p->h) * sizeof(double));
     job.chunks = malloc((size_t)(n_max + 1) * sizeof *job.chunks);
@@ -507,6 +551,8 @@ fa_status fa_cpu_backward(const fa_params *p)
             st = fa_cpu_log_phase(&log, "queries", threads, n_q * p->h, fa_bwd_queries_task,
                                   &job);
     }
+    if (st == FA_STATUS_OK)
+        fa_bwd_aux_grads_write(p, &job, threads);
     if (st == FA_STATUS_OK && log.on) {
         char plan[96];
         if (fused)
@@ -519,6 +565,7 @@ fa_status fa_cpu_backward(const fa_params *p)
     }
 
 done:
+    free(job.aux_acc);
     free(job.dsum);
     fa_memory_give(job.dq_ws);
     free(job.half_done);

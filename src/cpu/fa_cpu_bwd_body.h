@@ -33,6 +33,10 @@ typedef struct FA_FN(fa_bwd_tile) {
     FA_REAL *acc_v; /* [FA_CPU_BWD_NK][dvp] */
     FA_REAL *acc_q; /* [FA_CPU_BM][dp] */
     void *mod_scratch; /* user-defined scoring (fa_mod_call_active): fa_cpu_mod_grad_scratch_size */
+    /* The thread's sums of the captured tensors' gradients (aux_plan->total doubles), NULL where
+     * none is asked or the pass does not add them (the two-pass path's query pass). */
+    double *aux_acc;
+    const fa_cpu_aux_grads_plan *aux_plan;
 } FA_FN(fa_bwd_tile);
 
 /* The per-row data of rows [r0, r0+m) of head h: lse, D, visible keys, diagonal. Padding rows

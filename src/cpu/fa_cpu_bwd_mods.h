@@ -13,9 +13,11 @@ static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                      const fa_cpu_mod_at *at, int64_t m, int64_t mp, int64_t j0,
                                      int64_t n, FA_REAL slope, FA_REAL sscale)
 {
-    void *dbuf, *factor;
-    fa_cpu_mod_grad_parts(p, t->mod_scratch, sizeof(FA_REAL), FA_CPU_BM, &dbuf, &factor);
+    void *dbuf, *factor, *score_in;
+    fa_cpu_mod_grad_parts(p, t->mod_scratch, sizeof(FA_REAL), FA_CPU_BM, FA_CPU_BN, &dbuf,
+                          &factor, &score_in);
     FA_REAL *restrict fac = factor; /* [n][mp] */
+    FA_REAL *sin = t->aux_acc ? score_in : NULL; /* [n][mp] score_mod's input scores */
     const int softcap = p->softcap > 0;
     const FA_REAL cap = (FA_REAL)p->softcap, inv_cap = softcap ? (FA_REAL)(1.0 / p->softcap) : 0;
     for (int64_t j = 0; j < n; j++)
@@ -28,6 +30,8 @@ static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
             }
             t->pt[j * mp + i] = x - FA_RULE_ALIBI(slope, t->diag[i] - (FA_REAL)(j0 + j));
             fac[j * mp + i] = deriv;
+            if (sin)
+                sin[j * mp + i] = t->pt[j * mp + i];
         }
     FA_FN(fa_cpu_mod_apply_grad)(p, (FA_REAL *)t->mod_scratch, (FA_REAL *)dbuf, t->pt, fac, mp,
                                  n, 0, m, at);
@@ -41,8 +45,11 @@ static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
             const FA_REAL prob = FA_EXPV(x - t->lse[i]);
             const FA_REAL z = dropout ? t->zt[j * mp + i] : 1;
             t->pt[j * mp + i] = seen ? prob * z : 0;
-            t->dxt[j * mp + i] =
-                seen ? prob * (t->dxt[j * mp + i] * z - t->dsum[i]) * fac[j * mp + i] * scale : 0;
+            const FA_REAL ds = prob * (t->dxt[j * mp + i] * z - t->dsum[i]); /* d / d score */
+            if (sin && seen && i < m)
+                fa_cpu_mod_aux_grad_add(p, t->aux_plan, t->aux_acc, at->b, at->h, at->q0 + i,
+                                        j0 + j, (double)sin[j * mp + i], (double)ds);
+            t->dxt[j * mp + i] = seen ? ds * fac[j * mp + i] * scale : 0;
         }
     }
 }

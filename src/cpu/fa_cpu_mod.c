@@ -52,10 +52,20 @@ size_t fa_cpu_mod_scratch_size(const fa_params *p, size_t real_size, int64_t bm)
     return n;
 }
 
+/* Whether the backward is asked for a captured tensor's gradient (fa_params.mod_aux_grad). */
+static int fa_cpu_mod_wants_aux_grads(const fa_params *p)
+{
+    for (int s = 0; s < FA_MOD_AUX_SLOTS; s++)
+        if (p->mod_aux_grad[s].data)
+            return 1;
+    return 0;
+}
+
 size_t fa_cpu_mod_grad_scratch_size(const fa_params *p, size_t real_size, int64_t bm, int64_t bn)
 {
+    const size_t tile = ((size_t)(bm * bn) * real_size + 63) & ~(size_t)63;
     return fa_cpu_mod_scratch_size(p, real_size, bm) + fa_cpu_mod_bufs_size(p, real_size) +
-           (((size_t)(bm * bn) * real_size + 63) & ~(size_t)63);
+           tile * (fa_cpu_mod_wants_aux_grads(p) ? 2 : 1);
 }
 
 size_t fa_cpu_mod_cache_size(const fa_params *p, size_t real_size, int64_t bm)
@@ -81,10 +91,13 @@ void fa_cpu_mod_cache_reset(void *cache)
 }
 
 void fa_cpu_mod_grad_parts(const fa_params *p, void *scratch, size_t real_size, int64_t bm,
-                           void **dbuf, void **factor)
+                           int64_t bn, void **dbuf, void **factor, void **score_in)
 {
     *dbuf = (char *)scratch + fa_cpu_mod_scratch_size(p, real_size, bm);
     *factor = (char *)*dbuf + fa_cpu_mod_bufs_size(p, real_size);
+    *score_in = fa_cpu_mod_wants_aux_grads(p)
+                    ? (char *)*factor + (((size_t)(bm * bn) * real_size + 63) & ~(size_t)63)
+                    : NULL;
 }
 
 void fa_cpu_mod_blocks_load(const fa_params *p, fa_cpu_mod_at *at, void *scratch,

@@ -94,10 +94,29 @@ void fa_cpu_mod_apply_grad_f64(const fa_params *p, double *buf, double *dbuf, do
                                const fa_cpu_mod_at *at);
 
 /* The backward's scratch for p's mods on tiles of up to bm rows and bn keys, in real_size
- * precision: fa_cpu_mod_scratch_size's, then the derivative buffers and a [bn][bm] factor;
- * fa_cpu_mod_grad_parts gives where those two start. */
+ * precision: fa_cpu_mod_scratch_size's, then the derivative buffers, a [bn][bm] factor and,
+ * where a captured tensor's gradient is asked, a [bn][bm] copy of score_mod's input scores;
+ * fa_cpu_mod_grad_parts gives where those start (score_in NULL without the copy). */
 size_t fa_cpu_mod_grad_scratch_size(const fa_params *p, size_t real_size, int64_t bm, int64_t bn);
 void fa_cpu_mod_grad_parts(const fa_params *p, void *scratch, size_t real_size, int64_t bm,
-                           void **dbuf, void **factor);
+                           int64_t bn, void **dbuf, void **factor, void **score_in);
+
+/* The gradients of score_mod's captured fp32 tensors (fa_params.mod_aux_grad;
+ * fa_cpu_mod_auxgrad.c): the plan of a call (the steps that read a slot with a gradient, each
+ * slot's place in a row-major buffer of `total` doubles), refused past FA_CPU_AUX_GRAD_READS
+ * such reads; then per element the root's derivative with respect to each read, times ds (the
+ * gradient of the element's final score), added into acc at the element read. score: the
+ * score score_mod was given (after softcap and ALiBi). */
+#define FA_CPU_AUX_GRAD_READS 8
+typedef struct fa_cpu_aux_grads_plan {
+    int reads;                        /* 0: no gradient asked */
+    int step[FA_CPU_AUX_GRAD_READS];  /* steps of score_mod */
+    int64_t offset[FA_MOD_AUX_SLOTS]; /* of each slot's elements in the buffer */
+    int64_t total;                    /* doubles of the buffer */
+} fa_cpu_aux_grads_plan;
+fa_status fa_cpu_aux_grads(const fa_params *p, fa_cpu_aux_grads_plan *g);
+void fa_cpu_mod_aux_grad_add(const fa_params *p, const fa_cpu_aux_grads_plan *g, double *acc,
+                             int64_t b, int64_t h, int64_t q, int64_t kv, double score,
+                             double ds);
 
 #endif /* FA_CPU_MOD_H */

@@ -206,6 +206,11 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
                             "2^30 rows per sequence");
     if (p->lse_dtype != FA_DTYPE_F32)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "lse: the CUDA backward reads fp32 lse");
+    for (int i = 0; i < FA_MOD_AUX_SLOTS; i++)
+        if (p->mod_aux_grad[i].data)
+            return fa_error_set(FA_STATUS_UNSUPPORTED,
+                                "mod_aux_grad[%d]: the CUDA backward does not give the mods' "
+                                "captured tensors gradients yet (the CPU backward does)", i);
 
     fa_plan_key key;
     fa_plan plan;

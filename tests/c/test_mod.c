@@ -515,5 +515,6 @@ int main(void)
     test_plan_routes();
     test_call_errors(&rng);
     tm_test_forward(&rng);
+    tm_test_aux_grad(&rng);
     return tu_finish("test_mod");
 }

@@ -16,5 +16,7 @@
 
 /* Forward runs with mods of every kind, dtype and form against the oracle. */
 void tm_test_forward(tu_rng *r);
+/* The captured tensors' gradients (fa_bwd_args.mod_aux_grad) against an oracle; refusals. */
+void tm_test_aux_grad(tu_rng *r);
 
 #endif /* TEST_MOD_H */

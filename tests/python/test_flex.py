@@ -455,11 +455,13 @@ def test_prepared_calls(rng, monkeypatch):
         flashattn.flex_attention(qg, k, v, biased, block_mask=bm)
         flashattn.flex_attention(qg, k, v, biased, block_mask=bm)
     assert len(prepared) == 5
-    bias.requires_grad_()  # a capture that records gradients: still refused after a hit
+    bias.requires_grad_()  # a capture that records gradients: the autograd route, not a hit
     with torch.no_grad():
         flashattn.flex_attention(q, k, v, biased, block_mask=bm)
-    with pytest.raises(FlashAttnError, match="requires grad"):
-        flashattn.flex_attention(q, k, v, biased, block_mask=bm)
+    out = flashattn.flex_attention(q, k, v, biased, block_mask=bm)
+    assert out.requires_grad
+    out.sum().backward()
+    assert bias.grad is not None and bias.grad.shape == bias.shape
 
 
 WINDOW = 0
@@ -533,8 +535,14 @@ def test_requires_grad(rng):
     def head_bias(score, b, h, q_idx, kv_idx):
         return score + learned[h]
 
-    with pytest.raises(FlashAttnError, match="requires grad.*no gradient"):
-        flashattn.flex_attention(q.detach(), k, v, head_bias)
+    # a captured tensor that requires grad gets its gradient (the CPU backward)
+    out = flashattn.flex_attention(q.detach(), k, v, head_bias)
+    (dlearned,) = torch.autograd.grad(out, (learned,), dout)
+    lr = learned.detach().clone().requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.detach(), k, v, attn_mask=lr[None, :, None, None].expand(1, 2, 24, 24))
+    torch.testing.assert_close(dlearned, torch.autograd.grad(ref, (lr,), dout)[0], atol=1e-4,
+                               rtol=1e-4)
     # without mods: flash_attn_func's autograd
     out = flashattn.flex_attention(q, k, v)
     dout = randn(rng, *out.shape)

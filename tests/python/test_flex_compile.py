@@ -147,3 +147,20 @@ def test_mod_made_inside_the_region(inputs):
         torch._dynamo.reset()
         with pytest.raises(Exception, match="score_mod is a function made inside"):
             torch.compile(model, fullgraph=True)(q, k, v)
+
+
+def test_capture_requiring_grad_refused_at_compile(inputs):
+    """Eager CPU calls give a captured tensor its gradient; a compiled call would silently not,
+    so it is refused when Dynamo meets the mod."""
+    q, k, v, _ = inputs
+    table = torch.zeros(2 * S, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + table[kv_idx - q_idx + S]
+
+    f = torch.compile(lambda q, k, v: call(q, k, v, biased, None), fullgraph=True)
+    with pytest.raises(Exception, match="requires grad, but under torch.compile"):
+        f(q, k, v)
+    with torch.no_grad():
+        torch.testing.assert_close(f(q, k, v)[0], call(q, k, v, biased, None)[0], rtol=0,
+                                   atol=0)
