@@ -7,24 +7,14 @@ ours on the CPU (the host build, then copied when --device cuda) and on the devi
         python3 bench/flex_block_mask.py [--device cuda] [--seqlen 16384] [--reps 5]
 """
 import argparse
-import time
 
 import torch
 from torch.nn.attention import flex_attention as tflex
 
 import flashattn
+from flex import best_ms  # bench/flex.py: the best of reps calls, each waited for
 
 FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
-
-
-def best_ms(fn, reps, sync):
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def main():
@@ -34,7 +24,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     opts = ap.parse_args()
     S, dev = opts.seqlen, opts.device
-    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    where = torch.device(dev)
     docs = torch.sort(torch.randint(0, 8, (S,), generator=torch.Generator().manual_seed(0)))[0]
     docs_dev = docs.to(dev)
 
@@ -55,11 +45,11 @@ def main():
             bm = flashattn.create_block_mask(mask, 1, 1, S, S, device="cpu")
             return [getattr(bm, f).to(dev) for f in FIELDS]
 
-        row = [best_ms(host, opts.reps, sync),
+        row = [best_ms(host, opts.reps, where),
                best_ms(lambda: flashattn.create_block_mask(mask, 1, 1, S, S, device=dev),
-                       opts.reps, sync),
+                       opts.reps, where),
                best_ms(lambda: tflex.create_block_mask(mask, 1, 1, S, S, device=dev),
-                       opts.reps, sync)]
+                       opts.reps, where)]
         print("%-9s %9.2f | %9.2f | %9.2f" % ((name,) + tuple(row)))
 
 
