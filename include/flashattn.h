@@ -352,6 +352,13 @@ size_t fa_attention_forward_workspace_size(const fa_fwd_args *args);
  * caller passes device memory of at least fa_attention_backward_workspace_size(args) bytes,
  * 256-byte aligned, on fwd->device, as workspace / workspace_size; its contents on entry do not
  * matter and it must not be used by anything else until the stream has run the backward.
+ *
+ * mod_aux_grad[slot] (optional; the CPU backward, the CUDA one refuses it so far): fp32 of
+ * fwd->mod_aux[slot]'s shape (which must be fp32), written with d loss / d mod_aux[slot]
+ * through score_mod's reads of it: the program's derivative with respect to each value read,
+ * times the gradient of the score it makes, summed per element read (indices are not
+ * differentiated), in double per thread and rounded once, so the last place may differ
+ * between runs.
  */
 typedef struct fa_bwd_args {
     const fa_fwd_args *fwd;  /* q, k, v, out, lse and every option of the forward call */
@@ -363,12 +370,7 @@ typedef struct fa_bwd_args {
     int deterministic;
     void *workspace;       /* CUDA: device memory, see fa_attention_backward_workspace_size */
     size_t workspace_size; /* bytes at workspace */
-    /* Optional, CPU only so far: fp32 tensors of fwd->mod_aux[slot]'s shape (which must be
-     * fp32), written with d loss / d mod_aux[slot] through score_mod's reads of it (the
-     * program's derivative with respect to each read value, times the gradient of the score
-     * it makes, summed per element read; indices are not differentiated). Summed in double
-     * per thread and rounded once: a rounding of the last place may differ between runs. */
-    const fa_tensor *mod_aux_grad[FA_MOD_AUX_SLOTS];
+    const fa_tensor *mod_aux_grad[FA_MOD_AUX_SLOTS]; /* optional, CPU only so far: above */
 } fa_bwd_args;
 
 void fa_bwd_args_init(fa_bwd_args *args);

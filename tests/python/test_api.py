@@ -134,7 +134,7 @@ def test_structs_match_header():
     assert [f[0] for f in _lib.FaFwdArgs._fields_] == c_fields
     body = header[header.index("typedef struct fa_bwd_args {"):]
     body = body[:body.index("} fa_bwd_args;")]
-    c_fields = [line.split("/*")[0].strip().rstrip(";").split()[-1].lstrip("*")
+    c_fields = [line.split("/*")[0].strip().rstrip(";").split()[-1].lstrip("*").split("[")[0]
                 for line in body.splitlines()[1:] if line.split("/*")[0].strip()]
     assert [f[0] for f in _lib.FaBwdArgs._fields_] == c_fields
     body = header[header.index("typedef struct fa_tensor {"):]
