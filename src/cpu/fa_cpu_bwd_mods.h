@@ -30,13 +30,28 @@ static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
             }
             t->pt[j * mp + i] = x - FA_RULE_ALIBI(slope, t->diag[i] - (FA_REAL)(j0 + j));
             fac[j * mp + i] = deriv;
-            if (sin)
-                sin[j * mp + i] = t->pt[j * mp + i];
         }
+    if (sin)
+        memcpy(sin, t->pt, (size_t)(n * mp) * sizeof(FA_REAL));
     FA_FN(fa_cpu_mod_apply_grad)(p, (FA_REAL *)t->mod_scratch, (FA_REAL *)dbuf, t->pt, fac, mp,
                                  n, 0, m, at);
     const FA_REAL scale = (FA_REAL)p->scale;
     const int dropout = p->dropout_p > 0;
+    /* The captured tensors' gradients first, apart: a call in the loop below would keep it
+     * from vectorising. ds is the gradient of the element's final score. */
+    for (int64_t j = 0; sin && j < n; j++) {
+        const FA_REAL key = (FA_REAL)(j0 + j);
+        for (int64_t i = 0; i < m; i++) {
+            const FA_REAL x = t->pt[j * mp + i];
+            if (x == -(FA_REAL)INFINITY || key < t->lo[i] || key >= t->hi[i])
+                continue;
+            const FA_REAL prob = FA_EXPV(x - t->lse[i]);
+            const FA_REAL z = dropout ? t->zt[j * mp + i] : 1;
+            const FA_REAL ds = prob * (t->dxt[j * mp + i] * z - t->dsum[i]);
+            fa_cpu_mod_aux_grad_add(p, t->aux_plan, t->aux_acc, at->b, at->h, at->q0 + i, j0 + j,
+                                    (double)sin[j * mp + i], (double)ds);
+        }
+    }
     for (int64_t j = 0; j < n; j++) {
         const FA_REAL key = (FA_REAL)(j0 + j);
         for (int64_t i = 0; i < mp; i++) {
@@ -45,11 +60,8 @@ static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
             const FA_REAL prob = FA_EXPV(x - t->lse[i]);
             const FA_REAL z = dropout ? t->zt[j * mp + i] : 1;
             t->pt[j * mp + i] = seen ? prob * z : 0;
-            const FA_REAL ds = prob * (t->dxt[j * mp + i] * z - t->dsum[i]); /* d / d score */
-            if (sin && seen && i < m)
-                fa_cpu_mod_aux_grad_add(p, t->aux_plan, t->aux_acc, at->b, at->h, at->q0 + i,
-                                        j0 + j, (double)sin[j * mp + i], (double)ds);
-            t->dxt[j * mp + i] = seen ? ds * fac[j * mp + i] * scale : 0;
+            t->dxt[j * mp + i] =
+                seen ? prob * (t->dxt[j * mp + i] * z - t->dsum[i]) * fac[j * mp + i] * scale : 0;
         }
     }
 }
