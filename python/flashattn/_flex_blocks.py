@@ -17,9 +17,20 @@ from ._flex_call import _aux_tensor, _numpy
 class _Host:
     """NumPy, on the host."""
 
+    elements = 1 << 22  # mask elements an evaluation takes at a time
+
     def __init__(self):
         self.np = _numpy()
         self.f32 = self.np.float32
+
+    def table(self, t):
+        return t.numpy()
+
+    def errstate(self):
+        return self.np.errstate(all="ignore")
+
+    def broadcast(self, x, shape):
+        return self.np.broadcast_to(x, shape)
 
     def arange(self, a, b):
         return self.np.arange(a, b, dtype=self.f32)
@@ -80,10 +91,21 @@ class _Host:
 class _Device:
     """torch, on the block mask's (CUDA) device."""
 
+    elements = 1 << 26
+
     def __init__(self, device):
         self.torch = sys.modules["torch"]
         self.device = self.torch.device(device)
         self.f32 = self.torch.float32
+
+    def table(self, t):
+        return t
+
+    def errstate(self):
+        return contextlib.nullcontext()
+
+    def broadcast(self, x, shape):
+        return x.expand(shape)
 
     def arange(self, a, b):
         return self.torch.arange(a, b, dtype=self.f32, device=self.device)
@@ -181,29 +203,24 @@ def build(t, tensors, B, H, Q_LEN, KV_LEN, qbs, kbs, separate_full, device, on_d
     then the q_ ones) of trace t (its captured tensors ``tensors``) over [B, H, Q_LEN, KV_LEN]
     in qbs x kbs blocks, as torch tensors on ``device`` (NumPy arrays without torch).
     on_device: evaluate with torch on ``device`` (default: where it is a CUDA device)."""
-    cuda = device is not None and str(device).split(":")[0] == "cuda"
-    if on_device is not None:
-        cuda = on_device
-    xp = _Device(device) if cuda else _Host()
-    arrays = [_aux_tensor(x, "mask_mod", i, device if cuda else "cpu")
+    if on_device is None:
+        on_device = device is not None and str(device).split(":")[0] == "cuda"
+    xp = _Device(device) if on_device else _Host()
+    arrays = [xp.table(_aux_tensor(x, "mask_mod", i, device if on_device else "cpu"))
               for i, x in enumerate(tensors)]
-    if not cuda:
-        arrays = [a.numpy() for a in arrays]
     nqb, nkb = -(-Q_LEN // qbs), -(-KV_LEN // kbs)
     rb, rh = (B if t.depends_b else 1), (H if t.depends_h else 1)
     counts = xp.zeros((rb, rh, nqb, nkb))
-    # Query blocks per evaluation: about 4M mask elements at a time (64M on a device).
-    elements = (1 << 26) if cuda else (1 << 22)
-    step = max(1, elements // max(1, rb * rh * qbs * nkb * kbs))
-    with contextlib.nullcontext() if cuda else xp.np.errstate(all="ignore"):
+    # Query blocks per evaluation: about xp.elements mask elements at a time.
+    step = max(1, xp.elements // max(1, rb * rh * qbs * nkb * kbs))
+    with xp.errstate():
         for qb in range(0, nqb, step):
             nb = min(step, nqb - qb)
             r0, r1 = qb * qbs, min(Q_LEN, (qb + nb) * qbs)
             m = _evaluate(xp, t, arrays, B, H, r0, r1, KV_LEN)
             counts[:, :, qb:qb + nb] = xp.counts(m, (rb, rh, r1 - r0, KV_LEN), nb, qbs, nkb,
                                                  kbs)
-    counts = counts.expand((B, H, nqb, nkb)) if cuda else xp.np.broadcast_to(
-        counts, (B, H, nqb, nkb))
+    counts = xp.broadcast(counts, (B, H, nqb, nkb))
     if separate_full:
         full = counts == qbs * kbs
         partial = (counts > 0) & ~full

@@ -108,20 +108,51 @@ def _c_block_mask_make(block_mask, keep, device):
     return bm
 
 
+# ---- the shapes a call takes (flex_attention's route and its compiled form) ----------------
+
+
+def check_shapes(query, key, value, enable_gqa):
+    """query, key and value are [b, h, s, d]; key's heads are query's, or divide them with
+    enable_gqa."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != 4:
+            raise FlashAttnError("%s: expected 4 dimensions [b, h, s, d], got shape %s"
+                                 % (name, tuple(x.shape)))
+    hq, hkv = int(query.shape[1]), int(key.shape[1])
+    if not enable_gqa and hq != hkv:
+        raise ValueError("Expect query and key/value to have the same number of heads but got "
+                         "Hq=%d and Hkv=%d. Try setting enable_gqa=True for GQA." % (hq, hkv))
+    if enable_gqa and (hkv == 0 or hq % hkv):
+        raise ValueError("Expect number of query heads to be a multiple of kv heads for GQA "
+                         "but got Hq=%d and Hkv=%d." % (hq, hkv))
+
+
+def check_block_mask(block_mask, B, H, Lq, Lkv):
+    """A block mask fits a [B, H, Lq, Lkv] call: made for its lengths, batch and heads 1 or the
+    query's (the library checks its tensors' dims and entries)."""
+    seq = tuple(int(n) for n in block_mask.seq_lengths)
+    if seq != (Lq, Lkv):
+        raise ValueError("block_mask: it was made for query / key lengths %s, but the call has "
+                         "(%d, %d)" % (seq, Lq, Lkv))
+    bm_b, bm_h = (int(n) for n in block_mask.kv_num_blocks.shape[:2])
+    if bm_b not in (1, B) or bm_h not in (1, H):
+        raise ValueError("block_mask: its batch and heads (%d, %d) must be 1 or the query's "
+                         "(%d, %d)" % (bm_b, bm_h, B, H))
+
+
 # ---- the mods' programs and captured tensors -----------------------------------------------
 
 
-def mods_of(score_mod, block_mask, checks=None):
-    """(programs, aux) of a call's mods: per traced mod (argument field, Trace, its aux slots),
-    and per aux slot of the call (field, captured tensor), each tensor once. checks as
-    ``_flex_cache.trace`` takes them."""
+def mods_of(score_mod, mask_mod, checks=None):
+    """(programs, aux) of a call's mods (mask_mod: its block mask's, or None): per traced mod
+    (argument field, Trace, its aux slots), and per aux slot of the call (field, captured
+    tensor), each tensor once. checks as ``_flex_cache.trace`` takes them."""
     mods = []  # (argument field, trace, aux tensors)
     if score_mod is not None:
         # C keys a score_mod that is a plain function by its code and captures (keyed)
         mods.append(("score_mod",) + trace(score_mod, KIND_SCORE, "score_mod", checks, True))
-    if block_mask is not None and block_mask.mask_mod is not None:
-        mods.append(("mask_mod",) + trace(block_mask.mask_mod, KIND_MASK, "block_mask.mask_mod",
-                                          checks))
+    if mask_mod is not None:
+        mods.append(("mask_mod",) + trace(mask_mod, KIND_MASK, "block_mask.mask_mod", checks))
     aux, slot_of, programs = [], {}, []
     for field, t, tensors in mods:
         slots = []
@@ -289,13 +320,11 @@ class _FlexCall:
         """(dq, dk, dv) in the inputs' [b, h, s, d] layout, from the arguments of this call's
         first backward with dout of this layout on this thread where it kept them; with
         grad_slots (aux slots score_mod reads), also the fp32 gradient of each slot's
-        converted tensor, in a list after them."""
+        converted tensor, in a list after them (such a backward keeps no arguments)."""
         torch = sys.modules["torch"]
         tensors = (dout, query, key, value, out, lse)
-        if grad_slots:
-            return self._backward_aux(query, key, value, out, lse, dout, grad_slots)
         layout = None
-        if dout.layout == torch.strided:
+        if dout.layout == torch.strided and not grad_slots:
             layout = (id(self), dout.shape, dout.stride(), dout.dtype, dout.device,
                       dout.is_neg(), dout.is_conj())
             hit = _flex_prepared.lookup_backward(layout)
@@ -311,6 +340,11 @@ class _FlexCall:
                  for n, x in zip(_BWD_TENSORS, prepared)]
         bwd.fwd = ctypes.pointer(args)
         bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
+        aux_grads = [torch.empty(self.aux[i].shape, dtype=torch.float32) for i in grad_slots]
+        for i, g in zip(grad_slots, aux_grads):
+            ft = make_tensor(g, "captured tensor %d's gradient" % i, TORCH)
+            keep.append((g, ft))
+            bwd.mod_aux_grad[i] = ctypes.pointer(ft)
         workspace = None
         if query.device.type == "cuda":
             # The CUDA backward's workspace bytes (0: the call is refused, which the backward
@@ -329,33 +363,7 @@ class _FlexCall:
             _flex_prepared.store_backward(layout, _CachedBackward(
                 bwd, slots, (dq, dk, dv), names, hold=(self, keep)))
         del keep, arrays
-        return dq, dk, dv
-
-
-    def _backward_aux(self, query, key, value, out, lse, dout, grad_slots):
-        """backward() with the captured tensors' gradients (mod_aux_grad), arguments not
-        kept."""
-        torch = sys.modules["torch"]
-        dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format)
-                      for x in (query, key, value))
-        grads = [torch.empty(self.aux[i].shape, dtype=torch.float32) for i in grad_slots]
-        args, keep, arrays, names = self._args(query, key, value, out, lse)
-        bwd = _lib.new_bwd_args()
-        named = list(zip(_BWD_TENSORS, (dout, dq, dk, dv)))
-        prepared = [prepare(x, n, TORCH, cuda=True) for n, x in named]
-        fts = [make_tensor(_swap(x, TORCH), n, TORCH) for (n, _), x in zip(named, prepared)]
-        bwd.fwd = ctypes.pointer(args)
-        bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in fts)
-        for i, g in zip(grad_slots, grads):
-            ft = make_tensor(g, "captured tensor %d's gradient" % i, TORCH)
-            keep.append((g, ft))
-            bwd.mod_aux_grad[i] = ctypes.pointer(ft)
-        try:
-            _lib.backward(bwd)
-        except FlashAttnError as e:
-            raise FlashAttnError(_rename(str(e), names), e.status) from None
-        del keep, arrays
-        return dq, dk, dv, grads
+        return (dq, dk, dv, aux_grads) if grad_slots else (dq, dk, dv)
 
 
 _FLEX_FN = []

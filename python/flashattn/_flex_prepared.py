@@ -168,7 +168,7 @@ def may_serve_later(kind, call_args):
 
 def block_mask_checks(block_mask, checks):
     """What C checks of a block mask on a later call: the attributes this call reads
-    (``flex._check_block_mask``, ``key_of``, the mask_mod), by identity (as items of
+    (``_flex_call.check_block_mask``, ``key_of``, the mask_mod), by identity (as items of
     its __dict__ where they are plain instance attributes), and its tensors' versions."""
     seq = getattr(block_mask, "seq_lengths", None)
     if type(seq) is not tuple or any(type(n) is not int for n in seq):

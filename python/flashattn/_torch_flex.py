@@ -32,7 +32,7 @@ from torch._dynamo.comptime import comptime
 
 from . import _core
 from ._arrays import TORCH
-from ._flex_call import mods_of, new_call
+from ._flex_call import check_block_mask, check_shapes, mods_of, new_call
 from ._lib import FlashAttnError
 from ._torch_call import DEVICE_TYPES, OptT, T
 
@@ -44,7 +44,7 @@ _PLAN_MODS = []  # plan number -> (score_mod, mask_mod)
 def plan_of(score_mod, mask_mod):
     """The plan number of a pair of mods (either may be None), traced on first sight."""
     key = (score_mod, mask_mod)
-    _, aux = mods_of(score_mod, _ModsOnly(mask_mod))  # refuses what cannot be traced, now
+    _, aux = mods_of(score_mod, mask_mod)  # refuses what cannot be traced, now
     if torch.is_grad_enabled():
         for i, (field, x) in enumerate(aux):
             if field == "score_mod" and x.requires_grad:
@@ -57,13 +57,6 @@ def plan_of(score_mod, mask_mod):
         n = _PLANS[key] = len(_PLAN_MODS)
         _PLAN_MODS.append(key)
     return n
-
-
-class _ModsOnly:
-    """What mods_of reads of a block mask."""
-
-    def __init__(self, mask_mod):
-        self.mask_mod = mask_mod
 
 
 class _OpBlockMask:
@@ -87,7 +80,7 @@ def _call(plan, device, scale, bm_tensors, block_size, seq_lengths):
     bm = None
     if bm_tensors[0] is not None:
         bm = _OpBlockMask(mask_mod, bm_tensors, block_size, seq_lengths)
-    programs, aux = mods_of(score_mod, bm)
+    programs, aux = mods_of(score_mod, mask_mod if bm is not None else None)
     key = (plan, str(device), scale, tuple(block_size), tuple(seq_lengths)) + tuple(
         None if x is None else (id(x), x._version) for x in bm_tensors) + tuple(
         (id(x), x._version) for _, x in aux)
@@ -185,25 +178,16 @@ def _constant_mods(ctx):
 def flex_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse):
     """flex_attention's call as Dynamo traces it (flex.flex_attention's arguments; calls with
     mods or a block mask): the checks eager calls make of shapes, then the ops."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.dim() != 4:
-            raise FlashAttnError("%s: expected 4 dimensions [b, h, s, d], got %d"
-                                 % (name, x.dim()))
-    hq, hkv = query.shape[1], key.shape[1]
-    if not enable_gqa and hq != hkv:
-        raise ValueError("Expect query and key/value to have the same number of heads but got "
-                         "Hq=%d and Hkv=%d. Try setting enable_gqa=True for GQA." % (hq, hkv))
+    check_shapes(query, key, value, enable_gqa)
     mask_mod, bm, block_size, seq_lengths = None, (None,) * 4, [0, 0], [0, 0]
     if block_mask is not None:
+        check_block_mask(block_mask, query.shape[0], query.shape[1], query.shape[2],
+                         key.shape[2])
         mask_mod = block_mask.mask_mod
         bm = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
               block_mask.full_kv_indices)
         block_size = [int(n) for n in block_mask.BLOCK_SIZE]
         seq_lengths = [int(n) for n in block_mask.seq_lengths]
-        if seq_lengths != [query.shape[2], key.shape[2]]:
-            raise ValueError("block_mask: it was made for query / key lengths %s, but the call "
-                             "has (%d, %d)" % (tuple(seq_lengths), query.shape[2],
-                                               key.shape[2]))
     comptime(_constant_mods)
     out, lse = torch.ops.flashattn.flex_fwd(query, key, value, *bm, block_size, seq_lengths,
                                             plan_of(score_mod, mask_mod),

@@ -17,7 +17,8 @@ import sys
 from . import _flex_blocks, _flex_prepared
 from ._arrays import TORCH, common_kind
 from ._core import as_bool, as_int, as_scale
-from ._flex_call import _flex_fn, _numpy, _swap, mods_of, new_call
+from ._flex_call import (_flex_fn, _numpy, _swap, check_block_mask, check_shapes, mods_of,
+                         new_call)
 from ._flex_cache import trace
 from ._flex_trace import KIND_MASK
 from ._lib import FlashAttnError
@@ -113,40 +114,15 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
     return bm
 
 
-def _check_block_mask(block_mask, B, H, Lq, Lkv):
-    """A block mask fits a [B, H, Lq, Lkv] call: made for its lengths, batch and heads 1 or the
-    query's (the library checks its tensors' dims and entries)."""
-    seq = tuple(int(n) for n in block_mask.seq_lengths)
-    if seq != (Lq, Lkv):
-        raise ValueError("block_mask: it was made for query / key lengths %s, but the call has "
-                         "(%d, %d)" % (seq, Lq, Lkv))
-    bm_b, bm_h = (int(n) for n in block_mask.kv_num_blocks.shape[:2])
-    if bm_b not in (1, B) or bm_h not in (1, H):
-        raise ValueError("block_mask: its batch and heads (%d, %d) must be 1 or the query's "
-                         "(%d, %d)" % (bm_b, bm_h, B, H))
-
-
 _BM_FIELDS = _flex_prepared.BM_FIELDS
 
 
 # ---- the forward --------------------------------------------------------------------------
 
 
-
-
 def _check_inputs(query, key, value, enable_gqa):
     kind = common_kind((("query", query), ("key", key), ("value", value)), 3)
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.ndim != 4:
-            raise FlashAttnError("%s: expected 4 dimensions [b, h, s, d], got shape %s"
-                                 % (name, tuple(x.shape)))
-    hq, hkv = int(query.shape[1]), int(key.shape[1])
-    if not enable_gqa and hq != hkv:
-        raise ValueError("Expect query and key/value to have the same number of heads but got "
-                         "Hq=%d and Hkv=%d. Try setting enable_gqa=True for GQA." % (hq, hkv))
-    if enable_gqa and (hkv == 0 or hq % hkv):
-        raise ValueError("Expect number of query heads to be a multiple of kv heads for GQA "
-                         "but got Hq=%d and Hkv=%d." % (hq, hkv))
+    check_shapes(query, key, value, enable_gqa)
     return kind
 
 
@@ -210,10 +186,11 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
     # what C checks on a later call, where it should serve one
     checks = [] if _flex_prepared.may_serve_later(kind, call_args) else None
     if block_mask is not None:
-        _check_block_mask(block_mask, B, H, Lq, Lkv)
+        check_block_mask(block_mask, B, H, Lq, Lkv)
         if checks is not None:
             _flex_prepared.block_mask_checks(block_mask, checks)
-    programs, aux = mods_of(score_mod, block_mask, checks)
+    programs, aux = mods_of(score_mod, block_mask.mask_mod if block_mask is not None else None,
+                            checks)
     captured = [x for _, x in aux]
     keyed = [t for _, t, _ in programs] + captured + [block_mask]
     grad_slots = _grad_slots(kind, programs, captured, query.device if kind == TORCH else None)

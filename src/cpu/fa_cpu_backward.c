@@ -423,7 +423,8 @@ static void fa_bwd_zero_uncovered(const fa_params *p)
     }
 }
 
-/* mod_aux_grad[slot] <- the threads' sums, added in thread order (0 where nothing was read). */
+/* mod_aux_grad[slot] <- the threads' sums, added in thread order (0 where nothing was read;
+ * job->aux_acc holds them whenever a given gradient has elements). */
 static void fa_bwd_aux_grads_write(const fa_params *p, const fa_bwd_job *job, int threads)
 {
     for (int s = 0; s < FA_MOD_AUX_SLOTS; s++) {
@@ -436,7 +437,7 @@ static void fa_bwd_aux_grads_write(const fa_params *p, const fa_bwd_job *job, in
             n *= g->shape[d];
         for (int64_t i = 0; i < n; i++) {
             double sum = 0;
-            for (int t = 0; t < threads && job->aux_acc; t++)
+            for (int t = 0; t < threads; t++)
                 sum += job->aux_acc[(size_t)t * (size_t)job->aux.total + (size_t)(off + i)];
             int64_t at = 0, rest = i;
             for (int d = g->ndim - 1; d >= 0; d--) {
