@@ -87,7 +87,7 @@ void fa_cpu_mod_aux_grad_add(const fa_params *p, const fa_cpu_aux_grads_plan *g,
             r = x != 0 ? y : v[n->args[2]];
             break;
         case FA_MOD_OP_AUX: {
-            double ix[FA_MAX_DIMS];
+            double ix[FA_MAX_DIMS] = {0};
             for (int d = 0; d < n->n_args; d++)
                 ix[d] = v[n->args[d]];
             const void *at;
