@@ -88,6 +88,7 @@ gpu-tests:
 gpu-python:
 	export PYTHONPATH=python FLASHATTN_LIBRARY=$(abspath build-cuda)/libflashattn.so; \
 	$(PYTHON) -m pytest -q tests/gpu/test_python_cuda.py tests/gpu/test_ring_cuda.py \
+	  tests/gpu/test_flex_aux_grad_cuda.py \
 	  tests/python/test_transformers.py tests/python/test_compat.py; rc=$$?; \
 	$(PYTHON) tests/gpu/bench_overhead.py || rc=1; \
 	$(PYTHON) bench/decode_gpu.py --batch 1,8,32 --context 1k,32k || rc=1; \

@@ -353,12 +353,13 @@ size_t fa_attention_forward_workspace_size(const fa_fwd_args *args);
  * 256-byte aligned, on fwd->device, as workspace / workspace_size; its contents on entry do not
  * matter and it must not be used by anything else until the stream has run the backward.
  *
- * mod_aux_grad[slot] (optional; the CPU backward, the CUDA one refuses it so far): fp32 of
- * fwd->mod_aux[slot]'s shape (which must be fp32), written with d loss / d mod_aux[slot]
- * through score_mod's reads of it: the program's derivative with respect to each value read,
- * times the gradient of the score it makes, summed per element read (indices are not
- * differentiated), in double per thread and rounded once, so the last place may differ
- * between runs.
+ * mod_aux_grad[slot] (optional): fp32 of fwd->mod_aux[slot]'s shape (which must be fp32), any
+ * strides, written with d loss / d mod_aux[slot] through score_mod's reads of it: the program's
+ * derivative with respect to each value read, times the gradient of the score it makes, summed
+ * per element read (indices are not differentiated). The CPU sums in double per thread and
+ * rounds once; a CUDA device adds in fp32 with atomics (a read every lane of a warp shares
+ * summed over the warp first), whose order varies, so the last places may differ between runs,
+ * deterministic or not.
  */
 typedef struct fa_bwd_args {
     const fa_fwd_args *fwd;  /* q, k, v, out, lse and every option of the forward call */
@@ -370,7 +371,7 @@ typedef struct fa_bwd_args {
     int deterministic;
     void *workspace;       /* CUDA: device memory, see fa_attention_backward_workspace_size */
     size_t workspace_size; /* bytes at workspace */
-    const fa_tensor *mod_aux_grad[FA_MOD_AUX_SLOTS]; /* optional, CPU only so far: above */
+    const fa_tensor *mod_aux_grad[FA_MOD_AUX_SLOTS]; /* optional: above */
 } fa_bwd_args;
 
 void fa_bwd_args_init(fa_bwd_args *args);

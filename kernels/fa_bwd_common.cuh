@@ -329,14 +329,15 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
             float p;
             int vis = 1;
 #if FA_BWD_MODS
+#if FA_ALIBI
+            const float alibi = FA_RULE_ALIBI(tl->slope_log2, dg);
+#else
+            const float alibi = 0.f;
+#endif
+            (void)alibi;
             if (mods) {
                 /* The mods' score (fa_bwd_mod.cuh) with ALiBi as the forward subtracts it, -inf
                  * where they drop the key. */
-#if FA_ALIBI
-                const float alibi = FA_RULE_ALIBI(tl->slope_log2, dg);
-#else
-                const float alibi = 0.f;
-#endif
                 const float y = fa_bwd_mod_score(kp, &tl->mod, x, alibi, tl->m0 + il,
                                                  tl->key0 + y_off, nt, e, &deriv);
                 vis = y != -FA_INF && (!masked || (x_off < tl->rows && y_off < tl->keys &&
@@ -362,6 +363,13 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
              * dropped. D's row read by every lane, outside the select: fa_bwd_row may be a warp
              * shuffle, which under it only the lanes with vis would reach (the warp then hangs). */
             const float dsum = fa_bwd_row(tl->dsum, il);
+#if FA_SCORE_MOD && FA_MOD_AUX_GRAD
+            if (mods) {
+                const float g = vis ? p * (dk * z - dsum) : 0.f;
+                fa_bwd_mod_aux_grad(kp, &tl->mod, x, alibi, tl->m0 + il, tl->key0 + y_off, g);
+                dpt[nt][e] = g * deriv;
+            } else
+#endif
             if (FA_BWD_MODS && mods)
                 dpt[nt][e] = vis ? p * (dk * z - dsum) * deriv : 0.f;
             else

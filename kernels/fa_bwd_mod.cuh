@@ -96,6 +96,25 @@ FA_DEV void fa_bwd_mod_keep_bits(const fa_kparams *kp, fa_bwd_mod_tile *md, int 
 }
 #endif
 
+/* The score score_mod is given, in base 2, from x and alibi (fa_bwd_mod_score's). */
+FA_DEV float fa_bwd_mod_base2(const fa_kparams *kp, float x, float alibi)
+{
+    return x * kp->scale_log2 - alibi;
+}
+
+#if FA_SCORE_MOD && FA_MOD_AUX_GRAD
+/* The captured tensors' gradients from one element (query row, key col; x and alibi as
+ * fa_bwd_mod_score's): g, the gradient of score_mod's result (P (dP Z - D), 0 where invisible),
+ * times the program's derivative with respect to each value it reads, added at the element
+ * read (fa_score_mod_aux_grad). Every lane of the warp calls it (its sums may be warp-wide). */
+FA_DEV void fa_bwd_mod_aux_grad(const fa_kparams *kp, const fa_bwd_mod_tile *md, float x,
+                                float alibi, int row, int col, float g)
+{
+    fa_score_mod_aux_grad(kp, fa_bwd_mod_base2(kp, x, alibi) * FA_LN2, md->bi, md->h, row, col,
+                          g);
+}
+#endif
+
 /* The forward's score of query row, key col in base 2 from x (S^T's value, softcapped to
  * tanh when softcap is on: fa_bwd_probs' x), alibi the ALiBi term in base 2 (0 without), or
  * -inf where the mods drop the key (when md->on); deriv takes score_mod's derivative. The
@@ -103,7 +122,7 @@ FA_DEV void fa_bwd_mod_keep_bits(const fa_kparams *kp, fa_bwd_mod_tile *md, int 
 FA_DEV float fa_bwd_mod_score(const fa_kparams *kp, const fa_bwd_mod_tile *md, float x,
                               float alibi, int row, int col, int nt, int e, float *deriv)
 {
-    float y = x * kp->scale_log2 - alibi;
+    float y = fa_bwd_mod_base2(kp, x, alibi);
 #if FA_SCORE_MOD
     /* As the forward (fa_score_mod_base2). For dropped keys too (aux reads are clamped into
      * their tensors): evaluated under no condition, a value the tile's elements share (an aux

@@ -3,7 +3,7 @@
  * fa_bwd_sm90.cu, includes this file after its helpers, so one module holds them all):
  * fa_bwd_pre before it, per query tile (D, lse in base 2, the dQ accumulator zeroed), and after it
  * fa_bwd_dsinks, fa_bwd_convert, and, for varlen, fa_bwd_fill for the rows outside every
- * sequence. Each works row by row; none uses tensor cores.
+ * sequence; fa_bwd_aux_zero before it where the mods' captured tensors get gradients. Each works row by row; none uses tensor cores.
  */
 #ifndef FA_BWD_ROWS_CUH
 #define FA_BWD_ROWS_CUH
@@ -215,6 +215,33 @@ extern "C" __global__ void __launch_bounds__(256) fa_bwd_fill(const fa_bkparams 
                 fa_bwd_zero((fa_u16 *)bp.dv + r * bp.dv_rstride + h * bp.dv_hstride, 0, 1, kp->dv,
                             0, 1);
             }
+        }
+    }
+}
+#endif
+
+#if FA_SCORE_MOD && FA_MOD_AUX_GRAD
+/* Zeroes the captured tensors' gradients the plan's FA_MOD_AUX_GRAD gives (any strides;
+ * dimensions past a tensor's own are 1), before fa_bwd adds into them (fa_mod_aux_grad_add).
+ * A grid-stride loop over each one's elements, 256 threads a CTA. */
+extern "C" __global__ void __launch_bounds__(256) fa_bwd_aux_zero(const fa_bkparams bp)
+{
+    const fa_kparams *kp = &bp.f;
+#pragma unroll 1
+    for (int s = 0; s < 4; s++) {
+        if (!((FA_MOD_AUX_GRAD >> s) & 1))
+            continue;
+        const fa_i64 *n = kp->mod_aux_shape[s], *st = kp->mod_aux_grad_stride[s];
+        const fa_i64 total = n[0] * n[1] * n[2] * n[3];
+        for (fa_i64 i = (fa_i64)blockIdx.x * 256 + threadIdx.x; i < total;
+             i += (fa_i64)gridDim.x * 256) {
+            fa_i64 r = i, off = 0;
+            for (int d = 3; d >= 0; d--) {
+                const fa_i64 q = r / n[d];
+                off += (r - q * n[d]) * st[d];
+                r = q;
+            }
+            kp->mod_aux_grad[s][off] = 0.f;
         }
     }
 }

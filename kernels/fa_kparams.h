@@ -82,6 +82,10 @@ typedef struct fa_kparams {
     fa_i64 bm_num_stride[3], bm_idx_stride[4], bm_full_num_stride[3], bm_full_idx_stride[4];
     int bm_kv_block, bm_nk; /* key blocks of the call: ceil(sk / bm_kv_block) */
     int bm_n, bm_full_n;    /* the index tensors' last dims */
+    /* The backward's gradients of the fp32 aux tensors (kernels built with FA_MOD_AUX_GRAD):
+     * of mod_aux's shapes, strides in elements; zeroed by fa_bwd_aux_zero, then added into. */
+    float *mod_aux_grad[4];
+    fa_i64 mod_aux_grad_stride[4][4];
 } fa_kparams;
 
 /* Whether every block-mask index tensor is shared across heads (h stride 0). */

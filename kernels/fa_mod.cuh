@@ -55,24 +55,63 @@ FA_DEV fa_mod_off fa_mod_last(const fa_kparams *kp, int slot, int d)
     return (fa_mod_off)(sizeof(fa_mod_off) < 8 && last > 0x7fffffff ? 0x7fffffff : last);
 }
 
-/* The offset of index v in dimension d of aux tensor `slot`: v floored and clamped into the
- * dimension as the CPU does (below 1, NaN included, 0; at or past its length the last), then
- * clamped as an integer too (fp32 cannot hold every last index above 2^24), times the stride. */
-FA_DEV fa_mod_off fa_mod_off_f(const fa_kparams *kp, int slot, int d, float v)
+/* Index v in dimension d of aux tensor `slot`: v floored and clamped into the dimension as the
+ * CPU does (below 1, NaN included, 0; at or past its length the last), then clamped as an
+ * integer too (fp32 cannot hold every last index above 2^24). */
+FA_DEV fa_mod_off fa_mod_index_f(const fa_kparams *kp, int slot, int d, float v)
 {
     const fa_mod_off last = fa_mod_last(kp, slot, d);
     float m = v > 0.f ? v : 0.f;
     m = m < (float)last ? m : (float)last;
     const fa_mod_off i = (fa_mod_off)m;
-    return (i < last ? i : last) * (fa_mod_off)kp->mod_aux_stride[slot][d];
+    return i < last ? i : last;
 }
 
 /* The same for an int index (the generated code's index arithmetic). */
-FA_DEV fa_mod_off fa_mod_off_i(const fa_kparams *kp, int slot, int d, int v)
+FA_DEV fa_mod_off fa_mod_index_i(const fa_kparams *kp, int slot, int d, int v)
 {
     const fa_mod_off last = fa_mod_last(kp, slot, d);
-    const fa_mod_off i = v > 0 ? ((fa_mod_off)v < last ? (fa_mod_off)v : last) : 0;
-    return i * (fa_mod_off)kp->mod_aux_stride[slot][d];
+    return v > 0 ? ((fa_mod_off)v < last ? (fa_mod_off)v : last) : 0;
+}
+
+/* The offsets of those indices in the tensor (off) and in its gradient (goff, FA_MOD_AUX_GRAD). */
+FA_DEV fa_mod_off fa_mod_off_f(const fa_kparams *kp, int slot, int d, float v)
+{
+    return fa_mod_index_f(kp, slot, d, v) * (fa_mod_off)kp->mod_aux_stride[slot][d];
+}
+FA_DEV fa_mod_off fa_mod_off_i(const fa_kparams *kp, int slot, int d, int v)
+{
+    return fa_mod_index_i(kp, slot, d, v) * (fa_mod_off)kp->mod_aux_stride[slot][d];
+}
+FA_DEV fa_mod_off fa_mod_goff_f(const fa_kparams *kp, int slot, int d, float v)
+{
+    return fa_mod_index_f(kp, slot, d, v) * (fa_mod_off)kp->mod_aux_grad_stride[slot][d];
+}
+FA_DEV fa_mod_off fa_mod_goff_i(const fa_kparams *kp, int slot, int d, int v)
+{
+    return fa_mod_index_i(kp, slot, d, v) * (fa_mod_off)kp->mod_aux_grad_stride[slot][d];
+}
+
+/* The backward's captured-tensor gradients (the plan's FA_MOD_AUX_GRAD, a bit per slot): v
+ * added to the gradient of aux tensor `slot` at offset off, by an fp32 atomic (their order
+ * varies, so the sum's last bits may). uniform (a constant): every lane of the warp, all
+ * present, adds at the same offset, so the warp sums first and one lane adds. */
+#ifndef FA_MOD_AUX_GRAD
+#define FA_MOD_AUX_GRAD 0
+#endif
+FA_DEV void fa_mod_aux_grad_add(const fa_kparams *kp, int slot, fa_mod_off off, float v,
+                                int uniform)
+{
+    float *g = kp->mod_aux_grad[slot] + off;
+    if (uniform) {
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1)
+            v += __shfl_xor_sync(0xffffffffu, v, s);
+        if ((threadIdx.x & 31) == 0 && v != 0.f)
+            atomicAdd(g, v);
+    } else if (v != 0.f) {
+        atomicAdd(g, v);
+    }
 }
 
 /* Aux tensor `slot`'s element at offset off (the sum of its indices' fa_mod_off_*), as fp32. */

@@ -340,7 +340,8 @@ class _FlexCall:
                  for n, x in zip(_BWD_TENSORS, prepared)]
         bwd.fwd = ctypes.pointer(args)
         bwd.dout, bwd.dq, bwd.dk, bwd.dv = (ctypes.pointer(g) for g in grads)
-        aux_grads = [torch.empty(self.aux[i].shape, dtype=torch.float32) for i in grad_slots]
+        aux_grads = [torch.empty(self.aux[i].shape, dtype=torch.float32, device=query.device)
+                     for i in grad_slots]
         for i, g in zip(grad_slots, aux_grads):
             ft = make_tensor(g, "captured tensor %d's gradient" % i, TORCH)
             keep.append((g, ft))

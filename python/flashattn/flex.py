@@ -193,7 +193,7 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
                             checks)
     captured = [x for _, x in aux]
     keyed = [t for _, t, _ in programs] + captured + [block_mask]
-    grad_slots = _grad_slots(kind, programs, captured, query.device if kind == TORCH else None)
+    grad_slots = _grad_slots(kind, programs, captured)
     if grad_slots:
         grad = True
         checks = None  # the C path does not give captured tensors gradients
@@ -229,19 +229,13 @@ def flex_any(query, key, value, score_mod, block_mask, scale, enable_gqa, return
     return out, _empty_rows(lse, kind)
 
 
-def _grad_slots(kind, programs, captured, device):
+def _grad_slots(kind, programs, captured):
     """The aux slots whose captured tensor requires grad (grad mode on) and that score_mod
-    reads: the CPU backward gives them their gradients; on CUDA they are refused."""
+    reads: the backward gives them their gradients (the CPU's and CUDA's)."""
     if kind != TORCH or not sys.modules["torch"].is_grad_enabled():
         return ()
     read = {i for field, _, slots in programs if field == "score_mod" for i in slots}
-    slots = tuple(i for i in sorted(read) if captured[i].requires_grad)
-    if slots and device.type != "cpu":
-        raise FlashAttnError("score_mod's captured tensor %d (shape %s) requires grad, but the "
-                             "%s backward gives captured tensors no gradient yet (the CPU's "
-                             "does); detach it, or call under torch.no_grad()"
-                             % (slots[0], tuple(captured[slots[0]].shape), device.type))
-    return slots
+    return tuple(i for i in sorted(read) if captured[i].requires_grad)
 
 
 def _lse_rows(lse):

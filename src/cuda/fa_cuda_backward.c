@@ -1,8 +1,8 @@
 /*
  * The backward on a CUDA device (kernels/fa_bwd_sm80.cu, or fa_bwd_sm90.cu / fa_bwd_sm90_wide.cu
  * where the plan takes it, with the tensor maps of Q, K, V and dO): plan, check the caller's workspace, fill the
- * parameter block, launch the kernels on the caller's stream (four, and fa_bwd_fill first in the
- * varlen form). Both families share the workspace layout below. fa_cuda_backward_prepare builds
+ * parameter block, launch the kernels on the caller's stream (four, fa_bwd_fill first in the
+ * varlen form and fa_bwd_aux_zero where the mods' captured tensors get gradients). Both families share the workspace layout below. fa_cuda_backward_prepare builds
  * the same plan's module ahead of the first backward.
  *
  * Workspace layout (each part 256-byte aligned; rows = m_tiles * bm, whole query tiles, m_tiles
@@ -117,6 +117,31 @@ static int fa_bwd_aligned(const fa_params *p)
                                sizeof ptrs / sizeof ptrs[0]);
 }
 
+/* CTAs of fa_bwd_aux_zero (256 threads, a grid-stride loop) for the captured tensors'
+ * gradients asked for: the largest one's elements over 256, at most 1024; 0 without any. */
+static int64_t fa_bwd_aux_ctas(const fa_params *p)
+{
+    int64_t most = 0;
+    for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
+        const fa_tensor *g = &p->mod_aux_grad[i];
+        if (!g->data)
+            continue;
+        int64_t n = 1;
+        for (int d = 0; d < g->ndim; d++)
+            n *= g->shape[d];
+        most = n > most ? n : most;
+    }
+    const int64_t ctas = (most + 255) / 256;
+    return ctas < 1024 ? ctas : 1024;
+}
+
+/* The mods' CUDA C into a plan of p's (which the plan compiles in). */
+static void fa_bwd_plan_mods(const fa_params *p, fa_plan *plan)
+{
+    plan->score_mod = p->mods.score_mod ? p->mods.score_mod->cuda : NULL;
+    plan->mask_mod = p->mods.mask_mod ? p->mods.mask_mod->cuda : NULL;
+}
+
 /* The backward's plan (and its key) for p on a device of arch, the mods' CUDA C in it. */
 static fa_status fa_bwd_plan(const fa_params *p, int arch, fa_plan_key *key, fa_plan *plan)
 {
@@ -130,8 +155,7 @@ static fa_status fa_bwd_plan(const fa_params *p, int arch, fa_plan_key *key, fa_
      * (fa_plan_backward). */
     fa_kparams_key_mods(p, key);
     FA_TRY(fa_plan_backward(key, plan));
-    plan->score_mod = p->mods.score_mod ? p->mods.score_mod->cuda : NULL;
-    plan->mask_mod = p->mods.mask_mod ? p->mods.mask_mod->cuda : NULL;
+    fa_bwd_plan_mods(p, plan);
     return FA_STATUS_OK;
 }
 
@@ -206,11 +230,6 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
                             "2^30 rows per sequence");
     if (p->lse_dtype != FA_DTYPE_F32)
         return fa_error_set(FA_STATUS_UNSUPPORTED, "lse: the CUDA backward reads fp32 lse");
-    for (int i = 0; i < FA_MOD_AUX_SLOTS; i++)
-        if (p->mod_aux_grad[i].data)
-            return fa_error_set(FA_STATUS_UNSUPPORTED,
-                                "mod_aux_grad[%d]: the CUDA backward does not give the mods' "
-                                "captured tensors gradients yet (the CPU backward does)", i);
 
     fa_plan_key key;
     fa_plan plan;
@@ -228,6 +247,7 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
             st = fa_plan_backward(&key, &plan);
             if (st != FA_STATUS_OK)
                 return st;
+            fa_bwd_plan_mods(p, &plan);
         }
     }
     if ((int)plan.smem > smem_optin)
@@ -329,6 +349,10 @@ fa_status fa_cuda_backward(const fa_params *p, const fa_bwd_args *args)
     if (st == FA_STATUS_OK && bp.m_tiles > 0)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_pre", (unsigned)bp.m_tiles, h, b, plan.threads,
                            0, stream, &bp, NULL);
+    const int64_t aux_ctas = fa_bwd_aux_ctas(p);
+    if (st == FA_STATUS_OK && aux_ctas > 0)
+        st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_aux_zero", (unsigned)aux_ctas, 1, 1, 256, 0,
+                           stream, &bp, NULL);
     if (st == FA_STATUS_OK && tm && ws.bm_tables > 0)
         st = fa_bwd_launch(d, &plan, ctx, "fa_bwd_bm_tables", (unsigned)ws.bm_tables, 1, 1,
                            plan.threads, 0, stream, &bp, NULL);

@@ -8,17 +8,25 @@
 #include "plan/fa_plan.h"
 
 /* The user-defined scoring's part of the block (the fields after zero). */
-static void fa_kparams_fill_mods(const fa_mod_call *c, fa_kparams *kp)
+static void fa_kparams_fill_mods(const fa_params *p, fa_kparams *kp)
 {
+    const fa_mod_call *c = &p->mods;
     for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
         const fa_tensor *t = &c->aux[i];
         if (!t->data)
             continue;
         kp->mod_aux[i] = t->data;
-        for (int d = 0; d < t->ndim; d++) {
-            kp->mod_aux_shape[i][d] = t->shape[d];
-            kp->mod_aux_stride[i][d] = t->stride[d];
+        for (int d = 0; d < 4; d++) { /* past the tensor's dimensions: 1, stride 0 */
+            kp->mod_aux_shape[i][d] = d < t->ndim ? t->shape[d] : 1;
+            kp->mod_aux_stride[i][d] = d < t->ndim ? t->stride[d] : 0;
         }
+    }
+    /* (the backward's record only) */
+    for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
+        const fa_tensor *g = &p->mod_aux_grad[i];
+        kp->mod_aux_grad[i] = g->data;
+        for (int d = 0; d < g->ndim; d++)
+            kp->mod_aux_grad_stride[i][d] = g->stride[d];
     }
     const fa_mod_blocks *b = &c->blocks;
     if (!b->num.data)
@@ -46,21 +54,28 @@ static void fa_kparams_fill_mods(const fa_mod_call *c, fa_kparams *kp)
     }
 }
 
-/* The plan key's mod_aux: which aux tensors are int32 and whether every element's offset fits
- * an int; 0 without aux tensors. */
+/* The farthest element of t from its start, either way, as fa_mod_aux sums the offset. */
+static int64_t fa_kparams_far(const fa_tensor *t)
+{
+    int64_t far = 0;
+    for (int d = 0; d < t->ndim; d++)
+        far += (t->shape[d] - 1) * (t->stride[d] < 0 ? -t->stride[d] : t->stride[d]);
+    return far;
+}
+
+/* The plan key's mod_aux: which aux tensors are int32, which have a gradient (the backward's
+ * mod_aux_grad) and whether every element's offset fits an int, theirs too; 0 without aux
+ * tensors. */
 static unsigned fa_kparams_mod_aux(const fa_params *p)
 {
     unsigned bits = FA_PLAN_AUX_OFF32;
     for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
-        const fa_tensor *t = &p->mods.aux[i];
+        const fa_tensor *t = &p->mods.aux[i], *g = &p->mod_aux_grad[i];
         if (!t->data)
             continue;
         bits |= t->dtype == FA_DTYPE_I32 ? 1u << i : 0u;
-        /* The farthest element from the start, either way, as fa_mod_aux sums the offset. */
-        int64_t far = 0;
-        for (int d = 0; d < t->ndim; d++)
-            far += (t->shape[d] - 1) * (t->stride[d] < 0 ? -t->stride[d] : t->stride[d]);
-        if (far > INT32_MAX)
+        bits |= g->data ? FA_PLAN_AUX_GRAD(i) : 0u;
+        if (fa_kparams_far(t) > INT32_MAX || (g->data && fa_kparams_far(g) > INT32_MAX))
             bits &= ~FA_PLAN_AUX_OFF32;
     }
     return bits;
@@ -125,7 +140,7 @@ void fa_kparams_fill(const fa_params *p, fa_kparams *kp)
         kp->last_block = (int)(p->num_blocks - 1 < INT32_MAX ? p->num_blocks - 1 : INT32_MAX);
     }
     if (fa_mod_call_active(&p->mods))
-        fa_kparams_fill_mods(&p->mods, kp);
+        fa_kparams_fill_mods(p, kp);
 }
 
 int fa_cuda_all_aligned(const int64_t *strides, size_t n, const void *const *ptrs, size_t m)

@@ -130,6 +130,17 @@ static const char *fa_mod_cuda_int_form(int op)
     }
 }
 
+/* The offset of aux read s's element, an index at a time (int or fp32: fa_mod_<off>_i / _f,
+ * off "off" for the tensor read, "goff" for its gradient), into t at *at. */
+static void fa_mod_cuda_offset(const fa_mod_node *s, const int *is_int, const char *off, char *t,
+                               size_t cap, size_t *at)
+{
+    for (int k = 0; k < s->n_args; k++)
+        *at += (size_t)snprintf(t + *at, cap - *at, "%sfa_mod_%s_%c(kp, %d, %d, v%d)",
+                                k ? " + " : "", off, is_int[s->args[k]] ? 'i' : 'f', s->what, k,
+                                s->args[k]);
+}
+
 /* Step i's statement into t at *at (cap bytes in all). */
 static void fa_mod_cuda_step(const fa_mod *m, const int *is_int, int i, char *t, size_t cap,
                              size_t *at)
@@ -159,12 +170,8 @@ static void fa_mod_cuda_step(const fa_mod *m, const int *is_int, int i, char *t,
         *at += (size_t)snprintf(t + *at, cap - *at, "%s ? %s : %s", a[0], a[1], a[2]);
         break;
     case FA_MOD_OP_AUX:
-        /* The offset of the element, an index at a time (int or fp32: fa_mod_off_i / _f). */
         *at += (size_t)snprintf(t + *at, cap - *at, "fa_mod_aux_at(kp, %d, ", s->what);
-        for (int k = 0; k < s->n_args; k++)
-            *at += (size_t)snprintf(t + *at, cap - *at, "%sfa_mod_off_%c(kp, %d, %d, %s)",
-                                    k ? " + " : "", is_int[s->args[k]] ? 'i' : 'f', s->what, k,
-                                    a[k]);
+        fa_mod_cuda_offset(s, is_int, "off", t, cap, at);
         *at += (size_t)snprintf(t + *at, cap - *at, ")");
         break;
     case FA_MOD_FLOOR:
@@ -190,14 +197,19 @@ static void fa_mod_cuda_step(const fa_mod *m, const int *is_int, int i, char *t,
     *at += (size_t)snprintf(t + *at, cap - *at, ";\n");
 }
 
-/* Which steps' derivatives with respect to score are identically 0 (zero[i]): steps that do
- * not read score, through any operand. */
-static void fa_mod_cuda_zero_d(const fa_mod *m, int *zero)
+/* Which steps' derivatives are identically 0 (zero[i]): with respect to score (seed < 0), the
+ * steps that do not read score, through any operand; with respect to the value of step seed
+ * (an aux read), those that do not read that step. */
+static void fa_mod_cuda_zero_d(const fa_mod *m, int seed, int *zero)
 {
     for (int i = 0; i < m->n_steps; i++) {
         const fa_mod_node *s = &m->steps[i];
+        if (i == seed) {
+            zero[i] = 0;
+            continue;
+        }
         if (s->op == FA_MOD_OP_VAR) {
-            zero[i] = s->what != FA_MOD_SCORE;
+            zero[i] = seed >= 0 || s->what != FA_MOD_SCORE;
             continue;
         }
         /* Operations without a rule have derivative 0 (fa_mod_grad.h). */
@@ -235,14 +247,14 @@ static const char *fa_mod_cuda_drule(const fa_mod_node *s, const int *zero, int 
     return form;
 }
 
-/* Step i's derivative with respect to score, d<i>, into t at *at: its rule with the operands'
- * values and derivatives bound to the rule's names (missing operands 0), else 0 or, for the
- * variable score, 1. */
-static void fa_mod_cuda_dstep(const fa_mod *m, const int *zero, int i, char *t, size_t cap,
-                              size_t *at)
+/* Step i's derivative with respect to score or step seed (fa_mod_cuda_zero_d's), d<i>, into t
+ * at *at: its rule with the operands' values and derivatives bound to the rule's names (missing
+ * operands 0), else 0 or, for the variable score or the seed, 1. */
+static void fa_mod_cuda_dstep(const fa_mod *m, const int *zero, int seed, int i, char *t,
+                              size_t cap, size_t *at)
 {
     const fa_mod_node *s = &m->steps[i];
-    if (zero[i] || s->op == FA_MOD_OP_VAR) {
+    if (zero[i] || s->op == FA_MOD_OP_VAR || i == seed) {
         *at += (size_t)snprintf(t + *at, cap - *at, "    const float d%d = %s;\n", i,
                                 zero[i] ? "0.f" : "1.f");
         return;
@@ -268,11 +280,11 @@ static void fa_mod_cuda_body(const fa_mod *m, int grad, char *t, size_t cap, siz
     const int score = m->kind == FA_MOD_KIND_SCORE;
     int is_int[FA_MOD_MAX_NODES], zero[FA_MOD_MAX_NODES];
     fa_mod_cuda_ints(m, is_int);
-    fa_mod_cuda_zero_d(m, zero);
+    fa_mod_cuda_zero_d(m, -1, zero);
     for (int i = 0; i < m->n_steps; i++) {
         fa_mod_cuda_step(m, is_int, i, t, cap, at);
         if (grad)
-            fa_mod_cuda_dstep(m, zero, i, t, cap, at);
+            fa_mod_cuda_dstep(m, zero, -1, i, t, cap, at);
     }
     if (grad)
         *at += (size_t)snprintf(t + *at, cap - *at, "    *dscore = d%d;\n", m->n_steps - 1);
@@ -324,12 +336,56 @@ static void fa_mod_cuda_term(const fa_mod *m, const int *zero, int term, int neg
                             neg ? "-" : "", term);
 }
 
+/* fa_score_mod_aux_grad: score_mod's values, then for each aux read, in a block compiled where
+ * the plan's FA_MOD_AUX_GRAD asks for its slot's gradient, the root's derivative with respect
+ * to the value read (forward mode, seeded there) times g added at the element's place in the
+ * gradient (fa_mod_aux_grad_add; warp-uniform where the indices read neither q_idx, kv_idx nor
+ * score, as then every lane of a warp reads the same element). */
+static void fa_mod_cuda_aux_grad(const fa_mod *m, char *t, size_t cap, size_t *at)
+{
+    int is_int[FA_MOD_MAX_NODES], zero[FA_MOD_MAX_NODES];
+    fa_mod_cuda_ints(m, is_int);
+    *at += (size_t)snprintf(t + *at, cap - *at,
+                            "FA_DEV void fa_score_mod_aux_grad(const fa_kparams *kp, float score, "
+                            "int b, int h, int q_idx, int kv_idx, float g)\n{\n");
+    for (int i = 0; i < m->n_steps; i++)
+        fa_mod_cuda_step(m, is_int, i, t, cap, at);
+    for (int r = 0; r < m->n_steps; r++) {
+        const fa_mod_node *s = &m->steps[r];
+        if (s->op != FA_MOD_OP_AUX)
+            continue;
+        unsigned vary = 0;
+        for (int k = 0; k < s->n_args; k++)
+            vary |= m->vary[s->args[k]];
+        *at += (size_t)snprintf(t + *at, cap - *at,
+                                "#if (FA_MOD_AUX_GRAD >> %d) & 1\n    {\n"
+                                "    const fa_mod_off go = ", s->what);
+        fa_mod_cuda_offset(s, is_int, "goff", t, cap, at);
+        *at += (size_t)snprintf(t + *at, cap - *at, ";\n");
+        fa_mod_cuda_zero_d(m, r, zero);
+        for (int i = 0; i < m->n_steps; i++)
+            fa_mod_cuda_dstep(m, zero, r, i, t, cap, at);
+        *at += (size_t)snprintf(t + *at, cap - *at,
+                                "    fa_mod_aux_grad_add(kp, %d, go, g != 0.f ? g * d%d : 0.f, "
+                                "%d);\n    }\n#endif\n",
+                                s->what, m->n_steps - 1, vary == 0);
+    }
+    *at += (size_t)snprintf(t + *at, cap - *at,
+                            "    (void)kp, (void)score, (void)b, (void)h, (void)q_idx, "
+                            "(void)kv_idx, (void)g;\n}\n");
+}
+
 fa_status fa_mod_emit_cuda(fa_mod *m)
 {
     const int score = m->kind == FA_MOD_KIND_SCORE;
-    /* A step's value line and, for a score_mod, its value again, its derivative's block and,
-     * additive, its value a third time. */
-    const size_t cap = 1024 + strlen(m->text) + (size_t)m->n_steps * (score ? 1024 : 256);
+    /* A step's value line and, for a score_mod, its value again, its derivative's block,
+     * additive its value a third time, its value for fa_mod_cuda_aux_grad and there, for each
+     * aux read, its derivative's block once more. */
+    int reads = 0;
+    for (int i = 0; i < m->n_steps; i++)
+        reads += m->steps[i].op == FA_MOD_OP_AUX;
+    const size_t cap = 1024 + strlen(m->text) +
+                       (size_t)m->n_steps * (score ? 1536 + 512 * (size_t)reads : 256);
     char *t = malloc(cap);
     if (!t)
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY, "fa_mod_finish: out of memory");
@@ -347,9 +403,10 @@ fa_status fa_mod_emit_cuda(fa_mod *m)
                                "int b, int h, int q_idx, int kv_idx, float *dscore)\n{\n");
         fa_mod_cuda_body(m, 1, t, cap, &at);
         int zero[FA_MOD_MAX_NODES], term, neg;
-        fa_mod_cuda_zero_d(m, zero);
+        fa_mod_cuda_zero_d(m, -1, zero);
         if (fa_mod_cuda_additive(m, zero, &term, &neg))
             fa_mod_cuda_term(m, zero, term, neg, t, cap, &at);
+        fa_mod_cuda_aux_grad(m, t, cap, &at);
     }
     free(m->cuda);
     m->cuda = t;

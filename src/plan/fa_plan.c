@@ -177,6 +177,9 @@ void fa_plan_define_mods(fa_plan *plan, const fa_plan_key *key)
     if (features & (FA_PLAN_SCORE_MOD | FA_PLAN_MASK_MOD)) {
         fa_plan_define(plan, "FA_MOD_AUX_I32", (int)(key->mod_aux & 15u));
         fa_plan_define(plan, "FA_MOD_AUX_OFF32", (key->mod_aux & FA_PLAN_AUX_OFF32) != 0);
+        /* only where asked: the other kernels keep their JIT keys */
+        if (FA_PLAN_AUX_GRADS(key->mod_aux))
+            fa_plan_define(plan, "FA_MOD_AUX_GRAD", (int)FA_PLAN_AUX_GRADS(key->mod_aux));
     }
 }
 

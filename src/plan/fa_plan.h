@@ -47,14 +47,17 @@ typedef struct fa_plan_key {
     fa_dtype dtype;
     int d, dv;         /* head dims as the caller has them */
     unsigned features; /* FA_FEATURE_* bits */
-    /* With a score_mod or mask_mod: bit i set where aux tensor i is int32 (else fp32), and
-     * FA_PLAN_AUX_OFF32 where every aux element's offset fits an int (fa_mod.cuh). */
+    /* With a score_mod or mask_mod: bit i set where aux tensor i is int32 (else fp32),
+     * FA_PLAN_AUX_OFF32 where every aux element's offset fits an int (fa_mod.cuh), and in the
+     * backward FA_PLAN_AUX_GRAD(i) where aux tensor i is given a gradient. */
     unsigned mod_aux;
     /* With a block mask (FA_PLAN_BLOCK_MASK): its blocks' query rows and keys. */
     int bm_q_block, bm_kv_block;
 } fa_plan_key;
 
 #define FA_PLAN_AUX_OFF32 (1u << 4)
+#define FA_PLAN_AUX_GRAD(slot) (1u << (5 + (slot)))
+#define FA_PLAN_AUX_GRADS(mod_aux) (((mod_aux) >> 5) & 15u) /* the slots' bits */
 
 typedef struct fa_plan {
     const char *family; /* kernel source, e.g. "fa_fwd_sm80.cu" */

@@ -3,13 +3,16 @@
  * the gradients of score = score * scale[h] + bias[h, kv_idx - q_idx + S] (a per-head scale, a
  * relative-position table, fp32) in an fp64 call against a double-precision oracle written
  * here from the formula (P = softmax(s'), dS = P (dP - D), d scale[h] = sum dS s, d bias[h, r]
- * = sum of dS where kv - q + S = r).
+ * = sum of dS where kv - q + S = r); and the CUDA C of the same program's gradients
+ * (fa_score_mod_aux_grad), which the GPU tests run.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "flashattn.h"
+#include "mod/fa_mod.h"
 #include "test_mod.h"
 #include "test_util.h"
 
@@ -22,8 +25,45 @@ static void expect_refused(fa_status st, const char *what, const char *word)
              fa_last_error(), word);
 }
 
+/* fa_score_mod_aux_grad's text for score * scale[h] + bias[h, kv - q + S]: a block per read,
+ * each compiled only where FA_MOD_AUX_GRAD asks for its slot, the scale's derivative the score
+ * and its add warp-wide (its index reads only h), the table's 1 and its add per lane. */
+static void test_aux_grad_cuda_text(void)
+{
+    fa_mod *m = fa_mod_create();
+    const int head[1] = {V(H)}, rel[2] = {V(H), B(ADD, B(SUB, V(KV_IDX), V(Q_IDX)), C(S))};
+    const int root = B(ADD, B(MUL, V(SCORE), fa_mod_aux(m, 0, 1, head)), fa_mod_aux(m, 1, 2, rel));
+    TU_CHECK(fa_mod_finish(m, root, FA_MOD_KIND_SCORE) == FA_STATUS_OK, "%s", fa_last_error());
+    const char *fn = strstr(m->cuda, "FA_DEV void fa_score_mod_aux_grad(");
+    TU_CHECK(fn != NULL, "no fa_score_mod_aux_grad in:\n%s", m->cuda);
+    if (!fn) {
+        fa_mod_destroy(m);
+        return;
+    }
+    const char *b0 = strstr(fn, "#if (FA_MOD_AUX_GRAD >> 0) & 1");
+    const char *b1 = strstr(fn, "#if (FA_MOD_AUX_GRAD >> 1) & 1");
+    TU_CHECK(b0 && b1 && b0 < b1, "a block per read, in step order:\n%s", fn);
+    char want[96];
+    const int last = m->n_steps - 1;
+    snprintf(want, sizeof want, "fa_mod_aux_grad_add(kp, 0, go, g != 0.f ? g * d%d : 0.f, 1);",
+             last);
+    TU_CHECK(b0 && b1 && strstr(b0, want) && strstr(b0, want) < b1, "scale's add '%s':\n%s",
+             want, fn);
+    snprintf(want, sizeof want, "fa_mod_aux_grad_add(kp, 1, go, g != 0.f ? g * d%d : 0.f, 0);",
+             last);
+    TU_CHECK(b1 && strstr(b1, want), "table's add '%s':\n%s", want, fn);
+    /* the gradient's offsets through its own strides */
+    TU_CHECK(b0 && strstr(b0, "const fa_mod_off go = fa_mod_goff_i(kp, 0, 0, "),
+             "scale's offset:\n%s", fn);
+    /* the product's rule seeded at the scale's read: x * dy (dx, the score's, is 0 there) */
+    TU_CHECK(b0 && b1 && strstr(b0, "= x * dy;") && strstr(b0, "= x * dy;") < b1,
+             "scale's derivative:\n%s", fn);
+    fa_mod_destroy(m);
+}
+
 void tm_test_aux_grad(tu_rng *r)
 {
+    test_aux_grad_cuda_text();
     tu_where = "mod_aux_grad";
     const int64_t qs[4] = {1, S, H, D}, ls[3] = {1, H, S};
     tu_tensor q = tu_tensor_new(FA_DTYPE_F64, 4, qs, TU_CONTIGUOUS, r);

@@ -1115,21 +1115,6 @@ def test_create_block_mask_built_on_cuda(gen):
                 assert ref is None or torch.equal(x, getattr(ref, f)), f
 
 
-def test_flex_capture_gradient_refused_on_cuda(gen):
-    """The CPU backward gives score_mod's captured tensors gradients; CUDA's refuses, naming
-    the tensor, rather than leave the gradient out."""
-    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    table = torch.zeros(128, device="cuda", requires_grad=True)
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + table[kv_idx - q_idx + 64]
-
-    with pytest.raises(FlashAttnError, match="captured tensor 0 .* requires grad, but the cuda"):
-        flashattn.flex_attention(q, q, q, score_mod=score_mod)
-    with torch.no_grad():
-        assert flashattn.flex_attention(q, q, q, score_mod=score_mod).is_cuda
-
-
 FLEX_DOC = torch.zeros(300, dtype=torch.int32)
 FLEX_BIAS = torch.zeros(4, 81)
 
