@@ -3,9 +3,10 @@ compiled graph keeps it as opaque nodes (the forward and, through its autograd f
 backward), and the tracing of score_mod / mask_mod, which Dynamo cannot follow, done once when
 Dynamo meets the mods.
 
-    torch.ops.flashattn.flex_fwd (query, key, value, <block mask>, plan, scale)   -> out, lse
-    torch.ops.flashattn.flex_bwd (dout, query, key, value, out, lse, <block mask>, plan, scale)
-                                                                                   -> dq, dk, dv
+    torch.ops.flashattn.flex_fwd (query, key, value, <block mask>, plan, scale, grad_slots,
+                                  captured)                                        -> out, lse
+    torch.ops.flashattn.flex_bwd (dout, query, key, value, out, lse, <block mask>, plan, scale,
+                                  grad_slots, captured)          -> dq, dk, dv, captured's grads
 
 <block mask>: the block mask's kv_num_blocks, kv_indices, full_kv_num_blocks and
 full_kv_indices (None without a block mask), then its BLOCK_SIZE and seq_lengths. ``plan``
@@ -16,7 +17,10 @@ the ops find the mods' captured tensors afresh through the registered functions,
 call does, so a captured tensor's current values are read. A mod made inside the compiled
 region is no constant of the graph: there the call breaks the graph (under fullgraph, Dynamo's
 error) and runs in a frame of its own, compiled anew for each new function object until
-Dynamo's recompile limit. ``lse`` is the library's (+inf
+Dynamo's recompile limit. ``captured``: the captured tensors that take a gradient (slots
+``grad_slots``), inputs of the ops so that autograd hands them their gradients; Dynamo finds
+them by following, from score_mod, the names it reads (``grad_captures_of``), so they enter the
+graph as its inputs. ``lse`` is the library's (+inf
 for a row that sees no key), which the backward takes; ``flex_compiled`` hands the caller
 FlexAttention's -inf.
 
@@ -44,19 +48,71 @@ _PLAN_MODS = []  # plan number -> (score_mod, mask_mod)
 def plan_of(score_mod, mask_mod):
     """The plan number of a pair of mods (either may be None), traced on first sight."""
     key = (score_mod, mask_mod)
-    _, aux = mods_of(score_mod, mask_mod)  # refuses what cannot be traced, now
-    if torch.is_grad_enabled():
-        for i, (field, x) in enumerate(aux):
-            if field == "score_mod" and x.requires_grad:
-                raise FlashAttnError(
-                    "score_mod's captured tensor %d (shape %s) requires grad, but under "
-                    "torch.compile flex_attention gives captured tensors no gradient yet "
-                    "(eager calls on the CPU do); detach it" % (i, tuple(x.shape)))
+    mods_of(score_mod, mask_mod)  # refuses what cannot be traced, now
     n = _PLANS.get(key)
     if n is None:
         n = _PLANS[key] = len(_PLAN_MODS)
         _PLAN_MODS.append(key)
     return n
+
+
+def _path_to(fn, x):
+    """Where score_mod fn reaches tensor x: ("cell", i, attrs...) for a closure variable or
+    ("global", name, attrs...) for a global, attrs at most one attribute read of it (a
+    module's parameter); None elsewhere."""
+    names = fn.__code__.co_names
+    roots = [(("cell", i), c.cell_contents) for i, c in enumerate(fn.__closure__ or ())
+             if _has_contents(c)]
+    roots += [(("global", n), fn.__globals__[n]) for n in names if n in fn.__globals__]
+    for path, obj in roots:
+        if obj is x:
+            return path
+    for path, obj in roots:
+        for attr in names:
+            if not isinstance(obj, torch.Tensor) and getattr(obj, attr, None) is x:
+                return path + (attr,)
+    return None
+
+
+def _has_contents(cell):
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def grad_captures_of(score_mod, mask_mod):
+    """The captured tensors score_mod reads that take a gradient (grad mode on, the tensor
+    requiring grad), as constants of the graph: ((slot, path), ...) with _path_to's paths,
+    which flex_compiled follows so that the tensors enter the graph as inputs."""
+    if score_mod is None or not torch.is_grad_enabled():
+        return ()
+    programs, aux = mods_of(score_mod, mask_mod)
+    read = {i for field, _, slots in programs if field == "score_mod" for i in slots}
+    found = []
+    for i in sorted(read):
+        x = aux[i][1]
+        if not x.requires_grad:
+            continue
+        path = _path_to(score_mod, x)
+        if path is None:
+            raise FlashAttnError(
+                "score_mod's captured tensor %d (shape %s) requires grad, but under "
+                "torch.compile flex_attention finds only the tensors score_mod names itself "
+                "(a global or closure variable, or one attribute of one); detach it, or name "
+                "it so" % (i, tuple(x.shape)))
+        found.append((i, path))
+    return tuple(found)
+
+
+def _follow(fn, path):
+    """The object at a path of _path_to from fn (traced by Dynamo: the tensor a graph input)."""
+    obj = fn.__closure__[path[1]].cell_contents if path[0] == "cell" else fn.__globals__[path[1]]
+    for attr in path[2:]:
+        obj = getattr(obj, attr)
+    return obj
 
 
 class _OpBlockMask:
@@ -98,8 +154,10 @@ def _call(plan, device, scale, bm_tensors, block_size, seq_lengths):
 
 def _flex_fwd_impl(query: T, key: T, value: T, kv_num_blocks: OptT, kv_indices: OptT,
                    full_kv_num_blocks: OptT, full_kv_indices: OptT, block_size: List[int],
-                   seq_lengths: List[int], plan: int,
-                   scale: Optional[float]) -> Tuple[T, T]:
+                   seq_lengths: List[int], plan: int, scale: Optional[float],
+                   grad_slots: List[int], captured: List[T]) -> Tuple[T, T]:
+    # captured (the tensors of grad_slots) are inputs for autograd's sake: the call reads
+    # every captured tensor afresh, these among them
     bm = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     call = _call(plan, query.device, scale, bm, block_size, seq_lengths)
     out, lse, _ = call.forward(query, key, value, True)
@@ -116,7 +174,7 @@ def _lse_dtype(query):
 
 @flex_fwd.register_fake
 def _flex_fwd_fake(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
-                   full_kv_indices, block_size, seq_lengths, plan, scale):
+                   full_kv_indices, block_size, seq_lengths, plan, scale, grad_slots, captured):
     b, h, sq = query.shape[:3]
     return (query.new_empty((b, h, sq, value.shape[3])),
             query.new_empty((b, h, sq), dtype=_lse_dtype(query)))
@@ -125,10 +183,14 @@ def _flex_fwd_fake(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blo
 def _flex_bwd_impl(dout: T, query: T, key: T, value: T, out: T, lse: T, kv_num_blocks: OptT,
                    kv_indices: OptT, full_kv_num_blocks: OptT, full_kv_indices: OptT,
                    block_size: List[int], seq_lengths: List[int], plan: int,
-                   scale: Optional[float]) -> Tuple[T, T, T]:
+                   scale: Optional[float], grad_slots: List[int],
+                   captured: List[T]) -> Tuple[T, T, T, List[T]]:
     bm = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     call = _call(plan, query.device, scale, bm, block_size, seq_lengths)
-    return call.backward(query, key, value, out, lse, dout)
+    if not grad_slots:
+        return call.backward(query, key, value, out, lse, dout) + ([],)
+    dq, dk, dv, grads = call.backward(query, key, value, out, lse, dout, tuple(grad_slots))
+    return dq, dk, dv, [g.reshape(x.shape).to(x.dtype) for g, x in zip(grads, captured)]
 
 
 flex_bwd = torch.library.custom_op("flashattn::flex_bwd", _flex_bwd_impl, mutates_args=(),
@@ -137,25 +199,32 @@ flex_bwd = torch.library.custom_op("flashattn::flex_bwd", _flex_bwd_impl, mutate
 
 @flex_bwd.register_fake
 def _flex_bwd_fake(dout, query, key, value, out, lse, kv_num_blocks, kv_indices,
-                   full_kv_num_blocks, full_kv_indices, block_size, seq_lengths, plan, scale):
+                   full_kv_num_blocks, full_kv_indices, block_size, seq_lengths, plan, scale,
+                   grad_slots, captured):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format)
-                 for x in (query, key, value))
+                 for x in (query, key, value)) + ([torch.empty_like(x) for x in captured],)
 
 
 def _flex_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*inputs[:3], *output, *inputs[3:7])
-    ctx.options = tuple(inputs[7:])
+    captured = inputs[12]
+    ctx.save_for_backward(*inputs[:3], *output, *inputs[3:7], *captured)
+    ctx.options = tuple(inputs[7:12])  # block_size .. grad_slots
 
 
 def _flex_backward(ctx, dout, _dlse):
+    grad_slots = ctx.options[4]
+    # The inputs' structure: an empty list (grad_slots without slots) is a node of it, a list
+    # of ints a leaf.
+    slots_grad = None if grad_slots else []
     if dout is None:
-        return (None,) * 11
-    query, key, value, out, lse, *bm = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashattn.flex_bwd(dout, query, key, value, out, lse, *bm,
-                                              *ctx.options)
-    return (dq, dk, dv) + (None,) * 8
+        return (None,) * 11 + (slots_grad, [None] * len(grad_slots))
+    query, key, value, out, lse, *rest = ctx.saved_tensors
+    bm, captured = rest[:4], rest[4:]
+    dq, dk, dv, grads = torch.ops.flashattn.flex_bwd(dout, query, key, value, out, lse, *bm,
+                                                     *ctx.options, captured)
+    return (dq, dk, dv) + (None,) * 8 + (slots_grad, list(grads))
 
 
 flex_fwd.register_autograd(_flex_backward, setup_context=_flex_setup)
@@ -189,9 +258,11 @@ def flex_compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, r
         block_size = [int(n) for n in block_mask.BLOCK_SIZE]
         seq_lengths = [int(n) for n in block_mask.seq_lengths]
     comptime(_constant_mods)
+    grads = grad_captures_of(score_mod, mask_mod)
     out, lse = torch.ops.flashattn.flex_fwd(query, key, value, *bm, block_size, seq_lengths,
                                             plan_of(score_mod, mask_mod),
-                                            _core.as_scale(scale))
+                                            _core.as_scale(scale), [i for i, _ in grads],
+                                            [_follow(score_mod, p) for _, p in grads])
     if not return_lse:
         return out
     return out, lse.masked_fill(lse == math.inf, -math.inf)

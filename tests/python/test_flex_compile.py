@@ -52,15 +52,18 @@ def call(q, k, v, score_mod, block_mask):
 
 def test_opcheck(inputs):
     q, k, v, bm = inputs
-    plan = _torch_flex.plan_of(rel_bias, doc_causal)
     mask = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-    args = (q, k, v) + mask + (list(bm.BLOCK_SIZE), list(bm.seq_lengths), plan, 0.3)
-    torch.library.opcheck(torch.ops.flashattn.flex_fwd.default, args)
-    out, lse = torch.ops.flashattn.flex_fwd(*args)
-    dout = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.flashattn.flex_bwd.default, (dout, q, k, v, out, lse) +
-                          args[3:])
-    assert _torch_flex.plan_of(rel_bias, doc_causal) == plan  # one number per pair
+    for score_mod, slots, captured in ((rel_bias, [], []), (biased, [0, 1], [HEAD_SCALE, TABLE])):
+        plan = _torch_flex.plan_of(score_mod, doc_causal)
+        args = (q, k, v) + mask + (list(bm.BLOCK_SIZE), list(bm.seq_lengths), plan, 0.3, slots,
+                                   captured)
+        torch.library.opcheck(torch.ops.flashattn.flex_fwd.default, args)
+        # (the backward runs without grad mode: its inputs detached, as there)
+        out, lse = (x.detach() for x in torch.ops.flashattn.flex_fwd(*args))
+        dout = torch.randn_like(out)
+        torch.library.opcheck(torch.ops.flashattn.flex_bwd.default, (dout, q, k, v, out, lse) +
+                              args[3:-1] + ([x.detach() for x in captured],))
+        assert _torch_flex.plan_of(score_mod, doc_causal) == plan  # one number per pair
 
 
 def test_forward_and_backward_equal_eager(inputs):
@@ -149,18 +152,71 @@ def test_mod_made_inside_the_region(inputs):
             torch.compile(model, fullgraph=True)(q, k, v)
 
 
-def test_capture_requiring_grad_refused_at_compile(inputs):
-    """Eager CPU calls give a captured tensor its gradient; a compiled call would silently not,
-    so it is refused when Dynamo meets the mod."""
+TABLE = torch.zeros(H, 2 * S, requires_grad=True)
+HEAD_SCALE = torch.ones(H, dtype=torch.float64, requires_grad=True)
+
+
+def biased(score, b, h, q_idx, kv_idx):
+    return score * HEAD_SCALE[h] + TABLE[h, kv_idx - q_idx + S]
+
+
+class _Biased(torch.nn.Module):
+    """A learnt relative-position table read by a score_mod made in forward."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = torch.nn.Parameter(table)
+
+    def forward(self, q, k, v, block_mask):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + self.table[h, kv_idx - q_idx + S]
+
+        return flashattn.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                        enable_gqa=True)
+
+
+def test_captured_gradients_compiled(rng, inputs):
+    """Captured tensors that require grad enter the compiled graph as inputs of the ops, so
+    they get their gradients: a global table and a global fp64 head scale (fullgraph), a
+    module's parameter read through a score_mod made in forward (the call's own frame); equal
+    to the eager call's bitwise, q's too."""
+    q, k, v, bm = inputs
+    with torch.no_grad():
+        TABLE.copy_(randn(rng, H, 2 * S))
+        HEAD_SCALE.copy_(1 + 0.2 * randn(rng, H).double())
+    compiled = torch.compile(call, fullgraph=True)
+    model = _Biased(randn(rng, H, 2 * S))
+    runs = ((lambda *x: compiled(*x, biased, bm)[0], lambda *x: call(*x, biased, bm)[0],
+             (TABLE, HEAD_SCALE)),
+            (lambda *x: torch.compile(model)(*x, bm), lambda *x: model(*x, bm), (model.table,)))
+    for fast, eager, leaves in runs:
+        got = []
+        for f in (fast, eager):
+            qx = q.clone().requires_grad_()
+            out = f(qx, k, v)
+            for x in leaves:
+                x.grad = None
+            (out * out.detach().sin()).sum().backward()
+            got.append([qx.grad] + [x.grad for x in leaves])
+        for a, b in zip(*got):
+            assert a is not None and a.dtype == b.dtype and a.abs().max() > 0
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert HEAD_SCALE.grad.dtype == torch.float64
+
+
+def test_capture_out_of_reach_refused_at_compile(inputs):
+    """A tensor requiring grad that score_mod reaches other than by a name of its own (here an
+    element of a list) would miss its gradient under compile: refused, naming the way."""
     q, k, v, _ = inputs
-    table = torch.zeros(2 * S, requires_grad=True)
+    tables = [torch.zeros(2 * S, requires_grad=True)]
 
-    def biased(score, b, h, q_idx, kv_idx):
-        return score + table[kv_idx - q_idx + S]
+    def listed(score, b, h, q_idx, kv_idx):
+        return score + tables[0][kv_idx - q_idx + S]
 
-    f = torch.compile(lambda q, k, v: call(q, k, v, biased, None), fullgraph=True)
-    with pytest.raises(Exception, match="requires grad, but under torch.compile"):
+    f = torch.compile(lambda q, k, v: call(q, k, v, listed, None), fullgraph=True)
+    with pytest.raises(Exception, match="requires grad, but under torch.compile.*global or "
+                                        "closure variable"):
         f(q, k, v)
     with torch.no_grad():
-        torch.testing.assert_close(f(q, k, v)[0], call(q, k, v, biased, None)[0], rtol=0,
+        torch.testing.assert_close(f(q, k, v)[0], call(q, k, v, listed, None)[0], rtol=0,
                                    atol=0)
