@@ -10,7 +10,8 @@ Cases (b 1; on the CPU h 8, d 64, fp32; on CUDA h 16, d 128, bf16, the FlashAtte
 benchmark's 16k tokens at hidden 2048; mods written for torch, run unchanged by both):
 - causal, sliding window 256, prefix-LM (prefix 1/4), document (8 documents, causal): mask_mods
   with a block mask from each library's create_block_mask (128-blocks);
-- softcap 30, ALiBi, relative bias (a captured [h, 2s] table): score_mods over causal.
+- softcap 30, ALiBi, relative bias (a captured [h, 2s] table): score_mods over causal; with
+  --backward also the table learnt (it requires grad, so the backward gives it a gradient).
 torch's column is torch.compile(flex_attention) (Inductor's CPU kernel, or its Triton kernel on
 CUDA), its own fast path; flashattn's runs as called (the mods traced once, then cached). "built-in" is
 flash_attn_func with causal, window_size, softcap or alibi_slopes where the case has one.
@@ -65,6 +66,13 @@ def cases(s, h, dev):
     def relbias(score, b, hh, q, k):
         return score + rel[hh, k - q + s]
 
+    relg = rel.clone().requires_grad_()
+
+    def relbias_learnt(score, b, hh, q, k):
+        return score + relg[hh, k - q + s]
+
+    relbias_learnt.trainable = (relg,)  # its backward gives the table a gradient
+
     return {
         "causal": (None, causal, dict(causal=True)),
         "window 256": (None, window, dict(causal=True, window_size=(256, 0))),
@@ -73,6 +81,7 @@ def cases(s, h, dev):
         "softcap 30": (softcap, causal, dict(causal=True, softcap=30.0)),
         "alibi": (alibi, causal, dict(causal=True, alibi_slopes=slopes)),
         "relative bias": (relbias, causal, None),
+        "relative bias, learnt": (relbias_learnt, causal, None),
     }
 
 
@@ -132,6 +141,8 @@ def main():
     for name, (score_mod, mask_mod, builtin) in cases(s, h, dev).items():
         if opts.only and not re.search(opts.only, name):
             continue
+        if not opts.backward and getattr(score_mod, "trainable", None):
+            continue  # its forward is the relative bias's
         ours_bm = flashattn.create_block_mask(mask_mod, None, None, s, s, device=dev)
         ours = lambda: flashattn.flex_attention(q, k, v, score_mod=score_mod,  # noqa: E731
                                                 block_mask=ours_bm)
@@ -146,6 +157,8 @@ def main():
                 # as optimizer.zero_grad() leaves them: each backward's gradients are new
                 # tensors, not added into the last ones
                 qg.grad = kg.grad = vg.grad = None
+                for x in getattr(score_mod, "trainable", ()):
+                    x.grad = None
 
             def ours_fb():
                 fresh()
@@ -168,7 +181,10 @@ def main():
                     out = compiled(qg, kg, vg, score_mod=score_mod, block_mask=tbm)
                     out.backward(torch.ones_like(out))
 
-                theirs_fb_ms = best_ms(theirs_fb, reps, dev)
+                try:
+                    theirs_fb_ms = best_ms(theirs_fb, reps, dev)
+                except Exception as e:  # torch 2.11's Triton backward of a learnt table
+                    print("torch compiled, %s: %s" % (name, str(e).strip().splitlines()[-1]))
             with torch.no_grad():
                 fwd = best_ms(ours, reps, dev)
             fb = best_ms(ours_fb, reps, dev)
