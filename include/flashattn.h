@@ -200,6 +200,36 @@ const char *fa_mod_text(const fa_mod *m);
 fa_status fa_mod_parse(const char *text, fa_mod **out);
 
 /*
+ * A block mask from a mask program (FlexAttention's create_block_mask): mask_mod evaluated at
+ * every (query, key) pair of b sequences, h heads, sq queries and sk keys (in fp32, its aux
+ * reads clamped into mod_aux as a call reads them), counted per (query block, key block). A
+ * block whose every pair is kept is full, one with some kept partial, the rest skipped; pairs
+ * past sq or sk count as not kept, so an edge block is never full. For each b, h and query
+ * block qb: kv_num_blocks[b, h, qb] partial blocks, listed first in kv_indices[b, h, qb, .] in
+ * ascending order, then the other blocks in ascending order; full_kv_num_blocks /
+ * full_kv_indices the same for the full ones. Without full_* (both NULL) every block with a
+ * kept pair is listed as partial. The outputs are int32 (written; any strides): [b, h, nq] and
+ * [b, h, nq, nk], nq = ceil(sq / q_block), nk = ceil(sk / kv_block), what fa_block_mask takes.
+ * The CPU builds it, on the calling thread (device FA_DEVICE_CPU; host memory); for a CUDA call
+ * copy the tensors to the device, or build there through the Python package's
+ * create_block_mask.
+ */
+typedef struct fa_block_mask_args {
+    const fa_mod *mask_mod;                     /* a finished FA_MOD_KIND_MASK program */
+    const fa_tensor *mod_aux[FA_MOD_AUX_SLOTS]; /* what it reads: int32 or fp32 */
+    int64_t b, h, sq, sk;                       /* >= 1 each */
+    int64_t q_block, kv_block;                  /* rows and keys per block, >= 1 */
+    const fa_tensor *kv_num_blocks;             /* int32 [b, h, nq], written */
+    const fa_tensor *kv_indices;                /* int32 [b, h, nq, nk], written */
+    const fa_tensor *full_kv_num_blocks;        /* optional, int32 [b, h, nq], written */
+    const fa_tensor *full_kv_indices;           /* int32 [b, h, nq, nk], with the above */
+    int device;                                 /* FA_DEVICE_CPU */
+} fa_block_mask_args;
+
+void fa_block_mask_args_init(fa_block_mask_args *args);
+fa_status fa_block_mask_build(const fa_block_mask_args *args);
+
+/*
  * Forward attention.
  *
  * Dense form (cu_seqlens_q and cu_seqlens_k NULL):

@@ -23,6 +23,8 @@ typedef struct fa_backend {
     /* Bytes of workspace the KV-cache call needs for p on args->device; NULL: none. */
     size_t (*kvcache_workspace_size)(const fa_params *p, const fa_kvcache_args *args);
     fa_status (*combine)(const fa_params *p, const fa_combine_args *args);
+    /* A block mask from a mask program (p: fa_block_mask_args_check's); NULL: not here. */
+    fa_status (*block_mask_build)(const fa_params *p, const fa_block_mask_args *args);
 } fa_backend;
 
 /* FA_STATUS_UNSUPPORTED naming the entry point, for the backend of device that lacks it. */

@@ -57,6 +57,7 @@ const fa_backend fa_cpu_backend = {
     .backward_workspace_size = NULL, /* the CPU backward takes no workspace from the caller */
     .kvcache = fa_cpu_backend_kvcache,
     .combine = fa_cpu_backend_combine,
+    .block_mask_build = fa_cpu_block_mask_build,
 };
 
 static char g_report[384]; /* the CPU's description, the kernels picked from it, the L2 share */
