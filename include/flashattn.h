@@ -210,9 +210,10 @@ fa_status fa_mod_parse(const char *text, fa_mod **out);
  * full_kv_indices the same for the full ones. Without full_* (both NULL) every block with a
  * kept pair is listed as partial. The outputs are int32 (written; any strides): [b, h, nq] and
  * [b, h, nq, nk], nq = ceil(sq / q_block), nk = ceil(sk / kv_block), what fa_block_mask takes.
- * The CPU builds it, on the calling thread (device FA_DEVICE_CPU; host memory); for a CUDA call
- * copy the tensors to the device, or build there through the Python package's
- * create_block_mask.
+ * The CPU builds it on the calling thread (host memory). A CUDA device builds it on the stream
+ * (device memory; the program compiled into the builder's kernel, evaluated as the GPU forward
+ * evaluates it; no host synchronisation or allocation), sq and sk below 2^31 - 1, b and h at
+ * most 65535, and a row's key blocks at most the device's shared memory per block (bytes).
  */
 typedef struct fa_block_mask_args {
     const fa_mod *mask_mod;                     /* a finished FA_MOD_KIND_MASK program */
@@ -223,7 +224,8 @@ typedef struct fa_block_mask_args {
     const fa_tensor *kv_indices;                /* int32 [b, h, nq, nk], written */
     const fa_tensor *full_kv_num_blocks;        /* optional, int32 [b, h, nq], written */
     const fa_tensor *full_kv_indices;           /* int32 [b, h, nq, nk], with the above */
-    int device;                                 /* FA_DEVICE_CPU */
+    int device;                                 /* FA_DEVICE_CPU or a CUDA ordinal */
+    void *stream;                               /* CUDA stream; ignored on the CPU */
 } fa_block_mask_args;
 
 void fa_block_mask_args_init(fa_block_mask_args *args);

@@ -78,6 +78,9 @@ fa_status fa_cuda_backward_prepare(const fa_params *p, const fa_fwd_args *args);
  * in args->workspace). */
 fa_status fa_cuda_kvcache(const fa_params *p, const fa_kvcache_args *args);
 
+/* fa_block_mask_build on a device (fa_cuda_block_mask.c); p from fa_block_mask_args_check. */
+fa_status fa_cuda_block_mask_build(const fa_params *p, const fa_block_mask_args *a);
+
 /* Bytes of workspace fa_cuda_kvcache needs for p on args->device (0: it will not split). */
 size_t fa_cuda_kvcache_workspace_size(const fa_params *p, const fa_kvcache_args *args);
 

@@ -10,4 +10,5 @@ const fa_backend fa_cuda_backend = {
     .kvcache = fa_cuda_kvcache,
     .kvcache_workspace_size = fa_cuda_kvcache_workspace_size,
     .combine = fa_cuda_combine,
+    .block_mask_build = fa_cuda_block_mask_build,
 };

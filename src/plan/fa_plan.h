@@ -179,4 +179,8 @@ int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, 
  * or fp32). */
 fa_status fa_plan_combine(const fa_plan_key *key, fa_plan *plan);
 
+/* The block-mask builder (kernels/fa_block_mask.cu) for a mask program with key's mods bits
+ * (FA_PLAN_MASK_MOD, mod_aux); the caller puts the program's CUDA C in plan->mask_mod. */
+fa_status fa_plan_block_mask(const fa_plan_key *key, fa_plan *plan);
+
 #endif /* FA_PLAN_H */

@@ -1,4 +1,4 @@
-/* The decode's and the combine's plans (see fa_plan.h). */
+/* The decode's, the combine's and the block-mask builder's plans (see fa_plan.h). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -286,6 +286,19 @@ int fa_plan_decode_splits(const fa_plan *plan, int64_t tiles, int64_t max_keys, 
         if (fa_plan_split_useful(blocks, s) && eff[s] >= 0.85 * best)
             return (int)s;
     return 1;
+}
+
+/* The block-mask builder (kernels/fa_block_mask.cu): 256 threads, the mods' defines. */
+fa_status fa_plan_block_mask(const fa_plan_key *key, fa_plan *plan)
+{
+    FA_TRY(fa_plan_check_arch(key->arch));
+    *plan = (fa_plan){0};
+    plan->family = "fa_block_mask.cu";
+    snprintf(plan->target, sizeof plan->target, key->arch == 90 ? "sm_90a" : "sm_%d", key->arch);
+    plan->threads = 256;
+    fa_plan_define(plan, "FA_THREADS", 256);
+    fa_plan_define_mods(plan, key);
+    return FA_STATUS_OK;
 }
 
 /* The combine (kernels/fa_combine.cu): a warp per 128 columns of a row, nothing to tile. */
