@@ -83,6 +83,7 @@ gpu-tests:
 	tests/gpu/run_sharded.sh $(SHARDS) build-cuda/tests/gpu/test_gpu_kvcache || rc=1; \
 	build-cuda/tests/gpu/test_gpu_kvcache_check || rc=1; \
 	tests/gpu/run_sharded.sh $(SHARDS) build-cuda/tests/gpu/test_gpu_mod || rc=1; \
+	build-cuda/tests/gpu/test_gpu_block_mask || rc=1; \
 	exit $$rc
 
 gpu-python:
