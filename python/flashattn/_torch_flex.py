@@ -59,8 +59,11 @@ def plan_of(score_mod, mask_mod):
 def _path_to(fn, x):
     """Where score_mod fn reaches tensor x: ("cell", i, attrs...) for a closure variable or
     ("global", name, attrs...) for a global, attrs at most one attribute read of it (a
-    module's parameter); None elsewhere."""
-    names = fn.__code__.co_names
+    module's parameter); None elsewhere (a callable without code of its own included)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    names = code.co_names
     roots = [(("cell", i), c.cell_contents) for i, c in enumerate(fn.__closure__ or ())
              if _has_contents(c)]
     roots += [(("global", n), fn.__globals__[n]) for n in names if n in fn.__globals__]
