@@ -210,10 +210,11 @@ fa_status fa_mod_parse(const char *text, fa_mod **out);
  * full_kv_indices the same for the full ones. Without full_* (both NULL) every block with a
  * kept pair is listed as partial. The outputs are int32 (written; any strides): [b, h, nq] and
  * [b, h, nq, nk], nq = ceil(sq / q_block), nk = ceil(sk / kv_block), what fa_block_mask takes.
- * The CPU builds it on its threads, as many as the forward's default (host memory). A CUDA device builds it on the stream
- * (device memory; the program compiled into the builder's kernel, evaluated as the GPU forward
- * evaluates it; no host synchronisation or allocation), sq and sk below 2^31 - 1, b and h at
- * most 65535, and a row's key blocks at most the device's shared memory per block (bytes).
+ * The CPU builds it on its threads, as many as the forward's default (host memory). A CUDA
+ * device builds it on the stream (device memory; the program compiled into the builder's
+ * kernel, evaluated as the GPU forward evaluates it; no host synchronisation or allocation),
+ * sq and sk below 2^31 - 1, b and h at most 65535, and a row's key blocks at most the device's
+ * shared memory per block (bytes).
  */
 typedef struct fa_block_mask_args {
     const fa_mod *mask_mod;                     /* a finished FA_MOD_KIND_MASK program */
