@@ -11,10 +11,9 @@
 #include <string.h>
 
 #include "flashattn.h"
+#include "block_mask_rules.h"
 #include "test_util.h"
 
-enum { R_DOC, R_WINDOW, R_CAUSAL, R_KINDS };
-static const char *const rule_names[R_KINDS] = {"documents", "head windows", "causal"};
 
 typedef struct bcase {
     int rule;
@@ -36,32 +35,6 @@ static int keeps(const bcase *c, int64_t b, int64_t h, int64_t i, int64_t j)
     case R_WINDOW: return j <= i && (float)(i - j) < c->win[h];
     default: return j <= i;
     }
-}
-
-static fa_mod *program(int rule)
-{
-    fa_mod *m = fa_mod_create();
-    const int q = fa_mod_var(m, FA_MOD_Q_IDX), kv = fa_mod_var(m, FA_MOD_KV_IDX);
-    const int causal = fa_mod_binary(m, FA_MOD_LE, kv, q);
-    int root = causal;
-    if (rule == R_DOC) {
-        const int b = fa_mod_var(m, FA_MOD_B);
-        const int iq[2] = {b, q}, ik[2] = {b, kv};
-        root = fa_mod_binary(m, FA_MOD_AND,
-                             fa_mod_binary(m, FA_MOD_EQ, fa_mod_aux(m, 0, 2, iq),
-                                           fa_mod_aux(m, 0, 2, ik)),
-                             causal);
-    } else if (rule == R_WINDOW) {
-        const int ih[1] = {fa_mod_var(m, FA_MOD_H)};
-        root = fa_mod_binary(m, FA_MOD_AND, causal,
-                             fa_mod_binary(m, FA_MOD_LT, fa_mod_binary(m, FA_MOD_SUB, q, kv),
-                                           fa_mod_aux(m, 1, 1, ih)));
-    }
-    if (fa_mod_finish(m, root, FA_MOD_KIND_MASK) != FA_STATUS_OK) {
-        fprintf(stderr, "FATAL: %s\n", fa_last_error());
-        exit(1);
-    }
-    return m;
 }
 
 static int32_t at(const tu_tensor *t, int64_t b, int64_t h, int64_t qb, int64_t i)
@@ -165,7 +138,7 @@ static void test_builds(tu_rng *r)
             c.win[h] = (float)tu_rng_uniform(r, 1, 80);
         const fa_tensor doc = {c.doc, FA_DTYPE_I32, 2, {c.b, c.doc_len}, {c.doc_len, 1}};
         const fa_tensor win = {c.win, FA_DTYPE_F32, 1, {c.h}, {1}};
-        fa_mod *m = program(c.rule);
+        fa_mod *m = rule_program(c.rule);
         char where[160];
         const int full = it % 2 == 0, layout = (it / 2) % TU_NUM_LAYOUTS;
         snprintf(where, sizeof where, "%s b %lld h %lld sq %lld sk %lld blocks %lld x %lld%s "
@@ -192,7 +165,7 @@ static void expect_error(fa_status st, const char *what, const char *word)
 static void test_errors(tu_rng *r)
 {
     tu_where = "errors";
-    fa_mod *m = program(R_CAUSAL);
+    fa_mod *m = rule_program(R_CAUSAL);
     const int64_t s3[3] = {1, 2, 4}, s4[4] = {1, 2, 4, 3}, s4b[4] = {1, 2, 4, 4};
     tu_tensor num = tu_tensor_new(FA_DTYPE_I32, 3, s3, TU_CONTIGUOUS, r);
     tu_tensor idx = tu_tensor_new(FA_DTYPE_I32, 4, s4, TU_CONTIGUOUS, r);

@@ -9,44 +9,17 @@
  */
 #include <string.h>
 
+#include "../c/block_mask_rules.h"
 #include "gpu_test_util.h"
 
 static int failures;
 
-enum { R_DOC, R_WINDOW, R_CAUSAL, R_KINDS };
-static const char *const rule_names[R_KINDS] = {"documents", "head windows", "causal"};
 
 typedef struct bm_case {
     const char *name;
     int rule, full;
     int64_t b, h, sq, sk, qbs, kbs;
 } bm_case;
-
-static fa_mod *program(int rule)
-{
-    fa_mod *m = fa_mod_create();
-    const int q = fa_mod_var(m, FA_MOD_Q_IDX), kv = fa_mod_var(m, FA_MOD_KV_IDX);
-    const int causal = fa_mod_binary(m, FA_MOD_LE, kv, q);
-    int root = causal;
-    if (rule == R_DOC) {
-        const int b = fa_mod_var(m, FA_MOD_B);
-        const int iq[2] = {b, q}, ik[2] = {b, kv};
-        root = fa_mod_binary(m, FA_MOD_AND,
-                             fa_mod_binary(m, FA_MOD_EQ, fa_mod_aux(m, 0, 2, iq),
-                                           fa_mod_aux(m, 0, 2, ik)),
-                             causal);
-    } else if (rule == R_WINDOW) {
-        const int ih[1] = {fa_mod_var(m, FA_MOD_H)};
-        root = fa_mod_binary(m, FA_MOD_AND, causal,
-                             fa_mod_binary(m, FA_MOD_LT, fa_mod_binary(m, FA_MOD_SUB, q, kv),
-                                           fa_mod_aux(m, 1, 1, ih)));
-    }
-    if (fa_mod_finish(m, root, FA_MOD_KIND_MASK) != FA_STATUS_OK) {
-        fprintf(stderr, "FATAL: %s\n", fa_last_error());
-        exit(1);
-    }
-    return m;
-}
 
 /* Builds c's mask on the CPU and the GPU and compares every output element. */
 static void run_case(const bm_case *c)
@@ -69,7 +42,7 @@ static void run_case(const bm_case *c)
     gu_buf_upload(&win);
     gpu_buf out[4] = {gu_buf_new(FA_DTYPE_I32, 3, s3, 1), gu_buf_new(FA_DTYPE_I32, 4, s4, 3),
                       gu_buf_new(FA_DTYPE_I32, 3, s3, 0), gu_buf_new(FA_DTYPE_I32, 4, s4, 2)};
-    fa_mod *m = program(c->rule);
+    fa_mod *m = rule_program(c->rule);
     fa_block_mask_args a;
     fa_block_mask_args_init(&a);
     a.mask_mod = m;
