@@ -18,7 +18,8 @@ fa_status fa_cpu_probs(const fa_params *p);
 fa_status fa_cpu_backward(const fa_params *p);
 fa_status fa_cpu_kvcache(const fa_params *p);
 fa_status fa_cpu_combine(const fa_params *c);
-/* fa_block_mask_build (fa_cpu_block_mask.c); p from fa_block_mask_args_check. */
+/* fa_block_mask_build (fa_cpu_block_mask.c); p from fa_block_mask_args_check, its
+ * num_threads set. */
 fa_status fa_cpu_block_mask_build(const fa_params *p, const fa_block_mask_args *a);
 /* The forward for fp8 inputs (fa_cpu_fp8.c). */
 fa_status fa_cpu_forward_fp8(const fa_params *p);

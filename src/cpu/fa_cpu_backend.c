@@ -51,13 +51,20 @@ static fa_status fa_cpu_backend_combine(const fa_params *p, const fa_combine_arg
     return fa_cpu_combine(&q);
 }
 
+static fa_status fa_cpu_backend_block_mask(const fa_params *p, const fa_block_mask_args *args)
+{
+    fa_params q = *p;
+    q.num_threads = fa_cpu_threads(0);
+    return fa_cpu_block_mask_build(&q, args);
+}
+
 const fa_backend fa_cpu_backend = {
     .forward = fa_cpu_backend_forward,
     .backward = fa_cpu_backend_backward,
     .backward_workspace_size = NULL, /* the CPU backward takes no workspace from the caller */
     .kvcache = fa_cpu_backend_kvcache,
     .combine = fa_cpu_backend_combine,
-    .block_mask_build = fa_cpu_block_mask_build,
+    .block_mask_build = fa_cpu_backend_block_mask,
 };
 
 static char g_report[384]; /* the CPU's description, the kernels picked from it, the L2 share */

@@ -2,9 +2,9 @@
  * fa_block_mask_build on the CPU: for each query block and key block, mask_mod's kept pairs
  * counted by the forward's bounds pass (fa_cpu_mod_bounds_f32, the hoisting evaluator in fp32,
  * as a call evaluates the mask), then each (b, h, query block)'s lists written in
- * FlexAttention's order, a (b, h, query block) row a work item on the CPU's threads (as many as
- * the forward's default). A program that reads neither b nor h is evaluated once and its lists
- * copied to every sequence and head.
+ * FlexAttention's order, a (b, h, query block) row a work item on p->num_threads threads. A
+ * program that reads neither b nor h is evaluated once and its lists copied to every sequence
+ * and head.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -14,15 +14,6 @@
 #include "util/fa_threadpool.h"
 #include "mod/fa_block_mask.h"
 #include "mod/fa_mod_program.h"
-
-/* Whether program m reads variable v. */
-static int fa_bm_reads(const fa_mod *m, int v)
-{
-    for (int i = 0; i < m->n_steps; i++)
-        if (m->steps[i].op == FA_MOD_OP_VAR && m->steps[i].what == v)
-            return 1;
-    return 0;
-}
 
 static int32_t *fa_bm_at(const fa_tensor *t, int64_t b, int64_t h, int64_t qb, int64_t i)
 {
@@ -98,15 +89,13 @@ fa_status fa_cpu_block_mask_build(const fa_params *p, const fa_block_mask_args *
     fa_bm_job job = {p, a, 0, 0, 0, 0, a->full_kv_num_blocks != NULL, 0, 0, 0, NULL};
     job.nq = (a->sq + a->q_block - 1) / a->q_block;
     job.nk = (a->sk + a->kv_block - 1) / a->kv_block;
-    job.rb = fa_bm_reads(m, FA_MOD_B) ? a->b : 1;
+    job.rb = m->reads_b ? a->b : 1;
     job.rh = m->reads_h ? a->h : 1;
     job.scratch = (fa_cpu_mod_scratch_size(p, sizeof(float), a->q_block) + 63) & ~(size_t)63;
     job.rows = ((size_t)a->q_block * sizeof(float) + 63) & ~(size_t)63;
     job.per_thread = job.scratch + 5 * job.rows + (((size_t)job.nk + 63) & ~(size_t)63);
     const int64_t items = job.rb * job.rh * job.nq;
-    int threads = fa_cpu_default_threads();
-    threads = threads < 1 ? 1 : threads > FA_MAX_THREADS ? FA_MAX_THREADS : threads;
-    threads = items < threads ? (int)items : threads;
+    const int threads = items < p->num_threads ? (int)items : p->num_threads;
     job.mem = aligned_alloc(64, job.per_thread * (size_t)threads);
     if (!job.mem)
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY,

@@ -21,6 +21,7 @@
 
 #include "fa_bkparams.h"
 #include "fa_smem.h"
+#include "core/fa_check.h"
 #include "cuda/fa_cuda.h"
 #include "cuda/fa_cuda_driver.h"
 #include "cuda/fa_jit.h"
@@ -123,12 +124,7 @@ static int64_t fa_bwd_aux_ctas(const fa_params *p)
 {
     int64_t most = 0;
     for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
-        const fa_tensor *g = &p->mod_aux_grad[i];
-        if (!g->data)
-            continue;
-        int64_t n = 1;
-        for (int d = 0; d < g->ndim; d++)
-            n *= g->shape[d];
+        const int64_t n = p->mod_aux_grad[i].data ? fa_tensor_numel(&p->mod_aux_grad[i]) : 0;
         most = n > most ? n : most;
     }
     const int64_t ctas = (most + 255) / 256;

@@ -12,15 +12,6 @@
 #include "cuda/fa_jit.h"
 #include "mod/fa_mod_program.h"
 
-/* Whether program m reads variable v. */
-static int fa_cuda_bm_reads(const fa_mod *m, int v)
-{
-    for (int i = 0; i < m->n_steps; i++)
-        if (m->steps[i].op == FA_MOD_OP_VAR && m->steps[i].what == v)
-            return 1;
-    return 0;
-}
-
 static void fa_cuda_bm_strides(const fa_tensor *t, fa_i64 *stride)
 {
     for (int d = 0; d < t->ndim; d++)
@@ -67,7 +58,7 @@ fa_status fa_cuda_block_mask_build(const fa_params *p, const fa_block_mask_args 
         fa_cuda_bm_strides(a->full_kv_indices, bp.full_idx_stride);
     }
     bp.b = (int)a->b, bp.h = (int)a->h;
-    bp.rb = fa_cuda_bm_reads(m, FA_MOD_B) ? bp.b : 1;
+    bp.rb = m->reads_b ? bp.b : 1;
     bp.rh = m->reads_h ? bp.h : 1;
     bp.sq = (int)a->sq, bp.sk = (int)a->sk, bp.nq = (int)nq, bp.nk = (int)nk;
     /* A block longer than the call (never full: its pairs past sq or sk are not kept) as one

@@ -1,6 +1,6 @@
 /*
  * The evaluation layout of a finished program (fa_mod_program.h): what each step varies with
- * and the buffer it writes (vary, slot, n_slots, reads_h).
+ * and the buffer it writes (vary, slot, n_slots, reads_h, reads_b).
  */
 #include "mod/fa_mod_program.h"
 
@@ -12,7 +12,7 @@ static void fa_mod_classify(fa_mod *m)
     int last[FA_MOD_MAX_NODES], free_list[FA_MOD_MAX_NODES], n_free = 0;
     for (int c = 0; c < 4; c++)
         m->n_slots[c] = 0;
-    m->reads_h = 0;
+    m->reads_h = m->reads_b = 0;
     for (int i = 0; i < m->n_steps; i++) {
         const fa_mod_node *s = &m->steps[i];
         int v = 0;
@@ -25,6 +25,7 @@ static void fa_mod_classify(fa_mod *m)
             v |= m->vary[s->args[a]];
         m->vary[i] = (unsigned char)v;
         m->reads_h |= s->op == FA_MOD_OP_VAR && s->what == FA_MOD_H;
+        m->reads_b |= s->op == FA_MOD_OP_VAR && s->what == FA_MOD_B;
         last[i] = i;
         for (int a = 0; a < s->n_args; a++)
             if (v == FA_MOD_VARY_QKV)

@@ -52,11 +52,12 @@ struct fa_mod {
     int slot[FA_MOD_MAX_NODES];
     int n_slots[4];
     int reads_h; /* whether a step reads h (else the values are the same for every head) */
+    int reads_b; /* the same for b and every sequence (the block-mask builders) */
     char *text;                     /* canonical text */
     char *cuda; /* the program as a CUDA C device function (fa_mod_emit_cuda) */
 };
 
-/* Fills vary, slot, n_slots and reads_h of m, whose steps are set (fa_mod_layout.c). */
+/* Fills vary, slot, n_slots, reads_h and reads_b of m, whose steps are set (fa_mod_layout.c). */
 void fa_mod_layout(fa_mod *m);
 
 #endif /* FA_MOD_PROGRAM_H */
