@@ -233,10 +233,15 @@ class Trace:
         self.aux = [(path, None if path is not None else t, k) for path, t, k in graph.aux]
         self.depends_b = graph.depends_on(root, 1)
         self.depends_h = graph.depends_on(root, 2)
+        # the local aux slots the root reads (a capture read only off its path is not passed:
+        # the library refuses a tensor its program does not read)
+        self.read = frozenset(graph.nodes[i][1] for i in graph.reachable(root)
+                              if graph.nodes[i][0] == "aux")
         self._programs = {}
 
     def program(self, slots):
-        """The C program with local aux slot i at the call's slot slots[i]."""
+        """The C program with local aux slot i at the call's slot slots[i] (any value for a
+        slot not in ``read``)."""
         slots = tuple(slots)
         p = self._programs.get(slots)
         if p is None:

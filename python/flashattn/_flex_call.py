@@ -145,8 +145,9 @@ def check_block_mask(block_mask, B, H, Lq, Lkv):
 
 def mods_of(score_mod, mask_mod, checks=None):
     """(programs, aux) of a call's mods (mask_mod: its block mask's, or None): per traced mod
-    (argument field, Trace, its aux slots), and per aux slot of the call (field, captured
-    tensor), each tensor once. checks as ``_flex_cache.trace`` takes them."""
+    (argument field, Trace, its aux slots: -1 for a capture it does not read), and per aux slot
+    of the call (field, captured tensor), each tensor read once. checks as
+    ``_flex_cache.trace`` takes them."""
     mods = []  # (argument field, trace, aux tensors)
     if score_mod is not None:
         # C keys a score_mod that is a plain function by its code and captures (keyed)
@@ -156,7 +157,10 @@ def mods_of(score_mod, mask_mod, checks=None):
     aux, slot_of, programs = [], {}, []
     for field, t, tensors in mods:
         slots = []
-        for x in tensors:
+        for i, x in enumerate(tensors):
+            if i not in t.read:
+                slots.append(-1)
+                continue
             if id(x) not in slot_of:
                 slot_of[id(x)] = len(aux)
                 aux.append((field, x))
@@ -167,6 +171,12 @@ def mods_of(score_mod, mask_mod, checks=None):
                              "captured tensors together; at most %d"
                              % (len(aux), AUX_SLOTS))
     return programs, aux
+
+
+def score_reads(programs):
+    """The call's aux slots score_mod reads (mods_of's programs), those a gradient can reach."""
+    return sorted({i for field, _, slots in programs if field == "score_mod" for i in slots
+                   if i >= 0})
 
 
 def _aux_tensor(t, user, i, device):

@@ -36,7 +36,7 @@ from torch._dynamo.comptime import comptime
 
 from . import _core
 from ._arrays import TORCH
-from ._flex_call import check_block_mask, check_shapes, mods_of, new_call
+from ._flex_call import check_block_mask, check_shapes, mods_of, new_call, score_reads
 from ._lib import FlashAttnError
 from ._torch_call import DEVICE_TYPES, OptT, T
 
@@ -93,9 +93,8 @@ def grad_captures_of(score_mod, mask_mod):
     if score_mod is None or not torch.is_grad_enabled():
         return ()
     programs, aux = mods_of(score_mod, mask_mod)
-    read = {i for field, _, slots in programs if field == "score_mod" for i in slots}
     found = []
-    for i in sorted(read):
+    for i in score_reads(programs):
         x = aux[i][1]
         if not x.requires_grad:
             continue

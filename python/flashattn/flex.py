@@ -8,7 +8,7 @@ computed from the traced mask on the host (moved to the call's device); the forw
 as the library's fa_block_mask, skipping the blocks it skips and evaluating mask_mod only in
 its partial blocks (full ones keep every key), as FlexAttention's kernels do. Gradients to
 query, key and value (the library's backward, on the CPU or on CUDA with the mods compiled into
-its kernels); none to captured tensors.
+its kernels) and to the float tensors score_mod captures that require grad.
 """
 
 import math
@@ -18,7 +18,7 @@ from . import _flex_blocks, _flex_prepared
 from ._arrays import TORCH, common_kind
 from ._core import as_bool, as_int, as_scale
 from ._flex_call import (_flex_fn, _numpy, _swap, check_block_mask, check_shapes, mods_of,
-                         new_call)
+                         new_call, score_reads)
 from ._flex_cache import trace
 from ._flex_trace import KIND_MASK
 from ._lib import FlashAttnError
@@ -234,8 +234,7 @@ def _grad_slots(kind, programs, captured):
     reads: the backward gives them their gradients (the CPU's and CUDA's)."""
     if kind != TORCH or not sys.modules["torch"].is_grad_enabled():
         return ()
-    read = {i for field, _, slots in programs if field == "score_mod" for i in slots}
-    return tuple(i for i in sorted(read) if captured[i].requires_grad)
+    return tuple(i for i in score_reads(programs) if captured[i].requires_grad)
 
 
 def _lse_rows(lse):

@@ -404,6 +404,35 @@ def test_int64_captures_read_at_every_call(rng):
         flashattn.flex_attention(q, k, v, same_doc)
 
 
+def test_captures_read_off_the_result_are_not_passed(rng):
+    """A captured tensor whose value the mod's result does not use (read into a name that is
+    then dropped) is not handed to the library, which refuses a tensor no program reads: the
+    call equals the same mods without the read, with and without gradients, and a tensor read
+    only so gets none."""
+    S = 40
+    docs = torch.arange(S) // 9
+    table = torch.randn(S, generator=torch.Generator().manual_seed(3)).requires_grad_()
+
+    def causal(b, h, q_idx, kv_idx):
+        unused = docs[q_idx] == docs[kv_idx]  # noqa: F841
+        return q_idx >= kv_idx
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        unused = table[kv_idx] * 2  # noqa: F841
+        return score * 1.5
+
+    q, k, v = (x.requires_grad_() for x in qkv(rng, 1, 2, 2, S, S))
+    bm = flashattn.create_block_mask(causal, 1, 1, S, S, BLOCK_SIZE=16)
+    plain = flashattn.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, S, S,
+                                        BLOCK_SIZE=16)
+    assert_block_masks_equal(bm, plain)
+    got = flashattn.flex_attention(q, k, v, scaled, bm)
+    got.sum().backward()
+    want = flashattn.flex_attention(q, k, v, lambda s, b, h, q_idx, kv_idx: s * 1.5, plain)
+    assert torch.equal(got, want)
+    assert q.grad is not None and table.grad is None
+
+
 def test_prepared_calls(rng, monkeypatch):
     """A repeated call without gradients reuses its prepared arguments (no new preparation)
     and reads the new tensors; new strides, lse asked for, an in-place change of a captured
