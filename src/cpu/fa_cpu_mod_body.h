@@ -30,6 +30,39 @@ FA_CPU_INLINE FA_REAL FA_FN(fa_mod_sq)(FA_REAL x) { return x * x; }
 
 #include "cpu/fa_cpu_mod_eval.h"
 
+/* What decides a key's keep in fa_mod_bound_row: the block state and mask_mod's value per
+ * query, the state and one value for the row, mask_mod's value per query, nothing. */
+#ifndef FA_CPU_MOD_KEEP_BY /* once for both instantiations of this body */
+#define FA_CPU_MOD_KEEP_BY
+enum { FA_MOD_KEEP_STATE_EACH, FA_MOD_KEEP_STATE_ROW, FA_MOD_KEEP_EACH, FA_MOD_KEEP_ALL };
+#endif
+
+/* fa_cpu_mod_bounds' update by key kj of the queries' lo, hi and cnt [w] where it is kept
+ * inside their own bounds [ol, oh). A function of restrict parameters, so the compiler
+ * vectorises it (written in the caller's loop it did not). */
+FA_CPU_INLINE void FA_FN(fa_mod_bound_row)(int keep_by, const FA_REAL *restrict rr, int rk,
+                                           const unsigned char *restrict state, FA_REAL kj,
+                                           int64_t w, const FA_REAL *restrict ol,
+                                           const FA_REAL *restrict oh, FA_REAL *restrict lo,
+                                           FA_REAL *restrict hi, FA_REAL *restrict cnt)
+{
+    const FA_REAL inf = (FA_REAL)INFINITY, kj1 = kj + 1;
+    for (int64_t k = 0; k < w; k++) {
+        const int keep =
+            keep_by == FA_MOD_KEEP_STATE_EACH
+                ? (state[k] == FA_BLOCK_FULL) | ((state[k] == FA_BLOCK_PARTIAL) & (rr[k] != 0))
+            : keep_by == FA_MOD_KEEP_STATE_ROW
+                ? (state[k] == FA_BLOCK_FULL) | ((state[k] == FA_BLOCK_PARTIAL) & rk)
+            : keep_by == FA_MOD_KEEP_EACH ? rr[k] != 0
+                                          : 1;
+        const int kp = keep & (kj >= ol[k]) & (kj < oh[k]);
+        const FA_REAL a = kp ? kj : inf, b = kp ? kj1 : -inf;
+        lo[k] = a < lo[k] ? a : lo[k];
+        cnt[k] += kp ? (FA_REAL)1 : (FA_REAL)0;
+        hi[k] = b > hi[k] ? b : hi[k];
+    }
+}
+
 /*
  * fa_cpu_mod_apply, fa_cpu_mod_apply_grad (dst given: dst times score_mod's derivative) and
  * fa_cpu_mod_bounds (blo given: the keys kept inside each query's [olo, ohi), st untouched) by
@@ -164,29 +197,21 @@ FA_CPU_CLONES static void FA_FN(fa_mod_apply)(const fa_params *p, FA_REAL *buf, 
                     r = FA_FN(fa_mod_eval)(mm, aux, FA_MOD_VARY_QKV, &cm, NULL, 0);
                 /* bounds: the keys kept inside the call's own (fa_cpu_mod_bounds says why) */
                 for (int64_t jj = 0; jj < g && blo; jj++) {
-                    const FA_REAL *rr = r.p + jj * r.rs, kj = key + (FA_REAL)jj, kj1 = kj + 1;
-                    FA_REAL *restrict lo = blo + i0, *restrict hi = bhi + i0, *restrict cnt = bcnt + i0;
-                    const FA_REAL *restrict ol = olo + i0, *restrict oh = ohi + i0;
+                    const FA_REAL *rr = r.p + jj * r.rs;
                     const int rk = !have || rr[0] != 0; /* where the root is one per row */
-                    const FA_REAL inf = (FA_REAL)INFINITY;
-#define FA_MOD_BOUND(keep)                                                                       \
-    for (int64_t k = 0; k < w; k++) {                                                            \
-        const int kp_ = (keep) & (kj >= ol[k]) & (kj < oh[k]);                                   \
-        const FA_REAL a_ = kp_ ? kj : inf, b_ = kp_ ? kj1 : -inf;                                \
-        lo[k] = a_ < lo[k] ? a_ : lo[k];                                                         \
-        cnt[k] += kp_ ? (FA_REAL)1 : (FA_REAL)0;                                                 \
-        hi[k] = b_ > hi[k] ? b_ : hi[k];                                                         \
-    }
+                    const FA_REAL kj = key + (FA_REAL)jj;
+                    /* each form a call of its own: a constant keep_by vectorises */
+#define FA_MOD_BOUND(keep_by)                                                                    \
+    FA_FN(fa_mod_bound_row)(keep_by, rr, rk, state, kj, w, olo + i0, ohi + i0, blo + i0,        \
+                            bhi + i0, bcnt + i0)
                     if (at->states && have && r.v)
-                        FA_MOD_BOUND((state[k] == FA_BLOCK_FULL) |
-                                     ((state[k] == FA_BLOCK_PARTIAL) & (rr[k] != 0)))
+                        FA_MOD_BOUND(FA_MOD_KEEP_STATE_EACH);
                     else if (at->states)
-                        FA_MOD_BOUND((state[k] == FA_BLOCK_FULL) |
-                                     ((state[k] == FA_BLOCK_PARTIAL) & rk))
+                        FA_MOD_BOUND(FA_MOD_KEEP_STATE_ROW);
                     else if (have && r.v)
-                        FA_MOD_BOUND(rr[k] != 0)
+                        FA_MOD_BOUND(FA_MOD_KEEP_EACH);
                     else if (rk)
-                        FA_MOD_BOUND(1)
+                        FA_MOD_BOUND(FA_MOD_KEEP_ALL);
 #undef FA_MOD_BOUND
                 }
                 for (int64_t jj = 0; jj < g && !blo; jj++) {
