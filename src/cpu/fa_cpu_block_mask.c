@@ -69,9 +69,10 @@ static void fa_bm_task(void *ctx, int64_t item, int thread)
         int64_t kept = 0;
         for (int64_t i = 0; i < c1; i++)
             kept += (int64_t)cnt[i];
-        st[kb] = kept == 0                             ? FA_BLOCK_SKIP
-                 : job->full && kept == qbs * kbs ? FA_BLOCK_FULL
-                                                   : FA_BLOCK_PARTIAL;
+        /* Full: a whole block (an edge block is never full), every pair kept. */
+        st[kb] = kept == 0 ? FA_BLOCK_SKIP
+                 : job->full && c1 == qbs && n == kbs && kept == c1 * n ? FA_BLOCK_FULL
+                                                                         : FA_BLOCK_PARTIAL;
     }
     for (int64_t bo = b; bo < a->b; bo += job->rb)
         for (int64_t ho = h; ho < a->h; ho += job->rh) {
@@ -91,8 +92,10 @@ fa_status fa_cpu_block_mask_build(const fa_params *p, const fa_block_mask_args *
     job.nk = (a->sk + a->kv_block - 1) / a->kv_block;
     job.rb = m->reads_b ? a->b : 1;
     job.rh = m->reads_h ? a->h : 1;
-    job.scratch = (fa_cpu_mod_scratch_size(p, sizeof(float), a->q_block) + 63) & ~(size_t)63;
-    job.rows = ((size_t)a->q_block * sizeof(float) + 63) & ~(size_t)63;
+    /* A block's rows: a q_block past sq (any up to FA_MAX_EXTENT is valid) holds sq. */
+    const int64_t rows = a->q_block < a->sq ? a->q_block : a->sq;
+    job.scratch = (fa_cpu_mod_scratch_size(p, sizeof(float), rows) + 63) & ~(size_t)63;
+    job.rows = ((size_t)rows * sizeof(float) + 63) & ~(size_t)63;
     job.per_thread = job.scratch + 5 * job.rows + (((size_t)job.nk + 63) & ~(size_t)63);
     const int64_t items = job.rb * job.rh * job.nq;
     const int threads = items < p->num_threads ? (int)items : p->num_threads;
@@ -100,7 +103,7 @@ fa_status fa_cpu_block_mask_build(const fa_params *p, const fa_block_mask_args *
     if (!job.mem)
         return fa_error_set(FA_STATUS_OUT_OF_MEMORY,
                             "fa_block_mask_build: out of memory for %lld query rows a thread",
-                            (long long)a->q_block);
+                            (long long)rows);
     const fa_status st = fa_parallel_for(threads, items, fa_bm_task, &job);
     free(job.mem);
     return st;

@@ -116,13 +116,15 @@ static int64_t run_case(const bcase *c, const fa_mod *m, const fa_tensor *doc,
 static void test_builds(tu_rng *r)
 {
     int64_t fulls = 0;
-    for (int it = 0; it < 24; it++) {
+    for (int it = 0; it < 28; it++) {
         bcase c = {0};
         c.rule = it % R_KINDS;
         c.b = 1 + (int64_t)(tu_rng_u64(r) % 3), c.h = 1 + (int64_t)(tu_rng_u64(r) % 3);
         c.sq = 20 + (int64_t)(tu_rng_u64(r) % 150), c.sk = 20 + (int64_t)(tu_rng_u64(r) % 150);
         static const int64_t blocks[] = {1, 4, 16, 32, 64};
         c.qbs = blocks[1 + tu_rng_u64(r) % 4], c.kbs = blocks[tu_rng_u64(r) % 5];
+        if (it >= 24) /* one block past every row or every key: any size to 2^40 is valid */
+            *(it % 2 ? &c.qbs : &c.kbs) = it < 26 ? (int64_t)1 << 40 : 1000;
         c.doc_len = c.sq > c.sk ? c.sq : c.sk;
         c.doc_len -= (int64_t)(tu_rng_u64(r) % 8); /* the last positions read past it */
         c.doc = malloc((size_t)(c.b * c.doc_len) * sizeof *c.doc);
