@@ -10,79 +10,6 @@
 
 static int fz_is_fp8(fa_dtype dt) { return dt == FA_DTYPE_F8E4M3 || dt == FA_DTYPE_F8E5M2; }
 
-/* A random score_mod or mask_mod program: builder calls with ids, ops, variables, aux slots and
- * dimensions drawn around and past their valid ranges (each refused call returns -1), finished
- * on a random root most of the time; *finished says whether fa_mod_finish accepted it. */
-static fa_mod *fz_mod(fz_case *c, fa_mod_kind kind, int *finished)
-{
-    static const double odd[] = {NAN, INFINITY, -INFINITY, 1e300, -0.0, 4294967296.5};
-    fz_src *s = c->src;
-    *finished = 0;
-    fa_mod *m = fa_mod_create();
-    if (!m)
-        return NULL;
-    int n = 0, last = -1;
-    const int steps = (int)fz_range(s, 1, 12);
-    for (int i = 0; i < steps; i++) {
-        const int a = (int)fz_range(s, -1, n), b = (int)fz_range(s, -1, n);
-        const int w = (int)fz_range(s, -1, n);
-        int id;
-        switch (fz_below(s, 6)) {
-        case 0: id = fa_mod_var(m, (fa_mod_variable)fz_range(s, -1, 5)); break;
-        case 1: id = fa_mod_const(m, fz_chance(s, 90) ? fz_uniform(s, -4, 4) : FZ_PICK(s, odd)); break;
-        case 2: id = fa_mod_unary(m, (fa_mod_op)fz_range(s, -1, FA_MOD_OR + 1), a); break;
-        case 3: id = fa_mod_binary(m, (fa_mod_op)fz_range(s, -1, FA_MOD_OR + 1), a, b); break;
-        case 4: id = fa_mod_where(m, a, b, w); break;
-        default: {
-            const int index[5] = {a, b, w, a, b}; /* room for every ndim drawn */
-            id = fa_mod_aux(m, (int)fz_range(s, -1, FA_MOD_AUX_SLOTS), (int)fz_range(s, 0, 5),
-                            index);
-        }
-        }
-        if (id >= 0) {
-            last = id;
-            n = id + 1 > n ? id + 1 : n;
-        }
-    }
-    const int root = fz_chance(s, 90) ? last : (int)fz_range(s, -1, n);
-    *finished = fz_chance(s, 90) && fa_mod_finish(m, root, kind) == FA_STATUS_OK;
-    fz_note(c, " %s %s", kind == FA_MOD_KIND_SCORE ? "score_mod" : "mask_mod",
-            *finished ? fa_mod_text(m) : "(unfinished)");
-    return m;
-}
-
-/* Now and then a score_mod and a mask_mod with aux tensors; an unfinished program must be
- * refused, and a score_mod's own arithmetic may give non-finite outputs. */
-static void fz_mods(fz_case *c, fa_fwd_args *a)
-{
-    fz_src *s = c->src;
-    for (int i = 0; i < 2; i++) {
-        if (!fz_chance(s, 8))
-            continue;
-        int finished;
-        fa_mod *m = fz_mod(c, i == 0 ? FA_MOD_KIND_SCORE : FA_MOD_KIND_MASK, &finished);
-        if (!m)
-            continue;
-        c->mods[i] = m;
-        c->must_fail |= !finished;
-        if (i == 0)
-            a->score_mod = m, c->nonfinite = 1;
-        else
-            a->mask_mod = m;
-    }
-    for (int slot = 0; slot < FA_MOD_AUX_SLOTS && (c->mods[0] || c->mods[1]); slot++) {
-        if (!fz_chance(s, 40))
-            continue;
-        const int nd = (int)fz_range(s, 1, 4);
-        int64_t shape[4];
-        for (int j = 0; j < nd; j++)
-            shape[j] = fz_range(s, 0, 5);
-        const int is_int = fz_chance(s, 50);
-        a->mod_aux[slot] = fz_tensor(c, "mod_aux", is_int ? FA_DTYPE_I32 : FA_DTYPE_F32, nd, shape,
-                                     is_int ? FZ_IDX : FZ_IN);
-    }
-}
-
 /* A block mask tensor's entries: counts in [0, hi] or indices in [0, hi) mostly, and now and
  * then one past either end. */
 static void fz_block_values(fz_case *c, const fa_tensor *t, int64_t hi)
@@ -560,10 +487,14 @@ int fz_run_case(fz_src *s)
         fz_backward(c, 0);
     else if (kind < 64)
         fz_backward(c, 1);
-    else if (kind < 84)
+    else if (kind < 82)
         fz_kvcache(c);
-    else if (kind < 96)
+    else if (kind < 92)
         fz_combine(c);
+    else if (kind < 95)
+        fz_block_mask_build(c);
+    else if (kind < 97)
+        fz_mod_parse(c);
     else
         fz_misc(c);
     for (int i = 0; i < c->n_tensors; i++)

@@ -1,8 +1,9 @@
 /*
  * The fuzzer's case generator, shared by the deterministic driver (fa_fuzz.c) and the libFuzzer
  * entry (fa_fuzz_libfuzzer.c): one case is one call of the public C API (forward, varlen
- * forward, backward, KV cache, combine, precompile or a small query) with adversarial shapes,
- * strides, pointers, indices, scalars and thread counts, drawn from a source of random choices.
+ * forward, backward, KV cache, combine, block mask build, program parse, precompile or a small
+ * query) with adversarial shapes, strides, pointers, indices, scalars and thread counts, drawn
+ * from a source of random choices.
  *
  * The contract every case checks: the call returns a status, and a non-empty fa_last_error()
  * with any status but OK; a call the library must refuse (NULL data under a non-empty tensor, a

@@ -82,4 +82,11 @@ fa_dtype fz_lse_dtype(fz_src *s, fa_dtype dt);
 /* Now and then makes out share in's buffer: the library must refuse it. */
 void fz_maybe_alias(fz_case *c, fa_tensor *out, const fa_tensor *in, const char *in_name);
 
+/* ---- user-defined scoring (fa_fuzz_mods.c) ---- */
+/* Now and then a score_mod and a mask_mod, with aux tensors, on a forward call. */
+void fz_mods(fz_case *c, fa_fwd_args *a);
+/* The cases of fa_mod_parse and fa_block_mask_build. */
+void fz_mod_parse(fz_case *c);
+void fz_block_mask_build(fz_case *c);
+
 #endif /* FA_FUZZ_GEN_H */
