@@ -1,80 +1,66 @@
-"""create_block_mask's evaluation: a traced mask_mod over every (query, key) pair, counted per
-(query block, key block) and ordered into FlexAttention's BlockMask lists.
+"""create_block_mask's lists, built by the C library's fa_block_mask_build: the traced mask_mod,
+as the fa_mod program the forward runs, evaluated at every (query, key) pair by the library's
+rule (fp32, aux reads floored and clamped into their tensors), counted per (query block, key
+block) and written in FlexAttention's order as kv_num_blocks / kv_indices and, with full
+blocks separated, full_kv_num_blocks / full_kv_indices. One rule for the library's forward and
+for Python's block masks.
 
-The same steps run on NumPy arrays on the host (CPU block masks) or on torch tensors on a CUDA
-device (CUDA block masks are built there: only the captured tensors move), in fp32 as the
-library's forward evaluates a program, aux indices floored and clamped into their tensors as it
-reads them. Division, comparisons, floor, mod and where are exact on both; exp, log, tanh, sqrt
-and pow take each side's fp32 functions, which may differ in the last place.
+A CPU block mask is built on the host into NumPy arrays (shared with torch tensors when torch
+is imported); a CUDA one into torch tensors on its device, on torch's current stream there,
+with no host synchronisation. The captured tensors are read where the build runs, as
+``_aux_tensor`` converts them for a call.
+
+The q_* lists (per key block, its query blocks) are the transposes: the 0/1 block matrices
+rebuilt from the kv lists and ordered as FlexAttention orders a row (a stable descending sort),
+with NumPy on the host or torch ops on the device.
 """
 
-import contextlib
+import ctypes
 import sys
 
+from . import _lib
+from ._arrays import NUMPY, TORCH, _raw_stream, make_tensor, prepare
+from ._core import _rename
 from ._flex_call import _aux_tensor, _numpy
+from ._flex_trace import AUX_SLOTS
+from ._lib import FlashAttnError
+
+# fa_block_mask_args' names as create_block_mask's caller knows them, for C's messages.
+_NAMES = dict({"b": "B", "h": "H", "sq": "Q_LEN", "sk": "KV_LEN", "q_block": "BLOCK_SIZE[0]",
+               "kv_block": "BLOCK_SIZE[1]"},
+              **{"mod_aux[%d]" % i: "mask_mod's captured tensor %d" % i
+                 for i in range(AUX_SLOTS)})
 
 
 class _Host:
-    """NumPy, on the host."""
+    """NumPy arrays on the host."""
 
-    elements = 1 << 22  # mask elements an evaluation takes at a time
+    kind = NUMPY
 
     def __init__(self):
         self.np = _numpy()
-        self.f32 = self.np.float32
 
-    def table(self, t):
-        return t.numpy()
-
-    def errstate(self):
-        return self.np.errstate(all="ignore")
-
-    def broadcast(self, x, shape):
-        return self.np.broadcast_to(x, shape)
-
-    def arange(self, a, b):
-        return self.np.arange(a, b, dtype=self.f32)
-
-    def const(self, x):
-        return self.f32(x)
-
-    def flag(self, x):
-        return self.np.bool_(x)
-
-    def aux(self, a, index):
-        return a[tuple(index)].astype(self.f32)
-
-    def index(self, v, dim):
-        np = self.np
-        return np.where(v >= 1, np.where(v < dim, v, dim - 1), 0).astype(np.int64)
-
-    def where(self, c, x, y):
-        return self.np.where(c, x, y)
-
-    def unary(self, op, x):
-        return getattr(self.np, op)(x)
-
-    def fmod(self, x, y):
-        return self.np.fmod(x, y)
-
-    def counts(self, m, shape, nb, qbs, nkb, kbs):
-        """The kept pairs of m (broadcast to shape [rb, rh, rows, KV]) per block: [rb, rh, nb,
-        nkb]."""
-        np = self.np
-        padded = np.zeros(shape[:2] + (nb * qbs, nkb * kbs), dtype=bool)
-        padded[:, :, :shape[2], :shape[3]] = np.broadcast_to(m, shape)
-        return padded.reshape(shape[:2] + (nb, qbs, nkb, kbs)).sum((3, 5))
+    def empty(self, shape):
+        return self.np.empty(shape, dtype=self.np.int32)
 
     def zeros(self, shape):
-        return self.np.zeros(shape, dtype=self.np.int64)
+        return self.np.zeros(shape, dtype=self.np.int32)
+
+    def dense(self, num, idx):
+        """The 0/1 matrix [..., rows, cols] of lists num [..., rows] / idx [..., rows, cols]
+        (idx a permutation of the columns per row, its first num entries the listed ones)."""
+        np = self.np
+        listed = (np.arange(idx.shape[-1], dtype=np.int32) < num[..., None]).astype(np.int32)
+        dense = np.zeros_like(listed)
+        np.put_along_axis(dense, idx, listed, axis=-1)
+        return dense
 
     def ordered(self, dense):
         """FlexAttention's ordered form of a 0/1 block matrix [..., rows, cols]: the count per
         row and the column indices, those set first, each group ascending (a stable descending
         sort)."""
         np = self.np
-        dense = dense.astype(np.int32)
-        return (dense.sum(-1).astype(np.int32),
+        return (dense.sum(-1, dtype=np.int32),
                 np.argsort(-dense, axis=-1, kind="stable").astype(np.int32))
 
     def export(self, x, device):
@@ -82,70 +68,32 @@ class _Host:
             return None
         x = self.np.ascontiguousarray(x)
         torch = sys.modules.get("torch")
-        if torch is None:
-            return x
-        x = torch.from_numpy(x)
-        return x if device is None or str(device) == "cpu" else x.to(device)
+        return x if torch is None else torch.from_numpy(x)
 
 
-class _Device:
-    """torch, on the block mask's (CUDA) device."""
+class _Torch:
+    """torch tensors on the block mask's device (a CUDA one, or the CPU in tests)."""
 
-    elements = 1 << 26
+    kind = TORCH
 
     def __init__(self, device):
         self.torch = sys.modules["torch"]
-        self.device = self.torch.device(device)
-        self.f32 = self.torch.float32
+        self.device = device
 
-    def table(self, t):
-        return t
-
-    def errstate(self):
-        return contextlib.nullcontext()
-
-    def broadcast(self, x, shape):
-        return x.expand(shape)
-
-    def arange(self, a, b):
-        return self.torch.arange(a, b, dtype=self.f32, device=self.device)
-
-    def const(self, x):
-        return self.torch.tensor(x, dtype=self.f32, device=self.device)
-
-    def flag(self, x):
-        return self.torch.tensor(bool(x), device=self.device)
-
-    def aux(self, a, index):
-        return a[tuple(index)].to(self.f32)
-
-    def index(self, v, dim):
-        torch = self.torch
-        return torch.where(v >= 1, torch.clamp(v, max=dim - 1), 0).to(torch.int64)
-
-    def where(self, c, x, y):
-        return self.torch.where(c, x, y)
-
-    def unary(self, op, x):
-        return getattr(self.torch, op)(x)
-
-    def fmod(self, x, y):
-        return self.torch.fmod(x, y)
-
-    def counts(self, m, shape, nb, qbs, nkb, kbs):
-        torch = self.torch
-        padded = torch.zeros(shape[:2] + (nb * qbs, nkb * kbs), dtype=torch.bool,
-                             device=self.device)
-        padded[:, :, :shape[2], :shape[3]] = torch.as_tensor(m, device=self.device).expand(
-            shape)
-        return padded.view(shape[:2] + (nb, qbs, nkb, kbs)).sum((3, 5))
+    def empty(self, shape):
+        return self.torch.empty(shape, dtype=self.torch.int32, device=self.device)
 
     def zeros(self, shape):
-        return self.torch.zeros(shape, dtype=self.torch.int64, device=self.device)
+        return self.torch.zeros(shape, dtype=self.torch.int32, device=self.device)
+
+    def dense(self, num, idx):
+        torch = self.torch
+        cols = torch.arange(idx.shape[-1], dtype=torch.int32, device=self.device)
+        listed = (cols < num.unsqueeze(-1)).to(torch.int32)
+        return torch.zeros_like(listed).scatter_(-1, idx.long(), listed)
 
     def ordered(self, dense):
         torch = self.torch
-        dense = dense.to(torch.int32)
         return (dense.sum(-1, dtype=torch.int32),
                 torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32))
 
@@ -153,81 +101,72 @@ class _Device:
         return None if x is None else x.contiguous()
 
 
-def _mod(xp, x, y):
-    r = xp.fmod(x, y)
-    return xp.where((r != 0) & ((r < 0) != (y < 0)), r + y, r)
+def _target(device):
+    """(torch device, CUDA ordinal) of a CUDA block mask ("cuda" is the current device), or
+    None for the CPU."""
+    if device is None or str(device).split(":")[0] != "cuda":
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None:
+        raise FlashAttnError("device: %r needs torch (CUDA block masks are torch tensors)"
+                             % (device,))
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", index), index
 
 
-_OPS = {
-    "neg": lambda xp, x: -x, "exp": lambda xp, x: xp.unary("exp", x),
-    "log": lambda xp, x: xp.unary("log", x), "tanh": lambda xp, x: xp.unary("tanh", x),
-    "abs": lambda xp, x: xp.unary("abs", x), "sqrt": lambda xp, x: xp.unary("sqrt", x),
-    "floor": lambda xp, x: xp.unary("floor", x),
-    "not": lambda xp, x: ~x, "add": lambda xp, x, y: x + y, "sub": lambda xp, x, y: x - y,
-    "mul": lambda xp, x, y: x * y, "div": lambda xp, x, y: x / y,
-    "min": lambda xp, x, y: xp.where((x < y) | (x != x), x, y),
-    "max": lambda xp, x, y: xp.where((x > y) | (x != x), x, y),
-    "pow": lambda xp, x, y: x ** y, "mod": _mod,
-    "lt": lambda xp, x, y: x < y, "le": lambda xp, x, y: x <= y,
-    "gt": lambda xp, x, y: x > y, "ge": lambda xp, x, y: x >= y,
-    "eq": lambda xp, x, y: x == y, "ne": lambda xp, x, y: x != y,
-    "and": lambda xp, x, y: x & y, "or": lambda xp, x, y: x | y,
-    "where": lambda xp, c, x, y: xp.where(c, x, y),
-}
+def _c_build(t, tensors, sizes, outputs, kind, device, index):
+    """fa_block_mask_build of trace t into outputs (kv_num_blocks, kv_indices and the full_*
+    pair or two Nones; arrays of ``kind``), on the CPU (index None) or on CUDA device
+    ``index`` on torch's current stream there."""
+    args = _lib.new_block_mask_args()
+    args.mask_mod = t.program(range(len(tensors))).ptr
+    keep = []
+    for i in sorted(t.read):
+        name = "mask_mod's captured tensor %d" % i
+        x = prepare(_aux_tensor(tensors[i], "mask_mod", i, device), name, TORCH, cuda=True)
+        ft = make_tensor(x, name, TORCH)
+        keep.append((x, ft))
+        args.mod_aux[i] = ctypes.pointer(ft)
+    args.b, args.h, args.sq, args.sk, args.q_block, args.kv_block = sizes
+    for field, x in zip(("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                         "full_kv_indices"), outputs):
+        if x is not None:
+            ft = make_tensor(x, field, kind)
+            keep.append(ft)
+            setattr(args, field, ctypes.pointer(ft))
+    if index is not None:
+        args.device, args.stream = index, _raw_stream(index)
+    try:
+        _lib.block_mask_build(args)
+    except FlashAttnError as e:
+        raise FlashAttnError("create_block_mask: " + _rename(str(e), _NAMES), e.status) from None
+    del keep
 
 
-def _evaluate(xp, t, arrays, B, H, r0, r1, KV):
-    """The traced mask over b [B], h [H], q_idx [r0, r1), kv_idx [KV] (broadcast shapes)."""
-    var = [None, xp.arange(0, B)[:, None, None, None], xp.arange(0, H)[None, :, None, None],
-           xp.arange(r0, r1)[None, None, :, None], xp.arange(0, KV)[None, None, None, :]]
-    g, vals = t.graph, {}
-    for i in g.reachable(t.root):
-        n = g.nodes[i]
-        op = n[0]
-        if op == "var":
-            vals[i] = var[n[1]]
-        elif op == "const":
-            vals[i] = xp.const(float.fromhex(n[1]))
-        elif op in ("true", "false"):
-            vals[i] = xp.flag(op == "true")
-        elif op == "aux":
-            a = arrays[n[1]]
-            vals[i] = xp.aux(a, [xp.index(vals[j], a.shape[d]) for d, j in enumerate(n[2:])])
-        else:
-            vals[i] = _OPS[op](xp, *[vals[j] for j in n[1:]])
-    return vals[t.root]
-
-
-def build(t, tensors, B, H, Q_LEN, KV_LEN, qbs, kbs, separate_full, device, on_device=None):
+def build(t, tensors, B, H, Q_LEN, KV_LEN, qbs, kbs, separate_full, device, torch_ops=None):
     """The BlockMask fields (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
     then the q_ ones) of trace t (its captured tensors ``tensors``) over [B, H, Q_LEN, KV_LEN]
     in qbs x kbs blocks, as torch tensors on ``device`` (NumPy arrays without torch).
-    on_device: evaluate with torch on ``device`` (default: where it is a CUDA device)."""
-    if on_device is None:
-        on_device = device is not None and str(device).split(":")[0] == "cuda"
-    xp = _Device(device) if on_device else _Host()
-    arrays = [xp.table(_aux_tensor(x, "mask_mod", i, device if on_device else "cpu"))
-              for i, x in enumerate(tensors)]
+    torch_ops: build into torch tensors and derive the q_ lists with torch (default: for a
+    CUDA device; on the CPU, to test that route)."""
+    target = _target(device)
+    if torch_ops is None:
+        torch_ops = target is not None
+    where = target[0] if target is not None else "cpu"
+    xp = _Torch(where) if torch_ops else _Host()
     nqb, nkb = -(-Q_LEN // qbs), -(-KV_LEN // kbs)
-    rb, rh = (B if t.depends_b else 1), (H if t.depends_h else 1)
-    counts = xp.zeros((rb, rh, nqb, nkb))
-    # Query blocks per evaluation: about xp.elements mask elements at a time.
-    step = max(1, xp.elements // max(1, rb * rh * qbs * nkb * kbs))
-    with xp.errstate():
-        for qb in range(0, nqb, step):
-            nb = min(step, nqb - qb)
-            r0, r1 = qb * qbs, min(Q_LEN, (qb + nb) * qbs)
-            m = _evaluate(xp, t, arrays, B, H, r0, r1, KV_LEN)
-            counts[:, :, qb:qb + nb] = xp.counts(m, (rb, rh, r1 - r0, KV_LEN), nb, qbs, nkb,
-                                                 kbs)
-    counts = xp.broadcast(counts, (B, H, nqb, nkb))
-    if separate_full:
-        full = counts == qbs * kbs
-        partial = (counts > 0) & ~full
-    else:
-        full, partial = None, counts > 0
-    fields = list(xp.ordered(partial)) + (list(xp.ordered(full)) if full is not None
-                                          else [None] * 2)
-    fields += list(xp.ordered(partial.swapaxes(-1, -2)))
-    fields += list(xp.ordered(full.swapaxes(-1, -2))) if full is not None else [None] * 2
+    # Without pairs (a length 0, which the library refuses) nothing is listed: zeros.
+    new = xp.empty if nqb and nkb else xp.zeros
+    kv = [new((B, H, nqb)), new((B, H, nqb, nkb))]
+    full = [new((B, H, nqb)), new((B, H, nqb, nkb))] if separate_full else [None] * 2
+    if nqb and nkb:
+        _c_build(t, tensors, (B, H, Q_LEN, KV_LEN, qbs, kbs), kv + full, xp.kind, where,
+                 target[1] if target is not None else None)
+    fields = kv + full
+    for num, idx in (kv, full):
+        if num is None:
+            fields += [None] * 2
+            continue
+        fields += list(xp.ordered(xp.dense(num, idx).swapaxes(-1, -2)))
     return [xp.export(f, device) for f in fields]

@@ -20,6 +20,7 @@ __all__ = [
     "FlashAttnError",
     "FaTensor",
     "FaFwdArgs",
+    "FaBlockMaskArgs",
     "FA_MAX_DIMS",
     "FA_MAX_HEAD_DIM",
     "FA_CUDA_MAX_HEAD_DIM",
@@ -116,6 +117,27 @@ class FaBlockMask(ctypes.Structure):
         ("kv_indices", _PT),
         ("full_kv_num_blocks", _PT),
         ("full_kv_indices", _PT),
+    ]
+
+
+class FaBlockMaskArgs(ctypes.Structure):
+    """struct fa_block_mask_args (fa_block_mask_build: a block mask from a mask program)."""
+
+    _fields_ = [
+        ("mask_mod", ctypes.c_void_p),  # a finished FA_MOD_KIND_MASK fa_mod
+        ("mod_aux", _PT * 4),
+        ("b", ctypes.c_int64),
+        ("h", ctypes.c_int64),
+        ("sq", ctypes.c_int64),
+        ("sk", ctypes.c_int64),
+        ("q_block", ctypes.c_int64),
+        ("kv_block", ctypes.c_int64),
+        ("kv_num_blocks", _PT),
+        ("kv_indices", _PT),
+        ("full_kv_num_blocks", _PT),
+        ("full_kv_indices", _PT),
+        ("device", ctypes.c_int),
+        ("stream", ctypes.c_void_p),
     ]
 
 
@@ -248,7 +270,8 @@ def _declare(lib):
 
 
 def _declare_mod(lib):
-    """The fa_mod builder (user-defined score_mod / mask_mod programs)."""
+    """The fa_mod builder (user-defined score_mod / mask_mod programs) and the block-mask
+    builder that evaluates a mask program."""
     c = ctypes
     lib.fa_mod_create.argtypes = []
     lib.fa_mod_create.restype = c.c_void_p
@@ -266,6 +289,10 @@ def _declare_mod(lib):
     lib.fa_mod_finish.restype = c.c_int
     lib.fa_mod_text.argtypes = [c.c_void_p]
     lib.fa_mod_text.restype = c.c_char_p
+    lib.fa_block_mask_args_init.argtypes = [c.POINTER(FaBlockMaskArgs)]
+    lib.fa_block_mask_args_init.restype = None
+    lib.fa_block_mask_build.argtypes = [c.POINTER(FaBlockMaskArgs)]
+    lib.fa_block_mask_build.restype = c.c_int
 
 
 def get_lib():
@@ -389,6 +416,19 @@ def backward_workspace_size(args):
 def backward(args, context=None):
     """fa_attention_backward(&args); raises FlashAttnError on failure."""
     status = get_lib().fa_attention_backward(ctypes.byref(args))
+    check(status, context)
+
+
+def new_block_mask_args():
+    args = FaBlockMaskArgs()
+    get_lib().fa_block_mask_args_init(ctypes.byref(args))
+    return args
+
+
+def block_mask_build(args, context=None):
+    """fa_block_mask_build(&args); raises FlashAttnError on failure. ctypes releases the GIL
+    for the duration of the call."""
+    status = get_lib().fa_block_mask_build(ctypes.byref(args))
     check(status, context)
 
 

@@ -4,11 +4,12 @@ with torch.nn.attention.flex_attention's signatures and layout (q, k, v [b, h, s
 score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx), written for torch, are
 traced once into the library's fa_mod programs (``_flex_trace``); the CPU forward evaluates them,
 and the CUDA forward compiles them into its kernels. The block mask has FlexAttention's layout,
-computed from the traced mask on the host (moved to the call's device); the forward takes it
-as the library's fa_block_mask, skipping the blocks it skips and evaluating mask_mod only in
-its partial blocks (full ones keep every key), as FlexAttention's kernels do. Gradients to
-query, key and value (the library's backward, on the CPU or on CUDA with the mods compiled into
-its kernels) and to the float tensors score_mod captures that require grad.
+built from the traced mask by the library's fa_block_mask_build (on the host, or on the CUDA
+device it is made for); the forward takes it as the library's fa_block_mask, skipping the
+blocks it skips and evaluating mask_mod only in its partial blocks (full ones keep every key),
+as FlexAttention's kernels do. Gradients to query, key and value (the library's backward, on
+the CPU or on CUDA with the mods compiled into its kernels) and to the float tensors score_mod
+captures that require grad.
 """
 
 import math
@@ -95,9 +96,10 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu", BLOCK_SIZE=12
                       separate_full_blocks=True):
     """FlexAttention's create_block_mask: the BlockMask of mask_mod(b, h, q_idx, kv_idx) over
     [B, H, Q_LEN, KV_LEN] (B or H None means 1), in blocks of BLOCK_SIZE (an int or a pair
-    (query, key)). mask_mod is traced (and refused if it cannot be) and evaluated in the
-    library's rules (fp32 arithmetic, aux indices clamped into their tensors): on the host for
-    a CPU block mask, on the device for a CUDA one (_flex_blocks)."""
+    (query, key)). mask_mod is traced (and refused if it cannot be) and evaluated by the
+    library's fa_block_mask_build, the forward's rule (fp32 arithmetic, aux indices clamped
+    into their tensors): on the host for a CPU block mask, on the device, on torch's current
+    stream, for a CUDA one (_flex_blocks)."""
     _check_device(device)
     B = 1 if B is None else as_int(B, "B")
     H = 1 if H is None else as_int(H, "H")

@@ -137,6 +137,18 @@ def test_structs_match_header():
     c_fields = [line.split("/*")[0].strip().rstrip(";").split()[-1].lstrip("*").split("[")[0]
                 for line in body.splitlines()[1:] if line.split("/*")[0].strip()]
     assert [f[0] for f in _lib.FaBwdArgs._fields_] == c_fields
+    # fa_block_mask_args declares several fields a line ("int64_t b, h, sq, sk;")
+    body = header[header.index("typedef struct fa_block_mask_args {"):]
+    body = body[:body.index("} fa_block_mask_args;")]
+    c_fields = []
+    for line in body.splitlines()[1:]:
+        decl = line.split("/*")[0].strip().rstrip(";")
+        if decl:
+            names = decl.split(",")
+            names[0] = names[0].split()[-1]
+            c_fields += [n.strip().lstrip("*").split("[")[0] for n in names]
+    assert [f[0] for f in _lib.FaBlockMaskArgs._fields_] == c_fields
+    assert ctypes.sizeof(_lib.FaBlockMaskArgs) == 8 + 8 * 4 + 8 * 6 + 8 * 4 + 8 + 8
     body = header[header.index("typedef struct fa_tensor {"):]
     body = body[:body.index("} fa_tensor;")]
     assert [f[0] for f in _lib.FaTensor._fields_] == ["data", "dtype", "ndim", "shape",
