@@ -299,6 +299,12 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
     const int g = tl->key0 & 15; /* key0 = n0 + 16 warp + g */
     fa_u32 drop[4];
 #endif
+#if FA_SCORE_MOD && FA_MOD_AUX_GRAD
+    /* Gradient elements of key key0 (e < 2) held for the next n-tile's element e + 2 (key
+     * key0 + 8, query 8 later: the same kv - q): [nt parity][e % 2][aux read]
+     * (fa_mod_aux_grad_pair); and the warp-uniform reads' sums (fa_mod_aux_grad_sum). */
+    fa_mod_aux_held held[2][2][FA_MOD_AUX_READS], sums[FA_MOD_AUX_READS];
+#endif
 #pragma unroll
     for (int nt = 0; nt < FA_BWD_QW / 8; nt++) {
         float f0 = FA_SOFTCAP ? kp->softcap_pre : kp->scale_log2; /* the first factor */
@@ -366,7 +372,10 @@ FA_DEV void fa_bwd_probs_as(const fa_kparams *kp, const fa_bwd_tile *tl, int t,
 #if FA_SCORE_MOD && FA_MOD_AUX_GRAD
             if (mods) {
                 const float g = vis ? p * (dk * z - dsum) : 0.f;
-                fa_bwd_mod_aux_grad(kp, &tl->mod, x, alibi, tl->m0 + il, tl->key0 + y_off, g);
+                fa_bwd_mod_aux_grad(kp, &tl->mod, x, alibi, tl->m0 + il, tl->key0 + y_off, g,
+                                    e >= 2 && nt > 0 ? held[(nt - 1) & 1][e & 1] : 0,
+                                    e < 2 && nt + 1 < FA_BWD_QW / 8 ? held[nt & 1][e & 1] : 0,
+                                    sums, nt == 0 && e == 0, nt + 1 == FA_BWD_QW / 8 && e == 3);
                 dpt[nt][e] = g * deriv;
             } else
 #endif

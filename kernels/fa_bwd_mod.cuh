@@ -106,12 +106,16 @@ FA_DEV float fa_bwd_mod_base2(const fa_kparams *kp, float x, float alibi)
 /* The captured tensors' gradients from one element (query row, key col; x and alibi as
  * fa_bwd_mod_score's): g, the gradient of score_mod's result (P (dP Z - D), 0 where invisible),
  * times the program's derivative with respect to each value it reads, added at the element
- * read (fa_score_mod_aux_grad). Every lane of the warp calls it (its sums may be warp-wide). */
+ * read (fa_score_mod_aux_grad; from / to: the held elements of fa_mod_aux_grad_pair, sum the
+ * sums of fa_mod_aux_grad_sum, one per read; first / last: the tile's first and last element).
+ * Every lane of the warp calls it (its sums may be warp-wide). */
 FA_DEV void fa_bwd_mod_aux_grad(const fa_kparams *kp, const fa_bwd_mod_tile *md, float x,
-                                float alibi, int row, int col, float g)
+                                float alibi, int row, int col, float g,
+                                const fa_mod_aux_held *from, fa_mod_aux_held *to,
+                                fa_mod_aux_held *sum, int first, int last)
 {
     fa_score_mod_aux_grad(kp, fa_bwd_mod_base2(kp, x, alibi) * FA_LN2, md->bi, md->h, row, col,
-                          g);
+                          g, from, to, sum, first, last);
 }
 #endif
 

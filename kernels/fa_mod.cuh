@@ -114,6 +114,66 @@ FA_DEV void fa_mod_aux_grad_add(const fa_kparams *kp, int slot, fa_mod_off off, 
     }
 }
 
+/* fa_mod_aux_grad_add of each lane's own v at its own off, joined across the warp: a lane whose
+ * offset equals that of the lane 9 above ((g + 2, t + 1) in the C layout: the same kv - q)
+ * takes that lane's value, and the first of such a chain (at most 4 lanes) adds their sum in
+ * one atomic. Every lane of the warp calls it. */
+FA_DEV void fa_mod_aux_grad_join(const fa_kparams *kp, int slot, fa_mod_off off, float v)
+{
+    const unsigned all = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    const fa_mod_off up9 = __shfl_up_sync(all, off, 9), down9 = __shfl_down_sync(all, off, 9),
+                     down18 = __shfl_down_sync(all, off, 18);
+    const int next = lane < 23 && down9 == off, next2 = next && lane < 14 && down18 == off;
+    const float v9 = __shfl_down_sync(all, v, 9);
+    v = next ? v + v9 : v; /* this lane's and the next one's */
+    const float v18 = __shfl_down_sync(all, v, 18);
+    v = next2 ? v + v18 : v; /* and the two after those */
+    if ((lane < 9 || up9 != off) && v != 0.f)
+        atomicAdd(kp->mod_aux_grad[slot] + off, v);
+}
+
+/* A lane's gradient element held back to be added with a later one at the same offset. */
+typedef struct fa_mod_aux_held {
+    fa_mod_off off;
+    float v;
+} fa_mod_aux_held;
+
+/* fa_mod_aux_grad_add of a lane's own element (offsets that vary across the warp), paired: the
+ * backward's C layout gives a thread elements (nt, e) and (nt - 1, e - 2) at the same kv - q, so
+ * a read indexed by kv - q (a relative-position table) adds two elements in one atomic, joined
+ * with the warp's lanes at the same offset (fa_mod_aux_grad_join: every lane calls it). from
+ * (NULL: none) is the element held for this one: added with it at an equal offset, alone at
+ * another. to (NULL: none) keeps this one for a later element instead of adding it. Both are
+ * constants of the unrolled element loop. */
+FA_DEV void fa_mod_aux_grad_pair(const fa_kparams *kp, int slot, fa_mod_off off, float v,
+                                 const fa_mod_aux_held *from, fa_mod_aux_held *to)
+{
+    if (from) {
+        if (from->off == off)
+            v += from->v;
+        else
+            fa_mod_aux_grad_add(kp, slot, from->off, from->v, 0);
+    }
+    if (to) {
+        to->off = off;
+        to->v = v;
+    } else {
+        fa_mod_aux_grad_join(kp, slot, off, v);
+    }
+}
+
+/* fa_mod_aux_grad_add of a warp-uniform read (indices of b and h only, so one offset for every
+ * element of the call): summed in sum across the call's elements from the first and added,
+ * over the warp, at the last. Every lane of the warp calls it. */
+FA_DEV void fa_mod_aux_grad_sum(const fa_kparams *kp, int slot, fa_mod_off off, float v,
+                                fa_mod_aux_held *sum, int first, int last)
+{
+    sum->v = first ? v : sum->v + v;
+    if (last)
+        fa_mod_aux_grad_add(kp, slot, off, sum->v, 1);
+}
+
 /* Aux tensor `slot`'s element at offset off (the sum of its indices' fa_mod_off_*), as fp32. */
 FA_DEV float fa_mod_aux_at(const fa_kparams *kp, int slot, fa_mod_off off)
 {

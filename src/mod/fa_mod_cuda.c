@@ -339,21 +339,32 @@ static void fa_mod_cuda_term(const fa_mod *m, const int *zero, int term, int neg
 /* fa_score_mod_aux_grad: score_mod's values, then for each aux read, in a block compiled where
  * the plan's FA_MOD_AUX_GRAD asks for its slot's gradient, the root's derivative with respect
  * to the value read (forward mode, seeded there) times g added at the element's place in the
- * gradient (fa_mod_aux_grad_add; warp-uniform where the indices read neither q_idx, kv_idx nor
- * score, as then every lane of a warp reads the same element). */
+ * gradient: where the indices read neither q_idx, kv_idx nor score (every element of the
+ * caller's tile then reads the same one), summed in the caller's sum[read] from its first
+ * element to its last and added over the warp (fa_mod_aux_grad_sum); else fa_mod_aux_grad_pair
+ * with the caller's held elements from[read] / to[read]. FA_MOD_AUX_READS of each; read is the
+ * aux read's number in step order. */
 static void fa_mod_cuda_aux_grad(const fa_mod *m, char *t, size_t cap, size_t *at)
 {
     int is_int[FA_MOD_MAX_NODES], zero[FA_MOD_MAX_NODES];
     fa_mod_cuda_ints(m, is_int);
+    int reads = 0;
+    for (int r = 0; r < m->n_steps; r++)
+        reads += m->steps[r].op == FA_MOD_OP_AUX;
     *at += (size_t)snprintf(t + *at, cap - *at,
+                            "#define FA_MOD_AUX_READS %d\n"
                             "FA_DEV void fa_score_mod_aux_grad(const fa_kparams *kp, float score, "
-                            "int b, int h, int q_idx, int kv_idx, float g)\n{\n");
+                            "int b, int h, int q_idx, int kv_idx, float g, "
+                            "const fa_mod_aux_held *from, fa_mod_aux_held *to, "
+                            "fa_mod_aux_held *sum, int first, int last)\n{\n",
+                            reads > 0 ? reads : 1);
     for (int i = 0; i < m->n_steps; i++)
         fa_mod_cuda_step(m, is_int, i, t, cap, at);
-    for (int r = 0; r < m->n_steps; r++) {
+    for (int r = 0, n = 0; r < m->n_steps; r++) {
         const fa_mod_node *s = &m->steps[r];
         if (s->op != FA_MOD_OP_AUX)
             continue;
+        const int read = n++;
         unsigned vary = 0;
         for (int k = 0; k < s->n_args; k++)
             vary |= m->vary[s->args[k]];
@@ -365,14 +376,22 @@ static void fa_mod_cuda_aux_grad(const fa_mod *m, char *t, size_t cap, size_t *a
         fa_mod_cuda_zero_d(m, r, zero);
         for (int i = 0; i < m->n_steps; i++)
             fa_mod_cuda_dstep(m, zero, r, i, t, cap, at);
-        *at += (size_t)snprintf(t + *at, cap - *at,
-                                "    fa_mod_aux_grad_add(kp, %d, go, g != 0.f ? g * d%d : 0.f, "
-                                "%d);\n    }\n#endif\n",
-                                s->what, m->n_steps - 1, vary == 0);
+        if (vary == 0)
+            *at += (size_t)snprintf(t + *at, cap - *at,
+                                    "    fa_mod_aux_grad_sum(kp, %d, go, g != 0.f ? g * d%d : 0.f, "
+                                    "sum + %d, first, last);\n",
+                                    s->what, m->n_steps - 1, read);
+        else
+            *at += (size_t)snprintf(t + *at, cap - *at,
+                                    "    fa_mod_aux_grad_pair(kp, %d, go, g != 0.f ? g * d%d : 0.f, "
+                                    "from ? from + %d : 0, to ? to + %d : 0);\n",
+                                    s->what, m->n_steps - 1, read, read);
+        *at += (size_t)snprintf(t + *at, cap - *at, "    }\n#endif\n");
     }
     *at += (size_t)snprintf(t + *at, cap - *at,
                             "    (void)kp, (void)score, (void)b, (void)h, (void)q_idx, "
-                            "(void)kv_idx, (void)g;\n}\n");
+                            "(void)kv_idx, (void)g, (void)from, (void)to, (void)sum, "
+                            "(void)first, (void)last;\n}\n");
 }
 
 fa_status fa_mod_emit_cuda(fa_mod *m)

@@ -27,7 +27,8 @@ static void expect_refused(fa_status st, const char *what, const char *word)
 
 /* fa_score_mod_aux_grad's text for score * scale[h] + bias[h, kv - q + S]: a block per read,
  * each compiled only where FA_MOD_AUX_GRAD asks for its slot, the scale's derivative the score
- * and its add warp-wide (its index reads only h), the table's 1 and its add per lane. */
+ * and its add summed over the tile and the warp (its index reads only h), the table's 1 and its
+ * add per lane, paired through the held elements of its read (the second). */
 static void test_aux_grad_cuda_text(void)
 {
     fa_mod *m = fa_mod_create();
@@ -43,13 +44,16 @@ static void test_aux_grad_cuda_text(void)
     const char *b0 = strstr(fn, "#if (FA_MOD_AUX_GRAD >> 0) & 1");
     const char *b1 = strstr(fn, "#if (FA_MOD_AUX_GRAD >> 1) & 1");
     TU_CHECK(b0 && b1 && b0 < b1, "a block per read, in step order:\n%s", fn);
-    char want[96];
+    char want[128];
     const int last = m->n_steps - 1;
-    snprintf(want, sizeof want, "fa_mod_aux_grad_add(kp, 0, go, g != 0.f ? g * d%d : 0.f, 1);",
+    snprintf(want, sizeof want,
+             "fa_mod_aux_grad_sum(kp, 0, go, g != 0.f ? g * d%d : 0.f, sum + 0, first, last);",
              last);
     TU_CHECK(b0 && b1 && strstr(b0, want) && strstr(b0, want) < b1, "scale's add '%s':\n%s",
              want, fn);
-    snprintf(want, sizeof want, "fa_mod_aux_grad_add(kp, 1, go, g != 0.f ? g * d%d : 0.f, 0);",
+    snprintf(want, sizeof want,
+             "fa_mod_aux_grad_pair(kp, 1, go, g != 0.f ? g * d%d : 0.f, from ? from + 1 : 0, "
+             "to ? to + 1 : 0);",
              last);
     TU_CHECK(b1 && strstr(b1, want), "table's add '%s':\n%s", want, fn);
     /* the gradient's offsets through its own strides */

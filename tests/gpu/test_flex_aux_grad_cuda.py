@@ -1,8 +1,9 @@
 """Gradients of score_mod's captured tensors on CUDA (the C backward's mod_aux_grad on the GPU,
 added by fp32 atomics from the backward's element-wise step): a relative-position bias table
-(each lane its own element) and a per-head scale (one element per warp, whose derivative is the
-score), with and without a block mask, GQA, both backward families; against the same call on
-the CPU tensors, whose backward sums in double.
+(each lane its own element, a thread's two elements at one kv - q added together), a per-key
+bias (elements at the same key, which that pairing does not join) and a per-head scale (one
+element per warp, whose derivative is the score), with and without a block mask, GQA, both
+backward families; against the same call on the CPU tensors, whose backward sums in double.
 
     PYTHONPATH=python FLASHATTN_LIBRARY=build-cuda/libflashattn.so \\
         python3 -m pytest tests/gpu/test_flex_aux_grad_cuda.py
@@ -21,13 +22,15 @@ TOL = {torch.float16: 6e-3, torch.bfloat16: 3e-2}
 
 
 def _grads(device, inputs, masked, B, L):
-    """out and the gradients of q, k, v, the table and the head scale, on device."""
-    q, k, v, dout, table, head_scale, doc = (x.to(device) for x in inputs)
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, table, head_scale)]
-    qx, kx, vx, tx, sx = leaves
+    """out and the gradients of q, k, v, the table, the head scale and the key bias, on
+    device."""
+    q, k, v, dout, table, head_scale, key_bias, doc = (x.to(device) for x in inputs)
+    leaves = [x.detach().clone().requires_grad_()
+              for x in (q, k, v, table, head_scale, key_bias)]
+    qx, kx, vx, tx, sx, kbx = leaves
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score * sx[h] + tx[h, kv_idx - q_idx + L]
+        return score * sx[h] + tx[h, kv_idx - q_idx + L] + kbx[b, kv_idx]
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
@@ -54,13 +57,15 @@ def test_captured_gradients_on_cuda(gen, monkeypatch, dtype, masked, d, family):
     dout = torch.randn(B, H, L, d, generator=gen).to(dtype)
     table = torch.randn(H, 2 * L, generator=gen)
     head_scale = 1 + 0.3 * torch.randn(H, generator=gen)
+    key_bias = torch.randn(B, L, generator=gen)
     doc = torch.cumsum((torch.rand(B, L, generator=gen) < 0.02).int(), 1).int()
-    inputs = (q, k, v, dout, table, head_scale, doc)
+    inputs = (q, k, v, dout, table, head_scale, key_bias, doc)
     out_cpu, g_cpu = _grads("cpu", inputs, masked, B, L)
     out_gpu, g_gpu = _grads("cuda", inputs, masked, B, L)
     torch.testing.assert_close(out_gpu.cpu().float(), out_cpu.float(), atol=TOL[dtype],
                                rtol=TOL[dtype])
-    for name, a, b in zip(("dq", "dk", "dv", "dtable", "dhead_scale"), g_gpu, g_cpu):
+    for name, a, b in zip(("dq", "dk", "dv", "dtable", "dhead_scale", "dkey_bias"), g_gpu,
+                          g_cpu):
         assert a is not None and a.device.type == "cuda" and a.dtype == b.dtype, name
         scale = b.float().abs().max().item()
         assert scale > 0, name

@@ -363,18 +363,20 @@ static void compare(const mod_case *c, fa_dtype dt, const gpu_buf *out, const gp
 }
 
 /* Compares the device's gradient g (downloaded) with the CPU's; returns 0 on a failure. */
-static int compare_grad(const mod_case *c, fa_dtype dt, const char *name, const gpu_buf *g,
-                        int deterministic)
+/* g (of g_dt: dt, or fp32 for a captured table's gradient) against its host copy, to dt's
+ * tolerance; the padding of both copies is NaN, so it is passed over. */
+static int compare_grad(const mod_case *c, fa_dtype dt, fa_dtype g_dt, const char *name,
+                        const gpu_buf *g, int deterministic)
 {
     void *got = gu_buf_download(g);
-    const int64_t n = (int64_t)(g->bytes / (dt == FA_DTYPE_F32 ? 4 : 2));
+    const int64_t n = (int64_t)(g->bytes / (g_dt == FA_DTYPE_F32 ? 4 : 2));
     /* P^T and dS^T enter the products rounded to the dtype: a few of its ulps over sums of a
      * few hundred terms, relative to the tensor's largest gradient. */
     const double tol = dt == FA_DTYPE_BF16 ? 3e-2 : 6e-3;
     double err = 0, scale = 1e-3;
     int64_t unwritten = 0;
     for (int64_t i = 0; i < n; i++) {
-        const double x = gu_elem_load(got, dt, i), r = gu_elem_load(g->host.data, dt, i);
+        const double x = gu_elem_load(got, g_dt, i), r = gu_elem_load(g->host.data, g_dt, i);
         if (isnan(x) && !isnan(r)) {
             unwritten++;
             continue;
@@ -399,7 +401,8 @@ static int compare_grad(const mod_case *c, fa_dtype dt, const char *name, const 
 
 /* The backward of the forward that a (host tensors, the CPU's out and lse) and ad (device
  * tensors, the GPU's) describe: the CPU's into the buffers' host copies, the GPU's, in both dQ
- * orders, compared with them. */
+ * orders, compared with them; with the relative table's gradient (mod_aux_grad[1], its rows
+ * padded: strides of its own) where score_mod reads the table. */
 static void run_backward(const mod_case *c, fa_dtype dt, fa_fwd_args *a, fa_fwd_args *ad)
 {
     gpu_buf dout = gu_buf_new(dt, 4, (int64_t[]){c->b, c->sq, c->h, c->d}, 0);
@@ -408,18 +411,22 @@ static void run_backward(const mod_case *c, fa_dtype dt, fa_fwd_args *a, fa_fwd_
     gpu_buf dv = gu_buf_new(dt, 4, (int64_t[]){c->b, c->sk, c->hk, c->d}, 0);
     gu_fill_uniform(&dout, -1, 1);
     gu_buf_upload(&dout);
+    const int table = a->mod_aux[1] != NULL;
+    gpu_buf dtab = gu_buf_new(FA_DTYPE_F32, 2, (int64_t[]){c->h, 2 * REL_SPAN + 1}, 3);
     /* The mods' backward module built ahead of it: it must build where the backward runs. */
     if (fa_attention_backward_prepare(ad) != FA_STATUS_OK)
         FAIL("fa_attention_backward_prepare: %s", fa_last_error());
     fa_bwd_args hb;
     fa_bwd_args_init(&hb);
     hb.fwd = a, hb.dout = &dout.host, hb.dq = &dq.host, hb.dk = &dk.host, hb.dv = &dv.host;
+    hb.mod_aux_grad[1] = table ? &dtab.host : NULL;
     if (fa_attention_backward(&hb) != FA_STATUS_OK) {
         FAIL("CPU backward: %s", fa_last_error());
         goto done;
     }
     fa_bwd_args gb = hb;
     gb.fwd = ad, gb.dout = &dout.dev, gb.dq = &dq.dev, gb.dk = &dk.dev, gb.dv = &dv.dev;
+    gb.mod_aux_grad[1] = table ? &dtab.dev : NULL;
     const size_t wsz = fa_attention_backward_workspace_size(&gb);
     if (wsz == 0) {
         FAIL("workspace size 0: %s", fa_last_error());
@@ -434,6 +441,7 @@ static void run_backward(const mod_case *c, fa_dtype dt, fa_fwd_args *a, fa_fwd_
         gu_buf_poison_device(&dq);
         gu_buf_poison_device(&dk);
         gu_buf_poison_device(&dv);
+        gu_buf_poison_device(&dtab);
         if (fa_attention_backward(&gb) != FA_STATUS_OK) {
             FAIL("CUDA backward: %s", fa_last_error());
             break;
@@ -449,14 +457,17 @@ static void run_backward(const mod_case *c, fa_dtype dt, fa_fwd_args *a, fa_fwd_
         }
         printf("  %-40s %s backward%s on %s:", c->name, fa_dtype_name(dt), det ? " (det)" : "",
                fa_cuda_last_backward_family());
-        compare_grad(c, dt, "dq", &dq, det);
-        compare_grad(c, dt, "dk", &dk, det);
-        compare_grad(c, dt, "dv", &dv, det);
+        compare_grad(c, dt, dt, "dq", &dq, det);
+        compare_grad(c, dt, dt, "dk", &dk, det);
+        compare_grad(c, dt, dt, "dv", &dv, det);
+        if (table)
+            compare_grad(c, dt, FA_DTYPE_F32, "dtable", &dtab, det);
         printf("\n");
     }
     gu_drv->mem_free(ws);
 done:
     gu_buf_free(&dout);
+    gu_buf_free(&dtab);
     gu_buf_free(&dq);
     gu_buf_free(&dk);
     gu_buf_free(&dv);
