@@ -118,12 +118,13 @@ def documents(rng, b, lengths):
 
 
 @pytest.mark.parametrize("separate", [True, False])
-@pytest.mark.parametrize("blocks", [(32, 32), (16, 48), (128, 64)])
+@pytest.mark.parametrize("blocks", [(32, 32), (16, 48), (128, 64), (1 << 40, 48), (32, 1000)])
 def test_create_block_mask_is_the_c_builder(rng, blocks, separate):
     """Document masks over captured tensors (int64 ids, converted to int32 as a call converts
     them; per sequence, per head, both or neither), B, H > 1, lengths no multiple of the
-    blocks: create_block_mask's kv_ lists are fa_block_mask_build's on the same program, its
-    q_ lists their transposes, int32 and contiguous."""
+    blocks, and blocks past every row or key: create_block_mask's kv_ lists are
+    fa_block_mask_build's on the same program, its q_ lists their transposes, int32 and
+    contiguous."""
     b, h, sq, sk = 3, 2, 203, 147
     doc = documents(rng, b, max(sq, sk))
     window = torch.from_numpy(rng.integers(20, 90, h)).int()
