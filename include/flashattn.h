@@ -49,6 +49,11 @@ extern "C" {
  * - num_threads above FA_MAX_THREADS runs FA_MAX_THREADS threads.
  * - out (written) may not share a byte with the inputs (forward: q, k, v; KV cache: q, k_cache,
  *   v_cache, k, v; combine: out_partial, lse_partial): such an alias is refused, naming out.
+ *   The backward's gradients (dq, dk, dv, dsinks, mod_aux_grad) may share no element with its
+ *   inputs (q, k, v, out, dout, lse, alibi_slopes, sinks, mod_aux) or with one another; views
+ *   of one dtype and strides into one buffer are compared element by element, so dq, dk and
+ *   dv may interleave in a packed gradient (upstream's dqkv[:, :, i]), other tensors by the
+ *   bytes they span.
  * - A tensor the call writes (out, lse, probs, the gradients, the caches an append writes) needs
  *   its elements at distinct addresses: no zero stride, no strides that interleave.
  */

@@ -178,10 +178,71 @@ int fa_tensors_overlap(const fa_tensor *a, const fa_tensor *b)
            b0 < a1;
 }
 
+/* Whether delta = sum over dims k <= top of d_k s[k] for some integers d_k in [lo[k], hi[k]];
+ * reach[k]: the most |sum| of the dims below k. s ascending and positive. *budget bounds the
+ * search: past it the answer is yes. */
+static int fa_offsets_reach(int64_t delta, const int64_t *s, const int64_t *lo, const int64_t *hi,
+                            const int64_t *reach, int top, int *budget)
+{
+    if (top < 0)
+        return delta == 0;
+    if (--*budget < 0)
+        return 1;
+    /* d with |delta - d s| <= reach[top], as floor / ceil divisions */
+    const int64_t a = delta - reach[top], b = delta + reach[top], st = s[top];
+    int64_t d0 = a >= 0 ? (a + st - 1) / st : -((-a) / st);
+    int64_t d1 = b >= 0 ? b / st : -((-b + st - 1) / st);
+    d0 = d0 > lo[top] ? d0 : lo[top];
+    d1 = d1 < hi[top] ? d1 : hi[top];
+    for (int64_t d = d0; d <= d1; d++)
+        if (fa_offsets_reach(delta - d * st, s, lo, hi, reach, top - 1, budget))
+            return 1;
+    return 0;
+}
+
+/* Whether two valid tensors share an element's bytes. Exact for tensors of one dtype and rank
+ * with equal strides (views into one buffer, as dq, dk and dv of a packed gradient are); else
+ * whether their byte ranges overlap. */
+static int fa_tensors_share(const fa_tensor *a, const fa_tensor *b)
+{
+    if (!fa_tensors_overlap(a, b))
+        return 0;
+    const int64_t es = (int64_t)fa_dtype_size(a->dtype);
+    const intptr_t bytes = (intptr_t)((uintptr_t)a->data - (uintptr_t)b->data);
+    if (a->dtype != b->dtype || a->ndim != b->ndim || es == 0 || bytes % es != 0)
+        return 1;
+    /* a's element i and b's element j coincide where sum_k (j_k - i_k) stride_k = delta */
+    int64_t s[FA_MAX_DIMS], lo[FA_MAX_DIMS], hi[FA_MAX_DIMS], reach[FA_MAX_DIMS];
+    int n = 0;
+    for (int k = 0; k < a->ndim; k++) {
+        if (a->stride[k] != b->stride[k])
+            return 1;
+        if (a->shape[k] <= 1 && b->shape[k] <= 1)
+            continue;
+        const int neg = a->stride[k] < 0;
+        const int64_t st = neg ? -a->stride[k] : a->stride[k];
+        if (st == 0)
+            return 1;
+        int at = n++; /* insertion by stride, ascending */
+        while (at > 0 && s[at - 1] > st) {
+            s[at] = s[at - 1], lo[at] = lo[at - 1], hi[at] = hi[at - 1];
+            at--;
+        }
+        s[at] = st;
+        lo[at] = neg ? 1 - b->shape[k] : 1 - a->shape[k];
+        hi[at] = neg ? a->shape[k] - 1 : b->shape[k] - 1;
+    }
+    for (int k = 0; k < n; k++) /* the most |sum| of the dims below k */
+        reach[k] = k ? reach[k - 1] + (-lo[k - 1] > hi[k - 1] ? -lo[k - 1] : hi[k - 1]) * s[k - 1]
+                     : 0;
+    int budget = 4096;
+    return fa_offsets_reach((int64_t)(bytes / es), s, lo, hi, reach, n - 1, &budget);
+}
+
 fa_status fa_check_disjoint(const fa_tensor *out, const char *out_name, const fa_tensor *in,
                             const char *in_name)
 {
-    if (fa_tensors_overlap(out, in))
+    if (fa_tensors_share(out, in))
         return FA_BAD("%s: overlaps %s in memory (an output may not alias an input)", out_name,
                       in_name);
     return FA_STATUS_OK;

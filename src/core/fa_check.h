@@ -21,8 +21,10 @@ fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int6
 /* Whether the bytes two tensors reach share an address range (NULL or empty: 0). Both must
  * have passed fa_check_tensor/fa_check_strided. */
 int fa_tensors_overlap(const fa_tensor *a, const fa_tensor *b);
-/* Refuses (naming out_name) an output whose bytes overlap those of the input in_name; either
- * may be NULL or empty. Both must have passed fa_check_tensor/fa_check_strided. */
+/* Refuses (naming out_name) an output that shares an element's bytes with the tensor in_name
+ * (exactly for views of one dtype and strides into one buffer, such as a packed gradient's
+ * dq, dk, dv; else where their byte ranges overlap); either may be NULL or empty. Both must
+ * have passed fa_check_tensor/fa_check_strided. */
 fa_status fa_check_disjoint(const fa_tensor *out, const char *out_name, const fa_tensor *in,
                             const char *in_name);
 /* Refuses (naming it) a tensor the call writes whose elements are not all at distinct

@@ -458,6 +458,32 @@ static fa_status fa_params_aux_grads(const fa_bwd_args *a, fa_params *p)
     return FA_STATUS_OK;
 }
 
+/* The backward's outputs apart from its inputs and from one another: a gradient written over
+ * what the backward still reads, or over another gradient, would be a silently wrong result. */
+static fa_status fa_bwd_apart(const fa_bwd_args *a)
+{
+    const fa_fwd_args *f = a->fwd;
+    const fa_tensor *outs[4 + FA_MOD_AUX_SLOTS] = {a->dq, a->dk, a->dv, a->dsinks};
+    const fa_tensor *ins[8 + FA_MOD_AUX_SLOTS] = {f->q,   f->k,            f->v,
+                                                  f->out, a->dout,         f->lse,
+                                                  f->alibi_slopes, f->sinks};
+    static const char *const out_names[4 + FA_MOD_AUX_SLOTS] = {
+        "dq", "dk", "dv", "dsinks", "mod_aux_grad[0]", "mod_aux_grad[1]", "mod_aux_grad[2]",
+        "mod_aux_grad[3]"};
+    static const char *const in_names[8 + FA_MOD_AUX_SLOTS] = {
+        "q", "k", "v", "out", "dout", "lse", "alibi_slopes", "sinks", "mod_aux[0]",
+        "mod_aux[1]", "mod_aux[2]", "mod_aux[3]"};
+    for (int i = 0; i < FA_MOD_AUX_SLOTS; i++)
+        outs[4 + i] = a->mod_aux_grad[i], ins[8 + i] = f->mod_aux[i];
+    for (int i = 0; i < 4 + FA_MOD_AUX_SLOTS; i++) {
+        for (int j = 0; j < 8 + FA_MOD_AUX_SLOTS; j++)
+            FA_TRY(fa_check_disjoint(outs[i], out_names[i], ins[j], in_names[j]));
+        for (int j = i + 1; j < 4 + FA_MOD_AUX_SLOTS; j++)
+            FA_TRY(fa_check_disjoint(outs[i], out_names[i], outs[j], out_names[j]));
+    }
+    return FA_STATUS_OK;
+}
+
 fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
 {
     *p = (fa_params){0};
@@ -516,5 +542,6 @@ fa_status fa_params_from_bwd_args(const fa_bwd_args *a, fa_params *p)
     FA_TRY(fa_check_writable(a->dk, "dk"));
     FA_TRY(fa_check_writable(a->dv, "dv"));
     FA_TRY(fa_check_writable(a->dsinks, "dsinks"));
-    return fa_params_aux_grads(a, p);
+    FA_TRY(fa_params_aux_grads(a, p));
+    return fa_bwd_apart(a);
 }

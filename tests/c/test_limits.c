@@ -2,8 +2,9 @@
  * test_limits: the limits of flashattn.h that keep validation overflow-proof. Claims whose
  * element count, stride reach or byte range pass FA_MAX_EXTENT or wrap, NULL data under them,
  * varlen lengths past the limit, scales and softcaps outside their ranges, an out that aliases
- * an input and written tensors whose elements share addresses are refused with an error naming
- * the argument, before anything is read; thread counts past FA_MAX_THREADS run clamped, with the
+ * an input, a gradient over an input or another gradient (interleaved views of one packed
+ * gradient are apart) and written tensors whose elements share addresses are refused with an
+ * error naming the argument, before anything is read; thread counts past FA_MAX_THREADS run clamped, with the
  * result of one thread; and the bf16 path agrees with fp32 up to the largest scale accepted.
  */
 #include <limits.h>
@@ -273,6 +274,52 @@ static void check_aliasing(tu_rng *r)
     b.dk = &dk.t;
     b.dv = &dv.t;
     expect_refused("dq with head stride 0", fa_attention_backward(&b), "dq");
+    b.dq = &dq.t;
+    tu_poison(&dq);
+    tu_poison(&dk);
+    tu_poison(&dv);
+    b.deterministic = 1;
+    tu_where = "backward baseline";
+    TU_CHECK(fa_attention_backward(&b) == FA_STATUS_OK, "refused: %s", fa_last_error());
+    /* Gradients written over what the backward reads, or over one another. */
+    fa_tensor over = dk.t;
+    b.dk = &over;
+    over.data = P.k.t.data;
+    expect_refused("dk = k", fa_attention_backward(&b), "dk");
+    over.data = (float *)P.v.t.data + 7;
+    expect_refused("dk inside v", fa_attention_backward(&b), "dk");
+    over.data = P.q.t.data; /* dout is q here */
+    expect_refused("dk = dout", fa_attention_backward(&b), "dk");
+    over.data = (float *)dv.t.data + 1;
+    expect_refused("dk one float into dv", fa_attention_backward(&b), "dv");
+    b.dk = &dk.t;
+    /* dq, dk, dv as interleaved views of one packed gradient [B, SK, 3, H, D]: apart, and the
+     * same gradients as in separate buffers. */
+    const int64_t ps[5] = {B, SK, 3, H, D};
+    tu_tensor packed = tu_tensor_new(FA_DTYPE_F32, 5, ps, TU_CONTIGUOUS, r);
+    tu_poison(&packed);
+    fa_tensor pv[3];
+    for (int i = 0; i < 3; i++) {
+        const fa_tensor *like = i == 0 ? &P.q.t : i == 1 ? &P.k.t : &P.v.t;
+        const int64_t st[4] = {SK * 3 * H * D, 3 * H * D, D, 1};
+        pv[i] = fa_tensor_make((float *)packed.t.data + i * H * D, FA_DTYPE_F32, 4, like->shape,
+                               st);
+    }
+    b.dq = &pv[0], b.dk = &pv[1], b.dv = &pv[2];
+    tu_where = "packed gradient";
+    TU_CHECK(fa_attention_backward(&b) == FA_STATUS_OK, "refused: %s", fa_last_error());
+    const tu_tensor *sep[3] = {&dq, &dk, &dv};
+    for (int i = 0; i < 3; i++) {
+        int64_t idx[4] = {0};
+        do
+            TU_CHECK(fa_ref_load(&pv[i], idx) == fa_ref_load(&sep[i]->t, idx),
+                     "gradient %d differs at [%lld, %lld, %lld, %lld]", i, (long long)idx[0],
+                     (long long)idx[1], (long long)idx[2], (long long)idx[3]);
+        while (tu_next_index(&pv[i], idx));
+    }
+    pv[1].data = (float *)packed.t.data + H * D - 1; /* dk's first head over dq's last float */
+    expect_refused("packed dk shifted onto dq", fa_attention_backward(&b), "dq");
+    tu_tensor_free(&packed);
     tu_tensor_free(&dq);
     tu_tensor_free(&dk);
     tu_tensor_free(&dv);

@@ -253,6 +253,10 @@ static void fz_backward(fz_case *c, int varlen)
         c->must_fail = 1;
     }
     g.deterministic = fz_chance(c->src, 50);
+    /* Now and then a gradient over what the backward reads, or over another gradient. */
+    fz_maybe_alias(c, (fa_tensor *)g.dk, a.k, "k");
+    fz_maybe_alias(c, (fa_tensor *)g.dv, g.dout, "dout");
+    fz_maybe_alias(c, (fa_tensor *)g.dq, g.dv, "dv");
     if (c->chaos && fz_chance(c->src, 3)) {
         a.lse = NULL;
         c->must_fail = 1;
