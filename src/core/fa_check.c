@@ -159,8 +159,7 @@ static fa_status fa_check_address(const fa_tensor *t, const char *name, int64_t 
     return FA_STATUS_OK;
 }
 
-/* The bytes [*first, *end) a valid tensor touches; 0 when it has no element. */
-static int fa_tensor_bytes(const fa_tensor *t, uintptr_t *first, uintptr_t *end)
+int fa_tensor_bytes(const fa_tensor *t, uintptr_t *first, uintptr_t *end)
 {
     int64_t lo, hi;
     if (fa_tensor_numel(t) == 0 || !fa_tensor_offsets(t, &lo, &hi))

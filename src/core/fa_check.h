@@ -18,6 +18,8 @@ fa_status fa_check_alibi(const fa_tensor *t, int64_t b, int64_t h, const float *
                          int64_t *bstride, int64_t *hstride);
 fa_status fa_check_sinks(const fa_tensor *t, int64_t h, const float **data, int64_t *stride);
 
+/* The bytes [*first, *end) a valid (non-NULL) tensor touches; 0 when it has no element. */
+int fa_tensor_bytes(const fa_tensor *t, uintptr_t *first, uintptr_t *end);
 /* Whether the bytes two tensors reach share an address range (NULL or empty: 0). Both must
  * have passed fa_check_tensor/fa_check_strided. */
 int fa_tensors_overlap(const fa_tensor *a, const fa_tensor *b);

@@ -475,12 +475,19 @@ static fa_status fa_bwd_apart(const fa_bwd_args *a)
         "mod_aux[1]", "mod_aux[2]", "mod_aux[3]"};
     for (int i = 0; i < FA_MOD_AUX_SLOTS; i++)
         outs[4 + i] = a->mod_aux_grad[i], ins[8 + i] = f->mod_aux[i];
-    for (int i = 0; i < 4 + FA_MOD_AUX_SLOTS; i++) {
-        for (int j = 0; j < 8 + FA_MOD_AUX_SLOTS; j++)
-            FA_TRY(fa_check_disjoint(outs[i], out_names[i], ins[j], in_names[j]));
-        for (int j = i + 1; j < 4 + FA_MOD_AUX_SLOTS; j++)
-            FA_TRY(fa_check_disjoint(outs[i], out_names[i], outs[j], out_names[j]));
+    /* Each tensor's byte range once; the element-wise test only where two ranges meet. */
+    enum { NO = 4 + FA_MOD_AUX_SLOTS, NI = 8 + FA_MOD_AUX_SLOTS };
+    uintptr_t lo[NO + NI], hi[NO + NI];
+    for (int i = 0; i < NO + NI; i++) {
+        const fa_tensor *t = i < NO ? outs[i] : ins[i - NO];
+        if (!t || !fa_tensor_bytes(t, &lo[i], &hi[i]))
+            lo[i] = hi[i] = 0;
     }
+    for (int i = 0; i < NO; i++)
+        for (int j = i + 1; j < NO + NI; j++)
+            if (lo[i] < hi[j] && lo[j] < hi[i])
+                FA_TRY(fa_check_disjoint(outs[i], out_names[i], j < NO ? outs[j] : ins[j - NO],
+                                         j < NO ? out_names[j] : in_names[j - NO]));
     return FA_STATUS_OK;
 }
 
