@@ -395,8 +395,8 @@ size_t fa_attention_forward_workspace_size(const fa_fwd_args *args);
  * strides, written with d loss / d mod_aux[slot] through score_mod's reads of it: the program's
  * derivative with respect to each value read, times the gradient of the score it makes, summed
  * per element read (indices are not differentiated). The CPU sums in double per thread and
- * rounds once; a CUDA device adds in fp32 with atomics (a read every lane of a warp shares
- * summed over the warp first), whose order varies, so the last places may differ between runs,
+ * rounds once; a CUDA device adds in fp32 with atomics (the elements a thread and its warp add
+ * at one place summed first), whose order varies, so the last places may differ between runs,
  * deterministic or not.
  */
 typedef struct fa_bwd_args {
