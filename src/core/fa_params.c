@@ -430,12 +430,15 @@ static fa_status fa_check_like(const fa_tensor *t, const char *name, const fa_te
     return FA_STATUS_OK;
 }
 
+static const char *const fa_aux_grad_names[FA_MOD_AUX_SLOTS] = {
+    "mod_aux_grad[0]", "mod_aux_grad[1]", "mod_aux_grad[2]", "mod_aux_grad[3]"};
+
 /* bwd->mod_aux_grad: each given slot's forward tensor is fp32 and read by score_mod (an
- * integer tensor has no gradient), the gradient fp32 of its shape, writable. */
+ * integer tensor has no gradient), the gradient fp32 of its shape, writable (apart from
+ * mod_aux and every other tensor of the call: fa_bwd_apart). */
 static fa_status fa_params_aux_grads(const fa_bwd_args *a, fa_params *p)
 {
-    static const char *const names[FA_MOD_AUX_SLOTS] = {"mod_aux_grad[0]", "mod_aux_grad[1]",
-                                                        "mod_aux_grad[2]", "mod_aux_grad[3]"};
+    const char *const *names = fa_aux_grad_names;
     for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
         const fa_tensor *g = a->mod_aux_grad[i];
         memset(&p->mod_aux_grad[i], 0, sizeof p->mod_aux_grad[i]);
@@ -452,7 +455,6 @@ static fa_status fa_params_aux_grads(const fa_bwd_args *a, fa_params *p)
         for (int d = 0; d < x->ndim; d++)
             FA_TRY(fa_check_dim(g, names[i], d, x->shape[d], "as mod_aux"));
         FA_TRY(fa_check_writable(g, names[i]));
-        FA_TRY(fa_check_disjoint(g, names[i], x, "mod_aux"));
         p->mod_aux_grad[i] = *g;
     }
     return FA_STATUS_OK;
@@ -467,14 +469,14 @@ static fa_status fa_bwd_apart(const fa_bwd_args *a)
     const fa_tensor *ins[8 + FA_MOD_AUX_SLOTS] = {f->q,   f->k,            f->v,
                                                   f->out, a->dout,         f->lse,
                                                   f->alibi_slopes, f->sinks};
-    static const char *const out_names[4 + FA_MOD_AUX_SLOTS] = {
-        "dq", "dk", "dv", "dsinks", "mod_aux_grad[0]", "mod_aux_grad[1]", "mod_aux_grad[2]",
-        "mod_aux_grad[3]"};
+    const char *out_names[4 + FA_MOD_AUX_SLOTS] = {"dq", "dk", "dv", "dsinks"};
     static const char *const in_names[8 + FA_MOD_AUX_SLOTS] = {
         "q", "k", "v", "out", "dout", "lse", "alibi_slopes", "sinks", "mod_aux[0]",
         "mod_aux[1]", "mod_aux[2]", "mod_aux[3]"};
-    for (int i = 0; i < FA_MOD_AUX_SLOTS; i++)
+    for (int i = 0; i < FA_MOD_AUX_SLOTS; i++) {
         outs[4 + i] = a->mod_aux_grad[i], ins[8 + i] = f->mod_aux[i];
+        out_names[4 + i] = fa_aux_grad_names[i];
+    }
     /* Each tensor's byte range once; the element-wise test only where two ranges meet. */
     enum { NO = 4 + FA_MOD_AUX_SLOTS, NI = 8 + FA_MOD_AUX_SLOTS };
     uintptr_t lo[NO + NI], hi[NO + NI];

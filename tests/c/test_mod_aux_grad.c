@@ -122,6 +122,9 @@ void tm_test_aux_grad(tu_rng *r)
     ba.mod_aux_grad[1] = &g_bias;
     expect_refused(fa_attention_backward(&ba), "an int32 tensor", "only an fp32 tensor");
     a.mod_aux[1] = &t_bias;
+    ba.mod_aux_grad[1] = &t_bias; /* the gradient written over the table the backward reads */
+    expect_refused(fa_attention_backward(&ba), "a gradient over its tensor", "overlaps mod_aux[1]");
+    ba.mod_aux_grad[1] = &g_bias;
 
     for (int h = 0; h < H; h++) {
         gscale[h] = NAN;
