@@ -165,6 +165,7 @@ typedef struct fa_bwd_job {
     char *scratch;
     size_t scratch_size; /* bytes per thread */
     size_t mod_offset;   /* where in a thread's region the mods' scratch starts */
+    size_t aux_offset;   /* and the captured gradients' (fa_cpu_aux_grad_scratch_size) */
     fa_cpu_aux_grads_plan aux; /* the captured tensors' gradients asked for */
     double *aux_acc;           /* [threads][aux.total]: their per-thread sums */
 } fa_bwd_job;
@@ -174,6 +175,7 @@ typedef struct fa_bwd_job {
     do {                                                                                         \
         (t).mod_scratch = (base) + (job)->mod_offset;                                            \
         (t).aux_plan = &(job)->aux;                                                              \
+        (t).aux_scratch = (base) + (job)->aux_offset;                                            \
         (t).aux_acc = (add) && (job)->aux_acc                                                    \
                           ? (job)->aux_acc + (size_t)(thread) * (size_t)(job)->aux.total         \
                           : NULL;                                                                \
@@ -484,6 +486,8 @@ fa_status fa_cpu_backward(const fa_params *p)
     job.mod_offset = job.scratch_size;
     job.scratch_size += fa_cpu_mod_grad_scratch_size(p, real_size, FA_CPU_BM, FA_CPU_BN);
     FA_TRY(fa_cpu_aux_grads(p, &job.aux));
+    job.aux_offset = job.scratch_size;
+    job.scratch_size += fa_cpu_aux_grad_scratch_size(&job.aux);
     if (job.aux.total) {
         job.aux_acc = calloc((size_t)job.aux.total * (size_t)threads, sizeof(double));
         if (!job.aux_acc)

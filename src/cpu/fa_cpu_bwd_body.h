@@ -37,6 +37,7 @@ typedef struct FA_FN(fa_bwd_tile) {
      * none is asked or the pass does not add them (the two-pass path's query pass). */
     double *aux_acc;
     const fa_cpu_aux_grads_plan *aux_plan;
+    char *aux_scratch; /* fa_cpu_aux_grad_scratch_size bytes, where aux_acc is set */
 } FA_FN(fa_bwd_tile);
 
 /* The per-row data of rows [r0, r0+m) of head h: lse, D, visible keys, diagonal. Padding rows

@@ -38,7 +38,11 @@ static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
     const FA_REAL scale = (FA_REAL)p->scale;
     const int dropout = p->dropout_p > 0;
     /* The captured tensors' gradients first, apart: a call in the loop below would keep it
-     * from vectorising. ds is the gradient of the element's final score. */
+     * from vectorising. ds is the gradient of the element's final score; the visible elements
+     * are gathered into runs. */
+    fa_cpu_aux_run run = {0};
+    if (sin)
+        run = fa_cpu_aux_run_at(t->aux_plan, t->aux_scratch);
     for (int64_t j = 0; sin && j < n; j++) {
         const FA_REAL key = (FA_REAL)(j0 + j);
         for (int64_t i = 0; i < m; i++) {
@@ -48,10 +52,17 @@ static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
             const FA_REAL prob = FA_EXPV(x - t->lse[i]);
             const FA_REAL z = dropout ? t->zt[j * mp + i] : 1;
             const FA_REAL ds = prob * (t->dxt[j * mp + i] * z - t->dsum[i]);
-            fa_cpu_mod_aux_grad_add(p, t->aux_plan, t->aux_acc, at->b, at->h, at->q0 + i, j0 + j,
-                                    (double)sin[j * mp + i], (double)ds);
+            run.q[run.n] = at->q0 + i;
+            run.kv[run.n] = j0 + j;
+            run.score[run.n] = (double)sin[j * mp + i];
+            run.ds[run.n++] = (double)ds;
+            if (run.n == FA_CPU_AUX_CHUNK)
+                fa_cpu_mod_aux_grad_add(p, t->aux_plan, t->aux_scratch, &run, t->aux_acc, at->b,
+                                        at->h);
         }
     }
+    if (sin)
+        fa_cpu_mod_aux_grad_add(p, t->aux_plan, t->aux_scratch, &run, t->aux_acc, at->b, at->h);
     for (int64_t j = 0; j < n; j++) {
         const FA_REAL key = (FA_REAL)(j0 + j);
         for (int64_t i = 0; i < mp; i++) {

@@ -104,19 +104,35 @@ void fa_cpu_mod_grad_parts(const fa_params *p, void *scratch, size_t real_size, 
 /* The gradients of score_mod's captured fp32 tensors (fa_params.mod_aux_grad;
  * fa_cpu_mod_auxgrad.c): the plan of a call (the steps that read a slot with a gradient, each
  * slot's place in a row-major buffer of `total` doubles), refused past FA_CPU_AUX_GRAD_READS
- * such reads; then per element the root's derivative with respect to each read, times ds (the
- * gradient of the element's final score), added into acc at the element read. score: the
- * score score_mod was given (after softcap and ALiBi). */
+ * such reads; then, over a run of up to FA_CPU_AUX_CHUNK elements of one (b, h), the root's
+ * derivative with respect to each read, times ds (the gradient of the element's final score),
+ * added into acc at the element read. score: the score score_mod was given (after softcap and
+ * ALiBi). A thread's run and the evaluation's buffers lie in its
+ * fa_cpu_aux_grad_scratch_size bytes of scratch (fa_cpu_aux_run_at). */
 #define FA_CPU_AUX_GRAD_READS 8
+#define FA_CPU_AUX_CHUNK 64
 typedef struct fa_cpu_aux_grads_plan {
     int reads;                        /* 0: no gradient asked */
     int step[FA_CPU_AUX_GRAD_READS];  /* steps of score_mod */
     int64_t offset[FA_MOD_AUX_SLOTS]; /* of each slot's elements in the buffer */
     int64_t total;                    /* doubles of the buffer */
+    int n_steps;                      /* score_mod's */
+    /* live[c][i]: whether step i's derivative with respect to read c can be other than 0 */
+    unsigned char live[FA_CPU_AUX_GRAD_READS][FA_MOD_MAX_NODES];
 } fa_cpu_aux_grads_plan;
 fa_status fa_cpu_aux_grads(const fa_params *p, fa_cpu_aux_grads_plan *g);
-void fa_cpu_mod_aux_grad_add(const fa_params *p, const fa_cpu_aux_grads_plan *g, double *acc,
-                             int64_t b, int64_t h, int64_t q, int64_t kv, double score,
-                             double ds);
+size_t fa_cpu_aux_grad_scratch_size(const fa_cpu_aux_grads_plan *g);
+
+/* A run of visible elements waiting for fa_cpu_mod_aux_grad_add: n of them, each a query and
+ * key index, the score score_mod was given and ds. */
+typedef struct fa_cpu_aux_run {
+    int64_t *q, *kv;
+    double *score, *ds;
+    int n;
+} fa_cpu_aux_run;
+fa_cpu_aux_run fa_cpu_aux_run_at(const fa_cpu_aux_grads_plan *g, void *scratch);
+/* Adds the run's gradients (of sequence b, head h) and empties it. */
+void fa_cpu_mod_aux_grad_add(const fa_params *p, const fa_cpu_aux_grads_plan *g, void *scratch,
+                             fa_cpu_aux_run *run, double *acc, int64_t b, int64_t h);
 
 #endif /* FA_CPU_MOD_H */
