@@ -7,9 +7,10 @@
  * fa_bwd_probs for calls with user-defined scoring: the scores recomputed as the forward's
  * (scale, softcap, ALiBi, then score_mod and the masks, fa_cpu_mod_apply_grad), the factor
  * d(final score)/d(q.k scaled) kept per element (softcap's and score_mod's derivatives), then
- * pt = P^T * Z and dxt = dS^T * factor * scale; masked keys and padding rows 0.
+ * pt = P^T * Z and dxt = dS^T * factor * scale; masked keys and padding rows 0. Cloned itself:
+ * a callee the compiler does not inline is built for the baseline, whatever its caller's clone.
  */
-static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
+FA_CPU_CLONES static void FA_FN(fa_bwd_probs_mods)(const fa_params *p, FA_FN(fa_bwd_tile) * t,
                                      const fa_cpu_mod_at *at, int64_t m, int64_t mp, int64_t j0,
                                      int64_t n, FA_REAL slope, FA_REAL sscale)
 {
