@@ -2,10 +2,10 @@
  * The gradients of score_mod's captured fp32 tensors (fa_bwd_args.mod_aux_grad) on the CPU:
  * score_mod evaluated once more over runs of up to FA_CPU_AUX_CHUNK visible elements (a step at
  * a time over the run, in double, each step rounded to float where the call computes in fp32,
- * as the forward's values are), with the derivative of its root with respect to each read of a slot
- * that has a gradient: forward mode, fa_mod_grad.h's rules seeded at the read, over the steps
- * the read reaches (index operands are not differentiated: a read's derivative with respect to
- * its indices is 0). The root's derivative times the gradient of the element's score is added
+ * as the forward's values are), with the derivative of its root with respect to each read of a
+ * slot that has a gradient: forward mode, fa_mod_grad.h's rules seeded at the read, over the
+ * steps the read reaches (index operands are not differentiated: a read's derivative with
+ * respect to its indices is 0). The root's derivative times the gradient of the element's score is added
  * to a per-thread double copy at the element read, in the elements' order; the copies are
  * summed at the end.
  */
@@ -75,21 +75,28 @@ fa_status fa_cpu_aux_grads(const fa_params *p, fa_cpu_aux_grads_plan *g)
     return FA_STATUS_OK;
 }
 
+/* A thread's scratch for the runs, in doubles from its start: the values of every step
+ * [n_steps][C], each read's derivatives of every step [reads][n_steps][C], each read's element
+ * offsets [reads][C] (int64), then the run's q, kv (int64), score and ds [C] each. */
+enum { FA_AUX_VALUES, FA_AUX_DERIVS, FA_AUX_OFFSETS, FA_AUX_RUN, FA_AUX_END };
+static size_t fa_aux_part(const fa_cpu_aux_grads_plan *g, int part)
+{
+    const size_t C = FA_CPU_AUX_CHUNK, S = (size_t)g->n_steps, R = (size_t)g->reads;
+    const size_t start[FA_AUX_END + 1] = {0, S * C, S * C * (1 + R), S * C * (1 + R) + R * C,
+                                          S * C * (1 + R) + R * C + 4 * C};
+    return start[part];
+}
+
 size_t fa_cpu_aux_grad_scratch_size(const fa_cpu_aux_grads_plan *g)
 {
     if (!g->reads)
         return 0;
-    /* the values and each read's derivatives of every step, each read's element offsets, the
-     * run's q, kv, score and ds */
-    const size_t n = (size_t)g->n_steps * (size_t)(1 + g->reads) + (size_t)g->reads + 4;
-    return (n * FA_CPU_AUX_CHUNK * sizeof(double) + 63) & ~(size_t)63;
+    return (fa_aux_part(g, FA_AUX_END) * sizeof(double) + 63) & ~(size_t)63;
 }
 
 fa_cpu_aux_run fa_cpu_aux_run_at(const fa_cpu_aux_grads_plan *g, void *scratch)
 {
-    double *at = (double *)scratch + (size_t)g->n_steps * (size_t)(1 + g->reads) *
-                                         FA_CPU_AUX_CHUNK +
-                 (size_t)g->reads * FA_CPU_AUX_CHUNK;
+    double *at = (double *)scratch + fa_aux_part(g, FA_AUX_RUN);
     fa_cpu_aux_run r = {(int64_t *)at, (int64_t *)(at + FA_CPU_AUX_CHUNK),
                         at + 2 * FA_CPU_AUX_CHUNK, at + 3 * FA_CPU_AUX_CHUNK, 0};
     return r;
@@ -217,8 +224,9 @@ void fa_cpu_mod_aux_grad_add(const fa_params *p, const fa_cpu_aux_grads_plan *g,
     const int f32 = p->dtype != FA_DTYPE_F64, n = run->n, S = m->n_steps;
     enum { C = FA_CPU_AUX_CHUNK };
     static const double zero[C];
-    double *val = scratch, *der = val + (size_t)S * C; /* [S][C], [reads][S][C] */
-    int64_t *lin = (int64_t *)(der + (size_t)g->reads * S * C); /* [reads][C] */
+    double *val = (double *)scratch + fa_aux_part(g, FA_AUX_VALUES);
+    double *der = (double *)scratch + fa_aux_part(g, FA_AUX_DERIVS);
+    int64_t *lin = (int64_t *)((double *)scratch + fa_aux_part(g, FA_AUX_OFFSETS));
     if (n < 1)
         return;
     for (int s = 0; s < S; s++) {
